@@ -1,0 +1,456 @@
+"""Run configuration: one dataclass per section, a docstring per field, validation on construction.
+
+A config is data: TOML files in configs/ and `--section.field value` overrides become a
+`LoomConfig`. Everything that can be checked without a process group is checked here, so bad
+input fails with one line before any rank starts. This module must not import torch.distributed
+or touch the file system beyond reading the TOML it is given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration problem; the message is one line saying what to change."""
+
+
+def _check_choice(section: str, name: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ConfigError(f"{section}.{name} = {value!r} is not one of {', '.join(map(str, choices))}")
+
+
+def _check_positive(section: str, **values: Any) -> None:
+    for name, value in values.items():
+        if value is not None and value <= 0:
+            raise ConfigError(f"{section}.{name} must be positive, got {value}")
+
+
+@dataclass
+class ModelConfig:
+    num_layers: int = 24
+    """Number of transformer blocks."""
+    hidden_size: int = 2048
+    """Width of the residual stream."""
+    num_heads: int = 16
+    """Attention (query) heads; must divide hidden_size and be divisible by parallel.tp."""
+    num_kv_heads: int | None = None
+    """Key/value heads for grouped-query attention; None means num_heads (multi-head attention)."""
+    ffn_hidden_size: int | None = None
+    """MLP width; None means 4*hidden (gelu) or 8/3*hidden rounded up to a multiple of 256 (swiglu)."""
+    vocab_size: int = 32000
+    """Tokenizer vocabulary size; the embedding is padded beyond it, padded ids never reach the loss."""
+    make_vocab_divisible_by: int = 128
+    """The embedding is padded to a multiple of this times parallel.tp, for fast GEMMs."""
+    max_position_embeddings: int = 4096
+    """Longest sequence the model accepts (the size of the learned position table)."""
+    position_embedding: Literal["rope", "learned"] = "rope"
+    """Rotary position embedding (Llama) or a learned absolute table (GPT-2)."""
+    rope_theta: float = 10000.0
+    """Base of the rotary frequencies."""
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    """Normalisation before attention, before the MLP and at the end."""
+    norm_eps: float = 1e-5
+    """Epsilon inside the normalisation."""
+    activation: Literal["swiglu", "gelu"] = "swiglu"
+    """MLP non-linearity: gated SiLU (Llama) or GELU (GPT)."""
+    bias: bool = False
+    """Biases in the linear layers (GPT-2 style)."""
+    tie_embeddings: bool = False
+    """Share the input embedding with the output layer."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initialisation; output projections are scaled by 1/sqrt(2*layers)."""
+    dropout: float = 0.0
+    """Dropout on attention probabilities and residual branches. Layout invariance holds at 0."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recompute: none, selective (core attention only) or full (each block)."""
+
+    def __post_init__(self) -> None:
+        s = "model"
+        _check_positive(s, num_layers=self.num_layers, hidden_size=self.hidden_size,
+                        num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                        vocab_size=self.vocab_size, ffn_hidden_size=self.ffn_hidden_size)
+        _check_choice(s, "position_embedding", self.position_embedding, ("rope", "learned"))
+        _check_choice(s, "norm", self.norm, ("rmsnorm", "layernorm"))
+        _check_choice(s, "activation", self.activation, ("swiglu", "gelu"))
+        _check_choice(s, "recompute", self.recompute, ("none", "selective", "full"))
+        if self.hidden_size % self.num_heads:
+            raise ConfigError(f"model.num_heads = {self.num_heads} must divide model.hidden_size = {self.hidden_size}")
+        if self.num_kv_heads is None:
+            self.num_kv_heads = self.num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"model.num_kv_heads = {self.num_kv_heads} must divide model.num_heads = {self.num_heads}")
+        if self.ffn_hidden_size is None:
+            if self.activation == "swiglu":
+                self.ffn_hidden_size = -(-(8 * self.hidden_size // 3) // 256) * 256
+            else:
+                self.ffn_hidden_size = 4 * self.hidden_size
+        if self.position_embedding == "rope" and self.head_dim % 2:
+            raise ConfigError(f"rotary embeddings need an even head dim, got {self.head_dim}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    """Tensor-parallel size: each layer's matrices are split across this many ranks (keep it inside a node)."""
+    pp: int = 1
+    """Pipeline-parallel size: the layers are cut into this many stages."""
+    vp: int = 1
+    """Virtual pipeline chunks per stage (interleaved 1F1B); 1 means plain 1F1B."""
+    dp: int | None = None
+    """Data-parallel size; None means world_size / (tp * pp)."""
+    sequence_parallel: bool = False
+    """Split norm/dropout activations along the sequence across the TP group (needs tp > 1 to matter)."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Collective backend; auto means NCCL on CUDA, gloo on CPU."""
+    grad_bucket_mb: float = 25.0
+    """Size of a data-parallel gradient bucket; each bucket's all-reduce starts as soon as its grads are final."""
+    overlap_grad_reduce: bool = True
+    """Overlap the data-parallel gradient reduction with the backward pass."""
+
+    def __post_init__(self) -> None:
+        _check_positive("parallel", tp=self.tp, pp=self.pp, vp=self.vp, dp=self.dp,
+                        grad_bucket_mb=self.grad_bucket_mb)
+        _check_choice("parallel", "backend", self.backend, ("auto", "gloo", "nccl"))
+        if self.vp > 1 and self.pp == 1:
+            raise ConfigError("parallel.vp > 1 needs parallel.pp > 1 (virtual stages interleave a pipeline)")
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["adamw", "sgd", "lamb", "adafactor"] = "adamw"
+    """Optimizer."""
+    lr: float = 3e-4
+    """Peak learning rate, reached at the end of warmup."""
+    min_lr: float = 3e-5
+    """Learning rate at the end of the decay."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay; never applied to norms and biases."""
+    beta1: float = 0.9
+    """Adam first-moment decay."""
+    beta2: float = 0.95
+    """Adam second-moment decay."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    momentum: float = 0.9
+    """SGD momentum."""
+    clip_grad: float = 1.0
+    """Clip the global gradient norm (over every rank's shard) to this; 0 turns clipping off."""
+    warmup_steps: int = 0
+    """Linear warmup from 0 to lr over this many steps."""
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    """Shape of the decay from lr to min_lr after warmup."""
+    decay_steps: int | None = None
+    """Steps over which lr decays (counted from step 0, warmup included); None means train.steps."""
+    zero1: bool = False
+    """Shard optimizer state and master weights across data-parallel ranks (ZeRO-1)."""
+
+    def __post_init__(self) -> None:
+        _check_choice("optim", "name", self.name, ("adamw", "sgd", "lamb", "adafactor"))
+        _check_choice("optim", "decay", self.decay, ("cosine", "linear", "constant"))
+        _check_positive("optim", lr=self.lr, decay_steps=self.decay_steps)
+        if self.min_lr < 0 or self.min_lr > self.lr:
+            raise ConfigError(f"optim.min_lr = {self.min_lr} must lie in [0, optim.lr = {self.lr}]")
+        if self.warmup_steps < 0 or self.weight_decay < 0 or self.clip_grad < 0:
+            raise ConfigError("optim.warmup_steps, optim.weight_decay and optim.clip_grad must be >= 0")
+
+
+@dataclass
+class DataConfig:
+    paths: list[str] = field(default_factory=list)
+    """Prefixes of .bin/.idx datasets (without the extension)."""
+    weights: list[float] | None = None
+    """Mixing weights, one per path; None means equal weights."""
+    tokenizer: str | None = None
+    """SentencePiece model the data was built with (used to check the vocabulary and decode)."""
+    split: str = "98,1,1"
+    """Train/valid/test split of each dataset's documents, as relative weights."""
+    cache_dir: str | None = None
+    """Where index caches go; None means beside each dataset."""
+
+    def __post_init__(self) -> None:
+        if self.weights is not None and len(self.weights) != len(self.paths):
+            raise ConfigError(f"data.weights has {len(self.weights)} entries for {len(self.paths)} data.paths")
+        if self.weights is not None and any(w <= 0 for w in self.weights):
+            raise ConfigError("data.weights must all be positive")
+        parts = self.split.split(",")
+        try:
+            values = [float(p) for p in parts]
+        except ValueError:
+            values = []
+        if len(values) != 3 or any(v < 0 for v in values) or values[0] <= 0:
+            raise ConfigError(f"data.split = {self.split!r} must be three non-negative weights like '98,1,1'")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000
+    """Optimizer steps to run."""
+    global_batch_size: int = 256
+    """Sequences per optimizer step, over all data-parallel ranks and micro-batches."""
+    micro_batch_size: int = 1
+    """Sequences per forward/backward on one rank."""
+    seq_length: int = 2048
+    """Tokens per sequence."""
+    seed: int = 1234
+    """Seeds initialisation (per parameter name) and the data order."""
+    precision: Literal["fp32", "bf16", "fp16"] = "bf16"
+    """Compute precision; master weights and optimizer state stay fp32."""
+    name: str = "loom"
+    """Run name; the run directory defaults to runs/<name>."""
+    run_dir: str | None = None
+    """Where config.toml, metrics.jsonl, tensorboard/ and checkpoints/ go."""
+    log_interval: int = 1
+    """Write a metrics row and a console line every this many steps."""
+    eval_interval: int = 0
+    """Validation every this many steps (and at the end); 0 turns validation off."""
+    eval_iters: int = 4
+    """Global batches per validation."""
+    early_stop_patience: int = 0
+    """Stop when validation loss has not improved for this many evaluations; 0 never stops early."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where ranks compute; auto means CUDA when available."""
+    peak_tflops: float | None = None
+    """Peak dense FLOP/s per device for MFU; None looks the device up (known GPUs only)."""
+    tensorboard: bool = True
+    """Write TensorBoard event files next to metrics.jsonl."""
+
+    def __post_init__(self) -> None:
+        _check_positive("train", steps=self.steps, global_batch_size=self.global_batch_size,
+                        micro_batch_size=self.micro_batch_size, seq_length=self.seq_length,
+                        log_interval=self.log_interval, eval_iters=self.eval_iters,
+                        peak_tflops=self.peak_tflops)
+        _check_choice("train", "precision", self.precision, ("fp32", "bf16", "fp16"))
+        _check_choice("train", "device", self.device, ("auto", "cpu", "cuda"))
+        if self.eval_interval < 0 or self.early_stop_patience < 0:
+            raise ConfigError("train.eval_interval and train.early_stop_patience must be >= 0")
+        if self.run_dir is None:
+            self.run_dir = str(Path("runs") / self.name)
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = 0
+    """Save every this many steps (and at the end); 0 saves nothing."""
+    keep: int = 3
+    """Keep the newest this many checkpoints."""
+    load: str | None = None
+    """Checkpoint directory to resume from; None means the run's own checkpoints/latest if any."""
+
+    def __post_init__(self) -> None:
+        if self.interval < 0 or self.keep < 1:
+            raise ConfigError("checkpoint.interval must be >= 0 and checkpoint.keep >= 1")
+
+
+@dataclass
+class LoomConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def resolve_world(self, world_size: int) -> None:
+        """Fix parallel.dp from the world size and check everything that depends on the layout."""
+        p, m, t = self.parallel, self.model, self.train
+        model_parallel = p.tp * p.pp
+        if p.dp is None:
+            if world_size % model_parallel:
+                raise ConfigError(f"world size {world_size} is not divisible by tp*pp = {p.tp}*{p.pp}")
+            p.dp = world_size // model_parallel
+        if p.tp * p.pp * p.dp != world_size:
+            raise ConfigError(f"world size {world_size} != tp*pp*dp = {p.tp}*{p.pp}*{p.dp}; "
+                              f"change --nproc or the layout")
+        for name, value in (("num_heads", m.num_heads), ("num_kv_heads", m.num_kv_heads),
+                            ("ffn_hidden_size", m.ffn_hidden_size)):
+            if value % p.tp:
+                raise ConfigError(f"parallel.tp = {p.tp} must divide model.{name} = {value}")
+        if p.sequence_parallel and t.seq_length % p.tp:
+            raise ConfigError(f"sequence parallel needs train.seq_length = {t.seq_length} divisible by tp = {p.tp}")
+        if t.global_batch_size % (t.micro_batch_size * p.dp):
+            raise ConfigError(f"train.global_batch_size = {t.global_batch_size} must be divisible by "
+                              f"micro_batch_size*dp = {t.micro_batch_size}*{p.dp}")
+        if m.position_embedding == "learned" and t.seq_length > m.max_position_embeddings:
+            raise ConfigError(f"train.seq_length = {t.seq_length} exceeds model.max_position_embeddings = "
+                              f"{m.max_position_embeddings}")
+        if p.pp > 1:
+            raise ConfigError("parallel.pp > 1: pipeline parallelism is not available in this version yet; use pp = 1")
+        if self.optim.name != "adamw" and self.optim.name != "sgd":
+            raise ConfigError(f"optim.name = {self.optim.name!r} is not available yet; use adamw or sgd")
+        if self.optim.zero1:
+            raise ConfigError("optim.zero1 = true: the ZeRO-1 optimizer is not available yet; use false")
+        if t.precision == "fp16":
+            raise ConfigError("train.precision = fp16 (loss scaling) is not available yet; use bf16 or fp32")
+        if self.checkpoint.interval or self.checkpoint.load:
+            raise ConfigError("checkpoint saving/loading is not available yet; set checkpoint.interval = 0")
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches each data-parallel rank runs per optimizer step."""
+        assert self.parallel.dp is not None, "call resolve_world first"
+        return self.train.global_batch_size // (self.train.micro_batch_size * self.parallel.dp)
+
+
+SECTIONS: dict[str, type] = {f.name: f.type for f in dataclasses.fields(LoomConfig)}
+_SECTION_TYPES = {name: typing.get_type_hints(LoomConfig)[name] for name in SECTIONS}
+
+
+def _field_types(section_cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(section_cls)
+
+
+def _coerce(where: str, hint: Any, value: Any) -> Any:
+    """Turn a TOML value or a command-line string into the field's declared type, or say why not."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(where, inner[0], value)
+    if origin is typing.Literal:
+        if value not in args:
+            raise ConfigError(f"{where} = {value!r} is not one of {', '.join(map(str, args))}")
+        return value
+    if origin is list:
+        items = value if isinstance(value, list) else [value]
+        return [_coerce(where, args[0], v) for v in items]
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{where} expects true or false, got {value!r}")
+    if hint is int or hint is float:
+        kind = "an integer" if hint is int else "a number"
+        if isinstance(value, bool) or (hint is int and isinstance(value, float)):
+            raise ConfigError(f"{where} expects {kind}, got {value!r}")
+        try:
+            return hint(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where} expects {kind}, got {value!r}") from None
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where} expects a string, got {value!r}")
+        return value
+    raise ConfigError(f"{where}: unsupported field type {hint}")
+
+
+def _unknown(kind: str, name: str, known: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(known)}"
+    return ConfigError(f"unknown {kind} {name!r}{hint}")
+
+
+def config_from_dict(raw: dict[str, Any]) -> LoomConfig:
+    """Build a validated LoomConfig from nested sections (as read from TOML)."""
+    sections = {}
+    for section_name, values in raw.items():
+        if section_name not in SECTIONS:
+            raise _unknown("config section", section_name, list(SECTIONS))
+        if not isinstance(values, dict):
+            raise ConfigError(f"[{section_name}] must be a table of fields")
+        cls = _SECTION_TYPES[section_name]
+        hints = _field_types(cls)
+        kwargs = {}
+        for key, value in values.items():
+            if key not in hints:
+                raise _unknown(f"field in [{section_name}]", key, list(hints))
+            kwargs[key] = _coerce(f"{section_name}.{key}", hints[key], value)
+        sections[section_name] = cls(**kwargs)
+    return LoomConfig(**sections)
+
+
+def parse_overrides(args: list[str]) -> dict[str, dict[str, Any]]:
+    """Parse `--section.field value [value ...]` into nested raw values (strings, lists for several)."""
+    overrides: dict[str, dict[str, Any]] = {}
+    i = 0
+    while i < len(args):
+        flag = args[i]
+        if not flag.startswith("--") or "." not in flag:
+            raise ConfigError(f"unexpected argument {flag!r}; overrides look like --train.steps 50")
+        key = flag[2:]
+        if "=" in key:
+            key, inline = key.split("=", 1)
+            values, i = [inline], i + 1
+        else:
+            values, i = [], i + 1
+            while i < len(args) and not args[i].startswith("--"):
+                values.append(args[i])
+                i += 1
+        section, _, name = key.partition(".")
+        if section not in SECTIONS:
+            raise _unknown("config section", section, list(SECTIONS))
+        hints = _field_types(_SECTION_TYPES[section])
+        if name not in hints:
+            raise _unknown(f"field in [{section}]", name, list(hints))
+        if not values:
+            raise ConfigError(f"--{key} needs a value")
+        is_list = typing.get_origin(hints[name]) is list or list in [
+            typing.get_origin(a) for a in typing.get_args(hints[name])]
+        overrides.setdefault(section, {})[name] = values if is_list else (
+            values[0] if len(values) == 1 else _too_many(key, values))
+    return overrides
+
+
+def _too_many(key: str, values: list[str]) -> Any:
+    raise ConfigError(f"--{key} takes one value, got {' '.join(values)}")
+
+
+def load_config(path: str | Path | None, overrides: list[str] | dict | None = None) -> LoomConfig:
+    """Read a TOML config (or start from defaults), apply overrides, validate."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            raw = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path} is not valid TOML: {e}") from None
+    if isinstance(overrides, list):
+        overrides = parse_overrides(overrides)
+    for section, values in (overrides or {}).items():
+        raw.setdefault(section, {}).update(values)
+    return config_from_dict(raw)
+
+
+def config_to_dict(config: LoomConfig) -> dict[str, dict[str, Any]]:
+    return dataclasses.asdict(config)
+
+
+def config_to_toml(config: LoomConfig) -> str:
+    """The fully resolved config as TOML (None values are left out, so they stay None on reload)."""
+    lines = []
+    for section, values in config_to_dict(config).items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            if value is not None:
+                lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} as TOML")

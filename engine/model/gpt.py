@@ -1,0 +1,104 @@
+"""The decoder-only language model: embedding, a range of transformer blocks, head and loss.
+
+A `GPTModel` is one pipeline chunk: it holds blocks `layer_ids` (global indices, so parameter
+names do not depend on the layout), the embedding if it is the first chunk and the final norm,
+output layer and loss if it is the last. With one chunk it is the whole model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import ModelConfig
+from engine.parallel import mappings
+from engine.parallel.cross_entropy import vocab_parallel_cross_entropy
+from engine.parallel.layers import VocabParallelEmbedding, padded_vocab_size
+from engine.parallel.random import RNGStreams, checkpointed
+from engine.parallel.sharding import ShardSpec, make_parameter
+from engine.model.transformer import Norm, TransformerBlock, rotary_tables
+
+
+class GPTModel(torch.nn.Module):
+    def __init__(self, config: ModelConfig, tp_group, *, sequence_parallel: bool = False,
+                 layer_ids: range | None = None, pre_process: bool = True, post_process: bool = True,
+                 streams: RNGStreams | None = None):
+        super().__init__()
+        self.config, self.tp_group, self.streams = config, tp_group, streams
+        self.sequence_parallel = sequence_parallel and mappings.group_size(tp_group) > 1
+        self.pre_process, self.post_process = pre_process, post_process
+        tp = mappings.group_size(tp_group)
+        self.padded_vocab = padded_vocab_size(config.vocab_size, config.make_vocab_divisible_by, tp)
+        self.vocab_start = mappings.group_rank(tp_group) * (self.padded_vocab // tp)
+        layer_ids = range(config.num_layers) if layer_ids is None else layer_ids
+        self._rotary_cache: dict = {}
+
+        if pre_process:
+            self.embedding = VocabParallelEmbedding(config.vocab_size, self.padded_vocab, config.hidden_size,
+                                                    tp_group, init_std=config.init_std,
+                                                    sequence_parallel=self.sequence_parallel)
+            if config.position_embedding == "learned":
+                self.position_embedding = make_parameter(
+                    ShardSpec((config.max_position_embeddings, config.hidden_size)), tp,
+                    ("normal", config.init_std), sequence_parallel_grad=self.sequence_parallel)
+        self.layers = torch.nn.ModuleDict({
+            str(i): TransformerBlock(config, tp_group, self.sequence_parallel, streams) for i in layer_ids})
+        if post_process:
+            self.final_norm = Norm(config, tp, self.sequence_parallel)
+            if not config.tie_embeddings:
+                self.output_weight = make_parameter(
+                    ShardSpec((config.vocab_size, config.hidden_size), 0, padded_size=self.padded_vocab),
+                    tp, ("normal", config.init_std))
+
+    def _rotary(self, seq_length: int, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.config.position_embedding != "rope":
+            return None
+        key = (seq_length, str(device))
+        if key not in self._rotary_cache:
+            self._rotary_cache[key] = rotary_tables(seq_length, self.config.head_dim, self.config.rope_theta, device)
+        return self._rotary_cache[key]
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token ids [b, s] -> hidden [s/tp if sequence parallel else s, b, h]."""
+        hidden = self.embedding(tokens)
+        if self.config.position_embedding == "learned":
+            s_local = hidden.shape[0]
+            start = mappings.group_rank(self.tp_group) * s_local if self.sequence_parallel else 0
+            hidden = hidden + self.position_embedding[start:start + s_local].unsqueeze(1)
+        return hidden
+
+    def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final hidden -> this rank's slice of the vocabulary logits [s, b, V/tp]."""
+        weight = self.embedding.weight if self.config.tie_embeddings else self.output_weight
+        hidden = self.final_norm(hidden)
+        if self.sequence_parallel:
+            hidden = mappings.gather_from_sequence_region(hidden, self.tp_group)
+        else:
+            hidden = mappings.copy_to_tensor_region(hidden, self.tp_group)
+        return F.linear(hidden, weight)
+
+    def forward(self, tokens: torch.Tensor | None, labels: torch.Tensor | None = None,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """First chunk takes tokens [b, s], later ones the previous chunk's hidden.
+
+        Returns the per-token loss [b, s] (fp32) when this is the last chunk and labels are
+        given, the local vocabulary logits [s, b, V/tp] without labels, else the hidden states.
+        """
+        if self.pre_process:
+            hidden = self.embed(tokens)
+        seq_length = hidden.shape[0] * (mappings.group_size(self.tp_group) if self.sequence_parallel else 1)
+        rotary = self._rotary(seq_length, hidden.device)
+        full_recompute = self.config.recompute == "full" and self.training
+        for block in self.layers.values():
+            if full_recompute:
+                hidden = checkpointed(block, self.streams, hidden, rotary)
+            else:
+                hidden = block(hidden, rotary)
+        if not self.post_process:
+            return hidden
+        logits = self.output_logits(hidden)
+        if labels is None:
+            return logits
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.vocab_start, self.config.vocab_size,
+                                            self.tp_group)
+        return loss.t()

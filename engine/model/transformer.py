@@ -1,0 +1,139 @@
+"""One transformer block: norm -> attention -> residual, norm -> MLP -> residual.
+
+Activations are [sequence, batch, hidden], split along the sequence across TP ranks when
+sequence parallelism is on. Attention heads and MLP columns are split across TP ranks. This
+module knows nothing about pipelines or optimizers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import ModelConfig
+from engine.parallel import mappings
+from engine.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from engine.parallel.random import RNGStreams, checkpointed
+from engine.parallel.sharding import ShardSpec, make_parameter
+
+
+class Norm(torch.nn.Module):
+    """RMSNorm or LayerNorm with replicated parameters (partial grads under sequence parallel)."""
+
+    def __init__(self, config: ModelConfig, tp_size: int, sequence_parallel: bool):
+        super().__init__()
+        self.kind, self.eps = config.norm, config.norm_eps
+        shape = ShardSpec((config.hidden_size,))
+        self.weight = make_parameter(shape, tp_size, ("ones",), sequence_parallel_grad=sequence_parallel)
+        self.bias = (make_parameter(shape, tp_size, ("zeros",), sequence_parallel_grad=sequence_parallel)
+                     if config.norm == "layernorm" else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "rmsnorm":
+            return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
+        return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+
+
+def rotary_tables(seq_length: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape [s, 1, 1, head_dim] for the rotate-half (Hugging Face Llama) convention."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+    angles = torch.outer(torch.arange(seq_length, dtype=torch.float32, device=device), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)[:, None, None, :]
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    rotated = torch.cat([-second, first], dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, config: ModelConfig, tp_group, sequence_parallel: bool, output_std: float,
+                 streams: RNGStreams | None):
+        super().__init__()
+        tp = mappings.group_size(tp_group)
+        self.head_dim = config.head_dim
+        self.local_heads = config.num_heads // tp
+        self.local_kv_heads = config.num_kv_heads // tp
+        self.dropout, self.streams = config.dropout, streams
+        self.selective_recompute = config.recompute == "selective"
+        q_size, kv_size = config.num_heads * self.head_dim, config.num_kv_heads * self.head_dim
+        self.qkv = ColumnParallelLinear(config.hidden_size, (q_size, kv_size, kv_size), tp_group,
+                                        bias=config.bias, init_std=config.init_std,
+                                        sequence_parallel=sequence_parallel)
+        self.proj = RowParallelLinear(q_size, config.hidden_size, tp_group, bias=config.bias,
+                                      init_std=output_std, sequence_parallel=sequence_parallel)
+
+    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        s, b = q.shape[:2]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        dropout = self.dropout if self.training else 0.0
+        with self.streams.fork("tensor") if (dropout and self.streams) else contextlib.nullcontext():
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout,
+                                                 enable_gqa=self.local_kv_heads != self.local_heads)
+        return out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)
+
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        qkv = self.qkv(x)
+        s, b = qkv.shape[:2]
+        q_width, kv_width = self.local_heads * self.head_dim, self.local_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
+        q = q.view(s, b, self.local_heads, self.head_dim)
+        k = k.view(s, b, self.local_kv_heads, self.head_dim)
+        v = v.view(s, b, self.local_kv_heads, self.head_dim)
+        if rotary is not None:
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        if self.selective_recompute and self.training:
+            out = checkpointed(self.core_attention, self.streams, q, k, v)
+        else:
+            out = self.core_attention(q, k, v)
+        return self.proj(out)
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, config: ModelConfig, tp_group, sequence_parallel: bool, output_std: float):
+        super().__init__()
+        self.gated = config.activation == "swiglu"
+        ffn = config.ffn_hidden_size
+        blocks = (ffn, ffn) if self.gated else (ffn,)
+        self.fc1 = ColumnParallelLinear(config.hidden_size, blocks, tp_group, bias=config.bias,
+                                        init_std=config.init_std, sequence_parallel=sequence_parallel)
+        self.fc2 = RowParallelLinear(ffn, config.hidden_size, tp_group, bias=config.bias,
+                                     init_std=output_std, sequence_parallel=sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        if self.gated:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h, approximate="tanh")
+        return self.fc2(h)
+
+
+class TransformerBlock(torch.nn.Module):
+    def __init__(self, config: ModelConfig, tp_group, sequence_parallel: bool, streams: RNGStreams | None):
+        super().__init__()
+        tp = mappings.group_size(tp_group)
+        output_std = config.init_std / math.sqrt(2 * config.num_layers)
+        self.input_norm = Norm(config, tp, sequence_parallel)
+        self.attention = Attention(config, tp_group, sequence_parallel, output_std, streams)
+        self.mlp_norm = Norm(config, tp, sequence_parallel)
+        self.mlp = MLP(config, tp_group, sequence_parallel, output_std)
+        self.dropout, self.streams = config.dropout, streams
+        # Residual activations are split across TP ranks only under sequence parallelism.
+        self.residual_stream = "tensor" if sequence_parallel else "replicated"
+
+    def _residual_dropout(self, x: torch.Tensor) -> torch.Tensor:
+        if not (self.dropout and self.training):
+            return x
+        with self.streams.fork(self.residual_stream):
+            return F.dropout(x, self.dropout)
+
+    def forward(self, x: torch.Tensor, rotary) -> torch.Tensor:
+        x = x + self._residual_dropout(self.attention(self.input_norm(x), rotary))
+        return x + self._residual_dropout(self.mlp(self.mlp_norm(x)))

@@ -1,0 +1,1 @@
+"""Gradient buffers and reduction, clipping, optimizers and learning-rate schedules."""

@@ -1,0 +1,1 @@
+"""Tensor, data and pipeline parallel building blocks: process groups, collectives, sharded layers."""

@@ -1,0 +1,73 @@
+"""Per-rank random streams, so dropout masks are right under tensor and sequence parallelism.
+
+Replicated activations must see the same mask on every TP rank (the "replicated" stream, seeded
+alike on all of them); split activations (TP shards, sequence-parallel slices) need different
+masks per TP rank (the "tensor" stream). Recompute replays the streams of the original forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+_TENSOR_STREAM_OFFSET = 2718
+
+
+class RNGStreams:
+    """Named CPU/CUDA generator states that can be forked into for a region of code."""
+
+    def __init__(self, seed: int, tp_rank: int, device: torch.device):
+        self.device = device
+        self.states: dict[str, torch.Tensor] = {}
+        for name, stream_seed in (("replicated", seed), ("tensor", seed + _TENSOR_STREAM_OFFSET + tp_rank)):
+            generator = torch.Generator(device=device).manual_seed(stream_seed)
+            self.states[name] = generator.get_state()
+
+    def _get_rng(self) -> torch.Tensor:
+        return torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else torch.get_rng_state()
+
+    def _set_rng(self, state: torch.Tensor) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_rng_state(state, self.device)
+        else:
+            torch.set_rng_state(state)
+
+    @contextlib.contextmanager
+    def fork(self, name: str) -> Iterator[None]:
+        outside = self._get_rng()
+        self._set_rng(self.states[name])
+        try:
+            yield
+        finally:
+            self.states[name] = self._get_rng()
+            self._set_rng(outside)
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in self.states.items()}
+
+    def restore(self, states: dict[str, torch.Tensor]) -> None:
+        self.states = {k: v.clone() for k, v in states.items()}
+
+
+def checkpointed(function: Callable, streams: RNGStreams | None, *args):
+    """Activation checkpointing that replays the RNG streams of the first forward on recompute."""
+    if streams is None:
+        return checkpoint(function, *args, use_reentrant=False)
+    before = streams.snapshot()
+    calls = [0]
+
+    def run(*inner):
+        calls[0] += 1
+        if calls[0] == 1:
+            return function(*inner)
+        after = streams.snapshot()
+        streams.restore(before)
+        try:
+            return function(*inner)
+        finally:
+            streams.restore(after)
+
+    return checkpoint(run, *args, use_reentrant=False)

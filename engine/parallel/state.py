@@ -1,0 +1,106 @@
+"""The rank layout and the process groups of one run, held in an explicit object.
+
+Ranks are ordered TP fastest, then DP, then PP (Megatron's order), so a TP group is a block of
+consecutive ranks and stays inside a node. `layout_groups` is the one place that says which
+ranks form which group; `ParallelState` creates those groups with torch.distributed and is
+passed to whoever needs it. No module-level process groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+
+def rank_of(tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int) -> int:
+    """Global rank of the given coordinates."""
+    return (pp_rank * dp + dp_rank) * tp + tp_rank
+
+
+def coordinates_of(rank: int, tp: int, dp: int) -> tuple[int, int, int]:
+    """(tp_rank, dp_rank, pp_rank) of a global rank."""
+    return rank % tp, (rank // tp) % dp, rank // (tp * dp)
+
+
+def layout_groups(tp: int, dp: int, pp: int) -> dict[str, list[list[int]]]:
+    """Every process group of a tp x dp x pp layout, as lists of global ranks.
+
+    `model` groups are the TP x PP ranks that together hold one model replica; `embedding`
+    groups join the first and last pipeline stage of a pipeline (for tied embeddings).
+    """
+    groups: dict[str, list[list[int]]] = {"tp": [], "dp": [], "pp": [], "model": [], "embedding": []}
+    for p in range(pp):
+        for d in range(dp):
+            groups["tp"].append([rank_of(t, d, p, tp, dp) for t in range(tp)])
+        for t in range(tp):
+            groups["dp"].append([rank_of(t, d, p, tp, dp) for d in range(dp)])
+    for d in range(dp):
+        for t in range(tp):
+            pipeline = [rank_of(t, d, p, tp, dp) for p in range(pp)]
+            groups["pp"].append(pipeline)
+            groups["embedding"].append(sorted({pipeline[0], pipeline[-1]}))
+        groups["model"].append([rank_of(t, d, p, tp, dp) for p in range(pp) for t in range(tp)])
+    return groups
+
+
+@dataclass
+class ParallelState:
+    """This rank's coordinates and the groups it belongs to."""
+
+    rank: int
+    world_size: int
+    tp_size: int
+    dp_size: int
+    pp_size: int
+    vp_size: int
+    tp_group: dist.ProcessGroup | None
+    dp_group: dist.ProcessGroup | None
+    pp_group: dist.ProcessGroup | None
+    model_group: dist.ProcessGroup | None
+    embedding_group: dist.ProcessGroup | None
+    pp_ranks: tuple[int, ...] = ()
+
+    @property
+    def tp_rank(self) -> int:
+        return coordinates_of(self.rank, self.tp_size, self.dp_size)[0]
+
+    @property
+    def dp_rank(self) -> int:
+        return coordinates_of(self.rank, self.tp_size, self.dp_size)[1]
+
+    @property
+    def pp_rank(self) -> int:
+        return coordinates_of(self.rank, self.tp_size, self.dp_size)[2]
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @classmethod
+    def create(cls, tp: int, dp: int, pp: int = 1, vp: int = 1) -> "ParallelState":
+        """Create every group of the layout; all ranks must call this together, in the same order."""
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if tp * dp * pp != world:
+            raise ValueError(f"layout tp={tp} dp={dp} pp={pp} does not match world size {world}")
+        mine: dict[str, dist.ProcessGroup | None] = {}
+        pp_ranks: tuple[int, ...] = ()
+        for kind, rank_lists in layout_groups(tp, dp, pp).items():
+            for ranks in rank_lists:
+                group = dist.new_group(ranks) if world > 1 else dist.group.WORLD
+                if rank in ranks:
+                    mine[kind] = group
+                    if kind == "pp":
+                        pp_ranks = tuple(ranks)
+        return cls(rank=rank, world_size=world, tp_size=tp, dp_size=dp, pp_size=pp, vp_size=vp,
+                   tp_group=mine["tp"], dp_group=mine["dp"], pp_group=mine["pp"],
+                   model_group=mine["model"], embedding_group=mine.get("embedding"),
+                   pp_ranks=pp_ranks)
+
+    def describe(self) -> str:
+        return (f"rank {self.rank}/{self.world_size}: tp {self.tp_rank}/{self.tp_size} "
+                f"dp {self.dp_rank}/{self.dp_size} pp {self.pp_rank}/{self.pp_size}")
