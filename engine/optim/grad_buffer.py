@@ -28,10 +28,14 @@ class GradBuffer:
         self.dp_group, self.dp_size, self.overlap = dp_group, dp_size, overlap
         # Buckets follow the reverse of construction order: roughly the order backward finishes them.
         self.params = [p for p in reversed(params) if p.requires_grad]
+        self.last_microbatch = True
+        self.buckets: list[_Bucket] = []
+        self._hooks: list = []
+        if dp_size == 1:
+            return  # nothing to reduce: gradients stay in param.grad, no copies
         device = self.params[0].device
         total = sum(p.numel() for p in self.params)
         self.data = torch.zeros(-(-total // dp_size) * dp_size, dtype=torch.float32, device=device)
-        self.buckets: list[_Bucket] = []
         self.bucket_of: dict[torch.nn.Parameter, _Bucket] = {}
         offset, bucket_start, bucket_params = 0, 0, []
         for param in self.params:
@@ -42,7 +46,6 @@ class GradBuffer:
                 self._add_bucket(bucket_start, offset, bucket_params)
                 bucket_start, bucket_params = offset, []
         self.buckets[-1].end = self.data.numel()  # the last bucket carries the padding
-        self.last_microbatch = True
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
 
     def _add_bucket(self, start: int, end: int, params: list) -> None:
@@ -54,7 +57,7 @@ class GradBuffer:
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
         param.main_grad.add_(param.grad)
         param.grad = None
-        if self.last_microbatch and self.overlap and self.dp_size > 1:
+        if self.last_microbatch and self.overlap:
             bucket = self.bucket_of[param]
             bucket.pending -= 1
             if bucket.pending == 0:
@@ -65,20 +68,23 @@ class GradBuffer:
 
     def start_step(self) -> None:
         """Zero the gradients before the first micro-batch of a step."""
+        for p in self.params:
+            p.grad = None
+        if self.dp_size == 1:
+            return
         self.data.zero_()
         for bucket in self.buckets:
             bucket.pending, bucket.handle = len(bucket.params), None
-        for p in self.params:
-            p.grad = None
 
     def finish(self) -> None:
         """Wait for (or start) every bucket's reduction, then expose the sums as `param.grad`."""
-        if self.dp_size > 1:
-            for bucket in self.buckets:
-                if bucket.handle is None:
-                    self._launch(bucket)
-            for bucket in self.buckets:
-                bucket.handle.wait()
+        if self.dp_size == 1:
+            return
+        for bucket in self.buckets:
+            if bucket.handle is None:
+                self._launch(bucket)
+        for bucket in self.buckets:
+            bucket.handle.wait()
         for p in self.params:
             p.grad = p.main_grad
 

@@ -1,0 +1,1 @@
+"""Runtime data: the .bin/.idx format, GPT samples, blending and the per-rank batch iterator."""

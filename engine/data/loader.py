@@ -1,0 +1,88 @@
+"""Training and validation batches for one rank: datasets from the config, and a resumable iterator.
+
+The order of samples in the global batch is fixed by the seed (inside GPTDataset); each DP rank
+reads its contiguous share of every global batch and cuts it into micro-batches, so the set of
+samples per step never depends on the layout. The iterator's position (consumed samples) is all
+the state it has. TP and PP ranks of one replica read the same samples straight from the mmap.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from engine.config import LoomConfig
+from engine.data.blended import BlendedDataset
+from engine.data.gpt_dataset import GPTDataset, split_document_ranges
+from engine.data.indexed import IndexedDataset
+
+# Blended datasets draw up to this fraction more than their weight from each source.
+_BLEND_MARGIN = 1.005
+
+
+def _split_dataset(indexed: IndexedDataset, prefix: str, split_index: int, num_samples: int, config: LoomConfig,
+                   is_builder: bool, barrier: Callable[[], None] | None) -> GPTDataset | None:
+    start, end = split_document_ranges(indexed.num_documents, config.data.split)[split_index]
+    if end <= start:
+        return None
+    # Splits are by document; a document may span several sequences, which GPTDataset calls documents.
+    sequences = np.arange(indexed.document_indices[start], indexed.document_indices[end], dtype=np.int64)
+    cache_dir = Path(config.data.cache_dir) if config.data.cache_dir else None
+    return GPTDataset(indexed, sequences, num_samples, config.train.seq_length,
+                      config.train.seed + split_index, cache_dir=cache_dir, is_builder=is_builder,
+                      barrier=barrier)
+
+
+def build_dataset(config: LoomConfig, split_index: int, num_samples: int, is_builder: bool,
+                  barrier: Callable[[], None] | None):
+    """Dataset for split 0 (train), 1 (valid) or 2 (test) with `num_samples` samples, or None if empty.
+
+    The first rank builds index caches while the others wait on `barrier`.
+    """
+    paths = config.data.paths
+    weights = config.data.weights or [1.0] * len(paths)
+    total = sum(weights)
+    parts = []
+    for prefix, weight in zip(paths, weights):
+        share = num_samples if len(paths) == 1 else math.ceil(weight / total * num_samples * _BLEND_MARGIN) + 1
+        part = _split_dataset(IndexedDataset(prefix), prefix, split_index, share, config, is_builder, barrier)
+        if part is None and split_index == 0:
+            raise ValueError(f"{prefix}: the training split {config.data.split!r} leaves it no documents")
+        parts.append(part)
+    if len(parts) == 1:
+        return parts[0]
+    if any(p is None for p in parts):
+        return None
+    return BlendedDataset(parts, weights, num_samples)
+
+
+class BatchIterator:
+    """Yields, per step, this DP rank's micro-batches (tokens, labels) of the next global batch."""
+
+    def __init__(self, dataset, global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int,
+                 consumed_samples: int = 0):
+        self.dataset = dataset
+        self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.consumed_samples = consumed_samples
+
+    def next_step(self, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        per_rank = self.global_batch_size // self.dp_size
+        first = self.consumed_samples + self.dp_rank * per_rank
+        self.consumed_samples += self.global_batch_size
+        microbatches = []
+        for start in range(first, first + per_rank, self.micro_batch_size):
+            samples = np.stack([self.dataset[i] for i in range(start, start + self.micro_batch_size)])
+            batch = torch.from_numpy(samples.astype(np.int64)).to(device, non_blocking=True)
+            microbatches.append((batch[:, :-1], batch[:, 1:]))
+        return microbatches
+
+    def state_dict(self) -> dict:
+        return {"consumed_samples": self.consumed_samples}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.consumed_samples = int(state["consumed_samples"])

@@ -1,0 +1,59 @@
+"""The metrics contract: metrics.jsonl rows, TensorBoard scalars and a console line per logged step.
+
+Only the rank that owns logging (global rank 0) creates a MetricsWriter. metrics.jsonl is opened
+in append mode so it survives resume; each row is flushed as soon as it is written.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from pathlib import Path
+
+import torch
+
+
+def memory_gb(device: torch.device) -> float:
+    """Peak memory of this rank: allocated CUDA memory, or the process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: Path, tensorboard: bool = True):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl = open(run_dir / "metrics.jsonl", "a")
+        self.tensorboard = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def write(self, row: dict) -> None:
+        self.jsonl.write(json.dumps(row) + "\n")
+        self.jsonl.flush()
+        if self.tensorboard is not None:
+            for key, value in row.items():
+                if key != "step" and isinstance(value, (int, float)) and value is not None:
+                    self.tensorboard.add_scalar(f"train/{key}" if not key.startswith("val_") else f"valid/{key}",
+                                                value, row["step"])
+            self.tensorboard.flush()
+        print(format_console_line(row), file=sys.stdout, flush=True)
+
+    def close(self) -> None:
+        self.jsonl.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+def format_console_line(row: dict) -> str:
+    if "val_loss" in row:
+        return f"step {row['step']:>6} | validation loss {row['val_loss']:.4f} | perplexity {row['val_ppl']:.2f}"
+    parts = [f"step {row['step']:>6}", f"loss {row['loss']:.4f}", f"lr {row['lr']:.3e}",
+             f"grad norm {row['grad_norm']:.3f}", f"{row['tokens_per_s']:,.0f} tok/s"]
+    if row.get("mfu") is not None:
+        parts.append(f"MFU {100 * row['mfu']:.1f}%")
+    parts.append(f"mem {row['mem_gb']:.2f} GB")
+    return " | ".join(parts)

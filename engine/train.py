@@ -1,0 +1,185 @@
+"""The training loop of one rank: micro-batches, gradient reduction, clipping, optimizer, metrics, eval.
+
+`Trainer` expects torch.distributed to be initialised (the launchers in launch/ do that) and a
+config already validated against the world size. It owns the model, optimizer, data iterator and
+metrics; it never spawns processes or parses command lines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from engine.config import LoomConfig, config_to_toml
+from engine.data.loader import BatchIterator, build_dataset
+from engine.flops import model_flops_per_token, peak_tflops
+from engine.metrics import MetricsWriter, memory_gb
+from engine.model.gpt import GPTModel
+from engine.optim.clip import clip_grads, global_grad_norm, sum_sequence_parallel_grads
+from engine.optim.grad_buffer import GradBuffer
+from engine.optim.lr_schedule import learning_rate
+from engine.optim.optimizers import build_optimizer
+from engine.parallel.random import RNGStreams
+from engine.parallel.sharding import initialize_parameters
+from engine.parallel.state import ParallelState
+
+
+def pick_device(choice: str, local_rank: int) -> torch.device:
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("train.device = cuda but no CUDA device is visible; use --train.device cpu")
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class Trainer:
+    def __init__(self, config: LoomConfig, local_rank: int = 0):
+        self.config = config
+        config.resolve_world(dist.get_world_size())
+        p, t = config.parallel, config.train
+        self.state = ParallelState.create(tp=p.tp, dp=p.dp, pp=p.pp, vp=p.vp)
+        self.device = pick_device(t.device, local_rank)
+        streams = RNGStreams(t.seed, self.state.tp_rank, self.device)
+        self.model = GPTModel(config.model, self.state.tp_group, sequence_parallel=p.sequence_parallel,
+                              streams=streams)
+        initialize_parameters(self.model, t.seed, self.state.tp_rank, self.state.tp_size)
+        self.model.to(self.device)
+        self.params = [q for q in self.model.parameters() if q.requires_grad]
+        self.grads = GradBuffer(self.params, self.state.dp_group, self.state.dp_size,
+                                int(p.grad_bucket_mb * 2**20), overlap=p.overlap_grad_reduce)
+        self.optimizer = build_optimizer(self.params, config.optim)
+        self.step = 0
+        self.autocast_dtype = torch.bfloat16 if t.precision == "bf16" else None
+        self._build_data()
+        self.flops_per_token = model_flops_per_token(config.model, t.seq_length)
+        self.peak_flops = self._peak_flops()
+        self.metrics = None
+        if self.state.rank == 0:
+            run_dir = Path(t.run_dir)
+            self.metrics = MetricsWriter(run_dir, tensorboard=t.tensorboard)
+            (run_dir / "config.toml").write_text(config_to_toml(config))
+
+    def _build_data(self) -> None:
+        c, t = self.config, self.config.train
+        is_builder, barrier = self.state.rank == 0, dist.barrier
+        train_set = build_dataset(c, 0, t.steps * t.global_batch_size, is_builder, barrier)
+        self.train_batches = BatchIterator(train_set, t.global_batch_size, t.micro_batch_size,
+                                           self.state.dp_rank, self.state.dp_size)
+        self.valid_set = None
+        if t.eval_interval:
+            self.valid_set = build_dataset(c, 1, t.eval_iters * t.global_batch_size, is_builder, barrier)
+
+    def _peak_flops(self) -> float | None:
+        if self.config.train.peak_tflops:
+            return self.config.train.peak_tflops * 1e12
+        if self.device.type != "cuda":
+            return None
+        peak = peak_tflops(torch.cuda.get_device_name(self.device), self.config.train.precision)
+        return peak * 1e12 if peak else None
+
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def _forward_backward(self, microbatches, tokens_in_batch: int, backward: bool) -> torch.Tensor:
+        """Sum over micro-batches of (token-loss sum / tokens in the global batch), before DP reduction."""
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        for i, (tokens, labels) in enumerate(microbatches):
+            self.grads.last_microbatch = i == len(microbatches) - 1
+            with self._autocast():
+                loss = self.model(tokens, labels).sum() / tokens_in_batch
+            if backward:
+                loss.backward()
+            total += loss.detach()
+        return total
+
+    def _global_mean(self, local_sum: torch.Tensor) -> float:
+        if self.state.dp_size > 1:
+            dist.all_reduce(local_sum, group=self.state.dp_group)
+        return local_sum.item()
+
+    def train_step(self) -> dict:
+        t = self.config.train
+        lr = learning_rate(self.step, self.config.optim, t.steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.model.train()
+        self.grads.start_step()
+        microbatches = self.train_batches.next_step(self.device)
+        loss_sum = self._forward_backward(microbatches, t.global_batch_size * t.seq_length, backward=True)
+        self.grads.finish()
+        sum_sequence_parallel_grads(self.params, self.state.tp_group, self.state.tp_size)
+        grad_norm = global_grad_norm(self.params, self.state.model_group, self.state.tp_rank,
+                                     self.state.tp_size * self.state.pp_size)
+        clip_grads(self.params, self.config.optim.clip_grad, grad_norm)
+        self.optimizer.step()
+        self.step += 1
+        return {"loss": self._global_mean(loss_sum), "lr": lr, "grad_norm": grad_norm}
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean validation loss over train.eval_iters global batches (the same batches every time)."""
+        t = self.config.train
+        batches = BatchIterator(self.valid_set, t.global_batch_size, t.micro_batch_size,
+                                self.state.dp_rank, self.state.dp_size)
+        self.model.eval()
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        for _ in range(t.eval_iters):
+            total += self._forward_backward(batches.next_step(self.device),
+                                            t.global_batch_size * t.seq_length * t.eval_iters, backward=False)
+        return self._global_mean(total)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def run(self) -> list[dict]:
+        """Train for train.steps (or until early stopping); return the logged rows."""
+        t = self.config.train
+        rows, best_val, evals_without_gain = [], math.inf, 0
+        tokens_per_step = t.global_batch_size * t.seq_length
+        while self.step < t.steps:
+            self._sync()
+            start = time.perf_counter()
+            row = self.train_step()
+            self._sync()
+            elapsed = time.perf_counter() - start
+            if self.step % t.log_interval == 0 or self.step == t.steps:
+                tokens_per_s = tokens_per_step / elapsed
+                mfu = (self.flops_per_token * tokens_per_s / (self.peak_flops * self.state.world_size)
+                       if self.peak_flops else None)
+                row = {"step": self.step, **row, "tokens": self.step * tokens_per_step,
+                       "tokens_per_s": tokens_per_s, "mfu": mfu, "mem_gb": memory_gb(self.device)}
+                rows.append(self._log(row))
+            if self.valid_set is not None and (self.step % t.eval_interval == 0 or self.step == t.steps):
+                val_loss = self.evaluate()
+                rows.append(self._log({"step": self.step, "val_loss": val_loss,
+                                       "val_ppl": math.exp(min(val_loss, 50.0))}))
+                best_val, evals_without_gain = ((val_loss, 0) if val_loss < best_val
+                                                else (best_val, evals_without_gain + 1))
+                if t.early_stop_patience and evals_without_gain >= t.early_stop_patience:
+                    self._log_event(f"early stop at step {self.step}: validation loss has not improved "
+                                    f"for {evals_without_gain} evaluations (best {best_val:.4f})")
+                    break
+        return rows
+
+    def _log(self, row: dict) -> dict:
+        if self.metrics is not None:
+            self.metrics.write(row)
+        return row
+
+    def _log_event(self, message: str) -> None:
+        if self.state.rank == 0:
+            print(message, flush=True)
+
+    def close(self) -> None:
+        self.grads.remove_hooks()
+        if self.metrics is not None:
+            self.metrics.close()

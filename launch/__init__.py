@@ -1,0 +1,1 @@
+"""Starting ranks: the `loom` command line, local multi-process launch, Slurm submission."""

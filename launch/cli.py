@@ -1,0 +1,130 @@
+"""The `loom` command: argument parsing, pre-flight checks and one-line errors; the work lives elsewhere.
+
+Every subcommand is a thin function over engine/, data_tools/ or launch/. User errors (bad
+config, missing data, corrupt files) print one line `error: ...` and exit 2; a failing rank
+prints its rank and message and exits 1. Tracebacks are shown only with LOOM_DEBUG=1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from engine.config import ConfigError, LoomConfig, load_config
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+EPILOG_TRAIN = """\
+Every config field can be overridden as --section.field value, for example
+  loom train --config configs/tiny.toml --nproc 4 --parallel.tp 2 --train.steps 50
+  loom train --config configs/tiny.toml --data.paths a b --data.weights 0.7 0.3
+Sections: model, parallel, optim, data, train, checkpoint (see configs/*.toml for every field).
+Under torchrun or Slurm (RANK and WORLD_SIZE set) and without --nproc, this process is one rank."""
+
+
+def resolve_config_path(path: str) -> Path:
+    """A config path as given, or the same name under the repository's configs/ folder."""
+    given = Path(path)
+    if given.is_file():
+        return given
+    for candidate in (REPO_ROOT / path, REPO_ROOT / "configs" / path, REPO_ROOT / "configs" / f"{path}.toml"):
+        if candidate.is_file():
+            return candidate
+    raise ConfigError(f"config file {path} does not exist (presets live in {REPO_ROOT / 'configs'})")
+
+
+def preflight(config: LoomConfig, world_size: int) -> None:
+    """Everything that can be checked before a process group starts."""
+    from engine.data.indexed import IndexedDataset
+
+    config.resolve_world(world_size)
+    if not config.data.paths:
+        raise ConfigError("data.paths is empty; build a dataset with `loom data build` (or run `loom demo`) "
+                          "and pass --data.paths PREFIX")
+    for prefix in config.data.paths:
+        dataset = IndexedDataset(prefix)
+        if dataset.num_tokens == 0:
+            raise ConfigError(f"dataset {prefix} holds no tokens")
+    if config.data.tokenizer:
+        import sentencepiece
+
+        if not Path(config.data.tokenizer).is_file():
+            raise ConfigError(f"data.tokenizer {config.data.tokenizer} does not exist")
+        vocab = sentencepiece.SentencePieceProcessor(model_file=config.data.tokenizer).vocab_size()
+        if vocab > config.model.vocab_size:
+            raise ConfigError(f"the tokenizer has {vocab} pieces but model.vocab_size = {config.model.vocab_size}; "
+                              f"set --model.vocab_size {vocab}")
+    run_dir = Path(config.train.run_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as error:
+        raise ConfigError(f"run directory {run_dir} is not writable: {error.strerror}") from None
+
+
+def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
+    from launch.env import run_rank
+    from launch.local import launch_local
+
+    config = load_config(resolve_config_path(args.config), overrides)
+    external = args.nproc is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if external:
+        run_rank(config)
+        return
+    nproc = args.nproc or 1
+    preflight(config, nproc)
+    print(f"loom train: {nproc} rank(s), tp={config.parallel.tp} pp={config.parallel.pp} dp={config.parallel.dp}, "
+          f"run directory {config.train.run_dir}", flush=True)
+    launch_local(config, nproc)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from launch import cli_data, demo
+
+    parser = argparse.ArgumentParser(prog="loom", description="3D-parallel LLM training: data tools, training, launch.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    train = commands.add_parser("train", help="train a model (locally, or as one rank under torchrun/Slurm)",
+                                epilog=EPILOG_TRAIN, formatter_class=argparse.RawDescriptionHelpFormatter)
+    train.add_argument("--config", required=True, help="TOML config, e.g. configs/tiny.toml")
+    train.add_argument("--nproc", type=int, help="spawn this many local ranks (gloo on CPU, NCCL on GPU)")
+    train.set_defaults(handler=cmd_train, takes_overrides=True)
+
+    demo.add_parser(commands)
+    cli_data.add_parser(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    from engine.data.indexed import IndexFormatError
+    from launch.local import RankFailed
+
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "takes_overrides", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        if getattr(args, "takes_overrides", False):
+            args.handler(args, extra)
+        else:
+            args.handler(args)
+    except RankFailed as error:
+        print(f"error: {error}", file=sys.stderr)
+        if os.environ.get("LOOM_DEBUG") and error.details:
+            print(error.details, file=sys.stderr)
+        sys.exit(1)
+    except (ConfigError, IndexFormatError, FileNotFoundError, PermissionError) as error:
+        if os.environ.get("LOOM_DEBUG"):
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""`loom data ...`: the offline data commands, thin wrappers over data_tools/ and engine.data.indexed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def _corpus(args: argparse.Namespace) -> None:
+    from data_tools.corpus import build_stdlib_corpus
+
+    if args.source != "stdlib":
+        raise FileNotFoundError(f"unknown corpus source {args.source!r}; the embedded one is 'stdlib'")
+    counts = build_stdlib_corpus(Path(args.output), max_docs=args.max_docs)
+    print(json.dumps(counts))
+
+
+def _tokenizer(args: argparse.Namespace) -> None:
+    from data_tools.tokenizer import train_tokenizer
+
+    train_tokenizer(args.input, args.output, vocab_size=args.vocab_size, model_type=args.model_type,
+                    text_key=args.text_key, input_sentence_size=args.input_sentence_size,
+                    user_defined_symbols=tuple(args.special_tokens or ()))
+    print(f"wrote {args.output}.model and {args.output}.vocab")
+
+
+def _build(args: argparse.Namespace) -> None:
+    from data_tools.build import build_indexed_dataset
+
+    counts = build_indexed_dataset(args.input, args.tokenizer, args.output_prefix, workers=args.workers,
+                                   text_key=args.text_key, append_eod=args.append_eod)
+    print(json.dumps(counts))
+
+
+def _merge(args: argparse.Namespace) -> None:
+    from engine.data.indexed import IndexedDataset, IndexedDatasetWriter
+
+    first = IndexedDataset(args.inputs[0])
+    with IndexedDatasetWriter(args.output_prefix, first.dtype) as writer:
+        for prefix in args.inputs:
+            writer.add_index(prefix)
+    merged = IndexedDataset(args.output_prefix)
+    print(f"merged {len(args.inputs)} datasets into {args.output_prefix}: "
+          f"{len(merged.document_indices) - 1} documents, {merged.num_tokens} tokens")
+
+
+def _inspect(args: argparse.Namespace) -> None:
+    import numpy as np
+
+    from engine.data.indexed import IndexedDataset
+
+    dataset = IndexedDataset(args.prefix)
+    lengths = dataset.sequence_lengths
+    print(f"{args.prefix}: {len(dataset)} sequences, {len(dataset.document_indices) - 1} documents, "
+          f"{dataset.num_tokens:,} tokens, dtype {np.dtype(dataset.dtype).name}")
+    if len(lengths):
+        print(f"sequence length: mean {lengths.mean():.1f}, min {lengths.min()}, max {lengths.max()}")
+    processor = None
+    if args.tokenizer:
+        import sentencepiece
+
+        processor = sentencepiece.SentencePieceProcessor(model_file=args.tokenizer)
+    for i in range(min(args.samples, len(dataset))):
+        tokens = dataset[i][: args.max_tokens].tolist()
+        shown = repr(processor.decode(tokens)) if processor else str(tokens)
+        print(f"[{i}] {shown}")
+
+
+def add_parser(commands) -> None:
+    data = commands.add_parser("data", help="offline data tools: corpus, tokenizer, build, merge, inspect")
+    sub = data.add_subparsers(dest="data_command", required=True, metavar="STEP")
+
+    p = sub.add_parser("corpus", help="write the embedded default corpus (Python stdlib sources) as JSONL")
+    p.add_argument("--source", default="stdlib", help="corpus to write; 'stdlib' needs no download")
+    p.add_argument("--output", required=True, help="output .jsonl file")
+    p.add_argument("--max-docs", type=int, help="stop after this many documents")
+    p.set_defaults(handler=_corpus)
+
+    p = sub.add_parser("tokenizer", help="train a SentencePiece BPE or unigram tokenizer on JSONL")
+    p.add_argument("--input", nargs="+", required=True, help="JSONL files (.jsonl, .jsonl.gz, .jsonl.zst)")
+    p.add_argument("--output", required=True, help="output prefix: writes PREFIX.model and PREFIX.vocab")
+    p.add_argument("--vocab-size", type=int, default=32000)
+    p.add_argument("--model-type", choices=("bpe", "unigram"), default="bpe")
+    p.add_argument("--text-key", default="text")
+    p.add_argument("--input-sentence-size", type=int, default=2_000_000,
+                   help="lines sampled for training (large corpora)")
+    p.add_argument("--special-tokens", nargs="*", help="extra user-defined pieces, e.g. <|im_start|>")
+    p.set_defaults(handler=_tokenizer)
+
+    p = sub.add_parser("build", help="tokenize JSONL into a memory-mapped P.bin + P.idx (Megatron format)")
+    p.add_argument("--input", nargs="+", required=True, help="JSONL files")
+    p.add_argument("--tokenizer", required=True, help="SentencePiece .model")
+    p.add_argument("--output-prefix", required=True)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--text-key", default="text")
+    p.add_argument("--append-eod", action=argparse.BooleanOptionalAction, default=True,
+                   help="end every document with the tokenizer's end-of-document id")
+    p.set_defaults(handler=_build)
+
+    p = sub.add_parser("merge", help="concatenate indexed datasets")
+    p.add_argument("--inputs", nargs="+", required=True, help="prefixes to merge, in order")
+    p.add_argument("--output-prefix", required=True)
+    p.set_defaults(handler=_merge)
+
+    p = sub.add_parser("inspect", help="summary and decoded samples of an indexed dataset")
+    p.add_argument("prefix")
+    p.add_argument("--tokenizer", help="SentencePiece .model to decode samples with")
+    p.add_argument("--samples", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.set_defaults(handler=_inspect)

@@ -1,0 +1,103 @@
+"""`loom demo`: every capability that has landed, end to end, on the embedded default corpus.
+
+corpus (Python stdlib) -> SentencePiece tokenizer -> .bin/.idx -> tensor + data + sequence
+parallel training on local CPU ranks with validation -> a summary. Each step's outputs stay in
+the work directory, so the next command (`loom train --config configs/tiny.toml ...`) can reuse them.
+Steps whose outputs already exist are reused, not redone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from engine.config import load_config
+
+
+def _step(title: str) -> float:
+    print(f"\n== {title}", flush=True)
+    return time.perf_counter()
+
+
+def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: int) -> dict:
+    from data_tools.build import build_indexed_dataset
+    from data_tools.corpus import build_stdlib_corpus
+    from data_tools.tokenizer import train_tokenizer
+    from engine.data.indexed import IndexedDataset
+    from launch.cli import preflight, resolve_config_path
+    from launch.local import launch_local
+
+    data_dir = workdir / "data"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    corpus, tokenizer, prefix = data_dir / "corpus.jsonl", data_dir / "tokenizer", data_dir / "stdlib_text_document"
+    summary: dict = {}
+
+    start = _step("1/4 corpus: the Python standard library, one document per source file")
+    if not corpus.exists():
+        summary["corpus"] = build_stdlib_corpus(corpus, max_docs=max_docs)
+    summary["corpus_mb"] = round(corpus.stat().st_size / 1e6, 1)
+    print(f"{corpus} ({summary['corpus_mb']} MB) in {time.perf_counter() - start:.1f} s")
+
+    start = _step("2/4 tokenizer: SentencePiece BPE, 4096 pieces, byte fallback")
+    if not Path(f"{tokenizer}.model").exists():
+        train_tokenizer([corpus], tokenizer, vocab_size=4096, model_type="bpe", input_sentence_size=300_000)
+    print(f"{tokenizer}.model in {time.perf_counter() - start:.1f} s")
+
+    start = _step("3/4 build: tokenize into a memory-mapped indexed dataset (Megatron .bin/.idx)")
+    if not Path(f"{prefix}.idx").exists():
+        build_indexed_dataset([corpus], f"{tokenizer}.model", prefix, workers=2, append_eod=True)
+    dataset = IndexedDataset(prefix)
+    summary["documents"], summary["tokens"] = len(dataset.document_indices) - 1, int(dataset.num_tokens)
+    print(f"{prefix}.bin/.idx: {summary['documents']:,} documents, {summary['tokens']:,} tokens "
+          f"in {time.perf_counter() - start:.1f} s")
+
+    run_dir = workdir / "runs" / "tiny"
+    overrides = ["--data.paths", str(prefix), "--data.tokenizer", f"{tokenizer}.model",
+                 "--train.run_dir", str(run_dir), "--train.steps", str(steps),
+                 "--train.eval_interval", str(max(1, steps // 2)),
+                 "--parallel.tp", str(tp), "--parallel.sequence_parallel", "true"]
+    config = load_config(resolve_config_path("configs/tiny.toml"), overrides)
+    preflight(config, nproc)
+    start = _step(f"4/4 train: configs/tiny.toml on {nproc} CPU ranks (tp={tp}, dp={config.parallel.dp}, "
+                  f"sequence parallel), {steps} steps")
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.exists():
+        metrics.unlink()
+    launch_local(config, nproc)
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    train_rows = [r for r in rows if "loss" in r]
+    val_rows = [r for r in rows if "val_loss" in r]
+    summary.update(first_loss=train_rows[0]["loss"], last_loss=train_rows[-1]["loss"],
+                   val_loss=val_rows[-1]["val_loss"] if val_rows else None,
+                   val_ppl=val_rows[-1]["val_ppl"] if val_rows else None,
+                   train_seconds=round(time.perf_counter() - start, 1), run_dir=str(run_dir))
+    return summary
+
+
+def _print_summary(summary: dict) -> None:
+    print("\n== summary")
+    print(f"corpus       {summary['corpus_mb']} MB of Python stdlib -> {summary['documents']:,} documents, "
+          f"{summary['tokens']:,} tokens")
+    print(f"training     loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f} "
+          f"in {summary['train_seconds']} s")
+    if summary["val_loss"] is not None:
+        print(f"validation   loss {summary['val_loss']:.3f}, perplexity {summary['val_ppl']:.1f}")
+    print(f"run          {summary['run_dir']}/metrics.jsonl, tensorboard/, config.toml")
+    print("next         loom train --config configs/tiny.toml --nproc 4 --parallel.tp 2")
+
+
+def _cmd_demo(args: argparse.Namespace) -> None:
+    summary = run_demo(Path(args.workdir), args.max_docs, args.nproc, args.steps, args.tp)
+    _print_summary(summary)
+
+
+def add_parser(commands) -> None:
+    p = commands.add_parser("demo", help="the whole pipeline on the embedded corpus, on CPU ranks")
+    p.add_argument("--workdir", default="demo", help="where data and runs go (reused if present)")
+    p.add_argument("--max-docs", type=int, help="use only this many corpus documents (faster)")
+    p.add_argument("--nproc", type=int, default=4, help="local ranks for training")
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (the rest is data parallel)")
+    p.add_argument("--steps", type=int, default=50, help="training steps")
+    p.set_defaults(handler=_cmd_demo)

@@ -1,0 +1,50 @@
+"""Rank start-up from the environment (torchrun's variables), shared by every launcher.
+
+Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT, picks the backend (NCCL on
+CUDA, gloo otherwise), initialises torch.distributed with a bounded timeout so a dead peer
+becomes an error instead of a hang, and runs one Trainer.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from engine.config import LoomConfig
+
+
+def choose_backend(requested: str, device: str) -> str:
+    if requested != "auto":
+        return requested
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    return "nccl" if use_cuda else "gloo"
+
+
+def init_distributed(config: LoomConfig, timeout_s: float = 600.0) -> int:
+    """Initialise the default process group from the environment; returns the local rank."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    backend = choose_backend(config.parallel.backend, config.train.device)
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    dist.init_process_group(backend, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return local_rank
+
+
+def run_rank(config: LoomConfig) -> list[dict]:
+    """Everything one rank does for `loom train`; returns the rows it logged."""
+    from engine.train import Trainer
+
+    local_rank = init_distributed(config)
+    try:
+        trainer = Trainer(config, local_rank=local_rank)
+        try:
+            return trainer.run()
+        finally:
+            trainer.close()
+    finally:
+        dist.destroy_process_group()

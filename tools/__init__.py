@@ -1,0 +1,1 @@
+"""Operator tools: benchmarks and checks that run outside a training job."""
