@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 from pathlib import Path
 
@@ -59,6 +60,7 @@ class Trainer:
         self._build_data()
         self.flops_per_token = model_flops_per_token(config.model, t.seq_length)
         self.peak_flops = self._peak_flops()
+        self.injected_fault = _injected_fault(self.state.rank)
         self.metrics = None
         if self.state.rank == 0:
             run_dir = Path(t.run_dir)
@@ -146,6 +148,8 @@ class Trainer:
         rows, best_val, evals_without_gain = [], math.inf, 0
         tokens_per_step = t.global_batch_size * t.seq_length
         while self.step < t.steps:
+            if self.step == self.injected_fault:
+                raise RuntimeError(f"fault injected by LOOM_INJECT_FAULT at step {self.step}")
             self._sync()
             start = time.perf_counter()
             row = self.train_step()
@@ -183,3 +187,12 @@ class Trainer:
         self.grads.remove_hooks()
         if self.metrics is not None:
             self.metrics.close()
+
+
+def _injected_fault(rank: int) -> int | None:
+    """The step at which this rank must fail, from LOOM_INJECT_FAULT=RANK:STEP (tests of launchers)."""
+    spec = os.environ.get("LOOM_INJECT_FAULT")
+    if not spec:
+        return None
+    fault_rank, step = (int(x) for x in spec.split(":"))
+    return step if fault_rank == rank else None

@@ -12,6 +12,7 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import socket
+import time
 import traceback
 
 from engine.config import LoomConfig, config_from_dict, config_to_dict
@@ -46,7 +47,7 @@ def _rank_main(rank: int, world: int, port: int, raw_config: dict, threads: int,
         message = str(error).splitlines()[0] if str(error) else type(error).__name__
         if not isinstance(error, USER_ERRORS):
             message = f"{type(error).__name__}: {message}"
-        errors.put((rank, message, traceback.format_exc()))
+        errors.put((time.time(), rank, message, traceback.format_exc()))
         raise SystemExit(1)
 
 
@@ -83,6 +84,8 @@ def launch_local(config: LoomConfig, nproc: int, grace_s: float = 5.0) -> None:
 
 
 def _first_error(errors, rank: int, exitcode: int) -> RankFailed:
+    """The root cause: the earliest report. Peers of a failed rank fail too, but only after it
+    has reported and exited (their collectives break when its sockets close)."""
     reports = []
     while True:
         try:
@@ -91,6 +94,5 @@ def _first_error(errors, rank: int, exitcode: int) -> RankFailed:
             break
     if not reports:
         return RankFailed(rank, f"exited with code {exitcode} without a Python error (killed?)", "")
-    own = [r for r in reports if r[0] == rank]
-    first = own[0] if own else reports[0]
-    return RankFailed(*first)
+    _, first_rank, message, details = min(reports)
+    return RankFailed(first_rank, message, details)

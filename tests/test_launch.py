@@ -1,0 +1,86 @@
+"""The local launcher and the CLI as a user meets them: failures end every rank, bad input is one line."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from engine.config import load_config
+from launch.cli import resolve_config_path
+from launch.local import RankFailed, launch_local
+from synthetic_data import write_markov_dataset
+
+LOOM = [sys.executable, "-m", "launch.cli"]
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    return write_markov_dataset(tmp_path_factory.mktemp("data") / "markov", vocab_size=4096, num_documents=200)
+
+
+def test_failing_rank_stops_all_ranks_with_its_message(dataset, tmp_path, monkeypatch):
+    monkeypatch.setenv("LOOM_INJECT_FAULT", "2:3")
+    config = load_config(resolve_config_path("configs/tiny.toml"), {
+        "data": {"paths": [dataset], "tokenizer": None},
+        "train": {"steps": 1000, "run_dir": str(tmp_path), "eval_interval": 0, "tensorboard": False}})
+    config.resolve_world(4)
+    start = time.perf_counter()
+    with pytest.raises(RankFailed) as failure:
+        launch_local(config, 4)
+    assert failure.value.rank == 2
+    assert "fault injected by LOOM_INJECT_FAULT at step 3" in str(failure.value)
+    assert time.perf_counter() - start < 60
+
+
+def run_cli(*args, cwd=REPO):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run([*LOOM, *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--parallel.tp", "3", "--nproc", "3"], "parallel.tp = 3 must divide model.num_heads = 8"),
+    (["--nproc", "3"], "train.global_batch_size = 16 must be divisible by micro_batch_size*dp = 2*3"),
+    (["--parallel.tp", "2", "--parallel.dp", "2", "--nproc", "2"], "world size 2 != tp*pp*dp = 2*1*2"),
+    (["--train.stepz", "5"], "unknown field in [train] 'stepz'; did you mean 'steps'?"),
+    (["--train.steps", "five"], "train.steps expects an integer, got 'five'"),
+    (["--model.num_kv_heads", "3"], "model.num_kv_heads = 3 must divide model.num_heads = 8"),
+    (["--data.paths", "/nonexistent/data"], "/nonexistent/data.idx does not exist"),
+])
+def test_bad_training_input_is_one_line(args, message):
+    result = run_cli("train", "--config", "configs/tiny.toml", *args)
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"error: {message}" or result.stderr.strip().startswith(f"error: {message}")
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_corrupt_index_is_named(dataset, tmp_path):
+    idx = Path(dataset + ".idx").read_bytes()
+    broken = tmp_path / "broken"
+    (tmp_path / "broken.idx").write_bytes(b"NOTMMIDX\x00" + idx[9:])
+    (tmp_path / "broken.bin").write_bytes(Path(dataset + ".bin").read_bytes())
+    result = run_cli("train", "--config", "configs/tiny.toml", "--data.paths", str(broken), "--data.tokenizer", "none")
+    assert result.returncode == 2
+    assert f"corrupt dataset {broken}.idx: bad magic" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_train_command_writes_the_run_directory(dataset, tmp_path):
+    result = run_cli("train", "--config", "configs/tiny.toml", "--nproc", "2", "--parallel.tp", "2",
+                     "--data.paths", dataset, "--data.tokenizer", "none", "--train.steps", "4",
+                     "--train.log_interval", "2", "--train.eval_interval", "4", "--train.run_dir", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    import json
+
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [2, 4, 4]
+    for key in ("loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "mem_gb"):
+        assert key in rows[0]
+    assert rows[1]["tokens"] == 4 * 16 * 128
+    assert "val_loss" in rows[2] and abs(rows[2]["val_ppl"] - 2.718281828 ** rows[2]["val_loss"]) < 1e-3
+    assert (tmp_path / "config.toml").read_text().count("tp = 2") == 1
+    assert list((tmp_path / "tensorboard").iterdir())
+    assert "loss" in result.stdout and "tok/s" in result.stdout
