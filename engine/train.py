@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from engine.config import LoomConfig, config_to_toml
+from engine.config import LoomConfig
+from engine.config_io import config_to_toml
 from engine.data.loader import BatchIterator, build_dataset
 from engine.flops import model_flops_per_token, peak_tflops
 from engine.metrics import MetricsWriter, memory_gb

@@ -12,7 +12,8 @@ import os
 import sys
 from pathlib import Path
 
-from engine.config import ConfigError, LoomConfig, load_config
+from engine.config import ConfigError, LoomConfig
+from engine.config_io import load_config
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EPILOG_TRAIN = """\

@@ -13,7 +13,7 @@ import json
 import time
 from pathlib import Path
 
-from engine.config import load_config
+from engine.config_io import load_config
 
 
 def _step(title: str) -> float:

@@ -15,7 +15,8 @@ import socket
 import time
 import traceback
 
-from engine.config import LoomConfig, config_from_dict, config_to_dict
+from engine.config import LoomConfig
+from engine.config_io import config_from_dict, config_to_dict
 
 # Errors whose message is the whole story; anything else is reported with its type.
 USER_ERRORS = (ValueError, FileNotFoundError, PermissionError)
@@ -48,7 +49,7 @@ def _rank_main(rank: int, world: int, port: int, raw_config: dict, threads: int,
         if not isinstance(error, USER_ERRORS):
             message = f"{type(error).__name__}: {message}"
         errors.put((time.time(), rank, message, traceback.format_exc()))
-        raise SystemExit(1)
+        raise SystemExit(1) from None
 
 
 def launch_local(config: LoomConfig, nproc: int, grace_s: float = 5.0) -> None:

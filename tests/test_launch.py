@@ -7,11 +7,11 @@ import time
 from pathlib import Path
 
 import pytest
+from synthetic_data import write_markov_dataset
 
-from engine.config import load_config
+from engine.config_io import load_config
 from launch.cli import resolve_config_path
 from launch.local import RankFailed, launch_local
-from synthetic_data import write_markov_dataset
 
 LOOM = [sys.executable, "-m", "launch.cli"]
 REPO = Path(__file__).resolve().parents[1]

@@ -9,11 +9,11 @@ tools/check_layout_invariance.py.
 import json
 
 import pytest
+from synthetic_data import write_markov_dataset
 
-from engine.config import load_config
+from engine.config_io import load_config
 from launch.cli import preflight, resolve_config_path
 from launch.local import launch_local
-from synthetic_data import write_markov_dataset
 
 STEPS = 8
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
 from dist_utils import run_ranks
+
 from engine.config import ModelConfig
 from engine.model.gpt import GPTModel
 from engine.optim.clip import sum_sequence_parallel_grads

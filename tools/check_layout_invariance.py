@@ -20,7 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
-from engine.config import load_config  # noqa: E402
+from engine.config_io import load_config  # noqa: E402
 from launch.cli import preflight  # noqa: E402
 from launch.local import launch_local  # noqa: E402
 

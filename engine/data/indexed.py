@@ -200,7 +200,7 @@ class IndexedDatasetWriter:
             path.unlink(missing_ok=True)
         self._done = True
 
-    def __enter__(self) -> "IndexedDatasetWriter":
+    def __enter__(self) -> IndexedDatasetWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:

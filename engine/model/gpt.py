@@ -11,12 +11,12 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig
+from engine.model.transformer import Norm, TransformerBlock, rotary_tables
 from engine.parallel import mappings
 from engine.parallel.cross_entropy import vocab_parallel_cross_entropy
 from engine.parallel.layers import VocabParallelEmbedding, padded_vocab_size
 from engine.parallel.random import RNGStreams, checkpointed
 from engine.parallel.sharding import ShardSpec, make_parameter
-from engine.model.transformer import Norm, TransformerBlock, rotary_tables
 
 
 class GPTModel(torch.nn.Module):

@@ -82,7 +82,7 @@ class ParallelState:
         return self.pp_rank == self.pp_size - 1
 
     @classmethod
-    def create(cls, tp: int, dp: int, pp: int = 1, vp: int = 1) -> "ParallelState":
+    def create(cls, tp: int, dp: int, pp: int = 1, vp: int = 1) -> ParallelState:
         """Create every group of the layout; all ranks must call this together, in the same order."""
         world, rank = dist.get_world_size(), dist.get_rank()
         if tp * dp * pp != world:

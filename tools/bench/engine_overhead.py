@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from engine.config import load_config  # noqa: E402
+from engine.config_io import load_config  # noqa: E402
 from engine.data.indexed import IndexedDatasetWriter  # noqa: E402
 from engine.flops import model_flops_per_token  # noqa: E402
 from engine.model.transformer import apply_rotary, rotary_tables  # noqa: E402

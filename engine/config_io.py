@@ -1,0 +1,169 @@
+"""Reading configs: TOML files and `--section.field value` overrides into a validated LoomConfig.
+
+Values are coerced to each field's declared type with one-line errors (unknown names get a
+"did you mean"); the resolved config is written back as TOML for the run directory. The
+dataclasses themselves live in engine/config.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from engine.config import ConfigError, LoomConfig
+
+SECTIONS: dict[str, type] = {f.name: f.type for f in dataclasses.fields(LoomConfig)}
+_SECTION_TYPES = {name: typing.get_type_hints(LoomConfig)[name] for name in SECTIONS}
+
+
+def _field_types(section_cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(section_cls)
+
+
+def _coerce(where: str, hint: Any, value: Any) -> Any:
+    """Turn a TOML value or a command-line string into the field's declared type, or say why not."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(where, inner[0], value)
+    if origin is typing.Literal:
+        if value not in args:
+            raise ConfigError(f"{where} = {value!r} is not one of {', '.join(map(str, args))}")
+        return value
+    if origin is list:
+        items = value if isinstance(value, list) else [value]
+        return [_coerce(where, args[0], v) for v in items]
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{where} expects true or false, got {value!r}")
+    if hint is int or hint is float:
+        kind = "an integer" if hint is int else "a number"
+        if isinstance(value, bool) or (hint is int and isinstance(value, float)):
+            raise ConfigError(f"{where} expects {kind}, got {value!r}")
+        try:
+            return hint(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where} expects {kind}, got {value!r}") from None
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where} expects a string, got {value!r}")
+        return value
+    raise ConfigError(f"{where}: unsupported field type {hint}")
+
+
+def _unknown(kind: str, name: str, known: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(known)}"
+    return ConfigError(f"unknown {kind} {name!r}{hint}")
+
+
+def config_from_dict(raw: dict[str, Any]) -> LoomConfig:
+    """Build a validated LoomConfig from nested sections (as read from TOML)."""
+    sections = {}
+    for section_name, values in raw.items():
+        if section_name not in SECTIONS:
+            raise _unknown("config section", section_name, list(SECTIONS))
+        if not isinstance(values, dict):
+            raise ConfigError(f"[{section_name}] must be a table of fields")
+        cls = _SECTION_TYPES[section_name]
+        hints = _field_types(cls)
+        kwargs = {}
+        for key, value in values.items():
+            if key not in hints:
+                raise _unknown(f"field in [{section_name}]", key, list(hints))
+            kwargs[key] = _coerce(f"{section_name}.{key}", hints[key], value)
+        sections[section_name] = cls(**kwargs)
+    return LoomConfig(**sections)
+
+
+def parse_overrides(args: list[str]) -> dict[str, dict[str, Any]]:
+    """Parse `--section.field value [value ...]` into nested raw values (strings, lists for several)."""
+    overrides: dict[str, dict[str, Any]] = {}
+    i = 0
+    while i < len(args):
+        flag = args[i]
+        if not flag.startswith("--") or "." not in flag:
+            raise ConfigError(f"unexpected argument {flag!r}; overrides look like --train.steps 50")
+        key = flag[2:]
+        if "=" in key:
+            key, inline = key.split("=", 1)
+            values, i = [inline], i + 1
+        else:
+            values, i = [], i + 1
+            while i < len(args) and not args[i].startswith("--"):
+                values.append(args[i])
+                i += 1
+        section, _, name = key.partition(".")
+        if section not in SECTIONS:
+            raise _unknown("config section", section, list(SECTIONS))
+        hints = _field_types(_SECTION_TYPES[section])
+        if name not in hints:
+            raise _unknown(f"field in [{section}]", name, list(hints))
+        if not values:
+            raise ConfigError(f"--{key} needs a value")
+        is_list = typing.get_origin(hints[name]) is list or list in [
+            typing.get_origin(a) for a in typing.get_args(hints[name])]
+        overrides.setdefault(section, {})[name] = values if is_list else (
+            values[0] if len(values) == 1 else _too_many(key, values))
+    return overrides
+
+
+def _too_many(key: str, values: list[str]) -> Any:
+    raise ConfigError(f"--{key} takes one value, got {' '.join(values)}")
+
+
+def load_config(path: str | Path | None, overrides: list[str] | dict | None = None) -> LoomConfig:
+    """Read a TOML config (or start from defaults), apply overrides, validate."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            raw = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path} is not valid TOML: {e}") from None
+    if isinstance(overrides, list):
+        overrides = parse_overrides(overrides)
+    for section, values in (overrides or {}).items():
+        raw.setdefault(section, {}).update(values)
+    return config_from_dict(raw)
+
+
+def config_to_dict(config: LoomConfig) -> dict[str, dict[str, Any]]:
+    return dataclasses.asdict(config)
+
+
+def config_to_toml(config: LoomConfig) -> str:
+    """The fully resolved config as TOML (None values are left out, so they stay None on reload)."""
+    lines = []
+    for section, values in config_to_dict(config).items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            if value is not None:
+                lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} as TOML")
