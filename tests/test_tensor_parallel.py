@@ -13,7 +13,7 @@ from dist_utils import run_ranks
 
 from engine.config import ModelConfig
 from engine.model.gpt import GPTModel
-from engine.optim.clip import sum_sequence_parallel_grads
+from engine.optim.clip import global_grad_norm, sum_sequence_parallel_grads
 from engine.parallel.cross_entropy import vocab_parallel_cross_entropy
 from engine.parallel.sharding import ShardSpec, initialize_parameters
 
@@ -52,6 +52,9 @@ def _compare_with_dense(rank, world, config_kwargs, sequence_parallel):
     sum_sequence_parallel_grads(params, tp_group, world)
 
     worst = {"loss": (loss - dense_loss).abs().item() / dense_loss.abs().item()}
+    # Replicated parameters must be counted once, sharded ones by every rank.
+    dense_norm = torch.cat([g.reshape(-1) for g in dense_grads.values()]).norm().item()
+    worst["grad_norm"] = abs(global_grad_norm(params, tp_group, rank, world) - dense_norm) / dense_norm
     for name, param in sharded.named_parameters():
         shards = [torch.empty_like(param.grad) for _ in range(world)]
         dist.all_gather(shards, param.grad.contiguous())

@@ -1,0 +1,93 @@
+"""Configs: presets load and validate, overrides are typed, mistakes are one clear line."""
+
+import pytest
+
+from engine.config import ConfigError
+from engine.config_io import config_to_toml, load_config, parse_overrides
+from launch.cli import resolve_config_path
+
+PRESETS = {"tiny": 1, "gpt-125m": 8, "llama-1b": 8, "llama-8b": 16}
+
+
+@pytest.mark.parametrize("name, world", PRESETS.items())
+def test_presets_load_and_resolve(name, world):
+    config = load_config(resolve_config_path(name))
+    config.resolve_world(world)
+    assert config.parallel.dp * config.parallel.tp * config.parallel.pp == world
+
+
+def test_llama_70b_preset_has_real_hyperparameters():
+    config = load_config(resolve_config_path("llama-70b"))
+    m = config.model
+    assert (m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.ffn_hidden_size) == (80, 8192, 64, 8, 28672)
+
+
+def test_overrides_are_typed():
+    config = load_config(None, ["--train.steps", "7", "--optim.lr", "2e-4", "--parallel.sequence_parallel", "true",
+                                "--data.paths", "a", "b", "--data.weights", "1", "3", "--model.num_kv_heads", "none"])
+    assert config.train.steps == 7 and config.optim.lr == 2e-4 and config.parallel.sequence_parallel is True
+    assert config.data.paths == ["a", "b"] and config.data.weights == [1.0, 3.0]
+    assert config.model.num_kv_heads == config.model.num_heads
+
+
+def test_derived_defaults():
+    config = load_config(None, {"model": {"hidden_size": 4096, "activation": "swiglu"}})
+    assert config.model.ffn_hidden_size == 11008  # Llama-2-7B's width: 8/3 * 4096 rounded up to 256
+    assert config.train.run_dir == "runs/loom"
+
+
+def test_resolved_config_round_trips_through_toml(tmp_path):
+    config = load_config(resolve_config_path("tiny"), ["--parallel.tp", "2", "--data.weights", "1"])
+    config.resolve_world(4)
+    path = tmp_path / "config.toml"
+    path.write_text(config_to_toml(config))
+    assert load_config(path) == config
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--model.hidden_size", "100", "--model.num_heads", "8"], "model.num_heads = 8 must divide model.hidden_size = 100"),
+    (["--model.norm", "batchnorm"], "model.norm = 'batchnorm' is not one of rmsnorm, layernorm"),
+    (["--train.precision", "fp64"], "train.precision = 'fp64' is not one of fp32, bf16, fp16"),
+    (["--parallel.sequence_parallel", "maybe"], "parallel.sequence_parallel expects true or false, got 'maybe'"),
+    (["--optim.lr", "fast"], "optim.lr expects a number, got 'fast'"),
+    (["--modle.hidden_size", "8"], "unknown config section 'modle'"),
+    (["--train.steps", "1", "2"], "--train.steps takes one value, got 1 2"),
+    (["--data.split", "90,10"], "data.split = '90,10' must be three non-negative weights like '98,1,1'"),
+    (["--data.paths", "a", "--data.weights", "1", "2"], "data.weights has 2 entries for 1 data.paths"),
+    (["--parallel.vp", "2"], "parallel.vp > 1 needs parallel.pp > 1"),
+    (["--train.steps", "0"], "train.steps must be positive, got 0"),
+])
+def test_bad_values_are_one_clear_line(overrides, message):
+    with pytest.raises(ConfigError) as error:
+        load_config(None, overrides)
+    assert str(error.value).startswith(message)
+    assert "\n" not in str(error.value)
+
+
+def test_toml_type_errors(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("[train]\nsteps = 1.5\n")
+    with pytest.raises(ConfigError, match="train.steps expects an integer, got 1.5"):
+        load_config(path)
+    path.write_text("[train\nsteps = 1\n")
+    with pytest.raises(ConfigError, match="is not valid TOML"):
+        load_config(path)
+
+
+def test_override_syntax_errors():
+    with pytest.raises(ConfigError, match="overrides look like --train.steps 50"):
+        parse_overrides(["steps", "5"])
+    with pytest.raises(ConfigError, match="--train.steps needs a value"):
+        parse_overrides(["--train.steps"])
+    assert parse_overrides(["--train.steps=5"]) == {"train": {"steps": "5"}}
+
+
+@pytest.mark.parametrize("world, layout, message", [
+    (3, {"tp": 2}, "world size 3 is not divisible by tp*pp = 2*1"),
+    (4, {"tp": 2, "dp": 1}, "world size 4 != tp*pp*dp = 2*1*1"),
+    (8, {"tp": 8}, "parallel.tp = 8 must divide model.num_kv_heads = 4"),
+])
+def test_layout_errors(world, layout, message):
+    config = load_config(resolve_config_path("tiny"), {"parallel": layout})
+    with pytest.raises(ConfigError, match=message.replace("*", r"\*")):
+        config.resolve_world(world)

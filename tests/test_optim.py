@@ -1,0 +1,82 @@
+"""Learning-rate schedule by hand, and data-parallel gradient reduction against manual all-reduce."""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_utils import run_ranks
+from engine.config import ModelConfig, OptimConfig
+from engine.model.gpt import GPTModel
+from engine.optim.grad_buffer import GradBuffer
+from engine.optim.lr_schedule import learning_rate
+from engine.optim.optimizers import parameter_groups
+from engine.parallel.sharding import initialize_parameters
+
+
+def test_warmup_then_cosine():
+    optim = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=4, decay="cosine")
+    assert [learning_rate(s, optim, 104) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert learning_rate(4, optim, 104) == pytest.approx(1.0)
+    assert learning_rate(54, optim, 104) == pytest.approx(0.55)  # half-way: (1 + 0.1) / 2
+    assert learning_rate(104, optim, 104) == pytest.approx(0.1)
+    assert learning_rate(500, optim, 104) == pytest.approx(0.1)
+
+
+def test_linear_and_constant_decay():
+    linear = OptimConfig(lr=1.0, min_lr=0.0, warmup_steps=0, decay="linear", decay_steps=10)
+    assert [round(learning_rate(s, linear, 99), 6) for s in (0, 5, 10)] == [1.0, 0.5, 0.0]
+    constant = OptimConfig(lr=0.3, min_lr=0.0, decay="constant")
+    assert learning_rate(77, constant, 100) == 0.3
+
+
+def test_no_weight_decay_on_norms_and_biases():
+    model = GPTModel(ModelConfig(num_layers=1, hidden_size=16, num_heads=2, vocab_size=64, bias=True,
+                                 norm="layernorm"), None)
+    decayed, plain = parameter_groups(list(model.parameters()), 0.1)
+    assert decayed["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0
+    assert all(p.ndim == 2 for p in decayed["params"]) and all(p.ndim == 1 for p in plain["params"])
+    assert len(plain["params"]) == 2 * 2 + 2 + 4  # block norms (w, b), final norm, four linear biases
+
+
+def _bucketed_reduction(rank, world, overlap):
+    config = ModelConfig(num_layers=2, hidden_size=32, num_heads=4, vocab_size=97, make_vocab_divisible_by=8)
+    model = GPTModel(config, None)
+    reference = GPTModel(config, None)
+    for m in (model, reference):
+        initialize_parameters(m, seed=3, tp_rank=0, tp_size=1)
+    generator = torch.Generator().manual_seed(100 + rank)
+    microbatches = [torch.randint(0, 97, (2, 9), generator=generator) for _ in range(3)]
+
+    buffer = GradBuffer(list(model.parameters()), dist.group.WORLD, world, bucket_bytes=4096, overlap=overlap)
+    buffer.start_step()
+    launched_before_finish = 0
+    for i, batch in enumerate(microbatches):
+        buffer.last_microbatch = i == len(microbatches) - 1
+        model(batch[:, :-1], batch[:, 1:]).sum().backward()
+        reference(batch[:, :-1], batch[:, 1:]).sum().backward()
+    launched_before_finish = sum(b.handle is not None for b in buffer.buckets)
+    buffer.finish()
+    worst = 0.0
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        expected = q.grad.clone()
+        dist.all_reduce(expected)
+        worst = max(worst, (p.grad - expected).abs().max().item())
+    return worst, launched_before_finish, len(buffer.buckets)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_bucketed_dp_reduction_equals_manual_all_reduce(overlap):
+    for worst, launched, buckets in run_ranks(_bucketed_reduction, 2, overlap):
+        assert worst < 1e-5
+        assert buckets > 3
+        # With overlap every bucket's all-reduce starts inside backward; without, none does.
+        assert launched == (buckets if overlap else 0)
+
+
+def test_cosine_is_monotonic_after_warmup():
+    optim = OptimConfig(lr=3e-4, min_lr=3e-5, warmup_steps=10)
+    values = [learning_rate(s, optim, 200) for s in range(10, 200)]
+    assert all(a >= b for a, b in zip(values, values[1:]))
+    assert math.isclose(values[0], 3e-4)
