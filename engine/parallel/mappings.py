@@ -12,6 +12,10 @@ import torch.distributed as dist
 
 Group = dist.ProcessGroup | None
 
+# torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def group_size(group: Group) -> int:
     return 1 if group is None else dist.get_world_size(group)
@@ -39,7 +43,7 @@ def _gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     x = x.contiguous()
     if dim == 0:
         out = torch.empty((x.shape[0] * size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(out, x, group=group)
+        _all_gather_single(out, x, group=group)
         return out
     parts = [torch.empty_like(x) for _ in range(size)]
     dist.all_gather(parts, x, group=group)
@@ -51,7 +55,7 @@ def _reduce_scatter_first_dim(x: torch.Tensor, group: Group) -> torch.Tensor:
     if x.shape[0] % size:
         raise ValueError(f"sequence length {x.shape[0]} does not split into {size} parts")
     out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    _reduce_scatter_single(out, x.contiguous(), group=group)
     return out
 
 

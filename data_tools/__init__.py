@@ -1,0 +1,1 @@
+"""Offline data preparation: corpus, tokenizer, .bin/.idx building (no torch.distributed needed)."""
