@@ -1,0 +1,64 @@
+"""Trainer behaviour beyond layout invariance: bf16 autocast, early stopping, the demo end to end."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.config_io import load_config
+from launch.cli import resolve_config_path
+from launch.local import launch_local
+from synthetic_data import write_markov_dataset
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    return write_markov_dataset(tmp_path_factory.mktemp("data") / "markov", vocab_size=4096, num_documents=300)
+
+
+def train(dataset, run_dir, nproc=1, **sections) -> list[dict]:
+    overrides = {"data": {"paths": [dataset], "tokenizer": None},
+                 "train": {"run_dir": str(run_dir), "log_interval": 1, "tensorboard": False, "eval_interval": 0}}
+    for section, values in sections.items():
+        overrides.setdefault(section, {}).update(values)
+    config = load_config(resolve_config_path("tiny"), overrides)
+    config.resolve_world(nproc)
+    launch_local(config, nproc)
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_bf16_autocast_tracks_fp32(dataset, tmp_path):
+    fp32 = [r["loss"] for r in train(dataset, tmp_path / "fp32", train={"steps": 6})]
+    bf16 = [r["loss"] for r in train(dataset, tmp_path / "bf16", train={"steps": 6, "precision": "bf16"})]
+    assert bf16 != fp32, "bf16 autocast should change the arithmetic"
+    for a, b in zip(fp32, bf16):
+        assert abs(a - b) / a < 2e-2
+    assert bf16[-1] < bf16[0]
+
+
+def test_early_stopping_when_validation_stops_improving(dataset, tmp_path, capfd):
+    # A learning rate too small to move fp32 weights keeps the validation loss exactly flat.
+    rows = train(dataset, tmp_path, optim={"name": "sgd", "lr": 1e-30, "min_lr": 0.0, "momentum": 0.0},
+                 train={"steps": 20, "eval_interval": 1, "early_stop_patience": 2})
+    val = [r for r in rows if "val_loss" in r]
+    assert [r["step"] for r in val] == [1, 2, 3]
+    assert len({r["val_loss"] for r in val}) == 1
+    assert "early stop at step 3" in capfd.readouterr().out
+
+
+@pytest.mark.slow
+def test_demo_runs_end_to_end(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    result = subprocess.run([sys.executable, "-m", "launch.cli", "demo", "--workdir", str(tmp_path), "--max-docs",
+                             "80", "--steps", "6", "--nproc", "2", "--tp", "2"],
+                            capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "== summary" in result.stdout and "validation   loss" in result.stdout
+    rows = [json.loads(line) for line in (tmp_path / "runs/tiny/metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 6
+    assert (tmp_path / "data/stdlib_text_document.idx").exists()
