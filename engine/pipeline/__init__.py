@@ -1,0 +1,1 @@
+"""Pipeline parallelism: schedules as data, point-to-point transfers, the executor."""
