@@ -282,8 +282,7 @@ class LoomConfig:
         if m.position_embedding == "learned" and t.seq_length > m.max_position_embeddings:
             raise ConfigError(f"train.seq_length = {t.seq_length} exceeds model.max_position_embeddings = "
                               f"{m.max_position_embeddings}")
-        if p.pp > 1:
-            raise ConfigError("parallel.pp > 1: pipeline parallelism is not available in this version yet; use pp = 1")
+        self._check_pipeline()
         if self.optim.name != "adamw" and self.optim.name != "sgd":
             raise ConfigError(f"optim.name = {self.optim.name!r} is not available yet; use adamw or sgd")
         if self.optim.zero1:
@@ -292,6 +291,23 @@ class LoomConfig:
             raise ConfigError("train.precision = fp16 (loss scaling) is not available yet; use bf16 or fp32")
         if self.checkpoint.interval or self.checkpoint.load:
             raise ConfigError("checkpoint saving/loading is not available yet; set checkpoint.interval = 0")
+
+    def _check_pipeline(self) -> None:
+        from engine.pipeline.schedules import ScheduleError, check_schedule
+
+        p, layers = self.parallel, self.model.num_layers
+        stages = p.pp * p.vp
+        if p.pp > layers:
+            raise ConfigError(f"parallel.pp = {p.pp} exceeds model.num_layers = {layers}")
+        if layers % stages:
+            valid = [f"pp={pp} vp={vp}" for pp in range(1, layers + 1) for vp in range(1, 5)
+                     if layers % (pp * vp) == 0 and pp * vp > 1][:8]
+            raise ConfigError(f"model.num_layers = {layers} does not split into pp*vp = {p.pp}*{p.vp} equal chunks; "
+                              f"valid: {', '.join(valid)}")
+        try:
+            check_schedule(p.pp, p.vp, self.num_microbatches)
+        except ScheduleError as error:
+            raise ConfigError(str(error)) from None
 
     @property
     def num_microbatches(self) -> int:

@@ -21,12 +21,14 @@ from engine.config_io import config_to_toml
 from engine.data.loader import BatchIterator, build_dataset
 from engine.flops import model_flops_per_token, peak_tflops
 from engine.metrics import MetricsWriter, memory_gb
-from engine.model.gpt import GPTModel
 from engine.optim.clip import clip_grads, global_grad_norm, sum_sequence_parallel_grads
 from engine.optim.grad_buffer import GradBuffer
 from engine.optim.lr_schedule import learning_rate
 from engine.optim.optimizers import build_optimizer
 from engine.parallel.random import RNGStreams
+from engine.pipeline.executor import PipelineExecutor
+from engine.pipeline.schedules import build_schedule
+from engine.pipeline.stages import build_chunks, sum_tied_embedding_grads
 from engine.parallel.sharding import initialize_parameters
 from engine.parallel.state import ParallelState
 
@@ -48,16 +50,22 @@ class Trainer:
         self.state = ParallelState.create(tp=p.tp, dp=p.dp, pp=p.pp, vp=p.vp)
         self.device = pick_device(t.device, local_rank)
         streams = RNGStreams(t.seed, self.state.tp_rank, self.device)
-        self.model = GPTModel(config.model, self.state.tp_group, sequence_parallel=p.sequence_parallel,
-                              streams=streams)
-        initialize_parameters(self.model, t.seed, self.state.tp_rank, self.state.tp_size)
-        self.model.to(self.device)
-        self.params = [q for q in self.model.parameters() if q.requires_grad]
+        self.chunks = build_chunks(config, self.state, streams)
+        for chunk in self.chunks:
+            initialize_parameters(chunk, t.seed, self.state.tp_rank, self.state.tp_size)
+            chunk.to(self.device)
+        self.params = [q for chunk in self.chunks for q in chunk.parameters() if q.requires_grad]
         self.grads = GradBuffer(self.params, self.state.dp_group, self.state.dp_size,
                                 int(p.grad_bucket_mb * 2**20), overlap=p.overlap_grad_reduce)
         self.optimizer = build_optimizer(self.params, config.optim)
         self.step = 0
         self.autocast_dtype = torch.bfloat16 if t.precision == "bf16" else None
+        microbatches, rank = config.num_microbatches, self.state.pp_rank
+        self.train_ops = build_schedule(rank, p.pp, p.vp, microbatches)
+        self.eval_ops = build_schedule(rank, p.pp, p.vp, microbatches, forward_only=True)
+        sequence = t.seq_length // p.tp if (p.sequence_parallel and p.tp > 1) else t.seq_length
+        self.executor = PipelineExecutor(self.chunks, self.state, (sequence, t.micro_batch_size,
+                                         config.model.hidden_size), self.device, self._autocast)
         self._build_data()
         self.flops_per_token = model_flops_per_token(config.model, t.seq_length)
         self.peak_flops = self._peak_flops()
@@ -91,34 +99,34 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def _forward_backward(self, microbatches, tokens_in_batch: int, backward: bool) -> torch.Tensor:
-        """Sum over micro-batches of (token-loss sum / tokens in the global batch), before DP reduction."""
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
-        for i, (tokens, labels) in enumerate(microbatches):
-            self.grads.last_microbatch = i == len(microbatches) - 1
-            with self._autocast():
-                loss = self.model(tokens, labels).sum() / tokens_in_batch
-            if backward:
-                loss.backward()
-            total += loss.detach()
-        return total
+    def _set_last_microbatch(self, last: bool) -> None:
+        self.grads.last_microbatch = last
 
     def _global_mean(self, local_sum: torch.Tensor) -> float:
+        """Sum the per-rank shares of a loss over DP and over the pipeline (only the last stage has one)."""
         if self.state.dp_size > 1:
             dist.all_reduce(local_sum, group=self.state.dp_group)
+        if self.state.pp_size > 1:
+            dist.all_reduce(local_sum, group=self.state.pp_group)
         return local_sum.item()
+
+    def _train_mode(self, training: bool) -> None:
+        for chunk in self.chunks:
+            chunk.train(training)
 
     def train_step(self) -> dict:
         t = self.config.train
         lr = learning_rate(self.step, self.config.optim, t.steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.model.train()
+        self._train_mode(True)
         self.grads.start_step()
         microbatches = self.train_batches.next_step(self.device)
-        loss_sum = self._forward_backward(microbatches, t.global_batch_size * t.seq_length, backward=True)
+        loss_sum = self.executor.run(self.train_ops, microbatches, t.global_batch_size * t.seq_length,
+                                     self._set_last_microbatch)
         self.grads.finish()
         sum_sequence_parallel_grads(self.params, self.state.tp_group, self.state.tp_size)
+        sum_tied_embedding_grads(self.chunks, self.state)
         grad_norm = global_grad_norm(self.params, self.state.model_group, self.state.tp_rank,
                                      self.state.tp_size * self.state.pp_size)
         clip_grads(self.params, self.config.optim.clip_grad, grad_norm)
@@ -132,11 +140,11 @@ class Trainer:
         t = self.config.train
         batches = BatchIterator(self.valid_set, t.global_batch_size, t.micro_batch_size,
                                 self.state.dp_rank, self.state.dp_size)
-        self.model.eval()
+        self._train_mode(False)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         for _ in range(t.eval_iters):
-            total += self._forward_backward(batches.next_step(self.device),
-                                            t.global_batch_size * t.seq_length * t.eval_iters, backward=False)
+            total += self.executor.run(self.eval_ops, batches.next_step(self.device),
+                                       t.global_batch_size * t.seq_length * t.eval_iters)
         return self._global_mean(total)
 
     def _sync(self) -> None:

@@ -58,6 +58,15 @@ def test_schedule(pp, vp, m):
         assert peak_in_flight(ops) == min(expected, m * vp)
 
 
+@pytest.mark.parametrize("pp, vp, m", [c for c in CASES if c[2] in (c[0], 2 * c[0])])
+def test_forward_only_schedule_for_evaluation(pp, vp, m):
+    schedules = build_all(pp, vp, m, forward_only=True)
+    for ops in schedules:
+        forwards = [(op.microbatch, op.chunk) for op in ops if isinstance(op, Compute)]
+        assert sorted(forwards) == sorted((mb, c) for mb in range(m) for c in range(vp))
+    simulate(schedules)  # raises Deadlock
+
+
 def test_simulator_detects_deadlock():
     schedules = build_all(2, 1, 2)
     # Swap rank 1's two exchanges around its first forward: it would wait for an activation before asking for it.

@@ -2,37 +2,62 @@
 
 P.idx: magic `MMIDIDX\\x00\\x00`, u64 version (1), u8 dtype code, u64 sequence count, u64
 document-index count, then int32 sequence lengths, int64 byte pointers into P.bin, int64
-document indices (sequence numbers where each document starts, plus the final count).
-P.bin: the tokens of every sequence, back to back, in the dtype of the code.
-Readers memory-map both files and validate them cheaply (vectorised); writers stream and rename
-their outputs into place only when complete. No torch here.
+document indices (the sequence number where each document starts, then the sequence count, so
+one entry more than there are documents). P.bin: the tokens of every sequence, back to back.
+
+Readers memory-map both files and validate them with vectorised checks only, so opening a
+multi-terabyte dataset stays cheap. Writers stream tokens to temporary files and rename them into
+place only when complete (.bin first, .idx last). This module must not import torch, and nothing
+else in loom may parse or write these bytes.
 """
 
 from __future__ import annotations
 
 import array
 import os
+import shutil
 import struct
+from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 import numpy as np
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
-DTYPE_CODES: dict[int, type] = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64,
-                                6: np.float64, 7: np.float32, 8: np.uint16}
-HEADER_SIZE = len(MAGIC) + 8 + 1 + 8 + 8
+DTYPE_CODES = MappingProxyType({
+    1: np.dtype(np.uint8), 2: np.dtype(np.int8), 3: np.dtype(np.int16), 4: np.dtype(np.int32),
+    5: np.dtype(np.int64), 6: np.dtype(np.float64), 7: np.dtype(np.float32), 8: np.dtype(np.uint16),
+})
+HEADER = struct.Struct("<9sQBQQ")
+_REBUILD_HINT = "rebuild it with `loom data build`"
+_COPY_CHUNK_BYTES = 64 << 20
 
 
 class IndexFormatError(ValueError):
-    """A missing, truncated or corrupt .bin/.idx pair; the message names the file and what to do."""
+    """A missing, truncated or corrupt .bin/.idx pair; the one-line message names the file."""
+
+
+@dataclass(frozen=True)
+class IndexHeader:
+    """The fixed-size head of an .idx file."""
+
+    dtype: np.dtype
+    sequence_count: int
+    document_index_count: int
+
+    def arrays_end(self) -> int:
+        """Byte offset where the three arrays promised by this header end."""
+        return HEADER.size + self.sequence_count * (4 + 8) + self.document_index_count * 8
 
 
 def dtype_code(dtype: np.dtype) -> int:
+    """The MMIDIDX code of a numpy dtype."""
     for code, candidate in DTYPE_CODES.items():
-        if np.dtype(candidate) == np.dtype(dtype):
+        if candidate == np.dtype(dtype):
             return code
-    raise ValueError(f"dtype {dtype} has no MMIDIDX code")
+    raise ValueError(f"dtype {np.dtype(dtype).name} has no MMIDIDX code; use one of "
+                     f"{', '.join(d.name for d in DTYPE_CODES.values())}")
 
 
 def dtype_for_vocab(vocab_size: int) -> np.dtype:
@@ -40,84 +65,128 @@ def dtype_for_vocab(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size < 65500 else np.dtype(np.int32)
 
 
-def _paths(prefix: str | Path) -> tuple[Path, Path]:
-    prefix = str(prefix)
+def index_paths(prefix: str | Path) -> tuple[Path, Path]:
+    """(P.bin, P.idx) for a dataset prefix."""
+    prefix = os.fspath(prefix)
     return Path(prefix + ".bin"), Path(prefix + ".idx")
+
+
+def _corrupt(path: Path, problem: str) -> IndexFormatError:
+    return IndexFormatError(f"corrupt dataset {path}: {problem}; {_REBUILD_HINT}")
+
+
+def read_header(idx_path: str | Path) -> IndexHeader:
+    """Parse and check the header of an .idx file, including that the file holds what it promises."""
+    idx_path = Path(idx_path)
+    size = idx_path.stat().st_size
+    with open(idx_path, "rb") as f:
+        raw = f.read(HEADER.size)
+    if not MAGIC.startswith(raw[:len(MAGIC)]):
+        raise _corrupt(idx_path, f"bad magic {raw[:len(MAGIC)]!r} (expected Megatron MMIDIDX)")
+    if len(raw) < HEADER.size:
+        raise _corrupt(idx_path, f"truncated: {size} bytes is shorter than the {HEADER.size}-byte header")
+    _, version, code, sequences, documents = HEADER.unpack(raw)
+    if version != VERSION:
+        raise _corrupt(idx_path, f"unsupported version {version} (loom reads MMIDIDX version {VERSION})")
+    if code not in DTYPE_CODES:
+        raise _corrupt(idx_path, f"unknown dtype code {code}")
+    header = IndexHeader(DTYPE_CODES[code], sequences, documents)
+    expected = header.arrays_end()
+    if size < expected:
+        raise _corrupt(idx_path, f"truncated: {size} bytes, but the header promises {expected}")
+    # Megatron's multimodal variant appends one int8 mode per sequence; anything else is damage.
+    if size not in (expected, expected + sequences):
+        raise _corrupt(idx_path, f"{size - expected} unexpected bytes after the arrays the header promises")
+    return header
+
+
+def _map(path: Path) -> np.ndarray:
+    """Read-only byte view of a whole file (np.memmap refuses empty files)."""
+    if path.stat().st_size == 0:
+        return np.zeros(0, dtype=np.uint8)
+    return np.memmap(path, dtype=np.uint8, mode="r")
 
 
 class IndexedDataset:
     """Memory-mapped read access to P.bin/P.idx; `dataset[i]` is sequence i as a numpy array."""
 
     def __init__(self, prefix: str | Path):
-        self.prefix = str(prefix)
-        self.bin_path, self.idx_path = _paths(prefix)
+        self.prefix = os.fspath(prefix)
+        self.bin_path, self.idx_path = index_paths(prefix)
         for path in (self.idx_path, self.bin_path):
             if not path.is_file():
                 raise IndexFormatError(f"{path} does not exist; build the dataset with `loom data build`")
-        self._read_index()
-        self._bin = np.memmap(self.bin_path, dtype=np.uint8, mode="r") if self.bin_path.stat().st_size else \
-            np.zeros(0, dtype=np.uint8)
+        header = read_header(self.idx_path)
+        self._dtype = header.dtype
+        index = _map(self.idx_path)
+        offset, count = HEADER.size, header.sequence_count
+        self._lengths = np.frombuffer(index, np.int32, count, offset)
+        self._pointers = np.frombuffer(index, np.int64, count, offset + 4 * count)
+        self._document_indices = np.frombuffer(index, np.int64, header.document_index_count, offset + 12 * count)
+        self._bin = _map(self.bin_path)
         self._validate()
 
-    def _fail(self, path: Path, problem: str) -> IndexFormatError:
-        return IndexFormatError(f"corrupt dataset {path}: {problem}; rebuild it with `loom data build`")
-
-    def _read_index(self) -> None:
-        path, size = self.idx_path, self.idx_path.stat().st_size
-        with open(path, "rb") as f:
-            header = f.read(HEADER_SIZE)
-        if len(header) < HEADER_SIZE:
-            raise self._fail(path, f"{size} bytes is shorter than the {HEADER_SIZE}-byte header")
-        if header[:9] != MAGIC:
-            raise self._fail(path, f"bad magic {header[:9]!r} (expected Megatron MMIDIDX)")
-        version, code, sequences, documents = struct.unpack("<QBQQ", header[9:])
-        if version != VERSION:
-            raise self._fail(path, f"unsupported version {version} (expected {VERSION})")
-        if code not in DTYPE_CODES:
-            raise self._fail(path, f"unknown dtype code {code}")
-        expected = HEADER_SIZE + sequences * (4 + 8) + documents * 8
-        if size < expected:
-            raise self._fail(path, f"truncated: {size} bytes, the header promises {expected}")
-        self.dtype = np.dtype(DTYPE_CODES[code])
-        index = np.memmap(path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
-        offset = HEADER_SIZE
-        self.sequence_lengths = np.frombuffer(index, np.int32, sequences, offset)
-        offset += sequences * 4
-        self.sequence_pointers = np.frombuffer(index, np.int64, sequences, offset)
-        offset += sequences * 8
-        self.document_indices = np.frombuffer(index, np.int64, documents, offset)
-
     def _validate(self) -> None:
-        lengths, pointers, docs = self.sequence_lengths, self.sequence_pointers, self.document_indices
-        item = self.dtype.itemsize
+        lengths, pointers, documents = self._lengths, self._pointers, self._document_indices
+        bin_bytes, item = self._bin.size, self._dtype.itemsize
         if len(lengths):
-            if lengths.min() < 0 or pointers.min() < 0:
-                raise self._fail(self.idx_path, "negative sequence length or pointer")
+            if lengths.min() < 0:
+                raise _corrupt(self.idx_path, f"negative length for sequence {int(np.argmin(lengths))}")
+            if pointers.min() < 0:
+                raise _corrupt(self.idx_path, f"negative byte pointer for sequence {int(np.argmin(pointers))}")
             ends = pointers + lengths.astype(np.int64) * item
-            if ends.max() > self._bin.size:
-                worst = int(np.argmax(ends))
-                raise self._fail(self.bin_path, f"sequence {worst} ends at byte {int(ends[worst])} but the file "
-                                                f"has {self._bin.size} bytes (truncated .bin?)")
-        if len(docs) == 0 or docs[0] != 0 or docs[-1] != len(lengths) or np.any(np.diff(docs) < 0):
-            raise self._fail(self.idx_path, "document indices are not a monotonic range 0..sequence count")
+            worst = int(np.argmax(ends))
+            if ends[worst] > bin_bytes:
+                raise _corrupt(self.bin_path, f"sequence {worst} ends at byte {int(ends[worst])} but the file has "
+                                              f"{bin_bytes} bytes (truncated, or paired with another .idx)")
+        described = int(lengths.sum(dtype=np.int64)) * item
+        if described != bin_bytes:
+            raise _corrupt(self.bin_path, f"{bin_bytes} bytes, but {self.idx_path.name} describes {described} "
+                                          f"(the two files come from different builds)")
+        if len(documents) == 0 or documents[0] != 0 or documents[-1] != len(lengths):
+            raise _corrupt(self.idx_path, f"document indices must run from 0 to the sequence count {len(lengths)}")
+        if len(documents) > 1 and np.any(documents[1:] < documents[:-1]):
+            first = int(np.flatnonzero(documents[1:] < documents[:-1])[0])
+            raise _corrupt(self.idx_path, f"document indices decrease after entry {first}")
 
-    def __len__(self) -> int:
-        return len(self.sequence_lengths)
+    @property
+    def dtype(self) -> np.dtype:
+        return self._dtype
+
+    @property
+    def sequence_lengths(self) -> np.ndarray:
+        """int32 token count of every sequence."""
+        return self._lengths
+
+    @property
+    def sequence_pointers(self) -> np.ndarray:
+        """int64 byte offset of every sequence in P.bin."""
+        return self._pointers
+
+    @property
+    def document_indices(self) -> np.ndarray:
+        """int64 first sequence of every document, then the sequence count (num_documents + 1 entries)."""
+        return self._document_indices
 
     @property
     def num_documents(self) -> int:
-        return len(self.document_indices) - 1
+        return len(self._document_indices) - 1
 
     @property
     def num_tokens(self) -> int:
-        return int(self.sequence_lengths.sum(dtype=np.int64))
+        return int(self._lengths.sum(dtype=np.int64))
+
+    def __len__(self) -> int:
+        return len(self._lengths)
 
     def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
-        """Tokens [offset, offset + length) of sequence i."""
-        available = int(self.sequence_lengths[i]) - offset
+        """Tokens [offset, offset + length) of sequence i (to its end when length is None); a read-only view."""
+        available = int(self._lengths[i]) - offset
+        if offset < 0 or available < 0:
+            raise IndexError(f"offset {offset} outside sequence {i} of {self._lengths[i]} tokens")
         length = available if length is None else min(length, available)
-        start = int(self.sequence_pointers[i]) + offset * self.dtype.itemsize
-        return np.frombuffer(self._bin, self.dtype, length, start)
+        start = int(self._pointers[i]) + offset * self._dtype.itemsize
+        return np.frombuffer(self._bin, self._dtype, length, start)
 
     def __getitem__(self, i: int) -> np.ndarray:
         return self.get(i)
@@ -132,73 +201,112 @@ class IndexedDatasetWriter:
 
     def __init__(self, prefix: str | Path, dtype: np.dtype):
         self.dtype = np.dtype(dtype)
-        self.code = dtype_code(self.dtype)
-        self.bin_path, self.idx_path = _paths(prefix)
+        self._code = dtype_code(self.dtype)
+        self._limits = np.iinfo(self.dtype) if self.dtype.kind in "iu" else None
+        self.bin_path, self.idx_path = index_paths(prefix)
         self.bin_path.parent.mkdir(parents=True, exist_ok=True)
         self._bin_tmp = self.bin_path.with_name(self.bin_path.name + ".tmp")
         self._idx_tmp = self.idx_path.with_name(self.idx_path.name + ".tmp")
         self._bin = open(self._bin_tmp, "wb")
         self._lengths = array.array("i")
-        self._document_starts: list[int] = [0]
-        self._sequences = 0
-        self._done = False
+        self._document_starts = array.array("q", [0])
+        self._closed = False
 
-    def add_sequence(self, tokens) -> None:
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"the writer for {self.idx_path} is already finalized or aborted")
+
+    def add_sequence(self, tokens: np.ndarray | list[int]) -> None:
+        """Append one sequence to the current document."""
+        self._check_open()
         tokens = np.asarray(tokens)
-        limits = np.iinfo(self.dtype)
-        if tokens.size and (tokens.min() < limits.min or tokens.max() > limits.max):
-            raise ValueError(f"token ids outside the range of {self.dtype.name}; choose a wider dtype")
+        if tokens.ndim != 1:
+            raise ValueError(f"a sequence must be one-dimensional, got shape {tokens.shape}")
+        self._check_range(tokens)
         self._bin.write(tokens.astype(self.dtype, copy=False).tobytes())
         self._lengths.append(tokens.size)
-        self._sequences += 1
+
+    def _check_range(self, tokens: np.ndarray) -> None:
+        if self._limits is not None and tokens.size and (tokens.min() < self._limits.min
+                                                         or tokens.max() > self._limits.max):
+            raise ValueError(f"token ids {tokens.min()}..{tokens.max()} do not fit {self.dtype.name}; "
+                             f"use dtype_for_vocab(vocab_size)")
+
+    def add_documents(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        """Append many one-sequence documents at once: `tokens` back to back, document i has lengths[i]."""
+        self._check_open()
+        tokens, lengths = np.asarray(tokens), np.asarray(lengths, dtype=np.int64)
+        if tokens.ndim != 1 or lengths.ndim != 1 or int(lengths.sum()) != tokens.size or \
+                (lengths.size and lengths.min() < 0):
+            raise ValueError(f"lengths (sum {int(lengths.sum())}) must be non-negative and add up to the "
+                             f"{tokens.size} tokens")
+        if self._document_starts[-1] != len(self._lengths):
+            raise ValueError("call end_document() before add_documents(): the current document is still open")
+        self._check_range(tokens)
+        self._bin.write(memoryview(np.ascontiguousarray(tokens.astype(self.dtype, copy=False))))
+        first = len(self._lengths)
+        self._lengths.frombytes(lengths.astype(np.int32).tobytes())
+        self._document_starts.frombytes(np.arange(first + 1, first + 1 + lengths.size, dtype=np.int64).tobytes())
 
     def end_document(self) -> None:
-        self._document_starts.append(self._sequences)
+        """Close the current document (the sequences added since the previous one)."""
+        self._check_open()
+        self._document_starts.append(len(self._lengths))
 
-    def add_document(self, tokens) -> None:
+    def add_document(self, tokens: np.ndarray | list[int]) -> None:
         """One document made of one sequence (the usual case)."""
         self.add_sequence(tokens)
         self.end_document()
 
-    def add_index(self, prefix: str | Path) -> None:
+    def add_index(self, other_prefix: str | Path) -> None:
         """Append every sequence and document of an existing dataset (for merging)."""
-        other = IndexedDataset(prefix)
+        self._check_open()
+        other = IndexedDataset(other_prefix)
         if other.dtype != self.dtype:
-            raise ValueError(f"cannot merge {prefix} ({other.dtype.name}) into a {self.dtype.name} dataset")
-        chunk = 1 << 24
-        data = other._bin[: int(other.sequence_pointers[-1] + other.sequence_lengths[-1] * self.dtype.itemsize)] \
-            if len(other) else other._bin[:0]
-        for start in range(0, data.size, chunk):
-            self._bin.write(data[start:start + chunk].tobytes())
-        self._lengths.extend(other.sequence_lengths.tolist())
-        self._document_starts.extend((other.document_indices[1:] + self._sequences).tolist())
-        self._sequences += len(other)
+            raise ValueError(f"cannot merge {other_prefix} ({other.dtype.name}) into a {self.dtype.name} dataset")
+        if self._document_starts[-1] != len(self._lengths):
+            raise ValueError("call end_document() before add_index(): the current document is still open")
+        offset = len(self._lengths)
+        with open(other.bin_path, "rb") as source:
+            shutil.copyfileobj(source, self._bin, _COPY_CHUNK_BYTES)
+        self._lengths.frombytes(np.ascontiguousarray(other.sequence_lengths).tobytes())
+        self._document_starts.frombytes((other.document_indices[1:] + offset).astype(np.int64).tobytes())
 
     def finalize(self) -> None:
-        if self._done:
+        """Write the index and move both files into place; a second call does nothing."""
+        if self._closed:
             return
+        if self._document_starts[-1] != len(self._lengths):
+            self.abort()
+            raise ValueError(f"{self.idx_path}: sequences were added after the last end_document(); "
+                             f"close every document before finalize()")
+        self._bin.flush()
+        os.fsync(self._bin.fileno())
         self._bin.close()
-        lengths = np.frombuffer(self._lengths, dtype=np.int32) if self._lengths else np.zeros(0, np.int32)
+        lengths = np.frombuffer(self._lengths, dtype=np.int32)
         pointers = np.zeros(len(lengths), dtype=np.int64)
-        if len(lengths) > 1:
-            np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
-        documents = np.asarray(self._document_starts, dtype=np.int64)
+        np.cumsum(lengths[:-1], dtype=np.int64, out=pointers[1:])
+        pointers *= self.dtype.itemsize
+        documents = np.frombuffer(self._document_starts, dtype=np.int64)
         with open(self._idx_tmp, "wb") as f:
-            f.write(MAGIC + struct.pack("<QBQQ", VERSION, self.code, len(lengths), len(documents)))
+            f.write(HEADER.pack(MAGIC, VERSION, self._code, len(lengths), len(documents)))
             f.write(lengths.tobytes())
             f.write(pointers.tobytes())
             f.write(documents.tobytes())
-        # An old .idx must not outlive its .bin, or a crash here would pair it with new tokens.
+            f.flush()
+            os.fsync(f.fileno())
+        # An old .idx must not outlive its .bin, or a crash between the renames would pair it with new tokens.
         self.idx_path.unlink(missing_ok=True)
         os.replace(self._bin_tmp, self.bin_path)
         os.replace(self._idx_tmp, self.idx_path)
-        self._done = True
+        self._closed = True
 
     def abort(self) -> None:
+        """Drop everything written so far; the final paths are left untouched."""
         self._bin.close()
         for path in (self._bin_tmp, self._idx_tmp):
             path.unlink(missing_ok=True)
-        self._done = True
+        self._closed = True
 
     def __enter__(self) -> IndexedDatasetWriter:
         return self

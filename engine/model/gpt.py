@@ -45,10 +45,14 @@ class GPTModel(torch.nn.Module):
             str(i): TransformerBlock(config, tp_group, self.sequence_parallel, streams) for i in layer_ids})
         if post_process:
             self.final_norm = Norm(config, tp, self.sequence_parallel)
-            if not config.tie_embeddings:
+            if not (config.tie_embeddings and pre_process):
                 self.output_weight = make_parameter(
                     ShardSpec((config.vocab_size, config.hidden_size), 0, padded_size=self.padded_vocab),
                     tp, ("normal", config.init_std))
+                if config.tie_embeddings:
+                    # The last pipeline stage's copy of the tied embedding: same init, grads summed.
+                    self.output_weight.init_name = "embedding.weight"
+                    self.output_weight.tied_copy = True
 
     def _rotary(self, seq_length: int, device) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.config.position_embedding != "rope":
@@ -69,7 +73,7 @@ class GPTModel(torch.nn.Module):
 
     def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden -> this rank's slice of the vocabulary logits [s, b, V/tp]."""
-        weight = self.embedding.weight if self.config.tie_embeddings else self.output_weight
+        weight = self.embedding.weight if self.config.tie_embeddings and self.pre_process else self.output_weight
         hidden = self.final_norm(hidden)
         if self.sequence_parallel:
             hidden = mappings.gather_from_sequence_region(hidden, self.tp_group)

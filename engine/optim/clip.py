@@ -1,7 +1,8 @@
 """Global gradient norm over every shard of the model, and clipping by it.
 
 A replicated parameter (norms, row-parallel biases) has the same gradient on every TP rank, so
-only TP rank 0 counts it; sharded parameters are counted by all. Squares are summed over the
+only TP rank 0 counts it; sharded parameters are counted by all; the last pipeline stage's copy
+of a tied embedding is not counted (the first stage's is). Squares are summed over the
 model-parallel group (TP x PP); DP ranks hold identical gradients after reduction.
 """
 
@@ -29,7 +30,7 @@ def sum_sequence_parallel_grads(params: list[torch.nn.Parameter], tp_group, tp_s
 def global_grad_norm(params: list[torch.nn.Parameter], model_group, tp_rank: int, model_parallel_size: int) -> float:
     squares = torch.zeros((), dtype=torch.float32, device=params[0].device)
     for p in params:
-        if p.grad is None or (p.shard_spec.is_replicated and tp_rank != 0):
+        if p.grad is None or (p.shard_spec.is_replicated and tp_rank != 0) or getattr(p, "tied_copy", False):
             continue
         squares += p.grad.detach().float().pow(2).sum()
     if model_parallel_size > 1:

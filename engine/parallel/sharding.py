@@ -110,5 +110,6 @@ def initialize_parameters(module: torch.nn.Module, seed: int, tp_rank: int, tp_s
                           name_prefix: str = "") -> None:
     """Initialise every parameter from its full shape with a name-derived seed, then slice."""
     for name, param in module.named_parameters():
-        full = full_init(param.init_method, param.shard_spec.full_shape, name_seed(seed, name_prefix + name))
+        name = getattr(param, "init_name", name_prefix + name)
+        full = full_init(param.init_method, param.shard_spec.full_shape, name_seed(seed, name))
         param.copy_(param.shard_spec.shard(full, tp_rank, tp_size).to(param.device, param.dtype))

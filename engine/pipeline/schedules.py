@@ -84,12 +84,16 @@ def warmup_forwards(rank: int, pp: int, vp: int, microbatches: int) -> int:
     return min((pp - rank - 1) * 2 + (vp - 1) * pp, total)
 
 
-def compute_units(rank: int, pp: int, vp: int, microbatches: int) -> list[tuple[Compute, ...]]:
+def compute_units(rank: int, pp: int, vp: int, microbatches: int,
+                  forward_only: bool = False) -> list[tuple[Compute, ...]]:
     """This rank's forwards and backwards in schedule order, grouped into units that run with no
     communication between them: single ops, except the interleaved steady state, where Megatron
-    runs a forward and a backward back to back and then exchanges all four tensors at once."""
+    runs a forward and a backward back to back and then exchanges all four tensors at once.
+    `forward_only` (evaluation) keeps just the forwards, in the same order."""
     check_schedule(pp, vp, microbatches)
     total = microbatches * vp
+    if forward_only:
+        return [(Compute("F", *_virtual_order(k, pp, vp, False)),) for k in range(total)]
     warmup = warmup_forwards(rank, pp, vp, microbatches)
     units: list[tuple[Compute, ...]] = [(Compute("F", *_virtual_order(k, pp, vp, False)),) for k in range(warmup)]
     for k in range(total - warmup):
@@ -122,11 +126,11 @@ def _transfers_after(op: Compute, rank: int, pp: int, vp: int) -> list[Transfer]
     return []
 
 
-def build_schedule(rank: int, pp: int, vp: int, microbatches: int) -> list[Op]:
+def build_schedule(rank: int, pp: int, vp: int, microbatches: int, forward_only: bool = False) -> list[Op]:
     """The full op list of one pipeline rank: compute operations with exchanges between them."""
     ops: list[Op] = []
     pending: list[Transfer] = []
-    for unit in compute_units(rank, pp, vp, microbatches):
+    for unit in compute_units(rank, pp, vp, microbatches, forward_only):
         pending += [t for op in unit for t in _transfers_before(op, rank, pp, vp)]
         if pending:
             ops.append(Exchange(tuple(pending)))
@@ -137,5 +141,5 @@ def build_schedule(rank: int, pp: int, vp: int, microbatches: int) -> list[Op]:
     return ops
 
 
-def build_all(pp: int, vp: int, microbatches: int) -> list[list[Op]]:
-    return [build_schedule(r, pp, vp, microbatches) for r in range(pp)]
+def build_all(pp: int, vp: int, microbatches: int, forward_only: bool = False) -> list[list[Op]]:
+    return [build_schedule(r, pp, vp, microbatches, forward_only) for r in range(pp)]

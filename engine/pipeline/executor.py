@@ -1,0 +1,104 @@
+"""Runs one rank's pipeline op list: forwards, backwards and the exchanges between them.
+
+The model chunks of this rank (one per virtual stage it holds) are driven in the order the
+schedule says. A forward keeps its input and output until its backward; once the output has
+been sent to the next stage, its storage is released (only the autograd graph is kept, which is
+all backward needs), like Megatron's deallocate_output_tensor. With P = 1 the op list is plain
+gradient accumulation and no communication happens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+
+from engine.pipeline.p2p import run_exchange
+from engine.pipeline.schedules import Compute, Exchange, Op
+from engine.parallel.state import ParallelState
+
+_P2P_DTYPE = torch.float32
+
+
+def _free_storage(tensor: torch.Tensor) -> None:
+    tensor.data = torch.empty((1,), device=tensor.device, dtype=tensor.dtype)
+
+
+def _backward_from(output: torch.Tensor, grad: torch.Tensor) -> None:
+    """Backward through a graph whose output storage was freed (the shape check would refuse it)."""
+    torch.autograd.Variable._execution_engine.run_backward(
+        (output,), (grad,), False, False, (), True, True)  # keep_graph, create_graph, inputs, allow_unreachable, accumulate
+
+
+class PipelineExecutor:
+    def __init__(self, chunks: list[torch.nn.Module], state: ParallelState, hidden_shape: tuple[int, ...],
+                 device: torch.device, autocast: Callable[[], contextlib.AbstractContextManager]):
+        self.chunks, self.state, self.device, self.autocast = chunks, state, device, autocast
+        self.hidden_shape = hidden_shape
+        self.num_stages = state.pp_size * len(chunks)
+        self.peak_live = 0
+        """Most forwards held at once awaiting their backward, in the last run (activation memory)."""
+
+    def _stage(self, chunk: int) -> int:
+        return chunk * self.state.pp_size + self.state.pp_rank
+
+    def run(self, ops: list[Op], microbatches: list[tuple[torch.Tensor, torch.Tensor]], tokens_in_batch: int,
+            on_last_backward: Callable[[bool], None] | None = None) -> torch.Tensor:
+        """Execute the ops; returns this rank's share of the loss (nonzero on the last stage only).
+
+        `on_last_backward(flag)` is told before each backward whether it is the chunk's last in
+        this step (when gradient reduction may start).
+        """
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        inputs, outputs, outgoing, received = {}, {}, {}, {}
+        live = self.peak_live = 0
+        last_microbatch = len(microbatches) - 1
+        for op in ops:
+            if isinstance(op, Exchange):
+                received.update(run_exchange(op, outgoing, self.state.pp_ranks, self.state.pp_group,
+                                             self.hidden_shape, _P2P_DTYPE, self.device))
+                self._release_sent(op, outputs)
+                continue
+            key, stage = (op.microbatch, op.chunk), self._stage(op.chunk)
+            if op.kind == "F":
+                output, hidden = self._forward(op, stage, microbatches, received, tokens_in_batch)
+                if stage == self.num_stages - 1:
+                    total += output.detach()
+                else:
+                    outgoing[("act", op.microbatch, stage)] = output.detach().to(_P2P_DTYPE)
+                inputs[key], outputs[key] = hidden, output
+                live += 1
+                self.peak_live = max(self.peak_live, live)
+            elif op.kind == "B":
+                if on_last_backward is not None:
+                    on_last_backward(op.microbatch == last_microbatch)
+                hidden, output = inputs.pop(key), outputs.pop(key)
+                if stage == self.num_stages - 1:
+                    output.backward()
+                else:
+                    grad = received.pop(("grad", op.microbatch, stage + 1)).to(output.dtype)
+                    _backward_from(output, grad)
+                if stage > 0:
+                    outgoing[("grad", op.microbatch, stage)] = hidden.grad
+                live -= 1
+        return total
+
+    def _forward(self, op: Compute, stage: int, microbatches, received: dict, tokens_in_batch: int):
+        tokens, labels = microbatches[op.microbatch]
+        hidden = None
+        if stage > 0:
+            hidden = received.pop(("act", op.microbatch, stage - 1)).requires_grad_()
+        chunk = self.chunks[op.chunk]
+        with self.autocast():
+            if stage == self.num_stages - 1:
+                output = chunk(tokens, labels, hidden=hidden).sum() / tokens_in_batch
+            else:
+                output = chunk(tokens, None, hidden=hidden)
+        return output, hidden
+
+    def _release_sent(self, exchange: Exchange, outputs: dict) -> None:
+        """Free the storage of outputs the next stage now has; their graphs stay for backward."""
+        for t in exchange.transfers:
+            if t.direction == "send" and t.tensor == "act":
+                _free_storage(outputs[(t.microbatch, t.virtual_stage // self.state.pp_size)])
