@@ -222,6 +222,8 @@ class TrainConfig:
     """Peak dense FLOP/s per device for MFU; None looks the device up (known GPUs only)."""
     tensorboard: bool = True
     """Write TensorBoard event files next to metrics.jsonl."""
+    record_pipeline_timeline: bool = False
+    """Record per-op times of the last training step in pipeline_timeline.json (`loom schedule --from-run`)."""
 
     def __post_init__(self) -> None:
         _check_positive("train", steps=self.steps, global_batch_size=self.global_batch_size,

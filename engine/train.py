@@ -8,6 +8,7 @@ metrics; it never spawns processes or parses command lines.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import time
@@ -123,7 +124,7 @@ class Trainer:
         self.grads.start_step()
         microbatches = self.train_batches.next_step(self.device)
         loss_sum = self.executor.run(self.train_ops, microbatches, t.global_batch_size * t.seq_length,
-                                     self._set_last_microbatch)
+                                     self._set_last_microbatch, record=t.record_pipeline_timeline)
         self.grads.finish()
         sum_sequence_parallel_grads(self.params, self.state.tp_group, self.state.tp_size)
         sum_tied_embedding_grads(self.chunks, self.state)
@@ -181,7 +182,23 @@ class Trainer:
                     self._log_event(f"early stop at step {self.step}: validation loss has not improved "
                                     f"for {evals_without_gain} evaluations (best {best_val:.4f})")
                     break
+        if t.record_pipeline_timeline:
+            self.write_pipeline_timeline()
         return rows
+
+    def write_pipeline_timeline(self) -> None:
+        """Gather the last step's per-op times of pipeline 0 and write them to the run directory."""
+        if self.state.tp_rank or self.state.dp_rank:
+            return
+        ranks = [None] * self.state.pp_size
+        dist.all_gather_object(ranks, self.executor.timeline, group=self.state.pp_group)
+        if self.state.rank == 0:
+            origin = min(span[3] for rank in ranks for span in rank)
+            data = {"layout": {"pp": self.state.pp_size, "vp": self.state.vp_size,
+                               "microbatches": self.config.num_microbatches},
+                    "ranks": [[(k, mb, c, start - origin, end - origin) for k, mb, c, start, end in rank]
+                              for rank in ranks]}
+            (Path(self.config.train.run_dir) / "pipeline_timeline.json").write_text(json.dumps(data))
 
     def _log(self, row: dict) -> dict:
         if self.metrics is not None:

@@ -82,6 +82,28 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
     launch_local(config, nproc)
 
 
+def cmd_schedule(args: argparse.Namespace) -> None:
+    from tools.schedule_plot import describe, draw, load_measured
+
+    measured = None
+    if args.from_run:
+        layout, measured = load_measured(Path(args.from_run))
+        args.pp, args.vp, args.microbatches = layout["pp"], layout["vp"], layout["microbatches"]
+    elif args.pp is None or args.microbatches is None:
+        raise ConfigError("give --pp and --microbatches (and --vp), or --from-run RUN_DIR")
+    from engine.pipeline.schedules import ScheduleError
+
+    try:
+        text, _ = describe(args.pp, args.vp, args.microbatches)
+    except ScheduleError as error:
+        raise ConfigError(str(error)) from None
+    print(text)
+    if args.output or measured:
+        output = Path(args.output or Path(args.from_run) / "pipeline_schedule.png")
+        draw(args.pp, args.vp, args.microbatches, output, measured)
+        print(f"wrote {output}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from launch import cli_data, demo
 
@@ -93,6 +115,18 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", required=True, help="TOML config, e.g. configs/tiny.toml")
     train.add_argument("--nproc", type=int, help="spawn this many local ranks (gloo on CPU, NCCL on GPU)")
     train.set_defaults(handler=cmd_train, takes_overrides=True)
+
+    schedule = commands.add_parser("schedule", help="print and draw a pipeline schedule with its bubble",
+                                   description="Print each pipeline rank's forwards (F) and backwards (B) as "
+                                               "microbatch[.chunk], the bubble fraction and the activations held, "
+                                               "and draw a Gantt chart.")
+    schedule.add_argument("--pp", type=int, help="pipeline stages")
+    schedule.add_argument("--vp", type=int, default=1, help="virtual stages (chunks) per rank; >1 interleaves")
+    schedule.add_argument("--microbatches", type=int, help="micro-batches per step")
+    schedule.add_argument("--output", help="PNG file for the Gantt chart")
+    schedule.add_argument("--from-run", help="run directory trained with --train.record_pipeline_timeline true: "
+                                             "draw its measured timeline next to the ideal one")
+    schedule.set_defaults(handler=cmd_schedule)
 
     demo.add_parser(commands)
     cli_data.add_parser(commands)

@@ -10,6 +10,7 @@ gradient accumulation and no communication happens.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 
 import torch
@@ -39,22 +40,28 @@ class PipelineExecutor:
         self.num_stages = state.pp_size * len(chunks)
         self.peak_live = 0
         """Most forwards held at once awaiting their backward, in the last run (activation memory)."""
+        self.timeline: list[tuple[str, int, int, float, float]] = []
+        """(kind, microbatch, chunk, start, end) wall-clock times of the last run's compute ops, if recorded."""
 
     def _stage(self, chunk: int) -> int:
         return chunk * self.state.pp_size + self.state.pp_rank
 
     def run(self, ops: list[Op], microbatches: list[tuple[torch.Tensor, torch.Tensor]], tokens_in_batch: int,
-            on_last_backward: Callable[[bool], None] | None = None) -> torch.Tensor:
+            on_last_backward: Callable[[bool], None] | None = None, record: bool = False) -> torch.Tensor:
         """Execute the ops; returns this rank's share of the loss (nonzero on the last stage only).
 
         `on_last_backward(flag)` is told before each backward whether it is the chunk's last in
-        this step (when gradient reduction may start).
+        this step (when gradient reduction may start). With `record`, the compute ops' wall-clock
+        times replace `self.timeline`.
         """
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         inputs, outputs, outgoing, received = {}, {}, {}, {}
         live = self.peak_live = 0
         last_microbatch = len(microbatches) - 1
+        if record:
+            self.timeline = []
         for op in ops:
+            started = time.time()
             if isinstance(op, Exchange):
                 received.update(run_exchange(op, outgoing, self.state.pp_ranks, self.state.pp_group,
                                              self.hidden_shape, _P2P_DTYPE, self.device))
@@ -82,6 +89,10 @@ class PipelineExecutor:
                 if stage > 0:
                     outgoing[("grad", op.microbatch, stage)] = hidden.grad
                 live -= 1
+            if record:
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                self.timeline.append((op.kind, op.microbatch, op.chunk, started, time.time()))
         return total
 
     def _forward(self, op: Compute, stage: int, microbatches, received: dict, tokens_in_batch: int):

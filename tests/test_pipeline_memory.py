@@ -1,0 +1,35 @@
+"""Activation memory of the pipeline executor, measured while training: a 1F1B stage never holds
+more than P - rank micro-batches, the interleaved schedule what its warm-up implies."""
+
+import pytest
+
+from dist_utils import run_ranks
+from engine.config_io import load_config
+from engine.pipeline.schedules import warmup_forwards
+from engine.train import Trainer
+from launch.cli import resolve_config_path
+from synthetic_data import write_markov_dataset
+
+
+def _peak_live(rank, world, dataset, run_dir, pp, vp, microbatches):
+    config = load_config(resolve_config_path("tiny"), {
+        "data": {"paths": [dataset], "tokenizer": None},
+        "parallel": {"pp": pp, "vp": vp},
+        "model": {"num_layers": 8},
+        "train": {"steps": 2, "global_batch_size": microbatches, "micro_batch_size": 1, "seq_length": 32,
+                  "run_dir": run_dir, "tensorboard": False, "eval_interval": 0}})
+    trainer = Trainer(config)
+    trainer.train_step()
+    peak = trainer.executor.peak_live
+    trainer.close()
+    return trainer.state.pp_rank, peak
+
+
+@pytest.mark.parametrize("pp, vp, microbatches", [(4, 1, 8), (4, 2, 8), (2, 4, 6)])
+def test_activations_held_per_stage(pp, vp, microbatches, tmp_path):
+    dataset = write_markov_dataset(tmp_path / "markov", vocab_size=4096, num_documents=50)
+    for rank, peak in run_ranks(_peak_live, pp, dataset, str(tmp_path / "run"), pp, vp, microbatches):
+        if vp == 1:
+            assert peak == pp - rank
+        else:
+            assert peak == min(warmup_forwards(rank, pp, vp, microbatches) + 1, vp * microbatches)

@@ -1,0 +1,49 @@
+"""`loom schedule`: the printed schedule, its figures, the chart, and the measured timeline of a run."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from synthetic_data import write_markov_dataset
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def loom(*args):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-m", "launch.cli", *args], capture_output=True, text=True, env=env,
+                          cwd=REPO, timeout=300)
+
+
+def test_prints_schedule_bubble_and_memory(tmp_path):
+    result = loom("schedule", "--pp", "4", "--microbatches", "8", "--output", str(tmp_path / "s.png"))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[1] == "rank 0: F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 F7 B4 B5 B6 B7"
+    assert lines[4] == "rank 3: F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7"
+    assert "bubble fraction: 0.3750 (theory (P-1)/(V*M) = 0.3750)" in result.stdout
+    assert "per rank (micro-batches of one stage): 4, 3, 2, 1" in result.stdout
+    assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_rejects_what_the_interleaved_schedule_cannot_run():
+    result = loom("schedule", "--pp", "4", "--vp", "2", "--microbatches", "6")
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith("error: the interleaved schedule needs microbatches divisible by pp = 4")
+
+
+def test_from_run_draws_the_measured_timeline(tmp_path):
+    dataset = write_markov_dataset(tmp_path / "markov", vocab_size=4096, num_documents=60)
+    run = tmp_path / "run"
+    result = loom("train", "--config", "tiny", "--nproc", "2", "--parallel.pp", "2", "--data.paths", dataset,
+                  "--data.tokenizer", "none", "--train.steps", "2", "--train.eval_interval", "0",
+                  "--train.run_dir", str(run), "--train.record_pipeline_timeline", "true")
+    assert result.returncode == 0, result.stderr
+    timeline = json.loads((run / "pipeline_timeline.json").read_text())
+    assert timeline["layout"] == {"pp": 2, "vp": 1, "microbatches": 8}
+    assert [len(rank) for rank in timeline["ranks"]] == [16, 16]
+    result = loom("schedule", "--from-run", str(run))
+    assert result.returncode == 0, result.stderr
+    assert (run / "pipeline_schedule.png").exists()
