@@ -83,11 +83,17 @@ def test_override_syntax_errors():
 
 
 @pytest.mark.parametrize("world, layout, message", [
+    (2, {"pp": 2, "vp": 2, "micro": 16}, "the interleaved schedule needs microbatches divisible by pp = 2, got 1; "
+                                         "valid: 2, 4, 6, 8"),
+    (3, {"pp": 3}, "model.num_layers = 4 does not split into pp*vp = 3*1 equal chunks; valid: pp=1 vp=2, pp=1 vp=4, "
+                   "pp=2 vp=1, pp=2 vp=2, pp=4 vp=1"),
+    (8, {"pp": 8}, "parallel.pp = 8 exceeds model.num_layers = 4"),
     (3, {"tp": 2}, "world size 3 is not divisible by tp*pp = 2*1"),
     (4, {"tp": 2, "dp": 1}, "world size 4 != tp*pp*dp = 2*1*1"),
     (8, {"tp": 8}, "parallel.tp = 8 must divide model.num_kv_heads = 4"),
 ])
 def test_layout_errors(world, layout, message):
-    config = load_config(resolve_config_path("tiny"), {"parallel": layout})
+    micro = layout.pop("micro", 2)
+    config = load_config(resolve_config_path("tiny"), {"parallel": layout, "train": {"micro_batch_size": micro}})
     with pytest.raises(ConfigError, match=message.replace("*", r"\*")):
         config.resolve_world(world)

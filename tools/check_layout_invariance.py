@@ -25,17 +25,19 @@ from launch.cli import preflight  # noqa: E402
 from launch.local import launch_local  # noqa: E402
 
 GRID = [(1, 1), (2, 1), (1, 2), (2, 2), (4, 2)]
+PIPELINE_GRID = [(2, 1, 1, 1), (4, 1, 1, 1), (2, 2, 1, 1), (2, 2, 2, 2), (4, 2, 1, 2)]  # (pp, vp, tp, dp)
 
 
-def run(prefix: str, run_dir: Path, steps: int, tp: int, dp: int, sp: bool, recompute: str) -> list[float]:
+def run(prefix: str, run_dir: Path, steps: int, tp: int, dp: int, sp: bool, recompute: str,
+        pp: int = 1, vp: int = 1) -> list[float]:
     overrides = {"data": {"paths": [prefix], "tokenizer": None},
-                 "parallel": {"tp": tp, "sequence_parallel": sp},
+                 "parallel": {"tp": tp, "pp": pp, "vp": vp, "sequence_parallel": sp},
                  "model": {"recompute": recompute},
                  "train": {"steps": steps, "run_dir": str(run_dir), "log_interval": 1, "eval_interval": 0,
                            "tensorboard": False, "micro_batch_size": 1}}
     config = load_config(REPO / "configs" / "tiny.toml", overrides)
-    preflight(config, tp * dp)
-    launch_local(config, tp * dp)
+    preflight(config, tp * dp * pp)
+    launch_local(config, tp * dp * pp)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r["loss"] for r in rows if "loss" in r]
 
@@ -44,6 +46,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--data", help="dataset prefix (default: demo/data/stdlib_text_document or synthetic)")
+    parser.add_argument("--grid", choices=("tensor", "pipeline", "all"), default="all",
+                        help="tensor: (tp, dp) x SP x recompute; pipeline: (pp, vp, tp, dp)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         prefix = args.data or str(REPO / "demo" / "data" / "stdlib_text_document")
@@ -53,15 +57,20 @@ def main() -> None:
             prefix = write_markov_dataset(Path(tmp) / "markov", vocab_size=4096, num_documents=2000)
         reference = run(prefix, Path(tmp) / "ref", args.steps, 1, 1, False, "none")
         print(f"reference (tp1 dp1): loss {reference[0]:.4f} -> {reference[-1]:.4f} over {args.steps} steps")
+        layouts = []
+        if args.grid in ("tensor", "all"):
+            layouts += [dict(tp=tp, dp=dp, sp=sp, recompute=rc) for (tp, dp), sp, rc
+                        in itertools.product(GRID, (False, True), ("none", "full")) if not (sp and tp == 1)]
+        if args.grid in ("pipeline", "all"):
+            layouts += [dict(pp=pp, vp=vp, tp=tp, dp=dp, sp=tp > 1, recompute="none")
+                        for pp, vp, tp, dp in PIPELINE_GRID]
         worst_overall = 0.0
-        for (tp, dp), sp, recompute in itertools.product(GRID, (False, True), ("none", "full")):
-            if sp and tp == 1:
-                continue
+        for i, layout in enumerate(layouts):
             start = time.perf_counter()
-            losses = run(prefix, Path(tmp) / f"tp{tp}dp{dp}{sp}{recompute}", args.steps, tp, dp, sp, recompute)
+            losses = run(prefix, Path(tmp) / f"run{i}", args.steps, **layout)
             worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
             worst_overall = max(worst_overall, worst)
-            print(f"tp={tp} dp={dp} sp={str(sp):5} recompute={recompute:4}: max relative diff {worst:.2e} "
+            print(f"{' '.join(f'{k}={v}' for k, v in layout.items())}: max relative diff {worst:.2e} "
                   f"({time.perf_counter() - start:.0f} s)", flush=True)
     print(f"worst: {worst_overall:.2e} (limit 1e-4) -> {'OK' if worst_overall < 1e-4 else 'FAIL'}")
     sys.exit(0 if worst_overall < 1e-4 else 1)
