@@ -151,7 +151,17 @@ class OptimConfig:
     decay_steps: int | None = None
     """Steps over which lr decays (counted from step 0, warmup included); None means train.steps."""
     zero1: bool = False
-    """Shard optimizer state and master weights across data-parallel ranks (ZeRO-1)."""
+    """Shard optimizer state and master weights across data-parallel ranks (ZeRO-1): adamw, sgd, lamb."""
+    layer_lr_decay: float = 1.0
+    """Layer-wise LR decay: block i gets lr * decay^(num_layers - i), embeddings decay^(num_layers + 1)."""
+    initial_loss_scale: float = 65536.0
+    """fp16: starting loss scale."""
+    loss_scale_window: int = 1000
+    """fp16: clean steps before the loss scale doubles."""
+    loss_scale_hysteresis: int = 2
+    """fp16: overflowing steps in a row before the loss scale halves."""
+    min_loss_scale: float = 1.0
+    """fp16: the loss scale never goes below this."""
 
     def __post_init__(self) -> None:
         _check_choice("optim", "name", self.name, ("adamw", "sgd", "lamb", "adafactor"))
@@ -161,6 +171,13 @@ class OptimConfig:
             raise ConfigError(f"optim.min_lr = {self.min_lr} must lie in [0, optim.lr = {self.lr}]")
         if self.warmup_steps < 0 or self.weight_decay < 0 or self.clip_grad < 0:
             raise ConfigError("optim.warmup_steps, optim.weight_decay and optim.clip_grad must be >= 0")
+        if not 0 < self.layer_lr_decay <= 1:
+            raise ConfigError(f"optim.layer_lr_decay must lie in (0, 1], got {self.layer_lr_decay}")
+        _check_positive("optim", initial_loss_scale=self.initial_loss_scale, loss_scale_window=self.loss_scale_window,
+                        loss_scale_hysteresis=self.loss_scale_hysteresis, min_loss_scale=self.min_loss_scale)
+        if self.zero1 and self.name == "adafactor":
+            raise ConfigError("optim.name = adafactor does not support optim.zero1 = true (its factored moments "
+                              "need whole matrices); use adamw, sgd or lamb with ZeRO-1, or zero1 = false")
 
 
 @dataclass
@@ -285,12 +302,6 @@ class LoomConfig:
             raise ConfigError(f"train.seq_length = {t.seq_length} exceeds model.max_position_embeddings = "
                               f"{m.max_position_embeddings}")
         self._check_pipeline()
-        if self.optim.name != "adamw" and self.optim.name != "sgd":
-            raise ConfigError(f"optim.name = {self.optim.name!r} is not available yet; use adamw or sgd")
-        if self.optim.zero1:
-            raise ConfigError("optim.zero1 = true: the ZeRO-1 optimizer is not available yet; use false")
-        if t.precision == "fp16":
-            raise ConfigError("train.precision = fp16 (loss scaling) is not available yet; use bf16 or fp32")
         if self.checkpoint.interval or self.checkpoint.load:
             raise ConfigError("checkpoint saving/loading is not available yet; set checkpoint.interval = 0")
 

@@ -22,14 +22,15 @@ from engine.config_io import config_to_toml
 from engine.data.loader import BatchIterator, build_dataset
 from engine.flops import model_flops_per_token, peak_tflops
 from engine.metrics import MetricsWriter, memory_gb
-from engine.optim.clip import clip_grads, global_grad_norm, sum_sequence_parallel_grads
+from engine.optim.distributed import DistributedOptimizer
 from engine.optim.grad_buffer import GradBuffer
+from engine.optim.loss_scaler import LossScaler
 from engine.optim.lr_schedule import learning_rate
-from engine.optim.optimizers import build_optimizer
+from engine.optim.model_parallel_grads import needs_model_parallel_sum, sum_model_parallel_grads
 from engine.parallel.random import RNGStreams
 from engine.pipeline.executor import PipelineExecutor
 from engine.pipeline.schedules import build_schedule
-from engine.pipeline.stages import build_chunks, sum_tied_embedding_grads
+from engine.pipeline.stages import build_chunks
 from engine.parallel.sharding import initialize_parameters
 from engine.parallel.state import ParallelState
 
@@ -43,6 +44,9 @@ def pick_device(choice: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 class Trainer:
     def __init__(self, config: LoomConfig, local_rank: int = 0):
         self.config = config
@@ -50,17 +54,9 @@ class Trainer:
         p, t = config.parallel, config.train
         self.state = ParallelState.create(tp=p.tp, dp=p.dp, pp=p.pp, vp=p.vp)
         self.device = pick_device(t.device, local_rank)
-        streams = RNGStreams(t.seed, self.state.tp_rank, self.device)
-        self.chunks = build_chunks(config, self.state, streams)
-        for chunk in self.chunks:
-            initialize_parameters(chunk, t.seed, self.state.tp_rank, self.state.tp_size)
-            chunk.to(self.device)
-        self.params = [q for chunk in self.chunks for q in chunk.parameters() if q.requires_grad]
-        self.grads = GradBuffer(self.params, self.state.dp_group, self.state.dp_size,
-                                int(p.grad_bucket_mb * 2**20), overlap=p.overlap_grad_reduce)
-        self.optimizer = build_optimizer(self.params, config.optim)
+        self._build_model_and_optimizer()
         self.step = 0
-        self.autocast_dtype = torch.bfloat16 if t.precision == "bf16" else None
+        self.autocast_dtype = None if t.precision == "fp32" else PARAM_DTYPES[t.precision]
         microbatches, rank = config.num_microbatches, self.state.pp_rank
         self.train_ops = build_schedule(rank, p.pp, p.vp, microbatches)
         self.eval_ops = build_schedule(rank, p.pp, p.vp, microbatches, forward_only=True)
@@ -76,6 +72,28 @@ class Trainer:
             run_dir = Path(t.run_dir)
             self.metrics = MetricsWriter(run_dir, tensorboard=t.tensorboard)
             (run_dir / "config.toml").write_text(config_to_toml(config))
+
+    def _build_model_and_optimizer(self) -> None:
+        c, state = self.config, self.state
+        param_dtype = PARAM_DTYPES[c.train.precision]
+        self.chunks = build_chunks(c, state, RNGStreams(c.train.seed, state.tp_rank, self.device))
+        for chunk in self.chunks:
+            initialize_parameters(chunk, c.train.seed, state.tp_rank, state.tp_size)
+            chunk.to(device=self.device, dtype=param_dtype)
+        named = [(n, q) for chunk in self.chunks for n, q in chunk.named_parameters() if q.requires_grad]
+        self.params = [q for _, q in named]
+        self.loss_scaler = None
+        if c.train.precision == "fp16":
+            o = c.optim
+            self.loss_scaler = LossScaler(o.initial_loss_scale, o.loss_scale_window,
+                                          hysteresis=o.loss_scale_hysteresis, min_scale=o.min_loss_scale)
+        self.grads = GradBuffer(
+            self.params, state.dp_group, state.dp_size, state.dp_rank, int(c.parallel.grad_bucket_mb * 2**20),
+            overlap=c.parallel.overlap_grad_reduce, reduce_scatter=c.optim.zero1,
+            enabled=state.dp_size > 1 or c.optim.zero1 or param_dtype != torch.float32,
+            deferred=lambda q: needs_model_parallel_sum(q, state),
+            before_deferred=lambda: sum_model_parallel_grads(self.grads.deferred, state))
+        self.optimizer = DistributedOptimizer(named, self.grads, c.optim, state, c.model.num_layers, self.loss_scaler)
 
     def _build_data(self) -> None:
         c, t = self.config, self.config.train
@@ -118,22 +136,19 @@ class Trainer:
     def train_step(self) -> dict:
         t = self.config.train
         lr = learning_rate(self.step, self.config.optim, t.steps)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
         self._train_mode(True)
         self.grads.start_step()
         microbatches = self.train_batches.next_step(self.device)
+        scale = self.loss_scaler.scale if self.loss_scaler else 1.0
         loss_sum = self.executor.run(self.train_ops, microbatches, t.global_batch_size * t.seq_length,
-                                     self._set_last_microbatch, record=t.record_pipeline_timeline)
+                                     self._set_last_microbatch, record=t.record_pipeline_timeline, loss_scale=scale)
         self.grads.finish()
-        sum_sequence_parallel_grads(self.params, self.state.tp_group, self.state.tp_size)
-        sum_tied_embedding_grads(self.chunks, self.state)
-        grad_norm = global_grad_norm(self.params, self.state.model_group, self.state.tp_rank,
-                                     self.state.tp_size * self.state.pp_size)
-        clip_grads(self.params, self.config.optim.clip_grad, grad_norm)
-        self.optimizer.step()
+        result = self.optimizer.step(lr)
         self.step += 1
-        return {"loss": self._global_mean(loss_sum), "lr": lr, "grad_norm": grad_norm}
+        row = {"loss": self._global_mean(loss_sum), "lr": lr, "grad_norm": result["grad_norm"]}
+        if self.loss_scaler is not None:
+            row.update(loss_scale=scale, skipped_steps=self.loss_scaler.skipped_steps)
+        return row
 
     @torch.no_grad()
     def evaluate(self) -> float:

@@ -14,6 +14,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _portable(value, to_numpy: bool):
+    """Tensors cross the queue as numpy arrays: torch would share them through file descriptors
+    that die with the worker process before the parent reads them."""
+    import numpy as np
+    import torch
+
+    if to_numpy and isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy()
+    if not to_numpy and isinstance(value, np.ndarray):
+        return torch.from_numpy(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_portable(v, to_numpy) for v in value)
+    if isinstance(value, dict):
+        return {k: _portable(v, to_numpy) for k, v in value.items()}
+    return value
+
+
 def _worker(fn, rank, world_size, port, queue, args):
     import torch
     import torch.distributed as dist
@@ -21,7 +38,7 @@ def _worker(fn, rank, world_size, port, queue, args):
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-        queue.put((rank, True, fn(rank, world_size, *args)))
+        queue.put((rank, True, _portable(fn(rank, world_size, *args), to_numpy=True)))
     except BaseException:
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -43,7 +60,7 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 300) -> lis
             rank, ok, value = queue.get(timeout=timeout)
             if not ok:
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
-            results[rank] = value
+            results[rank] = _portable(value, to_numpy=False)
     finally:
         for p in procs:
             p.join(timeout=10)

@@ -13,9 +13,10 @@ from dist_utils import run_ranks
 
 from engine.config import ModelConfig
 from engine.model.gpt import GPTModel
-from engine.optim.clip import global_grad_norm, sum_sequence_parallel_grads
+from engine.optim.model_parallel_grads import counted_once, sum_model_parallel_grads
 from engine.parallel.cross_entropy import vocab_parallel_cross_entropy
 from engine.parallel.sharding import ShardSpec, initialize_parameters
+from engine.parallel.state import ParallelState
 
 SEQ, BATCH = 8, 3
 
@@ -44,17 +45,20 @@ def _compare_with_dense(rank, world, config_kwargs, sequence_parallel):
     dense_loss, dense_grads = _loss_and_grads(dense, tokens, labels)
     dense_grads = {n: p.shard_spec.unshard([dense_grads[n]]) for n, p in dense.named_parameters()}
 
-    tp_group = dist.group.WORLD
+    state = ParallelState.create(tp=world, dp=1)
+    tp_group = state.tp_group
     sharded = GPTModel(config, tp_group, sequence_parallel=sequence_parallel)
     initialize_parameters(sharded, seed=7, tp_rank=rank, tp_size=world)
     loss, _ = _loss_and_grads(sharded, tokens, labels)
     params = list(sharded.parameters())
-    sum_sequence_parallel_grads(params, tp_group, world)
+    sum_model_parallel_grads(params, state)
 
     worst = {"loss": (loss - dense_loss).abs().item() / dense_loss.abs().item()}
     # Replicated parameters must be counted once, sharded ones by every rank.
     dense_norm = torch.cat([g.reshape(-1) for g in dense_grads.values()]).norm().item()
-    worst["grad_norm"] = abs(global_grad_norm(params, tp_group, rank, world) - dense_norm) / dense_norm
+    squares = sum(p.grad.pow(2).sum() for p in params if counted_once(p, rank))
+    dist.all_reduce(squares)
+    worst["grad_norm"] = abs(squares.sqrt().item() - dense_norm) / dense_norm
     for name, param in sharded.named_parameters():
         shards = [torch.empty_like(param.grad) for _ in range(world)]
         dist.all_gather(shards, param.grad.contiguous())

@@ -90,6 +90,8 @@ def build_sample_indices(document_lengths: np.ndarray, document_ids: np.ndarray,
     starts = np.arange(num_samples + 1, dtype=np.int64) * seq_length
     # side="right" places a boundary in the document that holds its token, skipping empty ones.
     positions = np.searchsorted(ends, starts, side="right")
+    # megatron-core starts at the first document even when it is empty; the tokens are the same.
+    positions[0] = 0
     # Offsets fit int32 because sequence lengths are int32 in the .idx format.
     sample_index = np.empty((num_samples + 1, 2), dtype=_smallest_int(len(document_index)))
     sample_index[:, 0] = positions

@@ -37,6 +37,7 @@ class GPTModel(torch.nn.Module):
             self.embedding = VocabParallelEmbedding(config.vocab_size, self.padded_vocab, config.hidden_size,
                                                     tp_group, init_std=config.init_std,
                                                     sequence_parallel=self.sequence_parallel)
+            self.embedding.weight.tied_embedding = config.tie_embeddings
             if config.position_embedding == "learned":
                 self.position_embedding = make_parameter(
                     ShardSpec((config.max_position_embeddings, config.hidden_size)), tp,
@@ -52,7 +53,7 @@ class GPTModel(torch.nn.Module):
                 if config.tie_embeddings:
                     # The last pipeline stage's copy of the tied embedding: same init, grads summed.
                     self.output_weight.init_name = "embedding.weight"
-                    self.output_weight.tied_copy = True
+                    self.output_weight.tied_embedding = self.output_weight.tied_copy = True
 
     def _rotary(self, seq_length: int, device) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.config.position_embedding != "rope":

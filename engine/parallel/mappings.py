@@ -13,8 +13,9 @@ import torch.distributed as dist
 Group = dist.ProcessGroup | None
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# Used by the TP layers here and by the ZeRO-1 gradient and parameter buffers.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def group_size(group: Group) -> int:
@@ -43,7 +44,7 @@ def _gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     x = x.contiguous()
     if dim == 0:
         out = torch.empty((x.shape[0] * size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-        _all_gather_single(out, x, group=group)
+        all_gather_single(out, x, group=group)
         return out
     parts = [torch.empty_like(x) for _ in range(size)]
     dist.all_gather(parts, x, group=group)
@@ -55,7 +56,7 @@ def _reduce_scatter_first_dim(x: torch.Tensor, group: Group) -> torch.Tensor:
     if x.shape[0] % size:
         raise ValueError(f"sequence length {x.shape[0]} does not split into {size} parts")
     out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _reduce_scatter_single(out, x.contiguous(), group=group)
+    reduce_scatter_single(out, x.contiguous(), group=group)
     return out
 
 

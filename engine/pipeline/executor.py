@@ -47,12 +47,13 @@ class PipelineExecutor:
         return chunk * self.state.pp_size + self.state.pp_rank
 
     def run(self, ops: list[Op], microbatches: list[tuple[torch.Tensor, torch.Tensor]], tokens_in_batch: int,
-            on_last_backward: Callable[[bool], None] | None = None, record: bool = False) -> torch.Tensor:
+            on_last_backward: Callable[[bool], None] | None = None, record: bool = False,
+            loss_scale: float = 1.0) -> torch.Tensor:
         """Execute the ops; returns this rank's share of the loss (nonzero on the last stage only).
 
         `on_last_backward(flag)` is told before each backward whether it is the chunk's last in
         this step (when gradient reduction may start). With `record`, the compute ops' wall-clock
-        times replace `self.timeline`.
+        times replace `self.timeline`. The last stage back-propagates loss * loss_scale (fp16).
         """
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         inputs, outputs, outgoing, received = {}, {}, {}, {}
@@ -82,7 +83,7 @@ class PipelineExecutor:
                     on_last_backward(op.microbatch == last_microbatch)
                 hidden, output = inputs.pop(key), outputs.pop(key)
                 if stage == self.num_stages - 1:
-                    output.backward()
+                    (output * loss_scale if loss_scale != 1.0 else output).backward()
                 else:
                     grad = received.pop(("grad", op.microbatch, stage + 1)).to(output.dtype)
                     _backward_from(output, grad)

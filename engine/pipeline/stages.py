@@ -3,13 +3,10 @@
 Virtual stage s = c*P + r is chunk c of pipeline rank r. The first stage holds the embedding,
 the last the final norm, output layer and loss. With tied embeddings and P > 1, the last stage
 holds a copy of the embedding (initialised from the same name, so identical) whose gradient is
-summed with the first stage's over the embedding group, which keeps the two in step.
+summed with the first stage's over the embedding group (engine/optim/model_parallel_grads.py).
 """
 
 from __future__ import annotations
-
-import torch
-import torch.distributed as dist
 
 from engine.config import LoomConfig
 from engine.model.gpt import GPTModel
@@ -32,24 +29,3 @@ def build_chunks(config: LoomConfig, state: ParallelState, streams: RNGStreams |
                                layer_ids=stage_layers(config.model.num_layers, pp, vp, stage),
                                pre_process=stage == 0, post_process=stage == pp * vp - 1, streams=streams))
     return chunks
-
-
-def tied_embedding_params(chunks: list[GPTModel]) -> list[torch.nn.Parameter]:
-    """The embedding weights shared between the first and the last stage held by this rank."""
-    params = []
-    for chunk in chunks:
-        if not chunk.config.tie_embeddings:
-            continue
-        if chunk.pre_process:
-            params.append(chunk.embedding.weight)
-        elif chunk.post_process:
-            params.append(chunk.output_weight)
-    return params
-
-
-def sum_tied_embedding_grads(chunks: list[GPTModel], state: ParallelState) -> None:
-    """Make the first and last stage's copies of a tied embedding receive the same (summed) gradient."""
-    if state.pp_size == 1 or not chunks[0].config.tie_embeddings:
-        return
-    for param in tied_embedding_params(chunks):
-        dist.all_reduce(param.grad, group=state.embedding_group)

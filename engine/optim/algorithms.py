@@ -1,0 +1,126 @@
+"""Optimizers torch does not ship in the form a sharded model needs: LAMB and Adafactor.
+
+Both need statistics of *whole* parameters (LAMB: the norms of the weights and of the update;
+Adafactor: row and column means of squared gradients, the update's RMS), while a rank may hold
+only a TP shard (and, for LAMB under ZeRO-1, a DP piece). Partial sums are therefore combined
+by a callback over the right groups; with no sharding the callbacks are identities and both
+reduce to the published single-device algorithms (You et al. 2019; Shazeer & Stern 2018).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+
+class Lamb(torch.optim.Optimizer):
+    """LAMB with Adam bias correction and decoupled weight decay inside the trust ratio."""
+
+    def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, param_ids: dict[int, int],
+                 num_params: int, reduce: Callable[[torch.Tensor], torch.Tensor]):
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0})
+        self.param_ids, self.num_params, self.reduce = param_ids, num_params, reduce
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        updates, device = [], None
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                device = p.device
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
+                state["step"] += 1
+                state["exp_avg"].mul_(beta1).add_(p.grad, alpha=1 - beta1)
+                state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                m_hat = state["exp_avg"] / (1 - beta1 ** state["step"])
+                v_hat = state["exp_avg_sq"] / (1 - beta2 ** state["step"])
+                update = m_hat / (v_hat.sqrt() + group["eps"]) + group["weight_decay"] * p
+                updates.append((group, p, update))
+        if not updates:
+            return None
+        sums = torch.zeros(self.num_params, 2, dtype=torch.float32, device=device)
+        for _, p, update in updates:
+            row = self.param_ids[id(p)]
+            sums[row, 0] += p.float().pow(2).sum()
+            sums[row, 1] += update.float().pow(2).sum()
+        norms = self.reduce(sums).sqrt()
+        for group, p, update in updates:
+            weight_norm, update_norm = norms[self.param_ids[id(p)]]
+            trust = weight_norm / update_norm if weight_norm > 0 and update_norm > 0 else 1.0
+            p.add_(update, alpha=-group["lr"] * float(trust))
+        return None
+
+
+class Adafactor(torch.optim.Optimizer):
+    """Adafactor with an external learning rate: factored second moments for matrices, update
+    clipping at RMS 1, decay rate t^-0.8, no first moment. TP shards see whole-parameter
+    statistics through all-reduces over the TP group; padded vocabulary rows are left out."""
+
+    def __init__(self, params, lr: float, tp_group=None, tp_rank: int = 0, tp_size: int = 1, eps: float = 1e-30,
+                 clip_threshold: float = 1.0, decay_rate: float = -0.8):
+        super().__init__(params, {"lr": lr, "weight_decay": 0.0})
+        self.tp_group, self.tp_rank, self.tp_size = tp_group, tp_rank, tp_size
+        self.eps, self.clip_threshold, self.decay_rate = eps, clip_threshold, decay_rate
+
+    def _sum(self, x: torch.Tensor, sharded: bool) -> torch.Tensor:
+        if sharded and self.tp_size > 1:
+            dist.all_reduce(x, group=self.tp_group)
+        return x
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                state["step"] = state.get("step", 0) + 1
+                beta2 = 1.0 - state["step"] ** self.decay_rate
+                update = self._update(p, p.grad.float(), state, beta2)
+                if group["weight_decay"]:
+                    p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_(update.to(p.dtype), alpha=-group["lr"])
+        return None
+
+    def _update(self, p: torch.Tensor, grad: torch.Tensor, state: dict, beta2: float) -> torch.Tensor:
+        spec = getattr(p, "shard_spec", None)
+        split = spec.dim if spec is not None and self.tp_size > 1 else None
+        full_shape = spec.full_shape if spec is not None else tuple(p.shape)
+        valid_rows = _valid_rows(p, spec, self.tp_rank)
+        squared = grad.pow(2) + self.eps
+        if p.dim() >= 2:
+            if "row" not in state:
+                state["row"], state["col"] = squared.new_zeros(p.shape[0]), squared.new_zeros(p.shape[1])
+            rows, cols = full_shape[0], full_shape[1]
+            row_mean = self._sum(squared.sum(dim=1), split == 1) / cols
+            col_mean = self._sum(squared[:valid_rows].sum(dim=0), split == 0) / rows
+            state["row"].mul_(beta2).add_(row_mean, alpha=1 - beta2)
+            state["col"].mul_(beta2).add_(col_mean, alpha=1 - beta2)
+            row_average = self._sum(state["row"][:valid_rows].sum().reshape(1), split == 0) / rows
+            update = grad * torch.outer((state["row"] / row_average).rsqrt(), state["col"].rsqrt())
+            update[valid_rows:] = 0
+        else:
+            if "sq" not in state:
+                state["sq"] = torch.zeros_like(squared)
+            state["sq"].mul_(beta2).add_(squared, alpha=1 - beta2)
+            update = grad * state["sq"].rsqrt()
+        numel = 1
+        for size in full_shape:
+            numel *= size
+        rms = (self._sum(update.pow(2).sum().reshape(1), split is not None) / numel).sqrt()
+        return update / torch.clamp(rms / self.clip_threshold, min=1.0)
+
+
+def _valid_rows(p: torch.Tensor, spec, tp_rank: int) -> int:
+    """Rows of this shard that are real (not vocabulary padding, which sits at the end)."""
+    if spec is None or spec.padded_size is None or spec.dim != 0:
+        return p.shape[0]
+    first = p.shape[0] * tp_rank
+    return max(0, min(p.shape[0], spec.full_shape[0] - first))

@@ -1,0 +1,198 @@
+"""DistributedOptimizer: fp32 master weights, mixed precision, and ZeRO-1 sharding of optimizer state.
+
+The optimizer steps *segments*: pieces of parameters in fp32. Without ZeRO-1 a segment is a
+whole parameter, held by every DP rank (for fp32 parameters it is the parameter itself: no
+copy). With ZeRO-1 each DP rank holds segments only for its chunk of every gradient bucket, so
+master weights and optimizer state are split DP ways; after the step every rank writes its
+updated chunk into a flat parameter buffer (the model's parameters are views of it) and the
+buckets are all-gathered. The global gradient norm, the fp16 inf check and LAMB's per-parameter
+norms each take one collective over the ranks that own a piece.
+
+Supported: AdamW, SGD and LAMB with or without ZeRO-1; Adafactor without ZeRO-1 (its factored
+moments need whole matrices).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from engine.config import OptimConfig
+from engine.optim.algorithms import Adafactor, Lamb
+from engine.optim.grad_buffer import GradBuffer
+from engine.optim.loss_scaler import LossScaler
+from engine.parallel.mappings import all_gather_single
+from engine.parallel.state import ParallelState
+
+
+@dataclass
+class Segment:
+    param: torch.nn.Parameter
+    start: int
+    """First element of the segment in the flattened parameter."""
+    end: int
+    buffer_start: int
+    """Where the segment's gradient sits in the gradient buffer (-1: in param.grad)."""
+    master: torch.Tensor
+    """fp32 weights the optimizer updates (the parameter itself when that needs no copy)."""
+
+    @property
+    def aliases_param(self) -> bool:
+        return self.master is self.param
+
+
+def layer_of(name: str, num_layers: int) -> int:
+    """0 for embeddings, i+1 for block i, num_layers+1 for the final norm and output layer."""
+    if name.startswith("layers."):
+        return int(name.split(".")[1]) + 1
+    return 0 if name.startswith(("embedding", "position_embedding")) else num_layers + 1
+
+
+class DistributedOptimizer:
+    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], grads: GradBuffer, config: OptimConfig,
+                 state: ParallelState, num_layers: int, loss_scaler: LossScaler | None = None):
+        self.config, self.state, self.grads, self.loss_scaler = config, state, grads, loss_scaler
+        self.zero1 = config.zero1
+        self.names = {p: n for n, p in named_params}
+        self.param_index = {p: i for i, (_, p) in enumerate(named_params)}
+        self.segments = self._make_segments()
+        self.param_buffer = self._make_param_buffer() if self.zero1 else None
+        self.inner = self._build_inner(num_layers)
+
+    # -- construction -----------------------------------------------------------------------
+    def _make_segments(self) -> list[Segment]:
+        if not self.grads.enabled:  # fp32, one DP rank: step the parameters themselves
+            return [Segment(p, 0, p.numel(), -1, p) for p in self.grads.params]
+        segments = []
+        for lo, hi in self.grads.owned_ranges():
+            for param in self.grads.params:
+                offset = self.grads.offsets[param]
+                start, end = max(lo, offset), min(hi, offset + param.numel())
+                if start >= end:
+                    continue
+                whole = end - start == param.numel()
+                if whole and param.dtype == torch.float32 and not self.zero1:
+                    master = param
+                else:
+                    flat = param.detach().reshape(-1)[start - offset:end - offset].float().clone()
+                    master = flat.view_as(param) if whole else flat
+                    master.shard_spec = param.shard_spec
+                segments.append(Segment(param, start - offset, end - offset, start, master))
+        return segments
+
+    def _make_param_buffer(self) -> torch.Tensor:
+        """One flat tensor laid out like the gradient buffer; parameters become views of it."""
+        first = self.grads.params[0]
+        buffer = torch.zeros(self.grads.data.numel(), dtype=first.dtype, device=first.device)
+        for param in self.grads.params:
+            offset = self.grads.offsets[param]
+            view = buffer[offset:offset + param.numel()].view_as(param)
+            view.copy_(param.detach())
+            param.data = view
+        return buffer
+
+    def _build_inner(self, num_layers: int) -> torch.optim.Optimizer:
+        c = self.config
+        groups: dict[tuple[float, float], list[torch.Tensor]] = {}
+        for seg in self.segments:
+            decay = c.weight_decay if seg.param.ndim >= 2 else 0.0
+            scale = c.layer_lr_decay ** (num_layers + 1 - layer_of(self.names[seg.param], num_layers))
+            groups.setdefault((decay, scale), []).append(seg.master)
+        param_groups = [{"params": ps, "weight_decay": wd, "lr_scale": s} for (wd, s), ps in groups.items()]
+        fused = self.segments[0].master.is_cuda or None
+        if c.name == "adamw":
+            return torch.optim.AdamW(param_groups, lr=c.lr, betas=(c.beta1, c.beta2), eps=c.eps, fused=fused)
+        if c.name == "sgd":
+            return torch.optim.SGD(param_groups, lr=c.lr, momentum=c.momentum)
+        if c.name == "lamb":
+            ids = {id(seg.master): self.param_index[seg.param] for seg in self.segments}
+            return Lamb(param_groups, lr=c.lr, betas=(c.beta1, c.beta2), eps=c.eps,
+                        param_ids=ids, num_params=len(self.param_index), reduce=self._reduce_per_param)
+        if c.name == "adafactor":
+            return Adafactor(param_groups, lr=c.lr, tp_group=self.state.tp_group, tp_rank=self.state.tp_rank,
+                             tp_size=self.state.tp_size)
+        raise ValueError(f"unknown optimizer {c.name!r}")
+
+    # -- collectives over owners --------------------------------------------------------------
+    def _counts(self, seg: Segment) -> bool:
+        """Whether this rank's copy of the segment counts toward a global sum (each piece once)."""
+        if getattr(seg.param, "tied_copy", False):
+            return False
+        if seg.param.shard_spec.is_replicated and self.state.tp_rank != 0:
+            return False
+        return self.zero1 or self.state.dp_rank == 0
+
+    def _reduce_per_param(self, partial: torch.Tensor) -> torch.Tensor:
+        """Sum per-parameter partial sums (rows indexed like named_params) over DP pieces and TP shards."""
+        if self.zero1 and self.state.dp_size > 1:
+            dist.all_reduce(partial, group=self.state.dp_group)
+        if self.state.tp_size > 1:
+            replicated = torch.tensor([p.shard_spec.is_replicated for p in self.param_index],
+                                      device=partial.device)
+            if self.state.tp_rank != 0:
+                partial[replicated] = 0
+            dist.all_reduce(partial, group=self.state.tp_group)
+        return partial
+
+    def _grad(self, seg: Segment) -> torch.Tensor:
+        if seg.buffer_start < 0:
+            return seg.param.grad
+        return self.grads.data[seg.buffer_start:seg.buffer_start + seg.end - seg.start].view_as(seg.master)
+
+    def grad_norm(self) -> float:
+        squares = torch.zeros((), dtype=torch.float32, device=self.segments[0].master.device)
+        for seg in self.segments:
+            if self._counts(seg):
+                squares += self._grad(seg).float().pow(2).sum()
+        if self.state.world_size > 1:
+            dist.all_reduce(squares)
+        return math.sqrt(squares.item())
+
+    # -- the step -----------------------------------------------------------------------------
+    def step(self, lr: float) -> dict:
+        """Unscale (fp16), check, clip and apply this step's gradients; returns grad_norm and skipped."""
+        for seg in self.segments:
+            if not seg.aliases_param:
+                seg.master.grad = self._grad(seg)
+        if self.loss_scaler is not None:
+            torch._foreach_mul_([s.master.grad for s in self.segments], 1.0 / self.loss_scaler.scale)
+        norm = self.grad_norm()
+        if self.loss_scaler is not None:
+            skipped = self.loss_scaler.update(found_inf=not math.isfinite(norm))
+            if skipped:
+                return {"grad_norm": norm, "skipped": True}
+        if self.config.clip_grad > 0 and math.isfinite(norm) and norm > self.config.clip_grad:
+            torch._foreach_mul_([s.master.grad for s in self.segments], self.config.clip_grad / (norm + 1e-6))
+        for group in self.inner.param_groups:
+            group["lr"] = lr * group["lr_scale"]
+        self.inner.step()
+        self._publish()
+        return {"grad_norm": norm, "skipped": False}
+
+    @torch.no_grad()
+    def _publish(self) -> None:
+        """Copy updated master weights into the model's parameters (all-gathering them under ZeRO-1)."""
+        for seg in self.segments:
+            if not seg.aliases_param:
+                seg.param.view(-1)[seg.start:seg.end].copy_(seg.master.reshape(-1))
+        if self.param_buffer is None or self.state.dp_size == 1:
+            return
+        handles = []
+        for bucket in self.grads.buckets:
+            lo, hi = bucket.chunk(self.state.dp_rank, self.state.dp_size)
+            mine = self.param_buffer[lo:hi].clone()
+            handles.append(all_gather_single(self.param_buffer[bucket.start:bucket.end], mine,
+                                             group=self.state.dp_group, async_op=True))
+        for handle in handles:
+            handle.wait()
+
+    def state_bytes(self) -> int:
+        """Bytes of master weights (copies only) and optimizer state this rank holds."""
+        total = sum(s.master.numel() * s.master.element_size() for s in self.segments if not s.aliases_param)
+        for state in self.inner.state.values():
+            total += sum(v.numel() * v.element_size() for v in state.values()
+                         if torch.is_tensor(v) and v.dim() > 0)
+        return total
