@@ -43,8 +43,12 @@ def run_rank(config: LoomConfig) -> list[dict]:
     try:
         trainer = Trainer(config, local_rank=local_rank)
         try:
-            return trainer.run()
+            rows = trainer.run()
         finally:
             trainer.close()
+        # Leave together: with ranks tearing down gloo groups at different times, we have seen
+        # gloo abort (SIGABRT) a rank at exit after ZeRO-1's asynchronous all-gathers.
+        dist.barrier()
+        return rows
     finally:
         dist.destroy_process_group()

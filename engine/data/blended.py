@@ -25,6 +25,8 @@ MAX_DATASETS = int(np.iinfo(np.int16).max)
 _SEGMENT = 512
 _WARMUP = 64
 _MAX_PASSES = 4
+# Below this many samples the plain loop beats the lock-step segments' fixed cost.
+_LOOP_BELOW = 8192
 
 
 def normalise_weights(weights: Sequence[float]) -> np.ndarray:
@@ -86,8 +88,9 @@ def blend_indices(weights: Sequence[float], size: int) -> tuple[np.ndarray, np.n
     w = normalise_weights(weights)
     if len(w) > MAX_DATASETS:
         raise ValueError(f"at most {MAX_DATASETS} datasets can be blended, got {len(w)}")
-    if size <= 0:
-        return np.zeros(0, np.int16), np.zeros(0, np.int64)
+    if size <= _LOOP_BELOW:
+        choices, drawn = _greedy_loop(w, [0] * len(w), 0, max(size, 0))
+        return np.asarray(choices, dtype=np.int16), np.asarray(drawn, dtype=np.int64)
     segments = -(-size // _SEGMENT)
     starts = np.arange(segments, dtype=np.int64) * _SEGMENT
     begin = np.zeros((segments, len(w)), dtype=np.int64)

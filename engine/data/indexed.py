@@ -139,6 +139,12 @@ class IndexedDataset:
             if ends[worst] > bin_bytes:
                 raise _corrupt(self.bin_path, f"sequence {worst} ends at byte {int(ends[worst])} but the file has "
                                               f"{bin_bytes} bytes (truncated, or paired with another .idx)")
+            # Megatron and loom both write sequences back to back; anything else is a damaged index.
+            gaps = np.flatnonzero(pointers[1:] != ends[:-1])
+            if pointers[0] != 0 or len(gaps):
+                first = 0 if pointers[0] != 0 else int(gaps[0]) + 1
+                raise _corrupt(self.idx_path, f"byte pointer of sequence {first} does not follow the previous "
+                                              f"sequence")
         described = int(lengths.sum(dtype=np.int64)) * item
         if described != bin_bytes:
             raise _corrupt(self.bin_path, f"{bin_bytes} bytes, but {self.idx_path.name} describes {described} "

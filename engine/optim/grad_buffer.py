@@ -142,6 +142,8 @@ class GradBuffer:
             if bucket.scattered is not None:
                 start, end = bucket.chunk(self.dp_rank, self.dp_size)
                 self.data[start:end].copy_(bucket.scattered)
+            # Finished work objects must not outlive the process group (gloo aborts at exit).
+            bucket.handle = bucket.scattered = None
         if not self.reduce_scatter:
             for p in self.params:
                 if p.dtype == p.main_grad.dtype:  # low-precision params keep their fp32 grads in main_grad
