@@ -1,0 +1,138 @@
+"""LAMB and Adafactor against straightforward single-device references written here, on the whole
+(logical) parameters, and the same under TP2 x DP2 sharding (LAMB also with ZeRO-1); fp16 loss
+scaling skips a step with an inf gradient without touching any state."""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_utils import run_ranks
+from engine.config import ModelConfig, OptimConfig
+from engine.model.gpt import GPTModel
+from engine.optim.distributed import DistributedOptimizer
+from engine.optim.grad_buffer import GradBuffer
+from engine.optim.loss_scaler import LossScaler
+from engine.parallel.sharding import initialize_parameters
+from engine.parallel.state import ParallelState
+
+MODEL = dict(num_layers=1, hidden_size=32, num_heads=4, num_kv_heads=2, ffn_hidden_size=48, vocab_size=100,
+             make_vocab_divisible_by=8, norm="layernorm", bias=True)
+LR, WD, BETAS, EPS = 1e-2, 0.1, (0.9, 0.95), 1e-8
+
+
+def reference_lamb(weights, grads, state, step):
+    for name, w in weights.items():
+        g = grads[name]
+        m, v = state.setdefault(name, (torch.zeros_like(w), torch.zeros_like(w)))
+        m.mul_(BETAS[0]).add_(g, alpha=1 - BETAS[0])
+        v.mul_(BETAS[1]).addcmul_(g, g, value=1 - BETAS[1])
+        update = (m / (1 - BETAS[0] ** step)) / ((v / (1 - BETAS[1] ** step)).sqrt() + EPS)
+        if w.ndim >= 2:
+            update = update + WD * w
+        w_norm, u_norm = w.norm(), update.norm()
+        trust = w_norm / u_norm if w_norm > 0 and u_norm > 0 else 1.0
+        w.sub_(LR * trust * update)
+
+
+def reference_adafactor(weights, grads, state, step):
+    beta2 = 1 - step ** -0.8
+    for name, w in weights.items():
+        g = grads[name]
+        sq = g * g + 1e-30
+        if w.ndim >= 2:
+            row, col = state.setdefault(name, (torch.zeros(w.shape[0]), torch.zeros(w.shape[1])))
+            row.mul_(beta2).add_(sq.mean(dim=1), alpha=1 - beta2)
+            col.mul_(beta2).add_(sq.mean(dim=0), alpha=1 - beta2)
+            update = g / torch.sqrt(torch.outer(row / row.mean(), col))
+            w.mul_(1 - LR * WD)
+        else:
+            (v,) = state.setdefault(name, (torch.zeros_like(w),))
+            v.mul_(beta2).add_(sq, alpha=1 - beta2)
+            update = g / v.sqrt()
+        rms = update.pow(2).mean().sqrt()
+        w.sub_(LR * update / max(1.0, rms.item()))
+
+
+def _compare(rank, world, tp, name, zero1):
+    dp = world // tp
+    state = ParallelState.create(tp=tp, dp=dp)
+    config = ModelConfig(**MODEL)
+    model = GPTModel(config, state.tp_group)
+    initialize_parameters(model, seed=3, tp_rank=state.tp_rank, tp_size=tp)
+    named = list(model.named_parameters())
+    params = [p for _, p in named]
+    grads = GradBuffer(params, state.dp_group, dp, state.dp_rank, bucket_bytes=2048, reduce_scatter=zero1)
+    optim = OptimConfig(name=name, lr=LR, min_lr=0.0, weight_decay=WD, beta1=BETAS[0], beta2=BETAS[1], eps=EPS,
+                        clip_grad=0.0, zero1=zero1)
+    optimizer = DistributedOptimizer(named, grads, optim, state, config.num_layers)
+
+    dense = GPTModel(config, None)
+    initialize_parameters(dense, seed=3, tp_rank=0, tp_size=1)
+    specs = {n: p.shard_spec for n, p in named}
+    weights = {n: p.shard_spec.unshard([p.detach().clone()]) for n, p in dense.named_parameters()}
+    reference, ref_state = (reference_lamb if name == "lamb" else reference_adafactor), {}
+    worst = 0.0
+    for step in range(1, 4):
+        generator = torch.Generator().manual_seed(step)
+        full_grads = {n: torch.randn(w.shape, generator=generator) for n, w in weights.items()}
+        grads.start_step()
+        share = 0.25 if state.dp_rank == 0 else 0.75 / max(dp - 1, 1)  # DP shares that sum to the whole
+        for n, p in named:
+            p.main_grad.copy_(specs[n].shard(full_grads[n], state.tp_rank, tp) * (share if dp > 1 else 1.0))
+        grads.finish()
+        optimizer.step(LR)
+        reference(weights, full_grads, ref_state, step)
+        for n, p in named:
+            shards = [torch.empty_like(p) for _ in range(tp)]
+            dist.all_gather(shards, p.detach().contiguous(), group=state.tp_group)
+            worst = max(worst, (specs[n].unshard(shards) - weights[n]).abs().max().item())
+    return worst
+
+
+@pytest.mark.parametrize("name, world, tp, zero1", [
+    ("lamb", 1, 1, False), ("lamb", 4, 2, False), ("lamb", 4, 2, True),
+    ("adafactor", 1, 1, False), ("adafactor", 4, 2, False),
+], ids=["lamb", "lamb-tp2dp2", "lamb-tp2dp2-zero1", "adafactor", "adafactor-tp2dp2"])
+def test_matches_single_device_reference(name, world, tp, zero1):
+    for worst in run_ranks(_compare, world, tp, name, zero1):
+        assert worst < 1e-6
+
+
+def _fp16_skip(rank, world):
+    state = ParallelState.create(tp=1, dp=world)
+    config = ModelConfig(**MODEL)
+    model = GPTModel(config, None)
+    initialize_parameters(model, seed=1, tp_rank=0, tp_size=1)
+    model.half()
+    named = list(model.named_parameters())
+    params = [p for _, p in named]
+    grads = GradBuffer(params, state.dp_group, world, state.dp_rank, bucket_bytes=4096)
+    scaler = LossScaler(initial_scale=1024.0, growth_interval=2, hysteresis=1)
+    optimizer = DistributedOptimizer(named, grads, OptimConfig(lr=1e-3, min_lr=0.0), state, 1, scaler)
+    tokens = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(rank))
+
+    def step(inject_inf=False):
+        grads.start_step()
+        (model(tokens[:, :-1], tokens[:, 1:]).float().mean() * scaler.scale).backward()
+        if inject_inf and rank == world - 1:
+            params[3].main_grad.view(-1)[0] = math.inf
+        grads.finish()
+        return optimizer.step(1e-3)
+
+    log = [(step()["skipped"], scaler.scale)]
+    before = [p.detach().clone() for p in params]
+    moments = [v["exp_avg"].clone() for v in optimizer.inner.state.values()]
+    log.append((step(inject_inf=True)["skipped"], scaler.scale))
+    unchanged = all(torch.equal(a, p) for a, p in zip(before, params)) and all(
+        torch.equal(m, v["exp_avg"]) for m, v in zip(moments, optimizer.inner.state.values()))
+    log += [(step()["skipped"], scaler.scale) for _ in range(2)]
+    return log, unchanged, scaler.skipped_steps
+
+
+def test_fp16_inf_gradient_skips_the_step_and_backs_off():
+    for log, unchanged, skipped in run_ranks(_fp16_skip, 2):
+        # clean step; inf on one rank -> every rank skips and halves; two clean steps -> doubles back
+        assert log == [(False, 1024.0), (True, 512.0), (False, 512.0), (False, 1024.0)]
+        assert unchanged and skipped == 1
