@@ -1,1 +1,1 @@
-"""Offline data preparation: corpus, tokenizer, .bin/.idx building (no torch.distributed needed)."""
+"""Offline data preparation: corpus, JSONL I/O, tokenizer training and .bin/.idx building (no torch here)."""

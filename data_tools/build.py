@@ -1,82 +1,139 @@
-"""Tokenize JSONL documents into a Megatron .bin/.idx dataset with a pool of encoder processes.
+"""Tokenize JSONL documents into a Megatron-format indexed dataset (P.bin + P.idx).
 
-The parent streams the input in batches of documents; workers encode each batch with
-SentencePiece and return numpy arrays; the parent writes them in input order, so memory stays
-flat in corpus size and the output is identical for any worker count. The output appears only
-when complete (IndexedDatasetWriter renames it into place).
+The parent process reads documents and groups them into batches; encoding runs either in-process
+(workers=1, SentencePiece's own threads) or in a spawn-safe process pool where each worker encodes
+whole batches and returns flat numpy arrays. Results are written in input order through
+IndexedDatasetWriter (the only code that knows the byte format), with a bounded number of batches
+in flight so memory stays flat in the size of the corpus. Every document becomes one document in
+the dataset, an empty one included (then just the end-of-document id, if appended). This module
+must not import torch or any engine module other than engine.data.indexed.
 """
 
 from __future__ import annotations
 
-import itertools
-import multiprocessing as mp
+import functools
+import multiprocessing
+import os
+import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections import deque
 from pathlib import Path
+from typing import Iterable, Iterator
 
 import numpy as np
-import sentencepiece as spm
+import sentencepiece
 from tqdm import tqdm
 
-from data_tools.jsonl import ReadStats, iter_documents
+from data_tools.jsonl import InputError, JsonlStats, check_inputs, iter_jsonl
 from engine.data.indexed import IndexedDatasetWriter, dtype_for_vocab
 
-BATCH_DOCUMENTS = 64
-
-_processor: spm.SentencePieceProcessor | None = None
-_eod: int | None = None
-
-
-def _init_worker(model_file: str, eod: int | None) -> None:
-    global _processor, _eod
-    _processor = spm.SentencePieceProcessor(model_file=model_file)
-    _eod = eod
+BATCH_DOCUMENTS = 512
+BATCH_CHARACTERS = 1 << 20
+# Batches queued per worker: enough to keep it busy while the parent writes, few enough to bound memory.
+IN_FLIGHT_PER_WORKER = 3
 
 
-def _encode_batch(texts: list[str]) -> list[np.ndarray]:
-    encoded = _processor.encode(texts)
-    tail = [_eod] if _eod is not None else []
-    return [np.asarray(ids + tail, dtype=np.int32) for ids in encoded]
+@functools.lru_cache(maxsize=4)
+def load_processor(model_path: str) -> sentencepiece.SentencePieceProcessor:
+    """One processor per model and process (workers load it on their first batch)."""
+    return sentencepiece.SentencePieceProcessor(model_file=model_path)
 
 
-def _batches(paths: Iterable[str | Path], text_key: str, stats: ReadStats) -> Iterator[list[str]]:
-    documents = (record[text_key] for record in iter_documents(paths, text_key, stats))
-    while batch := list(itertools.islice(documents, BATCH_DOCUMENTS)):
+def _encode_arrays(processor: sentencepiece.SentencePieceProcessor, texts: list[str],
+                   threads: int) -> list[np.ndarray]:
+    try:
+        return processor.encode(texts, out_type="numpy", num_threads=threads)
+    except (ValueError, TypeError):
+        # SentencePiece before numpy output: go through Python lists.
+        return [np.asarray(ids, dtype=np.int32) for ids in processor.encode(texts, num_threads=threads)]
+
+
+def encode_batch(model_path: str, texts: list[str], eod: int | None, dtype: str,
+                 threads: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens back to back, tokens per document) for a batch of texts, each followed by `eod` if given."""
+    encoded = _encode_arrays(load_processor(model_path), texts, threads)
+    lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
+    flat = np.concatenate(encoded) if encoded else np.zeros(0, np.int32)
+    if eod is None:
+        return flat.astype(dtype, copy=False), lengths
+    lengths += 1
+    tokens = np.empty(int(lengths.sum()), dtype=dtype)
+    ends = np.cumsum(lengths) - 1
+    tokens[ends] = eod
+    is_text = np.ones(tokens.size, dtype=bool)
+    is_text[ends] = False
+    tokens[is_text] = flat
+    return tokens, lengths
+
+
+def iter_batches(records: Iterable[dict], text_key: str) -> Iterator[list[str]]:
+    """Texts grouped into batches of at most BATCH_DOCUMENTS documents or about BATCH_CHARACTERS characters."""
+    batch, characters = [], 0
+    for record in records:
+        text = record[text_key]
+        batch.append(text)
+        characters += len(text)
+        if len(batch) >= BATCH_DOCUMENTS or characters >= BATCH_CHARACTERS:
+            yield batch
+            batch, characters = [], 0
+    if batch:
         yield batch
 
 
-def build_indexed_dataset(inputs: Iterable[str | Path], tokenizer_model: str | Path, output_prefix: str | Path,
-                          workers: int = 1, text_key: str = "text", append_eod: bool = True) -> dict:
-    """Write output_prefix.bin/.idx; returns counts (documents, tokens, bad lines, seconds)."""
-    if not Path(tokenizer_model).is_file():
-        raise FileNotFoundError(f"tokenizer {tokenizer_model} does not exist; train one with `loom data tokenizer`")
-    processor = spm.SentencePieceProcessor(model_file=str(tokenizer_model))
+def _encoded_in_order(batches: Iterable[list[str]], model_path: str, eod: int | None, dtype: str,
+                      workers: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Encoded batches in input order; with workers > 1 from a spawn pool with bounded look-ahead."""
+    if workers <= 1:
+        threads = os.cpu_count() or 1
+        for batch in batches:
+            yield encode_batch(model_path, batch, eod, dtype, threads)
+        return
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        pending: deque = deque()
+        for batch in batches:
+            pending.append(pool.apply_async(encode_batch, (model_path, batch, eod, dtype)))
+            if len(pending) >= IN_FLIGHT_PER_WORKER * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+def _tokenizer_facts(tokenizer_model: str | Path, append_eod: bool) -> tuple[str, int, int | None]:
+    model_path = Path(tokenizer_model)
+    if not model_path.is_file():
+        raise FileNotFoundError(f"tokenizer {model_path} does not exist; train one with `loom data tokenizer`")
+    processor = load_processor(str(model_path))
     eod = processor.eos_id() if append_eod else None
     if append_eod and eod < 0:
-        raise ValueError(f"tokenizer {tokenizer_model} has no end-of-sequence piece; use --no-append-eod")
-    stats, start, tokens = ReadStats(), time.perf_counter(), 0
-    batches = _batches(list(inputs), text_key, stats)
-    progress = tqdm(desc="build", unit="doc", mininterval=1.0)
-    with IndexedDatasetWriter(output_prefix, dtype_for_vocab(processor.vocab_size())) as writer:
-        if workers > 1:
-            with mp.get_context("spawn").Pool(workers, _init_worker, (str(tokenizer_model), eod)) as pool:
-                tokens = _write_all(pool.imap(_encode_batch, batches, chunksize=1), writer, progress)
-        else:
-            _init_worker(str(tokenizer_model), eod)
-            tokens = _write_all(map(_encode_batch, batches), writer, progress)
-    progress.close()
-    if stats.truncated_files:
-        print(f"warning: truncated input, read up to the damage: {'; '.join(stats.truncated_files)}")
+        raise InputError(f"tokenizer {model_path} has no end-of-document (eos) piece; build without --append-eod "
+                         f"or retrain it with `loom data tokenizer`")
+    return str(model_path), processor.vocab_size(), eod
+
+
+def build_indexed_dataset(inputs: Iterable[str | Path], tokenizer_model: str | Path, output_prefix: str | Path,
+                          workers: int = 1, text_key: str = "text", append_eod: bool = True, *,
+                          progress: bool = True) -> dict:
+    """Tokenize every document of `inputs` into output_prefix.bin/.idx; returns counts and speed."""
+    paths = check_inputs(inputs)
+    model_path, vocab_size, eod = _tokenizer_facts(tokenizer_model, append_eod)
+    dtype = dtype_for_vocab(vocab_size)
+    stats = JsonlStats()
+    documents = tokens = 0
+    start = time.perf_counter()
+    batches = iter_batches(iter_jsonl(paths, text_key=text_key, stats=stats), text_key)
+    bar = tqdm(desc="tokenize", unit="doc", file=sys.stderr, disable=not progress, mininterval=1.0)
+    with bar, IndexedDatasetWriter(output_prefix, dtype) as writer:
+        for batch_tokens, lengths in _encoded_in_order(batches, model_path, eod, dtype.name, workers):
+            writer.add_documents(batch_tokens, lengths)
+            documents += len(lengths)
+            tokens += batch_tokens.size
+            bar.update(len(lengths))
+            bar.set_postfix(tokens=f"{tokens / 1e6:.1f}M", refresh=False)
+        if documents == 0:
+            raise InputError(f"no documents with a string {text_key!r} field in {', '.join(map(str, paths))}; "
+                             f"nothing written")
     seconds = time.perf_counter() - start
-    return {**stats.as_dict(), "tokens": tokens, "seconds": round(seconds, 2),
-            "tokens_per_s": round(tokens / seconds) if seconds else None}
-
-
-def _write_all(encoded_batches: Iterable[list[np.ndarray]], writer: IndexedDatasetWriter, progress: tqdm) -> int:
-    tokens = 0
-    for batch in encoded_batches:
-        for ids in batch:
-            writer.add_document(ids)
-            tokens += ids.size
-        progress.update(len(batch))
-    return tokens
+    return {"output_prefix": str(output_prefix), "documents": documents, "tokens": tokens,
+            "bad_lines": stats.bad_lines, "seconds": round(seconds, 2),
+            "tokens_per_s": round(tokens / seconds), "docs_per_s": round(documents / seconds),
+            "dtype": dtype.name, "vocab_size": vocab_size, "input": stats.as_dict()}

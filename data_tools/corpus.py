@@ -1,43 +1,73 @@
 """The embedded default corpus: this interpreter's Python standard library, one document per .py file.
 
-Deterministic (sorted paths) and needs no download. Files that are not valid UTF-8 are counted
-and skipped; site-packages and caches are not part of it.
+It needs no download, so the whole pipeline runs anywhere. Files are visited in sorted order, so
+the corpus is deterministic for a given Python build; site-packages and __pycache__ are skipped,
+test suites are kept. This module only collects documents; it must not clean or tokenize them.
 """
 
 from __future__ import annotations
 
+import sys
 import sysconfig
-from collections.abc import Iterator
+import tokenize
 from pathlib import Path
+from typing import Iterator
 
 from tqdm import tqdm
 
-from data_tools.jsonl import write_jsonl_atomic
+from data_tools.jsonl import InputError, write_jsonl_atomic
 
-SKIPPED_DIRECTORIES = {"site-packages", "dist-packages", "__pycache__"}
-
-
-def stdlib_sources() -> list[Path]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(p for p in root.rglob("*.py") if not SKIPPED_DIRECTORIES & set(p.relative_to(root).parts))
+SOURCE_NAME = "python-stdlib"
+_SKIPPED_DIRECTORIES = frozenset({"site-packages", "dist-packages", "__pycache__"})
 
 
-def _documents(files: list[Path], root: Path, counts: dict) -> Iterator[dict]:
-    for path in tqdm(files, desc="corpus", unit="file", mininterval=1.0):
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            counts["unreadable"] += 1
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_sources(root: Path) -> list[Path]:
+    """Every .py file under root outside site-packages and __pycache__, sorted by relative path."""
+    files = [path for path in root.rglob("*.py")
+             if path.is_file() and not _SKIPPED_DIRECTORIES.intersection(path.relative_to(root).parts)]
+    return sorted(files, key=lambda path: path.relative_to(root).as_posix())
+
+
+def read_source(path: Path) -> str | None:
+    """The text of a Python file in its declared encoding (PEP 263), or None if it does not decode."""
+    data = path.read_bytes()
+    try:
+        encoding, _ = tokenize.detect_encoding(iter(data.splitlines(keepends=True)).__next__)
+        return data.decode(encoding)
+    except (SyntaxError, UnicodeDecodeError, LookupError):
+        return None
+
+
+def _documents(files: list[Path], root: Path, counts: dict, progress: bool) -> Iterator[dict]:
+    for path in tqdm(files, desc="stdlib corpus", unit="file", file=sys.stderr, disable=not progress,
+                     mininterval=1.0):
+        text = read_source(path)
+        if text is None:
+            counts["undecodable"] += 1
             continue
         counts["documents"] += 1
-        counts["bytes"] += len(text.encode("utf-8"))
-        yield {"id": f"stdlib/{path.relative_to(root).as_posix()}", "text": text, "source": "python-stdlib"}
+        counts["empty"] += not text
+        counts["characters"] += len(text)
+        yield {"id": f"stdlib/{path.relative_to(root).as_posix()}", "text": text, "source": SOURCE_NAME}
 
 
-def build_stdlib_corpus(output: Path, max_docs: int | None = None) -> dict:
-    """Write the corpus as JSONL to `output`; returns counts (documents, bytes, unreadable files)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = stdlib_sources()[:max_docs]
-    counts = {"files": len(files), "documents": 0, "bytes": 0, "unreadable": 0}
-    write_jsonl_atomic(output, _documents(files, root, counts))
-    return counts
+def build_stdlib_corpus(output: Path, max_docs: int | None = None, *, progress: bool = True) -> dict:
+    """Write the corpus as JSONL to `output` (atomically); returns counts of what was written and skipped."""
+    output = Path(output)
+    root = stdlib_root()
+    files = stdlib_sources(root)
+    if not files:
+        raise FileNotFoundError(f"no .py files under {root}; this Python has no standard library sources")
+    counts = {"documents": 0, "empty": 0, "undecodable": 0, "characters": 0}
+    documents = _documents(files, root, counts, progress)
+    if max_docs is not None:
+        if max_docs < 0:
+            raise InputError(f"max_docs must be >= 0, got {max_docs}")
+        # range comes first so that zip stops before pulling (and counting) one document too many.
+        documents = (doc for _, doc in zip(range(max_docs), documents))
+    write_jsonl_atomic(output, documents)
+    return {**counts, "files": len(files), "bytes": output.stat().st_size, "output": str(output)}

@@ -1,5 +1,10 @@
-"""Streaming JSONL input (.jsonl, .jsonl.gz, .jsonl.zst) that counts bad lines instead of crashing,
-and atomic JSONL output. Every line read is accounted for in `ReadStats`."""
+"""Streaming JSONL input and atomic JSONL output for every data step (.jsonl, .jsonl.gz, .jsonl.zst).
+
+Readers yield one dict per good line and count bad lines (invalid JSON, a missing or non-string
+text field, bytes that are not UTF-8) in a JsonlStats instead of stopping: real corpora always
+hold a few. Memory stays flat in the size of the input. This module must not tokenize or filter
+documents; it only moves them in and out of files.
+"""
 
 from __future__ import annotations
 
@@ -7,98 +12,144 @@ import gzip
 import io
 import json
 import os
-from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import IO, Iterable, Iterator
+
+from data_tools.atomic import atomic_path
+
+ZSTD_SUFFIXES = (".zst", ".zstd")
+
+
+class InputError(ValueError):
+    """An input that cannot be read at all; the one-line message says which and what to do."""
 
 
 @dataclass
-class ReadStats:
+class JsonlStats:
+    """What a reader saw: lines read, documents yielded and bad lines by reason."""
+
+    files: int = 0
     lines: int = 0
     documents: int = 0
+    blank_lines: int = 0
     invalid_json: int = 0
-    not_an_object: int = 0
-    missing_text_key: int = 0
+    missing_text: int = 0
     invalid_utf8: int = 0
-    truncated_files: list[str] = field(default_factory=list)
 
     @property
     def bad_lines(self) -> int:
-        return self.invalid_json + self.not_an_object + self.missing_text_key + self.invalid_utf8
+        return self.invalid_json + self.missing_text + self.invalid_utf8
 
     def as_dict(self) -> dict:
         return {**asdict(self), "bad_lines": self.bad_lines}
 
 
-def open_binary(path: str | Path) -> BinaryIO:
+def _zstandard(path: Path):
+    try:
+        import zstandard
+    except ImportError:
+        raise InputError(f"{path} is zstd-compressed; install the decoder with `pip install zstandard`") from None
+    return zstandard
+
+
+def open_input(path: str | Path) -> IO[bytes]:
+    """A binary stream over a plain, gzip or zstd file, chosen by its suffix."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"input {path} does not exist")
     if path.suffix == ".gz":
         return gzip.open(path, "rb")
-    if path.suffix == ".zst":
-        try:
-            import zstandard
-        except ImportError:
-            raise FileNotFoundError(f"{path}: reading .zst needs the zstandard package (pip install zstandard)") \
-                from None
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True))
+    if path.suffix in ZSTD_SUFFIXES:
+        decompressor = _zstandard(path).ZstdDecompressor()
+        return io.BufferedReader(decompressor.stream_reader(open(path, "rb"), closefd=True))
     return open(path, "rb")
 
 
-def iter_documents(paths: Iterable[str | Path], text_key: str = "text",
-                   stats: ReadStats | None = None) -> Iterator[dict]:
-    """Yield each valid JSON object whose `text_key` is a string; count everything else in `stats`."""
-    stats = stats if stats is not None else ReadStats()
-    for path in paths:
-        with open_binary(path) as stream:
-            try:
-                for raw in stream:
-                    record = _parse_line(raw, text_key, stats)
-                    if record is not None:
-                        stats.documents += 1
-                        yield record
-            except (EOFError, gzip.BadGzipFile, OSError) as error:
-                stats.truncated_files.append(f"{path}: {error}")
+def _as_paths(paths: str | Path | Iterable[str | Path]) -> list[Path]:
+    if isinstance(paths, (str, os.PathLike)):
+        return [Path(paths)]
+    return [Path(p) for p in paths]
 
 
-def _parse_line(raw: bytes, text_key: str, stats: ReadStats) -> dict | None:
-    if not raw.strip():
-        return None
-    stats.lines += 1
+def check_inputs(paths: str | Path | Iterable[str | Path]) -> list[Path]:
+    """The input paths, after checking up front that each exists and can be decompressed."""
+    checked = _as_paths(paths)
+    if not checked:
+        raise FileNotFoundError("no input files given")
+    for path in checked:
+        if not path.is_file():
+            raise FileNotFoundError(f"input {path} does not exist")
+        if path.suffix in ZSTD_SUFFIXES:
+            _zstandard(path)
+    return checked
+
+
+def _parse_line(raw: bytes, text_key: str, stats: JsonlStats) -> dict | None:
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError:
         stats.invalid_utf8 += 1
         return None
+    if not line.strip():
+        stats.blank_lines += 1
+        return None
     try:
         record = json.loads(line)
-    except json.JSONDecodeError:
+    except ValueError:
         stats.invalid_json += 1
         return None
     if not isinstance(record, dict):
-        stats.not_an_object += 1
+        stats.invalid_json += 1
         return None
-    if not isinstance(record.get(text_key), str):
-        stats.missing_text_key += 1
+    text = record.get(text_key)
+    if not isinstance(text, str):
+        stats.missing_text += 1
         return None
+    # JSON may escape lone surrogates, which no tokenizer or UTF-8 file can hold.
+    if "\\u" in line and not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            stats.invalid_utf8 += 1
+            return None
     return record
 
 
+def iter_jsonl(paths: str | Path | Iterable[str | Path], text_key: str = "text",
+               stats: JsonlStats | None = None) -> Iterator[dict]:
+    """Yield every good record (a dict whose `text_key` is a string) of the files, in order."""
+    stats = stats if stats is not None else JsonlStats()
+    for path in _as_paths(paths):
+        with open_input(path) as stream:
+            stats.files += 1
+            try:
+                for raw in stream:
+                    stats.lines += 1
+                    record = _parse_line(raw.rstrip(b"\r\n"), text_key, stats)
+                    if record is not None:
+                        stats.documents += 1
+                        yield record
+            except (EOFError, OSError) as error:
+                raise InputError(f"{path} is truncated or corrupt after line {stats.lines}: {error}") from None
+
+
 def write_jsonl_atomic(path: str | Path, records: Iterable[dict]) -> int:
-    """Write records to `path` through a temporary file renamed when complete; returns the count."""
+    """Write records one per line (compressed by suffix) under a temporary name, then rename; returns the count."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     count = 0
-    try:
-        opener = gzip.open if path.suffix == ".gz" else open
-        with opener(tmp, "wt", encoding="utf-8") as out:
+    with atomic_path(path) as tmp:
+        with _writer(path, tmp) as out:
             for record in records:
-                out.write(json.dumps(record, ensure_ascii=False) + "\n")
+                out.write(json.dumps(record, ensure_ascii=False).encode("utf-8") + b"\n")
                 count += 1
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
     return count
+
+
+def _writer(final: Path, tmp: Path) -> IO[bytes]:
+    """Open tmp for writing with the compression the final name asks for."""
+    if final.suffix == ".gz":
+        return gzip.open(tmp, "wb", compresslevel=6)
+    if final.suffix in ZSTD_SUFFIXES:
+        return _zstandard(final).ZstdCompressor().stream_writer(open(tmp, "wb"), closefd=True)
+    return open(tmp, "wb", buffering=1 << 20)

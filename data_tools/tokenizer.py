@@ -1,61 +1,109 @@
-"""SentencePiece tokenizer training (BPE or unigram) with LLaMA-style settings, written atomically.
+"""Train a SentencePiece tokenizer (BPE or unigram) on JSONL documents, with LLaMA-style settings.
 
-Documents are fed line by line through a sentence iterator; SentencePiece samples
-`input_sentence_size` of them (shuffled) on large corpora. Identity normalisation, kept
-whitespace and byte fallback mean any text, code included, round-trips exactly.
+Byte fallback (no unknown characters), split digits, identity normalisation and whitespace kept
+as it is (remove_extra_whitespaces off, whitespace-only pieces allowed) so code indentation
+survives a round trip. Documents are fed line by line through a sentence iterator; SentencePiece
+samples `input_sentence_size` of those lines itself. The outputs PREFIX.model / PREFIX.vocab
+appear only when training succeeded. This module must not encode datasets (see build.py).
 """
 
 from __future__ import annotations
 
-import io
 import os
-from collections.abc import Iterable, Iterator
+import time
 from pathlib import Path
+from typing import Iterable, Iterator
 
-import sentencepiece as spm
+import sentencepiece
 
-from data_tools.jsonl import ReadStats, iter_documents
+from data_tools.atomic import temporary_sibling
+from data_tools.jsonl import InputError, JsonlStats, check_inputs, iter_jsonl
 
-SPECIAL_IDS = {"unk_id": 0, "bos_id": 1, "eos_id": 2, "pad_id": 3}
-# Lines longer than this are cut by SentencePiece's trainer; generous for minified code.
-MAX_SENTENCE_LENGTH = 16384
+MODEL_TYPES = ("bpe", "unigram")
+# SentencePiece drops longer lines; long enough for minified code and data tables.
+MAX_SENTENCE_BYTES = 1 << 16
+UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
 
 
-def _lines(paths: Iterable[str | Path], text_key: str, stats: ReadStats) -> Iterator[str]:
-    for record in iter_documents(paths, text_key, stats):
-        for line in record[text_key].splitlines():
-            if line.strip():
+def iter_lines(inputs: Iterable[str | Path], text_key: str, stats: JsonlStats) -> Iterator[str]:
+    """The non-empty lines of every document, in order (newlines are boundaries, never pieces)."""
+    for record in iter_jsonl(inputs, text_key=text_key, stats=stats):
+        for line in record[text_key].split("\n"):
+            if line:
                 yield line
+
+
+class _GuardedIterator:
+    """Keeps an input error for re-raising: SentencePiece would turn it into a bare RuntimeError."""
+
+    def __init__(self, items: Iterator[str]):
+        self._items, self._error = items, None
+
+    def __iter__(self) -> Iterator[str]:
+        try:
+            yield from self._items
+        except Exception as error:  # noqa: BLE001 - re-raised unchanged after training stops
+            self._error = error
+
+    def raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+
+def trainer_options(vocab_size: int, model_type: str, input_sentence_size: int, byte_fallback: bool,
+                    user_defined_symbols: Iterable[str], num_threads: int) -> dict:
+    """The SentencePieceTrainer keyword arguments loom uses (LLaMA-style, code-friendly)."""
+    if model_type not in MODEL_TYPES:
+        raise InputError(f"model_type must be one of {', '.join(MODEL_TYPES)}, got {model_type!r}")
+    if vocab_size < 8:
+        raise InputError(f"vocab_size = {vocab_size} is too small for a tokenizer")
+    return dict(
+        vocab_size=vocab_size, model_type=model_type, byte_fallback=byte_fallback, split_digits=True,
+        normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=False,
+        allow_whitespace_only_pieces=True, split_by_whitespace=True, character_coverage=0.9999,
+        # A small corpus may not support vocab_size pieces; a smaller vocabulary beats a failed demo.
+        hard_vocab_limit=False,
+        max_sentence_length=MAX_SENTENCE_BYTES, input_sentence_size=input_sentence_size,
+        shuffle_input_sentence=True, user_defined_symbols=list(user_defined_symbols),
+        num_threads=num_threads, minloglevel=1,
+        unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID,
+        unk_piece="<unk>", bos_piece="<s>", eos_piece="</s>", pad_piece="<pad>",
+    )
 
 
 def train_tokenizer(inputs: Iterable[str | Path], output_prefix: str | Path, vocab_size: int,
                     model_type: str = "bpe", text_key: str = "text", input_sentence_size: int = 2_000_000,
-                    byte_fallback: bool = True, user_defined_symbols: tuple[str, ...] = ()) -> dict:
-    """Train and write PREFIX.model / PREFIX.vocab; returns the input statistics."""
-    if model_type not in ("bpe", "unigram"):
-        raise ValueError(f"model type {model_type!r} is not bpe or unigram")
-    stats = ReadStats()
-    model = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=_lines(list(inputs), text_key, stats), model_writer=model,
-        vocab_size=vocab_size, model_type=model_type, input_sentence_size=input_sentence_size,
-        shuffle_input_sentence=True, byte_fallback=byte_fallback, split_digits=True,
-        normalization_rule_name="identity", remove_extra_whitespaces=False, allow_whitespace_only_pieces=True,
-        character_coverage=0.9999, max_sentence_length=MAX_SENTENCE_LENGTH, hard_vocab_limit=False,
-        user_defined_symbols=list(user_defined_symbols), num_threads=os.cpu_count() or 1,
-        minloglevel=2, **SPECIAL_IDS)
-    if stats.documents == 0:
-        raise ValueError(f"no usable documents in the tokenizer input ({stats.bad_lines} bad lines)")
-    _write_atomic(Path(f"{output_prefix}.model"), model.getvalue())
-    processor = spm.SentencePieceProcessor(model_proto=model.getvalue())
-    vocab = "".join(f"{processor.id_to_piece(i)}\t{processor.get_score(i)}\n"
-                    for i in range(processor.vocab_size()))
-    _write_atomic(Path(f"{output_prefix}.vocab"), vocab.encode("utf-8"))
-    return stats.as_dict()
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+                    byte_fallback: bool = True, user_defined_symbols: Iterable[str] = (),
+                    num_threads: int | None = None, seed: int = 0) -> dict:
+    """Train on the documents of `inputs`; writes PREFIX.model and PREFIX.vocab; returns what was seen."""
+    output_prefix = Path(output_prefix)
+    output_prefix.parent.mkdir(parents=True, exist_ok=True)
+    options = trainer_options(vocab_size, model_type, input_sentence_size, byte_fallback, user_defined_symbols,
+                              num_threads or os.cpu_count() or 1)
+    inputs = check_inputs(inputs)
+    stats = JsonlStats()
+    feed = _GuardedIterator(iter_lines(inputs, text_key, stats))
+    tmp_prefix = temporary_sibling(output_prefix)
+    start = time.perf_counter()
+    # Line sampling (input_sentence_size) draws from SentencePiece's own generator.
+    sentencepiece.set_random_generator_seed(seed)
+    try:
+        try:
+            sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(feed), model_prefix=str(tmp_prefix),
+                                                     **options)
+        except RuntimeError as error:
+            feed.raise_if_failed()
+            if stats.documents == 0:
+                raise InputError(f"no documents with a string {text_key!r} field in "
+                                 f"{', '.join(map(str, inputs))}") from None
+            raise InputError(f"SentencePiece training failed: {str(error).strip().splitlines()[-1]}") from None
+        feed.raise_if_failed()
+        # .model is what users point at, so it is renamed last.
+        for suffix in (".vocab", ".model"):
+            os.replace(f"{tmp_prefix}{suffix}", f"{output_prefix}{suffix}")
+    finally:
+        for suffix in (".vocab", ".model"):
+            Path(f"{tmp_prefix}{suffix}").unlink(missing_ok=True)
+    trained = sentencepiece.SentencePieceProcessor(model_file=f"{output_prefix}.model").vocab_size()
+    return {"model": f"{output_prefix}.model", "vocab_size": trained, "model_type": model_type,
+            "seconds": round(time.perf_counter() - start, 2), **stats.as_dict()}

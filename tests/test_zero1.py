@@ -7,13 +7,13 @@ Memory: the bytes of master weights and optimizer state a rank holds, read off t
 import json
 
 import pytest
-
 from dist_utils import run_ranks
+from synthetic_data import write_markov_dataset
+
 from engine.config_io import load_config
 from engine.train import Trainer
 from launch.cli import resolve_config_path
 from launch.local import launch_local
-from synthetic_data import write_markov_dataset
 
 STEPS = 6
 

@@ -1,0 +1,31 @@
+"""Atomic outputs: write under a temporary name beside the target and rename only on success.
+
+A crashed or interrupted step must never leave a file that looks complete. This module knows
+nothing about what is written.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+
+def temporary_sibling(path: str | Path) -> Path:
+    """A name in the same directory (so the final rename is atomic) that no other process uses."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+@contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary path to write; it replaces `path` if the block succeeds and is removed otherwise."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temporary_sibling(path)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

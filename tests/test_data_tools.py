@@ -1,0 +1,136 @@
+"""The offline data path end to end: stdlib corpus -> tokenizer -> .bin/.idx, checked against SentencePiece."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import sentencepiece
+
+from data_tools.build import build_indexed_dataset
+from data_tools.corpus import build_stdlib_corpus, stdlib_root
+from data_tools.jsonl import InputError, JsonlStats, iter_jsonl, write_jsonl_atomic
+from data_tools.tokenizer import train_tokenizer
+from engine.data.indexed import IndexedDataset
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    """A 30-document corpus, a 512-piece BPE tokenizer trained on it, and an empty and a 'bad' document."""
+    root = tmp_path_factory.mktemp("pipeline")
+    corpus = root / "corpus.jsonl"
+    counts = build_stdlib_corpus(corpus, max_docs=30, progress=False)
+    tokenizer = train_tokenizer([corpus], root / "tok", vocab_size=512, model_type="bpe")
+    extra = root / "extra.jsonl.gz"
+    with gzip.open(extra, "wb") as f:
+        f.write(b'{"text": ""}\n{"text": "  indented\\n\\tline \\u00e9\\u4e2d 12345"}\nnot json\n'
+                b'{"id": "no text"}\n{"text": 7}\n\xff\xfe bad bytes\n\n{"text": "\\ud800"}\n')
+    return {"root": root, "corpus": corpus, "counts": counts, "model": Path(tokenizer["model"]), "extra": extra}
+
+
+def test_corpus_is_the_sorted_stdlib(pipeline):
+    records = [json.loads(line) for line in pipeline["corpus"].read_text(encoding="utf-8").splitlines()]
+    assert pipeline["counts"]["documents"] == len(records) == 30
+    ids = [r["id"] for r in records]
+    assert ids == sorted(ids) and all(i.startswith("stdlib/") for i in ids)
+    assert {r["source"] for r in records} == {"python-stdlib"}
+    assert not any("site-packages" in i or "__pycache__" in i for i in ids)
+    for record in records[:5]:
+        path = stdlib_root() / record["id"].removeprefix("stdlib/")
+        assert record["text"] == path.read_bytes().decode("utf-8")
+    assert not list(pipeline["root"].glob(".*.tmp"))
+
+
+def test_tokenizer_keeps_code_exactly(pipeline):
+    processor = sentencepiece.SentencePieceProcessor(model_file=str(pipeline["model"]))
+    assert processor.vocab_size() == 512
+    assert (processor.unk_id(), processor.bos_id(), processor.eos_id(), processor.pad_id()) == (0, 1, 2, 3)
+    text = "def f(x):\n        return x  # é 中 ☃\n\n\tpass 1234\n"
+    assert processor.decode(processor.encode(text)) == text
+    assert "1234" not in processor.encode(text, out_type=str)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_built_tokens_equal_sentencepiece_plus_eod(pipeline, workers):
+    prefix = pipeline["root"] / f"data_w{workers}"
+    result = build_indexed_dataset([pipeline["corpus"], pipeline["extra"]], pipeline["model"], prefix,
+                                   workers=workers, progress=False)
+    processor = sentencepiece.SentencePieceProcessor(model_file=str(pipeline["model"]))
+    texts = [json.loads(line)["text"] for line in pipeline["corpus"].read_text(encoding="utf-8").splitlines()]
+    texts += ["", "  indented\n\tline \u00e9\u4e2d 12345"]
+    dataset = IndexedDataset(prefix)
+    assert dataset.dtype == np.uint16
+    assert dataset.num_documents == len(dataset) == len(texts) == result["documents"]
+    for i, text in enumerate(texts):
+        assert dataset[i].tolist() == processor.encode(text) + [processor.eos_id()], f"document {i}"
+    assert result["tokens"] == dataset.num_tokens
+    assert result["bad_lines"] == 5 and result["input"]["invalid_json"] == 1
+    assert result["input"]["missing_text"] == 2 and result["input"]["invalid_utf8"] == 2
+    assert result["input"]["blank_lines"] == 1
+
+
+def test_workers_do_not_change_the_output_and_eod_is_optional(pipeline):
+    root = pipeline["root"]
+    build_indexed_dataset([pipeline["corpus"]], pipeline["model"], root / "one", workers=1, progress=False)
+    build_indexed_dataset([pipeline["corpus"]], pipeline["model"], root / "two", workers=2, progress=False)
+    for suffix in (".bin", ".idx"):
+        assert (root / f"one{suffix}").read_bytes() == (root / f"two{suffix}").read_bytes()
+    build_indexed_dataset([pipeline["extra"]], pipeline["model"], root / "plain", append_eod=False, progress=False)
+    processor = sentencepiece.SentencePieceProcessor(model_file=str(pipeline["model"]))
+    plain = IndexedDataset(root / "plain")
+    assert plain[0].tolist() == [] and plain[1].tolist() == processor.encode("  indented\n\tline \u00e9\u4e2d 12345")
+
+
+def test_jsonl_reader_counts_bad_lines(tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b'{"text": "a"}\n[1, 2]\n{"text": "b", "id": 3}\r\n{"body": "c"}\n\xc3\x28\n{"text": null}\n')
+    stats = JsonlStats()
+    records = list(iter_jsonl(path, stats=stats))
+    assert [r["text"] for r in records] == ["a", "b"] and records[1]["id"] == 3
+    assert (stats.lines, stats.documents, stats.invalid_json, stats.missing_text, stats.invalid_utf8) == (6, 2, 1, 2, 1)
+    assert [r["body"] for r in iter_jsonl(path, text_key="body")] == ["c"]
+
+
+def test_jsonl_round_trip_and_atomic_write(tmp_path):
+    records = [{"id": i, "text": f"doc {i} é"} for i in range(5)]
+    for name in ("out.jsonl", "out.jsonl.gz"):
+        assert write_jsonl_atomic(tmp_path / name, records) == 5
+        assert list(iter_jsonl(tmp_path / name)) == records
+
+    def failing():
+        yield records[0]
+        raise RuntimeError("interrupted")
+
+    with pytest.raises(RuntimeError):
+        write_jsonl_atomic(tmp_path / "partial.jsonl", failing())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl", "out.jsonl.gz"]
+
+
+def test_zstd_input(tmp_path):
+    path = tmp_path / "in.jsonl.zst"
+    try:
+        import zstandard
+    except ImportError:
+        path.write_bytes(b"\x28\xb5\x2f\xfd")
+        with pytest.raises(InputError, match="pip install zstandard"):
+            list(iter_jsonl(path))
+        return
+    path.write_bytes(zstandard.ZstdCompressor().compress(b'{"text": "z"}\n{"text": "y"}\n'))
+    assert [r["text"] for r in iter_jsonl(path)] == ["z", "y"]
+
+
+def test_missing_inputs_and_empty_results_are_one_line_errors(pipeline, tmp_path):
+    with pytest.raises(FileNotFoundError, match="input .*nope.jsonl does not exist"):
+        build_indexed_dataset([tmp_path / "nope.jsonl"], pipeline["model"], tmp_path / "x", progress=False)
+    with pytest.raises(FileNotFoundError, match="tokenizer .* does not exist; train one"):
+        build_indexed_dataset([pipeline["corpus"]], tmp_path / "no.model", tmp_path / "x", progress=False)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text('{"body": 1}\n')
+    with pytest.raises(ValueError, match="no documents with a string 'text' field"):
+        build_indexed_dataset([empty], pipeline["model"], tmp_path / "x", progress=False)
+    with pytest.raises(ValueError, match="no documents with a string 'text' field"):
+        train_tokenizer([empty], tmp_path / "tok", vocab_size=300)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.jsonl"]

@@ -1,0 +1,261 @@
+"""GPTDataset, document splits and BlendedDataset against naive references written here."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import engine.data.blended as blended
+import engine.data.gpt_dataset as gpt_dataset
+from engine.data.blended import BlendedDataset, blend_indices
+from engine.data.gpt_dataset import GPTDataset, build_sample_indices, split_document_ranges
+from engine.data.indexed import IndexedDataset, IndexedDatasetWriter
+
+
+def write_documents(prefix, documents) -> IndexedDataset:
+    with IndexedDatasetWriter(prefix, np.uint16) as writer:
+        for doc in documents:
+            writer.add_document(doc)
+    return IndexedDataset(prefix)
+
+
+def random_documents(seed: int, count: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(0, 25, size=count) * (rng.random(count) > 0.3)
+    return [rng.integers(0, 1000, size=n) for n in lengths]
+
+
+def reference_samples(documents, document_ids, num_samples, seq_length, seed) -> list[np.ndarray]:
+    """Concatenate each epoch's shuffled documents and cut windows of seq_length + 1, overlapping by one.
+
+    The random draws follow GPTDataset's documented protocol: one permutation of the document
+    ids per epoch, then one permutation of the samples, all from RandomState(seed).
+    """
+    per_epoch = sum(len(documents[d]) for d in document_ids)
+    epochs = math.ceil((num_samples * seq_length + 1) / per_epoch)
+    rng = np.random.RandomState(seed)
+    stream: list[int] = []
+    for _ in range(epochs):
+        for d in rng.permutation(np.asarray(document_ids)):
+            stream.extend(documents[d].tolist())
+    windows = [np.array(stream[k * seq_length:k * seq_length + seq_length + 1]) for k in range(num_samples)]
+    order = rng.permutation(num_samples)
+    return [windows[k] for k in order]
+
+
+@pytest.mark.parametrize("seed, count, seq_length, num_samples", [
+    (0, 30, 8, 40), (1, 5, 50, 12), (2, 60, 1, 200), (3, 1, 4, 9), (4, 40, 16, 3)])
+def test_samples_equal_the_naive_reference(tmp_path, seed, count, seq_length, num_samples):
+    documents = random_documents(seed, count)
+    documents[0] = np.arange(7)
+    indexed = write_documents(tmp_path / "data", documents)
+    ids = np.arange(count) if count < 10 else np.random.default_rng(seed).choice(count, count // 2, replace=False)
+    ids = np.sort(np.append(ids, 0)) if 0 not in ids else ids
+    dataset = GPTDataset(indexed, ids, num_samples, seq_length, seed=seed + 100)
+    expected = reference_samples(documents, ids, num_samples, seq_length, seed + 100)
+    assert len(dataset) == num_samples
+    for i in range(num_samples):
+        sample = dataset[i]
+        assert sample.dtype == np.int64 and sample.shape == (seq_length + 1,)
+        np.testing.assert_array_equal(sample, expected[i])
+    with pytest.raises(IndexError):
+        dataset[num_samples]
+
+
+def test_every_epoch_is_a_permutation_of_the_documents():
+    lengths = np.array([3, 0, 5, 2, 7, 1], dtype=np.int32)
+    ids = np.array([0, 1, 2, 4, 5])
+    document_index, sample_index, shuffle_index = build_sample_indices(lengths, ids, 20, 4, seed=3)
+    assert len(document_index) % len(ids) == 0
+    for epoch in document_index.reshape(-1, len(ids)):
+        assert sorted(epoch.tolist()) == ids.tolist()
+    assert sorted(shuffle_index.tolist()) == list(range(20))
+    assert sample_index.shape == (21, 2)
+
+
+def megatron_walk(lengths, document_index, num_samples, seq_length) -> np.ndarray:
+    """Sample boundaries found by walking the documents token budget by token budget (megatron-core's way)."""
+    rows = [(0, 0)]
+    position, offset = 0, 0
+    for _ in range(num_samples):
+        remaining = seq_length + 1
+        while remaining:
+            available = int(lengths[document_index[position]]) - offset
+            remaining -= available
+            if remaining <= 0:
+                offset += remaining + available - 1
+                remaining = 0
+            else:
+                position, offset = position + 1, 0
+        rows.append((position, offset))
+    return np.array(rows)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_sample_index_matches_megatron_walk(seed):
+    rng = np.random.default_rng(seed)
+    lengths = (rng.integers(0, 40, size=50) * (rng.random(50) > 0.2)).astype(np.int32)
+    ids = np.arange(50)
+    seq_length = int(rng.integers(1, 60))
+    num_samples = int(lengths.sum()) * 2 // seq_length
+    document_index, sample_index, _ = build_sample_indices(lengths, ids, num_samples, seq_length, seed)
+    np.testing.assert_array_equal(sample_index, megatron_walk(lengths, document_index, num_samples, seq_length))
+
+
+def test_index_cache_is_reused_and_keyed(tmp_path, monkeypatch):
+    indexed = write_documents(tmp_path / "data", random_documents(5, 20))
+    first = GPTDataset(indexed, np.arange(20), 30, 8, seed=1)
+    assert first.built and first.cache_dir == tmp_path / "data_cache"
+    assert all(path.parent == first.cache_dir for path in first.cache_paths.values())
+    mtimes = {path: path.stat().st_mtime_ns for path in first.cache_paths.values()}
+
+    def must_not_build(*args, **kwargs):
+        raise AssertionError("the cached indices should have been loaded")
+
+    monkeypatch.setattr(gpt_dataset, "build_sample_indices", must_not_build)
+    second = GPTDataset(indexed, np.arange(20), 30, 8, seed=1)
+    assert not second.built and second.cache_paths == first.cache_paths
+    assert {path: path.stat().st_mtime_ns for path in second.cache_paths.values()} == mtimes
+    for i in range(30):
+        np.testing.assert_array_equal(first[i], second[i])
+    monkeypatch.undo()
+    for changed in ({"seed": 2}, {"num_samples": 31}, {"seq_length": 9}, {"document_ids": np.arange(19)}):
+        arguments = {"document_ids": np.arange(20), "num_samples": 30, "seq_length": 8, "seed": 1, **changed}
+        other = GPTDataset(indexed, **arguments)
+        assert other.built and set(other.cache_paths.values()).isdisjoint(first.cache_paths.values())
+    assert not list(first.cache_dir.glob("*.tmp"))
+
+
+def test_non_builders_wait_for_the_builder(tmp_path):
+    indexed = write_documents(tmp_path / "data", random_documents(6, 10))
+    cache = tmp_path / "shared_cache"
+    events = []
+
+    def builder_finishes():
+        events.append("barrier")
+        GPTDataset(indexed, np.arange(10), 12, 4, seed=0, cache_dir=cache, is_builder=True)
+
+    follower = GPTDataset(indexed, np.arange(10), 12, 4, seed=0, cache_dir=cache, is_builder=False,
+                          barrier=builder_finishes)
+    assert events == ["barrier"] and not follower.built
+    with pytest.raises(FileNotFoundError, match="missing after the builder's barrier.*shares"):
+        GPTDataset(indexed, np.arange(10), 12, 4, seed=1, cache_dir=cache, is_builder=False, barrier=lambda: None)
+
+
+def test_empty_split_and_tokenless_split_are_one_line_errors(tmp_path):
+    indexed = write_documents(tmp_path / "data", [np.array([], np.int64), np.array([], np.int64), np.arange(5)])
+    with pytest.raises(ValueError, match="selects no documents") as raised:
+        GPTDataset(indexed, np.array([], np.int64), 4, 2, seed=0)
+    assert "\n" not in str(raised.value)
+    with pytest.raises(ValueError, match="hold no tokens"):
+        GPTDataset(indexed, np.array([0, 1]), 4, 2, seed=0)
+    with pytest.raises(ValueError, match=r"document ids must lie in \[0, 3\)"):
+        GPTDataset(indexed, np.array([0, 3]), 4, 2, seed=0)
+    with pytest.raises(ValueError, match="num_samples >= 1"):
+        GPTDataset(indexed, np.array([2]), 0, 2, seed=0)
+
+
+@pytest.mark.parametrize("count, split, expected", [
+    (100, "98,1,1", [(0, 98), (98, 99), (99, 100)]),
+    (1000, "99,1,0", [(0, 990), (990, 1000), (1000, 1000)]),
+    (10, "1,1,1", [(0, 3), (3, 7), (7, 10)]),
+    (7, "1", [(0, 7), (7, 7), (7, 7)]),
+    (3, "0,1,1", [(0, 0), (0, 2), (2, 3)]),
+    (0, "98,1,1", [(0, 0), (0, 0), (0, 0)]),
+])
+def test_split_document_ranges(count, split, expected):
+    assert split_document_ranges(count, split) == expected
+
+
+@pytest.mark.parametrize("count", [1, 2, 9, 101, 12345])
+@pytest.mark.parametrize("split", ["98,1,1", "1,1,1", "3,0,2", "0.5,0.25"])
+def test_split_ranges_tile_the_documents(count, split):
+    ranges = split_document_ranges(count, split)
+    assert ranges[0][0] == 0 and ranges[-1][1] == count
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    weights = [float(w) for w in split.split(",")] + [0.0] * (3 - len(split.split(",")))
+    for (start, end), weight in zip(ranges, weights):
+        assert abs((end - start) - weight / sum(weights) * count) <= 1
+
+
+@pytest.mark.parametrize("split", ["a,b", "-1,1,1", "0,0,0", "1,2,3,4", ""])
+def test_bad_split_is_a_one_line_error(split):
+    with pytest.raises(ValueError, match="like '98,1,1'"):
+        split_document_ranges(10, split)
+
+
+def simple_blend(weights, size) -> tuple[list[int], list[int]]:
+    """megatron-core's blending rule, one sample at a time."""
+    total = float(np.sum(np.array(weights, dtype=np.float64)))
+    normalised = [float(w) / total for w in np.array(weights, dtype=np.float64)]
+    drawn = [0] * len(weights)
+    datasets, samples = [], []
+    for i in range(size):
+        errors = [w * max(float(i), 1.0) - drawn[d] for d, w in enumerate(normalised)]
+        chosen = max(range(len(errors)), key=lambda d: (errors[d], -d))
+        datasets.append(chosen)
+        samples.append(drawn[chosen])
+        drawn[chosen] += 1
+    return datasets, samples
+
+
+BLENDS = [[1.0], [0.3, 0.7], [1, 2, 3], [0.5, 0.25, 0.25], [3.7, 1.1, 0.01, 5.3], [1] * 6,
+          list(np.random.default_rng(7).random(12)), [1e-4, 1.0, 0.5]]
+
+
+@pytest.mark.parametrize("weights", BLENDS)
+@pytest.mark.parametrize("size", [0, 1, 2, 513, 8193, 30_000])
+def test_blend_equals_the_simple_loop(weights, size):
+    datasets, samples = blend_indices(weights, size)
+    expected_datasets, expected_samples = simple_blend(weights, size)
+    assert datasets.dtype == np.int16 and samples.dtype == np.int64
+    assert datasets.tolist() == expected_datasets
+    assert samples.tolist() == expected_samples
+
+
+@pytest.mark.parametrize("passes, falls_back", [(0, True), (100, False)])
+def test_blend_repairs_segments_that_start_from_a_wrong_guess(monkeypatch, passes, falls_back):
+    calls = []
+    original = blended._greedy_loop
+    monkeypatch.setattr(blended, "_WARMUP", 0)
+    monkeypatch.setattr(blended, "_MAX_PASSES", passes)
+    monkeypatch.setattr(blended, "_greedy_loop", lambda *a: calls.append(a) or original(*a))
+    weights = [3.7, 1.1, 0.01, 5.3]
+    datasets, samples = blend_indices(weights, 20_000)
+    assert bool(calls) == falls_back
+    assert (datasets.tolist(), samples.tolist()) == simple_blend(weights, 20_000)
+
+
+class Numbered:
+    def __init__(self, name: str, size: int):
+        self.name, self.size = name, size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int) -> tuple[str, int]:
+        if not 0 <= i < self.size:
+            raise IndexError(i)
+        return self.name, i
+
+
+def test_blended_dataset_serves_the_chosen_samples():
+    blend = BlendedDataset([Numbered("a", 40), Numbered("b", 70)], [0.3, 0.7], 100)
+    datasets, samples = simple_blend([0.3, 0.7], 100)
+    assert len(blend) == 100
+    assert [blend[i] for i in range(100)] == [("ab"[d], s) for d, s in zip(datasets, samples)]
+
+
+@pytest.mark.parametrize("weights, message", [
+    ([1.0], "1 blending weights for 2 datasets"), ([1.0, -1.0], "positive"), ([1.0, 0.0], "positive"),
+    ([1.0, float("nan")], "positive")])
+def test_bad_blend_weights_are_one_line_errors(weights, message):
+    with pytest.raises(ValueError, match=message):
+        BlendedDataset([Numbered("a", 10), Numbered("b", 10)], weights, 10)
+
+
+def test_blend_larger_than_a_dataset_is_refused():
+    with pytest.raises(ValueError, match="draws 70 samples from dataset 1 but it has 10"):
+        BlendedDataset([Numbered("a", 100), Numbered("b", 10)], [0.3, 0.7], 100)
