@@ -28,11 +28,11 @@ from engine.optim.loss_scaler import LossScaler
 from engine.optim.lr_schedule import learning_rate
 from engine.optim.model_parallel_grads import needs_model_parallel_sum, sum_model_parallel_grads
 from engine.parallel.random import RNGStreams
+from engine.parallel.sharding import initialize_parameters
+from engine.parallel.state import ParallelState
 from engine.pipeline.executor import PipelineExecutor
 from engine.pipeline.schedules import build_schedule
 from engine.pipeline.stages import build_chunks
-from engine.parallel.sharding import initialize_parameters
-from engine.parallel.state import ParallelState
 
 
 def pick_device(choice: str, local_rank: int) -> torch.device:

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-
 from dist_utils import run_ranks
+
 from engine.config import ModelConfig, OptimConfig
 from engine.model.gpt import GPTModel
 from engine.optim.distributed import DistributedOptimizer

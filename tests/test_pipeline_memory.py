@@ -2,13 +2,13 @@
 more than P - rank micro-batches, the interleaved schedule what its warm-up implies."""
 
 import pytest
-
 from dist_utils import run_ranks
+from synthetic_data import write_markov_dataset
+
 from engine.config_io import load_config
 from engine.pipeline.schedules import warmup_forwards
 from engine.train import Trainer
 from launch.cli import resolve_config_path
-from synthetic_data import write_markov_dataset
 
 
 def _peak_live(rank, world, dataset, run_dir, pp, vp, microbatches):

@@ -4,7 +4,14 @@ no deadlock, each (microbatch, chunk) forward before its backward exactly once, 
 
 import pytest
 
-from engine.pipeline.schedules import Compute, Exchange, ScheduleError, build_all, check_schedule, warmup_forwards
+from engine.pipeline.schedules import (
+    Compute,
+    Exchange,
+    ScheduleError,
+    build_all,
+    check_schedule,
+    warmup_forwards,
+)
 from engine.pipeline.simulate import Deadlock, peak_in_flight, simulate
 
 

@@ -7,11 +7,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from synthetic_data import write_markov_dataset
 
 from engine.config_io import load_config
 from launch.cli import resolve_config_path
 from launch.local import launch_local
-from synthetic_data import write_markov_dataset
 
 REPO = Path(__file__).resolve().parents[1]
 

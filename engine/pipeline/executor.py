@@ -15,9 +15,9 @@ from collections.abc import Callable
 
 import torch
 
+from engine.parallel.state import ParallelState
 from engine.pipeline.p2p import run_exchange
 from engine.pipeline.schedules import Compute, Exchange, Op
-from engine.parallel.state import ParallelState
 
 _P2P_DTYPE = torch.float32
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.pipeline.schedules import Compute, Exchange, Op, Transfer
+from engine.pipeline.schedules import Compute, Op, Transfer
 
 
 class Deadlock(RuntimeError):
