@@ -213,6 +213,9 @@ class TrainConfig:
     """Optimizer steps to run."""
     global_batch_size: int = 256
     """Sequences per optimizer step, over all data-parallel ranks and micro-batches."""
+    rampup_batch_size: list[int] | None = None
+    """[start, increment, ramp_samples]: the global batch grows from start by increment until
+    global_batch_size over the first ramp_samples samples (Megatron's --rampup-batch-size)."""
     micro_batch_size: int = 1
     """Sequences per forward/backward on one rank."""
     seq_length: int = 2048
@@ -249,6 +252,13 @@ class TrainConfig:
                         peak_tflops=self.peak_tflops)
         _check_choice("train", "precision", self.precision, ("fp32", "bf16", "fp16"))
         _check_choice("train", "device", self.device, ("auto", "cpu", "cuda"))
+        if self.rampup_batch_size is not None:
+            if len(self.rampup_batch_size) != 3 or min(self.rampup_batch_size) <= 0:
+                raise ConfigError("train.rampup_batch_size takes three positive numbers: start increment samples")
+            start, increment, _ = self.rampup_batch_size
+            if start > self.global_batch_size or (self.global_batch_size - start) % increment:
+                raise ConfigError(f"train.rampup_batch_size: global_batch_size {self.global_batch_size} - start "
+                                  f"{start} must be a non-negative multiple of the increment {increment}")
         if self.eval_interval < 0 or self.early_stop_patience < 0:
             raise ConfigError("train.eval_interval and train.early_stop_patience must be >= 0")
         if self.run_dir is None:
@@ -295,9 +305,11 @@ class LoomConfig:
                 raise ConfigError(f"parallel.tp = {p.tp} must divide model.{name} = {value}")
         if p.sequence_parallel and t.seq_length % p.tp:
             raise ConfigError(f"sequence parallel needs train.seq_length = {t.seq_length} divisible by tp = {p.tp}")
-        if t.global_batch_size % (t.micro_batch_size * p.dp):
-            raise ConfigError(f"train.global_batch_size = {t.global_batch_size} must be divisible by "
-                              f"micro_batch_size*dp = {t.micro_batch_size}*{p.dp}")
+        for batch in self.batch_sizes():
+            if batch % (t.micro_batch_size * p.dp):
+                what = "train.global_batch_size" if batch == t.global_batch_size else "a ramp-up batch size"
+                raise ConfigError(f"{what} = {batch} must be divisible by micro_batch_size*dp = "
+                                  f"{t.micro_batch_size}*{p.dp}")
         if m.position_embedding == "learned" and t.seq_length > m.max_position_embeddings:
             raise ConfigError(f"train.seq_length = {t.seq_length} exceeds model.max_position_embeddings = "
                               f"{m.max_position_embeddings}")
@@ -318,12 +330,36 @@ class LoomConfig:
             raise ConfigError(f"model.num_layers = {layers} does not split into pp*vp = {p.pp}*{p.vp} equal chunks; "
                               f"valid: {', '.join(valid)}")
         try:
-            check_schedule(p.pp, p.vp, self.num_microbatches)
+            for batch in self.batch_sizes():
+                check_schedule(p.pp, p.vp, self.microbatches_for(batch))
         except ScheduleError as error:
             raise ConfigError(str(error)) from None
 
+    def global_batch_size_at(self, consumed_samples: int) -> int:
+        """The global batch of the step that starts after `consumed_samples` (ramp-up, then constant)."""
+        t = self.train
+        if t.rampup_batch_size is None:
+            return t.global_batch_size
+        start, increment, ramp_samples = t.rampup_batch_size
+        increments = (t.global_batch_size - start) // increment
+        if increments == 0 or consumed_samples >= ramp_samples:
+            return t.global_batch_size
+        return start + int(consumed_samples / (ramp_samples / increments)) * increment
+
+    def batch_sizes(self) -> list[int]:
+        """Every global batch size the run will use."""
+        t = self.train
+        if t.rampup_batch_size is None:
+            return [t.global_batch_size]
+        start, increment, _ = t.rampup_batch_size
+        return list(range(start, t.global_batch_size + 1, increment))
+
+    def microbatches_for(self, global_batch: int) -> int:
+        """Micro-batches each data-parallel rank runs for a step of `global_batch` sequences."""
+        assert self.parallel.dp is not None, "call resolve_world first"
+        return global_batch // (self.train.micro_batch_size * self.parallel.dp)
+
     @property
     def num_microbatches(self) -> int:
-        """Micro-batches each data-parallel rank runs per optimizer step."""
-        assert self.parallel.dp is not None, "call resolve_world first"
-        return self.train.global_batch_size // (self.train.micro_batch_size * self.parallel.dp)
+        """Micro-batches per data-parallel rank at the full global batch size."""
+        return self.microbatches_for(self.train.global_batch_size)

@@ -57,9 +57,7 @@ class Trainer:
         self._build_model_and_optimizer()
         self.step = 0
         self.autocast_dtype = None if t.precision == "fp32" else PARAM_DTYPES[t.precision]
-        microbatches, rank = config.num_microbatches, self.state.pp_rank
-        self.train_ops = build_schedule(rank, p.pp, p.vp, microbatches)
-        self.eval_ops = build_schedule(rank, p.pp, p.vp, microbatches, forward_only=True)
+        self._schedules: dict[tuple[int, bool], list] = {}
         sequence = t.seq_length // p.tp if (p.sequence_parallel and p.tp > 1) else t.seq_length
         self.executor = PipelineExecutor(self.chunks, self.state, (sequence, t.micro_batch_size,
                                          config.model.hidden_size), self.device, self._autocast)
@@ -99,7 +97,7 @@ class Trainer:
         c, t = self.config, self.config.train
         is_builder, barrier = self.state.rank == 0, dist.barrier
         train_set = build_dataset(c, 0, t.steps * t.global_batch_size, is_builder, barrier)
-        self.train_batches = BatchIterator(train_set, t.global_batch_size, t.micro_batch_size,
+        self.train_batches = BatchIterator(train_set, c.global_batch_size_at, t.micro_batch_size,
                                            self.state.dp_rank, self.state.dp_size)
         self.valid_set = None
         if t.eval_interval:
@@ -117,6 +115,14 @@ class Trainer:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def _schedule(self, microbatches: int, forward_only: bool = False) -> list:
+        """This rank's pipeline op list for a step of `microbatches` (several sizes under ramp-up)."""
+        key = (microbatches, forward_only)
+        if key not in self._schedules:
+            p = self.config.parallel
+            self._schedules[key] = build_schedule(self.state.pp_rank, p.pp, p.vp, microbatches, forward_only)
+        return self._schedules[key]
 
     def _set_last_microbatch(self, last: bool) -> None:
         self.grads.last_microbatch = last
@@ -138,14 +144,16 @@ class Trainer:
         lr = learning_rate(self.step, self.config.optim, t.steps)
         self._train_mode(True)
         self.grads.start_step()
+        global_batch = self.config.global_batch_size_at(self.train_batches.consumed_samples)
         microbatches = self.train_batches.next_step(self.device)
         scale = self.loss_scaler.scale if self.loss_scaler else 1.0
-        loss_sum = self.executor.run(self.train_ops, microbatches, t.global_batch_size * t.seq_length,
+        loss_sum = self.executor.run(self._schedule(len(microbatches)), microbatches, global_batch * t.seq_length,
                                      self._set_last_microbatch, record=t.record_pipeline_timeline, loss_scale=scale)
         self.grads.finish()
         result = self.optimizer.step(lr)
         self.step += 1
-        row = {"loss": self._global_mean(loss_sum), "lr": lr, "grad_norm": result["grad_norm"]}
+        row = {"loss": self._global_mean(loss_sum), "lr": lr, "grad_norm": result["grad_norm"],
+               "global_batch_size": global_batch}
         if self.loss_scaler is not None:
             row.update(loss_scale=scale, skipped_steps=self.loss_scaler.skipped_steps)
         return row
@@ -154,12 +162,13 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean validation loss over train.eval_iters global batches (the same batches every time)."""
         t = self.config.train
-        batches = BatchIterator(self.valid_set, t.global_batch_size, t.micro_batch_size,
+        batches = BatchIterator(self.valid_set, lambda _: t.global_batch_size, t.micro_batch_size,
                                 self.state.dp_rank, self.state.dp_size)
         self._train_mode(False)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         for _ in range(t.eval_iters):
-            total += self.executor.run(self.eval_ops, batches.next_step(self.device),
+            total += self.executor.run(self._schedule(self.config.num_microbatches, forward_only=True),
+                                       batches.next_step(self.device),
                                        t.global_batch_size * t.seq_length * t.eval_iters)
         return self._global_mean(total)
 
@@ -171,7 +180,6 @@ class Trainer:
         """Train for train.steps (or until early stopping); return the logged rows."""
         t = self.config.train
         rows, best_val, evals_without_gain = [], math.inf, 0
-        tokens_per_step = t.global_batch_size * t.seq_length
         while self.step < t.steps:
             if self.step == self.injected_fault:
                 raise RuntimeError(f"fault injected by LOOM_INJECT_FAULT at step {self.step}")
@@ -181,10 +189,10 @@ class Trainer:
             self._sync()
             elapsed = time.perf_counter() - start
             if self.step % t.log_interval == 0 or self.step == t.steps:
-                tokens_per_s = tokens_per_step / elapsed
+                tokens_per_s = row["global_batch_size"] * t.seq_length / elapsed
                 mfu = (self.flops_per_token * tokens_per_s / (self.peak_flops * self.state.world_size)
                        if self.peak_flops else None)
-                row = {"step": self.step, **row, "tokens": self.step * tokens_per_step,
+                row = {"step": self.step, **row, "tokens": self.train_batches.consumed_samples * t.seq_length,
                        "tokens_per_s": tokens_per_s, "mfu": mfu, "mem_gb": memory_gb(self.device)}
                 rows.append(self._log(row))
             if self.valid_set is not None and (self.step % t.eval_interval == 0 or self.step == t.steps):

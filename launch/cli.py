@@ -21,7 +21,12 @@ Every config field can be overridden as --section.field value, for example
   loom train --config configs/tiny.toml --nproc 4 --parallel.tp 2 --train.steps 50
   loom train --config configs/tiny.toml --data.paths a b --data.weights 0.7 0.3
 Sections: model, parallel, optim, data, train, checkpoint (see configs/*.toml for every field).
-Under torchrun or Slurm (RANK and WORLD_SIZE set) and without --nproc, this process is one rank."""
+Under torchrun or Slurm (RANK and WORLD_SIZE set) and without --nproc, this process is one rank.
+
+Layouts: world = tp * pp * dp; --parallel.vp V interleaves V chunks per pipeline stage (needs
+micro-batches per step divisible by pp). Optimizers (--optim.name): adamw, sgd, lamb, adafactor.
+ZeRO-1 (--optim.zero1 true) shards master weights and optimizer state over DP for adamw, sgd and
+lamb, with fp32, bf16 or fp16 (dynamic loss scaling) and any tp/pp/vp; adafactor runs without it."""
 
 
 def resolve_config_path(path: str) -> Path:

@@ -97,3 +97,18 @@ def test_layout_errors(world, layout, message):
     config = load_config(resolve_config_path("tiny"), {"parallel": layout, "train": {"micro_batch_size": micro}})
     with pytest.raises(ConfigError, match=message.replace("*", r"\*")):
         config.resolve_world(world)
+
+
+def test_batch_size_ramp_up_like_megatron():
+    config = load_config(resolve_config_path("tiny"), {"train": {"global_batch_size": 32, "micro_batch_size": 2,
+                                                                 "rampup_batch_size": [8, 8, 96]}})
+    config.resolve_world(2)
+    # three increments over 96 samples: +8 every 32 samples consumed, then constant
+    assert [config.global_batch_size_at(c) for c in (0, 31, 32, 64, 95, 96, 10_000)] == [8, 8, 16, 24, 24, 32, 32]
+    assert config.batch_sizes() == [8, 16, 24, 32]
+    bad = load_config(resolve_config_path("tiny"), {"train": {"global_batch_size": 32, "micro_batch_size": 4,
+                                                              "rampup_batch_size": [4, 4, 96]}})
+    with pytest.raises(ConfigError, match=r"a ramp-up batch size = 4 must be divisible by micro_batch_size\*dp = 4\*2"):
+        bad.resolve_world(2)
+    with pytest.raises(ConfigError, match="must be a non-negative multiple of the increment 5"):
+        load_config(None, {"train": {"global_batch_size": 32, "rampup_batch_size": [8, 5, 96]}})

@@ -62,3 +62,14 @@ def test_demo_runs_end_to_end(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "runs/tiny/metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 6
     assert (tmp_path / "data/stdlib_text_document.idx").exists()
+
+
+def test_batch_size_ramp_up_is_layout_invariant(dataset, tmp_path):
+    ramp = {"steps": 5, "global_batch_size": 16, "micro_batch_size": 2, "rampup_batch_size": [4, 4, 24]}
+    single = train(dataset, tmp_path / "one", train=ramp)
+    # 8 samples per increment: consumed 0, 4 -> 4; 8 -> 8; 16 -> 12; 28 -> 16
+    assert [r["global_batch_size"] for r in single] == [4, 4, 8, 12, 16]
+    assert [r["tokens"] for r in single] == [128 * n for n in (4, 8, 16, 28, 44)]
+    split = train(dataset, tmp_path / "two", nproc=2, train=ramp, parallel={"pp": 2})
+    for a, b in zip(single, split, strict=True):
+        assert abs(a["loss"] - b["loss"]) / a["loss"] < 1e-5

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -61,19 +61,22 @@ def build_dataset(config: LoomConfig, split_index: int, num_samples: int, is_bui
 
 
 class BatchIterator:
-    """Yields, per step, this DP rank's micro-batches (tokens, labels) of the next global batch."""
+    """Yields, per step, this DP rank's micro-batches (tokens, labels) of the next global batch.
 
-    def __init__(self, dataset, global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int,
-                 consumed_samples: int = 0):
-        self.dataset = dataset
-        self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
-        self.dp_rank, self.dp_size = dp_rank, dp_size
+    `batch_size_at(consumed_samples)` gives each step's global batch (constant, or ramping up).
+    """
+
+    def __init__(self, dataset, batch_size_at: Callable[[int], int], micro_batch_size: int, dp_rank: int,
+                 dp_size: int, consumed_samples: int = 0):
+        self.dataset, self.batch_size_at = dataset, batch_size_at
+        self.micro_batch_size, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
         self.consumed_samples = consumed_samples
 
     def next_step(self, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        per_rank = self.global_batch_size // self.dp_size
+        global_batch = self.batch_size_at(self.consumed_samples)
+        per_rank = global_batch // self.dp_size
         first = self.consumed_samples + self.dp_rank * per_rank
-        self.consumed_samples += self.global_batch_size
+        self.consumed_samples += global_batch
         microbatches = []
         for start in range(first, first + per_rank, self.micro_batch_size):
             samples = np.stack([self.dataset[i] for i in range(start, start + self.micro_batch_size)])
