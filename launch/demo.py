@@ -1,7 +1,8 @@
 """`loom demo`: every capability that has landed, end to end, on the embedded default corpus.
 
-corpus (Python stdlib) -> SentencePiece tokenizer -> .bin/.idx -> tensor + data + sequence
-parallel training on local CPU ranks with validation -> a summary. Each step's outputs stay in
+corpus (Python stdlib) -> SentencePiece tokenizer -> .bin/.idx -> 3D-parallel training on local
+CPU ranks (tensor + sequence, interleaved pipeline, data parallel with the ZeRO-1 optimizer) with
+validation -> the measured pipeline timeline drawn next to the ideal one -> a summary. Each step's outputs stay in
 the work directory, so the next command (`loom train --config configs/tiny.toml ...`) can reuse them.
 Steps whose outputs already exist are reused, not redone.
 """
@@ -21,7 +22,7 @@ def _step(title: str) -> float:
     return time.perf_counter()
 
 
-def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: int) -> dict:
+def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: int, pp: int, vp: int) -> dict:
     from data_tools.build import build_indexed_dataset
     from data_tools.corpus import build_stdlib_corpus
     from data_tools.tokenizer import train_tokenizer
@@ -34,18 +35,18 @@ def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: in
     corpus, tokenizer, prefix = data_dir / "corpus.jsonl", data_dir / "tokenizer", data_dir / "stdlib_text_document"
     summary: dict = {}
 
-    start = _step("1/4 corpus: the Python standard library, one document per source file")
+    start = _step("1/5 corpus: the Python standard library, one document per source file")
     if not corpus.exists():
         summary["corpus"] = build_stdlib_corpus(corpus, max_docs=max_docs)
     summary["corpus_mb"] = round(corpus.stat().st_size / 1e6, 1)
     print(f"{corpus} ({summary['corpus_mb']} MB) in {time.perf_counter() - start:.1f} s")
 
-    start = _step("2/4 tokenizer: SentencePiece BPE, 4096 pieces, byte fallback")
+    start = _step("2/5 tokenizer: SentencePiece BPE, 4096 pieces, byte fallback")
     if not Path(f"{tokenizer}.model").exists():
         train_tokenizer([corpus], tokenizer, vocab_size=4096, model_type="bpe", input_sentence_size=300_000)
     print(f"{tokenizer}.model in {time.perf_counter() - start:.1f} s")
 
-    start = _step("3/4 build: tokenize into a memory-mapped indexed dataset (Megatron .bin/.idx)")
+    start = _step("3/5 build: tokenize into a memory-mapped indexed dataset (Megatron .bin/.idx)")
     if not Path(f"{prefix}.idx").exists():
         build_indexed_dataset([corpus], f"{tokenizer}.model", prefix, workers=2, append_eod=True)
     dataset = IndexedDataset(prefix)
@@ -57,11 +58,13 @@ def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: in
     overrides = ["--data.paths", str(prefix), "--data.tokenizer", f"{tokenizer}.model",
                  "--train.run_dir", str(run_dir), "--train.steps", str(steps),
                  "--train.eval_interval", str(max(1, steps // 2)),
-                 "--parallel.tp", str(tp), "--parallel.sequence_parallel", "true"]
+                 "--parallel.tp", str(tp), "--parallel.pp", str(pp), "--parallel.vp", str(vp),
+                 "--parallel.sequence_parallel", "true", "--optim.zero1", "true",
+                 "--train.record_pipeline_timeline", "true"]
     config = load_config(resolve_config_path("configs/tiny.toml"), overrides)
     preflight(config, nproc)
-    start = _step(f"4/4 train: configs/tiny.toml on {nproc} CPU ranks (tp={tp}, dp={config.parallel.dp}, "
-                  f"sequence parallel), {steps} steps")
+    start = _step(f"4/5 train: configs/tiny.toml on {nproc} CPU ranks: tp={tp} (sequence parallel) x pp={pp} "
+                  f"(interleaved, vp={vp}) x dp={config.parallel.dp} (ZeRO-1), {steps} steps")
     metrics = run_dir / "metrics.jsonl"
     if metrics.exists():
         metrics.unlink()
@@ -73,6 +76,17 @@ def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: in
                    val_loss=val_rows[-1]["val_loss"] if val_rows else None,
                    val_ppl=val_rows[-1]["val_ppl"] if val_rows else None,
                    train_seconds=round(time.perf_counter() - start, 1), run_dir=str(run_dir))
+
+    _step("5/5 schedule: the last step's measured pipeline timeline next to the ideal one")
+    from tools.schedule_plot import describe, draw, load_measured
+
+    layout, measured = load_measured(run_dir)
+    text, timeline = describe(layout["pp"], layout["vp"], layout["microbatches"])
+    print(text)
+    summary["schedule_png"] = str(run_dir / "pipeline_schedule.png")
+    summary["bubble"] = timeline.bubble_fraction
+    draw(layout["pp"], layout["vp"], layout["microbatches"], Path(summary["schedule_png"]), measured)
+    summary["layout"] = f"tp={tp} pp={pp} vp={vp} dp={config.parallel.dp}"
     return summary
 
 
@@ -80,16 +94,17 @@ def _print_summary(summary: dict) -> None:
     print("\n== summary")
     print(f"corpus       {summary['corpus_mb']} MB of Python stdlib -> {summary['documents']:,} documents, "
           f"{summary['tokens']:,} tokens")
-    print(f"training     loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f} "
-          f"in {summary['train_seconds']} s")
+    print(f"training     {summary['layout']}, ZeRO-1: loss {summary['first_loss']:.3f} -> "
+          f"{summary['last_loss']:.3f} in {summary['train_seconds']} s")
     if summary["val_loss"] is not None:
         print(f"validation   loss {summary['val_loss']:.3f}, perplexity {summary['val_ppl']:.1f}")
+    print(f"pipeline     ideal bubble {summary['bubble']:.1%}; measured vs ideal: {summary['schedule_png']}")
     print(f"run          {summary['run_dir']}/metrics.jsonl, tensorboard/, config.toml")
-    print("next         loom train --config configs/tiny.toml --nproc 4 --parallel.tp 2")
+    print("next         loom train --config configs/tiny.toml --nproc 4 --parallel.tp 2   (same losses, any layout)")
 
 
 def _cmd_demo(args: argparse.Namespace) -> None:
-    summary = run_demo(Path(args.workdir), args.max_docs, args.nproc, args.steps, args.tp)
+    summary = run_demo(Path(args.workdir), args.max_docs, args.nproc, args.steps, args.tp, args.pp, args.vp)
     _print_summary(summary)
 
 
@@ -97,7 +112,9 @@ def add_parser(commands) -> None:
     p = commands.add_parser("demo", help="the whole pipeline on the embedded corpus, on CPU ranks")
     p.add_argument("--workdir", default="demo", help="where data and runs go (reused if present)")
     p.add_argument("--max-docs", type=int, help="use only this many corpus documents (faster)")
-    p.add_argument("--nproc", type=int, default=4, help="local ranks for training")
-    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (the rest is data parallel)")
+    p.add_argument("--nproc", type=int, default=8, help="local ranks for training")
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
+    p.add_argument("--pp", type=int, default=2, help="pipeline stages (the rest of --nproc is data parallel)")
+    p.add_argument("--vp", type=int, default=2, help="interleaved chunks per pipeline stage")
     p.add_argument("--steps", type=int, default=50, help="training steps")
     p.set_defaults(handler=_cmd_demo)

@@ -56,6 +56,8 @@ def test_resolved_config_round_trips_through_toml(tmp_path):
     (["--data.paths", "a", "--data.weights", "1", "2"], "data.weights has 2 entries for 1 data.paths"),
     (["--parallel.vp", "2"], "parallel.vp > 1 needs parallel.pp > 1"),
     (["--train.steps", "0"], "train.steps must be positive, got 0"),
+    (["--optim.name", "adafactor", "--optim.zero1", "true"],
+     "optim.name = adafactor does not support optim.zero1 = true"),
 ])
 def test_bad_values_are_one_clear_line(overrides, message):
     with pytest.raises(ConfigError) as error:
