@@ -234,6 +234,8 @@ class TrainConfig:
     """Validation every this many steps (and at the end); 0 turns validation off."""
     eval_iters: int = 4
     """Global batches per validation."""
+    exit_after: int = 0
+    """Stop this job after this many steps (checkpointing first), to chain jobs; 0 runs to train.steps."""
     early_stop_patience: int = 0
     """Stop when validation loss has not improved for this many evaluations; 0 never stops early."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -273,6 +275,8 @@ class CheckpointConfig:
     """Keep the newest this many checkpoints."""
     load: str | None = None
     """Checkpoint directory to resume from; None means the run's own checkpoints/latest if any."""
+    verify: bool = True
+    """Check every file's sha256 before resuming (a damaged checkpoint falls back to an older one)."""
 
     def __post_init__(self) -> None:
         if self.interval < 0 or self.keep < 1:
@@ -314,8 +318,6 @@ class LoomConfig:
             raise ConfigError(f"train.seq_length = {t.seq_length} exceeds model.max_position_embeddings = "
                               f"{m.max_position_embeddings}")
         self._check_pipeline()
-        if self.checkpoint.interval or self.checkpoint.load:
-            raise ConfigError("checkpoint saving/loading is not available yet; set checkpoint.interval = 0")
 
     def _check_pipeline(self) -> None:
         from engine.pipeline.schedules import ScheduleError, check_schedule

@@ -22,9 +22,15 @@ def memory_gb(device: torch.device) -> float:
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: Path, tensorboard: bool = True):
+    """Appends to run_dir/metrics.jsonl; on resume from step N, rows after N (logged before the
+    interruption, to be trained again) are dropped first, so no step appears twice."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool = True, resume_step: int = 0):
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.jsonl = open(run_dir / "metrics.jsonl", "a")
+        path = run_dir / "metrics.jsonl"
+        if path.exists():
+            _drop_rows_after(path, resume_step)
+        self.jsonl = open(path, "a")
         self.tensorboard = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -46,6 +52,13 @@ class MetricsWriter:
         self.jsonl.close()
         if self.tensorboard is not None:
             self.tensorboard.close()
+
+
+def _drop_rows_after(path: Path, step: int) -> None:
+    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.replace(path)
 
 
 def format_console_line(row: dict) -> str:

@@ -17,6 +17,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from engine.checkpoint.format import CheckpointError, find_loadable, read_metadata
+from engine.checkpoint.load import load_checkpoint
+from engine.checkpoint.save import save_checkpoint
 from engine.config import LoomConfig
 from engine.config_io import config_to_toml
 from engine.data.loader import BatchIterator, build_dataset
@@ -65,16 +68,19 @@ class Trainer:
         self.flops_per_token = model_flops_per_token(config.model, t.seq_length)
         self.peak_flops = self._peak_flops()
         self.injected_fault = _injected_fault(self.state.rank)
+        self.checkpoints = Path(t.run_dir) / "checkpoints"
+        self.resumed_from = self._resume()
         self.metrics = None
         if self.state.rank == 0:
             run_dir = Path(t.run_dir)
-            self.metrics = MetricsWriter(run_dir, tensorboard=t.tensorboard)
+            self.metrics = MetricsWriter(run_dir, tensorboard=t.tensorboard, resume_step=self.step)
             (run_dir / "config.toml").write_text(config_to_toml(config))
 
     def _build_model_and_optimizer(self) -> None:
         c, state = self.config, self.state
         param_dtype = PARAM_DTYPES[c.train.precision]
-        self.chunks = build_chunks(c, state, RNGStreams(c.train.seed, state.tp_rank, self.device))
+        self.streams = RNGStreams(c.train.seed, state.tp_rank, self.device)
+        self.chunks = build_chunks(c, state, self.streams)
         for chunk in self.chunks:
             initialize_parameters(chunk, c.train.seed, state.tp_rank, state.tp_size)
             chunk.to(device=self.device, dtype=param_dtype)
@@ -92,6 +98,29 @@ class Trainer:
             deferred=lambda q: needs_model_parallel_sum(q, state),
             before_deferred=lambda: sum_model_parallel_grads(self.grads.deferred, state))
         self.optimizer = DistributedOptimizer(named, self.grads, c.optim, state, c.model.num_layers, self.loss_scaler)
+
+    def _resume(self) -> Path | None:
+        """Load checkpoint.load, or the run's own newest intact checkpoint; rank 0 picks, all load."""
+        c = self.config.checkpoint
+        choice = [None]
+        if self.state.rank == 0:
+            source = Path(c.load) if c.load else self.checkpoints
+            if c.load and not source.exists():
+                raise CheckpointError(f"checkpoint.load = {c.load} does not exist")
+            found = find_loadable(source, verify_hashes=c.verify)
+            if found is None and c.load:
+                raise CheckpointError(f"no intact checkpoint under {c.load}")
+            choice[0] = str(found[0]) if found else None
+        dist.broadcast_object_list(choice, src=0)
+        if choice[0] is None:
+            return None
+        directory = Path(choice[0])
+        load_checkpoint(self, directory, read_metadata(directory, verify_hashes=False))
+        self._log_event(f"resumed from {directory} at step {self.step}")
+        return directory
+
+    def save(self) -> Path:
+        return save_checkpoint(self, self.checkpoints, self.config.checkpoint.keep)
 
     def _build_data(self) -> None:
         c, t = self.config, self.config.train
@@ -180,7 +209,8 @@ class Trainer:
         """Train for train.steps (or until early stopping); return the logged rows."""
         t = self.config.train
         rows, best_val, evals_without_gain = [], math.inf, 0
-        while self.step < t.steps:
+        stop_at = min(t.steps, self.step + t.exit_after) if t.exit_after else t.steps
+        while self.step < stop_at:
             if self.step == self.injected_fault:
                 raise RuntimeError(f"fault injected by LOOM_INJECT_FAULT at step {self.step}")
             self._sync()
@@ -195,6 +225,9 @@ class Trainer:
                 row = {"step": self.step, **row, "tokens": self.train_batches.consumed_samples * t.seq_length,
                        "tokens_per_s": tokens_per_s, "mfu": mfu, "mem_gb": memory_gb(self.device)}
                 rows.append(self._log(row))
+            interval = self.config.checkpoint.interval
+            if interval and (self.step % interval == 0 or self.step == stop_at):
+                self.save()
             if self.valid_set is not None and (self.step % t.eval_interval == 0 or self.step == t.steps):
                 val_loss = self.evaluate()
                 rows.append(self._log({"step": self.step, "val_loss": val_loss,

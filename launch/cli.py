@@ -140,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     from data_tools.jsonl import InputError
+    from engine.checkpoint.format import CheckpointError
     from engine.data.indexed import IndexFormatError
     from launch.local import RankFailed
 
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
         if os.environ.get("LOOM_DEBUG") and error.details:
             print(error.details, file=sys.stderr)
         sys.exit(1)
-    except (ConfigError, IndexFormatError, InputError, FileNotFoundError, PermissionError) as error:
+    except (ConfigError, IndexFormatError, InputError, CheckpointError, FileNotFoundError, PermissionError) as error:
         if os.environ.get("LOOM_DEBUG"):
             raise
         print(f"error: {error}", file=sys.stderr)

@@ -56,6 +56,7 @@ class DistributedOptimizer:
                  state: ParallelState, num_layers: int, loss_scaler: LossScaler | None = None):
         self.config, self.state, self.grads, self.loss_scaler = config, state, grads, loss_scaler
         self.zero1 = config.zero1
+        self.named_params = named_params
         self.names = {p: n for n, p in named_params}
         self.param_index = {p: i for i, (_, p) in enumerate(named_params)}
         self.segments = self._make_segments()

@@ -1,0 +1,131 @@
+"""Load a checkpoint into a trainer of any layout: rebuild each logical tensor, slice it anew.
+
+For every parameter this rank holds, the pieces saved under the old layout (all old TP shards,
+and under ZeRO-1 all old DP pieces of them) are read, joined into the logical tensor through the
+saved ShardSpec, and sliced with the current one: model weights into the parameter, master
+weights and elementwise optimizer state into this rank's segments. One parameter is in memory at
+a time. Safetensors files are opened lazily, so a rank reads only the pieces it needs.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.checkpoint.format import CheckpointError, model_key, parse_optim_key, spec_from_json
+from engine.checkpoint.save import logical_name
+from engine.optim.algorithms import Adafactor, Lamb
+
+
+class PieceReader:
+    """Logical tensors of one checkpoint, rebuilt from the pieces its ranks wrote."""
+
+    def __init__(self, directory: Path, metadata: dict):
+        self.directory, self.metadata = directory, metadata
+        self.saved_tp = metadata["layout"]["tp"]
+        self._files: dict[str, object] = {}
+        self.optim_pieces: dict[tuple[str, int], dict[str, list]] = defaultdict(lambda: defaultdict(list))
+        for key in metadata["index"]:
+            if key.startswith("optim/"):
+                state, name, tp, start, end = parse_optim_key(key)
+                self.optim_pieces[(name, tp)][state].append((start, end, key))
+
+    def tensor(self, key: str) -> torch.Tensor:
+        file = self.metadata["index"].get(key)
+        if file is None:
+            raise CheckpointError(f"checkpoint {self.directory} has no tensor {key}")
+        if file not in self._files:
+            self._files[file] = safe_open(str(self.directory / file), framework="pt")
+        return self._files[file].get_tensor(key)
+
+    def spec(self, name: str):
+        if name not in self.metadata["specs"]:
+            raise CheckpointError(f"checkpoint {self.directory} has no parameter {name}; "
+                                  f"it is a checkpoint of another model")
+        return spec_from_json(self.metadata["specs"][name])
+
+    def model(self, name: str) -> torch.Tensor:
+        return self.spec(name).unshard([self.tensor(model_key(name, r)) for r in range(self.saved_tp)])
+
+    def states(self, name: str) -> set[str]:
+        return set(self.optim_pieces[(name, 0)])
+
+    def optim(self, state: str, name: str) -> torch.Tensor:
+        spec = self.spec(name)
+        local_shape = spec.local_shape(self.saved_tp)
+        shards = []
+        for tp in range(self.saved_tp):
+            pieces = sorted(self.optim_pieces[(name, tp)][state])
+            flat = torch.cat([self.tensor(key).float() for _, _, key in pieces])
+            if flat.numel() != torch.Size(local_shape).numel():
+                raise CheckpointError(f"checkpoint {self.directory}: pieces of {state} of {name} do not cover it")
+            shards.append(flat.view(local_shape))
+        return spec.unshard(shards)
+
+
+def check_shapes(reader: PieceReader, named_params) -> None:
+    """Refuse a checkpoint of another model, naming the first tensor that differs."""
+    for name, param in named_params:
+        saved = reader.spec(logical_name(name, param)).full_shape
+        if tuple(saved) != param.shard_spec.full_shape:
+            raise CheckpointError(f"checkpoint {reader.directory} is of another model: {name} has shape "
+                                  f"{tuple(saved)} there, {param.shard_spec.full_shape} here")
+
+
+@torch.no_grad()
+def load_checkpoint(trainer, directory: Path, metadata: dict) -> None:
+    """Restore weights, optimizer state, schedule position, loss scale, data position and RNG."""
+    reader = PieceReader(directory, metadata)
+    state, optimizer = trainer.state, trainer.optimizer
+    check_shapes(reader, optimizer.named_params)
+    segments_of = defaultdict(list)
+    for seg in optimizer.segments:
+        segments_of[seg.param].append(seg)
+    for name, param in optimizer.named_params:
+        logical = logical_name(name, param)
+        weights = reader.model(logical)
+        param.copy_(param.shard_spec.shard(weights, state.tp_rank, state.tp_size).to(param.dtype))
+        _load_segments(reader, optimizer, state, param, logical, weights, segments_of[param], metadata)
+    _restore_loop_state(trainer, reader, metadata)
+
+
+def _load_segments(reader, optimizer, state, param, logical: str, weights: torch.Tensor, segments: list,
+                   metadata: dict) -> None:
+    """Master weights and elementwise optimizer state of this rank's segments of one parameter."""
+    saved_states = reader.states(logical)
+    for kind in ["master", *sorted(saved_states - {"master"})]:
+        if kind == "master":
+            logical_tensor = reader.optim("master", logical) if "master" in saved_states else weights.float()
+        else:
+            logical_tensor = reader.optim(kind, logical)
+        local = param.shard_spec.shard(logical_tensor, state.tp_rank, state.tp_size).reshape(-1)
+        for seg in segments:
+            piece = local[seg.start:seg.end].view_as(seg.master).to(seg.master.device)
+            if kind != "master":
+                optimizer.inner.state[seg.master][kind] = piece.clone()
+            elif not seg.aliases_param:
+                seg.master.copy_(piece)
+    if saved_states - {"master"}:
+        for seg in segments:
+            optimizer.inner.state[seg.master]["step"] = _step_value(optimizer.inner, metadata["optimizer_step"])
+
+
+def _step_value(inner, step: int):
+    return step if isinstance(inner, (Lamb, Adafactor)) else torch.tensor(float(step))
+
+
+def _restore_loop_state(trainer, reader: PieceReader, metadata: dict) -> None:
+    trainer.step = metadata["step"]
+    trainer.train_batches.consumed_samples = metadata["consumed_samples"]
+    if trainer.loss_scaler is not None and metadata["loss_scaler"]:
+        trainer.loss_scaler.load_state_dict(metadata["loss_scaler"])
+    s, saved = trainer.state, metadata["layout"]
+    same_layout = all(saved[k] == v for k, v in
+                      (("tp", s.tp_size), ("pp", s.pp_size), ("dp", s.dp_size), ("vp", s.vp_size)))
+    if same_layout:  # random streams belong to ranks; under another layout they start afresh
+        torch.set_rng_state(reader.tensor(f"rng/{s.rank}/torch"))
+        for stream in trainer.streams.states:
+            trainer.streams.states[stream] = reader.tensor(f"rng/{s.rank}/{stream}")

@@ -1,0 +1,123 @@
+"""Distributed save: every rank writes its own pieces in parallel, rank 0 seals the checkpoint.
+
+Sequence, so that a crash at any point leaves the previous checkpoint as `latest`:
+1. every rank writes rank<r>.safetensors into iter_N.tmp/ (temporary name, then renamed);
+2. the file names, sizes, sha256 and tensor keys are gathered on rank 0;
+3. rank 0 writes metadata.json, renames iter_N.tmp -> iter_N, then points `latest` at it
+   (atomic rename) and removes checkpoints beyond the newest `keep`.
+Which ranks write what: model weights by DP rank 0 of each (TP, PP) position; master weights and
+optimizer state by their owner (every DP rank under ZeRO-1, else DP rank 0); RNG by everyone.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from engine.checkpoint.format import (FORMAT_VERSION, LATEST, METADATA, candidates, iteration_dir, model_key,
+                                      optim_key, rank_file, sha256_of, spec_to_json, write_atomic_text)
+from engine.config_io import config_to_dict
+
+
+def logical_name(name: str, param: torch.nn.Parameter) -> str:
+    """The layout-independent name (the last stage's tied output copy is the embedding)."""
+    return getattr(param, "init_name", name)
+
+
+def collect_pieces(trainer) -> tuple[dict[str, torch.Tensor], dict]:
+    """This rank's tensors to write, and the per-parameter facts rank 0 records."""
+    state, optimizer = trainer.state, trainer.optimizer
+    pieces: dict[str, torch.Tensor] = {}
+    specs, step = {}, None
+    if state.dp_rank == 0:
+        for name, param in optimizer.named_params:
+            if getattr(param, "tied_copy", False):
+                continue
+            pieces[model_key(name, state.tp_rank)] = param.detach()
+            specs[name] = spec_to_json(param.shard_spec)
+    for seg in optimizer.segments:
+        if getattr(seg.param, "tied_copy", False) or not (optimizer.zero1 or state.dp_rank == 0):
+            continue
+        name = logical_name(optimizer.names[seg.param], seg.param)
+        if not seg.aliases_param:
+            pieces[optim_key("master", name, state.tp_rank, seg.start, seg.end)] = seg.master.detach().reshape(-1)
+        for key, value in optimizer.inner.state.get(seg.master, {}).items():
+            if torch.is_tensor(value) and value.numel() == seg.end - seg.start:
+                pieces[optim_key(key, name, state.tp_rank, seg.start, seg.end)] = value.reshape(-1)
+            elif key == "step":
+                step = int(value)
+            elif torch.is_tensor(value):  # factored (Adafactor) state: kept per TP rank, not resharded
+                pieces[f"factored/{key}/{name}/tp{state.tp_rank}"] = value
+    pieces[f"rng/{state.rank}/torch"] = torch.get_rng_state()
+    for stream, value in trainer.streams.states.items():
+        pieces[f"rng/{state.rank}/{stream}"] = value
+    return {k: v.detach().cpu().contiguous() for k, v in pieces.items()}, {"specs": specs, "optimizer_step": step}
+
+
+def save_checkpoint(trainer, checkpoints: Path, keep: int) -> Path:
+    """Write a checkpoint of the trainer's current step; all ranks call this together."""
+    state = trainer.state
+    final = iteration_dir(checkpoints, trainer.step)
+    staging = final.with_name(final.name + ".tmp")
+    if state.rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    dist.barrier()
+    pieces, facts = collect_pieces(trainer)
+    name = rank_file(state.rank)
+    tmp = staging / f".{name}.tmp"
+    save_file(pieces, str(tmp))
+    os.replace(tmp, staging / name)
+    _killed_here_by_test(state.rank, trainer.step)
+    report = {"file": name, "size": (staging / name).stat().st_size, "sha256": sha256_of(staging / name),
+              "keys": list(pieces), **facts}
+    reports = [None] * state.world_size
+    dist.all_gather_object(reports, report)
+    if state.rank == 0:
+        _seal(trainer, checkpoints, staging, final, reports, keep)
+    dist.barrier()
+    return final
+
+
+def _seal(trainer, checkpoints: Path, staging: Path, final: Path, reports: list[dict], keep: int) -> None:
+    s, c = trainer.state, trainer.config
+    steps = {r["optimizer_step"] for r in reports if r["optimizer_step"] is not None}
+    metadata = {
+        "format_version": FORMAT_VERSION, "step": trainer.step,
+        "consumed_samples": trainer.train_batches.consumed_samples,
+        "tokens": trainer.train_batches.consumed_samples * c.train.seq_length,
+        "layout": {"tp": s.tp_size, "pp": s.pp_size, "vp": s.vp_size, "dp": s.dp_size, "world": s.world_size,
+                   "zero1": c.optim.zero1, "optimizer": c.optim.name, "precision": c.train.precision},
+        "optimizer_step": max(steps) if steps else 0,
+        "loss_scaler": trainer.loss_scaler.state_dict() if trainer.loss_scaler else None,
+        "config": config_to_dict(c),
+        "specs": {name: spec for r in reports for name, spec in r["specs"].items()},
+        "files": {r["file"]: {"size": r["size"], "sha256": r["sha256"]} for r in reports},
+        "index": {key: r["file"] for r in reports for key in r["keys"]},
+    }
+    write_atomic_text(staging / METADATA, _json(metadata))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(staging, final)
+    write_atomic_text(checkpoints / LATEST, final.name + "\n")
+    for old in candidates(checkpoints)[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _killed_here_by_test(rank: int, step: int) -> None:
+    """LOOM_KILL_DURING_SAVE=RANK:STEP SIGKILLs that rank after its file, before the seal (crash tests)."""
+    spec = os.environ.get("LOOM_KILL_DURING_SAVE")
+    if spec and tuple(int(x) for x in spec.split(":")) == (rank, step):
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _json(data: dict) -> str:
+    import json
+
+    return json.dumps(data, indent=1)

@@ -1,0 +1,93 @@
+"""Checkpoints: exact resume, resume under other layouts (ZeRO-1 state resharded), crash safety."""
+
+import json
+import os
+
+import pytest
+
+from engine.config_io import load_config
+from launch.cli import resolve_config_path
+from launch.local import RankFailed, launch_local
+from synthetic_data import write_markov_dataset
+
+STEPS, HALF = 8, 4
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    return write_markov_dataset(tmp_path_factory.mktemp("data") / "markov", vocab_size=4096, num_documents=300)
+
+
+def run(dataset, run_dir, nproc, parallel=None, **train):
+    optim = {"zero1": train.pop("zero1", False)}
+    checkpoint = train.pop("checkpoint", {})
+    config = load_config(resolve_config_path("tiny"), {
+        "data": {"paths": [dataset], "tokenizer": None}, "parallel": parallel or {}, "optim": optim,
+        "checkpoint": checkpoint,
+        "train": {"steps": STEPS, "run_dir": str(run_dir), "log_interval": 1, "eval_interval": 0,
+                  "tensorboard": False, "micro_batch_size": 1, **train}})
+    config.resolve_world(nproc)
+    launch_local(config, nproc)
+    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+@pytest.fixture(scope="module")
+def straight(dataset, tmp_path_factory):
+    return run(dataset, tmp_path_factory.mktemp("straight"), 1)
+
+
+def test_exact_resume_at_the_same_layout(dataset, straight, tmp_path):
+    parallel = {"tp": 2, "pp": 2}
+    both = run(dataset, tmp_path / "ref", 4, parallel)
+    first = run(dataset, tmp_path / "run", 4, parallel, exit_after=HALF, checkpoint={"interval": HALF})
+    assert sorted(first) == list(range(1, HALF + 1))
+    assert (tmp_path / "run/checkpoints/latest").read_text().strip() == "iter_0000004"
+    resumed = run(dataset, tmp_path / "run", 4, parallel, checkpoint={"interval": HALF})
+    assert sorted(resumed) == list(range(1, STEPS + 1))  # metrics.jsonl: no step lost or repeated
+    for step in range(1, STEPS + 1):
+        assert abs(resumed[step] - both[step]) / both[step] <= 1e-6
+
+
+@pytest.fixture(scope="module")
+def saved_at_tp2_pp2_dp2(dataset, tmp_path_factory):
+    saved = tmp_path_factory.mktemp("saved")
+    run(dataset, saved, 8, {"tp": 2, "pp": 2}, zero1=True, exit_after=HALF, checkpoint={"interval": HALF})
+    return saved / "checkpoints"
+
+
+@pytest.mark.parametrize("nproc, parallel", [
+    (1, {}), (8, {"tp": 4, "pp": 1}), (4, {"tp": 1, "pp": 2, "vp": 2}), (8, {"tp": 2, "pp": 1}),
+], ids=["1-1-1", "tp4-dp2", "pp2-vp2-dp2", "tp2-dp4"])
+def test_resume_under_another_layout(dataset, straight, saved_at_tp2_pp2_dp2, tmp_path, nproc, parallel):
+    resumed = run(dataset, tmp_path / "resumed", nproc, parallel, zero1=nproc > 1,
+                  checkpoint={"load": str(saved_at_tp2_pp2_dp2)})
+    assert sorted(resumed) == list(range(HALF + 1, STEPS + 1))
+    for step in resumed:
+        assert abs(resumed[step] - straight[step]) / straight[step] < 1e-4
+
+
+def test_killed_during_save_keeps_the_previous_checkpoint(dataset, straight, tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    run(dataset, run_dir, 2, {"tp": 2}, exit_after=2, checkpoint={"interval": 2})
+    monkeypatch.setenv("LOOM_KILL_DURING_SAVE", "1:4")
+    with pytest.raises(RankFailed):
+        run(dataset, run_dir, 2, {"tp": 2}, checkpoint={"interval": 2})
+    monkeypatch.delenv("LOOM_KILL_DURING_SAVE")
+    assert (run_dir / "checkpoints/latest").read_text().strip() == "iter_0000002"
+    assert (run_dir / "checkpoints/iter_0000004.tmp").exists() and not (run_dir / "checkpoints/iter_0000004").exists()
+    resumed = run(dataset, run_dir, 2, {"tp": 2}, checkpoint={"interval": 2})
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    for step in resumed:
+        assert abs(resumed[step] - straight[step]) / straight[step] < 1e-4
+
+
+def test_corrupt_checkpoint_falls_back_with_a_warning(dataset, tmp_path, capfd):
+    run_dir = tmp_path / "run"
+    run(dataset, run_dir, 1, exit_after=4, checkpoint={"interval": 2})
+    newest = run_dir / "checkpoints/iter_0000004/rank00000.safetensors"
+    data = bytearray(newest.read_bytes())
+    data[-100] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    resumed = run(dataset, run_dir, 1, exit_after=1)
+    assert "does not match its sha256" in capfd.readouterr().out
+    assert max(resumed) == 3  # resumed from step 2, trained one step
