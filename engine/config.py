@@ -203,7 +203,7 @@ class DataConfig:
             values = [float(p) for p in parts]
         except ValueError:
             values = []
-        if len(values) != 3 or any(v < 0 for v in values) or values[0] <= 0:
+        if len(values) != 3 or any(v < 0 for v in values) or sum(values) <= 0:
             raise ConfigError(f"data.split = {self.split!r} must be three non-negative weights like '98,1,1'")
 
 

@@ -51,7 +51,7 @@ PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.flo
 
 
 class Trainer:
-    def __init__(self, config: LoomConfig, local_rank: int = 0):
+    def __init__(self, config: LoomConfig, local_rank: int = 0, evaluation_only: bool = False):
         self.config = config
         config.resolve_world(dist.get_world_size())
         p, t = config.parallel, config.train
@@ -64,7 +64,7 @@ class Trainer:
         sequence = t.seq_length // p.tp if (p.sequence_parallel and p.tp > 1) else t.seq_length
         self.executor = PipelineExecutor(self.chunks, self.state, (sequence, t.micro_batch_size,
                                          config.model.hidden_size), self.device, self._autocast)
-        self._build_data()
+        self._build_data(evaluation_only)
         self.flops_per_token = model_flops_per_token(config.model, t.seq_length)
         self.peak_flops = self._peak_flops()
         self.injected_fault = _injected_fault(self.state.rank)
@@ -122,15 +122,18 @@ class Trainer:
     def save(self) -> Path:
         return save_checkpoint(self, self.checkpoints, self.config.checkpoint.keep)
 
-    def _build_data(self) -> None:
+    def _build_data(self, evaluation_only: bool) -> None:
         c, t = self.config, self.config.train
         is_builder, barrier = self.state.rank == 0, dist.barrier
-        train_set = build_dataset(c, 0, t.steps * t.global_batch_size, is_builder, barrier)
+        train_set = None if evaluation_only else build_dataset(c, 0, t.steps * t.global_batch_size, is_builder,
+                                                                barrier)
         self.train_batches = BatchIterator(train_set, c.global_batch_size_at, t.micro_batch_size,
                                            self.state.dp_rank, self.state.dp_size)
         self.valid_set = None
-        if t.eval_interval:
+        if t.eval_interval or evaluation_only:
             self.valid_set = build_dataset(c, 1, t.eval_iters * t.global_batch_size, is_builder, barrier)
+            if self.valid_set is None:
+                raise ValueError(f"data.split = {c.data.split!r} leaves no validation documents")
 
     def _peak_flops(self) -> float | None:
         if self.config.train.peak_tflops:

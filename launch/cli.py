@@ -110,7 +110,7 @@ def cmd_schedule(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from launch import cli_data, demo
+    from launch import cli_ckpt, cli_data, demo
 
     parser = argparse.ArgumentParser(prog="loom", description="3D-parallel LLM training: data tools, training, launch.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -135,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo.add_parser(commands)
     cli_data.add_parser(commands)
+    cli_ckpt.add_parsers(commands)
     return parser
 
 

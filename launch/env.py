@@ -35,15 +35,25 @@ def init_distributed(config: LoomConfig, timeout_s: float = 600.0) -> int:
     return local_rank
 
 
-def run_rank(config: LoomConfig) -> list[dict]:
-    """Everything one rank does for `loom train`; returns the rows it logged."""
+def run_rank(config: LoomConfig, mode: str = "train") -> list[dict]:
+    """Everything one rank does for `loom train` (mode "train": the logged rows) or `loom eval`
+    (mode "eval": one row with val_loss and val_ppl, printed by rank 0)."""
+    import math
+
     from engine.train import Trainer
 
     local_rank = init_distributed(config)
     try:
-        trainer = Trainer(config, local_rank=local_rank)
+        trainer = Trainer(config, local_rank=local_rank, evaluation_only=mode == "eval")
         try:
-            rows = trainer.run()
+            if mode == "eval":
+                loss = trainer.evaluate()
+                rows = [{"step": trainer.step, "val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}]
+                if dist.get_rank() == 0:
+                    print(f"step {trainer.step}: validation loss {loss:.4f}, perplexity {rows[0]['val_ppl']:.2f}",
+                          flush=True)
+            else:
+                rows = trainer.run()
         finally:
             trainer.close()
         # Leave together: with ranks tearing down gloo groups at different times, we have seen

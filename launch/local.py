@@ -34,7 +34,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world: int, port: int, raw_config: dict, threads: int, errors) -> None:
+def _rank_main(rank: int, world: int, port: int, raw_config: dict, threads: int, errors, mode: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
@@ -43,7 +43,7 @@ def _rank_main(rank: int, world: int, port: int, raw_config: dict, threads: int,
 
     torch.set_num_threads(threads)
     try:
-        run_rank(config_from_dict(raw_config))
+        run_rank(config_from_dict(raw_config), mode)
     except BaseException as error:  # noqa: BLE001 - every failure must reach the parent
         message = str(error).splitlines()[0] if str(error) else type(error).__name__
         if not isinstance(error, USER_ERRORS):
@@ -52,14 +52,15 @@ def _rank_main(rank: int, world: int, port: int, raw_config: dict, threads: int,
         raise SystemExit(1) from None
 
 
-def launch_local(config: LoomConfig, nproc: int, grace_s: float = 5.0) -> None:
-    """Run the training on `nproc` local ranks; raises RankFailed with the first failing rank's error."""
+def launch_local(config: LoomConfig, nproc: int, grace_s: float = 5.0, mode: str = "train") -> None:
+    """Run training (or evaluation, mode "eval") on `nproc` local ranks; raises RankFailed with the
+    first failing rank's error."""
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
     port = _free_port()
     threads = max(1, (os.cpu_count() or 1) // nproc)
     raw = config_to_dict(config)
-    procs = [ctx.Process(target=_rank_main, args=(r, nproc, port, raw, threads, errors), daemon=False)
+    procs = [ctx.Process(target=_rank_main, args=(r, nproc, port, raw, threads, errors, mode), daemon=False)
              for r in range(nproc)]
     for p in procs:
         p.start()

@@ -4,11 +4,11 @@ import json
 import os
 
 import pytest
+from synthetic_data import write_markov_dataset
 
 from engine.config_io import load_config
 from launch.cli import resolve_config_path
 from launch.local import RankFailed, launch_local
-from synthetic_data import write_markov_dataset
 
 STEPS, HALF = 8, 4
 
@@ -91,3 +91,45 @@ def test_corrupt_checkpoint_falls_back_with_a_warning(dataset, tmp_path, capfd):
     resumed = run(dataset, run_dir, 1, exit_after=1)
     assert "does not match its sha256" in capfd.readouterr().out
     assert max(resumed) == 3  # resumed from step 2, trained one step
+
+
+def test_reshard_then_resume(dataset, straight, saved_at_tp2_pp2_dp2, tmp_path):
+    from tools.ckpt import inspect, reshard
+
+    resharded = tmp_path / "resharded"
+    reshard(saved_at_tp2_pp2_dp2, resharded, tp=1, pp=2)
+    assert "layout tp=1 pp=2 vp=1 dp=1 world=2 zero1=False" in inspect(resharded)
+    resumed = run(dataset, tmp_path / "resumed", 2, {"pp": 2}, checkpoint={"load": str(resharded)})
+    for step in resumed:
+        assert abs(resumed[step] - straight[step]) / straight[step] < 1e-4
+
+
+def _loom(*args):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(repo))
+    return subprocess.run([sys.executable, "-m", "launch.cli", *args], capture_output=True, text=True, env=env,
+                          cwd=repo, timeout=300)
+
+
+def test_eval_gives_the_same_loss_under_any_layout(dataset, saved_at_tp2_pp2_dp2):
+    losses = []
+    for layout in ([], ["--nproc", "2", "--parallel.tp", "2"], ["--nproc", "2", "--parallel.pp", "2"]):
+        result = _loom("eval", "--checkpoint", str(saved_at_tp2_pp2_dp2), "--data", dataset, *layout)
+        assert result.returncode == 0, result.stderr
+        line = [x for x in result.stdout.splitlines() if "validation loss" in x][0]
+        assert line.startswith(f"step {HALF}: validation loss")
+        losses.append(float(line.split("validation loss ")[1].split(",")[0]))
+    assert max(losses) - min(losses) < 1e-3
+
+
+def test_checkpoint_of_another_model_names_the_first_mismatch(dataset, saved_at_tp2_pp2_dp2, tmp_path):
+    result = _loom("train", "--config", "tiny", "--data.paths", dataset, "--data.tokenizer", "none",
+                   "--model.ffn_hidden_size", "256", "--checkpoint.load", str(saved_at_tp2_pp2_dp2),
+                   "--train.run_dir", str(tmp_path))
+    assert result.returncode != 0
+    assert "is of another model: layers.0.mlp.fc1.weight has shape (768, 128) there, (512, 128) here" \
+        in result.stderr

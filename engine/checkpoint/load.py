@@ -125,7 +125,7 @@ def _restore_loop_state(trainer, reader: PieceReader, metadata: dict) -> None:
     s, saved = trainer.state, metadata["layout"]
     same_layout = all(saved[k] == v for k, v in
                       (("tp", s.tp_size), ("pp", s.pp_size), ("dp", s.dp_size), ("vp", s.vp_size)))
-    if same_layout:  # random streams belong to ranks; under another layout they start afresh
+    if same_layout and f"rng/{s.rank}/torch" in metadata["index"]:  # streams belong to ranks of one layout
         torch.set_rng_state(reader.tensor(f"rng/{s.rank}/torch"))
         for stream in trainer.streams.states:
             trainer.streams.states[stream] = reader.tensor(f"rng/{s.rank}/{stream}")

@@ -19,8 +19,19 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from engine.checkpoint.format import (FORMAT_VERSION, LATEST, METADATA, candidates, iteration_dir, model_key,
-                                      optim_key, rank_file, sha256_of, spec_to_json, write_atomic_text)
+from engine.checkpoint.format import (
+    FORMAT_VERSION,
+    LATEST,
+    METADATA,
+    candidates,
+    iteration_dir,
+    model_key,
+    optim_key,
+    rank_file,
+    sha256_of,
+    spec_to_json,
+    write_atomic_text,
+)
 from engine.config_io import config_to_dict
 
 

@@ -9,8 +9,8 @@ the state it has. TP and PP ranks of one replica read the same samples straight 
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch

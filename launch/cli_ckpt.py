@@ -1,0 +1,70 @@
+"""`loom ckpt inspect|reshard` and `loom eval`: thin wrappers over tools/ckpt.py and the trainer."""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+
+def _inspect(args: argparse.Namespace) -> None:
+    from tools.ckpt import inspect
+
+    print(inspect(Path(args.directory)))
+
+
+def _reshard(args: argparse.Namespace) -> None:
+    from tools.ckpt import reshard
+
+    final = reshard(Path(args.input), Path(args.output), args.tp, args.pp, args.vp)
+    print(f"wrote {final} for tp={args.tp} pp={args.pp} vp={args.vp} (any dp loads it); "
+          f"resume with --checkpoint.load {args.output}")
+
+
+def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> None:
+    from engine.config_io import config_from_dict, parse_overrides
+    from launch.cli import preflight
+    from launch.local import launch_local
+    from tools.ckpt import open_checkpoint
+
+    directory, metadata = open_checkpoint(Path(args.checkpoint))
+    raw = metadata["config"]
+    raw["parallel"].update(tp=1, pp=1, vp=1, dp=None)
+    raw["optim"]["zero1"] = False
+    raw["data"].update(paths=[args.data], split=args.split, weights=None)
+    with tempfile.TemporaryDirectory() as run_dir:
+        raw["train"].update(run_dir=run_dir, tensorboard=False, eval_iters=args.iters)
+        raw["checkpoint"].update(load=str(directory), interval=0)
+        for section, values in parse_overrides(overrides).items():
+            raw[section].update(values)
+        config = config_from_dict({s: {k: v for k, v in fields.items() if v is not None}
+                                   for s, fields in raw.items()})
+        preflight(config, args.nproc)
+        launch_local(config, args.nproc, mode="eval")
+
+
+def add_parsers(commands) -> None:
+    ckpt = commands.add_parser("ckpt", help="checkpoint tools: inspect, reshard")
+    sub = ckpt.add_subparsers(dest="ckpt_command", required=True, metavar="ACTION")
+    p = sub.add_parser("inspect", help="layout, step, tokens and the tensor table of a checkpoint")
+    p.add_argument("directory", help="an iter_N directory or a checkpoints/ folder (its newest intact one)")
+    p.set_defaults(handler=_inspect)
+    p = sub.add_parser("reshard", help="rewrite a checkpoint for another tp/pp/vp layout, offline, streaming",
+                       description="Any layout already loads any checkpoint; resharding writes the pieces a "
+                                   "target layout reads, one file per rank. DP needs no reshard.")
+    p.add_argument("--input", required=True, help="checkpoint directory (iter_N or checkpoints/)")
+    p.add_argument("--output", required=True, help="a checkpoints/ folder to write iter_N and latest into")
+    p.add_argument("--tp", type=int, required=True)
+    p.add_argument("--pp", type=int, required=True)
+    p.add_argument("--vp", type=int, default=1)
+    p.set_defaults(handler=_reshard)
+
+    p = commands.add_parser("eval", help="validation loss and perplexity of a checkpoint on a dataset, any layout",
+                            epilog="Layout and other fields: --parallel.tp 2 --nproc 2, --train.micro_batch_size 4, ...")
+    p.add_argument("--checkpoint", required=True, help="an iter_N directory or a checkpoints/ folder")
+    p.add_argument("--data", required=True, help=".bin/.idx prefix")
+    p.add_argument("--split", default="0,100,0", help="train,valid,test weights; the valid part is evaluated "
+                                                      "(default: the whole dataset)")
+    p.add_argument("--iters", type=int, default=4, help="global batches to evaluate")
+    p.add_argument("--nproc", type=int, default=1)
+    p.set_defaults(handler=cmd_eval, takes_overrides=True)

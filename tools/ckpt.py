@@ -1,0 +1,123 @@
+"""Offline checkpoint tools: inspect, and reshard to another (tp, pp, vp) layout on one CPU machine.
+
+Resharding streams: for each target rank it rebuilds only that rank's parameters, one logical
+tensor at a time, from the source pieces, and writes that rank's file before the next, so memory
+stays at about one rank's share plus one tensor. The result is an ordinary checkpoint saved "as
+if" at the target layout with one DP rank and no ZeRO-1 (which any DP size and ZeRO setting
+loads). Factored Adafactor state is not carried over.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from engine.checkpoint.format import (
+    LATEST,
+    METADATA,
+    CheckpointError,
+    find_loadable,
+    model_key,
+    optim_key,
+    rank_file,
+    sha256_of,
+    spec_from_json,
+    spec_to_json,
+    write_atomic_text,
+)
+from engine.checkpoint.load import PieceReader
+from engine.parallel.layers import padded_vocab_size
+from engine.parallel.sharding import ShardSpec
+from engine.parallel.state import rank_of
+from engine.pipeline.stages import stage_layers
+
+
+def open_checkpoint(path: Path) -> tuple[Path, dict]:
+    found = find_loadable(path)
+    if found is None:
+        raise CheckpointError(f"no intact checkpoint at {path}")
+    return found
+
+
+def inspect(path: Path) -> str:
+    directory, metadata = open_checkpoint(path)
+    layout = metadata["layout"]
+    lines = [f"checkpoint {directory}",
+             f"step {metadata['step']}, {metadata['consumed_samples']:,} samples, {metadata['tokens']:,} tokens",
+             "layout " + " ".join(f"{k}={v}" for k, v in layout.items()),
+             f"files {len(metadata['files'])}, {sum(f['size'] for f in metadata['files'].values()) / 1e6:.1f} MB",
+             f"{'tensor':48} {'shape':>18} {'parameters':>12}  optimizer state"]
+    reader = PieceReader(directory, metadata)
+    total = 0
+    for name, spec in metadata["specs"].items():
+        shape = tuple(spec["full_shape"])
+        count = int(torch.Size(shape).numel())
+        total += count
+        lines.append(f"{name:48} {str(shape):>18} {count:12,}  {', '.join(sorted(reader.states(name))) or '-'}")
+    lines.append(f"total parameters {total:,}")
+    return "\n".join(lines)
+
+
+def _stage_of(name: str, num_layers: int, pp: int, vp: int) -> int:
+    """The virtual stage that holds a parameter in a (pp, vp) layout."""
+    if name.startswith("layers."):
+        layer = int(name.split(".")[1])
+        return next(s for s in range(pp * vp) if layer in stage_layers(num_layers, pp, vp, s))
+    return 0 if name.startswith(("embedding", "position_embedding")) else pp * vp - 1
+
+
+def reshard(source: Path, output: Path, tp: int, pp: int, vp: int = 1) -> Path:
+    """Write the checkpoint at `source` as iter_N under `output`, laid out for tp x pp (x vp)."""
+    directory, metadata = open_checkpoint(source)
+    layers = metadata["config"]["model"]["num_layers"]
+    if layers % (pp * vp):
+        raise CheckpointError(f"{layers} layers do not split into pp*vp = {pp}*{vp} stages")
+    reader = PieceReader(directory, metadata)
+    final = output / directory.name
+    staging = final.with_name(final.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    specs, files, index = {}, {}, {}
+    divisible_by = metadata["config"]["model"]["make_vocab_divisible_by"]
+    for pp_rank in range(pp):
+        names = [n for n in metadata["specs"] if _stage_of(n, layers, pp, vp) % pp == pp_rank]
+        for tp_rank in range(tp):
+            rank = rank_of(tp_rank, 0, pp_rank, tp, 1)
+            pieces = _rank_pieces(reader, names, tp_rank, tp, divisible_by, specs)
+            name = rank_file(rank)
+            save_file(pieces, str(staging / name))
+            files[name] = {"size": (staging / name).stat().st_size, "sha256": sha256_of(staging / name)}
+            index.update({key: name for key in pieces})
+            del pieces
+    new = dict(metadata, specs=specs, files=files, index=index,
+               layout={**metadata["layout"], "tp": tp, "pp": pp, "vp": vp, "dp": 1, "world": tp * pp, "zero1": False})
+    write_atomic_text(staging / METADATA, json.dumps(new, indent=1))
+    shutil.rmtree(final, ignore_errors=True)
+    staging.rename(final)
+    write_atomic_text(output / LATEST, final.name + "\n")
+    return final
+
+
+def _rank_pieces(reader: PieceReader, names: list[str], tp_rank: int, tp: int, divisible_by: int,
+                 specs: dict) -> dict:
+    pieces = {}
+    for name in names:
+        spec = _retarget(spec_from_json(reader.metadata["specs"][name]), tp, divisible_by)
+        specs[name] = spec_to_json(spec)
+        pieces[model_key(name, tp_rank)] = spec.shard(reader.model(name), tp_rank, tp).contiguous()
+        for state in sorted(reader.states(name)):
+            local = spec.shard(reader.optim(state, name), tp_rank, tp).reshape(-1).contiguous()
+            pieces[optim_key(state, name, tp_rank, 0, local.numel())] = local
+    return pieces
+
+
+def _retarget(spec: ShardSpec, tp: int, divisible_by: int) -> ShardSpec:
+    """The same parameter's ShardSpec at another TP size (only the vocabulary padding depends on it)."""
+    if spec.padded_size is None:
+        return spec
+    return ShardSpec(spec.full_shape, spec.dim, spec.blocks,
+                     padded_vocab_size(spec.full_shape[spec.dim], divisible_by, tp))
