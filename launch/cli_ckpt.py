@@ -1,4 +1,4 @@
-"""`loom ckpt inspect|reshard` and `loom eval`: thin wrappers over tools/ckpt.py and the trainer."""
+"""`loom ckpt inspect|reshard|export-hf|import-hf` and `loom eval`: thin wrappers over tools/ and the trainer."""
 
 from __future__ import annotations
 
@@ -19,6 +19,20 @@ def _reshard(args: argparse.Namespace) -> None:
     final = reshard(Path(args.input), Path(args.output), args.tp, args.pp, args.vp)
     print(f"wrote {final} for tp={args.tp} pp={args.pp} vp={args.vp} (any dp loads it); "
           f"resume with --checkpoint.load {args.output}")
+
+
+def _export_hf(args: argparse.Namespace) -> None:
+    from tools.hf import export_hf
+
+    print(f"wrote {export_hf(Path(args.input), Path(args.output))}: model.safetensors + config.json "
+          f"(transformers.LlamaForCausalLM.from_pretrained loads it)")
+
+
+def _import_hf(args: argparse.Namespace) -> None:
+    from tools.hf import import_hf
+
+    final = import_hf(Path(args.input), Path(args.output))
+    print(f"wrote {final}; train from it with --checkpoint.load {args.output}")
 
 
 def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> None:
@@ -44,7 +58,7 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> None:
 
 
 def add_parsers(commands) -> None:
-    ckpt = commands.add_parser("ckpt", help="checkpoint tools: inspect, reshard")
+    ckpt = commands.add_parser("ckpt", help="checkpoint tools: inspect, reshard, export-hf, import-hf")
     sub = ckpt.add_subparsers(dest="ckpt_command", required=True, metavar="ACTION")
     p = sub.add_parser("inspect", help="layout, step, tokens and the tensor table of a checkpoint")
     p.add_argument("directory", help="an iter_N directory or a checkpoints/ folder (its newest intact one)")
@@ -58,6 +72,14 @@ def add_parsers(commands) -> None:
     p.add_argument("--pp", type=int, required=True)
     p.add_argument("--vp", type=int, default=1)
     p.set_defaults(handler=_reshard)
+    p = sub.add_parser("export-hf", help="write a Llama-format Hugging Face model (safetensors + config.json)")
+    p.add_argument("--input", required=True, help="checkpoint directory (iter_N or checkpoints/)")
+    p.add_argument("--output", required=True, help="directory for model.safetensors and config.json")
+    p.set_defaults(handler=_export_hf)
+    p = sub.add_parser("import-hf", help="turn a Hugging Face Llama model directory into a loom checkpoint")
+    p.add_argument("--input", required=True, help="directory with config.json and *.safetensors")
+    p.add_argument("--output", required=True, help="a checkpoints/ folder to write iter_0000000 and latest into")
+    p.set_defaults(handler=_import_hf)
 
     p = commands.add_parser("eval", help="validation loss and perplexity of a checkpoint on a dataset, any layout",
                             epilog="Layout and other fields: --parallel.tp 2 --nproc 2, --train.micro_batch_size 4, ...")
