@@ -277,6 +277,8 @@ class CheckpointConfig:
     """Checkpoint directory to resume from; None means the run's own checkpoints/latest if any."""
     verify: bool = True
     """Check every file's sha256 before resuming (a damaged checkpoint falls back to an older one)."""
+    async_save: bool = False
+    """Write checkpoint files in a background thread while training continues."""
 
     def __post_init__(self) -> None:
         if self.interval < 0 or self.keep < 1:

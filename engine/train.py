@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from engine.checkpoint.format import CheckpointError, find_loadable, read_metadata
 from engine.checkpoint.load import load_checkpoint
-from engine.checkpoint.save import save_checkpoint
+from engine.checkpoint.save import CheckpointWriter
 from engine.config import LoomConfig
 from engine.config_io import config_to_toml
 from engine.data.loader import BatchIterator, build_dataset
@@ -69,6 +69,7 @@ class Trainer:
         self.peak_flops = self._peak_flops()
         self.injected_fault = _injected_fault(self.state.rank)
         self.checkpoints = Path(t.run_dir) / "checkpoints"
+        self.checkpoint_writer = CheckpointWriter(asynchronous=config.checkpoint.async_save)
         self.resumed_from = self._resume()
         self.metrics = None
         if self.state.rank == 0:
@@ -120,7 +121,7 @@ class Trainer:
         return directory
 
     def save(self) -> Path:
-        return save_checkpoint(self, self.checkpoints, self.config.checkpoint.keep)
+        return self.checkpoint_writer.save(self, self.checkpoints, self.config.checkpoint.keep)
 
     def _build_data(self, evaluation_only: bool) -> None:
         c, t = self.config, self.config.train
@@ -269,6 +270,7 @@ class Trainer:
             print(message, flush=True)
 
     def close(self) -> None:
+        self.checkpoint_writer.wait()
         self.grads.remove_hooks()
         if self.metrics is not None:
             self.metrics.close()

@@ -36,13 +36,15 @@ def straight(dataset, tmp_path_factory):
     return run(dataset, tmp_path_factory.mktemp("straight"), 1)
 
 
-def test_exact_resume_at_the_same_layout(dataset, straight, tmp_path):
-    parallel = {"tp": 2, "pp": 2}
-    both = run(dataset, tmp_path / "ref", 4, parallel)
-    first = run(dataset, tmp_path / "run", 4, parallel, exit_after=HALF, checkpoint={"interval": HALF})
+@pytest.mark.parametrize("nproc, parallel, asynchronous", [(4, {"tp": 2, "pp": 2}, False), (2, {"pp": 2}, True)],
+                         ids=["tp2-pp2", "pp2-async-save"])
+def test_exact_resume_at_the_same_layout(dataset, tmp_path, nproc, parallel, asynchronous):
+    saving = {"interval": HALF, "async_save": asynchronous}
+    both = run(dataset, tmp_path / "ref", nproc, parallel)
+    first = run(dataset, tmp_path / "run", nproc, parallel, exit_after=HALF, checkpoint=saving)
     assert sorted(first) == list(range(1, HALF + 1))
     assert (tmp_path / "run/checkpoints/latest").read_text().strip() == "iter_0000004"
-    resumed = run(dataset, tmp_path / "run", 4, parallel, checkpoint={"interval": HALF})
+    resumed = run(dataset, tmp_path / "run", nproc, parallel, checkpoint=saving)
     assert sorted(resumed) == list(range(1, STEPS + 1))  # metrics.jsonl: no step lost or repeated
     for step in range(1, STEPS + 1):
         assert abs(resumed[step] - both[step]) / both[step] <= 1e-6

@@ -7,12 +7,15 @@ Sequence, so that a crash at any point leaves the previous checkpoint as `latest
    (atomic rename) and removes checkpoints beyond the newest `keep`.
 Which ranks write what: model weights by DP rank 0 of each (TP, PP) position; master weights and
 optimizer state by their owner (every DP rank under ZeRO-1, else DP rank 0); RNG by everyone.
+With checkpoint.async_save, steps 1-3 run in a background thread while training continues.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import threading
 from pathlib import Path
 
 import torch
@@ -70,48 +73,93 @@ def collect_pieces(trainer) -> tuple[dict[str, torch.Tensor], dict]:
     return {k: v.detach().cpu().contiguous() for k, v in pieces.items()}, {"specs": specs, "optimizer_step": step}
 
 
-def save_checkpoint(trainer, checkpoints: Path, keep: int) -> Path:
-    """Write a checkpoint of the trainer's current step; all ranks call this together."""
-    state = trainer.state
-    final = iteration_dir(checkpoints, trainer.step)
-    staging = final.with_name(final.name + ".tmp")
-    if state.rank == 0:
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-    dist.barrier()
-    pieces, facts = collect_pieces(trainer)
-    name = rank_file(state.rank)
-    tmp = staging / f".{name}.tmp"
-    save_file(pieces, str(tmp))
-    os.replace(tmp, staging / name)
-    _killed_here_by_test(state.rank, trainer.step)
-    report = {"file": name, "size": (staging / name).stat().st_size, "sha256": sha256_of(staging / name),
-              "keys": list(pieces), **facts}
-    reports = [None] * state.world_size
-    dist.all_gather_object(reports, report)
-    if state.rank == 0:
-        _seal(trainer, checkpoints, staging, final, reports, keep)
-    dist.barrier()
-    return final
+class CheckpointWriter:
+    """Saves checkpoints; with `asynchronous`, files are written and sealed by a background thread
+    while training goes on (the pieces are copied first, so later steps cannot change them).
+
+    Sealing uses a process group of its own (gloo), so its collectives never interleave with the
+    training's. All ranks create the writer together.
+    """
+
+    def __init__(self, asynchronous: bool = False):
+        self.asynchronous = asynchronous
+        self.group = dist.new_group(backend="gloo")
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def save(self, trainer, checkpoints: Path, keep: int) -> Path:
+        """Checkpoint the trainer's current step; all ranks call this together."""
+        self.wait()
+        state = trainer.state
+        final = iteration_dir(checkpoints, trainer.step)
+        staging = final.with_name(final.name + ".tmp")
+        if state.rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+        dist.barrier(group=self.group)
+        pieces, facts = collect_pieces(trainer)
+        if self.asynchronous:
+            pieces = {k: v.clone() for k, v in pieces.items()}
+        snapshot = _run_facts(trainer)
+        job = (state.rank, state.world_size, checkpoints, staging, final, pieces, facts, snapshot, keep)
+        if self.asynchronous:
+            self._thread = threading.Thread(target=self._run, args=job, daemon=True)
+            self._thread.start()
+        else:
+            self._write(*job)
+        return final
+
+    def _run(self, *job) -> None:
+        try:
+            self._write(*job)
+        except BaseException as error:  # noqa: BLE001 - re-raised in the training thread by wait()
+            self._error = error
+
+    def _write(self, rank, world, checkpoints, staging, final, pieces, facts, snapshot, keep) -> None:
+        name = rank_file(rank)
+        tmp = staging / f".{name}.tmp"
+        save_file(pieces, str(tmp))
+        os.replace(tmp, staging / name)
+        _killed_here_by_test(rank, snapshot["step"])
+        report = {"file": name, "size": (staging / name).stat().st_size, "sha256": sha256_of(staging / name),
+                  "keys": list(pieces), **facts}
+        reports = [None] * world
+        dist.all_gather_object(reports, report, group=self.group)
+        if rank == 0:
+            _seal(snapshot, checkpoints, staging, final, reports, keep)
+        dist.barrier(group=self.group)
+
+    def wait(self) -> None:
+        """Block until a background save has finished; raise its error if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
 
 
-def _seal(trainer, checkpoints: Path, staging: Path, final: Path, reports: list[dict], keep: int) -> None:
+def _run_facts(trainer) -> dict:
+    """What metadata.json records about the run, taken at the moment of the save."""
     s, c = trainer.state, trainer.config
+    return {"step": trainer.step, "consumed_samples": trainer.train_batches.consumed_samples,
+            "tokens": trainer.train_batches.consumed_samples * c.train.seq_length,
+            "layout": {"tp": s.tp_size, "pp": s.pp_size, "vp": s.vp_size, "dp": s.dp_size, "world": s.world_size,
+                       "zero1": c.optim.zero1, "optimizer": c.optim.name, "precision": c.train.precision},
+            "loss_scaler": trainer.loss_scaler.state_dict() if trainer.loss_scaler else None,
+            "config": config_to_dict(c)}
+
+
+def _seal(snapshot: dict, checkpoints: Path, staging: Path, final: Path, reports: list[dict], keep: int) -> None:
     steps = {r["optimizer_step"] for r in reports if r["optimizer_step"] is not None}
     metadata = {
-        "format_version": FORMAT_VERSION, "step": trainer.step,
-        "consumed_samples": trainer.train_batches.consumed_samples,
-        "tokens": trainer.train_batches.consumed_samples * c.train.seq_length,
-        "layout": {"tp": s.tp_size, "pp": s.pp_size, "vp": s.vp_size, "dp": s.dp_size, "world": s.world_size,
-                   "zero1": c.optim.zero1, "optimizer": c.optim.name, "precision": c.train.precision},
+        "format_version": FORMAT_VERSION, **snapshot,
         "optimizer_step": max(steps) if steps else 0,
-        "loss_scaler": trainer.loss_scaler.state_dict() if trainer.loss_scaler else None,
-        "config": config_to_dict(c),
         "specs": {name: spec for r in reports for name, spec in r["specs"].items()},
         "files": {r["file"]: {"size": r["size"], "sha256": r["sha256"]} for r in reports},
         "index": {key: r["file"] for r in reports for key in r["keys"]},
     }
-    write_atomic_text(staging / METADATA, _json(metadata))
+    write_atomic_text(staging / METADATA, json.dumps(metadata, indent=1))
     shutil.rmtree(final, ignore_errors=True)
     os.replace(staging, final)
     write_atomic_text(checkpoints / LATEST, final.name + "\n")
@@ -126,9 +174,3 @@ def _killed_here_by_test(rank: int, step: int) -> None:
         import signal
 
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _json(data: dict) -> str:
-    import json
-
-    return json.dumps(data, indent=1)
