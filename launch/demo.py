@@ -2,7 +2,9 @@
 
 corpus (Python stdlib) -> SentencePiece tokenizer -> .bin/.idx -> 3D-parallel training on local
 CPU ranks (tensor + sequence, interleaved pipeline, data parallel with the ZeRO-1 optimizer) with
-validation -> the measured pipeline timeline drawn next to the ideal one -> a summary. Each step's outputs stay in
+validation and a checkpoint -> the measured pipeline timeline next to the ideal one -> the
+checkpoint resharded and training resumed under another layout -> evaluation -> Hugging Face
+export -> a summary. Each step's outputs stay in
 the work directory, so the next command (`loom train --config configs/tiny.toml ...`) can reuse them.
 Steps whose outputs already exist are reused, not redone.
 """
@@ -11,10 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import time
 from pathlib import Path
 
-from engine.config_io import load_config
+from engine.config_io import config_to_dict, load_config
 
 
 def _step(title: str) -> float:
@@ -35,18 +38,18 @@ def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: in
     corpus, tokenizer, prefix = data_dir / "corpus.jsonl", data_dir / "tokenizer", data_dir / "stdlib_text_document"
     summary: dict = {}
 
-    start = _step("1/5 corpus: the Python standard library, one document per source file")
+    start = _step("1/6 corpus: the Python standard library, one document per source file")
     if not corpus.exists():
         summary["corpus"] = build_stdlib_corpus(corpus, max_docs=max_docs)
     summary["corpus_mb"] = round(corpus.stat().st_size / 1e6, 1)
     print(f"{corpus} ({summary['corpus_mb']} MB) in {time.perf_counter() - start:.1f} s")
 
-    start = _step("2/5 tokenizer: SentencePiece BPE, 4096 pieces, byte fallback")
+    start = _step("2/6 tokenizer: SentencePiece BPE, 4096 pieces, byte fallback")
     if not Path(f"{tokenizer}.model").exists():
         train_tokenizer([corpus], tokenizer, vocab_size=4096, model_type="bpe", input_sentence_size=300_000)
     print(f"{tokenizer}.model in {time.perf_counter() - start:.1f} s")
 
-    start = _step("3/5 build: tokenize into a memory-mapped indexed dataset (Megatron .bin/.idx)")
+    start = _step("3/6 build: tokenize into a memory-mapped indexed dataset (Megatron .bin/.idx)")
     if not Path(f"{prefix}.idx").exists():
         build_indexed_dataset([corpus], f"{tokenizer}.model", prefix, workers=2, append_eod=True)
     dataset = IndexedDataset(prefix)
@@ -54,20 +57,19 @@ def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: in
     print(f"{prefix}.bin/.idx: {summary['documents']:,} documents, {summary['tokens']:,} tokens "
           f"in {time.perf_counter() - start:.1f} s")
 
+    shutil.rmtree(workdir / "runs", ignore_errors=True)  # a fresh run, not a resume of an older demo
     run_dir = workdir / "runs" / "tiny"
     overrides = ["--data.paths", str(prefix), "--data.tokenizer", f"{tokenizer}.model",
-                 "--train.run_dir", str(run_dir), "--train.steps", str(steps),
+                 "--train.run_dir", str(run_dir), "--train.steps", str(steps), "--checkpoint.interval", str(steps),
                  "--train.eval_interval", str(max(1, steps // 2)),
                  "--parallel.tp", str(tp), "--parallel.pp", str(pp), "--parallel.vp", str(vp),
                  "--parallel.sequence_parallel", "true", "--optim.zero1", "true",
                  "--train.record_pipeline_timeline", "true"]
     config = load_config(resolve_config_path("configs/tiny.toml"), overrides)
     preflight(config, nproc)
-    start = _step(f"4/5 train: configs/tiny.toml on {nproc} CPU ranks: tp={tp} (sequence parallel) x pp={pp} "
+    start = _step(f"4/6 train: configs/tiny.toml on {nproc} CPU ranks: tp={tp} (sequence parallel) x pp={pp} "
                   f"(interleaved, vp={vp}) x dp={config.parallel.dp} (ZeRO-1), {steps} steps")
     metrics = run_dir / "metrics.jsonl"
-    if metrics.exists():
-        metrics.unlink()
     launch_local(config, nproc)
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     train_rows = [r for r in rows if "loss" in r]
@@ -77,7 +79,7 @@ def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: in
                    val_ppl=val_rows[-1]["val_ppl"] if val_rows else None,
                    train_seconds=round(time.perf_counter() - start, 1), run_dir=str(run_dir))
 
-    _step("5/5 schedule: the last step's measured pipeline timeline next to the ideal one")
+    _step("5/6 schedule: the last step's measured pipeline timeline next to the ideal one")
     from tools.schedule_plot import describe, draw, load_measured
 
     layout, measured = load_measured(run_dir)
@@ -87,7 +89,33 @@ def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: in
     summary["bubble"] = timeline.bubble_fraction
     draw(layout["pp"], layout["vp"], layout["microbatches"], Path(summary["schedule_png"]), measured)
     summary["layout"] = f"tp={tp} pp={pp} vp={vp} dp={config.parallel.dp}"
+    summary.update(_move_checkpoint(workdir, config, steps))
     return summary
+
+
+def _move_checkpoint(workdir: Path, config, steps: int) -> dict:
+    """Reshard the checkpoint offline, resume under another layout, evaluate, export to Hugging Face."""
+    from launch.local import launch_local
+    from tools.ckpt import reshard
+    from tools.hf import export_hf
+
+    start = _step("6/6 checkpoint: reshard to tp=1 pp=2 offline, resume on 4 ranks as pp=2 x dp=2 for "
+                  f"{steps // 2} more steps, evaluate, export to Hugging Face")
+    runs = workdir / "runs"
+    resharded = reshard(runs / "tiny" / "checkpoints", runs / "tiny-resharded" / "checkpoints", tp=1, pp=2)
+    print(f"resharded: {resharded}")
+    resumed = load_config(None, {**config_to_dict(config), "parallel": {"tp": 1, "pp": 2, "vp": 1, "dp": None,
+                                                                       "sequence_parallel": False}})
+    resumed.train.run_dir, resumed.train.steps = str(runs / "tiny-resumed"), steps + steps // 2
+    resumed.train.record_pipeline_timeline, resumed.checkpoint.load = False, str(resharded)
+    resumed.resolve_world(4)
+    launch_local(resumed, 4)
+    rows = [json.loads(line) for line in (runs / "tiny-resumed" / "metrics.jsonl").read_text().splitlines()]
+    hf_dir = export_hf(runs / "tiny-resumed" / "checkpoints", workdir / "hf")
+    val = [r for r in rows if "val_loss" in r]
+    print(f"exported {hf_dir} in {time.perf_counter() - start:.1f} s")
+    return {"resumed_from": steps, "resumed_loss": [r for r in rows if "loss" in r][-1]["loss"],
+            "resumed_val_loss": val[-1]["val_loss"] if val else None, "hf_dir": str(hf_dir)}
 
 
 def _print_summary(summary: dict) -> None:
@@ -99,6 +127,9 @@ def _print_summary(summary: dict) -> None:
     if summary["val_loss"] is not None:
         print(f"validation   loss {summary['val_loss']:.3f}, perplexity {summary['val_ppl']:.1f}")
     print(f"pipeline     ideal bubble {summary['bubble']:.1%}; measured vs ideal: {summary['schedule_png']}")
+    print(f"checkpoint   resharded to tp=1 pp=2, resumed as pp=2 x dp=2 from step {summary['resumed_from']}: "
+          f"loss {summary['resumed_loss']:.3f}, validation {summary['resumed_val_loss']:.3f}")
+    print(f"hugging face {summary['hf_dir']} (transformers.LlamaForCausalLM.from_pretrained loads it)")
     print(f"run          {summary['run_dir']}/metrics.jsonl, tensorboard/, config.toml")
     print("next         loom train --config configs/tiny.toml --nproc 4 --parallel.tp 2   (same losses, any layout)")
 

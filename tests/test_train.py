@@ -55,12 +55,15 @@ def test_early_stopping_when_validation_stops_improving(dataset, tmp_path, capfd
 def test_demo_runs_end_to_end(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     result = subprocess.run([sys.executable, "-m", "launch.cli", "demo", "--workdir", str(tmp_path), "--max-docs",
-                             "80", "--steps", "6", "--nproc", "4", "--tp", "1", "--pp", "2", "--vp", "2"],
+                             "80", "--steps", "4", "--nproc", "4", "--tp", "1", "--pp", "2", "--vp", "2"],
                             capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "== summary" in result.stdout and "validation   loss" in result.stdout
     rows = [json.loads(line) for line in (tmp_path / "runs/tiny/metrics.jsonl").read_text().splitlines()]
-    assert rows[-1]["step"] == 6
+    assert rows[-1]["step"] == 4
+    resumed = [json.loads(line) for line in (tmp_path / "runs/tiny-resumed/metrics.jsonl").read_text().splitlines()]
+    assert resumed[-1]["step"] == 6
+    assert (tmp_path / "hf/config.json").exists() and (tmp_path / "hf/model.safetensors").exists()
     assert (tmp_path / "data/stdlib_text_document.idx").exists()
     assert (tmp_path / "runs/tiny/pipeline_schedule.png").exists()
 
