@@ -61,6 +61,8 @@ def preflight(config: LoomConfig, world_size: int) -> None:
         if vocab > config.model.vocab_size:
             raise ConfigError(f"the tokenizer has {vocab} pieces but model.vocab_size = {config.model.vocab_size}; "
                               f"set --model.vocab_size {vocab}")
+    if config.checkpoint.load and not Path(config.checkpoint.load).exists():
+        raise ConfigError(f"checkpoint.load = {config.checkpoint.load} does not exist")
     run_dir = Path(config.train.run_dir)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
