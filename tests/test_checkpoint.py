@@ -135,3 +135,24 @@ def test_checkpoint_of_another_model_names_the_first_mismatch(dataset, saved_at_
     assert result.returncode != 0
     assert "is of another model: layers.0.mlp.fc1.weight has shape (768, 128) there, (512, 128) here" \
         in result.stderr
+
+
+def test_truncated_or_missing_shard_is_reported_not_loaded(tmp_path):
+    from engine.checkpoint.format import CheckpointError, find_loadable, read_metadata, sha256_of
+
+    directory = tmp_path / "checkpoints" / "iter_0000002"
+    directory.mkdir(parents=True)
+    shard = directory / "rank00000.safetensors"
+    shard.write_bytes(b"x" * 100)
+    (directory / "metadata.json").write_text(json.dumps({
+        "format_version": 1, "files": {shard.name: {"size": 100, "sha256": sha256_of(shard)}}}))
+    assert read_metadata(directory)["files"]
+    shard.write_bytes(b"x" * 60)
+    with pytest.raises(CheckpointError, match="rank00000.safetensors has 60 bytes, expected 100 \\(truncated\\?\\)"):
+        read_metadata(directory)
+    shard.unlink()
+    with pytest.raises(CheckpointError, match="incomplete: rank00000.safetensors is missing"):
+        read_metadata(directory)
+    warnings = []
+    assert find_loadable(tmp_path / "checkpoints", warn=warnings.append) is None
+    assert "falling back" in warnings[0]
