@@ -6,6 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
+from data_tools.jsonl import InputError
+
 
 def _corpus(args: argparse.Namespace) -> None:
     from data_tools.corpus import build_stdlib_corpus
@@ -31,6 +33,14 @@ def _build(args: argparse.Namespace) -> None:
     counts = build_indexed_dataset(args.input, args.tokenizer, args.output_prefix, workers=args.workers,
                                    text_key=args.text_key, append_eod=args.append_eod)
     print(json.dumps(counts))
+
+
+def _dedup(args: argparse.Namespace) -> None:
+    from data_tools.dedup import dedup_exact
+
+    if args.method != "exact":
+        raise InputError(f"--method {args.method} is not available yet; use --method exact")
+    print(json.dumps({k: v for k, v in dedup_exact(args.input, args.output, args.text_key).items() if k != "input"}))
 
 
 def _merge(args: argparse.Namespace) -> None:
@@ -68,7 +78,7 @@ def _inspect(args: argparse.Namespace) -> None:
 
 
 def add_parser(commands) -> None:
-    data = commands.add_parser("data", help="offline data tools: corpus, tokenizer, build, merge, inspect")
+    data = commands.add_parser("data", help="offline data tools: corpus, tokenizer, build, dedup, merge, inspect")
     sub = data.add_subparsers(dest="data_command", required=True, metavar="STEP")
 
     p = sub.add_parser("corpus", help="write the embedded default corpus (Python stdlib sources) as JSONL")
@@ -97,6 +107,15 @@ def add_parser(commands) -> None:
     p.add_argument("--append-eod", action=argparse.BooleanOptionalAction, default=True,
                    help="end every document with the tokenizer's end-of-document id")
     p.set_defaults(handler=_build)
+
+    p = sub.add_parser("dedup", help="remove duplicate documents (exact: normalised-text hash)",
+                       description="Kept documents go to OUTPUT/kept.jsonl, removed ones to OUTPUT/removed/ with the "
+                                   "id of the document they duplicate; clusters.jsonl and stats.json report.")
+    p.add_argument("--input", nargs="+", required=True, help="JSONL files (.jsonl, .jsonl.gz, .jsonl.zst)")
+    p.add_argument("--output", required=True, help="output directory")
+    p.add_argument("--method", choices=("exact", "minhash", "semantic"), default="exact")
+    p.add_argument("--text-key", default="text")
+    p.set_defaults(handler=_dedup)
 
     p = sub.add_parser("merge", help="concatenate indexed datasets")
     p.add_argument("--inputs", nargs="+", required=True, help="prefixes to merge, in order")

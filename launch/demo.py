@@ -1,6 +1,6 @@
 """`loom demo`: every capability that has landed, end to end, on the embedded default corpus.
 
-corpus (Python stdlib) -> SentencePiece tokenizer -> .bin/.idx -> 3D-parallel training on local
+corpus (Python stdlib) -> exact dedup -> SentencePiece tokenizer -> .bin/.idx -> 3D-parallel training on local
 CPU ranks (tensor + sequence, interleaved pipeline, data parallel with the ZeRO-1 optimizer) with
 validation and a checkpoint -> the measured pipeline timeline next to the ideal one -> the
 checkpoint resharded and training resumed under another layout -> evaluation -> Hugging Face
@@ -28,6 +28,7 @@ def _step(title: str) -> float:
 def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: int, pp: int, vp: int) -> dict:
     from data_tools.build import build_indexed_dataset
     from data_tools.corpus import build_stdlib_corpus
+    from data_tools.dedup import dedup_exact
     from data_tools.tokenizer import train_tokenizer
     from engine.data.indexed import IndexedDataset
     from launch.cli import preflight, resolve_config_path
@@ -38,18 +39,27 @@ def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: in
     corpus, tokenizer, prefix = data_dir / "corpus.jsonl", data_dir / "tokenizer", data_dir / "stdlib_text_document"
     summary: dict = {}
 
-    start = _step("1/6 corpus: the Python standard library, one document per source file")
+    start = _step("1/7 corpus: the Python standard library, one document per source file")
     if not corpus.exists():
         summary["corpus"] = build_stdlib_corpus(corpus, max_docs=max_docs)
     summary["corpus_mb"] = round(corpus.stat().st_size / 1e6, 1)
     print(f"{corpus} ({summary['corpus_mb']} MB) in {time.perf_counter() - start:.1f} s")
 
-    start = _step("2/6 tokenizer: SentencePiece BPE, 4096 pieces, byte fallback")
+    start = _step("2/7 dedup: exact duplicates (normalised-text hash) removed, each with the id it duplicates")
+    deduped = data_dir / "dedup"
+    if not (deduped / "stats.json").exists():
+        dedup_exact([corpus], deduped)
+    summary["dedup"] = json.loads((deduped / "stats.json").read_text())
+    corpus = deduped / "kept.jsonl"
+    print(f"kept {summary['dedup']['kept']:,}, removed {summary['dedup']['removed']:,} in "
+          f"{summary['dedup']['clusters']:,} clusters ({time.perf_counter() - start:.1f} s)")
+
+    start = _step("3/7 tokenizer: SentencePiece BPE, 4096 pieces, byte fallback")
     if not Path(f"{tokenizer}.model").exists():
         train_tokenizer([corpus], tokenizer, vocab_size=4096, model_type="bpe", input_sentence_size=300_000)
     print(f"{tokenizer}.model in {time.perf_counter() - start:.1f} s")
 
-    start = _step("3/6 build: tokenize into a memory-mapped indexed dataset (Megatron .bin/.idx)")
+    start = _step("4/7 build: tokenize into a memory-mapped indexed dataset (Megatron .bin/.idx)")
     if not Path(f"{prefix}.idx").exists():
         build_indexed_dataset([corpus], f"{tokenizer}.model", prefix, workers=2, append_eod=True)
     dataset = IndexedDataset(prefix)
@@ -67,7 +77,7 @@ def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: in
                  "--train.record_pipeline_timeline", "true"]
     config = load_config(resolve_config_path("configs/tiny.toml"), overrides)
     preflight(config, nproc)
-    start = _step(f"4/6 train: configs/tiny.toml on {nproc} CPU ranks: tp={tp} (sequence parallel) x pp={pp} "
+    start = _step(f"5/7 train: configs/tiny.toml on {nproc} CPU ranks: tp={tp} (sequence parallel) x pp={pp} "
                   f"(interleaved, vp={vp}) x dp={config.parallel.dp} (ZeRO-1), {steps} steps")
     metrics = run_dir / "metrics.jsonl"
     launch_local(config, nproc)
@@ -79,7 +89,7 @@ def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: in
                    val_ppl=val_rows[-1]["val_ppl"] if val_rows else None,
                    train_seconds=round(time.perf_counter() - start, 1), run_dir=str(run_dir))
 
-    _step("5/6 schedule: the last step's measured pipeline timeline next to the ideal one")
+    _step("6/7 schedule: the last step's measured pipeline timeline next to the ideal one")
     from tools.schedule_plot import describe, draw, load_measured
 
     layout, measured = load_measured(run_dir)
@@ -99,7 +109,7 @@ def _move_checkpoint(workdir: Path, config, steps: int) -> dict:
     from tools.ckpt import reshard
     from tools.hf import export_hf
 
-    start = _step("6/6 checkpoint: reshard to tp=1 pp=2 offline, resume on 4 ranks as pp=2 x dp=2 for "
+    start = _step("7/7 checkpoint: reshard to tp=1 pp=2 offline, resume on 4 ranks as pp=2 x dp=2 for "
                   f"{steps // 2} more steps, evaluate, export to Hugging Face")
     runs = workdir / "runs"
     resharded = reshard(runs / "tiny" / "checkpoints", runs / "tiny-resharded" / "checkpoints", tp=1, pp=2)
@@ -120,8 +130,8 @@ def _move_checkpoint(workdir: Path, config, steps: int) -> dict:
 
 def _print_summary(summary: dict) -> None:
     print("\n== summary")
-    print(f"corpus       {summary['corpus_mb']} MB of Python stdlib -> {summary['documents']:,} documents, "
-          f"{summary['tokens']:,} tokens")
+    print(f"corpus       {summary['corpus_mb']} MB of Python stdlib, {summary['dedup']['removed']:,} exact duplicates "
+          f"removed -> {summary['documents']:,} documents, {summary['tokens']:,} tokens")
     print(f"training     {summary['layout']}, ZeRO-1: loss {summary['first_loss']:.3f} -> "
           f"{summary['last_loss']:.3f} in {summary['train_seconds']} s")
     if summary["val_loss"] is not None:

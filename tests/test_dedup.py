@@ -1,0 +1,72 @@
+"""Exact deduplication against a reference written here: first occurrence of each normalised text kept."""
+
+import json
+import os
+import subprocess
+import sys
+import unicodedata
+from pathlib import Path
+
+import pytest
+
+from data_tools.dedup import dedup_exact
+from data_tools.jsonl import InputError
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = [
+    {"id": "a", "text": "The quick  brown fox.", "url": "u1"},
+    {"id": "b", "text": "the quick brown fox.\n", "url": "u2"},  # same after case and whitespace folding
+    {"id": "c", "text": "Something else", "url": "u3"},
+    {"id": "d", "text": "ＴＨＥ QUICK BROWN FOX.", "url": "u4"},  # full-width letters: same after NFKC
+    {"id": "e", "text": "Something else", "url": "u5"},
+    {"id": "f", "text": "unique", "url": "u6"},
+]
+
+
+def reference(docs):
+    key = lambda t: " ".join(unicodedata.normalize("NFKC", t).casefold().split())  # noqa: E731
+    first, kept, removed = {}, [], []
+    for doc in docs:
+        k = key(doc["text"])
+        if k in first:
+            removed.append({**doc, "duplicate_of": first[k]})
+        else:
+            first[k] = doc["id"]
+            kept.append(doc)
+    return kept, removed
+
+
+def read(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_exact_dedup_matches_reference(tmp_path):
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps(d, ensure_ascii=False) + "\n" for d in DOCS) + "not json\n{\"id\": 9}\n")
+    stats = dedup_exact([source], tmp_path / "out")
+    kept, removed = reference(DOCS)
+    assert read(tmp_path / "out/kept.jsonl") == kept  # every field kept, id included
+    assert read(tmp_path / "out/removed/removed.jsonl") == removed
+    assert read(tmp_path / "out/clusters.jsonl") == [{"kept": "a", "removed": ["b", "d"], "size": 3},
+                                                     {"kept": "c", "removed": ["e"], "size": 2}]
+    assert stats["input_documents"] == stats["kept"] + stats["removed"] == 6
+    assert stats["input"]["bad_lines"] == 2
+    assert json.loads((tmp_path / "out/stats.json").read_text())["clusters"] == 2
+
+
+def test_no_documents_leaves_no_output(tmp_path):
+    source = tmp_path / "in.jsonl"
+    source.write_text("{\"body\": \"x\"}\n")
+    with pytest.raises(InputError, match="no documents with a string 'text' field"):
+        dedup_exact([source], tmp_path / "out")
+    assert not any(p.is_file() for p in (tmp_path / "out").rglob("*"))
+
+
+def test_cli_refuses_methods_not_built_yet(tmp_path):
+    source = tmp_path / "in.jsonl"
+    source.write_text(json.dumps(DOCS[0]) + "\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    result = subprocess.run([sys.executable, "-m", "launch.cli", "data", "dedup", "--input", str(source), "--output",
+                             str(tmp_path / "out"), "--method", "minhash"], capture_output=True, text=True, env=env)
+    assert result.returncode == 2
+    assert result.stderr.strip() == "error: --method minhash is not available yet; use --method exact"
