@@ -1,11 +1,11 @@
-"""`loom data dedup --method exact`: drop documents whose normalised text was seen before.
+"""`loom data dedup`: drop exact (normalised-text hash) or near (MinHash + LSH) duplicate documents.
 
-Normalisation (Unicode NFKC, case folding, whitespace runs collapsed, ends stripped) makes copies
-that differ only in layout or case collide. The first occurrence of each text is kept; every later
-one goes to removed/ with the id of the document it duplicates, so nothing is lost and every
-decision can be checked. Outputs in D: kept.jsonl, removed/removed.jsonl, clusters.jsonl (one
-line per group of duplicates), stats.json (input = kept + removed, plus bad input lines). Each
-file appears only when complete. MinHash and semantic deduplication are not built yet.
+Two passes over the input: the first decides, for every document, which document it duplicates
+(itself when it is kept: the first of its cluster); the second writes the decisions, so memory
+holds only hashes or signatures, never texts. Exact normalisation is Unicode NFKC, case folding,
+whitespace runs collapsed. Outputs in D: kept.jsonl (every field kept), removed/removed.jsonl
+(each with `duplicate_of`, the id of the kept document), clusters.jsonl (one line per group),
+stats.json (input = kept + removed, plus bad input lines). Each file appears only when complete.
 """
 
 from __future__ import annotations
@@ -13,17 +13,20 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import time
 import unicodedata
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
+from data_tools import minhash
 from data_tools.atomic import atomic_path
 from data_tools.jsonl import InputError, JsonlStats, check_inputs, iter_jsonl
 
 _WHITESPACE = re.compile(r"\s+")
-METHODS = ("exact", "minhash", "semantic")
+METHODS = ("exact", "minhash")
 
 
 def normalise(text: str) -> str:
@@ -35,38 +38,68 @@ def text_digest(text: str) -> bytes:
     return hashlib.sha256(normalise(text).encode("utf-8")).digest()[:16]
 
 
-def _document_id(record: dict, position: int) -> str:
-    return str(record.get("id", f"doc-{position}"))
+def exact_representatives(texts: Iterator[str]) -> list[int]:
+    first_seen: dict[bytes, int] = {}
+    return [first_seen.setdefault(text_digest(text), i) for i, text in enumerate(texts)]
 
 
-def dedup_exact(inputs: Iterable[str | Path], output: str | Path, text_key: str = "text") -> dict:
+def minhash_representatives(texts: Iterator[str], threshold: float, num_perm: int) -> tuple[list[int], dict]:
+    a, b = minhash.permutations(num_perm)
+    signatures = np.stack([minhash.signature(text, a, b) for text in texts])
+    bands, rows = minhash.optimal_bands(threshold, num_perm)
+    return minhash.cluster(signatures, threshold, bands, rows), {"bands": bands, "rows": rows, "num_perm": num_perm}
+
+
+def _texts(paths, text_key: str, stats: JsonlStats, ids: list[str]) -> Iterator[str]:
+    for position, record in enumerate(tqdm(iter_jsonl(paths, text_key, stats), desc="dedup", unit="doc",
+                                           mininterval=1.0)):
+        ids.append(str(record.get("id", f"doc-{position}")))
+        yield record[text_key]
+
+
+def deduplicate(inputs: Iterable[str | Path], output: str | Path, method: str = "exact", text_key: str = "text",
+                threshold: float = 0.8, num_perm: int = 128) -> dict:
     """Write kept and removed documents and the duplicate clusters to `output`; returns the stats."""
-    paths, output = check_inputs(inputs), Path(output)
-    stats, first_seen, clusters = JsonlStats(), {}, {}
-    kept = removed = 0
-    with atomic_path(output / "kept.jsonl") as kept_tmp, \
-            atomic_path(output / "removed" / "removed.jsonl") as removed_tmp, \
-            open(kept_tmp, "w", encoding="utf-8") as kept_out, open(removed_tmp, "w", encoding="utf-8") as removed_out:
-        records = iter_jsonl(paths, text_key, stats)
-        for position, record in enumerate(tqdm(records, desc="dedup", unit="doc", mininterval=1.0)):
-            digest, doc_id = text_digest(record[text_key]), _document_id(record, position)
-            if digest not in first_seen:
-                first_seen[digest], clusters[digest] = doc_id, []
-                kept_out.write(json.dumps(record, ensure_ascii=False) + "\n")
-                kept += 1
-            else:
-                removed_out.write(json.dumps({**record, "duplicate_of": first_seen[digest]}, ensure_ascii=False)
-                                  + "\n")
-                clusters[digest].append(doc_id)
-                removed += 1
-        if stats.documents == 0:  # raised inside the block, so no output is left behind
-            raise InputError(f"no documents with a string {text_key!r} field in {', '.join(map(str, paths))}")
-    groups = [{"kept": first_seen[d], "removed": ids, "size": len(ids) + 1} for d, ids in clusters.items() if ids]
+    if method not in METHODS:
+        raise InputError(f"--method {method} is not available yet; use one of {', '.join(METHODS)}")
+    paths, output, stats, ids = check_inputs(inputs), Path(output), JsonlStats(), []
+    start, extra = time.perf_counter(), {}
+    texts = _texts(paths, text_key, stats, ids)
+    if method == "exact":
+        representative = exact_representatives(texts)
+    else:
+        representative, extra = minhash_representatives(texts, threshold, num_perm)
+    if not representative:
+        raise InputError(f"no documents with a string {text_key!r} field in {', '.join(map(str, paths))}")
+    kept = _write_decisions(paths, output, text_key, representative, ids)
+    clusters: dict[int, list[str]] = {}
+    for doc, rep in enumerate(representative):
+        if doc != rep:
+            clusters.setdefault(rep, []).append(ids[doc])
+    groups = [{"kept": ids[rep], "removed": members, "size": len(members) + 1} for rep, members in clusters.items()]
     with atomic_path(output / "clusters.jsonl") as tmp:
         tmp.write_text("".join(json.dumps(g, ensure_ascii=False) + "\n" for g in groups))
-    result = {"method": "exact", "input_documents": stats.documents, "kept": kept, "removed": removed,
+    seconds = time.perf_counter() - start
+    result = {"method": method, **({"threshold": threshold, **extra} if method == "minhash" else {}),
+              "input_documents": len(representative), "kept": kept, "removed": len(representative) - kept,
               "clusters": len(groups), "largest_cluster": max((g["size"] for g in groups), default=1),
+              "seconds": round(seconds, 2), "docs_per_s": round(len(representative) / seconds, 1),
               "input": stats.as_dict()}
     with atomic_path(output / "stats.json") as tmp:
         tmp.write_text(json.dumps(result, indent=1))
     return result
+
+
+def _write_decisions(paths, output: Path, text_key: str, representative: list[int], ids: list[str]) -> int:
+    kept = 0
+    with atomic_path(output / "kept.jsonl") as kept_tmp, \
+            atomic_path(output / "removed" / "removed.jsonl") as removed_tmp, \
+            open(kept_tmp, "w", encoding="utf-8") as kept_out, open(removed_tmp, "w", encoding="utf-8") as removed_out:
+        for doc, record in enumerate(iter_jsonl(paths, text_key, JsonlStats())):
+            if representative[doc] == doc:
+                kept_out.write(json.dumps(record, ensure_ascii=False) + "\n")
+                kept += 1
+            else:
+                record = {**record, "duplicate_of": ids[representative[doc]]}
+                removed_out.write(json.dumps(record, ensure_ascii=False) + "\n")
+    return kept

@@ -6,8 +6,6 @@ import argparse
 import json
 from pathlib import Path
 
-from data_tools.jsonl import InputError
-
 
 def _corpus(args: argparse.Namespace) -> None:
     from data_tools.corpus import build_stdlib_corpus
@@ -36,11 +34,10 @@ def _build(args: argparse.Namespace) -> None:
 
 
 def _dedup(args: argparse.Namespace) -> None:
-    from data_tools.dedup import dedup_exact
+    from data_tools.dedup import deduplicate
 
-    if args.method != "exact":
-        raise InputError(f"--method {args.method} is not available yet; use --method exact")
-    print(json.dumps({k: v for k, v in dedup_exact(args.input, args.output, args.text_key).items() if k != "input"}))
+    result = deduplicate(args.input, args.output, args.method, args.text_key, args.threshold, args.num_perm)
+    print(json.dumps({k: v for k, v in result.items() if k != "input"}))
 
 
 def _merge(args: argparse.Namespace) -> None:
@@ -108,12 +105,15 @@ def add_parser(commands) -> None:
                    help="end every document with the tokenizer's end-of-document id")
     p.set_defaults(handler=_build)
 
-    p = sub.add_parser("dedup", help="remove duplicate documents (exact: normalised-text hash)",
+    p = sub.add_parser("dedup", help="remove duplicate documents (exact hash, or MinHash + LSH near duplicates)",
                        description="Kept documents go to OUTPUT/kept.jsonl, removed ones to OUTPUT/removed/ with the "
                                    "id of the document they duplicate; clusters.jsonl and stats.json report.")
     p.add_argument("--input", nargs="+", required=True, help="JSONL files (.jsonl, .jsonl.gz, .jsonl.zst)")
     p.add_argument("--output", required=True, help="output directory")
-    p.add_argument("--method", choices=("exact", "minhash", "semantic"), default="exact")
+    p.add_argument("--method", choices=("exact", "minhash", "semantic"), default="exact",
+                   help="exact: normalised-text hash; minhash: word 5-gram MinHash + LSH (semantic: not built yet)")
+    p.add_argument("--threshold", type=float, default=0.8, help="minhash: Jaccard similarity that makes a duplicate")
+    p.add_argument("--num-perm", type=int, default=128, help="minhash: permutations per signature")
     p.add_argument("--text-key", default="text")
     p.set_defaults(handler=_dedup)
 

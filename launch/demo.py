@@ -28,7 +28,7 @@ def _step(title: str) -> float:
 def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: int, pp: int, vp: int) -> dict:
     from data_tools.build import build_indexed_dataset
     from data_tools.corpus import build_stdlib_corpus
-    from data_tools.dedup import dedup_exact
+    from data_tools.dedup import deduplicate
     from data_tools.tokenizer import train_tokenizer
     from engine.data.indexed import IndexedDataset
     from launch.cli import preflight, resolve_config_path
@@ -48,7 +48,7 @@ def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: in
     start = _step("2/7 dedup: exact duplicates (normalised-text hash) removed, each with the id it duplicates")
     deduped = data_dir / "dedup"
     if not (deduped / "stats.json").exists():
-        dedup_exact([corpus], deduped)
+        deduplicate([corpus], deduped, method="exact")
     summary["dedup"] = json.loads((deduped / "stats.json").read_text())
     corpus = deduped / "kept.jsonl"
     print(f"kept {summary['dedup']['kept']:,}, removed {summary['dedup']['removed']:,} in "

@@ -7,9 +7,10 @@ import sys
 import unicodedata
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from data_tools.dedup import dedup_exact
+from data_tools.dedup import deduplicate
 from data_tools.jsonl import InputError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,7 +44,7 @@ def read(path):
 def test_exact_dedup_matches_reference(tmp_path):
     source = tmp_path / "in.jsonl"
     source.write_text("".join(json.dumps(d, ensure_ascii=False) + "\n" for d in DOCS) + "not json\n{\"id\": 9}\n")
-    stats = dedup_exact([source], tmp_path / "out")
+    stats = deduplicate([source], tmp_path / "out")
     kept, removed = reference(DOCS)
     assert read(tmp_path / "out/kept.jsonl") == kept  # every field kept, id included
     assert read(tmp_path / "out/removed/removed.jsonl") == removed
@@ -58,7 +59,7 @@ def test_no_documents_leaves_no_output(tmp_path):
     source = tmp_path / "in.jsonl"
     source.write_text("{\"body\": \"x\"}\n")
     with pytest.raises(InputError, match="no documents with a string 'text' field"):
-        dedup_exact([source], tmp_path / "out")
+        deduplicate([source], tmp_path / "out")
     assert not any(p.is_file() for p in (tmp_path / "out").rglob("*"))
 
 
@@ -67,6 +68,34 @@ def test_cli_refuses_methods_not_built_yet(tmp_path):
     source.write_text(json.dumps(DOCS[0]) + "\n")
     env = dict(os.environ, PYTHONPATH=str(REPO))
     result = subprocess.run([sys.executable, "-m", "launch.cli", "data", "dedup", "--input", str(source), "--output",
-                             str(tmp_path / "out"), "--method", "minhash"], capture_output=True, text=True, env=env)
+                             str(tmp_path / "out"), "--method", "semantic"], capture_output=True, text=True, env=env)
     assert result.returncode == 2
-    assert result.stderr.strip() == "error: --method minhash is not available yet; use --method exact"
+    assert result.stderr.strip() == "error: --method semantic is not available yet; use one of exact, minhash"
+
+
+def test_minhash_signatures_equal_datasketch():
+    datasketch = pytest.importorskip("datasketch")
+    from data_tools.minhash import permutations, shingles, signature
+
+    text = "the quick brown fox jumps over the lazy dog and runs far away from here"
+    reference = datasketch.MinHash(num_perm=128, seed=1)
+    for shingle in shingles(text):
+        reference.update(shingle.encode("utf-8"))
+    assert np.array_equal(signature(text, *permutations(128)), reference.hashvalues)
+
+
+def test_minhash_finds_known_clusters(tmp_path):
+    from near_duplicates import make_corpus, pair_scores
+
+    docs, truth = make_corpus(clusters=60, copies=4, singletons=120)
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    stats = deduplicate([source], tmp_path / "out", method="minhash", threshold=0.8)
+    removed = read(tmp_path / "out/removed/removed.jsonl")
+    position = {d["id"]: i for i, d in enumerate(docs)}
+    predicted = list(range(len(docs)))
+    for record in removed:
+        predicted[position[record["id"]]] = position[record["duplicate_of"]]
+    precision, recall = pair_scores(truth, predicted)
+    assert precision >= 0.95 and recall >= 0.95, (precision, recall)
+    assert stats["kept"] + stats["removed"] == len(docs) and (stats["bands"], stats["rows"]) != (0, 0)
