@@ -48,9 +48,9 @@ def signature(text: str, a: np.ndarray, b: np.ndarray, n: int = 5) -> np.ndarray
     return (np.outer(hashes, a) + b).min(axis=0)
 
 
-def _integrate(f, lo: float, hi: float, steps: int = 200) -> float:
-    x = np.linspace(lo, hi, steps)
-    return float(np.trapezoid(f(x), x))
+def _candidate_probability(s: np.ndarray, bands: int, rows: int) -> np.ndarray:
+    """Probability that a pair of Jaccard s shares at least one band: 1 - (1 - s^r)^b."""
+    return 1 - (1 - s ** rows) ** bands
 
 
 def optimal_bands(threshold: float, num_perm: int) -> tuple[int, int]:
@@ -58,8 +58,9 @@ def optimal_bands(threshold: float, num_perm: int) -> tuple[int, int]:
     best, best_error = (1, num_perm), float("inf")
     for bands in range(1, num_perm + 1):
         for rows in range(1, num_perm // bands + 1):
-            false_positive = _integrate(lambda s: 1 - (1 - s ** rows) ** bands, 0.0, threshold)
-            false_negative = _integrate(lambda s: (1 - s ** rows) ** bands, threshold, 1.0)
+            below, above = np.linspace(0.0, threshold, 200), np.linspace(threshold, 1.0, 200)
+            false_positive = np.trapezoid(_candidate_probability(below, bands, rows), below)
+            false_negative = np.trapezoid(1 - _candidate_probability(above, bands, rows), above)
             error = 0.5 * false_positive + 0.5 * false_negative
             if error < best_error:
                 best, best_error = (bands, rows), error
