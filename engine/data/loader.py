@@ -24,7 +24,7 @@ from engine.data.indexed import IndexedDataset
 _BLEND_MARGIN = 1.005
 
 
-def _split_dataset(indexed: IndexedDataset, prefix: str, split_index: int, num_samples: int, config: LoomConfig,
+def _split_dataset(indexed: IndexedDataset, split_index: int, num_samples: int, config: LoomConfig,
                    is_builder: bool, barrier: Callable[[], None] | None) -> GPTDataset | None:
     start, end = split_document_ranges(indexed.num_documents, config.data.split)[split_index]
     if end <= start:
@@ -49,7 +49,7 @@ def build_dataset(config: LoomConfig, split_index: int, num_samples: int, is_bui
     parts = []
     for prefix, weight in zip(paths, weights):
         share = num_samples if len(paths) == 1 else math.ceil(weight / total * num_samples * _BLEND_MARGIN) + 1
-        part = _split_dataset(IndexedDataset(prefix), prefix, split_index, share, config, is_builder, barrier)
+        part = _split_dataset(IndexedDataset(prefix), split_index, share, config, is_builder, barrier)
         if part is None and split_index == 0:
             raise ValueError(f"{prefix}: the training split {config.data.split!r} leaves it no documents")
         parts.append(part)
