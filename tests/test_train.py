@@ -77,3 +77,10 @@ def test_batch_size_ramp_up_is_layout_invariant(dataset, tmp_path):
     split = train(dataset, tmp_path / "two", nproc=2, train=ramp, parallel={"pp": 2})
     for a, b in zip(single, split, strict=True):
         assert abs(a["loss"] - b["loss"]) / a["loss"] < 1e-5
+
+
+def test_two_datasets_blend_by_weight(dataset, tmp_path):
+    second = write_markov_dataset(tmp_path / "other", vocab_size=4096, num_documents=200, seed=7)
+    rows = train(dataset, tmp_path / "run", data={"paths": [dataset, second], "weights": [0.75, 0.25]},
+                 train={"steps": 2, "eval_interval": 2})
+    assert [r["step"] for r in rows] == [1, 2, 2] and "val_loss" in rows[-1]
