@@ -70,7 +70,7 @@ class Trainer:
         self.injected_fault = _injected_fault(self.state.rank)
         self.checkpoints = Path(t.run_dir) / "checkpoints"
         self.checkpoint_writer = CheckpointWriter(asynchronous=config.checkpoint.async_save)
-        self.resumed_from = self._resume()
+        self._resume()
         self.metrics = None
         if self.state.rank == 0:
             run_dir = Path(t.run_dir)

@@ -28,7 +28,8 @@ class RankFailed(RuntimeError):
         self.rank, self.details = rank, details
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on the loopback that is free now (for a rendezvous on this machine)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -57,7 +58,7 @@ def launch_local(config: LoomConfig, nproc: int, grace_s: float = 5.0, mode: str
     first failing rank's error."""
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     threads = max(1, (os.cpu_count() or 1) // nproc)
     raw = config_to_dict(config)
     procs = [ctx.Process(target=_rank_main, args=(r, nproc, port, raw, threads, errors, mode), daemon=False)

@@ -3,15 +3,10 @@
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 import traceback
 from typing import Any, Callable
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from launch.local import free_port
 
 
 def _portable(value, to_numpy: bool):

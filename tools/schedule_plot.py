@@ -30,7 +30,7 @@ def describe(pp: int, vp: int, microbatches: int) -> tuple[str, Timeline]:
     return "\n".join(lines), timeline
 
 
-def _draw(ax, spans, title: str, vp: int) -> None:
+def _draw(ax, spans, title: str) -> None:
     colors = {"F": ["#4c72b0", "#8fb0d8", "#2a4a7a", "#b7cbe8"], "B": ["#dd8452", "#f0b48f", "#a0552a", "#f6d2ba"]}
     for rank, rank_spans in enumerate(spans):
         for op, start, end in rank_spans:
@@ -52,9 +52,9 @@ def draw(pp: int, vp: int, microbatches: int, output: Path, measured: list | Non
     rows = 2 if measured else 1
     fig, axes = plt.subplots(rows, 1, figsize=(max(8, microbatches * vp * 0.6), 1.2 + pp * 0.5 * rows), squeeze=False)
     _draw(axes[0][0], timeline.spans, f"ideal: pp={pp} vp={vp} M={microbatches}, bubble "
-                                      f"{timeline.bubble_fraction:.1%} (blue forward, orange backward; shade = chunk)", vp)
+                                      f"{timeline.bubble_fraction:.1%} (blue forward, orange backward; shade = chunk)")
     if measured:
-        _draw(axes[1][0], measured, "measured in the run", vp)
+        _draw(axes[1][0], measured, "measured in the run")
     fig.tight_layout()
     output.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(output, dpi=120)

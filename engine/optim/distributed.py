@@ -24,6 +24,7 @@ from engine.config import OptimConfig
 from engine.optim.algorithms import Adafactor, Lamb
 from engine.optim.grad_buffer import GradBuffer
 from engine.optim.loss_scaler import LossScaler
+from engine.optim.model_parallel_grads import counted_once
 from engine.parallel.mappings import all_gather_single
 from engine.parallel.state import ParallelState
 
@@ -59,6 +60,7 @@ class DistributedOptimizer:
         self.named_params = named_params
         self.names = {p: n for n, p in named_params}
         self.param_index = {p: i for i, (_, p) in enumerate(named_params)}
+        self._replicated = torch.tensor([p.shard_spec.is_replicated for _, p in named_params])
         self.segments = self._make_segments()
         self.param_buffer = self._make_param_buffer() if self.zero1 else None
         self.inner = self._build_inner(num_layers)
@@ -119,22 +121,17 @@ class DistributedOptimizer:
 
     # -- collectives over owners --------------------------------------------------------------
     def _counts(self, seg: Segment) -> bool:
-        """Whether this rank's copy of the segment counts toward a global sum (each piece once)."""
-        if getattr(seg.param, "tied_copy", False):
-            return False
-        if seg.param.shard_spec.is_replicated and self.state.tp_rank != 0:
-            return False
-        return self.zero1 or self.state.dp_rank == 0
+        """Whether this rank's copy of the segment counts toward a global sum (each piece once):
+        once over TP (counted_once), and over DP by its owner (every DP rank's own piece under ZeRO-1)."""
+        return counted_once(seg.param, self.state.tp_rank) and (self.zero1 or self.state.dp_rank == 0)
 
     def _reduce_per_param(self, partial: torch.Tensor) -> torch.Tensor:
         """Sum per-parameter partial sums (rows indexed like named_params) over DP pieces and TP shards."""
         if self.zero1 and self.state.dp_size > 1:
             dist.all_reduce(partial, group=self.state.dp_group)
         if self.state.tp_size > 1:
-            replicated = torch.tensor([p.shard_spec.is_replicated for p in self.param_index],
-                                      device=partial.device)
             if self.state.tp_rank != 0:
-                partial[replicated] = 0
+                partial[self._replicated.to(partial.device)] = 0
             dist.all_reduce(partial, group=self.state.tp_group)
         return partial
 

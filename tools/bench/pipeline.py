@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ from engine.parallel.state import ParallelState
 from engine.pipeline.executor import PipelineExecutor
 from engine.pipeline.schedules import build_all, build_schedule
 from engine.pipeline.simulate import simulate
+from launch.local import free_port
 
 SHAPE = (16, 1, 8)  # (sequence, micro-batch, hidden): tiny, so communication is negligible
 
@@ -78,9 +78,7 @@ def _rank(rank: int, pp: int, vp: int, microbatches: int, layers: int, layer_s: 
 
 
 def measure(pp: int, vp: int, microbatches: int, layers: int, layer_s: float) -> float:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     results = mp.get_context("spawn").SimpleQueue()
     mp.spawn(_rank, args=(pp, vp, microbatches, layers, layer_s, port, results), nprocs=pp)
     return results.get()

@@ -11,7 +11,6 @@ reports what it holds, read off the tensors themselves.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -25,6 +24,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 from engine.config_io import load_config  # noqa: E402
 from engine.train import Trainer  # noqa: E402
+from launch.local import free_port  # noqa: E402
 
 
 def _rank(rank, world, port, dataset, run_dir, zero1, results):
@@ -47,9 +47,7 @@ def _rank(rank, world, port, dataset, run_dir, zero1, results):
 
 
 def measure(world: int, dataset: str, run_dir: str) -> tuple:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     results = mp.get_context("spawn").SimpleQueue()
     mp.spawn(_rank, args=(world, port, dataset, run_dir, world > 1, results), nprocs=world)
     rows = [results.get() for _ in range(world)]
