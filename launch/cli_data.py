@@ -40,6 +40,17 @@ def _dedup(args: argparse.Namespace) -> None:
     print(json.dumps({k: v for k, v in result.items() if k != "input"}))
 
 
+def _clean(args: argparse.Namespace) -> None:
+    from data_tools.clean import clean_corpus
+
+    result = clean_corpus(args.input, args.output, pipeline=args.pipeline, workers=args.workers,
+                          text_key=args.text_key, split_by_language=args.split_by_language)
+    shown = {k: v for k, v in result.items() if k not in ("input", "rejected_by", "steps")}
+    shown["rejected_by"] = {step: counts["documents"] for step, counts in result["rejected_by"].items()
+                            if counts["documents"]}
+    print(json.dumps(shown))
+
+
 def _merge(args: argparse.Namespace) -> None:
     from engine.data.indexed import IndexedDataset, IndexedDatasetWriter
 
@@ -75,7 +86,7 @@ def _inspect(args: argparse.Namespace) -> None:
 
 
 def add_parser(commands) -> None:
-    data = commands.add_parser("data", help="offline data tools: corpus, tokenizer, build, dedup, merge, inspect")
+    data = commands.add_parser("data", help="offline data tools: corpus, clean, dedup, tokenizer, build, merge, inspect")
     sub = data.add_subparsers(dest="data_command", required=True, metavar="STEP")
 
     p = sub.add_parser("corpus", help="write the embedded default corpus (Python stdlib sources) as JSONL")
@@ -83,6 +94,21 @@ def add_parser(commands) -> None:
     p.add_argument("--output", required=True, help="output .jsonl file")
     p.add_argument("--max-docs", type=int, help="stop after this many documents")
     p.set_defaults(handler=_corpus)
+
+    p = sub.add_parser("clean", help="repair and filter JSONL through a TOML pipeline (quality, repetition, language)",
+                       description="Kept documents go to OUTPUT/kept.jsonl (or OUTPUT/kept/<lang>/kept.jsonl with "
+                                   "--split-by-language), each rejected one to OUTPUT/rejected/<step>.jsonl with the "
+                                   "rule that removed it; OUTPUT/stats.json counts them per step.")
+    p.add_argument("--input", nargs="+", required=True, help="JSONL files (.jsonl, .jsonl.gz, .jsonl.zst)")
+    p.add_argument("--output", required=True, help="output directory")
+    p.add_argument("--pipeline", default="default",
+                   help="a TOML pipeline file, or a shipped one: default (web text: Gopher, C4, FineWeb, English), "
+                        "code (source files, e.g. the embedded corpus), minimal (repairs, empty documents)")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--text-key", default="text")
+    p.add_argument("--split-by-language", action="store_true",
+                   help="write kept documents per identified language (adds a labelling step if needed)")
+    p.set_defaults(handler=_clean)
 
     p = sub.add_parser("tokenizer", help="train a SentencePiece BPE or unigram tokenizer on JSONL")
     p.add_argument("--input", nargs="+", required=True, help="JSONL files (.jsonl, .jsonl.gz, .jsonl.zst)")

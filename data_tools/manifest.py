@@ -1,0 +1,107 @@
+"""manifest.json: the lineage of what a data command wrote (inputs with sizes and sha256, parameters, counts).
+
+Folder outputs (clean, dedup) get OUTPUT/manifest.json; file and prefix outputs (corpus, tokenizer,
+build) get `<output>.manifest.json` beside them, so several steps can share one folder. Outputs
+are hashed too, so one step's output hash matches the next step's input hash. The manifest is
+written atomically and last: its presence says the step finished. This module must not know what
+any command does; callers pass their parameters and counts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import subprocess
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Iterable
+
+from data_tools.atomic import atomic_path
+
+MANIFEST_NAME = "manifest.json"
+_HASH_CHUNK = 1 << 22
+# Libraries whose version changes what a data step produces.
+_RECORDED_PACKAGES = ("numpy", "sentencepiece", "ftfy", "py3langid", "datasketch")
+_REPO = Path(__file__).resolve().parent.parent
+
+
+def sha256_file(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def describe_files(paths: Iterable[str | Path], root: Path | None = None) -> list[dict]:
+    """[{path, bytes, sha256}] for each file; paths are relative to root when given."""
+    described = []
+    for path in map(Path, paths):
+        shown = path.relative_to(root).as_posix() if root is not None else str(path)
+        described.append({"path": shown, "bytes": path.stat().st_size, "sha256": sha256_file(path)})
+    return described
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _git_commit() -> str | None:
+    """The loom checkout's commit, when loom runs from a git work tree."""
+    if not (_REPO / ".git").exists():
+        return None
+    try:
+        done = subprocess.run(["git", "-C", str(_REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if done.returncode != 0:
+        return None
+    return done.stdout.strip() or None
+
+
+def software() -> dict:
+    versions = {name: _version(name) for name in _RECORDED_PACKAGES}
+    return {"loom": _version("loom") or "unknown", "git_commit": _git_commit(),
+            "python": platform.python_version(), **{k: v for k, v in versions.items() if v}}
+
+
+def _timestamp(seconds: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
+
+
+def manifest_path(output: str | Path, is_folder: bool) -> Path:
+    """Where the manifest of an output goes: inside a folder, or beside a file or prefix."""
+    output = Path(output)
+    return output / MANIFEST_NAME if is_folder else output.with_name(f"{output.name}.{MANIFEST_NAME}")
+
+
+def write_manifest(output: str | Path, *, command: str, inputs: Iterable[str | Path], outputs: Iterable[str | Path],
+                   parameters: dict, counts: dict, started: float, is_folder: bool) -> Path:
+    """Write the manifest of one finished step (started: its time.time() at start); returns its path."""
+    output = Path(output)
+    root = output if is_folder else None
+    manifest = {
+        "command": command,
+        "created": _timestamp(time.time()),
+        "started": _timestamp(started),
+        "seconds": round(time.time() - started, 2),
+        "software": software(),
+        "parameters": parameters,
+        "inputs": describe_files(inputs),
+        "outputs": describe_files(sorted(map(Path, outputs)), root),
+        "counts": counts,
+    }
+    path = manifest_path(output, is_folder)
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(manifest, indent=1, ensure_ascii=False, default=str) + "\n", encoding="utf-8")
+    return path
+
+
+def read_manifest(path: str | Path) -> dict:
+    return json.loads(Path(path).read_text(encoding="utf-8"))

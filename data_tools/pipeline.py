@@ -1,0 +1,172 @@
+"""Cleaning pipelines: the step protocol, the registry of step types and the TOML pipeline files.
+
+A pipeline is an ordered list of steps. A step looks at one Document and either changes it
+(repairs, line removal, a language label) or returns a Rejected saying which rule removed it and
+what it measured. Pipelines are written as TOML, one `[[step]]` table per step:
+
+    [[step]]
+    type = "gopher_quality"   # a key of STEP_TYPES
+    name = "quality"          # optional: how reports call it (default: the type)
+    min_words = 50            # any field of the step's dataclass
+
+The named pipelines ship in data_tools/pipelines/NAME.toml. This module must not read or write
+corpora; clean.py does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple, Protocol
+
+import tomllib
+
+from data_tools.jsonl import InputError
+
+PIPELINES_DIR = Path(__file__).resolve().parent / "pipelines"
+
+
+@dataclass
+class Document:
+    """The text being cleaned and the fields a step adds to the output record (e.g. language)."""
+
+    text: str
+    metadata: dict = field(default_factory=dict)
+
+
+class Rejected(NamedTuple):
+    """Why a step removed a document: a short stable rule (counted in stats.json) and the measurement."""
+
+    rule: str
+    detail: str
+
+
+class Step(Protocol):
+    def __call__(self, doc: Document) -> Rejected | None: ...
+
+
+def above(rule: str, value: float, limit: float) -> Rejected | None:
+    """Rejected when value > limit (a maximum threshold), with both numbers in the detail."""
+    return Rejected(rule, f"{rule} {value:.4g} > {limit:g}") if value > limit else None
+
+
+def below(rule: str, value: float, limit: float) -> Rejected | None:
+    """Rejected when value < limit (a minimum threshold), with both numbers in the detail."""
+    return Rejected(rule, f"{rule} {value:.4g} < {limit:g}") if value < limit else None
+
+
+def first_rejection(*checks: Rejected | None) -> Rejected | None:
+    return next((check for check in checks if check is not None), None)
+
+
+def _registry() -> dict[str, type]:
+    # Imported here so that `pipeline` stays importable without ftfy or py3langid installed.
+    from data_tools import language, line_filters, quality_filters, text_repair
+
+    types = {}
+    for module in (text_repair, quality_filters, line_filters, language):
+        for cls in module.STEPS:
+            types[cls.type_name] = cls
+    return types
+
+
+@functools.lru_cache(maxsize=1)
+def step_types() -> dict[str, type]:
+    """Every step type by the name pipeline files use."""
+    return _registry()
+
+
+def _check_value(type_name: str, key: str, value: Any, default: Any) -> Any:
+    """The parameter value converted to the default's type, or a one-line InputError."""
+    if isinstance(default, bool) or default is None:
+        ok = isinstance(value, bool) if isinstance(default, bool) else True
+    elif isinstance(default, (int, float)):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if isinstance(default, float) and ok else value
+    elif isinstance(default, tuple):
+        ok = isinstance(value, list)
+        value = tuple(value) if ok else value
+    else:
+        ok = isinstance(value, type(default))
+    if not ok:
+        raise InputError(f"step {type_name!r}: {key} = {value!r} should be like {default!r}")
+    return value
+
+
+def build_step(spec: dict) -> tuple[str, Step]:
+    """(report name, step) for one `[[step]]` table; unknown types or parameters are one-line errors."""
+    spec = dict(spec)
+    type_name = spec.pop("type", None)
+    types = step_types()
+    if type_name not in types:
+        raise InputError(f"pipeline step type {type_name!r} is unknown; known: {', '.join(sorted(types))}")
+    name = str(spec.pop("name", type_name))
+    cls = types[type_name]
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    params = {}
+    for key, value in spec.items():
+        if key not in fields:
+            raise InputError(f"step {type_name!r} has no parameter {key!r}; it takes {', '.join(fields) or 'none'}")
+        default = fields[key].default
+        if default is dataclasses.MISSING and fields[key].default_factory is not dataclasses.MISSING:
+            default = fields[key].default_factory()
+        params[key] = _check_value(type_name, key, value, default)
+    try:
+        return name, cls(**params)
+    except ValueError as error:
+        raise InputError(f"step {name!r}: {error}") from None
+
+
+def resolve_pipeline_path(pipeline: str | Path) -> Path:
+    """A pipeline file as given, or a shipped one by name (`default`, `code`, `minimal`)."""
+    path = Path(pipeline)
+    if path.is_file():
+        return path
+    shipped = PIPELINES_DIR / f"{pipeline}.toml"
+    if shipped.is_file():
+        return shipped
+    names = sorted(p.stem for p in PIPELINES_DIR.glob("*.toml"))
+    raise FileNotFoundError(f"pipeline {pipeline} is neither a file nor a shipped pipeline ({', '.join(names)})")
+
+
+def load_pipeline_spec(pipeline: str | Path) -> list[dict]:
+    """The ordered `[[step]]` tables of a pipeline file, validated by building every step once."""
+    path = resolve_pipeline_path(pipeline)
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+        raise InputError(f"pipeline {path} is not valid TOML: {error}") from None
+    steps = raw.get("step")
+    if not isinstance(steps, list) or not steps:
+        raise InputError(f"pipeline {path} has no [[step]] tables")
+    names = [build_step(spec)[0] for spec in steps]
+    if len(set(names)) != len(names):
+        raise InputError(f"pipeline {path}: two steps share a name; give one a `name = ...`")
+    return steps
+
+
+@functools.lru_cache(maxsize=4)
+def _built(spec_json: str) -> tuple[tuple[str, Step], ...]:
+    return tuple(build_step(spec) for spec in json.loads(spec_json))
+
+
+def built_steps(spec: list[dict]) -> tuple[tuple[str, Step], ...]:
+    """The steps of a spec, built once per process (a language model is loaded once per worker)."""
+    return _built(json.dumps(spec, sort_keys=True))
+
+
+Outcome = tuple[dict, "tuple[str, Rejected] | None"]
+
+
+def apply_steps(steps: tuple[tuple[str, Step], ...], record: dict, text_key: str) -> Outcome:
+    """(output record, None) if every step kept the document, else (input record, (step name, Rejected))."""
+    doc = Document(record[text_key])
+    for name, step in steps:
+        rejected = step(doc)
+        if rejected is not None:
+            return {**record, **doc.metadata}, (name, rejected)
+    return {**record, text_key: doc.text, **doc.metadata}, None
+

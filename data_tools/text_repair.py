@@ -1,0 +1,175 @@
+"""Repair steps of a cleaning pipeline: mojibake (ftfy), Unicode normalisation, control characters, HTML.
+
+These steps change a document's text and never reject it, except that HTML whose text is empty
+is rejected as `empty_after_html`. ftfy is imported lazily, so the other steps work without it.
+HTML goes through the standard library's html.parser: it is tolerant of broken markup, needs no
+compiled dependency and, with script/style/navigation skipped and block tags turned into line
+breaks, gives the line structure the line-based filters (C4, FineWeb) expect; a layout-faithful
+renderer (inscriptis, trafilatura) would add a dependency for little gain on that path. This
+module must not filter on quality; see quality_filters.py and line_filters.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import unicodedata
+from dataclasses import dataclass
+from html.parser import HTMLParser
+from typing import ClassVar
+
+from data_tools.jsonl import InputError
+from data_tools.pipeline import Document, Rejected
+
+NORMAL_FORMS = ("NFC", "NFKC", "NFD", "NFKD")
+
+
+@functools.lru_cache(maxsize=8)
+def _ftfy_config(unescape_html: bool, uncurl_quotes: bool, fix_latin_ligatures: bool, fix_character_width: bool):
+    try:
+        import ftfy
+    except ImportError:
+        raise InputError("the unicode_repair step needs ftfy: `pip install ftfy`") from None
+    # Normalisation is a step of its own; explanations cost time and are not reported.
+    return ftfy.fix_text, ftfy.TextFixerConfig(
+        unescape_html=unescape_html, uncurl_quotes=uncurl_quotes, fix_latin_ligatures=fix_latin_ligatures,
+        fix_character_width=fix_character_width, normalization=None, explain=False)
+
+
+@dataclass
+class UnicodeRepair:
+    """Mojibake and broken encodings repaired by ftfy (e.g. 'doesnâ€™t' -> 'doesn’t').
+
+    Defaults keep what a language model should see as written: curly quotes, ligatures and
+    full-width characters are left alone, and HTML entities are decoded only by html_to_text
+    (so `&lt;` inside source code stays).
+    """
+
+    type_name: ClassVar[str] = "unicode_repair"
+    unescape_html: bool = False
+    uncurl_quotes: bool = False
+    fix_latin_ligatures: bool = False
+    fix_character_width: bool = False
+
+    def __call__(self, doc: Document) -> Rejected | None:
+        fix_text, config = _ftfy_config(self.unescape_html, self.uncurl_quotes, self.fix_latin_ligatures,
+                                        self.fix_character_width)
+        doc.text = fix_text(doc.text, config)
+        return None
+
+
+@dataclass
+class Normalize:
+    """Unicode normal form: NFC joins combining marks so equal text has equal code points."""
+
+    type_name: ClassVar[str] = "normalize"
+    form: str = "NFC"
+
+    def __post_init__(self):
+        if self.form not in NORMAL_FORMS:
+            raise ValueError(f"form must be one of {', '.join(NORMAL_FORMS)}, got {self.form!r}")
+
+    def __call__(self, doc: Document) -> Rejected | None:
+        if not doc.text.isascii():
+            doc.text = unicodedata.normalize(self.form, doc.text)
+        return None
+
+
+@functools.lru_cache(maxsize=8)
+def _control_table(keep: str) -> dict[int, None]:
+    controls = [*range(0x20), *range(0x7F, 0xA0)]
+    return {c: None for c in controls if chr(c) not in keep}
+
+
+@dataclass
+class ControlChars:
+    """Control characters (Unicode category Cc) removed, except `keep`; CR LF and lone CR become LF.
+
+    Format characters (Cf: zero-width joiners, bidi marks) are kept: emoji and several scripts need them.
+    """
+
+    type_name: ClassVar[str] = "control_chars"
+    keep: str = "\t\n"
+
+    def __call__(self, doc: Document) -> Rejected | None:
+        text = doc.text
+        if "\r" in text:
+            text = text.replace("\r\n", "\n").replace("\r", "\n")
+        doc.text = text.translate(_control_table(self.keep + "\n"))
+        return None
+
+
+_LOOKS_LIKE_HTML = re.compile(r"<(?:html|body|head|div|p|br|span|a|li|ul|table|h[1-6]|script|style|meta)\b[^>]*>",
+                              re.IGNORECASE)
+_SPACES = re.compile(r"[ \t\f\v\r\n\u00a0]+")
+_BLANK_LINES = re.compile(r"\n{3,}")
+
+
+class _TextExtractor(HTMLParser):
+    """Visible text of an HTML page with block tags as line (or paragraph) breaks."""
+
+    SKIPPED = frozenset({"script", "style", "noscript", "template", "head", "svg", "nav", "footer", "aside",
+                         "form", "iframe", "button", "select", "object"})
+    PARAGRAPHS = frozenset({"p", "h1", "h2", "h3", "h4", "h5", "h6", "blockquote", "pre", "table", "section",
+                            "article", "ul", "ol", "dl", "figure", "hr", "main"})
+    LINES = frozenset({"br", "div", "li", "tr", "dd", "dt", "header", "title", "td", "th", "figcaption"})
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.parts: list[str] = []
+        self._skipped_depth = 0
+        self._pre_depth = 0
+
+    def handle_starttag(self, tag, attrs):
+        self._boundary(tag, opening=True)
+
+    def handle_endtag(self, tag):
+        self._boundary(tag, opening=False)
+
+    def handle_startendtag(self, tag, attrs):
+        if tag not in self.SKIPPED:
+            self._boundary(tag, opening=True)
+
+    def _boundary(self, tag: str, opening: bool) -> None:
+        if tag in self.SKIPPED:
+            self._skipped_depth = max(0, self._skipped_depth + (1 if opening else -1))
+        elif tag == "pre":
+            self._pre_depth = max(0, self._pre_depth + (1 if opening else -1))
+        if tag in self.PARAGRAPHS:
+            self.parts.append("\n\n")
+        elif tag in self.LINES:
+            self.parts.append("\n")
+
+    def handle_data(self, data):
+        if not self._skipped_depth:
+            # Source formatting is not layout, except inside <pre>.
+            self.parts.append(data if self._pre_depth else _SPACES.sub(" ", data))
+
+    def text(self) -> str:
+        lines = (line.strip(" ") for line in "".join(self.parts).split("\n"))
+        return _BLANK_LINES.sub("\n\n", "\n".join(lines)).strip()
+
+
+def html_to_text(html: str) -> str:
+    """The visible text of an HTML document: scripts, styles and navigation dropped, entities decoded."""
+    extractor = _TextExtractor()
+    extractor.feed(html)
+    extractor.close()
+    return extractor.text()
+
+
+@dataclass
+class HtmlToText:
+    """HTML converted to its visible text; with only_if_html, documents without HTML tags are left alone."""
+
+    type_name: ClassVar[str] = "html_to_text"
+    only_if_html: bool = True
+
+    def __call__(self, doc: Document) -> Rejected | None:
+        if self.only_if_html and not _LOOKS_LIKE_HTML.search(doc.text):
+            return None
+        doc.text = html_to_text(doc.text)
+        return None if doc.text else Rejected("empty_after_html", "no visible text in the HTML")
+
+
+STEPS = (UnicodeRepair, Normalize, ControlChars, HtmlToText)
