@@ -25,6 +25,7 @@ C4_POLICY_PHRASES = ("terms of use", "privacy policy", "cookie policy", "uses co
 # FineWeb's "stop characters" for its line-punctuation ratio.
 FINEWEB_TERMINAL_PUNCTUATION = (".", "'", '"', "!", "?")
 _SENTENCE_END = re.compile(r"[.!?]+(?:[\"'”’)\]]*)(?=\s|$)")
+_BLANK_RUNS = re.compile(r"\n{3,}")
 _ALPHANUMERIC_RUN = re.compile(r"[^\W_]+")
 
 
@@ -71,9 +72,11 @@ class C4Lines:
             return Rejected("lorem_ipsum", "contains 'lorem ipsum'")
         if self.reject_curly_braces and "{" in doc.text:
             return Rejected("curly_brace", "contains '{' (code or templates)")
-        kept = [line for line in (raw.strip() for raw in doc.text.split("\n")) if line and self.keeps_line(line)]
-        doc.text = "\n".join(kept)
-        if not kept:
+        lines = [line.strip() for line in doc.text.split("\n")]
+        # Blank lines stay (one per run) so paragraphs survive for the steps after this one.
+        kept = [line for line in lines if not line or self.keeps_line(line)]
+        doc.text = _BLANK_RUNS.sub("\n\n", "\n".join(kept)).strip("\n")
+        if not doc.text:
             return Rejected("no_lines_left", "every line was boilerplate")
         return below("sentences", count_sentences(doc.text), self.min_sentences)
 

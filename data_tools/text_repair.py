@@ -135,18 +135,25 @@ class _TextExtractor(HTMLParser):
             self._skipped_depth = max(0, self._skipped_depth + (1 if opening else -1))
         elif tag == "pre":
             self._pre_depth = max(0, self._pre_depth + (1 if opening else -1))
-        if tag in self.PARAGRAPHS:
-            self.parts.append("\n\n")
-        elif tag in self.LINES:
-            self.parts.append("\n")
+        wanted = 2 if tag in self.PARAGRAPHS else 1 if tag in self.LINES else 0
+        # Adjacent boundaries (</li><li>) share their breaks instead of adding them up.
+        trailing = len(self.parts[-1]) - len(self.parts[-1].rstrip("\n")) if self.parts else wanted
+        if wanted > trailing:
+            self.parts.append("\n" * (wanted - trailing))
 
     def handle_data(self, data):
-        if not self._skipped_depth:
+        if self._skipped_depth:
+            return
+        if not self._pre_depth:
             # Source formatting is not layout, except inside <pre>.
-            self.parts.append(data if self._pre_depth else _SPACES.sub(" ", data))
+            data = _SPACES.sub(" ", data)
+            if not self.parts or self.parts[-1].endswith("\n"):
+                data = data.lstrip(" ")
+        if data:
+            self.parts.append(data)
 
     def text(self) -> str:
-        lines = (line.strip(" ") for line in "".join(self.parts).split("\n"))
+        lines = (line.rstrip() for line in "".join(self.parts).split("\n"))
         return _BLANK_LINES.sub("\n\n", "\n".join(lines)).strip()
 
 

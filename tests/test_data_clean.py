@@ -1,0 +1,241 @@
+"""`loom data clean`: filter measurements against brute-force references, crafted documents that exactly one
+filter must reject, and the bookkeeping (kept + rejected = documents, bad lines counted, nothing half-written)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from data_tools import clean as clean_module
+from data_tools.clean import clean_corpus
+from data_tools.corpus import build_stdlib_corpus
+from data_tools.jsonl import InputError
+from data_tools.pipeline import Document, load_pipeline_spec
+from data_tools.quality_filters import (
+    GopherQuality,
+    GopherRepetition,
+    duplicate_ngram_char_fraction,
+    top_ngram_char_fraction,
+)
+from data_tools.text_repair import ControlChars, html_to_text
+
+REPO = Path(__file__).resolve().parents[1]
+GOOD = (
+    "The river town was quiet in the early morning, and the bakers were the first to open their doors.\n"
+    "Children walked to school with their parents, talking about the long summer that had just ended.\n"
+    "At the market, farmers arranged apples and pears on wooden tables that had seen many seasons.\n\n"
+    "Later in the day, the mayor spoke about plans to repair the old stone bridge over the water.\n"
+    "Most people agreed that the work was overdue, although some worried about the cost of it.\n"
+    "By evening the square was full again, and music drifted from the open windows of the cafe.\n"
+)
+_CROPS = ("apples pears plums cherries grapes melons lemons limes oranges figs dates kiwis mangos peaches berries "
+          "walnuts beans peas onions leeks carrots radish celery garlic ginger pepper squash tomato potato yams "
+          "rice barley wheat millet quinoa oats corn rye spelt sorghum").split()
+SHORT_LINES = "\n".join(" ".join(_CROPS[i:i + 4]).capitalize() + "." for i in range(0, 40, 4)) + \
+    "\nThe farmers said that they have to be at the market with the crop before noon.\n"
+GERMAN = ("Der Fluss war am frühen Morgen ruhig, und die Bäcker öffneten als erste ihre Türen. Kinder gingen mit "
+          "ihren Eltern zur Schule und sprachen über den langen Sommer, der gerade zu Ende gegangen war.")
+# id -> (text, the step that must reject it or None, its rule)
+CASES = {
+    "good": (GOOD, None, None),
+    "mojibake": (GOOD.replace("cafe", "cafÃ©"), None, None),
+    "control": (GOOD.replace("quiet", "qu\x00iet\x07").replace("\n", "\r\n"), None, None),
+    "html": ("<html><head><title>T</title><script>var x = 1;</script></head><body><nav>Home | About</nav>"
+             + "".join(f"<p>{line}</p>" for line in GOOD.splitlines() if line) + "</body></html>", None, None),
+    "empty": ("  \n ", "length", "empty"),
+    "german": (GERMAN, "language", "language"),
+    "repeated": (GOOD * 3, "gopher_repetition", "duplicate_lines"),
+    "hashes": (GOOD + "#" * 12 + "\n", "gopher_quality", "hash_word_ratio"),
+    "lorem": (GOOD + "Lorem ipsum dolor sit amet, consectetur adipiscing elit.\n", "c4", "lorem_ipsum"),
+    "braces": (GOOD.replace("bridge", "bridge {x}"), "c4", "curly_brace"),
+    "short_lines": (SHORT_LINES, "fineweb", "short_lines"),
+}
+
+
+def write_input(path: Path, bad_lines: bool = True) -> Path:
+    lines = [json.dumps({"id": key, "text": text, "url": f"https://example.org/{key}"}, ensure_ascii=False)
+             for key, (text, _, _) in CASES.items()]
+    if bad_lines:
+        lines[3:3] = ["not json", '{"id": "no-text"}', ""]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def reference_duplicate_ngram_fraction(words: list[str], n: int) -> float:
+    """Brute force: a word counts if it lies inside an occurrence of an n-gram seen at an earlier position."""
+    seen, covered = set(), [False] * len(words)
+    for i in range(len(words) - n + 1):
+        gram = tuple(words[i:i + n])
+        if gram in seen:
+            covered[i:i + n] = [True] * n
+        seen.add(gram)
+    total = sum(map(len, words))
+    return sum(len(w) for w, c in zip(words, covered) if c) / total if total else 0.0
+
+
+def reference_top_ngram_fraction(words: list[str], n: int) -> float:
+    counts = Counter(tuple(words[i:i + n]) for i in range(len(words) - n + 1))
+    if not counts or max(counts.values()) < 2:
+        return 0.0
+    best = max(counts.values())
+    chars = max(sum(map(len, gram)) for gram, c in counts.items() if c == best)
+    return best * chars / sum(map(len, words))
+
+
+def test_ngram_fractions_equal_brute_force():
+    rng = random.Random(0)
+    vocabulary = ["a", "bb", "ccc", "dddd", "e", "ff"]
+    for trial in range(40):
+        words = [rng.choice(vocabulary[: 2 + trial % 5]) for _ in range(rng.randint(0, 60))]
+        for n in range(2, 11):
+            assert duplicate_ngram_char_fraction(words, n) == pytest.approx(reference_duplicate_ngram_fraction(words, n))
+            assert top_ngram_char_fraction(words, n) == pytest.approx(reference_top_ngram_fraction(words, n))
+    # Hand-computed: "x y z" appears twice in 9 single-letter words; the repeat covers 3 of 9 characters.
+    words = "x y z q x y z r s".split()
+    assert duplicate_ngram_char_fraction(words, 3) == pytest.approx(3 / 9)
+    assert top_ngram_char_fraction(words, 2) == pytest.approx(2 * 2 / 9)
+
+
+def test_gopher_thresholds_by_hand():
+    quality = GopherQuality()
+    # 50 words of 4 letters and the two stop words needed: passes; one word fewer fails on word_count.
+    text = " ".join(["the", "and"] + ["word"] * 48)
+    assert quality(Document(text)) is None
+    assert quality(Document(text.rsplit(" ", 1)[0])).rule == "word_count"
+    assert quality(Document(" ".join(["the", "and"] + ["ab"] * 48))).rule == "mean_word_length"  # 2.04 < 3
+    assert quality(Document(" ".join(["word"] * 50))).rule == "stop_words"
+    assert quality(Document(text + " 1234" * 13)).rule == "alpha_words"  # 50/63 = 0.79 < 0.8
+    assert quality(Document(text + " 1234" * 12)) is None  # 50/62 = 0.806
+    assert GopherQuality(min_words=10)(Document(" ".join(["the", "and"] + ["word"] * 8))) is None
+    lines_only = GopherRepetition(max_top_ngram_chars=(), max_duplicate_ngram_chars=())
+    lines = [f"alpha{i} beta{i} gamma{i} delta{i}" for i in range(10)]  # equal lengths, no shared words
+    assert lines_only(Document("\n".join(lines + lines[:2]))) is None  # 2/12 = 0.17 of lines and of characters
+    assert lines_only(Document("\n".join(lines + lines[:3]))).rule == "duplicate_line_chars"  # 3/13 = 0.23 > 0.20
+    assert lines_only(Document("\n".join(lines + lines[:5]))).rule == "duplicate_lines"  # 5/15 = 0.33 > 0.30
+    # The same two repeated lines fail the full filter on n-grams: "alpha0 .. delta0" twice is 2 * 23 / 276 chars.
+    assert GopherRepetition()(Document("\n".join(lines + lines[:2]))).rule == "top_4gram_chars"
+
+
+def test_repairs_and_html():
+    doc = Document("a\r\nb\rc\x00d\x1b\x85e\tf\u200dg")
+    ControlChars()(doc)
+    assert doc.text == "a\nb\ncde\tf\u200dg"  # C0 and C1 controls gone; tab, newline and the ZWJ (Cf) kept
+    text = html_to_text("<html><head><style>p {}</style></head><body><nav>menu</nav><h1>Title</h1>"
+                        "<p>One &amp; two\n   three.</p><ul><li>a</li><li>b</li></ul><script>x()</script>"
+                        "<pre>  keep\n  this</pre></body></html>")
+    assert text == "Title\n\nOne & two three.\n\na\nb\n\n  keep\n  this"
+
+
+def test_every_document_is_kept_or_rejected_by_its_filter(tmp_path):
+    source = write_input(tmp_path / "in.jsonl")
+    stats = clean_corpus([source], tmp_path / "out", progress=False)
+    out = tmp_path / "out"
+    kept = read(out / "kept.jsonl")
+    assert [r["id"] for r in kept] == [k for k, (_, step, _) in CASES.items() if step is None]
+    by_id = {r["id"]: r for r in kept}
+    assert by_id["good"]["text"] == GOOD.strip() and by_id["good"]["url"] == "https://example.org/good"
+    assert by_id["good"]["language"] == "en" and by_id["good"]["language_score"] >= 0.65
+    assert by_id["mojibake"]["text"] == GOOD.replace("cafe", "café").strip()
+    assert by_id["control"]["text"] == GOOD.strip()  # C4 strips the document's final newline
+    assert by_id["html"]["text"].startswith(GOOD.splitlines()[0]) and "var x" not in by_id["html"]["text"]
+    rejected = {}
+    for path in (out / "rejected").glob("*.jsonl"):
+        for record in read(path):
+            assert record["rejected_by"] == path.stem and record["detail"]
+            assert record["text"] == CASES[record["id"]][0]  # stored as it came in
+            rejected[record["id"]] = (record["rejected_by"], record["reason"])
+    assert rejected == {k: (step, rule) for k, (_, step, rule) in CASES.items() if step is not None}
+    assert stats["documents"] == len(CASES) == stats["kept"] + stats["rejected"]
+    assert stats["lines"] == stats["documents"] + stats["bad_lines"] + stats["blank_lines"]
+    assert (stats["bad_lines"], stats["blank_lines"]) == (2, 1)
+    assert stats["rejected_by"]["c4"] == {"documents": 2, "rules": {"lorem_ipsum": 1, "curly_brace": 1}}
+    assert json.loads((out / "stats.json").read_text()) == stats
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["counts"]["kept"] == stats["kept"] and manifest["inputs"][0]["bytes"] == source.stat().st_size
+    assert not list(out.glob(".staging-*"))
+
+
+def test_workers_give_the_same_output_and_languages_split(tmp_path):
+    source = write_input(tmp_path / "in.jsonl", bad_lines=False)
+    clean_corpus([source], tmp_path / "one", pipeline="minimal", split_by_language=True, progress=False)
+    stats = clean_corpus([source], tmp_path / "two", pipeline="minimal", split_by_language=True, workers=2,
+                         progress=False)
+    files = sorted(p.relative_to(tmp_path / "one") for p in (tmp_path / "one").rglob("*.jsonl"))
+    assert files == sorted(p.relative_to(tmp_path / "two") for p in (tmp_path / "two").rglob("*.jsonl"))
+    for relative in files:
+        assert (tmp_path / "one" / relative).read_bytes() == (tmp_path / "two" / relative).read_bytes()
+    assert [r["id"] for r in read(tmp_path / "two/kept/de/kept.jsonl")] == ["german"]
+    assert "good" in [r["id"] for r in read(tmp_path / "two/kept/en/kept.jsonl")]
+    assert [r["id"] for r in read(tmp_path / "two/rejected/length.jsonl")] == ["empty"]
+    assert stats["kept_by_language"]["de"] == 1 and stats["steps"][-1] == "language_label"
+
+
+def test_code_pipeline_keeps_the_embedded_corpus(tmp_path):
+    corpus = build_stdlib_corpus(tmp_path / "corpus.jsonl", max_docs=60, progress=False)
+    stats = clean_corpus([tmp_path / "corpus.jsonl"], tmp_path / "out", pipeline="code", progress=False)
+    assert stats["rejected_by"]["length"]["documents"] == corpus["empty"]
+    assert stats["kept"] >= 0.9 * (corpus["documents"] - corpus["empty"])
+    web = clean_corpus([tmp_path / "corpus.jsonl"], tmp_path / "web", pipeline="default", progress=False)
+    assert web["kept"] < stats["kept"] / 2  # why the demo cleans code with the code pipeline
+
+
+def test_interrupted_run_leaves_the_previous_output(tmp_path, monkeypatch):
+    source = write_input(tmp_path / "in.jsonl")
+    clean_corpus([source], tmp_path / "out", pipeline="minimal", progress=False)
+    before = (tmp_path / "out/kept.jsonl").read_bytes()
+    calls = []
+
+    def failing(*task):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return clean_module.clean_chunk(*task)
+
+    monkeypatch.setattr(clean_module, "CHUNK_DOCUMENTS", 2)
+    monkeypatch.setattr(clean_module, "clean_chunk", failing)
+    with pytest.raises(KeyboardInterrupt):
+        clean_corpus([source], tmp_path / "out", pipeline="minimal", progress=False)
+    assert (tmp_path / "out/kept.jsonl").read_bytes() == before
+    assert not list((tmp_path / "out").glob(".staging-*"))
+    assert not (tmp_path / "out/stats.json").exists()  # the folder no longer claims a finished run
+
+
+@pytest.mark.parametrize("toml, message", [
+    ('[[step]]\ntype = "nope"\n', "pipeline step type 'nope' is unknown"),
+    ('[[step]]\ntype = "gopher_quality"\nmin_wrds = 3\n', "step 'gopher_quality' has no parameter 'min_wrds'"),
+    ('[[step]]\ntype = "gopher_quality"\nmin_words = "many"\n', "min_words = 'many' should be like 50"),
+    ('[[step]]\ntype = "language"\nlanguages = ["xx"]\n', "unknown language codes xx"),
+    ('step = 3\n', "has no \\[\\[step\\]\\] tables"),
+    ('[[step\n', "is not valid TOML"),
+])
+def test_bad_pipelines_are_one_line_errors(tmp_path, toml, message):
+    path = tmp_path / "p.toml"
+    path.write_text(toml)
+    with pytest.raises(InputError, match=message):
+        load_pipeline_spec(path)
+
+
+def test_cli(tmp_path):
+    source = write_input(tmp_path / "in.jsonl")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    run = [sys.executable, "-m", "launch.cli", "data", "clean", "--input", str(source), "--workers", "1"]
+    done = subprocess.run(run + ["--output", str(tmp_path / "out"), "--pipeline", "minimal"], capture_output=True,
+                          text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    printed = json.loads(done.stdout)
+    assert printed["kept"] == len(CASES) - 1 and printed["rejected_by"] == {"length": 1}
+    done = subprocess.run(run + ["--output", str(tmp_path / "o2"), "--pipeline", "web"], capture_output=True,
+                          text=True, env=env)
+    assert done.returncode == 2
+    assert done.stderr.strip() == "error: pipeline web is neither a file nor a shipped pipeline (code, default, minimal)"
