@@ -25,6 +25,7 @@ import sentencepiece
 from tqdm import tqdm
 
 from data_tools.jsonl import InputError, JsonlStats, check_inputs, iter_jsonl
+from data_tools.manifest import write_manifest
 from engine.data.indexed import IndexedDatasetWriter, dtype_for_vocab
 
 BATCH_DOCUMENTS = 512
@@ -112,8 +113,9 @@ def _tokenizer_facts(tokenizer_model: str | Path, append_eod: bool) -> tuple[str
 
 def build_indexed_dataset(inputs: Iterable[str | Path], tokenizer_model: str | Path, output_prefix: str | Path,
                           workers: int = 1, text_key: str = "text", append_eod: bool = True, *,
-                          progress: bool = True) -> dict:
-    """Tokenize every document of `inputs` into output_prefix.bin/.idx; returns counts and speed."""
+                          progress: bool = True, manifest: bool = True) -> dict:
+    """Tokenize every document of `inputs` into output_prefix.bin/.idx (+ .manifest.json); returns counts and speed."""
+    started = time.time()
     paths = check_inputs(inputs)
     model_path, vocab_size, eod = _tokenizer_facts(tokenizer_model, append_eod)
     dtype = dtype_for_vocab(vocab_size)
@@ -133,7 +135,15 @@ def build_indexed_dataset(inputs: Iterable[str | Path], tokenizer_model: str | P
             raise InputError(f"no documents with a string {text_key!r} field in {', '.join(map(str, paths))}; "
                              f"nothing written")
     seconds = time.perf_counter() - start
-    return {"output_prefix": str(output_prefix), "documents": documents, "tokens": tokens,
-            "bad_lines": stats.bad_lines, "seconds": round(seconds, 2),
-            "tokens_per_s": round(tokens / seconds), "docs_per_s": round(documents / seconds),
-            "dtype": dtype.name, "vocab_size": vocab_size, "input": stats.as_dict()}
+    result = {"output_prefix": str(output_prefix), "documents": documents, "tokens": tokens,
+              "bad_lines": stats.bad_lines, "seconds": round(seconds, 2),
+              "tokens_per_s": round(tokens / seconds), "docs_per_s": round(documents / seconds),
+              "dtype": dtype.name, "vocab_size": vocab_size, "input": stats.as_dict()}
+    if manifest:
+        write_manifest(output_prefix, command="loom data build", inputs=[*paths, model_path],
+                       outputs=[f"{output_prefix}.bin", f"{output_prefix}.idx"],
+                       parameters={"tokenizer": model_path, "text_key": text_key, "append_eod": append_eod,
+                                   "workers": workers, "dtype": dtype.name},
+                       counts={"documents": documents, "tokens": tokens, "bad_lines": stats.bad_lines},
+                       started=started, is_folder=False)
+    return result

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 import sysconfig
+import time
 import tokenize
 from pathlib import Path
 from typing import Iterator
@@ -16,6 +17,7 @@ from typing import Iterator
 from tqdm import tqdm
 
 from data_tools.jsonl import InputError, write_jsonl_atomic
+from data_tools.manifest import write_manifest
 
 SOURCE_NAME = "python-stdlib"
 _SKIPPED_DIRECTORIES = frozenset({"site-packages", "dist-packages", "__pycache__"})
@@ -57,7 +59,7 @@ def _documents(files: list[Path], root: Path, counts: dict, progress: bool) -> I
 
 def build_stdlib_corpus(output: Path, max_docs: int | None = None, *, progress: bool = True) -> dict:
     """Write the corpus as JSONL to `output` (atomically); returns counts of what was written and skipped."""
-    output = Path(output)
+    output, started = Path(output), time.time()
     root = stdlib_root()
     files = stdlib_sources(root)
     if not files:
@@ -70,4 +72,10 @@ def build_stdlib_corpus(output: Path, max_docs: int | None = None, *, progress: 
         # range comes first so that zip stops before pulling (and counting) one document too many.
         documents = (doc for _, doc in zip(range(max_docs), documents))
     write_jsonl_atomic(output, documents)
-    return {**counts, "files": len(files), "bytes": output.stat().st_size, "output": str(output)}
+    result = {**counts, "files": len(files), "bytes": output.stat().st_size, "output": str(output)}
+    write_manifest(output, command="loom data corpus", inputs=[], outputs=[output],
+                   parameters={"source": "stdlib", "stdlib_root": str(root), "python": sys.version.split()[0],
+                               "max_docs": max_docs},
+                   counts={k: result[k] for k in ("documents", "empty", "undecodable", "files")},
+                   started=started, is_folder=False)
+    return result

@@ -5,7 +5,8 @@ Two passes over the input: the first decides, for every document, which document
 holds only hashes or signatures, never texts. Exact normalisation is Unicode NFKC, case folding,
 whitespace runs collapsed. Outputs in D: kept.jsonl (every field kept), removed/removed.jsonl
 (each with `duplicate_of`, the id of the kept document), clusters.jsonl (one line per group),
-stats.json (input = kept + removed, plus bad input lines). Each file appears only when complete.
+stats.json (input = kept + removed, plus bad input lines), manifest.json (lineage, written last). Each file
+appears only when complete.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from tqdm import tqdm
 from data_tools import minhash
 from data_tools.atomic import atomic_path
 from data_tools.jsonl import InputError, JsonlStats, check_inputs, iter_jsonl
+from data_tools.manifest import write_manifest
 
 _WHITESPACE = re.compile(r"\s+")
 METHODS = ("exact", "minhash")
@@ -63,7 +65,7 @@ def deduplicate(inputs: Iterable[str | Path], output: str | Path, method: str = 
     if method not in METHODS:
         raise InputError(f"--method {method} is not available yet; use one of {', '.join(METHODS)}")
     paths, output, stats, ids = check_inputs(inputs), Path(output), JsonlStats(), []
-    start, extra = time.perf_counter(), {}
+    start, started, extra = time.perf_counter(), time.time(), {}
     texts = _texts(paths, text_key, stats, ids)
     if method == "exact":
         representative = exact_representatives(texts)
@@ -87,6 +89,13 @@ def deduplicate(inputs: Iterable[str | Path], output: str | Path, method: str = 
               "input": stats.as_dict()}
     with atomic_path(output / "stats.json") as tmp:
         tmp.write_text(json.dumps(result, indent=1))
+    written = [output / "kept.jsonl", output / "removed" / "removed.jsonl", output / "clusters.jsonl",
+               output / "stats.json"]
+    write_manifest(output, command="loom data dedup", inputs=paths, outputs=written,
+                   parameters={"method": method, "text_key": text_key,
+                               **({"threshold": threshold, "num_perm": num_perm, **extra} if method == "minhash" else {})},
+                   counts={k: result[k] for k in ("input_documents", "kept", "removed", "clusters")},
+                   started=started, is_folder=True)
     return result
 
 

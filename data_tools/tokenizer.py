@@ -18,6 +18,7 @@ import sentencepiece
 
 from data_tools.atomic import temporary_sibling
 from data_tools.jsonl import InputError, JsonlStats, check_inputs, iter_jsonl
+from data_tools.manifest import write_manifest
 
 MODEL_TYPES = ("bpe", "unigram")
 # SentencePiece drops longer lines; long enough for minified code and data tables.
@@ -84,7 +85,7 @@ def train_tokenizer(inputs: Iterable[str | Path], output_prefix: str | Path, voc
     stats = JsonlStats()
     feed = _GuardedIterator(iter_lines(inputs, text_key, stats))
     tmp_prefix = temporary_sibling(output_prefix)
-    start = time.perf_counter()
+    start, started = time.perf_counter(), time.time()
     # Line sampling (input_sentence_size) draws from SentencePiece's own generator.
     sentencepiece.set_random_generator_seed(seed)
     try:
@@ -105,5 +106,10 @@ def train_tokenizer(inputs: Iterable[str | Path], output_prefix: str | Path, voc
         for suffix in (".vocab", ".model"):
             Path(f"{tmp_prefix}{suffix}").unlink(missing_ok=True)
     trained = sentencepiece.SentencePieceProcessor(model_file=f"{output_prefix}.model").vocab_size()
-    return {"model": f"{output_prefix}.model", "vocab_size": trained, "model_type": model_type,
-            "seconds": round(time.perf_counter() - start, 2), **stats.as_dict()}
+    result = {"model": f"{output_prefix}.model", "vocab_size": trained, "model_type": model_type,
+              "seconds": round(time.perf_counter() - start, 2), **stats.as_dict()}
+    write_manifest(output_prefix, command="loom data tokenizer", inputs=inputs,
+                   outputs=[f"{output_prefix}.model", f"{output_prefix}.vocab"],
+                   parameters={"text_key": text_key, "seed": seed, **options},
+                   counts={"vocab_size": trained, **stats.as_dict()}, started=started, is_folder=False)
+    return result
