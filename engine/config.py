@@ -115,10 +115,13 @@ class ParallelConfig:
     """Size of a data-parallel gradient bucket; each bucket's all-reduce starts as soon as its grads are final."""
     overlap_grad_reduce: bool = True
     """Overlap the data-parallel gradient reduction with the backward pass."""
+    timeout_minutes: float = 10.0
+    """A collective that waits this long for a peer (crashed, hung, preempted) fails on every rank
+    instead of hanging the job (Megatron's --distributed-timeout-minutes)."""
 
     def __post_init__(self) -> None:
         _check_positive("parallel", tp=self.tp, pp=self.pp, vp=self.vp, dp=self.dp,
-                        grad_bucket_mb=self.grad_bucket_mb)
+                        grad_bucket_mb=self.grad_bucket_mb, timeout_minutes=self.timeout_minutes)
         _check_choice("parallel", "backend", self.backend, ("auto", "gloo", "nccl"))
         if self.vp > 1 and self.pp == 1:
             raise ConfigError("parallel.vp > 1 needs parallel.pp > 1 (virtual stages interleave a pipeline)")
@@ -246,6 +249,12 @@ class TrainConfig:
     """Write TensorBoard event files next to metrics.jsonl."""
     record_pipeline_timeline: bool = False
     """Record per-op times of the last training step in pipeline_timeline.json (`loom schedule --from-run`)."""
+    nan_policy: Literal["stop", "skip"] = "stop"
+    """What a NaN/Inf loss or gradient norm does: stop (fail the run; the last checkpoint, saved before
+    the bad step, stays the newest) or skip (drop that step's update and go on). fp16 overflows are
+    handled by the loss scaler, not by this policy."""
+    max_skipped_steps: int = 10
+    """Under nan_policy = skip, fail after this many non-finite steps in a row."""
 
     def __post_init__(self) -> None:
         _check_positive("train", steps=self.steps, global_batch_size=self.global_batch_size,
@@ -254,6 +263,8 @@ class TrainConfig:
                         peak_tflops=self.peak_tflops)
         _check_choice("train", "precision", self.precision, ("fp32", "bf16", "fp16"))
         _check_choice("train", "device", self.device, ("auto", "cpu", "cuda"))
+        _check_choice("train", "nan_policy", self.nan_policy, ("stop", "skip"))
+        _check_positive("train", max_skipped_steps=self.max_skipped_steps)
         if self.rampup_batch_size is not None:
             if len(self.rampup_batch_size) != 3 or min(self.rampup_batch_size) <= 0:
                 raise ConfigError("train.rampup_batch_size takes three positive numbers: start increment samples")

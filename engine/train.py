@@ -8,6 +8,7 @@ metrics; it never spawns processes or parses command lines.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import math
 import os
@@ -55,7 +56,8 @@ class Trainer:
         self.config = config
         config.resolve_world(dist.get_world_size())
         p, t = config.parallel, config.train
-        self.state = ParallelState.create(tp=p.tp, dp=p.dp, pp=p.pp, vp=p.vp)
+        timeout = datetime.timedelta(minutes=p.timeout_minutes)
+        self.state = ParallelState.create(tp=p.tp, dp=p.dp, pp=p.pp, vp=p.vp, timeout=timeout)
         self.device = pick_device(t.device, local_rank)
         self._build_model_and_optimizer()
         self.step = 0
@@ -67,9 +69,13 @@ class Trainer:
         self._build_data(evaluation_only)
         self.flops_per_token = model_flops_per_token(config.model, t.seq_length)
         self.peak_flops = self._peak_flops()
-        self.injected_fault = _injected_fault(self.state.rank)
+        self.injected_fault = _injected_step("LOOM_INJECT_FAULT", self.state.rank)
+        self.injected_hang = _injected_step("LOOM_INJECT_HANG", self.state.rank)
+        self.injected_nan = _injected_step("LOOM_INJECT_NAN", self.state.rank, any_rank=True)
+        self.skipped_in_a_row = 0
+        self.last_saved_step: int | None = None
         self.checkpoints = Path(t.run_dir) / "checkpoints"
-        self.checkpoint_writer = CheckpointWriter(asynchronous=config.checkpoint.async_save)
+        self.checkpoint_writer = CheckpointWriter(asynchronous=config.checkpoint.async_save, timeout=timeout)
         self._resume()
         self.metrics = None
         if self.state.rank == 0:
@@ -117,10 +123,12 @@ class Trainer:
             return None
         directory = Path(choice[0])
         load_checkpoint(self, directory, read_metadata(directory, verify_hashes=False))
+        self.last_saved_step = self.step
         self._log_event(f"resumed from {directory} at step {self.step}")
         return directory
 
     def save(self) -> Path:
+        self.last_saved_step = self.step
         return self.checkpoint_writer.save(self, self.checkpoints, self.config.checkpoint.keep)
 
     def _build_data(self, evaluation_only: bool) -> None:
@@ -183,13 +191,36 @@ class Trainer:
         loss_sum = self.executor.run(self._schedule(len(microbatches)), microbatches, global_batch * t.seq_length,
                                      self._set_last_microbatch, record=t.record_pipeline_timeline, loss_scale=scale)
         self.grads.finish()
-        result = self.optimizer.step(lr)
+        loss = self._global_mean(loss_sum)
+        if self.step + 1 == self.injected_nan:
+            loss = math.nan
+        result = self.optimizer.step(lr, skip=not math.isfinite(loss))
         self.step += 1
-        row = {"loss": self._global_mean(loss_sum), "lr": lr, "grad_norm": result["grad_norm"],
-               "global_batch_size": global_batch}
+        row = {"loss": loss, "lr": lr, "grad_norm": result["grad_norm"], "global_batch_size": global_batch}
         if self.loss_scaler is not None:
             row.update(loss_scale=scale, skipped_steps=self.loss_scaler.skipped_steps)
+        self._apply_nan_policy(result["nonfinite"], loss, result["grad_norm"])
+        if self.skipped_in_a_row or result["nonfinite"]:
+            row["nonfinite_skipped"] = self.skipped_in_a_row
         return row
+
+    def _apply_nan_policy(self, nonfinite: bool, loss: float, grad_norm: float) -> None:
+        """Every rank sees the same global loss and norm, so all ranks take the same branch here."""
+        t = self.config.train
+        if not nonfinite:
+            self.skipped_in_a_row = 0
+            return
+        self.skipped_in_a_row += 1
+        what = f"loss {loss} / gradient norm {grad_norm} at step {self.step}"
+        newest = f"the newest checkpoint is {self.checkpoints} (step {self.last_saved_step})" \
+            if self.last_saved_step is not None else "no checkpoint was saved by this job"
+        if t.nan_policy == "stop":
+            raise FloatingPointError(f"{what} (train.nan_policy = stop); {newest}. Lower optim.lr, raise "
+                                     f"optim.clip_grad or set --train.nan_policy skip")
+        if self.skipped_in_a_row > t.max_skipped_steps:
+            raise FloatingPointError(f"{what}: {self.skipped_in_a_row} non-finite steps in a row "
+                                     f"(train.max_skipped_steps = {t.max_skipped_steps}); {newest}")
+        self._log_event(f"{what}: update skipped (train.nan_policy = skip)")
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -209,14 +240,34 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def run(self) -> list[dict]:
-        """Train for train.steps (or until early stopping); return the logged rows."""
+    def _agreed_stop(self, stop) -> int:
+        """The most urgent stop code any rank holds (signals reach ranks at different moments)."""
+        code = torch.tensor([stop.code], dtype=torch.int64, device=self.device)
+        dist.all_reduce(code, op=dist.ReduceOp.MAX)
+        stop.code = int(code.item())
+        return stop.code
+
+    def run(self, stop=None) -> list[dict]:
+        """Train for train.steps (or until early stopping); return the logged rows.
+
+        `stop` (optional) has an int attribute `code` that a signal handler sets (0: go on); at each
+        step boundary the ranks agree on the largest code, and a non-zero one checkpoints and returns
+        with `stop.code` set to the agreed value (the launcher decides whether to exit or requeue).
+        """
         t = self.config.train
         rows, best_val, evals_without_gain = [], math.inf, 0
         stop_at = min(t.steps, self.step + t.exit_after) if t.exit_after else t.steps
         while self.step < stop_at:
+            if stop is not None and self._agreed_stop(stop):
+                if self.last_saved_step != self.step:
+                    self.save()
+                self.checkpoint_writer.wait()
+                self._log_event(f"stop requested: checkpoint of step {self.step} saved in {self.checkpoints}")
+                break
             if self.step == self.injected_fault:
                 raise RuntimeError(f"fault injected by LOOM_INJECT_FAULT at step {self.step}")
+            if self.step == self.injected_hang:
+                time.sleep(10**6)
             self._sync()
             start = time.perf_counter()
             row = self.train_step()
@@ -276,10 +327,13 @@ class Trainer:
             self.metrics.close()
 
 
-def _injected_fault(rank: int) -> int | None:
-    """The step at which this rank must fail, from LOOM_INJECT_FAULT=RANK:STEP (tests of launchers)."""
-    spec = os.environ.get("LOOM_INJECT_FAULT")
+def _injected_step(variable: str, rank: int, any_rank: bool = False) -> int | None:
+    """The step at which this rank must misbehave, for tests of failure handling: LOOM_INJECT_FAULT=RANK:STEP
+    raises, LOOM_INJECT_HANG=RANK:STEP sleeps forever, LOOM_INJECT_NAN=STEP makes that step's loss NaN."""
+    spec = os.environ.get(variable)
     if not spec:
         return None
+    if any_rank:
+        return int(spec)
     fault_rank, step = (int(x) for x in spec.split(":"))
     return step if fault_rank == rank else None

@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     from data_tools.jsonl import InputError
     from engine.checkpoint.format import CheckpointError
     from engine.data.indexed import IndexFormatError
-    from launch.local import RankFailed
+    from launch.local import RankFailed, Stopped
 
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -156,6 +156,9 @@ def main(argv: list[str] | None = None) -> None:
             args.handler(args, extra)
         else:
             args.handler(args)
+    except Stopped as error:
+        print(str(error), file=sys.stderr)
+        sys.exit(error.exit_code)
     except RankFailed as error:
         print(f"error: {error}", file=sys.stderr)
         if os.environ.get("LOOM_DEBUG") and error.details:

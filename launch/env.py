@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 
 import torch
 import torch.distributed as dist
@@ -23,7 +24,26 @@ def choose_backend(requested: str, device: str) -> str:
     return "nccl" if use_cuda else "gloo"
 
 
-def init_distributed(config: LoomConfig, timeout_s: float = 600.0) -> int:
+class StopSignals:
+    """Turns stop signals into a request the trainer honours at the next step boundary (checkpoint,
+    then return), instead of dying mid-step. `code` is what the trainer agrees on across ranks: the
+    largest wins, so an exit request (SIGTERM, Ctrl-C) overrides a requeue request (SIGUSR2)."""
+
+    REQUEUE, EXIT = 1, 2
+
+    def __init__(self, actions: dict[signal.Signals, int]):
+        self.code = 0
+        self.received: list[str] = []
+        self._actions = actions
+        for signum in actions:
+            signal.signal(signum, self._handle)
+
+    def _handle(self, signum: int, frame) -> None:
+        self.received.append(signal.Signals(signum).name)
+        self.code = max(self.code, self._actions[signal.Signals(signum)])
+
+
+def init_distributed(config: LoomConfig) -> int:
     """Initialise the default process group from the environment; returns the local rank."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
@@ -31,13 +51,14 @@ def init_distributed(config: LoomConfig, timeout_s: float = 600.0) -> int:
     if backend == "nccl":
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
     dist.init_process_group(backend, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+                            timeout=datetime.timedelta(minutes=config.parallel.timeout_minutes))
     return local_rank
 
 
-def run_rank(config: LoomConfig, mode: str = "train") -> list[dict]:
+def run_rank(config: LoomConfig, mode: str = "train", stop: StopSignals | None = None) -> list[dict]:
     """Everything one rank does for `loom train` (mode "train": the logged rows) or `loom eval`
-    (mode "eval": one row with val_loss and val_ppl, printed by rank 0)."""
+    (mode "eval": one row with val_loss and val_ppl, printed by rank 0). With `stop`, a stop signal
+    checkpoints and returns early; `stop.code` then says what all ranks agreed on."""
     import math
 
     from engine.train import Trainer
@@ -53,7 +74,7 @@ def run_rank(config: LoomConfig, mode: str = "train") -> list[dict]:
                     print(f"step {trainer.step}: validation loss {loss:.4f}, perplexity {rows[0]['val_ppl']:.2f}",
                           flush=True)
             else:
-                rows = trainer.run()
+                rows = trainer.run(stop)
         finally:
             trainer.close()
         # Leave together: with ranks tearing down gloo groups at different times, we have seen

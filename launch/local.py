@@ -2,8 +2,9 @@
 
 Each rank is a spawned process with torchrun-style environment variables. The parent waits on
 all of them; the first one to fail makes the others stop (SIGTERM, then SIGKILL) and its error,
-with its rank, is what the user sees. CPU threads are divided among the ranks so N ranks on a
-few cores do not oversubscribe them.
+with its rank, is what the user sees. SIGTERM or Ctrl-C to the parent is passed to the ranks,
+which checkpoint at the next step boundary and exit; a second one stops them at once. CPU threads
+are divided among the ranks so N ranks on a few cores do not oversubscribe them.
 """
 
 from __future__ import annotations
@@ -11,21 +12,42 @@ from __future__ import annotations
 import multiprocessing as mp
 import multiprocessing.connection
 import os
+import signal
 import socket
 import time
 import traceback
+from pathlib import Path
 
 from engine.config import LoomConfig
 from engine.config_io import config_from_dict, config_to_dict
 
 # Errors whose message is the whole story; anything else is reported with its type.
-USER_ERRORS = (ValueError, FileNotFoundError, PermissionError)
+USER_ERRORS = (ValueError, FileNotFoundError, PermissionError, FloatingPointError)
 
 
 class RankFailed(RuntimeError):
     def __init__(self, rank: int, message: str, details: str):
         super().__init__(f"rank {rank} failed: {message}")
         self.rank, self.details = rank, details
+
+
+class Stopped(Exception):
+    """The run was stopped by a signal, after the ranks checkpointed (or before training began)."""
+
+    def __init__(self, signal_name: str, message: str):
+        super().__init__(message)
+        self.exit_code = 128 + signal.Signals[signal_name].value
+
+
+def describe_rank_error(error: BaseException, timeout_minutes: float) -> str:
+    """One line for a rank's failure; a collective timeout is named as what it usually means."""
+    message = str(error).splitlines()[0] if str(error) else type(error).__name__
+    if "timed out" in message.lower() or "timeout" in type(error).__name__.lower():
+        return (f"a collective timed out after {timeout_minutes:g} min: a peer rank stopped answering "
+                f"(crashed, hung or killed); parallel.timeout_minutes sets the limit [{message}]")
+    if not isinstance(error, USER_ERRORS):
+        message = f"{type(error).__name__}: {message}"
+    return message
 
 
 def free_port() -> int:
@@ -40,15 +62,15 @@ def _rank_main(rank: int, world: int, port: int, raw_config: dict, threads: int,
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
 
-    from launch.env import run_rank
+    from launch.env import StopSignals, run_rank
 
     torch.set_num_threads(threads)
+    stop = StopSignals({signal.SIGTERM: StopSignals.EXIT, signal.SIGINT: StopSignals.EXIT})
+    config = config_from_dict(raw_config)
     try:
-        run_rank(config_from_dict(raw_config), mode)
+        run_rank(config, mode, stop)
     except BaseException as error:  # noqa: BLE001 - every failure must reach the parent
-        message = str(error).splitlines()[0] if str(error) else type(error).__name__
-        if not isinstance(error, USER_ERRORS):
-            message = f"{type(error).__name__}: {message}"
+        message = describe_rank_error(error, config.parallel.timeout_minutes)
         errors.put((time.time(), rank, message, traceback.format_exc()))
         raise SystemExit(1) from None
 
@@ -63,27 +85,62 @@ def launch_local(config: LoomConfig, nproc: int, grace_s: float = 5.0, mode: str
     raw = config_to_dict(config)
     procs = [ctx.Process(target=_rank_main, args=(r, nproc, port, raw, threads, errors, mode), daemon=False)
              for r in range(nproc)]
-    for p in procs:
-        p.start()
-    running = {p.sentinel: (r, p) for r, p in enumerate(procs)}
-    failed: tuple[int, int] | None = None
-    while running and failed is None:
-        for sentinel in multiprocessing.connection.wait(list(running)):
-            rank, proc = running.pop(sentinel)
-            proc.join()
-            if proc.exitcode != 0:
-                failed = (rank, proc.exitcode)
-                break
-    if failed is None:
-        return
-    for _, proc in running.values():
+    stop_signals: list[str] = []
+
+    def forward_stop(signum: int, frame) -> None:
+        if stop_signals:
+            raise KeyboardInterrupt
+        stop_signals.append(signal.Signals(signum).name)
+        for proc in procs:
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGTERM)
+
+    previous = {s: signal.signal(s, forward_stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    running = {}
+    try:
+        for p in procs:
+            p.start()
+        running = {p.sentinel: (r, p) for r, p in enumerate(procs)}
+        failed: tuple[int, int] | None = None
+        while running and failed is None:
+            for sentinel in multiprocessing.connection.wait(list(running)):
+                rank, proc = running.pop(sentinel)
+                proc.join()
+                if proc.exitcode != 0:
+                    failed = (rank, proc.exitcode)
+                    break
+    except BaseException:
+        _stop_all([p for _, p in running.values()], grace_s=0.0)
+        raise
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    _stop_all([p for _, p in running.values()], grace_s)
+    if stop_signals:
+        raise _stopped(stop_signals[0], config, failed is None)
+    if failed is not None:
+        raise _first_error(errors, *failed)
+
+
+def _stop_all(procs: list, grace_s: float) -> None:
+    for proc in procs:
         proc.terminate()
-    for _, proc in running.values():
+    for proc in procs:
         proc.join(grace_s)
         if proc.is_alive():
             proc.kill()
             proc.join()
-    raise _first_error(errors, *failed)
+
+
+def _stopped(signal_name: str, config: LoomConfig, clean: bool) -> Stopped:
+    from engine.checkpoint.format import LATEST
+
+    latest = Path(config.train.run_dir) / "checkpoints" / LATEST
+    if clean and latest.is_file():
+        where = latest.parent / latest.read_text().strip()
+        return Stopped(signal_name, f"stopped by {signal_name}: checkpoint {where} saved; "
+                                    f"run the same command to resume from it")
+    return Stopped(signal_name, f"stopped by {signal_name} before a checkpoint was written; nothing to resume")
 
 
 def _first_error(errors, rank: int, exitcode: int) -> RankFailed:

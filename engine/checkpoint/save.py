@@ -12,6 +12,7 @@ With checkpoint.async_save, steps 1-3 run in a background thread while training 
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import shutil
@@ -81,9 +82,9 @@ class CheckpointWriter:
     training's. All ranks create the writer together.
     """
 
-    def __init__(self, asynchronous: bool = False):
+    def __init__(self, asynchronous: bool = False, timeout: datetime.timedelta | None = None):
         self.asynchronous = asynchronous
-        self.group = dist.new_group(backend="gloo")
+        self.group = dist.new_group(backend="gloo", timeout=timeout)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 

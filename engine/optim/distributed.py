@@ -150,8 +150,10 @@ class DistributedOptimizer:
         return math.sqrt(squares.item())
 
     # -- the step -----------------------------------------------------------------------------
-    def step(self, lr: float) -> dict:
-        """Unscale (fp16), check, clip and apply this step's gradients; returns grad_norm and skipped."""
+    def step(self, lr: float, skip: bool = False) -> dict:
+        """Unscale (fp16), check, clip and apply this step's gradients; returns grad_norm, skipped and
+        nonfinite. A non-finite norm outside fp16 loss scaling, or `skip` (a non-finite loss), drops the
+        update: applying it would turn every weight into NaN."""
         for seg in self.segments:
             if not seg.aliases_param:
                 seg.master.grad = self._grad(seg)
@@ -161,14 +163,16 @@ class DistributedOptimizer:
         if self.loss_scaler is not None:
             skipped = self.loss_scaler.update(found_inf=not math.isfinite(norm))
             if skipped:
-                return {"grad_norm": norm, "skipped": True}
+                return {"grad_norm": norm, "skipped": True, "nonfinite": False}
+        if skip or not math.isfinite(norm):
+            return {"grad_norm": norm, "skipped": True, "nonfinite": True}
         if self.config.clip_grad > 0 and math.isfinite(norm) and norm > self.config.clip_grad:
             torch._foreach_mul_([s.master.grad for s in self.segments], self.config.clip_grad / (norm + 1e-6))
         for group in self.inner.param_groups:
             group["lr"] = lr * group["lr_scale"]
         self.inner.step()
         self._publish()
-        return {"grad_norm": norm, "skipped": False}
+        return {"grad_norm": norm, "skipped": False, "nonfinite": False}
 
     @torch.no_grad()
     def _publish(self) -> None:

@@ -8,6 +8,7 @@ passed to whoever needs it. No module-level process groups.
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -82,8 +83,11 @@ class ParallelState:
         return self.pp_rank == self.pp_size - 1
 
     @classmethod
-    def create(cls, tp: int, dp: int, pp: int = 1, vp: int = 1) -> ParallelState:
-        """Create every group of the layout; all ranks must call this together, in the same order."""
+    def create(cls, tp: int, dp: int, pp: int = 1, vp: int = 1,
+               timeout: datetime.timedelta | None = None) -> ParallelState:
+        """Create every group of the layout; all ranks must call this together, in the same order.
+        `timeout` bounds each collective; pass the default group's (new groups otherwise get torch's
+        30-minute default, whatever init_process_group was given)."""
         world, rank = dist.get_world_size(), dist.get_rank()
         if tp * dp * pp != world:
             raise ValueError(f"layout tp={tp} dp={dp} pp={pp} does not match world size {world}")
@@ -91,7 +95,7 @@ class ParallelState:
         pp_ranks: tuple[int, ...] = ()
         for kind, rank_lists in layout_groups(tp, dp, pp).items():
             for ranks in rank_lists:
-                group = dist.new_group(ranks) if world > 1 else dist.group.WORLD
+                group = dist.new_group(ranks, timeout=timeout) if world > 1 else dist.group.WORLD
                 if rank in ranks:
                     mine[kind] = group
                     if kind == "pp":
