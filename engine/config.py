@@ -66,6 +66,14 @@ class ModelConfig:
     """Dropout on attention probabilities and residual branches. Layout invariance holds at 0."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recompute: none, selective (core attention only) or full (each block)."""
+    kernels: Literal["auto", "native", "te"] = "auto"
+    """Kernel implementations (engine/model/kernels.py): auto uses Transformer Engine on CUDA when it
+    imports, else apex fused norms / FusedAdam when apex imports, else native PyTorch (SDPA, torch norms,
+    fused AdamW); native always runs the PyTorch reference path; te requires Transformer Engine. What was
+    chosen, and why, is printed at start-up and recorded in the first metrics.jsonl row."""
+    compile: bool = False
+    """torch.compile the element-wise pieces (RMSNorm/LayerNorm, SwiGLU) into fused kernels; pays a compile
+    at start. Ignored for the norm where Transformer Engine or apex provides a fused one."""
 
     def __post_init__(self) -> None:
         s = "model"
@@ -76,6 +84,7 @@ class ModelConfig:
         _check_choice(s, "norm", self.norm, ("rmsnorm", "layernorm"))
         _check_choice(s, "activation", self.activation, ("swiglu", "gelu"))
         _check_choice(s, "recompute", self.recompute, ("none", "selective", "full"))
+        _check_choice(s, "kernels", self.kernels, ("auto", "native", "te"))
         if self.hidden_size % self.num_heads:
             raise ConfigError(f"model.num_heads = {self.num_heads} must divide model.hidden_size = {self.hidden_size}")
         if self.num_kv_heads is None:
@@ -255,6 +264,11 @@ class TrainConfig:
     handled by the loss scaler, not by this policy."""
     max_skipped_steps: int = 10
     """Under nan_policy = skip, fail after this many non-finite steps in a row."""
+    fp8: Literal["off", "delayed", "current"] = "off"
+    """FP8 matmuls in the transformer blocks (needs precision = bf16 and a GPU of compute capability >= 8.9):
+    delayed = Transformer Engine's DelayedScaling (scales from an amax history), current = per-tensor
+    scales from each tensor itself (TE's Float8CurrentScaling, or torch._scaled_mm without TE).
+    Unavailable FP8 is an error, never a silent fallback."""
 
     def __post_init__(self) -> None:
         _check_positive("train", steps=self.steps, global_batch_size=self.global_batch_size,
@@ -265,6 +279,10 @@ class TrainConfig:
         _check_choice("train", "device", self.device, ("auto", "cpu", "cuda"))
         _check_choice("train", "nan_policy", self.nan_policy, ("stop", "skip"))
         _check_positive("train", max_skipped_steps=self.max_skipped_steps)
+        _check_choice("train", "fp8", self.fp8, ("off", "delayed", "current"))
+        if self.fp8 != "off" and self.precision != "bf16":
+            raise ConfigError(f"train.fp8 = {self.fp8} needs train.precision = bf16 (got {self.precision}); "
+                              f"add --train.precision bf16")
         if self.rampup_batch_size is not None:
             if len(self.rampup_batch_size) != 3 or min(self.rampup_batch_size) <= 0:
                 raise ConfigError("train.rampup_batch_size takes three positive numbers: start increment samples")
