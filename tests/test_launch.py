@@ -23,15 +23,15 @@ def dataset(tmp_path_factory):
 
 
 def test_failing_rank_stops_all_ranks_with_its_message(dataset, tmp_path, monkeypatch):
-    monkeypatch.setenv("LOOM_INJECT_FAULT", "2:3")
+    monkeypatch.setenv("LOOM_INJECT_FAULT", "5:3")
     config = load_config(resolve_config_path("configs/tiny.toml"), {
         "data": {"paths": [dataset], "tokenizer": None},
         "train": {"steps": 1000, "run_dir": str(tmp_path), "eval_interval": 0, "tensorboard": False}})
-    config.resolve_world(4)
+    config.resolve_world(8)
     start = time.perf_counter()
     with pytest.raises(RankFailed) as failure:
-        launch_local(config, 4)
-    assert failure.value.rank == 2
+        launch_local(config, 8)
+    assert failure.value.rank == 5
     assert "fault injected by LOOM_INJECT_FAULT at step 3" in str(failure.value)
     assert time.perf_counter() - start < 60
 

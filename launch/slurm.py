@@ -1,0 +1,381 @@
+"""`loom submit`: the training of `loom train`, as one Slurm job through submitit.
+
+Submission (login node): every check that can fail is made before anything is submitted (the
+config, the world size against nodes x tasks, the run directory, the partition), then a submitit
+SlurmExecutor is built from structured options (nothing is pasted into a shell line) and the job
+is submitted with its logs in RUN_DIR/slurm/. `--wait` then follows rank 0's log until the job ends.
+
+In the job, each Slurm task is one rank: submitit's job environment gives the rendezvous
+(MASTER_ADDR/PORT from the node list and job id, RANK, LOCAL_RANK, WORLD_SIZE), launch.env picks
+NCCL and the GPU of the local rank (gloo on CPU). Stop signals become checkpoints at the next
+step boundary, agreed by all ranks (a sharded checkpoint is a collective, so submitit's own
+rank-0-only requeue handler cannot take it):
+  SIGUSR2 (Slurm's warning `--signal-delay-s` before the time limit, or a preemption signal):
+      checkpoint, then rank 0 requeues the job; the requeued job resumes from `latest`.
+  SIGTERM (scancel, `scontrol requeue`, preemption): checkpoint and stop.
+A rank that fails writes its error, rank and host to RUN_DIR/slurm/failures/, and srun's
+--kill-on-bad-exit ends the other ranks at once; `--wait` prints the earliest failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from engine.config import ConfigError, LoomConfig
+
+TERMINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
+                   "DEADLINE", "PREEMPTED", "SPECIAL_EXIT", "REVOKED"}
+SBATCH_KEY = re.compile(r"^[a-z][a-z0-9_-]*$")
+# The options loom sets itself; --sbatch may not override them (it would break rendezvous or logs).
+RESERVED_SBATCH_KEYS = {"output", "error", "open-mode", "signal", "nodes", "ntasks-per-node", "array", "wrap"}
+REQUEUE_WAIT_S = 600
+
+
+@dataclass
+class SlurmOptions:
+    """What the job asks Slurm for (the `loom submit` flags)."""
+
+    nodes: int = 1
+    tasks_per_node: int = 1
+    """One rank per task; on GPU clusters one task per GPU."""
+    gpus_per_node: int | None = None
+    """None: tasks_per_node when the partition has GPUs (or train.device = cuda), else none."""
+    cpus_per_task: int | None = None
+    mem_gb: float | None = None
+    time_minutes: int = 60
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    exclusive: bool = False
+    job_name: str | None = None
+    """Defaults to train.name."""
+    signal_delay_s: int = 120
+    """SIGUSR2 arrives this long before the time limit: checkpoint and requeue (chains long runs)."""
+    sbatch: dict[str, str] = field(default_factory=dict)
+    """Further sbatch options as key -> value, e.g. {"mail-type": "END"}; "true" gives a bare flag."""
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.tasks_per_node
+
+
+def parse_time_minutes(text: str) -> int:
+    """Slurm's time formats: MINUTES, HH:MM:SS, MM:SS, D-HH[:MM[:SS]]."""
+    match = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", text.strip())
+    if not match:
+        raise ConfigError(f"--time {text!r} is not a Slurm time (MINUTES, HH:MM:SS or D-HH:MM:SS)")
+    days, a, b, c = match.groups()
+    if days is None and b is None:
+        minutes = int(a)
+    elif days is None and c is None:
+        minutes = int(a) + (int(b) > 0)  # MM:SS, seconds rounded up
+    else:
+        hours, mins, secs = int(a), int(b or 0), int(c or 0)
+        minutes = int(days or 0) * 1440 + hours * 60 + mins + (secs > 0)
+    if minutes <= 0:
+        raise ConfigError(f"--time {text!r} must be positive")
+    return minutes
+
+
+def parse_sbatch_options(pairs: list[str]) -> dict[str, str | bool]:
+    """KEY=VALUE pairs for sbatch, checked so that none can add a line or a command to the script."""
+    options: dict[str, str | bool] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        key = key.strip().removeprefix("--")
+        if not sep or not SBATCH_KEY.match(key):
+            raise ConfigError(f"--sbatch {pair!r}: give KEY=VALUE with a lower-case sbatch option name, "
+                              f"e.g. --sbatch mail-type=END")
+        if key.replace("_", "-") in RESERVED_SBATCH_KEYS:
+            raise ConfigError(f"--sbatch {key}: loom sets this option itself; use the loom submit flag instead")
+        if any(ord(ch) < 32 for ch in value):
+            raise ConfigError(f"--sbatch {key}: the value contains a control character (newline?)")
+        options[key] = True if value.lower() == "true" else value
+    return options
+
+
+def _slurm_command(args: list[str]) -> str:
+    if shutil.which(args[0]) is None:
+        raise ConfigError(f"`{args[0]}` is not on PATH: loom submit runs where Slurm's commands do "
+                          f"(a login node); use `loom train --nproc N` on a single machine")
+    result = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    if result.returncode != 0:
+        raise ConfigError(f"`{' '.join(args)}` failed: {result.stderr.strip() or result.stdout.strip()}")
+    return result.stdout
+
+
+def partition_gpus(partition: str | None) -> int:
+    """GPUs per node the partition advertises (its GRES), checking that the partition exists."""
+    listing = _slurm_command(["sinfo", "-h", "-o", "%R|%G"])
+    partitions: dict[str, int] = {}
+    for line in listing.splitlines():
+        name, _, gres = line.partition("|")
+        found = re.search(r"gpu(?::[^:,(]+)?:(\d+)", gres)
+        partitions[name] = max(partitions.get(name, 0), int(found.group(1)) if found else 0)
+    if partition is None:
+        default = _slurm_command(["sinfo", "-h", "-o", "%P"]).split()
+        partition = next((p.rstrip("*") for p in default if p.endswith("*")), None)
+        if partition is None:
+            raise ConfigError("this cluster has no default partition; pass --partition (sinfo lists: "
+                              f"{', '.join(sorted(partitions))})")
+    if partition not in partitions:
+        raise ConfigError(f"partition {partition!r} does not exist; sinfo lists: {', '.join(sorted(partitions))}")
+    return partitions[partition]
+
+
+def executor_parameters(options: SlurmOptions, config: LoomConfig, gpus_on_partition: int) -> dict:
+    """The keyword arguments of submitit.SlurmExecutor.update_parameters for this job."""
+    gpus = options.gpus_per_node
+    if gpus is None:
+        wants_gpu = config.train.device == "cuda" or (config.train.device == "auto" and gpus_on_partition > 0)
+        gpus = options.tasks_per_node if wants_gpu else 0
+    if config.train.device == "cuda" and gpus < options.tasks_per_node:
+        raise ConfigError(f"train.device = cuda needs one GPU per task: --gpus-per-node {gpus} < "
+                          f"--tasks-per-node {options.tasks_per_node}")
+    if options.time_minutes * 60 < options.signal_delay_s + 60:
+        raise ConfigError(f"--time {options.time_minutes} min leaves no room before the checkpoint signal "
+                          f"(--signal-delay-s {options.signal_delay_s}); Slurm checks the signal only every 30 s, "
+                          f"so keep the limit above delay + 60 s")
+    parameters = {
+        "nodes": options.nodes, "ntasks_per_node": options.tasks_per_node, "time": options.time_minutes,
+        "job_name": options.job_name or config.train.name, "signal_delay_s": options.signal_delay_s,
+        "stderr_to_stdout": True,
+        # One failed rank ends the job step at once instead of leaving its peers in a collective.
+        "srun_args": ["--kill-on-bad-exit=1"],
+        # The job requeues itself on SIGUSR2; clusters may default to non-requeueable jobs.
+        "additional_parameters": {"requeue": True, **options.sbatch},
+    }
+    optional = {"gpus_per_node": gpus or None, "cpus_per_task": options.cpus_per_task,
+                "partition": options.partition, "account": options.account, "qos": options.qos,
+                "constraint": options.constraint, "exclusive": options.exclusive or None,
+                "mem": f"{int(options.mem_gb * 1024)}MB" if options.mem_gb else None}
+    parameters.update({k: v for k, v in optional.items() if v is not None})
+    return parameters
+
+
+def _absolute_paths(config: LoomConfig) -> None:
+    """Pin relative paths to the submission directory (the job may start elsewhere)."""
+    config.train.run_dir = str(Path(config.train.run_dir).resolve())
+    config.data.paths = [str(Path(p).resolve()) for p in config.data.paths]
+    if config.data.tokenizer:
+        config.data.tokenizer = str(Path(config.data.tokenizer).resolve())
+    if config.checkpoint.load:
+        config.checkpoint.load = str(Path(config.checkpoint.load).resolve())
+
+
+def submit(config: LoomConfig, options: SlurmOptions):
+    """Check everything, then submit; returns the submitit job."""
+    from engine.config_io import config_to_dict
+    from launch.cli import preflight
+
+    if options.nodes < 1 or options.tasks_per_node < 1:
+        raise ConfigError("--nodes and --tasks-per-node must be >= 1")
+    try:
+        config.resolve_world(options.world_size)
+    except ConfigError as error:
+        raise ConfigError(f"the allocation has {options.nodes} node(s) x {options.tasks_per_node} task(s) = "
+                          f"{options.world_size} ranks, but {error}") from None
+    preflight(config, options.world_size)
+    parameters = executor_parameters(options, config, partition_gpus(options.partition))
+    _absolute_paths(config)
+    import submitit
+
+    folder = Path(config.train.run_dir) / "slurm"
+    executor = submitit.SlurmExecutor(folder=folder)
+    executor.update_parameters(**parameters)
+    try:
+        job = executor.submit(TrainingJob(config_to_dict(config)))
+    except subprocess.CalledProcessError as error:
+        output = (error.stderr or error.output or b"").decode(errors="replace").strip()
+        raise ConfigError(f"sbatch refused the job: {output.splitlines()[-1] if output else error}") from None
+    record = {"job_id": job.job_id, "submitted": time.strftime("%Y-%m-%dT%H:%M:%S"), "options": asdict(options)}
+    with open(folder / "jobs.jsonl", "a") as jobs:
+        jobs.write(json.dumps(record) + "\n")
+    return job
+
+
+def rank0_log(run_dir: Path, job_id: str) -> Path:
+    return run_dir / "slurm" / f"{job_id}_0_log.out"
+
+
+class TrainingJob:
+    """What each Slurm task runs (pickled by submitit; a class of the installed package, so it
+    pickles by reference)."""
+
+    def __init__(self, raw_config: dict):
+        self.raw_config = raw_config
+
+    def __call__(self) -> dict:
+        import submitit
+        import torch
+
+        from engine.config_io import config_from_dict
+        from launch.env import StopSignals, run_rank
+
+        job = submitit.JobEnvironment()
+        submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
+        torch.set_num_threads(int(os.environ.get("SLURM_CPUS_PER_TASK", "1")))
+        # Installed after submitit's own handlers, so these win on every rank.
+        stop = StopSignals({signal.SIGUSR2: StopSignals.REQUEUE, signal.SIGTERM: StopSignals.EXIT})
+        config = config_from_dict(self.raw_config)
+        try:
+            rows = run_rank(config, "train", stop)
+        except BaseException as error:
+            record_failure(Path(config.train.run_dir), job.job_id, job.global_rank, error,
+                           config.parallel.timeout_minutes)
+            raise
+        if stop.code == StopSignals.REQUEUE:
+            if job.global_rank == 0:
+                subprocess.run(["scontrol", "requeue", job.job_id], check=True)
+                print(f"checkpoint saved; job {job.job_id} requeued, it resumes from the checkpoint", flush=True)
+            # Slurm now ends this allocation; returning would let the job complete instead.
+            time.sleep(REQUEUE_WAIT_S)
+            raise RuntimeError(f"job {job.job_id} was not requeued within {REQUEUE_WAIT_S} s")
+        return {"rank": job.global_rank, "steps_logged": len(rows), "stopped": bool(stop.code)}
+
+
+def _attempt() -> str:
+    return os.environ.get("SLURM_RESTART_COUNT", "0")
+
+
+def record_failure(run_dir: Path, job_id: str, rank: int, error: BaseException, timeout_minutes: float) -> None:
+    import traceback
+
+    from launch.local import describe_rank_error
+
+    folder = run_dir / "slurm" / "failures"
+    folder.mkdir(parents=True, exist_ok=True)
+    report = {"time": time.time(), "job_id": job_id, "attempt": int(_attempt()), "rank": rank,
+              "host": socket.gethostname(), "message": describe_rank_error(error, timeout_minutes),
+              "traceback": traceback.format_exc()}
+    path = folder / f"{job_id}.{_attempt()}.rank{rank}.json"
+    path.with_suffix(".tmp").write_text(json.dumps(report))
+    os.replace(path.with_suffix(".tmp"), path)
+
+
+def first_failure(run_dir: Path, job_id: str) -> dict | None:
+    """The earliest error of the job's latest attempt: the root cause (peers fail after it)."""
+    reports = [json.loads(p.read_text()) for p in (run_dir / "slurm" / "failures").glob(f"{job_id}.*.rank*.json")]
+    if not reports:
+        return None
+    last_attempt = max(r["attempt"] for r in reports)
+    return min((r for r in reports if r["attempt"] == last_attempt), key=lambda r: r["time"])
+
+
+def job_state(job_id: str) -> str:
+    """Slurm's state of the job: squeue while slurmctld remembers it, then sacct."""
+    for command in (["squeue", "-h", "-j", job_id, "-t", "all", "-o", "%T"],
+                    ["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"]):
+        try:
+            result = subprocess.run(command, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        states = result.stdout.split()
+        if result.returncode == 0 and states:
+            return states[0].split()[0]  # sacct prints e.g. "CANCELLED by 0"
+    return "UNKNOWN"
+
+
+def follow(job_id: str, run_dir: Path, poll_s: float = 1.0, out=sys.stdout) -> str:
+    """Print rank 0's log as it grows and each change of the job's state; returns the final state."""
+    log, offset, last_state = rank0_log(run_dir, job_id), 0, None
+    unknown_since = None
+    while True:
+        state = job_state(job_id)
+        if state != last_state:
+            print(f"[loom submit] job {job_id}: {state}", file=out, flush=True)
+            last_state = state
+        if log.exists():
+            with open(log, "rb") as f:
+                f.seek(offset)
+                chunk = f.read()
+            offset += len(chunk)
+            out.write(chunk.decode(errors="replace"))
+            out.flush()
+        if state in TERMINAL_STATES:
+            return state
+        if state == "UNKNOWN":  # neither squeue nor sacct knows it (any more)
+            unknown_since = unknown_since or time.monotonic()
+            if time.monotonic() - unknown_since > 30:
+                return state
+        else:
+            unknown_since = None
+        time.sleep(poll_s)
+
+
+def add_parser(commands) -> None:
+    submit_parser = commands.add_parser(
+        "submit", help="submit the training to Slurm (submitit); requeues on preemption, resumes itself",
+        description="Submit `loom train` as one Slurm job: nodes x tasks-per-node ranks, one per task. "
+                    "Logs go to RUN_DIR/slurm/. Before the time limit (and on SIGUSR2 preemption) the job "
+                    "checkpoints and requeues itself, and every (re)start resumes from the run's latest "
+                    "checkpoint, so long runs chain jobs. Config overrides work as in `loom train`.",
+        epilog="Example:\n  loom submit --config configs/llama-8b.toml --nodes 4 --tasks-per-node 8 "
+               "--partition gpu --time 24:00:00 --parallel.tp 8 --wait",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    submit_parser.add_argument("--config", required=True, help="TOML config, e.g. configs/tiny.toml")
+    submit_parser.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    submit_parser.add_argument("--tasks-per-node", type=int, default=1,
+                               help="ranks per node; the world size nodes x tasks must match the config's layout")
+    submit_parser.add_argument("--gpus-per-node", type=int,
+                               help="default: tasks-per-node where the partition has GPUs, else none")
+    submit_parser.add_argument("--cpus-per-task", type=int, help="CPU cores per rank (also torch's thread count)")
+    submit_parser.add_argument("--mem-gb", type=float, help="memory per node in GB")
+    submit_parser.add_argument("--time", default="60", help="time limit: MINUTES, HH:MM:SS or D-HH:MM:SS (60)")
+    submit_parser.add_argument("--partition", help="Slurm partition (default: the cluster's default)")
+    submit_parser.add_argument("--account", help="account to charge")
+    submit_parser.add_argument("--qos", help="quality of service")
+    submit_parser.add_argument("--constraint", help="node features, e.g. h100")
+    submit_parser.add_argument("--exclusive", action="store_true", help="whole nodes, not shared with other jobs")
+    submit_parser.add_argument("--job-name", help="default: train.name")
+    submit_parser.add_argument("--signal-delay-s", type=int, default=120,
+                               help="seconds before the time limit at which the job checkpoints and requeues")
+    submit_parser.add_argument("--sbatch", action="append", default=[], metavar="KEY=VALUE",
+                               help="any other sbatch option, repeatable, e.g. --sbatch mail-type=END")
+    submit_parser.add_argument("--wait", action="store_true", help="follow rank 0's log until the job ends")
+    submit_parser.set_defaults(handler=cmd_submit, takes_overrides=True)
+
+
+def cmd_submit(args: argparse.Namespace, overrides: list[str]) -> None:
+    from engine.config_io import load_config
+    from launch.cli import resolve_config_path
+
+    config = load_config(resolve_config_path(args.config), overrides)
+    options = SlurmOptions(
+        nodes=args.nodes, tasks_per_node=args.tasks_per_node, gpus_per_node=args.gpus_per_node,
+        cpus_per_task=args.cpus_per_task, mem_gb=args.mem_gb, time_minutes=parse_time_minutes(args.time),
+        partition=args.partition, account=args.account, qos=args.qos, constraint=args.constraint,
+        exclusive=args.exclusive, job_name=args.job_name, signal_delay_s=args.signal_delay_s,
+        sbatch=parse_sbatch_options(args.sbatch))
+    job = submit(config, options)
+    run_dir = Path(config.train.run_dir)
+    print(f"submitted job {job.job_id}: {options.nodes} node(s) x {options.tasks_per_node} task(s), "
+          f"tp={config.parallel.tp} pp={config.parallel.pp} dp={config.parallel.dp}\n"
+          f"  rank 0 log: {rank0_log(run_dir, job.job_id)}\n  metrics:    {run_dir / 'metrics.jsonl'}\n"
+          f"  follow:     tail -f {rank0_log(run_dir, job.job_id)}    cancel: scancel {job.job_id}", flush=True)
+    if not args.wait:
+        return
+    try:
+        state = follow(job.job_id, run_dir)
+    except KeyboardInterrupt:
+        print(f"\nstopped following; job {job.job_id} keeps running (scancel {job.job_id} to end it)",
+              file=sys.stderr)
+        sys.exit(130)
+    if state != "COMPLETED":
+        failure = first_failure(run_dir, job.job_id)
+        cause = (f": rank {failure['rank']} on {failure['host']} failed: {failure['message']}" if failure
+                 else f"; see {rank0_log(run_dir, job.job_id)}")
+        print(f"error: job {job.job_id} ended {state}{cause}", file=sys.stderr, flush=True)
+        sys.exit(1)
