@@ -26,6 +26,7 @@ from engine.config_io import config_to_toml
 from engine.data.loader import BatchIterator, build_dataset
 from engine.flops import model_flops_per_token, peak_tflops
 from engine.metrics import MetricsWriter, memory_gb
+from engine.model.kernels import choose_kernels
 from engine.optim.distributed import DistributedOptimizer
 from engine.optim.grad_buffer import GradBuffer
 from engine.optim.loss_scaler import LossScaler
@@ -59,6 +60,8 @@ class Trainer:
         timeout = datetime.timedelta(minutes=p.timeout_minutes)
         self.state = ParallelState.create(tp=p.tp, dp=p.dp, pp=p.pp, vp=p.vp, timeout=timeout)
         self.device = pick_device(t.device, local_rank)
+        self.kernels = choose_kernels(config, self.device)
+        self._log_event(self.kernels.summary())
         self._build_model_and_optimizer()
         self.step = 0
         self.autocast_dtype = None if t.precision == "fp32" else PARAM_DTYPES[t.precision]
@@ -87,7 +90,7 @@ class Trainer:
         c, state = self.config, self.state
         param_dtype = PARAM_DTYPES[c.train.precision]
         self.streams = RNGStreams(c.train.seed, state.tp_rank, self.device)
-        self.chunks = build_chunks(c, state, self.streams)
+        self.chunks = build_chunks(c, state, self.streams, self.kernels)
         for chunk in self.chunks:
             initialize_parameters(chunk, c.train.seed, state.tp_rank, state.tp_size)
             chunk.to(device=self.device, dtype=param_dtype)
@@ -104,7 +107,8 @@ class Trainer:
             enabled=state.dp_size > 1 or c.optim.zero1 or param_dtype != torch.float32,
             deferred=lambda q: needs_model_parallel_sum(q, state),
             before_deferred=lambda: sum_model_parallel_grads(self.grads.deferred, state))
-        self.optimizer = DistributedOptimizer(named, self.grads, c.optim, state, c.model.num_layers, self.loss_scaler)
+        self.optimizer = DistributedOptimizer(named, self.grads, c.optim, state, c.model.num_layers, self.loss_scaler,
+                                              adamw_impl=self.kernels.optimizer.impl)
 
     def _resume(self) -> Path | None:
         """Load checkpoint.load, or the run's own newest intact checkpoint; rank 0 picks, all load."""
@@ -279,6 +283,8 @@ class Trainer:
                        if self.peak_flops else None)
                 row = {"step": self.step, **row, "tokens": self.train_batches.consumed_samples * t.seq_length,
                        "tokens_per_s": tokens_per_s, "mfu": mfu, "mem_gb": memory_gb(self.device)}
+                if not rows:  # the first row of each job records the kernels this job runs
+                    row["kernels"] = self.kernels.as_dict()
                 rows.append(self._log(row))
             interval = self.config.checkpoint.interval
             if interval and (self.step % interval == 0 or self.step == stop_at):

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig
-from engine.model.transformer import Norm, TransformerBlock, rotary_tables
+from engine.model.kernels import Kernels
+from engine.model.transformer import TransformerBlock, build_norm, rotary_tables
 from engine.parallel import mappings
 from engine.parallel.cross_entropy import vocab_parallel_cross_entropy
 from engine.parallel.layers import VocabParallelEmbedding, padded_vocab_size
@@ -22,9 +23,10 @@ from engine.parallel.sharding import ShardSpec, make_parameter
 class GPTModel(torch.nn.Module):
     def __init__(self, config: ModelConfig, tp_group, *, sequence_parallel: bool = False,
                  layer_ids: range | None = None, pre_process: bool = True, post_process: bool = True,
-                 streams: RNGStreams | None = None):
+                 streams: RNGStreams | None = None, kernels: Kernels | None = None):
         super().__init__()
         self.config, self.tp_group, self.streams = config, tp_group, streams
+        kernels = kernels or Kernels.native()
         self.sequence_parallel = sequence_parallel and mappings.group_size(tp_group) > 1
         self.pre_process, self.post_process = pre_process, post_process
         tp = mappings.group_size(tp_group)
@@ -43,9 +45,9 @@ class GPTModel(torch.nn.Module):
                     ShardSpec((config.max_position_embeddings, config.hidden_size)), tp,
                     ("normal", config.init_std), sequence_parallel_grad=self.sequence_parallel)
         self.layers = torch.nn.ModuleDict({
-            str(i): TransformerBlock(config, tp_group, self.sequence_parallel, streams) for i in layer_ids})
+            str(i): TransformerBlock(config, tp_group, self.sequence_parallel, streams, kernels) for i in layer_ids})
         if post_process:
-            self.final_norm = Norm(config, tp, self.sequence_parallel)
+            self.final_norm = build_norm(config, tp, self.sequence_parallel, kernels)
             if not (config.tie_embeddings and pre_process):
                 self.output_weight = make_parameter(
                     ShardSpec((config.vocab_size, config.hidden_size), 0, padded_size=self.padded_vocab),

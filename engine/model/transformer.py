@@ -14,27 +14,35 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig
+from engine.model.kernels import Kernels, layer_norm, rms_norm
 from engine.parallel import mappings
-from engine.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from engine.parallel.random import RNGStreams, checkpointed
 from engine.parallel.sharding import ShardSpec, make_parameter
 
 
 class Norm(torch.nn.Module):
-    """RMSNorm or LayerNorm with replicated parameters (partial grads under sequence parallel)."""
+    """RMSNorm or LayerNorm with replicated parameters (partial grads under sequence parallel).
 
-    def __init__(self, config: ModelConfig, tp_size: int, sequence_parallel: bool):
+    `function(x, weight, bias, eps)` is the kernel (kernels.py: torch, torch.compile'd or apex)."""
+
+    def __init__(self, config: ModelConfig, tp_size: int, sequence_parallel: bool, function=None):
         super().__init__()
         self.kind, self.eps = config.norm, config.norm_eps
+        self.function = function or (rms_norm if config.norm == "rmsnorm" else layer_norm)
         shape = ShardSpec((config.hidden_size,))
         self.weight = make_parameter(shape, tp_size, ("ones",), sequence_parallel_grad=sequence_parallel)
         self.bias = (make_parameter(shape, tp_size, ("zeros",), sequence_parallel_grad=sequence_parallel)
                      if config.norm == "layernorm" else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kind == "rmsnorm":
-            return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
-        return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+        return self.function(x, self.weight, self.bias, self.eps)
+
+
+def build_norm(config: ModelConfig, tp_size: int, sequence_parallel: bool, kernels: Kernels) -> torch.nn.Module:
+    """The norm the kernels chose: TE's fused module, or loom's Norm around a norm function."""
+    if kernels.uses_te_norm:
+        return kernels.te_norm(config, sequence_parallel)
+    return Norm(config, tp_size, sequence_parallel, kernels.norm_function(config.norm))
 
 
 def rotary_tables(seq_length: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,7 +61,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 class Attention(torch.nn.Module):
     def __init__(self, config: ModelConfig, tp_group, sequence_parallel: bool, output_std: float,
-                 streams: RNGStreams | None):
+                 streams: RNGStreams | None, kernels: Kernels):
         super().__init__()
         tp = mappings.group_size(tp_group)
         self.head_dim = config.head_dim
@@ -62,13 +70,16 @@ class Attention(torch.nn.Module):
         self.dropout, self.streams = config.dropout, streams
         self.selective_recompute = config.recompute == "selective"
         q_size, kv_size = config.num_heads * self.head_dim, config.num_kv_heads * self.head_dim
-        self.qkv = ColumnParallelLinear(config.hidden_size, (q_size, kv_size, kv_size), tp_group,
-                                        bias=config.bias, init_std=config.init_std,
-                                        sequence_parallel=sequence_parallel)
-        self.proj = RowParallelLinear(q_size, config.hidden_size, tp_group, bias=config.bias,
-                                      init_std=output_std, sequence_parallel=sequence_parallel)
+        self.qkv = kernels.column_linear(config.hidden_size, (q_size, kv_size, kv_size), tp_group,
+                                         bias=config.bias, init_std=config.init_std,
+                                         sequence_parallel=sequence_parallel)
+        self.proj = kernels.row_linear(q_size, config.hidden_size, tp_group, bias=config.bias,
+                                       init_std=output_std, sequence_parallel=sequence_parallel)
+        self.fused_attention = kernels.core_attention(config, tp_group, sequence_parallel)
 
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.fused_attention is not None:  # TE: takes and returns the [s, b, ...] layout directly
+            return self.fused_attention(q, k, v)
         s, b = q.shape[:2]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
         dropout = self.dropout if self.training else 0.0
@@ -95,35 +106,38 @@ class Attention(torch.nn.Module):
 
 
 class MLP(torch.nn.Module):
-    def __init__(self, config: ModelConfig, tp_group, sequence_parallel: bool, output_std: float):
+    def __init__(self, config: ModelConfig, tp_group, sequence_parallel: bool, output_std: float, kernels: Kernels):
         super().__init__()
         self.gated = config.activation == "swiglu"
+        self.activation = kernels.activation_function(self.gated)
         ffn = config.ffn_hidden_size
         blocks = (ffn, ffn) if self.gated else (ffn,)
-        self.fc1 = ColumnParallelLinear(config.hidden_size, blocks, tp_group, bias=config.bias,
-                                        init_std=config.init_std, sequence_parallel=sequence_parallel)
-        self.fc2 = RowParallelLinear(ffn, config.hidden_size, tp_group, bias=config.bias,
-                                     init_std=output_std, sequence_parallel=sequence_parallel)
+        self.fc1 = kernels.column_linear(config.hidden_size, blocks, tp_group, bias=config.bias,
+                                         init_std=config.init_std, sequence_parallel=sequence_parallel)
+        self.fc2 = kernels.row_linear(ffn, config.hidden_size, tp_group, bias=config.bias,
+                                      init_std=output_std, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)
         if self.gated:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
+            h = self.activation(*h.chunk(2, dim=-1))
         else:
-            h = F.gelu(h, approximate="tanh")
+            h = self.activation(h)
         return self.fc2(h)
 
 
 class TransformerBlock(torch.nn.Module):
-    def __init__(self, config: ModelConfig, tp_group, sequence_parallel: bool, streams: RNGStreams | None):
+    def __init__(self, config: ModelConfig, tp_group, sequence_parallel: bool, streams: RNGStreams | None,
+                 kernels: Kernels | None = None):
         super().__init__()
+        kernels = kernels or Kernels.native()
         tp = mappings.group_size(tp_group)
         output_std = config.init_std / math.sqrt(2 * config.num_layers)
-        self.input_norm = Norm(config, tp, sequence_parallel)
-        self.attention = Attention(config, tp_group, sequence_parallel, output_std, streams)
-        self.mlp_norm = Norm(config, tp, sequence_parallel)
-        self.mlp = MLP(config, tp_group, sequence_parallel, output_std)
+        self.input_norm = build_norm(config, tp, sequence_parallel, kernels)
+        self.attention = Attention(config, tp_group, sequence_parallel, output_std, streams, kernels)
+        self.mlp_norm = build_norm(config, tp, sequence_parallel, kernels)
+        self.mlp = MLP(config, tp_group, sequence_parallel, output_std, kernels)
+        self.kernels, self.tp_group = kernels, tp_group
         self.dropout, self.streams = config.dropout, streams
         # Residual activations are split across TP ranks only under sequence parallelism.
         self.residual_stream = "tensor" if sequence_parallel else "replicated"
@@ -135,5 +149,7 @@ class TransformerBlock(torch.nn.Module):
             return F.dropout(x, self.dropout)
 
     def forward(self, x: torch.Tensor, rotary) -> torch.Tensor:
-        x = x + self._residual_dropout(self.attention(self.input_norm(x), rotary))
-        return x + self._residual_dropout(self.mlp(self.mlp_norm(x)))
+        # Per block (as Megatron does), so a recomputed block runs in the same FP8 region.
+        with self.kernels.fp8_autocast(self.tp_group):
+            x = x + self._residual_dropout(self.attention(self.input_norm(x), rotary))
+            return x + self._residual_dropout(self.mlp(self.mlp_norm(x)))

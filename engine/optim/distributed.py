@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import OptimConfig
+from engine.model.kernels import build_adamw, default_adamw
 from engine.optim.algorithms import Adafactor, Lamb
 from engine.optim.grad_buffer import GradBuffer
 from engine.optim.loss_scaler import LossScaler
@@ -54,8 +55,11 @@ def layer_of(name: str, num_layers: int) -> int:
 
 class DistributedOptimizer:
     def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], grads: GradBuffer, config: OptimConfig,
-                 state: ParallelState, num_layers: int, loss_scaler: LossScaler | None = None):
+                 state: ParallelState, num_layers: int, loss_scaler: LossScaler | None = None,
+                 adamw_impl: str | None = None):
+        """`adamw_impl` is the AdamW kernels.py chose (None: torch's fused AdamW on CUDA, foreach on CPU)."""
         self.config, self.state, self.grads, self.loss_scaler = config, state, grads, loss_scaler
+        self.adamw_impl = adamw_impl
         self.zero1 = config.zero1
         self.named_params = named_params
         self.names = {p: n for n, p in named_params}
@@ -105,9 +109,9 @@ class DistributedOptimizer:
             scale = c.layer_lr_decay ** (num_layers + 1 - layer_of(self.names[seg.param], num_layers))
             groups.setdefault((decay, scale), []).append(seg.master)
         param_groups = [{"params": ps, "weight_decay": wd, "lr_scale": s} for (wd, s), ps in groups.items()]
-        fused = self.segments[0].master.is_cuda or None
         if c.name == "adamw":
-            return torch.optim.AdamW(param_groups, lr=c.lr, betas=(c.beta1, c.beta2), eps=c.eps, fused=fused)
+            impl = self.adamw_impl or default_adamw(self.segments[0].master.device)
+            return build_adamw(param_groups, c.lr, (c.beta1, c.beta2), c.eps, impl)
         if c.name == "sgd":
             return torch.optim.SGD(param_groups, lr=c.lr, momentum=c.momentum)
         if c.name == "lamb":
