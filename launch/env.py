@@ -43,12 +43,25 @@ class StopSignals:
         self.code = max(self.code, self._actions[signal.Signals(signum)])
 
 
+# Set for CUDA ranks unless the user's environment already sets them (docs/gpu.md says why):
+# expandable segments cut allocator fragmentation from varying activation sizes; NCCL collectives
+# on side streams free their buffers when they finish instead of record_stream-ing them.
+CUDA_ENV_DEFAULTS = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "TORCH_NCCL_AVOID_RECORD_STREAMS": "1"}
+
+
+def set_cuda_env_defaults() -> None:
+    """Apply CUDA_ENV_DEFAULTS; must run before the first CUDA call of the process (the allocator reads them once)."""
+    for name, value in CUDA_ENV_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+
+
 def init_distributed(config: LoomConfig) -> int:
     """Initialise the default process group from the environment; returns the local rank."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     backend = choose_backend(config.parallel.backend, config.train.device)
     if backend == "nccl":
+        set_cuda_env_defaults()
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
     dist.init_process_group(backend, rank=rank, world_size=world,
                             timeout=datetime.timedelta(minutes=config.parallel.timeout_minutes))
