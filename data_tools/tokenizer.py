@@ -26,12 +26,50 @@ MAX_SENTENCE_BYTES = 1 << 16
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
 
 
-def iter_lines(inputs: Iterable[str | Path], text_key: str, stats: JsonlStats) -> Iterator[str]:
-    """The non-empty lines of every document, in order (newlines are boundaries, never pieces)."""
-    for record in iter_jsonl(inputs, text_key=text_key, stats=stats):
-        for line in record[text_key].split("\n"):
+HELD_OUT_MAX_CHARACTERS = 4 << 20
+
+
+def iter_lines(inputs: Iterable[str | Path], text_key: str, stats: JsonlStats, held_out_every: int = 0,
+               held_out: list[str] | None = None) -> Iterator[str]:
+    """The non-empty lines of every document, in order (newlines are boundaries, never pieces).
+
+    With held_out_every = N, every Nth document goes to `held_out` (up to HELD_OUT_MAX_CHARACTERS)
+    instead of training, to measure the tokenizer on text it has not seen.
+    """
+    held_characters = 0
+    for position, record in enumerate(iter_jsonl(inputs, text_key=text_key, stats=stats)):
+        text = record[text_key]
+        if held_out_every and position % held_out_every == held_out_every - 1 and held_out is not None \
+                and held_characters < HELD_OUT_MAX_CHARACTERS:
+            held_out.append(text)
+            held_characters += len(text)
+            continue
+        for line in text.split("\n"):
             if line:
                 yield line
+
+
+def held_out_metrics(processor: sentencepiece.SentencePieceProcessor, texts: list[str]) -> dict:
+    """Fertility (tokens per whitespace-separated word) and the share of tokens that are byte fallbacks."""
+    encoded = processor.encode(texts)
+    tokens = sum(map(len, encoded))
+    words = sum(len(text.split()) for text in texts)
+    byte_tokens = sum(processor.is_byte(i) for ids in encoded for i in ids)
+    return {"held_out_documents": len(texts), "held_out_words": words,
+            "fertility": round(tokens / words, 4) if words else None,
+            "byte_fallback_rate": round(byte_tokens / tokens, 6) if tokens else None}
+
+
+def _pin_model_prefix(model_file: str, prefix: Path) -> None:
+    """Record the final prefix instead of the temporary one, so equal training gives byte-identical models."""
+    try:
+        from sentencepiece import sentencepiece_model_pb2
+    except ImportError:  # without protobuf the model stays valid, only not byte-reproducible
+        return
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(Path(model_file).read_bytes())
+    proto.trainer_spec.model_prefix = prefix.name
+    Path(model_file).write_bytes(proto.SerializeToString())
 
 
 class _GuardedIterator:
@@ -75,15 +113,19 @@ def trainer_options(vocab_size: int, model_type: str, input_sentence_size: int, 
 def train_tokenizer(inputs: Iterable[str | Path], output_prefix: str | Path, vocab_size: int,
                     model_type: str = "bpe", text_key: str = "text", input_sentence_size: int = 2_000_000,
                     byte_fallback: bool = True, user_defined_symbols: Iterable[str] = (),
-                    num_threads: int | None = None, seed: int = 0) -> dict:
-    """Train on the documents of `inputs`; writes PREFIX.model and PREFIX.vocab; returns what was seen."""
+                    num_threads: int | None = None, seed: int = 0, held_out_every: int = 100) -> dict:
+    """Train on the documents of `inputs`; writes PREFIX.model and PREFIX.vocab; returns what was seen.
+
+    Every `held_out_every`th document (0: none) is kept out of training and measured instead.
+    """
     output_prefix = Path(output_prefix)
     output_prefix.parent.mkdir(parents=True, exist_ok=True)
     options = trainer_options(vocab_size, model_type, input_sentence_size, byte_fallback, user_defined_symbols,
                               num_threads or os.cpu_count() or 1)
     inputs = check_inputs(inputs)
     stats = JsonlStats()
-    feed = _GuardedIterator(iter_lines(inputs, text_key, stats))
+    held_out: list[str] = []
+    feed = _GuardedIterator(iter_lines(inputs, text_key, stats, held_out_every, held_out))
     tmp_prefix = temporary_sibling(output_prefix)
     start, started = time.perf_counter(), time.time()
     # Line sampling (input_sentence_size) draws from SentencePiece's own generator.
@@ -99,17 +141,21 @@ def train_tokenizer(inputs: Iterable[str | Path], output_prefix: str | Path, voc
                                  f"{', '.join(map(str, inputs))}") from None
             raise InputError(f"SentencePiece training failed: {str(error).strip().splitlines()[-1]}") from None
         feed.raise_if_failed()
+        _pin_model_prefix(f"{tmp_prefix}.model", output_prefix)
         # .model is what users point at, so it is renamed last.
         for suffix in (".vocab", ".model"):
             os.replace(f"{tmp_prefix}{suffix}", f"{output_prefix}{suffix}")
     finally:
         for suffix in (".vocab", ".model"):
             Path(f"{tmp_prefix}{suffix}").unlink(missing_ok=True)
-    trained = sentencepiece.SentencePieceProcessor(model_file=f"{output_prefix}.model").vocab_size()
+    processor = sentencepiece.SentencePieceProcessor(model_file=f"{output_prefix}.model")
+    trained = processor.vocab_size()
     result = {"model": f"{output_prefix}.model", "vocab_size": trained, "model_type": model_type,
-              "seconds": round(time.perf_counter() - start, 2), **stats.as_dict()}
+              "seconds": round(time.perf_counter() - start, 2), **held_out_metrics(processor, held_out),
+              **stats.as_dict()}
     write_manifest(output_prefix, command="loom data tokenizer", inputs=inputs,
                    outputs=[f"{output_prefix}.model", f"{output_prefix}.vocab"],
-                   parameters={"text_key": text_key, "seed": seed, **options},
-                   counts={"vocab_size": trained, **stats.as_dict()}, started=started, is_folder=False)
+                   parameters={"text_key": text_key, "seed": seed, "held_out_every": held_out_every, **options},
+                   counts={k: v for k, v in result.items() if k not in ("model", "model_type", "seconds")},
+                   started=started, is_folder=False)
     return result

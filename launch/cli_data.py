@@ -19,10 +19,16 @@ def _corpus(args: argparse.Namespace) -> None:
 def _tokenizer(args: argparse.Namespace) -> None:
     from data_tools.tokenizer import train_tokenizer
 
-    train_tokenizer(args.input, args.output, vocab_size=args.vocab_size, model_type=args.model_type,
-                    text_key=args.text_key, input_sentence_size=args.input_sentence_size,
-                    user_defined_symbols=tuple(args.special_tokens or ()))
-    print(f"wrote {args.output}.model and {args.output}.vocab")
+    result = train_tokenizer(args.input, args.output, vocab_size=args.vocab_size, model_type=args.model_type,
+                             text_key=args.text_key, input_sentence_size=args.input_sentence_size,
+                             user_defined_symbols=tuple(args.special_tokens or ()), num_threads=args.threads,
+                             seed=args.seed, held_out_every=args.held_out_every)
+    print(f"wrote {args.output}.model and {args.output}.vocab ({result['vocab_size']} pieces, "
+          f"{result['seconds']} s)")
+    if result["fertility"] is not None:
+        print(f"held-out text ({result['held_out_documents']} documents, {result['held_out_words']:,} words): "
+              f"fertility {result['fertility']:.3f} tokens/word, byte fallback {100 * result['byte_fallback_rate']:.3f}% "
+              f"of tokens")
 
 
 def _build(args: argparse.Namespace) -> None:
@@ -119,6 +125,10 @@ def add_parser(commands) -> None:
     p.add_argument("--input-sentence-size", type=int, default=2_000_000,
                    help="lines sampled for training (large corpora)")
     p.add_argument("--special-tokens", nargs="*", help="extra user-defined pieces, e.g. <|im_start|>")
+    p.add_argument("--held-out-every", type=int, default=100,
+                   help="keep every Nth document out of training to report fertility and byte fallback (0: none)")
+    p.add_argument("--threads", type=int, help="SentencePiece threads (default: all cores; the pieces do not depend on it)")
+    p.add_argument("--seed", type=int, default=0, help="seed of SentencePiece's line sampling")
     p.set_defaults(handler=_tokenizer)
 
     p = sub.add_parser("build", help="tokenize JSONL into a memory-mapped P.bin + P.idx (Megatron format)")

@@ -1,0 +1,50 @@
+"""`loom data tokenizer` is reproducible (same inputs and seed: byte-identical model; the same
+pieces whatever the thread count)
+and measures itself on held-out documents: fertility and byte-fallback rate, recomputed here by hand."""
+
+from __future__ import annotations
+
+import json
+
+import sentencepiece
+
+from data_tools.tokenizer import train_tokenizer
+
+
+def write_corpus(path):
+    rng_words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa"]
+    docs = [" ".join(rng_words[(i * 7 + j * 3) % 10] + str(j % 4) for j in range(60)) + "\n    return x\n"
+            for i in range(40)]
+    docs[19] += "ünïcödé ☃ 中文"  # a held-out document (every 20th) with characters training never sees
+    path.write_text("".join(json.dumps({"text": d}, ensure_ascii=False) + "\n" for d in docs), encoding="utf-8")
+    return docs
+
+
+def test_same_inputs_give_the_same_model_bytes(tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    write_corpus(corpus)
+    for name, threads in (("a", 2), ("b", 2), ("c", 1)):
+        (tmp_path / name).mkdir()
+        train_tokenizer([corpus], tmp_path / name / "tok", vocab_size=300, num_threads=threads, seed=3,
+                        held_out_every=20)
+    for suffix in (".model", ".vocab"):
+        assert (tmp_path / f"a/tok{suffix}").read_bytes() == (tmp_path / f"b/tok{suffix}").read_bytes()
+    # Another thread count is recorded in the model, but the pieces and their scores are the same.
+    assert (tmp_path / "a/tok.vocab").read_bytes() == (tmp_path / "c/tok.vocab").read_bytes()
+
+
+def test_held_out_fertility_and_byte_fallback(tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    docs = write_corpus(corpus)
+    result = train_tokenizer([corpus], tmp_path / "tok", vocab_size=300, held_out_every=20)
+    held_out = [docs[19], docs[39]]
+    processor = sentencepiece.SentencePieceProcessor(model_file=str(tmp_path / "tok.model"))
+    encoded = [processor.encode(d, out_type=str) for d in held_out]
+    tokens = sum(map(len, encoded))
+    byte_pieces = sum(piece.startswith("<0x") and piece.endswith(">") for pieces in encoded for piece in pieces)
+    assert result["held_out_documents"] == 2 and result["documents"] == 40
+    assert result["held_out_words"] == sum(len(d.split()) for d in held_out)
+    assert abs(result["fertility"] - tokens / result["held_out_words"]) < 1e-4
+    assert byte_pieces > 0 and abs(result["byte_fallback_rate"] - byte_pieces / tokens) < 1e-6
+    manifest = json.loads((tmp_path / "tok.manifest.json").read_text())
+    assert manifest["counts"]["fertility"] == result["fertility"]
