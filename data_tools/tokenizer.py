@@ -50,11 +50,16 @@ def iter_lines(inputs: Iterable[str | Path], text_key: str, stats: JsonlStats, h
 
 
 def held_out_metrics(processor: sentencepiece.SentencePieceProcessor, texts: list[str]) -> dict:
-    """Fertility (tokens per whitespace-separated word) and the share of tokens that are byte fallbacks."""
+    """Fertility (tokens per whitespace-separated word) and the share of tokens that are byte fallbacks.
+
+    Newlines are not counted as fallbacks: loom trains on lines, so a newline is always the byte
+    piece <0x0A> by design, one token as any piece would be.
+    """
     encoded = processor.encode(texts)
     tokens = sum(map(len, encoded))
     words = sum(len(text.split()) for text in texts)
-    byte_tokens = sum(processor.is_byte(i) for ids in encoded for i in ids)
+    newline = processor.piece_to_id("<0x0A>")
+    byte_tokens = sum(processor.is_byte(i) and i != newline for ids in encoded for i in ids)
     return {"held_out_documents": len(texts), "held_out_words": words,
             "fertility": round(tokens / words, 4) if words else None,
             "byte_fallback_rate": round(byte_tokens / tokens, 6) if tokens else None}
