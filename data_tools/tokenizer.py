@@ -3,13 +3,15 @@
 Byte fallback (no unknown characters), split digits, identity normalisation and whitespace kept
 as it is (remove_extra_whitespaces off, whitespace-only pieces allowed) so code indentation
 survives a round trip. Documents are fed line by line through a sentence iterator; SentencePiece
-samples `input_sentence_size` of those lines itself. The outputs PREFIX.model / PREFIX.vocab
+samples `input_sentence_size` of those lines (reservoir sampling seeded by `seed`: SentencePiece's
+own sampler ignores its seed, so two runs would differ). The outputs PREFIX.model / PREFIX.vocab
 appear only when training succeeded. This module must not encode datasets (see build.py).
 """
 
 from __future__ import annotations
 
 import os
+import random
 import time
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -47,6 +49,20 @@ def iter_lines(inputs: Iterable[str | Path], text_key: str, stats: JsonlStats, h
         for line in text.split("\n"):
             if line:
                 yield line
+
+
+def sample_lines(lines: Iterable[str], size: int, seed: int) -> list[str]:
+    """A uniform sample of `size` lines (all of them if fewer), in input order, the same for the same seed."""
+    rng = random.Random(seed)
+    reservoir: list[tuple[int, str]] = []
+    for position, line in enumerate(lines):
+        if position < size:
+            reservoir.append((position, line))
+        else:
+            slot = rng.randrange(position + 1)
+            if slot < size:
+                reservoir[slot] = (position, line)
+    return [line for _, line in sorted(reservoir)]
 
 
 def held_out_metrics(processor: sentencepiece.SentencePieceProcessor, texts: list[str]) -> dict:
@@ -108,7 +124,7 @@ def trainer_options(vocab_size: int, model_type: str, input_sentence_size: int, 
         # A small corpus may not support vocab_size pieces; a smaller vocabulary beats a failed demo.
         hard_vocab_limit=False,
         max_sentence_length=MAX_SENTENCE_BYTES, input_sentence_size=input_sentence_size,
-        shuffle_input_sentence=True, user_defined_symbols=list(user_defined_symbols),
+        shuffle_input_sentence=False, user_defined_symbols=list(user_defined_symbols),
         num_threads=num_threads, minloglevel=1,
         unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID,
         unk_piece="<unk>", bos_piece="<s>", eos_piece="</s>", pad_piece="<pad>",
@@ -133,11 +149,11 @@ def train_tokenizer(inputs: Iterable[str | Path], output_prefix: str | Path, voc
     feed = _GuardedIterator(iter_lines(inputs, text_key, stats, held_out_every, held_out))
     tmp_prefix = temporary_sibling(output_prefix)
     start, started = time.perf_counter(), time.time()
-    # Line sampling (input_sentence_size) draws from SentencePiece's own generator.
     sentencepiece.set_random_generator_seed(seed)
     try:
         try:
-            sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(feed), model_prefix=str(tmp_prefix),
+            sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(sample_lines(feed, input_sentence_size,
+                                                                                      seed)), model_prefix=str(tmp_prefix),
                                                      **options)
         except RuntimeError as error:
             feed.raise_if_failed()
