@@ -14,7 +14,7 @@ from data_tools.tokenizer import train_tokenizer
 def write_corpus(path):
     rng_words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa"]
     docs = [" ".join(rng_words[(i * 7 + j * 3) % 10] + str(j % 4) for j in range(60)) + "\n    return x\n"
-            for i in range(40)]
+            + "\n".join(f"line {i} {k} {rng_words[(i + k) % 10]}" for k in range(55)) for i in range(40)]
     docs[19] += "ünïcödé ☃ 中文"  # a held-out document (every 20th) with characters training never sees
     path.write_text("".join(json.dumps({"text": d}, ensure_ascii=False) + "\n" for d in docs), encoding="utf-8")
     return docs
@@ -25,10 +25,9 @@ def test_same_inputs_give_the_same_model_bytes(tmp_path):
     write_corpus(corpus)
     for name, threads in (("a", 2), ("b", 2), ("c", 1)):
         (tmp_path / name).mkdir()
-        # input_sentence_size below the 80 lines: the sample is drawn, and must be the same each time.
+        # input_sentence_size below the ~2,200 training lines: the sample is drawn, and must be the same each time.
         train_tokenizer([corpus], tmp_path / name / "tok", vocab_size=300, num_threads=threads, seed=3,
-                        input_sentence_size=50,
-                        held_out_every=20)
+                        input_sentence_size=1000, held_out_every=20)
     for suffix in (".model", ".vocab"):
         assert (tmp_path / f"a/tok{suffix}").read_bytes() == (tmp_path / f"b/tok{suffix}").read_bytes()
     # Another thread count is recorded in the model, but the pieces and their scores are the same.
