@@ -1,7 +1,8 @@
 """Atomic outputs: write under a temporary name beside the target and rename only on success.
 
 A crashed or interrupted step must never leave a file that looks complete. This module knows
-nothing about what is written.
+nothing about what is written; the engine (checkpoint markers, metrics, failure reports) and the
+offline data tools share it. The .bin/.idx writer has its own two-file protocol (engine/data/indexed.py).
 """
 
 from __future__ import annotations
@@ -29,3 +30,8 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def write_text_atomically(path: str | Path, text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from engine.atomic import write_text_atomically
+
 
 def memory_gb(device: torch.device) -> float:
     """Peak memory of this rank: allocated CUDA memory, or the process's peak RSS on CPU."""
@@ -56,9 +58,7 @@ class MetricsWriter:
 
 def _drop_rows_after(path: Path, step: int) -> None:
     kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    tmp.replace(path)
+    write_text_atomically(path, "".join(line + "\n" for line in kept))
 
 
 def format_console_line(row: dict) -> str:

@@ -253,6 +253,7 @@ def _attempt() -> str:
 def record_failure(run_dir: Path, job_id: str, rank: int, error: BaseException, timeout_minutes: float) -> None:
     import traceback
 
+    from engine.atomic import write_text_atomically
     from launch.local import describe_rank_error
 
     folder = run_dir / "slurm" / "failures"
@@ -260,9 +261,7 @@ def record_failure(run_dir: Path, job_id: str, rank: int, error: BaseException, 
     report = {"time": time.time(), "job_id": job_id, "attempt": int(_attempt()), "rank": rank,
               "host": socket.gethostname(), "message": describe_rank_error(error, timeout_minutes),
               "traceback": traceback.format_exc()}
-    path = folder / f"{job_id}.{_attempt()}.rank{rank}.json"
-    path.with_suffix(".tmp").write_text(json.dumps(report))
-    os.replace(path.with_suffix(".tmp"), path)
+    write_text_atomically(folder / f"{job_id}.{_attempt()}.rank{rank}.json", json.dumps(report))
 
 
 def first_failure(run_dir: Path, job_id: str) -> dict | None:

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from engine.atomic import write_text_atomically
 from engine.checkpoint.format import (
     LATEST,
     METADATA,
@@ -27,7 +28,6 @@ from engine.checkpoint.format import (
     sha256_of,
     spec_from_json,
     spec_to_json,
-    write_atomic_text,
 )
 from engine.checkpoint.load import PieceReader
 from engine.parallel.layers import padded_vocab_size
@@ -95,10 +95,10 @@ def reshard(source: Path, output: Path, tp: int, pp: int, vp: int = 1) -> Path:
             del pieces
     new = dict(metadata, specs=specs, files=files, index=index,
                layout={**metadata["layout"], "tp": tp, "pp": pp, "vp": vp, "dp": 1, "world": tp * pp, "zero1": False})
-    write_atomic_text(staging / METADATA, json.dumps(new, indent=1))
+    write_text_atomically(staging / METADATA, json.dumps(new, indent=1))
     shutil.rmtree(final, ignore_errors=True)
     staging.rename(final)
-    write_atomic_text(output / LATEST, final.name + "\n")
+    write_text_atomically(output / LATEST, final.name + "\n")
     return final
 
 

@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from engine.atomic import write_text_atomically
 from engine.checkpoint.format import (
     FORMAT_VERSION,
     LATEST,
@@ -27,7 +28,6 @@ from engine.checkpoint.format import (
     rank_file,
     sha256_of,
     spec_to_json,
-    write_atomic_text,
 )
 from engine.checkpoint.load import PieceReader
 from engine.config_io import config_from_dict, config_to_dict
@@ -104,7 +104,7 @@ def export_hf(source: Path, output: Path) -> Path:
     output.mkdir(parents=True, exist_ok=True)
     save_file(to_hf(logical, model), str(output / "model.safetensors.tmp"), metadata={"format": "pt"})
     (output / "model.safetensors.tmp").replace(output / "model.safetensors")
-    write_atomic_text(output / "config.json", json.dumps(_hf_config(model), indent=2))
+    write_text_atomically(output / "config.json", json.dumps(_hf_config(model), indent=2))
     return output
 
 
@@ -147,10 +147,10 @@ def import_hf(source: Path, output: Path) -> Path:
                 "files": {rank_file(0): {"size": (staging / rank_file(0)).stat().st_size,
                                          "sha256": sha256_of(staging / rank_file(0))}},
                 "index": {key: rank_file(0) for key in pieces}}
-    write_atomic_text(staging / METADATA, json.dumps(metadata, indent=1))
+    write_text_atomically(staging / METADATA, json.dumps(metadata, indent=1))
     shutil.rmtree(final, ignore_errors=True)
     staging.rename(final)
-    write_atomic_text(output / LATEST, final.name + "\n")
+    write_text_atomically(output / LATEST, final.name + "\n")
     return final
 
 

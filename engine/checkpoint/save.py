@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from engine.atomic import write_text_atomically
 from engine.checkpoint.format import (
     FORMAT_VERSION,
     LATEST,
@@ -34,7 +35,6 @@ from engine.checkpoint.format import (
     rank_file,
     sha256_of,
     spec_to_json,
-    write_atomic_text,
 )
 from engine.config_io import config_to_dict
 
@@ -160,10 +160,10 @@ def _seal(snapshot: dict, checkpoints: Path, staging: Path, final: Path, reports
         "files": {r["file"]: {"size": r["size"], "sha256": r["sha256"]} for r in reports},
         "index": {key: r["file"] for r in reports for key in r["keys"]},
     }
-    write_atomic_text(staging / METADATA, json.dumps(metadata, indent=1))
+    write_text_atomically(staging / METADATA, json.dumps(metadata, indent=1))
     shutil.rmtree(final, ignore_errors=True)
     os.replace(staging, final)
-    write_atomic_text(checkpoints / LATEST, final.name + "\n")
+    write_text_atomically(checkpoints / LATEST, final.name + "\n")
     for old in candidates(checkpoints)[keep:]:
         shutil.rmtree(old, ignore_errors=True)
 
