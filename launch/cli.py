@@ -112,7 +112,7 @@ def cmd_schedule(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from launch import cli_ckpt, cli_data, demo, slurm
+    from launch import cli_bench, cli_ckpt, cli_data, demo, slurm
 
     parser = argparse.ArgumentParser(prog="loom", description="3D-parallel LLM training: data tools, training, launch.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -139,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_data.add_parser(commands)
     cli_ckpt.add_parsers(commands)
     slurm.add_parser(commands)
+    cli_bench.add_parser(commands)
     return parser
 
 

@@ -1,0 +1,275 @@
+"""`loom bench mfu`: tokens/s, TFLOP/s and MFU of loom's Trainer on one device, against baselines of the same run.
+
+Rows, all on the same device and the same random tokens shape, world size 1:
+  loom <precision>     the config as given (its precision; kernels chosen as in training)
+  loom fp8             the same with train.fp8 (TE delayed scaling, else torch._scaled_mm current
+                       scaling); skipped with the reason when FP8 is unavailable (CPU, pre-Ada GPU)
+  plain PyTorch loop   the same model written plainly (tools/bench/plain_loop.py), torch.compile'd
+                       on CUDA (--compile / --no-compile to choose)
+MFU is model FLOPs (engine/flops.py, the one count) over the datasheet dense peak of the device
+(engine.flops.PEAK_TFLOPS; none on CPU) and over a GEMM peak measured in this run (bf16 on CUDA,
+the run's precision on CPU). No asserts: figures move with load, compare within one run.
+
+    loom bench mfu --config configs/llama-1b.toml --steps 20 [--train.seq_length 2048 ...]
+    loom bench mfu --config configs/tiny.toml --steps 5                   # CPU smoke run, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import io
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from engine.config import ConfigError, LoomConfig
+from engine.config_io import config_to_dict, load_config
+from engine.data.indexed import IndexedDatasetWriter
+from engine.flops import model_flops_per_token, peak_tflops
+from engine.metrics import memory_gb
+from tools.bench.plain_loop import median, run_plain_loop, unsupported_reason
+
+GEMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Row:
+    name: str
+    tokens_per_s: float | None = None
+    mem_gb: float | None = None
+    note: str = ""
+
+
+def gemm_peak_tflops(device: torch.device, dtype: torch.dtype, size: int, repeats: int) -> float:
+    """Measured dense GEMM throughput: the practical ceiling of this device in this run."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    _sync(device)
+    return 2 * size**3 * repeats / (time.perf_counter() - start) / 1e12
+
+
+def write_random_tokens(prefix: Path, vocab_size: int, documents: int, length: int) -> str:
+    rng = np.random.default_rng(0)
+    dtype = np.dtype(np.uint16) if vocab_size < 65500 else np.dtype(np.int32)
+    with IndexedDatasetWriter(str(prefix), dtype) as writer:
+        for _ in range(documents):
+            writer.add_document(rng.integers(0, vocab_size, length))
+    return str(prefix)
+
+
+def bench_config(base: LoomConfig, data: str, run_dir: str, steps: int, microbatches: int, **train) -> LoomConfig:
+    """The config of one loom row: world size 1, random data, no eval/checkpoints/TensorBoard."""
+    t = base.train
+    overrides = {
+        "parallel": {"tp": 1, "pp": 1, "vp": 1, "dp": None, "sequence_parallel": False},
+        "data": {"paths": [data], "weights": None, "tokenizer": None, "split": "100,0,0"},
+        "train": {"steps": steps, "global_batch_size": t.micro_batch_size * microbatches, "rampup_batch_size": None,
+                  "run_dir": run_dir, "log_interval": 1, "eval_interval": 0, "tensorboard": False,
+                  "exit_after": 0, **train},
+        "checkpoint": {"interval": 0, "load": None},
+        "optim": {"warmup_steps": 0},
+    }
+    config = _with_overrides(base, overrides)
+    config.resolve_world(1)
+    return config
+
+
+def _with_overrides(base: LoomConfig, overrides: dict) -> LoomConfig:
+    values = config_to_dict(base)
+    for section, fields in overrides.items():
+        values[section].update(fields)
+    return load_config(None, values)
+
+
+def run_loom(config: LoomConfig, warmup: int, device: torch.device) -> tuple[list[float], float, str]:
+    """Train with loom's Trainer; returns tokens/s of the steps after warmup, peak memory (GB), kernels line."""
+    from engine.train import Trainer
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):  # the Trainer's console lines; the table says it all
+        trainer = Trainer(config)
+        try:
+            rows = trainer.run()
+        finally:
+            trainer.close()
+    kernels = next((line for line in printed.getvalue().splitlines() if line.startswith("kernels:")), "")
+    rates = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r][warmup:]
+    mem = memory_gb(device)
+    del trainer
+    _free(device)
+    return rates, mem, kernels
+
+
+def measure(args: argparse.Namespace, base: LoomConfig) -> dict:
+    device = _device(base.train.device)
+    t = base.train
+    precision = t.precision
+    results = {"device": _device_name(device), "torch": torch.__version__, "precision": precision,
+               "seq_length": t.seq_length, "micro_batch_size": t.micro_batch_size,
+               "microbatches": args.microbatches, "rows": []}
+    flops = model_flops_per_token(base.model, t.seq_length)
+    steps = args.warmup + args.steps
+    with tempfile.TemporaryDirectory() as tmp:
+        documents = (steps + 1) * t.micro_batch_size * args.microbatches * 2
+        data = write_random_tokens(Path(tmp) / "random", base.model.vocab_size, documents, t.seq_length + 1)
+        rows = []
+        config = bench_config(base, data, str(Path(tmp) / "bf16"), steps, args.microbatches)
+        rates, mem, kernels = run_loom(config, args.warmup, device)
+        rows.append(Row(f"loom {precision}", median(rates), mem, kernels))
+        results["kernels"] = kernels
+        rows.append(_fp8_row(args, base, data, tmp, steps, device))
+        rows.append(_plain_row(args, base, device))
+    gemm_dtype = GEMM_DTYPES["bf16" if device.type == "cuda" else precision]
+    size = args.gemm_size or (8192 if device.type == "cuda" else 512)
+    gemm = gemm_peak_tflops(device, gemm_dtype, size, repeats=50 if device.type == "cuda" else 10)
+    datasheet = peak_tflops(results["device"], "bf16" if precision == "fp32" and device.type == "cuda" else precision) \
+        if device.type == "cuda" else None
+    results.update(flops_per_token=flops, gemm_peak_tflops=gemm, gemm_dtype=str(gemm_dtype).replace("torch.", ""),
+                   datasheet_peak_tflops=datasheet)
+    for row in rows:
+        achieved = row.tokens_per_s * flops / 1e12 if row.tokens_per_s else None
+        results["rows"].append({"name": row.name, "tokens_per_s": row.tokens_per_s, "tflops": achieved,
+                                "mfu_datasheet": achieved / datasheet if achieved and datasheet else None,
+                                "mfu_measured_gemm": achieved / gemm if achieved else None,
+                                "mem_gb": row.mem_gb, "note": row.note})
+    return results
+
+
+def _fp8_row(args, base: LoomConfig, data: str, tmp: str, steps: int, device: torch.device) -> Row:
+    recipe = args.fp8_recipe
+    if recipe == "auto":
+        from engine.model.kernels import probe_import
+
+        has_te = device.type == "cuda" and probe_import("transformer_engine.pytorch")[0] is not None
+        recipe = "delayed" if has_te else "current"
+    name = f"loom fp8 ({recipe})"
+    try:
+        config = bench_config(base, data, str(Path(tmp) / "fp8"), steps, args.microbatches,
+                              precision="bf16", fp8=recipe)
+        from engine.model.kernels import choose_kernels
+
+        choose_kernels(config, device)  # the same checks the Trainer makes, before any work
+    except ConfigError as error:
+        return Row(name, note=f"skipped: {error}")
+    rates, mem, kernels = run_loom(config, args.warmup, device)
+    return Row(name, median(rates), mem, kernels)
+
+
+def _plain_row(args, base: LoomConfig, device: torch.device) -> Row:
+    t = base.train
+    compiled = args.compile if args.compile is not None else device.type == "cuda"
+    name = f"plain PyTorch loop ({'torch.compile' if compiled else 'eager'})"
+    reason = unsupported_reason(base.model)
+    if reason:
+        return Row(name, note=f"skipped: {reason}")
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    plain = dict(c=base.model, seq_length=t.seq_length, micro_batch=t.micro_batch_size,
+                 microbatches=args.microbatches, steps=args.steps, warmup=args.warmup, device=device,
+                 precision=t.precision)
+    note = ""
+    try:
+        rates = run_plain_loop(**plain, compile_model=compiled)
+    except Exception as error:  # noqa: BLE001 -- a compiler failure must not lose the other rows
+        if not compiled:
+            raise
+        note = f"torch.compile failed ({type(error).__name__}), eager instead"
+        name = "plain PyTorch loop (eager)"
+        rates = run_plain_loop(**plain, compile_model=False)
+    mem = memory_gb(device)
+    _free(device)
+    return Row(name, median(rates), mem, note)
+
+
+def format_table(results: dict) -> str:
+    datasheet = results["datasheet_peak_tflops"]
+    lines = [f"device: {results['device']}, torch {results['torch']}, seq {results['seq_length']}, "
+             f"micro-batch {results['micro_batch_size']} x {results['microbatches']}, "
+             f"{results['flops_per_token'] / 1e9:.3f} GFLOP/token (model FLOPs)",
+             f"datasheet dense peak: {f'{datasheet:.0f} TFLOP/s' if datasheet else 'none known for this device'}; "
+             f"{results['gemm_dtype']} GEMM peak measured now: {results['gemm_peak_tflops']:.3f} TFLOP/s",
+             "", f"{'run':<34} {'tokens/s':>12} {'TFLOP/s':>10} {'MFU(sheet)':>10} {'MFU(GEMM)':>10} {'mem GB':>8}"]
+    for row in results["rows"]:
+        if row["tokens_per_s"] is None:
+            lines.append(f"{row['name']:<34} {'-':>12} {'-':>10} {'-':>10} {'-':>10} {'-':>8}  {row['note']}")
+            continue
+        sheet = f"{100 * row['mfu_datasheet']:.1f}%" if row["mfu_datasheet"] is not None else "-"
+        lines.append(f"{row['name']:<34} {row['tokens_per_s']:>12,.0f} {row['tflops']:>10.3f} {sheet:>10} "
+                     f"{100 * row['mfu_measured_gemm']:>9.1f}% {row['mem_gb']:>8.2f}")
+    loom, fp8, plain = (row["tokens_per_s"] for row in results["rows"])
+    lines.append("")
+    lines.append(f"ratio loom / plain loop: {loom / plain:.3f}" if plain else "ratio loom / plain loop: -")
+    lines.append(f"ratio fp8 / {results['precision']}: {fp8 / loom:.3f}" if fp8 else
+                 f"ratio fp8 / {results['precision']}: - ({results['rows'][1]['note']})")
+    lines.append(results.get("kernels", ""))
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace, overrides: list[str]) -> dict:
+    """Entry point of `loom bench mfu` (launch/cli_bench.py): measure, print the table, optionally save JSON."""
+    from launch.cli import resolve_config_path
+
+    base = load_config(resolve_config_path(args.config), overrides)
+    device = _device(base.train.device)
+    if device.type == "cuda":
+        from launch.env import set_cuda_env_defaults
+
+        set_cuda_env_defaults()
+    _init_single_process_group(device)
+    try:
+        results = measure(args, base)
+    finally:
+        dist.destroy_process_group()
+    print(format_table(results), flush=True)
+    if args.output:
+        Path(args.output).write_text(json.dumps(results, indent=2) + "\n")
+        print(f"wrote {args.output}")
+    return results
+
+
+def _init_single_process_group(device: torch.device) -> None:
+    from launch.local import free_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+
+
+def _device(choice: str) -> torch.device:
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", 0)
+    return torch.device("cpu")
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU ({torch.get_num_threads()} threads)"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
