@@ -1,0 +1,247 @@
+"""Kernel choice (engine/model/kernels.py): the native path is the reference, guards say why, FP8 maths on CPU."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from synthetic_data import write_markov_dataset
+
+from engine.config import ConfigError
+from engine.config_io import load_config
+from engine.model import fp8, kernels
+from engine.model.gpt import GPTModel
+from engine.model.kernels import Choice, Kernels, build_adamw, choose_kernels, probe_import
+from engine.parallel.sharding import initialize_parameters
+from launch.cli import resolve_config_path
+from launch.local import launch_local
+
+REPO = Path(__file__).resolve().parents[1]
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+SMALL = {"num_layers": 2, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2, "ffn_hidden_size": 128,
+         "vocab_size": 256, "make_vocab_divisible_by": 16}
+
+
+def tiny(**sections):
+    overrides = {section: dict(values) for section, values in sections.items()}
+    return load_config(resolve_config_path("tiny"), overrides)
+
+
+def train_losses(model_config, kernels_or_none, steps=3, impl="torch.AdamW(foreach)") -> list[float]:
+    model = GPTModel(model_config, None, kernels=kernels_or_none)
+    initialize_parameters(model, seed=7, tp_rank=0, tp_size=1)
+    optimizer = build_adamw([{"params": list(model.parameters()), "weight_decay": 0.1}], 1e-3, (0.9, 0.95), 1e-8, impl)
+    tokens = torch.randint(0, model_config.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for _ in range(steps):
+        loss = model(tokens[:, :-1], tokens[:, 1:]).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_cpu_auto_chooses_the_native_reference_path_with_reasons():
+    chosen = choose_kernels(tiny(), CPU)
+    impls = {name: c.impl for name, c in chosen.choices().items()}
+    assert impls == {"attention": "torch.sdpa", "norm": "torch.rms_norm", "activation": "torch.swiglu",
+                     "linear": "torch.linear", "optimizer": "torch.AdamW(foreach)"}
+    assert "transformer_engine:" in chosen.attention.why and "apex:" in chosen.norm.why
+    line = chosen.summary()
+    assert line.startswith("kernels: attention=torch.sdpa") and "\n" not in line
+    assert json.loads(json.dumps(chosen.as_dict()))["linear"]["impl"] == "torch.linear"
+
+
+def test_auto_native_and_unchosen_models_give_identical_losses():
+    config = tiny(model=SMALL)
+    reference = train_losses(config.model, None)
+    assert train_losses(config.model, choose_kernels(config, CPU)) == reference
+    native = tiny(model={**SMALL, "kernels": "native"})
+    assert train_losses(native.model, choose_kernels(native, CPU)) == reference
+
+
+def test_foreach_adamw_is_bit_identical_to_the_for_loop_one():
+    config = tiny(model=SMALL)
+    model = GPTModel(config.model, None)
+    initialize_parameters(model, seed=3, tp_rank=0, tp_size=1)
+    results = []
+    for foreach in (False, True):
+        params = [p.detach().clone().requires_grad_() for p in model.parameters()]
+        optimizer = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, foreach=foreach)
+        generator = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=generator)
+            optimizer.step()
+        results.append(torch.cat([p.detach().flatten() for p in params]))
+    assert torch.equal(*results)
+
+
+def test_compiled_norm_and_swiglu_match_eager():
+    chosen = choose_kernels(tiny(model={"compile": True}), CPU)
+    assert chosen.norm.impl == "torch.compile(rms_norm)" and chosen.activation.impl == "torch.compile(swiglu)"
+    x = torch.randn(16, 2, 64, requires_grad=True)
+    weight = torch.randn(64, requires_grad=True)
+    gate, up = torch.randn(16, 2, 96, requires_grad=True), torch.randn(16, 2, 96, requires_grad=True)
+    for function, reference, inputs in (
+            (chosen.norm_function("rmsnorm"), kernels.rms_norm, (x, weight, None, 1e-5)),
+            (chosen.activation_function(gated=True), kernels.swiglu, (gate, up))):
+        leaves = [t for t in inputs if isinstance(t, torch.Tensor)]
+        compiled_out = function(*inputs)
+        compiled_grads = torch.autograd.grad(compiled_out.square().sum(), leaves)
+        eager_out = reference(*inputs)
+        eager_grads = torch.autograd.grad(eager_out.square().sum(), leaves)
+        torch.testing.assert_close(compiled_out, eager_out, rtol=0, atol=1e-6)
+        for a, b in zip(compiled_grads, eager_grads):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-5)
+
+
+def _fake_import(error: Exception):
+    real = kernels.importlib.import_module
+
+    def fake(name, *args, **kwargs):
+        if name.startswith(("transformer_engine", "apex")):
+            raise error
+        return real(name, *args, **kwargs)
+    return fake
+
+
+def test_import_guard_reports_missing_and_broken_packages(monkeypatch):
+    missing = ModuleNotFoundError("No module named 'transformer_engine'", name="transformer_engine")
+    monkeypatch.setattr(kernels.importlib, "import_module", _fake_import(missing))
+    assert probe_import("transformer_engine.pytorch") == (None, "transformer_engine: not installed (ModuleNotFoundError)")
+    broken = OSError("libcudnn.so.9: cannot open shared object file\nmore detail")
+    monkeypatch.setattr(kernels.importlib, "import_module", _fake_import(broken))
+    module, why = probe_import("transformer_engine.pytorch")
+    assert module is None
+    assert why == "transformer_engine: import failed (OSError: libcudnn.so.9: cannot open shared object file)"
+    dependency = ModuleNotFoundError("No module named 'transformer_engine_torch'", name="transformer_engine_torch")
+    monkeypatch.setattr(kernels.importlib, "import_module", _fake_import(dependency))
+    assert "import failed" in probe_import("transformer_engine.pytorch")[1]
+
+
+def test_te_guard_falls_back_under_auto_and_is_one_line_error_under_te(monkeypatch):
+    monkeypatch.setattr(kernels.importlib, "import_module", _fake_import(OSError("undefined symbol: cublasLt")))
+    chosen = choose_kernels(tiny(), CUDA, capability=(9, 0))  # a pretend H100 whose TE and apex are broken
+    assert chosen.attention.impl == "torch.sdpa" and chosen.linear.impl == "torch.linear"
+    assert chosen.norm.impl == "torch.rms_norm" and chosen.optimizer.impl == "torch.AdamW(fused)"
+    assert "transformer_engine: import failed (OSError: undefined symbol: cublasLt)" in chosen.attention.why
+    assert "apex: import failed" in chosen.optimizer.why
+    for device in (CUDA, CPU):
+        with pytest.raises(ConfigError, match=r"^model.kernels = te needs Transformer Engine") as error:
+            choose_kernels(tiny(model={"kernels": "te"}), device, capability=(9, 0))
+        assert "\n" not in str(error.value)
+
+
+def test_native_never_probes_optional_packages(monkeypatch):
+    def no_import(name, *args, **kwargs):
+        raise AssertionError(f"imported {name}")
+    monkeypatch.setattr(kernels.importlib, "import_module", no_import)
+    chosen = choose_kernels(tiny(model={"kernels": "native"}), CUDA, capability=(9, 0))
+    assert chosen.attention.why.startswith("transformer_engine: off (model.kernels = native)")
+    assert chosen.optimizer.impl == "torch.AdamW(fused)"
+
+
+def test_fp8_guard_says_why_it_is_off(monkeypatch):
+    monkeypatch.setattr(kernels.importlib, "import_module", _fake_import(ModuleNotFoundError(name="transformer_engine")))
+    fp8_config = tiny(train={"precision": "bf16", "fp8": "current"})
+    cases = [(CPU, None, "fp8: no CUDA device"), (CUDA, (8, 0), "fp8: needs compute capability >= 8.9, got 8.0")]
+    for device, capability, why in cases:
+        with pytest.raises(ConfigError) as error:
+            choose_kernels(fp8_config, device, capability=capability)
+        assert str(error.value) == f"train.fp8 = current is unavailable: {why}; use --train.fp8 off"
+    chosen = choose_kernels(fp8_config, CUDA, capability=(9, 0))
+    assert chosen.linear.impl == "torch._scaled_mm(fp8 current scaling)"
+    assert "transformer_engine: not installed" in chosen.linear.why and "compute capability 9.0" in chosen.linear.why
+    with pytest.raises(ConfigError, match="train.fp8 = delayed needs Transformer Engine"):
+        choose_kernels(tiny(train={"precision": "bf16", "fp8": "delayed"}), CUDA, capability=(9, 0))
+    with pytest.raises(ConfigError, match="divisible by 16, but model.ffn_hidden_size per TP rank = 392"):
+        choose_kernels(tiny(model={"ffn_hidden_size": 392}, train={"precision": "bf16", "fp8": "current"}),
+                       CUDA, capability=(9, 0))
+    with pytest.raises(ConfigError, match="train.fp8 = current needs train.precision = bf16"):
+        tiny(train={"fp8": "current"})
+
+
+def test_fp8_quantisation_maps_amax_to_the_format_maximum_and_round_trips():
+    x = torch.randn(64, 48) * 3
+    for dtype, mantissa_bits in ((fp8.E4M3, 3), (fp8.E5M2, 2)):
+        quantized, scale_inv = fp8.quantize(x, dtype)
+        assert quantized.dtype == dtype and quantized.float().abs().max() == torch.finfo(dtype).max
+        torch.testing.assert_close(scale_inv, x.abs().max() / torch.finfo(dtype).max)
+        restored = fp8.dequantize(quantized, scale_inv)
+        normal = x.abs() > x.abs().max() * 2.0 ** -6  # away from the subnormal range
+        relative = ((restored - x).abs() / x.abs())[normal]
+        assert relative.max() <= 2.0 ** -(mantissa_bits + 1) + 1e-6  # round to nearest: half an ulp
+    zeros, scale_inv = fp8.quantize(torch.zeros(4, 4), fp8.E4M3)
+    assert scale_inv == 1 and not zeros.float().isnan().any()
+
+
+def test_fp8_linear_matches_its_reference_forward_and_backward():
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 16, 64, generator=generator, requires_grad=True)
+    weight = (torch.randn(48, 64, generator=generator) * 0.1).requires_grad_()
+    y = fp8.fp8_linear(x, weight)
+    grad_y = torch.randn(y.shape, generator=generator)
+    y.backward(grad_y)
+    # Reference: the same quantised operands, multiplied in fp32.
+    xq = fp8.dequantize(*fp8.quantize(x.detach().reshape(-1, 64), fp8.E4M3))
+    wq = fp8.dequantize(*fp8.quantize(weight.detach(), fp8.E4M3))
+    gq = fp8.dequantize(*fp8.quantize(grad_y.reshape(-1, 48), fp8.E5M2))
+    torch.testing.assert_close(y.detach().reshape(-1, 48), xq @ wq.t(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad.reshape(-1, 64), gq @ wq, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(weight.grad, gq.t() @ xq, rtol=1e-5, atol=1e-5)
+    # And FP8 is close to the full-precision layer.
+    exact = F.linear(x.detach(), weight.detach())
+    assert (y.detach() - exact).norm() / exact.norm() < 0.05
+
+
+def test_scaled_mm_linear_plugs_into_the_model_with_the_same_parameters():
+    config = tiny(model=SMALL).model
+    native = Kernels.native()
+    fp8_kernels = Kernels(native.attention, native.norm, native.activation,
+                          Choice("torch._scaled_mm(fp8 current scaling)", "test"), native.optimizer, fp8="current")
+    reference = GPTModel(config, None)
+    model = GPTModel(config, None, kernels=fp8_kernels)
+    assert [(n, p.shape) for n, p in model.named_parameters()] == \
+        [(n, p.shape) for n, p in reference.named_parameters()]
+    assert type(model.layers["0"].mlp.fc1).__name__ == "Fp8ColumnParallelLinear"
+    native_losses = train_losses(config, None, steps=4)
+    fp8_losses = train_losses(config, fp8_kernels, steps=4)
+    assert fp8_losses[-1] < fp8_losses[0]
+    for a, b in zip(native_losses, fp8_losses):
+        assert abs(a - b) / a < 2e-2
+
+
+def test_optional_packages_are_never_imported_on_cpu(tmp_path):
+    # A transformer_engine and an apex that blow up when imported: loom must import, choose and
+    # train-configure on CPU without touching them, and still say they are installed.
+    for name in ("transformer_engine", "apex"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text("raise RuntimeError('imported on CPU')\n")
+    code = ("import torch, engine.train, launch.cli\n"
+            "from engine.config_io import load_config\n"
+            "from engine.model.kernels import choose_kernels\n"
+            "k = choose_kernels(load_config('configs/tiny.toml', []), torch.device('cpu'))\n"
+            "print(k.attention.why)\n")
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{REPO}")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "transformer_engine: installed, but no CUDA device" in result.stdout
+
+
+def test_kernels_are_logged_at_start_and_recorded_in_the_first_metrics_row(tmp_path, capfd):
+    data = write_markov_dataset(tmp_path / "markov", vocab_size=4096, num_documents=60)
+    config = tiny(data={"paths": [data], "tokenizer": None},
+                  train={"run_dir": str(tmp_path / "run"), "steps": 2, "log_interval": 1, "tensorboard": False,
+                         "eval_interval": 0, "global_batch_size": 4, "micro_batch_size": 2})
+    config.resolve_world(1)
+    launch_local(config, 1)
+    rows = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["kernels"]["attention"]["impl"] == "torch.sdpa" and "kernels" not in rows[1]
+    assert "kernels: attention=torch.sdpa" in capfd.readouterr().out
