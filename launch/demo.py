@@ -1,11 +1,11 @@
 """`loom demo`: every capability that has landed, end to end, on the embedded default corpus.
 
-corpus (Python stdlib) -> exact dedup -> SentencePiece tokenizer -> .bin/.idx -> 3D-parallel training on local
+corpus (Python stdlib) -> clean (repair + code filters) -> exact dedup -> SentencePiece tokenizer -> .bin/.idx -> 3D-parallel training on local
 CPU ranks (tensor + sequence, interleaved pipeline, data parallel with the ZeRO-1 optimizer) with
 validation and a checkpoint -> the measured pipeline timeline next to the ideal one -> the
 checkpoint resharded and training resumed under another layout -> evaluation -> Hugging Face
-export -> a summary. Each step's outputs stay in
-the work directory, so the next command (`loom train --config configs/tiny.toml ...`) can reuse them.
+export -> the run continued as a Slurm job (where sbatch is on PATH) -> a summary. Each step's
+outputs stay in the work directory, so the next command (`loom train --config configs/tiny.toml ...`) can reuse them.
 Steps whose outputs already exist are reused, not redone.
 """
 
@@ -27,6 +27,7 @@ def _step(title: str) -> float:
 
 def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: int, pp: int, vp: int) -> dict:
     from data_tools.build import build_indexed_dataset
+    from data_tools.clean import clean_corpus
     from data_tools.corpus import build_stdlib_corpus
     from data_tools.dedup import deduplicate
     from data_tools.tokenizer import train_tokenizer
@@ -39,13 +40,23 @@ def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: in
     corpus, tokenizer, prefix = data_dir / "corpus.jsonl", data_dir / "tokenizer", data_dir / "stdlib_text_document"
     summary: dict = {}
 
-    start = _step("1/7 corpus: the Python standard library, one document per source file")
+    start = _step("1/9 corpus: the Python standard library, one document per source file")
     if not corpus.exists():
         summary["corpus"] = build_stdlib_corpus(corpus, max_docs=max_docs)
     summary["corpus_mb"] = round(corpus.stat().st_size / 1e6, 1)
     print(f"{corpus} ({summary['corpus_mb']} MB) in {time.perf_counter() - start:.1f} s")
 
-    start = _step("2/7 dedup: exact duplicates (normalised-text hash) removed, each with the id it duplicates")
+    start = _step("2/9 clean: ftfy repair, NFC, control characters, then the `code` filter pipeline "
+                  "(the web pipeline's Gopher/C4/FineWeb rules reject source files); rejects kept with reasons")
+    cleaned = data_dir / "clean"
+    if not (cleaned / "stats.json").exists():
+        clean_corpus([corpus], cleaned, pipeline="code", workers=2, progress=False)
+    summary["clean"] = json.loads((cleaned / "stats.json").read_text())
+    corpus = cleaned / "kept.jsonl"
+    print(f"kept {summary['clean']['kept']:,}, rejected {summary['clean']['rejected']:,} "
+          f"(reasons in {cleaned / 'rejected'}) in {time.perf_counter() - start:.1f} s")
+
+    start = _step("3/9 dedup: exact duplicates (normalised-text hash) removed, each with the id it duplicates")
     deduped = data_dir / "dedup"
     if not (deduped / "stats.json").exists():
         deduplicate([corpus], deduped, method="exact")
@@ -54,12 +65,12 @@ def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: in
     print(f"kept {summary['dedup']['kept']:,}, removed {summary['dedup']['removed']:,} in "
           f"{summary['dedup']['clusters']:,} clusters ({time.perf_counter() - start:.1f} s)")
 
-    start = _step("3/7 tokenizer: SentencePiece BPE, 4096 pieces, byte fallback")
+    start = _step("4/9 tokenizer: SentencePiece BPE, 4096 pieces, byte fallback")
     if not Path(f"{tokenizer}.model").exists():
         train_tokenizer([corpus], tokenizer, vocab_size=4096, model_type="bpe", input_sentence_size=300_000)
     print(f"{tokenizer}.model in {time.perf_counter() - start:.1f} s")
 
-    start = _step("4/7 build: tokenize into a memory-mapped indexed dataset (Megatron .bin/.idx)")
+    start = _step("5/9 build: tokenize into a memory-mapped indexed dataset (Megatron .bin/.idx)")
     if not Path(f"{prefix}.idx").exists():
         build_indexed_dataset([corpus], f"{tokenizer}.model", prefix, workers=2, append_eod=True)
     dataset = IndexedDataset(prefix)
@@ -77,7 +88,7 @@ def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: in
                  "--train.record_pipeline_timeline", "true"]
     config = load_config(resolve_config_path("configs/tiny.toml"), overrides)
     preflight(config, nproc)
-    start = _step(f"5/7 train: configs/tiny.toml on {nproc} CPU ranks: tp={tp} (sequence parallel) x pp={pp} "
+    start = _step(f"6/9 train: configs/tiny.toml on {nproc} CPU ranks: tp={tp} (sequence parallel) x pp={pp} "
                   f"(interleaved, vp={vp}) x dp={config.parallel.dp} (ZeRO-1), {steps} steps")
     metrics = run_dir / "metrics.jsonl"
     launch_local(config, nproc)
@@ -89,7 +100,7 @@ def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: in
                    val_ppl=val_rows[-1]["val_ppl"] if val_rows else None,
                    train_seconds=round(time.perf_counter() - start, 1), run_dir=str(run_dir))
 
-    _step("6/7 schedule: the last step's measured pipeline timeline next to the ideal one")
+    _step("7/9 schedule: the last step's measured pipeline timeline next to the ideal one")
     from tools.schedule_plot import describe, draw, load_measured
 
     layout, measured = load_measured(run_dir)
@@ -100,6 +111,7 @@ def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: in
     draw(layout["pp"], layout["vp"], layout["microbatches"], Path(summary["schedule_png"]), measured)
     summary["layout"] = f"tp={tp} pp={pp} vp={vp} dp={config.parallel.dp}"
     summary.update(_move_checkpoint(workdir, config, steps))
+    summary.update(_slurm_job(workdir, config, steps))
     return summary
 
 
@@ -109,7 +121,7 @@ def _move_checkpoint(workdir: Path, config, steps: int) -> dict:
     from tools.ckpt import reshard
     from tools.hf import export_hf
 
-    start = _step("7/7 checkpoint: reshard to tp=1 pp=2 offline, resume on 4 ranks as pp=2 x dp=2 for "
+    start = _step("8/9 checkpoint: reshard to tp=1 pp=2 offline, resume on 4 ranks as pp=2 x dp=2 for "
                   f"{steps // 2} more steps, evaluate, export to Hugging Face")
     runs = workdir / "runs"
     resharded = reshard(runs / "tiny" / "checkpoints", runs / "tiny-resharded" / "checkpoints", tp=1, pp=2)
@@ -128,10 +140,36 @@ def _move_checkpoint(workdir: Path, config, steps: int) -> dict:
             "resumed_val_loss": val[-1]["val_loss"] if val else None, "hf_dir": str(hf_dir)}
 
 
+def _slurm_job(workdir: Path, config, steps: int) -> dict:
+    """Continue the resumed run as a Slurm job, where this machine can submit one."""
+    from launch.slurm import SlurmOptions, follow, submit
+
+    _step(f"9/9 slurm: continue the run as a Slurm job (1 node x 4 tasks, tp=2 x dp=2) for {steps // 2} more steps")
+    if shutil.which("sbatch") is None:
+        print("skipped: no Slurm on this machine. `python -m tools.slurm_cluster up /tmp/loom-slurm` starts a "
+              "one-node cluster here (root; installs Debian's Slurm); `source /tmp/loom-slurm/env.sh`, then run "
+              "the demo again")
+        return {"slurm": None}
+    runs = workdir / "runs"
+    job_config = load_config(None, {**config_to_dict(config), "parallel": {"tp": 2, "pp": 1, "vp": 1, "dp": None,
+                                                                           "sequence_parallel": True}})
+    job_config.train.run_dir, job_config.train.steps = str(runs / "tiny-slurm"), steps + 2 * (steps // 2)
+    job_config.train.record_pipeline_timeline = False
+    job_config.checkpoint.load = str(runs / "tiny-resumed" / "checkpoints")
+    job = submit(job_config, SlurmOptions(tasks_per_node=4, time_minutes=10, job_name="loom-demo"))
+    print(f"submitted job {job.job_id}; following rank 0's log", flush=True)
+    state = follow(job.job_id, Path(job_config.train.run_dir))
+    rows = [json.loads(line) for line in (runs / "tiny-slurm" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    return {"slurm": {"job_id": job.job_id, "state": state, "last_loss": losses[-1] if losses else None,
+                      "run_dir": job_config.train.run_dir}}
+
+
 def _print_summary(summary: dict) -> None:
     print("\n== summary")
-    print(f"corpus       {summary['corpus_mb']} MB of Python stdlib, {summary['dedup']['removed']:,} exact duplicates "
-          f"removed -> {summary['documents']:,} documents, {summary['tokens']:,} tokens")
+    print(f"corpus       {summary['corpus_mb']} MB of Python stdlib, {summary['clean']['rejected']:,} rejected by clean, "
+          f"{summary['dedup']['removed']:,} exact duplicates removed -> {summary['documents']:,} documents, "
+          f"{summary['tokens']:,} tokens")
     print(f"training     {summary['layout']}, ZeRO-1: loss {summary['first_loss']:.3f} -> "
           f"{summary['last_loss']:.3f} in {summary['train_seconds']} s")
     if summary["val_loss"] is not None:
@@ -140,6 +178,12 @@ def _print_summary(summary: dict) -> None:
     print(f"checkpoint   resharded to tp=1 pp=2, resumed as pp=2 x dp=2 from step {summary['resumed_from']}: "
           f"loss {summary['resumed_loss']:.3f}, validation {summary['resumed_val_loss']:.3f}")
     print(f"hugging face {summary['hf_dir']} (transformers.LlamaForCausalLM.from_pretrained loads it)")
+    slurm = summary.get("slurm")
+    if slurm:
+        print(f"slurm        job {slurm['job_id']} {slurm['state']} as tp=2 x dp=2: loss {slurm['last_loss']:.3f} "
+              f"({slurm['run_dir']})")
+    else:
+        print("slurm        skipped (no sbatch on PATH); see docs/slurm.md")
     print(f"run          {summary['run_dir']}/metrics.jsonl, tensorboard/, config.toml")
     print("next         loom train --config configs/tiny.toml --nproc 4 --parallel.tp 2   (same losses, any layout)")
 
