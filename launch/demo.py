@@ -142,14 +142,14 @@ def _move_checkpoint(workdir: Path, config, steps: int) -> dict:
 
 def _slurm_job(workdir: Path, config, steps: int) -> dict:
     """Continue the resumed run as a Slurm job, where this machine can submit one."""
-    from launch.slurm import SlurmOptions, follow, submit
+    from launch.slurm import SlurmOptions, follow, slurm_unavailable, submit
 
     _step(f"9/9 slurm: continue the run as a Slurm job (1 node x 4 tasks, tp=2 x dp=2) for {steps // 2} more steps")
-    if shutil.which("sbatch") is None:
-        print("skipped: no Slurm on this machine. `python -m tools.slurm_cluster up /tmp/loom-slurm` starts a "
-              "one-node cluster here (root; installs Debian's Slurm); `source /tmp/loom-slurm/env.sh`, then run "
-              "the demo again")
-        return {"slurm": None}
+    reason = slurm_unavailable()
+    if reason:
+        print(f"skipped: {reason}. `python -m tools.slurm_cluster up /tmp/loom-slurm` starts a one-node cluster "
+              "here (root; installs Debian's Slurm); `source /tmp/loom-slurm/env.sh`, then run the demo again")
+        return {"slurm": None, "slurm_skipped": reason}
     runs = workdir / "runs"
     job_config = load_config(None, {**config_to_dict(config), "parallel": {"tp": 2, "pp": 1, "vp": 1, "dp": None,
                                                                            "sequence_parallel": True}})
@@ -183,7 +183,7 @@ def _print_summary(summary: dict) -> None:
         print(f"slurm        job {slurm['job_id']} {slurm['state']} as tp=2 x dp=2: loss {slurm['last_loss']:.3f} "
               f"({slurm['run_dir']})")
     else:
-        print("slurm        skipped (no sbatch on PATH); see docs/slurm.md")
+        print(f"slurm        skipped ({summary['slurm_skipped']}); see docs/slurm.md")
     print(f"run          {summary['run_dir']}/metrics.jsonl, tensorboard/, config.toml")
     print("next         loom train --config configs/tiny.toml --nproc 4 --parallel.tp 2   (same losses, any layout)")
 

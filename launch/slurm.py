@@ -116,6 +116,20 @@ def _slurm_command(args: list[str]) -> str:
     return result.stdout
 
 
+def slurm_unavailable() -> str | None:
+    """Why this machine cannot submit to a Slurm cluster now, or None when it can."""
+    if shutil.which("sbatch") is None or shutil.which("sinfo") is None:
+        return "no sbatch/sinfo on PATH"
+    try:
+        result = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True, timeout=15)
+    except subprocess.TimeoutExpired:
+        return "sinfo did not answer within 15 s (is slurmctld running?)"
+    if result.returncode != 0:
+        message = (result.stderr.strip() or result.stdout.strip()).splitlines()
+        return f"sinfo failed: {message[-1] if message else result.returncode}"
+    return None
+
+
 def partition_gpus(partition: str | None) -> int:
     """GPUs per node the partition advertises (its GRES), checking that the partition exists."""
     listing = _slurm_command(["sinfo", "-h", "-o", "%R|%G"])

@@ -65,6 +65,7 @@ def test_demo_runs_end_to_end(tmp_path):
     assert resumed[-1]["step"] == 6
     assert (tmp_path / "hf/config.json").exists() and (tmp_path / "hf/model.safetensors").exists()
     assert (tmp_path / "data/stdlib_text_document.idx").exists()
+    assert json.loads((tmp_path / "data/clean/stats.json").read_text())["kept"] > 70
     assert (tmp_path / "runs/tiny/pipeline_schedule.png").exists()
 
 
