@@ -79,8 +79,12 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
 
     config = load_config(resolve_config_path(args.config), overrides)
     external = args.nproc is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    if external:
-        run_rank(config)
+    if external:  # one rank of torchrun or srun: checkpoint and stop on SIGTERM/Ctrl-C like --nproc does
+        import signal
+
+        from launch.env import StopSignals
+
+        run_rank(config, stop=StopSignals({signal.SIGTERM: StopSignals.EXIT, signal.SIGINT: StopSignals.EXIT}))
         return
     nproc = args.nproc or 1
     preflight(config, nproc)
