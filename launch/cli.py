@@ -45,6 +45,13 @@ def preflight(config: LoomConfig, world_size: int) -> None:
     from engine.data.indexed import IndexedDataset
 
     config.resolve_world(world_size)
+    if config.model.kernels == "te" or config.train.fp8 != "off":
+        import torch
+
+        if not torch.cuda.is_available():  # where CUDA exists, each rank checks its own device
+            from engine.model.kernels import choose_kernels
+
+            choose_kernels(config, torch.device("cpu"))
     if not config.data.paths:
         raise ConfigError("data.paths is empty; build a dataset with `loom data build` (or run `loom demo`) "
                           "and pass --data.paths PREFIX")

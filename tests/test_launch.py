@@ -49,6 +49,9 @@ def run_cli(*args, cwd=REPO):
     (["--train.steps", "five"], "train.steps expects an integer, got 'five'"),
     (["--model.num_kv_heads", "3"], "model.num_kv_heads = 3 must divide model.num_heads = 8"),
     (["--data.paths", "/nonexistent/data"], "/nonexistent/data.idx does not exist"),
+    (["--train.fp8", "current", "--train.precision", "bf16"],
+     "train.fp8 = current is unavailable: fp8: no CUDA device; use --train.fp8 off"),
+    (["--model.kernels", "te"], "model.kernels = te needs Transformer Engine on a CUDA device"),
 ])
 def test_bad_training_input_is_one_line(args, message):
     result = run_cli("train", "--config", "configs/tiny.toml", *args)
