@@ -1,34 +1,46 @@
-"""`loom data dedup`: drop exact (normalised-text hash) or near (MinHash + LSH) duplicate documents.
+"""`loom data dedup`: drop exact (normalised-text hash), near (MinHash + LSH) or semantic (embedding) duplicates.
 
 Two passes over the input: the first decides, for every document, which document it duplicates
-(itself when it is kept: the first of its cluster); the second writes the decisions, so memory
-holds only hashes or signatures, never texts. Exact normalisation is Unicode NFKC, case folding,
-whitespace runs collapsed. Outputs in D: kept.jsonl (every field kept), removed/removed.jsonl
-(each with `duplicate_of`, the id of the kept document), clusters.jsonl (one line per group),
-stats.json (input = kept + removed, plus bad input lines), manifest.json (lineage, written last). Each file
-appears only when complete.
+(itself when it is kept: the first of its cluster in input order); the second streams the input
+again and writes the decisions. Texts are never held: exact keeps one 16-byte hash per document,
+minhash keeps its signatures and band keys on disk (data_tools/minhash_lsh.py), semantic its
+embeddings (data_tools/semantic.py); document ids go to a staging file with one offset per
+document. Exact normalisation is Unicode NFKC, case folding, whitespace runs collapsed.
+
+Outputs in D: kept.jsonl (every field kept), removed/removed.jsonl (each with `duplicate_of`, the
+id of the kept document), clusters.jsonl (one line per cluster with a removed document, in the
+order of their kept documents: kept id, removed ids in input order, size), stats.json (input =
+kept + removed, plus bad input lines), manifest.json (lineage, written last). Everything is written
+under D/.staging-<pid>/ and moved into place only when complete, so an interrupted run leaves no
+output that looks finished.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import shutil
 import time
 import unicodedata
+from array import array
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
-from data_tools import minhash
 from data_tools.atomic import atomic_path
-from data_tools.jsonl import InputError, JsonlStats, check_inputs, iter_jsonl
+from data_tools.jsonl import ZSTD_SUFFIXES, InputError, JsonlStats, check_inputs, iter_jsonl
 from data_tools.manifest import write_manifest
+from data_tools.minhash_lsh import COMPRESSION_RATIO, cluster_on_disk, plan_lsh
+from data_tools.progress import Progress
 
 _WHITESPACE = re.compile(r"\s+")
-METHODS = ("exact", "minhash")
+METHODS = ("exact", "minhash", "semantic")
+DEFAULT_THRESHOLDS = {"minhash": 0.8, "semantic": 0.95}
+_PROGRESS_EVERY = 256
 
 
 def normalise(text: str) -> str:
@@ -40,75 +52,167 @@ def text_digest(text: str) -> bytes:
     return hashlib.sha256(normalise(text).encode("utf-8")).digest()[:16]
 
 
-def exact_representatives(texts: Iterator[str]) -> list[int]:
+def exact_representatives(texts: Iterable[str]) -> np.ndarray:
     first_seen: dict[bytes, int] = {}
-    return [first_seen.setdefault(text_digest(text), i) for i, text in enumerate(texts)]
+    return np.fromiter((first_seen.setdefault(text_digest(text), i) for i, text in enumerate(texts)), dtype=np.int64)
 
 
-def minhash_representatives(texts: Iterator[str], threshold: float, num_perm: int) -> tuple[list[int], dict]:
-    a, b = minhash.permutations(num_perm)
-    signatures = np.stack([minhash.signature(text, a, b) for text in texts])
-    bands, rows = minhash.optimal_bands(threshold, num_perm)
-    return minhash.cluster(signatures, threshold, bands, rows), {"bands": bands, "rows": rows, "num_perm": num_perm}
+class _DocumentIds:
+    """Every document's id in a staging file, found through one int64 offset per document."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._out = open(path, "wb", buffering=1 << 20)
+        self._offsets = array("q", [0])
+        self._mapped: np.memmap | None = None
+
+    def append(self, doc_id: str) -> None:
+        encoded = doc_id.encode("utf-8", "surrogatepass")
+        self._out.write(encoded)
+        self._offsets.append(self._offsets[-1] + len(encoded))
+
+    def close(self) -> None:
+        if not self._out.closed:
+            self._out.close()
+        if self._mapped is None and self._offsets[-1]:
+            self._mapped = np.memmap(self.path, dtype=np.uint8, mode="r")
+
+    def __getitem__(self, doc: int) -> str:
+        if self._mapped is None:
+            return ""
+        return bytes(self._mapped[self._offsets[doc]:self._offsets[doc + 1]]).decode("utf-8", "surrogatepass")
+
+    def __len__(self) -> int:
+        return len(self._offsets) - 1
 
 
-def _texts(paths, text_key: str, stats: JsonlStats, ids: list[str]) -> Iterator[str]:
-    for position, record in enumerate(tqdm(iter_jsonl(paths, text_key, stats), desc="dedup", unit="doc",
-                                           mininterval=1.0)):
-        ids.append(str(record.get("id", f"doc-{position}")))
-        yield record[text_key]
+def _texts(paths: list[Path], text_key: str, stats: JsonlStats, ids: _DocumentIds, bar: Progress) -> Iterator[str]:
+    documents = nbytes = 0
+    for record in iter_jsonl(paths, text_key, stats):
+        ids.append(str(record.get("id", f"doc-{len(ids)}")))
+        text = record[text_key]
+        documents += 1
+        nbytes += len(text)  # characters: encoding every text only for the MB/s figure would cost more than it tells
+        if documents == _PROGRESS_EVERY:
+            bar.update(documents, nbytes)
+            documents = nbytes = 0
+        yield text
+    bar.update(documents, nbytes)
+
+
+def _input_bytes(paths: list[Path]) -> int:
+    """Expected uncompressed size of the input (compressed files count COMPRESSION_RATIO times)."""
+    return sum(p.stat().st_size * (COMPRESSION_RATIO if p.suffix in (".gz", *ZSTD_SUFFIXES) else 1) for p in paths)
 
 
 def deduplicate(inputs: Iterable[str | Path], output: str | Path, method: str = "exact", text_key: str = "text",
-                threshold: float = 0.8, num_perm: int = 128) -> dict:
-    """Write kept and removed documents and the duplicate clusters to `output`; returns the stats."""
+                threshold: float | None = None, num_perm: int = 128, *, workers: int = 1,
+                bucket_memory_mb: int = 256, progress: bool = True, embedder=None) -> dict:
+    """Write kept and removed documents and the duplicate clusters to `output`; returns the stats.
+
+    threshold: Jaccard for minhash (default 0.8), cosine for semantic (default 0.95). workers: processes for
+    minhash signatures and grouping (torch threads for semantic). bucket_memory_mb: minhash memory for
+    grouping one bucket, per worker. embedder: semantic only, a callable(list[str]) -> float array
+    (default: the packaged all-MiniLM-L6-v2)."""
     if method not in METHODS:
-        raise InputError(f"--method {method} is not available yet; use one of {', '.join(METHODS)}")
-    paths, output, stats, ids = check_inputs(inputs), Path(output), JsonlStats(), []
-    start, started, extra = time.perf_counter(), time.time(), {}
-    texts = _texts(paths, text_key, stats, ids)
-    if method == "exact":
-        representative = exact_representatives(texts)
-    else:
-        representative, extra = minhash_representatives(texts, threshold, num_perm)
-    if not representative:
-        raise InputError(f"no documents with a string {text_key!r} field in {', '.join(map(str, paths))}")
-    kept = _write_decisions(paths, output, text_key, representative, ids)
-    clusters: dict[int, list[str]] = {}
-    for doc, rep in enumerate(representative):
-        if doc != rep:
-            clusters.setdefault(rep, []).append(ids[doc])
-    groups = [{"kept": ids[rep], "removed": members, "size": len(members) + 1} for rep, members in clusters.items()]
-    with atomic_path(output / "clusters.jsonl") as tmp:
-        tmp.write_text("".join(json.dumps(g, ensure_ascii=False) + "\n" for g in groups))
+        raise InputError(f"--method {method} is unknown; use one of {', '.join(METHODS)}")
+    if workers < 1:
+        raise InputError(f"--workers {workers} must be at least 1")
+    paths, output, stats = check_inputs(inputs), Path(output), JsonlStats()
+    threshold = DEFAULT_THRESHOLDS.get(method) if threshold is None else threshold
+    if method == "semantic" and embedder is None:
+        from data_tools.semantic import packaged_embedder
+
+        embedder = packaged_embedder(threads=workers)  # fails here, before any output, without the extra
+    if output.exists() and not output.is_dir():
+        raise InputError(f"--output {output} is a file; dedup writes a folder")
+    start, started = time.perf_counter(), time.time()
+    for stale in ("stats.json", "manifest.json"):
+        (output / stale).unlink(missing_ok=True)
+    staging = output / f".staging-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    ids = _DocumentIds(staging / "ids.bin")
+    parameters: dict = {"method": method, "text_key": text_key}
+    try:
+        with Progress(f"dedup {method}", progress) as bar:
+            texts = _texts(paths, text_key, stats, ids, bar)
+            if method == "exact":
+                representative, extra = exact_representatives(texts), {}
+            elif method == "minhash":
+                plan = plan_lsh(threshold, num_perm, _input_bytes(paths), workers, bucket_memory_mb << 20)
+                representative, extra = cluster_on_disk(texts, staging / "minhash", plan, workers)
+                parameters.update(threshold=threshold, num_perm=num_perm, workers=workers,
+                                  bucket_memory_mb=bucket_memory_mb, bands=plan.bands, rows=plan.rows,
+                                  buckets=plan.buckets)
+            else:
+                from data_tools.semantic import semantic_representatives
+
+                representative, extra = semantic_representatives(texts, staging / "semantic", embedder, threshold)
+                parameters.update(threshold=threshold, model=getattr(embedder, "name", type(embedder).__name__))
+        ids.close()
+        if len(representative) == 0:
+            raise InputError(f"no documents with a string {text_key!r} field in {', '.join(map(str, paths))}")
+        kept = _write_decisions(paths, staging, text_key, representative, ids)
+        clusters, largest = _write_clusters(staging / "clusters.jsonl", representative, ids)
+        written = _commit(staging, output)
+    except BaseException:
+        ids.close()
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     seconds = time.perf_counter() - start
-    result = {"method": method, **({"threshold": threshold, **extra} if method == "minhash" else {}),
-              "input_documents": len(representative), "kept": kept, "removed": len(representative) - kept,
-              "clusters": len(groups), "largest_cluster": max((g["size"] for g in groups), default=1),
-              "seconds": round(seconds, 2), "docs_per_s": round(len(representative) / seconds, 1),
-              "input": stats.as_dict()}
+    documents = len(representative)
+    result = {"method": method, **({"threshold": threshold} if method != "exact" else {}), **extra,
+              "input_documents": documents, "kept": kept, "removed": documents - kept,
+              "clusters": clusters, "largest_cluster": largest,
+              "seconds": round(seconds, 2), "docs_per_s": round(documents / seconds, 1), "input": stats.as_dict()}
     with atomic_path(output / "stats.json") as tmp:
         tmp.write_text(json.dumps(result, indent=1))
-    written = [output / "kept.jsonl", output / "removed" / "removed.jsonl", output / "clusters.jsonl",
-               output / "stats.json"]
-    write_manifest(output, command="loom data dedup", inputs=paths, outputs=written,
-                   parameters={"method": method, "text_key": text_key,
-                               **({"threshold": threshold, "num_perm": num_perm, **extra} if method == "minhash" else {})},
+    write_manifest(output, command="loom data dedup", inputs=paths, outputs=[*written, output / "stats.json"],
+                   parameters=parameters,
                    counts={k: result[k] for k in ("input_documents", "kept", "removed", "clusters")},
                    started=started, is_folder=True)
     return result
 
 
-def _write_decisions(paths, output: Path, text_key: str, representative: list[int], ids: list[str]) -> int:
+def _write_decisions(paths: list[Path], staging: Path, text_key: str, representative: np.ndarray,
+                     ids: _DocumentIds) -> int:
     kept = 0
-    with atomic_path(output / "kept.jsonl") as kept_tmp, \
-            atomic_path(output / "removed" / "removed.jsonl") as removed_tmp, \
-            open(kept_tmp, "w", encoding="utf-8") as kept_out, open(removed_tmp, "w", encoding="utf-8") as removed_out:
-        for doc, record in enumerate(iter_jsonl(paths, text_key, JsonlStats())):
-            if representative[doc] == doc:
+    with open(staging / "kept.jsonl", "w", encoding="utf-8", buffering=1 << 20) as kept_out, \
+            open(staging / "removed.jsonl", "w", encoding="utf-8", buffering=1 << 20) as removed_out:
+        for doc, record in enumerate(tqdm(iter_jsonl(paths, text_key, JsonlStats()), desc="dedup: writing",
+                                          unit="doc", total=len(representative), mininterval=1.0, leave=False)):
+            first = int(representative[doc])
+            if first == doc:
                 kept_out.write(json.dumps(record, ensure_ascii=False) + "\n")
                 kept += 1
             else:
-                record = {**record, "duplicate_of": ids[representative[doc]]}
-                removed_out.write(json.dumps(record, ensure_ascii=False) + "\n")
+                removed_out.write(json.dumps({**record, "duplicate_of": ids[first]}, ensure_ascii=False) + "\n")
     return kept
+
+
+def _write_clusters(path: Path, representative: np.ndarray, ids: _DocumentIds) -> tuple[int, int]:
+    """One line per cluster, ordered by kept document; returns (clusters, largest size)."""
+    removed = np.flatnonzero(representative != np.arange(len(representative)))
+    removed = removed[np.argsort(representative[removed], kind="stable")]  # by cluster, input order inside
+    firsts = representative[removed]
+    bounds = np.flatnonzero(np.diff(firsts)) + 1
+    clusters, largest = 0, 1
+    with open(path, "w", encoding="utf-8", buffering=1 << 20) as out:
+        for members in np.split(removed, bounds) if len(removed) else []:
+            first = int(representative[members[0]])
+            group = {"kept": ids[first], "removed": [ids[int(m)] for m in members], "size": len(members) + 1}
+            out.write(json.dumps(group, ensure_ascii=False) + "\n")
+            clusters, largest = clusters + 1, max(largest, len(members) + 1)
+    return clusters, largest
+
+
+def _commit(staging: Path, output: Path) -> list[Path]:
+    """Move the finished files from staging into the output folder; returns their final paths."""
+    (output / "removed").mkdir(parents=True, exist_ok=True)
+    moves = {"kept.jsonl": output / "kept.jsonl", "removed.jsonl": output / "removed" / "removed.jsonl",
+             "clusters.jsonl": output / "clusters.jsonl"}
+    for name, target in moves.items():
+        os.replace(staging / name, target)
+    shutil.rmtree(staging)
+    return list(moves.values())

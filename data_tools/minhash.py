@@ -1,22 +1,28 @@
-"""Near-duplicate detection: MinHash signatures over word 5-gram shingles, LSH banding, union-find.
+"""MinHash signatures over word 5-gram shingles and LSH band keys: the arithmetic of near-duplicate dedup.
 
 Signatures are datasketch-compatible (datasketch 2's default "affine32" scheme: 32-bit SHA-1 of
 each shingle, MurmurHash3's finalizer, then seeded odd-multiplier affine maps mod 2^32, so
-`datasketch.MinHash(num_perm, seed)` gives the same values), but each document's signature is one
-vectorised numpy step over all its shingles instead of one Python call per shingle. Bands x rows are chosen from the threshold the way datasketch does
-(minimising the weighted false-positive and false-negative areas); candidate pairs from a shared
-band are verified by their estimated Jaccard before they are joined, and every cluster keeps its
-first document. In memory for now: band keys are not yet spilled to disk, and one process works.
+`datasketch.MinHash(num_perm, seed)` gives the same values), but a whole chunk of documents is one
+vectorised numpy step over all its shingles instead of one Python call per shingle. Bands x rows
+are chosen from the threshold the way datasketch does (minimising the weighted false-positive and
+false-negative areas). A band's rows become one 64-bit key, so documents sharing a band share a
+key. This module must not read or write files; minhash_lsh.py runs the stages on disk.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections import defaultdict
+from functools import lru_cache
 
 import numpy as np
 
+# Shingles turned into one (shingles x num_perm) matrix at a time: 512 KB at 128 permutations, so the
+# multiply-add-min stays in cache (measured ~25% faster end to end than 16 MB blocks).
+_SHINGLES_PER_BLOCK = 1024
+_MIX_1, _MIX_2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
+
+@lru_cache(maxsize=8)
 def permutations(num_perm: int, seed: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """datasketch's affine32 parameters: odd multipliers a and offsets b, uint32."""
     generator = np.random.RandomState(seed)
@@ -35,17 +41,60 @@ def _fmix32(h: np.ndarray) -> np.ndarray:
 
 
 def shingles(text: str, n: int = 5) -> set[str]:
+    """The distinct word n-grams of the lower-cased text (the whole text when it has fewer than n words)."""
     words = text.lower().split()
     if len(words) < n:
         return {" ".join(words)}
-    return {" ".join(words[i:i + n]) for i in range(len(words) - n + 1)}
+    return set(map(" ".join, zip(*(words[i:] for i in range(n)))))
+
+
+def _shingle_hashes(text: str, n: int) -> bytes:
+    sha1 = hashlib.sha1
+    return b"".join([sha1(s).digest()[:4] for s in map(str.encode, shingles(text, n))])
 
 
 def signature(text: str, a: np.ndarray, b: np.ndarray, n: int = 5) -> np.ndarray:
-    """MinHash signature (uint32) of a document's word n-gram shingles."""
-    digests = b"".join(hashlib.sha1(s.encode("utf-8")).digest()[:4] for s in shingles(text, n))
-    hashes = _fmix32(np.frombuffer(digests, dtype="<u4").astype(np.uint32))
-    return (np.outer(hashes, a) + b).min(axis=0)
+    """MinHash signature (uint32) of one document's word n-gram shingles."""
+    return signatures([text], a, b, n)[0]
+
+
+def signatures(texts: list[str], a: np.ndarray, b: np.ndarray, n: int = 5) -> np.ndarray:
+    """MinHash signatures (documents x len(a), uint32) of many documents in few numpy steps."""
+    digests = [_shingle_hashes(text, n) for text in texts]
+    counts = np.fromiter((len(d) // 4 for d in digests), dtype=np.int64, count=len(digests))
+    hashes = _fmix32(np.frombuffer(b"".join(digests), dtype="<u4").astype(np.uint32))
+    ends = np.cumsum(counts)
+    out = np.empty((len(texts), len(a)), dtype=np.uint32)
+    first = 0
+    while first < len(texts):
+        # Whole documents per block, at least one: every document has >= 1 shingle, so no segment is empty.
+        last = max(first + 1, int(np.searchsorted(ends, ends[first] - counts[first] + _SHINGLES_PER_BLOCK,
+                                                  side="right")))
+        start = ends[first] - counts[first]
+        block = hashes[start:ends[last - 1]]
+        values = block[:, None] * a + b  # uint32: wraps mod 2^32 like datasketch
+        out[first:last] = np.minimum.reduceat(values, ends[first:last] - counts[first:last] - start, axis=0)
+        first = last
+    return out
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finalizer: every input bit reaches every output bit (wrapping uint64 arithmetic)."""
+    x = (x ^ (x >> np.uint64(30))) * _MIX_1
+    x = (x ^ (x >> np.uint64(27))) * _MIX_2
+    return x ^ (x >> np.uint64(31))
+
+
+def band_keys(signature_rows: np.ndarray, bands: int, rows: int) -> np.ndarray:
+    """(documents x bands) uint64: one key per band from its `rows` values; the band number is mixed in,
+    so equal rows in different bands give different keys."""
+    count = len(signature_rows)
+    banded = signature_rows[:, :bands * rows].reshape(count, bands, rows).astype(np.uint64)
+    with np.errstate(over="ignore"):
+        keys = np.broadcast_to(_mix64(np.arange(1, bands + 1, dtype=np.uint64)), (count, bands)).copy()
+        for row in range(rows):
+            keys = _mix64(keys ^ banded[:, :, row])
+    return keys
 
 
 def _candidate_probability(s: np.ndarray, bands: int, rows: int) -> np.ndarray:
@@ -53,12 +102,13 @@ def _candidate_probability(s: np.ndarray, bands: int, rows: int) -> np.ndarray:
     return 1 - (1 - s ** rows) ** bands
 
 
+@lru_cache(maxsize=32)
 def optimal_bands(threshold: float, num_perm: int) -> tuple[int, int]:
     """(bands, rows) minimising false-positive + false-negative probability areas (as datasketch)."""
     best, best_error = (1, num_perm), float("inf")
+    below, above = np.linspace(0.0, threshold, 200), np.linspace(threshold, 1.0, 200)
     for bands in range(1, num_perm + 1):
         for rows in range(1, num_perm // bands + 1):
-            below, above = np.linspace(0.0, threshold, 200), np.linspace(threshold, 1.0, 200)
             false_positive = np.trapezoid(_candidate_probability(below, bands, rows), below)
             false_negative = np.trapezoid(1 - _candidate_probability(above, bands, rows), above)
             error = 0.5 * false_positive + 0.5 * false_negative
@@ -67,33 +117,6 @@ def optimal_bands(threshold: float, num_perm: int) -> tuple[int, int]:
     return best
 
 
-class _UnionFind:
-    def __init__(self, size: int):
-        self.parent = list(range(size))
-
-    def find(self, x: int) -> int:
-        while self.parent[x] != x:
-            self.parent[x] = self.parent[self.parent[x]]
-            x = self.parent[x]
-        return x
-
-    def union(self, x: int, y: int) -> None:
-        rx, ry = self.find(x), self.find(y)
-        if rx != ry:
-            self.parent[max(rx, ry)] = min(rx, ry)  # the earliest document stays the root
-
-
-def cluster(signatures: np.ndarray, threshold: float, bands: int, rows: int) -> list[int]:
-    """For each document, the index of the document it duplicates (itself if it is kept)."""
-    found = _UnionFind(len(signatures))
-    for band in range(bands):
-        buckets: dict[bytes, list[int]] = defaultdict(list)
-        chunk = np.ascontiguousarray(signatures[:, band * rows:(band + 1) * rows])
-        for doc, key in enumerate(chunk):
-            buckets[key.tobytes()].append(doc)
-        for members in buckets.values():
-            first = members[0]
-            for other in members[1:]:
-                if np.mean(signatures[first] == signatures[other]) >= threshold:
-                    found.union(first, other)
-    return [found.find(i) for i in range(len(signatures))]
+def similar(first: np.ndarray, second: np.ndarray, threshold: float) -> np.ndarray:
+    """Per row pair: is the estimated Jaccard (share of equal signature values) >= threshold?"""
+    return (first == second).mean(axis=1) >= threshold
