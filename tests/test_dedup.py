@@ -1,4 +1,6 @@
-"""Exact deduplication against a reference written here: first occurrence of each normalised text kept."""
+"""Dedup against references written here: exact (first occurrence of each normalised text kept), MinHash on disk
+(the plain in-memory LSH below, datasketch signatures, known clusters, memory flat in corpus size), semantic
+(k-means + cosine against all pairs, the packaged model on paraphrases, the missing-extra error)."""
 
 import json
 import os
@@ -63,16 +65,6 @@ def test_no_documents_leaves_no_output(tmp_path):
     assert not any(p.is_file() for p in (tmp_path / "out").rglob("*"))
 
 
-def test_cli_refuses_methods_not_built_yet(tmp_path):
-    source = tmp_path / "in.jsonl"
-    source.write_text(json.dumps(DOCS[0]) + "\n")
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    result = subprocess.run([sys.executable, "-m", "launch.cli", "data", "dedup", "--input", str(source), "--output",
-                             str(tmp_path / "out"), "--method", "semantic"], capture_output=True, text=True, env=env)
-    assert result.returncode == 2
-    assert result.stderr.strip() == "error: --method semantic is not available yet; use one of exact, minhash"
-
-
 def test_minhash_signatures_equal_datasketch():
     datasketch = pytest.importorskip("datasketch")
     from data_tools.minhash import permutations, shingles, signature
@@ -99,3 +91,194 @@ def test_minhash_finds_known_clusters(tmp_path):
     precision, recall = pair_scores(truth, predicted)
     assert precision >= 0.95 and recall >= 0.95, (precision, recall)
     assert stats["kept"] + stats["removed"] == len(docs) and (stats["bands"], stats["rows"]) != (0, 0)
+
+
+def write_corpus(path, docs):
+    path.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    return path
+
+
+def representatives_from_output(out, docs):
+    """Index of the kept document of each document's cluster, read back from removed.jsonl."""
+    position = {d["id"]: i for i, d in enumerate(docs)}
+    predicted = list(range(len(docs)))
+    for record in read(out / "removed/removed.jsonl"):
+        predicted[position[record["id"]]] = position[record["duplicate_of"]]
+    return predicted
+
+
+def in_memory_lsh(texts, threshold, num_perm=128):
+    """The plain LSH: per band a dict from the band's rows to its documents; each document is compared with
+    the band's first document and joined when the estimated Jaccard reaches the threshold."""
+    from data_tools.minhash import optimal_bands, permutations, signatures
+
+    rows_of = signatures(texts, *permutations(num_perm))
+    bands, rows = optimal_bands(threshold, num_perm)
+    parent = list(range(len(texts)))
+
+    def find(x):
+        while parent[x] != x:
+            x = parent[x]
+        return x
+
+    for band in range(bands):
+        buckets = {}
+        for doc, row in enumerate(rows_of[:, band * rows:(band + 1) * rows]):
+            buckets.setdefault(row.tobytes(), []).append(doc)
+        for members in buckets.values():
+            for other in members[1:]:
+                if np.mean(rows_of[members[0]] == rows_of[other]) >= threshold:
+                    a, b = find(members[0]), find(other)
+                    parent[max(a, b)] = min(a, b)
+    return [find(i) for i in range(len(texts))]
+
+
+def test_batched_signatures_equal_one_at_a_time():
+    from data_tools.minhash import permutations, shingles, signatures
+
+    a, b = permutations(64)
+    texts = ["", "two words", " ".join(f"w{i}" for i in range(3000)), "the same five words here again"]
+    one_by_one = []
+    for text in texts:  # the definition: min over shingles of (a * fmix32(sha1_32(shingle)) + b) mod 2^32
+        import hashlib
+
+        from data_tools.minhash import _fmix32
+        digests = np.array([int.from_bytes(hashlib.sha1(s.encode()).digest()[:4], "little") for s in shingles(text)],
+                           dtype=np.uint32)
+        one_by_one.append((_fmix32(digests)[:, None] * a + b).min(axis=0))
+    assert np.array_equal(signatures(texts, a, b), np.stack(one_by_one))
+
+
+def test_on_disk_minhash_equals_in_memory_lsh_with_1_and_2_workers_and_small_buckets(tmp_path, monkeypatch):
+    from near_duplicates import make_corpus
+
+    from data_tools import minhash_lsh
+
+    docs, _ = make_corpus(clusters=40, copies=4, singletons=80, edits=6)  # Jaccard near the threshold
+    source = write_corpus(tmp_path / "in.jsonl", docs)
+    expected = in_memory_lsh([d["text"] for d in docs], 0.8)
+    assert expected != list(range(len(docs)))
+    runs = {"one": dict(workers=1), "two": dict(workers=2),
+            "passes": dict(workers=1, bucket_memory_mb=0.005)}  # ~100 entries per pass
+    outputs = {}
+    for name, options in runs.items():
+        if name == "passes":  # the input's size made the plan expect few documents: buckets outgrow the budget
+            monkeypatch.setattr(minhash_lsh, "ASSUMED_BYTES_PER_DOCUMENT", 1 << 30)
+        stats = deduplicate([source], tmp_path / name, method="minhash", threshold=0.8, progress=False, **options)
+        assert representatives_from_output(tmp_path / name, docs) == expected, name
+        outputs[name] = [(tmp_path / name / f).read_bytes() for f in ("kept.jsonl", "removed/removed.jsonl",
+                                                                      "clusters.jsonl")]
+        assert not list((tmp_path / name).glob(".staging-*"))  # temporary files removed
+    assert outputs["one"] == outputs["two"] == outputs["passes"]
+    assert stats["most_passes"] > 1 and stats["largest_pass_entries"] <= 2 * stats["bucket_entries"]
+
+
+def test_bucket_plan_bounds_grouping_memory():
+    from data_tools.minhash_lsh import (
+        GROUPED_BYTES_PER_ENTRY,
+        MAX_BUCKETS,
+        bucket_count,
+        grouping_passes,
+        plan_lsh,
+    )
+
+    plan = plan_lsh(0.8, 128, input_bytes=10 << 30, workers=8, bucket_memory_bytes=256 << 20)
+    assert (plan.bands, plan.rows) == (9, 13)
+    assert plan.bucket_entries * GROUPED_BYTES_PER_ENTRY <= 256 << 20
+    # 10 GiB at 1 KB a document: ~10.5M documents x 9 bands, spread so that one bucket fits the budget.
+    expected_entries = (10 << 30) // 1024 * 9
+    assert plan.buckets * plan.bucket_entries >= expected_entries
+    assert bucket_count(0, 1000, workers=3) == 12  # small inputs: 4 buckets per worker
+    assert bucket_count(10**12, 1000, workers=1) == MAX_BUCKETS
+    # Past MAX_BUCKETS (or a wrong size guess) buckets are read in passes that each fit the budget.
+    assert grouping_passes(10**6, 1000) == 1000 and grouping_passes(999, 1000) == 1
+
+
+def test_union_find_joins_batches_like_a_graph_search():
+    from data_tools.union_find import UnionFind
+
+    rng = np.random.default_rng(0)
+    size, found = 500, UnionFind(500)
+    edges = rng.integers(0, size, (3, 150, 2))
+    for batch in edges:
+        found.union(batch[:, 0], batch[:, 1])
+    neighbours = {i: set() for i in range(size)}
+    for a, b in edges.reshape(-1, 2):
+        neighbours[a].add(b)
+        neighbours[b].add(a)
+    expected = [-1] * size
+    for start in range(size):  # visiting in index order: each component is labelled by its smallest member
+        if expected[start] < 0:
+            stack, expected[start] = [start], start
+            while stack:
+                for other in neighbours[stack.pop()]:
+                    if expected[other] < 0:
+                        expected[other] = start
+                        stack.append(other)
+    assert found.representatives().tolist() == expected
+
+
+def _peak_heap_bytes(tmp_path, monkeypatch, name, docs):
+    """Peak traced heap of a minhash run up to its manifest (which hashes files in 4 MB reads: bounded, but
+    larger than these corpora, so it would hide the stages' own growth)."""
+    import tracemalloc
+
+    from data_tools import dedup
+
+    source, peaks = write_corpus(tmp_path / f"{name}.jsonl", docs), []
+    monkeypatch.setattr(dedup, "write_manifest", lambda *a, **k: peaks.append(tracemalloc.get_traced_memory()[1]))
+    tracemalloc.start()
+    try:
+        deduplicate([source], tmp_path / name, method="minhash", bucket_memory_mb=0.05, progress=False)
+    finally:
+        tracemalloc.stop()
+    return peaks[0]
+
+
+def test_minhash_memory_is_flat_in_corpus_size(tmp_path, monkeypatch):
+    """Peak Python/numpy heap for 4x the documents grows by far less than the signatures and band keys would take
+    in RAM (512 + 72 bytes a document at 128 permutations): only the int64 arrays per document (id offsets,
+    union-find, cluster bookkeeping: ~80 bytes at their peak) grow."""
+    from near_duplicates import make_corpus
+
+    _peak_heap_bytes(tmp_path, monkeypatch, "warm-up", make_corpus(2, 2, 2, words=40)[0])  # one-time imports
+    small, _ = make_corpus(clusters=100, copies=4, singletons=200, words=40, seed=1)
+    large, _ = make_corpus(clusters=400, copies=4, singletons=800, words=40, seed=2)
+    small_peak = _peak_heap_bytes(tmp_path, monkeypatch, "small", small)
+    large_peak = _peak_heap_bytes(tmp_path, monkeypatch, "large", large)
+    grown_per_document = (large_peak - small_peak) / (len(large) - len(small))
+    print(f"peak heap {small_peak:,} B for {len(small)} documents, {large_peak:,} B for {len(large)}")
+    assert grown_per_document < 128, (small_peak, large_peak)
+
+
+def test_interrupted_run_leaves_no_complete_looking_output(tmp_path, monkeypatch):
+    from data_tools import dedup
+
+    source = write_corpus(tmp_path / "in.jsonl", DOCS)
+    deduplicate([source], tmp_path / "out", method="minhash", progress=False)
+    assert (tmp_path / "out/manifest.json").exists()
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(dedup, "_write_clusters", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        deduplicate([source], tmp_path / "out", method="minhash", progress=False)
+    assert not (tmp_path / "out/manifest.json").exists() and not (tmp_path / "out/stats.json").exists()
+    assert not list((tmp_path / "out").glob(".staging-*"))
+
+
+def test_cli_minhash_with_workers(tmp_path):
+    from near_duplicates import make_corpus
+
+    docs, _ = make_corpus(clusters=10, copies=3, singletons=10)
+    source = write_corpus(tmp_path / "in.jsonl", docs)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    result = subprocess.run([sys.executable, "-m", "launch.cli", "data", "dedup", "--input", str(source), "--output",
+                             str(tmp_path / "cli"), "--method", "minhash", "--workers", "2",
+                             "--bucket-memory-mb", "1"], capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr
+    printed = json.loads(result.stdout)
+    assert printed["workers"] == 2 and printed["input_documents"] == len(docs) == printed["kept"] + printed["removed"]
+    deduplicate([source], tmp_path / "api", method="minhash", progress=False)
+    assert (tmp_path / "cli/clusters.jsonl").read_text() == (tmp_path / "api/clusters.jsonl").read_text()
