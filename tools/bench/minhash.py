@@ -1,18 +1,25 @@
-"""Near-duplicate detection: loom's MinHash dedup against datasketch's in-memory MinHashLSH, same run.
+"""Near-duplicate detection: loom's on-disk MinHash dedup against datasketch's in-memory MinHashLSH, same run.
 
 A generated corpus with known duplicate clusters (tests/near_duplicates.py: copies at word
 5-gram Jaccard ~0.87-0.93, plus unrelated documents) is deduplicated at threshold 0.8 by both;
-prints documents per second and pairwise precision and recall against the known clusters.
+prints documents per second and pairwise precision and recall against the known clusters. loom is
+timed end to end (read JSONL, signatures, buckets on disk, grouping, verification, writing every
+output), once per worker count; datasketch only sketches and queries in memory (no I/O).
+`--memory` instead runs loom alone on two corpus sizes (8x apart) in fresh processes and prints their peak RSS.
 
-    python tools/bench/minhash.py [--clusters 400 --copies 4 --singletons 800]
+    python tools/bench/minhash.py [--clusters 2000 --copies 4 --singletons 4000 --workers 1 2]
+    python tools/bench/minhash.py --memory [--workers 2]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -39,32 +46,117 @@ def run_datasketch(docs: list[dict], threshold: float, num_perm: int) -> tuple[l
     return [representative[r] for r in representative], time.perf_counter() - start
 
 
+def run_loom(docs: list[dict], source: Path, output: Path, threshold: float, workers: int,
+             bucket_memory_mb: float = 256) -> tuple[list[int], float, dict]:
+    start = time.perf_counter()
+    stats = deduplicate([source], output, method="minhash", threshold=threshold, workers=workers,
+                        bucket_memory_mb=bucket_memory_mb, progress=False)
+    seconds = time.perf_counter() - start
+    position = {d["id"]: i for i, d in enumerate(docs)}
+    predicted = list(range(len(docs)))
+    for line in (output / "removed" / "removed.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        predicted[position[record["id"]]] = position[record["duplicate_of"]]
+    return predicted, seconds, stats
+
+
+def write_corpus(path: Path, docs: list[dict]) -> None:
+    path.write_text("".join(json.dumps(d) + "\n" for d in docs))
+
+
+def _status_kib(pid: int | str, field: str) -> int:
+    """A memory field of /proc/<pid>/status in KiB (0 once the process is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def _sample_worker_rss(peak: list[int], stop: threading.Event) -> None:
+    """Largest RSS and anonymous RSS seen among this process's children (the pool workers), every 50 ms."""
+    me = str(os.getpid())
+    while not stop.wait(0.05):
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                if stat.read_text().rsplit(")", 1)[1].split()[1] == me:
+                    peak[0] = max(peak[0], _status_kib(stat.parent.name, "VmRSS"))
+                    peak[1] = max(peak[1], _status_kib(stat.parent.name, "RssAnon"))
+            except (OSError, IndexError):
+                continue
+
+
+def peak_rss_child(source: Path, workers: int, bucket_memory_mb: float) -> None:
+    """In a fresh process: dedup one corpus file, print peak RSS (this process, its workers) as JSON.
+
+    VmHWM rather than ru_maxrss: the latter counts the launching process's memory at fork, before exec."""
+    peak, stop = [0, 0], threading.Event()
+    sampler = threading.Thread(target=_sample_worker_rss, args=(peak, stop), daemon=True)
+    sampler.start()
+    with tempfile.TemporaryDirectory() as tmp:
+        stats = deduplicate([source], Path(tmp) / "out", method="minhash", workers=workers,
+                            bucket_memory_mb=bucket_memory_mb, progress=False)
+    stop.set()
+    sampler.join()
+    print(json.dumps({"documents": stats["input_documents"], "parent_kib": _status_kib("self", "VmHWM"),
+                      "workers_kib": peak[0], "workers_anon_kib": peak[1], "buckets": stats["buckets"], "most_passes": stats["most_passes"]}))
+
+
+def memory_bench(workers: int, bucket_memory_mb: float = 8) -> None:
+    """Peak RSS of loom for two corpus sizes (8x apart), each deduplicated in a fresh process."""
+    print(f"peak RSS of loom minhash, {workers} workers, --bucket-memory-mb {bucket_memory_mb} "
+          f"(fresh process per corpus; workers sampled every 50 ms)")
+    with tempfile.TemporaryDirectory() as tmp:
+        for clusters in (1000, 8000):
+            source = Path(tmp) / f"corpus-{clusters}.jsonl"
+            write_corpus(source, make_corpus(clusters, 4, 2 * clusters, seed=clusters)[0])
+            done = subprocess.run([sys.executable, __file__, "--child-memory", str(source), "--workers", str(workers),
+                                   "--bucket-memory-mb", str(bucket_memory_mb)],
+                                  capture_output=True, text=True, check=True)
+            row = json.loads(done.stdout.strip().splitlines()[-1])
+            print(f"{row['documents']:7d} documents ({source.stat().st_size / 1e6:5.1f} MB): parent "
+                  f"{row['parent_kib'] / 1024:5.0f} MiB, largest worker {row['workers_kib'] / 1024:5.0f} MiB "
+                  f"({row['workers_anon_kib'] / 1024:3.0f} MiB anonymous; the rest is file-backed: libraries, signature pages), "
+                  f"{row['buckets']} buckets, up to {row['most_passes']} passes per bucket")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--clusters", type=int, default=400)
+    parser.add_argument("--clusters", type=int, default=2000)
     parser.add_argument("--copies", type=int, default=4)
-    parser.add_argument("--singletons", type=int, default=800)
+    parser.add_argument("--singletons", type=int, default=4000)
     parser.add_argument("--threshold", type=float, default=0.8)
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="loom worker counts to run")
+    parser.add_argument("--memory", action="store_true", help="peak RSS for two corpus sizes instead")
+    parser.add_argument("--bucket-memory-mb", type=float, default=8, help="--memory: loom's grouping budget")
+    parser.add_argument("--child-memory", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child_memory:
+        return peak_rss_child(args.child_memory, args.workers[-1], args.bucket_memory_mb)
+    if args.memory:
+        return memory_bench(args.workers[-1], args.bucket_memory_mb)
     docs, truth = make_corpus(args.clusters, args.copies, args.singletons)
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         source = Path(tmp) / "corpus.jsonl"
-        source.write_text("".join(json.dumps(d) + "\n" for d in docs))
-        start = time.perf_counter()
-        deduplicate([source], Path(tmp) / "out", method="minhash", threshold=args.threshold)
-        loom_s = time.perf_counter() - start
-        position = {d["id"]: i for i, d in enumerate(docs)}
-        predicted = list(range(len(docs)))
-        for line in (Path(tmp) / "out" / "removed" / "removed.jsonl").read_text().splitlines():
-            record = json.loads(line)
-            predicted[position[record["id"]]] = position[record["duplicate_of"]]
+        write_corpus(source, docs)
+        for workers in args.workers:
+            predicted, seconds, stats = run_loom(docs, source, Path(tmp) / f"out-{workers}", args.threshold, workers)
+            rows.append((f"loom minhash on disk, {workers} worker{'s' * (workers > 1)}", predicted, seconds))
+            print(f"  loom {workers} worker(s): signatures {stats['signature_seconds']} s, grouping "
+                  f"{stats['grouping_seconds']} s, {stats['buckets']} buckets, {stats['candidate_pairs']} candidate "
+                  f"pairs, {stats['verified_pairs']} verified", file=sys.stderr)
     ds_predicted, ds_s = run_datasketch(docs, args.threshold, 128)
-    print(f"{len(docs)} documents, {args.clusters} clusters of {args.copies}, threshold {args.threshold}, 128 permutations")
-    for name, labels, seconds in (("loom minhash (1 process, end to end)", predicted, loom_s),
-                                  ("datasketch MinHashLSH (in memory)", ds_predicted, ds_s)):
+    rows.append(("datasketch MinHashLSH (in memory)", ds_predicted, ds_s))
+    print(f"{len(docs)} documents, {args.clusters} clusters of {args.copies}, threshold {args.threshold}, "
+          f"128 permutations")
+    for name, labels, seconds in rows:
         precision, recall = pair_scores(truth, labels)
         print(f"{name:40} {len(docs) / seconds:8.0f} docs/s  precision {precision:.3f}  recall {recall:.3f}")
-    print(f"speed ratio loom / datasketch: {ds_s / loom_s:.2f}")
+    for name, _, seconds in rows[:-1]:
+        print(f"speed ratio {name} / datasketch: {ds_s / seconds:.2f}")
 
 
 if __name__ == "__main__":
