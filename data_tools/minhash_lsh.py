@@ -149,8 +149,8 @@ def candidate_pairs(entries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     first = docs[np.maximum.accumulate(np.where(run_start, np.arange(len(keys)), 0))]
     paired = ~run_start & (first != docs)
     # The same pair can share keys in several bands of one bucket: verify it once.
-    packed = np.unique((first[paired] << 32) | docs[paired])
-    return packed >> 32, packed & 0xFFFFFFFF
+    packed = np.unique((first[paired].astype(np.uint64) << np.uint64(32)) | docs[paired].astype(np.uint64))
+    return (packed >> np.uint64(32)).astype(np.int64), (packed & np.uint64(0xFFFFFFFF)).astype(np.int64)
 
 
 def group_bucket(bucket: int, staging: str, plan: LshPlan, documents: int) -> tuple[np.ndarray, np.ndarray, dict]:

@@ -282,3 +282,13 @@ def test_cli_minhash_with_workers(tmp_path):
     assert printed["workers"] == 2 and printed["input_documents"] == len(docs) == printed["kept"] + printed["removed"]
     deduplicate([source], tmp_path / "api", method="minhash", progress=False)
     assert (tmp_path / "cli/clusters.jsonl").read_text() == (tmp_path / "api/clusters.jsonl").read_text()
+
+
+def test_candidate_pairs_join_each_document_to_the_first_with_its_key():
+    from data_tools.minhash_lsh import ENTRY, candidate_pairs
+
+    entries = np.zeros(6, ENTRY)
+    entries["key"] = [7, 3, 7, 3, 7, 9]
+    entries["doc"] = [4_000_000_000, 2, 3_000_000_000, 1, 5, 8]  # indices past 2^31 survive the pair packing
+    first, other = candidate_pairs(entries)
+    assert list(zip(first.tolist(), other.tolist())) == [(1, 2), (5, 3_000_000_000), (5, 4_000_000_000)]
