@@ -292,3 +292,20 @@ def test_candidate_pairs_join_each_document_to_the_first_with_its_key():
     entries["doc"] = [4_000_000_000, 2, 3_000_000_000, 1, 5, 8]  # indices past 2^31 survive the pair packing
     first, other = candidate_pairs(entries)
     assert list(zip(first.tolist(), other.tolist())) == [(1, 2), (5, 3_000_000_000), (5, 4_000_000_000)]
+
+
+def test_minhash_counts_bad_lines_and_a_truncated_gz_fails_cleanly(tmp_path):
+    import gzip
+
+    from near_duplicates import make_corpus
+
+    docs, _ = make_corpus(clusters=5, copies=2, singletons=5)
+    lines = "".join(json.dumps(d) + "\n" for d in docs) + "{broken\n" + json.dumps({"id": "x"}) + "\n"
+    (tmp_path / "in.jsonl").write_text(lines)
+    stats = deduplicate([tmp_path / "in.jsonl"], tmp_path / "out", method="minhash", progress=False)
+    assert stats["input"]["bad_lines"] == 2 and stats["kept"] + stats["removed"] == len(docs)
+    packed = gzip.compress(lines.encode() * 20)
+    (tmp_path / "cut.jsonl.gz").write_bytes(packed[:len(packed) // 2])
+    with pytest.raises(InputError, match="truncated or corrupt"):
+        deduplicate([tmp_path / "cut.jsonl.gz"], tmp_path / "cut", method="minhash", workers=2, progress=False)
+    assert not [p for p in (tmp_path / "cut").rglob("*")]  # not even the staging folder
