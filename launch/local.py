@@ -14,6 +14,7 @@ import multiprocessing.connection
 import os
 import signal
 import socket
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -57,7 +58,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world: int, port: int, raw_config: dict, threads: int, errors, mode: str) -> None:
+def _die_with_launcher(launcher_pid: int) -> None:
+    """A launcher killed with SIGKILL cannot stop its ranks; ask Linux to kill them when it dies."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != launcher_pid:  # it died before the request took effect
+        os._exit(1)
+
+
+def _rank_main(rank: int, world: int, port: int, raw_config: dict, threads: int, errors, mode: str,
+               launcher_pid: int) -> None:
+    _die_with_launcher(launcher_pid)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
@@ -83,7 +97,7 @@ def launch_local(config: LoomConfig, nproc: int, grace_s: float = 5.0, mode: str
     port = free_port()
     threads = max(1, (os.cpu_count() or 1) // nproc)
     raw = config_to_dict(config)
-    procs = [ctx.Process(target=_rank_main, args=(r, nproc, port, raw, threads, errors, mode), daemon=False)
+    procs = [ctx.Process(target=_rank_main, args=(r, nproc, port, raw, threads, errors, mode, os.getpid()), daemon=False)
              for r in range(nproc)]
     stop_signals: list[str] = []
 

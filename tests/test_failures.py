@@ -118,3 +118,26 @@ def test_nan_loss_under_skip_policy_drops_only_that_update(dataset, tmp_path):
     for key, value in before.items():
         assert (skipped[key] == value).all(), key
     assert any((after[key] != value).any() for key, value in before.items())
+
+
+def test_ranks_die_with_a_killed_launcher(dataset, tmp_path):
+    proc = subprocess.Popen(train_command(dataset, tmp_path, "--train.steps", "100000"), cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    wait_for_step(tmp_path, 1, proc)
+    ranks = [int(pid) for pid in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                                 text=True).stdout.split()]
+    assert ranks
+    proc.kill()  # SIGKILL: the launcher gets no chance to stop its ranks itself
+    proc.wait()
+
+    def alive(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 20
+    while any(alive(pid) for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(alive(pid) for pid in ranks)
