@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from data_tools.jsonl import InputError, JsonlStats, check_inputs, iter_jsonl
 from data_tools.manifest import write_manifest
-from data_tools.parallel import imap_ordered
+from data_tools.parallel import chunked, imap_ordered
 from data_tools.word_cache import WordCache, word_splittable
 from engine.data.indexed import IndexedDatasetWriter, dtype_for_vocab
 
@@ -82,16 +82,7 @@ def encode_batch(model_path: str, texts: list[str], eod: int | None, dtype: str,
 
 def iter_batches(records: Iterable[dict], text_key: str) -> Iterator[list[str]]:
     """Texts grouped into batches of at most BATCH_DOCUMENTS documents or about BATCH_CHARACTERS characters."""
-    batch, characters = [], 0
-    for record in records:
-        text = record[text_key]
-        batch.append(text)
-        characters += len(text)
-        if len(batch) >= BATCH_DOCUMENTS or characters >= BATCH_CHARACTERS:
-            yield batch
-            batch, characters = [], 0
-    if batch:
-        yield batch
+    return chunked((record[text_key] for record in records), BATCH_DOCUMENTS, BATCH_CHARACTERS)
 
 
 def _encoded_in_order(batches: Iterable[list[str]], model_path: str, eod: int | None, dtype: str,

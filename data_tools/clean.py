@@ -28,7 +28,7 @@ from typing import IO, Iterable, Iterator
 from data_tools.atomic import atomic_path
 from data_tools.jsonl import InputError, JsonlStats, check_inputs, iter_jsonl
 from data_tools.manifest import write_manifest
-from data_tools.parallel import imap_ordered
+from data_tools.parallel import chunked, imap_ordered
 from data_tools.pipeline import apply_steps, built_steps, load_pipeline_spec, resolve_pipeline_path
 from data_tools.progress import Progress
 
@@ -51,18 +51,8 @@ def clean_chunk(spec: list[dict], records: list[dict], text_key: str) -> list[tu
 
 def _chunks(records: Iterable[dict], text_key: str, sizes: list[int]) -> Iterator[list[dict]]:
     """Records in chunks; the UTF-8 size of each chunk's texts is appended to `sizes` (for MB/s)."""
-    chunk, characters, nbytes = [], 0, 0
-    for record in records:
-        text = record[text_key]
-        chunk.append(record)
-        characters += len(text)
-        nbytes += len(text.encode("utf-8", "surrogatepass"))
-        if len(chunk) >= CHUNK_DOCUMENTS or characters >= CHUNK_CHARACTERS:
-            sizes.append(nbytes)
-            yield chunk
-            chunk, characters, nbytes = [], 0, 0
-    if chunk:
-        sizes.append(nbytes)
+    for chunk in chunked(records, CHUNK_DOCUMENTS, CHUNK_CHARACTERS, lambda record: len(record[text_key])):
+        sizes.append(sum(len(record[text_key].encode("utf-8", "surrogatepass")) for record in chunk))
         yield chunk
 
 

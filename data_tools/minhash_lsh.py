@@ -31,7 +31,7 @@ import numpy as np
 
 from data_tools.jsonl import InputError
 from data_tools.minhash import band_keys, optimal_bands, permutations, signatures, similar
-from data_tools.parallel import imap_ordered
+from data_tools.parallel import chunked, imap_ordered
 from data_tools.union_find import UnionFind
 
 ENTRY = np.dtype([("key", "<u8"), ("doc", "<u4")])
@@ -179,23 +179,11 @@ def group_bucket(bucket: int, staging: str, plan: LshPlan, documents: int) -> tu
     return np.concatenate(firsts), np.concatenate(others), counts
 
 
-def _chunks(texts: Iterable[str]) -> Iterator[list[str]]:
-    chunk, characters = [], 0
-    for text in texts:
-        chunk.append(text)
-        characters += len(text)
-        if len(chunk) >= CHUNK_DOCUMENTS or characters >= CHUNK_CHARACTERS:
-            yield chunk
-            chunk, characters = [], 0
-    if chunk:
-        yield chunk
-
-
 def _signing_tasks(texts: Iterable[str], staging: Path, plan: LshPlan, counter: list[int]) -> Iterator[tuple]:
     """Chunks as sign_chunk tasks; grows the signature file to hold each chunk's rows before handing it out."""
     row_bytes = plan.num_perm * 4
     path = staging / SIGNATURES_NAME
-    for chunk in _chunks(texts):
+    for chunk in chunked(texts, CHUNK_DOCUMENTS, CHUNK_CHARACTERS):
         first = counter[0]
         if first + len(chunk) > MAX_DOCUMENTS:
             raise InputError(f"more than {MAX_DOCUMENTS:,} documents in one minhash run; split the input")

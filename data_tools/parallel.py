@@ -10,7 +10,25 @@ from __future__ import annotations
 
 import multiprocessing
 from collections import deque
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, TypeVar
+
+Item = TypeVar("Item")
+
+
+def chunked(items: Iterable[Item], max_items: int, max_characters: int,
+            characters: Callable[[Item], int] = len) -> Iterator[list[Item]]:
+    """Items in lists of at most `max_items`, each closed early once it holds `max_characters`, so a
+    task's memory and time stay bounded whatever the document sizes."""
+    chunk: list[Item] = []
+    total = 0
+    for item in items:
+        chunk.append(item)
+        total += characters(item)
+        if len(chunk) >= max_items or total >= max_characters:
+            yield chunk
+            chunk, total = [], 0
+    if chunk:
+        yield chunk
 
 
 def imap_ordered(function: Callable[..., Any], tasks: Iterable[tuple], workers: int,
