@@ -14,6 +14,7 @@ import math
 import os
 import time
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -47,6 +48,12 @@ def pick_device(choice: str, local_rank: int) -> torch.device:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+class StopRequest(Protocol):
+    """Set by a launcher's signal handler (launch/env.py StopSignals): 0 goes on, larger is more urgent."""
+
+    code: int
 
 
 PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -244,14 +251,14 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _agreed_stop(self, stop) -> int:
+    def _agreed_stop(self, stop: StopRequest) -> int:
         """The most urgent stop code any rank holds (signals reach ranks at different moments)."""
         code = torch.tensor([stop.code], dtype=torch.int64, device=self.device)
         dist.all_reduce(code, op=dist.ReduceOp.MAX)
         stop.code = int(code.item())
         return stop.code
 
-    def run(self, stop=None) -> list[dict]:
+    def run(self, stop: StopRequest | None = None) -> list[dict]:
         """Train for train.steps (or until early stopping); return the logged rows.
 
         `stop` (optional) has an int attribute `code` that a signal handler sets (0: go on); at each

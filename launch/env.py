@@ -33,13 +33,11 @@ class StopSignals:
 
     def __init__(self, actions: dict[signal.Signals, int]):
         self.code = 0
-        self.received: list[str] = []
         self._actions = actions
         for signum in actions:
             signal.signal(signum, self._handle)
 
     def _handle(self, signum: int, frame) -> None:
-        self.received.append(signal.Signals(signum).name)
         self.code = max(self.code, self._actions[signal.Signals(signum)])
 
 
