@@ -20,6 +20,8 @@ A rank that fails writes its error, rank and host to RUN_DIR/slurm/failures/, an
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import re
@@ -112,7 +114,8 @@ def _slurm_command(args: list[str]) -> str:
                           f"(a login node); use `loom train --nproc N` on a single machine")
     result = subprocess.run(args, capture_output=True, text=True, timeout=60)
     if result.returncode != 0:
-        raise ConfigError(f"`{' '.join(args)}` failed: {result.stderr.strip() or result.stdout.strip()}")
+        lines = (result.stderr.strip() or result.stdout.strip() or f"exit code {result.returncode}").splitlines()
+        raise ConfigError(f"`{' '.join(args)}` failed: {lines[-1]}")
     return result.stdout
 
 
@@ -209,11 +212,12 @@ def submit(config: LoomConfig, options: SlurmOptions):
     folder = Path(config.train.run_dir) / "slurm"
     executor = submitit.SlurmExecutor(folder=folder)
     executor.update_parameters(**parameters)
-    try:
-        job = executor.submit(TrainingJob(config_to_dict(config)))
-    except subprocess.CalledProcessError as error:
-        output = (error.stderr or error.output or b"").decode(errors="replace").strip()
-        raise ConfigError(f"sbatch refused the job: {output.splitlines()[-1] if output else error}") from None
+    try:  # submitit prints sbatch's stderr on failure; the error below says it in one line instead
+        with contextlib.redirect_stderr(io.StringIO()):
+            job = executor.submit(TrainingJob(config_to_dict(config)))
+    except submitit.core.utils.FailedJobError as error:  # sbatch's own refusal, e.g. too much memory
+        lines = [line.removeprefix("sbatch: error: ") for line in str(error).strip().splitlines()]
+        raise ConfigError(f"sbatch refused the job: {'; '.join(lines)}") from None
     record = {"job_id": job.job_id, "submitted": time.strftime("%Y-%m-%dT%H:%M:%S"), "options": asdict(options)}
     with open(folder / "jobs.jsonl", "a") as jobs:
         jobs.write(json.dumps(record) + "\n")

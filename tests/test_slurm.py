@@ -82,8 +82,10 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 def job_count(env: dict) -> int:
-    out = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%i"], capture_output=True, text=True, env=env).stdout
-    return len(out.split())
+    """Jobs slurmctld knows, less the records it keeps of submissions sbatch refused (never run)."""
+    out = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%i %r"], capture_output=True, text=True,
+                         env=env).stdout
+    return sum(not line.endswith("BadConstraints") for line in out.splitlines())
 
 
 def wait_until(condition, timeout_s: float, what: str) -> None:
@@ -178,6 +180,8 @@ def test_failing_rank_ends_the_job_with_its_message(slurm, dataset, tmp_path):
                                                "Not a directory"),
     (["--time", "1"], "error: --time 1 min leaves no room before the checkpoint signal"),
     (["--sbatch", "comment=a\nb"], "error: --sbatch comment: the value contains a control character"),
+    (["--mem-gb", "100000"], "error: sbatch refused the job: Memory specification can not be satisfied; "
+                             "Batch job submission failed: Requested node configuration is not available"),
 ])
 def test_bad_submission_is_one_line_and_submits_nothing(slurm, dataset, tmp_path, args, message):
     before = job_count(slurm)
