@@ -56,12 +56,12 @@ LAYOUTS = {
     "dp2-recompute-full": (2, dict(model__recompute="full")),
     "tp2-dp2-sp-selective": (4, dict(parallel__tp=2, parallel__sequence_parallel=True,
                                      model__recompute="selective")),
-    "tp4-dp2-sp": (8, dict(parallel__tp=4, parallel__sequence_parallel=True, train__micro_batch_size=1)),
+    "tp4-sp": (4, dict(parallel__tp=4, parallel__sequence_parallel=True)),
     "pp2": (2, dict(parallel__pp=2)),
     "pp2-vp2": (2, dict(parallel__pp=2, parallel__vp=2)),
     "pp2-vp2-tp2-dp2-sp": (8, dict(parallel__pp=2, parallel__vp=2, parallel__tp=2, parallel__sequence_parallel=True,
                                    train__micro_batch_size=1)),
-    "pp4-dp2-tied": (8, dict(parallel__pp=4, model__tie_embeddings=True, train__micro_batch_size=1)),
+    "pp4-tied": (4, dict(parallel__pp=4, model__tie_embeddings=True)),
 }
 
 
