@@ -211,7 +211,7 @@ class Trainer:
         if self.loss_scaler is not None:
             row.update(loss_scale=scale, skipped_steps=self.loss_scaler.skipped_steps)
         self._apply_nan_policy(result["nonfinite"], loss, result["grad_norm"])
-        if self.skipped_in_a_row or result["nonfinite"]:
+        if self.skipped_in_a_row:
             row["nonfinite_skipped"] = self.skipped_in_a_row
         return row
 

@@ -87,11 +87,9 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
     config = load_config(resolve_config_path(args.config), overrides)
     external = args.nproc is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if external:  # one rank of torchrun or srun: checkpoint and stop on SIGTERM/Ctrl-C like --nproc does
-        import signal
-
         from launch.env import StopSignals
 
-        run_rank(config, stop=StopSignals({signal.SIGTERM: StopSignals.EXIT, signal.SIGINT: StopSignals.EXIT}))
+        run_rank(config, stop=StopSignals.exit_on_terminate())
         return
     nproc = args.nproc or 1
     preflight(config, nproc)

@@ -37,6 +37,11 @@ class StopSignals:
         for signum in actions:
             signal.signal(signum, self._handle)
 
+    @classmethod
+    def exit_on_terminate(cls) -> StopSignals:
+        """What a rank of `loom train` does (local, torchrun or srun): SIGTERM and Ctrl-C save and stop."""
+        return cls({signal.SIGTERM: cls.EXIT, signal.SIGINT: cls.EXIT})
+
     def _handle(self, signum: int, frame) -> None:
         self.code = max(self.code, self._actions[signal.Signals(signum)])
 

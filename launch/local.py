@@ -79,7 +79,7 @@ def _rank_main(rank: int, world: int, port: int, raw_config: dict, threads: int,
     from launch.env import StopSignals, run_rank
 
     torch.set_num_threads(threads)
-    stop = StopSignals({signal.SIGTERM: StopSignals.EXIT, signal.SIGINT: StopSignals.EXIT})
+    stop = StopSignals.exit_on_terminate()
     config = config_from_dict(raw_config)
     try:
         run_rank(config, mode, stop)

@@ -108,11 +108,14 @@ def parse_sbatch_options(pairs: list[str]) -> dict[str, str | bool]:
     return options
 
 
-def _slurm_command(args: list[str]) -> str:
+def _slurm_command(args: list[str], timeout_s: float = 60) -> str:
     if shutil.which(args[0]) is None:
         raise ConfigError(f"`{args[0]}` is not on PATH: loom submit runs where Slurm's commands do "
                           f"(a login node); use `loom train --nproc N` on a single machine")
-    result = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    try:
+        result = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise ConfigError(f"`{' '.join(args)}` did not answer within {timeout_s:g} s (is slurmctld running?)") from None
     if result.returncode != 0:
         lines = (result.stderr.strip() or result.stdout.strip() or f"exit code {result.returncode}").splitlines()
         raise ConfigError(f"`{' '.join(args)}` failed: {lines[-1]}")
@@ -124,26 +127,25 @@ def slurm_unavailable() -> str | None:
     if shutil.which("sbatch") is None or shutil.which("sinfo") is None:
         return "no sbatch/sinfo on PATH"
     try:
-        result = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True, timeout=15)
-    except subprocess.TimeoutExpired:
-        return "sinfo did not answer within 15 s (is slurmctld running?)"
-    if result.returncode != 0:
-        message = (result.stderr.strip() or result.stdout.strip()).splitlines()
-        return f"sinfo failed: {message[-1] if message else result.returncode}"
+        _slurm_command(["sinfo", "-h", "-o", "%P"], timeout_s=15)
+    except ConfigError as error:
+        return str(error)
     return None
 
 
 def partition_gpus(partition: str | None) -> int:
     """GPUs per node the partition advertises (its GRES), checking that the partition exists."""
-    listing = _slurm_command(["sinfo", "-h", "-o", "%R|%G"])
+    listing = _slurm_command(["sinfo", "-h", "-o", "%P|%G"])  # %P marks the default partition with '*'
     partitions: dict[str, int] = {}
+    default = None
     for line in listing.splitlines():
         name, _, gres = line.partition("|")
+        if name.endswith("*"):
+            name = default = name.rstrip("*")
         found = re.search(r"gpu(?::[^:,(]+)?:(\d+)", gres)
         partitions[name] = max(partitions.get(name, 0), int(found.group(1)) if found else 0)
     if partition is None:
-        default = _slurm_command(["sinfo", "-h", "-o", "%P"]).split()
-        partition = next((p.rstrip("*") for p in default if p.endswith("*")), None)
+        partition = default
         if partition is None:
             raise ConfigError("this cluster has no default partition; pass --partition (sinfo lists: "
                               f"{', '.join(sorted(partitions))})")

@@ -102,8 +102,7 @@ def install_packages() -> None:
 
 def _alive(pid_file: Path) -> bool:
     try:
-        os.kill(int(pid_file.read_text()), 0)
-        return True
+        return _pid_running(int(pid_file.read_text()))
     except (OSError, ValueError):
         return False
 
