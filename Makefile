@@ -2,7 +2,7 @@
 VENV := .venv
 INSTALLED := $(VENV)/.loom-installed
 
-.PHONY: demo test setup
+.PHONY: demo test lint setup
 
 $(INSTALLED): pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh
@@ -14,3 +14,7 @@ demo: $(INSTALLED)
 
 test: $(INSTALLED)
 	$(VENV)/bin/python -m pytest -q
+
+lint: $(INSTALLED)
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .

@@ -24,11 +24,11 @@ import numpy as np
 import sentencepiece
 from tqdm import tqdm
 
-from data_tools.jsonl import InputError, JsonlStats, check_inputs, iter_jsonl
-from data_tools.manifest import write_manifest
-from data_tools.parallel import chunked, imap_ordered
-from data_tools.word_cache import WordCache, word_splittable
-from engine.data.indexed import IndexedDatasetWriter, dtype_for_vocab
+from loom.data_tools.jsonl import InputError, JsonlStats, check_inputs, iter_jsonl
+from loom.data_tools.manifest import write_manifest
+from loom.data_tools.parallel import chunked, imap_ordered
+from loom.data_tools.word_cache import WordCache, word_splittable
+from loom.engine.data.indexed import IndexedDatasetWriter, dtype_for_vocab
 
 BATCH_DOCUMENTS = 512
 BATCH_CHARACTERS = 1 << 20
@@ -42,8 +42,7 @@ def load_processor(model_path: str) -> sentencepiece.SentencePieceProcessor:
     return sentencepiece.SentencePieceProcessor(model_file=model_path)
 
 
-def _encode_arrays(processor: sentencepiece.SentencePieceProcessor, texts: list[str],
-                   threads: int) -> list[np.ndarray]:
+def _encode_arrays(processor: sentencepiece.SentencePieceProcessor, texts: list[str], threads: int) -> list[np.ndarray]:
     try:
         return processor.encode(texts, out_type="numpy", num_threads=threads)
     except (ValueError, TypeError):
@@ -58,8 +57,9 @@ def word_cache(model_path: str) -> WordCache | None:
     return WordCache(processor) if word_splittable(processor) else None
 
 
-def encode_batch(model_path: str, texts: list[str], eod: int | None, dtype: str,
-                 threads: int = 1, use_word_cache: bool = True) -> tuple[np.ndarray, np.ndarray]:
+def encode_batch(
+    model_path: str, texts: list[str], eod: int | None, dtype: str, threads: int = 1, use_word_cache: bool = True
+) -> tuple[np.ndarray, np.ndarray]:
     """(tokens back to back, tokens per document) for a batch of texts, each followed by `eod` if given."""
     cache = word_cache(model_path) if use_word_cache else None
     if cache is not None:
@@ -85,8 +85,9 @@ def iter_batches(records: Iterable[dict], text_key: str) -> Iterator[list[str]]:
     return chunked((record[text_key] for record in records), BATCH_DOCUMENTS, BATCH_CHARACTERS)
 
 
-def _encoded_in_order(batches: Iterable[list[str]], model_path: str, eod: int | None, dtype: str,
-                      workers: int, use_word_cache: bool) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+def _encoded_in_order(
+    batches: Iterable[list[str]], model_path: str, eod: int | None, dtype: str, workers: int, use_word_cache: bool
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Encoded batches in input order; with workers > 1 from a spawn pool with bounded look-ahead."""
     # One worker encodes in this process with SentencePiece's threads; several each use one thread.
     threads = (os.cpu_count() or 1) if workers <= 1 else 1
@@ -101,14 +102,25 @@ def _tokenizer_facts(tokenizer_model: str | Path, append_eod: bool) -> tuple[str
     processor = load_processor(str(model_path))
     eod = processor.eos_id() if append_eod else None
     if append_eod and eod < 0:
-        raise InputError(f"tokenizer {model_path} has no end-of-document (eos) piece; build without --append-eod "
-                         f"or retrain it with `loom data tokenizer`")
+        raise InputError(
+            f"tokenizer {model_path} has no end-of-document (eos) piece; build without --append-eod "
+            f"or retrain it with `loom data tokenizer`"
+        )
     return str(model_path), processor.vocab_size(), eod
 
 
-def build_indexed_dataset(inputs: Iterable[str | Path], tokenizer_model: str | Path, output_prefix: str | Path,
-                          workers: int = 1, text_key: str = "text", append_eod: bool = True, *,
-                          progress: bool = True, manifest: bool = True, use_word_cache: bool = True) -> dict:
+def build_indexed_dataset(
+    inputs: Iterable[str | Path],
+    tokenizer_model: str | Path,
+    output_prefix: str | Path,
+    workers: int = 1,
+    text_key: str = "text",
+    append_eod: bool = True,
+    *,
+    progress: bool = True,
+    manifest: bool = True,
+    use_word_cache: bool = True,
+) -> dict:
     """Tokenize every document of `inputs` into output_prefix.bin/.idx (+ .manifest.json); returns counts and speed."""
     started = time.time()
     paths = check_inputs(inputs)
@@ -127,18 +139,37 @@ def build_indexed_dataset(inputs: Iterable[str | Path], tokenizer_model: str | P
             bar.update(len(lengths))
             bar.set_postfix(tokens=f"{tokens / 1e6:.1f}M", refresh=False)
         if documents == 0:
-            raise InputError(f"no documents with a string {text_key!r} field in {', '.join(map(str, paths))}; "
-                             f"nothing written")
+            raise InputError(
+                f"no documents with a string {text_key!r} field in {', '.join(map(str, paths))}; nothing written"
+            )
     seconds = time.perf_counter() - start
-    result = {"output_prefix": str(output_prefix), "documents": documents, "tokens": tokens,
-              "bad_lines": stats.bad_lines, "seconds": round(seconds, 2),
-              "tokens_per_s": round(tokens / seconds), "docs_per_s": round(documents / seconds),
-              "dtype": dtype.name, "vocab_size": vocab_size, "input": stats.as_dict()}
+    result = {
+        "output_prefix": str(output_prefix),
+        "documents": documents,
+        "tokens": tokens,
+        "bad_lines": stats.bad_lines,
+        "seconds": round(seconds, 2),
+        "tokens_per_s": round(tokens / seconds),
+        "docs_per_s": round(documents / seconds),
+        "dtype": dtype.name,
+        "vocab_size": vocab_size,
+        "input": stats.as_dict(),
+    }
     if manifest:
-        write_manifest(output_prefix, command="loom data build", inputs=[*paths, model_path],
-                       outputs=[f"{output_prefix}.bin", f"{output_prefix}.idx"],
-                       parameters={"tokenizer": model_path, "text_key": text_key, "append_eod": append_eod,
-                                   "workers": workers, "dtype": dtype.name},
-                       counts={"documents": documents, "tokens": tokens, "bad_lines": stats.bad_lines},
-                       started=started, is_folder=False)
+        write_manifest(
+            output_prefix,
+            command="loom data build",
+            inputs=[*paths, model_path],
+            outputs=[f"{output_prefix}.bin", f"{output_prefix}.idx"],
+            parameters={
+                "tokenizer": model_path,
+                "text_key": text_key,
+                "append_eod": append_eod,
+                "workers": workers,
+                "dtype": dtype.name,
+            },
+            counts={"documents": documents, "tokens": tokens, "bad_lines": stats.bad_lines},
+            started=started,
+            is_folder=False,
+        )
     return result

@@ -25,12 +25,17 @@ from collections import Counter
 from pathlib import Path
 from typing import IO, Iterable, Iterator
 
-from data_tools.atomic import atomic_path
-from data_tools.jsonl import InputError, JsonlStats, check_inputs, iter_jsonl
-from data_tools.manifest import write_manifest
-from data_tools.parallel import chunked, imap_ordered
-from data_tools.pipeline import apply_steps, built_steps, load_pipeline_spec, resolve_pipeline_path
-from data_tools.progress import Progress
+from loom.data_tools.atomic import atomic_path
+from loom.data_tools.jsonl import InputError, JsonlStats, check_inputs, iter_jsonl
+from loom.data_tools.manifest import write_manifest
+from loom.data_tools.parallel import chunked, imap_ordered
+from loom.data_tools.pipeline import (
+    apply_steps,
+    built_steps,
+    load_pipeline_spec,
+    resolve_pipeline_path,
+)
+from loom.data_tools.progress import Progress
 
 CHUNK_DOCUMENTS = 256
 CHUNK_CHARACTERS = 4 << 20
@@ -113,9 +118,16 @@ def _prepare_output(output: Path) -> None:
     (output / "manifest.json").unlink(missing_ok=True)
 
 
-def clean_corpus(inputs: Iterable[str | Path], output: str | Path, pipeline: str | Path = "default",
-                 workers: int = 1, text_key: str = "text", split_by_language: bool = False, *,
-                 progress: bool = True) -> dict:
+def clean_corpus(
+    inputs: Iterable[str | Path],
+    output: str | Path,
+    pipeline: str | Path = "default",
+    workers: int = 1,
+    text_key: str = "text",
+    split_by_language: bool = False,
+    *,
+    progress: bool = True,
+) -> dict:
     """Clean every document of `inputs` into the folder `output`; returns the stats written to stats.json."""
     started, start = time.time(), time.perf_counter()
     paths, output = check_inputs(inputs), Path(output)
@@ -133,8 +145,9 @@ def clean_corpus(inputs: Iterable[str | Path], output: str | Path, pipeline: str
     try:
         with Progress("clean", progress) as bar:
             chunks = _chunks(iter_jsonl(paths, text_key, stats), text_key, sizes)
-            for position, outcomes in enumerate(imap_ordered(clean_chunk, ((spec, chunk, text_key) for chunk in chunks),
-                                                             workers)):
+            for position, outcomes in enumerate(
+                imap_ordered(clean_chunk, ((spec, chunk, text_key) for chunk in chunks), workers)
+            ):
                 for record, rejection in outcomes:
                     if rejection is None:
                         kept += 1
@@ -144,33 +157,55 @@ def clean_corpus(inputs: Iterable[str | Path], output: str | Path, pipeline: str
                     else:
                         step, rule, detail = rejection
                         rejected_by[step][rule] += 1
-                        outputs.write(f"rejected/{step}.jsonl",
-                                      {**record, "rejected_by": step, "reason": rule, "detail": detail})
+                        outputs.write(
+                            f"rejected/{step}.jsonl", {**record, "rejected_by": step, "reason": rule, "detail": detail}
+                        )
                 bar.update(len(outcomes), sizes[position], kept=kept)
         if stats.documents == 0:
-            raise InputError(f"no documents with a string {text_key!r} field in {', '.join(map(str, paths))}; "
-                             f"nothing written")
+            raise InputError(
+                f"no documents with a string {text_key!r} field in {', '.join(map(str, paths))}; nothing written"
+            )
         written = outputs.commit()
     except BaseException:
         outputs.abort()
         raise
     seconds = time.perf_counter() - start
     result = {
-        "pipeline": str(pipeline_path), "steps": step_names,
-        "documents": stats.documents, "kept": kept, "rejected": stats.documents - kept,
-        "bad_lines": stats.bad_lines, "blank_lines": stats.blank_lines, "lines": stats.lines,
-        "rejected_by": {name: {"documents": sum(rules.values()), "rules": dict(rules.most_common())}
-                        for name, rules in rejected_by.items()},
+        "pipeline": str(pipeline_path),
+        "steps": step_names,
+        "documents": stats.documents,
+        "kept": kept,
+        "rejected": stats.documents - kept,
+        "bad_lines": stats.bad_lines,
+        "blank_lines": stats.blank_lines,
+        "lines": stats.lines,
+        "rejected_by": {
+            name: {"documents": sum(rules.values()), "rules": dict(rules.most_common())}
+            for name, rules in rejected_by.items()
+        },
         **({"kept_by_language": dict(kept_by_language.most_common())} if kept_by_language else {}),
-        "input_mb": round(sum(sizes) / 1e6, 2), "seconds": round(seconds, 2),
-        "docs_per_s": round(stats.documents / seconds, 1), "mb_per_s": round(sum(sizes) / 1e6 / seconds, 2),
+        "input_mb": round(sum(sizes) / 1e6, 2),
+        "seconds": round(seconds, 2),
+        "docs_per_s": round(stats.documents / seconds, 1),
+        "mb_per_s": round(sum(sizes) / 1e6 / seconds, 2),
         "input": stats.as_dict(),
     }
     with atomic_path(output / "stats.json") as tmp:
         tmp.write_text(json.dumps(result, indent=1) + "\n")
-    write_manifest(output, command="loom data clean", inputs=paths, outputs=[*written, output / "stats.json"],
-                   parameters={"pipeline": str(pipeline_path), "steps": spec, "text_key": text_key,
-                               "workers": workers, "split_by_language": split_by_language},
-                   counts={k: result[k] for k in ("documents", "kept", "rejected", "bad_lines", "blank_lines")},
-                   started=started, is_folder=True)
+    write_manifest(
+        output,
+        command="loom data clean",
+        inputs=paths,
+        outputs=[*written, output / "stats.json"],
+        parameters={
+            "pipeline": str(pipeline_path),
+            "steps": spec,
+            "text_key": text_key,
+            "workers": workers,
+            "split_by_language": split_by_language,
+        },
+        counts={k: result[k] for k in ("documents", "kept", "rejected", "bad_lines", "blank_lines")},
+        started=started,
+        is_folder=True,
+    )
     return result

@@ -16,8 +16,8 @@ from typing import Iterator
 
 from tqdm import tqdm
 
-from data_tools.jsonl import InputError, write_jsonl_atomic
-from data_tools.manifest import write_manifest
+from loom.data_tools.jsonl import InputError, write_jsonl_atomic
+from loom.data_tools.manifest import write_manifest
 
 SOURCE_NAME = "python-stdlib"
 _SKIPPED_DIRECTORIES = frozenset({"site-packages", "dist-packages", "__pycache__"})
@@ -29,8 +29,11 @@ def stdlib_root() -> Path:
 
 def stdlib_sources(root: Path) -> list[Path]:
     """Every .py file under root outside site-packages and __pycache__, sorted by relative path."""
-    files = [path for path in root.rglob("*.py")
-             if path.is_file() and not _SKIPPED_DIRECTORIES.intersection(path.relative_to(root).parts)]
+    files = [
+        path
+        for path in root.rglob("*.py")
+        if path.is_file() and not _SKIPPED_DIRECTORIES.intersection(path.relative_to(root).parts)
+    ]
     return sorted(files, key=lambda path: path.relative_to(root).as_posix())
 
 
@@ -45,8 +48,7 @@ def read_source(path: Path) -> str | None:
 
 
 def _documents(files: list[Path], root: Path, counts: dict, progress: bool) -> Iterator[dict]:
-    for path in tqdm(files, desc="stdlib corpus", unit="file", file=sys.stderr, disable=not progress,
-                     mininterval=1.0):
+    for path in tqdm(files, desc="stdlib corpus", unit="file", file=sys.stderr, disable=not progress, mininterval=1.0):
         text = read_source(path)
         if text is None:
             counts["undecodable"] += 1
@@ -73,9 +75,19 @@ def build_stdlib_corpus(output: Path, max_docs: int | None = None, *, progress: 
         documents = (doc for _, doc in zip(range(max_docs), documents))
     write_jsonl_atomic(output, documents)
     result = {**counts, "files": len(files), "bytes": output.stat().st_size, "output": str(output)}
-    write_manifest(output, command="loom data corpus", inputs=[], outputs=[output],
-                   parameters={"source": "stdlib", "stdlib_root": str(root), "python": sys.version.split()[0],
-                               "max_docs": max_docs},
-                   counts={k: result[k] for k in ("documents", "empty", "undecodable", "files")},
-                   started=started, is_folder=False)
+    write_manifest(
+        output,
+        command="loom data corpus",
+        inputs=[],
+        outputs=[output],
+        parameters={
+            "source": "stdlib",
+            "stdlib_root": str(root),
+            "python": sys.version.split()[0],
+            "max_docs": max_docs,
+        },
+        counts={k: result[k] for k in ("documents", "empty", "undecodable", "files")},
+        started=started,
+        is_folder=False,
+    )
     return result

@@ -31,11 +31,11 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from data_tools.atomic import atomic_path
-from data_tools.jsonl import ZSTD_SUFFIXES, InputError, JsonlStats, check_inputs, iter_jsonl
-from data_tools.manifest import write_manifest
-from data_tools.minhash_lsh import COMPRESSION_RATIO, cluster_on_disk, plan_lsh
-from data_tools.progress import Progress
+from loom.data_tools.atomic import atomic_path
+from loom.data_tools.jsonl import ZSTD_SUFFIXES, InputError, JsonlStats, check_inputs, iter_jsonl
+from loom.data_tools.manifest import write_manifest
+from loom.data_tools.minhash_lsh import COMPRESSION_RATIO, cluster_on_disk, plan_lsh
+from loom.data_tools.progress import Progress
 
 _WHITESPACE = re.compile(r"\s+")
 METHODS = ("exact", "minhash", "semantic")
@@ -82,7 +82,7 @@ class _DocumentIds:
     def __getitem__(self, doc: int) -> str:
         if self._mapped is None:
             return ""
-        return bytes(self._mapped[self._offsets[doc]:self._offsets[doc + 1]]).decode("utf-8", "surrogatepass")
+        return bytes(self._mapped[self._offsets[doc] : self._offsets[doc + 1]]).decode("utf-8", "surrogatepass")
 
     def __len__(self) -> int:
         return len(self._offsets) - 1
@@ -107,9 +107,19 @@ def _input_bytes(paths: list[Path]) -> int:
     return sum(p.stat().st_size * (COMPRESSION_RATIO if p.suffix in (".gz", *ZSTD_SUFFIXES) else 1) for p in paths)
 
 
-def deduplicate(inputs: Iterable[str | Path], output: str | Path, method: str = "exact", text_key: str = "text",
-                threshold: float | None = None, num_perm: int = 128, *, workers: int = 1,
-                bucket_memory_mb: float = 256, progress: bool = True, embedder=None) -> dict:
+def deduplicate(
+    inputs: Iterable[str | Path],
+    output: str | Path,
+    method: str = "exact",
+    text_key: str = "text",
+    threshold: float | None = None,
+    num_perm: int = 128,
+    *,
+    workers: int = 1,
+    bucket_memory_mb: float = 256,
+    progress: bool = True,
+    embedder=None,
+) -> dict:
     """Write kept and removed documents and the duplicate clusters to `output`; returns the stats.
 
     threshold: Jaccard for minhash (default 0.8), cosine for semantic (default 0.9). workers: processes for
@@ -123,7 +133,7 @@ def deduplicate(inputs: Iterable[str | Path], output: str | Path, method: str = 
     paths, output, stats = check_inputs(inputs), Path(output), JsonlStats()
     threshold = DEFAULT_THRESHOLDS.get(method) if threshold is None else threshold
     if method == "semantic" and embedder is None:
-        from data_tools.semantic import packaged_embedder
+        from loom.data_tools.semantic import packaged_embedder
 
         embedder = packaged_embedder(threads=workers)  # fails here, before any output, without the extra
     if output.exists() and not output.is_dir():
@@ -144,11 +154,17 @@ def deduplicate(inputs: Iterable[str | Path], output: str | Path, method: str = 
             elif method == "minhash":
                 plan = plan_lsh(threshold, num_perm, _input_bytes(paths), workers, int(bucket_memory_mb * (1 << 20)))
                 representative, extra = cluster_on_disk(texts, staging / "minhash", plan, workers)
-                parameters.update(threshold=threshold, num_perm=num_perm, workers=workers,
-                                  bucket_memory_mb=bucket_memory_mb, bands=plan.bands, rows=plan.rows,
-                                  buckets=plan.buckets)
+                parameters.update(
+                    threshold=threshold,
+                    num_perm=num_perm,
+                    workers=workers,
+                    bucket_memory_mb=bucket_memory_mb,
+                    bands=plan.bands,
+                    rows=plan.rows,
+                    buckets=plan.buckets,
+                )
             else:
-                from data_tools.semantic import semantic_representatives
+                from loom.data_tools.semantic import semantic_representatives
 
                 representative, extra = semantic_representatives(texts, staging / "semantic", embedder, threshold)
                 parameters.update(threshold=threshold, model=getattr(embedder, "name", type(embedder).__name__))
@@ -164,27 +180,53 @@ def deduplicate(inputs: Iterable[str | Path], output: str | Path, method: str = 
         raise
     seconds = time.perf_counter() - start
     documents = len(representative)
-    result = {"method": method, **({"threshold": threshold} if method != "exact" else {}), **extra,
-              "input_documents": documents, "kept": kept, "removed": documents - kept,
-              "clusters": clusters, "largest_cluster": largest,
-              "seconds": round(seconds, 2), "docs_per_s": round(documents / seconds, 1), "input": stats.as_dict()}
+    result = {
+        "method": method,
+        **({"threshold": threshold} if method != "exact" else {}),
+        **extra,
+        "input_documents": documents,
+        "kept": kept,
+        "removed": documents - kept,
+        "clusters": clusters,
+        "largest_cluster": largest,
+        "seconds": round(seconds, 2),
+        "docs_per_s": round(documents / seconds, 1),
+        "input": stats.as_dict(),
+    }
     with atomic_path(output / "stats.json") as tmp:
         tmp.write_text(json.dumps(result, indent=1))
-    write_manifest(output, command="loom data dedup", inputs=paths, outputs=[*written, output / "stats.json"],
-                   parameters=parameters,
-                   counts={k: result[k] for k in ("input_documents", "kept", "removed", "clusters")},
-                   started=started, is_folder=True)
+    write_manifest(
+        output,
+        command="loom data dedup",
+        inputs=paths,
+        outputs=[*written, output / "stats.json"],
+        parameters=parameters,
+        counts={k: result[k] for k in ("input_documents", "kept", "removed", "clusters")},
+        started=started,
+        is_folder=True,
+    )
     return result
 
 
-def _write_decisions(paths: list[Path], staging: Path, text_key: str, representative: np.ndarray,
-                     ids: _DocumentIds, progress: bool) -> int:
+def _write_decisions(
+    paths: list[Path], staging: Path, text_key: str, representative: np.ndarray, ids: _DocumentIds, progress: bool
+) -> int:
     kept = 0
-    with open(staging / "kept.jsonl", "w", encoding="utf-8", buffering=1 << 20) as kept_out, \
-            open(staging / "removed.jsonl", "w", encoding="utf-8", buffering=1 << 20) as removed_out:
-        for doc, record in enumerate(tqdm(iter_jsonl(paths, text_key, JsonlStats()), desc="dedup: writing",
-                                          unit="doc", total=len(representative), mininterval=1.0, leave=False,
-                                          disable=not progress)):
+    with (
+        open(staging / "kept.jsonl", "w", encoding="utf-8", buffering=1 << 20) as kept_out,
+        open(staging / "removed.jsonl", "w", encoding="utf-8", buffering=1 << 20) as removed_out,
+    ):
+        for doc, record in enumerate(
+            tqdm(
+                iter_jsonl(paths, text_key, JsonlStats()),
+                desc="dedup: writing",
+                unit="doc",
+                total=len(representative),
+                mininterval=1.0,
+                leave=False,
+                disable=not progress,
+            )
+        ):
             first = int(representative[doc])
             if first == doc:
                 kept_out.write(json.dumps(record, ensure_ascii=False) + "\n")
@@ -213,8 +255,11 @@ def _write_clusters(path: Path, representative: np.ndarray, ids: _DocumentIds) -
 def _commit(staging: Path, output: Path) -> list[Path]:
     """Move the finished files from staging into the output folder; returns their final paths."""
     (output / "removed").mkdir(parents=True, exist_ok=True)
-    moves = {"kept.jsonl": output / "kept.jsonl", "removed.jsonl": output / "removed" / "removed.jsonl",
-             "clusters.jsonl": output / "clusters.jsonl"}
+    moves = {
+        "kept.jsonl": output / "kept.jsonl",
+        "removed.jsonl": output / "removed" / "removed.jsonl",
+        "clusters.jsonl": output / "clusters.jsonl",
+    }
     for name, target in moves.items():
         os.replace(staging / name, target)
     shutil.rmtree(staging)

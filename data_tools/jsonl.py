@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Iterable, Iterator
 
-from data_tools.atomic import atomic_path
+from loom.data_tools.atomic import atomic_path
 
 ZSTD_SUFFIXES = (".zst", ".zstd")
 
@@ -116,8 +116,9 @@ def _parse_line(raw: bytes, text_key: str, stats: JsonlStats) -> dict | None:
     return record
 
 
-def iter_jsonl(paths: str | Path | Iterable[str | Path], text_key: str = "text",
-               stats: JsonlStats | None = None) -> Iterator[dict]:
+def iter_jsonl(
+    paths: str | Path | Iterable[str | Path], text_key: str = "text", stats: JsonlStats | None = None
+) -> Iterator[dict]:
     """Yield every good record (a dict whose `text_key` is a string) of the files, in order."""
     stats = stats if stats is not None else JsonlStats()
     for path in _as_paths(paths):

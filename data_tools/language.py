@@ -13,8 +13,8 @@ import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
-from data_tools.jsonl import InputError
-from data_tools.pipeline import Document, Rejected
+from loom.data_tools.jsonl import InputError
+from loom.data_tools.pipeline import Document, Rejected
 
 UNDETERMINED = "und"
 
@@ -52,8 +52,10 @@ class LanguageFilter:
         known = set(identifier().labels)
         unknown = sorted(set(self.languages) - known)
         if unknown:
-            raise ValueError(f"unknown language codes {', '.join(unknown)}; py3langid knows {len(known)} "
-                             f"ISO 639-1 codes such as en, de, fr, zh")
+            raise ValueError(
+                f"unknown language codes {', '.join(unknown)}; py3langid knows {len(known)} "
+                f"ISO 639-1 codes such as en, de, fr, zh"
+            )
 
     def __call__(self, doc: Document) -> Rejected | None:
         best, score = identify(doc.text, self.max_chars)

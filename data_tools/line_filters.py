@@ -14,14 +14,13 @@ import re
 from dataclasses import dataclass
 from typing import ClassVar
 
-from data_tools.pipeline import Document, Rejected, above, below, first_rejection
-from data_tools.quality_filters import duplicate_counts, non_blank_lines
+from loom.data_tools.pipeline import Document, Rejected, above, below, first_rejection
+from loom.data_tools.quality_filters import duplicate_counts, non_blank_lines
 
 # C4: a line must end in a period, exclamation mark, question mark or closing quotation mark.
 C4_TERMINAL_PUNCTUATION = (".", "!", "?", '"', "”", "'", "’")
 # The policy boilerplate C4's preprocessing removes line by line.
-C4_POLICY_PHRASES = ("terms of use", "privacy policy", "cookie policy", "uses cookies", "use of cookies",
-                     "use cookies")
+C4_POLICY_PHRASES = ("terms of use", "privacy policy", "cookie policy", "uses cookies", "use of cookies", "use cookies")
 # FineWeb's "stop characters" for its line-punctuation ratio.
 FINEWEB_TERMINAL_PUNCTUATION = (".", "'", '"', "!", "?")
 _SENTENCE_END = re.compile(r"[.!?]+(?:[\"'”’)\]]*)(?=\s|$)")
@@ -64,7 +63,8 @@ class C4Lines:
             or len(words) < self.min_words_per_line
             or any(len(w) > self.max_word_length for w in words)
             or (self.remove_javascript_lines and "javascript" in lowered)
-            or (self.remove_policy_lines and any(p in lowered for p in C4_POLICY_PHRASES)))
+            or (self.remove_policy_lines and any(p in lowered for p in C4_POLICY_PHRASES))
+        )
 
     def __call__(self, doc: Document) -> Rejected | None:
         lowered = doc.text.lower()
@@ -99,10 +99,16 @@ class FineWebQuality:
         words = doc.text.split()
         characters = max(1, len(doc.text) - doc.text.count("\n"))
         return first_rejection(
-            below("line_punctuation", sum(line.endswith(FINEWEB_TERMINAL_PUNCTUATION) for line in lines) / len(lines),
-                  self.min_line_punctuation),
-            above("short_lines", sum(len(line) <= self.short_line_length for line in lines) / len(lines),
-                  self.max_short_lines),
+            below(
+                "line_punctuation",
+                sum(line.endswith(FINEWEB_TERMINAL_PUNCTUATION) for line in lines) / len(lines),
+                self.min_line_punctuation,
+            ),
+            above(
+                "short_lines",
+                sum(len(line) <= self.short_line_length for line in lines) / len(lines),
+                self.max_short_lines,
+            ),
             above("duplicate_line_chars", duplicate_counts(lines)[1] / characters, self.max_duplicate_line_chars),
             above("newline_word_ratio", doc.text.count("\n") / max(1, len(words)), self.max_newline_word_ratio),
         )
@@ -123,8 +129,11 @@ class CodeQuality:
         return first_rejection(
             above("max_line_length", max(lengths), self.max_line_length),
             above("mean_line_length", sum(lengths) / len(lines), self.max_mean_line_length),
-            below("alphanumeric_fraction", alphanumeric_count(doc.text) / max(1, len(doc.text)),
-                  self.min_alphanumeric_fraction),
+            below(
+                "alphanumeric_fraction",
+                alphanumeric_count(doc.text) / max(1, len(doc.text)),
+                self.min_alphanumeric_fraction,
+            ),
         )
 
 
@@ -140,8 +149,10 @@ class Length:
         size = len(doc.text.strip())
         if size == 0 and self.min_chars > 0:
             return Rejected("empty", "no text after stripping whitespace")
-        return first_rejection(below("characters", size, self.min_chars),
-                               above("characters", size, self.max_chars) if self.max_chars else None)
+        return first_rejection(
+            below("characters", size, self.min_chars),
+            above("characters", size, self.max_chars) if self.max_chars else None,
+        )
 
 
 STEPS = (C4Lines, FineWebQuality, CodeQuality, Length)

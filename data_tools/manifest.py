@@ -18,7 +18,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Iterable
 
-from data_tools.atomic import atomic_path
+from loom.data_tools.atomic import atomic_path
 
 MANIFEST_NAME = "manifest.json"
 _HASH_CHUNK = 1 << 22
@@ -56,8 +56,9 @@ def _git_commit() -> str | None:
     if not (_REPO / ".git").exists():
         return None
     try:
-        done = subprocess.run(["git", "-C", str(_REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
-                              timeout=10, check=False)
+        done = subprocess.run(
+            ["git", "-C", str(_REPO), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=False
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     if done.returncode != 0:
@@ -67,8 +68,12 @@ def _git_commit() -> str | None:
 
 def software() -> dict:
     versions = {name: _version(name) for name in _RECORDED_PACKAGES}
-    return {"loom": _version("loom") or "unknown", "git_commit": _git_commit(),
-            "python": platform.python_version(), **{k: v for k, v in versions.items() if v}}
+    return {
+        "loom": _version("loom") or "unknown",
+        "git_commit": _git_commit(),
+        "python": platform.python_version(),
+        **{k: v for k, v in versions.items() if v},
+    }
 
 
 def _timestamp(seconds: float) -> str:
@@ -81,8 +86,17 @@ def manifest_path(output: str | Path, is_folder: bool) -> Path:
     return output / MANIFEST_NAME if is_folder else output.with_name(f"{output.name}.{MANIFEST_NAME}")
 
 
-def write_manifest(output: str | Path, *, command: str, inputs: Iterable[str | Path], outputs: Iterable[str | Path],
-                   parameters: dict, counts: dict, started: float, is_folder: bool) -> Path:
+def write_manifest(
+    output: str | Path,
+    *,
+    command: str,
+    inputs: Iterable[str | Path],
+    outputs: Iterable[str | Path],
+    parameters: dict,
+    counts: dict,
+    started: float,
+    is_folder: bool,
+) -> Path:
     """Write the manifest of one finished step (started: its time.time() at start); returns its path."""
     output = Path(output)
     root = output if is_folder else None

@@ -68,10 +68,11 @@ def signatures(texts: list[str], a: np.ndarray, b: np.ndarray, n: int = 5) -> np
     first = 0
     while first < len(texts):
         # Whole documents per block, at least one: every document has >= 1 shingle, so no segment is empty.
-        last = max(first + 1, int(np.searchsorted(ends, ends[first] - counts[first] + _SHINGLES_PER_BLOCK,
-                                                  side="right")))
+        last = max(
+            first + 1, int(np.searchsorted(ends, ends[first] - counts[first] + _SHINGLES_PER_BLOCK, side="right"))
+        )
         start = ends[first] - counts[first]
-        block = hashes[start:ends[last - 1]]
+        block = hashes[start : ends[last - 1]]
         values = block[:, None] * a + b  # uint32: wraps mod 2^32 like datasketch
         out[first:last] = np.minimum.reduceat(values, ends[first:last] - counts[first:last] - start, axis=0)
         first = last
@@ -89,7 +90,7 @@ def band_keys(signature_rows: np.ndarray, bands: int, rows: int) -> np.ndarray:
     """(documents x bands) uint64: one key per band from its `rows` values; the band number is mixed in,
     so equal rows in different bands give different keys."""
     count = len(signature_rows)
-    banded = signature_rows[:, :bands * rows].reshape(count, bands, rows).astype(np.uint64)
+    banded = signature_rows[:, : bands * rows].reshape(count, bands, rows).astype(np.uint64)
     with np.errstate(over="ignore"):
         keys = np.broadcast_to(_mix64(np.arange(1, bands + 1, dtype=np.uint64)), (count, bands)).copy()
         for row in range(rows):
@@ -99,7 +100,7 @@ def band_keys(signature_rows: np.ndarray, bands: int, rows: int) -> np.ndarray:
 
 def _candidate_probability(s: np.ndarray, bands: int, rows: int) -> np.ndarray:
     """Probability that a pair of Jaccard s shares at least one band: 1 - (1 - s^r)^b."""
-    return 1 - (1 - s ** rows) ** bands
+    return 1 - (1 - s**rows) ** bands
 
 
 @lru_cache(maxsize=32)

@@ -1,4 +1,6 @@
-"""MinHash + LSH clustering that keeps its working set on disk: memory is flat in corpus size apart from 8-16 bytes per document.
+"""MinHash + LSH clustering that keeps its working set on disk.
+
+Memory is flat in corpus size apart from 8-16 bytes per document.
 
 Three stages over a staging folder (dedup.py owns it and deletes it):
 
@@ -29,10 +31,10 @@ from pathlib import Path
 
 import numpy as np
 
-from data_tools.jsonl import InputError
-from data_tools.minhash import band_keys, optimal_bands, permutations, signatures, similar
-from data_tools.parallel import chunked, imap_ordered
-from data_tools.union_find import UnionFind
+from loom.data_tools.jsonl import InputError
+from loom.data_tools.minhash import band_keys, optimal_bands, permutations, signatures, similar
+from loom.data_tools.parallel import chunked, imap_ordered
+from loom.data_tools.union_find import UnionFind
 
 ENTRY = np.dtype([("key", "<u8"), ("doc", "<u4")])
 # What grouping holds per entry: the entry (12), lexsort's order (8), sorted keys and documents
@@ -63,8 +65,7 @@ class LshPlan:
     bucket_entries: int  # entries grouped at once per worker: the memory budget in entries
 
 
-def plan_lsh(threshold: float, num_perm: int, input_bytes: int, workers: int,
-             bucket_memory_bytes: int) -> LshPlan:
+def plan_lsh(threshold: float, num_perm: int, input_bytes: int, workers: int, bucket_memory_bytes: int) -> LshPlan:
     """Bands x rows from the threshold; bucket count so that one bucket of the expected input fits the budget."""
     if not 0.0 < threshold <= 1.0:
         raise InputError(f"--threshold {threshold} must be in (0, 1] for minhash (a Jaccard similarity)")
@@ -73,8 +74,9 @@ def plan_lsh(threshold: float, num_perm: int, input_bytes: int, workers: int,
     bands, rows = optimal_bands(threshold, num_perm)
     bucket_entries = max(64, bucket_memory_bytes // GROUPED_BYTES_PER_ENTRY)
     expected_entries = input_bytes // ASSUMED_BYTES_PER_DOCUMENT * bands
-    return LshPlan(threshold, num_perm, bands, rows, bucket_count(expected_entries, bucket_entries, workers),
-                   bucket_entries)
+    return LshPlan(
+        threshold, num_perm, bands, rows, bucket_count(expected_entries, bucket_entries, workers), bucket_entries
+    )
 
 
 def bucket_count(expected_entries: int, bucket_entries: int, workers: int) -> int:
@@ -96,8 +98,9 @@ def sign_chunk(texts: list[str], first_doc: int, staging: str, plan: LshPlan) ->
     staging = Path(staging)
     a, b = permutations(plan.num_perm)
     rows = signatures(texts, a, b)
-    stored = np.memmap(staging / SIGNATURES_NAME, dtype=np.uint32, mode="r+",
-                       offset=first_doc * plan.num_perm * 4, shape=rows.shape)
+    stored = np.memmap(
+        staging / SIGNATURES_NAME, dtype=np.uint32, mode="r+", offset=first_doc * plan.num_perm * 4, shape=rows.shape
+    )
     stored[:] = rows
     stored.flush()
     del stored
@@ -112,7 +115,7 @@ def sign_chunk(texts: list[str], first_doc: int, staging: str, plan: LshPlan) ->
     for index in np.flatnonzero(np.diff(bounds)):
         # One append per bucket and chunk; files are per process, so writers never interleave.
         with open(staging / BUCKETS_DIR / f"{index:05d}-{pid}.bin", "ab") as out:
-            out.write(entries[bounds[index]:bounds[index + 1]].tobytes())
+            out.write(entries[bounds[index] : bounds[index + 1]].tobytes())
     return len(texts)
 
 
@@ -123,7 +126,7 @@ def _load_bucket(files: list[Path], part: int, passes: int, bucket_entries: int)
         entries, position = np.empty(sum(sizes), dtype=ENTRY), 0
         for path, size in zip(files, sizes):
             with open(path, "rb") as stream:
-                stream.readinto(entries[position:position + size].view(np.uint8))
+                stream.readinto(entries[position : position + size].view(np.uint8))
             position += size
         return entries
     kept = []
@@ -131,7 +134,7 @@ def _load_bucket(files: list[Path], part: int, passes: int, bucket_entries: int)
     for path in files:
         mapped = np.memmap(path, dtype=ENTRY, mode="r")
         for start in range(0, len(mapped), step):
-            block = np.array(mapped[start:start + step])
+            block = np.array(mapped[start : start + step])
             kept.append(block[(block["key"] & np.uint64(0xFFFFFFFF)) % np.uint64(passes) == part])
         del mapped
     return np.concatenate(kept) if kept else np.empty(0, dtype=ENTRY)
@@ -168,7 +171,7 @@ def group_bucket(bucket: int, staging: str, plan: LshPlan, documents: int) -> tu
         del entries
         candidates += len(first)
         for start in range(0, len(first), VERIFY_PAIRS):
-            batch_first, batch_other = first[start:start + VERIFY_PAIRS], other[start:start + VERIFY_PAIRS]
+            batch_first, batch_other = first[start : start + VERIFY_PAIRS], other[start : start + VERIFY_PAIRS]
             same = similar(stored[batch_first], stored[batch_other], plan.threshold)
             firsts.append(batch_first[same])
             others.append(batch_other[same])
@@ -192,8 +195,9 @@ def _signing_tasks(texts: Iterable[str], staging: Path, plan: LshPlan, counter: 
         yield chunk, first, str(staging), plan
 
 
-def cluster_on_disk(texts: Iterable[str], staging: Path, plan: LshPlan, workers: int = 1,
-                    on_bucket=None) -> tuple[np.ndarray, dict]:
+def cluster_on_disk(
+    texts: Iterable[str], staging: Path, plan: LshPlan, workers: int = 1, on_bucket=None
+) -> tuple[np.ndarray, dict]:
     """For every document of `texts`, the index of the first document of its near-duplicate cluster; and counts.
 
     `staging` must be an empty folder the caller removes afterwards; on_bucket(counts) is called per bucket."""
@@ -205,8 +209,13 @@ def cluster_on_disk(texts: Iterable[str], staging: Path, plan: LshPlan, workers:
         pass
     documents, signed = counter[0], time.perf_counter()
     found = UnionFind(documents)
-    totals = {"candidate_pairs": 0, "verified_pairs": 0, "largest_bucket_entries": 0, "largest_pass_entries": 0,
-              "most_passes": 0}
+    totals = {
+        "candidate_pairs": 0,
+        "verified_pairs": 0,
+        "largest_bucket_entries": 0,
+        "largest_pass_entries": 0,
+        "most_passes": 0,
+    }
     if documents:
         tasks = ((bucket, str(staging), plan, documents) for bucket in range(plan.buckets))
         for first, other, counts in imap_ordered(group_bucket, tasks, workers):
@@ -218,6 +227,11 @@ def cluster_on_disk(texts: Iterable[str], staging: Path, plan: LshPlan, workers:
             totals["largest_pass_entries"] = max(totals["largest_pass_entries"], counts["largest_pass_entries"])
             if on_bucket is not None:
                 on_bucket(counts)
-    stats = {**asdict(plan), **totals, "workers": workers,
-             "signature_seconds": round(signed - start, 2), "grouping_seconds": round(time.perf_counter() - signed, 2)}
+    stats = {
+        **asdict(plan),
+        **totals,
+        "workers": workers,
+        "signature_seconds": round(signed - start, 2),
+        "grouping_seconds": round(time.perf_counter() - signed, 2),
+    }
     return found.representatives(), stats

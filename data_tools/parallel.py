@@ -15,8 +15,9 @@ from typing import Any, Callable, Iterable, Iterator, TypeVar
 Item = TypeVar("Item")
 
 
-def chunked(items: Iterable[Item], max_items: int, max_characters: int,
-            characters: Callable[[Item], int] = len) -> Iterator[list[Item]]:
+def chunked(
+    items: Iterable[Item], max_items: int, max_characters: int, characters: Callable[[Item], int] = len
+) -> Iterator[list[Item]]:
     """Items in lists of at most `max_items`, each closed early once it holds `max_characters`, so a
     task's memory and time stay bounded whatever the document sizes."""
     chunk: list[Item] = []
@@ -31,8 +32,9 @@ def chunked(items: Iterable[Item], max_items: int, max_characters: int,
         yield chunk
 
 
-def imap_ordered(function: Callable[..., Any], tasks: Iterable[tuple], workers: int,
-                 in_flight_per_worker: int = 3) -> Iterator[Any]:
+def imap_ordered(
+    function: Callable[..., Any], tasks: Iterable[tuple], workers: int, in_flight_per_worker: int = 3
+) -> Iterator[Any]:
     """function(*task) for every task, in order; `function` must be importable (spawn pickles it by name)."""
     if workers <= 1:
         for task in tasks:

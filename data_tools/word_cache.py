@@ -39,8 +39,13 @@ def word_splittable(processor: sentencepiece.SentencePieceProcessor) -> bool:
     proto.ParseFromString(processor.serialized_model_proto())
     normalizer, trainer = proto.normalizer_spec, proto.trainer_spec
     # Any normaliser other than identity, a dummy prefix or whitespace folding depends on context.
-    if normalizer.name != "identity" or normalizer.precompiled_charsmap or normalizer.add_dummy_prefix \
-            or normalizer.remove_extra_whitespaces or not normalizer.escape_whitespaces:
+    if (
+        normalizer.name != "identity"
+        or normalizer.precompiled_charsmap
+        or normalizer.add_dummy_prefix
+        or normalizer.remove_extra_whitespaces
+        or not normalizer.escape_whitespaces
+    ):
         return False
     if trainer.model_type != _BPE or trainer.treat_whitespace_as_suffix:
         return False
@@ -68,10 +73,11 @@ class WordCache:
         self.starts = _fit(self.starts, first + count)
         self.lengths = _fit(self.lengths, first + count)
         self.tokens = _fit(self.tokens, self.used + size)
-        self.starts[first:first + count] = self.used + np.cumsum(lengths) - lengths
-        self.lengths[first:first + count] = lengths
-        self.tokens[self.used:self.used + size] = np.fromiter(itertools.chain.from_iterable(encoded), np.int32,
-                                                              count=size)
+        self.starts[first : first + count] = self.used + np.cumsum(lengths) - lengths
+        self.lengths[first : first + count] = lengths
+        self.tokens[self.used : self.used + size] = np.fromiter(
+            itertools.chain.from_iterable(encoded), np.int32, count=size
+        )
         self.used += size
         self.index.update(zip(words, range(first, first + count)))
 
@@ -105,5 +111,5 @@ def _fit(array: np.ndarray, size: int) -> np.ndarray:
     if size <= array.size:
         return array
     grown = np.zeros(max(size, 2 * array.size), array.dtype)
-    grown[:array.size] = array
+    grown[: array.size] = array
     return grown

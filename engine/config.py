@@ -77,9 +77,15 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         s = "model"
-        _check_positive(s, num_layers=self.num_layers, hidden_size=self.hidden_size,
-                        num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                        vocab_size=self.vocab_size, ffn_hidden_size=self.ffn_hidden_size)
+        _check_positive(
+            s,
+            num_layers=self.num_layers,
+            hidden_size=self.hidden_size,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            vocab_size=self.vocab_size,
+            ffn_hidden_size=self.ffn_hidden_size,
+        )
         _check_choice(s, "position_embedding", self.position_embedding, ("rope", "learned"))
         _check_choice(s, "norm", self.norm, ("rmsnorm", "layernorm"))
         _check_choice(s, "activation", self.activation, ("swiglu", "gelu"))
@@ -90,7 +96,9 @@ class ModelConfig:
         if self.num_kv_heads is None:
             self.num_kv_heads = self.num_heads
         if self.num_heads % self.num_kv_heads:
-            raise ConfigError(f"model.num_kv_heads = {self.num_kv_heads} must divide model.num_heads = {self.num_heads}")
+            raise ConfigError(
+                f"model.num_kv_heads = {self.num_kv_heads} must divide model.num_heads = {self.num_heads}"
+            )
         if self.ffn_hidden_size is None:
             if self.activation == "swiglu":
                 self.ffn_hidden_size = -(-(8 * self.hidden_size // 3) // 256) * 256
@@ -129,8 +137,15 @@ class ParallelConfig:
     instead of hanging the job (Megatron's --distributed-timeout-minutes)."""
 
     def __post_init__(self) -> None:
-        _check_positive("parallel", tp=self.tp, pp=self.pp, vp=self.vp, dp=self.dp,
-                        grad_bucket_mb=self.grad_bucket_mb, timeout_minutes=self.timeout_minutes)
+        _check_positive(
+            "parallel",
+            tp=self.tp,
+            pp=self.pp,
+            vp=self.vp,
+            dp=self.dp,
+            grad_bucket_mb=self.grad_bucket_mb,
+            timeout_minutes=self.timeout_minutes,
+        )
         _check_choice("parallel", "backend", self.backend, ("auto", "gloo", "nccl"))
         if self.vp > 1 and self.pp == 1:
             raise ConfigError("parallel.vp > 1 needs parallel.pp > 1 (virtual stages interleave a pipeline)")
@@ -185,11 +200,18 @@ class OptimConfig:
             raise ConfigError("optim.warmup_steps, optim.weight_decay and optim.clip_grad must be >= 0")
         if not 0 < self.layer_lr_decay <= 1:
             raise ConfigError(f"optim.layer_lr_decay must lie in (0, 1], got {self.layer_lr_decay}")
-        _check_positive("optim", initial_loss_scale=self.initial_loss_scale, loss_scale_window=self.loss_scale_window,
-                        loss_scale_hysteresis=self.loss_scale_hysteresis, min_loss_scale=self.min_loss_scale)
+        _check_positive(
+            "optim",
+            initial_loss_scale=self.initial_loss_scale,
+            loss_scale_window=self.loss_scale_window,
+            loss_scale_hysteresis=self.loss_scale_hysteresis,
+            min_loss_scale=self.min_loss_scale,
+        )
         if self.zero1 and self.name == "adafactor":
-            raise ConfigError("optim.name = adafactor does not support optim.zero1 = true (its factored moments "
-                              "need whole matrices); use adamw, sgd or lamb with ZeRO-1, or zero1 = false")
+            raise ConfigError(
+                "optim.name = adafactor does not support optim.zero1 = true (its factored moments "
+                "need whole matrices); use adamw, sgd or lamb with ZeRO-1, or zero1 = false"
+            )
 
 
 @dataclass
@@ -271,25 +293,35 @@ class TrainConfig:
     Unavailable FP8 is an error, never a silent fallback."""
 
     def __post_init__(self) -> None:
-        _check_positive("train", steps=self.steps, global_batch_size=self.global_batch_size,
-                        micro_batch_size=self.micro_batch_size, seq_length=self.seq_length,
-                        log_interval=self.log_interval, eval_iters=self.eval_iters,
-                        peak_tflops=self.peak_tflops)
+        _check_positive(
+            "train",
+            steps=self.steps,
+            global_batch_size=self.global_batch_size,
+            micro_batch_size=self.micro_batch_size,
+            seq_length=self.seq_length,
+            log_interval=self.log_interval,
+            eval_iters=self.eval_iters,
+            peak_tflops=self.peak_tflops,
+        )
         _check_choice("train", "precision", self.precision, ("fp32", "bf16", "fp16"))
         _check_choice("train", "device", self.device, ("auto", "cpu", "cuda"))
         _check_choice("train", "nan_policy", self.nan_policy, ("stop", "skip"))
         _check_positive("train", max_skipped_steps=self.max_skipped_steps)
         _check_choice("train", "fp8", self.fp8, ("off", "delayed", "current"))
         if self.fp8 != "off" and self.precision != "bf16":
-            raise ConfigError(f"train.fp8 = {self.fp8} needs train.precision = bf16 (got {self.precision}); "
-                              f"add --train.precision bf16")
+            raise ConfigError(
+                f"train.fp8 = {self.fp8} needs train.precision = bf16 (got {self.precision}); "
+                f"add --train.precision bf16"
+            )
         if self.rampup_batch_size is not None:
             if len(self.rampup_batch_size) != 3 or min(self.rampup_batch_size) <= 0:
                 raise ConfigError("train.rampup_batch_size takes three positive numbers: start increment samples")
             start, increment, _ = self.rampup_batch_size
             if start > self.global_batch_size or (self.global_batch_size - start) % increment:
-                raise ConfigError(f"train.rampup_batch_size: global_batch_size {self.global_batch_size} - start "
-                                  f"{start} must be a non-negative multiple of the increment {increment}")
+                raise ConfigError(
+                    f"train.rampup_batch_size: global_batch_size {self.global_batch_size} - start "
+                    f"{start} must be a non-negative multiple of the increment {increment}"
+                )
         if self.eval_interval < 0 or self.early_stop_patience < 0:
             raise ConfigError("train.eval_interval and train.early_stop_patience must be >= 0")
         if self.run_dir is None:
@@ -332,10 +364,14 @@ class LoomConfig:
                 raise ConfigError(f"world size {world_size} is not divisible by tp*pp = {p.tp}*{p.pp}")
             p.dp = world_size // model_parallel
         if p.tp * p.pp * p.dp != world_size:
-            raise ConfigError(f"world size {world_size} != tp*pp*dp = {p.tp}*{p.pp}*{p.dp}; "
-                              f"change --nproc or the layout")
-        for name, value in (("num_heads", m.num_heads), ("num_kv_heads", m.num_kv_heads),
-                            ("ffn_hidden_size", m.ffn_hidden_size)):
+            raise ConfigError(
+                f"world size {world_size} != tp*pp*dp = {p.tp}*{p.pp}*{p.dp}; change --nproc or the layout"
+            )
+        for name, value in (
+            ("num_heads", m.num_heads),
+            ("num_kv_heads", m.num_kv_heads),
+            ("ffn_hidden_size", m.ffn_hidden_size),
+        ):
             if value % p.tp:
                 raise ConfigError(f"parallel.tp = {p.tp} must divide model.{name} = {value}")
         if p.sequence_parallel and t.seq_length % p.tp:
@@ -343,25 +379,33 @@ class LoomConfig:
         for batch in self.batch_sizes():
             if batch % (t.micro_batch_size * p.dp):
                 what = "train.global_batch_size" if batch == t.global_batch_size else "a ramp-up batch size"
-                raise ConfigError(f"{what} = {batch} must be divisible by micro_batch_size*dp = "
-                                  f"{t.micro_batch_size}*{p.dp}")
+                raise ConfigError(
+                    f"{what} = {batch} must be divisible by micro_batch_size*dp = {t.micro_batch_size}*{p.dp}"
+                )
         if m.position_embedding == "learned" and t.seq_length > m.max_position_embeddings:
-            raise ConfigError(f"train.seq_length = {t.seq_length} exceeds model.max_position_embeddings = "
-                              f"{m.max_position_embeddings}")
+            raise ConfigError(
+                f"train.seq_length = {t.seq_length} exceeds model.max_position_embeddings = {m.max_position_embeddings}"
+            )
         self._check_pipeline()
 
     def _check_pipeline(self) -> None:
-        from engine.pipeline.schedules import ScheduleError, check_schedule
+        from loom.engine.pipeline.schedules import ScheduleError, check_schedule
 
         p, layers = self.parallel, self.model.num_layers
         stages = p.pp * p.vp
         if p.pp > layers:
             raise ConfigError(f"parallel.pp = {p.pp} exceeds model.num_layers = {layers}")
         if layers % stages:
-            valid = [f"pp={pp} vp={vp}" for pp in range(1, layers + 1) for vp in range(1, 5)
-                     if layers % (pp * vp) == 0 and pp * vp > 1][:8]
-            raise ConfigError(f"model.num_layers = {layers} does not split into pp*vp = {p.pp}*{p.vp} equal chunks; "
-                              f"valid: {', '.join(valid)}")
+            valid = [
+                f"pp={pp} vp={vp}"
+                for pp in range(1, layers + 1)
+                for vp in range(1, 5)
+                if layers % (pp * vp) == 0 and pp * vp > 1
+            ][:8]
+            raise ConfigError(
+                f"model.num_layers = {layers} does not split into pp*vp = {p.pp}*{p.vp} equal chunks; "
+                f"valid: {', '.join(valid)}"
+            )
         try:
             for batch in self.batch_sizes():
                 check_schedule(p.pp, p.vp, self.microbatches_for(batch))

@@ -16,7 +16,7 @@ from typing import Any
 
 import tomllib
 
-from engine.config import ConfigError, LoomConfig
+from loom.engine.config import ConfigError, LoomConfig
 
 SECTIONS: dict[str, type] = {f.name: f.type for f in dataclasses.fields(LoomConfig)}
 _SECTION_TYPES = {name: typing.get_type_hints(LoomConfig)[name] for name in SECTIONS}
@@ -113,9 +113,11 @@ def parse_overrides(args: list[str]) -> dict[str, dict[str, Any]]:
         if not values:
             raise ConfigError(f"--{key} needs a value")
         is_list = typing.get_origin(hints[name]) is list or list in [
-            typing.get_origin(a) for a in typing.get_args(hints[name])]
-        overrides.setdefault(section, {})[name] = values if is_list else (
-            values[0] if len(values) == 1 else _too_many(key, values))
+            typing.get_origin(a) for a in typing.get_args(hints[name])
+        ]
+        overrides.setdefault(section, {})[name] = (
+            values if is_list else (values[0] if len(values) == 1 else _too_many(key, values))
+        )
     return overrides
 
 
@@ -123,13 +125,27 @@ def _too_many(key: str, values: list[str]) -> Any:
     raise ConfigError(f"--{key} takes one value, got {' '.join(values)}")
 
 
+PRESETS_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+def resolve_config_path(path: str | Path) -> Path:
+    """A config file as given, else a preset shipped with loom: `tiny`, `tiny.toml` or `configs/tiny.toml`."""
+    given = Path(path)
+    if given.is_file():
+        return given
+    name = given.name if given.parent == Path("configs") else str(given)
+    for candidate in (PRESETS_DIR / name, PRESETS_DIR / f"{name}.toml"):
+        if candidate.is_file():
+            return candidate
+    presets = ", ".join(sorted(p.stem for p in PRESETS_DIR.glob("*.toml")))
+    raise ConfigError(f"config file {path} does not exist (presets: {presets})")
+
+
 def load_config(path: str | Path | None, overrides: list[str] | dict | None = None) -> LoomConfig:
-    """Read a TOML config (or start from defaults), apply overrides, validate."""
+    """Read a TOML config (a path or a preset name; None starts from defaults), apply overrides, validate."""
     raw: dict[str, Any] = {}
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
+        path = resolve_config_path(path)
         try:
             raw = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as e:

@@ -6,7 +6,7 @@ token, N the non-embedding parameters. Recompute is not counted (that would be h
 
 from __future__ import annotations
 
-from engine.config import ModelConfig
+from loom.engine.config import ModelConfig
 
 # Dense peak TFLOP/s per device by precision, from the vendors' datasheets (SXM parts).
 PEAK_TFLOPS = {

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from engine.atomic import write_text_atomically
+from loom.engine.atomic import write_text_atomically
 
 
 def memory_gb(device: torch.device) -> float:
@@ -45,8 +45,9 @@ class MetricsWriter:
         if self.tensorboard is not None:
             for key, value in row.items():
                 if key != "step" and isinstance(value, (int, float)) and value is not None:
-                    self.tensorboard.add_scalar(f"train/{key}" if not key.startswith("val_") else f"valid/{key}",
-                                                value, row["step"])
+                    self.tensorboard.add_scalar(
+                        f"train/{key}" if not key.startswith("val_") else f"valid/{key}", value, row["step"]
+                    )
             self.tensorboard.flush()
         print(format_console_line(row), file=sys.stdout, flush=True)
 
@@ -64,8 +65,13 @@ def _drop_rows_after(path: Path, step: int) -> None:
 def format_console_line(row: dict) -> str:
     if "val_loss" in row:
         return f"step {row['step']:>6} | validation loss {row['val_loss']:.4f} | perplexity {row['val_ppl']:.2f}"
-    parts = [f"step {row['step']:>6}", f"loss {row['loss']:.4f}", f"lr {row['lr']:.3e}",
-             f"grad norm {row['grad_norm']:.3f}", f"{row['tokens_per_s']:,.0f} tok/s"]
+    parts = [
+        f"step {row['step']:>6}",
+        f"loss {row['loss']:.4f}",
+        f"lr {row['lr']:.3e}",
+        f"grad norm {row['grad_norm']:.3f}",
+        f"{row['tokens_per_s']:,.0f} tok/s",
+    ]
     if row.get("mfu") is not None:
         parts.append(f"MFU {100 * row['mfu']:.1f}%")
     parts.append(f"mem {row['mem_gb']:.2f} GB")

@@ -19,26 +19,29 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from engine.checkpoint.format import CheckpointError, find_loadable, read_metadata
-from engine.checkpoint.load import load_checkpoint
-from engine.checkpoint.save import CheckpointWriter
-from engine.config import LoomConfig
-from engine.config_io import config_to_toml
-from engine.data.loader import BatchIterator, build_dataset
-from engine.flops import model_flops_per_token, peak_tflops
-from engine.metrics import MetricsWriter, memory_gb
-from engine.model.kernels import choose_kernels
-from engine.optim.distributed import DistributedOptimizer
-from engine.optim.grad_buffer import GradBuffer
-from engine.optim.loss_scaler import LossScaler
-from engine.optim.lr_schedule import learning_rate
-from engine.optim.model_parallel_grads import needs_model_parallel_sum, sum_model_parallel_grads
-from engine.parallel.random import RNGStreams
-from engine.parallel.sharding import initialize_parameters
-from engine.parallel.state import ParallelState
-from engine.pipeline.executor import PipelineExecutor
-from engine.pipeline.schedules import build_schedule
-from engine.pipeline.stages import build_chunks
+from loom.engine.checkpoint.format import CheckpointError, find_loadable, read_metadata
+from loom.engine.checkpoint.load import load_checkpoint
+from loom.engine.checkpoint.save import CheckpointWriter
+from loom.engine.config import LoomConfig
+from loom.engine.config_io import config_to_toml
+from loom.engine.data.loader import BatchIterator, build_dataset
+from loom.engine.flops import model_flops_per_token, peak_tflops
+from loom.engine.metrics import MetricsWriter, memory_gb
+from loom.engine.model.kernels import choose_kernels
+from loom.engine.optim.distributed import DistributedOptimizer
+from loom.engine.optim.grad_buffer import GradBuffer
+from loom.engine.optim.loss_scaler import LossScaler
+from loom.engine.optim.lr_schedule import learning_rate
+from loom.engine.optim.model_parallel_grads import (
+    needs_model_parallel_sum,
+    sum_model_parallel_grads,
+)
+from loom.engine.parallel.random import RNGStreams
+from loom.engine.parallel.sharding import initialize_parameters
+from loom.engine.parallel.state import ParallelState
+from loom.engine.pipeline.executor import PipelineExecutor
+from loom.engine.pipeline.schedules import build_schedule
+from loom.engine.pipeline.stages import build_chunks
 
 
 def pick_device(choice: str, local_rank: int) -> torch.device:
@@ -74,8 +77,13 @@ class Trainer:
         self.autocast_dtype = None if t.precision == "fp32" else PARAM_DTYPES[t.precision]
         self._schedules: dict[tuple[int, bool], list] = {}
         sequence = t.seq_length // p.tp if (p.sequence_parallel and p.tp > 1) else t.seq_length
-        self.executor = PipelineExecutor(self.chunks, self.state, (sequence, t.micro_batch_size,
-                                         config.model.hidden_size), self.device, self._autocast)
+        self.executor = PipelineExecutor(
+            self.chunks,
+            self.state,
+            (sequence, t.micro_batch_size, config.model.hidden_size),
+            self.device,
+            self._autocast,
+        )
         self._build_data(evaluation_only)
         self.flops_per_token = model_flops_per_token(config.model, t.seq_length)
         self.peak_flops = self._peak_flops()
@@ -106,16 +114,33 @@ class Trainer:
         self.loss_scaler = None
         if c.train.precision == "fp16":
             o = c.optim
-            self.loss_scaler = LossScaler(o.initial_loss_scale, o.loss_scale_window,
-                                          hysteresis=o.loss_scale_hysteresis, min_scale=o.min_loss_scale)
+            self.loss_scaler = LossScaler(
+                o.initial_loss_scale,
+                o.loss_scale_window,
+                hysteresis=o.loss_scale_hysteresis,
+                min_scale=o.min_loss_scale,
+            )
         self.grads = GradBuffer(
-            self.params, state.dp_group, state.dp_size, state.dp_rank, int(c.parallel.grad_bucket_mb * 2**20),
-            overlap=c.parallel.overlap_grad_reduce, reduce_scatter=c.optim.zero1,
+            self.params,
+            state.dp_group,
+            state.dp_size,
+            state.dp_rank,
+            int(c.parallel.grad_bucket_mb * 2**20),
+            overlap=c.parallel.overlap_grad_reduce,
+            reduce_scatter=c.optim.zero1,
             enabled=state.dp_size > 1 or c.optim.zero1 or param_dtype != torch.float32,
             deferred=lambda q: needs_model_parallel_sum(q, state),
-            before_deferred=lambda: sum_model_parallel_grads(self.grads.deferred, state))
-        self.optimizer = DistributedOptimizer(named, self.grads, c.optim, state, c.model.num_layers, self.loss_scaler,
-                                              adamw_impl=self.kernels.optimizer.impl)
+            before_deferred=lambda: sum_model_parallel_grads(self.grads.deferred, state),
+        )
+        self.optimizer = DistributedOptimizer(
+            named,
+            self.grads,
+            c.optim,
+            state,
+            c.model.num_layers,
+            self.loss_scaler,
+            adamw_impl=self.kernels.optimizer.impl,
+        )
 
     def _resume(self) -> Path | None:
         """Load checkpoint.load, or the run's own newest intact checkpoint; rank 0 picks, all load."""
@@ -145,10 +170,10 @@ class Trainer:
     def _build_data(self, evaluation_only: bool) -> None:
         c, t = self.config, self.config.train
         is_builder, barrier = self.state.rank == 0, dist.barrier
-        train_set = None if evaluation_only else build_dataset(c, 0, t.steps * t.global_batch_size, is_builder,
-                                                                barrier)
-        self.train_batches = BatchIterator(train_set, c.global_batch_size_at, t.micro_batch_size,
-                                           self.state.dp_rank, self.state.dp_size)
+        train_set = None if evaluation_only else build_dataset(c, 0, t.steps * t.global_batch_size, is_builder, barrier)
+        self.train_batches = BatchIterator(
+            train_set, c.global_batch_size_at, t.micro_batch_size, self.state.dp_rank, self.state.dp_size
+        )
         self.valid_set = None
         if t.eval_interval or evaluation_only:
             self.valid_set = build_dataset(c, 1, t.eval_iters * t.global_batch_size, is_builder, barrier)
@@ -199,8 +224,14 @@ class Trainer:
         global_batch = self.config.global_batch_size_at(self.train_batches.consumed_samples)
         microbatches = self.train_batches.next_step(self.device)
         scale = self.loss_scaler.scale if self.loss_scaler else 1.0
-        loss_sum = self.executor.run(self._schedule(len(microbatches)), microbatches, global_batch * t.seq_length,
-                                     self._set_last_microbatch, record=t.record_pipeline_timeline, loss_scale=scale)
+        loss_sum = self.executor.run(
+            self._schedule(len(microbatches)),
+            microbatches,
+            global_batch * t.seq_length,
+            self._set_last_microbatch,
+            record=t.record_pipeline_timeline,
+            loss_scale=scale,
+        )
         self.grads.finish()
         loss = self._global_mean(loss_sum)
         if self.step + 1 == self.injected_nan:
@@ -223,28 +254,38 @@ class Trainer:
             return
         self.skipped_in_a_row += 1
         what = f"loss {loss} / gradient norm {grad_norm} at step {self.step}"
-        newest = f"the newest checkpoint is {self.checkpoints} (step {self.last_saved_step})" \
-            if self.last_saved_step is not None else "no checkpoint was saved by this job"
+        newest = (
+            f"the newest checkpoint is {self.checkpoints} (step {self.last_saved_step})"
+            if self.last_saved_step is not None
+            else "no checkpoint was saved by this job"
+        )
         if t.nan_policy == "stop":
-            raise FloatingPointError(f"{what} (train.nan_policy = stop); {newest}. Lower optim.lr, raise "
-                                     f"optim.clip_grad or set --train.nan_policy skip")
+            raise FloatingPointError(
+                f"{what} (train.nan_policy = stop); {newest}. Lower optim.lr, raise "
+                f"optim.clip_grad or set --train.nan_policy skip"
+            )
         if self.skipped_in_a_row > t.max_skipped_steps:
-            raise FloatingPointError(f"{what}: {self.skipped_in_a_row} non-finite steps in a row "
-                                     f"(train.max_skipped_steps = {t.max_skipped_steps}); {newest}")
+            raise FloatingPointError(
+                f"{what}: {self.skipped_in_a_row} non-finite steps in a row "
+                f"(train.max_skipped_steps = {t.max_skipped_steps}); {newest}"
+            )
         self._log_event(f"{what}: update skipped (train.nan_policy = skip)")
 
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean validation loss over train.eval_iters global batches (the same batches every time)."""
         t = self.config.train
-        batches = BatchIterator(self.valid_set, lambda _: t.global_batch_size, t.micro_batch_size,
-                                self.state.dp_rank, self.state.dp_size)
+        batches = BatchIterator(
+            self.valid_set, lambda _: t.global_batch_size, t.micro_batch_size, self.state.dp_rank, self.state.dp_size
+        )
         self._train_mode(False)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         for _ in range(t.eval_iters):
-            total += self.executor.run(self._schedule(self.config.num_microbatches, forward_only=True),
-                                       batches.next_step(self.device),
-                                       t.global_batch_size * t.seq_length * t.eval_iters)
+            total += self.executor.run(
+                self._schedule(self.config.num_microbatches, forward_only=True),
+                batches.next_step(self.device),
+                t.global_batch_size * t.seq_length * t.eval_iters,
+            )
         return self._global_mean(total)
 
     def _sync(self) -> None:
@@ -286,10 +327,19 @@ class Trainer:
             elapsed = time.perf_counter() - start
             if self.step % t.log_interval == 0 or self.step == t.steps:
                 tokens_per_s = row["global_batch_size"] * t.seq_length / elapsed
-                mfu = (self.flops_per_token * tokens_per_s / (self.peak_flops * self.state.world_size)
-                       if self.peak_flops else None)
-                row = {"step": self.step, **row, "tokens": self.train_batches.consumed_samples * t.seq_length,
-                       "tokens_per_s": tokens_per_s, "mfu": mfu, "mem_gb": memory_gb(self.device)}
+                mfu = (
+                    self.flops_per_token * tokens_per_s / (self.peak_flops * self.state.world_size)
+                    if self.peak_flops
+                    else None
+                )
+                row = {
+                    "step": self.step,
+                    **row,
+                    "tokens": self.train_batches.consumed_samples * t.seq_length,
+                    "tokens_per_s": tokens_per_s,
+                    "mfu": mfu,
+                    "mem_gb": memory_gb(self.device),
+                }
                 if not rows:  # the first row of each job records the kernels this job runs
                     row["kernels"] = self.kernels.as_dict()
                 rows.append(self._log(row))
@@ -298,13 +348,17 @@ class Trainer:
                 self.save()
             if self.valid_set is not None and (self.step % t.eval_interval == 0 or self.step == t.steps):
                 val_loss = self.evaluate()
-                rows.append(self._log({"step": self.step, "val_loss": val_loss,
-                                       "val_ppl": math.exp(min(val_loss, 50.0))}))
-                best_val, evals_without_gain = ((val_loss, 0) if val_loss < best_val
-                                                else (best_val, evals_without_gain + 1))
+                rows.append(
+                    self._log({"step": self.step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))})
+                )
+                best_val, evals_without_gain = (
+                    (val_loss, 0) if val_loss < best_val else (best_val, evals_without_gain + 1)
+                )
                 if t.early_stop_patience and evals_without_gain >= t.early_stop_patience:
-                    self._log_event(f"early stop at step {self.step}: validation loss has not improved "
-                                    f"for {evals_without_gain} evaluations (best {best_val:.4f})")
+                    self._log_event(
+                        f"early stop at step {self.step}: validation loss has not improved "
+                        f"for {evals_without_gain} evaluations (best {best_val:.4f})"
+                    )
                     break
         if t.record_pipeline_timeline:
             self.write_pipeline_timeline()
@@ -318,10 +372,16 @@ class Trainer:
         dist.all_gather_object(ranks, self.executor.timeline, group=self.state.pp_group)
         if self.state.rank == 0:
             origin = min(span[3] for rank in ranks for span in rank)
-            data = {"layout": {"pp": self.state.pp_size, "vp": self.state.vp_size,
-                               "microbatches": self.config.num_microbatches},
-                    "ranks": [[(k, mb, c, start - origin, end - origin) for k, mb, c, start, end in rank]
-                              for rank in ranks]}
+            data = {
+                "layout": {
+                    "pp": self.state.pp_size,
+                    "vp": self.state.vp_size,
+                    "microbatches": self.config.num_microbatches,
+                },
+                "ranks": [
+                    [(k, mb, c, start - origin, end - origin) for k, mb, c, start, end in rank] for rank in ranks
+                ],
+            }
             (Path(self.config.train.run_dir) / "pipeline_timeline.json").write_text(json.dumps(data))
 
     def _log(self, row: dict) -> dict:

@@ -12,10 +12,9 @@ import os
 import sys
 from pathlib import Path
 
-from engine.config import ConfigError, LoomConfig
-from engine.config_io import load_config
+from loom.engine.config import ConfigError
+from loom.engine.config_io import load_config
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 EPILOG_TRAIN = """\
 Every config field can be overridden as --section.field value, for example
   loom train --config configs/tiny.toml --nproc 4 --parallel.tp 2 --train.steps 50
@@ -29,77 +28,30 @@ ZeRO-1 (--optim.zero1 true) shards master weights and optimizer state over DP fo
 lamb, with fp32, bf16 or fp16 (dynamic loss scaling) and any tp/pp/vp; adafactor runs without it."""
 
 
-def resolve_config_path(path: str) -> Path:
-    """A config path as given, or the same name under the repository's configs/ folder."""
-    given = Path(path)
-    if given.is_file():
-        return given
-    for candidate in (REPO_ROOT / path, REPO_ROOT / "configs" / path, REPO_ROOT / "configs" / f"{path}.toml"):
-        if candidate.is_file():
-            return candidate
-    raise ConfigError(f"config file {path} does not exist (presets live in {REPO_ROOT / 'configs'})")
-
-
-def preflight(config: LoomConfig, world_size: int) -> None:
-    """Everything that can be checked before a process group starts."""
-    from engine.data.indexed import IndexedDataset
-
-    config.resolve_world(world_size)
-    if config.model.kernels == "te" or config.train.fp8 != "off":
-        import torch
-
-        if not torch.cuda.is_available():  # where CUDA exists, each rank checks its own device
-            from engine.model.kernels import choose_kernels
-
-            choose_kernels(config, torch.device("cpu"))
-    if not config.data.paths:
-        raise ConfigError("data.paths is empty; build a dataset with `loom data build` (or run `loom demo`) "
-                          "and pass --data.paths PREFIX")
-    for prefix in config.data.paths:
-        dataset = IndexedDataset(prefix)
-        if dataset.num_tokens == 0:
-            raise ConfigError(f"dataset {prefix} holds no tokens")
-    if config.data.tokenizer:
-        import sentencepiece
-
-        if not Path(config.data.tokenizer).is_file():
-            raise ConfigError(f"data.tokenizer {config.data.tokenizer} does not exist")
-        vocab = sentencepiece.SentencePieceProcessor(model_file=config.data.tokenizer).vocab_size()
-        if vocab > config.model.vocab_size:
-            raise ConfigError(f"the tokenizer has {vocab} pieces but model.vocab_size = {config.model.vocab_size}; "
-                              f"set --model.vocab_size {vocab}")
-    if config.checkpoint.load and not Path(config.checkpoint.load).exists():
-        raise ConfigError(f"checkpoint.load = {config.checkpoint.load} does not exist")
-    run_dir = Path(config.train.run_dir)
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / ".write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as error:
-        raise ConfigError(f"run directory {run_dir} is not writable: {error.strerror}") from None
-
-
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
-    from launch.env import run_rank
-    from launch.local import launch_local
+    from loom.engine.preflight import preflight
+    from loom.launch.env import run_rank
+    from loom.launch.local import launch_local
 
-    config = load_config(resolve_config_path(args.config), overrides)
+    config = load_config(args.config, overrides)
     external = args.nproc is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if external:  # one rank of torchrun or srun: checkpoint and stop on SIGTERM/Ctrl-C like --nproc does
-        from launch.env import StopSignals
+        from loom.launch.env import StopSignals
 
         run_rank(config, stop=StopSignals.exit_on_terminate())
         return
     nproc = args.nproc or 1
     preflight(config, nproc)
-    print(f"loom train: {nproc} rank(s), tp={config.parallel.tp} pp={config.parallel.pp} dp={config.parallel.dp}, "
-          f"run directory {config.train.run_dir}", flush=True)
+    print(
+        f"loom train: {nproc} rank(s), tp={config.parallel.tp} pp={config.parallel.pp} dp={config.parallel.dp}, "
+        f"run directory {config.train.run_dir}",
+        flush=True,
+    )
     launch_local(config, nproc)
 
 
 def cmd_schedule(args: argparse.Namespace) -> None:
-    from tools.schedule_plot import describe, draw, load_measured
+    from loom.tools.schedule_plot import describe, draw, load_measured
 
     measured = None
     if args.from_run:
@@ -107,7 +59,7 @@ def cmd_schedule(args: argparse.Namespace) -> None:
         args.pp, args.vp, args.microbatches = layout["pp"], layout["vp"], layout["microbatches"]
     elif args.pp is None or args.microbatches is None:
         raise ConfigError("give --pp and --microbatches (and --vp), or --from-run RUN_DIR")
-    from engine.pipeline.schedules import ScheduleError
+    from loom.engine.pipeline.schedules import ScheduleError
 
     try:
         text, _ = describe(args.pp, args.vp, args.microbatches)
@@ -121,27 +73,37 @@ def cmd_schedule(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from launch import cli_bench, cli_ckpt, cli_data, demo, slurm
+    from loom.launch import cli_bench, cli_ckpt, cli_data, demo, slurm
 
     parser = argparse.ArgumentParser(prog="loom", description="3D-parallel LLM training: data tools, training, launch.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    train = commands.add_parser("train", help="train a model (locally, or as one rank under torchrun/Slurm)",
-                                epilog=EPILOG_TRAIN, formatter_class=argparse.RawDescriptionHelpFormatter)
+    train = commands.add_parser(
+        "train",
+        help="train a model (locally, or as one rank under torchrun/Slurm)",
+        epilog=EPILOG_TRAIN,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     train.add_argument("--config", required=True, help="TOML config, e.g. configs/tiny.toml")
     train.add_argument("--nproc", type=int, help="spawn this many local ranks (gloo on CPU, NCCL on GPU)")
     train.set_defaults(handler=cmd_train, takes_overrides=True)
 
-    schedule = commands.add_parser("schedule", help="print and draw a pipeline schedule with its bubble",
-                                   description="Print each pipeline rank's forwards (F) and backwards (B) as "
-                                               "microbatch[.chunk], the bubble fraction and the activations held, "
-                                               "and draw a Gantt chart.")
+    schedule = commands.add_parser(
+        "schedule",
+        help="print and draw a pipeline schedule with its bubble",
+        description="Print each pipeline rank's forwards (F) and backwards (B) as "
+        "microbatch[.chunk], the bubble fraction and the activations held, "
+        "and draw a Gantt chart.",
+    )
     schedule.add_argument("--pp", type=int, help="pipeline stages")
     schedule.add_argument("--vp", type=int, default=1, help="virtual stages (chunks) per rank; >1 interleaves")
     schedule.add_argument("--microbatches", type=int, help="micro-batches per step")
     schedule.add_argument("--output", help="PNG file for the Gantt chart")
-    schedule.add_argument("--from-run", help="run directory trained with --train.record_pipeline_timeline true: "
-                                             "draw its measured timeline next to the ideal one")
+    schedule.add_argument(
+        "--from-run",
+        help="run directory trained with --train.record_pipeline_timeline true: "
+        "draw its measured timeline next to the ideal one",
+    )
     schedule.set_defaults(handler=cmd_schedule)
 
     demo.add_parser(commands)
@@ -153,10 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from data_tools.jsonl import InputError
-    from engine.checkpoint.format import CheckpointError
-    from engine.data.indexed import IndexFormatError
-    from launch.local import RankFailed, Stopped
+    from loom.data_tools.jsonl import InputError
+    from loom.engine.checkpoint.format import CheckpointError
+    from loom.engine.data.indexed import IndexFormatError
+    from loom.launch.local import RankFailed, Stopped
 
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)

@@ -17,7 +17,7 @@ Runs one process (world size 1) on train.device: loom at the config's precision,
 
 
 def cmd_bench_mfu(args: argparse.Namespace, overrides: list[str]) -> None:
-    from tools.bench.mfu import run
+    from loom.tools.bench.mfu import run
 
     run(args, overrides)
 
@@ -25,17 +25,29 @@ def cmd_bench_mfu(args: argparse.Namespace, overrides: list[str]) -> None:
 def add_parser(commands) -> None:
     bench = commands.add_parser("bench", help="benchmarks with same-run baselines (mfu)")
     kinds = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    mfu = kinds.add_parser("mfu", help="tokens/s, TFLOP/s and MFU: loom BF16/FP8 vs a plain PyTorch loop",
-                           epilog=EPILOG_MFU, formatter_class=argparse.RawDescriptionHelpFormatter)
+    mfu = kinds.add_parser(
+        "mfu",
+        help="tokens/s, TFLOP/s and MFU: loom BF16/FP8 vs a plain PyTorch loop",
+        epilog=EPILOG_MFU,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     mfu.add_argument("--config", required=True, help="TOML config, e.g. configs/llama-1b.toml")
     mfu.add_argument("--steps", type=int, default=10, help="measured steps per run (after --warmup)")
     mfu.add_argument("--warmup", type=int, default=2, help="steps not measured (allocator, autotuning, compile)")
     mfu.add_argument("--microbatches", type=int, default=4, help="micro-batches per step (gradient accumulation)")
-    mfu.add_argument("--fp8-recipe", choices=("auto", "delayed", "current"), default="auto",
-                     help="FP8 row's recipe; auto: delayed with Transformer Engine, else current (torch._scaled_mm)")
-    mfu.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                     help="torch.compile the plain loop (default: on CUDA yes, on CPU no: inductor's CPU compile "
-                          "takes longer than the whole CPU benchmark)")
+    mfu.add_argument(
+        "--fp8-recipe",
+        choices=("auto", "delayed", "current"),
+        default="auto",
+        help="FP8 row's recipe; auto: delayed with Transformer Engine, else current (torch._scaled_mm)",
+    )
+    mfu.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="torch.compile the plain loop (default: on CUDA yes, on CPU no: inductor's CPU compile "
+        "takes longer than the whole CPU benchmark)",
+    )
     mfu.add_argument("--gemm-size", type=int, help="square GEMM size for the measured peak (default 8192 GPU, 512 CPU)")
     mfu.add_argument("--output", help="also write the figures as JSON to this file")
     mfu.set_defaults(handler=cmd_bench_mfu, takes_overrides=True)

@@ -8,38 +8,42 @@ from pathlib import Path
 
 
 def _inspect(args: argparse.Namespace) -> None:
-    from tools.ckpt import inspect
+    from loom.tools.ckpt import inspect
 
     print(inspect(Path(args.directory)))
 
 
 def _reshard(args: argparse.Namespace) -> None:
-    from tools.ckpt import reshard
+    from loom.tools.ckpt import reshard
 
     final = reshard(Path(args.input), Path(args.output), args.tp, args.pp, args.vp)
-    print(f"wrote {final} for tp={args.tp} pp={args.pp} vp={args.vp} (any dp loads it); "
-          f"resume with --checkpoint.load {args.output}")
+    print(
+        f"wrote {final} for tp={args.tp} pp={args.pp} vp={args.vp} (any dp loads it); "
+        f"resume with --checkpoint.load {args.output}"
+    )
 
 
 def _export_hf(args: argparse.Namespace) -> None:
-    from tools.hf import export_hf
+    from loom.tools.hf import export_hf
 
-    print(f"wrote {export_hf(Path(args.input), Path(args.output))}: model.safetensors + config.json "
-          f"(transformers.LlamaForCausalLM.from_pretrained loads it)")
+    print(
+        f"wrote {export_hf(Path(args.input), Path(args.output))}: model.safetensors + config.json "
+        f"(transformers.LlamaForCausalLM.from_pretrained loads it)"
+    )
 
 
 def _import_hf(args: argparse.Namespace) -> None:
-    from tools.hf import import_hf
+    from loom.tools.hf import import_hf
 
     final = import_hf(Path(args.input), Path(args.output))
     print(f"wrote {final}; train from it with --checkpoint.load {args.output}")
 
 
 def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> None:
-    from engine.config_io import config_from_dict, parse_overrides
-    from launch.cli import preflight
-    from launch.local import launch_local
-    from tools.ckpt import open_checkpoint
+    from loom.engine.config_io import config_from_dict, parse_overrides
+    from loom.engine.preflight import preflight
+    from loom.launch.local import launch_local
+    from loom.tools.ckpt import open_checkpoint
 
     directory, metadata = open_checkpoint(Path(args.checkpoint))
     raw = metadata["config"]
@@ -51,8 +55,7 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> None:
         raw["checkpoint"].update(load=str(directory), interval=0)
         for section, values in parse_overrides(overrides).items():
             raw[section].update(values)
-        config = config_from_dict({s: {k: v for k, v in fields.items() if v is not None}
-                                   for s, fields in raw.items()})
+        config = config_from_dict({s: {k: v for k, v in fields.items() if v is not None} for s, fields in raw.items()})
         preflight(config, args.nproc)
         launch_local(config, args.nproc, mode="eval")
 
@@ -63,9 +66,12 @@ def add_parsers(commands) -> None:
     p = sub.add_parser("inspect", help="layout, step, tokens and the tensor table of a checkpoint")
     p.add_argument("directory", help="an iter_N directory or a checkpoints/ folder (its newest intact one)")
     p.set_defaults(handler=_inspect)
-    p = sub.add_parser("reshard", help="rewrite a checkpoint for another tp/pp/vp layout, offline, streaming",
-                       description="Any layout already loads any checkpoint; resharding writes the pieces a "
-                                   "target layout reads, one file per rank. DP needs no reshard.")
+    p = sub.add_parser(
+        "reshard",
+        help="rewrite a checkpoint for another tp/pp/vp layout, offline, streaming",
+        description="Any layout already loads any checkpoint; resharding writes the pieces a "
+        "target layout reads, one file per rank. DP needs no reshard.",
+    )
     p.add_argument("--input", required=True, help="checkpoint directory (iter_N or checkpoints/)")
     p.add_argument("--output", required=True, help="a checkpoints/ folder to write iter_N and latest into")
     p.add_argument("--tp", type=int, required=True)
@@ -81,12 +87,18 @@ def add_parsers(commands) -> None:
     p.add_argument("--output", required=True, help="a checkpoints/ folder to write iter_0000000 and latest into")
     p.set_defaults(handler=_import_hf)
 
-    p = commands.add_parser("eval", help="validation loss and perplexity of a checkpoint on a dataset, any layout",
-                            epilog="Layout and other fields: --parallel.tp 2 --nproc 2, --train.micro_batch_size 4, ...")
+    p = commands.add_parser(
+        "eval",
+        help="validation loss and perplexity of a checkpoint on a dataset, any layout",
+        epilog="Layout and other fields: --parallel.tp 2 --nproc 2, --train.micro_batch_size 4, ...",
+    )
     p.add_argument("--checkpoint", required=True, help="an iter_N directory or a checkpoints/ folder")
     p.add_argument("--data", required=True, help=".bin/.idx prefix")
-    p.add_argument("--split", default="0,100,0", help="train,valid,test weights; the valid part is evaluated "
-                                                      "(default: the whole dataset)")
+    p.add_argument(
+        "--split",
+        default="0,100,0",
+        help="train,valid,test weights; the valid part is evaluated (default: the whole dataset)",
+    )
     p.add_argument("--iters", type=int, default=4, help="global batches to evaluate")
     p.add_argument("--nproc", type=int, default=1)
     p.set_defaults(handler=cmd_eval, takes_overrides=True)

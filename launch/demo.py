@@ -1,11 +1,12 @@
 """`loom demo`: every capability that has landed, end to end, on the embedded default corpus.
 
-corpus (Python stdlib) -> clean (repair + code filters) -> exact dedup -> SentencePiece tokenizer -> .bin/.idx -> 3D-parallel training on local
-CPU ranks (tensor + sequence, interleaved pipeline, data parallel with the ZeRO-1 optimizer) with
-validation and a checkpoint -> the measured pipeline timeline next to the ideal one -> the
-checkpoint resharded and training resumed under another layout -> evaluation -> Hugging Face
-export -> the run continued as a Slurm job (where sbatch is on PATH) -> a summary. Each step's
-outputs stay in the work directory, so the next command (`loom train --config configs/tiny.toml ...`) can reuse them.
+corpus (Python stdlib) -> clean (repair + code filters) -> exact dedup -> SentencePiece tokenizer
+-> .bin/.idx -> 3D-parallel training on local CPU ranks (tensor + sequence, interleaved pipeline,
+data parallel with the ZeRO-1 optimizer) with validation and a checkpoint -> the measured pipeline
+timeline next to the ideal one -> the checkpoint resharded and training resumed under another
+layout -> evaluation -> Hugging Face export -> the run continued as a Slurm job (where sbatch is
+on PATH) -> a summary. Each step's outputs stay in the work directory, so the next command
+(`loom train --config configs/tiny.toml ...`) can reuse them.
 Steps whose outputs already exist are reused, not redone.
 """
 
@@ -17,7 +18,7 @@ import shutil
 import time
 from pathlib import Path
 
-from engine.config_io import config_to_dict, load_config
+from loom.engine.config_io import config_to_dict, load_config
 
 
 def _step(title: str) -> float:
@@ -26,14 +27,14 @@ def _step(title: str) -> float:
 
 
 def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: int, pp: int, vp: int) -> dict:
-    from data_tools.build import build_indexed_dataset
-    from data_tools.clean import clean_corpus
-    from data_tools.corpus import build_stdlib_corpus
-    from data_tools.dedup import deduplicate
-    from data_tools.tokenizer import train_tokenizer
-    from engine.data.indexed import IndexedDataset
-    from launch.cli import preflight, resolve_config_path
-    from launch.local import launch_local
+    from loom.data_tools.build import build_indexed_dataset
+    from loom.data_tools.clean import clean_corpus
+    from loom.data_tools.corpus import build_stdlib_corpus
+    from loom.data_tools.dedup import deduplicate
+    from loom.data_tools.tokenizer import train_tokenizer
+    from loom.engine.data.indexed import IndexedDataset
+    from loom.engine.preflight import preflight
+    from loom.launch.local import launch_local
 
     data_dir = workdir / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -46,15 +47,19 @@ def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: in
     summary["corpus_mb"] = round(corpus.stat().st_size / 1e6, 1)
     print(f"{corpus} ({summary['corpus_mb']} MB) in {time.perf_counter() - start:.1f} s")
 
-    start = _step("2/9 clean: ftfy repair, NFC, control characters, then the `code` filter pipeline "
-                  "(the web pipeline's Gopher/C4/FineWeb rules reject source files); rejects kept with reasons")
+    start = _step(
+        "2/9 clean: ftfy repair, NFC, control characters, then the `code` filter pipeline "
+        "(the web pipeline's Gopher/C4/FineWeb rules reject source files); rejects kept with reasons"
+    )
     cleaned = data_dir / "clean"
     if not (cleaned / "stats.json").exists():
         clean_corpus([corpus], cleaned, pipeline="code", workers=2, progress=False)
     summary["clean"] = json.loads((cleaned / "stats.json").read_text())
     corpus = cleaned / "kept.jsonl"
-    print(f"kept {summary['clean']['kept']:,}, rejected {summary['clean']['rejected']:,} "
-          f"(reasons in {cleaned / 'rejected'}) in {time.perf_counter() - start:.1f} s")
+    print(
+        f"kept {summary['clean']['kept']:,}, rejected {summary['clean']['rejected']:,} "
+        f"(reasons in {cleaned / 'rejected'}) in {time.perf_counter() - start:.1f} s"
+    )
 
     start = _step("3/9 dedup: exact duplicates (normalised-text hash) removed, each with the id it duplicates")
     deduped = data_dir / "dedup"
@@ -62,8 +67,10 @@ def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: in
         deduplicate([corpus], deduped, method="exact")
     summary["dedup"] = json.loads((deduped / "stats.json").read_text())
     corpus = deduped / "kept.jsonl"
-    print(f"kept {summary['dedup']['kept']:,}, removed {summary['dedup']['removed']:,} in "
-          f"{summary['dedup']['clusters']:,} clusters ({time.perf_counter() - start:.1f} s)")
+    print(
+        f"kept {summary['dedup']['kept']:,}, removed {summary['dedup']['removed']:,} in "
+        f"{summary['dedup']['clusters']:,} clusters ({time.perf_counter() - start:.1f} s)"
+    )
 
     start = _step("4/9 tokenizer: SentencePiece BPE, 4096 pieces, byte fallback")
     if not Path(f"{tokenizer}.model").exists():
@@ -75,33 +82,61 @@ def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: in
         build_indexed_dataset([corpus], f"{tokenizer}.model", prefix, workers=2, append_eod=True)
     dataset = IndexedDataset(prefix)
     summary["documents"], summary["tokens"] = len(dataset.document_indices) - 1, int(dataset.num_tokens)
-    print(f"{prefix}.bin/.idx: {summary['documents']:,} documents, {summary['tokens']:,} tokens "
-          f"in {time.perf_counter() - start:.1f} s")
+    print(
+        f"{prefix}.bin/.idx: {summary['documents']:,} documents, {summary['tokens']:,} tokens "
+        f"in {time.perf_counter() - start:.1f} s"
+    )
 
     shutil.rmtree(workdir / "runs", ignore_errors=True)  # a fresh run, not a resume of an older demo
     run_dir = workdir / "runs" / "tiny"
-    overrides = ["--data.paths", str(prefix), "--data.tokenizer", f"{tokenizer}.model",
-                 "--train.run_dir", str(run_dir), "--train.steps", str(steps), "--checkpoint.interval", str(steps),
-                 "--train.eval_interval", str(max(1, steps // 2)),
-                 "--parallel.tp", str(tp), "--parallel.pp", str(pp), "--parallel.vp", str(vp),
-                 "--parallel.sequence_parallel", "true", "--optim.zero1", "true",
-                 "--train.record_pipeline_timeline", "true"]
-    config = load_config(resolve_config_path("configs/tiny.toml"), overrides)
+    overrides = [
+        "--data.paths",
+        str(prefix),
+        "--data.tokenizer",
+        f"{tokenizer}.model",
+        "--train.run_dir",
+        str(run_dir),
+        "--train.steps",
+        str(steps),
+        "--checkpoint.interval",
+        str(steps),
+        "--train.eval_interval",
+        str(max(1, steps // 2)),
+        "--parallel.tp",
+        str(tp),
+        "--parallel.pp",
+        str(pp),
+        "--parallel.vp",
+        str(vp),
+        "--parallel.sequence_parallel",
+        "true",
+        "--optim.zero1",
+        "true",
+        "--train.record_pipeline_timeline",
+        "true",
+    ]
+    config = load_config("configs/tiny.toml", overrides)
     preflight(config, nproc)
-    start = _step(f"6/9 train: configs/tiny.toml on {nproc} CPU ranks: tp={tp} (sequence parallel) x pp={pp} "
-                  f"(interleaved, vp={vp}) x dp={config.parallel.dp} (ZeRO-1), {steps} steps")
+    start = _step(
+        f"6/9 train: configs/tiny.toml on {nproc} CPU ranks: tp={tp} (sequence parallel) x pp={pp} "
+        f"(interleaved, vp={vp}) x dp={config.parallel.dp} (ZeRO-1), {steps} steps"
+    )
     metrics = run_dir / "metrics.jsonl"
     launch_local(config, nproc)
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     train_rows = [r for r in rows if "loss" in r]
     val_rows = [r for r in rows if "val_loss" in r]
-    summary.update(first_loss=train_rows[0]["loss"], last_loss=train_rows[-1]["loss"],
-                   val_loss=val_rows[-1]["val_loss"] if val_rows else None,
-                   val_ppl=val_rows[-1]["val_ppl"] if val_rows else None,
-                   train_seconds=round(time.perf_counter() - start, 1), run_dir=str(run_dir))
+    summary.update(
+        first_loss=train_rows[0]["loss"],
+        last_loss=train_rows[-1]["loss"],
+        val_loss=val_rows[-1]["val_loss"] if val_rows else None,
+        val_ppl=val_rows[-1]["val_ppl"] if val_rows else None,
+        train_seconds=round(time.perf_counter() - start, 1),
+        run_dir=str(run_dir),
+    )
 
     _step("7/9 schedule: the last step's measured pipeline timeline next to the ideal one")
-    from tools.schedule_plot import describe, draw, load_measured
+    from loom.tools.schedule_plot import describe, draw, load_measured
 
     layout, measured = load_measured(run_dir)
     text, timeline = describe(layout["pp"], layout["vp"], layout["microbatches"])
@@ -117,17 +152,21 @@ def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: in
 
 def _move_checkpoint(workdir: Path, config, steps: int) -> dict:
     """Reshard the checkpoint offline, resume under another layout, evaluate, export to Hugging Face."""
-    from launch.local import launch_local
-    from tools.ckpt import reshard
-    from tools.hf import export_hf
+    from loom.launch.local import launch_local
+    from loom.tools.ckpt import reshard
+    from loom.tools.hf import export_hf
 
-    start = _step("8/9 checkpoint: reshard to tp=1 pp=2 offline, resume on 4 ranks as pp=2 x dp=2 for "
-                  f"{steps // 2} more steps, evaluate, export to Hugging Face")
+    start = _step(
+        "8/9 checkpoint: reshard to tp=1 pp=2 offline, resume on 4 ranks as pp=2 x dp=2 for "
+        f"{steps // 2} more steps, evaluate, export to Hugging Face"
+    )
     runs = workdir / "runs"
     resharded = reshard(runs / "tiny" / "checkpoints", runs / "tiny-resharded" / "checkpoints", tp=1, pp=2)
     print(f"resharded: {resharded}")
-    resumed = load_config(None, {**config_to_dict(config), "parallel": {"tp": 1, "pp": 2, "vp": 1, "dp": None,
-                                                                       "sequence_parallel": False}})
+    resumed = load_config(
+        None,
+        {**config_to_dict(config), "parallel": {"tp": 1, "pp": 2, "vp": 1, "dp": None, "sequence_parallel": False}},
+    )
     resumed.train.run_dir, resumed.train.steps = str(runs / "tiny-resumed"), steps + steps // 2
     resumed.train.record_pipeline_timeline, resumed.checkpoint.load = False, str(resharded)
     resumed.resolve_world(4)
@@ -136,23 +175,30 @@ def _move_checkpoint(workdir: Path, config, steps: int) -> dict:
     hf_dir = export_hf(runs / "tiny-resumed" / "checkpoints", workdir / "hf")
     val = [r for r in rows if "val_loss" in r]
     print(f"exported {hf_dir} in {time.perf_counter() - start:.1f} s")
-    return {"resumed_from": steps, "resumed_loss": [r for r in rows if "loss" in r][-1]["loss"],
-            "resumed_val_loss": val[-1]["val_loss"] if val else None, "hf_dir": str(hf_dir)}
+    return {
+        "resumed_from": steps,
+        "resumed_loss": [r for r in rows if "loss" in r][-1]["loss"],
+        "resumed_val_loss": val[-1]["val_loss"] if val else None,
+        "hf_dir": str(hf_dir),
+    }
 
 
 def _slurm_job(workdir: Path, config, steps: int) -> dict:
     """Continue the resumed run as a Slurm job, where this machine can submit one."""
-    from launch.slurm import SlurmOptions, follow, slurm_unavailable, submit
+    from loom.launch.slurm import SlurmOptions, follow, slurm_unavailable, submit
 
     _step(f"9/9 slurm: continue the run as a Slurm job (1 node x 4 tasks, tp=2 x dp=2) for {steps // 2} more steps")
     reason = slurm_unavailable()
     if reason:
-        print(f"skipped: {reason}. `python -m tools.slurm_cluster up /tmp/loom-slurm` starts a one-node cluster "
-              "here (root; installs Debian's Slurm); `source /tmp/loom-slurm/env.sh`, then run the demo again")
+        print(
+            f"skipped: {reason}. `python -m loom.tools.slurm_cluster up /tmp/loom-slurm` starts a one-node cluster "
+            "here (root; installs Debian's Slurm); `source /tmp/loom-slurm/env.sh`, then run the demo again"
+        )
         return {"slurm": None, "slurm_skipped": reason}
     runs = workdir / "runs"
-    job_config = load_config(None, {**config_to_dict(config), "parallel": {"tp": 2, "pp": 1, "vp": 1, "dp": None,
-                                                                           "sequence_parallel": True}})
+    job_config = load_config(
+        None, {**config_to_dict(config), "parallel": {"tp": 2, "pp": 1, "vp": 1, "dp": None, "sequence_parallel": True}}
+    )
     job_config.train.run_dir, job_config.train.steps = str(runs / "tiny-slurm"), steps + 2 * (steps // 2)
     job_config.train.record_pipeline_timeline = False
     job_config.checkpoint.load = str(runs / "tiny-resumed" / "checkpoints")
@@ -161,27 +207,41 @@ def _slurm_job(workdir: Path, config, steps: int) -> dict:
     state = follow(job.job_id, Path(job_config.train.run_dir))
     rows = [json.loads(line) for line in (runs / "tiny-slurm" / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if "loss" in r]
-    return {"slurm": {"job_id": job.job_id, "state": state, "last_loss": losses[-1] if losses else None,
-                      "run_dir": job_config.train.run_dir}}
+    return {
+        "slurm": {
+            "job_id": job.job_id,
+            "state": state,
+            "last_loss": losses[-1] if losses else None,
+            "run_dir": job_config.train.run_dir,
+        }
+    }
 
 
 def _print_summary(summary: dict) -> None:
     print("\n== summary")
-    print(f"corpus       {summary['corpus_mb']} MB of Python stdlib, {summary['clean']['rejected']:,} rejected by clean, "
-          f"{summary['dedup']['removed']:,} exact duplicates removed -> {summary['documents']:,} documents, "
-          f"{summary['tokens']:,} tokens")
-    print(f"training     {summary['layout']}, ZeRO-1: loss {summary['first_loss']:.3f} -> "
-          f"{summary['last_loss']:.3f} in {summary['train_seconds']} s")
+    print(
+        f"corpus       {summary['corpus_mb']} MB of Python stdlib, {summary['clean']['rejected']:,} rejected by clean, "
+        f"{summary['dedup']['removed']:,} exact duplicates removed -> {summary['documents']:,} documents, "
+        f"{summary['tokens']:,} tokens"
+    )
+    print(
+        f"training     {summary['layout']}, ZeRO-1: loss {summary['first_loss']:.3f} -> "
+        f"{summary['last_loss']:.3f} in {summary['train_seconds']} s"
+    )
     if summary["val_loss"] is not None:
         print(f"validation   loss {summary['val_loss']:.3f}, perplexity {summary['val_ppl']:.1f}")
     print(f"pipeline     ideal bubble {summary['bubble']:.1%}; measured vs ideal: {summary['schedule_png']}")
-    print(f"checkpoint   resharded to tp=1 pp=2, resumed as pp=2 x dp=2 from step {summary['resumed_from']}: "
-          f"loss {summary['resumed_loss']:.3f}, validation {summary['resumed_val_loss']:.3f}")
+    print(
+        f"checkpoint   resharded to tp=1 pp=2, resumed as pp=2 x dp=2 from step {summary['resumed_from']}: "
+        f"loss {summary['resumed_loss']:.3f}, validation {summary['resumed_val_loss']:.3f}"
+    )
     print(f"hugging face {summary['hf_dir']} (transformers.LlamaForCausalLM.from_pretrained loads it)")
     slurm = summary.get("slurm")
     if slurm:
-        print(f"slurm        job {slurm['job_id']} {slurm['state']} as tp=2 x dp=2: loss {slurm['last_loss']:.3f} "
-              f"({slurm['run_dir']})")
+        print(
+            f"slurm        job {slurm['job_id']} {slurm['state']} as tp=2 x dp=2: loss {slurm['last_loss']:.3f} "
+            f"({slurm['run_dir']})"
+        )
     else:
         print(f"slurm        skipped ({summary['slurm_skipped']}); see docs/slurm.md")
     print(f"run          {summary['run_dir']}/metrics.jsonl, tensorboard/, config.toml")

@@ -14,7 +14,7 @@ import signal
 import torch
 import torch.distributed as dist
 
-from engine.config import LoomConfig
+from loom.engine.config import LoomConfig
 
 
 def choose_backend(requested: str, device: str) -> str:
@@ -66,8 +66,9 @@ def init_distributed(config: LoomConfig) -> int:
     if backend == "nccl":
         set_cuda_env_defaults()
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
-    dist.init_process_group(backend, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(minutes=config.parallel.timeout_minutes))
+    dist.init_process_group(
+        backend, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=config.parallel.timeout_minutes)
+    )
     return local_rank
 
 
@@ -77,7 +78,7 @@ def run_rank(config: LoomConfig, mode: str = "train", stop: StopSignals | None =
     checkpoints and returns early; `stop.code` then says what all ranks agreed on."""
     import math
 
-    from engine.train import Trainer
+    from loom.engine.train import Trainer
 
     local_rank = init_distributed(config)
     try:
@@ -87,8 +88,10 @@ def run_rank(config: LoomConfig, mode: str = "train", stop: StopSignals | None =
                 loss = trainer.evaluate()
                 rows = [{"step": trainer.step, "val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}]
                 if dist.get_rank() == 0:
-                    print(f"step {trainer.step}: validation loss {loss:.4f}, perplexity {rows[0]['val_ppl']:.2f}",
-                          flush=True)
+                    print(
+                        f"step {trainer.step}: validation loss {loss:.4f}, perplexity {rows[0]['val_ppl']:.2f}",
+                        flush=True,
+                    )
             else:
                 rows = trainer.run(stop)
         finally:

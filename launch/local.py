@@ -13,14 +13,14 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import signal
-import socket
 import sys
 import time
 import traceback
 from pathlib import Path
 
-from engine.config import LoomConfig
-from engine.config_io import config_from_dict, config_to_dict
+from loom.engine.config import LoomConfig
+from loom.engine.config_io import config_from_dict, config_to_dict
+from loom.engine.parallel.rendezvous import free_port
 
 # Errors whose message is the whole story; anything else is reported with its type.
 USER_ERRORS = (ValueError, FileNotFoundError, PermissionError, FloatingPointError)
@@ -44,18 +44,13 @@ def describe_rank_error(error: BaseException, timeout_minutes: float) -> str:
     """One line for a rank's failure; a collective timeout is named as what it usually means."""
     message = str(error).splitlines()[0] if str(error) else type(error).__name__
     if "timed out" in message.lower() or "timeout" in type(error).__name__.lower():
-        return (f"a collective timed out after {timeout_minutes:g} min: a peer rank stopped answering "
-                f"(crashed, hung or killed); parallel.timeout_minutes sets the limit [{message}]")
+        return (
+            f"a collective timed out after {timeout_minutes:g} min: a peer rank stopped answering "
+            f"(crashed, hung or killed); parallel.timeout_minutes sets the limit [{message}]"
+        )
     if not isinstance(error, USER_ERRORS):
         message = f"{type(error).__name__}: {message}"
     return message
-
-
-def free_port() -> int:
-    """A TCP port on the loopback that is free now (for a rendezvous on this machine)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _die_with_launcher(launcher_pid: int) -> None:
@@ -69,14 +64,16 @@ def _die_with_launcher(launcher_pid: int) -> None:
         os._exit(1)
 
 
-def _rank_main(rank: int, world: int, port: int, raw_config: dict, threads: int, errors, mode: str,
-               launcher_pid: int) -> None:
+def _rank_main(
+    rank: int, world: int, port: int, raw_config: dict, threads: int, errors, mode: str, launcher_pid: int
+) -> None:
     _die_with_launcher(launcher_pid)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     import torch
 
-    from launch.env import StopSignals, run_rank
+    from loom.launch.env import StopSignals, run_rank
 
     torch.set_num_threads(threads)
     stop = StopSignals.exit_on_terminate()
@@ -97,8 +94,10 @@ def launch_local(config: LoomConfig, nproc: int, grace_s: float = 5.0, mode: str
     port = free_port()
     threads = max(1, (os.cpu_count() or 1) // nproc)
     raw = config_to_dict(config)
-    procs = [ctx.Process(target=_rank_main, args=(r, nproc, port, raw, threads, errors, mode, os.getpid()), daemon=False)
-             for r in range(nproc)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, nproc, port, raw, threads, errors, mode, os.getpid()), daemon=False)
+        for r in range(nproc)
+    ]
     stop_signals: list[str] = []
 
     def forward_stop(signum: int, frame) -> None:
@@ -147,13 +146,14 @@ def _stop_all(procs: list, grace_s: float) -> None:
 
 
 def _stopped(signal_name: str, config: LoomConfig, clean: bool) -> Stopped:
-    from engine.checkpoint.format import LATEST
+    from loom.engine.checkpoint.format import LATEST
 
     latest = Path(config.train.run_dir) / "checkpoints" / LATEST
     if clean and latest.is_file():
         where = latest.parent / latest.read_text().strip()
-        return Stopped(signal_name, f"stopped by {signal_name}: checkpoint {where} saved; "
-                                    f"run the same command to resume from it")
+        return Stopped(
+            signal_name, f"stopped by {signal_name}: checkpoint {where} saved; run the same command to resume from it"
+        )
     return Stopped(signal_name, f"stopped by {signal_name} before a checkpoint was written; nothing to resume")
 
 

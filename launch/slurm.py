@@ -34,10 +34,21 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from engine.config import ConfigError, LoomConfig
+from loom.engine.config import ConfigError, LoomConfig
 
-TERMINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
-                   "DEADLINE", "PREEMPTED", "SPECIAL_EXIT", "REVOKED"}
+TERMINAL_STATES = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "PREEMPTED",
+    "SPECIAL_EXIT",
+    "REVOKED",
+}
 SBATCH_KEY = re.compile(r"^[a-z][a-z0-9_-]*$")
 # The options loom sets itself; --sbatch may not override them (it would break rendezvous or logs).
 RESERVED_SBATCH_KEYS = {"output", "error", "open-mode", "signal", "nodes", "ntasks-per-node", "array", "wrap"}
@@ -98,8 +109,9 @@ def parse_sbatch_options(pairs: list[str]) -> dict[str, str | bool]:
         key, sep, value = pair.partition("=")
         key = key.strip().removeprefix("--")
         if not sep or not SBATCH_KEY.match(key):
-            raise ConfigError(f"--sbatch {pair!r}: give KEY=VALUE with a lower-case sbatch option name, "
-                              f"e.g. --sbatch mail-type=END")
+            raise ConfigError(
+                f"--sbatch {pair!r}: give KEY=VALUE with a lower-case sbatch option name, e.g. --sbatch mail-type=END"
+            )
         if key.replace("_", "-") in RESERVED_SBATCH_KEYS:
             raise ConfigError(f"--sbatch {key}: loom sets this option itself; use the loom submit flag instead")
         if any(ord(ch) < 32 for ch in value):
@@ -110,8 +122,10 @@ def parse_sbatch_options(pairs: list[str]) -> dict[str, str | bool]:
 
 def _slurm_command(args: list[str], timeout_s: float = 60) -> str:
     if shutil.which(args[0]) is None:
-        raise ConfigError(f"`{args[0]}` is not on PATH: loom submit runs where Slurm's commands do "
-                          f"(a login node); use `loom train --nproc N` on a single machine")
+        raise ConfigError(
+            f"`{args[0]}` is not on PATH: loom submit runs where Slurm's commands do "
+            f"(a login node); use `loom train --nproc N` on a single machine"
+        )
     try:
         result = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -147,8 +161,10 @@ def partition_gpus(partition: str | None) -> int:
     if partition is None:
         partition = default
         if partition is None:
-            raise ConfigError("this cluster has no default partition; pass --partition (sinfo lists: "
-                              f"{', '.join(sorted(partitions))})")
+            raise ConfigError(
+                "this cluster has no default partition; pass --partition (sinfo lists: "
+                f"{', '.join(sorted(partitions))})"
+            )
     if partition not in partitions:
         raise ConfigError(f"partition {partition!r} does not exist; sinfo lists: {', '.join(sorted(partitions))}")
     return partitions[partition]
@@ -161,25 +177,38 @@ def executor_parameters(options: SlurmOptions, config: LoomConfig, gpus_on_parti
         wants_gpu = config.train.device == "cuda" or (config.train.device == "auto" and gpus_on_partition > 0)
         gpus = options.tasks_per_node if wants_gpu else 0
     if config.train.device == "cuda" and gpus < options.tasks_per_node:
-        raise ConfigError(f"train.device = cuda needs one GPU per task: --gpus-per-node {gpus} < "
-                          f"--tasks-per-node {options.tasks_per_node}")
+        raise ConfigError(
+            f"train.device = cuda needs one GPU per task: --gpus-per-node {gpus} < "
+            f"--tasks-per-node {options.tasks_per_node}"
+        )
     if options.time_minutes * 60 < options.signal_delay_s + 60:
-        raise ConfigError(f"--time {options.time_minutes} min leaves no room before the checkpoint signal "
-                          f"(--signal-delay-s {options.signal_delay_s}); Slurm checks the signal only every 30 s, "
-                          f"so keep the limit above delay + 60 s")
+        raise ConfigError(
+            f"--time {options.time_minutes} min leaves no room before the checkpoint signal "
+            f"(--signal-delay-s {options.signal_delay_s}); Slurm checks the signal only every 30 s, "
+            f"so keep the limit above delay + 60 s"
+        )
     parameters = {
-        "nodes": options.nodes, "ntasks_per_node": options.tasks_per_node, "time": options.time_minutes,
-        "job_name": options.job_name or config.train.name, "signal_delay_s": options.signal_delay_s,
+        "nodes": options.nodes,
+        "ntasks_per_node": options.tasks_per_node,
+        "time": options.time_minutes,
+        "job_name": options.job_name or config.train.name,
+        "signal_delay_s": options.signal_delay_s,
         "stderr_to_stdout": True,
         # One failed rank ends the job step at once instead of leaving its peers in a collective.
         "srun_args": ["--kill-on-bad-exit=1"],
         # The job requeues itself on SIGUSR2; clusters may default to non-requeueable jobs.
         "additional_parameters": {"requeue": True, **options.sbatch},
     }
-    optional = {"gpus_per_node": gpus or None, "cpus_per_task": options.cpus_per_task,
-                "partition": options.partition, "account": options.account, "qos": options.qos,
-                "constraint": options.constraint, "exclusive": options.exclusive or None,
-                "mem": f"{int(options.mem_gb * 1024)}MB" if options.mem_gb else None}
+    optional = {
+        "gpus_per_node": gpus or None,
+        "cpus_per_task": options.cpus_per_task,
+        "partition": options.partition,
+        "account": options.account,
+        "qos": options.qos,
+        "constraint": options.constraint,
+        "exclusive": options.exclusive or None,
+        "mem": f"{int(options.mem_gb * 1024)}MB" if options.mem_gb else None,
+    }
     parameters.update({k: v for k, v in optional.items() if v is not None})
     return parameters
 
@@ -196,16 +225,18 @@ def _absolute_paths(config: LoomConfig) -> None:
 
 def submit(config: LoomConfig, options: SlurmOptions):
     """Check everything, then submit; returns the submitit job."""
-    from engine.config_io import config_to_dict
-    from launch.cli import preflight
+    from loom.engine.config_io import config_to_dict
+    from loom.engine.preflight import preflight
 
     if options.nodes < 1 or options.tasks_per_node < 1:
         raise ConfigError("--nodes and --tasks-per-node must be >= 1")
     try:
         config.resolve_world(options.world_size)
     except ConfigError as error:
-        raise ConfigError(f"the allocation has {options.nodes} node(s) x {options.tasks_per_node} task(s) = "
-                          f"{options.world_size} ranks, but {error}") from None
+        raise ConfigError(
+            f"the allocation has {options.nodes} node(s) x {options.tasks_per_node} task(s) = "
+            f"{options.world_size} ranks, but {error}"
+        ) from None
     preflight(config, options.world_size)
     parameters = executor_parameters(options, config, partition_gpus(options.partition))
     _absolute_paths(config)
@@ -241,8 +272,8 @@ class TrainingJob:
         import submitit
         import torch
 
-        from engine.config_io import config_from_dict
-        from launch.env import StopSignals, run_rank
+        from loom.engine.config_io import config_from_dict
+        from loom.launch.env import StopSignals, run_rank
 
         job = submitit.JobEnvironment()
         submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
@@ -253,8 +284,9 @@ class TrainingJob:
         try:
             rows = run_rank(config, "train", stop)
         except BaseException as error:
-            record_failure(Path(config.train.run_dir), job.job_id, job.global_rank, error,
-                           config.parallel.timeout_minutes)
+            record_failure(
+                Path(config.train.run_dir), job.job_id, job.global_rank, error, config.parallel.timeout_minutes
+            )
             raise
         if stop.code == StopSignals.REQUEUE:
             if job.global_rank == 0:
@@ -273,14 +305,20 @@ def _attempt() -> str:
 def record_failure(run_dir: Path, job_id: str, rank: int, error: BaseException, timeout_minutes: float) -> None:
     import traceback
 
-    from engine.atomic import write_text_atomically
-    from launch.local import describe_rank_error
+    from loom.engine.atomic import write_text_atomically
+    from loom.launch.local import describe_rank_error
 
     folder = run_dir / "slurm" / "failures"
     folder.mkdir(parents=True, exist_ok=True)
-    report = {"time": time.time(), "job_id": job_id, "attempt": int(_attempt()), "rank": rank,
-              "host": socket.gethostname(), "message": describe_rank_error(error, timeout_minutes),
-              "traceback": traceback.format_exc()}
+    report = {
+        "time": time.time(),
+        "job_id": job_id,
+        "attempt": int(_attempt()),
+        "rank": rank,
+        "host": socket.gethostname(),
+        "message": describe_rank_error(error, timeout_minutes),
+        "traceback": traceback.format_exc(),
+    }
     write_text_atomically(folder / f"{job_id}.{_attempt()}.rank{rank}.json", json.dumps(report))
 
 
@@ -295,8 +333,10 @@ def first_failure(run_dir: Path, job_id: str) -> dict | None:
 
 def job_state(job_id: str) -> str:
     """Slurm's state of the job: squeue while slurmctld remembers it, then sacct."""
-    for command in (["squeue", "-h", "-j", job_id, "-t", "all", "-o", "%T"],
-                    ["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"]):
+    for command in (
+        ["squeue", "-h", "-j", job_id, "-t", "all", "-o", "%T"],
+        ["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"],
+    ):
         try:
             result = subprocess.run(command, capture_output=True, text=True, timeout=30)
         except (OSError, subprocess.TimeoutExpired):
@@ -336,20 +376,27 @@ def follow(job_id: str, run_dir: Path, poll_s: float = 1.0, out=sys.stdout) -> s
 
 def add_parser(commands) -> None:
     submit_parser = commands.add_parser(
-        "submit", help="submit the training to Slurm (submitit); requeues on preemption, resumes itself",
+        "submit",
+        help="submit the training to Slurm (submitit); requeues on preemption, resumes itself",
         description="Submit `loom train` as one Slurm job: nodes x tasks-per-node ranks, one per task. "
-                    "Logs go to RUN_DIR/slurm/. Before the time limit (and on SIGUSR2 preemption) the job "
-                    "checkpoints and requeues itself, and every (re)start resumes from the run's latest "
-                    "checkpoint, so long runs chain jobs. Config overrides work as in `loom train`.",
+        "Logs go to RUN_DIR/slurm/. Before the time limit (and on SIGUSR2 preemption) the job "
+        "checkpoints and requeues itself, and every (re)start resumes from the run's latest "
+        "checkpoint, so long runs chain jobs. Config overrides work as in `loom train`.",
         epilog="Example:\n  loom submit --config configs/llama-8b.toml --nodes 4 --tasks-per-node 8 "
-               "--partition gpu --time 24:00:00 --parallel.tp 8 --wait",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        "--partition gpu --time 24:00:00 --parallel.tp 8 --wait",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     submit_parser.add_argument("--config", required=True, help="TOML config, e.g. configs/tiny.toml")
     submit_parser.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
-    submit_parser.add_argument("--tasks-per-node", type=int, default=1,
-                               help="ranks per node; the world size nodes x tasks must match the config's layout")
-    submit_parser.add_argument("--gpus-per-node", type=int,
-                               help="default: tasks-per-node where the partition has GPUs, else none")
+    submit_parser.add_argument(
+        "--tasks-per-node",
+        type=int,
+        default=1,
+        help="ranks per node; the world size nodes x tasks must match the config's layout",
+    )
+    submit_parser.add_argument(
+        "--gpus-per-node", type=int, help="default: tasks-per-node where the partition has GPUs, else none"
+    )
     submit_parser.add_argument("--cpus-per-task", type=int, help="CPU cores per rank (also torch's thread count)")
     submit_parser.add_argument("--mem-gb", type=float, help="memory per node in GB")
     submit_parser.add_argument("--time", default="60", help="time limit: MINUTES, HH:MM:SS or D-HH:MM:SS (60)")
@@ -359,42 +406,65 @@ def add_parser(commands) -> None:
     submit_parser.add_argument("--constraint", help="node features, e.g. h100")
     submit_parser.add_argument("--exclusive", action="store_true", help="whole nodes, not shared with other jobs")
     submit_parser.add_argument("--job-name", help="default: train.name")
-    submit_parser.add_argument("--signal-delay-s", type=int, default=120,
-                               help="seconds before the time limit at which the job checkpoints and requeues")
-    submit_parser.add_argument("--sbatch", action="append", default=[], metavar="KEY=VALUE",
-                               help="any other sbatch option, repeatable, e.g. --sbatch mail-type=END")
+    submit_parser.add_argument(
+        "--signal-delay-s",
+        type=int,
+        default=120,
+        help="seconds before the time limit at which the job checkpoints and requeues",
+    )
+    submit_parser.add_argument(
+        "--sbatch",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any other sbatch option, repeatable, e.g. --sbatch mail-type=END",
+    )
     submit_parser.add_argument("--wait", action="store_true", help="follow rank 0's log until the job ends")
     submit_parser.set_defaults(handler=cmd_submit, takes_overrides=True)
 
 
 def cmd_submit(args: argparse.Namespace, overrides: list[str]) -> None:
-    from engine.config_io import load_config
-    from launch.cli import resolve_config_path
+    from loom.engine.config_io import load_config
 
-    config = load_config(resolve_config_path(args.config), overrides)
+    config = load_config(args.config, overrides)
     options = SlurmOptions(
-        nodes=args.nodes, tasks_per_node=args.tasks_per_node, gpus_per_node=args.gpus_per_node,
-        cpus_per_task=args.cpus_per_task, mem_gb=args.mem_gb, time_minutes=parse_time_minutes(args.time),
-        partition=args.partition, account=args.account, qos=args.qos, constraint=args.constraint,
-        exclusive=args.exclusive, job_name=args.job_name, signal_delay_s=args.signal_delay_s,
-        sbatch=parse_sbatch_options(args.sbatch))
+        nodes=args.nodes,
+        tasks_per_node=args.tasks_per_node,
+        gpus_per_node=args.gpus_per_node,
+        cpus_per_task=args.cpus_per_task,
+        mem_gb=args.mem_gb,
+        time_minutes=parse_time_minutes(args.time),
+        partition=args.partition,
+        account=args.account,
+        qos=args.qos,
+        constraint=args.constraint,
+        exclusive=args.exclusive,
+        job_name=args.job_name,
+        signal_delay_s=args.signal_delay_s,
+        sbatch=parse_sbatch_options(args.sbatch),
+    )
     job = submit(config, options)
     run_dir = Path(config.train.run_dir)
-    print(f"submitted job {job.job_id}: {options.nodes} node(s) x {options.tasks_per_node} task(s), "
-          f"tp={config.parallel.tp} pp={config.parallel.pp} dp={config.parallel.dp}\n"
-          f"  rank 0 log: {rank0_log(run_dir, job.job_id)}\n  metrics:    {run_dir / 'metrics.jsonl'}\n"
-          f"  follow:     tail -f {rank0_log(run_dir, job.job_id)}    cancel: scancel {job.job_id}", flush=True)
+    print(
+        f"submitted job {job.job_id}: {options.nodes} node(s) x {options.tasks_per_node} task(s), "
+        f"tp={config.parallel.tp} pp={config.parallel.pp} dp={config.parallel.dp}\n"
+        f"  rank 0 log: {rank0_log(run_dir, job.job_id)}\n  metrics:    {run_dir / 'metrics.jsonl'}\n"
+        f"  follow:     tail -f {rank0_log(run_dir, job.job_id)}    cancel: scancel {job.job_id}",
+        flush=True,
+    )
     if not args.wait:
         return
     try:
         state = follow(job.job_id, run_dir)
     except KeyboardInterrupt:
-        print(f"\nstopped following; job {job.job_id} keeps running (scancel {job.job_id} to end it)",
-              file=sys.stderr)
+        print(f"\nstopped following; job {job.job_id} keeps running (scancel {job.job_id} to end it)", file=sys.stderr)
         sys.exit(130)
     if state != "COMPLETED":
         failure = first_failure(run_dir, job.job_id)
-        cause = (f": rank {failure['rank']} on {failure['host']} failed: {failure['message']}" if failure
-                 else f"; see {rank0_log(run_dir, job.job_id)}")
+        cause = (
+            f": rank {failure['rank']} on {failure['host']} failed: {failure['message']}"
+            if failure
+            else f"; see {rank0_log(run_dir, job.job_id)}"
+        )
         print(f"error: job {job.job_id} ended {state}{cause}", file=sys.stderr, flush=True)
         sys.exit(1)

@@ -6,7 +6,7 @@ import multiprocessing as mp
 import traceback
 from typing import Any, Callable
 
-from launch.local import free_port
+from loom.engine.parallel.rendezvous import free_port
 
 
 def _portable(value, to_numpy: bool):

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tools.bench.mfu import format_table
+from loom.tools.bench.mfu import format_table
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -14,9 +14,30 @@ REPO = Path(__file__).resolve().parents[1]
 def test_bench_mfu_runs_on_cpu_and_prints_its_table(tmp_path):
     output = tmp_path / "mfu.json"
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    result = subprocess.run([sys.executable, "-m", "launch.cli", "bench", "mfu", "--config", "configs/tiny.toml",
-                             "--steps", "2", "--warmup", "1", "--microbatches", "1", "--output", str(output)],
-                            capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "loom.launch.cli",
+            "bench",
+            "mfu",
+            "--config",
+            "configs/tiny.toml",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--microbatches",
+            "1",
+            "--output",
+            str(output),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert "datasheet dense peak: none known for this device; float32 GEMM peak measured now" in out
@@ -32,17 +53,31 @@ def test_bench_mfu_runs_on_cpu_and_prints_its_table(tmp_path):
 
 
 def test_table_reports_mfu_against_both_peaks_and_the_ratios():
-    rows = [{"name": "loom bf16", "tokens_per_s": 40000.0, "mem_gb": 50.0, "note": "kernels: ..."},
-            {"name": "loom fp8 (delayed)", "tokens_per_s": 56000.0, "mem_gb": 45.0, "note": ""},
-            {"name": "plain PyTorch loop (torch.compile)", "tokens_per_s": 38000.0, "mem_gb": 55.0, "note": ""}]
+    rows = [
+        {"name": "loom bf16", "tokens_per_s": 40000.0, "mem_gb": 50.0, "note": "kernels: ..."},
+        {"name": "loom fp8 (delayed)", "tokens_per_s": 56000.0, "mem_gb": 45.0, "note": ""},
+        {"name": "plain PyTorch loop (torch.compile)", "tokens_per_s": 38000.0, "mem_gb": 55.0, "note": ""},
+    ]
     flops = 1e10
     for row in rows:
         row["tflops"] = row["tokens_per_s"] * flops / 1e12
         row["mfu_datasheet"], row["mfu_measured_gemm"] = row["tflops"] / 989.0, row["tflops"] / 800.0
-    table = format_table({"device": "NVIDIA H100 80GB HBM3", "torch": "2.x", "seq_length": 2048,
-                          "micro_batch_size": 4, "microbatches": 4, "flops_per_token": flops, "precision": "bf16",
-                          "datasheet_peak_tflops": 989.0, "gemm_peak_tflops": 800.0, "gemm_dtype": "bfloat16",
-                          "rows": rows, "kernels": "kernels: attention=te.DotProductAttention"})
+    table = format_table(
+        {
+            "device": "NVIDIA H100 80GB HBM3",
+            "torch": "2.x",
+            "seq_length": 2048,
+            "micro_batch_size": 4,
+            "microbatches": 4,
+            "flops_per_token": flops,
+            "precision": "bf16",
+            "datasheet_peak_tflops": 989.0,
+            "gemm_peak_tflops": 800.0,
+            "gemm_dtype": "bfloat16",
+            "rows": rows,
+            "kernels": "kernels: attention=te.DotProductAttention",
+        }
+    )
     assert "datasheet dense peak: 989 TFLOP/s; bfloat16 GEMM peak measured now: 800.000 TFLOP/s" in table
     loom_line = next(line for line in table.splitlines() if line.startswith("loom bf16"))
     assert "400.000" in loom_line and "40.4%" in loom_line and "50.0%" in loom_line

@@ -4,11 +4,10 @@ import json
 import os
 
 import pytest
-from synthetic_data import write_markov_dataset
 
-from engine.config_io import load_config
-from launch.cli import resolve_config_path
-from launch.local import RankFailed, launch_local
+from loom.engine.config_io import load_config
+from loom.launch.local import RankFailed, launch_local
+from loom.tools.synthetic_data import write_markov_dataset
 
 STEPS, HALF = 8, 4
 
@@ -21,11 +20,24 @@ def dataset(tmp_path_factory):
 def run(dataset, run_dir, nproc, parallel=None, **train):
     optim = {"zero1": train.pop("zero1", False)}
     checkpoint = train.pop("checkpoint", {})
-    config = load_config(resolve_config_path("tiny"), {
-        "data": {"paths": [dataset], "tokenizer": None}, "parallel": parallel or {}, "optim": optim,
-        "checkpoint": checkpoint,
-        "train": {"steps": STEPS, "run_dir": str(run_dir), "log_interval": 1, "eval_interval": 0,
-                  "tensorboard": False, "micro_batch_size": 1, **train}})
+    config = load_config(
+        "tiny",
+        {
+            "data": {"paths": [dataset], "tokenizer": None},
+            "parallel": parallel or {},
+            "optim": optim,
+            "checkpoint": checkpoint,
+            "train": {
+                "steps": STEPS,
+                "run_dir": str(run_dir),
+                "log_interval": 1,
+                "eval_interval": 0,
+                "tensorboard": False,
+                "micro_batch_size": 1,
+                **train,
+            },
+        },
+    )
     config.resolve_world(nproc)
     launch_local(config, nproc)
     return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
@@ -36,8 +48,11 @@ def straight(dataset, tmp_path_factory):
     return run(dataset, tmp_path_factory.mktemp("straight"), 1)
 
 
-@pytest.mark.parametrize("nproc, parallel, asynchronous", [(4, {"tp": 2, "pp": 2}, False), (2, {"pp": 2}, True)],
-                         ids=["tp2-pp2", "pp2-async-save"])
+@pytest.mark.parametrize(
+    "nproc, parallel, asynchronous",
+    [(4, {"tp": 2, "pp": 2}, False), (2, {"pp": 2}, True)],
+    ids=["tp2-pp2", "pp2-async-save"],
+)
 def test_exact_resume_at_the_same_layout(dataset, tmp_path, nproc, parallel, asynchronous):
     saving = {"interval": HALF, "async_save": asynchronous}
     both = run(dataset, tmp_path / "ref", nproc, parallel)
@@ -57,12 +72,20 @@ def saved_at_tp2_pp2_dp2(dataset, tmp_path_factory):
     return saved / "checkpoints"
 
 
-@pytest.mark.parametrize("nproc, parallel", [
-    (1, {}), (8, {"tp": 4, "pp": 1}), (4, {"tp": 1, "pp": 2, "vp": 2}), (8, {"tp": 2, "pp": 1}),
-], ids=["1-1-1", "tp4-dp2", "pp2-vp2-dp2", "tp2-dp4"])
+@pytest.mark.parametrize(
+    "nproc, parallel",
+    [
+        (1, {}),
+        (8, {"tp": 4, "pp": 1}),
+        (4, {"tp": 1, "pp": 2, "vp": 2}),
+        (8, {"tp": 2, "pp": 1}),
+    ],
+    ids=["1-1-1", "tp4-dp2", "pp2-vp2-dp2", "tp2-dp4"],
+)
 def test_resume_under_another_layout(dataset, straight, saved_at_tp2_pp2_dp2, tmp_path, nproc, parallel):
-    resumed = run(dataset, tmp_path / "resumed", nproc, parallel, zero1=nproc > 1,
-                  checkpoint={"load": str(saved_at_tp2_pp2_dp2)})
+    resumed = run(
+        dataset, tmp_path / "resumed", nproc, parallel, zero1=nproc > 1, checkpoint={"load": str(saved_at_tp2_pp2_dp2)}
+    )
     assert sorted(resumed) == list(range(HALF + 1, STEPS + 1))
     for step in resumed:
         assert abs(resumed[step] - straight[step]) / straight[step] < 1e-4
@@ -96,7 +119,7 @@ def test_corrupt_checkpoint_falls_back_with_a_warning(dataset, tmp_path, capfd):
 
 
 def test_reshard_then_resume(dataset, straight, saved_at_tp2_pp2_dp2, tmp_path):
-    from tools.ckpt import inspect, reshard
+    from loom.tools.ckpt import inspect, reshard
 
     resharded = tmp_path / "resharded"
     reshard(saved_at_tp2_pp2_dp2, resharded, tp=1, pp=2)
@@ -113,8 +136,9 @@ def _loom(*args):
 
     repo = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=str(repo))
-    return subprocess.run([sys.executable, "-m", "launch.cli", *args], capture_output=True, text=True, env=env,
-                          cwd=repo, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "loom.launch.cli", *args], capture_output=True, text=True, env=env, cwd=repo, timeout=300
+    )
 
 
 def test_eval_gives_the_same_loss_under_any_layout(dataset, saved_at_tp2_pp2_dp2):
@@ -129,23 +153,40 @@ def test_eval_gives_the_same_loss_under_any_layout(dataset, saved_at_tp2_pp2_dp2
 
 
 def test_checkpoint_of_another_model_names_the_first_mismatch(dataset, saved_at_tp2_pp2_dp2, tmp_path):
-    result = _loom("train", "--config", "tiny", "--data.paths", dataset, "--data.tokenizer", "none",
-                   "--model.ffn_hidden_size", "256", "--checkpoint.load", str(saved_at_tp2_pp2_dp2),
-                   "--train.run_dir", str(tmp_path))
+    result = _loom(
+        "train",
+        "--config",
+        "tiny",
+        "--data.paths",
+        dataset,
+        "--data.tokenizer",
+        "none",
+        "--model.ffn_hidden_size",
+        "256",
+        "--checkpoint.load",
+        str(saved_at_tp2_pp2_dp2),
+        "--train.run_dir",
+        str(tmp_path),
+    )
     assert result.returncode != 0
-    assert "is of another model: layers.0.mlp.fc1.weight has shape (768, 128) there, (512, 128) here" \
-        in result.stderr
+    assert "is of another model: layers.0.mlp.fc1.weight has shape (768, 128) there, (512, 128) here" in result.stderr
 
 
 def test_truncated_or_missing_shard_is_reported_not_loaded(tmp_path):
-    from engine.checkpoint.format import CheckpointError, find_loadable, read_metadata, sha256_of
+    from loom.engine.checkpoint.format import (
+        CheckpointError,
+        find_loadable,
+        read_metadata,
+        sha256_of,
+    )
 
     directory = tmp_path / "checkpoints" / "iter_0000002"
     directory.mkdir(parents=True)
     shard = directory / "rank00000.safetensors"
     shard.write_bytes(b"x" * 100)
-    (directory / "metadata.json").write_text(json.dumps({
-        "format_version": 1, "files": {shard.name: {"size": 100, "sha256": sha256_of(shard)}}}))
+    (directory / "metadata.json").write_text(
+        json.dumps({"format_version": 1, "files": {shard.name: {"size": 100, "sha256": sha256_of(shard)}}})
+    )
     assert read_metadata(directory)["files"]
     shard.write_bytes(b"x" * 60)
     with pytest.raises(CheckpointError, match="rank00000.safetensors has 60 bytes, expected 100 \\(truncated\\?\\)"):

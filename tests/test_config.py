@@ -2,29 +2,45 @@
 
 import pytest
 
-from engine.config import ConfigError
-from engine.config_io import config_to_toml, load_config, parse_overrides
-from launch.cli import resolve_config_path
+from loom.engine.config import ConfigError
+from loom.engine.config_io import config_to_toml, load_config, parse_overrides
 
 PRESETS = {"tiny": 1, "gpt-125m": 8, "llama-1b": 8, "llama-8b": 16}
 
 
 @pytest.mark.parametrize("name, world", PRESETS.items())
 def test_presets_load_and_resolve(name, world):
-    config = load_config(resolve_config_path(name))
+    config = load_config(name)
     config.resolve_world(world)
     assert config.parallel.dp * config.parallel.tp * config.parallel.pp == world
 
 
 def test_llama_70b_preset_has_real_hyperparameters():
-    config = load_config(resolve_config_path("llama-70b"))
+    config = load_config("llama-70b")
     m = config.model
     assert (m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.ffn_hidden_size) == (80, 8192, 64, 8, 28672)
 
 
 def test_overrides_are_typed():
-    config = load_config(None, ["--train.steps", "7", "--optim.lr", "2e-4", "--parallel.sequence_parallel", "true",
-                                "--data.paths", "a", "b", "--data.weights", "1", "3", "--model.num_kv_heads", "none"])
+    config = load_config(
+        None,
+        [
+            "--train.steps",
+            "7",
+            "--optim.lr",
+            "2e-4",
+            "--parallel.sequence_parallel",
+            "true",
+            "--data.paths",
+            "a",
+            "b",
+            "--data.weights",
+            "1",
+            "3",
+            "--model.num_kv_heads",
+            "none",
+        ],
+    )
     assert config.train.steps == 7 and config.optim.lr == 2e-4 and config.parallel.sequence_parallel is True
     assert config.data.paths == ["a", "b"] and config.data.weights == [1.0, 3.0]
     assert config.model.num_kv_heads == config.model.num_heads
@@ -37,28 +53,36 @@ def test_derived_defaults():
 
 
 def test_resolved_config_round_trips_through_toml(tmp_path):
-    config = load_config(resolve_config_path("tiny"), ["--parallel.tp", "2", "--data.weights", "1"])
+    config = load_config("tiny", ["--parallel.tp", "2", "--data.weights", "1"])
     config.resolve_world(4)
     path = tmp_path / "config.toml"
     path.write_text(config_to_toml(config))
     assert load_config(path) == config
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["--model.hidden_size", "100", "--model.num_heads", "8"], "model.num_heads = 8 must divide model.hidden_size = 100"),
-    (["--model.norm", "batchnorm"], "model.norm = 'batchnorm' is not one of rmsnorm, layernorm"),
-    (["--train.precision", "fp64"], "train.precision = 'fp64' is not one of fp32, bf16, fp16"),
-    (["--parallel.sequence_parallel", "maybe"], "parallel.sequence_parallel expects true or false, got 'maybe'"),
-    (["--optim.lr", "fast"], "optim.lr expects a number, got 'fast'"),
-    (["--modle.hidden_size", "8"], "unknown config section 'modle'"),
-    (["--train.steps", "1", "2"], "--train.steps takes one value, got 1 2"),
-    (["--data.split", "90,10"], "data.split = '90,10' must be three non-negative weights like '98,1,1'"),
-    (["--data.paths", "a", "--data.weights", "1", "2"], "data.weights has 2 entries for 1 data.paths"),
-    (["--parallel.vp", "2"], "parallel.vp > 1 needs parallel.pp > 1"),
-    (["--train.steps", "0"], "train.steps must be positive, got 0"),
-    (["--optim.name", "adafactor", "--optim.zero1", "true"],
-     "optim.name = adafactor does not support optim.zero1 = true"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["--model.hidden_size", "100", "--model.num_heads", "8"],
+            "model.num_heads = 8 must divide model.hidden_size = 100",
+        ),
+        (["--model.norm", "batchnorm"], "model.norm = 'batchnorm' is not one of rmsnorm, layernorm"),
+        (["--train.precision", "fp64"], "train.precision = 'fp64' is not one of fp32, bf16, fp16"),
+        (["--parallel.sequence_parallel", "maybe"], "parallel.sequence_parallel expects true or false, got 'maybe'"),
+        (["--optim.lr", "fast"], "optim.lr expects a number, got 'fast'"),
+        (["--modle.hidden_size", "8"], "unknown config section 'modle'"),
+        (["--train.steps", "1", "2"], "--train.steps takes one value, got 1 2"),
+        (["--data.split", "90,10"], "data.split = '90,10' must be three non-negative weights like '98,1,1'"),
+        (["--data.paths", "a", "--data.weights", "1", "2"], "data.weights has 2 entries for 1 data.paths"),
+        (["--parallel.vp", "2"], "parallel.vp > 1 needs parallel.pp > 1"),
+        (["--train.steps", "0"], "train.steps must be positive, got 0"),
+        (
+            ["--optim.name", "adafactor", "--optim.zero1", "true"],
+            "optim.name = adafactor does not support optim.zero1 = true",
+        ),
+    ],
+)
 def test_bad_values_are_one_clear_line(overrides, message):
     with pytest.raises(ConfigError) as error:
         load_config(None, overrides)
@@ -84,32 +108,44 @@ def test_override_syntax_errors():
     assert parse_overrides(["--train.steps=5"]) == {"train": {"steps": "5"}}
 
 
-@pytest.mark.parametrize("world, layout, message", [
-    (2, {"pp": 2, "vp": 2, "micro": 16}, "the interleaved schedule needs microbatches divisible by pp = 2, got 1; "
-                                         "valid: 2, 4, 6, 8"),
-    (3, {"pp": 3}, "model.num_layers = 4 does not split into pp*vp = 3*1 equal chunks; valid: pp=1 vp=2, pp=1 vp=4, "
-                   "pp=2 vp=1, pp=2 vp=2, pp=4 vp=1"),
-    (8, {"pp": 8}, "parallel.pp = 8 exceeds model.num_layers = 4"),
-    (3, {"tp": 2}, "world size 3 is not divisible by tp*pp = 2*1"),
-    (4, {"tp": 2, "dp": 1}, "world size 4 != tp*pp*dp = 2*1*1"),
-    (8, {"tp": 8}, "parallel.tp = 8 must divide model.num_kv_heads = 4"),
-])
+@pytest.mark.parametrize(
+    "world, layout, message",
+    [
+        (
+            2,
+            {"pp": 2, "vp": 2, "micro": 16},
+            "the interleaved schedule needs microbatches divisible by pp = 2, got 1; valid: 2, 4, 6, 8",
+        ),
+        (
+            3,
+            {"pp": 3},
+            "model.num_layers = 4 does not split into pp*vp = 3*1 equal chunks; valid: pp=1 vp=2, pp=1 vp=4, "
+            "pp=2 vp=1, pp=2 vp=2, pp=4 vp=1",
+        ),
+        (8, {"pp": 8}, "parallel.pp = 8 exceeds model.num_layers = 4"),
+        (3, {"tp": 2}, "world size 3 is not divisible by tp*pp = 2*1"),
+        (4, {"tp": 2, "dp": 1}, "world size 4 != tp*pp*dp = 2*1*1"),
+        (8, {"tp": 8}, "parallel.tp = 8 must divide model.num_kv_heads = 4"),
+    ],
+)
 def test_layout_errors(world, layout, message):
     micro = layout.pop("micro", 2)
-    config = load_config(resolve_config_path("tiny"), {"parallel": layout, "train": {"micro_batch_size": micro}})
+    config = load_config("tiny", {"parallel": layout, "train": {"micro_batch_size": micro}})
     with pytest.raises(ConfigError, match=message.replace("*", r"\*")):
         config.resolve_world(world)
 
 
 def test_batch_size_ramp_up_like_megatron():
-    config = load_config(resolve_config_path("tiny"), {"train": {"global_batch_size": 32, "micro_batch_size": 2,
-                                                                 "rampup_batch_size": [8, 8, 96]}})
+    config = load_config(
+        "tiny", {"train": {"global_batch_size": 32, "micro_batch_size": 2, "rampup_batch_size": [8, 8, 96]}}
+    )
     config.resolve_world(2)
     # three increments over 96 samples: +8 every 32 samples consumed, then constant
     assert [config.global_batch_size_at(c) for c in (0, 31, 32, 64, 95, 96, 10_000)] == [8, 8, 16, 24, 24, 32, 32]
     assert config.batch_sizes() == [8, 16, 24, 32]
-    bad = load_config(resolve_config_path("tiny"), {"train": {"global_batch_size": 32, "micro_batch_size": 4,
-                                                              "rampup_batch_size": [4, 4, 96]}})
+    bad = load_config(
+        "tiny", {"train": {"global_batch_size": 32, "micro_batch_size": 4, "rampup_batch_size": [4, 4, 96]}}
+    )
     with pytest.raises(ConfigError, match=r"a ramp-up batch size = 4 must be divisible by micro_batch_size\*dp = 4\*2"):
         bad.resolve_world(2)
     with pytest.raises(ConfigError, match="must be a non-negative multiple of the increment 5"):

@@ -13,18 +13,18 @@ from pathlib import Path
 
 import pytest
 
-from data_tools import clean as clean_module
-from data_tools.clean import clean_corpus
-from data_tools.corpus import build_stdlib_corpus
-from data_tools.jsonl import InputError
-from data_tools.pipeline import Document, load_pipeline_spec
-from data_tools.quality_filters import (
+from loom.data_tools import clean as clean_module
+from loom.data_tools.clean import clean_corpus
+from loom.data_tools.corpus import build_stdlib_corpus
+from loom.data_tools.jsonl import InputError
+from loom.data_tools.pipeline import Document, load_pipeline_spec
+from loom.data_tools.quality_filters import (
     GopherQuality,
     GopherRepetition,
     duplicate_ngram_char_fraction,
     top_ngram_char_fraction,
 )
-from data_tools.text_repair import ControlChars, html_to_text
+from loom.data_tools.text_repair import ControlChars, html_to_text
 
 REPO = Path(__file__).resolve().parents[1]
 GOOD = (
@@ -35,20 +35,31 @@ GOOD = (
     "Most people agreed that the work was overdue, although some worried about the cost of it.\n"
     "By evening the square was full again, and music drifted from the open windows of the cafe.\n"
 )
-_CROPS = ("apples pears plums cherries grapes melons lemons limes oranges figs dates kiwis mangos peaches berries "
-          "walnuts beans peas onions leeks carrots radish celery garlic ginger pepper squash tomato potato yams "
-          "rice barley wheat millet quinoa oats corn rye spelt sorghum").split()
-SHORT_LINES = "\n".join(" ".join(_CROPS[i:i + 4]).capitalize() + "." for i in range(0, 40, 4)) + \
-    "\nThe farmers said that they have to be at the market with the crop before noon.\n"
-GERMAN = ("Der Fluss war am frühen Morgen ruhig, und die Bäcker öffneten als erste ihre Türen. Kinder gingen mit "
-          "ihren Eltern zur Schule und sprachen über den langen Sommer, der gerade zu Ende gegangen war.")
+_CROPS = (
+    "apples pears plums cherries grapes melons lemons limes oranges figs dates kiwis mangos peaches berries "
+    "walnuts beans peas onions leeks carrots radish celery garlic ginger pepper squash tomato potato yams "
+    "rice barley wheat millet quinoa oats corn rye spelt sorghum"
+).split()
+SHORT_LINES = (
+    "\n".join(" ".join(_CROPS[i : i + 4]).capitalize() + "." for i in range(0, 40, 4))
+    + "\nThe farmers said that they have to be at the market with the crop before noon.\n"
+)
+GERMAN = (
+    "Der Fluss war am frühen Morgen ruhig, und die Bäcker öffneten als erste ihre Türen. Kinder gingen mit "
+    "ihren Eltern zur Schule und sprachen über den langen Sommer, der gerade zu Ende gegangen war."
+)
 # id -> (text, the step that must reject it or None, its rule)
 CASES = {
     "good": (GOOD, None, None),
     "mojibake": (GOOD.replace("cafe", "cafÃ©"), None, None),
     "control": (GOOD.replace("quiet", "qu\x00iet\x07").replace("\n", "\r\n"), None, None),
-    "html": ("<html><head><title>T</title><script>var x = 1;</script></head><body><nav>Home | About</nav>"
-             + "".join(f"<p>{line}</p>" for line in GOOD.splitlines() if line) + "</body></html>", None, None),
+    "html": (
+        "<html><head><title>T</title><script>var x = 1;</script></head><body><nav>Home | About</nav>"
+        + "".join(f"<p>{line}</p>" for line in GOOD.splitlines() if line)
+        + "</body></html>",
+        None,
+        None,
+    ),
     "empty": ("  \n ", "length", "empty"),
     "german": (GERMAN, "language", "language"),
     "repeated": (GOOD * 3, "gopher_repetition", "duplicate_lines"),
@@ -60,8 +71,10 @@ CASES = {
 
 
 def write_input(path: Path, bad_lines: bool = True) -> Path:
-    lines = [json.dumps({"id": key, "text": text, "url": f"https://example.org/{key}"}, ensure_ascii=False)
-             for key, (text, _, _) in CASES.items()]
+    lines = [
+        json.dumps({"id": key, "text": text, "url": f"https://example.org/{key}"}, ensure_ascii=False)
+        for key, (text, _, _) in CASES.items()
+    ]
     if bad_lines:
         lines[3:3] = ["not json", '{"id": "no-text"}', ""]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
@@ -76,16 +89,16 @@ def reference_duplicate_ngram_fraction(words: list[str], n: int) -> float:
     """Brute force: a word counts if it lies inside an occurrence of an n-gram seen at an earlier position."""
     seen, covered = set(), [False] * len(words)
     for i in range(len(words) - n + 1):
-        gram = tuple(words[i:i + n])
+        gram = tuple(words[i : i + n])
         if gram in seen:
-            covered[i:i + n] = [True] * n
+            covered[i : i + n] = [True] * n
         seen.add(gram)
     total = sum(map(len, words))
     return sum(len(w) for w, c in zip(words, covered) if c) / total if total else 0.0
 
 
 def reference_top_ngram_fraction(words: list[str], n: int) -> float:
-    counts = Counter(tuple(words[i:i + n]) for i in range(len(words) - n + 1))
+    counts = Counter(tuple(words[i : i + n]) for i in range(len(words) - n + 1))
     if not counts or max(counts.values()) < 2:
         return 0.0
     best = max(counts.values())
@@ -99,7 +112,9 @@ def test_ngram_fractions_equal_brute_force():
     for trial in range(40):
         words = [rng.choice(vocabulary[: 2 + trial % 5]) for _ in range(rng.randint(0, 60))]
         for n in range(2, 11):
-            assert duplicate_ngram_char_fraction(words, n) == pytest.approx(reference_duplicate_ngram_fraction(words, n))
+            assert duplicate_ngram_char_fraction(words, n) == pytest.approx(
+                reference_duplicate_ngram_fraction(words, n)
+            )
             assert top_ngram_char_fraction(words, n) == pytest.approx(reference_top_ngram_fraction(words, n))
     # Hand-computed: "x y z" appears twice in 9 single-letter words; the repeat covers 3 of 9 characters.
     words = "x y z q x y z r s".split()
@@ -131,9 +146,11 @@ def test_repairs_and_html():
     doc = Document("a\r\nb\rc\x00d\x1b\x85e\tf\u200dg")
     ControlChars()(doc)
     assert doc.text == "a\nb\ncde\tf\u200dg"  # C0 and C1 controls gone; tab, newline and the ZWJ (Cf) kept
-    text = html_to_text("<html><head><style>p {}</style></head><body><nav>menu</nav><h1>Title</h1>"
-                        "<p>One &amp; two\n   three.</p><ul><li>a</li><li>b</li></ul><script>x()</script>"
-                        "<pre>  keep\n  this</pre></body></html>")
+    text = html_to_text(
+        "<html><head><style>p {}</style></head><body><nav>menu</nav><h1>Title</h1>"
+        "<p>One &amp; two\n   three.</p><ul><li>a</li><li>b</li></ul><script>x()</script>"
+        "<pre>  keep\n  this</pre></body></html>"
+    )
     assert text == "Title\n\nOne & two three.\n\na\nb\n\n  keep\n  this"
 
 
@@ -169,8 +186,9 @@ def test_every_document_is_kept_or_rejected_by_its_filter(tmp_path):
 def test_workers_give_the_same_output_and_languages_split(tmp_path):
     source = write_input(tmp_path / "in.jsonl", bad_lines=False)
     clean_corpus([source], tmp_path / "one", pipeline="minimal", split_by_language=True, progress=False)
-    stats = clean_corpus([source], tmp_path / "two", pipeline="minimal", split_by_language=True, workers=2,
-                         progress=False)
+    stats = clean_corpus(
+        [source], tmp_path / "two", pipeline="minimal", split_by_language=True, workers=2, progress=False
+    )
     files = sorted(p.relative_to(tmp_path / "one") for p in (tmp_path / "one").rglob("*.jsonl"))
     assert files == sorted(p.relative_to(tmp_path / "two") for p in (tmp_path / "two").rglob("*.jsonl"))
     for relative in files:
@@ -211,14 +229,17 @@ def test_interrupted_run_leaves_the_previous_output(tmp_path, monkeypatch):
     assert not (tmp_path / "out/stats.json").exists()  # the folder no longer claims a finished run
 
 
-@pytest.mark.parametrize("toml, message", [
-    ('[[step]]\ntype = "nope"\n', "pipeline step type 'nope' is unknown"),
-    ('[[step]]\ntype = "gopher_quality"\nmin_wrds = 3\n', "step 'gopher_quality' has no parameter 'min_wrds'"),
-    ('[[step]]\ntype = "gopher_quality"\nmin_words = "many"\n', "min_words = 'many' should be like 50"),
-    ('[[step]]\ntype = "language"\nlanguages = ["xx"]\n', "unknown language codes xx"),
-    ('step = 3\n', "has no \\[\\[step\\]\\] tables"),
-    ('[[step\n', "is not valid TOML"),
-])
+@pytest.mark.parametrize(
+    "toml, message",
+    [
+        ('[[step]]\ntype = "nope"\n', "pipeline step type 'nope' is unknown"),
+        ('[[step]]\ntype = "gopher_quality"\nmin_wrds = 3\n', "step 'gopher_quality' has no parameter 'min_wrds'"),
+        ('[[step]]\ntype = "gopher_quality"\nmin_words = "many"\n', "min_words = 'many' should be like 50"),
+        ('[[step]]\ntype = "language"\nlanguages = ["xx"]\n', "unknown language codes xx"),
+        ("step = 3\n", "has no \\[\\[step\\]\\] tables"),
+        ("[[step\n", "is not valid TOML"),
+    ],
+)
 def test_bad_pipelines_are_one_line_errors(tmp_path, toml, message):
     path = tmp_path / "p.toml"
     path.write_text(toml)
@@ -229,13 +250,17 @@ def test_bad_pipelines_are_one_line_errors(tmp_path, toml, message):
 def test_cli(tmp_path):
     source = write_input(tmp_path / "in.jsonl")
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    run = [sys.executable, "-m", "launch.cli", "data", "clean", "--input", str(source), "--workers", "1"]
-    done = subprocess.run(run + ["--output", str(tmp_path / "out"), "--pipeline", "minimal"], capture_output=True,
-                          text=True, env=env)
+    run = [sys.executable, "-m", "loom.launch.cli", "data", "clean", "--input", str(source), "--workers", "1"]
+    done = subprocess.run(
+        run + ["--output", str(tmp_path / "out"), "--pipeline", "minimal"], capture_output=True, text=True, env=env
+    )
     assert done.returncode == 0, done.stderr
     printed = json.loads(done.stdout)
     assert printed["kept"] == len(CASES) - 1 and printed["rejected_by"] == {"length": 1}
-    done = subprocess.run(run + ["--output", str(tmp_path / "o2"), "--pipeline", "web"], capture_output=True,
-                          text=True, env=env)
+    done = subprocess.run(
+        run + ["--output", str(tmp_path / "o2"), "--pipeline", "web"], capture_output=True, text=True, env=env
+    )
     assert done.returncode == 2
-    assert done.stderr.strip() == "error: pipeline web is neither a file nor a shipped pipeline (code, default, minimal)"
+    assert (
+        done.stderr.strip() == "error: pipeline web is neither a file nor a shipped pipeline (code, default, minimal)"
+    )

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import sentencepiece
 
-from data_tools.build import build_indexed_dataset
-from data_tools.corpus import build_stdlib_corpus, stdlib_root
-from data_tools.jsonl import InputError, JsonlStats, iter_jsonl, write_jsonl_atomic
-from data_tools.tokenizer import train_tokenizer
-from engine.data.indexed import IndexedDataset
+from loom.data_tools.build import build_indexed_dataset
+from loom.data_tools.corpus import build_stdlib_corpus, stdlib_root
+from loom.data_tools.jsonl import InputError, JsonlStats, iter_jsonl, write_jsonl_atomic
+from loom.data_tools.tokenizer import train_tokenizer
+from loom.engine.data.indexed import IndexedDataset
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +26,10 @@ def pipeline(tmp_path_factory):
     tokenizer = train_tokenizer([corpus], root / "tok", vocab_size=512, model_type="bpe")
     extra = root / "extra.jsonl.gz"
     with gzip.open(extra, "wb") as f:
-        f.write(b'{"text": ""}\n{"text": "  indented\\n\\tline \\u00e9\\u4e2d 12345"}\nnot json\n'
-                b'{"id": "no text"}\n{"text": 7}\n\xff\xfe bad bytes\n\n{"text": "\\ud800"}\n')
+        f.write(
+            b'{"text": ""}\n{"text": "  indented\\n\\tline \\u00e9\\u4e2d 12345"}\nnot json\n'
+            b'{"id": "no text"}\n{"text": 7}\n\xff\xfe bad bytes\n\n{"text": "\\ud800"}\n'
+        )
     return {"root": root, "corpus": corpus, "counts": counts, "model": Path(tokenizer["model"]), "extra": extra}
 
 
@@ -56,8 +58,9 @@ def test_tokenizer_keeps_code_exactly(pipeline):
 @pytest.mark.parametrize("workers", [1, 2])
 def test_built_tokens_equal_sentencepiece_plus_eod(pipeline, workers):
     prefix = pipeline["root"] / f"data_w{workers}"
-    result = build_indexed_dataset([pipeline["corpus"], pipeline["extra"]], pipeline["model"], prefix,
-                                   workers=workers, progress=False)
+    result = build_indexed_dataset(
+        [pipeline["corpus"], pipeline["extra"]], pipeline["model"], prefix, workers=workers, progress=False
+    )
     processor = sentencepiece.SentencePieceProcessor(model_file=str(pipeline["model"]))
     texts = [json.loads(line)["text"] for line in pipeline["corpus"].read_text(encoding="utf-8").splitlines()]
     texts += ["", "  indented\n\tline \u00e9\u4e2d 12345"]

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data_tools.dedup import deduplicate
-from data_tools.jsonl import InputError
+from loom.data_tools.dedup import deduplicate
+from loom.data_tools.jsonl import InputError
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [
@@ -45,13 +45,15 @@ def read(path):
 
 def test_exact_dedup_matches_reference(tmp_path):
     source = tmp_path / "in.jsonl"
-    source.write_text("".join(json.dumps(d, ensure_ascii=False) + "\n" for d in DOCS) + "not json\n{\"id\": 9}\n")
+    source.write_text("".join(json.dumps(d, ensure_ascii=False) + "\n" for d in DOCS) + 'not json\n{"id": 9}\n')
     stats = deduplicate([source], tmp_path / "out")
     kept, removed = reference(DOCS)
     assert read(tmp_path / "out/kept.jsonl") == kept  # every field kept, id included
     assert read(tmp_path / "out/removed/removed.jsonl") == removed
-    assert read(tmp_path / "out/clusters.jsonl") == [{"kept": "a", "removed": ["b", "d"], "size": 3},
-                                                     {"kept": "c", "removed": ["e"], "size": 2}]
+    assert read(tmp_path / "out/clusters.jsonl") == [
+        {"kept": "a", "removed": ["b", "d"], "size": 3},
+        {"kept": "c", "removed": ["e"], "size": 2},
+    ]
     assert stats["input_documents"] == stats["kept"] + stats["removed"] == 6
     assert stats["input"]["bad_lines"] == 2
     assert json.loads((tmp_path / "out/stats.json").read_text())["clusters"] == 2
@@ -59,7 +61,7 @@ def test_exact_dedup_matches_reference(tmp_path):
 
 def test_no_documents_leaves_no_output(tmp_path):
     source = tmp_path / "in.jsonl"
-    source.write_text("{\"body\": \"x\"}\n")
+    source.write_text('{"body": "x"}\n')
     with pytest.raises(InputError, match="no documents with a string 'text' field"):
         deduplicate([source], tmp_path / "out")
     assert not any(p.is_file() for p in (tmp_path / "out").rglob("*"))
@@ -67,7 +69,7 @@ def test_no_documents_leaves_no_output(tmp_path):
 
 def test_minhash_signatures_equal_datasketch():
     datasketch = pytest.importorskip("datasketch")
-    from data_tools.minhash import permutations, shingles, signature
+    from loom.data_tools.minhash import permutations, shingles, signature
 
     text = "the quick brown fox jumps over the lazy dog and runs far away from here"
     reference = datasketch.MinHash(num_perm=128, seed=1)
@@ -77,7 +79,7 @@ def test_minhash_signatures_equal_datasketch():
 
 
 def test_minhash_finds_known_clusters(tmp_path):
-    from near_duplicates import make_corpus, pair_scores
+    from loom.tools.near_duplicates import make_corpus, pair_scores
 
     docs, truth = make_corpus(clusters=60, copies=4, singletons=120)
     source = tmp_path / "in.jsonl"
@@ -110,7 +112,7 @@ def representatives_from_output(out, docs):
 def in_memory_lsh(texts, threshold, num_perm=128):
     """The plain LSH: per band a dict from the band's rows to its documents; each document is compared with
     the band's first document and joined when the estimated Jaccard reaches the threshold."""
-    from data_tools.minhash import optimal_bands, permutations, signatures
+    from loom.data_tools.minhash import optimal_bands, permutations, signatures
 
     rows_of = signatures(texts, *permutations(num_perm))
     bands, rows = optimal_bands(threshold, num_perm)
@@ -123,7 +125,7 @@ def in_memory_lsh(texts, threshold, num_perm=128):
 
     for band in range(bands):
         buckets = {}
-        for doc, row in enumerate(rows_of[:, band * rows:(band + 1) * rows]):
+        for doc, row in enumerate(rows_of[:, band * rows : (band + 1) * rows]):
             buckets.setdefault(row.tobytes(), []).append(doc)
         for members in buckets.values():
             for other in members[1:]:
@@ -134,7 +136,7 @@ def in_memory_lsh(texts, threshold, num_perm=128):
 
 
 def test_batched_signatures_equal_one_at_a_time():
-    from data_tools.minhash import permutations, shingles, signatures
+    from loom.data_tools.minhash import permutations, shingles, signatures
 
     a, b = permutations(64)
     texts = ["", "two words", " ".join(f"w{i}" for i in range(3000)), "the same five words here again"]
@@ -142,39 +144,44 @@ def test_batched_signatures_equal_one_at_a_time():
     for text in texts:  # the definition: min over shingles of (a * fmix32(sha1_32(shingle)) + b) mod 2^32
         import hashlib
 
-        from data_tools.minhash import _fmix32
-        digests = np.array([int.from_bytes(hashlib.sha1(s.encode()).digest()[:4], "little") for s in shingles(text)],
-                           dtype=np.uint32)
+        from loom.data_tools.minhash import _fmix32
+
+        digests = np.array(
+            [int.from_bytes(hashlib.sha1(s.encode()).digest()[:4], "little") for s in shingles(text)], dtype=np.uint32
+        )
         one_by_one.append((_fmix32(digests)[:, None] * a + b).min(axis=0))
     assert np.array_equal(signatures(texts, a, b), np.stack(one_by_one))
 
 
 def test_on_disk_minhash_equals_in_memory_lsh_with_1_and_2_workers_and_small_buckets(tmp_path, monkeypatch):
-    from near_duplicates import make_corpus
-
-    from data_tools import minhash_lsh
+    from loom.data_tools import minhash_lsh
+    from loom.tools.near_duplicates import make_corpus
 
     docs, _ = make_corpus(clusters=40, copies=4, singletons=80, edits=6)  # Jaccard near the threshold
     source = write_corpus(tmp_path / "in.jsonl", docs)
     expected = in_memory_lsh([d["text"] for d in docs], 0.8)
     assert expected != list(range(len(docs)))
-    runs = {"one": dict(workers=1), "two": dict(workers=2),
-            "passes": dict(workers=1, bucket_memory_mb=0.005)}  # ~100 entries per pass
+    runs = {
+        "one": dict(workers=1),
+        "two": dict(workers=2),
+        "passes": dict(workers=1, bucket_memory_mb=0.005),
+    }  # ~100 entries per pass
     outputs = {}
     for name, options in runs.items():
         if name == "passes":  # the input's size made the plan expect few documents: buckets outgrow the budget
             monkeypatch.setattr(minhash_lsh, "ASSUMED_BYTES_PER_DOCUMENT", 1 << 30)
         stats = deduplicate([source], tmp_path / name, method="minhash", threshold=0.8, progress=False, **options)
         assert representatives_from_output(tmp_path / name, docs) == expected, name
-        outputs[name] = [(tmp_path / name / f).read_bytes() for f in ("kept.jsonl", "removed/removed.jsonl",
-                                                                      "clusters.jsonl")]
+        outputs[name] = [
+            (tmp_path / name / f).read_bytes() for f in ("kept.jsonl", "removed/removed.jsonl", "clusters.jsonl")
+        ]
         assert not list((tmp_path / name).glob(".staging-*"))  # temporary files removed
     assert outputs["one"] == outputs["two"] == outputs["passes"]
     assert stats["most_passes"] > 1 and stats["largest_pass_entries"] <= 2 * stats["bucket_entries"]
 
 
 def test_bucket_plan_bounds_grouping_memory():
-    from data_tools.minhash_lsh import (
+    from loom.data_tools.minhash_lsh import (
         GROUPED_BYTES_PER_ENTRY,
         MAX_BUCKETS,
         bucket_count,
@@ -195,7 +202,7 @@ def test_bucket_plan_bounds_grouping_memory():
 
 
 def test_union_find_joins_batches_like_a_graph_search():
-    from data_tools.union_find import UnionFind
+    from loom.data_tools.union_find import UnionFind
 
     rng = np.random.default_rng(0)
     size, found = 500, UnionFind(500)
@@ -223,7 +230,7 @@ def _peak_heap_bytes(tmp_path, monkeypatch, name, docs):
     larger than these corpora, so it would hide the stages' own growth)."""
     import tracemalloc
 
-    from data_tools import dedup
+    from loom.data_tools import dedup
 
     source, peaks = write_corpus(tmp_path / f"{name}.jsonl", docs), []
     monkeypatch.setattr(dedup, "write_manifest", lambda *a, **k: peaks.append(tracemalloc.get_traced_memory()[1]))
@@ -239,7 +246,7 @@ def test_minhash_memory_is_flat_in_corpus_size(tmp_path, monkeypatch):
     """Peak Python/numpy heap for 4x the documents grows by far less than the signatures and band keys would take
     in RAM (512 + 72 bytes a document at 128 permutations): only the int64 arrays per document (id offsets,
     union-find, cluster bookkeeping: ~80 bytes at their peak) grow."""
-    from near_duplicates import make_corpus
+    from loom.tools.near_duplicates import make_corpus
 
     _peak_heap_bytes(tmp_path, monkeypatch, "warm-up", make_corpus(2, 2, 2, words=40)[0])  # one-time imports
     small, _ = make_corpus(clusters=100, copies=4, singletons=200, words=40, seed=1)
@@ -252,7 +259,7 @@ def test_minhash_memory_is_flat_in_corpus_size(tmp_path, monkeypatch):
 
 
 def test_interrupted_run_leaves_no_complete_looking_output(tmp_path, monkeypatch):
-    from data_tools import dedup
+    from loom.data_tools import dedup
 
     source = write_corpus(tmp_path / "in.jsonl", DOCS)
     deduplicate([source], tmp_path / "out", method="minhash", progress=False)
@@ -269,14 +276,33 @@ def test_interrupted_run_leaves_no_complete_looking_output(tmp_path, monkeypatch
 
 
 def test_cli_minhash_with_workers(tmp_path):
-    from near_duplicates import make_corpus
+    from loom.tools.near_duplicates import make_corpus
 
     docs, _ = make_corpus(clusters=10, copies=3, singletons=10)
     source = write_corpus(tmp_path / "in.jsonl", docs)
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    result = subprocess.run([sys.executable, "-m", "launch.cli", "data", "dedup", "--input", str(source), "--output",
-                             str(tmp_path / "cli"), "--method", "minhash", "--workers", "2",
-                             "--bucket-memory-mb", "1"], capture_output=True, text=True, env=env)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "loom.launch.cli",
+            "data",
+            "dedup",
+            "--input",
+            str(source),
+            "--output",
+            str(tmp_path / "cli"),
+            "--method",
+            "minhash",
+            "--workers",
+            "2",
+            "--bucket-memory-mb",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert result.returncode == 0, result.stderr
     printed = json.loads(result.stdout)
     assert printed["workers"] == 2 and printed["input_documents"] == len(docs) == printed["kept"] + printed["removed"]
@@ -285,7 +311,7 @@ def test_cli_minhash_with_workers(tmp_path):
 
 
 def test_candidate_pairs_join_each_document_to_the_first_with_its_key():
-    from data_tools.minhash_lsh import ENTRY, candidate_pairs
+    from loom.data_tools.minhash_lsh import ENTRY, candidate_pairs
 
     entries = np.zeros(6, ENTRY)
     entries["key"] = [7, 3, 7, 3, 7, 9]
@@ -297,7 +323,7 @@ def test_candidate_pairs_join_each_document_to_the_first_with_its_key():
 def test_minhash_counts_bad_lines_and_a_truncated_gz_fails_cleanly(tmp_path):
     import gzip
 
-    from near_duplicates import make_corpus
+    from loom.tools.near_duplicates import make_corpus
 
     docs, _ = make_corpus(clusters=5, copies=2, singletons=5)
     lines = "".join(json.dumps(d) + "\n" for d in docs) + "{broken\n" + json.dumps({"id": "x"}) + "\n"
@@ -305,7 +331,7 @@ def test_minhash_counts_bad_lines_and_a_truncated_gz_fails_cleanly(tmp_path):
     stats = deduplicate([tmp_path / "in.jsonl"], tmp_path / "out", method="minhash", progress=False)
     assert stats["input"]["bad_lines"] == 2 and stats["kept"] + stats["removed"] == len(docs)
     packed = gzip.compress(lines.encode() * 20)
-    (tmp_path / "cut.jsonl.gz").write_bytes(packed[:len(packed) // 2])
+    (tmp_path / "cut.jsonl.gz").write_bytes(packed[: len(packed) // 2])
     with pytest.raises(InputError, match="truncated or corrupt"):
         deduplicate([tmp_path / "cut.jsonl.gz"], tmp_path / "cut", method="minhash", workers=2, progress=False)
     assert not [p for p in (tmp_path / "cut").rglob("*")]  # not even the staging folder

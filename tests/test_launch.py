@@ -7,13 +7,12 @@ import time
 from pathlib import Path
 
 import pytest
-from synthetic_data import write_markov_dataset
 
-from engine.config_io import load_config
-from launch.cli import resolve_config_path
-from launch.local import RankFailed, launch_local
+from loom.engine.config_io import load_config
+from loom.launch.local import RankFailed, launch_local
+from loom.tools.synthetic_data import write_markov_dataset
 
-LOOM = [sys.executable, "-m", "launch.cli"]
+LOOM = [sys.executable, "-m", "loom.launch.cli"]
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -24,9 +23,13 @@ def dataset(tmp_path_factory):
 
 def test_failing_rank_stops_all_ranks_with_its_message(dataset, tmp_path, monkeypatch):
     monkeypatch.setenv("LOOM_INJECT_FAULT", "5:3")
-    config = load_config(resolve_config_path("configs/tiny.toml"), {
-        "data": {"paths": [dataset], "tokenizer": None},
-        "train": {"steps": 1000, "run_dir": str(tmp_path), "eval_interval": 0, "tensorboard": False}})
+    config = load_config(
+        "configs/tiny.toml",
+        {
+            "data": {"paths": [dataset], "tokenizer": None},
+            "train": {"steps": 1000, "run_dir": str(tmp_path), "eval_interval": 0, "tensorboard": False},
+        },
+    )
     config.resolve_world(8)
     start = time.perf_counter()
     with pytest.raises(RankFailed) as failure:
@@ -41,18 +44,23 @@ def run_cli(*args, cwd=REPO):
     return subprocess.run([*LOOM, *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--parallel.tp", "3", "--nproc", "3"], "parallel.tp = 3 must divide model.num_heads = 8"),
-    (["--nproc", "3"], "train.global_batch_size = 16 must be divisible by micro_batch_size*dp = 2*3"),
-    (["--parallel.tp", "2", "--parallel.dp", "2", "--nproc", "2"], "world size 2 != tp*pp*dp = 2*1*2"),
-    (["--train.stepz", "5"], "unknown field in [train] 'stepz'; did you mean 'steps'?"),
-    (["--train.steps", "five"], "train.steps expects an integer, got 'five'"),
-    (["--model.num_kv_heads", "3"], "model.num_kv_heads = 3 must divide model.num_heads = 8"),
-    (["--data.paths", "/nonexistent/data"], "/nonexistent/data.idx does not exist"),
-    (["--train.fp8", "current", "--train.precision", "bf16"],
-     "train.fp8 = current is unavailable: fp8: no CUDA device; use --train.fp8 off"),
-    (["--model.kernels", "te"], "model.kernels = te needs Transformer Engine on a CUDA device"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--parallel.tp", "3", "--nproc", "3"], "parallel.tp = 3 must divide model.num_heads = 8"),
+        (["--nproc", "3"], "train.global_batch_size = 16 must be divisible by micro_batch_size*dp = 2*3"),
+        (["--parallel.tp", "2", "--parallel.dp", "2", "--nproc", "2"], "world size 2 != tp*pp*dp = 2*1*2"),
+        (["--train.stepz", "5"], "unknown field in [train] 'stepz'; did you mean 'steps'?"),
+        (["--train.steps", "five"], "train.steps expects an integer, got 'five'"),
+        (["--model.num_kv_heads", "3"], "model.num_kv_heads = 3 must divide model.num_heads = 8"),
+        (["--data.paths", "/nonexistent/data"], "/nonexistent/data.idx does not exist"),
+        (
+            ["--train.fp8", "current", "--train.precision", "bf16"],
+            "train.fp8 = current is unavailable: fp8: no CUDA device; use --train.fp8 off",
+        ),
+        (["--model.kernels", "te"], "model.kernels = te needs Transformer Engine on a CUDA device"),
+    ],
+)
 def test_bad_training_input_is_one_line(args, message):
     result = run_cli("train", "--config", "configs/tiny.toml", *args)
     assert result.returncode == 2
@@ -72,9 +80,27 @@ def test_corrupt_index_is_named(dataset, tmp_path):
 
 
 def test_train_command_writes_the_run_directory(dataset, tmp_path):
-    result = run_cli("train", "--config", "configs/tiny.toml", "--nproc", "2", "--parallel.tp", "2",
-                     "--data.paths", dataset, "--data.tokenizer", "none", "--train.steps", "4",
-                     "--train.log_interval", "2", "--train.eval_interval", "4", "--train.run_dir", str(tmp_path))
+    result = run_cli(
+        "train",
+        "--config",
+        "configs/tiny.toml",
+        "--nproc",
+        "2",
+        "--parallel.tp",
+        "2",
+        "--data.paths",
+        dataset,
+        "--data.tokenizer",
+        "none",
+        "--train.steps",
+        "4",
+        "--train.log_interval",
+        "2",
+        "--train.eval_interval",
+        "4",
+        "--train.run_dir",
+        str(tmp_path),
+    )
     assert result.returncode == 0, result.stderr
     import json
 

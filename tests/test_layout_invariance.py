@@ -9,11 +9,11 @@ tools/check_layout_invariance.py.
 import json
 
 import pytest
-from synthetic_data import write_markov_dataset
 
-from engine.config_io import load_config
-from launch.cli import preflight, resolve_config_path
-from launch.local import launch_local
+from loom.engine.config_io import load_config
+from loom.engine.preflight import preflight
+from loom.launch.local import launch_local
+from loom.tools.synthetic_data import write_markov_dataset
 
 STEPS = 8
 
@@ -24,13 +24,14 @@ def dataset(tmp_path_factory):
 
 
 def run_layout(dataset, run_dir, nproc, **fields) -> list[float]:
-    overrides = {"data": {"paths": [dataset], "tokenizer": None},
-                 "train": {"steps": STEPS, "run_dir": str(run_dir), "log_interval": 1, "eval_interval": 4,
-                           "tensorboard": False}}
+    overrides = {
+        "data": {"paths": [dataset], "tokenizer": None},
+        "train": {"steps": STEPS, "run_dir": str(run_dir), "log_interval": 1, "eval_interval": 4, "tensorboard": False},
+    }
     for key, value in fields.items():
         section, name = key.split("__")
         overrides.setdefault(section, {})[name] = value
-    config = load_config(resolve_config_path("configs/tiny.toml"), overrides)
+    config = load_config("configs/tiny.toml", overrides)
     preflight(config, nproc)
     launch_local(config, nproc)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -54,13 +55,16 @@ def reference(dataset, tmp_path_factory):
 LAYOUTS = {
     "tp2": (2, dict(parallel__tp=2)),
     "dp2-recompute-full": (2, dict(model__recompute="full")),
-    "tp2-dp2-sp-selective": (4, dict(parallel__tp=2, parallel__sequence_parallel=True,
-                                     model__recompute="selective")),
+    "tp2-dp2-sp-selective": (4, dict(parallel__tp=2, parallel__sequence_parallel=True, model__recompute="selective")),
     "tp4-sp": (4, dict(parallel__tp=4, parallel__sequence_parallel=True)),
     "pp2": (2, dict(parallel__pp=2)),
     "pp2-vp2": (2, dict(parallel__pp=2, parallel__vp=2)),
-    "pp2-vp2-tp2-dp2-sp": (8, dict(parallel__pp=2, parallel__vp=2, parallel__tp=2, parallel__sequence_parallel=True,
-                                   train__micro_batch_size=1)),
+    "pp2-vp2-tp2-dp2-sp": (
+        8,
+        dict(
+            parallel__pp=2, parallel__vp=2, parallel__tp=2, parallel__sequence_parallel=True, train__micro_batch_size=1
+        ),
+    ),
     "pp4-tied": (4, dict(parallel__pp=4, model__tie_embeddings=True)),
 }
 

@@ -7,11 +7,11 @@ import torch
 import torch.distributed as dist
 from dist_utils import run_ranks
 
-from engine.config import ModelConfig, OptimConfig
-from engine.model.gpt import GPTModel
-from engine.optim.grad_buffer import GradBuffer
-from engine.optim.lr_schedule import learning_rate
-from engine.parallel.sharding import initialize_parameters
+from loom.engine.config import ModelConfig, OptimConfig
+from loom.engine.model.gpt import GPTModel
+from loom.engine.optim.grad_buffer import GradBuffer
+from loom.engine.optim.lr_schedule import learning_rate
+from loom.engine.parallel.sharding import initialize_parameters
 
 
 def test_warmup_then_cosine():

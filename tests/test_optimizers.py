@@ -9,16 +9,25 @@ import torch
 import torch.distributed as dist
 from dist_utils import run_ranks
 
-from engine.config import ModelConfig, OptimConfig
-from engine.model.gpt import GPTModel
-from engine.optim.distributed import DistributedOptimizer
-from engine.optim.grad_buffer import GradBuffer
-from engine.optim.loss_scaler import LossScaler
-from engine.parallel.sharding import initialize_parameters
-from engine.parallel.state import ParallelState
+from loom.engine.config import ModelConfig, OptimConfig
+from loom.engine.model.gpt import GPTModel
+from loom.engine.optim.distributed import DistributedOptimizer
+from loom.engine.optim.grad_buffer import GradBuffer
+from loom.engine.optim.loss_scaler import LossScaler
+from loom.engine.parallel.sharding import initialize_parameters
+from loom.engine.parallel.state import ParallelState
 
-MODEL = dict(num_layers=1, hidden_size=32, num_heads=4, num_kv_heads=2, ffn_hidden_size=48, vocab_size=100,
-             make_vocab_divisible_by=8, norm="layernorm", bias=True)
+MODEL = dict(
+    num_layers=1,
+    hidden_size=32,
+    num_heads=4,
+    num_kv_heads=2,
+    ffn_hidden_size=48,
+    vocab_size=100,
+    make_vocab_divisible_by=8,
+    norm="layernorm",
+    bias=True,
+)
 LR, WD, BETAS, EPS = 1e-2, 0.1, (0.9, 0.95), 1e-8
 
 
@@ -37,7 +46,7 @@ def reference_lamb(weights, grads, state, step):
 
 
 def reference_adafactor(weights, grads, state, step):
-    beta2 = 1 - step ** -0.8
+    beta2 = 1 - step**-0.8
     for name, w in weights.items():
         g = grads[name]
         sq = g * g + 1e-30
@@ -64,8 +73,17 @@ def _compare(rank, world, tp, name, zero1):
     named = list(model.named_parameters())
     params = [p for _, p in named]
     grads = GradBuffer(params, state.dp_group, dp, state.dp_rank, bucket_bytes=2048, reduce_scatter=zero1)
-    optim = OptimConfig(name=name, lr=LR, min_lr=0.0, weight_decay=WD, beta1=BETAS[0], beta2=BETAS[1], eps=EPS,
-                        clip_grad=0.0, zero1=zero1)
+    optim = OptimConfig(
+        name=name,
+        lr=LR,
+        min_lr=0.0,
+        weight_decay=WD,
+        beta1=BETAS[0],
+        beta2=BETAS[1],
+        eps=EPS,
+        clip_grad=0.0,
+        zero1=zero1,
+    )
     optimizer = DistributedOptimizer(named, grads, optim, state, config.num_layers)
 
     dense = GPTModel(config, None)
@@ -91,10 +109,17 @@ def _compare(rank, world, tp, name, zero1):
     return worst
 
 
-@pytest.mark.parametrize("name, world, tp, zero1", [
-    ("lamb", 1, 1, False), ("lamb", 4, 2, False), ("lamb", 4, 2, True),
-    ("adafactor", 1, 1, False), ("adafactor", 4, 2, False),
-], ids=["lamb", "lamb-tp2dp2", "lamb-tp2dp2-zero1", "adafactor", "adafactor-tp2dp2"])
+@pytest.mark.parametrize(
+    "name, world, tp, zero1",
+    [
+        ("lamb", 1, 1, False),
+        ("lamb", 4, 2, False),
+        ("lamb", 4, 2, True),
+        ("adafactor", 1, 1, False),
+        ("adafactor", 4, 2, False),
+    ],
+    ids=["lamb", "lamb-tp2dp2", "lamb-tp2dp2-zero1", "adafactor", "adafactor-tp2dp2"],
+)
 def test_matches_single_device_reference(name, world, tp, zero1):
     for worst in run_ranks(_compare, world, tp, name, zero1):
         assert worst < 1e-6
@@ -126,7 +151,8 @@ def _fp16_skip(rank, world):
     moments = [v["exp_avg"].clone() for v in optimizer.inner.state.values()]
     log.append((step(inject_inf=True)["skipped"], scaler.scale))
     unchanged = all(torch.equal(a, p) for a, p in zip(before, params)) and all(
-        torch.equal(m, v["exp_avg"]) for m, v in zip(moments, optimizer.inner.state.values()))
+        torch.equal(m, v["exp_avg"]) for m, v in zip(moments, optimizer.inner.state.values())
+    )
     log += [(step()["skipped"], scaler.scale) for _ in range(2)]
     return log, unchanged, scaler.skipped_steps
 

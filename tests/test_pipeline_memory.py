@@ -3,21 +3,31 @@ more than P - rank micro-batches, the interleaved schedule what its warm-up impl
 
 import pytest
 from dist_utils import run_ranks
-from synthetic_data import write_markov_dataset
 
-from engine.config_io import load_config
-from engine.pipeline.schedules import warmup_forwards
-from engine.train import Trainer
-from launch.cli import resolve_config_path
+from loom.engine.config_io import load_config
+from loom.engine.pipeline.schedules import warmup_forwards
+from loom.engine.train import Trainer
+from loom.tools.synthetic_data import write_markov_dataset
 
 
 def _peak_live(rank, world, dataset, run_dir, pp, vp, microbatches):
-    config = load_config(resolve_config_path("tiny"), {
-        "data": {"paths": [dataset], "tokenizer": None},
-        "parallel": {"pp": pp, "vp": vp},
-        "model": {"num_layers": 8},
-        "train": {"steps": 2, "global_batch_size": microbatches, "micro_batch_size": 1, "seq_length": 32,
-                  "run_dir": run_dir, "tensorboard": False, "eval_interval": 0}})
+    config = load_config(
+        "tiny",
+        {
+            "data": {"paths": [dataset], "tokenizer": None},
+            "parallel": {"pp": pp, "vp": vp},
+            "model": {"num_layers": 8},
+            "train": {
+                "steps": 2,
+                "global_batch_size": microbatches,
+                "micro_batch_size": 1,
+                "seq_length": 32,
+                "run_dir": run_dir,
+                "tensorboard": False,
+                "eval_interval": 0,
+            },
+        },
+    )
     trainer = Trainer(config)
     trainer.train_step()
     peak = trainer.executor.peak_live

@@ -8,13 +8,17 @@ import json
 
 import sentencepiece
 
-from data_tools.tokenizer import train_tokenizer
+from loom.data_tools.tokenizer import train_tokenizer
 
 
 def write_corpus(path):
     rng_words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa"]
-    docs = [" ".join(rng_words[(i * 7 + j * 3) % 10] + str(j % 4) for j in range(60)) + "\n    return x\n"
-            + "\n".join(f"line {i} {k} {rng_words[(i + k) % 10]}" for k in range(55)) for i in range(40)]
+    docs = [
+        " ".join(rng_words[(i * 7 + j * 3) % 10] + str(j % 4) for j in range(60))
+        + "\n    return x\n"
+        + "\n".join(f"line {i} {k} {rng_words[(i + k) % 10]}" for k in range(55))
+        for i in range(40)
+    ]
     docs[19] += "ünïcödé ☃ 中文"  # a held-out document (every 20th) with characters training never sees
     path.write_text("".join(json.dumps({"text": d}, ensure_ascii=False) + "\n" for d in docs), encoding="utf-8")
     return docs
@@ -26,8 +30,15 @@ def test_same_inputs_give_the_same_model_bytes(tmp_path):
     for name, threads in (("a", 2), ("b", 2), ("c", 1)):
         (tmp_path / name).mkdir()
         # input_sentence_size below the ~2,200 training lines: the sample is drawn, and must be the same each time.
-        train_tokenizer([corpus], tmp_path / name / "tok", vocab_size=300, num_threads=threads, seed=3,
-                        input_sentence_size=1000, held_out_every=20)
+        train_tokenizer(
+            [corpus],
+            tmp_path / name / "tok",
+            vocab_size=300,
+            num_threads=threads,
+            seed=3,
+            input_sentence_size=1000,
+            held_out_every=20,
+        )
     for suffix in (".model", ".vocab"):
         assert (tmp_path / f"a/tok{suffix}").read_bytes() == (tmp_path / f"b/tok{suffix}").read_bytes()
     # Another thread count is recorded in the model, but the pieces and their scores are the same.
@@ -42,8 +53,11 @@ def test_held_out_fertility_and_byte_fallback(tmp_path):
     processor = sentencepiece.SentencePieceProcessor(model_file=str(tmp_path / "tok.model"))
     encoded = [processor.encode(d, out_type=str) for d in held_out]
     tokens = sum(map(len, encoded))
-    byte_pieces = sum(piece.startswith("<0x") and piece.endswith(">") and piece != "<0x0A>"  # newline: by design
-                      for pieces in encoded for piece in pieces)
+    byte_pieces = sum(
+        piece.startswith("<0x") and piece.endswith(">") and piece != "<0x0A>"  # newline: by design
+        for pieces in encoded
+        for piece in pieces
+    )
     assert result["held_out_documents"] == 2 and result["documents"] == 40
     assert result["held_out_words"] == sum(len(d.split()) for d in held_out)
     assert abs(result["fertility"] - tokens / result["held_out_words"]) < 1e-4

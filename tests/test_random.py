@@ -4,10 +4,10 @@ tensor-parallel stream differs across TP ranks while the replicated one does not
 import pytest
 import torch
 
-from engine.config import ModelConfig
-from engine.model.gpt import GPTModel
-from engine.parallel.random import RNGStreams
-from engine.parallel.sharding import initialize_parameters
+from loom.engine.config import ModelConfig
+from loom.engine.model.gpt import GPTModel
+from loom.engine.parallel.random import RNGStreams
+from loom.engine.parallel.sharding import initialize_parameters
 
 
 def _loss_and_grads(recompute: str):

@@ -6,15 +6,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-from synthetic_data import write_markov_dataset
+from loom.tools.synthetic_data import write_markov_dataset
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def loom(*args):
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.run([sys.executable, "-m", "launch.cli", *args], capture_output=True, text=True, env=env,
-                          cwd=REPO, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "loom.launch.cli", *args], capture_output=True, text=True, env=env, cwd=REPO, timeout=300
+    )
 
 
 def test_prints_schedule_bubble_and_memory(tmp_path):
@@ -37,9 +38,27 @@ def test_rejects_what_the_interleaved_schedule_cannot_run():
 def test_from_run_draws_the_measured_timeline(tmp_path):
     dataset = write_markov_dataset(tmp_path / "markov", vocab_size=4096, num_documents=60)
     run = tmp_path / "run"
-    result = loom("train", "--config", "tiny", "--nproc", "2", "--parallel.pp", "2", "--data.paths", dataset,
-                  "--data.tokenizer", "none", "--train.steps", "2", "--train.eval_interval", "0",
-                  "--train.run_dir", str(run), "--train.record_pipeline_timeline", "true")
+    result = loom(
+        "train",
+        "--config",
+        "tiny",
+        "--nproc",
+        "2",
+        "--parallel.pp",
+        "2",
+        "--data.paths",
+        dataset,
+        "--data.tokenizer",
+        "none",
+        "--train.steps",
+        "2",
+        "--train.eval_interval",
+        "0",
+        "--train.run_dir",
+        str(run),
+        "--train.record_pipeline_timeline",
+        "true",
+    )
     assert result.returncode == 0, result.stderr
     timeline = json.loads((run / "pipeline_timeline.json").read_text())
     assert timeline["layout"] == {"pp": 2, "vp": 1, "microbatches": 8}

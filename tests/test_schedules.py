@@ -4,7 +4,7 @@ no deadlock, each (microbatch, chunk) forward before its backward exactly once, 
 
 import pytest
 
-from engine.pipeline.schedules import (
+from loom.engine.pipeline.schedules import (
     Compute,
     Exchange,
     ScheduleError,
@@ -12,7 +12,7 @@ from engine.pipeline.schedules import (
     check_schedule,
     warmup_forwards,
 )
-from engine.pipeline.simulate import Deadlock, peak_in_flight, simulate
+from loom.engine.pipeline.simulate import Deadlock, peak_in_flight, simulate
 
 
 def accepted():
@@ -47,16 +47,23 @@ def test_schedule(pp, vp, m):
                 seen_forward.add(key)
             else:
                 assert key in seen_forward, f"rank {rank}: backward of {key} before its forward"
-        assert sorted((o.microbatch, o.chunk) for o in computes if o.kind == "F") == \
-            sorted((o.microbatch, o.chunk) for o in computes if o.kind == "B") == \
-            sorted((mb, c) for mb in range(m) for c in range(vp))
+        assert (
+            sorted((o.microbatch, o.chunk) for o in computes if o.kind == "F")
+            == sorted((o.microbatch, o.chunk) for o in computes if o.kind == "B")
+            == sorted((mb, c) for mb in range(m) for c in range(vp))
+        )
         # every send is received exactly once, by the right peer
         for ex in (op for op in ops if isinstance(op, Exchange)):
             for t in ex.transfers:
-                counterpart = [u for peer_op in schedules[t.peer] if isinstance(peer_op, Exchange)
-                               for u in peer_op.transfers
-                               if (u.tensor, u.microbatch, u.virtual_stage) == (t.tensor, t.microbatch, t.virtual_stage)
-                               and u.direction != t.direction and u.peer == rank]
+                counterpart = [
+                    u
+                    for peer_op in schedules[t.peer]
+                    if isinstance(peer_op, Exchange)
+                    for u in peer_op.transfers
+                    if (u.tensor, u.microbatch, u.virtual_stage) == (t.tensor, t.microbatch, t.virtual_stage)
+                    and u.direction != t.direction
+                    and u.peer == rank
+                ]
                 assert len(counterpart) == 1
     timeline = simulate(schedules, forward_cost=1.0, backward_cost=2.0)  # raises Deadlock
     assert timeline.bubble_fraction == pytest.approx((pp - 1) / (vp * m), abs=1e-9)
@@ -82,11 +89,14 @@ def test_simulator_detects_deadlock():
         simulate(schedules)
 
 
-@pytest.mark.parametrize("pp, vp, m, message", [
-    (4, 2, 6, "the interleaved schedule needs microbatches divisible by pp = 4, got 6; valid: 4, 8, 12, 16"),
-    (1, 2, 4, "virtual stages (vp > 1) need a pipeline (pp > 1)"),
-    (2, 1, 0, "must be positive"),
-])
+@pytest.mark.parametrize(
+    "pp, vp, m, message",
+    [
+        (4, 2, 6, "the interleaved schedule needs microbatches divisible by pp = 4, got 6; valid: 4, 8, 12, 16"),
+        (1, 2, 4, "virtual stages (vp > 1) need a pipeline (pp > 1)"),
+        (2, 1, 0, "must be positive"),
+    ],
+)
 def test_rejected_combinations_name_valid_choices(pp, vp, m, message):
     with pytest.raises(ScheduleError, match=message.replace("(", r"\(").replace(")", r"\)")):
         check_schedule(pp, vp, m)

@@ -17,10 +17,15 @@ import time
 from pathlib import Path
 
 import pytest
-from synthetic_data import write_markov_dataset
 
-from engine.config_io import load_config
-from launch.slurm import SlurmOptions, executor_parameters, parse_sbatch_options, parse_time_minutes
+from loom.engine.config_io import load_config
+from loom.launch.slurm import (
+    SlurmOptions,
+    executor_parameters,
+    parse_sbatch_options,
+    parse_time_minutes,
+)
+from loom.tools.synthetic_data import write_markov_dataset
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 16
@@ -44,7 +49,7 @@ def slurm(tmp_path_factory):
     if os.environ.get("SLURM_CONF"):
         yield dict(os.environ)
         return
-    from tools import slurm_cluster
+    from loom.tools import slurm_cluster
 
     # Not under pytest's tmp_path: munged wants every folder above its socket world-executable.
     folder = Path(tempfile.mkdtemp(prefix="loom-slurm-"))
@@ -66,14 +71,40 @@ def dataset(tmp_path_factory):
 
 
 def loom(*args: str, env: dict, timeout: float = 400) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "launch.cli", *args], capture_output=True, text=True, cwd=REPO,
-                          env={**env, "PYTHONPATH": str(REPO)}, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "loom.launch.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**env, "PYTHONPATH": str(REPO)},
+        timeout=timeout,
+    )
 
 
 def training_args(dataset: str, run_dir: Path, *extra: str) -> list[str]:
-    return ["--config", "configs/tiny.toml", "--parallel.tp", "2", "--parallel.pp", "2", "--data.paths", dataset,
-            "--data.tokenizer", "none", "--train.steps", str(STEPS), "--train.log_interval", "1",
-            "--train.eval_interval", "0", "--train.tensorboard", "false", "--train.run_dir", str(run_dir), *extra]
+    return [
+        "--config",
+        "configs/tiny.toml",
+        "--parallel.tp",
+        "2",
+        "--parallel.pp",
+        "2",
+        "--data.paths",
+        dataset,
+        "--data.tokenizer",
+        "none",
+        "--train.steps",
+        str(STEPS),
+        "--train.log_interval",
+        "1",
+        "--train.eval_interval",
+        "0",
+        "--train.tensorboard",
+        "false",
+        "--train.run_dir",
+        str(run_dir),
+        *extra,
+    ]
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -83,8 +114,7 @@ def metrics(run_dir: Path) -> list[dict]:
 
 def job_count(env: dict) -> int:
     """Jobs slurmctld knows, less the records it keeps of submissions sbatch refused (never run)."""
-    out = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%i %r"], capture_output=True, text=True,
-                         env=env).stdout
+    out = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%i %r"], capture_output=True, text=True, env=env).stdout
     return sum(not line.endswith("BadConstraints") for line in out.splitlines())
 
 
@@ -97,13 +127,20 @@ def wait_until(condition, timeout_s: float, what: str) -> None:
 
 
 def submit_in_background(env: dict, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "launch.cli", "submit", *args], cwd=REPO, text=True,
-                            env={**env, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [sys.executable, "-m", "loom.launch.cli", "submit", *args],
+        cwd=REPO,
+        text=True,
+        env={**env, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 def job_processes(run_dir: Path) -> list[str]:
-    out = subprocess.run(["pgrep", "-af", f"submitit.core._submit {run_dir / 'slurm'}"], capture_output=True,
-                         text=True).stdout
+    out = subprocess.run(
+        ["pgrep", "-af", f"submitit.core._submit {run_dir / 'slurm'}"], capture_output=True, text=True
+    ).stdout
     return out.splitlines()
 
 
@@ -123,18 +160,19 @@ def assert_same_curve(rows: list[dict], reference: list[dict], rel: float) -> No
 
 
 def test_submit_1x8_equals_local_training(slurm, dataset, local_reference, tmp_path):
-    result = loom("submit", "--tasks-per-node", "8", "--time", "10", "--wait", *training_args(dataset, tmp_path),
-                  env=slurm)
+    result = loom(
+        "submit", "--tasks-per-node", "8", "--time", "10", "--wait", *training_args(dataset, tmp_path), env=slurm
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "submitted job" in result.stdout and "COMPLETED" in result.stdout
     assert f"step     {STEPS} | loss" in result.stdout  # --wait followed rank 0's log
     assert_same_curve(metrics(tmp_path), local_reference, rel=0.0)
 
 
-def test_preemption_signal_checkpoints_requeues_and_resumes_the_same_curve(slurm, dataset, local_reference,
-                                                                           tmp_path):
-    proc = submit_in_background(slurm, "--tasks-per-node", "8", "--time", "10", "--wait",
-                                *training_args(dataset, tmp_path))
+def test_preemption_signal_checkpoints_requeues_and_resumes_the_same_curve(slurm, dataset, local_reference, tmp_path):
+    proc = submit_in_background(
+        slurm, "--tasks-per-node", "8", "--time", "10", "--wait", *training_args(dataset, tmp_path)
+    )
     wait_until(lambda: len(metrics(tmp_path)) >= 3 or proc.poll() is not None, 180, "step 3")
     job_id = (tmp_path / "slurm" / "jobs.jsonl").read_text().split('"job_id": "')[1].split('"')[0]
     subprocess.run(["scancel", "--signal=USR2", job_id], env=slurm, check=True)
@@ -148,8 +186,15 @@ def test_preemption_signal_checkpoints_requeues_and_resumes_the_same_curve(slurm
 
 
 def test_scancel_ends_wait_promptly_and_leaves_no_process(slurm, dataset, tmp_path):
-    proc = submit_in_background(slurm, "--tasks-per-node", "2", "--time", "10", "--wait",
-                                *training_args(dataset, tmp_path, "--parallel.pp", "1", "--train.steps", "100000"))
+    proc = submit_in_background(
+        slurm,
+        "--tasks-per-node",
+        "2",
+        "--time",
+        "10",
+        "--wait",
+        *training_args(dataset, tmp_path, "--parallel.pp", "1", "--train.steps", "100000"),
+    )
     wait_until(lambda: len(metrics(tmp_path)) >= 1 or proc.poll() is not None, 120, "the first step")
     job_id = (tmp_path / "slurm" / "jobs.jsonl").read_text().split('"job_id": "')[1].split('"')[0]
     start = time.monotonic()
@@ -162,8 +207,16 @@ def test_scancel_ends_wait_promptly_and_leaves_no_process(slurm, dataset, tmp_pa
 
 def test_failing_rank_ends_the_job_with_its_message(slurm, dataset, tmp_path):
     start = time.monotonic()
-    result = loom("submit", "--tasks-per-node", "8", "--time", "10", "--wait", *training_args(dataset, tmp_path),
-                  env={**slurm, "LOOM_INJECT_FAULT": "5:2"})
+    result = loom(
+        "submit",
+        "--tasks-per-node",
+        "8",
+        "--time",
+        "10",
+        "--wait",
+        *training_args(dataset, tmp_path),
+        env={**slurm, "LOOM_INJECT_FAULT": "5:2"},
+    )
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("error: job ") and " ended FAILED: rank 5 on " in last, result.stderr
@@ -172,21 +225,32 @@ def test_failing_rank_ends_the_job_with_its_message(slurm, dataset, tmp_path):
     wait_until(lambda: not job_processes(tmp_path), 20, "the job's processes to exit")
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--partition", "nosuch"], "error: partition 'nosuch' does not exist; sinfo lists: debug"),
-    (["--tasks-per-node", "3"], "error: the allocation has 1 node(s) x 3 task(s) = 3 ranks, but world size 3 "
-                                "!= tp*pp*dp = 2*2*2"),
-    (["--train.run_dir", "/etc/hostname/run"], "error: run directory /etc/hostname/run is not writable: "
-                                               "Not a directory"),
-    (["--time", "1"], "error: --time 1 min leaves no room before the checkpoint signal"),
-    (["--sbatch", "comment=a\nb"], "error: --sbatch comment: the value contains a control character"),
-    (["--mem-gb", "100000"], "error: sbatch refused the job: Memory specification can not be satisfied; "
-                             "Batch job submission failed: Requested node configuration is not available"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--partition", "nosuch"], "error: partition 'nosuch' does not exist; sinfo lists: debug"),
+        (
+            ["--tasks-per-node", "3"],
+            "error: the allocation has 1 node(s) x 3 task(s) = 3 ranks, but world size 3 != tp*pp*dp = 2*2*2",
+        ),
+        (
+            ["--train.run_dir", "/etc/hostname/run"],
+            "error: run directory /etc/hostname/run is not writable: Not a directory",
+        ),
+        (["--time", "1"], "error: --time 1 min leaves no room before the checkpoint signal"),
+        (["--sbatch", "comment=a\nb"], "error: --sbatch comment: the value contains a control character"),
+        (
+            ["--mem-gb", "100000"],
+            "error: sbatch refused the job: Memory specification can not be satisfied; "
+            "Batch job submission failed: Requested node configuration is not available",
+        ),
+    ],
+)
 def test_bad_submission_is_one_line_and_submits_nothing(slurm, dataset, tmp_path, args, message):
     before = job_count(slurm)
-    result = loom("submit", "--tasks-per-node", "8", *training_args(dataset, tmp_path, "--parallel.dp", "2"), *args,
-                  env=slurm)
+    result = loom(
+        "submit", "--tasks-per-node", "8", *training_args(dataset, tmp_path, "--parallel.dp", "2"), *args, env=slurm
+    )
     assert result.returncode == 2
     assert result.stderr.startswith(message), result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
@@ -195,18 +259,36 @@ def test_bad_submission_is_one_line_and_submits_nothing(slurm, dataset, tmp_path
 
 # Options to sbatch text, without a cluster: GPU clusters cannot be faked on this machine.
 
+
 def test_gpu_options_reach_the_batch_script():
     from submitit.slurm.slurm import _make_sbatch_string
 
     config = load_config(REPO / "configs/tiny.toml", {"train": {"device": "auto"}})
-    options = SlurmOptions(nodes=2, tasks_per_node=4, time_minutes=90, partition="gpu", account="proj",
-                           exclusive=True, mem_gb=200, sbatch=parse_sbatch_options(["mail-type=END"]))
+    options = SlurmOptions(
+        nodes=2,
+        tasks_per_node=4,
+        time_minutes=90,
+        partition="gpu",
+        account="proj",
+        exclusive=True,
+        mem_gb=200,
+        sbatch=parse_sbatch_options(["mail-type=END"]),
+    )
     parameters = executor_parameters(options, config, gpus_on_partition=8)
     script = _make_sbatch_string(command="python -m x", folder="/tmp/f", **parameters)
-    for line in ("#SBATCH --gpus-per-node=4", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4",
-                 "#SBATCH --time=90", "#SBATCH --partition=gpu", "#SBATCH --account=proj", "#SBATCH --exclusive",
-                 "#SBATCH --mem=204800MB", "#SBATCH --mail-type=END", "#SBATCH --requeue",
-                 "#SBATCH --signal=USR2@120"):
+    for line in (
+        "#SBATCH --gpus-per-node=4",
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=4",
+        "#SBATCH --time=90",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --account=proj",
+        "#SBATCH --exclusive",
+        "#SBATCH --mem=204800MB",
+        "#SBATCH --mail-type=END",
+        "#SBATCH --requeue",
+        "#SBATCH --signal=USR2@120",
+    ):
         assert line in script.splitlines(), line
     assert "--kill-on-bad-exit=1" in script
     cpu = executor_parameters(options, config, gpus_on_partition=0)
@@ -216,7 +298,10 @@ def test_gpu_options_reach_the_batch_script():
 def test_time_and_sbatch_parsing():
     assert [parse_time_minutes(t) for t in ("30", "1:30:00", "10:30", "2-00:00:00", "1-12")] == [30, 90, 11, 2880, 2160]
     assert parse_sbatch_options(["--mail-user=a@b.c", "hint=nomultithread", "overcommit=true"]) == {
-        "mail-user": "a@b.c", "hint": "nomultithread", "overcommit": True}
+        "mail-user": "a@b.c",
+        "hint": "nomultithread",
+        "overcommit": True,
+    }
     for bad in (["output=/tmp/x"], ["novalue"], ["Bad Key=1"]):
         with pytest.raises(Exception) as error:
             parse_sbatch_options(bad)

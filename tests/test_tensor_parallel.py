@@ -11,19 +11,27 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from dist_utils import run_ranks
 
-from engine.config import ModelConfig
-from engine.model.gpt import GPTModel
-from engine.optim.model_parallel_grads import counted_once, sum_model_parallel_grads
-from engine.parallel.cross_entropy import vocab_parallel_cross_entropy
-from engine.parallel.sharding import ShardSpec, initialize_parameters
-from engine.parallel.state import ParallelState
+from loom.engine.config import ModelConfig
+from loom.engine.model.gpt import GPTModel
+from loom.engine.optim.model_parallel_grads import counted_once, sum_model_parallel_grads
+from loom.engine.parallel.cross_entropy import vocab_parallel_cross_entropy
+from loom.engine.parallel.sharding import ShardSpec, initialize_parameters
+from loom.engine.parallel.state import ParallelState
 
 SEQ, BATCH = 8, 3
 
 
 def small_config(**overrides) -> ModelConfig:
-    base = dict(num_layers=2, hidden_size=64, num_heads=8, num_kv_heads=4, ffn_hidden_size=48,
-                vocab_size=101, make_vocab_divisible_by=8, max_position_embeddings=SEQ)
+    base = dict(
+        num_layers=2,
+        hidden_size=64,
+        num_heads=8,
+        num_kv_heads=4,
+        ffn_hidden_size=48,
+        vocab_size=101,
+        make_vocab_divisible_by=8,
+        max_position_embeddings=SEQ,
+    )
     base.update(overrides)
     return ModelConfig(**base)
 
@@ -68,12 +76,25 @@ def _compare_with_dense(rank, world, config_kwargs, sequence_parallel):
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
-@pytest.mark.parametrize("variant", [
-    dict(config={}, sp=False),
-    dict(config={}, sp=True),
-    dict(config=dict(norm="layernorm", activation="gelu", position_embedding="learned", bias=True,
-                     tie_embeddings=True, num_kv_heads=8), sp=True),
-], ids=["llama", "llama-sp", "gpt2-sp"])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        dict(config={}, sp=False),
+        dict(config={}, sp=True),
+        dict(
+            config=dict(
+                norm="layernorm",
+                activation="gelu",
+                position_embedding="learned",
+                bias=True,
+                tie_embeddings=True,
+                num_kv_heads=8,
+            ),
+            sp=True,
+        ),
+    ],
+    ids=["llama", "llama-sp", "gpt2-sp"],
+)
 def test_tp_model_matches_dense(tp, variant):
     results = run_ranks(_compare_with_dense, tp, variant["config"], variant["sp"])
     for worst in results:
@@ -109,7 +130,7 @@ def test_vocab_parallel_cross_entropy_excludes_padding(tp):
 
 def test_shard_spec_roundtrip_with_blocks_and_padding():
     spec = ShardSpec((10, 3), 0, blocks=(4, 2, 4))
-    full = torch.arange(30.).view(10, 3)
+    full = torch.arange(30.0).view(10, 3)
     shards = [spec.shard(full, r, 2) for r in range(2)]
     assert shards[0][:, 0].tolist() == [0, 3, 12, 18, 21]  # rows 0-1 of Q, row 4 of K, rows 6-7 of V
     assert torch.equal(spec.unshard(shards), full)

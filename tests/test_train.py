@@ -7,11 +7,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from synthetic_data import write_markov_dataset
 
-from engine.config_io import load_config
-from launch.cli import resolve_config_path
-from launch.local import launch_local
+from loom.engine.config_io import load_config
+from loom.launch.local import launch_local
+from loom.tools.synthetic_data import write_markov_dataset
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -22,11 +21,13 @@ def dataset(tmp_path_factory):
 
 
 def train(dataset, run_dir, nproc=1, **sections) -> list[dict]:
-    overrides = {"data": {"paths": [dataset], "tokenizer": None},
-                 "train": {"run_dir": str(run_dir), "log_interval": 1, "tensorboard": False, "eval_interval": 0}}
+    overrides = {
+        "data": {"paths": [dataset], "tokenizer": None},
+        "train": {"run_dir": str(run_dir), "log_interval": 1, "tensorboard": False, "eval_interval": 0},
+    }
     for section, values in sections.items():
         overrides.setdefault(section, {}).update(values)
-    config = load_config(resolve_config_path("tiny"), overrides)
+    config = load_config("tiny", overrides)
     config.resolve_world(nproc)
     launch_local(config, nproc)
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
@@ -43,8 +44,12 @@ def test_bf16_autocast_tracks_fp32(dataset, tmp_path):
 
 def test_early_stopping_when_validation_stops_improving(dataset, tmp_path, capfd):
     # A learning rate too small to move fp32 weights keeps the validation loss exactly flat.
-    rows = train(dataset, tmp_path, optim={"name": "sgd", "lr": 1e-30, "min_lr": 0.0, "momentum": 0.0},
-                 train={"steps": 20, "eval_interval": 1, "early_stop_patience": 2})
+    rows = train(
+        dataset,
+        tmp_path,
+        optim={"name": "sgd", "lr": 1e-30, "min_lr": 0.0, "momentum": 0.0},
+        train={"steps": 20, "eval_interval": 1, "early_stop_patience": 2},
+    )
     val = [r for r in rows if "val_loss" in r]
     assert [r["step"] for r in val] == [1, 2, 3]
     assert len({r["val_loss"] for r in val}) == 1
@@ -54,9 +59,33 @@ def test_early_stopping_when_validation_stops_improving(dataset, tmp_path, capfd
 @pytest.mark.slow
 def test_demo_runs_end_to_end(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    result = subprocess.run([sys.executable, "-m", "launch.cli", "demo", "--workdir", str(tmp_path), "--max-docs",
-                             "80", "--steps", "4", "--nproc", "4", "--tp", "1", "--pp", "2", "--vp", "2"],
-                            capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "loom.launch.cli",
+            "demo",
+            "--workdir",
+            str(tmp_path),
+            "--max-docs",
+            "80",
+            "--steps",
+            "4",
+            "--nproc",
+            "4",
+            "--tp",
+            "1",
+            "--pp",
+            "2",
+            "--vp",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "== summary" in result.stdout and "validation   loss" in result.stdout
     rows = [json.loads(line) for line in (tmp_path / "runs/tiny/metrics.jsonl").read_text().splitlines()]
@@ -82,6 +111,10 @@ def test_batch_size_ramp_up_is_layout_invariant(dataset, tmp_path):
 
 def test_two_datasets_blend_by_weight(dataset, tmp_path):
     second = write_markov_dataset(tmp_path / "other", vocab_size=4096, num_documents=200, seed=7)
-    rows = train(dataset, tmp_path / "run", data={"paths": [dataset, second], "weights": [0.75, 0.25]},
-                 train={"steps": 2, "eval_interval": 2})
+    rows = train(
+        dataset,
+        tmp_path / "run",
+        data={"paths": [dataset, second], "weights": [0.75, 0.25]},
+        train={"steps": 2, "eval_interval": 2},
+    )
     assert [r["step"] for r in rows] == [1, 2, 2] and "val_loss" in rows[-1]

@@ -8,12 +8,11 @@ import json
 
 import pytest
 from dist_utils import run_ranks
-from synthetic_data import write_markov_dataset
 
-from engine.config_io import load_config
-from engine.train import Trainer
-from launch.cli import resolve_config_path
-from launch.local import launch_local
+from loom.engine.config_io import load_config
+from loom.engine.train import Trainer
+from loom.launch.local import launch_local
+from loom.tools.synthetic_data import write_markov_dataset
 
 STEPS = 6
 
@@ -24,22 +23,37 @@ def dataset(tmp_path_factory):
 
 
 def losses(dataset, run_dir, nproc, zero1, optimizer="adamw", **parallel) -> list[float]:
-    config = load_config(resolve_config_path("tiny"), {
-        "data": {"paths": [dataset], "tokenizer": None}, "parallel": {**parallel, "grad_bucket_mb": 0.25},
-        "optim": {"zero1": zero1, "name": optimizer},
-        "train": {"steps": STEPS, "run_dir": str(run_dir), "log_interval": 1, "eval_interval": 0,
-                  "tensorboard": False, "micro_batch_size": 1}})
+    config = load_config(
+        "tiny",
+        {
+            "data": {"paths": [dataset], "tokenizer": None},
+            "parallel": {**parallel, "grad_bucket_mb": 0.25},
+            "optim": {"zero1": zero1, "name": optimizer},
+            "train": {
+                "steps": STEPS,
+                "run_dir": str(run_dir),
+                "log_interval": 1,
+                "eval_interval": 0,
+                "tensorboard": False,
+                "micro_batch_size": 1,
+            },
+        },
+    )
     config.resolve_world(nproc)
     launch_local(config, nproc)
     return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("nproc, optimizer, parallel", [
-    (2, "adamw", {}),
-    (4, "adamw", {"tp": 2}),
-    (4, "lamb", {"pp": 2}),
-    (8, "adamw", {"tp": 2, "pp": 2, "sequence_parallel": True}),
-], ids=["dp2", "tp2-dp2", "pp2-dp2-lamb", "tp2-pp2-dp2"])
+@pytest.mark.parametrize(
+    "nproc, optimizer, parallel",
+    [
+        (2, "adamw", {}),
+        (4, "adamw", {"tp": 2}),
+        (4, "lamb", {"pp": 2}),
+        (8, "adamw", {"tp": 2, "pp": 2, "sequence_parallel": True}),
+    ],
+    ids=["dp2", "tp2-dp2", "pp2-dp2-lamb", "tp2-pp2-dp2"],
+)
 def test_zero1_matches_the_unsharded_optimizer(dataset, tmp_path, nproc, optimizer, parallel):
     plain = losses(dataset, tmp_path / "plain", nproc, False, optimizer, **parallel)
     sharded = losses(dataset, tmp_path / "zero1", nproc, True, optimizer, **parallel)
@@ -49,10 +63,15 @@ def test_zero1_matches_the_unsharded_optimizer(dataset, tmp_path, nproc, optimiz
 
 
 def _state_bytes(rank, world, dataset, run_dir, zero1):
-    config = load_config(resolve_config_path("tiny"), {
-        "data": {"paths": [dataset], "tokenizer": None}, "optim": {"zero1": zero1},
-        "parallel": {"grad_bucket_mb": 0.25},
-        "train": {"steps": 1, "run_dir": run_dir, "tensorboard": False, "eval_interval": 0, "precision": "bf16"}})
+    config = load_config(
+        "tiny",
+        {
+            "data": {"paths": [dataset], "tokenizer": None},
+            "optim": {"zero1": zero1},
+            "parallel": {"grad_bucket_mb": 0.25},
+            "train": {"steps": 1, "run_dir": run_dir, "tensorboard": False, "eval_interval": 0, "precision": "bf16"},
+        },
+    )
     trainer = Trainer(config)
     trainer.train_step()  # optimizer state exists only after a step
     held = trainer.optimizer.state_bytes()
@@ -62,7 +81,7 @@ def _state_bytes(rank, world, dataset, run_dir, zero1):
 
 
 def test_optimizer_state_is_divided_by_dp(dataset, tmp_path):
-    (full, params, _), = run_ranks(_state_bytes, 1, dataset, str(tmp_path / "r1"), False)
+    ((full, params, _),) = run_ranks(_state_bytes, 1, dataset, str(tmp_path / "r1"), False)
     assert full == 12 * params  # fp32 master + Adam m and v for bf16 parameters
     for dp in (2, 4):
         results = run_ranks(_state_bytes, dp, dataset, str(tmp_path / f"r{dp}"), True)

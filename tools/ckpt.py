@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from engine.atomic import write_text_atomically
-from engine.checkpoint.format import (
+from loom.engine.atomic import write_text_atomically
+from loom.engine.checkpoint.format import (
     LATEST,
     METADATA,
     CheckpointError,
@@ -29,11 +29,11 @@ from engine.checkpoint.format import (
     spec_from_json,
     spec_to_json,
 )
-from engine.checkpoint.load import PieceReader
-from engine.parallel.layers import padded_vocab_size
-from engine.parallel.sharding import ShardSpec
-from engine.parallel.state import rank_of
-from engine.pipeline.stages import stage_layers
+from loom.engine.checkpoint.load import PieceReader
+from loom.engine.parallel.layers import padded_vocab_size
+from loom.engine.parallel.sharding import ShardSpec
+from loom.engine.parallel.state import rank_of
+from loom.engine.pipeline.stages import stage_layers
 
 
 def open_checkpoint(path: Path) -> tuple[Path, dict]:
@@ -46,11 +46,13 @@ def open_checkpoint(path: Path) -> tuple[Path, dict]:
 def inspect(path: Path) -> str:
     directory, metadata = open_checkpoint(path)
     layout = metadata["layout"]
-    lines = [f"checkpoint {directory}",
-             f"step {metadata['step']}, {metadata['consumed_samples']:,} samples, {metadata['tokens']:,} tokens",
-             "layout " + " ".join(f"{k}={v}" for k, v in layout.items()),
-             f"files {len(metadata['files'])}, {sum(f['size'] for f in metadata['files'].values()) / 1e6:.1f} MB",
-             f"{'tensor':48} {'shape':>18} {'parameters':>12}  optimizer state"]
+    lines = [
+        f"checkpoint {directory}",
+        f"step {metadata['step']}, {metadata['consumed_samples']:,} samples, {metadata['tokens']:,} tokens",
+        "layout " + " ".join(f"{k}={v}" for k, v in layout.items()),
+        f"files {len(metadata['files'])}, {sum(f['size'] for f in metadata['files'].values()) / 1e6:.1f} MB",
+        f"{'tensor':48} {'shape':>18} {'parameters':>12}  optimizer state",
+    ]
     reader = PieceReader(directory, metadata)
     total = 0
     for name, spec in metadata["specs"].items():
@@ -93,8 +95,13 @@ def reshard(source: Path, output: Path, tp: int, pp: int, vp: int = 1) -> Path:
             files[name] = {"size": (staging / name).stat().st_size, "sha256": sha256_of(staging / name)}
             index.update({key: name for key in pieces})
             del pieces
-    new = dict(metadata, specs=specs, files=files, index=index,
-               layout={**metadata["layout"], "tp": tp, "pp": pp, "vp": vp, "dp": 1, "world": tp * pp, "zero1": False})
+    new = dict(
+        metadata,
+        specs=specs,
+        files=files,
+        index=index,
+        layout={**metadata["layout"], "tp": tp, "pp": pp, "vp": vp, "dp": 1, "world": tp * pp, "zero1": False},
+    )
     write_text_atomically(staging / METADATA, json.dumps(new, indent=1))
     shutil.rmtree(final, ignore_errors=True)
     staging.rename(final)
@@ -102,8 +109,7 @@ def reshard(source: Path, output: Path, tp: int, pp: int, vp: int = 1) -> Path:
     return final
 
 
-def _rank_pieces(reader: PieceReader, names: list[str], tp_rank: int, tp: int, divisible_by: int,
-                 specs: dict) -> dict:
+def _rank_pieces(reader: PieceReader, names: list[str], tp_rank: int, tp: int, divisible_by: int, specs: dict) -> dict:
     pieces = {}
     for name in names:
         spec = _retarget(spec_from_json(reader.metadata["specs"][name]), tp, divisible_by)
@@ -119,5 +125,6 @@ def _retarget(spec: ShardSpec, tp: int, divisible_by: int) -> ShardSpec:
     """The same parameter's ShardSpec at another TP size (only the vocabulary padding depends on it)."""
     if spec.padded_size is None:
         return spec
-    return ShardSpec(spec.full_shape, spec.dim, spec.blocks,
-                     padded_vocab_size(spec.full_shape[spec.dim], divisible_by, tp))
+    return ShardSpec(
+        spec.full_shape, spec.dim, spec.blocks, padded_vocab_size(spec.full_shape[spec.dim], divisible_by, tp)
+    )

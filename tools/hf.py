@@ -18,8 +18,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from engine.atomic import write_text_atomically
-from engine.checkpoint.format import (
+from loom.engine.atomic import write_text_atomically
+from loom.engine.checkpoint.format import (
     FORMAT_VERSION,
     LATEST,
     METADATA,
@@ -29,33 +29,52 @@ from engine.checkpoint.format import (
     sha256_of,
     spec_to_json,
 )
-from engine.checkpoint.load import PieceReader
-from engine.config_io import config_from_dict, config_to_dict
-from engine.model.gpt import GPTModel
-from tools.ckpt import open_checkpoint
+from loom.engine.checkpoint.load import PieceReader
+from loom.engine.config_io import config_from_dict, config_to_dict
+from loom.engine.model.gpt import GPTModel
+from loom.tools.ckpt import open_checkpoint
 
 
 def _check_llama(model: dict) -> None:
-    wrong = {k: model[k] for k, v in (("norm", "rmsnorm"), ("activation", "swiglu"),
-                                       ("position_embedding", "rope"), ("bias", False)) if model[k] != v}
+    wrong = {
+        k: model[k]
+        for k, v in (("norm", "rmsnorm"), ("activation", "swiglu"), ("position_embedding", "rope"), ("bias", False))
+        if model[k] != v
+    }
     if wrong:
         raise CheckpointError(f"only Llama-shaped models export to the Llama format; this one has {wrong}")
 
 
 def _hf_config(model: dict) -> dict:
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": model["vocab_size"],
-            "hidden_size": model["hidden_size"], "intermediate_size": model["ffn_hidden_size"],
-            "num_hidden_layers": model["num_layers"], "num_attention_heads": model["num_heads"],
-            "num_key_value_heads": model["num_kv_heads"], "max_position_embeddings": model["max_position_embeddings"],
-            "rms_norm_eps": model["norm_eps"], "rope_theta": model["rope_theta"], "hidden_act": "silu",
-            "tie_word_embeddings": model["tie_embeddings"], "attention_bias": False, "mlp_bias": False,
-            "initializer_range": model["init_std"], "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2}
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": model["vocab_size"],
+        "hidden_size": model["hidden_size"],
+        "intermediate_size": model["ffn_hidden_size"],
+        "num_hidden_layers": model["num_layers"],
+        "num_attention_heads": model["num_heads"],
+        "num_key_value_heads": model["num_kv_heads"],
+        "max_position_embeddings": model["max_position_embeddings"],
+        "rms_norm_eps": model["norm_eps"],
+        "rope_theta": model["rope_theta"],
+        "hidden_act": "silu",
+        "tie_word_embeddings": model["tie_embeddings"],
+        "attention_bias": False,
+        "mlp_bias": False,
+        "initializer_range": model["init_std"],
+        "torch_dtype": "float32",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
 
 
 def _split_sizes(model: dict) -> tuple[list[int], list[int]]:
     head_dim = model["hidden_size"] // model["num_heads"]
-    return ([model["num_heads"] * head_dim, model["num_kv_heads"] * head_dim, model["num_kv_heads"] * head_dim],
-            [model["ffn_hidden_size"], model["ffn_hidden_size"]])
+    return (
+        [model["num_heads"] * head_dim, model["num_kv_heads"] * head_dim, model["num_kv_heads"] * head_dim],
+        [model["ffn_hidden_size"], model["ffn_hidden_size"]],
+    )
 
 
 def to_hf(logical: dict[str, torch.Tensor], model: dict) -> dict[str, torch.Tensor]:
@@ -68,12 +87,19 @@ def to_hf(logical: dict[str, torch.Tensor], model: dict) -> dict[str, torch.Tens
         loom, hf = f"layers.{i}.", f"model.layers.{i}."
         q, k, v = logical[loom + "attention.qkv.weight"].split(qkv_sizes)
         gate, up = logical[loom + "mlp.fc1.weight"].split(fc1_sizes)
-        out.update({hf + "self_attn.q_proj.weight": q, hf + "self_attn.k_proj.weight": k,
-                    hf + "self_attn.v_proj.weight": v, hf + "self_attn.o_proj.weight": logical[loom + "attention.proj.weight"],
-                    hf + "mlp.gate_proj.weight": gate, hf + "mlp.up_proj.weight": up,
-                    hf + "mlp.down_proj.weight": logical[loom + "mlp.fc2.weight"],
-                    hf + "input_layernorm.weight": logical[loom + "input_norm.weight"],
-                    hf + "post_attention_layernorm.weight": logical[loom + "mlp_norm.weight"]})
+        out.update(
+            {
+                hf + "self_attn.q_proj.weight": q,
+                hf + "self_attn.k_proj.weight": k,
+                hf + "self_attn.v_proj.weight": v,
+                hf + "self_attn.o_proj.weight": logical[loom + "attention.proj.weight"],
+                hf + "mlp.gate_proj.weight": gate,
+                hf + "mlp.up_proj.weight": up,
+                hf + "mlp.down_proj.weight": logical[loom + "mlp.fc2.weight"],
+                hf + "input_layernorm.weight": logical[loom + "input_norm.weight"],
+                hf + "post_attention_layernorm.weight": logical[loom + "mlp_norm.weight"],
+            }
+        )
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -84,13 +110,18 @@ def from_hf(tensors: dict[str, torch.Tensor], model: dict) -> dict[str, torch.Te
         out["output_weight"] = tensors["lm_head.weight"]
     for i in range(model["num_layers"]):
         loom, hf = f"layers.{i}.", f"model.layers.{i}."
-        out.update({
-            loom + "attention.qkv.weight": torch.cat([tensors[hf + f"self_attn.{p}_proj.weight"] for p in "qkv"]),
-            loom + "attention.proj.weight": tensors[hf + "self_attn.o_proj.weight"],
-            loom + "mlp.fc1.weight": torch.cat([tensors[hf + "mlp.gate_proj.weight"], tensors[hf + "mlp.up_proj.weight"]]),
-            loom + "mlp.fc2.weight": tensors[hf + "mlp.down_proj.weight"],
-            loom + "input_norm.weight": tensors[hf + "input_layernorm.weight"],
-            loom + "mlp_norm.weight": tensors[hf + "post_attention_layernorm.weight"]})
+        out.update(
+            {
+                loom + "attention.qkv.weight": torch.cat([tensors[hf + f"self_attn.{p}_proj.weight"] for p in "qkv"]),
+                loom + "attention.proj.weight": tensors[hf + "self_attn.o_proj.weight"],
+                loom + "mlp.fc1.weight": torch.cat(
+                    [tensors[hf + "mlp.gate_proj.weight"], tensors[hf + "mlp.up_proj.weight"]]
+                ),
+                loom + "mlp.fc2.weight": tensors[hf + "mlp.down_proj.weight"],
+                loom + "input_norm.weight": tensors[hf + "input_layernorm.weight"],
+                loom + "mlp_norm.weight": tensors[hf + "post_attention_layernorm.weight"],
+            }
+        )
     return out
 
 
@@ -111,12 +142,22 @@ def export_hf(source: Path, output: Path) -> Path:
 def _model_from_hf_config(hf: dict) -> dict:
     if hf.get("model_type") != "llama":
         raise CheckpointError(f"model_type {hf.get('model_type')!r} is not llama; loom imports Llama-format models")
-    return {"num_layers": hf["num_hidden_layers"], "hidden_size": hf["hidden_size"],
-            "num_heads": hf["num_attention_heads"], "num_kv_heads": hf.get("num_key_value_heads") or
-            hf["num_attention_heads"], "ffn_hidden_size": hf["intermediate_size"], "vocab_size": hf["vocab_size"],
-            "max_position_embeddings": hf["max_position_embeddings"], "norm_eps": hf["rms_norm_eps"],
-            "rope_theta": float(hf.get("rope_theta", 10000.0)), "tie_embeddings": hf.get("tie_word_embeddings", False),
-            "norm": "rmsnorm", "activation": "swiglu", "position_embedding": "rope", "bias": False}
+    return {
+        "num_layers": hf["num_hidden_layers"],
+        "hidden_size": hf["hidden_size"],
+        "num_heads": hf["num_attention_heads"],
+        "num_kv_heads": hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        "ffn_hidden_size": hf["intermediate_size"],
+        "vocab_size": hf["vocab_size"],
+        "max_position_embeddings": hf["max_position_embeddings"],
+        "norm_eps": hf["rms_norm_eps"],
+        "rope_theta": float(hf.get("rope_theta", 10000.0)),
+        "tie_embeddings": hf.get("tie_word_embeddings", False),
+        "norm": "rmsnorm",
+        "activation": "swiglu",
+        "position_embedding": "rope",
+        "bias": False,
+    }
 
 
 def import_hf(source: Path, output: Path) -> Path:
@@ -137,16 +178,34 @@ def import_hf(source: Path, output: Path) -> Path:
     staging = final.with_name(final.name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    pieces = {model_key(name, 0): specs[name].shard(tensor.float(), 0, 1).contiguous() for name, tensor in logical.items()}
+    pieces = {
+        model_key(name, 0): specs[name].shard(tensor.float(), 0, 1).contiguous() for name, tensor in logical.items()
+    }
     save_file(pieces, str(staging / rank_file(0)))
-    metadata = {"format_version": FORMAT_VERSION, "step": 0, "consumed_samples": 0, "tokens": 0,
-                "layout": {"tp": 1, "pp": 1, "vp": 1, "dp": 1, "world": 1, "zero1": False, "optimizer": None,
-                           "precision": "fp32"},
-                "optimizer_step": 0, "loss_scaler": None, "config": config_to_dict(config),
-                "specs": {n: spec_to_json(s) for n, s in specs.items()},
-                "files": {rank_file(0): {"size": (staging / rank_file(0)).stat().st_size,
-                                         "sha256": sha256_of(staging / rank_file(0))}},
-                "index": {key: rank_file(0) for key in pieces}}
+    metadata = {
+        "format_version": FORMAT_VERSION,
+        "step": 0,
+        "consumed_samples": 0,
+        "tokens": 0,
+        "layout": {
+            "tp": 1,
+            "pp": 1,
+            "vp": 1,
+            "dp": 1,
+            "world": 1,
+            "zero1": False,
+            "optimizer": None,
+            "precision": "fp32",
+        },
+        "optimizer_step": 0,
+        "loss_scaler": None,
+        "config": config_to_dict(config),
+        "specs": {n: spec_to_json(s) for n, s in specs.items()},
+        "files": {
+            rank_file(0): {"size": (staging / rank_file(0)).stat().st_size, "sha256": sha256_of(staging / rank_file(0))}
+        },
+        "index": {key: rank_file(0) for key in pieces},
+    }
     write_text_atomically(staging / METADATA, json.dumps(metadata, indent=1))
     shutil.rmtree(final, ignore_errors=True)
     staging.rename(final)
@@ -159,5 +218,6 @@ def _check_shapes(logical: dict, specs: dict) -> None:
         if name not in logical:
             raise CheckpointError(f"the Hugging Face model has no tensor for loom's {name}")
         if tuple(logical[name].shape) != spec.full_shape:
-            raise CheckpointError(f"{name}: shape {tuple(logical[name].shape)} does not match config.json's "
-                                  f"{spec.full_shape}")
+            raise CheckpointError(
+                f"{name}: shape {tuple(logical[name].shape)} does not match config.json's {spec.full_shape}"
+            )

@@ -9,24 +9,30 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from engine.pipeline.schedules import Compute, build_all
-from engine.pipeline.simulate import Timeline, peak_in_flight, simulate
+from loom.engine.pipeline.schedules import Compute, build_all
+from loom.engine.pipeline.simulate import Timeline, peak_in_flight, simulate
 
 
 def describe(pp: int, vp: int, microbatches: int) -> tuple[str, Timeline]:
     """A text rendering of the schedule and its figures."""
     schedules = build_all(pp, vp, microbatches)
     timeline = simulate(schedules, forward_cost=1.0 / vp, backward_cost=2.0 / vp)
-    lines = [f"pipeline schedule: pp={pp} vp={vp} microbatches={microbatches} "
-             f"({'interleaved 1F1B' if vp > 1 else '1F1B' if pp > 1 else 'gradient accumulation'})"]
+    lines = [
+        f"pipeline schedule: pp={pp} vp={vp} microbatches={microbatches} "
+        f"({'interleaved 1F1B' if vp > 1 else '1F1B' if pp > 1 else 'gradient accumulation'})"
+    ]
     for rank, ops in enumerate(schedules):
-        names = [f"{op.kind}{op.microbatch}" + (f".{op.chunk}" if vp > 1 else "")
-                 for op in ops if isinstance(op, Compute)]
+        names = [
+            f"{op.kind}{op.microbatch}" + (f".{op.chunk}" if vp > 1 else "") for op in ops if isinstance(op, Compute)
+        ]
         lines.append(f"rank {rank}: {' '.join(names)}")
-    lines.append(f"bubble fraction: {timeline.bubble_fraction:.4f} (theory (P-1)/(V*M) = {(pp - 1) / (vp * microbatches):.4f})")
+    lines.append(
+        f"bubble fraction: {timeline.bubble_fraction:.4f} (theory (P-1)/(V*M) = {(pp - 1) / (vp * microbatches):.4f})"
+    )
     peaks = [peak_in_flight(ops) for ops in schedules]
-    lines.append("peak activations held per rank (micro-batches of one stage): "
-                 + ", ".join(f"{p / vp:g}" for p in peaks))
+    lines.append(
+        "peak activations held per rank (micro-batches of one stage): " + ", ".join(f"{p / vp:g}" for p in peaks)
+    )
     return "\n".join(lines), timeline
 
 
@@ -51,8 +57,12 @@ def draw(pp: int, vp: int, microbatches: int, output: Path, measured: list | Non
     _, timeline = describe(pp, vp, microbatches)
     rows = 2 if measured else 1
     fig, axes = plt.subplots(rows, 1, figsize=(max(8, microbatches * vp * 0.6), 1.2 + pp * 0.5 * rows), squeeze=False)
-    _draw(axes[0][0], timeline.spans, f"ideal: pp={pp} vp={vp} M={microbatches}, bubble "
-                                      f"{timeline.bubble_fraction:.1%} (blue forward, orange backward; shade = chunk)")
+    _draw(
+        axes[0][0],
+        timeline.spans,
+        f"ideal: pp={pp} vp={vp} M={microbatches}, bubble "
+        f"{timeline.bubble_fraction:.1%} (blue forward, orange backward; shade = chunk)",
+    )
     if measured:
         _draw(axes[1][0], measured, "measured in the run")
     fig.tight_layout()
@@ -67,6 +77,5 @@ def load_measured(run_dir: Path) -> tuple[dict, list]:
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist; train with --train.record_pipeline_timeline true")
     data = json.loads(path.read_text())
-    spans = [[(Compute(kind, mb, chunk), start, end) for kind, mb, chunk, start, end in rank]
-             for rank in data["ranks"]]
+    spans = [[(Compute(kind, mb, chunk), start, end) for kind, mb, chunk, start, end in rank] for rank in data["ranks"]]
     return data["layout"], spans

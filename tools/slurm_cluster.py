@@ -4,8 +4,8 @@ For the tests of `loom submit` and for trying it on a laptop. Everything (key, s
 state, logs, pid files) lives in one folder; the system's munge and /etc/slurm are left alone.
 Node i is named and addressed 127.0.0.i, so every node name resolves without /etc/hosts.
 
-    python -m tools.slurm_cluster up DIR [--nodes 1] [--cpus 8]   # then: source DIR/env.sh
-    python -m tools.slurm_cluster down DIR
+    python -m loom.tools.slurm_cluster up DIR [--nodes 1] [--cpus 8]   # then: source DIR/env.sh
+    python -m loom.tools.slurm_cluster down DIR
 
 Needs root and Debian's slurmctld, slurmd and munge (installed with apt-get when missing).
 The cluster keeps no accounting database, so DIR/bin/sacct answers submitit's job-state queries
@@ -70,11 +70,26 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 
 # squeue shows transient states that sacct folds into a base state; submitit treats any state it
 # does not know (CONFIGURING included) as finished, so they must be mapped.
-SACCT_STATES = {"CONFIGURING": "RUNNING", "SIGNALING": "RUNNING", "STAGE_OUT": "RUNNING",
-                "RESIZING": "RUNNING", "REQUEUE_HOLD": "PENDING", "REQUEUE_FED": "PENDING",
-                "RESV_DEL_HOLD": "PENDING"}
-SQUEUE_FIELDS = {"jobid": "%i", "jobidraw": "%A", "jobname": "%j", "state": "%T", "nodelist": "%N",
-                 "partition": "%P", "user": "%u", "elapsed": "%M", "reason": "%r"}
+SACCT_STATES = {
+    "CONFIGURING": "RUNNING",
+    "SIGNALING": "RUNNING",
+    "STAGE_OUT": "RUNNING",
+    "RESIZING": "RUNNING",
+    "REQUEUE_HOLD": "PENDING",
+    "REQUEUE_FED": "PENDING",
+    "RESV_DEL_HOLD": "PENDING",
+}
+SQUEUE_FIELDS = {
+    "jobid": "%i",
+    "jobidraw": "%A",
+    "jobname": "%j",
+    "state": "%T",
+    "nodelist": "%N",
+    "partition": "%P",
+    "user": "%u",
+    "elapsed": "%M",
+    "reason": "%r",
+}
 
 
 class ClusterError(RuntimeError):
@@ -83,8 +98,11 @@ class ClusterError(RuntimeError):
 
 def environment(folder: Path) -> dict[str, str]:
     """What a process needs to talk to the cluster (also written to DIR/env.sh)."""
-    return {"SLURM_CONF": str(folder / "slurm.conf"), "PATH": f"{folder / 'bin'}:{os.environ.get('PATH', '')}",
-            "GLOO_SOCKET_IFNAME": "lo"}
+    return {
+        "SLURM_CONF": str(folder / "slurm.conf"),
+        "PATH": f"{folder / 'bin'}:{os.environ.get('PATH', '')}",
+        "GLOO_SOCKET_IFNAME": "lo",
+    }
 
 
 def install_packages() -> None:
@@ -93,8 +111,10 @@ def install_packages() -> None:
     if os.geteuid() != 0 or not shutil.which("apt-get"):
         raise ClusterError("Slurm is not installed and cannot be (needs root and apt-get)")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for command in (["apt-get", "update", "-qq"],
-                    ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *PACKAGES]):
+    for command in (
+        ["apt-get", "update", "-qq"],
+        ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *PACKAGES],
+    ):
         result = subprocess.run(command, env=env, capture_output=True, text=True)
         if result.returncode != 0:
             raise ClusterError(f"{' '.join(command)} failed: {result.stderr.strip()[-500:]}")
@@ -109,8 +129,9 @@ def _alive(pid_file: Path) -> bool:
 
 def _idle_nodes(env: dict) -> int:
     try:
-        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], env=env, capture_output=True, text=True,
-                             timeout=5).stdout
+        out = subprocess.run(
+            ["sinfo", "-h", "-N", "-o", "%T"], env=env, capture_output=True, text=True, timeout=5
+        ).stdout
     except subprocess.TimeoutExpired:
         return 0
     return sum(line.strip() == "idle" for line in out.splitlines())
@@ -127,7 +148,7 @@ def up(folder: Path, nodes: int = 1, cpus: int = 8, port: int = 6817) -> dict[st
     for path in (folder, folder / "munge"):
         path.chmod(0o755)  # munged wants execute permission for all on its socket's folder
     sacct = folder / "bin" / "sacct"
-    sacct.write_text(f"#!/bin/sh\nexec {sys.executable} {Path(__file__).resolve()} sacct \"$@\"\n")
+    sacct.write_text(f'#!/bin/sh\nexec {sys.executable} {Path(__file__).resolve()} sacct "$@"\n')
     sacct.chmod(0o755)
     env = {**os.environ, **environment(folder)}
     try:
@@ -135,20 +156,30 @@ def up(folder: Path, nodes: int = 1, cpus: int = 8, port: int = 6817) -> dict[st
         if not key.exists():
             subprocess.run(["mungekey", "--create", f"--keyfile={key}"], check=True, capture_output=True)
         munge = folder / "munge"
-        subprocess.run(["/usr/sbin/munged", f"--key-file={key}", f"--socket={munge / 'munge.socket'}",
-                        f"--pid-file={munge / 'munged.pid'}", f"--log-file={munge / 'munged.log'}",
-                        f"--seed-file={munge / 'munged.seed'}"], check=True, capture_output=True)
+        subprocess.run(
+            [
+                "/usr/sbin/munged",
+                f"--key-file={key}",
+                f"--socket={munge / 'munge.socket'}",
+                f"--pid-file={munge / 'munged.pid'}",
+                f"--log-file={munge / 'munged.log'}",
+                f"--seed-file={munge / 'munged.seed'}",
+            ],
+            check=True,
+            capture_output=True,
+        )
         names = "127.0.0.1" if nodes == 1 else f"127.0.0.[1-{nodes}]"
         ports = str(port + 1) if nodes == 1 else f"[{port + 1}-{port + nodes}]"
         memory_mb = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20 * 0.8 / nodes)
-        (folder / "slurm.conf").write_text(SLURM_CONF.format(dir=folder, port=port, names=names, ports=ports,
-                                                             cpus=cpus, memory_mb=memory_mb))
+        (folder / "slurm.conf").write_text(
+            SLURM_CONF.format(dir=folder, port=port, names=names, ports=ports, cpus=cpus, memory_mb=memory_mb)
+        )
         subprocess.run(["/usr/sbin/slurmctld"], env=env, check=True, capture_output=True)
         for i in range(1, nodes + 1):
             (folder / "spool" / f"127.0.0.{i}").mkdir(exist_ok=True)
             subprocess.run(["/usr/sbin/slurmd", "-N", f"127.0.0.{i}"], env=env, check=True, capture_output=True)
         exports = "".join(f"export {k}={v!r}\n" for k, v in environment(folder).items() if k != "PATH")
-        (folder / "env.sh").write_text(f"{exports}export PATH={str(folder / 'bin')!r}:\"$PATH\"\n")
+        (folder / "env.sh").write_text(f'{exports}export PATH={str(folder / "bin")!r}:"$PATH"\n')
         deadline = time.monotonic() + 30
         while _idle_nodes(env) < nodes:
             if time.monotonic() > deadline:
@@ -198,8 +229,9 @@ def down(folder: Path) -> None:
         subprocess.run(["scancel", "--full", "--user", "root"], env=env, capture_output=True, timeout=30)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            out = subprocess.run(["squeue", "-h", "-o", "%i"], env=env, capture_output=True, text=True,
-                                 timeout=10).stdout
+            out = subprocess.run(
+                ["squeue", "-h", "-o", "%i"], env=env, capture_output=True, text=True, timeout=10
+            ).stdout
             if not out.strip():
                 break
             time.sleep(0.2)
@@ -219,8 +251,9 @@ def sacct(argv: list[str]) -> int:
     wanted = {j for spec in args.jobs for j in spec.split(",") if j}
     codes = ["%i", "%A"] + [SQUEUE_FIELDS.get(f.lower(), "%i") for f in fields]
     separator = "\x1f"
-    out = subprocess.run(["squeue", "-h", "-r", "-t", "all", "-o", separator.join(codes)],
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(
+        ["squeue", "-h", "-r", "-t", "all", "-o", separator.join(codes)], capture_output=True, text=True
+    ).stdout
     if not args.noheader:
         print("|".join(fields))
     for line in out.splitlines():
@@ -240,8 +273,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["sacct"]:
         return sacct(argv[1:])
-    parser = argparse.ArgumentParser(prog="python -m tools.slurm_cluster", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m loom.tools.slurm_cluster",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("action", choices=["up", "down"])
     parser.add_argument("folder", type=Path)
     parser.add_argument("--nodes", type=int, default=1)
@@ -252,8 +288,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.action == "up":
             start = time.monotonic()
             up(args.folder, args.nodes, args.cpus, args.port)
-            print(f"slurm up ({args.nodes} node(s)) in {time.monotonic() - start:.1f} s; "
-                  f"now: source {args.folder.resolve() / 'env.sh'}")
+            print(
+                f"slurm up ({args.nodes} node(s)) in {time.monotonic() - start:.1f} s; "
+                f"now: source {args.folder.resolve() / 'env.sh'}"
+            )
         else:
             down(args.folder)
             print(f"slurm down ({args.folder})")

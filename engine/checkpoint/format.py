@@ -21,7 +21,7 @@ import re
 from dataclasses import asdict
 from pathlib import Path
 
-from engine.parallel.sharding import ShardSpec
+from loom.engine.parallel.sharding import ShardSpec
 
 FORMAT_VERSION = 1
 METADATA = "metadata.json"
@@ -83,15 +83,18 @@ def read_metadata(directory: Path, verify_hashes: bool = True) -> dict:
     except json.JSONDecodeError as error:
         raise CheckpointError(f"checkpoint {directory}: {METADATA} is corrupt ({error})") from None
     if metadata.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"checkpoint {directory} has format {metadata.get('format_version')}, "
-                              f"this loom reads {FORMAT_VERSION}")
+        raise CheckpointError(
+            f"checkpoint {directory} has format {metadata.get('format_version')}, this loom reads {FORMAT_VERSION}"
+        )
     for name, expected in metadata["files"].items():
         file = directory / name
         if not file.is_file():
             raise CheckpointError(f"checkpoint {directory} is incomplete: {name} is missing")
         if file.stat().st_size != expected["size"]:
-            raise CheckpointError(f"checkpoint {directory}: {name} has {file.stat().st_size} bytes, "
-                                  f"expected {expected['size']} (truncated?)")
+            raise CheckpointError(
+                f"checkpoint {directory}: {name} has {file.stat().st_size} bytes, "
+                f"expected {expected['size']} (truncated?)"
+            )
         if verify_hashes and sha256_of(file) != expected["sha256"]:
             raise CheckpointError(f"checkpoint {directory}: {name} does not match its sha256 (corrupt)")
     return metadata
@@ -99,8 +102,11 @@ def read_metadata(directory: Path, verify_hashes: bool = True) -> dict:
 
 def candidates(checkpoints: Path) -> list[Path]:
     """Complete-looking iteration directories, newest first (`latest`'s choice first)."""
-    found = sorted((p for p in checkpoints.iterdir() if _ITERATION.match(p.name)), reverse=True) \
-        if checkpoints.is_dir() else []
+    found = (
+        sorted((p for p in checkpoints.iterdir() if _ITERATION.match(p.name)), reverse=True)
+        if checkpoints.is_dir()
+        else []
+    )
     latest = checkpoints / LATEST
     if latest.is_file():
         named = checkpoints / latest.read_text().strip()

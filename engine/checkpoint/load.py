@@ -15,9 +15,14 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.checkpoint.format import CheckpointError, model_key, parse_optim_key, spec_from_json
-from engine.checkpoint.save import logical_name
-from engine.optim.algorithms import Adafactor, Lamb
+from loom.engine.checkpoint.format import (
+    CheckpointError,
+    model_key,
+    parse_optim_key,
+    spec_from_json,
+)
+from loom.engine.checkpoint.save import logical_name
+from loom.engine.optim.algorithms import Adafactor, Lamb
 
 
 class PieceReader:
@@ -43,8 +48,9 @@ class PieceReader:
 
     def spec(self, name: str):
         if name not in self.metadata["specs"]:
-            raise CheckpointError(f"checkpoint {self.directory} has no parameter {name}; "
-                                  f"it is a checkpoint of another model")
+            raise CheckpointError(
+                f"checkpoint {self.directory} has no parameter {name}; it is a checkpoint of another model"
+            )
         return spec_from_json(self.metadata["specs"][name])
 
     def model(self, name: str) -> torch.Tensor:
@@ -71,8 +77,10 @@ def check_shapes(reader: PieceReader, named_params) -> None:
     for name, param in named_params:
         saved = reader.spec(logical_name(name, param)).full_shape
         if tuple(saved) != param.shard_spec.full_shape:
-            raise CheckpointError(f"checkpoint {reader.directory} is of another model: {name} has shape "
-                                  f"{tuple(saved)} there, {param.shard_spec.full_shape} here")
+            raise CheckpointError(
+                f"checkpoint {reader.directory} is of another model: {name} has shape "
+                f"{tuple(saved)} there, {param.shard_spec.full_shape} here"
+            )
 
 
 @torch.no_grad()
@@ -92,8 +100,9 @@ def load_checkpoint(trainer, directory: Path, metadata: dict) -> None:
     _restore_loop_state(trainer, reader, metadata)
 
 
-def _load_segments(reader, optimizer, state, param, logical: str, weights: torch.Tensor, segments: list,
-                   metadata: dict) -> None:
+def _load_segments(
+    reader, optimizer, state, param, logical: str, weights: torch.Tensor, segments: list, metadata: dict
+) -> None:
     """Master weights and elementwise optimizer state of this rank's segments of one parameter."""
     saved_states = reader.states(logical)
     for kind in ["master", *sorted(saved_states - {"master"})]:
@@ -103,7 +112,7 @@ def _load_segments(reader, optimizer, state, param, logical: str, weights: torch
             logical_tensor = reader.optim(kind, logical)
         local = param.shard_spec.shard(logical_tensor, state.tp_rank, state.tp_size).reshape(-1)
         for seg in segments:
-            piece = local[seg.start:seg.end].view_as(seg.master).to(seg.master.device)
+            piece = local[seg.start : seg.end].view_as(seg.master).to(seg.master.device)
             if kind != "master":
                 optimizer.inner.state[seg.master][kind] = piece.clone()
             elif not seg.aliases_param:
@@ -123,8 +132,9 @@ def _restore_loop_state(trainer, reader: PieceReader, metadata: dict) -> None:
     if trainer.loss_scaler is not None and metadata["loss_scaler"]:
         trainer.loss_scaler.load_state_dict(metadata["loss_scaler"])
     s, saved = trainer.state, metadata["layout"]
-    same_layout = all(saved[k] == v for k, v in
-                      (("tp", s.tp_size), ("pp", s.pp_size), ("dp", s.dp_size), ("vp", s.vp_size)))
+    same_layout = all(
+        saved[k] == v for k, v in (("tp", s.tp_size), ("pp", s.pp_size), ("dp", s.dp_size), ("vp", s.vp_size))
+    )
     if same_layout and f"rng/{s.rank}/torch" in metadata["index"]:  # streams belong to ranks of one layout
         torch.set_rng_state(reader.tensor(f"rng/{s.rank}/torch"))
         for stream in trainer.streams.states:

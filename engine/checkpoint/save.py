@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from engine.atomic import write_text_atomically
-from engine.checkpoint.format import (
+from loom.engine.atomic import write_text_atomically
+from loom.engine.checkpoint.format import (
     FORMAT_VERSION,
     LATEST,
     METADATA,
@@ -36,7 +36,7 @@ from engine.checkpoint.format import (
     sha256_of,
     spec_to_json,
 )
-from engine.config_io import config_to_dict
+from loom.engine.config_io import config_to_dict
 
 
 def logical_name(name: str, param: torch.nn.Parameter) -> str:
@@ -122,8 +122,13 @@ class CheckpointWriter:
         save_file(pieces, str(tmp))
         os.replace(tmp, staging / name)
         _killed_here_by_test(rank, snapshot["step"])
-        report = {"file": name, "size": (staging / name).stat().st_size, "sha256": sha256_of(staging / name),
-                  "keys": list(pieces), **facts}
+        report = {
+            "file": name,
+            "size": (staging / name).stat().st_size,
+            "sha256": sha256_of(staging / name),
+            "keys": list(pieces),
+            **facts,
+        }
         reports = [None] * world
         dist.all_gather_object(reports, report, group=self.group)
         if rank == 0:
@@ -143,18 +148,30 @@ class CheckpointWriter:
 def _run_facts(trainer) -> dict:
     """What metadata.json records about the run, taken at the moment of the save."""
     s, c = trainer.state, trainer.config
-    return {"step": trainer.step, "consumed_samples": trainer.train_batches.consumed_samples,
-            "tokens": trainer.train_batches.consumed_samples * c.train.seq_length,
-            "layout": {"tp": s.tp_size, "pp": s.pp_size, "vp": s.vp_size, "dp": s.dp_size, "world": s.world_size,
-                       "zero1": c.optim.zero1, "optimizer": c.optim.name, "precision": c.train.precision},
-            "loss_scaler": trainer.loss_scaler.state_dict() if trainer.loss_scaler else None,
-            "config": config_to_dict(c)}
+    return {
+        "step": trainer.step,
+        "consumed_samples": trainer.train_batches.consumed_samples,
+        "tokens": trainer.train_batches.consumed_samples * c.train.seq_length,
+        "layout": {
+            "tp": s.tp_size,
+            "pp": s.pp_size,
+            "vp": s.vp_size,
+            "dp": s.dp_size,
+            "world": s.world_size,
+            "zero1": c.optim.zero1,
+            "optimizer": c.optim.name,
+            "precision": c.train.precision,
+        },
+        "loss_scaler": trainer.loss_scaler.state_dict() if trainer.loss_scaler else None,
+        "config": config_to_dict(c),
+    }
 
 
 def _seal(snapshot: dict, checkpoints: Path, staging: Path, final: Path, reports: list[dict], keep: int) -> None:
     steps = {r["optimizer_step"] for r in reports if r["optimizer_step"] is not None}
     metadata = {
-        "format_version": FORMAT_VERSION, **snapshot,
+        "format_version": FORMAT_VERSION,
+        **snapshot,
         "optimizer_step": max(steps) if steps else 0,
         "specs": {name: spec for r in reports for name, spec in r["specs"].items()},
         "files": {r["file"]: {"size": r["size"], "sha256": r["sha256"]} for r in reports},

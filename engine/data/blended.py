@@ -49,8 +49,9 @@ def _estimate_counts(weights: np.ndarray, steps: np.ndarray) -> np.ndarray:
     return counts
 
 
-def _run_greedy(weights: np.ndarray, counts: np.ndarray, first_steps: np.ndarray, length: int,
-                record: bool) -> tuple[np.ndarray | None, np.ndarray | None]:
+def _run_greedy(
+    weights: np.ndarray, counts: np.ndarray, first_steps: np.ndarray, length: int, record: bool
+) -> tuple[np.ndarray | None, np.ndarray | None]:
     """Advance every row of `counts` (in place) by `length` greedy draws; row r starts at first_steps[r].
 
     The error is computed with the same float64 operations as megatron-core's C++ loop, and argmax
@@ -114,8 +115,9 @@ def blend_indices(weights: Sequence[float], size: int) -> tuple[np.ndarray, np.n
     return _finish_sequentially(w, size, begin, end, choices, drawn)
 
 
-def _finish_sequentially(w: np.ndarray, size: int, begin: np.ndarray, end: np.ndarray, choices: np.ndarray,
-                         drawn: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _finish_sequentially(
+    w: np.ndarray, size: int, begin: np.ndarray, end: np.ndarray, choices: np.ndarray, drawn: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     first_wrong = int(np.flatnonzero(np.any(begin[1:] != end[:-1], axis=1))[0]) + 1
     start = first_wrong * _SEGMENT
     tail_choices, tail_drawn = _greedy_loop(w, end[first_wrong - 1].tolist(), start, size - start)
@@ -139,8 +141,10 @@ class BlendedDataset:
         needed = np.bincount(self.dataset_index, minlength=len(datasets))
         for d, dataset in enumerate(datasets):
             if needed[d] > len(dataset):
-                raise ValueError(f"the blend draws {needed[d]} samples from dataset {d} but it has {len(dataset)}; "
-                                 f"build it with more samples")
+                raise ValueError(
+                    f"the blend draws {needed[d]} samples from dataset {d} but it has {len(dataset)}; "
+                    f"build it with more samples"
+                )
 
     def __len__(self) -> int:
         return self.size

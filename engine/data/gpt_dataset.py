@@ -26,7 +26,7 @@ from typing import Callable
 
 import numpy as np
 
-from engine.data.indexed import IndexedDataset
+from loom.engine.data.indexed import IndexedDataset
 
 INDEX_FORMAT_VERSION = 1
 INDEX_NAMES = ("document_index", "sample_index", "shuffle_index")
@@ -40,8 +40,7 @@ def parse_split(split: str) -> list[float]:
     except ValueError:
         raise ValueError(f"split {split!r} must be up to three comma-separated weights like '98,1,1'") from None
     if len(weights) > len(SPLIT_NAMES) or any(not w >= 0 for w in weights) or not sum(weights) > 0:
-        raise ValueError(f"split {split!r} must be up to three non-negative weights with a positive sum, "
-                         f"like '98,1,1'")
+        raise ValueError(f"split {split!r} must be up to three non-negative weights with a positive sum, like '98,1,1'")
     weights += [0.0] * (len(SPLIT_NAMES) - len(weights))
     total = float(np.sum(np.asarray(weights, dtype=np.float64)))
     return [w / total for w in weights]
@@ -77,8 +76,9 @@ def _containing_documents(ends: np.ndarray, seq_length: int, count: int) -> np.n
     return np.cumsum(ended_before)
 
 
-def build_sample_indices(document_lengths: np.ndarray, document_ids: np.ndarray, num_samples: int,
-                         seq_length: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def build_sample_indices(
+    document_lengths: np.ndarray, document_ids: np.ndarray, num_samples: int, seq_length: int, seed: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(document_index, sample_index, shuffle_index) for `num_samples` samples of seq_length + 1 tokens.
 
     document_lengths is indexed by document id. As many epochs are used as the samples need
@@ -94,7 +94,7 @@ def build_sample_indices(document_lengths: np.ndarray, document_ids: np.ndarray,
     # int64 because RandomState shuffles pointer-sized items fastest; the draws do not depend on the dtype.
     document_index = np.empty(num_epochs * count, dtype=np.int64)
     for epoch in range(num_epochs):
-        block = document_index[epoch * count:(epoch + 1) * count]
+        block = document_index[epoch * count : (epoch + 1) * count]
         block[:] = document_ids
         rng.shuffle(block)
 
@@ -116,18 +116,29 @@ def build_sample_indices(document_lengths: np.ndarray, document_ids: np.ndarray,
     return document_index, sample_index, shuffle_index
 
 
-def _cache_key(indexed: IndexedDataset, document_ids: np.ndarray, num_samples: int, seq_length: int,
-               seed: int) -> tuple[str, str]:
+def _cache_key(
+    indexed: IndexedDataset, document_ids: np.ndarray, num_samples: int, seq_length: int, seed: int
+) -> tuple[str, str]:
     """(sha256 hex key, JSON description) of everything the three index arrays depend on."""
-    description = json.dumps({
-        "class": "GPTDataset", "format": INDEX_FORMAT_VERSION, "dataset": Path(indexed.prefix).name,
-        "bin_bytes": indexed.bin_path.stat().st_size, "idx_bytes": indexed.idx_path.stat().st_size,
-        # A strided sample of the lengths tells apart equally sized shards sharing a cache_dir, cheaply.
-        "lengths_sample_sha256": hashlib.sha256(np.ascontiguousarray(
-            indexed.sequence_lengths[::max(1, len(indexed) // 65536)]).tobytes()).hexdigest(),
-        "documents": len(document_ids),
-        "document_ids_sha256": hashlib.sha256(np.ascontiguousarray(document_ids, np.int64).tobytes()).hexdigest(),
-        "num_samples": num_samples, "seq_length": seq_length, "seed": seed}, indent=1)
+    description = json.dumps(
+        {
+            "class": "GPTDataset",
+            "format": INDEX_FORMAT_VERSION,
+            "dataset": Path(indexed.prefix).name,
+            "bin_bytes": indexed.bin_path.stat().st_size,
+            "idx_bytes": indexed.idx_path.stat().st_size,
+            # A strided sample of the lengths tells apart equally sized shards sharing a cache_dir, cheaply.
+            "lengths_sample_sha256": hashlib.sha256(
+                np.ascontiguousarray(indexed.sequence_lengths[:: max(1, len(indexed) // 65536)]).tobytes()
+            ).hexdigest(),
+            "documents": len(document_ids),
+            "document_ids_sha256": hashlib.sha256(np.ascontiguousarray(document_ids, np.int64).tobytes()).hexdigest(),
+            "num_samples": num_samples,
+            "seq_length": seq_length,
+            "seed": seed,
+        },
+        indent=1,
+    )
     return hashlib.sha256(description.encode()).hexdigest(), description
 
 
@@ -144,9 +155,17 @@ def _save_atomic(path: Path, write: Callable[[object], None]) -> None:
 class GPTDataset:
     """`dataset[i]` is an int64 array of seq_length + 1 tokens; i in [0, num_samples)."""
 
-    def __init__(self, indexed: IndexedDataset, document_ids: np.ndarray, num_samples: int, seq_length: int,
-                 seed: int, cache_dir: Path | None = None, is_builder: bool = True,
-                 barrier: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        indexed: IndexedDataset,
+        document_ids: np.ndarray,
+        num_samples: int,
+        seq_length: int,
+        seed: int,
+        cache_dir: Path | None = None,
+        is_builder: bool = True,
+        barrier: Callable[[], None] | None = None,
+    ):
         self.indexed, self.num_samples, self.seq_length, self.seed = indexed, num_samples, seq_length, seed
         document_ids = self._check_arguments(indexed, document_ids, num_samples, seq_length)
         self.cache_dir = Path(cache_dir) if cache_dir is not None else Path(indexed.prefix + "_cache")
@@ -159,38 +178,48 @@ class GPTDataset:
             barrier()
         missing = [path for path in self.cache_paths.values() if not path.is_file()]
         if missing:
-            raise FileNotFoundError(f"GPTDataset index cache {missing[0]} is missing after the builder's barrier; "
-                                    f"cache_dir must be on a filesystem every rank shares")
+            raise FileNotFoundError(
+                f"GPTDataset index cache {missing[0]} is missing after the builder's barrier; "
+                f"cache_dir must be on a filesystem every rank shares"
+            )
         self.document_index, self.sample_index, self.shuffle_index = (
-            np.load(self.cache_paths[name], mmap_mode="r") for name in INDEX_NAMES)
+            np.load(self.cache_paths[name], mmap_mode="r") for name in INDEX_NAMES
+        )
 
     @staticmethod
-    def _check_arguments(indexed: IndexedDataset, document_ids: np.ndarray, num_samples: int,
-                         seq_length: int) -> np.ndarray:
+    def _check_arguments(
+        indexed: IndexedDataset, document_ids: np.ndarray, num_samples: int, seq_length: int
+    ) -> np.ndarray:
         if num_samples < 1 or seq_length < 1:
-            raise ValueError(f"GPTDataset needs num_samples >= 1 and seq_length >= 1, got {num_samples} and "
-                             f"{seq_length}")
+            raise ValueError(
+                f"GPTDataset needs num_samples >= 1 and seq_length >= 1, got {num_samples} and {seq_length}"
+            )
         document_ids = np.asarray(document_ids)
         if document_ids.ndim != 1 or len(document_ids) == 0:
             raise ValueError(f"{indexed.prefix}: this split selects no documents; adjust the split or add data")
         if not np.issubdtype(document_ids.dtype, np.integer):
             raise ValueError(f"document ids must be integers, got {document_ids.dtype}")
         if document_ids.min() < 0 or document_ids.max() >= len(indexed):
-            raise ValueError(f"{indexed.prefix}: document ids must lie in [0, {len(indexed)}), got "
-                             f"{document_ids.min()}..{document_ids.max()}")
+            raise ValueError(
+                f"{indexed.prefix}: document ids must lie in [0, {len(indexed)}), got "
+                f"{document_ids.min()}..{document_ids.max()}"
+            )
         return document_ids
 
     def _build_and_save(self, document_ids: np.ndarray, description: str, key: str) -> None:
-        arrays = build_sample_indices(self.indexed.sequence_lengths, document_ids, self.num_samples,
-                                      self.seq_length, self.seed)
+        arrays = build_sample_indices(
+            self.indexed.sequence_lengths, document_ids, self.num_samples, self.seq_length, self.seed
+        )
         try:
             self.cache_dir.mkdir(parents=True, exist_ok=True)
             _save_atomic(self.cache_dir / f"{key[:24]}-description.json", lambda f: f.write(description.encode()))
             for name, array in zip(INDEX_NAMES, arrays):
                 _save_atomic(self.cache_paths[name], lambda f, a=array: np.save(f, a))
         except OSError as error:
-            raise OSError(f"cannot write the GPTDataset index cache in {self.cache_dir} ({error.strerror}); "
-                          f"point data.cache_dir at a writable directory") from None
+            raise OSError(
+                f"cannot write the GPTDataset index cache in {self.cache_dir} ({error.strerror}); "
+                f"point data.cache_dir at a writable directory"
+            ) from None
         self.built = True
 
     def __len__(self) -> int:
@@ -206,11 +235,11 @@ class GPTDataset:
             return get(int(documents[first]), start, stop - start + 1).astype(np.int64)
         sample = np.empty(self.seq_length + 1, dtype=np.int64)
         head = get(int(documents[first]), start)
-        sample[:len(head)] = head
+        sample[: len(head)] = head
         filled = len(head)
         for position in range(first + 1, last):
             tokens = get(int(documents[position]))
-            sample[filled:filled + len(tokens)] = tokens
+            sample[filled : filled + len(tokens)] = tokens
             filled += len(tokens)
         sample[filled:] = get(int(documents[last]), 0, stop + 1)
         return sample

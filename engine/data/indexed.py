@@ -25,10 +25,18 @@ import numpy as np
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
-DTYPE_CODES = MappingProxyType({
-    1: np.dtype(np.uint8), 2: np.dtype(np.int8), 3: np.dtype(np.int16), 4: np.dtype(np.int32),
-    5: np.dtype(np.int64), 6: np.dtype(np.float64), 7: np.dtype(np.float32), 8: np.dtype(np.uint16),
-})
+DTYPE_CODES = MappingProxyType(
+    {
+        1: np.dtype(np.uint8),
+        2: np.dtype(np.int8),
+        3: np.dtype(np.int16),
+        4: np.dtype(np.int32),
+        5: np.dtype(np.int64),
+        6: np.dtype(np.float64),
+        7: np.dtype(np.float32),
+        8: np.dtype(np.uint16),
+    }
+)
 HEADER = struct.Struct("<9sQBQQ")
 _REBUILD_HINT = "rebuild it with `loom data build`"
 _COPY_CHUNK_BYTES = 64 << 20
@@ -56,8 +64,10 @@ def dtype_code(dtype: np.dtype) -> int:
     for code, candidate in DTYPE_CODES.items():
         if candidate == np.dtype(dtype):
             return code
-    raise ValueError(f"dtype {np.dtype(dtype).name} has no MMIDIDX code; use one of "
-                     f"{', '.join(d.name for d in DTYPE_CODES.values())}")
+    raise ValueError(
+        f"dtype {np.dtype(dtype).name} has no MMIDIDX code; use one of "
+        f"{', '.join(d.name for d in DTYPE_CODES.values())}"
+    )
 
 
 def dtype_for_vocab(vocab_size: int) -> np.dtype:
@@ -81,8 +91,8 @@ def read_header(idx_path: str | Path) -> IndexHeader:
     size = idx_path.stat().st_size
     with open(idx_path, "rb") as f:
         raw = f.read(HEADER.size)
-    if not MAGIC.startswith(raw[:len(MAGIC)]):
-        raise _corrupt(idx_path, f"bad magic {raw[:len(MAGIC)]!r} (expected Megatron MMIDIDX)")
+    if not MAGIC.startswith(raw[: len(MAGIC)]):
+        raise _corrupt(idx_path, f"bad magic {raw[: len(MAGIC)]!r} (expected Megatron MMIDIDX)")
     if len(raw) < HEADER.size:
         raise _corrupt(idx_path, f"truncated: {size} bytes is shorter than the {HEADER.size}-byte header")
     _, version, code, sequences, documents = HEADER.unpack(raw)
@@ -137,18 +147,23 @@ class IndexedDataset:
             ends = pointers + lengths.astype(np.int64) * item
             worst = int(np.argmax(ends))
             if ends[worst] > bin_bytes:
-                raise _corrupt(self.bin_path, f"sequence {worst} ends at byte {int(ends[worst])} but the file has "
-                                              f"{bin_bytes} bytes (truncated, or paired with another .idx)")
+                raise _corrupt(
+                    self.bin_path,
+                    f"sequence {worst} ends at byte {int(ends[worst])} but the file has "
+                    f"{bin_bytes} bytes (truncated, or paired with another .idx)",
+                )
             # Megatron and loom both write sequences back to back; anything else is a damaged index.
             gaps = np.flatnonzero(pointers[1:] != ends[:-1])
             if pointers[0] != 0 or len(gaps):
                 first = 0 if pointers[0] != 0 else int(gaps[0]) + 1
-                raise _corrupt(self.idx_path, f"byte pointer of sequence {first} does not follow the previous "
-                                              f"sequence")
+                raise _corrupt(self.idx_path, f"byte pointer of sequence {first} does not follow the previous sequence")
         described = int(lengths.sum(dtype=np.int64)) * item
         if described != bin_bytes:
-            raise _corrupt(self.bin_path, f"{bin_bytes} bytes, but {self.idx_path.name} describes {described} "
-                                          f"(the two files come from different builds)")
+            raise _corrupt(
+                self.bin_path,
+                f"{bin_bytes} bytes, but {self.idx_path.name} describes {described} "
+                f"(the two files come from different builds)",
+            )
         if len(documents) == 0 or documents[0] != 0 or documents[-1] != len(lengths):
             raise _corrupt(self.idx_path, f"document indices must run from 0 to the sequence count {len(lengths)}")
         if len(documents) > 1 and np.any(documents[1:] < documents[:-1]):
@@ -233,19 +248,29 @@ class IndexedDatasetWriter:
         self._lengths.append(tokens.size)
 
     def _check_range(self, tokens: np.ndarray) -> None:
-        if self._limits is not None and tokens.size and (tokens.min() < self._limits.min
-                                                         or tokens.max() > self._limits.max):
-            raise ValueError(f"token ids {tokens.min()}..{tokens.max()} do not fit {self.dtype.name}; "
-                             f"use dtype_for_vocab(vocab_size)")
+        if (
+            self._limits is not None
+            and tokens.size
+            and (tokens.min() < self._limits.min or tokens.max() > self._limits.max)
+        ):
+            raise ValueError(
+                f"token ids {tokens.min()}..{tokens.max()} do not fit {self.dtype.name}; "
+                f"use dtype_for_vocab(vocab_size)"
+            )
 
     def add_documents(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
         """Append many one-sequence documents at once: `tokens` back to back, document i has lengths[i]."""
         self._check_open()
         tokens, lengths = np.asarray(tokens), np.asarray(lengths, dtype=np.int64)
-        if tokens.ndim != 1 or lengths.ndim != 1 or int(lengths.sum()) != tokens.size or \
-                (lengths.size and lengths.min() < 0):
-            raise ValueError(f"lengths (sum {int(lengths.sum())}) must be non-negative and add up to the "
-                             f"{tokens.size} tokens")
+        if (
+            tokens.ndim != 1
+            or lengths.ndim != 1
+            or int(lengths.sum()) != tokens.size
+            or (lengths.size and lengths.min() < 0)
+        ):
+            raise ValueError(
+                f"lengths (sum {int(lengths.sum())}) must be non-negative and add up to the {tokens.size} tokens"
+            )
         if self._document_starts[-1] != len(self._lengths):
             raise ValueError("call end_document() before add_documents(): the current document is still open")
         self._check_range(tokens)
@@ -284,8 +309,10 @@ class IndexedDatasetWriter:
             return
         if self._document_starts[-1] != len(self._lengths):
             self.abort()
-            raise ValueError(f"{self.idx_path}: sequences were added after the last end_document(); "
-                             f"close every document before finalize()")
+            raise ValueError(
+                f"{self.idx_path}: sequences were added after the last end_document(); "
+                f"close every document before finalize()"
+            )
         self._bin.flush()
         os.fsync(self._bin.fileno())
         self._bin.close()

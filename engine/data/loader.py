@@ -15,30 +15,44 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.config import LoomConfig
-from engine.data.blended import BlendedDataset
-from engine.data.gpt_dataset import GPTDataset, split_document_ranges
-from engine.data.indexed import IndexedDataset
+from loom.engine.config import LoomConfig
+from loom.engine.data.blended import BlendedDataset
+from loom.engine.data.gpt_dataset import GPTDataset, split_document_ranges
+from loom.engine.data.indexed import IndexedDataset
 
 # Blended datasets draw up to this fraction more than their weight from each source.
 _BLEND_MARGIN = 1.005
 
 
-def _split_dataset(indexed: IndexedDataset, split_index: int, num_samples: int, config: LoomConfig,
-                   is_builder: bool, barrier: Callable[[], None] | None) -> GPTDataset | None:
+def _split_dataset(
+    indexed: IndexedDataset,
+    split_index: int,
+    num_samples: int,
+    config: LoomConfig,
+    is_builder: bool,
+    barrier: Callable[[], None] | None,
+) -> GPTDataset | None:
     start, end = split_document_ranges(indexed.num_documents, config.data.split)[split_index]
     if end <= start:
         return None
     # Splits are by document; a document may span several sequences, which GPTDataset calls documents.
     sequences = np.arange(indexed.document_indices[start], indexed.document_indices[end], dtype=np.int64)
     cache_dir = Path(config.data.cache_dir) if config.data.cache_dir else None
-    return GPTDataset(indexed, sequences, num_samples, config.train.seq_length,
-                      config.train.seed + split_index, cache_dir=cache_dir, is_builder=is_builder,
-                      barrier=barrier)
+    return GPTDataset(
+        indexed,
+        sequences,
+        num_samples,
+        config.train.seq_length,
+        config.train.seed + split_index,
+        cache_dir=cache_dir,
+        is_builder=is_builder,
+        barrier=barrier,
+    )
 
 
-def build_dataset(config: LoomConfig, split_index: int, num_samples: int, is_builder: bool,
-                  barrier: Callable[[], None] | None):
+def build_dataset(
+    config: LoomConfig, split_index: int, num_samples: int, is_builder: bool, barrier: Callable[[], None] | None
+):
     """Dataset for split 0 (train), 1 (valid) or 2 (test) with `num_samples` samples, or None if empty.
 
     The first rank builds index caches while the others wait on `barrier`.
@@ -66,8 +80,15 @@ class BatchIterator:
     `batch_size_at(consumed_samples)` gives each step's global batch (constant, or ramping up).
     """
 
-    def __init__(self, dataset, batch_size_at: Callable[[int], int], micro_batch_size: int, dp_rank: int,
-                 dp_size: int, consumed_samples: int = 0):
+    def __init__(
+        self,
+        dataset,
+        batch_size_at: Callable[[int], int],
+        micro_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+        consumed_samples: int = 0,
+    ):
         self.dataset, self.batch_size_at = dataset, batch_size_at
         self.micro_batch_size, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
         self.consumed_samples = consumed_samples

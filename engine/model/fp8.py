@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.parallel import mappings
-from engine.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from loom.engine.parallel import mappings
+from loom.engine.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -66,8 +66,9 @@ class _Fp8Matmul(torch.autograd.Function):
         x_dtype, w_dtype = ctx.dtypes
         g_q, g_inv = quantize(grad_out.contiguous(), E5M2)
         grad_x = torch._scaled_mm(g_q, _column_major(w_q), scale_a=g_inv, scale_b=w_inv, out_dtype=x_dtype)
-        grad_w = torch._scaled_mm(g_q.t().contiguous(), _column_major(x_q), scale_a=g_inv, scale_b=x_inv,
-                                  out_dtype=w_dtype)
+        grad_w = torch._scaled_mm(
+            g_q.t().contiguous(), _column_major(x_q), scale_a=g_inv, scale_b=x_inv, out_dtype=w_dtype
+        )
         return grad_x, grad_w
 
 

@@ -10,20 +10,29 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.config import ModelConfig
-from engine.model.kernels import Kernels
-from engine.model.transformer import TransformerBlock, build_norm, rotary_tables
-from engine.parallel import mappings
-from engine.parallel.cross_entropy import vocab_parallel_cross_entropy
-from engine.parallel.layers import VocabParallelEmbedding, padded_vocab_size
-from engine.parallel.random import RNGStreams, checkpointed
-from engine.parallel.sharding import ShardSpec, make_parameter
+from loom.engine.config import ModelConfig
+from loom.engine.model.kernels import Kernels
+from loom.engine.model.transformer import TransformerBlock, build_norm, rotary_tables
+from loom.engine.parallel import mappings
+from loom.engine.parallel.cross_entropy import vocab_parallel_cross_entropy
+from loom.engine.parallel.layers import VocabParallelEmbedding, padded_vocab_size
+from loom.engine.parallel.random import RNGStreams, checkpointed
+from loom.engine.parallel.sharding import ShardSpec, make_parameter
 
 
 class GPTModel(torch.nn.Module):
-    def __init__(self, config: ModelConfig, tp_group, *, sequence_parallel: bool = False,
-                 layer_ids: range | None = None, pre_process: bool = True, post_process: bool = True,
-                 streams: RNGStreams | None = None, kernels: Kernels | None = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        tp_group,
+        *,
+        sequence_parallel: bool = False,
+        layer_ids: range | None = None,
+        pre_process: bool = True,
+        post_process: bool = True,
+        streams: RNGStreams | None = None,
+        kernels: Kernels | None = None,
+    ):
         super().__init__()
         self.config, self.tp_group, self.streams = config, tp_group, streams
         kernels = kernels or Kernels.native()
@@ -36,22 +45,33 @@ class GPTModel(torch.nn.Module):
         self._rotary_cache: dict = {}
 
         if pre_process:
-            self.embedding = VocabParallelEmbedding(config.vocab_size, self.padded_vocab, config.hidden_size,
-                                                    tp_group, init_std=config.init_std,
-                                                    sequence_parallel=self.sequence_parallel)
+            self.embedding = VocabParallelEmbedding(
+                config.vocab_size,
+                self.padded_vocab,
+                config.hidden_size,
+                tp_group,
+                init_std=config.init_std,
+                sequence_parallel=self.sequence_parallel,
+            )
             self.embedding.weight.tied_embedding = config.tie_embeddings
             if config.position_embedding == "learned":
                 self.position_embedding = make_parameter(
-                    ShardSpec((config.max_position_embeddings, config.hidden_size)), tp,
-                    ("normal", config.init_std), sequence_parallel_grad=self.sequence_parallel)
-        self.layers = torch.nn.ModuleDict({
-            str(i): TransformerBlock(config, tp_group, self.sequence_parallel, streams, kernels) for i in layer_ids})
+                    ShardSpec((config.max_position_embeddings, config.hidden_size)),
+                    tp,
+                    ("normal", config.init_std),
+                    sequence_parallel_grad=self.sequence_parallel,
+                )
+        self.layers = torch.nn.ModuleDict(
+            {str(i): TransformerBlock(config, tp_group, self.sequence_parallel, streams, kernels) for i in layer_ids}
+        )
         if post_process:
             self.final_norm = build_norm(config, tp, self.sequence_parallel, kernels)
             if not (config.tie_embeddings and pre_process):
                 self.output_weight = make_parameter(
                     ShardSpec((config.vocab_size, config.hidden_size), 0, padded_size=self.padded_vocab),
-                    tp, ("normal", config.init_std))
+                    tp,
+                    ("normal", config.init_std),
+                )
                 if config.tie_embeddings:
                     # The last pipeline stage's copy of the tied embedding: same init, grads summed.
                     self.output_weight.init_name = "embedding.weight"
@@ -71,7 +91,7 @@ class GPTModel(torch.nn.Module):
         if self.config.position_embedding == "learned":
             s_local = hidden.shape[0]
             start = mappings.group_rank(self.tp_group) * s_local if self.sequence_parallel else 0
-            hidden = hidden + self.position_embedding[start:start + s_local].unsqueeze(1)
+            hidden = hidden + self.position_embedding[start : start + s_local].unsqueeze(1)
         return hidden
 
     def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -84,8 +104,9 @@ class GPTModel(torch.nn.Module):
             hidden = mappings.copy_to_tensor_region(hidden, self.tp_group)
         return F.linear(hidden, weight)
 
-    def forward(self, tokens: torch.Tensor | None, labels: torch.Tensor | None = None,
-                hidden: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor | None, labels: torch.Tensor | None = None, hidden: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """First chunk takes tokens [b, s], later ones the previous chunk's hidden.
 
         Returns the per-token loss [b, s] (fp32) when this is the last chunk and labels are
@@ -106,6 +127,5 @@ class GPTModel(torch.nn.Module):
         logits = self.output_logits(hidden)
         if labels is None:
             return logits
-        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.vocab_start, self.config.vocab_size,
-                                            self.tp_group)
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.vocab_start, self.config.vocab_size, self.tp_group)
         return loss.t()

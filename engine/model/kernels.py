@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from engine.config import ConfigError, LoomConfig, ModelConfig
+from loom.engine.config import ConfigError, LoomConfig, ModelConfig
 
 FP8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with FP8 tensor cores
 PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -80,8 +80,11 @@ def _package(name: str, probe_module: str, mode: str, cuda: bool) -> tuple[bool,
     if mode == "native":
         return False, f"{name}: off (model.kernels = native)"
     if not cuda:
-        return False, (f"{name}: installed, but no CUDA device" if _installed(name)
-                       else f"{name}: not installed (ModuleNotFoundError)")
+        return False, (
+            f"{name}: installed, but no CUDA device"
+            if _installed(name)
+            else f"{name}: not installed (ModuleNotFoundError)"
+        )
     module, why = probe_import(probe_module)
     return module is not None, why
 
@@ -111,8 +114,9 @@ def _apex_norm(kind: str) -> Callable:
     return lambda x, weight, bias, eps: fused_layer_norm_affine(x, weight, bias, x.shape[-1:], eps)
 
 
-def build_adamw(param_groups: list[dict], lr: float, betas: tuple[float, float], eps: float,
-                impl: str) -> torch.optim.Optimizer:
+def build_adamw(
+    param_groups: list[dict], lr: float, betas: tuple[float, float], eps: float, impl: str
+) -> torch.optim.Optimizer:
     """AdamW (decoupled weight decay, per-group weight_decay) in the chosen implementation."""
     if impl == "apex.FusedAdam":
         from apex.optimizers import FusedAdam
@@ -131,8 +135,16 @@ def default_adamw(device: torch.device) -> str:
 class Kernels:
     """The implementations chosen for a run, why, and the factories the model builds its pieces with."""
 
-    def __init__(self, attention: Choice, norm: Choice, activation: Choice, linear: Choice, optimizer: Choice,
-                 fp8: str = "off", params_dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        attention: Choice,
+        norm: Choice,
+        activation: Choice,
+        linear: Choice,
+        optimizer: Choice,
+        fp8: str = "off",
+        params_dtype: torch.dtype = torch.float32,
+    ):
         self.attention, self.norm, self.activation = attention, norm, activation
         self.linear, self.optimizer, self.fp8 = linear, optimizer, fp8
         self.params_dtype = params_dtype
@@ -142,15 +154,25 @@ class Kernels:
     def native(cls) -> Kernels:
         """The PyTorch reference path, for models built without a choice (tests, tools)."""
         why = "reference path"
-        return cls(Choice("torch.sdpa", why), Choice("torch.norm", why), Choice("torch.activation", why),
-                   Choice("torch.linear", why), Choice("torch.AdamW(foreach)", why))
+        return cls(
+            Choice("torch.sdpa", why),
+            Choice("torch.norm", why),
+            Choice("torch.activation", why),
+            Choice("torch.linear", why),
+            Choice("torch.AdamW(foreach)", why),
+        )
 
     def as_dict(self) -> dict[str, dict[str, str]]:
         return {name: {"impl": c.impl, "why": c.why} for name, c in self.choices().items()}
 
     def choices(self) -> dict[str, Choice]:
-        return {"attention": self.attention, "norm": self.norm, "activation": self.activation,
-                "linear": self.linear, "optimizer": self.optimizer}
+        return {
+            "attention": self.attention,
+            "norm": self.norm,
+            "activation": self.activation,
+            "linear": self.linear,
+            "optimizer": self.optimizer,
+        }
 
     def summary(self) -> str:
         """One line: what runs, then the reasons that are not repeated."""
@@ -174,34 +196,59 @@ class Kernels:
         function = swiglu if gated else gelu
         return torch.compile(function) if self.activation.impl.startswith("torch.compile") else function
 
-    def column_linear(self, in_features: int, out_blocks: tuple[int, ...], tp_group, *, bias: bool,
-                      init_std: float, sequence_parallel: bool) -> torch.nn.Module:
+    def column_linear(
+        self,
+        in_features: int,
+        out_blocks: tuple[int, ...],
+        tp_group,
+        *,
+        bias: bool,
+        init_std: float,
+        sequence_parallel: bool,
+    ) -> torch.nn.Module:
         if self.linear.impl.startswith("te."):
-            from engine.model import te
+            from loom.engine.model import te
 
-            return te.column_parallel_linear(in_features, out_blocks, tp_group, bias=bias, init_std=init_std,
-                                             sequence_parallel=sequence_parallel, params_dtype=self.params_dtype)
-        from engine.model.fp8 import Fp8ColumnParallelLinear
-        from engine.parallel.layers import ColumnParallelLinear
+            return te.column_parallel_linear(
+                in_features,
+                out_blocks,
+                tp_group,
+                bias=bias,
+                init_std=init_std,
+                sequence_parallel=sequence_parallel,
+                params_dtype=self.params_dtype,
+            )
+        from loom.engine.model.fp8 import Fp8ColumnParallelLinear
+        from loom.engine.parallel.layers import ColumnParallelLinear
 
         cls = Fp8ColumnParallelLinear if self.linear.impl.startswith("torch._scaled_mm") else ColumnParallelLinear
         return cls(in_features, out_blocks, tp_group, bias=bias, init_std=init_std, sequence_parallel=sequence_parallel)
 
-    def row_linear(self, in_features: int, out_features: int, tp_group, *, bias: bool, init_std: float,
-                   sequence_parallel: bool) -> torch.nn.Module:
+    def row_linear(
+        self, in_features: int, out_features: int, tp_group, *, bias: bool, init_std: float, sequence_parallel: bool
+    ) -> torch.nn.Module:
         if self.linear.impl.startswith("te."):
-            from engine.model import te
+            from loom.engine.model import te
 
-            return te.row_parallel_linear(in_features, out_features, tp_group, bias=bias, init_std=init_std,
-                                          sequence_parallel=sequence_parallel, params_dtype=self.params_dtype)
-        from engine.model.fp8 import Fp8RowParallelLinear
-        from engine.parallel.layers import RowParallelLinear
+            return te.row_parallel_linear(
+                in_features,
+                out_features,
+                tp_group,
+                bias=bias,
+                init_std=init_std,
+                sequence_parallel=sequence_parallel,
+                params_dtype=self.params_dtype,
+            )
+        from loom.engine.model.fp8 import Fp8RowParallelLinear
+        from loom.engine.parallel.layers import RowParallelLinear
 
         cls = Fp8RowParallelLinear if self.linear.impl.startswith("torch._scaled_mm") else RowParallelLinear
-        return cls(in_features, out_features, tp_group, bias=bias, init_std=init_std, sequence_parallel=sequence_parallel)
+        return cls(
+            in_features, out_features, tp_group, bias=bias, init_std=init_std, sequence_parallel=sequence_parallel
+        )
 
     def te_norm(self, config: ModelConfig, sequence_parallel: bool) -> torch.nn.Module:
-        from engine.model import te
+        from loom.engine.model import te
 
         return te.norm(config, sequence_parallel, self.params_dtype)
 
@@ -209,7 +256,7 @@ class Kernels:
         """TE's fused attention module, or None: the block then calls SDPA itself."""
         if not self.attention.impl.startswith("te."):
             return None
-        from engine.model import te
+        from loom.engine.model import te
 
         return te.dot_product_attention(config, tp_group, sequence_parallel)
 
@@ -218,7 +265,7 @@ class Kernels:
         a no-op for the torch._scaled_mm path, which quantises inside each layer."""
         if not (self.fp8 != "off" and self.linear.impl.startswith("te.")):
             return contextlib.nullcontext()
-        from engine.model import te
+        from loom.engine.model import te
 
         if self._fp8_recipe is None:  # one recipe object per run: delayed scaling keys its history on it
             self._fp8_recipe = te.fp8_recipe(self.fp8)
@@ -228,38 +275,46 @@ class Kernels:
 def check_fp8_shapes(config: LoomConfig) -> None:
     """FP8 GEMMs (TE's and torch._scaled_mm) need every matrix dimension divisible by 16."""
     m, t, tp = config.model, config.train, config.parallel.tp
-    sizes = {"model.hidden_size": m.hidden_size,
-             "query width per TP rank": m.num_heads * m.head_dim // tp,
-             "key/value width per TP rank": m.num_kv_heads * m.head_dim // tp,
-             "model.ffn_hidden_size per TP rank": m.ffn_hidden_size // tp,
-             "tokens per micro-batch (seq_length * micro_batch_size)": t.seq_length * t.micro_batch_size}
+    sizes = {
+        "model.hidden_size": m.hidden_size,
+        "query width per TP rank": m.num_heads * m.head_dim // tp,
+        "key/value width per TP rank": m.num_kv_heads * m.head_dim // tp,
+        "model.ffn_hidden_size per TP rank": m.ffn_hidden_size // tp,
+        "tokens per micro-batch (seq_length * micro_batch_size)": t.seq_length * t.micro_batch_size,
+    }
     for what, size in sizes.items():
         if size % 16:
-            raise ConfigError(f"train.fp8 needs sizes divisible by 16, but {what} = {size}; change it or use "
-                              f"--train.fp8 off")
+            raise ConfigError(
+                f"train.fp8 needs sizes divisible by 16, but {what} = {size}; change it or use --train.fp8 off"
+            )
 
 
 def _choose_linear(config: LoomConfig, device: torch.device, capability, te_ok: bool, te_why: str) -> Choice:
     mode = config.train.fp8
     if mode == "off":
-        return Choice("te.Linear" if te_ok else "torch.linear",
-                      f"{te_why}; train.fp8 = off" if te_ok else "train.fp8 = off")
+        return Choice(
+            "te.Linear" if te_ok else "torch.linear", f"{te_why}; train.fp8 = off" if te_ok else "train.fp8 = off"
+        )
     ok, device_why = fp8_device_support(device, capability)
     if not ok:
         raise ConfigError(f"train.fp8 = {mode} is unavailable: {device_why}; use --train.fp8 off")
     check_fp8_shapes(config)
     if te_ok:
-        from engine.model import te
+        from loom.engine.model import te
 
         if mode == "delayed" and config.model.recompute != "none":
-            raise ConfigError("train.fp8 = delayed with model.recompute would record amaxes twice per step; "
-                              "use --train.fp8 current or --model.recompute none")
+            raise ConfigError(
+                "train.fp8 = delayed with model.recompute would record amaxes twice per step; "
+                "use --train.fp8 current or --model.recompute none"
+            )
         if mode == "delayed" or te.has_current_scaling():
             return Choice(f"te.Linear+fp8({mode})", f"{te_why}; {device_why}")
         te_why = "transformer_engine: this version has no Float8CurrentScaling"
     if mode == "delayed":
-        raise ConfigError(f"train.fp8 = delayed needs Transformer Engine ({te_why}); use --train.fp8 current "
-                          f"(torch._scaled_mm with per-tensor current scaling) or --train.fp8 off")
+        raise ConfigError(
+            f"train.fp8 = delayed needs Transformer Engine ({te_why}); use --train.fp8 current "
+            f"(torch._scaled_mm with per-tensor current scaling) or --train.fp8 off"
+        )
     return Choice("torch._scaled_mm(fp8 current scaling)", f"{te_why}; {device_why}")
 
 
@@ -280,8 +335,7 @@ def _torch_impl(function: str, compiled: bool) -> str:
     return f"torch.compile({function})" if compiled else f"torch.{function}"
 
 
-def choose_kernels(config: LoomConfig, device: torch.device,
-                   capability: tuple[int, int] | None = None) -> Kernels:
+def choose_kernels(config: LoomConfig, device: torch.device, capability: tuple[int, int] | None = None) -> Kernels:
     """Decide every kernel for this run. `capability` defaults to the CUDA device's (tests pass one)."""
     m, mode = config.model, config.model.kernels
     cuda = device.type == "cuda"
@@ -289,8 +343,9 @@ def choose_kernels(config: LoomConfig, device: torch.device,
         capability = torch.cuda.get_device_capability(device)
     te_ok, te_why = _package("transformer_engine", "transformer_engine.pytorch", mode, cuda)
     if mode == "te" and not te_ok:
-        raise ConfigError(f"model.kernels = te needs Transformer Engine on a CUDA device ({te_why}); "
-                          f"use --model.kernels auto")
+        raise ConfigError(
+            f"model.kernels = te needs Transformer Engine on a CUDA device ({te_why}); use --model.kernels auto"
+        )
     linear = _choose_linear(config, device, capability, te_ok, te_why)
 
     if te_ok and m.dropout == 0:
@@ -312,5 +367,12 @@ def choose_kernels(config: LoomConfig, device: torch.device,
         else:
             norm = Choice(_torch_impl(m.norm.replace("norm", "_norm"), m.compile), f"{te_why}; {apex_why}; {compiled}")
     activation = Choice(_torch_impl(m.activation, m.compile), compiled)
-    return Kernels(attention, norm, activation, linear, _choose_optimizer(config, device, mode),
-                   fp8=config.train.fp8, params_dtype=PARAM_DTYPES[config.train.precision])
+    return Kernels(
+        attention,
+        norm,
+        activation,
+        linear,
+        _choose_optimizer(config, device, mode),
+        fp8=config.train.fp8,
+        params_dtype=PARAM_DTYPES[config.train.precision],
+    )

@@ -30,9 +30,9 @@ import contextlib
 
 import torch
 
-from engine.config import ModelConfig
-from engine.parallel import mappings
-from engine.parallel.sharding import ShardSpec
+from loom.engine.config import ModelConfig
+from loom.engine.parallel import mappings
+from loom.engine.parallel.sharding import ShardSpec
 
 
 def _te():
@@ -49,25 +49,59 @@ def _tag(param: torch.nn.Parameter, spec: ShardSpec, init: tuple, sequence_paral
     param.shard_spec, param.init_method, param.sequence_parallel_grad = spec, init, sequence_parallel_grad
 
 
-def column_parallel_linear(in_features: int, out_blocks: tuple[int, ...], tp_group, *, bias: bool, init_std: float,
-                           sequence_parallel: bool, params_dtype: torch.dtype) -> torch.nn.Module:
+def column_parallel_linear(
+    in_features: int,
+    out_blocks: tuple[int, ...],
+    tp_group,
+    *,
+    bias: bool,
+    init_std: float,
+    sequence_parallel: bool,
+    params_dtype: torch.dtype,
+) -> torch.nn.Module:
     """te.Linear in column mode; its local weight holds this rank's rows of every block, like loom's."""
     tp, out_features = mappings.group_size(tp_group), sum(out_blocks)
-    layer = _te().Linear(in_features, out_features, bias=bias, init_method=_skip_init,
-                         sequence_parallel=sequence_parallel, tp_group=tp_group, tp_size=tp,
-                         parallel_mode="column", params_dtype=params_dtype, device="cuda")
+    layer = _te().Linear(
+        in_features,
+        out_features,
+        bias=bias,
+        init_method=_skip_init,
+        sequence_parallel=sequence_parallel,
+        tp_group=tp_group,
+        tp_size=tp,
+        parallel_mode="column",
+        params_dtype=params_dtype,
+        device="cuda",
+    )
     _tag(layer.weight, ShardSpec((out_features, in_features), 0, tuple(out_blocks)), ("normal", init_std))
     if bias:
         _tag(layer.bias, ShardSpec((out_features,), 0, tuple(out_blocks)), ("zeros",))
     return layer
 
 
-def row_parallel_linear(in_features: int, out_features: int, tp_group, *, bias: bool, init_std: float,
-                        sequence_parallel: bool, params_dtype: torch.dtype) -> torch.nn.Module:
+def row_parallel_linear(
+    in_features: int,
+    out_features: int,
+    tp_group,
+    *,
+    bias: bool,
+    init_std: float,
+    sequence_parallel: bool,
+    params_dtype: torch.dtype,
+) -> torch.nn.Module:
     """te.Linear in row mode (TE adds the bias after the reduction, as loom's RowParallelLinear does)."""
-    layer = _te().Linear(in_features, out_features, bias=bias, init_method=_skip_init,
-                         sequence_parallel=sequence_parallel, tp_group=tp_group, tp_size=mappings.group_size(tp_group),
-                         parallel_mode="row", params_dtype=params_dtype, device="cuda")
+    layer = _te().Linear(
+        in_features,
+        out_features,
+        bias=bias,
+        init_method=_skip_init,
+        sequence_parallel=sequence_parallel,
+        tp_group=tp_group,
+        tp_size=mappings.group_size(tp_group),
+        parallel_mode="row",
+        params_dtype=params_dtype,
+        device="cuda",
+    )
     _tag(layer.weight, ShardSpec((out_features, in_features), 1), ("normal", init_std))
     if bias:
         _tag(layer.bias, ShardSpec((out_features,)), ("zeros",), sequence_parallel_grad=sequence_parallel)
@@ -78,8 +112,13 @@ def norm(config: ModelConfig, sequence_parallel: bool, params_dtype: torch.dtype
     """te.RMSNorm or te.LayerNorm (fused kernels), parameters named and tagged like loom's Norm."""
     te = _te()
     cls = te.RMSNorm if config.norm == "rmsnorm" else te.LayerNorm
-    module = cls(config.hidden_size, eps=config.norm_eps, sequence_parallel=sequence_parallel,
-                 params_dtype=params_dtype, device="cuda")
+    module = cls(
+        config.hidden_size,
+        eps=config.norm_eps,
+        sequence_parallel=sequence_parallel,
+        params_dtype=params_dtype,
+        device="cuda",
+    )
     spec = ShardSpec((config.hidden_size,))
     _tag(module.weight, spec, ("ones",), sequence_parallel_grad=sequence_parallel)
     if config.norm == "layernorm":
@@ -92,10 +131,17 @@ def dot_product_attention(config: ModelConfig, tp_group, sequence_parallel: bool
 
     Head counts are the global ones: TE divides them by tp_size itself. Dropout stays 0 here
     (kernels.py keeps SDPA when model.dropout > 0, so dropout draws from loom's RNG streams)."""
-    return _te().DotProductAttention(config.num_heads, config.head_dim, num_gqa_groups=config.num_kv_heads,
-                                     attention_dropout=0.0, qkv_format="sbhd", attn_mask_type="causal",
-                                     sequence_parallel=sequence_parallel, tp_size=mappings.group_size(tp_group),
-                                     tp_group=tp_group)
+    return _te().DotProductAttention(
+        config.num_heads,
+        config.head_dim,
+        num_gqa_groups=config.num_kv_heads,
+        attention_dropout=0.0,
+        qkv_format="sbhd",
+        attn_mask_type="causal",
+        sequence_parallel=sequence_parallel,
+        tp_size=mappings.group_size(tp_group),
+        tp_group=tp_group,
+    )
 
 
 def fp8_recipe(mode: str):

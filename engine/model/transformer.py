@@ -13,11 +13,11 @@ import math
 import torch
 import torch.nn.functional as F
 
-from engine.config import ModelConfig
-from engine.model.kernels import Kernels, layer_norm, rms_norm
-from engine.parallel import mappings
-from engine.parallel.random import RNGStreams, checkpointed
-from engine.parallel.sharding import ShardSpec, make_parameter
+from loom.engine.config import ModelConfig
+from loom.engine.model.kernels import Kernels, layer_norm, rms_norm
+from loom.engine.parallel import mappings
+from loom.engine.parallel.random import RNGStreams, checkpointed
+from loom.engine.parallel.sharding import ShardSpec, make_parameter
 
 
 class Norm(torch.nn.Module):
@@ -31,8 +31,11 @@ class Norm(torch.nn.Module):
         self.function = function or (rms_norm if config.norm == "rmsnorm" else layer_norm)
         shape = ShardSpec((config.hidden_size,))
         self.weight = make_parameter(shape, tp_size, ("ones",), sequence_parallel_grad=sequence_parallel)
-        self.bias = (make_parameter(shape, tp_size, ("zeros",), sequence_parallel_grad=sequence_parallel)
-                     if config.norm == "layernorm" else None)
+        self.bias = (
+            make_parameter(shape, tp_size, ("zeros",), sequence_parallel_grad=sequence_parallel)
+            if config.norm == "layernorm"
+            else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.function(x, self.weight, self.bias, self.eps)
@@ -60,8 +63,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(torch.nn.Module):
-    def __init__(self, config: ModelConfig, tp_group, sequence_parallel: bool, output_std: float,
-                 streams: RNGStreams | None, kernels: Kernels):
+    def __init__(
+        self,
+        config: ModelConfig,
+        tp_group,
+        sequence_parallel: bool,
+        output_std: float,
+        streams: RNGStreams | None,
+        kernels: Kernels,
+    ):
         super().__init__()
         tp = mappings.group_size(tp_group)
         self.head_dim = config.head_dim
@@ -70,11 +80,22 @@ class Attention(torch.nn.Module):
         self.dropout, self.streams = config.dropout, streams
         self.selective_recompute = config.recompute == "selective"
         q_size, kv_size = config.num_heads * self.head_dim, config.num_kv_heads * self.head_dim
-        self.qkv = kernels.column_linear(config.hidden_size, (q_size, kv_size, kv_size), tp_group,
-                                         bias=config.bias, init_std=config.init_std,
-                                         sequence_parallel=sequence_parallel)
-        self.proj = kernels.row_linear(q_size, config.hidden_size, tp_group, bias=config.bias,
-                                       init_std=output_std, sequence_parallel=sequence_parallel)
+        self.qkv = kernels.column_linear(
+            config.hidden_size,
+            (q_size, kv_size, kv_size),
+            tp_group,
+            bias=config.bias,
+            init_std=config.init_std,
+            sequence_parallel=sequence_parallel,
+        )
+        self.proj = kernels.row_linear(
+            q_size,
+            config.hidden_size,
+            tp_group,
+            bias=config.bias,
+            init_std=output_std,
+            sequence_parallel=sequence_parallel,
+        )
         self.fused_attention = kernels.core_attention(config, tp_group, sequence_parallel)
 
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -84,8 +105,9 @@ class Attention(torch.nn.Module):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
         dropout = self.dropout if self.training else 0.0
         with self.streams.fork("tensor") if (dropout and self.streams) else contextlib.nullcontext():
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout,
-                                                 enable_gqa=self.local_kv_heads != self.local_heads)
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=self.local_kv_heads != self.local_heads
+            )
         return out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
@@ -112,10 +134,22 @@ class MLP(torch.nn.Module):
         self.activation = kernels.activation_function(self.gated)
         ffn = config.ffn_hidden_size
         blocks = (ffn, ffn) if self.gated else (ffn,)
-        self.fc1 = kernels.column_linear(config.hidden_size, blocks, tp_group, bias=config.bias,
-                                         init_std=config.init_std, sequence_parallel=sequence_parallel)
-        self.fc2 = kernels.row_linear(ffn, config.hidden_size, tp_group, bias=config.bias,
-                                      init_std=output_std, sequence_parallel=sequence_parallel)
+        self.fc1 = kernels.column_linear(
+            config.hidden_size,
+            blocks,
+            tp_group,
+            bias=config.bias,
+            init_std=config.init_std,
+            sequence_parallel=sequence_parallel,
+        )
+        self.fc2 = kernels.row_linear(
+            ffn,
+            config.hidden_size,
+            tp_group,
+            bias=config.bias,
+            init_std=output_std,
+            sequence_parallel=sequence_parallel,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)
@@ -127,8 +161,14 @@ class MLP(torch.nn.Module):
 
 
 class TransformerBlock(torch.nn.Module):
-    def __init__(self, config: ModelConfig, tp_group, sequence_parallel: bool, streams: RNGStreams | None,
-                 kernels: Kernels | None = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        tp_group,
+        sequence_parallel: bool,
+        streams: RNGStreams | None,
+        kernels: Kernels | None = None,
+    ):
         super().__init__()
         kernels = kernels or Kernels.native()
         tp = mappings.group_size(tp_group)

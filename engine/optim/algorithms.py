@@ -18,8 +18,16 @@ import torch.distributed as dist
 class Lamb(torch.optim.Optimizer):
     """LAMB with Adam bias correction and decoupled weight decay inside the trust ratio."""
 
-    def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, param_ids: dict[int, int],
-                 num_params: int, reduce: Callable[[torch.Tensor], torch.Tensor]):
+    def __init__(
+        self,
+        params,
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        param_ids: dict[int, int],
+        num_params: int,
+        reduce: Callable[[torch.Tensor], torch.Tensor],
+    ):
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0})
         self.param_ids, self.num_params, self.reduce = param_ids, num_params, reduce
 
@@ -63,8 +71,17 @@ class Adafactor(torch.optim.Optimizer):
     clipping at RMS 1, decay rate t^-0.8, no first moment. TP shards see whole-parameter
     statistics through all-reduces over the TP group; padded vocabulary rows are left out."""
 
-    def __init__(self, params, lr: float, tp_group=None, tp_rank: int = 0, tp_size: int = 1, eps: float = 1e-30,
-                 clip_threshold: float = 1.0, decay_rate: float = -0.8):
+    def __init__(
+        self,
+        params,
+        lr: float,
+        tp_group=None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        eps: float = 1e-30,
+        clip_threshold: float = 1.0,
+        decay_rate: float = -0.8,
+    ):
         super().__init__(params, {"lr": lr, "weight_decay": 0.0})
         self.tp_group, self.tp_rank, self.tp_size = tp_group, tp_rank, tp_size
         self.eps, self.clip_threshold, self.decay_rate = eps, clip_threshold, decay_rate

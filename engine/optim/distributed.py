@@ -20,14 +20,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine.config import OptimConfig
-from engine.model.kernels import build_adamw, default_adamw
-from engine.optim.algorithms import Adafactor, Lamb
-from engine.optim.grad_buffer import GradBuffer
-from engine.optim.loss_scaler import LossScaler
-from engine.optim.model_parallel_grads import counted_once
-from engine.parallel.mappings import all_gather_single
-from engine.parallel.state import ParallelState
+from loom.engine.config import OptimConfig
+from loom.engine.model.kernels import build_adamw, default_adamw
+from loom.engine.optim.algorithms import Adafactor, Lamb
+from loom.engine.optim.grad_buffer import GradBuffer
+from loom.engine.optim.loss_scaler import LossScaler
+from loom.engine.optim.model_parallel_grads import counted_once
+from loom.engine.parallel.mappings import all_gather_single
+from loom.engine.parallel.state import ParallelState
 
 
 @dataclass
@@ -54,9 +54,16 @@ def layer_of(name: str, num_layers: int) -> int:
 
 
 class DistributedOptimizer:
-    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], grads: GradBuffer, config: OptimConfig,
-                 state: ParallelState, num_layers: int, loss_scaler: LossScaler | None = None,
-                 adamw_impl: str | None = None):
+    def __init__(
+        self,
+        named_params: list[tuple[str, torch.nn.Parameter]],
+        grads: GradBuffer,
+        config: OptimConfig,
+        state: ParallelState,
+        num_layers: int,
+        loss_scaler: LossScaler | None = None,
+        adamw_impl: str | None = None,
+    ):
         """`adamw_impl` is the AdamW kernels.py chose (None: torch's fused AdamW on CUDA, foreach on CPU)."""
         self.config, self.state, self.grads, self.loss_scaler = config, state, grads, loss_scaler
         self.adamw_impl = adamw_impl
@@ -84,7 +91,7 @@ class DistributedOptimizer:
                 if whole and param.dtype == torch.float32 and not self.zero1:
                     master = param
                 else:
-                    flat = param.detach().reshape(-1)[start - offset:end - offset].float().clone()
+                    flat = param.detach().reshape(-1)[start - offset : end - offset].float().clone()
                     master = flat.view_as(param) if whole else flat
                     master.shard_spec = param.shard_spec
                 segments.append(Segment(param, start - offset, end - offset, start, master))
@@ -96,7 +103,7 @@ class DistributedOptimizer:
         buffer = torch.zeros(self.grads.data.numel(), dtype=first.dtype, device=first.device)
         for param in self.grads.params:
             offset = self.grads.offsets[param]
-            view = buffer[offset:offset + param.numel()].view_as(param)
+            view = buffer[offset : offset + param.numel()].view_as(param)
             view.copy_(param.detach())
             param.data = view
         return buffer
@@ -116,11 +123,23 @@ class DistributedOptimizer:
             return torch.optim.SGD(param_groups, lr=c.lr, momentum=c.momentum)
         if c.name == "lamb":
             ids = {id(seg.master): self.param_index[seg.param] for seg in self.segments}
-            return Lamb(param_groups, lr=c.lr, betas=(c.beta1, c.beta2), eps=c.eps,
-                        param_ids=ids, num_params=len(self.param_index), reduce=self._reduce_per_param)
+            return Lamb(
+                param_groups,
+                lr=c.lr,
+                betas=(c.beta1, c.beta2),
+                eps=c.eps,
+                param_ids=ids,
+                num_params=len(self.param_index),
+                reduce=self._reduce_per_param,
+            )
         if c.name == "adafactor":
-            return Adafactor(param_groups, lr=c.lr, tp_group=self.state.tp_group, tp_rank=self.state.tp_rank,
-                             tp_size=self.state.tp_size)
+            return Adafactor(
+                param_groups,
+                lr=c.lr,
+                tp_group=self.state.tp_group,
+                tp_rank=self.state.tp_rank,
+                tp_size=self.state.tp_size,
+            )
         raise ValueError(f"unknown optimizer {c.name!r}")
 
     # -- collectives over owners --------------------------------------------------------------
@@ -142,7 +161,7 @@ class DistributedOptimizer:
     def _grad(self, seg: Segment) -> torch.Tensor:
         if seg.buffer_start < 0:
             return seg.param.grad
-        return self.grads.data[seg.buffer_start:seg.buffer_start + seg.end - seg.start].view_as(seg.master)
+        return self.grads.data[seg.buffer_start : seg.buffer_start + seg.end - seg.start].view_as(seg.master)
 
     def grad_norm(self) -> float:
         squares = torch.zeros((), dtype=torch.float32, device=self.segments[0].master.device)
@@ -183,15 +202,18 @@ class DistributedOptimizer:
         """Copy updated master weights into the model's parameters (all-gathering them under ZeRO-1)."""
         for seg in self.segments:
             if not seg.aliases_param:
-                seg.param.view(-1)[seg.start:seg.end].copy_(seg.master.reshape(-1))
+                seg.param.view(-1)[seg.start : seg.end].copy_(seg.master.reshape(-1))
         if self.param_buffer is None or self.state.dp_size == 1:
             return
         handles = []
         for bucket in self.grads.buckets:
             lo, hi = bucket.chunk(self.state.dp_rank, self.state.dp_size)
             mine = self.param_buffer[lo:hi].clone()
-            handles.append(all_gather_single(self.param_buffer[bucket.start:bucket.end], mine,
-                                             group=self.state.dp_group, async_op=True))
+            handles.append(
+                all_gather_single(
+                    self.param_buffer[bucket.start : bucket.end], mine, group=self.state.dp_group, async_op=True
+                )
+            )
         for handle in handles:
             handle.wait()
 
@@ -199,6 +221,5 @@ class DistributedOptimizer:
         """Bytes of master weights (copies only) and optimizer state this rank holds."""
         total = sum(s.master.numel() * s.master.element_size() for s in self.segments if not s.aliases_param)
         for state in self.inner.state.values():
-            total += sum(v.numel() * v.element_size() for v in state.values()
-                         if torch.is_tensor(v) and v.dim() > 0)
+            total += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
         return total

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from engine.parallel.mappings import reduce_scatter_single
+from loom.engine.parallel.mappings import reduce_scatter_single
 
 
 @dataclass
@@ -37,8 +37,9 @@ class Bucket:
         return self.start + dp_rank * size, self.start + (dp_rank + 1) * size
 
 
-def plan_buckets(params: list[torch.nn.Parameter], bucket_numel: int, dp_size: int,
-                 first_offset: int = 0) -> tuple[dict, list[Bucket], int]:
+def plan_buckets(
+    params: list[torch.nn.Parameter], bucket_numel: int, dp_size: int, first_offset: int = 0
+) -> tuple[dict, list[Bucket], int]:
     """(offset of each param, buckets, end) for params laid out in the given order from first_offset."""
     offsets, buckets, offset, start, members = {}, [], first_offset, first_offset, []
     for i, param in enumerate(params):
@@ -62,10 +63,19 @@ class GradBuffer:
     `finish` after `before_deferred` has done that sum.
     """
 
-    def __init__(self, params: list[torch.nn.Parameter], dp_group, dp_size: int, dp_rank: int, bucket_bytes: int,
-                 overlap: bool = True, reduce_scatter: bool = False, enabled: bool = True,
-                 deferred: Callable[[torch.nn.Parameter], bool] = lambda p: False,
-                 before_deferred: Callable[[], None] = lambda: None):
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        dp_group,
+        dp_size: int,
+        dp_rank: int,
+        bucket_bytes: int,
+        overlap: bool = True,
+        reduce_scatter: bool = False,
+        enabled: bool = True,
+        deferred: Callable[[torch.nn.Parameter], bool] = lambda p: False,
+        before_deferred: Callable[[], None] = lambda: None,
+    ):
         self.dp_group, self.dp_size, self.dp_rank = dp_group, dp_size, dp_rank
         self.overlap, self.reduce_scatter, self.enabled = overlap, reduce_scatter, enabled
         self.before_deferred = before_deferred
@@ -78,10 +88,11 @@ class GradBuffer:
         if not enabled:
             return
         bucket_numel = max(1, bucket_bytes // 4)
-        regular = self.params[:len(self.params) - len(self.deferred)]
+        regular = self.params[: len(self.params) - len(self.deferred)]
         self.offsets, self.buckets, end = plan_buckets(regular, bucket_numel, dp_size) if regular else ({}, [], 0)
-        offsets, self.deferred_buckets, total = plan_buckets(self.deferred, bucket_numel, dp_size, end) \
-            if self.deferred else ({}, [], end)
+        offsets, self.deferred_buckets, total = (
+            plan_buckets(self.deferred, bucket_numel, dp_size, end) if self.deferred else ({}, [], end)
+        )
         self.offsets.update(offsets)
         self.buckets += self.deferred_buckets
         self.data = torch.zeros(total, dtype=torch.float32, device=self.params[0].device)
@@ -89,7 +100,7 @@ class GradBuffer:
         for bucket in self.buckets:
             for param in bucket.params:
                 self.bucket_of[param] = bucket
-                param.main_grad = self.data[self.offsets[param]:self.offsets[param] + param.numel()].view_as(param)
+                param.main_grad = self.data[self.offsets[param] : self.offsets[param] + param.numel()].view_as(param)
         self.deferred_set = set(self.deferred)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
 
@@ -105,10 +116,11 @@ class GradBuffer:
     def _launch(self, bucket: Bucket) -> None:
         if self.dp_size == 1:
             return
-        view = self.data[bucket.start:bucket.end]
+        view = self.data[bucket.start : bucket.end]
         if self.reduce_scatter:
-            bucket.scattered = torch.empty((bucket.end - bucket.start) // self.dp_size, dtype=view.dtype,
-                                           device=view.device)
+            bucket.scattered = torch.empty(
+                (bucket.end - bucket.start) // self.dp_size, dtype=view.dtype, device=view.device
+            )
             bucket.handle = reduce_scatter_single(bucket.scattered, view, group=self.dp_group, async_op=True)
         else:
             bucket.handle = dist.all_reduce(view, group=self.dp_group, async_op=True)
@@ -129,7 +141,7 @@ class GradBuffer:
         if not self.enabled:
             self.before_deferred()
             return
-        regular = self.buckets[:len(self.buckets) - len(self.deferred_buckets)]
+        regular = self.buckets[: len(self.buckets) - len(self.deferred_buckets)]
         for bucket in regular:
             if bucket.handle is None:
                 self._launch(bucket)

@@ -10,8 +10,15 @@ from __future__ import annotations
 
 
 class LossScaler:
-    def __init__(self, initial_scale: float = 2.0**16, growth_interval: int = 1000, backoff: float = 0.5,
-                 growth: float = 2.0, hysteresis: int = 2, min_scale: float = 1.0):
+    def __init__(
+        self,
+        initial_scale: float = 2.0**16,
+        growth_interval: int = 1000,
+        backoff: float = 0.5,
+        growth: float = 2.0,
+        hysteresis: int = 2,
+        min_scale: float = 1.0,
+    ):
         self.scale, self.growth_interval, self.backoff, self.growth = initial_scale, growth_interval, backoff, growth
         self.hysteresis, self.min_scale = hysteresis, min_scale
         self.clean_steps, self.overflows_left, self.skipped_steps = 0, hysteresis, 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from engine.config import OptimConfig
+from loom.engine.config import OptimConfig
 
 
 def learning_rate(step: int, optim: OptimConfig, total_steps: int) -> float:

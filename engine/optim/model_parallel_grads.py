@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from engine.parallel.state import ParallelState
+from loom.engine.parallel.state import ParallelState
 
 
 def local_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
@@ -42,15 +42,14 @@ def _all_reduce_flat(grads: list[torch.Tensor], group) -> None:
     dist.all_reduce(flat, group=group)
     offset = 0
     for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
 
 
 def sum_model_parallel_grads(params: list[torch.nn.Parameter], state: ParallelState) -> None:
     """Sum sequence-parallel partial gradients over TP and tied-embedding gradients over the pipeline ends."""
     if state.tp_size > 1:
-        _all_reduce_flat([local_grad(p) for p in params if getattr(p, "sequence_parallel_grad", False)],
-                         state.tp_group)
+        _all_reduce_flat([local_grad(p) for p in params if getattr(p, "sequence_parallel_grad", False)], state.tp_group)
     if state.pp_size > 1:
         tied = [local_grad(p) for p in params if getattr(p, "tied_embedding", False)]
         if tied:

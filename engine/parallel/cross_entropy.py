@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from engine.parallel import mappings
+from loom.engine.parallel import mappings
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -22,7 +22,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         padded_from = vocab_size - vocab_start
         if padded_from < local_vocab:
             logits = logits.clone()
-            logits[..., max(padded_from, 0):] = float("-inf")
+            logits[..., max(padded_from, 0) :] = float("-inf")
         row_max = logits.max(dim=-1).values
         dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
         shifted = logits - row_max.unsqueeze(-1)
@@ -51,8 +51,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad, None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, vocab_start: int,
-                                 vocab_size: int, tp_group) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, vocab_start: int, vocab_size: int, tp_group
+) -> torch.Tensor:
     """Per-token loss (fp32, shape of target) from this rank's logits slice [..., V/tp].
 
     `vocab_start` is the global id of this rank's first logit; ids >= vocab_size are padding.

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.parallel import mappings
-from engine.parallel.sharding import ShardSpec, make_parameter
+from loom.engine.parallel import mappings
+from loom.engine.parallel.sharding import ShardSpec, make_parameter
 
 
 class ColumnParallelLinear(torch.nn.Module):
@@ -22,16 +22,25 @@ class ColumnParallelLinear(torch.nn.Module):
     stays split (feeds a row-parallel layer or a vocab-parallel loss) unless gather_output.
     """
 
-    def __init__(self, in_features: int, out_blocks: tuple[int, ...], tp_group, *, bias: bool,
-                 init_std: float, sequence_parallel: bool = False, gather_output: bool = False):
+    def __init__(
+        self,
+        in_features: int,
+        out_blocks: tuple[int, ...],
+        tp_group,
+        *,
+        bias: bool,
+        init_std: float,
+        sequence_parallel: bool = False,
+        gather_output: bool = False,
+    ):
         super().__init__()
         self.tp_group, self.sequence_parallel, self.gather_output = tp_group, sequence_parallel, gather_output
         tp = mappings.group_size(tp_group)
         out_features = sum(out_blocks)
-        self.weight = make_parameter(ShardSpec((out_features, in_features), 0, tuple(out_blocks)),
-                                     tp, ("normal", init_std))
-        self.bias = (make_parameter(ShardSpec((out_features,), 0, tuple(out_blocks)), tp, ("zeros",))
-                     if bias else None)
+        self.weight = make_parameter(
+            ShardSpec((out_features, in_features), 0, tuple(out_blocks)), tp, ("normal", init_std)
+        )
+        self.bias = make_parameter(ShardSpec((out_features,), 0, tuple(out_blocks)), tp, ("zeros",)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
@@ -45,14 +54,25 @@ class ColumnParallelLinear(torch.nn.Module):
 class RowParallelLinear(torch.nn.Module):
     """y = x W^T + b with W split by input columns; the input arrives split (from a column layer)."""
 
-    def __init__(self, in_features: int, out_features: int, tp_group, *, bias: bool, init_std: float,
-                 sequence_parallel: bool = False):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        tp_group,
+        *,
+        bias: bool,
+        init_std: float,
+        sequence_parallel: bool = False,
+    ):
         super().__init__()
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         tp = mappings.group_size(tp_group)
         self.weight = make_parameter(ShardSpec((out_features, in_features), 1), tp, ("normal", init_std))
-        self.bias = (make_parameter(ShardSpec((out_features,)), tp, ("zeros",),
-                                    sequence_parallel_grad=sequence_parallel) if bias else None)
+        self.bias = (
+            make_parameter(ShardSpec((out_features,)), tp, ("zeros",), sequence_parallel_grad=sequence_parallel)
+            if bias
+            else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
@@ -71,14 +91,23 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
 class VocabParallelEmbedding(torch.nn.Module):
     """Token embedding with the (padded) vocabulary split across TP ranks; ids [b, s] -> [s, b, h]."""
 
-    def __init__(self, vocab_size: int, padded_size: int, hidden_size: int, tp_group, *,
-                 init_std: float, sequence_parallel: bool = False):
+    def __init__(
+        self,
+        vocab_size: int,
+        padded_size: int,
+        hidden_size: int,
+        tp_group,
+        *,
+        init_std: float,
+        sequence_parallel: bool = False,
+    ):
         super().__init__()
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         tp, rank = mappings.group_size(tp_group), mappings.group_rank(tp_group)
         self.vocab_size = vocab_size
-        self.weight = make_parameter(ShardSpec((vocab_size, hidden_size), 0, padded_size=padded_size),
-                                     tp, ("normal", init_std))
+        self.weight = make_parameter(
+            ShardSpec((vocab_size, hidden_size), 0, padded_size=padded_size), tp, ("normal", init_std)
+        )
         self.vocab_start = rank * (padded_size // tp)
         self.vocab_end = self.vocab_start + padded_size // tp
 

@@ -55,8 +55,9 @@ class ShardSpec:
             pad_shape = list(full.shape)
             pad_shape[self.dim] = self.padded_size - full.shape[self.dim]
             full = torch.cat([full, full.new_zeros(pad_shape)], dim=self.dim)
-        pieces = [block.chunk(tp_size, dim=self.dim)[tp_rank]
-                  for block in full.split(list(self._blocks()), dim=self.dim)]
+        pieces = [
+            block.chunk(tp_size, dim=self.dim)[tp_rank] for block in full.split(list(self._blocks()), dim=self.dim)
+        ]
         return torch.cat(pieces, dim=self.dim).contiguous()
 
     def unshard(self, shards: list[torch.Tensor]) -> torch.Tensor:
@@ -66,8 +67,7 @@ class ShardSpec:
         tp_size = len(shards)
         per_rank = [b // tp_size for b in self._blocks()]
         split_shards = [s.split(per_rank, dim=self.dim) for s in shards]
-        blocks = [torch.cat([parts[i] for parts in split_shards], dim=self.dim)
-                  for i in range(len(per_rank))]
+        blocks = [torch.cat([parts[i] for parts in split_shards], dim=self.dim) for i in range(len(per_rank))]
         full = torch.cat(blocks, dim=self.dim)
         return full.narrow(self.dim, 0, self.full_shape[self.dim])
 
@@ -91,8 +91,9 @@ def full_init(init: tuple, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     raise ValueError(f"unknown initialisation {init!r}")
 
 
-def make_parameter(spec: ShardSpec, tp_size: int, init: tuple, device: torch.device | None = None,
-                   sequence_parallel_grad: bool = False) -> torch.nn.Parameter:
+def make_parameter(
+    spec: ShardSpec, tp_size: int, init: tuple, device: torch.device | None = None, sequence_parallel_grad: bool = False
+) -> torch.nn.Parameter:
     """An uninitialised local parameter that knows its full shape, its slicing and its init.
 
     `sequence_parallel_grad` marks replicated parameters whose gradient is partial on each TP
@@ -106,8 +107,9 @@ def make_parameter(spec: ShardSpec, tp_size: int, init: tuple, device: torch.dev
 
 
 @torch.no_grad()
-def initialize_parameters(module: torch.nn.Module, seed: int, tp_rank: int, tp_size: int,
-                          name_prefix: str = "") -> None:
+def initialize_parameters(
+    module: torch.nn.Module, seed: int, tp_rank: int, tp_size: int, name_prefix: str = ""
+) -> None:
     """Initialise every parameter from its full shape with a name-derived seed, then slice."""
     for name, param in module.named_parameters():
         name = getattr(param, "init_name", name_prefix + name)

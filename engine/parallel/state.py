@@ -83,8 +83,9 @@ class ParallelState:
         return self.pp_rank == self.pp_size - 1
 
     @classmethod
-    def create(cls, tp: int, dp: int, pp: int = 1, vp: int = 1,
-               timeout: datetime.timedelta | None = None) -> ParallelState:
+    def create(
+        cls, tp: int, dp: int, pp: int = 1, vp: int = 1, timeout: datetime.timedelta | None = None
+    ) -> ParallelState:
         """Create every group of the layout; all ranks must call this together, in the same order.
         `timeout` bounds each collective; pass the default group's (new groups otherwise get torch's
         30-minute default, whatever init_process_group was given)."""
@@ -100,11 +101,23 @@ class ParallelState:
                     mine[kind] = group
                     if kind == "pp":
                         pp_ranks = tuple(ranks)
-        return cls(rank=rank, world_size=world, tp_size=tp, dp_size=dp, pp_size=pp, vp_size=vp,
-                   tp_group=mine["tp"], dp_group=mine["dp"], pp_group=mine["pp"],
-                   model_group=mine["model"], embedding_group=mine.get("embedding"),
-                   pp_ranks=pp_ranks)
+        return cls(
+            rank=rank,
+            world_size=world,
+            tp_size=tp,
+            dp_size=dp,
+            pp_size=pp,
+            vp_size=vp,
+            tp_group=mine["tp"],
+            dp_group=mine["dp"],
+            pp_group=mine["pp"],
+            model_group=mine["model"],
+            embedding_group=mine.get("embedding"),
+            pp_ranks=pp_ranks,
+        )
 
     def describe(self) -> str:
-        return (f"rank {self.rank}/{self.world_size}: tp {self.tp_rank}/{self.tp_size} "
-                f"dp {self.dp_rank}/{self.dp_size} pp {self.pp_rank}/{self.pp_size}")
+        return (
+            f"rank {self.rank}/{self.world_size}: tp {self.tp_rank}/{self.tp_size} "
+            f"dp {self.dp_rank}/{self.dp_size} pp {self.pp_rank}/{self.pp_size}"
+        )

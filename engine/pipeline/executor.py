@@ -15,9 +15,9 @@ from collections.abc import Callable
 
 import torch
 
-from engine.parallel.state import ParallelState
-from engine.pipeline.p2p import run_exchange
-from engine.pipeline.schedules import Compute, Exchange, Op
+from loom.engine.parallel.state import ParallelState
+from loom.engine.pipeline.p2p import run_exchange
+from loom.engine.pipeline.schedules import Compute, Exchange, Op
 
 _P2P_DTYPE = torch.float32
 
@@ -29,12 +29,19 @@ def _free_storage(tensor: torch.Tensor) -> None:
 def _backward_from(output: torch.Tensor, grad: torch.Tensor) -> None:
     """Backward through a graph whose output storage was freed (the shape check would refuse it)."""
     torch.autograd.Variable._execution_engine.run_backward(
-        (output,), (grad,), False, False, (), True, True)  # keep_graph, create_graph, inputs, allow_unreachable, accumulate
+        (output,), (grad,), False, False, (), True, True
+    )  # keep_graph, create_graph, inputs, allow_unreachable, accumulate
 
 
 class PipelineExecutor:
-    def __init__(self, chunks: list[torch.nn.Module], state: ParallelState, hidden_shape: tuple[int, ...],
-                 device: torch.device, autocast: Callable[[], contextlib.AbstractContextManager]):
+    def __init__(
+        self,
+        chunks: list[torch.nn.Module],
+        state: ParallelState,
+        hidden_shape: tuple[int, ...],
+        device: torch.device,
+        autocast: Callable[[], contextlib.AbstractContextManager],
+    ):
         self.chunks, self.state, self.device, self.autocast = chunks, state, device, autocast
         self.hidden_shape = hidden_shape
         self.num_stages = state.pp_size * len(chunks)
@@ -46,9 +53,15 @@ class PipelineExecutor:
     def _stage(self, chunk: int) -> int:
         return chunk * self.state.pp_size + self.state.pp_rank
 
-    def run(self, ops: list[Op], microbatches: list[tuple[torch.Tensor, torch.Tensor]], tokens_in_batch: int,
-            on_last_backward: Callable[[bool], None] | None = None, record: bool = False,
-            loss_scale: float = 1.0) -> torch.Tensor:
+    def run(
+        self,
+        ops: list[Op],
+        microbatches: list[tuple[torch.Tensor, torch.Tensor]],
+        tokens_in_batch: int,
+        on_last_backward: Callable[[bool], None] | None = None,
+        record: bool = False,
+        loss_scale: float = 1.0,
+    ) -> torch.Tensor:
         """Execute the ops; returns this rank's share of the loss (nonzero on the last stage only).
 
         `on_last_backward(flag)` is told before each backward whether it is the chunk's last in
@@ -64,8 +77,17 @@ class PipelineExecutor:
         for op in ops:
             started = time.time()
             if isinstance(op, Exchange):
-                received.update(run_exchange(op, outgoing, self.state.pp_ranks, self.state.pp_group,
-                                             self.hidden_shape, _P2P_DTYPE, self.device))
+                received.update(
+                    run_exchange(
+                        op,
+                        outgoing,
+                        self.state.pp_ranks,
+                        self.state.pp_group,
+                        self.hidden_shape,
+                        _P2P_DTYPE,
+                        self.device,
+                    )
+                )
                 self._release_sent(op, outputs)
                 continue
             key, stage = (op.microbatch, op.chunk), self._stage(op.chunk)

@@ -11,15 +11,22 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from engine.pipeline.schedules import Exchange, Transfer
+from loom.engine.pipeline.schedules import Exchange, Transfer
 
 
 def transfer_key(t: Transfer) -> tuple[str, int, int]:
     return (t.tensor, t.microbatch, t.virtual_stage)
 
 
-def run_exchange(exchange: Exchange, outgoing: dict[tuple, torch.Tensor], pp_ranks: tuple[int, ...], pp_group,
-                 shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> dict[tuple, torch.Tensor]:
+def run_exchange(
+    exchange: Exchange,
+    outgoing: dict[tuple, torch.Tensor],
+    pp_ranks: tuple[int, ...],
+    pp_group,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> dict[tuple, torch.Tensor]:
     """Send the tensors of `outgoing` named by the Exchange's sends; return what its receives got."""
     ops, received = [], {}
     for t in sorted(exchange.transfers, key=transfer_key):

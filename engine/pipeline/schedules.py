@@ -62,8 +62,10 @@ def check_schedule(pp: int, vp: int, microbatches: int) -> None:
         raise ScheduleError("virtual stages (vp > 1) need a pipeline (pp > 1)")
     if vp > 1 and microbatches % pp:
         valid = ", ".join(str(pp * k) for k in range(1, 5))
-        raise ScheduleError(f"the interleaved schedule needs microbatches divisible by pp = {pp}, got "
-                            f"{microbatches}; valid: {valid}, ... (microbatches = global batch / (micro batch * dp))")
+        raise ScheduleError(
+            f"the interleaved schedule needs microbatches divisible by pp = {pp}, got "
+            f"{microbatches}; valid: {valid}, ... (microbatches = global batch / (micro batch * dp))"
+        )
 
 
 def _virtual_order(k: int, pp: int, vp: int, backward: bool) -> tuple[int, int]:
@@ -84,8 +86,9 @@ def warmup_forwards(rank: int, pp: int, vp: int, microbatches: int) -> int:
     return min((pp - rank - 1) * 2 + (vp - 1) * pp, total)
 
 
-def compute_units(rank: int, pp: int, vp: int, microbatches: int,
-                  forward_only: bool = False) -> list[tuple[Compute, ...]]:
+def compute_units(
+    rank: int, pp: int, vp: int, microbatches: int, forward_only: bool = False
+) -> list[tuple[Compute, ...]]:
     """This rank's forwards and backwards in schedule order, grouped into units that run with no
     communication between them: single ops, except the interleaved steady state, where Megatron
     runs a forward and a backward back to back and then exchanges all four tensors at once.

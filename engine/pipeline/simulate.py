@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.pipeline.schedules import Compute, Op, Transfer
+from loom.engine.pipeline.schedules import Compute, Op, Transfer
 
 
 class Deadlock(RuntimeError):

@@ -8,11 +8,11 @@ summed with the first stage's over the embedding group (engine/optim/model_paral
 
 from __future__ import annotations
 
-from engine.config import LoomConfig
-from engine.model.gpt import GPTModel
-from engine.model.kernels import Kernels
-from engine.parallel.random import RNGStreams
-from engine.parallel.state import ParallelState
+from loom.engine.config import LoomConfig
+from loom.engine.model.gpt import GPTModel
+from loom.engine.model.kernels import Kernels
+from loom.engine.parallel.random import RNGStreams
+from loom.engine.parallel.state import ParallelState
 
 
 def stage_layers(num_layers: int, pp: int, vp: int, stage: int) -> range:
@@ -20,15 +20,24 @@ def stage_layers(num_layers: int, pp: int, vp: int, stage: int) -> range:
     return range(stage * per_stage, (stage + 1) * per_stage)
 
 
-def build_chunks(config: LoomConfig, state: ParallelState, streams: RNGStreams | None,
-                 kernels: Kernels | None = None) -> list[GPTModel]:
+def build_chunks(
+    config: LoomConfig, state: ParallelState, streams: RNGStreams | None, kernels: Kernels | None = None
+) -> list[GPTModel]:
     """This rank's model chunks, in chunk order, built with `kernels` (None: the native reference path)."""
     pp, vp = state.pp_size, state.vp_size
     chunks = []
     for chunk in range(vp):
         stage = chunk * pp + state.pp_rank
-        chunks.append(GPTModel(config.model, state.tp_group, sequence_parallel=config.parallel.sequence_parallel,
-                               layer_ids=stage_layers(config.model.num_layers, pp, vp, stage),
-                               pre_process=stage == 0, post_process=stage == pp * vp - 1, streams=streams,
-                               kernels=kernels))
+        chunks.append(
+            GPTModel(
+                config.model,
+                state.tp_group,
+                sequence_parallel=config.parallel.sequence_parallel,
+                layer_ids=stage_layers(config.model.num_layers, pp, vp, stage),
+                pre_process=stage == 0,
+                post_process=stage == pp * vp - 1,
+                streams=streams,
+                kernels=kernels,
+            )
+        )
     return chunks

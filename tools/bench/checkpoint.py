@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -20,14 +19,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
-
-from engine.checkpoint.format import find_loadable  # noqa: E402
-from engine.checkpoint.load import load_checkpoint  # noqa: E402
-from engine.checkpoint.save import collect_pieces  # noqa: E402
-from engine.config_io import load_config  # noqa: E402
-from engine.train import Trainer  # noqa: E402
+from loom.engine.checkpoint.format import find_loadable
+from loom.engine.checkpoint.load import load_checkpoint
+from loom.engine.checkpoint.save import collect_pieces
+from loom.engine.config_io import load_config
+from loom.engine.train import Trainer
 
 
 def plain_roundtrip(pieces: dict[str, torch.Tensor], path: Path) -> tuple[float, float, int]:
@@ -52,16 +48,33 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29541", RANK="0", WORLD_SIZE="1")
     dist.init_process_group("gloo", rank=0, world_size=1)
-    from synthetic_data import write_markov_dataset
+    from loom.tools.synthetic_data import write_markov_dataset
 
     with tempfile.TemporaryDirectory() as tmp:
         dataset = write_markov_dataset(Path(tmp) / "markov", vocab_size=4096, num_documents=50)
-        config = load_config(REPO / "configs" / "tiny.toml", {
-            "data": {"paths": [dataset], "tokenizer": None},
-            "model": {"num_layers": args.layers, "hidden_size": args.hidden, "num_heads": 16, "num_kv_heads": 8,
-                      "ffn_hidden_size": 4 * args.hidden},
-            "train": {"steps": 1, "run_dir": str(Path(tmp) / "run"), "tensorboard": False, "eval_interval": 0,
-                      "precision": "bf16", "global_batch_size": 2, "micro_batch_size": 1, "seq_length": 32}})
+        config = load_config(
+            "tiny",
+            {
+                "data": {"paths": [dataset], "tokenizer": None},
+                "model": {
+                    "num_layers": args.layers,
+                    "hidden_size": args.hidden,
+                    "num_heads": 16,
+                    "num_kv_heads": 8,
+                    "ffn_hidden_size": 4 * args.hidden,
+                },
+                "train": {
+                    "steps": 1,
+                    "run_dir": str(Path(tmp) / "run"),
+                    "tensorboard": False,
+                    "eval_interval": 0,
+                    "precision": "bf16",
+                    "global_batch_size": 2,
+                    "micro_batch_size": 1,
+                    "seq_length": 32,
+                },
+            },
+        )
         trainer = Trainer(config)
         trainer.train_step()
         pieces, _ = collect_pieces(trainer)
@@ -76,9 +89,14 @@ def main() -> None:
         trainer.close()
     gb = nbytes / 1e9
     print(f"checkpoint: {gb:.2f} GB ({args.layers} layers, hidden {args.hidden}; bf16 weights, fp32 master + Adam)")
-    print(f"save: loom {gb / save_s:.2f} GB/s, one plain file {gb / plain_write:.2f} GB/s, ratio {plain_write / save_s:.2f}")
-    print(f"load: loom {gb / load_s:.2f} GB/s (sha256-verified, resharding path), one plain file "
-          f"{gb / plain_read:.2f} GB/s, ratio {plain_read / load_s:.2f}")
+    print(
+        f"save: loom {gb / save_s:.2f} GB/s, one plain file {gb / plain_write:.2f} GB/s, "
+        f"ratio {plain_write / save_s:.2f}"
+    )
+    print(
+        f"load: loom {gb / load_s:.2f} GB/s (sha256-verified, resharding path), one plain file "
+        f"{gb / plain_read:.2f} GB/s, ratio {plain_read / load_s:.2f}"
+    )
     dist.destroy_process_group()
 
 

@@ -28,10 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from engine.data.blended import blend_indices  # noqa: E402
-from engine.data.gpt_dataset import build_sample_indices  # noqa: E402
+from loom.engine.data.blended import blend_indices
+from loom.engine.data.gpt_dataset import build_sample_indices
 
 MEGATRON_SCRIPT = r"""
 import json, sys, time, warnings
@@ -106,17 +104,36 @@ def default_megatron_python() -> str | None:
     return sys.executable if importlib.util.find_spec("megatron") else None
 
 
-def run_megatron(python: str, lengths: np.ndarray, document_index: np.ndarray, args: argparse.Namespace,
-                 epochs: int, blend_weights: list[float]) -> tuple[dict, np.ndarray, np.ndarray]:
+def run_megatron(
+    python: str,
+    lengths: np.ndarray,
+    document_index: np.ndarray,
+    args: argparse.Namespace,
+    epochs: int,
+    blend_weights: list[float],
+) -> tuple[dict, np.ndarray, np.ndarray]:
     with tempfile.TemporaryDirectory() as tmp:
-        paths = {name: str(Path(tmp) / f"{name}.npy")
-                 for name in ("lengths", "document_index", "sample_index_out", "blend_out")}
+        paths = {
+            name: str(Path(tmp) / f"{name}.npy")
+            for name in ("lengths", "document_index", "sample_index_out", "blend_out")
+        }
         np.save(paths["lengths"], lengths)
         np.save(paths["document_index"], document_index)
-        request = {**paths, "seq_length": args.seq_length, "epochs": epochs, "seed": args.seed,
-                   "repeats": args.repeats, "blend_weights": blend_weights, "blend_size": args.blend_size}
-        result = subprocess.run([python, "-c", MEGATRON_SCRIPT, json.dumps(request)], capture_output=True,
-                                text=True, env={**os.environ, "PYTHONPATH": ""})
+        request = {
+            **paths,
+            "seq_length": args.seq_length,
+            "epochs": epochs,
+            "seed": args.seed,
+            "repeats": args.repeats,
+            "blend_weights": blend_weights,
+            "blend_size": args.blend_size,
+        }
+        result = subprocess.run(
+            [python, "-c", MEGATRON_SCRIPT, json.dumps(request)],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": ""},
+        )
         if result.returncode != 0:
             raise SystemExit(f"megatron-core run failed:\n{result.stderr[-3000:]}")
         figures = json.loads(result.stdout.strip().splitlines()[-1])
@@ -132,8 +149,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--blend-size", type=int, default=1_000_000)
-    parser.add_argument("--megatron-python", default=default_megatron_python(),
-                        help="interpreter with megatron-core installed (default: $LOOM_MEGATRON_PYTHON)")
+    parser.add_argument(
+        "--megatron-python",
+        default=default_megatron_python(),
+        help="interpreter with megatron-core installed (default: $LOOM_MEGATRON_PYTHON)",
+    )
     args = parser.parse_args()
 
     lengths = synthetic_lengths(args.documents, args.mean_length, args.seed)
@@ -141,30 +161,40 @@ def main() -> None:
     # Exactly `epochs` epochs, the last one fully used, so megatron-core shuffles all epochs together.
     num_samples = (args.epochs * tokens_per_epoch - 1) // args.seq_length
     ids = np.arange(args.documents, dtype=np.int64)
-    print(f"{args.documents:,} documents, {tokens_per_epoch:,} tokens per epoch, seq {args.seq_length}, "
-          f"{args.epochs} epochs -> {num_samples:,} samples; best of {args.repeats}")
+    print(
+        f"{args.documents:,} documents, {tokens_per_epoch:,} tokens per epoch, seq {args.seq_length}, "
+        f"{args.epochs} epochs -> {num_samples:,} samples; best of {args.repeats}"
+    )
     ours, (document_index, sample_index, _) = best_of(
-        args.repeats, build_sample_indices, lengths, ids, num_samples, args.seq_length, args.seed)
+        args.repeats, build_sample_indices, lengths, ids, num_samples, args.seq_length, args.seed
+    )
     print(f"loom numpy build_sample_indices:        {ours:.3f} s")
     blend_weights = [0.5, 0.3, 0.15, 0.05]
     ours_blend, (blend, _) = best_of(args.repeats, blend_indices, blend_weights, args.blend_size)
     loop, (loop_blend, _) = best_of(1, simple_blend, blend_weights, args.blend_size)
-    print(f"loom blend_indices ({args.blend_size:,} samples, 4 datasets): {ours_blend:.3f} s; the plain Python "
-          f"loop {loop:.3f} s (loop / loom {loop / ours_blend:.1f}x, identical: {np.array_equal(loop_blend, blend)})")
+    print(
+        f"loom blend_indices ({args.blend_size:,} samples, 4 datasets): {ours_blend:.3f} s; the plain Python "
+        f"loop {loop:.3f} s (loop / loom {loop / ours_blend:.1f}x, identical: {np.array_equal(loop_blend, blend)})"
+    )
 
     if not args.megatron_python:
         print("megatron-core not found: pass --megatron-python PATH (see this file's docstring) for the comparison")
         return
     epochs = -(-(num_samples * args.seq_length + 1) // tokens_per_epoch)
     figures, megatron_sample_index, megatron_blend = run_megatron(
-        args.megatron_python, lengths, document_index, args, epochs, blend_weights)
+        args.megatron_python, lengths, document_index, args, epochs, blend_weights
+    )
     print(f"megatron-core 0.16 (C++ helpers):       {figures['seconds']:.3f} s ({figures['samples']:,} samples)")
     print(f"ratio megatron-core / loom:             {figures['seconds'] / ours:.2f}x (>1 means loom is faster)")
-    print(f"same sample index as megatron-core for loom's document index: "
-          f"{np.array_equal(megatron_sample_index[:num_samples + 1], sample_index)}")
-    print(f"megatron-core build_blending_indices:   {figures['blend_seconds']:.3f} s; "
-          f"loom / megatron-core {ours_blend / figures['blend_seconds']:.1f}x; "
-          f"identical: {np.array_equal(megatron_blend, blend)}")
+    print(
+        f"same sample index as megatron-core for loom's document index: "
+        f"{np.array_equal(megatron_sample_index[: num_samples + 1], sample_index)}"
+    )
+    print(
+        f"megatron-core build_blending_indices:   {figures['blend_seconds']:.3f} s; "
+        f"loom / megatron-core {ours_blend / figures['blend_seconds']:.1f}x; "
+        f"identical: {np.array_equal(megatron_blend, blend)}"
+    )
 
 
 if __name__ == "__main__":

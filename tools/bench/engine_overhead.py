@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -23,13 +22,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from engine.config_io import load_config  # noqa: E402
-from engine.data.indexed import IndexedDatasetWriter  # noqa: E402
-from engine.flops import model_flops_per_token  # noqa: E402
-from engine.model.transformer import apply_rotary, rotary_tables  # noqa: E402
-from engine.train import Trainer  # noqa: E402
+from loom.engine.config_io import load_config
+from loom.engine.data.indexed import IndexedDatasetWriter
+from loom.engine.flops import model_flops_per_token
+from loom.engine.model.transformer import apply_rotary, rotary_tables
+from loom.engine.train import Trainer
 
 
 class PlainBlock(torch.nn.Module):
@@ -44,8 +41,9 @@ class PlainBlock(torch.nn.Module):
 
     def forward(self, x, cos, sin):
         b, s, _ = x.shape
-        q, k, v = self.qkv(self.norm1(x)).split([self.heads * self.hd, self.kv_heads * self.hd,
-                                                  self.kv_heads * self.hd], dim=-1)
+        q, k, v = self.qkv(self.norm1(x)).split(
+            [self.heads * self.hd, self.kv_heads * self.hd, self.kv_heads * self.hd], dim=-1
+        )
         q = apply_rotary(q.view(b, s, self.heads, self.hd).transpose(0, 1), cos, sin).permute(1, 2, 0, 3)
         k = apply_rotary(k.view(b, s, self.kv_heads, self.hd).transpose(0, 1), cos, sin).permute(1, 2, 0, 3)
         v = v.view(b, s, self.kv_heads, self.hd).transpose(1, 2)
@@ -90,10 +88,25 @@ def plain_tokens_per_s(args, data: np.ndarray, steps: int) -> list[float]:
 
 def loom_tokens_per_s(args, prefix: str, run_dir: str, steps: int) -> list[float]:
     overrides = {
-        "model": dict(num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
-                      num_kv_heads=args.kv_heads, ffn_hidden_size=args.ffn, vocab_size=args.vocab),
-        "train": dict(steps=steps, global_batch_size=args.batch, micro_batch_size=args.batch, seq_length=args.seq,
-                      precision="fp32", device="cpu", run_dir=run_dir, tensorboard=False, log_interval=1),
+        "model": dict(
+            num_layers=args.layers,
+            hidden_size=args.hidden,
+            num_heads=args.heads,
+            num_kv_heads=args.kv_heads,
+            ffn_hidden_size=args.ffn,
+            vocab_size=args.vocab,
+        ),
+        "train": dict(
+            steps=steps,
+            global_batch_size=args.batch,
+            micro_batch_size=args.batch,
+            seq_length=args.seq,
+            precision="fp32",
+            device="cpu",
+            run_dir=run_dir,
+            tensorboard=False,
+            log_interval=1,
+        ),
         "optim": dict(lr=1e-4, min_lr=1e-5, decay="constant"),
         "data": dict(paths=[prefix], split="100,0,0"),
     }
@@ -114,8 +127,19 @@ def matmul_gflops(n: int = 1024, repeats: int = 10) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for name, default in (("layers", 4), ("hidden", 256), ("heads", 8), ("kv_heads", 4), ("ffn", 688),
-                          ("seq", 256), ("vocab", 8192), ("batch", 4), ("steps", 8), ("warmup", 2), ("rounds", 2)):
+    for name, default in (
+        ("layers", 4),
+        ("hidden", 256),
+        ("heads", 8),
+        ("kv_heads", 4),
+        ("ffn", 688),
+        ("seq", 256),
+        ("vocab", 8192),
+        ("batch", 4),
+        ("steps", 8),
+        ("warmup", 2),
+        ("rounds", 2),
+    ):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
@@ -131,15 +155,30 @@ def main() -> None:
         data = rng.integers(0, args.vocab, (steps, args.batch, args.seq + 1))
         plain, loom = [], []
         for round_ in range(args.rounds):
-            plain += plain_tokens_per_s(args, data, steps)[args.warmup:]
-            loom += loom_tokens_per_s(args, prefix, str(Path(tmp) / f"run{round_}"), steps)[args.warmup:]
+            plain += plain_tokens_per_s(args, data, steps)[args.warmup :]
+            loom += loom_tokens_per_s(args, prefix, str(Path(tmp) / f"run{round_}"), steps)[args.warmup :]
     peak = matmul_gflops()
-    flops = model_flops_per_token(load_config(None, {"model": dict(
-        num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads, num_kv_heads=args.kv_heads,
-        ffn_hidden_size=args.ffn, vocab_size=args.vocab)}).model, args.seq)
+    flops = model_flops_per_token(
+        load_config(
+            None,
+            {
+                "model": dict(
+                    num_layers=args.layers,
+                    hidden_size=args.hidden,
+                    num_heads=args.heads,
+                    num_kv_heads=args.kv_heads,
+                    ffn_hidden_size=args.ffn,
+                    vocab_size=args.vocab,
+                )
+            },
+        ).model,
+        args.seq,
+    )
     p, m = statistics.median(plain), statistics.median(loom)
-    print(f"model: {args.layers} layers, d {args.hidden}, seq {args.seq}, vocab {args.vocab}, batch {args.batch}, "
-          f"fp32, {torch.get_num_threads()} threads")
+    print(
+        f"model: {args.layers} layers, d {args.hidden}, seq {args.seq}, vocab {args.vocab}, batch {args.batch}, "
+        f"fp32, {torch.get_num_threads()} threads"
+    )
     print(f"fp32 matmul peak measured now: {peak:.1f} GFLOP/s")
     print(f"plain PyTorch loop: {p:8.0f} tokens/s  ({100 * p * flops / 1e9 / peak:.0f}% of matmul peak, model FLOPs)")
     print(f"loom Trainer:       {m:8.0f} tokens/s  ({100 * m * flops / 1e9 / peak:.0f}% of matmul peak, model FLOPs)")

@@ -11,30 +11,38 @@ means overlap pays). Rounds alternate (a, b) to spread machine noise over both.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
-
-from engine.config_io import load_config  # noqa: E402
-from launch.local import launch_local  # noqa: E402
+from loom.engine.config_io import load_config
+from loom.tools.train_run import train
 
 MODEL = {"num_layers": 4, "hidden_size": 256, "num_heads": 8, "num_kv_heads": 4, "ffn_hidden_size": 768}
 
 
 def step_seconds(dataset: str, run_dir: Path, dp: int, overlap: bool, steps: int) -> list[float]:
-    config = load_config(REPO / "configs" / "tiny.toml", {
-        "data": {"paths": [dataset], "tokenizer": None}, "model": MODEL, "optim": {"zero1": True},
-        "parallel": {"overlap_grad_reduce": overlap, "grad_bucket_mb": 1.0 if overlap else 1e6},
-        "train": {"steps": steps, "run_dir": str(run_dir), "log_interval": 1, "eval_interval": 0,
-                  "tensorboard": False, "global_batch_size": 4 * dp, "micro_batch_size": 2, "seq_length": 128}})
+    config = load_config(
+        "tiny",
+        {
+            "data": {"paths": [dataset], "tokenizer": None},
+            "model": MODEL,
+            "optim": {"zero1": True},
+            "parallel": {"overlap_grad_reduce": overlap, "grad_bucket_mb": 1.0 if overlap else 1e6},
+            "train": {
+                "steps": steps,
+                "run_dir": str(run_dir),
+                "log_interval": 1,
+                "eval_interval": 0,
+                "tensorboard": False,
+                "global_batch_size": 4 * dp,
+                "micro_batch_size": 2,
+                "seq_length": 128,
+            },
+        },
+    )
     config.resolve_world(dp)
-    launch_local(config, dp)
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = train(config, dp)
     tokens = config.train.global_batch_size * config.train.seq_length
     return [tokens / r["tokens_per_s"] for r in rows[2:]]  # the first steps warm up
 
@@ -44,7 +52,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    from synthetic_data import write_markov_dataset
+    from loom.tools.synthetic_data import write_markov_dataset
 
     with tempfile.TemporaryDirectory() as tmp:
         dataset = write_markov_dataset(Path(tmp) / "markov", vocab_size=4096, num_documents=300)
@@ -52,11 +60,15 @@ def main() -> None:
             times = {True: [], False: []}
             for r in range(args.rounds):
                 for overlap in (True, False):
-                    times[overlap] += step_seconds(dataset, Path(tmp) / f"dp{dp}-{overlap}-{r}", dp, overlap,
-                                                   args.steps)
+                    times[overlap] += step_seconds(
+                        dataset, Path(tmp) / f"dp{dp}-{overlap}-{r}", dp, overlap, args.steps
+                    )
             overlapped, after = statistics.median(times[True]), statistics.median(times[False])
-            print(f"DP={dp}: overlapped bucketed reduce-scatter {overlapped * 1000:.0f} ms/step, one collective "
-                  f"after backward {after * 1000:.0f} ms/step, ratio {after / overlapped:.2f}", flush=True)
+            print(
+                f"DP={dp}: overlapped bucketed reduce-scatter {overlapped * 1000:.0f} ms/step, one collective "
+                f"after backward {after * 1000:.0f} ms/step, ratio {after / overlapped:.2f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

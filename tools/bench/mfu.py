@@ -31,12 +31,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from engine.config import ConfigError, LoomConfig
-from engine.config_io import config_to_dict, load_config
-from engine.data.indexed import IndexedDatasetWriter
-from engine.flops import model_flops_per_token, peak_tflops
-from engine.metrics import memory_gb
-from tools.bench.plain_loop import median, run_plain_loop, unsupported_reason
+from loom.engine.config import ConfigError, LoomConfig
+from loom.engine.config_io import config_to_dict, load_config
+from loom.engine.data.indexed import IndexedDatasetWriter
+from loom.engine.flops import model_flops_per_token, peak_tflops
+from loom.engine.metrics import memory_gb
+from loom.tools.bench.plain_loop import median, run_plain_loop, unsupported_reason
 
 GEMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -78,9 +78,17 @@ def bench_config(base: LoomConfig, data: str, run_dir: str, steps: int, microbat
     overrides = {
         "parallel": {"tp": 1, "pp": 1, "vp": 1, "dp": None, "sequence_parallel": False},
         "data": {"paths": [data], "weights": None, "tokenizer": None, "split": "100,0,0"},
-        "train": {"steps": steps, "global_batch_size": t.micro_batch_size * microbatches, "rampup_batch_size": None,
-                  "run_dir": run_dir, "log_interval": 1, "eval_interval": 0, "tensorboard": False,
-                  "exit_after": 0, **train},
+        "train": {
+            "steps": steps,
+            "global_batch_size": t.micro_batch_size * microbatches,
+            "rampup_batch_size": None,
+            "run_dir": run_dir,
+            "log_interval": 1,
+            "eval_interval": 0,
+            "tensorboard": False,
+            "exit_after": 0,
+            **train,
+        },
         "checkpoint": {"interval": 0, "load": None},
         "optim": {"warmup_steps": 0},
     }
@@ -98,7 +106,7 @@ def _with_overrides(base: LoomConfig, overrides: dict) -> LoomConfig:
 
 def run_loom(config: LoomConfig, warmup: int, device: torch.device) -> tuple[list[float], float, str]:
     """Train with loom's Trainer; returns tokens/s of the steps after warmup, peak memory (GB), kernels line."""
-    from engine.train import Trainer
+    from loom.engine.train import Trainer
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -121,9 +129,15 @@ def measure(args: argparse.Namespace, base: LoomConfig) -> dict:
     device = _device(base.train.device)
     t = base.train
     precision = t.precision
-    results = {"device": _device_name(device), "torch": torch.__version__, "precision": precision,
-               "seq_length": t.seq_length, "micro_batch_size": t.micro_batch_size,
-               "microbatches": args.microbatches, "rows": []}
+    results = {
+        "device": _device_name(device),
+        "torch": torch.__version__,
+        "precision": precision,
+        "seq_length": t.seq_length,
+        "micro_batch_size": t.micro_batch_size,
+        "microbatches": args.microbatches,
+        "rows": [],
+    }
     flops = model_flops_per_token(base.model, t.seq_length)
     steps = args.warmup + args.steps
     with tempfile.TemporaryDirectory() as tmp:
@@ -139,31 +153,46 @@ def measure(args: argparse.Namespace, base: LoomConfig) -> dict:
     gemm_dtype = GEMM_DTYPES["bf16" if device.type == "cuda" else precision]
     size = args.gemm_size or (8192 if device.type == "cuda" else 512)
     gemm = gemm_peak_tflops(device, gemm_dtype, size, repeats=50 if device.type == "cuda" else 10)
-    datasheet = peak_tflops(results["device"], "bf16" if precision == "fp32" and device.type == "cuda" else precision) \
-        if device.type == "cuda" else None
-    results.update(flops_per_token=flops, gemm_peak_tflops=gemm, gemm_dtype=str(gemm_dtype).replace("torch.", ""),
-                   datasheet_peak_tflops=datasheet)
+    datasheet = (
+        peak_tflops(results["device"], "bf16" if precision == "fp32" and device.type == "cuda" else precision)
+        if device.type == "cuda"
+        else None
+    )
+    results.update(
+        flops_per_token=flops,
+        gemm_peak_tflops=gemm,
+        gemm_dtype=str(gemm_dtype).replace("torch.", ""),
+        datasheet_peak_tflops=datasheet,
+    )
     for row in rows:
         achieved = row.tokens_per_s * flops / 1e12 if row.tokens_per_s else None
-        results["rows"].append({"name": row.name, "tokens_per_s": row.tokens_per_s, "tflops": achieved,
-                                "mfu_datasheet": achieved / datasheet if achieved and datasheet else None,
-                                "mfu_measured_gemm": achieved / gemm if achieved else None,
-                                "mem_gb": row.mem_gb, "note": row.note})
+        results["rows"].append(
+            {
+                "name": row.name,
+                "tokens_per_s": row.tokens_per_s,
+                "tflops": achieved,
+                "mfu_datasheet": achieved / datasheet if achieved and datasheet else None,
+                "mfu_measured_gemm": achieved / gemm if achieved else None,
+                "mem_gb": row.mem_gb,
+                "note": row.note,
+            }
+        )
     return results
 
 
 def _fp8_row(args, base: LoomConfig, data: str, tmp: str, steps: int, device: torch.device) -> Row:
     recipe = args.fp8_recipe
     if recipe == "auto":
-        from engine.model.kernels import probe_import
+        from loom.engine.model.kernels import probe_import
 
         has_te = device.type == "cuda" and probe_import("transformer_engine.pytorch")[0] is not None
         recipe = "delayed" if has_te else "current"
     name = f"loom fp8 ({recipe})"
     try:
-        config = bench_config(base, data, str(Path(tmp) / "fp8"), steps, args.microbatches,
-                              precision="bf16", fp8=recipe)
-        from engine.model.kernels import choose_kernels
+        config = bench_config(
+            base, data, str(Path(tmp) / "fp8"), steps, args.microbatches, precision="bf16", fp8=recipe
+        )
+        from loom.engine.model.kernels import choose_kernels
 
         choose_kernels(config, device)  # the same checks the Trainer makes, before any work
     except ConfigError as error:
@@ -181,9 +210,16 @@ def _plain_row(args, base: LoomConfig, device: torch.device) -> Row:
         return Row(name, note=f"skipped: {reason}")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    plain = dict(c=base.model, seq_length=t.seq_length, micro_batch=t.micro_batch_size,
-                 microbatches=args.microbatches, steps=args.steps, warmup=args.warmup, device=device,
-                 precision=t.precision)
+    plain = dict(
+        c=base.model,
+        seq_length=t.seq_length,
+        micro_batch=t.micro_batch_size,
+        microbatches=args.microbatches,
+        steps=args.steps,
+        warmup=args.warmup,
+        device=device,
+        precision=t.precision,
+    )
     note = ""
     try:
         rates = run_plain_loop(**plain, compile_model=compiled)
@@ -200,36 +236,43 @@ def _plain_row(args, base: LoomConfig, device: torch.device) -> Row:
 
 def format_table(results: dict) -> str:
     datasheet = results["datasheet_peak_tflops"]
-    lines = [f"device: {results['device']}, torch {results['torch']}, seq {results['seq_length']}, "
-             f"micro-batch {results['micro_batch_size']} x {results['microbatches']}, "
-             f"{results['flops_per_token'] / 1e9:.3f} GFLOP/token (model FLOPs)",
-             f"datasheet dense peak: {f'{datasheet:.0f} TFLOP/s' if datasheet else 'none known for this device'}; "
-             f"{results['gemm_dtype']} GEMM peak measured now: {results['gemm_peak_tflops']:.3f} TFLOP/s",
-             "", f"{'run':<34} {'tokens/s':>12} {'TFLOP/s':>10} {'MFU(sheet)':>10} {'MFU(GEMM)':>10} {'mem GB':>8}"]
+    lines = [
+        f"device: {results['device']}, torch {results['torch']}, seq {results['seq_length']}, "
+        f"micro-batch {results['micro_batch_size']} x {results['microbatches']}, "
+        f"{results['flops_per_token'] / 1e9:.3f} GFLOP/token (model FLOPs)",
+        f"datasheet dense peak: {f'{datasheet:.0f} TFLOP/s' if datasheet else 'none known for this device'}; "
+        f"{results['gemm_dtype']} GEMM peak measured now: {results['gemm_peak_tflops']:.3f} TFLOP/s",
+        "",
+        f"{'run':<34} {'tokens/s':>12} {'TFLOP/s':>10} {'MFU(sheet)':>10} {'MFU(GEMM)':>10} {'mem GB':>8}",
+    ]
     for row in results["rows"]:
         if row["tokens_per_s"] is None:
             lines.append(f"{row['name']:<34} {'-':>12} {'-':>10} {'-':>10} {'-':>10} {'-':>8}  {row['note']}")
             continue
         sheet = f"{100 * row['mfu_datasheet']:.1f}%" if row["mfu_datasheet"] is not None else "-"
-        lines.append(f"{row['name']:<34} {row['tokens_per_s']:>12,.0f} {row['tflops']:>10.3f} {sheet:>10} "
-                     f"{100 * row['mfu_measured_gemm']:>9.1f}% {row['mem_gb']:>8.2f}")
+        lines.append(
+            f"{row['name']:<34} {row['tokens_per_s']:>12,.0f} {row['tflops']:>10.3f} {sheet:>10} "
+            f"{100 * row['mfu_measured_gemm']:>9.1f}% {row['mem_gb']:>8.2f}"
+        )
     loom, fp8, plain = (row["tokens_per_s"] for row in results["rows"])
     lines.append("")
     lines.append(f"ratio loom / plain loop: {loom / plain:.3f}" if plain else "ratio loom / plain loop: -")
-    lines.append(f"ratio fp8 / {results['precision']}: {fp8 / loom:.3f}" if fp8 else
-                 f"ratio fp8 / {results['precision']}: - ({results['rows'][1]['note']})")
+    lines.append(
+        f"ratio fp8 / {results['precision']}: {fp8 / loom:.3f}"
+        if fp8
+        else f"ratio fp8 / {results['precision']}: - ({results['rows'][1]['note']})"
+    )
     lines.append(results.get("kernels", ""))
     return "\n".join(lines)
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> dict:
     """Entry point of `loom bench mfu` (launch/cli_bench.py): measure, print the table, optionally save JSON."""
-    from launch.cli import resolve_config_path
 
-    base = load_config(resolve_config_path(args.config), overrides)
+    base = load_config(args.config, overrides)
     device = _device(base.train.device)
     if device.type == "cuda":
-        from launch.env import set_cuda_env_defaults
+        from loom.launch.env import set_cuda_env_defaults
 
         set_cuda_env_defaults()
     _init_single_process_group(device)
@@ -245,10 +288,9 @@ def run(args: argparse.Namespace, overrides: list[str]) -> dict:
 
 
 def _init_single_process_group(device: torch.device) -> None:
-    from launch.local import free_port
+    from loom.engine.parallel.rendezvous import free_port
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
 
 

@@ -1,6 +1,6 @@
 """Near-duplicate detection: loom's on-disk MinHash dedup against datasketch's in-memory MinHashLSH, same run.
 
-A generated corpus with known duplicate clusters (tests/near_duplicates.py: copies at word
+A generated corpus with known duplicate clusters (tools/near_duplicates.py: copies at word
 5-gram Jaccard ~0.87-0.93, plus unrelated documents) is deduplicated at threshold 0.8 by both;
 prints documents per second and pairwise precision and recall against the known clusters. loom is
 timed end to end (read JSONL, signatures, buckets on disk, grouping, verification, writing every
@@ -23,13 +23,9 @@ import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
-
-from near_duplicates import make_corpus, pair_scores  # noqa: E402
-
-from data_tools.dedup import deduplicate  # noqa: E402
-from data_tools.minhash import shingles  # noqa: E402
+from loom.data_tools.dedup import deduplicate
+from loom.data_tools.minhash import shingles
+from loom.tools.near_duplicates import make_corpus, pair_scores
 
 
 def run_datasketch(docs: list[dict], threshold: float, num_perm: int) -> tuple[list[int], float]:
@@ -46,11 +42,19 @@ def run_datasketch(docs: list[dict], threshold: float, num_perm: int) -> tuple[l
     return [representative[r] for r in representative], time.perf_counter() - start
 
 
-def run_loom(docs: list[dict], source: Path, output: Path, threshold: float, workers: int,
-             bucket_memory_mb: float = 256) -> tuple[list[int], float, dict]:
+def run_loom(
+    docs: list[dict], source: Path, output: Path, threshold: float, workers: int, bucket_memory_mb: float = 256
+) -> tuple[list[int], float, dict]:
     start = time.perf_counter()
-    stats = deduplicate([source], output, method="minhash", threshold=threshold, workers=workers,
-                        bucket_memory_mb=bucket_memory_mb, progress=False)
+    stats = deduplicate(
+        [source],
+        output,
+        method="minhash",
+        threshold=threshold,
+        workers=workers,
+        bucket_memory_mb=bucket_memory_mb,
+        progress=False,
+    )
     seconds = time.perf_counter() - start
     position = {d["id"]: i for i, d in enumerate(docs)}
     predicted = list(range(len(docs)))
@@ -96,30 +100,63 @@ def peak_rss_child(source: Path, workers: int, bucket_memory_mb: float) -> None:
     sampler = threading.Thread(target=_sample_worker_rss, args=(peak, stop), daemon=True)
     sampler.start()
     with tempfile.TemporaryDirectory() as tmp:
-        stats = deduplicate([source], Path(tmp) / "out", method="minhash", workers=workers,
-                            bucket_memory_mb=bucket_memory_mb, progress=False)
+        stats = deduplicate(
+            [source],
+            Path(tmp) / "out",
+            method="minhash",
+            workers=workers,
+            bucket_memory_mb=bucket_memory_mb,
+            progress=False,
+        )
     stop.set()
     sampler.join()
-    print(json.dumps({"documents": stats["input_documents"], "parent_kib": _status_kib("self", "VmHWM"),
-                      "workers_kib": peak[0], "workers_anon_kib": peak[1], "buckets": stats["buckets"], "most_passes": stats["most_passes"]}))
+    print(
+        json.dumps(
+            {
+                "documents": stats["input_documents"],
+                "parent_kib": _status_kib("self", "VmHWM"),
+                "workers_kib": peak[0],
+                "workers_anon_kib": peak[1],
+                "buckets": stats["buckets"],
+                "most_passes": stats["most_passes"],
+            }
+        )
+    )
 
 
 def memory_bench(workers: int, bucket_memory_mb: float = 8) -> None:
     """Peak RSS of loom for two corpus sizes (8x apart), each deduplicated in a fresh process."""
-    print(f"peak RSS of loom minhash, {workers} workers, --bucket-memory-mb {bucket_memory_mb} "
-          f"(fresh process per corpus; workers sampled every 50 ms)")
+    print(
+        f"peak RSS of loom minhash, {workers} workers, --bucket-memory-mb {bucket_memory_mb} "
+        f"(fresh process per corpus; workers sampled every 50 ms)"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         for clusters in (1000, 8000):
             source = Path(tmp) / f"corpus-{clusters}.jsonl"
             write_corpus(source, make_corpus(clusters, 4, 2 * clusters, seed=clusters)[0])
-            done = subprocess.run([sys.executable, __file__, "--child-memory", str(source), "--workers", str(workers),
-                                   "--bucket-memory-mb", str(bucket_memory_mb)],
-                                  capture_output=True, text=True, check=True)
+            done = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--child-memory",
+                    str(source),
+                    "--workers",
+                    str(workers),
+                    "--bucket-memory-mb",
+                    str(bucket_memory_mb),
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             row = json.loads(done.stdout.strip().splitlines()[-1])
-            print(f"{row['documents']:7d} documents ({source.stat().st_size / 1e6:5.1f} MB): parent "
-                  f"{row['parent_kib'] / 1024:5.0f} MiB, largest worker {row['workers_kib'] / 1024:5.0f} MiB "
-                  f"({row['workers_anon_kib'] / 1024:3.0f} MiB anonymous; the rest is file-backed: libraries, signature pages), "
-                  f"{row['buckets']} buckets, up to {row['most_passes']} passes per bucket")
+            print(
+                f"{row['documents']:7d} documents ({source.stat().st_size / 1e6:5.1f} MB): parent "
+                f"{row['parent_kib'] / 1024:5.0f} MiB, largest worker {row['workers_kib'] / 1024:5.0f} MiB "
+                f"({row['workers_anon_kib'] / 1024:3.0f} MiB anonymous; "
+                "the rest is file-backed: libraries, signature pages), "
+                f"{row['buckets']} buckets, up to {row['most_passes']} passes per bucket"
+            )
 
 
 def main() -> None:
@@ -145,13 +182,18 @@ def main() -> None:
         for workers in args.workers:
             predicted, seconds, stats = run_loom(docs, source, Path(tmp) / f"out-{workers}", args.threshold, workers)
             rows.append((f"loom minhash on disk, {workers} worker{'s' * (workers > 1)}", predicted, seconds))
-            print(f"  loom {workers} worker(s): signatures {stats['signature_seconds']} s, grouping "
-                  f"{stats['grouping_seconds']} s, {stats['buckets']} buckets, {stats['candidate_pairs']} candidate "
-                  f"pairs, {stats['verified_pairs']} verified", file=sys.stderr)
+            print(
+                f"  loom {workers} worker(s): signatures {stats['signature_seconds']} s, grouping "
+                f"{stats['grouping_seconds']} s, {stats['buckets']} buckets, {stats['candidate_pairs']} candidate "
+                f"pairs, {stats['verified_pairs']} verified",
+                file=sys.stderr,
+            )
     ds_predicted, ds_s = run_datasketch(docs, args.threshold, 128)
     rows.append(("datasketch MinHashLSH (in memory)", ds_predicted, ds_s))
-    print(f"{len(docs)} documents, {args.clusters} clusters of {args.copies}, threshold {args.threshold}, "
-          f"128 permutations")
+    print(
+        f"{len(docs)} documents, {args.clusters} clusters of {args.copies}, threshold {args.threshold}, "
+        f"128 permutations"
+    )
     for name, labels, seconds in rows:
         precision, recall = pair_scores(truth, labels)
         print(f"{name:40} {len(docs) / seconds:8.0f} docs/s  precision {precision:.3f}  recall {recall:.3f}")

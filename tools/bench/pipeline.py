@@ -11,21 +11,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from engine.parallel.state import ParallelState
-from engine.pipeline.executor import PipelineExecutor
-from engine.pipeline.schedules import build_all, build_schedule
-from engine.pipeline.simulate import simulate
-from launch.local import free_port
+from loom.engine.parallel.rendezvous import free_port
+from loom.engine.parallel.state import ParallelState
+from loom.engine.pipeline.executor import PipelineExecutor
+from loom.engine.pipeline.schedules import build_all, build_schedule
+from loom.engine.pipeline.simulate import simulate
 
 SHAPE = (16, 1, 8)  # (sequence, micro-batch, hidden): tiny, so communication is negligible
 
@@ -93,19 +89,25 @@ def main() -> None:
     args = parser.parse_args()
     layer_s = args.layer_ms / 1000
     compute = args.microbatches * 3 * layer_s * args.layers / args.pp  # per rank, no bubble
-    print(f"pp={args.pp} microbatches={args.microbatches} layers={args.layers}, forward {args.layer_ms} ms "
-          f"and backward {2 * args.layer_ms} ms per layer; bubble-free step {compute * 1000:.0f} ms")
+    print(
+        f"pp={args.pp} microbatches={args.microbatches} layers={args.layers}, forward {args.layer_ms} ms "
+        f"and backward {2 * args.layer_ms} ms per layer; bubble-free step {compute * 1000:.0f} ms"
+    )
     bubbles = {}
     for vp in (1, 2):
         per_chunk = args.layers / (args.pp * vp)
         ideal = simulate(build_all(args.pp, vp, args.microbatches), per_chunk * layer_s, 2 * per_chunk * layer_s)
         measured = measure(args.pp, vp, args.microbatches, args.layers, layer_s)
         bubbles[vp] = measured / compute - 1
-        print(f"vp={vp}: ideal step {ideal.makespan * 1000:7.1f} ms (bubble {ideal.bubble_fraction:.3f}), "
-              f"measured {measured * 1000:7.1f} ms (bubble {bubbles[vp]:.3f}), measured/ideal "
-              f"{measured / ideal.makespan:.3f}")
-    print(f"interleaving shrinks the measured bubble by {bubbles[1] / bubbles[2]:.2f}x "
-          f"(theory {2:.2f}x: (P-1)/M -> (P-1)/(2M))")
+        print(
+            f"vp={vp}: ideal step {ideal.makespan * 1000:7.1f} ms (bubble {ideal.bubble_fraction:.3f}), "
+            f"measured {measured * 1000:7.1f} ms (bubble {bubbles[vp]:.3f}), measured/ideal "
+            f"{measured / ideal.makespan:.3f}"
+        )
+    print(
+        f"interleaving shrinks the measured bubble by {bubbles[1] / bubbles[2]:.2f}x "
+        f"(theory {2:.2f}x: (P-1)/M -> (P-1)/(2M))"
+    )
 
 
 if __name__ == "__main__":

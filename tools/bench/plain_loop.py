@@ -15,8 +15,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from engine.config import ModelConfig
-from engine.model.transformer import apply_rotary, rotary_tables
+from loom.engine.config import ModelConfig
+from loom.engine.model.transformer import apply_rotary, rotary_tables
 
 
 class PlainBlock(torch.nn.Module):
@@ -75,21 +75,34 @@ def unsupported_reason(c: ModelConfig) -> str | None:
     return None
 
 
-def run_plain_loop(c: ModelConfig, seq_length: int, micro_batch: int, microbatches: int, steps: int, warmup: int,
-                   device: torch.device, precision: str, compile_model: bool, lr: float = 1e-4) -> list[float]:
+def run_plain_loop(
+    c: ModelConfig,
+    seq_length: int,
+    micro_batch: int,
+    microbatches: int,
+    steps: int,
+    warmup: int,
+    device: torch.device,
+    precision: str,
+    compile_model: bool,
+    lr: float = 1e-4,
+) -> list[float]:
     """Train on random tokens; returns tokens/s of every step after the warmup."""
     torch.manual_seed(0)
     model = PlainGPT(c, seq_length).to(device)
     step_model = torch.compile(model) if compile_model else model
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1,
-                                  fused=device.type == "cuda")
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, fused=device.type == "cuda"
+    )
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype else contextlib.nullcontext
     generator = torch.Generator().manual_seed(1)
     rates = []
     for step in range(warmup + steps):
-        batches = [torch.randint(0, c.vocab_size, (micro_batch, seq_length + 1), generator=generator).to(device)
-                   for _ in range(microbatches)]
+        batches = [
+            torch.randint(0, c.vocab_size, (micro_batch, seq_length + 1), generator=generator).to(device)
+            for _ in range(microbatches)
+        ]
         _sync(device)
         start = time.perf_counter()
         for batch in batches:

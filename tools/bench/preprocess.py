@@ -17,21 +17,17 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+import numpy as np
+import sentencepiece
 
-import numpy as np  # noqa: E402
-import sentencepiece  # noqa: E402
-
-from data_tools.build import build_indexed_dataset  # noqa: E402
-from data_tools.corpus import build_stdlib_corpus  # noqa: E402
-from data_tools.tokenizer import train_tokenizer  # noqa: E402
-from engine.data.indexed import IndexedDataset, IndexedDatasetWriter, dtype_for_vocab  # noqa: E402
+from loom.data_tools.build import build_indexed_dataset
+from loom.data_tools.corpus import build_stdlib_corpus
+from loom.data_tools.tokenizer import train_tokenizer
+from loom.engine.data.indexed import IndexedDataset, IndexedDatasetWriter, dtype_for_vocab
 
 MEGATRON_IMAP_CHUNKSIZE = 32  # preprocess_data.py's pool.imap(encoder.encode, fin, 32)
 
@@ -59,9 +55,11 @@ def megatron_style_build(corpus: Path, model_path: Path, prefix: Path, workers: 
     encoder = MegatronStyleEncoder(str(model_path), text_key, append_eod=True)
     vocab = sentencepiece.SentencePieceProcessor(model_file=str(model_path)).vocab_size()
     tokens = documents = 0
-    with open(corpus, encoding="utf-8") as lines, \
-            multiprocessing.Pool(workers, initializer=encoder.initializer) as pool, \
-            IndexedDatasetWriter(prefix, dtype_for_vocab(vocab)) as builder:
+    with (
+        open(corpus, encoding="utf-8") as lines,
+        multiprocessing.Pool(workers, initializer=encoder.initializer) as pool,
+        IndexedDatasetWriter(prefix, dtype_for_vocab(vocab)) as builder,
+    ):
         for ids, _ in pool.imap(encoder.encode, lines, MEGATRON_IMAP_CHUNKSIZE):
             builder.add_document(ids)
             tokens += len(ids)
@@ -77,8 +75,9 @@ def loom_build(corpus: Path, model_path: Path, prefix: Path, workers: int) -> di
 
 def same_tokens(a: Path, b: Path) -> bool:
     x, y = IndexedDataset(a), IndexedDataset(b)
-    return (np.array_equal(x.sequence_lengths, y.sequence_lengths)
-            and np.array_equal(np.fromfile(x.bin_path, x.dtype), np.fromfile(y.bin_path, y.dtype)))
+    return np.array_equal(x.sequence_lengths, y.sequence_lengths) and np.array_equal(
+        np.fromfile(x.bin_path, x.dtype), np.fromfile(y.bin_path, y.dtype)
+    )
 
 
 def main() -> None:
@@ -103,12 +102,16 @@ def main() -> None:
         if not same_tokens(tmp / "loom", tmp / "megatron"):
             raise SystemExit("the two builds hold different tokens")
         vocab = sentencepiece.SentencePieceProcessor(model_file=str(model)).vocab_size()
-        print(f"corpus: {counts['documents']:,} documents, {corpus.stat().st_size / 1e6:.1f} MB JSONL; "
-              f"SentencePiece BPE vocab {vocab:,}; {args.workers} workers; --append-eod; best of {args.repeat}")
+        print(
+            f"corpus: {counts['documents']:,} documents, {corpus.stat().st_size / 1e6:.1f} MB JSONL; "
+            f"SentencePiece BPE vocab {vocab:,}; {args.workers} workers; --append-eod; best of {args.repeat}"
+        )
         best = {name: min(r, key=lambda run: run["seconds"]) for name, r in runs.items()}
         for name, run in best.items():
-            print(f"{name:22} {run['tokens'] / run['seconds'] / 1e6:7.3f} M tokens/s  {run['seconds']:6.2f} s  "
-                  f"{run['tokens']:,} tokens  {corpus.stat().st_size / 1e6 / run['seconds']:5.1f} MB/s")
+            print(
+                f"{name:22} {run['tokens'] / run['seconds'] / 1e6:7.3f} M tokens/s  {run['seconds']:6.2f} s  "
+                f"{run['tokens']:,} tokens  {corpus.stat().st_size / 1e6 / run['seconds']:5.1f} MB/s"
+            )
         ratio = best["Megatron-style pool"]["seconds"] / best["loom build"]["seconds"]
         print(f"ratio loom / Megatron-style: {ratio:.2f}x (goal >= 1.5x)")
 

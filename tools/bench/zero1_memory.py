@@ -11,7 +11,6 @@ reports what it holds, read off the tensors themselves.
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 from pathlib import Path
 
@@ -19,22 +18,31 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
-
-from engine.config_io import load_config  # noqa: E402
-from engine.train import Trainer  # noqa: E402
-from launch.local import free_port  # noqa: E402
+from loom.engine.config_io import load_config
+from loom.engine.parallel.rendezvous import free_port
+from loom.engine.train import Trainer
 
 
 def _rank(rank, world, port, dataset, run_dir, zero1, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    config = load_config(REPO / "configs" / "tiny.toml", {
-        "data": {"paths": [dataset], "tokenizer": None}, "optim": {"zero1": zero1},
-        "train": {"steps": 1, "run_dir": run_dir, "tensorboard": False, "eval_interval": 0, "precision": "bf16",
-                  "global_batch_size": 16, "micro_batch_size": 2}})
+    config = load_config(
+        "tiny",
+        {
+            "data": {"paths": [dataset], "tokenizer": None},
+            "optim": {"zero1": zero1},
+            "train": {
+                "steps": 1,
+                "run_dir": run_dir,
+                "tensorboard": False,
+                "eval_interval": 0,
+                "precision": "bf16",
+                "global_batch_size": 16,
+                "micro_batch_size": 2,
+            },
+        },
+    )
     trainer = Trainer(config)
     trainer.train_step()
     params = sum(p.numel() for p in trainer.params)
@@ -55,7 +63,7 @@ def measure(world: int, dataset: str, run_dir: str) -> tuple:
 
 
 def main() -> None:
-    from synthetic_data import write_markov_dataset
+    from loom.tools.synthetic_data import write_markov_dataset
 
     with tempfile.TemporaryDirectory() as tmp:
         dataset = write_markov_dataset(Path(tmp) / "markov", vocab_size=4096, num_documents=200)
@@ -65,8 +73,10 @@ def main() -> None:
             _, params, p_bytes, g_bytes, state = measure(dp, dataset, str(Path(tmp) / f"run{dp}"))
             base = base or state
             total = (p_bytes + g_bytes + state) / params
-            print(f"{dp:<3} {params:<10,} {p_bytes / params:10.2f} {g_bytes / params:10.2f} {state / params:12.2f} "
-                  f"{total:14.2f} {6 + 12 / dp:17.2f} {state / base:14.3f} (1/DP = {1 / dp:.3f})")
+            print(
+                f"{dp:<3} {params:<10,} {p_bytes / params:10.2f} {g_bytes / params:10.2f} {state / params:12.2f} "
+                f"{total:14.2f} {6 + 12 / dp:17.2f} {state / base:14.3f} (1/DP = {1 / dp:.3f})"
+            )
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.data.indexed import IndexedDatasetWriter
+from loom.engine.data.indexed import IndexedDatasetWriter
 
 
 def write_markov_dataset(prefix: Path, vocab_size: int, num_documents: int, seed: int = 0) -> str:

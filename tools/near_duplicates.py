@@ -1,15 +1,17 @@
 """A corpus with known near-duplicate clusters: copies of a base document, each changed by `edits`
 operations of one kind (word replacements, insertions, or swaps of neighbouring words; the kind
 cycles over the copies). With 300 words and 2 edits a copy's word 5-gram Jaccard is ~0.93 to its
-base and ~0.87 to another copy; unrelated documents are mixed in. Used by the MinHash test and tools/bench/minhash.py."""
+base and ~0.87 to another copy; unrelated documents are mixed in.
+Used by the MinHash test and tools/bench/minhash.py."""
 
 from __future__ import annotations
 
 import numpy as np
 
 
-def make_corpus(clusters: int, copies: int, singletons: int, words: int = 300, edits: int = 2,
-                seed: int = 0) -> tuple[list[dict], list[int]]:
+def make_corpus(
+    clusters: int, copies: int, singletons: int, words: int = 300, edits: int = 2, seed: int = 0
+) -> tuple[list[dict], list[int]]:
     """(documents, cluster id of each document); singletons get their own cluster ids."""
     rng = np.random.default_rng(seed)
     vocabulary = np.array([f"w{i}" for i in range(50_000)])
@@ -37,11 +39,12 @@ def make_corpus(clusters: int, copies: int, singletons: int, words: int = 300, e
 
 def pair_scores(truth: list[int], predicted: list[int]) -> tuple[float, float]:
     """Pairwise precision and recall of a predicted clustering against the true one."""
+
     def pairs(labels):
         groups = {}
         for doc, label in enumerate(labels):
             groups.setdefault(label, []).append(doc)
-        return {(a, b) for members in groups.values() for i, a in enumerate(members) for b in members[i + 1:]}
+        return {(a, b) for members in groups.values() for i, a in enumerate(members) for b in members[i + 1 :]}
 
     true_pairs, found = pairs(truth), pairs(predicted)
     precision = len(true_pairs & found) / len(found) if found else 1.0
