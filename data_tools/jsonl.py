@@ -17,11 +17,12 @@ from pathlib import Path
 from typing import IO, Iterable, Iterator
 
 from loom.data_tools.atomic import atomic_path
+from loom.errors import LoomError
 
 ZSTD_SUFFIXES = (".zst", ".zstd")
 
 
-class InputError(ValueError):
+class InputError(LoomError):
     """An input that cannot be read at all; the one-line message says which and what to do."""
 
 

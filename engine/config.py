@@ -12,8 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from loom.errors import LoomError
 
-class ConfigError(ValueError):
+
+class ConfigError(LoomError):
     """A user-facing configuration problem; the message is one line saying what to change."""
 
 

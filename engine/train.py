@@ -11,7 +11,6 @@ import contextlib
 import datetime
 import json
 import math
-import os
 import time
 from pathlib import Path
 from typing import Protocol
@@ -22,9 +21,11 @@ import torch.distributed as dist
 from loom.engine.checkpoint.format import CheckpointError, find_loadable, read_metadata
 from loom.engine.checkpoint.load import load_checkpoint
 from loom.engine.checkpoint.save import CheckpointWriter
-from loom.engine.config import LoomConfig
+from loom.engine.config import ConfigError, LoomConfig
 from loom.engine.config_io import config_to_toml
+from loom.engine.data.indexed import DatasetError
 from loom.engine.data.loader import BatchIterator, build_dataset
+from loom.engine.faults import FaultPlan
 from loom.engine.flops import model_flops_per_token, peak_tflops
 from loom.engine.metrics import MetricsWriter, memory_gb
 from loom.engine.model.kernels import choose_kernels
@@ -42,12 +43,13 @@ from loom.engine.parallel.state import ParallelState
 from loom.engine.pipeline.executor import PipelineExecutor
 from loom.engine.pipeline.schedules import build_schedule
 from loom.engine.pipeline.stages import build_chunks
+from loom.errors import TrainingDiverged
 
 
 def pick_device(choice: str, local_rank: int) -> torch.device:
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
-            raise RuntimeError("train.device = cuda but no CUDA device is visible; use --train.device cpu")
+            raise ConfigError("train.device = cuda but no CUDA device is visible; use --train.device cpu")
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -87,9 +89,7 @@ class Trainer:
         self._build_data(evaluation_only)
         self.flops_per_token = model_flops_per_token(config.model, t.seq_length)
         self.peak_flops = self._peak_flops()
-        self.injected_fault = _injected_step("LOOM_INJECT_FAULT", self.state.rank)
-        self.injected_hang = _injected_step("LOOM_INJECT_HANG", self.state.rank)
-        self.injected_nan = _injected_step("LOOM_INJECT_NAN", self.state.rank, any_rank=True)
+        self.faults = FaultPlan.from_environment(self.state.rank)
         self.skipped_in_a_row = 0
         self.last_saved_step: int | None = None
         self.checkpoints = Path(t.run_dir) / "checkpoints"
@@ -178,7 +178,7 @@ class Trainer:
         if t.eval_interval or evaluation_only:
             self.valid_set = build_dataset(c, 1, t.eval_iters * t.global_batch_size, is_builder, barrier)
             if self.valid_set is None:
-                raise ValueError(f"data.split = {c.data.split!r} leaves no validation documents")
+                raise DatasetError(f"data.split = {c.data.split!r} leaves no validation documents")
 
     def _peak_flops(self) -> float | None:
         if self.config.train.peak_tflops:
@@ -234,7 +234,7 @@ class Trainer:
         )
         self.grads.finish()
         loss = self._global_mean(loss_sum)
-        if self.step + 1 == self.injected_nan:
+        if self.step + 1 == self.faults.nan_loss_at_step:
             loss = math.nan
         result = self.optimizer.step(lr, skip=not math.isfinite(loss))
         self.step += 1
@@ -260,12 +260,12 @@ class Trainer:
             else "no checkpoint was saved by this job"
         )
         if t.nan_policy == "stop":
-            raise FloatingPointError(
+            raise TrainingDiverged(
                 f"{what} (train.nan_policy = stop); {newest}. Lower optim.lr, raise "
                 f"optim.clip_grad or set --train.nan_policy skip"
             )
         if self.skipped_in_a_row > t.max_skipped_steps:
-            raise FloatingPointError(
+            raise TrainingDiverged(
                 f"{what}: {self.skipped_in_a_row} non-finite steps in a row "
                 f"(train.max_skipped_steps = {t.max_skipped_steps}); {newest}"
             )
@@ -316,10 +316,7 @@ class Trainer:
                 self.checkpoint_writer.wait()
                 self._log_event(f"stop requested: checkpoint of step {self.step} saved in {self.checkpoints}")
                 break
-            if self.step == self.injected_fault:
-                raise RuntimeError(f"fault injected by LOOM_INJECT_FAULT at step {self.step}")
-            if self.step == self.injected_hang:
-                time.sleep(10**6)
+            self.faults.before_step(self.step)
             self._sync()
             start = time.perf_counter()
             row = self.train_step()
@@ -398,15 +395,3 @@ class Trainer:
         self.grads.remove_hooks()
         if self.metrics is not None:
             self.metrics.close()
-
-
-def _injected_step(variable: str, rank: int, any_rank: bool = False) -> int | None:
-    """The step at which this rank must misbehave, for tests of failure handling: LOOM_INJECT_FAULT=RANK:STEP
-    raises, LOOM_INJECT_HANG=RANK:STEP sleeps forever, LOOM_INJECT_NAN=STEP makes that step's loss NaN."""
-    spec = os.environ.get(variable)
-    if not spec:
-        return None
-    if any_rank:
-        return int(spec)
-    fault_rank, step = (int(x) for x in spec.split(":"))
-    return step if fault_rank == rank else None

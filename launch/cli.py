@@ -1,8 +1,10 @@
 """The `loom` command: argument parsing, pre-flight checks and one-line errors; the work lives elsewhere.
 
-Every subcommand is a thin function over engine/, data_tools/ or launch/. User errors (bad
-config, missing data, corrupt files) print one line `error: ...` and exit 2; a failing rank
-prints its rank and message and exits 1. Tracebacks are shown only with LOOM_DEBUG=1.
+Every subcommand is a thin function over engine/, data_tools/, tools/ or launch/. User errors
+(loom.errors.LoomError: a bad config, missing data, corrupt files) print one line `error: ...` and
+exit 2; a failing rank prints its rank, host and message and exits 1, followed by its traceback
+when the error is not the user's. Anything else is a bug and keeps Python's traceback.
+LOOM_DEBUG=1 shows tracebacks for user errors too.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 
 from loom.engine.config import ConfigError
 from loom.engine.config_io import load_config
+from loom.errors import is_user_error
 
 EPILOG_TRAIN = """\
 Every config field can be overridden as --section.field value, for example
@@ -115,9 +118,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from loom.data_tools.jsonl import InputError
-    from loom.engine.checkpoint.format import CheckpointError
-    from loom.engine.data.indexed import IndexFormatError
     from loom.launch.local import RankFailed, Stopped
 
     parser = build_parser()
@@ -134,12 +134,13 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(error.exit_code)
     except RankFailed as error:
         print(f"error: {error}", file=sys.stderr)
-        if os.environ.get("LOOM_DEBUG") and error.details:
-            print(error.details, file=sys.stderr)
+        if error.details and (not error.user_error or os.environ.get("LOOM_DEBUG")):
+            print(f"traceback of rank {error.rank}{f' on {error.host}' if error.host else ''}:", file=sys.stderr)
+            print(error.details, file=sys.stderr, end="")
         sys.exit(1)
-    except (ConfigError, IndexFormatError, InputError, CheckpointError, FileNotFoundError, PermissionError) as error:
-        if os.environ.get("LOOM_DEBUG"):
-            raise
+    except Exception as error:
+        if not is_user_error(error) or os.environ.get("LOOM_DEBUG"):
+            raise  # a bug: Python's traceback, not a one-line message that would blame the user
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:

@@ -13,6 +13,7 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import signal
+import socket
 import sys
 import time
 import traceback
@@ -21,15 +22,15 @@ from pathlib import Path
 from loom.engine.config import LoomConfig
 from loom.engine.config_io import config_from_dict, config_to_dict
 from loom.engine.parallel.rendezvous import free_port
-
-# Errors whose message is the whole story; anything else is reported with its type.
-USER_ERRORS = (ValueError, FileNotFoundError, PermissionError, FloatingPointError)
+from loom.errors import is_user_error
 
 
 class RankFailed(RuntimeError):
-    def __init__(self, rank: int, message: str, details: str):
-        super().__init__(f"rank {rank} failed: {message}")
-        self.rank, self.details = rank, details
+    """A rank's error as the launcher reports it: one line, plus the traceback when it is not the user's to fix."""
+
+    def __init__(self, rank: int, message: str, details: str, user_error: bool = True, host: str = ""):
+        super().__init__(f"rank {rank}{f' on {host}' if host else ''} failed: {message}")
+        self.rank, self.details, self.user_error, self.host = rank, details, user_error, host
 
 
 class Stopped(Exception):
@@ -40,17 +41,22 @@ class Stopped(Exception):
         self.exit_code = 128 + signal.Signals[signal_name].value
 
 
-def describe_rank_error(error: BaseException, timeout_minutes: float) -> str:
-    """One line for a rank's failure; a collective timeout is named as what it usually means."""
+def _is_collective_timeout(error: BaseException, message: str) -> bool:
+    return "timed out" in message.lower() or "timeout" in type(error).__name__.lower()
+
+
+def describe_rank_error(error: BaseException, timeout_minutes: float) -> tuple[str, bool]:
+    """(one line for a rank's failure, whether it is the user's to fix). A collective timeout is named as
+    what it usually means (a peer died or hung) and counts as the user's: the cause is on another rank."""
     message = str(error).splitlines()[0] if str(error) else type(error).__name__
-    if "timed out" in message.lower() or "timeout" in type(error).__name__.lower():
+    if _is_collective_timeout(error, message):
         return (
             f"a collective timed out after {timeout_minutes:g} min: a peer rank stopped answering "
             f"(crashed, hung or killed); parallel.timeout_minutes sets the limit [{message}]"
-        )
-    if not isinstance(error, USER_ERRORS):
-        message = f"{type(error).__name__}: {message}"
-    return message
+        ), True
+    if is_user_error(error):
+        return message, True
+    return f"{type(error).__name__}: {message}", False
 
 
 def _die_with_launcher(launcher_pid: int) -> None:
@@ -81,8 +87,8 @@ def _rank_main(
     try:
         run_rank(config, mode, stop)
     except BaseException as error:  # noqa: BLE001 - every failure must reach the parent
-        message = describe_rank_error(error, config.parallel.timeout_minutes)
-        errors.put((time.time(), rank, message, traceback.format_exc()))
+        message, user_error = describe_rank_error(error, config.parallel.timeout_minutes)
+        errors.put((time.time(), rank, message, traceback.format_exc(), user_error, socket.gethostname()))
         raise SystemExit(1) from None
 
 
@@ -168,5 +174,5 @@ def _first_error(errors, rank: int, exitcode: int) -> RankFailed:
             break
     if not reports:
         return RankFailed(rank, f"exited with code {exitcode} without a Python error (killed?)", "")
-    _, first_rank, message, details = min(reports)
-    return RankFailed(first_rank, message, details)
+    _, first_rank, message, details, user_error, host = min(reports)
+    return RankFailed(first_rank, message, details, user_error, host)

@@ -316,9 +316,9 @@ def record_failure(run_dir: Path, job_id: str, rank: int, error: BaseException, 
         "attempt": int(_attempt()),
         "rank": rank,
         "host": socket.gethostname(),
-        "message": describe_rank_error(error, timeout_minutes),
         "traceback": traceback.format_exc(),
     }
+    report["message"], report["user_error"] = describe_rank_error(error, timeout_minutes)
     write_text_atomically(folder / f"{job_id}.{_attempt()}.rank{rank}.json", json.dumps(report))
 
 
@@ -467,4 +467,6 @@ def cmd_submit(args: argparse.Namespace, overrides: list[str]) -> None:
             else f"; see {rank0_log(run_dir, job.job_id)}"
         )
         print(f"error: job {job.job_id} ended {state}{cause}", file=sys.stderr, flush=True)
+        if failure and not failure.get("user_error", True):
+            print(failure["traceback"], file=sys.stderr, end="", flush=True)
         sys.exit(1)

@@ -132,8 +132,8 @@ def test_missing_inputs_and_empty_results_are_one_line_errors(pipeline, tmp_path
         build_indexed_dataset([pipeline["corpus"]], tmp_path / "no.model", tmp_path / "x", progress=False)
     empty = tmp_path / "empty.jsonl"
     empty.write_text('{"body": 1}\n')
-    with pytest.raises(ValueError, match="no documents with a string 'text' field"):
+    with pytest.raises(InputError, match="no documents with a string 'text' field"):
         build_indexed_dataset([empty], pipeline["model"], tmp_path / "x", progress=False)
-    with pytest.raises(ValueError, match="no documents with a string 'text' field"):
+    with pytest.raises(InputError, match="no documents with a string 'text' field"):
         train_tokenizer([empty], tmp_path / "tok", vocab_size=300)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.jsonl"]

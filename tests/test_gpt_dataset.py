@@ -11,7 +11,7 @@ import loom.engine.data.blended as blended
 import loom.engine.data.gpt_dataset as gpt_dataset
 from loom.engine.data.blended import BlendedDataset, blend_indices
 from loom.engine.data.gpt_dataset import GPTDataset, build_sample_indices, split_document_ranges
-from loom.engine.data.indexed import IndexedDataset, IndexedDatasetWriter
+from loom.engine.data.indexed import DatasetError, IndexedDataset, IndexedDatasetWriter
 
 
 def write_documents(prefix, documents) -> IndexedDataset:
@@ -149,10 +149,10 @@ def test_non_builders_wait_for_the_builder(tmp_path):
 
 def test_empty_split_and_tokenless_split_are_one_line_errors(tmp_path):
     indexed = write_documents(tmp_path / "data", [np.array([], np.int64), np.array([], np.int64), np.arange(5)])
-    with pytest.raises(ValueError, match="selects no documents") as raised:
+    with pytest.raises(DatasetError, match="selects no documents") as raised:
         GPTDataset(indexed, np.array([], np.int64), 4, 2, seed=0)
     assert "\n" not in str(raised.value)
-    with pytest.raises(ValueError, match="hold no tokens"):
+    with pytest.raises(DatasetError, match="hold no tokens"):
         GPTDataset(indexed, np.array([0, 1]), 4, 2, seed=0)
     with pytest.raises(ValueError, match=r"document ids must lie in \[0, 3\)"):
         GPTDataset(indexed, np.array([0, 3]), 4, 2, seed=0)
@@ -188,7 +188,7 @@ def test_split_ranges_tile_the_documents(count, split):
 
 @pytest.mark.parametrize("split", ["a,b", "-1,1,1", "0,0,0", "1,2,3,4", ""])
 def test_bad_split_is_a_one_line_error(split):
-    with pytest.raises(ValueError, match="like '98,1,1'"):
+    with pytest.raises(DatasetError, match="like '98,1,1'"):
         split_document_ranges(10, split)
 
 
@@ -272,10 +272,10 @@ def test_blended_dataset_serves_the_chosen_samples():
     ],
 )
 def test_bad_blend_weights_are_one_line_errors(weights, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(DatasetError, match=message):
         BlendedDataset([Numbered("a", 10), Numbered("b", 10)], weights, 10)
 
 
 def test_blend_larger_than_a_dataset_is_refused():
-    with pytest.raises(ValueError, match="draws 70 samples from dataset 1 but it has 10"):
+    with pytest.raises(DatasetError, match="draws 70 samples from dataset 1 but it has 10"):
         BlendedDataset([Numbered("a", 100), Numbered("b", 10)], [0.3, 0.7], 100)

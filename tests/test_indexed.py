@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from loom.engine.data.indexed import (
+    DatasetError,
     IndexedDataset,
     IndexedDatasetWriter,
     IndexFormatError,
@@ -96,13 +97,13 @@ def test_multi_sequence_documents_and_merge(tmp_path):
     assert len(tokens_m) == len(expected)
     for got, want in zip(tokens_m, expected):
         np.testing.assert_array_equal(got, want)
-    with pytest.raises(ValueError, match="cannot merge"):
+    with pytest.raises(DatasetError, match="cannot merge"):
         with IndexedDatasetWriter(tmp_path / "c", np.int32) as writer:
             writer.add_index(first)
 
 
 def test_out_of_range_tokens_are_refused(tmp_path):
-    with pytest.raises(ValueError, match="do not fit uint16"):
+    with pytest.raises(DatasetError, match="do not fit uint16"):
         with IndexedDatasetWriter(tmp_path / "x", np.uint16) as writer:
             writer.add_document([70000])
     assert not list(tmp_path.iterdir())

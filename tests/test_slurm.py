@@ -220,7 +220,7 @@ def test_failing_rank_ends_the_job_with_its_message(slurm, dataset, tmp_path):
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("error: job ") and " ended FAILED: rank 5 on " in last, result.stderr
-    assert last.endswith("failed: RuntimeError: fault injected by LOOM_INJECT_FAULT at step 2"), last
+    assert last.endswith("failed: InjectedFault: fault injected by LOOM_INJECT_FAULT at step 2"), last
     assert time.monotonic() - start < 90  # includes start-up of 8 ranks on 2 cores
     wait_until(lambda: not job_processes(tmp_path), 20, "the job's processes to exit")
 

@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from loom.errors import LoomError
+
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 
 # Why the less obvious keys are there:
@@ -92,7 +94,7 @@ SQUEUE_FIELDS = {
 }
 
 
-class ClusterError(RuntimeError):
+class ClusterError(LoomError):
     pass
 
 

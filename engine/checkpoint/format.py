@@ -22,6 +22,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from loom.engine.parallel.sharding import ShardSpec
+from loom.errors import LoomError
 
 FORMAT_VERSION = 1
 METADATA = "metadata.json"
@@ -29,7 +30,7 @@ LATEST = "latest"
 _ITERATION = re.compile(r"^iter_(\d{7,})$")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(LoomError):
     """A missing, incomplete, corrupt or incompatible checkpoint; one line naming it."""
 
 

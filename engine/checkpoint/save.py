@@ -37,6 +37,7 @@ from loom.engine.checkpoint.format import (
     spec_to_json,
 )
 from loom.engine.config_io import config_to_dict
+from loom.engine.faults import FaultPlan
 
 
 def logical_name(name: str, param: torch.nn.Parameter) -> str:
@@ -121,7 +122,7 @@ class CheckpointWriter:
         tmp = staging / f".{name}.tmp"
         save_file(pieces, str(tmp))
         os.replace(tmp, staging / name)
-        _killed_here_by_test(rank, snapshot["step"])
+        FaultPlan.from_environment(rank).after_checkpoint_file(snapshot["step"])
         report = {
             "file": name,
             "size": (staging / name).stat().st_size,
@@ -183,12 +184,3 @@ def _seal(snapshot: dict, checkpoints: Path, staging: Path, final: Path, reports
     write_text_atomically(checkpoints / LATEST, final.name + "\n")
     for old in candidates(checkpoints)[keep:]:
         shutil.rmtree(old, ignore_errors=True)
-
-
-def _killed_here_by_test(rank: int, step: int) -> None:
-    """LOOM_KILL_DURING_SAVE=RANK:STEP SIGKILLs that rank after its file, before the seal (crash tests)."""
-    spec = os.environ.get("LOOM_KILL_DURING_SAVE")
-    if spec and tuple(int(x) for x in spec.split(":")) == (rank, step):
-        import signal
-
-        os.kill(os.getpid(), signal.SIGKILL)

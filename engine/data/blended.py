@@ -21,6 +21,8 @@ from typing import Sequence
 
 import numpy as np
 
+from loom.engine.data.indexed import DatasetError
+
 MAX_DATASETS = int(np.iinfo(np.int16).max)
 _SEGMENT = 512
 _WARMUP = 64
@@ -34,7 +36,7 @@ def normalise_weights(weights: Sequence[float]) -> np.ndarray:
     if len(weights) == 0:
         raise ValueError("blending needs at least one weight")
     if any(not (math.isfinite(w) and w > 0) for w in weights):
-        raise ValueError(f"blending weights must be positive finite numbers, got {list(weights)}")
+        raise DatasetError(f"blending weights must be positive finite numbers, got {list(weights)}")
     array = np.asarray(weights, dtype=np.float64)
     return array / np.sum(array)
 
@@ -133,7 +135,7 @@ class BlendedDataset:
 
     def __init__(self, datasets: list, weights: list[float], size: int):
         if len(datasets) != len(weights):
-            raise ValueError(f"{len(weights)} blending weights for {len(datasets)} datasets; give one per dataset")
+            raise DatasetError(f"{len(weights)} blending weights for {len(datasets)} datasets; give one per dataset")
         if size < 0:
             raise ValueError(f"a blend needs a non-negative size, got {size}")
         self.datasets, self.weights, self.size = datasets, list(weights), size
@@ -141,7 +143,7 @@ class BlendedDataset:
         needed = np.bincount(self.dataset_index, minlength=len(datasets))
         for d, dataset in enumerate(datasets):
             if needed[d] > len(dataset):
-                raise ValueError(
+                raise DatasetError(
                     f"the blend draws {needed[d]} samples from dataset {d} but it has {len(dataset)}; "
                     f"build it with more samples"
                 )

@@ -26,7 +26,7 @@ from typing import Callable
 
 import numpy as np
 
-from loom.engine.data.indexed import IndexedDataset
+from loom.engine.data.indexed import DatasetError, IndexedDataset
 
 INDEX_FORMAT_VERSION = 1
 INDEX_NAMES = ("document_index", "sample_index", "shuffle_index")
@@ -38,9 +38,11 @@ def parse_split(split: str) -> list[float]:
     try:
         weights = [float(part) for part in split.split(",")]
     except ValueError:
-        raise ValueError(f"split {split!r} must be up to three comma-separated weights like '98,1,1'") from None
+        raise DatasetError(f"split {split!r} must be up to three comma-separated weights like '98,1,1'") from None
     if len(weights) > len(SPLIT_NAMES) or any(not w >= 0 for w in weights) or not sum(weights) > 0:
-        raise ValueError(f"split {split!r} must be up to three non-negative weights with a positive sum, like '98,1,1'")
+        raise DatasetError(
+            f"split {split!r} must be up to three non-negative weights with a positive sum, like '98,1,1'"
+        )
     weights += [0.0] * (len(SPLIT_NAMES) - len(weights))
     total = float(np.sum(np.asarray(weights, dtype=np.float64)))
     return [w / total for w in weights]
@@ -87,7 +89,7 @@ def build_sample_indices(
     document_ids = np.asarray(document_ids)
     tokens_per_epoch = int(document_lengths[document_ids].sum(dtype=np.int64))
     if tokens_per_epoch == 0:
-        raise ValueError(f"the {len(document_ids)} selected documents hold no tokens; check the data and its split")
+        raise DatasetError(f"the {len(document_ids)} selected documents hold no tokens; check the data and its split")
     num_epochs = -(-(num_samples * seq_length + 1) // tokens_per_epoch)
     rng = np.random.RandomState(seed % 2**32)
     count = len(document_ids)
@@ -196,7 +198,7 @@ class GPTDataset:
             )
         document_ids = np.asarray(document_ids)
         if document_ids.ndim != 1 or len(document_ids) == 0:
-            raise ValueError(f"{indexed.prefix}: this split selects no documents; adjust the split or add data")
+            raise DatasetError(f"{indexed.prefix}: this split selects no documents; adjust the split or add data")
         if not np.issubdtype(document_ids.dtype, np.integer):
             raise ValueError(f"document ids must be integers, got {document_ids.dtype}")
         if document_ids.min() < 0 or document_ids.max() >= len(indexed):

@@ -23,6 +23,8 @@ from types import MappingProxyType
 
 import numpy as np
 
+from loom.errors import LoomError
+
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 DTYPE_CODES = MappingProxyType(
@@ -42,7 +44,12 @@ _REBUILD_HINT = "rebuild it with `loom data build`"
 _COPY_CHUNK_BYTES = 64 << 20
 
 
-class IndexFormatError(ValueError):
+class DatasetError(LoomError):
+    """A dataset that cannot serve what was asked of it (a split with no documents, ids that do not fit its dtype,
+    an incompatible merge); the message says what to change."""
+
+
+class IndexFormatError(LoomError):
     """A missing, truncated or corrupt .bin/.idx pair; the one-line message names the file."""
 
 
@@ -253,7 +260,7 @@ class IndexedDatasetWriter:
             and tokens.size
             and (tokens.min() < self._limits.min or tokens.max() > self._limits.max)
         ):
-            raise ValueError(
+            raise DatasetError(
                 f"token ids {tokens.min()}..{tokens.max()} do not fit {self.dtype.name}; "
                 f"use dtype_for_vocab(vocab_size)"
             )
@@ -294,7 +301,7 @@ class IndexedDatasetWriter:
         self._check_open()
         other = IndexedDataset(other_prefix)
         if other.dtype != self.dtype:
-            raise ValueError(f"cannot merge {other_prefix} ({other.dtype.name}) into a {self.dtype.name} dataset")
+            raise DatasetError(f"cannot merge {other_prefix} ({other.dtype.name}) into a {self.dtype.name} dataset")
         if self._document_starts[-1] != len(self._lengths):
             raise ValueError("call end_document() before add_index(): the current document is still open")
         offset = len(self._lengths)

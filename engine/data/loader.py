@@ -18,7 +18,7 @@ import torch
 from loom.engine.config import LoomConfig
 from loom.engine.data.blended import BlendedDataset
 from loom.engine.data.gpt_dataset import GPTDataset, split_document_ranges
-from loom.engine.data.indexed import IndexedDataset
+from loom.engine.data.indexed import DatasetError, IndexedDataset
 
 # Blended datasets draw up to this fraction more than their weight from each source.
 _BLEND_MARGIN = 1.005
@@ -65,7 +65,7 @@ def build_dataset(
         share = num_samples if len(paths) == 1 else math.ceil(weight / total * num_samples * _BLEND_MARGIN) + 1
         part = _split_dataset(IndexedDataset(prefix), split_index, share, config, is_builder, barrier)
         if part is None and split_index == 0:
-            raise ValueError(f"{prefix}: the training split {config.data.split!r} leaves it no documents")
+            raise DatasetError(f"{prefix}: the training split {config.data.split!r} leaves it no documents")
         parts.append(part)
     if len(parts) == 1:
         return parts[0]

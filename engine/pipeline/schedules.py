@@ -20,8 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from loom.errors import LoomError
 
-class ScheduleError(ValueError):
+
+class ScheduleError(LoomError):
     """A (P, V, M) combination the schedule does not accept; the message names the valid choices."""
 
 

@@ -1,0 +1,86 @@
+"""User errors and bugs are told apart: a LoomError is one line, anything else keeps its traceback, rank and host."""
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from loom.data_tools.jsonl import InputError
+from loom.engine.checkpoint.format import CheckpointError
+from loom.engine.config import ConfigError
+from loom.engine.data.indexed import DatasetError, IndexFormatError
+from loom.engine.faults import FaultPlan, InjectedFault
+from loom.engine.pipeline.schedules import ScheduleError
+from loom.errors import LoomError, TrainingDiverged, is_user_error
+from loom.launch.local import describe_rank_error
+from loom.tools.slurm_cluster import ClusterError
+from loom.tools.synthetic_data import write_markov_dataset
+
+DOMAIN_ERRORS = [
+    ConfigError,
+    ScheduleError,
+    IndexFormatError,
+    DatasetError,
+    CheckpointError,
+    InputError,
+    ClusterError,
+    TrainingDiverged,
+]
+
+
+@pytest.mark.parametrize("error_type", DOMAIN_ERRORS)
+def test_domain_errors_are_loom_errors_and_not_value_errors(error_type):
+    assert issubclass(error_type, LoomError)
+    assert not issubclass(error_type, ValueError)  # a bug's ValueError must not pass for the user's mistake
+    assert is_user_error(error_type("x"))
+
+
+def test_a_rank_error_is_one_line_for_the_user_and_typed_for_a_bug():
+    assert describe_rank_error(ConfigError("set --model.vocab_size 512"), 10) == ("set --model.vocab_size 512", True)
+    assert describe_rank_error(ValueError("shape mismatch\nmore"), 10) == ("ValueError: shape mismatch", False)
+    message, user_error = describe_rank_error(RuntimeError("[gloo] Connection timed out"), 0.5)
+    assert user_error and message.startswith("a collective timed out after 0.5 min")
+
+
+def test_fault_plan_reads_each_switch_for_its_rank():
+    environ = {"LOOM_INJECT_FAULT": "1:3", "LOOM_INJECT_HANG": "0:5", "LOOM_INJECT_NAN": "4"}
+    assert FaultPlan.from_environment(1, environ) == FaultPlan(raise_before_step=3, nan_loss_at_step=4)
+    assert FaultPlan.from_environment(0, environ) == FaultPlan(hang_before_step=5, nan_loss_at_step=4)
+    assert FaultPlan.from_environment(0, {}) == FaultPlan()
+    with pytest.raises(InjectedFault, match="at step 3"):
+        FaultPlan(raise_before_step=3).before_step(3)
+    FaultPlan(raise_before_step=3).before_step(2)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    return write_markov_dataset(tmp_path_factory.mktemp("data") / "markov", vocab_size=4096, num_documents=60)
+
+
+def _train(dataset, run_dir, *overrides, env=None):
+    command = [sys.executable, "-m", "loom.launch.cli", "train", "--config", "tiny", "--nproc", "1"]
+    command += ["--data.paths", dataset, "--data.tokenizer", "none", "--train.run_dir", str(run_dir)]
+    command += ["--train.tensorboard", "false", "--train.steps", "3", *overrides]
+    return subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, **(env or {})), timeout=300)
+
+
+def test_a_bug_in_a_rank_is_reported_with_its_traceback_rank_and_host(dataset, tmp_path):
+    done = _train(dataset, tmp_path, "--train.eval_interval", "0", env={"LOOM_INJECT_FAULT": "0:1"})
+    assert done.returncode == 1, done.stderr
+    host = socket.gethostname()
+    assert (
+        f"error: rank 0 on {host} failed: InjectedFault: fault injected by LOOM_INJECT_FAULT at step 1" in done.stderr
+    )
+    assert f"traceback of rank 0 on {host}:" in done.stderr
+    assert "Traceback (most recent call last)" in done.stderr and "before_step" in done.stderr
+
+
+def test_a_user_error_found_inside_a_rank_is_one_line(dataset, tmp_path):
+    # Only a rank builds the dataset, so a split with no validation documents is found there, not in preflight.
+    done = _train(dataset, tmp_path, "--data.split", "100,0,0", "--train.eval_interval", "2")
+    assert done.returncode == 1, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("error: rank 0 on ") and "leaves no validation documents" in lines[-1], lines
+    assert "Traceback" not in done.stderr
