@@ -13,8 +13,8 @@ import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
+from loom.data_tools.document import Document, Rejected
 from loom.data_tools.jsonl import InputError
-from loom.data_tools.pipeline import Document, Rejected
 
 UNDETERMINED = "und"
 

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import ClassVar
 
-from loom.data_tools.pipeline import Document, Rejected, above, below, first_rejection
+from loom.data_tools.document import Document, Rejected, above, below, first_rejection
 from loom.data_tools.quality_filters import duplicate_counts, non_blank_lines
 
 # C4: a line must end in a period, exclamation mark, question mark or closing quotation mark.

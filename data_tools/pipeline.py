@@ -1,4 +1,4 @@
-"""Cleaning pipelines: the step protocol, the registry of step types and the TOML pipeline files.
+"""Cleaning pipelines: the registry of step types and the TOML pipeline files.
 
 A pipeline is an ordered list of steps. A step looks at one Document and either changes it
 (repairs, line removal, a language label) or returns a Rejected saying which rule removed it and
@@ -10,7 +10,8 @@ what it measured. Pipelines are written as TOML, one `[[step]]` table per step:
     min_words = 50            # any field of the step's dataclass
 
 The named pipelines ship in data_tools/pipelines/NAME.toml. This module must not read or write
-corpora; clean.py does.
+corpora; clean.py does. Steps know only data_tools/document.py, never this registry, so the
+imports run one way: pipeline -> filters -> document.
 """
 
 from __future__ import annotations
@@ -18,48 +19,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol
+from typing import Any
 
 import tomllib
 
+from loom.data_tools.document import Document, Rejected, Step
 from loom.data_tools.jsonl import InputError
 
 PIPELINES_DIR = Path(__file__).resolve().parent / "pipelines"
-
-
-@dataclass
-class Document:
-    """The text being cleaned and the fields a step adds to the output record (e.g. language)."""
-
-    text: str
-    metadata: dict = field(default_factory=dict)
-
-
-class Rejected(NamedTuple):
-    """Why a step removed a document: a short stable rule (counted in stats.json) and the measurement."""
-
-    rule: str
-    detail: str
-
-
-class Step(Protocol):
-    def __call__(self, doc: Document) -> Rejected | None: ...
-
-
-def above(rule: str, value: float, limit: float) -> Rejected | None:
-    """Rejected when value > limit (a maximum threshold), with both numbers in the detail."""
-    return Rejected(rule, f"{rule} {value:.4g} > {limit:g}") if value > limit else None
-
-
-def below(rule: str, value: float, limit: float) -> Rejected | None:
-    """Rejected when value < limit (a minimum threshold), with both numbers in the detail."""
-    return Rejected(rule, f"{rule} {value:.4g} < {limit:g}") if value < limit else None
-
-
-def first_rejection(*checks: Rejected | None) -> Rejected | None:
-    return next((check for check in checks if check is not None), None)
 
 
 def _registry() -> dict[str, type]:

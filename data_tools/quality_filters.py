@@ -17,7 +17,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from loom.data_tools.pipeline import Document, Rejected, above, below, first_rejection
+from loom.data_tools.document import Document, Rejected, above, below, first_rejection
 
 BULLETS = ("•", "‣", "◦", "○", "●", "▪", "▫", "■", "□", "-", "*", "–", "—", "·")
 ELLIPSES = ("...", "…")

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from html.parser import HTMLParser
 from typing import ClassVar
 
+from loom.data_tools.document import Document, Rejected
 from loom.data_tools.jsonl import InputError
-from loom.data_tools.pipeline import Document, Rejected
 
 NORMAL_FORMS = ("NFC", "NFKC", "NFD", "NFKD")
 

@@ -16,8 +16,9 @@ import pytest
 from loom.data_tools import clean as clean_module
 from loom.data_tools.clean import clean_corpus
 from loom.data_tools.corpus import build_stdlib_corpus
+from loom.data_tools.document import Document
 from loom.data_tools.jsonl import InputError
-from loom.data_tools.pipeline import Document, load_pipeline_spec
+from loom.data_tools.pipeline import load_pipeline_spec
 from loom.data_tools.quality_filters import (
     GopherQuality,
     GopherRepetition,

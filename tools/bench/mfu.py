@@ -272,7 +272,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> dict:
     base = load_config(args.config, overrides)
     device = _device(base.train.device)
     if device.type == "cuda":
-        from loom.launch.env import set_cuda_env_defaults
+        from loom.engine.cuda_env import set_cuda_env_defaults
 
         set_cuda_env_defaults()
     _init_single_process_group(device)
