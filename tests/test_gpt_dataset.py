@@ -28,21 +28,19 @@ def random_documents(seed: int, count: int) -> list[np.ndarray]:
 
 
 def reference_samples(documents, document_ids, num_samples, seq_length, seed) -> list[np.ndarray]:
-    """Concatenate each epoch's shuffled documents and cut windows of seq_length + 1, overlapping by one.
-
-    The random draws follow GPTDataset's documented protocol: one permutation of the document
-    ids per epoch, then one permutation of the samples, all from RandomState(seed).
-    """
-    per_epoch = sum(len(documents[d]) for d in document_ids)
-    epochs = math.ceil((num_samples * seq_length + 1) / per_epoch)
-    rng = np.random.RandomState(seed)
-    stream: list[int] = []
-    for _ in range(epochs):
-        for d in rng.permutation(np.asarray(document_ids)):
-            stream.extend(documents[d].tolist())
-    windows = [np.array(stream[k * seq_length : k * seq_length + seq_length + 1]) for k in range(num_samples)]
-    order = rng.permutation(num_samples)
-    return [windows[k] for k in order]
+    """Each epoch on its own: shuffle the documents, concatenate, cut (tokens - 1) // seq_length windows of
+    seq_length + 1 tokens overlapping by one, serve them in a shuffled order; the epoch's draws come from
+    RandomState(seed) for epoch 0 and RandomState([seed, epoch]) after it (GPTDataset's documented protocol)."""
+    served: list[np.ndarray] = []
+    for epoch in range(num_samples):
+        rng = np.random.RandomState(seed if epoch == 0 else [seed, epoch])
+        stream = np.concatenate([documents[d] for d in rng.permutation(np.asarray(document_ids))])
+        count = (len(stream) - 1) // seq_length
+        windows = [stream[k * seq_length : k * seq_length + seq_length + 1] for k in range(count)]
+        served += [windows[k] for k in rng.permutation(count)]
+        if len(served) >= num_samples:
+            return served[:num_samples]
+    raise AssertionError("unreachable: every epoch yields at least one sample")
 
 
 @pytest.mark.parametrize(
@@ -66,15 +64,26 @@ def test_samples_equal_the_naive_reference(tmp_path, seed, count, seq_length, nu
         dataset[num_samples]
 
 
-def test_every_epoch_is_a_permutation_of_the_documents():
+def test_every_epoch_is_a_permutation_of_the_documents_and_of_its_samples():
     lengths = np.array([3, 0, 5, 2, 7, 1], dtype=np.int32)
     ids = np.array([0, 1, 2, 4, 5])
     document_index, sample_index, shuffle_index = build_sample_indices(lengths, ids, 20, 4, seed=3)
-    assert len(document_index) % len(ids) == 0
-    for epoch in document_index.reshape(-1, len(ids)):
-        assert sorted(epoch.tolist()) == ids.tolist()
-    assert sorted(shuffle_index.tolist()) == list(range(20))
-    assert sample_index.shape == (21, 2)
+    per_epoch = (16 - 1) // 4  # the 16 tokens of one epoch hold 3 samples of 5 tokens overlapping by one
+    epochs = 7  # ceil(20 / 3): whole epochs are built
+    assert document_index.shape == (epochs * len(ids),) and sample_index.shape == (epochs * (per_epoch + 1), 2)
+    for epoch, documents in enumerate(document_index.reshape(epochs, len(ids))):
+        assert sorted(documents.tolist()) == ids.tolist()
+        rows = shuffle_index[epoch * per_epoch : (epoch + 1) * per_epoch]
+        assert sorted(rows.tolist()) == list(range(epoch * (per_epoch + 1), epoch * (per_epoch + 1) + per_epoch))
+
+
+def test_the_order_never_depends_on_how_many_samples_are_asked_for():
+    lengths = np.random.default_rng(0).integers(1, 30, size=40).astype(np.int32)
+    ids = np.arange(40)
+    short = build_sample_indices(lengths, ids, 5, 8, seed=7)
+    long = build_sample_indices(lengths, ids, 500, 8, seed=7)
+    for short_array, long_array in zip(short, long):
+        np.testing.assert_array_equal(short_array, long_array[: len(short_array)])
 
 
 def megatron_walk(lengths, document_index, num_samples, seq_length) -> np.ndarray:
@@ -103,7 +112,11 @@ def test_sample_index_matches_megatron_walk(seed):
     seq_length = int(rng.integers(1, 60))
     num_samples = int(lengths.sum()) * 2 // seq_length
     document_index, sample_index, _ = build_sample_indices(lengths, ids, num_samples, seq_length, seed)
-    np.testing.assert_array_equal(sample_index, megatron_walk(lengths, document_index, num_samples, seq_length))
+    per_epoch = (int(lengths.sum()) - 1) // seq_length
+    for epoch in range(len(document_index) // len(ids)):
+        documents = document_index[epoch * len(ids) : (epoch + 1) * len(ids)]
+        rows = sample_index[epoch * (per_epoch + 1) : (epoch + 1) * (per_epoch + 1)] - (epoch * len(ids), 0)
+        np.testing.assert_array_equal(rows, megatron_walk(lengths, documents, per_epoch, seq_length))
 
 
 def test_index_cache_is_reused_and_keyed(tmp_path, monkeypatch):
@@ -123,7 +136,9 @@ def test_index_cache_is_reused_and_keyed(tmp_path, monkeypatch):
     for i in range(30):
         np.testing.assert_array_equal(first[i], second[i])
     monkeypatch.undo()
-    for changed in ({"seed": 2}, {"num_samples": 31}, {"seq_length": 9}, {"document_ids": np.arange(19)}):
+    # Whole epochs are cached: more samples within the same epochs reuse the cache, a further epoch does not.
+    assert not GPTDataset(indexed, np.arange(20), 31, 8, seed=1).built
+    for changed in ({"seed": 2}, {"num_samples": 30 * 40}, {"seq_length": 9}, {"document_ids": np.arange(19)}):
         arguments = {"document_ids": np.arange(20), "num_samples": 30, "seq_length": 8, "seed": 1, **changed}
         other = GPTDataset(indexed, **arguments)
         assert other.built and set(other.cache_paths.values()).isdisjoint(first.cache_paths.values())

@@ -1,14 +1,22 @@
-"""GPTDataset: fixed-length training samples cut from a shuffled stream of documents.
+"""GPTDataset: fixed-length training samples cut from shuffled epochs of documents.
 
-Every epoch the selected documents are shuffled (np.random.RandomState(seed), one permutation per
-epoch, drawn in epoch order) and concatenated; sample i covers tokens [i*S, i*S + S + 1) of that
-stream, so consecutive samples overlap by one token (inputs and shifted labels) and may span
-documents. Three index arrays describe it:
+Each epoch is one pass over the selected documents: they are shuffled and concatenated, and the
+epoch yields (tokens - 1) // S samples, sample k covering tokens [k*S, k*S + S + 1) of that stream
+(consecutive samples overlap by one token: inputs and shifted labels; a sample may span documents;
+the partial tail is dropped). The epoch's samples are then served in a shuffled order. Epoch 0
+draws both permutations from RandomState(seed), so a run within one epoch sees exactly the samples
+megatron-core's GPTDataset serves for the same .bin/.idx, seed, split and sequence length. Each
+later epoch draws from its own RandomState([seed, epoch]) — the one deliberate difference from
+megatron-core, which shuffles the documents of all epochs together, so that the order is a
+function of (data, seq_length, seed, split) alone: a longer or shorter `train.steps`, or a run
+extended on resume, never changes the samples already consumed. A split whose documents hold
+fewer tokens than one sample repeats them within an epoch (`EpochShape.passes`). Three index
+arrays describe it:
 
 - document index: the document ids of all epochs, in stream order;
-- sample index: num_samples + 1 rows of (position in the document index, token offset) where
-  sample i starts; sample i ends, inclusively, where sample i + 1 starts;
-- shuffle index: the order samples are served in (a permutation drawn after the epochs').
+- sample index: per epoch, samples + 1 rows of (position in the document index, token offset)
+  where each sample starts; a sample ends, inclusively, where the next row starts;
+- shuffle index: the sample-index row of each sample, in the order samples are served.
 
 They are built by `build_sample_indices`, a pure, vectorised function (cumsum + searchsorted,
 no Python loop over documents or samples), and cached as .npy beside the data under a sha256 of
@@ -21,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -28,7 +37,7 @@ import numpy as np
 
 from loom.engine.data.indexed import DatasetError, IndexedDataset
 
-INDEX_FORMAT_VERSION = 1
+INDEX_FORMAT_VERSION = 2  # 2: epochs shuffled on their own, cached per whole epoch
 INDEX_NAMES = ("document_index", "sample_index", "shuffle_index")
 SPLIT_NAMES = ("train", "valid", "test")
 
@@ -78,48 +87,93 @@ def _containing_documents(ends: np.ndarray, seq_length: int, count: int) -> np.n
     return np.cumsum(ended_before)
 
 
-def build_sample_indices(
-    document_lengths: np.ndarray, document_ids: np.ndarray, num_samples: int, seq_length: int, seed: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(document_index, sample_index, shuffle_index) for `num_samples` samples of seq_length + 1 tokens.
+@dataclass(frozen=True)
+class EpochShape:
+    """How the samples are cut: an epoch is `passes` shuffled passes over the documents (1 unless the
+    documents hold fewer tokens than one sample) and yields `samples` samples."""
 
-    document_lengths is indexed by document id. As many epochs are used as the samples need
-    (num_samples * seq_length + 1 tokens); the last one may be partly unused.
-    """
-    document_ids = np.asarray(document_ids)
-    tokens_per_epoch = int(document_lengths[document_ids].sum(dtype=np.int64))
-    if tokens_per_epoch == 0:
+    passes: int
+    samples: int
+
+
+def epoch_shape(tokens_per_pass: int, seq_length: int) -> EpochShape:
+    """Each sample holds seq_length + 1 tokens (its last is the next sample's first) and an epoch's partial
+    tail is dropped, as megatron-core does; a split too small for one sample repeats its documents."""
+    passes = max(1, -(-(seq_length + 1) // tokens_per_pass))
+    return EpochShape(passes, (passes * tokens_per_pass - 1) // seq_length)
+
+
+def _epoch_shape_of(document_lengths: np.ndarray, document_ids: np.ndarray, seq_length: int) -> EpochShape:
+    tokens_per_pass = int(document_lengths[document_ids].sum(dtype=np.int64))
+    if tokens_per_pass == 0:
         raise DatasetError(f"the {len(document_ids)} selected documents hold no tokens; check the data and its split")
-    num_epochs = -(-(num_samples * seq_length + 1) // tokens_per_epoch)
-    rng = np.random.RandomState(seed % 2**32)
-    count = len(document_ids)
-    # int64 because RandomState shuffles pointer-sized items fastest; the draws do not depend on the dtype.
-    document_index = np.empty(num_epochs * count, dtype=np.int64)
-    for epoch in range(num_epochs):
-        block = document_index[epoch * count : (epoch + 1) * count]
-        block[:] = document_ids
-        rng.shuffle(block)
+    return epoch_shape(tokens_per_pass, seq_length)
 
+
+def epoch_random_state(seed: int, epoch: int) -> np.random.RandomState:
+    """The generator of one epoch's document and sample permutations.
+
+    Epoch 0 draws from RandomState(seed), exactly like megatron-core's GPTDataset for a run that fits
+    in one epoch. Later epochs draw from their own stream instead of reshuffling all epochs together
+    (megatron-core's way), so asking for more samples never reorders the ones already served.
+    """
+    return np.random.RandomState(seed % 2**32 if epoch == 0 else [seed % 2**32, epoch])
+
+
+def _epoch_indices(
+    document_lengths: np.ndarray,
+    document_ids: np.ndarray,
+    seq_length: int,
+    shape: EpochShape,
+    rng: np.random.RandomState,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One epoch's (document order, shape.samples + 1 sample boundaries, sample order)."""
+    # int64 because RandomState shuffles pointer-sized items fastest; the draws do not depend on the dtype.
+    document_index = np.tile(document_ids.astype(np.int64), shape.passes)
+    rng.shuffle(document_index)
     lengths = document_lengths[document_index]
     ends = lengths.astype(np.int64)
     np.cumsum(ends, out=ends)
-    starts = np.arange(num_samples + 1, dtype=np.int64) * seq_length
-    positions = _containing_documents(ends, seq_length, num_samples + 1)
+    starts = np.arange(shape.samples + 1, dtype=np.int64) * seq_length
+    positions = _containing_documents(ends, seq_length, shape.samples + 1)
     # megatron-core starts at the first document even when it is empty; the tokens are the same.
     positions[0] = 0
-    # Offsets fit int32 because sequence lengths are int32 in the .idx format.
-    sample_index = np.empty((num_samples + 1, 2), dtype=_smallest_int(len(document_index)))
-    sample_index[:, 0] = positions
-    sample_index[:, 1] = starts - ends[positions] + lengths[positions]
-
-    shuffle_index = np.arange(num_samples, dtype=np.int64)
+    sample_index = np.stack([positions, starts - ends[positions] + lengths[positions]], axis=1)
+    shuffle_index = np.arange(shape.samples, dtype=np.int64)
     rng.shuffle(shuffle_index)
+    return document_index, sample_index, shuffle_index
+
+
+def build_sample_indices(
+    document_lengths: np.ndarray, document_ids: np.ndarray, num_samples: int, seq_length: int, seed: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(document_index, sample_index, shuffle_index) of the whole epochs that hold `num_samples` samples.
+
+    document_lengths is indexed by document id. Epoch e contributes passes * len(document_ids) rows to
+    the document index, samples + 1 rows to the sample index (positions count from the start of the
+    whole document index) and `samples` entries, rows of the sample index, to the shuffle index.
+    Sample i is the shuffle index's entry i, so the order depends on the data, seq_length and seed
+    only, never on num_samples.
+    """
+    document_ids = np.asarray(document_ids)
+    shape = _epoch_shape_of(document_lengths, document_ids, seq_length)
+    num_epochs = -(-num_samples // shape.samples)
+    documents_per_epoch = shape.passes * len(document_ids)
+    parts = [
+        _epoch_indices(document_lengths, document_ids, seq_length, shape, epoch_random_state(seed, epoch))
+        for epoch in range(num_epochs)
+    ]
+    document_index = np.concatenate([part[0] for part in parts])
+    sample_index = np.concatenate([part[1] + (epoch * documents_per_epoch, 0) for epoch, part in enumerate(parts)])
+    shuffle_index = np.concatenate([part[2] + epoch * (shape.samples + 1) for epoch, part in enumerate(parts)])
+    # Offsets fit int32 because sequence lengths are int32 in the .idx format.
+    sample_index = sample_index.astype(_smallest_int(len(document_index)), copy=False)
     document_index = document_index.astype(_smallest_int(len(document_lengths)), copy=False)
     return document_index, sample_index, shuffle_index
 
 
 def _cache_key(
-    indexed: IndexedDataset, document_ids: np.ndarray, num_samples: int, seq_length: int, seed: int
+    indexed: IndexedDataset, document_ids: np.ndarray, num_epochs: int, seq_length: int, seed: int
 ) -> tuple[str, str]:
     """(sha256 hex key, JSON description) of everything the three index arrays depend on."""
     description = json.dumps(
@@ -135,7 +189,7 @@ def _cache_key(
             ).hexdigest(),
             "documents": len(document_ids),
             "document_ids_sha256": hashlib.sha256(np.ascontiguousarray(document_ids, np.int64).tobytes()).hexdigest(),
-            "num_samples": num_samples,
+            "epochs": num_epochs,
             "seq_length": seq_length,
             "seed": seed,
         },
@@ -171,7 +225,9 @@ class GPTDataset:
         self.indexed, self.num_samples, self.seq_length, self.seed = indexed, num_samples, seq_length, seed
         document_ids = self._check_arguments(indexed, document_ids, num_samples, seq_length)
         self.cache_dir = Path(cache_dir) if cache_dir is not None else Path(indexed.prefix + "_cache")
-        key, description = _cache_key(indexed, document_ids, num_samples, seq_length, seed)
+        self.epoch = _epoch_shape_of(indexed.sequence_lengths, document_ids, seq_length)
+        self.num_epochs = -(-num_samples // self.epoch.samples)
+        key, description = _cache_key(indexed, document_ids, self.num_epochs, seq_length, seed)
         self.cache_paths = {name: self.cache_dir / f"{key[:24]}-{name}.npy" for name in INDEX_NAMES}
         self.built = False
         if is_builder and not all(path.is_file() for path in self.cache_paths.values()):

@@ -43,7 +43,7 @@ def _split_dataset(
         sequences,
         num_samples,
         config.train.seq_length,
-        config.train.seed + split_index,
+        config.train.seed,  # every split uses the same seed, as megatron-core does
         cache_dir=cache_dir,
         is_builder=is_builder,
         barrier=barrier,
