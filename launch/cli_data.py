@@ -126,9 +126,66 @@ def _inspect(args: argparse.Namespace) -> None:
         print(f"[{i}] {shown}")
 
 
+def _preview(args: argparse.Namespace, overrides: list[str]) -> None:
+    from loom.engine.atomic import write_text_atomically
+    from loom.engine.config_io import load_config, parse_overrides
+    from loom.engine.data.loader import build_dataset
+
+    sections = parse_overrides(overrides)
+    data, train = sections.setdefault("data", {}), sections.setdefault("train", {})
+    for section, key, value in (
+        (data, "paths", args.data),
+        (data, "split", args.split),
+        (train, "seq_length", args.seq_length),
+        (train, "seed", args.seed),
+    ):
+        if value is not None:
+            section[key] = value
+    config = load_config(args.config, sections)
+    if not config.data.paths:
+        raise FileNotFoundError("give --data PREFIX (or a --config whose data.paths is set)")
+    dataset = build_dataset(config, 0, args.samples, is_builder=True, barrier=None)
+    tokenizer_path = args.tokenizer or config.data.tokenizer
+    processor = None
+    if tokenizer_path:
+        import sentencepiece
+
+        if not Path(tokenizer_path).is_file():
+            raise FileNotFoundError(f"tokenizer {tokenizer_path} does not exist")
+        processor = sentencepiece.SentencePieceProcessor(model_file=tokenizer_path)
+    print(
+        f"the first {args.samples} training samples of {', '.join(config.data.paths)} in the order training "
+        f"reads them (seq_length {config.train.seq_length} + 1 label token, seed {config.train.seed}, "
+        f"split {config.data.split})"
+    )
+    records = []
+    for i in range(args.samples):
+        tokens = dataset[i].tolist()
+        record = {"sample": i, "tokens": tokens}
+        if processor is not None:
+            record["text"] = processor.decode(tokens)
+        records.append(record)
+        shown = tokens if args.max_tokens == 0 else tokens[: args.max_tokens]
+        more = "" if len(shown) == len(tokens) else f" ... ({len(tokens)} tokens)"
+        print(f"[{i}] {shown}{more}")
+        if "text" in record:
+            print(f"    {record['text']!r}")
+    if args.output:
+        write_text_atomically(Path(args.output), "".join(json.dumps(r) + "\n" for r in records))
+        print(f"wrote {args.output}")
+
+
+EPILOG_PREVIEW = """\
+The samples are cut and ordered exactly as `loom train` reads them (global order: the first
+global batch is samples 0..global_batch_size-1), so this shows what the model will see.
+  loom data preview --data demo/data/stdlib_text_document --tokenizer demo/data/tokenizer.model --samples 4
+  loom data preview --config configs/tiny.toml --samples 16 --output first16.jsonl
+Other config fields (e.g. --data.weights, --data.cache_dir) can be overridden as --section.field value."""
+
+
 def add_parser(commands) -> None:
     data = commands.add_parser(
-        "data", help="offline data tools: corpus, clean, dedup, tokenizer, build, merge, inspect"
+        "data", help="offline data tools: corpus, clean, dedup, tokenizer, build, merge, inspect, preview"
     )
     sub = data.add_subparsers(dest="data_command", required=True, metavar="STEP")
 
@@ -235,6 +292,23 @@ def add_parser(commands) -> None:
     p.add_argument("--inputs", nargs="+", required=True, help="prefixes to merge, in order")
     p.add_argument("--output-prefix", required=True)
     p.set_defaults(handler=_merge)
+
+    p = sub.add_parser(
+        "preview",
+        help="the first training samples, in the order training reads them, as token ids and text",
+        epilog=EPILOG_PREVIEW,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--config", help="training config to take data, split, seed and seq_length from (default: none)")
+    p.add_argument("--data", nargs="+", help=".bin/.idx prefix(es) (data.paths)")
+    p.add_argument("--seq-length", type=int, help="tokens per sample (train.seq_length; default 1024)")
+    p.add_argument("--samples", type=int, default=8, help="how many samples to show (default 8)")
+    p.add_argument("--split", help="train,valid,test weights (data.split; default 98,1,1); the train part is shown")
+    p.add_argument("--seed", type=int, help="train.seed (default 1234)")
+    p.add_argument("--tokenizer", help="SentencePiece .model to decode with (default: data.tokenizer)")
+    p.add_argument("--max-tokens", type=int, default=24, help="token ids printed per sample (0: all)")
+    p.add_argument("--output", help="also write every sample, in full, as JSONL (sample, tokens, text)")
+    p.set_defaults(handler=_preview, takes_overrides=True)
 
     p = sub.add_parser("inspect", help="summary and decoded samples of an indexed dataset")
     p.add_argument("prefix")

@@ -7,6 +7,10 @@ seed, split string and sequence length). Past the first epoch loom shuffles each
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -123,3 +127,16 @@ def test_a_two_epoch_run_begins_with_the_one_epoch_run(corpus, tmp_path):
     assert first == [one_epoch[i].tolist() for i in range(per_epoch)]
     # The second epoch cuts its own shuffled stream: as many samples, different ones, in another order.
     assert len(second) == per_epoch and second != first
+
+
+def test_loom_data_preview_prints_megatron_cores_first_samples(corpus, tmp_path):
+    output = tmp_path / "preview.jsonl"
+    command = [sys.executable, "-m", "loom.launch.cli", "data", "preview", "--data", corpus, "--seq-length", "33"]
+    command += ["--samples", "12", "--split", "90,5,5", "--seed", "7", "--output", str(output)]
+    command += ["--data.cache_dir", str(tmp_path / "cache")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("\n[") == 12 and done.stdout.splitlines()[1].startswith("[0] [")
+    train = megatron_splits(corpus, 7, "90,5,5", 33, [12, 1, 1], tmp_path / "megatron")[0]
+    previewed = [json.loads(line)["tokens"] for line in output.read_text().splitlines()]
+    assert previewed == [megatron_sample(train, i).tolist() for i in range(12)]
