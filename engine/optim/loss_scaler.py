@@ -1,7 +1,9 @@
 """Dynamic loss scaling for fp16: scale the loss up, skip steps whose gradients overflow.
 
-On an overflow the step is skipped and, after `hysteresis` overflows in a row, the scale is
-multiplied by `backoff`; after `growth_interval` clean steps it is multiplied by `growth`.
+On an overflow the step is skipped and, once `hysteresis` overflows have been seen since the last
+growth, the scale is multiplied by `backoff` — at that overflow and at every further one, as
+megatron-core's DynamicGradScaler does (the hysteresis budget is refilled only by growth, not by a
+halving); after `growth_interval` clean steps in a row it is multiplied by `growth`.
 Every rank must call `update` with the same found_inf (the optimizer agrees on it through the
 global gradient norm), so the scale stays identical everywhere.
 """
@@ -31,7 +33,6 @@ class LossScaler:
             self.overflows_left -= 1
             if self.overflows_left <= 0:
                 self.scale = max(self.scale * self.backoff, self.min_scale)
-                self.overflows_left = self.hysteresis
             return True
         self.clean_steps += 1
         if self.clean_steps % self.growth_interval == 0:
