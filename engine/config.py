@@ -188,7 +188,7 @@ class OptimConfig:
     loss_scale_window: int = 1000
     """fp16: clean steps before the loss scale doubles."""
     loss_scale_hysteresis: int = 2
-    """fp16: overflowing steps in a row before the loss scale halves."""
+    """fp16: overflows (since the last growth) before the loss scale first halves; each further one halves it."""
     min_loss_scale: float = 1.0
     """fp16: the loss scale never goes below this."""
 
