@@ -21,6 +21,7 @@ import torch.distributed as dist
 from loom.engine.checkpoint.format import CheckpointError, find_loadable, read_metadata
 from loom.engine.checkpoint.load import load_checkpoint
 from loom.engine.checkpoint.save import CheckpointWriter
+from loom.engine.checkpoint.state import TrainingState
 from loom.engine.config import ConfigError, LoomConfig
 from loom.engine.config_io import config_to_toml
 from loom.engine.data.indexed import DatasetError
@@ -104,7 +105,7 @@ class Trainer:
     def _build_model_and_optimizer(self) -> None:
         c, state = self.config, self.state
         param_dtype = PARAM_DTYPES[c.train.precision]
-        self.streams = RNGStreams(c.train.seed, state.tp_rank, self.device)
+        self.streams = RNGStreams(c.train.seed, state.tp_rank, self.device, pp_rank=state.pp_rank)
         self.chunks = build_chunks(c, state, self.streams, self.kernels)
         for chunk in self.chunks:
             initialize_parameters(chunk, c.train.seed, state.tp_rank, state.tp_size)
@@ -158,14 +159,29 @@ class Trainer:
         if choice[0] is None:
             return None
         directory = Path(choice[0])
-        load_checkpoint(self, directory, read_metadata(directory, verify_hashes=False))
+        metadata = read_metadata(directory, verify_hashes=False)
+        load_checkpoint(self.training_state(), directory, metadata)
+        self.step = metadata.step
         self.last_saved_step = self.step
         self._log_event(f"resumed from {directory} at step {self.step}")
         return directory
 
+    def training_state(self) -> TrainingState:
+        """What a checkpoint saves and restores: this trainer's state objects, handed over explicitly."""
+        return TrainingState(
+            config=self.config,
+            parallel=self.state,
+            model_chunks=self.chunks,
+            optimizer=self.optimizer,
+            data=self.train_batches,
+            rng=self.streams,
+            loss_scaler=self.loss_scaler,
+            step=self.step,
+        )
+
     def save(self) -> Path:
         self.last_saved_step = self.step
-        return self.checkpoint_writer.save(self, self.checkpoints, self.config.checkpoint.keep)
+        return self.checkpoint_writer.save(self.training_state(), self.checkpoints, self.config.checkpoint.keep)
 
     def _build_data(self, evaluation_only: bool) -> None:
         c, t = self.config, self.config.train

@@ -51,3 +51,31 @@ def test_tensor_stream_differs_per_tp_rank_replicated_does_not():
         draws[rank] = (tensor, replicated)
     assert not torch.equal(draws[0][0], draws[1][0])
     assert torch.equal(draws[0][1], draws[1][1])
+
+
+def test_each_pipeline_stage_draws_its_own_masks():
+    draws = []
+    for pp_rank in (0, 1):
+        streams = RNGStreams(seed=5, tp_rank=0, device=torch.device("cpu"), pp_rank=pp_rank)
+        with streams.fork("replicated"):
+            replicated = torch.rand(4)
+        with streams.fork("tensor"):
+            tensor = torch.rand(4)
+        draws.append((replicated, tensor))
+    assert not torch.equal(draws[0][0], draws[1][0]) and not torch.equal(draws[0][1], draws[1][1])
+
+
+@pytest.mark.parametrize("tp_rank, pp_rank", [(0, 0), (1, 0), (0, 3), (2, 1)])
+def test_stream_seeds_are_megatrons(monkeypatch, tp_rank, pp_rank):
+    """megatron-core seeds the tensor stream in model_parallel_cuda_manual_seed (recorded here without CUDA);
+    megatron/training's _set_random_seed first adds 100 x the pipeline rank to the run's seed."""
+    megatron_random = pytest.importorskip("megatron.core.tensor_parallel.random", reason="megatron-core is absent")
+    recorded = {}
+    monkeypatch.setattr(megatron_random.torch.cuda, "manual_seed", lambda seed: recorded.setdefault("default", seed))
+    monkeypatch.setattr(
+        megatron_random.CudaRNGStatesTracker, "add", lambda self, name, seed: recorded.setdefault(name, seed)
+    )
+    run_seed = 1234
+    megatron_random.model_parallel_cuda_manual_seed(run_seed + 100 * pp_rank, tp_rank=tp_rank, ep_rank=0, etp_rank=0)
+    ours = RNGStreams(seed=run_seed, tp_rank=tp_rank, device=torch.device("cpu"), pp_rank=pp_rank).seeds
+    assert ours == {"replicated": recorded["default"], "tensor": recorded["model-parallel-rng"]}

@@ -3,6 +3,10 @@
 Replicated activations must see the same mask on every TP rank (the "replicated" stream, seeded
 alike on all of them); split activations (TP shards, sequence-parallel slices) need different
 masks per TP rank (the "tensor" stream). Recompute replays the streams of the original forward.
+Seeds follow Megatron: the run's seed plus 100 x the pipeline rank (megatron/training's
+_set_random_seed), so layers on different stages draw different masks; then the replicated stream
+takes that seed and the tensor stream that seed + 2718 + the TP rank (megatron-core's
+model_parallel_cuda_manual_seed).
 """
 
 from __future__ import annotations
@@ -14,15 +18,20 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 _TENSOR_STREAM_OFFSET = 2718
+_PIPELINE_STAGE_OFFSET = 100
+# The key of torch's default CPU generator in a state_dict, beside the streams' names.
+_DEFAULT_GENERATOR = "torch"
 
 
 class RNGStreams:
     """Named CPU/CUDA generator states that can be forked into for a region of code."""
 
-    def __init__(self, seed: int, tp_rank: int, device: torch.device):
+    def __init__(self, seed: int, tp_rank: int, device: torch.device, pp_rank: int = 0):
         self.device = device
+        stage_seed = seed + _PIPELINE_STAGE_OFFSET * pp_rank
+        self.seeds = {"replicated": stage_seed, "tensor": stage_seed + _TENSOR_STREAM_OFFSET + tp_rank}
         self.states: dict[str, torch.Tensor] = {}
-        for name, stream_seed in (("replicated", seed), ("tensor", seed + _TENSOR_STREAM_OFFSET + tp_rank)):
+        for name, stream_seed in self.seeds.items():
             generator = torch.Generator(device=device).manual_seed(stream_seed)
             self.states[name] = generator.get_state()
 
@@ -50,6 +59,16 @@ class RNGStreams:
 
     def restore(self, states: dict[str, torch.Tensor]) -> None:
         self.states = {k: v.clone() for k, v in states.items()}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's random state for a checkpoint: every stream and torch's default CPU generator."""
+        return {_DEFAULT_GENERATOR: torch.get_rng_state(), **self.states}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore what state_dict returned; every stream this object has must be in `state`."""
+        torch.set_rng_state(state[_DEFAULT_GENERATOR])
+        for name in self.states:
+            self.states[name] = state[name]
 
 
 def checkpointed(function: Callable, streams: RNGStreams | None, *args):
