@@ -80,11 +80,14 @@ def _virtual_order(k: int, pp: int, vp: int, backward: bool) -> tuple[int, int]:
 
 
 def warmup_forwards(rank: int, pp: int, vp: int, microbatches: int) -> int:
+    """Forwards this rank runs before its first backward, as megatron-core's `get_pp_rank_microbatches`.
+
+    There is no special case for microbatches == pp: older Megatron-LM ran every forward first
+    there, megatron-core (0.16) does not, and the last ranks then hold (vp - 1) * pp + 1
+    activations instead of all vp * pp."""
     total = microbatches * vp
     if vp == 1:
         return min(pp - rank - 1, microbatches)
-    if microbatches == pp:
-        return total  # Megatron runs all forwards first when every microbatch is in flight anyway
     return min((pp - rank - 1) * 2 + (vp - 1) * pp, total)
 
 
