@@ -1,7 +1,14 @@
 """The one FLOP count of the project: parameters and model FLOPs per token of a config.
 
-Model FLOPs follow PaLM (Chowdhery et al. 2022, appendix B): 6*N + 12*L*H*Q*T per trained
-token, N the non-embedding parameters. Recompute is not counted (that would be hardware FLOPs).
+Model FLOPs are Megatron-LM's (`num_floating_point_operations` in megatron/training/training.py,
+the count of Narayanan et al. 2021 with its grouped-query and gated-MLP terms), so loom's MFU
+compares with published Megatron figures: per trained token, 6 FLOPs (2 forward, 4 backward) for
+every weight of every GEMM, the output layer (logits) included, plus 12*L*s*(heads*head_dim) for
+the two attention products (scores and scores x V) over the whole s x s square. Causal attention
+is not halved (Megatron's and PaLM's convention), although a causal kernel skips about half of
+that square. Norms, biases, rotary, softmax and other element-wise work are not counted, nor is
+recompute (that would be hardware FLOPs). The vocabulary is the tokenizer's, not the padded one:
+padded logits are wasted work, not model work (Megatron counts its padded vocabulary).
 """
 
 from __future__ import annotations
@@ -38,8 +45,16 @@ def parameter_counts(config: ModelConfig) -> dict[str, int]:
 
 
 def model_flops_per_token(config: ModelConfig, seq_length: int) -> float:
-    n = parameter_counts(config)["non_embedding"]
-    return 6.0 * n + 12.0 * config.num_layers * config.num_heads * config.head_dim * seq_length
+    """Training FLOPs per token (forward and backward) of a sequence of `seq_length` tokens."""
+    h = config.hidden_size
+    query_width = config.num_heads * config.head_dim
+    key_value_width = config.num_kv_heads * config.head_dim
+    mlp_matrices = 3 if config.activation == "swiglu" else 2
+    attention_weights = h * query_width + 2 * h * key_value_width + query_width * h
+    mlp_weights = mlp_matrices * h * config.ffn_hidden_size
+    gemm_weights = config.num_layers * (attention_weights + mlp_weights) + h * config.vocab_size
+    attention_products = 12.0 * config.num_layers * query_width * seq_length
+    return 6.0 * gemm_weights + attention_products
 
 
 def peak_tflops(device_name: str, precision: str) -> float | None:

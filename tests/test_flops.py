@@ -1,8 +1,13 @@
-"""The one FLOP count: parameter counts against a built model, FLOPs per token by hand."""
+"""The one FLOP count: parameter counts against a built model; model FLOPs against Megatron-LM's
+published formula and against torch's FlopCounterMode on the real model."""
 
 import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
 
 from loom.engine.config import ModelConfig
+from loom.engine.config_io import load_config
 from loom.engine.flops import model_flops_per_token, parameter_counts, peak_tflops
 from loom.engine.model.gpt import GPTModel
 
@@ -29,14 +34,84 @@ def test_parameter_count_matches_the_model(kwargs):
     assert parameter_counts(config)["total"] == built - padding
 
 
-def test_flops_per_token_by_hand():
+def test_parameter_count_by_hand():
     config = ModelConfig(
         num_layers=2, hidden_size=8, num_heads=2, num_kv_heads=2, ffn_hidden_size=16, activation="gelu", vocab_size=50
     )
     # Per layer: QKV 8*24 + proj 8*8 + fc1 8*16 + fc2 16*8 + two RMSNorm weights 16 = 528; plus final norm 8.
-    n = 2 * 528 + 8
-    assert parameter_counts(config)["non_embedding"] == n
-    assert model_flops_per_token(config, seq_length=10) == 6 * n + 12 * 2 * 2 * 4 * 10
+    assert parameter_counts(config)["non_embedding"] == 2 * 528 + 8
+
+
+def megatron_formula(layers, hidden, heads, query_groups, kv_channels, ffn, vocab, seq_length, swiglu):
+    """Megatron-LM's num_floating_point_operations (megatron/training/training.py, dense model, no MoE or
+    MTP) for one token, written as published: 12*b*s*L*h^2 * (attention + MLP + logit terms) with b*s = 1."""
+    query_projection_to_hidden_size_ratio = kv_channels * heads / hidden
+    gated_linear_multiplier = 3 / 2 if swiglu else 1
+    return (
+        12
+        * layers
+        * hidden
+        * hidden
+        * (
+            (1 + query_groups / heads + seq_length / hidden) * query_projection_to_hidden_size_ratio
+            + (ffn / hidden) * gated_linear_multiplier
+            + vocab / (2 * layers * hidden)
+        )
+    )
+
+
+@pytest.mark.parametrize(
+    "preset, expected",
+    [
+        # GPT-3 Small: 12 layers, h 768, 12 heads, GELU 3072, vocab 50257, s 2048
+        ("gpt-125m", megatron_formula(12, 768, 12, 12, 64, 3072, 50257, 2048, swiglu=False)),
+        # Llama-3-8B: 32 layers, h 4096, 32 heads in 8 groups, SwiGLU 14336, vocab 128256, s 8192
+        ("llama-8b", megatron_formula(32, 4096, 32, 8, 128, 14336, 128256, 8192, swiglu=True)),
+    ],
+)
+def test_model_flops_are_megatrons_formula(preset, expected):
+    config = load_config(preset, {})
+    assert model_flops_per_token(config.model, config.train.seq_length) == pytest.approx(expected, rel=1e-12)
+
+
+def _counted_flops(config: ModelConfig, batch: int, seq_length: int) -> tuple[int, int]:
+    """FLOPs FlopCounterMode counts in one forward and backward of the real model, and its padded vocabulary."""
+    torch.manual_seed(0)
+    model = GPTModel(config, None)
+    tokens = torch.randint(0, config.vocab_size, (batch, seq_length))
+    # On CPU, SDPA's fused kernel has no FLOP formula in FlopCounterMode, so it would count no attention
+    # at all; the math backend computes the same products as matmuls it does count (the full s x s square,
+    # causal or not, as the model FLOPs do).
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(tokens, tokens).sum().backward()
+    return counter.get_total_flops(), model.padded_vocab
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"num_kv_heads": 2, "ffn_hidden_size": 96, "vocab_size": 256},  # Llama-like: GQA, SwiGLU, RoPE, untied
+        {  # GPT-2-like: GELU, biases, LayerNorm, learned positions, tied output; 1000 is padded to 1024
+            "activation": "gelu",
+            "norm": "layernorm",
+            "bias": True,
+            "position_embedding": "learned",
+            "tie_embeddings": True,
+            "max_position_embeddings": 32,
+            "vocab_size": 1000,
+        },
+    ],
+)
+def test_model_flops_agree_with_flop_counter_on_the_model(kwargs):
+    config = ModelConfig(num_layers=2, hidden_size=64, num_heads=8, **kwargs)
+    batch, seq_length = 2, 32
+    counted, padded_vocab = _counted_flops(config, batch, seq_length)
+    tokens = batch * seq_length
+    # The one known difference: the model computes logits for the padded vocabulary too (6 FLOPs per
+    # padded output weight per token); model FLOPs count the tokenizer's vocabulary only. Bias adds,
+    # norms and softmax are not matmuls, so FlopCounterMode does not count them either.
+    padded_logits = 6 * config.hidden_size * (padded_vocab - config.vocab_size) * tokens
+    assert counted - padded_logits == pytest.approx(model_flops_per_token(config, seq_length) * tokens, rel=1e-9)
 
 
 def test_peaks():
