@@ -9,6 +9,7 @@ this one's installed dependencies through a path entry, so nothing is downloaded
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -36,6 +37,32 @@ def test_every_folder_with_an_init_is_a_declared_package():
         for init in (REPO / root).rglob("__init__.py")
     )
     assert sorted(_declared_packages()) == sorted(on_disk)
+
+
+# The first torch release with each call the code makes that older releases lack (torch's release notes).
+FIRST_TORCH_WITH = {
+    "enable_gqa=": (2, 5),  # F.scaled_dot_product_attention's grouped-query keyword
+    "F.rms_norm(": (2, 4),
+    "sdpa_kernel(": (2, 3),  # torch.nn.attention's backend selector
+}
+
+
+def test_declared_torch_floor_has_every_call_the_code_makes():
+    dependencies = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    (requirement,) = [d for d in dependencies if re.match(r"torch\b", d)]
+    floor = tuple(int(part) for part in re.fullmatch(r"torch>=(\d+)\.(\d+)", requirement).groups())
+    sources = {
+        path.relative_to(REPO): path.read_text()
+        for root in (*SUBPACKAGE_ROOTS, "tests")
+        for path in (REPO / root).rglob("*.py")
+        if path.name != "test_packaging.py"
+    }
+    for call, first_release in FIRST_TORCH_WITH.items():
+        users = sorted(str(path) for path, text in sources.items() if call in text)
+        needed = ".".join(map(str, first_release))
+        assert not users or floor >= first_release, (
+            f"{requirement} in pyproject.toml, but {', '.join(users)} call {call} (torch >= {needed})"
+        )
 
 
 def _checkout_copy(destination: Path) -> Path:
