@@ -8,6 +8,8 @@ not import torch or touch the file system.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -360,6 +362,7 @@ class LoomConfig:
     def resolve_world(self, world_size: int) -> None:
         """Fix parallel.dp from the world size and check everything that depends on the layout."""
         p, m, t = self.parallel, self.model, self.train
+        requested_dp = p.dp
         model_parallel = p.tp * p.pp
         if p.dp is None:
             if world_size % model_parallel:
@@ -388,9 +391,9 @@ class LoomConfig:
             raise ConfigError(
                 f"train.seq_length = {t.seq_length} exceeds model.max_position_embeddings = {m.max_position_embeddings}"
             )
-        self._check_pipeline()
+        self._check_pipeline(world_size, requested_dp)
 
-    def _check_pipeline(self) -> None:
+    def _check_pipeline(self, world_size: int, requested_dp: int | None) -> None:
         from loom.engine.pipeline.schedules import ScheduleError, check_schedule
 
         p, layers = self.parallel, self.model.num_layers
@@ -398,21 +401,38 @@ class LoomConfig:
         if p.pp > layers:
             raise ConfigError(f"parallel.pp = {p.pp} exceeds model.num_layers = {layers}")
         if layers % stages:
-            valid = [
-                f"pp={pp} vp={vp}"
-                for pp in range(1, layers + 1)
-                for vp in range(1, 5)
-                if layers % (pp * vp) == 0 and pp * vp > 1
-            ][:8]
+            valid = [f"pp={pp} vp={vp}" for pp, vp in self._pipeline_layouts_that_fit(world_size, requested_dp)[:8]]
+            advice = (
+                f"valid with {world_size} ranks: {', '.join(valid)}"
+                if valid
+                else f"no pp/vp fits {world_size} ranks with the rest of this config; "
+                "change the rank count, the batch or the layers"
+            )
             raise ConfigError(
-                f"model.num_layers = {layers} does not split into pp*vp = {p.pp}*{p.vp} equal chunks; "
-                f"valid: {', '.join(valid)}"
+                f"model.num_layers = {layers} does not split into pp*vp = {p.pp}*{p.vp} equal chunks; {advice}"
             )
         try:
             for batch in self.batch_sizes():
                 check_schedule(p.pp, p.vp, self.microbatches_for(batch))
         except ScheduleError as error:
             raise ConfigError(str(error)) from None
+
+    def _pipeline_layouts_that_fit(self, world_size: int, requested_dp: int | None) -> list[tuple[int, int]]:
+        """(pp, vp) pairs that split the layers and pass every other check of this config on
+        `world_size` ranks, nearest the requested layout first. Each is validated by resolving a copy,
+        so a suggestion can never be one the config then refuses."""
+        p, layers = self.parallel, self.model.num_layers
+        splits = [(pp, vp) for pp in range(1, layers + 1) for vp in range(1, 5) if layers % (pp * vp) == 0]
+        fitting = []
+        for pp, vp in sorted(splits, key=lambda layout: (abs(layout[0] - p.pp), layout[0], abs(layout[1] - p.vp))):
+            candidate = copy.deepcopy(self)
+            try:
+                candidate.parallel = dataclasses.replace(p, pp=pp, vp=vp, dp=requested_dp)
+                candidate.resolve_world(world_size)
+            except ConfigError:
+                continue
+            fitting.append((pp, vp))
+        return fitting
 
     def global_batch_size_at(self, consumed_samples: int) -> int:
         """The global batch of the step that starts after `consumed_samples` (ramp-up, then constant)."""

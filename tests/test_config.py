@@ -1,5 +1,10 @@
 """Configs: presets load and validate, overrides are typed, mistakes are one clear line."""
 
+import copy
+import dataclasses
+import itertools
+import re
+
 import pytest
 
 from loom.engine.config import ConfigError
@@ -117,10 +122,16 @@ def test_override_syntax_errors():
             "the interleaved schedule needs microbatches divisible by pp = 2, got 1; valid: 2, 4, 6, 8",
         ),
         (
+            2,
+            {"pp": 2, "vp": 3},
+            "model.num_layers = 4 does not split into pp*vp = 2*3 equal chunks; valid with 2 ranks: pp=2 vp=2, "
+            "pp=2 vp=1, pp=1 vp=1",
+        ),
+        (
             3,
             {"pp": 3},
-            "model.num_layers = 4 does not split into pp*vp = 3*1 equal chunks; valid: pp=1 vp=2, pp=1 vp=4, "
-            "pp=2 vp=1, pp=2 vp=2, pp=4 vp=1",
+            "model.num_layers = 4 does not split into pp*vp = 3*1 equal chunks; no pp/vp fits 3 ranks with the rest "
+            "of this config; change the rank count, the batch or the layers",
         ),
         (8, {"pp": 8}, "parallel.pp = 8 exceeds model.num_layers = 4"),
         (3, {"tp": 2}, "world size 3 is not divisible by tp*pp = 2*1"),
@@ -150,3 +161,44 @@ def test_batch_size_ramp_up_like_megatron():
         bad.resolve_world(2)
     with pytest.raises(ConfigError, match="must be a non-negative multiple of the increment 5"):
         load_config(None, {"train": {"global_batch_size": 32, "rampup_batch_size": [8, 5, 96]}})
+
+
+def _layout_suggestions(message: str) -> list[tuple[int, int]]:
+    return [(int(pp), int(vp)) for pp, vp in re.findall(r"pp=(\d+) vp=(\d+)", message.split("valid", 1)[-1])]
+
+
+def _with_layout(base, pp: int, vp: int):
+    config = copy.deepcopy(base)
+    config.parallel = dataclasses.replace(base.parallel, pp=pp, vp=vp)
+    return config
+
+
+def test_every_suggested_pipeline_layout_validates():
+    suggested = 0
+    for layers, tp, global_batch in itertools.product((4, 6, 12), (1, 2), (8, 12)):
+        base = load_config(
+            "tiny",
+            {
+                "model": {"num_layers": layers},
+                "parallel": {"tp": tp},
+                "train": {"global_batch_size": global_batch, "micro_batch_size": 1},
+            },
+        )
+        for world, pp, vp in itertools.product(range(1, 9), range(2, layers + 1), (1, 2, 3)):
+            if layers % (pp * vp) == 0:
+                continue
+            try:
+                _with_layout(base, pp, vp).resolve_world(world)
+            except ConfigError as error:
+                if "does not split" not in str(error):
+                    continue
+                message = str(error)
+            else:
+                raise AssertionError(f"num_layers {layers} with pp*vp = {pp}*{vp} was accepted")
+            for suggested_pp, suggested_vp in _layout_suggestions(message):
+                try:
+                    _with_layout(base, suggested_pp, suggested_vp).resolve_world(world)
+                except ConfigError as error:
+                    raise AssertionError(f"{message!r} suggests pp={suggested_pp} vp={suggested_vp}: {error}") from None
+                suggested += 1
+    assert suggested > 250
