@@ -7,6 +7,10 @@ Each switch is an environment variable, so a test can set it for the ranks a lau
     LOOM_INJECT_HANG=RANK:STEP       that rank sleeps forever before that step (a hung peer)
     LOOM_INJECT_NAN=STEP             every rank sees a NaN loss at that step
     LOOM_KILL_DURING_SAVE=RANK:STEP  that rank SIGKILLs itself after writing its checkpoint file, before the seal
+    LOOM_INJECT_PAUSE=STEP           every rank says so on stdout and waits before that step until a stop
+                                     signal reaches it: a test that signals once it reads that line sees
+                                     the run stop at step STEP + 1 however slow the machine (a signal
+                                     sent after seeing step k in the metrics races the end of the run)
 """
 
 from __future__ import annotations
@@ -15,7 +19,10 @@ import os
 import signal
 import time
 from dataclasses import dataclass
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
+
+if TYPE_CHECKING:
+    from loom.engine.train import StopRequest
 
 
 class InjectedFault(RuntimeError):
@@ -37,23 +44,29 @@ class FaultPlan:
     hang_before_step: int | None = None
     nan_loss_at_step: int | None = None
     kill_during_save_at_step: int | None = None
+    pause_before_step: int | None = None
 
     @classmethod
     def from_environment(cls, rank: int, environ: Mapping[str, str] = os.environ) -> FaultPlan:
-        nan = environ.get("LOOM_INJECT_NAN")
+        nan, pause = environ.get("LOOM_INJECT_NAN"), environ.get("LOOM_INJECT_PAUSE")
         return cls(
             raise_before_step=_step_for_rank(environ.get("LOOM_INJECT_FAULT"), rank),
             hang_before_step=_step_for_rank(environ.get("LOOM_INJECT_HANG"), rank),
             nan_loss_at_step=int(nan) if nan else None,
             kill_during_save_at_step=_step_for_rank(environ.get("LOOM_KILL_DURING_SAVE"), rank),
+            pause_before_step=int(pause) if pause else None,
         )
 
-    def before_step(self, step: int) -> None:
-        """Raise or hang here if this rank was told to before `step`."""
+    def before_step(self, step: int, stop: StopRequest | None = None) -> None:
+        """Raise, hang or pause here if this rank was told to before `step`; a pause needs the run's `stop`."""
         if step == self.raise_before_step:
             raise InjectedFault(f"fault injected by LOOM_INJECT_FAULT at step {step}")
         if step == self.hang_before_step:
             time.sleep(10**6)
+        if step == self.pause_before_step and stop is not None:
+            print(f"paused before step {step} until a stop signal (LOOM_INJECT_PAUSE)", flush=True)
+            while not stop.code:
+                time.sleep(0.05)
 
     def after_checkpoint_file(self, step: int) -> None:
         """Die like a killed node would: after this rank's file of `step`'s checkpoint, before the seal."""

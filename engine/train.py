@@ -332,7 +332,7 @@ class Trainer:
                 self.checkpoint_writer.wait()
                 self._log_event(f"stop requested: checkpoint of step {self.step} saved in {self.checkpoints}")
                 break
-            self.faults.before_step(self.step)
+            self.faults.before_step(self.step, stop)
             self._sync()
             start = time.perf_counter()
             row = self.train_step()

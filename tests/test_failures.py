@@ -1,25 +1,23 @@
-"""Failures that must end a run cleanly and in bounded time: stop signals, hung peers, NaN losses."""
+"""Failures that must end a run cleanly: stop signals, hung peers, NaN losses, a killed launcher."""
 
-import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from safetensors.numpy import load_file
-
-from loom.tools.synthetic_data import write_markov_dataset
+from training_runs import HANG_S, read_metrics, read_output_until, tiny_train_args, wait_for, wait_for_step
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    return write_markov_dataset(tmp_path_factory.mktemp("data") / "markov", vocab_size=4096, num_documents=200)
+def dataset(markov_dataset):
+    return markov_dataset(200)
 
 
 def train_command(dataset: str, run_dir: Path, *extra: str) -> list[str]:
@@ -28,27 +26,7 @@ def train_command(dataset: str, run_dir: Path, *extra: str) -> list[str]:
         "-m",
         "loom.launch.cli",
         "train",
-        "--config",
-        "configs/tiny.toml",
-        "--nproc",
-        "2",
-        "--parallel.tp",
-        "2",
-        "--data.paths",
-        dataset,
-        "--data.tokenizer",
-        "none",
-        "--model.num_layers",
-        "2",
-        "--train.eval_interval",
-        "0",
-        "--train.log_interval",
-        "1",
-        "--train.tensorboard",
-        "false",
-        "--train.run_dir",
-        str(run_dir),
-        *extra,
+        *tiny_train_args(dataset, run_dir, "--nproc", "2", "--parallel.tp", "2", "--model.num_layers", "2", *extra),
     ]
 
 
@@ -58,72 +36,59 @@ def run(command: list[str], env: dict | None = None) -> subprocess.CompletedProc
         capture_output=True,
         text=True,
         cwd=REPO,
-        timeout=300,
+        timeout=HANG_S,
         env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
     )
 
 
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        path = run_dir / "metrics.jsonl"
-        if path.exists() and any(json.loads(line)["step"] >= step for line in path.read_text().splitlines()):
-            return
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.2)
-    raise AssertionError(f"step {step} not reached in {timeout_s} s")
-
-
 def test_sigterm_checkpoints_and_the_same_command_resumes_the_same_curve(dataset, tmp_path):
-    steps = ["--train.steps", "24"]  # room between seeing step 2 and the signal's step boundary
+    steps = ["--train.steps", "24"]
     reference = run(train_command(dataset, tmp_path / "reference", *steps))
     assert reference.returncode == 0, reference.stderr
 
     command = train_command(dataset, tmp_path / "stopped", *steps)
-    proc = subprocess.Popen(
-        command,
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    wait_for_step(tmp_path / "stopped", 2, proc)
-    proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=120)
+    # The ranks wait before step 2 until the signal reaches them, so the run cannot finish before it
+    # however slow the machine; stderr goes to a file so that nothing blocks on a full pipe meanwhile.
+    with open(tmp_path / "stopped.stderr", "w") as stderr_file:
+        proc = subprocess.Popen(
+            command,
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO), "LOOM_INJECT_PAUSE": "2"},
+            stdout=subprocess.PIPE,
+            stderr=stderr_file,
+            text=True,
+        )
+        read_output_until(proc, "paused before step 2")
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=HANG_S)
+    stderr = (tmp_path / "stopped.stderr").read_text()
     assert proc.returncode == 128 + signal.SIGTERM, stderr
     latest = (tmp_path / "stopped" / "checkpoints" / "latest").read_text().strip()
     stopped_at = int(latest.removeprefix("iter_"))
-    assert 2 <= stopped_at < 24
+    assert stopped_at == 3  # the step begun when the signal came, then the checkpoint
     assert f"stopped by SIGTERM: checkpoint {tmp_path / 'stopped' / 'checkpoints' / latest} saved" in stderr
-    assert [r["step"] for r in metrics(tmp_path / "stopped")] == list(range(1, stopped_at + 1))
+    assert [r["step"] for r in read_metrics(tmp_path / "stopped")] == list(range(1, stopped_at + 1))
 
     resumed = run(command)
     assert resumed.returncode == 0, resumed.stderr
     assert f"resumed from {tmp_path / 'stopped' / 'checkpoints' / latest} at step {stopped_at}" in resumed.stdout
-    rows, expected = metrics(tmp_path / "stopped"), metrics(tmp_path / "reference")
+    rows, expected = read_metrics(tmp_path / "stopped"), read_metrics(tmp_path / "reference")
     assert [r["step"] for r in rows] == list(range(1, 25))
     for row, want in zip(rows, expected):
         assert math.isclose(row["loss"], want["loss"], rel_tol=1e-6), (row, want)
 
 
 def test_hung_rank_becomes_a_timeout_error(dataset, tmp_path):
-    start = time.monotonic()
     result = run(
         train_command(dataset, tmp_path, "--train.steps", "50", "--parallel.timeout_minutes", "0.1"),
         env={"LOOM_INJECT_HANG": "1:2"},
     )
-    elapsed = time.monotonic() - start
     assert result.returncode == 1
     line = result.stderr.strip().splitlines()[-1]
     assert line.startswith(
-        "error: rank 0 failed: a collective timed out after 0.1 min: a peer rank stopped answering"
+        f"error: rank 0 on {socket.gethostname()} failed: "
+        "a collective timed out after 0.1 min: a peer rank stopped answering"
     ), result.stderr
-    assert elapsed < 60
 
 
 def test_nan_loss_stops_and_leaves_the_last_good_checkpoint_newest(dataset, tmp_path):
@@ -135,7 +100,7 @@ def test_nan_loss_stops_and_leaves_the_last_good_checkpoint_newest(dataset, tmp_
     assert "loss nan / gradient norm" in result.stderr and "at step 5 (train.nan_policy = stop)" in result.stderr
     assert f"the newest checkpoint is {tmp_path / 'checkpoints'} (step 4)" in result.stderr
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "iter_0000004"
-    assert [r["step"] for r in metrics(tmp_path)] == [1, 2, 3, 4]
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]
 
 
 def model_tensors(checkpoint: Path) -> dict:
@@ -163,7 +128,7 @@ def test_nan_loss_under_skip_policy_drops_only_that_update(dataset, tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert "update skipped (train.nan_policy = skip)" in result.stdout
-    rows = metrics(tmp_path)
+    rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert math.isnan(rows[2]["loss"]) and rows[2]["nonfinite_skipped"] == 1
     assert math.isfinite(rows[3]["loss"]) and "nonfinite_skipped" not in rows[3]
@@ -197,7 +162,4 @@ def test_ranks_die_with_a_killed_launcher(dataset, tmp_path):
         except FileNotFoundError:
             return False
 
-    deadline = time.monotonic() + 20
-    while any(alive(pid) for pid in ranks) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not any(alive(pid) for pid in ranks)
+    wait_for(lambda: not any(alive(pid) for pid in ranks), "the ranks gone with their launcher")

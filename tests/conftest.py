@@ -1,0 +1,32 @@
+"""Fixtures shared by the test modules: the synthetic corpora the training tests read."""
+
+from collections.abc import Callable
+
+import pytest
+
+from loom.tools.synthetic_data import write_markov_dataset
+
+
+@pytest.fixture(scope="session")
+def markov_dataset(tmp_path_factory) -> Callable[..., str]:
+    """markov_dataset(num_documents, vocab_size=4096, seed=0) gives the .bin/.idx prefix of that synthetic
+    corpus. Each corpus is written once per session and shared: tests only read it (the index cache that
+    training writes beside it is keyed by what it indexes)."""
+    written: dict[tuple[int, int, int], str] = {}
+
+    def corpus(num_documents: int, vocab_size: int = 4096, seed: int = 0) -> str:
+        key = (num_documents, vocab_size, seed)
+        if key not in written:
+            folder = tmp_path_factory.mktemp(f"markov-{num_documents}-{vocab_size}-{seed}")
+            written[key] = write_markov_dataset(
+                folder / "markov", vocab_size=vocab_size, num_documents=num_documents, seed=seed
+            )
+        return written[key]
+
+    return corpus
+
+
+@pytest.fixture(scope="session")
+def dataset(markov_dataset) -> str:
+    """The corpus a training test reads unless its module overrides `dataset` with another size."""
+    return markov_dataset(300)

@@ -1,0 +1,127 @@
+"""What the training tests share: the tiny config with test settings (as a LoomConfig or as `loom train`
+flags), a run's metrics, and waiting for a process to reach a state.
+
+A test waits for the state it needs (a metrics row, a line of output, a process gone), never for time to
+pass, and asserts nothing about how long anything took: a loaded machine is slow, not wrong. Every wait
+has a deadline, HANG_S unless said otherwise, far above any healthy run's time; it only turns a hang
+into a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from loom.engine.config import LoomConfig
+from loom.engine.config_io import load_config
+
+HANG_S = 300
+
+# Every row logged, no evaluation or TensorBoard unless a test asks for them.
+TEST_TRAIN_SETTINGS = {"log_interval": 1, "eval_interval": 0, "tensorboard": False}
+
+
+def tiny_config(dataset: str, run_dir: str | Path, **sections: dict) -> LoomConfig:
+    """configs/tiny.toml training on `dataset` (token ids: no tokenizer) into `run_dir`, with
+    TEST_TRAIN_SETTINGS; `sections` add or override fields, e.g. train={"steps": 4}, parallel={"tp": 2}."""
+    overrides = {
+        "data": {"paths": [dataset], "tokenizer": None},
+        "train": {"run_dir": str(run_dir), **TEST_TRAIN_SETTINGS},
+    }
+    for section, fields in sections.items():
+        overrides[section] = {**overrides.get(section, {}), **fields}
+    return load_config("tiny", overrides)
+
+
+def tiny_train_args(dataset: str, run_dir: str | Path, *extra: str) -> list[str]:
+    """tiny_config's settings as `loom train` (or `loom submit`) flags; `extra` flags come last and win."""
+    return [
+        "--config",
+        "tiny",
+        "--data.paths",
+        dataset,
+        "--data.tokenizer",
+        "none",
+        "--train.run_dir",
+        str(run_dir),
+        "--train.log_interval",
+        "1",
+        "--train.eval_interval",
+        "0",
+        "--train.tensorboard",
+        "false",
+        *extra,
+    ]
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """The rows of run_dir/metrics.jsonl ([] before the first); a row still being written is left out."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    *complete, _unterminated = path.read_text().split("\n")
+    return [json.loads(line) for line in complete]
+
+
+def wait_for(condition: Callable[[], bool], what: str, process: subprocess.Popen | None = None) -> None:
+    """Poll until condition() holds. Fails if `process` exits before it does, or after HANG_S."""
+    deadline = time.monotonic() + HANG_S
+    while not condition():
+        if process is not None and process.poll() is not None:
+            if condition():
+                return
+            stdout, stderr = process.communicate()
+            raise AssertionError(f"exited with {process.returncode} before {what}:\n{stdout}\n{stderr}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} after {HANG_S} s: hung?")
+        time.sleep(0.2)
+
+
+def wait_for_step(run_dir: Path, step: int, process: subprocess.Popen | None = None) -> None:
+    """Until rank 0 has logged `step` (or a later one) in run_dir/metrics.jsonl."""
+    wait_for(lambda: any(row["step"] >= step for row in read_metrics(run_dir)), f"step {step} logged", process)
+
+
+def read_output_until(process: subprocess.Popen, text: str) -> str:
+    """Read `process`'s stdout (a pipe) until `text` appears; returns what was read. process.communicate()
+    gives the rest later. Fails if the output ends first, or after HANG_S."""
+    fd = process.stdout.fileno()
+    seen = b""
+    deadline = time.monotonic() + HANG_S
+    with selectors.DefaultSelector() as selector:
+        selector.register(fd, selectors.EVENT_READ)
+        while text.encode() not in seen:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"no {text!r} in the output after {HANG_S} s: hung?\n{seen.decode()}")
+            if selector.select(left):
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    process.wait()
+                    raise AssertionError(f"exited with {process.returncode} before {text!r}:\n{seen.decode()}")
+                seen += chunk
+    return seen.decode()
+
+
+@contextmanager
+def fails_if_hung() -> Iterator[None]:
+    """For code run in this process (no subprocess timeout= to lean on): raises TimeoutError in it
+    after HANG_S. Needs the main thread; SIGALRM must be free."""
+
+    def expire(signum, frame):
+        raise TimeoutError(f"still running after {HANG_S} s: hung?")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, HANG_S)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
