@@ -21,6 +21,20 @@ from pathlib import Path
 from loom.engine.config_io import config_to_dict, load_config
 
 
+def _preview_first_sample(config, tokenizer_model: str) -> None:
+    """What the model sees first: the first training sample, cut and ordered as training reads it."""
+    import sentencepiece
+
+    from loom.engine.data.loader import build_dataset
+
+    sample = build_dataset(config, 0, 1, is_builder=True, barrier=None)[0].tolist()
+    text = sentencepiece.SentencePieceProcessor(model_file=tokenizer_model).decode(sample)
+    print(
+        f"first training sample ({len(sample)} tokens; `loom data preview` shows more): "
+        f"{sample[:12]} ... = {text[:160]!r}"
+    )
+
+
 def _step(title: str) -> float:
     print(f"\n== {title}", flush=True)
     return time.perf_counter()
@@ -117,6 +131,7 @@ def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: in
     ]
     config = load_config("configs/tiny.toml", overrides)
     preflight(config, nproc)
+    _preview_first_sample(config, f"{tokenizer}.model")
     start = _step(
         f"6/9 train: configs/tiny.toml on {nproc} CPU ranks: tp={tp} (sequence parallel) x pp={pp} "
         f"(interleaved, vp={vp}) x dp={config.parallel.dp} (ZeRO-1), {steps} steps"
