@@ -46,7 +46,7 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> None:
     from loom.tools.ckpt import open_checkpoint
 
     directory, metadata = open_checkpoint(Path(args.checkpoint))
-    raw = metadata["config"]
+    raw = metadata.config
     raw["parallel"].update(tp=1, pp=1, vp=1, dp=None)
     raw["optim"]["zero1"] = False
     raw["data"].update(paths=[args.data], split=args.split, weights=None)

@@ -2,10 +2,28 @@
 
 import json
 import os
+from pathlib import Path
 
 import pytest
+import torch
+from dist_utils import run_ranks
 
+from loom.engine.checkpoint import format as checkpoint_format
+from loom.engine.checkpoint.format import (
+    CheckpointError,
+    CheckpointLayout,
+    CheckpointMetadata,
+    FileRecord,
+    commit,
+    find_loadable,
+    iteration_dir,
+    make_staging_dir,
+    read_metadata,
+    write_rank_file,
+)
 from loom.engine.config_io import load_config
+from loom.engine.parallel.sharding import ShardSpec
+from loom.engine.train import Trainer
 from loom.launch.local import RankFailed, launch_local
 from loom.tools.synthetic_data import write_markov_dataset
 
@@ -172,22 +190,28 @@ def test_checkpoint_of_another_model_names_the_first_mismatch(dataset, saved_at_
     assert "is of another model: layers.0.mlp.fc1.weight has shape (768, 128) there, (512, 128) here" in result.stderr
 
 
-def test_truncated_or_missing_shard_is_reported_not_loaded(tmp_path):
-    from loom.engine.checkpoint.format import (
-        CheckpointError,
-        find_loadable,
-        read_metadata,
-        sha256_of,
+def metadata_of(step: int, files: dict[str, FileRecord], index: dict[str, str]) -> CheckpointMetadata:
+    return CheckpointMetadata(
+        step=step,
+        consumed_samples=8 * step,
+        tokens=8 * step * 64,
+        layout=CheckpointLayout(tp=1, pp=1, vp=1, dp=1, world=1, zero1=False, optimizer="adamw", precision="fp32"),
+        optimizer_step=step,
+        loss_scaler=None,
+        config={},
+        specs={"w": ShardSpec((4,))},
+        files=files,
+        index=index,
     )
 
+
+def test_truncated_or_missing_shard_is_reported_not_loaded(tmp_path):
     directory = tmp_path / "checkpoints" / "iter_0000002"
     directory.mkdir(parents=True)
     shard = directory / "rank00000.safetensors"
     shard.write_bytes(b"x" * 100)
-    (directory / "metadata.json").write_text(
-        json.dumps({"format_version": 1, "files": {shard.name: {"size": 100, "sha256": sha256_of(shard)}}})
-    )
-    assert read_metadata(directory)["files"]
+    (directory / "metadata.json").write_text(metadata_of(2, {shard.name: FileRecord.of(shard)}, {}).to_json())
+    assert read_metadata(directory).files
     shard.write_bytes(b"x" * 60)
     with pytest.raises(CheckpointError, match="rank00000.safetensors has 60 bytes, expected 100 \\(truncated\\?\\)"):
         read_metadata(directory)
@@ -197,3 +221,94 @@ def test_truncated_or_missing_shard_is_reported_not_loaded(tmp_path):
     warnings = []
     assert find_loadable(tmp_path / "checkpoints", warn=warnings.append) is None
     assert "falling back" in warnings[0]
+
+
+def staged(checkpoints: Path, step: int) -> tuple[Path, Path, CheckpointMetadata]:
+    """A fully written, not yet committed checkpoint of one tensor: commit()'s arguments."""
+    final = iteration_dir(checkpoints, step)
+    staging = make_staging_dir(final)
+    name, record = write_rank_file(staging, 0, {"model/w/tp0": torch.full((4,), float(step))})
+    return staging, final, metadata_of(step, {name: record}, {"model/w/tp0": name})
+
+
+def test_commit_interrupted_before_the_rename_keeps_the_previous_latest(tmp_path, monkeypatch):
+    checkpoints = tmp_path / "checkpoints"
+    commit(*staged(checkpoints, 2))
+    staging, final, metadata = staged(checkpoints, 4)
+    rename = os.replace
+
+    def killed_at_the_rename(source, target):
+        if Path(source) == staging:
+            raise KeyboardInterrupt("killed before the rename")
+        rename(source, target)
+
+    monkeypatch.setattr(checkpoint_format.os, "replace", killed_at_the_rename)
+    with pytest.raises(KeyboardInterrupt):
+        commit(staging, final, metadata, keep=1)
+    monkeypatch.undo()
+    assert (checkpoints / "latest").read_text().strip() == "iter_0000002"
+    assert (staging / "metadata.json").is_file() and not final.exists()
+    assert find_loadable(checkpoints)[0] == iteration_dir(checkpoints, 2)
+
+    commit(staging, final, metadata, keep=1)
+    assert (checkpoints / "latest").read_text().strip() == "iter_0000004"
+    assert read_metadata(final) == metadata  # to_json/from_json round-trip every field
+    assert not iteration_dir(checkpoints, 2).exists()  # keep=1
+
+
+def test_commit_refuses_metadata_naming_an_unwritten_file(tmp_path):
+    staging, final, metadata = staged(tmp_path / "checkpoints", 2)
+    metadata.files["rank00001.safetensors"] = metadata.files["rank00000.safetensors"]
+    with pytest.raises(CheckpointError, match="rank00001.safetensors not written"):
+        commit(staging, final, metadata)
+    assert not (tmp_path / "checkpoints" / "latest").exists()
+
+
+def _save_then_resume(rank, world, dataset, run_dir):
+    """Train two steps and save; a new Trainer on the same run directory resumes. What it restored, and
+    what the first trainer had, including the data position it hands over to BatchIterator.load_state_dict."""
+    from loom.engine.data.loader import BatchIterator
+
+    def trainer() -> Trainer:
+        overrides = {
+            "data": {"paths": [dataset], "tokenizer": None},
+            "train": {"steps": 4, "run_dir": run_dir, "tensorboard": False, "eval_interval": 0, "micro_batch_size": 1},
+        }
+        return Trainer(load_config("tiny", overrides))
+
+    first = trainer()
+    first.train_step()
+    first.train_step()
+    first.save()
+    saved = {"position": first.train_batches.state_dict(), "streams": first.streams.snapshot()}
+    saved["next_batch"] = first.train_batches.next_step(first.device)[0][0]
+    first.close()
+
+    loaded = []
+    load_state_dict = BatchIterator.load_state_dict
+
+    def recording(self, state):
+        loaded.append(dict(state))
+        load_state_dict(self, state)
+
+    BatchIterator.load_state_dict = recording
+    second = trainer()
+    restored = {
+        "step": second.step,
+        "loaded": loaded,
+        "position": second.train_batches.state_dict(),
+        "streams": second.streams.snapshot(),
+        "next_batch": second.train_batches.next_step(second.device)[0][0],
+    }
+    second.close()
+    return saved, restored
+
+
+def test_data_position_and_rng_round_trip_through_load_state_dict(dataset, tmp_path):
+    [(saved, restored)] = run_ranks(_save_then_resume, 1, dataset, str(tmp_path / "run"))
+    assert restored["step"] == 2
+    assert restored["loaded"] == [saved["position"]]
+    assert restored["position"] == saved["position"]
+    assert torch.equal(restored["next_batch"], saved["next_batch"])
+    for stream, state in saved["streams"].items():
+        assert torch.equal(restored["streams"][stream], state)

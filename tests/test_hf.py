@@ -40,7 +40,7 @@ def trained(request, tmp_path_factory):
 
 def loom_logits(checkpoints, tokens):
     directory, metadata = find_loadable(checkpoints)
-    config = config_from_dict(metadata["config"])
+    config = config_from_dict(metadata.config)
     model = GPTModel(config.model, None)
     initialize_parameters(model, 0, 0, 1)
     reader = PieceReader(directory, metadata)

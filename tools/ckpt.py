@@ -9,25 +9,20 @@ loads). Factored Adafactor state is not carried over.
 
 from __future__ import annotations
 
-import json
-import shutil
+import dataclasses
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-from loom.engine.atomic import write_text_atomically
 from loom.engine.checkpoint.format import (
-    LATEST,
-    METADATA,
     CheckpointError,
+    CheckpointMetadata,
+    commit,
     find_loadable,
+    make_staging_dir,
     model_key,
     optim_key,
-    rank_file,
-    sha256_of,
-    spec_from_json,
-    spec_to_json,
+    write_rank_file,
 )
 from loom.engine.checkpoint.load import PieceReader
 from loom.engine.parallel.layers import padded_vocab_size
@@ -36,7 +31,7 @@ from loom.engine.parallel.state import rank_of
 from loom.engine.pipeline.stages import stage_layers
 
 
-def open_checkpoint(path: Path) -> tuple[Path, dict]:
+def open_checkpoint(path: Path) -> tuple[Path, CheckpointMetadata]:
     found = find_loadable(path)
     if found is None:
         raise CheckpointError(f"no intact checkpoint at {path}")
@@ -45,18 +40,18 @@ def open_checkpoint(path: Path) -> tuple[Path, dict]:
 
 def inspect(path: Path) -> str:
     directory, metadata = open_checkpoint(path)
-    layout = metadata["layout"]
+    layout = dataclasses.asdict(metadata.layout)
     lines = [
         f"checkpoint {directory}",
-        f"step {metadata['step']}, {metadata['consumed_samples']:,} samples, {metadata['tokens']:,} tokens",
+        f"step {metadata.step}, {metadata.consumed_samples:,} samples, {metadata.tokens:,} tokens",
         "layout " + " ".join(f"{k}={v}" for k, v in layout.items()),
-        f"files {len(metadata['files'])}, {sum(f['size'] for f in metadata['files'].values()) / 1e6:.1f} MB",
+        f"files {len(metadata.files)}, {sum(f.size for f in metadata.files.values()) / 1e6:.1f} MB",
         f"{'tensor':48} {'shape':>18} {'parameters':>12}  optimizer state",
     ]
     reader = PieceReader(directory, metadata)
     total = 0
-    for name, spec in metadata["specs"].items():
-        shape = tuple(spec["full_shape"])
+    for name, spec in metadata.specs.items():
+        shape = spec.full_shape
         count = int(torch.Size(shape).numel())
         total += count
         lines.append(f"{name:48} {str(shape):>18} {count:12,}  {', '.join(sorted(reader.states(name))) or '-'}")
@@ -75,45 +70,31 @@ def _stage_of(name: str, num_layers: int, pp: int, vp: int) -> int:
 def reshard(source: Path, output: Path, tp: int, pp: int, vp: int = 1) -> Path:
     """Write the checkpoint at `source` as iter_N under `output`, laid out for tp x pp (x vp)."""
     directory, metadata = open_checkpoint(source)
-    layers = metadata["config"]["model"]["num_layers"]
+    layers = metadata.config["model"]["num_layers"]
     if layers % (pp * vp):
         raise CheckpointError(f"{layers} layers do not split into pp*vp = {pp}*{vp} stages")
     reader = PieceReader(directory, metadata)
     final = output / directory.name
-    staging = final.with_name(final.name + ".tmp")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    staging = make_staging_dir(final)
     specs, files, index = {}, {}, {}
-    divisible_by = metadata["config"]["model"]["make_vocab_divisible_by"]
+    divisible_by = metadata.config["model"]["make_vocab_divisible_by"]
     for pp_rank in range(pp):
-        names = [n for n in metadata["specs"] if _stage_of(n, layers, pp, vp) % pp == pp_rank]
+        names = [n for n in metadata.specs if _stage_of(n, layers, pp, vp) % pp == pp_rank]
         for tp_rank in range(tp):
-            rank = rank_of(tp_rank, 0, pp_rank, tp, 1)
             pieces = _rank_pieces(reader, names, tp_rank, tp, divisible_by, specs)
-            name = rank_file(rank)
-            save_file(pieces, str(staging / name))
-            files[name] = {"size": (staging / name).stat().st_size, "sha256": sha256_of(staging / name)}
+            name, files[name] = write_rank_file(staging, rank_of(tp_rank, 0, pp_rank, tp, 1), pieces)
             index.update({key: name for key in pieces})
             del pieces
-    new = dict(
-        metadata,
-        specs=specs,
-        files=files,
-        index=index,
-        layout={**metadata["layout"], "tp": tp, "pp": pp, "vp": vp, "dp": 1, "world": tp * pp, "zero1": False},
-    )
-    write_text_atomically(staging / METADATA, json.dumps(new, indent=1))
-    shutil.rmtree(final, ignore_errors=True)
-    staging.rename(final)
-    write_text_atomically(output / LATEST, final.name + "\n")
-    return final
+    layout = dataclasses.replace(metadata.layout, tp=tp, pp=pp, vp=vp, dp=1, world=tp * pp, zero1=False)
+    resharded = dataclasses.replace(metadata, specs=specs, files=files, index=index, layout=layout)
+    return commit(staging, final, resharded)
 
 
 def _rank_pieces(reader: PieceReader, names: list[str], tp_rank: int, tp: int, divisible_by: int, specs: dict) -> dict:
     pieces = {}
     for name in names:
-        spec = _retarget(spec_from_json(reader.metadata["specs"][name]), tp, divisible_by)
-        specs[name] = spec_to_json(spec)
+        spec = _retarget(reader.metadata.specs[name], tp, divisible_by)
+        specs[name] = spec
         pieces[model_key(name, tp_rank)] = spec.shard(reader.model(name), tp_rank, tp).contiguous()
         for state in sorted(reader.states(name)):
             local = spec.shard(reader.optim(state, name), tp_rank, tp).reshape(-1).contiguous()

@@ -11,7 +11,6 @@ the files are written with safetensors and json; tests load them with transforme
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
@@ -20,14 +19,14 @@ from safetensors.torch import save_file
 
 from loom.engine.atomic import write_text_atomically
 from loom.engine.checkpoint.format import (
-    FORMAT_VERSION,
-    LATEST,
-    METADATA,
     CheckpointError,
+    CheckpointLayout,
+    CheckpointMetadata,
+    commit,
+    iteration_dir,
+    make_staging_dir,
     model_key,
-    rank_file,
-    sha256_of,
-    spec_to_json,
+    write_rank_file,
 )
 from loom.engine.checkpoint.load import PieceReader
 from loom.engine.config_io import config_from_dict, config_to_dict
@@ -128,10 +127,10 @@ def from_hf(tensors: dict[str, torch.Tensor], model: dict) -> dict[str, torch.Te
 def export_hf(source: Path, output: Path) -> Path:
     """Write model.safetensors + config.json for the checkpoint at `source`."""
     directory, metadata = open_checkpoint(source)
-    model = metadata["config"]["model"]
+    model = metadata.config["model"]
     _check_llama(model)
     reader = PieceReader(directory, metadata)
-    logical = {name: reader.model(name).float() for name in metadata["specs"]}
+    logical = {name: reader.model(name).float() for name in metadata.specs}
     output.mkdir(parents=True, exist_ok=True)
     save_file(to_hf(logical, model), str(output / "model.safetensors.tmp"), metadata={"format": "pt"})
     (output / "model.safetensors.tmp").replace(output / "model.safetensors")
@@ -174,43 +173,25 @@ def import_hf(source: Path, output: Path) -> Path:
     logical = from_hf(tensors, config_to_dict(config)["model"])
     specs = {name: param.shard_spec for name, param in GPTModel(config.model, None).named_parameters()}
     _check_shapes(logical, specs)
-    final = output / "iter_0000000"
-    staging = final.with_name(final.name + ".tmp")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    final = iteration_dir(output, 0)
+    staging = make_staging_dir(final)
     pieces = {
         model_key(name, 0): specs[name].shard(tensor.float(), 0, 1).contiguous() for name, tensor in logical.items()
     }
-    save_file(pieces, str(staging / rank_file(0)))
-    metadata = {
-        "format_version": FORMAT_VERSION,
-        "step": 0,
-        "consumed_samples": 0,
-        "tokens": 0,
-        "layout": {
-            "tp": 1,
-            "pp": 1,
-            "vp": 1,
-            "dp": 1,
-            "world": 1,
-            "zero1": False,
-            "optimizer": None,
-            "precision": "fp32",
-        },
-        "optimizer_step": 0,
-        "loss_scaler": None,
-        "config": config_to_dict(config),
-        "specs": {n: spec_to_json(s) for n, s in specs.items()},
-        "files": {
-            rank_file(0): {"size": (staging / rank_file(0)).stat().st_size, "sha256": sha256_of(staging / rank_file(0))}
-        },
-        "index": {key: rank_file(0) for key in pieces},
-    }
-    write_text_atomically(staging / METADATA, json.dumps(metadata, indent=1))
-    shutil.rmtree(final, ignore_errors=True)
-    staging.rename(final)
-    write_text_atomically(output / LATEST, final.name + "\n")
-    return final
+    name, record = write_rank_file(staging, 0, pieces)
+    metadata = CheckpointMetadata(
+        step=0,
+        consumed_samples=0,
+        tokens=0,
+        layout=CheckpointLayout(tp=1, pp=1, vp=1, dp=1, world=1, zero1=False, optimizer=None, precision="fp32"),
+        optimizer_step=0,
+        loss_scaler=None,
+        config=config_to_dict(config),
+        specs=specs,
+        files={name: record},
+        index={key: name for key in pieces},
+    )
+    return commit(staging, final, metadata)
 
 
 def _check_shapes(logical: dict, specs: dict) -> None:

@@ -1,4 +1,6 @@
-"""The on-disk checkpoint format: one place for names, metadata and the checks that find a good one.
+"""The on-disk checkpoint format: one place for names, metadata, the commit that seals a checkpoint and
+the checks that find a good one. Every writer (training, `loom ckpt reshard`, `loom ckpt import-hf`)
+fills a staging directory, describes it with CheckpointMetadata and seals it with commit().
 
     checkpoints/latest                 the newest complete iteration, written last (atomic rename)
     checkpoints/iter_0000020/
@@ -17,10 +19,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
-from dataclasses import asdict
+import shutil
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
+from safetensors.torch import save_file
+
+from loom.engine.atomic import atomic_path, write_text_atomically
 from loom.engine.parallel.sharding import ShardSpec
 from loom.errors import LoomError
 
@@ -50,6 +58,11 @@ def optim_key(state: str, name: str, tp_rank: int, start: int, end: int) -> str:
     return f"optim/{state}/{name}/tp{tp_rank}/{start}-{end}"
 
 
+def rng_key(rank: int, name: str) -> str:
+    """A rank's random state entry (RNGStreams.state_dict's `name`); only the same layout reads it back."""
+    return f"rng/{rank}/{name}"
+
+
 def parse_optim_key(key: str) -> tuple[str, str, int, int, int]:
     """(state, parameter name, tp rank, start, end) of an optimizer piece."""
     _, state, rest = key.split("/", 2)
@@ -74,29 +87,136 @@ def sha256_of(path: Path, chunk: int = 1 << 22) -> str:
     return digest.hexdigest()
 
 
-def read_metadata(directory: Path, verify_hashes: bool = True) -> dict:
+@dataclass(frozen=True)
+class FileRecord:
+    """What metadata.json records of one file, so that a truncated or corrupt file is found before loading."""
+
+    size: int
+    """Bytes on disk."""
+    sha256: str
+    """Hex digest of the whole file."""
+
+    @classmethod
+    def of(cls, path: Path) -> FileRecord:
+        return cls(path.stat().st_size, sha256_of(path))
+
+
+@dataclass(frozen=True)
+class CheckpointLayout:
+    """The layout and settings a checkpoint was saved under (loading under another layout reshards)."""
+
+    tp: int
+    """Tensor-parallel size."""
+    pp: int
+    """Pipeline-parallel size."""
+    vp: int
+    """Virtual pipeline stages per pipeline rank."""
+    dp: int
+    """Data-parallel size."""
+    world: int
+    """Number of ranks (tp * pp * dp)."""
+    zero1: bool
+    """Whether optimizer state was split across DP ranks (ZeRO-1) when saved."""
+    optimizer: str | None
+    """The optimizer's name (optim.name); None for a checkpoint without optimizer state (import-hf)."""
+    precision: str
+    """train.precision: fp32, bf16 or fp16."""
+
+    def places_ranks_like(self, tp: int, pp: int, dp: int, vp: int) -> bool:
+        """Whether rank r here is rank r there (per-rank state such as RNG streams then carries over)."""
+        return (self.tp, self.pp, self.dp, self.vp) == (tp, pp, dp, vp)
+
+
+@dataclass
+class CheckpointMetadata:
+    """metadata.json: the one description of a checkpoint, written by every writer (training, reshard,
+    import-hf) and read by every reader. Written last, so its presence means the files are complete."""
+
+    step: int
+    """Training steps completed when saved."""
+    consumed_samples: int
+    """Training samples consumed, the data iterator's position (its state_dict's `consumed_samples`)."""
+    tokens: int
+    """Training tokens consumed (consumed_samples * seq_length)."""
+    layout: CheckpointLayout
+    """The layout the pieces were saved under."""
+    optimizer_step: int
+    """The optimizer's own step count (bias correction); 0 without optimizer state."""
+    loss_scaler: dict | None
+    """The fp16 loss scaler's state_dict, or None when training was not fp16."""
+    config: dict
+    """The full config of the run (config_io.config_to_dict), which `loom eval` and resharding start from."""
+    specs: dict[str, ShardSpec]
+    """Each parameter's ShardSpec by layout-independent name: how its pieces join into the logical tensor."""
+    files: dict[str, FileRecord]
+    """Size and sha256 of every file of the checkpoint, by file name."""
+    index: dict[str, str]
+    """The file holding each tensor piece, by piece key (model_key, optim_key, rng/..., factored/...)."""
+    format_version: int = FORMAT_VERSION
+    """The on-disk format version; a reader refuses any other."""
+
+    def to_json(self) -> str:
+        data = {
+            "format_version": self.format_version,
+            "step": self.step,
+            "consumed_samples": self.consumed_samples,
+            "tokens": self.tokens,
+            "layout": asdict(self.layout),
+            "loss_scaler": self.loss_scaler,
+            "config": self.config,
+            "optimizer_step": self.optimizer_step,
+            "specs": {name: spec_to_json(spec) for name, spec in self.specs.items()},
+            "files": {name: asdict(record) for name, record in self.files.items()},
+            "index": self.index,
+        }
+        return json.dumps(data, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> CheckpointMetadata:
+        """Parse metadata.json; CheckpointError (without the directory, which the caller adds) if it is not one."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise CheckpointError(f"{METADATA} is corrupt ({error})") from None
+        if not isinstance(data, dict) or data.get("format_version") != FORMAT_VERSION:
+            version = data.get("format_version") if isinstance(data, dict) else None
+            raise CheckpointError(f"{METADATA} has format {version}, this loom reads {FORMAT_VERSION}")
+        try:
+            return cls(
+                step=data["step"],
+                consumed_samples=data["consumed_samples"],
+                tokens=data["tokens"],
+                layout=CheckpointLayout(**data["layout"]),
+                optimizer_step=data["optimizer_step"],
+                loss_scaler=data["loss_scaler"],
+                config=data["config"],
+                specs={name: spec_from_json(spec) for name, spec in data["specs"].items()},
+                files={name: FileRecord(**record) for name, record in data["files"].items()},
+                index=data["index"],
+                format_version=data["format_version"],
+            )
+        except (KeyError, TypeError, AttributeError) as error:
+            raise CheckpointError(f"{METADATA} is corrupt ({type(error).__name__}: {error})") from None
+
+
+def read_metadata(directory: Path, verify_hashes: bool = True) -> CheckpointMetadata:
     """The metadata of a complete, intact checkpoint, or CheckpointError saying what is wrong."""
     path = directory / METADATA
     if not path.is_file():
         raise CheckpointError(f"checkpoint {directory} is incomplete: no {METADATA}")
     try:
-        metadata = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise CheckpointError(f"checkpoint {directory}: {METADATA} is corrupt ({error})") from None
-    if metadata.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(
-            f"checkpoint {directory} has format {metadata.get('format_version')}, this loom reads {FORMAT_VERSION}"
-        )
-    for name, expected in metadata["files"].items():
+        metadata = CheckpointMetadata.from_json(path.read_text())
+    except CheckpointError as error:
+        raise CheckpointError(f"checkpoint {directory}: {error}") from None
+    for name, expected in metadata.files.items():
         file = directory / name
         if not file.is_file():
             raise CheckpointError(f"checkpoint {directory} is incomplete: {name} is missing")
-        if file.stat().st_size != expected["size"]:
+        if file.stat().st_size != expected.size:
             raise CheckpointError(
-                f"checkpoint {directory}: {name} has {file.stat().st_size} bytes, "
-                f"expected {expected['size']} (truncated?)"
+                f"checkpoint {directory}: {name} has {file.stat().st_size} bytes, expected {expected.size} (truncated?)"
             )
-        if verify_hashes and sha256_of(file) != expected["sha256"]:
+        if verify_hashes and sha256_of(file) != expected.sha256:
             raise CheckpointError(f"checkpoint {directory}: {name} does not match its sha256 (corrupt)")
     return metadata
 
@@ -117,7 +237,7 @@ def candidates(checkpoints: Path) -> list[Path]:
     return found
 
 
-def find_loadable(path: Path, verify_hashes: bool = True, warn=print) -> tuple[Path, dict] | None:
+def find_loadable(path: Path, verify_hashes: bool = True, warn=print) -> tuple[Path, CheckpointMetadata] | None:
     """A checkpoint to resume from: `path` itself if it is an iteration directory, else the newest
     intact one under it (falling back past damaged ones, with a warning); None if there is none."""
     if (path / METADATA).exists() or _ITERATION.match(path.name):
@@ -128,3 +248,45 @@ def find_loadable(path: Path, verify_hashes: bool = True, warn=print) -> tuple[P
         except CheckpointError as error:
             warn(f"warning: {error}; falling back to an older checkpoint")
     return None
+
+
+def staging_dir(final: Path) -> Path:
+    """Where the files of `final` are written before commit() renames them into place."""
+    return final.with_name(final.name + ".tmp")
+
+
+def make_staging_dir(final: Path) -> Path:
+    """An empty staging directory for `final` (what an interrupted earlier attempt left there is discarded)."""
+    staging = staging_dir(final)
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    return staging
+
+
+def write_rank_file(staging: Path, rank: int, pieces: dict[str, torch.Tensor]) -> tuple[str, FileRecord]:
+    """Write one rank's pieces into the staging directory; its file name and record for the metadata."""
+    name = rank_file(rank)
+    with atomic_path(staging / name) as tmp:
+        save_file(pieces, str(tmp))
+    return name, FileRecord.of(staging / name)
+
+
+def commit(staging: Path, final: Path, metadata: CheckpointMetadata, keep: int | None = None) -> Path:
+    """Seal a fully written staging directory as checkpoint `final` and point `latest` at it.
+
+    The order makes it crash-safe: metadata.json is written (atomically) only after every file it
+    describes, the directory is renamed into place in one step, and `latest` moves last; a crash
+    before the rename leaves the previous checkpoint as `latest` and the staging directory ignored.
+    With `keep`, checkpoints beyond the newest `keep` in final's parent are then removed.
+    """
+    missing = sorted(name for name in metadata.files if not (staging / name).is_file())
+    if missing:
+        raise CheckpointError(f"cannot commit {final}: {', '.join(missing)} not written in {staging}")
+    write_text_atomically(staging / METADATA, metadata.to_json())
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(staging, final)
+    write_text_atomically(final.parent / LATEST, final.name + "\n")
+    if keep is not None:
+        for old in candidates(final.parent)[keep:]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final

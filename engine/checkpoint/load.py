@@ -1,57 +1,66 @@
-"""Load a checkpoint into a trainer of any layout: rebuild each logical tensor, slice it anew.
+"""Load a checkpoint into a TrainingState of any layout: rebuild each logical tensor, slice it anew.
 
 For every parameter this rank holds, the pieces saved under the old layout (all old TP shards,
 and under ZeRO-1 all old DP pieces of them) are read, joined into the logical tensor through the
 saved ShardSpec, and sliced with the current one: model weights into the parameter, master
 weights and elementwise optimizer state into this rank's segments. One parameter is in memory at
-a time. Safetensors files are opened lazily, so a rank reads only the pieces it needs.
+a time. Safetensors files are opened lazily, so a rank reads only the pieces it needs. The data
+iterator, loss scaler and RNG get their saved state through their own load_state_dict().
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
 
 from loom.engine.checkpoint.format import (
     CheckpointError,
+    CheckpointMetadata,
     model_key,
     parse_optim_key,
-    spec_from_json,
+    rng_key,
 )
 from loom.engine.checkpoint.save import logical_name
+from loom.engine.checkpoint.state import TrainingState
 from loom.engine.optim.algorithms import Adafactor, Lamb
+from loom.engine.parallel.sharding import ShardSpec
+
+if TYPE_CHECKING:
+    from loom.engine.optim.distributed import DistributedOptimizer
+    from loom.engine.parallel.state import ParallelState
 
 
 class PieceReader:
     """Logical tensors of one checkpoint, rebuilt from the pieces its ranks wrote."""
 
-    def __init__(self, directory: Path, metadata: dict):
+    def __init__(self, directory: Path, metadata: CheckpointMetadata):
         self.directory, self.metadata = directory, metadata
-        self.saved_tp = metadata["layout"]["tp"]
+        self.saved_tp = metadata.layout.tp
         self._files: dict[str, object] = {}
         self.optim_pieces: dict[tuple[str, int], dict[str, list]] = defaultdict(lambda: defaultdict(list))
-        for key in metadata["index"]:
+        for key in metadata.index:
             if key.startswith("optim/"):
                 state, name, tp, start, end = parse_optim_key(key)
                 self.optim_pieces[(name, tp)][state].append((start, end, key))
 
     def tensor(self, key: str) -> torch.Tensor:
-        file = self.metadata["index"].get(key)
+        file = self.metadata.index.get(key)
         if file is None:
             raise CheckpointError(f"checkpoint {self.directory} has no tensor {key}")
         if file not in self._files:
             self._files[file] = safe_open(str(self.directory / file), framework="pt")
         return self._files[file].get_tensor(key)
 
-    def spec(self, name: str):
-        if name not in self.metadata["specs"]:
+    def spec(self, name: str) -> ShardSpec:
+        if name not in self.metadata.specs:
             raise CheckpointError(
                 f"checkpoint {self.directory} has no parameter {name}; it is a checkpoint of another model"
             )
-        return spec_from_json(self.metadata["specs"][name])
+        return self.metadata.specs[name]
 
     def model(self, name: str) -> torch.Tensor:
         return self.spec(name).unshard([self.tensor(model_key(name, r)) for r in range(self.saved_tp)])
@@ -84,24 +93,33 @@ def check_shapes(reader: PieceReader, named_params) -> None:
 
 
 @torch.no_grad()
-def load_checkpoint(trainer, directory: Path, metadata: dict) -> None:
-    """Restore weights, optimizer state, schedule position, loss scale, data position and RNG."""
+def load_checkpoint(state: TrainingState, directory: Path, metadata: CheckpointMetadata) -> None:
+    """Restore weights, optimizer state, loss scale, data position and (under the same layout) RNG into
+    `state`'s objects. The step is metadata.step; the caller takes it from there."""
     reader = PieceReader(directory, metadata)
-    state, optimizer = trainer.state, trainer.optimizer
-    check_shapes(reader, optimizer.named_params)
+    parallel, optimizer = state.parallel, state.optimizer
+    named_params = state.named_parameters()
+    check_shapes(reader, named_params)
     segments_of = defaultdict(list)
     for seg in optimizer.segments:
         segments_of[seg.param].append(seg)
-    for name, param in optimizer.named_params:
+    for name, param in named_params:
         logical = logical_name(name, param)
         weights = reader.model(logical)
-        param.copy_(param.shard_spec.shard(weights, state.tp_rank, state.tp_size).to(param.dtype))
-        _load_segments(reader, optimizer, state, param, logical, weights, segments_of[param], metadata)
-    _restore_loop_state(trainer, reader, metadata)
+        param.copy_(param.shard_spec.shard(weights, parallel.tp_rank, parallel.tp_size).to(param.dtype))
+        _load_segments(reader, optimizer, parallel, param, logical, weights, segments_of[param], metadata)
+    _restore_loop_state(state, reader, metadata)
 
 
 def _load_segments(
-    reader, optimizer, state, param, logical: str, weights: torch.Tensor, segments: list, metadata: dict
+    reader: PieceReader,
+    optimizer: DistributedOptimizer,
+    parallel: ParallelState,
+    param: torch.nn.Parameter,
+    logical: str,
+    weights: torch.Tensor,
+    segments: list,
+    metadata: CheckpointMetadata,
 ) -> None:
     """Master weights and elementwise optimizer state of this rank's segments of one parameter."""
     saved_states = reader.states(logical)
@@ -110,7 +128,7 @@ def _load_segments(
             logical_tensor = reader.optim("master", logical) if "master" in saved_states else weights.float()
         else:
             logical_tensor = reader.optim(kind, logical)
-        local = param.shard_spec.shard(logical_tensor, state.tp_rank, state.tp_size).reshape(-1)
+        local = param.shard_spec.shard(logical_tensor, parallel.tp_rank, parallel.tp_size).reshape(-1)
         for seg in segments:
             piece = local[seg.start : seg.end].view_as(seg.master).to(seg.master.device)
             if kind != "master":
@@ -119,23 +137,19 @@ def _load_segments(
                 seg.master.copy_(piece)
     if saved_states - {"master"}:
         for seg in segments:
-            optimizer.inner.state[seg.master]["step"] = _step_value(optimizer.inner, metadata["optimizer_step"])
+            optimizer.inner.state[seg.master]["step"] = _step_value(optimizer.inner, metadata.optimizer_step)
 
 
 def _step_value(inner, step: int):
     return step if isinstance(inner, (Lamb, Adafactor)) else torch.tensor(float(step))
 
 
-def _restore_loop_state(trainer, reader: PieceReader, metadata: dict) -> None:
-    trainer.step = metadata["step"]
-    trainer.train_batches.consumed_samples = metadata["consumed_samples"]
-    if trainer.loss_scaler is not None and metadata["loss_scaler"]:
-        trainer.loss_scaler.load_state_dict(metadata["loss_scaler"])
-    s, saved = trainer.state, metadata["layout"]
-    same_layout = all(
-        saved[k] == v for k, v in (("tp", s.tp_size), ("pp", s.pp_size), ("dp", s.dp_size), ("vp", s.vp_size))
-    )
-    if same_layout and f"rng/{s.rank}/torch" in metadata["index"]:  # streams belong to ranks of one layout
-        torch.set_rng_state(reader.tensor(f"rng/{s.rank}/torch"))
-        for stream in trainer.streams.states:
-            trainer.streams.states[stream] = reader.tensor(f"rng/{s.rank}/{stream}")
+def _restore_loop_state(state: TrainingState, reader: PieceReader, metadata: CheckpointMetadata) -> None:
+    state.data.load_state_dict({"consumed_samples": metadata.consumed_samples})
+    if state.loss_scaler is not None and metadata.loss_scaler:
+        state.loss_scaler.load_state_dict(metadata.loss_scaler)
+    p = state.parallel
+    keys = {name: rng_key(p.rank, name) for name in state.rng.state_dict()}
+    same_layout = metadata.layout.places_ranks_like(tp=p.tp_size, pp=p.pp_size, dp=p.dp_size, vp=p.vp_size)
+    if same_layout and all(key in metadata.index for key in keys.values()):  # streams belong to ranks of one layout
+        state.rng.load_state_dict({name: reader.tensor(key) for name, key in keys.items()})

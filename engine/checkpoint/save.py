@@ -3,41 +3,42 @@
 Sequence, so that a crash at any point leaves the previous checkpoint as `latest`:
 1. every rank writes rank<r>.safetensors into iter_N.tmp/ (temporary name, then renamed);
 2. the file names, sizes, sha256 and tensor keys are gathered on rank 0;
-3. rank 0 writes metadata.json, renames iter_N.tmp -> iter_N, then points `latest` at it
-   (atomic rename) and removes checkpoints beyond the newest `keep`.
+3. rank 0 seals it with format.commit(): metadata.json, rename iter_N.tmp -> iter_N, `latest`,
+   then removes checkpoints beyond the newest `keep`.
 Which ranks write what: model weights by DP rank 0 of each (TP, PP) position; master weights and
 optimizer state by their owner (every DP rank under ZeRO-1, else DP rank 0); RNG by everyone.
 With checkpoint.async_save, steps 1-3 run in a background thread while training continues.
+What is saved comes from a TrainingState (state.py), never from the trainer itself.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
-import json
-import os
-import shutil
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
 
-from loom.engine.atomic import write_text_atomically
 from loom.engine.checkpoint.format import (
-    FORMAT_VERSION,
-    LATEST,
-    METADATA,
-    candidates,
+    CheckpointLayout,
+    CheckpointMetadata,
+    FileRecord,
+    commit,
     iteration_dir,
+    make_staging_dir,
     model_key,
     optim_key,
-    rank_file,
-    sha256_of,
-    spec_to_json,
+    rng_key,
+    staging_dir,
+    write_rank_file,
 )
+from loom.engine.checkpoint.state import TrainingState
 from loom.engine.config_io import config_to_dict
 from loom.engine.faults import FaultPlan
+from loom.engine.parallel.sharding import ShardSpec
 
 
 def logical_name(name: str, param: torch.nn.Parameter) -> str:
@@ -45,34 +46,87 @@ def logical_name(name: str, param: torch.nn.Parameter) -> str:
     return getattr(param, "init_name", name)
 
 
-def collect_pieces(trainer) -> tuple[dict[str, torch.Tensor], dict]:
-    """This rank's tensors to write, and the per-parameter facts rank 0 records."""
-    state, optimizer = trainer.state, trainer.optimizer
+@dataclass
+class _RankReport:
+    """What one rank tells rank 0 about the file it wrote."""
+
+    file: str
+    record: FileRecord
+    keys: list[str]
+    specs: dict[str, ShardSpec]
+    optimizer_step: int | None
+
+
+def _model_pieces(state: TrainingState) -> tuple[dict[str, torch.Tensor], dict[str, ShardSpec]]:
+    """This TP rank's shard of every weight (written once per replica: by DP rank 0)."""
+    pieces, specs = {}, {}
+    if state.parallel.dp_rank != 0:
+        return pieces, specs
+    for name, param in state.named_parameters():
+        if getattr(param, "tied_copy", False):
+            continue
+        pieces[model_key(name, state.parallel.tp_rank)] = param.detach()
+        specs[name] = param.shard_spec
+    return pieces, specs
+
+
+def _optimizer_pieces(state: TrainingState) -> tuple[dict[str, torch.Tensor], int | None]:
+    """Master weights and optimizer state of the segments this rank owns, and the optimizer's step."""
+    optimizer, tp_rank = state.optimizer, state.parallel.tp_rank
     pieces: dict[str, torch.Tensor] = {}
-    specs, step = {}, None
-    if state.dp_rank == 0:
-        for name, param in optimizer.named_params:
-            if getattr(param, "tied_copy", False):
-                continue
-            pieces[model_key(name, state.tp_rank)] = param.detach()
-            specs[name] = spec_to_json(param.shard_spec)
+    step = None
+    if not (optimizer.zero1 or state.parallel.dp_rank == 0):
+        return pieces, step
     for seg in optimizer.segments:
-        if getattr(seg.param, "tied_copy", False) or not (optimizer.zero1 or state.dp_rank == 0):
+        if getattr(seg.param, "tied_copy", False):
             continue
         name = logical_name(optimizer.names[seg.param], seg.param)
         if not seg.aliases_param:
-            pieces[optim_key("master", name, state.tp_rank, seg.start, seg.end)] = seg.master.detach().reshape(-1)
+            pieces[optim_key("master", name, tp_rank, seg.start, seg.end)] = seg.master.detach().reshape(-1)
         for key, value in optimizer.inner.state.get(seg.master, {}).items():
             if torch.is_tensor(value) and value.numel() == seg.end - seg.start:
-                pieces[optim_key(key, name, state.tp_rank, seg.start, seg.end)] = value.reshape(-1)
+                pieces[optim_key(key, name, tp_rank, seg.start, seg.end)] = value.reshape(-1)
             elif key == "step":
                 step = int(value)
             elif torch.is_tensor(value):  # factored (Adafactor) state: kept per TP rank, not resharded
-                pieces[f"factored/{key}/{name}/tp{state.tp_rank}"] = value
-    pieces[f"rng/{state.rank}/torch"] = torch.get_rng_state()
-    for stream, value in trainer.streams.states.items():
-        pieces[f"rng/{state.rank}/{stream}"] = value
-    return {k: v.detach().cpu().contiguous() for k, v in pieces.items()}, {"specs": specs, "optimizer_step": step}
+                pieces[f"factored/{key}/{name}/tp{tp_rank}"] = value
+    return pieces, step
+
+
+def collect_pieces(state: TrainingState) -> tuple[dict[str, torch.Tensor], dict[str, ShardSpec], int | None]:
+    """This rank's tensors to write (on the CPU), the ShardSpecs of its weights, and the optimizer's step."""
+    model, specs = _model_pieces(state)
+    optimizer, step = _optimizer_pieces(state)
+    rng = {rng_key(state.parallel.rank, name): value for name, value in state.rng.state_dict().items()}
+    pieces = {**model, **optimizer, **rng}
+    return {k: v.detach().cpu().contiguous() for k, v in pieces.items()}, specs, step
+
+
+def describe_run(state: TrainingState) -> CheckpointMetadata:
+    """metadata.json's facts about the run, taken at the moment of the save; the files are added when sealing."""
+    p, c = state.parallel, state.config
+    consumed = state.data.state_dict()["consumed_samples"]
+    return CheckpointMetadata(
+        step=state.step,
+        consumed_samples=consumed,
+        tokens=consumed * c.train.seq_length,
+        layout=CheckpointLayout(
+            tp=p.tp_size,
+            pp=p.pp_size,
+            vp=p.vp_size,
+            dp=p.dp_size,
+            world=p.world_size,
+            zero1=c.optim.zero1,
+            optimizer=c.optim.name,
+            precision=c.train.precision,
+        ),
+        optimizer_step=0,
+        loss_scaler=state.loss_scaler.state_dict() if state.loss_scaler else None,
+        config=config_to_dict(c),
+        specs={},
+        files={},
+        index={},
+    )
 
 
 class CheckpointWriter:
@@ -89,21 +143,27 @@ class CheckpointWriter:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
-    def save(self, trainer, checkpoints: Path, keep: int) -> Path:
-        """Checkpoint the trainer's current step; all ranks call this together."""
+    def save(self, state: TrainingState, checkpoints: Path, keep: int) -> Path:
+        """Checkpoint `state` as iteration state.step under `checkpoints`; all ranks call this together."""
         self.wait()
-        state = trainer.state
-        final = iteration_dir(checkpoints, trainer.step)
-        staging = final.with_name(final.name + ".tmp")
-        if state.rank == 0:
-            shutil.rmtree(staging, ignore_errors=True)
-            staging.mkdir(parents=True)
+        rank = state.parallel.rank
+        final = iteration_dir(checkpoints, state.step)
+        staging = make_staging_dir(final) if rank == 0 else staging_dir(final)
         dist.barrier(group=self.group)
-        pieces, facts = collect_pieces(trainer)
+        pieces, specs, optimizer_step = collect_pieces(state)
         if self.asynchronous:
             pieces = {k: v.clone() for k, v in pieces.items()}
-        snapshot = _run_facts(trainer)
-        job = (state.rank, state.world_size, checkpoints, staging, final, pieces, facts, snapshot, keep)
+        job = (
+            rank,
+            state.parallel.world_size,
+            staging,
+            final,
+            pieces,
+            specs,
+            optimizer_step,
+            describe_run(state),
+            keep,
+        )
         if self.asynchronous:
             self._thread = threading.Thread(target=self._run, args=job, daemon=True)
             self._thread.start()
@@ -117,23 +177,14 @@ class CheckpointWriter:
         except BaseException as error:  # noqa: BLE001 - re-raised in the training thread by wait()
             self._error = error
 
-    def _write(self, rank, world, checkpoints, staging, final, pieces, facts, snapshot, keep) -> None:
-        name = rank_file(rank)
-        tmp = staging / f".{name}.tmp"
-        save_file(pieces, str(tmp))
-        os.replace(tmp, staging / name)
-        FaultPlan.from_environment(rank).after_checkpoint_file(snapshot["step"])
-        report = {
-            "file": name,
-            "size": (staging / name).stat().st_size,
-            "sha256": sha256_of(staging / name),
-            "keys": list(pieces),
-            **facts,
-        }
-        reports = [None] * world
+    def _write(self, rank, world, staging, final, pieces, specs, optimizer_step, run, keep) -> None:
+        name, record = write_rank_file(staging, rank, pieces)
+        FaultPlan.from_environment(rank).after_checkpoint_file(run.step)
+        report = _RankReport(name, record, list(pieces), specs, optimizer_step)
+        reports: list[_RankReport | None] = [None] * world
         dist.all_gather_object(reports, report, group=self.group)
         if rank == 0:
-            _seal(snapshot, checkpoints, staging, final, reports, keep)
+            commit(staging, final, _complete(run, reports), keep=keep)
         dist.barrier(group=self.group)
 
     def wait(self) -> None:
@@ -146,41 +197,13 @@ class CheckpointWriter:
             raise error
 
 
-def _run_facts(trainer) -> dict:
-    """What metadata.json records about the run, taken at the moment of the save."""
-    s, c = trainer.state, trainer.config
-    return {
-        "step": trainer.step,
-        "consumed_samples": trainer.train_batches.consumed_samples,
-        "tokens": trainer.train_batches.consumed_samples * c.train.seq_length,
-        "layout": {
-            "tp": s.tp_size,
-            "pp": s.pp_size,
-            "vp": s.vp_size,
-            "dp": s.dp_size,
-            "world": s.world_size,
-            "zero1": c.optim.zero1,
-            "optimizer": c.optim.name,
-            "precision": c.train.precision,
-        },
-        "loss_scaler": trainer.loss_scaler.state_dict() if trainer.loss_scaler else None,
-        "config": config_to_dict(c),
-    }
-
-
-def _seal(snapshot: dict, checkpoints: Path, staging: Path, final: Path, reports: list[dict], keep: int) -> None:
-    steps = {r["optimizer_step"] for r in reports if r["optimizer_step"] is not None}
-    metadata = {
-        "format_version": FORMAT_VERSION,
-        **snapshot,
-        "optimizer_step": max(steps) if steps else 0,
-        "specs": {name: spec for r in reports for name, spec in r["specs"].items()},
-        "files": {r["file"]: {"size": r["size"], "sha256": r["sha256"]} for r in reports},
-        "index": {key: r["file"] for r in reports for key in r["keys"]},
-    }
-    write_text_atomically(staging / METADATA, json.dumps(metadata, indent=1))
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(staging, final)
-    write_text_atomically(checkpoints / LATEST, final.name + "\n")
-    for old in candidates(checkpoints)[keep:]:
-        shutil.rmtree(old, ignore_errors=True)
+def _complete(run: CheckpointMetadata, reports: list[_RankReport]) -> CheckpointMetadata:
+    """The run's metadata with every rank's file, pieces, ShardSpecs and the optimizer's step."""
+    steps = {r.optimizer_step for r in reports if r.optimizer_step is not None}
+    return dataclasses.replace(
+        run,
+        optimizer_step=max(steps) if steps else 0,
+        specs={name: spec for r in reports for name, spec in r.specs.items()},
+        files={r.file: r.record for r in reports},
+        index={key: r.file for r in reports for key in r.keys},
+    )

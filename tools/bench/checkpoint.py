@@ -77,14 +77,14 @@ def main() -> None:
         )
         trainer = Trainer(config)
         trainer.train_step()
-        pieces, _ = collect_pieces(trainer)
+        pieces, _, _ = collect_pieces(trainer.training_state())
         plain_write, plain_read, nbytes = plain_roundtrip(pieces, Path(tmp) / "plain.bin")
         start = time.perf_counter()
         saved = trainer.save()
         save_s = time.perf_counter() - start
         start = time.perf_counter()
         directory, metadata = find_loadable(saved)  # includes the sha256 check of every file
-        load_checkpoint(trainer, directory, metadata)
+        load_checkpoint(trainer.training_state(), directory, metadata)
         load_s = time.perf_counter() - start
         trainer.close()
     gb = nbytes / 1e9
