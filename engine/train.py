@@ -86,6 +86,7 @@ class Trainer:
             (sequence, t.micro_batch_size, config.model.hidden_size),
             self.device,
             self._autocast,
+            p2p_dtype=PARAM_DTYPES[t.precision],
         )
         self._build_data(evaluation_only)
         self.flops_per_token = model_flops_per_token(config.model, t.seq_length)

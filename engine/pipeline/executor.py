@@ -19,8 +19,6 @@ from loom.engine.parallel.state import ParallelState
 from loom.engine.pipeline.p2p import run_exchange
 from loom.engine.pipeline.schedules import Compute, Exchange, Op
 
-_P2P_DTYPE = torch.float32
-
 
 def _free_storage(tensor: torch.Tensor) -> None:
     tensor.data = torch.empty((1,), device=tensor.device, dtype=tensor.dtype)
@@ -41,9 +39,12 @@ class PipelineExecutor:
         hidden_shape: tuple[int, ...],
         device: torch.device,
         autocast: Callable[[], contextlib.AbstractContextManager],
+        p2p_dtype: torch.dtype = torch.float32,
     ):
         self.chunks, self.state, self.device, self.autocast = chunks, state, device, autocast
         self.hidden_shape = hidden_shape
+        self.p2p_dtype = p2p_dtype
+        """What crosses stage boundaries: the compute dtype, as Megatron sends (half the bytes of fp32 under bf16)."""
         self.num_stages = state.pp_size * len(chunks)
         self.peak_live = 0
         """Most forwards held at once awaiting their backward, in the last run (activation memory)."""
@@ -84,7 +85,7 @@ class PipelineExecutor:
                         self.state.pp_ranks,
                         self.state.pp_group,
                         self.hidden_shape,
-                        _P2P_DTYPE,
+                        self.p2p_dtype,
                         self.device,
                     )
                 )
@@ -96,7 +97,7 @@ class PipelineExecutor:
                 if stage == self.num_stages - 1:
                     total += output.detach()
                 else:
-                    outgoing[("act", op.microbatch, stage)] = output.detach().to(_P2P_DTYPE)
+                    outgoing[("act", op.microbatch, stage)] = output.detach().to(self.p2p_dtype)
                 inputs[key], outputs[key] = hidden, output
                 live += 1
                 self.peak_live = max(self.peak_live, live)
@@ -110,7 +111,7 @@ class PipelineExecutor:
                     grad = received.pop(("grad", op.microbatch, stage + 1)).to(output.dtype)
                     _backward_from(output, grad)
                 if stage > 0:
-                    outgoing[("grad", op.microbatch, stage)] = hidden.grad
+                    outgoing[("grad", op.microbatch, stage)] = hidden.grad.to(self.p2p_dtype)
                 live -= 1
             if record:
                 if self.device.type == "cuda":
