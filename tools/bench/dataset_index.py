@@ -3,8 +3,9 @@
 Builds the document, sample and shuffle indices for synthetic document lengths (default 1,000,000
 documents, mean 1000 tokens, seq 2048, exactly 3 epochs) with loom's `build_sample_indices`, best
 of N. When megatron-core is available it times, in the same run and on the identical input, its
-own steps (document index shuffle, helpers.build_sample_idx, shuffle index) and its C++ blending
-builder, checks that its sample index equals loom's for loom's document index, and prints ratios.
+own steps (document index shuffle, helpers.build_sample_idx, shuffle index) over the same number of
+epochs and its C++ blending builder, checks that its sample index of one epoch equals loom's first
+epoch for loom's document order, and prints ratios.
 megatron-core needs torch, so it may live in another interpreter:
 
     python -m venv /tmp/mcore-venv
@@ -51,7 +52,7 @@ for _ in range(args["repeats"]):
     shuffle_index = _build_shuffle_index(sample_index.shape[0] - 1, sample_index.shape[0] - 1, rng)
     times.append(time.perf_counter() - start)
 ours = numpy.load(args["document_index"]).astype(numpy.int32)
-same = helpers.build_sample_idx(lengths, ours, seq, epochs, tokens_per_epoch, True, True)
+same = helpers.build_sample_idx(lengths, ours, seq, 1, tokens_per_epoch, True, True)
 numpy.save(args["sample_index_out"], same)
 weights = numpy.asarray(args["blend_weights"], dtype=numpy.float64)
 weights = weights / weights.sum()
@@ -158,8 +159,8 @@ def main() -> None:
 
     lengths = synthetic_lengths(args.documents, args.mean_length, args.seed)
     tokens_per_epoch = int(lengths.sum(dtype=np.int64))
-    # Exactly `epochs` epochs, the last one fully used, so megatron-core shuffles all epochs together.
-    num_samples = (args.epochs * tokens_per_epoch - 1) // args.seq_length
+    # Exactly `epochs` whole epochs: loom cuts each epoch on its own, megatron-core one stream of all of them.
+    num_samples = args.epochs * ((tokens_per_epoch - 1) // args.seq_length)
     ids = np.arange(args.documents, dtype=np.int64)
     print(
         f"{args.documents:,} documents, {tokens_per_epoch:,} tokens per epoch, seq {args.seq_length}, "
@@ -180,15 +181,14 @@ def main() -> None:
     if not args.megatron_python:
         print("megatron-core not found: pass --megatron-python PATH (see this file's docstring) for the comparison")
         return
-    epochs = -(-(num_samples * args.seq_length + 1) // tokens_per_epoch)
     figures, megatron_sample_index, megatron_blend = run_megatron(
-        args.megatron_python, lengths, document_index, args, epochs, blend_weights
+        args.megatron_python, lengths, document_index[: args.documents], args, args.epochs, blend_weights
     )
     print(f"megatron-core 0.16 (C++ helpers):       {figures['seconds']:.3f} s ({figures['samples']:,} samples)")
     print(f"ratio megatron-core / loom:             {figures['seconds'] / ours:.2f}x (>1 means loom is faster)")
     print(
-        f"same sample index as megatron-core for loom's document index: "
-        f"{np.array_equal(megatron_sample_index[: num_samples + 1], sample_index)}"
+        f"same first-epoch sample index as megatron-core for loom's document order: "
+        f"{np.array_equal(megatron_sample_index, sample_index[: len(megatron_sample_index)])}"
     )
     print(
         f"megatron-core build_blending_indices:   {figures['blend_seconds']:.3f} s; "
