@@ -4,8 +4,10 @@ import os
 import socket
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
+from training_runs import HANG_S, tiny_train_args
 
 from loom.data_tools.jsonl import InputError
 from loom.engine.checkpoint.format import CheckpointError
@@ -16,7 +18,6 @@ from loom.engine.pipeline.schedules import ScheduleError
 from loom.errors import LoomError, TrainingDiverged, is_user_error
 from loom.launch.local import describe_rank_error
 from loom.tools.slurm_cluster import ClusterError
-from loom.tools.synthetic_data import write_markov_dataset
 
 DOMAIN_ERRORS = [
     ConfigError,
@@ -54,16 +55,23 @@ def test_fault_plan_reads_each_switch_for_its_rank():
     FaultPlan(raise_before_step=3).before_step(2)
 
 
+def test_a_pause_lasts_until_a_stop_is_requested():
+    assert FaultPlan.from_environment(1, {"LOOM_INJECT_PAUSE": "2"}) == FaultPlan(pause_before_step=2)
+    pause = FaultPlan(pause_before_step=2)
+    pause.before_step(2)  # without a stop request to wait for (a trainer driven directly) there is no pause
+    pause.before_step(1, SimpleNamespace(code=0))
+    pause.before_step(2, SimpleNamespace(code=1))
+
+
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    return write_markov_dataset(tmp_path_factory.mktemp("data") / "markov", vocab_size=4096, num_documents=60)
+def dataset(markov_dataset):
+    return markov_dataset(60)
 
 
 def _train(dataset, run_dir, *overrides, env=None):
-    command = [sys.executable, "-m", "loom.launch.cli", "train", "--config", "tiny", "--nproc", "1"]
-    command += ["--data.paths", dataset, "--data.tokenizer", "none", "--train.run_dir", str(run_dir)]
-    command += ["--train.tensorboard", "false", "--train.steps", "3", *overrides]
-    return subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, **(env or {})), timeout=300)
+    command = [sys.executable, "-m", "loom.launch.cli", "train"]
+    command += tiny_train_args(dataset, run_dir, "--nproc", "1", "--train.steps", "3", *overrides)
+    return subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, **(env or {})), timeout=HANG_S)
 
 
 def test_a_bug_in_a_rank_is_reported_with_its_traceback_rank_and_host(dataset, tmp_path):

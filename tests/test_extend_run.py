@@ -1,39 +1,30 @@
 """User story: a run is extended. A shorter run is the prefix of a longer one with the same LR schedule,
 and a finished run resumed with more steps continues exactly as if it had been asked for them at once."""
 
-import json
 from pathlib import Path
 
 import pytest
+from training_runs import read_metrics, tiny_config
 
-from loom.engine.config_io import load_config
 from loom.launch.local import launch_local
-from loom.tools.synthetic_data import write_markov_dataset
 
 SMALL_MODEL = {"num_layers": 2, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2, "ffn_hidden_size": 128}
 
 
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    return write_markov_dataset(tmp_path_factory.mktemp("data") / "markov", vocab_size=4096, num_documents=300)
-
-
 def losses(dataset: str, run_dir: Path, steps: int, interval: int = 0) -> dict[int, float]:
-    config = load_config(
-        "tiny",
-        {
-            "data": {"paths": [dataset], "tokenizer": None},
-            "model": SMALL_MODEL,
-            # The schedule is fixed by decay_steps, not by train.steps, so runs of any length share it.
-            "optim": {"decay_steps": 6, "warmup_steps": 1},
-            "checkpoint": {"interval": interval},
-            "train": {"steps": steps, "run_dir": str(run_dir), "log_interval": 1, "tensorboard": False},
-        },
+    config = tiny_config(
+        dataset,
+        run_dir,
+        model=SMALL_MODEL,
+        # The schedule is fixed by decay_steps, not by train.steps, so runs of any length share it.
+        optim={"decay_steps": 6, "warmup_steps": 1},
+        checkpoint={"interval": interval},
+        # The preset's eval_interval: each run also evaluates at its last step, which must not disturb the resume.
+        train={"steps": steps, "eval_interval": 25},
     )
     config.resolve_world(1)
     launch_local(config, 1)
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {row["step"]: row["loss"] for row in rows if "loss" in row}
+    return {row["step"]: row["loss"] for row in read_metrics(run_dir) if "loss" in row}
 
 
 def test_a_shorter_run_is_the_prefix_of_a_longer_one_and_resuming_with_more_steps_continues_it(dataset, tmp_path):

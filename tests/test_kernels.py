@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from training_runs import read_metrics, tiny_config
 
 from loom.engine.config import ConfigError
 from loom.engine.config_io import load_config
@@ -17,7 +18,6 @@ from loom.engine.model.gpt import GPTModel
 from loom.engine.model.kernels import Choice, Kernels, build_adamw, choose_kernels, probe_import
 from loom.engine.parallel.sharding import initialize_parameters
 from loom.launch.local import launch_local
-from loom.tools.synthetic_data import write_markov_dataset
 
 REPO = Path(__file__).resolve().parents[1]
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -265,22 +265,12 @@ def test_optional_packages_are_never_imported_on_cpu(tmp_path):
     assert "transformer_engine: installed, but no CUDA device" in result.stdout
 
 
-def test_kernels_are_logged_at_start_and_recorded_in_the_first_metrics_row(tmp_path, capfd):
-    data = write_markov_dataset(tmp_path / "markov", vocab_size=4096, num_documents=60)
-    config = tiny(
-        data={"paths": [data], "tokenizer": None},
-        train={
-            "run_dir": str(tmp_path / "run"),
-            "steps": 2,
-            "log_interval": 1,
-            "tensorboard": False,
-            "eval_interval": 0,
-            "global_batch_size": 4,
-            "micro_batch_size": 2,
-        },
+def test_kernels_are_logged_at_start_and_recorded_in_the_first_metrics_row(markov_dataset, tmp_path, capfd):
+    config = tiny_config(
+        markov_dataset(60), tmp_path / "run", train={"steps": 2, "global_batch_size": 4, "micro_batch_size": 2}
     )
     config.resolve_world(1)
     launch_local(config, 1)
-    rows = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(tmp_path / "run")
     assert rows[0]["kernels"]["attention"]["impl"] == "torch.sdpa" and "kernels" not in rows[1]
     assert "kernels: attention=torch.sdpa" in capfd.readouterr().out

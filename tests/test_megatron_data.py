@@ -16,7 +16,6 @@ import pytest
 
 from loom.engine.config_io import load_config
 from loom.engine.data.loader import build_dataset
-from loom.tools.synthetic_data import write_markov_dataset
 
 megatron_gpt = pytest.importorskip("megatron.core.datasets.gpt_dataset", reason="megatron-core is not installed")
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder  # noqa: E402
@@ -91,8 +90,8 @@ def loom_split(prefix: str, seed: int, split: str, seq_length: int, split_index:
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_markov_dataset(tmp_path_factory.mktemp("data") / "markov", vocab_size=4096, num_documents=120)
+def corpus(markov_dataset):
+    return markov_dataset(120)
 
 
 @pytest.mark.parametrize(

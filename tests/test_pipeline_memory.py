@@ -3,30 +3,19 @@ more than P - rank micro-batches, the interleaved schedule what its warm-up impl
 
 import pytest
 from dist_utils import run_ranks
+from training_runs import tiny_config
 
-from loom.engine.config_io import load_config
 from loom.engine.pipeline.schedules import warmup_forwards
 from loom.engine.train import Trainer
-from loom.tools.synthetic_data import write_markov_dataset
 
 
 def _peak_live(rank, world, dataset, run_dir, pp, vp, microbatches):
-    config = load_config(
-        "tiny",
-        {
-            "data": {"paths": [dataset], "tokenizer": None},
-            "parallel": {"pp": pp, "vp": vp},
-            "model": {"num_layers": 8},
-            "train": {
-                "steps": 2,
-                "global_batch_size": microbatches,
-                "micro_batch_size": 1,
-                "seq_length": 32,
-                "run_dir": run_dir,
-                "tensorboard": False,
-                "eval_interval": 0,
-            },
-        },
+    config = tiny_config(
+        dataset,
+        run_dir,
+        parallel={"pp": pp, "vp": vp},
+        model={"num_layers": 8},
+        train={"steps": 2, "global_batch_size": microbatches, "micro_batch_size": 1, "seq_length": 32},
     )
     trainer = Trainer(config)
     trainer.train_step()
@@ -36,9 +25,8 @@ def _peak_live(rank, world, dataset, run_dir, pp, vp, microbatches):
 
 
 @pytest.mark.parametrize("pp, vp, microbatches", [(4, 1, 8), (4, 2, 8), (2, 4, 6)])
-def test_activations_held_per_stage(pp, vp, microbatches, tmp_path):
-    dataset = write_markov_dataset(tmp_path / "markov", vocab_size=4096, num_documents=50)
-    for rank, peak in run_ranks(_peak_live, pp, dataset, str(tmp_path / "run"), pp, vp, microbatches):
+def test_activations_held_per_stage(pp, vp, microbatches, markov_dataset, tmp_path):
+    for rank, peak in run_ranks(_peak_live, pp, markov_dataset(50), str(tmp_path / "run"), pp, vp, microbatches):
         if vp == 1:
             assert peak == pp - rank
         else:

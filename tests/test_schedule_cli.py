@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from loom.tools.synthetic_data import write_markov_dataset
+from training_runs import HANG_S, tiny_train_args
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -14,7 +14,12 @@ REPO = Path(__file__).resolve().parents[1]
 def loom(*args):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     return subprocess.run(
-        [sys.executable, "-m", "loom.launch.cli", *args], capture_output=True, text=True, env=env, cwd=REPO, timeout=300
+        [sys.executable, "-m", "loom.launch.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=HANG_S,
     )
 
 
@@ -35,29 +40,22 @@ def test_rejects_what_the_interleaved_schedule_cannot_run():
     assert result.stderr.strip().startswith("error: the interleaved schedule needs microbatches divisible by pp = 4")
 
 
-def test_from_run_draws_the_measured_timeline(tmp_path):
-    dataset = write_markov_dataset(tmp_path / "markov", vocab_size=4096, num_documents=60)
+def test_from_run_draws_the_measured_timeline(markov_dataset, tmp_path):
     run = tmp_path / "run"
     result = loom(
         "train",
-        "--config",
-        "tiny",
-        "--nproc",
-        "2",
-        "--parallel.pp",
-        "2",
-        "--data.paths",
-        dataset,
-        "--data.tokenizer",
-        "none",
-        "--train.steps",
-        "2",
-        "--train.eval_interval",
-        "0",
-        "--train.run_dir",
-        str(run),
-        "--train.record_pipeline_timeline",
-        "true",
+        *tiny_train_args(
+            markov_dataset(60),
+            run,
+            "--nproc",
+            "2",
+            "--parallel.pp",
+            "2",
+            "--train.steps",
+            "2",
+            "--train.record_pipeline_timeline",
+            "true",
+        ),
     )
     assert result.returncode == 0, result.stderr
     timeline = json.loads((run / "pipeline_timeline.json").read_text())

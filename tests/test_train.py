@@ -7,30 +7,18 @@ import sys
 from pathlib import Path
 
 import pytest
+from training_runs import read_metrics, tiny_config
 
-from loom.engine.config_io import load_config
 from loom.launch.local import launch_local
-from loom.tools.synthetic_data import write_markov_dataset
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    return write_markov_dataset(tmp_path_factory.mktemp("data") / "markov", vocab_size=4096, num_documents=300)
-
-
 def train(dataset, run_dir, nproc=1, **sections) -> list[dict]:
-    overrides = {
-        "data": {"paths": [dataset], "tokenizer": None},
-        "train": {"run_dir": str(run_dir), "log_interval": 1, "tensorboard": False, "eval_interval": 0},
-    }
-    for section, values in sections.items():
-        overrides.setdefault(section, {}).update(values)
-    config = load_config("tiny", overrides)
+    config = tiny_config(dataset, run_dir, **sections)
     config.resolve_world(nproc)
     launch_local(config, nproc)
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return read_metrics(run_dir)
 
 
 def test_bf16_autocast_tracks_fp32(dataset, tmp_path):
@@ -109,8 +97,8 @@ def test_batch_size_ramp_up_is_layout_invariant(dataset, tmp_path):
         assert abs(a["loss"] - b["loss"]) / a["loss"] < 1e-5
 
 
-def test_two_datasets_blend_by_weight(dataset, tmp_path):
-    second = write_markov_dataset(tmp_path / "other", vocab_size=4096, num_documents=200, seed=7)
+def test_two_datasets_blend_by_weight(dataset, markov_dataset, tmp_path):
+    second = markov_dataset(200, seed=7)
     rows = train(
         dataset,
         tmp_path / "run",

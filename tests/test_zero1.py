@@ -4,44 +4,27 @@ Both runs go through the real launcher; the per-step losses must agree within 1e
 Memory: the bytes of master weights and optimizer state a rank holds, read off the optimizer.
 """
 
-import json
-
 import pytest
 from dist_utils import run_ranks
+from training_runs import read_metrics, tiny_config
 
-from loom.engine.config_io import load_config
 from loom.engine.train import Trainer
 from loom.launch.local import launch_local
-from loom.tools.synthetic_data import write_markov_dataset
 
 STEPS = 6
 
 
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    return write_markov_dataset(tmp_path_factory.mktemp("data") / "markov", vocab_size=4096, num_documents=300)
-
-
 def losses(dataset, run_dir, nproc, zero1, optimizer="adamw", **parallel) -> list[float]:
-    config = load_config(
-        "tiny",
-        {
-            "data": {"paths": [dataset], "tokenizer": None},
-            "parallel": {**parallel, "grad_bucket_mb": 0.25},
-            "optim": {"zero1": zero1, "name": optimizer},
-            "train": {
-                "steps": STEPS,
-                "run_dir": str(run_dir),
-                "log_interval": 1,
-                "eval_interval": 0,
-                "tensorboard": False,
-                "micro_batch_size": 1,
-            },
-        },
+    config = tiny_config(
+        dataset,
+        run_dir,
+        parallel={**parallel, "grad_bucket_mb": 0.25},
+        optim={"zero1": zero1, "name": optimizer},
+        train={"steps": STEPS, "micro_batch_size": 1},
     )
     config.resolve_world(nproc)
     launch_local(config, nproc)
-    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [row["loss"] for row in read_metrics(run_dir)]
 
 
 @pytest.mark.parametrize(
@@ -63,14 +46,12 @@ def test_zero1_matches_the_unsharded_optimizer(dataset, tmp_path, nproc, optimiz
 
 
 def _state_bytes(rank, world, dataset, run_dir, zero1):
-    config = load_config(
-        "tiny",
-        {
-            "data": {"paths": [dataset], "tokenizer": None},
-            "optim": {"zero1": zero1},
-            "parallel": {"grad_bucket_mb": 0.25},
-            "train": {"steps": 1, "run_dir": run_dir, "tensorboard": False, "eval_interval": 0, "precision": "bf16"},
-        },
+    config = tiny_config(
+        dataset,
+        run_dir,
+        optim={"zero1": zero1},
+        parallel={"grad_bucket_mb": 0.25},
+        train={"steps": 1, "precision": "bf16"},
     )
     trainer = Trainer(config)
     trainer.train_step()  # optimizer state exists only after a step
