@@ -1,12 +1,12 @@
 """Checkpoints: exact resume, resume under other layouts (ZeRO-1 state resharded), crash safety."""
 
-import json
 import os
 from pathlib import Path
 
 import pytest
 import torch
 from dist_utils import run_ranks
+from training_runs import read_metrics, tiny_config
 
 from loom.engine.checkpoint import format as checkpoint_format
 from loom.engine.checkpoint.format import (
@@ -21,44 +21,27 @@ from loom.engine.checkpoint.format import (
     read_metadata,
     write_rank_file,
 )
-from loom.engine.config_io import load_config
 from loom.engine.parallel.sharding import ShardSpec
 from loom.engine.train import Trainer
 from loom.launch.local import RankFailed, launch_local
-from loom.tools.synthetic_data import write_markov_dataset
 
 STEPS, HALF = 8, 4
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    return write_markov_dataset(tmp_path_factory.mktemp("data") / "markov", vocab_size=4096, num_documents=300)
 
 
 def run(dataset, run_dir, nproc, parallel=None, **train):
     optim = {"zero1": train.pop("zero1", False)}
     checkpoint = train.pop("checkpoint", {})
-    config = load_config(
-        "tiny",
-        {
-            "data": {"paths": [dataset], "tokenizer": None},
-            "parallel": parallel or {},
-            "optim": optim,
-            "checkpoint": checkpoint,
-            "train": {
-                "steps": STEPS,
-                "run_dir": str(run_dir),
-                "log_interval": 1,
-                "eval_interval": 0,
-                "tensorboard": False,
-                "micro_batch_size": 1,
-                **train,
-            },
-        },
+    config = tiny_config(
+        dataset,
+        run_dir,
+        parallel=parallel or {},
+        optim=optim,
+        checkpoint=checkpoint,
+        train={"steps": STEPS, "micro_batch_size": 1, **train},
     )
     config.resolve_world(nproc)
     launch_local(config, nproc)
-    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir)}
 
 
 @pytest.fixture(scope="module")
@@ -270,11 +253,7 @@ def _save_then_resume(rank, world, dataset, run_dir):
     from loom.engine.data.loader import BatchIterator
 
     def trainer() -> Trainer:
-        overrides = {
-            "data": {"paths": [dataset], "tokenizer": None},
-            "train": {"steps": 4, "run_dir": run_dir, "tensorboard": False, "eval_interval": 0, "micro_batch_size": 1},
-        }
-        return Trainer(load_config("tiny", overrides))
+        return Trainer(tiny_config(dataset, run_dir, train={"steps": 4, "micro_batch_size": 1}))
 
     first = trainer()
     first.train_step()
