@@ -11,6 +11,7 @@ from loom.engine.checkpoint.format import find_loadable
 from loom.engine.checkpoint.load import PieceReader
 from loom.engine.config_io import config_from_dict, load_config
 from loom.engine.model.gpt import GPTModel
+from loom.engine.parallel.param_info import param_info
 from loom.engine.parallel.sharding import initialize_parameters
 from loom.launch.local import launch_local
 from loom.tools.hf import export_hf, import_hf
@@ -46,7 +47,7 @@ def loom_logits(checkpoints, tokens):
     reader = PieceReader(directory, metadata)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            param.copy_(param.shard_spec.shard(reader.model(name), 0, 1))
+            param.copy_(param_info(param).shard_spec.shard(reader.model(name), 0, 1))
         return model.eval()(tokens)[..., : config.model.vocab_size].transpose(0, 1)
 
 

@@ -14,6 +14,7 @@ from loom.engine.model.gpt import GPTModel
 from loom.engine.optim.distributed import DistributedOptimizer
 from loom.engine.optim.grad_buffer import GradBuffer
 from loom.engine.optim.loss_scaler import LossScaler
+from loom.engine.parallel.param_info import param_info
 from loom.engine.parallel.sharding import initialize_parameters
 from loom.engine.parallel.state import ParallelState
 
@@ -88,8 +89,8 @@ def _compare(rank, world, tp, name, zero1):
 
     dense = GPTModel(config, None)
     initialize_parameters(dense, seed=3, tp_rank=0, tp_size=1)
-    specs = {n: p.shard_spec for n, p in named}
-    weights = {n: p.shard_spec.unshard([p.detach().clone()]) for n, p in dense.named_parameters()}
+    specs = {n: param_info(p).shard_spec for n, p in named}
+    weights = {n: param_info(p).shard_spec.unshard([p.detach().clone()]) for n, p in dense.named_parameters()}
     reference, ref_state = (reference_lamb if name == "lamb" else reference_adafactor), {}
     worst = 0.0
     for step in range(1, 4):

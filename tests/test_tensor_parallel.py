@@ -15,6 +15,7 @@ from loom.engine.config import ModelConfig
 from loom.engine.model.gpt import GPTModel
 from loom.engine.optim.model_parallel_grads import counted_once, sum_model_parallel_grads
 from loom.engine.parallel.cross_entropy import vocab_parallel_cross_entropy
+from loom.engine.parallel.param_info import param_info
 from loom.engine.parallel.sharding import ShardSpec, initialize_parameters
 from loom.engine.parallel.state import ParallelState
 
@@ -51,7 +52,7 @@ def _compare_with_dense(rank, world, config_kwargs, sequence_parallel):
     dense = GPTModel(config, None)
     initialize_parameters(dense, seed=7, tp_rank=0, tp_size=1)
     dense_loss, dense_grads = _loss_and_grads(dense, tokens, labels)
-    dense_grads = {n: p.shard_spec.unshard([dense_grads[n]]) for n, p in dense.named_parameters()}
+    dense_grads = {n: param_info(p).shard_spec.unshard([dense_grads[n]]) for n, p in dense.named_parameters()}
 
     state = ParallelState.create(tp=world, dp=1)
     tp_group = state.tp_group
@@ -70,7 +71,7 @@ def _compare_with_dense(rank, world, config_kwargs, sequence_parallel):
     for name, param in sharded.named_parameters():
         shards = [torch.empty_like(param.grad) for _ in range(world)]
         dist.all_gather(shards, param.grad.contiguous())
-        full = param.shard_spec.unshard(shards)
+        full = param_info(param).shard_spec.unshard(shards)
         worst[name] = (full - dense_grads[name]).abs().max().item()
     return worst
 

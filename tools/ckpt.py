@@ -25,6 +25,7 @@ from loom.engine.checkpoint.format import (
     write_rank_file,
 )
 from loom.engine.checkpoint.load import PieceReader
+from loom.engine.model import naming
 from loom.engine.parallel.layers import padded_vocab_size
 from loom.engine.parallel.sharding import ShardSpec
 from loom.engine.parallel.state import rank_of
@@ -61,10 +62,10 @@ def inspect(path: Path) -> str:
 
 def _stage_of(name: str, num_layers: int, pp: int, vp: int) -> int:
     """The virtual stage that holds a parameter in a (pp, vp) layout."""
-    if name.startswith("layers."):
-        layer = int(name.split(".")[1])
+    layer = naming.layer_index(name)
+    if layer is not None:
         return next(s for s in range(pp * vp) if layer in stage_layers(num_layers, pp, vp, s))
-    return 0 if name.startswith(("embedding", "position_embedding")) else pp * vp - 1
+    return 0 if naming.before_blocks(name) else pp * vp - 1
 
 
 def reshard(source: Path, output: Path, tp: int, pp: int, vp: int = 1) -> Path:

@@ -30,7 +30,9 @@ from loom.engine.checkpoint.format import (
 )
 from loom.engine.checkpoint.load import PieceReader
 from loom.engine.config_io import config_from_dict, config_to_dict
+from loom.engine.model import naming
 from loom.engine.model.gpt import GPTModel
+from loom.engine.parallel.param_info import param_info
 from loom.tools.ckpt import open_checkpoint
 
 
@@ -68,59 +70,68 @@ def _hf_config(model: dict) -> dict:
     }
 
 
-def _split_sizes(model: dict) -> tuple[list[int], list[int]]:
+# Hugging Face's names for loom's: outside the blocks, and inside block i (under model.layers.<i>.). A fused
+# loom tensor (QKV, SwiGLU gate+up) maps to several Hugging Face tensors stacked along dim 0 in this order.
+_OUTSIDE_BLOCKS = {
+    naming.EMBEDDING: "model.embed_tokens.weight",
+    naming.FINAL_NORM_WEIGHT: "model.norm.weight",
+    naming.OUTPUT: "lm_head.weight",
+}
+_IN_BLOCK = {
+    naming.QKV_WEIGHT: ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    naming.ATTENTION_OUTPUT_WEIGHT: ("self_attn.o_proj.weight",),
+    naming.FC1_WEIGHT: ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    naming.FC2_WEIGHT: ("mlp.down_proj.weight",),
+    naming.INPUT_NORM_WEIGHT: ("input_layernorm.weight",),
+    naming.MLP_NORM_WEIGHT: ("post_attention_layernorm.weight",),
+}
+
+
+def _fused_sizes(model: dict) -> dict[str, list[int]]:
+    """Rows of each Hugging Face tensor inside a fused loom tensor, by loom's name inside the block."""
     head_dim = model["hidden_size"] // model["num_heads"]
-    return (
-        [model["num_heads"] * head_dim, model["num_kv_heads"] * head_dim, model["num_kv_heads"] * head_dim],
-        [model["ffn_hidden_size"], model["ffn_hidden_size"]],
-    )
+    q_rows, kv_rows = model["num_heads"] * head_dim, model["num_kv_heads"] * head_dim
+    return {
+        naming.QKV_WEIGHT: [q_rows, kv_rows, kv_rows],
+        naming.FC1_WEIGHT: [model["ffn_hidden_size"], model["ffn_hidden_size"]],
+    }
+
+
+def _loom_names(model: dict) -> list[str]:
+    """Every logical tensor of a Llama-shaped loom model."""
+    outside = [naming.EMBEDDING, naming.FINAL_NORM_WEIGHT] + ([] if model["tie_embeddings"] else [naming.OUTPUT])
+    return outside + [naming.block_param_name(i, local) for i in range(model["num_layers"]) for local in _IN_BLOCK]
+
+
+def _hf_names(name: str) -> tuple[str, ...]:
+    """Hugging Face's tensor(s) holding loom's tensor `name`."""
+    in_block = naming.split_block_param_name(name)
+    if in_block is None:
+        return (_OUTSIDE_BLOCKS[name],)
+    layer, local = in_block
+    return tuple(f"model.layers.{layer}.{hf}" for hf in _IN_BLOCK[local])
 
 
 def to_hf(logical: dict[str, torch.Tensor], model: dict) -> dict[str, torch.Tensor]:
     """loom logical tensors -> Hugging Face Llama state dict."""
-    qkv_sizes, fc1_sizes = _split_sizes(model)
-    out = {"model.embed_tokens.weight": logical["embedding.weight"], "model.norm.weight": logical["final_norm.weight"]}
-    if not model["tie_embeddings"]:
-        out["lm_head.weight"] = logical["output_weight"]
-    for i in range(model["num_layers"]):
-        loom, hf = f"layers.{i}.", f"model.layers.{i}."
-        q, k, v = logical[loom + "attention.qkv.weight"].split(qkv_sizes)
-        gate, up = logical[loom + "mlp.fc1.weight"].split(fc1_sizes)
-        out.update(
-            {
-                hf + "self_attn.q_proj.weight": q,
-                hf + "self_attn.k_proj.weight": k,
-                hf + "self_attn.v_proj.weight": v,
-                hf + "self_attn.o_proj.weight": logical[loom + "attention.proj.weight"],
-                hf + "mlp.gate_proj.weight": gate,
-                hf + "mlp.up_proj.weight": up,
-                hf + "mlp.down_proj.weight": logical[loom + "mlp.fc2.weight"],
-                hf + "input_layernorm.weight": logical[loom + "input_norm.weight"],
-                hf + "post_attention_layernorm.weight": logical[loom + "mlp_norm.weight"],
-            }
-        )
+    sizes = _fused_sizes(model)
+    out = {}
+    for name in _loom_names(model):
+        hf_names = _hf_names(name)
+        if len(hf_names) == 1:
+            out[hf_names[0]] = logical[name]
+        else:
+            _, local = naming.split_block_param_name(name)
+            out.update(zip(hf_names, logical[name].split(sizes[local]), strict=True))
     return {k: v.contiguous() for k, v in out.items()}
 
 
 def from_hf(tensors: dict[str, torch.Tensor], model: dict) -> dict[str, torch.Tensor]:
     """Hugging Face Llama state dict -> loom logical tensors."""
-    out = {"embedding.weight": tensors["model.embed_tokens.weight"], "final_norm.weight": tensors["model.norm.weight"]}
-    if not model["tie_embeddings"]:
-        out["output_weight"] = tensors["lm_head.weight"]
-    for i in range(model["num_layers"]):
-        loom, hf = f"layers.{i}.", f"model.layers.{i}."
-        out.update(
-            {
-                loom + "attention.qkv.weight": torch.cat([tensors[hf + f"self_attn.{p}_proj.weight"] for p in "qkv"]),
-                loom + "attention.proj.weight": tensors[hf + "self_attn.o_proj.weight"],
-                loom + "mlp.fc1.weight": torch.cat(
-                    [tensors[hf + "mlp.gate_proj.weight"], tensors[hf + "mlp.up_proj.weight"]]
-                ),
-                loom + "mlp.fc2.weight": tensors[hf + "mlp.down_proj.weight"],
-                loom + "input_norm.weight": tensors[hf + "input_layernorm.weight"],
-                loom + "mlp_norm.weight": tensors[hf + "post_attention_layernorm.weight"],
-            }
-        )
+    out = {}
+    for name in _loom_names(model):
+        parts = [tensors[hf] for hf in _hf_names(name)]
+        out[name] = parts[0] if len(parts) == 1 else torch.cat(parts)
     return out
 
 
@@ -171,7 +182,8 @@ def import_hf(source: Path, output: Path) -> Path:
         with safe_open(str(file), framework="pt") as f:
             tensors.update({k: f.get_tensor(k) for k in f.keys()})
     logical = from_hf(tensors, config_to_dict(config)["model"])
-    specs = {name: param.shard_spec for name, param in GPTModel(config.model, None).named_parameters()}
+    infos = [param_info(param) for param in GPTModel(config.model, None).parameters()]
+    specs = {info.name: info.shard_spec for info in infos}
     _check_shapes(logical, specs)
     final = iteration_dir(output, 0)
     staging = make_staging_dir(final)

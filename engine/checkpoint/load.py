@@ -24,9 +24,9 @@ from loom.engine.checkpoint.format import (
     parse_optim_key,
     rng_key,
 )
-from loom.engine.checkpoint.save import logical_name
 from loom.engine.checkpoint.state import TrainingState
 from loom.engine.optim.algorithms import Adafactor, Lamb
+from loom.engine.parallel.param_info import param_info
 from loom.engine.parallel.sharding import ShardSpec
 
 if TYPE_CHECKING:
@@ -84,11 +84,12 @@ class PieceReader:
 def check_shapes(reader: PieceReader, named_params) -> None:
     """Refuse a checkpoint of another model, naming the first tensor that differs."""
     for name, param in named_params:
-        saved = reader.spec(logical_name(name, param)).full_shape
-        if tuple(saved) != param.shard_spec.full_shape:
+        info = param_info(param)
+        saved = reader.spec(info.name).full_shape
+        if tuple(saved) != info.shard_spec.full_shape:
             raise CheckpointError(
                 f"checkpoint {reader.directory} is of another model: {name} has shape "
-                f"{tuple(saved)} there, {param.shard_spec.full_shape} here"
+                f"{tuple(saved)} there, {info.shard_spec.full_shape} here"
             )
 
 
@@ -103,11 +104,11 @@ def load_checkpoint(state: TrainingState, directory: Path, metadata: CheckpointM
     segments_of = defaultdict(list)
     for seg in optimizer.segments:
         segments_of[seg.param].append(seg)
-    for name, param in named_params:
-        logical = logical_name(name, param)
-        weights = reader.model(logical)
-        param.copy_(param.shard_spec.shard(weights, parallel.tp_rank, parallel.tp_size).to(param.dtype))
-        _load_segments(reader, optimizer, parallel, param, logical, weights, segments_of[param], metadata)
+    for _, param in named_params:
+        info = param_info(param)
+        weights = reader.model(info.name)
+        param.copy_(info.shard_spec.shard(weights, parallel.tp_rank, parallel.tp_size).to(param.dtype))
+        _load_segments(reader, optimizer, parallel, param, info.name, weights, segments_of[param], metadata)
     _restore_loop_state(state, reader, metadata)
 
 
@@ -128,7 +129,7 @@ def _load_segments(
             logical_tensor = reader.optim("master", logical) if "master" in saved_states else weights.float()
         else:
             logical_tensor = reader.optim(kind, logical)
-        local = param.shard_spec.shard(logical_tensor, parallel.tp_rank, parallel.tp_size).reshape(-1)
+        local = param_info(param).shard_spec.shard(logical_tensor, parallel.tp_rank, parallel.tp_size).reshape(-1)
         for seg in segments:
             piece = local[seg.start : seg.end].view_as(seg.master).to(seg.master.device)
             if kind != "master":

@@ -38,12 +38,8 @@ from loom.engine.checkpoint.format import (
 from loom.engine.checkpoint.state import TrainingState
 from loom.engine.config_io import config_to_dict
 from loom.engine.faults import FaultPlan
+from loom.engine.parallel.param_info import param_info
 from loom.engine.parallel.sharding import ShardSpec
-
-
-def logical_name(name: str, param: torch.nn.Parameter) -> str:
-    """The layout-independent name (the last stage's tied output copy is the embedding)."""
-    return getattr(param, "init_name", name)
 
 
 @dataclass
@@ -62,11 +58,12 @@ def _model_pieces(state: TrainingState) -> tuple[dict[str, torch.Tensor], dict[s
     pieces, specs = {}, {}
     if state.parallel.dp_rank != 0:
         return pieces, specs
-    for name, param in state.named_parameters():
-        if getattr(param, "tied_copy", False):
+    for _, param in state.named_parameters():
+        info = param_info(param)
+        if info.tied_copy:
             continue
-        pieces[model_key(name, state.parallel.tp_rank)] = param.detach()
-        specs[name] = param.shard_spec
+        pieces[model_key(info.name, state.parallel.tp_rank)] = param.detach()
+        specs[info.name] = info.shard_spec
     return pieces, specs
 
 
@@ -78,9 +75,10 @@ def _optimizer_pieces(state: TrainingState) -> tuple[dict[str, torch.Tensor], in
     if not (optimizer.zero1 or state.parallel.dp_rank == 0):
         return pieces, step
     for seg in optimizer.segments:
-        if getattr(seg.param, "tied_copy", False):
+        info = param_info(seg.param)
+        if info.tied_copy:
             continue
-        name = logical_name(optimizer.names[seg.param], seg.param)
+        name = info.name
         if not seg.aliases_param:
             pieces[optim_key("master", name, tp_rank, seg.start, seg.end)] = seg.master.detach().reshape(-1)
         for key, value in optimizer.inner.state.get(seg.master, {}).items():

@@ -11,11 +11,13 @@ import torch
 import torch.nn.functional as F
 
 from loom.engine.config import ModelConfig
+from loom.engine.model import naming
 from loom.engine.model.kernels import Kernels
 from loom.engine.model.transformer import TransformerBlock, build_norm, rotary_tables
 from loom.engine.parallel import mappings
 from loom.engine.parallel.cross_entropy import vocab_parallel_cross_entropy
 from loom.engine.parallel.layers import VocabParallelEmbedding, padded_vocab_size
+from loom.engine.parallel.param_info import param_info, update_param_info
 from loom.engine.parallel.random import RNGStreams, checkpointed
 from loom.engine.parallel.sharding import ShardSpec, make_parameter
 
@@ -53,7 +55,7 @@ class GPTModel(torch.nn.Module):
                 init_std=config.init_std,
                 sequence_parallel=self.sequence_parallel,
             )
-            self.embedding.weight.tied_embedding = config.tie_embeddings
+            update_param_info(self.embedding.weight, tied_embedding=config.tie_embeddings)
             if config.position_embedding == "learned":
                 self.position_embedding = make_parameter(
                     ShardSpec((config.max_position_embeddings, config.hidden_size)),
@@ -73,9 +75,15 @@ class GPTModel(torch.nn.Module):
                     ("normal", config.init_std),
                 )
                 if config.tie_embeddings:
-                    # The last pipeline stage's copy of the tied embedding: same init, grads summed.
-                    self.output_weight.init_name = "embedding.weight"
-                    self.output_weight.tied_embedding = self.output_weight.tied_copy = True
+                    # The last pipeline stage's copy of the tied embedding: same name (so same init), grads summed.
+                    update_param_info(self.output_weight, tied_embedding=True, tied_copy=True)
+        self._name_parameters()
+
+    def _name_parameters(self) -> None:
+        """Complete every parameter's ParamInfo with what its global name says."""
+        for module_name, param in self.named_parameters():
+            name = naming.global_name(module_name, param_info(param).tied_copy)
+            update_param_info(param, name=name, layer=naming.layer_index(name), no_decay=naming.no_decay(name))
 
     def _rotary(self, seq_length: int, device) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.config.position_embedding != "rope":

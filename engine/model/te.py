@@ -9,8 +9,8 @@ Two rules keep TE layers interchangeable with loom's own:
   all-gather the sequence-parallel input, or all-reduce the input gradient; row: reduce-scatter
   or all-reduce the output). Under sequence parallelism norm weights get partial gradients on each
   TP rank; TE only marks them, and loom sums them (engine/optim/model_parallel_grads.py) because
-  they carry `sequence_parallel_grad` like the native Norm's.
-- Parameters: TE creates its own `weight`/`bias`; they are tagged with loom's ShardSpec and init
+  their ParamInfo says `sequence_parallel_grad` like the native Norm's.
+- Parameters: TE creates its own `weight`/`bias`; they get a ParamInfo with loom's ShardSpec and init
   (TE's own init is skipped), so initialisation, checkpoints, resharding and HF export see the same
   names, shapes and slicing as with the native layers.
 
@@ -32,6 +32,7 @@ import torch
 
 from loom.engine.config import ModelConfig
 from loom.engine.parallel import mappings
+from loom.engine.parallel.param_info import ParamInfo, set_param_info
 from loom.engine.parallel.sharding import ShardSpec
 
 
@@ -46,7 +47,7 @@ def _skip_init(weight: torch.Tensor) -> None:
 
 
 def _tag(param: torch.nn.Parameter, spec: ShardSpec, init: tuple, sequence_parallel_grad: bool = False) -> None:
-    param.shard_spec, param.init_method, param.sequence_parallel_grad = spec, init, sequence_parallel_grad
+    set_param_info(param, ParamInfo(spec, init, sequence_parallel_grad))
 
 
 def column_parallel_linear(

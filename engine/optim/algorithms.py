@@ -14,6 +14,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from loom.engine.parallel.sharding import ShardSpec
+
 
 class Lamb(torch.optim.Optimizer):
     """LAMB with Adam bias correction and decoupled weight decay inside the trust ratio."""
@@ -81,9 +83,12 @@ class Adafactor(torch.optim.Optimizer):
         eps: float = 1e-30,
         clip_threshold: float = 1.0,
         decay_rate: float = -0.8,
+        shard_specs: dict[int, ShardSpec] | None = None,
     ):
+        """`shard_specs` maps id(tensor) to the ShardSpec of the parameter it steps; None: whole tensors, no TP."""
         super().__init__(params, {"lr": lr, "weight_decay": 0.0})
         self.tp_group, self.tp_rank, self.tp_size = tp_group, tp_rank, tp_size
+        self.shard_specs = shard_specs
         self.eps, self.clip_threshold, self.decay_rate = eps, clip_threshold, decay_rate
 
     def _sum(self, x: torch.Tensor, sharded: bool) -> torch.Tensor:
@@ -107,9 +112,9 @@ class Adafactor(torch.optim.Optimizer):
         return None
 
     def _update(self, p: torch.Tensor, grad: torch.Tensor, state: dict, beta2: float) -> torch.Tensor:
-        spec = getattr(p, "shard_spec", None)
-        split = spec.dim if spec is not None and self.tp_size > 1 else None
-        full_shape = spec.full_shape if spec is not None else tuple(p.shape)
+        spec = self.shard_specs[id(p)] if self.shard_specs is not None else ShardSpec(tuple(p.shape))
+        split = spec.dim if self.tp_size > 1 else None
+        full_shape = spec.full_shape
         valid_rows = _valid_rows(p, spec, self.tp_rank)
         squared = grad.pow(2) + self.eps
         if p.dim() >= 2:
@@ -135,9 +140,9 @@ class Adafactor(torch.optim.Optimizer):
         return update / torch.clamp(rms / self.clip_threshold, min=1.0)
 
 
-def _valid_rows(p: torch.Tensor, spec, tp_rank: int) -> int:
+def _valid_rows(p: torch.Tensor, spec: ShardSpec, tp_rank: int) -> int:
     """Rows of this shard that are real (not vocabulary padding, which sits at the end)."""
-    if spec is None or spec.padded_size is None or spec.dim != 0:
+    if spec.padded_size is None or spec.dim != 0:
         return p.shape[0]
     first = p.shape[0] * tp_rank
     return max(0, min(p.shape[0], spec.full_shape[0] - first))

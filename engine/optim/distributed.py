@@ -21,12 +21,14 @@ import torch
 import torch.distributed as dist
 
 from loom.engine.config import OptimConfig
+from loom.engine.model import naming
 from loom.engine.model.kernels import build_adamw, default_adamw
 from loom.engine.optim.algorithms import Adafactor, Lamb
 from loom.engine.optim.grad_buffer import GradBuffer
 from loom.engine.optim.loss_scaler import LossScaler
 from loom.engine.optim.model_parallel_grads import counted_once
 from loom.engine.parallel.mappings import all_gather_single
+from loom.engine.parallel.param_info import param_info
 from loom.engine.parallel.state import ParallelState
 
 
@@ -46,13 +48,6 @@ class Segment:
         return self.master is self.param
 
 
-def layer_of(name: str, num_layers: int) -> int:
-    """0 for embeddings, i+1 for block i, num_layers+1 for the final norm and output layer."""
-    if name.startswith("layers."):
-        return int(name.split(".")[1]) + 1
-    return 0 if name.startswith(("embedding", "position_embedding")) else num_layers + 1
-
-
 class DistributedOptimizer:
     def __init__(
         self,
@@ -69,9 +64,8 @@ class DistributedOptimizer:
         self.adamw_impl = adamw_impl
         self.zero1 = config.zero1
         self.named_params = named_params
-        self.names = {p: n for n, p in named_params}
         self.param_index = {p: i for i, (_, p) in enumerate(named_params)}
-        self._replicated = torch.tensor([p.shard_spec.is_replicated for _, p in named_params])
+        self._replicated = torch.tensor([param_info(p).shard_spec.is_replicated for _, p in named_params])
         self.segments = self._make_segments()
         self.param_buffer = self._make_param_buffer() if self.zero1 else None
         self.inner = self._build_inner(num_layers)
@@ -93,7 +87,6 @@ class DistributedOptimizer:
                 else:
                     flat = param.detach().reshape(-1)[start - offset : end - offset].float().clone()
                     master = flat.view_as(param) if whole else flat
-                    master.shard_spec = param.shard_spec
                 segments.append(Segment(param, start - offset, end - offset, start, master))
         return segments
 
@@ -112,8 +105,9 @@ class DistributedOptimizer:
         c = self.config
         groups: dict[tuple[float, float], list[torch.Tensor]] = {}
         for seg in self.segments:
-            decay = c.weight_decay if seg.param.ndim >= 2 else 0.0
-            scale = c.layer_lr_decay ** (num_layers + 1 - layer_of(self.names[seg.param], num_layers))
+            info = param_info(seg.param)
+            decay = 0.0 if info.no_decay else c.weight_decay
+            scale = c.layer_lr_decay ** (num_layers + 1 - naming.depth(info.name, num_layers))
             groups.setdefault((decay, scale), []).append(seg.master)
         param_groups = [{"params": ps, "weight_decay": wd, "lr_scale": s} for (wd, s), ps in groups.items()]
         if c.name == "adamw":
@@ -139,6 +133,7 @@ class DistributedOptimizer:
                 tp_group=self.state.tp_group,
                 tp_rank=self.state.tp_rank,
                 tp_size=self.state.tp_size,
+                shard_specs={id(seg.master): param_info(seg.param).shard_spec for seg in self.segments},
             )
         raise ValueError(f"unknown optimizer {c.name!r}")
 

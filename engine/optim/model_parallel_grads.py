@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from loom.engine.parallel.param_info import param_info
 from loom.engine.parallel.state import ParallelState
 
 
@@ -24,15 +25,15 @@ def local_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
 
 
 def needs_model_parallel_sum(param: torch.nn.Parameter, state: ParallelState) -> bool:
-    if getattr(param, "sequence_parallel_grad", False) and state.tp_size > 1:
-        return True
-    return getattr(param, "tied_embedding", False) and state.pp_size > 1
+    info = param_info(param)
+    return (info.sequence_parallel_grad and state.tp_size > 1) or (info.tied_embedding and state.pp_size > 1)
 
 
 def counted_once(param: torch.nn.Parameter, tp_rank: int) -> bool:
-    if getattr(param, "tied_copy", False):
+    info = param_info(param)
+    if info.tied_copy:
         return False
-    return not param.shard_spec.is_replicated or tp_rank == 0
+    return not info.shard_spec.is_replicated or tp_rank == 0
 
 
 def _all_reduce_flat(grads: list[torch.Tensor], group) -> None:
@@ -49,8 +50,8 @@ def _all_reduce_flat(grads: list[torch.Tensor], group) -> None:
 def sum_model_parallel_grads(params: list[torch.nn.Parameter], state: ParallelState) -> None:
     """Sum sequence-parallel partial gradients over TP and tied-embedding gradients over the pipeline ends."""
     if state.tp_size > 1:
-        _all_reduce_flat([local_grad(p) for p in params if getattr(p, "sequence_parallel_grad", False)], state.tp_group)
+        _all_reduce_flat([local_grad(p) for p in params if param_info(p).sequence_parallel_grad], state.tp_group)
     if state.pp_size > 1:
-        tied = [local_grad(p) for p in params if getattr(p, "tied_embedding", False)]
+        tied = [local_grad(p) for p in params if param_info(p).tied_embedding]
         if tied:
             _all_reduce_flat(tied, state.embedding_group)

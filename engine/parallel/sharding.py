@@ -1,9 +1,10 @@
 """How a full (layout-independent) tensor maps to the shard one tensor-parallel rank holds.
 
-Every parameter carries a `ShardSpec`; initialisation, checkpoints and resharding all go through
-it, so there is one truth about slicing. A fused weight (QKV, SwiGLU gate+up) is a stack of
-blocks along the split dim, each block split evenly across TP ranks, so a rank's shard holds its
-slice of every block. Padding (the vocabulary) is zeros appended before splitting.
+Every parameter's ParamInfo (param_info.py) carries a `ShardSpec`; initialisation, checkpoints and
+resharding all go through it, so there is one truth about slicing. A fused weight (QKV, SwiGLU
+gate+up) is a stack of blocks along the split dim, each block split evenly across TP ranks, so a
+rank's shard holds its slice of every block. Padding (the vocabulary) is zeros appended before
+splitting.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import hashlib
 from dataclasses import dataclass
 
 import torch
+
+from loom.engine.parallel.param_info import MissingParamInfoError, ParamInfo, param_info, set_param_info
 
 
 @dataclass(frozen=True)
@@ -94,24 +97,22 @@ def full_init(init: tuple, shape: tuple[int, ...], seed: int) -> torch.Tensor:
 def make_parameter(
     spec: ShardSpec, tp_size: int, init: tuple, device: torch.device | None = None, sequence_parallel_grad: bool = False
 ) -> torch.nn.Parameter:
-    """An uninitialised local parameter that knows its full shape, its slicing and its init.
+    """An uninitialised local parameter whose ParamInfo knows its full shape, its slicing and its init.
 
     `sequence_parallel_grad` marks replicated parameters whose gradient is partial on each TP
     rank (they see only a slice of the sequence) and must be summed over the TP group.
     """
     param = torch.nn.Parameter(torch.empty(spec.local_shape(tp_size), device=device))
-    param.shard_spec = spec
-    param.init_method = init
-    param.sequence_parallel_grad = sequence_parallel_grad
+    set_param_info(param, ParamInfo(spec, init, sequence_parallel_grad))
     return param
 
 
 @torch.no_grad()
-def initialize_parameters(
-    module: torch.nn.Module, seed: int, tp_rank: int, tp_size: int, name_prefix: str = ""
-) -> None:
-    """Initialise every parameter from its full shape with a name-derived seed, then slice."""
-    for name, param in module.named_parameters():
-        name = getattr(param, "init_name", name_prefix + name)
-        full = full_init(param.init_method, param.shard_spec.full_shape, name_seed(seed, name))
-        param.copy_(param.shard_spec.shard(full, tp_rank, tp_size).to(param.device, param.dtype))
+def initialize_parameters(module: torch.nn.Module, seed: int, tp_rank: int, tp_size: int) -> None:
+    """Initialise every parameter from its full shape with a seed derived from its global name, then slice."""
+    for module_name, param in module.named_parameters():
+        info = param_info(param)
+        if info.name is None:
+            raise MissingParamInfoError(f"parameter {module_name} has no global name: its model did not name it")
+        full = full_init(info.init_method, info.shard_spec.full_shape, name_seed(seed, info.name))
+        param.copy_(info.shard_spec.shard(full, tp_rank, tp_size).to(param.device, param.dtype))
