@@ -6,33 +6,30 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
+from training_runs import tiny_config
 
 from loom.engine.checkpoint.format import find_loadable
 from loom.engine.checkpoint.load import PieceReader
-from loom.engine.config_io import config_from_dict, load_config
+from loom.engine.config_io import config_from_dict
 from loom.engine.model.gpt import GPTModel
 from loom.engine.parallel.param_info import param_info
 from loom.engine.parallel.sharding import initialize_parameters
 from loom.launch.local import launch_local
 from loom.tools.hf import export_hf, import_hf
-from loom.tools.synthetic_data import write_markov_dataset
 
 transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
-def trained(request, tmp_path_factory):
+def trained(request, markov_dataset, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hf")
-    dataset = write_markov_dataset(tmp / "markov", vocab_size=4096, num_documents=100)
-    config = load_config(
-        "tiny",
-        {
-            "data": {"paths": [dataset], "tokenizer": None},
-            "model": {"tie_embeddings": request.param},
-            "parallel": {"tp": 2},
-            "checkpoint": {"interval": 3},
-            "train": {"steps": 3, "run_dir": str(tmp / "run"), "eval_interval": 0, "tensorboard": False},
-        },
+    config = tiny_config(
+        markov_dataset(100),
+        tmp / "run",
+        model={"tie_embeddings": request.param},
+        parallel={"tp": 2},
+        checkpoint={"interval": 3},
+        train={"steps": 3},
     )
     config.resolve_world(2)
     launch_local(config, 2)
