@@ -96,9 +96,11 @@ def test_foreach_adamw_is_bit_identical_to_the_for_loop_one():
 def test_compiled_norm_and_swiglu_match_eager():
     chosen = choose_kernels(tiny(model={"compile": True}), CPU)
     assert chosen.norm.impl == "torch.compile(rms_norm)" and chosen.activation.impl == "torch.compile(swiglu)"
-    x = torch.randn(16, 2, 64, requires_grad=True)
-    weight = torch.randn(64, requires_grad=True)
-    gate, up = torch.randn(16, 2, 96, requires_grad=True), torch.randn(16, 2, 96, requires_grad=True)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 2, 64, generator=generator, requires_grad=True)
+    weight = torch.randn(64, generator=generator, requires_grad=True)
+    gate = torch.randn(16, 2, 96, generator=generator, requires_grad=True)
+    up = torch.randn(16, 2, 96, generator=generator, requires_grad=True)
     for function, reference, inputs in (
         (chosen.norm_function("rmsnorm"), kernels.rms_norm, (x, weight, None, 1e-5)),
         (chosen.activation_function(gated=True), kernels.swiglu, (gate, up)),
@@ -108,7 +110,8 @@ def test_compiled_norm_and_swiglu_match_eager():
         compiled_grads = torch.autograd.grad(compiled_out.square().sum(), leaves)
         eager_out = reference(*inputs)
         eager_grads = torch.autograd.grad(eager_out.square().sum(), leaves)
-        torch.testing.assert_close(compiled_out, eager_out, rtol=0, atol=1e-6)
+        # A fused kernel rounds differently: a few fp32 ulps (1.4e-6 absolute on outputs near 8 was seen).
+        torch.testing.assert_close(compiled_out, eager_out, rtol=1e-6, atol=1e-6)
         for a, b in zip(compiled_grads, eager_grads):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-5)
 
