@@ -52,7 +52,6 @@ LAYOUTS = {
     "tp2-dp2-sp-selective": (4, dict(parallel__tp=2, parallel__sequence_parallel=True, model__recompute="selective")),
     "tp4-sp": (4, dict(parallel__tp=4, parallel__sequence_parallel=True)),
     "pp2": (2, dict(parallel__pp=2)),
-    "pp2-vp2": (2, dict(parallel__pp=2, parallel__vp=2)),
     "pp2-vp2-tp2-dp2-sp": (
         8,
         dict(
@@ -61,6 +60,7 @@ LAYOUTS = {
     ),
     "pp4-tied": (4, dict(parallel__pp=4, model__tie_embeddings=True)),
     # bf16 against the bf16 single rank: stages exchange bf16 activations and gradients (the compute dtype).
+    # (fp32 interleaving is covered by pp2-vp2-tp2-dp2-sp.)
     "pp2-vp2-bf16": (2, dict(parallel__pp=2, parallel__vp=2, train__precision="bf16")),
 }
 # Cutting the model into stages changes no arithmetic when stages exchange the compute dtype: the bf16
