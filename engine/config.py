@@ -54,6 +54,19 @@ class ModelConfig:
     """Rotary position embedding (Llama) or a learned absolute table (GPT-2)."""
     rope_theta: float = 10000.0
     """Base of the rotary frequencies."""
+    rope_scaling: Literal["none", "llama3"] = "none"
+    """Long-context rescaling of the rotary frequencies: none, or llama3 (Llama 3.1 and later; Hugging Face's
+    rope_type "llama3"): wavelengths longer than rope_original_max_positions / rope_low_freq_factor are
+    stretched by rope_scaling_factor, those shorter than rope_original_max_positions / rope_high_freq_factor
+    are kept, and the ones between are interpolated."""
+    rope_scaling_factor: float = 8.0
+    """llama3 scaling: how much the low frequencies are stretched."""
+    rope_low_freq_factor: float = 1.0
+    """llama3 scaling: rope_original_max_positions / this is the wavelength above which frequencies stretch."""
+    rope_high_freq_factor: float = 4.0
+    """llama3 scaling: rope_original_max_positions / this is the wavelength below which frequencies are kept."""
+    rope_original_max_positions: int = 8192
+    """llama3 scaling: the context length the model was pretrained at before scaling."""
     norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
     """Normalisation before attention, before the MLP and at the end."""
     norm_eps: float = 1e-5
@@ -91,6 +104,19 @@ class ModelConfig:
             ffn_hidden_size=self.ffn_hidden_size,
         )
         _check_choice(s, "position_embedding", self.position_embedding, ("rope", "learned"))
+        _check_choice(s, "rope_scaling", self.rope_scaling, ("none", "llama3"))
+        _check_positive(
+            s,
+            rope_theta=self.rope_theta,
+            rope_scaling_factor=self.rope_scaling_factor,
+            rope_low_freq_factor=self.rope_low_freq_factor,
+            rope_original_max_positions=self.rope_original_max_positions,
+        )
+        if self.rope_high_freq_factor <= self.rope_low_freq_factor:
+            raise ConfigError(
+                f"model.rope_high_freq_factor = {self.rope_high_freq_factor} must exceed "
+                f"model.rope_low_freq_factor = {self.rope_low_freq_factor}"
+            )
         _check_choice(s, "norm", self.norm, ("rmsnorm", "layernorm"))
         _check_choice(s, "activation", self.activation, ("swiglu", "gelu"))
         _check_choice(s, "recompute", self.recompute, ("none", "selective", "full"))

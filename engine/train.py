@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from loom.engine.checkpoint.format import CheckpointError, find_loadable, read_metadata
-from loom.engine.checkpoint.load import load_checkpoint
+from loom.engine.checkpoint.load import changed_model_settings, load_checkpoint
 from loom.engine.checkpoint.save import CheckpointWriter
 from loom.engine.checkpoint.state import TrainingState
 from loom.engine.config import ConfigError, LoomConfig
@@ -165,6 +165,12 @@ class Trainer:
         self.step = metadata.step
         self.last_saved_step = self.step
         self._log_event(f"resumed from {directory} at step {self.step}")
+        changes = changed_model_settings(metadata.config["model"], self.config.model)
+        if changes:
+            self._log_event(
+                f"warning: this run computes a different model than {directory} was saved with "
+                f"({'; '.join(changes)}); pass the saved values (e.g. --model.rope_theta) unless that is intended"
+            )
         return directory
 
     def training_state(self) -> TrainingState:

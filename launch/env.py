@@ -78,7 +78,7 @@ def run_rank(config: LoomConfig, mode: str = "train", stop: StopSignals | None =
                 rows = [{"step": trainer.step, "val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}]
                 if dist.get_rank() == 0:
                     print(
-                        f"step {trainer.step}: validation loss {loss:.4f}, perplexity {rows[0]['val_ppl']:.2f}",
+                        f"step {trainer.step}: validation loss {loss:.6f}, perplexity {rows[0]['val_ppl']:.2f}",
                         flush=True,
                     )
             else:

@@ -1,12 +1,20 @@
-"""Hugging Face interchange: transformers loads loom's export and computes the same logits;
-import followed by export gives back the same tensors."""
+"""Hugging Face interchange, checked against transformers: it loads loom's export and computes the same
+logits; models written by the installed transformers (GQA, rope_theta 500000 in `rope_parameters`, Llama 3.1's
+llama3 rope scaling, tied embeddings) import into loom with the same logits and the same `loom eval` loss and
+export back unchanged; settings loom cannot represent are refused with one line naming them."""
 
 import json
+import math
+import subprocess
+import sys
 
 import pytest
 import torch
+import numpy as np
 from safetensors.torch import load_file
 from training_runs import tiny_config
+
+from loom.engine.data.indexed import IndexedDatasetWriter
 
 from loom.engine.checkpoint.format import find_loadable
 from loom.engine.checkpoint.load import PieceReader
@@ -51,7 +59,7 @@ def loom_logits(checkpoints, tokens):
 def test_transformers_computes_the_same_logits(trained, tmp_path):
     out = export_hf(trained, tmp_path / "hf")
     assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
-    model = transformers.LlamaForCausalLM.from_pretrained(str(out), torch_dtype=torch.float32).eval()
+    model = transformers.LlamaForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     tokens = torch.randint(0, 4096, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         theirs = model(tokens).logits
@@ -67,3 +75,139 @@ def test_import_then_export_is_identical(trained, tmp_path):
     assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key], b[key]), key
+
+
+VOCAB = 256
+
+# transformers' own configs, each a model loom must import exactly: rope_theta and the scaling land in
+# rope_parameters in transformers >= 5. original_max_position_embeddings 64 puts head_dim 16's wavelengths in
+# all three llama3 bands (kept, blended, stretched).
+WRITTEN_BY_TRANSFORMERS = {
+    "gqa-theta500k": dict(num_key_value_heads=2, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+    "llama3-scaling": dict(
+        num_key_value_heads=2,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    "tied-mha": dict(tie_word_embeddings=True),
+}
+
+
+def llama_config(**settings):
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+    )
+    return transformers.LlamaConfig(**{**base, **settings})
+
+
+@pytest.fixture(scope="module", params=list(WRITTEN_BY_TRANSFORMERS))
+def hf_model(request, tmp_path_factory):
+    """A randomly initialised Llama saved by transformers' save_pretrained, and the model itself."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(llama_config(**WRITTEN_BY_TRANSFORMERS[request.param])).eval()
+    directory = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(str(directory))
+    return directory, model
+
+
+def test_transformers_written_models_import_with_the_same_logits(hf_model, tmp_path):
+    directory, model = hf_model
+    import_hf(directory, tmp_path / "loom")
+    tokens = torch.randint(0, VOCAB, (2, 128), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        theirs = model(tokens).logits
+    assert (loom_logits(tmp_path / "loom", tokens) - theirs).abs().max().item() < 1e-5
+
+
+def test_imported_models_export_back_to_the_same_model(hf_model, tmp_path):
+    directory, model = hf_model
+    import_hf(directory, tmp_path / "loom")
+    exported = export_hf(tmp_path / "loom", tmp_path / "hf")
+    again = transformers.LlamaForCausalLM.from_pretrained(str(exported), dtype=torch.float32).eval()
+    assert again.config.rope_parameters == model.config.rope_parameters
+    tokens = torch.randint(0, VOCAB, (2, 128), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert (again(tokens).logits - model(tokens).logits).abs().max().item() < 1e-5
+
+
+def test_loom_eval_equals_transformers_loss(hf_model, tmp_path):
+    """The user story: import a transformers model, evaluate it with `loom eval`. One document of
+    seq_length + 1 tokens is the only sample, so every batch holds it."""
+    directory, model = hf_model
+    import_hf(directory, tmp_path / "loom")
+    seq_length = 64
+    document = np.random.default_rng(3).integers(0, VOCAB, seq_length + 1)
+    with IndexedDatasetWriter(tmp_path / "one", np.dtype(np.uint16)) as writer:
+        writer.add_document(document)
+    result = subprocess.run(
+        [sys.executable, "-m", "loom.launch.cli", "eval", "--checkpoint", str(tmp_path / "loom")]
+        + ["--data", str(tmp_path / "one"), "--iters", "1", "--train.seq_length", str(seq_length)]
+        + ["--train.global_batch_size", "2", "--train.micro_batch_size", "1", "--train.precision", "fp32"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    line = next(x for x in result.stdout.splitlines() if "validation loss" in x)
+    ours = float(line.split("validation loss ")[1].split(",")[0])
+    tokens = torch.from_numpy(document).long()[None]
+    with torch.no_grad():
+        theirs = model(tokens, labels=tokens.clone()).loss.item()  # transformers shifts labels itself
+        shifted = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).logits[0], tokens[0, 1:]).item()
+    assert math.isclose(theirs, shifted, rel_tol=1e-6)
+    assert abs(ours - theirs) < 2e-6, (ours, theirs)
+
+
+UNREPRESENTABLE = {
+    "attention_bias": dict(attention_bias=True),
+    "mlp_bias": dict(mlp_bias=True),
+    "head_dim": dict(head_dim=32),
+    "rope_type": dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}),
+    "hidden_act": dict(hidden_act="gelu"),
+}
+
+
+@pytest.mark.parametrize("field", list(UNREPRESENTABLE))
+def test_unrepresentable_settings_are_refused_in_one_line(field, tmp_path):
+    llama_config(**UNREPRESENTABLE[field]).save_pretrained(str(tmp_path / "hf"))
+    result = subprocess.run(
+        [sys.executable, "-m", "loom.launch.cli", "ckpt", "import-hf"]
+        + ["--input", str(tmp_path / "hf"), "--output", str(tmp_path / "loom")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and field in lines[0], result.stderr
+    assert not (tmp_path / "loom").exists()
+
+
+def test_a_run_that_changes_the_checkpoints_rope_is_told(hf_model, tmp_path):
+    """Fine-tuning an imported model from a TOML that lacks its rope settings computes another model:
+    the run says which settings changed (deliberate changes, e.g. a larger rope_theta for longer context,
+    stay possible)."""
+    from loom.engine.checkpoint.load import changed_model_settings
+
+    directory, _ = hf_model
+    final = import_hf(directory, tmp_path / "loom")
+    saved = json.loads((final / "metadata.json").read_text())["config"]["model"]
+    assert changed_model_settings(saved, config_from_dict({"model": saved}).model) == []
+    other = config_from_dict({"model": {**saved, "rope_theta": 2 * saved["rope_theta"], "norm_eps": 1e-6}}).model
+    changes = changed_model_settings(saved, other)
+    assert changes == [
+        f"model.rope_theta: {saved['rope_theta']} -> {2 * saved['rope_theta']}",
+        "model.norm_eps: 1e-05 -> 1e-06",
+    ]

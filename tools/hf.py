@@ -4,8 +4,12 @@ The mapping is the one place that knows Hugging Face's Llama names. loom's fused
 split on export (QKV -> q_proj, k_proj, v_proj; SwiGLU fc1 -> gate_proj, up_proj) and joined on
 import; loom's rotary embedding already uses Hugging Face's rotate-half convention, so no
 permutation of the query/key rows is needed. Only Llama-shaped models (RMSNorm, SwiGLU, RoPE, no
-biases) have a Llama form; others are refused with a clear line. transformers is not needed here:
-the files are written with safetensors and json; tests load them with transformers.
+biases) have a Llama form. On import, the rotary settings are read wherever transformers put them
+(`rope_parameters` since 5.0, `rope_theta`/`rope_scaling` before), Llama 3.1's llama3 scaling is kept, and
+any setting loom cannot represent (biases, another head size, other RoPE types, another activation) is
+refused with one line naming it: an import never yields a different model than the one on disk.
+transformers is not needed here: the files are written with safetensors and json; tests load them with
+transformers.
 """
 
 from __future__ import annotations
@@ -46,7 +50,24 @@ def _check_llama(model: dict) -> None:
         raise CheckpointError(f"only Llama-shaped models export to the Llama format; this one has {wrong}")
 
 
+def _hf_rope(model: dict) -> dict:
+    """rope_parameters as transformers >= 5 writes it; the same values also go out in the older top-level
+    rope_theta / rope_scaling form, so transformers 4 reads the file too."""
+    rope = {"rope_type": "default", "rope_theta": model["rope_theta"]}
+    if model["rope_scaling"] == "llama3":
+        rope.update(
+            rope_type="llama3",
+            factor=model["rope_scaling_factor"],
+            low_freq_factor=model["rope_low_freq_factor"],
+            high_freq_factor=model["rope_high_freq_factor"],
+            original_max_position_embeddings=model["rope_original_max_positions"],
+        )
+    return rope
+
+
 def _hf_config(model: dict) -> dict:
+    rope = _hf_rope(model)
+    legacy_scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if rope["rope_type"] != "default" else None
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -56,9 +77,12 @@ def _hf_config(model: dict) -> dict:
         "num_hidden_layers": model["num_layers"],
         "num_attention_heads": model["num_heads"],
         "num_key_value_heads": model["num_kv_heads"],
+        "head_dim": model["hidden_size"] // model["num_heads"],
         "max_position_embeddings": model["max_position_embeddings"],
         "rms_norm_eps": model["norm_eps"],
+        "rope_parameters": rope,
         "rope_theta": model["rope_theta"],
+        "rope_scaling": legacy_scaling,
         "hidden_act": "silu",
         "tie_word_embeddings": model["tie_embeddings"],
         "attention_bias": False,
@@ -138,7 +162,7 @@ def from_hf(tensors: dict[str, torch.Tensor], model: dict) -> dict[str, torch.Te
 def export_hf(source: Path, output: Path) -> Path:
     """Write model.safetensors + config.json for the checkpoint at `source`."""
     directory, metadata = open_checkpoint(source)
-    model = metadata.config["model"]
+    model = config_to_dict(config_from_dict(metadata.config))["model"]  # fills fields older checkpoints lack
     _check_llama(model)
     reader = PieceReader(directory, metadata)
     logical = {name: reader.model(name).float() for name in metadata.specs}
@@ -149,9 +173,61 @@ def export_hf(source: Path, output: Path) -> Path:
     return output
 
 
-def _model_from_hf_config(hf: dict) -> dict:
+def _rope_parameters(hf: dict) -> dict:
+    """The rotary settings wherever the writer put them: transformers >= 5 nests rope_theta and the scaling in
+    `rope_parameters`; older versions write a top-level `rope_theta` and a `rope_scaling` dict."""
+    rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    if rope and all(isinstance(value, dict) for value in rope.values()):
+        raise CheckpointError(f"config.json sets rope_parameters per layer type ({', '.join(rope)}); loom has one RoPE")
+    rope.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+    rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
+    return rope
+
+
+def _rope_fields(hf: dict) -> dict:
+    rope = _rope_parameters(hf)
+    fields = {"rope_theta": float(rope["rope_theta"])}
+    if rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise CheckpointError("config.json sets partial_rotary_factor; loom rotates the whole head")
+    if rope["rope_type"] == "llama3":
+        fields.update(
+            rope_scaling="llama3",
+            rope_scaling_factor=float(rope["factor"]),
+            rope_low_freq_factor=float(rope["low_freq_factor"]),
+            rope_high_freq_factor=float(rope["high_freq_factor"]),
+            rope_original_max_positions=int(
+                hf.get("original_max_position_embeddings")
+                or rope.get("original_max_position_embeddings")
+                or hf["max_position_embeddings"]
+            ),
+        )
+    elif rope["rope_type"] != "default":
+        raise CheckpointError(
+            f"config.json's rope_type {rope['rope_type']!r} is not supported; loom imports default and llama3 RoPE"
+        )
+    return fields
+
+
+def _refuse_unrepresentable(hf: dict) -> None:
+    """Settings that change the computation but have no loom form: importing without them would load a
+    different model than the one on disk."""
     if hf.get("model_type") != "llama":
         raise CheckpointError(f"model_type {hf.get('model_type')!r} is not llama; loom imports Llama-format models")
+    for flag in ("attention_bias", "mlp_bias"):
+        if hf.get(flag):
+            raise CheckpointError(f"config.json sets {flag}: true; loom's Llama form has no biases")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"config.json's hidden_act is {hf['hidden_act']!r}; loom's Llama form uses silu")
+    head_dim = hf.get("head_dim")
+    if head_dim is not None and head_dim * hf["num_attention_heads"] != hf["hidden_size"]:
+        raise CheckpointError(
+            f"config.json's head_dim {head_dim} is not hidden_size / num_attention_heads "
+            f"({hf['hidden_size']} / {hf['num_attention_heads']}); loom derives the head size from those"
+        )
+
+
+def _model_from_hf_config(hf: dict) -> dict:
+    _refuse_unrepresentable(hf)
     return {
         "num_layers": hf["num_hidden_layers"],
         "hidden_size": hf["hidden_size"],
@@ -161,7 +237,7 @@ def _model_from_hf_config(hf: dict) -> dict:
         "vocab_size": hf["vocab_size"],
         "max_position_embeddings": hf["max_position_embeddings"],
         "norm_eps": hf["rms_norm_eps"],
-        "rope_theta": float(hf.get("rope_theta", 10000.0)),
+        **_rope_fields(hf),
         "tie_embeddings": hf.get("tie_word_embeddings", False),
         "norm": "rmsnorm",
         "activation": "swiglu",

@@ -25,6 +25,7 @@ from loom.engine.checkpoint.format import (
     rng_key,
 )
 from loom.engine.checkpoint.state import TrainingState
+from loom.engine.config import ModelConfig
 from loom.engine.optim.algorithms import Adafactor, Lamb
 from loom.engine.parallel.param_info import param_info
 from loom.engine.parallel.sharding import ShardSpec
@@ -79,6 +80,33 @@ class PieceReader:
                 raise CheckpointError(f"checkpoint {self.directory}: pieces of {state} of {name} do not cover it")
             shards.append(flat.view(local_shape))
         return spec.unshard(shards)
+
+
+# Model settings that change what the weights compute without changing any shape: a checkpoint loaded under
+# other values runs, but as another model. Some changes are deliberate (a larger rope_theta to extend the
+# context), so they are reported rather than refused.
+FUNCTIONAL_MODEL_FIELDS = (
+    "rope_theta",
+    "rope_scaling",
+    "rope_scaling_factor",
+    "rope_low_freq_factor",
+    "rope_high_freq_factor",
+    "rope_original_max_positions",
+    "norm_eps",
+    "position_embedding",
+)
+
+
+def changed_model_settings(saved_model: dict, current: ModelConfig) -> list[str]:
+    """`model.F: saved -> current` for each functional setting of the checkpoint that this run changes.
+    Fields a checkpoint predates count as their defaults."""
+    defaults = ModelConfig()
+    changes = []
+    for field in FUNCTIONAL_MODEL_FIELDS:
+        saved, now = saved_model.get(field, getattr(defaults, field)), getattr(current, field)
+        if saved != now:
+            changes.append(f"model.{field}: {saved} -> {now}")
+    return changes
 
 
 def check_shapes(reader: PieceReader, named_params) -> None:

@@ -90,7 +90,7 @@ class GPTModel(torch.nn.Module):
             return None
         key = (seq_length, str(device))
         if key not in self._rotary_cache:
-            self._rotary_cache[key] = rotary_tables(seq_length, self.config.head_dim, self.config.rope_theta, device)
+            self._rotary_cache[key] = rotary_tables(seq_length, self.config, device)
         return self._rotary_cache[key]
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -48,10 +48,33 @@ def build_norm(config: ModelConfig, tp_size: int, sequence_parallel: bool, kerne
     return Norm(config, tp_size, sequence_parallel, kernels.norm_function(config.norm))
 
 
-def rotary_tables(seq_length: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_frequencies(config: ModelConfig, device=None) -> torch.Tensor:
+    """The head_dim/2 angular frequencies of the rotary embedding, with config.rope_scaling applied."""
+    head_dim = config.head_dim
+    frequencies = 1.0 / config.rope_theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    if config.rope_scaling == "llama3":
+        frequencies = _llama3_scaled(frequencies, config)
+    return frequencies
+
+
+def _llama3_scaled(frequencies: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    # Llama 3.1's scaling: long wavelengths (those the pretraining context never completed) are stretched by
+    # the factor, short ones kept, and the band between blends the two linearly in context / wavelength.
+    context = config.rope_original_max_positions
+    low, high, factor = config.rope_low_freq_factor, config.rope_high_freq_factor, config.rope_scaling_factor
+    wavelength = 2 * math.pi / frequencies
+    blend = ((context / wavelength - low) / (high - low)).clamp(0.0, 1.0)
+    blended = (1 - blend) * frequencies / factor + blend * frequencies
+    return torch.where(
+        wavelength > context / low, frequencies / factor, torch.where(wavelength < context / high, frequencies, blended)
+    )
+
+
+def rotary_tables(seq_length: int, config: ModelConfig, device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of shape [s, 1, 1, head_dim] for the rotate-half (Hugging Face Llama) convention."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
-    angles = torch.outer(torch.arange(seq_length, dtype=torch.float32, device=device), inv_freq)
+    angles = torch.outer(
+        torch.arange(seq_length, dtype=torch.float32, device=device), rotary_frequencies(config, device)
+    )
     angles = torch.cat([angles, angles], dim=-1)[:, None, None, :]
     return angles.cos(), angles.sin()
 

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from loom.engine.config import ModelConfig
 from loom.engine.config_io import load_config
 from loom.engine.data.indexed import IndexedDatasetWriter
 from loom.engine.flops import model_flops_per_token
@@ -60,7 +61,7 @@ class PlainGPT(torch.nn.Module):
         self.blocks = torch.nn.ModuleList(PlainBlock(h, heads, kv_heads, ffn) for _ in range(layers))
         self.norm = torch.nn.RMSNorm(h, eps=1e-5)
         self.out = torch.nn.Linear(h, vocab, bias=False)
-        self.cos, self.sin = rotary_tables(seq, h // heads, 10000.0, "cpu")
+        self.cos, self.sin = rotary_tables(seq, ModelConfig(hidden_size=h, num_heads=heads), "cpu")
 
     def forward(self, tokens, labels):
         x = self.embed(tokens)

@@ -53,7 +53,7 @@ class PlainGPT(torch.nn.Module):
         self.out = torch.nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         if c.tie_embeddings:
             self.out.weight = self.embed.weight
-        cos, sin = rotary_tables(seq_length, c.head_dim, c.rope_theta, "cpu")
+        cos, sin = rotary_tables(seq_length, c, "cpu")
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
         for p in self.parameters():
