@@ -413,9 +413,10 @@ class LoomConfig:
                 raise ConfigError(
                     f"{what} = {batch} must be divisible by micro_batch_size*dp = {t.micro_batch_size}*{p.dp}"
                 )
-        if m.position_embedding == "learned" and t.seq_length > m.max_position_embeddings:
+        if t.seq_length > m.max_position_embeddings:
             raise ConfigError(
-                f"train.seq_length = {t.seq_length} exceeds model.max_position_embeddings = {m.max_position_embeddings}"
+                f"train.seq_length = {t.seq_length} exceeds model.max_position_embeddings = "
+                f"{m.max_position_embeddings}; lower --train.seq_length or raise --model.max_position_embeddings"
             )
         self._check_pipeline(world_size, requested_dp)
 

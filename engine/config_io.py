@@ -133,6 +133,8 @@ def resolve_config_path(path: str | Path) -> Path:
     given = Path(path)
     if given.is_file():
         return given
+    if given.is_dir():
+        raise ConfigError(f"config {path} is a directory; give a TOML file (e.g. {given / 'config.toml'}) or a preset")
     name = given.name if given.parent == Path("configs") else str(given)
     for candidate in (PRESETS_DIR / name, PRESETS_DIR / f"{name}.toml"):
         if candidate.is_file():
@@ -147,9 +149,13 @@ def load_config(path: str | Path | None, overrides: list[str] | dict | None = No
     if path is not None:
         path = resolve_config_path(path)
         try:
-            raw = tomllib.loads(path.read_text())
+            raw = tomllib.loads(path.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path} is not valid TOML: {e}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path} is not UTF-8 text (byte {e.start}); TOML files are UTF-8") from None
+        except OSError as e:
+            raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
     if isinstance(overrides, list):
         overrides = parse_overrides(overrides)
     for section, values in (overrides or {}).items():

@@ -5,6 +5,7 @@ Each switch is an environment variable, so a test can set it for the ranks a lau
 
     LOOM_INJECT_FAULT=RANK:STEP      that rank raises before that step
     LOOM_INJECT_HANG=RANK:STEP       that rank sleeps forever before that step (a hung peer)
+    LOOM_INJECT_KILL=RANK:STEP       that rank SIGKILLs itself before that step (the OOM killer's way)
     LOOM_INJECT_NAN=STEP             every rank sees a NaN loss at that step
     LOOM_KILL_DURING_SAVE=RANK:STEP  that rank SIGKILLs itself after writing its checkpoint file, before the seal
     LOOM_INJECT_PAUSE=STEP           every rank says so on stdout and waits before that step until a stop
@@ -42,6 +43,7 @@ class FaultPlan:
 
     raise_before_step: int | None = None
     hang_before_step: int | None = None
+    kill_before_step: int | None = None
     nan_loss_at_step: int | None = None
     kill_during_save_at_step: int | None = None
     pause_before_step: int | None = None
@@ -52,17 +54,20 @@ class FaultPlan:
         return cls(
             raise_before_step=_step_for_rank(environ.get("LOOM_INJECT_FAULT"), rank),
             hang_before_step=_step_for_rank(environ.get("LOOM_INJECT_HANG"), rank),
+            kill_before_step=_step_for_rank(environ.get("LOOM_INJECT_KILL"), rank),
             nan_loss_at_step=int(nan) if nan else None,
             kill_during_save_at_step=_step_for_rank(environ.get("LOOM_KILL_DURING_SAVE"), rank),
             pause_before_step=int(pause) if pause else None,
         )
 
     def before_step(self, step: int, stop: StopRequest | None = None) -> None:
-        """Raise, hang or pause here if this rank was told to before `step`; a pause needs the run's `stop`."""
+        """Raise, hang, die or pause here if this rank was told to before `step`; a pause needs the run's `stop`."""
         if step == self.raise_before_step:
             raise InjectedFault(f"fault injected by LOOM_INJECT_FAULT at step {step}")
         if step == self.hang_before_step:
             time.sleep(10**6)
+        if step == self.kill_before_step:
+            os.kill(os.getpid(), signal.SIGKILL)
         if step == self.pause_before_step and stop is not None:
             print(f"paused before step {step} until a stop signal (LOOM_INJECT_PAUSE)", flush=True)
             while not stop.code:

@@ -14,6 +14,7 @@ from loom.engine.config import ConfigError, LoomConfig
 def preflight(config: LoomConfig, world_size: int) -> None:
     """Everything that can be checked before a process group starts."""
     from loom.engine.data.indexed import IndexedDataset
+    from loom.engine.data.token_range import check_token_ids
 
     config.resolve_world(world_size)
     if config.model.kernels == "te" or config.train.fp8 != "off":
@@ -32,11 +33,14 @@ def preflight(config: LoomConfig, world_size: int) -> None:
         dataset = IndexedDataset(prefix)
         if dataset.num_tokens == 0:
             raise ConfigError(f"dataset {prefix} holds no tokens")
+    check_token_ids(config.data.paths, config.model.vocab_size, config.data.cache_dir)
     if config.data.tokenizer:
         import sentencepiece
 
-        if not Path(config.data.tokenizer).is_file():
-            raise ConfigError(f"data.tokenizer {config.data.tokenizer} does not exist")
+        tokenizer = Path(config.data.tokenizer)
+        if not tokenizer.is_file():
+            what = "is a directory; give its .model file" if tokenizer.is_dir() else "does not exist"
+            raise ConfigError(f"data.tokenizer {tokenizer} {what}")
         vocab = sentencepiece.SentencePieceProcessor(model_file=config.data.tokenizer).vocab_size()
         if vocab > config.model.vocab_size:
             raise ConfigError(

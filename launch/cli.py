@@ -17,6 +17,7 @@ from pathlib import Path
 from loom.engine.config import ConfigError
 from loom.engine.config_io import load_config
 from loom.errors import is_user_error
+from loom.launch.arguments import positive_int
 
 EPILOG_TRAIN = """\
 Every config field can be overridden as --section.field value, for example
@@ -39,8 +40,10 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
     config = load_config(args.config, overrides)
     external = args.nproc is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if external:  # one rank of torchrun or srun: checkpoint and stop on SIGTERM/Ctrl-C like --nproc does
+        from loom.engine.data.token_range import check_token_ids
         from loom.launch.env import StopSignals
 
+        check_token_ids(config.data.paths, config.model.vocab_size, config.data.cache_dir)
         run_rank(config, stop=StopSignals.exit_on_terminate())
         return
     nproc = args.nproc or 1
@@ -88,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     train.add_argument("--config", required=True, help="TOML config, e.g. configs/tiny.toml")
-    train.add_argument("--nproc", type=int, help="spawn this many local ranks (gloo on CPU, NCCL on GPU)")
+    train.add_argument("--nproc", type=positive_int, help="spawn this many local ranks (gloo on CPU, NCCL on GPU)")
     train.set_defaults(handler=cmd_train, takes_overrides=True)
 
     schedule = commands.add_parser(

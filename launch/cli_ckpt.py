@@ -6,6 +6,8 @@ import argparse
 import tempfile
 from pathlib import Path
 
+from loom.launch.arguments import positive_int
+
 
 def _inspect(args: argparse.Namespace) -> None:
     from loom.tools.ckpt import inspect
@@ -99,6 +101,6 @@ def add_parsers(commands) -> None:
         default="0,100,0",
         help="train,valid,test weights; the valid part is evaluated (default: the whole dataset)",
     )
-    p.add_argument("--iters", type=int, default=4, help="global batches to evaluate")
-    p.add_argument("--nproc", type=int, default=1)
+    p.add_argument("--iters", type=positive_int, default=4, help="global batches to evaluate (default: %(default)s)")
+    p.add_argument("--nproc", type=positive_int, default=1, help="local ranks (default: %(default)s)")
     p.set_defaults(handler=cmd_eval, takes_overrides=True)

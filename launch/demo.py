@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from loom.engine.config_io import config_to_dict, load_config
+from loom.launch.arguments import positive_int
 
 
 def _preview_first_sample(config, tokenizer_model: str) -> None:
@@ -272,7 +273,7 @@ def add_parser(commands) -> None:
     p = commands.add_parser("demo", help="the whole pipeline on the embedded corpus, on CPU ranks")
     p.add_argument("--workdir", default="demo", help="where data and runs go (reused if present)")
     p.add_argument("--max-docs", type=int, help="use only this many corpus documents (faster)")
-    p.add_argument("--nproc", type=int, default=8, help="local ranks for training")
+    p.add_argument("--nproc", type=positive_int, default=8, help="local ranks for training")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
     p.add_argument("--pp", type=int, default=2, help="pipeline stages (the rest of --nproc is data parallel)")
     p.add_argument("--vp", type=int, default=2, help="interleaved chunks per pipeline stage")

@@ -73,6 +73,11 @@ def _die_with_launcher(launcher_pid: int) -> None:
 def _rank_main(
     rank: int, world: int, port: int, raw_config: dict, threads: int, errors, mode: str, launcher_pid: int
 ) -> None:
+    # A stop that arrives while torch imports must not kill the rank with the default action: keep it for
+    # the trainer, which then checkpoints after the first step.
+    early_stops: list[int] = []
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda received, frame: early_stops.append(received))
     _die_with_launcher(launcher_pid)
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
@@ -83,6 +88,8 @@ def _rank_main(
 
     torch.set_num_threads(threads)
     stop = StopSignals.exit_on_terminate()
+    if early_stops:
+        stop.code = StopSignals.EXIT
     config = config_from_dict(raw_config)
     try:
         run_rank(config, mode, stop)
@@ -108,8 +115,15 @@ def launch_local(config: LoomConfig, nproc: int, grace_s: float = 5.0, mode: str
 
     def forward_stop(signum: int, frame) -> None:
         if stop_signals:
-            raise KeyboardInterrupt
+            name = signal.Signals(signum).name
+            raise Stopped(name, f"stopped at once by a second {name}: the ranks were killed without saving")
         stop_signals.append(signal.Signals(signum).name)
+        print(
+            f"{stop_signals[0]}: the ranks save a checkpoint at the next step boundary and stop; "
+            f"send it again to stop at once without saving",
+            file=sys.stderr,
+            flush=True,
+        )
         for proc in procs:
             if proc.is_alive():
                 os.kill(proc.pid, signal.SIGTERM)
@@ -120,14 +134,21 @@ def launch_local(config: LoomConfig, nproc: int, grace_s: float = 5.0, mode: str
         for p in procs:
             p.start()
         running = {p.sentinel: (r, p) for r, p in enumerate(procs)}
-        failed: tuple[int, int] | None = None
-        while running and failed is None:
+        failed: list[tuple[int, int]] = []
+        while running and not failed:
             for sentinel in multiprocessing.connection.wait(list(running)):
                 rank, proc = running.pop(sentinel)
                 proc.join()
                 if proc.exitcode != 0:
-                    failed = (rank, proc.exitcode)
-                    break
+                    failed.append((rank, proc.exitcode))
+        # A rank killed by a signal reports nothing, and its peers' broken connections can reach the
+        # launcher first: collect every rank already dead before the launcher stops the others.
+        for rank, proc in list(running.values()):
+            if not proc.is_alive():
+                proc.join()
+                del running[proc.sentinel]
+                if proc.exitcode != 0:
+                    failed.append((rank, proc.exitcode))
     except BaseException:
         _stop_all([p for _, p in running.values()], grace_s=0.0)
         raise
@@ -136,9 +157,9 @@ def launch_local(config: LoomConfig, nproc: int, grace_s: float = 5.0, mode: str
             signal.signal(s, handler)
     _stop_all([p for _, p in running.values()], grace_s)
     if stop_signals:
-        raise _stopped(stop_signals[0], config, failed is None)
-    if failed is not None:
-        raise _first_error(errors, *failed)
+        raise _stopped(stop_signals[0], config, not failed)
+    if failed:
+        raise _first_error(errors, failed)
 
 
 def _stop_all(procs: list, grace_s: float) -> None:
@@ -163,16 +184,37 @@ def _stopped(signal_name: str, config: LoomConfig, clean: bool) -> Stopped:
     return Stopped(signal_name, f"stopped by {signal_name} before a checkpoint was written; nothing to resume")
 
 
-def _first_error(errors, rank: int, exitcode: int) -> RankFailed:
-    """The root cause: the earliest report. Peers of a failed rank fail too, but only after it
-    has reported and exited (their collectives break when its sockets close)."""
+def _signal_name(exitcode: int) -> str:
+    try:
+        return signal.Signals(-exitcode).name
+    except ValueError:
+        return f"signal {-exitcode}"
+
+
+def _first_error(errors, failed: list[tuple[int, int]]) -> RankFailed:
+    """The root cause. A rank killed by a signal (exit code -N) is it: its peers' errors (connection
+    reset, a collective timeout) follow from its death. Otherwise the earliest report: peers of a failed
+    rank fail too, but only after it has reported and exited (their collectives break when its sockets close)."""
     reports = []
     while True:
         try:
             reports.append(errors.get(timeout=0.5))
         except Exception:  # queue.Empty
             break
+    reported = {report[1] for report in reports}
+    killed = [(rank, code) for rank, code in failed if code < 0 and rank not in reported]
+    if killed:
+        rank, code = killed[0]
+        name = _signal_name(code)
+        cause = " (the kernel's OOM killer sends it when memory runs out; see dmesg)" if name == "SIGKILL" else ""
+        consequences = "; ".join(f"rank {r}: {m}" for _, r, m, *_ in sorted(reports)[:2])
+        return RankFailed(
+            rank,
+            f"killed by {name}{cause}" + (f"; the other ranks then failed with it ({consequences})" if reports else ""),
+            "",
+        )
     if not reports:
-        return RankFailed(rank, f"exited with code {exitcode} without a Python error (killed?)", "")
+        rank, code = failed[0]
+        return RankFailed(rank, f"exited with code {code} without a Python error", "")
     _, first_rank, message, details, user_error, host = min(reports)
     return RankFailed(first_rank, message, details, user_error, host)

@@ -78,6 +78,27 @@ def test_sigterm_checkpoints_and_the_same_command_resumes_the_same_curve(dataset
         assert math.isclose(row["loss"], want["loss"], rel_tol=1e-6), (row, want)
 
 
+def test_a_second_stop_signal_stops_at_once(dataset, tmp_path):
+    """A stop waits for a step boundary; when a hung rank never reaches one, a second signal ends the run."""
+    command = train_command(dataset, tmp_path / "run", "--train.steps", "50", "--parallel.timeout_minutes", "30")
+    with open(tmp_path / "stderr", "w") as stderr_file:
+        proc = subprocess.Popen(
+            command,
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO), "LOOM_INJECT_HANG": "0:2"},
+            stdout=subprocess.DEVNULL,
+            stderr=stderr_file,
+        )
+        wait_for_step(tmp_path / "run", 1, proc)
+        proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: "send it again to stop at once" in (tmp_path / "stderr").read_text(), "first stop told", proc)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=HANG_S)
+    stderr = (tmp_path / "stderr").read_text()
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    assert "stopped at once by a second SIGTERM: the ranks were killed without saving" in stderr
+
+
 def test_hung_rank_becomes_a_timeout_error(dataset, tmp_path):
     result = run(
         train_command(dataset, tmp_path, "--train.steps", "50", "--parallel.timeout_minutes", "0.1"),
@@ -89,6 +110,15 @@ def test_hung_rank_becomes_a_timeout_error(dataset, tmp_path):
         f"error: rank 0 on {socket.gethostname()} failed: "
         "a collective timed out after 0.1 min: a peer rank stopped answering"
     ), result.stderr
+
+
+def test_a_rank_killed_by_a_signal_is_named_not_the_peer_it_broke(dataset, tmp_path):
+    """The OOM killer's SIGKILL leaves no report from the dead rank; rank 0's broken connection reaches the
+    launcher as a Python error. The message blames the killed rank."""
+    result = run(train_command(dataset, tmp_path, "--train.steps", "50"), env={"LOOM_INJECT_KILL": "1:2"})
+    assert result.returncode == 1
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: rank 1 failed: killed by SIGKILL (the kernel's OOM killer"), result.stderr
 
 
 def test_nan_loss_stops_and_leaves_the_last_good_checkpoint_newest(dataset, tmp_path):

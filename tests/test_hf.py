@@ -8,17 +8,16 @@ import math
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
-import numpy as np
 from safetensors.torch import load_file
 from training_runs import tiny_config
-
-from loom.engine.data.indexed import IndexedDatasetWriter
 
 from loom.engine.checkpoint.format import find_loadable
 from loom.engine.checkpoint.load import PieceReader
 from loom.engine.config_io import config_from_dict
+from loom.engine.data.indexed import IndexedDatasetWriter
 from loom.engine.model.gpt import GPTModel
 from loom.engine.parallel.param_info import param_info
 from loom.engine.parallel.sharding import initialize_parameters

@@ -130,6 +130,10 @@ class IndexedDataset:
     def __init__(self, prefix: str | Path):
         self.prefix = os.fspath(prefix)
         self.bin_path, self.idx_path = index_paths(prefix)
+        if Path(prefix).is_dir():
+            found = sorted(str(p.with_suffix("")) for p in Path(prefix).glob("*.idx"))
+            hint = f" (here: {', '.join(found[:3])})" if found else ""
+            raise IndexFormatError(f"{prefix} is a directory; give the prefix P of P.bin/P.idx{hint}")
         for path in (self.idx_path, self.bin_path):
             if not path.is_file():
                 raise IndexFormatError(f"{path} does not exist; build the dataset with `loom data build`")

@@ -1,0 +1,83 @@
+"""Mistakes a new user makes are one line before any rank starts: data tokenized with a larger vocabulary,
+a sequence longer than the model's positions, a rank count below one, a config that is not UTF-8 or is a
+directory, a dataset folder where a prefix belongs."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from training_runs import HANG_S, tiny_train_args
+
+from loom.engine.data.indexed import IndexedDataset, IndexedDatasetWriter
+from loom.engine.data.token_range import token_id_range
+
+
+def loom(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "loom.launch.cli", *args], capture_output=True, text=True, timeout=HANG_S
+    )
+
+
+def one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+@pytest.fixture
+def out_of_vocabulary(tmp_path):
+    """A .bin tokenized with a 5000-piece vocabulary, for the tiny model's 4096."""
+    rng = np.random.default_rng(0)
+    with IndexedDatasetWriter(tmp_path / "wide", np.dtype(np.uint16)) as writer:
+        for _ in range(40):
+            writer.add_document(rng.integers(0, 4096, 300))
+        writer.add_document(np.array([4999, 7, 8]))
+    return str(tmp_path / "wide")
+
+
+def test_token_ids_beyond_the_vocabulary_are_refused_under_tp2(out_of_vocabulary, tmp_path):
+    """At tp = 2 this data used to train to exit 0 at loss ln(V): the vocabulary-parallel embedding masks it."""
+    result = loom("train", *tiny_train_args(out_of_vocabulary, tmp_path / "run", "--nproc", "2", "--parallel.tp", "2"))
+    one_line_error(result, "holds token id 4999", "model.vocab_size = 4096", "--model.vocab_size 5000")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_token_range_is_cached_and_follows_the_file(out_of_vocabulary):
+    dataset = IndexedDataset(out_of_vocabulary)
+    smallest, largest = token_id_range(dataset)
+    assert largest == 4999 and smallest == int(min(dataset[i].min() for i in range(len(dataset))))
+    caches = list((dataset.bin_path.parent / "wide_cache").glob("token-range-*.json"))
+    assert len(caches) == 1 and json.loads(caches[0].read_text())["largest_token_id"] == 4999
+    with IndexedDatasetWriter(out_of_vocabulary, np.dtype(np.uint16)) as writer:  # rebuilt: another file
+        writer.add_document(np.array([3, 4, 5]))
+    assert token_id_range(IndexedDataset(out_of_vocabulary)) == (3, 5)
+
+
+def test_sequence_longer_than_the_positions_is_refused(dataset, tmp_path):
+    result = loom("train", *tiny_train_args(dataset, tmp_path, "--train.seq_length", "100000"))
+    one_line_error(result, "train.seq_length = 100000 exceeds model.max_position_embeddings = 4096")
+
+
+@pytest.mark.parametrize("count", ["0", "-2"])
+def test_rank_counts_below_one_are_refused(dataset, tmp_path, count):
+    result = loom("train", *tiny_train_args(dataset, tmp_path, "--nproc", count))
+    assert result.returncode == 2
+    assert f"argument --nproc: must be at least 1, got {count}" in result.stderr
+
+
+def test_a_config_that_is_not_utf8_is_one_line(dataset, tmp_path):
+    config = tmp_path / "latin1.toml"
+    config.write_bytes("[train]\n# caf\xe9\nsteps = 2\n".encode("latin-1"))
+    one_line_error(loom("train", "--config", str(config), "--data.paths", dataset), "is not UTF-8 text")
+
+
+def test_directories_where_files_belong_are_named_as_such(dataset, tmp_path):
+    one_line_error(loom("train", "--config", str(tmp_path)), f"config {tmp_path} is a directory")
+    folder = str(Path(dataset).parent)
+    result = loom("train", *tiny_train_args(folder, tmp_path / "run"))
+    one_line_error(result, f"{folder} is a directory; give the prefix P of P.bin/P.idx", dataset)
