@@ -292,6 +292,10 @@ class TrainConfig:
     """Run name; the run directory defaults to runs/<name>."""
     run_dir: str | None = None
     """Where config.toml, metrics.jsonl, tensorboard/ and checkpoints/ go."""
+    overwrite: bool = False
+    """Start afresh in a run directory that holds another run (a different config.toml and no checkpoint to
+    resume from); that run's files are moved to RUN_DIR/replaced/<time>/, not deleted. Without it such a
+    directory is refused, so one run never truncates another's metrics."""
     log_interval: int = 1
     """Write a metrics row and a console line every this many steps."""
     eval_interval: int = 0

@@ -6,7 +6,10 @@ a user's mistake is one line instead of N failing ranks.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
+
+import tomllib
 
 from loom.engine.config import ConfigError, LoomConfig
 
@@ -50,6 +53,7 @@ def preflight(config: LoomConfig, world_size: int) -> None:
     if config.checkpoint.load and not Path(config.checkpoint.load).exists():
         raise ConfigError(f"checkpoint.load = {config.checkpoint.load} does not exist")
     run_dir = Path(config.train.run_dir)
+    check_run_directory(config)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         probe = run_dir / ".write-test"
@@ -57,3 +61,47 @@ def preflight(config: LoomConfig, world_size: int) -> None:
         probe.unlink()
     except OSError as error:
         raise ConfigError(f"run directory {run_dir} is not writable: {error.strerror}") from None
+
+
+def _first_difference(saved: dict, current: dict) -> str:
+    for section in sorted(set(saved) | set(current)):
+        before, after = saved.get(section, {}), current.get(section, {})
+        for name in sorted(set(before) | set(after)):
+            if before.get(name) != after.get(name):
+                return f"{section}.{name}: {before.get(name)} there, {after.get(name)} now"
+    return "the same settings, written differently"
+
+
+def check_run_directory(config: LoomConfig) -> None:
+    """A run directory is this run's alone: one that holds another run's metrics (a different resolved
+    config, no checkpoint to resume from) is refused unless train.overwrite moves that run aside. Resuming
+    (a checkpoint is there) and re-running the same config are allowed."""
+    from loom.engine.checkpoint.format import find_loadable
+    from loom.engine.config_io import config_to_toml
+
+    run_dir = Path(config.train.run_dir)
+    metrics, saved_config = run_dir / "metrics.jsonl", run_dir / "config.toml"
+    if not metrics.is_file() or metrics.stat().st_size == 0:
+        return
+    if find_loadable(run_dir / "checkpoints", verify_hashes=False, warn=lambda _: None) is not None:
+        return
+    current = tomllib.loads(config_to_toml(config))
+    try:
+        saved = tomllib.loads(saved_config.read_text())
+    except (OSError, ValueError):
+        saved = {}
+    saved.get("train", {}).pop("overwrite", None)
+    current["train"].pop("overwrite", None)
+    if saved == current:
+        return
+    if not config.train.overwrite:
+        raise ConfigError(
+            f"run directory {run_dir} holds another run's metrics ({_first_difference(saved, current)}); "
+            f"give this run its own --train.name or --train.run_dir, or pass --train.overwrite true to replace it"
+        )
+    aside = run_dir / "replaced" / time.strftime("%Y%m%d-%H%M%S")
+    aside.mkdir(parents=True)
+    for entry in run_dir.iterdir():
+        if entry.name != "replaced":
+            entry.rename(aside / entry.name)
+    print(f"train.overwrite: the previous run in {run_dir} was moved to {aside}")

@@ -110,8 +110,16 @@ def environment(folder: Path) -> dict[str, str]:
 def install_packages() -> None:
     if all(shutil.which(tool) for tool in ("slurmctld", "slurmd", "sbatch", "munged")):
         return
+    if os.environ.get("LOOM_NO_APT"):
+        raise ClusterError("Slurm is not installed and LOOM_NO_APT forbids installing it")
     if os.geteuid() != 0 or not shutil.which("apt-get"):
         raise ClusterError("Slurm is not installed and cannot be (needs root and apt-get)")
+    print(
+        f"installing Debian packages {', '.join(PACKAGES)} with apt-get for a one-machine Slurm cluster "
+        f"(set LOOM_NO_APT=1 to skip; the Slurm tests then skip)",
+        file=sys.stderr,
+        flush=True,
+    )
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     for command in (
         ["apt-get", "update", "-qq"],
