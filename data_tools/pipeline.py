@@ -19,10 +19,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import tomllib
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from loom.data_tools.document import Document, Rejected, Step
 from loom.data_tools.jsonl import InputError

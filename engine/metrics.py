@@ -27,19 +27,22 @@ class MetricsWriter:
     """Appends to run_dir/metrics.jsonl; on resume from step N, rows after N (logged before the
     interruption, to be trained again) are dropped first, so no step appears twice."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool = True, resume_step: int = 0):
+    def __init__(self, run_dir: Path, tensorboard: bool = True, resume_step: int = 0, total_steps: int | None = None):
         run_dir.mkdir(parents=True, exist_ok=True)
         path = run_dir / "metrics.jsonl"
         if path.exists():
             _drop_rows_after(path, resume_step)
         self.jsonl = open(path, "a")
+        self.total_steps = total_steps
         self.tensorboard = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tensorboard = SummaryWriter(str(run_dir / "tensorboard"))
+            # purge_step drops the events of steps that will be trained again, as for metrics.jsonl
+            self.tensorboard = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_step + 1)
 
-    def write(self, row: dict) -> None:
+    def write(self, row: dict, eta_s: float | None = None) -> None:
+        """Append `row`; the console line also shows the step out of total_steps and `eta_s`, the time left."""
         self.jsonl.write(json.dumps(row) + "\n")
         self.jsonl.flush()
         if self.tensorboard is not None:
@@ -49,7 +52,7 @@ class MetricsWriter:
                         f"train/{key}" if not key.startswith("val_") else f"valid/{key}", value, row["step"]
                     )
             self.tensorboard.flush()
-        print(format_console_line(row), file=sys.stdout, flush=True)
+        print(format_console_line(row, self.total_steps, eta_s), file=sys.stdout, flush=True)
 
     def close(self) -> None:
         self.jsonl.close()
@@ -62,11 +65,18 @@ def _drop_rows_after(path: Path, step: int) -> None:
     write_text_atomically(path, "".join(line + "\n" for line in kept))
 
 
-def format_console_line(row: dict) -> str:
+def format_duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
+
+
+def format_console_line(row: dict, total_steps: int | None = None, eta_s: float | None = None) -> str:
+    step = f"{row['step']:>6}" + (f"/{total_steps}" if total_steps else "")
     if "val_loss" in row:
-        return f"step {row['step']:>6} | validation loss {row['val_loss']:.4f} | perplexity {row['val_ppl']:.2f}"
+        return f"step {step} | validation loss {row['val_loss']:.4f} | perplexity {row['val_ppl']:.2f}"
     parts = [
-        f"step {row['step']:>6}",
+        f"step {step}",
         f"loss {row['loss']:.4f}",
         f"lr {row['lr']:.3e}",
         f"grad norm {row['grad_norm']:.3f}",
@@ -75,4 +85,20 @@ def format_console_line(row: dict) -> str:
     if row.get("mfu") is not None:
         parts.append(f"MFU {100 * row['mfu']:.1f}%")
     parts.append(f"mem {row['mem_gb']:.2f} GB")
+    if eta_s is not None:
+        parts.append(f"ETA {format_duration(eta_s)}")
     return " | ".join(parts)
+
+
+class StepClock:
+    """Time left in a job, from the mean time of its steps after the first (which pays for warm-up)."""
+
+    def __init__(self) -> None:
+        self.durations: list[float] = []
+
+    def record(self, seconds: float) -> None:
+        self.durations.append(seconds)
+
+    def seconds_left(self, steps_left: int) -> float | None:
+        settled = self.durations[1:] or self.durations
+        return sum(settled) / len(settled) * steps_left if settled else None

@@ -7,9 +7,8 @@ a user's mistake is one line instead of N failing ranks.
 from __future__ import annotations
 
 import time
-from pathlib import Path
-
 import tomllib
+from pathlib import Path
 
 from loom.engine.config import ConfigError, LoomConfig
 

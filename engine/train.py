@@ -11,12 +11,14 @@ import contextlib
 import datetime
 import json
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from loom.engine.checkpoint.format import CheckpointError, find_loadable, read_metadata
 from loom.engine.checkpoint.load import changed_model_settings, load_checkpoint
@@ -28,7 +30,7 @@ from loom.engine.data.indexed import DatasetError
 from loom.engine.data.loader import BatchIterator, build_dataset
 from loom.engine.faults import FaultPlan
 from loom.engine.flops import model_flops_per_token, peak_tflops
-from loom.engine.metrics import MetricsWriter, memory_gb
+from loom.engine.metrics import MetricsWriter, StepClock, memory_gb
 from loom.engine.model.kernels import choose_kernels
 from loom.engine.optim.distributed import DistributedOptimizer
 from loom.engine.optim.grad_buffer import GradBuffer
@@ -88,6 +90,7 @@ class Trainer:
             self._autocast,
             p2p_dtype=PARAM_DTYPES[t.precision],
         )
+        self.evaluation_only = evaluation_only
         self._build_data(evaluation_only)
         self.flops_per_token = model_flops_per_token(config.model, t.seq_length)
         self.peak_flops = self._peak_flops()
@@ -100,7 +103,7 @@ class Trainer:
         self.metrics = None
         if self.state.rank == 0:
             run_dir = Path(t.run_dir)
-            self.metrics = MetricsWriter(run_dir, tensorboard=t.tensorboard, resume_step=self.step)
+            self.metrics = MetricsWriter(run_dir, tensorboard=t.tensorboard, resume_step=self.step, total_steps=t.steps)
             (run_dir / "config.toml").write_text(config_to_toml(config))
 
     def _build_model_and_optimizer(self) -> None:
@@ -303,12 +306,17 @@ class Trainer:
         )
         self._train_mode(False)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
-        for _ in range(t.eval_iters):
-            total += self.executor.run(
-                self._schedule(self.config.num_microbatches, forward_only=True),
-                batches.next_step(self.device),
-                t.global_batch_size * t.seq_length * t.eval_iters,
-            )
+        # `loom eval` can take long on one CPU rank: it shows batches done and time left; training's periodic
+        # validation stays quiet between its console lines.
+        shown = self.evaluation_only and self.state.rank == 0
+        with tqdm(total=t.eval_iters, desc="evaluating", unit="batch", file=sys.stderr, disable=not shown) as bar:
+            for _ in range(t.eval_iters):
+                total += self.executor.run(
+                    self._schedule(self.config.num_microbatches, forward_only=True),
+                    batches.next_step(self.device),
+                    t.global_batch_size * t.seq_length * t.eval_iters,
+                )
+                bar.update()
         return self._global_mean(total)
 
     def _sync(self) -> None:
@@ -332,6 +340,7 @@ class Trainer:
         t = self.config.train
         rows, best_val, evals_without_gain = [], math.inf, 0
         stop_at = min(t.steps, self.step + t.exit_after) if t.exit_after else t.steps
+        clock = StepClock()
         while self.step < stop_at:
             if stop is not None and self._agreed_stop(stop):
                 if self.last_saved_step != self.step:
@@ -345,6 +354,7 @@ class Trainer:
             row = self.train_step()
             self._sync()
             elapsed = time.perf_counter() - start
+            clock.record(elapsed)
             if self.step % t.log_interval == 0 or self.step == t.steps:
                 tokens_per_s = row["global_batch_size"] * t.seq_length / elapsed
                 mfu = (
@@ -362,7 +372,7 @@ class Trainer:
                 }
                 if not rows:  # the first row of each job records the kernels this job runs
                     row["kernels"] = self.kernels.as_dict()
-                rows.append(self._log(row))
+                rows.append(self._log(row, clock.seconds_left(stop_at - self.step)))
             interval = self.config.checkpoint.interval
             if interval and (self.step % interval == 0 or self.step == stop_at):
                 self.save()
@@ -404,9 +414,9 @@ class Trainer:
             }
             (Path(self.config.train.run_dir) / "pipeline_timeline.json").write_text(json.dumps(data))
 
-    def _log(self, row: dict) -> dict:
+    def _log(self, row: dict, eta_s: float | None = None) -> dict:
         if self.metrics is not None:
-            self.metrics.write(row)
+            self.metrics.write(row, eta_s)
         return row
 
     def _log_event(self, message: str) -> None:

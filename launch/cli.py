@@ -47,6 +47,12 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
         run_rank(config, stop=StopSignals.exit_on_terminate())
         return
     nproc = args.nproc or 1
+    if args.print_config:
+        from loom.engine.config_io import config_to_toml
+
+        config.resolve_world(nproc)
+        print(config_to_toml(config), end="")
+        return
     preflight(config, nproc)
     print(
         f"loom train: {nproc} rank(s), tp={config.parallel.tp} pp={config.parallel.pp} dp={config.parallel.dp}, "
@@ -92,6 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--config", required=True, help="TOML config, e.g. configs/tiny.toml")
     train.add_argument("--nproc", type=positive_int, help="spawn this many local ranks (gloo on CPU, NCCL on GPU)")
+    train.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved config (preset + file + overrides + derived fields, as config.toml) and exit",
+    )
     train.set_defaults(handler=cmd_train, takes_overrides=True)
 
     schedule = commands.add_parser(

@@ -59,6 +59,12 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> None:
             raw[section].update(values)
         config = config_from_dict({s: {k: v for k, v in fields.items() if v is not None} for s, fields in raw.items()})
         preflight(config, args.nproc)
+        t = config.train
+        print(
+            f"loom eval: {t.eval_iters} batches of {t.global_batch_size} x {t.seq_length} tokens on {args.nproc} "
+            f"rank(s), {t.precision} (--iters, --train.global_batch_size, --train.seq_length, --train.precision)",
+            flush=True,
+        )
         launch_local(config, args.nproc, mode="eval")
 
 
@@ -76,9 +82,9 @@ def add_parsers(commands) -> None:
     )
     p.add_argument("--input", required=True, help="checkpoint directory (iter_N or checkpoints/)")
     p.add_argument("--output", required=True, help="a checkpoints/ folder to write iter_N and latest into")
-    p.add_argument("--tp", type=int, required=True)
-    p.add_argument("--pp", type=int, required=True)
-    p.add_argument("--vp", type=int, default=1)
+    p.add_argument("--tp", type=positive_int, required=True, help="target tensor-parallel size")
+    p.add_argument("--pp", type=positive_int, required=True, help="target pipeline stages")
+    p.add_argument("--vp", type=positive_int, default=1, help="target chunks per stage (default: %(default)s)")
     p.set_defaults(handler=_reshard)
     p = sub.add_parser("export-hf", help="write a Llama-format Hugging Face model (safetensors + config.json)")
     p.add_argument("--input", required=True, help="checkpoint directory (iter_N or checkpoints/)")

@@ -4,6 +4,7 @@ import multiprocessing
 import os
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -104,3 +105,46 @@ def test_train_command_writes_the_run_directory(dataset, tmp_path):
     assert (tmp_path / "config.toml").read_text().count("tp = 2") == 1
     assert list((tmp_path / "tensorboard").iterdir())
     assert "loss" in result.stdout and "tok/s" in result.stdout
+
+
+def test_print_config_shows_the_resolved_config_and_starts_nothing(tmp_path):
+    result = subprocess.run(
+        [*LOOM, "train", "--config", "tiny", "--nproc", "4", "--parallel.tp", "2", "--print-config"]
+        + ["--train.run_dir", str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
+    )
+    assert result.returncode == 0, result.stderr
+    printed = tomllib.loads(result.stdout)
+    assert printed["parallel"]["tp"] == 2 and printed["parallel"]["dp"] == 2  # derived from --nproc
+    assert printed["model"]["ffn_hidden_size"] == 384 and printed["train"]["steps"] == 50
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("command", [[], ["train"], ["data", "clean"], ["eval"], ["ckpt", "reshard"], ["submit"]])
+def test_help_does_not_import_torch(command):
+    """`loom ... --help` answers at once: torch (seconds to import) loads only when work starts."""
+    probe = (
+        "import sys\nfrom loom.launch.cli import main\n"
+        f"try:\n    main({command + ['--help']!r})\nexcept SystemExit:\n    pass\n"
+        "print('torch imported' if 'torch' in sys.modules else 'torch not imported', file=sys.stderr)"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=HANG_S)
+    assert "usage: loom" in result.stdout
+    assert result.stderr.strip().endswith("torch not imported"), result.stderr
+
+
+def test_a_bf16_pipeline_run_warns_of_nothing(dataset, tmp_path):
+    """Each rank used to print torch's `Mismatch dtype between input and weight` from rms_norm: stages
+    received fp32 activations for bf16 weights."""
+    result = subprocess.run(
+        [*LOOM, "train", "--config", "tiny", "--data.paths", dataset, "--data.tokenizer", "none"]
+        + ["--train.run_dir", str(tmp_path), "--train.steps", "2", "--train.precision", "bf16", "--nproc", "2"]
+        + ["--parallel.pp", "2", "--train.eval_interval", "0"],
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Warning" not in result.stderr and "Mismatch dtype" not in result.stderr, result.stderr

@@ -14,11 +14,11 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
-import tomllib
 
 from loom.tools.synthetic_data import write_markov_dataset
 

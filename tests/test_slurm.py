@@ -130,7 +130,7 @@ def test_submit_1x8_equals_local_training(slurm, dataset, local_reference, tmp_p
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "submitted job" in result.stdout and "COMPLETED" in result.stdout
-    assert f"step     {STEPS} | loss" in result.stdout  # --wait followed rank 0's log
+    assert f"step     {STEPS}/{STEPS} | loss" in result.stdout  # --wait followed rank 0's log
     assert_same_curve(read_metrics(tmp_path), local_reference, rel=0.0)
 
 

@@ -252,7 +252,11 @@ def import_hf(source: Path, output: Path) -> Path:
     if not config_path.is_file():
         raise CheckpointError(f"{source} has no config.json; expected a Hugging Face Llama model directory")
     hf = json.loads(config_path.read_text())
-    config = config_from_dict({"model": _model_from_hf_config(hf)})
+    model = _model_from_hf_config(hf)
+    # The imported checkpoint's run settings are what `loom eval` and fine-tuning start from: sequences no
+    # longer than the model's positions, and a batch one CPU rank gets through.
+    train = {"seq_length": min(2048, model["max_position_embeddings"]), "global_batch_size": 8}
+    config = config_from_dict({"model": model, "train": train})
     tensors = {}
     for file in sorted(source.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
