@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -131,9 +132,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _stop_now(signum: int, frame) -> None:
+    from loom.launch.local import Stopped
+
+    name = signal.Signals(signum).name
+    raise Stopped(name, f"stopped by {name} before a checkpoint was written; nothing to resume")
+
+
 def main(argv: list[str] | None = None) -> None:
     from loom.launch.local import RankFailed, Stopped
 
+    # Until a command installs its own handling (the launcher forwards stops to its ranks), a stop signal
+    # ends the command through Python, so cleanups run and the user is told, instead of a silent kill.
+    signal.signal(signal.SIGTERM, _stop_now)
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "takes_overrides", False):

@@ -78,6 +78,30 @@ def test_sigterm_checkpoints_and_the_same_command_resumes_the_same_curve(dataset
         assert math.isclose(row["loss"], want["loss"], rel_tol=1e-6), (row, want)
 
 
+def test_a_stop_during_start_up_is_honoured_or_says_nothing_was_saved(dataset, tmp_path):
+    """The ranks are still importing torch when the signal comes: they keep it and checkpoint at the first
+    step boundary, or (killed before they could catch it) the launcher says that nothing was saved."""
+    with open(tmp_path / "stderr", "w") as stderr_file:
+        proc = subprocess.Popen(
+            train_command(dataset, tmp_path / "run", "--train.steps", "50"),
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            stdout=subprocess.PIPE,
+            stderr=stderr_file,
+            text=True,
+        )
+        read_output_until(proc, "loom train:")
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=HANG_S)
+    stderr = (tmp_path / "stderr").read_text()
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    latest = tmp_path / "run" / "checkpoints" / "latest"
+    if latest.exists():
+        assert f"checkpoint {latest.parent / latest.read_text().strip()} saved" in stderr
+    else:
+        assert "stopped by SIGTERM before a checkpoint was written; nothing to resume" in stderr
+
+
 def test_a_second_stop_signal_stops_at_once(dataset, tmp_path):
     """A stop waits for a step boundary; when a hung rank never reaches one, a second signal ends the run."""
     command = train_command(dataset, tmp_path / "run", "--train.steps", "50", "--parallel.timeout_minutes", "30")
