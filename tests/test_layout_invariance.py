@@ -20,8 +20,8 @@ def dataset(markov_dataset):
     return markov_dataset(400)
 
 
-def run_layout(dataset, run_dir, nproc, **fields) -> list[float]:
-    sections = {"train": {"steps": STEPS, "eval_interval": 4}}
+def run_layout(dataset, run_dir, nproc, steps, **fields) -> list[float]:
+    sections = {"train": {"steps": steps, "eval_interval": 4}}
     for key, value in fields.items():
         section, name = key.split("__")
         sections.setdefault(section, {})[name] = value
@@ -37,10 +37,10 @@ def reference(dataset, tmp_path_factory):
     """Single-rank curves, one per model variant (layout fields excluded), computed once."""
     cache = {}
 
-    def curve(model_fields: dict) -> list[float]:
-        key = tuple(sorted(model_fields.items()))
+    def curve(steps: int, model_fields: dict) -> list[float]:
+        key = (steps, *sorted(model_fields.items()))
         if key not in cache:
-            cache[key] = run_layout(dataset, tmp_path_factory.mktemp("ref"), 1, **model_fields)
+            cache[key] = run_layout(dataset, tmp_path_factory.mktemp("ref"), 1, steps, **model_fields)
         return cache[key]
 
     return curve
@@ -66,6 +66,8 @@ LAYOUTS = {
 # Cutting the model into stages changes no arithmetic when stages exchange the compute dtype: the bf16
 # pipeline equals the bf16 single rank (sending fp32 would carry an fp32 residual stream into later stages).
 TOLERANCE = {"pp2-vp2-bf16": 1e-6}
+# bf16 matmuls are slow on CPU: four steps (and one validation) show the same thing.
+LAYOUT_STEPS = {"pp2-vp2-bf16": 4}
 # Fields that change the single-rank reference itself rather than the layout.
 MODEL_FIELDS = ("model__tie_embeddings", "train__precision")
 
@@ -73,9 +75,10 @@ MODEL_FIELDS = ("model__tie_embeddings", "train__precision")
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_loss_curve_matches_single_rank(layout, dataset, reference, tmp_path):
     nproc, fields = LAYOUTS[layout]
-    losses = run_layout(dataset, tmp_path, nproc, **fields)
-    reference = reference({k: v for k, v in fields.items() if k in MODEL_FIELDS})
-    assert len(losses) == len(reference) == STEPS + 2
-    assert reference[0] > reference[STEPS - 1], "the reference run should learn something"
+    steps = LAYOUT_STEPS.get(layout, STEPS)
+    losses = run_layout(dataset, tmp_path, nproc, steps, **fields)
+    reference = reference(steps, {k: v for k, v in fields.items() if k in MODEL_FIELDS})
+    assert len(losses) == len(reference) == steps + steps // 4
+    assert reference[0] > reference[steps - 1], "the reference run should learn something"
     for step, (got, want) in enumerate(zip(losses, reference)):
         assert abs(got - want) / abs(want) < TOLERANCE.get(layout, 1e-4), f"step {step}: {got} vs {want}"
