@@ -91,14 +91,15 @@ def format_console_line(row: dict, total_steps: int | None = None, eta_s: float 
 
 
 class StepClock:
-    """Time left in a job, from the mean time of its steps after the first (which pays for warm-up)."""
+    """Time left in a job, from its mean step time; the first interval (warm-up) is left out once others exist."""
 
     def __init__(self) -> None:
-        self.durations: list[float] = []
+        self.intervals: list[tuple[float, int]] = []
 
-    def record(self, seconds: float) -> None:
-        self.durations.append(seconds)
+    def record(self, seconds: float, steps: int = 1) -> None:
+        self.intervals.append((seconds, steps))
 
     def seconds_left(self, steps_left: int) -> float | None:
-        settled = self.durations[1:] or self.durations
-        return sum(settled) / len(settled) * steps_left if settled else None
+        settled = self.intervals[1:] or self.intervals
+        steps = sum(n for _, n in settled)
+        return sum(t for t, _ in settled) / steps * steps_left if steps else None

@@ -230,19 +230,21 @@ class Trainer:
     def _set_last_microbatch(self, last: bool) -> None:
         self.grads.last_microbatch = last
 
-    def _global_mean(self, local_sum: torch.Tensor) -> float:
+    def _global_sum(self, local_sum: torch.Tensor) -> torch.Tensor:
         """Sum the per-rank shares of a loss over DP and over the pipeline (only the last stage has one)."""
         if self.state.dp_size > 1:
             dist.all_reduce(local_sum, group=self.state.dp_group)
         if self.state.pp_size > 1:
             dist.all_reduce(local_sum, group=self.state.pp_group)
-        return local_sum.item()
+        return local_sum
 
     def _train_mode(self, training: bool) -> None:
         for chunk in self.chunks:
             chunk.train(training)
 
-    def train_step(self) -> dict:
+    def train_step(self, stop: StopRequest | None = None) -> dict:
+        """One optimizer step; returns its metrics row. With `stop`, the ranks also agree on the most urgent
+        stop code (stop.code afterwards), read in the step's one device-to-host transfer."""
         t = self.config.train
         lr = learning_rate(self.step, self.config.optim, t.steps)
         self._train_mode(True)
@@ -259,10 +261,19 @@ class Trainer:
             loss_scale=scale,
         )
         self.grads.finish()
-        loss = self._global_mean(loss_sum)
+        squared_norm = self.optimizer.prepare()
+        # The step's one device-to-host transfer: the loss and the gradient norm together (the update and the
+        # NaN policy need both on the host; every other value stays on the device).
+        stop_code = torch.tensor(float(stop.code if stop is not None else 0), device=self.device)
+        if stop is not None:
+            dist.all_reduce(stop_code, op=dist.ReduceOp.MAX)
+        loss, squared_norm, stop_code = torch.stack([self._global_sum(loss_sum), squared_norm, stop_code]).tolist()
+        self.agreed_stop_code = int(stop_code)
+        if stop is not None:  # max: a signal that came during the exchange must not be overwritten
+            stop.code = max(stop.code, int(stop_code))
         if self.step + 1 == self.faults.nan_loss_at_step:
             loss = math.nan
-        result = self.optimizer.step(lr, skip=not math.isfinite(loss))
+        result = self.optimizer.apply(lr, math.sqrt(squared_norm), skip=not math.isfinite(loss))
         self.step += 1
         row = {"loss": loss, "lr": lr, "grad_norm": result["grad_norm"], "global_batch_size": global_batch}
         if self.loss_scaler is not None:
@@ -317,7 +328,7 @@ class Trainer:
                     t.global_batch_size * t.seq_length * t.eval_iters,
                 )
                 bar.update()
-        return self._global_mean(total)
+        return self._global_sum(total).item()
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -327,8 +338,9 @@ class Trainer:
         """The most urgent stop code any rank holds (signals reach ranks at different moments)."""
         code = torch.tensor([stop.code], dtype=torch.int64, device=self.device)
         dist.all_reduce(code, op=dist.ReduceOp.MAX)
-        stop.code = int(code.item())
-        return stop.code
+        agreed = int(code.item())
+        stop.code = max(stop.code, agreed)  # a signal that came during the exchange must not be overwritten
+        return agreed
 
     def run(self, stop: StopRequest | None = None) -> list[dict]:
         """Train for train.steps (or until early stopping); return the logged rows.
@@ -341,22 +353,28 @@ class Trainer:
         rows, best_val, evals_without_gain = [], math.inf, 0
         stop_at = min(t.steps, self.step + t.exit_after) if t.exit_after else t.steps
         clock = StepClock()
+        # Later agreements ride on each step's own transfer (train_step); this one covers a stop before the first.
+        stop_agreed = stop is not None and self._agreed_stop(stop)
+        self._sync()
+        interval_start, interval_steps, interval_tokens = time.perf_counter(), 0, 0
         while self.step < stop_at:
-            if stop is not None and self._agreed_stop(stop):
+            if stop_agreed:
                 if self.last_saved_step != self.step:
                     self.save()
                 self.checkpoint_writer.wait()
                 self._log_event(f"stop requested: checkpoint of step {self.step} saved in {self.checkpoints}")
                 break
             self.faults.before_step(self.step, stop)
-            self._sync()
-            start = time.perf_counter()
-            row = self.train_step()
-            self._sync()
-            elapsed = time.perf_counter() - start
-            clock.record(elapsed)
+            row = self.train_step(stop)
+            stop_agreed = stop is not None and self.agreed_stop_code > 0
+            interval_steps += 1
+            interval_tokens += row["global_batch_size"] * t.seq_length
             if self.step % t.log_interval == 0 or self.step == t.steps:
-                tokens_per_s = row["global_batch_size"] * t.seq_length / elapsed
+                # Timed over the steps since the last logged one: a device sync on logging steps only.
+                self._sync()
+                elapsed = time.perf_counter() - interval_start
+                clock.record(elapsed, interval_steps)
+                tokens_per_s = interval_tokens / elapsed
                 mfu = (
                     self.flops_per_token * tokens_per_s / (self.peak_flops * self.state.world_size)
                     if self.peak_flops
@@ -373,10 +391,13 @@ class Trainer:
                 if not rows:  # the first row of each job records the kernels this job runs
                     row["kernels"] = self.kernels.as_dict()
                 rows.append(self._log(row, clock.seconds_left(stop_at - self.step)))
+                interval_start, interval_steps, interval_tokens = time.perf_counter(), 0, 0
             interval = self.config.checkpoint.interval
-            if interval and (self.step % interval == 0 or self.step == stop_at):
+            saving = interval and (self.step % interval == 0 or self.step == stop_at)
+            evaluating = self.valid_set is not None and (self.step % t.eval_interval == 0 or self.step == t.steps)
+            if saving:
                 self.save()
-            if self.valid_set is not None and (self.step % t.eval_interval == 0 or self.step == t.steps):
+            if evaluating:
                 val_loss = self.evaluate()
                 rows.append(
                     self._log({"step": self.step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))})
@@ -390,6 +411,9 @@ class Trainer:
                         f"for {evals_without_gain} evaluations (best {best_val:.4f})"
                     )
                     break
+            if saving or evaluating:  # their time is not training throughput
+                self._sync()
+                interval_start, interval_steps, interval_tokens = time.perf_counter(), 0, 0
         if t.record_pipeline_timeline:
             self.write_pipeline_timeline()
         return rows

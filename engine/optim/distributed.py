@@ -158,39 +158,48 @@ class DistributedOptimizer:
             return seg.param.grad
         return self.grads.data[seg.buffer_start : seg.buffer_start + seg.end - seg.start].view_as(seg.master)
 
-    def grad_norm(self) -> float:
+    def squared_grad_norm(self) -> torch.Tensor:
+        """The global squared gradient norm, as a tensor on the device: reading it is the caller's one sync."""
         squares = torch.zeros((), dtype=torch.float32, device=self.segments[0].master.device)
         for seg in self.segments:
             if self._counts(seg):
                 squares += self._grad(seg).float().pow(2).sum()
         if self.state.world_size > 1:
             dist.all_reduce(squares)
-        return math.sqrt(squares.item())
+        return squares
 
     # -- the step -----------------------------------------------------------------------------
-    def step(self, lr: float, skip: bool = False) -> dict:
-        """Unscale (fp16), check, clip and apply this step's gradients; returns grad_norm, skipped and
-        nonfinite. A non-finite norm outside fp16 loss scaling, or `skip` (a non-finite loss), drops the
-        update: applying it would turn every weight into NaN."""
+    def prepare(self) -> torch.Tensor:
+        """Point the master weights at this step's gradients and unscale them (fp16); returns the squared
+        global gradient norm on the device, for the caller to read together with its loss in one transfer."""
         for seg in self.segments:
             if not seg.aliases_param:
                 seg.master.grad = self._grad(seg)
         if self.loss_scaler is not None:
             torch._foreach_mul_([s.master.grad for s in self.segments], 1.0 / self.loss_scaler.scale)
-        norm = self.grad_norm()
+        return self.squared_grad_norm()
+
+    def apply(self, lr: float, norm: float, skip: bool = False) -> dict:
+        """Check, clip and apply the prepared gradients whose global norm is `norm`; returns grad_norm,
+        skipped and nonfinite. A non-finite norm outside fp16 loss scaling, or `skip` (a non-finite loss),
+        drops the update: applying it would turn every weight into NaN. No device-to-host transfer here."""
         if self.loss_scaler is not None:
             skipped = self.loss_scaler.update(found_inf=not math.isfinite(norm))
             if skipped:
                 return {"grad_norm": norm, "skipped": True, "nonfinite": False}
         if skip or not math.isfinite(norm):
             return {"grad_norm": norm, "skipped": True, "nonfinite": True}
-        if self.config.clip_grad > 0 and math.isfinite(norm) and norm > self.config.clip_grad:
+        if self.config.clip_grad > 0 and norm > self.config.clip_grad:
             torch._foreach_mul_([s.master.grad for s in self.segments], self.config.clip_grad / (norm + 1e-6))
         for group in self.inner.param_groups:
             group["lr"] = lr * group["lr_scale"]
         self.inner.step()
         self._publish()
         return {"grad_norm": norm, "skipped": False, "nonfinite": False}
+
+    def step(self, lr: float, skip: bool = False) -> dict:
+        """prepare() and apply() with the norm read on its own (the trainer reads it with the loss)."""
+        return self.apply(lr, math.sqrt(self.prepare().item()), skip)
 
     @torch.no_grad()
     def _publish(self) -> None:
