@@ -38,7 +38,13 @@ class Norm(torch.nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.function(x, self.weight, self.bias, self.eps)
+        out = self.function(x, self.weight, self.bias, self.eps)
+        device = x.device.type
+        if torch.is_autocast_enabled(device):
+            # CUDA autocast runs norms in fp32 and returns fp32; what follows a norm is a GEMM in the compute
+            # dtype, often after a sequence-parallel all-gather that would otherwise move fp32.
+            out = out.to(torch.get_autocast_dtype(device))
+        return out
 
 
 def build_norm(config: ModelConfig, tp_size: int, sequence_parallel: bool, kernels: Kernels) -> torch.nn.Module:
