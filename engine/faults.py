@@ -5,7 +5,8 @@ Each switch is an environment variable, so a test can set it for the ranks a lau
 
     LOOM_INJECT_FAULT=RANK:STEP      that rank raises before that step
     LOOM_INJECT_HANG=RANK:STEP       that rank sleeps forever before that step (a hung peer)
-    LOOM_INJECT_KILL=RANK:STEP       that rank SIGKILLs itself before that step (the OOM killer's way)
+    LOOM_INJECT_KILL=RANK:STEP[:SIG] that rank sends itself SIG (default KILL, the OOM killer's way; ABRT is
+                                     how NCCL's watchdog ends a rank) before that step
     LOOM_INJECT_NAN=STEP             every rank sees a NaN loss at that step
     LOOM_KILL_DURING_SAVE=RANK:STEP  that rank SIGKILLs itself after writing its checkpoint file, before the seal
     LOOM_INJECT_PAUSE=STEP           every rank says so on stdout and waits before that step until a stop
@@ -33,7 +34,7 @@ class InjectedFault(RuntimeError):
 def _step_for_rank(spec: str | None, rank: int) -> int | None:
     if not spec:
         return None
-    fault_rank, step = (int(x) for x in spec.split(":"))
+    fault_rank, step = (int(x) for x in spec.split(":")[:2])
     return step if fault_rank == rank else None
 
 
@@ -44,6 +45,7 @@ class FaultPlan:
     raise_before_step: int | None = None
     hang_before_step: int | None = None
     kill_before_step: int | None = None
+    kill_signal: str = "KILL"
     nan_loss_at_step: int | None = None
     kill_during_save_at_step: int | None = None
     pause_before_step: int | None = None
@@ -55,6 +57,7 @@ class FaultPlan:
             raise_before_step=_step_for_rank(environ.get("LOOM_INJECT_FAULT"), rank),
             hang_before_step=_step_for_rank(environ.get("LOOM_INJECT_HANG"), rank),
             kill_before_step=_step_for_rank(environ.get("LOOM_INJECT_KILL"), rank),
+            kill_signal=(environ.get("LOOM_INJECT_KILL", "0:0") + ":KILL").split(":")[2],
             nan_loss_at_step=int(nan) if nan else None,
             kill_during_save_at_step=_step_for_rank(environ.get("LOOM_KILL_DURING_SAVE"), rank),
             pause_before_step=int(pause) if pause else None,
@@ -67,7 +70,7 @@ class FaultPlan:
         if step == self.hang_before_step:
             time.sleep(10**6)
         if step == self.kill_before_step:
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), signal.Signals[f"SIG{self.kill_signal}"])
         if step == self.pause_before_step and stop is not None:
             print(f"paused before step {step} until a stop signal (LOOM_INJECT_PAUSE)", flush=True)
             while not stop.code:

@@ -53,7 +53,7 @@ def init_distributed(config: LoomConfig) -> int:
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     backend = choose_backend(config.parallel.backend, config.train.device)
     if backend == "nccl":
-        set_cuda_env_defaults()
+        set_cuda_env_defaults(config)
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
     dist.init_process_group(
         backend, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=config.parallel.timeout_minutes)

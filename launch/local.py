@@ -9,6 +9,7 @@ are divided among the ranks so N ranks on a few cores do not oversubscribe them.
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -159,7 +160,7 @@ def launch_local(config: LoomConfig, nproc: int, grace_s: float = 5.0, mode: str
     if stop_signals:
         raise _stopped(stop_signals[0], config, not failed)
     if failed:
-        raise _first_error(errors, failed)
+        raise _first_error(errors, failed, _last_logged_step(config.train.run_dir))
 
 
 def _stop_all(procs: list, grace_s: float) -> None:
@@ -191,7 +192,27 @@ def _signal_name(exitcode: int) -> str:
         return f"signal {-exitcode}"
 
 
-def _first_error(errors, failed: list[tuple[int, int]]) -> RankFailed:
+# What usually sends each signal to a rank, for the one line that names the rank.
+SIGNAL_CAUSES = {
+    "SIGKILL": " (the kernel's OOM killer sends it when memory runs out; see dmesg)",
+    "SIGABRT": (
+        " (under NCCL, the watchdog aborts a rank whose collective timed out after parallel.timeout_minutes or "
+        "failed: a peer died or hung; the rank's stderr names the collective)"
+    ),
+    "SIGSEGV": " (a crash in native code: a CUDA/NCCL driver or extension fault)",
+    "SIGBUS": " (a memory-mapped file changed or its disk filled up)",
+}
+
+
+def _last_logged_step(run_dir: str) -> int | None:
+    try:
+        rows = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+        return int(json.loads(rows[-1])["step"]) if rows else None
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _first_error(errors, failed: list[tuple[int, int]], last_step: int | None = None) -> RankFailed:
     """The root cause. A rank killed by a signal (exit code -N) is it: its peers' errors (connection
     reset, a collective timeout) follow from its death. Otherwise the earliest report: peers of a failed
     rank fail too, but only after it has reported and exited (their collectives break when its sockets close)."""
@@ -206,7 +227,9 @@ def _first_error(errors, failed: list[tuple[int, int]]) -> RankFailed:
     if killed:
         rank, code = killed[0]
         name = _signal_name(code)
-        cause = " (the kernel's OOM killer sends it when memory runs out; see dmesg)" if name == "SIGKILL" else ""
+        cause = SIGNAL_CAUSES.get(name, "")
+        if last_step is not None:
+            cause += f"; the last step logged was {last_step}"
         consequences = "; ".join(f"rank {r}: {m}" for _, r, m, *_ in sorted(reports)[:2])
         return RankFailed(
             rank,

@@ -143,6 +143,15 @@ def test_a_rank_killed_by_a_signal_is_named_not_the_peer_it_broke(dataset, tmp_p
     assert result.returncode == 1
     line = result.stderr.strip().splitlines()[-1]
     assert line.startswith("error: rank 1 failed: killed by SIGKILL (the kernel's OOM killer"), result.stderr
+    assert "; the last step logged was 2;" in line
+
+
+def test_a_rank_aborted_like_by_the_nccl_watchdog_is_named_with_the_likely_cause(dataset, tmp_path):
+    """Under NCCL a timed-out collective aborts the rank (SIGABRT) before Python can report it."""
+    result = run(train_command(dataset, tmp_path, "--train.steps", "50"), env={"LOOM_INJECT_KILL": "0:3:ABRT"})
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: rank 0 failed: killed by SIGABRT (under NCCL, the watchdog aborts"), result.stderr
+    assert "the last step logged was 3" in line
 
 
 def test_nan_loss_stops_and_leaves_the_last_good_checkpoint_newest(dataset, tmp_path):

@@ -148,3 +148,14 @@ def test_a_bf16_pipeline_run_warns_of_nothing(dataset, tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert "Warning" not in result.stderr and "Mismatch dtype" not in result.stderr, result.stderr
+
+
+def test_cuda_environment_for_transformer_engine_tensor_parallel():
+    from loom.engine.config_io import load_config
+    from loom.engine.cuda_env import cuda_env_defaults
+
+    tp2 = load_config("tiny", {"parallel": {"tp": 2}})
+    assert cuda_env_defaults(tp2)["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    native = load_config("tiny", {"parallel": {"tp": 2}, "model": {"kernels": "native"}})
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in cuda_env_defaults(native)
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in cuda_env_defaults(load_config("tiny"))

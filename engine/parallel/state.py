@@ -11,7 +11,18 @@ from __future__ import annotations
 import datetime
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
+
+
+def _warm_up(group: dist.ProcessGroup) -> None:
+    """One collective every member joins. A group's first call must not be a batch_isend_irecv that only
+    some ranks join (undefined under NCCL, which sets up its communicator lazily on that first call); the
+    pipeline's first call is exactly that."""
+    if dist.get_world_size(group) == 1:
+        return
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    dist.all_reduce(torch.zeros(1, device=device), group=group)
 
 
 def rank_of(tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int) -> int:
@@ -101,6 +112,8 @@ class ParallelState:
                     mine[kind] = group
                     if kind == "pp":
                         pp_ranks = tuple(ranks)
+        for group in {id(g): g for g in mine.values() if g is not None}.values():
+            _warm_up(group)
         return cls(
             rank=rank,
             world_size=world,
