@@ -1,65 +1,103 @@
-"""Cross entropy over vocabulary-parallel logits, without ever materialising the full logits.
+"""Cross entropy over vocabulary-parallel logits, in chunks of tokens, without fp32 copies of the whole logits.
 
-Each TP rank holds the logits of its slice of the padded vocabulary. The row max, the sum of
-exponentials and the target logit are combined across the TP group (Megatron's recipe). Padded
-vocabulary entries are masked to -inf, so they take no part in the softmax and get zero gradient.
+Each TP rank holds the logits of its slice of the padded vocabulary. The row max, the sum of exponentials
+and the target logit are combined across the TP group (Megatron's recipe). Padded vocabulary entries are
+masked to -inf, so they take no part in the softmax and get zero gradient.
+
+The logits come out of the output GEMM in the compute dtype ([tokens, V/tp], the largest activation of a
+Llama step). Upcasting them whole and saving the fp32 softmax for backward, as the textbook recipe does,
+adds 4 + 4 bytes per logit; here each chunk of tokens is upcast, reduced to three numbers per token (local
+max, sum of exponentials, target logit) and dropped, and backward recomputes the softmax chunk by chunk from
+the saved logits and those per-token statistics. Extra memory is one fp32 chunk instead of two fp32 copies.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from loom.engine.parallel import mappings
+
+# Logits per chunk: 2**24 fp32 values are 64 MiB, small beside a step's activations and large enough that the
+# per-chunk kernel launches do not show (a 128k-vocabulary slice gives 128 tokens per chunk).
+CHUNK_ELEMENTS = 1 << 24
+
+
+def _chunks(tokens: int, local_vocab: int, chunk_elements: int) -> list[slice]:
+    step = max(1, chunk_elements // max(local_vocab, 1))
+    return [slice(start, min(start + step, tokens)) for start in range(0, tokens, step)]
+
+
+def _all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:
+    if group is not None:  # None: one rank holds the whole vocabulary
+        dist.all_reduce(tensor, op=op, group=group)
+
+
+def _masked_chunk(logits: torch.Tensor, rows: slice, padded_from: int) -> torch.Tensor:
+    """fp32 logits of `rows` with this rank's padded vocabulary entries at -inf."""
+    chunk = logits[rows].float()
+    if padded_from < chunk.shape[-1]:
+        chunk[:, max(padded_from, 0) :] = float("-inf")
+    return chunk
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, vocab_start, vocab_size, group):
-        logits = logits.float()
+    def forward(ctx, logits, target, vocab_start, vocab_size, group, chunk_elements):
         local_vocab = logits.shape[-1]
+        flat, flat_target = logits.reshape(-1, local_vocab), target.reshape(-1)
         padded_from = vocab_size - vocab_start
-        if padded_from < local_vocab:
-            logits = logits.clone()
-            logits[..., max(padded_from, 0) :] = float("-inf")
-        row_max = logits.max(dim=-1).values
-        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-        shifted = logits - row_max.unsqueeze(-1)
-
-        local_target = target - vocab_start
+        local_target = flat_target - vocab_start
         outside = (local_target < 0) | (local_target >= local_vocab)
         local_target = local_target.masked_fill(outside, 0)
-        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        exp = shifted.exp_()
-        sum_exp = exp.sum(dim=-1)
-        dist.all_reduce(target_logit, group=group)
-        dist.all_reduce(sum_exp, group=group)
-        loss = sum_exp.log() - target_logit
-
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, local_target, outside)
-        return loss
+        tokens = flat.shape[0]
+        row_max = torch.empty(tokens, dtype=torch.float32, device=logits.device)
+        sum_exp = torch.empty_like(row_max)
+        target_logit = torch.empty_like(row_max)
+        for rows in _chunks(tokens, local_vocab, chunk_elements):
+            chunk = _masked_chunk(flat, rows, padded_from)
+            # finite even where this rank holds only padding (all -inf), so that exp(x - max) is 0, not NaN
+            row_max[rows] = chunk.max(dim=-1).values.clamp_min(torch.finfo(torch.float32).min)
+            sum_exp[rows] = (chunk - row_max[rows, None]).exp_().sum(dim=-1)
+            target_logit[rows] = chunk.gather(-1, local_target[rows, None]).squeeze(-1)
+        # Each rank summed exp(x - its own max); rescale to the global max before adding the ranks' sums.
+        global_max = row_max.clone()
+        _all_reduce(global_max, group, op=dist.ReduceOp.MAX)
+        sum_exp.mul_((row_max - global_max).exp_())
+        target_logit = target_logit.masked_fill_(outside, 0.0)
+        _all_reduce(sum_exp, group)
+        _all_reduce(target_logit, group)
+        log_normaliser = global_max + sum_exp.log()
+        ctx.save_for_backward(logits, local_target, outside, log_normaliser)
+        ctx.padded_from, ctx.chunk_elements = padded_from, chunk_elements
+        return (log_normaliser - target_logit).view_as(target)
 
     @staticmethod
     def backward(ctx, grad_loss):
-        softmax, local_target, outside = ctx.saved_tensors
-        grad = softmax
-        inside = (~outside).to(grad.dtype)
-        grad.scatter_add_(-1, local_target.unsqueeze(-1), -inside.unsqueeze(-1))
-        grad.mul_(grad_loss.unsqueeze(-1))
-        return grad, None, None, None, None
+        logits, local_target, outside, log_normaliser = ctx.saved_tensors
+        local_vocab = logits.shape[-1]
+        flat, flat_grad_loss = logits.reshape(-1, local_vocab), grad_loss.reshape(-1)
+        grad = torch.empty_like(flat)
+        inside = (~outside).float()
+        for rows in _chunks(flat.shape[0], local_vocab, ctx.chunk_elements):
+            softmax = (_masked_chunk(flat, rows, ctx.padded_from) - log_normaliser[rows, None]).exp_()
+            softmax.scatter_add_(-1, local_target[rows, None], -inside[rows, None])
+            grad[rows] = softmax.mul_(flat_grad_loss[rows, None])
+        return grad.view_as(logits), None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
-    logits: torch.Tensor, target: torch.Tensor, vocab_start: int, vocab_size: int, tp_group
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    vocab_start: int,
+    vocab_size: int,
+    tp_group,
+    chunk_elements: int = CHUNK_ELEMENTS,
 ) -> torch.Tensor:
     """Per-token loss (fp32, shape of target) from this rank's logits slice [..., V/tp].
 
-    `vocab_start` is the global id of this rank's first logit; ids >= vocab_size are padding.
+    `vocab_start` is the global id of this rank's first logit; ids >= vocab_size are padding. With one rank
+    the all-reduces are skipped (a group of one); the chunking is the same.
     """
-    if mappings.group_size(tp_group) == 1:
-        # One rank holds the whole vocabulary: PyTorch's fused kernel is faster and equal.
-        real = logits[..., :vocab_size].float()
-        return F.cross_entropy(real.reshape(-1, vocab_size), target.reshape(-1), reduction="none").view_as(target)
-    return _VocabParallelCrossEntropy.apply(logits, target, vocab_start, vocab_size, tp_group)
+    group = tp_group if mappings.group_size(tp_group) > 1 else None
+    return _VocabParallelCrossEntropy.apply(logits, target, vocab_start, vocab_size, group, chunk_elements)
