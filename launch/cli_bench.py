@@ -22,8 +22,14 @@ def cmd_bench_mfu(args: argparse.Namespace, overrides: list[str]) -> None:
     run(args, overrides)
 
 
+def cmd_bench_gpu(args: argparse.Namespace) -> None:
+    from loom.tools.bench.gpu import run
+
+    run(args)
+
+
 def add_parser(commands) -> None:
-    bench = commands.add_parser("bench", help="benchmarks with same-run baselines (mfu)")
+    bench = commands.add_parser("bench", help="benchmarks with same-run baselines (mfu, gpu)")
     kinds = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     mfu = kinds.add_parser(
         "mfu",
@@ -51,3 +57,14 @@ def add_parser(commands) -> None:
     mfu.add_argument("--gemm-size", type=int, help="square GEMM size for the measured peak (default 8192 GPU, 512 CPU)")
     mfu.add_argument("--output", help="also write the figures as JSON to this file")
     mfu.set_defaults(handler=cmd_bench_mfu, takes_overrides=True)
+
+    gpu = kinds.add_parser(
+        "gpu",
+        help="everything a GPU must answer, in one table: GEMM peak, BF16/FP8 MFU, loom vs plain loop, "
+        "FP8 loss gap, a world-size-1 NCCL run",
+        description="About 10 minutes on one H100 (llama-1b); --quick runs tiny sizes (seconds on CPU).",
+    )
+    gpu.add_argument("--quick", action="store_true", help="tiny sizes: the CPU check that the command works")
+    gpu.add_argument("--config", help="model for the throughput rows (default: llama-1b, or tiny with --quick)")
+    gpu.add_argument("--output", help="JSON file for the figures (default: bench_gpu.json)")
+    gpu.set_defaults(handler=cmd_bench_gpu)

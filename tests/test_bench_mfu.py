@@ -82,3 +82,24 @@ def test_table_reports_mfu_against_both_peaks_and_the_ratios():
     loom_line = next(line for line in table.splitlines() if line.startswith("loom bf16"))
     assert "400.000" in loom_line and "40.4%" in loom_line and "50.0%" in loom_line
     assert "ratio loom / plain loop: 1.053" in table and "ratio fp8 / bf16: 1.400" in table
+
+
+def test_bench_gpu_quick_runs_on_cpu_and_answers_every_row(tmp_path):
+    """The command a GPU session runs first: here with tiny sizes, so it cannot rot before a device comes."""
+    output = tmp_path / "gpu.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "loom.launch.cli", "bench", "gpu", "--quick", "--output", str(output)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for row in ("GEMM peak (measured)", "| loom fp32 |", "| loom fp8 (current) | - | skipped:", "plain PyTorch loop"):
+        assert row in result.stdout, result.stdout
+    assert "world-size-1 run via the launcher (gloo) | ok, loss" in result.stdout
+    results = json.loads(output.read_text())
+    assert results["throughput"]["rows"][0]["tokens_per_s"] > 0
+    assert results["loss_gap"]["bf16_final_loss"] > 0 and "fp8_note" in results["loss_gap"]
+    assert results["launcher"]["ok"]

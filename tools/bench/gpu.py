@@ -1,0 +1,168 @@
+"""`loom bench gpu [--quick]`: what a device must answer the first time one is there, as one markdown table + JSON.
+
+1. the BF16 GEMM peak measured now, beside the datasheet's dense peak;
+2. llama-1b (by default) BF16 training: tokens/s, model TFLOP/s, MFU by the standard formula (engine/flops.py)
+   against the datasheet and against the measured GEMM peak, peak memory (`loom bench mfu`'s measurement);
+3. the same with FP8 (Transformer Engine when installed, else torch._scaled_mm) and its ratio to BF16;
+4. loom against the same model as a plain (torch.compile'd on CUDA) PyTorch loop;
+5. the BF16 vs FP8 loss gap after N steps on a learnable synthetic corpus (a shallower model, so it fits);
+6. a world-size-1 run through the launcher (NCCL on CUDA, gloo on CPU), as `loom train --nproc 1` runs it.
+
+On CPU the same code runs with tiny sizes (`--quick`, tested in the suite), so the command cannot rot before
+a GPU arrives; FP8 rows then say why they are skipped. No asserts: the figures are the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from loom.engine.config import ConfigError, LoomConfig
+from loom.engine.config_io import load_config
+from loom.tools.bench import mfu
+from loom.tools.synthetic_data import write_markov_dataset
+
+# (config, overrides of the throughput runs, steps, warm-up, micro-batches, loss-gap steps, loss-gap layers)
+FULL = ("llama-1b", {}, 10, 3, 4, 200, 4)
+QUICK = ("tiny", {"train": {"seq_length": 64, "micro_batch_size": 2}}, 2, 1, 1, 3, 2)
+GAP_VOCAB = 32000  # the loss-gap corpus's vocabulary: a learnable Markov chain needs no 128k table
+
+
+def _loss_curve(config: LoomConfig) -> list[float]:
+    from loom.engine.train import Trainer
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        trainer = Trainer(config)
+        try:
+            rows = trainer.run()
+        finally:
+            trainer.close()
+    return [row["loss"] for row in rows if "loss" in row]
+
+
+def loss_gap(base: LoomConfig, steps: int, layers: int, workdir: Path, device: torch.device) -> dict:
+    """Final losses of BF16 and FP8 training on the same synthetic corpus; FP8 skipped with its reason."""
+    vocab = min(base.model.vocab_size, GAP_VOCAB)
+    t = base.train
+    documents = max(200, steps * t.micro_batch_size * 2 * t.seq_length // 200)
+    data = write_markov_dataset(workdir / "markov", vocab, documents)
+    shallow = mfu._with_overrides(base, {"model": {"num_layers": layers, "vocab_size": vocab}})
+    result = {"steps": steps, "layers": layers, "vocab_size": vocab}
+    bf16 = mfu.bench_config(shallow, data, str(workdir / "gap-bf16"), steps, 2, precision="bf16")
+    result["bf16_final_loss"] = _loss_curve(bf16)[-1]
+    try:
+        fp8 = mfu.bench_config(shallow, data, str(workdir / "gap-fp8"), steps, 2, precision="bf16", fp8="current")
+        from loom.engine.model.kernels import choose_kernels
+
+        choose_kernels(fp8, device)
+    except ConfigError as error:
+        result["fp8_note"] = f"skipped: {error}"
+        return result
+    result["fp8_final_loss"] = _loss_curve(fp8)[-1]
+    result["gap"] = result["fp8_final_loss"] - result["bf16_final_loss"]
+    return result
+
+
+def launcher_run(config_name: str, overrides: dict, workdir: Path, device: torch.device) -> dict:
+    """`loom train --nproc 1` for a few steps, as a user starts it: NCCL on CUDA, gloo on CPU."""
+    data = write_markov_dataset(workdir / "launch", 4096, 200)
+    flags = ["--data.paths", data, "--data.tokenizer", "none", "--train.run_dir", str(workdir / "launch-run")]
+    flags += ["--train.steps", "5", "--train.eval_interval", "0", "--train.tensorboard", "false"]
+    flags += ["--model.vocab_size", "4096", "--train.device", device.type]
+    for section, fields in overrides.items():
+        for name, value in fields.items():
+            flags += [f"--{section}.{name}", str(value)]
+    command = [sys.executable, "-m", "loom.launch.cli", "train", "--config", config_name, "--nproc", "1", *flags]
+    start = time.perf_counter()
+    result = subprocess.run(command, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if result.returncode != 0:
+        return {"backend": backend, "ok": False, "seconds": seconds, "error": result.stderr.strip().splitlines()[-1]}
+    rows = [json.loads(line) for line in (workdir / "launch-run" / "metrics.jsonl").read_text().splitlines()]
+    return {"backend": backend, "ok": True, "seconds": seconds, "final_loss": rows[-1]["loss"]}
+
+
+def _fmt(value, spec: str = ".3f", suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def format_markdown(results: dict) -> str:
+    t = results["throughput"]
+    loom, fp8, plain = t["rows"]
+    gap, launch = results["loss_gap"], results["launcher"]
+    sheet = t["datasheet_peak_tflops"]
+
+    def mfu_cells(row: dict) -> str:
+        return f"{_fmt(row['mfu_datasheet'], '.1%')} of datasheet, {_fmt(row['mfu_measured_gemm'], '.1%')} of GEMM peak"
+
+    lines = [
+        f"### loom bench gpu: {t['device']}, torch {t['torch']}, config {results['config']}",
+        "",
+        "| measure | value | against |",
+        "| --- | --- | --- |",
+        f"| {t['gemm_dtype']} GEMM peak (measured) | {t['gemm_peak_tflops']:.3g} TFLOP/s | datasheet "
+        f"{_fmt(sheet, '.0f', ' TFLOP/s')} |",
+    ]
+    for row in (loom, fp8, plain):
+        if row["tokens_per_s"] is None:
+            lines.append(f"| {row['name']} | - | {row['note']} |")
+        else:
+            lines.append(
+                f"| {row['name']} | {row['tokens_per_s']:,.0f} tokens/s, {row['tflops']:.3g} TFLOP/s, "
+                f"{row['mem_gb']:.1f} GB | MFU {mfu_cells(row)} |"
+            )
+    fp8_ratio = fp8["tokens_per_s"] / loom["tokens_per_s"] if fp8["tokens_per_s"] else None
+    plain_ratio = loom["tokens_per_s"] / plain["tokens_per_s"] if plain["tokens_per_s"] else None
+    lines += [
+        f"| FP8 / {t['precision']} tokens/s | {_fmt(fp8_ratio)} | {fp8['note'] if fp8_ratio is None else ''} |",
+        f"| loom / plain loop tokens/s | {_fmt(plain_ratio)} | {plain['name']} |",
+        f"| loss after {gap['steps']} steps ({gap['layers']} layers) | BF16 {gap['bf16_final_loss']:.4f}, FP8 "
+        f"{_fmt(gap.get('fp8_final_loss'), '.4f')} | gap {_fmt(gap.get('gap'), '+.4f')} {gap.get('fp8_note', '')} |",
+        f"| world-size-1 run via the launcher ({launch['backend']}) | "
+        + (f"ok, loss {launch['final_loss']:.4f}" if launch["ok"] else f"failed: {launch['error']}")
+        + f" | {launch['seconds']:.0f} s |",
+    ]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Entry point of `loom bench gpu` (launch/cli_bench.py)."""
+    config_name, overrides, steps, warmup, microbatches, gap_steps, gap_layers = QUICK if args.quick else FULL
+    config_name = args.config or config_name
+    base = load_config(config_name, overrides)
+    device = mfu._device(base.train.device)
+    if device.type == "cuda":
+        from loom.engine.cuda_env import set_cuda_env_defaults
+
+        set_cuda_env_defaults(base)
+    throughput_args = argparse.Namespace(
+        steps=steps, warmup=warmup, microbatches=microbatches, fp8_recipe="auto", compile=None, gemm_size=None
+    )
+    results = {"config": config_name, "quick": args.quick}
+    with tempfile.TemporaryDirectory() as tmp:
+        mfu._init_single_process_group(device)
+        try:
+            results["throughput"] = mfu.measure(throughput_args, base)
+            results["loss_gap"] = loss_gap(base, gap_steps, gap_layers, Path(tmp), device)
+        finally:
+            dist.destroy_process_group()
+            for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+                os.environ.pop(name, None)  # the launcher's ranks set their own
+        results["launcher"] = launcher_run(config_name, overrides, Path(tmp), device)
+    print(format_markdown(results), flush=True)
+    output = Path(args.output or "bench_gpu.json")
+    output.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {output}")
+    return results
