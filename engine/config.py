@@ -89,8 +89,9 @@ class ModelConfig:
     fused AdamW); native always runs the PyTorch reference path; te requires Transformer Engine. What was
     chosen, and why, is printed at start-up and recorded in the first metrics.jsonl row."""
     compile: bool = False
-    """torch.compile the element-wise pieces (RMSNorm/LayerNorm, SwiGLU) into fused kernels; pays a compile
-    at start. Ignored for the norm where Transformer Engine or apex provides a fused one."""
+    """torch.compile each transformer block whole (norms, rotary, attention, SwiGLU, residuals and the TP
+    collectives between them: one graph for all blocks) when the kernels are native PyTorch; with Transformer
+    Engine or apex only the element-wise pieces left to PyTorch are compiled. Pays a compile at start."""
 
     def __post_init__(self) -> None:
         s = "model"

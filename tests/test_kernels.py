@@ -277,3 +277,36 @@ def test_kernels_are_logged_at_start_and_recorded_in_the_first_metrics_row(marko
     rows = read_metrics(tmp_path / "run")
     assert rows[0]["kernels"]["attention"]["impl"] == "torch.sdpa" and "kernels" not in rows[1]
     assert "kernels: attention=torch.sdpa" in capfd.readouterr().out
+
+
+def _losses_with_compile(rank, world, dataset, run_dir, compile_model):
+    from training_runs import tiny_config
+
+    from loom.engine.train import Trainer
+
+    config = tiny_config(
+        dataset,
+        run_dir,
+        model={"compile": compile_model, "num_layers": 2},
+        parallel={"tp": 2, "sequence_parallel": True},
+        train={"steps": 2, "global_batch_size": 2, "micro_batch_size": 1, "seq_length": 32},
+    )
+    trainer = Trainer(config)
+    compiled_blocks = all(
+        hasattr(block, "_compiled_call_impl") and block._compiled_call_impl
+        for block in trainer.chunks[0].layers.values()
+    )
+    losses = [trainer.train_step()["loss"] for _ in range(2)]
+    trainer.close()
+    return losses, compiled_blocks
+
+
+def test_whole_compiled_blocks_train_like_eager(markov_dataset, tmp_path):
+    """model.compile compiles each block with its tensor-parallel collectives; the losses stay eager's."""
+    from dist_utils import run_ranks
+
+    dataset = markov_dataset(50)
+    eager, _ = run_ranks(_losses_with_compile, 2, dataset, str(tmp_path / "eager"), False)[0]
+    compiled, blocks_compiled = run_ranks(_losses_with_compile, 2, dataset, str(tmp_path / "compiled"), True)[0]
+    assert blocks_compiled
+    torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-6, atol=0)

@@ -66,6 +66,9 @@ class GPTModel(torch.nn.Module):
         self.layers = torch.nn.ModuleDict(
             {str(i): TransformerBlock(config, tp_group, self.sequence_parallel, streams, kernels) for i in layer_ids}
         )
+        if kernels is not None and kernels.compiles_blocks:
+            for block in self.layers.values():
+                block.compile()  # one graph serves every block: parameters are graph inputs, not constants
         if post_process:
             self.final_norm = build_norm(config, tp, self.sequence_parallel, kernels)
             if not (config.tie_embeddings and pre_process):

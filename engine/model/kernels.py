@@ -182,6 +182,16 @@ class Kernels:
 
     # -- factories used by engine/model/transformer.py and gpt.py ------------------------------------
     @property
+    def compiles_blocks(self) -> bool:
+        """model.compile over native PyTorch kernels: each transformer block is compiled whole (norms, rotary,
+        attention, SwiGLU, residuals and the TP collectives between them), not only its element-wise pieces.
+        Transformer Engine and apex modules stay outside torch.compile."""
+        native = not any(
+            c.impl.startswith(("te.", "apex.")) for c in self.choices().values() if c is not self.optimizer
+        )
+        return native and self.norm.impl.startswith("torch.compile")
+
+    @property
     def uses_te_norm(self) -> bool:
         return self.norm.impl.startswith("te.")
 
