@@ -17,6 +17,8 @@ import functools
 import os
 import sys
 import time
+from contextlib import closing
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -24,16 +26,19 @@ import numpy as np
 import sentencepiece
 from tqdm import tqdm
 
-from loom.data_tools.jsonl import InputError, JsonlStats, check_inputs, iter_jsonl
-from loom.data_tools.manifest import write_manifest
+from loom.data_tools.failures import reported_failures
+from loom.data_tools.jsonl import InputError, JsonlStats, check_inputs, estimated_input_bytes, iter_jsonl
+from loom.data_tools.manifest import manifest_path, write_manifest
 from loom.data_tools.parallel import chunked, imap_ordered
 from loom.data_tools.word_cache import WordCache, word_splittable
-from loom.engine.data.indexed import IndexedDatasetWriter, dtype_for_vocab
+from loom.engine.data.indexed import IndexedDatasetWriter, dtype_for_vocab, index_paths
 
 BATCH_DOCUMENTS = 512
 BATCH_CHARACTERS = 1 << 20
 # Batches queued per worker: enough to keep it busy while the parent writes, few enough to bound memory.
 IN_FLIGHT_PER_WORKER = 3
+# The disk-space estimate of a full-disk message before any batch is written: BPE averages 3-4 bytes per token.
+BYTES_PER_TOKEN = 3
 
 
 @functools.lru_cache(maxsize=4)
@@ -109,6 +114,47 @@ def _tokenizer_facts(tokenizer_model: str | Path, append_eod: bool) -> tuple[str
     return str(model_path), processor.vocab_size(), eod
 
 
+@dataclass
+class _Written:
+    """What reached P.bin so far, and the characters of every batch handed out (for the tokens-per-byte rate)."""
+
+    batch_characters: list[int] = field(default_factory=list)
+    characters: int = 0
+    documents: int = 0
+    tokens: int = 0
+
+    def measured(self, batches: Iterable[list[str]]) -> Iterator[list[str]]:
+        for batch in batches:
+            self.batch_characters.append(sum(map(len, batch)))
+            yield batch
+
+    def needed_bytes(self, input_bytes: int, dtype: np.dtype) -> int:
+        """About what P.bin + P.idx take for the whole input, at the rate measured so far."""
+        tokens_per_byte = self.tokens / self.characters if self.characters else 1 / BYTES_PER_TOKEN
+        return int(input_bytes * tokens_per_byte) * dtype.itemsize + input_bytes // 100
+
+
+def _write_dataset(
+    encoded: Iterable[tuple[np.ndarray, np.ndarray]],
+    output_prefix: str | Path,
+    dtype: np.dtype,
+    written: _Written,
+    progress: bool,
+) -> None:
+    """Write the encoded batches to output_prefix.bin/.idx, counting them in `written` (nothing if no document came)."""
+    bar = tqdm(desc="tokenize", unit="doc", file=sys.stderr, disable=not progress, mininterval=1.0)
+    with bar, IndexedDatasetWriter(output_prefix, dtype) as writer:
+        for position, (batch_tokens, lengths) in enumerate(encoded):
+            writer.add_documents(batch_tokens, lengths)
+            written.characters += written.batch_characters[position]
+            written.documents += len(lengths)
+            written.tokens += batch_tokens.size
+            bar.update(len(lengths))
+            bar.set_postfix(tokens=f"{written.tokens / 1e6:.1f}M", refresh=False)
+        if written.documents == 0:
+            writer.abort()
+
+
 def build_indexed_dataset(
     inputs: Iterable[str | Path],
     tokenizer_model: str | Path,
@@ -127,49 +173,52 @@ def build_indexed_dataset(
     model_path, vocab_size, eod = _tokenizer_facts(tokenizer_model, append_eod)
     dtype = dtype_for_vocab(vocab_size)
     stats = JsonlStats()
-    documents = tokens = 0
     start = time.perf_counter()
-    batches = iter_batches(iter_jsonl(paths, text_key=text_key, stats=stats), text_key)
-    bar = tqdm(desc="tokenize", unit="doc", file=sys.stderr, disable=not progress, mininterval=1.0)
-    with bar, IndexedDatasetWriter(output_prefix, dtype) as writer:
-        for batch_tokens, lengths in _encoded_in_order(batches, model_path, eod, dtype.name, workers, use_word_cache):
-            writer.add_documents(batch_tokens, lengths)
-            documents += len(lengths)
-            tokens += batch_tokens.size
-            bar.update(len(lengths))
-            bar.set_postfix(tokens=f"{tokens / 1e6:.1f}M", refresh=False)
+    bin_path, idx_path = index_paths(output_prefix)
+    written, input_bytes = _Written(), estimated_input_bytes(paths)
+    with reported_failures(bin_path, lambda: written.needed_bytes(input_bytes, dtype)):
+        batches = written.measured(iter_batches(iter_jsonl(paths, text_key=text_key, stats=stats), text_key))
+        with closing(_encoded_in_order(batches, model_path, eod, dtype.name, workers, use_word_cache)) as encoded:
+            _write_dataset(encoded, output_prefix, dtype, written, progress)
+        documents, tokens = written.documents, written.tokens
         if documents == 0:
             raise InputError(
                 f"no documents with a string {text_key!r} field in {', '.join(map(str, paths))}; nothing written"
             )
-    seconds = time.perf_counter() - start
-    result = {
-        "output_prefix": str(output_prefix),
-        "documents": documents,
-        "tokens": tokens,
-        "bad_lines": stats.bad_lines,
-        "seconds": round(seconds, 2),
-        "tokens_per_s": round(tokens / seconds),
-        "docs_per_s": round(documents / seconds),
-        "dtype": dtype.name,
-        "vocab_size": vocab_size,
-        "input": stats.as_dict(),
-    }
-    if manifest:
-        write_manifest(
-            output_prefix,
-            command="loom data build",
-            inputs=[*paths, model_path],
-            outputs=[f"{output_prefix}.bin", f"{output_prefix}.idx"],
-            parameters={
-                "tokenizer": model_path,
-                "text_key": text_key,
-                "append_eod": append_eod,
-                "workers": workers,
-                "dtype": dtype.name,
-            },
-            counts={"documents": documents, "tokens": tokens, "bad_lines": stats.bad_lines},
-            started=started,
-            is_folder=False,
-        )
+        seconds = time.perf_counter() - start
+        result = {
+            "output_prefix": str(output_prefix),
+            "documents": documents,
+            "tokens": tokens,
+            "bad_lines": stats.bad_lines,
+            "seconds": round(seconds, 2),
+            "tokens_per_s": round(tokens / seconds),
+            "docs_per_s": round(documents / seconds),
+            "dtype": dtype.name,
+            "vocab_size": vocab_size,
+            "input": stats.as_dict(),
+        }
+        if manifest:
+            try:
+                write_manifest(
+                    output_prefix,
+                    command="loom data build",
+                    inputs=[*paths, model_path],
+                    outputs=[f"{output_prefix}.bin", f"{output_prefix}.idx"],
+                    parameters={
+                        "tokenizer": model_path,
+                        "text_key": text_key,
+                        "append_eod": append_eod,
+                        "workers": workers,
+                        "dtype": dtype.name,
+                    },
+                    counts={"documents": documents, "tokens": tokens, "bad_lines": stats.bad_lines},
+                    started=started,
+                    is_folder=False,
+                )
+            except BaseException:
+                # A dataset without its manifest (or beside an older one) would look finished.
+                for path in (idx_path, bin_path, manifest_path(output_prefix, is_folder=False)):
+                    path.unlink(missing_ok=True)
+                raise
     return result

@@ -22,11 +22,21 @@ import os
 import shutil
 import time
 from collections import Counter
+from contextlib import closing, suppress
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Iterable, Iterator
 
 from loom.data_tools.atomic import atomic_path
-from loom.data_tools.jsonl import InputError, JsonlStats, check_inputs, iter_jsonl
+from loom.data_tools.failures import reported_failures
+from loom.data_tools.jsonl import (
+    InputError,
+    JsonlStats,
+    check_inputs,
+    count_lines,
+    estimated_input_bytes,
+    iter_jsonl,
+)
 from loom.data_tools.manifest import write_manifest
 from loom.data_tools.parallel import chunked, imap_ordered
 from loom.data_tools.pipeline import (
@@ -70,6 +80,7 @@ class _StagedOutputs:
         shutil.rmtree(self.staging, ignore_errors=True)
         self.staging.mkdir(parents=True)
         self._files: dict[str, IO[str]] = {}
+        self._committed: list[Path] = []
 
     def write(self, relative: str, record: dict) -> None:
         out = self._files.get(relative)
@@ -83,6 +94,13 @@ class _StagedOutputs:
         for out in self._files.values():
             out.close()
 
+    def _discard(self) -> None:
+        for out in self._files.values():
+            try:
+                out.close()
+            except OSError:
+                pass  # on a full disk the close's flush fails again; the file is closed anyway and removed
+
     def commit(self) -> list[Path]:
         """Replace the previous run's kept/rejected files with these; returns the final paths."""
         self._close()
@@ -91,18 +109,26 @@ class _StagedOutputs:
                 shutil.rmtree(old)
             else:
                 old.unlink(missing_ok=True)
-        final = []
         for relative in sorted(self._files):
             target = self.output / relative
             target.parent.mkdir(parents=True, exist_ok=True)
             os.replace(self.staging / relative, target)
-            final.append(target)
+            self._committed.append(target)
         shutil.rmtree(self.staging)
-        return final
+        return list(self._committed)
 
     def abort(self) -> None:
-        self._close()
+        """Remove everything this run wrote, committed files included (they would look finished without
+        their stats and manifest); never raises, so the error that caused the abort is the one reported."""
+        self._discard()
         shutil.rmtree(self.staging, ignore_errors=True)
+        for path in self._committed:
+            with suppress(OSError):
+                path.unlink(missing_ok=True)
+                for folder in path.parents:
+                    if folder == self.output:
+                        break
+                    folder.rmdir()  # raises, and so stops, at the first folder that still holds files
 
 
 def _kept_path(record: dict, split_by_language: bool) -> str:
@@ -116,6 +142,78 @@ def _prepare_output(output: Path) -> None:
         raise InputError(f"--output {output} is a file; clean writes a folder")
     (output / "stats.json").unlink(missing_ok=True)
     (output / "manifest.json").unlink(missing_ok=True)
+
+
+@dataclass
+class _Tally:
+    """What a run has seen so far: input counts, kept documents, rejections by step and rule."""
+
+    step_names: list[str]
+    stats: JsonlStats = field(default_factory=JsonlStats)
+    sizes: list[int] = field(default_factory=list)  # UTF-8 bytes of each chunk's texts, for MB/s
+    kept: int = 0
+    kept_by_language: Counter = field(default_factory=Counter)
+    rejected_by: dict[str, Counter] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rejected_by = {name: Counter() for name in self.step_names}
+
+    def write(self, outcomes: list[tuple], outputs: _StagedOutputs, split_by_language: bool) -> None:
+        """Write one chunk's kept and rejected documents, in order, and count them."""
+        for record, rejection in outcomes:
+            if rejection is None:
+                self.kept += 1
+                if "language" in record:
+                    self.kept_by_language[record["language"]] += 1
+                outputs.write(_kept_path(record, split_by_language), record)
+            else:
+                step, rule, detail = rejection
+                self.rejected_by[step][rule] += 1
+                rejected = {**record, "rejected_by": step, "reason": rule, "detail": detail}
+                outputs.write(f"rejected/{step}.jsonl", rejected)
+
+    def result(self, pipeline_path: Path, seconds: float) -> dict:
+        """The stats.json of the run."""
+        documents, input_mb = self.stats.documents, sum(self.sizes) / 1e6
+        return {
+            "pipeline": str(pipeline_path),
+            "steps": self.step_names,
+            "documents": documents,
+            "kept": self.kept,
+            "rejected": documents - self.kept,
+            "bad_lines": self.stats.bad_lines,
+            "blank_lines": self.stats.blank_lines,
+            "lines": self.stats.lines,
+            "rejected_by": {
+                name: {"documents": sum(rules.values()), "rules": dict(rules.most_common())}
+                for name, rules in self.rejected_by.items()
+            },
+            **({"kept_by_language": dict(self.kept_by_language.most_common())} if self.kept_by_language else {}),
+            "input_mb": round(input_mb, 2),
+            "seconds": round(seconds, 2),
+            "docs_per_s": round(documents / seconds, 1),
+            "mb_per_s": round(input_mb / seconds, 2),
+            "input": self.stats.as_dict(),
+        }
+
+
+def _clean_into(
+    outputs: _StagedOutputs,
+    paths: list[Path],
+    spec: list[dict],
+    tally: _Tally,
+    text_key: str,
+    workers: int,
+    split_by_language: bool,
+    progress: bool,
+) -> None:
+    """Run the pipeline over every document of `paths` into the staged outputs, with a progress bar."""
+    with Progress("clean", progress, total=count_lines(paths)) as bar:
+        chunks = _chunks(iter_jsonl(paths, text_key, tally.stats), text_key, tally.sizes)
+        with closing(imap_ordered(clean_chunk, ((spec, chunk, text_key) for chunk in chunks), workers)) as cleaned:
+            for position, outcomes in enumerate(cleaned):
+                tally.write(outcomes, outputs, split_by_language)
+                bar.update(len(outcomes), tally.sizes[position], kept=tally.kept)
 
 
 def clean_corpus(
@@ -135,77 +233,38 @@ def clean_corpus(
     spec = load_pipeline_spec(pipeline_path)
     if split_by_language and not any(step["type"] == "language" for step in spec):
         spec = [*spec, LABEL_LANGUAGE_STEP]
-    step_names = [name for name, _ in built_steps(spec)]
-    _prepare_output(output)
-    stats, sizes = JsonlStats(), []
-    rejected_by = {name: Counter() for name in step_names}
-    kept_by_language: Counter = Counter()
-    kept = 0
-    outputs = _StagedOutputs(output)
-    try:
-        with Progress("clean", progress) as bar:
-            chunks = _chunks(iter_jsonl(paths, text_key, stats), text_key, sizes)
-            for position, outcomes in enumerate(
-                imap_ordered(clean_chunk, ((spec, chunk, text_key) for chunk in chunks), workers)
-            ):
-                for record, rejection in outcomes:
-                    if rejection is None:
-                        kept += 1
-                        if "language" in record:
-                            kept_by_language[record["language"]] += 1
-                        outputs.write(_kept_path(record, split_by_language), record)
-                    else:
-                        step, rule, detail = rejection
-                        rejected_by[step][rule] += 1
-                        outputs.write(
-                            f"rejected/{step}.jsonl", {**record, "rejected_by": step, "reason": rule, "detail": detail}
-                        )
-                bar.update(len(outcomes), sizes[position], kept=kept)
-        if stats.documents == 0:
-            raise InputError(
-                f"no documents with a string {text_key!r} field in {', '.join(map(str, paths))}; nothing written"
+    tally = _Tally([name for name, _ in built_steps(spec)])
+    with reported_failures(output, estimated_input_bytes(paths)):
+        _prepare_output(output)
+        outputs = _StagedOutputs(output)
+        try:
+            _clean_into(outputs, paths, spec, tally, text_key, workers, split_by_language, progress)
+            if tally.stats.documents == 0:
+                raise InputError(
+                    f"no documents with a string {text_key!r} field in {', '.join(map(str, paths))}; nothing written"
+                )
+            written = outputs.commit()
+            result = tally.result(pipeline_path, time.perf_counter() - start)
+            with atomic_path(output / "stats.json") as tmp:
+                tmp.write_text(json.dumps(result, indent=1) + "\n")
+            write_manifest(
+                output,
+                command="loom data clean",
+                inputs=paths,
+                outputs=[*written, output / "stats.json"],
+                parameters={
+                    "pipeline": str(pipeline_path),
+                    "steps": spec,
+                    "text_key": text_key,
+                    "workers": workers,
+                    "split_by_language": split_by_language,
+                },
+                counts={k: result[k] for k in ("documents", "kept", "rejected", "bad_lines", "blank_lines")},
+                started=started,
+                is_folder=True,
             )
-        written = outputs.commit()
-    except BaseException:
-        outputs.abort()
-        raise
-    seconds = time.perf_counter() - start
-    result = {
-        "pipeline": str(pipeline_path),
-        "steps": step_names,
-        "documents": stats.documents,
-        "kept": kept,
-        "rejected": stats.documents - kept,
-        "bad_lines": stats.bad_lines,
-        "blank_lines": stats.blank_lines,
-        "lines": stats.lines,
-        "rejected_by": {
-            name: {"documents": sum(rules.values()), "rules": dict(rules.most_common())}
-            for name, rules in rejected_by.items()
-        },
-        **({"kept_by_language": dict(kept_by_language.most_common())} if kept_by_language else {}),
-        "input_mb": round(sum(sizes) / 1e6, 2),
-        "seconds": round(seconds, 2),
-        "docs_per_s": round(stats.documents / seconds, 1),
-        "mb_per_s": round(sum(sizes) / 1e6 / seconds, 2),
-        "input": stats.as_dict(),
-    }
-    with atomic_path(output / "stats.json") as tmp:
-        tmp.write_text(json.dumps(result, indent=1) + "\n")
-    write_manifest(
-        output,
-        command="loom data clean",
-        inputs=paths,
-        outputs=[*written, output / "stats.json"],
-        parameters={
-            "pipeline": str(pipeline_path),
-            "steps": spec,
-            "text_key": text_key,
-            "workers": workers,
-            "split_by_language": split_by_language,
-        },
-        counts={k: result[k] for k in ("documents", "kept", "rejected", "bad_lines", "blank_lines")},
-        started=started,
-        is_folder=True,
-    )
+        except BaseException:
+            outputs.abort()
+            (output / "stats.json").unlink(missing_ok=True)
+            raise
     return result

@@ -11,15 +11,19 @@ import sys
 import sysconfig
 import time
 import tokenize
+from contextlib import closing
 from pathlib import Path
 from typing import Iterator
 
 from tqdm import tqdm
 
+from loom.data_tools.failures import reported_failures
 from loom.data_tools.jsonl import InputError, write_jsonl_atomic
-from loom.data_tools.manifest import write_manifest
+from loom.data_tools.manifest import manifest_path, write_manifest
 
 SOURCE_NAME = "python-stdlib"
+# JSON escapes (quotes, backslashes, newlines) and the id field make a document's line this much longer than its file.
+JSON_OVERHEAD = 1.15
 _SKIPPED_DIRECTORIES = frozenset({"site-packages", "dist-packages", "__pycache__"})
 
 
@@ -66,28 +70,37 @@ def build_stdlib_corpus(output: Path, max_docs: int | None = None, *, progress: 
     files = stdlib_sources(root)
     if not files:
         raise FileNotFoundError(f"no .py files under {root}; this Python has no standard library sources")
+    if max_docs is not None and max_docs < 0:
+        raise InputError(f"max_docs must be >= 0, got {max_docs}")
     counts = {"documents": 0, "empty": 0, "undecodable": 0, "characters": 0}
-    documents = _documents(files, root, counts, progress)
-    if max_docs is not None:
-        if max_docs < 0:
-            raise InputError(f"max_docs must be >= 0, got {max_docs}")
-        # range comes first so that zip stops before pulling (and counting) one document too many.
-        documents = (doc for _, doc in zip(range(max_docs), documents))
-    write_jsonl_atomic(output, documents)
-    result = {**counts, "files": len(files), "bytes": output.stat().st_size, "output": str(output)}
-    write_manifest(
-        output,
-        command="loom data corpus",
-        inputs=[],
-        outputs=[output],
-        parameters={
-            "source": "stdlib",
-            "stdlib_root": str(root),
-            "python": sys.version.split()[0],
-            "max_docs": max_docs,
-        },
-        counts={k: result[k] for k in ("documents", "empty", "undecodable", "files")},
-        started=started,
-        is_folder=False,
-    )
+    chosen = files if max_docs is None else files[:max_docs]
+    with reported_failures(output, int(sum(path.stat().st_size for path in chosen) * JSON_OVERHEAD)):
+        # Closed on failure too, so the progress bar ends before the error is printed.
+        with closing(_documents(files, root, counts, progress)) as documents:
+            # range comes first so that zip stops before pulling (and counting) one document too many.
+            write_jsonl_atomic(
+                output, documents if max_docs is None else (d for _, d in zip(range(max_docs), documents))
+            )
+        try:
+            result = {**counts, "files": len(files), "bytes": output.stat().st_size, "output": str(output)}
+            write_manifest(
+                output,
+                command="loom data corpus",
+                inputs=[],
+                outputs=[output],
+                parameters={
+                    "source": "stdlib",
+                    "stdlib_root": str(root),
+                    "python": sys.version.split()[0],
+                    "max_docs": max_docs,
+                },
+                counts={k: result[k] for k in ("documents", "empty", "undecodable", "files")},
+                started=started,
+                is_folder=False,
+            )
+        except BaseException:
+            # The new corpus replaced the old one: without its manifest (or beside the old one) it would look finished.
+            output.unlink(missing_ok=True)
+            manifest_path(output, is_folder=False).unlink(missing_ok=True)
+            raise
     return result

@@ -26,15 +26,17 @@ import time
 import unicodedata
 from array import array
 from collections.abc import Iterable, Iterator
+from contextlib import suppress
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
 from loom.data_tools.atomic import atomic_path
-from loom.data_tools.jsonl import ZSTD_SUFFIXES, InputError, JsonlStats, check_inputs, iter_jsonl
+from loom.data_tools.failures import reported_failures
+from loom.data_tools.jsonl import InputError, JsonlStats, check_inputs, estimated_input_bytes, iter_jsonl
 from loom.data_tools.manifest import write_manifest
-from loom.data_tools.minhash_lsh import COMPRESSION_RATIO, cluster_on_disk, plan_lsh
+from loom.data_tools.minhash_lsh import LshPlan, cluster_on_disk, plan_lsh, staging_bytes
 from loom.data_tools.progress import Progress
 
 _WHITESPACE = re.compile(r"\s+")
@@ -79,6 +81,13 @@ class _DocumentIds:
         if self._mapped is None and self._offsets[-1]:
             self._mapped = np.memmap(self.path, dtype=np.uint8, mode="r")
 
+    def discard(self) -> None:
+        """Close without reporting a failed flush (a full disk fails the close again; the file is removed anyway)."""
+        try:
+            self._out.close()
+        except OSError:
+            pass
+
     def __getitem__(self, doc: int) -> str:
         if self._mapped is None:
             return ""
@@ -102,9 +111,9 @@ def _texts(paths: list[Path], text_key: str, stats: JsonlStats, ids: _DocumentId
     bar.update(documents, nbytes)
 
 
-def _input_bytes(paths: list[Path]) -> int:
-    """Expected uncompressed size of the input (compressed files count COMPRESSION_RATIO times)."""
-    return sum(p.stat().st_size * (COMPRESSION_RATIO if p.suffix in (".gz", *ZSTD_SUFFIXES) else 1) for p in paths)
+def _needed_bytes(input_bytes: int, plan: LshPlan | None) -> int:
+    """About what the run takes on disk at its peak: kept and removed documents, plus minhash's staging."""
+    return input_bytes + (staging_bytes(plan, input_bytes) if plan is not None else 0)
 
 
 def deduplicate(
@@ -139,94 +148,113 @@ def deduplicate(
     if output.exists() and not output.is_dir():
         raise InputError(f"--output {output} is a file; dedup writes a folder")
     start, started = time.perf_counter(), time.time()
-    for stale in ("stats.json", "manifest.json"):
-        (output / stale).unlink(missing_ok=True)
-    staging = output / f".staging-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    ids = _DocumentIds(staging / "ids.bin")
-    parameters: dict = {"method": method, "text_key": text_key}
-    try:
-        with Progress(f"dedup {method}", progress) as bar:
-            texts = _texts(paths, text_key, stats, ids, bar)
-            if method == "exact":
-                representative, extra = exact_representatives(texts), {}
-            elif method == "minhash":
-                plan = plan_lsh(threshold, num_perm, _input_bytes(paths), workers, int(bucket_memory_mb * (1 << 20)))
-                representative, extra = cluster_on_disk(texts, staging / "minhash", plan, workers)
-                parameters.update(
-                    threshold=threshold,
-                    num_perm=num_perm,
-                    workers=workers,
-                    bucket_memory_mb=bucket_memory_mb,
-                    bands=plan.bands,
-                    rows=plan.rows,
-                    buckets=plan.buckets,
-                )
-            else:
-                from loom.data_tools.semantic import semantic_representatives
-
-                representative, extra = semantic_representatives(texts, staging / "semantic", embedder, threshold)
-                parameters.update(threshold=threshold, model=getattr(embedder, "name", type(embedder).__name__))
-        ids.close()
-        if len(representative) == 0:
-            raise InputError(f"no documents with a string {text_key!r} field in {', '.join(map(str, paths))}")
-        kept = _write_decisions(paths, staging, text_key, representative, ids, progress)
-        clusters, largest = _write_clusters(staging / "clusters.jsonl", representative, ids)
-        written = _commit(staging, output)
-    except BaseException:
-        ids.close()
+    input_bytes = estimated_input_bytes(paths)
+    plan = None
+    if method == "minhash":
+        plan = plan_lsh(threshold, num_perm, input_bytes, workers, int(bucket_memory_mb * (1 << 20)))
+    parameters = {"method": method, "text_key": text_key}
+    if plan is not None:
+        parameters.update(threshold=threshold, workers=workers, bucket_memory_mb=bucket_memory_mb, **_plan_fields(plan))
+    elif method == "semantic":
+        parameters.update(threshold=threshold, model=getattr(embedder, "name", type(embedder).__name__))
+    with reported_failures(output, _needed_bytes(input_bytes, plan)):
+        for stale in ("stats.json", "manifest.json"):
+            (output / stale).unlink(missing_ok=True)
+        staging = output / f".staging-{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)
-        raise
-    seconds = time.perf_counter() - start
-    documents = len(representative)
-    result = {
-        "method": method,
-        **({"threshold": threshold} if method != "exact" else {}),
-        **extra,
-        "input_documents": documents,
-        "kept": kept,
-        "removed": documents - kept,
-        "clusters": clusters,
-        "largest_cluster": largest,
-        "seconds": round(seconds, 2),
-        "docs_per_s": round(documents / seconds, 1),
-        "input": stats.as_dict(),
-    }
-    with atomic_path(output / "stats.json") as tmp:
-        tmp.write_text(json.dumps(result, indent=1))
-    write_manifest(
-        output,
-        command="loom data dedup",
-        inputs=paths,
-        outputs=[*written, output / "stats.json"],
-        parameters=parameters,
-        counts={k: result[k] for k in ("input_documents", "kept", "removed", "clusters")},
-        started=started,
-        is_folder=True,
-    )
+        staging.mkdir(parents=True)
+        ids = _DocumentIds(staging / "ids.bin")
+        moved: list[Path] = []
+        try:
+            with Progress(f"dedup {method}", progress) as bar:
+                texts = _texts(paths, text_key, stats, ids, bar)
+                representative, extra = _representatives(method, texts, staging, plan, workers, embedder, threshold)
+            ids.close()
+            if len(representative) == 0:
+                raise InputError(f"no documents with a string {text_key!r} field in {', '.join(map(str, paths))}")
+            kept = _write_decisions(paths, staging, text_key, representative, ids, progress)
+            clusters, largest = _write_clusters(staging / "clusters.jsonl", representative, ids)
+            _commit(staging, output, moved)
+            documents, seconds = len(representative), time.perf_counter() - start
+            result = {
+                "method": method,
+                **({"threshold": threshold} if method != "exact" else {}),
+                **extra,
+                "input_documents": documents,
+                "kept": kept,
+                "removed": documents - kept,
+                "clusters": clusters,
+                "largest_cluster": largest,
+                "seconds": round(seconds, 2),
+                "docs_per_s": round(documents / seconds, 1),
+                "input": stats.as_dict(),
+            }
+            with atomic_path(output / "stats.json") as tmp:
+                tmp.write_text(json.dumps(result, indent=1))
+            write_manifest(
+                output,
+                command="loom data dedup",
+                inputs=paths,
+                outputs=[*moved, output / "stats.json"],
+                parameters=parameters,
+                counts={k: result[k] for k in ("input_documents", "kept", "removed", "clusters")},
+                started=started,
+                is_folder=True,
+            )
+        except BaseException:
+            # Nothing of this run may stay: files already moved into place would look finished without a manifest.
+            ids.discard()
+            shutil.rmtree(staging, ignore_errors=True)
+            for path in [*moved, output / "stats.json"]:
+                path.unlink(missing_ok=True)
+            with suppress(OSError):
+                (output / "removed").rmdir()  # only if empty
+            raise
     return result
+
+
+def _plan_fields(plan: LshPlan) -> dict:
+    return {"num_perm": plan.num_perm, "bands": plan.bands, "rows": plan.rows, "buckets": plan.buckets}
+
+
+def _representatives(
+    method: str,
+    texts: Iterable[str],
+    staging: Path,
+    plan: LshPlan | None,
+    workers: int,
+    embedder,
+    threshold: float | None,
+) -> tuple[np.ndarray, dict]:
+    """For every text, the index of the first document it duplicates (its own when kept); and the method's counts."""
+    if method == "exact":
+        return exact_representatives(texts), {}
+    if method == "minhash":
+        return cluster_on_disk(texts, staging / "minhash", plan, workers)
+    from loom.data_tools.semantic import semantic_representatives
+
+    return semantic_representatives(texts, staging / "semantic", embedder, threshold)
 
 
 def _write_decisions(
     paths: list[Path], staging: Path, text_key: str, representative: np.ndarray, ids: _DocumentIds, progress: bool
 ) -> int:
     kept = 0
+    records = tqdm(
+        iter_jsonl(paths, text_key, JsonlStats()),
+        desc="dedup: writing",
+        unit="doc",
+        total=len(representative),
+        mininterval=1.0,
+        leave=False,
+        disable=not progress,
+    )
     with (
+        records,  # closed on failure too, so the bar is gone before the error is printed
         open(staging / "kept.jsonl", "w", encoding="utf-8", buffering=1 << 20) as kept_out,
         open(staging / "removed.jsonl", "w", encoding="utf-8", buffering=1 << 20) as removed_out,
     ):
-        for doc, record in enumerate(
-            tqdm(
-                iter_jsonl(paths, text_key, JsonlStats()),
-                desc="dedup: writing",
-                unit="doc",
-                total=len(representative),
-                mininterval=1.0,
-                leave=False,
-                disable=not progress,
-            )
-        ):
+        for doc, record in enumerate(records):
             first = int(representative[doc])
             if first == doc:
                 kept_out.write(json.dumps(record, ensure_ascii=False) + "\n")
@@ -252,8 +280,9 @@ def _write_clusters(path: Path, representative: np.ndarray, ids: _DocumentIds) -
     return clusters, largest
 
 
-def _commit(staging: Path, output: Path) -> list[Path]:
-    """Move the finished files from staging into the output folder; returns their final paths."""
+def _commit(staging: Path, output: Path, moved: list[Path]) -> None:
+    """Move the finished files from staging into the output folder, appending each final path to `moved`
+    as it lands (so a failure part way removes exactly those)."""
     (output / "removed").mkdir(parents=True, exist_ok=True)
     moves = {
         "kept.jsonl": output / "kept.jsonl",
@@ -262,5 +291,5 @@ def _commit(staging: Path, output: Path) -> list[Path]:
     }
     for name, target in moves.items():
         os.replace(staging / name, target)
+        moved.append(target)
     shutil.rmtree(staging)
-    return list(moves.values())

@@ -20,6 +20,9 @@ from loom.data_tools.atomic import atomic_path
 from loom.errors import LoomError
 
 ZSTD_SUFFIXES = (".zst", ".zstd")
+# Size estimates count a compressed byte as this many bytes of text (JSONL compresses 3-5x).
+COMPRESSION_RATIO = 4
+_COUNT_BLOCK_BYTES = 16 << 20
 
 
 class InputError(LoomError):
@@ -84,6 +87,31 @@ def check_inputs(paths: str | Path | Iterable[str | Path]) -> list[Path]:
         if path.suffix in ZSTD_SUFFIXES:
             _zstandard(path)
     return checked
+
+
+def _is_compressed(path: Path) -> bool:
+    return path.suffix in (".gz", *ZSTD_SUFFIXES)
+
+
+def estimated_input_bytes(paths: Iterable[Path]) -> int:
+    """Expected uncompressed size of the input (compressed files count COMPRESSION_RATIO times)."""
+    return sum(p.stat().st_size * (COMPRESSION_RATIO if _is_compressed(p) else 1) for p in paths)
+
+
+def count_lines(paths: Iterable[Path]) -> int | None:
+    """Lines in uncompressed inputs (a fast byte scan, for a progress bar's total); None if any is compressed."""
+    paths = list(paths)
+    if any(map(_is_compressed, paths)):
+        return None
+    lines = 0
+    for path in paths:
+        with open(path, "rb") as stream:
+            last = b"\n"
+            while block := stream.read(_COUNT_BLOCK_BYTES):
+                lines += block.count(b"\n")
+                last = block[-1:]
+            lines += last != b"\n"
+    return lines
 
 
 def _parse_line(raw: bytes, text_key: str, stats: JsonlStats) -> dict | None:

@@ -26,6 +26,7 @@ import math
 import os
 import time
 from collections.abc import Iterable, Iterator
+from contextlib import closing
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -48,7 +49,6 @@ VERIFY_PAIRS = 16384  # signature rows read per verification step: 2 x 16384 x 5
 # Bucket count is planned before the input is read, from its size; a low guess only costs extra
 # passes over a bucket, never memory. Web documents average 2-5 KB, so 1 KB overestimates the count.
 ASSUMED_BYTES_PER_DOCUMENT = 1024
-COMPRESSION_RATIO = 4
 SIGNATURES_NAME = "signatures.u32"
 BUCKETS_DIR = "buckets"
 
@@ -79,6 +79,12 @@ def plan_lsh(threshold: float, num_perm: int, input_bytes: int, workers: int, bu
     )
 
 
+def staging_bytes(plan: LshPlan, input_bytes: int) -> int:
+    """Disk the stages take for an input of that size: a signature row and one bucket entry per band per document."""
+    documents = input_bytes // ASSUMED_BYTES_PER_DOCUMENT
+    return documents * (plan.num_perm * 4 + plan.bands * ENTRY.itemsize)
+
+
 def bucket_count(expected_entries: int, bucket_entries: int, workers: int) -> int:
     """Enough buckets for each to fit `bucket_entries`, and 4 per worker so grouping balances; at most MAX_BUCKETS."""
     return int(min(MAX_BUCKETS, max(4 * max(workers, 1), math.ceil(expected_entries / bucket_entries))))
@@ -98,12 +104,11 @@ def sign_chunk(texts: list[str], first_doc: int, staging: str, plan: LshPlan) ->
     staging = Path(staging)
     a, b = permutations(plan.num_perm)
     rows = signatures(texts, a, b)
-    stored = np.memmap(
-        staging / SIGNATURES_NAME, dtype=np.uint32, mode="r+", offset=first_doc * plan.num_perm * 4, shape=rows.shape
-    )
-    stored[:] = rows
-    stored.flush()
-    del stored
+    # A plain write, not a memory map: the parent grows the file without allocating blocks, and a store
+    # through a map into a block the full disk cannot provide kills the process with SIGBUS instead of ENOSPC.
+    with open(staging / SIGNATURES_NAME, "r+b") as out:
+        out.seek(first_doc * plan.num_perm * 4)
+        out.write(np.ascontiguousarray(rows, dtype=np.uint32).tobytes())
     keys = band_keys(rows, plan.bands, plan.rows).ravel()
     entries = np.empty(len(keys), dtype=ENTRY)
     entries["key"] = keys
@@ -205,8 +210,9 @@ def cluster_on_disk(
     (staging / BUCKETS_DIR).mkdir(parents=True)
     (staging / SIGNATURES_NAME).touch()
     counter, start = [0], time.perf_counter()
-    for _ in imap_ordered(sign_chunk, _signing_tasks(texts, staging, plan, counter), workers):
-        pass
+    with closing(imap_ordered(sign_chunk, _signing_tasks(texts, staging, plan, counter), workers)) as signed_chunks:
+        for _ in signed_chunks:
+            pass
     documents, signed = counter[0], time.perf_counter()
     found = UnionFind(documents)
     totals = {
@@ -218,15 +224,16 @@ def cluster_on_disk(
     }
     if documents:
         tasks = ((bucket, str(staging), plan, documents) for bucket in range(plan.buckets))
-        for first, other, counts in imap_ordered(group_bucket, tasks, workers):
-            found.union(first, other)
-            totals["candidate_pairs"] += counts["candidates"]
-            totals["verified_pairs"] += len(first)
-            totals["largest_bucket_entries"] = max(totals["largest_bucket_entries"], counts["entries"])
-            totals["most_passes"] = max(totals["most_passes"], counts["passes"])
-            totals["largest_pass_entries"] = max(totals["largest_pass_entries"], counts["largest_pass_entries"])
-            if on_bucket is not None:
-                on_bucket(counts)
+        with closing(imap_ordered(group_bucket, tasks, workers)) as grouped:
+            for first, other, counts in grouped:
+                found.union(first, other)
+                totals["candidate_pairs"] += counts["candidates"]
+                totals["verified_pairs"] += len(first)
+                totals["largest_bucket_entries"] = max(totals["largest_bucket_entries"], counts["entries"])
+                totals["most_passes"] = max(totals["most_passes"], counts["passes"])
+                totals["largest_pass_entries"] = max(totals["largest_pass_entries"], counts["largest_pass_entries"])
+                if on_bucket is not None:
+                    on_bucket(counts)
     stats = {
         **asdict(plan),
         **totals,

@@ -19,8 +19,10 @@ from typing import Iterable, Iterator
 import sentencepiece
 
 from loom.data_tools.atomic import temporary_sibling
-from loom.data_tools.jsonl import InputError, JsonlStats, check_inputs, iter_jsonl
-from loom.data_tools.manifest import write_manifest
+from loom.data_tools.failures import reported_failures
+from loom.data_tools.jsonl import InputError, JsonlStats, check_inputs, count_lines, iter_jsonl
+from loom.data_tools.manifest import manifest_path, write_manifest
+from loom.data_tools.progress import Elapsed, Progress
 
 MODEL_TYPES = ("bpe", "unigram")
 # SentencePiece drops longer lines; long enough for minified code and data tables.
@@ -29,6 +31,23 @@ UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
 
 
 HELD_OUT_MAX_CHARACTERS = 4 << 20
+PROGRESS_EVERY = 256
+# Only for the size in a full-disk message: a .model and .vocab take well under this per piece.
+BYTES_PER_PIECE = 64
+
+
+def _shown(records: Iterable[dict], text_key: str, bar: Progress | None) -> Iterator[dict]:
+    """The records, counted on the progress bar every PROGRESS_EVERY documents."""
+    documents = nbytes = 0
+    for record in records:
+        documents += 1
+        nbytes += len(record[text_key])  # characters: encoding every text only for the MB/s figure costs too much
+        if bar is not None and documents == PROGRESS_EVERY:
+            bar.update(documents, nbytes)
+            documents = nbytes = 0
+        yield record
+    if bar is not None:
+        bar.update(documents, nbytes)
 
 
 def iter_lines(
@@ -37,14 +56,15 @@ def iter_lines(
     stats: JsonlStats,
     held_out_every: int = 0,
     held_out: list[str] | None = None,
+    bar: Progress | None = None,
 ) -> Iterator[str]:
     """The non-empty lines of every document, in order (newlines are boundaries, never pieces).
 
     With held_out_every = N, every Nth document goes to `held_out` (up to HELD_OUT_MAX_CHARACTERS)
-    instead of training, to measure the tokenizer on text it has not seen.
+    instead of training, to measure the tokenizer on text it has not seen. Documents are counted on `bar`.
     """
     held_characters = 0
-    for position, record in enumerate(iter_jsonl(inputs, text_key=text_key, stats=stats)):
+    for position, record in enumerate(_shown(iter_jsonl(inputs, text_key=text_key, stats=stats), text_key, bar)):
         text = record[text_key]
         if (
             held_out_every
@@ -105,23 +125,6 @@ def _pin_model_prefix(model_file: str, prefix: Path) -> None:
     Path(model_file).write_bytes(proto.SerializeToString())
 
 
-class _GuardedIterator:
-    """Keeps an input error for re-raising: SentencePiece would turn it into a bare RuntimeError."""
-
-    def __init__(self, items: Iterator[str]):
-        self._items, self._error = items, None
-
-    def __iter__(self) -> Iterator[str]:
-        try:
-            yield from self._items
-        except Exception as error:  # noqa: BLE001 - re-raised unchanged after training stops
-            self._error = error
-
-    def raise_if_failed(self) -> None:
-        if self._error is not None:
-            raise self._error
-
-
 def trainer_options(
     vocab_size: int,
     model_type: str,
@@ -165,6 +168,47 @@ def trainer_options(
     )
 
 
+def _read_sample(
+    inputs: list[Path],
+    text_key: str,
+    stats: JsonlStats,
+    held_out_every: int,
+    held_out: list[str],
+    input_sentence_size: int,
+    seed: int,
+    progress: bool,
+) -> list[str]:
+    """The training lines sampled from the inputs (held-out documents go to `held_out`), with a progress bar."""
+    with Progress("tokenizer: reading", progress, total=count_lines(inputs)) as bar:
+        return sample_lines(
+            iter_lines(inputs, text_key, stats, held_out_every, held_out, bar), input_sentence_size, seed
+        )
+
+
+def _train_into(lines: list[str], output_prefix: Path, options: dict, seed: int, no_documents: str | None) -> None:
+    """Train SentencePiece on `lines` and move PREFIX.model/.vocab into place (.model last) only if it succeeds.
+
+    no_documents: the error to report when training fails because the input held no documents."""
+    tmp_prefix = temporary_sibling(output_prefix)
+    sentencepiece.set_random_generator_seed(seed)
+    try:
+        try:
+            sentencepiece.SentencePieceTrainer.train(
+                sentence_iterator=iter(lines), model_prefix=str(tmp_prefix), **options
+            )
+        except RuntimeError as error:
+            if no_documents is not None:
+                raise InputError(no_documents) from None
+            raise InputError(f"SentencePiece training failed: {str(error).strip().splitlines()[-1]}") from None
+        _pin_model_prefix(f"{tmp_prefix}.model", output_prefix)
+        # .model is what users point at, so it is renamed last.
+        for suffix in (".vocab", ".model"):
+            os.replace(f"{tmp_prefix}{suffix}", f"{output_prefix}{suffix}")
+    finally:
+        for suffix in (".vocab", ".model"):
+            Path(f"{tmp_prefix}{suffix}").unlink(missing_ok=True)
+
+
 def train_tokenizer(
     inputs: Iterable[str | Path],
     output_prefix: str | Path,
@@ -177,13 +221,14 @@ def train_tokenizer(
     num_threads: int | None = None,
     seed: int = 0,
     held_out_every: int = 100,
+    *,
+    progress: bool = True,
 ) -> dict:
     """Train on the documents of `inputs`; writes PREFIX.model and PREFIX.vocab; returns what was seen.
 
     Every `held_out_every`th document (0: none) is kept out of training and measured instead.
     """
     output_prefix = Path(output_prefix)
-    output_prefix.parent.mkdir(parents=True, exist_ok=True)
     options = trainer_options(
         vocab_size,
         model_type,
@@ -195,50 +240,42 @@ def train_tokenizer(
     inputs = check_inputs(inputs)
     stats = JsonlStats()
     held_out: list[str] = []
-    feed = _GuardedIterator(iter_lines(inputs, text_key, stats, held_out_every, held_out))
-    tmp_prefix = temporary_sibling(output_prefix)
     start, started = time.perf_counter(), time.time()
-    sentencepiece.set_random_generator_seed(seed)
-    try:
+    with reported_failures(output_prefix, vocab_size * BYTES_PER_PIECE):
+        output_prefix.parent.mkdir(parents=True, exist_ok=True)
+        # A read-only or forbidden output fails now, not after an hour of training.
+        probe = temporary_sibling(output_prefix)
+        probe.touch()
+        probe.unlink()
+        lines = _read_sample(inputs, text_key, stats, held_out_every, held_out, input_sentence_size, seed, progress)
+        no_documents = None
+        if stats.documents == 0:
+            no_documents = f"no documents with a string {text_key!r} field in {', '.join(map(str, inputs))}"
+        with Elapsed(f"tokenizer: training {vocab_size} {model_type} pieces on {len(lines):,} lines", progress):
+            _train_into(lines, output_prefix, options, seed, no_documents)
         try:
-            sentencepiece.SentencePieceTrainer.train(
-                sentence_iterator=iter(sample_lines(feed, input_sentence_size, seed)),
-                model_prefix=str(tmp_prefix),
-                **options,
+            processor = sentencepiece.SentencePieceProcessor(model_file=f"{output_prefix}.model")
+            result = {
+                "model": f"{output_prefix}.model",
+                "vocab_size": processor.vocab_size(),
+                "model_type": model_type,
+                "seconds": round(time.perf_counter() - start, 2),
+                **held_out_metrics(processor, held_out),
+                **stats.as_dict(),
+            }
+            write_manifest(
+                output_prefix,
+                command="loom data tokenizer",
+                inputs=inputs,
+                outputs=[f"{output_prefix}.model", f"{output_prefix}.vocab"],
+                parameters={"text_key": text_key, "seed": seed, "held_out_every": held_out_every, **options},
+                counts={k: v for k, v in result.items() if k not in ("model", "model_type", "seconds")},
+                started=started,
+                is_folder=False,
             )
-        except RuntimeError as error:
-            feed.raise_if_failed()
-            if stats.documents == 0:
-                raise InputError(
-                    f"no documents with a string {text_key!r} field in {', '.join(map(str, inputs))}"
-                ) from None
-            raise InputError(f"SentencePiece training failed: {str(error).strip().splitlines()[-1]}") from None
-        feed.raise_if_failed()
-        _pin_model_prefix(f"{tmp_prefix}.model", output_prefix)
-        # .model is what users point at, so it is renamed last.
-        for suffix in (".vocab", ".model"):
-            os.replace(f"{tmp_prefix}{suffix}", f"{output_prefix}{suffix}")
-    finally:
-        for suffix in (".vocab", ".model"):
-            Path(f"{tmp_prefix}{suffix}").unlink(missing_ok=True)
-    processor = sentencepiece.SentencePieceProcessor(model_file=f"{output_prefix}.model")
-    trained = processor.vocab_size()
-    result = {
-        "model": f"{output_prefix}.model",
-        "vocab_size": trained,
-        "model_type": model_type,
-        "seconds": round(time.perf_counter() - start, 2),
-        **held_out_metrics(processor, held_out),
-        **stats.as_dict(),
-    }
-    write_manifest(
-        output_prefix,
-        command="loom data tokenizer",
-        inputs=inputs,
-        outputs=[f"{output_prefix}.model", f"{output_prefix}.vocab"],
-        parameters={"text_key": text_key, "seed": seed, "held_out_every": held_out_every, **options},
-        counts={k: v for k, v in result.items() if k not in ("model", "model_type", "seconds")},
-        started=started,
-        is_folder=False,
-    )
+        except BaseException:
+            # A model without its manifest (or beside an older one) would look finished.
+            for path in (f"{output_prefix}.model", f"{output_prefix}.vocab", manifest_path(output_prefix, False)):
+                Path(path).unlink(missing_ok=True)
+            raise
     return result

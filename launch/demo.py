@@ -68,7 +68,7 @@ def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: in
     )
     cleaned = data_dir / "clean"
     if not (cleaned / "stats.json").exists():
-        clean_corpus([corpus], cleaned, pipeline="code", workers=2, progress=False)
+        clean_corpus([corpus], cleaned, pipeline="code", workers=2)
     summary["clean"] = json.loads((cleaned / "stats.json").read_text())
     corpus = cleaned / "kept.jsonl"
     print(

@@ -324,6 +324,19 @@ class IndexedDatasetWriter:
                 f"{self.idx_path}: sequences were added after the last end_document(); "
                 f"close every document before finalize()"
             )
+        try:
+            self._write_index()
+        except BaseException:
+            self.abort()  # a full disk fails here too: no temporary file may outlive the writer
+            raise
+        # An old .idx must not outlive its .bin, or a crash between the renames would pair it with new tokens.
+        self.idx_path.unlink(missing_ok=True)
+        os.replace(self._bin_tmp, self.bin_path)
+        os.replace(self._idx_tmp, self.idx_path)
+        self._closed = True
+
+    def _write_index(self) -> None:
+        """Flush P.bin.tmp and write P.idx.tmp for everything added."""
         self._bin.flush()
         os.fsync(self._bin.fileno())
         self._bin.close()
@@ -339,15 +352,13 @@ class IndexedDatasetWriter:
             f.write(documents.tobytes())
             f.flush()
             os.fsync(f.fileno())
-        # An old .idx must not outlive its .bin, or a crash between the renames would pair it with new tokens.
-        self.idx_path.unlink(missing_ok=True)
-        os.replace(self._bin_tmp, self.bin_path)
-        os.replace(self._idx_tmp, self.idx_path)
-        self._closed = True
 
     def abort(self) -> None:
         """Drop everything written so far; the final paths are left untouched."""
-        self._bin.close()
+        try:
+            self._bin.close()
+        except OSError:
+            pass  # on a full disk the close's flush fails again; the file is closed anyway and removed below
         for path in (self._bin_tmp, self._idx_tmp):
             path.unlink(missing_ok=True)
         self._closed = True

@@ -1,0 +1,239 @@
+"""Data commands under failure, run as a user runs them (`python -m loom.launch.cli data ...` in a subprocess):
+a killed worker, a full disk (a 5 MB tmpfs), a read-only output. Each must end within a bounded time with
+exit 2, one `error:` line and nothing left that looks like a finished output. Also: the parallel map keeps
+order and re-raises a worker's error, long steps show progress, and every data option has help."""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loom.data_tools import build, clean, corpus, dedup
+from loom.data_tools.build import build_indexed_dataset
+from loom.data_tools.clean import clean_corpus
+from loom.data_tools.corpus import build_stdlib_corpus
+from loom.data_tools.dedup import deduplicate
+from loom.data_tools.failures import OutputError
+from loom.data_tools.jsonl import InputError
+from loom.data_tools.parallel import KILL_TASK_VARIABLE, WorkerDied, imap_ordered
+from loom.data_tools.tokenizer import train_tokenizer
+from loom.launch.cli import build_parser
+
+REPO = Path(__file__).resolve().parents[1]
+# Generous: each command takes about a second; a hang (the bug this guards against) never ends at all.
+COMMAND_TIMEOUT_SECONDS = 120
+TMPFS_BYTES = 5 << 20
+# The tmpfs is filled to leave this much, so that a ~1 MB input overflows it part way through every stage.
+FREE_BYTES = 300_000
+DOCUMENTS = 1200  # several tasks per command: clean chunks of 256, build batches and minhash chunks of 512
+
+
+def _words(rng: random.Random, count: int) -> str:
+    return " ".join(f"w{rng.randrange(5000)}" for _ in range(count))
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> dict[str, Path]:
+    """About 1.1 MB of JSONL (random words, so no two documents are near duplicates) and a tokenizer for it."""
+    root = tmp_path_factory.mktemp("failure-inputs")
+    rng = random.Random(0)
+    corpus = root / "docs.jsonl"
+    with open(corpus, "w", encoding="utf-8") as out:
+        for i in range(DOCUMENTS):
+            out.write(json.dumps({"id": f"d{i}", "text": _words(rng, 150)}) + "\n")
+    tokenizer = train_tokenizer([corpus], root / "tok", vocab_size=300, progress=False)
+    return {"corpus": corpus, "tokenizer": Path(tokenizer["model"])}
+
+
+def _mount(target: Path, options: str) -> None:
+    target.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(target)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
+
+
+def _unmount(target: Path) -> None:
+    subprocess.run(["umount", str(target)], check=False)
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 5 MB tmpfs with FREE_BYTES left; yields the mount point, unmounts afterwards."""
+    mount = tmp_path / "tmpfs"
+    _mount(mount, f"size={TMPFS_BYTES}")
+    try:
+        filler = mount / "filler"
+        filler.write_bytes(b"\0" * (shutil.disk_usage(mount).free - FREE_BYTES))
+        yield mount
+    finally:
+        _unmount(mount)
+
+
+@pytest.fixture
+def read_only(tmp_path):
+    """A read-only tmpfs (chmod would not stop root); yields the mount point, unmounts afterwards."""
+    mount = tmp_path / "readonly"
+    _mount(mount, "ro,size=1m")
+    try:
+        yield mount
+    finally:
+        _unmount(mount)
+
+
+def run_data(*arguments: str, environment: dict | None = None) -> subprocess.CompletedProcess:
+    """`loom data ARGUMENTS` in a subprocess; a hang fails the test through the timeout."""
+    return subprocess.run(
+        [sys.executable, "-m", "loom.launch.cli", "data", *map(str, arguments)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO), **(environment or {})},
+        timeout=COMMAND_TIMEOUT_SECONDS,
+    )
+
+
+def stderr_lines(done: subprocess.CompletedProcess) -> list[str]:
+    """stderr split on newlines and on the carriage returns progress bars redraw with."""
+    return [line.strip() for line in re.split(r"[\r\n]", done.stderr) if line.strip()]
+
+
+def the_error_line(done: subprocess.CompletedProcess) -> str:
+    """The one `error:` line of a failed command; fails on a traceback or a second error line."""
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    errors = [line for line in stderr_lines(done) if line.startswith("error:")]
+    assert len(errors) == 1, done.stderr
+    return errors[0]
+
+
+def command(name: str, inputs: dict[str, Path], output: Path, workers: int | None = None) -> list:
+    """The arguments of one data command writing to `output` (a folder, file or prefix as the command takes)."""
+    corpus, worker_flags = inputs["corpus"], ([] if workers is None else ["--workers", workers])
+    return {
+        "clean": ["clean", "--input", corpus, "--output", output, "--pipeline", "minimal", *worker_flags],
+        "dedup": ["dedup", "--method", "minhash", "--input", corpus, "--output", output, *worker_flags],
+        "build": ["build", "--input", corpus, "--tokenizer", inputs["tokenizer"], "--output-prefix", output]
+        + worker_flags,
+        "corpus": ["corpus", "--output", output, "--max-docs", "200"],
+    }[name]
+
+
+OUTPUTS = {"clean": "cleaned", "dedup": "deduplicated", "build": "dataset", "corpus": "corpus.jsonl"}
+
+
+@pytest.mark.parametrize("name", ["clean", "dedup", "build"])
+def test_a_killed_worker_fails_the_command_in_one_line(inputs, tmp_path, name):
+    output = tmp_path / OUTPUTS[name]
+    done = run_data(*command(name, inputs, output, workers=2), environment={KILL_TASK_VARIABLE: "1"})
+    line = the_error_line(done)
+    assert re.fullmatch(
+        rf"error: data worker \d+ died \(killed by signal 9, SIGKILL: out of memory\?\); nothing was written to "
+        rf"{re.escape(str(output))}(\.bin)?",
+        line,
+    ), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "name, workers",
+    [(name, workers) for name in ("clean", "dedup", "build") for workers in (1, 2)] + [("corpus", None)],
+)
+def test_a_full_disk_is_one_line_and_leaves_nothing(inputs, full_disk, name, workers):
+    done = run_data(*command(name, inputs, full_disk / OUTPUTS[name], workers))
+    line = the_error_line(done)
+    assert [line] == [text for text in stderr_lines(done) if "space" in text]
+    assert line.startswith(f"error: no space left on {full_disk} for {full_disk / OUTPUTS[name]}"), line
+    assert re.search(r"about [\d.]+ MB needed, [\d.]+ MB free; nothing was written", line), line
+    # No staging folder, temporary file, partial output or manifest: only what was there before.
+    assert sorted(p.name for p in full_disk.iterdir()) == ["filler"]
+
+
+@pytest.mark.parametrize("name", ["clean", "dedup", "build", "corpus"])
+def test_a_read_only_output_is_one_line(inputs, read_only, name):
+    output = read_only / OUTPUTS[name]
+    done = run_data(*command(name, inputs, output, None if name == "corpus" else 2))
+    line = the_error_line(done)
+    shown = f"{output}.bin" if name == "build" else str(output)
+    assert line == f"error: {shown} is read-only ({read_only} is mounted read-only); write the output elsewhere"
+
+
+def _run_in_process(name: str, inputs: dict[str, Path], output: Path) -> None:
+    if name == "clean":
+        clean_corpus([inputs["corpus"]], output, pipeline="minimal", workers=1, progress=False)
+    elif name == "dedup":
+        deduplicate([inputs["corpus"]], output, "minhash", workers=1, progress=False)
+    elif name == "build":
+        build_indexed_dataset([inputs["corpus"]], inputs["tokenizer"], output, workers=1, progress=False)
+    else:
+        build_stdlib_corpus(output, max_docs=5, progress=False)
+
+
+@pytest.mark.parametrize("name", ["clean", "dedup", "build", "corpus"])
+def test_a_full_disk_at_the_manifest_removes_the_output_it_replaced(inputs, tmp_path, monkeypatch, name):
+    """The last write is the manifest: if it fails, outputs already moved into place must go too."""
+    module = {"clean": clean, "dedup": dedup, "build": build, "corpus": corpus}[name]
+    output = tmp_path / "out" / OUTPUTS[name]
+    _run_in_process(name, inputs, output)  # a finished earlier run, which the failed one replaces
+    assert list(output.parent.iterdir())
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(output))
+
+    monkeypatch.setattr(module, "write_manifest", full_disk)
+    with pytest.raises(OutputError, match=r"^no space left on .* nothing was written"):
+        _run_in_process(name, inputs, output)
+    left = sorted(str(p.relative_to(output.parent)) for p in output.parent.rglob("*"))
+    assert left == ([OUTPUTS[name]] if name in ("clean", "dedup") else [])  # at most the emptied folder
+
+
+def test_parallel_map_keeps_order_and_reraises_a_workers_error(monkeypatch):
+    tasks = [(base, 2) for base in range(40)]
+    assert list(imap_ordered(pow, tasks, workers=2, in_flight_per_worker=2)) == [b * b for b, _ in tasks]
+    with pytest.raises(InputError, match="bad value"):
+        list(imap_ordered(_fail_on_seven, [(i,) for i in range(12)], workers=2))
+    monkeypatch.setenv(KILL_TASK_VARIABLE, "3")
+    with pytest.raises(WorkerDied, match=r"data worker \d+ died \(killed by signal 9"):
+        list(imap_ordered(pow, tasks, workers=2))
+
+
+def _fail_on_seven(value: int) -> int:
+    if value == 7:
+        raise InputError("bad value 7")
+    return value
+
+
+def test_clean_and_tokenizer_training_show_progress(inputs, tmp_path, capsys):
+    clean_corpus([inputs["corpus"]], tmp_path / "clean", pipeline="minimal", workers=1)
+    shown = capsys.readouterr().err
+    assert "100%|" in shown and f"{DOCUMENTS}/{DOCUMENTS}" in shown  # a total, so a percentage and time left
+    train_tokenizer([inputs["corpus"]], tmp_path / "tok", vocab_size=300)
+    shown = capsys.readouterr().err
+    assert "tokenizer: reading" in shown and "tokenizer: training 300 bpe pieces on" in shown
+
+
+@pytest.mark.parametrize("step", ["clean", "tokenizer", "build", "merge", "inspect", "dedup", "corpus"])
+def test_every_data_option_has_help_and_shows_its_default(step):
+    data = _subcommands(build_parser())["data"]
+    parser = _subcommands(data)[step]
+    for action in parser._actions:
+        if action.dest == "help":
+            continue
+        assert action.help, f"loom data {step} {action.option_strings or action.dest} has no help"
+        is_switch = isinstance(action, argparse._StoreTrueAction)  # off unless given: nothing to show
+        if action.default is not None and not action.required and not is_switch:
+            assert "default" in action.help, f"loom data {step} {action.option_strings} hides its default"
+    if step in ("clean", "build"):
+        assert "(default: 2)" in " ".join(parser.format_help().split())  # --workers, as printed
+
+
+def _subcommands(parser) -> dict:
+    return next(a.choices for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
