@@ -68,6 +68,35 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> None:
         launch_local(config, args.nproc, mode="eval")
 
 
+def cmd_generate(args: argparse.Namespace) -> None:
+    from loom.errors import InputError
+    from loom.tools.generate import generate, load_model
+
+    model, config = load_model(Path(args.checkpoint))
+    tokenizer_path = args.tokenizer or config.data.tokenizer
+    processor = None
+    if tokenizer_path:
+        import sentencepiece
+
+        if not Path(tokenizer_path).is_file():
+            raise InputError(f"tokenizer {tokenizer_path} does not exist; pass --tokenizer T.model")
+        processor = sentencepiece.SentencePieceProcessor(model_file=str(tokenizer_path))
+    if args.prompt_ids is not None:
+        prompt = [int(x) for x in args.prompt_ids.split()]
+    elif processor is not None:
+        prompt = ([processor.bos_id()] if processor.bos_id() >= 0 else []) + processor.encode(args.prompt)
+    else:
+        raise InputError("no tokenizer: pass --tokenizer T.model, or the prompt as --prompt-ids '1 2 3'")
+    if not prompt or max(prompt) >= config.model.vocab_size or min(prompt) < 0:
+        raise InputError(f"the prompt's token ids must lie in [0, {config.model.vocab_size}); got {prompt[:8]}")
+    stops = (processor.eos_id(),) if processor is not None and processor.eos_id() >= 0 else ()
+    produced = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed, stops)
+    if processor is not None:
+        print(processor.decode(prompt + produced))
+    else:
+        print(" ".join(str(t) for t in prompt + produced))
+
+
 def add_parsers(commands) -> None:
     ckpt = commands.add_parser("ckpt", help="checkpoint tools: inspect, reshard, export-hf, import-hf")
     sub = ckpt.add_subparsers(dest="ckpt_command", required=True, metavar="ACTION")
@@ -110,3 +139,19 @@ def add_parsers(commands) -> None:
     p.add_argument("--iters", type=positive_int, default=4, help="global batches to evaluate (default: %(default)s)")
     p.add_argument("--nproc", type=positive_int, default=1, help="local ranks (default: %(default)s)")
     p.set_defaults(handler=cmd_eval, takes_overrides=True)
+
+    p = commands.add_parser(
+        "generate",
+        help="continue a prompt with a checkpoint's model (KV-cached; greedy or sampled)",
+        description="Runs on one process; a checkpoint of any layout loads. Greedy output equals "
+        "transformers' greedy generate on the exported model.",
+    )
+    p.add_argument("--checkpoint", required=True, help="an iter_N directory or a checkpoints/ folder")
+    p.add_argument("--tokenizer", help="SentencePiece model (default: the checkpoint config's data.tokenizer)")
+    p.add_argument("--prompt", default="", help="text to continue")
+    p.add_argument("--prompt-ids", help="the prompt as token ids, e.g. '1 2 3' (no tokenizer needed)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to add (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling (default: %(default)s)")
+    p.set_defaults(handler=cmd_generate)

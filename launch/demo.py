@@ -191,12 +191,27 @@ def _move_checkpoint(workdir: Path, config, steps: int) -> dict:
     hf_dir = export_hf(runs / "tiny-resumed" / "checkpoints", workdir / "hf")
     val = [r for r in rows if "val_loss" in r]
     print(f"exported {hf_dir} in {time.perf_counter() - start:.1f} s")
+    sample = _sample(runs / "tiny-resumed" / "checkpoints", config.data.tokenizer)
+    print(f"sample (greedy, KV-cached, as `loom generate` writes it): {sample!r}")
     return {
+        "sample": sample,
         "resumed_from": steps,
         "resumed_loss": [r for r in rows if "loss" in r][-1]["loss"],
         "resumed_val_loss": val[-1]["val_loss"] if val else None,
         "hf_dir": str(hf_dir),
     }
+
+
+def _sample(checkpoints: Path, tokenizer: str, prompt: str = "def ") -> str:
+    """What the trained model writes after `prompt`: the first thing a person looks at after training."""
+    import sentencepiece
+
+    from loom.tools.generate import generate, load_model
+
+    model, _ = load_model(checkpoints)
+    processor = sentencepiece.SentencePieceProcessor(model_file=tokenizer)
+    ids = processor.encode(prompt)
+    return processor.decode(ids + generate(model, ids, 24, stop_ids=(processor.eos_id(),)))
 
 
 def _slurm_job(workdir: Path, config, steps: int) -> dict:
@@ -252,6 +267,7 @@ def _print_summary(summary: dict) -> None:
         f"loss {summary['resumed_loss']:.3f}, validation {summary['resumed_val_loss']:.3f}"
     )
     print(f"hugging face {summary['hf_dir']} (transformers.LlamaForCausalLM.from_pretrained loads it)")
+    print(f"sample       {summary['sample']!r}  (loom generate --checkpoint {summary['run_dir']}-resumed/checkpoints)")
     slurm = summary.get("slurm")
     if slurm:
         print(

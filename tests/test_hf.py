@@ -210,3 +210,27 @@ def test_a_run_that_changes_the_checkpoints_rope_is_told(hf_model, tmp_path):
         f"model.rope_theta: {saved['rope_theta']} -> {2 * saved['rope_theta']}",
         "model.norm_eps: 1e-05 -> 1e-06",
     ]
+
+
+def test_loom_generate_equals_transformers_greedy_generate(hf_model, tmp_path):
+    """KV-cached greedy decoding of an imported model continues a prompt as transformers' generate does."""
+    from loom.tools.generate import generate, load_model
+
+    directory, model = hf_model
+    import_hf(directory, tmp_path / "loom")
+    loom_model, _ = load_model(tmp_path / "loom")
+    prompt = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(4)).tolist()
+    with torch.no_grad():
+        theirs = model.generate(
+            torch.tensor([prompt]), max_new_tokens=24, do_sample=False, pad_token_id=0, eos_token_id=None
+        )[0, len(prompt) :].tolist()
+    assert generate(loom_model, prompt, 24) == theirs
+    result = subprocess.run(
+        [sys.executable, "-m", "loom.launch.cli", "generate", "--checkpoint", str(tmp_path / "loom")]
+        + ["--prompt-ids", " ".join(map(str, prompt)), "--max-new-tokens", "24"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [str(t) for t in prompt + theirs]

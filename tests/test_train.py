@@ -76,6 +76,7 @@ def test_demo_runs_end_to_end(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "== summary" in result.stdout and "validation   loss" in result.stdout
+    assert "sample       'def " in result.stdout  # what the trained model writes, decoded
     rows = [json.loads(line) for line in (tmp_path / "runs/tiny/metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 4
     resumed = [json.loads(line) for line in (tmp_path / "runs/tiny-resumed/metrics.jsonl").read_text().splitlines()]

@@ -13,13 +13,24 @@ import torch.nn.functional as F
 from loom.engine.config import ModelConfig
 from loom.engine.model import naming
 from loom.engine.model.kernels import Kernels
-from loom.engine.model.transformer import TransformerBlock, build_norm, rotary_tables
+from loom.engine.model.transformer import LayerCache, TransformerBlock, build_norm, rotary_tables
 from loom.engine.parallel import mappings
 from loom.engine.parallel.cross_entropy import vocab_parallel_cross_entropy
 from loom.engine.parallel.layers import VocabParallelEmbedding, padded_vocab_size
 from loom.engine.parallel.param_info import param_info, update_param_info
 from loom.engine.parallel.random import RNGStreams, checkpointed
 from loom.engine.parallel.sharding import ShardSpec, make_parameter
+
+
+class DecodingCache:
+    """Keys and values of every layer for the positions decoded so far (engine/model/transformer.LayerCache)."""
+
+    def __init__(self) -> None:
+        self.length = 0
+        self._layers: dict[str, LayerCache] = {}
+
+    def layer(self, index: str) -> LayerCache:
+        return self._layers.setdefault(index, LayerCache())
 
 
 class GPTModel(torch.nn.Module):
@@ -96,12 +107,12 @@ class GPTModel(torch.nn.Module):
             self._rotary_cache[key] = rotary_tables(seq_length, self.config, device)
         return self._rotary_cache[key]
 
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+    def embed(self, tokens: torch.Tensor, first_position: int = 0) -> torch.Tensor:
         """Token ids [b, s] -> hidden [s/tp if sequence parallel else s, b, h]."""
         hidden = self.embedding(tokens)
         if self.config.position_embedding == "learned":
             s_local = hidden.shape[0]
-            start = mappings.group_rank(self.tp_group) * s_local if self.sequence_parallel else 0
+            start = first_position + (mappings.group_rank(self.tp_group) * s_local if self.sequence_parallel else 0)
             hidden = hidden + self.position_embedding[start : start + s_local].unsqueeze(1)
         return hidden
 
@@ -114,6 +125,21 @@ class GPTModel(torch.nn.Module):
         else:
             hidden = mappings.copy_to_tensor_region(hidden, self.tp_group)
         return F.linear(hidden, weight)
+
+    @torch.no_grad()
+    def decode(self, tokens: torch.Tensor, cache: DecodingCache) -> torch.Tensor:
+        """Logits [s, b, V/tp] of `tokens` [b, s] that follow the cache's positions; the cache grows by s.
+        A whole model on this rank (pp = 1) without sequence parallelism: generation, not training."""
+        s = tokens.shape[1]
+        start = cache.length
+        hidden = self.embed(tokens, first_position=start)
+        rotary = self._rotary(start + s, hidden.device)
+        if rotary is not None:
+            rotary = tuple(table[start : start + s] for table in rotary)
+        for index, block in self.layers.items():
+            hidden = block(hidden, rotary, cache.layer(index))
+        cache.length += s
+        return self.output_logits(hidden)
 
     def forward(
         self, tokens: torch.Tensor | None, labels: torch.Tensor | None = None, hidden: torch.Tensor | None = None

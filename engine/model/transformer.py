@@ -139,7 +139,9 @@ class Attention(torch.nn.Module):
             )
         return out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)
 
-    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None, cache: LayerCache | None = None
+    ) -> torch.Tensor:
         qkv = self.qkv(x)
         s, b = qkv.shape[:2]
         q_width, kv_width = self.local_heads * self.head_dim, self.local_kv_heads * self.head_dim
@@ -149,11 +151,39 @@ class Attention(torch.nn.Module):
         v = v.view(s, b, self.local_kv_heads, self.head_dim)
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        if cache is not None:
+            return self.proj(self._cached_attention(q, k, v, cache))
         if self.selective_recompute and self.training:
             out = checkpointed(self.core_attention, self.streams, q, k, v)
         else:
             out = self.core_attention(q, k, v)
         return self.proj(out)
+
+    def _cached_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache) -> torch.Tensor:
+        """Decoding: the new positions attend to every cached one and causally among themselves."""
+        k, v = cache.append(k, v)
+        s, b, total = q.shape[0], q.shape[1], k.shape[0]
+        new_positions = torch.arange(total - s, total, device=q.device)
+        mask = torch.arange(total, device=q.device)[None, :] <= new_positions[:, None]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, enable_gqa=self.local_kv_heads != self.local_heads
+        )
+        return out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)
+
+
+class LayerCache:
+    """One layer's keys and values of the positions decoded so far, [positions, batch, kv_heads, head_dim]."""
+
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys is not None:
+            keys, values = torch.cat([self.keys, keys]), torch.cat([self.values, values])
+        self.keys, self.values = keys, values
+        return keys, values
 
 
 class MLP(torch.nn.Module):
@@ -217,8 +247,8 @@ class TransformerBlock(torch.nn.Module):
         with self.streams.fork(self.residual_stream):
             return F.dropout(x, self.dropout)
 
-    def forward(self, x: torch.Tensor, rotary) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary, cache: LayerCache | None = None) -> torch.Tensor:
         # Per block (as Megatron does), so a recomputed block runs in the same FP8 region.
         with self.kernels.fp8_autocast(self.tp_group):
-            x = x + self._residual_dropout(self.attention(self.input_norm(x), rotary))
+            x = x + self._residual_dropout(self.attention(self.input_norm(x), rotary, cache))
             return x + self._residual_dropout(self.mlp(self.mlp_norm(x)))
