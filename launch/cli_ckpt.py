@@ -69,7 +69,7 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from loom.errors import InputError
+    from loom.data_tools.jsonl import InputError
     from loom.tools.generate import generate, load_model
 
     model, config = load_model(Path(args.checkpoint))
