@@ -57,11 +57,19 @@ def _zstandard(path: Path):
     return zstandard
 
 
+def _not_a_file(path: Path) -> FileNotFoundError:
+    if path.is_dir():
+        found = sorted(p.name for p in path.iterdir() if p.suffix in (".jsonl", ".json", ".gz", *ZSTD_SUFFIXES))
+        hint = f" (here: {', '.join(found[:3])})" if found else ""
+        return FileNotFoundError(f"input {path} is a directory; give its JSONL files{hint}")
+    return FileNotFoundError(f"input {path} does not exist")
+
+
 def open_input(path: str | Path) -> IO[bytes]:
     """A binary stream over a plain, gzip or zstd file, chosen by its suffix."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"input {path} does not exist")
+        raise _not_a_file(path)
     if path.suffix == ".gz":
         return gzip.open(path, "rb")
     if path.suffix in ZSTD_SUFFIXES:
@@ -83,7 +91,7 @@ def check_inputs(paths: str | Path | Iterable[str | Path]) -> list[Path]:
         raise FileNotFoundError("no input files given")
     for path in checked:
         if not path.is_file():
-            raise FileNotFoundError(f"input {path} does not exist")
+            raise _not_a_file(path)
         if path.suffix in ZSTD_SUFFIXES:
             _zstandard(path)
     return checked
