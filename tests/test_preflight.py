@@ -81,6 +81,9 @@ def test_directories_where_files_belong_are_named_as_such(dataset, tmp_path):
     folder = str(Path(dataset).parent)
     result = loom("train", *tiny_train_args(folder, tmp_path / "run"))
     one_line_error(result, f"{folder} is a directory; give the prefix P of P.bin/P.idx", dataset)
+    (tmp_path / "docs.jsonl").write_text('{"text": "x"}\n')
+    result = loom("data", "clean", "--input", str(tmp_path), "--output", str(tmp_path / "out"))
+    one_line_error(result, f"input {tmp_path} is a directory; give its JSONL files (here: docs.jsonl)")
 
 
 def test_a_run_directory_belongs_to_one_run(dataset, tmp_path):
