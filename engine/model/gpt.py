@@ -77,7 +77,8 @@ class GPTModel(torch.nn.Module):
         self.layers = torch.nn.ModuleDict(
             {str(i): TransformerBlock(config, tp_group, self.sequence_parallel, streams, kernels) for i in layer_ids}
         )
-        if kernels is not None and kernels.compiles_blocks:
+        self.compiled_loss = kernels is not None and kernels.compiles_blocks
+        if self.compiled_loss:
             for block in self.layers.values():
                 block.compile()  # one graph serves every block: parameters are graph inputs, not constants
         if post_process:
@@ -164,5 +165,7 @@ class GPTModel(torch.nn.Module):
         logits = self.output_logits(hidden)
         if labels is None:
             return logits
-        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.vocab_start, self.config.vocab_size, self.tp_group)
+        loss = vocab_parallel_cross_entropy(
+            logits, labels.t(), self.vocab_start, self.config.vocab_size, self.tp_group, compiled=self.compiled_loss
+        )
         return loss.t()
