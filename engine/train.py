@@ -26,8 +26,7 @@ from loom.engine.checkpoint.save import CheckpointWriter
 from loom.engine.checkpoint.state import TrainingState
 from loom.engine.config import ConfigError, LoomConfig
 from loom.engine.config_io import config_to_toml
-from loom.engine.data.indexed import DatasetError
-from loom.engine.data.loader import BatchIterator, build_dataset
+from loom.engine.data.loader import BatchIterator, build_datasets
 from loom.engine.faults import FaultPlan
 from loom.engine.flops import model_flops_per_token, peak_tflops
 from loom.engine.metrics import MetricsWriter, StepClock, memory_gb
@@ -195,16 +194,10 @@ class Trainer:
 
     def _build_data(self, evaluation_only: bool) -> None:
         c, t = self.config, self.config.train
-        is_builder, barrier = self.state.rank == 0, dist.barrier
-        train_set = None if evaluation_only else build_dataset(c, 0, t.steps * t.global_batch_size, is_builder, barrier)
+        train_set, self.valid_set = build_datasets(c, not evaluation_only, self.state.rank == 0, dist.barrier)
         self.train_batches = BatchIterator(
             train_set, c.global_batch_size_at, t.micro_batch_size, self.state.dp_rank, self.state.dp_size
         )
-        self.valid_set = None
-        if t.eval_interval or evaluation_only:
-            self.valid_set = build_dataset(c, 1, t.eval_iters * t.global_batch_size, is_builder, barrier)
-            if self.valid_set is None:
-                raise DatasetError(f"data.split = {c.data.split!r} leaves no validation documents")
 
     def _peak_flops(self) -> float | None:
         if self.config.train.peak_tflops:

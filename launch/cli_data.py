@@ -133,6 +133,25 @@ def _inspect(args: argparse.Namespace) -> None:
         print(f"[{i}] {shown}")
 
 
+def _index(args: argparse.Namespace, overrides: list[str]) -> None:
+    import time
+
+    from loom.engine.config_io import load_config
+    from loom.engine.data.loader import build_datasets
+
+    config = load_config(args.config, overrides)
+    start = time.perf_counter()
+    train, valid = build_datasets(config, True, is_builder=True, barrier=None)
+    parts = [p for dataset in (train, valid) if dataset is not None for p in getattr(dataset, "datasets", [dataset])]
+    folders = sorted({str(p.cache_dir) for p in parts})
+    built = sum(p.built for p in parts)
+    print(
+        f"{len(parts)} sample indices ({built} built, {len(parts) - built} found) for {config.train.steps} steps "
+        f"x {config.train.global_batch_size} samples in {', '.join(folders)} "
+        f"({time.perf_counter() - start:.1f} s); training with this config finds and checks them"
+    )
+
+
 def _preview(args: argparse.Namespace, overrides: list[str]) -> None:
     from loom.engine.atomic import write_text_atomically
     from loom.engine.config_io import load_config, parse_overrides
@@ -344,6 +363,17 @@ def add_parser(commands) -> None:
     p.add_argument("--max-tokens", type=int, default=24, help="token ids printed per sample (0: all)")
     p.add_argument("--output", help="also write every sample, in full, as JSONL (sample, tokens, text)")
     p.set_defaults(handler=_preview, takes_overrides=True)
+
+    p = sub.add_parser(
+        "index",
+        help="build a training config's sample-index caches offline (in the preprocessing job)",
+        description="Builds what rank 0 would build at start-up while the other ranks wait at a barrier "
+        "(under NCCL with parallel.timeout_minutes, which a large corpus can trip). Training with the same "
+        "data, split, seed, seq_length and steps finds the caches and checks their shape.",
+        epilog="Overrides as for loom train: --train.steps 1000 --data.cache_dir /shared/cache ...",
+    )
+    p.add_argument("--config", required=True, help="the training config (a TOML file or a preset name)")
+    p.set_defaults(handler=_index, takes_overrides=True)
 
     p = sub.add_parser("inspect", help="summary and decoded samples of an indexed dataset")
     p.add_argument("prefix", help="the dataset prefix P of P.bin/P.idx")

@@ -292,3 +292,37 @@ def test_bad_blend_weights_are_one_line_errors(weights, message):
 def test_blend_larger_than_a_dataset_is_refused():
     with pytest.raises(DatasetError, match="draws 70 samples from dataset 1 but it has 10"):
         BlendedDataset([Numbered("a", 100), Numbered("b", 10)], [0.3, 0.7], 100)
+
+
+def test_the_index_built_offline_is_what_training_finds_and_a_damaged_one_is_named(markov_dataset, tmp_path):
+    """`loom data index` builds, in the preprocessing job, the caches rank 0 would build behind a barrier."""
+    import subprocess
+    import sys
+
+    from training_runs import tiny_config
+
+    from loom.engine.data.loader import build_datasets
+
+    dataset = markov_dataset(60, seed=7)
+    data = {"cache_dir": str(tmp_path / "cache"), "split": "90,10,0"}
+    flags = ["--data.paths", dataset, "--data.tokenizer", "none", "--data.split", data["split"]]
+    flags += ["--data.cache_dir", data["cache_dir"], "--train.eval_interval", "10"]
+    flags += ["--train.steps", "30", "--train.run_dir", str(tmp_path / "run")]
+    result = subprocess.run(
+        [sys.executable, "-m", "loom.launch.cli", "data", "index", "--config", "tiny", *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "2 sample indices (2 built, 0 found)" in result.stdout
+
+    config = tiny_config(dataset, tmp_path / "run", data=data, train={"steps": 30, "eval_interval": 10})
+    train, valid = build_datasets(config, True, is_builder=False, barrier=None)  # a rank that never builds
+    assert not train.built and not valid.built and len(train) == 30 * config.train.global_batch_size
+
+    damaged, path = np.array(train.shuffle_index[:-1]), train.cache_paths["shuffle_index"]
+    np.save(tmp_path / "damaged.npy", damaged)
+    (tmp_path / "damaged.npy").replace(path)  # a new file: the old one stays mapped by `train` intact
+    with pytest.raises(DatasetError, match="shuffle_index.npy holds .* entries where .* needs"):
+        build_datasets(config, True, is_builder=False, barrier=None)

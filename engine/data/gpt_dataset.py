@@ -243,6 +243,23 @@ class GPTDataset:
         self.document_index, self.sample_index, self.shuffle_index = (
             np.load(self.cache_paths[name], mmap_mode="r") for name in INDEX_NAMES
         )
+        self._verify(len(document_ids))
+
+    def _verify(self, documents: int) -> None:
+        """The cached arrays have the lengths this dataset's shape implies (a cache written by a build of
+        `loom data index` in preprocessing is found by its key; this catches one damaged or from elsewhere)."""
+        epochs, shape = self.num_epochs, self.epoch
+        expected = {
+            "document_index": (len(self.document_index), epochs * shape.passes * documents),
+            "sample_index": (len(self.sample_index), epochs * (shape.samples + 1)),
+            "shuffle_index": (len(self.shuffle_index), epochs * shape.samples),
+        }
+        for name, (found, wanted) in expected.items():
+            if found != wanted:
+                raise DatasetError(
+                    f"index cache {self.cache_paths[name]} holds {found} entries where {self.indexed.prefix} "
+                    f"needs {wanted}; delete {self.cache_dir} (or rebuild it with `loom data index`)"
+                )
 
     @staticmethod
     def _check_arguments(

@@ -74,6 +74,20 @@ def build_dataset(
     return BlendedDataset(parts, weights, num_samples)
 
 
+def build_datasets(config: LoomConfig, with_train: bool, is_builder: bool, barrier: Callable[[], None] | None):
+    """(train, valid) datasets of a run as training reads them: train.steps global batches of training
+    samples (None when not `with_train`), and train.eval_iters of validation samples when the run
+    evaluates (None otherwise). `loom data index` calls it offline with is_builder and no barrier."""
+    t = config.train
+    train = build_dataset(config, 0, t.steps * t.global_batch_size, is_builder, barrier) if with_train else None
+    valid = None
+    if t.eval_interval or not with_train:
+        valid = build_dataset(config, 1, t.eval_iters * t.global_batch_size, is_builder, barrier)
+        if valid is None:
+            raise DatasetError(f"data.split = {config.data.split!r} leaves no validation documents")
+    return train, valid
+
+
 class BatchIterator:
     """Yields, per step, this DP rank's micro-batches (tokens, labels) of the next global batch.
 
