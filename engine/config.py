@@ -313,6 +313,15 @@ class TrainConfig:
     """Peak dense FLOP/s per device for MFU; None looks the device up (known GPUs only)."""
     tensorboard: bool = True
     """Write TensorBoard event files next to metrics.jsonl."""
+    wandb_project: str | None = None
+    """Also log metrics.jsonl's scalars and the resolved config to this Weights & Biases project (rank 0;
+    needs `pip install wandb`). A restart resumes the same W&B run (its id is kept in the run directory)."""
+    wandb_entity: str | None = None
+    """W&B entity (user or team); None: the logged-in default."""
+    wandb_run_name: str | None = None
+    """W&B run name; None: train.name."""
+    wandb_mode: Literal["online", "offline"] = "online"
+    """online streams to the W&B server; offline writes RUN_DIR/wandb/ for a later `wandb sync`."""
     record_pipeline_timeline: bool = False
     """Record per-op times of the last training step in pipeline_timeline.json (`loom schedule --from-run`)."""
     nan_policy: Literal["stop", "skip"] = "stop"
@@ -339,6 +348,7 @@ class TrainConfig:
             peak_tflops=self.peak_tflops,
         )
         _check_choice("train", "precision", self.precision, ("fp32", "bf16", "fp16"))
+        _check_choice("train", "wandb_mode", self.wandb_mode, ("online", "offline"))
         _check_choice("train", "device", self.device, ("auto", "cpu", "cuda"))
         _check_choice("train", "nan_policy", self.nan_policy, ("stop", "skip"))
         _check_positive("train", max_skipped_steps=self.max_skipped_steps)

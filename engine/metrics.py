@@ -9,11 +9,13 @@ from __future__ import annotations
 import json
 import resource
 import sys
+import uuid
 from pathlib import Path
 
 import torch
 
 from loom.engine.atomic import write_text_atomically
+from loom.engine.config_io import config_to_dict
 
 
 def memory_gb(device: torch.device) -> float:
@@ -34,30 +36,59 @@ class MetricsWriter:
             _drop_rows_after(path, resume_step)
         self.jsonl = open(path, "a")
         self.total_steps = total_steps
-        self.tensorboard = None
+        self.tensorboard = self.wandb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             # purge_step drops the events of steps that will be trained again, as for metrics.jsonl
             self.tensorboard = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_step + 1)
 
+    def attach_wandb(self, config, run_dir: Path) -> None:
+        """Log every row to W&B too (train.wandb_project), resuming the run whose id this run directory keeps."""
+        import wandb
+
+        t = config.train
+        id_file = run_dir / "wandb_run_id"
+        run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
+        write_text_atomically(id_file, run_id + "\n")
+        self.wandb = wandb.init(
+            project=t.wandb_project,
+            entity=t.wandb_entity,
+            name=t.wandb_run_name or t.name,
+            mode=t.wandb_mode,
+            id=run_id,
+            resume="allow",
+            dir=str(run_dir),
+            config=config_to_dict(config),
+        )
+
     def write(self, row: dict, eta_s: float | None = None) -> None:
         """Append `row`; the console line also shows the step out of total_steps and `eta_s`, the time left."""
         self.jsonl.write(json.dumps(row) + "\n")
         self.jsonl.flush()
         if self.tensorboard is not None:
-            for key, value in row.items():
-                if key != "step" and isinstance(value, (int, float)) and value is not None:
-                    self.tensorboard.add_scalar(
-                        f"train/{key}" if not key.startswith("val_") else f"valid/{key}", value, row["step"]
-                    )
+            for key, value in _scalars(row):
+                self.tensorboard.add_scalar(_scalar_tag(key), value, row["step"])
             self.tensorboard.flush()
+        if self.wandb is not None:
+            self.wandb.log({_scalar_tag(key): value for key, value in _scalars(row)}, step=row["step"])
         print(format_console_line(row, self.total_steps, eta_s), file=sys.stdout, flush=True)
 
     def close(self) -> None:
         self.jsonl.close()
         if self.tensorboard is not None:
             self.tensorboard.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _scalars(row: dict):
+    """The row's numbers, as TensorBoard and W&B get them (the step is their x axis)."""
+    return ((k, v) for k, v in row.items() if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool))
+
+
+def _scalar_tag(key: str) -> str:
+    return f"valid/{key}" if key.startswith("val_") else f"train/{key}"
 
 
 def _drop_rows_after(path: Path, step: int) -> None:

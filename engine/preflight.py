@@ -51,6 +51,7 @@ def preflight(config: LoomConfig, world_size: int) -> None:
             )
     if config.checkpoint.load and not Path(config.checkpoint.load).exists():
         raise ConfigError(f"checkpoint.load = {config.checkpoint.load} does not exist")
+    check_wandb_installed(config)
     run_dir = Path(config.train.run_dir)
     check_run_directory(config)
     try:
@@ -104,3 +105,15 @@ def check_run_directory(config: LoomConfig) -> None:
         if entry.name != "replaced":
             entry.rename(aside / entry.name)
     print(f"train.overwrite: the previous run in {run_dir} was moved to {aside}")
+
+
+def check_wandb_installed(config: LoomConfig) -> None:
+    if not config.train.wandb_project:
+        return
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            "train.wandb_project is set but the wandb package is not installed: pip install wandb "
+            "(or leave train.wandb_project unset)"
+        ) from None

@@ -104,6 +104,8 @@ class Trainer:
             run_dir = Path(t.run_dir)
             self.metrics = MetricsWriter(run_dir, tensorboard=t.tensorboard, resume_step=self.step, total_steps=t.steps)
             (run_dir / "config.toml").write_text(config_to_toml(config))
+            if t.wandb_project:
+                self.metrics.attach_wandb(config, run_dir)
 
     def _build_model_and_optimizer(self) -> None:
         c, state = self.config, self.state
