@@ -41,6 +41,24 @@ def run(command: list[str], env: dict | None = None) -> subprocess.CompletedProc
     )
 
 
+def signal_once_seen(command: list[str], line: str, stderr_path: Path, **env: str) -> tuple[subprocess.Popen, str]:
+    """Start `command`, send SIGTERM once its stdout shows `line`, wait; the process and its stderr. stderr goes
+    to a file so that nothing blocks on a full pipe meanwhile."""
+    with open(stderr_path, "w") as stderr_file:
+        proc = subprocess.Popen(
+            command,
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO), **env},
+            stdout=subprocess.PIPE,
+            stderr=stderr_file,
+            text=True,
+        )
+        read_output_until(proc, line)
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=HANG_S)
+    return proc, stderr_path.read_text()
+
+
 def test_sigterm_checkpoints_and_the_same_command_resumes_the_same_curve(dataset, tmp_path):
     steps = ["--train.steps", "24"]
     reference = run(train_command(dataset, tmp_path / "reference", *steps))
@@ -48,20 +66,8 @@ def test_sigterm_checkpoints_and_the_same_command_resumes_the_same_curve(dataset
 
     command = train_command(dataset, tmp_path / "stopped", *steps)
     # The ranks wait before step 2 until the signal reaches them, so the run cannot finish before it
-    # however slow the machine; stderr goes to a file so that nothing blocks on a full pipe meanwhile.
-    with open(tmp_path / "stopped.stderr", "w") as stderr_file:
-        proc = subprocess.Popen(
-            command,
-            cwd=REPO,
-            env={**os.environ, "PYTHONPATH": str(REPO), "LOOM_INJECT_PAUSE": "2"},
-            stdout=subprocess.PIPE,
-            stderr=stderr_file,
-            text=True,
-        )
-        read_output_until(proc, "paused before step 2")
-        proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=HANG_S)
-    stderr = (tmp_path / "stopped.stderr").read_text()
+    # however slow the machine.
+    proc, stderr = signal_once_seen(command, "paused before step 2", tmp_path / "stopped.stderr", LOOM_INJECT_PAUSE="2")
     assert proc.returncode == 128 + signal.SIGTERM, stderr
     latest = (tmp_path / "stopped" / "checkpoints" / "latest").read_text().strip()
     stopped_at = int(latest.removeprefix("iter_"))
@@ -81,19 +87,8 @@ def test_sigterm_checkpoints_and_the_same_command_resumes_the_same_curve(dataset
 def test_a_stop_during_start_up_is_honoured_or_says_nothing_was_saved(dataset, tmp_path):
     """The ranks are still importing torch when the signal comes: they keep it and checkpoint at the first
     step boundary, or (killed before they could catch it) the launcher says that nothing was saved."""
-    with open(tmp_path / "stderr", "w") as stderr_file:
-        proc = subprocess.Popen(
-            train_command(dataset, tmp_path / "run", "--train.steps", "50"),
-            cwd=REPO,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
-            stdout=subprocess.PIPE,
-            stderr=stderr_file,
-            text=True,
-        )
-        read_output_until(proc, "loom train:")
-        proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=HANG_S)
-    stderr = (tmp_path / "stderr").read_text()
+    command = train_command(dataset, tmp_path / "run", "--train.steps", "50")
+    proc, stderr = signal_once_seen(command, "loom train:", tmp_path / "stderr")
     assert proc.returncode == 128 + signal.SIGTERM, stderr
     latest = tmp_path / "run" / "checkpoints" / "latest"
     if latest.exists():
