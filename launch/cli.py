@@ -35,7 +35,6 @@ lamb, with fp32, bf16 or fp16 (dynamic loss scaling) and any tp/pp/vp; adafactor
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
     from loom.engine.preflight import preflight
-    from loom.launch.env import run_rank
     from loom.launch.local import launch_local
 
     config = load_config(args.config, overrides)
@@ -43,7 +42,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
     if external:  # one rank of torchrun or srun: checkpoint and stop on SIGTERM/Ctrl-C like --nproc does
         from loom.engine.data.token_range import check_token_ids
         from loom.engine.preflight import check_wandb_installed
-        from loom.launch.env import StopSignals
+        from loom.launch.env import StopSignals, run_rank
 
         check_token_ids(config.data.paths, config.model.vocab_size, config.data.cache_dir)
         check_wandb_installed(config)
