@@ -16,10 +16,20 @@ from __future__ import annotations
 from loom.engine.config import ModelConfig
 
 # Dense peak TFLOP/s per device by precision, from the vendors' datasheets (SXM parts).
+# Dense peaks in TFLOP/s, from NVIDIA's datasheets (they print sparse figures, twice these, for the tensor cores),
+# matched against torch.cuda.get_device_name() in this order: the first name that appears in it wins, so the
+# PCIe and NVL parts come before the plain "H100" (reported by the SXM part as "NVIDIA H100 80GB HBM3").
+# An unknown GPU gets no datasheet MFU rather than a wrong one (train.peak_tflops sets it by hand).
+_SXM_HOPPER = {"bf16": 989.4, "fp16": 989.4, "fp8": 1978.9, "fp32": 67.0}
 PEAK_TFLOPS = {
-    "H100": {"bf16": 989.0, "fp16": 989.0, "fp8": 1979.0, "fp32": 67.0},
-    "H200": {"bf16": 989.0, "fp16": 989.0, "fp8": 1979.0, "fp32": 67.0},
-    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
+    "H100 PCIE": {"bf16": 756.5, "fp16": 756.5, "fp8": 1513.0, "fp32": 51.0},  # H100 datasheet, PCIe column
+    "H100 NVL": {"bf16": 835.5, "fp16": 835.5, "fp8": 1670.5, "fp32": 60.0},  # H100 datasheet, NVL column
+    "H200 NVL": {"bf16": 835.5, "fp16": 835.5, "fp8": 1670.5, "fp32": 60.0},  # H200 datasheet, NVL column
+    "H100": _SXM_HOPPER,  # H100 datasheet, SXM column
+    "H200": _SXM_HOPPER,  # H200 datasheet, SXM column (same compute as H100 SXM, more memory)
+    "GH200": _SXM_HOPPER,  # GH200 datasheet (Hopper GPU at SXM clocks)
+    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},  # A100 datasheet (40 and 80 GB, SXM and PCIe)
+    "L40S": {"bf16": 362.05, "fp16": 362.05, "fp8": 733.0, "fp32": 91.6},  # L40S datasheet
 }
 
 
@@ -58,8 +68,9 @@ def model_flops_per_token(config: ModelConfig, seq_length: int) -> float:
 
 
 def peak_tflops(device_name: str, precision: str) -> float | None:
-    """Datasheet peak of a known GPU (matched by name), or None."""
+    """Datasheet dense peak of a known GPU (matched by name, most specific first), or None."""
+    name = device_name.upper()
     for key, peaks in PEAK_TFLOPS.items():
-        if key in device_name.upper():
+        if key in name:
             return peaks.get(precision)
     return None

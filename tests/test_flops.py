@@ -115,5 +115,12 @@ def test_model_flops_agree_with_flop_counter_on_the_model(kwargs):
 
 
 def test_peaks():
-    assert peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == 989.0
+    # the names NVIDIA's drivers report; PCIe and NVL parts are slower than the SXM one
+    assert peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == 989.4
+    assert peak_tflops("NVIDIA H100 PCIe", "bf16") == 756.5
+    assert peak_tflops("NVIDIA H100 NVL", "fp8") == 1670.5
+    assert peak_tflops("NVIDIA H200", "bf16") == peak_tflops("NVIDIA GH200 480GB", "bf16") == 989.4
+    assert peak_tflops("NVIDIA A100-SXM4-80GB", "bf16") == peak_tflops("NVIDIA A100-PCIE-40GB", "bf16") == 312.0
+    assert peak_tflops("NVIDIA A100-SXM4-80GB", "fp8") is None  # no FP8 on Ampere
+    assert peak_tflops("NVIDIA RTX 6000 Ada Generation", "bf16") is None  # unknown: no MFU, not a wrong one
     assert peak_tflops("cpu", "fp32") is None
