@@ -7,7 +7,8 @@ batches go through a per-process word cache (data_tools/word_cache.py): identica
 distinct word encoded once, about 1.7x Megatron's per-document pool. Results are written in input order through
 IndexedDatasetWriter (the only code that knows the byte format), with a bounded number of batches
 in flight so memory stays flat in the size of the corpus. Every document becomes one document in
-the dataset, an empty one included (then just the end-of-document id, if appended). This module
+the dataset, an empty one included (then just the end-of-document id, if appended). Input lines that
+are not documents go to P.rejected/bad_lines.jsonl (file, line, reason, raw line). This module
 must not import torch or any engine module other than engine.data.indexed.
 """
 
@@ -27,7 +28,15 @@ import sentencepiece
 from tqdm import tqdm
 
 from loom.data_tools.failures import reported_failures
-from loom.data_tools.jsonl import InputError, JsonlStats, check_inputs, estimated_input_bytes, iter_jsonl
+from loom.data_tools.jsonl import (
+    BAD_LINES_NAME,
+    BadLinesFile,
+    InputError,
+    JsonlStats,
+    check_inputs,
+    estimated_input_bytes,
+    iter_jsonl,
+)
 from loom.data_tools.manifest import manifest_path, write_manifest
 from loom.data_tools.parallel import chunked, imap_ordered
 from loom.data_tools.word_cache import WordCache, word_splittable
@@ -155,6 +164,24 @@ def _write_dataset(
             writer.abort()
 
 
+def bad_lines_path(output_prefix: str | Path) -> Path:
+    """Where build keeps the input lines that are not documents: P.rejected/bad_lines.jsonl."""
+    return Path(f"{os.fspath(output_prefix)}.rejected") / BAD_LINES_NAME
+
+
+def _remove_bad_lines(bad_lines: BadLinesFile) -> None:
+    """Remove a failed run's bad-line file (and its folder when empty); never raises."""
+    try:
+        bad_lines.close()
+    except OSError:
+        pass  # a full disk fails the flush again; the file is removed anyway
+    bad_lines.path.unlink(missing_ok=True)
+    try:
+        bad_lines.path.parent.rmdir()
+    except OSError:
+        pass  # holds other files, or was never created
+
+
 def build_indexed_dataset(
     inputs: Iterable[str | Path],
     tokenizer_model: str | Path,
@@ -176,21 +203,30 @@ def build_indexed_dataset(
     start = time.perf_counter()
     bin_path, idx_path = index_paths(output_prefix)
     written, input_bytes = _Written(), estimated_input_bytes(paths)
+    bad_lines = BadLinesFile(bad_lines_path(output_prefix))
+    bad_lines.path.unlink(missing_ok=True)  # a previous run's
     with reported_failures(bin_path, lambda: written.needed_bytes(input_bytes, dtype)):
-        batches = written.measured(iter_batches(iter_jsonl(paths, text_key=text_key, stats=stats), text_key))
-        with closing(_encoded_in_order(batches, model_path, eod, dtype.name, workers, use_word_cache)) as encoded:
-            _write_dataset(encoded, output_prefix, dtype, written, progress)
+        try:
+            records = iter_jsonl(paths, text_key=text_key, stats=stats, on_bad_line=bad_lines)
+            batches = written.measured(iter_batches(records, text_key))
+            with closing(_encoded_in_order(batches, model_path, eod, dtype.name, workers, use_word_cache)) as encoded:
+                _write_dataset(encoded, output_prefix, dtype, written, progress)
+            if written.documents == 0:
+                raise InputError(
+                    f"no documents with a string {text_key!r} field in {', '.join(map(str, paths))}; nothing written"
+                )
+        except BaseException:
+            _remove_bad_lines(bad_lines)
+            raise
+        bad_lines.close()
         documents, tokens = written.documents, written.tokens
-        if documents == 0:
-            raise InputError(
-                f"no documents with a string {text_key!r} field in {', '.join(map(str, paths))}; nothing written"
-            )
         seconds = time.perf_counter() - start
         result = {
             "output_prefix": str(output_prefix),
             "documents": documents,
             "tokens": tokens,
             "bad_lines": stats.bad_lines,
+            **({"bad_lines_file": str(bad_lines.path)} if bad_lines.count else {}),
             "seconds": round(seconds, 2),
             "tokens_per_s": round(tokens / seconds),
             "docs_per_s": round(documents / seconds),
@@ -204,7 +240,11 @@ def build_indexed_dataset(
                     output_prefix,
                     command="loom data build",
                     inputs=[*paths, model_path],
-                    outputs=[f"{output_prefix}.bin", f"{output_prefix}.idx"],
+                    outputs=[
+                        f"{output_prefix}.bin",
+                        f"{output_prefix}.idx",
+                        *([bad_lines.path] * bool(bad_lines.count)),
+                    ],
                     parameters={
                         "tokenizer": model_path,
                         "text_key": text_key,
@@ -220,5 +260,6 @@ def build_indexed_dataset(
                 # A dataset without its manifest (or beside an older one) would look finished.
                 for path in (idx_path, bin_path, manifest_path(output_prefix, is_folder=False)):
                     path.unlink(missing_ok=True)
+                _remove_bad_lines(bad_lines)
                 raise
     return result

@@ -7,6 +7,7 @@ that rejected it; the parent writes them in input order. Outputs in D:
     kept.jsonl                 kept documents, every input field kept, text repaired (with
                                --split-by-language: kept/<lang>/kept.jsonl instead)
     rejected/<step>.jsonl      each rejected document as it came in, plus rejected_by, reason, detail
+    rejected/bad_lines.jsonl   each input line that is not a document: file, line, reason, detail, raw
     stats.json                 counts: documents = kept + rejected; lines = documents + bad + blank
     manifest.json              inputs with hashes, the pipeline, counts (written last)
 
@@ -30,6 +31,7 @@ from typing import IO, Iterable, Iterator
 from loom.data_tools.atomic import atomic_path
 from loom.data_tools.failures import reported_failures
 from loom.data_tools.jsonl import (
+    BAD_LINES_NAME,
     InputError,
     JsonlStats,
     check_inputs,
@@ -183,6 +185,7 @@ class _Tally:
             "rejected": documents - self.kept,
             "bad_lines": self.stats.bad_lines,
             "blank_lines": self.stats.blank_lines,
+            "repaired_utf8": self.stats.repaired_utf8,
             "lines": self.stats.lines,
             "rejected_by": {
                 name: {"documents": sum(rules.values()), "rules": dict(rules.most_common())}
@@ -209,7 +212,8 @@ def _clean_into(
 ) -> None:
     """Run the pipeline over every document of `paths` into the staged outputs, with a progress bar."""
     with Progress("clean", progress, total=count_lines(paths)) as bar:
-        chunks = _chunks(iter_jsonl(paths, text_key, tally.stats), text_key, tally.sizes)
+        records = iter_jsonl(paths, text_key, tally.stats, lambda bad: outputs.write(f"rejected/{BAD_LINES_NAME}", bad))
+        chunks = _chunks(records, text_key, tally.sizes)
         with closing(imap_ordered(clean_chunk, ((spec, chunk, text_key) for chunk in chunks), workers)) as cleaned:
             for position, outcomes in enumerate(cleaned):
                 tally.write(outcomes, outputs, split_by_language)

@@ -9,7 +9,8 @@ document. Exact normalisation is Unicode NFKC, case folding, whitespace runs col
 
 Outputs in D: kept.jsonl (every field kept), removed/removed.jsonl (each with `duplicate_of`, the
 id of the kept document), clusters.jsonl (one line per cluster with a removed document, in the
-order of their kept documents: kept id, removed ids in input order, size), stats.json (input =
+order of their kept documents: kept id, removed ids in input order, size), rejected/bad_lines.jsonl (each
+input line that is not a document, with file, line, reason and the raw line), stats.json (input =
 kept + removed, plus bad input lines), manifest.json (lineage, written last). Everything is written
 under D/.staging-<pid>/ and moved into place only when complete, so an interrupted run leaves no
 output that looks finished.
@@ -34,7 +35,15 @@ from tqdm import tqdm
 
 from loom.data_tools.atomic import atomic_path
 from loom.data_tools.failures import reported_failures
-from loom.data_tools.jsonl import InputError, JsonlStats, check_inputs, estimated_input_bytes, iter_jsonl
+from loom.data_tools.jsonl import (
+    BAD_LINES_NAME,
+    BadLinesFile,
+    InputError,
+    JsonlStats,
+    check_inputs,
+    estimated_input_bytes,
+    iter_jsonl,
+)
 from loom.data_tools.manifest import write_manifest
 from loom.data_tools.minhash_lsh import LshPlan, cluster_on_disk, plan_lsh, staging_bytes
 from loom.data_tools.progress import Progress
@@ -97,9 +106,11 @@ class _DocumentIds:
         return len(self._offsets) - 1
 
 
-def _texts(paths: list[Path], text_key: str, stats: JsonlStats, ids: _DocumentIds, bar: Progress) -> Iterator[str]:
+def _texts(
+    paths: list[Path], text_key: str, stats: JsonlStats, ids: _DocumentIds, bar: Progress, bad_lines: BadLinesFile
+) -> Iterator[str]:
     documents = nbytes = 0
-    for record in iter_jsonl(paths, text_key, stats):
+    for record in iter_jsonl(paths, text_key, stats, bad_lines):
         ids.append(str(record.get("id", f"doc-{len(ids)}")))
         text = record[text_key]
         documents += 1
@@ -164,12 +175,14 @@ def deduplicate(
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
         ids = _DocumentIds(staging / "ids.bin")
+        bad_lines = BadLinesFile(staging / BAD_LINES_NAME)
         moved: list[Path] = []
         try:
             with Progress(f"dedup {method}", progress) as bar:
-                texts = _texts(paths, text_key, stats, ids, bar)
+                texts = _texts(paths, text_key, stats, ids, bar, bad_lines)
                 representative, extra = _representatives(method, texts, staging, plan, workers, embedder, threshold)
             ids.close()
+            bad_lines.close()
             if len(representative) == 0:
                 raise InputError(f"no documents with a string {text_key!r} field in {', '.join(map(str, paths))}")
             kept = _write_decisions(paths, staging, text_key, representative, ids, progress)
@@ -204,11 +217,13 @@ def deduplicate(
         except BaseException:
             # Nothing of this run may stay: files already moved into place would look finished without a manifest.
             ids.discard()
+            bad_lines.close()
             shutil.rmtree(staging, ignore_errors=True)
             for path in [*moved, output / "stats.json"]:
                 path.unlink(missing_ok=True)
-            with suppress(OSError):
-                (output / "removed").rmdir()  # only if empty
+            for folder in ("removed", "rejected"):
+                with suppress(OSError):
+                    (output / folder).rmdir()  # only if empty
             raise
     return result
 
@@ -292,4 +307,10 @@ def _commit(staging: Path, output: Path, moved: list[Path]) -> None:
     for name, target in moves.items():
         os.replace(staging / name, target)
         moved.append(target)
+    bad_lines = output / "rejected" / BAD_LINES_NAME
+    bad_lines.unlink(missing_ok=True)  # a previous run's
+    if (staging / BAD_LINES_NAME).exists():
+        bad_lines.parent.mkdir(exist_ok=True)
+        os.replace(staging / BAD_LINES_NAME, bad_lines)
+        moved.append(bad_lines)
     shutil.rmtree(staging)

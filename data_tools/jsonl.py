@@ -1,20 +1,26 @@
 """Streaming JSONL input and atomic JSONL output for every data step (.jsonl, .jsonl.gz, .jsonl.zst).
 
-Readers yield one dict per good line and count bad lines (invalid JSON, a missing or non-string
-text field, bytes that are not UTF-8) in a JsonlStats instead of stopping: real corpora always
-hold a few. Memory stays flat in the size of the input. This module must not tokenize or filter
-documents; it only moves them in and out of files.
+Readers yield one dict per good line and count bad lines (invalid JSON, a JSON value that is not an
+object, a missing or non-string text field, a lone surrogate) in a JsonlStats instead of stopping: real
+corpora always hold a few. Each bad line also goes to the caller's `on_bad_line` (a `bad_line` record:
+file, line number, reason, the raw line), so that a command can keep it: lines = documents + bad +
+blank, exactly. A line with a few bytes that are not UTF-8 (a Latin-1 "café") is a document with an
+encoding problem, not a bad line: those bytes are decoded as Windows-1252 (Latin-1 where 1252 has no
+character), the line is kept and counted in `repaired_utf8`. Memory stays flat in the size of the
+input. This module must not tokenize or filter documents; it only moves them in and out of files.
 """
 
 from __future__ import annotations
 
+import base64
+import codecs
 import gzip
 import io
 import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import IO, Iterable, Iterator
+from typing import IO, Callable, Iterable, Iterator
 
 from loom.data_tools.atomic import atomic_path
 from loom.errors import LoomError
@@ -38,12 +44,15 @@ class JsonlStats:
     documents: int = 0
     blank_lines: int = 0
     invalid_json: int = 0
+    not_an_object: int = 0
     missing_text: int = 0
-    invalid_utf8: int = 0
+    text_not_a_string: int = 0
+    invalid_utf8: int = 0  # lone surrogates escaped in JSON: no UTF-8 file or tokenizer can hold them
+    repaired_utf8: int = 0  # documents kept after decoding their non-UTF-8 bytes as Windows-1252
 
     @property
     def bad_lines(self) -> int:
-        return self.invalid_json + self.missing_text + self.invalid_utf8
+        return self.invalid_json + self.not_an_object + self.missing_text + self.text_not_a_string + self.invalid_utf8
 
     def as_dict(self) -> dict:
         return {**asdict(self), "bad_lines": self.bad_lines}
@@ -122,52 +131,96 @@ def count_lines(paths: Iterable[Path]) -> int | None:
     return lines
 
 
-def _parse_line(raw: bytes, text_key: str, stats: JsonlStats) -> dict | None:
+BAD_LINES_NAME = "bad_lines.jsonl"
+BadLineSink = Callable[[dict], None]
+
+
+def _windows_1252_bytes(error: UnicodeDecodeError) -> tuple[str, int]:
+    """Decode error handler: the undecodable bytes as Windows-1252 (the web's usual non-UTF-8), else Latin-1."""
+    chars = []
+    for byte in error.object[error.start : error.end]:
+        try:
+            chars.append(bytes([byte]).decode("cp1252"))
+        except UnicodeDecodeError:  # 0x81, 0x8d, 0x8f, 0x90, 0x9d have no cp1252 character
+            chars.append(chr(byte))
+    return "".join(chars), error.end
+
+
+codecs.register_error("loom_cp1252_fallback", _windows_1252_bytes)
+
+
+def bad_line(path: Path, number: int, reason: str, detail: str, raw: bytes) -> dict:
+    """The record a bad line is kept as: where it was, why it was not a document, and its bytes.
+
+    The raw line is text when it is UTF-8, else base64, so that the record is valid JSON either way
+    and the original bytes can be restored exactly."""
     try:
-        line = raw.decode("utf-8")
+        kept = {"raw": raw.decode("utf-8")}
     except UnicodeDecodeError:
-        stats.invalid_utf8 += 1
-        return None
-    if not line.strip():
-        stats.blank_lines += 1
-        return None
+        kept = {"raw_base64": base64.b64encode(raw).decode("ascii")}
+    return {"file": str(path), "line": number, "reason": reason, "detail": detail, **kept}
+
+
+def _decoded(raw: bytes) -> tuple[str, bool]:
+    """The line as text, and whether some of its bytes needed the fallback."""
+    try:
+        return raw.decode("utf-8"), False
+    except UnicodeDecodeError:
+        return raw.decode("utf-8", "loom_cp1252_fallback"), True
+
+
+def _parse_line(line: str, text_key: str) -> tuple[dict | None, str, str]:
+    """(record, "", "") for a document, else (None, reason, detail); reason is a JsonlStats field."""
     try:
         record = json.loads(line)
-    except ValueError:
-        stats.invalid_json += 1
-        return None
+    except ValueError as error:
+        return None, "invalid_json", str(error)
     if not isinstance(record, dict):
-        stats.invalid_json += 1
-        return None
-    text = record.get(text_key)
+        return None, "not_an_object", f"a JSON {type(record).__name__}, not an object"
+    if text_key not in record:
+        return None, "missing_text", f"no {text_key!r} field"
+    text = record[text_key]
     if not isinstance(text, str):
-        stats.missing_text += 1
-        return None
+        return None, "text_not_a_string", f"{text_key!r} is a JSON {type(text).__name__}"
     # JSON may escape lone surrogates, which no tokenizer or UTF-8 file can hold.
     if "\\u" in line and not text.isascii():
         try:
             text.encode("utf-8")
         except UnicodeEncodeError:
-            stats.invalid_utf8 += 1
-            return None
-    return record
+            return None, "invalid_utf8", f"{text_key!r} holds a lone surrogate (an escaped \\ud800-\\udfff)"
+    return record, "", ""
 
 
 def iter_jsonl(
-    paths: str | Path | Iterable[str | Path], text_key: str = "text", stats: JsonlStats | None = None
+    paths: str | Path | Iterable[str | Path],
+    text_key: str = "text",
+    stats: JsonlStats | None = None,
+    on_bad_line: BadLineSink | None = None,
 ) -> Iterator[dict]:
-    """Yield every good record (a dict whose `text_key` is a string) of the files, in order."""
+    """Yield every good record (a dict whose `text_key` is a string) of the files, in order.
+
+    Each bad line is counted in `stats` and handed to `on_bad_line` as a `bad_line` record."""
     stats = stats if stats is not None else JsonlStats()
     for path in _as_paths(paths):
         with open_input(path) as stream:
             stats.files += 1
             try:
-                for raw in stream:
+                for number, raw in enumerate(stream, start=1):
                     stats.lines += 1
-                    record = _parse_line(raw.rstrip(b"\r\n"), text_key, stats)
-                    if record is not None:
-                        stats.documents += 1
-                        yield record
+                    raw = raw.rstrip(b"\r\n")
+                    line, repaired = _decoded(raw)
+                    if not line.strip():
+                        stats.blank_lines += 1
+                        continue
+                    record, reason, detail = _parse_line(line, text_key)
+                    if record is None:
+                        setattr(stats, reason, getattr(stats, reason) + 1)
+                        if on_bad_line is not None:
+                            on_bad_line(bad_line(path, number, reason, detail, raw))
+                        continue
+                    stats.documents += 1
+                    stats.repaired_utf8 += repaired
+                    yield record
             except (EOFError, OSError) as error:
                 raise InputError(f"{path} is truncated or corrupt after line {stats.lines}: {error}") from None
 
@@ -191,3 +244,22 @@ def _writer(final: Path, tmp: Path) -> IO[bytes]:
     if final.suffix in ZSTD_SUFFIXES:
         return _zstandard(final).ZstdCompressor().stream_writer(open(tmp, "wb"), closefd=True)
     return open(tmp, "wb", buffering=1 << 20)
+
+
+class BadLinesFile:
+    """An `on_bad_line` sink: bad-line records as JSONL at `path`, created on the first one only."""
+
+    def __init__(self, path: str | Path):
+        self.path, self.count = Path(path), 0
+        self._out: IO[str] | None = None
+
+    def __call__(self, record: dict) -> None:
+        if self._out is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._out = open(self.path, "w", encoding="utf-8", buffering=1 << 20)
+        self._out.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self.count += 1
+
+    def close(self) -> None:
+        if self._out is not None:
+            self._out.close()

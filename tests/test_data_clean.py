@@ -169,6 +169,8 @@ def test_every_document_is_kept_or_rejected_by_its_filter(tmp_path):
     assert by_id["html"]["text"].startswith(GOOD.splitlines()[0]) and "var x" not in by_id["html"]["text"]
     rejected = {}
     for path in (out / "rejected").glob("*.jsonl"):
+        if path.name == "bad_lines.jsonl":
+            continue
         for record in read(path):
             assert record["rejected_by"] == path.stem and record["detail"]
             assert record["text"] == CASES[record["id"]][0]  # stored as it came in

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import gzip
 import json
 from pathlib import Path
@@ -10,8 +11,10 @@ import numpy as np
 import pytest
 import sentencepiece
 
-from loom.data_tools.build import build_indexed_dataset
+from loom.data_tools.build import bad_lines_path, build_indexed_dataset
+from loom.data_tools.clean import clean_corpus
 from loom.data_tools.corpus import build_stdlib_corpus, stdlib_root
+from loom.data_tools.dedup import deduplicate
 from loom.data_tools.jsonl import InputError, JsonlStats, iter_jsonl, write_jsonl_atomic
 from loom.data_tools.tokenizer import train_tokenizer
 from loom.engine.data.indexed import IndexedDataset
@@ -70,9 +73,10 @@ def test_built_tokens_equal_sentencepiece_plus_eod(pipeline, workers):
     for i, text in enumerate(texts):
         assert dataset[i].tolist() == processor.encode(text) + [processor.eos_id()], f"document {i}"
     assert result["tokens"] == dataset.num_tokens
-    assert result["bad_lines"] == 5 and result["input"]["invalid_json"] == 1
-    assert result["input"]["missing_text"] == 2 and result["input"]["invalid_utf8"] == 2
-    assert result["input"]["blank_lines"] == 1
+    # "\xff\xfe bad bytes" decodes with the Windows-1252 fallback, then is not JSON.
+    assert result["bad_lines"] == 5 and result["input"]["invalid_json"] == 2
+    assert result["input"]["missing_text"] == 1 and result["input"]["text_not_a_string"] == 1
+    assert result["input"]["invalid_utf8"] == 1 and result["input"]["blank_lines"] == 1
 
 
 def test_workers_do_not_change_the_output_and_eod_is_optional(pipeline):
@@ -93,8 +97,78 @@ def test_jsonl_reader_counts_bad_lines(tmp_path):
     stats = JsonlStats()
     records = list(iter_jsonl(path, stats=stats))
     assert [r["text"] for r in records] == ["a", "b"] and records[1]["id"] == 3
-    assert (stats.lines, stats.documents, stats.invalid_json, stats.missing_text, stats.invalid_utf8) == (6, 2, 1, 2, 1)
+    counts = (stats.lines, stats.documents, stats.invalid_json, stats.not_an_object, stats.missing_text)
+    assert counts == (6, 2, 1, 1, 1) and stats.text_not_a_string == 1 and stats.invalid_utf8 == 0
     assert [r["body"] for r in iter_jsonl(path, text_key="body")] == ["c"]
+
+
+# Every kind of line a real corpus holds: (raw bytes, what it is). The last line has no newline.
+MIXED_LINES = [
+    (b'{"text": "The first good document, long enough to read."}', "document"),
+    (b"not json", "invalid_json"),
+    (b"[1, 2]", "not_an_object"),
+    (b'{"id": "no text"}', "missing_text"),
+    (b'{"text": 7}', "text_not_a_string"),
+    (b"", "blank"),
+    (b'{"id": "latin", "text": "caf\xe9 au lait, served in a cup, every morning"}', "document"),
+    (b"\xff\xfe{ not UTF-8 and not JSON", "invalid_json"),
+    (b'{"text": "lone \\ud800 surrogate"}', "invalid_utf8"),
+    (b" \t ", "blank"),
+    (b'{"text": "The second good document, also long enough."}', "document"),
+]
+
+
+def write_mixed_lines(path: Path) -> Path:
+    path.write_bytes(b"\n".join(line for line, _ in MIXED_LINES))
+    return path
+
+
+def check_bad_lines(path: Path, source: Path) -> None:
+    """bad_lines.jsonl holds exactly the bad lines, in order, with their numbers, reasons and bytes."""
+    records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    expected = [(n, kind) for n, (_, kind) in enumerate(MIXED_LINES, 1) if kind not in ("document", "blank")]
+    assert [(r["line"], r["reason"]) for r in records] == expected
+    for record in records:
+        raw = record["raw"].encode() if "raw" in record else base64.b64decode(record["raw_base64"])
+        assert record["file"] == str(source) and record["detail"]
+        assert raw == MIXED_LINES[record["line"] - 1][0]
+
+
+def count_lines(path: Path) -> int:
+    return len(path.read_text(encoding="utf-8").splitlines()) if path.exists() else 0
+
+
+def test_every_command_keeps_each_bad_line_and_accounts_for_every_input_line(pipeline, tmp_path):
+    source = write_mixed_lines(tmp_path / "mixed.jsonl")
+    documents, blank = (sum(kind == k for _, kind in MIXED_LINES) for k in ("document", "blank"))
+    bad = len(MIXED_LINES) - documents - blank
+
+    cleaned = clean_corpus([source], tmp_path / "clean", progress=False)
+    rejected = sum(count_lines(p) for p in (tmp_path / "clean/rejected").glob("*.jsonl") if p.name != "bad_lines.jsonl")
+    assert (cleaned["lines"], cleaned["documents"], cleaned["bad_lines"]) == (len(MIXED_LINES), documents, bad)
+    assert count_lines(tmp_path / "clean/kept.jsonl") + rejected == cleaned["documents"]
+    assert cleaned["documents"] + cleaned["bad_lines"] + cleaned["blank_lines"] == len(MIXED_LINES)
+    assert cleaned["repaired_utf8"] == 1
+    check_bad_lines(tmp_path / "clean/rejected/bad_lines.jsonl", source)
+
+    deduped = deduplicate([source], tmp_path / "dedup", progress=False)
+    kept = [json.loads(line) for line in (tmp_path / "dedup/kept.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert len(kept) == documents and deduped["input"]["lines"] == len(MIXED_LINES)
+    assert deduped["input"]["bad_lines"] == bad and deduped["input"]["blank_lines"] == blank
+    assert [r for r in kept if r.get("id") == "latin"][0]["text"].startswith("café au lait")
+    check_bad_lines(tmp_path / "dedup/rejected/bad_lines.jsonl", source)
+
+    prefix = tmp_path / "built"
+    built = build_indexed_dataset([source], pipeline["model"], prefix, progress=False)
+    assert IndexedDataset(prefix).num_documents == built["documents"] == documents
+    assert built["input"]["lines"] == documents + built["bad_lines"] + built["input"]["blank_lines"] == len(MIXED_LINES)
+    assert built["bad_lines_file"] == str(bad_lines_path(prefix)) == str(tmp_path / "built.rejected/bad_lines.jsonl")
+    check_bad_lines(bad_lines_path(prefix), source)
+    manifest = json.loads((tmp_path / "built.manifest.json").read_text())
+    assert manifest["counts"]["bad_lines"] == bad
+
+    build_indexed_dataset([pipeline["corpus"]], pipeline["model"], prefix, progress=False)
+    assert not bad_lines_path(prefix).exists()  # a clean input leaves no stale bad lines behind
 
 
 def test_jsonl_round_trip_and_atomic_write(tmp_path):
