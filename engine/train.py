@@ -166,6 +166,7 @@ class Trainer:
         directory = Path(choice[0])
         metadata = read_metadata(directory, verify_hashes=False)
         load_checkpoint(self.training_state(), directory, metadata)
+        self.kernels.weights_updated(self.chunks)
         self.step = metadata.step
         self.last_saved_step = self.step
         self._log_event(f"resumed from {directory} at step {self.step}")
@@ -269,6 +270,7 @@ class Trainer:
         if self.step + 1 == self.faults.nan_loss_at_step:
             loss = math.nan
         result = self.optimizer.apply(lr, math.sqrt(squared_norm), skip=not math.isfinite(loss))
+        self.kernels.weights_updated(self.chunks)
         self.step += 1
         row = {"loss": loss, "lr": lr, "grad_norm": result["grad_norm"], "global_batch_size": global_batch}
         if self.loss_scaler is not None:

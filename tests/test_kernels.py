@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from dist_utils import run_ranks
 from training_runs import read_metrics, tiny_config
 
 from loom.engine.config import ConfigError
@@ -311,3 +312,52 @@ def test_whole_compiled_blocks_train_like_eager(markov_dataset, tmp_path):
     compiled, blocks_compiled = run_ranks(_losses_with_compile, 2, dataset, str(tmp_path / "compiled"), True)[0]
     assert blocks_compiled
     torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-6, atol=0)
+
+
+def _scaled_mm_kernels() -> Kernels:
+    native = Kernels.native()
+    linear = Choice("torch._scaled_mm(fp8 current scaling)", "test: the CPU runs _scaled_mm")
+    return Kernels(native.attention, native.norm, native.activation, linear, native.optimizer, fp8="current")
+
+
+def _fp8_run_cached_and_uncached(rank, world, dataset, run_dir):
+    """Each rank trains the same dp2 ZeRO-1 run twice through the Trainer, with the FP8 layers' weight casts
+    cached and not; per run its losses, final weights and how often each layer quantised its weight."""
+    from loom.engine import train
+    from loom.engine.model.fp8 import weight_casts
+
+    train.choose_kernels = lambda config, device: _scaled_mm_kernels()  # FP8 on CPU: the guard wants CUDA
+    runs = {}
+    for cached in (True, False):
+        config = tiny_config(
+            dataset,
+            f"{run_dir}/{cached}",
+            train={"steps": 3, "seq_length": 64},
+            parallel={"dp": 2},
+            optim={"zero1": True},
+        )
+        trainer = train.Trainer(config)
+        casts = weight_casts(trainer.chunks)
+        for cast in casts:
+            cast.enabled = cached
+        losses = [trainer.train_step()["loss"] for _ in range(3)]
+        weights = torch.cat([p.detach().flatten() for p in trainer.params])
+        runs[cached] = {"losses": losses, "weights": weights, "casts": [c.casts for c in casts]}
+        trainer.close()
+    return runs
+
+
+def test_fp8_weight_casts_are_made_once_per_step_and_change_nothing(dataset, tmp_path):
+    # ZeRO-1 under dp 2: each rank steps half of the masters and the other half arrives by an all-gather into
+    # the parameter buffer, which leaves the parameters' version counters alone, so a cache keyed on them
+    # alone would reuse stale casts; the Trainer's invalidation after each step must catch it.
+    ranks = run_ranks(_fp8_run_cached_and_uncached, 2, dataset, str(tmp_path))
+    microbatches = 16 // (2 * 2)  # global batch 16, micro-batch 2, dp 2
+    for runs in ranks:
+        cached, uncached = runs[True], runs[False]
+        assert cached["losses"] == uncached["losses"] and cached["losses"][-1] < cached["losses"][0]
+        assert torch.equal(cached["weights"], uncached["weights"])
+        layers = 4 * 4  # tiny: 4 blocks of qkv, attention output, fc1, fc2
+        assert cached["casts"] == [3] * layers  # once per step
+        assert uncached["casts"] == [3 * microbatches] * layers
+    assert ranks[0][True]["losses"] == ranks[1][True]["losses"]

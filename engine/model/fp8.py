@@ -8,6 +8,9 @@ history and no state: a recomputed forward gives the same result. Weights stay i
 dtype (bf16, fp32 masters in the optimizer); only the GEMM inputs are quantised, and the forward
 keeps the FP8 copies of x and W for the backward (half the bytes of bf16).
 
+A weight changes only when the optimizer steps, so each layer quantises it once per step
+(`WeightCast`) and every micro-batch, and every recomputed forward, of that step reuses the copy.
+
 torch._scaled_mm wants the second operand column-major and every size divisible by 16; kernels.py
 checks the sizes before choosing this path. It runs on CUDA devices of compute capability >= 8.9,
 and (slowly) on CPU, which is how the tests check the arithmetic. Only kernels.py decides to use it.
@@ -48,20 +51,62 @@ def _column_major(t: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous().t()
 
 
+class WeightCast:
+    """One layer's FP8 copy of its weight, made by the first forward after the weight changed and reused by
+    every later one: the micro-batches of an optimizer step, their recomputed forwards and validation.
+
+    Without it every micro-batch repeats the same amax, scale and cast over the whole weight (M - 1
+    wasted passes per step with M micro-batches, and M FP8 copies held for the backward under 1F1B).
+    The copy is keyed on the weight's version counter and storage, which in-place updates of the
+    parameter itself bump (a torch.optim step, a checkpoint's copy_); writes through `.data` or into a
+    flat buffer the parameter is a view of (the ZeRO-1 all-gather of DistributedOptimizer) do not, so the
+    trainer also calls invalidate() after every update (Kernels.weights_updated)."""
+
+    def __init__(self) -> None:
+        self.enabled = True
+        """False quantises on every call (the reference the cached path is tested against)."""
+        self.casts = 0
+        """How many times the weight was quantised."""
+        self._key: tuple | None = None
+        self._cast: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    # Runs eagerly inside a torch.compile'd block: a graph that guarded on this object's state would be
+    # one graph per layer and per cache state, where one graph serves every block.
+    @torch.compiler.disable
+    def get(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weight in E4M3 and its fp32 inverse scale, quantised only if it changed since the last call."""
+        key = (weight._version, weight.data_ptr(), weight.dtype, weight.device)
+        if self.enabled and self._cast is not None and key == self._key:
+            return self._cast
+        self.casts += 1
+        cast = quantize(weight, E4M3)
+        if self.enabled:
+            self._key, self._cast = key, cast
+        return cast
+
+    def invalidate(self) -> None:
+        """The weight changed in a way its version counter does not show; also frees the copy."""
+        self._key = self._cast = None
+
+
 class _Fp8Matmul(torch.autograd.Function):
-    """y = x W^T with x [M, in] and W [out, in]; forward, dgrad and wgrad GEMMs all in FP8."""
+    """y = x W^T with x [M, in] and W [out, in]; forward, dgrad and wgrad GEMMs all in FP8. The weight comes
+    quantised (w_q, w_inv: WeightCast's); its gradient flows to `weight`."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, w_q: torch.Tensor, w_inv: torch.Tensor) -> torch.Tensor:
         x_q, x_inv = quantize(x, E4M3)
-        w_q, w_inv = quantize(weight, E4M3)
         ctx.save_for_backward(x_q, x_inv, w_q, w_inv)
         ctx.dtypes = (x.dtype, weight.dtype)
+        # Fast accumulation keeps the tensor cores' partial sums in their own narrower accumulator instead of
+        # promoting them to fp32 every few blocks of K: faster, and the forward tolerates it. The backward GEMMs
+        # do not use it (as in Transformer Engine, split accumulator for dgrad/wgrad, and Megatron): E5M2
+        # gradients are coarser, and wgrad sums over every token of the micro-batch, where the error grows.
         # W^T of a row-major W is already column-major.
-        return torch._scaled_mm(x_q, w_q.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=x.dtype)
+        return torch._scaled_mm(x_q, w_q.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=x.dtype, use_fast_accum=True)
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
         x_q, x_inv, w_q, w_inv = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
         g_q, g_inv = quantize(grad_out.contiguous(), E5M2)
@@ -69,18 +114,43 @@ class _Fp8Matmul(torch.autograd.Function):
         grad_w = torch._scaled_mm(
             g_q.t().contiguous(), _column_major(x_q), scale_a=g_inv, scale_b=x_inv, out_dtype=w_dtype
         )
-        return grad_x, grad_w
+        return grad_x, grad_w, None, None
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear with FP8 GEMMs; x [..., in] (cast to the weight's dtype), weight [out, in]."""
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    weight_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """F.linear with FP8 GEMMs; x [..., in] (cast to the weight's dtype), weight [out, in]. `weight_fp8` is the
+    weight already quantised (WeightCast.get), else it is quantised here."""
     leading = x.shape[:-1]
-    y = _Fp8Matmul.apply(x.to(weight.dtype).reshape(-1, x.shape[-1]), weight)
+    w_q, w_inv = weight_fp8 if weight_fp8 is not None else quantize(weight, E4M3)
+    y = _Fp8Matmul.apply(x.to(weight.dtype).reshape(-1, x.shape[-1]), weight, w_q, w_inv)
     y = y.reshape(*leading, weight.shape[0])
     return y if bias is None else y + bias
 
 
-class Fp8ColumnParallelLinear(ColumnParallelLinear):
+class _Fp8Linear:
+    """What both FP8 layers add to their parallel layer: the weight's per-step FP8 copy."""
+
+    weight: torch.nn.Parameter
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.weight_cast = WeightCast()
+
+    def _fp8_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return fp8_linear(x, self.weight, bias, self.weight_cast.get(self.weight))
+
+
+def weight_casts(modules: list[torch.nn.Module]) -> list[WeightCast]:
+    """The WeightCast of every FP8 layer in `modules` (model chunks)."""
+    return [m.weight_cast for module in modules for m in module.modules() if isinstance(m, _Fp8Linear)]
+
+
+class Fp8ColumnParallelLinear(_Fp8Linear, ColumnParallelLinear):
     """ColumnParallelLinear (same parameters, same collectives) whose GEMMs run in FP8."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -88,15 +158,15 @@ class Fp8ColumnParallelLinear(ColumnParallelLinear):
             x = mappings.gather_from_sequence_region(x, self.tp_group)
         else:
             x = mappings.copy_to_tensor_region(x, self.tp_group)
-        y = fp8_linear(x, self.weight, self.bias)
+        y = self._fp8_linear(x, self.bias)
         return mappings.gather_from_tensor_region(y, self.tp_group) if self.gather_output else y
 
 
-class Fp8RowParallelLinear(RowParallelLinear):
+class Fp8RowParallelLinear(_Fp8Linear, RowParallelLinear):
     """RowParallelLinear (same parameters, same collectives) whose GEMMs run in FP8."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = fp8_linear(x, self.weight)
+        y = self._fp8_linear(x, None)
         if self.sequence_parallel:
             y = mappings.reduce_scatter_to_sequence_region(y, self.tp_group)
         else:

@@ -231,7 +231,7 @@ class Kernels:
         from loom.engine.model.fp8 import Fp8ColumnParallelLinear
         from loom.engine.parallel.layers import ColumnParallelLinear
 
-        cls = Fp8ColumnParallelLinear if self.linear.impl.startswith("torch._scaled_mm") else ColumnParallelLinear
+        cls = Fp8ColumnParallelLinear if self.uses_scaled_mm else ColumnParallelLinear
         return cls(in_features, out_blocks, tp_group, bias=bias, init_std=init_std, sequence_parallel=sequence_parallel)
 
     def row_linear(
@@ -252,7 +252,7 @@ class Kernels:
         from loom.engine.model.fp8 import Fp8RowParallelLinear
         from loom.engine.parallel.layers import RowParallelLinear
 
-        cls = Fp8RowParallelLinear if self.linear.impl.startswith("torch._scaled_mm") else RowParallelLinear
+        cls = Fp8RowParallelLinear if self.uses_scaled_mm else RowParallelLinear
         return cls(
             in_features, out_features, tp_group, bias=bias, init_std=init_std, sequence_parallel=sequence_parallel
         )
@@ -269,6 +269,20 @@ class Kernels:
         from loom.engine.model import te
 
         return te.dot_product_attention(config, tp_group, sequence_parallel)
+
+    @property
+    def uses_scaled_mm(self) -> bool:
+        return self.linear.impl.startswith("torch._scaled_mm")
+
+    def weights_updated(self, model_chunks: list[torch.nn.Module]) -> None:
+        """The optimizer stepped or a checkpoint was loaded: drop what was derived from the old weights (the FP8
+        layers' per-step weight casts), since a ZeRO-1 all-gather changes them without their version counter."""
+        if not self.uses_scaled_mm:
+            return
+        from loom.engine.model.fp8 import weight_casts
+
+        for cast in weight_casts(model_chunks):
+            cast.invalidate()
 
     def fp8_autocast(self, amax_group) -> contextlib.AbstractContextManager:
         """TE's FP8 region around one block's forward (entered again by a recomputed forward);
