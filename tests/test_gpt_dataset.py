@@ -255,6 +255,45 @@ def test_blend_repairs_segments_that_start_from_a_wrong_guess(monkeypatch, passe
     assert (datasets.tolist(), samples.tolist()) == simple_blend(weights, 20_000)
 
 
+# Exact ties (equal weights, weights whose products round to the same double), a zero weight (which
+# megatron-core still draws from on a tie at error 0), a tiny weight (drawn once in thousands of
+# samples, the case that leaves runs of wrong segment estimates) and many datasets.
+MEGATRON_BLENDS = [
+    [0.5, 0.3, 0.15, 0.05],
+    [1, 1, 1],
+    [1, 1, 2, 4],
+    [0, 1, 1],
+    [1, 0, 1, 0],
+    [1e-5, 0.3, 0.2, 0.1, 0.4, 0.05, 0.03],
+    list(np.random.default_rng(3).random(40) ** 3),
+]
+
+
+def megatron_blend(weights, size: int) -> tuple[np.ndarray, np.ndarray]:
+    helpers_cpp = pytest.importorskip("megatron.core.datasets.helpers_cpp", reason="megatron-core's C++ helpers")
+    normalised = np.asarray(weights, dtype=np.float64) / np.sum(np.asarray(weights, dtype=np.float64))
+    datasets, samples = np.zeros(size, np.int16), np.zeros(size, np.int64)
+    helpers_cpp.build_blending_indices(datasets, samples, normalised, len(weights), size, False)
+    return datasets, samples
+
+
+@pytest.mark.parametrize("weights", MEGATRON_BLENDS)
+def test_blend_equals_megatron_cores_cpp_helper(weights):
+    for size in (1, 2047, 2049, 200_003):
+        datasets, samples = blend_indices(weights, size)
+        expected_datasets, expected_samples = megatron_blend(weights, size)
+        np.testing.assert_array_equal(datasets, expected_datasets, err_msg=f"{size} samples")
+        np.testing.assert_array_equal(samples, expected_samples, err_msg=f"{size} samples")
+
+
+def test_blend_with_a_zero_weight_equals_the_simple_loop():
+    for weights in ([0, 1, 1], [1, 0, 1, 0]):
+        datasets, samples = blend_indices(weights, 30_000)
+        assert (datasets.tolist(), samples.tolist()) == simple_blend(weights, 30_000)
+    # Sample 2 ties at error 0 between all three datasets, and the lowest index wins: the zero-weight one.
+    assert blend_indices([0, 1, 1], 3)[0].tolist() == [1, 2, 0]
+
+
 class Numbered:
     def __init__(self, name: str, size: int):
         self.name, self.size = name, size

@@ -6,10 +6,12 @@ prefix of the blend is then as close to the weights as whole samples allow.
 
 The rule is a sequential recurrence; a Python loop over it costs about half a second per million
 samples. `blend_indices` computes the identical sequence in numpy by cutting the samples into
-segments and running all segments in lock step: each segment starts from an estimate of the draw
-counts a few dozen steps before its start (the greedy forgets where it started within a few
-steps), and a segment is accepted only when its counts at its first sample equal the counts the
-previous, already exact, segment ended with. Segments that fail are re-run from that exact state,
+segments of 128 and running all segments in lock step, one dataset at a time over all segments (so
+each numpy call works on a long array): each segment starts from an estimate of the draw counts a
+few dozen steps before its start (the greedy forgets where it started within a few steps), and a
+segment is accepted only when its counts at its first sample equal the counts the previous, already
+exact, segment ended with. Segments that fail are re-run from that exact state (in lock step for a
+few passes, then one by one: a dataset with a tiny weight can leave long runs of wrong estimates),
 so the result is exact by induction, whatever the estimate. This module must not read tokens
 itself: it only maps a sample number to (dataset, sample in that dataset).
 """
@@ -24,66 +26,100 @@ import numpy as np
 from loom.engine.data.indexed import DatasetError
 
 MAX_DATASETS = int(np.iinfo(np.int16).max)
-_SEGMENT = 512
-_WARMUP = 64
+_SEGMENT = 128
+_WARMUP = 32
 _MAX_PASSES = 4
 # Below this many samples the plain loop beats the lock-step segments' fixed cost.
-_LOOP_BELOW = 8192
+_LOOP_BELOW = 2048
 
 
 def normalise_weights(weights: Sequence[float]) -> np.ndarray:
-    """Weights divided by their sum in float64, exactly as megatron-core does."""
+    """Weights divided by their sum in float64, exactly as megatron-core does (a zero weight is allowed)."""
     if len(weights) == 0:
         raise ValueError("blending needs at least one weight")
-    if any(not (math.isfinite(w) and w > 0) for w in weights):
-        raise DatasetError(f"blending weights must be positive finite numbers, got {list(weights)}")
+    if any(not (math.isfinite(w) and w >= 0) for w in weights) or not any(w > 0 for w in weights):
+        raise DatasetError(f"blending weights must be non-negative finite numbers, one positive, got {list(weights)}")
     array = np.asarray(weights, dtype=np.float64)
     return array / np.sum(array)
 
 
 def _estimate_counts(weights: np.ndarray, steps: np.ndarray) -> np.ndarray:
-    """Largest-remainder apportionment of `steps` draws: within a draw or so of the greedy's counts."""
+    """Largest-remainder apportionment of `steps` draws, (datasets, rows) as float64: within a draw or so
+    of the greedy's counts."""
     ideal = np.outer(steps.astype(np.float64), weights)
-    counts = np.floor(ideal).astype(np.int64)
+    counts = np.floor(ideal)
     missing = steps - counts.sum(axis=1)
     rank = np.argsort(np.argsort(counts - ideal, axis=1, kind="stable"), axis=1, kind="stable")
     counts += rank < missing[:, None]
-    return counts
+    return np.ascontiguousarray(counts.T)
 
 
 def _run_greedy(
     weights: np.ndarray, counts: np.ndarray, first_steps: np.ndarray, length: int, record: bool
-) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """Advance every row of `counts` (in place) by `length` greedy draws; row r starts at first_steps[r].
+) -> np.ndarray | None:
+    """Advance every column of `counts` (datasets × rows, float64, in place) by `length` greedy draws;
+    column r starts at step first_steps[r]. Returns the choices (length × rows) when `record`.
 
-    The error is computed with the same float64 operations as megatron-core's C++ loop, and argmax
-    keeps the first maximum, matching its strict `>`; that is what makes the sequences identical.
-    """
-    rows = np.arange(len(counts))
-    choices = np.empty((len(counts), length), np.int16) if record else None
-    drawn = np.empty((len(counts), length), np.int64) if record else None
+    Datasets are compared one at a time over whole rows, so every numpy call runs on a long
+    contiguous array. The error is computed with the same float64 operations as megatron-core's C++
+    loop (weight * max(step, 1) - count), and a later dataset wins only when strictly greater, as
+    its `>`; that is what makes the sequences identical. The winner is then the largest d that beat
+    the running best, kept with a max over small integers (a masked copy costs ten times more).
+    Counts are exact in float64 (below 2**53)."""
+    rows, pick_type = counts.shape[1], _pick_type(len(weights))
+    choices = np.empty((length, rows), pick_type) if record else None
+    first = first_steps.astype(np.float64)
+    at_zero = np.flatnonzero(first_steps <= 0)
+    scale, best, error = np.empty(rows), np.empty(rows), np.empty(rows)
+    greater = np.empty(rows, bool)
+    picked, candidate = np.empty(rows, pick_type), np.empty(rows, pick_type)
     for t in range(length):
-        scale = np.maximum(first_steps + t, 1).astype(np.float64)
-        picked = np.argmax(weights[None, :] * scale[:, None] - counts, axis=1)
+        np.add(first, t, out=scale)
+        if len(at_zero):
+            scale[at_zero] = np.maximum(scale[at_zero], 1.0)
+        np.multiply(scale, weights[0], out=best)
+        best -= counts[0]
+        picked.fill(0)
+        for d in range(1, len(weights)):
+            np.multiply(scale, weights[d], out=error)
+            error -= counts[d]
+            np.greater(error, best, out=greater)
+            np.maximum(best, error, out=best)
+            np.multiply(greater.view(np.uint8), d, out=candidate, dtype=pick_type)
+            np.maximum(picked, candidate, out=picked)
+        for d in range(len(weights)):
+            np.equal(picked, d, out=greater)
+            counts[d] += greater
         if record:
-            choices[:, t] = picked
-            drawn[:, t] = counts[rows, picked]
-        counts[rows, picked] += 1
-    return choices, drawn
+            choices[t] = picked
+    return choices
 
 
-def _greedy_loop(weights: np.ndarray, counts: list[int], first_step: int, length: int) -> tuple[list, list]:
-    """The rule itself, one sample at a time: the fallback when segments keep disagreeing."""
+def _pick_type(datasets: int) -> type:
+    return np.uint8 if datasets <= 256 else np.uint16
+
+
+def _greedy_loop(weights: np.ndarray, counts: list[int], first_step: int, length: int) -> list[int]:
+    """The rule itself, one sample at a time: short blends, and the fallback when segments keep disagreeing."""
     w = weights.tolist()
-    choices, drawn = [], []
+    choices = []
     for i in range(first_step, first_step + length):
         scale = float(max(i, 1))
         errors = [w[d] * scale - counts[d] for d in range(len(w))]
         best = errors.index(max(errors))
         choices.append(best)
-        drawn.append(counts[best])
         counts[best] += 1
-    return choices, drawn
+    return choices
+
+
+def _sample_numbers(dataset_index: np.ndarray, datasets: int) -> np.ndarray:
+    """For each sample, how many earlier samples came from its dataset (its index in that dataset)."""
+    numbers = np.empty(len(dataset_index), np.int64)
+    counting = np.arange(len(dataset_index), dtype=np.int64)
+    for d in range(datasets):
+        positions = np.flatnonzero(dataset_index == d)
+        numbers[positions] = counting[: len(positions)]
+    return numbers
 
 
 def blend_indices(weights: Sequence[float], size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -92,42 +128,61 @@ def blend_indices(weights: Sequence[float], size: int) -> tuple[np.ndarray, np.n
     if len(w) > MAX_DATASETS:
         raise ValueError(f"at most {MAX_DATASETS} datasets can be blended, got {len(w)}")
     if size <= _LOOP_BELOW:
-        choices, drawn = _greedy_loop(w, [0] * len(w), 0, max(size, 0))
-        return np.asarray(choices, dtype=np.int16), np.asarray(drawn, dtype=np.int64)
+        dataset_index = np.asarray(_greedy_loop(w, [0] * len(w), 0, max(size, 0)), dtype=np.int16)
+    else:
+        dataset_index = _blend_in_segments(w, size)
+    return dataset_index, _sample_numbers(dataset_index, len(w))
+
+
+def _blend_in_segments(w: np.ndarray, size: int) -> np.ndarray:
     segments = -(-size // _SEGMENT)
     starts = np.arange(segments, dtype=np.int64) * _SEGMENT
-    begin = np.zeros((segments, len(w)), dtype=np.int64)
+    begin = np.zeros((len(w), segments))
     if segments > 1:
-        warm = _estimate_counts(w, starts[1:] - _WARMUP)
-        _run_greedy(w, warm, starts[1:] - _WARMUP, _WARMUP, record=False)
-        begin[1:] = warm
+        warm_from = np.maximum(starts[1:] - _WARMUP, 0)
+        warm = _estimate_counts(w, warm_from)
+        _run_greedy(w, warm, warm_from, _WARMUP, record=False)
+        begin[:, 1:] = warm
     end = begin.copy()
-    choices, drawn = _run_greedy(w, end, starts, _SEGMENT, record=True)
-    for attempt in range(_MAX_PASSES + 1):
-        wrong = np.flatnonzero(np.any(begin[1:] != end[:-1], axis=1)) + 1
+    choices = _run_greedy(w, end, starts, _SEGMENT, record=True)
+    for _ in range(_MAX_PASSES):
+        wrong = _wrong_segments(begin, end)
         if len(wrong) == 0:
-            return choices.reshape(-1)[:size].copy(), drawn.reshape(-1)[:size].copy()
-        if attempt == _MAX_PASSES:
             break
         # The first wrong segment follows an exact one, so each pass fixes at least one more.
-        begin[wrong] = end[wrong - 1]
-        state = begin[wrong].copy()
-        choices[wrong], drawn[wrong] = _run_greedy(w, state, starts[wrong], _SEGMENT, record=True)
-        end[wrong] = state
-    return _finish_sequentially(w, size, begin, end, choices, drawn)
+        begin[:, wrong] = end[:, wrong - 1]
+        state = begin[:, wrong].copy()
+        choices[:, wrong] = _run_greedy(w, state, starts[wrong], _SEGMENT, record=True)
+        end[:, wrong] = state
+    _fix_one_by_one(w, begin, end, choices, _wrong_segments(begin, end))
+    return choices.T.reshape(-1)[:size].astype(np.int16)
 
 
-def _finish_sequentially(
-    w: np.ndarray, size: int, begin: np.ndarray, end: np.ndarray, choices: np.ndarray, drawn: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    first_wrong = int(np.flatnonzero(np.any(begin[1:] != end[:-1], axis=1))[0]) + 1
-    start = first_wrong * _SEGMENT
-    tail_choices, tail_drawn = _greedy_loop(w, end[first_wrong - 1].tolist(), start, size - start)
-    dataset_index = choices.reshape(-1)[:size].copy()
-    sample_index = drawn.reshape(-1)[:size].copy()
-    dataset_index[start:] = tail_choices
-    sample_index[start:] = tail_drawn
-    return dataset_index, sample_index
+def _wrong_segments(begin: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """Segments that did not start where their predecessor ended (segment 0 starts exact)."""
+    return np.flatnonzero(np.any(begin[:, 1:] != end[:, :-1], axis=0)) + 1
+
+
+def _fix_one_by_one(w: np.ndarray, begin: np.ndarray, end: np.ndarray, choices: np.ndarray, wrong: np.ndarray) -> None:
+    """Re-run the wrong segments in order with the plain loop, each from its exact predecessor.
+
+    A dataset with a tiny weight (drawn once in hundreds of segments) can leave a run of segments
+    whose estimates agree with each other but not with the truth, which the lock-step passes fix one
+    segment per pass. Here a fixed segment's successor is checked next, and the walk jumps to the next
+    segment known to be wrong once they agree again: segments after that whose predecessor did not
+    change are still right."""
+    pending = iter(wrong.tolist())
+    segment = next(pending, None)
+    while segment is not None:
+        counts = [int(c) for c in end[:, segment - 1]]
+        begin[:, segment] = counts
+        choices[:, segment] = _greedy_loop(w, counts, segment * _SEGMENT, _SEGMENT)
+        end[:, segment] = counts
+        following = segment + 1
+        if following < begin.shape[1] and np.any(begin[:, following] != end[:, segment]):
+            segment = following
+            continue
+        segment = next((s for s in pending if s > segment), None)
 
 
 class BlendedDataset:
@@ -138,6 +193,10 @@ class BlendedDataset:
             raise DatasetError(f"{len(weights)} blending weights for {len(datasets)} datasets; give one per dataset")
         if size < 0:
             raise ValueError(f"a blend needs a non-negative size, got {size}")
+        if any(not (math.isfinite(w) and w > 0) for w in weights):
+            # blend_indices follows megatron-core for a zero weight too, but a dataset listed with weight 0
+            # in a training config is a mistake (megatron-core may still draw from it on a tie).
+            raise DatasetError(f"blending weights must be positive finite numbers, got {list(weights)}")
         self.datasets, self.weights, self.size = datasets, list(weights), size
         self.dataset_index, self.dataset_sample_index = blend_indices(weights, size)
         needed = np.bincount(self.dataset_index, minlength=len(datasets))
