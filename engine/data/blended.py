@@ -114,11 +114,10 @@ def _greedy_loop(weights: np.ndarray, counts: list[int], first_step: int, length
 
 def _sample_numbers(dataset_index: np.ndarray, datasets: int) -> np.ndarray:
     """For each sample, how many earlier samples came from its dataset (its index in that dataset)."""
-    numbers = np.empty(len(dataset_index), np.int64)
-    counting = np.arange(len(dataset_index), dtype=np.int64)
+    numbers = np.zeros(len(dataset_index), np.int64)
     for d in range(datasets):
-        positions = np.flatnonzero(dataset_index == d)
-        numbers[positions] = counting[: len(positions)]
+        chosen = dataset_index == d
+        numbers[chosen] = np.arange(np.count_nonzero(chosen))  # a boolean mask beats flatnonzero + scatter
     return numbers
 
 
