@@ -13,13 +13,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from dist_utils import run_ranks
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from loom.engine.config import ModelConfig
 from loom.engine.model.gpt import GPTModel
 from loom.engine.optim.model_parallel_grads import counted_once, sum_model_parallel_grads
+from loom.engine.parallel import sharding
 from loom.engine.parallel.cross_entropy import vocab_parallel_cross_entropy
-from loom.engine.parallel.param_info import param_info
-from loom.engine.parallel.sharding import ShardSpec, initialize_parameters
+from loom.engine.parallel.param_info import param_info, update_param_info
+from loom.engine.parallel.sharding import ShardSpec, initialize_parameters, make_parameter
 from loom.engine.parallel.state import ParallelState
 
 SEQ, BATCH = 8, 3
@@ -148,6 +150,69 @@ def test_shard_spec_roundtrip_with_blocks_and_padding():
     parts = [padded.shard(torch.ones(5, 2), r, 4) for r in range(4)]
     assert [p.sum().item() for p in parts] == [4, 4, 2, 0]
     assert torch.equal(padded.unshard(parts), torch.ones(5, 2))
+
+
+INIT_SPECS = {
+    "qkv blocks, rows": ShardSpec((48, 5), 0, blocks=(16, 16, 16)),
+    "columns": ShardSpec((6, 40), 1),
+    "padded vocabulary": ShardSpec((37, 5), 0, padded_size=40),
+    "replicated": ShardSpec((9, 5)),
+}
+
+
+@pytest.mark.parametrize("spec", INIT_SPECS.values(), ids=INIT_SPECS.keys())
+def test_every_tp_size_initialises_slices_of_the_same_tensor(spec, monkeypatch):
+    # Slabs of 3 rows/columns (15 or 18 elements), so slabs straddle the boundaries of blocks and ranks.
+    monkeypatch.setattr(sharding, "SLAB_ELEMENTS", 18)
+    assert sharding.slab_size(spec) == 3
+    full = sharding.full_init(("normal", 0.5), spec, seed=11, name="w")
+    for tp in (1, 2, 4):
+        if spec.dim is not None and any(block % tp for block in spec._blocks()):
+            continue
+        shards = []
+        for rank in range(tp):
+            shards.append(torch.full(spec.local_shape(tp), float("nan")))
+            sharding.init_shard(shards[-1], ("normal", 0.5), spec, 11, "w", rank, tp)
+            assert torch.equal(shards[-1], spec.shard(full, rank, tp))  # padding rows included (zeros)
+        assert torch.equal(spec.unshard(shards), full)
+    # normal(0, 0.5) values, each slab its own draw (no two slabs, or a slab and the next seed, repeat)
+    assert full.unique().numel() == full.numel()
+    assert abs(full.mean().item()) < 0.15 and 0.4 < full.std().item() < 0.6
+    assert not torch.equal(full, sharding.full_init(("normal", 0.5), spec, seed=12, name="w"))
+
+
+class LargestAllocation(TorchDispatchMode):
+    """Records the number of elements of the largest tensor any operation returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.elements = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(tensor, torch.Tensor):
+                self.elements = max(self.elements, tensor.numel())
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tp4_rank_initialises_its_shard_without_the_full_tensor(dtype):
+    full_shape = (4096, 512)  # 2M elements: 8 slabs; a quarter is 2 slabs
+    module = torch.nn.Module()
+    module.weight = make_parameter(ShardSpec(full_shape, 0, blocks=(2048, 1024, 1024)), 4, ("normal", 0.02))
+    module.weight.data = module.weight.data.to(dtype)
+    update_param_info(module.weight, name="layers.0.attention.qkv.weight")
+    with LargestAllocation() as largest:
+        initialize_parameters(module, seed=1, tp_rank=3, tp_size=4)
+    shard = module.weight.numel()
+    assert shard == 4096 * 512 // 4
+    # a slab (2**18 elements) at a time, plus a shard-sized fp32 buffer for a bf16 parameter; never the full size
+    assert largest.elements == (sharding.SLAB_ELEMENTS if dtype == torch.float32 else shard)
+    full = sharding.full_init(
+        ("normal", 0.02), param_info(module.weight).shard_spec, 1, "layers.0.attention.qkv.weight"
+    )
+    assert torch.equal(module.weight.float(), param_info(module.weight).shard_spec.shard(full, 3, 4).to(dtype).float())
 
 
 PEAK_MEMORY_PROBE = """

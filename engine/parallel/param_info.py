@@ -27,7 +27,7 @@ class ParamInfo:
     shard_spec: ShardSpec
     """How the full (layout-independent) tensor maps to this TP rank's shard."""
     init_method: tuple
-    """How the full tensor is initialised: ("normal", std), ("ones",) or ("zeros",) (sharding.full_init)."""
+    """How the full tensor is initialised: ("normal", std), ("ones",) or ("zeros",) (sharding.init_shard)."""
     sequence_parallel_grad: bool = False
     """A replicated parameter whose gradient is partial on each TP rank (it sees only a slice of the
     sequence under sequence parallelism), so the gradient is summed over the TP group."""

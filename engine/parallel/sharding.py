@@ -10,6 +10,7 @@ splitting.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +64,19 @@ class ShardSpec:
         ]
         return torch.cat(pieces, dim=self.dim).contiguous()
 
+    def local_ranges(self, tp_rank: int, tp_size: int) -> list[tuple[int, int]]:
+        """The [start, end) ranges along `dim` of the padded full tensor that this rank's shard holds, in order
+        (one per block); the whole of dim 0 for a replicated tensor."""
+        if self.dim is None:
+            return [(0, self.full_shape[0])]
+        self.local_shape(tp_size)  # refuses blocks that do not split
+        ranges, start = [], 0
+        for block in self._blocks():
+            per_rank = block // tp_size
+            ranges.append((start + tp_rank * per_rank, start + (tp_rank + 1) * per_rank))
+            start += block
+        return ranges
+
     def unshard(self, shards: list[torch.Tensor]) -> torch.Tensor:
         """The full tensor from every TP rank's shard, in rank order (padding removed)."""
         if self.dim is None:
@@ -81,17 +95,76 @@ def name_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
-def full_init(init: tuple, shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    """Materialise a full parameter on the CPU: ("normal", std), ("ones",) or ("zeros",)."""
+# Random initial values are drawn in slabs: runs of whole rows (or columns, for a tensor split along dim 1)
+# of about this many elements, each from a generator seeded by the parameter's name and the slab's index.
+# A TP rank then draws only the slabs its shard overlaps, one at a time, instead of the full tensor (minutes
+# and the full size in memory for a 70B model's embedding or MLP weights); slabs are cut from the full shape
+# alone, so every layout draws the same values. 2**18 fp32 elements (1 MiB) make a seed and a call per slab
+# negligible next to the drawing.
+SLAB_ELEMENTS = 1 << 18
+
+
+def slab_dim(spec: ShardSpec) -> int:
+    """The dimension slabs run along: the split one, so a shard is a union of (parts of) slabs."""
+    return spec.dim if spec.dim is not None else 0
+
+
+def slab_size(spec: ShardSpec) -> int:
+    """Indices along slab_dim per slab: whole rows/columns of about SLAB_ELEMENTS elements, at least one."""
+    shape, dim = spec.full_shape, slab_dim(spec)
+    per_index = math.prod(shape) // shape[dim] if shape[dim] else 1
+    return max(1, SLAB_ELEMENTS // max(1, per_index))
+
+
+def slab_values(spec: ShardSpec, std: float, seed: int, name: str, slab: int) -> torch.Tensor:
+    """The normal(0, std) values of one slab of the full (unpadded) tensor, on the CPU in fp32."""
+    dim, size = slab_dim(spec), slab_size(spec)
+    start = slab * size
+    shape = list(spec.full_shape)
+    shape[dim] = min(size, spec.full_shape[dim] - start)
+    generator = torch.Generator().manual_seed(name_seed(seed, f"{name}#slab{slab}"))
+    return torch.randn(shape, generator=generator, dtype=torch.float32).mul_(std)
+
+
+def fill_normal_shard(
+    local: torch.Tensor, spec: ShardSpec, std: float, seed: int, name: str, tp_rank: int, tp_size: int
+) -> None:
+    """Write this rank's shard of the full normal(0, std) tensor into `local`, drawing only the slabs it
+    overlaps (padding rows are zeros). Peak extra memory: one slab."""
+    dim, size, length = slab_dim(spec), slab_size(spec), spec.full_shape[slab_dim(spec)]
+    offset = 0  # where the current range starts in `local`
+    for start, end in spec.local_ranges(tp_rank, tp_size):
+        for slab in range(start // size, math.ceil(min(end, length) / size)):
+            lo, hi = max(start, slab * size), min(end, length, (slab + 1) * size)
+            values = slab_values(spec, std, seed, name, slab)
+            local.narrow(dim, offset + lo - start, hi - lo).copy_(values.narrow(dim, lo - slab * size, hi - lo))
+        if end > length:
+            padding_start = max(start, length)
+            local.narrow(dim, offset + padding_start - start, end - padding_start).zero_()
+        offset += end - start
+
+
+def full_init(init: tuple, spec: ShardSpec, seed: int, name: str) -> torch.Tensor:
+    """The whole logical tensor a parameter is initialised from ("normal", std), ("ones",) or ("zeros",),
+    on the CPU: what every layout's shards are slices of (tests and tools; training fills shards directly)."""
+    full = torch.empty(spec.full_shape)
+    init_shard(full, init, ShardSpec(spec.full_shape, slab_dim(spec)), seed, name, 0, 1)
+    return full
+
+
+def init_shard(
+    local: torch.Tensor, init: tuple, spec: ShardSpec, seed: int, name: str, tp_rank: int, tp_size: int
+) -> None:
+    """Fill `local`, this rank's shard of a parameter, with its slice of the full initial tensor."""
     kind = init[0]
     if kind == "normal":
-        generator = torch.Generator().manual_seed(seed)
-        return torch.randn(shape, generator=generator, dtype=torch.float32) * init[1]
-    if kind == "ones":
-        return torch.ones(shape)
-    if kind == "zeros":
-        return torch.zeros(shape)
-    raise ValueError(f"unknown initialisation {init!r}")
+        fill_normal_shard(local, spec, init[1], seed, name, tp_rank, tp_size)
+    elif kind == "ones":
+        local.fill_(1.0)
+    elif kind == "zeros":
+        local.zero_()
+    else:
+        raise ValueError(f"unknown initialisation {init!r}")
 
 
 def make_parameter(
@@ -109,10 +182,15 @@ def make_parameter(
 
 @torch.no_grad()
 def initialize_parameters(module: torch.nn.Module, seed: int, tp_rank: int, tp_size: int) -> None:
-    """Initialise every parameter from its full shape with a seed derived from its global name, then slice."""
+    """Initialise every parameter with its shard of the full tensor its global name and the seed define,
+    without building the full tensor (see SLAB_ELEMENTS)."""
     for module_name, param in module.named_parameters():
         info = param_info(param)
         if info.name is None:
             raise MissingParamInfoError(f"parameter {module_name} has no global name: its model did not name it")
-        full = full_init(info.init_method, info.shard_spec.full_shape, name_seed(seed, info.name))
-        param.copy_(info.shard_spec.shard(full, tp_rank, tp_size).to(param.device, param.dtype))
+        if param.device.type == "cpu" and param.dtype == torch.float32:
+            init_shard(param, info.init_method, info.shard_spec, seed, info.name, tp_rank, tp_size)
+            continue
+        local = torch.empty(param.shape)  # drawn in fp32 on the CPU, like every layout's values
+        init_shard(local, info.init_method, info.shard_spec, seed, info.name, tp_rank, tp_size)
+        param.copy_(local)
