@@ -30,6 +30,7 @@ from loom.engine.data.loader import BatchIterator, build_datasets
 from loom.engine.faults import FaultPlan
 from loom.engine.flops import model_flops_per_token, peak_tflops
 from loom.engine.metrics import MetricsWriter, StepClock, memory_gb
+from loom.engine.model.fp8_state import Fp8ScalingState
 from loom.engine.model.kernels import choose_kernels
 from loom.engine.optim.distributed import DistributedOptimizer
 from loom.engine.optim.grad_buffer import GradBuffer
@@ -189,6 +190,7 @@ class Trainer:
             rng=self.streams,
             loss_scaler=self.loss_scaler,
             step=self.step,
+            fp8=Fp8ScalingState(self.chunks) if self.kernels.fp8 == "delayed" else None,
         )
 
     def save(self) -> Path:

@@ -1,6 +1,7 @@
 """Checkpoints: exact resume, resume under other layouts (ZeRO-1 state resharded), crash safety."""
 
 import os
+import pickle
 from pathlib import Path
 
 import pytest
@@ -21,9 +22,12 @@ from loom.engine.checkpoint.format import (
     read_metadata,
     write_rank_file,
 )
+from loom.engine.checkpoint.load import PieceReader
+from loom.engine.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from loom.engine.parallel.sharding import ShardSpec
 from loom.engine.train import Trainer
 from loom.launch.local import RankFailed, launch_local
+from loom.tools.ckpt import reshard
 
 STEPS, HALF = 8, 4
 
@@ -291,3 +295,95 @@ def test_data_position_and_rng_round_trip_through_load_state_dict(dataset, tmp_p
     assert torch.equal(restored["next_batch"], saved["next_batch"])
     for stream, state in saved["streams"].items():
         assert torch.equal(restored["streams"][stream], state)
+
+
+class _DelayedScaling:
+    """Stands in for a Transformer Engine Linear under delayed scaling, which needs a GPU: an amax history of
+    its input and weight, max-reduced over the TP group as TE reduces it, and the scales taken from it, kept as
+    extra state in TE's form (a uint8 tensor of a pickled dict)."""
+
+    HISTORY = 3
+
+    def __init__(self, *args, params_dtype=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.amax_history = torch.zeros(self.HISTORY, 2)
+        self.scale = torch.ones(2)
+
+    def forward(self, x):
+        if self.training:
+            amax = torch.stack([x.detach().abs().amax(), self.weight.detach().abs().amax()]).float()
+            if torch.distributed.get_world_size(self.tp_group) > 1:
+                torch.distributed.all_reduce(amax, torch.distributed.ReduceOp.MAX, group=self.tp_group)
+            self.amax_history = torch.cat([amax[None], self.amax_history[:-1]])
+            self.scale = 448.0 / self.amax_history.amax(dim=0)
+        return super().forward(x)
+
+    def get_extra_state(self) -> torch.Tensor:
+        state = pickle.dumps({"amax_history": self.amax_history, "scale": self.scale})
+        return torch.frombuffer(bytearray(state), dtype=torch.uint8)
+
+    def set_extra_state(self, state: torch.Tensor) -> None:
+        saved = pickle.loads(state.numpy().tobytes())
+        self.amax_history, self.scale = saved["amax_history"], saved["scale"]
+
+
+class _DelayedColumn(_DelayedScaling, ColumnParallelLinear):
+    pass
+
+
+class _DelayedRow(_DelayedScaling, RowParallelLinear):
+    pass
+
+
+def _fp8_scaling_state(rank, world, dataset, run_dir, parallel, train_steps):
+    """Train `train_steps` steps with stand-in TE delayed-scaling layers and save, or (0 steps) resume only;
+    returns this rank's amax histories and scales by module name."""
+    import contextlib
+
+    from loom.engine import train
+    from loom.engine.model import te
+    from loom.engine.model.kernels import Choice, Kernels
+
+    native = Kernels.native()
+    linear = Choice("te.Linear+fp8(delayed)", "test: a stand-in for TE")
+    kernels = Kernels(native.attention, native.norm, native.activation, linear, native.optimizer, fp8="delayed")
+    train.choose_kernels = lambda config, device: kernels
+    te.column_parallel_linear, te.row_parallel_linear = _DelayedColumn, _DelayedRow
+    te.fp8_recipe, te.fp8_autocast = lambda mode: None, lambda recipe, group: contextlib.nullcontext()
+
+    config = tiny_config(dataset, run_dir, parallel=parallel, train={"steps": 4, "seq_length": 64})
+    trainer = train.Trainer(config)
+    for _ in range(train_steps):
+        trainer.train_step()
+    if train_steps:
+        trainer.save()
+    layers = {
+        name: m for chunk in trainer.chunks for name, m in chunk.named_modules() if isinstance(m, _DelayedScaling)
+    }
+    state = {name: (m.amax_history, m.scale) for name, m in layers.items()}
+    trainer.close()
+    return state
+
+
+def test_fp8_scaling_state_resumes_under_another_layout(dataset, tmp_path):
+    run_dir = str(tmp_path / "run")
+    saved = run_ranks(_fp8_scaling_state, 2, dataset, run_dir, {"tp": 2}, 2)
+    assert saved[0].keys() == saved[1].keys() and len(saved[0]) == 4 * 4  # qkv, proj, fc1, fc2 of 4 blocks
+    for name, (history, scale) in saved[0].items():
+        assert torch.equal(history, saved[1][name][0])  # TP ranks agree (amaxes reduced over TP), so one copy serves
+        assert history.gt(0).all() and scale.ne(1).all()  # what a fresh layer has not seen
+    # `loom ckpt reshard` carries them: one copy in the file of the stage that holds the layer.
+    resharded = reshard(Path(run_dir) / "checkpoints", tmp_path / "resharded", tp=2, pp=2)
+    metadata = read_metadata(resharded)
+    for name, (history, _) in saved[0].items():
+        stage = int(name.split(".")[1]) // 2
+        assert metadata.index[f"fp8/{name}"] == f"rank{stage * 2:05d}.safetensors"  # TP rank 0 of the stage
+        extra = PieceReader(resharded, metadata).tensor(f"fp8/{name}")
+        assert torch.equal(pickle.loads(extra.numpy().tobytes())["amax_history"], history)
+    # tp 2 -> pp 2: each stage restores its own layers' histories, found by module name.
+    resumed = run_ranks(_fp8_scaling_state, 2, dataset, run_dir, {"pp": 2}, 0)
+    assert sorted(resumed[0]) == sorted(n for n in saved[0] if int(n.split(".")[1]) < 2)
+    assert sorted(resumed[1]) == sorted(n for n in saved[0] if int(n.split(".")[1]) >= 2)
+    for stage in resumed:
+        for name, (history, scale) in stage.items():
+            assert torch.equal(history, saved[0][name][0]) and torch.equal(scale, saved[0][name][1])

@@ -4,7 +4,7 @@ Resharding streams: for each target rank it rebuilds only that rank's parameters
 tensor at a time, from the source pieces, and writes that rank's file before the next, so memory
 stays at about one rank's share plus one tensor. The result is an ordinary checkpoint saved "as
 if" at the target layout with one DP rank and no ZeRO-1 (which any DP size and ZeRO setting
-loads). Factored Adafactor state is not carried over.
+loads). FP8 scaling state is carried over by module name; factored Adafactor state is not.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from loom.engine.checkpoint.format import (
     CheckpointMetadata,
     commit,
     find_loadable,
+    fp8_key,
     make_staging_dir,
     model_key,
     optim_key,
@@ -79,10 +80,14 @@ def reshard(source: Path, output: Path, tp: int, pp: int, vp: int = 1) -> Path:
     staging = make_staging_dir(final)
     specs, files, index = {}, {}, {}
     divisible_by = metadata.config["model"]["make_vocab_divisible_by"]
+    fp8_modules = [key.removeprefix("fp8/") for key in metadata.index if key.startswith("fp8/")]
     for pp_rank in range(pp):
         names = [n for n in metadata.specs if _stage_of(n, layers, pp, vp) % pp == pp_rank]
         for tp_rank in range(tp):
             pieces = _rank_pieces(reader, names, tp_rank, tp, divisible_by, specs)
+            if tp_rank == 0:  # FP8 scaling state is the same on every TP rank: one copy per stage, as training saves
+                modules = [m for m in fp8_modules if _stage_of(m, layers, pp, vp) % pp == pp_rank]
+                pieces.update({fp8_key(m): reader.tensor(fp8_key(m)) for m in modules})
             name, files[name] = write_rank_file(staging, rank_of(tp_rank, 0, pp_rank, tp, 1), pieces)
             index.update({key: name for key in pieces})
             del pieces

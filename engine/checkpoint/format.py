@@ -13,6 +13,8 @@ A piece is a slice of one *logical* tensor (the parameter as a dense single-devi
 is the flat range [start, end) of that shard's master weight or optimizer state (a ZeRO-1 piece,
 or the whole shard). With the ShardSpec and TP size they were saved under, the pieces rebuild the
 logical tensor, which any other layout slices again: that is what makes checkpoints layout-free.
+`fp8/<module>` is a module's FP8 delayed-scaling state (the same on every TP rank, so saved once),
+`rng/<rank>/<stream>` a rank's random state (read back only under the same layout).
 """
 
 from __future__ import annotations
@@ -61,6 +63,11 @@ def optim_key(state: str, name: str, tp_rank: int, start: int, end: int) -> str:
 def rng_key(rank: int, name: str) -> str:
     """A rank's random state entry (RNGStreams.state_dict's `name`); only the same layout reads it back."""
     return f"rng/{rank}/{name}"
+
+
+def fp8_key(module: str) -> str:
+    """A module's FP8 scaling state (fp8_state.Fp8ScalingState), by layout-independent module name."""
+    return f"fp8/{module}"
 
 
 def parse_optim_key(key: str) -> tuple[str, str, int, int, int]:
@@ -151,7 +158,7 @@ class CheckpointMetadata:
     files: dict[str, FileRecord]
     """Size and sha256 of every file of the checkpoint, by file name."""
     index: dict[str, str]
-    """The file holding each tensor piece, by piece key (model_key, optim_key, rng/..., factored/...)."""
+    """The file holding each tensor piece, by piece key (model_key, optim_key, fp8/..., rng/..., factored/...)."""
     format_version: int = FORMAT_VERSION
     """The on-disk format version; a reader refuses any other."""
 

@@ -5,7 +5,7 @@ and under ZeRO-1 all old DP pieces of them) are read, joined into the logical te
 saved ShardSpec, and sliced with the current one: model weights into the parameter, master
 weights and elementwise optimizer state into this rank's segments. One parameter is in memory at
 a time. Safetensors files are opened lazily, so a rank reads only the pieces it needs. The data
-iterator, loss scaler and RNG get their saved state through their own load_state_dict().
+iterator, loss scaler, FP8 scaling state and RNG get their saved state through their own load_state_dict().
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from safetensors import safe_open
 from loom.engine.checkpoint.format import (
     CheckpointError,
     CheckpointMetadata,
+    fp8_key,
     model_key,
     parse_optim_key,
     rng_key,
@@ -177,6 +178,9 @@ def _restore_loop_state(state: TrainingState, reader: PieceReader, metadata: Che
     state.data.load_state_dict({"consumed_samples": metadata.consumed_samples})
     if state.loss_scaler is not None and metadata.loss_scaler:
         state.loss_scaler.load_state_dict(metadata.loss_scaler)
+    if state.fp8 is not None:  # by module name, so under any layout; a module the checkpoint lacks keeps its own
+        saved = {name: fp8_key(name) for name in state.fp8.modules if fp8_key(name) in metadata.index}
+        state.fp8.load_state_dict({name: reader.tensor(key) for name, key in saved.items()})
     p = state.parallel
     keys = {name: rng_key(p.rank, name) for name in state.rng.state_dict()}
     same_layout = metadata.layout.places_ranks_like(tp=p.tp_size, pp=p.pp_size, dp=p.dp_size, vp=p.vp_size)

@@ -6,7 +6,8 @@ Sequence, so that a crash at any point leaves the previous checkpoint as `latest
 3. rank 0 seals it with format.commit(): metadata.json, rename iter_N.tmp -> iter_N, `latest`,
    then removes checkpoints beyond the newest `keep`.
 Which ranks write what: model weights by DP rank 0 of each (TP, PP) position; master weights and
-optimizer state by their owner (every DP rank under ZeRO-1, else DP rank 0); RNG by everyone.
+optimizer state by their owner (every DP rank under ZeRO-1, else DP rank 0); FP8 scaling state by
+TP and DP rank 0 of each pipeline stage; RNG by everyone.
 With checkpoint.async_save, steps 1-3 run in a background thread while training continues.
 What is saved comes from a TrainingState (state.py), never from the trainer itself.
 """
@@ -27,6 +28,7 @@ from loom.engine.checkpoint.format import (
     CheckpointMetadata,
     FileRecord,
     commit,
+    fp8_key,
     iteration_dir,
     make_staging_dir,
     model_key,
@@ -91,12 +93,21 @@ def _optimizer_pieces(state: TrainingState) -> tuple[dict[str, torch.Tensor], in
     return pieces, step
 
 
+def _fp8_pieces(state: TrainingState) -> dict[str, torch.Tensor]:
+    """FP8 scaling state of this stage's modules, written by one rank per stage: amaxes are reduced over
+    the TP group, so every TP rank holds the same (fp8_state.py), and DP rank 0's stands for the replicas."""
+    p = state.parallel
+    if state.fp8 is None or p.tp_rank != 0 or p.dp_rank != 0:
+        return {}
+    return {fp8_key(name): value for name, value in state.fp8.state_dict().items()}
+
+
 def collect_pieces(state: TrainingState) -> tuple[dict[str, torch.Tensor], dict[str, ShardSpec], int | None]:
     """This rank's tensors to write (on the CPU), the ShardSpecs of its weights, and the optimizer's step."""
     model, specs = _model_pieces(state)
     optimizer, step = _optimizer_pieces(state)
     rng = {rng_key(state.parallel.rank, name): value for name, value in state.rng.state_dict().items()}
-    pieces = {**model, **optimizer, **rng}
+    pieces = {**model, **optimizer, **_fp8_pieces(state), **rng}
     return {k: v.detach().cpu().contiguous() for k, v in pieces.items()}, specs, step
 
 

@@ -15,6 +15,7 @@ import torch
 if TYPE_CHECKING:
     from loom.engine.config import LoomConfig
     from loom.engine.data.loader import BatchIterator
+    from loom.engine.model.fp8_state import Fp8ScalingState
     from loom.engine.optim.distributed import DistributedOptimizer
     from loom.engine.optim.loss_scaler import LossScaler
     from loom.engine.parallel.random import RNGStreams
@@ -41,6 +42,9 @@ class TrainingState:
     """The fp16 loss scaler (state_dict()/load_state_dict()), or None when not training in fp16."""
     step: int
     """Training steps completed; the iteration a save is named after (a load leaves it to the caller)."""
+    fp8: Fp8ScalingState | None = None
+    """FP8 delayed-scaling state (amax histories and scales, state_dict()/load_state_dict(), by module name),
+    or None when the run keeps none (train.fp8 = off or current)."""
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """The trainable parameters of the model chunks (those the optimizer holds)."""
