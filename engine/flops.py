@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from loom.engine.config import ModelConfig
 
-# Dense peak TFLOP/s per device by precision, from the vendors' datasheets (SXM parts).
 # Dense peaks in TFLOP/s, from NVIDIA's datasheets (they print sparse figures, twice these, for the tensor cores),
 # matched against torch.cuda.get_device_name() in this order: the first name that appears in it wins, so the
 # PCIe and NVL parts come before the plain "H100" (reported by the SXM part as "NVIDIA H100 80GB HBM3").
