@@ -16,7 +16,7 @@ from loom.engine.config import ConfigError, LoomConfig
 def preflight(config: LoomConfig, world_size: int) -> None:
     """Everything that can be checked before a process group starts."""
     from loom.engine.data.indexed import IndexedDataset
-    from loom.engine.data.token_range import check_token_ids
+    from loom.engine.data.token_range import check_dataset_token_ids
 
     config.resolve_world(world_size)
     if config.model.kernels == "te" or config.train.fp8 != "off":
@@ -35,7 +35,7 @@ def preflight(config: LoomConfig, world_size: int) -> None:
         dataset = IndexedDataset(prefix)
         if dataset.num_tokens == 0:
             raise ConfigError(f"dataset {prefix} holds no tokens")
-    check_token_ids(config.data.paths, config.model.vocab_size, config.data.cache_dir)
+        check_dataset_token_ids(dataset, config.model.vocab_size, config.data.cache_dir)
     if config.data.tokenizer:
         import sentencepiece
 
@@ -105,6 +105,15 @@ def check_run_directory(config: LoomConfig) -> None:
         if entry.name != "replaced":
             entry.rename(aside / entry.name)
     print(f"train.overwrite: the previous run in {run_dir} was moved to {aside}")
+
+
+def preflight_of_a_rank(config: LoomConfig) -> None:
+    """What a rank started by torchrun or srun checks itself before its process group: the checks above that
+    need neither the world size nor the run directory's ownership (its launcher, not loom, started it)."""
+    from loom.engine.data.token_range import check_token_ids
+
+    check_token_ids(config.data.paths, config.model.vocab_size, config.data.cache_dir)
+    check_wandb_installed(config)
 
 
 def check_wandb_installed(config: LoomConfig) -> None:

@@ -31,7 +31,7 @@ from loom.engine.faults import FaultPlan
 from loom.engine.flops import model_flops_per_token, peak_tflops
 from loom.engine.metrics import MetricsWriter, StepClock, memory_gb
 from loom.engine.model.fp8_state import Fp8ScalingState
-from loom.engine.model.kernels import choose_kernels
+from loom.engine.model.kernels import PARAM_DTYPES, choose_kernels
 from loom.engine.optim.distributed import DistributedOptimizer
 from loom.engine.optim.grad_buffer import GradBuffer
 from loom.engine.optim.loss_scaler import LossScaler
@@ -62,9 +62,6 @@ class StopRequest(Protocol):
     """Set by a launcher's signal handler (launch/env.py StopSignals): 0 goes on, larger is more urgent."""
 
     code: int
-
-
-PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class Trainer:
@@ -266,9 +263,7 @@ class Trainer:
         if stop is not None:
             dist.all_reduce(stop_code, op=dist.ReduceOp.MAX)
         loss, squared_norm, stop_code = torch.stack([self._global_sum(loss_sum), squared_norm, stop_code]).tolist()
-        self.agreed_stop_code = int(stop_code)
-        if stop is not None:  # max: a signal that came during the exchange must not be overwritten
-            stop.code = max(stop.code, int(stop_code))
+        self.agreed_stop_code = self._adopt_agreed_stop(stop, stop_code) if stop is not None else 0
         if self.step + 1 == self.faults.nan_loss_at_step:
             loss = math.nan
         result = self.optimizer.apply(lr, math.sqrt(squared_norm), skip=not math.isfinite(loss))
@@ -337,9 +332,14 @@ class Trainer:
         """The most urgent stop code any rank holds (signals reach ranks at different moments)."""
         code = torch.tensor([stop.code], dtype=torch.int64, device=self.device)
         dist.all_reduce(code, op=dist.ReduceOp.MAX)
-        agreed = int(code.item())
-        stop.code = max(stop.code, agreed)  # a signal that came during the exchange must not be overwritten
-        return agreed
+        return self._adopt_agreed_stop(stop, code.item())
+
+    @staticmethod
+    def _adopt_agreed_stop(stop: StopRequest, agreed: float) -> int:
+        """The ranks' agreed code, which decides; the local code only grows (a signal that came during the
+        exchange must not be overwritten)."""
+        stop.code = max(stop.code, int(agreed))
+        return int(agreed)
 
     def run(self, stop: StopRequest | None = None) -> list[dict]:
         """Train for train.steps (or until early stopping); return the logged rows.

@@ -40,12 +40,10 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
     config = load_config(args.config, overrides)
     external = args.nproc is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if external:  # one rank of torchrun or srun: checkpoint and stop on SIGTERM/Ctrl-C like --nproc does
-        from loom.engine.data.token_range import check_token_ids
-        from loom.engine.preflight import check_wandb_installed
+        from loom.engine.preflight import preflight_of_a_rank
         from loom.launch.env import StopSignals, run_rank
 
-        check_token_ids(config.data.paths, config.model.vocab_size, config.data.cache_dir)
-        check_wandb_installed(config)
+        preflight_of_a_rank(config)
         run_rank(config, stop=StopSignals.exit_on_terminate())
         return
     nproc = args.nproc or 1

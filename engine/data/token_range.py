@@ -61,18 +61,22 @@ def token_id_range(dataset: IndexedDataset, cache_dir: Path | None = None) -> tu
     return smallest, largest
 
 
-def check_token_ids(paths: list[str], vocab_size: int, cache_dir: str | None = None) -> None:
+def check_dataset_token_ids(dataset: IndexedDataset, vocab_size: int, cache_dir: str | None = None) -> None:
     """Refuse, in one line, a dataset holding a token id the model's vocabulary does not have."""
+    if dataset.dtype.kind == "u" and np.iinfo(dataset.dtype).max < vocab_size:
+        return  # every id the dtype can hold fits the vocabulary
+    smallest, largest = token_id_range(dataset, Path(cache_dir) if cache_dir else None)
+    if smallest < 0:
+        raise ConfigError(f"dataset {dataset.prefix} holds a negative token id ({smallest}); it is not token data")
+    if largest >= vocab_size:
+        raise ConfigError(
+            f"dataset {dataset.prefix} holds token id {largest}, but model.vocab_size = {vocab_size}: it was "
+            f"tokenized with a larger vocabulary (another tokenizer?); rebuild it with this model's tokenizer, or "
+            f"set --model.vocab_size {largest + 1} if the model really has that many"
+        )
+
+
+def check_token_ids(paths: list[str], vocab_size: int, cache_dir: str | None = None) -> None:
+    """check_dataset_token_ids for every dataset prefix in `paths`."""
     for prefix in paths:
-        dataset = IndexedDataset(prefix)
-        if dataset.dtype.kind == "u" and np.iinfo(dataset.dtype).max < vocab_size:
-            continue  # every id the dtype can hold fits the vocabulary
-        smallest, largest = token_id_range(dataset, Path(cache_dir) if cache_dir else None)
-        if smallest < 0:
-            raise ConfigError(f"dataset {prefix} holds a negative token id ({smallest}); it is not token data")
-        if largest >= vocab_size:
-            raise ConfigError(
-                f"dataset {prefix} holds token id {largest}, but model.vocab_size = {vocab_size}: it was tokenized "
-                f"with a larger vocabulary (another tokenizer?); rebuild it with this model's tokenizer, or set "
-                f"--model.vocab_size {largest + 1} if the model really has that many"
-            )
+        check_dataset_token_ids(IndexedDataset(prefix), vocab_size, cache_dir)

@@ -36,9 +36,8 @@ from loom.engine.config_io import config_to_dict, load_config
 from loom.engine.data.indexed import IndexedDatasetWriter
 from loom.engine.flops import model_flops_per_token, peak_tflops
 from loom.engine.metrics import memory_gb
+from loom.engine.model.kernels import PARAM_DTYPES
 from loom.tools.bench.plain_loop import median, run_plain_loop, unsupported_reason
-
-GEMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -150,7 +149,7 @@ def measure(args: argparse.Namespace, base: LoomConfig) -> dict:
         results["kernels"] = kernels
         rows.append(_fp8_row(args, base, data, tmp, steps, device))
         rows.append(_plain_row(args, base, device))
-    gemm_dtype = GEMM_DTYPES["bf16" if device.type == "cuda" else precision]
+    gemm_dtype = PARAM_DTYPES["bf16" if device.type == "cuda" else precision]
     size = args.gemm_size or (8192 if device.type == "cuda" else 512)
     gemm = gemm_peak_tflops(device, gemm_dtype, size, repeats=50 if device.type == "cuda" else 10)
     datasheet = (
