@@ -208,8 +208,16 @@ class OptimConfig:
     """Shape of the decay from lr to min_lr after warmup."""
     decay_steps: int | None = None
     """Steps over which lr decays (counted from step 0, warmup included); None means train.steps."""
+    zero: int = 0
+    """ZeRO stage over the data-parallel ranks. 0: every DP rank holds the whole optimizer. 1: master
+    weights and optimizer state are split DP ways (adamw, sgd, lamb). 2: gradients too: each bucket is
+    reduce-scattered into the rank's shard as backward completes it, every micro-batch."""
     zero1: bool = False
-    """Shard optimizer state and master weights across data-parallel ranks (ZeRO-1): adamw, sgd, lamb."""
+    """Older spelling of zero = 1, kept so configs that set it still run; resolved into `zero`."""
+    offload: Literal["none", "cpu"] = "none"
+    """Where fp32 master weights and optimizer state live and the optimizer steps. cpu: host memory
+    (pinned where there is a GPU), the update runs there with torch's CPU AdamW; with zero >= 1 only
+    the rank's shard is held. The device keeps the low-precision parameters and gradients."""
     layer_lr_decay: float = 1.0
     """Layer-wise LR decay: block i gets lr * decay^(num_layers - i), embeddings decay^(num_layers + 1)."""
     initial_loss_scale: float = 65536.0
@@ -238,10 +246,20 @@ class OptimConfig:
             loss_scale_hysteresis=self.loss_scale_hysteresis,
             min_loss_scale=self.min_loss_scale,
         )
-        if self.zero1 and self.name == "adafactor":
+        _check_choice("optim", "offload", self.offload, ("none", "cpu"))
+        if self.zero not in (0, 1, 2):
+            raise ConfigError(f"optim.zero = {self.zero} is not a ZeRO stage loom has; use 0, 1 or 2")
+        if self.zero1:  # migrated, so a resolved config.toml says zero = 1 and a later --optim.zero 0 is obeyed
+            self.zero, self.zero1 = max(self.zero, 1), False
+        if self.zero and self.name == "adafactor":
             raise ConfigError(
-                "optim.name = adafactor does not support optim.zero1 = true (its factored moments "
-                "need whole matrices); use adamw, sgd or lamb with ZeRO-1, or zero1 = false"
+                f"optim.name = adafactor does not support optim.zero = {self.zero} (its factored moments "
+                "need whole matrices); use adamw, sgd or lamb with ZeRO, or optim.zero = 0"
+            )
+        if self.offload != "none" and self.name == "adafactor":
+            raise ConfigError(
+                "optim.name = adafactor does not support optim.offload = cpu (its step talks to the TP "
+                "group); use adamw, sgd or lamb with offload"
             )
 
 

@@ -131,8 +131,8 @@ class Trainer:
             state.dp_rank,
             int(c.parallel.grad_bucket_mb * 2**20),
             overlap=c.parallel.overlap_grad_reduce,
-            reduce_scatter=c.optim.zero1,
-            enabled=state.dp_size > 1 or c.optim.zero1 or param_dtype != torch.float32,
+            zero=c.optim.zero,
+            enabled=state.dp_size > 1 or c.optim.zero >= 1 or param_dtype != torch.float32,
             deferred=lambda q: needs_model_parallel_sum(q, state),
             before_deferred=lambda: sum_model_parallel_grads(self.grads.deferred, state),
         )

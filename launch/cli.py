@@ -29,8 +29,10 @@ Under torchrun or Slurm (RANK and WORLD_SIZE set) and without --nproc, this proc
 
 Layouts: world = tp * pp * dp; --parallel.vp V interleaves V chunks per pipeline stage (needs
 micro-batches per step divisible by pp). Optimizers (--optim.name): adamw, sgd, lamb, adafactor.
-ZeRO-1 (--optim.zero1 true) shards master weights and optimizer state over DP for adamw, sgd and
-lamb, with fp32, bf16 or fp16 (dynamic loss scaling) and any tp/pp/vp; adafactor runs without it."""
+--optim.zero 1 shards master weights and optimizer state over DP (ZeRO-1), --optim.zero 2 the
+gradients too (ZeRO-2), for adamw, sgd and lamb, with fp32, bf16 or fp16 (dynamic loss scaling) and
+any tp/pp/vp; --optim.offload cpu keeps master weights and optimizer state in host memory and steps
+there (alone or with ZeRO). adafactor runs without either."""
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:

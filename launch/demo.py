@@ -125,8 +125,8 @@ def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: in
         str(vp),
         "--parallel.sequence_parallel",
         "true",
-        "--optim.zero1",
-        "true",
+        "--optim.zero",
+        "1",
         "--train.record_pipeline_timeline",
         "true",
     ]

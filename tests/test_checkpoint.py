@@ -128,7 +128,7 @@ def test_reshard_then_resume(dataset, straight, saved_at_tp2_pp2_dp2, tmp_path):
 
     resharded = tmp_path / "resharded"
     reshard(saved_at_tp2_pp2_dp2, resharded, tp=1, pp=2)
-    assert "layout tp=1 pp=2 vp=1 dp=1 world=2 zero1=False" in inspect(resharded)
+    assert "layout tp=1 pp=2 vp=1 dp=1 world=2 zero=0" in inspect(resharded)
     resumed = run(dataset, tmp_path / "resumed", 2, {"pp": 2}, checkpoint={"load": str(resharded)})
     for step in resumed:
         assert abs(resumed[step] - straight[step]) / straight[step] < 1e-4
@@ -182,7 +182,7 @@ def metadata_of(step: int, files: dict[str, FileRecord], index: dict[str, str]) 
         step=step,
         consumed_samples=8 * step,
         tokens=8 * step * 64,
-        layout=CheckpointLayout(tp=1, pp=1, vp=1, dp=1, world=1, zero1=False, optimizer="adamw", precision="fp32"),
+        layout=CheckpointLayout(tp=1, pp=1, vp=1, dp=1, world=1, zero=0, optimizer="adamw", precision="fp32"),
         optimizer_step=step,
         loss_scaler=None,
         config={},

@@ -84,7 +84,13 @@ def test_resolved_config_round_trips_through_toml(tmp_path):
         (["--train.steps", "0"], "train.steps must be positive, got 0"),
         (
             ["--optim.name", "adafactor", "--optim.zero1", "true"],
-            "optim.name = adafactor does not support optim.zero1 = true",
+            "optim.name = adafactor does not support optim.zero = 1",
+        ),
+        (["--optim.zero", "3"], "optim.zero = 3 is not a ZeRO stage loom has; use 0, 1 or 2"),
+        (["--optim.offload", "nvme"], "optim.offload = 'nvme' is not one of none, cpu"),
+        (
+            ["--optim.name", "adafactor", "--optim.offload", "cpu"],
+            "optim.name = adafactor does not support optim.offload = cpu",
         ),
     ],
 )
@@ -93,6 +99,15 @@ def test_bad_values_are_one_clear_line(overrides, message):
         load_config(None, overrides)
     assert str(error.value).startswith(message)
     assert "\n" not in str(error.value)
+
+
+def test_zero1_is_the_older_spelling_of_zero_1(tmp_path):
+    migrated = load_config("tiny", ["--optim.zero1", "true"])
+    assert (migrated.optim.zero, migrated.optim.zero1) == (1, False)
+    assert load_config("tiny", ["--optim.zero1", "true", "--optim.zero", "2"]).optim.zero == 2
+    path = tmp_path / "config.toml"  # a resolved config says zero = 1, so overriding it back to 0 is obeyed
+    path.write_text(config_to_toml(migrated))
+    assert load_config(path, ["--optim.zero", "0"]).optim.zero == 0
 
 
 def test_toml_type_errors(tmp_path):

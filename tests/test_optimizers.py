@@ -73,7 +73,7 @@ def _compare(rank, world, tp, name, zero1):
     initialize_parameters(model, seed=3, tp_rank=state.tp_rank, tp_size=tp)
     named = list(model.named_parameters())
     params = [p for _, p in named]
-    grads = GradBuffer(params, state.dp_group, dp, state.dp_rank, bucket_bytes=2048, reduce_scatter=zero1)
+    grads = GradBuffer(params, state.dp_group, dp, state.dp_rank, bucket_bytes=2048, zero=int(zero1))
     optim = OptimConfig(
         name=name,
         lr=LR,
@@ -83,7 +83,7 @@ def _compare(rank, world, tp, name, zero1):
         beta2=BETAS[1],
         eps=EPS,
         clip_grad=0.0,
-        zero1=zero1,
+        zero=int(zero1),
     )
     optimizer = DistributedOptimizer(named, grads, optim, state, config.num_layers)
 

@@ -91,7 +91,7 @@ def reshard(source: Path, output: Path, tp: int, pp: int, vp: int = 1) -> Path:
             name, files[name] = write_rank_file(staging, rank_of(tp_rank, 0, pp_rank, tp, 1), pieces)
             index.update({key: name for key in pieces})
             del pieces
-    layout = dataclasses.replace(metadata.layout, tp=tp, pp=pp, vp=vp, dp=1, world=tp * pp, zero1=False)
+    layout = dataclasses.replace(metadata.layout, tp=tp, pp=pp, vp=vp, dp=1, world=tp * pp, zero=0)
     resharded = dataclasses.replace(metadata, specs=specs, files=files, index=index, layout=layout)
     return commit(staging, final, resharded)
 

@@ -275,7 +275,7 @@ def import_hf(source: Path, output: Path) -> Path:
         step=0,
         consumed_samples=0,
         tokens=0,
-        layout=CheckpointLayout(tp=1, pp=1, vp=1, dp=1, world=1, zero1=False, optimizer=None, precision="fp32"),
+        layout=CheckpointLayout(tp=1, pp=1, vp=1, dp=1, world=1, zero=0, optimizer=None, precision="fp32"),
         optimizer_step=0,
         loss_scaler=None,
         config=config_to_dict(config),

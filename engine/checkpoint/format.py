@@ -122,8 +122,8 @@ class CheckpointLayout:
     """Data-parallel size."""
     world: int
     """Number of ranks (tp * pp * dp)."""
-    zero1: bool
-    """Whether optimizer state was split across DP ranks (ZeRO-1) when saved."""
+    zero: int
+    """The ZeRO stage (optim.zero) when saved: with 1 or 2 optimizer state was split across DP ranks."""
     optimizer: str | None
     """The optimizer's name (optim.name); None for a checkpoint without optimizer state (import-hf)."""
     precision: str
@@ -193,7 +193,7 @@ class CheckpointMetadata:
                 step=data["step"],
                 consumed_samples=data["consumed_samples"],
                 tokens=data["tokens"],
-                layout=CheckpointLayout(**data["layout"]),
+                layout=CheckpointLayout(**_migrated_layout(data["layout"])),
                 optimizer_step=data["optimizer_step"],
                 loss_scaler=data["loss_scaler"],
                 config=data["config"],
@@ -297,3 +297,10 @@ def commit(staging: Path, final: Path, metadata: CheckpointMetadata, keep: int |
         for old in candidates(final.parent)[keep:]:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _migrated_layout(layout: dict) -> dict:
+    """Checkpoints written before ZeRO 2 existed say zero1 = true/false instead of the stage."""
+    if "zero1" in layout:
+        layout = {**layout, "zero": int(layout.pop("zero1"))}
+    return layout

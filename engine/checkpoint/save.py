@@ -74,7 +74,7 @@ def _optimizer_pieces(state: TrainingState) -> tuple[dict[str, torch.Tensor], in
     optimizer, tp_rank = state.optimizer, state.parallel.tp_rank
     pieces: dict[str, torch.Tensor] = {}
     step = None
-    if not (optimizer.zero1 or state.parallel.dp_rank == 0):
+    if not (optimizer.sharded or state.parallel.dp_rank == 0):
         return pieces, step
     for seg in optimizer.segments:
         info = param_info(seg.param)
@@ -125,7 +125,7 @@ def describe_run(state: TrainingState) -> CheckpointMetadata:
             vp=p.vp_size,
             dp=p.dp_size,
             world=p.world_size,
-            zero1=c.optim.zero1,
+            zero=c.optim.zero,
             optimizer=c.optim.name,
             precision=c.train.precision,
         ),

@@ -1,15 +1,21 @@
-"""DistributedOptimizer: fp32 master weights, mixed precision, and ZeRO-1 sharding of optimizer state.
+"""DistributedOptimizer: fp32 master weights, mixed precision, ZeRO sharding and CPU offload.
 
-The optimizer steps *segments*: pieces of parameters in fp32. Without ZeRO-1 a segment is a
+The optimizer steps *segments*: pieces of parameters in fp32. Without ZeRO a segment is a
 whole parameter, held by every DP rank (for fp32 parameters it is the parameter itself: no
-copy). With ZeRO-1 each DP rank holds segments only for its chunk of every gradient bucket, so
-master weights and optimizer state are split DP ways; after the step every rank writes its
-updated chunk into a flat parameter buffer (the model's parameters are views of it) and the
-buckets are all-gathered. The global gradient norm, the fp16 inf check and LAMB's per-parameter
+copy). With ZeRO 1 or 2 each DP rank holds segments only for its chunk of every gradient
+bucket, so master weights and optimizer state are split DP ways; after the step every rank
+writes its updated chunk into a flat parameter buffer (the model's parameters are views of it)
+and the buckets are all-gathered. ZeRO 2 differs only in where the reduced gradients come from
+(the GradBuffer's shard). The global gradient norm, the fp16 inf check and LAMB's per-parameter
 norms each take one collective over the ranks that own a piece.
 
-Supported: AdamW, SGD and LAMB with or without ZeRO-1; Adafactor without ZeRO-1 (its factored
-moments need whole matrices).
+With `offload = "cpu"` every segment's master weights, gradient copy and optimizer state are in
+host memory (pinned when the parameters are on a GPU) and the update runs there; the step copies
+the reduced gradients down and the updated weights back up. The step is not overlapped with the
+next forward: that forward needs the weights this step writes.
+
+Supported: AdamW, SGD and LAMB with or without ZeRO and offload; Adafactor without either (its
+factored moments need whole matrices, and its step talks to the TP group).
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ class Segment:
     """Where the segment's gradient sits in the gradient buffer (-1: in param.grad)."""
     master: torch.Tensor
     """fp32 weights the optimizer updates (the parameter itself when that needs no copy)."""
+    host_grad: torch.Tensor | None = None
+    """Offload: the host copy of the segment's reduced gradient the update reads."""
 
     @property
     def aliases_param(self) -> bool:
@@ -59,20 +67,26 @@ class DistributedOptimizer:
         loss_scaler: LossScaler | None = None,
         adamw_impl: str | None = None,
     ):
-        """`adamw_impl` is the AdamW kernels.py chose (None: torch's fused AdamW on CUDA, foreach on CPU)."""
+        """`adamw_impl` is the AdamW kernels.py chose (None: torch's fused AdamW on CUDA, foreach on CPU);
+        offloaded, the update runs on the host with torch's CPU AdamW instead."""
         self.config, self.state, self.grads, self.loss_scaler = config, state, grads, loss_scaler
-        self.adamw_impl = adamw_impl
-        self.zero1 = config.zero1
+        self.sharded = config.zero >= 1
+        """Each DP rank holds only its share of master weights and state (ZeRO 1 and 2)."""
+        self.offload = config.offload == "cpu"
+        self.device = grads.params[0].device
+        self.adamw_impl = "torch.AdamW(foreach)" if self.offload else adamw_impl
         self.named_params = named_params
         self.param_index = {p: i for i, (_, p) in enumerate(named_params)}
         self._replicated = torch.tensor([param_info(p).shard_spec.is_replicated for _, p in named_params])
         self.segments = self._make_segments()
-        self.param_buffer = self._make_param_buffer() if self.zero1 else None
+        self.param_buffer = self._make_param_buffer() if self.sharded else None
         self.inner = self._build_inner(num_layers)
 
     # -- construction -----------------------------------------------------------------------
     def _make_segments(self) -> list[Segment]:
         if not self.grads.enabled:  # fp32, one DP rank: step the parameters themselves
+            if self.offload:
+                return [Segment(p, 0, p.numel(), -1, self._on_host(p.detach())) for p in self.grads.params]
             return [Segment(p, 0, p.numel(), -1, p) for p in self.grads.params]
         segments = []
         for lo, hi in self.grads.owned_ranges():
@@ -82,18 +96,26 @@ class DistributedOptimizer:
                 if start >= end:
                     continue
                 whole = end - start == param.numel()
-                if whole and param.dtype == torch.float32 and not self.zero1:
+                if whole and param.dtype == torch.float32 and not self.sharded and not self.offload:
                     master = param
                 else:
-                    flat = param.detach().reshape(-1)[start - offset : end - offset].float().clone()
+                    flat = param.detach().reshape(-1)[start - offset : end - offset]
+                    flat = self._on_host(flat) if self.offload else flat.float().clone()
                     master = flat.view_as(param) if whole else flat
                 segments.append(Segment(param, start - offset, end - offset, start, master))
         return segments
 
+    def _on_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """An fp32 host copy, pinned when the device is a GPU (so the per-step copies can be asynchronous)."""
+        pin = self.device.type == "cuda"
+        host = torch.empty(tensor.shape, dtype=torch.float32, pin_memory=pin)
+        host.copy_(tensor)
+        return host
+
     def _make_param_buffer(self) -> torch.Tensor:
         """One flat tensor laid out like the gradient buffer; parameters become views of it."""
         first = self.grads.params[0]
-        buffer = torch.zeros(self.grads.data.numel(), dtype=first.dtype, device=first.device)
+        buffer = torch.zeros(self.grads.total, dtype=first.dtype, device=first.device)
         for param in self.grads.params:
             offset = self.grads.offsets[param]
             view = buffer[offset : offset + param.numel()].view_as(param)
@@ -140,30 +162,34 @@ class DistributedOptimizer:
     # -- collectives over owners --------------------------------------------------------------
     def _counts(self, seg: Segment) -> bool:
         """Whether this rank's copy of the segment counts toward a global sum (each piece once):
-        once over TP (counted_once), and over DP by its owner (every DP rank's own piece under ZeRO-1)."""
-        return counted_once(seg.param, self.state.tp_rank) and (self.zero1 or self.state.dp_rank == 0)
+        once over TP (counted_once), and over DP by its owner (every DP rank's own piece under ZeRO)."""
+        return counted_once(seg.param, self.state.tp_rank) and (self.sharded or self.state.dp_rank == 0)
 
     def _reduce_per_param(self, partial: torch.Tensor) -> torch.Tensor:
         """Sum per-parameter partial sums (rows indexed like named_params) over DP pieces and TP shards."""
-        if self.zero1 and self.state.dp_size > 1:
+        home = partial.device
+        partial = partial.to(self.device)  # offloaded, the sums are on the host; NCCL needs the device
+        if self.sharded and self.state.dp_size > 1:
             dist.all_reduce(partial, group=self.state.dp_group)
         if self.state.tp_size > 1:
             if self.state.tp_rank != 0:
                 partial[self._replicated.to(partial.device)] = 0
             dist.all_reduce(partial, group=self.state.tp_group)
-        return partial
+        return partial.to(home)
 
     def _grad(self, seg: Segment) -> torch.Tensor:
+        """The segment's reduced gradient where the GradBuffer left it (on the device)."""
         if seg.buffer_start < 0:
             return seg.param.grad
-        return self.grads.data[seg.buffer_start : seg.buffer_start + seg.end - seg.start].view_as(seg.master)
+        return self.grads.gradient(seg.buffer_start, seg.end - seg.start).view_as(seg.master)
 
     def squared_grad_norm(self) -> torch.Tensor:
         """The global squared gradient norm, as a tensor on the device: reading it is the caller's one sync."""
         squares = torch.zeros((), dtype=torch.float32, device=self.segments[0].master.device)
         for seg in self.segments:
             if self._counts(seg):
-                squares += self._grad(seg).float().pow(2).sum()
+                squares += seg.master.grad.float().pow(2).sum()
+        squares = squares.to(self.device)
         if self.state.world_size > 1:
             dist.all_reduce(squares)
         return squares
@@ -173,8 +199,14 @@ class DistributedOptimizer:
         """Point the master weights at this step's gradients and unscale them (fp16); returns the squared
         global gradient norm on the device, for the caller to read together with its loss in one transfer."""
         for seg in self.segments:
-            if not seg.aliases_param:
+            if self.offload:
+                if seg.host_grad is None:
+                    seg.host_grad = torch.empty_like(seg.master)
+                seg.master.grad = seg.host_grad.copy_(self._grad(seg), non_blocking=True)
+            elif not seg.aliases_param:
                 seg.master.grad = self._grad(seg)
+        if self.offload and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # the host reads what non_blocking copied
         if self.loss_scaler is not None:
             torch._foreach_mul_([s.master.grad for s in self.segments], 1.0 / self.loss_scaler.scale)
         return self.squared_grad_norm()
@@ -222,8 +254,13 @@ class DistributedOptimizer:
             handle.wait()
 
     def state_bytes(self) -> int:
-        """Bytes of master weights (copies only) and optimizer state this rank holds."""
+        """Bytes of master weights (copies only) and optimizer state this rank holds, wherever they are."""
         total = sum(s.master.numel() * s.master.element_size() for s in self.segments if not s.aliases_param)
         for state in self.inner.state.values():
             total += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
         return total
+
+    def device_state_bytes(self) -> int:
+        """The part of state_bytes() on the accelerator: none when offloaded (the host copies of the
+        gradients offload keeps are host memory too)."""
+        return 0 if self.offload else self.state_bytes()

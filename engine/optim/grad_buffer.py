@@ -1,17 +1,31 @@
-"""Data-parallel gradient reduction: one contiguous fp32 buffer, buckets, collectives overlapped with backward.
+"""Data-parallel gradient reduction: fp32 gradient buckets, collectives overlapped with backward.
 
-Every parameter's gradient accumulates into a view (`param.main_grad`) of one fp32 buffer, in
-reverse construction order (roughly the order backward finishes them). The buffer is cut into
-buckets; each bucket is padded to a multiple of the DP size, so every DP rank owns an equal
-contiguous chunk of every bucket (what ZeRO-1 reduce-scatters and steps). On the last
-micro-batch of a step, a backward hook counts the parameters whose gradient is final; when a
-bucket is complete its collective starts asynchronously while backward goes on: an all-reduce
-for plain data parallelism, a reduce-scatter for ZeRO-1. Gradients are *summed* over DP: the
-loss is already normalised by the global batch's tokens.
+Parameters are laid out, in reverse construction order (roughly the order backward finishes
+them), along one fp32 *buffer coordinate* space cut into buckets; each bucket is padded to a
+multiple of the DP size, so every DP rank owns an equal contiguous chunk of every bucket (what
+ZeRO reduce-scatters and steps). Gradients are *summed* over DP: the loss is already
+normalised by the global batch's tokens.
+
+ZeRO 0 and 1: the buffer exists in full and every gradient accumulates into a view of it
+(`param.main_grad`). On the last micro-batch of a step a backward hook counts the parameters
+whose gradient is final; a complete bucket's collective starts asynchronously while backward
+goes on: an all-reduce (ZeRO 0) or a reduce-scatter (ZeRO 1).
+
+ZeRO 2: only this rank's chunk of every bucket persists (`shard`, 1/DP of the buffer). Each
+micro-batch, a bucket's gradients gather in a transient full-size bucket that is
+reduce-scattered as soon as backward has filled it and then dropped; the rank adds the reduced
+chunk into its shard. Accumulation therefore happens in the shard, after the reduction, at the
+price of one reduce-scatter per bucket per micro-batch instead of per step (the same trade
+DeepSpeed's ZeRO-2 makes; the alternative, a full buffer reduced once, is ZeRO-1's memory).
+At most MAX_IN_FLIGHT transient buckets exist at a time. Parameters whose gradients must first
+be summed over a model-parallel group (deferred: sequence-parallel norms, a tied embedding
+under pp) keep a full buffer and are reduced once, at the end of the step.
 """
 
 from __future__ import annotations
 
+import bisect
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -30,6 +44,10 @@ class Bucket:
     pending: int = 0
     handle: dist.Work | None = None
     scattered: torch.Tensor | None = field(default=None, repr=False)
+    storage: torch.Tensor | None = field(default=None, repr=False)
+    """ZeRO 2: the transient full bucket gathering this micro-batch's gradients."""
+    arrived: int = 0
+    """ZeRO 2: gradients added to `storage` since it was last reduced."""
 
     def chunk(self, dp_rank: int, dp_size: int) -> tuple[int, int]:
         """The buffer range this DP rank owns in this bucket."""
@@ -54,13 +72,18 @@ def plan_buckets(
     return offsets, buckets, offset
 
 
+MAX_IN_FLIGHT = 2
+"""ZeRO 2: reduce-scatters (each holding a transient bucket) allowed to run behind backward."""
+
+
 class GradBuffer:
     """Owns the gradients of `params` and reduces them over `dp_group` bucket by bucket.
 
-    `enabled` False (fp32 parameters, one DP rank, no ZeRO) leaves gradients where autograd puts
-    them: nothing to reduce, nothing to copy. `deferred` parameters (those whose local gradients
-    must first be summed over a model-parallel group) get buckets of their own, reduced in
-    `finish` after `before_deferred` has done that sum.
+    `zero` is the ZeRO stage (module docstring). `enabled` False (fp32 parameters, one DP rank,
+    no ZeRO) leaves gradients where autograd puts them: nothing to reduce, nothing to copy.
+    `deferred` parameters (those whose local gradients must first be summed over a
+    model-parallel group) get buckets of their own, reduced in `finish` after `before_deferred`
+    has done that sum.
     """
 
     def __init__(
@@ -71,13 +94,14 @@ class GradBuffer:
         dp_rank: int,
         bucket_bytes: int,
         overlap: bool = True,
-        reduce_scatter: bool = False,
+        zero: int = 0,
         enabled: bool = True,
         deferred: Callable[[torch.nn.Parameter], bool] = lambda p: False,
         before_deferred: Callable[[], None] = lambda: None,
     ):
         self.dp_group, self.dp_size, self.dp_rank = dp_group, dp_size, dp_rank
-        self.overlap, self.reduce_scatter, self.enabled = overlap, reduce_scatter, enabled
+        self.overlap, self.zero, self.enabled = overlap, zero, enabled
+        self.reduce_scatter = zero >= 1
         self.before_deferred = before_deferred
         trainable = [p for p in reversed(params) if p.requires_grad]
         self.deferred = [p for p in trainable if deferred(p)]
@@ -95,16 +119,49 @@ class GradBuffer:
         )
         self.offsets.update(offsets)
         self.buckets += self.deferred_buckets
-        self.data = torch.zeros(total, dtype=torch.float32, device=self.params[0].device)
-        self.bucket_of = {}
-        for bucket in self.buckets:
-            for param in bucket.params:
-                self.bucket_of[param] = bucket
-                param.main_grad = self.data[self.offsets[param] : self.offsets[param] + param.numel()].view_as(param)
+        self.total, self.regular_end = total, end
+        self.device = self.params[0].device
         self.deferred_set = set(self.deferred)
+        self.bucket_of = {p: bucket for bucket in self.buckets for p in bucket.params}
+        self.bucket_index = {id(bucket): i for i, bucket in enumerate(self.buckets)}
+        self.in_flight: deque = deque()
+        if zero == 2:
+            # Full storage only for the deferred range; the rest lives in transient buckets and the shard.
+            self.data = torch.zeros(total - end, dtype=torch.float32, device=self.device)
+            self.data_start = end
+            chunks = [b.chunk(dp_rank, dp_size) for b in self.buckets]
+            self.shard_starts = [lo for lo, _ in chunks]
+            self.shard_offsets, size = [], 0
+            for lo, hi in chunks:
+                self.shard_offsets.append(size)
+                size += hi - lo
+            self.shard = torch.zeros(size, dtype=torch.float32, device=self.device)
+        else:
+            self.data = torch.zeros(total, dtype=torch.float32, device=self.device)
+            self.data_start = 0
+        for param in self.params if zero < 2 else self.deferred:
+            start = self.offsets[param] - self.data_start
+            param.main_grad = self.data[start : start + param.numel()].view_as(param)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
 
+    def stored_bytes(self) -> int:
+        """Bytes of gradient storage that persist through a step (transient ZeRO-2 buckets excluded)."""
+        shard = self.shard.numel() if self.zero == 2 else 0
+        return (self.data.numel() + shard) * 4 if self.enabled else 0
+
+    def gradient(self, start: int, numel: int) -> torch.Tensor:
+        """The reduced gradient at buffer coordinates [start, start + numel) after `finish`: a range this
+        rank owns (within one bucket chunk under ZeRO 2)."""
+        if self.zero < 2:
+            return self.data[start : start + numel]
+        i = bisect.bisect_right(self.shard_starts, start) - 1
+        offset = self.shard_offsets[i] + start - self.shard_starts[i]
+        return self.shard[offset : offset + numel]
+
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
+        if self.zero == 2 and param not in self.deferred_set:
+            self._gather_for_scatter(param)
+            return
         param.main_grad.add_(param.grad)
         param.grad = None
         if self.last_microbatch and self.overlap and param not in self.deferred_set:
@@ -125,6 +182,43 @@ class GradBuffer:
         else:
             bucket.handle = dist.all_reduce(view, group=self.dp_group, async_op=True)
 
+    def _gather_for_scatter(self, param: torch.nn.Parameter) -> None:
+        """ZeRO 2: add this micro-batch's gradient into its transient bucket; reduce the bucket once every
+        member has arrived. Under interleaved schedules a bucket may see one member twice before another
+        once; the sum is linear, so reducing whatever has arrived whenever the count is full is still exact,
+        and every DP rank runs the same schedule, so their collectives match."""
+        bucket = self.bucket_of[param]
+        if bucket.storage is None:
+            bucket.storage = torch.zeros(bucket.end - bucket.start, dtype=torch.float32, device=self.device)
+        offset = self.offsets[param] - bucket.start
+        bucket.storage[offset : offset + param.numel()].view_as(param).add_(param.grad)
+        param.grad = None
+        bucket.arrived += 1
+        if bucket.arrived == len(bucket.params):
+            self._scatter_into_shard(bucket)
+
+    def _scatter_into_shard(self, bucket: Bucket) -> None:
+        storage, bucket.storage, bucket.arrived = bucket.storage, None, 0
+        index = self.bucket_index[id(bucket)]
+        if self.dp_size == 1:
+            self._add_to_shard(index, storage)
+            return
+        chunk = torch.empty((bucket.end - bucket.start) // self.dp_size, dtype=torch.float32, device=self.device)
+        handle = reduce_scatter_single(chunk, storage, group=self.dp_group, async_op=True)
+        # The transient bucket rides along so it lives until the collective that reads it is done.
+        self.in_flight.append((index, handle, chunk, storage))
+        while len(self.in_flight) > (MAX_IN_FLIGHT if self.overlap else 0):
+            self._retire_oldest()
+
+    def _retire_oldest(self) -> None:
+        index, handle, chunk, _storage = self.in_flight.popleft()
+        handle.wait()
+        self._add_to_shard(index, chunk)
+
+    def _add_to_shard(self, index: int, chunk: torch.Tensor) -> None:
+        offset = self.shard_offsets[index]
+        self.shard[offset : offset + chunk.numel()].add_(chunk)
+
     def start_step(self) -> None:
         """Forget the previous step's gradients before the first micro-batch."""
         for p in self.params:
@@ -132,14 +226,20 @@ class GradBuffer:
         if not self.enabled:
             return
         self.data.zero_()
+        if self.zero == 2:
+            self.shard.zero_()
         for bucket in self.buckets:
             bucket.pending, bucket.handle, bucket.scattered = len(bucket.params), None, None
+            bucket.storage, bucket.arrived = None, 0
 
     def finish(self) -> None:
         """Wait for (or start) every bucket's reduction. After it, without ZeRO, `main_grad` (and
         `grad` for fp32 params) is the DP sum; with ZeRO, only this rank's chunk of each bucket is."""
         if not self.enabled:
             self.before_deferred()
+            return
+        if self.zero == 2:
+            self._finish_sharded()
             return
         regular = self.buckets[: len(self.buckets) - len(self.deferred_buckets)]
         for bucket in regular:
@@ -160,6 +260,23 @@ class GradBuffer:
             for p in self.params:
                 if p.dtype == p.main_grad.dtype:  # low-precision params keep their fp32 grads in main_grad
                     p.grad = p.main_grad
+
+    def _finish_sharded(self) -> None:
+        for bucket in self.buckets:
+            if bucket.arrived:  # members that got no gradient this step: reduce what the others gave
+                self._scatter_into_shard(bucket)
+        while self.in_flight:
+            self._retire_oldest()
+        self.before_deferred()
+        for bucket in self.deferred_buckets:
+            index = self.bucket_index[id(bucket)]
+            full = self.data[bucket.start - self.data_start : bucket.end - self.data_start]
+            if self.dp_size == 1:
+                self._add_to_shard(index, full)
+                continue
+            chunk = torch.empty(full.numel() // self.dp_size, dtype=torch.float32, device=self.device)
+            reduce_scatter_single(chunk, full, group=self.dp_group)
+            self._add_to_shard(index, chunk)
 
     def owned_ranges(self) -> list[tuple[int, int]]:
         """Buffer ranges whose reduced gradient this rank holds and whose parameters it steps."""
