@@ -57,7 +57,7 @@ LAYOUTS = {
             parallel__pp=2, parallel__vp=2, parallel__tp=2, parallel__sequence_parallel=True, train__micro_batch_size=1
         ),
     ),
-    # (plain 1F1B at pp 2 is covered by test_zero1's pp2-dp2 and test_checkpoint's resumes)
+    # (plain 1F1B at pp 2 is covered by test_zero's pp2-dp2-lamb and test_checkpoint's resumes)
     "pp4-tied": (4, dict(parallel__pp=4, model__tie_embeddings=True)),
     # bf16 against the bf16 single rank: stages exchange bf16 activations and gradients (the compute dtype).
     # (fp32 interleaving is covered by pp2-vp2-tp2-dp2-sp.)
