@@ -342,6 +342,9 @@ class TrainConfig:
     """online streams to the W&B server; offline writes RUN_DIR/wandb/ for a later `wandb sync`."""
     record_pipeline_timeline: bool = False
     """Record per-op times of the last training step in pipeline_timeline.json (`loom schedule --from-run`)."""
+    comm_ledger: bool = False
+    """Debug: record every collective and p2p transfer of each step (group, op, dtype, count, bytes) in
+    RUN_DIR/comm_ledger/rank_NNNNN.jsonl, one line per step (engine/comm_ledger.py). Slows steps down."""
     nan_policy: Literal["stop", "skip"] = "stop"
     """What a NaN/Inf loss or gradient norm does: stop (fail the run; the last checkpoint, saved before
     the bad step, stays the newest) or skip (drop that step's update and go on). fp16 overflows are

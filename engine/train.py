@@ -24,6 +24,7 @@ from loom.engine.checkpoint.format import CheckpointError, find_loadable, read_m
 from loom.engine.checkpoint.load import changed_model_settings, load_checkpoint
 from loom.engine.checkpoint.save import CheckpointWriter
 from loom.engine.checkpoint.state import TrainingState
+from loom.engine.comm_ledger import StepLedgerWriter
 from loom.engine.config import ConfigError, LoomConfig
 from loom.engine.config_io import config_to_toml
 from loom.engine.data.loader import BatchIterator, build_datasets
@@ -92,6 +93,9 @@ class Trainer:
         self.flops_per_token = model_flops_per_token(config.model, t.seq_length)
         self.peak_flops = self._peak_flops()
         self.faults = FaultPlan.from_environment(self.state.rank)
+        self.comm_ledger = (
+            StepLedgerWriter(t.run_dir, self.state.rank, self.state.named_groups()) if t.comm_ledger else None
+        )
         self.skipped_in_a_row = 0
         self.last_saved_step: int | None = None
         self.checkpoints = Path(t.run_dir) / "checkpoints"
@@ -240,6 +244,12 @@ class Trainer:
     def train_step(self, stop: StopRequest | None = None) -> dict:
         """One optimizer step; returns its metrics row. With `stop`, the ranks also agree on the most urgent
         stop code (stop.code afterwards), read in the step's one device-to-host transfer."""
+        if self.comm_ledger is None:
+            return self._train_step(stop)
+        with self.comm_ledger.step(self.step + 1):
+            return self._train_step(stop)
+
+    def _train_step(self, stop: StopRequest | None) -> dict:
         t = self.config.train
         lr = learning_rate(self.step, self.config.optim, t.steps)
         self._train_mode(True)

@@ -129,6 +129,17 @@ class ParallelState:
             pp_ranks=pp_ranks,
         )
 
+    def named_groups(self) -> dict[str, dist.ProcessGroup | None]:
+        """Every group this rank is in, by role; a group serving two roles appears under both (tp first)."""
+        return {
+            "tp": self.tp_group,
+            "pp": self.pp_group,
+            "dp": self.dp_group,
+            "embedding": self.embedding_group,
+            "model": self.model_group,
+            "world": dist.group.WORLD,
+        }
+
     def describe(self) -> str:
         return (
             f"rank {self.rank}/{self.world_size}: tp {self.tp_rank}/{self.tp_size} "
