@@ -4,8 +4,8 @@ corpus (Python stdlib) -> clean (repair + code filters) -> exact dedup -> Senten
 -> .bin/.idx -> 3D-parallel training on local CPU ranks (tensor + sequence, interleaved pipeline,
 data parallel with the ZeRO-1 optimizer) with validation and a checkpoint -> the measured pipeline
 timeline next to the ideal one -> the checkpoint resharded and training resumed under another
-layout (ZeRO-2 with the optimizer offloaded to the CPU) -> evaluation -> Hugging Face export -> the run continued as a Slurm job (where sbatch is
-on PATH) -> a summary. Each step's outputs stay in the work directory, so the next command
+layout (ZeRO-2 with the optimizer offloaded to the CPU) -> evaluation -> Hugging Face export -> the
+run continued as a Slurm job (where sbatch is on PATH) -> a summary. Each step's outputs stay in the work directory, so the next command
 (`loom train --config configs/tiny.toml ...`) can reuse them.
 Steps whose outputs already exist are reused, not redone.
 """
@@ -268,7 +268,8 @@ def _print_summary(summary: dict) -> None:
         print(f"validation   loss {summary['val_loss']:.3f}, perplexity {summary['val_ppl']:.1f}")
     print(f"pipeline     ideal bubble {summary['bubble']:.1%}; measured vs ideal: {summary['schedule_png']}")
     print(
-        f"checkpoint   resharded to tp=1 pp=2, resumed as pp=2 x dp=2 with ZeRO-2 + CPU offload from step {summary['resumed_from']}: "
+        "checkpoint   resharded to tp=1 pp=2, resumed as pp=2 x dp=2 with ZeRO-2 + CPU offload "
+        f"from step {summary['resumed_from']}: "
         f"loss {summary['resumed_loss']:.3f}, validation {summary['resumed_val_loss']:.3f}"
     )
     print(f"hugging face {summary['hf_dir']} (transformers.LlamaForCausalLM.from_pretrained loads it)")
