@@ -5,8 +5,8 @@ corpus (Python stdlib) -> clean (repair + code filters) -> exact dedup -> Senten
 data parallel with the ZeRO-1 optimizer) with validation and a checkpoint -> the measured pipeline
 timeline next to the ideal one -> the checkpoint resharded and training resumed under another
 layout (ZeRO-2 with the optimizer offloaded to the CPU) -> evaluation -> Hugging Face export -> the
-run continued as a Slurm job (where sbatch is on PATH) -> a summary. Each step's outputs stay in the work directory, so the next command
-(`loom train --config configs/tiny.toml ...`) can reuse them.
+run continued as a Slurm job (where sbatch is on PATH) -> a summary. Each step's outputs stay in the
+work directory, so the next command (`loom train --config configs/tiny.toml ...`) can reuse them.
 Steps whose outputs already exist are reused, not redone.
 """
 
