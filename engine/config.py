@@ -412,6 +412,51 @@ class CheckpointConfig:
             raise ConfigError("checkpoint.interval must be >= 0 and checkpoint.keep >= 1")
 
 
+LORA_TARGETS = ("qkv", "proj", "fc1", "fc2")
+"""loom's linear layers an adapter can sit on; in Hugging Face/PEFT names qkv is q_proj, k_proj and v_proj (one
+shared A, B stacked), proj is o_proj, fc1 is gate_proj and up_proj (SwiGLU) or the MLP's first layer, fc2 down_proj."""
+
+
+@dataclass
+class LoraConfig:
+    """Low-rank adapters (LoRA, Hu et al. 2021) on a frozen base model: W x + (alpha / rank) B A x."""
+
+    rank: int = 0
+    """Rank r of each adapter; 0 trains the whole model (no adapters)."""
+    alpha: float = 16.0
+    """Scale numerator: the adapter's output is multiplied by alpha / rank (PEFT's lora_alpha)."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input (PEFT's lora_dropout)."""
+    targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    """Layers that get an adapter, any of qkv, proj, fc1, fc2 (see LORA_TARGETS for the PEFT names)."""
+    init: Literal["kaiming", "gaussian"] = "kaiming"
+    """A's initialisation, B starting at zero (so training starts from the base model): kaiming is PEFT's
+    default, uniform(-1/sqrt(in), 1/sqrt(in)); gaussian is normal(0, 1/rank) (PEFT's init_lora_weights="gaussian")."""
+    base: str | None = None
+    """The frozen base model: a loom checkpoint of any layout (an iter_N directory or a checkpoints/ folder),
+    e.g. one written by `loom ckpt import-hf`. Required when rank > 0."""
+
+    def __post_init__(self) -> None:
+        if self.rank < 0 or self.alpha <= 0 or not 0 <= self.dropout < 1:
+            raise ConfigError("lora.rank must be >= 0, lora.alpha > 0 and 0 <= lora.dropout < 1")
+        unknown = [t for t in self.targets if t not in LORA_TARGETS]
+        if unknown or not self.targets:
+            raise ConfigError(f"lora.targets = {self.targets} must be a non-empty subset of {', '.join(LORA_TARGETS)}")
+        _check_choice("lora", "init", self.init, ("kaiming", "gaussian"))
+        if self.rank and not self.base:
+            raise ConfigError(
+                "lora.rank > 0 needs the base model: --lora.base DIR (a loom checkpoint, e.g. from import-hf)"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
 @dataclass
 class LoomConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -420,6 +465,7 @@ class LoomConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def resolve_world(self, world_size: int) -> None:
         """Fix parallel.dp from the world size and check everything that depends on the layout."""

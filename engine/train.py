@@ -21,7 +21,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from loom.engine.checkpoint.format import CheckpointError, find_loadable, read_metadata
-from loom.engine.checkpoint.load import changed_model_settings, load_checkpoint
+from loom.engine.checkpoint.load import changed_model_settings, load_checkpoint, load_model_weights
 from loom.engine.checkpoint.save import CheckpointWriter
 from loom.engine.checkpoint.state import TrainingState
 from loom.engine.comm_ledger import StepLedgerWriter
@@ -33,6 +33,7 @@ from loom.engine.flops import model_flops_per_token, peak_tflops
 from loom.engine.metrics import MetricsWriter, StepClock, memory_gb
 from loom.engine.model.fp8_state import Fp8ScalingState
 from loom.engine.model.kernels import PARAM_DTYPES, choose_kernels
+from loom.engine.model.lora import check_same_base, open_base, parameter_counts
 from loom.engine.optim.distributed import DistributedOptimizer
 from loom.engine.optim.grad_buffer import GradBuffer
 from loom.engine.optim.loss_scaler import LossScaler
@@ -117,6 +118,7 @@ class Trainer:
         for chunk in self.chunks:
             initialize_parameters(chunk, c.train.seed, state.tp_rank, state.tp_size)
             chunk.to(device=self.device, dtype=param_dtype)
+        self.lora_base = self._load_lora_base() if c.lora.enabled else None
         named = [(n, q) for chunk in self.chunks for n, q in chunk.named_parameters() if q.requires_grad]
         self.params = [q for _, q in named]
         self.loss_scaler = None
@@ -150,6 +152,29 @@ class Trainer:
             adamw_impl=self.kernels.optimizer.impl,
         )
 
+    def _load_lora_base(self) -> dict:
+        """Load the frozen base weights of a LoRA run (rank 0 picks and verifies the checkpoint, all read it);
+        returns the pointer its checkpoints record."""
+        c, state = self.config, self.state
+        chosen = [None]
+        if state.rank == 0:
+            directory, _, pointer = open_base(c.lora.base)
+            chosen[0] = (str(directory), pointer)
+        dist.broadcast_object_list(chosen, src=0)
+        directory, pointer = Path(chosen[0][0]), chosen[0][1]
+        metadata = read_metadata(directory, verify_hashes=False)
+        frozen = [(n, q) for chunk in self.chunks for n, q in chunk.named_parameters() if not q.requires_grad]
+        load_model_weights(frozen, directory, metadata, state.tp_rank, state.tp_size)
+        trainable, total = parameter_counts(self.chunks, state.pp_group, state.pp_size)
+        self._log_event(
+            f"LoRA rank {c.lora.rank} on {', '.join(c.lora.targets)}: {trainable:,} trainable parameters of "
+            f"{total:,} ({100 * trainable / total:.2f}%); base {directory} frozen"
+        )
+        changes = changed_model_settings(metadata.config["model"], c.model)
+        if changes:
+            self._log_event(f"warning: the base {directory} was saved with other settings ({'; '.join(changes)})")
+        return pointer
+
     def _resume(self) -> Path | None:
         """Load checkpoint.load, or the run's own newest intact checkpoint; rank 0 picks, all load."""
         c = self.config.checkpoint
@@ -167,6 +192,7 @@ class Trainer:
             return None
         directory = Path(choice[0])
         metadata = read_metadata(directory, verify_hashes=False)
+        check_same_base(directory, metadata.lora_base, self.lora_base)
         load_checkpoint(self.training_state(), directory, metadata)
         self.kernels.weights_updated(self.chunks)
         self.step = metadata.step
@@ -192,6 +218,7 @@ class Trainer:
             loss_scaler=self.loss_scaler,
             step=self.step,
             fp8=Fp8ScalingState(self.chunks) if self.kernels.fp8 == "delayed" else None,
+            lora_base=self.lora_base,
         )
 
     def save(self) -> Path:

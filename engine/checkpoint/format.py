@@ -159,6 +159,9 @@ class CheckpointMetadata:
     """Size and sha256 of every file of the checkpoint, by file name."""
     index: dict[str, str]
     """The file holding each tensor piece, by piece key (model_key, optim_key, fp8/..., rng/..., factored/...)."""
+    lora_base: dict | None = None
+    """For a LoRA run's checkpoint (adapters only): the base model's checkpoint directory ("path") and the
+    sha256 of its metadata.json ("metadata_sha256"); None for a checkpoint of the whole model."""
     format_version: int = FORMAT_VERSION
     """The on-disk format version; a reader refuses any other."""
 
@@ -175,6 +178,7 @@ class CheckpointMetadata:
             "specs": {name: spec_to_json(spec) for name, spec in self.specs.items()},
             "files": {name: asdict(record) for name, record in self.files.items()},
             "index": self.index,
+            "lora_base": self.lora_base,
         }
         return json.dumps(data, indent=1)
 
@@ -200,6 +204,7 @@ class CheckpointMetadata:
                 specs={name: spec_from_json(spec) for name, spec in data["specs"].items()},
                 files={name: FileRecord(**record) for name, record in data["files"].items()},
                 index=data["index"],
+                lora_base=data.get("lora_base"),
                 format_version=data["format_version"],
             )
         except (KeyError, TypeError, AttributeError) as error:

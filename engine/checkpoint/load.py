@@ -123,6 +123,16 @@ def check_shapes(reader: PieceReader, named_params) -> None:
 
 
 @torch.no_grad()
+def load_model_weights(named_params, directory: Path, metadata: CheckpointMetadata, tp_rank: int, tp_size: int) -> None:
+    """Only the weights of `named_params` (a LoRA run's frozen base), from a checkpoint of any layout."""
+    reader = PieceReader(directory, metadata)
+    check_shapes(reader, named_params)
+    for _, param in named_params:
+        info = param_info(param)
+        param.copy_(info.shard_spec.shard(reader.model(info.name), tp_rank, tp_size).to(param.dtype))
+
+
+@torch.no_grad()
 def load_checkpoint(state: TrainingState, directory: Path, metadata: CheckpointMetadata) -> None:
     """Restore weights, optimizer state, loss scale, data position and (under the same layout) RNG into
     `state`'s objects. The step is metadata.step; the caller takes it from there."""

@@ -135,6 +135,7 @@ def describe_run(state: TrainingState) -> CheckpointMetadata:
         specs={},
         files={},
         index={},
+        lora_base=state.lora_base,
     )
 
 

@@ -45,6 +45,8 @@ class TrainingState:
     fp8: Fp8ScalingState | None = None
     """FP8 delayed-scaling state (amax histories and scales, state_dict()/load_state_dict(), by module name),
     or None when the run keeps none (train.fp8 = off or current)."""
+    lora_base: dict | None = None
+    """A LoRA run's pointer to its frozen base model (CheckpointMetadata.lora_base); None otherwise."""
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """The trainable parameters of the model chunks (those the optimizer holds)."""

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import torch
 
-from loom.engine.parallel import mappings
 from loom.engine.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 E4M3 = torch.float8_e4m3fn
@@ -141,7 +140,7 @@ class _Fp8Linear:
         super().__init__(*args, **kwargs)
         self.weight_cast = WeightCast()
 
-    def _fp8_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return fp8_linear(x, self.weight, bias, self.weight_cast.get(self.weight))
 
 
@@ -153,22 +152,6 @@ def weight_casts(modules: list[torch.nn.Module]) -> list[WeightCast]:
 class Fp8ColumnParallelLinear(_Fp8Linear, ColumnParallelLinear):
     """ColumnParallelLinear (same parameters, same collectives) whose GEMMs run in FP8."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            x = mappings.gather_from_sequence_region(x, self.tp_group)
-        else:
-            x = mappings.copy_to_tensor_region(x, self.tp_group)
-        y = self._fp8_linear(x, self.bias)
-        return mappings.gather_from_tensor_region(y, self.tp_group) if self.gather_output else y
-
 
 class Fp8RowParallelLinear(_Fp8Linear, RowParallelLinear):
     """RowParallelLinear (same parameters, same collectives) whose GEMMs run in FP8."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._fp8_linear(x, None)
-        if self.sequence_parallel:
-            y = mappings.reduce_scatter_to_sequence_region(y, self.tp_group)
-        else:
-            y = mappings.reduce_from_tensor_region(y, self.tp_group)
-        return y if self.bias is None else y + self.bias

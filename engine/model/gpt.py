@@ -72,7 +72,7 @@ class GPTModel(torch.nn.Module):
                     ShardSpec((config.max_position_embeddings, config.hidden_size)),
                     tp,
                     ("normal", config.init_std),
-                    sequence_parallel_grad=self.sequence_parallel,
+                    tp_partial_grad=self.sequence_parallel,
                 )
         self.layers = torch.nn.ModuleDict(
             {str(i): TransformerBlock(config, tp_group, self.sequence_parallel, streams, kernels) for i in layer_ids}
@@ -92,10 +92,10 @@ class GPTModel(torch.nn.Module):
                 if config.tie_embeddings:
                     # The last pipeline stage's copy of the tied embedding: same name (so same init), grads summed.
                     update_param_info(self.output_weight, tied_embedding=True, tied_copy=True)
-        self._name_parameters()
+        self.name_parameters()
 
-    def _name_parameters(self) -> None:
-        """Complete every parameter's ParamInfo with what its global name says."""
+    def name_parameters(self) -> None:
+        """Complete every parameter's ParamInfo with what its global name says (again after adapters are added)."""
         for module_name, param in self.named_parameters():
             name = naming.global_name(module_name, param_info(param).tied_copy)
             update_param_info(param, name=name, layer=naming.layer_index(name), no_decay=naming.no_decay(name))

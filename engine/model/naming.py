@@ -8,6 +8,7 @@ pipeline chunks hold blocks by global index:
     layers.<i>.<local>                block i's parameters, <local> e.g. attention.qkv.weight
     final_norm.weight / .bias         final norm (last stage)
     output_weight                     output layer, when not tied to the embedding (last stage)
+    layers.<i>.<layer>.adapter.lora_a / lora_b   LoRA factors A and B of a linear layer's weight
 
 The last stage's copy of a tied embedding is named `embedding.weight`, like the first stage's.
 GPTModel records each parameter's name in its ParamInfo (initialisation seeds and checkpoint keys use
@@ -32,6 +33,24 @@ FC1_WEIGHT = "mlp.fc1.weight"
 FC2_WEIGHT = "mlp.fc2.weight"
 
 _BEFORE_BLOCKS = (EMBEDDING, POSITION_EMBEDDING)
+
+# A LoRA adapter is the submodule `adapter` of the linear layer whose weight it adapts.
+ADAPTER = "adapter"
+LORA_A, LORA_B = "lora_a", "lora_b"
+
+
+def adapter_factor_names(weight_name: str) -> tuple[str, str]:
+    """The names of the A and B factors of the adapter on the linear weight `weight_name` (…qkv.weight)."""
+    layer = weight_name.removesuffix(".weight")
+    return f"{layer}.{ADAPTER}.{LORA_A}", f"{layer}.{ADAPTER}.{LORA_B}"
+
+
+def adapted_weight_name(name: str) -> str | None:
+    """The linear weight an adapter factor belongs to (…qkv.adapter.lora_a -> …qkv.weight); None for another name."""
+    layer, _, leaf = name.rpartition(".")
+    if leaf not in (LORA_A, LORA_B) or not layer.endswith("." + ADAPTER):
+        return None
+    return layer.removesuffix("." + ADAPTER) + ".weight"
 
 
 def block_param_name(layer: int, local: str) -> str:

@@ -9,7 +9,7 @@ Two rules keep TE layers interchangeable with loom's own:
   all-gather the sequence-parallel input, or all-reduce the input gradient; row: reduce-scatter
   or all-reduce the output). Under sequence parallelism norm weights get partial gradients on each
   TP rank; TE only marks them, and loom sums them (engine/optim/model_parallel_grads.py) because
-  their ParamInfo says `sequence_parallel_grad` like the native Norm's.
+  their ParamInfo says `tp_partial_grad` like the native Norm's.
 - Parameters: TE creates its own `weight`/`bias`; they get a ParamInfo with loom's ShardSpec and init
   (TE's own init is skipped), so initialisation, checkpoints, resharding and HF export see the same
   names, shapes and slicing as with the native layers.
@@ -46,8 +46,8 @@ def _skip_init(weight: torch.Tensor) -> None:
     """TE's init_method hook: loom initialises every parameter itself (sharding.initialize_parameters)."""
 
 
-def _tag(param: torch.nn.Parameter, spec: ShardSpec, init: tuple, sequence_parallel_grad: bool = False) -> None:
-    set_param_info(param, ParamInfo(spec, init, sequence_parallel_grad))
+def _tag(param: torch.nn.Parameter, spec: ShardSpec, init: tuple, tp_partial_grad: bool = False) -> None:
+    set_param_info(param, ParamInfo(spec, init, tp_partial_grad))
 
 
 def column_parallel_linear(
@@ -105,7 +105,7 @@ def row_parallel_linear(
     )
     _tag(layer.weight, ShardSpec((out_features, in_features), 1), ("normal", init_std))
     if bias:
-        _tag(layer.bias, ShardSpec((out_features,)), ("zeros",), sequence_parallel_grad=sequence_parallel)
+        _tag(layer.bias, ShardSpec((out_features,)), ("zeros",), tp_partial_grad=sequence_parallel)
     return layer
 
 
@@ -121,9 +121,9 @@ def norm(config: ModelConfig, sequence_parallel: bool, params_dtype: torch.dtype
         device="cuda",
     )
     spec = ShardSpec((config.hidden_size,))
-    _tag(module.weight, spec, ("ones",), sequence_parallel_grad=sequence_parallel)
+    _tag(module.weight, spec, ("ones",), tp_partial_grad=sequence_parallel)
     if config.norm == "layernorm":
-        _tag(module.bias, spec, ("zeros",), sequence_parallel_grad=sequence_parallel)
+        _tag(module.bias, spec, ("zeros",), tp_partial_grad=sequence_parallel)
     return module
 
 

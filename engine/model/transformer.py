@@ -30,9 +30,9 @@ class Norm(torch.nn.Module):
         self.kind, self.eps = config.norm, config.norm_eps
         self.function = function or (rms_norm if config.norm == "rmsnorm" else layer_norm)
         shape = ShardSpec((config.hidden_size,))
-        self.weight = make_parameter(shape, tp_size, ("ones",), sequence_parallel_grad=sequence_parallel)
+        self.weight = make_parameter(shape, tp_size, ("ones",), tp_partial_grad=sequence_parallel)
         self.bias = (
-            make_parameter(shape, tp_size, ("zeros",), sequence_parallel_grad=sequence_parallel)
+            make_parameter(shape, tp_size, ("zeros",), tp_partial_grad=sequence_parallel)
             if config.norm == "layernorm"
             else None
         )

@@ -26,7 +26,7 @@ def local_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
 
 def needs_model_parallel_sum(param: torch.nn.Parameter, state: ParallelState) -> bool:
     info = param_info(param)
-    return (info.sequence_parallel_grad and state.tp_size > 1) or (info.tied_embedding and state.pp_size > 1)
+    return (info.tp_partial_grad and state.tp_size > 1) or (info.tied_embedding and state.pp_size > 1)
 
 
 def counted_once(param: torch.nn.Parameter, tp_rank: int) -> bool:
@@ -50,7 +50,7 @@ def _all_reduce_flat(grads: list[torch.Tensor], group) -> None:
 def sum_model_parallel_grads(params: list[torch.nn.Parameter], state: ParallelState) -> None:
     """Sum sequence-parallel partial gradients over TP and tied-embedding gradients over the pipeline ends."""
     if state.tp_size > 1:
-        _all_reduce_flat([local_grad(p) for p in params if param_info(p).sequence_parallel_grad], state.tp_group)
+        _all_reduce_flat([local_grad(p) for p in params if param_info(p).tp_partial_grad], state.tp_group)
     if state.pp_size > 1:
         tied = [local_grad(p) for p in params if param_info(p).tied_embedding]
         if tied:

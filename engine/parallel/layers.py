@@ -4,6 +4,8 @@ Activations are [sequence, batch, hidden]. Without sequence parallelism the inpu
 is replicated on every TP rank; with it, the input is split along the sequence and the layers
 all-gather on entry and reduce-scatter on exit (same volume as the all-reduce it replaces).
 Parameters are created uninitialised with a ShardSpec; `sharding.initialize_parameters` fills them.
+Both linear layers take an optional low-rank `adapter` (engine/model/lora.py) whose output joins the
+layer's own before any collective, so it rides on the layer's reduction.
 """
 
 from __future__ import annotations
@@ -41,13 +43,19 @@ class ColumnParallelLinear(torch.nn.Module):
             ShardSpec((out_features, in_features), 0, tuple(out_blocks)), tp, ("normal", init_std)
         )
         self.bias = make_parameter(ShardSpec((out_features,), 0, tuple(out_blocks)), tp, ("zeros",)) if bias else None
+        self.adapter: torch.nn.Module | None = None
+
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
             x = mappings.gather_from_sequence_region(x, self.tp_group)
         else:
             x = mappings.copy_to_tensor_region(x, self.tp_group)
-        y = F.linear(x, self.weight, self.bias)
+        y = self._linear(x, self.bias)
+        if self.adapter is not None:
+            y = y + self.adapter(x)
         return mappings.gather_from_tensor_region(y, self.tp_group) if self.gather_output else y
 
 
@@ -69,13 +77,19 @@ class RowParallelLinear(torch.nn.Module):
         tp = mappings.group_size(tp_group)
         self.weight = make_parameter(ShardSpec((out_features, in_features), 1), tp, ("normal", init_std))
         self.bias = (
-            make_parameter(ShardSpec((out_features,)), tp, ("zeros",), sequence_parallel_grad=sequence_parallel)
+            make_parameter(ShardSpec((out_features,)), tp, ("zeros",), tp_partial_grad=sequence_parallel)
             if bias
             else None
         )
+        self.adapter: torch.nn.Module | None = None
+
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self._linear(x, None)
+        if self.adapter is not None:  # a partial sum on each rank, like y: the reduction below completes both
+            y = y + self.adapter(x)
         if self.sequence_parallel:
             y = mappings.reduce_scatter_to_sequence_region(y, self.tp_group)
         else:

@@ -27,10 +27,12 @@ class ParamInfo:
     shard_spec: ShardSpec
     """How the full (layout-independent) tensor maps to this TP rank's shard."""
     init_method: tuple
-    """How the full tensor is initialised: ("normal", std), ("ones",) or ("zeros",) (sharding.init_shard)."""
-    sequence_parallel_grad: bool = False
-    """A replicated parameter whose gradient is partial on each TP rank (it sees only a slice of the
-    sequence under sequence parallelism), so the gradient is summed over the TP group."""
+    """How the full tensor is initialised: ("normal", std), ("uniform", bound), ("ones",) or ("zeros",)
+    (sharding.init_shard)."""
+    tp_partial_grad: bool = False
+    """A replicated parameter whose gradient is partial on each TP rank, so the gradient is summed over the
+    TP group: norms and biases under sequence parallelism (each rank sees a slice of the sequence) and a LoRA
+    adapter's replicated factor (each rank sees a slice of the other factor)."""
     name: str | None = None
     """The layout-independent global name (`layers.3.attention.qkv.weight`): the initialisation seed,
     the checkpoint key and the Hugging Face mapping all use it. None until the owning model names it."""

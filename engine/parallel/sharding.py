@@ -116,27 +116,37 @@ def slab_size(spec: ShardSpec) -> int:
     return max(1, SLAB_ELEMENTS // max(1, per_index))
 
 
-def slab_values(spec: ShardSpec, std: float, seed: int, name: str, slab: int) -> torch.Tensor:
-    """The normal(0, std) values of one slab of the full (unpadded) tensor, on the CPU in fp32."""
+def slab_values(spec: ShardSpec, std: float, seed: int, name: str, slab: int, uniform: bool = False) -> torch.Tensor:
+    """The normal(0, std) values (uniform(-std, std) with `uniform`) of one slab of the full (unpadded) tensor,
+    on the CPU in fp32."""
     dim, size = slab_dim(spec), slab_size(spec)
     start = slab * size
     shape = list(spec.full_shape)
     shape[dim] = min(size, spec.full_shape[dim] - start)
     generator = torch.Generator().manual_seed(name_seed(seed, f"{name}#slab{slab}"))
+    if uniform:
+        return torch.rand(shape, generator=generator, dtype=torch.float32).mul_(2 * std).sub_(std)
     return torch.randn(shape, generator=generator, dtype=torch.float32).mul_(std)
 
 
-def fill_normal_shard(
-    local: torch.Tensor, spec: ShardSpec, std: float, seed: int, name: str, tp_rank: int, tp_size: int
+def fill_random_shard(
+    local: torch.Tensor,
+    spec: ShardSpec,
+    std: float,
+    seed: int,
+    name: str,
+    tp_rank: int,
+    tp_size: int,
+    uniform: bool = False,
 ) -> None:
-    """Write this rank's shard of the full normal(0, std) tensor into `local`, drawing only the slabs it
-    overlaps (padding rows are zeros). Peak extra memory: one slab."""
+    """Write this rank's shard of the full normal(0, std) (or uniform(-std, std)) tensor into `local`, drawing
+    only the slabs it overlaps (padding rows are zeros). Peak extra memory: one slab."""
     dim, size, length = slab_dim(spec), slab_size(spec), spec.full_shape[slab_dim(spec)]
     offset = 0  # where the current range starts in `local`
     for start, end in spec.local_ranges(tp_rank, tp_size):
         for slab in range(start // size, math.ceil(min(end, length) / size)):
             lo, hi = max(start, slab * size), min(end, length, (slab + 1) * size)
-            values = slab_values(spec, std, seed, name, slab)
+            values = slab_values(spec, std, seed, name, slab, uniform)
             local.narrow(dim, offset + lo - start, hi - lo).copy_(values.narrow(dim, lo - slab * size, hi - lo))
         if end > length:
             padding_start = max(start, length)
@@ -145,8 +155,8 @@ def fill_normal_shard(
 
 
 def full_init(init: tuple, spec: ShardSpec, seed: int, name: str) -> torch.Tensor:
-    """The whole logical tensor a parameter is initialised from ("normal", std), ("ones",) or ("zeros",),
-    on the CPU: what every layout's shards are slices of (tests and tools; training fills shards directly)."""
+    """The whole logical tensor a parameter is initialised from (its ParamInfo.init_method), on the CPU: what
+    every layout's shards are slices of (tests and tools; training fills shards directly)."""
     full = torch.empty(spec.full_shape)
     init_shard(full, init, ShardSpec(spec.full_shape, slab_dim(spec)), seed, name, 0, 1)
     return full
@@ -157,8 +167,8 @@ def init_shard(
 ) -> None:
     """Fill `local`, this rank's shard of a parameter, with its slice of the full initial tensor."""
     kind = init[0]
-    if kind == "normal":
-        fill_normal_shard(local, spec, init[1], seed, name, tp_rank, tp_size)
+    if kind in ("normal", "uniform"):
+        fill_random_shard(local, spec, init[1], seed, name, tp_rank, tp_size, uniform=kind == "uniform")
     elif kind == "ones":
         local.fill_(1.0)
     elif kind == "zeros":
@@ -168,15 +178,15 @@ def init_shard(
 
 
 def make_parameter(
-    spec: ShardSpec, tp_size: int, init: tuple, device: torch.device | None = None, sequence_parallel_grad: bool = False
+    spec: ShardSpec, tp_size: int, init: tuple, device: torch.device | None = None, tp_partial_grad: bool = False
 ) -> torch.nn.Parameter:
     """An uninitialised local parameter whose ParamInfo knows its full shape, its slicing and its init.
 
-    `sequence_parallel_grad` marks replicated parameters whose gradient is partial on each TP
-    rank (they see only a slice of the sequence) and must be summed over the TP group.
+    `tp_partial_grad` marks replicated parameters whose gradient is partial on each TP
+    rank and must be summed over the TP group (ParamInfo.tp_partial_grad).
     """
     param = torch.nn.Parameter(torch.empty(spec.local_shape(tp_size), device=device))
-    set_param_info(param, ParamInfo(spec, init, sequence_parallel_grad))
+    set_param_info(param, ParamInfo(spec, init, tp_partial_grad))
     return param
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from loom.engine.config import LoomConfig
 from loom.engine.model.gpt import GPTModel
 from loom.engine.model.kernels import Kernels
+from loom.engine.model.lora import add_adapters
 from loom.engine.parallel.random import RNGStreams
 from loom.engine.parallel.state import ParallelState
 
@@ -40,4 +41,6 @@ def build_chunks(
                 kernels=kernels,
             )
         )
+        if config.lora.enabled:
+            add_adapters(chunks[-1], config.lora, streams)
     return chunks

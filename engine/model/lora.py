@@ -1,0 +1,128 @@
+"""LoRA (Hu et al. 2021): a frozen base model plus trainable low-rank adapters, W x + (alpha / r) B A x.
+
+Adapters sit on loom's tensor-parallel linear layers (engine/parallel/layers.py) and are split so that
+no activation crosses a new collective:
+- column-parallel layers (qkv, fc1): A [r, in] is replicated and B [out, r] is split by output rows like
+  W (with W's blocks: Q/K/V, gate/up), so each rank computes its own slice of the output;
+- row-parallel layers (proj, fc2): A [r, in] is split by input columns like W and B [out, r] is replicated;
+  each rank's B A_k x_k is a partial sum that joins the layer's partial x_k W_k^T before the layer's
+  all-reduce (or reduce-scatter under sequence parallelism), which completes both.
+The replicated factor's gradient is then partial on each TP rank (it sees one slice of the other factor),
+so it is marked tp_partial_grad and summed over TP once per step, in the same flat all-reduce as the
+sequence-parallel norm gradients: r x (in + out) numbers per adapter, not activations.
+
+Everything else is frozen (requires_grad False): no gradient, no grad-buffer space, no optimizer state, and
+checkpoints (which save trainable parameters) hold only the adapters and a pointer to the base.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from loom.engine.checkpoint.format import METADATA, CheckpointError, CheckpointMetadata, find_loadable, sha256_of
+from loom.engine.config import ConfigError, LoraConfig
+from loom.engine.model import naming
+from loom.engine.parallel import mappings
+from loom.engine.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from loom.engine.parallel.param_info import param_info
+from loom.engine.parallel.random import RNGStreams
+from loom.engine.parallel.sharding import ShardSpec, make_parameter
+
+
+class LoRAAdapter(torch.nn.Module):
+    """(alpha / r) B A x for one linear layer, its factors split to match the layer (module docstring)."""
+
+    def __init__(self, layer: torch.nn.Module, config: LoraConfig, streams: RNGStreams | None):
+        super().__init__()
+        column = isinstance(layer, ColumnParallelLinear)
+        weight_spec = param_info(layer.weight).shard_spec
+        out_features, in_features = weight_spec.full_shape
+        tp, r = mappings.group_size(layer.tp_group), config.rank
+        a_init = ("uniform", 1 / math.sqrt(in_features)) if config.init == "kaiming" else ("normal", 1 / r)
+        a_spec = ShardSpec((r, in_features)) if column else ShardSpec((r, in_features), 1)
+        b_spec = ShardSpec((out_features, r), 0, weight_spec.blocks) if column else ShardSpec((out_features, r))
+        self.lora_a = make_parameter(a_spec, tp, a_init, tp_partial_grad=column)
+        self.lora_b = make_parameter(b_spec, tp, ("zeros",), tp_partial_grad=not column)
+        self.scale, self.dropout, self.streams = config.scale, config.dropout, streams
+        # A column layer's input is the same on every TP rank, a row layer's is split by features.
+        self.dropout_stream = "replicated" if column else "tensor"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dropout and self.training:
+            with self.streams.fork(self.dropout_stream):
+                x = F.dropout(x, self.dropout)
+        return F.linear(F.linear(x, self.lora_a), self.lora_b) * self.scale
+
+
+def add_adapters(chunk: torch.nn.Module, config: LoraConfig, streams: RNGStreams | None) -> None:
+    """Freeze every parameter of a model chunk and put an adapter on each targeted linear layer."""
+    for param in chunk.parameters():
+        param.requires_grad_(False)
+    for name, module in list(chunk.named_modules()):
+        if name.rpartition(".")[2] not in config.targets or naming.split_block_param_name(name + ".weight") is None:
+            continue
+        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            raise ConfigError(
+                f"LoRA adapters sit on loom's own linear layers, and {name} is {type(module).__name__}; "
+                "use --model.kernels native"
+            )
+        module.adapter = LoRAAdapter(module, config, streams)
+    chunk.name_parameters()
+
+
+def parameter_counts(chunks: list[torch.nn.Module], pp_group, pp_size: int) -> tuple[int, int]:
+    """(trainable, total) parameters of the whole model: logical sizes, each weight counted once."""
+    trainable = total = 0
+    for chunk in chunks:
+        for param in chunk.parameters():
+            info = param_info(param)
+            if info.tied_copy:
+                continue
+            count = math.prod(info.shard_spec.full_shape)
+            total += count
+            trainable += count if param.requires_grad else 0
+    counts = torch.tensor([trainable, total], dtype=torch.float64)
+    if pp_size > 1:
+        dist.all_reduce(counts, group=pp_group)
+    return int(counts[0]), int(counts[1])
+
+
+def open_base(base: str) -> tuple[Path, CheckpointMetadata, dict]:
+    """The base model's checkpoint, its metadata and the pointer a LoRA checkpoint records: its path and the
+    sha256 of its metadata.json (which holds every file's sha256, so it names the weights exactly)."""
+    found = find_loadable(Path(base))
+    if found is None:
+        raise CheckpointError(f"lora.base = {base} holds no intact checkpoint; point it at a loom checkpoint")
+    directory, metadata = found
+    if metadata.lora_base is not None:
+        raise CheckpointError(
+            f"lora.base = {base} is itself a LoRA checkpoint (adapters only); fold its adapters in first with "
+            f"loom ckpt merge-lora --input {base} --output DIR"
+        )
+    pointer = {"path": str(directory.resolve()), "metadata_sha256": sha256_of(directory / METADATA)}
+    return directory, metadata, pointer
+
+
+def check_same_base(checkpoint: Path, saved: dict | None, current: dict | None) -> None:
+    """Refuse to resume adapters onto another base model, or a full run from adapters alone."""
+    if current is None and saved is not None:
+        raise CheckpointError(
+            f"{checkpoint} is a LoRA checkpoint (adapters on {saved['path']}): resume it with its [lora] settings, "
+            f"or fold the adapters in with loom ckpt merge-lora --input {checkpoint} --output DIR"
+        )
+    if current is not None and saved is None:
+        raise CheckpointError(
+            f"{checkpoint} holds no LoRA adapters; a LoRA run names its base model with --lora.base, "
+            "not --checkpoint.load"
+        )
+    if current is not None and saved["metadata_sha256"] != current["metadata_sha256"]:
+        raise CheckpointError(
+            f"{checkpoint}'s adapters were trained on {saved['path']} (metadata sha256 "
+            f"{saved['metadata_sha256'][:12]}), but lora.base is {current['path']} "
+            f"({current['metadata_sha256'][:12]}): another model"
+        )
