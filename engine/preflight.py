@@ -18,6 +18,12 @@ def preflight(config: LoomConfig, world_size: int) -> None:
     from loom.engine.data.indexed import IndexedDataset
     from loom.engine.data.token_range import check_dataset_token_ids
 
+    if config.lora.enabled:
+        from loom.engine.model.lora import adopt_base_model
+
+        changes = adopt_base_model(config)
+        if changes:
+            print(f"LoRA: the model is the base's ({config.lora.base}): {'; '.join(changes)}", flush=True)
     config.resolve_world(world_size)
     if config.model.kernels == "te" or config.train.fp8 != "off":
         import torch

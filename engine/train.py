@@ -33,7 +33,7 @@ from loom.engine.flops import model_flops_per_token, peak_tflops
 from loom.engine.metrics import MetricsWriter, StepClock, memory_gb
 from loom.engine.model.fp8_state import Fp8ScalingState
 from loom.engine.model.kernels import PARAM_DTYPES, choose_kernels
-from loom.engine.model.lora import check_same_base, open_base, parameter_counts
+from loom.engine.model.lora import adopt_base_model, check_same_base, open_base, parameter_counts
 from loom.engine.optim.distributed import DistributedOptimizer
 from loom.engine.optim.grad_buffer import GradBuffer
 from loom.engine.optim.loss_scaler import LossScaler
@@ -69,6 +69,7 @@ class StopRequest(Protocol):
 class Trainer:
     def __init__(self, config: LoomConfig, local_rank: int = 0, evaluation_only: bool = False):
         self.config = config
+        base_model_changes = adopt_base_model(config) if config.lora.enabled else []
         config.resolve_world(dist.get_world_size())
         p, t = config.parallel, config.train
         timeout = datetime.timedelta(minutes=p.timeout_minutes)
@@ -76,6 +77,8 @@ class Trainer:
         self.device = pick_device(t.device, local_rank)
         self.kernels = choose_kernels(config, self.device)
         self._log_event(self.kernels.summary())
+        if base_model_changes:
+            self._log_event(f"LoRA: the model is the base's: {'; '.join(base_model_changes)}")
         self._build_model_and_optimizer()
         self.step = 0
         self.autocast_dtype = None if t.precision == "fp32" else PARAM_DTYPES[t.precision]

@@ -26,12 +26,25 @@ def _reshard(args: argparse.Namespace) -> None:
 
 
 def _export_hf(args: argparse.Namespace) -> None:
-    from loom.tools.hf import export_hf
+    from loom.tools.hf import export_hf, export_peft_adapter
 
+    if args.adapter_only:
+        print(
+            f"wrote {export_peft_adapter(Path(args.input), Path(args.output))}: adapter_config.json + "
+            "adapter_model.safetensors (peft.PeftModel.from_pretrained(base, DIR) loads it onto the exported base)"
+        )
+        return
     print(
         f"wrote {export_hf(Path(args.input), Path(args.output))}: model.safetensors + config.json "
         f"(transformers.LlamaForCausalLM.from_pretrained loads it)"
     )
+
+
+def _merge_lora(args: argparse.Namespace) -> None:
+    from loom.tools.lora import merge_lora
+
+    final = merge_lora(Path(args.input), Path(args.output))
+    print(f"wrote {final}: the base model with the adapters folded in; export, generate or train from it")
 
 
 def _import_hf(args: argparse.Namespace) -> None:
@@ -98,7 +111,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def add_parsers(commands) -> None:
-    ckpt = commands.add_parser("ckpt", help="checkpoint tools: inspect, reshard, export-hf, import-hf")
+    ckpt = commands.add_parser("ckpt", help="checkpoint tools: inspect, reshard, export-hf, import-hf, merge-lora")
     sub = ckpt.add_subparsers(dest="ckpt_command", required=True, metavar="ACTION")
     p = sub.add_parser("inspect", help="layout, step, tokens and the tensor table of a checkpoint")
     p.add_argument("directory", help="an iter_N directory or a checkpoints/ folder (its newest intact one)")
@@ -118,7 +131,21 @@ def add_parsers(commands) -> None:
     p = sub.add_parser("export-hf", help="write a Llama-format Hugging Face model (safetensors + config.json)")
     p.add_argument("--input", required=True, help="checkpoint directory (iter_N or checkpoints/)")
     p.add_argument("--output", required=True, help="directory for model.safetensors and config.json")
+    p.add_argument(
+        "--adapter-only",
+        action="store_true",
+        help="a LoRA run: write only its adapters as a PEFT adapter directory (without it: the merged model)",
+    )
     p.set_defaults(handler=_export_hf)
+    p = sub.add_parser(
+        "merge-lora",
+        help="fold a LoRA run's adapters into its base: a full checkpoint",
+        description="Reads the adapters and the base model they point to (checked by sha256) and writes "
+        "W + (alpha/r) B A for every adapted layer as a weights-only checkpoint (step 0, any layout loads it).",
+    )
+    p.add_argument("--input", required=True, help="the LoRA run's checkpoint (iter_N, checkpoints/ or the run dir)")
+    p.add_argument("--output", required=True, help="a checkpoints/ folder to write iter_0000000 and latest into")
+    p.set_defaults(handler=_merge_lora)
     p = sub.add_parser("import-hf", help="turn a Hugging Face Llama model directory into a loom checkpoint")
     p.add_argument("--input", required=True, help="directory with config.json and *.safetensors")
     p.add_argument("--output", required=True, help="a checkpoints/ folder to write iter_0000000 and latest into")

@@ -16,18 +16,24 @@ import torch
 
 from loom.engine.checkpoint.format import (
     CheckpointError,
+    CheckpointLayout,
     CheckpointMetadata,
     commit,
     find_loadable,
     fp8_key,
+    iteration_dir,
     make_staging_dir,
     model_key,
     optim_key,
     write_rank_file,
 )
 from loom.engine.checkpoint.load import PieceReader
+from loom.engine.config import LoomConfig
+from loom.engine.config_io import config_to_dict
 from loom.engine.model import naming
+from loom.engine.model.gpt import GPTModel
 from loom.engine.parallel.layers import padded_vocab_size
+from loom.engine.parallel.param_info import param_info
 from loom.engine.parallel.sharding import ShardSpec
 from loom.engine.parallel.state import rank_of
 from loom.engine.pipeline.stages import stage_layers
@@ -38,6 +44,38 @@ def open_checkpoint(path: Path) -> tuple[Path, CheckpointMetadata]:
     if found is None:
         raise CheckpointError(f"no intact checkpoint at {path}")
     return found
+
+
+def write_weights_checkpoint(output: Path, config: LoomConfig, logical: dict[str, torch.Tensor], source: str) -> Path:
+    """Write a weights-only checkpoint (step 0, tp = pp = 1, fp32, no optimizer state) of `config`'s model from
+    its logical tensors, as iter_0000000 under `output`: what import-hf and merge-lora produce, and any layout
+    loads. `source` names where the tensors came from, for the error when one is missing or misshapen."""
+    infos = [param_info(param) for param in GPTModel(config.model, None).parameters()]
+    specs = {info.name: info.shard_spec for info in infos}
+    for name, spec in specs.items():
+        if name not in logical:
+            raise CheckpointError(f"{source} has no tensor for loom's {name}")
+        if tuple(logical[name].shape) != spec.full_shape:
+            raise CheckpointError(
+                f"{name}: shape {tuple(logical[name].shape)} in {source}, the config says {spec.full_shape}"
+            )
+    final = iteration_dir(output, 0)
+    staging = make_staging_dir(final)
+    pieces = {model_key(name, 0): spec.shard(logical[name].float(), 0, 1).contiguous() for name, spec in specs.items()}
+    name, record = write_rank_file(staging, 0, pieces)
+    metadata = CheckpointMetadata(
+        step=0,
+        consumed_samples=0,
+        tokens=0,
+        layout=CheckpointLayout(tp=1, pp=1, vp=1, dp=1, world=1, zero=0, optimizer=None, precision="fp32"),
+        optimizer_step=0,
+        loss_scaler=None,
+        config=config_to_dict(config),
+        specs=specs,
+        files={name: record},
+        index={key: name for key in pieces},
+    )
+    return commit(staging, final, metadata)
 
 
 def inspect(path: Path) -> str:

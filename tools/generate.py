@@ -12,12 +12,12 @@ from pathlib import Path
 
 import torch
 
-from loom.engine.checkpoint.load import PieceReader
 from loom.engine.config import LoomConfig
 from loom.engine.config_io import config_from_dict
 from loom.engine.model.gpt import DecodingCache, GPTModel
 from loom.engine.parallel.param_info import param_info
 from loom.tools.ckpt import open_checkpoint
+from loom.tools.lora import merged_weights
 
 
 def load_model(checkpoint: Path) -> tuple[GPTModel, LoomConfig]:
@@ -25,11 +25,11 @@ def load_model(checkpoint: Path) -> tuple[GPTModel, LoomConfig]:
     directory, metadata = open_checkpoint(checkpoint)
     config = config_from_dict(metadata.config)
     model = GPTModel(config.model, None)
-    reader = PieceReader(directory, metadata)
+    weights = merged_weights(directory, metadata)  # a LoRA checkpoint's adapters folded into its base
     with torch.no_grad():
         for _, param in model.named_parameters():
             info = param_info(param)
-            param.copy_(info.shard_spec.shard(reader.model(info.name).float(), 0, 1))
+            param.copy_(info.shard_spec.shard(weights[info.name], 0, 1))
     return model.eval(), config
 
 

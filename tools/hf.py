@@ -22,22 +22,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from loom.engine.atomic import write_text_atomically
-from loom.engine.checkpoint.format import (
-    CheckpointError,
-    CheckpointLayout,
-    CheckpointMetadata,
-    commit,
-    iteration_dir,
-    make_staging_dir,
-    model_key,
-    write_rank_file,
-)
+from loom.engine.checkpoint.format import CheckpointError
 from loom.engine.checkpoint.load import PieceReader
 from loom.engine.config_io import config_from_dict, config_to_dict
 from loom.engine.model import naming
-from loom.engine.model.gpt import GPTModel
-from loom.engine.parallel.param_info import param_info
-from loom.tools.ckpt import open_checkpoint
+from loom.tools.ckpt import open_checkpoint, write_weights_checkpoint
+from loom.tools.lora import adapted_weights, merged_weights
 
 
 def _check_llama(model: dict) -> None:
@@ -164,8 +154,7 @@ def export_hf(source: Path, output: Path) -> Path:
     directory, metadata = open_checkpoint(source)
     model = config_to_dict(config_from_dict(metadata.config))["model"]  # fills fields older checkpoints lack
     _check_llama(model)
-    reader = PieceReader(directory, metadata)
-    logical = {name: reader.model(name).float() for name in metadata.specs}
+    logical = merged_weights(directory, metadata)
     output.mkdir(parents=True, exist_ok=True)
     save_file(to_hf(logical, model), str(output / "model.safetensors.tmp"), metadata={"format": "pt"})
     (output / "model.safetensors.tmp").replace(output / "model.safetensors")
@@ -262,35 +251,47 @@ def import_hf(source: Path, output: Path) -> Path:
         with safe_open(str(file), framework="pt") as f:
             tensors.update({k: f.get_tensor(k) for k in f.keys()})
     logical = from_hf(tensors, config_to_dict(config)["model"])
-    infos = [param_info(param) for param in GPTModel(config.model, None).parameters()]
-    specs = {info.name: info.shard_spec for info in infos}
-    _check_shapes(logical, specs)
-    final = iteration_dir(output, 0)
-    staging = make_staging_dir(final)
-    pieces = {
-        model_key(name, 0): specs[name].shard(tensor.float(), 0, 1).contiguous() for name, tensor in logical.items()
+    return write_weights_checkpoint(output, config, logical, "the Hugging Face model")
+
+
+def export_peft_adapter(source: Path, output: Path) -> Path:
+    """Write a LoRA checkpoint's adapters as a PEFT adapter directory (adapter_config.json +
+    adapter_model.safetensors) for the Llama model export_hf writes of its base. A fused loom adapter maps
+    exactly: qkv's one A serves q_proj, k_proj and v_proj, each with its rows of B (likewise gate/up)."""
+    directory, metadata = open_checkpoint(source)
+    if metadata.lora_base is None:
+        raise CheckpointError(f"{directory} is not a LoRA checkpoint; --adapter-only exports a LoRA run's adapters")
+    config = config_from_dict(metadata.config)
+    model = config_to_dict(config)["model"]
+    _check_llama(model)
+    reader, sizes = PieceReader(directory, metadata), _fused_sizes(model)
+    tensors, modules = {}, set()
+    for weight, (a_name, b_name) in adapted_weights(metadata.specs).items():
+        a, b = reader.model(a_name).float(), reader.model(b_name).float()
+        hf_weights = _hf_names(weight)
+        b_parts = b.split(sizes[naming.split_block_param_name(weight)[1]]) if len(hf_weights) > 1 else (b,)
+        for hf_weight, b_part in zip(hf_weights, b_parts, strict=True):
+            module = hf_weight.removesuffix(".weight")
+            modules.add(module.rpartition(".")[2])
+            tensors[f"base_model.model.{module}.lora_A.weight"] = a.clone()
+            tensors[f"base_model.model.{module}.lora_B.weight"] = b_part.contiguous()
+    lora = config.lora
+    adapter_config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "target_modules": sorted(modules),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "base_model_name_or_path": None,
     }
-    name, record = write_rank_file(staging, 0, pieces)
-    metadata = CheckpointMetadata(
-        step=0,
-        consumed_samples=0,
-        tokens=0,
-        layout=CheckpointLayout(tp=1, pp=1, vp=1, dp=1, world=1, zero=0, optimizer=None, precision="fp32"),
-        optimizer_step=0,
-        loss_scaler=None,
-        config=config_to_dict(config),
-        specs=specs,
-        files={name: record},
-        index={key: name for key in pieces},
-    )
-    return commit(staging, final, metadata)
-
-
-def _check_shapes(logical: dict, specs: dict) -> None:
-    for name, spec in specs.items():
-        if name not in logical:
-            raise CheckpointError(f"the Hugging Face model has no tensor for loom's {name}")
-        if tuple(logical[name].shape) != spec.full_shape:
-            raise CheckpointError(
-                f"{name}: shape {tuple(logical[name].shape)} does not match config.json's {spec.full_shape}"
-            )
+    output.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(output / "adapter_model.safetensors.tmp"), metadata={"format": "pt"})
+    (output / "adapter_model.safetensors.tmp").replace(output / "adapter_model.safetensors")
+    write_text_atomically(output / "adapter_config.json", json.dumps(adapter_config, indent=2))
+    return output

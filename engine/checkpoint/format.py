@@ -251,9 +251,12 @@ def candidates(checkpoints: Path) -> list[Path]:
 
 def find_loadable(path: Path, verify_hashes: bool = True, warn=print) -> tuple[Path, CheckpointMetadata] | None:
     """A checkpoint to resume from: `path` itself if it is an iteration directory, else the newest
-    intact one under it (falling back past damaged ones, with a warning); None if there is none."""
+    intact one under it (falling back past damaged ones, with a warning); None if there is none. A run
+    directory stands for its checkpoints/ folder."""
     if (path / METADATA).exists() or _ITERATION.match(path.name):
         return path, read_metadata(path, verify_hashes)
+    if (path / "checkpoints").is_dir() and not candidates(path):
+        path = path / "checkpoints"
     for directory in candidates(path):
         try:
             return directory, read_metadata(directory, verify_hashes)

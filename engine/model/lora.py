@@ -17,6 +17,7 @@ checkpoints (which save trainable parameters) hold only the adapters and a point
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -25,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from loom.engine.checkpoint.format import METADATA, CheckpointError, CheckpointMetadata, find_loadable, sha256_of
-from loom.engine.config import ConfigError, LoraConfig
+from loom.engine.config import ConfigError, LoomConfig, LoraConfig, ModelConfig
 from loom.engine.model import naming
 from loom.engine.parallel import mappings
 from loom.engine.parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -106,6 +107,31 @@ def open_base(base: str) -> tuple[Path, CheckpointMetadata, dict]:
         )
     pointer = {"path": str(directory.resolve()), "metadata_sha256": sha256_of(directory / METADATA)}
     return directory, metadata, pointer
+
+
+# How a run computes, not what the model is: these stay the LoRA run's own.
+_RUN_SETTINGS = ("dropout", "recompute", "kernels", "compile")
+
+
+def adopt_base_model(config: LoomConfig) -> list[str]:
+    """A LoRA run's model is its base's: [model] is taken from the base checkpoint's config (except the run
+    settings above), so a config need not restate an imported model. Returns what changed, as `field: a -> b`."""
+    from loom.engine.config_io import config_from_dict
+
+    found = find_loadable(Path(config.lora.base), verify_hashes=False)
+    if found is None:
+        raise CheckpointError(
+            f"lora.base = {config.lora.base} holds no intact checkpoint; point it at a loom checkpoint"
+        )
+    base = config_from_dict({"model": found[1].config["model"]}).model
+    changes, values = [], {}
+    for field in dataclasses.fields(ModelConfig):
+        ours, theirs = getattr(config.model, field.name), getattr(base, field.name)
+        if field.name not in _RUN_SETTINGS and ours != theirs:
+            changes.append(f"{field.name}: {ours} -> {theirs}")
+            values[field.name] = theirs
+    config.model = dataclasses.replace(config.model, **values)
+    return changes
 
 
 def check_same_base(checkpoint: Path, saved: dict | None, current: dict | None) -> None:

@@ -1,0 +1,224 @@
+"""LoRA: adapters under every layout against the single-rank LoRA run, a frozen base that stays bit-identical,
+checkpoints of adapters only that resume under another layout, the merged model and the PEFT adapter against
+the adapter model's own logits (peft and transformers are the outside references), and a LoRA run on a model
+that transformers wrote.
+"""
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from dist_utils import run_ranks
+from training_runs import tiny_config
+
+from loom.engine.checkpoint.format import find_loadable
+from loom.engine.checkpoint.load import PieceReader
+from loom.engine.config_io import config_from_dict
+from loom.engine.model.gpt import GPTModel
+from loom.engine.model.lora import add_adapters
+from loom.engine.optim.model_parallel_grads import local_grad
+from loom.engine.parallel.param_info import param_info
+from loom.engine.train import Trainer
+
+STEPS = 4
+RANK = 4
+
+
+def _train_base(rank, world, dataset, run_dir):
+    trainer = Trainer(tiny_config(dataset, run_dir, train={"steps": 3}, checkpoint={"interval": 3}))
+    trainer.run()
+    trainer.close()
+
+
+@pytest.fixture(scope="module")
+def base(dataset, tmp_path_factory) -> str:
+    """A tiny model trained 3 steps: the frozen base of every LoRA run here."""
+    run_dir = tmp_path_factory.mktemp("lora-base")
+    run_ranks(_train_base, 1, dataset, str(run_dir))
+    return str(run_dir / "checkpoints")
+
+
+def _lora_config(dataset, run_dir, base, parallel=None, **sections):
+    train = {"steps": STEPS, "micro_batch_size": 2, **sections.pop("train", {})}
+    return tiny_config(
+        dataset,
+        run_dir,
+        parallel={"grad_bucket_mb": 0.25, **(parallel or {})},
+        train=train,
+        lora={"rank": RANK, "alpha": 8.0, "base": base},
+        **sections,
+    )
+
+
+def _frozen_equal_base(trainer: Trainer, base: str) -> bool:
+    directory, metadata = find_loadable(Path(base))
+    reader = PieceReader(directory, metadata)
+    state = trainer.state
+    for chunk in trainer.chunks:
+        for _, param in chunk.named_parameters():
+            if param.requires_grad:
+                continue
+            info = param_info(param)
+            saved = info.shard_spec.shard(reader.model(info.name), state.tp_rank, state.tp_size)
+            if param.grad is not None or not torch.equal(param.detach().cpu(), saved.to(param.dtype)):
+                return False
+    return True
+
+
+def _run(dataset, run_dir, base, parallel=None, steps=STEPS, **sections) -> tuple[list[float], Trainer]:
+    trainer = Trainer(_lora_config(dataset, run_dir, base, parallel, **sections))
+    losses = []
+    while trainer.step < steps:
+        losses.append(trainer.train_step()["loss"])
+        if trainer.step in (2, steps):
+            trainer.save()
+    return losses, trainer
+
+
+def _single_rank(rank, world, dataset, run_dir, base):
+    losses, trainer = _run(dataset, f"{run_dir}/single", base)
+    trainable = sum(p.numel() for p in trainer.params)
+    held = {
+        "trainable": trainable,
+        "grads": sum(
+            local_grad(q).numel() for chunk in trainer.chunks for q in chunk.parameters() if local_grad(q) is not None
+        ),
+        "state": trainer.optimizer.state_bytes(),
+        "frozen_equal": _frozen_equal_base(trainer, base),
+    }
+    trainer.close()
+    return losses, held
+
+
+LAYOUTS = {
+    "tp2-sp-recompute": ({"tp": 2, "sequence_parallel": True}, {"model": {"recompute": "full"}}),
+    "pp2-vp2": ({"pp": 2, "vp": 2}, {}),
+    "dp2-zero1": ({}, {"optim": {"zero": 1}}),
+}
+
+
+def _two_ranks(rank, world, dataset, run_dir, base):
+    results = {}
+    for name, (parallel, sections) in LAYOUTS.items():
+        losses, trainer = _run(dataset, f"{run_dir}/{name}", base, parallel, **sections)
+        results[name] = losses, _frozen_equal_base(trainer, base)
+        trainer.close()
+    # The tp2 run's adapter checkpoint of step 2, resumed as pp2.
+    resumed = Trainer(
+        _lora_config(
+            dataset,
+            f"{run_dir}/resumed",
+            base,
+            {"pp": 2},
+            checkpoint={"load": f"{run_dir}/tp2-sp-recompute/checkpoints/iter_0000002"},
+        )
+    )
+    results["tp2->pp2 resume"] = [resumed.train_step()["loss"] for _ in range(STEPS - 2)], True
+    resumed.close()
+    bf16, trainer = _run(dataset, f"{run_dir}/bf16", base, {"pp": 2}, train={"precision": "bf16"})
+    results["pp2-bf16"] = bf16, _frozen_equal_base(trainer, base)
+    trainer.close()
+    return results
+
+
+def _expected_trainable(model) -> int:
+    """r x (in + out) per adapted layer, worked out from the model's shapes."""
+    q, kv = model.hidden_size, model.num_kv_heads * model.hidden_size // model.num_heads
+    h, f = model.hidden_size, model.ffn_hidden_size
+    per_layer = (h + q + 2 * kv) + (q + h) + (h + 2 * f) + (f + h)
+    return RANK * per_layer * model.num_layers
+
+
+@pytest.fixture(scope="module")
+def single_rank(dataset, base, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("lora-single")
+    losses, held = run_ranks(_single_rank, 1, dataset, str(run_dir), base)[0]
+    return losses, held, run_dir / "single"
+
+
+def test_lora_trains_only_the_adapters(dataset, single_rank):
+    losses, held, run_dir = single_rank
+    model = tiny_config(dataset, "unused").model
+    assert held["trainable"] == _expected_trainable(model)
+    assert held["grads"] == held["trainable"], "only adapters have gradient space"
+    assert held["state"] == 8 * held["trainable"], "fp32 AdamW: two moments per adapter parameter, nothing else"
+    assert held["frozen_equal"], "the base weights must be bit-identical after training and get no gradient"
+    assert len(set(losses)) == STEPS and all(math.isfinite(x) for x in losses)
+    _, metadata = find_loadable(run_dir / "checkpoints")
+    assert metadata.lora_base is not None and len(metadata.lora_base["metadata_sha256"]) == 64
+    assert all(".adapter.lora_" in name for name in metadata.specs), "a LoRA checkpoint holds only adapters"
+
+
+def test_lora_under_every_layout_gives_the_single_rank_losses(dataset, base, single_rank, tmp_path):
+    reference = single_rank[0]
+    results = run_ranks(_two_ranks, 2, dataset, str(tmp_path), base)[-1]
+    for name in LAYOUTS:
+        losses, frozen_equal = results[name]
+        assert frozen_equal, name
+        for a, b in zip(reference, losses, strict=True):
+            assert abs(a - b) / a < 1e-5, name
+        assert _max_adapter_difference(single_rank[2], tmp_path / name) < 1e-5, name
+    for a, b in zip(reference[2:], results["tp2->pp2 resume"][0], strict=True):
+        assert abs(a - b) / a < 1e-5, "resuming the tp2 adapters at pp2"
+    bf16, frozen_equal = results["pp2-bf16"]
+    assert frozen_equal
+    for a, b in zip(reference, bf16, strict=True):
+        assert abs(a - b) / a < 2e-2, "bf16 follows fp32 to bf16's precision"
+
+
+def _adapters(run_dir: Path) -> dict[str, torch.Tensor]:
+    directory, metadata = find_loadable(run_dir / "checkpoints")
+    reader = PieceReader(directory, metadata)
+    return {name: reader.model(name) for name in metadata.specs}
+
+
+def _max_adapter_difference(run_a: Path, run_b: Path) -> float:
+    """The largest difference between two runs' final adapter weights, joined from their layouts' pieces: the
+    losses of a few steps hardly see a wrong reduction of A's gradient while B is still near zero; A does."""
+    a, b = _adapters(run_a), _adapters(run_b)
+    assert a.keys() == b.keys()
+    return max((a[name] - b[name]).abs().max().item() for name in a)
+
+
+def _adapter_model_logits(lora_checkpoint, tokens) -> torch.Tensor:
+    """The LoRA model as training computes it (adapters beside frozen weights, nothing folded), on one process."""
+    directory, metadata = find_loadable(lora_checkpoint)
+    config = config_from_dict(metadata.config)
+    model = GPTModel(config.model, None)
+    add_adapters(model, config.lora, None)
+    adapters = PieceReader(directory, metadata)
+    base_dir, base_metadata = find_loadable(Path(metadata.lora_base["path"]))
+    base = PieceReader(base_dir, base_metadata)
+    with torch.no_grad():
+        for _, param in model.named_parameters():
+            name = param_info(param).name
+            param.copy_((adapters if name in metadata.specs else base).model(name))
+    return model.eval()(tokens)
+
+
+def test_merged_model_and_peft_adapter_give_the_lora_logits(single_rank, base, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from loom.tools.generate import load_model
+    from loom.tools.hf import export_hf, export_peft_adapter
+    from loom.tools.lora import merge_lora
+
+    run_dir = single_rank[2]
+    tokens = torch.randint(0, 4096, (2, 24), generator=torch.Generator().manual_seed(0))
+    expected = _adapter_model_logits(run_dir / "checkpoints", tokens)  # [s, b, V]
+    base_logits = load_model(find_loadable(Path(base))[0])[0](tokens)
+    assert (expected - base_logits).abs().max() > 1e-3, "the adapters must have moved away from zero"
+
+    merge_lora(run_dir, tmp_path / "merged")
+    merged, merged_config = load_model(tmp_path / "merged")
+    assert not merged_config.lora.enabled
+    torch.testing.assert_close(merged(tokens), expected, rtol=1e-5, atol=1e-5)
+
+    export_hf(Path(base), tmp_path / "hf-base")
+    export_peft_adapter(run_dir, tmp_path / "adapter")
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf-base", torch_dtype=torch.float32)
+    with_adapter = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        hf_logits = with_adapter(tokens).logits.transpose(0, 1)
+    torch.testing.assert_close(hf_logits, expected, rtol=1e-5, atol=1e-5)

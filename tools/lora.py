@@ -1,0 +1,62 @@
+"""Offline LoRA tools: a LoRA checkpoint's model with its adapters folded in, and `loom ckpt merge-lora`.
+
+A LoRA run's checkpoint holds only adapters and a pointer to its base (CheckpointMetadata.lora_base: the
+base's path and the sha256 of its metadata.json). Folding W + (alpha / r) B A happens on the logical
+tensors in fp32, so the result is independent of the layouts either checkpoint was saved under.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from loom.engine.checkpoint.format import METADATA, CheckpointError, CheckpointMetadata, read_metadata, sha256_of
+from loom.engine.checkpoint.load import PieceReader
+from loom.engine.config import LoraConfig
+from loom.engine.config_io import config_from_dict
+from loom.engine.model import naming
+from loom.tools.ckpt import open_checkpoint, write_weights_checkpoint
+
+
+def adapted_weights(specs: dict) -> dict[str, tuple[str, str]]:
+    """{linear weight name: (its adapter's A name, B name)} for every adapter among a checkpoint's tensors."""
+    weights = {naming.adapted_weight_name(name) for name in specs} - {None}
+    return {weight: naming.adapter_factor_names(weight) for weight in sorted(weights)}
+
+
+def base_of(directory: Path, metadata: CheckpointMetadata) -> tuple[Path, CheckpointMetadata]:
+    """The base model a LoRA checkpoint's adapters were trained on, checked to be the same one."""
+    pointer = metadata.lora_base
+    base = Path(pointer["path"])
+    if not (base / METADATA).is_file():
+        raise CheckpointError(f"{directory}'s base model {base} is gone; its adapters need it")
+    if sha256_of(base / METADATA) != pointer["metadata_sha256"]:
+        raise CheckpointError(f"{directory}'s base model {base} has changed since its adapters were trained")
+    return base, read_metadata(base)
+
+
+def merged_weights(directory: Path, metadata: CheckpointMetadata) -> dict[str, torch.Tensor]:
+    """Every logical weight (fp32) of the model a checkpoint describes: a full checkpoint's own, or for a LoRA
+    checkpoint the base's with each adapter folded in."""
+    reader = PieceReader(directory, metadata)
+    if metadata.lora_base is None:
+        return {name: reader.model(name).float() for name in metadata.specs}
+    base_dir, base_metadata = base_of(directory, metadata)
+    base = PieceReader(base_dir, base_metadata)
+    weights = {name: base.model(name).float() for name in base_metadata.specs}
+    scale = config_from_dict(metadata.config).lora.scale
+    for weight, (a, b) in adapted_weights(metadata.specs).items():
+        weights[weight] += scale * (reader.model(b).float() @ reader.model(a).float())
+    return weights
+
+
+def merge_lora(source: Path, output: Path) -> Path:
+    """Write the model of the LoRA checkpoint at `source`, adapters folded in, as a weights-only checkpoint
+    (step 0, like import-hf) under `output`."""
+    directory, metadata = open_checkpoint(source)
+    if metadata.lora_base is None:
+        raise CheckpointError(f"{directory} is not a LoRA checkpoint (it has no adapters to merge)")
+    config = config_from_dict(metadata.config)
+    config.lora = LoraConfig()
+    return write_weights_checkpoint(output, config, merged_weights(directory, metadata), str(directory))
