@@ -56,14 +56,14 @@ def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: in
     corpus, tokenizer, prefix = data_dir / "corpus.jsonl", data_dir / "tokenizer", data_dir / "stdlib_text_document"
     summary: dict = {}
 
-    start = _step("1/9 corpus: the Python standard library, one document per source file")
+    start = _step("1/10 corpus: the Python standard library, one document per source file")
     if not corpus.exists():
         summary["corpus"] = build_stdlib_corpus(corpus, max_docs=max_docs)
     summary["corpus_mb"] = round(corpus.stat().st_size / 1e6, 1)
     print(f"{corpus} ({summary['corpus_mb']} MB) in {time.perf_counter() - start:.1f} s")
 
     start = _step(
-        "2/9 clean: ftfy repair, NFC, control characters, then the `code` filter pipeline "
+        "2/10 clean: ftfy repair, NFC, control characters, then the `code` filter pipeline "
         "(the web pipeline's Gopher/C4/FineWeb rules reject source files); rejects kept with reasons"
     )
     cleaned = data_dir / "clean"
@@ -76,7 +76,7 @@ def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: in
         f"(reasons in {cleaned / 'rejected'}) in {time.perf_counter() - start:.1f} s"
     )
 
-    start = _step("3/9 dedup: exact duplicates (normalised-text hash) removed, each with the id it duplicates")
+    start = _step("3/10 dedup: exact duplicates (normalised-text hash) removed, each with the id it duplicates")
     deduped = data_dir / "dedup"
     if not (deduped / "stats.json").exists():
         deduplicate([corpus], deduped, method="exact")
@@ -87,12 +87,12 @@ def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: in
         f"{summary['dedup']['clusters']:,} clusters ({time.perf_counter() - start:.1f} s)"
     )
 
-    start = _step("4/9 tokenizer: SentencePiece BPE, 4096 pieces, byte fallback")
+    start = _step("4/10 tokenizer: SentencePiece BPE, 4096 pieces, byte fallback")
     if not Path(f"{tokenizer}.model").exists():
         train_tokenizer([corpus], tokenizer, vocab_size=4096, model_type="bpe", input_sentence_size=300_000)
     print(f"{tokenizer}.model in {time.perf_counter() - start:.1f} s")
 
-    start = _step("5/9 build: tokenize into a memory-mapped indexed dataset (Megatron .bin/.idx)")
+    start = _step("5/10 build: tokenize into a memory-mapped indexed dataset (Megatron .bin/.idx)")
     if not Path(f"{prefix}.idx").exists():
         build_indexed_dataset([corpus], f"{tokenizer}.model", prefix, workers=2, append_eod=True)
     dataset = IndexedDataset(prefix)
@@ -134,7 +134,7 @@ def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: in
     preflight(config, nproc)
     _preview_first_sample(config, f"{tokenizer}.model")
     start = _step(
-        f"6/9 train: configs/tiny.toml on {nproc} CPU ranks: tp={tp} (sequence parallel) x pp={pp} "
+        f"6/10 train: configs/tiny.toml on {nproc} CPU ranks: tp={tp} (sequence parallel) x pp={pp} "
         f"(interleaved, vp={vp}) x dp={config.parallel.dp} (ZeRO-1), {steps} steps"
     )
     metrics = run_dir / "metrics.jsonl"
@@ -151,7 +151,7 @@ def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: in
         run_dir=str(run_dir),
     )
 
-    _step("7/9 schedule: the last step's measured pipeline timeline next to the ideal one")
+    _step("7/10 schedule: the last step's measured pipeline timeline next to the ideal one")
     from loom.tools.schedule_plot import describe, draw, load_measured
 
     layout, measured = load_measured(run_dir)
@@ -162,6 +162,7 @@ def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: in
     draw(layout["pp"], layout["vp"], layout["microbatches"], Path(summary["schedule_png"]), measured)
     summary["layout"] = f"tp={tp} pp={pp} vp={vp} dp={config.parallel.dp}"
     summary.update(_move_checkpoint(workdir, config, steps))
+    summary.update(_lora_finetune(workdir, config, steps))
     summary.update(_slurm_job(workdir, config, steps))
     return summary
 
@@ -173,7 +174,7 @@ def _move_checkpoint(workdir: Path, config, steps: int) -> dict:
     from loom.tools.hf import export_hf
 
     start = _step(
-        "8/9 checkpoint: reshard to tp=1 pp=2 offline, resume on 4 ranks as pp=2 x dp=2 (ZeRO-2, CPU offload) for "
+        "8/10 checkpoint: reshard to tp=1 pp=2 offline, resume on 4 ranks as pp=2 x dp=2 (ZeRO-2, CPU offload) for "
         f"{steps // 2} more steps, evaluate, export to Hugging Face"
     )
     runs = workdir / "runs"
@@ -207,6 +208,41 @@ def _move_checkpoint(workdir: Path, config, steps: int) -> dict:
     }
 
 
+def _lora_finetune(workdir: Path, config, steps: int) -> dict:
+    """LoRA adapters on the resumed model at tp 2, then merged into it and exported for PEFT."""
+    from loom.launch.local import launch_local
+    from loom.tools.hf import export_peft_adapter
+    from loom.tools.lora import merge_lora
+
+    lora_steps = max(2, steps // 4)
+    start = _step(
+        f"9/10 LoRA: rank-8 adapters on the resumed model (base frozen), tp=2 on 2 ranks for {lora_steps} steps, "
+        "merged into a full checkpoint, exported as a PEFT adapter"
+    )
+    runs = workdir / "runs"
+    tuned = load_config(
+        None,
+        {
+            **config_to_dict(config),
+            "parallel": {"tp": 2, "pp": 1, "vp": 1, "dp": None, "sequence_parallel": True},
+            "lora": {"rank": 8, "alpha": 16.0, "base": str(runs / "tiny-resumed" / "checkpoints")},
+        },
+    )
+    tuned.train.run_dir, tuned.train.steps, tuned.train.record_pipeline_timeline = (
+        str(runs / "tiny-lora"),
+        lora_steps,
+        False,
+    )
+    tuned.checkpoint.interval = lora_steps
+    tuned.resolve_world(2)
+    launch_local(tuned, 2)
+    rows = [json.loads(line) for line in (runs / "tiny-lora" / "metrics.jsonl").read_text().splitlines()]
+    merged = merge_lora(runs / "tiny-lora", runs / "tiny-lora-merged" / "checkpoints")
+    adapter = export_peft_adapter(runs / "tiny-lora", workdir / "hf-lora-adapter")
+    print(f"merged {merged}; PEFT adapter {adapter} in {time.perf_counter() - start:.1f} s")
+    return {"lora_loss": [r for r in rows if "loss" in r][-1]["loss"], "lora_adapter": str(adapter)}
+
+
 def _sample(checkpoints: Path, tokenizer: str, prompt: str = "def ") -> str:
     """What the trained model writes after `prompt`: the first thing a person looks at after training."""
     import sentencepiece
@@ -223,7 +259,7 @@ def _slurm_job(workdir: Path, config, steps: int) -> dict:
     """Continue the resumed run as a Slurm job, where this machine can submit one."""
     from loom.launch.slurm import SlurmOptions, follow, slurm_unavailable, submit
 
-    _step(f"9/9 slurm: continue the run as a Slurm job (1 node x 4 tasks, tp=2 x dp=2) for {steps // 2} more steps")
+    _step(f"10/10 slurm: continue the run as a Slurm job (1 node x 4 tasks, tp=2 x dp=2) for {steps // 2} more steps")
     reason = slurm_unavailable()
     if reason:
         print(
@@ -273,6 +309,10 @@ def _print_summary(summary: dict) -> None:
         f"loss {summary['resumed_loss']:.3f}, validation {summary['resumed_val_loss']:.3f}"
     )
     print(f"hugging face {summary['hf_dir']} (transformers.LlamaForCausalLM.from_pretrained loads it)")
+    print(
+        f"lora         rank-8 adapters at tp=2 on the resumed model: loss {summary['lora_loss']:.3f}; "
+        f"PEFT adapter {summary['lora_adapter']}"
+    )
     print(f"sample       {summary['sample']!r}  (loom generate --checkpoint {summary['run_dir']}-resumed/checkpoints)")
     slurm = summary.get("slurm")
     if slurm:

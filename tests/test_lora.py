@@ -5,6 +5,8 @@ that transformers wrote.
 """
 
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -222,3 +224,53 @@ def test_merged_model_and_peft_adapter_give_the_lora_logits(single_rank, base, t
     with torch.no_grad():
         hf_logits = with_adapter(tokens).logits.transpose(0, 1)
     torch.testing.assert_close(hf_logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def _loom(*args: str, cwd: Path) -> str:
+    result = subprocess.run(
+        [sys.executable, "-m", "loom.launch.cli", *args], capture_output=True, text=True, timeout=300, cwd=cwd
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout
+
+
+def test_readme_lora_recipe_on_a_model_transformers_wrote(dataset, tmp_path):
+    """The README's LoRA recipe as a user runs it: import a Llama that transformers saved, fine-tune adapters at
+    tp 2, merge, export (merged and adapter-only) and generate; transformers' greedy decoding of the exported
+    merged model gives loom's tokens."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    hf_config = transformers.LlamaConfig(
+        vocab_size=4096,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    transformers.LlamaForCausalLM(hf_config).save_pretrained(str(tmp_path / "hf-llama"))
+    _loom("ckpt", "import-hf", "--input", "hf-llama", "--output", "runs/base/checkpoints", cwd=tmp_path)
+    out = _loom(
+        "train", "--config", "tiny", "--data.paths", dataset, "--data.tokenizer", "none", "--train.name", "lora",
+        "--train.steps", "4", "--train.eval_interval", "0", "--checkpoint.interval", "4", "--nproc", "2",
+        "--parallel.tp", "2", "--lora.rank", "8", "--lora.base", "runs/base",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert "trainable parameters of" in out and "hidden_size: 128 -> 64" in out
+    _loom("ckpt", "merge-lora", "--input", "runs/lora", "--output", "runs/lora-merged/checkpoints", cwd=tmp_path)
+    _loom("ckpt", "export-hf", "--input", "runs/lora-merged", "--output", "hf-merged", cwd=tmp_path)
+    _loom("ckpt", "export-hf", "--input", "runs/lora", "--adapter-only", "--output", "lora-adapter", cwd=tmp_path)
+    assert (tmp_path / "lora-adapter" / "adapter_model.safetensors").is_file()
+    prompt = [5, 17, 300, 42, 7]
+    tokens = _loom(
+        "generate", "--checkpoint", "runs/lora", "--prompt-ids", " ".join(map(str, prompt)),
+        "--max-new-tokens", "8", cwd=tmp_path,
+    ).split()  # fmt: skip
+    merged = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf-merged"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = merged.generate(
+            torch.tensor([prompt]), max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None
+        )[0].tolist()
+    assert tokens == [str(t) for t in theirs]
