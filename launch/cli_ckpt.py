@@ -83,8 +83,10 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> None:
     from loom.data_tools.jsonl import InputError
-    from loom.tools.generate import generate, load_model
+    from loom.tools.generate import generate, generate_parallel, load_model
 
+    if args.nproc != args.tp * args.pp:
+        raise InputError(f"--nproc {args.nproc} must equal --parallel.tp x --parallel.pp = {args.tp} x {args.pp}")
     model, config = load_model(Path(args.checkpoint))
     tokenizer_path = args.tokenizer or config.data.tokenizer
     processor = None
@@ -103,7 +105,19 @@ def cmd_generate(args: argparse.Namespace) -> None:
     if not prompt or max(prompt) >= config.model.vocab_size or min(prompt) < 0:
         raise InputError(f"the prompt's token ids must lie in [0, {config.model.vocab_size}); got {prompt[:8]}")
     stops = (processor.eos_id(),) if processor is not None and processor.eos_id() >= 0 else ()
-    produced = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed, stops)
+    job = dict(
+        prompt=prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop_ids=stops,
+    )
+    if args.nproc > 1:
+        del model
+        produced = generate_parallel(Path(args.checkpoint), args.tp, args.pp, **job)
+    else:
+        produced = generate(model, **job)
     if processor is not None:
         print(processor.decode(prompt + produced))
     else:
@@ -170,8 +184,9 @@ def add_parsers(commands) -> None:
     p = commands.add_parser(
         "generate",
         help="continue a prompt with a checkpoint's model (KV-cached; greedy or sampled)",
-        description="Runs on one process; a checkpoint of any layout loads. Greedy output equals "
-        "transformers' greedy generate on the exported model.",
+        description="Runs on one process, or split over --nproc = tp x pp local ranks as training splits it; "
+        "a checkpoint of any layout loads (a LoRA run's adapters folded in). Greedy output equals "
+        "transformers' greedy generate on the exported model, under every layout.",
     )
     p.add_argument("--checkpoint", required=True, help="an iter_N directory or a checkpoints/ folder")
     p.add_argument("--tokenizer", help="SentencePiece model (default: the checkpoint config's data.tokenizer)")
@@ -181,4 +196,7 @@ def add_parsers(commands) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling (default: %(default)s)")
+    p.add_argument("--nproc", type=positive_int, default=1, help="local ranks, tp x pp (default: %(default)s)")
+    p.add_argument("--parallel.tp", dest="tp", type=positive_int, default=1, help="tensor-parallel ranks")
+    p.add_argument("--parallel.pp", dest="pp", type=positive_int, default=1, help="pipeline stages (correct, not fast)")
     p.set_defaults(handler=cmd_generate)

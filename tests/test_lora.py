@@ -237,7 +237,7 @@ def _loom(*args: str, cwd: Path) -> str:
 def test_readme_lora_recipe_on_a_model_transformers_wrote(dataset, tmp_path):
     """The README's LoRA recipe as a user runs it: import a Llama that transformers saved, fine-tune adapters at
     tp 2, merge, export (merged and adapter-only) and generate; transformers' greedy decoding of the exported
-    merged model gives loom's tokens."""
+    merged model gives loom's tokens, on one process and split over tp 2 or pp 2."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     hf_config = transformers.LlamaConfig(
@@ -274,3 +274,9 @@ def test_readme_lora_recipe_on_a_model_transformers_wrote(dataset, tmp_path):
             torch.tensor([prompt]), max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None
         )[0].tolist()
     assert tokens == [str(t) for t in theirs]
+    for layout in (["--parallel.tp", "2"], ["--parallel.pp", "2"]):
+        split = _loom(
+            "generate", "--checkpoint", "runs/lora", "--prompt-ids", " ".join(map(str, prompt)),
+            "--max-new-tokens", "8", "--nproc", "2", *layout, cwd=tmp_path,
+        ).split()  # fmt: skip
+        assert split == tokens, layout

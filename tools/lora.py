@@ -36,19 +36,35 @@ def base_of(directory: Path, metadata: CheckpointMetadata) -> tuple[Path, Checkp
     return base, read_metadata(base)
 
 
+class ModelWeights:
+    """The logical weights (fp32) of the model a checkpoint describes, read one at a time: a full checkpoint's
+    own, or for a LoRA checkpoint the base's with each adapter folded in."""
+
+    def __init__(self, directory: Path, metadata: CheckpointMetadata):
+        reader = PieceReader(directory, metadata)
+        self.adapters: dict[str, tuple[str, str]] = {}
+        if metadata.lora_base is None:
+            self.weights, self.factors = reader, None
+            self.names = list(metadata.specs)
+            return
+        base_dir, base_metadata = base_of(directory, metadata)
+        self.weights, self.factors = PieceReader(base_dir, base_metadata), reader
+        self.names = list(base_metadata.specs)
+        self.adapters = adapted_weights(metadata.specs)
+        self.scale = config_from_dict(metadata.config).lora.scale
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        weight = self.weights.model(name).float()
+        if name in self.adapters:
+            a, b = (self.factors.model(factor).float() for factor in self.adapters[name])
+            weight += self.scale * (b @ a)
+        return weight
+
+
 def merged_weights(directory: Path, metadata: CheckpointMetadata) -> dict[str, torch.Tensor]:
-    """Every logical weight (fp32) of the model a checkpoint describes: a full checkpoint's own, or for a LoRA
-    checkpoint the base's with each adapter folded in."""
-    reader = PieceReader(directory, metadata)
-    if metadata.lora_base is None:
-        return {name: reader.model(name).float() for name in metadata.specs}
-    base_dir, base_metadata = base_of(directory, metadata)
-    base = PieceReader(base_dir, base_metadata)
-    weights = {name: base.model(name).float() for name in base_metadata.specs}
-    scale = config_from_dict(metadata.config).lora.scale
-    for weight, (a, b) in adapted_weights(metadata.specs).items():
-        weights[weight] += scale * (reader.model(b).float() @ reader.model(a).float())
-    return weights
+    """Every logical weight of the model a checkpoint describes (ModelWeights), all at once."""
+    weights = ModelWeights(directory, metadata)
+    return {name: weights[name] for name in weights.names}
 
 
 def merge_lora(source: Path, output: Path) -> Path:

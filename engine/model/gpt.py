@@ -128,19 +128,21 @@ class GPTModel(torch.nn.Module):
         return F.linear(hidden, weight)
 
     @torch.no_grad()
-    def decode(self, tokens: torch.Tensor, cache: DecodingCache) -> torch.Tensor:
+    def decode(self, tokens: torch.Tensor, cache: DecodingCache, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [s, b, V/tp] of `tokens` [b, s] that follow the cache's positions; the cache grows by s.
-        A whole model on this rank (pp = 1) without sequence parallelism: generation, not training."""
+        A later pipeline chunk takes the previous one's `hidden` instead and, unless it is the last, returns
+        its own. Without sequence parallelism: generation, not training."""
         s = tokens.shape[1]
         start = cache.length
-        hidden = self.embed(tokens, first_position=start)
+        if self.pre_process:
+            hidden = self.embed(tokens, first_position=start)
         rotary = self._rotary(start + s, hidden.device)
         if rotary is not None:
             rotary = tuple(table[start : start + s] for table in rotary)
         for index, block in self.layers.items():
             hidden = block(hidden, rotary, cache.layer(index))
         cache.length += s
-        return self.output_logits(hidden)
+        return self.output_logits(hidden) if self.post_process else hidden
 
     def forward(
         self, tokens: torch.Tensor | None, labels: torch.Tensor | None = None, hidden: torch.Tensor | None = None
