@@ -86,6 +86,14 @@ def inspect(path: Path) -> str:
         f"step {metadata.step}, {metadata.consumed_samples:,} samples, {metadata.tokens:,} tokens",
         "layout " + " ".join(f"{k}={v}" for k, v in layout.items()),
         f"files {len(metadata.files)}, {sum(f.size for f in metadata.files.values()) / 1e6:.1f} MB",
+        *(
+            [
+                f"LoRA adapters on the base {metadata.lora_base['path']} (metadata sha256 "
+                f"{metadata.lora_base['metadata_sha256'][:16]}...)"
+            ]
+            if metadata.lora_base
+            else []
+        ),
         f"{'tensor':48} {'shape':>18} {'parameters':>12}  optimizer state",
     ]
     reader = PieceReader(directory, metadata)
