@@ -22,6 +22,7 @@ from loom.engine.model.lora import add_adapters
 from loom.engine.optim.model_parallel_grads import local_grad
 from loom.engine.parallel.param_info import param_info
 from loom.engine.train import Trainer
+from loom.tools.ckpt import reshard
 
 STEPS = 4
 RANK = 4
@@ -150,6 +151,9 @@ def test_lora_trains_only_the_adapters(dataset, single_rank):
     _, metadata = find_loadable(run_dir / "checkpoints")
     assert metadata.lora_base is not None and len(metadata.lora_base["metadata_sha256"]) == 64
     assert all(".adapter.lora_" in name for name in metadata.specs), "a LoRA checkpoint holds only adapters"
+    resharded = reshard(run_dir / "checkpoints", run_dir.parent / "resharded", tp=2, pp=2)
+    assert find_loadable(resharded)[1].lora_base == metadata.lora_base
+    assert _max_adapter_difference(run_dir, run_dir.parent / "resharded") == 0.0
 
 
 def test_lora_under_every_layout_gives_the_single_rank_losses(dataset, base, single_rank, tmp_path):
@@ -170,7 +174,7 @@ def test_lora_under_every_layout_gives_the_single_rank_losses(dataset, base, sin
 
 
 def _adapters(run_dir: Path) -> dict[str, torch.Tensor]:
-    directory, metadata = find_loadable(run_dir / "checkpoints")
+    directory, metadata = find_loadable(run_dir)
     reader = PieceReader(directory, metadata)
     return {name: reader.model(name) for name in metadata.specs}
 
