@@ -136,14 +136,14 @@ def add_parsers(commands) -> None:
         description="Any layout already loads any checkpoint; resharding writes the pieces a "
         "target layout reads, one file per rank. DP needs no reshard.",
     )
-    p.add_argument("--input", required=True, help="checkpoint directory (iter_N or checkpoints/)")
+    p.add_argument("--input", required=True, help="a checkpoint: iter_N, checkpoints/ or a run directory")
     p.add_argument("--output", required=True, help="a checkpoints/ folder to write iter_N and latest into")
     p.add_argument("--tp", type=positive_int, required=True, help="target tensor-parallel size")
     p.add_argument("--pp", type=positive_int, required=True, help="target pipeline stages")
     p.add_argument("--vp", type=positive_int, default=1, help="target chunks per stage (default: %(default)s)")
     p.set_defaults(handler=_reshard)
     p = sub.add_parser("export-hf", help="write a Llama-format Hugging Face model (safetensors + config.json)")
-    p.add_argument("--input", required=True, help="checkpoint directory (iter_N or checkpoints/)")
+    p.add_argument("--input", required=True, help="a checkpoint: iter_N, checkpoints/ or a run directory")
     p.add_argument("--output", required=True, help="directory for model.safetensors and config.json")
     p.add_argument(
         "--adapter-only",
