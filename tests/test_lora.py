@@ -284,3 +284,26 @@ def test_readme_lora_recipe_on_a_model_transformers_wrote(dataset, tmp_path):
             "--max-new-tokens", "8", "--nproc", "2", *layout, cwd=tmp_path,
         ).split()  # fmt: skip
         assert split == tokens, layout
+
+
+def test_lora_refusals_are_one_line(tmp_path, base, single_rank):
+    from loom.engine.checkpoint.format import CheckpointError
+    from loom.engine.config import ConfigError
+    from loom.engine.model.lora import check_same_base, open_base
+
+    with pytest.raises(ConfigError, match="needs the base model"):
+        config_from_dict({"lora": {"rank": 8}})
+    with pytest.raises(ConfigError, match="subset of qkv, proj, fc1, fc2"):
+        config_from_dict({"lora": {"rank": 8, "base": base, "targets": ["q_proj"]}})
+    lora_run = single_rank[2]
+    with pytest.raises(CheckpointError, match="is itself a LoRA checkpoint"):
+        open_base(str(lora_run))
+    pointer = open_base(base)[2]
+    other = {**pointer, "metadata_sha256": "0" * 64}
+    with pytest.raises(CheckpointError, match="another model"):
+        check_same_base(lora_run, other, pointer)
+    with pytest.raises(CheckpointError, match="merge-lora"):
+        check_same_base(lora_run, pointer, None)
+    with pytest.raises(CheckpointError, match="not --checkpoint.load"):
+        check_same_base(Path(base), None, pointer)
+    check_same_base(lora_run, pointer, pointer)

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from loom.engine.checkpoint.format import METADATA, CheckpointError, CheckpointMetadata, find_loadable, sha256_of
 from loom.engine.config import ConfigError, LoomConfig, LoraConfig, ModelConfig
+from loom.engine.config_io import config_from_dict
 from loom.engine.model import naming
 from loom.engine.parallel import mappings
 from loom.engine.parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -93,13 +94,17 @@ def parameter_counts(chunks: list[torch.nn.Module], pp_group, pp_size: int) -> t
     return int(counts[0]), int(counts[1])
 
 
+def _find_base(base: str, verify_hashes: bool) -> tuple[Path, CheckpointMetadata]:
+    found = find_loadable(Path(base), verify_hashes=verify_hashes)
+    if found is None:
+        raise CheckpointError(f"lora.base = {base} holds no intact checkpoint; point it at a loom checkpoint")
+    return found
+
+
 def open_base(base: str) -> tuple[Path, CheckpointMetadata, dict]:
     """The base model's checkpoint, its metadata and the pointer a LoRA checkpoint records: its path and the
     sha256 of its metadata.json (which holds every file's sha256, so it names the weights exactly)."""
-    found = find_loadable(Path(base))
-    if found is None:
-        raise CheckpointError(f"lora.base = {base} holds no intact checkpoint; point it at a loom checkpoint")
-    directory, metadata = found
+    directory, metadata = _find_base(base, verify_hashes=True)
     if metadata.lora_base is not None:
         raise CheckpointError(
             f"lora.base = {base} is itself a LoRA checkpoint (adapters only); fold its adapters in first with "
@@ -116,14 +121,8 @@ _RUN_SETTINGS = ("dropout", "recompute", "kernels", "compile")
 def adopt_base_model(config: LoomConfig) -> list[str]:
     """A LoRA run's model is its base's: [model] is taken from the base checkpoint's config (except the run
     settings above), so a config need not restate an imported model. Returns what changed, as `field: a -> b`."""
-    from loom.engine.config_io import config_from_dict
-
-    found = find_loadable(Path(config.lora.base), verify_hashes=False)
-    if found is None:
-        raise CheckpointError(
-            f"lora.base = {config.lora.base} holds no intact checkpoint; point it at a loom checkpoint"
-        )
-    base = config_from_dict({"model": found[1].config["model"]}).model
+    _, metadata = _find_base(config.lora.base, verify_hashes=False)
+    base = config_from_dict({"model": metadata.config["model"]}).model
     changes, values = [], {}
     for field in dataclasses.fields(ModelConfig):
         ours, theirs = getattr(config.model, field.name), getattr(base, field.name)
