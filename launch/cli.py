@@ -24,7 +24,8 @@ EPILOG_TRAIN = """\
 Every config field can be overridden as --section.field value, for example
   loom train --config configs/tiny.toml --nproc 4 --parallel.tp 2 --train.steps 50
   loom train --config configs/tiny.toml --data.paths a b --data.weights 0.7 0.3
-Sections: model, parallel, optim, data, train, checkpoint (see configs/*.toml for every field).
+Sections: model, parallel, optim, data, train, checkpoint, lora (fields and their docs: engine/config.py;
+presets: configs/*.toml; --print-config shows the resolved config).
 Under torchrun or Slurm (RANK and WORLD_SIZE set) and without --nproc, this process is one rank.
 
 Layouts: world = tp * pp * dp; --parallel.vp V interleaves V chunks per pipeline stage (needs
@@ -32,7 +33,11 @@ micro-batches per step divisible by pp). Optimizers (--optim.name): adamw, sgd, 
 --optim.zero 1 shards master weights and optimizer state over DP (ZeRO-1), --optim.zero 2 the
 gradients too (ZeRO-2), for adamw, sgd and lamb, with fp32, bf16 or fp16 (dynamic loss scaling) and
 any tp/pp/vp; --optim.offload cpu keeps master weights and optimizer state in host memory and steps
-there (alone or with ZeRO). adafactor runs without either."""
+there (alone or with ZeRO). adafactor runs without either.
+
+LoRA: --lora.rank 8 --lora.base DIR trains low-rank adapters on a frozen base checkpoint (any layout, e.g.
+from loom ckpt import-hf; [model] is taken from it) on --lora.targets qkv proj fc1 fc2 with --lora.alpha;
+checkpoints hold the adapters; loom ckpt merge-lora folds them in."""
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
