@@ -7,7 +7,8 @@ batches go through a per-process word cache (data_tools/word_cache.py): identica
 distinct word encoded once, about 1.7x Megatron's per-document pool. Results are written in input order through
 IndexedDatasetWriter (the only code that knows the byte format), with a bounded number of batches
 in flight so memory stays flat in the size of the corpus. Every document becomes one document in
-the dataset, an empty one included (then just the end-of-document id, if appended). Input lines that
+the dataset, except one that encodes to no tokens (an empty or whitespace-only text): as Megatron's
+preprocess_data.py, it is skipped (no end-of-document-only sequence) and counted (empty_documents). Input lines that
 are not documents go to P.rejected/bad_lines.jsonl (file, line, reason, raw line). This module
 must not import torch or any engine module other than engine.data.indexed.
 """
@@ -74,7 +75,8 @@ def word_cache(model_path: str) -> WordCache | None:
 def encode_batch(
     model_path: str, texts: list[str], eod: int | None, dtype: str, threads: int = 1, use_word_cache: bool = True
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens back to back, tokens per document) for a batch of texts, each followed by `eod` if given."""
+    """(tokens back to back, tokens per document) for a batch of texts, each followed by `eod` if given; texts that
+    encode to no tokens are left out (the caller counts them: len(texts) - len(lengths))."""
     cache = word_cache(model_path) if use_word_cache else None
     if cache is not None:
         flat, lengths = cache.encode(texts, threads)
@@ -82,6 +84,7 @@ def encode_batch(
         encoded = _encode_arrays(load_processor(model_path), texts, threads)
         lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
         flat = np.concatenate(encoded) if encoded else np.zeros(0, np.int32)
+    lengths = lengths[lengths > 0]
     if eod is None:
         return flat.astype(dtype, copy=False), lengths
     lengths += 1
@@ -128,13 +131,16 @@ class _Written:
     """What reached P.bin so far, and the characters of every batch handed out (for the tokens-per-byte rate)."""
 
     batch_characters: list[int] = field(default_factory=list)
+    batch_documents: list[int] = field(default_factory=list)
     characters: int = 0
     documents: int = 0
+    empty_documents: int = 0
     tokens: int = 0
 
     def measured(self, batches: Iterable[list[str]]) -> Iterator[list[str]]:
         for batch in batches:
             self.batch_characters.append(sum(map(len, batch)))
+            self.batch_documents.append(len(batch))
             yield batch
 
     def needed_bytes(self, input_bytes: int, dtype: np.dtype) -> int:
@@ -157,11 +163,14 @@ def _write_dataset(
             writer.add_documents(batch_tokens, lengths)
             written.characters += written.batch_characters[position]
             written.documents += len(lengths)
+            written.empty_documents += written.batch_documents[position] - len(lengths)
             written.tokens += batch_tokens.size
             bar.update(len(lengths))
             bar.set_postfix(tokens=f"{written.tokens / 1e6:.1f}M", refresh=False)
         if written.documents == 0:
             writer.abort()
+    if written.empty_documents and progress:
+        print(f"skipped {written.empty_documents:,} empty documents (no tokens), as Megatron does", file=sys.stderr)
 
 
 def bad_lines_path(output_prefix: str | Path) -> Path:
@@ -212,8 +221,10 @@ def build_indexed_dataset(
             with closing(_encoded_in_order(batches, model_path, eod, dtype.name, workers, use_word_cache)) as encoded:
                 _write_dataset(encoded, output_prefix, dtype, written, progress)
             if written.documents == 0:
+                empty = f" ({written.empty_documents:,} empty ones skipped)" if written.empty_documents else ""
                 raise InputError(
-                    f"no documents with a string {text_key!r} field in {', '.join(map(str, paths))}; nothing written"
+                    f"no documents with a string {text_key!r} field in {', '.join(map(str, paths))}{empty}; "
+                    "nothing written"
                 )
         except BaseException:
             _remove_bad_lines(bad_lines)
@@ -224,6 +235,7 @@ def build_indexed_dataset(
         result = {
             "output_prefix": str(output_prefix),
             "documents": documents,
+            "empty_documents": written.empty_documents,
             "tokens": tokens,
             "bad_lines": stats.bad_lines,
             **({"bad_lines_file": str(bad_lines.path)} if bad_lines.count else {}),
@@ -252,7 +264,12 @@ def build_indexed_dataset(
                         "workers": workers,
                         "dtype": dtype.name,
                     },
-                    counts={"documents": documents, "tokens": tokens, "bad_lines": stats.bad_lines},
+                    counts={
+                        "documents": documents,
+                        "empty_documents": written.empty_documents,
+                        "tokens": tokens,
+                        "bad_lines": stats.bad_lines,
+                    },
                     started=started,
                     is_folder=False,
                 )

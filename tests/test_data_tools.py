@@ -66,10 +66,11 @@ def test_built_tokens_equal_sentencepiece_plus_eod(pipeline, workers):
     )
     processor = sentencepiece.SentencePieceProcessor(model_file=str(pipeline["model"]))
     texts = [json.loads(line)["text"] for line in pipeline["corpus"].read_text(encoding="utf-8").splitlines()]
-    texts += ["", "  indented\n\tline \u00e9\u4e2d 12345"]
+    texts += ["  indented\n\tline \u00e9\u4e2d 12345"]  # the empty text before it is skipped and counted
     dataset = IndexedDataset(prefix)
     assert dataset.dtype == np.uint16
     assert dataset.num_documents == len(dataset) == len(texts) == result["documents"]
+    assert result["empty_documents"] == 1
     for i, text in enumerate(texts):
         assert dataset[i].tolist() == processor.encode(text) + [processor.eos_id()], f"document {i}"
     assert result["tokens"] == dataset.num_tokens
@@ -88,7 +89,7 @@ def test_workers_do_not_change_the_output_and_eod_is_optional(pipeline):
     build_indexed_dataset([pipeline["extra"]], pipeline["model"], root / "plain", append_eod=False, progress=False)
     processor = sentencepiece.SentencePieceProcessor(model_file=str(pipeline["model"]))
     plain = IndexedDataset(root / "plain")
-    assert plain[0].tolist() == [] and plain[1].tolist() == processor.encode("  indented\n\tline \u00e9\u4e2d 12345")
+    assert len(plain) == 1 and plain[0].tolist() == processor.encode("  indented\n\tline \u00e9\u4e2d 12345")
 
 
 def test_jsonl_reader_counts_bad_lines(tmp_path):

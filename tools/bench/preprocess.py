@@ -45,7 +45,8 @@ class MegatronStyleEncoder:
     def encode(self, json_line: str) -> tuple[list[int], int]:
         text = json.loads(json_line)[self.text_key]
         ids = MegatronStyleEncoder.processor.encode_as_ids(text)
-        if self.append_eod:
+        # Megatron keeps no sentence of zero tokens: an empty document gets no end-of-document id either.
+        if self.append_eod and ids:
             ids.append(MegatronStyleEncoder.processor.eos_id())
         return ids, len(json_line)
 
@@ -61,6 +62,8 @@ def megatron_style_build(corpus: Path, model_path: Path, prefix: Path, workers: 
         IndexedDatasetWriter(prefix, dtype_for_vocab(vocab)) as builder,
     ):
         for ids, _ in pool.imap(encoder.encode, lines, MEGATRON_IMAP_CHUNKSIZE):
+            if not ids:  # a document without sequences in Megatron's index; loom writes none
+                continue
             builder.add_document(ids)
             tokens += len(ids)
             documents += 1
