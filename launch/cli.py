@@ -92,7 +92,7 @@ def cmd_schedule(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from loom.launch import cli_bench, cli_ckpt, cli_data, demo, slurm
+    from loom.launch import cli_bench, cli_ckpt, cli_data, cli_plan, demo, slurm
 
     parser = argparse.ArgumentParser(prog="loom", description="3D-parallel LLM training: data tools, training, launch.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -135,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_ckpt.add_parsers(commands)
     slurm.add_parser(commands)
     cli_bench.add_parser(commands)
+    cli_plan.add_parser(commands)
     return parser
 
 

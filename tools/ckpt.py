@@ -32,10 +32,10 @@ from loom.engine.config import LoomConfig
 from loom.engine.config_io import config_to_dict
 from loom.engine.model import naming
 from loom.engine.model.gpt import GPTModel
-from loom.engine.parallel.layers import padded_vocab_size
 from loom.engine.parallel.param_info import param_info
 from loom.engine.parallel.sharding import ShardSpec
 from loom.engine.parallel.state import rank_of
+from loom.engine.parallel.vocab import padded_vocab_size
 from loom.engine.pipeline.stages import stage_layers
 
 

@@ -16,10 +16,11 @@ from loom.engine.model.kernels import Kernels
 from loom.engine.model.transformer import LayerCache, TransformerBlock, build_norm, rotary_tables
 from loom.engine.parallel import mappings
 from loom.engine.parallel.cross_entropy import vocab_parallel_cross_entropy
-from loom.engine.parallel.layers import VocabParallelEmbedding, padded_vocab_size
+from loom.engine.parallel.layers import VocabParallelEmbedding
 from loom.engine.parallel.param_info import param_info, update_param_info
 from loom.engine.parallel.random import RNGStreams, checkpointed
 from loom.engine.parallel.sharding import ShardSpec, make_parameter
+from loom.engine.parallel.vocab import padded_vocab_size
 
 
 class DecodingCache:

@@ -27,50 +27,12 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from loom.engine.optim.buckets import Bucket, plan_buckets
 from loom.engine.parallel.mappings import reduce_scatter_single
-
-
-@dataclass
-class Bucket:
-    start: int
-    end: int
-    """Padded end: (end - start) is a multiple of the DP size."""
-    params: list[torch.nn.Parameter]
-    pending: int = 0
-    handle: dist.Work | None = None
-    scattered: torch.Tensor | None = field(default=None, repr=False)
-    storage: torch.Tensor | None = field(default=None, repr=False)
-    """ZeRO 2: the transient full bucket gathering this micro-batch's gradients."""
-    arrived: int = 0
-    """ZeRO 2: gradients added to `storage` since it was last reduced."""
-
-    def chunk(self, dp_rank: int, dp_size: int) -> tuple[int, int]:
-        """The buffer range this DP rank owns in this bucket."""
-        size = (self.end - self.start) // dp_size
-        return self.start + dp_rank * size, self.start + (dp_rank + 1) * size
-
-
-def plan_buckets(
-    params: list[torch.nn.Parameter], bucket_numel: int, dp_size: int, first_offset: int = 0
-) -> tuple[dict, list[Bucket], int]:
-    """(offset of each param, buckets, end) for params laid out in the given order from first_offset."""
-    offsets, buckets, offset, start, members = {}, [], first_offset, first_offset, []
-    for i, param in enumerate(params):
-        offsets[param] = offset
-        offset += param.numel()
-        members.append(param)
-        if offset - start >= bucket_numel or i == len(params) - 1:
-            end = start + -(-(offset - start) // dp_size) * dp_size
-            buckets.append(Bucket(start, end, members))
-            offset = start = end
-            members = []
-    return offsets, buckets, offset
-
 
 MAX_IN_FLIGHT = 2
 """ZeRO 2: reduce-scatters (each holding a transient bucket) allowed to run behind backward."""

@@ -97,11 +97,6 @@ class RowParallelLinear(torch.nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
-    multiple = divisible_by * tp_size
-    return -(-vocab_size // multiple) * multiple
-
-
 class VocabParallelEmbedding(torch.nn.Module):
     """Token embedding with the (padded) vocabulary split across TP ranks; ids [b, s] -> [s, b, h]."""
 

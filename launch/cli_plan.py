@@ -1,0 +1,83 @@
+"""`loom plan`: a thin wrapper over tools/plan.py."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from loom.launch.arguments import positive_int
+
+EPILOG = """\
+Examples:
+  loom plan --config llama-70b --gpus 1024 --gpu h100-sxm --train.global_batch_size 1024 --train.seq_length 4096
+  loom plan --config llama-8b --gpus 8 --layout "tp=2,zero=1" --top 3 --plot plan.png
+  loom plan --config configs/tiny.toml --gpus 8 --json
+Model and batch come from the config and its --section.field overrides. Without --layout every layout is
+searched (tp x pp x vp x dp x micro-batch x recompute x ZeRO); keys given in --layout are held and the rest
+searched. Memory is per GPU on the pipeline rank holding the most; time is per optimizer step. The equations,
+their sources, the constants (tools/gpus.toml) and the blind spots: docs/planner.md."""
+
+
+def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
+    from loom.engine.config_io import load_config
+    from loom.tools.plan import load_hardware, parse_layout, plan, plot, table
+
+    config = load_config(args.config, overrides)
+    hardware = load_hardware(args.gpu, args.gpus_per_node)
+    fixed = parse_layout(args.layout) if args.layout else {}
+    estimates = plan(config, args.gpus, hardware, fixed)
+    if not estimates:
+        from loom.engine.config import ConfigError
+
+        raise ConfigError(
+            f"no layout of {args.gpus} GPUs divides this model and batch"
+            + (f" with {args.layout}" if args.layout else "")
+            + " (heads, layers, global batch / (micro-batch x dp), micro-batches per pipeline rank)"
+        )
+    shown = estimates[: args.top]
+    if args.json:
+        print(json.dumps({"gpu": args.gpu, "gpus": args.gpus, "layouts": [e.as_json() for e in shown]}, indent=1))
+    else:
+        m, t = config.model, config.train
+        fitting = sum(e.fits for e in estimates)
+        print(
+            f"{config.train.name}: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads; "
+            f"batch {t.global_batch_size} x {t.seq_length} tokens, {t.precision}; {args.gpus} x {args.gpu}: "
+            f"{len(estimates):,} layouts, {fitting:,} fit"
+        )
+        print(table(shown, args.gpu))
+        if not shown[0].fits:
+            print(
+                f"nothing fits: the nearest needs {shown[0].memory['total'] / 1e9:.1f} GB per GPU ({shown[0].reason})"
+            )
+    if args.plot:
+        plot(shown, Path(args.plot))
+        if not args.json:
+            print(f"wrote {args.plot}")
+
+
+def _gpu_names() -> list[str]:
+    import tomllib
+
+    import loom.tools
+
+    return list(tomllib.loads((Path(loom.tools.__file__).parent / "gpus.toml").read_text())["gpu"])
+
+
+def add_parser(commands) -> None:
+    p = commands.add_parser(
+        "plan",
+        help="which layout fits a model on a cluster, and how fast it runs (no GPU needed)",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--config", help="model config: a preset name or a TOML file (default: loom's defaults)")
+    p.add_argument("--gpus", type=positive_int, required=True, help="GPUs in the job")
+    p.add_argument("--gpu", choices=_gpu_names(), default="h100-sxm", help="GPU kind (default: %(default)s)")
+    p.add_argument("--gpus-per-node", type=positive_int, help="GPUs per node (default: the GPU kind's usual 8)")
+    p.add_argument("--layout", help='hold some keys, e.g. "tp=8,pp=4,vp=2,dp=2,mbs=1,recompute=selective,zero=1"')
+    p.add_argument("--top", type=positive_int, default=8, help="layouts shown (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--plot", help="write the shown layouts' memory and time breakdowns to this PNG")
+    p.set_defaults(handler=cmd_plan, takes_overrides=True)

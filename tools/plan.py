@@ -1,0 +1,589 @@
+"""`loom plan`: which layout fits a model on a cluster and how fast it will run, before anything runs.
+
+For a layout (tp, pp, vp, dp, micro-batch size, recompute, ZeRO stage, offload) the planner works out:
+
+Memory per GPU, on the pipeline rank that holds the most (the first or the last stage):
+- parameters, gradients and optimizer state from the parameters that rank holds, exactly as loom lays them out:
+  its TP shard of each of its chunks' weights (vocabulary padded to 128 x tp), replicated norms whole, the
+  gradient buffer's buckets padded to multiples of dp (engine/optim/grad_buffer.plan_buckets), and the ZeRO
+  formulas of Rajbhandari et al. 2020: bf16 Adam keeps 2 B of weight, 4 B of fp32 gradient and 12 B of fp32
+  master and moments per parameter; ZeRO 1 divides the 12 by dp, ZeRO 2 the gradient too, ZeRO 3 the weight
+  too (6 + 12/d, 2 + 16/d, 18/d); optimizer offload moves the 12 to the host.
+- activations: what one micro-batch of one layer saves for backward (Korthikanti et al. 2022, section 4, term by
+  term for loom's layers: grouped-query attention and SwiGLU change the 34 + 5as/h of the paper; sequence
+  parallelism divides the norm inputs by tp; selective recompute keeps the attention's inputs and output but not
+  its internals; full recompute only each layer's input), times the micro-batches in flight on the first
+  pipeline rank (1F1B: min(pp, m); interleaved: Megatron's warm-up count), plus the output layer's logits.
+
+Time per step, from the model FLOPs of engine/flops.py (the one FLOP count):
+- compute: GEMM FLOPs at a GEMM efficiency that falls off for small matrices, attention products at the fused
+  attention kernel's efficiency, recompute adding its forward work (hardware FLOPs);
+- tensor parallelism: 4 all-reduce-volumes of s x b x h per layer and micro-batch (2 forward, 2 backward; an
+  all-gather plus a reduce-scatter under sequence parallelism, same volume), over NVLink inside a node;
+- data parallelism: the gradient reduce-scatter (all-reduce without ZeRO) and the parameter all-gather, hidden
+  only behind the last micro-batch's backward and the first one's forward (Megatron reduces after the last);
+- the pipeline bubble (pp - 1) / (vp x m) of the compute (Narayanan et al. 2021), and the p2p transfers.
+Efficiency and overlap constants are few and physical (tools/gpus.toml), calibrated on Megatron-LM's published
+H100 weak-scaling table (tests/test_plan.py). docs/planner.md has the equations and their blind spots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from loom.engine.config import ConfigError, LoomConfig, ModelConfig
+from loom.engine.flops import PEAK_TFLOPS, model_flops_per_token
+from loom.engine.optim.buckets import plan_buckets
+from loom.engine.parallel.vocab import padded_vocab_size
+
+GPUS_FILE = Path(__file__).with_name("gpus.toml")
+GB = 1e9
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One GPU kind of tools/gpus.toml and the calibrated efficiency constants."""
+
+    name: str
+    peak_tflops: dict[str, float]
+    memory_gb: float
+    memory_usable_gb: float
+    hbm_tb_s: float
+    intra_node_gb_s: float
+    inter_node_gb_s: float
+    latency_us: float
+    gpus_per_node: int
+    efficiency: dict[str, float]
+
+
+def gpu_names() -> list[str]:
+    return list(tomllib.loads(GPUS_FILE.read_text())["gpu"])
+
+
+def load_hardware(name: str, gpus_per_node: int | None = None, **efficiency: float) -> Hardware:
+    """The GPU `name` of tools/gpus.toml; `efficiency` overrides calibrated constants (tests, calibration)."""
+    data = tomllib.loads(GPUS_FILE.read_text())
+    if name not in data["gpu"]:
+        raise ConfigError(f"unknown GPU {name!r}; known: {', '.join(data['gpu'])}")
+    gpu = dict(data["gpu"][name])
+    datasheet = gpu.pop("datasheet")
+    if gpus_per_node:
+        gpu["gpus_per_node"] = gpus_per_node
+    return Hardware(name, PEAK_TFLOPS[datasheet], **gpu, efficiency={**data["efficiency"], **efficiency})
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    vp: int
+    dp: int
+    micro_batch_size: int
+    recompute: str
+    zero: int
+    offload: str = "none"
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Megatron and loom's recommended setting: always with tp > 1."""
+        return self.tp > 1
+
+    def describe(self) -> str:
+        offload = " offload" if self.offload != "none" else ""
+        return (
+            f"tp={self.tp} pp={self.pp} vp={self.vp} dp={self.dp} mbs={self.micro_batch_size} "
+            f"recompute={self.recompute} zero={self.zero}{offload}"
+        )
+
+
+@dataclass
+class Estimate:
+    layout: Layout
+    fits: bool
+    reason: str
+    """Why it does not fit or divide ("" when it fits)."""
+    memory: dict[str, float]
+    """Bytes per GPU: params, grads, optimizer, activations, other, total."""
+    host_bytes: float
+    seconds: dict[str, float]
+    """Per step: compute, tp (exposed), dp (exposed), bubble, p2p, other."""
+    step_seconds: float
+    tokens_per_s_per_gpu: float
+    model_tflops_per_gpu: float
+    hardware_tflops_per_gpu: float
+    mfu: float
+    hfu: float
+
+    def as_json(self) -> dict:
+        lay = self.layout
+        return {
+            "tp": lay.tp,
+            "pp": lay.pp,
+            "vp": lay.vp,
+            "dp": lay.dp,
+            "micro_batch_size": lay.micro_batch_size,
+            "recompute": lay.recompute,
+            "zero": lay.zero,
+            "offload": lay.offload,
+            "fits": self.fits,
+            "reason": self.reason,
+            "memory_gb": {k: round(v / GB, 3) for k, v in self.memory.items()},
+            "host_memory_gb": round(self.host_bytes / GB, 3),
+            "time_s": {k: round(v, 4) for k, v in self.seconds.items()},
+            "step_seconds": round(self.step_seconds, 4),
+            "tokens_per_s_per_gpu": round(self.tokens_per_s_per_gpu, 1),
+            "model_tflops_per_gpu": round(self.model_tflops_per_gpu, 1),
+            "hardware_tflops_per_gpu": round(self.hardware_tflops_per_gpu, 1),
+            "mfu": round(self.mfu, 4),
+            "hfu": round(self.hfu, 4),
+        }
+
+
+# ---------------------------------------------------------------- parameters, as loom lays them out
+
+
+@dataclass(frozen=True)
+class _Param:
+    """A stand-in parameter for plan_buckets: its local element count."""
+
+    size: int
+    deferred: bool = False
+
+    def numel(self) -> int:
+        return self.size
+
+
+def _block_parameters(m: ModelConfig, tp: int, sequence_parallel: bool) -> list[_Param]:
+    """One transformer block's parameters on one TP rank, in loom's construction order (transformer.py)."""
+    h, hd = m.hidden_size, m.head_dim
+    q, kv, f = m.num_heads * hd, m.num_kv_heads * hd, m.ffn_hidden_size
+    fc1 = 2 * f if m.activation == "swiglu" else f
+    norm = [_Param(h, sequence_parallel)] + ([_Param(h, sequence_parallel)] if m.norm == "layernorm" else [])
+    out = [*norm, _Param(h * (q + 2 * kv) // tp)]
+    out += [_Param((q + 2 * kv) // tp)] if m.bias else []
+    out += [_Param(q * h // tp)] + ([_Param(h, sequence_parallel)] if m.bias else [])
+    out += [*norm, _Param(h * fc1 // tp)] + ([_Param(fc1 // tp)] if m.bias else [])
+    out += [_Param(f * h // tp)] + ([_Param(h, sequence_parallel)] if m.bias else [])
+    return out
+
+
+def rank_parameters(m: ModelConfig, lay: Layout, pp_rank: int) -> list[_Param]:
+    """The parameters of pipeline rank `pp_rank` (its vp chunks) on one TP rank, in loom's order."""
+    sp = lay.sequence_parallel
+    stages, per_chunk = lay.pp * lay.vp, m.num_layers // (lay.pp * lay.vp)
+    vocab = padded_vocab_size(m.vocab_size, m.make_vocab_divisible_by, lay.tp) // lay.tp
+    tied_across = m.tie_embeddings and stages > 1
+    params = []
+    for chunk in range(lay.vp):
+        stage = chunk * lay.pp + pp_rank
+        if stage == 0:
+            params.append(_Param(vocab * m.hidden_size, tied_across))
+            if m.position_embedding == "learned":
+                params.append(_Param(m.max_position_embeddings * m.hidden_size, sp))
+        params += _block_parameters(m, lay.tp, sp) * per_chunk
+        if stage == stages - 1:
+            params += [_Param(m.hidden_size, sp)] * (2 if m.norm == "layernorm" else 1)
+            if not (m.tie_embeddings and stages == 1):
+                params.append(_Param(vocab * m.hidden_size, tied_across))
+    return params
+
+
+def _buffer(params: list[_Param], dp: int, bucket_bytes: int) -> tuple[int, int]:
+    """(elements of the padded gradient buffer, of which the deferred range) as GradBuffer plans them."""
+    ordered = list(reversed(params))
+    regular = [p for p in ordered if not p.deferred]
+    deferred = [p for p in ordered if p.deferred]
+    numel = max(1, bucket_bytes // 4)
+    end = plan_buckets(regular, numel, dp)[2] if regular else 0
+    total = plan_buckets(deferred, numel, dp, end)[2] if deferred else end
+    return total, total - end
+
+
+@functools.lru_cache(maxsize=4096)
+def _rank_buffer(model: tuple, lay: Layout, pp_rank: int, bucket_bytes: int) -> tuple[int, int, int]:
+    """(parameters, padded buffer elements, deferred elements) of one rank: cached, a search asks often."""
+    m = ModelConfig(**dict(zip(_MODEL_FIELDS, model, strict=True)))
+    params = rank_parameters(m, lay, pp_rank)
+    return (sum(p.size for p in params), *_buffer(params, lay.dp, bucket_bytes))
+
+
+_MODEL_FIELDS = [f.name for f in dataclasses.fields(ModelConfig)]
+
+
+def _model_key(m: ModelConfig) -> tuple:
+    return tuple(getattr(m, name) for name in _MODEL_FIELDS)
+
+
+def model_state_bytes(
+    m: ModelConfig, lay: Layout, pp_rank: int, precision: str, bucket_bytes: int, optimizer: str = "adamw"
+) -> dict[str, int]:
+    """Bytes of weights, gradients and optimizer state (device, host) of one rank of pipeline rank `pp_rank`:
+    equal to what loom allocates (tests/test_plan.py)."""
+    layout = dataclasses.replace(lay, micro_batch_size=1, recompute="none")  # what the parameters depend on
+    count, total, deferred = _rank_buffer(_model_key(m), layout, pp_rank, bucket_bytes)
+    weight_bytes = 4 if precision == "fp32" else 2
+    buffered = lay.dp > 1 or lay.zero >= 1 or precision != "fp32"
+    if not buffered:
+        total, deferred = count, 0
+    if not buffered:
+        grads = 4 * count  # autograd's param.grad
+    elif lay.zero == 2:
+        grads = 4 * (deferred + total // lay.dp)
+    else:
+        grads = 4 * total
+    moments = {"adamw": 2, "lamb": 2, "sgd": 1, "adafactor": 2}[optimizer]
+    master = 0 if precision == "fp32" else 1  # fp32 weights are their own master
+    sharded = total // lay.dp if lay.zero >= 1 else count
+    state = 4 * (master + moments) * sharded
+    weights = weight_bytes * count // (lay.dp if lay.zero >= 3 else 1)
+    on_host = lay.offload == "cpu"
+    return {"params": weights, "grads": grads, "optimizer": 0 if on_host else state, "host": state if on_host else 0}
+
+
+# ---------------------------------------------------------------- activations
+
+
+def layer_activation_bytes(
+    m: ModelConfig,
+    seq: int,
+    mbs: int,
+    tp: int,
+    sp: bool,
+    recompute: str,
+    element: int,
+    scores_saved: bool = False,
+    gathered_inputs_saved: bool = True,
+) -> float:
+    """Bytes one transformer block saves for backward for one micro-batch (Korthikanti et al. 2022, term by term
+    for loom's block). `scores_saved`: the attention kernel keeps the s x s probabilities, as PyTorch's math
+    kernel on CPU does (fused kernels keep a log-sum-exp per row). `gathered_inputs_saved`: under sequence
+    parallelism the QKV and FC1 GEMMs keep their all-gathered input (loom) rather than the sequence shard that
+    backward gathers again (Megatron; Korthikanti's 34/t)."""
+    h, hd = m.hidden_size, m.head_dim
+    q, kv, f, a = m.num_heads * hd, m.num_kv_heads * hd, m.ffn_hidden_size, m.num_heads
+    tokens = seq * mbs
+    split = 1 / tp
+    norm_inputs = 2 * h * (split if sp else 1)
+    if recompute == "full":
+        return tokens * h * (split if sp else 1) * element
+    # Inside the attention core (dropped by selective recompute): its inputs q, k, v, output and log-sum-exp.
+    core = (q + 2 * kv + q) * split * element + a * split * 4
+    if scores_saved:
+        core += a * split * seq * element
+    # Kept either way: GEMM inputs (the gathered, full-width ones under sequence parallelism), the QKV output
+    # the rotated q and k are made from, the attention output, the MLP's activations.
+    gathered = h * (split if sp and not gathered_inputs_saved else 1)
+    gemm_inputs = (gathered + q * split + gathered + f * split) * element
+    qkv_and_rotary = (q + 2 * kv) * split * element + (q + kv) * split * element
+    mlp = (2 * f if m.activation == "swiglu" else f) * split * element + (
+        f * split * element if m.activation == "swiglu" else 0
+    )
+    kept = norm_inputs * element + gemm_inputs + qkv_and_rotary + mlp
+    if recompute == "selective":
+        return tokens * (kept + (q + 2 * kv) * split * element)
+    return tokens * (kept + core)
+
+
+def in_flight_microbatches(pp: int, vp: int, microbatches: int) -> float:
+    """Micro-batches of one chunk's layers alive at once on pipeline rank 0 (1F1B: min(pp, m); interleaved: Megatron's
+    warm-up (pp - 1) * 2 + (vp - 1) * pp plus one, capped at m * vp, over vp chunks)."""
+    if pp == 1:
+        return 1
+    if vp == 1:
+        return min(pp, microbatches)
+    return min((pp - 1) * 2 + (vp - 1) * pp + 1, microbatches * vp) / vp
+
+
+# ---------------------------------------------------------------- the estimate
+
+
+def _ring_seconds(bytes_: float, ranks: int, bandwidth_gb_s: float, latency_us: float) -> float:
+    """One ring all-gather or reduce-scatter of `bytes_` (the full tensor) over `ranks` GPUs."""
+    if ranks <= 1:
+        return 0.0
+    return (ranks - 1) / ranks * bytes_ / (bandwidth_gb_s * GB) + (ranks - 1) * latency_us * 1e-6
+
+
+def _gemm_efficiency(hw: Hardware, smallest_dimension: float) -> float:
+    e = hw.efficiency
+    return e["gemm"] * smallest_dimension / (smallest_dimension + e["gemm_half_size"])
+
+
+@dataclass(frozen=True)
+class Engine:
+    """Implementation choices that change the numbers: loom's by default; Megatron-LM's for its published runs."""
+
+    grad_reduce_bytes: int = 4
+    """Bytes per gradient element on the wire (loom reduces its fp32 buffer; Megatron r0.8 reduces bf16)."""
+    gathered_inputs_saved: bool = True
+    """Under sequence parallelism, GEMMs keep the all-gathered input (loom) instead of regathering it."""
+    scores_saved: bool = False
+    """The attention kernel keeps the s x s probabilities (PyTorch's math kernel on CPU)."""
+
+
+LOOM = Engine()
+MEGATRON = Engine(grad_reduce_bytes=2, gathered_inputs_saved=False)
+
+
+def estimate(config: LoomConfig, lay: Layout, hw: Hardware, engine: Engine = LOOM) -> Estimate:
+    """Memory and step time of `config` under `lay` on `hw` GPUs (config.train: batch, sequence, precision)."""
+    m, t = config.model, config.train
+    seq, mbs = t.seq_length, lay.micro_batch_size
+    gpus = lay.tp * lay.pp * lay.dp
+    microbatches = t.global_batch_size // (mbs * lay.dp)
+    precision = "bf16" if t.precision == "fp8" else t.precision
+    element = 4 if precision == "fp32" else 2
+    bucket_bytes = int(config.parallel.grad_bucket_mb * 2**20)
+
+    # Memory: the pipeline rank holding the most state; activations of the first (the most micro-batches in flight).
+    states = [model_state_bytes(m, lay, r, precision, bucket_bytes, config.optim.name) for r in {0, lay.pp - 1}]
+    state = max(states, key=lambda s: s["params"] + s["grads"] + s["optimizer"])
+    per_chunk = m.num_layers // (lay.pp * lay.vp)
+    layer = layer_activation_bytes(
+        m,
+        seq,
+        mbs,
+        lay.tp,
+        lay.sequence_parallel,
+        lay.recompute,
+        element,
+        engine.scores_saved,
+        engine.gathered_inputs_saved,
+    )
+    activations = layer * per_chunk * lay.vp * in_flight_microbatches(lay.pp, lay.vp, microbatches)
+    vocab = padded_vocab_size(m.vocab_size, m.make_vocab_divisible_by, lay.tp) // lay.tp
+    logits = seq * mbs * vocab * element * 2  # the last stage's logits of one micro-batch and their gradient
+    memory = {
+        "params": state["params"],
+        "grads": state["grads"],
+        "optimizer": state["optimizer"],
+        "activations": activations,
+        "other": logits + (2 * bucket_bytes if lay.zero == 2 else 0),  # ZeRO-2's transient buckets in flight
+    }
+    memory["total"] = sum(memory.values())
+    fits = memory["total"] <= hw.memory_usable_gb * GB
+    reason = "" if fits else f"needs {memory['total'] / GB:.1f} GB of {hw.memory_usable_gb:g} GB usable"
+
+    # Compute: every GPU does 1/gpus of the step's FLOPs; recompute adds forward work (hardware FLOPs).
+    e = hw.efficiency
+    model_per_token = model_flops_per_token(m, seq)
+    attention_per_token = 12.0 * m.num_layers * m.num_heads * m.head_dim * seq
+    gemm_per_token = model_per_token - attention_per_token
+    output_layer_per_token = 6.0 * m.hidden_size * m.vocab_size
+    gemm_extra = (gemm_per_token - output_layer_per_token) / 3 if lay.recompute == "full" else 0.0
+    attention_extra = attention_per_token / 3 if lay.recompute != "none" else 0.0
+    peak = hw.peak_tflops.get(t.precision, hw.peak_tflops["bf16"]) * 1e12
+    smallest = min(m.hidden_size / lay.tp, m.ffn_hidden_size / lay.tp, seq * mbs)
+    # The pipeline goes at the pace of its last stage: its share of the blocks plus the output layer.
+    blocks_per_token = (gemm_per_token - output_layer_per_token + gemm_extra) / lay.pp + output_layer_per_token
+    last_stage_tokens = t.global_batch_size * seq / (lay.dp * lay.tp)
+    compute = last_stage_tokens * (
+        blocks_per_token / (peak * _gemm_efficiency(hw, smallest))
+        + (attention_per_token + attention_extra) / lay.pp / (peak * e["attention"])
+    )
+    # Memory-bound kernels: activation bytes (sharded by sequence parallelism) and the logits, over HBM bandwidth.
+    activation_share = 1 / lay.tp if lay.sequence_parallel else 1
+    tokens_per_replica = t.global_batch_size * seq / lay.dp
+    streamed = tokens_per_replica * (
+        e["elementwise_passes"] * m.hidden_size * activation_share * m.num_layers / lay.pp
+        + e["loss_passes"] * vocab  # on the last stage, which sets the pace
+    )
+    compute += streamed * element / (hw.hbm_tb_s * 1e12)
+    micro_compute = compute / microbatches
+
+    # Tensor parallel: 2 all-reduce volumes forward, 2 backward per layer and micro-batch (3 forward with full
+    # recompute); inside a node over NVLink.
+    tp_bandwidth = hw.intra_node_gb_s if lay.tp <= hw.gpus_per_node else hw.inter_node_gb_s
+    all_reduce = 2 * _ring_seconds(seq * mbs * m.hidden_size * element, lay.tp, tp_bandwidth, hw.latency_us)
+    collectives = 6 if lay.recompute == "full" else 4
+    tp_time = collectives * all_reduce * (m.num_layers / lay.pp) * microbatches * (1 - e["tp_overlap"])
+
+    # Data parallel: DP ranks are tp apart (engine/parallel/state.py), so a group stays in a node while tp x dp fits.
+    dp_bandwidth = hw.intra_node_gb_s if lay.tp * lay.dp <= hw.gpus_per_node else hw.inter_node_gb_s
+    stage_params = max(
+        _rank_buffer(_model_key(m), dataclasses.replace(lay, micro_batch_size=1, recompute="none"), r, bucket_bytes)[0]
+        for r in {0, lay.pp - 1}
+    )
+    scatter = _ring_seconds(stage_params * engine.grad_reduce_bytes, lay.dp, dp_bandwidth, hw.latency_us)
+    gather = _ring_seconds(stage_params * element, lay.dp, dp_bandwidth, hw.latency_us) if lay.zero else 0.0
+    backward_window = e["dp_overlap"] * micro_compute * 2 / 3  # dp_overlap micro-batches' backward
+    if lay.zero == 2:  # a reduce-scatter per micro-batch, each behind its own backward
+        reduce_exposed = microbatches * max(0.0, scatter - backward_window)
+    else:  # once, after the last micro-batch's backward started (an all-reduce is two ring passes)
+        reduce_exposed = max(0.0, scatter * (2 if lay.zero == 0 else 1) - backward_window)
+    if lay.zero == 3:  # weights gathered for every micro-batch's forward and again for its backward
+        gather_exposed = microbatches * (
+            max(0.0, gather - micro_compute / 3) + max(0.0, gather - micro_compute * 2 / 3)
+        )
+    else:
+        gather_exposed = max(0.0, gather - e["dp_overlap"] * micro_compute / 3)
+    dp_time = reduce_exposed + gather_exposed
+
+    bubble = compute * (lay.pp - 1) / (lay.vp * microbatches)
+    p2p_bandwidth = hw.inter_node_gb_s if lay.tp * lay.dp >= hw.gpus_per_node else hw.intra_node_gb_s
+    p2p_bytes = seq * mbs * m.hidden_size * element / (lay.tp if lay.sequence_parallel else 1)
+    p2p = 2 * microbatches * lay.vp * p2p_bytes / (p2p_bandwidth * GB) * (1 - e["p2p_overlap"]) if lay.pp > 1 else 0.0
+    seconds = {
+        "compute": compute,
+        "tp": tp_time,
+        "dp": dp_time,
+        "bubble": bubble,
+        "p2p": p2p,
+        "other": e["step_overhead_s"],
+    }
+    step = sum(seconds.values())
+    tokens_per_s_per_gpu = t.global_batch_size * seq / step / gpus
+    model_tflops = model_per_token * tokens_per_s_per_gpu / 1e12
+    hardware_tflops = (model_per_token + gemm_extra + attention_extra) * tokens_per_s_per_gpu / 1e12
+    return Estimate(
+        lay,
+        fits,
+        reason,
+        memory,
+        state["host"],
+        seconds,
+        step,
+        tokens_per_s_per_gpu,
+        model_tflops,
+        hardware_tflops,
+        model_tflops * 1e12 / peak,
+        hardware_tflops * 1e12 / peak,
+    )
+
+
+# ---------------------------------------------------------------- the search
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def parse_layout(text: str) -> dict:
+    """`tp=8,pp=4,vp=2,dp=2,mbs=1,recompute=selective,zero=1` -> fields of Layout (any subset)."""
+    names = {"mbs": "micro_batch_size", "micro_batch_size": "micro_batch_size"}
+    fields = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, _, value = item.partition("=")
+        key = names.get(key.strip(), key.strip())
+        if key not in ("tp", "pp", "vp", "dp", "micro_batch_size", "recompute", "zero", "offload") or not value:
+            raise ConfigError(f"--layout item {item!r} is not tp|pp|vp|dp|mbs|recompute|zero|offload=VALUE")
+        value = value.strip()
+        if key in ("recompute", "offload"):
+            if value not in (RECOMPUTE if key == "recompute" else ("none", "cpu")):
+                raise ConfigError(
+                    f"--layout {key}={value}: expected one of {RECOMPUTE if key == 'recompute' else 'none, cpu'}"
+                )
+            fields[key] = value
+        else:
+            if not value.isdigit() or int(value) < (0 if key == "zero" else 1):
+                raise ConfigError(
+                    f"--layout {key}={value}: expected a {'non-negative' if key == 'zero' else 'positive'} integer"
+                )
+            fields[key] = int(value)
+    return fields
+
+
+def candidates(config: LoomConfig, gpus: int, hw: Hardware, fixed: dict | None = None) -> list[Layout]:
+    """Every layout of `gpus` GPUs that divides the model and the batch and that loom's schedules accept; the
+    keys in `fixed` are held."""
+    m, t, fixed = config.model, config.train, fixed or {}
+
+    def choices(key: str, values) -> list:
+        return [fixed[key]] if key in fixed else list(values)
+
+    tps = [tp for tp in choices("tp", _divisors(hw.gpus_per_node)) if m.num_heads % tp == 0]
+    tps = [tp for tp in tps if m.num_kv_heads % tp == 0 and m.ffn_hidden_size % tp == 0 and gpus % tp == 0]
+    found = []
+    for tp in tps:
+        for pp in choices("pp", _divisors(m.num_layers)):
+            if gpus % (tp * pp) or m.num_layers % pp:
+                continue
+            dp = gpus // (tp * pp)
+            if fixed.get("dp", dp) != dp:
+                continue
+            for vp in choices("vp", _divisors(m.num_layers // pp) if pp > 1 else [1]):
+                if m.num_layers % (pp * vp) or (vp > 1 and pp == 1):
+                    continue
+                for mbs in choices("micro_batch_size", (1, 2, 4, 8)):
+                    if t.global_batch_size % (mbs * dp):
+                        continue
+                    microbatches = t.global_batch_size // (mbs * dp)
+                    if vp > 1 and microbatches % pp:
+                        continue
+                    for recompute, zero, offload in itertools.product(
+                        choices("recompute", RECOMPUTE), choices("zero", (0, 1, 2, 3)), choices("offload", ("none",))
+                    ):
+                        found.append(Layout(tp, pp, vp, dp, mbs, recompute, zero, offload))
+    return found
+
+
+def plan(
+    config: LoomConfig, gpus: int, hw: Hardware, fixed: dict | None = None, engine: Engine = LOOM
+) -> list[Estimate]:
+    """Every candidate layout's estimate, the fitting ones first, fastest first."""
+    estimates = [estimate(config, layout, hw, engine) for layout in candidates(config, gpus, hw, fixed)]
+    # Fitting layouts fastest first; then the others nearest to fitting first (they say why not).
+    return sorted(
+        estimates,
+        key=lambda e: (not e.fits, -e.tokens_per_s_per_gpu if e.fits else e.memory["total"], e.memory["total"]),
+    )
+
+
+# ---------------------------------------------------------------- output
+
+
+def table(estimates: list[Estimate], gpu: str) -> str:
+    """The estimates as a table a person reads at a glance (memory in GB per GPU, time in s per step)."""
+    head = (
+        f"{'layout':<52} {'fits':>4} | {'GB/GPU':>6} = {'param':>5} {'grad':>5} {'optim':>5} {'activ':>5} "
+        f"{'other':>5} | {'step s':>7} = {'comp':>6} {'tp':>5} {'dp':>5} {'bubbl':>5} {'p2p':>5} | "
+        f"{'tok/s/GPU':>9} {'TFLOP/s':>7} {'MFU':>5} {'HFU':>5}"
+    )
+    lines = [head, "-" * len(head)]
+    for e in estimates:
+        mem, sec = {k: v / GB for k, v in e.memory.items()}, e.seconds
+        star = "*" if e.layout.zero == 3 else " "
+        lines.append(
+            f"{e.layout.describe() + star:<52} {'yes' if e.fits else 'no':>4} | {mem['total']:6.1f} = "
+            f"{mem['params']:5.1f} {mem['grads']:5.1f} {mem['optimizer']:5.1f} {mem['activations']:5.1f} "
+            f"{mem['other']:5.1f} | {e.step_seconds:7.3f} = {sec['compute']:6.3f} {sec['tp']:5.3f} {sec['dp']:5.3f} "
+            f"{sec['bubble']:5.3f} {sec['p2p']:5.3f} | {e.tokens_per_s_per_gpu:9,.0f} {e.model_tflops_per_gpu:7.1f} "
+            f"{e.mfu:5.1%} {e.hfu:5.1%}"
+        )
+    if any(e.layout.zero == 3 for e in estimates):
+        lines.append("* ZeRO-3 is modelled for comparison; loom implements ZeRO 0, 1 and 2.")
+    lines.append(f"{gpu}: MFU and HFU against the dense datasheet peak; HFU counts recompute (docs/planner.md).")
+    return "\n".join(lines)
+
+
+def plot(estimates: list[Estimate], path: Path) -> None:
+    """Stacked bars of the memory and the step-time breakdown of `estimates`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [e.layout.describe().replace(" recompute=", "\nrecompute=") for e in estimates]
+    figure, (memory_axis, time_axis) = plt.subplots(1, 2, figsize=(14, 1.2 + 0.7 * len(estimates)))
+    for axis, parts, scale, unit in (
+        (memory_axis, ("params", "grads", "optimizer", "activations", "other"), 1 / GB, "GB per GPU"),
+        (time_axis, ("compute", "tp", "dp", "bubble", "p2p", "other"), 1.0, "seconds per step"),
+    ):
+        left = [0.0] * len(estimates)
+        for part in parts:
+            values = [(e.memory if axis is memory_axis else e.seconds)[part] * scale for e in estimates]
+            axis.barh(range(len(estimates)), values, left=left, label=part)
+            left = [a + b for a, b in zip(left, values, strict=True)]
+        axis.set_yticks(range(len(estimates)), labels if axis is memory_axis else [""] * len(estimates), fontsize=7)
+        axis.invert_yaxis()
+        axis.set_xlabel(unit)
+        axis.legend(fontsize=7, loc="lower right")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
