@@ -102,6 +102,21 @@ class Layout:
         )
 
 
+@dataclass(frozen=True)
+class Engine:
+    """Implementation choices that change the numbers: loom's by default; Megatron-LM's for its published runs."""
+
+    grad_reduce_bytes: int = 4
+    """Bytes per gradient element on the wire (loom reduces its fp32 buffer; Megatron r0.8 reduces bf16)."""
+    gathered_inputs_saved: bool = True
+    """Activations as loom's native block keeps them (layer_activation_bytes); False: Korthikanti's count for
+    Megatron-LM, whose GEMMs keep the sequence shard of their input and gather it again in backward."""
+
+
+LOOM = Engine()
+MEGATRON = Engine(grad_reduce_bytes=2, gathered_inputs_saved=False)
+
+
 @dataclass
 class Estimate:
     layout: Layout
@@ -250,44 +265,32 @@ def model_state_bytes(
 
 
 def layer_activation_bytes(
-    m: ModelConfig,
-    seq: int,
-    mbs: int,
-    tp: int,
-    sp: bool,
-    recompute: str,
-    element: int,
-    scores_saved: bool = False,
-    gathered_inputs_saved: bool = True,
+    m: ModelConfig, seq: int, mbs: int, tp: int, sp: bool, recompute: str, element: int, engine: Engine = LOOM
 ) -> float:
-    """Bytes one transformer block saves for backward for one micro-batch (Korthikanti et al. 2022, term by term
-    for loom's block). `scores_saved`: the attention kernel keeps the s x s probabilities, as PyTorch's math
-    kernel on CPU does (fused kernels keep a log-sum-exp per row). `gathered_inputs_saved`: under sequence
-    parallelism the QKV and FC1 GEMMs keep their all-gathered input (loom) rather than the sequence shard that
-    backward gathers again (Megatron; Korthikanti's 34/t)."""
+    """Bytes one transformer block saves for backward for one micro-batch of `seq` x `mbs` tokens.
+
+    loom's native block, term by term (measured equal on CPU, tests/test_plan.py), per token: each of the two
+    norms keeps its fp32 input, normalised input and 1/rms (8h + 4 bytes; sequence-sharded under sequence
+    parallelism); the QKV and FC1 GEMMs keep their input (h, all-gathered under sequence parallelism); attention
+    keeps the QKV output, rotated q and k, its output and a log-sum-exp per head (fp32); the SwiGLU MLP keeps
+    FC1's output, silu(gate) and FC2's input (4 x ffn; GELU: 2 x ffn); all split by tp. Selective recompute drops
+    what the attention core alone keeps (the log-sum-exp: loom's kernels never keep the s x s scores), full
+    recompute keeps only the block's input. `engine` MEGATRON uses Korthikanti et al. 2022's published
+    s b h (34 / t) with sequence parallelism (their 5 a s / h score term is gone with flash attention)."""
     h, hd = m.hidden_size, m.head_dim
-    q, kv, f, a = m.num_heads * hd, m.num_kv_heads * hd, m.ffn_hidden_size, m.num_heads
+    q, kv, f, heads = m.num_heads * hd, m.num_kv_heads * hd, m.ffn_hidden_size, m.num_heads
     tokens = seq * mbs
-    split = 1 / tp
-    norm_inputs = 2 * h * (split if sp else 1)
+    sequence_share = 1 / tp if sp else 1
     if recompute == "full":
-        return tokens * h * (split if sp else 1) * element
-    # Inside the attention core (dropped by selective recompute): its inputs q, k, v, output and log-sum-exp.
-    core = (q + 2 * kv + q) * split * element + a * split * 4
-    if scores_saved:
-        core += a * split * seq * element
-    # Kept either way: GEMM inputs (the gathered, full-width ones under sequence parallelism), the QKV output
-    # the rotated q and k are made from, the attention output, the MLP's activations.
-    gathered = h * (split if sp and not gathered_inputs_saved else 1)
-    gemm_inputs = (gathered + q * split + gathered + f * split) * element
-    qkv_and_rotary = (q + 2 * kv) * split * element + (q + kv) * split * element
-    mlp = (2 * f if m.activation == "swiglu" else f) * split * element + (
-        f * split * element if m.activation == "swiglu" else 0
-    )
-    kept = norm_inputs * element + gemm_inputs + qkv_and_rotary + mlp
-    if recompute == "selective":
-        return tokens * (kept + (q + 2 * kv) * split * element)
-    return tokens * (kept + core)
+        return tokens * h * sequence_share * element
+    if not engine.gathered_inputs_saved:  # Megatron-LM: Korthikanti's count
+        per_token = h * (34 / tp if sp else 10 + 24 / tp) * element / 2
+        return tokens * per_token
+    norms = 2 * (8 * h + 4) * sequence_share
+    gemm_inputs = 2 * h * element
+    attention = ((q + 2 * kv) + q + kv + q) * element / tp + (heads * 4 / tp if recompute == "none" else 0)
+    mlp = (4 * f if m.activation == "swiglu" else 2 * f) * element / tp
+    return tokens * (norms + gemm_inputs + attention + mlp)
 
 
 def in_flight_microbatches(pp: int, vp: int, microbatches: int) -> float:
@@ -315,22 +318,6 @@ def _gemm_efficiency(hw: Hardware, smallest_dimension: float) -> float:
     return e["gemm"] * smallest_dimension / (smallest_dimension + e["gemm_half_size"])
 
 
-@dataclass(frozen=True)
-class Engine:
-    """Implementation choices that change the numbers: loom's by default; Megatron-LM's for its published runs."""
-
-    grad_reduce_bytes: int = 4
-    """Bytes per gradient element on the wire (loom reduces its fp32 buffer; Megatron r0.8 reduces bf16)."""
-    gathered_inputs_saved: bool = True
-    """Under sequence parallelism, GEMMs keep the all-gathered input (loom) instead of regathering it."""
-    scores_saved: bool = False
-    """The attention kernel keeps the s x s probabilities (PyTorch's math kernel on CPU)."""
-
-
-LOOM = Engine()
-MEGATRON = Engine(grad_reduce_bytes=2, gathered_inputs_saved=False)
-
-
 def estimate(config: LoomConfig, lay: Layout, hw: Hardware, engine: Engine = LOOM) -> Estimate:
     """Memory and step time of `config` under `lay` on `hw` GPUs (config.train: batch, sequence, precision)."""
     m, t = config.model, config.train
@@ -345,17 +332,7 @@ def estimate(config: LoomConfig, lay: Layout, hw: Hardware, engine: Engine = LOO
     states = [model_state_bytes(m, lay, r, precision, bucket_bytes, config.optim.name) for r in {0, lay.pp - 1}]
     state = max(states, key=lambda s: s["params"] + s["grads"] + s["optimizer"])
     per_chunk = m.num_layers // (lay.pp * lay.vp)
-    layer = layer_activation_bytes(
-        m,
-        seq,
-        mbs,
-        lay.tp,
-        lay.sequence_parallel,
-        lay.recompute,
-        element,
-        engine.scores_saved,
-        engine.gathered_inputs_saved,
-    )
+    layer = layer_activation_bytes(m, seq, mbs, lay.tp, lay.sequence_parallel, lay.recompute, element, engine)
     activations = layer * per_chunk * lay.vp * in_flight_microbatches(lay.pp, lay.vp, microbatches)
     vocab = padded_vocab_size(m.vocab_size, m.make_vocab_divisible_by, lay.tp) // lay.tp
     logits = seq * mbs * vocab * element * 2  # the last stage's logits of one micro-batch and their gradient
