@@ -564,3 +564,49 @@ def plot(estimates: list[Estimate], path: Path) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
+
+
+# ---------------------------------------------------------------- traffic, as loom's communication ledger counts it
+
+_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def step_traffic(config: LoomConfig, lay: Layout, pp_rank: int = 0) -> dict[tuple[str, str, str], int]:
+    """Bytes one rank of pipeline rank `pp_rank` sends per step, by (group, op, dtype), counted as loom's
+    communication ledger counts them (engine/comm_ledger.py: an all-gather's output, a reduce-scatter's input,
+    else the tensor): the data-parallel gradient and weight collectives of its ZeRO stage, the sequence-parallel
+    gathers and scatters, the pipeline's sends and receives. Small control traffic (the loss and stop-code sums,
+    the vocabulary-parallel loss's statistics) is left out, except the loss sum over DP."""
+    m, t = config.model, config.train
+    precision = "bf16" if t.precision == "fp8" else t.precision
+    element, dtype = (4 if precision == "fp32" else 2), _DTYPE_NAMES[precision]
+    microbatches = t.global_batch_size // (lay.micro_batch_size * lay.dp)
+    bucket_bytes = int(config.parallel.grad_bucket_mb * 2**20)
+    traffic: dict[tuple[str, str, str], int] = {}
+    if lay.dp > 1:
+        _, total, deferred = _rank_buffer(
+            _model_key(m), dataclasses.replace(lay, micro_batch_size=1), pp_rank, bucket_bytes
+        )
+        if lay.zero == 0:
+            traffic[("dp", "all_reduce", "float32")] = 4 * total + 4  # + the loss sum
+        else:
+            per_step = 4 * (total - deferred) * (microbatches if lay.zero == 2 else 1) + 4 * deferred
+            traffic[("dp", "reduce_scatter", "float32")] = per_step
+            traffic[("dp", "all_gather", dtype)] = element * total
+    activation = t.seq_length * lay.micro_batch_size * m.hidden_size * element
+    stages = lay.pp * lay.vp
+    chunks = [c * lay.pp + pp_rank for c in range(lay.vp)]
+    if lay.tp > 1 and lay.sequence_parallel:
+        layers = m.num_layers // stages * lay.vp
+        ends = sum((stage == 0) + (stage == stages - 1) for stage in chunks)  # embedding scatter, output gather
+        per_step = microbatches * (4 * layers + ends)
+        traffic[("tp", "all_gather", dtype)] = per_step * activation
+        traffic[("tp", "reduce_scatter", dtype)] = per_step * activation
+    if lay.pp > 1:
+        hidden = activation // (lay.tp if lay.sequence_parallel else 1)
+        # per micro-batch each chunk receives its input and sends its output forward, and receives the output's
+        # gradient and sends the input's back: one send and one receive per neighbouring stage
+        transfers = sum((stage > 0) + (stage < stages - 1) for stage in chunks)
+        for op in ("send", "recv"):
+            traffic[("pp", op, dtype)] = microbatches * transfers * hidden
+    return traffic

@@ -1,0 +1,276 @@
+"""loom plan against two kinds of truth: published runs for speed (Megatron-LM's H100 weak-scaling table, which
+calibrated the constants, and runs it never saw), and loom itself for memory and communication (what its ranks
+allocate, save for backward and send, measured on CPU)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from dist_utils import run_ranks
+from training_runs import tiny_config
+
+from loom.engine.comm_ledger import read_ledger
+from loom.engine.config_io import config_from_dict, load_config
+from loom.engine.model.kernels import PARAM_DTYPES
+from loom.engine.parallel.random import RNGStreams
+from loom.engine.parallel.sharding import initialize_parameters
+from loom.engine.parallel.state import ParallelState
+from loom.engine.pipeline.stages import build_chunks
+from loom.engine.train import Trainer
+from loom.tools.plan import (
+    MEGATRON,
+    Layout,
+    estimate,
+    layer_activation_bytes,
+    load_hardware,
+    model_state_bytes,
+    plan,
+    step_traffic,
+)
+
+# Megatron Core r0.8.0 weak scaling on H100 (vocab 131072, seq 4096, BF16, MFU against 989 TFLOP/s):
+# (heads, hidden, layers, tp, pp, gpus, global batch) -> MFU. GPT models: 4h GELU MLP, untied embeddings.
+MEGATRON_WEAK_SCALING = {
+    "1.7B": ((16, 2048, 24, 1, 1, 48, 192), 0.41),
+    "7.1B": ((32, 4096, 30, 2, 1, 96, 192), 0.47),
+    "16B": ((48, 6144, 32, 4, 1, 192, 192), 0.49),
+    "32B": ((56, 7168, 48, 8, 1, 384, 192), 0.46),
+    "70B": ((64, 8192, 84, 8, 2, 768, 384), 0.42),
+    "119B": ((80, 10240, 92, 8, 4, 1536, 768), 0.43),
+    "177B": ((96, 12288, 96, 8, 6, 2304, 1152), 0.44),
+    "314B": ((128, 16384, 96, 8, 8, 3072, 1536), 0.48),
+    "462B": ((144, 18432, 112, 8, 16, 6144, 3072), 0.47),
+}
+
+
+def _gpt(heads, hidden, layers, global_batch, seq=4096, vocab=131072):
+    model = {"num_layers": layers, "hidden_size": hidden, "num_heads": heads, "ffn_hidden_size": 4 * hidden}
+    model.update(vocab_size=vocab, max_position_embeddings=seq, activation="gelu", norm="layernorm")
+    train = {"seq_length": seq, "global_batch_size": global_batch, "micro_batch_size": 1, "precision": "bf16"}
+    return config_from_dict({"model": model, "train": train})
+
+
+@pytest.mark.parametrize("size", list(MEGATRON_WEAK_SCALING))
+def test_megatron_weak_scaling_table_within_10_percent(size):
+    """The published tp and pp held; micro-batch 1 and Megatron's distributed optimizer (ZeRO-1), vp and
+    recompute searched, as `loom plan --layout "tp=..,pp=..,mbs=1,zero=1"` does."""
+    (heads, hidden, layers, tp, pp, gpus, batch), published = MEGATRON_WEAK_SCALING[size]
+    fixed = {"tp": tp, "pp": pp, "micro_batch_size": 1, "zero": 1}
+    best = plan(_gpt(heads, hidden, layers, batch), gpus, load_hardware("h100-sxm"), fixed, MEGATRON)[0]
+    assert best.fits
+    assert abs(best.mfu / published - 1) <= 0.10, (best.layout.describe(), best.mfu)
+
+
+def test_runs_the_calibration_never_saw():
+    """Narayanan et al. 2021: GPT-3 175B on 1024 A100s (tp 8, pp 8, full recompute, batch 1536 x 2048) ran at
+    138 TFLOP/s per GPU counting recompute (reference-facts); torchtitan's Llama-3-8B on 8 H100s (FSDP, seq 8192)
+    reaches 33-39% MFU. Another GPU, another scale, another engine: GPT-3 within 20% (2021's Megatron ran
+    attention unfused, slower than the flash kernels the constants describe: the planner is 16% high there),
+    Llama within 15% of the published range."""
+    gpt3 = _gpt(96, 12288, 96, 1536, seq=2048, vocab=51200)
+    fixed = {"tp": 8, "pp": 8, "micro_batch_size": 1, "recompute": "full", "zero": 0}
+    best = plan(gpt3, 1024, load_hardware("a100-80gb"), fixed, MEGATRON)[0]
+    assert abs(best.hardware_tflops_per_gpu / 138 - 1) <= 0.20, best.hardware_tflops_per_gpu
+    llama = load_config("llama-8b", {"train": {"seq_length": 8192, "global_batch_size": 8, "precision": "bf16"}})
+    fsdp = {"tp": 1, "pp": 1, "micro_batch_size": 1, "zero": 3}
+    best = plan(llama, 8, load_hardware("h100-sxm"), fsdp)[0]
+    assert best.fits and 0.33 * 0.85 <= best.mfu <= 0.39 * 1.15, best.mfu
+
+
+def test_obvious_cases():
+    llama70 = load_config("llama-70b", {"train": {"global_batch_size": 64, "seq_length": 4096, "precision": "bf16"}})
+    assert not any(e.fits for e in plan(llama70, 8, load_hardware("h100-sxm"), {"zero": 0}))
+    llama8 = load_config("llama-8b", {"train": {"global_batch_size": 64, "seq_length": 8192, "precision": "bf16"}})
+    best = plan(llama8, 8, load_hardware("h100-sxm"))[0]
+    assert best.fits and 0.2 < best.mfu < 0.6
+    # 18 bytes per parameter on one GPU: 8B parameters need 144 GB before any activation.
+    single = estimate(llama8, Layout(1, 1, 1, 1, 1, "full", 0), load_hardware("h200"))
+    assert not single.fits and single.memory["params"] + single.memory["grads"] + single.memory["optimizer"] > 140e9
+
+
+# ---------------------------------------------------------------- loom itself, on CPU
+
+# (parallel, model, optim, precision) per layout; 2 and 4 ranks.
+STATE_LAYOUTS = {
+    2: [
+        ({}, {}, {"zero": 0}, "fp32"),
+        ({}, {}, {"zero": 1}, "bf16"),
+        ({}, {}, {"zero": 2}, "bf16"),
+        ({}, {}, {"zero": 1, "offload": "cpu"}, "bf16"),
+        ({}, {}, {"zero": 2, "name": "sgd"}, "fp16"),
+        ({"tp": 2}, {}, {"zero": 0}, "fp32"),
+        ({"tp": 2, "sequence_parallel": True}, {}, {"zero": 1}, "bf16"),
+        ({"pp": 2}, {}, {"zero": 0}, "bf16"),
+        ({"pp": 2, "vp": 2}, {}, {"zero": 0}, "fp32"),
+        ({"pp": 2}, {"tie_embeddings": True}, {"zero": 1}, "bf16"),
+    ],
+    4: [
+        ({}, {}, {"zero": 1, "name": "lamb"}, "bf16"),
+        ({}, {}, {"zero": 2}, "bf16"),
+        ({"tp": 2}, {}, {"zero": 1}, "bf16"),
+        ({"tp": 2, "sequence_parallel": True}, {}, {"zero": 2}, "bf16"),
+        ({"tp": 2, "sequence_parallel": True}, {"tie_embeddings": True}, {"zero": 0}, "fp16"),
+        ({"pp": 2}, {}, {"zero": 2}, "bf16"),
+        ({"pp": 2, "vp": 2}, {}, {"zero": 1}, "fp16"),
+        ({"tp": 2, "pp": 2}, {}, {"zero": 0}, "bf16"),
+        ({"tp": 2, "pp": 2, "sequence_parallel": True}, {"tie_embeddings": True}, {"zero": 0}, "fp32"),
+        ({"pp": 4}, {}, {"zero": 0}, "bf16"),
+    ],
+}
+
+
+def _held(rank, world, dataset, run_dir):
+    """Per layout: this rank's (planned, allocated) bytes of weights, gradients and optimizer state."""
+    out = []
+    for i, (parallel, model, optim, precision) in enumerate(STATE_LAYOUTS[world]):
+        config = tiny_config(
+            dataset,
+            f"{run_dir}/{i}",
+            parallel={**parallel, "grad_bucket_mb": 0.25},
+            model=model,
+            optim=optim,
+            train={"steps": 1, "micro_batch_size": 1, "global_batch_size": 8, "seq_length": 32, "precision": precision},
+        )
+        trainer = Trainer(config)
+        trainer.train_step()
+        params = [q for chunk in trainer.chunks for q in chunk.parameters()]
+        grads = trainer.grads.stored_bytes() if trainer.grads.enabled else sum(4 * q.numel() for q in params)
+        allocated = {
+            "params": sum(q.numel() * q.element_size() for q in params),
+            "grads": grads,
+            "optimizer": trainer.optimizer.device_state_bytes(),
+            "host": trainer.optimizer.state_bytes() - trainer.optimizer.device_state_bytes(),
+        }
+        p, o = config.parallel, config.optim
+        layout = Layout(p.tp, p.pp, p.vp, p.dp, 1, "none", o.zero, o.offload)
+        planned = model_state_bytes(config.model, layout, trainer.state.pp_rank, precision, 2**18, o.name)
+        out.append((f"{parallel} {model} {optim} {precision}", planned, allocated))
+        trainer.close()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_weights_gradients_and_optimizer_state_equal_what_loom_allocates(markov_dataset, tmp_path, world):
+    for rank in run_ranks(_held, world, markov_dataset(50), str(tmp_path)):
+        for name, planned, allocated in rank:
+            assert planned == allocated, name
+
+
+ACTIVATION_CASES = [
+    (tp, sp, recompute, precision, micro)
+    for tp, sp in ((1, False), (2, False), (2, True))
+    for recompute in ("none", "selective", "full")
+    for precision, micro in (("fp32", 2), ("bf16", 1))
+    if not (tp == 1 and precision == "bf16" and recompute == "selective")
+]
+
+
+def _saved_per_layer(rank, world, cases):
+    """Bytes one block saves for backward (parameters excluded): the difference between 4 and 2 layers, halved."""
+    out = []
+    for tp, sp, recompute, precision, micro in cases:
+        if tp != world:
+            continue
+        state = ParallelState.create(tp=tp, dp=1)
+        saved = []
+        for layers in (2, 4):
+            config = load_config(
+                "tiny", {"model": {"num_layers": layers, "recompute": recompute}, "parallel": {"tp": tp}}
+            )
+            config.parallel.sequence_parallel = sp
+            (chunk,) = build_chunks(config, state, RNGStreams(0, state.tp_rank, torch.device("cpu")))
+            initialize_parameters(chunk, 0, state.tp_rank, tp)
+            chunk.to(PARAM_DTYPES[precision]).train()
+            weights = {q.untyped_storage().data_ptr() for q in chunk.parameters()}
+            storages = {}
+
+            def pack(tensor, storages=storages, weights=weights):
+                storage = tensor.untyped_storage()
+                if storage.data_ptr() not in weights:
+                    storages[storage.data_ptr()] = storage.nbytes()
+                return tensor
+
+            tokens = torch.randint(0, 4096, (micro, 64), generator=torch.Generator().manual_seed(0))
+            autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), autocast:
+                chunk(tokens, tokens)
+            saved.append(sum(storages.values()))
+        element = 4 if precision == "fp32" else 2
+        planned = layer_activation_bytes(config.model, 64, micro, tp, sp, recompute, element)
+        out.append(((tp, sp, recompute, precision, micro), planned, (saved[1] - saved[0]) / 2))
+    return out
+
+
+def test_activation_bytes_equal_what_loom_saves_for_backward():
+    """Every tp x sequence-parallel x recompute x precision case within 10% (the model is exact here)."""
+    results = run_ranks(_saved_per_layer, 1, ACTIVATION_CASES)[0] + run_ranks(_saved_per_layer, 2, ACTIVATION_CASES)[0]
+    assert len(results) == len(ACTIVATION_CASES)
+    for case, planned, saved in results:
+        assert abs(planned / saved - 1) <= 0.10, (case, planned, saved)
+
+
+TRAFFIC_LAYOUTS = [
+    ({}, 0),
+    ({}, 1),
+    ({}, 2),
+    ({"tp": 2, "sequence_parallel": True}, 0),
+    ({"pp": 2}, 0),
+    ({"pp": 2, "vp": 2}, 0),
+]
+
+
+def _traffic(rank, world, dataset, run_dir):
+    out = []
+    for i, (parallel, zero) in enumerate(TRAFFIC_LAYOUTS):
+        train = {"precision": "bf16", "steps": 2, "global_batch_size": 8, "micro_batch_size": 2, "seq_length": 32}
+        config = tiny_config(
+            dataset,
+            f"{run_dir}/{i}",
+            parallel={**parallel, "grad_bucket_mb": 0.25},
+            optim={"zero": zero},
+            train={**train, "comm_ledger": True},
+        )
+        trainer = Trainer(config)
+        trainer.train_step()
+        trainer.train_step()
+        trainer.close()
+        ledger = {
+            (c["group"], c["op"], c["dtype"]): c["bytes"] for c in read_ledger(config.train.run_dir, rank)[1]["calls"]
+        }
+        p = config.parallel
+        layout = Layout(p.tp, p.pp, p.vp, p.dp, 2, "none", zero)
+        out.append((f"{parallel} zero={zero}", step_traffic(config, layout, trainer.state.pp_rank), ledger))
+    return out
+
+
+def test_communication_bytes_equal_the_ledger(markov_dataset, tmp_path):
+    for rank in run_ranks(_traffic, 2, markov_dataset(50), str(tmp_path)):
+        for name, planned, ledger in rank:
+            assert planned, name
+            for key, value in planned.items():
+                assert ledger.get(key) == value, (name, key, value, ledger.get(key))
+
+
+def test_loom_plan_command(tmp_path):
+    def loom_plan(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "loom.launch.cli", "plan", *args], capture_output=True, text=True, timeout=120
+        )
+
+    result = loom_plan("--config", "llama-8b", "--gpus", "16", "--layout", "tp=2,mbs=1", "--top", "3", "--json")
+    assert result.returncode == 0, result.stderr
+    layouts = json.loads(result.stdout)["layouts"]
+    assert len(layouts) == 3 and all(row["tp"] == 2 and row["micro_batch_size"] == 1 for row in layouts)
+    keys = {"tp", "pp", "vp", "dp", "micro_batch_size", "recompute", "zero", "fits", "memory_gb", "step_seconds"}
+    assert keys | {"tokens_per_s_per_gpu", "model_tflops_per_gpu", "hardware_tflops_per_gpu", "mfu", "hfu"} <= set(
+        layouts[0]
+    )
+    assert set(layouts[0]["memory_gb"]) == {"params", "grads", "optimizer", "activations", "other", "total"}
+    speeds = [row["tokens_per_s_per_gpu"] for row in layouts if row["fits"]]
+    assert speeds == sorted(speeds, reverse=True)
+    result = loom_plan("--config", "llama-70b", "--gpus", "8", "--gpu", "a100-80gb", "--plot", str(tmp_path / "p.png"))
+    assert result.returncode == 0 and "nothing fits" in result.stdout and (tmp_path / "p.png").stat().st_size > 0
+    result = loom_plan("--config", "tiny", "--gpus", "4", "--layout", "tp=3")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and "no layout" in result.stderr
