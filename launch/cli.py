@@ -40,6 +40,18 @@ from loom ckpt import-hf; [model] is taken from it) on --lora.targets qkv proj f
 checkpoints hold the adapters; loom ckpt merge-lora folds them in."""
 
 
+def _prediction(config) -> str:
+    """The planner's memory (and, on a GPU it knows, speed) for this run, printed before it starts; the first
+    metrics rows then show the measured mem_gb and tokens_per_s beside it."""
+    import torch
+
+    from loom.tools.plan import gpu_kind, predicted_line
+
+    on_cuda = config.train.device != "cpu" and torch.cuda.is_available()
+    gpu = gpu_kind(torch.cuda.get_device_name()) if on_cuda else None
+    return predicted_line(config, gpu)[0]
+
+
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
     from loom.engine.preflight import preflight
     from loom.launch.local import launch_local
@@ -66,6 +78,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
         f"run directory {config.train.run_dir}",
         flush=True,
     )
+    print(_prediction(config), flush=True)
     launch_local(config, nproc)
 
 

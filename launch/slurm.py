@@ -223,6 +223,16 @@ def _absolute_paths(config: LoomConfig) -> None:
         config.checkpoint.load = str(Path(config.checkpoint.load).resolve())
 
 
+def _warn_if_it_does_not_fit(config: LoomConfig, partition: str | None) -> None:
+    """The planner's view before the job waits in the queue: a warning (not a refusal: the planner has blind
+    spots) when the layout needs more memory than the GPU kind the partition's name suggests, or an H100's."""
+    from loom.tools.plan import gpu_kind, predicted_line
+
+    line, estimate = predicted_line(config, gpu_kind(partition or "") or "h100-sxm")
+    if config.train.device != "cpu" and not estimate.fits:
+        print(f"warning: {line}", flush=True)
+
+
 def submit(config: LoomConfig, options: SlurmOptions):
     """Check everything, then submit; returns the submitit job."""
     from loom.engine.config_io import config_to_dict
@@ -238,7 +248,9 @@ def submit(config: LoomConfig, options: SlurmOptions):
             f"{options.world_size} ranks, but {error}"
         ) from None
     preflight(config, options.world_size)
-    parameters = executor_parameters(options, config, partition_gpus(options.partition))
+    gpus = partition_gpus(options.partition)
+    _warn_if_it_does_not_fit(config, options.partition)
+    parameters = executor_parameters(options, config, gpus)
     _absolute_paths(config)
     import submitit
 

@@ -144,7 +144,7 @@ def _held(rank, world, dataset, run_dir):
             "host": trainer.optimizer.state_bytes() - trainer.optimizer.device_state_bytes(),
         }
         p, o = config.parallel, config.optim
-        layout = Layout(p.tp, p.pp, p.vp, p.dp, 1, "none", o.zero, o.offload)
+        layout = Layout(p.tp, p.pp, p.vp, p.dp, 1, "none", o.zero, o.offload, p.sequence_parallel)
         planned = model_state_bytes(config.model, layout, trainer.state.pp_rank, precision, 2**18, o.name)
         out.append((f"{parallel} {model} {optim} {precision}", planned, allocated))
         trainer.close()
@@ -240,7 +240,7 @@ def _traffic(rank, world, dataset, run_dir):
             (c["group"], c["op"], c["dtype"]): c["bytes"] for c in read_ledger(config.train.run_dir, rank)[1]["calls"]
         }
         p = config.parallel
-        layout = Layout(p.tp, p.pp, p.vp, p.dp, 2, "none", zero)
+        layout = Layout(p.tp, p.pp, p.vp, p.dp, 2, "none", zero, sequence_parallel=p.sequence_parallel)
         out.append((f"{parallel} zero={zero}", step_traffic(config, layout, trainer.state.pp_rank), ledger))
     return out
 

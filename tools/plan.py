@@ -88,11 +88,12 @@ class Layout:
     recompute: str
     zero: int
     offload: str = "none"
+    sequence_parallel: bool = True
+    """With tp > 1 (Megatron's and loom's recommendation, so the search keeps it on)."""
 
     @property
-    def sequence_parallel(self) -> bool:
-        """Megatron and loom's recommended setting: always with tp > 1."""
-        return self.tp > 1
+    def sp(self) -> bool:
+        return self.sequence_parallel and self.tp > 1
 
     def describe(self) -> str:
         offload = " offload" if self.offload != "none" else ""
@@ -190,7 +191,7 @@ def _block_parameters(m: ModelConfig, tp: int, sequence_parallel: bool) -> list[
 
 def rank_parameters(m: ModelConfig, lay: Layout, pp_rank: int) -> list[_Param]:
     """The parameters of pipeline rank `pp_rank` (its vp chunks) on one TP rank, in loom's order."""
-    sp = lay.sequence_parallel
+    sp = lay.sp
     stages, per_chunk = lay.pp * lay.vp, m.num_layers // (lay.pp * lay.vp)
     vocab = padded_vocab_size(m.vocab_size, m.make_vocab_divisible_by, lay.tp) // lay.tp
     tied_across = m.tie_embeddings and stages > 1
@@ -332,7 +333,7 @@ def estimate(config: LoomConfig, lay: Layout, hw: Hardware, engine: Engine = LOO
     states = [model_state_bytes(m, lay, r, precision, bucket_bytes, config.optim.name) for r in {0, lay.pp - 1}]
     state = max(states, key=lambda s: s["params"] + s["grads"] + s["optimizer"])
     per_chunk = m.num_layers // (lay.pp * lay.vp)
-    layer = layer_activation_bytes(m, seq, mbs, lay.tp, lay.sequence_parallel, lay.recompute, element, engine)
+    layer = layer_activation_bytes(m, seq, mbs, lay.tp, lay.sp, lay.recompute, element, engine)
     activations = layer * per_chunk * lay.vp * in_flight_microbatches(lay.pp, lay.vp, microbatches)
     vocab = padded_vocab_size(m.vocab_size, m.make_vocab_divisible_by, lay.tp) // lay.tp
     logits = seq * mbs * vocab * element * 2  # the last stage's logits of one micro-batch and their gradient
@@ -365,7 +366,7 @@ def estimate(config: LoomConfig, lay: Layout, hw: Hardware, engine: Engine = LOO
         + (attention_per_token + attention_extra) / lay.pp / (peak * e["attention"])
     )
     # Memory-bound kernels: activation bytes (sharded by sequence parallelism) and the logits, over HBM bandwidth.
-    activation_share = 1 / lay.tp if lay.sequence_parallel else 1
+    activation_share = 1 / lay.tp if lay.sp else 1
     tokens_per_replica = t.global_batch_size * seq / lay.dp
     streamed = tokens_per_replica * (
         e["elementwise_passes"] * m.hidden_size * activation_share * m.num_layers / lay.pp
@@ -404,7 +405,7 @@ def estimate(config: LoomConfig, lay: Layout, hw: Hardware, engine: Engine = LOO
 
     bubble = compute * (lay.pp - 1) / (lay.vp * microbatches)
     p2p_bandwidth = hw.inter_node_gb_s if lay.tp * lay.dp >= hw.gpus_per_node else hw.intra_node_gb_s
-    p2p_bytes = seq * mbs * m.hidden_size * element / (lay.tp if lay.sequence_parallel else 1)
+    p2p_bytes = seq * mbs * m.hidden_size * element / (lay.tp if lay.sp else 1)
     p2p = 2 * microbatches * lay.vp * p2p_bytes / (p2p_bandwidth * GB) * (1 - e["p2p_overlap"]) if lay.pp > 1 else 0.0
     seconds = {
         "compute": compute,
@@ -515,6 +516,42 @@ def plan(
 # ---------------------------------------------------------------- output
 
 
+def gpu_kind(device_name: str) -> str | None:
+    """The tools/gpus.toml kind of a CUDA device name (torch.cuda.get_device_name()), or None if unknown."""
+    name = device_name.upper()
+    for needle, kind in (("H100 PCIE", "h100-pcie"), ("H200", "h200"), ("H100", "h100-sxm"), ("A100", "a100")):
+        if needle in name:
+            return kind if kind != "a100" else ("a100-80gb" if "80G" in name else "a100-40gb")
+    return None
+
+
+def layout_of(config: LoomConfig) -> Layout:
+    """The Layout a resolved config trains with."""
+    p, o = config.parallel, config.optim
+    return Layout(
+        p.tp, p.pp, p.vp, p.dp, config.train.micro_batch_size, config.model.recompute, o.zero, o.offload,
+        p.sequence_parallel,
+    )  # fmt: skip
+
+
+def predicted_line(config: LoomConfig, gpu: str | None) -> tuple[str, Estimate]:
+    """What `loom train` and `loom submit` say before starting: memory per GPU, and on a known GPU the speed."""
+    e = estimate(config, layout_of(config), load_hardware(gpu or "h100-sxm"))
+    m = {k: v / GB for k, v in e.memory.items()}
+    if config.lora.enabled:  # the base's weights only: no gradients or optimizer state outside the adapters
+        m["total"] -= m["grads"] + m["optimizer"]
+        m["grads"] = m["optimizer"] = 0.0
+    line = (
+        f"plan: {m['total']:.2f} GB per GPU predicted (weights {m['params']:.2f}, gradients {m['grads']:.2f}, "
+        f"optimizer {m['optimizer']:.2f}, activations {m['activations']:.2f}, other {m['other']:.2f})"
+    )
+    if gpu:
+        line += f"; on {gpu}: {e.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, MFU {e.mfu:.0%}" + (
+            "" if e.fits else f"; does not fit: {e.reason} (loom plan suggests layouts that do)"
+        )
+    return line, e
+
+
 def table(estimates: list[Estimate], gpu: str) -> str:
     """The estimates as a table a person reads at a glance (memory in GB per GPU, time in s per step)."""
     head = (
@@ -596,14 +633,14 @@ def step_traffic(config: LoomConfig, lay: Layout, pp_rank: int = 0) -> dict[tupl
     activation = t.seq_length * lay.micro_batch_size * m.hidden_size * element
     stages = lay.pp * lay.vp
     chunks = [c * lay.pp + pp_rank for c in range(lay.vp)]
-    if lay.tp > 1 and lay.sequence_parallel:
+    if lay.tp > 1 and lay.sp:
         layers = m.num_layers // stages * lay.vp
         ends = sum((stage == 0) + (stage == stages - 1) for stage in chunks)  # embedding scatter, output gather
         per_step = microbatches * (4 * layers + ends)
         traffic[("tp", "all_gather", dtype)] = per_step * activation
         traffic[("tp", "reduce_scatter", dtype)] = per_step * activation
     if lay.pp > 1:
-        hidden = activation // (lay.tp if lay.sequence_parallel else 1)
+        hidden = activation // (lay.tp if lay.sp else 1)
         # per micro-batch each chunk receives its input and sends its output forward, and receives the output's
         # gradient and sends the input's back: one send and one receive per neighbouring stage
         transfers = sum((stage > 0) + (stage < stages - 1) for stage in chunks)
