@@ -137,6 +137,9 @@ def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: in
         f"6/10 train: configs/tiny.toml on {nproc} CPU ranks: tp={tp} (sequence parallel) x pp={pp} "
         f"(interleaved, vp={vp}) x dp={config.parallel.dp} (ZeRO-1), {steps} steps"
     )
+    from loom.tools.plan import predicted_line
+
+    print(predicted_line(config, None)[0])
     metrics = run_dir / "metrics.jsonl"
     launch_local(config, nproc)
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -289,6 +292,18 @@ def _slurm_job(workdir: Path, config, steps: int) -> dict:
     }
 
 
+def _plan_at_scale() -> str:
+    """What `loom plan` says of a real job: the best layout of llama-70b on 1,024 H100s."""
+    from loom.tools.plan import load_hardware, plan
+
+    config = load_config("llama-70b", {"train": {"global_batch_size": 1024, "seq_length": 4096, "precision": "bf16"}})
+    best = plan(config, 1024, load_hardware("h100-sxm"))[0]
+    return (
+        f"llama-70b on 1,024 H100s: {best.layout.describe()}, {best.memory['total'] / 1e9:.0f} GB per GPU, "
+        f"MFU {best.mfu:.0%} (loom plan --config llama-70b --gpus 1024; docs/planner.md)"
+    )
+
+
 def _print_summary(summary: dict) -> None:
     print("\n== summary")
     print(
@@ -322,6 +337,7 @@ def _print_summary(summary: dict) -> None:
         )
     else:
         print(f"slurm        skipped ({summary['slurm_skipped']}); see docs/slurm.md")
+    print(f"plan         {_plan_at_scale()}")
     print(f"run          {summary['run_dir']}/metrics.jsonl, tensorboard/, config.toml")
     print("next         loom train --config configs/tiny.toml --nproc 4 --parallel.tp 2   (same losses, any layout)")
 
