@@ -18,7 +18,8 @@ from loom.data_tools.clean import clean_corpus
 from loom.data_tools.corpus import build_stdlib_corpus
 from loom.data_tools.document import Document
 from loom.data_tools.jsonl import InputError
-from loom.data_tools.pipeline import load_pipeline_spec
+from loom.data_tools.line_filters import C4Lines
+from loom.data_tools.pipeline import build_step, load_pipeline_spec
 from loom.data_tools.quality_filters import (
     GopherQuality,
     GopherRepetition,
@@ -141,6 +142,25 @@ def test_gopher_thresholds_by_hand():
     assert lines_only(Document("\n".join(lines + lines[:5]))).rule == "duplicate_lines"  # 5/15 = 0.33 > 0.30
     # The same two repeated lines fail the full filter on n-grams: "alpha0 .. delta0" twice is 2 * 23 / 276 chars.
     assert GopherRepetition()(Document("\n".join(lines + lines[:2]))).rule == "top_4gram_chars"
+
+
+def test_c4_sentence_counts_the_reference_way_or_the_paper_way():
+    """TF-C4's clean_page (and datatrove) count each kept line's sentences, a line being at least one; the
+    paper's regex counts sentence ends over the page. Lines without a sentence end (kept when
+    require_terminal_punctuation is false, as FineWeb runs C4) tell them apart."""
+    headings = "\n".join(f"Section {n} of the long annual report" for n in range(5)) + "\n"
+    two_in_a_line = "The bridge opened in May. Crowds came to see it\n" * 2 + "It was a good day for the town.\n"
+    cases = {headings: (5, 0), two_in_a_line: (5, 3)}  # text: (per_line, regex) sentences
+    for text, (per_line, regex) in cases.items():
+        for mode, sentences in (("per_line", per_line), ("regex", regex)):
+            step = C4Lines(require_terminal_punctuation=False, sentence_count=mode)
+            rejected = step(Document(text))
+            assert (rejected is None) == (sentences >= 5), (mode, text)
+            if rejected:
+                assert rejected.rule == "sentences" and str(sentences) in rejected.detail
+    assert C4Lines().sentence_count == "per_line"
+    with pytest.raises(InputError, match="sentence_count"):
+        build_step({"type": "c4", "sentence_count": "nltk"})
 
 
 def test_repairs_and_html():
