@@ -58,11 +58,32 @@ def signature(text: str, a: np.ndarray, b: np.ndarray, n: int = 5) -> np.ndarray
     return signatures([text], a, b, n)[0]
 
 
-def signatures(texts: list[str], a: np.ndarray, b: np.ndarray, n: int = 5) -> np.ndarray:
-    """MinHash signatures (documents x len(a), uint32) of many documents in few numpy steps."""
+def shingle_hashes(texts: list[str], n: int = 5) -> tuple[np.ndarray, np.ndarray]:
+    """(32-bit SHA-1 of every distinct shingle of every text, back to back, uint32; shingles per text)."""
     digests = [_shingle_hashes(text, n) for text in texts]
     counts = np.fromiter((len(d) // 4 for d in digests), dtype=np.int64, count=len(digests))
-    hashes = _fmix32(np.frombuffer(b"".join(digests), dtype="<u4").astype(np.uint32))
+    return np.frombuffer(b"".join(digests), dtype="<u4").astype(np.uint32), counts
+
+
+def sorted_per_text(hashes: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """`hashes` sorted within each text's segment (what exact Jaccard by merging needs)."""
+    owner = np.repeat(np.arange(len(counts)), counts)
+    return hashes[np.lexsort((hashes, owner))]
+
+
+def jaccard(first: np.ndarray, second: np.ndarray) -> float:
+    """Exact Jaccard similarity of two sets of distinct shingle hashes."""
+    shared = len(np.intersect1d(first, second, assume_unique=True))
+    return shared / (len(first) + len(second) - shared) if (len(first) or len(second)) else 1.0
+
+
+def signatures(
+    texts: list[str], a: np.ndarray, b: np.ndarray, n: int = 5, hashed: tuple[np.ndarray, np.ndarray] | None = None
+) -> np.ndarray:
+    """MinHash signatures (documents x len(a), uint32) of many documents in few numpy steps (`hashed`: their
+    shingle_hashes, when the caller has them)."""
+    raw, counts = hashed if hashed is not None else shingle_hashes(texts, n)
+    hashes = _fmix32(raw)
     ends = np.cumsum(counts)
     out = np.empty((len(texts), len(a)), dtype=np.uint32)
     first = 0
@@ -101,6 +122,33 @@ def band_keys(signature_rows: np.ndarray, bands: int, rows: int) -> np.ndarray:
 def _candidate_probability(s: np.ndarray, bands: int, rows: int) -> np.ndarray:
     """Probability that a pair of Jaccard s shares at least one band: 1 - (1 - s^r)^b."""
     return 1 - (1 - s**rows) ** bands
+
+
+S_CURVE_POINTS = (0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95)
+
+
+def s_curve(bands: int, rows: int) -> dict[str, float]:
+    """The probability that a pair becomes a candidate, at a few Jaccard similarities (for stats.json)."""
+    values = _candidate_probability(np.array(S_CURVE_POINTS), bands, rows)
+    return {f"{s:.2f}": round(float(p), 4) for s, p in zip(S_CURVE_POINTS, values, strict=True)}
+
+
+CANDIDATE_RECALL = 0.99
+"""The probability a pair at the threshold must have of becoming a candidate."""
+
+
+@lru_cache(maxsize=32)
+def recall_bands(threshold: float, num_perm: int) -> tuple[int, int]:
+    """(bands, rows) that make a pair at the threshold a candidate with probability >= CANDIDATE_RECALL: the
+    optimal banding (below) of the highest threshold, in steps of 0.05 below the real one, that reaches it.
+    Candidates are then verified exactly, so the extra ones below the threshold cost time, not precision."""
+    aimed = threshold
+    while aimed > 0.05:
+        bands, rows = optimal_bands(round(aimed, 2), num_perm)
+        if _candidate_probability(np.array(threshold), bands, rows) >= CANDIDATE_RECALL:
+            return bands, rows
+        aimed -= 0.05
+    return num_perm, 1
 
 
 @lru_cache(maxsize=32)
