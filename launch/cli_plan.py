@@ -19,17 +19,28 @@ searched. Memory is per GPU on the pipeline rank holding the most; time is per o
 their sources, the constants (tools/gpus.toml) and the blind spots: docs/planner.md."""
 
 
+def _fp8_as_loom_runs_it(overrides: list[str]) -> list[str]:
+    """`--train.precision fp8` (the issue's spelling) is how loom trains in FP8: bf16 with train.fp8 = delayed."""
+    out = list(overrides)
+    for i, flag in enumerate(out):
+        if flag == "--train.precision=fp8" or (flag == "--train.precision" and out[i + 1 : i + 2] == ["fp8"]):
+            out[i : i + (1 if "=" in flag else 2)] = ["--train.precision=bf16", "--train.fp8=delayed"]
+            break
+    return out
+
+
 def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
+    from loom.engine.config import ConfigError
     from loom.engine.config_io import load_config
     from loom.tools.plan import load_hardware, parse_layout, plan, plot, table
 
-    config = load_config(args.config, overrides)
+    config = load_config(args.config, _fp8_as_loom_runs_it(overrides))
     hardware = load_hardware(args.gpu, args.gpus_per_node)
+    if config.train.fp8 != "off" and "fp8" not in hardware.peak_tflops:
+        raise ConfigError(f"{args.gpu} has no FP8 tensor cores; plan it with --train.precision bf16")
     fixed = parse_layout(args.layout) if args.layout else {}
     estimates = plan(config, args.gpus, hardware, fixed)
     if not estimates:
-        from loom.engine.config import ConfigError
-
         raise ConfigError(
             f"no layout of {args.gpus} GPUs divides this model and batch"
             + (f" with {args.layout}" if args.layout else "")
@@ -41,9 +52,10 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
     else:
         m, t = config.model, config.train
         fitting = sum(e.fits for e in estimates)
+        precision = t.precision + (f" with fp8 GEMMs ({t.fp8})" if t.fp8 != "off" else "")
         print(
             f"{config.train.name}: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads; "
-            f"batch {t.global_batch_size} x {t.seq_length} tokens, {t.precision}; {args.gpus} x {args.gpu}: "
+            f"batch {t.global_batch_size} x {t.seq_length} tokens, {precision}; {args.gpus} x {args.gpu}: "
             f"{len(estimates):,} layouts, {fitting:,} fit"
         )
         print(table(shown, args.gpu))

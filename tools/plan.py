@@ -40,6 +40,7 @@ from loom.engine.config import ConfigError, LoomConfig, ModelConfig
 from loom.engine.flops import PEAK_TFLOPS, model_flops_per_token
 from loom.engine.optim.buckets import plan_buckets
 from loom.engine.parallel.vocab import padded_vocab_size
+from loom.engine.pipeline.schedules import warmup_forwards
 
 GPUS_FILE = Path(__file__).with_name("gpus.toml")
 GB = 1e9
@@ -249,7 +250,7 @@ def model_state_bytes(
         total, deferred = count, 0
     if not buffered:
         grads = 4 * count  # autograd's param.grad
-    elif lay.zero == 2:
+    elif lay.zero >= 2:
         grads = 4 * (deferred + total // lay.dp)
     else:
         grads = 4 * total
@@ -295,13 +296,12 @@ def layer_activation_bytes(
 
 
 def in_flight_microbatches(pp: int, vp: int, microbatches: int) -> float:
-    """Micro-batches of one chunk's layers alive at once on pipeline rank 0 (1F1B: min(pp, m); interleaved: Megatron's
-    warm-up (pp - 1) * 2 + (vp - 1) * pp plus one, capped at m * vp, over vp chunks)."""
+    """Micro-batches of one chunk's layers alive at once on pipeline rank 0: the forwards loom's schedule runs
+    before its first backward, plus the one that backward follows (1F1B: min(pp, m); interleaved: Megatron's
+    warm-up (pp - 1) * 2 + (vp - 1) * pp plus one, capped at m * vp), over vp chunks."""
     if pp == 1:
         return 1
-    if vp == 1:
-        return min(pp, microbatches)
-    return min((pp - 1) * 2 + (vp - 1) * pp + 1, microbatches * vp) / vp
+    return min(warmup_forwards(0, pp, vp, microbatches) + 1, microbatches * vp) / vp
 
 
 # ---------------------------------------------------------------- the estimate
@@ -325,7 +325,7 @@ def estimate(config: LoomConfig, lay: Layout, hw: Hardware, engine: Engine = LOO
     seq, mbs = t.seq_length, lay.micro_batch_size
     gpus = lay.tp * lay.pp * lay.dp
     microbatches = t.global_batch_size // (mbs * lay.dp)
-    precision = "bf16" if t.precision == "fp8" else t.precision
+    precision = t.precision
     element = 4 if precision == "fp32" else 2
     bucket_bytes = int(config.parallel.grad_bucket_mb * 2**20)
 
@@ -356,13 +356,16 @@ def estimate(config: LoomConfig, lay: Layout, hw: Hardware, engine: Engine = LOO
     output_layer_per_token = 6.0 * m.hidden_size * m.vocab_size
     gemm_extra = (gemm_per_token - output_layer_per_token) / 3 if lay.recompute == "full" else 0.0
     attention_extra = attention_per_token / 3 if lay.recompute != "none" else 0.0
-    peak = hw.peak_tflops.get(t.precision, hw.peak_tflops["bf16"]) * 1e12
+    peak = hw.peak_tflops[precision] * 1e12  # MFU's denominator, as loom train's: the training precision's
+    # FP8 runs (train.fp8) do their block GEMMs in FP8; the output layer and attention stay in bf16.
+    gemm_peak = hw.peak_tflops["fp8"] * 1e12 if t.fp8 != "off" and "fp8" in hw.peak_tflops else peak
     smallest = min(m.hidden_size / lay.tp, m.ffn_hidden_size / lay.tp, seq * mbs)
     # The pipeline goes at the pace of its last stage: its share of the blocks plus the output layer.
     blocks_per_token = (gemm_per_token - output_layer_per_token + gemm_extra) / lay.pp + output_layer_per_token
     last_stage_tokens = t.global_batch_size * seq / (lay.dp * lay.tp)
     compute = last_stage_tokens * (
-        blocks_per_token / (peak * _gemm_efficiency(hw, smallest))
+        (blocks_per_token - output_layer_per_token) / (gemm_peak * _gemm_efficiency(hw, smallest))
+        + output_layer_per_token / (peak * _gemm_efficiency(hw, smallest))
         + (attention_per_token + attention_extra) / lay.pp / (peak * e["attention"])
     )
     # Memory-bound kernels: activation bytes (sharded by sequence parallelism) and the logits, over HBM bandwidth.
@@ -554,8 +557,9 @@ def predicted_line(config: LoomConfig, gpu: str | None) -> tuple[str, Estimate]:
 
 def table(estimates: list[Estimate], gpu: str) -> str:
     """The estimates as a table a person reads at a glance (memory in GB per GPU, time in s per step)."""
+    width = max(len(e.layout.describe()) + 1 for e in estimates)
     head = (
-        f"{'layout':<52} {'fits':>4} | {'GB/GPU':>6} = {'param':>5} {'grad':>5} {'optim':>5} {'activ':>5} "
+        f"{'layout':<{width}} {'fits':>4} | {'GB/GPU':>6} = {'param':>5} {'grad':>5} {'optim':>5} {'activ':>5} "
         f"{'other':>5} | {'step s':>7} = {'comp':>6} {'tp':>5} {'dp':>5} {'bubbl':>5} {'p2p':>5} | "
         f"{'tok/s/GPU':>9} {'TFLOP/s':>7} {'MFU':>5} {'HFU':>5}"
     )
@@ -564,7 +568,7 @@ def table(estimates: list[Estimate], gpu: str) -> str:
         mem, sec = {k: v / GB for k, v in e.memory.items()}, e.seconds
         star = "*" if e.layout.zero == 3 else " "
         lines.append(
-            f"{e.layout.describe() + star:<52} {'yes' if e.fits else 'no':>4} | {mem['total']:6.1f} = "
+            f"{e.layout.describe() + star:<{width}} {'yes' if e.fits else 'no':>4} | {mem['total']:6.1f} = "
             f"{mem['params']:5.1f} {mem['grads']:5.1f} {mem['optimizer']:5.1f} {mem['activations']:5.1f} "
             f"{mem['other']:5.1f} | {e.step_seconds:7.3f} = {sec['compute']:6.3f} {sec['tp']:5.3f} {sec['dp']:5.3f} "
             f"{sec['bubble']:5.3f} {sec['p2p']:5.3f} | {e.tokens_per_s_per_gpu:9,.0f} {e.model_tflops_per_gpu:7.1f} "
@@ -615,8 +619,7 @@ def step_traffic(config: LoomConfig, lay: Layout, pp_rank: int = 0) -> dict[tupl
     gathers and scatters, the pipeline's sends and receives. Small control traffic (the loss and stop-code sums,
     the vocabulary-parallel loss's statistics) is left out, except the loss sum over DP."""
     m, t = config.model, config.train
-    precision = "bf16" if t.precision == "fp8" else t.precision
-    element, dtype = (4 if precision == "fp32" else 2), _DTYPE_NAMES[precision]
+    element, dtype = (4 if t.precision == "fp32" else 2), _DTYPE_NAMES[t.precision]
     microbatches = t.global_batch_size // (lay.micro_batch_size * lay.dp)
     bucket_bytes = int(config.parallel.grad_bucket_mb * 2**20)
     traffic: dict[tuple[str, str, str], int] = {}
