@@ -47,7 +47,6 @@ from loom.data_tools.minhash import (
     s_curve,
     shingle_hashes,
     signatures,
-    sorted_per_text,
 )
 from loom.data_tools.parallel import chunked, imap_ordered
 from loom.data_tools.union_find import UnionFind
@@ -66,7 +65,7 @@ VERIFY_PAIRS = 16384  # signature rows read per verification step: 2 x 16384 x 5
 ASSUMED_BYTES_PER_DOCUMENT = 1024
 SIGNATURES_NAME = "signatures.u32"
 BUCKETS_DIR = "buckets"
-SHINGLES_DIR = "shingles"  # per chunk: <first document>.u32 (sorted hashes back to back) and .off (offsets)
+SHINGLES_DIR = "shingles"  # per chunk: <first document>.u64 (sorted hashes back to back) and .off (offsets)
 ESTIMATE_MARGIN = 0.15
 """Candidates whose signature estimate is more than this below the threshold skip the exact check."""
 
@@ -100,8 +99,8 @@ def plan_lsh(threshold: float, num_perm: int, input_bytes: int, workers: int, bu
 def staging_bytes(plan: LshPlan, input_bytes: int) -> int:
     """Disk the stages take for an input of that size: a signature row and one bucket entry per band per document."""
     documents = input_bytes // ASSUMED_BYTES_PER_DOCUMENT
-    # Shingle hashes: 4 bytes per word, and a word with its space is rarely under 4 bytes of input.
-    return documents * (plan.num_perm * 4 + plan.bands * ENTRY.itemsize) + input_bytes
+    # Shingle hashes: 8 bytes per word, and a word with its space is rarely under 4 bytes of input.
+    return documents * (plan.num_perm * 4 + plan.bands * ENTRY.itemsize) + 2 * input_bytes
 
 
 def bucket_count(expected_entries: int, bucket_entries: int, workers: int) -> int:
@@ -125,8 +124,8 @@ def sign_chunk(texts: list[str], first_doc: int, staging: str, plan: LshPlan) ->
     hashed = shingle_hashes(texts)
     rows = signatures(texts, a, b, hashed=hashed)
     shingles = staging / SHINGLES_DIR / f"{first_doc:010d}"
-    with open(shingles.with_suffix(".u32"), "wb") as out:
-        out.write(sorted_per_text(*hashed).tobytes())
+    with open(shingles.with_suffix(".u64"), "wb") as out:
+        out.write(hashed[0].tobytes())
     with open(shingles.with_suffix(".off"), "wb") as out:
         out.write(np.concatenate([[0], np.cumsum(hashed[1])]).astype(np.int64).tobytes())
     # A plain write, not a memory map: the parent grows the file without allocating blocks, and a store
@@ -199,7 +198,7 @@ class ShingleSets:
         if first not in self._open:
             stem = self.folder / f"{first:010d}"
             offsets = np.fromfile(stem.with_suffix(".off"), dtype=np.int64)
-            hashes = np.memmap(stem.with_suffix(".u32"), dtype=np.uint32, mode="r") if offsets[-1] else np.empty(0)
+            hashes = np.memmap(stem.with_suffix(".u64"), dtype=np.uint64, mode="r") if offsets[-1] else np.empty(0)
             self._open[first] = hashes, offsets
         hashes, offsets = self._open[first]
         return np.asarray(hashes[offsets[document - first] : offsets[document - first + 1]])

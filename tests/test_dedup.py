@@ -67,14 +67,29 @@ def test_no_documents_leaves_no_output(tmp_path):
     assert not any(p.is_file() for p in (tmp_path / "out").rglob("*"))
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def shingle_hash64(shingle: str) -> int:
+    """The shingle hash by its definition, in Python integers: mix64((sum c_j * base^j mod 2^64) ^ length) over
+    the UTF-8 bytes, mix64 being SplitMix64's finalizer (Steele, Lea & Flood 2014)."""
+    from loom.data_tools.minhash import SHINGLE_HASH_BASE
+
+    data = shingle.encode("utf-8")
+    x = sum(c * pow(SHINGLE_HASH_BASE, j, 1 << 64) for j, c in enumerate(data)) & _MASK64 ^ len(data)
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
 def test_minhash_signatures_equal_datasketch():
+    """datasketch's MinHash (affine32) fed the same 32-bit shingle hash gives the same signature."""
     datasketch = pytest.importorskip("datasketch")
     from loom.data_tools.minhash import permutations, shingles, signature
 
-    text = "the quick brown fox jumps over the lazy dog and runs far away from here"
-    reference = datasketch.MinHash(num_perm=128, seed=1)
-    for shingle in shingles(text):
-        reference.update(shingle.encode("utf-8"))
+    text = "The quick brown fox jumps over the lazy dog and runs far away from here, café  naïve\u2003end"
+    reference = datasketch.MinHash(num_perm=128, seed=1, hashfunc=lambda s: shingle_hash64(s.decode()) >> 32)
+    reference.update_batch([s.encode("utf-8") for s in shingles(text)])
     assert np.array_equal(signature(text, *permutations(128)), reference.hashvalues)
 
 
@@ -178,21 +193,29 @@ def in_memory_lsh(texts, threshold, num_perm=128):
     return [find(i) for i in range(len(texts))]
 
 
-def test_batched_signatures_equal_one_at_a_time():
-    from loom.data_tools.minhash import permutations, shingles, signatures
+def test_batched_shingle_hashes_and_signatures_equal_one_at_a_time():
+    """One numpy pass over a chunk gives each document's distinct shingle hashes (sorted) as the definition does
+    per shingle string, whatever the whitespace, case, length (empty, under 5 words) or script."""
+    from loom.data_tools.minhash import _fmix32, permutations, shingle_hashes, shingles, signatures
 
     a, b = permutations(64)
-    texts = ["", "two words", " ".join(f"w{i}" for i in range(3000)), "the same five words here again"]
-    one_by_one = []
-    for text in texts:  # the definition: min over shingles of (a * fmix32(sha1_32(shingle)) + b) mod 2^32
-        import hashlib
-
-        from loom.data_tools.minhash import _fmix32
-
-        digests = np.array(
-            [int.from_bytes(hashlib.sha1(s.encode()).digest()[:4], "little") for s in shingles(text)], dtype=np.uint32
-        )
-        one_by_one.append((_fmix32(digests)[:, None] * a + b).min(axis=0))
+    texts = [
+        "",
+        "two words",
+        " ".join(f"w{i}" for i in range(3000)),
+        "the same five words here again the same five words here",
+        "  Tabs\tand\nnew  lines, ÜBER straße — 日本語 の 文 です\u00a0nbsp ",
+        "   ",
+    ]
+    expected_hashes, one_by_one = [], []
+    for text in texts:
+        hashes = sorted(shingle_hash64(s) for s in shingles(text))
+        expected_hashes.append(np.array(hashes, dtype=np.uint64))
+        values = _fmix32(np.array([h >> 32 for h in hashes], dtype=np.uint32))
+        one_by_one.append((values[:, None] * a + b).min(axis=0))  # min over shingles of (a * fmix32(h) + b) mod 2^32
+    hashes, counts = shingle_hashes(texts)
+    assert counts.tolist() == [len(h) for h in expected_hashes]
+    assert np.array_equal(hashes, np.concatenate(expected_hashes))
     assert np.array_equal(signatures(texts, a, b), np.stack(one_by_one))
 
 

@@ -1,12 +1,14 @@
 """A corpus with known near-duplicate clusters: copies of a base document, each changed by `edits`
 operations of one kind (word replacements, insertions, or swaps of neighbouring words; the kind
 cycles over the copies). With 300 words and 2 edits a copy's word 5-gram Jaccard is ~0.93 to its
-base and ~0.87 to another copy; unrelated documents are mixed in.
-Used by the MinHash test and tools/bench/minhash.py."""
+base and ~0.87 to another copy; with 6 edits they sit near a 0.8 threshold (median ~0.83 to the base).
+Unrelated documents are mixed in. Used by the MinHash tests and tools/bench/minhash.py."""
 
 from __future__ import annotations
 
 import numpy as np
+
+from loom.data_tools.minhash import shingles
 
 
 def make_corpus(
@@ -35,6 +37,32 @@ def make_corpus(
         labels.append(clusters + single)
     order = rng.permutation(len(docs))
     return ([{"id": f"d{i}", "text": docs[j]} for i, j in enumerate(order)], [labels[j] for j in order])
+
+
+def exact_truth(docs: list[dict], clusters: list[int], threshold: float) -> tuple[list[int], list[float]]:
+    """(label of each document's connected component over the pairs whose exact Jaccard of word 5-gram string
+    sets reaches the threshold, the Jaccard of every pair within a generated cluster). Pairs across generated
+    clusters are not compared: random 5-grams of a 50,000-word vocabulary never match."""
+    sets = [shingles(d["text"]) for d in docs]
+    members: dict[int, list[int]] = {}
+    for doc, cluster in enumerate(clusters):
+        members.setdefault(cluster, []).append(doc)
+    parent, similarities = list(range(len(docs))), []
+
+    def root(x: int) -> int:
+        while parent[x] != x:
+            x = parent[x]
+        return x
+
+    for group in members.values():
+        for i, a in enumerate(group):
+            for b in group[i + 1 :]:
+                similarity = len(sets[a] & sets[b]) / len(sets[a] | sets[b])
+                similarities.append(similarity)
+                if similarity >= threshold:
+                    ra, rb = root(a), root(b)
+                    parent[max(ra, rb)] = min(ra, rb)
+    return [root(doc) for doc in range(len(docs))], similarities
 
 
 def pair_scores(truth: list[int], predicted: list[int]) -> tuple[float, float]:

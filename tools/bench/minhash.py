@@ -1,13 +1,16 @@
 """Near-duplicate detection: loom's on-disk MinHash dedup against datasketch's in-memory MinHashLSH, same run.
 
-A generated corpus with known duplicate clusters (tools/near_duplicates.py: copies at word
-5-gram Jaccard ~0.87-0.93, plus unrelated documents) is deduplicated at threshold 0.8 by both;
-prints documents per second and pairwise precision and recall against the known clusters. loom is
+A generated corpus whose near-duplicates sit near the threshold (tools/near_duplicates.py: copies
+of a base with 6 edits each, median word 5-gram Jaccard ~0.83, plus unrelated documents) is
+deduplicated at threshold 0.8 by both. The truth is the exact Jaccard of every pair's 5-gram string
+sets (Python sets): documents joined by pairs at or above the threshold belong together. Prints
+documents per second, pairwise precision and recall against that truth, and the documents each
+removes of those it should (every member of a true cluster but its first). loom is
 timed end to end (read JSONL, signatures, buckets on disk, grouping, verification, writing every
 output), once per worker count; datasketch only sketches and queries in memory (no I/O).
 `--memory` instead runs loom alone on two corpus sizes (8x apart) in fresh processes and prints their peak RSS.
 
-    python tools/bench/minhash.py [--clusters 2000 --copies 4 --singletons 4000 --workers 1 2]
+    python tools/bench/minhash.py [--clusters 2000 --copies 4 --singletons 4000 --edits 6 --workers 1 2]
     python tools/bench/minhash.py --memory [--workers 2]
 """
 
@@ -25,7 +28,7 @@ from pathlib import Path
 
 from loom.data_tools.dedup import deduplicate
 from loom.data_tools.minhash import shingles
-from loom.tools.near_duplicates import make_corpus, pair_scores
+from loom.tools.near_duplicates import exact_truth, make_corpus, pair_scores
 
 
 def run_datasketch(docs: list[dict], threshold: float, num_perm: int) -> tuple[list[int], float]:
@@ -164,6 +167,7 @@ def main() -> None:
     parser.add_argument("--clusters", type=int, default=2000)
     parser.add_argument("--copies", type=int, default=4)
     parser.add_argument("--singletons", type=int, default=4000)
+    parser.add_argument("--edits", type=int, default=6, help="edits per copy: 6 puts pairs near 0.8")
     parser.add_argument("--threshold", type=float, default=0.8)
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="loom worker counts to run")
     parser.add_argument("--memory", action="store_true", help="peak RSS for two corpus sizes instead")
@@ -174,7 +178,11 @@ def main() -> None:
         return peak_rss_child(args.child_memory, args.workers[-1], args.bucket_memory_mb)
     if args.memory:
         return memory_bench(args.workers[-1], args.bucket_memory_mb)
-    docs, truth = make_corpus(args.clusters, args.copies, args.singletons)
+    docs, generated = make_corpus(args.clusters, args.copies, args.singletons, edits=args.edits)
+    truth, similarities = exact_truth(docs, generated, args.threshold)
+    at_or_above = sorted(s for s in similarities if s >= args.threshold)
+    near = sum(s < args.threshold + 0.05 for s in at_or_above)
+    should_remove = {doc for doc, label in enumerate(truth) if label != doc}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         source = Path(tmp) / "corpus.jsonl"
@@ -184,19 +192,26 @@ def main() -> None:
             rows.append((f"loom minhash on disk, {workers} worker{'s' * (workers > 1)}", predicted, seconds))
             print(
                 f"  loom {workers} worker(s): signatures {stats['signature_seconds']} s, grouping "
-                f"{stats['grouping_seconds']} s, {stats['buckets']} buckets, {stats['candidate_pairs']} candidate "
-                f"pairs, {stats['verified_pairs']} verified",
+                f"{stats['grouping_seconds']} s, {stats['bands']} bands x {stats['rows']} rows, "
+                f"{stats['buckets']} buckets, {stats['candidate_pairs']} candidate pairs, "
+                f"{stats['exact_jaccard_checks']} exact checks, {stats['verified_pairs']} verified",
                 file=sys.stderr,
             )
     ds_predicted, ds_s = run_datasketch(docs, args.threshold, 128)
     rows.append(("datasketch MinHashLSH (in memory)", ds_predicted, ds_s))
     print(
-        f"{len(docs)} documents, {args.clusters} clusters of {args.copies}, threshold {args.threshold}, "
-        f"128 permutations"
+        f"{len(docs)} documents, {args.clusters} clusters of {args.copies} ({args.edits} edits a copy), threshold "
+        f"{args.threshold}, 128 permutations; {len(at_or_above)} pairs at or above it (median Jaccard "
+        f"{at_or_above[len(at_or_above) // 2] if at_or_above else 0:.3f}, {near} below {args.threshold + 0.05:.2f}), "
+        f"{len(should_remove)} documents to remove"
     )
     for name, labels, seconds in rows:
         precision, recall = pair_scores(truth, labels)
-        print(f"{name:40} {len(docs) / seconds:8.0f} docs/s  precision {precision:.3f}  recall {recall:.3f}")
+        removed = {doc for doc, kept_as in enumerate(labels) if kept_as != doc}
+        print(
+            f"{name:40} {len(docs) / seconds:8.0f} docs/s  pair precision {precision:.3f}  recall {recall:.3f}  "
+            f"removes {len(removed & should_remove)} of {len(should_remove)} (+{len(removed - should_remove)} wrong)"
+        )
     for name, _, seconds in rows[:-1]:
         print(f"speed ratio {name} / datasketch: {ds_s / seconds:.2f}")
 
