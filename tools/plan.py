@@ -12,8 +12,9 @@ Memory per GPU, on the pipeline rank that holds the most (the first or the last 
 - activations: what one micro-batch of one layer saves for backward (Korthikanti et al. 2022, section 4, term by
   term for loom's layers: grouped-query attention and SwiGLU change the 34 + 5as/h of the paper; sequence
   parallelism divides the norm inputs by tp; selective recompute keeps the attention's inputs and output but not
-  its internals; full recompute only each layer's input), times the micro-batches in flight on the first
-  pipeline rank (1F1B: min(pp, m); interleaved: Megatron's warm-up count), plus the output layer's logits.
+  its internals; full recompute only each layer's input), times the micro-batches in flight on the rank
+  (loom's schedule's warm-up: 1F1B min(pp - rank, m) ...), plus on the last rank the output layer's input and
+  logits; memory is that of the first or the last pipeline rank, whichever holds more.
 
 Time per step, from the model FLOPs of engine/flops.py (the one FLOP count):
 - compute: GEMM FLOPs at a GEMM efficiency that falls off for small matrices, attention products at the fused
@@ -295,13 +296,39 @@ def layer_activation_bytes(
     return tokens * (norms + gemm_inputs + attention + mlp)
 
 
-def in_flight_microbatches(pp: int, vp: int, microbatches: int) -> float:
-    """Micro-batches of one chunk's layers alive at once on pipeline rank 0: the forwards loom's schedule runs
-    before its first backward, plus the one that backward follows (1F1B: min(pp, m); interleaved: Megatron's
-    warm-up (pp - 1) * 2 + (vp - 1) * pp plus one, capped at m * vp), over vp chunks."""
+def in_flight_microbatches(pp: int, vp: int, microbatches: int, pp_rank: int = 0) -> float:
+    """Micro-batches of one chunk's layers alive at once on pipeline rank `pp_rank`: the forwards loom's schedule
+    runs before its first backward, plus the one that backward follows (1F1B: min(pp - rank, m); interleaved:
+    Megatron's warm-up (pp - rank - 1) * 2 + (vp - 1) * pp plus one, capped at m * vp), over vp chunks."""
     if pp == 1:
         return 1
-    return min(warmup_forwards(0, pp, vp, microbatches) + 1, microbatches * vp) / vp
+    return min(warmup_forwards(pp_rank, pp, vp, microbatches) + 1, microbatches * vp) / vp
+
+
+def output_activation_bytes(m: ModelConfig, seq: int, mbs: int, tp: int, sp: bool, element: int) -> float:
+    """Bytes the last stage's final norm, output layer and loss save for backward for one micro-batch: the norm's
+    fp32 input, normalised input and 1/rms (sequence-sharded under sequence parallelism), the output GEMM's
+    gathered input and the logits of this rank's vocabulary slice (measured on CPU, tests/test_plan.py). The
+    schedule runs the last chunk's backward right after its forward, so one micro-batch of them is alive."""
+    vocab = padded_vocab_size(m.vocab_size, m.make_vocab_divisible_by, tp) // tp
+    norm = (8 * m.hidden_size + 4) / (tp if sp else 1)
+    return seq * mbs * (norm + (m.hidden_size + vocab) * element)
+
+
+def rank_activation_bytes(config: LoomConfig, lay: Layout, pp_rank: int, engine: Engine = LOOM) -> float:
+    """Bytes pipeline rank `pp_rank` keeps for backward at its peak: its layers times the micro-batches in flight,
+    and on the last rank the output layer's."""
+    m, t = config.model, config.train
+    element = 4 if t.precision == "fp32" else 2
+    microbatches = t.global_batch_size // (lay.micro_batch_size * lay.dp)
+    layer = layer_activation_bytes(
+        m, t.seq_length, lay.micro_batch_size, lay.tp, lay.sp, lay.recompute, element, engine
+    )
+    layers = layer * (m.num_layers // lay.pp) * in_flight_microbatches(lay.pp, lay.vp, microbatches, pp_rank)
+    last = pp_rank == lay.pp - 1
+    return layers + (
+        output_activation_bytes(m, t.seq_length, lay.micro_batch_size, lay.tp, lay.sp, element) if last else 0
+    )
 
 
 # ---------------------------------------------------------------- the estimate
@@ -329,21 +356,26 @@ def estimate(config: LoomConfig, lay: Layout, hw: Hardware, engine: Engine = LOO
     element = 4 if precision == "fp32" else 2
     bucket_bytes = int(config.parallel.grad_bucket_mb * 2**20)
 
-    # Memory: the pipeline rank holding the most state; activations of the first (the most micro-batches in flight).
-    states = [model_state_bytes(m, lay, r, precision, bucket_bytes, config.optim.name) for r in {0, lay.pp - 1}]
-    state = max(states, key=lambda s: s["params"] + s["grads"] + s["optimizer"])
-    per_chunk = m.num_layers // (lay.pp * lay.vp)
-    layer = layer_activation_bytes(m, seq, mbs, lay.tp, lay.sp, lay.recompute, element, engine)
-    activations = layer * per_chunk * lay.vp * in_flight_microbatches(lay.pp, lay.vp, microbatches)
     vocab = padded_vocab_size(m.vocab_size, m.make_vocab_divisible_by, lay.tp) // lay.tp
-    logits = seq * mbs * vocab * element * 2  # the last stage's logits of one micro-batch and their gradient
-    memory = {
-        "params": state["params"],
-        "grads": state["grads"],
-        "optimizer": state["optimizer"],
-        "activations": activations,
-        "other": logits + (2 * bucket_bytes if lay.zero == 2 else 0),  # ZeRO-2's transient buckets in flight
-    }
+    # Memory: on the first pipeline rank (embedding, the most micro-batches in flight) or the last (output layer,
+    # logits), whichever holds more; the middle ranks hold less than the first.
+    memory = {}
+    for pp_rank in sorted({0, lay.pp - 1}):
+        state = model_state_bytes(m, lay, pp_rank, precision, bucket_bytes, config.optim.name)
+        transient = 2 * bucket_bytes if lay.zero == 2 else 0  # ZeRO-2's buckets being reduced
+        if pp_rank == lay.pp - 1:  # the logits' gradient, beside the logits the loss keeps
+            transient += seq * mbs * vocab * element
+        if lay.recompute == "full":  # the layer being recomputed holds its activations during its backward
+            transient += layer_activation_bytes(m, seq, mbs, lay.tp, lay.sp, "none", element, engine)
+        rank_memory = {
+            "params": state["params"],
+            "grads": state["grads"],
+            "optimizer": state["optimizer"],
+            "activations": rank_activation_bytes(config, lay, pp_rank, engine),
+            "other": transient,
+        }
+        if sum(rank_memory.values()) > sum(memory.values()):
+            memory, host_bytes = rank_memory, state["host"]
     memory["total"] = sum(memory.values())
     fits = memory["total"] <= hw.memory_usable_gb * GB
     reason = "" if fits else f"needs {memory['total'] / GB:.1f} GB of {hw.memory_usable_gb:g} GB usable"
@@ -427,7 +459,7 @@ def estimate(config: LoomConfig, lay: Layout, hw: Hardware, engine: Engine = LOO
         fits,
         reason,
         memory,
-        state["host"],
+        host_bytes,
         seconds,
         step,
         tokens_per_s_per_gpu,
