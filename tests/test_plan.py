@@ -128,6 +128,27 @@ def test_fp8_runs_block_gemms_at_the_fp8_peak(capsys):
     assert rows["fp8"]["mfu"] / rows["bf16"]["mfu"] == pytest.approx(speedup, rel=1e-2)
 
 
+def test_submit_warns_and_train_predicts(capsys):
+    """`loom submit` warns (before queueing) when the planner says a GPU run does not fit the partition's GPU; the
+    line `loom train` prints first is the same prediction. llama-70b at tp 8 without ZeRO holds 18 B for each of
+    its parameters / 8 on a GPU (159 GB) before any activation; llama-8b at tp 8 holds 18 GB and fits."""
+    from loom.engine.flops import parameter_counts
+    from loom.launch.cli import _prediction
+    from loom.launch.slurm import _warn_if_it_does_not_fit
+
+    for name, parallel, fits in (("llama-70b", {"tp": 8, "pp": 1, "vp": 1}, False), ("llama-8b", {"tp": 8}, True)):
+        train = {"device": "cuda", "global_batch_size": 64, "seq_length": 4096, "precision": "bf16"}
+        config = load_config(name, {"train": train, "parallel": parallel, "optim": {"zero": 0}})
+        config.resolve_world(8)
+        _warn_if_it_does_not_fit(config, "gpu-h100")
+        warning = capsys.readouterr().out
+        assert (warning == "") == fits, warning
+        line = _prediction(config)
+        state = sum(float(line.split(f"{part} ")[1].split(",")[0]) for part in ("weights", "gradients", "optimizer"))
+        assert state == pytest.approx(18 * parameter_counts(config.model)["total"] / 8 / 1e9, rel=0.01), line
+        assert fits or line in warning
+
+
 # ---------------------------------------------------------------- loom itself, on CPU
 
 # (parallel, model, optim, precision) per layout; 2 and 4 ranks.
