@@ -24,6 +24,7 @@ _MIX_1, _MIX_2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 SHINGLE_HASH_BASE = 0x100000001B3  # odd, so its powers are invertible mod 2^64
 _BASE_INVERSE = pow(SHINGLE_HASH_BASE, -1, 1 << 64)
 _SPACE, _DOCUMENT_END = 0x20, 0x0A
+_HASH_CHARACTERS = 1 << 20
 
 
 @lru_cache(maxsize=8)
@@ -74,6 +75,26 @@ def shingle_hashes(texts: list[str], n: int = 5) -> tuple[np.ndarray, np.ndarray
     """(hashes, counts): every document's distinct shingle hashes (uint64, sorted), back to back, and how many
     each has (at least one: a text of fewer than n words is one shingle). The hash of a shingle's UTF-8 bytes
     c_0..c_k-1 is mix64((sum c_j * SHINGLE_HASH_BASE^j mod 2^64) ^ k)."""
+    # The byte-wise arrays take ~40 bytes per input byte: hash at most _HASH_CHARACTERS of text at a time.
+    hashes, counts, group, characters = [], [], [], 0
+    for text in texts:
+        group.append(text)
+        characters += len(text)
+        if characters >= _HASH_CHARACTERS:
+            hashed = _group_shingle_hashes(group, n)
+            hashes.append(hashed[0])
+            counts.append(hashed[1])
+            group, characters = [], 0
+    if group:
+        hashed = _group_shingle_hashes(group, n)
+        hashes.append(hashed[0])
+        counts.append(hashed[1])
+    if not counts:
+        return np.empty(0, dtype=np.uint64), np.empty(0, dtype=np.int64)
+    return np.concatenate(hashes), np.concatenate(counts)
+
+
+def _group_shingle_hashes(texts: list[str], n: int) -> tuple[np.ndarray, np.ndarray]:
     joined = "\n".join(" ".join(text.lower().split()) for text in texts).encode("utf-8", "surrogatepass")
     data = np.frombuffer(joined, dtype=np.uint8)
     size = len(data)

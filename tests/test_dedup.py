@@ -193,9 +193,11 @@ def in_memory_lsh(texts, threshold, num_perm=128):
     return [find(i) for i in range(len(texts))]
 
 
-def test_batched_shingle_hashes_and_signatures_equal_one_at_a_time():
+def test_batched_shingle_hashes_and_signatures_equal_one_at_a_time(monkeypatch):
     """One numpy pass over a chunk gives each document's distinct shingle hashes (sorted) as the definition does
-    per shingle string, whatever the whitespace, case, length (empty, under 5 words) or script."""
+    per shingle string, whatever the whitespace, case, length (empty, under 5 words) or script; and so does a
+    chunk hashed in several groups of documents."""
+    from loom.data_tools import minhash
     from loom.data_tools.minhash import _fmix32, permutations, shingle_hashes, shingles, signatures
 
     a, b = permutations(64)
@@ -217,6 +219,10 @@ def test_batched_shingle_hashes_and_signatures_equal_one_at_a_time():
     assert counts.tolist() == [len(h) for h in expected_hashes]
     assert np.array_equal(hashes, np.concatenate(expected_hashes))
     assert np.array_equal(signatures(texts, a, b), np.stack(one_by_one))
+    monkeypatch.setattr(minhash, "_HASH_CHARACTERS", 40)
+    grouped_hashes, grouped_counts = shingle_hashes(texts)
+    assert np.array_equal(grouped_hashes, hashes) and np.array_equal(grouped_counts, counts)
+    assert [len(x) for x in shingle_hashes([])] == [0, 0]
 
 
 def test_on_disk_minhash_equals_in_memory_lsh_with_1_and_2_workers_and_small_buckets(tmp_path, monkeypatch):
