@@ -30,6 +30,7 @@ H100 weak-scaling table (tests/test_plan.py). docs/planner.md has the equations 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import itertools
@@ -647,38 +648,61 @@ _DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 def step_traffic(config: LoomConfig, lay: Layout, pp_rank: int = 0) -> dict[tuple[str, str, str], int]:
     """Bytes one rank of pipeline rank `pp_rank` sends per step, by (group, op, dtype), counted as loom's
     communication ledger counts them (engine/comm_ledger.py: an all-gather's output, a reduce-scatter's input,
-    else the tensor): the data-parallel gradient and weight collectives of its ZeRO stage, the sequence-parallel
-    gathers and scatters, the pipeline's sends and receives. Small control traffic (the loss and stop-code sums,
-    the vocabulary-parallel loss's statistics) is left out, except the loss sum over DP."""
+    else the tensor), all of it for AdamW and SGD: the data-parallel gradient and weight collectives of its ZeRO
+    stage, tensor parallelism's all-reduces (sequence parallelism's all-gathers and reduce-scatters) and the
+    vocabulary-parallel loss's statistics, the sequence-parallel and tied-embedding gradient sums, the pipeline's
+    sends and receives, and the loss and gradient-norm sums."""
     m, t = config.model, config.train
     element, dtype = (4 if t.precision == "fp32" else 2), _DTYPE_NAMES[t.precision]
     microbatches = t.global_batch_size // (lay.micro_batch_size * lay.dp)
     bucket_bytes = int(config.parallel.grad_bucket_mb * 2**20)
-    traffic: dict[tuple[str, str, str], int] = {}
+    stages = lay.pp * lay.vp
+    chunks = [c * lay.pp + pp_rank for c in range(lay.vp)]
+    traffic: dict[tuple[str, str, str], int] = collections.Counter()
     if lay.dp > 1:
         _, total, deferred = _rank_buffer(
             _model_key(m), dataclasses.replace(lay, micro_batch_size=1), pp_rank, bucket_bytes
         )
         if lay.zero == 0:
-            traffic[("dp", "all_reduce", "float32")] = 4 * total + 4  # + the loss sum
+            traffic[("dp", "all_reduce", "float32")] += 4 * total
         else:
             per_step = 4 * (total - deferred) * (microbatches if lay.zero == 2 else 1) + 4 * deferred
-            traffic[("dp", "reduce_scatter", "float32")] = per_step
-            traffic[("dp", "all_gather", dtype)] = element * total
-    activation = t.seq_length * lay.micro_batch_size * m.hidden_size * element
-    stages = lay.pp * lay.vp
-    chunks = [c * lay.pp + pp_rank for c in range(lay.vp)]
-    if lay.tp > 1 and lay.sp:
+            traffic[("dp", "reduce_scatter", "float32")] += per_step
+            traffic[("dp", "all_gather", dtype)] += element * total
+        traffic[("dp", "all_reduce", "float32")] += 4  # the loss sum
+    tokens = t.seq_length * lay.micro_batch_size
+    activation = tokens * m.hidden_size * element
+    if lay.tp > 1:
         layers = m.num_layers // stages * lay.vp
-        ends = sum((stage == 0) + (stage == stages - 1) for stage in chunks)  # embedding scatter, output gather
-        per_step = microbatches * (4 * layers + ends)
-        traffic[("tp", "all_gather", dtype)] = per_step * activation
-        traffic[("tp", "reduce_scatter", dtype)] = per_step * activation
+        # per micro-batch: 2 forward and 2 backward per layer, and one each at the embedding and the output layer
+        ends = sum((stage == 0) + (stage == stages - 1) for stage in chunks)
+        per_step = microbatches * (4 * layers + ends) * activation
+        for op in ("all_gather", "reduce_scatter") if lay.sp else ("all_reduce",):
+            traffic[("tp", op, dtype)] += per_step
+        if stages - 1 in chunks:  # the loss's max, sum of exponentials and target logit per token, in fp32
+            traffic[("tp", "all_reduce", "float32")] += microbatches * 3 * tokens * 4
+        if lay.sp:  # the norms' (and biases') partial gradients, summed over TP once per step
+            params = rank_parameters(m, dataclasses.replace(lay, micro_batch_size=1), pp_rank)
+            tied = _tied_embedding_elements(m, lay, chunks)
+            traffic[("tp", "all_reduce", "float32")] += 4 * (sum(q.size for q in params if q.deferred) - tied)
     if lay.pp > 1:
         hidden = activation // (lay.tp if lay.sp else 1)
         # per micro-batch each chunk receives its input and sends its output forward, and receives the output's
         # gradient and sends the input's back: one send and one receive per neighbouring stage
         transfers = sum((stage > 0) + (stage < stages - 1) for stage in chunks)
         for op in ("send", "recv"):
-            traffic[("pp", op, dtype)] = microbatches * transfers * hidden
-    return traffic
+            traffic[("pp", op, dtype)] += microbatches * transfers * hidden
+        traffic[("pp", "all_reduce", "float32")] += 4  # the loss sum
+        if tied := _tied_embedding_elements(m, lay, chunks):
+            traffic[("embedding", "all_reduce", "float32")] += 4 * tied
+    if lay.tp * lay.pp * lay.dp > 1:
+        traffic[("world", "all_reduce", "float32")] += 4  # the squared gradient norm
+    return dict(traffic)
+
+
+def _tied_embedding_elements(m: ModelConfig, lay: Layout, chunks: list[int]) -> int:
+    """Elements of the tied embedding copies these chunks hold (summed over the pipeline's ends each step)."""
+    if not m.tie_embeddings or lay.pp * lay.vp == 1:
+        return 0
+    vocab = padded_vocab_size(m.vocab_size, m.make_vocab_divisible_by, lay.tp) // lay.tp
+    return vocab * m.hidden_size * sum(stage in (0, lay.pp * lay.vp - 1) for stage in chunks)
