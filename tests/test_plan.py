@@ -138,6 +138,22 @@ def test_zero_bytes_per_parameter_are_the_zero_papers():
         assert state["host"] / count == pytest.approx(host, rel=1e-4, abs=1e-9), (zero, offload)
 
 
+def test_offload_adds_the_host_step():
+    """optim.offload = cpu: each rank's 1/8 of llama-8b's parameters goes down as fp32 gradients and up as fp32
+    weights over PCIe Gen5 (64 GB/s) and steps at the host's memory bandwidth per GPU (77 GB/s, 80 B per
+    parameter): 1.0e9 x (8 / 64e9 + 80 / 77e9) = 1.17 s added to the step, nothing else changed."""
+    from loom.engine.flops import parameter_counts
+
+    llama8 = load_config("llama-8b", {"train": {"precision": "bf16", "seq_length": 4096, "global_batch_size": 64}})
+    hardware = load_hardware("h100-sxm")
+    on_gpu, offloaded = (estimate(llama8, Layout(1, 1, 1, 8, 1, "selective", 1, o), hardware) for o in ("none", "cpu"))
+    shard = parameter_counts(llama8.model)["total"] / 8
+    assert offloaded.step_seconds - on_gpu.step_seconds == pytest.approx(shard * (8 / 64e9 + 80 / 77e9), rel=0.01)
+    assert {k: v for k, v in offloaded.seconds.items() if k != "other"} == {
+        k: v for k, v in on_gpu.seconds.items() if k != "other"
+    }
+
+
 def test_fp8_runs_block_gemms_at_the_fp8_peak(capsys):
     """`--train.precision fp8` is loom's bf16 with train.fp8: the same memory, block GEMMs at twice the peak
     (H100 datasheet 1979 vs 989 TFLOP/s) and attention, output layer and memory-bound kernels as before, so the

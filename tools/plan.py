@@ -61,6 +61,8 @@ class Hardware:
     intra_node_gb_s: float
     inter_node_gb_s: float
     latency_us: float
+    pcie_gb_s: float
+    host_memory_gb_s: float
     gpus_per_node: int
     efficiency: dict[str, float]
 
@@ -443,13 +445,27 @@ def estimate(config: LoomConfig, lay: Layout, hw: Hardware, engine: Engine = LOO
     p2p_bandwidth = hw.inter_node_gb_s if lay.tp * lay.dp >= hw.gpus_per_node else hw.intra_node_gb_s
     p2p_bytes = seq * mbs * m.hidden_size * element / (lay.tp if lay.sp else 1)
     p2p = 2 * microbatches * lay.vp * p2p_bytes / (p2p_bandwidth * GB) * (1 - e["p2p_overlap"]) if lay.pp > 1 else 0.0
+    # Offloaded optimizer (not overlapped: the next forward needs the weights it writes): the reduced gradients
+    # go down and the fp32 master weights come up over PCIe, and the host steps at its memory bandwidth.
+    offload = 0.0
+    if lay.offload == "cpu":
+        shard = max(
+            (total // lay.dp if lay.zero >= 1 else count)
+            for count, total, _ in (
+                _rank_buffer(
+                    _model_key(m), dataclasses.replace(lay, micro_batch_size=1, recompute="none"), r, bucket_bytes
+                )
+                for r in {0, lay.pp - 1}
+            )
+        )
+        offload = shard * (8 / (hw.pcie_gb_s * GB) + e["host_adam_bytes"] / (hw.host_memory_gb_s * GB))
     seconds = {
         "compute": compute,
         "tp": tp_time,
         "dp": dp_time,
         "bubble": bubble,
         "p2p": p2p,
-        "other": e["step_overhead_s"],
+        "other": e["step_overhead_s"] + offload,
     }
     step = sum(seconds.values())
     tokens_per_s_per_gpu = t.global_batch_size * seq / step / gpus
