@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loom.engine.config import ConfigError, LoomConfig, ModelConfig
-from loom.engine.flops import PEAK_TFLOPS, model_flops_per_token
+from loom.engine.flops import PEAK_TFLOPS, layer_parameters, model_flops_per_token
 from loom.engine.optim.buckets import plan_buckets
 from loom.engine.parallel.vocab import padded_vocab_size
 from loom.engine.pipeline.schedules import warmup_forwards
@@ -370,6 +370,8 @@ def estimate(config: LoomConfig, lay: Layout, hw: Hardware, engine: Engine = LOO
             transient += seq * mbs * vocab * element
         if lay.recompute == "full":  # the layer being recomputed holds its activations during its backward
             transient += layer_activation_bytes(m, seq, mbs, lay.tp, lay.sp, "none", element, engine)
+        if lay.zero == 3:  # the layer computing and the one prefetched, all-gathered whole over DP
+            transient += 2 * layer_parameters(m) // lay.tp * element
         rank_memory = {
             "params": state["params"],
             "grads": state["grads"],
