@@ -383,7 +383,7 @@ def test_activation_bytes_per_rank_equal_what_loom_keeps_at_its_peak(markov_data
 
 
 # (parallel, model, zero) per world size: every group loom has (dp, tp with and without SP, pp, the tied
-# embedding's, world), every ZeRO stage and both pipeline schedules.
+# embedding's, world), every ZeRO stage, both pipeline schedules, full recompute's repeated TP collectives.
 TRAFFIC_LAYOUTS = {
     2: [
         ({}, {}, 0),
@@ -391,11 +391,12 @@ TRAFFIC_LAYOUTS = {
         ({}, {}, 2),
         ({"tp": 2}, {}, 0),
         ({"tp": 2, "sequence_parallel": True}, {}, 0),
+        ({"tp": 2, "sequence_parallel": True}, {"recompute": "full"}, 0),
         ({"pp": 2}, {"tie_embeddings": True}, 0),
         ({"pp": 2, "vp": 2}, {}, 0),
     ],
     4: [
-        ({"tp": 2}, {}, 1),
+        ({"tp": 2}, {"recompute": "full"}, 1),
         ({"pp": 2}, {"tie_embeddings": True}, 2),
         ({"tp": 2, "pp": 2, "vp": 2, "sequence_parallel": True}, {"tie_embeddings": True}, 0),
     ],

@@ -117,10 +117,24 @@ class Engine:
     gathered_inputs_saved: bool = True
     """Activations as loom's native block keeps them (layer_activation_bytes); False: Korthikanti's count for
     Megatron-LM, whose GEMMs keep the sequence shard of their input and gather it again in backward."""
+    recompute_stops_early: bool = True
+    """Full recompute re-runs a layer's forward only up to the last tensor its backward needs (torch's
+    non-reentrant checkpoint, loom), so the layer's closing reduction is not redone; False: all of it (Megatron)."""
 
 
 LOOM = Engine()
-MEGATRON = Engine(grad_reduce_bytes=2, gathered_inputs_saved=False)
+MEGATRON = Engine(grad_reduce_bytes=2, gathered_inputs_saved=False, recompute_stops_early=False)
+
+
+def tp_collectives_per_layer(lay: Layout, engine: Engine = LOOM) -> dict[str, int]:
+    """Tensor-parallel collectives of s x b x h activations one layer runs per micro-batch: 2 forward (after the
+    attention projection and FC2) and their 2 gradients backward (Shoeybi et al. 2019), each an all-reduce or,
+    under sequence parallelism, an all-gather and a reduce-scatter; full recompute runs the forward's again (loom:
+    both all-gathers but only the first reduce-scatter or all-reduce, as the ledger records)."""
+    again = lay.recompute == "full"
+    if lay.sp:
+        return {"all_gather": 4 + 2 * again, "reduce_scatter": 4 + (1 if engine.recompute_stops_early else 2) * again}
+    return {"all_reduce": 4 + (1 if engine.recompute_stops_early else 2) * again}
 
 
 @dataclass
@@ -415,12 +429,13 @@ def estimate(config: LoomConfig, lay: Layout, hw: Hardware, engine: Engine = LOO
     compute += streamed * element / (hw.hbm_tb_s * 1e12)
     micro_compute = compute / microbatches
 
-    # Tensor parallel: 2 all-reduce volumes forward, 2 backward per layer and micro-batch (3 forward with full
-    # recompute); inside a node over NVLink.
+    # Tensor parallel, inside a node over NVLink: a ring all-reduce is two passes, an all-gather or reduce-scatter one.
     tp_bandwidth = hw.intra_node_gb_s if lay.tp <= hw.gpus_per_node else hw.inter_node_gb_s
-    all_reduce = 2 * _ring_seconds(seq * mbs * m.hidden_size * element, lay.tp, tp_bandwidth, hw.latency_us)
-    collectives = 6 if lay.recompute == "full" else 4
-    tp_time = collectives * all_reduce * (m.num_layers / lay.pp) * microbatches * (1 - e["tp_overlap"])
+    ring = _ring_seconds(seq * mbs * m.hidden_size * element, lay.tp, tp_bandwidth, hw.latency_us)
+    passes = sum(
+        count * (2 if op == "all_reduce" else 1) for op, count in tp_collectives_per_layer(lay, engine).items()
+    )
+    tp_time = passes * ring * (m.num_layers / lay.pp) * microbatches * (1 - e["tp_overlap"])
 
     # Data parallel: DP ranks are tp apart (engine/parallel/state.py), so a group stays in a node while tp x dp fits.
     dp_bandwidth = hw.intra_node_gb_s if lay.tp * lay.dp <= hw.gpus_per_node else hw.inter_node_gb_s
@@ -692,11 +707,10 @@ def step_traffic(config: LoomConfig, lay: Layout, pp_rank: int = 0) -> dict[tupl
     activation = tokens * m.hidden_size * element
     if lay.tp > 1:
         layers = m.num_layers // stages * lay.vp
-        # per micro-batch: 2 forward and 2 backward per layer, and one each at the embedding and the output layer
+        # per micro-batch: the layers', and one each way at the embedding and the output layer
         ends = sum((stage == 0) + (stage == stages - 1) for stage in chunks)
-        per_step = microbatches * (4 * layers + ends) * activation
-        for op in ("all_gather", "reduce_scatter") if lay.sp else ("all_reduce",):
-            traffic[("tp", op, dtype)] += per_step
+        for op, count in tp_collectives_per_layer(lay).items():
+            traffic[("tp", op, dtype)] += microbatches * (count * layers + ends) * activation
         if stages - 1 in chunks:  # the loss's max, sum of exponentials and target logit per token, in fp32
             traffic[("tp", "all_reduce", "float32")] += microbatches * 3 * tokens * 4
         if lay.sp:  # the norms' (and biases') partial gradients, summed over TP once per step
