@@ -114,7 +114,7 @@ def _greedy_loop(weights: np.ndarray, counts: list[int], first_step: int, length
 
 def _sample_numbers(dataset_index: np.ndarray, datasets: int) -> np.ndarray:
     """For each sample, how many earlier samples came from its dataset (its index in that dataset)."""
-    numbers = np.zeros(len(dataset_index), np.int64)
+    numbers = np.empty(len(dataset_index), np.int64)  # every sample is one dataset's: all are written
     for d in range(datasets):
         chosen = dataset_index == d
         numbers[chosen] = np.arange(np.count_nonzero(chosen))  # a boolean mask beats flatnonzero + scatter
