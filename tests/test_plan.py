@@ -124,13 +124,13 @@ def test_obvious_cases():
 
 def test_zero_bytes_per_parameter_are_the_zero_papers():
     """Rajbhandari et al. 2020, mixed-precision Adam over d = 8 ranks: 2 + 4 + 12 = 18 B per parameter; ZeRO-1
-    6 + 12/d, ZeRO-2 2 + 16/d, ZeRO-3 18/d; offload leaves 2 + 4 on the GPU and puts 12/d on the host. llama-8b's
-    buckets pad to multiples of d by a few elements only, so the ratios hold to 1e-4."""
+    6 + 12/d, ZeRO-2 2 + 16/d, ZeRO-3 18/d; offload leaves 2 + 4 on the GPU and puts 12/d and a 4/d gradient
+    copy on the host. llama-8b's buckets pad to multiples of d by a few elements only, so the ratios hold to 1e-4."""
     llama8 = load_config("llama-8b", {"train": {"precision": "bf16"}})
     count = sum(p.size for p in rank_parameters(llama8.model, Layout(1, 1, 1, 8, 1, "none", 0), 0))
     d = 8
     expected = {(0, "none"): (18, 0), (1, "none"): (6 + 12 / d, 0), (2, "none"): (2 + 16 / d, 0)}
-    expected |= {(3, "none"): (18 / d, 0), (1, "cpu"): (6, 12 / d), (2, "cpu"): (2 + 4 / d, 12 / d)}
+    expected |= {(3, "none"): (18 / d, 0), (1, "cpu"): (6, 16 / d), (2, "cpu"): (2 + 4 / d, 16 / d)}
     for (zero, offload), (device, host) in expected.items():
         state = model_state_bytes(llama8.model, Layout(1, 1, 1, d, 1, "none", zero, offload), 0, "bf16", 2**25)
         on_device = state["params"] + state["grads"] + state["optimizer"]
@@ -203,6 +203,8 @@ STATE_LAYOUTS = {
         ({}, {}, {"zero": 1}, "bf16"),
         ({}, {}, {"zero": 2}, "bf16"),
         ({}, {}, {"zero": 1, "offload": "cpu"}, "bf16"),
+        ({}, {}, {"zero": 1}, "fp32"),
+        ({}, {}, {"zero": 0, "offload": "cpu"}, "fp32"),
         ({}, {}, {"zero": 2, "name": "sgd"}, "fp16"),
         ({"tp": 2}, {}, {"zero": 0}, "fp32"),
         ({"tp": 2, "sequence_parallel": True}, {}, {"zero": 1}, "bf16"),
@@ -245,7 +247,9 @@ def _held(rank, world, dataset, run_dir):
             "params": sum(q.numel() * q.element_size() for q in params),
             "grads": grads,
             "optimizer": trainer.optimizer.device_state_bytes(),
-            "host": trainer.optimizer.state_bytes() - trainer.optimizer.device_state_bytes(),
+            "host": trainer.optimizer.state_bytes()
+            - trainer.optimizer.device_state_bytes()
+            + sum(4 * s.host_grad.numel() for s in trainer.optimizer.segments if s.host_grad is not None),
         }
         p, o = config.parallel, config.optim
         layout = Layout(p.tp, p.pp, p.vp, p.dp, 1, "none", o.zero, o.offload, p.sequence_parallel)

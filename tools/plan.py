@@ -8,7 +8,7 @@ Memory per GPU, on the pipeline rank that holds the most (the first or the last 
   gradient buffer's buckets padded to multiples of dp (engine/optim/grad_buffer.plan_buckets), and the ZeRO
   formulas of Rajbhandari et al. 2020: bf16 Adam keeps 2 B of weight, 4 B of fp32 gradient and 12 B of fp32
   master and moments per parameter; ZeRO 1 divides the 12 by dp, ZeRO 2 the gradient too, ZeRO 3 the weight
-  too (6 + 12/d, 2 + 16/d, 18/d); optimizer offload moves the 12 to the host.
+  too (6 + 12/d, 2 + 16/d, 18/d); optimizer offload moves the 12 to the host, beside a gradient copy.
 - activations: what one micro-batch of one layer saves for backward (Korthikanti et al. 2022, section 4, term by
   term for loom's layers: grouped-query attention and SwiGLU change the 34 + 5as/h of the paper; sequence
   parallelism divides the norm inputs by tp; selective recompute keeps the attention's inputs and output but not
@@ -273,12 +273,15 @@ def model_state_bytes(
     else:
         grads = 4 * total
     moments = {"adamw": 2, "lamb": 2, "sgd": 1, "adafactor": 2}[optimizer]
-    master = 0 if precision == "fp32" else 1  # fp32 weights are their own master
+    # fp32 weights are their own master, unless the optimizer holds a shard of them or holds them on the host
+    master = 0 if precision == "fp32" and lay.zero == 0 and lay.offload == "none" else 1
     sharded = total // lay.dp if lay.zero >= 1 else count
     state = 4 * (master + moments) * sharded
     weights = weight_bytes * count // (lay.dp if lay.zero >= 3 else 1)
-    on_host = lay.offload == "cpu"
-    return {"params": weights, "grads": grads, "optimizer": 0 if on_host else state, "host": state if on_host else 0}
+    if lay.offload != "cpu":
+        return {"params": weights, "grads": grads, "optimizer": state, "host": 0}
+    # on the host: the optimizer state and an fp32 copy of the reduced gradients it steps with
+    return {"params": weights, "grads": grads, "optimizer": 0, "host": state + 4 * sharded}
 
 
 # ---------------------------------------------------------------- activations
