@@ -20,11 +20,12 @@ their sources, the constants (tools/gpus.toml) and the blind spots: docs/planner
 
 
 def _fp8_as_loom_runs_it(overrides: list[str]) -> list[str]:
-    """`--train.precision fp8` (the issue's spelling) is how loom trains in FP8: bf16 with train.fp8 = delayed."""
+    """`--train.precision fp8` (the issue's spelling) is how loom trains in FP8: bf16 with train.fp8 = current
+    (its own FP8 linears; Transformer Engine's delayed scaling plans the same)."""
     out = list(overrides)
     for i, flag in enumerate(out):
         if flag == "--train.precision=fp8" or (flag == "--train.precision" and out[i + 1 : i + 2] == ["fp8"]):
-            out[i : i + (1 if "=" in flag else 2)] = ["--train.precision=bf16", "--train.fp8=delayed"]
+            out[i : i + (1 if "=" in flag else 2)] = ["--train.precision=bf16", "--train.fp8=current"]
             break
     return out
 

@@ -288,7 +288,15 @@ def model_state_bytes(
 
 
 def layer_activation_bytes(
-    m: ModelConfig, seq: int, mbs: int, tp: int, sp: bool, recompute: str, element: int, engine: Engine = LOOM
+    m: ModelConfig,
+    seq: int,
+    mbs: int,
+    tp: int,
+    sp: bool,
+    recompute: str,
+    element: int,
+    engine: Engine = LOOM,
+    fp8: bool = False,
 ) -> float:
     """Bytes one transformer block saves for backward for one micro-batch of `seq` x `mbs` tokens.
 
@@ -298,8 +306,11 @@ def layer_activation_bytes(
     keeps the QKV output, rotated q and k, its output and a log-sum-exp per head (fp32); the SwiGLU MLP keeps
     FC1's output, silu(gate) and FC2's input (4 x ffn; GELU: 2 x ffn); all split by tp. Selective recompute drops
     what the attention core alone keeps (the log-sum-exp: loom's kernels never keep the s x s scores), full
-    recompute keeps only the block's input. `engine` MEGATRON uses Korthikanti et al. 2022's published
-    s b h (34 / t) with sequence parallelism (their 5 a s / h score term is gone with flash attention)."""
+    recompute keeps only the block's input. Under `fp8` the four GEMMs keep FP8 copies of their inputs (1 byte):
+    the attention projection's beside the attention output, which the attention kernel keeps unless selective
+    recompute reruns it. `engine` MEGATRON uses Korthikanti et al. 2022's published s b h (34 / t) with sequence
+    parallelism (their 5 a s / h score term is gone with flash attention); under FP8 its GEMM inputs (2 + 2 + 2 +
+    8 of the 34) take half."""
     h, hd = m.hidden_size, m.head_dim
     q, kv, f, heads = m.num_heads * hd, m.num_kv_heads * hd, m.ffn_hidden_size, m.num_heads
     tokens = seq * mbs
@@ -308,12 +319,23 @@ def layer_activation_bytes(
         return tokens * h * sequence_share * element
     if not engine.gathered_inputs_saved:  # Megatron-LM: Korthikanti's count
         per_token = h * (34 / tp if sp else 10 + 24 / tp) * element / 2
-        return tokens * per_token
+        return tokens * per_token * ((34 - 7) / 34 if fp8 else 1)
+    gemm_input = 1 if fp8 else element
     norms = 2 * (8 * h + 4) * sequence_share
-    gemm_inputs = 2 * h * element
-    attention = ((q + 2 * kv) + q + kv + q) * element / tp + (heads * 4 / tp if recompute == "none" else 0)
-    mlp = (4 * f if m.activation == "swiglu" else 2 * f) * element / tp
+    gemm_inputs = 2 * h * gemm_input
+    attention_output = q * element if not (fp8 and recompute == "selective") else 0
+    attention = ((q + 2 * kv) + q + kv) * element + attention_output + (q if fp8 else 0)
+    attention = attention / tp + (heads * 4 / tp if recompute == "none" else 0)
+    mlp = ((3 * f if m.activation == "swiglu" else f) * element + f * gemm_input) / tp
     return tokens * (norms + gemm_inputs + attention + mlp)
+
+
+def fp8_weight_bytes(m: ModelConfig, tp: int) -> int:
+    """Bytes of the FP8 copies of one layer's GEMM weights, which loom's FP8 linears cast once per step and keep
+    for every micro-batch's forward and backward."""
+    h, q, kv = m.hidden_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    fc1 = 2 * m.ffn_hidden_size if m.activation == "swiglu" else m.ffn_hidden_size
+    return (h * (q + 2 * kv) + q * h + h * fc1 + m.ffn_hidden_size * h) // tp
 
 
 def in_flight_microbatches(pp: int, vp: int, microbatches: int, pp_rank: int = 0) -> float:
@@ -342,7 +364,7 @@ def rank_activation_bytes(config: LoomConfig, lay: Layout, pp_rank: int, engine:
     element = 4 if t.precision == "fp32" else 2
     microbatches = t.global_batch_size // (lay.micro_batch_size * lay.dp)
     layer = layer_activation_bytes(
-        m, t.seq_length, lay.micro_batch_size, lay.tp, lay.sp, lay.recompute, element, engine
+        m, t.seq_length, lay.micro_batch_size, lay.tp, lay.sp, lay.recompute, element, engine, t.fp8 != "off"
     )
     layers = layer * (m.num_layers // lay.pp) * in_flight_microbatches(lay.pp, lay.vp, microbatches, pp_rank)
     last = pp_rank == lay.pp - 1
@@ -386,7 +408,9 @@ def estimate(config: LoomConfig, lay: Layout, hw: Hardware, engine: Engine = LOO
         if pp_rank == lay.pp - 1:  # the logits' gradient, beside the logits the loss keeps
             transient += seq * mbs * vocab * element
         if lay.recompute == "full":  # the layer being recomputed holds its activations during its backward
-            transient += layer_activation_bytes(m, seq, mbs, lay.tp, lay.sp, "none", element, engine)
+            transient += layer_activation_bytes(m, seq, mbs, lay.tp, lay.sp, "none", element, engine, t.fp8 != "off")
+        if t.fp8 != "off":  # the FP8 copies of this rank's weights, cast once per step
+            transient += fp8_weight_bytes(m, lay.tp) * (m.num_layers // lay.pp)
         if lay.zero == 3:  # the layer computing and the one prefetched, all-gathered whole over DP
             transient += 2 * layer_parameters(m) // lay.tp * element
         rank_memory = {
