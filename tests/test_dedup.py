@@ -297,36 +297,43 @@ def test_union_find_joins_batches_like_a_graph_search():
     assert found.representatives().tolist() == expected
 
 
-def _peak_heap_bytes(tmp_path, monkeypatch, name, docs):
-    """Peak traced heap of a minhash run up to its manifest (which hashes files in 4 MB reads: bounded, but
-    larger than these corpora, so it would hide the stages' own growth)."""
-    import tracemalloc
+_PEAK_HEAP = """
+import json, sys, tracemalloc
+from pathlib import Path
+from loom.data_tools import dedup
+from loom.tools.near_duplicates import make_corpus
 
-    from loom.data_tools import dedup
-
-    source, peaks = write_corpus(tmp_path / f"{name}.jsonl", docs), []
-    monkeypatch.setattr(dedup, "write_manifest", lambda *a, **k: peaks.append(tracemalloc.get_traced_memory()[1]))
+# The manifest hashes files in 4 MB reads (bounded, but larger than these corpora): the peak is taken before it.
+peaks = []
+dedup.write_manifest = lambda *a, **k: peaks.append(tracemalloc.get_traced_memory()[1])
+root = Path(sys.argv[1])
+for name, corpus in (
+    ("warm-up", make_corpus(2, 2, 2, words=40)[0]),  # one-time imports and caches
+    ("small", make_corpus(clusters=100, copies=4, singletons=200, words=40, seed=1)[0]),
+    ("large", make_corpus(clusters=400, copies=4, singletons=800, words=40, seed=2)[0]),
+):
+    source = root / f"{name}.jsonl"
+    source.write_text("".join(json.dumps(d) + "\\n" for d in corpus))
     tracemalloc.start()
-    try:
-        deduplicate([source], tmp_path / name, method="minhash", bucket_memory_mb=0.05, progress=False)
-    finally:
-        tracemalloc.stop()
-    return peaks[0]
+    dedup.deduplicate([source], root / name, method="minhash", bucket_memory_mb=0.05, progress=False)
+    tracemalloc.stop()
+print(json.dumps({"documents": [600, 2400], "peaks": peaks[1:]}))
+"""
 
 
-def test_minhash_memory_is_flat_in_corpus_size(tmp_path, monkeypatch):
+def test_minhash_memory_is_flat_in_corpus_size(tmp_path):
     """Peak Python/numpy heap for 4x the documents grows by far less than the signatures and band keys would take
     in RAM (512 + 72 bytes a document at 128 permutations): only the int64 arrays per document (id offsets,
-    union-find, cluster bookkeeping: ~80 bytes at their peak) grow."""
-    from loom.tools.near_duplicates import make_corpus
-
-    _peak_heap_bytes(tmp_path, monkeypatch, "warm-up", make_corpus(2, 2, 2, words=40)[0])  # one-time imports
-    small, _ = make_corpus(clusters=100, copies=4, singletons=200, words=40, seed=1)
-    large, _ = make_corpus(clusters=400, copies=4, singletons=800, words=40, seed=2)
-    small_peak = _peak_heap_bytes(tmp_path, monkeypatch, "small", small)
-    large_peak = _peak_heap_bytes(tmp_path, monkeypatch, "large", large)
-    grown_per_document = (large_peak - small_peak) / (len(large) - len(small))
-    print(f"peak heap {small_peak:,} B for {len(small)} documents, {large_peak:,} B for {len(large)}")
+    union-find, cluster bookkeeping: ~80 bytes at their peak) grow. Measured in a fresh process: tracemalloc
+    counts every thread's allocations, and threads other tests leave behind would count too."""
+    result = subprocess.run(
+        [sys.executable, "-c", _PEAK_HEAP, str(tmp_path)], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    (small, large), (small_peak, large_peak) = measured["documents"], measured["peaks"]
+    grown_per_document = (large_peak - small_peak) / (large - small)
+    print(f"peak heap {small_peak:,} B for {small} documents, {large_peak:,} B for {large}")
     assert grown_per_document < 128, (small_peak, large_peak)
 
 

@@ -50,7 +50,7 @@ LAYOUTS = {
     "tp2": (2, dict(parallel__tp=2)),
     "dp2-recompute-full": (2, dict(model__recompute="full")),
     "tp2-dp2-sp-selective": (4, dict(parallel__tp=2, parallel__sequence_parallel=True, model__recompute="selective")),
-    "tp4-sp": (4, dict(parallel__tp=4, parallel__sequence_parallel=True)),
+    # (tp 4 with sequence parallelism: test_tensor_parallel's llama-sp-4 forward and backward against dense)
     "pp2-vp2-tp2-dp2-sp": (
         8,
         dict(

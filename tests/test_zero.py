@@ -113,9 +113,8 @@ def test_zero_stages_and_offload_agree(dataset, tmp_path, nproc, parallel, preci
             _assert_bytes_follow_the_formulas(rank_variants, nproc)
 
 
-def test_bytes_per_parameter_follow_the_zero_formulas_at_dp4(dataset, tmp_path):
-    for per_variant in run_ranks(_train_variants, 4, dataset, str(tmp_path), {}, "bf16", "adamw", 1):
-        _assert_bytes_follow_the_formulas(per_variant, 4)
+# At dp 4 the bytes each ZeRO stage allocates are checked against the planner's formulas, layout by layout, in
+# test_plan.py::test_weights_gradients_and_optimizer_state_equal_what_loom_allocates[4].
 
 
 def _train_save_resume(rank, world, dataset, run_dir, first, second):
