@@ -255,6 +255,16 @@ def test_blend_repairs_segments_that_start_from_a_wrong_guess(monkeypatch, passe
     assert (datasets.tolist(), samples.tolist()) == simple_blend(weights, 20_000)
 
 
+def test_blend_in_small_segment_groups_equals_the_simple_loop(monkeypatch):
+    # Groups of 5 segments (loom runs 16,384 at once) make group edges fall everywhere, and the estimate
+    # without warm-up steps leaves wrong starts at many of them.
+    monkeypatch.setattr(blended, "_ROWS", 5)
+    monkeypatch.setattr(blended, "_WARMUP", 0)
+    for weights in ([3.7, 1.1, 0.01, 5.3], [1, 1, 1]):
+        datasets, samples = blend_indices(weights, 20_011)
+        assert (datasets.tolist(), samples.tolist()) == simple_blend(weights, 20_011)
+
+
 # Exact ties (equal weights, weights whose products round to the same double), a zero weight (which
 # megatron-core still draws from on a tie at error 0), a tiny weight (drawn once in thousands of
 # samples, the case that leaves runs of wrong segment estimates) and many datasets.

@@ -65,6 +65,7 @@ for _ in range(args["repeats"]):
                                    False)
     blend_times.append(time.perf_counter() - start)
 numpy.save(args["blend_out"], dataset_index)
+numpy.save(args["blend_samples_out"], dataset_sample_index)
 print(json.dumps({"seconds": min(times), "samples": int(sample_index.shape[0] - 1),
                   "blend_seconds": min(blend_times)}))
 """
@@ -112,11 +113,11 @@ def run_megatron(
     args: argparse.Namespace,
     epochs: int,
     blend_weights: list[float],
-) -> tuple[dict, np.ndarray, np.ndarray]:
+) -> tuple[dict, np.ndarray, tuple[np.ndarray, np.ndarray]]:
     with tempfile.TemporaryDirectory() as tmp:
         paths = {
             name: str(Path(tmp) / f"{name}.npy")
-            for name in ("lengths", "document_index", "sample_index_out", "blend_out")
+            for name in ("lengths", "document_index", "sample_index_out", "blend_out", "blend_samples_out")
         }
         np.save(paths["lengths"], lengths)
         np.save(paths["document_index"], document_index)
@@ -138,7 +139,8 @@ def run_megatron(
         if result.returncode != 0:
             raise SystemExit(f"megatron-core run failed:\n{result.stderr[-3000:]}")
         figures = json.loads(result.stdout.strip().splitlines()[-1])
-        return figures, np.load(paths["sample_index_out"]), np.load(paths["blend_out"])
+        blend = (np.load(paths["blend_out"]), np.load(paths["blend_samples_out"]))
+        return figures, np.load(paths["sample_index_out"]), blend
 
 
 def main() -> None:
@@ -171,11 +173,12 @@ def main() -> None:
     )
     print(f"loom numpy build_sample_indices:        {ours:.3f} s")
     blend_weights = [0.5, 0.3, 0.15, 0.05]
-    ours_blend, (blend, _) = best_of(args.repeats, blend_indices, blend_weights, args.blend_size)
-    loop, (loop_blend, _) = best_of(1, simple_blend, blend_weights, args.blend_size)
+    ours_blend, (blend, blend_samples) = best_of(args.repeats, blend_indices, blend_weights, args.blend_size)
+    loop, (loop_blend, loop_samples) = best_of(1, simple_blend, blend_weights, args.blend_size)
     print(
         f"loom blend_indices ({args.blend_size:,} samples, 4 datasets): {ours_blend:.3f} s; the plain Python "
-        f"loop {loop:.3f} s (loop / loom {loop / ours_blend:.1f}x, identical: {np.array_equal(loop_blend, blend)})"
+        f"loop {loop:.3f} s (loop / loom {loop / ours_blend:.1f}x, identical: "
+        f"{np.array_equal(loop_blend, blend) and np.array_equal(loop_samples, blend_samples)})"
     )
 
     if not args.megatron_python:
@@ -192,8 +195,8 @@ def main() -> None:
     )
     print(
         f"megatron-core build_blending_indices:   {figures['blend_seconds']:.3f} s; "
-        f"loom / megatron-core {ours_blend / figures['blend_seconds']:.1f}x; "
-        f"identical: {np.array_equal(megatron_blend, blend)}"
+        f"loom / megatron-core {ours_blend / figures['blend_seconds']:.2f}x; identical datasets and sample "
+        f"numbers: {np.array_equal(megatron_blend[0], blend) and np.array_equal(megatron_blend[1], blend_samples)}"
     )
 
 
