@@ -98,13 +98,15 @@ def test_a_stop_during_start_up_is_honoured_or_says_nothing_was_saved(dataset, t
 
 
 def test_a_second_stop_signal_stops_at_once(dataset, tmp_path):
-    """A stop waits for a step boundary; when a hung rank never reaches one, a second signal ends the run."""
+    """A stop waits for a step boundary; when a hung rank never reaches one, a second signal ends the run.
+    Rank 0 hangs right after logging step 1, before the next step's transfer could carry the stop: had it
+    hung one step later, a signal landing during step 2 was agreed there and the run stopped cleanly."""
     command = train_command(dataset, tmp_path / "run", "--train.steps", "50", "--parallel.timeout_minutes", "30")
     with open(tmp_path / "stderr", "w") as stderr_file:
         proc = subprocess.Popen(
             command,
             cwd=REPO,
-            env={**os.environ, "PYTHONPATH": str(REPO), "LOOM_INJECT_HANG": "0:2"},
+            env={**os.environ, "PYTHONPATH": str(REPO), "LOOM_INJECT_HANG": "0:1"},
             stdout=subprocess.DEVNULL,
             stderr=stderr_file,
         )
