@@ -85,9 +85,11 @@ def _dead_worker(pool: ProcessPoolExecutor) -> str:
     deadline = time.monotonic() + _EXIT_STATUS_WAIT_SECONDS
     while True:
         exited = [p for p in processes if p.exitcode is not None]
-        # Once one worker dies the pool SIGTERMs the others: those are consequences, not the cause.
-        dead = [p for p in exited if p.exitcode != -signal.SIGTERM] or exited
-        if dead or time.monotonic() > deadline:
+        # Once one worker dies the pool SIGTERMs the others: those are consequences, not the cause, and a
+        # terminated one can be seen exited before the cause is, so they only answer when nothing else will.
+        dead = [p for p in exited if p.exitcode != -signal.SIGTERM]
+        if dead or len(exited) == len(processes) or time.monotonic() > deadline:
+            dead = dead or exited
             break
         time.sleep(0.05)
     if not dead:
