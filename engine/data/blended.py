@@ -146,12 +146,8 @@ def _advance(
         if out is not None and (j == block - 1 or t == steps.stop - 1):
             dataset_index, sample_index, where = out
             written = slice(t - j, t + 1)
-            if isinstance(where, slice):
-                np.copyto(dataset_index[where, written], picks[: j + 1].T)
-                np.copyto(sample_index[where, written], numbers[: j + 1].T, casting="unsafe")
-            else:
-                dataset_index[where, written] = picks[: j + 1].T
-                sample_index[where, written] = numbers[: j + 1].T
+            dataset_index[where, written] = picks[: j + 1].T
+            sample_index[where, written] = numbers[: j + 1].T
 
 
 def _pick_type(datasets: int) -> type:
