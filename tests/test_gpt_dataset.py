@@ -267,7 +267,8 @@ def test_blend_in_small_segment_groups_equals_the_simple_loop(monkeypatch):
 
 # Exact ties (equal weights, weights whose products round to the same double), a zero weight (which
 # megatron-core still draws from on a tie at error 0), a tiny weight (drawn once in thousands of
-# samples, the case that leaves runs of wrong segment estimates) and many datasets.
+# samples, the case that leaves runs of wrong segment estimates), many datasets (16: several groups of
+# errors per call; 40: the sorted estimate; 300: two-byte picks) and token-count-like weights.
 MEGATRON_BLENDS = [
     [0.5, 0.3, 0.15, 0.05],
     [1, 1, 1],
@@ -276,6 +277,9 @@ MEGATRON_BLENDS = [
     [1, 0, 1, 0],
     [1e-5, 0.3, 0.2, 0.1, 0.4, 0.05, 0.03],
     list(np.random.default_rng(3).random(40) ** 3),
+    list(np.random.default_rng(4).random(16) + 0.2),
+    list(np.random.default_rng(5).random(300)),
+    list(np.random.default_rng(6).lognormal(0, 3, 16)),
 ]
 
 

@@ -18,11 +18,13 @@ gather, so the sample numbers cost no second pass. This module must not read tok
 maps a sample number to (dataset, sample in that dataset).
 
 Measured against megatron-core's C++ helper in one process (tools/bench/dataset_index.py), 1M samples:
-1.1-1.3x its time for 2-4 datasets, 1.5x for 8, 1.8x for 16; 10M samples 1.3-1.4x. The gap is what
-numpy costs per element (six calls per dataset and step, each over every segment's row, ~2.4 ns per
-sample and dataset against the C++ loop's ~3 ns, plus the estimate and re-runs); the Python loop
-takes 75x. A JIT of the same loop (numba) matches the helper exactly but compiles for a second in
-every process, which only pays beyond ~70M samples.
+0.90-0.98x its time for 2-4 datasets, 1.2x for 8, 1.5x for 16. The cost per dataset is what numpy
+costs per element (four float and two byte passes per dataset and step over every segment's row,
+~2 ns per sample and dataset against the C++ loop's ~1.5 ns); the Python loop takes 75x. Slow case:
+datasets drawn less than once in hundreds of segments (weights below ~1e-4 beside large ones) leave
+long runs of segments whose estimates agree with each other but not with the truth, fixed one segment
+per pass and then one by one: token-count-like weights over 16 datasets (smallest 1e-5) take 6x the
+helper's time, weights spread from 1e-9 to 0.17 take 35x.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from loom.engine.data.indexed import DatasetError
 
 MAX_DATASETS = int(np.iinfo(np.int16).max)
 _SEGMENT = 64
-_WARMUP = 8
+_WARMUP = 4
 # Steps into a re-run segment after which its state is compared with the first run's at that step:
 # equal means the rest of the segment was right, so only these steps are recorded again.
 _CHECKPOINT = 8
@@ -45,6 +47,10 @@ _BLOCK = 16
 # Segments run in lock step at once: above this the working arrays leave the cache and each call slows.
 _ROWS = 16384
 _MAX_PASSES = 8
+# Up to this many datasets the estimate ranks remainders pairwise, above by sorting.
+_RANK_PAIRWISE_UP_TO = 32
+# Datasets whose errors one call computes: more means fewer calls, too many push the rows out of the cache.
+_CHUNK = 4
 # Below this many samples the plain loop beats the lock-step segments' fixed cost.
 _LOOP_BELOW = 2048
 
@@ -64,22 +70,27 @@ def _estimate_counts(weights: np.ndarray, steps: np.ndarray) -> np.ndarray:
     of the greedy's counts."""
     ideal = np.multiply.outer(weights, steps.astype(np.float64))
     counts = np.floor(ideal)
-    remainder = ideal - counts
+    remainder = np.subtract(ideal, counts, out=ideal)
     missing = steps - counts.sum(axis=0)
-    if len(weights) <= 8:
-        # A dataset's rank among the remainders by pairwise comparison: D*D passes over the rows cost
-        # less than sorting many D-long rows.
-        for d in range(len(weights)):
-            rank = np.zeros(len(steps), np.int64)
-            for other in range(len(weights)):
-                if other != d:
-                    rank += remainder[other] > remainder[d] if other > d else remainder[other] >= remainder[d]
-            counts[d] += rank < missing
+    datasets, rows = counts.shape
+    if datasets > _RANK_PAIRWISE_UP_TO:
+        order = np.argsort(-remainder, axis=0, kind="stable")
+        rank = np.empty_like(order)
+        np.put_along_axis(rank, order, np.arange(datasets)[:, None], axis=0)
+        counts += rank < missing
         return counts
-    order = np.argsort(-remainder, axis=0, kind="stable")
-    rank = np.empty_like(order)
-    np.put_along_axis(rank, order, np.arange(len(weights))[:, None], axis=0)
-    counts += rank < missing
+    # A dataset's rank among the remainders (ties to the lower index) by pairwise comparison: D*D passes
+    # over the rows cost less than sorting many D-long rows.
+    missing = missing.astype(np.int16)
+    rank, beaten, gets = np.empty(rows, np.int16), np.empty(rows, bool), np.empty(rows, bool)
+    for d in range(datasets):
+        rank.fill(0)
+        for other in range(datasets):
+            if other != d:
+                (np.greater if other > d else np.greater_equal)(remainder[other], remainder[d], out=beaten)
+                np.add(rank, beaten.view(np.uint8), out=rank, casting="unsafe")
+        np.less(rank, missing, out=gets)
+        counts[d] += gets
     return counts
 
 
@@ -107,10 +118,19 @@ def _advance(
     first = first_steps.astype(np.float64)
     at_zero = np.flatnonzero(first_steps == 0)
     row_offsets = np.arange(rows, dtype=np.intp)
-    scale, best, error, drawn = np.empty(rows), np.empty(rows), np.empty(rows), np.empty(rows)
+    scale = np.empty(rows)
     greater = np.empty(rows, bool)
     candidate = np.empty(rows, pick_type)
     position = np.empty(rows, np.intp)
+    errors = np.empty((datasets, rows))
+    # Errors are computed a few datasets per call (fewer calls than one per dataset), each group just
+    # before it is compared, so the rows stay in the cache however many datasets there are.
+    groups = [
+        (weights[low : low + _CHUNK, None], counts[low : low + _CHUNK], errors[low : low + _CHUNK], low)
+        for low in range(0, datasets, _CHUNK)
+    ]
+    best = errors[0]  # the running maximum overwrites dataset 0's error, which is not needed again
+    bytewise = pick_type is np.uint8  # then dataset 1's comparison is written as the picks themselves
     # Picks and numbers go out in blocks of steps: a block fills whole cache lines of each output row,
     # where writing one step at a time would touch a line per row per step.
     block = min(_BLOCK, len(steps))
@@ -121,28 +141,27 @@ def _advance(
         if t == 0 and len(at_zero):
             scale[at_zero] = 1.0  # max(step, 1): only a row's step 0 can be below 1
         picked = picks[j]
-        np.multiply(scale, weights[0], out=best)
-        best -= counts[0]
-        if datasets == 1:
+        if datasets == 1 or not bytewise:
             picked.fill(0)
-        for d in range(1, datasets):
-            np.multiply(scale, weights[d], out=error)
-            error -= counts[d]
-            np.greater(error, best, out=greater)
-            np.maximum(best, error, out=best)
-            if d == 1:
-                np.copyto(picked, greater)
-            else:
-                np.multiply(greater.view(np.uint8), d, out=candidate, dtype=pick_type)
-                np.maximum(picked, candidate, out=picked)
+        for column, drawn_so_far, part, low in groups:
+            np.multiply(column, scale, out=part)
+            np.subtract(part, drawn_so_far, out=part)
+            for d in range(max(low, 1), low + len(part)):
+                if d == 1 and bytewise:
+                    np.greater(errors[1], best, out=picked.view(bool))
+                else:
+                    np.greater(errors[d], best, out=greater)
+                    np.multiply(greater.view(np.uint8), d, out=candidate, dtype=pick_type)
+                    np.maximum(picked, candidate, out=picked)
+                if d < datasets - 1:
+                    np.maximum(best, errors[d], out=best)
         # The picked count sits at picked * rows + row of the flattened counts: one gather reads every
-        # row's sample number and one scatter (the positions are distinct) stores it plus one.
+        # row's sample number and one unbuffered add counts the draw.
         np.copyto(position, picked)
         position *= rows
         position += row_offsets
-        np.take(flat, position, out=numbers[j])
-        np.add(numbers[j], 1.0, out=drawn)
-        flat[position] = drawn
+        np.take(flat, position, out=numbers[j], mode="clip")
+        np.add.at(flat, position, 1.0)
         if out is not None and (j == block - 1 or t == steps.stop - 1):
             dataset_index, sample_index, where = out
             written = slice(t - j, t + 1)
