@@ -248,6 +248,7 @@ def test_blend_repairs_segments_that_start_from_a_wrong_guess(monkeypatch, passe
     original = blended._greedy_loop
     monkeypatch.setattr(blended, "_WARMUP", 0)
     monkeypatch.setattr(blended, "_MAX_PASSES", passes)
+    monkeypatch.setattr(blended, "_PASS_FROM", 1)
     monkeypatch.setattr(blended, "_greedy_loop", lambda *a: calls.append(a) or original(*a))
     weights = [3.7, 1.1, 0.01, 5.3]
     datasets, samples = blend_indices(weights, 20_000)

@@ -18,13 +18,13 @@ gather, so the sample numbers cost no second pass. This module must not read tok
 maps a sample number to (dataset, sample in that dataset).
 
 Measured against megatron-core's C++ helper in one process (tools/bench/dataset_index.py), 1M samples:
-0.90-0.98x its time for 2-4 datasets, 1.2x for 8, 1.5x for 16. The cost per dataset is what numpy
+0.85-0.94x its time for 2-4 datasets, 1.2x for 8, 1.45x for 16. The cost per dataset is what numpy
 costs per element (four float and two byte passes per dataset and step over every segment's row,
-~2 ns per sample and dataset against the C++ loop's ~1.5 ns); the Python loop takes 75x. Slow case:
+~2 ns per sample and dataset against the C++ loop's ~1.5 ns); the Python loop takes 90x. Slow case:
 datasets drawn less than once in hundreds of segments (weights below ~1e-4 beside large ones) leave
 long runs of segments whose estimates agree with each other but not with the truth, fixed one segment
-per pass and then one by one: token-count-like weights over 16 datasets (smallest 1e-5) take 6x the
-helper's time, weights spread from 1e-9 to 0.17 take 35x.
+per pass: token-count-like weights over 16 datasets (smallest 1e-5) take 6x the helper's time, one
+weight of 1e-7 beside 1e-4 and 0.1-0.4 17x, weights spread from 1e-9 to 0.17 30x.
 """
 
 from __future__ import annotations
@@ -46,7 +46,11 @@ _CHECKPOINT = 8
 _BLOCK = 16
 # Segments run in lock step at once: above this the working arrays leave the cache and each call slows.
 _ROWS = 16384
-_MAX_PASSES = 8
+# Lock-step passes over the wrong segments: a pass costs about as much as re-running _PASS_FROM
+# segments one by one and fixes at least the first of every run of wrong ones, so passes go on while
+# that many are wrong (a long run of wrong segments takes a pass per segment, up to _MAX_PASSES).
+_PASS_FROM = 16
+_MAX_PASSES = 256
 # Up to this many datasets the estimate ranks remainders pairwise, above by sorting.
 _RANK_PAIRWISE_UP_TO = 32
 # Datasets whose errors one call computes: more means fewer calls, too many push the rows out of the cache.
@@ -221,7 +225,7 @@ def _blend_in_segments(w: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray
         end[:, group] = state
     for _ in range(_MAX_PASSES):
         wrong = _wrong_segments(begin, end)
-        if len(wrong) == 0:
+        if len(wrong) < _PASS_FROM:
             break
         # The first wrong segment follows an exact one, so each pass fixes at least one more.
         begin[:, wrong] = end[:, wrong - 1]
