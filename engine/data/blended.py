@@ -11,8 +11,8 @@ each numpy call works on a long array; a group of 16,384 segments keeps those ar
 cache). Each segment starts from an estimate of the draw counts a few steps before its start (the
 greedy forgets where it started within a few steps), and is accepted only when its counts at its
 first sample equal the counts the previous, already exact, segment ended with. Segments that fail
-are re-run from that exact state (in lock step for a few passes, then one by one: a dataset with a
-tiny weight can carry a wrong draw through many segments), so the result is exact by induction,
+are re-run from that exact state (in lock step while many are wrong, then one by one: a dataset with
+a tiny weight can carry a wrong draw through many segments), so the result is exact by induction,
 whatever the estimate. Each step reads every segment's pick and its number in that dataset in one
 gather, so the sample numbers cost no second pass. This module must not read tokens itself: it only
 maps a sample number to (dataset, sample in that dataset).
