@@ -5,8 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from loom.launch.arguments import positive_int
+
+if TYPE_CHECKING:
+    from loom.engine.config import LoomConfig
 
 DEFAULT = " (default: %(default)s)"
 
@@ -134,18 +138,23 @@ def _inspect(args: argparse.Namespace) -> None:
 
 
 def _index(args: argparse.Namespace, overrides: list[str]) -> None:
+    from loom.engine.config_io import load_config
+
+    print(build_sample_indices(load_config(args.config, overrides)))
+
+
+def build_sample_indices(config: LoomConfig) -> str:
+    """Build (or find) the sample-index caches training with `config` reads; one line saying what was done."""
     import time
 
-    from loom.engine.config_io import load_config
     from loom.engine.data.loader import build_datasets
 
-    config = load_config(args.config, overrides)
     start = time.perf_counter()
     train, valid = build_datasets(config, True, is_builder=True, barrier=None)
     parts = [p for dataset in (train, valid) if dataset is not None for p in getattr(dataset, "datasets", [dataset])]
     folders = sorted({str(p.cache_dir) for p in parts})
     built = sum(p.built for p in parts)
-    print(
+    return (
         f"{len(parts)} sample indices ({built} built, {len(parts) - built} found) for {config.train.steps} steps "
         f"x {config.train.global_batch_size} samples in {', '.join(folders)} "
         f"({time.perf_counter() - start:.1f} s); training with this config finds and checks them"

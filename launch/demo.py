@@ -49,6 +49,7 @@ def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: in
     from loom.data_tools.tokenizer import train_tokenizer
     from loom.engine.data.indexed import IndexedDataset
     from loom.engine.preflight import preflight
+    from loom.launch.cli_data import build_sample_indices
     from loom.launch.local import launch_local
 
     data_dir = workdir / "data"
@@ -76,15 +77,22 @@ def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: in
         f"(reasons in {cleaned / 'rejected'}) in {time.perf_counter() - start:.1f} s"
     )
 
-    start = _step("3/10 dedup: exact duplicates (normalised-text hash) removed, each with the id it duplicates")
-    deduped = data_dir / "dedup"
-    if not (deduped / "stats.json").exists():
-        deduplicate([corpus], deduped, method="exact")
-    summary["dedup"] = json.loads((deduped / "stats.json").read_text())
-    corpus = deduped / "kept.jsonl"
+    start = _step(
+        "3/10 dedup: exact duplicates (normalised-text hash), then near duplicates (MinHash LSH, word 5-grams, "
+        "Jaccard >= 0.8 checked exactly); each removed document names the one it duplicates"
+    )
+    for method, folder in (("exact", "dedup"), ("minhash", "near_dedup")):
+        deduped = data_dir / folder
+        if not (deduped / "stats.json").exists():
+            deduplicate([corpus], deduped, method=method)
+        summary[folder] = json.loads((deduped / "stats.json").read_text())
+        corpus = deduped / "kept.jsonl"
+    near = summary["near_dedup"]
     print(
-        f"kept {summary['dedup']['kept']:,}, removed {summary['dedup']['removed']:,} in "
-        f"{summary['dedup']['clusters']:,} clusters ({time.perf_counter() - start:.1f} s)"
+        f"exact: removed {summary['dedup']['removed']:,} in {summary['dedup']['clusters']:,} clusters; near: "
+        f"{near['bands']} bands x {near['rows']} rows, {near['candidate_pairs']:,} candidate pairs, "
+        f"{near['verified_pairs']:,} verified, removed {near['removed']:,}; kept {near['kept']:,} "
+        f"({time.perf_counter() - start:.1f} s)"
     )
 
     start = _step("4/10 tokenizer: SentencePiece BPE, 4096 pieces, byte fallback")
@@ -132,6 +140,7 @@ def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: in
     ]
     config = load_config("configs/tiny.toml", overrides)
     preflight(config, nproc)
+    print(f"offline, as `loom data index` in a preprocessing job: {build_sample_indices(config)}")
     _preview_first_sample(config, f"{tokenizer}.model")
     start = _step(
         f"6/10 train: configs/tiny.toml on {nproc} CPU ranks: tp={tp} (sequence parallel) x pp={pp} "
@@ -308,7 +317,8 @@ def _print_summary(summary: dict) -> None:
     print("\n== summary")
     print(
         f"corpus       {summary['corpus_mb']} MB of Python stdlib, {summary['clean']['rejected']:,} rejected by clean, "
-        f"{summary['dedup']['removed']:,} exact duplicates removed -> {summary['documents']:,} documents, "
+        f"{summary['dedup']['removed']:,} exact and {summary['near_dedup']['removed']:,} near duplicates removed "
+        f"-> {summary['documents']:,} documents, "
         f"{summary['tokens']:,} tokens"
     )
     print(

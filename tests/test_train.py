@@ -78,6 +78,8 @@ def test_demo_runs_end_to_end(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert "== summary" in result.stdout and "validation   loss" in result.stdout
     assert "sample       'def " in result.stdout  # what the trained model writes, decoded
+    assert "exact and 0 near duplicates removed" in result.stdout  # 80 stdlib files hold no near duplicates
+    assert "2 sample indices (2 built, 0 found)" in result.stdout  # built offline before training
     rows = [json.loads(line) for line in (tmp_path / "runs/tiny/metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 4
     resumed = [json.loads(line) for line in (tmp_path / "runs/tiny-resumed/metrics.jsonl").read_text().splitlines()]
