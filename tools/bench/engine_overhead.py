@@ -87,16 +87,21 @@ def plain_tokens_per_s(args, data: np.ndarray, steps: int) -> list[float]:
     return rates
 
 
+def model_section(args) -> dict:
+    """The [model] overrides both sides of the comparison share."""
+    return dict(
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        ffn_hidden_size=args.ffn,
+        vocab_size=args.vocab,
+    )
+
+
 def loom_tokens_per_s(args, prefix: str, run_dir: str, steps: int) -> list[float]:
     overrides = {
-        "model": dict(
-            num_layers=args.layers,
-            hidden_size=args.hidden,
-            num_heads=args.heads,
-            num_kv_heads=args.kv_heads,
-            ffn_hidden_size=args.ffn,
-            vocab_size=args.vocab,
-        ),
+        "model": model_section(args),
         "train": dict(
             steps=steps,
             global_batch_size=args.batch,
@@ -160,19 +165,7 @@ def main() -> None:
             loom += loom_tokens_per_s(args, prefix, str(Path(tmp) / f"run{round_}"), steps)[args.warmup :]
     peak = matmul_gflops()
     flops = model_flops_per_token(
-        load_config(
-            None,
-            {
-                "model": dict(
-                    num_layers=args.layers,
-                    hidden_size=args.hidden,
-                    num_heads=args.heads,
-                    num_kv_heads=args.kv_heads,
-                    ffn_hidden_size=args.ffn,
-                    vocab_size=args.vocab,
-                )
-            },
-        ).model,
+        load_config(None, {"model": model_section(args)}).model,
         args.seq,
     )
     p, m = statistics.median(plain), statistics.median(loom)
