@@ -58,7 +58,9 @@ def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: in
     summary: dict = {}
 
     start = _step("1/10 corpus: the Python standard library, one document per source file")
-    if not corpus.exists():
+    # Each step reuses its output from an earlier demo in this workdir unless a step before it ran again.
+    rebuilt = not corpus.exists()
+    if rebuilt:
         summary["corpus"] = build_stdlib_corpus(corpus, max_docs=max_docs)
     summary["corpus_mb"] = round(corpus.stat().st_size / 1e6, 1)
     print(f"{corpus} ({summary['corpus_mb']} MB) in {time.perf_counter() - start:.1f} s")
@@ -68,7 +70,9 @@ def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: in
         "(the web pipeline's Gopher/C4/FineWeb rules reject source files); rejects kept with reasons"
     )
     cleaned = data_dir / "clean"
-    if not (cleaned / "stats.json").exists():
+    if rebuilt or not (cleaned / "stats.json").exists():
+        rebuilt = True
+        shutil.rmtree(cleaned, ignore_errors=True)
         clean_corpus([corpus], cleaned, pipeline="code", workers=2)
     summary["clean"] = json.loads((cleaned / "stats.json").read_text())
     corpus = cleaned / "kept.jsonl"
@@ -83,7 +87,9 @@ def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: in
     )
     for method, folder in (("exact", "dedup"), ("minhash", "near_dedup")):
         deduped = data_dir / folder
-        if not (deduped / "stats.json").exists():
+        if rebuilt or not (deduped / "stats.json").exists():
+            rebuilt = True
+            shutil.rmtree(deduped, ignore_errors=True)
             deduplicate([corpus], deduped, method=method)
         summary[folder] = json.loads((deduped / "stats.json").read_text())
         corpus = deduped / "kept.jsonl"
@@ -96,12 +102,13 @@ def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: in
     )
 
     start = _step("4/10 tokenizer: SentencePiece BPE, 4096 pieces, byte fallback")
-    if not Path(f"{tokenizer}.model").exists():
+    if rebuilt or not Path(f"{tokenizer}.model").exists():
+        rebuilt = True
         train_tokenizer([corpus], tokenizer, vocab_size=4096, model_type="bpe", input_sentence_size=300_000)
     print(f"{tokenizer}.model in {time.perf_counter() - start:.1f} s")
 
     start = _step("5/10 build: tokenize into a memory-mapped indexed dataset (Megatron .bin/.idx)")
-    if not Path(f"{prefix}.idx").exists():
+    if rebuilt or not Path(f"{prefix}.idx").exists():
         build_indexed_dataset([corpus], f"{tokenizer}.model", prefix, workers=2, append_eod=True)
     dataset = IndexedDataset(prefix)
     summary["documents"], summary["tokens"] = len(dataset.document_indices) - 1, int(dataset.num_tokens)
