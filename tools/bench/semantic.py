@@ -29,7 +29,7 @@ import numpy as np
 
 from loom.data_tools import semantic
 from loom.data_tools.corpus import build_stdlib_corpus
-from loom.data_tools.minhash import shingles
+from loom.data_tools.minhash import jaccard, shingle_hashes
 
 
 def _paragraphs(text: str) -> list[str]:
@@ -159,9 +159,7 @@ def _quality(
     removed = np.flatnonzero(representatives != np.arange(len(texts)))
     wrong = removed[family[representatives[removed]] != family[removed]]
     precision = 1 - len(wrong) / len(removed) if len(removed) else 1.0
-    near = sum(
-        jaccard(shingles(texts[document]), shingles(texts[representatives[document]])) >= 0.5 for document in wrong
-    )
+    near = sum(_shingle_jaccard(texts[document], texts[representatives[document]]) >= 0.5 for document in wrong)
     same_folder = sum(folders[family[document]] == folders[family[representatives[document]]] for document in wrong)
     merged = originals - len(set(representatives[:originals].tolist()))
     return (
@@ -171,8 +169,10 @@ def _quality(
     )
 
 
-def jaccard(first: set[str], second: set[str]) -> float:
-    return len(first & second) / len(first | second)
+def _shingle_jaccard(first: str, second: str) -> float:
+    """Jaccard similarity of two texts' word 5-grams, hashed as `loom data dedup --method minhash` hashes them."""
+    hashes, counts = shingle_hashes([first, second])
+    return jaccard(hashes[: counts[0]], hashes[counts[0] :])
 
 
 if __name__ == "__main__":
