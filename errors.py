@@ -9,6 +9,8 @@ Each layer subclasses it where it owns the failure (ConfigError, CheckpointError
 
 from __future__ import annotations
 
+import errno
+
 
 class LoomError(Exception):
     """A problem the user can fix, described in one line: what is wrong and what to do."""
@@ -18,6 +20,34 @@ class TrainingDiverged(LoomError):
     """The loss or gradient norm became NaN/Inf and train.nan_policy says to stop."""
 
 
+# What the file system says about the user's paths and disks: a missing or unwritable place, a file where a
+# folder was meant (or the other way round), a full or read-only disk. Other OSErrors stay bugs.
+_USER_ERRNOS = {
+    errno.ENOENT,
+    errno.EACCES,
+    errno.EPERM,
+    errno.ENOTDIR,
+    errno.EISDIR,
+    errno.EEXIST,
+    errno.ENOTEMPTY,
+    errno.EROFS,
+    errno.ENOSPC,
+    errno.EDQUOT,
+    errno.ENAMETOOLONG,
+    errno.ELOOP,
+}
+
+
 def is_user_error(error: BaseException) -> bool:
     """Whether `error` is the user's to fix (reported in one line) rather than a bug (reported with a traceback)."""
-    return isinstance(error, (LoomError, FileNotFoundError, PermissionError))
+    if isinstance(error, (LoomError, FileNotFoundError, PermissionError)):
+        return True
+    return isinstance(error, OSError) and error.errno in _USER_ERRNOS
+
+
+def user_message(error: BaseException) -> str:
+    """The one line a user error is reported as: its own message, or for the file system's errors the path
+    and what is wrong with it."""
+    if isinstance(error, OSError) and error.strerror and error.filename is not None:
+        return f"{error.filename}: {error.strerror}"
+    return str(error)

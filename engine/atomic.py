@@ -35,3 +35,17 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
 def write_text_atomically(path: str | Path, text: str) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(text)
+
+
+def move_aside(folder: Path, entries: list[Path]) -> Path:
+    """Move `entries` (inside `folder`) into folder/replaced/<time>/ and return that folder: what a user told a
+    command to replace (--overwrite, train.overwrite) is kept out of its way, never deleted."""
+    import time
+
+    aside = folder / "replaced" / time.strftime("%Y%m%d-%H%M%S")
+    while aside.exists():
+        aside = aside.with_name(aside.name + "+")
+    aside.mkdir(parents=True)
+    for entry in entries:
+        entry.rename(aside / entry.name)
+    return aside

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -19,6 +19,11 @@ from loom.errors import LoomError
 
 class ConfigError(LoomError):
     """A user-facing configuration problem; the message is one line saying what to change."""
+
+
+def _default(spec: dataclasses.Field) -> Any:
+    """A dataclass field's default value (calling its default_factory)."""
+    return spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default
 
 
 def _check_choice(section: str, name: str, value: Any, choices: tuple) -> None:
@@ -338,8 +343,9 @@ class TrainConfig:
     """W&B entity (user or team); None: the logged-in default."""
     wandb_run_name: str | None = None
     """W&B run name; None: train.name."""
-    wandb_mode: Literal["online", "offline"] = "online"
-    """online streams to the W&B server; offline writes RUN_DIR/wandb/ for a later `wandb sync`."""
+    wandb_mode: Literal["online", "offline", "disabled"] = "online"
+    """online streams to the W&B server; offline writes RUN_DIR/wandb/ for a later `wandb sync`; disabled logs
+    nothing to W&B (wandb's own switch, e.g. for a debug run of a config that names a project)."""
     record_pipeline_timeline: bool = False
     """Record per-op times of the last training step in pipeline_timeline.json (`loom schedule --from-run`)."""
     comm_ledger: bool = False
@@ -369,7 +375,7 @@ class TrainConfig:
             peak_tflops=self.peak_tflops,
         )
         _check_choice("train", "precision", self.precision, ("fp32", "bf16", "fp16"))
-        _check_choice("train", "wandb_mode", self.wandb_mode, ("online", "offline"))
+        _check_choice("train", "wandb_mode", self.wandb_mode, ("online", "offline", "disabled"))
         _check_choice("train", "device", self.device, ("auto", "cpu", "cuda"))
         _check_choice("train", "nan_policy", self.nan_policy, ("stop", "skip"))
         _check_positive("train", max_skipped_steps=self.max_skipped_steps)
@@ -397,7 +403,10 @@ class TrainConfig:
 @dataclass
 class CheckpointConfig:
     interval: int = 0
-    """Save every this many steps (and at the end); 0 saves nothing."""
+    """Save every this many steps; 0: no periodic saves (the last step is still saved, see save_at_end)."""
+    save_at_end: bool = True
+    """Save the run's last step (train.steps, train.exit_after or an early stop) so a finished run can be
+    evaluated, exported or extended; false saves only at the interval."""
     keep: int = 3
     """Keep the newest this many checkpoints."""
     load: str | None = None
@@ -447,6 +456,15 @@ class LoraConfig:
             raise ConfigError(
                 "lora.rank > 0 needs the base model: --lora.base DIR (a loom checkpoint, e.g. from import-hf)"
             )
+        if not self.rank:
+            # Without a rank no adapter exists: a base or an adapter setting would be ignored and the run would
+            # train a freshly initialised model, so it is refused instead.
+            given = [f.name for f in fields(self) if f.name != "rank" and getattr(self, f.name) != _default(f)]
+            if given:
+                raise ConfigError(
+                    f"lora.{given[0]} is set but lora.rank is 0 (no adapters): add --lora.rank R (e.g. 8) to "
+                    "fine-tune with LoRA, or drop the lora settings to train the whole model"
+                )
 
     @property
     def enabled(self) -> bool:

@@ -6,10 +6,10 @@ a user's mistake is one line instead of N failing ranks.
 
 from __future__ import annotations
 
-import time
 import tomllib
 from pathlib import Path
 
+from loom.engine.atomic import move_aside
 from loom.engine.config import ConfigError, LoomConfig
 
 
@@ -18,12 +18,7 @@ def preflight(config: LoomConfig, world_size: int) -> None:
     from loom.engine.data.indexed import IndexedDataset
     from loom.engine.data.token_range import check_dataset_token_ids
 
-    if config.lora.enabled:
-        from loom.engine.model.lora import adopt_base_model
-
-        changes = adopt_base_model(config)
-        if changes:
-            print(f"LoRA: the model is the base's ({config.lora.base}): {'; '.join(changes)}", flush=True)
+    adopt_lora_base(config)
     config.resolve_world(world_size)
     if config.model.kernels == "te" or config.train.fp8 != "off":
         import torch
@@ -69,6 +64,18 @@ def preflight(config: LoomConfig, world_size: int) -> None:
         raise ConfigError(f"run directory {run_dir} is not writable: {error.strerror}") from None
 
 
+def adopt_lora_base(config: LoomConfig) -> None:
+    """A LoRA run's [model] is its base's (engine/model/lora.py): take it, say what changed, check the rank."""
+    if not config.lora.enabled:
+        return
+    from loom.engine.model.lora import adopt_base_model, check_rank
+
+    changes = adopt_base_model(config)
+    if changes:
+        print(f"LoRA: the model is the base's ({config.lora.base}): {'; '.join(changes)}", flush=True)
+    check_rank(config)
+
+
 def _first_difference(saved: dict, current: dict) -> str:
     for section in sorted(set(saved) | set(current)):
         before, after = saved.get(section, {}), current.get(section, {})
@@ -105,11 +112,7 @@ def check_run_directory(config: LoomConfig) -> None:
             f"run directory {run_dir} holds another run's metrics ({_first_difference(saved, current)}); "
             f"give this run its own --train.name or --train.run_dir, or pass --train.overwrite true to replace it"
         )
-    aside = run_dir / "replaced" / time.strftime("%Y%m%d-%H%M%S")
-    aside.mkdir(parents=True)
-    for entry in run_dir.iterdir():
-        if entry.name != "replaced":
-            entry.rename(aside / entry.name)
+    aside = move_aside(run_dir, [entry for entry in run_dir.iterdir() if entry.name != "replaced"])
     print(f"train.overwrite: the previous run in {run_dir} was moved to {aside}")
 
 
@@ -123,7 +126,7 @@ def preflight_of_a_rank(config: LoomConfig) -> None:
 
 
 def check_wandb_installed(config: LoomConfig) -> None:
-    if not config.train.wandb_project:
+    if not config.train.wandb_project or config.train.wandb_mode == "disabled":
         return
     try:
         import wandb  # noqa: F401

@@ -110,7 +110,7 @@ class Trainer:
             run_dir = Path(t.run_dir)
             self.metrics = MetricsWriter(run_dir, tensorboard=t.tensorboard, resume_step=self.step, total_steps=t.steps)
             (run_dir / "config.toml").write_text(config_to_toml(config))
-            if t.wandb_project:
+            if t.wandb_project and t.wandb_mode != "disabled":
                 self.metrics.attach_wandb(config, run_dir)
 
     def _build_model_and_optimizer(self) -> None:
@@ -201,6 +201,12 @@ class Trainer:
         self.step = metadata.step
         self.last_saved_step = self.step
         self._log_event(f"resumed from {directory} at step {self.step}")
+        saved_optimizer = metadata.layout.optimizer
+        if saved_optimizer not in (None, self.config.optim.name):
+            self._log_event(
+                f"warning: {directory} was trained with {saved_optimizer}; its optimizer state does not carry over "
+                f"to {self.config.optim.name}, which starts from fresh state (the weights are resumed)"
+            )
         changes = changed_model_settings(metadata.config["model"], self.config.model)
         if changes:
             self._log_event(
@@ -429,10 +435,10 @@ class Trainer:
                 }
                 if not rows:  # the first row of each job records the kernels this job runs
                     row["kernels"] = self.kernels.as_dict()
-                rows.append(self._log(row, clock.seconds_left(stop_at - self.step)))
+                # The whole run's time left, also when train.exit_after ends this job before it.
+                rows.append(self._log(row, clock.seconds_left(t.steps - self.step)))
                 interval_start, interval_steps, interval_tokens = time.perf_counter(), 0, 0
-            interval = self.config.checkpoint.interval
-            saving = interval and (self.step % interval == 0 or self.step == stop_at)
+            saving = self._saves_at(self.step, stop_at)
             evaluating = self.valid_set is not None and (self.step % t.eval_interval == 0 or self.step == t.steps)
             if saving:
                 self.save()
@@ -445,6 +451,9 @@ class Trainer:
                     (val_loss, 0) if val_loss < best_val else (best_val, evals_without_gain + 1)
                 )
                 if t.early_stop_patience and evals_without_gain >= t.early_stop_patience:
+                    c = self.config.checkpoint
+                    if self.last_saved_step != self.step and (c.interval or c.save_at_end):
+                        self.save()
                     self._log_event(
                         f"early stop at step {self.step}: validation loss has not improved "
                         f"for {evals_without_gain} evaluations (best {best_val:.4f})"
@@ -456,6 +465,11 @@ class Trainer:
         if t.record_pipeline_timeline:
             self.write_pipeline_timeline()
         return rows
+
+    def _saves_at(self, step: int, stop_at: int) -> bool:
+        """Whether `step` is saved: every checkpoint.interval steps, and the run's last (checkpoint.save_at_end)."""
+        c = self.config.checkpoint
+        return bool((c.interval and step % c.interval == 0) or (step == stop_at and (c.interval or c.save_at_end)))
 
     def write_pipeline_timeline(self) -> None:
         """Gather the last step's per-op times of pipeline 0 and write them to the run directory."""

@@ -1,16 +1,162 @@
-"""argparse types shared by the subcommands: a bad value is argparse's one-line usage error, named after the flag."""
+"""argparse pieces shared by the subcommands: the parser class whose mistakes are one line, and the types that
+refuse a bad value (zero, negative, huge, not a number, a missing path, a directory for a file) naming the flag.
+
+Every option of every subcommand uses one of these types or states why it needs none; tests/test_cli_sweep.py
+runs each option with its bad values and holds every command to exit 2 and one line on stderr.
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
 
 
-def positive_int(text: str) -> int:
-    """An integer >= 1 (rank, worker and node counts, steps)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with its usage errors on one line, `error: ...` like every other loom error (exit 2), pointing
+    to --help instead of printing the usage block."""
+
+    def error(self, message: str):
+        print(f"error: {self.prog}: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def int_in(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An integer in [low, high]: counts of ranks, workers, steps, samples. `high` bounds what would otherwise
+    start a million processes or fill the disk before failing."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"must be at most {high:,}, got {value:,}")
+        return value
+
+    parse.__name__ = "int"
+    return parse
+
+
+positive_int = int_in(1)
+"""An integer >= 1 with no upper bound of its own (the config's validation bounds what follows from it)."""
+
+non_negative_int = int_in(0)
+
+
+def float_in(low: float, high: float, low_open: bool = False, high_open: bool = False) -> Callable[[str], float]:
+    """A finite number in the interval (low or [low, high] or high), e.g. a probability (0, 1]."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        too_low = value <= low if low_open else value < low
+        too_high = value >= high if high_open else value > high
+        if not math.isfinite(value) or too_low or too_high:
+            interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+            raise argparse.ArgumentTypeError(f"must lie in {interval}, got {text}")
+        return value
+
+    parse.__name__ = "float"
+    return parse
+
+
+def existing_file(text: str) -> str:
+    """A path to a file that exists (not a directory)."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory; give a file")
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{text} does not exist")
+    return text
+
+
+def existing_dir(text: str) -> str:
+    """A path to a directory that exists."""
+    path = Path(text)
+    if path.is_file():
+        raise argparse.ArgumentTypeError(f"{text} is a file; give a directory")
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} does not exist")
+    return text
+
+
+def existing_path(text: str) -> str:
+    """A file or directory that exists (a checkpoint may be named by its iteration, checkpoints/ or run folder)."""
+    if not Path(text).exists():
+        raise argparse.ArgumentTypeError(f"{text} does not exist")
+    return text
+
+
+def _writable_place(path: Path, text: str) -> None:
+    """Refuse a path below a file (it can never be created) or below a folder that cannot be written."""
+    for parent in path.absolute().parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise argparse.ArgumentTypeError(f"{text} cannot be created: {parent} is a file")
+            return
+
+
+def output_file(text: str) -> str:
+    """A file to write: not a directory, and not below a file."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory; give a file name")
+    _writable_place(path, text)
+    return text
+
+
+def output_dir(text: str) -> str:
+    """A directory to write into (created if missing): not a file, and not below a file."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a file; give a directory")
+    _writable_place(path, text)
+    return text
+
+
+def output_prefix(text: str) -> str:
+    """A prefix P of files P.bin, P.idx, ...: its folder may be created, but P itself must not be a folder."""
+    path = Path(text)
+    if path.is_dir() or text.endswith(("/", "\\")):
+        raise argparse.ArgumentTypeError(f"{text} is a directory; give a prefix such as {path / 'data'}")
+    _writable_place(path, text)
+    return text
+
+
+IMAGE_SUFFIXES = (".png", ".pdf", ".svg")
+
+
+def image_file(text: str) -> str:
+    """A chart to write: a file name ending in .png, .pdf or .svg (matplotlib picks the format from it)."""
+    if Path(text).suffix.lower() not in IMAGE_SUFFIXES:
+        raise argparse.ArgumentTypeError(f"{text}: give a file name ending in {', '.join(IMAGE_SUFFIXES)}")
+    return output_file(text)
+
+
+def dataset_prefix(text: str) -> str:
+    """The prefix P of an indexed dataset P.bin + P.idx that exists."""
+    for suffix in (".idx", ".bin"):
+        path = Path(text + suffix)
+        if not path.is_file():
+            hint = " (give the prefix, without .bin/.idx)" if text.endswith((".bin", ".idx")) else ""
+            raise argparse.ArgumentTypeError(f"{path} does not exist{hint}")
+    return text
+
+
+def seed(text: str) -> int:
+    """A random seed: an integer in [0, 2**63)."""
+    return int_in(0, 2**63 - 1)(text)
+
+
+def text_value(text: str) -> str:
+    """A name or key that must not be empty (a JSON key, a special token)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text

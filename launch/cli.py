@@ -17,8 +17,8 @@ from pathlib import Path
 
 from loom.engine.config import ConfigError
 from loom.engine.config_io import load_config
-from loom.errors import is_user_error
-from loom.launch.arguments import positive_int
+from loom.errors import is_user_error, user_message
+from loom.launch.arguments import OneLineParser, existing_dir, image_file, int_in
 
 EPILOG_TRAIN = """\
 Every config field can be overridden as --section.field value, for example
@@ -36,8 +36,12 @@ any tp/pp/vp; --optim.offload cpu keeps master weights and optimizer state in ho
 there (alone or with ZeRO). adafactor runs without either.
 
 LoRA: --lora.rank 8 --lora.base DIR trains low-rank adapters on a frozen base checkpoint (any layout, e.g.
-from loom ckpt import-hf; [model] is taken from it) on --lora.targets qkv proj fc1 fc2 with --lora.alpha;
-checkpoints hold the adapters; loom ckpt merge-lora folds them in."""
+from loom ckpt import-hf; [model] is taken from it, a RoPE model's positions may be raised) on --lora.targets
+qkv proj fc1 fc2 with --lora.alpha; checkpoints hold the adapters; loom ckpt merge-lora folds them in. Any
+lora.* setting without --lora.rank is refused: it would train a fresh model, not adapters.
+
+Checkpoints: --checkpoint.interval N saves every N steps; the last step is saved too unless
+--checkpoint.save_at_end false. A run resumes from its own newest checkpoint (or --checkpoint.load DIR)."""
 
 
 def _prediction(config) -> str:
@@ -68,7 +72,9 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
     nproc = args.nproc or 1
     if args.print_config:
         from loom.engine.config_io import config_to_toml
+        from loom.engine.preflight import adopt_lora_base
 
+        adopt_lora_base(config)
         config.resolve_world(nproc)
         print(config_to_toml(config), end="")
         return
@@ -90,7 +96,7 @@ def cmd_schedule(args: argparse.Namespace) -> None:
         layout, measured = load_measured(Path(args.from_run))
         args.pp, args.vp, args.microbatches = layout["pp"], layout["vp"], layout["microbatches"]
     elif args.pp is None or args.microbatches is None:
-        raise ConfigError("give --pp and --microbatches (and --vp), or --from-run RUN_DIR")
+        raise ConfigError("give --parallel.pp and --microbatches (and --parallel.vp), or --from-run RUN_DIR")
     from loom.engine.pipeline.schedules import ScheduleError
 
     try:
@@ -107,7 +113,7 @@ def cmd_schedule(args: argparse.Namespace) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from loom.launch import cli_bench, cli_ckpt, cli_data, cli_plan, demo, slurm
 
-    parser = argparse.ArgumentParser(prog="loom", description="3D-parallel LLM training: data tools, training, launch.")
+    parser = OneLineParser(prog="loom", description="3D-parallel LLM training: data tools, training, launch.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     train = commands.add_parser(
@@ -117,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     train.add_argument("--config", required=True, help="TOML config, e.g. configs/tiny.toml")
-    train.add_argument("--nproc", type=positive_int, help="spawn this many local ranks (gloo on CPU, NCCL on GPU)")
+    train.add_argument("--nproc", type=int_in(1, 1024), help="spawn this many local ranks (gloo on CPU, NCCL on GPU)")
     train.add_argument(
         "--print-config",
         action="store_true",
@@ -132,12 +138,22 @@ def build_parser() -> argparse.ArgumentParser:
         "microbatch[.chunk], the bubble fraction and the activations held, "
         "and draw a Gantt chart.",
     )
-    schedule.add_argument("--pp", type=int, help="pipeline stages")
-    schedule.add_argument("--vp", type=int, default=1, help="virtual stages (chunks) per rank; >1 interleaves")
-    schedule.add_argument("--microbatches", type=int, help="micro-batches per step")
-    schedule.add_argument("--output", help="PNG file for the Gantt chart")
+    schedule.add_argument(
+        "--parallel.pp", "--pp", dest="pp", type=int_in(1, 1024), help="pipeline stages (--pp: the older spelling)"
+    )
+    schedule.add_argument(
+        "--parallel.vp",
+        "--vp",
+        dest="vp",
+        type=int_in(1, 1024),
+        default=1,
+        help="virtual stages (chunks) per rank; >1 interleaves (--vp: the older spelling)",
+    )
+    schedule.add_argument("--microbatches", type=int_in(1, 100_000), help="micro-batches per step")
+    schedule.add_argument("--output", type=image_file, help="PNG file for the Gantt chart")
     schedule.add_argument(
         "--from-run",
+        type=existing_dir,
         help="run directory trained with --train.record_pipeline_timeline true: "
         "draw its measured timeline next to the ideal one",
     )
@@ -186,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as error:
         if not is_user_error(error) or os.environ.get("LOOM_DEBUG"):
             raise  # a bug: Python's traceback, not a one-line message that would blame the user
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {user_message(error)}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from loom.launch.arguments import int_in, output_file
+
 EPILOG_MFU = """\
 Any config field can be overridden as --section.field value, e.g.
   loom bench mfu --config configs/llama-1b.toml --steps 20 --train.seq_length 2048 --model.compile true
@@ -38,9 +40,13 @@ def add_parser(commands) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     mfu.add_argument("--config", required=True, help="TOML config, e.g. configs/llama-1b.toml")
-    mfu.add_argument("--steps", type=int, default=10, help="measured steps per run (after --warmup)")
-    mfu.add_argument("--warmup", type=int, default=2, help="steps not measured (allocator, autotuning, compile)")
-    mfu.add_argument("--microbatches", type=int, default=4, help="micro-batches per step (gradient accumulation)")
+    mfu.add_argument("--steps", type=int_in(1, 100_000), default=10, help="measured steps per run (after --warmup)")
+    mfu.add_argument(
+        "--warmup", type=int_in(0, 100_000), default=2, help="steps not measured (allocator, autotuning, compile)"
+    )
+    mfu.add_argument(
+        "--microbatches", type=int_in(1, 100_000), default=4, help="micro-batches per step (gradient accumulation)"
+    )
     mfu.add_argument(
         "--fp8-recipe",
         choices=("auto", "delayed", "current"),
@@ -54,8 +60,12 @@ def add_parser(commands) -> None:
         help="torch.compile the plain loop (default: on CUDA yes, on CPU no: inductor's CPU compile "
         "takes longer than the whole CPU benchmark)",
     )
-    mfu.add_argument("--gemm-size", type=int, help="square GEMM size for the measured peak (default 8192 GPU, 512 CPU)")
-    mfu.add_argument("--output", help="also write the figures as JSON to this file")
+    mfu.add_argument(
+        "--gemm-size",
+        type=int_in(16, 65_536),
+        help="square GEMM size for the measured peak (default 8192 GPU, 512 CPU)",
+    )
+    mfu.add_argument("--output", type=output_file, help="also write the figures as JSON to this file")
     mfu.set_defaults(handler=cmd_bench_mfu, takes_overrides=True)
 
     gpu = kinds.add_parser(
@@ -66,5 +76,5 @@ def add_parser(commands) -> None:
     )
     gpu.add_argument("--quick", action="store_true", help="tiny sizes: the CPU check that the command works")
     gpu.add_argument("--config", help="model for the throughput rows (default: llama-1b, or tiny with --quick)")
-    gpu.add_argument("--output", help="JSON file for the figures (default: bench_gpu.json)")
+    gpu.add_argument("--output", type=output_file, help="JSON file for the figures (default: bench_gpu.json)")
     gpu.set_defaults(handler=cmd_bench_gpu)

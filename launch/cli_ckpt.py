@@ -3,10 +3,28 @@
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 from pathlib import Path
 
-from loom.launch.arguments import positive_int
+from loom.engine.config import ConfigError
+from loom.launch.arguments import (
+    dataset_prefix,
+    existing_dir,
+    existing_file,
+    existing_path,
+    float_in,
+    int_in,
+    output_dir,
+    seed,
+)
+
+OLDER = " (the spelling after the comma is the older one, still accepted)"
+OVERWRITE = (
+    "replace what --output holds (another run's checkpoints or model files): it is moved into "
+    "OUTPUT/replaced/<time>/, not deleted; without it such an output is refused"
+)
+LORA_BASE = "a LoRA checkpoint's base model, if it moved since training (checked to be the same by its sha256)"
 
 
 def _inspect(args: argparse.Namespace) -> None:
@@ -18,40 +36,49 @@ def _inspect(args: argparse.Namespace) -> None:
 def _reshard(args: argparse.Namespace) -> None:
     from loom.tools.ckpt import reshard
 
-    final = reshard(Path(args.input), Path(args.output), args.tp, args.pp, args.vp)
+    final = reshard(Path(args.checkpoint), Path(args.output), args.tp, args.pp, args.vp, overwrite=args.overwrite)
     print(
         f"wrote {final} for tp={args.tp} pp={args.pp} vp={args.vp} (any dp loads it); "
         f"resume with --checkpoint.load {args.output}"
     )
 
 
+def _base(args: argparse.Namespace) -> Path | None:
+    return Path(args.lora_base) if args.lora_base else None
+
+
 def _export_hf(args: argparse.Namespace) -> None:
     from loom.tools.hf import export_hf, export_peft_adapter
 
     if args.adapter_only:
+        out = export_peft_adapter(
+            Path(args.checkpoint), Path(args.output), _base(args), args.base_model, args.overwrite
+        )
+        named = json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"]
         print(
-            f"wrote {export_peft_adapter(Path(args.input), Path(args.output))}: adapter_config.json + "
-            "adapter_model.safetensors (peft.PeftModel.from_pretrained(base, DIR) loads it onto the exported base)"
+            f"wrote {out}: adapter_config.json + adapter_model.safetensors; base_model_name_or_path "
+            + (f"{named}" if named else "unset (the base was not imported from Hugging Face; pass --base-model)")
+            + " (peft.PeftModel.from_pretrained(base, DIR) loads it onto the exported base)"
         )
         return
-    print(
-        f"wrote {export_hf(Path(args.input), Path(args.output))}: model.safetensors + config.json "
-        f"(transformers.LlamaForCausalLM.from_pretrained loads it)"
-    )
+    if args.base_model:
+        raise ConfigError("--base-model names the base of a PEFT adapter; it goes with --adapter-only")
+    out = export_hf(Path(args.checkpoint), Path(args.output), _base(args), args.overwrite)
+    print(f"wrote {out}: model.safetensors + config.json (transformers.LlamaForCausalLM.from_pretrained loads it)")
 
 
 def _merge_lora(args: argparse.Namespace) -> None:
     from loom.tools.lora import merge_lora
 
-    final = merge_lora(Path(args.input), Path(args.output))
+    final = merge_lora(Path(args.checkpoint), Path(args.output), _base(args), args.overwrite)
     print(f"wrote {final}: the base model with the adapters folded in; export, generate or train from it")
 
 
 def _import_hf(args: argparse.Namespace) -> None:
     from loom.tools.hf import import_hf
 
-    final = import_hf(Path(args.input), Path(args.output))
-    print(f"wrote {final}; train from it with --checkpoint.load {args.output}")
+    final = import_hf(Path(args.input), Path(args.output), args.overwrite)
+    print(f"wrote {final}; train from it with --checkpoint.load {args.output} (or --lora.base {args.output})")
 
 
 def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> None:
@@ -82,28 +109,41 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from loom.data_tools.jsonl import InputError
-    from loom.tools.generate import generate, generate_parallel, load_model
+    import sys
+
+    from loom.engine.config_io import config_from_dict
+    from loom.tools.ckpt import open_checkpoint
+    from loom.tools.generate import (
+        check_layout,
+        generate,
+        generate_parallel,
+        load_model,
+        open_tokenizer,
+        parse_prompt_ids,
+        stop_reason,
+    )
 
     if args.nproc != args.tp * args.pp:
-        raise InputError(f"--nproc {args.nproc} must equal --parallel.tp x --parallel.pp = {args.tp} x {args.pp}")
-    model, config = load_model(Path(args.checkpoint))
-    tokenizer_path = args.tokenizer or config.data.tokenizer
-    processor = None
-    if tokenizer_path:
-        import sentencepiece
-
-        if not Path(tokenizer_path).is_file():
-            raise InputError(f"tokenizer {tokenizer_path} does not exist; pass --tokenizer T.model")
-        processor = sentencepiece.SentencePieceProcessor(model_file=str(tokenizer_path))
+        raise ConfigError(f"--nproc {args.nproc} must equal --parallel.tp x --parallel.pp = {args.tp} x {args.pp}")
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError("--prompt is not valid UTF-8 text; pass UTF-8, or the prompt as --prompt-ids") from None
+    opened = open_checkpoint(Path(args.checkpoint))
+    check_layout(config_from_dict(opened[1].config), args.tp, args.pp)
+    model, config = load_model(Path(args.checkpoint), base=_base(args), opened=opened)
+    processor = open_tokenizer(opened[1], config, args.tokenizer, needed=args.prompt_ids is None)
     if args.prompt_ids is not None:
-        prompt = [int(x) for x in args.prompt_ids.split()]
-    elif processor is not None:
-        prompt = ([processor.bos_id()] if processor.bos_id() >= 0 else []) + processor.encode(args.prompt)
+        prompt = parse_prompt_ids(args.prompt_ids)
     else:
-        raise InputError("no tokenizer: pass --tokenizer T.model, or the prompt as --prompt-ids '1 2 3'")
+        prompt = ([processor.bos_id()] if processor.bos_id() >= 0 else []) + processor.encode(args.prompt)
     if not prompt or max(prompt) >= config.model.vocab_size or min(prompt) < 0:
-        raise InputError(f"the prompt's token ids must lie in [0, {config.model.vocab_size}); got {prompt[:8]}")
+        raise ConfigError(f"the prompt's token ids must lie in [0, {config.model.vocab_size}); got {prompt[:8]}")
+    positions = config.model.max_position_embeddings
+    if len(prompt) > positions:
+        raise ConfigError(
+            f"the prompt has {len(prompt):,} tokens but the model has {positions:,} positions; shorten it"
+        )
     stops = (processor.eos_id(),) if processor is not None and processor.eos_id() >= 0 else ()
     job = dict(
         prompt=prompt,
@@ -115,20 +155,43 @@ def cmd_generate(args: argparse.Namespace) -> None:
     )
     if args.nproc > 1:
         del model
-        produced = generate_parallel(Path(args.checkpoint), args.tp, args.pp, **job)
+        produced = generate_parallel(Path(args.checkpoint), args.tp, args.pp, _base(args), **job)
     else:
         produced = generate(model, **job)
     if processor is not None:
         print(processor.decode(prompt + produced))
     else:
         print(" ".join(str(t) for t in prompt + produced))
+    print(
+        f"generated {len(produced)} of up to {args.max_new_tokens} tokens after a {len(prompt)}-token prompt; "
+        f"stopped {stop_reason(produced, args.max_new_tokens, stops, positions)}",
+        file=sys.stderr,
+    )
+
+
+def _checkpoint_input(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--checkpoint",
+        "--input",
+        dest="checkpoint",
+        type=existing_path,
+        required=True,
+        help=f"{what}: an iter_N directory, a checkpoints/ folder or a run directory" + OLDER,
+    )
+
+
+def _checkpoint_output(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--output", type=output_dir, required=True, help=what)
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE)
 
 
 def add_parsers(commands) -> None:
     ckpt = commands.add_parser("ckpt", help="checkpoint tools: inspect, reshard, export-hf, import-hf, merge-lora")
     sub = ckpt.add_subparsers(dest="ckpt_command", required=True, metavar="ACTION")
     p = sub.add_parser("inspect", help="layout, step, tokens and the tensor table of a checkpoint")
-    p.add_argument("directory", help="an iter_N directory or a checkpoints/ folder (its newest intact one)")
+    p.add_argument(
+        "directory", type=existing_path, help="an iter_N directory or a checkpoints/ folder (its newest intact one)"
+    )
     p.set_defaults(handler=_inspect)
     p = sub.add_parser(
         "reshard",
@@ -136,20 +199,32 @@ def add_parsers(commands) -> None:
         description="Any layout already loads any checkpoint; resharding writes the pieces a "
         "target layout reads, one file per rank. DP needs no reshard.",
     )
-    p.add_argument("--input", required=True, help="a checkpoint: iter_N, checkpoints/ or a run directory")
-    p.add_argument("--output", required=True, help="a checkpoints/ folder to write iter_N and latest into")
-    p.add_argument("--tp", type=positive_int, required=True, help="target tensor-parallel size")
-    p.add_argument("--pp", type=positive_int, required=True, help="target pipeline stages")
-    p.add_argument("--vp", type=positive_int, default=1, help="target chunks per stage (default: %(default)s)")
+    _checkpoint_input(p, "the checkpoint to reshard")
+    _checkpoint_output(p, "a checkpoints/ folder of its own to write iter_N and latest into")
+    p.add_argument(
+        "--parallel.tp", "--tp", dest="tp", type=int_in(1, 1024), required=True, help="target TP size" + OLDER
+    )
+    p.add_argument(
+        "--parallel.pp", "--pp", dest="pp", type=int_in(1, 1024), required=True, help="target pipeline stages" + OLDER
+    )
+    p.add_argument(
+        "--parallel.vp", "--vp", dest="vp", type=int_in(1, 1024), default=1, help="target chunks per stage" + OLDER
+    )
     p.set_defaults(handler=_reshard)
     p = sub.add_parser("export-hf", help="write a Llama-format Hugging Face model (safetensors + config.json)")
-    p.add_argument("--input", required=True, help="a checkpoint: iter_N, checkpoints/ or a run directory")
-    p.add_argument("--output", required=True, help="directory for model.safetensors and config.json")
+    _checkpoint_input(p, "the checkpoint to export")
+    _checkpoint_output(p, "a folder of its own for model.safetensors and config.json")
     p.add_argument(
         "--adapter-only",
         action="store_true",
         help="a LoRA run: write only its adapters as a PEFT adapter directory (without it: the merged model)",
     )
+    p.add_argument(
+        "--base-model",
+        help="with --adapter-only: base_model_name_or_path for PEFT, e.g. a hub name or the base's export folder "
+        "(default: the Hugging Face folder the base was imported from, where it was)",
+    )
+    p.add_argument("--lora.base", dest="lora_base", type=existing_path, help=LORA_BASE)
     p.set_defaults(handler=_export_hf)
     p = sub.add_parser(
         "merge-lora",
@@ -157,28 +232,34 @@ def add_parsers(commands) -> None:
         description="Reads the adapters and the base model they point to (checked by sha256) and writes "
         "W + (alpha/r) B A for every adapted layer as a weights-only checkpoint (step 0, any layout loads it).",
     )
-    p.add_argument("--input", required=True, help="the LoRA run's checkpoint (iter_N, checkpoints/ or the run dir)")
-    p.add_argument("--output", required=True, help="a checkpoints/ folder to write iter_0000000 and latest into")
+    _checkpoint_input(p, "the LoRA run's checkpoint")
+    _checkpoint_output(p, "a checkpoints/ folder of its own to write iter_0000000 and latest into")
+    p.add_argument("--lora.base", dest="lora_base", type=existing_path, help=LORA_BASE)
     p.set_defaults(handler=_merge_lora)
     p = sub.add_parser("import-hf", help="turn a Hugging Face Llama model directory into a loom checkpoint")
-    p.add_argument("--input", required=True, help="directory with config.json and *.safetensors")
-    p.add_argument("--output", required=True, help="a checkpoints/ folder to write iter_0000000 and latest into")
+    p.add_argument("--input", type=existing_dir, required=True, help="directory with config.json and *.safetensors")
+    _checkpoint_output(p, "a checkpoints/ folder of its own to write iter_0000000 and latest into")
     p.set_defaults(handler=_import_hf)
 
     p = commands.add_parser(
         "eval",
         help="validation loss and perplexity of a checkpoint on a dataset, any layout",
-        epilog="Layout and other fields: --parallel.tp 2 --nproc 2, --train.micro_batch_size 4, ...",
+        epilog="Layout and other fields: --parallel.tp 2 --nproc 2, --train.micro_batch_size 4, ... "
+        "(a LoRA checkpoint whose base moved: --lora.base DIR)",
     )
-    p.add_argument("--checkpoint", required=True, help="an iter_N directory or a checkpoints/ folder")
-    p.add_argument("--data", required=True, help=".bin/.idx prefix")
+    p.add_argument(
+        "--checkpoint", type=existing_path, required=True, help="an iter_N directory or a checkpoints/ folder"
+    )
+    p.add_argument("--data", type=dataset_prefix, required=True, help=".bin/.idx prefix")
     p.add_argument(
         "--split",
         default="0,100,0",
         help="train,valid,test weights; the valid part is evaluated (default: the whole dataset)",
     )
-    p.add_argument("--iters", type=positive_int, default=4, help="global batches to evaluate (default: %(default)s)")
-    p.add_argument("--nproc", type=positive_int, default=1, help="local ranks (default: %(default)s)")
+    p.add_argument(
+        "--iters", type=int_in(1, 1_000_000), default=4, help="global batches to evaluate (default: %(default)s)"
+    )
+    p.add_argument("--nproc", type=int_in(1, 1024), default=1, help="local ranks (default: %(default)s)")
     p.set_defaults(handler=cmd_eval, takes_overrides=True)
 
     p = commands.add_parser(
@@ -186,17 +267,35 @@ def add_parsers(commands) -> None:
         help="continue a prompt with a checkpoint's model (KV-cached; greedy or sampled)",
         description="Runs on one process, or split over --nproc = tp x pp local ranks as training splits it; "
         "a checkpoint of any layout loads (a LoRA run's adapters folded in). Greedy output equals "
-        "transformers' greedy generate on the exported model, under every layout.",
+        "transformers' greedy generate on the exported model, under every layout. The text goes to stdout; "
+        "how many tokens were generated and why it stopped (end of text, --max-new-tokens, the model's "
+        "positions) to stderr.",
     )
-    p.add_argument("--checkpoint", required=True, help="an iter_N directory or a checkpoints/ folder")
-    p.add_argument("--tokenizer", help="SentencePiece model (default: the checkpoint config's data.tokenizer)")
+    p.add_argument(
+        "--checkpoint", type=existing_path, required=True, help="an iter_N directory or a checkpoints/ folder"
+    )
+    p.add_argument(
+        "--tokenizer",
+        type=existing_file,
+        help="SentencePiece model (default: the checkpoint config's data.tokenizer); must be the one it trained on",
+    )
     p.add_argument("--prompt", default="", help="text to continue")
-    p.add_argument("--prompt-ids", help="the prompt as token ids, e.g. '1 2 3' (no tokenizer needed)")
-    p.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to add (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default: %(default)s)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the sampling (default: %(default)s)")
-    p.add_argument("--nproc", type=positive_int, default=1, help="local ranks, tp x pp (default: %(default)s)")
-    p.add_argument("--parallel.tp", dest="tp", type=positive_int, default=1, help="tensor-parallel ranks")
-    p.add_argument("--parallel.pp", dest="pp", type=positive_int, default=1, help="pipeline stages (correct, not fast)")
+    p.add_argument("--prompt-ids", help="the prompt as token ids, e.g. '1 2 3' or '1,2,3' (no tokenizer needed)")
+    p.add_argument("--max-new-tokens", type=int_in(1, 1 << 20), default=64, help="tokens to add (default: %(default)s)")
+    p.add_argument(
+        "--temperature", type=float_in(0, 100), default=0.0, help="0: greedy; > 0 samples (default: %(default)s)"
+    )
+    p.add_argument(
+        "--top-p",
+        type=float_in(0, 1, low_open=True),
+        default=1.0,
+        help="nucleus sampling mass in (0, 1] (default: %(default)s)",
+    )
+    p.add_argument("--seed", type=seed, default=0, help="seed of the sampling (default: %(default)s)")
+    p.add_argument("--nproc", type=int_in(1, 1024), default=1, help="local ranks, tp x pp (default: %(default)s)")
+    p.add_argument("--parallel.tp", dest="tp", type=int_in(1, 1024), default=1, help="tensor-parallel ranks")
+    p.add_argument(
+        "--parallel.pp", dest="pp", type=int_in(1, 1024), default=1, help="pipeline stages (correct, not fast)"
+    )
+    p.add_argument("--lora.base", dest="lora_base", type=existing_path, help=LORA_BASE)
     p.set_defaults(handler=cmd_generate)

@@ -7,12 +7,36 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from loom.launch.arguments import positive_int
+from loom.engine.config import DataConfig, TrainConfig
+from loom.launch.arguments import (
+    dataset_prefix,
+    existing_file,
+    float_in,
+    int_in,
+    non_negative_int,
+    output_dir,
+    output_file,
+    output_prefix,
+    positive_int,
+    seed,
+    text_value,
+)
 
 if TYPE_CHECKING:
     from loom.engine.config import LoomConfig
 
 DEFAULT = " (default: %(default)s)"
+OLDER = " (the option after the comma is the older spelling, still accepted)"
+WORKERS = int_in(1, 1024)
+MAX_PREVIEW_SAMPLES = 100_000
+"""More samples than anyone reads on a terminal; its index cache and output stay a few MB."""
+
+
+def held_out_every(text: str) -> int:
+    value = non_negative_int(text)
+    if value == 1:
+        raise argparse.ArgumentTypeError("1 would hold out every document and train on none; give 0 or at least 2")
+    return value
 
 
 def _corpus(args: argparse.Namespace) -> None:
@@ -138,9 +162,14 @@ def _inspect(args: argparse.Namespace) -> None:
 
 
 def _index(args: argparse.Namespace, overrides: list[str]) -> None:
+    import copy
+
     from loom.engine.config_io import load_config
 
-    print(build_sample_indices(load_config(args.config, overrides)))
+    config = load_config(args.config, overrides)
+    p = config.parallel
+    copy.deepcopy(config).resolve_world(p.tp * p.pp * (p.dp or 1))  # the layout training would refuse, refused now
+    print(build_sample_indices(config))
 
 
 def build_sample_indices(config: LoomConfig) -> str:
@@ -225,9 +254,13 @@ def add_parser(commands) -> None:
     sub = data.add_subparsers(dest="data_command", required=True, metavar="STEP")
 
     p = sub.add_parser("corpus", help="write the embedded default corpus (Python stdlib sources) as JSONL")
-    p.add_argument("--source", default="stdlib", help="corpus to write; 'stdlib' needs no download" + DEFAULT)
-    p.add_argument("--output", required=True, help="output .jsonl file (.jsonl.gz or .jsonl.zst compress it)")
-    p.add_argument("--max-docs", type=int, help="stop after this many documents (default: all)")
+    p.add_argument(
+        "--source", choices=("stdlib",), default="stdlib", help="corpus to write; 'stdlib' needs no download" + DEFAULT
+    )
+    p.add_argument(
+        "--output", type=output_file, required=True, help="output .jsonl file (.jsonl.gz or .jsonl.zst compress it)"
+    )
+    p.add_argument("--max-docs", type=positive_int, help="stop after this many documents (default: all)")
     p.set_defaults(handler=_corpus)
 
     p = sub.add_parser(
@@ -238,7 +271,7 @@ def add_parser(commands) -> None:
         "rule that removed it; OUTPUT/stats.json counts them per step.",
     )
     p.add_argument("--input", nargs="+", required=True, help="JSONL files (.jsonl, .jsonl.gz, .jsonl.zst)")
-    p.add_argument("--output", required=True, help="output directory")
+    p.add_argument("--output", type=output_dir, required=True, help="output directory")
     p.add_argument(
         "--pipeline",
         default="default",
@@ -247,11 +280,13 @@ def add_parser(commands) -> None:
     )
     p.add_argument(
         "--workers",
-        type=positive_int,
+        type=WORKERS,
         default=2,
         help="processes that run the pipeline; 1 runs it in this process" + DEFAULT,
     )
-    p.add_argument("--text-key", default="text", help="JSON field that holds each document's text" + DEFAULT)
+    p.add_argument(
+        "--text-key", type=text_value, default="text", help="JSON field that holds each document's text" + DEFAULT
+    )
     p.add_argument(
         "--split-by-language",
         action="store_true",
@@ -261,10 +296,12 @@ def add_parser(commands) -> None:
 
     p = sub.add_parser("tokenizer", help="train a SentencePiece BPE or unigram tokenizer on JSONL")
     p.add_argument("--input", nargs="+", required=True, help="JSONL files (.jsonl, .jsonl.gz, .jsonl.zst)")
-    p.add_argument("--output", required=True, help="output prefix: writes PREFIX.model and PREFIX.vocab")
+    p.add_argument(
+        "--output", type=output_prefix, required=True, help="output prefix: writes PREFIX.model and PREFIX.vocab"
+    )
     p.add_argument(
         "--vocab-size",
-        type=positive_int,
+        type=int_in(8, 1 << 24),
         default=32000,
         help="pieces in the vocabulary, special pieces and 256 byte pieces included; a small corpus may "
         "give fewer" + DEFAULT,
@@ -275,37 +312,55 @@ def add_parser(commands) -> None:
         default="bpe",
         help="bpe (as LLaMA and GPT) or unigram (as T5)" + DEFAULT,
     )
-    p.add_argument("--text-key", default="text", help="JSON field that holds each document's text" + DEFAULT)
+    p.add_argument(
+        "--text-key", type=text_value, default="text", help="JSON field that holds each document's text" + DEFAULT
+    )
     p.add_argument(
         "--input-sentence-size",
-        type=positive_int,
+        type=int_in(1, 1_000_000_000),
         default=2_000_000,
         help="lines sampled for training; more lines cost memory and time on large corpora" + DEFAULT,
     )
-    p.add_argument("--special-tokens", nargs="*", help="extra user-defined pieces, e.g. <|im_start|> (default: none)")
+    p.add_argument(
+        "--special-tokens",
+        nargs="*",
+        type=text_value,
+        help="extra user-defined pieces, e.g. <|im_start|> (default: none)",
+    )
     p.add_argument(
         "--held-out-every",
-        type=int,
+        type=held_out_every,
         default=100,
         help="keep every Nth document out of training to report fertility and byte fallback (0: none)" + DEFAULT,
     )
     p.add_argument(
-        "--threads", type=int, help="SentencePiece threads (default: all cores; the pieces do not depend on it)"
+        "--threads",
+        type=int_in(1, 1024),
+        help="SentencePiece threads (default: all cores; the pieces do not depend on it)",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of SentencePiece's line sampling" + DEFAULT)
+    p.add_argument("--seed", type=seed, default=0, help="seed of SentencePiece's line sampling" + DEFAULT)
     p.set_defaults(handler=_tokenizer)
 
     p = sub.add_parser("build", help="tokenize JSONL into a memory-mapped P.bin + P.idx (Megatron format)")
     p.add_argument("--input", nargs="+", required=True, help="JSONL files (.jsonl, .jsonl.gz, .jsonl.zst)")
-    p.add_argument("--tokenizer", required=True, help="SentencePiece .model (from `loom data tokenizer`)")
-    p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin, PREFIX.idx and PREFIX.manifest.json")
+    p.add_argument(
+        "--tokenizer", type=existing_file, required=True, help="SentencePiece .model (from `loom data tokenizer`)"
+    )
+    p.add_argument(
+        "--output-prefix",
+        type=output_prefix,
+        required=True,
+        help="writes PREFIX.bin, PREFIX.idx and PREFIX.manifest.json",
+    )
     p.add_argument(
         "--workers",
-        type=positive_int,
+        type=WORKERS,
         default=2,
         help="processes that encode; 1 encodes in this process with all of SentencePiece's threads" + DEFAULT,
     )
-    p.add_argument("--text-key", default="text", help="JSON field that holds each document's text" + DEFAULT)
+    p.add_argument(
+        "--text-key", type=text_value, default="text", help="JSON field that holds each document's text" + DEFAULT
+    )
     p.add_argument(
         "--append-eod",
         action=argparse.BooleanOptionalAction,
@@ -321,7 +376,7 @@ def add_parser(commands) -> None:
         "id of the document they duplicate; clusters.jsonl and stats.json report.",
     )
     p.add_argument("--input", nargs="+", required=True, help="JSONL files (.jsonl, .jsonl.gz, .jsonl.zst)")
-    p.add_argument("--output", required=True, help="output directory")
+    p.add_argument("--output", type=output_dir, required=True, help="output directory")
     p.add_argument(
         "--method",
         choices=("exact", "minhash", "semantic"),
@@ -331,29 +386,35 @@ def add_parser(commands) -> None:
     )
     p.add_argument(
         "--threshold",
-        type=float,
+        type=float_in(0, 1, low_open=True),
         help="minhash: Jaccard similarity that makes a duplicate (default 0.8); semantic: cosine (default 0.9)",
     )
-    p.add_argument("--num-perm", type=int, default=128, help="minhash: permutations per signature" + DEFAULT)
+    p.add_argument(
+        "--num-perm", type=int_in(2, 4096), default=128, help="minhash: permutations per signature" + DEFAULT
+    )
     p.add_argument(
         "--workers",
-        type=positive_int,
+        type=WORKERS,
         default=2,
         help="minhash: processes for signatures and grouping; semantic: torch threads" + DEFAULT,
     )
     p.add_argument(
         "--bucket-memory-mb",
-        type=float,
+        type=float_in(1, 1e7),
         default=256,
         help="minhash: memory for grouping one bucket of band keys, per worker (larger buckets take several "
         "passes)" + DEFAULT,
     )
-    p.add_argument("--text-key", default="text", help="JSON field that holds each document's text" + DEFAULT)
+    p.add_argument(
+        "--text-key", type=text_value, default="text", help="JSON field that holds each document's text" + DEFAULT
+    )
     p.set_defaults(handler=_dedup)
 
     p = sub.add_parser("merge", help="concatenate indexed datasets")
-    p.add_argument("--inputs", nargs="+", required=True, help="prefixes to merge, in order; all of one dtype")
-    p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
+    p.add_argument(
+        "--inputs", nargs="+", type=dataset_prefix, required=True, help="prefixes to merge, in order; all of one dtype"
+    )
+    p.add_argument("--output-prefix", type=output_prefix, required=True, help="writes PREFIX.bin and PREFIX.idx")
     p.set_defaults(handler=_merge)
 
     p = sub.add_parser(
@@ -363,14 +424,38 @@ def add_parser(commands) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", help="training config to take data, split, seed and seq_length from (default: none)")
-    p.add_argument("--data", nargs="+", help=".bin/.idx prefix(es) (data.paths)")
-    p.add_argument("--seq-length", type=int, help="tokens per sample (train.seq_length; default 1024)")
-    p.add_argument("--samples", type=int, default=8, help="how many samples to show (default 8)")
-    p.add_argument("--split", help="train,valid,test weights (data.split; default 98,1,1); the train part is shown")
-    p.add_argument("--seed", type=int, help="train.seed (default 1234)")
-    p.add_argument("--tokenizer", help="SentencePiece .model to decode with (default: data.tokenizer)")
-    p.add_argument("--max-tokens", type=int, default=24, help="token ids printed per sample (0: all)")
-    p.add_argument("--output", help="also write every sample, in full, as JSONL (sample, tokens, text)")
+    p.add_argument(
+        "--data.paths", "--data", dest="data", nargs="+", type=dataset_prefix, help=".bin/.idx prefix(es)" + OLDER
+    )
+    p.add_argument(
+        "--train.seq_length",
+        "--seq-length",
+        dest="seq_length",
+        type=int_in(1, 1 << 20),
+        help=f"tokens per sample (default: the config's, {TrainConfig.seq_length} without one)" + OLDER,
+    )
+    p.add_argument(
+        "--samples",
+        type=int_in(1, MAX_PREVIEW_SAMPLES),
+        default=8,
+        help="how many samples to show" + DEFAULT,
+    )
+    p.add_argument(
+        "--data.split",
+        "--split",
+        dest="split",
+        help=f"train,valid,test weights (default {DataConfig.split}); the train part is shown" + OLDER,
+    )
+    p.add_argument("--train.seed", "--seed", dest="seed", type=seed, help=f"default {TrainConfig.seed}" + OLDER)
+    p.add_argument(
+        "--tokenizer", type=existing_file, help="SentencePiece .model to decode with (default: data.tokenizer)"
+    )
+    p.add_argument(
+        "--max-tokens", type=non_negative_int, default=24, help="token ids printed per sample (0: all)" + DEFAULT
+    )
+    p.add_argument(
+        "--output", type=output_file, help="also write every sample, in full, as JSONL (sample, tokens, text)"
+    )
     p.set_defaults(handler=_preview, takes_overrides=True)
 
     p = sub.add_parser(
@@ -385,8 +470,12 @@ def add_parser(commands) -> None:
     p.set_defaults(handler=_index, takes_overrides=True)
 
     p = sub.add_parser("inspect", help="summary and decoded samples of an indexed dataset")
-    p.add_argument("prefix", help="the dataset prefix P of P.bin/P.idx")
-    p.add_argument("--tokenizer", help="SentencePiece .model to decode samples with (default: show token ids)")
-    p.add_argument("--samples", type=int, default=3, help="sequences to show from the start" + DEFAULT)
-    p.add_argument("--max-tokens", type=int, default=64, help="tokens shown per sequence" + DEFAULT)
+    p.add_argument("prefix", type=dataset_prefix, help="the dataset prefix P of P.bin/P.idx")
+    p.add_argument(
+        "--tokenizer", type=existing_file, help="SentencePiece .model to decode samples with (default: show token ids)"
+    )
+    p.add_argument(
+        "--samples", type=int_in(0, MAX_PREVIEW_SAMPLES), default=3, help="sequences to show from the start" + DEFAULT
+    )
+    p.add_argument("--max-tokens", type=non_negative_int, default=64, help="tokens shown per sequence" + DEFAULT)
     p.set_defaults(handler=_inspect)

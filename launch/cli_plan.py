@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
-from loom.launch.arguments import positive_int
+from loom.launch.arguments import image_file, int_in
 
 EPILOG = """\
 Examples:
@@ -15,7 +16,10 @@ Examples:
   loom plan --config configs/tiny.toml --gpus 8 --json
 Model and batch come from the config and its --section.field overrides. Without --layout every layout is
 searched (tp x pp x vp x dp x micro-batch x recompute x ZeRO); keys given in --layout are held and the rest
-searched. Memory is per GPU on the pipeline rank holding the most; time is per optimizer step. The equations,
+searched. The layout fields as overrides hold their key the same way: --parallel.tp 8 is --layout tp=8
+(likewise parallel.pp, parallel.vp, parallel.dp, train.micro_batch_size, model.recompute, optim.zero,
+optim.offload). Memory is per GPU on the pipeline rank holding the most; time is per optimizer step. Exit status 1
+when no layout fits (the nearest is shown, and --json says "fits": false). The equations,
 their sources, the constants (tools/gpus.toml) and the blind spots: docs/planner.md."""
 
 
@@ -30,16 +34,46 @@ def _fp8_as_loom_runs_it(overrides: list[str]) -> list[str]:
     return out
 
 
+# The config fields that are a layout's keys: given as overrides, they hold that key as --layout does (one
+# spelling per idea: --parallel.tp 8 means the same to plan as to train).
+_LAYOUT_FIELDS = {
+    ("parallel", "tp"): "tp",
+    ("parallel", "pp"): "pp",
+    ("parallel", "vp"): "vp",
+    ("parallel", "dp"): "dp",
+    ("train", "micro_batch_size"): "micro_batch_size",
+    ("model", "recompute"): "recompute",
+    ("optim", "zero"): "zero",
+    ("optim", "offload"): "offload",
+}
+
+
+def _layout_overrides(config, overrides: list[str]) -> dict:
+    """The layout keys held by `--section.field` overrides, with the config's (validated) values."""
+    from loom.engine.config_io import parse_overrides
+
+    given = parse_overrides(overrides)
+    return {
+        key: getattr(getattr(config, section), name)
+        for (section, name), key in _LAYOUT_FIELDS.items()
+        if name in given.get(section, {})
+    }
+
+
 def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
     from loom.engine.config import ConfigError
     from loom.engine.config_io import load_config
-    from loom.tools.plan import load_hardware, parse_layout, plan, plot, table
+    from loom.tools.plan import load_hardware, parse_layout, plan, plot, runs_in_loom, table
 
     config = load_config(args.config, _fp8_as_loom_runs_it(overrides))
     hardware = load_hardware(args.gpu, args.gpus_per_node)
     if config.train.fp8 != "off" and "fp8" not in hardware.peak_tflops:
         raise ConfigError(f"{args.gpu} has no FP8 tensor cores; plan it with --train.precision bf16")
     fixed = parse_layout(args.layout) if args.layout else {}
+    for key, value in _layout_overrides(config, overrides).items():
+        if key in fixed and fixed[key] != value:
+            raise ConfigError(f"--layout says {key}={fixed[key]} but an override says {value}; give it once")
+        fixed[key] = value
     estimates = plan(config, args.gpus, hardware, fixed)
     if not estimates:
         raise ConfigError(
@@ -47,27 +81,43 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
             + (f" with {args.layout}" if args.layout else "")
             + " (heads, layers, global batch / (micro-batch x dp), micro-batches per pipeline rank)"
         )
+    modelled = [e for e in estimates if not runs_in_loom(e.layout)]
+    if not (args.show_modelled or "zero" in fixed):  # recommend only what loom runs
+        estimates = [e for e in estimates if runs_in_loom(e.layout)] or estimates
     shown = estimates[: args.top]
+    fits = any(e.fits for e in estimates)
     if args.json:
-        print(json.dumps({"gpu": args.gpu, "gpus": args.gpus, "layouts": [e.as_json() for e in shown]}, indent=1))
+        print(
+            json.dumps(
+                {"gpu": args.gpu, "gpus": args.gpus, "fits": fits, "layouts": [e.as_json() for e in shown]}, indent=1
+            )
+        )
     else:
         m, t = config.model, config.train
-        fitting = sum(e.fits for e in estimates)
         precision = t.precision + (f" with fp8 GEMMs ({t.fp8})" if t.fp8 != "off" else "")
         print(
             f"{config.train.name}: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads; "
             f"batch {t.global_batch_size} x {t.seq_length} tokens, {precision}; {args.gpus} x {args.gpu}: "
-            f"{len(estimates):,} layouts, {fitting:,} fit"
+            f"{len(estimates):,} layouts, {sum(e.fits for e in estimates):,} fit"
         )
         print(table(shown, args.gpu))
-        if not shown[0].fits:
+        hidden = [e for e in modelled if e not in estimates]
+        if hidden:
             print(
-                f"nothing fits: the nearest needs {shown[0].memory['total'] / 1e9:.1f} GB per GPU ({shown[0].reason})"
+                f"{len(hidden):,} ZeRO-3 layouts ({sum(e.fits for e in hidden):,} fitting) are modelled only, as loom "
+                "does not run ZeRO-3 yet: --show-modelled lists them"
             )
     if args.plot:
         plot(shown, Path(args.plot))
         if not args.json:
             print(f"wrote {args.plot}")
+    if not fits:
+        nearest = estimates[0]
+        print(
+            f"error: nothing fits: the nearest needs {nearest.memory['total'] / 1e9:.1f} GB per GPU ({nearest.reason})",
+            file=sys.stderr,
+        )
+        sys.exit(1)
 
 
 def _gpu_names() -> list[str]:
@@ -86,11 +136,18 @@ def add_parser(commands) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", help="model config: a preset name or a TOML file (default: loom's defaults)")
-    p.add_argument("--gpus", type=positive_int, required=True, help="GPUs in the job")
+    p.add_argument("--gpus", type=int_in(1, 1 << 20), required=True, help="GPUs in the job")
     p.add_argument("--gpu", choices=_gpu_names(), default="h100-sxm", help="GPU kind (default: %(default)s)")
-    p.add_argument("--gpus-per-node", type=positive_int, help="GPUs per node (default: the GPU kind's usual 8)")
+    p.add_argument("--gpus-per-node", type=int_in(1, 64), help="GPUs per node (default: the GPU kind's usual 8)")
     p.add_argument("--layout", help='hold some keys, e.g. "tp=8,pp=4,vp=2,dp=2,mbs=1,recompute=selective,zero=1"')
-    p.add_argument("--top", type=positive_int, default=8, help="layouts shown (default: %(default)s)")
+    p.add_argument("--top", type=int_in(1, 10_000), default=8, help="layouts shown (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    p.add_argument("--plot", help="write the shown layouts' memory and time breakdowns to this PNG")
+    p.add_argument(
+        "--plot", type=image_file, help="write the shown layouts' memory and time breakdowns to this PNG (or PDF, SVG)"
+    )
+    p.add_argument(
+        "--show-modelled",
+        action="store_true",
+        help="also list the layouts loom only models (ZeRO-3), after the ones it runs",
+    )
     p.set_defaults(handler=cmd_plan, takes_overrides=True)

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from loom.engine.config_io import config_to_dict, load_config
-from loom.launch.arguments import positive_int
+from loom.launch.arguments import int_in, output_dir, positive_int
 
 
 def _preview_first_sample(config, tokenizer_model: str) -> None:
@@ -117,7 +117,8 @@ def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: in
         f"in {time.perf_counter() - start:.1f} s"
     )
 
-    shutil.rmtree(workdir / "runs", ignore_errors=True)  # a fresh run, not a resume of an older demo
+    for folder in ("runs", "hf", "hf-lora-adapter"):  # a fresh run, not a resume of an older demo's
+        shutil.rmtree(workdir / folder, ignore_errors=True)
     run_dir = workdir / "runs" / "tiny"
     overrides = [
         "--data.paths",
@@ -366,11 +367,33 @@ def _cmd_demo(args: argparse.Namespace) -> None:
 
 def add_parser(commands) -> None:
     p = commands.add_parser("demo", help="the whole pipeline on the embedded corpus, on CPU ranks")
-    p.add_argument("--workdir", default="demo", help="where data and runs go (reused if present)")
-    p.add_argument("--max-docs", type=int, help="use only this many corpus documents (faster)")
-    p.add_argument("--nproc", type=positive_int, default=8, help="local ranks for training")
-    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
-    p.add_argument("--pp", type=int, default=2, help="pipeline stages (the rest of --nproc is data parallel)")
-    p.add_argument("--vp", type=int, default=2, help="interleaved chunks per pipeline stage")
-    p.add_argument("--steps", type=int, default=50, help="training steps")
+    p.add_argument("--workdir", type=output_dir, default="demo", help="where data and runs go (reused if present)")
+    p.add_argument("--max-docs", type=positive_int, help="use only this many corpus documents (faster)")
+    p.add_argument("--nproc", type=int_in(1, 1024), default=8, help="local ranks for training")
+    older = " (--%s: the older spelling)"
+    p.add_argument("--parallel.tp", "--tp", dest="tp", type=int_in(1, 1024), default=2, help="TP size" + older % "tp")
+    p.add_argument(
+        "--parallel.pp",
+        "--pp",
+        dest="pp",
+        type=int_in(1, 1024),
+        default=2,
+        help="pipeline stages (the rest of --nproc is data parallel)" + older % "pp",
+    )
+    p.add_argument(
+        "--parallel.vp",
+        "--vp",
+        dest="vp",
+        type=int_in(1, 1024),
+        default=2,
+        help="interleaved chunks per pipeline stage" + older % "vp",
+    )
+    p.add_argument(
+        "--train.steps",
+        "--steps",
+        dest="steps",
+        type=int_in(2, 100_000),
+        default=50,
+        help="training steps" + older % "steps",
+    )
     p.set_defaults(handler=_cmd_demo)

@@ -26,7 +26,7 @@ from pathlib import Path
 from loom.engine.config import LoomConfig
 from loom.engine.config_io import config_from_dict, config_to_dict
 from loom.engine.parallel.rendezvous import free_port
-from loom.errors import is_user_error
+from loom.errors import is_user_error, user_message
 
 
 class RankFailed(RuntimeError):
@@ -52,7 +52,7 @@ def _is_collective_timeout(error: BaseException, message: str) -> bool:
 def describe_rank_error(error: BaseException, timeout_minutes: float) -> tuple[str, bool]:
     """(one line for a rank's failure, whether it is the user's to fix). A collective timeout is named as
     what it usually means (a peer died or hung) and counts as the user's: the cause is on another rank."""
-    message = str(error).splitlines()[0] if str(error) else type(error).__name__
+    message = user_message(error).splitlines()[0] if str(error) else type(error).__name__
     if _is_collective_timeout(error, message):
         return (
             f"a collective timed out after {timeout_minutes:g} min: a peer rank stopped answering "

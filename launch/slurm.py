@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from loom.engine.config import ConfigError, LoomConfig
+from loom.launch.arguments import float_in, int_in
 
 TERMINAL_STATES = {
     "COMPLETED",
@@ -399,18 +400,20 @@ def add_parser(commands) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     submit_parser.add_argument("--config", required=True, help="TOML config, e.g. configs/tiny.toml")
-    submit_parser.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    submit_parser.add_argument("--nodes", type=int_in(1, 100_000), default=1, help="nodes (default 1)")
     submit_parser.add_argument(
         "--tasks-per-node",
-        type=int,
+        type=int_in(1, 1024),
         default=1,
         help="ranks per node; the world size nodes x tasks must match the config's layout",
     )
     submit_parser.add_argument(
-        "--gpus-per-node", type=int, help="default: tasks-per-node where the partition has GPUs, else none"
+        "--gpus-per-node", type=int_in(0, 64), help="default: tasks-per-node where the partition has GPUs, else none"
     )
-    submit_parser.add_argument("--cpus-per-task", type=int, help="CPU cores per rank (also torch's thread count)")
-    submit_parser.add_argument("--mem-gb", type=float, help="memory per node in GB")
+    submit_parser.add_argument(
+        "--cpus-per-task", type=int_in(1, 4096), help="CPU cores per rank (also torch's thread count)"
+    )
+    submit_parser.add_argument("--mem-gb", type=float_in(0, 1e7, low_open=True), help="memory per node in GB")
     submit_parser.add_argument("--time", default="60", help="time limit: MINUTES, HH:MM:SS or D-HH:MM:SS (60)")
     submit_parser.add_argument("--partition", help="Slurm partition (default: the cluster's default)")
     submit_parser.add_argument("--account", help="account to charge")
@@ -420,7 +423,7 @@ def add_parser(commands) -> None:
     submit_parser.add_argument("--job-name", help="default: train.name")
     submit_parser.add_argument(
         "--signal-delay-s",
-        type=int,
+        type=int_in(0, 86_400),
         default=120,
         help="seconds before the time limit at which the job checkpoints and requeues",
     )

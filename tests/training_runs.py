@@ -24,8 +24,9 @@ from loom.engine.config_io import load_config
 
 HANG_S = 300
 
-# Every row logged, no evaluation or TensorBoard unless a test asks for them.
+# Every row logged, no evaluation, TensorBoard or final checkpoint unless a test asks for them.
 TEST_TRAIN_SETTINGS = {"log_interval": 1, "eval_interval": 0, "tensorboard": False}
+TEST_CHECKPOINT_SETTINGS = {"save_at_end": False}
 
 
 def tiny_config(dataset: str, run_dir: str | Path, **sections: dict) -> LoomConfig:
@@ -34,6 +35,7 @@ def tiny_config(dataset: str, run_dir: str | Path, **sections: dict) -> LoomConf
     overrides = {
         "data": {"paths": [dataset], "tokenizer": None},
         "train": {"run_dir": str(run_dir), **TEST_TRAIN_SETTINGS},
+        "checkpoint": dict(TEST_CHECKPOINT_SETTINGS),
     }
     for section, fields in sections.items():
         overrides[section] = {**overrides.get(section, {}), **fields}
@@ -56,6 +58,8 @@ def tiny_train_args(dataset: str, run_dir: str | Path, *extra: str) -> list[str]
         "--train.eval_interval",
         "0",
         "--train.tensorboard",
+        "false",
+        "--checkpoint.save_at_end",
         "false",
         *extra,
     ]

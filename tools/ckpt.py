@@ -37,6 +37,7 @@ from loom.engine.parallel.sharding import ShardSpec
 from loom.engine.parallel.state import rank_of
 from loom.engine.parallel.vocab import padded_vocab_size
 from loom.engine.pipeline.stages import stage_layers
+from loom.tools.outputs import claim_checkpoint_output
 
 
 def open_checkpoint(path: Path) -> tuple[Path, CheckpointMetadata]:
@@ -46,10 +47,13 @@ def open_checkpoint(path: Path) -> tuple[Path, CheckpointMetadata]:
     return found
 
 
-def write_weights_checkpoint(output: Path, config: LoomConfig, logical: dict[str, torch.Tensor], source: str) -> Path:
+def write_weights_checkpoint(
+    output: Path, config: LoomConfig, logical: dict[str, torch.Tensor], source: str, hf_source: str | None = None
+) -> Path:
     """Write a weights-only checkpoint (step 0, tp = pp = 1, fp32, no optimizer state) of `config`'s model from
     its logical tensors, as iter_0000000 under `output`: what import-hf and merge-lora produce, and any layout
-    loads. `source` names where the tensors came from, for the error when one is missing or misshapen."""
+    loads. `source` names where the tensors came from, for the error when one is missing or misshapen;
+    `hf_source`, the Hugging Face folder of an import (CheckpointMetadata.hf_source)."""
     infos = [param_info(param) for param in GPTModel(config.model, None).parameters()]
     specs = {info.name: info.shard_spec for info in infos}
     for name, spec in specs.items():
@@ -74,6 +78,7 @@ def write_weights_checkpoint(output: Path, config: LoomConfig, logical: dict[str
         specs=specs,
         files={name: record},
         index={key: name for key in pieces},
+        hf_source=hf_source,
     )
     return commit(staging, final, metadata)
 
@@ -115,12 +120,18 @@ def _stage_of(name: str, num_layers: int, pp: int, vp: int) -> int:
     return 0 if naming.before_blocks(name) else pp * vp - 1
 
 
-def reshard(source: Path, output: Path, tp: int, pp: int, vp: int = 1) -> Path:
-    """Write the checkpoint at `source` as iter_N under `output`, laid out for tp x pp (x vp)."""
+def reshard(source: Path, output: Path, tp: int, pp: int, vp: int = 1, overwrite: bool = False) -> Path:
+    """Write the checkpoint at `source` as iter_N under `output` (claimed as tools/outputs.py says), laid out for
+    tp x pp (x vp)."""
     directory, metadata = open_checkpoint(source)
-    layers = metadata.config["model"]["num_layers"]
+    model = metadata.config["model"]
+    layers = model["num_layers"]
     if layers % (pp * vp):
         raise CheckpointError(f"{layers} layers do not split into pp*vp = {pp}*{vp} stages")
+    for name in ("num_heads", "num_kv_heads", "ffn_hidden_size"):
+        if model.get(name) and model[name] % tp:
+            raise CheckpointError(f"--parallel.tp {tp} must divide model.{name} = {model[name]}")
+    claim_checkpoint_output(output, overwrite, reading=(directory,))
     reader = PieceReader(directory, metadata)
     final = output / directory.name
     staging = make_staging_dir(final)

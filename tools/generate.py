@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import re
 import socket
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from loom.engine.config import LoomConfig
+from loom.engine.checkpoint.format import CheckpointMetadata, sha256_of
+from loom.engine.config import ConfigError, LoomConfig
 from loom.engine.config_io import config_from_dict
 from loom.engine.model.gpt import DecodingCache, GPTModel
 from loom.engine.parallel import mappings
@@ -30,10 +32,16 @@ from loom.tools.ckpt import open_checkpoint
 from loom.tools.lora import ModelWeights
 
 
-def load_model(checkpoint: Path, parallel: ParallelState | None = None) -> tuple[GPTModel, LoomConfig]:
+def load_model(
+    checkpoint: Path,
+    parallel: ParallelState | None = None,
+    base: Path | None = None,
+    opened: tuple[Path, CheckpointMetadata] | None = None,
+) -> tuple[GPTModel, LoomConfig]:
     """The checkpoint's model in fp32 and eval mode: whole on one process, or this rank's shard of its pipeline
-    stage under `parallel`."""
-    directory, metadata = open_checkpoint(checkpoint)
+    stage under `parallel`. `base`: a LoRA checkpoint's base where it is now; `opened`: the checkpoint's
+    (directory, metadata) when the caller has read them already."""
+    directory, metadata = opened or open_checkpoint(checkpoint)
     config = config_from_dict(metadata.config)
     if parallel is None:
         model, tp_rank, tp_size = GPTModel(config.model, None), 0, 1
@@ -47,7 +55,7 @@ def load_model(checkpoint: Path, parallel: ParallelState | None = None) -> tuple
             post_process=stage == pp - 1,
         )
         tp_rank, tp_size = parallel.tp_rank, parallel.tp_size
-    weights = ModelWeights(directory, metadata)  # a LoRA checkpoint's adapters folded into its base
+    weights = ModelWeights(directory, metadata, base)  # a LoRA checkpoint's adapters folded into its base
     with torch.no_grad():
         for _, param in model.named_parameters():
             info = param_info(param)
@@ -123,14 +131,14 @@ def _from_last_stage(token: int, parallel: ParallelState) -> int:
 
 
 def _generate_on_a_rank(
-    rank: int, world: int, port: int, tp: int, pp: int, checkpoint: str, job: dict, results
+    rank: int, world: int, port: int, tp: int, pp: int, checkpoint: str, base: Path | None, job: dict, results
 ) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         parallel = ParallelState.create(tp=tp, dp=1, pp=pp)
-        model, _ = load_model(Path(checkpoint), parallel)
+        model, _ = load_model(Path(checkpoint), parallel, base)
         produced = generate(model, parallel=parallel, **job)
         if rank == 0:
             results.put(produced)
@@ -141,15 +149,19 @@ def _generate_on_a_rank(
         dist.destroy_process_group()
 
 
-def generate_parallel(checkpoint: Path, tp: int, pp: int, **job) -> list[int]:
-    """generate() on tp x pp local ranks (gloo), the model split as training splits it; rank 0's tokens."""
-    config = config_from_dict(open_checkpoint(checkpoint)[1].config)
+def check_layout(config: LoomConfig, tp: int, pp: int) -> None:
+    """Refuse a generation layout the model does not split into, before any rank starts."""
     m = config.model
     for name, value in (("num_heads", m.num_heads), ("num_kv_heads", m.num_kv_heads or m.num_heads)):
         if value % tp:
-            raise ValueError(f"--parallel.tp {tp} must divide model.{name} = {value}")
+            raise ConfigError(f"--parallel.tp {tp} must divide model.{name} = {value}")
     if m.num_layers % pp:
-        raise ValueError(f"--parallel.pp {pp} must divide model.num_layers = {m.num_layers}")
+        raise ConfigError(f"--parallel.pp {pp} must divide model.num_layers = {m.num_layers}")
+
+
+def generate_parallel(checkpoint: Path, tp: int, pp: int, base: Path | None = None, **job) -> list[int]:
+    """generate() on tp x pp local ranks (gloo), the model split as training splits it; rank 0's tokens."""
+    check_layout(config_from_dict(open_checkpoint(checkpoint)[1].config), tp, pp)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -157,7 +169,7 @@ def generate_parallel(checkpoint: Path, tp: int, pp: int, **job) -> list[int]:
     results = context.Queue()
     world = tp * pp
     ranks = [
-        context.Process(target=_generate_on_a_rank, args=(r, world, port, tp, pp, str(checkpoint), job, results))
+        context.Process(target=_generate_on_a_rank, args=(r, world, port, tp, pp, str(checkpoint), base, job, results))
         for r in range(world)
     ]
     for process in ranks:
@@ -168,3 +180,55 @@ def generate_parallel(checkpoint: Path, tp: int, pp: int, **job) -> list[int]:
     if isinstance(outcome, BaseException):
         raise outcome
     return outcome
+
+
+def parse_prompt_ids(text: str) -> list[int]:
+    """--prompt-ids: token ids separated by spaces or commas."""
+    parts = [part for part in re.split(r"[\s,]+", text.strip()) if part]
+    try:
+        return [int(part) for part in parts]
+    except ValueError:
+        bad = next(part for part in parts if not part.lstrip("-").isdigit())
+        raise ConfigError(f"--prompt-ids: {bad!r} is not a token id; give integers, e.g. '1 2 3' or '1,2,3'") from None
+
+
+def open_tokenizer(metadata: CheckpointMetadata, config: LoomConfig, explicit: str | None, needed: bool):
+    """The SentencePiece processor to encode the prompt and decode the output with: `explicit` (--tokenizer), else
+    the one the run trained with (its path then). Refuses one the model was not trained with (by the sha256 its
+    checkpoint records, or the run's tokenizer file) or with more pieces than the model has ids, whose output
+    would be noise. None when there is none and it is not `needed` (--prompt-ids: the output stays ids)."""
+    import sentencepiece
+
+    recorded = metadata.tokenizer or {}
+    trained_with = recorded.get("path") or config.data.tokenizer
+    path = explicit or trained_with
+    if path is None or not Path(path).is_file():
+        if not needed:
+            return None
+        where = f"the one it trained with, {path}, is not there; " if path else ""
+        raise ConfigError(f"no tokenizer: {where}pass --tokenizer T.model, or the prompt as --prompt-ids '1 2 3'")
+    expected = recorded.get("sha256")
+    if expected is None and explicit and trained_with and Path(trained_with).is_file():
+        expected = sha256_of(Path(trained_with))
+    if expected and sha256_of(Path(path)) != expected:
+        what = "is not the one" if explicit else "has changed since it was the one"
+        raise ConfigError(
+            f"tokenizer {path} {what} this model was trained with ({trained_with}, sha256 {expected[:12]}); its "
+            "text would be noise: pass that tokenizer (or --prompt-ids to work in token ids)"
+        )
+    processor = sentencepiece.SentencePieceProcessor(model_file=str(path))
+    if processor.vocab_size() > config.model.vocab_size:
+        raise ConfigError(
+            f"tokenizer {path} has {processor.vocab_size()} pieces but the model {config.model.vocab_size} ids: "
+            "not its tokenizer"
+        )
+    return processor
+
+
+def stop_reason(produced: list[int], max_new_tokens: int, stop_ids: tuple[int, ...], positions: int) -> str:
+    """Why generate() returned: the end-of-text token, --max-new-tokens, or the model's positions."""
+    if produced and produced[-1] in stop_ids:
+        return "at the end-of-text token"
+    if len(produced) == max_new_tokens:
+        return "at --max-new-tokens"
+    return f"at the model's {positions} positions (model.max_position_embeddings)"

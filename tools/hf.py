@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from loom.engine.atomic import write_text_atomically
@@ -27,7 +27,8 @@ from loom.engine.checkpoint.load import PieceReader
 from loom.engine.config_io import config_from_dict, config_to_dict
 from loom.engine.model import naming
 from loom.tools.ckpt import open_checkpoint, write_weights_checkpoint
-from loom.tools.lora import adapted_weights, merged_weights
+from loom.tools.lora import adapted_weights, base_of, merged_weights
+from loom.tools.outputs import claim_checkpoint_output, claim_export_output
 
 
 def _check_llama(model: dict) -> None:
@@ -149,12 +150,15 @@ def from_hf(tensors: dict[str, torch.Tensor], model: dict) -> dict[str, torch.Te
     return out
 
 
-def export_hf(source: Path, output: Path) -> Path:
-    """Write model.safetensors + config.json for the checkpoint at `source`."""
+def export_hf(source: Path, output: Path, base: Path | None = None, overwrite: bool = False) -> Path:
+    """Write model.safetensors + config.json for the checkpoint at `source` (a LoRA run's with its adapters
+    folded into its base, found where it was trained or at `base`) into `output` (claimed as tools/outputs.py
+    says)."""
     directory, metadata = open_checkpoint(source)
     model = config_to_dict(config_from_dict(metadata.config))["model"]  # fills fields older checkpoints lack
     _check_llama(model)
-    logical = merged_weights(directory, metadata)
+    logical = merged_weights(directory, metadata, base)
+    claim_export_output(output, overwrite)
     output.mkdir(parents=True, exist_ok=True)
     save_file(to_hf(logical, model), str(output / "model.safetensors.tmp"), metadata={"format": "pt"})
     (output / "model.safetensors.tmp").replace(output / "model.safetensors")
@@ -163,9 +167,14 @@ def export_hf(source: Path, output: Path) -> Path:
 
 
 def _rope_parameters(hf: dict) -> dict:
-    """The rotary settings wherever the writer put them: transformers >= 5 nests rope_theta and the scaling in
-    `rope_parameters`; older versions write a top-level `rope_theta` and a `rope_scaling` dict."""
-    rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    """The rotary settings wherever the writer put them, read as transformers reads them: transformers >= 5 nests
+    rope_theta and the scaling in `rope_parameters`, older versions write a top-level `rope_theta` and a
+    `rope_scaling` dict; where both are given, a non-empty `rope_scaling` replaces `rope_parameters` whole
+    (PreTrainedConfig.convert_rope_params_to_dict), and rope_theta then comes from the top level."""
+    chosen = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    if not isinstance(chosen, dict):
+        raise CheckpointError("config.json's rope_scaling / rope_parameters is not an object")
+    rope = dict(chosen)
     if rope and all(isinstance(value, dict) for value in rope.values()):
         raise CheckpointError(f"config.json sets rope_parameters per layer type ({', '.join(rope)}); loom has one RoPE")
     rope.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
@@ -235,32 +244,73 @@ def _model_from_hf_config(hf: dict) -> dict:
     }
 
 
-def import_hf(source: Path, output: Path) -> Path:
-    """Write a loom checkpoint (step 0, weights only, tp=1 pp=1 pieces) under `output`."""
+def _read_hf_config(source: Path) -> dict:
     config_path = source / "config.json"
     if not config_path.is_file():
         raise CheckpointError(f"{source} has no config.json; expected a Hugging Face Llama model directory")
-    hf = json.loads(config_path.read_text())
-    model = _model_from_hf_config(hf)
+    try:
+        hf = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{config_path} is not valid JSON ({error})") from None
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{config_path} holds {type(hf).__name__}, not a model configuration object")
+    return hf
+
+
+def _read_hf_tensors(source: Path) -> dict[str, torch.Tensor]:
+    files = sorted(source.glob("*.safetensors"))
+    if not files:
+        others = sorted(p.name for p in source.glob("*.bin")) + sorted(p.name for p in source.glob("*.pt*"))
+        found = (
+            f" (found {', '.join(others[:3])}: load and save_pretrained it with safe_serialization)" if others else ""
+        )
+        raise CheckpointError(f"{source} holds no *.safetensors weights{found}")
+    tensors = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                tensors.update({k: f.get_tensor(k) for k in f.keys()})
+        except (SafetensorError, OSError) as error:
+            raise CheckpointError(f"{file} is not a readable safetensors file (truncated?): {error}") from None
+    return tensors
+
+
+def import_hf(source: Path, output: Path, overwrite: bool = False) -> Path:
+    """Write a loom checkpoint (step 0, weights only, tp=1 pp=1 pieces) under `output` (claimed as
+    tools/outputs.py says)."""
+    hf = _read_hf_config(source)
+    try:
+        model = _model_from_hf_config(hf)
+    except KeyError as error:
+        raise CheckpointError(f"{source / 'config.json'} has no {error.args[0]!r}; is it a Llama config?") from None
+    except (TypeError, ValueError) as error:
+        raise CheckpointError(f"{source / 'config.json'} has a value of the wrong kind ({error})") from None
     # The imported checkpoint's run settings are what `loom eval` and fine-tuning start from: sequences no
     # longer than the model's positions, and a batch one CPU rank gets through.
     train = {"seq_length": min(2048, model["max_position_embeddings"]), "global_batch_size": 8}
     config = config_from_dict({"model": model, "train": train})
-    tensors = {}
-    for file in sorted(source.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            tensors.update({k: f.get_tensor(k) for k in f.keys()})
-    logical = from_hf(tensors, config_to_dict(config)["model"])
-    return write_weights_checkpoint(output, config, logical, "the Hugging Face model")
+    tensors = _read_hf_tensors(source)
+    try:
+        logical = from_hf(tensors, config_to_dict(config)["model"])
+    except KeyError as error:
+        raise CheckpointError(f"{source} has no tensor {error.args[0]!r}; is it a Llama model?") from None
+    claim_checkpoint_output(output, overwrite)
+    return write_weights_checkpoint(output, config, logical, "the Hugging Face model", hf_source=str(source.resolve()))
 
 
-def export_peft_adapter(source: Path, output: Path) -> Path:
+def export_peft_adapter(
+    source: Path, output: Path, base: Path | None = None, base_model: str | None = None, overwrite: bool = False
+) -> Path:
     """Write a LoRA checkpoint's adapters as a PEFT adapter directory (adapter_config.json +
     adapter_model.safetensors) for the Llama model export_hf writes of its base. A fused loom adapter maps
-    exactly: qkv's one A serves q_proj, k_proj and v_proj, each with its rows of B (likewise gate/up)."""
+    exactly: qkv's one A serves q_proj, k_proj and v_proj, each with its rows of B (likewise gate/up).
+    base_model_name_or_path is `base_model` if given, else the Hugging Face folder the base was imported from
+    (its checkpoint, found where it was trained or at `base`, records it)."""
     directory, metadata = open_checkpoint(source)
     if metadata.lora_base is None:
         raise CheckpointError(f"{directory} is not a LoRA checkpoint; --adapter-only exports a LoRA run's adapters")
+    if base_model is None:
+        base_model = base_of(directory, metadata, base)[1].hf_source
     config = config_from_dict(metadata.config)
     model = config_to_dict(config)["model"]
     _check_llama(model)
@@ -288,8 +338,9 @@ def export_peft_adapter(source: Path, output: Path) -> Path:
         "use_rslora": False,
         "init_lora_weights": True,
         "inference_mode": True,
-        "base_model_name_or_path": None,
+        "base_model_name_or_path": base_model,
     }
+    claim_export_output(output, overwrite)
     output.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(output / "adapter_model.safetensors.tmp"), metadata={"format": "pt"})
     (output / "adapter_model.safetensors.tmp").replace(output / "adapter_model.safetensors")

@@ -11,12 +11,20 @@ from pathlib import Path
 
 import torch
 
-from loom.engine.checkpoint.format import METADATA, CheckpointError, CheckpointMetadata, read_metadata, sha256_of
+from loom.engine.checkpoint.format import (
+    METADATA,
+    CheckpointError,
+    CheckpointMetadata,
+    find_loadable,
+    read_metadata,
+    sha256_of,
+)
 from loom.engine.checkpoint.load import PieceReader
 from loom.engine.config import LoraConfig
 from loom.engine.config_io import config_from_dict
 from loom.engine.model import naming
 from loom.tools.ckpt import open_checkpoint, write_weights_checkpoint
+from loom.tools.outputs import claim_checkpoint_output
 
 
 def adapted_weights(specs: dict) -> dict[str, tuple[str, str]]:
@@ -25,14 +33,32 @@ def adapted_weights(specs: dict) -> dict[str, tuple[str, str]]:
     return {weight: naming.adapter_factor_names(weight) for weight in sorted(weights)}
 
 
-def base_of(directory: Path, metadata: CheckpointMetadata) -> tuple[Path, CheckpointMetadata]:
-    """The base model a LoRA checkpoint's adapters were trained on, checked to be the same one."""
+def base_of(
+    directory: Path, metadata: CheckpointMetadata, moved_to: Path | None = None
+) -> tuple[Path, CheckpointMetadata]:
+    """The base model a LoRA checkpoint's adapters were trained on (where it was then, or `moved_to`: --lora.base),
+    checked to be the same one by the sha256 of its metadata.json."""
     pointer = metadata.lora_base
-    base = Path(pointer["path"])
-    if not (base / METADATA).is_file():
-        raise CheckpointError(f"{directory}'s base model {base} is gone; its adapters need it")
+    if moved_to is None:
+        base = Path(pointer["path"])
+        if not (base / METADATA).is_file():
+            raise CheckpointError(
+                f"{directory}'s base model {base} is gone; its adapters need it (moved? pass --lora.base NEW_PLACE)"
+            )
+    else:
+        found = find_loadable(moved_to, verify_hashes=False, warn=lambda _: None)
+        if found is None:
+            raise CheckpointError(f"--lora.base {moved_to} holds no intact checkpoint")
+        base = found[0]
     if sha256_of(base / METADATA) != pointer["metadata_sha256"]:
-        raise CheckpointError(f"{directory}'s base model {base} has changed since its adapters were trained")
+        what = (
+            "has changed since its adapters were trained"
+            if moved_to is None
+            else "is not the model they were trained on"
+        )
+        raise CheckpointError(
+            f"{directory}'s base model {base} {what} (metadata sha256 {pointer['metadata_sha256'][:12]} expected)"
+        )
     return base, read_metadata(base)
 
 
@@ -40,15 +66,16 @@ class ModelWeights:
     """The logical weights (fp32) of the model a checkpoint describes, read one at a time: a full checkpoint's
     own, or for a LoRA checkpoint the base's with each adapter folded in."""
 
-    def __init__(self, directory: Path, metadata: CheckpointMetadata):
+    def __init__(self, directory: Path, metadata: CheckpointMetadata, base: Path | None = None):
         reader = PieceReader(directory, metadata)
         self.adapters: dict[str, tuple[str, str]] = {}
+        self.base_dir: Path | None = None
         if metadata.lora_base is None:
             self.weights, self.factors = reader, None
             self.names = list(metadata.specs)
             return
-        base_dir, base_metadata = base_of(directory, metadata)
-        self.weights, self.factors = PieceReader(base_dir, base_metadata), reader
+        self.base_dir, base_metadata = base_of(directory, metadata, base)
+        self.weights, self.factors = PieceReader(self.base_dir, base_metadata), reader
         self.names = list(base_metadata.specs)
         self.adapters = adapted_weights(metadata.specs)
         self.scale = config_from_dict(metadata.config).lora.scale
@@ -61,18 +88,22 @@ class ModelWeights:
         return weight
 
 
-def merged_weights(directory: Path, metadata: CheckpointMetadata) -> dict[str, torch.Tensor]:
+def merged_weights(directory: Path, metadata: CheckpointMetadata, base: Path | None = None) -> dict[str, torch.Tensor]:
     """Every logical weight of the model a checkpoint describes (ModelWeights), all at once."""
-    weights = ModelWeights(directory, metadata)
+    weights = ModelWeights(directory, metadata, base)
     return {name: weights[name] for name in weights.names}
 
 
-def merge_lora(source: Path, output: Path) -> Path:
+def merge_lora(source: Path, output: Path, base: Path | None = None, overwrite: bool = False) -> Path:
     """Write the model of the LoRA checkpoint at `source`, adapters folded in, as a weights-only checkpoint
-    (step 0, like import-hf) under `output`."""
+    (step 0, like import-hf) under `output` (claimed as tools/outputs.py says). `base`: where the base model
+    is now, if it moved."""
     directory, metadata = open_checkpoint(source)
     if metadata.lora_base is None:
         raise CheckpointError(f"{directory} is not a LoRA checkpoint (it has no adapters to merge)")
     config = config_from_dict(metadata.config)
     config.lora = LoraConfig()
-    return write_weights_checkpoint(output, config, merged_weights(directory, metadata), str(directory))
+    weights = ModelWeights(directory, metadata, base)
+    merged = {name: weights[name] for name in weights.names}
+    claim_checkpoint_output(output, overwrite, reading=(directory, weights.base_dir))
+    return write_weights_checkpoint(output, config, merged, str(directory))

@@ -547,6 +547,8 @@ def parse_layout(text: str) -> dict:
         key = names.get(key.strip(), key.strip())
         if key not in ("tp", "pp", "vp", "dp", "micro_batch_size", "recompute", "zero", "offload") or not value:
             raise ConfigError(f"--layout item {item!r} is not tp|pp|vp|dp|mbs|recompute|zero|offload=VALUE")
+        if key in fields:
+            raise ConfigError(f"--layout gives {item.partition('=')[0].strip()} twice; give each key once")
         value = value.strip()
         if key in ("recompute", "offload"):
             if value not in (RECOMPUTE if key == "recompute" else ("none", "cpu")):
@@ -555,10 +557,10 @@ def parse_layout(text: str) -> dict:
                 )
             fields[key] = value
         else:
-            if not value.isdigit() or int(value) < (0 if key == "zero" else 1):
-                raise ConfigError(
-                    f"--layout {key}={value}: expected a {'non-negative' if key == 'zero' else 'positive'} integer"
-                )
+            if key == "zero" and value not in ("0", "1", "2", "3"):
+                raise ConfigError(f"--layout zero={value}: ZeRO stages are 0, 1, 2 and 3")
+            if not value.isdigit() or int(value) < 1 and key != "zero":
+                raise ConfigError(f"--layout {key}={value}: expected a positive integer")
             fields[key] = int(value)
     return fields
 
@@ -602,11 +604,25 @@ def plan(
 ) -> list[Estimate]:
     """Every candidate layout's estimate, the fitting ones first, fastest first."""
     estimates = [estimate(config, layout, hw, engine) for layout in candidates(config, gpus, hw, fixed)]
-    # Fitting layouts fastest first; then the others nearest to fitting first (they say why not).
+    # Fitting layouts loom runs fastest first, then fitting ones it only models; then the others nearest to
+    # fitting first (they say why not).
     return sorted(
         estimates,
-        key=lambda e: (not e.fits, -e.tokens_per_s_per_gpu if e.fits else e.memory["total"], e.memory["total"]),
+        key=lambda e: (
+            not e.fits,
+            not runs_in_loom(e.layout),
+            -e.tokens_per_s_per_gpu if e.fits else e.memory["total"],
+            e.memory["total"],
+        ),
     )
+
+
+RUNNABLE_ZERO_STAGES = (0, 1, 2)
+"""The ZeRO stages loom trains with; the planner models stage 3 too, for comparison."""
+
+
+def runs_in_loom(layout: Layout) -> bool:
+    return layout.zero in RUNNABLE_ZERO_STAGES
 
 
 # ---------------------------------------------------------------- output
@@ -659,7 +675,7 @@ def table(estimates: list[Estimate], gpu: str) -> str:
     lines = [head, "-" * len(head)]
     for e in estimates:
         mem, sec = {k: v / GB for k, v in e.memory.items()}, e.seconds
-        star = "*" if e.layout.zero == 3 else " "
+        star = " " if runs_in_loom(e.layout) else "*"
         lines.append(
             f"{e.layout.describe() + star:<{width}} {'yes' if e.fits else 'no':>4} | {mem['total']:6.1f} = "
             f"{mem['params']:5.1f} {mem['grads']:5.1f} {mem['optimizer']:5.1f} {mem['activations']:5.1f} "
@@ -667,7 +683,7 @@ def table(estimates: list[Estimate], gpu: str) -> str:
             f"{sec['bubble']:5.3f} {sec['p2p']:5.3f} | {e.tokens_per_s_per_gpu:9,.0f} {e.model_tflops_per_gpu:7.1f} "
             f"{e.mfu:5.1%} {e.hfu:5.1%}"
         )
-    if any(e.layout.zero == 3 for e in estimates):
+    if not all(runs_in_loom(e.layout) for e in estimates):
         lines.append("* ZeRO-3 is modelled for comparison; loom implements ZeRO 0, 1 and 2.")
     lines.append(f"{gpu}: MFU and HFU against the dense datasheet peak; HFU counts recompute (docs/planner.md).")
     return "\n".join(lines)

@@ -94,6 +94,13 @@ def sha256_of(path: Path, chunk: int = 1 << 22) -> str:
     return digest.hexdigest()
 
 
+def tokenizer_record(path: str | None) -> dict | None:
+    """What a checkpoint records of its tokenizer file (CheckpointMetadata.tokenizer); None without one."""
+    if not path or not Path(path).is_file():
+        return None
+    return {"path": str(Path(path).resolve()), "sha256": sha256_of(Path(path))}
+
+
 @dataclass(frozen=True)
 class FileRecord:
     """What metadata.json records of one file, so that a truncated or corrupt file is found before loading."""
@@ -162,6 +169,12 @@ class CheckpointMetadata:
     lora_base: dict | None = None
     """For a LoRA run's checkpoint (adapters only): the base model's checkpoint directory ("path") and the
     sha256 of its metadata.json ("metadata_sha256"); None for a checkpoint of the whole model."""
+    tokenizer: dict | None = None
+    """The tokenizer the model was trained with (data.tokenizer): its "path" then and the "sha256" of the file, so
+    `loom generate` can refuse another; None when training read token ids without one."""
+    hf_source: str | None = None
+    """For a checkpoint written by `loom ckpt import-hf`: the Hugging Face model folder it came from, which a
+    PEFT export of adapters trained on it names as base_model_name_or_path."""
     format_version: int = FORMAT_VERSION
     """The on-disk format version; a reader refuses any other."""
 
@@ -179,6 +192,8 @@ class CheckpointMetadata:
             "files": {name: asdict(record) for name, record in self.files.items()},
             "index": self.index,
             "lora_base": self.lora_base,
+            "tokenizer": self.tokenizer,
+            "hf_source": self.hf_source,
         }
         return json.dumps(data, indent=1)
 
@@ -205,6 +220,8 @@ class CheckpointMetadata:
                 files={name: FileRecord(**record) for name, record in data["files"].items()},
                 index=data["index"],
                 lora_base=data.get("lora_base"),
+                tokenizer=data.get("tokenizer"),
+                hf_source=data.get("hf_source"),
                 format_version=data["format_version"],
             )
         except (KeyError, TypeError, AttributeError) as error:

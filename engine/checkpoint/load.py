@@ -143,11 +143,16 @@ def load_checkpoint(state: TrainingState, directory: Path, metadata: CheckpointM
     segments_of = defaultdict(list)
     for seg in optimizer.segments:
         segments_of[seg.param].append(seg)
+    # Another optimizer's state means nothing to this one (Adam's moments are not SGD's momentum): it starts fresh
+    # from the saved master weights, as the trainer tells the user, and saves no stale state later.
+    same_optimizer = metadata.layout.optimizer in (None, state.config.optim.name)
     for _, param in named_params:
         info = param_info(param)
         weights = reader.model(info.name)
         param.copy_(info.shard_spec.shard(weights, parallel.tp_rank, parallel.tp_size).to(param.dtype))
-        _load_segments(reader, optimizer, parallel, param, info.name, weights, segments_of[param], metadata)
+        _load_segments(
+            reader, optimizer, parallel, param, info.name, weights, segments_of[param], metadata, same_optimizer
+        )
     _restore_loop_state(state, reader, metadata)
 
 
@@ -160,9 +165,11 @@ def _load_segments(
     weights: torch.Tensor,
     segments: list,
     metadata: CheckpointMetadata,
+    same_optimizer: bool,
 ) -> None:
-    """Master weights and elementwise optimizer state of this rank's segments of one parameter."""
-    saved_states = reader.states(logical)
+    """Master weights and (from the same optimizer) elementwise optimizer state of this rank's segments of one
+    parameter."""
+    saved_states = reader.states(logical) if same_optimizer else reader.states(logical) & {"master"}
     for kind in ["master", *sorted(saved_states - {"master"})]:
         if kind == "master":
             logical_tensor = reader.optim("master", logical) if "master" in saved_states else weights.float()

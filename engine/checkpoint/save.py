@@ -35,6 +35,7 @@ from loom.engine.checkpoint.format import (
     optim_key,
     rng_key,
     staging_dir,
+    tokenizer_record,
     write_rank_file,
 )
 from loom.engine.checkpoint.state import TrainingState
@@ -136,6 +137,7 @@ def describe_run(state: TrainingState) -> CheckpointMetadata:
         files={},
         index={},
         lora_base=state.lora_base,
+        tokenizer=tokenizer_record(c.data.tokenizer),
     )
 
 

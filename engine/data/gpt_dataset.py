@@ -291,7 +291,7 @@ class GPTDataset:
             for name, array in zip(INDEX_NAMES, arrays):
                 _save_atomic(self.cache_paths[name], lambda f, a=array: np.save(f, a))
         except OSError as error:
-            raise OSError(
+            raise DatasetError(
                 f"cannot write the GPTDataset index cache in {self.cache_dir} ({error.strerror}); "
                 f"point data.cache_dir at a writable directory"
             ) from None

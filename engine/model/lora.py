@@ -126,11 +126,34 @@ def adopt_base_model(config: LoomConfig) -> list[str]:
     changes, values = [], {}
     for field in dataclasses.fields(ModelConfig):
         ours, theirs = getattr(config.model, field.name), getattr(base, field.name)
+        if field.name == "max_position_embeddings" and base.position_embedding == "rope":
+            theirs = max(ours, theirs)  # RoPE has no position weights: a longer context is the run's to choose
         if field.name not in _RUN_SETTINGS and ours != theirs:
             changes.append(f"{field.name}: {ours} -> {theirs}")
             values[field.name] = theirs
     config.model = dataclasses.replace(config.model, **values)
+    positions = config.model.max_position_embeddings
+    if base.position_embedding == "learned" and config.train.seq_length > positions:
+        raise ConfigError(
+            f"train.seq_length = {config.train.seq_length} exceeds the base model's {positions} learned positions "
+            f"({config.lora.base}); lower --train.seq_length"
+        )
     return changes
+
+
+def check_rank(config: LoomConfig) -> None:
+    """Refuse a rank above the adapted layers' smallest side: B A then has more parameters than W (a rank of
+    100,000 on hidden 128 is 16 GB of adapters) and no more expressive power than rank = that side."""
+    m, lora = config.model, config.lora
+    sides = {"hidden_size": m.hidden_size}
+    if {"fc1", "fc2"} & set(lora.targets):
+        sides["ffn_hidden_size"] = m.ffn_hidden_size
+    name, smallest = min(sides.items(), key=lambda item: item[1])
+    if lora.rank > smallest:
+        raise ConfigError(
+            f"lora.rank = {lora.rank} exceeds the adapted layers' smallest side (model.{name} = {smallest}); "
+            f"a rank up to {smallest} gives every update a full-rank adapter can, typically 8-64"
+        )
 
 
 def check_same_base(checkpoint: Path, saved: dict | None, current: dict | None) -> None:

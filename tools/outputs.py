@@ -1,0 +1,80 @@
+"""Where the offline tools may write: never over another run's files unless the user said to replace them.
+
+`loom ckpt import-hf|merge-lora|reshard` write a checkpoint (iter_N + `latest`) into a checkpoints folder, and
+`loom ckpt export-hf` writes a Hugging Face folder. Written into a training run, an import would repoint its
+`latest` (the run then resumes at step 0 of another model), and an iter_N beside a run's checkpoints/ is found
+before them by `--checkpoint RUN`. So each refuses, in one line: a file, a run directory, a folder holding
+checkpoints or (for an export) a model, unless --overwrite, which moves what is there into replaced/<time>/
+(as `train --train.overwrite` does) -- except the checkpoint being read, which is never replaced.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from loom.engine.atomic import move_aside
+from loom.engine.checkpoint.format import LATEST, CheckpointError, candidates
+
+RUN_FILES = ("metrics.jsonl", "config.toml")
+"""What a training run writes into its run directory before anything else."""
+
+HF_FILES = ("config.json", "adapter_config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json")
+
+
+def is_run_directory(path: Path) -> bool:
+    """A training run's directory: its metrics or resolved config, or a checkpoints/ folder with checkpoints."""
+    return path.is_dir() and (
+        any((path / name).is_file() for name in RUN_FILES) or bool(candidates(path / "checkpoints"))
+    )
+
+
+def _checkpoint_entries(folder: Path) -> list[Path]:
+    return candidates(folder) + [p for p in (folder / LATEST,) if p.exists()]
+
+
+def _refuse_file_or_run(output: Path, what: str) -> None:
+    if output.exists() and not output.is_dir():
+        raise CheckpointError(f"--output {output} is a file; give a folder for the {what}")
+    if is_run_directory(output):
+        raise CheckpointError(
+            f"--output {output} is a training run's directory; write the {what} to a folder of its own, "
+            f"e.g. {output.with_name(output.name + '-' + what.split()[0])}"
+        )
+
+
+def claim_checkpoint_output(output: Path, overwrite: bool, reading: tuple[Path, ...] = ()) -> None:
+    """Make sure a checkpoint may be written into `output` (a checkpoints folder); with `overwrite`, move the
+    checkpoints already there aside. `reading`: the checkpoints the command reads, which it cannot replace."""
+    _refuse_file_or_run(output, "checkpoint")
+    for source in reading:
+        if source.resolve() == output.resolve() or output.resolve() in source.resolve().parents:
+            raise CheckpointError(f"--output {output} holds {source}, which this command reads; write elsewhere")
+    existing = _checkpoint_entries(output) if output.is_dir() else []
+    owner = output.parent if output.name == "checkpoints" and is_run_directory(output.parent) else None
+    if not existing and owner is None:
+        return
+    held = f"is training run {owner}'s checkpoints folder" if owner is not None else "holds checkpoints"
+    if not overwrite:
+        raise CheckpointError(
+            f"--output {output} {held}: writing there would repoint its `latest`; write to a new folder, "
+            f"or pass --overwrite to move what is there into {output}/replaced/"
+        )
+    if existing:
+        print(f"--overwrite: the checkpoints in {output} were moved to {move_aside(output, existing)}")
+
+
+def claim_export_output(output: Path, overwrite: bool) -> None:
+    """Make sure a Hugging Face model (or adapter) may be written into `output`; with `overwrite`, move the model
+    files already there aside (a stale shard index would otherwise win over the new model.safetensors)."""
+    _refuse_file_or_run(output, "export")
+    if output.is_dir() and _checkpoint_entries(output):
+        raise CheckpointError(f"--output {output} holds loom checkpoints; export to a folder of its own")
+    existing = sorted({p for pattern in HF_FILES for p in output.glob(pattern)}) if output.is_dir() else []
+    if not existing:
+        return
+    if not overwrite:
+        raise CheckpointError(
+            f"--output {output} already holds a model ({', '.join(p.name for p in existing[:3])}); export to a new "
+            f"folder, or pass --overwrite to move those files into {output}/replaced/"
+        )
+    print(f"--overwrite: the files in {output} were moved to {move_aside(output, existing)}")
