@@ -40,6 +40,7 @@ from loom.data_tools.jsonl import (
 )
 from loom.data_tools.manifest import manifest_path, write_manifest
 from loom.data_tools.parallel import chunked, imap_ordered
+from loom.data_tools.tokenizer import load_tokenizer
 from loom.data_tools.word_cache import WordCache, word_splittable
 from loom.engine.data.indexed import IndexedDatasetWriter, dtype_for_vocab, index_paths
 
@@ -54,7 +55,7 @@ BYTES_PER_TOKEN = 3
 @functools.lru_cache(maxsize=4)
 def load_processor(model_path: str) -> sentencepiece.SentencePieceProcessor:
     """One processor per model and process (workers load it on their first batch)."""
-    return sentencepiece.SentencePieceProcessor(model_file=model_path)
+    return load_tokenizer(model_path)
 
 
 def _encode_arrays(processor: sentencepiece.SentencePieceProcessor, texts: list[str], threads: int) -> list[np.ndarray]:

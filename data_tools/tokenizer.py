@@ -24,6 +24,19 @@ from loom.data_tools.jsonl import InputError, JsonlStats, check_inputs, count_li
 from loom.data_tools.manifest import manifest_path, write_manifest
 from loom.data_tools.progress import Elapsed, Progress
 
+
+def load_tokenizer(path: str | Path) -> sentencepiece.SentencePieceProcessor:
+    """A SentencePiece model file, or one line saying why the file is not one."""
+    path = Path(path)
+    if path.is_dir():
+        raise InputError(f"tokenizer {path} is a directory; give its .model file")
+    if not path.is_file():
+        raise InputError(f"tokenizer {path} does not exist; train one with `loom data tokenizer`")
+    try:
+        return sentencepiece.SentencePieceProcessor(model_file=str(path))
+    except (RuntimeError, OSError):
+        raise InputError(f"tokenizer {path} is not a SentencePiece model (a .model file)") from None
+
 MODEL_TYPES = ("bpe", "unigram")
 # SentencePiece drops longer lines; long enough for minified code and data tables.
 MAX_SENTENCE_BYTES = 1 << 16

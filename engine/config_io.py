@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import tomllib
 import types
 import typing
@@ -51,9 +52,15 @@ def _coerce(where: str, hint: Any, value: Any) -> Any:
         if isinstance(value, bool) or (hint is int and isinstance(value, float)):
             raise ConfigError(f"{where} expects {kind}, got {value!r}")
         try:
-            return hint(value)
+            number = hint(value)
         except (TypeError, ValueError):
             raise ConfigError(f"{where} expects {kind}, got {value!r}") from None
+        # Beyond these a value overflows the int64 and float tensors it feeds, or poisons every step (NaN).
+        if hint is int and not -(2**63) <= number < 2**63:
+            raise ConfigError(f"{where} = {number} is out of range (more than 2**63)")
+        if hint is float and not math.isfinite(number):
+            raise ConfigError(f"{where} must be a finite number, got {value!r}")
+        return number
     if hint is str:
         if not isinstance(value, str):
             raise ConfigError(f"{where} expects a string, got {value!r}")

@@ -44,7 +44,10 @@ def preflight(config: LoomConfig, world_size: int) -> None:
         if not tokenizer.is_file():
             what = "is a directory; give its .model file" if tokenizer.is_dir() else "does not exist"
             raise ConfigError(f"data.tokenizer {tokenizer} {what}")
-        vocab = sentencepiece.SentencePieceProcessor(model_file=config.data.tokenizer).vocab_size()
+        try:
+            vocab = sentencepiece.SentencePieceProcessor(model_file=config.data.tokenizer).vocab_size()
+        except (RuntimeError, OSError):
+            raise ConfigError(f"data.tokenizer {tokenizer} is not a SentencePiece model (a .model file)") from None
         if vocab > config.model.vocab_size:
             raise ConfigError(
                 f"the tokenizer has {vocab} pieces but model.vocab_size = {config.model.vocab_size}; "

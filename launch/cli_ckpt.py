@@ -137,8 +137,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
         prompt = parse_prompt_ids(args.prompt_ids)
     else:
         prompt = ([processor.bos_id()] if processor.bos_id() >= 0 else []) + processor.encode(args.prompt)
-    if not prompt or max(prompt) >= config.model.vocab_size or min(prompt) < 0:
-        raise ConfigError(f"the prompt's token ids must lie in [0, {config.model.vocab_size}); got {prompt[:8]}")
+    # With a tokenizer, the ids it can decode (a model's vocabulary may be padded beyond its pieces).
+    vocab_size = processor.vocab_size() if processor is not None else config.model.vocab_size
+    if not prompt or max(prompt) >= vocab_size or min(prompt) < 0:
+        raise ConfigError(f"the prompt's token ids must lie in [0, {vocab_size}); got {prompt[:8]}")
     positions = config.model.max_position_embeddings
     if len(prompt) > positions:
         raise ConfigError(
@@ -152,6 +154,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         top_p=args.top_p,
         seed=args.seed,
         stop_ids=stops,
+        vocab_size=vocab_size,
     )
     if args.nproc > 1:
         del model

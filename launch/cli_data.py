@@ -152,9 +152,9 @@ def _inspect(args: argparse.Namespace) -> None:
         print(f"sequence length: mean {lengths.mean():.1f}, min {lengths.min()}, max {lengths.max()}")
     processor = None
     if args.tokenizer:
-        import sentencepiece
+        from loom.data_tools.tokenizer import load_tokenizer
 
-        processor = sentencepiece.SentencePieceProcessor(model_file=args.tokenizer)
+        processor = load_tokenizer(args.tokenizer)
     for i in range(min(args.samples, len(dataset))):
         tokens = dataset[i][: args.max_tokens].tolist()
         shown = repr(processor.decode(tokens)) if processor else str(tokens)
@@ -208,15 +208,13 @@ def _preview(args: argparse.Namespace, overrides: list[str]) -> None:
     config = load_config(args.config, sections)
     if not config.data.paths:
         raise FileNotFoundError("give --data PREFIX (or a --config whose data.paths is set)")
-    dataset = build_dataset(config, 0, args.samples, is_builder=True, barrier=None)
     tokenizer_path = args.tokenizer or config.data.tokenizer
     processor = None
     if tokenizer_path:
-        import sentencepiece
+        from loom.data_tools.tokenizer import load_tokenizer
 
-        if not Path(tokenizer_path).is_file():
-            raise FileNotFoundError(f"tokenizer {tokenizer_path} does not exist")
-        processor = sentencepiece.SentencePieceProcessor(model_file=tokenizer_path)
+        processor = load_tokenizer(tokenizer_path)
+    dataset = build_dataset(config, 0, args.samples, is_builder=True, barrier=None)
     print(
         f"the first {args.samples} training samples of {', '.join(config.data.paths)} in the order training "
         f"reads them (seq_length {config.train.seq_length} + 1 label token, seed {config.train.seed}, "

@@ -4,6 +4,7 @@ the adapter model's own logits (peft and transformers are the outside references
 that transformers wrote.
 """
 
+import json
 import math
 import subprocess
 import sys
@@ -267,6 +268,8 @@ def test_readme_lora_recipe_on_a_model_transformers_wrote(dataset, tmp_path):
     _loom("ckpt", "export-hf", "--input", "runs/lora-merged", "--output", "hf-merged", cwd=tmp_path)
     _loom("ckpt", "export-hf", "--input", "runs/lora", "--adapter-only", "--output", "lora-adapter", cwd=tmp_path)
     assert (tmp_path / "lora-adapter" / "adapter_model.safetensors").is_file()
+    adapter_config = json.loads((tmp_path / "lora-adapter" / "adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] == str((tmp_path / "hf-llama").resolve())  # what was imported
     prompt = [5, 17, 300, 42, 7]
     tokens = _loom(
         "generate", "--checkpoint", "runs/lora", "--prompt-ids", " ".join(map(str, prompt)),

@@ -3,30 +3,14 @@ a sequence longer than the model's positions, a rank count below one, a config t
 directory, a dataset folder where a prefix belongs."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from training_runs import HANG_S, read_metrics, tiny_train_args
+from training_runs import loom, one_line_error, read_metrics, tiny_train_args
 
 from loom.engine.data.indexed import IndexedDataset, IndexedDatasetWriter
 from loom.engine.data.token_range import token_id_range
-
-
-def loom(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "loom.launch.cli", *args], capture_output=True, text=True, timeout=HANG_S
-    )
-
-
-def one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ import os
 import selectors
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -63,6 +64,22 @@ def tiny_train_args(dataset: str, run_dir: str | Path, *extra: str) -> list[str]
         "false",
         *extra,
     ]
+
+
+def loom(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`loom ARGS` as a user types it, in a fresh process; its exit status and output."""
+    return subprocess.run(
+        [sys.executable, "-m", "loom.launch.cli", *args], capture_output=True, text=True, timeout=HANG_S, env=env
+    )
+
+
+def one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    """The command failed as a user's mistake: exit 2 and one line `error: ...` holding each fragment."""
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

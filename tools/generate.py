@@ -84,12 +84,14 @@ def generate(
     seed: int = 0,
     stop_ids: tuple[int, ...] = (),
     parallel: ParallelState | None = None,
+    vocab_size: int | None = None,
 ) -> list[int]:
-    """The prompt's continuation (new token ids only); stops early at a token in stop_ids. Under `parallel`
-    every rank of the layout calls this together (its model: load_model(..., parallel)) and gets the tokens."""
+    """The prompt's continuation (new token ids only); stops early at a token in stop_ids. `vocab_size`: draw only
+    ids below it (the tokenizer's pieces, where the model's vocabulary is larger). Under `parallel` every rank of
+    the layout calls this together (its model: load_model(..., parallel)) and gets the tokens."""
     if not prompt:
         raise ValueError("generate needs a prompt of at least one token")
-    vocab = model.config.vocab_size
+    vocab = min(model.config.vocab_size, vocab_size or model.config.vocab_size)
     limit = model.config.max_position_embeddings
     generator = torch.Generator().manual_seed(seed)
     cache = DecodingCache()
@@ -197,7 +199,7 @@ def open_tokenizer(metadata: CheckpointMetadata, config: LoomConfig, explicit: s
     the one the run trained with (its path then). Refuses one the model was not trained with (by the sha256 its
     checkpoint records, or the run's tokenizer file) or with more pieces than the model has ids, whose output
     would be noise. None when there is none and it is not `needed` (--prompt-ids: the output stays ids)."""
-    import sentencepiece
+    from loom.data_tools.tokenizer import load_tokenizer
 
     recorded = metadata.tokenizer or {}
     trained_with = recorded.get("path") or config.data.tokenizer
@@ -216,7 +218,7 @@ def open_tokenizer(metadata: CheckpointMetadata, config: LoomConfig, explicit: s
             f"tokenizer {path} {what} this model was trained with ({trained_with}, sha256 {expected[:12]}); its "
             "text would be noise: pass that tokenizer (or --prompt-ids to work in token ids)"
         )
-    processor = sentencepiece.SentencePieceProcessor(model_file=str(path))
+    processor = load_tokenizer(path)
     if processor.vocab_size() > config.model.vocab_size:
         raise ConfigError(
             f"tokenizer {path} has {processor.vocab_size()} pieces but the model {config.model.vocab_size} ids: "

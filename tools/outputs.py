@@ -46,19 +46,17 @@ def claim_checkpoint_output(output: Path, overwrite: bool, reading: tuple[Path, 
     """Make sure a checkpoint may be written into `output` (a checkpoints folder); with `overwrite`, move the
     checkpoints already there aside. `reading`: the checkpoints the command reads, which it cannot replace."""
     _refuse_file_or_run(output, "checkpoint")
-    for source in reading:
-        if source.resolve() == output.resolve() or output.resolve() in source.resolve().parents:
-            raise CheckpointError(f"--output {output} holds {source}, which this command reads; write elsewhere")
     existing = _checkpoint_entries(output) if output.is_dir() else []
     owner = output.parent if output.name == "checkpoints" and is_run_directory(output.parent) else None
-    if not existing and owner is None:
-        return
-    held = f"is training run {owner}'s checkpoints folder" if owner is not None else "holds checkpoints"
-    if not overwrite:
+    if (existing or owner is not None) and not overwrite:
+        held = f"is training run {owner}'s checkpoints folder" if owner is not None else "holds checkpoints"
         raise CheckpointError(
             f"--output {output} {held}: writing there would repoint its `latest`; write to a new folder, "
             f"or pass --overwrite to move what is there into {output}/replaced/"
         )
+    for source in reading:
+        if source.resolve() == output.resolve() or output.resolve() in source.resolve().parents:
+            raise CheckpointError(f"--output {output} holds {source}, which this command reads; write elsewhere")
     if existing:
         print(f"--overwrite: the checkpoints in {output} were moved to {move_aside(output, existing)}")
 

@@ -1,0 +1,331 @@
+"""A new user's careless commands after training (issue #30), each as the command line a user types: settings that
+would silently train the wrong model, commands that would write into another run's checkpoints, generation that
+stops short without a word, files that are not what they claim, and the rough edges around them. Each asserts
+the one-line refusal (exit 2) or the stated outcome, and that nothing was overwritten.
+
+One small run (2 layers, 64 positions, a recorded tokenizer) and one LoRA run on it serve every story; the
+argument sweep of every command is tests/test_cli_sweep.py.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from training_runs import loom, one_line_error, read_metrics, tiny_train_args
+
+from loom.engine.checkpoint.format import find_loadable, read_metadata
+from loom.launch.cli import main
+
+POSITIONS = 64
+
+
+def run(capfd, *argv: str) -> tuple[int, str, str]:
+    """`loom ARGV` through the console script's entry point, in this process (ranks it starts write to the same
+    file descriptors): (exit status, stdout, stderr)."""
+    code = 0
+    try:
+        main(list(argv))
+    except SystemExit as exited:
+        code = exited.code
+    out, err = capfd.readouterr()
+    return code, out, err
+
+
+def refused(capfd, argv: list[str], *fragments: str) -> None:
+    """`loom ARGV` (in this process) fails as the user's mistake: exit 2, one line `error: ...` with each fragment."""
+    code, out, err = run(capfd, *argv)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), out + err
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def checkpoints_of(run_dir: Path) -> dict[str, str]:
+    """What a run's checkpoints folder holds: entry names, and `latest`'s text."""
+    folder = run_dir / "checkpoints"
+    return {p.name: (p.read_text() if p.is_file() else "dir") for p in sorted(folder.iterdir())}
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, markov_dataset):
+    """A 2-layer run of 2 steps with a tokenizer recorded, a checkpoint at each step; a LoRA run on it; its
+    Hugging Face export; and a second tokenizer that the model never saw."""
+    from loom.data_tools.tokenizer import train_tokenizer
+    from loom.tools.hf import export_hf
+
+    root = tmp_path_factory.mktemp("stories")
+    docs = root / "docs.jsonl"
+    docs.write_text("".join(f'{{"text": "line {i}: def f(x): return x * {i} + 1"}}\n' for i in range(300)))
+    train_tokenizer([docs], root / "tok", vocab_size=300, progress=False)
+    train_tokenizer([docs], root / "other", vocab_size=320, progress=False)
+    dataset = markov_dataset(50)
+    model = ["--model.num_layers", "2", "--model.max_position_embeddings", str(POSITIONS)]
+    shape = ["--train.seq_length", "32", "--train.global_batch_size", "4", "--train.micro_batch_size", "2"]
+    base = root / "base"
+    main(
+        [
+            "train",
+            *tiny_train_args(dataset, base, *model, *shape, "--train.steps", "2", "--checkpoint.interval", "1"),
+            "--data.tokenizer",
+            str(root / "tok.model"),
+        ]
+    )
+    lora = root / "lora"
+    lora_args = ["--lora.rank", "4", "--lora.base", str(base)]
+    main(
+        [
+            "train",
+            *tiny_train_args(dataset, lora, *shape, "--train.steps", "2", "--checkpoint.interval", "2"),
+            *lora_args,
+        ]
+    )
+    export_hf(base, root / "hf")
+    return {"root": root, "dataset": dataset, "base": base, "lora": lora, "hf": root / "hf", "shape": shape}
+
+
+def test_lora_settings_without_a_rank_are_refused_before_anything_runs(world, capfd, tmp_path):
+    """`--lora.base` alone used to train a fresh model (step-1 loss ln V) and exit 0."""
+    result = loom("train", *tiny_train_args(world["dataset"], tmp_path / "run"), "--lora.base", str(world["base"]))
+    one_line_error(result, "lora.base is set but lora.rank is 0 (no adapters): add --lora.rank R")
+    assert not (tmp_path / "run").exists()
+    huge = ["--lora.rank", "100000", "--lora.base", str(world["base"])]
+    refused(
+        capfd,
+        ["train", *tiny_train_args(world["dataset"], tmp_path / "run"), *huge],
+        "lora.rank = 100000 exceeds the adapted layers' smallest side (model.hidden_size = 128)",
+    )
+
+
+def test_a_lora_runs_printed_config_is_the_bases_model_with_the_positions_asked_for(world, capfd, tmp_path):
+    """--print-config showed the preset's 4 layers for a 2-layer base, and an explicit
+    --model.max_position_embeddings was replaced by the base's (RoPE has no position weights to keep)."""
+    args = tiny_train_args(world["dataset"], tmp_path / "run", "--lora.rank", "4", "--lora.base", str(world["base"]))
+    longer = ["--model.max_position_embeddings", "256", "--train.seq_length", "128"]
+    code, out, _ = run(capfd, "train", *args, *longer, "--print-config")
+    assert code == 0
+    assert "num_layers = 2" in out and "max_position_embeddings = 256" in out and "seq_length = 128" in out
+
+
+def test_checkpoint_writers_refuse_another_runs_folder_unless_told_to_replace_it(world, capfd, tmp_path):
+    """merge-lora and import-hf into RUN/checkpoints used to write iter_0000000 and repoint `latest` (the run then
+    resumed at step 0 of another model); an iter_N written into RUN itself was found before RUN's checkpoints."""
+    base, lora, hf = world["base"], world["lora"], world["hf"]
+    before = checkpoints_of(base)
+    into_checkpoints, into_run = ["--output", str(base / "checkpoints")], ["--output", str(base)]
+    for args, message in (
+        (["ckpt", "merge-lora", "--checkpoint", str(lora), *into_checkpoints], "is training run"),
+        (["ckpt", "import-hf", "--input", str(hf), *into_checkpoints], "is training run"),
+        (["ckpt", "merge-lora", "--checkpoint", str(lora), *into_run], "is a training run's directory"),
+        (
+            ["ckpt", "reshard", "--checkpoint", str(lora), *into_run, "--parallel.tp", "2", "--parallel.pp", "1"],
+            "is a training run's directory",
+        ),
+        (["ckpt", "export-hf", "--checkpoint", str(lora), *into_run], "is a training run's directory"),
+    ):
+        refused(capfd, args, message)
+    one_line_error(loom("ckpt", "merge-lora", "--checkpoint", str(lora), *into_checkpoints), "is training run")
+    assert checkpoints_of(base) == before
+    assert "iter_0000000" not in before and before["latest"] == "iter_0000002\n"
+
+    imported = tmp_path / "imported"
+    importing = ["ckpt", "import-hf", "--input", str(hf), "--output", str(imported)]
+    assert run(capfd, *importing)[0] == 0
+    first = (imported / "iter_0000000" / "metadata.json").read_text()
+    refused(capfd, importing, "holds checkpoints")
+    code, out, err = run(capfd, *importing, "--overwrite")
+    assert code == 0 and "--overwrite: the checkpoints in" in out, err
+    (aside,) = (imported / "replaced").iterdir()
+    assert sorted(p.name for p in aside.iterdir()) == ["iter_0000000", "latest"]
+    assert (aside / "iter_0000000" / "metadata.json").read_text() == first  # kept, not deleted
+    assert find_loadable(imported)[0] == imported / "iter_0000000"
+    assert read_metadata(imported / "iter_0000000").hf_source == str(hf.resolve())
+
+
+def test_generate_says_how_many_tokens_and_why_it_stopped(world, capfd):
+    """A prompt near the model's positions used to give a few tokens (or none, past them) without a word."""
+    base = str(world["base"])
+    prompt = " ".join(str(i) for i in range(1, 61))
+    code, out, err = run(capfd, "generate", "--checkpoint", base, "--prompt-ids", prompt, "--max-new-tokens", "50")
+    assert code == 0 and out  # decoded with the tokenizer training recorded
+    assert err.strip() == (
+        f"generated 5 of up to 50 tokens after a 60-token prompt; stopped at the model's {POSITIONS} positions "
+        "(model.max_position_embeddings)"
+    )
+    code, out, err = run(capfd, "generate", "--checkpoint", base, "--prompt-ids", "1,2,3", "--max-new-tokens", "4")
+    assert code == 0 and err.startswith("generated 4 of up to 4 tokens after a 3-token prompt; stopped at --max-new")
+    code, _, err = run(capfd, "generate", "--checkpoint", base, "--prompt-ids", " ".join(["5"] * (POSITIONS + 1)))
+    assert code == 2 and err.startswith(f"error: the prompt has {POSITIONS + 1} tokens but the model has {POSITIONS}")
+
+
+def test_generate_refuses_a_tokenizer_the_model_was_not_trained_with(world, capfd):
+    """Another tokenizer's text used to come out as newlines; the checkpoint now records its tokenizer's sha256."""
+    root, base = world["root"], str(world["base"])
+    code, _, err = run(
+        capfd, "generate", "--checkpoint", base, "--tokenizer", str(root / "other.model"), "--prompt", "x"
+    )
+    assert code == 2 and "is not the one this model was trained with" in err and err.count("\n") == 1
+    code, out, _ = run(capfd, "generate", "--checkpoint", base, "--prompt", "def f", "--max-new-tokens", "2")
+    assert code == 0 and out.startswith("def f")  # its own tokenizer, found where training read it
+    # --prompt-ids needs no tokenizer: with the training one gone, the output stays token ids.
+    (root / "tok.model").rename(root / "tok.moved")
+    try:
+        code, out, _ = run(capfd, "generate", "--checkpoint", base, "--prompt-ids", "7 8", "--max-new-tokens", "2")
+        assert code == 0 and out.split()[:2] == ["7", "8"] and len(out.split()) == 4
+        code, _, err = run(capfd, "generate", "--checkpoint", base, "--prompt", "x")
+        assert code == 2 and "is not there; pass --tokenizer T.model" in err
+    finally:
+        (root / "tok.moved").rename(root / "tok.model")
+
+
+def test_a_moved_lora_base_is_named_with_lora_base(world, capfd, tmp_path):
+    """A LoRA checkpoint points to its base's path; after a move, --lora.base says where it went (checked by sha256)."""
+    base, lora = world["base"], str(world["lora"])
+    moved = base.with_name("base-moved")
+    base.rename(moved)
+    try:
+        code, _, err = run(capfd, "generate", "--checkpoint", lora, "--prompt-ids", "1 2", "--max-new-tokens", "2")
+        assert code == 2 and "is gone; its adapters need it (moved? pass --lora.base NEW_PLACE)" in err
+        code, out, _ = run(
+            capfd,
+            "generate",
+            "--checkpoint",
+            lora,
+            "--prompt-ids",
+            "1 2",
+            "--max-new-tokens",
+            "2",
+            "--lora.base",
+            str(moved),
+        )
+        assert code == 0 and len(out.split()) == 4
+        out_dir = tmp_path / "adapter"
+        code, out, _ = run(
+            capfd, "ckpt", "export-hf", "--checkpoint", lora, "--adapter-only", "--output", str(out_dir),
+            "--lora.base", str(moved), "--base-model", "org/tiny",
+        )  # fmt: skip
+        assert (
+            code == 0
+            and json.loads((out_dir / "adapter_config.json").read_text())["base_model_name_or_path"] == "org/tiny"
+        )
+        code, _, err = run(
+            capfd,
+            "ckpt",
+            "merge-lora",
+            "--checkpoint",
+            lora,
+            "--output",
+            str(tmp_path / "m"),
+            "--lora.base",
+            str(world["hf"]),
+        )
+        assert code == 2 and "holds no intact checkpoint" in err
+    finally:
+        moved.rename(base)
+
+
+def _hf_copy(world, tmp_path: Path, name: str) -> Path:
+    copy = tmp_path / name
+    shutil.copytree(world["hf"], copy)
+    return copy
+
+
+def test_import_hf_names_what_is_wrong_with_the_folder(world, capfd, tmp_path):
+    truncated = _hf_copy(world, tmp_path, "truncated")
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    malformed = _hf_copy(world, tmp_path, "malformed")
+    (malformed / "config.json").write_text('{"model_type": "llama",')
+    no_weights = _hf_copy(world, tmp_path, "no-weights")
+    (no_weights / "model.safetensors").rename(no_weights / "pytorch_model.bin")
+    missing_key = _hf_copy(world, tmp_path, "missing-key")
+    config = json.loads((missing_key / "config.json").read_text())
+    del config["hidden_size"]
+    (missing_key / "config.json").write_text(json.dumps(config))
+    for folder, message in (
+        (truncated, "is not a readable safetensors file (truncated?)"),
+        (malformed, "config.json is not valid JSON"),
+        (no_weights, "holds no *.safetensors weights (found pytorch_model.bin"),
+        (missing_key, "config.json has no 'hidden_size'"),
+    ):
+        refused(capfd, ["ckpt", "import-hf", "--input", str(folder), "--output", str(tmp_path / "out")], message)
+        assert not (tmp_path / "out").exists()
+
+
+def test_import_hf_reads_rope_settings_as_transformers_does(world, capfd, tmp_path):
+    """A config with rope_scaling beside rope_parameters: transformers takes rope_scaling whole, so loom does too
+    (llama3 scaling is imported; yarn, which loom lacks, is refused instead of imported as default RoPE)."""
+    transformers = pytest.importorskip("transformers")
+    from loom.tools.hf import import_hf
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}  # fmt: skip
+    for name, rope_scaling in (("llama3", scaling), ("yarn", {"rope_type": "yarn", "factor": 4.0})):
+        folder = _hf_copy(world, tmp_path, name)
+        config = json.loads((folder / "config.json").read_text())
+        config.update(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, rope_scaling=rope_scaling)
+        (folder / "config.json").write_text(json.dumps(config))
+        theirs = transformers.AutoConfig.from_pretrained(folder).rope_parameters
+        assert theirs["rope_type"] == name
+        if name == "llama3":
+            model = read_metadata(import_hf(folder, tmp_path / "out-llama3")).config["model"]
+            assert model["rope_scaling"] == "llama3" and model["rope_scaling_factor"] == theirs["factor"] == 8.0
+        else:
+            refused(
+                capfd,
+                ["ckpt", "import-hf", "--input", str(folder), "--output", str(tmp_path / "out")],
+                "rope_type 'yarn' is not supported",
+            )
+
+
+def test_data_commands_refuse_what_training_would(world, capfd, tmp_path):
+    dataset = world["dataset"]
+    code, _, err = run(capfd, "data", "index", "--config", "tiny", "--data.paths", dataset, "--parallel.tp", "3")
+    assert code == 2 and err.startswith("error: parallel.tp = 3 must divide model.num_heads = 8")
+    unwritable = str(Path(world["hf"]) / "config.json" / "cache")
+    code, _, err = run(
+        capfd, "data", "index", "--config", "tiny", "--data.paths", dataset, "--data.cache_dir", unwritable
+    )
+    assert code == 2 and err.count("\n") == 1 and "cannot write the GPTDataset index cache" in err
+    code, out, _ = run(capfd, "data", "preview", "--help")
+    assert "default: the config's, 2048 without one" in " ".join(out.split())
+    shown = [
+        run(capfd, "data", "preview", "--data", dataset, flag, "16", "--samples", "2")[1]
+        for flag in ("--seq-length", "--train.seq_length")
+    ]
+    assert shown[0] == shown[1] and "seq_length 16" in shown[0]
+
+
+def test_a_run_saves_its_last_step_says_the_time_left_and_names_an_optimizer_switch(world, capfd, tmp_path):
+    """With the default checkpoint settings a run used to end with no checkpoint and no word; a job cut short by
+    train.exit_after said ETA 0m00s; resuming under another optimizer dropped its state silently."""
+    dataset, run_dir = world["dataset"], tmp_path / "run"
+    args = [
+        "train", "--config", "tiny", "--data.paths", dataset, "--data.tokenizer", "none",
+        "--train.run_dir", str(run_dir), "--train.log_interval", "1", "--train.eval_interval", "0",
+        "--train.tensorboard", "false", *world["shape"],
+        "--model.num_layers", "2", "--train.steps", "1000", "--train.exit_after", "2",
+        "--train.wandb_project", "loom-test", "--train.wandb_mode", "disabled",
+    ]  # fmt: skip
+    code, out, _ = run(capfd, *args)
+    assert code == 0 and [row["step"] for row in read_metrics(run_dir)] == [1, 2]
+    assert (run_dir / "checkpoints" / "latest").read_text() == "iter_0000002\n"
+    last = [line for line in out.splitlines() if line.startswith("step      2/1000")][0]
+    assert "ETA" in last and "ETA 0m00s" not in last  # 998 steps left, not the 0 left in this job
+    assert not (run_dir / "wandb").exists()
+    code, out, _ = run(capfd, *args, "--optim.name", "sgd", "--train.exit_after", "0", "--train.steps", "4")
+    assert code == 0 and [row["step"] for row in read_metrics(run_dir)] == [1, 2, 3, 4]
+    assert "was trained with adamw; its optimizer state does not carry over to sgd" in out
+
+
+def test_old_and_new_spellings_mean_the_same(world, capfd, tmp_path):
+    """One spelling per idea across commands (--checkpoint, --parallel.tp, --train.seq_length); the old ones work."""
+    base = str(world["base"])
+    for i, spelling in enumerate((["--checkpoint", base, "--parallel.tp", "2"], ["--input", base, "--tp", "2"])):
+        code, _, err = run(
+            capfd, "ckpt", "reshard", *spelling, "--parallel.pp", "1", "--output", str(tmp_path / str(i))
+        )
+        assert code == 0, err
+    assert read_metadata(tmp_path / "0" / "iter_0000002").specs == read_metadata(tmp_path / "1" / "iter_0000002").specs
