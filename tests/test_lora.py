@@ -165,7 +165,11 @@ def test_lora_under_every_layout_gives_the_single_rank_losses(dataset, base, sin
         assert frozen_equal, name
         for a, b in zip(reference, losses, strict=True):
             assert abs(a - b) / a < 1e-5, name
-        assert _max_adapter_difference(single_rank[2], tmp_path / name) < 1e-5, name
+        # AdamW moves each element by up to lr (1e-3) a step whatever its gradient's size, so an element of A
+        # whose gradient is at rounding level (B is ~1e-3 after one step) moves by a rounding-sized share of lr:
+        # measured 2.8e-5 at tp2 with SP and recompute on one 2-core machine (others stayed under 1e-5). A wrong
+        # reduction of A's gradient (a TP partial not summed) turns elements by ~lr.
+        assert _max_adapter_difference(single_rank[2], tmp_path / name) < 1e-4, name
     for a, b in zip(reference[2:], results["tp2->pp2 resume"][0], strict=True):
         assert abs(a - b) / a < 1e-5, "resuming the tp2 adapters at pp2"
     bf16, frozen_equal = results["pp2-bf16"]
@@ -264,9 +268,9 @@ def test_readme_lora_recipe_on_a_model_transformers_wrote(dataset, tmp_path):
         cwd=tmp_path,
     )  # fmt: skip
     assert "trainable parameters of" in out and "hidden_size: 128 -> 64" in out
-    _loom("ckpt", "merge-lora", "--input", "runs/lora", "--output", "runs/lora-merged/checkpoints", cwd=tmp_path)
-    _loom("ckpt", "export-hf", "--input", "runs/lora-merged", "--output", "hf-merged", cwd=tmp_path)
-    _loom("ckpt", "export-hf", "--input", "runs/lora", "--adapter-only", "--output", "lora-adapter", cwd=tmp_path)
+    _loom("ckpt", "merge-lora", "--checkpoint", "runs/lora", "--output", "runs/lora-merged/checkpoints", cwd=tmp_path)
+    _loom("ckpt", "export-hf", "--checkpoint", "runs/lora-merged", "--output", "hf-merged", cwd=tmp_path)
+    _loom("ckpt", "export-hf", "--checkpoint", "runs/lora", "--adapter-only", "--output", "lora-adapter", cwd=tmp_path)
     assert (tmp_path / "lora-adapter" / "adapter_model.safetensors").is_file()
     adapter_config = json.loads((tmp_path / "lora-adapter" / "adapter_config.json").read_text())
     assert adapter_config["base_model_name_or_path"] == str((tmp_path / "hf-llama").resolve())  # what was imported
