@@ -37,6 +37,7 @@ def load_tokenizer(path: str | Path) -> sentencepiece.SentencePieceProcessor:
     except (RuntimeError, OSError):
         raise InputError(f"tokenizer {path} is not a SentencePiece model (a .model file)") from None
 
+
 MODEL_TYPES = ("bpe", "unigram")
 # SentencePiece drops longer lines; long enough for minified code and data tables.
 MAX_SENTENCE_BYTES = 1 << 16

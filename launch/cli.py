@@ -58,7 +58,7 @@ def _prediction(config) -> str:
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
     from loom.engine.preflight import preflight
-    from loom.launch.local import launch_local
+    from loom.launch.local import launch_local, start_rank_server
 
     config = load_config(args.config, overrides)
     external = args.nproc is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -78,6 +78,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
         config.resolve_world(nproc)
         print(config_to_toml(config), end="")
         return
+    start_rank_server()  # its imports overlap the checks below
     preflight(config, nproc)
     print(
         f"loom train: {nproc} rank(s), tp={config.parallel.tp} pp={config.parallel.pp} dp={config.parallel.dp}, "

@@ -84,7 +84,7 @@ def _import_hf(args: argparse.Namespace) -> None:
 def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> None:
     from loom.engine.config_io import config_from_dict, parse_overrides
     from loom.engine.preflight import preflight
-    from loom.launch.local import launch_local
+    from loom.launch.local import launch_local, start_rank_server
     from loom.tools.ckpt import open_checkpoint
 
     directory, metadata = open_checkpoint(Path(args.checkpoint))
@@ -98,6 +98,7 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> None:
         for section, values in parse_overrides(overrides).items():
             raw[section].update(values)
         config = config_from_dict({s: {k: v for k, v in fields.items() if v is not None} for s, fields in raw.items()})
+        start_rank_server()  # its imports overlap the checks below
         preflight(config, args.nproc)
         t = config.train
         print(

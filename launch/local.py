@@ -75,6 +75,15 @@ def _rank_context():
     return ctx
 
 
+def start_rank_server() -> None:
+    """Start the fork server now, in the background: its imports (seconds of CPU) then overlap the launcher's
+    own checks instead of following them. launch_local finds it running (or waits for it)."""
+    from multiprocessing import forkserver
+
+    _rank_context()
+    threading.Thread(target=forkserver.ensure_running, name="loom-rank-server", daemon=True).start()
+
+
 class _InheritedFd:
     """A file descriptor of the launcher handed to a rank (through the fork server's fd passing): a rank
     writes to the launcher's stdout/stderr of now, not those of whoever started the server."""
@@ -156,7 +165,7 @@ def _rank_main(
         raise SystemExit(1) from None
 
 
-def launch_local(config: LoomConfig, nproc: int, grace_s: float = 5.0, mode: str = "train") -> None:
+def launch_local(config: LoomConfig, nproc: int, grace_s: float = 2.0, mode: str = "train") -> None:
     """Run training (or evaluation, mode "eval") on `nproc` local ranks; raises RankFailed with the
     first failing rank's error."""
     ctx = _rank_context()
@@ -223,10 +232,13 @@ def launch_local(config: LoomConfig, nproc: int, grace_s: float = 5.0, mode: str
 
 
 def _stop_all(procs: list, grace_s: float) -> None:
+    """SIGTERM every rank, and SIGKILL those still there after grace_s (one deadline for all). It runs once a
+    rank has failed: the others cannot finish a collective, let alone a checkpoint, so the grace is short."""
     for proc in procs:
         proc.terminate()
+    deadline = time.monotonic() + grace_s
     for proc in procs:
-        proc.join(grace_s)
+        proc.join(max(0.0, deadline - time.monotonic()))
         if proc.is_alive():
             proc.kill()
             proc.join()
