@@ -69,7 +69,7 @@ def describe_rank_error(error: BaseException, timeout_minutes: float) -> tuple[s
 RANK_PRELOAD = ["torch", "torch._dynamo", "loom.launch.env", "loom.engine.train"]
 
 
-def _rank_context():
+def rank_context():
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(RANK_PRELOAD)
     return ctx
@@ -80,7 +80,7 @@ def start_rank_server() -> None:
     own checks instead of following them. launch_local finds it running (or waits for it)."""
     from multiprocessing import forkserver
 
-    _rank_context()
+    rank_context()
     threading.Thread(target=forkserver.ensure_running, name="loom-rank-server", daemon=True).start()
 
 
@@ -168,7 +168,7 @@ def _rank_main(
 def launch_local(config: LoomConfig, nproc: int, grace_s: float = 2.0, mode: str = "train") -> None:
     """Run training (or evaluation, mode "eval") on `nproc` local ranks; raises RankFailed with the
     first failing rank's error."""
-    ctx = _rank_context()
+    ctx = rank_context()
     errors = ctx.Queue()
     port = free_port()
     threads = max(1, (os.cpu_count() or 1) // nproc)

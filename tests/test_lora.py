@@ -6,8 +6,6 @@ that transformers wrote.
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -235,19 +233,13 @@ def test_merged_model_and_peft_adapter_give_the_lora_logits(single_rank, base, t
     torch.testing.assert_close(hf_logits, expected, rtol=1e-5, atol=1e-5)
 
 
-def _loom(*args: str, cwd: Path) -> str:
-    result = subprocess.run(
-        [sys.executable, "-m", "loom.launch.cli", *args], capture_output=True, text=True, timeout=300, cwd=cwd
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    return result.stdout
-
-
-def test_readme_lora_recipe_on_a_model_transformers_wrote(dataset, tmp_path):
+def test_readme_lora_recipe_on_a_model_transformers_wrote(dataset, tmp_path, monkeypatch, capfd):
     """The README's LoRA recipe as a user runs it: import a Llama that transformers saved, fine-tune adapters at
     tp 2, merge, export (merged and adapter-only) and generate; transformers' greedy decoding of the exported
     merged model gives loom's tokens, on one process and split over tp 2 or pp 2."""
     transformers = pytest.importorskip("transformers")
+    from loom.launch.cli import main
+
     torch.manual_seed(0)
     hf_config = transformers.LlamaConfig(
         vocab_size=4096,
@@ -260,24 +252,30 @@ def test_readme_lora_recipe_on_a_model_transformers_wrote(dataset, tmp_path):
         tie_word_embeddings=False,
     )
     transformers.LlamaForCausalLM(hf_config).save_pretrained(str(tmp_path / "hf-llama"))
-    _loom("ckpt", "import-hf", "--input", "hf-llama", "--output", "runs/base/checkpoints", cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)  # the README's relative paths
+
+    def _loom(*args: str) -> str:
+        """`loom ARGS` through the console script's entry point, in this process; its stdout."""
+        main(list(args))
+        return capfd.readouterr().out
+
+    _loom("ckpt", "import-hf", "--input", "hf-llama", "--output", "runs/base/checkpoints")
     out = _loom(
         "train", "--config", "tiny", "--data.paths", dataset, "--data.tokenizer", "none", "--train.name", "lora",
         "--train.steps", "4", "--train.eval_interval", "0", "--checkpoint.interval", "4", "--nproc", "2",
         "--parallel.tp", "2", "--lora.rank", "8", "--lora.base", "runs/base",
-        cwd=tmp_path,
     )  # fmt: skip
     assert "trainable parameters of" in out and "hidden_size: 128 -> 64" in out
-    _loom("ckpt", "merge-lora", "--checkpoint", "runs/lora", "--output", "runs/lora-merged/checkpoints", cwd=tmp_path)
-    _loom("ckpt", "export-hf", "--checkpoint", "runs/lora-merged", "--output", "hf-merged", cwd=tmp_path)
-    _loom("ckpt", "export-hf", "--checkpoint", "runs/lora", "--adapter-only", "--output", "lora-adapter", cwd=tmp_path)
+    _loom("ckpt", "merge-lora", "--checkpoint", "runs/lora", "--output", "runs/lora-merged/checkpoints")
+    _loom("ckpt", "export-hf", "--checkpoint", "runs/lora-merged", "--output", "hf-merged")
+    _loom("ckpt", "export-hf", "--checkpoint", "runs/lora", "--adapter-only", "--output", "lora-adapter")
     assert (tmp_path / "lora-adapter" / "adapter_model.safetensors").is_file()
     adapter_config = json.loads((tmp_path / "lora-adapter" / "adapter_config.json").read_text())
     assert adapter_config["base_model_name_or_path"] == str((tmp_path / "hf-llama").resolve())  # what was imported
     prompt = [5, 17, 300, 42, 7]
     tokens = _loom(
         "generate", "--checkpoint", "runs/lora", "--prompt-ids", " ".join(map(str, prompt)),
-        "--max-new-tokens", "8", cwd=tmp_path,
+        "--max-new-tokens", "8",
     ).split()  # fmt: skip
     merged = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf-merged"), dtype=torch.float32).eval()
     with torch.no_grad():
@@ -288,7 +286,7 @@ def test_readme_lora_recipe_on_a_model_transformers_wrote(dataset, tmp_path):
     for layout in (["--parallel.tp", "2"], ["--parallel.pp", "2"]):
         split = _loom(
             "generate", "--checkpoint", "runs/lora", "--prompt-ids", " ".join(map(str, prompt)),
-            "--max-new-tokens", "8", "--nproc", "2", *layout, cwd=tmp_path,
+            "--max-new-tokens", "8", "--nproc", "2", *layout,
         ).split()  # fmt: skip
         assert split == tokens, layout
 

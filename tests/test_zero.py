@@ -68,8 +68,9 @@ def _train_variants(rank, world, dataset, run_dir, parallel, precision, optimize
             f"{run_dir}/zero{zero}-{offload}",
             parallel={**parallel, "grad_bucket_mb": 0.25},
             optim={"zero": zero, "offload": offload, "name": optimizer},
-            # 16 samples in micro-batches of 2: gradients accumulate over 8 / dp micro-batches.
-            train={"steps": steps, "micro_batch_size": 2, "precision": precision},
+            # 16 samples in micro-batches of 2: gradients accumulate over 8 / dp micro-batches. Sequences of 32
+            # tokens: the variants are compared with each other, and fp16 matmuls are slow on a CPU.
+            train={"steps": steps, "micro_batch_size": 2, "precision": precision, "seq_length": 32},
         )
         trainer = Trainer(config)
         losses = [trainer.train_step()["loss"] for _ in range(steps)]

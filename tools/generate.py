@@ -11,7 +11,6 @@ Greedy output equals transformers' greedy `generate` on the exported model (test
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import re
 import socket
@@ -28,6 +27,7 @@ from loom.engine.parallel import mappings
 from loom.engine.parallel.param_info import param_info
 from loom.engine.parallel.state import ParallelState
 from loom.engine.pipeline.stages import stage_layers
+from loom.launch.local import rank_context
 from loom.tools.ckpt import open_checkpoint
 from loom.tools.lora import ModelWeights
 
@@ -167,7 +167,7 @@ def generate_parallel(checkpoint: Path, tp: int, pp: int, base: Path | None = No
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    context = mp.get_context("spawn")
+    context = rank_context()  # ranks fork from a server that has imported torch once, as training's do
     results = context.Queue()
     world = tp * pp
     ranks = [
