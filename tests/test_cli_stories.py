@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from training_runs import loom, one_line_error, read_metrics, tiny_train_args
+from training_runs import loom, loom_here, one_line_error, read_metrics, tiny_train_args
 
 from loom.engine.checkpoint.format import find_loadable, read_metadata
 from loom.launch.cli import main
@@ -23,15 +23,9 @@ POSITIONS = 64
 
 
 def run(capfd, *argv: str) -> tuple[int, str, str]:
-    """`loom ARGV` through the console script's entry point, in this process (ranks it starts write to the same
-    file descriptors): (exit status, stdout, stderr)."""
-    code = 0
-    try:
-        main(list(argv))
-    except SystemExit as exited:
-        code = exited.code
-    out, err = capfd.readouterr()
-    return code, out, err
+    """`loom ARGV` in this process (training_runs.loom_here): (exit status, stdout, stderr)."""
+    result = loom_here(capfd, *argv)
+    return result.returncode, result.stdout, result.stderr
 
 
 def refused(capfd, argv: list[str], *fragments: str) -> None:

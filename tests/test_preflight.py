@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from training_runs import loom, one_line_error, read_metrics, tiny_train_args
+from training_runs import loom, loom_here, one_line_error, read_metrics, tiny_train_args
 
 from loom.engine.data.indexed import IndexedDataset, IndexedDatasetWriter
 from loom.engine.data.token_range import token_id_range
@@ -70,21 +70,23 @@ def test_directories_where_files_belong_are_named_as_such(dataset, tmp_path):
     one_line_error(result, f"input {tmp_path} is a directory; give its JSONL files (here: docs.jsonl)")
 
 
-def test_a_run_directory_belongs_to_one_run(dataset, tmp_path):
+def test_a_run_directory_belongs_to_one_run(dataset, tmp_path, capfd):
     """The README's commands used to share runs/tiny, each truncating the last one's metrics."""
-    first = loom("train", *tiny_train_args(dataset, tmp_path, "--train.steps", "2"))
+    first = loom_here(capfd, "train", *tiny_train_args(dataset, tmp_path, "--train.steps", "2"))
     assert first.returncode == 0, first.stderr
     before = (tmp_path / "metrics.jsonl").read_text()
 
-    other = loom("train", *tiny_train_args(dataset, tmp_path, "--train.steps", "3", "--parallel.tp", "1"))
+    other = loom_here(capfd, "train", *tiny_train_args(dataset, tmp_path, "--train.steps", "3", "--parallel.tp", "1"))
     one_line_error(other, f"run directory {tmp_path} holds another run's metrics (train.steps: 2 there, 3 now)")
     assert (tmp_path / "metrics.jsonl").read_text() == before
 
-    again = loom("train", *tiny_train_args(dataset, tmp_path, "--train.steps", "2"))
+    again = loom_here(capfd, "train", *tiny_train_args(dataset, tmp_path, "--train.steps", "2"))
     assert again.returncode == 0, again.stderr  # the same run, started again
     before = (tmp_path / "metrics.jsonl").read_text()
 
-    replaced = loom("train", *tiny_train_args(dataset, tmp_path, "--train.steps", "3", "--train.overwrite", "true"))
+    replaced = loom_here(
+        capfd, "train", *tiny_train_args(dataset, tmp_path, "--train.steps", "3", "--train.overwrite", "true")
+    )
     assert replaced.returncode == 0, replaced.stderr
     [aside] = (tmp_path / "replaced").iterdir()
     assert (aside / "metrics.jsonl").read_text() == before

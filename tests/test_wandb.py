@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from training_runs import HANG_S, read_metrics, tiny_train_args
+from training_runs import HANG_S, loom_here, read_metrics, tiny_train_args
 
 wandb_proto = pytest.importorskip("wandb.proto.wandb_internal_pb2")
 
@@ -62,17 +62,11 @@ def logged(run_dir: Path) -> list[tuple[str, dict, dict]]:
     return runs
 
 
-def loom(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "loom.launch.cli", *args], capture_output=True, text=True, timeout=HANG_S
-    )
-
-
-def test_offline_wandb_gets_the_metrics_and_a_restart_resumes_the_run(dataset, tmp_path):
+def test_offline_wandb_gets_the_metrics_and_a_restart_resumes_the_run(dataset, tmp_path, capfd):
     wandb = ["--train.wandb_project", "loom-test", "--train.wandb_mode", "offline", "--checkpoint.interval", "3"]
-    first = loom("train", *tiny_train_args(dataset, tmp_path, "--train.steps", "3", *wandb))
+    first = loom_here(capfd, "train", *tiny_train_args(dataset, tmp_path, "--train.steps", "3", *wandb))
     assert first.returncode == 0, first.stderr
-    resumed = loom("train", *tiny_train_args(dataset, tmp_path, "--train.steps", "5", *wandb))
+    resumed = loom_here(capfd, "train", *tiny_train_args(dataset, tmp_path, "--train.steps", "5", *wandb))
     assert resumed.returncode == 0, resumed.stderr
     runs = logged(tmp_path)
     assert len(runs) == 2 and runs[0][0] == runs[1][0]  # one W&B run, resumed

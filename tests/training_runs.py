@@ -73,6 +73,21 @@ def loom(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     )
 
 
+def loom_here(capfd, *args: str) -> subprocess.CompletedProcess:
+    """`loom ARGS` through the console script's entry point in this process (its ranks fork from this process's
+    warm fork server and write to the same file descriptors, which `capfd` reads): what loom() gives, seconds
+    sooner."""
+    from loom.launch.cli import main
+
+    code = 0
+    try:
+        main(list(args))
+    except SystemExit as exited:
+        code = exited.code
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(list(args), code, out, err)
+
+
 def one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
     """The command failed as a user's mistake: exit 2 and one line `error: ...` holding each fragment."""
     assert result.returncode == 2, result.stdout + result.stderr
