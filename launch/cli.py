@@ -57,8 +57,9 @@ def _prediction(config) -> str:
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
+    from loom.engine.parallel.rendezvous import start_rank_server
     from loom.engine.preflight import preflight
-    from loom.launch.local import launch_local, start_rank_server
+    from loom.launch.local import launch_local
 
     config = load_config(args.config, overrides)
     external = args.nproc is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ

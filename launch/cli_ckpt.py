@@ -83,8 +83,9 @@ def _import_hf(args: argparse.Namespace) -> None:
 
 def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> None:
     from loom.engine.config_io import config_from_dict, parse_overrides
+    from loom.engine.parallel.rendezvous import start_rank_server
     from loom.engine.preflight import preflight
-    from loom.launch.local import launch_local, start_rank_server
+    from loom.launch.local import launch_local
     from loom.tools.ckpt import open_checkpoint
 
     directory, metadata = open_checkpoint(Path(args.checkpoint))

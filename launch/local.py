@@ -1,6 +1,7 @@
 """`loom train --nproc N`: start N ranks on this machine and supervise them.
 
-Each rank is a process forked from a fork server that has imported torch and loom once (RANK_PRELOAD),
+Each rank is a process forked from a fork server that has imported torch and loom once (engine/parallel/
+rendezvous.py),
 with the launcher's environment, working directory and output, plus torchrun-style variables. The parent waits on
 all of them; the first one to fail makes the others stop (SIGTERM, then SIGKILL) and its error,
 with its rank, is what the user sees. SIGTERM or Ctrl-C to the parent is passed to the ranks,
@@ -11,7 +12,6 @@ are divided among the ranks so N ranks on a few cores do not oversubscribe them.
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import multiprocessing.connection
 import os
 import signal
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from loom.engine.config import LoomConfig
 from loom.engine.config_io import config_from_dict, config_to_dict
-from loom.engine.parallel.rendezvous import free_port
+from loom.engine.parallel.rendezvous import free_port, rank_context
 from loom.errors import is_user_error, user_message
 
 
@@ -61,27 +61,6 @@ def describe_rank_error(error: BaseException, timeout_minutes: float) -> tuple[s
     if is_user_error(error):
         return message, True
     return f"{type(error).__name__}: {message}", False
-
-
-# Ranks fork from a server process that has imported these once (forkserver): a rank then starts in a fraction
-# of a second instead of importing torch (and torch._dynamo, which torch.optim pulls in) itself, seconds of
-# CPU per rank. The server never runs torch code, so forking from it is as clean as a spawn.
-RANK_PRELOAD = ["torch", "torch._dynamo", "loom.launch.env", "loom.engine.train"]
-
-
-def rank_context():
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(RANK_PRELOAD)
-    return ctx
-
-
-def start_rank_server() -> None:
-    """Start the fork server now, in the background: its imports (seconds of CPU) then overlap the launcher's
-    own checks instead of following them. launch_local finds it running (or waits for it)."""
-    from multiprocessing import forkserver
-
-    rank_context()
-    threading.Thread(target=forkserver.ensure_running, name="loom-rank-server", daemon=True).start()
 
 
 class _InheritedFd:

@@ -5,12 +5,10 @@ spawned rank importing them again: seconds of CPU per rank, over a hundred multi
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import traceback
 from typing import Any, Callable
 
-from loom.engine.parallel.rendezvous import free_port
-from loom.launch.local import RANK_PRELOAD
+from loom.engine.parallel.rendezvous import free_port, rank_context
 
 
 def _portable(value, to_numpy: bool):
@@ -45,8 +43,7 @@ def _worker(fn, rank, world_size, port, queue, args):
             dist.destroy_process_group()
 
 
-_CONTEXT = mp.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(RANK_PRELOAD)
+_CONTEXT = rank_context()
 
 
 def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 300) -> list[Any]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 from pathlib import Path
 
 import torch
@@ -25,9 +24,9 @@ from loom.engine.config_io import config_from_dict
 from loom.engine.model.gpt import DecodingCache, GPTModel
 from loom.engine.parallel import mappings
 from loom.engine.parallel.param_info import param_info
+from loom.engine.parallel.rendezvous import free_port, rank_context
 from loom.engine.parallel.state import ParallelState
 from loom.engine.pipeline.stages import stage_layers
-from loom.launch.local import rank_context
 from loom.tools.ckpt import open_checkpoint
 from loom.tools.lora import ModelWeights
 
@@ -164,9 +163,7 @@ def check_layout(config: LoomConfig, tp: int, pp: int) -> None:
 def generate_parallel(checkpoint: Path, tp: int, pp: int, base: Path | None = None, **job) -> list[int]:
     """generate() on tp x pp local ranks (gloo), the model split as training splits it; rank 0's tokens."""
     check_layout(config_from_dict(open_checkpoint(checkpoint)[1].config), tp, pp)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     context = rank_context()  # ranks fork from a server that has imported torch once, as training's do
     results = context.Queue()
     world = tp * pp

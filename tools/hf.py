@@ -310,7 +310,10 @@ def export_peft_adapter(
     if metadata.lora_base is None:
         raise CheckpointError(f"{directory} is not a LoRA checkpoint; --adapter-only exports a LoRA run's adapters")
     if base_model is None:
-        base_model = base_of(directory, metadata, base)[1].hf_source
+        try:
+            base_model = base_of(directory, metadata, base)[1].hf_source
+        except CheckpointError:  # the base moved or changed: the adapters themselves still export, unnamed
+            base_model = None
     config = config_from_dict(metadata.config)
     model = config_to_dict(config)["model"]
     _check_llama(model)
