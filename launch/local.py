@@ -1,8 +1,8 @@
 """`loom train --nproc N`: start N ranks on this machine and supervise them.
 
-Each rank is a process forked from a fork server that has imported torch and loom once (engine/parallel/
-rendezvous.py),
-with the launcher's environment, working directory and output, plus torchrun-style variables. The parent waits on
+Each rank is a process forked from a fork server that has imported torch and loom once
+(engine/parallel/rendezvous.py), with the launcher's environment, working directory and output, plus
+torchrun-style variables. The parent waits on
 all of them; the first one to fail makes the others stop (SIGTERM, then SIGKILL) and its error,
 with its rank, is what the user sees. SIGTERM or Ctrl-C to the parent is passed to the ranks,
 which checkpoint at the next step boundary and exit; a second one stops them at once. CPU threads
