@@ -1,13 +1,10 @@
 """Trainer behaviour beyond layout invariance: bf16 autocast, early stopping, the demo end to end."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from training_runs import read_metrics, tiny_config
+from training_runs import loom_here, read_metrics, tiny_config
 
 from loom.launch.local import launch_local
 
@@ -46,35 +43,11 @@ def test_early_stopping_when_validation_stops_improving(dataset, tmp_path, capfd
 
 
 @pytest.mark.slow
-def test_demo_runs_end_to_end(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "loom.launch.cli",
-            "demo",
-            "--workdir",
-            str(tmp_path),
-            "--max-docs",
-            "80",
-            "--steps",
-            "4",
-            "--nproc",
-            "4",
-            "--tp",
-            "1",
-            "--pp",
-            "2",
-            "--vp",
-            "2",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=env,
-        timeout=600,
-    )
+def test_demo_runs_end_to_end(tmp_path, monkeypatch, capfd):
+    """`loom demo` as the README runs it (through loom's entry point, in this process), on 80 documents."""
+    monkeypatch.chdir(tmp_path)
+    demo = ["--max-docs", "80", "--train.steps", "4", "--nproc", "4", "--parallel.tp", "1", "--parallel.pp", "2"]
+    result = loom_here(capfd, "demo", "--workdir", str(tmp_path), *demo, "--parallel.vp", "2")
     assert result.returncode == 0, result.stderr[-2000:]
     assert "== summary" in result.stdout and "validation   loss" in result.stdout
     assert "sample       'def " in result.stdout  # what the trained model writes, decoded
