@@ -189,6 +189,7 @@ def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: in
 
 def _move_checkpoint(workdir: Path, config, steps: int) -> dict:
     """Reshard the checkpoint offline, resume under another layout, evaluate, export to Hugging Face."""
+    from loom.engine.checkpoint.format import CheckpointError
     from loom.launch.local import launch_local
     from loom.tools.ckpt import reshard
     from loom.tools.hf import export_hf
@@ -200,6 +201,10 @@ def _move_checkpoint(workdir: Path, config, steps: int) -> dict:
     runs = workdir / "runs"
     resharded = reshard(runs / "tiny" / "checkpoints", runs / "tiny-resharded" / "checkpoints", tp=1, pp=2)
     print(f"resharded: {resharded}")
+    try:  # a writer aimed at another run's checkpoints is refused, not obeyed (it would repoint `latest`)
+        reshard(runs / "tiny" / "checkpoints", runs / "tiny" / "checkpoints", tp=1, pp=2)
+    except CheckpointError as refusal:
+        print(f"the same reshard into the run's own checkpoints is refused: {refusal}")
     trained = config_to_dict(config)
     resumed = load_config(
         None,

@@ -50,6 +50,7 @@ def test_demo_runs_end_to_end(tmp_path, monkeypatch, capfd):
     result = loom_here(capfd, "demo", "--workdir", str(tmp_path), *demo, "--parallel.vp", "2")
     assert result.returncode == 0, result.stderr[-2000:]
     assert "== summary" in result.stdout and "validation   loss" in result.stdout
+    assert "the same reshard into the run's own checkpoints is refused: --output" in result.stdout
     assert "sample       'def " in result.stdout  # what the trained model writes, decoded
     assert "exact and 0 near duplicates removed" in result.stdout  # 80 stdlib files hold no near duplicates
     assert "2 sample indices (2 built, 0 found)" in result.stdout  # built offline before training
