@@ -35,6 +35,8 @@ def _coerce(where: str, hint: Any, value: Any) -> Any:
         inner = [a for a in args if a is not type(None)]
         return _coerce(where, inner[0], value)
     if origin is typing.Literal:
+        if isinstance(value, bool) and "true" in args:  # TOML's true/false for a field that also has "auto"
+            value = "true" if value else "false"
         if value not in args:
             raise ConfigError(f"{where} = {value!r} is not one of {', '.join(map(str, args))}")
         return value

@@ -31,6 +31,7 @@ from loom.engine.data.loader import BatchIterator, build_datasets
 from loom.engine.faults import FaultPlan
 from loom.engine.flops import model_flops_per_token, peak_tflops
 from loom.engine.metrics import MetricsWriter, StepClock, memory_gb
+from loom.engine.model.compiling import first_compiled_step
 from loom.engine.model.fp8_state import Fp8ScalingState
 from loom.engine.model.kernels import PARAM_DTYPES, choose_kernels
 from loom.engine.model.lora import adopt_base_model, check_same_base, open_base, parameter_counts
@@ -76,10 +77,12 @@ class Trainer:
         self.state = ParallelState.create(tp=p.tp, dp=p.dp, pp=p.pp, vp=p.vp, timeout=timeout)
         self.device = pick_device(t.device, local_rank)
         self.kernels = choose_kernels(config, self.device)
+        self.compile_pending = self.kernels.compiles_blocks  # the first step compiles (engine/model/compiling.py)
         self._log_event(self.kernels.summary())
         if base_model_changes:
             self._log_event(f"LoRA: the model is the base's: {'; '.join(base_model_changes)}")
         self._build_model_and_optimizer()
+        self.kernels.weights_updated(self.chunks)  # resuming below redoes it for the loaded weights
         self.step = 0
         self.autocast_dtype = None if t.precision == "fp32" else PARAM_DTYPES[t.precision]
         self._schedules: dict[tuple[int, bool], list] = {}
@@ -280,9 +283,12 @@ class Trainer:
     def train_step(self, stop: StopRequest | None = None) -> dict:
         """One optimizer step; returns its metrics row. With `stop`, the ranks also agree on the most urgent
         stop code (stop.code afterwards), read in the step's one device-to-host transfer."""
-        if self.comm_ledger is None:
-            return self._train_step(stop)
-        with self.comm_ledger.step(self.step + 1):
+        first = contextlib.nullcontext()
+        if self.compile_pending:
+            self.compile_pending = False
+            first = first_compiled_step(self._log_event)
+        ledger = contextlib.nullcontext() if self.comm_ledger is None else self.comm_ledger.step(self.step + 1)
+        with first, ledger:
             return self._train_step(stop)
 
     def _train_step(self, stop: StopRequest | None) -> dict:

@@ -149,7 +149,14 @@ def test_te_guard_falls_back_under_auto_and_is_one_line_error_under_te(monkeypat
     monkeypatch.setattr(kernels.importlib, "import_module", _fake_import(OSError("undefined symbol: cublasLt")))
     chosen = choose_kernels(tiny(), CUDA, capability=(9, 0))  # a pretend H100 whose TE and apex are broken
     assert chosen.attention.impl == "torch.sdpa" and chosen.linear.impl == "torch.linear"
-    assert chosen.norm.impl == "torch.rms_norm" and chosen.optimizer.impl == "torch.AdamW(fused)"
+    # model.compile = auto compiles on CUDA: the native norm and SwiGLU are compiled, and with them each block.
+    assert chosen.norm.impl == "torch.compile(rms_norm)" and chosen.optimizer.impl == "torch.AdamW(fused)"
+    assert chosen.compiles_blocks and "model.compile = auto (compiled on cuda)" in chosen.norm.why
+    eager = choose_kernels(tiny(), CPU)
+    assert eager.norm.impl == "torch.rms_norm" and not eager.compiles_blocks
+    assert "model.compile = auto (eager on cpu)" in eager.activation.why
+    forced = choose_kernels(tiny(model={"compile": "false"}), CUDA, capability=(9, 0))
+    assert forced.norm.impl == "torch.rms_norm" and not forced.compiles_blocks
     assert "transformer_engine: import failed (OSError: undefined symbol: cublasLt)" in chosen.attention.why
     assert "apex: import failed" in chosen.optimizer.why
     for device in (CUDA, CPU):
@@ -358,6 +365,48 @@ def test_fp8_weight_casts_are_made_once_per_step_and_change_nothing(dataset, tmp
         assert cached["losses"] == uncached["losses"] and cached["losses"][-1] < cached["losses"][0]
         assert torch.equal(cached["weights"], uncached["weights"])
         layers = 4 * 4  # tiny: 4 blocks of qkv, attention output, fc1, fc2
-        assert cached["casts"] == [3] * layers  # once per step
-        assert uncached["casts"] == [3 * microbatches] * layers
+        assert cached["casts"] == [1 + 3] * layers  # once per change of the weights: at start, after each step
+        assert uncached["casts"] == [1 + 3 * microbatches] * layers  # (the start's made before it was disabled)
     assert ranks[0][True]["losses"] == ranks[1][True]["losses"]
+
+
+def _block_graphs(rank, world, dataset, run_dir, precision, fp8, recompute):
+    """What torch._dynamo.explain finds in a transformer block at tp 2 with sequence parallelism (its
+    collectives inside the block) under this precision's autocast: (graphs, graph breaks, break reasons)."""
+    from training_runs import tiny_config
+
+    from loom.engine import train
+
+    if fp8:
+        train.choose_kernels = lambda config, device: _scaled_mm_kernels()  # FP8 on CPU: the guard wants CUDA
+    config = tiny_config(
+        dataset,
+        run_dir,
+        model={"num_layers": 2, "recompute": recompute},
+        parallel={"tp": 2, "sequence_parallel": True},
+        train={"precision": precision, "steps": 1, "global_batch_size": 2, "micro_batch_size": 1, "seq_length": 32},
+    )
+    trainer = train.Trainer(config)
+    model = trainer.chunks[0]
+    hidden = torch.randn(16, 1, 128, dtype=trainer.params[0].dtype, requires_grad=True)
+    torch._dynamo.reset()
+    with trainer._autocast():
+        explained = torch._dynamo.explain(model.layers["0"])(hidden, model._rotary(32, hidden.device))
+    trainer.close()
+    return explained.graph_count, explained.graph_break_count, [str(r.reason) for r in explained.break_reasons]
+
+
+@pytest.mark.parametrize(
+    "precision, fp8, recompute",
+    [("fp32", False, "none"), ("bf16", False, "selective"), ("fp16", False, "none"), ("bf16", True, "none")],
+    ids=["fp32", "bf16-selective", "fp16", "fp8"],
+)
+def test_a_block_is_one_graph_without_breaks(markov_dataset, tmp_path, precision, fp8, recompute):
+    """model.compile compiles each block whole: dynamo must see one graph, TP collectives and all, with no
+    break (a break splits the block into graphs with eager Python between them: the fusion lost)."""
+    from dist_utils import run_ranks
+
+    graphs, breaks, reasons = run_ranks(_block_graphs, 2, markov_dataset(50), str(tmp_path), precision, fp8, recompute)[
+        0
+    ]
+    assert (graphs, breaks) == (1, 0), reasons

@@ -160,8 +160,9 @@ def test_fp8_runs_block_gemms_at_the_fp8_peak(capsys):
     vs 989 TFLOP/s) and attention, output layer and memory-bound kernels as before, so the step is faster by less
     than 2x; MFU stays against the bf16 peak, as loom train reports it. Memory, by hand for llama-8b's 32 layers:
     the QKV, FC1 and FC2 inputs kept in 1 byte instead of 2 and an FP8 copy of the projection's input beside the
-    attention output save 2h + f - q = 18,432 B per token and layer; the FP8 weight copies add 1 B per GEMM
-    weight, h (q + 2 kv) + q h + 3 h f = 218.1M per layer."""
+    attention output save 2h + f - q = 18,432 B per token and layer; the FP8 weight copies add 2 B per GEMM
+    weight (one row-major for the forward GEMM, one column-major for the input-gradient GEMM), of
+    h (q + 2 kv) + q h + 3 h f = 218.1M weights per layer."""
     from loom.launch.cli import build_parser
 
     rows = {}
@@ -181,7 +182,8 @@ def test_fp8_runs_block_gemms_at_the_fp8_peak(capsys):
     m, seq = load_config("llama-8b").model, load_config("llama-8b").train.seq_length
     h, q, kv, f = m.hidden_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim, m.ffn_hidden_size
     assert bf16["activations"] - fp8["activations"] == pytest.approx(seq * 32 * (2 * h + f - q) / 1e9, abs=2e-3)
-    assert fp8["other"] - bf16["other"] == pytest.approx(32 * (h * (q + 2 * kv) + q * h + 3 * h * f) / 1e9, abs=2e-3)
+    weight_copies = 2 * 32 * (h * (q + 2 * kv) + q * h + 3 * h * f)
+    assert fp8["other"] - bf16["other"] == pytest.approx(weight_copies / 1e9, abs=2e-3)
     speedup = rows["bf16"]["step_seconds"] / rows["fp8"]["step_seconds"]
     assert 1.2 < speedup < 2.0, speedup
     assert rows["fp8"]["mfu"] / rows["bf16"]["mfu"] == pytest.approx(speedup, rel=1e-2)
@@ -302,7 +304,12 @@ def _saved_per_layer(rank, world, cases):
             fp8 = {"precision": "bf16", "fp8": "current"} if precision == "fp8" else {}
             config = load_config(
                 "tiny",
-                {"model": {"num_layers": layers, "recompute": recompute}, "parallel": {"tp": tp}, "train": fp8},
+                # eager, as the planner's activations are counted (a pretend CUDA device would compile)
+                {
+                    "model": {"num_layers": layers, "recompute": recompute, "compile": "false"},
+                    "parallel": {"tp": tp},
+                    "train": fp8,
+                },
             )
             config.parallel.sequence_parallel = sp
             kernels = choose_kernels(config, torch.device("cuda"), capability=(9, 0)) if fp8 else None

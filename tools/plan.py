@@ -330,9 +330,15 @@ def layer_activation_bytes(
     return tokens * (norms + gemm_inputs + attention + mlp)
 
 
+FP8_WEIGHT_COPIES = {"current": 2, "delayed": 1}
+"""FP8 copies of each GEMM weight kept through a step, by train.fp8: loom's own FP8 linears (current scaling,
+engine/model/fp8.py's WeightCast) keep a row- and a column-major one; Transformer Engine's (delayed) one, as
+the NeMo FP8 runs the planner is checked against are counted."""
+
+
 def fp8_weight_bytes(m: ModelConfig, tp: int) -> int:
-    """Bytes of the FP8 copies of one layer's GEMM weights, which loom's FP8 linears cast once per step and keep
-    for every micro-batch's forward and backward."""
+    """Bytes of one FP8 copy of one layer's GEMM weights, cast once per step and kept for every micro-batch's
+    forward and backward (FP8_WEIGHT_COPIES says how many copies)."""
     h, q, kv = m.hidden_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
     fc1 = 2 * m.ffn_hidden_size if m.activation == "swiglu" else m.ffn_hidden_size
     return (h * (q + 2 * kv) + q * h + h * fc1 + m.ffn_hidden_size * h) // tp
@@ -410,7 +416,7 @@ def estimate(config: LoomConfig, lay: Layout, hw: Hardware, engine: Engine = LOO
         if lay.recompute == "full":  # the layer being recomputed holds its activations during its backward
             transient += layer_activation_bytes(m, seq, mbs, lay.tp, lay.sp, "none", element, engine, t.fp8 != "off")
         if t.fp8 != "off":  # the FP8 copies of this rank's weights, cast once per step
-            transient += fp8_weight_bytes(m, lay.tp) * (m.num_layers // lay.pp)
+            transient += FP8_WEIGHT_COPIES[t.fp8] * fp8_weight_bytes(m, lay.tp) * (m.num_layers // lay.pp)
         if lay.zero == 3:  # the layer computing and the one prefetched, all-gathered whole over DP
             transient += 2 * layer_parameters(m) // lay.tp * element
         rank_memory = {

@@ -8,8 +8,10 @@ history and no state: a recomputed forward gives the same result. Weights stay i
 dtype (bf16, fp32 masters in the optimizer); only the GEMM inputs are quantised, and the forward
 keeps the FP8 copies of x and W for the backward (half the bytes of bf16).
 
-A weight changes only when the optimizer steps, so each layer quantises it once per step
-(`WeightCast`) and every micro-batch, and every recomputed forward, of that step reuses the copy.
+A weight changes only when the optimizer steps, so each layer quantises it once per step (`WeightCast`,
+refreshed by the trainer outside any compiled graph) into a row-major and a column-major copy, and every
+micro-batch, recomputed forward and backward of that step reads them: no per-micro-batch amax, cast or
+transpose of a weight, and no graph break in a compiled block.
 
 torch._scaled_mm wants the second operand column-major and every size divisible by 16; kernels.py
 checks the sizes before choosing this path. It runs on CUDA devices of compute capability >= 8.9,
@@ -51,51 +53,56 @@ def _column_major(t: torch.Tensor) -> torch.Tensor:
 
 
 class WeightCast:
-    """One layer's FP8 copy of its weight, made by the first forward after the weight changed and reused by
-    every later one: the micro-batches of an optimizer step, their recomputed forwards and validation.
+    """One layer's FP8 copies of its weight, made once per optimizer step and read by every forward and backward of
+    that step: E4M3 values row-major (W^T of the forward GEMM is then column-major, as _scaled_mm wants its second
+    operand) and column-major (W of the input-gradient GEMM), and the fp32 inverse scale.
 
-    Without it every micro-batch repeats the same amax, scale and cast over the whole weight (M - 1
-    wasted passes per step with M micro-batches, and M FP8 copies held for the backward under 1F1B).
-    The copy is keyed on the weight's version counter and storage, which in-place updates of the
-    parameter itself bump (a torch.optim step, a checkpoint's copy_); writes through `.data` or into a
-    flat buffer the parameter is a view of (the ZeRO-1 all-gather of DistributedOptimizer) do not, so the
-    trainer also calls invalidate() after every update (Kernels.weights_updated)."""
+    The trainer refreshes them after every change to the weights (Kernels.weights_updated: the optimizer's step,
+    a checkpoint's load), outside any compiled graph; a torch.compile'd block reads them as inputs like any
+    buffer, with no Python state to guard on and no graph break. Without a refresh (a model built outside the
+    trainer, or `enabled` False: the reference the tests compare against) each call quantises the weight itself.
+    """
 
     def __init__(self) -> None:
         self.enabled = True
         """False quantises on every call (the reference the cached path is tested against)."""
         self.casts = 0
         """How many times the weight was quantised."""
-        self._key: tuple | None = None
-        self._cast: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.copies: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
-    # Runs eagerly inside a torch.compile'd block: a graph that guarded on this object's state would be
-    # one graph per layer and per cache state, where one graph serves every block.
-    @torch.compiler.disable
-    def get(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The weight in E4M3 and its fp32 inverse scale, quantised only if it changed since the last call."""
-        key = (weight._version, weight.data_ptr(), weight.dtype, weight.device)
-        if self.enabled and self._cast is not None and key == self._key:
-            return self._cast
+    def refresh(self, weight: torch.Tensor) -> None:
+        """Quantise `weight` into the copies (in place after the first time, so a compiled graph keeps them)."""
+        if not self.enabled:
+            self.copies = None
+            return
+        with torch.no_grad():
+            fresh = self.quantize(weight)
+            if self.copies is None or self.copies[0].shape != fresh[0].shape:
+                self.copies = fresh
+            else:
+                for kept, new in zip(self.copies, fresh, strict=True):
+                    kept.copy_(new)
+
+    def quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(E4M3 row-major, the same values column-major, fp32 inverse scale) of `weight`."""
         self.casts += 1
-        cast = quantize(weight, E4M3)
-        if self.enabled:
-            self._key, self._cast = key, cast
-        return cast
+        values, scale_inv = quantize(weight, E4M3)
+        return values, _column_major(values), scale_inv
 
-    def invalidate(self) -> None:
-        """The weight changed in a way its version counter does not show; also frees the copy."""
-        self._key = self._cast = None
+    def get(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.copies if self.enabled and self.copies is not None else self.quantize(weight)
 
 
 class _Fp8Matmul(torch.autograd.Function):
     """y = x W^T with x [M, in] and W [out, in]; forward, dgrad and wgrad GEMMs all in FP8. The weight comes
-    quantised (w_q, w_inv: WeightCast's); its gradient flows to `weight`."""
+    quantised (w_q row-major, w_q_col the same column-major, w_inv: WeightCast's); its gradient flows to `weight`."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, w_q: torch.Tensor, w_inv: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx, x: torch.Tensor, weight: torch.Tensor, w_q: torch.Tensor, w_q_col: torch.Tensor, w_inv: torch.Tensor
+    ) -> torch.Tensor:
         x_q, x_inv = quantize(x, E4M3)
-        ctx.save_for_backward(x_q, x_inv, w_q, w_inv)
+        ctx.save_for_backward(x_q, x_inv, w_q_col, w_inv)
         ctx.dtypes = (x.dtype, weight.dtype)
         # Fast accumulation keeps the tensor cores' partial sums in their own narrower accumulator instead of
         # promoting them to fp32 every few blocks of K: faster, and the forward tolerates it. The backward GEMMs
@@ -105,28 +112,28 @@ class _Fp8Matmul(torch.autograd.Function):
         return torch._scaled_mm(x_q, w_q.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=x.dtype, use_fast_accum=True)
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
-        x_q, x_inv, w_q, w_inv = ctx.saved_tensors
+    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None, None]:
+        x_q, x_inv, w_q_col, w_inv = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
         g_q, g_inv = quantize(grad_out.contiguous(), E5M2)
-        grad_x = torch._scaled_mm(g_q, _column_major(w_q), scale_a=g_inv, scale_b=w_inv, out_dtype=x_dtype)
+        grad_x = torch._scaled_mm(g_q, w_q_col, scale_a=g_inv, scale_b=w_inv, out_dtype=x_dtype)
         grad_w = torch._scaled_mm(
             g_q.t().contiguous(), _column_major(x_q), scale_a=g_inv, scale_b=x_inv, out_dtype=w_dtype
         )
-        return grad_x, grad_w, None, None
+        return grad_x, grad_w, None, None, None
 
 
 def fp8_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
-    weight_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
+    weight_fp8: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """F.linear with FP8 GEMMs; x [..., in] (cast to the weight's dtype), weight [out, in]. `weight_fp8` is the
     weight already quantised (WeightCast.get), else it is quantised here."""
     leading = x.shape[:-1]
-    w_q, w_inv = weight_fp8 if weight_fp8 is not None else quantize(weight, E4M3)
-    y = _Fp8Matmul.apply(x.to(weight.dtype).reshape(-1, x.shape[-1]), weight, w_q, w_inv)
+    w_q, w_q_col, w_inv = weight_fp8 if weight_fp8 is not None else WeightCast().quantize(weight)
+    y = _Fp8Matmul.apply(x.to(weight.dtype).reshape(-1, x.shape[-1]), weight, w_q, w_q_col, w_inv)
     y = y.reshape(*leading, weight.shape[0])
     return y if bias is None else y + bias
 
@@ -144,9 +151,19 @@ class _Fp8Linear:
         return fp8_linear(x, self.weight, bias, self.weight_cast.get(self.weight))
 
 
+def _fp8_layers(modules: list[torch.nn.Module]) -> list[_Fp8Linear]:
+    return [m for module in modules for m in module.modules() if isinstance(m, _Fp8Linear)]
+
+
 def weight_casts(modules: list[torch.nn.Module]) -> list[WeightCast]:
     """The WeightCast of every FP8 layer in `modules` (model chunks)."""
-    return [m.weight_cast for module in modules for m in module.modules() if isinstance(m, _Fp8Linear)]
+    return [layer.weight_cast for layer in _fp8_layers(modules)]
+
+
+def refresh_weight_casts(modules: list[torch.nn.Module]) -> None:
+    """Quantise every FP8 layer's weight of `modules` (model chunks) into its copies: after each change."""
+    for layer in _fp8_layers(modules):
+        layer.weight_cast.refresh(layer.weight)
 
 
 class Fp8ColumnParallelLinear(_Fp8Linear, ColumnParallelLinear):

@@ -275,14 +275,13 @@ class Kernels:
         return self.linear.impl.startswith("torch._scaled_mm")
 
     def weights_updated(self, model_chunks: list[torch.nn.Module]) -> None:
-        """The optimizer stepped or a checkpoint was loaded: drop what was derived from the old weights (the FP8
-        layers' per-step weight casts), since a ZeRO-1 all-gather changes them without their version counter."""
+        """The weights were initialised, loaded or stepped: remake what is derived from them, once (the FP8
+        layers' weight copies, engine/model/fp8.py)."""
         if not self.uses_scaled_mm:
             return
-        from loom.engine.model.fp8 import weight_casts
+        from loom.engine.model.fp8 import refresh_weight_casts
 
-        for cast in weight_casts(model_chunks):
-            cast.invalidate()
+        refresh_weight_casts(model_chunks)
 
     def fp8_autocast(self, amax_group) -> contextlib.AbstractContextManager:
         """TE's FP8 region around one block's forward (entered again by a recomputed forward);
@@ -381,7 +380,10 @@ def choose_kernels(config: LoomConfig, device: torch.device, capability: tuple[i
         attention = Choice("torch.sdpa", f"{te_why}; SDPA {backends}")
 
     norm_name = "RMSNorm" if m.norm == "rmsnorm" else "LayerNorm"
-    compiled = f"model.compile = {'true' if m.compile else 'false'}"
+    compiles = m.compile == "true" or (m.compile == "auto" and cuda)
+    compiled = f"model.compile = {m.compile}" + (
+        f" ({'compiled' if compiles else 'eager'} on {device.type})" if m.compile == "auto" else ""
+    )
     if te_ok:
         norm = Choice(f"te.{norm_name}", te_why)
     else:
@@ -389,8 +391,8 @@ def choose_kernels(config: LoomConfig, device: torch.device, capability: tuple[i
         if apex_ok:
             norm = Choice(f"apex.Fused{norm_name}", f"{te_why}; {apex_why}")
         else:
-            norm = Choice(_torch_impl(m.norm.replace("norm", "_norm"), m.compile), f"{te_why}; {apex_why}; {compiled}")
-    activation = Choice(_torch_impl(m.activation, m.compile), compiled)
+            norm = Choice(_torch_impl(m.norm.replace("norm", "_norm"), compiles), f"{te_why}; {apex_why}; {compiled}")
+    activation = Choice(_torch_impl(m.activation, compiles), compiled)
     return Kernels(
         attention,
         norm,

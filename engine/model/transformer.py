@@ -154,7 +154,9 @@ class Attention(torch.nn.Module):
         if cache is not None:
             return self.proj(self._cached_attention(q, k, v, cache))
         if self.selective_recompute and self.training:
-            out = checkpointed(self.core_attention, self.streams, q, k, v)
+            # Without dropout nothing random is replayed: a plain checkpoint, which torch.compile keeps in the
+            # block's one graph (the replay's bookkeeping is a side effect that would break it in four).
+            out = checkpointed(self.core_attention, self.streams if self.dropout else None, q, k, v)
         else:
             out = self.core_attention(q, k, v)
         return self.proj(out)

@@ -1,0 +1,63 @@
+"""The first step of a torch.compile'd model: it pays the compile, and a compiler that fails must not end the run.
+
+Blocks compile on their first call, inside the first training step. `first_compiled_step` times that step and,
+with dynamo's suppress_errors, lets a frame whose compile fails run eagerly instead of raising mid-step (where
+pipeline and TP peers would be left waiting in a collective). Dynamo reports such a failure as a multi-line
+warning with a traceback; it is collected here and said in one line after the step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+
+# Where dynamo logs a frame it could not compile and ran eagerly instead (suppress_errors).
+_FALLBACK_LOGGERS = ("torch._dynamo.convert_frame", "torch._dynamo.output_graph")
+
+
+class _Collect(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _reason(message: str) -> str:
+    """The line of dynamo's warning that names the error (`RuntimeError: ...`), else its first line."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    named = [line for line in lines if line.split(":")[0].endswith(("Error", "Exception", "Failed"))]
+    return (named[-1] if named else lines[0])[:300] if lines else "unknown error"
+
+
+@contextlib.contextmanager
+def first_compiled_step(log: Callable[[str], None]) -> Iterator[None]:
+    """Around the first training step of a run whose blocks are compiled: afterwards `log` gets the step's time,
+    or why compiling failed and that the run goes on eagerly."""
+    collect = _Collect()
+    loggers = [logging.getLogger(name) for name in _FALLBACK_LOGGERS]
+    saved = [(lg.propagate, lg.level) for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(collect)
+        lg.propagate = False
+    start = time.perf_counter()
+    try:
+        with torch._dynamo.config.patch(suppress_errors=True):
+            yield
+    finally:
+        for lg, (propagate, level) in zip(loggers, saved, strict=True):
+            lg.removeHandler(collect)
+            lg.propagate, lg.level = propagate, level
+    seconds = time.perf_counter() - start
+    if collect.messages:
+        log(
+            f"warning: model.compile: compiling failed ({_reason(collect.messages[0])}); this run goes on "
+            f"eagerly (--model.compile false skips the attempt)"
+        )
+    else:
+        log(f"model.compile: the first step took {seconds:.1f} s, compiling each block's graph once for all")
