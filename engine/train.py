@@ -147,6 +147,7 @@ class Trainer:
             enabled=state.dp_size > 1 or c.optim.zero >= 1 or param_dtype != torch.float32,
             deferred=lambda q: needs_model_parallel_sum(q, state),
             before_deferred=lambda: sum_model_parallel_grads(self.grads.deferred, state),
+            dtype=torch.bfloat16 if c.optim.grad_dtype == "bf16" else torch.float32,
         )
         self.optimizer = DistributedOptimizer(
             named,

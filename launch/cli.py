@@ -33,7 +33,9 @@ micro-batches per step divisible by pp). Optimizers (--optim.name): adamw, sgd, 
 --optim.zero 1 shards master weights and optimizer state over DP (ZeRO-1), --optim.zero 2 the
 gradients too (ZeRO-2), for adamw, sgd and lamb, with fp32, bf16 or fp16 (dynamic loss scaling) and
 any tp/pp/vp; --optim.offload cpu keeps master weights and optimizer state in host memory and steps
-there (alone or with ZeRO). adafactor runs without either.
+there (alone or with ZeRO). adafactor runs without either. --optim.grad_dtype bf16 accumulates and reduces
+gradients in bf16 (with --train.precision bf16: 2 bytes per parameter instead of 4, half the DP traffic).
+--model.compile auto (the default) compiles each block on CUDA; true/false force it.
 
 LoRA: --lora.rank 8 --lora.base DIR trains low-rank adapters on a frozen base checkpoint (any layout, e.g.
 from loom ckpt import-hf; [model] is taken from it, a RoPE model's positions may be raised) on --lora.targets

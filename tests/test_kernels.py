@@ -410,3 +410,24 @@ def test_a_block_is_one_graph_without_breaks(markov_dataset, tmp_path, precision
         0
     ]
     assert (graphs, breaks) == (1, 0), reasons
+
+
+def test_a_compiler_failure_leaves_the_step_eager_and_says_why_in_one_line():
+    """Blocks compile inside the first step, where raising would leave TP and pipeline peers waiting in a
+    collective: the frame runs eagerly instead, and dynamo's multi-line warning becomes one line."""
+    from loom.engine.model.compiling import first_compiled_step
+
+    def failing_backend(graph, inputs):
+        raise RuntimeError("no C++ compiler found")
+
+    said: list[str] = []
+    function = torch.compile(lambda x: x * 2 + 1, backend=failing_backend)
+    with first_compiled_step(said.append):
+        out = function(torch.ones(3))
+    assert torch.equal(out, torch.full((3,), 3.0)) and len(said) == 1
+    assert said[0].startswith("warning: model.compile: compiling failed (RuntimeError: no C++ compiler found)")
+    assert not torch._dynamo.config.suppress_errors  # only the first step tolerates it
+    said.clear()
+    with first_compiled_step(said.append):
+        torch.compile(lambda x: x - 1, backend="eager")(torch.ones(3))
+    assert len(said) == 1 and said[0].startswith("model.compile: the first step took ")

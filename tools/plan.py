@@ -112,8 +112,9 @@ class Layout:
 class Engine:
     """Implementation choices that change the numbers: loom's by default; Megatron-LM's for its published runs."""
 
-    grad_reduce_bytes: int = 4
-    """Bytes per gradient element on the wire (loom reduces its fp32 buffer; Megatron r0.8 reduces bf16)."""
+    grad_reduce_bytes: int | None = None
+    """Bytes per gradient element on the wire: None reduces the config's optim.grad_dtype, as loom does (fp32 by
+    default); Megatron r0.8 reduces bf16."""
     gathered_inputs_saved: bool = True
     """Activations as loom's native block keeps them (layer_activation_bytes); False: Korthikanti's count for
     Megatron-LM, whose GEMMs keep the sequence shard of their input and gather it again in backward."""
@@ -229,23 +230,29 @@ def rank_parameters(m: ModelConfig, lay: Layout, pp_rank: int) -> list[_Param]:
     return params
 
 
-def _buffer(params: list[_Param], dp: int, bucket_bytes: int) -> tuple[int, int]:
+def _buffer(params: list[_Param], dp: int, bucket_bytes: int, grad_bytes: int) -> tuple[int, int]:
     """(elements of the padded gradient buffer, of which the deferred range) as GradBuffer plans them."""
     ordered = list(reversed(params))
     regular = [p for p in ordered if not p.deferred]
     deferred = [p for p in ordered if p.deferred]
-    numel = max(1, bucket_bytes // 4)
+    numel = max(1, bucket_bytes // grad_bytes)
     end = plan_buckets(regular, numel, dp)[2] if regular else 0
     total = plan_buckets(deferred, numel, dp, end)[2] if deferred else end
     return total, total - end
 
 
 @functools.lru_cache(maxsize=4096)
-def _rank_buffer(model: tuple, lay: Layout, pp_rank: int, bucket_bytes: int) -> tuple[int, int, int]:
+def _rank_buffer(
+    model: tuple, lay: Layout, pp_rank: int, bucket_bytes: int, grad_bytes: int = 4
+) -> tuple[int, int, int]:
     """(parameters, padded buffer elements, deferred elements) of one rank: cached, a search asks often."""
     m = ModelConfig(**dict(zip(_MODEL_FIELDS, model, strict=True)))
     params = rank_parameters(m, lay, pp_rank)
-    return (sum(p.size for p in params), *_buffer(params, lay.dp, bucket_bytes))
+    return (sum(p.size for p in params), *_buffer(params, lay.dp, bucket_bytes, grad_bytes))
+
+
+GRAD_BYTES = {"fp32": 4, "bf16": 2}
+"""Bytes of a gradient buffer element, by optim.grad_dtype."""
 
 
 _MODEL_FIELDS = [f.name for f in dataclasses.fields(ModelConfig)]
@@ -256,12 +263,19 @@ def _model_key(m: ModelConfig) -> tuple:
 
 
 def model_state_bytes(
-    m: ModelConfig, lay: Layout, pp_rank: int, precision: str, bucket_bytes: int, optimizer: str = "adamw"
+    m: ModelConfig,
+    lay: Layout,
+    pp_rank: int,
+    precision: str,
+    bucket_bytes: int,
+    optimizer: str = "adamw",
+    grad_bytes: int = 4,
 ) -> dict[str, int]:
-    """Bytes of weights, gradients and optimizer state (device, host) of one rank of pipeline rank `pp_rank`:
-    equal to what loom allocates (tests/test_plan.py)."""
+    """Bytes of weights, gradients (`grad_bytes` an element: GRAD_BYTES) and optimizer state (device, host) of
+    one rank of pipeline rank `pp_rank`: equal to what loom allocates (tests/test_plan.py). A bf16 gradient
+    buffer's shard is also copied to fp32 for the optimizer's step, after backward: not at the peak counted."""
     layout = dataclasses.replace(lay, micro_batch_size=1, recompute="none")  # what the parameters depend on
-    count, total, deferred = _rank_buffer(_model_key(m), layout, pp_rank, bucket_bytes)
+    count, total, deferred = _rank_buffer(_model_key(m), layout, pp_rank, bucket_bytes, grad_bytes)
     weight_bytes = 4 if precision == "fp32" else 2
     buffered = lay.dp > 1 or lay.zero >= 1 or precision != "fp32"
     if not buffered:
@@ -269,9 +283,9 @@ def model_state_bytes(
     if not buffered:
         grads = 4 * count  # autograd's param.grad
     elif lay.zero >= 2:
-        grads = 4 * (deferred + total // lay.dp)
+        grads = grad_bytes * (deferred + total // lay.dp)
     else:
-        grads = 4 * total
+        grads = grad_bytes * total
     moments = {"adamw": 2, "lamb": 2, "sgd": 1, "adafactor": 2}[optimizer]
     # fp32 weights are their own master, unless the optimizer holds a shard of them or holds them on the host
     master = 0 if precision == "fp32" and lay.zero == 0 and lay.offload == "none" else 1
@@ -403,13 +417,14 @@ def estimate(config: LoomConfig, lay: Layout, hw: Hardware, engine: Engine = LOO
     precision = t.precision
     element = 4 if precision == "fp32" else 2
     bucket_bytes = int(config.parallel.grad_bucket_mb * 2**20)
+    grad_bytes = GRAD_BYTES[config.optim.grad_dtype]
 
     vocab = padded_vocab_size(m.vocab_size, m.make_vocab_divisible_by, lay.tp) // lay.tp
     # Memory: on the first pipeline rank (embedding, the most micro-batches in flight) or the last (output layer,
     # logits), whichever holds more; the middle ranks hold less than the first.
     memory = {}
     for pp_rank in sorted({0, lay.pp - 1}):
-        state = model_state_bytes(m, lay, pp_rank, precision, bucket_bytes, config.optim.name)
+        state = model_state_bytes(m, lay, pp_rank, precision, bucket_bytes, config.optim.name, grad_bytes)
         transient = 2 * bucket_bytes if lay.zero == 2 else 0  # ZeRO-2's buckets being reduced
         if pp_rank == lay.pp - 1:  # the logits' gradient, beside the logits the loss keeps
             transient += seq * mbs * vocab * element
@@ -476,7 +491,9 @@ def estimate(config: LoomConfig, lay: Layout, hw: Hardware, engine: Engine = LOO
         _rank_buffer(_model_key(m), dataclasses.replace(lay, micro_batch_size=1, recompute="none"), r, bucket_bytes)[0]
         for r in {0, lay.pp - 1}
     )
-    scatter = _ring_seconds(stage_params * engine.grad_reduce_bytes, lay.dp, dp_bandwidth, hw.latency_us)
+    scatter = _ring_seconds(
+        stage_params * (engine.grad_reduce_bytes or grad_bytes), lay.dp, dp_bandwidth, hw.latency_us
+    )
     gather = _ring_seconds(stage_params * element, lay.dp, dp_bandwidth, hw.latency_us) if lay.zero else 0.0
     backward_window = e["dp_overlap"] * micro_compute * 2 / 3  # dp_overlap micro-batches' backward
     if lay.zero == 2:  # a reduce-scatter per micro-batch, each behind its own backward
@@ -503,7 +520,11 @@ def estimate(config: LoomConfig, lay: Layout, hw: Hardware, engine: Engine = LOO
             (total // lay.dp if lay.zero >= 1 else count)
             for count, total, _ in (
                 _rank_buffer(
-                    _model_key(m), dataclasses.replace(lay, micro_batch_size=1, recompute="none"), r, bucket_bytes
+                    _model_key(m),
+                    dataclasses.replace(lay, micro_batch_size=1, recompute="none"),
+                    r,
+                    bucket_bytes,
+                    grad_bytes,
                 )
                 for r in {0, lay.pp - 1}
             )
@@ -736,6 +757,7 @@ def step_traffic(config: LoomConfig, lay: Layout, pp_rank: int = 0) -> dict[tupl
     sends and receives, and the loss and gradient-norm sums."""
     m, t = config.model, config.train
     element, dtype = (4 if t.precision == "fp32" else 2), _DTYPE_NAMES[t.precision]
+    grad_bytes, grad_dtype = GRAD_BYTES[config.optim.grad_dtype], _DTYPE_NAMES[config.optim.grad_dtype]
     microbatches = t.global_batch_size // (lay.micro_batch_size * lay.dp)
     bucket_bytes = int(config.parallel.grad_bucket_mb * 2**20)
     stages = lay.pp * lay.vp
@@ -743,13 +765,13 @@ def step_traffic(config: LoomConfig, lay: Layout, pp_rank: int = 0) -> dict[tupl
     traffic: dict[tuple[str, str, str], int] = collections.Counter()
     if lay.dp > 1:
         _, total, deferred = _rank_buffer(
-            _model_key(m), dataclasses.replace(lay, micro_batch_size=1), pp_rank, bucket_bytes
+            _model_key(m), dataclasses.replace(lay, micro_batch_size=1), pp_rank, bucket_bytes, grad_bytes
         )
         if lay.zero == 0:
-            traffic[("dp", "all_reduce", "float32")] += 4 * total
+            traffic[("dp", "all_reduce", grad_dtype)] += grad_bytes * total
         else:
-            per_step = 4 * (total - deferred) * (microbatches if lay.zero == 2 else 1) + 4 * deferred
-            traffic[("dp", "reduce_scatter", "float32")] += per_step
+            per_step = grad_bytes * ((total - deferred) * (microbatches if lay.zero == 2 else 1) + deferred)
+            traffic[("dp", "reduce_scatter", grad_dtype)] += per_step
             traffic[("dp", "all_gather", dtype)] += element * total
         traffic[("dp", "all_reduce", "float32")] += 4  # the loss sum
     tokens = t.seq_length * lay.micro_batch_size
@@ -765,7 +787,7 @@ def step_traffic(config: LoomConfig, lay: Layout, pp_rank: int = 0) -> dict[tupl
         if lay.sp:  # the norms' (and biases') partial gradients, summed over TP once per step
             params = rank_parameters(m, dataclasses.replace(lay, micro_batch_size=1), pp_rank)
             tied = _tied_embedding_elements(m, lay, chunks)
-            traffic[("tp", "all_reduce", "float32")] += 4 * (sum(q.size for q in params if q.deferred) - tied)
+            traffic[("tp", "all_reduce", grad_dtype)] += grad_bytes * (sum(q.size for q in params if q.deferred) - tied)
     if lay.pp > 1:
         hidden = activation // (lay.tp if lay.sp else 1)
         # per micro-batch each chunk receives its input and sends its output forward, and receives the output's
@@ -775,7 +797,7 @@ def step_traffic(config: LoomConfig, lay: Layout, pp_rank: int = 0) -> dict[tupl
             traffic[("pp", op, dtype)] += microbatches * transfers * hidden
         traffic[("pp", "all_reduce", "float32")] += 4  # the loss sum
         if tied := _tied_embedding_elements(m, lay, chunks):
-            traffic[("embedding", "all_reduce", "float32")] += 4 * tied
+            traffic[("embedding", "all_reduce", grad_dtype)] += grad_bytes * tied
     if lay.tp * lay.pp * lay.dp > 1:
         traffic[("world", "all_reduce", "float32")] += 4  # the squared gradient norm
     return dict(traffic)

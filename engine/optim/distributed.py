@@ -178,10 +178,12 @@ class DistributedOptimizer:
         return partial.to(home)
 
     def _grad(self, seg: Segment) -> torch.Tensor:
-        """The segment's reduced gradient where the GradBuffer left it (on the device)."""
+        """The segment's reduced gradient where the GradBuffer left it (on the device), in the master's dtype: a
+        bf16 buffer's (optim.grad_dtype) is copied to fp32 for the step, as Megatron does."""
         if seg.buffer_start < 0:
             return seg.param.grad
-        return self.grads.gradient(seg.buffer_start, seg.end - seg.start).view_as(seg.master)
+        grad = self.grads.gradient(seg.buffer_start, seg.end - seg.start).view_as(seg.master)
+        return grad.to(seg.master.dtype)
 
     def squared_grad_norm(self) -> torch.Tensor:
         """The global squared gradient norm, as a tensor on the device: reading it is the caller's one sync."""

@@ -1,4 +1,5 @@
-"""Data-parallel gradient reduction: fp32 gradient buckets, collectives overlapped with backward.
+"""Data-parallel gradient reduction: gradient buckets (fp32, or bf16 with optim.grad_dtype), collectives
+overlapped with backward.
 
 Parameters are laid out, in reverse construction order (roughly the order backward finishes
 them), along one fp32 *buffer coordinate* space cut into buckets; each bucket is padded to a
@@ -60,8 +61,10 @@ class GradBuffer:
         enabled: bool = True,
         deferred: Callable[[torch.nn.Parameter], bool] = lambda p: False,
         before_deferred: Callable[[], None] = lambda: None,
+        dtype: torch.dtype = torch.float32,
     ):
         self.dp_group, self.dp_size, self.dp_rank = dp_group, dp_size, dp_rank
+        self.dtype = dtype
         self.overlap, self.zero, self.enabled = overlap, zero, enabled
         self.reduce_scatter = zero >= 1
         self.before_deferred = before_deferred
@@ -73,7 +76,7 @@ class GradBuffer:
         self._hooks: list = []
         if not enabled:
             return
-        bucket_numel = max(1, bucket_bytes // 4)
+        bucket_numel = max(1, bucket_bytes // dtype.itemsize)
         regular = self.params[: len(self.params) - len(self.deferred)]
         self.offsets, self.buckets, end = plan_buckets(regular, bucket_numel, dp_size) if regular else ({}, [], 0)
         offsets, self.deferred_buckets, total = (
@@ -89,7 +92,7 @@ class GradBuffer:
         self.in_flight: deque = deque()
         if zero == 2:
             # Full storage only for the deferred range; the rest lives in transient buckets and the shard.
-            self.data = torch.zeros(total - end, dtype=torch.float32, device=self.device)
+            self.data = torch.zeros(total - end, dtype=dtype, device=self.device)
             self.data_start = end
             chunks = [b.chunk(dp_rank, dp_size) for b in self.buckets]
             self.shard_starts = [lo for lo, _ in chunks]
@@ -97,9 +100,9 @@ class GradBuffer:
             for lo, hi in chunks:
                 self.shard_offsets.append(size)
                 size += hi - lo
-            self.shard = torch.zeros(size, dtype=torch.float32, device=self.device)
+            self.shard = torch.zeros(size, dtype=dtype, device=self.device)
         else:
-            self.data = torch.zeros(total, dtype=torch.float32, device=self.device)
+            self.data = torch.zeros(total, dtype=dtype, device=self.device)
             self.data_start = 0
         for param in self.params if zero < 2 else self.deferred:
             start = self.offsets[param] - self.data_start
@@ -109,7 +112,7 @@ class GradBuffer:
     def stored_bytes(self) -> int:
         """Bytes of gradient storage that persist through a step (transient ZeRO-2 buckets excluded)."""
         shard = self.shard.numel() if self.zero == 2 else 0
-        return (self.data.numel() + shard) * 4 if self.enabled else 0
+        return (self.data.numel() + shard) * self.data.element_size() if self.enabled else 0
 
     def gradient(self, start: int, numel: int) -> torch.Tensor:
         """The reduced gradient at buffer coordinates [start, start + numel) after `finish`: a range this
@@ -151,7 +154,7 @@ class GradBuffer:
         and every DP rank runs the same schedule, so their collectives match."""
         bucket = self.bucket_of[param]
         if bucket.storage is None:
-            bucket.storage = torch.zeros(bucket.end - bucket.start, dtype=torch.float32, device=self.device)
+            bucket.storage = torch.zeros(bucket.end - bucket.start, dtype=self.dtype, device=self.device)
         offset = self.offsets[param] - bucket.start
         bucket.storage[offset : offset + param.numel()].view_as(param).add_(param.grad)
         param.grad = None
@@ -165,7 +168,7 @@ class GradBuffer:
         if self.dp_size == 1:
             self._add_to_shard(index, storage)
             return
-        chunk = torch.empty((bucket.end - bucket.start) // self.dp_size, dtype=torch.float32, device=self.device)
+        chunk = torch.empty((bucket.end - bucket.start) // self.dp_size, dtype=self.dtype, device=self.device)
         handle = reduce_scatter_single(chunk, storage, group=self.dp_group, async_op=True)
         # The transient bucket rides along so it lives until the collective that reads it is done.
         self.in_flight.append((index, handle, chunk, storage))
@@ -220,7 +223,7 @@ class GradBuffer:
             bucket.handle = bucket.scattered = None
         if not self.reduce_scatter:
             for p in self.params:
-                if p.dtype == p.main_grad.dtype:  # low-precision params keep their fp32 grads in main_grad
+                if p.dtype == p.main_grad.dtype == torch.float32:  # low-precision params keep theirs in main_grad
                     p.grad = p.main_grad
 
     def _finish_sharded(self) -> None:
@@ -236,7 +239,7 @@ class GradBuffer:
             if self.dp_size == 1:
                 self._add_to_shard(index, full)
                 continue
-            chunk = torch.empty(full.numel() // self.dp_size, dtype=torch.float32, device=self.device)
+            chunk = torch.empty(full.numel() // self.dp_size, dtype=self.dtype, device=self.device)
             reduce_scatter_single(chunk, full, group=self.dp_group)
             self._add_to_shard(index, chunk)
 
