@@ -7,6 +7,18 @@ import pytest
 from loom.tools.synthetic_data import write_markov_dataset
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` need a CUDA device: without one they are skipped, saying so."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (pytest -m gpu runs these where there is one)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def markov_dataset(tmp_path_factory) -> Callable[..., str]:
     """markov_dataset(num_documents, vocab_size=4096, seed=0) gives the .bin/.idx prefix of that synthetic

@@ -44,19 +44,24 @@ def test_bench_mfu_runs_on_cpu_and_prints_its_table(tmp_path):
     assert "run" in out and "MFU(GEMM)" in out and "loom fp32" in out and "plain PyTorch loop (eager)" in out
     assert "loom fp8 (current)" in out and "skipped: train.fp8 = current is unavailable: fp8: no CUDA device" in out
     assert "ratio loom / plain loop:" in out and "kernels: attention=torch.sdpa" in out
+    assert "transformers LlamaForCausalLM (eager, sdpa)" in out and "ratio loom / transformers:" in out
     results = json.loads(output.read_text())
-    loom, fp8_row, plain = results["rows"]
-    for row in (loom, plain):
+    loom, fp8_row, plain, hf = results["rows"]
+    assert loom["name"] == "loom fp32 (defaults)" and "model.compile = auto (eager on cpu)" in loom["note"]
+    for row in (loom, plain, hf):
         assert row["tokens_per_s"] > 0 and 0 < row["mfu_measured_gemm"] and row["mfu_datasheet"] is None
         assert abs(row["tflops"] - row["tokens_per_s"] * results["flops_per_token"] / 1e12) < 1e-12
+        assert "plan_tokens_per_s" not in row  # the planner knows GPUs, not this CPU
     assert fp8_row["tokens_per_s"] is None and results["gemm_peak_tflops"] > 0
 
 
-def test_table_reports_mfu_against_both_peaks_and_the_ratios():
+def test_table_reports_mfu_against_both_peaks_the_ratios_and_the_plan():
+    plan = {"plan_tokens_per_s": 50000.0, "plan_mem_gb": 40.0, "plan_gpu": "h100-sxm"}
     rows = [
-        {"name": "loom bf16", "tokens_per_s": 40000.0, "mem_gb": 50.0, "note": "kernels: ..."},
+        {"name": "loom bf16 (defaults)", "tokens_per_s": 40000.0, "mem_gb": 50.0, "note": "kernels: ...", **plan},
         {"name": "loom fp8 (delayed)", "tokens_per_s": 56000.0, "mem_gb": 45.0, "note": ""},
         {"name": "plain PyTorch loop (torch.compile)", "tokens_per_s": 38000.0, "mem_gb": 55.0, "note": ""},
+        {"name": "transformers LlamaForCausalLM (eager, sdpa)", "tokens_per_s": 32000.0, "mem_gb": 52.0, "note": ""},
     ]
     flops = 1e10
     for row in rows:
@@ -82,6 +87,9 @@ def test_table_reports_mfu_against_both_peaks_and_the_ratios():
     loom_line = next(line for line in table.splitlines() if line.startswith("loom bf16"))
     assert "400.000" in loom_line and "40.4%" in loom_line and "50.0%" in loom_line
     assert "ratio loom / plain loop: 1.053" in table and "ratio fp8 / bf16: 1.400" in table
+    assert "ratio loom / transformers: 1.250" in table
+    planned = "loom plan (h100-sxm) for loom bf16 (defaults): 50,000 tokens/s (-20.0% measured), 40.0 GB (+25.0%"
+    assert planned in table
 
 
 def test_bench_gpu_quick_runs_on_cpu_and_answers_every_row(tmp_path):
@@ -96,10 +104,17 @@ def test_bench_gpu_quick_runs_on_cpu_and_answers_every_row(tmp_path):
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    for row in ("GEMM peak (measured)", "| loom fp32 |", "| loom fp8 (current) | - | skipped:", "plain PyTorch loop"):
+    for row in (
+        "GEMM peak (measured)",
+        "| loom fp32 (defaults) |",
+        "| loom fp8 (current) | - | skipped:",
+        "plain PyTorch loop",
+        "| loom / transformers tokens/s |",
+        "| FP8 / fp32 on the tiny slice (seq 64, micro-batch 1) | - | skipped:",
+    ):
         assert row in result.stdout, result.stdout
     assert "world-size-1 run via the launcher (gloo) | ok, loss" in result.stdout
     results = json.loads(output.read_text())
-    assert results["throughput"]["rows"][0]["tokens_per_s"] > 0
+    assert results["throughput"]["rows"][0]["tokens_per_s"] > 0 and results["fp8_slice"]["rows"][0]["tokens_per_s"] > 0
     assert results["loss_gap"]["bf16_final_loss"] > 0 and "fp8_note" in results["loss_gap"]
     assert results["launcher"]["ok"]

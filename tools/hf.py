@@ -56,7 +56,8 @@ def _hf_rope(model: dict) -> dict:
     return rope
 
 
-def _hf_config(model: dict) -> dict:
+def hf_config(model: dict) -> dict:
+    """The config.json transformers reads for a Llama-shaped loom model (`model`: ModelConfig's fields)."""
     rope = _hf_rope(model)
     legacy_scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if rope["rope_type"] != "default" else None
     return {
@@ -162,7 +163,7 @@ def export_hf(source: Path, output: Path, base: Path | None = None, overwrite: b
     output.mkdir(parents=True, exist_ok=True)
     save_file(to_hf(logical, model), str(output / "model.safetensors.tmp"), metadata={"format": "pt"})
     (output / "model.safetensors.tmp").replace(output / "model.safetensors")
-    write_text_atomically(output / "config.json", json.dumps(_hf_config(model), indent=2))
+    write_text_atomically(output / "config.json", json.dumps(hf_config(model), indent=2))
     return output
 
 

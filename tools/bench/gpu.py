@@ -1,12 +1,17 @@
 """`loom bench gpu [--quick]`: what a device must answer the first time one is there, as one markdown table + JSON.
 
 1. the BF16 GEMM peak measured now, beside the datasheet's dense peak;
-2. llama-1b (by default) BF16 training: tokens/s, model TFLOP/s, MFU by the standard formula (engine/flops.py)
-   against the datasheet and against the measured GEMM peak, peak memory (`loom bench mfu`'s measurement);
+2. llama-1b (by default) BF16 training with loom's defaults (what a user gets: compiled on CUDA): tokens/s,
+   model TFLOP/s, MFU by the standard formula (engine/flops.py) against the datasheet and against the measured
+   GEMM peak, peak memory (`loom bench mfu`'s measurement), and `loom plan`'s prediction with its error;
 3. the same with FP8 (Transformer Engine when installed, else torch._scaled_mm) and its ratio to BF16;
-4. loom against the same model as a plain (torch.compile'd on CUDA) PyTorch loop;
-5. the BF16 vs FP8 loss gap after N steps on a learnable synthetic corpus (a shallower model, so it fits);
-6. a world-size-1 run through the launcher (NCCL on CUDA, gloo on CPU), as `loom train --nproc 1` runs it.
+4. loom against the same model as a plain (torch.compile'd on CUDA) PyTorch loop and as transformers'
+   LlamaForCausalLM (eager, SDPA, autocast, fused AdamW: what most users would otherwise train);
+5. FP8 against BF16 on an 8B-shaped slice (llama-8b's dimensions, 4 layers, seq 8192, micro-batch 1), where the
+   GEMMs are large enough for FP8 to pay;
+6. the BF16 vs FP8 loss gap after N steps on a learnable synthetic corpus (a shallower model, so it fits);
+7. a world-size-1 run through the launcher (NCCL on CUDA, gloo on CPU), as `loom train --nproc 1` runs it,
+   with a small global batch (the preset's 512 sequences took 96 s).
 
 On CPU the same code runs with tiny sizes (`--quick`, tested in the suite), so the command cannot rot before
 a GPU arrives; FP8 rows then say why they are skipped. No asserts: the figures are the result.
@@ -36,6 +41,9 @@ from loom.tools.synthetic_data import write_markov_dataset
 # (config, overrides of the throughput runs, steps, warm-up, micro-batches, loss-gap steps, loss-gap layers)
 FULL = ("llama-1b", {}, 10, 3, 4, 200, 4)
 QUICK = ("tiny", {"train": {"seq_length": 64, "micro_batch_size": 2}}, 2, 1, 1, 3, 2)
+# The FP8 slice: (config, overrides, micro-batches)
+FULL_SLICE = ("llama-8b", {"model": {"num_layers": 4}, "train": {"seq_length": 8192, "micro_batch_size": 1}}, 4)
+QUICK_SLICE = ("tiny", {"model": {"num_layers": 2}, "train": {"seq_length": 64, "micro_batch_size": 1}}, 1)
 GAP_VOCAB = 32000  # the loss-gap corpus's vocabulary: a learnable Markov chain needs no 128k table
 
 
@@ -79,6 +87,8 @@ def launcher_run(config_name: str, overrides: dict, workdir: Path, device: torch
     data = write_markov_dataset(workdir / "launch", 4096, 200)
     flags = ["--data.paths", data, "--data.tokenizer", "none", "--train.run_dir", str(workdir / "launch-run")]
     flags += ["--train.steps", "5", "--train.eval_interval", "0", "--train.tensorboard", "false"]
+    micro = overrides.get("train", {}).get("micro_batch_size") or load_config(config_name).train.micro_batch_size
+    flags += ["--train.global_batch_size", str(2 * micro), "--checkpoint.save_at_end", "false"]
     flags += ["--model.vocab_size", "4096", "--train.device", device.type]
     for section, fields in overrides.items():
         for name, value in fields.items():
@@ -98,10 +108,27 @@ def _fmt(value, spec: str = ".3f", suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
+def _planned(row: dict) -> str:
+    if not row.get("plan_tokens_per_s"):
+        return ""
+    return (
+        f"; plan ({row['plan_gpu']}): {row['plan_tokens_per_s']:,.0f} tokens/s "
+        f"({row['tokens_per_s'] / row['plan_tokens_per_s'] - 1:+.1%} measured), {row['plan_mem_gb']:.1f} GB "
+        f"({row['mem_gb'] / row['plan_mem_gb'] - 1:+.1%} measured)"
+    )
+
+
+def _ratio(a: dict, b: dict) -> float | None:
+    return a["tokens_per_s"] / b["tokens_per_s"] if a["tokens_per_s"] and b["tokens_per_s"] else None
+
+
 def format_markdown(results: dict) -> str:
     t = results["throughput"]
-    loom, fp8, plain = t["rows"]
-    gap, launch = results["loss_gap"], results["launcher"]
+    loom, fp8, plain, hf = (
+        mfu.row_by_name(t, prefix) for prefix in (f"loom {t['precision']}", "loom fp8", "plain", "transformers")
+    )
+    gap, launch, piece = results["loss_gap"], results["launcher"], results["fp8_slice"]
+    slice_bf16, slice_fp8 = (mfu.row_by_name(piece, prefix) for prefix in (f"loom {piece['precision']}", "loom fp8"))
     sheet = t["datasheet_peak_tflops"]
 
     def mfu_cells(row: dict) -> str:
@@ -115,19 +142,27 @@ def format_markdown(results: dict) -> str:
         f"| {t['gemm_dtype']} GEMM peak (measured) | {t['gemm_peak_tflops']:.3g} TFLOP/s | datasheet "
         f"{_fmt(sheet, '.0f', ' TFLOP/s')} |",
     ]
-    for row in (loom, fp8, plain):
+    for row in (loom, fp8, plain, hf):
         if row["tokens_per_s"] is None:
             lines.append(f"| {row['name']} | - | {row['note']} |")
         else:
             lines.append(
                 f"| {row['name']} | {row['tokens_per_s']:,.0f} tokens/s, {row['tflops']:.3g} TFLOP/s, "
-                f"{row['mem_gb']:.1f} GB | MFU {mfu_cells(row)} |"
+                f"{row['mem_gb']:.1f} GB | MFU {mfu_cells(row)}{_planned(row)} |"
             )
-    fp8_ratio = fp8["tokens_per_s"] / loom["tokens_per_s"] if fp8["tokens_per_s"] else None
-    plain_ratio = loom["tokens_per_s"] / plain["tokens_per_s"] if plain["tokens_per_s"] else None
+    fp8_ratio, slice_ratio = _ratio(fp8, loom), _ratio(slice_fp8, slice_bf16)
     lines += [
         f"| FP8 / {t['precision']} tokens/s | {_fmt(fp8_ratio)} | {fp8['note'] if fp8_ratio is None else ''} |",
-        f"| loom / plain loop tokens/s | {_fmt(plain_ratio)} | {plain['name']} |",
+        f"| loom / plain loop tokens/s | {_fmt(_ratio(loom, plain))} | {plain['name']} {plain['note']} |",
+        f"| loom / transformers tokens/s | {_fmt(_ratio(loom, hf))} | {hf['name']} {hf['note']} |",
+        f"| FP8 / {piece['precision']} on the {results['slice_config']} slice (seq {piece['seq_length']}, "
+        f"micro-batch {piece['micro_batch_size']}) | {_fmt(slice_ratio)} | "
+        + (
+            slice_fp8["note"]
+            if slice_ratio is None
+            else f"{slice_bf16['tokens_per_s']:,.0f} vs {slice_fp8['tokens_per_s']:,.0f} tokens/s{_planned(slice_fp8)}"
+        )
+        + " |",
         f"| loss after {gap['steps']} steps ({gap['layers']} layers) | BF16 {gap['bf16_final_loss']:.4f}, FP8 "
         f"{_fmt(gap.get('fp8_final_loss'), '.4f')} | gap {_fmt(gap.get('gap'), '+.4f')} {gap.get('fp8_note', '')} |",
         f"| world-size-1 run via the launcher ({launch['backend']}) | "
@@ -140,6 +175,7 @@ def format_markdown(results: dict) -> str:
 def run(args: argparse.Namespace) -> dict:
     """Entry point of `loom bench gpu` (launch/cli_bench.py)."""
     config_name, overrides, steps, warmup, microbatches, gap_steps, gap_layers = QUICK if args.quick else FULL
+    slice_name, slice_overrides, slice_microbatches = QUICK_SLICE if args.quick else FULL_SLICE
     config_name = args.config or config_name
     base = load_config(config_name, overrides)
     device = mfu._device(base.train.device)
@@ -150,11 +186,13 @@ def run(args: argparse.Namespace) -> dict:
     throughput_args = argparse.Namespace(
         steps=steps, warmup=warmup, microbatches=microbatches, fp8_recipe="auto", compile=None, gemm_size=None
     )
-    results = {"config": config_name, "quick": args.quick}
+    slice_args = argparse.Namespace(**{**vars(throughput_args), "microbatches": slice_microbatches})
+    results = {"config": config_name, "quick": args.quick, "slice_config": slice_name}
     with tempfile.TemporaryDirectory() as tmp:
         mfu._init_single_process_group(device)
         try:
             results["throughput"] = mfu.measure(throughput_args, base)
+            results["fp8_slice"] = mfu.measure(slice_args, load_config(slice_name, slice_overrides), baselines=False)
             results["loss_gap"] = loss_gap(base, gap_steps, gap_layers, Path(tmp), device)
         finally:
             dist.destroy_process_group()

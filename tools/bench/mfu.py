@@ -1,11 +1,13 @@
 """`loom bench mfu`: tokens/s, TFLOP/s and MFU of loom's Trainer on one device, against baselines of the same run.
 
 Rows, all on the same device and the same random tokens shape, world size 1:
-  loom <precision>     the config as given (its precision; kernels chosen as in training)
+  loom <precision>     the config as given, with loom's defaults (its precision; kernels and model.compile
+                       chosen as in training: compiled on CUDA); `loom plan`'s prediction beside it
   loom fp8             the same with train.fp8 (TE delayed scaling, else torch._scaled_mm current
                        scaling); skipped with the reason when FP8 is unavailable (CPU, pre-Ada GPU)
   plain PyTorch loop   the same model written plainly (tools/bench/plain_loop.py), torch.compile'd
                        on CUDA (--compile / --no-compile to choose)
+  transformers         LlamaForCausalLM of the same shape: eager, SDPA, autocast, fused AdamW on CUDA
 MFU is model FLOPs (engine/flops.py, the one count) over the datasheet dense peak of the device
 (engine.flops.PEAK_TFLOPS; none on CPU) and over a GEMM peak measured in this run (bf16 on CUDA,
 the run's precision on CPU). No asserts: figures move with load, compare within one run.
@@ -37,7 +39,13 @@ from loom.engine.data.indexed import IndexedDatasetWriter
 from loom.engine.flops import model_flops_per_token, peak_tflops
 from loom.engine.metrics import memory_gb
 from loom.engine.model.kernels import PARAM_DTYPES
-from loom.tools.bench.plain_loop import median, run_plain_loop, unsupported_reason
+from loom.tools.bench.plain_loop import (
+    TransformersLlama,
+    median,
+    run_plain_loop,
+    transformers_reason,
+    unsupported_reason,
+)
 
 
 @dataclass
@@ -46,6 +54,8 @@ class Row:
     tokens_per_s: float | None = None
     mem_gb: float | None = None
     note: str = ""
+    config: LoomConfig | None = None
+    """loom's rows: the config that ran, for `loom plan`'s prediction beside the measurement."""
 
 
 def gemm_peak_tflops(device: torch.device, dtype: torch.dtype, size: int, repeats: int) -> float:
@@ -124,7 +134,8 @@ def run_loom(config: LoomConfig, warmup: int, device: torch.device) -> tuple[lis
     return rates, mem, kernels
 
 
-def measure(args: argparse.Namespace, base: LoomConfig) -> dict:
+def measure(args: argparse.Namespace, base: LoomConfig, baselines: bool = True) -> dict:
+    """Every row's figures (module docstring); without `baselines`, loom's two rows only."""
     device = _device(base.train.device)
     t = base.train
     precision = t.precision
@@ -145,10 +156,12 @@ def measure(args: argparse.Namespace, base: LoomConfig) -> dict:
         rows = []
         config = bench_config(base, data, str(Path(tmp) / "bf16"), steps, args.microbatches)
         rates, mem, kernels = run_loom(config, args.warmup, device)
-        rows.append(Row(f"loom {precision}", median(rates), mem, kernels))
+        rows.append(Row(f"loom {precision} (defaults)", median(rates), mem, kernels, config))
         results["kernels"] = kernels
         rows.append(_fp8_row(args, base, data, tmp, steps, device))
-        rows.append(_plain_row(args, base, device))
+        if baselines:
+            rows.append(_plain_row(args, base, device))
+            rows.append(_transformers_row(args, base, device))
     gemm_dtype = PARAM_DTYPES["bf16" if device.type == "cuda" else precision]
     size = args.gemm_size or (8192 if device.type == "cuda" else 512)
     gemm = gemm_peak_tflops(device, gemm_dtype, size, repeats=50 if device.type == "cuda" else 10)
@@ -174,9 +187,30 @@ def measure(args: argparse.Namespace, base: LoomConfig) -> dict:
                 "mfu_measured_gemm": achieved / gemm if achieved else None,
                 "mem_gb": row.mem_gb,
                 "note": row.note,
+                **_planned(row, results["device"]),
             }
         )
     return results
+
+
+def _planned(row: Row, device_name: str) -> dict:
+    """`loom plan`'s tokens/s and memory for a loom row that ran, on a GPU the planner knows; {} otherwise."""
+    from loom.tools.plan import GB, estimate, gpu_kind, layout_of, load_hardware
+
+    kind = gpu_kind(device_name) if row.config is not None and row.tokens_per_s else None
+    if kind is None:
+        return {}
+    predicted = estimate(row.config, layout_of(row.config), load_hardware(kind))
+    return {
+        "plan_tokens_per_s": predicted.tokens_per_s_per_gpu,
+        "plan_mem_gb": predicted.memory["total"] / GB,
+        "plan_gpu": kind,
+    }
+
+
+def row_by_name(results: dict, prefix: str) -> dict:
+    """The row whose name starts with `prefix` (loom, loom fp8, plain, transformers)."""
+    return next(row for row in results["rows"] if row["name"].startswith(prefix))
 
 
 def _fp8_row(args, base: LoomConfig, data: str, tmp: str, steps: int, device: torch.device) -> Row:
@@ -197,7 +231,33 @@ def _fp8_row(args, base: LoomConfig, data: str, tmp: str, steps: int, device: to
     except ConfigError as error:
         return Row(name, note=f"skipped: {error}")
     rates, mem, kernels = run_loom(config, args.warmup, device)
-    return Row(name, median(rates), mem, kernels)
+    return Row(name, median(rates), mem, kernels, config)
+
+
+def _transformers_row(args, base: LoomConfig, device: torch.device) -> Row:
+    """transformers' LlamaForCausalLM, eager with SDPA, autocast and fused AdamW, on the same shape."""
+    name = "transformers LlamaForCausalLM (eager, sdpa)"
+    reason = unsupported_reason(base.model) or transformers_reason()
+    if reason:
+        return Row(name, note=f"skipped: {reason}")
+    t = base.train
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    rates = run_plain_loop(
+        c=base.model,
+        seq_length=t.seq_length,
+        micro_batch=t.micro_batch_size,
+        microbatches=args.microbatches,
+        steps=args.steps,
+        warmup=args.warmup,
+        device=device,
+        precision=t.precision,
+        compile_model=False,
+        model_class=TransformersLlama,
+    )
+    mem = memory_gb(device)
+    _free(device)
+    return Row(name, median(rates), mem)
 
 
 def _plain_row(args, base: LoomConfig, device: torch.device) -> Row:
@@ -242,25 +302,36 @@ def format_table(results: dict) -> str:
         f"datasheet dense peak: {f'{datasheet:.0f} TFLOP/s' if datasheet else 'none known for this device'}; "
         f"{results['gemm_dtype']} GEMM peak measured now: {results['gemm_peak_tflops']:.3f} TFLOP/s",
         "",
-        f"{'run':<34} {'tokens/s':>12} {'TFLOP/s':>10} {'MFU(sheet)':>10} {'MFU(GEMM)':>10} {'mem GB':>8}",
+        f"{'run':<44} {'tokens/s':>12} {'TFLOP/s':>10} {'MFU(sheet)':>10} {'MFU(GEMM)':>10} {'mem GB':>8}",
     ]
     for row in results["rows"]:
         if row["tokens_per_s"] is None:
-            lines.append(f"{row['name']:<34} {'-':>12} {'-':>10} {'-':>10} {'-':>10} {'-':>8}  {row['note']}")
+            lines.append(f"{row['name']:<44} {'-':>12} {'-':>10} {'-':>10} {'-':>10} {'-':>8}  {row['note']}")
             continue
         sheet = f"{100 * row['mfu_datasheet']:.1f}%" if row["mfu_datasheet"] is not None else "-"
         lines.append(
-            f"{row['name']:<34} {row['tokens_per_s']:>12,.0f} {row['tflops']:>10.3f} {sheet:>10} "
+            f"{row['name']:<44} {row['tokens_per_s']:>12,.0f} {row['tflops']:>10.3f} {sheet:>10} "
             f"{100 * row['mfu_measured_gemm']:>9.1f}% {row['mem_gb']:>8.2f}"
         )
-    loom, fp8, plain = (row["tokens_per_s"] for row in results["rows"])
+    loom, fp8, plain, hf = (
+        row_by_name(results, prefix)["tokens_per_s"]
+        for prefix in (f"loom {results['precision']}", "loom fp8", "plain", "transformers")
+    )
     lines.append("")
     lines.append(f"ratio loom / plain loop: {loom / plain:.3f}" if plain else "ratio loom / plain loop: -")
+    lines.append(f"ratio loom / transformers: {loom / hf:.3f}" if hf else "ratio loom / transformers: -")
     lines.append(
         f"ratio fp8 / {results['precision']}: {fp8 / loom:.3f}"
         if fp8
-        else f"ratio fp8 / {results['precision']}: - ({results['rows'][1]['note']})"
+        else f"ratio fp8 / {results['precision']}: - ({row_by_name(results, 'loom fp8')['note']})"
     )
+    for row in results["rows"]:
+        if row.get("plan_tokens_per_s") and row["tokens_per_s"]:
+            lines.append(
+                f"loom plan ({row['plan_gpu']}) for {row['name']}: {row['plan_tokens_per_s']:,.0f} tokens/s "
+                f"({row['tokens_per_s'] / row['plan_tokens_per_s'] - 1:+.1%} measured), {row['plan_mem_gb']:.1f} GB "
+                f"({row['mem_gb'] / row['plan_mem_gb'] - 1:+.1%} measured)"
+            )
     lines.append(results.get("kernels", ""))
     return "\n".join(lines)
 

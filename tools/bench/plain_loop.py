@@ -68,6 +68,40 @@ class PlainGPT(torch.nn.Module):
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1))
 
 
+class TransformersLlama(torch.nn.Module):
+    """transformers' LlamaForCausalLM of the same shape (its SDPA attention, eager), behind the plain model's
+    forward(tokens, labels) -> loss: the baseline most users would otherwise train. The loss is computed
+    here, as for the plain model, on labels already shifted."""
+
+    def __init__(self, c: ModelConfig, seq_length: int):
+        super().__init__()
+        import transformers
+
+        from loom.engine.config import LoomConfig
+        from loom.engine.config_io import config_to_dict
+        from loom.tools.hf import hf_config
+
+        model = config_to_dict(LoomConfig(model=c))["model"]
+        settings = {**hf_config(model), "max_position_embeddings": max(seq_length, c.max_position_embeddings)}
+        settings.pop("torch_dtype", None)
+        config = transformers.LlamaConfig(**settings)
+        config._attn_implementation = "sdpa"
+        self.model = transformers.LlamaForCausalLM(config)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.model(input_ids=tokens).logits.float()
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def transformers_reason() -> str | None:
+    """Why the transformers baseline cannot run here, or None."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return "transformers is not installed (pip install loom[hf])"
+    return None
+
+
 def unsupported_reason(c: ModelConfig) -> str | None:
     """Why the plain loop cannot model this config (it writes only the Llama shape), or None."""
     if (c.norm, c.activation, c.position_embedding, c.bias) != ("rmsnorm", "swiglu", "rope", False):
@@ -86,10 +120,12 @@ def run_plain_loop(
     precision: str,
     compile_model: bool,
     lr: float = 1e-4,
+    model_class: type[torch.nn.Module] = PlainGPT,
 ) -> list[float]:
-    """Train on random tokens; returns tokens/s of every step after the warmup."""
+    """Train `model_class(c, seq_length)` (the plain model, or TransformersLlama) on random tokens; returns tokens/s
+    of every step after the warmup."""
     torch.manual_seed(0)
-    model = PlainGPT(c, seq_length).to(device)
+    model = model_class(c, seq_length).to(device)
     step_model = torch.compile(model) if compile_model else model
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, fused=device.type == "cuda"
