@@ -55,12 +55,13 @@ def test_the_loss_equals_f_cross_entropy_on_cuda():
     generator = torch.Generator(device=CUDA).manual_seed(0)
     vocab = 32000
     logits = (3 * torch.randn(512, 2, vocab, device=CUDA, generator=generator)).to(torch.bfloat16)
-    logits.requires_grad_(True)
     target = torch.randint(0, vocab, (512, 2), device=CUDA, generator=generator)
+    theirs = logits.clone().requires_grad_()  # ours consumes its logits (their storage receives the gradient)
+    reference = F.cross_entropy(theirs.float().view(-1, vocab), target.view(-1), reduction="none").view(512, 2)
+    (reference_grad,) = torch.autograd.grad(reference.mean(), theirs)
+    logits.requires_grad_(True)
     ours = vocab_parallel_cross_entropy(logits, target, 0, vocab, None)
     (ours_grad,) = torch.autograd.grad(ours.mean(), logits)
-    reference = F.cross_entropy(logits.float().view(-1, vocab), target.view(-1), reduction="none").view(512, 2)
-    (reference_grad,) = torch.autograd.grad(reference.mean(), logits)
     torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)  # fp32 arithmetic on the same bf16 logits
     torch.testing.assert_close(ours_grad, reference_grad, rtol=1e-2, atol=1e-6)  # both rounded to bf16
 

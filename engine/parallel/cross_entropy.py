@@ -6,9 +6,12 @@ masked to -inf, so they take no part in the softmax and get zero gradient.
 
 The logits come out of the output GEMM in the compute dtype ([tokens, V/tp], the largest activation of a
 Llama step). Upcasting them whole and saving the fp32 softmax for backward, as the textbook recipe does,
-adds 4 + 4 bytes per logit; here each chunk of tokens is upcast, reduced to three numbers per token (local
-max, sum of exponentials, target logit) and dropped, and backward recomputes the softmax chunk by chunk from
-the saved logits and those per-token statistics. Extra memory is one fp32 chunk instead of two fp32 copies.
+adds 4 + 4 bytes per logit. Here the forward reads them twice, a chunk of tokens at a time: once for three
+numbers per token (local max, sum of exponentials, target logit), then, once those are reduced over TP, to
+write softmax - one-hot into the logits' own storage; backward only scales that in place by each token's
+loss gradient. So the logits are consumed (they hold their gradient after the forward, which is also what
+makes the backward one multiply), no tensor of their size is added, and the per-chunk results are joined by
+one concatenation instead of a copy per chunk. Under model.compile each chunk's work is one kernel.
 """
 
 from __future__ import annotations
@@ -48,22 +51,17 @@ def chunk_statistics(
     chunk = _masked(chunk, padded_from)
     # finite even where this rank holds only padding (all -inf), so that exp(x - max) is 0, not NaN
     row_max = chunk.max(dim=-1).values.clamp_min(torch.finfo(torch.float32).min)
-    sum_exp = (chunk - row_max[:, None]).exp().sum(dim=-1)
+    sum_exp = (chunk - row_max[:, None]).exp_().sum(dim=-1)
     return row_max, sum_exp, chunk.gather(-1, target[:, None]).squeeze(-1)
 
 
-def chunk_gradient(
-    chunk: torch.Tensor,
-    target: torch.Tensor,
-    inside: torch.Tensor,
-    log_normaliser: torch.Tensor,
-    grad_loss: torch.Tensor,
-    padded_from: int,
-) -> torch.Tensor:
-    """d loss / d logits of a chunk: (softmax - one-hot of the target where this rank holds it) * grad_loss."""
-    softmax = (_masked(chunk, padded_from) - log_normaliser[:, None]).exp()
-    softmax = softmax.scatter_add(-1, target[:, None], -inside[:, None])
-    return (softmax * grad_loss[:, None]).to(chunk.dtype)
+def write_chunk_gradient(
+    chunk: torch.Tensor, target: torch.Tensor, inside: torch.Tensor, log_normaliser: torch.Tensor, padded_from: int
+) -> None:
+    """Overwrite a chunk of logits with d loss / d logits for a loss gradient of 1: softmax - one-hot of the target
+    where this rank holds it (padding gets exactly 0)."""
+    softmax = _masked(chunk, padded_from).sub_(log_normaliser[:, None]).exp_()  # in place: the chunk is consumed
+    chunk.copy_(softmax.scatter_add_(-1, target[:, None], -inside[:, None]))
 
 
 _COMPILED: dict[str, object] = {}
@@ -83,18 +81,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, vocab_start, vocab_size, group, chunk_elements, compiled):
         local_vocab = logits.shape[-1]
-        flat, flat_target = logits.reshape(-1, local_vocab), target.reshape(-1)
+        # The logits' own storage (a copy only if they were not contiguous): it receives their gradient below.
+        flat = logits.detach().reshape(-1, local_vocab)
         padded_from = vocab_size - vocab_start
-        local_target = flat_target - vocab_start
+        local_target = target.reshape(-1) - vocab_start
         outside = (local_target < 0) | (local_target >= local_vocab)
         local_target = local_target.masked_fill(outside, 0)
-        tokens = flat.shape[0]
-        row_max = torch.empty(tokens, dtype=torch.float32, device=logits.device)
-        sum_exp = torch.empty_like(row_max)
-        target_logit = torch.empty_like(row_max)
+        chunks = _chunks(flat.shape[0], local_vocab, chunk_elements)
         statistics = _kernel(chunk_statistics, compiled)
-        for rows in _chunks(tokens, local_vocab, chunk_elements):
-            row_max[rows], sum_exp[rows], target_logit[rows] = statistics(flat[rows], local_target[rows], padded_from)
+        parts = [statistics(flat[rows], local_target[rows], padded_from) for rows in chunks]
+        row_max, sum_exp, target_logit = (torch.cat(part) for part in zip(*parts, strict=True))
         # Each rank summed exp(x - its own max); rescale to the global max before adding the ranks' sums.
         global_max = row_max.clone()
         _all_reduce(global_max, group, op=dist.ReduceOp.MAX)
@@ -103,28 +99,22 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         _all_reduce(sum_exp, group)
         _all_reduce(target_logit, group)
         log_normaliser = global_max + sum_exp.log()
-        ctx.save_for_backward(logits, local_target, outside, log_normaliser)
-        ctx.padded_from, ctx.chunk_elements, ctx.compiled = padded_from, chunk_elements, compiled
+        if ctx.needs_input_grad[0]:
+            gradient = _kernel(write_chunk_gradient, compiled)
+            inside = (~outside).float()
+            for rows in chunks:
+                gradient(flat[rows], local_target[rows], inside[rows], log_normaliser[rows], padded_from)
+            ctx.save_for_backward(flat)
+            ctx.shape, ctx.chunks = logits.shape, chunks
         return (log_normaliser - target_logit).view_as(target)
 
     @staticmethod
     def backward(ctx, grad_loss):
-        logits, local_target, outside, log_normaliser = ctx.saved_tensors
-        local_vocab = logits.shape[-1]
-        flat, flat_grad_loss = logits.reshape(-1, local_vocab), grad_loss.reshape(-1)
-        grad = torch.empty_like(flat)
-        inside = (~outside).float()
-        gradient = _kernel(chunk_gradient, ctx.compiled)
-        for rows in _chunks(flat.shape[0], local_vocab, ctx.chunk_elements):
-            grad[rows] = gradient(
-                flat[rows],
-                local_target[rows],
-                inside[rows],
-                log_normaliser[rows],
-                flat_grad_loss[rows],
-                ctx.padded_from,
-            )
-        return grad.view_as(logits), None, None, None, None, None, None
+        (grad,) = ctx.saved_tensors
+        scale = grad_loss.reshape(-1, 1)
+        for rows in ctx.chunks:  # each token's softmax - one-hot times its loss gradient, rounded once
+            grad[rows] = grad[rows].float().mul_(scale[rows])
+        return grad.view(ctx.shape), None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
@@ -136,7 +126,8 @@ def vocab_parallel_cross_entropy(
     chunk_elements: int = CHUNK_ELEMENTS,
     compiled: bool = False,
 ) -> torch.Tensor:
-    """Per-token loss (fp32, shape of target) from this rank's logits slice [..., V/tp].
+    """Per-token loss (fp32, shape of target) from this rank's logits slice [..., V/tp]. Where a gradient is needed
+    the logits are consumed: their storage holds the gradient after the forward (module docstring).
 
     `vocab_start` is the global id of this rank's first logit; ids >= vocab_size are padding. With one rank
     the all-reduces are skipped (a group of one); the chunking is the same. `compiled` runs each chunk's
