@@ -130,6 +130,14 @@ def output_prefix(text: str) -> str:
     return text
 
 
+def add_parallel_size(parser: argparse.ArgumentParser, size: str, help: str, older: bool = True, **kwargs) -> None:
+    """--parallel.<size> (tp, pp, vp: the config's spelling, one per idea across commands), stored as `size`;
+    `older` keeps the command's earlier --<size> working, said in the help."""
+    names = [f"--parallel.{size}"] + ([f"--{size}"] if older else [])
+    note = f" (--{size}: the older spelling)" if older else ""
+    parser.add_argument(*names, dest=size, type=int_in(1, 1024), help=help + note, **kwargs)
+
+
 IMAGE_SUFFIXES = (".png", ".pdf", ".svg")
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from loom.engine.config import ConfigError
 from loom.engine.config_io import load_config
 from loom.errors import is_user_error, user_message
-from loom.launch.arguments import OneLineParser, existing_dir, image_file, int_in
+from loom.launch.arguments import OneLineParser, add_parallel_size, existing_dir, image_file, int_in
 
 EPILOG_TRAIN = """\
 Every config field can be overridden as --section.field value, for example
@@ -142,17 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
         "microbatch[.chunk], the bubble fraction and the activations held, "
         "and draw a Gantt chart.",
     )
-    schedule.add_argument(
-        "--parallel.pp", "--pp", dest="pp", type=int_in(1, 1024), help="pipeline stages (--pp: the older spelling)"
-    )
-    schedule.add_argument(
-        "--parallel.vp",
-        "--vp",
-        dest="vp",
-        type=int_in(1, 1024),
-        default=1,
-        help="virtual stages (chunks) per rank; >1 interleaves (--vp: the older spelling)",
-    )
+    add_parallel_size(schedule, "pp", "pipeline stages")
+    add_parallel_size(schedule, "vp", "virtual stages (chunks) per rank; >1 interleaves", default=1)
     schedule.add_argument("--microbatches", type=int_in(1, 100_000), help="micro-batches per step")
     schedule.add_argument("--output", type=image_file, help="PNG file for the Gantt chart")
     schedule.add_argument(

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from loom.engine.config import ConfigError
 from loom.launch.arguments import (
+    add_parallel_size,
     dataset_prefix,
     existing_dir,
     existing_file,
@@ -206,15 +207,9 @@ def add_parsers(commands) -> None:
     )
     _checkpoint_input(p, "the checkpoint to reshard")
     _checkpoint_output(p, "a checkpoints/ folder of its own to write iter_N and latest into")
-    p.add_argument(
-        "--parallel.tp", "--tp", dest="tp", type=int_in(1, 1024), required=True, help="target TP size" + OLDER
-    )
-    p.add_argument(
-        "--parallel.pp", "--pp", dest="pp", type=int_in(1, 1024), required=True, help="target pipeline stages" + OLDER
-    )
-    p.add_argument(
-        "--parallel.vp", "--vp", dest="vp", type=int_in(1, 1024), default=1, help="target chunks per stage" + OLDER
-    )
+    add_parallel_size(p, "tp", "target tensor-parallel size", required=True)
+    add_parallel_size(p, "pp", "target pipeline stages", required=True)
+    add_parallel_size(p, "vp", "target chunks per stage", default=1)
     p.set_defaults(handler=_reshard)
     p = sub.add_parser("export-hf", help="write a Llama-format Hugging Face model (safetensors + config.json)")
     _checkpoint_input(p, "the checkpoint to export")
@@ -298,9 +293,7 @@ def add_parsers(commands) -> None:
     )
     p.add_argument("--seed", type=seed, default=0, help="seed of the sampling (default: %(default)s)")
     p.add_argument("--nproc", type=int_in(1, 1024), default=1, help="local ranks, tp x pp (default: %(default)s)")
-    p.add_argument("--parallel.tp", dest="tp", type=int_in(1, 1024), default=1, help="tensor-parallel ranks")
-    p.add_argument(
-        "--parallel.pp", dest="pp", type=int_in(1, 1024), default=1, help="pipeline stages (correct, not fast)"
-    )
+    add_parallel_size(p, "tp", "tensor-parallel ranks", older=False, default=1)
+    add_parallel_size(p, "pp", "pipeline stages (correct, not fast)", older=False, default=1)
     p.add_argument("--lora.base", dest="lora_base", type=existing_path, help=LORA_BASE)
     p.set_defaults(handler=cmd_generate)

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from loom.engine.config_io import config_to_dict, load_config
-from loom.launch.arguments import int_in, output_dir, positive_int
+from loom.launch.arguments import add_parallel_size, int_in, output_dir, positive_int
 
 
 def _preview_first_sample(config, tokenizer_model: str) -> None:
@@ -375,30 +375,15 @@ def add_parser(commands) -> None:
     p.add_argument("--workdir", type=output_dir, default="demo", help="where data and runs go (reused if present)")
     p.add_argument("--max-docs", type=positive_int, help="use only this many corpus documents (faster)")
     p.add_argument("--nproc", type=int_in(1, 1024), default=8, help="local ranks for training")
-    older = " (--%s: the older spelling)"
-    p.add_argument("--parallel.tp", "--tp", dest="tp", type=int_in(1, 1024), default=2, help="TP size" + older % "tp")
-    p.add_argument(
-        "--parallel.pp",
-        "--pp",
-        dest="pp",
-        type=int_in(1, 1024),
-        default=2,
-        help="pipeline stages (the rest of --nproc is data parallel)" + older % "pp",
-    )
-    p.add_argument(
-        "--parallel.vp",
-        "--vp",
-        dest="vp",
-        type=int_in(1, 1024),
-        default=2,
-        help="interleaved chunks per pipeline stage" + older % "vp",
-    )
+    add_parallel_size(p, "tp", "tensor-parallel size", default=2)
+    add_parallel_size(p, "pp", "pipeline stages (the rest of --nproc is data parallel)", default=2)
+    add_parallel_size(p, "vp", "interleaved chunks per pipeline stage", default=2)
     p.add_argument(
         "--train.steps",
         "--steps",
         dest="steps",
         type=int_in(2, 100_000),
         default=50,
-        help="training steps" + older % "steps",
+        help="training steps (--steps: the older spelling)",
     )
     p.set_defaults(handler=_cmd_demo)

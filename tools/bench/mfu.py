@@ -234,16 +234,10 @@ def _fp8_row(args, base: LoomConfig, data: str, tmp: str, steps: int, device: to
     return Row(name, median(rates), mem, kernels, config)
 
 
-def _transformers_row(args, base: LoomConfig, device: torch.device) -> Row:
-    """transformers' LlamaForCausalLM, eager with SDPA, autocast and fused AdamW, on the same shape."""
-    name = "transformers LlamaForCausalLM (eager, sdpa)"
-    reason = unsupported_reason(base.model) or transformers_reason()
-    if reason:
-        return Row(name, note=f"skipped: {reason}")
+def _loop_shape(args, base: LoomConfig, device: torch.device) -> dict:
+    """run_plain_loop's arguments for the shape loom's rows train."""
     t = base.train
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    rates = run_plain_loop(
+    return dict(
         c=base.model,
         seq_length=t.seq_length,
         micro_batch=t.micro_batch_size,
@@ -252,16 +246,24 @@ def _transformers_row(args, base: LoomConfig, device: torch.device) -> Row:
         warmup=args.warmup,
         device=device,
         precision=t.precision,
-        compile_model=False,
-        model_class=TransformersLlama,
     )
+
+
+def _transformers_row(args, base: LoomConfig, device: torch.device) -> Row:
+    """transformers' LlamaForCausalLM, eager with SDPA, autocast and fused AdamW, on the same shape."""
+    name = "transformers LlamaForCausalLM (eager, sdpa)"
+    reason = unsupported_reason(base.model) or transformers_reason()
+    if reason:
+        return Row(name, note=f"skipped: {reason}")
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    rates = run_plain_loop(**_loop_shape(args, base, device), compile_model=False, model_class=TransformersLlama)
     mem = memory_gb(device)
     _free(device)
     return Row(name, median(rates), mem)
 
 
 def _plain_row(args, base: LoomConfig, device: torch.device) -> Row:
-    t = base.train
     compiled = args.compile if args.compile is not None else device.type == "cuda"
     name = f"plain PyTorch loop ({'torch.compile' if compiled else 'eager'})"
     reason = unsupported_reason(base.model)
@@ -269,16 +271,7 @@ def _plain_row(args, base: LoomConfig, device: torch.device) -> Row:
         return Row(name, note=f"skipped: {reason}")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    plain = dict(
-        c=base.model,
-        seq_length=t.seq_length,
-        micro_batch=t.micro_batch_size,
-        microbatches=args.microbatches,
-        steps=args.steps,
-        warmup=args.warmup,
-        device=device,
-        precision=t.precision,
-    )
+    plain = _loop_shape(args, base, device)
     note = ""
     try:
         rates = run_plain_loop(**plain, compile_model=compiled)
