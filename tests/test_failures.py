@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from safetensors.numpy import load_file
-from training_runs import HANG_S, read_metrics, read_output_until, tiny_train_args, wait_for, wait_for_step
+from training_runs import HANG_S, loom_here, read_metrics, read_output_until, tiny_train_args, wait_for, wait_for_step
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -28,6 +28,20 @@ def train_command(dataset: str, run_dir: Path, *extra: str) -> list[str]:
         "train",
         *tiny_train_args(dataset, run_dir, "--nproc", "2", "--parallel.tp", "2", "--model.num_layers", "2", *extra),
     ]
+
+
+@pytest.fixture
+def run_here(capfd, monkeypatch):
+    """run() for the stories whose command only needs to fail as it would (not to be signalled itself): `loom
+    train` through its entry point in this process, its ranks forked from the warm fork server with `env` added
+    to the environment they get from the launcher."""
+
+    def run_in_this_process(command: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
+        for name, value in (env or {}).items():
+            monkeypatch.setenv(name, value)
+        return loom_here(capfd, *command[3:])  # without `python -m loom.launch.cli`
+
+    return run_in_this_process
 
 
 def run(command: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
@@ -121,8 +135,8 @@ def test_a_second_stop_signal_stops_at_once(dataset, tmp_path):
     assert "stopped at once by a second SIGTERM: the ranks were killed without saving" in stderr
 
 
-def test_hung_rank_becomes_a_timeout_error(dataset, tmp_path):
-    result = run(
+def test_hung_rank_becomes_a_timeout_error(dataset, tmp_path, run_here):
+    result = run_here(
         train_command(dataset, tmp_path, "--train.steps", "50", "--parallel.timeout_minutes", "0.1"),
         env={"LOOM_INJECT_HANG": "1:2"},
     )
@@ -134,26 +148,26 @@ def test_hung_rank_becomes_a_timeout_error(dataset, tmp_path):
     ), result.stderr
 
 
-def test_a_rank_killed_by_a_signal_is_named_not_the_peer_it_broke(dataset, tmp_path):
+def test_a_rank_killed_by_a_signal_is_named_not_the_peer_it_broke(dataset, tmp_path, run_here):
     """The OOM killer's SIGKILL leaves no report from the dead rank; rank 0's broken connection reaches the
     launcher as a Python error. The message blames the killed rank."""
-    result = run(train_command(dataset, tmp_path, "--train.steps", "50"), env={"LOOM_INJECT_KILL": "1:2"})
+    result = run_here(train_command(dataset, tmp_path, "--train.steps", "50"), env={"LOOM_INJECT_KILL": "1:2"})
     assert result.returncode == 1
     line = result.stderr.strip().splitlines()[-1]
     assert line.startswith("error: rank 1 failed: killed by SIGKILL (the kernel's OOM killer"), result.stderr
     assert "; the last step logged was 2;" in line
 
 
-def test_a_rank_aborted_like_by_the_nccl_watchdog_is_named_with_the_likely_cause(dataset, tmp_path):
+def test_a_rank_aborted_like_by_the_nccl_watchdog_is_named_with_the_likely_cause(dataset, tmp_path, run_here):
     """Under NCCL a timed-out collective aborts the rank (SIGABRT) before Python can report it."""
-    result = run(train_command(dataset, tmp_path, "--train.steps", "50"), env={"LOOM_INJECT_KILL": "0:3:ABRT"})
+    result = run_here(train_command(dataset, tmp_path, "--train.steps", "50"), env={"LOOM_INJECT_KILL": "0:3:ABRT"})
     line = result.stderr.strip().splitlines()[-1]
     assert line.startswith("error: rank 0 failed: killed by SIGABRT (under NCCL, the watchdog aborts"), result.stderr
     assert "the last step logged was 3" in line
 
 
-def test_nan_loss_stops_and_leaves_the_last_good_checkpoint_newest(dataset, tmp_path):
-    result = run(
+def test_nan_loss_stops_and_leaves_the_last_good_checkpoint_newest(dataset, tmp_path, run_here):
+    result = run_here(
         train_command(dataset, tmp_path, "--train.steps", "8", "--checkpoint.interval", "2"),
         env={"LOOM_INJECT_NAN": "5"},
     )
@@ -171,8 +185,8 @@ def model_tensors(checkpoint: Path) -> dict:
     return tensors
 
 
-def test_nan_loss_under_skip_policy_drops_only_that_update(dataset, tmp_path):
-    result = run(
+def test_nan_loss_under_skip_policy_drops_only_that_update(dataset, tmp_path, run_here):
+    result = run_here(
         train_command(
             dataset,
             tmp_path,
