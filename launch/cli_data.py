@@ -122,8 +122,12 @@ def _clean(args: argparse.Namespace) -> None:
 
 def _merge(args: argparse.Namespace) -> None:
     from loom.data_tools.failures import reported_failures
+    from loom.data_tools.jsonl import InputError
     from loom.engine.data.indexed import IndexedDataset, IndexedDatasetWriter, index_paths
 
+    output = Path(args.output_prefix).resolve()
+    if any(Path(prefix).resolve() == output for prefix in args.inputs):
+        raise InputError(f"--output-prefix {args.output_prefix} is one of the inputs; merge into a new prefix")
     first = IndexedDataset(args.inputs[0])
     needed = sum(path.stat().st_size for prefix in args.inputs for path in index_paths(prefix) if path.is_file())
     with reported_failures(index_paths(args.output_prefix)[0], needed):
@@ -207,7 +211,7 @@ def _preview(args: argparse.Namespace, overrides: list[str]) -> None:
             section[key] = value
     config = load_config(args.config, sections)
     if not config.data.paths:
-        raise FileNotFoundError("give --data PREFIX (or a --config whose data.paths is set)")
+        raise FileNotFoundError("give --data.paths PREFIX (or a --config whose data.paths is set)")
     tokenizer_path = args.tokenizer or config.data.tokenizer
     processor = None
     if tokenizer_path:

@@ -116,7 +116,7 @@ COMMANDS = {
     ),
     "data merge": (
         ["--inputs", "{prefix}", "{prefix}", "--output-prefix", "{tmp}/merged"],
-        {"--inputs": "in-prefix", "--output-prefix": "out-prefix"},
+        {"--inputs": "in-prefix", "--output-prefix": ["{dir}", "{file}/x", "{prefix}"]},  # not over an input
     ),
     "data preview": (
         ["--data.paths", "{prefix}", "--train.seq_length", "64"],
