@@ -404,6 +404,11 @@ class Trainer:
         t = self.config.train
         rows, best_val, evals_without_gain = [], math.inf, 0
         stop_at = min(t.steps, self.step + t.exit_after) if t.exit_after else t.steps
+        if self.step >= t.steps:
+            self._log_event(
+                f"nothing to train: the run is complete at step {self.step} of train.steps = {t.steps}; "
+                "raise --train.steps to train further"
+            )
         clock = StepClock()
         # Later agreements ride on each step's own transfer (train_step); this one covers a stop before the first.
         stop_agreed = stop is not None and self._agreed_stop(stop)
