@@ -406,8 +406,8 @@ class Trainer:
         stop_at = min(t.steps, self.step + t.exit_after) if t.exit_after else t.steps
         if self.step >= t.steps:
             self._log_event(
-                f"nothing to train: the run is complete at step {self.step} of train.steps = {t.steps}; "
-                "raise --train.steps to train further"
+                f"nothing to train: the run in {t.run_dir} is complete at step {self.step} of train.steps = "
+                f"{t.steps}; raise --train.steps to continue it, or give a new run its own --train.name"
             )
         clock = StepClock()
         # Later agreements ride on each step's own transfer (train_step); this one covers a stop before the first.

@@ -318,7 +318,7 @@ def test_a_run_saves_its_last_step_says_the_time_left_and_names_an_optimizer_swi
     assert code == 0 and [row["step"] for row in read_metrics(run_dir)] == [1, 2, 3, 4]
     assert "was trained with adamw; its optimizer state does not carry over to sgd" in out
     code, out, _ = run(capfd, *args, "--optim.name", "sgd", "--train.exit_after", "0", "--train.steps", "4")
-    assert code == 0 and "nothing to train: the run is complete at step 4 of train.steps = 4" in out
+    assert code == 0 and "is complete at step 4 of train.steps = 4; raise --train.steps to continue it" in out
 
 
 def test_old_and_new_spellings_mean_the_same(world, capfd, tmp_path):
