@@ -6,12 +6,13 @@ masked to -inf, so they take no part in the softmax and get zero gradient.
 
 The logits come out of the output GEMM in the compute dtype ([tokens, V/tp], the largest activation of a
 Llama step). Upcasting them whole and saving the fp32 softmax for backward, as the textbook recipe does,
-adds 4 + 4 bytes per logit. Here the forward reads them twice, a chunk of tokens at a time: once for three
-numbers per token (local max, sum of exponentials, target logit), then, once those are reduced over TP, to
-write softmax - one-hot into the logits' own storage; backward only scales that in place by each token's
-loss gradient. So the logits are consumed (they hold their gradient after the forward, which is also what
-makes the backward one multiply), no tensor of their size is added, and the per-chunk results are joined by
-one concatenation instead of a copy per chunk. Under model.compile each chunk's work is one kernel.
+adds 4 + 4 bytes per logit. Here each pass reads a chunk of tokens at a time, and there is one pass each
+way. The forward reads a chunk once: the local max m, the exponentials exp(x - m), which it writes over the
+logits (they are consumed), their sum and the target logit. Once those are reduced over TP, each token's
+softmax is exp(x - m) * exp(m - M) / S, so the backward reads the chunk once more and writes the gradient in
+place: the exponentials times g exp(m - M) / S, and at the target g (p - 1), taken in fp32 from the reduced
+statistics rather than from the rounded exponential (p near 1 would cancel). No tensor of the logits' size
+is added; per-chunk statistics are joined by one concatenation; under model.compile each pass is one kernel.
 """
 
 from __future__ import annotations
@@ -44,24 +45,33 @@ def _masked(chunk: torch.Tensor, padded_from: int) -> torch.Tensor:
     return chunk
 
 
-def chunk_statistics(
+def exponentiate_chunk(
     chunk: torch.Tensor, target: torch.Tensor, padded_from: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per token of a chunk [tokens, V/tp]: local max, sum of exp(x - max), logit at the (local) target."""
-    chunk = _masked(chunk, padded_from)
+    """Overwrite a chunk of logits [tokens, V/tp] with exp(x - m) (padding 0); per token, the local max m, the sum
+    of the exponentials and the logit at the (local) target."""
+    logits = _masked(chunk, padded_from)
+    target_logit = logits.gather(-1, target[:, None]).squeeze(-1)
     # finite even where this rank holds only padding (all -inf), so that exp(x - max) is 0, not NaN
-    row_max = chunk.max(dim=-1).values.clamp_min(torch.finfo(torch.float32).min)
-    sum_exp = (chunk - row_max[:, None]).exp_().sum(dim=-1)
-    return row_max, sum_exp, chunk.gather(-1, target[:, None]).squeeze(-1)
+    row_max = logits.max(dim=-1).values.clamp_min(torch.finfo(torch.float32).min)
+    exponentials = (logits - row_max[:, None]).exp_()
+    chunk.copy_(exponentials)
+    return row_max, exponentials.sum(dim=-1), target_logit
 
 
-def write_chunk_gradient(
-    chunk: torch.Tensor, target: torch.Tensor, inside: torch.Tensor, log_normaliser: torch.Tensor, padded_from: int
+def chunk_gradient(
+    chunk: torch.Tensor,
+    target: torch.Tensor,
+    row_scale: torch.Tensor,
+    target_gradient: torch.Tensor,
+    outside: torch.Tensor,
 ) -> None:
-    """Overwrite a chunk of logits with d loss / d logits for a loss gradient of 1: softmax - one-hot of the target
-    where this rank holds it (padding gets exactly 0)."""
-    softmax = _masked(chunk, padded_from).sub_(log_normaliser[:, None]).exp_()  # in place: the chunk is consumed
-    chunk.copy_(softmax.scatter_add_(-1, target[:, None], -inside[:, None]))
+    """Overwrite a chunk of exponentials with d loss / d logits: each row times its scale, and at the target
+    (where this rank holds it; `outside` where not) the exact target gradient."""
+    gradient = chunk.float().mul_(row_scale[:, None])
+    at_target = gradient.gather(-1, target[:, None]).squeeze(-1)
+    exact = torch.where(outside, at_target, target_gradient)
+    chunk.copy_(gradient.scatter_(-1, target[:, None], exact[:, None]))
 
 
 _COMPILED: dict[str, object] = {}
@@ -81,40 +91,41 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, vocab_start, vocab_size, group, chunk_elements, compiled):
         local_vocab = logits.shape[-1]
-        # The logits' own storage (a copy only if they were not contiguous): it receives their gradient below.
+        # The logits' own storage (a copy only if they were not contiguous): it receives the exponentials.
         flat = logits.detach().reshape(-1, local_vocab)
         padded_from = vocab_size - vocab_start
         local_target = target.reshape(-1) - vocab_start
         outside = (local_target < 0) | (local_target >= local_vocab)
         local_target = local_target.masked_fill(outside, 0)
         chunks = _chunks(flat.shape[0], local_vocab, chunk_elements)
-        statistics = _kernel(chunk_statistics, compiled)
-        parts = [statistics(flat[rows], local_target[rows], padded_from) for rows in chunks]
+        exponentiate = _kernel(exponentiate_chunk, compiled)
+        parts = [exponentiate(flat[rows], local_target[rows], padded_from) for rows in chunks]
         row_max, sum_exp, target_logit = (torch.cat(part) for part in zip(*parts, strict=True))
         # Each rank summed exp(x - its own max); rescale to the global max before adding the ranks' sums.
         global_max = row_max.clone()
         _all_reduce(global_max, group, op=dist.ReduceOp.MAX)
-        sum_exp.mul_((row_max - global_max).exp_())
+        local_to_global = (row_max - global_max).exp_()
+        sum_exp = sum_exp * local_to_global
         target_logit = target_logit.masked_fill_(outside, 0.0)
         _all_reduce(sum_exp, group)
         _all_reduce(target_logit, group)
         log_normaliser = global_max + sum_exp.log()
-        if ctx.needs_input_grad[0]:
-            gradient = _kernel(write_chunk_gradient, compiled)
-            inside = (~outside).float()
-            for rows in chunks:
-                gradient(flat[rows], local_target[rows], inside[rows], log_normaliser[rows], padded_from)
-            ctx.save_for_backward(flat)
-            ctx.shape, ctx.chunks = logits.shape, chunks
-        return (log_normaliser - target_logit).view_as(target)
+        loss = log_normaliser - target_logit
+        ctx.save_for_backward(flat, local_target, outside, local_to_global / sum_exp, loss)
+        ctx.shape, ctx.chunks, ctx.compiled = logits.shape, chunks, compiled
+        return loss.view_as(target)
 
     @staticmethod
     def backward(ctx, grad_loss):
-        (grad,) = ctx.saved_tensors
-        scale = grad_loss.reshape(-1, 1)
-        for rows in ctx.chunks:  # each token's softmax - one-hot times its loss gradient, rounded once
-            grad[rows] = grad[rows].float().mul_(scale[rows])
-        return grad.view(ctx.shape), None, None, None, None, None, None
+        flat, local_target, outside, softmax_scale, loss = ctx.saved_tensors
+        grad_loss = grad_loss.reshape(-1).float()
+        # softmax_t - 1 = exp(-loss) - 1, in fp32 and without cancellation (expm1), where this rank holds the target
+        target_gradient = grad_loss * torch.expm1(-loss)
+        row_scale = grad_loss * softmax_scale
+        gradient = _kernel(chunk_gradient, ctx.compiled)
+        for rows in ctx.chunks:
+            gradient(flat[rows], local_target[rows], row_scale[rows], target_gradient[rows], outside[rows])
+        return flat.view(ctx.shape), None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
@@ -126,8 +137,8 @@ def vocab_parallel_cross_entropy(
     chunk_elements: int = CHUNK_ELEMENTS,
     compiled: bool = False,
 ) -> torch.Tensor:
-    """Per-token loss (fp32, shape of target) from this rank's logits slice [..., V/tp]. Where a gradient is needed
-    the logits are consumed: their storage holds the gradient after the forward (module docstring).
+    """Per-token loss (fp32, shape of target) from this rank's logits slice [..., V/tp]. The logits are consumed:
+    their storage holds the exponentials after the forward and the gradient after the backward (module docstring).
 
     `vocab_start` is the global id of this rank's first logit; ids >= vocab_size are padding. With one rank
     the all-reduces are skipped (a group of one); the chunking is the same. `compiled` runs each chunk's
