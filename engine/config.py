@@ -152,6 +152,13 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
+    def check_tensor_parallel(self, tp: int) -> None:
+        """Refuse a TP size the model's heads, KV heads or MLP do not split into (training, resharding, generation)."""
+        for name in ("num_heads", "num_kv_heads", "ffn_hidden_size"):
+            value = getattr(self, name)
+            if value % tp:
+                raise ConfigError(f"parallel.tp = {tp} must divide model.{name} = {value}")
+
 
 @dataclass
 class ParallelConfig:
@@ -514,13 +521,7 @@ class LoomConfig:
             raise ConfigError(
                 f"world size {world_size} != tp*pp*dp = {p.tp}*{p.pp}*{p.dp}; change --nproc or the layout"
             )
-        for name, value in (
-            ("num_heads", m.num_heads),
-            ("num_kv_heads", m.num_kv_heads),
-            ("ffn_hidden_size", m.ffn_hidden_size),
-        ):
-            if value % p.tp:
-                raise ConfigError(f"parallel.tp = {p.tp} must divide model.{name} = {value}")
+        m.check_tensor_parallel(p.tp)
         if p.sequence_parallel and t.seq_length % p.tp:
             raise ConfigError(f"sequence parallel needs train.seq_length = {t.seq_length} divisible by tp = {p.tp}")
         for batch in self.batch_sizes():

@@ -95,7 +95,7 @@ def existing_path(text: str) -> str:
 
 
 def _writable_place(path: Path, text: str) -> None:
-    """Refuse a path below a file (it can never be created) or below a folder that cannot be written."""
+    """Refuse a path below a file: it can never be created. (Permissions are the command's to report.)"""
     for parent in path.absolute().parents:
         if parent.exists():
             if not parent.is_dir():
@@ -130,12 +130,15 @@ def output_prefix(text: str) -> str:
     return text
 
 
+OLDER = " (the spelling after the comma is the older one, still accepted)"
+"""Said in the help of an option that keeps an older spelling as its second name."""
+
+
 def add_parallel_size(parser: argparse.ArgumentParser, size: str, help: str, older: bool = True, **kwargs) -> None:
     """--parallel.<size> (tp, pp, vp: the config's spelling, one per idea across commands), stored as `size`;
     `older` keeps the command's earlier --<size> working, said in the help."""
     names = [f"--parallel.{size}"] + ([f"--{size}"] if older else [])
-    note = f" (--{size}: the older spelling)" if older else ""
-    parser.add_argument(*names, dest=size, type=int_in(1, 1024), help=help + note, **kwargs)
+    parser.add_argument(*names, dest=size, type=int_in(1, 1024), help=help + (OLDER if older else ""), **kwargs)
 
 
 IMAGE_SUFFIXES = (".png", ".pdf", ".svg")

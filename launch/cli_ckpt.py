@@ -9,6 +9,7 @@ from pathlib import Path
 
 from loom.engine.config import ConfigError
 from loom.launch.arguments import (
+    OLDER,
     add_parallel_size,
     dataset_prefix,
     existing_dir,
@@ -20,7 +21,6 @@ from loom.launch.arguments import (
     seed,
 )
 
-OLDER = " (the spelling after the comma is the older one, still accepted)"
 OVERWRITE = (
     "replace what --output holds (another run's checkpoints or model files): it is moved into "
     "OUTPUT/replaced/<time>/, not deleted; without it such an output is refused"

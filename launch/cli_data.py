@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from loom.engine.config import DataConfig, TrainConfig
 from loom.launch.arguments import (
+    OLDER,
     dataset_prefix,
     existing_file,
     float_in,
@@ -26,7 +27,6 @@ if TYPE_CHECKING:
     from loom.engine.config import LoomConfig
 
 DEFAULT = " (default: %(default)s)"
-OLDER = " (the option after the comma is the older spelling, still accepted)"
 WORKERS = int_in(1, 1024)
 MAX_PREVIEW_SAMPLES = 100_000
 """More samples than anyone reads on a terminal; its index cache and output stay a few MB."""
@@ -42,8 +42,6 @@ def held_out_every(text: str) -> int:
 def _corpus(args: argparse.Namespace) -> None:
     from loom.data_tools.corpus import build_stdlib_corpus
 
-    if args.source != "stdlib":
-        raise FileNotFoundError(f"unknown corpus source {args.source!r}; the embedded one is 'stdlib'")
     counts = build_stdlib_corpus(Path(args.output), max_docs=args.max_docs)
     print(json.dumps(counts))
 

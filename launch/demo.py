@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from loom.engine.config_io import config_to_dict, load_config
-from loom.launch.arguments import add_parallel_size, int_in, output_dir, positive_int
+from loom.launch.arguments import OLDER, add_parallel_size, int_in, output_dir, positive_int
 
 
 def _preview_first_sample(config, tokenizer_model: str) -> None:
@@ -384,6 +384,6 @@ def add_parser(commands) -> None:
         dest="steps",
         type=int_in(2, 100_000),
         default=50,
-        help="training steps (--steps: the older spelling)",
+        help="training steps" + OLDER,
     )
     p.set_defaults(handler=_cmd_demo)

@@ -153,7 +153,7 @@ def test_generate_says_how_many_tokens_and_why_it_stopped(world, capfd):
     refused(
         capfd,
         ["generate", "--checkpoint", base, "--prompt-ids", "1", "--nproc", "3", "--parallel.tp", "3"],
-        "--parallel.tp 3 must divide model.num_heads = 8",
+        "parallel.tp = 3 must divide model.num_heads = 8",
     )
     code, _, err = run(capfd, "generate", "--checkpoint", base, "--prompt-ids", " ".join(["5"] * (POSITIONS + 1)))
     assert code == 2 and err.startswith(f"error: the prompt has {POSITIONS + 1} tokens but the model has {POSITIONS}")

@@ -29,7 +29,7 @@ from loom.engine.checkpoint.format import (
 )
 from loom.engine.checkpoint.load import PieceReader
 from loom.engine.config import LoomConfig
-from loom.engine.config_io import config_to_dict
+from loom.engine.config_io import config_from_dict, config_to_dict
 from loom.engine.model import naming
 from loom.engine.model.gpt import GPTModel
 from loom.engine.parallel.param_info import param_info
@@ -124,13 +124,10 @@ def reshard(source: Path, output: Path, tp: int, pp: int, vp: int = 1, overwrite
     """Write the checkpoint at `source` as iter_N under `output` (claimed as tools/outputs.py says), laid out for
     tp x pp (x vp)."""
     directory, metadata = open_checkpoint(source)
-    model = metadata.config["model"]
-    layers = model["num_layers"]
+    layers = metadata.config["model"]["num_layers"]
     if layers % (pp * vp):
         raise CheckpointError(f"{layers} layers do not split into pp*vp = {pp}*{vp} stages")
-    for name in ("num_heads", "num_kv_heads", "ffn_hidden_size"):
-        if model.get(name) and model[name] % tp:
-            raise CheckpointError(f"--parallel.tp {tp} must divide model.{name} = {model[name]}")
+    config_from_dict({"model": metadata.config["model"]}).model.check_tensor_parallel(tp)
     claim_checkpoint_output(output, overwrite, reading=(directory,))
     reader = PieceReader(directory, metadata)
     final = output / directory.name

@@ -153,9 +153,7 @@ def _generate_on_a_rank(
 def check_layout(config: LoomConfig, tp: int, pp: int) -> None:
     """Refuse a generation layout the model does not split into, before any rank starts."""
     m = config.model
-    for name, value in (("num_heads", m.num_heads), ("num_kv_heads", m.num_kv_heads or m.num_heads)):
-        if value % tp:
-            raise ConfigError(f"--parallel.tp {tp} must divide model.{name} = {value}")
+    m.check_tensor_parallel(tp)
     if m.num_layers % pp:
         raise ConfigError(f"--parallel.pp {pp} must divide model.num_layers = {m.num_layers}")
 

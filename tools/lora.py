@@ -87,11 +87,14 @@ class ModelWeights:
             weight += self.scale * (b @ a)
         return weight
 
+    def all(self) -> dict[str, torch.Tensor]:
+        """Every logical weight, all at once."""
+        return {name: self[name] for name in self.names}
+
 
 def merged_weights(directory: Path, metadata: CheckpointMetadata, base: Path | None = None) -> dict[str, torch.Tensor]:
     """Every logical weight of the model a checkpoint describes (ModelWeights), all at once."""
-    weights = ModelWeights(directory, metadata, base)
-    return {name: weights[name] for name in weights.names}
+    return ModelWeights(directory, metadata, base).all()
 
 
 def merge_lora(source: Path, output: Path, base: Path | None = None, overwrite: bool = False) -> Path:
@@ -104,6 +107,6 @@ def merge_lora(source: Path, output: Path, base: Path | None = None, overwrite: 
     config = config_from_dict(metadata.config)
     config.lora = LoraConfig()
     weights = ModelWeights(directory, metadata, base)
-    merged = {name: weights[name] for name in weights.names}
+    merged = weights.all()
     claim_checkpoint_output(output, overwrite, reading=(directory, weights.base_dir))
     return write_weights_checkpoint(output, config, merged, str(directory))

@@ -52,6 +52,12 @@ def _column_major(t: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous().t()
 
 
+def weight_copies(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(E4M3 values row-major, the same values column-major, fp32 inverse scale) of a weight."""
+    values, scale_inv = quantize(weight, E4M3)
+    return values, _column_major(values), scale_inv
+
+
 class WeightCast:
     """One layer's FP8 copies of its weight, made once per optimizer step and read by every forward and backward of
     that step: E4M3 values row-major (W^T of the forward GEMM is then column-major, as _scaled_mm wants its second
@@ -84,10 +90,9 @@ class WeightCast:
                     kept.copy_(new)
 
     def quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(E4M3 row-major, the same values column-major, fp32 inverse scale) of `weight`."""
+        """weight_copies(weight), counted."""
         self.casts += 1
-        values, scale_inv = quantize(weight, E4M3)
-        return values, _column_major(values), scale_inv
+        return weight_copies(weight)
 
     def get(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.copies if self.enabled and self.copies is not None else self.quantize(weight)
@@ -132,7 +137,7 @@ def fp8_linear(
     """F.linear with FP8 GEMMs; x [..., in] (cast to the weight's dtype), weight [out, in]. `weight_fp8` is the
     weight already quantised (WeightCast.get), else it is quantised here."""
     leading = x.shape[:-1]
-    w_q, w_q_col, w_inv = weight_fp8 if weight_fp8 is not None else WeightCast().quantize(weight)
+    w_q, w_q_col, w_inv = weight_fp8 if weight_fp8 is not None else weight_copies(weight)
     y = _Fp8Matmul.apply(x.to(weight.dtype).reshape(-1, x.shape[-1]), weight, w_q, w_q_col, w_inv)
     y = y.reshape(*leading, weight.shape[0])
     return y if bias is None else y + bias
