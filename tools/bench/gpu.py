@@ -194,11 +194,13 @@ def run(args: argparse.Namespace) -> dict:
             results["throughput"] = mfu.measure(throughput_args, base)
             results["fp8_slice"] = mfu.measure(slice_args, load_config(slice_name, slice_overrides), baselines=False)
             results["loss_gap"] = loss_gap(base, gap_steps, gap_layers, Path(tmp), device)
+            print(f"bench: loss gap: {json.dumps(results['loss_gap'])}", file=sys.stderr, flush=True)
         finally:
             dist.destroy_process_group()
             for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
                 os.environ.pop(name, None)  # the launcher's ranks set their own
         results["launcher"] = launcher_run(config_name, overrides, Path(tmp), device)
+        print(f"bench: launcher: {json.dumps(results['launcher'])}", file=sys.stderr, flush=True)
     print(format_markdown(results), flush=True)
     output = Path(args.output or "bench_gpu.json")
     output.write_text(json.dumps(results, indent=2) + "\n")

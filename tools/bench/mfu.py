@@ -24,6 +24,7 @@ import gc
 import io
 import json
 import os
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -154,14 +155,20 @@ def measure(args: argparse.Namespace, base: LoomConfig, baselines: bool = True) 
         documents = (steps + 1) * t.micro_batch_size * args.microbatches * 2
         data = write_random_tokens(Path(tmp) / "random", base.model.vocab_size, documents, t.seq_length + 1)
         rows = []
+        started = time.perf_counter()
+
+        def done(row: Row) -> None:
+            rows.append(row)
+            report_row(row, time.perf_counter() - started)
+
         config = bench_config(base, data, str(Path(tmp) / "bf16"), steps, args.microbatches)
         rates, mem, kernels = run_loom(config, args.warmup, device)
-        rows.append(Row(f"loom {precision} (defaults)", median(rates), mem, kernels, config))
+        done(Row(f"loom {precision} (defaults)", median(rates), mem, kernels, config))
         results["kernels"] = kernels
-        rows.append(_fp8_row(args, base, data, tmp, steps, device))
+        done(_fp8_row(args, base, data, tmp, steps, device))
         if baselines:
-            rows.append(_plain_row(args, base, device))
-            rows.append(_transformers_row(args, base, device))
+            done(_plain_row(args, base, device))
+            done(_transformers_row(args, base, device))
     gemm_dtype = PARAM_DTYPES["bf16" if device.type == "cuda" else precision]
     size = args.gemm_size or (8192 if device.type == "cuda" else 512)
     gemm = gemm_peak_tflops(device, gemm_dtype, size, repeats=50 if device.type == "cuda" else 10)
@@ -191,6 +198,12 @@ def measure(args: argparse.Namespace, base: LoomConfig, baselines: bool = True) 
             }
         )
     return results
+
+
+def report_row(row: Row, seconds: float) -> None:
+    """One stderr line per finished row: the command runs minutes on a GPU, and a run cut short keeps its figures."""
+    figures = f"{row.tokens_per_s:,.0f} tokens/s, {row.mem_gb:.1f} GB" if row.tokens_per_s else row.note
+    print(f"bench: {row.name}: {figures} ({seconds:.0f} s so far)", file=sys.stderr, flush=True)
 
 
 def _planned(row: Row, device_name: str) -> dict:
