@@ -1,0 +1,160 @@
+"""Where a training step's device time goes, by kernel kind: loom's Trainer beside the plain PyTorch loop.
+
+    python -m loom.tools.bench.kernel_profile [--config llama-1b] [--steps 2] [--optim.grad_dtype bf16 ...]
+
+For the GPU sessions that have minutes, not hours: one command prints ms per step of GEMMs, attention, Triton
+(inductor's fused kernels), other element-wise kernels, reductions, the optimizer, copies and collectives, for
+loom's defaults on one device and for tools/bench/plain_loop.py on the same shape, then the 15 costliest
+kernels of each. The profiler runs over `--steps` steps after `--warmup` (compilation included in the warm-up).
+On CPU it runs with tiny sizes and names aten operators instead of kernels (a smoke test, not a measurement).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+
+from loom.engine.config_io import load_config
+from loom.tools.bench import mfu
+from loom.tools.bench.plain_loop import run_plain_loop
+
+# First match wins: substrings of CUDA kernel names (cuBLAS/CUTLASS/cuDNN/FlashAttention/Triton/NCCL naming).
+KINDS = (
+    ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
+    ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "scaled_mm", "matmul", "addmm", "mm")),
+    ("optimizer", ("multi_tensor", "adam", "foreach")),
+    ("collective", ("nccl",)),
+    ("copy", ("memcpy", "memset", "copy", "cat")),
+    ("triton (inductor)", ("triton",)),
+    ("reduction", ("reduce", "norm", "softmax", "max", "sum")),
+)
+
+
+def kind_of(name: str) -> str:
+    lowered = name.lower()
+    return next((kind for kind, marks in KINDS if any(mark in lowered for mark in marks)), "other element-wise")
+
+
+def kernel_times(prof, device: torch.device, steps: int) -> dict[str, float]:
+    """ms per step of each kernel (device time; on CPU each aten operator's own time)."""
+    times: dict[str, float] = defaultdict(float)
+    for event in prof.key_averages():
+        us = event.self_device_time_total if device.type == "cuda" else event.self_cpu_time_total
+        if us > 0 and (device.type == "cuda" or event.key.startswith("aten::")):
+            times[event.key] += us / 1000 / steps
+    return dict(times)
+
+
+def summary(times: dict[str, float]) -> dict[str, float]:
+    kinds: dict[str, float] = defaultdict(float)
+    for name, ms in times.items():
+        kinds[kind_of(name)] += ms
+    return dict(sorted(kinds.items(), key=lambda item: -item[1]))
+
+
+def _activities(device: torch.device) -> list:
+    return [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
+
+
+def profile_loom(base, data: str, run_dir: str, args, device: torch.device) -> dict[str, float]:
+    from loom.engine.train import Trainer
+
+    config = mfu.bench_config(base, data, run_dir, args.warmup + args.steps, args.microbatches)
+    with contextlib.redirect_stdout(io.StringIO()):
+        trainer = Trainer(config)
+        try:
+            for _ in range(args.warmup):
+                trainer.train_step()
+            mfu._sync(device)
+            with profile(activities=_activities(device)) as prof:
+                for _ in range(args.steps):
+                    trainer.train_step()
+                mfu._sync(device)
+        finally:
+            trainer.close()
+    del trainer
+    mfu._free(device)
+    return kernel_times(prof, device, args.steps)
+
+
+def profile_plain(base, args, device: torch.device) -> dict[str, float]:
+    """The plain loop has no step hook: profile its whole run and divide by its steps (compiling costs host
+    time, not kernel time, so the warm-up steps only add their own kernels: counted in the division)."""
+    t = base.train
+    with profile(activities=_activities(device)) as prof:
+        run_plain_loop(
+            base.model,
+            t.seq_length,
+            t.micro_batch_size,
+            args.microbatches,
+            args.steps,
+            args.warmup,
+            device,
+            t.precision,
+            compile_model=device.type == "cuda",
+        )
+        mfu._sync(device)
+    mfu._free(device)
+    return kernel_times(prof, device, args.warmup + args.steps)
+
+
+def format_report(columns: dict[str, dict[str, float]], top: int = 15) -> str:
+    kinds = sorted({k for times in columns.values() for k in summary(times)})
+    names = list(columns)
+    lines = ["| ms per step | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(names)]
+    for kind in kinds + ["total"]:
+        cells = [
+            sum(times.values()) if kind == "total" else summary(times).get(kind, 0.0) for times in columns.values()
+        ]
+        lines.append(f"| {kind} | " + " | ".join(f"{ms:.1f}" for ms in cells) + " |")
+    for name, times in columns.items():
+        lines += ["", f"{name}: the {top} costliest kernels (ms per step)"]
+        for kernel, ms in sorted(times.items(), key=lambda item: -item[1])[:top]:
+            lines.append(f"  {ms:8.2f}  {kind_of(kernel):18s} {kernel[:110]}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=None, help="model (default llama-1b on CUDA, tiny on CPU)")
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--no-plain", action="store_true", help="profile loom only")
+    args, overrides = parser.parse_known_args(argv)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    sizes = {} if cuda else {"train": {"seq_length": 64, "micro_batch_size": 2}}
+    config_name = args.config or ("llama-1b" if cuda else "tiny")
+    base = mfu._with_overrides(load_config(config_name, overrides), sizes)
+    if cuda:
+        from loom.engine.cuda_env import set_cuda_env_defaults
+
+        set_cuda_env_defaults(base)
+    columns = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        t = base.train
+        documents = (args.warmup + args.steps + 1) * t.micro_batch_size * args.microbatches * 2
+        data = mfu.write_random_tokens(Path(tmp) / "random", base.model.vocab_size, documents, t.seq_length + 1)
+        mfu._init_single_process_group(device)
+        try:
+            columns[f"loom ({' '.join(overrides) or 'defaults'})"] = profile_loom(
+                base, data, tmp + "/run", args, device
+            )
+            if not args.no_plain:
+                columns["plain loop"] = profile_plain(base, args, device)
+        finally:
+            dist.destroy_process_group()
+    print(format_report(columns), flush=True)
+
+
+if __name__ == "__main__":
+    main()
