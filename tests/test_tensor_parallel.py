@@ -140,6 +140,27 @@ def test_vocab_parallel_cross_entropy_excludes_padding(tp, padded, chunk_element
     assert torch.all(grad[..., vocab:] == 0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_compiled_loss_kernels_give_f_cross_entropy(dtype):
+    """model.compile's loss: each chunk's passes are inductor kernels (the gradient one element-wise expression
+    written in place); chunks of 3 tokens with a shorter last one, padding that would dominate if it leaked."""
+    torch.manual_seed(3)
+    vocab, padded = 13, 16
+    logits = torch.randn(7, 2, padded) * 4
+    logits[..., vocab:] = 50.0
+    target = torch.randint(0, vocab, (7, 2))
+    reference = logits[..., :vocab].to(dtype).clone().requires_grad_()
+    expected = F.cross_entropy(reference.float().reshape(-1, vocab), target.reshape(-1), reduction="none")
+    (expected * torch.arange(1.0, 15)).sum().backward()
+    ours = logits.to(dtype).clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(ours, target, 0, vocab, None, chunk_elements=3 * padded, compiled=True)
+    (loss.reshape(-1) * torch.arange(1.0, 15)).sum().backward()
+    torch.testing.assert_close(loss.reshape(-1), expected.detach(), rtol=1e-6, atol=1e-5)
+    rounding = 1e-6 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(ours.grad[..., :vocab].float(), reference.grad.float(), rtol=rounding, atol=1e-5)
+    assert torch.all(ours.grad[..., vocab:] == 0)
+
+
 def _bf16_cross_entropy(rank, world, logits, target, vocab_size):
     local = logits.chunk(world, dim=-1)[rank].clone().requires_grad_()
     loss = vocab_parallel_cross_entropy(local, target, rank * local.shape[-1], vocab_size, dist.group.WORLD)

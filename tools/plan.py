@@ -426,8 +426,6 @@ def estimate(config: LoomConfig, lay: Layout, hw: Hardware, engine: Engine = LOO
     for pp_rank in sorted({0, lay.pp - 1}):
         state = model_state_bytes(m, lay, pp_rank, precision, bucket_bytes, config.optim.name, grad_bytes)
         transient = 2 * bucket_bytes if lay.zero == 2 else 0  # ZeRO-2's buckets being reduced
-        if pp_rank == lay.pp - 1:  # the logits' gradient, beside the logits the loss keeps
-            transient += seq * mbs * vocab * element
         if lay.recompute == "full":  # the layer being recomputed holds its activations during its backward
             transient += layer_activation_bytes(m, seq, mbs, lay.tp, lay.sp, "none", element, engine, t.fp8 != "off")
         if t.fp8 != "off":  # the FP8 copies of this rank's weights, cast once per step

@@ -22,9 +22,14 @@ import torch.distributed as dist
 
 from loom.engine.parallel import mappings
 
-# Logits per chunk: 2**24 fp32 values are 64 MiB, small beside a step's activations and large enough that the
-# per-chunk kernel launches do not show (a 128k-vocabulary slice gives 128 tokens per chunk).
+# Logits per chunk, eager: each pass upcasts its chunk, and 2**24 fp32 values are 64 MiB, small beside a step's
+# activations and large enough that the per-chunk kernel launches do not show on CPU (128 tokens of a 128k
+# vocabulary). Compiled, each pass is one streaming kernel that keeps no fp32 copy of its chunk (the backward
+# writes in place, the forward keeps per-token statistics only), so chunks are 8x larger: the H200 profile of
+# llama-1b (2026-11-26) spent 27 ms per step in 500 small loss kernels, 3x their bytes' time, plus their launch
+# gaps. Not larger: a compiler failure runs the same chunks eagerly (model.compile's fallback).
 CHUNK_ELEMENTS = 1 << 24
+COMPILED_CHUNK_ELEMENTS = 1 << 27
 
 
 def _chunks(tokens: int, local_vocab: int, chunk_elements: int) -> list[slice]:
@@ -67,11 +72,11 @@ def chunk_gradient(
     outside: torch.Tensor,
 ) -> None:
     """Overwrite a chunk of exponentials with d loss / d logits: each row times its scale, and at the target
-    (where this rank holds it; `outside` where not) the exact target gradient."""
-    gradient = chunk.float().mul_(row_scale[:, None])
-    at_target = gradient.gather(-1, target[:, None]).squeeze(-1)
-    exact = torch.where(outside, at_target, target_gradient)
-    chunk.copy_(gradient.scatter_(-1, target[:, None], exact[:, None]))
+    (where this rank holds it) the exact target gradient. One element-wise expression (a column index compared
+    with the target, not a scatter), so that compiled it is one streaming kernel with no fp32 copy of the chunk."""
+    columns = torch.arange(chunk.shape[-1], device=chunk.device)
+    at_target = (columns[None, :] == target[:, None]) & ~outside[:, None]
+    chunk.copy_(torch.where(at_target, target_gradient[:, None], chunk.float() * row_scale[:, None]))
 
 
 _COMPILED: dict[str, object] = {}
@@ -134,7 +139,7 @@ def vocab_parallel_cross_entropy(
     vocab_start: int,
     vocab_size: int,
     tp_group,
-    chunk_elements: int = CHUNK_ELEMENTS,
+    chunk_elements: int | None = None,
     compiled: bool = False,
 ) -> torch.Tensor:
     """Per-token loss (fp32, shape of target) from this rank's logits slice [..., V/tp]. The logits are consumed:
@@ -142,7 +147,8 @@ def vocab_parallel_cross_entropy(
 
     `vocab_start` is the global id of this rank's first logit; ids >= vocab_size are padding. With one rank
     the all-reduces are skipped (a group of one); the chunking is the same. `compiled` runs each chunk's
-    element-wise work as torch.compile'd kernels (model.compile).
+    element-wise work as torch.compile'd kernels (model.compile); `chunk_elements` defaults by that choice.
     """
     group = tp_group if mappings.group_size(tp_group) > 1 else None
+    chunk_elements = chunk_elements or (COMPILED_CHUNK_ELEMENTS if compiled else CHUNK_ELEMENTS)
     return _VocabParallelCrossEntropy.apply(logits, target, vocab_start, vocab_size, group, chunk_elements, compiled)
