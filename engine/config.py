@@ -226,7 +226,9 @@ class OptimConfig:
     zero: int = 0
     """ZeRO stage over the data-parallel ranks. 0: every DP rank holds the whole optimizer. 1: master
     weights and optimizer state are split DP ways (adamw, sgd, lamb). 2: gradients too: each bucket is
-    reduce-scattered into the rank's shard as backward completes it, every micro-batch."""
+    reduce-scattered into the rank's shard as backward completes it, every micro-batch. 3: the weights too:
+    each rank keeps 1/DP of them, and a block's are all-gathered just before its forward and again before its
+    backward (the next block's gather prefetched) and freed after each."""
     zero1: bool = False
     """Older spelling of zero = 1, kept so configs that set it still run; resolved into `zero`."""
     offload: Literal["none", "cpu"] = "none"
@@ -268,8 +270,8 @@ class OptimConfig:
         )
         _check_choice("optim", "offload", self.offload, ("none", "cpu"))
         _check_choice("optim", "grad_dtype", self.grad_dtype, ("fp32", "bf16"))
-        if self.zero not in (0, 1, 2):
-            raise ConfigError(f"optim.zero = {self.zero} is not a ZeRO stage loom has; use 0, 1 or 2")
+        if self.zero not in (0, 1, 2, 3):
+            raise ConfigError(f"optim.zero = {self.zero} is not a ZeRO stage loom has; use 0, 1, 2 or 3")
         if self.zero1:  # migrated, so a resolved config.toml says zero = 1 and a later --optim.zero 0 is obeyed
             self.zero, self.zero1 = max(self.zero, 1), False
         if self.zero and self.name == "adafactor":
@@ -506,6 +508,16 @@ class LoomConfig:
             raise ConfigError(
                 f"optim.grad_dtype = bf16 needs train.precision = bf16 (got {self.train.precision}); add "
                 "--train.precision bf16 or keep --optim.grad_dtype fp32"
+            )
+        if self.optim.zero == 3 and self.train.fp8 != "off":
+            raise ConfigError(
+                "optim.zero = 3 with train.fp8 is not supported yet (the FP8 weight copies are cast from whole "
+                "weights once per step); use --optim.zero 2 or --train.fp8 off"
+            )
+        if self.optim.zero == 3 and self.lora.enabled:
+            raise ConfigError(
+                "optim.zero = 3 with LoRA is not supported yet (a frozen base is not sharded); use --optim.zero 2 "
+                "(the adapters are all that has gradients and optimizer state)"
             )
 
     def resolve_world(self, world_size: int) -> None:

@@ -43,6 +43,7 @@ from loom.engine.optim.model_parallel_grads import (
     needs_model_parallel_sum,
     sum_model_parallel_grads,
 )
+from loom.engine.optim.param_shards import gather_unit
 from loom.engine.parallel.random import RNGStreams
 from loom.engine.parallel.sharding import initialize_parameters
 from loom.engine.parallel.state import ParallelState
@@ -148,6 +149,7 @@ class Trainer:
             deferred=lambda q: needs_model_parallel_sum(q, state),
             before_deferred=lambda: sum_model_parallel_grads(self.grads.deferred, state),
             dtype=torch.bfloat16 if c.optim.grad_dtype == "bf16" else torch.float32,
+            unit_of=gather_unit if c.optim.zero == 3 else None,
         )
         self.optimizer = DistributedOptimizer(
             named,
@@ -158,6 +160,8 @@ class Trainer:
             self.loss_scaler,
             adamw_impl=self.kernels.optimizer.impl,
         )
+        for chunk in self.chunks:
+            chunk.param_gather = self.optimizer.sharded_params
 
     def _load_lora_base(self) -> dict:
         """Load the frozen base weights of a LoRA run (rank 0 picks and verifies the checkpoint, all read it);
@@ -309,6 +313,8 @@ class Trainer:
             loss_scale=scale,
         )
         self.grads.finish()
+        if self.optimizer.sharded_params is not None:
+            self.optimizer.sharded_params.free_all()
         squared_norm = self.optimizer.prepare()
         # The step's one device-to-host transfer: the loss and the gradient norm together (the update and the
         # NaN policy need both on the host; every other value stays on the device).

@@ -86,7 +86,7 @@ def test_resolved_config_round_trips_through_toml(tmp_path):
             ["--optim.name", "adafactor", "--optim.zero1", "true"],
             "optim.name = adafactor does not support optim.zero = 1",
         ),
-        (["--optim.zero", "3"], "optim.zero = 3 is not a ZeRO stage loom has; use 0, 1 or 2"),
+        (["--optim.zero", "4"], "optim.zero = 4 is not a ZeRO stage loom has; use 0, 1, 2 or 3"),
         (["--optim.offload", "nvme"], "optim.offload = 'nvme' is not one of none, cpu"),
         (
             ["--optim.name", "adafactor", "--optim.offload", "cpu"],

@@ -43,14 +43,15 @@ def test_zero1_matches_the_unsharded_optimizer(dataset, tmp_path, nproc, optimiz
         assert abs(a - b) / a < 1e-5
 
 
-VARIANTS = [(0, "none"), (1, "none"), (2, "none"), (1, "cpu"), (2, "cpu")]
+VARIANTS = [(0, "none"), (1, "none"), (2, "none"), (3, "none"), (1, "cpu"), (2, "cpu"), (3, "cpu")]
 """(optim.zero, optim.offload) pairs compared with each other."""
 
 
 def _held_bytes(trainer: Trainer) -> dict:
     """Bytes a rank holds by kind, read off the tensors (after a step: optimizer state exists only then)."""
+    sharded = trainer.optimizer.sharded_params
     return {
-        "params": sum(p.numel() * p.element_size() for p in trainer.params),
+        "params": sharded.stored_bytes() if sharded else sum(p.numel() * p.element_size() for p in trainer.params),
         "grads": trainer.grads.stored_bytes(),
         "state": trainer.optimizer.state_bytes(),
         "device_state": trainer.optimizer.device_state_bytes(),
@@ -80,13 +81,13 @@ def _train_variants(rank, world, dataset, run_dir, parallel, precision, optimize
 
 
 def _assert_bytes_follow_the_formulas(per_variant: dict, dp: int) -> None:
-    """bf16 AdamW: ZeRO 0 18 B/param, ZeRO 1 6 + 12/d, ZeRO 2 2 + 16/d; offloaded, master weights and
+    """bf16 AdamW: ZeRO 0 18 B/param, ZeRO 1 6 + 12/d, ZeRO 2 2 + 16/d, ZeRO 3 18/d; offloaded, master weights and
     moments (12 B, or 12/d sharded) leave the device. Exact, up to the padding of buckets to multiples of d."""
     for (zero, offload), (_, held) in per_variant.items():
         padded, params = held["buffer"], held["count"]
         assert abs(padded - params) < dp * 64, "padding is at most dp - 1 elements per bucket"
-        assert held["params"] == 2 * params
-        assert held["grads"] == (4 * padded // dp if zero == 2 else 4 * padded)
+        assert held["params"] == (2 * padded // dp if zero == 3 else 2 * params)
+        assert held["grads"] == (4 * padded // dp if zero >= 2 else 4 * padded)
         state = 12 * padded // dp if zero else 12 * params
         assert held["state"] == state
         assert held["device_state"] == (0 if offload == "cpu" else state)
@@ -153,8 +154,15 @@ def _train_save_resume(rank, world, dataset, run_dir, first, second):
     [
         (({"tp": 2}, 2, "cpu"), ({"pp": 2}, 0, "none")),
         (({"pp": 2, "vp": 2}, 0, "none"), ({"tp": 2}, 2, "cpu")),
+        (({"tp": 2, "sequence_parallel": True}, 3, "none"), ({"pp": 2}, 1, "none")),
+        (({"pp": 2}, 2, "none"), ({"tp": 2}, 3, "cpu")),
     ],
-    ids=["zero2-offload-tp2-to-zero0-pp2", "zero0-pp2vp2-to-zero2-offload-tp2"],
+    ids=[
+        "zero2-offload-tp2-to-zero0-pp2",
+        "zero0-pp2vp2-to-zero2-offload-tp2",
+        "zero3-tp2sp-to-zero1-pp2",
+        "zero2-pp2-to-zero3-offload-tp2",
+    ],
 )
 def test_resume_across_zero_stages_offload_and_layouts(dataset, tmp_path, first, second):
     after_resume, uninterrupted = run_ranks(_train_save_resume, 4, dataset, str(tmp_path), first, second)[-1]
@@ -226,3 +234,39 @@ def _one_rank_losses(rank, world, dataset, run_dir, grad_dtype):
     losses = [trainer.train_step()["loss"] for _ in range(4)]
     trainer.close()
     return losses
+
+
+def _zero3_against_zero1(rank, world, dataset, run_dir):
+    """{layout: (ZeRO-1 losses, ZeRO-3 losses, units gathered after the last step)} on 4 ranks, fp32."""
+    layouts = {"dp4": ({}, {}), "pp2-dp2-full-recompute": ({"pp": 2}, {"recompute": "full"})}
+    out = {}
+    for name, (parallel, model) in layouts.items():
+        losses = {}
+        for zero in (1, 3):
+            config = tiny_config(
+                dataset,
+                f"{run_dir}/{name}-zero{zero}",
+                parallel={**parallel, "grad_bucket_mb": 0.25},
+                model=model,
+                optim={"zero": zero},
+                train={"steps": 3, "micro_batch_size": 1, "seq_length": 32},  # 8 / dp micro-batches per step
+            )
+            trainer = Trainer(config)
+            losses[zero] = [trainer.train_step()["loss"] for _ in range(3)]
+            sharded = trainer.optimizer.sharded_params
+            if sharded is not None:
+                gathered = [u for u, buckets in sharded.units.items() if any(sharded._gathered(b) for b in buckets)]
+            trainer.close()
+        out[name] = losses[1], losses[3], gathered
+    return out
+
+
+def test_zero3_gives_the_zero1_losses_on_dp4_and_pipelined_with_full_recompute(dataset, tmp_path):
+    """The weights are gathered around each use and freed after (none is left gathered after a step), and the
+    losses are ZeRO-1's to 1e-5 (fp32, gradients accumulated over micro-batches)."""
+    for rank in run_ranks(_zero3_against_zero1, 4, dataset, str(tmp_path)):
+        for name, (zero1, zero3, gathered) in rank.items():
+            assert len(set(zero1)) == len(zero1), "the runs should be moving"
+            for a, b in zip(zero1, zero3, strict=True):
+                assert abs(a - b) / a < 1e-5, name
+            assert gathered == [], name

@@ -149,7 +149,11 @@ def load_checkpoint(state: TrainingState, directory: Path, metadata: CheckpointM
     for _, param in named_params:
         info = param_info(param)
         weights = reader.model(info.name)
-        param.copy_(info.shard_spec.shard(weights, parallel.tp_rank, parallel.tp_size).to(param.dtype))
+        local = info.shard_spec.shard(weights, parallel.tp_rank, parallel.tp_size).to(param.dtype)
+        if optimizer.sharded_params is not None:  # ZeRO-3: the parameter's storage is gathered only around its use
+            optimizer.sharded_params.load(param, local)
+        else:
+            param.copy_(local)
         _load_segments(
             reader, optimizer, parallel, param, info.name, weights, segments_of[param], metadata, same_optimizer
         )

@@ -57,15 +57,18 @@ class _RankReport:
 
 
 def _model_pieces(state: TrainingState) -> tuple[dict[str, torch.Tensor], dict[str, ShardSpec]]:
-    """This TP rank's shard of every weight (written once per replica: by DP rank 0)."""
+    """This TP rank's shard of every weight (written once per replica: by DP rank 0). Under ZeRO-3 every DP rank
+    takes part in gathering the weights, a bucket at a time, and DP rank 0 keeps a host copy of each."""
     pieces, specs = {}, {}
-    if state.parallel.dp_rank != 0:
+    sharded = state.optimizer.sharded_params
+    if state.parallel.dp_rank != 0 and sharded is None:
         return pieces, specs
-    for _, param in state.named_parameters():
+    weights = sharded.whole_weights() if sharded is not None else ((p, p) for _, p in state.named_parameters())
+    for param, weight in weights:
         info = param_info(param)
-        if info.tied_copy:
+        if info.tied_copy or state.parallel.dp_rank != 0:
             continue
-        pieces[model_key(info.name, state.parallel.tp_rank)] = param.detach()
+        pieces[model_key(info.name, state.parallel.tp_rank)] = weight.detach().cpu().clone() if sharded else weight
         specs[info.name] = info.shard_spec
     return pieces, specs
 

@@ -49,6 +49,8 @@ class GPTModel(torch.nn.Module):
     ):
         super().__init__()
         self.config, self.tp_group, self.streams = config, tp_group, streams
+        self.param_gather = None
+        """ZeRO-3 (engine/optim/param_shards.ShardedParameters): gathers each unit's weights around its forward."""
         kernels = kernels or Kernels.native()
         self.sequence_parallel = sequence_parallel and mappings.group_size(tp_group) > 1
         self.pre_process, self.post_process = pre_process, post_process
@@ -153,16 +155,32 @@ class GPTModel(torch.nn.Module):
         Returns the per-token loss [b, s] (fp32) when this is the last chunk and labels are
         given, the local vocabulary logits [s, b, V/tp] without labels, else the hidden states.
         """
+        gather = self.param_gather
+        outer = [u for u in (naming.BEFORE_BLOCKS, naming.AFTER_BLOCKS) if gather is not None and gather.has(u)]
+        units = [int(index) for index in self.layers]
+        for unit in outer:
+            gather.before_forward(unit, prefetch=units[0] if units else None)
+        output = self._forward_inside(tokens, labels, hidden, units)
+        for unit in outer:
+            gather.after_forward(unit, output, previous=units[-1] if units else None)
+        return output
+
+    def _forward_inside(self, tokens, labels, hidden, units: list[int]) -> torch.Tensor:
         if self.pre_process:
             hidden = self.embed(tokens)
         seq_length = hidden.shape[0] * (mappings.group_size(self.tp_group) if self.sequence_parallel else 1)
         rotary = self._rotary(seq_length, hidden.device)
         full_recompute = self.config.recompute == "full" and self.training
-        for block in self.layers.values():
+        gather = self.param_gather
+        for i, block in enumerate(self.layers.values()):
+            if gather is not None:
+                gather.before_forward(units[i], prefetch=units[i + 1] if i + 1 < len(units) else None)
             if full_recompute:
                 hidden = checkpointed(block, self.streams, hidden, rotary)
             else:
                 hidden = block(hidden, rotary)
+            if gather is not None:
+                gather.after_forward(units[i], hidden, previous=units[i - 1] if i > 0 else None)
         if not self.post_process:
             return hidden
         logits = self.output_logits(hidden)

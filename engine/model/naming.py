@@ -81,6 +81,18 @@ def before_blocks(name: str) -> bool:
     return name in _BEFORE_BLOCKS
 
 
+BEFORE_BLOCKS, AFTER_BLOCKS = "before blocks", "after blocks"
+
+
+def gather_unit(name: str) -> int | str:
+    """ZeRO-3's unit of weights gathered together (engine/optim/param_shards.py): the block's global index, or
+    the weights before or after the blocks."""
+    layer = layer_index(name)
+    if layer is not None:
+        return layer
+    return BEFORE_BLOCKS if before_blocks(name) else AFTER_BLOCKS
+
+
 def depth(name: str, num_layers: int) -> int:
     """Position from the input, for layer-wise LR decay: 0 for the embeddings, i + 1 for block i,
     num_layers + 1 for the final norm and the output layer."""

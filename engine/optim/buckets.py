@@ -3,11 +3,14 @@ lays out a rank's gradients exactly as GradBuffer (grad_buffer.py) does without 
 
 Parameters are laid out in the order given along one buffer coordinate space; a bucket closes once it holds at
 least `bucket_numel` elements (or at the last parameter) and is padded to a multiple of the DP size, so every
-DP rank owns an equal contiguous chunk of it.
+DP rank owns an equal contiguous chunk of it. Under ZeRO-3 a bucket also closes where the next parameter
+belongs to another gather unit (`unit_of`: a transformer block, or the weights before or after the blocks), so
+that gathering a unit's weights gathers whole buckets and nothing of its neighbours.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -37,7 +40,11 @@ class Bucket:
 
 
 def plan_buckets(
-    params: list[torch.nn.Parameter], bucket_numel: int, dp_size: int, first_offset: int = 0
+    params: list[torch.nn.Parameter],
+    bucket_numel: int,
+    dp_size: int,
+    first_offset: int = 0,
+    unit_of: Callable[[torch.nn.Parameter], Hashable] | None = None,
 ) -> tuple[dict, list[Bucket], int]:
     """(offset of each param, buckets, end) for params laid out in the given order from first_offset."""
     offsets, buckets, offset, start, members = {}, [], first_offset, first_offset, []
@@ -45,7 +52,9 @@ def plan_buckets(
         offsets[param] = offset
         offset += param.numel()
         members.append(param)
-        if offset - start >= bucket_numel or i == len(params) - 1:
+        last = i == len(params) - 1
+        unit_ends = unit_of is not None and not last and unit_of(params[i + 1]) != unit_of(param)
+        if offset - start >= bucket_numel or last or unit_ends:
             end = start + -(-(offset - start) // dp_size) * dp_size
             buckets.append(Bucket(start, end, members))
             offset = start = end

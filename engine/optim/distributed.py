@@ -6,8 +6,10 @@ copy). With ZeRO 1 or 2 each DP rank holds segments only for its chunk of every 
 bucket, so master weights and optimizer state are split DP ways; after the step every rank
 writes its updated chunk into a flat parameter buffer (the model's parameters are views of it)
 and the buckets are all-gathered. ZeRO 2 differs only in where the reduced gradients come from
-(the GradBuffer's shard). The global gradient norm, the fp16 inf check and LAMB's per-parameter
-norms each take one collective over the ranks that own a piece.
+(the GradBuffer's shard). ZeRO 3 keeps the weights sharded too: the step writes each rank's chunk into
+its shard of them (param_shards.py) and nothing is all-gathered until a layer is used. The global gradient
+norm, the fp16 inf check and LAMB's per-parameter norms each take one collective over the ranks that own a
+piece.
 
 With `offload = "cpu"` every segment's master weights, gradient copy and optimizer state are in
 host memory (pinned when the parameters are on a GPU) and the update runs there; the step copies
@@ -33,6 +35,7 @@ from loom.engine.optim.algorithms import Adafactor, Lamb
 from loom.engine.optim.grad_buffer import GradBuffer
 from loom.engine.optim.loss_scaler import LossScaler
 from loom.engine.optim.model_parallel_grads import counted_once
+from loom.engine.optim.param_shards import ShardedParameters
 from loom.engine.parallel.mappings import all_gather_single
 from loom.engine.parallel.param_info import param_info
 from loom.engine.parallel.state import ParallelState
@@ -79,7 +82,11 @@ class DistributedOptimizer:
         self.param_index = {p: i for i, (_, p) in enumerate(named_params)}
         self._replicated = torch.tensor([param_info(p).shard_spec.is_replicated for _, p in named_params])
         self.segments = self._make_segments()
-        self.param_buffer = self._make_param_buffer() if self.sharded else None
+        self.param_buffer = self._make_param_buffer() if self.sharded and config.zero < 3 else None
+        self.sharded_params = (
+            ShardedParameters(grads, state.dp_group, state.dp_size, state.dp_rank) if config.zero == 3 else None
+        )
+        """ZeRO-3: the weights, 1/DP of them on this rank between uses (param_shards.py)."""
         self.inner = self._build_inner(num_layers)
 
     # -- construction -----------------------------------------------------------------------
@@ -237,7 +244,13 @@ class DistributedOptimizer:
 
     @torch.no_grad()
     def _publish(self) -> None:
-        """Copy updated master weights into the model's parameters (all-gathering them under ZeRO-1)."""
+        """Copy updated master weights into the model's parameters (all-gathering them under ZeRO-1; into this
+        rank's shard of them under ZeRO-3, where the next use gathers them)."""
+        if self.sharded_params is not None:
+            for seg in self.segments:
+                self.sharded_params.write(seg.buffer_start, seg.master)
+            self.sharded_params.after_update()
+            return
         for seg in self.segments:
             if not seg.aliases_param:
                 seg.param.view(-1)[seg.start : seg.end].copy_(seg.master.reshape(-1))

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import torch
 import torch.distributed as dist
@@ -46,7 +46,8 @@ class GradBuffer:
     no ZeRO) leaves gradients where autograd puts them: nothing to reduce, nothing to copy.
     `deferred` parameters (those whose local gradients must first be summed over a
     model-parallel group) get buckets of their own, reduced in `finish` after `before_deferred`
-    has done that sum.
+    has done that sum. `unit_of` (ZeRO-3) cuts buckets where the gather unit changes (buckets.py); the
+    gradients are then reduced as under ZeRO 2.
     """
 
     def __init__(
@@ -62,6 +63,7 @@ class GradBuffer:
         deferred: Callable[[torch.nn.Parameter], bool] = lambda p: False,
         before_deferred: Callable[[], None] = lambda: None,
         dtype: torch.dtype = torch.float32,
+        unit_of: Callable[[torch.nn.Parameter], Hashable] | None = None,
     ):
         self.dp_group, self.dp_size, self.dp_rank = dp_group, dp_size, dp_rank
         self.dtype = dtype
@@ -78,7 +80,9 @@ class GradBuffer:
             return
         bucket_numel = max(1, bucket_bytes // dtype.itemsize)
         regular = self.params[: len(self.params) - len(self.deferred)]
-        self.offsets, self.buckets, end = plan_buckets(regular, bucket_numel, dp_size) if regular else ({}, [], 0)
+        self.offsets, self.buckets, end = (
+            plan_buckets(regular, bucket_numel, dp_size, unit_of=unit_of) if regular else ({}, [], 0)
+        )
         offsets, self.deferred_buckets, total = (
             plan_buckets(self.deferred, bucket_numel, dp_size, end) if self.deferred else ({}, [], end)
         )
@@ -90,7 +94,7 @@ class GradBuffer:
         self.bucket_of = {p: bucket for bucket in self.buckets for p in bucket.params}
         self.bucket_index = {id(bucket): i for i, bucket in enumerate(self.buckets)}
         self.in_flight: deque = deque()
-        if zero == 2:
+        if zero >= 2:
             # Full storage only for the deferred range; the rest lives in transient buckets and the shard.
             self.data = torch.zeros(total - end, dtype=dtype, device=self.device)
             self.data_start = end
@@ -111,7 +115,7 @@ class GradBuffer:
 
     def stored_bytes(self) -> int:
         """Bytes of gradient storage that persist through a step (transient ZeRO-2 buckets excluded)."""
-        shard = self.shard.numel() if self.zero == 2 else 0
+        shard = self.shard.numel() if self.zero >= 2 else 0
         return (self.data.numel() + shard) * self.data.element_size() if self.enabled else 0
 
     def gradient(self, start: int, numel: int) -> torch.Tensor:
@@ -124,7 +128,7 @@ class GradBuffer:
         return self.shard[offset : offset + numel]
 
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
-        if self.zero == 2 and param not in self.deferred_set:
+        if self.zero >= 2 and param not in self.deferred_set:
             self._gather_for_scatter(param)
             return
         param.main_grad.add_(param.grad)
@@ -191,7 +195,7 @@ class GradBuffer:
         if not self.enabled:
             return
         self.data.zero_()
-        if self.zero == 2:
+        if self.zero >= 2:
             self.shard.zero_()
         for bucket in self.buckets:
             bucket.pending, bucket.handle, bucket.scattered = len(bucket.params), None, None
@@ -203,7 +207,7 @@ class GradBuffer:
         if not self.enabled:
             self.before_deferred()
             return
-        if self.zero == 2:
+        if self.zero >= 2:
             self._finish_sharded()
             return
         regular = self.buckets[: len(self.buckets) - len(self.deferred_buckets)]
