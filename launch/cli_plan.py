@@ -63,7 +63,7 @@ def _layout_overrides(config, overrides: list[str]) -> dict:
 def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
     from loom.engine.config import ConfigError
     from loom.engine.config_io import load_config
-    from loom.tools.plan import load_hardware, parse_layout, plan, plot, runs_in_loom, table
+    from loom.tools.plan import load_hardware, parse_layout, plan, plot, table
 
     config = load_config(args.config, _fp8_as_loom_runs_it(overrides))
     hardware = load_hardware(args.gpu, args.gpus_per_node)
@@ -81,9 +81,6 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
             + (f" with {args.layout}" if args.layout else "")
             + " (heads, layers, global batch / (micro-batch x dp), micro-batches per pipeline rank)"
         )
-    modelled = [e for e in estimates if not runs_in_loom(e.layout)]
-    if not (args.show_modelled or "zero" in fixed):  # recommend only what loom runs
-        estimates = [e for e in estimates if runs_in_loom(e.layout)] or estimates
     shown = estimates[: args.top]
     fits = any(e.fits for e in estimates)
     if args.json:
@@ -101,12 +98,6 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
             f"{len(estimates):,} layouts, {sum(e.fits for e in estimates):,} fit"
         )
         print(table(shown, args.gpu))
-        hidden = [e for e in modelled if e not in estimates]
-        if hidden:
-            print(
-                f"{len(hidden):,} ZeRO-3 layouts ({sum(e.fits for e in hidden):,} fitting) are modelled only, as loom "
-                "does not run ZeRO-3 yet: --show-modelled lists them"
-            )
     if args.plot:
         plot(shown, Path(args.plot))
         if not args.json:
@@ -144,10 +135,5 @@ def add_parser(commands) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument(
         "--plot", type=image_file, help="write the shown layouts' memory and time breakdowns to this PNG (or PDF, SVG)"
-    )
-    p.add_argument(
-        "--show-modelled",
-        action="store_true",
-        help="also list the layouts loom only models (ZeRO-3), after the ones it runs",
     )
     p.set_defaults(handler=cmd_plan, takes_overrides=True)

@@ -248,7 +248,6 @@ EXEMPT = {
     "--wait",
     "--quick",
     "--json",
-    "--show-modelled",
     "--compile",
     "--partition",  # sbatch's to judge: tests/test_slurm.py checks its one-line refusal on a real cluster
     "--account",

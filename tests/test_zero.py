@@ -12,6 +12,7 @@ from training_runs import read_metrics, tiny_config
 
 from loom.engine.train import Trainer
 from loom.launch.local import launch_local
+from loom.tools.plan import Layout, zero3_gathered_elements
 
 STEPS = 4  # the optimizer state is in play from step 2; four steps show any divergence
 
@@ -252,21 +253,47 @@ def _zero3_against_zero1(rank, world, dataset, run_dir):
                 train={"steps": 3, "micro_batch_size": 1, "seq_length": 32},  # 8 / dp micro-batches per step
             )
             trainer = Trainer(config)
-            losses[zero] = [trainer.train_step()["loss"] for _ in range(3)]
             sharded = trainer.optimizer.sharded_params
+            peak = _track_gathered_bytes(sharded) if sharded is not None else None
+            losses[zero] = [trainer.train_step()["loss"] for _ in range(3)]
             if sharded is not None:
                 gathered = [u for u, buckets in sharded.units.items() if any(sharded._gathered(b) for b in buckets)]
+                p = config.parallel
+                layout = Layout(p.tp, p.pp, p.vp, p.dp, 1, "none", 3, "none", p.sequence_parallel)
+                planned = 4 * zero3_gathered_elements(config.model, layout, trainer.state.pp_rank, 2**16)
             trainer.close()
-        out[name] = losses[1], losses[3], gathered
+        out[name] = losses[1], losses[3], gathered, peak[0], planned
     return out
 
 
+def _track_gathered_bytes(sharded) -> list[int]:
+    """[most bytes of weights held gathered at once], updated as the run gathers and frees buckets."""
+    now, peak = [0], [0]
+    gather, free = sharded._gather_bucket, sharded._free_bucket
+
+    def gathering(bucket, wait):
+        if not sharded._gathered(bucket):
+            now[0] += sharded.full[id(bucket)].numel() * sharded.full[id(bucket)].element_size()
+            peak[0] = max(peak[0], now[0])
+        gather(bucket, wait)
+
+    def freeing(bucket):
+        if sharded._gathered(bucket):
+            now[0] -= sharded.full[id(bucket)].numel() * sharded.full[id(bucket)].element_size()
+        free(bucket)
+
+    sharded._gather_bucket, sharded._free_bucket = gathering, freeing
+    return peak
+
+
 def test_zero3_gives_the_zero1_losses_on_dp4_and_pipelined_with_full_recompute(dataset, tmp_path):
-    """The weights are gathered around each use and freed after (none is left gathered after a step), and the
-    losses are ZeRO-1's to 1e-5 (fp32, gradients accumulated over micro-batches)."""
+    """The weights are gathered around each use and freed after (none is left gathered after a step; at most
+    what the planner counts at once: two blocks and the weights outside them), and the losses are ZeRO-1's to
+    1e-5 (fp32, gradients accumulated over micro-batches)."""
     for rank in run_ranks(_zero3_against_zero1, 4, dataset, str(tmp_path)):
-        for name, (zero1, zero3, gathered) in rank.items():
+        for name, (zero1, zero3, gathered, peak, planned) in rank.items():
             assert len(set(zero1)) == len(zero1), "the runs should be moving"
             for a, b in zip(zero1, zero3, strict=True):
                 assert abs(a - b) / a < 1e-5, name
             assert gathered == [], name
+            assert peak == planned, name

@@ -39,7 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loom.engine.config import ConfigError, LoomConfig, ModelConfig
-from loom.engine.flops import PEAK_TFLOPS, layer_parameters, model_flops_per_token
+from loom.engine.flops import PEAK_TFLOPS, model_flops_per_token
+from loom.engine.model import naming
 from loom.engine.optim.buckets import plan_buckets
 from loom.engine.parallel.vocab import padded_vocab_size
 from loom.engine.pipeline.schedules import warmup_forwards
@@ -190,6 +191,8 @@ class _Param:
 
     size: int
     deferred: bool = False
+    unit: int | str = ""
+    """ZeRO-3's gather unit (naming.gather_unit): the block's index, or before / after the blocks."""
 
     def numel(self) -> int:
         return self.size
@@ -216,27 +219,30 @@ def rank_parameters(m: ModelConfig, lay: Layout, pp_rank: int) -> list[_Param]:
     vocab = padded_vocab_size(m.vocab_size, m.make_vocab_divisible_by, lay.tp) // lay.tp
     tied_across = m.tie_embeddings and stages > 1
     params = []
+    before, after = naming.BEFORE_BLOCKS, naming.AFTER_BLOCKS
     for chunk in range(lay.vp):
         stage = chunk * lay.pp + pp_rank
         if stage == 0:
-            params.append(_Param(vocab * m.hidden_size, tied_across))
+            params.append(_Param(vocab * m.hidden_size, tied_across, before))
             if m.position_embedding == "learned":
-                params.append(_Param(m.max_position_embeddings * m.hidden_size, sp))
-        params += _block_parameters(m, lay.tp, sp) * per_chunk
+                params.append(_Param(m.max_position_embeddings * m.hidden_size, sp, before))
+        for layer in range(stage * per_chunk, (stage + 1) * per_chunk):
+            params += [dataclasses.replace(q, unit=layer) for q in _block_parameters(m, lay.tp, sp)]
         if stage == stages - 1:
-            params += [_Param(m.hidden_size, sp)] * (2 if m.norm == "layernorm" else 1)
+            params += [_Param(m.hidden_size, sp, after)] * (2 if m.norm == "layernorm" else 1)
             if not (m.tie_embeddings and stages == 1):
-                params.append(_Param(vocab * m.hidden_size, tied_across))
+                params.append(_Param(vocab * m.hidden_size, tied_across, after))
     return params
 
 
-def _buffer(params: list[_Param], dp: int, bucket_bytes: int, grad_bytes: int) -> tuple[int, int]:
+def _buffer(params: list[_Param], dp: int, bucket_bytes: int, grad_bytes: int, zero: int) -> tuple[int, int]:
     """(elements of the padded gradient buffer, of which the deferred range) as GradBuffer plans them."""
     ordered = list(reversed(params))
     regular = [p for p in ordered if not p.deferred]
     deferred = [p for p in ordered if p.deferred]
     numel = max(1, bucket_bytes // grad_bytes)
-    end = plan_buckets(regular, numel, dp)[2] if regular else 0
+    unit_of = (lambda q: q.unit) if zero == 3 else None
+    end = plan_buckets(regular, numel, dp, unit_of=unit_of)[2] if regular else 0
     total = plan_buckets(deferred, numel, dp, end)[2] if deferred else end
     return total, total - end
 
@@ -248,7 +254,21 @@ def _rank_buffer(
     """(parameters, padded buffer elements, deferred elements) of one rank: cached, a search asks often."""
     m = ModelConfig(**dict(zip(_MODEL_FIELDS, model, strict=True)))
     params = rank_parameters(m, lay, pp_rank)
-    return (sum(p.size for p in params), *_buffer(params, lay.dp, bucket_bytes, grad_bytes))
+    return (sum(p.size for p in params), *_buffer(params, lay.dp, bucket_bytes, grad_bytes, lay.zero))
+
+
+def zero3_gathered_elements(m: ModelConfig, lay: Layout, pp_rank: int, bucket_numel: int) -> int:
+    """Weights ZeRO-3 holds gathered at its peak on pipeline rank `pp_rank` (engine/optim/param_shards.py): the
+    two largest blocks (the one computing and the one prefetched) and the weights before and after the blocks,
+    as padded buckets; deferred parameters are whole anyway."""
+    params = rank_parameters(m, dataclasses.replace(lay, micro_batch_size=1), pp_rank)
+    units: dict = collections.defaultdict(list)
+    for q in reversed(params):
+        if not q.deferred:
+            units[q.unit].append(q)
+    padded = {unit: plan_buckets(members, bucket_numel, lay.dp)[2] for unit, members in units.items()}
+    blocks = sorted((n for unit, n in padded.items() if isinstance(unit, int)), reverse=True)
+    return sum(blocks[:2]) + sum(n for unit, n in padded.items() if not isinstance(unit, int))
 
 
 GRAD_BYTES = {"fp32": 4, "bf16": 2}
@@ -291,7 +311,8 @@ def model_state_bytes(
     master = 0 if precision == "fp32" and lay.zero == 0 and lay.offload == "none" else 1
     sharded = total // lay.dp if lay.zero >= 1 else count
     state = 4 * (master + moments) * sharded
-    weights = weight_bytes * count // (lay.dp if lay.zero >= 3 else 1)
+    # ZeRO-3: a shard of every bucket, except the deferred ones (summed over a model-parallel group), kept whole
+    weights = weight_bytes * ((total - deferred) // lay.dp + deferred if lay.zero == 3 else count)
     if lay.offload != "cpu":
         return {"params": weights, "grads": grads, "optimizer": state, "host": 0}
     # on the host: the optimizer state and an fp32 copy of the reduced gradients it steps with
@@ -425,13 +446,14 @@ def estimate(config: LoomConfig, lay: Layout, hw: Hardware, engine: Engine = LOO
     memory = {}
     for pp_rank in sorted({0, lay.pp - 1}):
         state = model_state_bytes(m, lay, pp_rank, precision, bucket_bytes, config.optim.name, grad_bytes)
-        transient = 2 * bucket_bytes if lay.zero == 2 else 0  # ZeRO-2's buckets being reduced
+        transient = 2 * bucket_bytes if lay.zero >= 2 else 0  # ZeRO-2's (and 3's) buckets being reduced
         if lay.recompute == "full":  # the layer being recomputed holds its activations during its backward
             transient += layer_activation_bytes(m, seq, mbs, lay.tp, lay.sp, "none", element, engine, t.fp8 != "off")
         if t.fp8 != "off":  # the FP8 copies of this rank's weights, cast once per step
             transient += FP8_WEIGHT_COPIES[t.fp8] * fp8_weight_bytes(m, lay.tp) * (m.num_layers // lay.pp)
-        if lay.zero == 3:  # the layer computing and the one prefetched, all-gathered whole over DP
-            transient += 2 * layer_parameters(m) // lay.tp * element
+        if lay.zero == 3 and lay.dp > 1:  # gathered whole: the block computing, the one prefetched, and the
+            # weights outside the blocks (gathered for the chunk's whole forward and backward)
+            transient += zero3_gathered_elements(m, lay, pp_rank, max(1, bucket_bytes // grad_bytes)) * element
         rank_memory = {
             "params": state["params"],
             "grads": state["grads"],
@@ -629,25 +651,11 @@ def plan(
 ) -> list[Estimate]:
     """Every candidate layout's estimate, the fitting ones first, fastest first."""
     estimates = [estimate(config, layout, hw, engine) for layout in candidates(config, gpus, hw, fixed)]
-    # Fitting layouts loom runs fastest first, then fitting ones it only models; then the others nearest to
-    # fitting first (they say why not).
+    # Fitting layouts fastest first; then the others nearest to fitting first (they say why not).
     return sorted(
         estimates,
-        key=lambda e: (
-            not e.fits,
-            not runs_in_loom(e.layout),
-            -e.tokens_per_s_per_gpu if e.fits else e.memory["total"],
-            e.memory["total"],
-        ),
+        key=lambda e: (not e.fits, -e.tokens_per_s_per_gpu if e.fits else e.memory["total"], e.memory["total"]),
     )
-
-
-RUNNABLE_ZERO_STAGES = (0, 1, 2)
-"""The ZeRO stages loom trains with; the planner models stage 3 too, for comparison."""
-
-
-def runs_in_loom(layout: Layout) -> bool:
-    return layout.zero in RUNNABLE_ZERO_STAGES
 
 
 # ---------------------------------------------------------------- output
@@ -691,7 +699,7 @@ def predicted_line(config: LoomConfig, gpu: str | None) -> tuple[str, Estimate]:
 
 def table(estimates: list[Estimate], gpu: str) -> str:
     """The estimates as a table a person reads at a glance (memory in GB per GPU, time in s per step)."""
-    width = max(len(e.layout.describe()) + 1 for e in estimates)
+    width = max(len(e.layout.describe()) for e in estimates)
     head = (
         f"{'layout':<{width}} {'fits':>4} | {'GB/GPU':>6} = {'param':>5} {'grad':>5} {'optim':>5} {'activ':>5} "
         f"{'other':>5} | {'step s':>7} = {'comp':>6} {'tp':>5} {'dp':>5} {'bubbl':>5} {'p2p':>5} | "
@@ -700,16 +708,13 @@ def table(estimates: list[Estimate], gpu: str) -> str:
     lines = [head, "-" * len(head)]
     for e in estimates:
         mem, sec = {k: v / GB for k, v in e.memory.items()}, e.seconds
-        star = " " if runs_in_loom(e.layout) else "*"
         lines.append(
-            f"{e.layout.describe() + star:<{width}} {'yes' if e.fits else 'no':>4} | {mem['total']:6.1f} = "
+            f"{e.layout.describe():<{width}} {'yes' if e.fits else 'no':>4} | {mem['total']:6.1f} = "
             f"{mem['params']:5.1f} {mem['grads']:5.1f} {mem['optimizer']:5.1f} {mem['activations']:5.1f} "
             f"{mem['other']:5.1f} | {e.step_seconds:7.3f} = {sec['compute']:6.3f} {sec['tp']:5.3f} {sec['dp']:5.3f} "
             f"{sec['bubble']:5.3f} {sec['p2p']:5.3f} | {e.tokens_per_s_per_gpu:9,.0f} {e.model_tflops_per_gpu:7.1f} "
             f"{e.mfu:5.1%} {e.hfu:5.1%}"
         )
-    if not all(runs_in_loom(e.layout) for e in estimates):
-        lines.append("* ZeRO-3 is modelled for comparison; loom implements ZeRO 0, 1 and 2.")
     lines.append(f"{gpu}: MFU and HFU against the dense datasheet peak; HFU counts recompute (docs/planner.md).")
     return "\n".join(lines)
 
@@ -768,9 +773,12 @@ def step_traffic(config: LoomConfig, lay: Layout, pp_rank: int = 0) -> dict[tupl
         if lay.zero == 0:
             traffic[("dp", "all_reduce", grad_dtype)] += grad_bytes * total
         else:
-            per_step = grad_bytes * ((total - deferred) * (microbatches if lay.zero == 2 else 1) + deferred)
+            per_step = grad_bytes * ((total - deferred) * (microbatches if lay.zero >= 2 else 1) + deferred)
             traffic[("dp", "reduce_scatter", grad_dtype)] += per_step
-            traffic[("dp", "all_gather", dtype)] += element * total
+            # ZeRO-3 gathers the sharded buckets for every micro-batch's forward and again for its backward,
+            # and the whole (deferred) ones once after the step as ZeRO 1 and 2 gather everything
+            gathered = 2 * microbatches * (total - deferred) + deferred if lay.zero == 3 else total
+            traffic[("dp", "all_gather", dtype)] += element * gathered
         traffic[("dp", "all_reduce", "float32")] += 4  # the loss sum
     tokens = t.seq_length * lay.micro_batch_size
     activation = tokens * m.hidden_size * element
