@@ -1,9 +1,10 @@
-"""ZeRO 0/1/2 and CPU offload, measured: bytes per parameter a rank holds (parameters, gradients,
+"""ZeRO 0/1/2/3 and CPU offload, measured: bytes per parameter a rank holds (parameters, gradients,
 master weights and optimizer state, on the device and on the host) at DP = 1, 2, 4, 8, beside the
 ZeRO paper's formulas for bf16 parameters, fp32 gradients, fp32 master weights and Adam moments:
-ZeRO 0 18, ZeRO 1 6 + 12/DP, ZeRO 2 2 + 16/DP; offloaded, the 12 (or 12/DP) bytes of master
-weights and moments leave the device. Also the step time of each choice against ZeRO 1 at the
-same DP, measured in the same run.
+ZeRO 0 18, ZeRO 1 6 + 12/DP, ZeRO 2 2 + 16/DP, ZeRO 3 18/DP (plus, during the step, the weights it
+holds gathered: two blocks and those outside the blocks, which the planner counts); offloaded, the 12 (or
+12/DP) bytes of master weights and moments leave the device. Also the step time of each choice against
+ZeRO 1 at the same DP, measured in the same run (ZeRO 3 all-gathers every block twice per micro-batch).
 
 Every DP size trains configs/tiny.toml (bf16, AdamW, 8 micro-batches per step) on gloo ranks, each
 variant after the other in the same processes; each rank reports what it holds, read off the
@@ -34,15 +35,16 @@ from loom.engine.config_io import load_config
 from loom.engine.parallel.rendezvous import free_port
 from loom.engine.train import Trainer
 
-VARIANTS = [(0, "none"), (1, "none"), (2, "none"), (1, "cpu"), (2, "cpu")]
+VARIANTS = [(0, "none"), (1, "none"), (2, "none"), (3, "none"), (1, "cpu"), (2, "cpu"), (3, "cpu")]
 """(optim.zero, optim.offload)"""
 
 
 def formula_bytes_per_param(zero: int, offload: str, dp: int) -> tuple[float, float]:
     """(device, host) bytes per parameter for bf16 AdamW with fp32 gradients (ZeRO paper, Table 1)."""
-    grads = 4 / dp if zero == 2 else 4
+    weights = 2 / dp if zero == 3 else 2
+    grads = 4 / dp if zero >= 2 else 4
     state = 12 / dp if zero else 12
-    return (2 + grads + (0 if offload == "cpu" else state), state if offload == "cpu" else 0)
+    return (weights + grads + (0 if offload == "cpu" else state), state if offload == "cpu" else 0)
 
 
 def _rank(rank, world, port, dataset, run_dir, steps, results):
@@ -75,7 +77,8 @@ def _rank(rank, world, port, dataset, run_dir, steps, results):
             trainer.train_step()
             seconds.append(time.perf_counter() - start)
         count = sum(p.numel() for p in trainer.params)
-        params = sum(p.numel() * p.element_size() for p in trainer.params)
+        sharded = trainer.optimizer.sharded_params
+        params = sharded.stored_bytes() if sharded else sum(p.numel() * p.element_size() for p in trainer.params)
         grads = trainer.grads.stored_bytes()
         state, device_state = trainer.optimizer.state_bytes(), trainer.optimizer.device_state_bytes()
         results.put((zero, offload, rank, count, params + grads + device_state, state - device_state, seconds[1:]))
