@@ -514,11 +514,6 @@ class LoomConfig:
                 "optim.zero = 3 with train.fp8 is not supported yet (the FP8 weight copies are cast from whole "
                 "weights once per step); use --optim.zero 2 or --train.fp8 off"
             )
-        if self.optim.zero == 3 and self.lora.enabled:
-            raise ConfigError(
-                "optim.zero = 3 with LoRA is not supported yet (a frozen base is not sharded); use --optim.zero 2 "
-                "(the adapters are all that has gradients and optimizer state)"
-            )
 
     def resolve_world(self, world_size: int) -> None:
         """Fix parallel.dp from the world size and check everything that depends on the layout."""

@@ -159,6 +159,7 @@ class Trainer:
             c.model.num_layers,
             self.loss_scaler,
             adamw_impl=self.kernels.optimizer.impl,
+            frozen=[q for chunk in self.chunks for q in chunk.parameters() if not q.requires_grad],
         )
         for chunk in self.chunks:
             chunk.param_gather = self.optimizer.sharded_params

@@ -57,15 +57,16 @@ def _frozen_equal_base(trainer: Trainer, base: str) -> bool:
     directory, metadata = find_loadable(Path(base))
     reader = PieceReader(directory, metadata)
     state = trainer.state
-    for chunk in trainer.chunks:
-        for _, param in chunk.named_parameters():
-            if param.requires_grad:
-                continue
-            info = param_info(param)
-            saved = info.shard_spec.shard(reader.model(info.name), state.tp_rank, state.tp_size)
-            if param.grad is not None or not torch.equal(param.detach().cpu(), saved.to(param.dtype)):
-                return False
-    return True
+    sharded = trainer.optimizer.sharded_params  # ZeRO-3: gathered a bucket at a time, on every DP rank
+    weights = sharded.whole_weights() if sharded else ((q, q) for chunk in trainer.chunks for q in chunk.parameters())
+    equal = True
+    for param, weight in weights:
+        if param.requires_grad:
+            continue
+        info = param_info(param)
+        saved = info.shard_spec.shard(reader.model(info.name), state.tp_rank, state.tp_size)
+        equal &= param.grad is None and torch.equal(weight.detach().cpu(), saved.to(param.dtype))
+    return equal
 
 
 def _run(dataset, run_dir, base, parallel=None, steps=STEPS, **sections) -> tuple[list[float], Trainer]:
@@ -97,6 +98,7 @@ LAYOUTS = {
     "tp2-sp-recompute": ({"tp": 2, "sequence_parallel": True}, {"model": {"recompute": "full"}}),
     "pp2-vp2": ({"pp": 2, "vp": 2}, {}),
     "dp2-zero1": ({}, {"optim": {"zero": 1}}),
+    "dp2-zero3": ({}, {"optim": {"zero": 3}}),  # the frozen base sharded too
 }
 
 

@@ -66,7 +66,7 @@ def _model_pieces(state: TrainingState) -> tuple[dict[str, torch.Tensor], dict[s
     weights = sharded.whole_weights() if sharded is not None else ((p, p) for _, p in state.named_parameters())
     for param, weight in weights:
         info = param_info(param)
-        if info.tied_copy or state.parallel.dp_rank != 0:
+        if info.tied_copy or not param.requires_grad or state.parallel.dp_rank != 0:  # a LoRA base is not saved
             continue
         pieces[model_key(info.name, state.parallel.tp_rank)] = weight.detach().cpu().clone() if sharded else weight
         specs[info.name] = info.shard_spec

@@ -159,7 +159,7 @@ class GPTModel(torch.nn.Module):
         outer = [u for u in (naming.BEFORE_BLOCKS, naming.AFTER_BLOCKS) if gather is not None and gather.has(u)]
         units = [int(index) for index in self.layers]
         for unit in outer:
-            gather.before_forward(unit, prefetch=units[0] if units else None)
+            gather.before_forward(unit, prefetch=units[0] if units else None, input=hidden)
         output = self._forward_inside(tokens, labels, hidden, units)
         for unit in outer:
             gather.after_forward(unit, output, previous=units[-1] if units else None)
@@ -174,7 +174,7 @@ class GPTModel(torch.nn.Module):
         gather = self.param_gather
         for i, block in enumerate(self.layers.values()):
             if gather is not None:
-                gather.before_forward(units[i], prefetch=units[i + 1] if i + 1 < len(units) else None)
+                gather.before_forward(units[i], prefetch=units[i + 1] if i + 1 < len(units) else None, input=hidden)
             if full_recompute:
                 hidden = checkpointed(block, self.streams, hidden, rotary)
             else:

@@ -69,9 +69,11 @@ class DistributedOptimizer:
         num_layers: int,
         loss_scaler: LossScaler | None = None,
         adamw_impl: str | None = None,
+        frozen: list[torch.nn.Parameter] = (),
     ):
         """`adamw_impl` is the AdamW kernels.py chose (None: torch's fused AdamW on CUDA, foreach on CPU);
-        offloaded, the update runs on the host with torch's CPU AdamW instead."""
+        offloaded, the update runs on the host with torch's CPU AdamW instead. `frozen` weights (a LoRA base) are
+        only sharded, under ZeRO-3."""
         self.config, self.state, self.grads, self.loss_scaler = config, state, grads, loss_scaler
         self.sharded = config.zero >= 1
         """Each DP rank holds only its share of master weights and state (ZeRO 1 and 2)."""
@@ -84,7 +86,7 @@ class DistributedOptimizer:
         self.segments = self._make_segments()
         self.param_buffer = self._make_param_buffer() if self.sharded and config.zero < 3 else None
         self.sharded_params = (
-            ShardedParameters(grads, state.dp_group, state.dp_size, state.dp_rank) if config.zero == 3 else None
+            ShardedParameters(grads, state.dp_group, state.dp_size, state.dp_rank, frozen) if config.zero == 3 else None
         )
         """ZeRO-3: the weights, 1/DP of them on this rank between uses (param_shards.py)."""
         self.inner = self._build_inner(num_layers)

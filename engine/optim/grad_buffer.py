@@ -79,6 +79,7 @@ class GradBuffer:
         if not enabled:
             return
         bucket_numel = max(1, bucket_bytes // dtype.itemsize)
+        self.bucket_numel = bucket_numel
         regular = self.params[: len(self.params) - len(self.deferred)]
         self.offsets, self.buckets, end = (
             plan_buckets(regular, bucket_numel, dp_size, unit_of=unit_of) if regular else ({}, [], 0)

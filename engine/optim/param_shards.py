@@ -32,7 +32,7 @@ from collections.abc import Callable, Hashable, Iterator
 import torch
 
 from loom.engine.model import naming
-from loom.engine.optim.buckets import Bucket
+from loom.engine.optim.buckets import Bucket, plan_buckets
 from loom.engine.optim.grad_buffer import GradBuffer
 from loom.engine.parallel.mappings import all_gather_single
 from loom.engine.parallel.param_info import param_info
@@ -46,7 +46,17 @@ class ShardedParameters:
     """The weights of `grads.params` held ZeRO-3 style (module docstring); built after the optimizer has copied
     its master weights from the full parameters."""
 
-    def __init__(self, grads: GradBuffer, dp_group, dp_size: int, dp_rank: int, prefetch: bool = True):
+    def __init__(
+        self,
+        grads: GradBuffer,
+        dp_group,
+        dp_size: int,
+        dp_rank: int,
+        frozen: list[torch.nn.Parameter] = (),
+        prefetch: bool = True,
+    ):
+        """`frozen`: weights without gradients (a LoRA run's base), sharded in buckets of their own, cut at units
+        like the gradient buffer's."""
         self.grads, self.dp_group, self.dp_size, self.dp_rank, self.prefetch = (
             grads,
             dp_group,
@@ -54,8 +64,16 @@ class ShardedParameters:
             dp_rank,
             prefetch,
         )
-        self.buckets = grads.buckets
-        self.starts = [b.start for b in self.buckets]
+        frozen_offsets, frozen_buckets, _ = (
+            plan_buckets(list(reversed(frozen)), grads.bucket_numel, dp_size, unit_of=gather_unit)
+            if frozen
+            else ({}, [], 0)
+        )
+        self.offsets = {**grads.offsets, **frozen_offsets}
+        """Each parameter's place in its buckets' coordinates (the gradient buffer's, or the frozen weights')."""
+        self.buckets = grads.buckets + frozen_buckets
+        self.bucket_of = {p: b for b in self.buckets for p in b.params}
+        self.starts = [b.start for b in grads.buckets]
         deferred = {id(b) for b in grads.deferred_buckets}
         self.whole = {id(b) for b in self.buckets if id(b) in deferred or dp_size == 1}
         """Buckets (ids) every rank holds whole throughout."""
@@ -69,7 +87,7 @@ class ShardedParameters:
         for bucket in self.buckets:
             full = torch.zeros(bucket.end - bucket.start, dtype=first.dtype, device=first.device)
             for param in bucket.params:
-                offset = grads.offsets[param] - bucket.start
+                offset = self.offsets[param] - bucket.start
                 view = full[offset : offset + param.numel()].view_as(param)
                 view.copy_(param.detach())
                 param.data = view
@@ -80,14 +98,18 @@ class ShardedParameters:
         self.pending: dict[int, object] = {}
         """Bucket id -> the all-gather filling it (prefetched, not yet waited for)."""
         self.remaining: dict[Hashable, int] = {}
-        """Units in backward -> parameters whose gradient has not arrived yet this micro-batch."""
+        """Units in backward -> what must still happen this micro-batch before they are freed: their parameters'
+        gradients arriving, and for units with frozen weights the gradient of their input."""
         self.unit_params = {
             unit: [p for b in buckets for p in b.params if p.requires_grad] for unit, buckets in self.units.items()
         }
+        frozen_ids = {id(b) for b in frozen_buckets}
+        self.has_frozen = {unit for unit, buckets in self.units.items() if any(id(b) in frozen_ids for b in buckets)}
+        """Units holding frozen weights: their gradients' arrival does not show that backward is done with them
+        (the frozen weights still carry the input's gradient), so they also wait for the input's."""
+        self.waits_for_input: set[Hashable] = set()
         unit_of_param = {p: unit for unit, params in self.unit_params.items() for p in params}
-        self._hooks = [
-            p.register_post_accumulate_grad_hook(self._gradient_arrived(unit)) for p, unit in unit_of_param.items()
-        ]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._done(unit)) for p, unit in unit_of_param.items()]
         for unit in self.units:
             self.free(unit)
 
@@ -132,10 +154,15 @@ class ShardedParameters:
             self.free(unit)
 
     # -- the model's calls around a unit ---------------------------------------------------------
-    def before_forward(self, unit: Hashable, prefetch: Hashable | None = None) -> None:
+    def before_forward(
+        self, unit: Hashable, prefetch: Hashable | None = None, input: torch.Tensor | None = None
+    ) -> None:
         self.gather(unit)
         if self.prefetch and prefetch is not None:
             self.gather(prefetch, wait=False)
+        if unit in self.has_frozen and input is not None and torch.is_grad_enabled() and input.requires_grad:
+            self.waits_for_input.add(unit)
+            input.register_hook(lambda _grad: self._done(unit)(None))
 
     def after_forward(self, unit: Hashable, output: torch.Tensor, previous: Hashable | None = None) -> None:
         """Free the unit after its forward; if `output` will get a gradient, gather it again when backward
@@ -148,15 +175,19 @@ class ShardedParameters:
 
     def _backward_reaches(self, unit: Hashable, previous: Hashable | None) -> Callable:
         def hook(_grad: torch.Tensor) -> None:
-            self.remaining[unit] = len(self.unit_params[unit])
+            waits = len(self.unit_params.get(unit, ())) + (unit in self.waits_for_input)
+            if waits:  # else it stays gathered until its next forward ends or the step does
+                self.remaining[unit] = waits
             self.gather(unit)
             if self.prefetch and previous is not None and previous not in self.remaining:
                 self.gather(previous, wait=False)
 
         return hook
 
-    def _gradient_arrived(self, unit: Hashable) -> Callable:
-        def hook(_param: torch.nn.Parameter) -> None:
+    def _done(self, unit: Hashable) -> Callable:
+        """A hook counting one of the things the unit's backward waits for (module docstring)."""
+
+        def hook(_param: torch.nn.Parameter | None) -> None:
             if unit not in self.remaining:
                 return
             self.remaining[unit] -= 1
@@ -168,7 +199,8 @@ class ShardedParameters:
 
     # -- the optimizer's and the checkpoint's access -----------------------------------------------
     def _bucket_at(self, start: int) -> Bucket:
-        return self.buckets[bisect.bisect_right(self.starts, start) - 1]
+        """The gradient buffer's bucket holding buffer coordinate `start`."""
+        return self.grads.buckets[bisect.bisect_right(self.starts, start) - 1]
 
     @torch.no_grad()
     def write(self, buffer_start: int, values: torch.Tensor) -> None:
@@ -195,8 +227,7 @@ class ShardedParameters:
     def load(self, param: torch.nn.Parameter, values: torch.Tensor) -> None:
         """Set one parameter's weights (every rank has them whole, from a checkpoint): this rank's part goes
         into its shard, and a whole bucket gets all of it."""
-        offset = self.grads.offsets[param]
-        bucket = self._bucket_at(offset)
+        offset, bucket = self.offsets[param], self.bucket_of[param]
         flat = values.reshape(-1).to(self.full[id(bucket)].dtype)
         if id(bucket) in self.whole:
             start = offset - bucket.start
@@ -209,15 +240,15 @@ class ShardedParameters:
 
     @torch.no_grad()
     def whole_weights(self) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
-        """Every parameter's full weights, one bucket gathered at a time (a collective: every DP rank iterates);
-        each tensor is valid until the next one is yielded."""
+        """Every parameter's full weights (frozen ones too), one bucket gathered at a time (a collective: every DP
+        rank iterates); each tensor is valid until the next one is yielded."""
         for bucket in self.buckets:
             gathered_here = not self._gathered(bucket)
             if gathered_here:
                 self._gather_bucket(bucket, wait=True)
             full = self.full[id(bucket)]
             for param in bucket.params:
-                offset = self.grads.offsets[param] - bucket.start
+                offset = self.offsets[param] - bucket.start
                 yield param, full[offset : offset + param.numel()].view_as(param)
             if gathered_here:
                 self._free_bucket(bucket)
