@@ -287,7 +287,7 @@ def test_kernels_are_logged_at_start_and_recorded_in_the_first_metrics_row(marko
     assert "kernels: attention=torch.sdpa" in capfd.readouterr().out
 
 
-def _losses_with_compile(rank, world, dataset, run_dir, compile_model):
+def _losses_with_compile(rank, world, dataset, run_dir, compile_model, parallel=None, zero=0):
     from training_runs import tiny_config
 
     from loom.engine.train import Trainer
@@ -296,8 +296,9 @@ def _losses_with_compile(rank, world, dataset, run_dir, compile_model):
         dataset,
         run_dir,
         model={"compile": compile_model, "num_layers": 2},
-        parallel={"tp": 2, "sequence_parallel": True},
-        train={"steps": 2, "global_batch_size": 2, "micro_batch_size": 1, "seq_length": 32},
+        parallel=parallel or {"tp": 2, "sequence_parallel": True},
+        optim={"zero": zero},
+        train={"steps": 2, "global_batch_size": 4, "micro_batch_size": 1, "seq_length": 32},
     )
     trainer = Trainer(config)
     compiled_blocks = trainer.chunks[-1].compiled_loss and all(
@@ -317,6 +318,19 @@ def test_whole_compiled_blocks_train_like_eager(markov_dataset, tmp_path):
     dataset = markov_dataset(50)
     eager, _ = run_ranks(_losses_with_compile, 2, dataset, str(tmp_path / "eager"), False)[0]
     compiled, blocks_compiled = run_ranks(_losses_with_compile, 2, dataset, str(tmp_path / "compiled"), True)[0]
+    assert blocks_compiled
+    torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-6, atol=0)
+
+
+def test_compiled_blocks_train_under_zero3_like_eager_ones_under_zero1(markov_dataset, tmp_path):
+    """ZeRO-3 gathers and frees a block's weights around the compiled block (their storage comes and goes
+    between calls of the same graph)."""
+    from dist_utils import run_ranks
+
+    dataset = markov_dataset(50)
+    dp2 = {"tp": 1}
+    eager, _ = run_ranks(_losses_with_compile, 2, dataset, str(tmp_path / "eager"), False, dp2, 1)[0]
+    compiled, blocks_compiled = run_ranks(_losses_with_compile, 2, dataset, str(tmp_path / "z3"), True, dp2, 3)[0]
     assert blocks_compiled
     torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-6, atol=0)
 
