@@ -522,5 +522,7 @@ class Trainer:
     def close(self) -> None:
         self.checkpoint_writer.wait()
         self.grads.remove_hooks()
+        if self.optimizer.sharded_params is not None:
+            self.optimizer.sharded_params.remove_hooks()
         if self.metrics is not None:
             self.metrics.close()
