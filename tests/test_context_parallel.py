@@ -1,0 +1,54 @@
+"""Context parallelism's ring attention against full causal attention on the gathered sequence (issue #33's
+first piece: engine/parallel/context.py, not yet wired into the model).
+
+Each rank holds chunks r and 2N-1-r of the sequence; its outputs and the gradients of its queries, keys and
+values must be those rows of full causal attention (F.scaled_dot_product_attention on the whole sequence) and
+of its gradients, in fp32 to 1e-6, with grouped-query attention and a chunk length of 3 (nothing convenient)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from dist_utils import run_ranks
+
+from loom.engine.parallel.context import local_positions, ring_attention, split_sequence
+
+BATCH, HEADS, KV_HEADS, HEAD_DIM, CHUNK = 2, 4, 2, 8, 3
+
+
+def _inputs(seq: int) -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(BATCH, HEADS, seq, HEAD_DIM, generator=generator)
+    k = torch.randn(BATCH, KV_HEADS, seq, HEAD_DIM, generator=generator)
+    v = torch.randn(BATCH, KV_HEADS, seq, HEAD_DIM, generator=generator)
+    grad = torch.randn(BATCH, HEADS, seq, HEAD_DIM, generator=generator)
+    return q, k, v, grad
+
+
+def _ring_rank(rank, world, seq):
+    q, k, v, grad = (split_sequence(t, world, rank, dim=2) for t in _inputs(seq))
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    out = ring_attention(q, k, v, dist.group.WORLD)
+    out.backward(grad)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_ring_attention_equals_full_causal_attention_and_its_gradients(cp):
+    seq = 2 * cp * CHUNK
+    q, k, v, grad = _inputs(seq)
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    expected.backward(grad)
+    for rank, pieces in enumerate(run_ranks(_ring_rank, cp, seq)):
+        index = local_positions(seq, cp, rank)
+        for ours, theirs in zip(pieces, (expected.detach(), q.grad, k.grad, v.grad), strict=True):
+            torch.testing.assert_close(ours, theirs[:, :, index], rtol=1e-6, atol=1e-6)
+
+
+def test_each_rank_holds_chunks_r_and_2n_minus_1_minus_r():
+    assert local_positions(12, 2, 0).tolist() == [0, 1, 2, 9, 10, 11]
+    assert local_positions(12, 2, 1).tolist() == [3, 4, 5, 6, 7, 8]
+    assert sorted(torch.cat([local_positions(24, 4, r) for r in range(4)]).tolist()) == list(range(24))
+    with pytest.raises(ValueError, match="does not split into 2 x cp = 4 chunks"):
+        local_positions(10, 2, 0)
