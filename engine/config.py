@@ -168,8 +168,13 @@ class ParallelConfig:
     """Pipeline-parallel size: the layers are cut into this many stages."""
     vp: int = 1
     """Virtual pipeline chunks per stage (interleaved 1F1B); 1 means plain 1F1B."""
+    cp: int = 1
+    """Context-parallel size: each micro-batch's sequence is split over this many ranks in 2 x cp chunks (rank r
+    holds chunks r and 2cp-1-r, which balances the causal mask's work), attention passing keys and values around
+    a ring (engine/parallel/context.py). Gradients are summed, and ZeRO shards, over DP x CP. For sequences whose
+    activations do not fit one rank: needs rotary positions and no dropout."""
     dp: int | None = None
-    """Data-parallel size; None means world_size / (tp * pp)."""
+    """Data-parallel size; None means world_size / (tp * cp * pp)."""
     sequence_parallel: bool = False
     """Split norm/dropout activations along the sequence across the TP group (needs tp > 1 to matter)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
@@ -188,6 +193,7 @@ class ParallelConfig:
             tp=self.tp,
             pp=self.pp,
             vp=self.vp,
+            cp=self.cp,
             dp=self.dp,
             grad_bucket_mb=self.grad_bucket_mb,
             timeout_minutes=self.timeout_minutes,
@@ -519,18 +525,23 @@ class LoomConfig:
         """Fix parallel.dp from the world size and check everything that depends on the layout."""
         p, m, t = self.parallel, self.model, self.train
         requested_dp = p.dp
-        model_parallel = p.tp * p.pp
+        model_parallel = p.tp * p.cp * p.pp
         if p.dp is None:
             if world_size % model_parallel:
-                raise ConfigError(f"world size {world_size} is not divisible by tp*pp = {p.tp}*{p.pp}")
+                what = f"tp*cp*pp = {p.tp}*{p.cp}*{p.pp}" if p.cp > 1 else f"tp*pp = {p.tp}*{p.pp}"
+                raise ConfigError(f"world size {world_size} is not divisible by {what}")
             p.dp = world_size // model_parallel
-        if p.tp * p.pp * p.dp != world_size:
-            raise ConfigError(
-                f"world size {world_size} != tp*pp*dp = {p.tp}*{p.pp}*{p.dp}; change --nproc or the layout"
-            )
+        if model_parallel * p.dp != world_size:
+            what = f"tp*cp*pp*dp = {p.tp}*{p.cp}*{p.pp}*{p.dp}" if p.cp > 1 else f"tp*pp*dp = {p.tp}*{p.pp}*{p.dp}"
+            raise ConfigError(f"world size {world_size} != {what}; change --nproc or the layout")
         m.check_tensor_parallel(p.tp)
-        if p.sequence_parallel and t.seq_length % p.tp:
-            raise ConfigError(f"sequence parallel needs train.seq_length = {t.seq_length} divisible by tp = {p.tp}")
+        self._check_context_parallel()
+        if p.sequence_parallel and (t.seq_length // p.cp) % p.tp:
+            raise ConfigError(
+                f"sequence parallel needs train.seq_length = {t.seq_length}"
+                + (f" / cp = {p.cp}" if p.cp > 1 else "")
+                + f" divisible by tp = {p.tp}"
+            )
         for batch in self.batch_sizes():
             if batch % (t.micro_batch_size * p.dp):
                 what = "train.global_batch_size" if batch == t.global_batch_size else "a ramp-up batch size"
@@ -543,6 +554,20 @@ class LoomConfig:
                 f"{m.max_position_embeddings}; lower --train.seq_length or raise --model.max_position_embeddings"
             )
         self._check_pipeline(world_size, requested_dp)
+
+    def _check_context_parallel(self) -> None:
+        p, m, t = self.parallel, self.model, self.train
+        if p.cp == 1:
+            return
+        if t.seq_length % (2 * p.cp):
+            raise ConfigError(
+                f"parallel.cp = {p.cp} cuts each sequence into 2*cp = {2 * p.cp} chunks; train.seq_length = "
+                f"{t.seq_length} does not divide into them"
+            )
+        if m.position_embedding != "rope":
+            raise ConfigError("parallel.cp > 1 needs model.position_embedding = rope (learned positions are not split)")
+        if m.dropout:
+            raise ConfigError(f"parallel.cp > 1 needs model.dropout = 0 (got {m.dropout}): ring attention has none")
 
     def _check_pipeline(self, world_size: int, requested_dp: int | None) -> None:
         from loom.engine.pipeline.schedules import ScheduleError, check_schedule

@@ -75,7 +75,7 @@ class Trainer:
         config.resolve_world(dist.get_world_size())
         p, t = config.parallel, config.train
         timeout = datetime.timedelta(minutes=p.timeout_minutes)
-        self.state = ParallelState.create(tp=p.tp, dp=p.dp, pp=p.pp, vp=p.vp, timeout=timeout)
+        self.state = ParallelState.create(tp=p.tp, dp=p.dp, pp=p.pp, vp=p.vp, timeout=timeout, cp=p.cp)
         self.device = pick_device(t.device, local_rank)
         self.kernels = choose_kernels(config, self.device)
         self.compile_pending = self.kernels.compiles_blocks  # the first step compiles (engine/model/compiling.py)
@@ -87,7 +87,8 @@ class Trainer:
         self.step = 0
         self.autocast_dtype = None if t.precision == "fp32" else PARAM_DTYPES[t.precision]
         self._schedules: dict[tuple[int, bool], list] = {}
-        sequence = t.seq_length // p.tp if (p.sequence_parallel and p.tp > 1) else t.seq_length
+        sequence = t.seq_length // p.cp  # this rank's share under context parallelism
+        sequence = sequence // p.tp if (p.sequence_parallel and p.tp > 1) else sequence
         self.executor = PipelineExecutor(
             self.chunks,
             self.state,
@@ -137,15 +138,15 @@ class Trainer:
                 hysteresis=o.loss_scale_hysteresis,
                 min_scale=o.min_loss_scale,
             )
-        self.grads = GradBuffer(
+        self.grads = GradBuffer(  # over DP x CP: the ranks that hold the same weights
             self.params,
-            state.dp_group,
-            state.dp_size,
-            state.dp_rank,
+            state.grad_group,
+            state.grad_size,
+            state.grad_rank,
             int(c.parallel.grad_bucket_mb * 2**20),
             overlap=c.parallel.overlap_grad_reduce,
             zero=c.optim.zero,
-            enabled=state.dp_size > 1 or c.optim.zero >= 1 or param_dtype != torch.float32,
+            enabled=state.grad_size > 1 or c.optim.zero >= 1 or param_dtype != torch.float32,
             deferred=lambda q: needs_model_parallel_sum(q, state),
             before_deferred=lambda: sum_model_parallel_grads(self.grads.deferred, state),
             dtype=torch.bfloat16 if c.optim.grad_dtype == "bf16" else torch.float32,
@@ -244,10 +245,21 @@ class Trainer:
         return self.checkpoint_writer.save(self.training_state(), self.checkpoints, self.config.checkpoint.keep)
 
     def _build_data(self, evaluation_only: bool) -> None:
-        c, t = self.config, self.config.train
+        c = self.config
         train_set, self.valid_set = build_datasets(c, not evaluation_only, self.state.rank == 0, dist.barrier)
-        self.train_batches = BatchIterator(
-            train_set, c.global_batch_size_at, t.micro_batch_size, self.state.dp_rank, self.state.dp_size
+        self.train_batches = self._batches(train_set, c.global_batch_size_at)
+
+    def _batches(self, dataset, batch_size_at) -> BatchIterator:
+        """This DP rank's micro-batches of `dataset`, cut to this CP rank's chunks of each sequence."""
+        state = self.state
+        return BatchIterator(
+            dataset,
+            batch_size_at,
+            self.config.train.micro_batch_size,
+            state.dp_rank,
+            state.dp_size,
+            cp_rank=state.cp_rank,
+            cp_size=state.cp_size,
         )
 
     def _peak_flops(self) -> float | None:
@@ -275,9 +287,9 @@ class Trainer:
         self.grads.last_microbatch = last
 
     def _global_sum(self, local_sum: torch.Tensor) -> torch.Tensor:
-        """Sum the per-rank shares of a loss over DP and over the pipeline (only the last stage has one)."""
-        if self.state.dp_size > 1:
-            dist.all_reduce(local_sum, group=self.state.dp_group)
+        """Sum the per-rank shares of a loss over DP x CP and over the pipeline (only the last stage has one)."""
+        if self.state.grad_size > 1:
+            dist.all_reduce(local_sum, group=self.state.grad_group)
         if self.state.pp_size > 1:
             dist.all_reduce(local_sum, group=self.state.pp_group)
         return local_sum
@@ -366,9 +378,7 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean validation loss over train.eval_iters global batches (the same batches every time)."""
         t = self.config.train
-        batches = BatchIterator(
-            self.valid_set, lambda _: t.global_batch_size, t.micro_batch_size, self.state.dp_rank, self.state.dp_size
-        )
+        batches = self._batches(self.valid_set, lambda _: t.global_batch_size)
         self._train_mode(False)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         # `loom eval` can take long on one CPU rank: it shows batches done and time left; training's periodic
@@ -492,7 +502,7 @@ class Trainer:
 
     def write_pipeline_timeline(self) -> None:
         """Gather the last step's per-op times of pipeline 0 and write them to the run directory."""
-        if self.state.tp_rank or self.state.dp_rank:
+        if self.state.tp_rank or self.state.dp_rank or self.state.cp_rank:
             return
         ranks = [None] * self.state.pp_size
         dist.all_gather_object(ranks, self.executor.timeline, group=self.state.pp_group)

@@ -52,3 +52,71 @@ def test_each_rank_holds_chunks_r_and_2n_minus_1_minus_r():
     assert sorted(torch.cat([local_positions(24, 4, r) for r in range(4)]).tolist()) == list(range(24))
     with pytest.raises(ValueError, match="does not split into 2 x cp = 4 chunks"):
         local_positions(10, 2, 0)
+
+
+def _cp_runs(rank, world, dataset, run_dir):
+    """{layout: losses} of tiny runs under context-parallel layouts of `world` ranks, fp32."""
+    from training_runs import tiny_config
+
+    from loom.engine.train import Trainer
+
+    layouts = {
+        2: {"cp2": ({"cp": 2}, {})},
+        4: {
+            "cp4": ({"cp": 4}, {}),
+            "cp2-tp2-sp": ({"cp": 2, "tp": 2, "sequence_parallel": True}, {}),
+            "cp2-pp2": ({"cp": 2, "pp": 2}, {}),
+            "cp2-dp2-zero1": ({"cp": 2}, {"zero": 1}),
+        },
+    }[world]
+    out = {}
+    for name, (parallel, optim) in layouts.items():
+        config = tiny_config(
+            dataset,
+            f"{run_dir}/{name}",
+            parallel={**parallel, "grad_bucket_mb": 0.25},
+            optim=optim,
+            train={"steps": 3, "micro_batch_size": 1, "seq_length": SEQ},
+        )
+        trainer = Trainer(config)
+        # what each rank holds of a sequence: its CP share (then split over TP under sequence parallelism)
+        held = trainer.executor.hidden_shape[0] * (parallel.get("tp", 1) if parallel.get("sequence_parallel") else 1)
+        out[name] = [trainer.train_step()["loss"] for _ in range(3)], trainer.state.cp_size, held
+        trainer.close()
+    return out
+
+
+SEQ = 24  # 2 x cp chunks of 3 tokens at cp 4, of 6 at cp 2: nothing convenient
+
+
+@pytest.fixture(scope="module")
+def one_rank_losses(markov_dataset, tmp_path_factory):
+    return run_ranks(_cp_runs_reference, 1, markov_dataset(50), str(tmp_path_factory.mktemp("cp-ref")))[0]
+
+
+def _cp_runs_reference(rank, world, dataset, run_dir):
+    from training_runs import tiny_config
+
+    from loom.engine.train import Trainer
+
+    config = tiny_config(
+        dataset,
+        f"{run_dir}/one",
+        parallel={"grad_bucket_mb": 0.25},
+        train={"steps": 3, "micro_batch_size": 1, "seq_length": SEQ},
+    )
+    trainer = Trainer(config)
+    losses = [trainer.train_step()["loss"] for _ in range(3)]
+    trainer.close()
+    return losses
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_context_parallel_layouts_give_the_one_rank_losses(world, markov_dataset, one_rank_losses, tmp_path):
+    """fp32, 1e-6: the sequence split over CP (with TP and sequence parallelism, a pipeline, DP with ZeRO-1)
+    trains exactly as one rank holding it all."""
+    for name, (losses, cp, held) in run_ranks(_cp_runs, world, markov_dataset(50), str(tmp_path))[0].items():
+        assert cp == int(name[2]) and held == SEQ // cp, name
+        assert len(set(one_rank_losses)) == 3, "the run should be moving"
+        for a, b in zip(one_rank_losses, losses, strict=True):
+            assert abs(a - b) / a < 1e-6, (name, one_rank_losses, losses)

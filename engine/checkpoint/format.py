@@ -128,17 +128,19 @@ class CheckpointLayout:
     dp: int
     """Data-parallel size."""
     world: int
-    """Number of ranks (tp * pp * dp)."""
+    """Number of ranks (tp * cp * pp * dp)."""
     zero: int
-    """The ZeRO stage (optim.zero) when saved: with 1 or 2 optimizer state was split across DP ranks."""
+    """The ZeRO stage (optim.zero) when saved: with 1 to 3 optimizer state was split across DP (x CP) ranks."""
     optimizer: str | None
     """The optimizer's name (optim.name); None for a checkpoint without optimizer state (import-hf)."""
     precision: str
     """train.precision: fp32, bf16 or fp16."""
+    cp: int = 1
+    """Context-parallel size (checkpoints from before context parallelism: 1). Shards no weights."""
 
-    def places_ranks_like(self, tp: int, pp: int, dp: int, vp: int) -> bool:
+    def places_ranks_like(self, tp: int, pp: int, dp: int, vp: int, cp: int = 1) -> bool:
         """Whether rank r here is rank r there (per-rank state such as RNG streams then carries over)."""
-        return (self.tp, self.pp, self.dp, self.vp) == (tp, pp, dp, vp)
+        return (self.tp, self.pp, self.dp, self.vp, self.cp) == (tp, pp, dp, vp, cp)
 
 
 @dataclass

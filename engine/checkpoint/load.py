@@ -204,6 +204,8 @@ def _restore_loop_state(state: TrainingState, reader: PieceReader, metadata: Che
         state.fp8.load_state_dict({name: reader.tensor(key) for name, key in saved.items()})
     p = state.parallel
     keys = {name: rng_key(p.rank, name) for name in state.rng.state_dict()}
-    same_layout = metadata.layout.places_ranks_like(tp=p.tp_size, pp=p.pp_size, dp=p.dp_size, vp=p.vp_size)
+    same_layout = metadata.layout.places_ranks_like(
+        tp=p.tp_size, pp=p.pp_size, dp=p.dp_size, vp=p.vp_size, cp=p.cp_size
+    )
     if same_layout and all(key in metadata.index for key in keys.values()):  # streams belong to ranks of one layout
         state.rng.load_state_dict({name: reader.tensor(key) for name, key in keys.items()})

@@ -61,12 +61,13 @@ def _model_pieces(state: TrainingState) -> tuple[dict[str, torch.Tensor], dict[s
     takes part in gathering the weights, a bucket at a time, and DP rank 0 keeps a host copy of each."""
     pieces, specs = {}, {}
     sharded = state.optimizer.sharded_params
-    if state.parallel.dp_rank != 0 and sharded is None:
+    writer = state.parallel.grad_rank == 0  # one of the DP x CP ranks holding the same weights
+    if not writer and sharded is None:
         return pieces, specs
     weights = sharded.whole_weights() if sharded is not None else ((p, p) for _, p in state.named_parameters())
     for param, weight in weights:
         info = param_info(param)
-        if info.tied_copy or not param.requires_grad or state.parallel.dp_rank != 0:  # a LoRA base is not saved
+        if info.tied_copy or not param.requires_grad or not writer:  # a LoRA base is not saved
             continue
         pieces[model_key(info.name, state.parallel.tp_rank)] = weight.detach().cpu().clone() if sharded else weight
         specs[info.name] = info.shard_spec
@@ -78,7 +79,7 @@ def _optimizer_pieces(state: TrainingState) -> tuple[dict[str, torch.Tensor], in
     optimizer, tp_rank = state.optimizer, state.parallel.tp_rank
     pieces: dict[str, torch.Tensor] = {}
     step = None
-    if not (optimizer.sharded or state.parallel.dp_rank == 0):
+    if not (optimizer.sharded or state.parallel.grad_rank == 0):
         return pieces, step
     for seg in optimizer.segments:
         info = param_info(seg.param)
@@ -101,7 +102,7 @@ def _fp8_pieces(state: TrainingState) -> dict[str, torch.Tensor]:
     """FP8 scaling state of this stage's modules, written by one rank per stage: amaxes are reduced over
     the TP group, so every TP rank holds the same (fp8_state.py), and DP rank 0's stands for the replicas."""
     p = state.parallel
-    if state.fp8 is None or p.tp_rank != 0 or p.dp_rank != 0:
+    if state.fp8 is None or p.tp_rank != 0 or p.grad_rank != 0:
         return {}
     return {fp8_key(name): value for name, value in state.fp8.state_dict().items()}
 
@@ -128,6 +129,7 @@ def describe_run(state: TrainingState) -> CheckpointMetadata:
             pp=p.pp_size,
             vp=p.vp_size,
             dp=p.dp_size,
+            cp=p.cp_size,
             world=p.world_size,
             zero=c.optim.zero,
             optimizer=c.optim.name,

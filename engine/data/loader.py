@@ -19,6 +19,7 @@ from loom.engine.config import LoomConfig
 from loom.engine.data.blended import BlendedDataset
 from loom.engine.data.gpt_dataset import GPTDataset, split_document_ranges
 from loom.engine.data.indexed import DatasetError, IndexedDataset
+from loom.engine.parallel.context import split_sequence
 
 # Blended datasets draw up to this fraction more than their weight from each source.
 _BLEND_MARGIN = 1.005
@@ -91,7 +92,8 @@ def build_datasets(config: LoomConfig, with_train: bool, is_builder: bool, barri
 class BatchIterator:
     """Yields, per step, this DP rank's micro-batches (tokens, labels) of the next global batch.
 
-    `batch_size_at(consumed_samples)` gives each step's global batch (constant, or ramping up).
+    `batch_size_at(consumed_samples)` gives each step's global batch (constant, or ramping up). Under context
+    parallelism (`cp` > 1) each CP rank keeps its two chunks of every sequence (engine/parallel/context.py).
     """
 
     def __init__(
@@ -102,9 +104,12 @@ class BatchIterator:
         dp_rank: int,
         dp_size: int,
         consumed_samples: int = 0,
+        cp_rank: int = 0,
+        cp_size: int = 1,
     ):
         self.dataset, self.batch_size_at = dataset, batch_size_at
         self.micro_batch_size, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
+        self.cp_rank, self.cp_size = cp_rank, cp_size
         self.consumed_samples = consumed_samples
 
     def next_step(self, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -116,7 +121,10 @@ class BatchIterator:
         for start in range(first, first + per_rank, self.micro_batch_size):
             samples = np.stack([self.dataset[i] for i in range(start, start + self.micro_batch_size)])
             batch = torch.from_numpy(samples.astype(np.int64)).to(device, non_blocking=True)
-            microbatches.append((batch[:, :-1], batch[:, 1:]))
+            tokens, labels = batch[:, :-1], batch[:, 1:]
+            if self.cp_size > 1:
+                tokens, labels = (split_sequence(t, self.cp_size, self.cp_rank, dim=1) for t in (tokens, labels))
+            microbatches.append((tokens, labels))
         return microbatches
 
     def state_dict(self) -> dict:

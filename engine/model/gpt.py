@@ -15,6 +15,7 @@ from loom.engine.model import naming
 from loom.engine.model.kernels import Kernels
 from loom.engine.model.transformer import LayerCache, TransformerBlock, build_norm, rotary_tables
 from loom.engine.parallel import mappings
+from loom.engine.parallel.context import local_positions
 from loom.engine.parallel.cross_entropy import vocab_parallel_cross_entropy
 from loom.engine.parallel.layers import VocabParallelEmbedding
 from loom.engine.parallel.param_info import param_info, update_param_info
@@ -46,9 +47,12 @@ class GPTModel(torch.nn.Module):
         post_process: bool = True,
         streams: RNGStreams | None = None,
         kernels: Kernels | None = None,
+        cp_group=None,
     ):
+        """`cp_group`: the ranks this chunk's sequence is split over (context parallelism; None: not split)."""
         super().__init__()
         self.config, self.tp_group, self.streams = config, tp_group, streams
+        self.cp_group = cp_group
         self.param_gather = None
         """ZeRO-3 (engine/optim/param_shards.ShardedParameters): gathers each unit's weights around its forward."""
         kernels = kernels or Kernels.native()
@@ -78,7 +82,10 @@ class GPTModel(torch.nn.Module):
                     tp_partial_grad=self.sequence_parallel,
                 )
         self.layers = torch.nn.ModuleDict(
-            {str(i): TransformerBlock(config, tp_group, self.sequence_parallel, streams, kernels) for i in layer_ids}
+            {
+                str(i): TransformerBlock(config, tp_group, self.sequence_parallel, streams, kernels, cp_group)
+                for i in layer_ids
+            }
         )
         self.compiled_loss = kernels is not None and kernels.compiles_blocks
         if self.compiled_loss:
@@ -104,11 +111,18 @@ class GPTModel(torch.nn.Module):
             update_param_info(param, name=name, layer=naming.layer_index(name), no_decay=naming.no_decay(name))
 
     def _rotary(self, seq_length: int, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The rotary tables of the positions this rank holds: 0..seq_length-1, or under context parallelism its
+        two chunks of a sequence cp times as long."""
         if self.config.position_embedding != "rope":
             return None
         key = (seq_length, str(device))
         if key not in self._rotary_cache:
-            self._rotary_cache[key] = rotary_tables(seq_length, self.config, device)
+            cp = mappings.group_size(self.cp_group)
+            tables = rotary_tables(seq_length * cp, self.config, device)
+            if cp > 1:
+                index = local_positions(seq_length * cp, cp, mappings.group_rank(self.cp_group)).to(device)
+                tables = tuple(table[index] for table in tables)
+            self._rotary_cache[key] = tables
         return self._rotary_cache[key]
 
     def embed(self, tokens: torch.Tensor, first_position: int = 0) -> torch.Tensor:

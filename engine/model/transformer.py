@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from loom.engine.config import ModelConfig
 from loom.engine.model.kernels import Kernels, layer_norm, rms_norm
 from loom.engine.parallel import mappings
+from loom.engine.parallel.context import ring_attention
 from loom.engine.parallel.random import RNGStreams, checkpointed
 from loom.engine.parallel.sharding import ShardSpec, make_parameter
 
@@ -100,9 +101,12 @@ class Attention(torch.nn.Module):
         output_std: float,
         streams: RNGStreams | None,
         kernels: Kernels,
+        cp_group=None,
     ):
+        """`cp_group`: the ranks the sequence is split over (ring attention, engine/parallel/context.py)."""
         super().__init__()
         tp = mappings.group_size(tp_group)
+        self.cp_group = cp_group if mappings.group_size(cp_group) > 1 else None
         self.head_dim = config.head_dim
         self.local_heads = config.num_heads // tp
         self.local_kv_heads = config.num_kv_heads // tp
@@ -128,9 +132,13 @@ class Attention(torch.nn.Module):
         self.fused_attention = kernels.core_attention(config, tp_group, sequence_parallel)
 
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        s, b = q.shape[:2]
+        if self.cp_group is not None:  # this rank's two chunks of the sequence, the rest around the ring
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+            out = ring_attention(q, k, v, self.cp_group)
+            return out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)
         if self.fused_attention is not None:  # TE: takes and returns the [s, b, ...] layout directly
             return self.fused_attention(q, k, v)
-        s, b = q.shape[:2]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
         dropout = self.dropout if self.training else 0.0
         with self.streams.fork("tensor") if (dropout and self.streams) else contextlib.nullcontext():
@@ -229,13 +237,14 @@ class TransformerBlock(torch.nn.Module):
         sequence_parallel: bool,
         streams: RNGStreams | None,
         kernels: Kernels | None = None,
+        cp_group=None,
     ):
         super().__init__()
         kernels = kernels or Kernels.native()
         tp = mappings.group_size(tp_group)
         output_std = config.init_std / math.sqrt(2 * config.num_layers)
         self.input_norm = build_norm(config, tp, sequence_parallel, kernels)
-        self.attention = Attention(config, tp_group, sequence_parallel, output_std, streams, kernels)
+        self.attention = Attention(config, tp_group, sequence_parallel, output_std, streams, kernels, cp_group)
         self.mlp_norm = build_norm(config, tp, sequence_parallel, kernels)
         self.mlp = MLP(config, tp_group, sequence_parallel, output_std, kernels)
         self.kernels, self.tp_group = kernels, tp_group

@@ -86,7 +86,9 @@ class DistributedOptimizer:
         self.segments = self._make_segments()
         self.param_buffer = self._make_param_buffer() if self.sharded and config.zero < 3 else None
         self.sharded_params = (
-            ShardedParameters(grads, state.dp_group, state.dp_size, state.dp_rank, frozen) if config.zero == 3 else None
+            ShardedParameters(grads, state.grad_group, state.grad_size, state.grad_rank, frozen)
+            if config.zero == 3
+            else None
         )
         """ZeRO-3: the weights, 1/DP of them on this rank between uses (param_shards.py)."""
         self.inner = self._build_inner(num_layers)
@@ -172,14 +174,14 @@ class DistributedOptimizer:
     def _counts(self, seg: Segment) -> bool:
         """Whether this rank's copy of the segment counts toward a global sum (each piece once):
         once over TP (counted_once), and over DP by its owner (every DP rank's own piece under ZeRO)."""
-        return counted_once(seg.param, self.state.tp_rank) and (self.sharded or self.state.dp_rank == 0)
+        return counted_once(seg.param, self.state.tp_rank) and (self.sharded or self.state.grad_rank == 0)
 
     def _reduce_per_param(self, partial: torch.Tensor) -> torch.Tensor:
         """Sum per-parameter partial sums (rows indexed like named_params) over DP pieces and TP shards."""
         home = partial.device
         partial = partial.to(self.device)  # offloaded, the sums are on the host; NCCL needs the device
-        if self.sharded and self.state.dp_size > 1:
-            dist.all_reduce(partial, group=self.state.dp_group)
+        if self.sharded and self.state.grad_size > 1:
+            dist.all_reduce(partial, group=self.state.grad_group)
         if self.state.tp_size > 1:
             if self.state.tp_rank != 0:
                 partial[self._replicated.to(partial.device)] = 0
@@ -256,15 +258,15 @@ class DistributedOptimizer:
         for seg in self.segments:
             if not seg.aliases_param:
                 seg.param.view(-1)[seg.start : seg.end].copy_(seg.master.reshape(-1))
-        if self.param_buffer is None or self.state.dp_size == 1:
+        if self.param_buffer is None or self.state.grad_size == 1:
             return
         handles = []
         for bucket in self.grads.buckets:
-            lo, hi = bucket.chunk(self.state.dp_rank, self.state.dp_size)
+            lo, hi = bucket.chunk(self.state.grad_rank, self.state.grad_size)
             mine = self.param_buffer[lo:hi].clone()
             handles.append(
                 all_gather_single(
-                    self.param_buffer[bucket.start : bucket.end], mine, group=self.state.dp_group, async_op=True
+                    self.param_buffer[bucket.start : bucket.end], mine, group=self.state.grad_group, async_op=True
                 )
             )
         for handle in handles:

@@ -1,9 +1,12 @@
 """The rank layout and the process groups of one run, held in an explicit object.
 
-Ranks are ordered TP fastest, then DP, then PP (Megatron's order), so a TP group is a block of
-consecutive ranks and stays inside a node. `layout_groups` is the one place that says which
-ranks form which group; `ParallelState` creates those groups with torch.distributed and is
-passed to whoever needs it. No module-level process groups.
+Ranks are ordered TP fastest, then CP, then DP, then PP (Megatron's order), so a TP group is a block of
+consecutive ranks and stays inside a node, and a CP group (the ring of context parallelism) sits next to it.
+`layout_groups` is the one place that says which ranks form which group; `ParallelState` creates those groups
+with torch.distributed and is passed to whoever needs it. No module-level process groups.
+
+The ranks that hold the same weights are the DP x CP ranks of a (tp, pp) coordinate: gradients are summed over
+them and ZeRO shards over them (the `grad` group); with cp = 1 it is the DP group.
 """
 
 from __future__ import annotations
@@ -25,34 +28,53 @@ def _warm_up(group: dist.ProcessGroup) -> None:
     dist.all_reduce(torch.zeros(1, device=device), group=group)
 
 
-def rank_of(tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int) -> int:
+def rank_of(tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int, cp_rank: int = 0, cp: int = 1) -> int:
     """Global rank of the given coordinates."""
-    return (pp_rank * dp + dp_rank) * tp + tp_rank
+    return ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
 
 
-def coordinates_of(rank: int, tp: int, dp: int) -> tuple[int, int, int]:
-    """(tp_rank, dp_rank, pp_rank) of a global rank."""
-    return rank % tp, (rank // tp) % dp, rank // (tp * dp)
+def coordinates_of(rank: int, tp: int, dp: int, cp: int = 1) -> tuple[int, int, int, int]:
+    """(tp_rank, dp_rank, pp_rank, cp_rank) of a global rank."""
+    return rank % tp, (rank // (tp * cp)) % dp, rank // (tp * cp * dp), (rank // tp) % cp
 
 
-def layout_groups(tp: int, dp: int, pp: int) -> dict[str, list[list[int]]]:
-    """Every process group of a tp x dp x pp layout, as lists of global ranks.
+def layout_groups(tp: int, dp: int, pp: int, cp: int = 1) -> dict[str, list[list[int]]]:
+    """Every process group of a tp x cp x dp x pp layout, as lists of global ranks.
 
-    `model` groups are the TP x PP ranks that together hold one model replica; `embedding`
-    groups join the first and last pipeline stage of a pipeline (for tied embeddings).
+    `model` groups are the TP x CP x PP ranks that together hold one model replica and see one micro-batch;
+    `embedding` groups join the first and last pipeline stage of a pipeline (for tied embeddings); `grad` groups
+    are the DP x CP ranks holding the same weights.
     """
-    groups: dict[str, list[list[int]]] = {"tp": [], "dp": [], "pp": [], "model": [], "embedding": []}
+    groups: dict[str, list[list[int]]] = {
+        "tp": [],
+        "cp": [],
+        "dp": [],
+        "grad": [],
+        "pp": [],
+        "model": [],
+        "embedding": [],
+    }
+
+    def at(t: int, c: int, d: int, p: int) -> int:
+        return rank_of(t, d, p, tp, dp, c, cp)
+
     for p in range(pp):
         for d in range(dp):
-            groups["tp"].append([rank_of(t, d, p, tp, dp) for t in range(tp)])
+            for c in range(cp):
+                groups["tp"].append([at(t, c, d, p) for t in range(tp)])
+            for t in range(tp):
+                groups["cp"].append([at(t, c, d, p) for c in range(cp)])
         for t in range(tp):
-            groups["dp"].append([rank_of(t, d, p, tp, dp) for d in range(dp)])
+            for c in range(cp):
+                groups["dp"].append([at(t, c, d, p) for d in range(dp)])
+            groups["grad"].append([at(t, c, d, p) for d in range(dp) for c in range(cp)])
     for d in range(dp):
-        for t in range(tp):
-            pipeline = [rank_of(t, d, p, tp, dp) for p in range(pp)]
-            groups["pp"].append(pipeline)
-            groups["embedding"].append(sorted({pipeline[0], pipeline[-1]}))
-        groups["model"].append([rank_of(t, d, p, tp, dp) for p in range(pp) for t in range(tp)])
+        for c in range(cp):
+            for t in range(tp):
+                pipeline = [at(t, c, d, p) for p in range(pp)]
+                groups["pp"].append(pipeline)
+                groups["embedding"].append(sorted({pipeline[0], pipeline[-1]}))
+        groups["model"].append([at(t, c, d, p) for p in range(pp) for c in range(cp) for t in range(tp)])
     return groups
 
 
@@ -72,18 +94,35 @@ class ParallelState:
     model_group: dist.ProcessGroup | None
     embedding_group: dist.ProcessGroup | None
     pp_ranks: tuple[int, ...] = ()
+    cp_size: int = 1
+    cp_group: dist.ProcessGroup | None = None
+    grad_group: dist.ProcessGroup | None = None
+    """DP x CP: the ranks holding the same weights (gradients summed, ZeRO sharded); the DP group when cp = 1."""
 
     @property
     def tp_rank(self) -> int:
-        return coordinates_of(self.rank, self.tp_size, self.dp_size)[0]
+        return coordinates_of(self.rank, self.tp_size, self.dp_size, self.cp_size)[0]
 
     @property
     def dp_rank(self) -> int:
-        return coordinates_of(self.rank, self.tp_size, self.dp_size)[1]
+        return coordinates_of(self.rank, self.tp_size, self.dp_size, self.cp_size)[1]
 
     @property
     def pp_rank(self) -> int:
-        return coordinates_of(self.rank, self.tp_size, self.dp_size)[2]
+        return coordinates_of(self.rank, self.tp_size, self.dp_size, self.cp_size)[2]
+
+    @property
+    def cp_rank(self) -> int:
+        return coordinates_of(self.rank, self.tp_size, self.dp_size, self.cp_size)[3]
+
+    @property
+    def grad_size(self) -> int:
+        return self.dp_size * self.cp_size
+
+    @property
+    def grad_rank(self) -> int:
+        """This rank's place in the grad group (DP major, CP minor, as the group lists them)."""
+        return self.dp_rank * self.cp_size + self.cp_rank
 
     @property
     def is_first_stage(self) -> bool:
@@ -95,17 +134,25 @@ class ParallelState:
 
     @classmethod
     def create(
-        cls, tp: int, dp: int, pp: int = 1, vp: int = 1, timeout: datetime.timedelta | None = None
+        cls,
+        tp: int,
+        dp: int,
+        pp: int = 1,
+        vp: int = 1,
+        timeout: datetime.timedelta | None = None,
+        cp: int = 1,
     ) -> ParallelState:
         """Create every group of the layout; all ranks must call this together, in the same order.
         `timeout` bounds each collective; pass the default group's (new groups otherwise get torch's
         30-minute default, whatever init_process_group was given)."""
         world, rank = dist.get_world_size(), dist.get_rank()
-        if tp * dp * pp != world:
-            raise ValueError(f"layout tp={tp} dp={dp} pp={pp} does not match world size {world}")
+        if tp * cp * dp * pp != world:
+            raise ValueError(f"layout tp={tp} cp={cp} dp={dp} pp={pp} does not match world size {world}")
         mine: dict[str, dist.ProcessGroup | None] = {}
         pp_ranks: tuple[int, ...] = ()
-        for kind, rank_lists in layout_groups(tp, dp, pp).items():
+        for kind, rank_lists in layout_groups(tp, dp, pp, cp).items():
+            if kind in ("grad", "cp") and cp == 1:
+                continue  # the DP group itself; no ring
             for ranks in rank_lists:
                 group = dist.new_group(ranks, timeout=timeout) if world > 1 else dist.group.WORLD
                 if rank in ranks:
@@ -127,11 +174,14 @@ class ParallelState:
             model_group=mine["model"],
             embedding_group=mine.get("embedding"),
             pp_ranks=pp_ranks,
+            cp_size=cp,
+            cp_group=mine.get("cp"),
+            grad_group=mine.get("grad", mine["dp"]),
         )
 
     def named_groups(self) -> dict[str, dist.ProcessGroup | None]:
         """Every group this rank is in, by role; a group serving two roles appears under both (tp first)."""
-        return {
+        groups = {
             "tp": self.tp_group,
             "pp": self.pp_group,
             "dp": self.dp_group,
@@ -139,9 +189,13 @@ class ParallelState:
             "model": self.model_group,
             "world": dist.group.WORLD,
         }
+        if self.cp_size > 1:
+            groups.update(cp=self.cp_group, grad=self.grad_group)
+        return groups
 
     def describe(self) -> str:
         return (
             f"rank {self.rank}/{self.world_size}: tp {self.tp_rank}/{self.tp_size} "
-            f"dp {self.dp_rank}/{self.dp_size} pp {self.pp_rank}/{self.pp_size}"
+            + (f"cp {self.cp_rank}/{self.cp_size} " if self.cp_size > 1 else "")
+            + f"dp {self.dp_rank}/{self.dp_size} pp {self.pp_rank}/{self.pp_size}"
         )

@@ -39,6 +39,7 @@ def build_chunks(
                 post_process=stage == pp * vp - 1,
                 streams=streams,
                 kernels=kernels,
+                cp_group=state.cp_group,
             )
         )
         if config.lora.enabled:
