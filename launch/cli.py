@@ -84,7 +84,9 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
     start_rank_server()  # its imports overlap the checks below
     preflight(config, nproc)
     print(
-        f"loom train: {nproc} rank(s), tp={config.parallel.tp} pp={config.parallel.pp} dp={config.parallel.dp}, "
+        f"loom train: {nproc} rank(s), tp={config.parallel.tp} "
+        + (f"cp={config.parallel.cp} " if config.parallel.cp > 1 else "")
+        + f"pp={config.parallel.pp} dp={config.parallel.dp}, "
         f"run directory {config.train.run_dir}",
         flush=True,
     )

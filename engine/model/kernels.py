@@ -371,7 +371,11 @@ def choose_kernels(config: LoomConfig, device: torch.device, capability: tuple[i
         )
     linear = _choose_linear(config, device, capability, te_ok, te_why)
 
-    if te_ok and m.dropout == 0:
+    if config.parallel.cp > 1:
+        attention = Choice(
+            "loom.ring_attention", f"parallel.cp = {config.parallel.cp}: keys and values around the CP ring"
+        )
+    elif te_ok and m.dropout == 0:
         attention = Choice("te.DotProductAttention", te_why)
     elif te_ok:
         attention = Choice("torch.sdpa", "model.dropout > 0: SDPA keeps dropout on loom's RNG streams")

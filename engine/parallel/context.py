@@ -114,9 +114,11 @@ class _RingAttention(torch.autograd.Function):
             if pending is not None:
                 kv, requests = pending
                 _wait(requests)
-        ctx.save_for_backward(q, k, v, out, lse)
+        result = out.to(q.dtype)
+        # the output as returned (in the compute dtype, as flash attention keeps it) and the log-sum-exp in fp32
+        ctx.save_for_backward(q, k, v, result, lse)
         ctx.group, ctx.scale = group, scale
-        return out.to(q.dtype)
+        return result
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -126,7 +128,7 @@ class _RingAttention(torch.autograd.Function):
         groups = q.shape[1] // k.shape[1]
         qf, dout = q.float(), grad_out.float()
         local = q.shape[2]
-        delta = (dout * out).sum(-1)  # D = rowsum(dO * O), per query
+        delta = (dout * out.float()).sum(-1)  # D = rowsum(dO * O), per query
         dq = torch.zeros_like(qf)
         kv = torch.stack([k, v]).contiguous()
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
