@@ -38,6 +38,7 @@ def _fp8_as_loom_runs_it(overrides: list[str]) -> list[str]:
 # spelling per idea: --parallel.tp 8 means the same to plan as to train).
 _LAYOUT_FIELDS = {
     ("parallel", "tp"): "tp",
+    ("parallel", "cp"): "cp",
     ("parallel", "pp"): "pp",
     ("parallel", "vp"): "vp",
     ("parallel", "dp"): "dp",
@@ -130,7 +131,7 @@ def add_parser(commands) -> None:
     p.add_argument("--gpus", type=int_in(1, 1 << 20), required=True, help="GPUs in the job")
     p.add_argument("--gpu", choices=_gpu_names(), default="h100-sxm", help="GPU kind (default: %(default)s)")
     p.add_argument("--gpus-per-node", type=int_in(1, 64), help="GPUs per node (default: the GPU kind's usual 8)")
-    p.add_argument("--layout", help='hold some keys, e.g. "tp=8,pp=4,vp=2,dp=2,mbs=1,recompute=selective,zero=1"')
+    p.add_argument("--layout", help='hold some keys, e.g. "tp=8,cp=2,pp=4,vp=2,dp=2,mbs=1,recompute=selective,zero=1"')
     p.add_argument("--top", type=int_in(1, 10_000), default=8, help="layouts shown (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument(

@@ -80,7 +80,7 @@ def test_runs_the_calibration_never_saw():
     best = plan(gpt3, 1024, load_hardware("a100-80gb"), fixed, MEGATRON)[0]
     assert abs(best.hardware_tflops_per_gpu / 138 - 1) <= 0.20, best.hardware_tflops_per_gpu
     llama = load_config("llama-8b", {"train": {"seq_length": 8192, "global_batch_size": 8, "precision": "bf16"}})
-    fsdp = {"tp": 1, "pp": 1, "micro_batch_size": 1, "zero": 3}
+    fsdp = {"tp": 1, "cp": 1, "pp": 1, "micro_batch_size": 1, "zero": 3}  # torchtitan's FSDP recipe: no CP
     best = plan(llama, 8, load_hardware("h100-sxm"), fsdp)[0]
     assert best.fits and 0.33 * 0.85 <= best.mfu <= 0.39 * 1.15, best.mfu
 
@@ -169,7 +169,7 @@ def test_fp8_runs_block_gemms_at_the_fp8_peak(capsys):
 
     rows = {}
     for precision in ("bf16", "fp8"):
-        layout = "tp=1,pp=1,mbs=1,recompute=none,zero=1"
+        layout = "tp=1,cp=1,pp=1,mbs=1,recompute=none,zero=1"
         argv = ["plan", "--config", "llama-8b", "--gpus", "8", "--layout", layout, "--json"]
         args, overrides = build_parser().parse_known_args([*argv, "--train.precision", precision])
         with pytest.raises(SystemExit) as exited:  # at tp 1 llama-8b fits an 80 GB GPU in neither precision
@@ -232,6 +232,7 @@ STATE_LAYOUTS = {
         ({}, {}, {"zero": 2, "grad_dtype": "bf16"}, "bf16"),
         ({}, {}, {"zero": 3}, "bf16"),
         ({"pp": 2}, {"tie_embeddings": True}, {"zero": 3}, "bf16"),
+        ({"cp": 2}, {}, {"zero": 1}, "bf16"),
     ],
     4: [
         ({}, {}, {"zero": 1, "name": "lamb"}, "bf16"),
@@ -247,6 +248,8 @@ STATE_LAYOUTS = {
         ({"tp": 2, "sequence_parallel": True}, {}, {"zero": 1, "grad_dtype": "bf16"}, "bf16"),
         ({"tp": 2, "sequence_parallel": True}, {}, {"zero": 3, "offload": "cpu"}, "bf16"),
         ({"pp": 2, "vp": 2}, {}, {"zero": 3}, "fp32"),
+        ({"cp": 2}, {}, {"zero": 3}, "bf16"),
+        ({"cp": 2, "pp": 2}, {}, {"zero": 2}, "fp32"),
     ],
 }
 
@@ -277,7 +280,7 @@ def _held(rank, world, dataset, run_dir):
             + sum(4 * s.host_grad.numel() for s in trainer.optimizer.segments if s.host_grad is not None),
         }
         p, o = config.parallel, config.optim
-        layout = Layout(p.tp, p.pp, p.vp, p.dp, 1, "none", o.zero, o.offload, p.sequence_parallel)
+        layout = Layout(p.tp, p.pp, p.vp, p.dp, 1, "none", o.zero, o.offload, p.sequence_parallel, p.cp)
         planned = model_state_bytes(
             config.model, layout, trainer.state.pp_rank, precision, 2**18, o.name, GRAD_BYTES[o.grad_dtype]
         )
@@ -397,6 +400,8 @@ RANK_ACTIVATION_LAYOUTS = [
     ({}, {}, {"precision": "bf16"}),
     ({"tp": 2, "sequence_parallel": True}, {}, {"precision": "bf16"}),
     ({"tp": 2}, {"recompute": "selective"}, {}),
+    ({"cp": 2}, {}, {}),
+    ({"cp": 2}, {"recompute": "selective"}, {"precision": "bf16"}),
 ]
 
 
@@ -433,6 +438,7 @@ TRAFFIC_LAYOUTS = {
         ({}, {}, {"zero": 2}),
         ({}, {}, {"zero": 2, **BF16_GRADS}),
         ({}, {}, {"zero": 3}),
+        ({"cp": 2}, {}, {"zero": 0}),
         ({"tp": 2}, {}, {"zero": 0}),
         ({"tp": 2, "sequence_parallel": True}, {}, {"zero": 0}),
         ({"tp": 2, "sequence_parallel": True}, {"recompute": "full"}, {"zero": 0}),
@@ -447,6 +453,10 @@ TRAFFIC_LAYOUTS = {
         ({"pp": 2}, {"tie_embeddings": True}, {"zero": 0, **BF16_GRADS}),
         ({"tp": 2, "sequence_parallel": True}, {}, {"zero": 3}),
         ({"pp": 2}, {"tie_embeddings": True}, {"zero": 3}),
+        ({"cp": 2, "tp": 2, "sequence_parallel": True}, {"recompute": "full"}, {"zero": 1}),
+        ({"cp": 2, "pp": 2}, {}, {"zero": 2}),
+        ({"cp": 2}, {"recompute": "selective"}, {"zero": 3}),
+        ({"cp": 4}, {}, {"zero": 0}),
     ],
 }
 
@@ -509,9 +519,9 @@ def test_loom_plan_command(tmp_path):
 
 def test_plan_recommends_only_what_loom_runs(capsys):
     """llama-8b on 8 H100s: every layout the planner lists is one loom trains (the config it describes passes
-    loom's own checks for 8 ranks); the fastest fitting one shards the weights (ZeRO-3), which no other stage fits
-    as lightly. The layout fields as overrides hold their keys as --layout does; a nothing-fits answer says so in
-    --json."""
+    loom's own checks for 8 ranks); the fastest fitting one splits the sequence over 2 ranks, and without context
+    parallelism every ZeRO stage is among the first 40. The layout fields as overrides hold their keys as --layout
+    does; a nothing-fits answer says so in --json."""
     from loom.engine.config_io import load_config
     from loom.launch.cli import main
 
@@ -525,12 +535,21 @@ def test_plan_recommends_only_what_loom_runs(capsys):
     code, out, _ = plan("--json", "--top", "40")
     layouts = json.loads(out)["layouts"]
     assert code == 0 and json.loads(out)["fits"] and layouts[0]["fits"]
-    assert layouts[0]["zero"] == 3 and {row["zero"] for row in layouts} == {0, 1, 2, 3}
+    # NeMo's Llama-3-8B recipe on 8 H100s at seq 8192: tp 1, cp 2 (the sequence's activations halved, no recompute)
+    assert {key: layouts[0][key] for key in ("tp", "cp", "dp", "recompute")} == {
+        "tp": 1,
+        "cp": 2,
+        "dp": 4,
+        "recompute": "none",
+    }
+    code, out, _ = plan("--json", "--top", "40", "--parallel.cp", "1")
+    assert {row["zero"] for row in json.loads(out)["layouts"]} == {0, 1, 2, 3}
+    layouts += json.loads(out)["layouts"]
     for row in layouts:
         config = load_config(
             "llama-8b",
             {
-                "parallel": {key: row[key] for key in ("tp", "pp", "vp")},
+                "parallel": {key: row[key] for key in ("tp", "cp", "pp", "vp")},
                 "model": {"recompute": row["recompute"]},
                 "optim": {"zero": row["zero"], "offload": row["offload"]},
                 "train": {"micro_batch_size": row["micro_batch_size"]},

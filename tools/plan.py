@@ -96,15 +96,23 @@ class Layout:
     offload: str = "none"
     sequence_parallel: bool = True
     """With tp > 1 (Megatron's and loom's recommendation, so the search keeps it on)."""
+    cp: int = 1
+    """Context parallelism: each sequence split over cp ranks (engine/parallel/context.py)."""
 
     @property
     def sp(self) -> bool:
         return self.sequence_parallel and self.tp > 1
 
+    @property
+    def replicas(self) -> int:
+        """The ranks holding the same weights, over which gradients are summed and ZeRO shards: DP x CP."""
+        return self.dp * self.cp
+
     def describe(self) -> str:
         offload = " offload" if self.offload != "none" else ""
+        cp = f" cp={self.cp}" if self.cp > 1 else ""
         return (
-            f"tp={self.tp} pp={self.pp} vp={self.vp} dp={self.dp} mbs={self.micro_batch_size} "
+            f"tp={self.tp}{cp} pp={self.pp} vp={self.vp} dp={self.dp} mbs={self.micro_batch_size} "
             f"recompute={self.recompute} zero={self.zero}{offload}"
         )
 
@@ -164,6 +172,7 @@ class Estimate:
             "pp": lay.pp,
             "vp": lay.vp,
             "dp": lay.dp,
+            "cp": lay.cp,
             "micro_batch_size": lay.micro_batch_size,
             "recompute": lay.recompute,
             "zero": lay.zero,
@@ -254,7 +263,7 @@ def _rank_buffer(
     """(parameters, padded buffer elements, deferred elements) of one rank: cached, a search asks often."""
     m = ModelConfig(**dict(zip(_MODEL_FIELDS, model, strict=True)))
     params = rank_parameters(m, lay, pp_rank)
-    return (sum(p.size for p in params), *_buffer(params, lay.dp, bucket_bytes, grad_bytes, lay.zero))
+    return (sum(p.size for p in params), *_buffer(params, lay.replicas, bucket_bytes, grad_bytes, lay.zero))
 
 
 def zero3_gathered_elements(m: ModelConfig, lay: Layout, pp_rank: int, bucket_numel: int) -> int:
@@ -266,7 +275,7 @@ def zero3_gathered_elements(m: ModelConfig, lay: Layout, pp_rank: int, bucket_nu
     for q in reversed(params):
         if not q.deferred:
             units[q.unit].append(q)
-    padded = {unit: plan_buckets(members, bucket_numel, lay.dp)[2] for unit, members in units.items()}
+    padded = {unit: plan_buckets(members, bucket_numel, lay.replicas)[2] for unit, members in units.items()}
     blocks = sorted((n for unit, n in padded.items() if isinstance(unit, int)), reverse=True)
     return sum(blocks[:2]) + sum(n for unit, n in padded.items() if not isinstance(unit, int))
 
@@ -297,22 +306,23 @@ def model_state_bytes(
     layout = dataclasses.replace(lay, micro_batch_size=1, recompute="none")  # what the parameters depend on
     count, total, deferred = _rank_buffer(_model_key(m), layout, pp_rank, bucket_bytes, grad_bytes)
     weight_bytes = 4 if precision == "fp32" else 2
-    buffered = lay.dp > 1 or lay.zero >= 1 or precision != "fp32"
+    replicas = lay.replicas
+    buffered = replicas > 1 or lay.zero >= 1 or precision != "fp32"
     if not buffered:
         total, deferred = count, 0
     if not buffered:
         grads = 4 * count  # autograd's param.grad
     elif lay.zero >= 2:
-        grads = grad_bytes * (deferred + total // lay.dp)
+        grads = grad_bytes * (deferred + total // replicas)
     else:
         grads = grad_bytes * total
     moments = {"adamw": 2, "lamb": 2, "sgd": 1, "adafactor": 2}[optimizer]
     # fp32 weights are their own master, unless the optimizer holds a shard of them or holds them on the host
     master = 0 if precision == "fp32" and lay.zero == 0 and lay.offload == "none" else 1
-    sharded = total // lay.dp if lay.zero >= 1 else count
+    sharded = total // replicas if lay.zero >= 1 else count
     state = 4 * (master + moments) * sharded
     # ZeRO-3: a shard of every bucket, except the deferred ones (summed over a model-parallel group), kept whole
-    weights = weight_bytes * ((total - deferred) // lay.dp + deferred if lay.zero == 3 else count)
+    weights = weight_bytes * ((total - deferred) // replicas + deferred if lay.zero == 3 else count)
     if lay.offload != "cpu":
         return {"params": weights, "grads": grads, "optimizer": state, "host": 0}
     # on the host: the optimizer state and an fp32 copy of the reduced gradients it steps with
@@ -404,14 +414,13 @@ def rank_activation_bytes(config: LoomConfig, lay: Layout, pp_rank: int, engine:
     m, t = config.model, config.train
     element = 4 if t.precision == "fp32" else 2
     microbatches = t.global_batch_size // (lay.micro_batch_size * lay.dp)
+    seq = t.seq_length // lay.cp  # what this rank holds of each sequence
     layer = layer_activation_bytes(
-        m, t.seq_length, lay.micro_batch_size, lay.tp, lay.sp, lay.recompute, element, engine, t.fp8 != "off"
+        m, seq, lay.micro_batch_size, lay.tp, lay.sp, lay.recompute, element, engine, t.fp8 != "off"
     )
     layers = layer * (m.num_layers // lay.pp) * in_flight_microbatches(lay.pp, lay.vp, microbatches, pp_rank)
     last = pp_rank == lay.pp - 1
-    return layers + (
-        output_activation_bytes(m, t.seq_length, lay.micro_batch_size, lay.tp, lay.sp, element) if last else 0
-    )
+    return layers + (output_activation_bytes(m, seq, lay.micro_batch_size, lay.tp, lay.sp, element) if last else 0)
 
 
 # ---------------------------------------------------------------- the estimate
@@ -429,11 +438,22 @@ def _gemm_efficiency(hw: Hardware, smallest_dimension: float) -> float:
     return e["gemm"] * smallest_dimension / (smallest_dimension + e["gemm_half_size"])
 
 
+def cp_ring_transfers(m: ModelConfig, lay: Layout, local: int) -> tuple[int, int, int]:
+    """(sends of keys and values in the compute dtype, sends of their gradients in fp32, elements each) of one
+    layer's ring for one micro-batch on one CP rank (engine/parallel/context.py): the keys and values of this TP
+    rank's KV heads go round cp - 1 times in forward, again in backward and again when recompute reruns the
+    attention; their gradients cp times (the last hop takes them home). Each send has its receive."""
+    kv = 2 * local * lay.micro_batch_size * m.num_kv_heads * m.head_dim // lay.tp
+    passes = 2 + (lay.recompute != "none")
+    return passes * (lay.cp - 1), lay.cp, kv
+
+
 def estimate(config: LoomConfig, lay: Layout, hw: Hardware, engine: Engine = LOOM) -> Estimate:
     """Memory and step time of `config` under `lay` on `hw` GPUs (config.train: batch, sequence, precision)."""
     m, t = config.model, config.train
     seq, mbs = t.seq_length, lay.micro_batch_size
-    gpus = lay.tp * lay.pp * lay.dp
+    local = seq // lay.cp  # the tokens of each sequence this rank holds (context parallelism)
+    gpus = lay.tp * lay.cp * lay.pp * lay.dp
     microbatches = t.global_batch_size // (mbs * lay.dp)
     precision = t.precision
     element = 4 if precision == "fp32" else 2
@@ -448,10 +468,10 @@ def estimate(config: LoomConfig, lay: Layout, hw: Hardware, engine: Engine = LOO
         state = model_state_bytes(m, lay, pp_rank, precision, bucket_bytes, config.optim.name, grad_bytes)
         transient = 2 * bucket_bytes if lay.zero >= 2 else 0  # ZeRO-2's (and 3's) buckets being reduced
         if lay.recompute == "full":  # the layer being recomputed holds its activations during its backward
-            transient += layer_activation_bytes(m, seq, mbs, lay.tp, lay.sp, "none", element, engine, t.fp8 != "off")
+            transient += layer_activation_bytes(m, local, mbs, lay.tp, lay.sp, "none", element, engine, t.fp8 != "off")
         if t.fp8 != "off":  # the FP8 copies of this rank's weights, cast once per step
             transient += FP8_WEIGHT_COPIES[t.fp8] * fp8_weight_bytes(m, lay.tp) * (m.num_layers // lay.pp)
-        if lay.zero == 3 and lay.dp > 1:  # gathered whole: the block computing, the one prefetched, and the
+        if lay.zero == 3 and lay.replicas > 1:  # gathered whole: the block computing, the one prefetched, and the
             # weights outside the blocks (gathered for the chunk's whole forward and backward)
             transient += zero3_gathered_elements(m, lay, pp_rank, max(1, bucket_bytes // grad_bytes)) * element
         rank_memory = {
@@ -478,10 +498,10 @@ def estimate(config: LoomConfig, lay: Layout, hw: Hardware, engine: Engine = LOO
     peak = hw.peak_tflops[precision] * 1e12  # MFU's denominator, as loom train's: the training precision's
     # FP8 runs (train.fp8) do their block GEMMs in FP8; the output layer and attention stay in bf16.
     gemm_peak = hw.peak_tflops["fp8"] * 1e12 if t.fp8 != "off" and "fp8" in hw.peak_tflops else peak
-    smallest = min(m.hidden_size / lay.tp, m.ffn_hidden_size / lay.tp, seq * mbs)
+    smallest = min(m.hidden_size / lay.tp, m.ffn_hidden_size / lay.tp, local * mbs)
     # The pipeline goes at the pace of its last stage: its share of the blocks plus the output layer.
     blocks_per_token = (gemm_per_token - output_layer_per_token + gemm_extra) / lay.pp + output_layer_per_token
-    last_stage_tokens = t.global_batch_size * seq / (lay.dp * lay.tp)
+    last_stage_tokens = t.global_batch_size * seq / (lay.replicas * lay.tp)
     compute = last_stage_tokens * (
         (blocks_per_token - output_layer_per_token) / (gemm_peak * _gemm_efficiency(hw, smallest))
         + output_layer_per_token / (peak * _gemm_efficiency(hw, smallest))
@@ -489,7 +509,7 @@ def estimate(config: LoomConfig, lay: Layout, hw: Hardware, engine: Engine = LOO
     )
     # Memory-bound kernels: activation bytes (sharded by sequence parallelism) and the logits, over HBM bandwidth.
     activation_share = 1 / lay.tp if lay.sp else 1
-    tokens_per_replica = t.global_batch_size * seq / lay.dp
+    tokens_per_replica = t.global_batch_size * seq / lay.replicas
     streamed = tokens_per_replica * (
         e["elementwise_passes"] * m.hidden_size * activation_share * m.num_layers / lay.pp
         + e["loss_passes"] * vocab  # on the last stage, which sets the pace
@@ -499,22 +519,37 @@ def estimate(config: LoomConfig, lay: Layout, hw: Hardware, engine: Engine = LOO
 
     # Tensor parallel, inside a node over NVLink: a ring all-reduce is two passes, an all-gather or reduce-scatter one.
     tp_bandwidth = hw.intra_node_gb_s if lay.tp <= hw.gpus_per_node else hw.inter_node_gb_s
-    ring = _ring_seconds(seq * mbs * m.hidden_size * element, lay.tp, tp_bandwidth, hw.latency_us)
+    ring = _ring_seconds(local * mbs * m.hidden_size * element, lay.tp, tp_bandwidth, hw.latency_us)
     passes = sum(
         count * (2 if op == "all_reduce" else 1) for op, count in tp_collectives_per_layer(lay, engine).items()
     )
     tp_time = passes * ring * (m.num_layers / lay.pp) * microbatches * (1 - e["tp_overlap"])
 
-    # Data parallel: DP ranks are tp apart (engine/parallel/state.py), so a group stays in a node while tp x dp fits.
-    dp_bandwidth = hw.intra_node_gb_s if lay.tp * lay.dp <= hw.gpus_per_node else hw.inter_node_gb_s
+    # Context parallel: each layer's keys and values go around the ring, beside the attention of the block at
+    # hand (cp_overlap of it hidden); CP ranks are next to the TP ranks, so the ring stays in a node while tp x cp
+    # fits.
+    cp_time = 0.0
+    if lay.cp > 1:
+        cp_bandwidth = hw.intra_node_gb_s if lay.tp * lay.cp <= hw.gpus_per_node else hw.inter_node_gb_s
+        kv_sends, grad_sends, elements = cp_ring_transfers(m, lay, local)
+        ring_bytes = (kv_sends * element + grad_sends * 4) * elements
+        ring_seconds = ring_bytes / (cp_bandwidth * GB) * (m.num_layers / lay.pp) * microbatches
+        attention_seconds = (
+            last_stage_tokens * (attention_per_token + attention_extra) / lay.pp / (peak * e["attention"])
+        )
+        cp_time = max(0.0, ring_seconds - e["cp_overlap"] * attention_seconds)
+
+    # Data parallel: DP x CP ranks are tp apart (engine/parallel/state.py), so a group stays in a node while
+    # tp x dp x cp fits.
+    dp_bandwidth = hw.intra_node_gb_s if lay.tp * lay.replicas <= hw.gpus_per_node else hw.inter_node_gb_s
     stage_params = max(
         _rank_buffer(_model_key(m), dataclasses.replace(lay, micro_batch_size=1, recompute="none"), r, bucket_bytes)[0]
         for r in {0, lay.pp - 1}
     )
     scatter = _ring_seconds(
-        stage_params * (engine.grad_reduce_bytes or grad_bytes), lay.dp, dp_bandwidth, hw.latency_us
+        stage_params * (engine.grad_reduce_bytes or grad_bytes), lay.replicas, dp_bandwidth, hw.latency_us
     )
-    gather = _ring_seconds(stage_params * element, lay.dp, dp_bandwidth, hw.latency_us) if lay.zero else 0.0
+    gather = _ring_seconds(stage_params * element, lay.replicas, dp_bandwidth, hw.latency_us) if lay.zero else 0.0
     backward_window = e["dp_overlap"] * micro_compute * 2 / 3  # dp_overlap micro-batches' backward
     if lay.zero == 2:  # a reduce-scatter per micro-batch, each behind its own backward
         reduce_exposed = microbatches * max(0.0, scatter - backward_window)
@@ -529,15 +564,15 @@ def estimate(config: LoomConfig, lay: Layout, hw: Hardware, engine: Engine = LOO
     dp_time = reduce_exposed + gather_exposed
 
     bubble = compute * (lay.pp - 1) / (lay.vp * microbatches)
-    p2p_bandwidth = hw.inter_node_gb_s if lay.tp * lay.dp >= hw.gpus_per_node else hw.intra_node_gb_s
-    p2p_bytes = seq * mbs * m.hidden_size * element / (lay.tp if lay.sp else 1)
+    p2p_bandwidth = hw.inter_node_gb_s if lay.tp * lay.replicas >= hw.gpus_per_node else hw.intra_node_gb_s
+    p2p_bytes = local * mbs * m.hidden_size * element / (lay.tp if lay.sp else 1)
     p2p = 2 * microbatches * lay.vp * p2p_bytes / (p2p_bandwidth * GB) * (1 - e["p2p_overlap"]) if lay.pp > 1 else 0.0
     # Offloaded optimizer (not overlapped: the next forward needs the weights it writes): the reduced gradients
     # go down and the fp32 master weights come up over PCIe, and the host steps at its memory bandwidth.
     offload = 0.0
     if lay.offload == "cpu":
         shard = max(
-            (total // lay.dp if lay.zero >= 1 else count)
+            (total // lay.replicas if lay.zero >= 1 else count)
             for count, total, _ in (
                 _rank_buffer(
                     _model_key(m),
@@ -556,6 +591,7 @@ def estimate(config: LoomConfig, lay: Layout, hw: Hardware, engine: Engine = LOO
         "dp": dp_time,
         "bubble": bubble,
         "p2p": p2p,
+        "cp": cp_time,
         "other": e["step_overhead_s"] + offload,
     }
     step = sum(seconds.values())
@@ -586,14 +622,14 @@ def _divisors(n: int) -> list[int]:
 
 
 def parse_layout(text: str) -> dict:
-    """`tp=8,pp=4,vp=2,dp=2,mbs=1,recompute=selective,zero=1` -> fields of Layout (any subset)."""
+    """`tp=8,cp=2,pp=4,vp=2,dp=2,mbs=1,recompute=selective,zero=1` -> fields of Layout (any subset)."""
     names = {"mbs": "micro_batch_size", "micro_batch_size": "micro_batch_size"}
     fields = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, _, value = item.partition("=")
         key = names.get(key.strip(), key.strip())
-        if key not in ("tp", "pp", "vp", "dp", "micro_batch_size", "recompute", "zero", "offload") or not value:
-            raise ConfigError(f"--layout item {item!r} is not tp|pp|vp|dp|mbs|recompute|zero|offload=VALUE")
+        if key not in ("tp", "cp", "pp", "vp", "dp", "micro_batch_size", "recompute", "zero", "offload") or not value:
+            raise ConfigError(f"--layout item {item!r} is not tp|cp|pp|vp|dp|mbs|recompute|zero|offload=VALUE")
         if key in fields:
             raise ConfigError(f"--layout gives {item.partition('=')[0].strip()} twice; give each key once")
         value = value.strip()
@@ -622,12 +658,17 @@ def candidates(config: LoomConfig, gpus: int, hw: Hardware, fixed: dict | None =
 
     tps = [tp for tp in choices("tp", _divisors(hw.gpus_per_node)) if m.num_heads % tp == 0]
     tps = [tp for tp in tps if m.num_kv_heads % tp == 0 and m.ffn_hidden_size % tp == 0 and gpus % tp == 0]
+    # context parallelism where loom runs it: rotary positions, no dropout, 2 x cp chunks per sequence
+    splittable = m.position_embedding == "rope" and not m.dropout
+    cps = [cp for cp in choices("cp", (1, 2, 4, 8)) if cp == 1 or (splittable and t.seq_length % (2 * cp) == 0)]
     found = []
-    for tp in tps:
+    for tp, cp in itertools.product(tps, cps):
+        if tp > 1 and (t.seq_length // cp) % tp:  # sequence parallelism splits this rank's share over TP
+            continue
         for pp in choices("pp", _divisors(m.num_layers)):
-            if gpus % (tp * pp) or m.num_layers % pp:
+            if gpus % (tp * cp * pp) or m.num_layers % pp:
                 continue
-            dp = gpus // (tp * pp)
+            dp = gpus // (tp * cp * pp)
             if fixed.get("dp", dp) != dp:
                 continue
             for vp in choices("vp", _divisors(m.num_layers // pp) if pp > 1 else [1]):
@@ -642,7 +683,7 @@ def candidates(config: LoomConfig, gpus: int, hw: Hardware, fixed: dict | None =
                     for recompute, zero, offload in itertools.product(
                         choices("recompute", RECOMPUTE), choices("zero", (0, 1, 2, 3)), choices("offload", ("none",))
                     ):
-                        found.append(Layout(tp, pp, vp, dp, mbs, recompute, zero, offload))
+                        found.append(Layout(tp, pp, vp, dp, mbs, recompute, zero, offload, cp=cp))
     return found
 
 
@@ -675,7 +716,7 @@ def layout_of(config: LoomConfig) -> Layout:
     p, o = config.parallel, config.optim
     return Layout(
         p.tp, p.pp, p.vp, p.dp, config.train.micro_batch_size, config.model.recompute, o.zero, o.offload,
-        p.sequence_parallel,
+        p.sequence_parallel, p.cp,
     )  # fmt: skip
 
 
@@ -712,7 +753,8 @@ def table(estimates: list[Estimate], gpu: str) -> str:
             f"{e.layout.describe():<{width}} {'yes' if e.fits else 'no':>4} | {mem['total']:6.1f} = "
             f"{mem['params']:5.1f} {mem['grads']:5.1f} {mem['optimizer']:5.1f} {mem['activations']:5.1f} "
             f"{mem['other']:5.1f} | {e.step_seconds:7.3f} = {sec['compute']:6.3f} {sec['tp']:5.3f} {sec['dp']:5.3f} "
-            f"{sec['bubble']:5.3f} {sec['p2p']:5.3f} | {e.tokens_per_s_per_gpu:9,.0f} {e.model_tflops_per_gpu:7.1f} "
+            f"{sec['bubble']:5.3f} {sec['p2p'] + sec['cp']:5.3f} | "
+            f"{e.tokens_per_s_per_gpu:9,.0f} {e.model_tflops_per_gpu:7.1f} "
             f"{e.mfu:5.1%} {e.hfu:5.1%}"
         )
     lines.append(f"{gpu}: MFU and HFU against the dense datasheet peak; HFU counts recompute (docs/planner.md).")
@@ -766,21 +808,29 @@ def step_traffic(config: LoomConfig, lay: Layout, pp_rank: int = 0) -> dict[tupl
     stages = lay.pp * lay.vp
     chunks = [c * lay.pp + pp_rank for c in range(lay.vp)]
     traffic: dict[tuple[str, str, str], int] = collections.Counter()
-    if lay.dp > 1:
+    grad_group = "grad" if lay.cp > 1 else "dp"  # DP x CP (ParallelState.grad_group)
+    if lay.replicas > 1:
         _, total, deferred = _rank_buffer(
             _model_key(m), dataclasses.replace(lay, micro_batch_size=1), pp_rank, bucket_bytes, grad_bytes
         )
         if lay.zero == 0:
-            traffic[("dp", "all_reduce", grad_dtype)] += grad_bytes * total
+            traffic[(grad_group, "all_reduce", grad_dtype)] += grad_bytes * total
         else:
             per_step = grad_bytes * ((total - deferred) * (microbatches if lay.zero >= 2 else 1) + deferred)
-            traffic[("dp", "reduce_scatter", grad_dtype)] += per_step
+            traffic[(grad_group, "reduce_scatter", grad_dtype)] += per_step
             # ZeRO-3 gathers the sharded buckets for every micro-batch's forward and again for its backward,
             # and the whole (deferred) ones once after the step as ZeRO 1 and 2 gather everything
             gathered = 2 * microbatches * (total - deferred) + deferred if lay.zero == 3 else total
-            traffic[("dp", "all_gather", dtype)] += element * gathered
-        traffic[("dp", "all_reduce", "float32")] += 4  # the loss sum
-    tokens = t.seq_length * lay.micro_batch_size
+            traffic[(grad_group, "all_gather", dtype)] += element * gathered
+        traffic[(grad_group, "all_reduce", "float32")] += 4  # the loss sum
+    local = t.seq_length // lay.cp
+    tokens = local * lay.micro_batch_size
+    if lay.cp > 1:
+        layers = m.num_layers // stages * lay.vp
+        kv_sends, grad_sends, elements = cp_ring_transfers(m, lay, local)
+        for op in ("send", "recv"):
+            traffic[("cp", op, dtype)] += microbatches * layers * kv_sends * elements * element
+            traffic[("cp", op, "float32")] += microbatches * layers * grad_sends * elements * 4
     activation = tokens * m.hidden_size * element
     if lay.tp > 1:
         layers = m.num_layers // stages * lay.vp
@@ -804,7 +854,7 @@ def step_traffic(config: LoomConfig, lay: Layout, pp_rank: int = 0) -> dict[tupl
         traffic[("pp", "all_reduce", "float32")] += 4  # the loss sum
         if tied := _tied_embedding_elements(m, lay, chunks):
             traffic[("embedding", "all_reduce", grad_dtype)] += grad_bytes * tied
-    if lay.tp * lay.pp * lay.dp > 1:
+    if lay.tp * lay.pp * lay.replicas > 1:
         traffic[("world", "all_reduce", "float32")] += 4  # the squared gradient norm
     return dict(traffic)
 
