@@ -19,6 +19,7 @@ from loom.engine.parallel.sharding import initialize_parameters
 from loom.engine.parallel.state import ParallelState
 from loom.engine.pipeline.stages import build_chunks
 from loom.engine.train import Trainer
+from loom.tools.bench.saved_memory import SavedForBackward
 from loom.tools.plan import (
     GRAD_BYTES,
     MEGATRON,
@@ -359,37 +360,6 @@ def test_activation_bytes_equal_what_loom_saves_for_backward():
         assert abs(planned / saved - 1) <= 0.10, (case, planned, saved)
 
 
-class _SavedForBackward:
-    """Bytes of the distinct storages autograd holds for backward (weights excluded), now and at their peak:
-    a storage counts from its first save until autograd drops the last of its saves."""
-
-    def __init__(self, weights: set[int]):
-        self.weights, self.saves, self.nbytes, self.now, self.peak = weights, {}, {}, 0, 0
-
-    def pack(self, tensor):
-        return _Saved(self, tensor)
-
-
-class _Saved:
-    def __init__(self, ledger: _SavedForBackward, tensor: torch.Tensor):
-        self.ledger, self.tensor = ledger, tensor
-        storage = tensor.untyped_storage()
-        self.key = storage.data_ptr() if storage.data_ptr() not in ledger.weights and storage.nbytes() else None
-        if self.key is None:
-            return
-        if not ledger.saves.get(self.key):
-            ledger.nbytes[self.key] = storage.nbytes()
-            ledger.now += storage.nbytes()
-            ledger.peak = max(ledger.peak, ledger.now)
-        ledger.saves[self.key] = ledger.saves.get(self.key, 0) + 1
-
-    def __del__(self):
-        if self.key is not None:
-            self.ledger.saves[self.key] -= 1
-            if not self.ledger.saves[self.key]:
-                self.ledger.now -= self.ledger.nbytes.pop(self.key)
-
-
 # (parallel, model, train) on 2 ranks: each pipeline rank's peak, the first with the most micro-batches in flight
 # (1F1B and interleaved), the last with the output layer and the logits.
 RANK_ACTIVATION_LAYOUTS = [
@@ -411,7 +381,7 @@ def _peak_saved(rank, world, dataset, run_dir):
         train = {"steps": 1, "global_batch_size": 8, "micro_batch_size": 2, "seq_length": 64, **train}
         config = tiny_config(dataset, f"{run_dir}/{i}", parallel=parallel, model=model, train=train)
         trainer = Trainer(config)
-        saved = _SavedForBackward({q.untyped_storage().data_ptr() for c in trainer.chunks for q in c.parameters()})
+        saved = SavedForBackward({q.untyped_storage().data_ptr() for c in trainer.chunks for q in c.parameters()})
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda held: held.tensor):
             trainer.train_step()
         planned = rank_activation_bytes(config, layout_of(config), trainer.state.pp_rank)
