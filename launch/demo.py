@@ -4,8 +4,9 @@ corpus (Python stdlib) -> clean (repair + code filters) -> exact dedup -> Senten
 -> .bin/.idx -> 3D-parallel training on local CPU ranks (tensor + sequence, interleaved pipeline,
 data parallel with the ZeRO-1 optimizer) with validation and a checkpoint -> the measured pipeline
 timeline next to the ideal one -> the checkpoint resharded and training resumed under another
-layout (ZeRO-3, weights sharded too, with the optimizer offloaded to the CPU) -> evaluation -> Hugging
-Face export -> the run continued as a Slurm job (where sbatch is on PATH) -> a summary. Each step's outputs stay in the
+layout (pipeline x context parallel: each sequence split over 2 ranks, ring attention; ZeRO-3, weights sharded
+too, with the optimizer offloaded to the CPU) -> evaluation -> Hugging Face export -> the run continued as a
+Slurm job (where sbatch is on PATH) -> a summary. Each step's outputs stay in the
 work directory, so the next command (`loom train --config configs/tiny.toml ...`) can reuse them.
 Steps whose outputs already exist are reused, not redone.
 """
@@ -195,7 +196,8 @@ def _move_checkpoint(workdir: Path, config, steps: int) -> dict:
     from loom.tools.hf import export_hf
 
     start = _step(
-        "8/10 checkpoint: reshard to tp=1 pp=2 offline, resume on 4 ranks as pp=2 x dp=2 (ZeRO-3, CPU offload) for "
+        "8/10 checkpoint: reshard to tp=1 pp=2 offline, resume on 4 ranks as pp=2 x cp=2 (sequences split over 2 "
+        "ranks; ZeRO-3 over them, CPU offload) for "
         f"{steps // 2} more steps, evaluate, export to Hugging Face"
     )
     runs = workdir / "runs"
@@ -210,7 +212,7 @@ def _move_checkpoint(workdir: Path, config, steps: int) -> dict:
         None,
         {
             **trained,
-            "parallel": {"tp": 1, "pp": 2, "vp": 1, "dp": None, "sequence_parallel": False},
+            "parallel": {"tp": 1, "pp": 2, "vp": 1, "cp": 2, "dp": None, "sequence_parallel": False},
             "optim": {**trained["optim"], "zero": 3, "offload": "cpu"},  # ZeRO-1's state resumes into any stage
         },
     )
@@ -342,7 +344,7 @@ def _print_summary(summary: dict) -> None:
         print(f"validation   loss {summary['val_loss']:.3f}, perplexity {summary['val_ppl']:.1f}")
     print(f"pipeline     ideal bubble {summary['bubble']:.1%}; measured vs ideal: {summary['schedule_png']}")
     print(
-        "checkpoint   resharded to tp=1 pp=2, resumed as pp=2 x dp=2 with ZeRO-3 + CPU offload "
+        "checkpoint   resharded to tp=1 pp=2, resumed as pp=2 x cp=2 (context parallel) with ZeRO-3 + CPU offload "
         f"from step {summary['resumed_from']}: "
         f"loss {summary['resumed_loss']:.3f}, validation {summary['resumed_val_loss']:.3f}"
     )
