@@ -91,7 +91,7 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> None:
 
     directory, metadata = open_checkpoint(Path(args.checkpoint))
     raw = metadata.config
-    raw["parallel"].update(tp=1, pp=1, vp=1, dp=None)
+    raw["parallel"].update(tp=1, pp=1, vp=1, cp=1, dp=None)
     raw["optim"].update(zero=0, zero1=False, offload="none")
     raw["data"].update(paths=[args.data], split=args.split, weights=None)
     with tempfile.TemporaryDirectory() as run_dir:

@@ -157,11 +157,26 @@ def test_override_syntax_errors():
         (3, {"tp": 2}, "world size 3 is not divisible by tp*pp = 2*1"),
         (4, {"tp": 2, "dp": 1}, "world size 4 != tp*pp*dp = 2*1*1"),
         (8, {"tp": 8}, "parallel.tp = 8 must divide model.num_kv_heads = 4"),
+        (3, {"cp": 2}, "world size 3 is not divisible by tp*cp*pp = 1*2*1"),
+        (4, {"cp": 2, "dp": 1}, "world size 4 != tp*cp*pp*dp = 1*2*1*1"),
+        (
+            6,
+            {"cp": 3},
+            "parallel.cp = 3 cuts each sequence into 2*cp = 6 chunks; train.seq_length = 128 does not divide into them",
+        ),
+        (4, {"cp": 2, "model": {"position_embedding": "learned"}}, "parallel.cp > 1 needs model.position_embedding"),
+        (4, {"cp": 2, "model": {"dropout": 0.1}}, "parallel.cp > 1 needs model.dropout = 0"),
+        (
+            8,
+            {"cp": 2, "tp": 4, "sequence_parallel": True, "train": {"seq_length": 12}},
+            "sequence parallel needs train.seq_length = 12 / cp = 2 divisible by tp = 4",
+        ),
     ],
 )
 def test_layout_errors(world, layout, message):
     micro = layout.pop("micro", 2)
-    config = load_config("tiny", {"parallel": layout, "train": {"micro_batch_size": micro}})
+    sections = {"model": layout.pop("model", {}), "train": {"micro_batch_size": micro, **layout.pop("train", {})}}
+    config = load_config("tiny", {"parallel": layout, **sections})
     with pytest.raises(ConfigError, match=message.replace("*", r"\*")):
         config.resolve_world(world)
 

@@ -86,7 +86,7 @@ def bench_config(base: LoomConfig, data: str, run_dir: str, steps: int, microbat
     """The config of one loom row: world size 1, random data, no eval/checkpoints/TensorBoard."""
     t = base.train
     overrides = {
-        "parallel": {"tp": 1, "pp": 1, "vp": 1, "dp": None, "sequence_parallel": False},
+        "parallel": {"tp": 1, "pp": 1, "vp": 1, "cp": 1, "dp": None, "sequence_parallel": False},
         "data": {"paths": [data], "weights": None, "tokenizer": None, "split": "100,0,0"},
         "train": {
             "steps": steps,
