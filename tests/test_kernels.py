@@ -445,3 +445,15 @@ def test_a_compiler_failure_leaves_the_step_eager_and_says_why_in_one_line():
     with first_compiled_step(said.append):
         torch.compile(lambda x: x - 1, backend="eager")(torch.ones(3))
     assert len(said) == 1 and said[0].startswith("model.compile: the first step took ")
+
+
+def test_compiled_blocks_with_context_parallelism_train_like_eager(markov_dataset, tmp_path):
+    """The ring attention runs eagerly between the compiled block's graphs (dynamo does not trace its sends)."""
+    from dist_utils import run_ranks
+
+    dataset = markov_dataset(50)
+    cp2 = {"tp": 1, "cp": 2}
+    eager, _ = run_ranks(_losses_with_compile, 2, dataset, str(tmp_path / "eager"), False, cp2, 0)[0]
+    compiled, blocks_compiled = run_ranks(_losses_with_compile, 2, dataset, str(tmp_path / "cp"), True, cp2, 0)[0]
+    assert blocks_compiled
+    torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-6, atol=0)

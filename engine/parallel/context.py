@@ -157,6 +157,8 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
+@torch.compiler.disable  # a compiled block runs the ring eagerly between its two graphs: its point-to-point
+# sends inside an autograd.Function are not something dynamo traces, so the break is made here, on purpose
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group) -> torch.Tensor:
     """Causal attention of this CP rank's queries over the whole sequence (module docstring). q [b, h, s, d],
     k and v [b, h_kv, s, d], s this rank's two chunks."""
