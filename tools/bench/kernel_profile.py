@@ -26,15 +26,16 @@ from loom.engine.config_io import load_config
 from loom.tools.bench import mfu
 from loom.tools.bench.plain_loop import run_plain_loop
 
-# First match wins: substrings of CUDA kernel names (cuBLAS/CUTLASS/cuDNN/FlashAttention/Triton/NCCL naming).
+# First match wins: substrings of CUDA kernel names (cuBLAS/CUTLASS/cuDNN/FlashAttention/Triton/NCCL naming) and of
+# aten operators on CPU. Inductor's kernels are one kind whatever they fuse (their names list the fused ops).
 KINDS = (
-    ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
-    ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "scaled_mm", "matmul", "addmm", "mm")),
     ("optimizer", ("multi_tensor", "adam", "foreach")),
+    ("triton (inductor)", ("triton_",)),
+    ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
     ("collective", ("nccl",)),
-    ("copy", ("memcpy", "memset", "copy", "cat")),
-    ("triton (inductor)", ("triton",)),
-    ("reduction", ("reduce", "norm", "softmax", "max", "sum")),
+    ("copy", ("memcpy", "memset", "copy_kernel", "direct_copy", "aten::copy_", "aten::cat", "aten::_to_copy")),
+    ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "scaled_mm", "aten::mm", "aten::addmm", "aten::bmm", "aten::matmul")),
+    ("reduction", ("reduce", "norm", "softmax", "aten::max", "aten::sum")),
 )
 
 
