@@ -322,19 +322,6 @@ def test_whole_compiled_blocks_train_like_eager(markov_dataset, tmp_path):
     torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-6, atol=0)
 
 
-def test_compiled_blocks_train_under_zero3_like_eager_ones_under_zero1(markov_dataset, tmp_path):
-    """ZeRO-3 gathers and frees a block's weights around the compiled block (their storage comes and goes
-    between calls of the same graph)."""
-    from dist_utils import run_ranks
-
-    dataset = markov_dataset(50)
-    dp2 = {"tp": 1}
-    eager, _ = run_ranks(_losses_with_compile, 2, dataset, str(tmp_path / "eager"), False, dp2, 1)[0]
-    compiled, blocks_compiled = run_ranks(_losses_with_compile, 2, dataset, str(tmp_path / "z3"), True, dp2, 3)[0]
-    assert blocks_compiled
-    torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-6, atol=0)
-
-
 def _scaled_mm_kernels() -> Kernels:
     native = Kernels.native()
     linear = Choice("torch._scaled_mm(fp8 current scaling)", "test: the CPU runs _scaled_mm")
@@ -447,13 +434,15 @@ def test_a_compiler_failure_leaves_the_step_eager_and_says_why_in_one_line():
     assert len(said) == 1 and said[0].startswith("model.compile: the first step took ")
 
 
-def test_compiled_blocks_with_context_parallelism_train_like_eager(markov_dataset, tmp_path):
-    """The ring attention runs eagerly between the compiled block's graphs (dynamo does not trace its sends)."""
+def test_compiled_blocks_under_zero3_and_context_parallelism_train_like_eager_ones(markov_dataset, tmp_path):
+    """cp 2 with ZeRO-3 (which then shards over the two CP ranks, the DP x CP group): the weights are gathered and
+    freed around each call of the same compiled graph, and the ring attention runs eagerly between the block's
+    graphs (dynamo does not trace its sends); the losses are eager ZeRO-1's."""
     from dist_utils import run_ranks
 
     dataset = markov_dataset(50)
     cp2 = {"tp": 1, "cp": 2}
-    eager, _ = run_ranks(_losses_with_compile, 2, dataset, str(tmp_path / "eager"), False, cp2, 0)[0]
-    compiled, blocks_compiled = run_ranks(_losses_with_compile, 2, dataset, str(tmp_path / "cp"), True, cp2, 0)[0]
+    eager, _ = run_ranks(_losses_with_compile, 2, dataset, str(tmp_path / "eager"), False, cp2, 1)[0]
+    compiled, blocks_compiled = run_ranks(_losses_with_compile, 2, dataset, str(tmp_path / "z3"), True, cp2, 3)[0]
     assert blocks_compiled
     torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-6, atol=0)
