@@ -15,9 +15,10 @@ The backward runs the same ring: each step's block gradient comes from the final
 flash attention's backward does), and the keys' and values' gradients travel with their block, arriving back
 at their owner after the last step. Grouped-query attention sends only the KV heads.
 
-The block products here are plain matrix products in fp32 (the scores of one block are materialised): exact and
-simple, and what the CPU tests compare with full attention; a GPU would want flash kernels that return the
-log-sum-exp (torch's private `_scaled_dot_product_flash_attention` does).
+The block products are torch's flash attention kernels that return the log-sum-exp (`block_attention`: the CPU
+kernel in fp32 and bf16, CUDA's in bf16 and fp16), no scores materialised; elsewhere (fp32 on CUDA) exact fp32
+matrix products. The CPU tests compare the ring with full attention; the CUDA kernels' calls follow torch's
+signatures and have not run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -86,6 +87,61 @@ def _expand(kv: torch.Tensor, groups: int) -> torch.Tensor:
     return kv if groups == 1 else kv.repeat_interleave(groups, dim=1)
 
 
+def _flash_kernels(q: torch.Tensor) -> str:
+    """Which block products run: torch's flash attention ops that return the log-sum-exp (on CPU in fp32 and
+    bf16; on CUDA in bf16 and fp16, which its flash kernel takes), else exact fp32 matrix products."""
+    if q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16):
+        return "cpu"
+    if q.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256:
+        return "cuda"
+    return "matmul"
+
+
+def block_attention(q, k, v, scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output in fp32, log-sum-exp in fp32) of q [b, h, sq, d] against k, v [b, h, sk, d] (causal: square)."""
+    kind = _flash_kernels(q)
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    if kind == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return out.float(), lse
+    if kind == "cuda":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
+        return out.float(), lse
+    scores = _scores(q.float(), k.float(), scale, causal)
+    lse = scores.logsumexp(-1)
+    return torch.matmul(torch.exp(scores - lse[..., None]), v.float()), lse
+
+
+def block_attention_backward(dout, q, k, v, out, lse, scale: float, causal: bool) -> tuple[torch.Tensor, ...]:
+    """(dq, dk, dv) in fp32 of one block, from the *whole* attention's output and log-sum-exp at these queries:
+    then the block's softmax is exp(scores - lse) and D = rowsum(dout * out), as flash attention's backward
+    computes them, and the blocks' gradients add up to the whole's."""
+    kind = _flash_kernels(q)
+    dout, q, k, v, out, lse = (t.contiguous() for t in (dout.to(q.dtype), q, k, v, out, lse))
+    if kind == "cpu":
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, causal, scale=scale
+        )
+        return tuple(g.float() for g in grads)
+    if kind == "cuda":
+        b, h, sq, _ = q.shape
+        cumulative = torch.empty(0, dtype=torch.int32, device=q.device)  # unused without variable lengths
+        seed = offset = torch.empty(0, dtype=torch.int64, device=q.device)  # no dropout
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse, cumulative, cumulative, sq, k.shape[2], 0.0, causal, seed, offset, scale=scale
+        )
+        return tuple(g.float() for g in grads)
+    qf, kf, vf, doutf = q.float(), k.float(), v.float(), dout.float()
+    probabilities = torch.exp(_scores(qf, kf, scale, causal) - lse[..., None])
+    delta = (doutf * out.float()).sum(-1)
+    d_scores = probabilities * (torch.matmul(doutf, vf.transpose(-1, -2)) - delta[..., None])
+    return (
+        torch.matmul(d_scores, kf) * scale,
+        torch.matmul(d_scores.transpose(-1, -2), qf) * scale,
+        torch.matmul(probabilities.transpose(-1, -2), doutf),
+    )
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, scale):
@@ -93,18 +149,15 @@ class _RingAttention(torch.autograd.Function):
         [b, h, s, d] in q's dtype."""
         cp, cp_rank = dist.get_world_size(group), dist.get_rank(group)
         groups = q.shape[1] // k.shape[1]
-        qf = q.float()
         local = q.shape[2]
-        out = torch.zeros_like(qf)
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v]).contiguous()
         for step in range(cp):
             pending = _exchange(kv, group) if step < cp - 1 else None
             rows, cols, causal = _blocks((cp_rank - step) % cp, cp_rank, local)
-            keys, values = (_expand(t[:, :, cols].float(), groups) for t in kv)
-            scores = _scores(qf[:, :, rows], keys, scale, causal)
-            block_lse = scores.logsumexp(-1)
-            block_out = torch.matmul(torch.exp(scores - block_lse[..., None]), values)
+            keys, values = (_expand(t[:, :, cols], groups) for t in kv)
+            block_out, block_lse = block_attention(q[:, :, rows], keys, values, scale, causal)
             merged = torch.logaddexp(lse[:, :, rows], block_lse)
             out[:, :, rows] = (
                 out[:, :, rows] * torch.exp(lse[:, :, rows] - merged)[..., None]
@@ -126,23 +179,18 @@ class _RingAttention(torch.autograd.Function):
         group, scale = ctx.group, ctx.scale
         cp, cp_rank = dist.get_world_size(group), dist.get_rank(group)
         groups = q.shape[1] // k.shape[1]
-        qf, dout = q.float(), grad_out.float()
         local = q.shape[2]
-        delta = (dout * out.float()).sum(-1)  # D = rowsum(dO * O), per query
-        dq = torch.zeros_like(qf)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v]).contiguous()
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
         for step in range(cp):
             pending = _exchange(kv, group) if step < cp - 1 else None
             rows, cols, causal = _blocks((cp_rank - step) % cp, cp_rank, local)
-            keys, values = (_expand(t[:, :, cols].float(), groups) for t in kv)
-            probabilities = torch.exp(_scores(qf[:, :, rows], keys, scale, causal) - lse[:, :, rows, None])
-            d_values = torch.matmul(probabilities.transpose(-1, -2), dout[:, :, rows])
-            d_scores = probabilities * (
-                torch.matmul(dout[:, :, rows], values.transpose(-1, -2)) - delta[:, :, rows, None]
+            keys, values = (_expand(t[:, :, cols], groups) for t in kv)
+            d_queries, d_keys, d_values = block_attention_backward(
+                grad_out[:, :, rows], q[:, :, rows], keys, values, out[:, :, rows], lse[:, :, rows], scale, causal
             )
-            dq[:, :, rows] += torch.matmul(d_scores, keys) * scale
-            d_keys = torch.matmul(d_scores.transpose(-1, -2), qf[:, :, rows]) * scale
+            dq[:, :, rows] += d_queries
             for index, grad in ((0, d_keys), (1, d_values)):
                 if groups > 1:
                     b, _, s, d = grad.shape

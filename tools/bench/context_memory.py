@@ -4,8 +4,8 @@ The budget is what one rank holds for backward (activations, tools/bench/saved_m
 configs/tiny.toml on sequences of S tokens at cp 1. The same model then trains on 4S tokens at cp 1 (over the
 budget: what one rank would need) and at cp 2 and 4 (each rank holding 4S / cp of every sequence); each row is
 the most any rank held during one step, its ratio to the budget, `loom plan`'s activation bytes for the same
-layout, and the step time against cp 1 on the long sequence (same run; on 2 CPU cores the ring's sends do not
-hide behind compute, and the cp ranks share the cores).
+layout, and the step time against cp 1 on the long sequence (same run; on 2 CPU cores the cp ranks share the
+cores, and the ring's sends do not hide behind compute).
 
     python tools/bench/context_memory.py [--seq 512] [--steps 2]
 """
