@@ -133,3 +133,24 @@ def test_a_world_size_1_nccl_run_through_the_launcher(dataset, tmp_path):
     rows = read_metrics(tmp_path)
     assert [row["step"] for row in rows] == [1, 2, 3, 4] and all(math.isfinite(row["loss"]) for row in rows)
     assert (tmp_path / "checkpoints" / "latest").is_file()  # saved at the end, by default
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_ring_attention_block_kernels_on_cuda(causal):
+    """Context parallelism's block products on CUDA are torch's flash kernels, called by their signatures (never
+    run on a GPU before): output, log-sum-exp and gradients against SDPA in fp32, to bf16's rounding."""
+    from loom.engine.parallel.context import block_attention, block_attention_backward
+
+    generator = torch.Generator(device=CUDA).manual_seed(0)
+    shape_q, shape_k = (2, 8, 256, 64), (2, 8, 256 if causal else 384, 64)
+    q = torch.randn(shape_q, device=CUDA, generator=generator, dtype=torch.bfloat16)
+    k, v = (torch.randn(shape_k, device=CUDA, generator=generator, dtype=torch.bfloat16) for _ in "kv")
+    grad = torch.randn(shape_q, device=CUDA, generator=generator, dtype=torch.bfloat16)
+    reference = [t.float().requires_grad_() for t in (q, k, v)]
+    expected = F.scaled_dot_product_attention(*reference, is_causal=causal)
+    expected.backward(grad.float())
+    out, lse = block_attention(q, k, v, 64**-0.5, causal)
+    assert (out - expected).norm() / expected.norm() < 1e-2
+    grads = block_attention_backward(grad, q, k, v, out.to(torch.bfloat16), lse, 64**-0.5, causal)
+    for ours, theirs in zip(grads, (t.grad for t in reference), strict=True):
+        assert (ours - theirs).norm() / theirs.norm() < 2e-2
