@@ -15,12 +15,13 @@ Examples:
   loom plan --config llama-8b --gpus 8 --layout "tp=2,zero=1" --top 3 --plot plan.png
   loom plan --config configs/tiny.toml --gpus 8 --json
 Model and batch come from the config and its --section.field overrides. Without --layout every layout is
-searched (tp x pp x vp x dp x micro-batch x recompute x ZeRO); keys given in --layout are held and the rest
-searched. The layout fields as overrides hold their key the same way: --parallel.tp 8 is --layout tp=8
-(likewise parallel.pp, parallel.vp, parallel.dp, train.micro_batch_size, model.recompute, optim.zero,
-optim.offload). Memory is per GPU on the pipeline rank holding the most; time is per optimizer step. Exit status 1
-when no layout fits (the nearest is shown, and --json says "fits": false). The equations,
-their sources, the constants (tools/gpus.toml) and the blind spots: docs/planner.md."""
+searched (tp x cp x pp x vp x dp x micro-batch x recompute x ZeRO; cp, context parallelism, where the model
+has rotary positions and no dropout); keys given in --layout are held and the rest searched. The layout fields
+as overrides hold their key the same way: --parallel.tp 8 is --layout tp=8 (likewise parallel.cp, parallel.pp,
+parallel.vp, parallel.dp, train.micro_batch_size, model.recompute, optim.zero, optim.offload). Memory is per
+GPU on the pipeline rank holding the most; time is per optimizer step. Exit status 1 when no layout fits (the
+nearest is shown, and --json says "fits": false). The equations, their sources, the constants
+(tools/gpus.toml) and the blind spots: docs/planner.md."""
 
 
 def _fp8_as_loom_runs_it(overrides: list[str]) -> list[str]:
