@@ -28,13 +28,15 @@ Sections: model, parallel, optim, data, train, checkpoint, lora (fields and thei
 presets: configs/*.toml; --print-config shows the resolved config).
 Under torchrun or Slurm (RANK and WORLD_SIZE set) and without --nproc, this process is one rank.
 
-Layouts: world = tp * pp * dp; --parallel.vp V interleaves V chunks per pipeline stage (needs
-micro-batches per step divisible by pp). Optimizers (--optim.name): adamw, sgd, lamb, adafactor.
---optim.zero 1 shards master weights and optimizer state over DP (ZeRO-1), --optim.zero 2 the
-gradients too (ZeRO-2), for adamw, sgd and lamb, with fp32, bf16 or fp16 (dynamic loss scaling) and
-any tp/pp/vp; --optim.offload cpu keeps master weights and optimizer state in host memory and steps
-there (alone or with ZeRO). adafactor runs without either. --optim.grad_dtype bf16 accumulates and reduces
-gradients in bf16 (with --train.precision bf16: 2 bytes per parameter instead of 4, half the DP traffic).
+Layouts: world = tp * cp * pp * dp; --parallel.vp V interleaves V chunks per pipeline stage (needs
+micro-batches per step divisible by pp); --parallel.cp C splits each sequence over C ranks (ring attention;
+rotary positions, no dropout, train.seq_length divisible by 2C). Optimizers (--optim.name): adamw, sgd, lamb,
+adafactor. --optim.zero 1 shards master weights and optimizer state over DP (x CP) (ZeRO-1), --optim.zero 2
+the gradients too (ZeRO-2), --optim.zero 3 the weights too (ZeRO-3: each block gathered around its use), for
+adamw, sgd and lamb, with fp32, bf16 or fp16 (dynamic loss scaling) and any tp/cp/pp/vp; --optim.offload cpu
+keeps master weights and optimizer state in host memory and steps there (alone or with ZeRO). adafactor
+runs without either. --optim.grad_dtype bf16 accumulates and reduces gradients in bf16 (with
+--train.precision bf16: 2 bytes per parameter instead of 4, half the DP traffic).
 --model.compile auto (the default) compiles each block on CUDA; true/false force it.
 
 LoRA: --lora.rank 8 --lora.base DIR trains low-rank adapters on a frozen base checkpoint (any layout, e.g.
