@@ -150,7 +150,8 @@ class _RingAttention(torch.autograd.Function):
         cp, cp_rank = dist.get_world_size(group), dist.get_rank(group)
         groups = q.shape[1] // k.shape[1]
         local = q.shape[2]
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        # q's strides (the model's [s, b, heads, d] order): the output then reshapes back without a copy
+        out = torch.zeros_like(q, dtype=torch.float32)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v]).contiguous()
         for step in range(cp):
