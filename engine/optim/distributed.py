@@ -32,11 +32,10 @@ from loom.engine.config import OptimConfig
 from loom.engine.model import naming
 from loom.engine.model.kernels import build_adamw, default_adamw
 from loom.engine.optim.algorithms import Adafactor, Lamb
-from loom.engine.optim.grad_buffer import GradBuffer
+from loom.engine.optim.grad_buffer import GradBuffer, all_gather_bucket_chunks
 from loom.engine.optim.loss_scaler import LossScaler
 from loom.engine.optim.model_parallel_grads import counted_once
 from loom.engine.optim.param_shards import ShardedParameters
-from loom.engine.parallel.mappings import all_gather_single
 from loom.engine.parallel.param_info import param_info
 from loom.engine.parallel.state import ParallelState
 
@@ -260,17 +259,8 @@ class DistributedOptimizer:
                 seg.param.view(-1)[seg.start : seg.end].copy_(seg.master.reshape(-1))
         if self.param_buffer is None or self.state.grad_size == 1:
             return
-        handles = []
-        for bucket in self.grads.buckets:
-            lo, hi = bucket.chunk(self.state.grad_rank, self.state.grad_size)
-            mine = self.param_buffer[lo:hi].clone()
-            handles.append(
-                all_gather_single(
-                    self.param_buffer[bucket.start : bucket.end], mine, group=self.state.grad_group, async_op=True
-                )
-            )
-        for handle in handles:
-            handle.wait()
+        buckets = [self.param_buffer[bucket.start : bucket.end] for bucket in self.grads.buckets]
+        all_gather_bucket_chunks(buckets, self.state.grad_rank, self.state.grad_size, self.state.grad_group)
 
     def state_bytes(self) -> int:
         """Bytes of master weights (copies only) and optimizer state this rank holds, wherever they are."""

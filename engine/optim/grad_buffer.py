@@ -33,10 +33,22 @@ import torch
 import torch.distributed as dist
 
 from loom.engine.optim.buckets import Bucket, plan_buckets
-from loom.engine.parallel.mappings import reduce_scatter_single
+from loom.engine.parallel.mappings import all_gather_single, reduce_scatter_single
 
 MAX_IN_FLIGHT = 2
 """ZeRO 2: reduce-scatters (each holding a transient bucket) allowed to run behind backward."""
+
+
+def all_gather_bucket_chunks(buckets: list[torch.Tensor], rank: int, size: int, group) -> None:
+    """Fill each whole bucket from its `size` equal chunks, this rank's already in place (after the optimizer has
+    written its chunk of the weights, ZeRO 1 and 2, and ZeRO 3's whole buckets): all started, then all waited."""
+    handles = []
+    for bucket in buckets:
+        chunk = bucket.numel() // size
+        mine = bucket[rank * chunk : (rank + 1) * chunk].clone()
+        handles.append(all_gather_single(bucket, mine, group=group, async_op=True))
+    for handle in handles:
+        handle.wait()
 
 
 class GradBuffer:

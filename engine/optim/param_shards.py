@@ -33,7 +33,7 @@ import torch
 
 from loom.engine.model import naming
 from loom.engine.optim.buckets import Bucket, plan_buckets
-from loom.engine.optim.grad_buffer import GradBuffer
+from loom.engine.optim.grad_buffer import GradBuffer, all_gather_bucket_chunks
 from loom.engine.parallel.mappings import all_gather_single
 from loom.engine.parallel.param_info import param_info
 
@@ -215,13 +215,8 @@ class ShardedParameters:
         """All-gather the whole buckets after the optimizer has written every rank's part of them."""
         if self.dp_size == 1:
             return
-        handles = []
-        for bucket in (b for b in self.buckets if id(b) in self.whole):
-            lo, hi = bucket.chunk(self.dp_rank, self.dp_size)
-            mine = self.full[id(bucket)][lo - bucket.start : hi - bucket.start].clone()
-            handles.append(all_gather_single(self.full[id(bucket)], mine, group=self.dp_group, async_op=True))
-        for handle in handles:
-            handle.wait()
+        whole = [self.full[id(b)] for b in self.buckets if id(b) in self.whole]
+        all_gather_bucket_chunks(whole, self.dp_rank, self.dp_size, self.dp_group)
 
     @torch.no_grad()
     def load(self, param: torch.nn.Parameter, values: torch.Tensor) -> None:
