@@ -152,6 +152,22 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
+    def context_parallel_refusal(self, cp: int, seq_length: int) -> str | None:
+        """Why sequences of `seq_length` tokens of this model cannot be split over `cp` ranks (training and the
+        planner's search), or None."""
+        if cp == 1:
+            return None
+        if seq_length % (2 * cp):
+            return (
+                f"parallel.cp = {cp} cuts each sequence into 2*cp = {2 * cp} chunks; train.seq_length = "
+                f"{seq_length} does not divide into them"
+            )
+        if self.position_embedding != "rope":
+            return "parallel.cp > 1 needs model.position_embedding = rope (learned positions are not split)"
+        if self.dropout:
+            return f"parallel.cp > 1 needs model.dropout = 0 (got {self.dropout}): ring attention has none"
+        return None
+
     def check_tensor_parallel(self, tp: int) -> None:
         """Refuse a TP size the model's heads, KV heads or MLP do not split into (training, resharding, generation)."""
         for name in ("num_heads", "num_kv_heads", "ffn_hidden_size"):
@@ -535,7 +551,8 @@ class LoomConfig:
             what = f"tp*cp*pp*dp = {p.tp}*{p.cp}*{p.pp}*{p.dp}" if p.cp > 1 else f"tp*pp*dp = {p.tp}*{p.pp}*{p.dp}"
             raise ConfigError(f"world size {world_size} != {what}; change --nproc or the layout")
         m.check_tensor_parallel(p.tp)
-        self._check_context_parallel()
+        if refusal := m.context_parallel_refusal(p.cp, t.seq_length):
+            raise ConfigError(refusal)
         if p.sequence_parallel and (t.seq_length // p.cp) % p.tp:
             raise ConfigError(
                 f"sequence parallel needs train.seq_length = {t.seq_length}"
@@ -554,20 +571,6 @@ class LoomConfig:
                 f"{m.max_position_embeddings}; lower --train.seq_length or raise --model.max_position_embeddings"
             )
         self._check_pipeline(world_size, requested_dp)
-
-    def _check_context_parallel(self) -> None:
-        p, m, t = self.parallel, self.model, self.train
-        if p.cp == 1:
-            return
-        if t.seq_length % (2 * p.cp):
-            raise ConfigError(
-                f"parallel.cp = {p.cp} cuts each sequence into 2*cp = {2 * p.cp} chunks; train.seq_length = "
-                f"{t.seq_length} does not divide into them"
-            )
-        if m.position_embedding != "rope":
-            raise ConfigError("parallel.cp > 1 needs model.position_embedding = rope (learned positions are not split)")
-        if m.dropout:
-            raise ConfigError(f"parallel.cp > 1 needs model.dropout = 0 (got {m.dropout}): ring attention has none")
 
     def _check_pipeline(self, world_size: int, requested_dp: int | None) -> None:
         from loom.engine.pipeline.schedules import ScheduleError, check_schedule

@@ -658,9 +658,8 @@ def candidates(config: LoomConfig, gpus: int, hw: Hardware, fixed: dict | None =
 
     tps = [tp for tp in choices("tp", _divisors(hw.gpus_per_node)) if m.num_heads % tp == 0]
     tps = [tp for tp in tps if m.num_kv_heads % tp == 0 and m.ffn_hidden_size % tp == 0 and gpus % tp == 0]
-    # context parallelism where loom runs it: rotary positions, no dropout, 2 x cp chunks per sequence
-    splittable = m.position_embedding == "rope" and not m.dropout
-    cps = [cp for cp in choices("cp", (1, 2, 4, 8)) if cp == 1 or (splittable and t.seq_length % (2 * cp) == 0)]
+    # context parallelism where loom runs it (rotary positions, no dropout, 2 x cp chunks per sequence)
+    cps = [cp for cp in choices("cp", (1, 2, 4, 8)) if m.context_parallel_refusal(cp, t.seq_length) is None]
     found = []
     for tp, cp in itertools.product(tps, cps):
         if tp > 1 and (t.seq_length // cp) % tp:  # sequence parallelism splits this rank's share over TP
