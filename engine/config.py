@@ -152,6 +152,11 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
+    def compiles_on(self, cuda: bool) -> bool:
+        """Whether model.compile compiles the blocks on a CUDA (`cuda`) or CPU rank, when the kernels are native
+        PyTorch (engine/model/kernels.py; the planner asks for a GPU)."""
+        return self.compile == "true" or (self.compile == "auto" and cuda)
+
     def context_parallel_refusal(self, cp: int, seq_length: int) -> str | None:
         """Why sequences of `seq_length` tokens of this model cannot be split over `cp` ranks (training and the
         planner's search), or None."""

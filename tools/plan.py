@@ -342,6 +342,7 @@ def layer_activation_bytes(
     element: int,
     engine: Engine = LOOM,
     fp8: bool = False,
+    compiled: bool = False,
 ) -> float:
     """Bytes one transformer block saves for backward for one micro-batch of `seq` x `mbs` tokens.
 
@@ -355,7 +356,14 @@ def layer_activation_bytes(
     the attention projection's beside the attention output, which the attention kernel keeps unless selective
     recompute reruns it. `engine` MEGATRON uses Korthikanti et al. 2022's published s b h (34 / t) with sequence
     parallelism (their 5 a s / h score term is gone with flash attention); under FP8 its GEMM inputs (2 + 2 + 2 +
-    8 of the 34) take half."""
+    8 of the 34) take half.
+
+    `compiled` (model.compile, the CUDA default): what inductor's partitioner keeps of the same block (measured
+    equal on CPU): the residual stream in the compute dtype before and after attention and each norm's
+    statistics (sequence-sharded under sequence parallelism), not the norms' fp32 input and output, which
+    backward recomputes from them; the two normed GEMM inputs (under FP8 not at all, they are recomputed and
+    quantised again, except the all-gathered FP8 copies under sequence parallelism); attention as eager; the MLP
+    keeps FC1's output and FC2's input (FP8: FC1's output only). Full recompute keeps the block's input either way."""
     h, hd = m.hidden_size, m.head_dim
     q, kv, f, heads = m.num_heads * hd, m.num_kv_heads * hd, m.ffn_hidden_size, m.num_heads
     tokens = seq * mbs
@@ -365,14 +373,33 @@ def layer_activation_bytes(
     if not engine.gathered_inputs_saved:  # Megatron-LM: Korthikanti's count
         per_token = h * (34 / tp if sp else 10 + 24 / tp) * element / 2
         return tokens * per_token * ((34 - 7) / 34 if fp8 else 1)
+    fc1_output = 2 * f if m.activation == "swiglu" else f
+    if compiled:
+        residual = 2 * (h * element + _norm_statistics_bytes(m)) * sequence_share
+        gemm_inputs = (2 * h if sp else 0) if fp8 else 2 * h * element
+        attention = ((q + 2 * kv) + (q + kv)) * element + (q * element + heads * 4 if recompute == "none" else 0)
+        mlp = fc1_output * element + (0 if fp8 else f * element)
+        return tokens * (residual + gemm_inputs + (attention + mlp) / tp)
     gemm_input = 1 if fp8 else element
     norms = 2 * (8 * h + 4) * sequence_share
     gemm_inputs = 2 * h * gemm_input
     attention_output = q * element if not (fp8 and recompute == "selective") else 0
     attention = ((q + 2 * kv) + q + kv) * element + attention_output + (q if fp8 else 0)
     attention = attention / tp + (heads * 4 / tp if recompute == "none" else 0)
-    mlp = ((3 * f if m.activation == "swiglu" else f) * element + f * gemm_input) / tp
+    mlp = ((fc1_output + f if m.activation == "swiglu" else f) * element + f * gemm_input) / tp
     return tokens * (norms + gemm_inputs + attention + mlp)
+
+
+def _norm_statistics_bytes(m: ModelConfig) -> int:
+    """Per token, what a compiled norm keeps besides its input: 1/rms (RMSNorm) or the mean and 1/std, in fp32."""
+    return 4 if m.norm == "rmsnorm" else 8
+
+
+def blocks_compiled(config: LoomConfig, engine: Engine = LOOM) -> bool:
+    """Whether the planned run's blocks are torch.compile'd: model.compile on a GPU over loom's native kernels
+    (with Transformer Engine they run eagerly; the planner assumes native unless model.kernels = te)."""
+    m, native = config.model, config.model.kernels != "te" and config.train.fp8 != "delayed"
+    return engine.gathered_inputs_saved and native and m.compiles_on(cuda=True)
 
 
 FP8_WEIGHT_COPIES = {"current": 2, "delayed": 1}
@@ -398,29 +425,37 @@ def in_flight_microbatches(pp: int, vp: int, microbatches: int, pp_rank: int = 0
     return min(warmup_forwards(pp_rank, pp, vp, microbatches) + 1, microbatches * vp) / vp
 
 
-def output_activation_bytes(m: ModelConfig, seq: int, mbs: int, tp: int, sp: bool, element: int) -> float:
+def output_activation_bytes(
+    m: ModelConfig, seq: int, mbs: int, tp: int, sp: bool, element: int, compiled: bool = False
+) -> float:
     """Bytes the last stage's final norm, output layer and loss save for backward for one micro-batch: the norm's
-    fp32 input, normalised input and 1/rms (sequence-sharded under sequence parallelism), the output GEMM's
-    gathered input and the logits of this rank's vocabulary slice (measured on CPU, tests/test_plan.py). The
-    schedule runs the last chunk's backward right after its forward, so one micro-batch of them is alive."""
+    fp32 input, normalised input and 1/rms (compiled: its input in the compute dtype and its statistics;
+    sequence-sharded under sequence parallelism), the output GEMM's gathered input and the logits of this rank's
+    vocabulary slice (measured on CPU, tests/test_plan.py). The schedule runs the last chunk's backward right after
+    its forward, so one micro-batch of them is alive."""
     vocab = padded_vocab_size(m.vocab_size, m.make_vocab_divisible_by, tp) // tp
-    norm = (8 * m.hidden_size + 4) / (tp if sp else 1)
+    norm = m.hidden_size * element + _norm_statistics_bytes(m) if compiled else 8 * m.hidden_size + 4
+    norm /= tp if sp else 1
     return seq * mbs * (norm + (m.hidden_size + vocab) * element)
 
 
-def rank_activation_bytes(config: LoomConfig, lay: Layout, pp_rank: int, engine: Engine = LOOM) -> float:
+def rank_activation_bytes(
+    config: LoomConfig, lay: Layout, pp_rank: int, engine: Engine = LOOM, compiled: bool | None = None
+) -> float:
     """Bytes pipeline rank `pp_rank` keeps for backward at its peak: its layers times the micro-batches in flight,
-    and on the last rank the output layer's."""
+    and on the last rank the output layer's. `compiled` None: as on a GPU (blocks_compiled); a CPU run says."""
     m, t = config.model, config.train
     element = 4 if t.precision == "fp32" else 2
     microbatches = t.global_batch_size // (lay.micro_batch_size * lay.dp)
     seq = t.seq_length // lay.cp  # what this rank holds of each sequence
+    compiled = blocks_compiled(config, engine) if compiled is None else compiled
     layer = layer_activation_bytes(
-        m, seq, lay.micro_batch_size, lay.tp, lay.sp, lay.recompute, element, engine, t.fp8 != "off"
+        m, seq, lay.micro_batch_size, lay.tp, lay.sp, lay.recompute, element, engine, t.fp8 != "off", compiled
     )
     layers = layer * (m.num_layers // lay.pp) * in_flight_microbatches(lay.pp, lay.vp, microbatches, pp_rank)
-    last = pp_rank == lay.pp - 1
-    return layers + (output_activation_bytes(m, seq, lay.micro_batch_size, lay.tp, lay.sp, element) if last else 0)
+    if pp_rank < lay.pp - 1:
+        return layers
+    return layers + output_activation_bytes(m, seq, lay.micro_batch_size, lay.tp, lay.sp, element, compiled)
 
 
 # ---------------------------------------------------------------- the estimate
@@ -468,7 +503,9 @@ def estimate(config: LoomConfig, lay: Layout, hw: Hardware, engine: Engine = LOO
         state = model_state_bytes(m, lay, pp_rank, precision, bucket_bytes, config.optim.name, grad_bytes)
         transient = 2 * bucket_bytes if lay.zero >= 2 else 0  # ZeRO-2's (and 3's) buckets being reduced
         if lay.recompute == "full":  # the layer being recomputed holds its activations during its backward
-            transient += layer_activation_bytes(m, local, mbs, lay.tp, lay.sp, "none", element, engine, t.fp8 != "off")
+            transient += layer_activation_bytes(
+                m, local, mbs, lay.tp, lay.sp, "none", element, engine, t.fp8 != "off", blocks_compiled(config, engine)
+            )
         if t.fp8 != "off":  # the FP8 copies of this rank's weights, cast once per step
             transient += FP8_WEIGHT_COPIES[t.fp8] * fp8_weight_bytes(m, lay.tp) * (m.num_layers // lay.pp)
         if lay.zero == 3 and lay.replicas > 1:  # gathered whole: the block computing, the one prefetched, and the

@@ -384,7 +384,7 @@ def choose_kernels(config: LoomConfig, device: torch.device, capability: tuple[i
         attention = Choice("torch.sdpa", f"{te_why}; SDPA {backends}")
 
     norm_name = "RMSNorm" if m.norm == "rmsnorm" else "LayerNorm"
-    compiles = m.compile == "true" or (m.compile == "auto" and cuda)
+    compiles = m.compiles_on(cuda)
     compiled = f"model.compile = {m.compile}" + (
         f" ({'compiled' if compiles else 'eager'} on {device.type})" if m.compile == "auto" else ""
     )

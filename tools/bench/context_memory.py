@@ -70,7 +70,9 @@ def _rank(rank, world, port, dataset, run_dir, seq, cp, steps, results):
             trainer.train_step()
         seconds.append(time.perf_counter() - start)
         peak = max(peak, saved.peak)
-    planned = rank_activation_bytes(config, layout_of(config), trainer.state.pp_rank)
+    planned = rank_activation_bytes(
+        config, layout_of(config), trainer.state.pp_rank, compiled=trainer.kernels.compiles_blocks
+    )
     results.put((rank, peak, planned, seconds[1:] or seconds))
     trainer.close()
     dist.destroy_process_group()
