@@ -331,7 +331,8 @@ class Trainer:
         squared_norm = self.optimizer.prepare()
         # The step's one device-to-host transfer: the loss and the gradient norm together (the update and the
         # NaN policy need both on the host; every other value stays on the device).
-        stop_code = torch.tensor(float(stop.code if stop is not None else 0), device=self.device)
+        # Filled on the device: a tensor made from a host value is a blocking copy, which waits for the GPU's queue.
+        stop_code = torch.full((), float(stop.code if stop is not None else 0), device=self.device)
         if stop is not None:
             dist.all_reduce(stop_code, op=dist.ReduceOp.MAX)
         loss, squared_norm, stop_code = torch.stack([self._global_sum(loss_sum), squared_norm, stop_code]).tolist()

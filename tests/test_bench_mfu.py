@@ -2,9 +2,13 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+import torch
 
 from loom.tools.bench.mfu import format_table
 
@@ -118,3 +122,36 @@ def test_bench_gpu_quick_runs_on_cpu_and_answers_every_row(tmp_path):
     assert results["throughput"]["rows"][0]["tokens_per_s"] > 0 and results["fp8_slice"]["rows"][0]["tokens_per_s"] > 0
     assert results["loss_gap"]["bf16_final_loss"] > 0 and "fp8_note" in results["loss_gap"]
     assert results["launcher"]["ok"]
+
+
+def test_kernel_profile_runs_on_cpu_and_says_how_long_the_device_waited():
+    """The GPU session's breakdown command, at tiny sizes: every kind of kernel per step for loom and the plain
+    loop, and loom's step against the time a kernel ran (on CPU: a top-level aten operator)."""
+    command = [sys.executable, "-m", "loom.tools.bench.kernel_profile", "--steps", "2", "--warmup", "1"]
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(REPO))
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    assert lines[0] == "| ms per step | loom (defaults) | plain loop |"
+    total = next(line for line in lines if line.startswith("| total |"))
+    assert all(float(cell) > 0 for cell in total.strip("|").split("|")[1:])
+    wall, busy, waiting = map(
+        float, re.findall(r"took ([\d.]+) ms.* for ([\d.]+) of them.*host: ([\d.]+) ms", lines[-1])[0]
+    )
+    assert 0 < busy <= wall and waiting == pytest.approx(wall - busy, abs=0.11)
+
+
+def test_busy_time_counts_overlapping_kernels_once():
+    from loom.tools.bench.kernel_profile import busy_ms
+
+    class Event:
+        def __init__(self, start, end, name="aten::mm"):
+            self.time_range = type("Span", (), {"start": start, "end": end})
+            self.name = name
+
+    class Profile:
+        def events(self):  # us: 0-10 and 5-15 overlap, 20-30 apart, 1-2 nested, a non-aten record ignored
+            return [Event(20, 30), Event(0, 10), Event(5, 15), Event(1, 2), Event(40, 90, "step")]
+
+    assert busy_ms(Profile(), torch.device("cpu"), steps=1) == pytest.approx(0.025)

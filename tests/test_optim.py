@@ -70,3 +70,21 @@ def test_cosine_is_monotonic_after_warmup():
     values = [learning_rate(s, optim, 200) for s in range(10, 200)]
     assert all(a >= b for a, b in zip(values, values[1:]))
     assert math.isclose(values[0], 3e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_step_starts_from_no_gradient(dtype):
+    """The buffer is not zeroed between steps: a parameter's first gradient of a step is copied over the last
+    step's. One that gets none in a step must read zero, the others exactly this step's sum, by hand."""
+    used, unused = torch.nn.Parameter(torch.ones(3, dtype=dtype)), torch.nn.Parameter(torch.ones(5, dtype=dtype))
+    buffer = GradBuffer([used, unused], None, 1, 0, bucket_bytes=16, dtype=torch.float32)
+    buffer.start_step()
+    for scale in (1.0, 2.0):  # two micro-batches: 3 + 3 * 2 of each
+        ((used * 3 * scale).sum() + (unused * 3 * scale).sum()).backward()
+    buffer.finish()
+    assert torch.equal(used.main_grad, torch.full((3,), 9.0)) and torch.equal(unused.main_grad, torch.full((5,), 9.0))
+    buffer.start_step()
+    (used * 4).sum().backward()
+    buffer.finish()
+    assert torch.equal(used.main_grad, torch.full((3,), 4.0)) and torch.equal(unused.main_grad, torch.zeros(5))
+    assert torch.count_nonzero(buffer.data) == 3  # nothing else written: padding stays zero

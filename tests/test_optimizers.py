@@ -99,7 +99,7 @@ def _compare(rank, world, tp, name, zero1):
         grads.start_step()
         share = 0.25 if state.dp_rank == 0 else 0.75 / max(dp - 1, 1)  # DP shares that sum to the whole
         for n, p in named:
-            p.main_grad.copy_(specs[n].shard(full_grads[n], state.tp_rank, tp) * (share if dp > 1 else 1.0))
+            grads.add_gradient(p, specs[n].shard(full_grads[n], state.tp_rank, tp) * (share if dp > 1 else 1.0))
         grads.finish()
         optimizer.step(LR)
         reference(weights, full_grads, ref_state, step)

@@ -120,7 +120,10 @@ class BatchIterator:
         microbatches = []
         for start in range(first, first + per_rank, self.micro_batch_size):
             samples = np.stack([self.dataset[i] for i in range(start, start + self.micro_batch_size)])
-            batch = torch.from_numpy(samples.astype(np.int64)).to(device, non_blocking=True)
+            batch = torch.from_numpy(samples.astype(np.int64))
+            if device.type == "cuda":  # from pageable memory the copy can make the host wait for the GPU's queue
+                batch = batch.pin_memory()
+            batch = batch.to(device, non_blocking=True)
             tokens, labels = batch[:, :-1], batch[:, 1:]
             if self.cp_size > 1:
                 tokens, labels = (split_sequence(t, self.cp_size, self.cp_rank, dim=1) for t in (tokens, labels))

@@ -121,7 +121,10 @@ class GradBuffer:
         else:
             self.data = torch.zeros(total, dtype=dtype, device=self.device)
             self.data_start = 0
-        for param in self.params if zero < 2 else self.deferred:
+        self.buffered = self.params if zero < 2 else self.deferred
+        """The parameters whose gradients accumulate in `data` (the rest, ZeRO 2 and 3, in transient buckets)."""
+        self.unwritten: set[torch.nn.Parameter] = set()
+        for param in self.buffered:
             start = self.offsets[param] - self.data_start
             param.main_grad = self.data[start : start + param.numel()].view_as(param)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
@@ -140,11 +143,20 @@ class GradBuffer:
         offset = self.shard_offsets[i] + start - self.shard_starts[i]
         return self.shard[offset : offset + numel]
 
+    def add_gradient(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+        """Accumulate `grad` into this step's gradient of `param`, a parameter whose gradient lives in `data`
+        (what backward's hook does; a test may hand gradients in the same way). The first of a step is copied."""
+        if param in self.unwritten:  # written over last step's: no zeroed buffer to read
+            self.unwritten.discard(param)
+            param.main_grad.copy_(grad)
+        else:
+            param.main_grad.add_(grad)
+
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
         if self.zero >= 2 and param not in self.deferred_set:
             self._gather_for_scatter(param)
             return
-        param.main_grad.add_(param.grad)
+        self.add_gradient(param, param.grad)
         param.grad = None
         if self.last_microbatch and self.overlap and param not in self.deferred_set:
             bucket = self.bucket_of[param]
@@ -207,7 +219,10 @@ class GradBuffer:
             p.grad = None
         if not self.enabled:
             return
-        self.data.zero_()
+        # Instead of zeroing the buffer (a pass over it, and a read of the zeros by the first micro-batch's adds),
+        # each parameter's first gradient is copied in; `finish` zeroes those that got none. Bucket padding is never
+        # written: it stays the zeros it was made with.
+        self.unwritten = set(self.buffered)
         if self.zero >= 2:
             self.shard.zero_()
         for bucket in self.buckets:
@@ -220,6 +235,9 @@ class GradBuffer:
         if not self.enabled:
             self.before_deferred()
             return
+        for param in self.unwritten:  # no gradient this step (a parameter this step did not use)
+            param.main_grad.zero_()
+        self.unwritten = set()
         if self.zero >= 2:
             self._finish_sharded()
             return

@@ -5,8 +5,10 @@
 For the GPU sessions that have minutes, not hours: one command prints ms per step of GEMMs, attention, Triton
 (inductor's fused kernels), other element-wise kernels, reductions, the optimizer, copies and collectives, for
 loom's defaults on one device and for tools/bench/plain_loop.py on the same shape, then the 15 costliest
-kernels of each. The profiler runs over `--steps` steps after `--warmup` (compilation included in the warm-up).
-On CPU it runs with tiny sizes and names aten operators instead of kernels (a smoke test, not a measurement).
+kernels of each, and how long loom's step took against the time the device had a kernel running (the rest is
+the device waiting for the host). The profiler runs over `--steps` steps after `--warmup` (compilation included
+in the warm-up). On CPU it runs with tiny sizes and names aten operators instead of kernels (a smoke test,
+tests/test_bench_mfu.py, not a measurement).
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ import argparse
 import contextlib
 import io
 import tempfile
+import time
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from loom.engine.config_io import load_config
@@ -61,11 +65,27 @@ def summary(times: dict[str, float]) -> dict[str, float]:
     return dict(sorted(kinds.items(), key=lambda item: -item[1]))
 
 
+def busy_ms(prof, device: torch.device, steps: int) -> float:
+    """ms per step in which the device ran at least one kernel (on CPU: an aten operator): the union of their
+    intervals, so overlapping (or nested) ones count once."""
+    if device.type == "cuda":
+        spans = [e.time_range for e in prof.events() if e.device_type == DeviceType.CUDA]
+    else:
+        spans = [e.time_range for e in prof.events() if e.name.startswith("aten::")]
+    busy, end = 0.0, float("-inf")
+    for span in sorted(spans, key=lambda s: s.start):
+        if span.end > end:
+            busy += span.end - max(span.start, end)
+            end = span.end
+    return busy / 1000 / steps
+
+
 def _activities(device: torch.device) -> list:
     return [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
 
 
-def profile_loom(base, data: str, run_dir: str, args, device: torch.device) -> dict[str, float]:
+def profile_loom(base, data: str, run_dir: str, args, device: torch.device) -> tuple[dict[str, float], float, float]:
+    """(ms per step of each kernel, ms per step of wall time, ms per step with a kernel running) for loom."""
     from loom.engine.train import Trainer
 
     config = mfu.bench_config(base, data, run_dir, args.warmup + args.steps, args.microbatches)
@@ -76,14 +96,16 @@ def profile_loom(base, data: str, run_dir: str, args, device: torch.device) -> d
                 trainer.train_step()
             mfu._sync(device)
             with profile(activities=_activities(device)) as prof:
+                start = time.perf_counter()
                 for _ in range(args.steps):
                     trainer.train_step()
                 mfu._sync(device)
+                wall_ms = (time.perf_counter() - start) * 1000 / args.steps
         finally:
             trainer.close()
     del trainer
     mfu._free(device)
-    return kernel_times(prof, device, args.steps)
+    return kernel_times(prof, device, args.steps), wall_ms, busy_ms(prof, device, args.steps)
 
 
 def profile_plain(base, args, device: torch.device) -> dict[str, float]:
@@ -140,21 +162,24 @@ def main(argv: list[str] | None = None) -> None:
         from loom.engine.cuda_env import set_cuda_env_defaults
 
         set_cuda_env_defaults(base)
-    columns = {}
+    columns, step = {}, ""
     with tempfile.TemporaryDirectory() as tmp:
         t = base.train
         documents = (args.warmup + args.steps + 1) * t.micro_batch_size * args.microbatches * 2
         data = mfu.write_random_tokens(Path(tmp) / "random", base.model.vocab_size, documents, t.seq_length + 1)
         mfu._init_single_process_group(device)
         try:
-            columns[f"loom ({' '.join(overrides) or 'defaults'})"] = profile_loom(
-                base, data, tmp + "/run", args, device
+            name = f"loom ({' '.join(overrides) or 'defaults'})"
+            columns[name], wall, busy = profile_loom(base, data, tmp + "/run", args, device)
+            step = (
+                f"{name}: a step took {wall:.1f} ms (profiled), the device ran kernels for {busy:.1f} of them; "
+                f"waiting for the host: {wall - busy:.1f} ms ({100 * (wall - busy) / wall:.0f}%)"
             )
             if not args.no_plain:
                 columns["plain loop"] = profile_plain(base, args, device)
         finally:
             dist.destroy_process_group()
-    print(format_report(columns), flush=True)
+    print(format_report(columns) + "\n\n" + step, flush=True)
 
 
 if __name__ == "__main__":
