@@ -323,7 +323,6 @@ ACTIVATION_CASES = (
         (1, False, "none", "bf16", 1, "true"),
         (1, False, "none", "bf16", 1, "gpt"),
         (1, False, "selective", "fp8", 1, "true"),
-        (2, False, "selective", "fp32", 2, "true"),
         (2, True, "none", "fp8", 1, "true"),
     ]
 )
