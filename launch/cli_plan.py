@@ -19,9 +19,10 @@ searched (tp x cp x pp x vp x dp x micro-batch x recompute x ZeRO; cp, context p
 has rotary positions and no dropout); keys given in --layout are held and the rest searched. The layout fields
 as overrides hold their key the same way: --parallel.tp 8 is --layout tp=8 (likewise parallel.cp, parallel.pp,
 parallel.vp, parallel.dp, train.micro_batch_size, model.recompute, optim.zero, optim.offload). Memory is per
-GPU on the pipeline rank holding the most; time is per optimizer step. Exit status 1 when no layout fits (the
-nearest is shown, and --json says "fits": false). The equations, their sources, the constants
-(tools/gpus.toml) and the blind spots: docs/planner.md."""
+GPU on the pipeline rank holding the most, activations as compiled blocks keep them (model.compile = auto
+compiles on a GPU; --model.compile false plans an eager run, which keeps more); time is per optimizer step.
+Exit status 1 when no layout fits (the nearest is shown, and --json says "fits": false). The equations, their
+sources, the constants (tools/gpus.toml) and the blind spots: docs/planner.md."""
 
 
 def _fp8_as_loom_runs_it(overrides: list[str]) -> list[str]:
@@ -65,7 +66,7 @@ def _layout_overrides(config, overrides: list[str]) -> dict:
 def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
     from loom.engine.config import ConfigError
     from loom.engine.config_io import load_config
-    from loom.tools.plan import load_hardware, parse_layout, plan, plot, table
+    from loom.tools.plan import blocks_compiled, load_hardware, parse_layout, plan, plot, table
 
     config = load_config(args.config, _fp8_as_loom_runs_it(overrides))
     hardware = load_hardware(args.gpu, args.gpus_per_node)
@@ -94,9 +95,10 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
     else:
         m, t = config.model, config.train
         precision = t.precision + (f" with fp8 GEMMs ({t.fp8})" if t.fp8 != "off" else "")
+        blocks = "compiled blocks" if blocks_compiled(config) else "eager blocks"
         print(
             f"{config.train.name}: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads; "
-            f"batch {t.global_batch_size} x {t.seq_length} tokens, {precision}; {args.gpus} x {args.gpu}: "
+            f"batch {t.global_batch_size} x {t.seq_length} tokens, {precision}, {blocks}; {args.gpus} x {args.gpu}: "
             f"{len(estimates):,} layouts, {sum(e.fits for e in estimates):,} fit"
         )
         print(table(shown, args.gpu))
