@@ -94,7 +94,8 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
         )
     else:
         m, t = config.model, config.train
-        precision = t.precision + (f" with fp8 GEMMs ({t.fp8})" if t.fp8 != "off" else "")
+        output = ", output layer too" if t.fp8_output_layer else ""
+        precision = t.precision + (f" with fp8 GEMMs ({t.fp8}{output})" if t.fp8 != "off" else "")
         blocks = "compiled blocks" if blocks_compiled(config) else "eager blocks"
         print(
             f"{config.train.name}: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads; "

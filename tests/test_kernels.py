@@ -255,6 +255,40 @@ def test_scaled_mm_linear_plugs_into_the_model_with_the_same_parameters():
         assert abs(a - b) / a < 2e-2
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_fp8_output_layer_computes_the_fp8_product_of_the_weight_it_owns(tied):
+    """train.fp8_output_layer: the logits are the FP8 GEMM of the final hidden states and the output weight (the
+    tied embedding's when tied), its gradient reaches that weight, and training stays within 2% of bf16's."""
+    config = tiny(model={**SMALL, "tie_embeddings": tied}).model
+    model = GPTModel(config, None, kernels=_scaled_mm_kernels(output_layer=True))
+    initialize_parameters(model, seed=3, tp_rank=0, tp_size=1)
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in GPTModel(config, None).named_parameters()]
+    weight = model.embedding.weight if tied else model.output_weight
+    hidden = torch.randn(8, 2, config.hidden_size, generator=torch.Generator().manual_seed(1))
+    logits = model.output_logits(hidden)
+    expected = fp8.fp8_linear(model.final_norm(hidden), weight)
+    torch.testing.assert_close(logits, expected, rtol=0, atol=0)
+    exact = F.linear(model.final_norm(hidden), weight)
+    assert 0 < (logits - exact).norm() / exact.norm() < 0.05
+    logits.square().sum().backward()
+    assert weight.grad is not None and weight.grad.abs().sum() > 0
+    fp8_losses = train_losses(config, _scaled_mm_kernels(output_layer=True), steps=4)
+    for a, b in zip(train_losses(config, None, steps=4), fp8_losses, strict=True):
+        assert abs(a - b) / a < 2e-2
+
+
+def test_fp8_output_layer_needs_current_scaling_and_a_vocabulary_of_16s():
+    with pytest.raises(ConfigError, match="train.fp8_output_layer needs train.fp8 = current"):
+        tiny(train={"precision": "bf16", "fp8_output_layer": True})
+    fp8_output = {"precision": "bf16", "fp8": "current", "fp8_output_layer": True}
+    chosen = choose_kernels(tiny(train=fp8_output), CUDA, capability=(9, 0))
+    assert chosen.fp8_output_layer and chosen.linear.why.endswith("the output layer too (train.fp8_output_layer)")
+    with pytest.raises(ConfigError, match="the padded vocabulary per TP rank = 4104"):
+        choose_kernels(
+            tiny(model={"vocab_size": 4100, "make_vocab_divisible_by": 8}, train=fp8_output), CUDA, capability=(9, 0)
+        )
+
+
 def test_optional_packages_are_never_imported_on_cpu(tmp_path):
     # A transformer_engine and an apex that blow up when imported: loom must import, choose and
     # train-configure on CPU without touching them, and still say they are installed.
@@ -322,10 +356,11 @@ def test_whole_compiled_blocks_train_like_eager(markov_dataset, tmp_path):
     torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-6, atol=0)
 
 
-def _scaled_mm_kernels() -> Kernels:
+def _scaled_mm_kernels(output_layer: bool = False) -> Kernels:
     native = Kernels.native()
     linear = Choice("torch._scaled_mm(fp8 current scaling)", "test: the CPU runs _scaled_mm")
-    return Kernels(native.attention, native.norm, native.activation, linear, native.optimizer, fp8="current")
+    pieces = (native.attention, native.norm, native.activation, linear, native.optimizer)
+    return Kernels(*pieces, fp8="current", fp8_output_layer=output_layer)
 
 
 def _fp8_run_cached_and_uncached(rank, world, dataset, run_dir):
@@ -334,7 +369,8 @@ def _fp8_run_cached_and_uncached(rank, world, dataset, run_dir):
     from loom.engine import train
     from loom.engine.model.fp8 import weight_casts
 
-    train.choose_kernels = lambda config, device: _scaled_mm_kernels()  # FP8 on CPU: the guard wants CUDA
+    # FP8 on CPU (the guard wants CUDA), the output layer's GEMMs too
+    train.choose_kernels = lambda config, device: _scaled_mm_kernels(output_layer=True)
     runs = {}
     for cached in (True, False):
         config = tiny_config(
@@ -365,7 +401,7 @@ def test_fp8_weight_casts_are_made_once_per_step_and_change_nothing(dataset, tmp
         cached, uncached = runs[True], runs[False]
         assert cached["losses"] == uncached["losses"] and cached["losses"][-1] < cached["losses"][0]
         assert torch.equal(cached["weights"], uncached["weights"])
-        layers = 4 * 4  # tiny: 4 blocks of qkv, attention output, fc1, fc2
+        layers = 4 * 4 + 1  # tiny: 4 blocks of qkv, attention output, fc1, fc2; the output layer
         assert cached["casts"] == [1 + 3] * layers  # once per change of the weights: at start, after each step
         assert uncached["casts"] == [1 + 3 * microbatches] * layers  # (the start's made before it was disabled)
     assert ranks[0][True]["losses"] == ranks[1][True]["losses"]

@@ -392,6 +392,59 @@ def test_activation_bytes_equal_what_loom_saves_for_backward():
         assert abs(planned / saved - 1) <= 0.10, (case, planned, saved)
 
 
+def test_fp8_output_layer_keeps_what_the_plan_says():
+    """train.fp8_output_layer: the output GEMM keeps its input in 1 byte instead of 2 and reads the weight's FP8
+    copy: measured with saved-tensor hooks on CPU against the same model with a bf16 output layer, equal to the
+    planner's difference; and `loom plan` counts the two FP8 copies of the output weight and runs its GEMMs at the
+    FP8 peak (llama-8b, by hand)."""
+    from loom.engine.model.gpt import GPTModel
+    from loom.engine.model.kernels import Choice, Kernels
+    from loom.tools.plan import output_activation_bytes
+
+    config = load_config("tiny", {"train": {"precision": "bf16", "fp8": "current"}, "model": {"compile": "false"}})
+    native = Kernels.native()
+    saved = {}
+    for output_layer in (False, True):
+        pieces = (
+            native.attention,
+            native.norm,
+            native.activation,
+            Choice("torch._scaled_mm", "test"),
+            native.optimizer,
+        )
+        kernels = Kernels(*pieces, fp8="current", fp8_output_layer=output_layer)
+        model = GPTModel(config.model, None, kernels=kernels).to(torch.bfloat16)
+        initialize_parameters(model, 0, 0, 1)
+        kernels.weights_updated([model])
+        weights = {q.untyped_storage().data_ptr() for q in model.parameters()}
+        storages = {}
+
+        def pack(tensor, storages=storages, weights=weights):
+            if tensor.untyped_storage().data_ptr() not in weights:
+                storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        tokens = torch.randint(0, 4096, (2, 64), generator=torch.Generator().manual_seed(0))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+            model(tokens, tokens)
+        saved[output_layer] = sum(storages.values())
+    m = config.model
+    planned = [output_activation_bytes(m, 64, 2, 1, False, 2, fp8_output=on) for on in (False, True)]
+    weight_copy = 4096 * m.hidden_size  # the column-major copy the input-gradient GEMM reads, kept per step
+    scales = 2 * 4  # the input's and the weight's fp32 inverse scales
+    assert saved[True] - saved[False] == planned[1] - planned[0] + weight_copy + scales
+
+    rows = {}
+    for on in (False, True):
+        config = load_config("llama-8b", {"train": {"precision": "bf16", "fp8": "current", "fp8_output_layer": on}})
+        lay = Layout(tp=1, pp=1, vp=1, dp=8, micro_batch_size=1, recompute="none", zero=1)
+        rows[on] = estimate(config, lay, load_hardware("h100-sxm"))
+    m, seq = config.model, config.train.seq_length
+    assert rows[True].memory["activations"] - rows[False].memory["activations"] == -seq * m.hidden_size
+    assert rows[True].memory["other"] - rows[False].memory["other"] == 2 * m.vocab_size * m.hidden_size
+    assert rows[True].step_seconds < rows[False].step_seconds
+
+
 # (parallel, model, train) on 2 ranks: each pipeline rank's peak, the first with the most micro-batches in flight
 # (1F1B and interleaved), the last with the output layer and the logits.
 RANK_ACTIVATION_LAYOUTS = [

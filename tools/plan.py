@@ -426,17 +426,24 @@ def in_flight_microbatches(pp: int, vp: int, microbatches: int, pp_rank: int = 0
 
 
 def output_activation_bytes(
-    m: ModelConfig, seq: int, mbs: int, tp: int, sp: bool, element: int, compiled: bool = False
+    m: ModelConfig,
+    seq: int,
+    mbs: int,
+    tp: int,
+    sp: bool,
+    element: int,
+    compiled: bool = False,
+    fp8_output: bool = False,
 ) -> float:
     """Bytes the last stage's final norm, output layer and loss save for backward for one micro-batch: the norm's
     fp32 input, normalised input and 1/rms (compiled: its input in the compute dtype and its statistics;
-    sequence-sharded under sequence parallelism), the output GEMM's gathered input and the logits of this rank's
-    vocabulary slice (measured on CPU, tests/test_plan.py). The schedule runs the last chunk's backward right after
-    its forward, so one micro-batch of them is alive."""
+    sequence-sharded under sequence parallelism), the output GEMM's gathered input (1 byte under
+    train.fp8_output_layer) and the logits of this rank's vocabulary slice (measured on CPU, tests/test_plan.py).
+    The schedule runs the last chunk's backward right after its forward, so one micro-batch of them is alive."""
     vocab = padded_vocab_size(m.vocab_size, m.make_vocab_divisible_by, tp) // tp
     norm = m.hidden_size * element + _norm_statistics_bytes(m) if compiled else 8 * m.hidden_size + 4
     norm /= tp if sp else 1
-    return seq * mbs * (norm + (m.hidden_size + vocab) * element)
+    return seq * mbs * (norm + m.hidden_size * (1 if fp8_output else element) + vocab * element)
 
 
 def rank_activation_bytes(
@@ -455,7 +462,10 @@ def rank_activation_bytes(
     layers = layer * (m.num_layers // lay.pp) * in_flight_microbatches(lay.pp, lay.vp, microbatches, pp_rank)
     if pp_rank < lay.pp - 1:
         return layers
-    return layers + output_activation_bytes(m, seq, lay.micro_batch_size, lay.tp, lay.sp, element, compiled)
+    output = output_activation_bytes(
+        m, seq, lay.micro_batch_size, lay.tp, lay.sp, element, compiled, t.fp8_output_layer
+    )
+    return layers + output
 
 
 # ---------------------------------------------------------------- the estimate
@@ -508,6 +518,8 @@ def estimate(config: LoomConfig, lay: Layout, hw: Hardware, engine: Engine = LOO
             )
         if t.fp8 != "off":  # the FP8 copies of this rank's weights, cast once per step
             transient += FP8_WEIGHT_COPIES[t.fp8] * fp8_weight_bytes(m, lay.tp) * (m.num_layers // lay.pp)
+        if t.fp8_output_layer and pp_rank == lay.pp - 1:  # and of the output weight (loom's own FP8 linear)
+            transient += FP8_WEIGHT_COPIES["current"] * vocab * m.hidden_size
         if lay.zero == 3 and lay.replicas > 1:  # gathered whole: the block computing, the one prefetched, and the
             # weights outside the blocks (gathered for the chunk's whole forward and backward)
             transient += zero3_gathered_elements(m, lay, pp_rank, max(1, bucket_bytes // grad_bytes)) * element
@@ -533,15 +545,17 @@ def estimate(config: LoomConfig, lay: Layout, hw: Hardware, engine: Engine = LOO
     gemm_extra = (gemm_per_token - output_layer_per_token) / 3 if lay.recompute == "full" else 0.0
     attention_extra = attention_per_token / 3 if lay.recompute != "none" else 0.0
     peak = hw.peak_tflops[precision] * 1e12  # MFU's denominator, as loom train's: the training precision's
-    # FP8 runs (train.fp8) do their block GEMMs in FP8; the output layer and attention stay in bf16.
+    # FP8 runs (train.fp8) do their block GEMMs in FP8; the output layer too with train.fp8_output_layer; attention
+    # stays in bf16.
     gemm_peak = hw.peak_tflops["fp8"] * 1e12 if t.fp8 != "off" and "fp8" in hw.peak_tflops else peak
+    output_peak = gemm_peak if t.fp8_output_layer else peak
     smallest = min(m.hidden_size / lay.tp, m.ffn_hidden_size / lay.tp, local * mbs)
     # The pipeline goes at the pace of its last stage: its share of the blocks plus the output layer.
     blocks_per_token = (gemm_per_token - output_layer_per_token + gemm_extra) / lay.pp + output_layer_per_token
     last_stage_tokens = t.global_batch_size * seq / (lay.replicas * lay.tp)
     compute = last_stage_tokens * (
         (blocks_per_token - output_layer_per_token) / (gemm_peak * _gemm_efficiency(hw, smallest))
-        + output_layer_per_token / (peak * _gemm_efficiency(hw, smallest))
+        + output_layer_per_token / (output_peak * _gemm_efficiency(hw, smallest))
         + (attention_per_token + attention_extra) / lay.pp / (peak * e["attention"])
     )
     # Memory-bound kernels: activation bytes (sharded by sequence parallelism) and the logits, over HBM bandwidth.

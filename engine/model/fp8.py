@@ -155,9 +155,32 @@ class _Fp8Linear:
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return fp8_linear(x, self.weight, bias, self.weight_cast.get(self.weight))
 
+    def cast_weight(self) -> torch.Tensor:
+        """The weight its WeightCast quantises."""
+        return self.weight
 
-def _fp8_layers(modules: list[torch.nn.Module]) -> list[_Fp8Linear]:
-    return [m for module in modules for m in module.modules() if isinstance(m, _Fp8Linear)]
+
+class Fp8OutputLayer(torch.nn.Module):
+    """The output layer's GEMMs in FP8 (train.fp8_output_layer): logits = x W^T for the vocabulary-parallel weight
+    the model owns (its own output weight, or the tied embedding's), whose per-step copies live here."""
+
+    def __init__(self, weight_of: torch.nn.Module, name: str) -> None:
+        super().__init__()
+        self.weight_cast = WeightCast()
+        # The owner by name, not as a submodule: its parameters must stay registered where they are.
+        self._owner = [weight_of]
+        self._name = name
+
+    def cast_weight(self) -> torch.Tensor:
+        return getattr(self._owner[0], self._name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.cast_weight()
+        return fp8_linear(x, weight, None, self.weight_cast.get(weight))
+
+
+def _fp8_layers(modules: list[torch.nn.Module]) -> list[_Fp8Linear | Fp8OutputLayer]:
+    return [m for module in modules for m in module.modules() if isinstance(m, (_Fp8Linear, Fp8OutputLayer))]
 
 
 def weight_casts(modules: list[torch.nn.Module]) -> list[WeightCast]:
@@ -168,7 +191,7 @@ def weight_casts(modules: list[torch.nn.Module]) -> list[WeightCast]:
 def refresh_weight_casts(modules: list[torch.nn.Module]) -> None:
     """Quantise every FP8 layer's weight of `modules` (model chunks) into its copies: after each change."""
     for layer in _fp8_layers(modules):
-        layer.weight_cast.refresh(layer.weight)
+        layer.weight_cast.refresh(layer.cast_weight())
 
 
 class Fp8ColumnParallelLinear(_Fp8Linear, ColumnParallelLinear):

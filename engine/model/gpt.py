@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from loom.engine.config import ModelConfig
 from loom.engine.model import naming
+from loom.engine.model.fp8 import Fp8OutputLayer
 from loom.engine.model.kernels import Kernels
 from loom.engine.model.transformer import LayerCache, TransformerBlock, build_norm, rotary_tables
 from loom.engine.parallel import mappings
@@ -102,6 +103,12 @@ class GPTModel(torch.nn.Module):
                 if config.tie_embeddings:
                     # The last pipeline stage's copy of the tied embedding: same name (so same init), grads summed.
                     update_param_info(self.output_weight, tied_embedding=True, tied_copy=True)
+            tied = config.tie_embeddings and pre_process
+            self.fp8_output = (
+                Fp8OutputLayer(*((self.embedding, "weight") if tied else (self, "output_weight")))
+                if kernels is not None and kernels.fp8_output_layer
+                else None
+            )
         self.name_parameters()
 
     def name_parameters(self) -> None:
@@ -142,7 +149,7 @@ class GPTModel(torch.nn.Module):
             hidden = mappings.gather_from_sequence_region(hidden, self.tp_group)
         else:
             hidden = mappings.copy_to_tensor_region(hidden, self.tp_group)
-        return F.linear(hidden, weight)
+        return F.linear(hidden, weight) if self.fp8_output is None else self.fp8_output(hidden)
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, cache: DecodingCache, hidden: torch.Tensor | None = None) -> torch.Tensor:

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from loom.engine.config import ConfigError, LoomConfig, ModelConfig
+from loom.engine.parallel.vocab import padded_vocab_size
 
 FP8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with FP8 tensor cores
 PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -144,10 +145,13 @@ class Kernels:
         optimizer: Choice,
         fp8: str = "off",
         params_dtype: torch.dtype = torch.float32,
+        fp8_output_layer: bool = False,
     ):
         self.attention, self.norm, self.activation = attention, norm, activation
         self.linear, self.optimizer, self.fp8 = linear, optimizer, fp8
         self.params_dtype = params_dtype
+        self.fp8_output_layer = fp8_output_layer
+        """The output layer's GEMMs on torch._scaled_mm too (train.fp8_output_layer), whatever runs the blocks'."""
         self._fp8_recipe = None
 
     @classmethod
@@ -277,7 +281,7 @@ class Kernels:
     def weights_updated(self, model_chunks: list[torch.nn.Module]) -> None:
         """The weights were initialised, loaded or stepped: remake what is derived from them, once (the FP8
         layers' weight copies, engine/model/fp8.py)."""
-        if not self.uses_scaled_mm:
+        if not (self.uses_scaled_mm or self.fp8_output_layer):
             return
         from loom.engine.model.fp8 import refresh_weight_casts
 
@@ -305,6 +309,9 @@ def check_fp8_shapes(config: LoomConfig) -> None:
         "model.ffn_hidden_size per TP rank": m.ffn_hidden_size // tp,
         "tokens per micro-batch (seq_length * micro_batch_size)": t.seq_length * t.micro_batch_size,
     }
+    if t.fp8_output_layer:
+        padded = padded_vocab_size(m.vocab_size, m.make_vocab_divisible_by, tp)
+        sizes["the padded vocabulary per TP rank"] = padded // tp
     for what, size in sizes.items():
         if size % 16:
             raise ConfigError(
@@ -331,14 +338,16 @@ def _choose_linear(config: LoomConfig, device: torch.device, capability, te_ok: 
                 "use --train.fp8 current or --model.recompute none"
             )
         if mode == "delayed" or te.has_current_scaling():
-            return Choice(f"te.Linear+fp8({mode})", f"{te_why}; {device_why}")
+            output = "; the output layer on torch._scaled_mm" if config.train.fp8_output_layer else ""
+            return Choice(f"te.Linear+fp8({mode})", f"{te_why}; {device_why}{output}")
         te_why = "transformer_engine: this version has no Float8CurrentScaling"
     if mode == "delayed":
         raise ConfigError(
             f"train.fp8 = delayed needs Transformer Engine ({te_why}); use --train.fp8 current "
             f"(torch._scaled_mm with per-tensor current scaling) or --train.fp8 off"
         )
-    return Choice("torch._scaled_mm(fp8 current scaling)", f"{te_why}; {device_why}")
+    output = "; the output layer too (train.fp8_output_layer)" if config.train.fp8_output_layer else ""
+    return Choice("torch._scaled_mm(fp8 current scaling)", f"{te_why}; {device_why}{output}")
 
 
 def _choose_optimizer(config: LoomConfig, device: torch.device, mode: str) -> Choice:
@@ -404,5 +413,6 @@ def choose_kernels(config: LoomConfig, device: torch.device, capability: tuple[i
         linear,
         _choose_optimizer(config, device, mode),
         fp8=config.train.fp8,
+        fp8_output_layer=config.train.fp8_output_layer,
         params_dtype=PARAM_DTYPES[config.train.precision],
     )
