@@ -54,6 +54,11 @@ def add_parser(commands) -> None:
         help="FP8 row's recipe; auto: delayed with Transformer Engine, else current (torch._scaled_mm)",
     )
     mfu.add_argument(
+        "--fp8-output-layer",
+        action="store_true",
+        help="the FP8 row runs the output layer's GEMMs in FP8 too (train.fp8_output_layer; needs current scaling)",
+    )
+    mfu.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=None,

@@ -185,7 +185,13 @@ def run(args: argparse.Namespace) -> dict:
 
         set_cuda_env_defaults(base)
     throughput_args = argparse.Namespace(
-        steps=steps, warmup=warmup, microbatches=microbatches, fp8_recipe="auto", compile=None, gemm_size=None
+        steps=steps,
+        warmup=warmup,
+        microbatches=microbatches,
+        fp8_recipe="auto",
+        fp8_output_layer=False,
+        compile=None,
+        gemm_size=None,
     )
     slice_args = argparse.Namespace(**{**vars(throughput_args), "microbatches": slice_microbatches})
     results = {"config": config_name, "quick": args.quick, "slice_config": slice_name}

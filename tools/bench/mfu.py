@@ -233,10 +233,18 @@ def _fp8_row(args, base: LoomConfig, data: str, tmp: str, steps: int, device: to
 
         has_te = device.type == "cuda" and probe_import("transformer_engine.pytorch")[0] is not None
         recipe = "delayed" if has_te else "current"
-    name = f"loom fp8 ({recipe})"
+    output_layer = args.fp8_output_layer
+    name = f"loom fp8 ({recipe}{', output layer too' if output_layer else ''})"
     try:
         config = bench_config(
-            base, data, str(Path(tmp) / "fp8"), steps, args.microbatches, precision="bf16", fp8=recipe
+            base,
+            data,
+            str(Path(tmp) / "fp8"),
+            steps,
+            args.microbatches,
+            precision="bf16",
+            fp8=recipe,
+            fp8_output_layer=output_layer,
         )
         from loom.engine.model.kernels import choose_kernels
 
