@@ -249,6 +249,7 @@ EXEMPT = {
     "--quick",
     "--json",
     "--compile",
+    "--fp8-output-layer",
     "--partition",  # sbatch's to judge: tests/test_slurm.py checks its one-line refusal on a real cluster
     "--account",
     "--qos",
@@ -272,6 +273,7 @@ BAD_OVERRIDES = [
     ["--checkpoint.interval", "-1"],
     ["--lora.rank", "-1"],
     ["--lora.base", "{checkpoint}"],  # without --lora.rank
+    ["--train.fp8_output_layer", "maybe"],
     ["--train.nosuch", "1"],
     ["--train.steps"],
 ]
