@@ -321,8 +321,7 @@ ACTIVATION_CASES = (
     ]
     + [
         (1, False, "none", "bf16", 1, "true"),
-        (1, False, "none", "bf16", 1, "gpt"),
-        (1, False, "selective", "fp8", 1, "true"),
+        (1, False, "selective", "fp8", 1, "gpt"),
         (2, True, "none", "fp8", 1, "true"),
     ]
 )
