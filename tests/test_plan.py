@@ -415,18 +415,13 @@ def test_fp8_output_layer_keeps_what_the_plan_says():
         model = GPTModel(config.model, None, kernels=kernels).to(torch.bfloat16)
         initialize_parameters(model, 0, 0, 1)
         kernels.weights_updated([model])
-        weights = {q.untyped_storage().data_ptr() for q in model.parameters()}
-        storages = {}
-
-        def pack(tensor, storages=storages, weights=weights):
-            if tensor.untyped_storage().data_ptr() not in weights:
-                storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-            return tensor
-
+        held = SavedForBackward({q.untyped_storage().data_ptr() for q in model.parameters()})
         tokens = torch.randint(0, 4096, (2, 64), generator=torch.Generator().manual_seed(0))
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
-            model(tokens, tokens)
-        saved[output_layer] = sum(storages.values())
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+        with torch.autograd.graph.saved_tensors_hooks(held.pack, lambda saved: saved.tensor), autocast:
+            loss = model(tokens, tokens)
+        saved[output_layer] = held.now  # the whole forward's, while its graph lives
+        del loss
     m = config.model
     planned = [output_activation_bytes(m, 64, 2, 1, False, 2, fp8_output=on) for on in (False, True)]
     weight_copy = 4096 * m.hidden_size  # the column-major copy the input-gradient GEMM reads, kept per step

@@ -20,6 +20,8 @@ and (slowly) on CPU, which is how the tests check the arithmetic. Only kernels.p
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from loom.engine.parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -162,20 +164,19 @@ class _Fp8Linear:
 
 class Fp8OutputLayer(torch.nn.Module):
     """The output layer's GEMMs in FP8 (train.fp8_output_layer): logits = x W^T for the vocabulary-parallel weight
-    the model owns (its own output weight, or the tied embedding's), whose per-step copies live here."""
+    the model owns (its own output weight, or the tied embedding's), whose per-step copies live here.
+    `weight_of` returns that weight (GPTModel.logits_weight): a function, so the parameter stays registered where
+    it is."""
 
-    def __init__(self, weight_of: torch.nn.Module, name: str) -> None:
+    def __init__(self, weight_of: Callable[[], torch.Tensor]) -> None:
         super().__init__()
         self.weight_cast = WeightCast()
-        # The owner by name, not as a submodule: its parameters must stay registered where they are.
-        self._owner = [weight_of]
-        self._name = name
+        self.weight_of = weight_of
 
     def cast_weight(self) -> torch.Tensor:
-        return getattr(self._owner[0], self._name)
+        return self.weight_of()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.cast_weight()
+    def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return fp8_linear(x, weight, None, self.weight_cast.get(weight))
 
 

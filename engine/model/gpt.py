@@ -103,11 +103,8 @@ class GPTModel(torch.nn.Module):
                 if config.tie_embeddings:
                     # The last pipeline stage's copy of the tied embedding: same name (so same init), grads summed.
                     update_param_info(self.output_weight, tied_embedding=True, tied_copy=True)
-            tied = config.tie_embeddings and pre_process
             self.fp8_output = (
-                Fp8OutputLayer(*((self.embedding, "weight") if tied else (self, "output_weight")))
-                if kernels is not None and kernels.fp8_output_layer
-                else None
+                Fp8OutputLayer(self.logits_weight) if kernels is not None and kernels.fp8_output_layer else None
             )
         self.name_parameters()
 
@@ -141,15 +138,19 @@ class GPTModel(torch.nn.Module):
             hidden = hidden + self.position_embedding[start : start + s_local].unsqueeze(1)
         return hidden
 
+    def logits_weight(self) -> torch.Tensor:
+        """This rank's slice of the output weight: the tied embedding's on a stage that holds the embedding."""
+        return self.embedding.weight if self.config.tie_embeddings and self.pre_process else self.output_weight
+
     def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden -> this rank's slice of the vocabulary logits [s, b, V/tp]."""
-        weight = self.embedding.weight if self.config.tie_embeddings and self.pre_process else self.output_weight
+        weight = self.logits_weight()
         hidden = self.final_norm(hidden)
         if self.sequence_parallel:
             hidden = mappings.gather_from_sequence_region(hidden, self.tp_group)
         else:
             hidden = mappings.copy_to_tensor_region(hidden, self.tp_group)
-        return F.linear(hidden, weight) if self.fp8_output is None else self.fp8_output(hidden)
+        return F.linear(hidden, weight) if self.fp8_output is None else self.fp8_output(hidden, weight)
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, cache: DecodingCache, hidden: torch.Tensor | None = None) -> torch.Tensor:

@@ -94,12 +94,16 @@ class DistributedOptimizer:
         # Parameters keep their storage from here on (the flat buffer above is the last re-pointing), so the step's
         # per-segment views are made once: the step boundary is where a GPU waits for the host, and each view
         # costs a few microseconds of Python per segment and step.
-        self._counted_once = [self._counts(seg) for seg in self.segments]
+        self._norm_segments = [seg for seg in self.segments if self._counts(seg)]
         # (ZeRO-3 writes into the weights' shards instead: the parameters have no storage between uses.)
         copied = [seg for seg in self.segments if not seg.aliases_param] if self.sharded_params is None else []
         self._copy_targets = [seg.param.detach().view(-1)[seg.start : seg.end] for seg in copied]
         self._copy_sources = [seg.master.detach().reshape(-1) for seg in copied]
-        self._grad_views: list[torch.Tensor | None] | None = None
+        # Where the GradBuffer leaves each segment's reduced gradient (None: in param.grad); the buffer never moves.
+        self._grad_views = [
+            None if seg.buffer_start < 0 else grads.gradient(seg.buffer_start, seg.end - seg.start).view_as(seg.master)
+            for seg in self.segments
+        ]
 
     # -- construction -----------------------------------------------------------------------
     def _make_segments(self) -> list[Segment]:
@@ -198,15 +202,7 @@ class DistributedOptimizer:
 
     def _grads(self) -> list[torch.Tensor]:
         """Each segment's reduced gradient where the GradBuffer left it (on the device), in the master's dtype: a
-        bf16 buffer's (optim.grad_dtype) is copied to fp32 for the step, as Megatron does. The buffer's views are
-        made on the first call (the buffer never moves)."""
-        if self._grad_views is None:
-            self._grad_views = [
-                None
-                if seg.buffer_start < 0
-                else self.grads.gradient(seg.buffer_start, seg.end - seg.start).view_as(seg.master)
-                for seg in self.segments
-            ]
+        bf16 buffer's (optim.grad_dtype) is copied to fp32 for the step, as Megatron does."""
         return [
             seg.param.grad if view is None else view if view.dtype == seg.master.dtype else view.to(seg.master.dtype)
             for seg, view in zip(self.segments, self._grad_views, strict=True)
@@ -217,7 +213,7 @@ class DistributedOptimizer:
         torch's multi-tensor norm reads every gradient once, in a few kernels, where a per-segment square and sum
         launched three kernels per segment. It accumulates in fp64: CPU's norm kernel sums fp32 in order (1e-5 off
         at 500k elements; CUDA's multi-tensor kernel takes fp64 on its fast path too)."""
-        counted = [s.master.grad for s, once in zip(self.segments, self._counted_once, strict=True) if once]
+        counted = [seg.master.grad for seg in self._norm_segments]
         if counted:
             squares = torch.stack(torch._foreach_norm(counted, 2, dtype=torch.float64)).pow(2).sum().float()
         else:
