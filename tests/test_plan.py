@@ -160,6 +160,29 @@ def test_offload_adds_the_host_step():
     }
 
 
+# loom's own runs on one H200 (docs/gpu.md, `loom bench gpu` at commit 741ed08, compiled blocks as by default, 4
+# micro-batches a step): preset, training overrides -> measured tokens/s and peak GB.
+H200_RUNS = {
+    "llama-1b bf16": ("llama-1b", {"micro_batch_size": 4}, 60_700, 35.7),
+    "llama-1b fp8": ("llama-1b", {"micro_batch_size": 4, "fp8": "current"}, 65_902, 34.4),
+    "llama-8b slice bf16": ("llama-8b", {"seq_length": 8192, "micro_batch_size": 1}, 53_834, 42.7),
+}
+
+
+@pytest.mark.parametrize("name", list(H200_RUNS))
+def test_loom_measured_on_one_h200(name):
+    """The planner against loom itself on a GPU, within the issue's 10% (bf16 +5% and -9%, FP8 +5%: its
+    current-scaling casts, tools/gpus.toml's fp8_cast_bytes, are what the first profile measured; without them
+    the plan said 82k, +25%). The 8B slice is llama-8b's dimensions with 4 layers."""
+    preset, train, tokens_per_s, peak_gb = H200_RUNS[name]
+    train = {**train, "precision": "bf16", "global_batch_size": 4 * train["micro_batch_size"]}
+    model = {"num_layers": 4} if preset == "llama-8b" else {}
+    config = load_config(preset, {"model": model, "train": train})
+    e = estimate(config, Layout(1, 1, 1, 1, train["micro_batch_size"], "none", 0), load_hardware("h200"))
+    assert abs(e.tokens_per_s_per_gpu / tokens_per_s - 1) <= 0.10, e.tokens_per_s_per_gpu
+    assert abs(e.memory["total"] / 1e9 / peak_gb - 1) <= 0.10, e.memory["total"]
+
+
 def test_fp8_runs_block_gemms_at_the_fp8_peak(capsys):
     """`--train.precision fp8` is loom's bf16 with train.fp8: block GEMMs at twice the peak (H100 datasheet 1979
     vs 989 TFLOP/s) and attention, output layer and memory-bound kernels as before, so the step is faster by less

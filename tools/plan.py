@@ -416,6 +416,16 @@ def fp8_weight_bytes(m: ModelConfig, tp: int) -> int:
     return (h * (q + 2 * kv) + q * h + h * fc1 + m.ffn_hidden_size * h) // tp
 
 
+def fp8_quantised_elements(m: ModelConfig, tp: int) -> int:
+    """Elements of GEMM operands one rank quantises per token and layer and micro-batch (loom's FP8 linears,
+    weights aside: they are cast once per step): the four GEMMs' inputs in forward (QKV's and FC1's whole, as
+    gathered under sequence parallelism; the projection's and FC2's 1/tp shard) and their output gradients in
+    backward (the projection's and FC2's whole)."""
+    h, q, kv, f = m.hidden_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim, m.ffn_hidden_size
+    fc1 = 2 * f if m.activation == "swiglu" else f
+    return 2 * h + (q + f) // tp + 2 * h + (q + 2 * kv + fc1) // tp
+
+
 def in_flight_microbatches(pp: int, vp: int, microbatches: int, pp_rank: int = 0) -> float:
     """Micro-batches of one chunk's layers alive at once on pipeline rank `pp_rank`: the forwards loom's schedule
     runs before its first backward, plus the one that backward follows (1F1B: min(pp - rank, m); interleaved:
@@ -566,6 +576,14 @@ def estimate(config: LoomConfig, lay: Layout, hw: Hardware, engine: Engine = LOO
         + e["loss_passes"] * vocab  # on the last stage, which sets the pace
     )
     compute += streamed * element / (hw.hbm_tb_s * 1e12)
+    # Current scaling (train.fp8 = current): each quantised operand is read for its amax before a second pass can
+    # cast it, and the weight-gradient GEMM wants both of its operands transposed; delayed scaling (Transformer
+    # Engine) casts with the last steps' amax inside the kernel that produces the operand.
+    if t.fp8 == "current":
+        quantised = fp8_quantised_elements(m, lay.tp) * m.num_layers / lay.pp
+        if t.fp8_output_layer:  # the hidden states in, the logits' gradient (vocab / tp) back
+            quantised += m.hidden_size + vocab
+        compute += tokens_per_replica * quantised * e["fp8_cast_bytes"] / (hw.hbm_tb_s * 1e12)
     micro_compute = compute / microbatches
 
     # Tensor parallel, inside a node over NVLink: a ring all-reduce is two passes, an all-gather or reduce-scatter one.
