@@ -8,7 +8,7 @@ from __future__ import annotations
 import traceback
 from typing import Any, Callable
 
-from loom.engine.parallel.rendezvous import free_port, rank_context
+from loom.engine.parallel.rendezvous import RANK_PRELOAD, free_port, rank_context
 
 
 def _portable(value, to_numpy: bool):
@@ -44,6 +44,7 @@ def _worker(fn, rank, world_size, port, queue, args):
 
 
 _CONTEXT = rank_context()
+_CONTEXT.set_forkserver_preload([*RANK_PRELOAD, "tests.inductor_warm"])
 
 
 def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 300) -> list[Any]:
