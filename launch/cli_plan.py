@@ -66,7 +66,8 @@ def _layout_overrides(config, overrides: list[str]) -> dict:
 def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
     from loom.engine.config import ConfigError
     from loom.engine.config_io import load_config
-    from loom.tools.plan import blocks_compiled, load_hardware, parse_layout, plan, plot, table
+    from loom.tools.plan import load_hardware, parse_layout, plan, plot, table
+    from loom.tools.plan_bytes import blocks_compiled
 
     config = load_config(args.config, _fp8_as_loom_runs_it(overrides))
     hardware = load_hardware(args.gpu, args.gpus_per_node)

@@ -20,17 +20,15 @@ from loom.engine.parallel.state import ParallelState
 from loom.engine.pipeline.stages import build_chunks
 from loom.engine.train import Trainer
 from loom.tools.bench.saved_memory import SavedForBackward
-from loom.tools.plan import (
+from loom.tools.plan import estimate, load_hardware, plan
+from loom.tools.plan_bytes import (
     GRAD_BYTES,
     MEGATRON,
     Layout,
-    estimate,
     fp8_weight_bytes,
     layer_activation_bytes,
     layout_of,
-    load_hardware,
     model_state_bytes,
-    plan,
     rank_activation_bytes,
     rank_parameters,
     step_traffic,
@@ -421,7 +419,7 @@ def test_fp8_output_layer_keeps_what_the_plan_says():
     FP8 peak (llama-8b, by hand)."""
     from loom.engine.model.gpt import GPTModel
     from loom.engine.model.kernels import Choice, Kernels
-    from loom.tools.plan import output_activation_bytes
+    from loom.tools.plan_bytes import output_activation_bytes
 
     config = load_config("tiny", {"train": {"precision": "bf16", "fp8": "current"}, "model": {"compile": "false"}})
     native = Kernels.native()

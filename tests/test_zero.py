@@ -12,7 +12,7 @@ from training_runs import read_metrics, tiny_config
 
 from loom.engine.train import Trainer
 from loom.launch.local import launch_local
-from loom.tools.plan import Layout, zero3_gathered_elements
+from loom.tools.plan_bytes import Layout, zero3_gathered_elements
 
 STEPS = 4  # the optimizer state is in play from step 2; four steps show any divergence
 

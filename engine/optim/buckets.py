@@ -1,4 +1,4 @@
-"""How the gradient buffer is cut into buckets: the one rule, torch-free so that the planner (tools/plan.py)
+"""How the gradient buffer is cut into buckets: the one rule, torch-free so that the planner (tools/plan_bytes.py)
 lays out a rank's gradients exactly as GradBuffer (grad_buffer.py) does without importing torch.
 
 Parameters are laid out in the order given along one buffer coordinate space; a bucket closes once it holds at

@@ -208,7 +208,8 @@ def report_row(row: Row, seconds: float) -> None:
 
 def _planned(row: Row, device_name: str) -> dict:
     """`loom plan`'s tokens/s and memory for a loom row that ran, on a GPU the planner knows; {} otherwise."""
-    from loom.tools.plan import GB, estimate, gpu_kind, layout_of, load_hardware
+    from loom.tools.plan import GB, estimate, gpu_kind, load_hardware
+    from loom.tools.plan_bytes import layout_of
 
     kind = gpu_kind(device_name) if row.config is not None and row.tokens_per_s else None
     if kind is None:
