@@ -40,6 +40,7 @@ from loom.tools.plan_bytes import (
     layer_activation_bytes,
     layout_of,
     model_state_bytes,
+    native_blocks,
     rank_activation_bytes,
     rank_buffer,
     tp_collectives_per_layer,
@@ -210,10 +211,14 @@ def estimate(config: LoomConfig, lay: Layout, hw: Hardware, engine: Engine = LOO
         + (attention_per_token + attention_extra) / lay.pp / (peak * e["attention"])
     )
     # Memory-bound kernels: activation bytes (sharded by sequence parallelism) and the logits, over HBM bandwidth.
+    # Fused (compiled blocks, Transformer Engine's kernels, Megatron's) as calibrated; loom's native blocks run
+    # eagerly (model.compile = false) launch each norm, rotary, activation and residual operation on its own.
+    eager = native_blocks(config, engine) and not m.compiles_on(cuda=True)
+    passes = e["eager_elementwise_passes"] if eager else e["elementwise_passes"]
     activation_share = 1 / lay.tp if lay.sp else 1
     tokens_per_replica = t.global_batch_size * seq / lay.replicas
     streamed = tokens_per_replica * (
-        e["elementwise_passes"] * m.hidden_size * activation_share * m.num_layers / lay.pp
+        passes * m.hidden_size * activation_share * m.num_layers / lay.pp
         + e["loss_passes"] * vocab  # on the last stage, which sets the pace
     )
     compute += streamed * element / (hw.hbm_tb_s * 1e12)

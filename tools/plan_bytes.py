@@ -318,11 +318,16 @@ def _norm_statistics_bytes(m: ModelConfig) -> int:
     return 4 if m.norm == "rmsnorm" else 8
 
 
+def native_blocks(config: LoomConfig, engine: Engine = LOOM) -> bool:
+    """Whether the planned run's blocks are loom's native ones: not Megatron-LM's, and not Transformer Engine's
+    (the planner assumes native unless model.kernels = te or train.fp8 = delayed, which needs TE)."""
+    return engine.gathered_inputs_saved and config.model.kernels != "te" and config.train.fp8 != "delayed"
+
+
 def blocks_compiled(config: LoomConfig, engine: Engine = LOOM) -> bool:
     """Whether the planned run's blocks are torch.compile'd: model.compile on a GPU over loom's native kernels
-    (with Transformer Engine they run eagerly; the planner assumes native unless model.kernels = te)."""
-    m, native = config.model, config.model.kernels != "te" and config.train.fp8 != "delayed"
-    return engine.gathered_inputs_saved and native and m.compiles_on(cuda=True)
+    (Transformer Engine's run eagerly)."""
+    return native_blocks(config, engine) and config.model.compiles_on(cuda=True)
 
 
 FP8_WEIGHT_COPIES = {"current": 2, "delayed": 1}
