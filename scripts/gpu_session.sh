@@ -3,11 +3,13 @@
 #
 #   scripts/gpu_session.sh wheels            # here: loom's wheel and its pure-Python dependencies into .whl/
 #   scripts/gpu_session.sh measure OUT       # there, from the checkout (tests/ is read): figures into OUT/
+#   scripts/gpu_session.sh profile OUT       # there, if the lease has minutes left: where the step's time goes
 #
-# `measure` installs the wheels beside the machine's own torch, then runs, each under its own time limit so a lease
-# cut short still returns what finished, most telling first: `pytest -m gpu` (3.5 min), the kernel breakdown with
-# the time the device waited for the host (tools/bench/kernel_profile.py, 1.5 min) and `loom bench gpu`
-# (docs/gpu.md's table; BENCH_SECONDS, default 330: its rows are logged as they finish). About 11 minutes in all.
+# A lent machine runs one command for at most 10 minutes, so each part fits one call (MEASURE_SECONDS, default
+# 570), and every part has its own time limit so a lease cut short still returns what finished. `measure`:
+# `pytest -m gpu` (3 min), then `loom bench gpu` in what is left (docs/gpu.md's table; its rows are logged as
+# they finish). `profile`: the kernel breakdown of loom's defaults beside the plain loop, with the time the device
+# waited for the host, then loom with FP8 alone (tools/bench/kernel_profile.py, 3 min).
 set -u
 here=$(cd "$(dirname "$0")/.." && pwd)
 case "${1:-}" in
@@ -21,28 +23,36 @@ wheels)
         -d .whl datasketch submitit ftfy wcwidth py3langid || exit 1
     ls .whl
     ;;
-measure)
-    out=${2:?usage: $0 measure OUT}
+measure | profile)
+    out=${2:?usage: $0 $1 OUT}
     mkdir -p "$out"
     cd "$here" || exit 1
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/loom-site \
         .whl/*.whl || exit 1
     export PYTHONPATH=/tmp/loom-site
     nvidia-smi --query-gpu=name,memory.total,power.limit --format=csv >"$out/gpu.csv" 2>&1
-    timeout 210 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py >"$out/pytest_gpu.txt" 2>&1
-    echo "pytest -m gpu: exit $?" >>"$out/status.txt"
-    timeout 100 python3 -m loom.tools.bench.kernel_profile >"$out/kernel_profile.md" 2>&1
-    echo "kernel_profile: exit $?" >>"$out/status.txt"
-    timeout "${BENCH_SECONDS:-330}" python3 -m loom.launch.cli bench gpu --output "$out/bench_gpu.json" \
-        >"$out/bench_gpu.md" 2>"$out/bench_gpu.log"
-    echo "bench gpu: exit $? (124: cut at BENCH_SECONDS; finished rows are in bench_gpu.log)" >>"$out/status.txt"
+    left() { echo $((${MEASURE_SECONDS:-570} - SECONDS)); }
+    if [ "$1" = measure ]; then
+        timeout 180 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py >"$out/pytest_gpu.txt" 2>&1
+        echo "pytest -m gpu: exit $?" >>"$out/status.txt"
+        timeout "$(left)" python3 -m loom.launch.cli bench gpu --output "$out/bench_gpu.json" \
+            >"$out/bench_gpu.md" 2>"$out/bench_gpu.log"
+        echo "bench gpu: exit $? (124: cut short; finished rows are in bench_gpu.log)" >>"$out/status.txt"
+        tail -3 "$out/pytest_gpu.txt"
+        cat "$out/bench_gpu.md"
+        grep "^bench:" "$out/bench_gpu.log"
+    else
+        timeout 100 python3 -m loom.tools.bench.kernel_profile >"$out/kernel_profile.md" 2>&1
+        echo "kernel_profile: exit $?" >>"$out/status.txt"
+        timeout "$(left)" python3 -m loom.tools.bench.kernel_profile --no-plain --train.fp8 current \
+            >"$out/kernel_profile_fp8.md" 2>&1
+        echo "kernel_profile fp8: exit $?" >>"$out/status.txt"
+        cat "$out/kernel_profile.md" "$out/kernel_profile_fp8.md"
+    fi
     cat "$out/status.txt"
-    tail -3 "$out/pytest_gpu.txt"
-    cat "$out/kernel_profile.md" "$out/bench_gpu.md"
-    grep "^bench:" "$out/bench_gpu.log"
     ;;
 *)
-    sed -n '2,10p' "$0" | cut -c3-
+    sed -n '2,12p' "$0" | cut -c3-
     exit 2
     ;;
 esac
