@@ -44,7 +44,7 @@ measure | profile)
     else
         timeout 100 python3 -m loom.tools.bench.kernel_profile >"$out/kernel_profile.md" 2>&1
         echo "kernel_profile: exit $?" >>"$out/status.txt"
-        timeout "$(left)" python3 -m loom.tools.bench.kernel_profile --no-plain --train.fp8 current \
+        timeout "$(left)" python3 -m loom.tools.bench.kernel_profile --no-plain --train.precision bf16 --train.fp8 current \
             >"$out/kernel_profile_fp8.md" 2>&1
         echo "kernel_profile fp8: exit $?" >>"$out/status.txt"
         cat "$out/kernel_profile.md" "$out/kernel_profile_fp8.md"
