@@ -255,7 +255,8 @@ class OptimConfig:
     weights and optimizer state are split DP ways (adamw, sgd, lamb). 2: gradients too: each bucket is
     reduce-scattered into the rank's shard as backward completes it, every micro-batch. 3: the weights too:
     each rank keeps 1/DP of them, and a block's are all-gathered just before its forward and again before its
-    backward (the next block's gather prefetched) and freed after each."""
+    backward (the next block's gather prefetched) and freed after each; under train.fp8 = current loom's FP8
+    linears then quantise the gathered weights in each forward and backward instead of once per step."""
     zero1: bool = False
     """Older spelling of zero = 1, kept so configs that set it still run; resolved into `zero`."""
     offload: Literal["none", "cpu"] = "none"
@@ -547,10 +548,11 @@ class LoomConfig:
                 f"optim.grad_dtype = bf16 needs train.precision = bf16 (got {self.train.precision}); add "
                 "--train.precision bf16 or keep --optim.grad_dtype fp32"
             )
-        if self.optim.zero == 3 and self.train.fp8 != "off":
+        if self.optim.zero == 3 and self.train.fp8 == "delayed":
             raise ConfigError(
-                "optim.zero = 3 with train.fp8 is not supported yet (the FP8 weight copies are cast from whole "
-                "weights once per step); use --optim.zero 2 or --train.fp8 off"
+                "optim.zero = 3 with train.fp8 = delayed: delayed scaling is Transformer Engine's, whose layers "
+                "hold whole weights; use --train.fp8 current (loom's FP8 linears quantise the gathered weights) "
+                "or --optim.zero 2"
             )
 
     def resolve_world(self, world_size: int) -> None:

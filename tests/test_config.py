@@ -89,8 +89,8 @@ def test_resolved_config_round_trips_through_toml(tmp_path):
         (["--optim.zero", "4"], "optim.zero = 4 is not a ZeRO stage loom has; use 0, 1, 2 or 3"),
         (["--optim.zero", "-1"], "optim.zero = -1 is not a ZeRO stage loom has; use 0, 1, 2 or 3"),
         (
-            ["--optim.zero", "3", "--train.precision", "bf16", "--train.fp8", "current"],
-            "optim.zero = 3 with train.fp8 is not supported yet",
+            ["--optim.zero", "3", "--train.precision", "bf16", "--train.fp8", "delayed"],
+            "optim.zero = 3 with train.fp8 = delayed: delayed scaling is Transformer Engine's",
         ),
         (["--optim.offload", "nvme"], "optim.offload = 'nvme' is not one of none, cpu"),
         (

@@ -356,55 +356,69 @@ def test_whole_compiled_blocks_train_like_eager(markov_dataset, tmp_path):
     torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-6, atol=0)
 
 
-def _scaled_mm_kernels(output_layer: bool = False) -> Kernels:
+def _scaled_mm_kernels(output_layer: bool = False, weight_copies: bool = True) -> Kernels:
     native = Kernels.native()
     linear = Choice("torch._scaled_mm(fp8 current scaling)", "test: the CPU runs _scaled_mm")
     pieces = (native.attention, native.norm, native.activation, linear, native.optimizer)
-    return Kernels(*pieces, fp8="current", fp8_output_layer=output_layer)
+    return Kernels(*pieces, fp8="current", fp8_output_layer=output_layer, fp8_weight_copies=weight_copies)
 
 
-def _fp8_run_cached_and_uncached(rank, world, dataset, run_dir):
-    """Each rank trains the same dp2 ZeRO-1 run twice through the Trainer, with the FP8 layers' weight casts
-    cached and not; per run its losses, final weights and how often each layer quantised its weight."""
+def _fp8_runs(rank, world, dataset, run_dir):
+    """Each rank trains the same dp2 run three times through the Trainer: ZeRO-1 with the FP8 layers' weight
+    casts kept for the step and not, and ZeRO-3 (which keeps none); per run its losses, final weights and how
+    many times a weight was quantised."""
     from loom.engine import train
-    from loom.engine.model.fp8 import weight_casts
+    from loom.engine.model import fp8
 
-    # FP8 on CPU (the guard wants CUDA), the output layer's GEMMs too
-    train.choose_kernels = lambda config, device: _scaled_mm_kernels(output_layer=True)
+    quantised = [0]
+    quantize_weight = fp8.quantize_weight
+
+    def counted(weight):
+        quantised[0] += 1
+        return quantize_weight(weight)
+
+    fp8.quantize_weight = counted
     runs = {}
-    for cached in (True, False):
+    for name, zero, cached in (("cached", 1, True), ("uncached", 1, False), ("zero3", 3, False)):
+        # FP8 on CPU (the guard wants CUDA), the output layer's GEMMs too
+        train.choose_kernels = lambda config, device: _scaled_mm_kernels(True, config.optim.zero != 3)
         config = tiny_config(
             dataset,
-            f"{run_dir}/{cached}",
+            f"{run_dir}/{name}",
             train={"steps": 3, "seq_length": 64},
             parallel={"dp": 2},
-            optim={"zero1": True},
+            optim={"zero": zero},
         )
         trainer = train.Trainer(config)
-        casts = weight_casts(trainer.chunks)
-        for cast in casts:
+        for cast in fp8.weight_casts(trainer.chunks):
             cast.enabled = cached
+        quantised[0] = 0
         losses = [trainer.train_step()["loss"] for _ in range(3)]
-        weights = torch.cat([p.detach().flatten() for p in trainer.params])
-        runs[cached] = {"losses": losses, "weights": weights, "casts": [c.casts for c in casts]}
+        whole = trainer.optimizer.sharded_params is None  # ZeRO-3's are freed between steps
+        weights = torch.cat([p.detach().flatten() for p in trainer.params]) if whole else None
+        runs[name] = {"losses": losses, "weights": weights, "quantised": quantised[0]}
         trainer.close()
     return runs
 
 
 def test_fp8_weight_casts_are_made_once_per_step_and_change_nothing(dataset, tmp_path):
-    # ZeRO-1 under dp 2: each rank steps half of the masters and the other half arrives by an all-gather into
-    # the parameter buffer, which leaves the parameters' version counters alone, so a cache keyed on them
-    # alone would reuse stale casts; the Trainer's invalidation after each step must catch it.
-    ranks = run_ranks(_fp8_run_cached_and_uncached, 2, dataset, str(tmp_path))
+    """ZeRO-1 under dp 2: each rank steps half of the masters and the other half arrives by an all-gather into
+    the parameter buffer, which leaves the parameters' version counters alone, so a cache keyed on them alone
+    would reuse stale casts; the Trainer's refresh after each step must catch it. Without the per-step copies each
+    forward and each backward quantises the weight itself, with the same result. ZeRO-3 (weights gathered per
+    block and freed after) quantises the gathered weights in every call and trains as ZeRO-1 does (its third
+    loss is of weights both runs updated twice)."""
+    ranks = run_ranks(_fp8_runs, 2, dataset, str(tmp_path))
     microbatches = 16 // (2 * 2)  # global batch 16, micro-batch 2, dp 2
+    layers = 4 * 4 + 1  # tiny: 4 blocks of qkv, attention output, fc1, fc2; the output layer
     for runs in ranks:
-        cached, uncached = runs[True], runs[False]
+        cached, uncached, zero3 = runs["cached"], runs["uncached"], runs["zero3"]
         assert cached["losses"] == uncached["losses"] and cached["losses"][-1] < cached["losses"][0]
         assert torch.equal(cached["weights"], uncached["weights"])
-        layers = 4 * 4 + 1  # tiny: 4 blocks of qkv, attention output, fc1, fc2; the output layer
-        assert cached["casts"] == [1 + 3] * layers  # once per change of the weights: at start, after each step
-        assert uncached["casts"] == [1 + 3 * microbatches] * layers  # (the start's made before it was disabled)
-    assert ranks[0][True]["losses"] == ranks[1][True]["losses"]
+        assert cached["quantised"] == 3 * layers  # once per change of the weights: after each step
+        assert uncached["quantised"] == zero3["quantised"] == 3 * microbatches * 2 * layers
+        torch.testing.assert_close(torch.tensor(zero3["losses"]), torch.tensor(cached["losses"]), rtol=1e-5, atol=0)
+    assert ranks[0]["cached"]["losses"] == ranks[1]["cached"]["losses"]
 
 
 def _block_graphs(rank, world, dataset, run_dir, precision, fp8, recompute):
@@ -414,8 +428,8 @@ def _block_graphs(rank, world, dataset, run_dir, precision, fp8, recompute):
 
     from loom.engine import train
 
-    if fp8:
-        train.choose_kernels = lambda config, device: _scaled_mm_kernels()  # FP8 on CPU: the guard wants CUDA
+    if fp8:  # FP8 on CPU: the guard wants CUDA; "per call": the weights quantised in the block (as under ZeRO-3)
+        train.choose_kernels = lambda config, device: _scaled_mm_kernels(weight_copies=fp8 != "per call")
     config = tiny_config(
         dataset,
         run_dir,
@@ -435,8 +449,14 @@ def _block_graphs(rank, world, dataset, run_dir, precision, fp8, recompute):
 
 @pytest.mark.parametrize(
     "precision, fp8, recompute",
-    [("fp32", False, "none"), ("bf16", False, "selective"), ("fp16", False, "none"), ("bf16", True, "none")],
-    ids=["fp32", "bf16-selective", "fp16", "fp8"],
+    [
+        ("fp32", False, "none"),
+        ("bf16", False, "selective"),
+        ("fp16", False, "none"),
+        ("bf16", True, "none"),
+        ("bf16", "per call", "none"),
+    ],
+    ids=["fp32", "bf16-selective", "fp16", "fp8", "fp8-weights-cast-per-call"],
 )
 def test_a_block_is_one_graph_without_breaks(markov_dataset, tmp_path, precision, fp8, recompute):
     """model.compile compiles each block whole: dynamo must see one graph, TP collectives and all, with no

@@ -2,6 +2,7 @@
 calibrated the constants, and runs it never saw), and loom itself for memory and communication (what its ranks
 allocate, save for backward and send, measured on CPU)."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -412,6 +413,35 @@ def test_activation_bytes_equal_what_loom_saves_for_backward():
     assert len(results) == len(ACTIVATION_CASES)
     for case, planned, saved in results:
         assert abs(planned / saved - 1) <= 0.10, (case, planned, saved)
+
+
+def test_zero3_fp8_casts_the_gathered_weights_in_every_call():
+    """Under ZeRO-3 loom's FP8 linears keep no per-step weight copies (the weights are whole only while their block
+    computes): one block's two copies at a time instead of every layer's, and each forward and backward casts the
+    block's weights again, fp8_cast_bytes per element over HBM bandwidth (llama-8b, 8 H100s, by hand)."""
+    hardware = load_hardware("h100-sxm")
+    no_casts = dataclasses.replace(hardware, efficiency={**hardware.efficiency, "fp8_cast_bytes": 0})
+    rows = {}
+    for fp8 in ("off", "current"):
+        config = load_config("llama-8b", {"train": {"precision": "bf16", "fp8": fp8, "global_batch_size": 64}})
+        for zero in (1, 3):
+            for hw in (hardware, no_casts):
+                rows[fp8, zero, hw.efficiency["fp8_cast_bytes"]] = estimate(
+                    config, Layout(1, 1, 1, 8, 1, "none", zero), hw
+                )
+    m, cast_bytes = config.model, hardware.efficiency["fp8_cast_bytes"]
+    copy = fp8_weight_bytes(m, 1)  # one FP8 copy of one layer's GEMM weights
+    fp8_memory = {
+        zero: rows["current", zero, cast_bytes].memory["other"] - rows["off", zero, cast_bytes].memory["other"]
+        for zero in (1, 3)
+    }
+    assert fp8_memory == {1: 2 * copy * m.num_layers, 3: 2 * copy}
+    casts = {
+        zero: rows["current", zero, cast_bytes].seconds["compute"] - rows["current", zero, 0].seconds["compute"]
+        for zero in (1, 3)
+    }
+    microbatches = 64 // 8
+    assert casts[3] - casts[1] == pytest.approx(microbatches * 2 * copy * m.num_layers * cast_bytes / 3.35e12)
 
 
 def test_fp8_output_layer_keeps_what_the_plan_says():

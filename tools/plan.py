@@ -168,8 +168,12 @@ def estimate(config: LoomConfig, lay: Layout, hw: Hardware, engine: Engine = LOO
             transient += layer_activation_bytes(
                 m, local, mbs, lay.tp, lay.sp, "none", element, engine, t.fp8 != "off", blocks_compiled(config, engine)
             )
-        if t.fp8 != "off":  # the FP8 copies of this rank's weights, cast once per step
-            transient += FP8_WEIGHT_COPIES[t.fp8] * fp8_weight_bytes(m, lay.tp) * (m.num_layers // lay.pp)
+        # The FP8 copies of this rank's weights, cast once per step; under ZeRO-3 each call casts the gathered
+        # weight, so only the computing block's two copies (and the output layer's) are alive at once.
+        if t.fp8 != "off":
+            fp8_layers = 1 if lay.zero == 3 else m.num_layers // lay.pp
+            copies = 2 if lay.zero == 3 else FP8_WEIGHT_COPIES[t.fp8]
+            transient += copies * fp8_weight_bytes(m, lay.tp) * fp8_layers
         if t.fp8_output_layer and pp_rank == lay.pp - 1:  # and of the output weight (loom's own FP8 linear)
             transient += FP8_WEIGHT_COPIES["current"] * vocab * m.hidden_size
         if lay.zero == 3 and lay.replicas > 1:  # gathered whole: the block computing, the one prefetched, and the
@@ -230,6 +234,12 @@ def estimate(config: LoomConfig, lay: Layout, hw: Hardware, engine: Engine = LOO
         if t.fp8_output_layer:  # the hidden states in, the logits' gradient (vocab / tp) back
             quantised += m.hidden_size + vocab
         compute += tokens_per_replica * quantised * e["fp8_cast_bytes"] / (hw.hbm_tb_s * 1e12)
+        if lay.zero == 3:  # and every forward and backward (and recompute) casts its gathered weights again
+            calls = microbatches * (2 + (lay.recompute == "full"))
+            weights = fp8_weight_bytes(m, lay.tp) * m.num_layers / lay.pp + (
+                vocab * m.hidden_size if t.fp8_output_layer else 0
+            )
+            compute += calls * weights * e["fp8_cast_bytes"] / (hw.hbm_tb_s * 1e12)
     micro_compute = compute / microbatches
 
     # Tensor parallel, inside a node over NVLink: a ring all-reduce is two passes, an all-gather or reduce-scatter one.

@@ -54,9 +54,15 @@ def _column_major(t: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous().t()
 
 
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight in E4M3 with its per-tensor scale: (values row-major, fp32 inverse scale). Every quantisation of a
+    weight goes through here (the tests count them)."""
+    return quantize(weight, E4M3)
+
+
 def weight_copies(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(E4M3 values row-major, the same values column-major, fp32 inverse scale) of a weight."""
-    values, scale_inv = quantize(weight, E4M3)
+    values, scale_inv = quantize_weight(weight)
     return values, _column_major(values), scale_inv
 
 
@@ -67,15 +73,14 @@ class WeightCast:
 
     The trainer refreshes them after every change to the weights (Kernels.weights_updated: the optimizer's step,
     a checkpoint's load), outside any compiled graph; a torch.compile'd block reads them as inputs like any
-    buffer, with no Python state to guard on and no graph break. Without a refresh (a model built outside the
-    trainer, or `enabled` False: the reference the tests compare against) each call quantises the weight itself.
+    buffer, with no Python state to guard on and no graph break. Without copies (a model built outside the
+    trainer; ZeRO-3, whose weights are whole only while their block computes; `enabled` False, the reference the
+    tests compare against) the layer quantises the weight in each forward and again in its backward.
     """
 
     def __init__(self) -> None:
         self.enabled = True
         """False quantises on every call (the reference the cached path is tested against)."""
-        self.casts = 0
-        """How many times the weight was quantised."""
         self.copies: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def refresh(self, weight: torch.Tensor) -> None:
@@ -84,32 +89,40 @@ class WeightCast:
             self.copies = None
             return
         with torch.no_grad():
-            fresh = self.quantize(weight)
+            fresh = weight_copies(weight)
             if self.copies is None or self.copies[0].shape != fresh[0].shape:
                 self.copies = fresh
             else:
                 for kept, new in zip(self.copies, fresh, strict=True):
                     kept.copy_(new)
 
-    def quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """weight_copies(weight), counted."""
-        self.casts += 1
-        return weight_copies(weight)
-
-    def get(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.copies if self.enabled and self.copies is not None else self.quantize(weight)
+    def get(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """This step's copies, or None: the layer then quantises the weight itself."""
+        return self.copies if self.enabled else None
 
 
 class _Fp8Matmul(torch.autograd.Function):
     """y = x W^T with x [M, in] and W [out, in]; forward, dgrad and wgrad GEMMs all in FP8. The weight comes
-    quantised (w_q row-major, w_q_col the same column-major, w_inv: WeightCast's); its gradient flows to `weight`."""
+    quantised (w_q row-major, w_q_col the same column-major, w_inv: WeightCast's) or, all three None, is quantised
+    here in forward and again in backward: the weight itself is kept for backward, not a copy of it (under ZeRO-3
+    it is gathered again for backward anyway). Its gradient flows to `weight`."""
 
     @staticmethod
     def forward(
-        ctx, x: torch.Tensor, weight: torch.Tensor, w_q: torch.Tensor, w_q_col: torch.Tensor, w_inv: torch.Tensor
+        ctx,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        w_q: torch.Tensor | None,
+        w_q_col: torch.Tensor | None,
+        w_inv: torch.Tensor | None,
     ) -> torch.Tensor:
         x_q, x_inv = quantize(x, E4M3)
-        ctx.save_for_backward(x_q, x_inv, w_q_col, w_inv)
+        ctx.cached = w_q is not None
+        if ctx.cached:
+            ctx.save_for_backward(x_q, x_inv, w_q_col, w_inv)
+        else:
+            w_q, w_inv = quantize_weight(weight)
+            ctx.save_for_backward(x_q, x_inv, weight)
         ctx.dtypes = (x.dtype, weight.dtype)
         # Fast accumulation keeps the tensor cores' partial sums in their own narrower accumulator instead of
         # promoting them to fp32 every few blocks of K: faster, and the forward tolerates it. The backward GEMMs
@@ -120,7 +133,12 @@ class _Fp8Matmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None, None]:
-        x_q, x_inv, w_q_col, w_inv = ctx.saved_tensors
+        if ctx.cached:
+            x_q, x_inv, w_q_col, w_inv = ctx.saved_tensors
+        else:
+            x_q, x_inv, weight = ctx.saved_tensors
+            w_q, w_inv = quantize_weight(weight)
+            w_q_col = _column_major(w_q)
         x_dtype, w_dtype = ctx.dtypes
         g_q, g_inv = quantize(grad_out.contiguous(), E5M2)
         grad_x = torch._scaled_mm(g_q, w_q_col, scale_a=g_inv, scale_b=w_inv, out_dtype=x_dtype)
@@ -137,9 +155,9 @@ def fp8_linear(
     weight_fp8: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """F.linear with FP8 GEMMs; x [..., in] (cast to the weight's dtype), weight [out, in]. `weight_fp8` is the
-    weight already quantised (WeightCast.get), else it is quantised here."""
+    weight already quantised (WeightCast.get), else it is quantised here, forward and backward."""
     leading = x.shape[:-1]
-    w_q, w_q_col, w_inv = weight_fp8 if weight_fp8 is not None else weight_copies(weight)
+    w_q, w_q_col, w_inv = weight_fp8 if weight_fp8 is not None else (None, None, None)
     y = _Fp8Matmul.apply(x.to(weight.dtype).reshape(-1, x.shape[-1]), weight, w_q, w_q_col, w_inv)
     y = y.reshape(*leading, weight.shape[0])
     return y if bias is None else y + bias
@@ -155,7 +173,7 @@ class _Fp8Linear:
         self.weight_cast = WeightCast()
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return fp8_linear(x, self.weight, bias, self.weight_cast.get(self.weight))
+        return fp8_linear(x, self.weight, bias, self.weight_cast.get())
 
     def cast_weight(self) -> torch.Tensor:
         """The weight its WeightCast quantises."""
@@ -177,7 +195,7 @@ class Fp8OutputLayer(torch.nn.Module):
         return self.weight_of()
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, weight, None, self.weight_cast.get(weight))
+        return fp8_linear(x, weight, None, self.weight_cast.get())
 
 
 def _fp8_layers(modules: list[torch.nn.Module]) -> list[_Fp8Linear | Fp8OutputLayer]:

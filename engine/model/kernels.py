@@ -146,12 +146,16 @@ class Kernels:
         fp8: str = "off",
         params_dtype: torch.dtype = torch.float32,
         fp8_output_layer: bool = False,
+        fp8_weight_copies: bool = True,
     ):
         self.attention, self.norm, self.activation = attention, norm, activation
         self.linear, self.optimizer, self.fp8 = linear, optimizer, fp8
         self.params_dtype = params_dtype
         self.fp8_output_layer = fp8_output_layer
         """The output layer's GEMMs on torch._scaled_mm too (train.fp8_output_layer), whatever runs the blocks'."""
+        self.fp8_weight_copies = fp8_weight_copies
+        """Whether the torch._scaled_mm layers keep FP8 copies of their weights from one step to the next (not under
+        ZeRO-3, whose weights are whole only while their block computes: each call quantises the gathered one)."""
         self._fp8_recipe = None
 
     @classmethod
@@ -281,7 +285,7 @@ class Kernels:
     def weights_updated(self, model_chunks: list[torch.nn.Module]) -> None:
         """The weights were initialised, loaded or stepped: remake what is derived from them, once (the FP8
         layers' weight copies, engine/model/fp8.py)."""
-        if not (self.uses_scaled_mm or self.fp8_output_layer):
+        if not (self.uses_scaled_mm or self.fp8_output_layer) or not self.fp8_weight_copies:
             return
         from loom.engine.model.fp8 import refresh_weight_casts
 
@@ -329,7 +333,9 @@ def _choose_linear(config: LoomConfig, device: torch.device, capability, te_ok: 
     if not ok:
         raise ConfigError(f"train.fp8 = {mode} is unavailable: {device_why}; use --train.fp8 off")
     check_fp8_shapes(config)
-    if te_ok:
+    if te_ok and config.optim.zero == 3:  # TE casts the weights it holds; ZeRO-3 frees them between blocks
+        te_why += "; optim.zero = 3: loom's FP8 linears quantise the gathered weights"
+    elif te_ok:
         from loom.engine.model import te
 
         if mode == "delayed" and config.model.recompute != "none":
@@ -415,4 +421,5 @@ def choose_kernels(config: LoomConfig, device: torch.device, capability: tuple[i
         fp8=config.train.fp8,
         fp8_output_layer=config.train.fp8_output_layer,
         params_dtype=PARAM_DTYPES[config.train.precision],
+        fp8_weight_copies=config.optim.zero != 3,
     )
