@@ -1,5 +1,7 @@
 """Kernel choice (engine/model/kernels.py): the native path is the reference, guards say why, FP8 maths on CPU."""
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -363,10 +365,20 @@ def _scaled_mm_kernels(output_layer: bool = False, weight_copies: bool = True) -
     return Kernels(*pieces, fp8="current", fp8_output_layer=output_layer, fp8_weight_copies=weight_copies)
 
 
+def _fp8_on_cpu(config, device) -> Kernels:
+    """choose_kernels for `config` with the linears on torch._scaled_mm (the guard wants CUDA), the output layer's
+    too, keeping the weights' FP8 copies per step unless ZeRO-3 (as choose_kernels decides)."""
+    kernels = choose_kernels(config, device)
+    kernels.linear = Choice("torch._scaled_mm(fp8 current scaling)", "test: the CPU runs _scaled_mm")
+    kernels.fp8, kernels.fp8_output_layer, kernels.fp8_weight_copies = "current", True, config.optim.zero != 3
+    return kernels
+
+
 def _fp8_runs(rank, world, dataset, run_dir):
-    """Each rank trains the same dp2 run three times through the Trainer: ZeRO-1 with the FP8 layers' weight
-    casts kept for the step and not, and ZeRO-3 (which keeps none); per run its losses, final weights and how
-    many times a weight was quantised."""
+    """Each rank trains the same dp2 run through the Trainer: ZeRO-1 with the FP8 layers' weight casts kept for the
+    step and not, and ZeRO-3 (which keeps none), eagerly; then ZeRO-1 and ZeRO-3 with compiled blocks. Per run its
+    losses, final weights (not ZeRO-3's: freed between steps) and how many times a weight was quantised (eager
+    runs)."""
     from loom.engine import train
     from loom.engine.model import fp8
 
@@ -377,24 +389,34 @@ def _fp8_runs(rank, world, dataset, run_dir):
         quantised[0] += 1
         return quantize_weight(weight)
 
-    fp8.quantize_weight = counted
+    train.choose_kernels = _fp8_on_cpu
     runs = {}
-    for name, zero, cached in (("cached", 1, True), ("uncached", 1, False), ("zero3", 3, False)):
-        # FP8 on CPU (the guard wants CUDA), the output layer's GEMMs too
-        train.choose_kernels = lambda config, device: _scaled_mm_kernels(True, config.optim.zero != 3)
+    for name, zero, cached, compiled in (
+        ("cached", 1, True, False),
+        ("uncached", 1, False, False),
+        ("zero3", 3, False, False),
+        ("compiled", 1, True, True),
+        ("compiled zero3", 3, False, True),
+    ):
         config = tiny_config(
             dataset,
             f"{run_dir}/{name}",
+            model={"compile": compiled},
             train={"steps": 3, "seq_length": 64},
             parallel={"dp": 2},
             optim={"zero": zero},
         )
+        # counted only eagerly: a compiled graph calling the counter would specialise on its value, recompiling
+        fp8.quantize_weight = quantize_weight if compiled else counted
         trainer = train.Trainer(config)
+        assert trainer.kernels.compiles_blocks == compiled
         for cast in fp8.weight_casts(trainer.chunks):
             cast.enabled = cached
         quantised[0] = 0
-        losses = [trainer.train_step()["loss"] for _ in range(3)]
-        whole = trainer.optimizer.sharded_params is None  # ZeRO-3's are freed between steps
+        with contextlib.redirect_stdout(io.StringIO()) as log:
+            losses = [trainer.train_step()["loss"] for _ in range(3)]
+        assert "compiling failed" not in log.getvalue(), (name, log.getvalue())
+        whole = trainer.optimizer.sharded_params is None
         weights = torch.cat([p.detach().flatten() for p in trainer.params]) if whole else None
         runs[name] = {"losses": losses, "weights": weights, "quantised": quantised[0]}
         trainer.close()
@@ -407,7 +429,8 @@ def test_fp8_weight_casts_are_made_once_per_step_and_change_nothing(dataset, tmp
     would reuse stale casts; the Trainer's refresh after each step must catch it. Without the per-step copies each
     forward and each backward quantises the weight itself, with the same result. ZeRO-3 (weights gathered per
     block and freed after) quantises the gathered weights in every call and trains as ZeRO-1 does (its third
-    loss is of weights both runs updated twice)."""
+    loss is of weights both runs updated twice), eagerly and with compiled blocks (whose backward quantises the
+    weight ZeRO-3 gathered again)."""
     ranks = run_ranks(_fp8_runs, 2, dataset, str(tmp_path))
     microbatches = 16 // (2 * 2)  # global batch 16, micro-batch 2, dp 2
     layers = 4 * 4 + 1  # tiny: 4 blocks of qkv, attention output, fc1, fc2; the output layer
@@ -415,9 +438,11 @@ def test_fp8_weight_casts_are_made_once_per_step_and_change_nothing(dataset, tmp
         cached, uncached, zero3 = runs["cached"], runs["uncached"], runs["zero3"]
         assert cached["losses"] == uncached["losses"] and cached["losses"][-1] < cached["losses"][0]
         assert torch.equal(cached["weights"], uncached["weights"])
-        assert cached["quantised"] == 3 * layers  # once per change of the weights: after each step
+        assert cached["quantised"] == 3 * layers  # after each step
         assert uncached["quantised"] == zero3["quantised"] == 3 * microbatches * 2 * layers
         torch.testing.assert_close(torch.tensor(zero3["losses"]), torch.tensor(cached["losses"]), rtol=1e-5, atol=0)
+        compiled, compiled_zero3 = (torch.tensor(runs[name]["losses"]) for name in ("compiled", "compiled zero3"))
+        torch.testing.assert_close(compiled_zero3, compiled, rtol=1e-5, atol=0)
     assert ranks[0]["cached"]["losses"] == ranks[1]["cached"]["losses"]
 
 
