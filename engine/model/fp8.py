@@ -11,7 +11,8 @@ keeps the FP8 copies of x and W for the backward (half the bytes of bf16).
 A weight changes only when the optimizer steps, so each layer quantises it once per step (`WeightCast`,
 refreshed by the trainer outside any compiled graph) into a row-major and a column-major copy, and every
 micro-batch, recomputed forward and backward of that step reads them: no per-micro-batch amax, cast or
-transpose of a weight, and no graph break in a compiled block.
+transpose of a weight, and no graph break in a compiled block. Under ZeRO-3 a weight is whole only while its block
+computes, so there each forward and backward quantises the gathered weight itself.
 
 torch._scaled_mm wants the second operand column-major and every size divisible by 16; kernels.py
 checks the sizes before choosing this path. It runs on CUDA devices of compute capability >= 8.9,
