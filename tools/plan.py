@@ -218,11 +218,11 @@ def estimate(config: LoomConfig, lay: Layout, hw: Hardware, engine: Engine = LOO
     # Fused (compiled blocks, Transformer Engine's kernels, Megatron's) as calibrated; loom's native blocks run
     # eagerly (model.compile = false) launch each norm, rotary, activation and residual operation on its own.
     eager = native_blocks(config, engine) and not m.compiles_on(cuda=True)
-    passes = e["eager_elementwise_passes"] if eager else e["elementwise_passes"]
+    elementwise_passes = e["eager_elementwise_passes"] if eager else e["elementwise_passes"]
     activation_share = 1 / lay.tp if lay.sp else 1
     tokens_per_replica = t.global_batch_size * seq / lay.replicas
     streamed = tokens_per_replica * (
-        passes * m.hidden_size * activation_share * m.num_layers / lay.pp
+        elementwise_passes * m.hidden_size * activation_share * m.num_layers / lay.pp
         + e["loss_passes"] * vocab  # on the last stage, which sets the pace
     )
     compute += streamed * element / (hw.hbm_tb_s * 1e12)
