@@ -548,12 +548,18 @@ class LoomConfig:
                 f"optim.grad_dtype = bf16 needs train.precision = bf16 (got {self.train.precision}); add "
                 "--train.precision bf16 or keep --optim.grad_dtype fp32"
             )
-        if self.optim.zero == 3 and self.train.fp8 == "delayed":
-            raise ConfigError(
+        if refusal := self.zero_refusal(self.optim.zero):
+            raise ConfigError(refusal)
+
+    def zero_refusal(self, zero: int) -> str | None:
+        """Why this run cannot use ZeRO stage `zero` (training and the planner's search), or None."""
+        if zero == 3 and self.train.fp8 == "delayed":
+            return (
                 "optim.zero = 3 with train.fp8 = delayed: delayed scaling is Transformer Engine's, whose layers "
                 "hold whole weights; use --train.fp8 current (loom's FP8 linears quantise the gathered weights) "
                 "or --optim.zero 2"
             )
+        return None
 
     def resolve_world(self, world_size: int) -> None:
         """Fix parallel.dp from the world size and check everything that depends on the layout."""

@@ -78,6 +78,8 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
         if key in fixed and fixed[key] != value:
             raise ConfigError(f"--layout says {key}={fixed[key]} but an override says {value}; give it once")
         fixed[key] = value
+    if "zero" in fixed and (refusal := config.zero_refusal(fixed["zero"])):
+        raise ConfigError(refusal)
     estimates = plan(config, args.gpus, hardware, fixed)
     if not estimates:
         raise ConfigError(

@@ -674,3 +674,8 @@ def test_plan_recommends_only_what_loom_runs(capsys):
     ):
         code, _, err = plan("--layout", layout)
         assert code == 2 and err.startswith(f"error: {message}") and err.count("\n") == 1
+    delayed = ("--train.precision", "bf16", "--train.fp8", "delayed")  # ZeRO-3 with TE's FP8 is refused
+    code, out, _ = plan("--json", "--top", "500", "--parallel.cp", "1", *delayed)
+    assert code == 0 and {row["zero"] for row in json.loads(out)["layouts"]} == {0, 1, 2}
+    code, _, err = plan("--layout", "zero=3", *delayed)
+    assert code == 2 and err.startswith("error: optim.zero = 3 with train.fp8 = delayed") and err.count("\n") == 1
