@@ -31,7 +31,10 @@ measure | profile)
         .whl/*.whl || exit 1
     export PYTHONPATH=/tmp/loom-site
     nvidia-smi --query-gpu=name,memory.total,power.limit --format=csv >"$out/gpu.csv" 2>&1
-    left() { echo $((${MEASURE_SECONDS:-570} - SECONDS)); }
+    left() { # seconds left of MEASURE_SECONDS, at least 10 (timeout refuses a negative limit)
+        local s=$((${MEASURE_SECONDS:-570} - SECONDS))
+        echo $((s > 10 ? s : 10))
+    }
     if [ "$1" = measure ]; then
         timeout 180 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py >"$out/pytest_gpu.txt" 2>&1
         echo "pytest -m gpu: exit $?" >>"$out/status.txt"
