@@ -6,8 +6,8 @@
 #   scripts/gpu_session.sh profile OUT       # there, if the lease has minutes left: where the step's time goes
 #
 # A lent machine runs one command for at most 10 minutes, so each part fits one call (MEASURE_SECONDS, default
-# 570), and every part has its own time limit so a lease cut short still returns what finished. `measure`:
-# `pytest -m gpu` (3 min), then `loom bench gpu` in what is left (docs/gpu.md's table; its rows are logged as
+# 585), and every part has its own time limit so a lease cut short still returns what finished. `measure`:
+# `pytest -m gpu` (200 s), then `loom bench gpu` in what is left (docs/gpu.md's table; its rows are logged as
 # they finish). `profile`: the kernel breakdown of loom's defaults beside the plain loop, with the time the device
 # waited for the host, then loom with FP8 alone (tools/bench/kernel_profile.py, 3 min).
 set -u
@@ -32,11 +32,11 @@ measure | profile)
     export PYTHONPATH=/tmp/loom-site
     nvidia-smi --query-gpu=name,memory.total,power.limit --format=csv >"$out/gpu.csv" 2>&1
     left() { # seconds left of MEASURE_SECONDS, at least 10 (timeout refuses a negative limit)
-        local s=$((${MEASURE_SECONDS:-570} - SECONDS))
+        local s=$((${MEASURE_SECONDS:-585} - SECONDS))
         echo $((s > 10 ? s : 10))
     }
     if [ "$1" = measure ]; then
-        timeout 180 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py >"$out/pytest_gpu.txt" 2>&1
+        timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py >"$out/pytest_gpu.txt" 2>&1
         echo "pytest -m gpu: exit $?" >>"$out/status.txt"
         timeout "$(left)" python3 -m loom.launch.cli bench gpu --output "$out/bench_gpu.json" \
             >"$out/bench_gpu.md" 2>"$out/bench_gpu.log"
