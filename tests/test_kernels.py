@@ -233,6 +233,26 @@ def test_fp8_linear_matches_its_reference_forward_and_backward():
     assert (y.detach() - exact).norm() / exact.norm() < 0.05
 
 
+def test_fp8_linear_with_a_frozen_weight_runs_no_weight_gradient_gemm(monkeypatch):
+    """A LoRA base's linears: the input's gradient as with a trainable weight, from one backward GEMM, not two
+    (with the weight cast per step and per call alike)."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 64, generator=generator)
+    weight = torch.randn(48, 64, generator=generator) * 0.1
+    grad_y = torch.randn(32, 48, generator=generator)
+    scaled_mm, calls = torch._scaled_mm, []
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: calls.append(1) or scaled_mm(*a, **k))
+    for copies in (fp8.weight_copies(weight), None):
+        grads = {}
+        for trainable in (True, False):
+            leaf, w = x.clone().requires_grad_(), weight.clone().requires_grad_(trainable)
+            calls.clear()
+            fp8.fp8_linear(leaf, w, None, copies).backward(grad_y)
+            grads[trainable] = (leaf.grad, len(calls) - 1)  # the forward GEMM aside
+        assert grads[True][1] == 2 and grads[False][1] == 1
+        assert torch.equal(grads[True][0], grads[False][0])
+
+
 def test_scaled_mm_linear_plugs_into_the_model_with_the_same_parameters():
     config = tiny(model=SMALL).model
     native = Kernels.native()

@@ -133,19 +133,23 @@ class _Fp8Matmul(torch.autograd.Function):
         return torch._scaled_mm(x_q, w_q.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=x.dtype, use_fast_accum=True)
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None, None]:
-        if ctx.cached:
-            x_q, x_inv, w_q_col, w_inv = ctx.saved_tensors
-        else:
-            x_q, x_inv, weight = ctx.saved_tensors
-            w_q, w_inv = quantize_weight(weight)
-            w_q_col = _column_major(w_q)
+    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None]:
         x_dtype, w_dtype = ctx.dtypes
         g_q, g_inv = quantize(grad_out.contiguous(), E5M2)
-        grad_x = torch._scaled_mm(g_q, w_q_col, scale_a=g_inv, scale_b=w_inv, out_dtype=x_dtype)
-        grad_w = torch._scaled_mm(
-            g_q.t().contiguous(), _column_major(x_q), scale_a=g_inv, scale_b=x_inv, out_dtype=w_dtype
-        )
+        grad_x = grad_w = None
+        # Only the gradients asked for: a frozen weight (a LoRA base) needs no weight-gradient GEMM.
+        if ctx.needs_input_grad[0]:
+            if ctx.cached:
+                w_q_col, w_inv = ctx.saved_tensors[2:]
+            else:
+                w_q, w_inv = quantize_weight(ctx.saved_tensors[2])
+                w_q_col = _column_major(w_q)
+            grad_x = torch._scaled_mm(g_q, w_q_col, scale_a=g_inv, scale_b=w_inv, out_dtype=x_dtype)
+        if ctx.needs_input_grad[1]:
+            x_q, x_inv = ctx.saved_tensors[:2]
+            grad_w = torch._scaled_mm(
+                g_q.t().contiguous(), _column_major(x_q), scale_a=g_inv, scale_b=x_inv, out_dtype=w_dtype
+            )
         return grad_x, grad_w, None, None, None
 
 
