@@ -378,20 +378,21 @@ def test_whole_compiled_blocks_train_like_eager(markov_dataset, tmp_path):
     torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-6, atol=0)
 
 
+def _on_scaled_mm(kernels: Kernels, output_layer: bool, weight_copies: bool) -> Kernels:
+    """`kernels` with the linears on torch._scaled_mm, which the CPU runs (choose_kernels' guard wants CUDA)."""
+    kernels.linear = Choice("torch._scaled_mm(fp8 current scaling)", "test: the CPU runs _scaled_mm")
+    kernels.fp8, kernels.fp8_output_layer, kernels.fp8_weight_copies = "current", output_layer, weight_copies
+    return kernels
+
+
 def _scaled_mm_kernels(output_layer: bool = False, weight_copies: bool = True) -> Kernels:
-    native = Kernels.native()
-    linear = Choice("torch._scaled_mm(fp8 current scaling)", "test: the CPU runs _scaled_mm")
-    pieces = (native.attention, native.norm, native.activation, linear, native.optimizer)
-    return Kernels(*pieces, fp8="current", fp8_output_layer=output_layer, fp8_weight_copies=weight_copies)
+    return _on_scaled_mm(Kernels.native(), output_layer, weight_copies)
 
 
 def _fp8_on_cpu(config, device) -> Kernels:
-    """choose_kernels for `config` with the linears on torch._scaled_mm (the guard wants CUDA), the output layer's
-    too, keeping the weights' FP8 copies per step unless ZeRO-3 (as choose_kernels decides)."""
-    kernels = choose_kernels(config, device)
-    kernels.linear = Choice("torch._scaled_mm(fp8 current scaling)", "test: the CPU runs _scaled_mm")
-    kernels.fp8, kernels.fp8_output_layer, kernels.fp8_weight_copies = "current", True, config.optim.zero != 3
-    return kernels
+    """choose_kernels for `config` with the linears on torch._scaled_mm, the output layer's too, keeping the
+    weights' FP8 copies per step unless ZeRO-3 (as choose_kernels decides)."""
+    return _on_scaled_mm(choose_kernels(config, device), True, config.optim.zero != 3)
 
 
 def _fp8_runs(rank, world, dataset, run_dir):
