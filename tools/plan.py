@@ -170,10 +170,9 @@ def estimate(config: LoomConfig, lay: Layout, hw: Hardware, engine: Engine = LOO
             )
         # The FP8 copies of this rank's weights, cast once per step; under ZeRO-3 each call casts the gathered
         # weight, so only the computing block's two copies (and the output layer's) are alive at once.
-        if t.fp8 != "off":
+        if t.fp8 != "off":  # (ZeRO-3 runs loom's own FP8 linears: LoomConfig.zero_refusal)
             fp8_layers = 1 if lay.zero == 3 else m.num_layers // lay.pp
-            copies = 2 if lay.zero == 3 else FP8_WEIGHT_COPIES[t.fp8]
-            transient += copies * fp8_weight_bytes(m, lay.tp) * fp8_layers
+            transient += FP8_WEIGHT_COPIES[t.fp8] * fp8_weight_bytes(m, lay.tp) * fp8_layers
         if t.fp8_output_layer and pp_rank == lay.pp - 1:  # and of the output weight (loom's own FP8 linear)
             transient += FP8_WEIGHT_COPIES["current"] * vocab * m.hidden_size
         if lay.zero == 3 and lay.replicas > 1:  # gathered whole: the block computing, the one prefetched, and the
