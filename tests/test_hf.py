@@ -5,14 +5,12 @@ export back unchanged; settings loom cannot represent are refused with one line 
 
 import json
 import math
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from training_runs import tiny_config
+from training_runs import loom_here, tiny_config
 
 from loom.engine.checkpoint.format import find_loadable
 from loom.engine.checkpoint.load import PieceReader
@@ -141,7 +139,7 @@ def test_imported_models_export_back_to_the_same_model(hf_model, tmp_path):
         assert (again(tokens).logits - model(tokens).logits).abs().max().item() < 1e-5
 
 
-def test_loom_eval_equals_transformers_loss(hf_model, tmp_path):
+def test_loom_eval_equals_transformers_loss(hf_model, tmp_path, capfd):
     """The user story: import a transformers model, evaluate it with `loom eval`. One document of
     seq_length + 1 tokens is the only sample, so every batch holds it."""
     directory, model = hf_model
@@ -150,13 +148,11 @@ def test_loom_eval_equals_transformers_loss(hf_model, tmp_path):
     document = np.random.default_rng(3).integers(0, VOCAB, seq_length + 1)
     with IndexedDatasetWriter(tmp_path / "one", np.dtype(np.uint16)) as writer:
         writer.add_document(document)
-    result = subprocess.run(
-        [sys.executable, "-m", "loom.launch.cli", "eval", "--checkpoint", str(tmp_path / "loom")]
-        + ["--data", str(tmp_path / "one"), "--iters", "1", "--train.seq_length", str(seq_length)]
-        + ["--train.global_batch_size", "2", "--train.micro_batch_size", "1", "--train.precision", "fp32"],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    result = loom_here(
+        capfd,
+        *["eval", "--checkpoint", str(tmp_path / "loom")],
+        *["--data", str(tmp_path / "one"), "--iters", "1", "--train.seq_length", str(seq_length)],
+        *["--train.global_batch_size", "2", "--train.micro_batch_size", "1", "--train.precision", "fp32"],
     )
     assert result.returncode == 0, result.stderr
     line = next(x for x in result.stdout.splitlines() if "validation loss" in x)
@@ -179,15 +175,9 @@ UNREPRESENTABLE = {
 
 
 @pytest.mark.parametrize("field", list(UNREPRESENTABLE))
-def test_unrepresentable_settings_are_refused_in_one_line(field, tmp_path):
+def test_unrepresentable_settings_are_refused_in_one_line(field, tmp_path, capfd):
     llama_config(**UNREPRESENTABLE[field]).save_pretrained(str(tmp_path / "hf"))
-    result = subprocess.run(
-        [sys.executable, "-m", "loom.launch.cli", "ckpt", "import-hf"]
-        + ["--input", str(tmp_path / "hf"), "--output", str(tmp_path / "loom")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = loom_here(capfd, "ckpt", "import-hf", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "loom"))
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and field in lines[0], result.stderr
@@ -212,7 +202,7 @@ def test_a_run_that_changes_the_checkpoints_rope_is_told(hf_model, tmp_path):
     ]
 
 
-def test_loom_generate_equals_transformers_greedy_generate(hf_model, tmp_path):
+def test_loom_generate_equals_transformers_greedy_generate(hf_model, tmp_path, capfd):
     """KV-cached greedy decoding of an imported model continues a prompt as transformers' generate does."""
     from loom.tools.generate import generate, load_model
 
@@ -225,12 +215,14 @@ def test_loom_generate_equals_transformers_greedy_generate(hf_model, tmp_path):
             torch.tensor([prompt]), max_new_tokens=32, do_sample=False, pad_token_id=0, eos_token_id=None
         )[0, len(prompt) :].tolist()
     assert generate(loom_model, prompt, 32) == theirs
-    result = subprocess.run(
-        [sys.executable, "-m", "loom.launch.cli", "generate", "--checkpoint", str(tmp_path / "loom")]
-        + ["--prompt-ids", " ".join(map(str, prompt)), "--max-new-tokens", "32"],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    result = loom_here(
+        capfd,
+        "generate",
+        "--checkpoint",
+        str(tmp_path / "loom"),
+        "--prompt-ids",
+        " ".join(map(str, prompt)),
+        *["--max-new-tokens", "32"],
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == [str(t) for t in prompt + theirs]

@@ -8,7 +8,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from training_runs import HANG_S, fails_if_hung, read_metrics, tiny_config
+from training_runs import HANG_S, fails_if_hung, loom_here, read_metrics, tiny_config
 
 from loom.launch.local import RankFailed, launch_local
 
@@ -55,19 +55,20 @@ def run_cli(*args, cwd=REPO):
         (["--model.kernels", "te"], "model.kernels = te needs Transformer Engine on a CUDA device"),
     ],
 )
-def test_bad_training_input_is_one_line(args, message):
-    result = run_cli("train", "--config", "configs/tiny.toml", *args)
+def test_bad_training_input_is_one_line(args, message, capfd):
+    result = loom_here(capfd, "train", "--config", str(REPO / "configs/tiny.toml"), *args)
     assert result.returncode == 2
     assert result.stderr.strip() == f"error: {message}" or result.stderr.strip().startswith(f"error: {message}")
     assert len(result.stderr.strip().splitlines()) == 1
 
 
-def test_corrupt_index_is_named(dataset, tmp_path):
+def test_corrupt_index_is_named(dataset, tmp_path, capfd):
     idx = Path(dataset + ".idx").read_bytes()
     broken = tmp_path / "broken"
     (tmp_path / "broken.idx").write_bytes(b"NOTMMIDX\x00" + idx[9:])
     (tmp_path / "broken.bin").write_bytes(Path(dataset + ".bin").read_bytes())
-    result = run_cli("train", "--config", "configs/tiny.toml", "--data.paths", str(broken), "--data.tokenizer", "none")
+    config = str(REPO / "configs/tiny.toml")
+    result = loom_here(capfd, "train", "--config", config, "--data.paths", str(broken), "--data.tokenizer", "none")
     assert result.returncode == 2
     assert f"corrupt dataset {broken}.idx: bad magic" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1

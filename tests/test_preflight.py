@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from training_runs import loom, loom_here, one_line_error, read_metrics, tiny_train_args
+from training_runs import loom_here, one_line_error, read_metrics, tiny_train_args
 
 from loom.engine.data.indexed import IndexedDataset, IndexedDatasetWriter
 from loom.engine.data.token_range import token_id_range
@@ -24,9 +24,11 @@ def out_of_vocabulary(tmp_path):
     return str(tmp_path / "wide")
 
 
-def test_token_ids_beyond_the_vocabulary_are_refused_under_tp2(out_of_vocabulary, tmp_path):
+def test_token_ids_beyond_the_vocabulary_are_refused_under_tp2(out_of_vocabulary, tmp_path, capfd):
     """At tp = 2 this data used to train to exit 0 at loss ln(V): the vocabulary-parallel embedding masks it."""
-    result = loom("train", *tiny_train_args(out_of_vocabulary, tmp_path / "run", "--nproc", "2", "--parallel.tp", "2"))
+    result = loom_here(
+        capfd, "train", *tiny_train_args(out_of_vocabulary, tmp_path / "run", "--nproc", "2", "--parallel.tp", "2")
+    )
     one_line_error(result, "holds token id 4999", "model.vocab_size = 4096", "--model.vocab_size 5000")
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
@@ -42,31 +44,31 @@ def test_token_range_is_cached_and_follows_the_file(out_of_vocabulary):
     assert token_id_range(IndexedDataset(out_of_vocabulary)) == (3, 5)
 
 
-def test_sequence_longer_than_the_positions_is_refused(dataset, tmp_path):
-    result = loom("train", *tiny_train_args(dataset, tmp_path, "--train.seq_length", "100000"))
+def test_sequence_longer_than_the_positions_is_refused(dataset, tmp_path, capfd):
+    result = loom_here(capfd, "train", *tiny_train_args(dataset, tmp_path, "--train.seq_length", "100000"))
     one_line_error(result, "train.seq_length = 100000 exceeds model.max_position_embeddings = 4096")
 
 
 @pytest.mark.parametrize("count", ["0", "-2"])
-def test_rank_counts_below_one_are_refused(dataset, tmp_path, count):
-    result = loom("train", *tiny_train_args(dataset, tmp_path, "--nproc", count))
+def test_rank_counts_below_one_are_refused(dataset, tmp_path, count, capfd):
+    result = loom_here(capfd, "train", *tiny_train_args(dataset, tmp_path, "--nproc", count))
     assert result.returncode == 2
     assert f"argument --nproc: must be at least 1, got {count}" in result.stderr
 
 
-def test_a_config_that_is_not_utf8_is_one_line(dataset, tmp_path):
+def test_a_config_that_is_not_utf8_is_one_line(dataset, tmp_path, capfd):
     config = tmp_path / "latin1.toml"
     config.write_bytes("[train]\n# caf\xe9\nsteps = 2\n".encode("latin-1"))
-    one_line_error(loom("train", "--config", str(config), "--data.paths", dataset), "is not UTF-8 text")
+    one_line_error(loom_here(capfd, "train", "--config", str(config), "--data.paths", dataset), "is not UTF-8 text")
 
 
-def test_directories_where_files_belong_are_named_as_such(dataset, tmp_path):
-    one_line_error(loom("train", "--config", str(tmp_path)), f"config {tmp_path} is a directory")
+def test_directories_where_files_belong_are_named_as_such(dataset, tmp_path, capfd):
+    one_line_error(loom_here(capfd, "train", "--config", str(tmp_path)), f"config {tmp_path} is a directory")
     folder = str(Path(dataset).parent)
-    result = loom("train", *tiny_train_args(folder, tmp_path / "run"))
+    result = loom_here(capfd, "train", *tiny_train_args(folder, tmp_path / "run"))
     one_line_error(result, f"{folder} is a directory; give the prefix P of P.bin/P.idx", dataset)
     (tmp_path / "docs.jsonl").write_text('{"text": "x"}\n')
-    result = loom("data", "clean", "--input", str(tmp_path), "--output", str(tmp_path / "out"))
+    result = loom_here(capfd, "data", "clean", "--input", str(tmp_path), "--output", str(tmp_path / "out"))
     one_line_error(result, f"input {tmp_path} is a directory; give its JSONL files (here: docs.jsonl)")
 
 
