@@ -66,6 +66,9 @@ class StopRequest(Protocol):
     """Set by a launcher's signal handler (launch/env.py StopSignals): 0 goes on, larger is more urgent."""
 
     code: int
+    agreed: int
+    """The code the ranks agreed on and stopped for (the trainer sets it): unlike `code`, a signal arriving after
+    the agreement leaves it alone."""
 
 
 class Trainer:
@@ -410,6 +413,7 @@ class Trainer:
         """The ranks' agreed code, which decides; the local code only grows (a signal that came during the
         exchange must not be overwritten)."""
         stop.code = max(stop.code, int(agreed))
+        stop.agreed = int(agreed)
         return int(agreed)
 
     def run(self, stop: StopRequest | None = None) -> list[dict]:

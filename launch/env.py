@@ -34,6 +34,7 @@ class StopSignals:
 
     def __init__(self, actions: dict[signal.Signals, int]):
         self.code = 0
+        self.agreed = 0
         self._actions = actions
         for signum in actions:
             signal.signal(signum, self._handle)
@@ -64,7 +65,7 @@ def init_distributed(config: LoomConfig) -> int:
 def run_rank(config: LoomConfig, mode: str = "train", stop: StopSignals | None = None) -> list[dict]:
     """Everything one rank does for `loom train` (mode "train": the logged rows) or `loom eval`
     (mode "eval": one row with val_loss and val_ppl, printed by rank 0). With `stop`, a stop signal
-    checkpoints and returns early; `stop.code` then says what all ranks agreed on."""
+    checkpoints and returns early; `stop.agreed` then says what all ranks agreed on."""
     import math
 
     from loom.engine.train import Trainer

@@ -301,11 +301,19 @@ class TrainingJob:
                 Path(config.train.run_dir), job.job_id, job.global_rank, error, config.parallel.timeout_minutes
             )
             raise
-        if stop.code == StopSignals.REQUEUE:
-            if job.global_rank == 0:
+        if stop.agreed == StopSignals.REQUEUE:  # not stop.code: the requeue's own SIGTERM may have raised it
+            # Slurm now ends this allocation with SIGTERM; returning would let the job complete instead. The
+            # checkpoint is saved, so that SIGTERM ends the rank at once: caught, the rank would sleep until
+            # SIGKILL, holding the nodes KillWait seconds longer (30 by default) before the job can restart.
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            terminated = stop.code > stop.agreed  # a SIGTERM came after the agreement (an exit request wins)
+            if job.global_rank == 0 and not terminated:
                 subprocess.run(["scontrol", "requeue", job.job_id], check=True)
                 print(f"checkpoint saved; job {job.job_id} requeued, it resumes from the checkpoint", flush=True)
-            # Slurm now ends this allocation; returning would let the job complete instead.
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+            if terminated:
+                signal.raise_signal(signal.SIGTERM)
             time.sleep(REQUEUE_WAIT_S)
             raise RuntimeError(f"job {job.job_id} was not requeued within {REQUEUE_WAIT_S} s")
         return {"rank": job.global_rank, "steps_logged": len(rows), "stopped": bool(stop.code)}

@@ -152,6 +152,9 @@ def test_a_preempted_job_checkpoints_requeues_and_gives_the_local_curve(slurm, d
     assert f"job {job_id} requeued" in stdout
     resumed_at = int(stdout.split("resumed from ")[1].split(" at step ")[1].split()[0])
     assert resumed_at == 4
+    # Every rank ended on the requeue's SIGTERM: none sat out KillWait until srun killed it, holding the nodes.
+    log = (tmp_path / "slurm" / f"{job_id}_0_log.out").read_text()
+    assert "Terminated" in log and "Killed" not in log, log
     rows = read_metrics(tmp_path)
     assert_same_curve(rows[:4], local_reference[:4], rel=0.0, steps=4)
     assert_same_curve(rows, local_reference, rel=1e-6)
