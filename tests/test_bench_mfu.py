@@ -3,44 +3,23 @@
 import json
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from training_runs import loom_here
 
 from loom.tools.bench.mfu import format_table
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_bench_mfu_runs_on_cpu_and_prints_its_table(tmp_path):
+def test_bench_mfu_runs_on_cpu_and_prints_its_table(tmp_path, capfd):
     output = tmp_path / "mfu.json"
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "loom.launch.cli",
-            "bench",
-            "mfu",
-            "--config",
-            "configs/tiny.toml",
-            "--steps",
-            "2",
-            "--warmup",
-            "1",
-            "--microbatches",
-            "1",
-            "--output",
-            str(output),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env=env,
-        timeout=300,
+    result = loom_here(
+        capfd,
+        *["bench", "mfu", "--config", str(REPO / "configs/tiny.toml")],
+        *["--steps", "2", "--warmup", "1", "--microbatches", "1", "--output", str(output)],
     )
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
@@ -96,17 +75,11 @@ def test_table_reports_mfu_against_both_peaks_the_ratios_and_the_plan():
     assert planned in table
 
 
-def test_bench_gpu_quick_runs_on_cpu_and_answers_every_row(tmp_path):
+def test_bench_gpu_quick_runs_on_cpu_and_answers_every_row(tmp_path, capfd, monkeypatch):
     """The command a GPU session runs first: here with tiny sizes, so it cannot rot before a device comes."""
     output = tmp_path / "gpu.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "loom.launch.cli", "bench", "gpu", "--quick", "--output", str(output)],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
-        timeout=600,
-    )
+    monkeypatch.chdir(tmp_path)
+    result = loom_here(capfd, "bench", "gpu", "--quick", "--output", str(output))
     assert result.returncode == 0, result.stderr[-3000:]
     for row in (
         "GEMM peak (measured)",
@@ -124,15 +97,18 @@ def test_bench_gpu_quick_runs_on_cpu_and_answers_every_row(tmp_path):
     assert results["launcher"]["ok"]
 
 
-def test_kernel_profile_runs_on_cpu_and_says_how_long_the_device_waited():
+def test_kernel_profile_runs_on_cpu_and_says_how_long_the_device_waited(capfd):
     """The GPU session's breakdown command, at tiny sizes: every kind of kernel per step for loom and the plain
     loop, and loom's step against the time a kernel ran (on CPU: a top-level aten operator)."""
-    command = [sys.executable, "-m", "loom.tools.bench.kernel_profile", "--steps", "2", "--warmup", "1"]
-    result = subprocess.run(
-        command, capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(REPO))
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    lines = result.stdout.splitlines()
+    from loom.tools.bench.kernel_profile import main
+
+    rendezvous_before = {name: os.environ.get(name) for name in ("MASTER_PORT", "RANK", "WORLD_SIZE")}
+    main(["--steps", "2", "--warmup", "1"])
+    # its world-size-1 group is gone with the variables it set (ranks launched later would read them)
+    assert {name: os.environ.get(name) for name in rendezvous_before} == rendezvous_before
+    assert not torch.distributed.is_initialized()
+    result = capfd.readouterr()
+    lines = result.out.splitlines()
     assert lines[0] == "| ms per step | loom (defaults) | plain loop |"
     total = next(line for line in lines if line.startswith("| total |"))
     assert all(float(cell) > 0 for cell in total.strip("|").split("|")[1:])

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -31,7 +31,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from loom.engine.config import ConfigError, LoomConfig
 from loom.engine.config_io import load_config
@@ -184,28 +183,15 @@ def run(args: argparse.Namespace) -> dict:
         from loom.engine.cuda_env import set_cuda_env_defaults
 
         set_cuda_env_defaults(base)
-    throughput_args = argparse.Namespace(
-        steps=steps,
-        warmup=warmup,
-        microbatches=microbatches,
-        fp8_recipe="auto",
-        fp8_output_layer=False,
-        compile=None,
-        gemm_size=None,
-    )
-    slice_args = argparse.Namespace(**{**vars(throughput_args), "microbatches": slice_microbatches})
+    throughput = mfu.Throughput(steps=steps, warmup=warmup, microbatches=microbatches)
+    slice_throughput = dataclasses.replace(throughput, microbatches=slice_microbatches)
     results = {"config": config_name, "quick": args.quick, "slice_config": slice_name}
     with tempfile.TemporaryDirectory() as tmp:
-        mfu._init_single_process_group(device)
-        try:
-            results["throughput"] = mfu.measure(throughput_args, base)
-            results["fp8_slice"] = mfu.measure(slice_args, load_config(slice_name, slice_overrides), baselines=False)
+        with mfu.single_process_group(device):
+            results["throughput"] = mfu.measure(throughput, base)
+            results["fp8_slice"] = mfu.measure(slice_throughput, load_config(slice_name, slice_overrides), False)
             results["loss_gap"] = loss_gap(base, gap_steps, gap_layers, Path(tmp), device)
             print(f"bench: loss gap: {json.dumps(results['loss_gap'])}", file=sys.stderr, flush=True)
-        finally:
-            dist.destroy_process_group()
-            for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
-                os.environ.pop(name, None)  # the launcher's ranks set their own
         results["launcher"] = launcher_run(config_name, overrides, Path(tmp), device)
         print(f"bench: launcher: {json.dumps(results['launcher'])}", file=sys.stderr, flush=True)
     print(format_markdown(results), flush=True)

@@ -22,7 +22,6 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
@@ -167,8 +166,7 @@ def main(argv: list[str] | None = None) -> None:
         t = base.train
         documents = (args.warmup + args.steps + 1) * t.micro_batch_size * args.microbatches * 2
         data = mfu.write_random_tokens(Path(tmp) / "random", base.model.vocab_size, documents, t.seq_length + 1)
-        mfu._init_single_process_group(device)
-        try:
+        with mfu.single_process_group(device):
             name = f"loom ({' '.join(overrides) or 'defaults'})"
             columns[name], wall, busy = profile_loom(base, data, tmp + "/run", args, device)
             step = (
@@ -177,8 +175,6 @@ def main(argv: list[str] | None = None) -> None:
             )
             if not args.no_plain:
                 columns["plain loop"] = profile_plain(base, args, device)
-        finally:
-            dist.destroy_process_group()
     print(format_report(columns) + "\n\n" + step, flush=True)
 
 

@@ -27,7 +27,7 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +47,30 @@ from loom.tools.bench.plain_loop import (
     transformers_reason,
     unsupported_reason,
 )
+
+
+@dataclass
+class Throughput:
+    """How the rows are measured: `loom bench mfu`'s flags (launch/cli_bench.py); `loom bench gpu` sets its own."""
+
+    steps: int
+    """Measured steps per run, after `warmup`."""
+    warmup: int
+    """Steps run first and not measured (the allocator, autotuning, the compile)."""
+    microbatches: int
+    """Micro-batches per step (gradient accumulation)."""
+    fp8_recipe: str = "auto"
+    """The FP8 row's recipe: delayed, current, or auto (delayed with Transformer Engine, else current)."""
+    fp8_output_layer: bool = False
+    """The FP8 row runs the output layer's GEMMs in FP8 too (train.fp8_output_layer)."""
+    compile: bool | None = None
+    """torch.compile the plain loop; None: on CUDA, not on CPU."""
+    gemm_size: int | None = None
+    """Square GEMM size for the measured peak; None: 8192 on CUDA, 512 on CPU."""
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Throughput:
+        return cls(**{field.name: getattr(args, field.name) for field in fields(cls)})
 
 
 @dataclass
@@ -109,8 +133,8 @@ def bench_config(base: LoomConfig, data: str, run_dir: str, steps: int, microbat
 
 def _with_overrides(base: LoomConfig, overrides: dict) -> LoomConfig:
     values = config_to_dict(base)
-    for section, fields in overrides.items():
-        values[section].update(fields)
+    for section, settings in overrides.items():
+        values[section].update(settings)
     return load_config(None, values)
 
 
@@ -135,7 +159,7 @@ def run_loom(config: LoomConfig, warmup: int, device: torch.device) -> tuple[lis
     return rates, mem, kernels
 
 
-def measure(args: argparse.Namespace, base: LoomConfig, baselines: bool = True) -> dict:
+def measure(settings: Throughput, base: LoomConfig, baselines: bool = True) -> dict:
     """Every row's figures (module docstring); without `baselines`, loom's two rows only."""
     device = _device(base.train.device)
     t = base.train
@@ -146,13 +170,13 @@ def measure(args: argparse.Namespace, base: LoomConfig, baselines: bool = True) 
         "precision": precision,
         "seq_length": t.seq_length,
         "micro_batch_size": t.micro_batch_size,
-        "microbatches": args.microbatches,
+        "microbatches": settings.microbatches,
         "rows": [],
     }
     flops = model_flops_per_token(base.model, t.seq_length)
-    steps = args.warmup + args.steps
+    steps = settings.warmup + settings.steps
     with tempfile.TemporaryDirectory() as tmp:
-        documents = (steps + 1) * t.micro_batch_size * args.microbatches * 2
+        documents = (steps + 1) * t.micro_batch_size * settings.microbatches * 2
         data = write_random_tokens(Path(tmp) / "random", base.model.vocab_size, documents, t.seq_length + 1)
         rows = []
         started = time.perf_counter()
@@ -161,16 +185,16 @@ def measure(args: argparse.Namespace, base: LoomConfig, baselines: bool = True) 
             rows.append(row)
             report_row(row, time.perf_counter() - started)
 
-        config = bench_config(base, data, str(Path(tmp) / "bf16"), steps, args.microbatches)
-        rates, mem, kernels = run_loom(config, args.warmup, device)
+        config = bench_config(base, data, str(Path(tmp) / "bf16"), steps, settings.microbatches)
+        rates, mem, kernels = run_loom(config, settings.warmup, device)
         done(Row(f"loom {precision} (defaults)", median(rates), mem, kernels, config))
         results["kernels"] = kernels
-        done(_fp8_row(args, base, data, tmp, steps, device))
+        done(_fp8_row(settings, base, data, tmp, steps, device))
         if baselines:
-            done(_plain_row(args, base, device))
-            done(_transformers_row(args, base, device))
+            done(_plain_row(settings, base, device))
+            done(_transformers_row(settings, base, device))
     gemm_dtype = PARAM_DTYPES["bf16" if device.type == "cuda" else precision]
-    size = args.gemm_size or (8192 if device.type == "cuda" else 512)
+    size = settings.gemm_size or (8192 if device.type == "cuda" else 512)
     gemm = gemm_peak_tflops(device, gemm_dtype, size, repeats=50 if device.type == "cuda" else 10)
     datasheet = (
         peak_tflops(results["device"], "bf16" if precision == "fp32" and device.type == "cuda" else precision)
@@ -227,14 +251,14 @@ def row_by_name(results: dict, prefix: str) -> dict:
     return next(row for row in results["rows"] if row["name"].startswith(prefix))
 
 
-def _fp8_row(args, base: LoomConfig, data: str, tmp: str, steps: int, device: torch.device) -> Row:
-    recipe = args.fp8_recipe
+def _fp8_row(settings: Throughput, base: LoomConfig, data: str, tmp: str, steps: int, device: torch.device) -> Row:
+    recipe = settings.fp8_recipe
     if recipe == "auto":
         from loom.engine.model.kernels import probe_import
 
         has_te = device.type == "cuda" and probe_import("transformer_engine.pytorch")[0] is not None
         recipe = "delayed" if has_te else "current"
-    output_layer = args.fp8_output_layer
+    output_layer = settings.fp8_output_layer
     name = f"loom fp8 ({recipe}{', output layer too' if output_layer else ''})"
     try:
         config = bench_config(
@@ -242,7 +266,7 @@ def _fp8_row(args, base: LoomConfig, data: str, tmp: str, steps: int, device: to
             data,
             str(Path(tmp) / "fp8"),
             steps,
-            args.microbatches,
+            settings.microbatches,
             precision="bf16",
             fp8=recipe,
             fp8_output_layer=output_layer,
@@ -252,26 +276,26 @@ def _fp8_row(args, base: LoomConfig, data: str, tmp: str, steps: int, device: to
         choose_kernels(config, device)  # the same checks the Trainer makes, before any work
     except ConfigError as error:
         return Row(name, note=f"skipped: {error}")
-    rates, mem, kernels = run_loom(config, args.warmup, device)
+    rates, mem, kernels = run_loom(config, settings.warmup, device)
     return Row(name, median(rates), mem, kernels, config)
 
 
-def _loop_shape(args, base: LoomConfig, device: torch.device) -> dict:
+def _loop_shape(settings: Throughput, base: LoomConfig, device: torch.device) -> dict:
     """run_plain_loop's arguments for the shape loom's rows train."""
     t = base.train
     return dict(
         c=base.model,
         seq_length=t.seq_length,
         micro_batch=t.micro_batch_size,
-        microbatches=args.microbatches,
-        steps=args.steps,
-        warmup=args.warmup,
+        microbatches=settings.microbatches,
+        steps=settings.steps,
+        warmup=settings.warmup,
         device=device,
         precision=t.precision,
     )
 
 
-def _transformers_row(args, base: LoomConfig, device: torch.device) -> Row:
+def _transformers_row(settings: Throughput, base: LoomConfig, device: torch.device) -> Row:
     """transformers' LlamaForCausalLM, eager with SDPA, autocast and fused AdamW, on the same shape."""
     name = "transformers LlamaForCausalLM (eager, sdpa)"
     reason = unsupported_reason(base.model) or transformers_reason()
@@ -279,21 +303,21 @@ def _transformers_row(args, base: LoomConfig, device: torch.device) -> Row:
         return Row(name, note=f"skipped: {reason}")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    rates = run_plain_loop(**_loop_shape(args, base, device), compile_model=False, model_class=TransformersLlama)
+    rates = run_plain_loop(**_loop_shape(settings, base, device), compile_model=False, model_class=TransformersLlama)
     mem = memory_gb(device)
     _free(device)
     return Row(name, median(rates), mem)
 
 
-def _plain_row(args, base: LoomConfig, device: torch.device) -> Row:
-    compiled = args.compile if args.compile is not None else device.type == "cuda"
+def _plain_row(settings: Throughput, base: LoomConfig, device: torch.device) -> Row:
+    compiled = settings.compile if settings.compile is not None else device.type == "cuda"
     name = f"plain PyTorch loop ({'torch.compile' if compiled else 'eager'})"
     reason = unsupported_reason(base.model)
     if reason:
         return Row(name, note=f"skipped: {reason}")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    plain = _loop_shape(args, base, device)
+    plain = _loop_shape(settings, base, device)
     note = ""
     try:
         rates = run_plain_loop(**plain, compile_model=compiled)
@@ -359,12 +383,9 @@ def run(args: argparse.Namespace, overrides: list[str]) -> dict:
     if device.type == "cuda":
         from loom.engine.cuda_env import set_cuda_env_defaults
 
-        set_cuda_env_defaults()
-    _init_single_process_group(device)
-    try:
-        results = measure(args, base)
-    finally:
-        dist.destroy_process_group()
+        set_cuda_env_defaults(base)
+    with single_process_group(device):
+        results = measure(Throughput.from_args(args), base)
     print(format_table(results), flush=True)
     if args.output:
         Path(args.output).write_text(json.dumps(results, indent=2) + "\n")
@@ -372,11 +393,26 @@ def run(args: argparse.Namespace, overrides: list[str]) -> dict:
     return results
 
 
-def _init_single_process_group(device: torch.device) -> None:
+@contextlib.contextmanager
+def single_process_group(device: torch.device):
+    """World size 1 for the measured runs (the Trainer works in a process group), gone afterwards with the
+    rendezvous variables it set: ranks a launcher starts later in this process must not inherit them."""
     from loom.engine.parallel.rendezvous import free_port
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1"}
+    rendezvous["LOCAL_RANK"] = "0"
+    before = {name: os.environ.get(name) for name in rendezvous}
+    os.environ.update(rendezvous)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _device(choice: str) -> torch.device:
