@@ -1,30 +1,12 @@
 """`loom schedule`: the printed schedule, its figures, the chart, and the measured timeline of a run."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-from training_runs import HANG_S, tiny_train_args
-
-REPO = Path(__file__).resolve().parents[1]
+from training_runs import loom_here, tiny_train_args
 
 
-def loom(*args):
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.run(
-        [sys.executable, "-m", "loom.launch.cli", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=REPO,
-        timeout=HANG_S,
-    )
-
-
-def test_prints_schedule_bubble_and_memory(tmp_path):
-    result = loom("schedule", "--pp", "4", "--microbatches", "8", "--output", str(tmp_path / "s.png"))
+def test_prints_schedule_bubble_and_memory(tmp_path, capfd):
+    result = loom_here(capfd, "schedule", "--pp", "4", "--microbatches", "8", "--output", str(tmp_path / "s.png"))
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[1] == "rank 0: F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 F7 B4 B5 B6 B7"
@@ -34,15 +16,16 @@ def test_prints_schedule_bubble_and_memory(tmp_path):
     assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_rejects_what_the_interleaved_schedule_cannot_run():
-    result = loom("schedule", "--pp", "4", "--vp", "2", "--microbatches", "6")
+def test_rejects_what_the_interleaved_schedule_cannot_run(capfd):
+    result = loom_here(capfd, "schedule", "--pp", "4", "--vp", "2", "--microbatches", "6")
     assert result.returncode == 2
     assert result.stderr.strip().startswith("error: the interleaved schedule needs microbatches divisible by pp = 4")
 
 
-def test_from_run_draws_the_measured_timeline(markov_dataset, tmp_path):
+def test_from_run_draws_the_measured_timeline(markov_dataset, tmp_path, capfd):
     run = tmp_path / "run"
-    result = loom(
+    result = loom_here(
+        capfd,
         "train",
         *tiny_train_args(
             markov_dataset(60),
@@ -61,6 +44,6 @@ def test_from_run_draws_the_measured_timeline(markov_dataset, tmp_path):
     timeline = json.loads((run / "pipeline_timeline.json").read_text())
     assert timeline["layout"] == {"pp": 2, "vp": 1, "microbatches": 8}
     assert [len(rank) for rank in timeline["ranks"]] == [16, 16]
-    result = loom("schedule", "--from-run", str(run))
+    result = loom_here(capfd, "schedule", "--from-run", str(run))
     assert result.returncode == 0, result.stderr
     assert (run / "pipeline_schedule.png").exists()
