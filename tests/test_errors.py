@@ -1,13 +1,10 @@
 """User errors and bugs are told apart: a LoomError is one line, anything else keeps its traceback, rank and host."""
 
-import os
 import socket
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
-from training_runs import HANG_S, tiny_train_args
+from training_runs import loom_here, tiny_train_args
 
 from loom.data_tools.jsonl import InputError
 from loom.engine.checkpoint.format import CheckpointError
@@ -68,14 +65,15 @@ def dataset(markov_dataset):
     return markov_dataset(60)
 
 
-def _train(dataset, run_dir, *overrides, env=None):
-    command = [sys.executable, "-m", "loom.launch.cli", "train"]
-    command += tiny_train_args(dataset, run_dir, "--nproc", "1", "--train.steps", "3", *overrides)
-    return subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, **(env or {})), timeout=HANG_S)
+def _train(capfd, dataset, run_dir, *overrides):
+    return loom_here(
+        capfd, "train", *tiny_train_args(dataset, run_dir, "--nproc", "1", "--train.steps", "3", *overrides)
+    )
 
 
-def test_a_bug_in_a_rank_is_reported_with_its_traceback_rank_and_host(dataset, tmp_path):
-    done = _train(dataset, tmp_path, "--train.eval_interval", "0", env={"LOOM_INJECT_FAULT": "0:1"})
+def test_a_bug_in_a_rank_is_reported_with_its_traceback_rank_and_host(dataset, tmp_path, capfd, monkeypatch):
+    monkeypatch.setenv("LOOM_INJECT_FAULT", "0:1")
+    done = _train(capfd, dataset, tmp_path, "--train.eval_interval", "0")
     assert done.returncode == 1, done.stderr
     host = socket.gethostname()
     assert (
@@ -85,9 +83,9 @@ def test_a_bug_in_a_rank_is_reported_with_its_traceback_rank_and_host(dataset, t
     assert "Traceback (most recent call last)" in done.stderr and "before_step" in done.stderr
 
 
-def test_a_user_error_found_inside_a_rank_is_one_line(dataset, tmp_path):
+def test_a_user_error_found_inside_a_rank_is_one_line(dataset, tmp_path, capfd):
     # Only a rank builds the dataset, so a split with no validation documents is found there, not in preflight.
-    done = _train(dataset, tmp_path, "--data.split", "100,0,0", "--train.eval_interval", "2")
+    done = _train(capfd, dataset, tmp_path, "--data.split", "100,0,0", "--train.eval_interval", "2")
     assert done.returncode == 1, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert lines[-1].startswith("error: rank 0 on ") and "leaves no validation documents" in lines[-1], lines
