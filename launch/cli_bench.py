@@ -18,6 +18,15 @@ Runs one process (world size 1) on train.device: loom at the config's precision,
 (skipped with the reason where unavailable) and the same model as a plain PyTorch loop."""
 
 
+EPILOG_PROFILE = """\
+Prints ms per step of GEMMs, attention, inductor's fused kernels, other element-wise kernels, reductions,
+the optimizer, copies and collectives for loom and for the same model as a plain loop, the 15 costliest
+kernels of each, and how long loom's step took against the time the device ran a kernel (the rest: the
+device waiting for the host). Any config field can be overridden as --section.field value, e.g.
+  loom bench profile --no-plain --train.precision bf16 --train.fp8 current
+On CPU it runs tiny sizes and names aten operators instead of kernels: a smoke test, not a measurement."""
+
+
 def cmd_bench_mfu(args: argparse.Namespace, overrides: list[str]) -> None:
     from loom.tools.bench.mfu import run
 
@@ -30,8 +39,14 @@ def cmd_bench_gpu(args: argparse.Namespace) -> None:
     run(args)
 
 
+def cmd_bench_profile(args: argparse.Namespace, overrides: list[str]) -> None:
+    from loom.tools.bench.kernel_profile import run
+
+    run(args, overrides)
+
+
 def add_parser(commands) -> None:
-    bench = commands.add_parser("bench", help="benchmarks with same-run baselines (mfu, gpu)")
+    bench = commands.add_parser("bench", help="benchmarks with same-run baselines (mfu, gpu, profile)")
     kinds = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     mfu = kinds.add_parser(
         "mfu",
@@ -83,3 +98,20 @@ def add_parser(commands) -> None:
     gpu.add_argument("--config", help="model for the throughput rows (default: llama-1b, or tiny with --quick)")
     gpu.add_argument("--output", type=output_file, help="JSON file for the figures (default: bench_gpu.json)")
     gpu.set_defaults(handler=cmd_bench_gpu)
+
+    profile = kinds.add_parser(
+        "profile",
+        help="where a step's device time goes, by kernel kind: loom's defaults beside the plain PyTorch loop",
+        epilog=EPILOG_PROFILE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    profile.add_argument("--config", help="model (default: llama-1b on a GPU, tiny at seq 64 on CPU)")
+    profile.add_argument("--steps", type=int_in(1, 10_000), default=2, help="profiled steps (after --warmup)")
+    profile.add_argument(
+        "--warmup", type=int_in(0, 10_000), default=3, help="steps run first, unprofiled (compiling, autotuning)"
+    )
+    profile.add_argument(
+        "--microbatches", type=int_in(1, 100_000), default=4, help="micro-batches per step (gradient accumulation)"
+    )
+    profile.add_argument("--no-plain", action="store_true", help="profile loom only, not the plain loop too")
+    profile.set_defaults(handler=cmd_bench_profile, takes_overrides=True)

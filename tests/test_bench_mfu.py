@@ -100,15 +100,13 @@ def test_bench_gpu_quick_runs_on_cpu_and_answers_every_row(tmp_path, capfd, monk
 def test_kernel_profile_runs_on_cpu_and_says_how_long_the_device_waited(capfd):
     """The GPU session's breakdown command, at tiny sizes: every kind of kernel per step for loom and the plain
     loop, and loom's step against the time a kernel ran (on CPU: a top-level aten operator)."""
-    from loom.tools.bench.kernel_profile import main
-
     rendezvous_before = {name: os.environ.get(name) for name in ("MASTER_PORT", "RANK", "WORLD_SIZE")}
-    main(["--steps", "2", "--warmup", "1"])
+    result = loom_here(capfd, "bench", "profile", "--steps", "2", "--warmup", "1")
+    assert result.returncode == 0, result.stderr[-2000:]
     # its world-size-1 group is gone with the variables it set (ranks launched later would read them)
     assert {name: os.environ.get(name) for name in rendezvous_before} == rendezvous_before
     assert not torch.distributed.is_initialized()
-    result = capfd.readouterr()
-    lines = result.out.splitlines()
+    lines = result.stdout.splitlines()
     assert lines[0] == "| ms per step | loom (defaults) | plain loop |"
     total = next(line for line in lines if line.startswith("| total |"))
     assert all(float(cell) > 0 for cell in total.strip("|").split("|")[1:])

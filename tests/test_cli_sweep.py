@@ -223,6 +223,10 @@ COMMANDS = {
         },
     ),
     "bench gpu": (["--quick"], {"--config": "config", "--output": "out-file"}),
+    "bench profile": (
+        ["--steps", "1", "--warmup", "0"],
+        {"--config": "config", "--steps": "count", "--warmup": "count0", "--microbatches": "count"},
+    ),
     "plan": (
         ["--config", "tiny", "--gpus", "8"],
         {
@@ -250,6 +254,7 @@ EXEMPT = {
     "--json",
     "--compile",
     "--fp8-output-layer",
+    "--no-plain",
     "--partition",  # sbatch's to judge: tests/test_slurm.py checks its one-line refusal on a real cluster
     "--account",
     "--qos",

@@ -1,6 +1,6 @@
 """Where a training step's device time goes, by kernel kind: loom's Trainer beside the plain PyTorch loop.
 
-    python -m loom.tools.bench.kernel_profile [--config llama-1b] [--steps 2] [--optim.grad_dtype bf16 ...]
+    loom bench profile [--config llama-1b] [--steps 2] [--optim.grad_dtype bf16 ...]
 
 For the GPU sessions that have minutes, not hours: one command prints ms per step of GEMMs, attention, Triton
 (inductor's fused kernels), other element-wise kernels, reductions, the optimizer, copies and collectives, for
@@ -144,14 +144,8 @@ def format_report(columns: dict[str, dict[str, float]], top: int = 15) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=None, help="model (default llama-1b on CUDA, tiny on CPU)")
-    parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--no-plain", action="store_true", help="profile loom only")
-    args, overrides = parser.parse_known_args(argv)
+def run(args: argparse.Namespace, overrides: list[str]) -> None:
+    """Entry point of `loom bench profile` (launch/cli_bench.py)."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     sizes = {} if cuda else {"train": {"seq_length": 64, "micro_batch_size": 2}}
@@ -176,7 +170,3 @@ def main(argv: list[str] | None = None) -> None:
             if not args.no_plain:
                 columns["plain loop"] = profile_plain(base, args, device)
     print(format_report(columns) + "\n\n" + step, flush=True)
-
-
-if __name__ == "__main__":
-    main()
