@@ -449,9 +449,11 @@ class Trainer:
             interval_steps += 1
             interval_tokens += row["global_batch_size"] * t.seq_length
             if self.step % t.log_interval == 0 or self.step == t.steps:
-                # Timed over the steps since the last logged one: a device sync on logging steps only.
+                # Timed from sync to sync over the steps since the last logged one (a device sync on logging steps
+                # only), so the host's logging in between counts too, as it holds up the next step.
                 self._sync()
-                elapsed = time.perf_counter() - interval_start
+                logged_at = time.perf_counter()
+                elapsed = logged_at - interval_start
                 clock.record(elapsed, interval_steps)
                 tokens_per_s = interval_tokens / elapsed
                 mfu = (
@@ -471,7 +473,7 @@ class Trainer:
                     row["kernels"] = self.kernels.as_dict()
                 # The whole run's time left, also when train.exit_after ends this job before it.
                 rows.append(self._log(row, clock.seconds_left(t.steps - self.step)))
-                interval_start, interval_steps, interval_tokens = time.perf_counter(), 0, 0
+                interval_start, interval_steps, interval_tokens = logged_at, 0, 0
             saving = self._saves_at(self.step, stop_at)
             evaluating = self.valid_set is not None and (self.step % t.eval_interval == 0 or self.step == t.steps)
             if saving:

@@ -123,7 +123,8 @@ def run_plain_loop(
     model_class: type[torch.nn.Module] = PlainGPT,
 ) -> list[float]:
     """Train `model_class(c, seq_length)` (the plain model, or TransformersLlama) on random tokens; returns tokens/s
-    of every step after the warmup."""
+    of every step after the warmup, each timed from the end of the step before (a device sync) to its own end: its
+    batches' making and copy to the device included, as loom's Trainer's steps include loading theirs."""
     torch.manual_seed(0)
     model = model_class(c, seq_length).to(device)
     step_model = torch.compile(model) if compile_model else model
@@ -134,13 +135,13 @@ def run_plain_loop(
     autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype else contextlib.nullcontext
     generator = torch.Generator().manual_seed(1)
     rates = []
+    _sync(device)
+    start = time.perf_counter()
     for step in range(warmup + steps):
         batches = [
             torch.randint(0, c.vocab_size, (micro_batch, seq_length + 1), generator=generator).to(device)
             for _ in range(microbatches)
         ]
-        _sync(device)
-        start = time.perf_counter()
         for batch in batches:
             with autocast():
                 loss = step_model(batch[:, :-1], batch[:, 1:]) / microbatches
@@ -149,8 +150,10 @@ def run_plain_loop(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         _sync(device)
+        end = time.perf_counter()
         if step >= warmup:
-            rates.append(microbatches * micro_batch * seq_length / (time.perf_counter() - start))
+            rates.append(microbatches * micro_batch * seq_length / (end - start))
+        start = end
     return rates
 
 
