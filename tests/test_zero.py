@@ -117,7 +117,7 @@ def test_zero_stages_and_offload_agree(dataset, tmp_path, nproc, parallel, preci
 
 
 # At dp 4 the bytes each ZeRO stage allocates are checked against the planner's formulas, layout by layout, in
-# test_plan.py::test_weights_gradients_and_optimizer_state_equal_what_loom_allocates[4].
+# test_plan_bytes.py::test_weights_gradients_and_optimizer_state_equal_what_loom_allocates[4].
 
 
 def _train_save_resume(rank, world, dataset, run_dir, first, second):

@@ -16,7 +16,7 @@ it into time and searches layouts).
 - traffic: the bytes of each collective and transfer of a step, by group, op and dtype, as loom's communication
   ledger records them.
 
-Each is checked against what loom allocates, saves and sends on CPU (tests/test_plan.py, docs/planner.md).
+Each is checked against what loom allocates, saves and sends on CPU (tests/test_plan_bytes.py, docs/planner.md).
 """
 
 from __future__ import annotations
@@ -225,7 +225,7 @@ def model_state_bytes(
     grad_bytes: int = 4,
 ) -> dict[str, int]:
     """Bytes of weights, gradients (`grad_bytes` an element: GRAD_BYTES) and optimizer state (device, host) of
-    one rank of pipeline rank `pp_rank`: equal to what loom allocates (tests/test_plan.py). A bf16 gradient
+    one rank of pipeline rank `pp_rank`: equal to what loom allocates (tests/test_plan_bytes.py). A bf16 gradient
     buffer's shard is also copied to fp32 for the optimizer's step, after backward: not at the peak counted."""
     count, total, deferred = rank_buffer(m, lay, pp_rank, bucket_bytes, grad_bytes)
     weight_bytes = 4 if precision == "fp32" else 2
@@ -269,7 +269,7 @@ def layer_activation_bytes(
 ) -> float:
     """Bytes one transformer block saves for backward for one micro-batch of `seq` x `mbs` tokens.
 
-    loom's native block, term by term (measured equal on CPU, tests/test_plan.py), per token: each of the two
+    loom's native block, term by term (measured equal on CPU, tests/test_plan_bytes.py), per token: each of the two
     norms keeps its fp32 input, normalised input and 1/rms (8h + 4 bytes; sequence-sharded under sequence
     parallelism); the QKV and FC1 GEMMs keep their input (h, all-gathered under sequence parallelism); attention
     keeps the QKV output, rotated q and k, its output and a log-sum-exp per head (fp32); the SwiGLU MLP keeps
@@ -376,7 +376,7 @@ def output_activation_bytes(
     """Bytes the last stage's final norm, output layer and loss save for backward for one micro-batch: the norm's
     fp32 input, normalised input and 1/rms (compiled: its input in the compute dtype and its statistics;
     sequence-sharded under sequence parallelism), the output GEMM's gathered input (1 byte under
-    train.fp8_output_layer) and the logits of this rank's vocabulary slice (measured on CPU, tests/test_plan.py).
+    train.fp8_output_layer) and the logits of this rank's vocabulary slice (measured on CPU, tests/test_plan_bytes.py).
     The schedule runs the last chunk's backward right after its forward, so one micro-batch of them is alive."""
     vocab = padded_vocab_size(m.vocab_size, m.make_vocab_divisible_by, tp) // tp
     norm = m.hidden_size * element + _norm_statistics_bytes(m) if compiled else 8 * m.hidden_size + 4

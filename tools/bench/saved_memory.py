@@ -1,6 +1,6 @@
 """What autograd holds for backward, measured: the bytes of the distinct storages saved by a training step
 (weights excluded), now and at their peak. The planner's activation model is checked against it
-(tests/test_plan.py) and tools/bench/context_memory.py measures context parallelism with it. Use as
+(tests/test_plan_bytes.py) and tools/bench/context_memory.py measures context parallelism with it. Use as
 `torch.autograd.graph.saved_tensors_hooks(ledger.pack, lambda held: held.tensor)`.
 """
 

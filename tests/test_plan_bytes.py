@@ -1,0 +1,348 @@
+"""loom plan's bytes against loom itself: what its ranks allocate for weights, gradients and optimizer state, save
+for backward (per block, per rank at its peak) and send, measured on CPU (tools/plan_bytes.py; the time model's
+checks against published runs are in test_plan.py)."""
+
+import pytest
+import torch
+from dist_utils import run_ranks
+from training_runs import tiny_config
+
+from loom.engine.comm_ledger import read_ledger
+from loom.engine.config_io import load_config
+from loom.engine.model.kernels import PARAM_DTYPES, choose_kernels
+from loom.engine.parallel.random import RNGStreams
+from loom.engine.parallel.sharding import initialize_parameters
+from loom.engine.parallel.state import ParallelState
+from loom.engine.pipeline.stages import build_chunks
+from loom.engine.train import Trainer
+from loom.tools.bench.saved_memory import SavedForBackward
+from loom.tools.plan import estimate, load_hardware
+from loom.tools.plan_bytes import (
+    GRAD_BYTES,
+    Layout,
+    fp8_weight_bytes,
+    layer_activation_bytes,
+    layout_of,
+    model_state_bytes,
+    rank_activation_bytes,
+    step_traffic,
+)
+
+STATE_LAYOUTS = {
+    2: [
+        ({}, {}, {"zero": 0}, "fp32"),
+        ({}, {}, {"zero": 1}, "bf16"),
+        ({}, {}, {"zero": 2}, "bf16"),
+        ({}, {}, {"zero": 1, "offload": "cpu"}, "bf16"),
+        ({}, {}, {"zero": 1}, "fp32"),
+        ({}, {}, {"zero": 0, "offload": "cpu"}, "fp32"),
+        ({}, {}, {"zero": 2, "name": "sgd"}, "fp16"),
+        ({"tp": 2}, {}, {"zero": 0}, "fp32"),
+        ({"tp": 2, "sequence_parallel": True}, {}, {"zero": 1}, "bf16"),
+        ({"pp": 2}, {}, {"zero": 0}, "bf16"),
+        ({"pp": 2, "vp": 2}, {}, {"zero": 0}, "fp32"),
+        ({"pp": 2}, {"tie_embeddings": True}, {"zero": 1}, "bf16"),
+        ({}, {}, {"zero": 2, "grad_dtype": "bf16"}, "bf16"),
+        ({}, {}, {"zero": 3}, "bf16"),
+        ({"pp": 2}, {"tie_embeddings": True}, {"zero": 3}, "bf16"),
+        ({"cp": 2}, {}, {"zero": 1}, "bf16"),
+    ],
+    4: [
+        ({}, {}, {"zero": 1, "name": "lamb"}, "bf16"),
+        ({}, {}, {"zero": 2}, "bf16"),
+        ({"tp": 2}, {}, {"zero": 1}, "bf16"),
+        ({"tp": 2, "sequence_parallel": True}, {}, {"zero": 2}, "bf16"),
+        ({"tp": 2, "sequence_parallel": True}, {"tie_embeddings": True}, {"zero": 0}, "fp16"),
+        ({"pp": 2}, {}, {"zero": 2}, "bf16"),
+        ({"pp": 2, "vp": 2}, {}, {"zero": 1}, "fp16"),
+        ({"tp": 2, "pp": 2}, {}, {"zero": 0}, "bf16"),
+        ({"tp": 2, "pp": 2, "sequence_parallel": True}, {"tie_embeddings": True}, {"zero": 0}, "fp32"),
+        ({"pp": 4}, {}, {"zero": 0}, "bf16"),
+        ({"tp": 2, "sequence_parallel": True}, {}, {"zero": 1, "grad_dtype": "bf16"}, "bf16"),
+        ({"tp": 2, "sequence_parallel": True}, {}, {"zero": 3, "offload": "cpu"}, "bf16"),
+        ({"pp": 2, "vp": 2}, {}, {"zero": 3}, "fp32"),
+        ({"cp": 2}, {}, {"zero": 3}, "bf16"),
+        ({"cp": 2, "pp": 2}, {}, {"zero": 2}, "fp32"),
+    ],
+}
+
+
+def _held(rank, world, dataset, run_dir):
+    """Per layout: this rank's (planned, allocated) bytes of weights, gradients and optimizer state."""
+    out = []
+    for i, (parallel, model, optim, precision) in enumerate(STATE_LAYOUTS[world]):
+        config = tiny_config(
+            dataset,
+            f"{run_dir}/{i}",
+            parallel={**parallel, "grad_bucket_mb": 0.25},
+            model=model,
+            optim=optim,
+            train={"steps": 1, "micro_batch_size": 1, "global_batch_size": 8, "seq_length": 32, "precision": precision},
+        )
+        trainer = Trainer(config)
+        trainer.train_step()
+        params = [q for chunk in trainer.chunks for q in chunk.parameters()]
+        grads = trainer.grads.stored_bytes() if trainer.grads.enabled else sum(4 * q.numel() for q in params)
+        sharded = trainer.optimizer.sharded_params
+        allocated = {
+            "params": sharded.stored_bytes() if sharded else sum(q.numel() * q.element_size() for q in params),
+            "grads": grads,
+            "optimizer": trainer.optimizer.device_state_bytes(),
+            "host": trainer.optimizer.state_bytes()
+            - trainer.optimizer.device_state_bytes()
+            + sum(4 * s.host_grad.numel() for s in trainer.optimizer.segments if s.host_grad is not None),
+        }
+        p, o = config.parallel, config.optim
+        layout = Layout(p.tp, p.pp, p.vp, p.dp, 1, "none", o.zero, o.offload, p.sequence_parallel, p.cp)
+        planned = model_state_bytes(
+            config.model, layout, trainer.state.pp_rank, precision, 2**18, o.name, GRAD_BYTES[o.grad_dtype]
+        )
+        out.append((f"{parallel} {model} {optim} {precision}", planned, allocated))
+        trainer.close()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_weights_gradients_and_optimizer_state_equal_what_loom_allocates(markov_dataset, tmp_path, world):
+    for rank in run_ranks(_held, world, markov_dataset(50), str(tmp_path)):
+        for name, planned, allocated in rank:
+            assert planned == allocated, name
+
+
+ACTIVATION_CASES = (
+    [
+        (tp, sp, recompute, precision, micro, "false")
+        for tp, sp in ((1, False), (2, False), (2, True))
+        for recompute in ("none", "selective", "full")
+        for precision, micro in (("fp32", 2), ("bf16", 1))
+        if not (tp == 1 and precision == "bf16" and recompute == "selective")
+    ]
+    + [
+        (tp, sp, recompute, "fp8", 1, "false")
+        for tp, sp in ((1, False), (2, True))
+        for recompute in ("none", "selective")
+    ]
+    + [
+        (1, False, "none", "bf16", 1, "true"),
+        (2, True, "selective", "fp8", 1, "gpt"),
+    ]
+)
+"""precision fp8: bf16 with loom's FP8 linears (torch._scaled_mm, which runs on CPU; the GPU check is bypassed).
+The last field is model.compile (the block compiled whole, as on a GPU by default); gpt: compiled, with LayerNorm
+and GELU. Two compiled cases between them reach every term of the compiled count (each costs ~15 s of compiling)."""
+
+
+def _saved_per_layer(rank, world, cases):
+    """Bytes one block saves for backward (parameters excluded): the difference between 4 and 2 layers, halved."""
+    out = []
+    for tp, sp, recompute, precision, micro, compiled in cases:
+        if tp != world:
+            continue
+        state = ParallelState.create(tp=tp, dp=1)
+        saved = []
+        model = {"compile": "true", "norm": "layernorm", "activation": "gelu"} if compiled == "gpt" else {}
+        for layers in (2, 4):
+            fp8 = {"precision": "bf16", "fp8": "current"} if precision == "fp8" else {}
+            config = load_config(
+                "tiny",
+                {
+                    # compile set either way: the pretend CUDA device of the fp8 cases would compile under auto
+                    "model": {"num_layers": layers, "recompute": recompute, "compile": compiled, **model},
+                    "parallel": {"tp": tp},
+                    "train": fp8,
+                },
+            )
+            config.parallel.sequence_parallel = sp
+            pretend = {"device": torch.device("cuda"), "capability": (9, 0)} if fp8 else {"device": torch.device("cpu")}
+            kernels = choose_kernels(config, **pretend)
+            (chunk,) = build_chunks(config, state, RNGStreams(0, state.tp_rank, torch.device("cpu")), kernels)
+            initialize_parameters(chunk, 0, state.tp_rank, tp)
+            chunk.to(PARAM_DTYPES["bf16" if fp8 else precision]).train()
+            kernels.weights_updated([chunk])  # FP8: the per-step weight copies, as the trainer makes them
+            weights = {q.untyped_storage().data_ptr() for q in chunk.parameters()}
+            storages = {}
+
+            def pack(tensor, storages=storages, weights=weights):
+                storage = tensor.untyped_storage()
+                if storage.data_ptr() not in weights:
+                    storages[storage.data_ptr()] = storage.nbytes()
+                return tensor
+
+            tokens = torch.randint(0, 4096, (micro, 64), generator=torch.Generator().manual_seed(0))
+            autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision != "fp32")
+            if compiled != "false":  # compile first: the saved-tensor hooks then see the compiled graph's saves
+                with autocast:
+                    chunk(tokens, tokens).sum().backward()
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), autocast:
+                chunk(tokens, tokens)
+            saved.append(sum(storages.values()))
+        element = 4 if precision == "fp32" else 2
+        planned = layer_activation_bytes(
+            config.model, 64, micro, tp, sp, recompute, element, fp8=precision == "fp8", compiled=compiled != "false"
+        )
+        planned += fp8_weight_bytes(config.model, tp) if precision == "fp8" else 0  # cast once, kept per layer
+        out.append(((tp, sp, recompute, precision, micro, compiled), planned, (saved[1] - saved[0]) / 2))
+    return out
+
+
+def test_activation_bytes_equal_what_loom_saves_for_backward():
+    """Every tp x sequence-parallel x recompute x precision case within 10% (the model is exact here)."""
+    results = run_ranks(_saved_per_layer, 1, ACTIVATION_CASES)[0] + run_ranks(_saved_per_layer, 2, ACTIVATION_CASES)[0]
+    assert len(results) == len(ACTIVATION_CASES)
+    for case, planned, saved in results:
+        assert abs(planned / saved - 1) <= 0.10, (case, planned, saved)
+
+
+def test_fp8_output_layer_keeps_what_the_plan_says():
+    """train.fp8_output_layer: the output GEMM keeps its input in 1 byte instead of 2 and reads the weight's FP8
+    copy: measured with saved-tensor hooks on CPU against the same model with a bf16 output layer, equal to the
+    planner's difference; and `loom plan` counts the two FP8 copies of the output weight and runs its GEMMs at the
+    FP8 peak (llama-8b, by hand)."""
+    from loom.engine.model.gpt import GPTModel
+    from loom.engine.model.kernels import Choice, Kernels
+    from loom.tools.plan_bytes import output_activation_bytes
+
+    config = load_config("tiny", {"train": {"precision": "bf16", "fp8": "current"}, "model": {"compile": "false"}})
+    native = Kernels.native()
+    saved = {}
+    for output_layer in (False, True):
+        pieces = (
+            native.attention,
+            native.norm,
+            native.activation,
+            Choice("torch._scaled_mm", "test"),
+            native.optimizer,
+        )
+        kernels = Kernels(*pieces, fp8="current", fp8_output_layer=output_layer)
+        model = GPTModel(config.model, None, kernels=kernels).to(torch.bfloat16)
+        initialize_parameters(model, 0, 0, 1)
+        kernels.weights_updated([model])
+        held = SavedForBackward({q.untyped_storage().data_ptr() for q in model.parameters()})
+        tokens = torch.randint(0, 4096, (2, 64), generator=torch.Generator().manual_seed(0))
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+        with torch.autograd.graph.saved_tensors_hooks(held.pack, lambda saved: saved.tensor), autocast:
+            loss = model(tokens, tokens)
+        saved[output_layer] = held.now  # the whole forward's, while its graph lives
+        del loss
+    m = config.model
+    planned = [output_activation_bytes(m, 64, 2, 1, False, 2, fp8_output=on) for on in (False, True)]
+    weight_copy = 4096 * m.hidden_size  # the column-major copy the input-gradient GEMM reads, kept per step
+    scales = 2 * 4  # the input's and the weight's fp32 inverse scales
+    assert saved[True] - saved[False] == planned[1] - planned[0] + weight_copy + scales
+
+    rows = {}
+    for on in (False, True):
+        config = load_config("llama-8b", {"train": {"precision": "bf16", "fp8": "current", "fp8_output_layer": on}})
+        lay = Layout(tp=1, pp=1, vp=1, dp=8, micro_batch_size=1, recompute="none", zero=1)
+        rows[on] = estimate(config, lay, load_hardware("h100-sxm"))
+    m, seq = config.model, config.train.seq_length
+    assert rows[True].memory["activations"] - rows[False].memory["activations"] == -seq * m.hidden_size
+    assert rows[True].memory["other"] - rows[False].memory["other"] == 2 * m.vocab_size * m.hidden_size
+    assert rows[True].step_seconds < rows[False].step_seconds
+
+
+# (parallel, model, train) on 2 ranks: each pipeline rank's peak, the first with the most micro-batches in flight
+# (1F1B and interleaved), the last with the output layer and the logits.
+RANK_ACTIVATION_LAYOUTS = [
+    ({"pp": 2}, {}, {"micro_batch_size": 1}),
+    ({"pp": 2, "vp": 2}, {"num_layers": 8}, {}),
+    ({"pp": 2}, {"recompute": "selective"}, {"precision": "bf16"}),
+    ({"pp": 2}, {"recompute": "full"}, {}),
+    ({}, {}, {"precision": "bf16"}),
+    ({"tp": 2, "sequence_parallel": True}, {}, {"precision": "bf16"}),
+    ({"tp": 2}, {"recompute": "selective"}, {}),
+    ({"cp": 2}, {}, {}),
+    ({"cp": 2}, {"recompute": "selective"}, {"precision": "bf16"}),
+    ({"cp": 2}, {"compile": "true"}, {"precision": "bf16", "steps": 2}),  # ring attention breaks the graph
+]
+
+
+def _peak_saved(rank, world, dataset, run_dir):
+    out = []
+    for i, (parallel, model, train) in enumerate(RANK_ACTIVATION_LAYOUTS):
+        train = {"steps": 1, "global_batch_size": 8, "micro_batch_size": 2, "seq_length": 64, **train}
+        config = tiny_config(dataset, f"{run_dir}/{i}", parallel=parallel, model=model, train=train)
+        trainer = Trainer(config)
+        compiled = trainer.kernels.compiles_blocks
+        if compiled:  # compiling first: the hooks then see the compiled graphs' saves
+            trainer.train_step()
+        saved = SavedForBackward({q.untyped_storage().data_ptr() for c in trainer.chunks for q in c.parameters()})
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda held: held.tensor):
+            trainer.train_step()
+        planned = rank_activation_bytes(config, layout_of(config), trainer.state.pp_rank, compiled=compiled)
+        out.append((f"{parallel} {model} {train} pp rank {trainer.state.pp_rank}", planned, saved.peak))
+        trainer.close()
+    return out
+
+
+def test_activation_bytes_per_rank_equal_what_loom_keeps_at_its_peak(markov_dataset, tmp_path):
+    """Within 10% (the planner is within 1% here) of the most bytes a rank's training step holds for backward
+    at once, measured with saved-tensor hooks across loom's pipeline schedule."""
+    for rank in run_ranks(_peak_saved, 2, markov_dataset(50), str(tmp_path)):
+        for name, planned, peak in rank:
+            assert abs(planned / peak - 1) <= 0.10, (name, planned, peak)
+
+
+# (parallel, model, zero) per world size: every group loom has (dp, tp with and without SP, pp, the tied
+# embedding's, world), every ZeRO stage, both pipeline schedules, full recompute's repeated TP collectives.
+BF16_GRADS = {"grad_dtype": "bf16"}
+TRAFFIC_LAYOUTS = {
+    2: [
+        ({}, {}, {"zero": 0}),
+        ({}, {}, {"zero": 1}),
+        ({}, {}, {"zero": 2}),
+        ({}, {}, {"zero": 2, **BF16_GRADS}),
+        ({}, {}, {"zero": 3}),
+        ({"cp": 2}, {}, {"zero": 0}),
+        ({"tp": 2}, {}, {"zero": 0}),
+        ({"tp": 2, "sequence_parallel": True}, {}, {"zero": 0}),
+        ({"tp": 2, "sequence_parallel": True}, {"recompute": "full"}, {"zero": 0}),
+        ({"pp": 2}, {"tie_embeddings": True}, {"zero": 0}),
+        ({"pp": 2, "vp": 2}, {}, {"zero": 0}),
+    ],
+    4: [
+        ({"tp": 2}, {"recompute": "full"}, {"zero": 1}),
+        ({"pp": 2}, {"tie_embeddings": True}, {"zero": 2}),
+        ({"tp": 2, "pp": 2, "vp": 2, "sequence_parallel": True}, {"tie_embeddings": True}, {"zero": 0}),
+        ({"tp": 2, "sequence_parallel": True}, {}, {"zero": 1, **BF16_GRADS}),
+        ({"pp": 2}, {"tie_embeddings": True}, {"zero": 0, **BF16_GRADS}),
+        ({"tp": 2, "sequence_parallel": True}, {}, {"zero": 3}),
+        ({"pp": 2}, {"tie_embeddings": True}, {"zero": 3}),
+        ({"cp": 2, "tp": 2, "sequence_parallel": True}, {"recompute": "full"}, {"zero": 1}),
+        ({"cp": 2, "pp": 2}, {}, {"zero": 2}),
+        ({"cp": 2}, {"recompute": "selective"}, {"zero": 3}),
+        ({"cp": 4}, {}, {"zero": 0}),
+    ],
+}
+
+
+def _traffic(rank, world, dataset, run_dir):
+    out = []
+    for i, (parallel, model, optim) in enumerate(TRAFFIC_LAYOUTS[world]):
+        train = {"precision": "bf16", "steps": 2, "global_batch_size": 8, "micro_batch_size": 2, "seq_length": 32}
+        config = tiny_config(
+            dataset,
+            f"{run_dir}/{i}",
+            parallel={**parallel, "grad_bucket_mb": 0.25},
+            model=model,
+            optim=optim,
+            train={**train, "comm_ledger": True},
+        )
+        trainer = Trainer(config)
+        trainer.train_step()
+        trainer.train_step()
+        trainer.close()
+        ledger = {
+            (c["group"], c["op"], c["dtype"]): c["bytes"] for c in read_ledger(config.train.run_dir, rank)[1]["calls"]
+        }
+        name = f"{parallel} {model} {optim} rank {rank}"
+        out.append((name, step_traffic(config, layout_of(config), trainer.state.pp_rank), ledger))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_communication_bytes_equal_the_ledger(markov_dataset, tmp_path, world):
+    """Every (group, collective, dtype) loom's ledger records in a step, and its bytes, and nothing more."""
+    for rank in run_ranks(_traffic, world, markov_dataset(50), str(tmp_path)):
+        for name, planned, ledger in rank:
+            assert planned == ledger, name
