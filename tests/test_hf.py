@@ -215,14 +215,8 @@ def test_loom_generate_equals_transformers_greedy_generate(hf_model, tmp_path, c
             torch.tensor([prompt]), max_new_tokens=32, do_sample=False, pad_token_id=0, eos_token_id=None
         )[0, len(prompt) :].tolist()
     assert generate(loom_model, prompt, 32) == theirs
-    result = loom_here(
-        capfd,
-        "generate",
-        "--checkpoint",
-        str(tmp_path / "loom"),
-        "--prompt-ids",
-        " ".join(map(str, prompt)),
-        *["--max-new-tokens", "32"],
-    )
+    prompt_ids = " ".join(map(str, prompt))
+    generating = ["generate", "--checkpoint", str(tmp_path / "loom"), "--prompt-ids", prompt_ids]
+    result = loom_here(capfd, *generating, "--max-new-tokens", "32")
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == [str(t) for t in prompt + theirs]
