@@ -179,15 +179,11 @@ def run(args: argparse.Namespace) -> dict:
     config_name = args.config or config_name
     base = load_config(config_name, overrides)
     device = mfu._device(base.train.device)
-    if device.type == "cuda":
-        from loom.engine.cuda_env import set_cuda_env_defaults
-
-        set_cuda_env_defaults(base)
     throughput = mfu.Throughput(steps=steps, warmup=warmup, microbatches=microbatches)
     slice_throughput = dataclasses.replace(throughput, microbatches=slice_microbatches)
     results = {"config": config_name, "quick": args.quick, "slice_config": slice_name}
     with tempfile.TemporaryDirectory() as tmp:
-        with mfu.single_process_group(device):
+        with mfu.single_process_group(device, base):
             results["throughput"] = mfu.measure(throughput, base)
             results["fp8_slice"] = mfu.measure(slice_throughput, load_config(slice_name, slice_overrides), False)
             results["loss_gap"] = loss_gap(base, gap_steps, gap_layers, Path(tmp), device)

@@ -151,16 +151,12 @@ def run(args: argparse.Namespace, overrides: list[str]) -> None:
     sizes = {} if cuda else {"train": {"seq_length": 64, "micro_batch_size": 2}}
     config_name = args.config or ("llama-1b" if cuda else "tiny")
     base = mfu._with_overrides(load_config(config_name, overrides), sizes)
-    if cuda:
-        from loom.engine.cuda_env import set_cuda_env_defaults
-
-        set_cuda_env_defaults(base)
     columns, step = {}, ""
     with tempfile.TemporaryDirectory() as tmp:
         t = base.train
         documents = (args.warmup + args.steps + 1) * t.micro_batch_size * args.microbatches * 2
         data = mfu.write_random_tokens(Path(tmp) / "random", base.model.vocab_size, documents, t.seq_length + 1)
-        with mfu.single_process_group(device):
+        with mfu.single_process_group(device, base):
             name = f"loom ({' '.join(overrides) or 'defaults'})"
             columns[name], wall, busy = profile_loom(base, data, tmp + "/run", args, device)
             step = (

@@ -380,11 +380,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> dict:
 
     base = load_config(args.config, overrides)
     device = _device(base.train.device)
-    if device.type == "cuda":
-        from loom.engine.cuda_env import set_cuda_env_defaults
-
-        set_cuda_env_defaults(base)
-    with single_process_group(device):
+    with single_process_group(device, base):
         results = measure(Throughput.from_args(args), base)
     print(format_table(results), flush=True)
     if args.output:
@@ -394,9 +390,15 @@ def run(args: argparse.Namespace, overrides: list[str]) -> dict:
 
 
 @contextlib.contextmanager
-def single_process_group(device: torch.device):
+def single_process_group(device: torch.device, config: LoomConfig):
     """World size 1 for the measured runs (the Trainer works in a process group), gone afterwards with the
-    rendezvous variables it set: ranks a launcher starts later in this process must not inherit them."""
+    rendezvous variables it set: ranks a launcher starts later in this process must not inherit them. On CUDA,
+    loom's CUDA environment defaults for `config` come first, as a launcher sets them for its ranks (the allocator
+    and the driver read them at the process's first CUDA call)."""
+    if device.type == "cuda":
+        from loom.engine.cuda_env import set_cuda_env_defaults
+
+        set_cuda_env_defaults(config)
     from loom.engine.parallel.rendezvous import free_port
 
     rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1"}
