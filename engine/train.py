@@ -339,7 +339,8 @@ class Trainer:
         if stop is not None:
             dist.all_reduce(stop_code, op=dist.ReduceOp.MAX)
         loss, squared_norm, stop_code = torch.stack([self._global_sum(loss_sum), squared_norm, stop_code]).tolist()
-        self.agreed_stop_code = self._adopt_agreed_stop(stop, stop_code) if stop is not None else 0
+        if stop is not None:
+            self._adopt_agreed_stop(stop, stop_code)
         if self.step + 1 == self.faults.nan_loss_at_step:
             loss = math.nan
         result = self.optimizer.apply(lr, math.sqrt(squared_norm), skip=not math.isfinite(loss))
@@ -445,7 +446,7 @@ class Trainer:
                 break
             self.faults.before_step(self.step, stop)
             row = self.train_step(stop)
-            stop_agreed = stop is not None and self.agreed_stop_code > 0
+            stop_agreed = stop is not None and stop.agreed > 0
             interval_steps += 1
             interval_tokens += row["global_batch_size"] * t.seq_length
             if self.step % t.log_interval == 0 or self.step == t.steps:
