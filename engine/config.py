@@ -268,6 +268,11 @@ class OptimConfig:
     without --accumulate-allreduce-grads-in-fp32) holds 2 B per parameter instead of 4 and halves the DP
     traffic, at bf16's rounding of the sums; the optimizer still steps fp32 masters. Needs train.precision
     = bf16."""
+    grad_accumulation_fusion: bool = True
+    """Megatron's gradient-accumulation fusion: the weight-gradient GEMM of each of loom's own linear layers adds
+    straight into the gradient buffer (fp32 accumulation in the GEMM on CUDA) instead of writing a gradient that
+    is then added in, a pass per parameter per micro-batch. Applies wherever the buffer holds the parameter's
+    gradient (ZeRO 0 and 1); not to FP8 or Transformer Engine linears, nor to embeddings. false: the plain adds."""
     layer_lr_decay: float = 1.0
     """Layer-wise LR decay: block i gets lr * decay^(num_layers - i), embeddings decay^(num_layers + 1)."""
     initial_loss_scale: float = 65536.0

@@ -44,6 +44,7 @@ from loom.engine.optim.model_parallel_grads import (
     sum_model_parallel_grads,
 )
 from loom.engine.optim.param_shards import gather_unit
+from loom.engine.parallel.grad_fusion import fusable_weights
 from loom.engine.parallel.random import RNGStreams
 from loom.engine.parallel.sharding import initialize_parameters
 from loom.engine.parallel.state import ParallelState
@@ -154,6 +155,7 @@ class Trainer:
             before_deferred=lambda: sum_model_parallel_grads(self.grads.deferred, state),
             dtype=torch.bfloat16 if c.optim.grad_dtype == "bf16" else torch.float32,
             unit_of=gather_unit if c.optim.zero == 3 else None,
+            fusable=fusable_weights(self.chunks) if c.optim.grad_accumulation_fusion else (),
         )
         self.optimizer = DistributedOptimizer(
             named,

@@ -1,7 +1,8 @@
 """Checks that need a CUDA device: run them the day one is there with `pytest -m gpu` (under 3 minutes on one
 H100); without CUDA they are skipped (conftest.py). They hold what CPU tests can only approximate: compiled
-blocks train like eager ones on the GPU, FP8 trains like BF16, the loss equals F.cross_entropy on CUDA, a
-block is one graph there too, the planner's memory for llama-1b, and NCCL through the launcher.
+blocks train like eager ones on the GPU, FP8 trains like BF16, the loss equals F.cross_entropy on CUDA, the
+fused weight-gradient GEMM accumulates in fp32, a block is one graph there too, the planner's memory for
+llama-1b, and NCCL through the launcher.
 """
 
 from __future__ import annotations
@@ -67,6 +68,28 @@ def test_the_loss_equals_f_cross_entropy_on_cuda():
     (ours_grad,) = torch.autograd.grad(ours.mean(), logits)
     torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)  # fp32 arithmetic on the same bf16 logits
     torch.testing.assert_close(ours_grad, reference_grad, rtol=1e-2, atol=1e-6)  # both rounded to bf16
+
+
+def test_fused_gradient_accumulation_sums_in_fp32_on_cuda(dataset, tmp_path):
+    """The fused weight-gradient GEMM (addmm with an fp32 result over bf16 operands) adds into the fp32 buffer
+    without rounding each micro-batch's product to bf16, as the unfused path does; training is unchanged."""
+    from loom.engine.parallel.grad_fusion import accumulate_weight_grad
+
+    generator = torch.Generator(device=CUDA).manual_seed(0)
+    fused = torch.zeros(1024, 512, device=CUDA)
+    unfused, exact = torch.zeros_like(fused), torch.zeros_like(fused, dtype=torch.float64)
+    for _ in range(4):
+        grad_out = torch.randn(256, 2, 1024, device=CUDA, generator=generator).to(torch.bfloat16)
+        x = torch.randn(256, 2, 512, device=CUDA, generator=generator).to(torch.bfloat16)
+        accumulate_weight_grad(fused, grad_out, x)
+        unfused += (grad_out.flatten(0, 1).t() @ x.flatten(0, 1)).float()
+        exact += grad_out.flatten(0, 1).t().double() @ x.flatten(0, 1).double()
+    fused_error, unfused_error = ((t.double() - exact).abs().max().item() for t in (fused, unfused))
+    assert fused_error < unfused_error / 4, (fused_error, unfused_error)
+    plain = _train(dataset, tmp_path / "plain", 10, optim={"grad_accumulation_fusion": False})
+    fusion = _train(dataset, tmp_path / "fused", 10)  # the default fuses
+    for a, b in zip(plain, fusion, strict=True):
+        assert abs(a - b) / a < 1e-2
 
 
 @pytest.mark.parametrize("fp8", ["off", "current"])

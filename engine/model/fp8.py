@@ -172,6 +172,7 @@ class _Fp8Linear:
     """What both FP8 layers add to their parallel layer: the weight's per-step FP8 copy."""
 
     weight: torch.nn.Parameter
+    fuses_weight_grad = False  # its weight gradient comes from an FP8 GEMM, which cannot accumulate into fp32
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

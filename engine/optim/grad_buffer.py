@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Collection, Hashable
 
 import torch
 import torch.distributed as dist
 
 from loom.engine.optim.buckets import Bucket, plan_buckets
+from loom.engine.parallel.grad_fusion import FUSED
 from loom.engine.parallel.mappings import all_gather_single, reduce_scatter_single
 
 MAX_IN_FLIGHT = 2
@@ -59,7 +60,8 @@ class GradBuffer:
     `deferred` parameters (those whose local gradients must first be summed over a
     model-parallel group) get buckets of their own, reduced in `finish` after `before_deferred`
     has done that sum. `unit_of` (ZeRO-3) cuts buckets where the gather unit changes (buckets.py); the
-    gradients are then reduced as under ZeRO 2.
+    gradients are then reduced as under ZeRO 2. Those of `fusable` that get a `main_grad` (ZeRO 0 and 1, deferred
+    ones under 2 and 3) are FUSED: their layer's backward adds into it (engine/parallel/grad_fusion.py).
     """
 
     def __init__(
@@ -76,6 +78,7 @@ class GradBuffer:
         before_deferred: Callable[[], None] = lambda: None,
         dtype: torch.dtype = torch.float32,
         unit_of: Callable[[torch.nn.Parameter], Hashable] | None = None,
+        fusable: Collection[torch.nn.Parameter] = (),
     ):
         self.dp_group, self.dp_size, self.dp_rank = dp_group, dp_size, dp_rank
         self.dtype = dtype
@@ -88,6 +91,7 @@ class GradBuffer:
         self.last_microbatch = True
         self.buckets: list[Bucket] = []
         self._hooks: list = []
+        self.fused: set[torch.nn.Parameter] = set()
         if not enabled:
             return
         bucket_numel = max(1, bucket_bytes // dtype.itemsize)
@@ -127,6 +131,10 @@ class GradBuffer:
         for param in self.buffered:
             start = self.offsets[param] - self.data_start
             param.main_grad = self.data[start : start + param.numel()].view_as(param)
+        fusable = {id(p) for p in fusable}
+        self.fused = {p for p in self.buffered if id(p) in fusable}
+        for param in self.fused:
+            setattr(param, FUSED, True)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
 
     def stored_bytes(self) -> int:
@@ -156,7 +164,8 @@ class GradBuffer:
         if self.zero >= 2 and param not in self.deferred_set:
             self._gather_for_scatter(param)
             return
-        self.add_gradient(param, param.grad)
+        if param not in self.fused:  # a fused one's gradient is already in main_grad; its .grad is a placeholder
+            self.add_gradient(param, param.grad)
         param.grad = None
         if self.last_microbatch and self.overlap and param not in self.deferred_set:
             bucket = self.bucket_of[param]
@@ -221,8 +230,12 @@ class GradBuffer:
             return
         # Instead of zeroing the buffer (a pass over it, and a read of the zeros by the first micro-batch's adds),
         # each parameter's first gradient is copied in; `finish` zeroes those that got none. Bucket padding is never
-        # written: it stays the zeros it was made with.
-        self.unwritten = set(self.buffered)
+        # written: it stays the zeros it was made with. Fused GEMMs can only add: then the buffer is zeroed.
+        if self.fused:
+            self.data.zero_()
+            self.unwritten = set()
+        else:
+            self.unwritten = set(self.buffered)
         if self.zero >= 2:
             self.shard.zero_()
         for bucket in self.buckets:
@@ -285,5 +298,9 @@ class GradBuffer:
         return [(b.start, b.end) for b in self.buckets]
 
     def remove_hooks(self) -> None:
+        """Leave the parameters' gradients to autograd again (hooks and fusion off)."""
         for hook in self._hooks:
             hook.remove()
+        for param in self.fused:
+            delattr(param, FUSED)
+        self.fused = set()

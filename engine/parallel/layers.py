@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from loom.engine.parallel import mappings
+from loom.engine.parallel import grad_fusion, mappings
 from loom.engine.parallel.sharding import ShardSpec, make_parameter
 
 
@@ -23,6 +23,9 @@ class ColumnParallelLinear(torch.nn.Module):
     Each block is split evenly across TP ranks, so rank r holds rows r of every block. The output
     stays split (feeds a row-parallel layer or a vocab-parallel loss) unless gather_output.
     """
+
+    fuses_weight_grad = True
+    """Its backward can add the weight's gradient into main_grad (engine/parallel/grad_fusion.py)."""
 
     def __init__(
         self,
@@ -46,7 +49,7 @@ class ColumnParallelLinear(torch.nn.Module):
         self.adapter: torch.nn.Module | None = None
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, self.weight, bias)
+        return grad_fusion.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
@@ -61,6 +64,9 @@ class ColumnParallelLinear(torch.nn.Module):
 
 class RowParallelLinear(torch.nn.Module):
     """y = x W^T + b with W split by input columns; the input arrives split (from a column layer)."""
+
+    fuses_weight_grad = True
+    """Its backward can add the weight's gradient into main_grad (engine/parallel/grad_fusion.py)."""
 
     def __init__(
         self,
@@ -84,7 +90,7 @@ class RowParallelLinear(torch.nn.Module):
         self.adapter: torch.nn.Module | None = None
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, self.weight, bias)
+        return grad_fusion.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._linear(x, None)
