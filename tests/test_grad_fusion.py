@@ -26,12 +26,14 @@ class _Mlp(torch.nn.Module):
         self.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+        return self.norm(self.down(torch.nn.functional.gelu(self.up(x))))
 
 
-def _accumulated(dtype: torch.dtype, fused: bool, compiled: bool = False, in_flight: bool = False) -> list:
+def _accumulated(
+    dtype: torch.dtype, fused: bool, compiled: bool = False, in_flight: bool = False, autocast: bool = False
+) -> tuple[list[torch.Tensor], bool]:
     """Each parameter's main_grad after three micro-batches (all forwards first, as a pipeline keeps them in flight,
-    if `in_flight`), and whether autograd's .grad was left anywhere."""
+    if `in_flight`; fp32 inputs under bf16 autocast if `autocast`), and whether autograd's .grad was left anywhere."""
     mlp = _Mlp(dtype)
     params = list(mlp.parameters())
     buffer = GradBuffer(params, None, 1, 0, 2**20, fusable=fusable_weights([mlp]) if fused else ())
@@ -39,14 +41,13 @@ def _accumulated(dtype: torch.dtype, fused: bool, compiled: bool = False, in_fli
     model = torch.compile(mlp) if compiled else mlp
     buffer.start_step()
     torch.manual_seed(1)
-    inputs = [torch.randn(8, 2, 32, dtype=dtype) for _ in range(3)]
-    if in_flight:
-        losses = [model(x).float().square().sum() for x in inputs]
-        for loss in losses:
-            loss.backward()
-    else:
-        for x in inputs:
+    inputs = [torch.randn(8, 2, 32, dtype=torch.float32 if autocast else dtype) for _ in range(3)]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        losses = [model(x).float().square().sum() for x in inputs] if in_flight else []
+        for x in inputs if not in_flight else []:
             model(x).float().square().sum().backward()
+    for loss in losses:
+        loss.backward()
     buffer.finish()
     left = [p.grad is not None and p.dtype != torch.float32 for p in params]
     grads = [p.main_grad.clone() for p in params]
@@ -57,7 +58,8 @@ def _accumulated(dtype: torch.dtype, fused: bool, compiled: bool = False, in_fli
 
 def test_fused_layers_accumulate_what_the_hooks_would_have_added(monkeypatch):
     """bf16 parameters, fp32 buffer: on CPU the fused backward adds the same bf16 product the unfused path adds, so
-    the buffers are equal bit for bit; the GEMM runs once per fused weight per micro-batch and no .grad is left.
+    the buffers are equal bit for bit (with bf16 or, under autocast, fp32 activations); the GEMM runs once per fused
+    weight per micro-batch and no .grad is left.
     fp32 parameters: the GEMM accumulates into the buffer itself (addmm_), equal to the adds up to rounding."""
     calls = []
     accumulate = grad_fusion.accumulate_weight_grad
@@ -68,6 +70,13 @@ def test_fused_layers_accumulate_what_the_hooks_would_have_added(monkeypatch):
     assert len(calls) == 2 * 3
     for a, b in zip(fused, unfused, strict=True):
         assert a.dtype == torch.float32 and torch.equal(a, b) and a.abs().sum() > 0
+    # fp32 activations under autocast: the weight gradient is of the input as autocast cast it for the GEMM
+    for a, b in zip(
+        _accumulated(torch.bfloat16, True, autocast=True)[0],
+        _accumulated(torch.bfloat16, False, autocast=True)[0],
+        strict=True,
+    ):
+        assert torch.equal(a, b)
     for a, b in zip(_accumulated(torch.float32, True)[0], _accumulated(torch.float32, False)[0], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 

@@ -57,6 +57,9 @@ class _LinearIntoMainGrad(torch.autograd.Function):
     def forward(
         ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, main_grad: torch.Tensor
     ) -> torch.Tensor:
+        device = x.device.type
+        if torch.is_autocast_enabled(device):  # the input as autocast hands it to the GEMM, kept for the weight's
+            x = x.to(torch.get_autocast_dtype(device))
         ctx.save_for_backward(x, weight)
         # Not saved: saved tensors are version-checked, and another micro-batch's backward (pipeline schedules keep
         # several in flight) may have added into main_grad before this one's runs.
