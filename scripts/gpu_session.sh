@@ -9,7 +9,8 @@
 # 585), and every part has its own time limit so a lease cut short still returns what finished. `measure`:
 # `pytest -m gpu` (200 s), then `loom bench gpu` in what is left (docs/gpu.md's table; its rows are logged as
 # they finish). `profile`: the kernel breakdown of loom's defaults beside the plain loop, with the time the device
-# waited for the host, then loom with FP8 alone (`loom bench profile`, 3 min).
+# waited for the host, then loom with FP8 alone, then loom without gradient-accumulation fusion (`loom bench
+# profile`, 4 min).
 set -u
 here=$(cd "$(dirname "$0")/.." && pwd)
 case "${1:-}" in
@@ -50,7 +51,10 @@ measure | profile)
         timeout "$(left)" python3 -m loom.launch.cli bench profile --no-plain --train.precision bf16 --train.fp8 current \
             >"$out/kernel_profile_fp8.md" 2>&1
         echo "kernel_profile fp8: exit $?" >>"$out/status.txt"
-        cat "$out/kernel_profile.md" "$out/kernel_profile_fp8.md"
+        timeout "$(left)" python3 -m loom.launch.cli bench profile --no-plain --optim.grad_accumulation_fusion false \
+            >"$out/kernel_profile_unfused.md" 2>&1
+        echo "kernel_profile without gradient-accumulation fusion: exit $?" >>"$out/status.txt"
+        cat "$out/kernel_profile.md" "$out/kernel_profile_fp8.md" "$out/kernel_profile_unfused.md"
     fi
     cat "$out/status.txt"
     ;;
