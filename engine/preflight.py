@@ -100,6 +100,11 @@ def check_run_directory(config: LoomConfig) -> None:
     if not metrics.is_file() or metrics.stat().st_size == 0:
         return
     if find_loadable(run_dir / "checkpoints", verify_hashes=False, warn=lambda _: None) is not None:
+        if config.train.overwrite:
+            print(
+                f"warning: train.overwrite: {run_dir} has a checkpoint, so this run resumes it; to start over, "
+                f"give this run its own --train.name or move {run_dir} aside"
+            )
         return
     current = tomllib.loads(config_to_toml(config))
     try:

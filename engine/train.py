@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from loom.engine.checkpoint.format import CheckpointError, find_loadable, read_metadata
+from loom.engine.checkpoint.format import CheckpointError, candidates, find_loadable, read_metadata
 from loom.engine.checkpoint.load import changed_model_settings, load_checkpoint, load_model_weights
 from loom.engine.checkpoint.save import CheckpointWriter
 from loom.engine.checkpoint.state import TrainingState
@@ -204,6 +204,11 @@ class Trainer:
             found = find_loadable(source, verify_hashes=c.verify)
             if found is None and c.load:
                 raise CheckpointError(f"no intact checkpoint under {c.load}")
+            if found is None and candidates(source):  # starting afresh would write over this run's own files
+                raise CheckpointError(
+                    f"{self.checkpoints} holds checkpoints but none is intact (see the warnings above); load an "
+                    f"older one with --checkpoint.load, or move {self.checkpoints.parent} aside to start over"
+                )
             choice[0] = str(found[0]) if found else None
         dist.broadcast_object_list(choice, src=0)
         if choice[0] is None:

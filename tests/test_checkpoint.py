@@ -111,7 +111,7 @@ def test_killed_during_save_keeps_the_previous_checkpoint(dataset, straight, tmp
         assert abs(resumed[step] - straight[step]) / straight[step] < 1e-4
 
 
-def test_corrupt_checkpoint_falls_back_with_a_warning(dataset, tmp_path, capfd):
+def test_corrupt_checkpoint_falls_back_with_a_warning_and_none_intact_is_refused(dataset, tmp_path, capfd):
     run_dir = tmp_path / "run"
     run(dataset, run_dir, 1, exit_after=4, checkpoint={"interval": 2})
     newest = run_dir / "checkpoints/iter_0000004/rank00000.safetensors"
@@ -121,6 +121,13 @@ def test_corrupt_checkpoint_falls_back_with_a_warning(dataset, tmp_path, capfd):
     resumed = run(dataset, run_dir, 1, exit_after=1)
     assert "does not match its sha256" in capfd.readouterr().out
     assert max(resumed) == 3  # resumed from step 2, trained one step
+    # None intact: starting afresh would write over the run's metrics and config, so it is refused
+    for rank_file in run_dir.glob("checkpoints/iter_*/rank00000.safetensors"):
+        rank_file.write_bytes(rank_file.read_bytes()[:-1] + b"?")
+    before = {name: (run_dir / name).read_bytes() for name in ("metrics.jsonl", "config.toml")}
+    with pytest.raises(RankFailed, match="holds checkpoints but none is intact"):
+        run(dataset, run_dir, 1, exit_after=1)
+    assert before == {name: (run_dir / name).read_bytes() for name in before}
 
 
 def test_reshard_then_resume(dataset, straight, saved_at_tp2_pp2_dp2, tmp_path):

@@ -93,3 +93,14 @@ def test_a_run_directory_belongs_to_one_run(dataset, tmp_path, capfd):
     [aside] = (tmp_path / "replaced").iterdir()
     assert (aside / "metrics.jsonl").read_text() == before
     assert [row["step"] for row in read_metrics(tmp_path)] == [1, 2, 3]
+
+
+def test_overwrite_says_it_resumes_a_run_that_has_a_checkpoint(dataset, tmp_path, capfd):
+    """train.overwrite replaces only a run with nothing to resume: a checkpoint is resumed (a requeued Slurm job
+    given the flag must not throw its progress away), and the flag's being ignored is said."""
+    args = tiny_train_args(dataset, tmp_path, "--train.steps", "2", "--checkpoint.interval", "2")
+    assert loom_here(capfd, "train", *args).returncode == 0
+    again = loom_here(capfd, "train", *args, "--train.overwrite", "true")
+    assert again.returncode == 0, again.stderr
+    assert f"warning: train.overwrite: {tmp_path} has a checkpoint, so this run resumes it" in again.stdout
+    assert not (tmp_path / "replaced").exists()
