@@ -39,16 +39,57 @@ def held_out_every(text: str) -> int:
     return value
 
 
+OVERWRITE_HELP = (
+    "replace what the output already holds: the old files move into replaced/<time>/ beside them (without it an "
+    "existing output is refused)"
+)
+
+
+def _claim(overwrite: bool, given: str, outputs: list[Path], inputs: list[str] = ()) -> None:
+    """Make room for a command's outputs (`given`: the option and its value, as the user wrote them). Files already
+    there (another run's, or another command's sharing the prefix) are refused, or with --overwrite moved aside;
+    `outputs` holds one folder (its entries are the command's) or the files of one prefix. An input among them is
+    always refused: moving it would lose it."""
+    from loom.data_tools.jsonl import InputError
+    from loom.engine.atomic import move_aside
+
+    folder = outputs[0] if len(outputs) == 1 and outputs[0].is_dir() else None
+    if folder is not None:
+        existing = sorted(entry for entry in folder.iterdir() if entry.name != "replaced")
+    else:
+        existing = [path for path in outputs if path.exists()]
+    if not existing:
+        return
+    held = {path.resolve() for path in existing}
+    for name in inputs:
+        path = Path(name).resolve()
+        if path in held or any(parent in held for parent in path.parents):
+            raise InputError(f"{given} holds {name}, an input; write the output elsewhere")
+    names = ", ".join(path.name for path in existing[:3]) + (", ..." if len(existing) > 3 else "")
+    if not overwrite:
+        raise InputError(
+            f"{given} would replace existing files ({names}); "
+            "choose another output, or pass --overwrite to move them into replaced/<time>/"
+        )
+    aside = move_aside(folder if folder is not None else existing[0].parent, existing)
+    print(f"--overwrite: moved {names} to {aside}")
+
+
 def _corpus(args: argparse.Namespace) -> None:
     from loom.data_tools.corpus import build_stdlib_corpus
+    from loom.data_tools.manifest import manifest_path
 
+    _claim(args.overwrite, f"--output {args.output}", [Path(args.output), manifest_path(args.output, is_folder=False)])
     counts = build_stdlib_corpus(Path(args.output), max_docs=args.max_docs)
     print(json.dumps(counts))
 
 
 def _tokenizer(args: argparse.Namespace) -> None:
+    from loom.data_tools.manifest import manifest_path
     from loom.data_tools.tokenizer import train_tokenizer
 
+    outputs = [Path(f"{args.output}.model"), Path(f"{args.output}.vocab"), manifest_path(args.output, False)]
+    _claim(args.overwrite, f"--output {args.output}", outputs, args.input)
     result = train_tokenizer(
         args.input,
         args.output,
@@ -72,7 +113,11 @@ def _tokenizer(args: argparse.Namespace) -> None:
 
 def _build(args: argparse.Namespace) -> None:
     from loom.data_tools.build import build_indexed_dataset
+    from loom.data_tools.manifest import manifest_path
+    from loom.engine.data.indexed import index_paths
 
+    outputs = [*index_paths(args.output_prefix), manifest_path(args.output_prefix, False)]
+    _claim(args.overwrite, f"--output-prefix {args.output_prefix}", outputs, [*args.input, args.tokenizer])
     counts = build_indexed_dataset(
         args.input,
         args.tokenizer,
@@ -87,6 +132,7 @@ def _build(args: argparse.Namespace) -> None:
 def _dedup(args: argparse.Namespace) -> None:
     from loom.data_tools.dedup import deduplicate
 
+    _claim(args.overwrite, f"--output {args.output}", [Path(args.output)], args.input)
     result = deduplicate(
         args.input,
         args.output,
@@ -103,6 +149,7 @@ def _dedup(args: argparse.Namespace) -> None:
 def _clean(args: argparse.Namespace) -> None:
     from loom.data_tools.clean import clean_corpus
 
+    _claim(args.overwrite, f"--output {args.output}", [Path(args.output)], args.input)
     result = clean_corpus(
         args.input,
         args.output,
@@ -126,6 +173,8 @@ def _merge(args: argparse.Namespace) -> None:
     output = Path(args.output_prefix).resolve()
     if any(Path(prefix).resolve() == output for prefix in args.inputs):
         raise InputError(f"--output-prefix {args.output_prefix} is one of the inputs; merge into a new prefix")
+    inputs = [str(path) for prefix in args.inputs for path in index_paths(prefix)]
+    _claim(args.overwrite, f"--output-prefix {args.output_prefix}", list(index_paths(args.output_prefix)), inputs)
     first = IndexedDataset(args.inputs[0])
     needed = sum(path.stat().st_size for prefix in args.inputs for path in index_paths(prefix) if path.is_file())
     with reported_failures(index_paths(args.output_prefix)[0], needed):
@@ -216,6 +265,11 @@ def _preview(args: argparse.Namespace, overrides: list[str]) -> None:
         from loom.data_tools.tokenizer import load_tokenizer
 
         processor = load_tokenizer(tokenizer_path)
+    if args.output:
+        from loom.engine.data.indexed import index_paths
+
+        inputs = [str(path) for prefix in config.data.paths for path in index_paths(prefix)]
+        _claim(args.overwrite, f"--output {args.output}", [Path(args.output)], inputs)
     dataset = build_dataset(config, 0, args.samples, is_builder=True, barrier=None)
     print(
         f"the first {args.samples} training samples of {', '.join(config.data.paths)} in the order training "
@@ -261,6 +315,7 @@ def add_parser(commands) -> None:
         "--output", type=output_file, required=True, help="output .jsonl file (.jsonl.gz or .jsonl.zst compress it)"
     )
     p.add_argument("--max-docs", type=positive_int, help="stop after this many documents (default: all)")
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p.set_defaults(handler=_corpus)
 
     p = sub.add_parser(
@@ -292,6 +347,7 @@ def add_parser(commands) -> None:
         action="store_true",
         help="write kept documents per identified language (adds a labelling step if needed)",
     )
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p.set_defaults(handler=_clean)
 
     p = sub.add_parser("tokenizer", help="train a SentencePiece BPE or unigram tokenizer on JSONL")
@@ -339,6 +395,7 @@ def add_parser(commands) -> None:
         help="SentencePiece threads (default: all cores; the pieces do not depend on it)",
     )
     p.add_argument("--seed", type=seed, default=0, help="seed of SentencePiece's line sampling" + DEFAULT)
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p.set_defaults(handler=_tokenizer)
 
     p = sub.add_parser("build", help="tokenize JSONL into a memory-mapped P.bin + P.idx (Megatron format)")
@@ -367,6 +424,7 @@ def add_parser(commands) -> None:
         default=True,
         help="end every document with the tokenizer's end-of-document id" + DEFAULT,
     )
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p.set_defaults(handler=_build)
 
     p = sub.add_parser(
@@ -408,6 +466,7 @@ def add_parser(commands) -> None:
     p.add_argument(
         "--text-key", type=text_value, default="text", help="JSON field that holds each document's text" + DEFAULT
     )
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p.set_defaults(handler=_dedup)
 
     p = sub.add_parser("merge", help="concatenate indexed datasets")
@@ -415,6 +474,7 @@ def add_parser(commands) -> None:
         "--inputs", nargs="+", type=dataset_prefix, required=True, help="prefixes to merge, in order; all of one dtype"
     )
     p.add_argument("--output-prefix", type=output_prefix, required=True, help="writes PREFIX.bin and PREFIX.idx")
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p.set_defaults(handler=_merge)
 
     p = sub.add_parser(
@@ -456,6 +516,7 @@ def add_parser(commands) -> None:
     p.add_argument(
         "--output", type=output_file, help="also write every sample, in full, as JSONL (sample, tokens, text)"
     )
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p.set_defaults(handler=_preview, takes_overrides=True)
 
     p = sub.add_parser(

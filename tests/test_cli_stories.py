@@ -17,6 +17,7 @@ import pytest
 from training_runs import loom, loom_here, one_line_error, read_metrics, tiny_train_args
 
 from loom.engine.checkpoint.format import find_loadable, read_metadata
+from loom.engine.data.indexed import index_paths
 from loom.launch.cli import main
 
 POSITIONS = 64
@@ -330,3 +331,35 @@ def test_old_and_new_spellings_mean_the_same(world, capfd, tmp_path):
         )
         assert code == 0, err
     assert read_metadata(tmp_path / "0" / "iter_0000002").specs == read_metadata(tmp_path / "1" / "iter_0000002").specs
+
+
+def test_data_commands_never_write_over_files_already_there(capfd, dataset, tmp_path):
+    """A data command's output that exists (the same command's earlier output, or another command's files sharing
+    the prefix) is refused unless --overwrite, which moves it into replaced/<time>/; an output holding one of the
+    command's inputs is refused even then (a preview once wrote its JSONL over the .bin it was reading)."""
+    corpus = tmp_path / "c.jsonl"
+    assert run(capfd, "data", "corpus", "--output", str(corpus), "--max-docs", "3")[0] == 0
+    before = corpus.read_bytes()
+    refused(capfd, ["data", "corpus", "--output", str(corpus), "--max-docs", "2"], "would replace existing files")
+    assert corpus.read_bytes() == before
+    code, out, err = run(capfd, "data", "corpus", "--output", str(corpus), "--max-docs", "2", "--overwrite")
+    assert code == 0 and "--overwrite: moved c.jsonl, c.jsonl.manifest.json to" in out, err
+    [aside] = (tmp_path / "replaced").iterdir()
+    assert (aside / "c.jsonl").read_bytes() == before and corpus.read_bytes() != before
+
+    prefix = tmp_path / "ds"
+    for path in index_paths(dataset):
+        shutil.copy(path, prefix.with_suffix(path.suffix))
+    data = prefix.with_suffix(".bin")
+    before = data.read_bytes()
+    preview = ["data", "preview", "--data.paths", str(prefix), "--train.seq_length", "16", "--samples", "1"]
+    refused(capfd, [*preview, "--output", str(data), "--overwrite"], f"holds {data}, an input")
+    refused(capfd, ["data", "merge", "--inputs", str(prefix), str(prefix), "--output-prefix", str(prefix)])
+    assert data.read_bytes() == before
+
+    folder = tmp_path / "clean"
+    clean = ["data", "clean", "--input", str(corpus), "--output", str(folder), "--pipeline", "code", "--workers", "1"]
+    assert run(capfd, *clean)[0] == 0
+    refused(capfd, clean, "would replace existing files")
+    kept = folder / "kept.jsonl"
+    refused(capfd, [*clean[:3], str(kept), *clean[4:], "--overwrite"], f"holds {kept}, an input")
