@@ -38,6 +38,18 @@ def load_tokenizer(path: str | Path) -> sentencepiece.SentencePieceProcessor:
         raise InputError(f"tokenizer {path} is not a SentencePiece model (a .model file)") from None
 
 
+def decode_ids(processor: sentencepiece.SentencePieceProcessor, ids: list[int], path: str | Path) -> str:
+    """The text of token `ids`, or one line saying they are not all of tokenizer `path`'s vocabulary."""
+    pieces = processor.get_piece_size()
+    largest = max(ids, default=-1)
+    if largest >= pieces:
+        raise InputError(
+            f"token id {largest} is beyond tokenizer {path}'s {pieces} pieces: the data was built with another "
+            "tokenizer; give that one (the dataset's manifest.json names it)"
+        )
+    return processor.decode(ids)
+
+
 MODEL_TYPES = ("bpe", "unigram")
 # SentencePiece drops longer lines; long enough for minified code and data tables.
 MAX_SENTENCE_BYTES = 1 << 16

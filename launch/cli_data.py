@@ -206,9 +206,11 @@ def _inspect(args: argparse.Namespace) -> None:
         from loom.data_tools.tokenizer import load_tokenizer
 
         processor = load_tokenizer(args.tokenizer)
+    from loom.data_tools.tokenizer import decode_ids
+
     for i in range(min(args.samples, len(dataset))):
         tokens = dataset[i][: args.max_tokens].tolist()
-        shown = repr(processor.decode(tokens)) if processor else str(tokens)
+        shown = repr(decode_ids(processor, tokens, args.tokenizer)) if processor else str(tokens)
         print(f"[{i}] {shown}")
 
 
@@ -265,6 +267,8 @@ def _preview(args: argparse.Namespace, overrides: list[str]) -> None:
         from loom.data_tools.tokenizer import load_tokenizer
 
         processor = load_tokenizer(tokenizer_path)
+    from loom.data_tools.tokenizer import decode_ids
+
     if args.output:
         from loom.engine.data.indexed import index_paths
 
@@ -281,7 +285,7 @@ def _preview(args: argparse.Namespace, overrides: list[str]) -> None:
         tokens = dataset[i].tolist()
         record = {"sample": i, "tokens": tokens}
         if processor is not None:
-            record["text"] = processor.decode(tokens)
+            record["text"] = decode_ids(processor, tokens, tokenizer_path)
         records.append(record)
         shown = tokens if args.max_tokens == 0 else tokens[: args.max_tokens]
         more = "" if len(shown) == len(tokens) else f" ... ({len(tokens)} tokens)"

@@ -16,7 +16,7 @@ from loom.data_tools.clean import clean_corpus
 from loom.data_tools.corpus import build_stdlib_corpus, stdlib_root
 from loom.data_tools.dedup import deduplicate
 from loom.data_tools.jsonl import InputError, JsonlStats, iter_jsonl, write_jsonl_atomic
-from loom.data_tools.tokenizer import train_tokenizer
+from loom.data_tools.tokenizer import decode_ids, train_tokenizer
 from loom.engine.data.indexed import IndexedDataset
 
 
@@ -56,6 +56,15 @@ def test_tokenizer_keeps_code_exactly(pipeline):
     text = "def f(x):\n        return x  # é 中 ☃\n\n\tpass 1234\n"
     assert processor.decode(processor.encode(text)) == text
     assert "1234" not in processor.encode(text, out_type=str)
+
+
+def test_ids_beyond_the_tokenizer_are_one_line_not_sentencepieces_error(pipeline):
+    """`data inspect/preview --tokenizer T` on a dataset built with a larger tokenizer: sentencepiece raised
+    IndexError (a traceback); the ids are checked against T's vocabulary first."""
+    processor = sentencepiece.SentencePieceProcessor(model_file=str(pipeline["model"]))
+    assert decode_ids(processor, [100, 511], "tok.model") == processor.decode([100, 511])
+    with pytest.raises(InputError, match="token id 512 is beyond tokenizer tok.model's 512 pieces"):
+        decode_ids(processor, [100, 512], "tok.model")
 
 
 @pytest.mark.parametrize("workers", [1, 2])

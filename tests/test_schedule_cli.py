@@ -2,7 +2,7 @@
 
 import json
 
-from training_runs import loom_here, tiny_train_args
+from training_runs import loom_here, one_line_error, tiny_train_args
 
 
 def test_prints_schedule_bubble_and_memory(tmp_path, capfd):
@@ -47,3 +47,13 @@ def test_from_run_draws_the_measured_timeline(markov_dataset, tmp_path, capfd):
     result = loom_here(capfd, "schedule", "--from-run", str(run))
     assert result.returncode == 0, result.stderr
     assert (run / "pipeline_schedule.png").exists()
+
+
+def test_a_timeline_loom_did_not_write_is_one_line(tmp_path, capfd):
+    timeline = tmp_path / "pipeline_timeline.json"
+    for text, error in (("garbage", "JSONDecodeError"), ("{}", "KeyError: 'layout'")):
+        timeline.write_text(text)
+        one_line_error(
+            loom_here(capfd, "schedule", "--from-run", str(tmp_path)),
+            f"{timeline} is not a pipeline timeline loom wrote ({error}",
+        )

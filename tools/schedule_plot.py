@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from loom.engine.config import ConfigError
 from loom.engine.pipeline.schedules import Compute, build_all
 from loom.engine.pipeline.simulate import Timeline, peak_in_flight, simulate
 
@@ -76,6 +77,15 @@ def load_measured(run_dir: Path) -> tuple[dict, list]:
     path = run_dir / "pipeline_timeline.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist; train with --train.record_pipeline_timeline true")
-    data = json.loads(path.read_text())
-    spans = [[(Compute(kind, mb, chunk), start, end) for kind, mb, chunk, start, end in rank] for rank in data["ranks"]]
-    return data["layout"], spans
+    try:
+        data = json.loads(path.read_text())
+        layout = {key: int(data["layout"][key]) for key in ("pp", "vp", "microbatches")}
+        spans = [
+            [(Compute(kind, mb, chunk), start, end) for kind, mb, chunk, start, end in rank] for rank in data["ranks"]
+        ]
+    except (ValueError, KeyError, TypeError) as error:
+        raise ConfigError(
+            f"{path} is not a pipeline timeline loom wrote ({type(error).__name__}: {error}); train again with "
+            "--train.record_pipeline_timeline true"
+        ) from None
+    return layout, spans
