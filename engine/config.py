@@ -459,6 +459,11 @@ class TrainConfig:
         if self.eval_interval < 0 or self.early_stop_patience < 0:
             raise ConfigError("train.eval_interval and train.early_stop_patience must be >= 0")
         if self.run_dir is None:
+            if self.name in ("", ".", "..") or any(c in self.name for c in "/\\"):
+                raise ConfigError(
+                    f"train.name = {self.name!r} must be a plain name (it becomes runs/<name>); give a path as "
+                    "--train.run_dir instead"
+                )
             self.run_dir = str(Path("runs") / self.name)
 
 

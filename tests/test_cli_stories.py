@@ -119,6 +119,12 @@ def test_checkpoint_writers_refuse_another_runs_folder_unless_told_to_replace_it
             "is a training run's directory",
         ),
         (["ckpt", "export-hf", "--checkpoint", str(lora), *into_run], "is a training run's directory"),
+        # nested in an iter_N, the new checkpoint was shadowed by the outer one; merged beside an HF export
+        (
+            ["ckpt", "merge-lora", "--checkpoint", str(lora), "--output", str(base / "checkpoints/iter_0000001")],
+            "is inside the checkpoint",
+        ),
+        (["ckpt", "merge-lora", "--checkpoint", str(lora), "--output", str(hf)], "holds a Hugging Face model"),
     ):
         refused(capfd, args, message)
     one_line_error(loom("ckpt", "merge-lora", "--checkpoint", str(lora), *into_checkpoints), "is training run")
@@ -363,3 +369,17 @@ def test_data_commands_never_write_over_files_already_there(capfd, dataset, tmp_
     refused(capfd, clean, "would replace existing files")
     kept = folder / "kept.jsonl"
     refused(capfd, [*clean[:3], str(kept), *clean[4:], "--overwrite"], f"holds {kept}, an input")
+
+
+def test_a_run_directory_is_never_inside_checkpoints_or_outside_runs_by_name(world, capfd, tmp_path):
+    """--train.run_dir RUN/checkpoints (or an iter_N in it) wrote a run's config, metrics and checkpoints among
+    another run's checkpoints; --train.name "" wrote into runs/ itself and ../../x outside it."""
+    base = world["base"]
+    before = checkpoints_of(base)
+    for run_dir in (base / "checkpoints", base / "checkpoints/iter_0000002/run"):
+        refused(capfd, ["train", *tiny_train_args(world["dataset"], run_dir)], "a checkpoint folder")
+    assert checkpoints_of(base) == before and not (base / "checkpoints/config.toml").exists()
+    args = tiny_train_args(world["dataset"], tmp_path)
+    without_run_dir = args[: args.index("--train.run_dir")] + args[args.index("--train.run_dir") + 2 :]
+    for name in ("", "../../x", "a/b"):
+        refused(capfd, ["train", *without_run_dir, "--train.name", name], "must be a plain name")

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from loom.engine.atomic import move_aside
-from loom.engine.checkpoint.format import LATEST, CheckpointError, candidates
+from loom.engine.checkpoint.format import LATEST, CheckpointError, candidates, is_checkpoint_dir
 
 RUN_FILES = ("metrics.jsonl", "config.toml")
 """What a training run writes into its run directory before anything else."""
@@ -46,6 +46,16 @@ def claim_checkpoint_output(output: Path, overwrite: bool, reading: tuple[Path, 
     """Make sure a checkpoint may be written into `output` (a checkpoints folder); with `overwrite`, move the
     checkpoints already there aside. `reading`: the checkpoints the command reads, which it cannot replace."""
     _refuse_file_or_run(output, "checkpoint")
+    inside = [folder for folder in (output, *output.absolute().parents) if is_checkpoint_dir(folder)]
+    if inside:
+        raise CheckpointError(
+            f"--output {output} is inside the checkpoint {inside[0]} (a checkpoint written there would be found "
+            "in its place); write to a new folder"
+        )
+    if output.is_dir() and any(next(output.glob(pattern), None) for pattern in HF_FILES):
+        raise CheckpointError(
+            f"--output {output} holds a Hugging Face model; write the checkpoint to a folder of its own"
+        )
     existing = _checkpoint_entries(output) if output.is_dir() else []
     owner = output.parent if output.name == "checkpoints" and is_run_directory(output.parent) else None
     if (existing or owner is not None) and not overwrite:

@@ -268,11 +268,16 @@ def candidates(checkpoints: Path) -> list[Path]:
     return found
 
 
+def is_checkpoint_dir(path: Path) -> bool:
+    """An iteration directory (iter_N) of a checkpoint, complete or not."""
+    return (path / METADATA).exists() or bool(_ITERATION.match(path.name))
+
+
 def find_loadable(path: Path, verify_hashes: bool = True, warn=print) -> tuple[Path, CheckpointMetadata] | None:
     """A checkpoint to resume from: `path` itself if it is an iteration directory, else the newest
     intact one under it (falling back past damaged ones, with a warning); None if there is none. A run
     directory stands for its checkpoints/ folder."""
-    if (path / METADATA).exists() or _ITERATION.match(path.name):
+    if is_checkpoint_dir(path):
         return path, read_metadata(path, verify_hashes)
     if (path / "checkpoints").is_dir() and not candidates(path):
         path = path / "checkpoints"
