@@ -250,11 +250,16 @@ def test_import_hf_names_what_is_wrong_with_the_folder(world, capfd, tmp_path):
     config = json.loads((missing_key / "config.json").read_text())
     del config["hidden_size"]
     (missing_key / "config.json").write_text(json.dumps(config))
+    fewer_layers = _hf_copy(world, tmp_path, "fewer-layers")  # imported as a 1-layer model, layer 1 dropped
+    config = json.loads((fewer_layers / "config.json").read_text())
+    config["num_hidden_layers"] = 1
+    (fewer_layers / "config.json").write_text(json.dumps(config))
     for folder, message in (
         (truncated, "is not a readable safetensors file (truncated?)"),
         (malformed, "config.json is not valid JSON"),
         (no_weights, "holds no *.safetensors weights (found pytorch_model.bin"),
         (missing_key, "config.json has no 'hidden_size'"),
+        (fewer_layers, "does not describe (model.layers.1.input_layernorm.weight, "),
     ):
         refused(capfd, ["ckpt", "import-hf", "--input", str(folder), "--output", str(tmp_path / "out")], message)
         assert not (tmp_path / "out").exists()

@@ -144,10 +144,23 @@ def to_hf(logical: dict[str, torch.Tensor], model: dict) -> dict[str, torch.Tens
 
 def from_hf(tensors: dict[str, torch.Tensor], model: dict) -> dict[str, torch.Tensor]:
     """Hugging Face Llama state dict -> loom logical tensors."""
-    out = {}
+    out, used = {}, set()
     for name in _loom_names(model):
-        parts = [tensors[hf] for hf in _hf_names(name)]
+        hf_names = _hf_names(name)
+        used.update(hf_names)
+        parts = [tensors[hf] for hf in hf_names]
         out[name] = parts[0] if len(parts) == 1 else torch.cat(parts)
+    # What writers save beside a Llama that carries nothing more: RoPE's recomputable table, a tied head's copy.
+    ignorable = {"lm_head.weight"} if model["tie_embeddings"] else set()
+    unused = sorted(
+        k for k in tensors if k not in used and k not in ignorable and not k.endswith("rotary_emb.inv_freq")
+    )
+    if unused:
+        shown = ", ".join(unused[:3]) + (f" and {len(unused) - 3} more" if len(unused) > 3 else "")
+        raise CheckpointError(
+            f"the model has tensors its config.json does not describe ({shown}); the config and the weights "
+            "disagree (num_hidden_layers?), and importing would drop them"
+        )
     return out
 
 
@@ -295,6 +308,8 @@ def import_hf(source: Path, output: Path, overwrite: bool = False) -> Path:
         logical = from_hf(tensors, config_to_dict(config)["model"])
     except KeyError as error:
         raise CheckpointError(f"{source} has no tensor {error.args[0]!r}; is it a Llama model?") from None
+    except CheckpointError as error:
+        raise CheckpointError(f"{source}: {error}") from None
     claim_checkpoint_output(output, overwrite)
     return write_weights_checkpoint(output, config, logical, "the Hugging Face model", hf_source=str(source.resolve()))
 
