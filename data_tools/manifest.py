@@ -119,3 +119,37 @@ def write_manifest(
 
 def read_manifest(path: str | Path) -> dict:
     return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+def built_with_tokenizer(prefix: str | Path) -> tuple[str, str] | None:
+    """(path, sha256) of the tokenizer `loom data build` made dataset `prefix` with, as its manifest records it;
+    None where no manifest says (a dataset from elsewhere, or a merge of datasets)."""
+    path = manifest_path(prefix, is_folder=False)
+    try:
+        manifest = read_manifest(path)
+        if manifest.get("command") != "loom data build":
+            return None
+        tokenizer = manifest["parameters"]["tokenizer"]
+        [sha256] = [entry["sha256"] for entry in manifest["inputs"] if entry["path"] == str(tokenizer)]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return str(tokenizer), sha256
+
+
+def check_same_tokenizer(prefixes: list[str], tokenizer: str | Path | None = None) -> None:
+    """Refuse datasets built with different tokenizers, or with another tokenizer than `tokenizer`: their token
+    ids mean other text (a model would train on noise, a preview decode garbage)."""
+    from loom.data_tools.jsonl import InputError
+
+    recorded = {prefix: found for prefix in prefixes if (found := built_with_tokenizer(prefix)) is not None}
+    if tokenizer is not None and recorded and Path(tokenizer).is_file():
+        given = sha256_file(tokenizer)
+        for prefix, (path, sha256) in recorded.items():
+            if sha256 != given:
+                raise InputError(
+                    f"dataset {prefix} was built with tokenizer {path}, not {tokenizer} (their sha256 differ); give "
+                    "the tokenizer the dataset was built with"
+                )
+    if len({sha256 for _, sha256 in recorded.values()}) > 1:
+        shown = ", ".join(f"{prefix} ({path})" for prefix, (path, _) in recorded.items())
+        raise InputError(f"the datasets were built with different tokenizers: {shown}; their token ids do not mix")

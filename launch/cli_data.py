@@ -168,6 +168,7 @@ def _clean(args: argparse.Namespace) -> None:
 def _merge(args: argparse.Namespace) -> None:
     from loom.data_tools.failures import reported_failures
     from loom.data_tools.jsonl import InputError
+    from loom.data_tools.manifest import check_same_tokenizer
     from loom.engine.data.indexed import IndexedDataset, IndexedDatasetWriter, index_paths
 
     output = Path(args.output_prefix).resolve()
@@ -175,6 +176,7 @@ def _merge(args: argparse.Namespace) -> None:
         raise InputError(f"--output-prefix {args.output_prefix} is one of the inputs; merge into a new prefix")
     inputs = [str(path) for prefix in args.inputs for path in index_paths(prefix)]
     _claim(args.overwrite, f"--output-prefix {args.output_prefix}", list(index_paths(args.output_prefix)), inputs)
+    check_same_tokenizer(args.inputs)
     first = IndexedDataset(args.inputs[0])
     needed = sum(path.stat().st_size for prefix in args.inputs for path in index_paths(prefix) if path.is_file())
     with reported_failures(index_paths(args.output_prefix)[0], needed):
@@ -191,9 +193,12 @@ def _merge(args: argparse.Namespace) -> None:
 def _inspect(args: argparse.Namespace) -> None:
     import numpy as np
 
+    from loom.data_tools.manifest import check_same_tokenizer
     from loom.engine.data.indexed import IndexedDataset
 
     dataset = IndexedDataset(args.prefix)
+    if args.tokenizer:
+        check_same_tokenizer([args.prefix], args.tokenizer)
     lengths = dataset.sequence_lengths
     print(
         f"{args.prefix}: {len(dataset)} sequences, {len(dataset.document_indices) - 1} documents, "
@@ -244,6 +249,7 @@ def build_sample_indices(config: LoomConfig) -> str:
 
 
 def _preview(args: argparse.Namespace, overrides: list[str]) -> None:
+    from loom.data_tools.manifest import check_same_tokenizer
     from loom.engine.atomic import write_text_atomically
     from loom.engine.config_io import load_config, parse_overrides
     from loom.engine.data.loader import build_dataset
@@ -267,6 +273,7 @@ def _preview(args: argparse.Namespace, overrides: list[str]) -> None:
         from loom.data_tools.tokenizer import load_tokenizer
 
         processor = load_tokenizer(tokenizer_path)
+        check_same_tokenizer(config.data.paths, tokenizer_path)
     from loom.data_tools.tokenizer import decode_ids
 
     if args.output:

@@ -388,3 +388,21 @@ def test_a_run_directory_is_never_inside_checkpoints_or_outside_runs_by_name(wor
     without_run_dir = args[: args.index("--train.run_dir")] + args[args.index("--train.run_dir") + 2 :]
     for name in ("", "../../x", "a/b"):
         refused(capfd, ["train", *without_run_dir, "--train.name", name], "must be a plain name")
+
+
+def test_a_dataset_is_read_only_with_the_tokenizer_it_was_built_with(world, capfd, tmp_path):
+    """Its manifest records the tokenizer's sha256: merging datasets of two tokenizers, training or previewing one
+    with another tokenizer (a model trained on noise, garbage text, exit 0) are refused."""
+    from loom.data_tools.build import build_indexed_dataset
+
+    root = world["root"]
+    for name in ("tok", "other"):
+        build_indexed_dataset([root / "docs.jsonl"], root / f"{name}.model", tmp_path / name, workers=1, progress=False)
+    merge = ["data", "merge", "--inputs", str(tmp_path / "tok"), str(tmp_path / "other")]
+    refused(capfd, [*merge, "--output-prefix", str(tmp_path / "both")], "were built with different tokenizers")
+    mismatch = f"dataset {tmp_path / 'tok'} was built with tokenizer {root / 'tok.model'}, not {root / 'other.model'}"
+    train = tiny_train_args(str(tmp_path / "tok"), tmp_path / "run", "--data.tokenizer", str(root / "other.model"))
+    refused(capfd, ["train", *train], mismatch)
+    preview = ["data", "preview", "--data.paths", str(tmp_path / "tok"), "--train.seq_length", "16"]
+    refused(capfd, [*preview, "--tokenizer", str(root / "other.model")], mismatch)
+    assert run(capfd, *preview, "--tokenizer", str(root / "tok.model"))[0] == 0
