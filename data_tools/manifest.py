@@ -122,23 +122,27 @@ def read_manifest(path: str | Path) -> dict:
 
 
 def built_with_tokenizer(prefix: str | Path) -> tuple[str, str] | None:
-    """(path, sha256) of the tokenizer `loom data build` made dataset `prefix` with, as its manifest records it;
-    None where no manifest says (a dataset from elsewhere, or a merge of datasets)."""
+    """(path, sha256) of the tokenizer dataset `prefix` was built with, as its manifest (`loom data build`'s, or a
+    merge's of datasets that all recorded it) says; None where none says (a dataset from elsewhere)."""
     path = manifest_path(prefix, is_folder=False)
     try:
         manifest = read_manifest(path)
+        parameters = manifest["parameters"]
+        if manifest.get("command") == "loom data merge":
+            return str(parameters["tokenizer"]), parameters["tokenizer_sha256"]
         if manifest.get("command") != "loom data build":
             return None
-        tokenizer = manifest["parameters"]["tokenizer"]
+        tokenizer = parameters["tokenizer"]
         [sha256] = [entry["sha256"] for entry in manifest["inputs"] if entry["path"] == str(tokenizer)]
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return str(tokenizer), sha256
 
 
-def check_same_tokenizer(prefixes: list[str], tokenizer: str | Path | None = None) -> None:
+def check_same_tokenizer(prefixes: list[str], tokenizer: str | Path | None = None) -> tuple[str, str] | None:
     """Refuse datasets built with different tokenizers, or with another tokenizer than `tokenizer`: their token
-    ids mean other text (a model would train on noise, a preview decode garbage)."""
+    ids mean other text (a model would train on noise, a preview decode garbage). Returns the tokenizer every
+    dataset records ((path, sha256)), or None if some record none."""
     from loom.data_tools.jsonl import InputError
 
     recorded = {prefix: found for prefix in prefixes if (found := built_with_tokenizer(prefix)) is not None}
@@ -153,3 +157,4 @@ def check_same_tokenizer(prefixes: list[str], tokenizer: str | Path | None = Non
     if len({sha256 for _, sha256 in recorded.values()}) > 1:
         shown = ", ".join(f"{prefix} ({path})" for prefix, (path, _) in recorded.items())
         raise InputError(f"the datasets were built with different tokenizers: {shown}; their token ids do not mix")
+    return next(iter(recorded.values())) if len(recorded) == len(set(prefixes)) else None

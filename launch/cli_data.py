@@ -166,17 +166,21 @@ def _clean(args: argparse.Namespace) -> None:
 
 
 def _merge(args: argparse.Namespace) -> None:
+    import time
+
     from loom.data_tools.failures import reported_failures
     from loom.data_tools.jsonl import InputError
-    from loom.data_tools.manifest import check_same_tokenizer
+    from loom.data_tools.manifest import check_same_tokenizer, manifest_path, write_manifest
     from loom.engine.data.indexed import IndexedDataset, IndexedDatasetWriter, index_paths
 
     output = Path(args.output_prefix).resolve()
     if any(Path(prefix).resolve() == output for prefix in args.inputs):
         raise InputError(f"--output-prefix {args.output_prefix} is one of the inputs; merge into a new prefix")
     inputs = [str(path) for prefix in args.inputs for path in index_paths(prefix)]
-    _claim(args.overwrite, f"--output-prefix {args.output_prefix}", list(index_paths(args.output_prefix)), inputs)
-    check_same_tokenizer(args.inputs)
+    outputs = [*index_paths(args.output_prefix), manifest_path(args.output_prefix, is_folder=False)]
+    _claim(args.overwrite, f"--output-prefix {args.output_prefix}", outputs, inputs)
+    tokenizer = check_same_tokenizer(args.inputs)
+    started = time.time()
     first = IndexedDataset(args.inputs[0])
     needed = sum(path.stat().st_size for prefix in args.inputs for path in index_paths(prefix) if path.is_file())
     with reported_failures(index_paths(args.output_prefix)[0], needed):
@@ -184,9 +188,23 @@ def _merge(args: argparse.Namespace) -> None:
             for prefix in args.inputs:
                 writer.add_index(prefix)
     merged = IndexedDataset(args.output_prefix)
+    documents = len(merged.document_indices) - 1
+    write_manifest(
+        args.output_prefix,
+        command="loom data merge",
+        inputs=[path for path in inputs if path.endswith(".idx")],  # the .bin files are hashed in their manifests
+        outputs=index_paths(args.output_prefix),
+        parameters={
+            "inputs": args.inputs,
+            **(dict(zip(("tokenizer", "tokenizer_sha256"), tokenizer)) if tokenizer else {}),
+        },
+        counts={"documents": documents, "tokens": int(merged.num_tokens)},
+        started=started,
+        is_folder=False,
+    )
     print(
         f"merged {len(args.inputs)} datasets into {args.output_prefix}: "
-        f"{len(merged.document_indices) - 1} documents, {merged.num_tokens} tokens"
+        f"{documents} documents, {merged.num_tokens} tokens"
     )
 
 

@@ -406,3 +406,12 @@ def test_a_dataset_is_read_only_with_the_tokenizer_it_was_built_with(world, capf
     preview = ["data", "preview", "--data.paths", str(tmp_path / "tok"), "--train.seq_length", "16"]
     refused(capfd, [*preview, "--tokenizer", str(root / "other.model")], mismatch)
     assert run(capfd, *preview, "--tokenizer", str(root / "tok.model"))[0] == 0
+    # a merge's manifest (it wrote none) carries the tokenizer on
+    merged = tmp_path / "merged"
+    assert run(capfd, "data", "merge", "--inputs", *[str(tmp_path / "tok")] * 2, "--output-prefix", str(merged))[0] == 0
+    assert json.loads(merged.with_suffix(".manifest.json").read_text())["parameters"]["tokenizer"] == str(
+        root / "tok.model"
+    )
+    refused(
+        capfd, ["data", "inspect", str(merged), "--tokenizer", str(root / "other.model")], "was built with tokenizer"
+    )
