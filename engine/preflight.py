@@ -53,9 +53,6 @@ def preflight(config: LoomConfig, world_size: int) -> None:
                 f"the tokenizer has {vocab} pieces but model.vocab_size = {config.model.vocab_size}; "
                 f"set --model.vocab_size {vocab}"
             )
-    from loom.data_tools.manifest import check_same_tokenizer
-
-    check_same_tokenizer(config.data.paths, config.data.tokenizer)
     if config.checkpoint.load and not Path(config.checkpoint.load).exists():
         raise ConfigError(f"checkpoint.load = {config.checkpoint.load} does not exist")
     check_wandb_installed(config)

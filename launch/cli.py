@@ -61,6 +61,7 @@ def _prediction(config) -> str:
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
+    from loom.data_tools.manifest import check_same_tokenizer
     from loom.engine.parallel.rendezvous import start_rank_server
     from loom.engine.preflight import preflight
     from loom.launch.local import launch_local
@@ -85,6 +86,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
         return
     start_rank_server()  # its imports overlap the checks below
     preflight(config, nproc)
+    check_same_tokenizer(config.data.paths, config.data.tokenizer)  # the dataset's manifest knows
     print(
         f"loom train: {nproc} rank(s), tp={config.parallel.tp} "
         + (f"cp={config.parallel.cp} " if config.parallel.cp > 1 else "")

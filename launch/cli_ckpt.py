@@ -83,6 +83,7 @@ def _import_hf(args: argparse.Namespace) -> None:
 
 
 def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> None:
+    from loom.data_tools.manifest import check_same_tokenizer
     from loom.engine.config_io import config_from_dict, parse_overrides
     from loom.engine.parallel.rendezvous import start_rank_server
     from loom.engine.preflight import preflight
@@ -102,6 +103,7 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> None:
         config = config_from_dict({s: {k: v for k, v in fields.items() if v is not None} for s, fields in raw.items()})
         start_rank_server()  # its imports overlap the checks below
         preflight(config, args.nproc)
+        check_same_tokenizer(config.data.paths, config.data.tokenizer)  # the dataset's manifest knows
         t = config.train
         print(
             f"loom eval: {t.eval_iters} batches of {t.global_batch_size} x {t.seq_length} tokens on {args.nproc} "

@@ -236,6 +236,7 @@ def _warn_if_it_does_not_fit(config: LoomConfig, partition: str | None) -> None:
 
 def submit(config: LoomConfig, options: SlurmOptions):
     """Check everything, then submit; returns the submitit job."""
+    from loom.data_tools.manifest import check_same_tokenizer
     from loom.engine.config_io import config_to_dict
     from loom.engine.preflight import preflight
 
@@ -249,6 +250,7 @@ def submit(config: LoomConfig, options: SlurmOptions):
             f"{options.world_size} ranks, but {error}"
         ) from None
     preflight(config, options.world_size)
+    check_same_tokenizer(config.data.paths, config.data.tokenizer)  # the dataset's manifest knows
     gpus = partition_gpus(options.partition)
     _warn_if_it_does_not_fit(config, options.partition)
     parameters = executor_parameters(options, config, gpus)
