@@ -487,5 +487,6 @@ def plot(estimates: list[Estimate], path: Path) -> None:
         axis.set_xlabel(unit)
         axis.legend(fontsize=7, loc="lower right")
     figure.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)  # as `loom schedule --output` does
     figure.savefig(path, dpi=120)
     plt.close(figure)
