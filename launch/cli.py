@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from loom.engine.config import ConfigError
-from loom.engine.config_io import load_config
+from loom.engine.config_io import load_config, parse_overrides
 from loom.errors import is_user_error, user_message
 from loom.launch.arguments import OneLineParser, add_parallel_size, existing_dir, image_file, int_in
 
@@ -67,6 +67,12 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
     from loom.launch.local import launch_local
 
     config = load_config(args.config, overrides)
+    given = [name for name in parse_overrides(overrides).get("lora", {}) if name != "rank"]
+    if given and not config.lora.enabled:  # the config's own check sees only values that differ from the defaults
+        raise ConfigError(
+            f"--lora.{given[0]} is given but lora.rank is 0 (no adapters): add --lora.rank R (e.g. 8) to fine-tune "
+            "with LoRA, or drop the lora settings to train the whole model"
+        )
     external = args.nproc is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if external:  # one rank of torchrun or srun: checkpoint and stop on SIGTERM/Ctrl-C like --nproc does
         from loom.engine.preflight import preflight_of_a_rank

@@ -86,6 +86,12 @@ def test_lora_settings_without_a_rank_are_refused_before_anything_runs(world, ca
     result = loom("train", *tiny_train_args(world["dataset"], tmp_path / "run"), "--lora.base", str(world["base"]))
     one_line_error(result, "lora.base is set but lora.rank is 0 (no adapters): add --lora.rank R")
     assert not (tmp_path / "run").exists()
+    # a setting given at its default value changes nothing the config can see, and trained a fresh model too
+    refused(
+        capfd,
+        ["train", *tiny_train_args(world["dataset"], tmp_path / "run"), "--lora.alpha", "16"],
+        "--lora.alpha is given",
+    )
     huge = ["--lora.rank", "100000", "--lora.base", str(world["base"])]
     refused(
         capfd,
