@@ -278,3 +278,10 @@ def test_megatron_core_reads_ours_and_we_read_theirs(good, tmp_path):
     dataset = IndexedDataset(theirs)
     assert dataset.dtype == np.int32 and list(dataset.document_indices) == [0, 1, 2, 3]
     assert [dataset[i].tolist() for i in range(3)] == [[5, 6, 7], [], [70000, 1]]
+
+
+def test_a_dataset_file_given_for_its_prefix_is_named_as_such(good):
+    """--data.paths ds.bin said "ds.bin.idx does not exist"."""
+    for suffix in (".bin", ".idx"):
+        with pytest.raises(IndexFormatError, match=f"is a file of the dataset; give its prefix {good}$"):
+            IndexedDataset(f"{good}{suffix}")

@@ -136,6 +136,8 @@ class IndexedDataset:
             raise IndexFormatError(f"{prefix} is a directory; give the prefix P of P.bin/P.idx{hint}")
         for path in (self.idx_path, self.bin_path):
             if not path.is_file():
+                if self.prefix.endswith((".bin", ".idx")) and Path(self.prefix).is_file():
+                    raise IndexFormatError(f"{prefix} is a file of the dataset; give its prefix {self.prefix[:-4]}")
                 raise IndexFormatError(f"{path} does not exist; build the dataset with `loom data build`")
         header = read_header(self.idx_path)
         self._dtype = header.dtype
