@@ -281,8 +281,9 @@ def add_parsers(commands) -> None:
         type=existing_file,
         help="SentencePiece model (default: the checkpoint config's data.tokenizer); must be the one it trained on",
     )
-    p.add_argument("--prompt", default="", help="text to continue")
-    p.add_argument("--prompt-ids", help="the prompt as token ids, e.g. '1 2 3' or '1,2,3' (no tokenizer needed)")
+    prompt = p.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", default="", help="text to continue")
+    prompt.add_argument("--prompt-ids", help="the prompt as token ids, e.g. '1 2 3' or '1,2,3' (no tokenizer needed)")
     p.add_argument("--max-new-tokens", type=int_in(1, 1 << 20), default=64, help="tokens to add (default: %(default)s)")
     p.add_argument(
         "--temperature", type=float_in(0, 100), default=0.0, help="0: greedy; > 0 samples (default: %(default)s)"

@@ -131,7 +131,10 @@ def _build(args: argparse.Namespace) -> None:
 
 def _dedup(args: argparse.Namespace) -> None:
     from loom.data_tools.dedup import deduplicate
+    from loom.data_tools.jsonl import InputError
 
+    if args.method == "exact" and args.threshold is not None:
+        raise InputError("--threshold is for --method minhash or semantic; exact dedup removes identical text only")
     _claim(args.overwrite, f"--output {args.output}", [Path(args.output)], args.input)
     result = deduplicate(
         args.input,

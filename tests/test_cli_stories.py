@@ -421,3 +421,11 @@ def test_a_dataset_is_read_only_with_the_tokenizer_it_was_built_with(world, capf
     refused(
         capfd, ["data", "inspect", str(merged), "--tokenizer", str(root / "other.model")], "was built with tokenizer"
     )
+
+
+def test_options_a_command_would_ignore_are_refused(world, capfd, tmp_path):
+    """generate took --prompt-ids and dropped --prompt; exact dedup took a --threshold it does not use."""
+    both = ["generate", "--checkpoint", str(world["base"]), "--prompt", "x", "--prompt-ids", "1 2"]
+    refused(capfd, both, "not allowed with argument")
+    exact = ["data", "dedup", "--input", str(world["root"] / "docs.jsonl"), "--output", str(tmp_path / "d")]
+    refused(capfd, [*exact, "--threshold", "0.5"], "--threshold is for --method minhash or semantic")
