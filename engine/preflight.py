@@ -53,8 +53,21 @@ def preflight(config: LoomConfig, world_size: int) -> None:
                 f"the tokenizer has {vocab} pieces but model.vocab_size = {config.model.vocab_size}; "
                 f"set --model.vocab_size {vocab}"
             )
-    if config.checkpoint.load and not Path(config.checkpoint.load).exists():
-        raise ConfigError(f"checkpoint.load = {config.checkpoint.load} does not exist")
+    if config.checkpoint.load:
+        from loom.engine.checkpoint.format import CheckpointError, find_loadable
+
+        load = Path(config.checkpoint.load)
+        if not load.exists():
+            raise ConfigError(f"checkpoint.load = {load} does not exist")
+        try:  # hashes are the ranks' to check; a folder without a checkpoint, or a file, is refused before them
+            found = load.is_dir() and find_loadable(load, verify_hashes=False, warn=lambda _: None)
+        except CheckpointError as error:
+            raise ConfigError(f"checkpoint.load = {load}: {error}") from None
+        if not found:
+            raise ConfigError(
+                f"checkpoint.load = {load} holds no checkpoint; give a run directory, its checkpoints/ folder or an "
+                "iter_N folder"
+            )
     check_wandb_installed(config)
     run_dir = Path(config.train.run_dir)
     check_run_directory(config)

@@ -104,3 +104,14 @@ def test_overwrite_says_it_resumes_a_run_that_has_a_checkpoint(dataset, tmp_path
     assert again.returncode == 0, again.stderr
     assert f"warning: train.overwrite: {tmp_path} has a checkpoint, so this run resumes it" in again.stdout
     assert not (tmp_path / "replaced").exists()
+
+
+def test_a_checkpoint_to_load_that_holds_none_is_refused_before_any_rank(dataset, tmp_path, capfd):
+    """An empty folder or a file as --checkpoint.load failed inside rank 0 (exit 1, after the plan and kernels
+    lines) and left an empty run directory behind."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "notes.txt").write_text("x")
+    for load in (tmp_path / "empty", tmp_path / "notes.txt"):
+        result = loom_here(capfd, "train", *tiny_train_args(dataset, tmp_path / "run", "--checkpoint.load", str(load)))
+        one_line_error(result, f"checkpoint.load = {load} holds no checkpoint")
+    assert not (tmp_path / "run").exists()
