@@ -13,8 +13,8 @@ from loom.engine.atomic import move_aside
 from loom.engine.config import ConfigError, LoomConfig
 
 
-def preflight(config: LoomConfig, world_size: int) -> None:
-    """Everything that can be checked before a process group starts."""
+def preflight(config: LoomConfig, world_size: int, training: bool = True) -> None:
+    """Everything that can be checked before a process group starts (`training` False: for an evaluation)."""
     from loom.engine.data.indexed import IndexedDataset
     from loom.engine.data.token_range import check_dataset_token_ids
 
@@ -68,6 +68,12 @@ def preflight(config: LoomConfig, world_size: int) -> None:
                 f"checkpoint.load = {load} holds no checkpoint; give a run directory, its checkpoints/ folder or an "
                 "iter_N folder"
             )
+        if training and found[1].step >= config.train.steps:
+            raise ConfigError(
+                f"checkpoint.load = {load} is at step {found[1].step}, and train.steps = {config.train.steps}: "
+                f"nothing would train; raise --train.steps above {found[1].step}"
+            )
+
     check_wandb_installed(config)
     run_dir = Path(config.train.run_dir)
     check_run_directory(config)

@@ -102,7 +102,7 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> None:
             raw[section].update(values)
         config = config_from_dict({s: {k: v for k, v in fields.items() if v is not None} for s, fields in raw.items()})
         start_rank_server()  # its imports overlap the checks below
-        preflight(config, args.nproc)
+        preflight(config, args.nproc, training=False)
         check_same_tokenizer(config.data.paths, config.data.tokenizer)  # the dataset's manifest knows
         t = config.train
         print(

@@ -115,3 +115,18 @@ def test_a_checkpoint_to_load_that_holds_none_is_refused_before_any_rank(dataset
         result = loom_here(capfd, "train", *tiny_train_args(dataset, tmp_path / "run", "--checkpoint.load", str(load)))
         one_line_error(result, f"checkpoint.load = {load} holds no checkpoint")
     assert not (tmp_path / "run").exists()
+    # another run's checkpoint at or past train.steps: "the run in RUN is complete" (about the new run) and exit 0
+    saved = tmp_path / "saved"
+    assert (
+        loom_here(
+            capfd, "train", *tiny_train_args(dataset, saved, "--train.steps", "2", "--checkpoint.interval", "2")
+        ).returncode
+        == 0
+    )
+    result = loom_here(
+        capfd,
+        "train",
+        *tiny_train_args(dataset, tmp_path / "run", "--train.steps", "2", "--checkpoint.load", str(saved)),
+    )
+    one_line_error(result, f"checkpoint.load = {saved} is at step 2, and train.steps = 2: nothing would train")
+    assert not (tmp_path / "run").exists()
