@@ -68,6 +68,11 @@ def build_step(spec: dict) -> tuple[str, Step]:
     spec = dict(spec)
     type_name = spec.pop("type", None)
     types = step_types()
+    if type_name is None:
+        raise InputError(
+            f"a pipeline step has no type (its keys: {', '.join(spec) or 'none'}); give each [[step]] a "
+            f"type = one of {', '.join(sorted(types))}"
+        )
     if type_name not in types:
         raise InputError(f"pipeline step type {type_name!r} is unknown; known: {', '.join(sorted(types))}")
     name = str(spec.pop("name", type_name))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import time
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -225,7 +226,14 @@ def _train_into(lines: list[str], output_prefix: Path, options: dict, seed: int,
         except RuntimeError as error:
             if no_documents is not None:
                 raise InputError(no_documents) from None
-            raise InputError(f"SentencePiece training failed: {str(error).strip().splitlines()[-1]}") from None
+            reason = str(error).strip().splitlines()[-1]
+            chars = re.search(r"smaller than required_chars\. (\d+) vs (\d+)", reason)
+            if chars:  # SentencePiece names its own --character_coverage option, which loom does not expose
+                raise InputError(
+                    f"--vocab-size {chars[1]} is smaller than the {chars[2]} characters the text needs (besides the "
+                    f"special pieces); give a larger --vocab-size"
+                ) from None
+            raise InputError(f"SentencePiece training failed: {reason}") from None
         _pin_model_prefix(f"{tmp_prefix}.model", output_prefix)
         # .model is what users point at, so it is renamed last.
         for suffix in (".vocab", ".model"):

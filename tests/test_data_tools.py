@@ -221,3 +221,14 @@ def test_missing_inputs_and_empty_results_are_one_line_errors(pipeline, tmp_path
     with pytest.raises(InputError, match="no documents with a string 'text' field"):
         train_tokenizer([empty], tmp_path / "tok", vocab_size=300)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.jsonl"]
+
+
+def test_a_vocabulary_too_small_and_a_step_without_type_say_what_to_change(pipeline, tmp_path):
+    """SentencePiece's own message named its --character_coverage option, which loom has not; a [[step]] without
+    `type` was "step type None is unknown"."""
+    from loom.data_tools.pipeline import build_step
+
+    with pytest.raises(InputError, match=r"--vocab-size 10 is smaller than the \d+ characters the text needs"):
+        train_tokenizer([pipeline["corpus"]], tmp_path / "t", vocab_size=10, progress=False)
+    with pytest.raises(InputError, match=r"a pipeline step has no type \(its keys: min_chars\)"):
+        build_step({"min_chars": 5})
