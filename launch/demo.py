@@ -53,6 +53,8 @@ def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: in
     from loom.launch.cli_data import build_sample_indices
     from loom.launch.local import launch_local
 
+    layout = load_config("configs/tiny.toml", {"parallel": {"tp": tp, "pp": pp, "vp": vp}})
+    layout.resolve_world(nproc)  # a layout the training step would refuse is refused before the data steps run
     data_dir = workdir / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
     corpus, tokenizer, prefix = data_dir / "corpus.jsonl", data_dir / "tokenizer", data_dir / "stdlib_text_document"

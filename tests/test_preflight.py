@@ -130,3 +130,10 @@ def test_a_checkpoint_to_load_that_holds_none_is_refused_before_any_rank(dataset
     )
     one_line_error(result, f"checkpoint.load = {saved} is at step 2, and train.steps = 2: nothing would train")
     assert not (tmp_path / "run").exists()
+
+
+def test_the_demo_refuses_a_layout_before_its_data_steps(tmp_path, capfd):
+    """`loom demo --parallel.tp 3 --nproc 8` ran the whole data pipeline first, then refused the layout."""
+    result = loom_here(capfd, "demo", "--parallel.tp", "3", "--nproc", "8", "--workdir", str(tmp_path / "demo"))
+    one_line_error(result, "world size 8 is not divisible by tp*pp = 3*2")
+    assert not (tmp_path / "demo").exists()
