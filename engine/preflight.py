@@ -141,8 +141,9 @@ def check_run_directory(config: LoomConfig) -> None:
     if saved == current:
         return
     if not config.train.overwrite:
+        difference = _first_difference(saved, current) if saved else f"and no readable {saved_config.name}"
         raise ConfigError(
-            f"run directory {run_dir} holds another run's metrics ({_first_difference(saved, current)}); "
+            f"run directory {run_dir} holds another run's metrics ({difference}); "
             f"give this run its own --train.name or --train.run_dir, or pass --train.overwrite true to replace it"
         )
     aside = move_aside(run_dir, [entry for entry in run_dir.iterdir() if entry.name != "replaced"])

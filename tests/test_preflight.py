@@ -81,6 +81,11 @@ def test_a_run_directory_belongs_to_one_run(dataset, tmp_path, capfd):
     other = loom_here(capfd, "train", *tiny_train_args(dataset, tmp_path, "--train.steps", "3", "--parallel.tp", "1"))
     one_line_error(other, f"run directory {tmp_path} holds another run's metrics (train.steps: 2 there, 3 now)")
     assert (tmp_path / "metrics.jsonl").read_text() == before
+    saved = (tmp_path / "config.toml").read_bytes()
+    (tmp_path / "config.toml").unlink()  # it named the first field of an empty config instead
+    result = loom_here(capfd, "train", *tiny_train_args(dataset, tmp_path, "--train.steps", "3"))
+    one_line_error(result, "holds another run's metrics (and no readable config.toml)")
+    (tmp_path / "config.toml").write_bytes(saved)
 
     again = loom_here(capfd, "train", *tiny_train_args(dataset, tmp_path, "--train.steps", "2"))
     assert again.returncode == 0, again.stderr  # the same run, started again
