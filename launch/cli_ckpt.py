@@ -91,6 +91,8 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> None:
     from loom.tools.ckpt import open_checkpoint
 
     directory, metadata = open_checkpoint(Path(args.checkpoint))
+    if metadata.lora_base is None and parse_overrides(overrides).get("lora", {}).get("base"):
+        raise ConfigError(f"{directory} is not a LoRA checkpoint, so --lora.base has nothing to do; drop it")
     raw = metadata.config
     raw["parallel"].update(tp=1, pp=1, vp=1, cp=1, dp=None)
     raw["optim"].update(zero=0, zero1=False, offload="none")

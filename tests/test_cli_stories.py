@@ -429,3 +429,14 @@ def test_options_a_command_would_ignore_are_refused(world, capfd, tmp_path):
     refused(capfd, both, "not allowed with argument")
     exact = ["data", "dedup", "--input", str(world["root"] / "docs.jsonl"), "--output", str(tmp_path / "d")]
     refused(capfd, [*exact, "--threshold", "0.5"], "--threshold is for --method minhash or semantic")
+
+
+def test_lora_base_on_a_checkpoint_without_adapters_is_refused(world, capfd, tmp_path):
+    """export-hf and generate ignored it; eval said to add --lora.rank, which is training's advice."""
+    base = str(world["base"])
+    said = "is not a LoRA checkpoint, so --lora.base"
+    refused(
+        capfd, ["ckpt", "export-hf", "--checkpoint", base, "--output", str(tmp_path / "hf"), "--lora.base", base], said
+    )
+    refused(capfd, ["generate", "--checkpoint", base, "--prompt-ids", "1 2", "--lora.base", base], said)
+    refused(capfd, ["eval", "--checkpoint", base, "--data", world["dataset"], "--lora.base", base], said)

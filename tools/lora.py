@@ -71,6 +71,10 @@ class ModelWeights:
         self.adapters: dict[str, tuple[str, str]] = {}
         self.base_dir: Path | None = None
         if metadata.lora_base is None:
+            if base is not None:  # said, not ignored: the user may have meant another checkpoint
+                raise CheckpointError(
+                    f"{directory} is not a LoRA checkpoint, so --lora.base {base} has nothing to do; drop it"
+                )
             self.weights, self.factors = reader, None
             self.names = list(metadata.specs)
             return
