@@ -71,6 +71,12 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
 
     config = load_config(args.config, _fp8_as_loom_runs_it(overrides))
     hardware = load_hardware(args.gpu, args.gpus_per_node)
+    per_node = hardware.gpus_per_node
+    if args.gpus > per_node and args.gpus % per_node:
+        raise ConfigError(
+            f"--gpus {args.gpus} is not whole nodes of {per_node} GPUs; give a multiple of {per_node} (or "
+            "--gpus-per-node)"
+        )
     if config.train.fp8 != "off" and "fp8" not in hardware.peak_tflops:
         raise ConfigError(f"{args.gpu} has no FP8 tensor cores; plan it with --train.precision bf16")
     fixed = parse_layout(args.layout) if args.layout else {}

@@ -233,7 +233,7 @@ COMMANDS = {
             "--config": "config",
             "--gpus": "count",
             "--gpu": ["x"],
-            "--gpus-per-node": "count",
+            "--gpus-per-node": ["0", "-1", "1.5", "x", HUGE, "3"],  # 3: the 8 GPUs are not whole nodes
             "--layout": ["zero=7", "tp=2,tp=4", "x", "tp=0", "tp=3", "recompute=some"],
             "--top": "count",
             "--plot": "image",
