@@ -229,11 +229,9 @@ def _inspect(args: argparse.Namespace) -> None:
         print(f"sequence length: mean {lengths.mean():.1f}, min {lengths.min()}, max {lengths.max()}")
     processor = None
     if args.tokenizer:
-        from loom.data_tools.tokenizer import load_tokenizer
+        from loom.data_tools.tokenizer import decode_ids, load_tokenizer
 
         processor = load_tokenizer(args.tokenizer)
-    from loom.data_tools.tokenizer import decode_ids
-
     for i in range(min(args.samples, len(dataset))):
         tokens = dataset[i][: args.max_tokens].tolist()
         shown = repr(decode_ids(processor, tokens, args.tokenizer)) if processor else str(tokens)
@@ -291,12 +289,10 @@ def _preview(args: argparse.Namespace, overrides: list[str]) -> None:
     tokenizer_path = args.tokenizer or config.data.tokenizer
     processor = None
     if tokenizer_path:
-        from loom.data_tools.tokenizer import load_tokenizer
+        from loom.data_tools.tokenizer import decode_ids, load_tokenizer
 
         processor = load_tokenizer(tokenizer_path)
         check_same_tokenizer(config.data.paths, tokenizer_path)
-    from loom.data_tools.tokenizer import decode_ids
-
     if args.output:
         from loom.engine.data.indexed import index_paths
 
