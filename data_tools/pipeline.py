@@ -60,6 +60,8 @@ def _check_value(type_name: str, key: str, value: Any, default: Any) -> Any:
         ok = isinstance(value, type(default))
     if not ok:
         raise InputError(f"step {type_name!r}: {key} = {value!r} should be like {default!r}")
+    if isinstance(default, (int, float)) and not isinstance(default, bool) and not value >= 0:
+        raise InputError(f"step {type_name!r}: {key} = {value!r} must be >= 0 (counts, lengths and fractions all are)")
     return value
 
 

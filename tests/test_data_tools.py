@@ -232,3 +232,5 @@ def test_a_vocabulary_too_small_and_a_step_without_type_say_what_to_change(pipel
         train_tokenizer([pipeline["corpus"]], tmp_path / "t", vocab_size=10, progress=False)
     with pytest.raises(InputError, match=r"a pipeline step has no type \(its keys: min_chars\)"):
         build_step({"min_chars": 5})
+    with pytest.raises(InputError, match=r"step 'length': min_chars = -5 must be >= 0"):
+        build_step({"type": "length", "min_chars": -5})
