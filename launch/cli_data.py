@@ -233,7 +233,7 @@ def _inspect(args: argparse.Namespace) -> None:
 
         processor = load_tokenizer(args.tokenizer)
     for i in range(min(args.samples, len(dataset))):
-        tokens = dataset[i][: args.max_tokens].tolist()
+        tokens = dataset[i][: args.max_tokens or None].tolist()
         shown = repr(decode_ids(processor, tokens, args.tokenizer)) if processor else str(tokens)
         print(f"[{i}] {shown}")
 
@@ -566,5 +566,10 @@ def add_parser(commands) -> None:
     p.add_argument(
         "--samples", type=int_in(0, MAX_PREVIEW_SAMPLES), default=3, help="sequences to show from the start" + DEFAULT
     )
-    p.add_argument("--max-tokens", type=non_negative_int, default=64, help="tokens shown per sequence" + DEFAULT)
+    p.add_argument(
+        "--max-tokens",
+        type=non_negative_int,
+        default=64,
+        help="tokens shown per sequence (0: all, as in preview)" + DEFAULT,
+    )
     p.set_defaults(handler=_inspect)

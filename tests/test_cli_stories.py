@@ -440,3 +440,12 @@ def test_lora_base_on_a_checkpoint_without_adapters_is_refused(world, capfd, tmp
     )
     refused(capfd, ["generate", "--checkpoint", base, "--prompt-ids", "1 2", "--lora.base", base], said)
     refused(capfd, ["eval", "--checkpoint", base, "--data", world["dataset"], "--lora.base", base], said)
+
+
+def test_inspect_max_tokens_0_shows_every_token_as_preview_does(capfd, dataset):
+    """`data inspect --max-tokens 0` printed [] while preview's 0 means all."""
+    from loom.engine.data.indexed import IndexedDataset
+
+    code, out, err = run(capfd, "data", "inspect", dataset, "--samples", "1", "--max-tokens", "0")
+    assert code == 0, err
+    assert out.splitlines()[-1] == f"[0] {IndexedDataset(dataset)[0].tolist()}"
