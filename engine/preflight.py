@@ -111,16 +111,16 @@ def check_run_directory(config: LoomConfig) -> None:
     """A run directory is this run's alone: one that holds another run's metrics (a different resolved
     config, no checkpoint to resume from) is refused unless train.overwrite moves that run aside. Resuming
     (a checkpoint is there) and re-running the same config are allowed."""
-    from loom.engine.checkpoint.format import candidates, find_loadable, is_checkpoint_dir
+    from loom.engine.checkpoint.format import enclosing_checkpoint, find_loadable
     from loom.engine.config_io import config_to_toml
 
     run_dir = Path(config.train.run_dir)
-    for folder in (run_dir, *run_dir.absolute().parents):
-        if is_checkpoint_dir(folder) or (folder.name == "checkpoints" and candidates(folder)):
-            raise ConfigError(
-                f"run directory {run_dir} lies in {folder}, a checkpoint folder: this run's files would mix with its; "
-                "give this run its own --train.name or --train.run_dir"
-            )
+    folder = enclosing_checkpoint(run_dir, folders=True)
+    if folder is not None:
+        raise ConfigError(
+            f"run directory {run_dir} lies in {folder}, a checkpoint folder: this run's files would mix with its; "
+            "give this run its own --train.name or --train.run_dir"
+        )
     metrics, saved_config = run_dir / "metrics.jsonl", run_dir / "config.toml"
     if not metrics.is_file() or metrics.stat().st_size == 0:
         return

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from loom.engine.atomic import move_aside
-from loom.engine.checkpoint.format import LATEST, CheckpointError, candidates, is_checkpoint_dir
+from loom.engine.checkpoint.format import LATEST, CheckpointError, candidates, enclosing_checkpoint
 
 RUN_FILES = ("metrics.jsonl", "config.toml")
 """What a training run writes into its run directory before anything else."""
@@ -46,10 +46,10 @@ def claim_checkpoint_output(output: Path, overwrite: bool, reading: tuple[Path, 
     """Make sure a checkpoint may be written into `output` (a checkpoints folder); with `overwrite`, move the
     checkpoints already there aside. `reading`: the checkpoints the command reads, which it cannot replace."""
     _refuse_file_or_run(output, "checkpoint")
-    inside = [folder for folder in (output, *output.absolute().parents) if is_checkpoint_dir(folder)]
-    if inside:
+    inside = enclosing_checkpoint(output)
+    if inside is not None:
         raise CheckpointError(
-            f"--output {output} is inside the checkpoint {inside[0]} (a checkpoint written there would be found "
+            f"--output {output} is inside the checkpoint {inside} (a checkpoint written there would be found "
             "in its place); write to a new folder"
         )
     if output.is_dir() and any(next(output.glob(pattern), None) for pattern in HF_FILES):

@@ -273,6 +273,15 @@ def is_checkpoint_dir(path: Path) -> bool:
     return (path / METADATA).exists() or bool(_ITERATION.match(path.name))
 
 
+def enclosing_checkpoint(path: Path, folders: bool = False) -> Path | None:
+    """The checkpoint `path` is or lies in (an iter_N directory; with `folders`, also a checkpoints folder that
+    holds checkpoints), nearest first; None if none: what no run or new checkpoint may be written into."""
+    for folder in (path, *path.absolute().parents):
+        if is_checkpoint_dir(folder) or (folders and folder.name == "checkpoints" and candidates(folder)):
+            return folder
+    return None
+
+
 def find_loadable(path: Path, verify_hashes: bool = True, warn=print) -> tuple[Path, CheckpointMetadata] | None:
     """A checkpoint to resume from: `path` itself if it is an iteration directory, else the newest
     intact one under it (falling back past damaged ones, with a warning); None if there is none. A run
