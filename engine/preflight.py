@@ -7,6 +7,8 @@ a user's mistake is one line instead of N failing ranks.
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from loom.engine.atomic import move_aside
@@ -16,6 +18,7 @@ from loom.engine.config import ConfigError, LoomConfig
 def preflight(config: LoomConfig, world_size: int, training: bool = True) -> None:
     """Everything that can be checked before a process group starts (`training` False: for an evaluation)."""
     from loom.engine.data.indexed import IndexedDataset
+    from loom.engine.data.loader import check_splits
     from loom.engine.data.token_range import check_dataset_token_ids
 
     adopt_lora_base(config)
@@ -32,11 +35,15 @@ def preflight(config: LoomConfig, world_size: int, training: bool = True) -> Non
             "data.paths is empty; build a dataset with `loom data build` (or run `loom demo`) "
             "and pass --data.paths PREFIX"
         )
+    cache_dir = Path(config.data.cache_dir) if config.data.cache_dir else None
+    if cache_dir is not None and cache_dir.exists() and not cache_dir.is_dir():
+        raise ConfigError(f"data.cache_dir {cache_dir} is a file; give a directory (it is created if missing)")
     for prefix in config.data.paths:
         dataset = IndexedDataset(prefix)
         if dataset.num_tokens == 0:
             raise ConfigError(f"dataset {prefix} holds no tokens")
         check_dataset_token_ids(dataset, config.model.vocab_size, config.data.cache_dir)
+    check_splits(config, with_train=training)
     if config.data.tokenizer:
         import sentencepiece
 
@@ -53,9 +60,44 @@ def preflight(config: LoomConfig, world_size: int, training: bool = True) -> Non
                 f"the tokenizer has {vocab} pieces but model.vocab_size = {config.model.vocab_size}; "
                 f"set --model.vocab_size {vocab}"
             )
-    if config.checkpoint.load:
-        from loom.engine.checkpoint.format import CheckpointError, find_loadable
+    check_checkpoint_to_load(config, training)
+    check_wandb_installed(config)
+    run_dir = Path(config.train.run_dir)
+    check_run_directory(config)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as error:
+        raise ConfigError(f"run directory {run_dir} is not writable: {error.strerror}") from None
 
+
+@contextmanager
+def removed_if_left_empty(run_dir: Path) -> Iterator[None]:
+    """A launch that fails before anything was written leaves no empty run directory behind (it reads as a run
+    that never started, and `runs/` fills with them); only a directory this launch created, and never a file."""
+    created = not run_dir.exists()
+    try:
+        yield
+    except BaseException:
+        if created and run_dir.is_dir():
+            for folder in sorted((p for p in run_dir.rglob("*") if p.is_dir()), reverse=True) + [run_dir]:
+                try:
+                    folder.rmdir()  # refused for a folder that holds anything
+                except OSError:
+                    pass
+        raise
+
+
+def check_checkpoint_to_load(config: LoomConfig, training: bool) -> None:
+    """The checkpoint the ranks will load (checkpoint.load, else the run's own newest) holds the same model and,
+    when training, stops short of train.steps."""
+    from loom.engine.checkpoint.format import CheckpointError, find_loadable
+    from loom.engine.checkpoint.load import check_same_model
+
+    found = None
+    if config.checkpoint.load:
         load = Path(config.checkpoint.load)
         if not load.exists():
             raise ConfigError(f"checkpoint.load = {load} does not exist")
@@ -73,17 +115,10 @@ def preflight(config: LoomConfig, world_size: int, training: bool = True) -> Non
                 f"checkpoint.load = {load} is at step {found[1].step}, and train.steps = {config.train.steps}: "
                 f"nothing would train; raise --train.steps above {found[1].step}"
             )
-
-    check_wandb_installed(config)
-    run_dir = Path(config.train.run_dir)
-    check_run_directory(config)
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / ".write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as error:
-        raise ConfigError(f"run directory {run_dir} is not writable: {error.strerror}") from None
+    elif training:
+        found = find_loadable(Path(config.train.run_dir) / "checkpoints", verify_hashes=False, warn=lambda _: None)
+    if found:
+        check_same_model(found[0], found[1].config.get("model", {}), config.model)
 
 
 def adopt_lora_base(config: LoomConfig) -> None:

@@ -21,7 +21,12 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from loom.engine.checkpoint.format import CheckpointError, candidates, find_loadable, read_metadata
-from loom.engine.checkpoint.load import changed_model_settings, load_checkpoint, load_model_weights
+from loom.engine.checkpoint.load import (
+    changed_model_settings,
+    check_same_model,
+    load_checkpoint,
+    load_model_weights,
+)
 from loom.engine.checkpoint.save import CheckpointWriter
 from loom.engine.checkpoint.state import TrainingState
 from loom.engine.comm_ledger import StepLedgerWriter
@@ -216,6 +221,7 @@ class Trainer:
         directory = Path(choice[0])
         metadata = read_metadata(directory, verify_hashes=False)
         check_same_base(directory, metadata.lora_base, self.lora_base)
+        check_same_model(directory, metadata.config.get("model", {}), self.config.model)
         load_checkpoint(self.training_state(), directory, metadata)
         self.kernels.weights_updated(self.chunks)
         self.step = metadata.step

@@ -63,7 +63,7 @@ def _prediction(config) -> str:
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
     from loom.data_tools.manifest import check_same_tokenizer
     from loom.engine.parallel.rendezvous import start_rank_server
-    from loom.engine.preflight import preflight
+    from loom.engine.preflight import preflight, removed_if_left_empty
     from loom.launch.local import launch_local
 
     config = load_config(args.config, overrides)
@@ -91,17 +91,18 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
         print(config_to_toml(config), end="")
         return
     start_rank_server()  # its imports overlap the checks below
-    preflight(config, nproc)
-    check_same_tokenizer(config.data.paths, config.data.tokenizer)  # the dataset's manifest knows
-    print(
-        f"loom train: {nproc} rank(s), tp={config.parallel.tp} "
-        + (f"cp={config.parallel.cp} " if config.parallel.cp > 1 else "")
-        + f"pp={config.parallel.pp} dp={config.parallel.dp}, "
-        f"run directory {config.train.run_dir}",
-        flush=True,
-    )
-    print(_prediction(config), flush=True)
-    launch_local(config, nproc)
+    with removed_if_left_empty(Path(config.train.run_dir)):
+        preflight(config, nproc)
+        check_same_tokenizer(config.data.paths, config.data.tokenizer)  # the dataset's manifest knows
+        print(
+            f"loom train: {nproc} rank(s), tp={config.parallel.tp} "
+            + (f"cp={config.parallel.cp} " if config.parallel.cp > 1 else "")
+            + f"pp={config.parallel.pp} dp={config.parallel.dp}, "
+            f"run directory {config.train.run_dir}",
+            flush=True,
+        )
+        print(_prediction(config), flush=True)
+        launch_local(config, nproc)
 
 
 def cmd_schedule(args: argparse.Namespace) -> None:

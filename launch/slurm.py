@@ -133,7 +133,13 @@ def _slurm_command(args: list[str], timeout_s: float = 60) -> str:
         raise ConfigError(f"`{' '.join(args)}` did not answer within {timeout_s:g} s (is slurmctld running?)") from None
     if result.returncode != 0:
         lines = (result.stderr.strip() or result.stdout.strip() or f"exit code {result.returncode}").splitlines()
-        raise ConfigError(f"`{' '.join(args)}` failed: {lines[-1]}")
+        advice = ""
+        if "configuration source" in lines[-1] or "Unable to contact slurm controller" in lines[-1]:
+            advice = (
+                ": no Slurm cluster answers here (no slurm.conf, or slurmctld is down); run loom submit on a "
+                "login node, or `loom train --nproc N` on this machine"
+            )
+        raise ConfigError(f"`{' '.join(args)}` failed: {lines[-1]}{advice}")
     return result.stdout
 
 
@@ -238,7 +244,7 @@ def submit(config: LoomConfig, options: SlurmOptions):
     """Check everything, then submit; returns the submitit job."""
     from loom.data_tools.manifest import check_same_tokenizer
     from loom.engine.config_io import config_to_dict
-    from loom.engine.preflight import preflight
+    from loom.engine.preflight import preflight, removed_if_left_empty
 
     if options.nodes < 1 or options.tasks_per_node < 1:
         raise ConfigError("--nodes and --tasks-per-node must be >= 1")
@@ -249,23 +255,24 @@ def submit(config: LoomConfig, options: SlurmOptions):
             f"the allocation has {options.nodes} node(s) x {options.tasks_per_node} task(s) = "
             f"{options.world_size} ranks, but {error}"
         ) from None
-    preflight(config, options.world_size)
-    check_same_tokenizer(config.data.paths, config.data.tokenizer)  # the dataset's manifest knows
-    gpus = partition_gpus(options.partition)
-    _warn_if_it_does_not_fit(config, options.partition)
-    parameters = executor_parameters(options, config, gpus)
-    _absolute_paths(config)
-    import submitit
+    gpus = partition_gpus(options.partition)  # first: without a reachable cluster nothing else matters
+    with removed_if_left_empty(Path(config.train.run_dir)):
+        preflight(config, options.world_size)
+        check_same_tokenizer(config.data.paths, config.data.tokenizer)  # the dataset's manifest knows
+        _warn_if_it_does_not_fit(config, options.partition)
+        parameters = executor_parameters(options, config, gpus)
+        _absolute_paths(config)
+        import submitit
 
-    folder = Path(config.train.run_dir) / "slurm"
-    executor = submitit.SlurmExecutor(folder=folder)
-    executor.update_parameters(**parameters)
-    try:  # submitit prints sbatch's stderr on failure; the error below says it in one line instead
-        with contextlib.redirect_stderr(io.StringIO()):
-            job = executor.submit(TrainingJob(config_to_dict(config)))
-    except submitit.core.utils.FailedJobError as error:  # sbatch's own refusal, e.g. too much memory
-        lines = [line.removeprefix("sbatch: error: ") for line in str(error).strip().splitlines()]
-        raise ConfigError(f"sbatch refused the job: {'; '.join(lines)}") from None
+        folder = Path(config.train.run_dir) / "slurm"
+        executor = submitit.SlurmExecutor(folder=folder)
+        executor.update_parameters(**parameters)
+        try:  # submitit prints sbatch's stderr on failure; the error below says it in one line instead
+            with contextlib.redirect_stderr(io.StringIO()):
+                job = executor.submit(TrainingJob(config_to_dict(config)))
+        except submitit.core.utils.FailedJobError as error:  # sbatch's own refusal, e.g. too much memory
+            lines = [line.removeprefix("sbatch: error: ") for line in str(error).strip().splitlines()]
+            raise ConfigError(f"sbatch refused the job: {'; '.join(lines)}") from None
     record = {"job_id": job.job_id, "submitted": time.strftime("%Y-%m-%dT%H:%M:%S"), "options": asdict(options)}
     with open(folder / "jobs.jsonl", "a") as jobs:
         jobs.write(json.dumps(record) + "\n")

@@ -409,6 +409,7 @@ def test_a_dataset_is_read_only_with_the_tokenizer_it_was_built_with(world, capf
     mismatch = f"dataset {tmp_path / 'tok'} was built with tokenizer {root / 'tok.model'}, not {root / 'other.model'}"
     train = tiny_train_args(str(tmp_path / "tok"), tmp_path / "run", "--data.tokenizer", str(root / "other.model"))
     refused(capfd, ["train", *train], mismatch)
+    assert not (tmp_path / "run").exists()  # refused after preflight made it: not left behind empty
     preview = ["data", "preview", "--data.paths", str(tmp_path / "tok"), "--train.seq_length", "16"]
     refused(capfd, [*preview, "--tokenizer", str(root / "other.model")], mismatch)
     assert run(capfd, *preview, "--tokenizer", str(root / "tok.model"))[0] == 0

@@ -84,9 +84,11 @@ def test_a_bug_in_a_rank_is_reported_with_its_traceback_rank_and_host(dataset, t
 
 
 def test_a_user_error_found_inside_a_rank_is_one_line(dataset, tmp_path, capfd):
-    # Only a rank builds the dataset, so a split with no validation documents is found there, not in preflight.
-    done = _train(capfd, dataset, tmp_path, "--data.split", "100,0,0", "--train.eval_interval", "2")
+    # Only a rank writes the dataset's index cache, so a cache folder that cannot be made is found there.
+    (tmp_path / "a-file").write_text("")
+    done = _train(capfd, dataset, tmp_path / "run", "--data.cache_dir", str(tmp_path / "a-file" / "cache"))
     assert done.returncode == 1, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.strip()]
-    assert lines[-1].startswith("error: rank 0 on ") and "leaves no validation documents" in lines[-1], lines
+    assert lines[-1].startswith("error: rank 0 on ") and "cannot write the GPTDataset index cache" in lines[-1], lines
     assert "Traceback" not in done.stderr
+    assert not (tmp_path / "run").exists()  # failed before writing anything: no empty run folder left

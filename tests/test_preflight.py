@@ -135,6 +135,43 @@ def test_a_checkpoint_to_load_that_holds_none_is_refused_before_any_rank(dataset
     )
     one_line_error(result, f"checkpoint.load = {saved} is at step 2, and train.steps = 2: nothing would train")
     assert not (tmp_path / "run").exists()
+    # Another architecture: a smaller model loaded a 4-layer checkpoint (layer 3 dropped, exit 0); resuming with
+    # another width failed inside rank 0 (exit 1, an empty run folder left)
+    fewer = tiny_train_args(dataset, tmp_path / "run", "--train.steps", "3", "--model.num_layers", "3")
+    result = loom_here(capfd, "train", *fewer, "--checkpoint.load", str(saved))
+    one_line_error(result, "is of another model: model.num_layers = 4 there, 3 here", "--model.num_layers 4")
+    narrower = tiny_train_args(dataset, saved, "--train.steps", "3", "--model.hidden_size", "64")
+    one_line_error(loom_here(capfd, "train", *narrower), "model.hidden_size = 128 there, 64 here")
+    assert not (tmp_path / "run").exists()
+
+
+def test_check_same_model_names_the_flag_that_continues_the_saved_model(tmp_path):
+    from loom.engine.checkpoint.format import CheckpointError
+    from loom.engine.checkpoint.load import check_same_model
+    from loom.engine.config import ModelConfig
+
+    saved = vars(ModelConfig(num_layers=2, hidden_size=64, num_heads=4, tie_embeddings=True))
+    check_same_model(tmp_path, dict(saved), ModelConfig(**{**saved, "rope_theta": 5e5}))  # functional: a warning
+    with pytest.raises(CheckpointError, match="model.tie_embeddings = True there, False here; pass --model.tie_emb"):
+        check_same_model(tmp_path, dict(saved), ModelConfig(**{**saved, "tie_embeddings": False}))
+    learned = {**saved, "position_embedding": "learned", "max_position_embeddings": 128}
+    with pytest.raises(CheckpointError, match="model.max_position_embeddings = 128 there, 256 here"):
+        check_same_model(tmp_path, learned, ModelConfig(**{**learned, "max_position_embeddings": 256}))
+    check_same_model(tmp_path, saved, ModelConfig(**{**saved, "max_position_embeddings": 8192}))  # RoPE: no shape
+
+
+def test_data_settings_that_failed_inside_a_rank_are_refused_before_any(dataset, tmp_path, capfd):
+    """A split leaving no validation documents while the run evaluates, and a cache_dir that is a file, failed in
+    rank 0 after the plan and kernels lines (exit 1) and left an empty run folder."""
+    run = tmp_path / "run"
+    evaluating = tiny_train_args(dataset, run, "--train.eval_interval", "2", "--data.split", "1,0,0")
+    one_line_error(loom_here(capfd, "train", *evaluating), "leaves", "no validation documents", "eval_interval 0")
+    no_training = tiny_train_args(dataset, run, "--data.split", "0,1,0")
+    one_line_error(loom_here(capfd, "train", *no_training), "the training split '0,1,0' leaves it no documents")
+    (tmp_path / "cache").write_text("")
+    in_a_file = tiny_train_args(dataset, run, "--data.cache_dir", str(tmp_path / "cache"))
+    one_line_error(loom_here(capfd, "train", *in_a_file), f"data.cache_dir {tmp_path / 'cache'} is a file")
+    assert not run.exists()
 
 
 def test_the_demo_refuses_a_layout_before_its_data_steps(tmp_path, capfd):

@@ -278,3 +278,21 @@ def test_time_and_sbatch_parsing():
         with pytest.raises(Exception) as error:
             parse_sbatch_options(bad)
         assert "--sbatch" in str(error.value)
+
+
+def test_submit_where_no_cluster_answers_says_so_and_leaves_no_run_folder(dataset, tmp_path, capfd, monkeypatch):
+    """On a machine whose sinfo has no slurm.conf, submit printed sinfo's "Could not establish a configuration
+    source" and left an empty run folder."""
+    from training_runs import loom_here, one_line_error
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    for command in ("sinfo", "sbatch"):
+        (fake / command).write_text(
+            "#!/bin/sh\necho 'sinfo: fatal: Could not establish a configuration source' >&2\nexit 1\n"
+        )
+        (fake / command).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}:{os.environ['PATH']}")
+    result = loom_here(capfd, "submit", *tiny_train_args(dataset, tmp_path / "run"))
+    one_line_error(result, "no Slurm cluster answers here", "loom train --nproc N")
+    assert not (tmp_path / "run").exists()

@@ -94,8 +94,41 @@ FUNCTIONAL_MODEL_FIELDS = (
     "rope_high_freq_factor",
     "rope_original_max_positions",
     "norm_eps",
-    "position_embedding",
 )
+
+# Model settings that decide which tensors a checkpoint holds, their shapes or what the block computes with them.
+# A checkpoint loaded under other values is another model: a smaller one would silently drop tensors (a 4-layer
+# checkpoint into 3 layers), so they are refused before anything loads.
+ARCHITECTURE_MODEL_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "num_heads",
+    "num_kv_heads",
+    "ffn_hidden_size",
+    "vocab_size",
+    "position_embedding",
+    "norm",
+    "activation",
+    "bias",
+    "tie_embeddings",
+)
+
+
+def check_same_model(directory: Path, saved_model: dict, current: ModelConfig) -> None:
+    """Refuse to load checkpoint `directory` (whose config's [model] is `saved_model`) into another architecture,
+    naming the first setting that differs and the flag that continues the saved model."""
+    fields = ARCHITECTURE_MODEL_FIELDS
+    if current.position_embedding == "learned":  # the learned table's length is a shape; RoPE's is not
+        fields += ("max_position_embeddings",)
+    for field in fields:
+        if field in saved_model and saved_model[field] != getattr(current, field):
+            saved = saved_model[field]
+            flag = str(saved).lower() if isinstance(saved, bool) else saved
+            raise CheckpointError(
+                f"checkpoint {directory} is of another model: model.{field} = {saved} there, "
+                f"{getattr(current, field)} here; pass --model.{field} {flag} to continue it (a new model needs "
+                f"its own run: another --train.name, no --checkpoint.load)"
+            )
 
 
 def changed_model_settings(saved_model: dict, current: ModelConfig) -> list[str]:

@@ -64,10 +64,7 @@ def build_dataset(
     parts = []
     for prefix, weight in zip(paths, weights):
         share = num_samples if len(paths) == 1 else math.ceil(weight / total * num_samples * _BLEND_MARGIN) + 1
-        part = _split_dataset(IndexedDataset(prefix), split_index, share, config, is_builder, barrier)
-        if part is None and split_index == 0:
-            raise DatasetError(f"{prefix}: the training split {config.data.split!r} leaves it no documents")
-        parts.append(part)
+        parts.append(_split_dataset(IndexedDataset(prefix), split_index, share, config, is_builder, barrier))
     if len(parts) == 1:
         return parts[0]
     if any(p is None for p in parts):
@@ -80,13 +77,33 @@ def build_datasets(config: LoomConfig, with_train: bool, is_builder: bool, barri
     samples (None when not `with_train`), and train.eval_iters of validation samples when the run
     evaluates (None otherwise). `loom data index` calls it offline with is_builder and no barrier."""
     t = config.train
+    check_splits(config, with_train)
     train = build_dataset(config, 0, t.steps * t.global_batch_size, is_builder, barrier) if with_train else None
     valid = None
-    if t.eval_interval or not with_train:
+    if evaluates(config, with_train):
         valid = build_dataset(config, 1, t.eval_iters * t.global_batch_size, is_builder, barrier)
-        if valid is None:
-            raise DatasetError(f"data.split = {config.data.split!r} leaves no validation documents")
     return train, valid
+
+
+def evaluates(config: LoomConfig, with_train: bool) -> bool:
+    """Whether the run reads validation samples: a training run that evaluates, or an evaluation."""
+    return bool(config.train.eval_interval) or not with_train
+
+
+def check_splits(config: LoomConfig, with_train: bool) -> None:
+    """Refuse a data.split that leaves a dataset no training documents (when training) or no validation
+    documents (when the run evaluates); cheap, so launchers call it before any rank starts."""
+    for prefix in config.data.paths:
+        ranges = split_document_ranges(IndexedDataset(prefix).num_documents, config.data.split)
+        (train_start, train_end), (valid_start, valid_end) = ranges[0], ranges[1]
+        if with_train and train_end <= train_start:
+            raise DatasetError(f"{prefix}: the training split {config.data.split!r} leaves it no documents")
+        if evaluates(config, with_train) and valid_end <= valid_start:
+            advice = "" if not with_train else ", or turn evaluation off with --train.eval_interval 0"
+            raise DatasetError(
+                f"data.split = {config.data.split!r} leaves {prefix} no validation documents: give the second "
+                f"weight a share (e.g. '98,1,1'){advice}"
+            )
 
 
 class BatchIterator:
