@@ -77,11 +77,14 @@ def preflight(config: LoomConfig, world_size: int, training: bool = True) -> Non
 def removed_if_left_empty(run_dir: Path) -> Iterator[None]:
     """A launch that fails before anything was written leaves no empty run directory behind (it reads as a run
     that never started, and `runs/` fills with them); only a directory this launch created, and never a file."""
+    from loom.engine.run_lock import LOCK_FILE
+
     created = not run_dir.exists()
     try:
         yield
     except BaseException:
         if created and run_dir.is_dir():
+            (run_dir / LOCK_FILE).unlink(missing_ok=True)  # its ranks are gone: no run holds it
             for folder in sorted((p for p in run_dir.rglob("*") if p.is_dir()), reverse=True) + [run_dir]:
                 try:
                     folder.rmdir()  # refused for a folder that holds anything
@@ -148,6 +151,7 @@ def check_run_directory(config: LoomConfig) -> None:
     (a checkpoint is there) and re-running the same config are allowed."""
     from loom.engine.checkpoint.format import enclosing_checkpoint, find_loadable
     from loom.engine.config_io import config_to_toml
+    from loom.engine.run_lock import check_not_in_use
 
     run_dir = Path(config.train.run_dir)
     folder = enclosing_checkpoint(run_dir, folders=True)
@@ -156,6 +160,7 @@ def check_run_directory(config: LoomConfig) -> None:
             f"run directory {run_dir} lies in {folder}, a checkpoint folder: this run's files would mix with its; "
             "give this run its own --train.name or --train.run_dir"
         )
+    check_not_in_use(run_dir)
     metrics, saved_config = run_dir / "metrics.jsonl", run_dir / "config.toml"
     if not metrics.is_file() or metrics.stat().st_size == 0:
         return

@@ -10,12 +10,14 @@ from __future__ import annotations
 import datetime
 import os
 import signal
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from loom.engine.config import LoomConfig
 from loom.engine.cuda_env import set_cuda_env_defaults
+from loom.engine.run_lock import RunLock
 
 
 def choose_backend(requested: str, device: str) -> str:
@@ -71,7 +73,16 @@ def run_rank(config: LoomConfig, mode: str = "train", stop: StopSignals | None =
     from loom.engine.train import Trainer
 
     local_rank = init_distributed(config)
+    lock = None
     try:
+        if mode == "train" and dist.get_rank() == 0:
+            lock = RunLock(Path(config.train.run_dir))
+            if not lock.supported:
+                print(
+                    f"warning: {config.train.run_dir}'s filesystem has no file locks: another run started in this "
+                    "directory meanwhile would not be refused",
+                    flush=True,
+                )
         trainer = Trainer(config, local_rank=local_rank, evaluation_only=mode == "eval")
         try:
             if mode == "eval":
@@ -91,4 +102,6 @@ def run_rank(config: LoomConfig, mode: str = "train", stop: StopSignals | None =
         dist.barrier()
         return rows
     finally:
+        if lock is not None:
+            lock.close()
         dist.destroy_process_group()

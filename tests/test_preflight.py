@@ -179,3 +179,31 @@ def test_the_demo_refuses_a_layout_before_its_data_steps(tmp_path, capfd):
     result = loom_here(capfd, "demo", "--parallel.tp", "3", "--nproc", "8", "--workdir", str(tmp_path / "demo"))
     one_line_error(result, "world size 8 is not divisible by tp*pp = 3*2")
     assert not (tmp_path / "demo").exists()
+
+
+def test_a_run_directory_in_use_is_refused_until_its_run_ends(dataset, tmp_path, capfd):
+    """Two runs in one directory wrote over each other's metrics and checkpoints (a job submitted twice, a `loom
+    train` beside its Slurm job), and --train.overwrite moved a live run's files aside."""
+    import os
+    import socket
+
+    from training_runs import loom
+
+    from loom.engine.parallel.rendezvous import free_port
+    from loom.engine.run_lock import RunLock
+
+    args = tiny_train_args(dataset, tmp_path, "--train.steps", "2")
+    assert loom_here(capfd, "train", *args).returncode == 0
+    before = (tmp_path / "metrics.jsonl").read_text()
+    held = RunLock(tmp_path)  # as a live run's rank 0 holds it
+    in_use = f"run directory {tmp_path} is in use by a running loom run (pid {os.getpid()} on {socket.gethostname()}"
+    one_line_error(loom_here(capfd, "train", *args), in_use)
+    overwrite = tiny_train_args(dataset, tmp_path, "--train.steps", "3", "--train.overwrite", "true")
+    one_line_error(loom_here(capfd, "train", *overwrite), in_use)
+    assert (tmp_path / "metrics.jsonl").read_text() == before and not (tmp_path / "replaced").exists()
+    rank = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    one_line_error(loom("train", *args, env=rank), in_use)  # a rank of torchrun or srun takes the lock itself
+    with pytest.raises(Exception, match="is in use"):
+        RunLock(tmp_path)
+    held.close()  # the lock goes with its holder (or its process)
+    assert loom_here(capfd, "train", *args).returncode == 0
