@@ -477,7 +477,9 @@ class CheckpointConfig:
     keep: int = 3
     """Keep the newest this many checkpoints."""
     load: str | None = None
-    """Checkpoint directory to resume from; None means the run's own checkpoints/latest if any."""
+    """Checkpoint a new run starts from (a run directory, its checkpoints/ or an iter_N folder, any layout). Once
+    the run has checkpoints of its own, it resumes from its newest instead: rerunning the command, extending the
+    run or a requeued job continue it rather than going back here."""
     verify: bool = True
     """Check every file's sha256 before resuming (a damaged checkpoint falls back to an older one)."""
     async_save: bool = False

@@ -94,34 +94,34 @@ def removed_if_left_empty(run_dir: Path) -> Iterator[None]:
 
 
 def check_checkpoint_to_load(config: LoomConfig, training: bool) -> None:
-    """The checkpoint the ranks will load (checkpoint.load, else the run's own newest) holds the same model and,
+    """The checkpoint the ranks will load (the run's own newest, else checkpoint.load) holds the same model and,
     when training, stops short of train.steps."""
-    from loom.engine.checkpoint.format import CheckpointError, find_loadable
+    from loom.engine.checkpoint.format import CheckpointError, checkpoint_to_resume, find_loadable
     from loom.engine.checkpoint.load import check_same_model
 
-    found = None
-    if config.checkpoint.load:
-        load = Path(config.checkpoint.load)
+    load = Path(config.checkpoint.load) if config.checkpoint.load else None
+    if load is not None:
         if not load.exists():
             raise ConfigError(f"checkpoint.load = {load} does not exist")
         try:  # hashes are the ranks' to check; a folder without a checkpoint, or a file, is refused before them
-            found = load.is_dir() and find_loadable(load, verify_hashes=False, warn=lambda _: None)
+            holds_one = load.is_dir() and find_loadable(load, verify_hashes=False, warn=lambda _: None)
         except CheckpointError as error:
             raise ConfigError(f"checkpoint.load = {load}: {error}") from None
-        if not found:
+        if not holds_one:
             raise ConfigError(
                 f"checkpoint.load = {load} holds no checkpoint; give a run directory, its checkpoints/ folder or an "
                 "iter_N folder"
             )
-        if training and found[1].step >= config.train.steps:
-            raise ConfigError(
-                f"checkpoint.load = {load} is at step {found[1].step}, and train.steps = {config.train.steps}: "
-                f"nothing would train; raise --train.steps above {found[1].step}"
-            )
-    elif training:
-        found = find_loadable(Path(config.train.run_dir) / "checkpoints", verify_hashes=False, warn=lambda _: None)
-    if found:
-        check_same_model(found[0], found[1].config.get("model", {}), config.model)
+    own = Path(config.train.run_dir) / "checkpoints"
+    found = checkpoint_to_resume(own, config.checkpoint.load, verify_hashes=False, warn=lambda _: None)
+    if found is None:
+        return
+    if training and load is not None and found[0].parent != own and found[1].step >= config.train.steps:
+        raise ConfigError(
+            f"checkpoint.load = {load} is at step {found[1].step}, and train.steps = {config.train.steps}: "
+            f"nothing would train; raise --train.steps above {found[1].step}"
+        )
+    check_same_model(found[0], found[1].config, config)
 
 
 def adopt_lora_base(config: LoomConfig) -> None:

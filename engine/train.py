@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from loom.engine.checkpoint.format import CheckpointError, candidates, find_loadable, read_metadata
+from loom.engine.checkpoint.format import CheckpointError, checkpoint_to_resume, read_metadata
 from loom.engine.checkpoint.load import (
     changed_model_settings,
     check_same_model,
@@ -199,21 +199,13 @@ class Trainer:
         return pointer
 
     def _resume(self) -> Path | None:
-        """Load checkpoint.load, or the run's own newest intact checkpoint; rank 0 picks, all load."""
+        """Load the run's own newest intact checkpoint, else checkpoint.load; rank 0 picks, all load."""
         c = self.config.checkpoint
         choice = [None]
         if self.state.rank == 0:
-            source = Path(c.load) if c.load else self.checkpoints
-            if c.load and not source.exists():
+            if c.load and not Path(c.load).exists():
                 raise CheckpointError(f"checkpoint.load = {c.load} does not exist")
-            found = find_loadable(source, verify_hashes=c.verify)
-            if found is None and c.load:
-                raise CheckpointError(f"no intact checkpoint under {c.load}")
-            if found is None and candidates(source):  # starting afresh would write over this run's own files
-                raise CheckpointError(
-                    f"{self.checkpoints} holds checkpoints but none is intact (see the warnings above); load an "
-                    f"older one with --checkpoint.load, or move {self.checkpoints.parent} aside to start over"
-                )
+            found = checkpoint_to_resume(self.checkpoints, c.load, verify_hashes=c.verify)
             choice[0] = str(found[0]) if found else None
         dist.broadcast_object_list(choice, src=0)
         if choice[0] is None:
@@ -221,12 +213,17 @@ class Trainer:
         directory = Path(choice[0])
         metadata = read_metadata(directory, verify_hashes=False)
         check_same_base(directory, metadata.lora_base, self.lora_base)
-        check_same_model(directory, metadata.config.get("model", {}), self.config.model)
+        check_same_model(directory, metadata.config, self.config)
         load_checkpoint(self.training_state(), directory, metadata)
         self.kernels.weights_updated(self.chunks)
         self.step = metadata.step
         self.last_saved_step = self.step
-        self._log_event(f"resumed from {directory} at step {self.step}")
+        started_from = (
+            f" (this run's own; checkpoint.load = {c.load} is where it started)"
+            if c.load and directory.parent == self.checkpoints
+            else ""
+        )
+        self._log_event(f"resumed from {directory} at step {self.step}{started_from}")
         saved_optimizer = metadata.layout.optimizer
         if saved_optimizer not in (None, self.config.optim.name):
             self._log_event(

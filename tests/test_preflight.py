@@ -143,21 +143,42 @@ def test_a_checkpoint_to_load_that_holds_none_is_refused_before_any_rank(dataset
     narrower = tiny_train_args(dataset, saved, "--train.steps", "3", "--model.hidden_size", "64")
     one_line_error(loom_here(capfd, "train", *narrower), "model.hidden_size = 128 there, 64 here")
     assert not (tmp_path / "run").exists()
+    # Rerunning (or extending, or requeueing) a run that started from --checkpoint.load went back to the loaded
+    # checkpoint, training its steps again; it continues from its own now
+    started = tiny_train_args(dataset, tmp_path / "B", "--checkpoint.load", str(saved), "--checkpoint.interval", "1")
+    assert loom_here(capfd, "train", *started, "--train.steps", "3").returncode == 0
+    again = loom_here(capfd, "train", *started, "--train.steps", "4")
+    assert again.returncode == 0, again.stderr
+    own = tmp_path / "B" / "checkpoints" / "iter_0000003"
+    assert f"resumed from {own} at step 3 (this run's own; checkpoint.load = {saved} is where" in again.stdout
+    assert [row["step"] for row in read_metrics(tmp_path / "B")] == [3, 4]
 
 
 def test_check_same_model_names_the_flag_that_continues_the_saved_model(tmp_path):
     from loom.engine.checkpoint.format import CheckpointError
     from loom.engine.checkpoint.load import check_same_model
-    from loom.engine.config import ModelConfig
+    from loom.engine.config import LoomConfig, LoraConfig, ModelConfig
+
+    def config(lora: dict | None = None, **model) -> LoomConfig:
+        return LoomConfig(model=ModelConfig(**{**saved, **model}), lora=LoraConfig(**(lora or {})))
 
     saved = vars(ModelConfig(num_layers=2, hidden_size=64, num_heads=4, tie_embeddings=True))
-    check_same_model(tmp_path, dict(saved), ModelConfig(**{**saved, "rope_theta": 5e5}))  # functional: a warning
+    check_same_model(tmp_path, {"model": saved}, config(rope_theta=5e5))  # functional: the trainer warns
     with pytest.raises(CheckpointError, match="model.tie_embeddings = True there, False here; pass --model.tie_emb"):
-        check_same_model(tmp_path, dict(saved), ModelConfig(**{**saved, "tie_embeddings": False}))
+        check_same_model(tmp_path, {"model": saved}, config(tie_embeddings=False))
     learned = {**saved, "position_embedding": "learned", "max_position_embeddings": 128}
     with pytest.raises(CheckpointError, match="model.max_position_embeddings = 128 there, 256 here"):
-        check_same_model(tmp_path, learned, ModelConfig(**{**learned, "max_position_embeddings": 256}))
-    check_same_model(tmp_path, saved, ModelConfig(**{**saved, "max_position_embeddings": 8192}))  # RoPE: no shape
+        check_same_model(
+            tmp_path, {"model": learned}, config(position_embedding="learned", max_position_embeddings=256)
+        )
+    check_same_model(tmp_path, {"model": saved}, config(max_position_embeddings=8192))  # RoPE: no shape
+    # A LoRA checkpoint's adapters: other targets left the trained ones unloaded, another alpha rescaled them
+    adapters = {"model": saved, "lora": {"rank": 4, "alpha": 16.0, "targets": ["qkv", "fc1"]}}
+    check_same_model(tmp_path, adapters, config({"rank": 4, "targets": ["qkv", "fc1"], "base": "b"}))
+    with pytest.raises(CheckpointError, match="lora.targets = .'qkv', 'fc1'. there, .'qkv'. here; pass --lora.tar"):
+        check_same_model(tmp_path, adapters, config({"rank": 4, "targets": ["qkv"], "base": "b"}))
+    with pytest.raises(CheckpointError, match="lora.alpha = 16.0 there, 64.0 here; pass --lora.alpha 16.0"):
+        check_same_model(tmp_path, adapters, config({"rank": 4, "alpha": 64.0, "targets": ["qkv", "fc1"], "base": "b"}))
 
 
 def test_data_settings_that_failed_inside_a_rank_are_refused_before_any(dataset, tmp_path, capfd):

@@ -298,6 +298,28 @@ def find_loadable(path: Path, verify_hashes: bool = True, warn=print) -> tuple[P
     return None
 
 
+def checkpoint_to_resume(
+    run_checkpoints: Path, load: str | None, verify_hashes: bool = True, warn=print
+) -> tuple[Path, CheckpointMetadata] | None:
+    """What a training run starts from: its own newest intact checkpoint once it has one (so rerunning the same
+    command, or a requeued job, continues the run instead of going back to checkpoint.load), else checkpoint.load,
+    else nothing. A run whose own checkpoints are all damaged is refused unless checkpoint.load names one."""
+    own = find_loadable(run_checkpoints, verify_hashes, warn)
+    if own is not None:
+        return own
+    if load:
+        found = find_loadable(Path(load), verify_hashes, warn)
+        if found is None:
+            raise CheckpointError(f"no intact checkpoint under {load}")
+        return found
+    if candidates(run_checkpoints):  # starting afresh would write over this run's own files
+        raise CheckpointError(
+            f"{run_checkpoints} holds checkpoints but none is intact (see the warnings above); load an older one "
+            f"with --checkpoint.load, or move {run_checkpoints.parent} aside to start over"
+        )
+    return None
+
+
 def staging_dir(final: Path) -> Path:
     """Where the files of `final` are written before commit() renames them into place."""
     return final.with_name(final.name + ".tmp")

@@ -26,7 +26,7 @@ from loom.engine.checkpoint.format import (
     rng_key,
 )
 from loom.engine.checkpoint.state import TrainingState
-from loom.engine.config import ModelConfig
+from loom.engine.config import LoomConfig, ModelConfig
 from loom.engine.optim.algorithms import Adafactor, Lamb
 from loom.engine.parallel.param_info import param_info
 from loom.engine.parallel.sharding import ShardSpec
@@ -114,20 +114,29 @@ ARCHITECTURE_MODEL_FIELDS = (
 )
 
 
-def check_same_model(directory: Path, saved_model: dict, current: ModelConfig) -> None:
-    """Refuse to load checkpoint `directory` (whose config's [model] is `saved_model`) into another architecture,
-    naming the first setting that differs and the flag that continues the saved model."""
-    fields = ARCHITECTURE_MODEL_FIELDS
-    if current.position_embedding == "learned":  # the learned table's length is a shape; RoPE's is not
-        fields += ("max_position_embeddings",)
-    for field in fields:
-        if field in saved_model and saved_model[field] != getattr(current, field):
-            saved = saved_model[field]
-            flag = str(saved).lower() if isinstance(saved, bool) else saved
+# What a LoRA checkpoint's adapters are: other targets leave trained adapters unloaded, another alpha scales them.
+ADAPTER_FIELDS = ("rank", "alpha", "targets")
+
+
+def check_same_model(directory: Path, saved_config: dict, current: LoomConfig) -> None:
+    """Refuse to load checkpoint `directory` (whose run's config is `saved_config`) into another architecture or,
+    for a LoRA checkpoint, other adapters, naming the first setting that differs and the flag that keeps it."""
+    fields = [("model", name) for name in ARCHITECTURE_MODEL_FIELDS]
+    if current.model.position_embedding == "learned":  # the learned table's length is a shape; RoPE's is not
+        fields.append(("model", "max_position_embeddings"))
+    if saved_config.get("lora", {}).get("rank") and current.lora.enabled:
+        fields += [("lora", name) for name in ADAPTER_FIELDS]
+    for section, name in fields:
+        saved, now = saved_config.get(section, {}), getattr(getattr(current, section), name)
+        if name in saved and saved[name] != now:
+            value = saved[name]
+            flag = (
+                " ".join(value) if isinstance(value, list) else str(value).lower() if isinstance(value, bool) else value
+            )
             raise CheckpointError(
-                f"checkpoint {directory} is of another model: model.{field} = {saved} there, "
-                f"{getattr(current, field)} here; pass --model.{field} {flag} to continue it (a new model needs "
-                f"its own run: another --train.name, no --checkpoint.load)"
+                f"checkpoint {directory} is of another model: {section}.{name} = {value} there, {now} here; pass "
+                f"--{section}.{name} {flag} to continue it (a new model needs its own run: another --train.name, no "
+                "--checkpoint.load)"
             )
 
 
