@@ -7,8 +7,11 @@ TFLOP/s, MFU against the datasheet and a measured GEMM peak, BF16 vs FP8, loom v
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from loom.launch.arguments import int_in, output_file
+
+OVERWRITE_RESULT = "replace an --output file that is not an earlier result of this benchmark"
 
 EPILOG_MFU = """\
 Any config field can be overridden as --section.field value, e.g.
@@ -29,13 +32,18 @@ On CPU it runs tiny sizes and names aten operators instead of kernels: a smoke t
 
 def cmd_bench_mfu(args: argparse.Namespace, overrides: list[str]) -> None:
     from loom.tools.bench.mfu import run
+    from loom.tools.outputs import claim_result_file
 
+    if args.output:
+        claim_result_file(Path(args.output), "mfu", args.overwrite)
     run(args, overrides)
 
 
 def cmd_bench_gpu(args: argparse.Namespace) -> None:
-    from loom.tools.bench.gpu import run
+    from loom.tools.bench.gpu import DEFAULT_OUTPUT, run
+    from loom.tools.outputs import claim_result_file
 
+    claim_result_file(Path(args.output or DEFAULT_OUTPUT), "gpu", args.overwrite)
     run(args)
 
 
@@ -86,6 +94,7 @@ def add_parser(commands) -> None:
         help="square GEMM size for the measured peak (default 8192 GPU, 512 CPU)",
     )
     mfu.add_argument("--output", type=output_file, help="also write the figures as JSON to this file")
+    mfu.add_argument("--overwrite", action="store_true", help=OVERWRITE_RESULT)
     mfu.set_defaults(handler=cmd_bench_mfu, takes_overrides=True)
 
     gpu = kinds.add_parser(
@@ -97,6 +106,7 @@ def add_parser(commands) -> None:
     gpu.add_argument("--quick", action="store_true", help="tiny sizes: the CPU check that the command works")
     gpu.add_argument("--config", help="model for the throughput rows (default: llama-1b, or tiny with --quick)")
     gpu.add_argument("--output", type=output_file, help="JSON file for the figures (default: bench_gpu.json)")
+    gpu.add_argument("--overwrite", action="store_true", help=OVERWRITE_RESULT)
     gpu.set_defaults(handler=cmd_bench_gpu)
 
     profile = kinds.add_parser(

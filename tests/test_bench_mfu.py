@@ -35,7 +35,7 @@ def test_bench_mfu_runs_on_cpu_and_prints_its_table(tmp_path, capfd):
         assert row["tokens_per_s"] > 0 and 0 < row["mfu_measured_gemm"] and row["mfu_datasheet"] is None
         assert abs(row["tflops"] - row["tokens_per_s"] * results["flops_per_token"] / 1e12) < 1e-12
         assert "plan_tokens_per_s" not in row  # the planner knows GPUs, not this CPU
-    assert fp8_row["tokens_per_s"] is None and results["gemm_peak_tflops"] > 0
+    assert fp8_row["tokens_per_s"] is None and results["gemm_peak_tflops"] > 0 and results["bench"] == "mfu"
 
 
 def test_table_reports_mfu_against_both_peaks_the_ratios_and_the_plan():
@@ -94,7 +94,27 @@ def test_bench_gpu_quick_runs_on_cpu_and_answers_every_row(tmp_path, capfd, monk
     results = json.loads(output.read_text())
     assert results["throughput"]["rows"][0]["tokens_per_s"] > 0 and results["fp8_slice"]["rows"][0]["tokens_per_s"] > 0
     assert results["loss_gap"]["bf16_final_loss"] > 0 and "fp8_note" in results["loss_gap"]
-    assert results["launcher"]["ok"]
+    assert results["launcher"]["ok"] and results["bench"] == "gpu"
+
+
+def test_bench_results_replace_only_earlier_results(tmp_path, capfd):
+    """`--output RUN/metrics.jsonl` (or a checkpoint's metadata.json) was replaced by the benchmark's JSON, exit 0."""
+    from loom.tools.outputs import claim_result_file
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1, "loss": 8.3}\n{"step": 2, "loss": 8.2}\n')
+    for bench in (["gpu", "--quick"], ["mfu", "--config", "tiny"]):
+        result = loom_here(capfd, "bench", *bench, "--output", str(metrics))
+        assert result.returncode == 2 and f"--output {metrics} exists and is not a `loom bench {bench[0]}` result" in (
+            result.stderr
+        )
+    assert metrics.read_text().startswith('{"step": 1')
+    earlier = tmp_path / "bench_gpu.json"
+    earlier.write_text(json.dumps({"bench": "gpu", "config": "tiny"}))
+    claim_result_file(earlier, "gpu", overwrite=False)  # a rerun replaces its own earlier result
+    with pytest.raises(Exception, match="is not a `loom bench mfu` result"):
+        claim_result_file(earlier, "mfu", overwrite=False)
+    claim_result_file(metrics, "gpu", overwrite=True)
 
 
 def test_kernel_profile_runs_on_cpu_and_says_how_long_the_device_waited(capfd):

@@ -86,3 +86,22 @@ def claim_export_output(output: Path, overwrite: bool) -> None:
             f"folder, or pass --overwrite to move those files into {output}/replaced/"
         )
     print(f"--overwrite: the files in {output} were moved to {move_aside(output, existing)}")
+
+
+def claim_result_file(output: Path, kind: str, overwrite: bool) -> None:
+    """A benchmark's JSON result file: a new file, or an earlier result of the same benchmark (what a rerun
+    replaces); anything else (a run's metrics.jsonl, a checkpoint's metadata.json) only with --overwrite.
+    Checked before the benchmark runs, not after its minutes of measuring."""
+    import json
+
+    if not output.exists() or overwrite:
+        return
+    try:
+        earlier = json.loads(output.read_text())
+    except (OSError, ValueError):
+        earlier = None
+    if not (isinstance(earlier, dict) and earlier.get("bench") == kind):
+        raise CheckpointError(
+            f"--output {output} exists and is not a `loom bench {kind}` result; give another file, or pass "
+            "--overwrite to replace it"
+        )

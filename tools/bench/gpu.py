@@ -38,6 +38,7 @@ from loom.tools.bench import mfu
 from loom.tools.synthetic_data import write_markov_dataset
 
 # (config, overrides of the throughput runs, steps, warm-up, micro-batches, loss-gap steps, loss-gap layers)
+DEFAULT_OUTPUT = "bench_gpu.json"
 FULL = ("llama-1b", {}, 10, 3, 4, 200, 4)
 QUICK = ("tiny", {"train": {"seq_length": 64, "micro_batch_size": 2}}, 2, 1, 1, 3, 2)
 # The FP8 slice: (config, overrides, micro-batches)
@@ -181,7 +182,7 @@ def run(args: argparse.Namespace) -> dict:
     device = mfu._device(base.train.device)
     throughput = mfu.Throughput(steps=steps, warmup=warmup, microbatches=microbatches)
     slice_throughput = dataclasses.replace(throughput, microbatches=slice_microbatches)
-    results = {"config": config_name, "quick": args.quick, "slice_config": slice_name}
+    results = {"bench": "gpu", "config": config_name, "quick": args.quick, "slice_config": slice_name}
     with tempfile.TemporaryDirectory() as tmp:
         with mfu.single_process_group(device, base):
             results["throughput"] = mfu.measure(throughput, base)
@@ -191,7 +192,7 @@ def run(args: argparse.Namespace) -> dict:
         results["launcher"] = launcher_run(config_name, overrides, Path(tmp), device)
         print(f"bench: launcher: {json.dumps(results['launcher'])}", file=sys.stderr, flush=True)
     print(format_markdown(results), flush=True)
-    output = Path(args.output or "bench_gpu.json")
+    output = Path(args.output or DEFAULT_OUTPUT)
     output.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {output}")
     return results

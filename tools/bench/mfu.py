@@ -384,7 +384,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> dict:
         results = measure(Throughput.from_args(args), base)
     print(format_table(results), flush=True)
     if args.output:
-        Path(args.output).write_text(json.dumps(results, indent=2) + "\n")
+        Path(args.output).write_text(json.dumps({"bench": "mfu", **results}, indent=2) + "\n")
         print(f"wrote {args.output}")
     return results
 
