@@ -273,6 +273,7 @@ class Trainer:
             state.dp_size,
             cp_rank=state.cp_rank,
             cp_size=state.cp_size,
+            seq_length=self.config.train.seq_length,
         )
 
     def _peak_flops(self) -> float | None:
@@ -475,7 +476,7 @@ class Trainer:
                 row = {
                     "step": self.step,
                     **row,
-                    "tokens": self.train_batches.consumed_samples * t.seq_length,
+                    "tokens": self.train_batches.consumed_tokens,
                     "tokens_per_s": tokens_per_s,
                     "mfu": mfu,
                     "mem_gb": memory_gb(self.device),

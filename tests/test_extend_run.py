@@ -37,3 +37,27 @@ def test_a_shorter_run_is_the_prefix_of_a_longer_one_and_resuming_with_more_step
     assert sorted(extended) == [1, 2, 3, 4, 5, 6]
     for step, loss in extended.items():
         assert loss == pytest.approx(straight[step], rel=1e-6), step
+
+
+def test_tokens_keep_counting_when_a_resume_changes_the_sequence_length(dataset, tmp_path):
+    """`tokens` was consumed_samples x the current seq_length: resumed at half the length it went backwards
+    (8192 at step 4, 5120 at step 5) in metrics.jsonl and in the next checkpoint's metadata."""
+    from loom.engine.checkpoint.format import read_metadata
+
+    def run(steps: int, seq_length: int) -> None:
+        config = tiny_config(
+            dataset,
+            tmp_path,
+            model=SMALL_MODEL,
+            checkpoint={"interval": 2},
+            train={"steps": steps, "seq_length": seq_length},
+        )
+        config.resolve_world(1)
+        launch_local(config, 1)
+
+    run(2, 128)
+    run(3, 64)
+    rows = {row["step"]: row for row in read_metrics(tmp_path) if "loss" in row}
+    batch = rows[3]["global_batch_size"]
+    assert rows[2]["tokens"] == 2 * batch * 128 and rows[3]["tokens"] == 2 * batch * 128 + batch * 64
+    assert read_metadata(tmp_path / "checkpoints" / "iter_0000003").tokens == rows[3]["tokens"]

@@ -238,7 +238,7 @@ def _step_value(inner, step: int):
 
 
 def _restore_loop_state(state: TrainingState, reader: PieceReader, metadata: CheckpointMetadata) -> None:
-    state.data.load_state_dict({"consumed_samples": metadata.consumed_samples})
+    state.data.load_state_dict({"consumed_samples": metadata.consumed_samples, "consumed_tokens": metadata.tokens})
     if state.loss_scaler is not None and metadata.loss_scaler:
         state.loss_scaler.load_state_dict(metadata.loss_scaler)
     if state.fp8 is not None:  # by module name, so under any layout; a module the checkpoint lacks keeps its own

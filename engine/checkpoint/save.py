@@ -119,11 +119,11 @@ def collect_pieces(state: TrainingState) -> tuple[dict[str, torch.Tensor], dict[
 def describe_run(state: TrainingState) -> CheckpointMetadata:
     """metadata.json's facts about the run, taken at the moment of the save; the files are added when sealing."""
     p, c = state.parallel, state.config
-    consumed = state.data.state_dict()["consumed_samples"]
+    position = state.data.state_dict()
     return CheckpointMetadata(
         step=state.step,
-        consumed_samples=consumed,
-        tokens=consumed * c.train.seq_length,
+        consumed_samples=position["consumed_samples"],
+        tokens=position["consumed_tokens"],
         layout=CheckpointLayout(
             tp=p.tp_size,
             pp=p.pp_size,

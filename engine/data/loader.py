@@ -123,17 +123,22 @@ class BatchIterator:
         consumed_samples: int = 0,
         cp_rank: int = 0,
         cp_size: int = 1,
+        seq_length: int = 0,
     ):
         self.dataset, self.batch_size_at = dataset, batch_size_at
         self.micro_batch_size, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
         self.cp_rank, self.cp_size = cp_rank, cp_size
         self.consumed_samples = consumed_samples
+        # Counted, not derived from the samples: a run resumed at another train.seq_length keeps its earlier tokens.
+        self.seq_length = seq_length
+        self.consumed_tokens = consumed_samples * seq_length
 
     def next_step(self, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
         global_batch = self.batch_size_at(self.consumed_samples)
         per_rank = global_batch // self.dp_size
         first = self.consumed_samples + self.dp_rank * per_rank
         self.consumed_samples += global_batch
+        self.consumed_tokens += global_batch * self.seq_length
         microbatches = []
         for start in range(first, first + per_rank, self.micro_batch_size):
             samples = np.stack([self.dataset[i] for i in range(start, start + self.micro_batch_size)])
@@ -148,7 +153,8 @@ class BatchIterator:
         return microbatches
 
     def state_dict(self) -> dict:
-        return {"consumed_samples": self.consumed_samples}
+        return {"consumed_samples": self.consumed_samples, "consumed_tokens": self.consumed_tokens}
 
     def load_state_dict(self, state: dict) -> None:
         self.consumed_samples = int(state["consumed_samples"])
+        self.consumed_tokens = int(state.get("consumed_tokens", self.consumed_samples * self.seq_length))
