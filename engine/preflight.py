@@ -145,6 +145,10 @@ def _first_difference(saved: dict, current: dict) -> str:
     return "the same settings, written differently"
 
 
+JOB_SETTINGS = ("overwrite", "exit_after")
+"""[train] settings one job of a run may change without making it another run."""
+
+
 def check_run_directory(config: LoomConfig) -> None:
     """A run directory is this run's alone: one that holds another run's metrics (a different resolved
     config, no checkpoint to resume from) is refused unless train.overwrite moves that run aside. Resuming
@@ -176,8 +180,9 @@ def check_run_directory(config: LoomConfig) -> None:
         saved = tomllib.loads(saved_config.read_text())
     except (OSError, ValueError):
         saved = {}
-    saved.get("train", {}).pop("overwrite", None)
-    current["train"].pop("overwrite", None)
+    for job_setting in JOB_SETTINGS:  # how this job runs, not which run it is
+        saved.get("train", {}).pop(job_setting, None)
+        current["train"].pop(job_setting, None)
     if saved == current:
         return
     if not config.train.overwrite:

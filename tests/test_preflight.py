@@ -89,6 +89,11 @@ def test_a_run_directory_belongs_to_one_run(dataset, tmp_path, capfd):
 
     again = loom_here(capfd, "train", *tiny_train_args(dataset, tmp_path, "--train.steps", "2"))
     assert again.returncode == 0, again.stderr  # the same run, started again
+    # as a job of it that stops after one step: train.exit_after is the job's, not the run's
+    job = loom_here(
+        capfd, "train", *tiny_train_args(dataset, tmp_path, "--train.steps", "2", "--train.exit_after", "1")
+    )
+    assert job.returncode == 0, job.stderr
     before = (tmp_path / "metrics.jsonl").read_text()
 
     replaced = loom_here(
