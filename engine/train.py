@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from loom.engine.checkpoint.format import CheckpointError, checkpoint_to_resume, read_metadata
 from loom.engine.checkpoint.load import (
+    changed_data_order,
     changed_model_settings,
     check_same_model,
     load_checkpoint,
@@ -115,6 +116,9 @@ class Trainer:
             StepLedgerWriter(t.run_dir, self.state.rank, self.state.named_groups()) if t.comm_ledger else None
         )
         self.skipped_in_a_row = 0
+        # Early stopping's state, saved with each checkpoint: the best validation loss (None before the first
+        # evaluation) and the evaluations since it improved.
+        self.validation: dict = {"best_loss": None, "evals_without_gain": 0}
         self.last_saved_step: int | None = None
         self.checkpoints = Path(t.run_dir) / "checkpoints"
         self.checkpoint_writer = CheckpointWriter(asynchronous=config.checkpoint.async_save, timeout=timeout)
@@ -218,17 +222,28 @@ class Trainer:
         self.kernels.weights_updated(self.chunks)
         self.step = metadata.step
         self.last_saved_step = self.step
+        if metadata.validation is not None:
+            self.validation = dict(metadata.validation)
         started_from = (
             f" (this run's own; checkpoint.load = {c.load} is where it started)"
             if c.load and directory.parent == self.checkpoints
             else ""
         )
-        self._log_event(f"resumed from {directory} at step {self.step}{started_from}")
+        if self.evaluation_only:
+            self._log_event(f"evaluating {directory} (step {self.step})")
+        else:
+            self._log_event(f"resumed from {directory} at step {self.step}{started_from}")
         saved_optimizer = metadata.layout.optimizer
         if saved_optimizer not in (None, self.config.optim.name):
             self._log_event(
                 f"warning: {directory} was trained with {saved_optimizer}; its optimizer state does not carry over "
                 f"to {self.config.optim.name}, which starts from fresh state (the weights are resumed)"
+            )
+        reordered = changed_data_order(metadata.config, self.config)
+        if reordered and directory.parent == self.checkpoints and not self.evaluation_only:
+            self._log_event(
+                f"warning: from step {self.step} on this run reads its data in another order than it did "
+                f"({'; '.join(reordered)}): some samples may be read twice and others not at all"
             )
         changes = changed_model_settings(metadata.config["model"], self.config.model)
         if changes:
@@ -251,6 +266,7 @@ class Trainer:
             step=self.step,
             fp8=Fp8ScalingState(self.chunks) if self.kernels.fp8 == "delayed" else None,
             lora_base=self.lora_base,
+            validation=self.validation,
         )
 
     def save(self) -> Path:
@@ -436,12 +452,19 @@ class Trainer:
         with `stop.code` set to the agreed value (the launcher decides whether to exit or requeue).
         """
         t = self.config.train
-        rows, best_val, evals_without_gain = [], math.inf, 0
+        rows = []
         stop_at = min(t.steps, self.step + t.exit_after) if t.exit_after else t.steps
         if self.step >= t.steps:
             self._log_event(
                 f"nothing to train: the run in {t.run_dir} is complete at step {self.step} of train.steps = "
                 f"{t.steps}; raise --train.steps to continue it, or give a new run its own --train.name"
+            )
+        elif self._patience_spent():
+            stop_at = self.step
+            self._log_event(
+                f"nothing to train: the run in {t.run_dir} stopped early at step {self.step} (validation loss "
+                f"{self.validation['best_loss']:.4f} has not improved for {self.validation['evals_without_gain']} "
+                f"evaluations); raise --train.early_stop_patience, or set it to 0, to train on"
             )
         clock = StepClock()
         # Later agreements ride on each step's own transfer (train_step); this one covers a stop before the first.
@@ -488,31 +511,41 @@ class Trainer:
                 interval_start, interval_steps, interval_tokens = logged_at, 0, 0
             saving = self._saves_at(self.step, stop_at)
             evaluating = self.valid_set is not None and (self.step % t.eval_interval == 0 or self.step == t.steps)
-            if saving:
-                self.save()
-            if evaluating:
+            stopping_early = False
+            if evaluating:  # before the save, which then holds this evaluation's early-stopping state
                 val_loss = self.evaluate()
                 rows.append(
                     self._log({"step": self.step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))})
                 )
-                best_val, evals_without_gain = (
-                    (val_loss, 0) if val_loss < best_val else (best_val, evals_without_gain + 1)
+                self._record_validation(val_loss)
+                stopping_early = self._patience_spent()
+                c = self.config.checkpoint
+                saving = saving or (stopping_early and bool(c.interval or c.save_at_end))
+            if saving:
+                self.save()
+            if stopping_early:
+                self._log_event(
+                    f"early stop at step {self.step}: validation loss has not improved for "
+                    f"{self.validation['evals_without_gain']} evaluations (best {self.validation['best_loss']:.4f})"
                 )
-                if t.early_stop_patience and evals_without_gain >= t.early_stop_patience:
-                    c = self.config.checkpoint
-                    if self.last_saved_step != self.step and (c.interval or c.save_at_end):
-                        self.save()
-                    self._log_event(
-                        f"early stop at step {self.step}: validation loss has not improved "
-                        f"for {evals_without_gain} evaluations (best {best_val:.4f})"
-                    )
-                    break
+                break
             if saving or evaluating:  # their time is not training throughput
                 self._sync()
                 interval_start, interval_steps, interval_tokens = time.perf_counter(), 0, 0
         if t.record_pipeline_timeline:
             self.write_pipeline_timeline()
         return rows
+
+    def _record_validation(self, loss: float) -> None:
+        best = self.validation["best_loss"]
+        if best is None or loss < best:
+            self.validation = {"best_loss": loss, "evals_without_gain": 0}
+        else:
+            self.validation = {"best_loss": best, "evals_without_gain": self.validation["evals_without_gain"] + 1}
+
+    def _patience_spent(self) -> bool:
+        patience = self.config.train.early_stop_patience
+        return bool(patience) and self.validation["evals_without_gain"] >= patience
 
     def _saves_at(self, step: int, stop_at: int) -> bool:
         """Whether `step` is saved: every checkpoint.interval steps, and the run's last (checkpoint.save_at_end)."""

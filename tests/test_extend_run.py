@@ -39,9 +39,10 @@ def test_a_shorter_run_is_the_prefix_of_a_longer_one_and_resuming_with_more_step
         assert loss == pytest.approx(straight[step], rel=1e-6), step
 
 
-def test_tokens_keep_counting_when_a_resume_changes_the_sequence_length(dataset, tmp_path):
+def test_tokens_keep_counting_when_a_resume_changes_the_sequence_length(dataset, tmp_path, capfd):
     """`tokens` was consumed_samples x the current seq_length: resumed at half the length it went backwards
-    (8192 at step 4, 5120 at step 5) in metrics.jsonl and in the next checkpoint's metadata."""
+    (8192 at step 4, 5120 at step 5) in metrics.jsonl and in the next checkpoint's metadata. The resume says
+    that the data order changed (it changed silently)."""
     from loom.engine.checkpoint.format import read_metadata
 
     def run(steps: int, seq_length: int) -> None:
@@ -56,7 +57,13 @@ def test_tokens_keep_counting_when_a_resume_changes_the_sequence_length(dataset,
         launch_local(config, 1)
 
     run(2, 128)
+    capfd.readouterr()
     run(3, 64)
+    said = capfd.readouterr().out
+    assert (
+        "warning: from step 2 on this run reads its data in another order than it did (train.seq_length: 128 -> 64)"
+        in said
+    )
     rows = {row["step"]: row for row in read_metrics(tmp_path) if "loss" in row}
     batch = rows[3]["global_batch_size"]
     assert rows[2]["tokens"] == 2 * batch * 128 and rows[3]["tokens"] == 2 * batch * 128 + batch * 64

@@ -177,6 +177,10 @@ class CheckpointMetadata:
     hf_source: str | None = None
     """For a checkpoint written by `loom ckpt import-hf`: the Hugging Face model folder it came from, which a
     PEFT export of adapters trained on it names as base_model_name_or_path."""
+    validation: dict | None = None
+    """Early stopping's state when saved: "best_loss" (the best validation loss so far, null before the first
+    evaluation) and "evals_without_gain" (evaluations since it last improved), so a resumed run neither forgets
+    its best nor trains on after it stopped early; None from writers that do not train."""
     format_version: int = FORMAT_VERSION
     """The on-disk format version; a reader refuses any other."""
 
@@ -196,6 +200,7 @@ class CheckpointMetadata:
             "lora_base": self.lora_base,
             "tokenizer": self.tokenizer,
             "hf_source": self.hf_source,
+            "validation": self.validation,
         }
         return json.dumps(data, indent=1)
 
@@ -224,6 +229,7 @@ class CheckpointMetadata:
                 lora_base=data.get("lora_base"),
                 tokenizer=data.get("tokenizer"),
                 hf_source=data.get("hf_source"),
+                validation=data.get("validation"),
                 format_version=data["format_version"],
             )
         except (KeyError, TypeError, AttributeError) as error:

@@ -140,6 +140,27 @@ def check_same_model(directory: Path, saved_config: dict, current: LoomConfig) -
             )
 
 
+# Settings that decide which samples a run reads in which order: changed on a resume, the samples from the saved
+# position on are another sequence (some read twice, some never), which a user may intend (new data) or not.
+DATA_ORDER_FIELDS = (
+    ("train", "seed"),
+    ("train", "seq_length"),
+    ("data", "paths"),
+    ("data", "weights"),
+    ("data", "split"),
+)
+
+
+def changed_data_order(saved_config: dict, current: LoomConfig) -> list[str]:
+    """`section.name: saved -> current` for each of DATA_ORDER_FIELDS this run changes."""
+    changes = []
+    for section, name in DATA_ORDER_FIELDS:
+        saved, now = saved_config.get(section, {}), getattr(getattr(current, section), name)
+        if name in saved and saved[name] != now:
+            changes.append(f"{section}.{name}: {saved[name]} -> {now}")
+    return changes
+
+
 def changed_model_settings(saved_model: dict, current: ModelConfig) -> list[str]:
     """`model.F: saved -> current` for each functional setting of the checkpoint that this run changes.
     Fields a checkpoint predates count as their defaults."""

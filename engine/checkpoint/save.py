@@ -142,6 +142,7 @@ def describe_run(state: TrainingState) -> CheckpointMetadata:
         files={},
         index={},
         lora_base=state.lora_base,
+        validation=state.validation,
         tokenizer=tokenizer_record(c.data.tokenizer),
     )
 

@@ -47,6 +47,8 @@ class TrainingState:
     or None when the run keeps none (train.fp8 = off or current)."""
     lora_base: dict | None = None
     """A LoRA run's pointer to its frozen base model (CheckpointMetadata.lora_base); None otherwise."""
+    validation: dict | None = None
+    """Early stopping's state (CheckpointMetadata.validation); None when the run keeps none."""
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """The trainable parameters of the model chunks (those the optimizer holds)."""
