@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from loom.engine.checkpoint.format import CheckpointError, checkpoint_to_resume, read_metadata
+from loom.engine.checkpoint.format import CheckpointError, CheckpointMetadata, checkpoint_to_resume, read_metadata
 from loom.engine.checkpoint.load import (
     changed_data_order,
     changed_model_settings,
@@ -224,6 +224,12 @@ class Trainer:
         self.last_saved_step = self.step
         if metadata.validation is not None:
             self.validation = dict(metadata.validation)
+        self._say_what_was_resumed(directory, metadata)
+        return directory
+
+    def _say_what_was_resumed(self, directory: Path, metadata: CheckpointMetadata) -> None:
+        """Rank 0's lines about the checkpoint just loaded, and warnings for what this run changes about it."""
+        c = self.config.checkpoint
         started_from = (
             f" (this run's own; checkpoint.load = {c.load} is where it started)"
             if c.load and directory.parent == self.checkpoints
@@ -251,7 +257,6 @@ class Trainer:
                 f"warning: this run computes a different model than {directory} was saved with "
                 f"({'; '.join(changes)}); pass the saved values (e.g. --model.rope_theta) unless that is intended"
             )
-        return directory
 
     def training_state(self) -> TrainingState:
         """What a checkpoint saves and restores: this trainer's state objects, handed over explicitly."""
