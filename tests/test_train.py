@@ -33,35 +33,21 @@ def test_early_stopping_when_validation_stops_improving(dataset, tmp_path, capfd
     same command again does not train on (it trained on, with its best validation loss forgotten)."""
     # A learning rate too small to move fp32 weights keeps the validation loss exactly flat.
     flat = {"name": "sgd", "lr": 1e-30, "min_lr": 0.0, "momentum": 0.0}
-    saved = {"interval": 2, "save_at_end": True}
-    rows = train(
-        dataset,
-        tmp_path,
-        optim=flat,
-        checkpoint=saved,
-        train={"steps": 20, "eval_interval": 1, "early_stop_patience": 2},
-    )
+
+    def run(patience: int) -> list[dict]:
+        checkpoint = {"interval": 2, "save_at_end": True}
+        train_settings = {"steps": 20, "eval_interval": 1, "early_stop_patience": patience}
+        return train(dataset, tmp_path, optim=flat, checkpoint=checkpoint, train=train_settings)
+
+    rows = run(patience=2)
     val = [r for r in rows if "val_loss" in r]
     assert [r["step"] for r in val] == [1, 2, 3]
     assert len({r["val_loss"] for r in val}) == 1
     assert "early stop at step 3" in capfd.readouterr().out
     assert (tmp_path / "checkpoints" / "iter_0000003").is_dir()  # saved where it stopped
-    again = train(
-        dataset,
-        tmp_path,
-        optim=flat,
-        checkpoint=saved,
-        train={"steps": 20, "eval_interval": 1, "early_stop_patience": 2},
-    )
-    assert again == rows and "nothing to train: the run in" in capfd.readouterr().out
+    assert run(patience=2) == rows and "nothing to train: the run in" in capfd.readouterr().out
     # More patience trains on from the saved count: two evaluations without a gain already, so one more step
-    train(
-        dataset,
-        tmp_path,
-        optim=flat,
-        checkpoint=saved,
-        train={"steps": 20, "eval_interval": 1, "early_stop_patience": 3},
-    )
+    run(patience=3)
     assert "early stop at step 4: validation loss has not improved for 3 evaluations" in capfd.readouterr().out
 
 
