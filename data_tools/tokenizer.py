@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import sys
 import time
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -84,13 +85,16 @@ def iter_lines(
     held_out_every: int = 0,
     held_out: list[str] | None = None,
     bar: Progress | None = None,
+    long_lines: list | None = None,
 ) -> Iterator[str]:
-    """The non-empty lines of every document, in order (newlines are boundaries, never pieces).
+    """The non-empty lines of every document, in order (newlines are boundaries, never pieces); a line longer
+    than SentencePiece's MAX_SENTENCE_BYTES is cut at spaces, once per cut line appended to `long_lines`.
 
     With held_out_every = N, every Nth document goes to `held_out` (up to HELD_OUT_MAX_CHARACTERS)
     instead of training, to measure the tokenizer on text it has not seen. Documents are counted on `bar`.
     """
     held_characters = 0
+    long_lines = [] if long_lines is None else long_lines
     for position, record in enumerate(_shown(iter_jsonl(inputs, text_key=text_key, stats=stats), text_key, bar)):
         text = record[text_key]
         if (
@@ -103,8 +107,27 @@ def iter_lines(
             held_characters += len(text)
             continue
         for line in text.split("\n"):
-            if line:
+            if len(line) * 4 > MAX_SENTENCE_BYTES and len(line.encode()) > MAX_SENTENCE_BYTES:
+                long_lines.append(1)
+                yield from _cut_at_spaces(line, MAX_SENTENCE_BYTES)
+            elif line:
                 yield line
+
+
+def _cut_at_spaces(line: str, max_bytes: int) -> Iterator[str]:
+    """`line` in pieces of at most `max_bytes` UTF-8 bytes, cut before a space where one is near: SentencePiece's
+    trainer skips a longer sentence without a word, which left a long document out of training entirely."""
+    start = 0
+    while start < len(line):
+        end = start + max_bytes // 4  # at most 4 bytes a character: this many always fit
+        while end < len(line) and len(line[start : end + max_bytes // 8].encode()) <= max_bytes:
+            end += max_bytes // 8
+        end = min(end, len(line))
+        if end < len(line):
+            space = line.rfind(" ", start + 1, end)
+            end = space if space > start else end
+        yield line[start:end]
+        start = end
 
 
 def sample_lines(lines: Iterable[str], size: int, seed: int) -> list[str]:
@@ -204,12 +227,13 @@ def _read_sample(
     input_sentence_size: int,
     seed: int,
     progress: bool,
-) -> list[str]:
-    """The training lines sampled from the inputs (held-out documents go to `held_out`), with a progress bar."""
+) -> tuple[list[str], int]:
+    """The training lines sampled from the inputs (held-out documents go to `held_out`), with a progress bar, and
+    how many over-long lines were cut."""
+    cut: list = []
     with Progress("tokenizer: reading", progress, total=count_lines(inputs)) as bar:
-        return sample_lines(
-            iter_lines(inputs, text_key, stats, held_out_every, held_out, bar), input_sentence_size, seed
-        )
+        lines = iter_lines(inputs, text_key, stats, held_out_every, held_out, bar, long_lines=cut)
+        return sample_lines(lines, input_sentence_size, seed), len(cut)
 
 
 def _train_into(lines: list[str], output_prefix: Path, options: dict, seed: int, no_documents: str | None) -> None:
@@ -281,7 +305,15 @@ def train_tokenizer(
         probe = temporary_sibling(output_prefix)
         probe.touch()
         probe.unlink()
-        lines = _read_sample(inputs, text_key, stats, held_out_every, held_out, input_sentence_size, seed, progress)
+        lines, long_lines_cut = _read_sample(
+            inputs, text_key, stats, held_out_every, held_out, input_sentence_size, seed, progress
+        )
+        if long_lines_cut and progress:
+            print(
+                f"tokenizer: {long_lines_cut:,} line(s) longer than SentencePiece's {MAX_SENTENCE_BYTES:,} bytes were "
+                "cut at spaces (whole, the trainer would skip them)",
+                file=sys.stderr,
+            )
         no_documents = None
         if stats.documents == 0:
             no_documents = f"no documents with a string {text_key!r} field in {', '.join(map(str, inputs))}"
@@ -296,6 +328,7 @@ def train_tokenizer(
                 "seconds": round(time.perf_counter() - start, 2),
                 **held_out_metrics(processor, held_out),
                 **stats.as_dict(),
+                "long_lines_cut": long_lines_cut,
             }
             write_manifest(
                 output_prefix,

@@ -64,3 +64,27 @@ def test_held_out_fertility_and_byte_fallback(tmp_path):
     assert byte_pieces > 0 and abs(result["byte_fallback_rate"] - byte_pieces / tokens) < 1e-6
     manifest = json.loads((tmp_path / "tok.manifest.json").read_text())
     assert manifest["counts"]["fertility"] == result["fertility"]
+
+
+def test_a_line_longer_than_sentencepiece_takes_is_cut_not_skipped(tmp_path):
+    """SentencePiece's trainer skips a sentence over 64 KiB without a word: a one-line document of lorem words
+    trained a vocabulary that had none of them (exit 0, `bad_lines: 0`)."""
+    import random
+
+    from loom.data_tools.tokenizer import MAX_SENTENCE_BYTES, _cut_at_spaces
+
+    words = ["lorem", "ipsum", "dolor", "sit", "amet", "elit"]
+    rng = random.Random(0)
+    line = " ".join(rng.choice(words) for _ in range(30_000))  # ~170 KB
+    pieces = list(_cut_at_spaces(line, MAX_SENTENCE_BYTES))
+    assert "".join(pieces) == line and len(pieces) > 2
+    assert all(len(p.encode()) <= MAX_SENTENCE_BYTES for p in pieces) and all(p[0] == " " for p in pieces[1:])
+    wide = "☃" * (MAX_SENTENCE_BYTES // 2)  # no spaces, 3 bytes a character: cut anywhere, still within bytes
+    assert all(len(p.encode()) <= MAX_SENTENCE_BYTES for p in _cut_at_spaces(wide, MAX_SENTENCE_BYTES))
+
+    corpus = tmp_path / "long.jsonl"
+    corpus.write_text(json.dumps({"text": line}) + "\n" + json.dumps({"text": "a small note on zebras"}) + "\n")
+    result = train_tokenizer([corpus], tmp_path / "tok", vocab_size=300, held_out_every=0, progress=False)
+    assert result["long_lines_cut"] == 1
+    pieces = {p.lstrip("▁") for p in (tmp_path / "tok.vocab").read_text().split("\n") for p in [p.split("\t")[0]]}
+    assert {"lorem", "ipsum", "dolor"} <= pieces
