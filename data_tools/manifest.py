@@ -139,6 +139,19 @@ def built_with_tokenizer(prefix: str | Path) -> tuple[str, str] | None:
     return str(tokenizer), sha256
 
 
+def built_with_eod(prefix: str | Path) -> bool | None:
+    """Whether dataset `prefix` ends each document with the end-of-document id (`loom data build --append-eod`,
+    or a merge of datasets that all did or all did not), as its manifest says; None where none says."""
+    try:
+        manifest = read_manifest(manifest_path(prefix, is_folder=False))
+        if manifest.get("command") not in ("loom data build", "loom data merge"):
+            return None
+        value = manifest["parameters"].get("append_eod")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return value if isinstance(value, bool) else None
+
+
 def check_same_tokenizer(prefixes: list[str], tokenizer: str | Path | None = None) -> tuple[str, str] | None:
     """Refuse datasets built with different tokenizers, or with another tokenizer than `tokenizer`: their token
     ids mean other text (a model would train on noise, a preview decode garbage). Returns the tokenizer every

@@ -173,7 +173,7 @@ def _merge(args: argparse.Namespace) -> None:
 
     from loom.data_tools.failures import reported_failures
     from loom.data_tools.jsonl import InputError
-    from loom.data_tools.manifest import check_same_tokenizer, manifest_path, write_manifest
+    from loom.data_tools.manifest import built_with_eod, check_same_tokenizer, manifest_path, write_manifest
     from loom.engine.data.indexed import IndexedDataset, IndexedDatasetWriter, index_paths
 
     output = Path(args.output_prefix).resolve()
@@ -183,6 +183,14 @@ def _merge(args: argparse.Namespace) -> None:
     outputs = [*index_paths(args.output_prefix), manifest_path(args.output_prefix, is_folder=False)]
     _claim(args.overwrite, f"--output-prefix {args.output_prefix}", outputs, inputs)
     tokenizer = check_same_tokenizer(args.inputs)
+    ends = {prefix: built_with_eod(prefix) for prefix in args.inputs}
+    if True in ends.values() and False in ends.values():
+        without = [prefix for prefix, value in ends.items() if value is False]
+        raise InputError(
+            f"{', '.join(without)} was built with --no-append-eod and the other inputs with --append-eod: merged, "
+            "some documents would run into the next with no end-of-document id between; rebuild them alike"
+        )
+    append_eod = next(iter(ends.values())) if len(set(ends.values())) == 1 else None
     started = time.time()
     first = IndexedDataset(args.inputs[0])
     needed = sum(path.stat().st_size for prefix in args.inputs for path in index_paths(prefix) if path.is_file())
@@ -200,6 +208,7 @@ def _merge(args: argparse.Namespace) -> None:
         parameters={
             "inputs": args.inputs,
             **(dict(zip(("tokenizer", "tokenizer_sha256"), tokenizer)) if tokenizer else {}),
+            **({"append_eod": append_eod} if append_eod is not None else {}),
         },
         counts={"documents": documents, "tokens": int(merged.num_tokens)},
         started=started,

@@ -422,6 +422,13 @@ def test_a_dataset_is_read_only_with_the_tokenizer_it_was_built_with(world, capf
     refused(
         capfd, ["data", "inspect", str(merged), "--tokenizer", str(root / "other.model")], "was built with tokenizer"
     )
+    assert json.loads(merged.with_suffix(".manifest.json").read_text())["parameters"]["append_eod"] is True
+    # documents with and without an end-of-document id merged into one stream, exit 0
+    build_indexed_dataset(
+        [root / "docs.jsonl"], root / "tok.model", tmp_path / "run-on", workers=1, progress=False, append_eod=False
+    )
+    mixed = ["data", "merge", "--inputs", str(tmp_path / "tok"), str(tmp_path / "run-on")]
+    refused(capfd, [*mixed, "--output-prefix", str(tmp_path / "mixed")], "was built with --no-append-eod")
 
 
 def test_options_a_command_would_ignore_are_refused(world, capfd, tmp_path):
