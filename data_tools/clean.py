@@ -85,12 +85,16 @@ class _StagedOutputs:
         self._committed: list[Path] = []
 
     def write(self, relative: str, record: dict) -> None:
+        self.open(relative).write(json.dumps(record, ensure_ascii=False) + "\n")
+
+    def open(self, relative: str) -> IO[str]:
+        """The staged file `relative`, created (empty) on first use."""
         out = self._files.get(relative)
         if out is None:
             path = self.staging / relative
             path.parent.mkdir(parents=True, exist_ok=True)
             out = self._files[relative] = open(path, "w", encoding="utf-8", buffering=1 << 20)
-        out.write(json.dumps(record, ensure_ascii=False) + "\n")
+        return out
 
     def _close(self) -> None:
         for out in self._files.values():
@@ -247,6 +251,8 @@ def clean_corpus(
                 raise InputError(
                     f"no documents with a string {text_key!r} field in {', '.join(map(str, paths))}; nothing written"
                 )
+            if not split_by_language:  # the next stage reads it: present, even when empty
+                outputs.open(KEPT_NAME)
             written = outputs.commit()
             result = tally.result(pipeline_path, time.perf_counter() - start)
             with atomic_path(output / "stats.json") as tmp:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -166,6 +167,12 @@ def _clean(args: argparse.Namespace) -> None:
         step: counts["documents"] for step, counts in result["rejected_by"].items() if counts["documents"]
     }
     print(json.dumps(shown))
+    if result["kept"] == 0:
+        print(
+            f"warning: the pipeline kept none of the {result['documents']} documents; {args.output}/rejected/ says "
+            "which step rejected each",
+            file=sys.stderr,
+        )
 
 
 def _merge(args: argparse.Namespace) -> None:

@@ -287,3 +287,19 @@ def test_cli(tmp_path):
     assert (
         done.stderr.strip() == "error: pipeline web is neither a file nor a shipped pipeline (code, default, minimal)"
     )
+
+
+def test_a_clean_that_keeps_nothing_writes_an_empty_kept_file_and_says_so(tmp_path, capfd):
+    """It exited 0 with `kept: 0`, wrote no kept.jsonl, and the next stage failed on the missing file."""
+    from training_runs import loom_here
+
+    source = tmp_path / "blank.jsonl"
+    source.write_text("".join(json.dumps({"text": text}) + "\n" for text in ["", " ", "   "]))
+    done = loom_here(capfd, "data", "clean", "--input", str(source), "--output", str(tmp_path / "out"), "--pipeline",
+                     "minimal", "--workers", "1")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "warning: the pipeline kept none of the 3 documents" in done.stderr
+    assert (tmp_path / "out" / "kept.jsonl").read_text() == ""
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert any(entry["path"].endswith("kept.jsonl") for entry in manifest["outputs"])
+
