@@ -302,4 +302,3 @@ def test_a_clean_that_keeps_nothing_writes_an_empty_kept_file_and_says_so(tmp_pa
     assert (tmp_path / "out" / "kept.jsonl").read_text() == ""
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert any(entry["path"].endswith("kept.jsonl") for entry in manifest["outputs"])
-
