@@ -10,6 +10,7 @@ LOOM_DEBUG=1 shows tracebacks for user errors too.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import signal
 import sys
@@ -176,11 +177,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _stop_now(signum: int, frame) -> None:
+def _stop_now(signum: int, frame, trains: bool = False) -> None:
     from loom.launch.local import Stopped
 
-    name = signal.Signals(signum).name
-    raise Stopped(name, f"stopped by {name} before a checkpoint was written; nothing to resume")
+    name = signal.Signals(signum).name  # a training launcher, once running, says itself what was saved
+    raise Stopped(
+        name, f"stopped by {name}" + (" before a checkpoint was written; nothing to resume" if trains else "")
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -191,6 +194,8 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, _stop_now)
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    if args.command in ("train", "demo"):
+        signal.signal(signal.SIGTERM, functools.partial(_stop_now, trains=True))
     if extra and not getattr(args, "takes_overrides", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
