@@ -162,6 +162,12 @@ def check_same_tokenizer(prefixes: list[str], tokenizer: str | Path | None = Non
     if tokenizer is not None and recorded and Path(tokenizer).is_file():
         given = sha256_file(tokenizer)
         for prefix, (path, sha256) in recorded.items():
+            if sha256 != given and Path(path).resolve() == Path(tokenizer).resolve():
+                raise InputError(
+                    f"tokenizer {tokenizer} has changed since dataset {prefix} was built with it (its sha256 differs; "
+                    "a `loom data tokenizer --overwrite` keeps the old one in replaced/<time>/); rebuild the dataset "
+                    "with it, or give the one it was built with"
+                )
             if sha256 != given:
                 raise InputError(
                     f"dataset {prefix} was built with tokenizer {path}, not {tokenizer} (their sha256 differ); give "

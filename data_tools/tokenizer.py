@@ -163,15 +163,18 @@ def held_out_metrics(processor: sentencepiece.SentencePieceProcessor, texts: lis
     }
 
 
-def _pin_model_prefix(model_file: str, prefix: Path) -> None:
-    """Record the final prefix instead of the temporary one, so equal training gives byte-identical models."""
+def _drop_where_it_was_trained(model_file: str) -> None:
+    """Clear the output prefix and thread count SentencePiece records in the model: equal training then gives
+    byte-identical models wherever and on however many threads it ran, so the sha256 that datasets record names
+    the tokenizer itself (the manifest keeps both facts)."""
     try:
         from sentencepiece import sentencepiece_model_pb2
     except ImportError:  # without protobuf the model stays valid, only not byte-reproducible
         return
     proto = sentencepiece_model_pb2.ModelProto()
     proto.ParseFromString(Path(model_file).read_bytes())
-    proto.trainer_spec.model_prefix = prefix.name
+    proto.trainer_spec.ClearField("model_prefix")
+    proto.trainer_spec.ClearField("num_threads")
     Path(model_file).write_bytes(proto.SerializeToString())
 
 
@@ -258,7 +261,7 @@ def _train_into(lines: list[str], output_prefix: Path, options: dict, seed: int,
                     f"special pieces); give a larger --vocab-size"
                 ) from None
             raise InputError(f"SentencePiece training failed: {reason}") from None
-        _pin_model_prefix(f"{tmp_prefix}.model", output_prefix)
+        _drop_where_it_was_trained(f"{tmp_prefix}.model")
         # .model is what users point at, so it is renamed last.
         for suffix in (".vocab", ".model"):
             os.replace(f"{tmp_prefix}{suffix}", f"{output_prefix}{suffix}")

@@ -429,6 +429,13 @@ def test_a_dataset_is_read_only_with_the_tokenizer_it_was_built_with(world, capf
     )
     mixed = ["data", "merge", "--inputs", str(tmp_path / "tok"), str(tmp_path / "run-on")]
     refused(capfd, [*mixed, "--output-prefix", str(tmp_path / "mixed")], "was built with --no-append-eod")
+    # a tokenizer retrained at the same path: "built with tokenizer t.model, not t.model"
+    retrained = tmp_path / "t.model"
+    retrained.write_bytes((root / "tok.model").read_bytes())
+    build_indexed_dataset([root / "docs.jsonl"], retrained, tmp_path / "by-t", workers=1, progress=False)
+    retrained.write_bytes((root / "other.model").read_bytes())
+    preview_t = ["data", "preview", "--data.paths", str(tmp_path / "by-t"), "--train.seq_length", "16"]
+    refused(capfd, [*preview_t, "--tokenizer", str(retrained)], f"tokenizer {retrained} has changed since dataset")
 
 
 def test_options_a_command_would_ignore_are_refused(world, capfd, tmp_path):
