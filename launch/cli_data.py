@@ -104,12 +104,19 @@ def _tokenizer(args: argparse.Namespace) -> None:
         held_out_every=args.held_out_every,
     )
     print(f"wrote {args.output}.model and {args.output}.vocab ({result['vocab_size']} pieces, {result['seconds']} s)")
+    _say_bad_lines(result["bad_lines"], f"counted by reason in {manifest_path(args.output, is_folder=False)}")
     if result["fertility"] is not None:
         print(
             f"held-out text ({result['held_out_documents']} documents, {result['held_out_words']:,} words): "
             f"fertility {result['fertility']:.3f} tokens/word, byte fallback {100 * result['byte_fallback_rate']:.3f}% "
             f"of tokens"
         )
+
+
+def _say_bad_lines(count: int, where: str) -> None:
+    """A data command's console line for input lines that were not documents (they are never dropped unsaid)."""
+    if count:
+        print(f"warning: {count:,} input line(s) were not documents and were left out; {where}", file=sys.stderr)
 
 
 def _build(args: argparse.Namespace) -> None:
@@ -147,7 +154,8 @@ def _dedup(args: argparse.Namespace) -> None:
         workers=args.workers,
         bucket_memory_mb=args.bucket_memory_mb,
     )
-    print(json.dumps({k: v for k, v in result.items() if k != "input"}))
+    print(json.dumps({**{k: v for k, v in result.items() if k != "input"}, "bad_lines": result["input"]["bad_lines"]}))
+    _say_bad_lines(result["input"]["bad_lines"], f"{args.output}/rejected/bad_lines.jsonl has them")
 
 
 def _clean(args: argparse.Namespace) -> None:

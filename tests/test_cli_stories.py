@@ -464,3 +464,17 @@ def test_inspect_max_tokens_0_shows_every_token_as_preview_does(capfd, dataset):
     code, out, err = run(capfd, "data", "inspect", dataset, "--samples", "1", "--max-tokens", "0")
     assert code == 0, err
     assert out.splitlines()[-1] == f"[0] {IndexedDataset(dataset)[0].tolist()}"
+
+
+def test_dedup_and_tokenizer_say_how_many_lines_were_not_documents(world, capfd, tmp_path):
+    """Clean and build said so on the console; dedup and tokenizer only counted them in their files."""
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text((world["root"] / "docs.jsonl").read_text() + 'not json\n{"title": "no text"}\n')
+    code, out, err = run(capfd, "data", "dedup", "--input", str(mixed), "--output", str(tmp_path / "d"))
+    assert code == 0, err
+    assert json.loads(out.splitlines()[-1])["bad_lines"] == 2
+    assert "warning: 2 input line(s) were not documents and were left out" in err
+    tokenizer = ["data", "tokenizer", "--input", str(mixed), "--output", str(tmp_path / "t"), "--vocab-size", "300"]
+    code, out, err = run(capfd, *tokenizer)
+    assert code == 0, err
+    assert "warning: 2 input line(s) were not documents and were left out; counted by reason in" in err
