@@ -343,7 +343,9 @@ class DataConfig:
         except ValueError:
             values = []
         if len(values) != 3 or any(v < 0 for v in values) or sum(values) <= 0:
-            raise ConfigError(f"data.split = {self.split!r} must be three non-negative weights like '98,1,1'")
+            raise ConfigError(
+                f"data.split = {self.split!r} must be three non-negative weights, not all zero, like '98,1,1'"
+            )
 
 
 @dataclass
