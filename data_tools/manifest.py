@@ -121,20 +121,29 @@ def read_manifest(path: str | Path) -> dict:
     return json.loads(Path(path).read_text(encoding="utf-8"))
 
 
+def _dataset_manifest(prefix: str | Path) -> dict | None:
+    """The manifest of dataset `prefix` when `loom data build` or `loom data merge` wrote it; None otherwise (a
+    dataset from elsewhere, or no readable manifest)."""
+    try:
+        manifest = read_manifest(manifest_path(prefix, is_folder=False))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(manifest, dict) or manifest.get("command") not in ("loom data build", "loom data merge"):
+        return None
+    return manifest
+
+
 def built_with_tokenizer(prefix: str | Path) -> tuple[str, str] | None:
     """(path, sha256) of the tokenizer dataset `prefix` was built with, as its manifest (`loom data build`'s, or a
     merge's of datasets that all recorded it) says; None where none says (a dataset from elsewhere)."""
-    path = manifest_path(prefix, is_folder=False)
+    manifest = _dataset_manifest(prefix)
     try:
-        manifest = read_manifest(path)
         parameters = manifest["parameters"]
-        if manifest.get("command") == "loom data merge":
+        if manifest["command"] == "loom data merge":
             return str(parameters["tokenizer"]), parameters["tokenizer_sha256"]
-        if manifest.get("command") != "loom data build":
-            return None
         tokenizer = parameters["tokenizer"]
         [sha256] = [entry["sha256"] for entry in manifest["inputs"] if entry["path"] == str(tokenizer)]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError):  # None, or a manifest without these facts
         return None
     return str(tokenizer), sha256
 
@@ -142,12 +151,10 @@ def built_with_tokenizer(prefix: str | Path) -> tuple[str, str] | None:
 def built_with_eod(prefix: str | Path) -> bool | None:
     """Whether dataset `prefix` ends each document with the end-of-document id (`loom data build --append-eod`,
     or a merge of datasets that all did or all did not), as its manifest says; None where none says."""
+    manifest = _dataset_manifest(prefix)
     try:
-        manifest = read_manifest(manifest_path(prefix, is_folder=False))
-        if manifest.get("command") not in ("loom data build", "loom data merge"):
-            return None
         value = manifest["parameters"].get("append_eod")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (KeyError, TypeError, AttributeError):
         return None
     return value if isinstance(value, bool) else None
 

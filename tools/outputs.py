@@ -14,6 +14,7 @@ from pathlib import Path
 
 from loom.engine.atomic import move_aside
 from loom.engine.checkpoint.format import LATEST, CheckpointError, candidates, enclosing_checkpoint
+from loom.engine.config import ConfigError
 
 RUN_FILES = ("metrics.jsonl", "config.toml")
 """What a training run writes into its run directory before anything else."""
@@ -101,7 +102,7 @@ def claim_result_file(output: Path, kind: str, overwrite: bool) -> None:
     except (OSError, ValueError):
         earlier = None
     if not (isinstance(earlier, dict) and earlier.get("bench") == kind):
-        raise CheckpointError(
+        raise ConfigError(
             f"--output {output} exists and is not a `loom bench {kind}` result; give another file, or pass "
             "--overwrite to replace it"
         )

@@ -11,6 +11,7 @@ iterator, loss scaler, FP8 scaling state and RNG get their saved state through t
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -126,18 +127,21 @@ def check_same_model(directory: Path, saved_config: dict, current: LoomConfig) -
         fields.append(("model", "max_position_embeddings"))
     if saved_config.get("lora", {}).get("rank") and current.lora.enabled:
         fields += [("lora", name) for name in ADAPTER_FIELDS]
+    for section, name, value, now in _differences(saved_config, current, fields):
+        flag = " ".join(value) if isinstance(value, list) else str(value).lower() if isinstance(value, bool) else value
+        raise CheckpointError(
+            f"checkpoint {directory} is of another model: {section}.{name} = {value} there, {now} here; pass "
+            f"--{section}.{name} {flag} to continue it (a new model needs its own run: another --train.name, no "
+            "--checkpoint.load)"
+        )
+
+
+def _differences(saved_config: dict, current: LoomConfig, fields: Iterable[tuple[str, str]]) -> Iterator[tuple]:
+    """(section, name, saved value, current value) for each of `fields` the saved config records otherwise."""
     for section, name in fields:
         saved, now = saved_config.get(section, {}), getattr(getattr(current, section), name)
         if name in saved and saved[name] != now:
-            value = saved[name]
-            flag = (
-                " ".join(value) if isinstance(value, list) else str(value).lower() if isinstance(value, bool) else value
-            )
-            raise CheckpointError(
-                f"checkpoint {directory} is of another model: {section}.{name} = {value} there, {now} here; pass "
-                f"--{section}.{name} {flag} to continue it (a new model needs its own run: another --train.name, no "
-                "--checkpoint.load)"
-            )
+            yield section, name, saved[name], now
 
 
 # Settings that decide which samples a run reads in which order: changed on a resume, the samples from the saved
@@ -153,12 +157,10 @@ DATA_ORDER_FIELDS = (
 
 def changed_data_order(saved_config: dict, current: LoomConfig) -> list[str]:
     """`section.name: saved -> current` for each of DATA_ORDER_FIELDS this run changes."""
-    changes = []
-    for section, name in DATA_ORDER_FIELDS:
-        saved, now = saved_config.get(section, {}), getattr(getattr(current, section), name)
-        if name in saved and saved[name] != now:
-            changes.append(f"{section}.{name}: {saved[name]} -> {now}")
-    return changes
+    return [
+        f"{section}.{name}: {saved} -> {now}"
+        for section, name, saved, now in _differences(saved_config, current, DATA_ORDER_FIELDS)
+    ]
 
 
 def changed_model_settings(saved_model: dict, current: ModelConfig) -> list[str]:
