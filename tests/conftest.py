@@ -1,6 +1,12 @@
 """Fixtures shared by the test modules: the synthetic corpora the training tests read."""
 
+import os
 from collections.abc import Callable
+
+# Compiled blocks on CPU stand in for the GPU's (graphs, graph breaks, what backward saves, numerics against
+# eager): inductor's SIMD kernels add nothing to those checks, and scalar C++ compiles in about half the time
+# with no probe programs to pick an instruction set (set before anything imports inductor's config).
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
 import pytest
 

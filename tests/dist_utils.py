@@ -44,7 +44,6 @@ def _worker(fn, rank, world_size, port, queue, args):
 
 
 _CONTEXT = rank_context()
-_CONTEXT.set_forkserver_preload([*RANK_PRELOAD, "tests.inductor_warm"])
 
 
 def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 300) -> list[Any]:

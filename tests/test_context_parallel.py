@@ -84,7 +84,7 @@ def _cp_runs(rank, world, dataset, run_dir):
             f"{run_dir}/{name}",
             parallel={**parallel, "grad_bucket_mb": 0.25},
             optim=optim,
-            train={"steps": 3, "micro_batch_size": 1, "seq_length": SEQ},
+            train={"steps": 3, "global_batch_size": 4, "micro_batch_size": 1, "seq_length": SEQ},
         )
         trainer = Trainer(config)
         # what each rank holds of a sequence: its CP share (then split over TP under sequence parallelism)
@@ -112,7 +112,7 @@ def _cp_runs_reference(rank, world, dataset, run_dir):
         dataset,
         f"{run_dir}/one",
         parallel={"grad_bucket_mb": 0.25},
-        train={"steps": 3, "micro_batch_size": 1, "seq_length": SEQ},
+        train={"steps": 3, "global_batch_size": 4, "micro_batch_size": 1, "seq_length": SEQ},
     )
     trainer = Trainer(config)
     rows = [trainer.train_step() for _ in range(3)]
@@ -144,7 +144,7 @@ def _resume_across_cp(rank, world, dataset, run_dir):
             dataset,
             f"{run_dir}/{name}",
             parallel={"cp": cp},
-            train={"steps": 4, "micro_batch_size": 1, "seq_length": SEQ},
+            train={"steps": 4, "global_batch_size": 4, "micro_batch_size": 1, "seq_length": SEQ},
             checkpoint=checkpoint,
         )
         return Trainer(config)

@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from training_runs import HANG_S, read_metrics, read_output_until, tiny_train_args, wait_for
+from training_runs import HANG_S, loom_here, read_metrics, read_output_until, tiny_train_args, wait_for
 
 from loom.engine.config_io import load_config
 from loom.launch.slurm import (
@@ -27,7 +27,7 @@ from loom.launch.slurm import (
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 8
-TASKS = "4"  # tp 2 x pp 2: every rank imports torch itself under srun, the slow part of a job on 2 cores
+TASKS = "2"  # tp 1 x pp 2: every rank imports torch itself under srun, the slow part of a job on 2 cores
 
 
 def _free_port_pair() -> int:
@@ -81,9 +81,7 @@ def loom(*args: str, env: dict, timeout: float = 400) -> subprocess.CompletedPro
 
 
 def training_args(dataset: str, run_dir: Path, *extra: str) -> list[str]:
-    return tiny_train_args(
-        dataset, run_dir, "--parallel.tp", "2", "--parallel.pp", "2", "--train.steps", str(STEPS), *extra
-    )
+    return tiny_train_args(dataset, run_dir, "--parallel.pp", "2", "--train.steps", str(STEPS), *extra)
 
 
 def job_count(env: dict) -> int:
@@ -127,8 +125,8 @@ def assert_same_curve(rows: list[dict], reference: list[dict], rel: float, steps
 
 
 def test_a_preempted_job_checkpoints_requeues_and_gives_the_local_curve(slurm, dataset, local_reference, tmp_path):
-    """One job on 1 x 4 tasks, preempted (SIGUSR2) at step 3: it checkpoints step 4, requeues itself, resumes and
-    completes, and its curve is the one `loom train --nproc 4` gives (equal before the stop, 1e-6 after)."""
+    """One job on 1 x 2 tasks (pp 2), preempted (SIGUSR2) at step 3: it checkpoints step 4, requeues itself, resumes and
+    completes, and its curve is the one `loom train --nproc 2` gives (equal before the stop, 1e-6 after)."""
     # The ranks wait before step 3 until the signal reaches them, so the job cannot finish before it however
     # slow the machine; the requeued job resumes past step 3 and does not wait again.
     proc = submit_in_background(
@@ -187,11 +185,11 @@ def test_failing_rank_ends_the_job_with_its_message(slurm, dataset, tmp_path):
         "10",
         "--wait",
         *training_args(dataset, tmp_path),
-        env={**slurm, "LOOM_INJECT_FAULT": "3:2"},
+        env={**slurm, "LOOM_INJECT_FAULT": "1:2"},
     )
     assert result.returncode == 1
     error = next((line for line in result.stderr.splitlines() if line.startswith("error: job ")), "")
-    assert " ended FAILED: rank 3 on " in error, result.stderr
+    assert " ended FAILED: rank 1 on " in error, result.stderr
     assert error.endswith("failed: InjectedFault: fault injected by LOOM_INJECT_FAULT at step 2"), error
     assert "Traceback (most recent call last)" in result.stderr.split(error)[1], result.stderr  # a bug's, after it
     wait_for(lambda: not job_processes(tmp_path), "the job's processes gone")
@@ -218,10 +216,17 @@ def test_failing_rank_ends_the_job_with_its_message(slurm, dataset, tmp_path):
         ),
     ],
 )
-def test_bad_submission_is_one_line_and_submits_nothing(slurm, dataset, tmp_path, args, message):
+def test_bad_submission_is_one_line_and_submits_nothing(slurm, dataset, tmp_path, args, message, capfd, monkeypatch):
     before = job_count(slurm)
-    result = loom(
-        "submit", "--tasks-per-node", "8", *training_args(dataset, tmp_path, "--parallel.dp", "2"), *args, env=slurm
+    for name, value in slurm.items():  # in this process: no second start-up of torch per refusal
+        monkeypatch.setenv(name, value)
+    result = loom_here(
+        capfd,
+        "submit",
+        "--tasks-per-node",
+        "8",
+        *training_args(dataset, tmp_path, "--parallel.tp", "2", "--parallel.dp", "2"),
+        *args,
     )
     assert result.returncode == 2
     assert result.stderr.startswith(message), result.stderr

@@ -23,7 +23,7 @@ def losses(dataset, run_dir, nproc, zero, optimizer="adamw", **parallel) -> list
         run_dir,
         parallel={**parallel, "grad_bucket_mb": 0.25},
         optim={"zero": zero, "name": optimizer},
-        train={"steps": STEPS, "micro_batch_size": 1},
+        train={"steps": STEPS, "global_batch_size": 8, "micro_batch_size": 1, "seq_length": 64},
     )
     config.resolve_world(nproc)
     launch_local(config, nproc)
@@ -70,9 +70,15 @@ def _train_variants(rank, world, dataset, run_dir, parallel, precision, optimize
             f"{run_dir}/zero{zero}-{offload}",
             parallel={**parallel, "grad_bucket_mb": 0.25},
             optim={"zero": zero, "offload": offload, "name": optimizer},
-            # 16 samples in micro-batches of 2: gradients accumulate over 8 / dp micro-batches. Sequences of 32
+            # 8 samples in micro-batches of 2: gradients accumulate over 4 / dp micro-batches. Sequences of 32
             # tokens: the variants are compared with each other, and fp16 matmuls are slow on a CPU.
-            train={"steps": steps, "micro_batch_size": 2, "precision": precision, "seq_length": 32},
+            train={
+                "steps": steps,
+                "global_batch_size": 8,
+                "micro_batch_size": 2,
+                "precision": precision,
+                "seq_length": 32,
+            },
         )
         trainer = Trainer(config)
         losses = [trainer.train_step()["loss"] for _ in range(steps)]
@@ -250,7 +256,7 @@ def _zero3_against_zero1(rank, world, dataset, run_dir):
                 parallel={**parallel, "grad_bucket_mb": 0.25},
                 model=model,
                 optim={"zero": zero},
-                train={"steps": 3, "micro_batch_size": 1, "seq_length": 32},  # 8 / dp micro-batches per step
+                train={"steps": 3, "global_batch_size": 8, "micro_batch_size": 1, "seq_length": 32},  # 8 / dp per step
             )
             trainer = Trainer(config)
             sharded = trainer.optimizer.sharded_params

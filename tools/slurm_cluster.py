@@ -32,7 +32,7 @@ PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 #  proctrack/linuxproc, task/none     no cgroup setup needed
 #  MinJobAge=86400                    finished jobs stay visible to the sacct stand-in
 #  KillWait=5                         scancel/requeue reach SIGKILL after 5 s, not 30
-#  cred_expire=10                     a requeued job may start after 11 s instead of 121
+#  cred_expire=5                      a requeued job may start after 6 s instead of 121
 #  sched_interval/bf_interval=1       nothing else wakes the scheduler when that time has passed
 #  EnforcePartLimits=ALL              impossible requests fail at sbatch instead of pending forever
 SLURM_CONF = """\
@@ -43,7 +43,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={dir}/munge/munge.socket,cred_expire=10
+AuthInfo=socket={dir}/munge/munge.socket,cred_expire=5
 StateSaveLocation={dir}/state
 SlurmctldPidFile={dir}/slurmctld.pid
 SlurmctldLogFile={dir}/log/slurmctld.log
