@@ -8,7 +8,7 @@ from __future__ import annotations
 import traceback
 from typing import Any, Callable
 
-from loom.engine.parallel.rendezvous import RANK_PRELOAD, free_port, rank_context
+from loom.engine.parallel.rendezvous import free_port, rank_context
 
 
 def _portable(value, to_numpy: bool):
