@@ -11,7 +11,9 @@ Outputs in D: kept.jsonl (every field kept), removed/removed.jsonl (each with `d
 id of the kept document), clusters.jsonl (one line per cluster with a removed document, in the
 order of their kept documents: kept id, removed ids in input order, size), rejected/bad_lines.jsonl (each
 input line that is not a document, with file, line, reason and the raw line), stats.json (input =
-kept + removed, plus bad input lines), manifest.json (lineage, written last). Everything is written
+kept + removed, plus bad input lines, and `repeated_ids`: documents whose id an earlier one has, which
+make those names ambiguous), manifest.json (lineage, written last). A document is named by its `id`
+field; one without gets `FILE:LINE` of the input as its id, written into kept.jsonl or removed.jsonl. Everything is written
 under D/.staging-<pid>/ and moved into place only when complete, so an interrupted run leaves no
 output that looks finished.
 """
@@ -43,6 +45,7 @@ from loom.data_tools.jsonl import (
     check_inputs,
     estimated_input_bytes,
     iter_jsonl,
+    located_jsonl,
 )
 from loom.data_tools.manifest import write_manifest
 from loom.data_tools.minhash_lsh import LshPlan, cluster_on_disk, plan_lsh, staging_bytes
@@ -70,19 +73,36 @@ def exact_representatives(texts: Iterable[str]) -> np.ndarray:
     return np.fromiter((first_seen.setdefault(text_digest(text), i) for i, text in enumerate(texts)), dtype=np.int64)
 
 
+def document_id(record: dict, path: Path, line: int) -> str:
+    """What dedup's outputs call a document: its `id` field, else where it was read (`FILE:LINE`), which the
+    kept and removed documents then carry as their `id`."""
+    given = record.get("id")
+    return f"{path}:{line}" if given is None else str(given)
+
+
 class _DocumentIds:
-    """Every document's id in a staging file, found through one int64 offset per document."""
+    """Every document's id in a staging file, found through one int64 offset per document (and a hash of it,
+    to find ids that repeat)."""
 
     def __init__(self, path: Path):
         self.path = path
         self._out = open(path, "wb", buffering=1 << 20)
         self._offsets = array("q", [0])
+        self._hashes = array("q")
         self._mapped: np.memmap | None = None
 
     def append(self, doc_id: str) -> None:
         encoded = doc_id.encode("utf-8", "surrogatepass")
         self._out.write(encoded)
         self._offsets.append(self._offsets[-1] + len(encoded))
+        self._hashes.append(hash(doc_id))
+
+    def repeated(self) -> int:
+        """How many documents have the id of an earlier document (after close)."""
+        hashes = np.frombuffer(self._hashes, dtype=np.int64)
+        _, inverse, counts = np.unique(hashes, return_inverse=True, return_counts=True)
+        sharing = [self[int(doc)] for doc in np.flatnonzero(counts[inverse] > 1)]  # a hash's, then compared whole
+        return len(sharing) - len(set(sharing))
 
     def close(self) -> None:
         if not self._out.closed:
@@ -110,8 +130,8 @@ def _texts(
     paths: list[Path], text_key: str, stats: JsonlStats, ids: _DocumentIds, bar: Progress, bad_lines: BadLinesFile
 ) -> Iterator[str]:
     documents = nbytes = 0
-    for record in iter_jsonl(paths, text_key, stats, bad_lines):
-        ids.append(str(record.get("id", f"doc-{len(ids)}")))
+    for path, line, record in located_jsonl(paths, text_key, stats, bad_lines):
+        ids.append(document_id(record, path, line))
         text = record[text_key]
         documents += 1
         nbytes += len(text)  # characters: encoding every text only for the MB/s figure would cost more than it tells
@@ -198,6 +218,7 @@ def deduplicate(
                 "removed": documents - kept,
                 "clusters": clusters,
                 "largest_cluster": largest,
+                "repeated_ids": ids.repeated(),
                 "seconds": round(seconds, 2),
                 "docs_per_s": round(documents / seconds, 1),
                 "input": stats.as_dict(),
@@ -270,6 +291,8 @@ def _write_decisions(
         open(staging / "removed.jsonl", "w", encoding="utf-8", buffering=1 << 20) as removed_out,
     ):
         for doc, record in enumerate(records):
+            if record.get("id") is None:
+                record["id"] = ids[doc]  # the name clusters.jsonl and duplicate_of give it
             first = int(representative[doc])
             if first == doc:
                 kept_out.write(json.dumps(record, ensure_ascii=False) + "\n")

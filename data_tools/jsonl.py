@@ -200,6 +200,17 @@ def iter_jsonl(
     """Yield every good record (a dict whose `text_key` is a string) of the files, in order.
 
     Each bad line is counted in `stats` and handed to `on_bad_line` as a `bad_line` record."""
+    for _, _, record in located_jsonl(paths, text_key, stats, on_bad_line):
+        yield record
+
+
+def located_jsonl(
+    paths: str | Path | Iterable[str | Path],
+    text_key: str = "text",
+    stats: JsonlStats | None = None,
+    on_bad_line: BadLineSink | None = None,
+) -> Iterator[tuple[Path, int, dict]]:
+    """iter_jsonl's records with where each was read: (file, line number from 1, record)."""
     stats = stats if stats is not None else JsonlStats()
     for path in _as_paths(paths):
         with open_input(path) as stream:
@@ -220,7 +231,7 @@ def iter_jsonl(
                         continue
                     stats.documents += 1
                     stats.repaired_utf8 += repaired
-                    yield record
+                    yield path, number, record
             except (EOFError, OSError) as error:
                 raise InputError(f"{path} is truncated or corrupt after line {stats.lines}: {error}") from None
 

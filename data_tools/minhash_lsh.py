@@ -21,6 +21,9 @@ Three stages over a staging folder (dedup.py owns it and deletes it):
    candidate with probability 0.99). The parent joins verified pairs in a union-find array
    (data_tools/union_find.py), so each cluster's root is its first document.
 
+The stats' pair counts are summed over buckets: a pair whose band keys fall in two buckets counts in each
+(holding every verified pair to count it once would cost memory that grows with the corpus).
+
 Peak memory: one chunk per worker, one bucket slice per worker (`bucket_memory_bytes`), and the
 union-find array. This module must not read JSONL nor write dedup outputs.
 """
@@ -304,6 +307,7 @@ def cluster_on_disk(
         **asdict(plan),
         "candidate_probability_by_jaccard": s_curve(plan.bands, plan.rows),
         "verification": f"exact Jaccard of hashed shingle sets (signature estimate >= threshold - {ESTIMATE_MARGIN})",
+        "pair_counts": "summed over buckets: a pair whose band keys fall in two buckets counts in each",
         **totals,
         "workers": workers,
         "signature_seconds": round(signed - start, 2),

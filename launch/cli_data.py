@@ -156,6 +156,13 @@ def _dedup(args: argparse.Namespace) -> None:
     )
     print(json.dumps({**{k: v for k, v in result.items() if k != "input"}, "bad_lines": result["input"]["bad_lines"]}))
     _say_bad_lines(result["input"]["bad_lines"], f"{args.output}/rejected/bad_lines.jsonl has them")
+    if result["repeated_ids"]:
+        print(
+            f"warning: {result['repeated_ids']:,} document(s) have the id of an earlier document, so clusters.jsonl "
+            "and duplicate_of name them ambiguously; give every document its own id (or none: dedup then names "
+            "each by FILE:LINE)",
+            file=sys.stderr,
+        )
 
 
 def _clean(args: argparse.Namespace) -> None:

@@ -59,6 +59,26 @@ def test_exact_dedup_matches_reference(tmp_path):
     assert json.loads((tmp_path / "out/stats.json").read_text())["clusters"] == 2
 
 
+def test_documents_without_an_id_are_named_by_file_and_line_and_repeated_ids_are_counted(tmp_path, capfd):
+    """Without an `id` field a document is `FILE:LINE` in clusters.jsonl and duplicate_of, and carries that id in
+    kept.jsonl or removed.jsonl, so every name the report gives is found in the outputs (it was `doc-N`, found
+    nowhere); ids that repeat across files are counted and warned of, as they make those names ambiguous."""
+    from training_runs import loom_here
+
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    first.write_text('{"text": "same words"}\n\n{"text": "other"}\n')
+    second.write_text('{"text": "Same  words", "url": "u"}\n{"id": "x", "text": "x1"}\n{"id": "x", "text": "x2"}\n')
+    result = loom_here(capfd, "data", "dedup", "--input", str(first), str(second), "--output", str(tmp_path / "out"))
+    assert result.returncode == 0, result.stderr
+    assert read(tmp_path / "out/clusters.jsonl") == [{"kept": f"{first}:1", "removed": [f"{second}:1"], "size": 2}]
+    assert [d["id"] for d in read(tmp_path / "out/kept.jsonl")] == [f"{first}:1", f"{first}:3", "x", "x"]
+    assert read(tmp_path / "out/removed/removed.jsonl") == [
+        {"text": "Same  words", "url": "u", "id": f"{second}:1", "duplicate_of": f"{first}:1"}
+    ]
+    assert json.loads((tmp_path / "out/stats.json").read_text())["repeated_ids"] == 1
+    assert "warning: 1 document(s) have the id of an earlier document" in result.stderr
+
+
 def test_no_documents_leaves_no_output(tmp_path):
     source = tmp_path / "in.jsonl"
     source.write_text('{"body": "x"}\n')
