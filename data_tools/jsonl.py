@@ -98,11 +98,16 @@ def check_inputs(paths: str | Path | Iterable[str | Path]) -> list[Path]:
     checked = _as_paths(paths)
     if not checked:
         raise FileNotFoundError("no input files given")
+    seen: dict[Path, Path] = {}
     for path in checked:
         if not path.is_file():
             raise _not_a_file(path)
         if path.suffix in ZSTD_SUFFIXES:
             _zstandard(path)
+        earlier = seen.setdefault(path.resolve(), path)
+        if earlier is not path:
+            named = f"{path}" if str(earlier) == str(path) else f"{earlier} and {path}"
+            raise InputError(f"input {named} is given twice (its documents would be read twice); give each file once")
     return checked
 
 

@@ -221,6 +221,14 @@ def test_missing_inputs_and_empty_results_are_one_line_errors(pipeline, tmp_path
     with pytest.raises(InputError, match="no documents with a string 'text' field"):
         train_tokenizer([empty], tmp_path / "tok", vocab_size=300)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.jsonl"]
+    # the same file twice (once by another spelling) trained or tokenized its documents twice
+    twice = [pipeline["corpus"], Path(pipeline["corpus"]).parent / ".." / Path(pipeline["corpus"]).parent.name]
+    twice[1] = twice[1] / Path(pipeline["corpus"]).name
+    with pytest.raises(InputError, match=r"input .* and .* is given twice \(its documents would be read twice\)"):
+        build_indexed_dataset(twice, pipeline["model"], tmp_path / "x", progress=False)
+    with pytest.raises(InputError, match=r"is given twice"):
+        train_tokenizer([empty, empty], tmp_path / "tok", vocab_size=300)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.jsonl"]
 
 
 def test_a_vocabulary_too_small_and_a_step_without_type_say_what_to_change(pipeline, tmp_path):
