@@ -82,7 +82,10 @@ def build_stdlib_corpus(output: Path, max_docs: int | None = None, *, progress: 
                 output, documents if max_docs is None else (d for _, d in zip(range(max_docs), documents))
             )
         try:
-            result = {**counts, "files": len(files), "bytes": output.stat().st_size, "output": str(output)}
+            # files read (each a document, or undecodable and skipped), of the files_available the embedded corpus has
+            read = counts["documents"] + counts["undecodable"]
+            result = {**counts, "files": read, "files_available": len(files), "bytes": output.stat().st_size}
+            result["output"] = str(output)
             write_manifest(
                 output,
                 command="loom data corpus",
