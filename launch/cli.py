@@ -66,6 +66,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
     from loom.engine.parallel.rendezvous import start_rank_server
     from loom.engine.preflight import preflight, removed_if_left_empty
     from loom.launch.local import launch_local
+    from loom.launch.slurm import check_no_job_queued
 
     config = load_config(args.config, overrides)
     given = [name for name in parse_overrides(overrides).get("lora", {}) if name != "rank"]
@@ -92,6 +93,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
         print(config_to_toml(config), end="")
         return
     start_rank_server()  # its imports overlap the checks below
+    check_no_job_queued(Path(config.train.run_dir))
     with removed_if_left_empty(Path(config.train.run_dir)):
         preflight(config, nproc)
         check_same_tokenizer(config.data.paths, config.data.tokenizer)  # the dataset's manifest knows

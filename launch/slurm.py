@@ -37,6 +37,7 @@ from pathlib import Path
 from loom.engine.config import ConfigError, LoomConfig
 from loom.launch.arguments import float_in, int_in
 
+JOBS_CHECKED = 5  # the newest submissions of a run directory that check_no_job_queued asks squeue about
 TERMINAL_STATES = {
     "COMPLETED",
     "FAILED",
@@ -256,6 +257,7 @@ def submit(config: LoomConfig, options: SlurmOptions):
             f"{options.world_size} ranks, but {error}"
         ) from None
     gpus = partition_gpus(options.partition)  # first: without a reachable cluster nothing else matters
+    check_no_job_queued(Path(config.train.run_dir))
     with removed_if_left_empty(Path(config.train.run_dir)):
         preflight(config, options.world_size)
         check_same_tokenizer(config.data.paths, config.data.tokenizer)  # the dataset's manifest knows
@@ -265,18 +267,54 @@ def submit(config: LoomConfig, options: SlurmOptions):
         import submitit
 
         folder = Path(config.train.run_dir) / "slurm"
+        earlier = set(folder.rglob("*")) if folder.is_dir() else None
         executor = submitit.SlurmExecutor(folder=folder)
         executor.update_parameters(**parameters)
         try:  # submitit prints sbatch's stderr on failure; the error below says it in one line instead
             with contextlib.redirect_stderr(io.StringIO()):
                 job = executor.submit(TrainingJob(config_to_dict(config)))
         except submitit.core.utils.FailedJobError as error:  # sbatch's own refusal, e.g. too much memory
+            _remove_new_files(folder, earlier)  # the batch script and pickled job of a job that never was
             lines = [line.removeprefix("sbatch: error: ") for line in str(error).strip().splitlines()]
             raise ConfigError(f"sbatch refused the job: {'; '.join(lines)}") from None
     record = {"job_id": job.job_id, "submitted": time.strftime("%Y-%m-%dT%H:%M:%S"), "options": asdict(options)}
     with open(folder / "jobs.jsonl", "a") as jobs:
         jobs.write(json.dumps(record) + "\n")
     return job
+
+
+def _remove_new_files(folder: Path, earlier: set[Path] | None) -> None:
+    """Remove what appeared under `folder` since `earlier` was listed (None: the folder itself is new)."""
+    appeared = sorted(set(folder.rglob("*")) - (earlier or set()), reverse=True) if folder.is_dir() else []
+    for path in appeared + ([folder] if earlier is None else []):
+        with contextlib.suppress(OSError):
+            path.rmdir() if path.is_dir() else path.unlink()
+
+
+def check_no_job_queued(run_dir: Path) -> None:
+    """Refuse a launch into a run directory whose Slurm job (one `loom submit` recorded there) is still queued or
+    running: it would write the same metrics and checkpoints. The run lock finds a job only once it runs."""
+    jobs = Path(run_dir) / "slurm" / "jobs.jsonl"
+    if not jobs.is_file() or shutil.which("squeue") is None:
+        return
+    recorded = []
+    for line in jobs.read_text().splitlines():
+        with contextlib.suppress(ValueError, TypeError, KeyError):
+            recorded.append(str(json.loads(line)["job_id"]))
+    for job_id in reversed(recorded[-JOBS_CHECKED:]):
+        try:  # squeue without -t lists a job only until it ends; a job it has forgotten exits 1
+            listed = subprocess.run(
+                ["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=30
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return  # no answer: the run lock still guards a running job
+        state = listed.stdout.split()[0] if listed.returncode == 0 and listed.stdout.split() else None
+        if state is not None and state not in TERMINAL_STATES:
+            raise ConfigError(
+                f"run directory {run_dir} belongs to Slurm job {job_id}, which is {state}: another launch would "
+                f"write over its metrics and checkpoints; wait for it, `scancel {job_id}`, or give another "
+                "--train.run_dir"
+            )
 
 
 def rank0_log(run_dir: Path, job_id: str) -> Path:

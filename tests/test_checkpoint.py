@@ -41,7 +41,7 @@ def run(dataset, run_dir, nproc, parallel=None, **train):
         parallel=parallel or {},
         optim=optim,
         checkpoint=checkpoint,
-        train={"steps": STEPS, "micro_batch_size": 2, **train},
+        train={"steps": STEPS, "global_batch_size": 8, "micro_batch_size": 2, **train},
     )
     config.resolve_world(nproc)
     launch_local(config, nproc)

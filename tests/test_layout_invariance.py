@@ -22,7 +22,7 @@ def dataset(markov_dataset):
 
 
 def run_layout(dataset, run_dir, nproc, steps, **fields) -> list[float]:
-    sections = {"train": {"steps": steps, "eval_interval": EVAL_INTERVAL}}
+    sections = {"train": {"steps": steps, "eval_interval": EVAL_INTERVAL, "seq_length": 64}}
     for key, value in fields.items():
         section, name = key.split("__")
         sections.setdefault(section, {})[name] = value

@@ -15,11 +15,13 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from training_runs import HANG_S, loom_here, read_metrics, read_output_until, tiny_train_args, wait_for
+from training_runs import HANG_S, loom_here, one_line_error, read_metrics, read_output_until, tiny_train_args, wait_for
 
+from loom.engine.config import ConfigError
 from loom.engine.config_io import load_config
 from loom.launch.slurm import (
     SlurmOptions,
+    check_no_job_queued,
     executor_parameters,
     parse_sbatch_options,
     parse_time_minutes,
@@ -195,6 +197,33 @@ def test_failing_rank_ends_the_job_with_its_message(slurm, dataset, tmp_path):
     wait_for(lambda: not job_processes(tmp_path), "the job's processes gone")
 
 
+def test_a_queued_job_keeps_other_launches_out_of_its_run_directory(slurm, dataset, tmp_path, capfd, monkeypatch):
+    """A job held in the queue does not hold the run lock yet (its ranks take it): a second `loom submit` or a
+    local `loom train` into its run directory is refused until it ends, then allowed."""
+    for name, value in slurm.items():
+        monkeypatch.setenv(name, value)
+    args, before = training_args(dataset, tmp_path), job_count(slurm)
+    held = loom_here(capfd, "submit", "--tasks-per-node", TASKS, "--time", "10", "--sbatch", "hold=true", *args)
+    assert held.returncode == 0, held.stderr
+    job_id = (tmp_path / "slurm" / "jobs.jsonl").read_text().split('"job_id": "')[1].split('"')[0]
+    try:
+        for command in (["submit", "--tasks-per-node", TASKS, "--time", "10"], ["train", "--nproc", TASKS]):
+            refused = loom_here(capfd, *command, *args)
+            one_line_error(refused, f"belongs to Slurm job {job_id}, which is PENDING", f"scancel {job_id}")
+        assert job_count(slurm) == before + 1
+    finally:
+        subprocess.run(["scancel", job_id], env=slurm, check=True)
+
+    def allowed() -> bool:
+        try:
+            check_no_job_queued(tmp_path)
+        except ConfigError:
+            return False
+        return True
+
+    wait_for(allowed, "the cancelled job no longer keeping launches out")
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -232,6 +261,7 @@ def test_bad_submission_is_one_line_and_submits_nothing(slurm, dataset, tmp_path
     assert result.stderr.startswith(message), result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert job_count(slurm) == before
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())  # sbatch's refusal left submitit's files there
 
 
 # Options to sbatch text, without a cluster: GPU clusters cannot be faked on this machine.
