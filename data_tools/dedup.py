@@ -13,9 +13,9 @@ order of their kept documents: kept id, removed ids in input order, size), rejec
 input line that is not a document, with file, line, reason and the raw line), stats.json (input =
 kept + removed, plus bad input lines, and `repeated_ids`: documents whose id an earlier one has, which
 make those names ambiguous), manifest.json (lineage, written last). A document is named by its `id`
-field; one without gets `FILE:LINE` of the input as its id, written into kept.jsonl or removed.jsonl. Everything is written
-under D/.staging-<pid>/ and moved into place only when complete, so an interrupted run leaves no
-output that looks finished.
+field; one without gets `FILE:LINE` of the input as its id, written into kept.jsonl or removed.jsonl.
+Everything is written under D/.staging-<pid>/ and moved into place only when complete, so an interrupted run
+leaves no output that looks finished.
 """
 
 from __future__ import annotations
