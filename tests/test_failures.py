@@ -26,7 +26,19 @@ def train_command(dataset: str, run_dir: Path, *extra: str) -> list[str]:
         "-m",
         "loom.launch.cli",
         "train",
-        *tiny_train_args(dataset, run_dir, "--nproc", "2", "--parallel.tp", "2", "--model.num_layers", "2", *extra),
+        *tiny_train_args(
+            dataset,
+            run_dir,
+            "--nproc",
+            "2",
+            "--parallel.tp",
+            "2",
+            "--model.num_layers",
+            "2",
+            "--train.global_batch_size",
+            "8",
+            *extra,
+        ),
     ]
 
 
@@ -73,7 +85,7 @@ def signal_once_seen(command: list[str], line: str, stderr_path: Path, **env: st
     return proc, stderr_path.read_text()
 
 
-def test_sigterm_checkpoints_and_the_same_command_resumes_the_same_curve(dataset, tmp_path):
+def test_sigterm_checkpoints_and_the_same_command_resumes_the_same_curve(dataset, tmp_path, run_here):
     from loom.launch.cli import main
 
     steps = ["--train.steps", "6"]
@@ -90,7 +102,7 @@ def test_sigterm_checkpoints_and_the_same_command_resumes_the_same_curve(dataset
     assert f"stopped by SIGTERM: checkpoint {tmp_path / 'stopped' / 'checkpoints' / latest} saved" in stderr
     assert [r["step"] for r in read_metrics(tmp_path / "stopped")] == list(range(1, stopped_at + 1))
 
-    resumed = run(command)
+    resumed = run_here(command)
     assert resumed.returncode == 0, resumed.stderr
     assert f"resumed from {tmp_path / 'stopped' / 'checkpoints' / latest} at step {stopped_at}" in resumed.stdout
     rows, expected = read_metrics(tmp_path / "stopped"), read_metrics(tmp_path / "reference")
