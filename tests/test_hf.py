@@ -139,6 +139,25 @@ def test_imported_models_export_back_to_the_same_model(hf_model, tmp_path):
         assert (again(tokens).logits - model(tokens).logits).abs().max().item() < 1e-5
 
 
+def test_a_tied_config_with_its_own_head_and_special_tokens_imports_as_transformers_loads_it(tmp_path, capfd):
+    """config.json says tie_word_embeddings but lm_head.weight differs from the embedding: transformers keeps the
+    file's head (import had dropped it: other logits, exit 0); the config's bos/eos/pad ids come back out of
+    export-hf (it had written Llama 2's 1 and 2 for any model, so generate would stop at an ordinary token)."""
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(llama_config()).save_pretrained(str(tmp_path / "hf"))
+    written = json.loads((tmp_path / "hf/config.json").read_text())
+    ids = {"bos_token_id": 5, "eos_token_id": [809, 810], "pad_token_id": 7}
+    (tmp_path / "hf/config.json").write_text(json.dumps({**written, "tie_word_embeddings": True, **ids}))
+    model = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    import_hf(tmp_path / "hf", tmp_path / "loom")
+    assert "imported untied, as transformers loads it" in capfd.readouterr().err
+    tokens = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (loom_logits(tmp_path / "loom", tokens) - model(tokens).logits).abs().max().item() < 1e-5
+    exported = json.loads((export_hf(tmp_path / "loom", tmp_path / "out") / "config.json").read_text())
+    assert {field: exported.get(field) for field in ids} == ids and exported["tie_word_embeddings"] is False
+
+
 def test_loom_eval_equals_transformers_loss(hf_model, tmp_path, capfd):
     """The user story: import a transformers model, evaluate it with `loom eval`. One document of
     seq_length + 1 tokens is the only sample, so every batch holds it."""

@@ -15,6 +15,7 @@ transformers.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -56,8 +57,15 @@ def _hf_rope(model: dict) -> dict:
     return rope
 
 
-def hf_config(model: dict) -> dict:
-    """The config.json transformers reads for a Llama-shaped loom model (`model`: ModelConfig's fields)."""
+# The special tokens of loom's tokenizers (`loom data tokenizer`: unk 0, bos 1, eos 2, pad 3), written for a model
+# trained here; an imported model's own ids travel in its checkpoint (CheckpointMetadata.hf_token_ids).
+LOOM_TOKEN_IDS = {"bos_token_id": 1, "eos_token_id": 2}
+HF_TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def hf_config(model: dict, token_ids: dict | None = None) -> dict:
+    """The config.json transformers reads for a Llama-shaped loom model (`model`: ModelConfig's fields;
+    `token_ids`: the special-token ids, loom's tokenizers' by default)."""
     rope = _hf_rope(model)
     legacy_scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if rope["rope_type"] != "default" else None
     return {
@@ -81,8 +89,7 @@ def hf_config(model: dict) -> dict:
         "mlp_bias": False,
         "initializer_range": model["init_std"],
         "torch_dtype": "float32",
-        "bos_token_id": 1,
-        "eos_token_id": 2,
+        **(LOOM_TOKEN_IDS if token_ids is None else token_ids),
     }
 
 
@@ -176,7 +183,7 @@ def export_hf(source: Path, output: Path, base: Path | None = None, overwrite: b
     output.mkdir(parents=True, exist_ok=True)
     save_file(to_hf(logical, model), str(output / "model.safetensors.tmp"), metadata={"format": "pt"})
     (output / "model.safetensors.tmp").replace(output / "model.safetensors")
-    write_text_atomically(output / "config.json", json.dumps(hf_config(model), indent=2))
+    write_text_atomically(output / "config.json", json.dumps(hf_config(model, metadata.hf_token_ids), indent=2))
     return output
 
 
@@ -302,8 +309,17 @@ def import_hf(source: Path, output: Path, overwrite: bool = False) -> Path:
     # The imported checkpoint's run settings are what `loom eval` and fine-tuning start from: sequences no
     # longer than the model's positions, and a batch one CPU rank gets through.
     train = {"seq_length": min(2048, model["max_position_embeddings"]), "global_batch_size": 8}
-    config = config_from_dict({"model": model, "train": train})
     tensors = _read_hf_tensors(source)
+    head, embedding = tensors.get("lm_head.weight"), tensors.get("model.embed_tokens.weight")
+    if model["tie_embeddings"] and head is not None and embedding is not None and not torch.equal(head, embedding):
+        # transformers then keeps both ("will NOT tie them"): the model on disk has its own output layer
+        model["tie_embeddings"] = False
+        print(
+            f"warning: {source / 'config.json'} ties the embeddings, but lm_head.weight differs from "
+            "embed_tokens.weight: imported untied, as transformers loads it",
+            file=sys.stderr,
+        )
+    config = config_from_dict({"model": model, "train": train})
     try:
         logical = from_hf(tensors, config_to_dict(config)["model"])
     except KeyError as error:
@@ -311,7 +327,10 @@ def import_hf(source: Path, output: Path, overwrite: bool = False) -> Path:
     except CheckpointError as error:
         raise CheckpointError(f"{source}: {error}") from None
     claim_checkpoint_output(output, overwrite)
-    return write_weights_checkpoint(output, config, logical, "the Hugging Face model", hf_source=str(source.resolve()))
+    token_ids = {field: hf[field] for field in HF_TOKEN_ID_FIELDS if hf.get(field) is not None}
+    return write_weights_checkpoint(
+        output, config, logical, "the Hugging Face model", hf_source=str(source.resolve()), hf_token_ids=token_ids
+    )
 
 
 def export_peft_adapter(

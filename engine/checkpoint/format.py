@@ -177,6 +177,9 @@ class CheckpointMetadata:
     hf_source: str | None = None
     """For a checkpoint written by `loom ckpt import-hf`: the Hugging Face model folder it came from, which a
     PEFT export of adapters trained on it names as base_model_name_or_path."""
+    hf_token_ids: dict | None = None
+    """For a checkpoint written by `loom ckpt import-hf`: the special-token ids its config.json gave
+    (bos_token_id, eos_token_id, pad_token_id, those present), which export-hf writes back; None elsewhere."""
     validation: dict | None = None
     """Early stopping's state when saved: "best_loss" (the best validation loss so far, null before the first
     evaluation) and "evals_without_gain" (evaluations since it last improved), so a resumed run neither forgets
@@ -200,6 +203,7 @@ class CheckpointMetadata:
             "lora_base": self.lora_base,
             "tokenizer": self.tokenizer,
             "hf_source": self.hf_source,
+            "hf_token_ids": self.hf_token_ids,
             "validation": self.validation,
         }
         return json.dumps(data, indent=1)
@@ -229,6 +233,7 @@ class CheckpointMetadata:
                 lora_base=data.get("lora_base"),
                 tokenizer=data.get("tokenizer"),
                 hf_source=data.get("hf_source"),
+                hf_token_ids=data.get("hf_token_ids"),
                 validation=data.get("validation"),
                 format_version=data["format_version"],
             )
