@@ -89,6 +89,7 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> None:
     from loom.engine.preflight import preflight
     from loom.launch.local import launch_local
     from loom.tools.ckpt import open_checkpoint
+    from loom.tools.generate import check_trained_tokenizer
 
     directory, metadata = open_checkpoint(Path(args.checkpoint))
     if metadata.lora_base is None and parse_overrides(overrides).get("lora", {}).get("base"):
@@ -105,6 +106,11 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> None:
         config = config_from_dict({s: {k: v for k, v in fields.items() if v is not None} for s, fields in raw.items()})
         start_rank_server()  # its imports overlap the checks below
         preflight(config, args.nproc, training=False)
+        tokenizer, trained_with = config.data.tokenizer, (metadata.tokenizer or {}).get("path")
+        if tokenizer and Path(tokenizer).is_file():  # the model knows which it learned; the dataset, which built it
+            explicit = "tokenizer" in parse_overrides(overrides).get("data", {})
+            advice = "its loss would score another vocabulary's ids: evaluate on a dataset built with that tokenizer"
+            check_trained_tokenizer(tokenizer, metadata, trained_with or tokenizer, explicit, advice)
         check_same_tokenizer(config.data.paths, config.data.tokenizer)  # the dataset's manifest knows
         t = config.train
         print(

@@ -179,6 +179,17 @@ def test_generate_refuses_a_tokenizer_the_model_was_not_trained_with(world, capf
         capfd, "generate", "--checkpoint", base, "--tokenizer", str(root / "other.model"), "--prompt", "x"
     )
     assert code == 2 and "is not the one this model was trained with" in err and err.count("\n") == 1
+    # eval too: --data.tokenizer with a dataset of that tokenizer's ids scored the model on a vocabulary it never saw
+    eval_other = [
+        "eval",
+        "--checkpoint",
+        base,
+        "--data",
+        world["dataset"],
+        "--data.tokenizer",
+        str(root / "other.model"),
+    ]
+    refused(capfd, eval_other, "is not the one this model was trained with", "another vocabulary's ids")
     code, out, _ = run(capfd, "generate", "--checkpoint", base, "--prompt", "def f", "--max-new-tokens", "2")
     assert code == 0 and out.startswith("def f")  # its own tokenizer, found where training read it
     # --prompt-ids needs no tokenizer: with the training one gone, the output stays token ids.

@@ -189,6 +189,21 @@ def parse_prompt_ids(text: str) -> list[int]:
         raise ConfigError(f"--prompt-ids: {bad!r} is not a token id; give integers, e.g. '1 2 3' or '1,2,3'") from None
 
 
+def check_trained_tokenizer(
+    path: str, metadata: CheckpointMetadata, trained_with: str | None, explicit: bool, advice: str
+) -> None:
+    """Refuse tokenizer `path` if the model was not trained with it: by the sha256 its checkpoint records, else
+    (a path given explicitly) by the run's tokenizer file `trained_with`; `advice` says what to do instead."""
+    expected = (metadata.tokenizer or {}).get("sha256")
+    if expected is None and explicit and trained_with and Path(trained_with).is_file():
+        expected = sha256_of(Path(trained_with))
+    if expected and sha256_of(Path(path)) != expected:
+        what = "is not the one" if explicit else "has changed since it was the one"
+        raise ConfigError(
+            f"tokenizer {path} {what} this model was trained with ({trained_with}, sha256 {expected[:12]}); {advice}"
+        )
+
+
 def open_tokenizer(metadata: CheckpointMetadata, config: LoomConfig, explicit: str | None, needed: bool):
     """The SentencePiece processor to encode the prompt and decode the output with: `explicit` (--tokenizer), else
     the one the run trained with (its path then). Refuses one the model was not trained with (by the sha256 its
@@ -204,15 +219,9 @@ def open_tokenizer(metadata: CheckpointMetadata, config: LoomConfig, explicit: s
             return None
         where = f"the one it trained with, {path}, is not there; " if path else ""
         raise ConfigError(f"no tokenizer: {where}pass --tokenizer T.model, or the prompt as --prompt-ids '1 2 3'")
-    expected = recorded.get("sha256")
-    if expected is None and explicit and trained_with and Path(trained_with).is_file():
-        expected = sha256_of(Path(trained_with))
-    if expected and sha256_of(Path(path)) != expected:
-        what = "is not the one" if explicit else "has changed since it was the one"
-        raise ConfigError(
-            f"tokenizer {path} {what} this model was trained with ({trained_with}, sha256 {expected[:12]}); its "
-            "text would be noise: pass that tokenizer (or --prompt-ids to work in token ids)"
-        )
+    check_trained_tokenizer(
+        path, metadata, trained_with, bool(explicit), "its text would be noise: pass that tokenizer (or --prompt-ids)"
+    )
     processor = load_tokenizer(path)
     if processor.vocab_size() > config.model.vocab_size:
         raise ConfigError(
