@@ -292,6 +292,11 @@ class OptimConfig:
             raise ConfigError(f"optim.min_lr = {self.min_lr} must lie in [0, optim.lr = {self.lr}]")
         if self.warmup_steps < 0 or self.weight_decay < 0 or self.clip_grad < 0:
             raise ConfigError("optim.warmup_steps, optim.weight_decay and optim.clip_grad must be >= 0")
+        if self.decay != "constant" and self.decay_steps is not None and self.decay_steps <= self.warmup_steps:
+            raise ConfigError(  # the rate would stay at its peak for good: no steps are left to decay over
+                f"optim.decay_steps = {self.decay_steps} must exceed optim.warmup_steps = {self.warmup_steps} (it "
+                "counts from step 0, warmup included); raise it, or set optim.decay = constant"
+            )
         if not 0 < self.layer_lr_decay <= 1:
             raise ConfigError(f"optim.layer_lr_decay must lie in (0, 1], got {self.layer_lr_decay}")
         _check_positive(

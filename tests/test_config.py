@@ -94,6 +94,10 @@ def test_resolved_config_round_trips_through_toml(tmp_path):
             "optim.zero = 3 with train.fp8 = delayed: delayed scaling is Transformer Engine's",
         ),
         (["--optim.offload", "nvme"], "optim.offload = 'nvme' is not one of none, cpu"),
+        (  # the rate stayed at its peak for the whole run, exit 0
+            ["--optim.warmup_steps", "3", "--optim.decay_steps", "3"],
+            "optim.decay_steps = 3 must exceed optim.warmup_steps = 3 (it counts from step 0, warmup included)",
+        ),
         (
             ["--optim.name", "adafactor", "--optim.offload", "cpu"],
             "optim.name = adafactor does not support optim.offload = cpu",
