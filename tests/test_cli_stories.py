@@ -163,6 +163,21 @@ def test_generate_says_how_many_tokens_and_why_it_stopped(world, capfd):
     )
     code, out, err = run(capfd, "generate", "--checkpoint", base, "--prompt-ids", "1,2,3", "--max-new-tokens", "4")
     assert code == 0 and err.startswith("generated 4 of up to 4 tokens after a 3-token prompt; stopped at --max-new")
+    # a tiny temperature samples what greedy picks (it was a traceback: logits / 1e-40 overflowed to inf)
+    greedy = out
+    code, out, err = run(
+        capfd,
+        "generate",
+        "--checkpoint",
+        base,
+        "--prompt-ids",
+        "1,2,3",
+        "--max-new-tokens",
+        "4",
+        "--temperature",
+        "1e-40",
+    )
+    assert code == 0 and out == greedy, err
     refused(
         capfd,
         ["generate", "--checkpoint", base, "--prompt-ids", "1", "--nproc", "3", "--parallel.tp", "3"],

@@ -66,7 +66,9 @@ def next_token(logits: torch.Tensor, temperature: float, top_p: float, generator
     """Greedy at temperature 0; otherwise a draw from the smallest set of tokens whose probability reaches top_p."""
     if temperature == 0:
         return int(logits.argmax())
-    probabilities = torch.softmax(logits.float() / temperature, dim=-1)
+    logits = logits.float()
+    # the largest logit made 0 first: a tiny temperature then sends the others to -inf, not the largest to inf
+    probabilities = torch.softmax((logits - logits.max()) / temperature, dim=-1)
     ordered, order = probabilities.sort(descending=True)
     keep = ordered.cumsum(0) - ordered < top_p  # a token stays if the ones before it fall short of top_p
     ordered = ordered * keep
