@@ -375,11 +375,17 @@ class Trainer:
             self._adopt_agreed_stop(stop, stop_code)
         if self.step + 1 == self.faults.nan_loss_at_step:
             loss = math.nan
+        skipped_before = self.loss_scaler.skipped_steps if self.loss_scaler is not None else 0
         result = self.optimizer.apply(lr, math.sqrt(squared_norm), skip=not math.isfinite(loss))
         self.kernels.weights_updated(self.chunks)
         self.step += 1
         row = {"loss": loss, "lr": lr, "grad_norm": result["grad_norm"], "global_batch_size": global_batch}
         if self.loss_scaler is not None:
+            if self.loss_scaler.skipped_steps > skipped_before:
+                self._log_event(
+                    f"step {self.step}: fp16 gradients overflowed at loss scale {scale:g}; update skipped "
+                    f"(the scale is now {self.loss_scaler.scale:g}; {self.loss_scaler.skipped_steps} skipped so far)"
+                )
             row.update(loss_scale=scale, skipped_steps=self.loss_scaler.skipped_steps)
         self._apply_nan_policy(result["nonfinite"], loss, result["grad_norm"])
         if self.skipped_in_a_row:
@@ -401,8 +407,8 @@ class Trainer:
         )
         if t.nan_policy == "stop":
             raise TrainingDiverged(
-                f"{what} (train.nan_policy = stop); {newest}. Lower optim.lr, raise "
-                f"optim.clip_grad or set --train.nan_policy skip"
+                f"{what} (train.nan_policy = stop); {newest}. Lower optim.lr, clip harder (a lower optim.clip_grad, "
+                f"now {self.config.optim.clip_grad:g}; 0 is off) or set --train.nan_policy skip"
             )
         if self.skipped_in_a_row > t.max_skipped_steps:
             raise TrainingDiverged(

@@ -28,6 +28,18 @@ def test_bf16_autocast_tracks_fp32(dataset, tmp_path):
     assert bf16[-1] < bf16[0]
 
 
+def test_fp16_overflow_skips_are_said_on_the_console(dataset, tmp_path, capfd):
+    """A loss scale past fp16's range overflows every step: each skipped update is said with the scale it halves
+    to (only metrics.jsonl's skipped_steps told, beside a console 'grad norm nan')."""
+    optim = {"initial_loss_scale": 1e30, "loss_scale_hysteresis": 1}
+    short = {"steps": 2, "precision": "fp16", "seq_length": 32, "global_batch_size": 2, "micro_batch_size": 2}
+    rows = train(dataset, tmp_path, model={"num_layers": 1}, optim=optim, train=short)
+    assert [r["skipped_steps"] for r in rows] == [1, 2]
+    out = capfd.readouterr().out
+    assert "step 1: fp16 gradients overflowed at loss scale 1e+30; update skipped (the scale is now 5e+29" in out
+    assert "step 2: fp16 gradients overflowed at loss scale 5e+29; update skipped" in out
+
+
 def test_early_stopping_when_validation_stops_improving(dataset, tmp_path, capfd):
     """It stops after `early_stop_patience` evaluations without a gain; the checkpoint keeps that state, so the
     same command again does not train on (it trained on, with its best validation loss forgotten)."""
