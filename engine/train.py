@@ -127,7 +127,8 @@ class Trainer:
         if self.state.rank == 0:
             run_dir = Path(t.run_dir)
             self.metrics = MetricsWriter(run_dir, tensorboard=t.tensorboard, resume_step=self.step, total_steps=t.steps)
-            (run_dir / "config.toml").write_text(config_to_toml(config))
+            if self.step < t.steps and not self._patience_spent():  # a run that trains nothing keeps its record
+                (run_dir / "config.toml").write_text(config_to_toml(config))
             if t.wandb_project and t.wandb_mode != "disabled":
                 self.metrics.attach_wandb(config, run_dir)
 

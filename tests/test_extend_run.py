@@ -37,6 +37,11 @@ def test_a_shorter_run_is_the_prefix_of_a_longer_one_and_resuming_with_more_step
     assert sorted(extended) == [1, 2, 3, 4, 5, 6]
     for step, loss in extended.items():
         assert loss == pytest.approx(straight[step], rel=1e-6), step
+    # Asked for fewer steps than it has, the run trains nothing and its config.toml still says what it trained
+    # (it was rewritten with steps = 3 beside a step-6 checkpoint)
+    recorded = (tmp_path / "extended" / "config.toml").read_text()
+    assert losses(dataset, tmp_path / "extended", steps=3, interval=3) == extended
+    assert (tmp_path / "extended" / "config.toml").read_text() == recorded
 
 
 def test_tokens_keep_counting_when_a_resume_changes_the_sequence_length(dataset, tmp_path, capfd):
