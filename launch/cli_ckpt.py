@@ -94,6 +94,7 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> None:
     directory, metadata = open_checkpoint(Path(args.checkpoint))
     if metadata.lora_base is None and parse_overrides(overrides).get("lora", {}).get("base"):
         raise ConfigError(f"{directory} is not a LoRA checkpoint, so --lora.base has nothing to do; drop it")
+    trained_with = (metadata.tokenizer or {}).get("path") or metadata.config["data"].get("tokenizer")
     raw = metadata.config
     raw["parallel"].update(tp=1, pp=1, vp=1, cp=1, dp=None)
     raw["optim"].update(zero=0, zero1=False, offload="none")
@@ -106,11 +107,11 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> None:
         config = config_from_dict({s: {k: v for k, v in fields.items() if v is not None} for s, fields in raw.items()})
         start_rank_server()  # its imports overlap the checks below
         preflight(config, args.nproc, training=False)
-        tokenizer, trained_with = config.data.tokenizer, (metadata.tokenizer or {}).get("path")
+        tokenizer = config.data.tokenizer
         if tokenizer and Path(tokenizer).is_file():  # the model knows which it learned; the dataset, which built it
             explicit = "tokenizer" in parse_overrides(overrides).get("data", {})
             advice = "its loss would score another vocabulary's ids: evaluate on a dataset built with that tokenizer"
-            check_trained_tokenizer(tokenizer, metadata, trained_with or tokenizer, explicit, advice)
+            check_trained_tokenizer(tokenizer, metadata, trained_with, explicit, advice)
         check_same_tokenizer(config.data.paths, config.data.tokenizer)  # the dataset's manifest knows
         t = config.train
         print(
