@@ -52,8 +52,16 @@ TERMINAL_STATES = {
     "REVOKED",
 }
 SBATCH_KEY = re.compile(r"^[a-z][a-z0-9_-]*$")
-# The options loom sets itself; --sbatch may not override them (it would break rendezvous or logs).
-RESERVED_SBATCH_KEYS = {"output", "error", "open-mode", "signal", "nodes", "ntasks-per-node", "array", "wrap"}
+# The options loom sets itself; --sbatch may not override them (it would break rendezvous, logs, the requeue that
+# chains long runs, or a loom submit flag whose value would be silently replaced or ignored): the flag for each.
+RESERVED_SBATCH_KEYS = {
+    **dict.fromkeys(("output", "error", "open-mode", "array", "wrap", "ntasks", "export"), None),
+    **dict.fromkeys(("signal",), "--signal-delay-s"),
+    **dict.fromkeys(("requeue", "no-requeue"), None),
+    **{key: f"--{key}" for key in ("nodes", "time", "partition", "account", "qos", "constraint", "exclusive")},
+    **{key: f"--{key}" for key in ("job-name", "cpus-per-task", "gpus-per-node", "ntasks-per-node")},
+    "mem": "--mem-gb",
+}
 REQUEUE_WAIT_S = 600
 
 
@@ -115,7 +123,9 @@ def parse_sbatch_options(pairs: list[str]) -> dict[str, str | bool]:
                 f"--sbatch {pair!r}: give KEY=VALUE with a lower-case sbatch option name, e.g. --sbatch mail-type=END"
             )
         if key.replace("_", "-") in RESERVED_SBATCH_KEYS:
-            raise ConfigError(f"--sbatch {key}: loom sets this option itself; use the loom submit flag instead")
+            flag = RESERVED_SBATCH_KEYS[key.replace("_", "-")]
+            instead = f"use loom submit's {flag}" if flag else "a job needs loom's value"
+            raise ConfigError(f"--sbatch {key}: loom sets this option itself; {instead}")
         if any(ord(ch) < 32 for ch in value):
             raise ConfigError(f"--sbatch {key}: the value contains a control character (newline?)")
         options[key] = True if value.lower() == "true" else value
@@ -295,26 +305,46 @@ def check_no_job_queued(run_dir: Path) -> None:
     """Refuse a launch into a run directory whose Slurm job (one `loom submit` recorded there) is still queued or
     running: it would write the same metrics and checkpoints. The run lock finds a job only once it runs."""
     jobs = Path(run_dir) / "slurm" / "jobs.jsonl"
-    if not jobs.is_file() or shutil.which("squeue") is None:
+    if not jobs.is_file():
+        return
+    if shutil.which("squeue") is None:  # a copy of the run away from its cluster, most likely
+        print(
+            f"warning: {jobs} lists Slurm jobs and there is no squeue here to ask whether one is still queued; "
+            "if one is, it will find this run's files changed",
+            file=sys.stderr,
+        )
         return
     recorded = []
     for line in jobs.read_text().splitlines():
         with contextlib.suppress(ValueError, TypeError, KeyError):
             recorded.append(str(json.loads(line)["job_id"]))
     for job_id in reversed(recorded[-JOBS_CHECKED:]):
-        try:  # squeue without -t lists a job only until it ends; a job it has forgotten exits 1
-            listed = subprocess.run(
-                ["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=30
+        state, no_answer = _queued_state(job_id)
+        if no_answer:
+            raise ConfigError(
+                f"run directory {run_dir} records Slurm job {job_id}, and squeue cannot say whether it is still "
+                f"queued ({no_answer}); launch where Slurm answers (a login node), or give another --train.run_dir"
             )
-        except (OSError, subprocess.TimeoutExpired):
-            return  # no answer: the run lock still guards a running job
-        state = listed.stdout.split()[0] if listed.returncode == 0 and listed.stdout.split() else None
         if state is not None and state not in TERMINAL_STATES:
             raise ConfigError(
                 f"run directory {run_dir} belongs to Slurm job {job_id}, which is {state}: another launch would "
                 f"write over its metrics and checkpoints; wait for it, `scancel {job_id}`, or give another "
                 "--train.run_dir"
             )
+
+
+def _queued_state(job_id: str) -> tuple[str | None, str | None]:
+    """(the job's state while squeue lists it, else None; why squeue gave no answer, else None)."""
+    try:  # squeue without -t lists a job only until it ends
+        listed = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return None, str(error)
+    if listed.returncode != 0:
+        if "Invalid job id" in listed.stderr:  # one slurmctld has forgotten: it ended long ago
+            return None, None
+        return None, (listed.stderr.strip() or f"exit code {listed.returncode}").splitlines()[-1]
+    states = listed.stdout.split()
+    return (states[0] if states else None), None
 
 
 def rank0_log(run_dir: Path, job_id: str) -> Path:

@@ -211,6 +211,11 @@ def test_a_queued_job_keeps_other_launches_out_of_its_run_directory(slurm, datas
             refused = loom_here(capfd, *command, *args)
             one_line_error(refused, f"belongs to Slurm job {job_id}, which is PENDING", f"scancel {job_id}")
         assert job_count(slurm) == before + 1
+        # where squeue cannot reach the controller (here: no slurm.conf) the job may still be queued: refused too
+        monkeypatch.setenv("SLURM_CONF", str(tmp_path / "absent.conf"))
+        refused = loom_here(capfd, "train", "--nproc", TASKS, *args)
+        one_line_error(refused, f"records Slurm job {job_id}, and squeue cannot say whether it is still queued")
+        monkeypatch.setenv("SLURM_CONF", slurm["SLURM_CONF"])
     finally:
         subprocess.run(["scancel", job_id], env=slurm, check=True)
 
@@ -313,6 +318,17 @@ def test_time_and_sbatch_parsing():
         with pytest.raises(Exception) as error:
             parse_sbatch_options(bad)
         assert "--sbatch" in str(error.value)
+    # each was taken: job-name and no-requeue then lost to loom's own later line, time slipped under the checkpoint
+    # signal's refusal, export=NONE failed the job in submitit
+    for pair, instead in (
+        ("job-name=foo", "use loom submit's --job-name"),
+        ("time=1", "use loom submit's --time"),
+        ("no-requeue=true", "a job needs loom's value"),
+        ("export=NONE", "a job needs loom's value"),
+        ("mem=4G", "use loom submit's --mem-gb"),
+    ):
+        with pytest.raises(ConfigError, match=f"--sbatch {pair.split('=')[0]}: loom sets this option itself; {instead}"):
+            parse_sbatch_options([pair])
 
 
 def test_submit_where_no_cluster_answers_says_so_and_leaves_no_run_folder(dataset, tmp_path, capfd, monkeypatch):
