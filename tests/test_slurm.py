@@ -327,7 +327,9 @@ def test_time_and_sbatch_parsing():
         ("export=NONE", "a job needs loom's value"),
         ("mem=4G", "use loom submit's --mem-gb"),
     ):
-        with pytest.raises(ConfigError, match=f"--sbatch {pair.split('=')[0]}: loom sets this option itself; {instead}"):
+        with pytest.raises(
+            ConfigError, match=f"--sbatch {pair.split('=')[0]}: loom sets this option itself; {instead}"
+        ):
             parse_sbatch_options([pair])
 
 
