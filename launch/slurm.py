@@ -347,6 +347,15 @@ def _queued_state(job_id: str) -> tuple[str | None, str | None]:
     return (states[0] if states else None), None
 
 
+def _stopped_by_a_signal(job) -> bool:
+    """Whether a completed job's ranks returned early on a stop signal (TrainingJob's "stopped"): Slurm says
+    COMPLETED for a job whose SIGTERM came without a cancel (an admin, a drain script, scancel --signal=TERM)."""
+    try:
+        return any(result.get("stopped") for result in job.results() if isinstance(result, dict))
+    except Exception:  # noqa: BLE001 - no readable results: nothing to add to Slurm's word
+        return False
+
+
 def rank0_log(run_dir: Path, job_id: str) -> Path:
     return run_dir / "slurm" / f"{job_id}_0_log.out"
 
@@ -559,6 +568,15 @@ def cmd_submit(args: argparse.Namespace, overrides: list[str]) -> None:
     except KeyboardInterrupt:
         print(f"\nstopped following; job {job.job_id} keeps running (scancel {job.job_id} to end it)", file=sys.stderr)
         sys.exit(130)
+    if state == "COMPLETED" and _stopped_by_a_signal(job):
+        print(
+            f"error: job {job.job_id} ended COMPLETED, but a stop signal (SIGTERM without a requeue) ended its "
+            f"training before train.steps = {config.train.steps}; its checkpoint is saved: submit the same command "
+            "to continue",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.exit(1)
     if state != "COMPLETED":
         failure = first_failure(run_dir, job.job_id)
         cause = (

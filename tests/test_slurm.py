@@ -160,7 +160,10 @@ def test_a_preempted_job_checkpoints_requeues_and_gives_the_local_curve(slurm, d
     assert_same_curve(rows, local_reference, rel=1e-6)
 
 
-def test_scancel_ends_wait_and_leaves_no_process(slurm, dataset, tmp_path):
+def test_a_sigterm_without_a_cancel_ends_wait_with_an_error_and_leaves_no_process(slurm, dataset, tmp_path):
+    """SIGTERM (an admin's, a drain script's) checkpoints and ends the ranks; Slurm then calls the job COMPLETED,
+    and `--wait` exited 0 with the training unfinished. (scancel's CANCELLED and a rank's FAILED take the
+    not-COMPLETED path that the failing-rank test checks.)"""
     proc = submit_in_background(
         slurm,
         "--tasks-per-node",
@@ -172,9 +175,11 @@ def test_scancel_ends_wait_and_leaves_no_process(slurm, dataset, tmp_path):
     )
     wait_for(lambda: len(read_metrics(tmp_path)) >= 1, "the first step logged", proc)
     job_id = (tmp_path / "slurm" / "jobs.jsonl").read_text().split('"job_id": "')[1].split('"')[0]
-    subprocess.run(["scancel", job_id], env=slurm, check=True)
+    subprocess.run(["scancel", "--signal=TERM", job_id], env=slurm, check=True)
     _, stderr = proc.communicate(timeout=HANG_S)
-    assert proc.returncode == 1 and f"error: job {job_id} ended CANCELLED" in stderr
+    assert proc.returncode == 1, stderr
+    assert f"error: job {job_id} ended COMPLETED, but a stop signal (SIGTERM without a requeue) ended" in stderr
+    assert (tmp_path / "checkpoints" / "latest").is_file()
     wait_for(lambda: not job_processes(tmp_path), "the job's processes gone")
 
 
