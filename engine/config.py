@@ -592,7 +592,7 @@ class LoomConfig:
             p.dp = world_size // model_parallel
         if model_parallel * p.dp != world_size:
             what = f"tp*cp*pp*dp = {p.tp}*{p.cp}*{p.pp}*{p.dp}" if p.cp > 1 else f"tp*pp*dp = {p.tp}*{p.pp}*{p.dp}"
-            raise ConfigError(f"world size {world_size} != {what}; change --nproc or the layout")
+            raise ConfigError(f"world size {world_size} != {what}; change the number of ranks or the layout")
         m.check_tensor_parallel(p.tp)
         if refusal := m.context_parallel_refusal(p.cp, t.seq_length):
             raise ConfigError(refusal)

@@ -264,8 +264,17 @@ def submit(config: LoomConfig, options: SlurmOptions):
     except ConfigError as error:
         raise ConfigError(
             f"the allocation has {options.nodes} node(s) x {options.tasks_per_node} task(s) = "
-            f"{options.world_size} ranks, but {error}"
+            f"{options.world_size} ranks, but {error} (--nodes x --tasks-per-node ranks)"
         ) from None
+    for flag, value in (
+        ("job-name", options.job_name),
+        ("partition", options.partition),
+        ("account", options.account),
+        ("qos", options.qos),
+        ("constraint", options.constraint),
+    ):
+        if value is not None and any(ord(ch) < 32 for ch in value):
+            raise ConfigError(f"--{flag}: the value contains a control character (newline?)")
     gpus = partition_gpus(options.partition)  # first: without a reachable cluster nothing else matters
     check_no_job_queued(Path(config.train.run_dir))
     with removed_if_left_empty(Path(config.train.run_dir)):

@@ -248,6 +248,7 @@ def test_a_queued_job_keeps_other_launches_out_of_its_run_directory(slurm, datas
         ),
         (["--time", "1"], "error: --time 1 min leaves no room before the checkpoint signal"),
         (["--sbatch", "comment=a\nb"], "error: --sbatch comment: the value contains a control character"),
+        (["--job-name", "a\nb"], "error: --job-name: the value contains a control character"),  # sbatch's fatal
         (
             ["--mem-gb", "100000"],
             "error: sbatch refused the job: Memory specification can not be satisfied; "
