@@ -25,6 +25,7 @@ import io
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -567,7 +568,7 @@ def cmd_submit(args: argparse.Namespace, overrides: list[str]) -> None:
         f"submitted job {job.job_id}: {options.nodes} node(s) x {options.tasks_per_node} task(s), "
         f"tp={config.parallel.tp} pp={config.parallel.pp} dp={config.parallel.dp}\n"
         f"  rank 0 log: {rank0_log(run_dir, job.job_id)}\n  metrics:    {run_dir / 'metrics.jsonl'}\n"
-        f"  follow:     tail -f {rank0_log(run_dir, job.job_id)}    cancel: scancel {job.job_id}",
+        f"  follow:     tail -f {shlex.quote(str(rank0_log(run_dir, job.job_id)))}    cancel: scancel {job.job_id}",
         flush=True,
     )
     if not args.wait:
