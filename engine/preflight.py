@@ -63,6 +63,8 @@ def preflight(config: LoomConfig, world_size: int, training: bool = True) -> Non
     check_checkpoint_to_load(config, training)
     check_wandb_installed(config)
     run_dir = Path(config.train.run_dir)
+    if run_dir.is_file():
+        raise ConfigError(f"run directory {run_dir} is a file; give a folder (--train.run_dir or --train.name)")
     check_run_directory(config)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -70,6 +70,9 @@ def test_directories_where_files_belong_are_named_as_such(dataset, tmp_path, cap
     (tmp_path / "docs.jsonl").write_text('{"text": "x"}\n')
     result = loom_here(capfd, "data", "clean", "--input", str(tmp_path), "--output", str(tmp_path / "out"))
     one_line_error(result, f"input {tmp_path} is a directory; give its JSONL files (here: docs.jsonl)")
+    # and a file where a folder belongs (it was "is not writable: File exists")
+    result = loom_here(capfd, "train", *tiny_train_args(dataset, tmp_path / "docs.jsonl"))
+    one_line_error(result, f"run directory {tmp_path / 'docs.jsonl'} is a file; give a folder")
 
 
 def test_a_run_directory_belongs_to_one_run(dataset, tmp_path, capfd):
