@@ -216,11 +216,17 @@ def test_a_queued_job_keeps_other_launches_out_of_its_run_directory(slurm, datas
             refused = loom_here(capfd, *command, *args)
             one_line_error(refused, f"belongs to Slurm job {job_id}, which is PENDING", f"scancel {job_id}")
         assert job_count(slurm) == before + 1
-        # where squeue cannot reach the controller (here: no slurm.conf) the job may still be queued: refused too
-        monkeypatch.setenv("SLURM_CONF", str(tmp_path / "absent.conf"))
+        # where squeue cannot reach the controller the job may still be queued: refused too
+        unreachable = tmp_path.parent / f"{tmp_path.name}-bin"
+        unreachable.mkdir()
+        (unreachable / "squeue").write_text(
+            "#!/bin/sh\necho 'slurm_load_jobs error: Unable to contact slurm controller (connect failure)' >&2\nexit 1\n"
+        )
+        (unreachable / "squeue").chmod(0o755)
+        monkeypatch.setenv("PATH", f"{unreachable}:{slurm['PATH']}")
         refused = loom_here(capfd, "train", "--nproc", TASKS, *args)
         one_line_error(refused, f"records Slurm job {job_id}, and squeue cannot say whether it is still queued")
-        monkeypatch.setenv("SLURM_CONF", slurm["SLURM_CONF"])
+        monkeypatch.setenv("PATH", slurm["PATH"])
     finally:
         subprocess.run(["scancel", job_id], env=slurm, check=True)
 
