@@ -220,7 +220,7 @@ def test_a_queued_job_keeps_other_launches_out_of_its_run_directory(slurm, datas
         unreachable = tmp_path.parent / f"{tmp_path.name}-bin"
         unreachable.mkdir()
         (unreachable / "squeue").write_text(
-            "#!/bin/sh\necho 'slurm_load_jobs error: Unable to contact slurm controller (connect failure)' >&2\nexit 1\n"
+            "#!/bin/sh\necho 'slurm_load_jobs error: Unable to contact slurm controller' >&2\nexit 1\n"
         )
         (unreachable / "squeue").chmod(0o755)
         monkeypatch.setenv("PATH", f"{unreachable}:{slurm['PATH']}")
