@@ -56,11 +56,13 @@ SBATCH_KEY = re.compile(r"^[a-z][a-z0-9_-]*$")
 # The options loom sets itself; --sbatch may not override them (it would break rendezvous, logs, the requeue that
 # chains long runs, or a loom submit flag whose value would be silently replaced or ignored): the flag for each.
 RESERVED_SBATCH_KEYS = {
-    **dict.fromkeys(("output", "error", "open-mode", "array", "wrap", "ntasks", "export"), None),
-    **dict.fromkeys(("signal",), "--signal-delay-s"),
-    **dict.fromkeys(("requeue", "no-requeue"), None),
-    **{key: f"--{key}" for key in ("nodes", "time", "partition", "account", "qos", "constraint", "exclusive")},
-    **{key: f"--{key}" for key in ("job-name", "cpus-per-task", "gpus-per-node", "ntasks-per-node")},
+    **dict.fromkeys(("output", "error", "open-mode", "array", "wrap", "ntasks", "export", "requeue", "no-requeue")),
+    **{
+        key: f"--{key}"
+        for key in ("nodes", "ntasks-per-node", "cpus-per-task", "gpus-per-node", "time", "job-name", "exclusive")
+        + ("partition", "account", "qos", "constraint")
+    },
+    "signal": "--signal-delay-s",
     "mem": "--mem-gb",
 }
 REQUEUE_WAIT_S = 600
@@ -113,6 +115,11 @@ def parse_time_minutes(text: str) -> int:
     return minutes
 
 
+def _has_control_character(value: str) -> bool:
+    """A newline or other control character would end the script's #SBATCH line early."""
+    return any(ord(ch) < 32 for ch in value)
+
+
 def parse_sbatch_options(pairs: list[str]) -> dict[str, str | bool]:
     """KEY=VALUE pairs for sbatch, checked so that none can add a line or a command to the script."""
     options: dict[str, str | bool] = {}
@@ -127,7 +134,7 @@ def parse_sbatch_options(pairs: list[str]) -> dict[str, str | bool]:
             flag = RESERVED_SBATCH_KEYS[key.replace("_", "-")]
             instead = f"use loom submit's {flag}" if flag else "a job needs loom's value"
             raise ConfigError(f"--sbatch {key}: loom sets this option itself; {instead}")
-        if any(ord(ch) < 32 for ch in value):
+        if _has_control_character(value):
             raise ConfigError(f"--sbatch {key}: the value contains a control character (newline?)")
         options[key] = True if value.lower() == "true" else value
     return options
@@ -274,7 +281,7 @@ def submit(config: LoomConfig, options: SlurmOptions):
         ("qos", options.qos),
         ("constraint", options.constraint),
     ):
-        if value is not None and any(ord(ch) < 32 for ch in value):
+        if value is not None and _has_control_character(value):
             raise ConfigError(f"--{flag}: the value contains a control character (newline?)")
     gpus = partition_gpus(options.partition)  # first: without a reachable cluster nothing else matters
     check_no_job_queued(Path(config.train.run_dir))
