@@ -37,6 +37,7 @@ from pathlib import Path
 
 from loom.engine.config import ConfigError, LoomConfig
 from loom.launch.arguments import float_in, int_in
+from loom.launch.local import SIGNAL_CAUSES
 
 JOBS_CHECKED = 5  # the newest submissions of a run directory that check_no_job_queued asks squeue about
 TERMINAL_STATES = {
@@ -364,6 +365,20 @@ def _queued_state(job_id: str) -> tuple[str | None, str | None]:
     return (states[0] if states else None), None
 
 
+# srun's words for a task a signal ended ("srun: error: HOST: task N: Killed"), as signal names.
+SRUN_SIGNAL_WORDS = {"Killed": "SIGKILL", "Aborted": "SIGABRT", "Segmentation fault": "SIGSEGV", "Bus error": "SIGBUS"}
+SRUN_KILLED_TASK = re.compile(r"srun: error: (\S+): tasks? (\d+)(?:-\d+)?: (" + "|".join(SRUN_SIGNAL_WORDS) + ")")
+
+
+def killed_task(log: Path) -> tuple[int, str, str] | None:
+    """(rank, host, signal name) of the first task srun says a signal ended, from rank 0's log; None if none."""
+    try:
+        found = SRUN_KILLED_TASK.search(log.read_text(errors="replace"))
+    except OSError:
+        return None
+    return (int(found.group(2)), found.group(1), SRUN_SIGNAL_WORDS[found.group(3)]) if found else None
+
+
 def _stopped_by_a_signal(job) -> bool:
     """Whether a completed job's ranks returned early on a stop signal (TrainingJob's "stopped"): Slurm says
     COMPLETED for a job whose SIGTERM came without a cancel (an admin, a drain script, scancel --signal=TERM)."""
@@ -596,11 +611,16 @@ def cmd_submit(args: argparse.Namespace, overrides: list[str]) -> None:
         sys.exit(1)
     if state != "COMPLETED":
         failure = first_failure(run_dir, job.job_id)
+        killed = killed_task(rank0_log(run_dir, job.job_id))
         cause = (
             f": rank {failure['rank']} on {failure['host']} failed: {failure['message']}"
             if failure
             else f"; see {rank0_log(run_dir, job.job_id)}"
         )
+        if killed is not None and (failure is None or failure["rank"] != killed[0]):
+            failure = None  # a peer's broken connection, after the killed rank died without a word
+            task, host, name = killed
+            cause = f": rank {task} on {host} was killed by {name}{SIGNAL_CAUSES.get(name, '')}"
         print(f"error: job {job.job_id} ended {state}{cause}", file=sys.stderr, flush=True)
         if failure and not failure.get("user_error", True):
             print(failure["traceback"], file=sys.stderr, end="", flush=True)

@@ -19,6 +19,7 @@ from training_runs import HANG_S, loom_here, one_line_error, read_metrics, read_
 
 from loom.engine.config import ConfigError
 from loom.engine.config_io import load_config
+from loom.launch.local import SIGNAL_CAUSES
 from loom.launch.slurm import (
     SlurmOptions,
     check_no_job_queued,
@@ -238,6 +239,25 @@ def test_a_queued_job_keeps_other_launches_out_of_its_run_directory(slurm, datas
         return True
 
     wait_for(allowed, "the cancelled job no longer keeping launches out")
+
+
+def test_a_rank_killed_by_a_signal_is_named_not_the_peer_it_broke(slurm, dataset, tmp_path):
+    """The OOM killer's SIGKILL leaves no report from the dead rank; `--wait` blamed rank 0's broken connection
+    (a gloo 'Connection reset by peer'). srun's own line names the task."""
+    result = loom(
+        "submit",
+        "--tasks-per-node",
+        TASKS,
+        "--time",
+        "10",
+        "--wait",
+        *training_args(dataset, tmp_path),
+        env={**slurm, "LOOM_INJECT_KILL": "1:2"},
+    )
+    assert result.returncode == 1
+    error = next((line for line in result.stderr.splitlines() if line.startswith("error: job ")), "")
+    assert " ended FAILED: rank 1 on " in error and error.endswith("was killed by SIGKILL" + SIGNAL_CAUSES["SIGKILL"])
+    wait_for(lambda: not job_processes(tmp_path), "the job's processes gone")
 
 
 @pytest.mark.parametrize(
