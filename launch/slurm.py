@@ -288,6 +288,7 @@ def submit(config: LoomConfig, options: SlurmOptions):
     check_no_job_queued(Path(config.train.run_dir))
     with removed_if_left_empty(Path(config.train.run_dir)):
         preflight(config, options.world_size)
+        _check_something_to_train(config)
         check_same_tokenizer(config.data.paths, config.data.tokenizer)  # the dataset's manifest knows
         _warn_if_it_does_not_fit(config, options.partition)
         parameters = executor_parameters(options, config, gpus)
@@ -309,6 +310,20 @@ def submit(config: LoomConfig, options: SlurmOptions):
     with open(folder / "jobs.jsonl", "a") as jobs:
         jobs.write(json.dumps(record) + "\n")
     return job
+
+
+def _check_something_to_train(config: LoomConfig) -> None:
+    """A run complete at train.steps would take an allocation (and its wait in the queue) to say so."""
+    from loom.engine.checkpoint.format import find_loadable
+
+    run_dir = Path(config.train.run_dir)
+    own = find_loadable(run_dir / "checkpoints", verify_hashes=False, warn=lambda _: None)
+    if own is not None and own[1].step >= config.train.steps:
+        raise ConfigError(
+            f"nothing to train: the run in {run_dir} is complete at step {own[1].step} of train.steps = "
+            f"{config.train.steps}, so nothing was submitted; raise --train.steps to continue it, or give a new run "
+            "its own --train.name"
+        )
 
 
 def _remove_new_files(folder: Path, earlier: set[Path] | None) -> None:

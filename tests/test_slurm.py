@@ -241,6 +241,19 @@ def test_a_queued_job_keeps_other_launches_out_of_its_run_directory(slurm, datas
     wait_for(allowed, "the cancelled job no longer keeping launches out")
 
 
+def test_a_complete_run_is_not_submitted_again(slurm, dataset, tmp_path, capfd, monkeypatch):
+    """Resubmitting a finished run took an allocation (and its wait in the queue) to say "nothing to train"."""
+    for name, value in slurm.items():
+        monkeypatch.setenv(name, value)
+    args = [*training_args(dataset, tmp_path, "--parallel.pp", "1"), "--train.steps", "1"]
+    trained = loom_here(capfd, "train", *args, "--checkpoint.save_at_end", "true")
+    assert trained.returncode == 0, trained.stderr
+    before = job_count(slurm)
+    refused = loom_here(capfd, "submit", "--tasks-per-node", "1", *args)
+    one_line_error(refused, "nothing to train: the run in", "is complete at step 1 of train.steps = 1")
+    assert job_count(slurm) == before and not (tmp_path / "slurm").exists()
+
+
 def test_a_rank_killed_by_a_signal_is_named_not_the_peer_it_broke(slurm, dataset, tmp_path):
     """The OOM killer's SIGKILL leaves no report from the dead rank; `--wait` blamed rank 0's broken connection
     (a gloo 'Connection reset by peer'). srun's own line names the task."""
