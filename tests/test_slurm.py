@@ -184,7 +184,9 @@ def test_a_sigterm_without_a_cancel_ends_wait_with_an_error_and_leaves_no_proces
     wait_for(lambda: not job_processes(tmp_path), "the job's processes gone")
 
 
-def test_failing_rank_ends_the_job_with_its_message(slurm, dataset, tmp_path):
+def failed_job(slurm: dict, dataset: str, run_dir: Path, **fault: str) -> tuple[str, str]:
+    """`loom submit --wait` of a job whose rank 1 fails as `fault` (LOOM_INJECT_* variables) at step 2: (its
+    `error: job ...` line, its whole stderr), after checking it exits 1 and leaves no process."""
     result = loom(
         "submit",
         "--tasks-per-node",
@@ -192,15 +194,19 @@ def test_failing_rank_ends_the_job_with_its_message(slurm, dataset, tmp_path):
         "--time",
         "10",
         "--wait",
-        *training_args(dataset, tmp_path),
-        env={**slurm, "LOOM_INJECT_FAULT": "1:2"},
+        *training_args(dataset, run_dir),
+        env={**slurm, **fault},
     )
-    assert result.returncode == 1
-    error = next((line for line in result.stderr.splitlines() if line.startswith("error: job ")), "")
-    assert " ended FAILED: rank 1 on " in error, result.stderr
+    assert result.returncode == 1, result.stderr
+    wait_for(lambda: not job_processes(run_dir), "the job's processes gone")
+    return next((line for line in result.stderr.splitlines() if line.startswith("error: job ")), ""), result.stderr
+
+
+def test_failing_rank_ends_the_job_with_its_message(slurm, dataset, tmp_path):
+    error, stderr = failed_job(slurm, dataset, tmp_path, LOOM_INJECT_FAULT="1:2")
+    assert " ended FAILED: rank 1 on " in error, stderr
     assert error.endswith("failed: InjectedFault: fault injected by LOOM_INJECT_FAULT at step 2"), error
-    assert "Traceback (most recent call last)" in result.stderr.split(error)[1], result.stderr  # a bug's, after it
-    wait_for(lambda: not job_processes(tmp_path), "the job's processes gone")
+    assert "Traceback (most recent call last)" in stderr.split(error)[1], stderr  # a bug's, after it
 
 
 def test_a_queued_job_keeps_other_launches_out_of_its_run_directory(slurm, dataset, tmp_path, capfd, monkeypatch):
@@ -257,20 +263,8 @@ def test_a_complete_run_is_not_submitted_again(slurm, dataset, tmp_path, capfd, 
 def test_a_rank_killed_by_a_signal_is_named_not_the_peer_it_broke(slurm, dataset, tmp_path):
     """The OOM killer's SIGKILL leaves no report from the dead rank; `--wait` blamed rank 0's broken connection
     (a gloo 'Connection reset by peer'). srun's own line names the task."""
-    result = loom(
-        "submit",
-        "--tasks-per-node",
-        TASKS,
-        "--time",
-        "10",
-        "--wait",
-        *training_args(dataset, tmp_path),
-        env={**slurm, "LOOM_INJECT_KILL": "1:2"},
-    )
-    assert result.returncode == 1
-    error = next((line for line in result.stderr.splitlines() if line.startswith("error: job ")), "")
+    error, _ = failed_job(slurm, dataset, tmp_path, LOOM_INJECT_KILL="1:2")
     assert " ended FAILED: rank 1 on " in error and error.endswith("was killed by SIGKILL" + SIGNAL_CAUSES["SIGKILL"])
-    wait_for(lambda: not job_processes(tmp_path), "the job's processes gone")
 
 
 @pytest.mark.parametrize(
