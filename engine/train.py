@@ -119,6 +119,7 @@ class Trainer:
         # Early stopping's state, saved with each checkpoint: the best validation loss (None before the first
         # evaluation) and the evaluations since it improved.
         self.validation: dict = {"best_loss": None, "evals_without_gain": 0}
+        self.hf_origin: dict | None = None  # set by _resume from a checkpoint that has one (TrainingState.hf_origin)
         self.last_saved_step: int | None = None
         self.checkpoints = Path(t.run_dir) / "checkpoints"
         self.checkpoint_writer = CheckpointWriter(asynchronous=config.checkpoint.async_save, timeout=timeout)
@@ -225,6 +226,8 @@ class Trainer:
         self.last_saved_step = self.step
         if metadata.validation is not None:
             self.validation = dict(metadata.validation)
+        if metadata.hf_source is not None or metadata.hf_token_ids is not None:
+            self.hf_origin = {"hf_source": metadata.hf_source, "hf_token_ids": metadata.hf_token_ids}
         self._say_what_was_resumed(directory, metadata)
         return directory
 
@@ -273,6 +276,7 @@ class Trainer:
             fp8=Fp8ScalingState(self.chunks) if self.kernels.fp8 == "delayed" else None,
             lora_base=self.lora_base,
             validation=self.validation,
+            hf_origin=self.hf_origin,
         )
 
     def save(self) -> Path:

@@ -156,6 +156,19 @@ def test_a_tied_config_with_its_own_head_and_special_tokens_imports_as_transform
         assert (loom_logits(tmp_path / "loom", tokens) - model(tokens).logits).abs().max().item() < 1e-5
     exported = json.loads((export_hf(tmp_path / "loom", tmp_path / "out") / "config.json").read_text())
     assert {field: exported.get(field) for field in ids} == ids and exported["tie_word_embeddings"] is False
+    # a run that fine-tunes the import carries them into its own checkpoints, and its export keeps them
+    with IndexedDatasetWriter(tmp_path / "docs", np.dtype(np.uint16)) as writer:
+        writer.add_document(np.random.default_rng(4).integers(0, VOCAB, 400))
+    raw = find_loadable(tmp_path / "loom")[1].config
+    raw["data"].update(paths=[str(tmp_path / "docs")], tokenizer=None, split="100,0,0")
+    raw["train"].update(run_dir=str(tmp_path / "tuned"), steps=1, seq_length=32, precision="fp32", tensorboard=False)
+    raw["train"].update(global_batch_size=1, micro_batch_size=1, eval_interval=0)
+    raw["checkpoint"].update(load=str(tmp_path / "loom"), interval=1)
+    config = config_from_dict(raw)
+    config.resolve_world(1)
+    launch_local(config, 1)
+    tuned = json.loads((export_hf(tmp_path / "tuned", tmp_path / "out-tuned") / "config.json").read_text())
+    assert {field: tuned.get(field) for field in ids} == ids
 
 
 def test_loom_eval_equals_transformers_loss(hf_model, tmp_path, capfd):

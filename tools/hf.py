@@ -183,7 +183,10 @@ def export_hf(source: Path, output: Path, base: Path | None = None, overwrite: b
     output.mkdir(parents=True, exist_ok=True)
     save_file(to_hf(logical, model), str(output / "model.safetensors.tmp"), metadata={"format": "pt"})
     (output / "model.safetensors.tmp").replace(output / "model.safetensors")
-    write_text_atomically(output / "config.json", json.dumps(hf_config(model, metadata.hf_token_ids), indent=2))
+    token_ids = metadata.hf_token_ids
+    if metadata.lora_base is not None:  # adapters only: the special tokens are the base model's
+        token_ids = base_of(directory, metadata, base)[1].hf_token_ids
+    write_text_atomically(output / "config.json", json.dumps(hf_config(model, token_ids), indent=2))
     return output
 
 

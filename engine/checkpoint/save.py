@@ -144,6 +144,7 @@ def describe_run(state: TrainingState) -> CheckpointMetadata:
         lora_base=state.lora_base,
         validation=state.validation,
         tokenizer=tokenizer_record(c.data.tokenizer),
+        **(state.hf_origin or {}),
     )
 
 

@@ -49,6 +49,9 @@ class TrainingState:
     """A LoRA run's pointer to its frozen base model (CheckpointMetadata.lora_base); None otherwise."""
     validation: dict | None = None
     """Early stopping's state (CheckpointMetadata.validation); None when the run keeps none."""
+    hf_origin: dict | None = None
+    """For a model imported from Hugging Face, and the runs that train on from it: CheckpointMetadata's hf_source
+    and hf_token_ids, carried into each checkpoint so an export still names the model and its special tokens."""
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """The trainable parameters of the model chunks (those the optimizer holds)."""
