@@ -252,6 +252,8 @@ def test_readme_lora_recipe_on_a_model_transformers_wrote(dataset, tmp_path, mon
         num_key_value_heads=2,
         max_position_embeddings=256,
         tie_word_embeddings=False,
+        bos_token_id=7,
+        eos_token_id=9,
     )
     transformers.LlamaForCausalLM(hf_config).save_pretrained(str(tmp_path / "hf-llama"))
     monkeypatch.chdir(tmp_path)  # the README's relative paths
@@ -270,6 +272,8 @@ def test_readme_lora_recipe_on_a_model_transformers_wrote(dataset, tmp_path, mon
     assert "trainable parameters of" in out and "hidden_size: 128 -> 64" in out
     _loom("ckpt", "merge-lora", "--checkpoint", "runs/lora", "--output", "runs/lora-merged/checkpoints")
     _loom("ckpt", "export-hf", "--checkpoint", "runs/lora-merged", "--output", "hf-merged")
+    exported = json.loads((tmp_path / "hf-merged" / "config.json").read_text())
+    assert (exported["bos_token_id"], exported["eos_token_id"]) == (7, 9)  # the imported model's, through the merge
     _loom("ckpt", "export-hf", "--checkpoint", "runs/lora", "--adapter-only", "--output", "lora-adapter")
     assert (tmp_path / "lora-adapter" / "adapter_model.safetensors").is_file()
     adapter_config = json.loads((tmp_path / "lora-adapter" / "adapter_config.json").read_text())

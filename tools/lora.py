@@ -70,6 +70,7 @@ class ModelWeights:
         reader = PieceReader(directory, metadata)
         self.adapters: dict[str, tuple[str, str]] = {}
         self.base_dir: Path | None = None
+        self.model_metadata = metadata  # whose facts the model carries: the base's for a LoRA checkpoint
         if metadata.lora_base is None:
             if base is not None:  # said, not ignored: the user may have meant another checkpoint
                 raise CheckpointError(
@@ -79,6 +80,7 @@ class ModelWeights:
             self.names = list(metadata.specs)
             return
         self.base_dir, base_metadata = base_of(directory, metadata, base)
+        self.model_metadata = base_metadata
         self.weights, self.factors = PieceReader(self.base_dir, base_metadata), reader
         self.names = list(base_metadata.specs)
         self.adapters = adapted_weights(metadata.specs)
@@ -113,4 +115,7 @@ def merge_lora(source: Path, output: Path, base: Path | None = None, overwrite: 
     weights = ModelWeights(directory, metadata, base)
     merged = weights.all()
     claim_checkpoint_output(output, overwrite, reading=(directory, weights.base_dir))
-    return write_weights_checkpoint(output, config, merged, str(directory))
+    origin = weights.model_metadata  # the base's Hugging Face origin stays the merged model's
+    return write_weights_checkpoint(
+        output, config, merged, str(directory), hf_source=origin.hf_source, hf_token_ids=origin.hf_token_ids
+    )
