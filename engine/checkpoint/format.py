@@ -178,8 +178,9 @@ class CheckpointMetadata:
     """For a checkpoint written by `loom ckpt import-hf`: the Hugging Face model folder it came from, which a
     PEFT export of adapters trained on it names as base_model_name_or_path."""
     hf_token_ids: dict | None = None
-    """For a checkpoint written by `loom ckpt import-hf`: the special-token ids its config.json gave
-    (bos_token_id, eos_token_id, pad_token_id, those present), which export-hf writes back; None elsewhere."""
+    """For a model `loom ckpt import-hf` wrote (and the checkpoints of runs that train on from it, and merge-lora's
+    of adapters on it): the special-token ids its config.json gave (bos_token_id, eos_token_id, pad_token_id, those
+    present), which export-hf writes back; None elsewhere."""
     validation: dict | None = None
     """Early stopping's state when saved: "best_loss" (the best validation loss so far, null before the first
     evaluation) and "evals_without_gain" (evaluations since it last improved), so a resumed run neither forgets
