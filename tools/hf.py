@@ -28,7 +28,7 @@ from loom.engine.checkpoint.load import PieceReader
 from loom.engine.config_io import config_from_dict, config_to_dict
 from loom.engine.model import naming
 from loom.tools.ckpt import open_checkpoint, write_weights_checkpoint
-from loom.tools.lora import adapted_weights, base_of, merged_weights
+from loom.tools.lora import ModelWeights, adapted_weights, base_of
 from loom.tools.outputs import claim_checkpoint_output, claim_export_output
 
 
@@ -178,14 +178,13 @@ def export_hf(source: Path, output: Path, base: Path | None = None, overwrite: b
     directory, metadata = open_checkpoint(source)
     model = config_to_dict(config_from_dict(metadata.config))["model"]  # fills fields older checkpoints lack
     _check_llama(model)
-    logical = merged_weights(directory, metadata, base)
+    weights = ModelWeights(directory, metadata, base)
+    logical = weights.all()
     claim_export_output(output, overwrite)
     output.mkdir(parents=True, exist_ok=True)
     save_file(to_hf(logical, model), str(output / "model.safetensors.tmp"), metadata={"format": "pt"})
     (output / "model.safetensors.tmp").replace(output / "model.safetensors")
-    token_ids = metadata.hf_token_ids
-    if metadata.lora_base is not None:  # adapters only: the special tokens are the base model's
-        token_ids = base_of(directory, metadata, base)[1].hf_token_ids
+    token_ids = weights.model_metadata.hf_token_ids  # a LoRA checkpoint's are its base's
     write_text_atomically(output / "config.json", json.dumps(hf_config(model, token_ids), indent=2))
     return output
 

@@ -98,11 +98,6 @@ class ModelWeights:
         return {name: self[name] for name in self.names}
 
 
-def merged_weights(directory: Path, metadata: CheckpointMetadata, base: Path | None = None) -> dict[str, torch.Tensor]:
-    """Every logical weight of the model a checkpoint describes (ModelWeights), all at once."""
-    return ModelWeights(directory, metadata, base).all()
-
-
 def merge_lora(source: Path, output: Path, base: Path | None = None, overwrite: bool = False) -> Path:
     """Write the model of the LoRA checkpoint at `source`, adapters folded in, as a weights-only checkpoint
     (step 0, like import-hf) under `output` (claimed as tools/outputs.py says). `base`: where the base model
