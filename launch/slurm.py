@@ -352,7 +352,7 @@ def check_no_job_queued(run_dir: Path) -> None:
         with contextlib.suppress(ValueError, TypeError, KeyError):
             recorded.append(str(json.loads(line)["job_id"]))
     for job_id in reversed(recorded[-JOBS_CHECKED:]):
-        state, no_answer = _queued_state(job_id)
+        state, no_answer = _squeue_state(job_id)
         if no_answer:
             raise ConfigError(
                 f"run directory {run_dir} records Slurm job {job_id}, and squeue cannot say whether it is still "
@@ -366,10 +366,12 @@ def check_no_job_queued(run_dir: Path) -> None:
             )
 
 
-def _queued_state(job_id: str) -> tuple[str | None, str | None]:
-    """(the job's state while squeue lists it, else None; why squeue gave no answer, else None)."""
-    try:  # squeue without -t lists a job only until it ends
-        listed = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=30)
+def _squeue_state(job_id: str) -> tuple[str | None, str | None]:
+    """(the job's state while slurmctld remembers it, else None; why squeue gave no answer, else None)."""
+    try:
+        listed = subprocess.run(
+            ["squeue", "-h", "-j", job_id, "-t", "all", "-o", "%T"], capture_output=True, text=True, timeout=30
+        )
     except (OSError, subprocess.TimeoutExpired) as error:
         return None, str(error)
     if listed.returncode != 0:
@@ -487,18 +489,17 @@ def first_failure(run_dir: Path, job_id: str) -> dict | None:
 
 def job_state(job_id: str) -> str:
     """Slurm's state of the job: squeue while slurmctld remembers it, then sacct."""
-    for command in (
-        ["squeue", "-h", "-j", job_id, "-t", "all", "-o", "%T"],
-        ["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"],
-    ):
-        try:
-            result = subprocess.run(command, capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
-            continue
-        states = result.stdout.split()
-        if result.returncode == 0 and states:
-            return states[0].split()[0]  # sacct prints e.g. "CANCELLED by 0"
-    return "UNKNOWN"
+    state, _ = _squeue_state(job_id)
+    if state is not None:
+        return state
+    try:
+        result = subprocess.run(
+            ["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "UNKNOWN"
+    states = result.stdout.split()
+    return states[0] if result.returncode == 0 and states else "UNKNOWN"  # sacct prints e.g. "CANCELLED by 0"
 
 
 def follow(job_id: str, run_dir: Path, poll_s: float = 1.0, out=sys.stdout) -> str:
