@@ -66,7 +66,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
     from loom.engine.parallel.rendezvous import start_rank_server
     from loom.engine.preflight import preflight, removed_if_left_empty
     from loom.launch.local import launch_local
-    from loom.launch.slurm import check_no_job_queued
+    from loom.launch.slurm_jobs import check_no_job_queued
 
     config = load_config(args.config, overrides)
     given = [name for name in parse_overrides(overrides).get("lora", {}) if name != "rank"]

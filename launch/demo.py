@@ -286,7 +286,8 @@ def _sample(checkpoints: Path, tokenizer: str, prompt: str = "def ") -> str:
 
 def _slurm_job(workdir: Path, config, steps: int) -> dict:
     """Continue the resumed run as a Slurm job, where this machine can submit one."""
-    from loom.launch.slurm import SlurmOptions, follow, slurm_unavailable, submit
+    from loom.launch.slurm import SlurmOptions, slurm_unavailable, submit
+    from loom.launch.slurm_jobs import follow
 
     _step(f"10/10 slurm: continue the run as a Slurm job (1 node x 4 tasks, tp=2 x dp=2) for {steps // 2} more steps")
     reason = slurm_unavailable()

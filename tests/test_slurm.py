@@ -22,11 +22,11 @@ from loom.engine.config_io import load_config
 from loom.launch.local import SIGNAL_CAUSES
 from loom.launch.slurm import (
     SlurmOptions,
-    check_no_job_queued,
     executor_parameters,
     parse_sbatch_options,
     parse_time_minutes,
 )
+from loom.launch.slurm_jobs import check_no_job_queued
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 8
