@@ -33,14 +33,16 @@ def _holder(lock: Path) -> str:
     try:
         record = json.loads(lock.read_text())
         job = f", Slurm job {record['slurm_job']}" if record.get("slurm_job") else ""
-        return f"pid {record['pid']} on {record['host']} since {record['started']}{job}"
+        who = f"pid {record['pid']} on {record['host']} since {record['started']}{job}"
+        holder = "`loom submit` submitting a job" if record.get("command") == "submit" else "a running loom run"
+        return f"{holder} ({who})"
     except (OSError, ValueError, KeyError, TypeError):
-        return "a process that has not said who it is"
+        return "a running loom run (a process that has not said who it is)"
 
 
 def _refusal(run_dir: Path) -> RunDirectoryInUse:
     return RunDirectoryInUse(
-        f"run directory {run_dir} is in use by a running loom run ({_holder(run_dir / LOCK_FILE)}); wait for it "
+        f"run directory {run_dir} is in use by {_holder(run_dir / LOCK_FILE)}; wait for it "
         f"or stop it, or give this run its own --train.name or --train.run_dir"
     )
 
@@ -69,11 +71,15 @@ def check_not_in_use(run_dir: Path) -> None:
 
 
 class RunLock:
-    """Rank 0's hold on its run directory, released by close() or by the process's end."""
+    """Rank 0's hold on its run directory, released by close() or by the process's end. `loom submit` holds it
+    too (command "submit") from its last check of the queue until its job is recorded, so that two submissions
+    racing into one directory cannot both pass that check."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, command: str = "train"):
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.fd: int | None = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        self.path = run_dir / LOCK_FILE
+        self.created = not self.path.exists()
+        self.fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         locked = _try_lock(self.fd)
         if locked is False:
             self.close()
@@ -85,11 +91,15 @@ class RunLock:
                 "host": socket.gethostname(),
                 "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
                 "slurm_job": os.environ.get("SLURM_JOB_ID"),
+                "command": command,
             }
             os.ftruncate(self.fd, 0)
             os.pwrite(self.fd, json.dumps(record).encode(), 0)
 
-    def close(self) -> None:
+    def close(self, remove_if_created: bool = False) -> None:
+        """remove_if_created: the holder wrote nothing else, so the directory is left as it was found."""
         if self.fd is not None:
+            if remove_if_created and self.created:
+                self.path.unlink(missing_ok=True)
             os.close(self.fd)
             self.fd = None

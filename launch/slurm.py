@@ -254,8 +254,8 @@ def _warn_if_it_does_not_fit(config: LoomConfig, partition: str | None) -> None:
 def submit(config: LoomConfig, options: SlurmOptions):
     """Check everything, then submit; returns the submitit job."""
     from loom.data_tools.manifest import check_same_tokenizer
-    from loom.engine.config_io import config_to_dict
     from loom.engine.preflight import preflight, removed_if_left_empty
+    from loom.engine.run_lock import RunLock
 
     if options.nodes < 1 or options.tasks_per_node < 1:
         raise ConfigError("--nodes and --tasks-per-node must be >= 1")
@@ -276,27 +276,41 @@ def submit(config: LoomConfig, options: SlurmOptions):
         if value is not None and _has_control_character(value):
             raise ConfigError(f"--{flag}: the value contains a control character (newline?)")
     gpus = partition_gpus(options.partition)  # first: without a reachable cluster nothing else matters
-    check_no_job_queued(Path(config.train.run_dir))
-    with removed_if_left_empty(Path(config.train.run_dir)):
+    run_dir = Path(config.train.run_dir)
+    check_no_job_queued(run_dir)  # before preflight, which may move a run aside (--train.overwrite)
+    with removed_if_left_empty(run_dir):
         preflight(config, options.world_size)
         _check_something_to_train(config)
         check_same_tokenizer(config.data.paths, config.data.tokenizer)  # the dataset's manifest knows
         _warn_if_it_does_not_fit(config, options.partition)
         parameters = executor_parameters(options, config, gpus)
         _absolute_paths(config)
-        import submitit
+        lock = RunLock(run_dir, command="submit")  # a rival submit or train is refused until the job is recorded
+        job = None
+        try:
+            check_no_job_queued(run_dir)  # again, under the lock: a rival may have recorded its job since
+            job = _submit_and_record(config, options, parameters)
+        finally:
+            lock.close(remove_if_created=job is None)  # before the job's rank 0 needs it
+    return job
 
-        folder = Path(config.train.run_dir) / "slurm"
-        earlier = set(folder.rglob("*")) if folder.is_dir() else None
-        executor = submitit.SlurmExecutor(folder=folder)
-        executor.update_parameters(**parameters)
-        try:  # submitit prints sbatch's stderr on failure; the error below says it in one line instead
-            with contextlib.redirect_stderr(io.StringIO()):
-                job = executor.submit(TrainingJob(config_to_dict(config)))
-        except submitit.core.utils.FailedJobError as error:  # sbatch's own refusal, e.g. too much memory
-            _remove_new_files(folder, earlier)  # the batch script and pickled job of a job that never was
-            lines = [line.removeprefix("sbatch: error: ") for line in str(error).strip().splitlines()]
-            raise ConfigError(f"sbatch refused the job: {'; '.join(lines)}") from None
+
+def _submit_and_record(config: LoomConfig, options: SlurmOptions, parameters: dict):
+    import submitit
+
+    from loom.engine.config_io import config_to_dict
+
+    folder = Path(config.train.run_dir) / "slurm"
+    earlier = set(folder.rglob("*")) if folder.is_dir() else None
+    executor = submitit.SlurmExecutor(folder=folder)
+    executor.update_parameters(**parameters)
+    try:  # submitit prints sbatch's stderr on failure; the error below says it in one line instead
+        with contextlib.redirect_stderr(io.StringIO()):
+            job = executor.submit(TrainingJob(config_to_dict(config)))
+    except submitit.core.utils.FailedJobError as error:  # sbatch's own refusal, e.g. too much memory
+        _remove_new_files(folder, earlier)  # the batch script and pickled job of a job that never was
+        lines = [line.removeprefix("sbatch: error: ") for line in str(error).strip().splitlines()]
+        raise ConfigError(f"sbatch refused the job: {'; '.join(lines)}") from None
     record = {"job_id": job.job_id, "submitted": time.strftime("%Y-%m-%dT%H:%M:%S"), "options": asdict(options)}
     with open(folder / "jobs.jsonl", "a") as jobs:
         jobs.write(json.dumps(record) + "\n")

@@ -247,6 +247,41 @@ def test_a_queued_job_keeps_other_launches_out_of_its_run_directory(slurm, datas
     wait_for(allowed, "the cancelled job no longer keeping launches out")
 
 
+def test_two_submissions_racing_into_one_run_directory_cannot_both_pass(slurm, dataset, tmp_path, capfd, monkeypatch):
+    """Each submission checks the queue and then submits: a rival that recorded its job in between, or is
+    submitting right now (it holds the run lock until its job is recorded), refuses the other."""
+    import loom.engine.preflight
+    from loom.engine.run_lock import RunLock
+
+    for name, value in slurm.items():
+        monkeypatch.setenv(name, value)
+    args, before = [*training_args(dataset, tmp_path), "--tasks-per-node", TASKS], job_count(slurm)
+    rival = subprocess.run(
+        ["sbatch", "--parsable", "--hold", "--wrap", "sleep 1"], capture_output=True, text=True, env=slurm, check=True
+    ).stdout.strip()
+    real_preflight = loom.engine.preflight.preflight
+
+    def rival_records_its_job_after_the_first_check(*a, **k):
+        real_preflight(*a, **k)
+        (tmp_path / "slurm").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "slurm" / "jobs.jsonl").write_text(f'{{"job_id": "{rival}"}}\n')
+
+    try:
+        monkeypatch.setattr(loom.engine.preflight, "preflight", rival_records_its_job_after_the_first_check)
+        one_line_error(loom_here(capfd, "submit", *args), f"belongs to Slurm job {rival}, which is PENDING")
+        monkeypatch.setattr(loom.engine.preflight, "preflight", real_preflight)
+        (tmp_path / "slurm" / "jobs.jsonl").unlink()
+        submitting = RunLock(tmp_path, command="submit")
+        try:
+            refused = loom_here(capfd, "submit", *args)
+        finally:
+            submitting.close()
+        one_line_error(refused, f"is in use by `loom submit` submitting a job (pid {os.getpid()} on ")
+        assert job_count(slurm) == before + 1  # the rival alone
+    finally:
+        subprocess.run(["scancel", rival], env=slurm, check=True)
+
+
 def test_a_complete_run_is_not_submitted_again(slurm, dataset, tmp_path, capfd, monkeypatch):
     """Resubmitting a finished run took an allocation (and its wait in the queue) to say "nothing to train"."""
     for name, value in slurm.items():
