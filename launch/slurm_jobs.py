@@ -207,14 +207,18 @@ def job_state(job_id: str) -> str:
 def follow(job_id: str, run_dir: Path, poll_s: float = 1.0, out=sys.stdout) -> str:
     """Print rank 0's log as it grows and each change of the job's state; returns the final state."""
     log, offset, last_state = rank0_log(run_dir, job_id), 0, None
-    unknown_since = None
+    unknown_since, ran = None, False
     while True:
         state = job_state(job_id)
         if state != last_state:
-            print(f"[loom submit] job {job_id}: {state}", file=out, flush=True)
-            last_state = state
+            requeued = ran and state in ("PENDING", "REQUEUED")
+            note = " (requeued: it resumes from its last checkpoint when it starts again)" if requeued else ""
+            print(f"[loom submit] job {job_id}: {state}{note}", file=out, flush=True)
+            last_state, ran = state, ran or state == "RUNNING"
         if log.exists():
             with open(log, "rb") as f:
+                if f.seek(0, os.SEEK_END) < offset:  # a requeued job's log started again
+                    offset = 0
                 f.seek(offset)
                 chunk = f.read()
             offset += len(chunk)

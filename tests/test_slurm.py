@@ -151,6 +151,7 @@ def test_a_preempted_job_checkpoints_requeues_and_gives_the_local_curve(slurm, d
     assert f"step {STEPS:>6}/{STEPS} | loss" in stdout  # --wait followed rank 0's log, past the requeue
     assert "stop requested: checkpoint of step 4" in stdout
     assert f"job {job_id} requeued" in stdout
+    assert "(requeued: it resumes from its last checkpoint when it starts again)" in stdout  # --wait says why PENDING
     resumed_at = int(stdout.split("resumed from ")[1].split(" at step ")[1].split()[0])
     assert resumed_at == 4
     # Every rank ended on the requeue's SIGTERM: none sat out KillWait until srun killed it, holding the nodes.
