@@ -201,7 +201,8 @@ def executor_parameters(options: SlurmOptions, config: LoomConfig, gpus_on_parti
         )
     if options.time_minutes * 60 < options.signal_delay_s + 60:
         raise ConfigError(
-            f"--time {options.time_minutes} min leaves no room before the checkpoint signal "
+            f"--time gives {options.time_minutes} min (Slurm counts whole minutes), which leaves no room before the "
+            "checkpoint signal "
             f"(--signal-delay-s {options.signal_delay_s}); Slurm checks the signal only every 30 s, "
             f"so keep the limit above delay + 60 s"
         )

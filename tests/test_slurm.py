@@ -315,7 +315,7 @@ def test_a_rank_killed_by_a_signal_is_named_not_the_peer_it_broke(slurm, dataset
             ["--train.run_dir", "/etc/hostname/run"],
             "error: run directory /etc/hostname/run is not writable: Not a directory",
         ),
-        (["--time", "1"], "error: --time 1 min leaves no room before the checkpoint signal"),
+        (["--time", "0:05"], "error: --time gives 1 min (Slurm counts whole minutes), which leaves no room before"),
         (["--sbatch", "comment=a\nb"], "error: --sbatch comment: the value contains a control character"),
         (["--job-name", "a\nb"], "error: --job-name: the value contains a control character"),  # sbatch's fatal
         (
