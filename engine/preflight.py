@@ -126,6 +126,14 @@ def check_checkpoint_to_load(config: LoomConfig, training: bool) -> None:
     check_same_model(found[0], found[1].config, config)
 
 
+def run_is_complete(run_dir: str | Path, step: int, steps: int, consequence: str = "") -> str:
+    """What `loom train` says (and `loom submit` refuses with) when a run's checkpoint is already at train.steps."""
+    return (
+        f"nothing to train: the run in {run_dir} is complete at step {step} of train.steps = {steps}{consequence}; "
+        "raise --train.steps to continue it, or give a new run its own --train.name"
+    )
+
+
 def adopt_lora_base(config: LoomConfig) -> None:
     """A LoRA run's [model] is its base's (engine/model/lora.py): take it, say what changed, check the rank."""
     if not config.lora.enabled:

@@ -57,6 +57,7 @@ from loom.engine.parallel.state import ParallelState
 from loom.engine.pipeline.executor import PipelineExecutor
 from loom.engine.pipeline.schedules import build_schedule
 from loom.engine.pipeline.stages import build_chunks
+from loom.engine.preflight import run_is_complete
 from loom.errors import TrainingDiverged
 
 
@@ -471,10 +472,7 @@ class Trainer:
         rows = []
         stop_at = min(t.steps, self.step + t.exit_after) if t.exit_after else t.steps
         if self.step >= t.steps:
-            self._log_event(
-                f"nothing to train: the run in {t.run_dir} is complete at step {self.step} of train.steps = "
-                f"{t.steps}; raise --train.steps to continue it, or give a new run its own --train.name"
-            )
+            self._log_event(run_is_complete(t.run_dir, self.step, t.steps))
         elif self._patience_spent():
             stop_at = self.step
             self._log_event(

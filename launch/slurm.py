@@ -321,15 +321,12 @@ def _submit_and_record(config: LoomConfig, options: SlurmOptions, parameters: di
 def _check_something_to_train(config: LoomConfig) -> None:
     """A run complete at train.steps would take an allocation (and its wait in the queue) to say so."""
     from loom.engine.checkpoint.format import find_loadable
+    from loom.engine.preflight import run_is_complete
 
     run_dir = Path(config.train.run_dir)
     own = find_loadable(run_dir / "checkpoints", verify_hashes=False, warn=lambda _: None)
     if own is not None and own[1].step >= config.train.steps:
-        raise ConfigError(
-            f"nothing to train: the run in {run_dir} is complete at step {own[1].step} of train.steps = "
-            f"{config.train.steps}, so nothing was submitted; raise --train.steps to continue it, or give a new run "
-            "its own --train.name"
-        )
+        raise ConfigError(run_is_complete(run_dir, own[1].step, config.train.steps, ", so nothing was submitted"))
 
 
 def _remove_new_files(folder: Path, earlier: set[Path] | None) -> None:
