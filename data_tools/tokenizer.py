@@ -15,6 +15,7 @@ import random
 import re
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -85,16 +86,16 @@ def iter_lines(
     held_out_every: int = 0,
     held_out: list[str] | None = None,
     bar: Progress | None = None,
-    long_lines: list | None = None,
+    counts: Counter | None = None,
 ) -> Iterator[str]:
     """The non-empty lines of every document, in order (newlines are boundaries, never pieces); a line longer
-    than SentencePiece's MAX_SENTENCE_BYTES is cut at spaces, once per cut line appended to `long_lines`.
+    than SentencePiece's MAX_SENTENCE_BYTES is cut at spaces and counted in `counts["long_lines_cut"]`.
 
     With held_out_every = N, every Nth document goes to `held_out` (up to HELD_OUT_MAX_CHARACTERS)
     instead of training, to measure the tokenizer on text it has not seen. Documents are counted on `bar`.
     """
     held_characters = 0
-    long_lines = [] if long_lines is None else long_lines
+    counts = Counter() if counts is None else counts
     for position, record in enumerate(_shown(iter_jsonl(inputs, text_key=text_key, stats=stats), text_key, bar)):
         text = record[text_key]
         if (
@@ -108,7 +109,7 @@ def iter_lines(
             continue
         for line in text.split("\n"):
             if len(line) * 4 > MAX_SENTENCE_BYTES and len(line.encode()) > MAX_SENTENCE_BYTES:
-                long_lines.append(1)
+                counts["long_lines_cut"] += 1
                 yield from _cut_at_spaces(line, MAX_SENTENCE_BYTES)
             elif line:
                 yield line
@@ -233,10 +234,10 @@ def _read_sample(
 ) -> tuple[list[str], int]:
     """The training lines sampled from the inputs (held-out documents go to `held_out`), with a progress bar, and
     how many over-long lines were cut."""
-    cut: list = []
+    counts: Counter = Counter()
     with Progress("tokenizer: reading", progress, total=count_lines(inputs)) as bar:
-        lines = iter_lines(inputs, text_key, stats, held_out_every, held_out, bar, long_lines=cut)
-        return sample_lines(lines, input_sentence_size, seed), len(cut)
+        lines = iter_lines(inputs, text_key, stats, held_out_every, held_out, bar, counts)
+        return sample_lines(lines, input_sentence_size, seed), counts["long_lines_cut"]
 
 
 def _train_into(lines: list[str], output_prefix: Path, options: dict, seed: int, no_documents: str | None) -> None:
