@@ -227,8 +227,7 @@ class Trainer:
         self.last_saved_step = self.step
         if metadata.validation is not None:
             self.validation = dict(metadata.validation)
-        if metadata.hf_source is not None or metadata.hf_token_ids is not None:
-            self.hf_origin = {"hf_source": metadata.hf_source, "hf_token_ids": metadata.hf_token_ids}
+        self.hf_origin = metadata.hf_origin
         self._say_what_was_resumed(directory, metadata)
         return directory
 

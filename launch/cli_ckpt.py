@@ -52,6 +52,8 @@ def _export_hf(args: argparse.Namespace) -> None:
     from loom.tools.hf import export_hf, export_peft_adapter
 
     if args.adapter_only:
+        if args.dtype:
+            raise ConfigError("--dtype is for the whole model's export; --adapter-only writes the adapters in float32")
         out = export_peft_adapter(
             Path(args.checkpoint), Path(args.output), _base(args), args.base_model, args.overwrite
         )
@@ -64,8 +66,12 @@ def _export_hf(args: argparse.Namespace) -> None:
         return
     if args.base_model:
         raise ConfigError("--base-model names the base of a PEFT adapter; it goes with --adapter-only")
-    out = export_hf(Path(args.checkpoint), Path(args.output), _base(args), args.overwrite)
-    print(f"wrote {out}: model.safetensors + config.json (transformers.LlamaForCausalLM.from_pretrained loads it)")
+    out = export_hf(Path(args.checkpoint), Path(args.output), _base(args), args.overwrite, args.dtype)
+    dtype = json.loads((out / "config.json").read_text())["torch_dtype"]
+    print(
+        f"wrote {out}: model.safetensors ({dtype}) + config.json "
+        "(transformers.LlamaForCausalLM.from_pretrained loads it)"
+    )
 
 
 def _merge_lora(args: argparse.Namespace) -> None:
@@ -234,6 +240,12 @@ def add_parsers(commands) -> None:
         "--base-model",
         help="with --adapter-only: base_model_name_or_path for PEFT, e.g. a hub name or the base's export folder "
         "(default: the Hugging Face folder the base was imported from, where it was)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        help="the weights' dtype in model.safetensors (default: what an imported model came in, else float32: "
+        "loom's weights as they are; bfloat16 halves the file, as most published models are)",
     )
     p.add_argument("--lora.base", dest="lora_base", type=existing_path, help=LORA_BASE)
     p.set_defaults(handler=_export_hf)

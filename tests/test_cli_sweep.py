@@ -154,6 +154,7 @@ COMMANDS = {
             "--checkpoint": ["{missing}", "{dir}", "{file}"],
             "--output": ["{file}", "{file}/x", "{hf}", "{checkpoint}"],
             "--base-model": ["base"],  # without --adapter-only
+            "--dtype": ["float64", "bf16", ""],
             "--lora.base": "in-path",
         },
     ),

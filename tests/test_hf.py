@@ -64,6 +64,25 @@ def test_transformers_computes_the_same_logits(trained, tmp_path):
     assert (theirs - ours).abs().max().item() < 1e-4
 
 
+def test_export_in_another_dtype_rounds_loom_s_weights(trained, tmp_path, capfd):
+    full = load_file(export_hf(trained, tmp_path / "fp32") / "model.safetensors")
+    exported = loom_here(
+        capfd,
+        "ckpt",
+        "export-hf",
+        "--checkpoint",
+        str(trained),
+        "--output",
+        str(tmp_path / "bf16"),
+        "--dtype",
+        "bfloat16",
+    )
+    assert exported.returncode == 0 and "model.safetensors (bfloat16)" in exported.stdout, exported.stderr
+    half = load_file(tmp_path / "bf16/model.safetensors")
+    assert all(half[k].dtype == torch.bfloat16 and torch.equal(half[k], full[k].bfloat16()) for k in full)
+    assert json.loads((tmp_path / "bf16/config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
 def test_import_then_export_is_identical(trained, tmp_path):
     first = export_hf(trained, tmp_path / "first")
     import_hf(first, tmp_path / "imported")
@@ -142,9 +161,10 @@ def test_imported_models_export_back_to_the_same_model(hf_model, tmp_path):
 def test_a_tied_config_with_its_own_head_and_special_tokens_imports_as_transformers_loads_it(tmp_path, capfd):
     """config.json says tie_word_embeddings but lm_head.weight differs from the embedding: transformers keeps the
     file's head (import had dropped it: other logits, exit 0); the config's bos/eos/pad ids come back out of
-    export-hf (it had written Llama 2's 1 and 2 for any model, so generate would stop at an ordinary token)."""
+    export-hf (it had written Llama 2's 1 and 2 for any model, so generate would stop at an ordinary token), and
+    so does the bf16 it was stored in (export wrote float32: the same model in a file twice the size)."""
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(llama_config()).save_pretrained(str(tmp_path / "hf"))
+    transformers.LlamaForCausalLM(llama_config()).to(torch.bfloat16).save_pretrained(str(tmp_path / "hf"))
     written = json.loads((tmp_path / "hf/config.json").read_text())
     ids = {"bos_token_id": 5, "eos_token_id": [809, 810], "pad_token_id": 7}
     (tmp_path / "hf/config.json").write_text(json.dumps({**written, "tie_word_embeddings": True, **ids}))
@@ -156,6 +176,9 @@ def test_a_tied_config_with_its_own_head_and_special_tokens_imports_as_transform
         assert (loom_logits(tmp_path / "loom", tokens) - model(tokens).logits).abs().max().item() < 1e-5
     exported = json.loads((export_hf(tmp_path / "loom", tmp_path / "out") / "config.json").read_text())
     assert {field: exported.get(field) for field in ids} == ids and exported["tie_word_embeddings"] is False
+    assert exported["torch_dtype"] == "bfloat16"
+    original, back = load_file(tmp_path / "hf/model.safetensors"), load_file(tmp_path / "out/model.safetensors")
+    assert original.keys() == back.keys() and all(torch.equal(original[k], back[k]) for k in original)
     # a run that fine-tunes the import carries them into its own checkpoints, and its export keeps them
     with IndexedDatasetWriter(tmp_path / "docs", np.dtype(np.uint16)) as writer:
         writer.add_document(np.random.default_rng(4).integers(0, VOCAB, 400))
@@ -168,7 +191,7 @@ def test_a_tied_config_with_its_own_head_and_special_tokens_imports_as_transform
     config.resolve_world(1)
     launch_local(config, 1)
     tuned = json.loads((export_hf(tmp_path / "tuned", tmp_path / "out-tuned") / "config.json").read_text())
-    assert {field: tuned.get(field) for field in ids} == ids
+    assert {field: tuned.get(field) for field in ids} == ids and tuned["torch_dtype"] == "bfloat16"
 
 
 def test_loom_eval_equals_transformers_loss(hf_model, tmp_path, capfd):

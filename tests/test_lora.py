@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_utils import run_ranks
-from training_runs import tiny_config
+from training_runs import loom_here, one_line_error, tiny_config
 
 from loom.engine.checkpoint.format import find_loadable
 from loom.engine.checkpoint.load import PieceReader
@@ -297,7 +297,7 @@ def test_readme_lora_recipe_on_a_model_transformers_wrote(dataset, tmp_path, mon
         assert split == tokens, layout
 
 
-def test_lora_refusals_are_one_line(tmp_path, base, single_rank):
+def test_lora_refusals_are_one_line(tmp_path, base, single_rank, capfd):
     from loom.engine.checkpoint.format import CheckpointError
     from loom.engine.config import ConfigError
     from loom.engine.model.lora import check_same_base, open_base
@@ -318,3 +318,9 @@ def test_lora_refusals_are_one_line(tmp_path, base, single_rank):
     with pytest.raises(CheckpointError, match="not --checkpoint.load"):
         check_same_base(Path(base), None, pointer)
     check_same_base(lora_run, pointer, pointer)
+    adapters_in_bf16 = loom_here(
+        capfd, "ckpt", "export-hf", "--checkpoint", str(lora_run), "--adapter-only", "--dtype", "bfloat16",
+        "--output", str(tmp_path / "adapter"),
+    )  # fmt: skip
+    one_line_error(adapters_in_bf16, "--adapter-only writes the adapters in float32")
+    assert not (tmp_path / "adapter").exists()

@@ -52,14 +52,12 @@ def write_weights_checkpoint(
     config: LoomConfig,
     logical: dict[str, torch.Tensor],
     source: str,
-    hf_source: str | None = None,
-    hf_token_ids: dict | None = None,
+    hf_origin: dict | None = None,
 ) -> Path:
     """Write a weights-only checkpoint (step 0, tp = pp = 1, fp32, no optimizer state) of `config`'s model from
     its logical tensors, as iter_0000000 under `output`: what import-hf and merge-lora produce, and any layout
     loads. `source` names where the tensors came from, for the error when one is missing or misshapen;
-    `hf_source` and `hf_token_ids`, the Hugging Face folder of an import and its special-token ids
-    (CheckpointMetadata's fields)."""
+    `hf_origin`: the Hugging Face fields of an import (CheckpointMetadata.hf_origin)."""
     infos = [param_info(param) for param in GPTModel(config.model, None).parameters()]
     specs = {info.name: info.shard_spec for info in infos}
     for name, spec in specs.items():
@@ -84,8 +82,7 @@ def write_weights_checkpoint(
         specs=specs,
         files={name: record},
         index={key: name for key in pieces},
-        hf_source=hf_source,
-        hf_token_ids=hf_token_ids,
+        **(hf_origin or {}),
     )
     return commit(staging, final, metadata)
 

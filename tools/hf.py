@@ -61,11 +61,12 @@ def _hf_rope(model: dict) -> dict:
 # trained here; an imported model's own ids travel in its checkpoint (CheckpointMetadata.hf_token_ids).
 LOOM_TOKEN_IDS = {"bos_token_id": 1, "eos_token_id": 2}
 HF_TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def hf_config(model: dict, token_ids: dict | None = None) -> dict:
+def hf_config(model: dict, token_ids: dict | None = None, dtype: str = "float32") -> dict:
     """The config.json transformers reads for a Llama-shaped loom model (`model`: ModelConfig's fields;
-    `token_ids`: the special-token ids, loom's tokenizers' by default)."""
+    `token_ids`: the special-token ids, loom's tokenizers' by default; `dtype`: the weights' torch_dtype)."""
     rope = _hf_rope(model)
     legacy_scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if rope["rope_type"] != "default" else None
     return {
@@ -88,7 +89,7 @@ def hf_config(model: dict, token_ids: dict | None = None) -> dict:
         "attention_bias": False,
         "mlp_bias": False,
         "initializer_range": model["init_std"],
-        "torch_dtype": "float32",
+        "torch_dtype": dtype,
         **(LOOM_TOKEN_IDS if token_ids is None else token_ids),
     }
 
@@ -171,10 +172,13 @@ def from_hf(tensors: dict[str, torch.Tensor], model: dict) -> dict[str, torch.Te
     return out
 
 
-def export_hf(source: Path, output: Path, base: Path | None = None, overwrite: bool = False) -> Path:
+def export_hf(
+    source: Path, output: Path, base: Path | None = None, overwrite: bool = False, dtype: str | None = None
+) -> Path:
     """Write model.safetensors + config.json for the checkpoint at `source` (a LoRA run's with its adapters
     folded into its base, found where it was trained or at `base`) into `output` (claimed as tools/outputs.py
-    says)."""
+    says), in `dtype` (an EXPORT_DTYPES name; None: the dtype an imported model came in, else float32, the
+    weights as loom keeps them)."""
     directory, metadata = open_checkpoint(source)
     model = config_to_dict(config_from_dict(metadata.config))["model"]  # fills fields older checkpoints lack
     _check_llama(model)
@@ -182,10 +186,13 @@ def export_hf(source: Path, output: Path, base: Path | None = None, overwrite: b
     logical = weights.all()
     claim_export_output(output, overwrite)
     output.mkdir(parents=True, exist_ok=True)
-    save_file(to_hf(logical, model), str(output / "model.safetensors.tmp"), metadata={"format": "pt"})
+    origin = weights.model_metadata  # a LoRA checkpoint's Hugging Face origin is its base's
+    dtype = dtype or origin.hf_dtype or "float32"
+    tensors = {name: tensor.to(EXPORT_DTYPES[dtype]) for name, tensor in to_hf(logical, model).items()}
+    save_file(tensors, str(output / "model.safetensors.tmp"), metadata={"format": "pt"})
     (output / "model.safetensors.tmp").replace(output / "model.safetensors")
-    token_ids = weights.model_metadata.hf_token_ids  # a LoRA checkpoint's are its base's
-    write_text_atomically(output / "config.json", json.dumps(hf_config(model, token_ids), indent=2))
+    config = hf_config(model, origin.hf_token_ids, dtype)
+    write_text_atomically(output / "config.json", json.dumps(config, indent=2))
     return output
 
 
@@ -329,10 +336,19 @@ def import_hf(source: Path, output: Path, overwrite: bool = False) -> Path:
     except CheckpointError as error:
         raise CheckpointError(f"{source}: {error}") from None
     claim_checkpoint_output(output, overwrite)
-    token_ids = {field: hf[field] for field in HF_TOKEN_ID_FIELDS if hf.get(field) is not None}
-    return write_weights_checkpoint(
-        output, config, logical, "the Hugging Face model", hf_source=str(source.resolve()), hf_token_ids=token_ids
-    )
+    origin = {
+        "hf_source": str(source.resolve()),
+        "hf_token_ids": {field: hf[field] for field in HF_TOKEN_ID_FIELDS if hf.get(field) is not None},
+        "hf_dtype": _stored_dtype(tensors),
+    }
+    return write_weights_checkpoint(output, config, logical, "the Hugging Face model", hf_origin=origin)
+
+
+def _stored_dtype(tensors: dict[str, torch.Tensor]) -> str | None:
+    """The dtype the model's weights are stored in (what config.json's torch_dtype should say, and not always
+    does), as an EXPORT_DTYPES name; None for one loom does not write."""
+    names = {dtype: name for name, dtype in EXPORT_DTYPES.items()}
+    return names.get(tensors["model.embed_tokens.weight"].dtype)
 
 
 def export_peft_adapter(

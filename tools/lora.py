@@ -110,7 +110,5 @@ def merge_lora(source: Path, output: Path, base: Path | None = None, overwrite: 
     weights = ModelWeights(directory, metadata, base)
     merged = weights.all()
     claim_checkpoint_output(output, overwrite, reading=(directory, weights.base_dir))
-    origin = weights.model_metadata  # the base's Hugging Face origin stays the merged model's
-    return write_weights_checkpoint(
-        output, config, merged, str(directory), hf_source=origin.hf_source, hf_token_ids=origin.hf_token_ids
-    )
+    origin = weights.model_metadata.hf_origin  # the base's Hugging Face origin stays the merged model's
+    return write_weights_checkpoint(output, config, merged, str(directory), hf_origin=origin)

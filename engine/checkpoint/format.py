@@ -181,6 +181,9 @@ class CheckpointMetadata:
     """For a model `loom ckpt import-hf` wrote (and the checkpoints of runs that train on from it, and merge-lora's
     of adapters on it): the special-token ids its config.json gave (bos_token_id, eos_token_id, pad_token_id, those
     present), which export-hf writes back; None elsewhere."""
+    hf_dtype: str | None = None
+    """For the same checkpoints: the torch_dtype the Hugging Face model was stored in ("bfloat16", ...), which
+    export-hf writes by default (loom keeps fp32 weights); None elsewhere."""
     validation: dict | None = None
     """Early stopping's state when saved: "best_loss" (the best validation loss so far, null before the first
     evaluation) and "evals_without_gain" (evaluations since it last improved), so a resumed run neither forgets
@@ -205,6 +208,7 @@ class CheckpointMetadata:
             "tokenizer": self.tokenizer,
             "hf_source": self.hf_source,
             "hf_token_ids": self.hf_token_ids,
+            "hf_dtype": self.hf_dtype,
             "validation": self.validation,
         }
         return json.dumps(data, indent=1)
@@ -235,11 +239,21 @@ class CheckpointMetadata:
                 tokenizer=data.get("tokenizer"),
                 hf_source=data.get("hf_source"),
                 hf_token_ids=data.get("hf_token_ids"),
+                hf_dtype=data.get("hf_dtype"),
                 validation=data.get("validation"),
                 format_version=data["format_version"],
             )
         except (KeyError, TypeError, AttributeError) as error:
             raise CheckpointError(f"{METADATA} is corrupt ({type(error).__name__}: {error})") from None
+
+    @property
+    def hf_origin(self) -> dict | None:
+        """The fields of a Hugging Face import that every checkpoint descended from it carries (None: not one)."""
+        origin = {name: getattr(self, name) for name in HF_ORIGIN_FIELDS}
+        return origin if any(value is not None for value in origin.values()) else None
+
+
+HF_ORIGIN_FIELDS = ("hf_source", "hf_token_ids", "hf_dtype")
 
 
 def read_metadata(directory: Path, verify_hashes: bool = True) -> CheckpointMetadata:

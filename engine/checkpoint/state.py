@@ -50,8 +50,8 @@ class TrainingState:
     validation: dict | None = None
     """Early stopping's state (CheckpointMetadata.validation); None when the run keeps none."""
     hf_origin: dict | None = None
-    """For a model imported from Hugging Face, and the runs that train on from it: CheckpointMetadata's hf_source
-    and hf_token_ids, carried into each checkpoint so an export still names the model and its special tokens."""
+    """For a model imported from Hugging Face, and the runs that train on from it: CheckpointMetadata.hf_origin,
+    carried into each checkpoint so an export still names the model, its special tokens and its dtype."""
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """The trainable parameters of the model chunks (those the optimizer holds)."""
