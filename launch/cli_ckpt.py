@@ -68,9 +68,10 @@ def _export_hf(args: argparse.Namespace) -> None:
         raise ConfigError("--base-model names the base of a PEFT adapter; it goes with --adapter-only")
     out = export_hf(Path(args.checkpoint), Path(args.output), _base(args), args.overwrite, args.dtype)
     dtype = json.loads((out / "config.json").read_text())["torch_dtype"]
+    tokenizer = " + the tokenizer (AutoTokenizer loads it)" if (out / "tokenizer_config.json").is_file() else ""
     print(
         f"wrote {out}: model.safetensors ({dtype}) + config.json "
-        "(transformers.LlamaForCausalLM.from_pretrained loads it)"
+        f"(transformers.LlamaForCausalLM.from_pretrained loads it){tokenizer}"
     )
 
 

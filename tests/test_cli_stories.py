@@ -264,6 +264,15 @@ def test_a_moved_lora_base_is_named_with_lora_base(world, capfd, tmp_path):
         moved.rename(base)
 
 
+def test_a_merged_fine_tune_exports_with_the_tokenizer_its_base_trained_with(world, capfd, tmp_path):
+    """export-hf wrote no tokenizer: AutoTokenizer could not load the folder (test_hf checks its encoding)."""
+    merged, out = tmp_path / "merged", tmp_path / "hf"
+    assert run(capfd, "ckpt", "merge-lora", "--checkpoint", str(world["lora"]), "--output", str(merged))[0] == 0
+    code, said, _ = run(capfd, "ckpt", "export-hf", "--checkpoint", str(merged), "--output", str(out))
+    assert code == 0 and "+ the tokenizer (AutoTokenizer loads it)" in said, said
+    assert (out / "tokenizer.model").read_bytes() == (world["root"] / "tok.model").read_bytes()
+
+
 def _hf_copy(world, tmp_path: Path, name: str) -> Path:
     copy = tmp_path / name
     shutil.copytree(world["hf"], copy)

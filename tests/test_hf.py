@@ -275,3 +275,51 @@ def test_loom_generate_equals_transformers_greedy_generate(hf_model, tmp_path, c
     result = loom_here(capfd, *generating, "--max-new-tokens", "32")
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == [str(t) for t in prompt + theirs]
+
+
+@pytest.mark.parametrize("trained", [False], indirect=True, ids=["untied"])  # no matter which
+def test_the_exported_tokenizer_encodes_as_loom_s_and_an_import_s_comes_back(trained, tmp_path, capfd):
+    """AutoTokenizer on an export encodes and decodes as the SentencePiece model the run trained with (no bos, no
+    dummy-prefix space: what `loom data build` wrote); a unigram model, which LlamaTokenizer encodes otherwise, is
+    not written, and the export says so; an imported model's tokenizer files come back out of its export."""
+    import dataclasses
+
+    import sentencepiece
+
+    from loom.data_tools.tokenizer import train_tokenizer
+    from loom.engine.checkpoint.format import tokenizer_record
+    from loom.tools.hf_tokenizer import export_tokenizer
+
+    docs = tmp_path / "docs.jsonl"
+    lines = [f"  def f{i}(x):\n\treturn x * {i} + 1  # ünïcödé ☃ 中文 {i % 7}" for i in range(300)]
+    docs.write_text("".join(json.dumps({"text": line}) + "\n" for line in lines))
+    metadata = find_loadable(trained)[1]
+    for kind in ("bpe", "unigram"):
+        train_tokenizer([docs], tmp_path / kind, vocab_size=300, model_type=kind, progress=False)
+        out = tmp_path / f"out-{kind}"
+        out.mkdir()
+        with_tokenizer = dataclasses.replace(metadata, tokenizer=tokenizer_record(str(tmp_path / f"{kind}.model")))
+        said = export_tokenizer(out, with_tokenizer, with_tokenizer, max_positions=64)
+        if kind == "unigram":
+            assert "is a unigram model" in said and not any(out.iterdir())
+            continue
+        assert said is None
+        processor = sentencepiece.SentencePieceProcessor(model_file=str(tmp_path / "bpe.model"))
+        theirs = transformers.AutoTokenizer.from_pretrained(str(out))
+        for text in [*lines[:20], "Hello  world", " leading", "x  \n  y", "unseen: ξ ψ ω 🙂"]:
+            ids = processor.encode(text)
+            assert theirs.encode(text, add_special_tokens=False) == ids, text
+            assert theirs.decode(ids) == processor.decode(ids), text
+        assert (theirs.bos_token_id, theirs.eos_token_id) == (processor.bos_id(), processor.eos_id()) == (1, 2)
+    # an import of that export, exported again: the same tokenizer files
+    export_hf(trained, tmp_path / "hf")
+    for name in ("tokenizer.model", "tokenizer_config.json"):
+        (tmp_path / "hf" / name).write_bytes((tmp_path / "out-bpe" / name).read_bytes())
+    import_hf(tmp_path / "hf", tmp_path / "imported")
+    again = export_hf(tmp_path / "imported", tmp_path / "again")
+    for name in ("tokenizer.model", "tokenizer_config.json"):
+        assert (again / name).read_bytes() == (tmp_path / "hf" / name).read_bytes()
+    (tmp_path / "hf" / "tokenizer.model").unlink()
+    (tmp_path / "hf" / "tokenizer_config.json").unlink()
+    export_hf(tmp_path / "imported", tmp_path / "without")
+    assert "holds no tokenizer files" in capfd.readouterr().err

@@ -53,11 +53,13 @@ def write_weights_checkpoint(
     logical: dict[str, torch.Tensor],
     source: str,
     hf_origin: dict | None = None,
+    tokenizer: dict | None = None,
 ) -> Path:
     """Write a weights-only checkpoint (step 0, tp = pp = 1, fp32, no optimizer state) of `config`'s model from
     its logical tensors, as iter_0000000 under `output`: what import-hf and merge-lora produce, and any layout
     loads. `source` names where the tensors came from, for the error when one is missing or misshapen;
-    `hf_origin`: the Hugging Face fields of an import (CheckpointMetadata.hf_origin)."""
+    `hf_origin`: the Hugging Face fields of an import (CheckpointMetadata.hf_origin); `tokenizer`: the
+    tokenizer the weights were trained with (CheckpointMetadata.tokenizer)."""
     infos = [param_info(param) for param in GPTModel(config.model, None).parameters()]
     specs = {info.name: info.shard_spec for info in infos}
     for name, spec in specs.items():
@@ -82,6 +84,7 @@ def write_weights_checkpoint(
         specs=specs,
         files={name: record},
         index={key: name for key in pieces},
+        tokenizer=tokenizer,
         **(hf_origin or {}),
     )
     return commit(staging, final, metadata)

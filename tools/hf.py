@@ -28,6 +28,7 @@ from loom.engine.checkpoint.load import PieceReader
 from loom.engine.config_io import config_from_dict, config_to_dict
 from loom.engine.model import naming
 from loom.tools.ckpt import open_checkpoint, write_weights_checkpoint
+from loom.tools.hf_tokenizer import export_tokenizer
 from loom.tools.lora import ModelWeights, adapted_weights, base_of
 from loom.tools.outputs import claim_checkpoint_output, claim_export_output
 
@@ -191,8 +192,11 @@ def export_hf(
     tensors = {name: tensor.to(EXPORT_DTYPES[dtype]) for name, tensor in to_hf(logical, model).items()}
     save_file(tensors, str(output / "model.safetensors.tmp"), metadata={"format": "pt"})
     (output / "model.safetensors.tmp").replace(output / "model.safetensors")
+    not_written = export_tokenizer(output, metadata, origin, model["max_position_embeddings"])
+    if not_written:
+        print(f"warning: {not_written}", file=sys.stderr)
     config = hf_config(model, origin.hf_token_ids, dtype)
-    write_text_atomically(output / "config.json", json.dumps(config, indent=2))
+    write_text_atomically(output / "config.json", json.dumps(config, indent=2))  # last: the export is complete
     return output
 
 

@@ -111,4 +111,5 @@ def merge_lora(source: Path, output: Path, base: Path | None = None, overwrite: 
     merged = weights.all()
     claim_checkpoint_output(output, overwrite, reading=(directory, weights.base_dir))
     origin = weights.model_metadata.hf_origin  # the base's Hugging Face origin stays the merged model's
-    return write_weights_checkpoint(output, config, merged, str(directory), hf_origin=origin)
+    tokenizer = metadata.tokenizer or weights.model_metadata.tokenizer  # the fine-tune's, else the base's
+    return write_weights_checkpoint(output, config, merged, str(directory), hf_origin=origin, tokenizer=tokenizer)

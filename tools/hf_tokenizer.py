@@ -1,0 +1,73 @@
+"""The tokenizer that goes beside an export-hf model, so that `AutoTokenizer.from_pretrained(DIR)` encodes text
+as the model was trained on it.
+
+A model trained here on a `loom data tokenizer` BPE model gets that SentencePiece model as `tokenizer.model` with a
+LlamaTokenizer config that keeps its settings (no bos/eos added, no dummy-prefix space: `loom data build`
+adds neither); an imported model gets the tokenizer files of the Hugging Face folder it came from. transformers'
+LlamaTokenizer encodes a unigram SentencePiece model differently from SentencePiece, so none is written for one.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from loom.engine.checkpoint.format import CheckpointMetadata, sha256_of
+
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+
+
+def export_tokenizer(
+    output: Path, checkpoint: CheckpointMetadata, model: CheckpointMetadata, max_positions: int
+) -> str | None:
+    """Write the tokenizer of the model exported into `output` (`checkpoint`: the exported checkpoint's
+    metadata; `model`: whose weights it carries, the base's for a LoRA checkpoint; `max_positions`: the model's
+    longest sequence); returns why none was written where the model had one, else None."""
+    recorded = checkpoint.tokenizer or model.tokenizer
+    if recorded is not None:
+        path = Path(recorded["path"])
+        if not path.is_file() or sha256_of(path) != recorded["sha256"]:
+            return f"no tokenizer written: {path}, which the model was trained with, is gone or has changed"
+        return _write_sentencepiece(path, output, max_positions)
+    if model.hf_source is not None:
+        source = Path(model.hf_source)
+        files = [source / name for name in HF_TOKENIZER_FILES if (source / name).is_file()]
+        if not files:
+            return f"no tokenizer written: {source}, which the model was imported from, holds no tokenizer files"
+        for file in files:
+            shutil.copyfile(file, output / file.name)
+    return None  # or the model trained on token ids without a tokenizer
+
+
+def _write_sentencepiece(path: Path, output: Path, max_positions: int) -> str | None:
+    import sentencepiece
+    from sentencepiece import sentencepiece_model_pb2
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(path.read_bytes())
+    if proto.trainer_spec.model_type != sentencepiece_model_pb2.TrainerSpec.BPE:
+        return (
+            f"no tokenizer written: {path} is a unigram model, which transformers' LlamaTokenizer encodes "
+            "differently; give users the .model file for SentencePiece"
+        )
+    processor = sentencepiece.SentencePieceProcessor(model_file=str(path))
+
+    def piece(token_id: int) -> str | None:
+        return processor.id_to_piece(token_id) if token_id >= 0 else None
+
+    tokenizer_config = {
+        "tokenizer_class": "LlamaTokenizer",
+        "bos_token": piece(processor.bos_id()),
+        "eos_token": piece(processor.eos_id()),
+        "unk_token": piece(processor.unk_id()),
+        "pad_token": piece(processor.pad_id()),
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "add_prefix_space": proto.normalizer_spec.add_dummy_prefix,
+        "legacy": False,
+        "model_max_length": max_positions,
+    }
+    shutil.copyfile(path, output / "tokenizer.model")
+    (output / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    return None
