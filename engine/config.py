@@ -21,6 +21,9 @@ class ConfigError(LoomError):
     """A user-facing configuration problem; the message is one line saying what to change."""
 
 
+MAX_TIMEOUT_MINUTES = 525_600
+
+
 def _default(spec: dataclasses.Field) -> Any:
     """A dataclass field's default value (calling its default_factory)."""
     return spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default
@@ -110,6 +113,9 @@ class ModelConfig:
             num_kv_heads=self.num_kv_heads,
             vocab_size=self.vocab_size,
             ffn_hidden_size=self.ffn_hidden_size,
+            make_vocab_divisible_by=self.make_vocab_divisible_by,
+            norm_eps=self.norm_eps,  # a negative one makes the first norm NaN; 0 that of an all-zero input
+            init_std=self.init_std,  # a negative one trained a model from |N(0, std)| weights (loss 41 at step 1)
         )
         _check_choice(s, "position_embedding", self.position_embedding, ("rope", "learned"))
         _check_choice(s, "compile", self.compile, ("auto", "true", "false"))
@@ -219,6 +225,10 @@ class ParallelConfig:
             grad_bucket_mb=self.grad_bucket_mb,
             timeout_minutes=self.timeout_minutes,
         )
+        if self.timeout_minutes > MAX_TIMEOUT_MINUTES:  # the process group's timedelta overflows on every rank
+            raise ConfigError(
+                f"parallel.timeout_minutes = {self.timeout_minutes:g} exceeds {MAX_TIMEOUT_MINUTES:,} (a year)"
+            )
         _check_choice("parallel", "backend", self.backend, ("auto", "gloo", "nccl"))
         if self.vp > 1 and self.pp == 1:
             raise ConfigError("parallel.vp > 1 needs parallel.pp > 1 (virtual stages interleave a pipeline)")
@@ -297,6 +307,11 @@ class OptimConfig:
                 f"optim.decay_steps = {self.decay_steps} must exceed optim.warmup_steps = {self.warmup_steps} (it "
                 "counts from step 0, warmup included); raise it, or set optim.decay = constant"
             )
+        for name in ("beta1", "beta2", "momentum"):  # torch's optimizers refuse them on every rank otherwise
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"optim.{name} must lie in [0, 1), got {getattr(self, name)}")
+        if self.eps < 0:
+            raise ConfigError(f"optim.eps must be >= 0, got {self.eps}")
         if not 0 < self.layer_lr_decay <= 1:
             raise ConfigError(f"optim.layer_lr_decay must lie in (0, 1], got {self.layer_lr_decay}")
         _check_positive(
@@ -306,6 +321,11 @@ class OptimConfig:
             loss_scale_hysteresis=self.loss_scale_hysteresis,
             min_loss_scale=self.min_loss_scale,
         )
+        if not self.min_loss_scale <= self.initial_loss_scale <= 2**32:
+            raise ConfigError(  # a larger start only skips the first updates halving it (1e300: ~1,000 of them)
+                f"optim.initial_loss_scale = {self.initial_loss_scale:g} must lie in [optim.min_loss_scale = "
+                f"{self.min_loss_scale:g}, 2**32]"
+            )
         _check_choice("optim", "offload", self.offload, ("none", "cpu"))
         _check_choice("optim", "grad_dtype", self.grad_dtype, ("fp32", "bf16"))
         if self.zero not in (0, 1, 2, 3):
@@ -463,8 +483,10 @@ class TrainConfig:
                     f"train.rampup_batch_size: global_batch_size {self.global_batch_size} - start "
                     f"{start} must be a non-negative multiple of the increment {increment}"
                 )
-        if self.eval_interval < 0 or self.early_stop_patience < 0:
-            raise ConfigError("train.eval_interval and train.early_stop_patience must be >= 0")
+        if self.eval_interval < 0 or self.early_stop_patience < 0 or self.exit_after < 0:
+            raise ConfigError("train.eval_interval, train.early_stop_patience and train.exit_after must be >= 0")
+        if self.run_dir is not None and not self.run_dir.strip():  # Path("") is the current directory
+            raise ConfigError("train.run_dir is empty; give a folder, or drop it for runs/<train.name>")
         if self.run_dir is None:
             if self.name in ("", ".", "..") or any(c in self.name for c in "/\\"):
                 raise ConfigError(

@@ -102,6 +102,23 @@ def test_resolved_config_round_trips_through_toml(tmp_path):
             ["--optim.name", "adafactor", "--optim.offload", "cpu"],
             "optim.name = adafactor does not support optim.offload = cpu",
         ),
+        # each was a traceback on every rank (ZeroDivisionError, timedelta's OverflowError, torch's ValueError) ...
+        (["--model.make_vocab_divisible_by", "0"], "model.make_vocab_divisible_by must be positive, got 0"),
+        (["--parallel.timeout_minutes", "1e300"], "parallel.timeout_minutes = 1e+300 exceeds 525,600 (a year)"),
+        (["--optim.beta1", "-1"], "optim.beta1 must lie in [0, 1), got -1.0"),
+        (["--optim.beta2", "1"], "optim.beta2 must lie in [0, 1), got 1.0"),
+        (["--optim.momentum", "1.5"], "optim.momentum must lie in [0, 1), got 1.5"),
+        (["--optim.eps", "-1"], "optim.eps must be >= 0, got -1.0"),
+        # ... or trained garbage, nothing, or into the current directory with exit 0
+        (["--model.init_std", "-1"], "model.init_std must be positive, got -1.0"),
+        (["--model.norm_eps", "-1"], "model.norm_eps must be positive, got -1.0"),
+        (["--train.exit_after", "-1"], "train.eval_interval, train.early_stop_patience and train.exit_after must"),
+        (["--train.run_dir", ""], "train.run_dir is empty; give a folder, or drop it for runs/<train.name>"),
+        (["--optim.initial_loss_scale", "1e300"], "optim.initial_loss_scale = 1e+300 must lie in [optim.min_loss"),
+        (
+            ["--optim.min_loss_scale", "1024", "--optim.initial_loss_scale", "512"],
+            "optim.initial_loss_scale = 512 must lie in [optim.min_loss_scale = 1024, 2**32]",
+        ),
     ],
 )
 def test_bad_values_are_one_clear_line(overrides, message):
