@@ -109,16 +109,25 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
 
 
 def cmd_schedule(args: argparse.Namespace) -> None:
+    from loom.tools.outputs import claim_chart_file
     from loom.tools.schedule_plot import describe, draw, load_measured
 
     measured = None
     if args.from_run:
+        given = [flag for flag, value in (("--parallel.pp", args.pp), ("--microbatches", args.microbatches)) if value]
+        if given or args.vp != 1:
+            raise ConfigError(
+                f"--from-run draws the run's own layout; drop {' and '.join(given or ['--parallel.vp'])}, or drop "
+                "--from-run to draw another"
+            )
         layout, measured = load_measured(Path(args.from_run))
         args.pp, args.vp, args.microbatches = layout["pp"], layout["vp"], layout["microbatches"]
     elif args.pp is None or args.microbatches is None:
         raise ConfigError("give --parallel.pp and --microbatches (and --parallel.vp), or --from-run RUN_DIR")
     from loom.engine.pipeline.schedules import ScheduleError
 
+    if args.output:
+        claim_chart_file(Path(args.output), "--output", args.overwrite)
     try:
         text, _ = describe(args.pp, args.vp, args.microbatches)
     except ScheduleError as error:
@@ -155,13 +164,16 @@ def build_parser() -> argparse.ArgumentParser:
         "schedule",
         help="print and draw a pipeline schedule with its bubble",
         description="Print each pipeline rank's forwards (F) and backwards (B) as "
-        "microbatch[.chunk], the bubble fraction and the activations held, "
+        "microbatch[.chunk], the bubble (idle time over ideal compute) and the activations held, "
         "and draw a Gantt chart.",
     )
     add_parallel_size(schedule, "pp", "pipeline stages")
     add_parallel_size(schedule, "vp", "virtual stages (chunks) per rank; >1 interleaves", default=1)
     schedule.add_argument("--microbatches", type=int_in(1, 100_000), help="micro-batches per step")
-    schedule.add_argument("--output", type=image_file, help="PNG file for the Gantt chart")
+    schedule.add_argument("--output", type=image_file, help="PNG (or PDF, SVG) file for the Gantt chart")
+    schedule.add_argument(
+        "--overwrite", action="store_true", help="replace --output even if it is not a chart loom drew"
+    )
     schedule.add_argument(
         "--from-run",
         type=existing_dir,

@@ -66,6 +66,7 @@ def _layout_overrides(config, overrides: list[str]) -> dict:
 def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
     from loom.engine.config import ConfigError
     from loom.engine.config_io import load_config
+    from loom.tools.outputs import claim_chart_file
     from loom.tools.plan import load_hardware, parse_layout, plan, plot, table
     from loom.tools.plan_bytes import blocks_compiled
 
@@ -77,6 +78,8 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
             f"--gpus {args.gpus} is not whole nodes of {per_node} GPUs; give a multiple of {per_node} (or "
             "--gpus-per-node)"
         )
+    if args.plot:
+        claim_chart_file(Path(args.plot), "--plot", args.overwrite)
     if config.train.fp8 != "off" and "fp8" not in hardware.peak_tflops:
         raise ConfigError(f"{args.gpu} has no FP8 tensor cores; plan it with --train.precision bf16")
     fixed = parse_layout(args.layout) if args.layout else {}
@@ -150,4 +153,5 @@ def add_parser(commands) -> None:
     p.add_argument(
         "--plot", type=image_file, help="write the shown layouts' memory and time breakdowns to this PNG (or PDF, SVG)"
     )
+    p.add_argument("--overwrite", action="store_true", help="replace --plot even if it is not a chart loom drew")
     p.set_defaults(handler=cmd_plan, takes_overrides=True)

@@ -11,7 +11,9 @@ def test_prints_schedule_bubble_and_memory(tmp_path, capfd):
     lines = result.stdout.splitlines()
     assert lines[1] == "rank 0: F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 F7 B4 B5 B6 B7"
     assert lines[4] == "rank 3: F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7"
-    assert "bubble fraction: 0.3750 (theory (P-1)/(V*M) = 0.3750)" in result.stdout
+    assert "bubble: 0.3750 of the ideal compute time (theory (P-1)/(V*M) = 0.3750); 27.3% of the step is idle" in (
+        result.stdout
+    )
     assert "per rank (micro-batches of one stage): 4, 3, 2, 1" in result.stdout
     assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -47,6 +49,30 @@ def test_from_run_draws_the_measured_timeline(markov_dataset, tmp_path, capfd):
     result = loom_here(capfd, "schedule", "--from-run", str(run))
     assert result.returncode == 0, result.stderr
     assert (run / "pipeline_schedule.png").exists()
+    # the layout given beside it was ignored (pp=2 drawn, exit 0)
+    conflicting = loom_here(capfd, "schedule", "--from-run", str(run), "--pp", "4", "--microbatches", "8")
+    one_line_error(conflicting, "--from-run draws the run's own layout; drop --parallel.pp and --microbatches")
+
+
+def test_a_chart_never_replaces_a_file_loom_did_not_draw(tmp_path, capfd):
+    """`schedule --output` and `plan --plot` wrote over any file given (a photo named user.png, exit 0)."""
+    schedule = ["schedule", "--pp", "2", "--microbatches", "4", "--output"]
+    plan = ["plan", "--config", "tiny", "--gpus", "8", "--top", "1", "--plot"]
+    mine = tmp_path / "user.png"
+    mine.write_bytes(b"my photo")
+    for argv, flag in ((schedule, "--output"), (plan, "--plot")):
+        refused = loom_here(capfd, *argv, str(mine))
+        one_line_error(refused, f"{flag} {mine} exists and is not a chart loom drew", "pass --overwrite")
+        assert mine.read_bytes() == b"my photo" and not refused.stdout  # refused before the work
+    for suffix in (".png", ".pdf", ".svg"):  # a rerun redraws loom's own chart, in every format
+        for argv in (schedule, plan, schedule):
+            result = loom_here(capfd, *argv, str(tmp_path / f"chart{suffix}"))
+            assert result.returncode == 0, result.stderr
+    assert loom_here(capfd, *schedule, str(mine), "--overwrite").returncode == 0
+    assert mine.read_bytes()[:4] == b"\x89PNG" and [p.name for p in tmp_path.glob(".*")] == []
+    unwritable = loom_here(capfd, *plan, "/proc/chart.png")
+    one_line_error(unwritable, "--plot /proc/chart.png: cannot write there")
+    assert not unwritable.stdout  # said before the table, not after it
 
 
 def test_a_timeline_loom_did_not_write_is_one_line(tmp_path, capfd):

@@ -471,6 +471,8 @@ def plot(estimates: list[Estimate], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from loom.tools.outputs import save_chart
+
     labels = [e.layout.describe().replace(" recompute=", "\nrecompute=") for e in estimates]
     figure, (memory_axis, time_axis) = plt.subplots(1, 2, figsize=(14, 1.2 + 0.7 * len(estimates)))
     for axis, parts, scale, unit in (
@@ -488,5 +490,5 @@ def plot(estimates: list[Estimate], path: Path) -> None:
         axis.legend(fontsize=7, loc="lower right")
     figure.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)  # as `loom schedule --output` does
-    figure.savefig(path, dpi=120)
+    save_chart(figure, Path(path), "plan")
     plt.close(figure)

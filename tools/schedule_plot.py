@@ -27,8 +27,10 @@ def describe(pp: int, vp: int, microbatches: int) -> tuple[str, Timeline]:
             f"{op.kind}{op.microbatch}" + (f".{op.chunk}" if vp > 1 else "") for op in ops if isinstance(op, Compute)
         ]
         lines.append(f"rank {rank}: {' '.join(names)}")
+    bubble = timeline.bubble_fraction  # idle over ideal compute (Narayanan et al.), above 1 when M < P - 1
     lines.append(
-        f"bubble fraction: {timeline.bubble_fraction:.4f} (theory (P-1)/(V*M) = {(pp - 1) / (vp * microbatches):.4f})"
+        f"bubble: {bubble:.4f} of the ideal compute time (theory (P-1)/(V*M) = {(pp - 1) / (vp * microbatches):.4f}); "
+        f"{bubble / (1 + bubble):.1%} of the step is idle"
     )
     peaks = [peak_in_flight(ops) for ops in schedules]
     lines.append(
@@ -55,20 +57,22 @@ def draw(pp: int, vp: int, microbatches: int, output: Path, measured: list | Non
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from loom.tools.outputs import save_chart
+
     _, timeline = describe(pp, vp, microbatches)
     rows = 2 if measured else 1
     fig, axes = plt.subplots(rows, 1, figsize=(max(8, microbatches * vp * 0.6), 1.2 + pp * 0.5 * rows), squeeze=False)
     _draw(
         axes[0][0],
         timeline.spans,
-        f"ideal: pp={pp} vp={vp} M={microbatches}, bubble "
-        f"{timeline.bubble_fraction:.1%} (blue forward, orange backward; shade = chunk)",
+        f"ideal: pp={pp} vp={vp} M={microbatches}, bubble {timeline.bubble_fraction:.1%} of compute "
+        "(blue forward, orange backward; shade = chunk)",
     )
     if measured:
         _draw(axes[1][0], measured, "measured in the run")
     fig.tight_layout()
     output.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(output, dpi=120)
+    save_chart(fig, output, "schedule")
     plt.close(fig)
 
 
