@@ -352,6 +352,13 @@ def format_table(results: dict) -> str:
             f"{row['name']:<44} {row['tokens_per_s']:>12,.0f} {row['tflops']:>10.3f} {sheet:>10} "
             f"{100 * row['mfu_measured_gemm']:>9.1f}% {row['mem_gb']:>8.2f}"
         )
+    above_peak = [row["name"] for row in results["rows"] if (row["mfu_measured_gemm"] or 0) > 1]
+    if above_peak:
+        lines.append(
+            f"note: {', '.join(above_peak)} ran above the GEMM peak measured now, which cannot be: the machine was "
+            "busy while the peak (or the runs) were timed, so these figures are noise; rerun on a quiet machine, "
+            "with more --steps"
+        )
     loom, fp8, plain, hf = (
         row_by_name(results, prefix)["tokens_per_s"]
         for prefix in (f"loom {results['precision']}", "loom fp8", "plain", "transformers")
