@@ -100,6 +100,7 @@ def check_checkpoint_to_load(config: LoomConfig, training: bool) -> None:
     when training, stops short of train.steps."""
     from loom.engine.checkpoint.format import CheckpointError, checkpoint_to_resume, find_loadable
     from loom.engine.checkpoint.load import check_same_model
+    from loom.engine.model.lora import base_pointer, check_same_base
 
     load = Path(config.checkpoint.load) if config.checkpoint.load else None
     if load is not None:
@@ -118,6 +119,7 @@ def check_checkpoint_to_load(config: LoomConfig, training: bool) -> None:
     found = checkpoint_to_resume(own, config.checkpoint.load, verify_hashes=False, warn=lambda _: None)
     if found is None:
         return
+    check_same_base(found[0], found[1].lora_base, base_pointer(config))  # a rank's refusal, said before any starts
     if training and load is not None and found[0].parent != own and found[1].step >= config.train.steps:
         raise ConfigError(
             f"checkpoint.load = {load} is at step {found[1].step}, and train.steps = {config.train.steps}: "

@@ -297,6 +297,28 @@ def test_readme_lora_recipe_on_a_model_transformers_wrote(dataset, tmp_path, mon
         assert split == tokens, layout
 
 
+def test_a_lora_run_resumed_on_another_base_or_without_adapters_is_refused_before_its_ranks(
+    dataset, base, single_rank, tmp_path
+):
+    """Each was rank 0's error (exit 1) after the ranks had started; the launcher's checks now say it in one line."""
+    import shutil
+
+    from loom.engine.checkpoint.format import CheckpointError
+    from loom.engine.preflight import preflight
+
+    run, other = single_rank[2], tmp_path / "other-base"
+    shutil.copytree(base, other)
+    for metadata in other.glob("iter_*/metadata.json"):  # the same tensors, but not the same metadata.json's sha256
+        metadata.write_text(json.dumps(json.loads(metadata.read_text()), indent=2))
+    with pytest.raises(CheckpointError, match="adapters were trained on .* but lora.base is .*: another model"):
+        preflight(_lora_config(dataset, run, str(other), train={"steps": STEPS + 2}), 1)
+    with pytest.raises(CheckpointError, match="is a LoRA checkpoint .* merge-lora --checkpoint"):
+        preflight(tiny_config(dataset, run, train={"steps": STEPS + 2}), 1)
+    shutil.rmtree(other)  # a base that moved: named as such, not as "holds no intact checkpoint"
+    with pytest.raises(CheckpointError, match=f"lora.base = {other} does not exist .moved. give its new place"):
+        preflight(_lora_config(dataset, run, str(other), train={"steps": STEPS + 2}), 1)
+
+
 def test_lora_refusals_are_one_line(tmp_path, base, single_rank, capfd):
     from loom.engine.checkpoint.format import CheckpointError
     from loom.engine.config import ConfigError

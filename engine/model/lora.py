@@ -95,6 +95,8 @@ def parameter_counts(chunks: list[torch.nn.Module], pp_group, pp_size: int) -> t
 
 
 def _find_base(base: str, verify_hashes: bool) -> tuple[Path, CheckpointMetadata]:
+    if not Path(base).exists():  # e.g. a LoRA checkpoint's recorded base, moved since
+        raise CheckpointError(f"lora.base = {base} does not exist (moved? give its new place with --lora.base)")
     found = find_loadable(Path(base), verify_hashes=verify_hashes)
     if found is None:
         raise CheckpointError(f"lora.base = {base} holds no intact checkpoint; point it at a loom checkpoint")
@@ -108,10 +110,19 @@ def open_base(base: str) -> tuple[Path, CheckpointMetadata, dict]:
     if metadata.lora_base is not None:
         raise CheckpointError(
             f"lora.base = {base} is itself a LoRA checkpoint (adapters only); fold its adapters in first with "
-            f"loom ckpt merge-lora --input {base} --output DIR"
+            f"loom ckpt merge-lora --checkpoint {base} --output DIR"
         )
-    pointer = {"path": str(directory.resolve()), "metadata_sha256": sha256_of(directory / METADATA)}
-    return directory, metadata, pointer
+    return directory, metadata, _pointer(directory)
+
+
+def _pointer(directory: Path) -> dict:
+    return {"path": str(directory.resolve()), "metadata_sha256": sha256_of(directory / METADATA)}
+
+
+def base_pointer(config: LoomConfig) -> dict | None:
+    """The pointer a LoRA run's checkpoints record for its base (None for a run without adapters), found without
+    checking the base's files (open_base does, on rank 0): for the launcher's checks."""
+    return _pointer(_find_base(config.lora.base, verify_hashes=False)[0]) if config.lora.enabled else None
 
 
 # How a run computes, not what the model is: these stay the LoRA run's own.
@@ -161,7 +172,7 @@ def check_same_base(checkpoint: Path, saved: dict | None, current: dict | None) 
     if current is None and saved is not None:
         raise CheckpointError(
             f"{checkpoint} is a LoRA checkpoint (adapters on {saved['path']}): resume it with its [lora] settings, "
-            f"or fold the adapters in with loom ckpt merge-lora --input {checkpoint} --output DIR"
+            f"or fold the adapters in with loom ckpt merge-lora --checkpoint {checkpoint} --output DIR"
         )
     if current is not None and saved is None:
         raise CheckpointError(
