@@ -109,7 +109,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
 
 
 def cmd_schedule(args: argparse.Namespace) -> None:
-    from loom.tools.outputs import claim_chart_file
+    from loom.tools.charts import claim_chart_file
     from loom.tools.schedule_plot import describe, draw, load_measured
 
     measured = None

@@ -66,7 +66,7 @@ def _layout_overrides(config, overrides: list[str]) -> dict:
 def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
     from loom.engine.config import ConfigError
     from loom.engine.config_io import load_config
-    from loom.tools.outputs import claim_chart_file
+    from loom.tools.charts import claim_chart_file
     from loom.tools.plan import load_hardware, parse_layout, plan, plot, table
     from loom.tools.plan_bytes import blocks_compiled
 

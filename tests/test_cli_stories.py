@@ -149,6 +149,10 @@ def test_checkpoint_writers_refuse_another_runs_folder_unless_told_to_replace_it
     assert (aside / "iter_0000000" / "metadata.json").read_text() == first  # kept, not deleted
     assert find_loadable(imported)[0] == imported / "iter_0000000"
     assert read_metadata(imported / "iter_0000000").hf_source == str(hf.resolve())
+    # a folder whose checkpoints/ a tool wrote is no training run (it was called one)
+    tool_written = tmp_path / "tool-written" / "checkpoints"
+    assert run(capfd, "ckpt", "import-hf", "--input", str(hf), "--output", str(tool_written))[0] == 0
+    refused(capfd, [*importing[:-1], str(tool_written)], f"--output {tool_written} is {tool_written.parent}'s checkpo")
 
 
 def test_generate_says_how_many_tokens_and_why_it_stopped(world, capfd):

@@ -345,3 +345,15 @@ def test_plan_recommends_only_what_loom_runs(capsys):
     assert code == 0 and {row["zero"] for row in json.loads(out)["layouts"]} == {0, 1, 2}
     code, _, err = plan("--layout", "zero=3", *delayed)
     assert code == 2 and err.startswith("error: optim.zero = 3 with train.fp8 = delayed") and err.count("\n") == 1
+
+
+def test_plan_runs_without_importing_torch(tmp_path):
+    """docs/planner.md's promise (a login node plans without a GPU stack): the chart's overwrite check once
+    imported the checkpoint code, and torch with it, for 1.4 s of a 2.8 s search."""
+    script = (
+        "import sys; from loom.launch.cli import main; "
+        f"main(['plan', '--config', 'tiny', '--gpus', '8', '--top', '1', '--plot', {str(tmp_path / 'p.png')!r}]); "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -60,7 +60,8 @@ def claim_checkpoint_output(output: Path, overwrite: bool, reading: tuple[Path, 
     existing = _checkpoint_entries(output) if output.is_dir() else []
     owner = output.parent if output.name == "checkpoints" and is_run_directory(output.parent) else None
     if (existing or owner is not None) and not overwrite:
-        held = f"is training run {owner}'s checkpoints folder" if owner is not None else "holds checkpoints"
+        trained = owner is not None and any((owner / name).is_file() for name in RUN_FILES)
+        held = f"is {'training run ' if trained else ''}{owner}'s checkpoints folder" if owner else "holds checkpoints"
         raise CheckpointError(
             f"--output {output} {held}: writing there would repoint its `latest`; write to a new folder, "
             f"or pass --overwrite to move what is there into {output}/replaced/"
@@ -106,37 +107,3 @@ def claim_result_file(output: Path, kind: str, overwrite: bool) -> None:
             f"--output {output} exists and is not a `loom bench {kind}` result; give another file, or pass "
             "--overwrite to replace it"
         )
-
-
-CHART_MARK = "drawn by loom"
-"""Written into every chart's metadata, so that a rerun may redraw its own chart and nothing else."""
-
-
-def claim_chart_file(output: Path, flag: str, overwrite: bool) -> None:
-    """A chart to draw: a new file, or one loom drew before (a rerun redraws it); anything else only with
-    --overwrite. Checked, with whether the file can be written at all, before the command's work."""
-    if output.exists() and not overwrite:
-        try:
-            drawn = CHART_MARK.encode() in output.read_bytes()
-        except OSError:
-            drawn = False
-        if not drawn:
-            raise ConfigError(
-                f"{flag} {output} exists and is not a chart loom drew; give another file, or pass --overwrite to "
-                "replace it"
-            )
-    if not output.exists():
-        try:
-            output.parent.mkdir(parents=True, exist_ok=True)
-            output.touch()
-            output.unlink()
-        except OSError as error:
-            raise ConfigError(f"{flag} {output}: cannot write there ({error.strerror})") from None
-
-
-def save_chart(figure, output: Path, command: str) -> None:
-    """Save a matplotlib figure as `output` (its suffix picks the format), marked as loom's, all at once."""
-    key = "Software" if output.suffix.lower() == ".png" else "Creator"
-    partial = output.with_name(f".{output.name}.partial{output.suffix}")
-    figure.savefig(partial, dpi=120, metadata={key: f"loom {command} ({CHART_MARK})"})
-    partial.replace(output)

@@ -471,7 +471,7 @@ def plot(estimates: list[Estimate], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from loom.tools.outputs import save_chart
+    from loom.tools.charts import save_chart
 
     labels = [e.layout.describe().replace(" recompute=", "\nrecompute=") for e in estimates]
     figure, (memory_axis, time_axis) = plt.subplots(1, 2, figsize=(14, 1.2 + 0.7 * len(estimates)))

@@ -151,8 +151,9 @@ def rank_parameters(m: ModelConfig, lay: Layout, pp_rank: int) -> list[_Param]:
             params.append(_Param(vocab * m.hidden_size, tied_across, before))
             if m.position_embedding == "learned":
                 params.append(_Param(m.max_position_embeddings * m.hidden_size, sp, before))
+        block = _block_parameters(m, lay.tp, sp)
         for layer in range(stage * per_chunk, (stage + 1) * per_chunk):
-            params += [dataclasses.replace(q, unit=layer) for q in _block_parameters(m, lay.tp, sp)]
+            params += [_Param(q.size, q.deferred, layer) for q in block]
         if stage == stages - 1:
             params += [_Param(m.hidden_size, sp, after)] * (2 if m.norm == "layernorm" else 1)
             if not (m.tie_embeddings and stages == 1):
@@ -194,7 +195,14 @@ def zero3_gathered_elements(m: ModelConfig, lay: Layout, pp_rank: int, bucket_nu
     """Weights ZeRO-3 holds gathered at its peak on pipeline rank `pp_rank` (engine/optim/param_shards.py): the
     two largest blocks (the one computing and the one prefetched) and the weights before and after the blocks,
     as padded buckets; deferred parameters are whole anyway."""
-    params = rank_parameters(m, dataclasses.replace(lay, micro_batch_size=1), pp_rank)
+    layout = dataclasses.replace(lay, micro_batch_size=1, recompute="none")  # what the parameters depend on
+    return _zero3_gathered(_model_key(m), layout, pp_rank, bucket_numel)
+
+
+@functools.lru_cache(maxsize=4096)
+def _zero3_gathered(model: tuple, lay: Layout, pp_rank: int, bucket_numel: int) -> int:
+    m = ModelConfig(**dict(zip(_MODEL_FIELDS, model, strict=True)))
+    params = rank_parameters(m, lay, pp_rank)
     units: dict = collections.defaultdict(list)
     for q in reversed(params):
         if not q.deferred:

@@ -57,7 +57,7 @@ def draw(pp: int, vp: int, microbatches: int, output: Path, measured: list | Non
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from loom.tools.outputs import save_chart
+    from loom.tools.charts import save_chart
 
     _, timeline = describe(pp, vp, microbatches)
     rows = 2 if measured else 1

@@ -1,0 +1,42 @@
+"""Charts loom draws (`loom plan --plot`, `loom schedule --output`): marked as loom's in their metadata, saved
+whole, and never drawn over a file loom did not draw unless told to (--overwrite). No torch here: `loom plan`
+does not import it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from loom.engine.config import ConfigError
+
+CHART_MARK = "drawn by loom"
+"""Written into every chart's metadata, so that a rerun may redraw its own chart and nothing else."""
+
+
+def claim_chart_file(output: Path, flag: str, overwrite: bool) -> None:
+    """A chart to draw: a new file, or one loom drew before (a rerun redraws it); anything else only with
+    --overwrite. Checked, with whether the file can be written at all, before the command's work."""
+    if output.exists() and not overwrite:
+        try:
+            drawn = CHART_MARK.encode() in output.read_bytes()
+        except OSError:
+            drawn = False
+        if not drawn:
+            raise ConfigError(
+                f"{flag} {output} exists and is not a chart loom drew; give another file, or pass --overwrite to "
+                "replace it"
+            )
+    if not output.exists():
+        try:
+            output.parent.mkdir(parents=True, exist_ok=True)
+            output.touch()
+            output.unlink()
+        except OSError as error:
+            raise ConfigError(f"{flag} {output}: cannot write there ({error.strerror})") from None
+
+
+def save_chart(figure, output: Path, command: str) -> None:
+    """Save a matplotlib figure as `output` (its suffix picks the format), marked as loom's, all at once."""
+    key = "Software" if output.suffix.lower() == ".png" else "Creator"
+    partial = output.with_name(f".{output.name}.partial{output.suffix}")
+    figure.savefig(partial, dpi=120, metadata={key: f"loom {command} ({CHART_MARK})"})
+    partial.replace(output)
