@@ -225,7 +225,11 @@ def _move_checkpoint(workdir: Path, config, steps: int) -> dict:
     rows = [json.loads(line) for line in (runs / "tiny-resumed" / "metrics.jsonl").read_text().splitlines()]
     hf_dir = export_hf(runs / "tiny-resumed" / "checkpoints", workdir / "hf")
     val = [r for r in rows if "val_loss" in r]
-    print(f"exported {hf_dir} in {time.perf_counter() - start:.1f} s")
+    files = ", ".join(sorted(p.name for p in hf_dir.iterdir()))
+    print(
+        f"exported {hf_dir} ({files}: transformers' Llama and AutoTokenizer load it) in "
+        f"{time.perf_counter() - start:.1f} s"
+    )
     sample = _sample(runs / "tiny-resumed" / "checkpoints", config.data.tokenizer)
     print(f"sample (greedy, KV-cached, as `loom generate` writes it): {sample!r}")
     return {
