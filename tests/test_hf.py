@@ -20,6 +20,7 @@ from loom.engine.model.gpt import GPTModel
 from loom.engine.parallel.param_info import param_info
 from loom.engine.parallel.sharding import initialize_parameters
 from loom.launch.local import launch_local
+from loom.tools.ckpt import inspect
 from loom.tools.hf import export_hf, import_hf
 
 transformers = pytest.importorskip("transformers")
@@ -177,6 +178,8 @@ def test_a_tied_config_with_its_own_head_and_special_tokens_imports_as_transform
     exported = json.loads((export_hf(tmp_path / "loom", tmp_path / "out") / "config.json").read_text())
     assert {field: exported.get(field) for field in ids} == ids and exported["tie_word_embeddings"] is False
     assert exported["torch_dtype"] == "bfloat16"
+    said = inspect(tmp_path / "loom")
+    assert f"from the Hugging Face model {(tmp_path / 'hf').resolve()} (stored as bfloat16; special tokens" in said
     original, back = load_file(tmp_path / "hf/model.safetensors"), load_file(tmp_path / "out/model.safetensors")
     assert original.keys() == back.keys() and all(torch.equal(original[k], back[k]) for k in original)
     # a run that fine-tunes the import carries them into its own checkpoints, and its export keeps them

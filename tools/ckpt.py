@@ -106,6 +106,19 @@ def inspect(path: Path) -> str:
             if metadata.lora_base
             else []
         ),
+        *(
+            [f"tokenizer {metadata.tokenizer['path']} (sha256 {metadata.tokenizer['sha256'][:16]}...)"]
+            if metadata.tokenizer
+            else []
+        ),
+        *(
+            [
+                f"from the Hugging Face model {metadata.hf_source} (stored as {metadata.hf_dtype}; special tokens "
+                f"{metadata.hf_token_ids})"
+            ]
+            if metadata.hf_origin
+            else []
+        ),
         f"{'tensor':48} {'shape':>18} {'parameters':>12}  optimizer state",
     ]
     reader = PieceReader(directory, metadata)
