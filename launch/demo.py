@@ -17,8 +17,10 @@ import argparse
 import json
 import shutil
 import time
+import tomllib
 from pathlib import Path
 
+from loom.engine.config import ConfigError
 from loom.engine.config_io import config_to_dict, load_config
 from loom.launch.arguments import OLDER, add_parallel_size, int_in, output_dir, positive_int
 
@@ -35,6 +37,49 @@ def _preview_first_sample(config, tokenizer_model: str) -> None:
         f"first training sample ({len(sample)} tokens; `loom data preview` shows more): "
         f"{sample[:12]} ... = {text[:160]!r}"
     )
+
+
+DEMO_MARK = ".loom-demo"
+"""Written into a workdir the demo used, so that its next run there may replace the demo's own outputs."""
+
+DEMO_OUTPUTS = (
+    "runs/tiny",
+    "runs/tiny-resharded",
+    "runs/tiny-resumed",
+    "runs/tiny-lora",
+    "runs/tiny-lora-merged",
+    "runs/tiny-slurm",
+    "hf",
+    "hf-lora-adapter",
+)
+"""What each demo writes anew (a fresh run, not a resume of an earlier demo's); data/ is reused."""
+
+
+def _claim_workdir(workdir: Path) -> None:
+    """Clear an earlier demo's outputs from `workdir`; refuse, before any work, a workdir where they would
+    replace files no demo wrote there (`--workdir .` beside the README's runs/tiny, say)."""
+    present = [workdir / name for name in DEMO_OUTPUTS if (workdir / name).exists()]
+    if present and not (workdir / DEMO_MARK).exists() and not _an_older_demo(workdir):
+        names = ", ".join(str(path.relative_to(workdir)) for path in present[:3])
+        raise ConfigError(
+            f"--workdir {workdir} holds {names}, which no demo wrote there and the demo would replace; give it a "
+            "folder of its own (the default is demo/)"
+        )
+    for path in present:
+        shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / DEMO_MARK).write_text(
+        "loom demo's workdir: its next run here replaces runs/tiny*, hf/, hf-lora-adapter/\n"
+    )
+
+
+def _an_older_demo(workdir: Path) -> bool:
+    """A workdir a demo used before the mark existed: its runs/tiny trained on this workdir's demo dataset."""
+    try:
+        trained = tomllib.loads((workdir / "runs/tiny/config.toml").read_text())["data"]["paths"]
+    except (OSError, ValueError, KeyError):
+        return False
+    return [str(Path(p).resolve()) for p in trained] == [str((workdir / "data/stdlib_text_document").resolve())]
 
 
 def _step(title: str) -> float:
@@ -55,6 +100,7 @@ def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: in
 
     layout = load_config("configs/tiny.toml", {"parallel": {"tp": tp, "pp": pp, "vp": vp}})
     layout.resolve_world(nproc)  # a layout the training step would refuse is refused before the data steps run
+    _claim_workdir(workdir)
     data_dir = workdir / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
     corpus, tokenizer, prefix = data_dir / "corpus.jsonl", data_dir / "tokenizer", data_dir / "stdlib_text_document"
@@ -120,8 +166,6 @@ def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: in
         f"in {time.perf_counter() - start:.1f} s"
     )
 
-    for folder in ("runs", "hf", "hf-lora-adapter"):  # a fresh run, not a resume of an older demo's
-        shutil.rmtree(workdir / folder, ignore_errors=True)
     run_dir = workdir / "runs" / "tiny"
     overrides = [
         "--data.paths",
@@ -381,7 +425,13 @@ def _cmd_demo(args: argparse.Namespace) -> None:
 
 def add_parser(commands) -> None:
     p = commands.add_parser("demo", help="the whole pipeline on the embedded corpus, on CPU ranks")
-    p.add_argument("--workdir", type=output_dir, default="demo", help="where data and runs go (reused if present)")
+    p.add_argument(
+        "--workdir",
+        type=output_dir,
+        default="demo",
+        help="where data and runs go: data/ is reused, an earlier demo's runs and exports are replaced (a folder "
+        "holding other files in their places is refused)",
+    )
     p.add_argument("--max-docs", type=positive_int, help="use only this many corpus documents (faster)")
     p.add_argument("--nproc", type=int_in(1, 1024), default=8, help="local ranks for training")
     add_parallel_size(p, "tp", "tensor-parallel size", default=2)

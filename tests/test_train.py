@@ -87,6 +87,30 @@ def test_demo_runs_end_to_end(tmp_path, monkeypatch, capfd):
     assert (tmp_path / "data/stdlib_text_document.idx").exists()
     assert json.loads((tmp_path / "data/clean/stats.json").read_text())["kept"] > 70
     assert (tmp_path / "runs/tiny/pipeline_schedule.png").exists()
+    assert (tmp_path / ".loom-demo").exists()  # its next run here may replace these
+
+
+def test_the_demo_replaces_only_its_own_outputs(tmp_path, capfd):
+    """`loom demo --workdir D` deleted D/runs, D/hf and D/hf-lora-adapter whatever they held (a user's runs too)."""
+    from loom.launch.demo import _claim_workdir
+
+    user = tmp_path / "user"
+    (user / "runs/tiny").mkdir(parents=True)  # what the README's `loom train --config configs/tiny.toml` writes
+    (user / "runs/tiny/metrics.jsonl").write_text("precious\n")
+    refused = loom_here(capfd, "demo", "--workdir", str(user))
+    assert refused.returncode == 2 and "holds runs/tiny, which no demo wrote there" in refused.stderr
+    assert (user / "runs/tiny/metrics.jsonl").read_text() == "precious\n" and not (user / "data").exists()
+    demo = tmp_path / "demo"  # an earlier demo's workdir, and a run of the user's beside its runs
+    for name in ("runs/tiny/checkpoints", "runs/tiny-lora", "hf", "runs/mine"):
+        (demo / name).mkdir(parents=True)
+    (demo / ".loom-demo").write_text("")
+    _claim_workdir(demo)
+    assert sorted(str(p.relative_to(demo)) for p in demo.rglob("*")) == [".loom-demo", "runs", "runs/mine"]
+    older = tmp_path / "older"  # one from before the mark: its runs/tiny trained on its own data/
+    (older / "runs/tiny").mkdir(parents=True)
+    (older / "runs/tiny/config.toml").write_text(f"[data]\npaths = [{str(older / 'data/stdlib_text_document')!r}]\n")
+    _claim_workdir(older)
+    assert not (older / "runs/tiny").exists()
 
 
 def test_batch_size_ramp_up_is_layout_invariant(dataset, tmp_path):
