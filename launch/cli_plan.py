@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -63,6 +64,22 @@ def _layout_overrides(config, overrides: list[str]) -> dict:
     }
 
 
+def _with_offload(config, gpus: int, hardware, fixed: dict) -> str:
+    """What offloading the optimizer to the CPU would fit (not searched unless asked: it trades step time)."""
+    from loom.tools.plan import plan
+
+    if "offload" in fixed:
+        return ""
+    fitting = [e for e in plan(config, gpus, hardware, {**fixed, "offload": "cpu"}) if e.fits]
+    if not fitting:
+        return ""
+    best = fitting[0]
+    return (
+        f"; with --optim.offload cpu {len(fitting):,} layouts fit, the fastest at {best.tokens_per_s_per_gpu:,.0f} "
+        f"tokens/s per GPU and {best.host_bytes / 1e9:.0f} GB of host memory per GPU"
+    )
+
+
 def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
     from loom.engine.config import ConfigError
     from loom.engine.config_io import load_config
@@ -89,6 +106,12 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
         fixed[key] = value
     if "zero" in fixed and (refusal := config.zero_refusal(fixed["zero"])):
         raise ConfigError(refusal)
+    sizes = {key: fixed[key] for key in ("tp", "cp", "pp", "dp") if key in fixed}
+    if args.gpus % math.prod(sizes.values()):
+        spelled = " x ".join(f"{key}={value}" for key, value in sizes.items())
+        raise ConfigError(
+            f"{spelled} takes {math.prod(sizes.values())} GPUs at a time, which --gpus {args.gpus} cannot be split into"
+        )
     estimates = plan(config, args.gpus, hardware, fixed)
     if not estimates:
         raise ConfigError(
@@ -122,7 +145,8 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
     if not fits:
         nearest = estimates[0]
         print(
-            f"error: nothing fits: the nearest needs {nearest.memory['total'] / 1e9:.1f} GB per GPU ({nearest.reason})",
+            f"error: nothing fits: the nearest needs {nearest.memory['total'] / 1e9:.1f} GB per GPU ({nearest.reason})"
+            + _with_offload(config, args.gpus, hardware, fixed),
             file=sys.stderr,
         )
         sys.exit(1)

@@ -285,7 +285,7 @@ def test_loom_plan_command(tmp_path):
     result = loom_plan("--config", "llama-70b", "--gpus", "8", "--gpu", "a100-80gb", "--plot", str(plot))
     assert result.returncode == 1 and result.stderr.startswith("error: nothing fits: the nearest needs")
     assert "layout" in result.stdout and plot.stat().st_size > 0  # the nearest are still shown
-    result = loom_plan("--config", "tiny", "--gpus", "4", "--layout", "tp=3")
+    result = loom_plan("--config", "tiny", "--gpus", "6", "--layout", "tp=3")  # 3 does not divide the heads
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and "no layout" in result.stderr
 
 
@@ -345,6 +345,28 @@ def test_plan_recommends_only_what_loom_runs(capsys):
     assert code == 0 and {row["zero"] for row in json.loads(out)["layouts"]} == {0, 1, 2}
     code, _, err = plan("--layout", "zero=3", *delayed)
     assert code == 2 and err.startswith("error: optim.zero = 3 with train.fp8 = delayed") and err.count("\n") == 1
+    code, _, err = plan("--layout", "tp=8,pp=4,zero=1")  # was blamed on heads, layers and the batch
+    assert code == 2 and err == "error: tp=8 x pp=4 takes 32 GPUs at a time, which --gpus 8 cannot be split into\n"
+
+
+def test_the_table_adds_up_and_nothing_fits_says_what_offloading_would_fit(capsys):
+    """llama-70b on 8 H100s: the table's step time had no `other` column (10 s of 1,290 missing from the sum) and
+    an offloaded optimizer's host memory was only in --json; nothing fitting said nothing of offloading."""
+    from loom.launch.cli import main
+
+    main(["plan", "--config", "llama-70b", "--gpus", "8", "--optim.offload", "cpu", "--top", "3"])
+    lines = capsys.readouterr().out.splitlines()
+    assert "| host GB |" in lines[1] and lines[1].split("|")[3].split() == ["step", "s", "=", "comp", "tp", "dp",
+                                                                         "bubbl", "p2p", "other"]  # fmt: skip
+    for row in lines[3:6]:
+        cells = row.split("|")
+        step, parts = float(cells[3].split("=")[0]), [float(x) for x in cells[3].split("=")[1].split()]
+        assert abs(step - sum(parts)) < 0.003 and float(cells[2]) > 100, row  # seconds; GB of host memory
+    with pytest.raises(SystemExit) as exited:
+        main(["plan", "--config", "llama-70b", "--gpus", "8", "--top", "1"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 1 and err.startswith("error: nothing fits: the nearest needs")
+    assert "; with --optim.offload cpu 313 layouts fit, the fastest at 813 tokens/s per GPU and 141 GB of host" in err
 
 
 def test_plan_runs_without_importing_torch(tmp_path):

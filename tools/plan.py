@@ -444,10 +444,11 @@ def predicted_line(config: LoomConfig, gpu: str | None) -> tuple[str, Estimate]:
 def table(estimates: list[Estimate], gpu: str) -> str:
     """The estimates as a table a person reads at a glance (memory in GB per GPU, time in s per step)."""
     width = max(len(e.layout.describe()) for e in estimates)
+    host = any(e.host_bytes for e in estimates)  # an offloaded optimizer's state, in the node's memory
     head = (
         f"{'layout':<{width}} {'fits':>4} | {'GB/GPU':>6} = {'param':>5} {'grad':>5} {'optim':>5} {'activ':>5} "
-        f"{'other':>5} | {'step s':>7} = {'comp':>6} {'tp':>5} {'dp':>5} {'bubbl':>5} {'p2p':>5} | "
-        f"{'tok/s/GPU':>9} {'TFLOP/s':>7} {'MFU':>5} {'HFU':>5}"
+        f"{'other':>5} |{' host GB |' if host else ''} {'step s':>8} = {'comp':>8} {'tp':>5} {'dp':>5} "
+        f"{'bubbl':>5} {'p2p':>5} {'other':>6} | {'tok/s/GPU':>9} {'TFLOP/s':>7} {'MFU':>5} {'HFU':>5}"
     )
     lines = [head, "-" * len(head)]
     for e in estimates:
@@ -455,12 +456,15 @@ def table(estimates: list[Estimate], gpu: str) -> str:
         lines.append(
             f"{e.layout.describe():<{width}} {'yes' if e.fits else 'no':>4} | {mem['total']:6.1f} = "
             f"{mem['params']:5.1f} {mem['grads']:5.1f} {mem['optimizer']:5.1f} {mem['activations']:5.1f} "
-            f"{mem['other']:5.1f} | {e.step_seconds:7.3f} = {sec['compute']:6.3f} {sec['tp']:5.3f} {sec['dp']:5.3f} "
-            f"{sec['bubble']:5.3f} {sec['p2p'] + sec['cp']:5.3f} | "
-            f"{e.tokens_per_s_per_gpu:9,.0f} {e.model_tflops_per_gpu:7.1f} "
-            f"{e.mfu:5.1%} {e.hfu:5.1%}"
+            f"{mem['other']:5.1f} |{f' {e.host_bytes / GB:7.1f} |' if host else ''} {e.step_seconds:8.3f} = "
+            f"{sec['compute']:8.3f} {sec['tp']:5.3f} {sec['dp']:5.3f} {sec['bubble']:5.3f} "
+            f"{sec['p2p'] + sec['cp']:5.3f} {sec['other']:6.3f} | "
+            f"{e.tokens_per_s_per_gpu:9,.0f} {e.model_tflops_per_gpu:7.1f} {e.mfu:5.1%} {e.hfu:5.1%}"
         )
-    lines.append(f"{gpu}: MFU and HFU against the dense datasheet peak; HFU counts recompute (docs/planner.md).")
+    lines.append(
+        f"{gpu}: MFU and HFU against the dense datasheet peak; HFU counts recompute; p2p includes context "
+        "parallelism's ring; other: the step's fixed overhead and an offloaded optimizer's transfers (docs/planner.md)."
+    )
     return "\n".join(lines)
 
 
