@@ -114,11 +114,11 @@ def cmd_schedule(args: argparse.Namespace) -> None:
 
     measured = None
     if args.from_run:
-        given = [flag for flag, value in (("--parallel.pp", args.pp), ("--microbatches", args.microbatches)) if value]
-        if given or args.vp != 1:
+        flags = (("--parallel.pp (--pp)", args.pp), ("--microbatches", args.microbatches), ("--parallel.vp", args.vp))
+        given = [flag for flag, value in flags if value and (flag != "--parallel.vp" or value != 1)]
+        if given:
             raise ConfigError(
-                f"--from-run draws the run's own layout; drop {' and '.join(given or ['--parallel.vp'])}, or drop "
-                "--from-run to draw another"
+                f"--from-run draws the run's own layout; drop {' and '.join(given)}, or drop --from-run to draw another"
             )
         layout, measured = load_measured(Path(args.from_run))
         args.pp, args.vp, args.microbatches = layout["pp"], layout["vp"], layout["microbatches"]

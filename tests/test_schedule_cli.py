@@ -51,7 +51,7 @@ def test_from_run_draws_the_measured_timeline(markov_dataset, tmp_path, capfd):
     assert (run / "pipeline_schedule.png").exists()
     # the layout given beside it was ignored (pp=2 drawn, exit 0)
     conflicting = loom_here(capfd, "schedule", "--from-run", str(run), "--pp", "4", "--microbatches", "8")
-    one_line_error(conflicting, "--from-run draws the run's own layout; drop --parallel.pp and --microbatches")
+    one_line_error(conflicting, "--from-run draws the run's own layout; drop --parallel.pp (--pp) and --microbatches")
 
 
 def test_a_chart_never_replaces_a_file_loom_did_not_draw(tmp_path, capfd):
