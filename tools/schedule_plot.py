@@ -65,8 +65,8 @@ def draw(pp: int, vp: int, microbatches: int, output: Path, measured: list | Non
     _draw(
         axes[0][0],
         timeline.spans,
-        f"ideal: pp={pp} vp={vp} M={microbatches}, bubble {timeline.bubble_fraction:.1%} of compute "
-        "(blue forward, orange backward; shade = chunk)",
+        f"ideal: pp={pp} vp={vp} M={microbatches}, bubble {timeline.bubble_fraction:.1%} of compute\n"
+        "(blue forward, orange backward; shade = chunk)",  # two lines: one was cut at 8 inches wide
     )
     if measured:
         _draw(axes[1][0], measured, "measured in the run")
