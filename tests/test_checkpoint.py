@@ -130,6 +130,23 @@ def test_corrupt_checkpoint_falls_back_with_a_warning_and_none_intact_is_refused
     assert before == {name: (run_dir / name).read_bytes() for name in before}
 
 
+def test_inspect_lists_tensors_in_the_model_s_order():
+    """A ZeRO-3 pp 2 checkpoint listed layers 1, 0, the embedding, the final norm, 3, 2: the order its ranks wrote."""
+    from loom.tools.ckpt import _model_order
+
+    written = ["layers.1.mlp.fc1.weight", "final_norm.weight", "layers.10.mlp.fc1.weight", "embedding.weight"]
+    written += ["output_weight", "layers.2.attention.qkv.weight", "layers.0.input_norm.weight"]
+    assert sorted(written, key=_model_order) == [
+        "embedding.weight",
+        "layers.0.input_norm.weight",
+        "layers.1.mlp.fc1.weight",
+        "layers.2.attention.qkv.weight",
+        "layers.10.mlp.fc1.weight",
+        "final_norm.weight",
+        "output_weight",
+    ]
+
+
 def test_reshard_then_resume(dataset, straight, saved_at_tp2_pp2_dp2, tmp_path):
     from loom.tools.ckpt import inspect, reshard
 

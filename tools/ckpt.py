@@ -123,13 +123,19 @@ def inspect(path: Path) -> str:
     ]
     reader = PieceReader(directory, metadata)
     total = 0
-    for name, spec in metadata.specs.items():
+    for name, spec in sorted(metadata.specs.items(), key=lambda item: _model_order(item[0])):
         shape = spec.full_shape
         count = int(torch.Size(shape).numel())
         total += count
         lines.append(f"{name:48} {str(shape):>18} {count:12,}  {', '.join(sorted(reader.states(name))) or '-'}")
     lines.append(f"total parameters {total:,}")
     return "\n".join(lines)
+
+
+def _model_order(name: str) -> tuple:
+    """Embedding, blocks by index, final norm and output: the order of the model, not of the ranks that wrote it."""
+    layer = naming.layer_index(name)
+    return (1, layer, name) if layer is not None else (0 if naming.before_blocks(name) else 2, 0, name)
 
 
 def _stage_of(name: str, num_layers: int, pp: int, vp: int) -> int:
