@@ -106,6 +106,10 @@ def test_train_command_writes_the_run_directory(dataset, tmp_path):
     assert (tmp_path / "config.toml").read_text().count("tp = 2") == 1
     assert list((tmp_path / "tensorboard").iterdir())
     assert "loss" in result.stdout and "tok/s" in result.stdout
+    # the planner's GB per GPU beside "mem 0.49 GB" on each step line read as a 12x misprediction
+    assert "GB per GPU predicted" in result.stdout and "on CPU the step lines' mem is each process's peak RSS" in (
+        result.stdout
+    )
 
 
 def test_print_config_shows_the_resolved_config_and_starts_nothing(tmp_path):
