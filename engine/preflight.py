@@ -98,7 +98,7 @@ def removed_if_left_empty(run_dir: Path) -> Iterator[None]:
 def check_checkpoint_to_load(config: LoomConfig, training: bool) -> None:
     """The checkpoint the ranks will load (the run's own newest, else checkpoint.load) holds the same model and,
     when training, stops short of train.steps."""
-    from loom.engine.checkpoint.format import CheckpointError, checkpoint_to_resume, find_loadable
+    from loom.engine.checkpoint.format import CheckpointError, checkpoint_to_resume, find_loadable, hugging_face_hint
     from loom.engine.checkpoint.load import check_same_model
     from loom.engine.model.lora import base_pointer, check_same_base
 
@@ -113,7 +113,7 @@ def check_checkpoint_to_load(config: LoomConfig, training: bool) -> None:
         if not holds_one:
             raise ConfigError(
                 f"checkpoint.load = {load} holds no checkpoint; give a run directory, its checkpoints/ folder or an "
-                "iter_N folder"
+                f"iter_N folder{hugging_face_hint(load)}"
             )
     own = Path(config.train.run_dir) / "checkpoints"
     found = checkpoint_to_resume(own, config.checkpoint.load, verify_hashes=False, warn=lambda _: None)

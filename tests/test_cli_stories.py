@@ -283,6 +283,12 @@ def _hf_copy(world, tmp_path: Path, name: str) -> Path:
     return copy
 
 
+def test_a_hugging_face_folder_given_as_a_checkpoint_says_to_import_it(world, capfd):
+    hint = f"it is a Hugging Face model: import it first, loom ckpt import-hf --input {world['hf']} --output DIR"
+    refused(capfd, ["generate", "--checkpoint", str(world["hf"]), "--prompt-ids", "1 2"], "no intact checkpoint", hint)
+    refused(capfd, ["ckpt", "inspect", str(world["hf"])], hint)
+
+
 def test_import_hf_names_what_is_wrong_with_the_folder(world, capfd, tmp_path):
     truncated = _hf_copy(world, tmp_path, "truncated")
     weights = truncated / "model.safetensors"

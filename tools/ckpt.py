@@ -21,6 +21,7 @@ from loom.engine.checkpoint.format import (
     commit,
     find_loadable,
     fp8_key,
+    hugging_face_hint,
     iteration_dir,
     make_staging_dir,
     model_key,
@@ -43,7 +44,7 @@ from loom.tools.outputs import claim_checkpoint_output
 def open_checkpoint(path: Path) -> tuple[Path, CheckpointMetadata]:
     found = find_loadable(path)
     if found is None:
-        raise CheckpointError(f"no intact checkpoint at {path}")
+        raise CheckpointError(f"no intact checkpoint at {path}{hugging_face_hint(path)}")
     return found
 
 

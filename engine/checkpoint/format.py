@@ -256,6 +256,13 @@ class CheckpointMetadata:
 HF_ORIGIN_FIELDS = ("hf_source", "hf_token_ids", "hf_dtype")
 
 
+def hugging_face_hint(path: Path) -> str:
+    """For a refusal of `path` as a checkpoint: how to use it, if it is a Hugging Face model folder instead."""
+    if (path / "config.json").is_file() and next(path.glob("*.safetensors"), None) is not None:
+        return f"; it is a Hugging Face model: import it first, loom ckpt import-hf --input {path} --output DIR"
+    return ""
+
+
 def read_metadata(directory: Path, verify_hashes: bool = True) -> CheckpointMetadata:
     """The metadata of a complete, intact checkpoint, or CheckpointError saying what is wrong."""
     path = directory / METADATA

@@ -25,7 +25,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from loom.engine.checkpoint.format import METADATA, CheckpointError, CheckpointMetadata, find_loadable, sha256_of
+from loom.engine.checkpoint.format import (
+    METADATA,
+    CheckpointError,
+    CheckpointMetadata,
+    find_loadable,
+    hugging_face_hint,
+    sha256_of,
+)
 from loom.engine.config import ConfigError, LoomConfig, LoraConfig, ModelConfig
 from loom.engine.config_io import config_from_dict
 from loom.engine.model import naming
@@ -99,7 +106,10 @@ def _find_base(base: str, verify_hashes: bool) -> tuple[Path, CheckpointMetadata
         raise CheckpointError(f"lora.base = {base} does not exist (moved? give its new place with --lora.base)")
     found = find_loadable(Path(base), verify_hashes=verify_hashes)
     if found is None:
-        raise CheckpointError(f"lora.base = {base} holds no intact checkpoint; point it at a loom checkpoint")
+        raise CheckpointError(
+            f"lora.base = {base} holds no intact checkpoint; point it at a loom checkpoint"
+            + hugging_face_hint(Path(base))
+        )
     return found
 
 
