@@ -112,7 +112,13 @@ def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: in
     if rebuilt:
         summary["corpus"] = build_stdlib_corpus(corpus, max_docs=max_docs)
     summary["corpus_mb"] = round(corpus.stat().st_size / 1e6, 1)
-    print(f"{corpus} ({summary['corpus_mb']} MB) in {time.perf_counter() - start:.1f} s")
+    made = summary.get("corpus")
+    counted = (
+        f"{made['documents']:,} documents of {made['files']:,} files ({made['undecodable']:,} not UTF-8, skipped), "
+        if made
+        else "reused, "
+    )
+    print(f"{corpus}: {counted}{summary['corpus_mb']} MB in {time.perf_counter() - start:.1f} s")
 
     start = _step(
         "2/10 clean: ftfy repair, NFC, control characters, then the `code` filter pipeline "

@@ -77,6 +77,7 @@ def test_demo_runs_end_to_end(tmp_path, monkeypatch, capfd):
     assert "the same reshard into the run's own checkpoints is refused: --output" in result.stdout
     assert "sample       'def " in result.stdout  # what the trained model writes, decoded
     assert "exact and 0 near duplicates removed" in result.stdout  # 80 stdlib files hold no near duplicates
+    assert "corpus.jsonl: 80 documents of 80 files (0 not UTF-8, skipped)" in result.stdout
     assert "2 sample indices (2 built, 0 found)" in result.stdout  # built offline before training
     rows = [json.loads(line) for line in (tmp_path / "runs/tiny/metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 4
