@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 from training_runs import loom_here, tiny_config
 
-from loom.engine.checkpoint.format import find_loadable
+from loom.engine.checkpoint.format import CheckpointError, find_loadable
 from loom.engine.checkpoint.load import PieceReader
 from loom.engine.config_io import config_from_dict
 from loom.engine.data.indexed import IndexedDatasetWriter
@@ -326,3 +326,8 @@ def test_the_exported_tokenizer_encodes_as_loom_s_and_an_import_s_comes_back(tra
     (tmp_path / "hf" / "tokenizer_config.json").unlink()
     export_hf(tmp_path / "imported", tmp_path / "without")
     assert "holds no tokenizer files" in capfd.readouterr().err
+    (tmp_path / "mine").mkdir()  # a folder holding a tokenizer of the user's: not written over without --overwrite
+    (tmp_path / "mine" / "tokenizer.model").write_bytes(b"my own")
+    with pytest.raises(CheckpointError, match=r"already holds a model \(tokenizer.model\)"):
+        export_hf(trained, tmp_path / "mine")
+    assert (tmp_path / "mine" / "tokenizer.model").read_bytes() == b"my own"

@@ -14,8 +14,7 @@ import shutil
 from pathlib import Path
 
 from loom.engine.checkpoint.format import CheckpointMetadata, sha256_of
-
-HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+from loom.tools.outputs import HF_TOKENIZER_FILES
 
 
 def export_tokenizer(

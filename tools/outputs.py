@@ -21,6 +21,9 @@ RUN_FILES = ("metrics.jsonl", "config.toml")
 
 HF_FILES = ("config.json", "adapter_config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json")
 
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+"""A Hugging Face folder's tokenizer: what export-hf writes beside the model, and copies from an import's folder."""
+
 
 def is_run_directory(path: Path) -> bool:
     """A training run's directory: its metrics or resolved config, or a checkpoints/ folder with checkpoints."""
@@ -79,7 +82,8 @@ def claim_export_output(output: Path, overwrite: bool) -> None:
     _refuse_file_or_run(output, "export")
     if output.is_dir() and _checkpoint_entries(output):
         raise CheckpointError(f"--output {output} holds loom checkpoints; export to a folder of its own")
-    existing = sorted({p for pattern in HF_FILES for p in output.glob(pattern)}) if output.is_dir() else []
+    files = (*HF_FILES, *HF_TOKENIZER_FILES)  # an old tokenizer left beside a new model would be taken for its own
+    existing = sorted({p for pattern in files for p in output.glob(pattern)}) if output.is_dir() else []
     if not existing:
         return
     if not overwrite:
