@@ -22,6 +22,7 @@ class ConfigError(LoomError):
 
 
 MAX_TIMEOUT_MINUTES = 525_600
+"""parallel.timeout_minutes's ceiling, a year: far above any real wait, far below timedelta's overflow."""
 
 
 def _default(spec: dataclasses.Field) -> Any:
