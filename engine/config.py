@@ -406,7 +406,8 @@ class TrainConfig:
     eval_iters: int = 4
     """Global batches per validation."""
     exit_after: int = 0
-    """Stop this job after this many steps (checkpointing first), to chain jobs; 0 runs to train.steps."""
+    """Stop this job after this many steps (checkpointing first, whatever checkpoint.save_at_end says), to chain
+    jobs; 0 runs to train.steps."""
     early_stop_patience: int = 0
     """Stop when validation loss has not improved for this many evaluations; 0 never stops early."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -502,8 +503,8 @@ class CheckpointConfig:
     interval: int = 0
     """Save every this many steps; 0: no periodic saves (the last step is still saved, see save_at_end)."""
     save_at_end: bool = True
-    """Save the run's last step (train.steps, train.exit_after or an early stop) so a finished run can be
-    evaluated, exported or extended; false saves only at the interval."""
+    """Save the run's last step (train.steps, or an early stop) so a finished run can be evaluated, exported or
+    extended; false saves only at the interval (a job that train.exit_after ends saves all the same)."""
     keep: int = 3
     """Keep the newest this many checkpoints."""
     load: str | None = None

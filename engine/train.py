@@ -532,8 +532,7 @@ class Trainer:
                 )
                 self._record_validation(val_loss)
                 stopping_early = self._patience_spent()
-                c = self.config.checkpoint
-                saving = saving or (stopping_early and bool(c.interval or c.save_at_end))
+                saving = saving or (stopping_early and self.config.checkpoint.save_at_end)
             if saving:
                 self.save()
             if stopping_early:
@@ -561,9 +560,12 @@ class Trainer:
         return bool(patience) and self.validation["evals_without_gain"] >= patience
 
     def _saves_at(self, step: int, stop_at: int) -> bool:
-        """Whether `step` is saved: every checkpoint.interval steps, and the run's last (checkpoint.save_at_end)."""
+        """Whether `step` is saved: every checkpoint.interval steps, the run's last (checkpoint.save_at_end), and
+        always the last of a job that train.exit_after ends (the next job resumes from it)."""
         c = self.config.checkpoint
-        return bool((c.interval and step % c.interval == 0) or (step == stop_at and (c.interval or c.save_at_end)))
+        if c.interval and step % c.interval == 0:
+            return True
+        return step == stop_at and (step < self.config.train.steps or c.save_at_end)
 
     def write_pipeline_timeline(self) -> None:
         """Gather the last step's per-op times of pipeline 0 and write them to the run directory."""

@@ -55,7 +55,7 @@ def test_tokens_keep_counting_when_a_resume_changes_the_sequence_length(dataset,
             dataset,
             tmp_path,
             model=SMALL_MODEL,
-            checkpoint={"interval": 2},
+            checkpoint={"interval": 2, "save_at_end": True},
             train={"steps": steps, "seq_length": seq_length},
         )
         config.resolve_world(1)

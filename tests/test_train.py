@@ -43,6 +43,19 @@ def test_fp16_overflow_skips_are_said_on_the_console(dataset, tmp_path, capfd):
     assert "step 2: fp16 gradients overflowed at loss scale 2.14748e+09; update skipped" in out
 
 
+def test_a_job_train_exit_after_ends_always_saves_and_save_at_end_false_saves_only_the_interval(dataset, tmp_path):
+    """With save_at_end false and no interval, a job that exit_after ended saved nothing (the same command then
+    trained steps 1-3 again, forever); with an interval, save_at_end false still saved the last step."""
+    short = {"steps": 6, "seq_length": 32, "global_batch_size": 2, "micro_batch_size": 2, "exit_after": 3}
+    for _ in range(2):
+        rows = train(dataset, tmp_path / "chained", model={"num_layers": 1}, train=short)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]  # the second job went on from step 3
+    assert sorted(p.name for p in (tmp_path / "chained/checkpoints").glob("iter_*")) == ["iter_0000003"]
+    train(dataset, tmp_path / "interval", model={"num_layers": 1}, train={**short, "exit_after": 0},
+          checkpoint={"interval": 4, "save_at_end": False})  # fmt: skip
+    assert sorted(p.name for p in (tmp_path / "interval/checkpoints").glob("iter_*")) == ["iter_0000004"]
+
+
 def test_early_stopping_when_validation_stops_improving(dataset, tmp_path, capfd):
     """It stops after `early_stop_patience` evaluations without a gain; the checkpoint keeps that state, so the
     same command again does not train on (it trained on, with its best validation loss forgotten)."""
