@@ -59,7 +59,8 @@ def _prediction(config) -> str:
     on_cuda = config.train.device != "cpu" and torch.cuda.is_available()
     gpu = gpu_kind(torch.cuda.get_device_name()) if on_cuda else None
     line = predicted_line(config, gpu)[0]
-    return line if on_cuda else line + "; on CPU the step lines' mem is each process's peak RSS instead"
+    on_cpu = config.train.device == "cpu" or (config.train.device == "auto" and not torch.cuda.is_available())
+    return line + "; on CPU the step lines' mem is each process's peak RSS instead" if on_cpu else line
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:

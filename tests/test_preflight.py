@@ -3,6 +3,7 @@ a sequence longer than the model's positions, a rank count below one, a config t
 directory, a dataset folder where a prefix belongs."""
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -98,6 +99,7 @@ def test_a_run_directory_belongs_to_one_run(dataset, tmp_path, capfd):
     )
     assert job.returncode == 0, job.stderr
     before = (tmp_path / "metrics.jsonl").read_text()
+    shutil.rmtree(tmp_path / "checkpoints")  # the job's, for the next job: with it the run below would resume
 
     replaced = loom_here(
         capfd, "train", *tiny_train_args(dataset, tmp_path, "--train.steps", "3", "--train.overwrite", "true")
