@@ -176,13 +176,13 @@ def config_to_dict(config: LoomConfig) -> dict[str, dict[str, Any]]:
 
 
 def config_to_toml(config: LoomConfig) -> str:
-    """The fully resolved config as TOML (None values are left out, so they stay None on reload)."""
+    """The fully resolved config as TOML. TOML has no null: a field left unset is a comment, so that it stays None on
+    reload and a reader still finds it (`--print-config` lists every field)."""
     lines = []
     for section, values in config_to_dict(config).items():
         lines.append(f"[{section}]")
         for key, value in values.items():
-            if value is not None:
-                lines.append(f"{key} = {_toml_value(value)}")
+            lines.append(f"{key} = {_toml_value(value)}" if value is not None else f"# {key} = (not set)")
         lines.append("")
     return "\n".join(lines)
 

@@ -63,6 +63,7 @@ def test_resolved_config_round_trips_through_toml(tmp_path):
     path = tmp_path / "config.toml"
     path.write_text(config_to_toml(config))
     assert load_config(path) == config
+    assert "# decay_steps = (not set)" in path.read_text()  # an unset field is listed (TOML has no null)
 
 
 @pytest.mark.parametrize(
