@@ -504,7 +504,9 @@ class CheckpointConfig:
     """Save every this many steps; 0: no periodic saves (the last step is still saved, see save_at_end)."""
     save_at_end: bool = True
     """Save the run's last step (train.steps, or an early stop) so a finished run can be evaluated, exported or
-    extended; false saves only at the interval (a job that train.exit_after ends saves all the same)."""
+    extended. false matters only to a run without periodic saves (checkpoint.interval 0): it then keeps no
+    checkpoint. A run with an interval saves its last step too (a rerun would train the steps after the last save
+    again), and a job that train.exit_after ends always saves, for the next job."""
     keep: int = 3
     """Keep the newest this many checkpoints."""
     load: str | None = None

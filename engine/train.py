@@ -532,7 +532,8 @@ class Trainer:
                 )
                 self._record_validation(val_loss)
                 stopping_early = self._patience_spent()
-                saving = saving or (stopping_early and self.config.checkpoint.save_at_end)
+                c = self.config.checkpoint
+                saving = saving or (stopping_early and bool(c.save_at_end or c.interval))
             if saving:
                 self.save()
             if stopping_early:
@@ -560,12 +561,13 @@ class Trainer:
         return bool(patience) and self.validation["evals_without_gain"] >= patience
 
     def _saves_at(self, step: int, stop_at: int) -> bool:
-        """Whether `step` is saved: every checkpoint.interval steps, the run's last (checkpoint.save_at_end), and
-        always the last of a job that train.exit_after ends (the next job resumes from it)."""
+        """Whether `step` is saved: every checkpoint.interval steps; the last of a job that train.exit_after ends
+        (the next job resumes from it); the run's last unless it keeps no checkpoints (no interval, save_at_end
+        false): a run with periodic saves that left its last steps unsaved would train them again on every rerun."""
         c = self.config.checkpoint
         if c.interval and step % c.interval == 0:
             return True
-        return step == stop_at and (step < self.config.train.steps or c.save_at_end)
+        return step == stop_at and bool(step < self.config.train.steps or c.save_at_end or c.interval)
 
     def write_pipeline_timeline(self) -> None:
         """Gather the last step's per-op times of pipeline 0 and write them to the run directory."""

@@ -43,9 +43,12 @@ def test_fp16_overflow_skips_are_said_on_the_console(dataset, tmp_path, capfd):
     assert "step 2: fp16 gradients overflowed at loss scale 2.14748e+09; update skipped" in out
 
 
-def test_a_job_train_exit_after_ends_always_saves_and_save_at_end_false_saves_only_the_interval(dataset, tmp_path):
+def test_a_job_train_exit_after_ends_always_saves_and_so_does_the_last_step_of_a_run_with_an_interval(
+    dataset, tmp_path
+):
     """With save_at_end false and no interval, a job that exit_after ended saved nothing (the same command then
-    trained steps 1-3 again, forever); with an interval, save_at_end false still saved the last step."""
+    trained steps 1-3 again, forever); with an interval the run's last step is saved whatever save_at_end says
+    (else the steps after the last interval save were trained again on every rerun)."""
     short = {"steps": 6, "seq_length": 32, "global_batch_size": 2, "micro_batch_size": 2, "exit_after": 3}
     for _ in range(2):
         rows = train(dataset, tmp_path / "chained", model={"num_layers": 1}, train=short)
@@ -53,7 +56,10 @@ def test_a_job_train_exit_after_ends_always_saves_and_save_at_end_false_saves_on
     assert sorted(p.name for p in (tmp_path / "chained/checkpoints").glob("iter_*")) == ["iter_0000003"]
     train(dataset, tmp_path / "interval", model={"num_layers": 1}, train={**short, "exit_after": 0},
           checkpoint={"interval": 4, "save_at_end": False})  # fmt: skip
-    assert sorted(p.name for p in (tmp_path / "interval/checkpoints").glob("iter_*")) == ["iter_0000004"]
+    assert sorted(p.name for p in (tmp_path / "interval/checkpoints").glob("iter_*")) == [
+        "iter_0000004",
+        "iter_0000006",
+    ]
 
 
 def test_early_stopping_when_validation_stops_improving(dataset, tmp_path, capfd):
