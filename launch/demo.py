@@ -22,7 +22,7 @@ from pathlib import Path
 
 from loom.engine.config import ConfigError
 from loom.engine.config_io import config_to_dict, load_config
-from loom.launch.arguments import OLDER, add_parallel_size, int_in, output_dir, positive_int
+from loom.launch.arguments import OLDER, add_parallel_size, int_in, output_dir
 
 
 def _preview_first_sample(config, tokenizer_model: str) -> None:
@@ -52,18 +52,30 @@ DEMO_OUTPUTS = (
     "hf",
     "hf-lora-adapter",
 )
-"""What each demo writes anew (a fresh run, not a resume of an earlier demo's); data/ is reused."""
+"""What each demo writes anew (a fresh run, not a resume of an earlier demo's)."""
+
+DEMO_DATA = (
+    "data/corpus.jsonl",
+    "data/clean",
+    "data/dedup",
+    "data/near_dedup",
+    "data/tokenizer.model",
+    "data/stdlib_text_document.bin",
+    "data/stdlib_text_document.idx",
+)
+"""The data steps' outputs: an earlier demo's are reused (or rebuilt), so another's would be used or replaced."""
 
 
 def _claim_workdir(workdir: Path) -> None:
     """Clear an earlier demo's outputs from `workdir`; refuse, before any work, a workdir where they would
     replace files no demo wrote there (`--workdir .` beside the README's runs/tiny, say)."""
     present = [workdir / name for name in DEMO_OUTPUTS if (workdir / name).exists()]
-    if present and not (workdir / DEMO_MARK).exists() and not _an_older_demo(workdir):
-        names = ", ".join(str(path.relative_to(workdir)) for path in present[:3])
+    data = [workdir / name for name in DEMO_DATA if (workdir / name).exists()]
+    if (present or data) and not (workdir / DEMO_MARK).exists() and not _an_older_demo(workdir):
+        names = ", ".join(str(path.relative_to(workdir)) for path in (present + data)[:3])
         raise ConfigError(
-            f"--workdir {workdir} holds {names}, which no demo wrote there and the demo would replace; give it a "
-            "folder of its own (the default is demo/)"
+            f"--workdir {workdir} holds {names}, which no demo wrote there and the demo would use or replace; give "
+            "it a folder of its own (the default is demo/)"
         )
     for path in present:
         shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
@@ -80,6 +92,16 @@ def _an_older_demo(workdir: Path) -> bool:
     except (OSError, ValueError, KeyError):
         return False
     return [str(Path(p).resolve()) for p in trained] == [str((workdir / "data/stdlib_text_document").resolve())]
+
+
+def _corpus_max_docs(corpus: Path) -> int | None | str:
+    """The --max-docs an earlier demo built `corpus` with ("unknown" without its manifest)."""
+    from loom.data_tools.manifest import manifest_path
+
+    try:
+        return json.loads(manifest_path(corpus, is_folder=False).read_text())["parameters"]["max_docs"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "unknown"
 
 
 def _step(title: str) -> float:
@@ -108,7 +130,7 @@ def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: in
 
     start = _step("1/10 corpus: the Python standard library, one document per source file")
     # Each step reuses its output from an earlier demo in this workdir unless a step before it ran again.
-    rebuilt = not corpus.exists()
+    rebuilt = not corpus.exists() or _corpus_max_docs(corpus) != max_docs  # a rerun's --max-docs was ignored
     if rebuilt:
         summary["corpus"] = build_stdlib_corpus(corpus, max_docs=max_docs)
     summary["corpus_mb"] = round(corpus.stat().st_size / 1e6, 1)
@@ -438,7 +460,11 @@ def add_parser(commands) -> None:
         help="where data and runs go: data/ is reused, an earlier demo's runs and exports are replaced (a folder "
         "holding other files in their places is refused)",
     )
-    p.add_argument("--max-docs", type=positive_int, help="use only this many corpus documents (faster)")
+    p.add_argument(
+        "--max-docs",
+        type=int_in(80, 1_000_000),
+        help="use only this many corpus documents (faster); at least 80, or the 98,1,1 split leaves validation none",
+    )
     p.add_argument("--nproc", type=int_in(1, 1024), default=8, help="local ranks for training")
     add_parallel_size(p, "tp", "tensor-parallel size", default=2)
     add_parallel_size(p, "pp", "pipeline stages (the rest of --nproc is data parallel)", default=2)

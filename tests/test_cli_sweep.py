@@ -57,7 +57,7 @@ COMMANDS = {
         ["--workdir", "{tmp}/demo"],
         {
             "--workdir": "out-dir",
-            "--max-docs": "limit",
+            "--max-docs": ["0", "-1", "1.5", "x", "79"],  # fewer than 80 leave the validation split no document
             "--nproc": "count",
             "--parallel.tp": "count",
             "--parallel.pp": "count",

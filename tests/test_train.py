@@ -120,6 +120,10 @@ def test_the_demo_replaces_only_its_own_outputs(tmp_path, capfd):
     refused = loom_here(capfd, "demo", "--workdir", str(user))
     assert refused.returncode == 2 and "holds runs/tiny, which no demo wrote there" in refused.stderr
     assert (user / "runs/tiny/metrics.jsonl").read_text() == "precious\n" and not (user / "data").exists()
+    cleaned = tmp_path / "cleaned"  # a user's own cleaned data where the demo's clean step writes (it removed it)
+    (cleaned / "data/clean").mkdir(parents=True)
+    refused = loom_here(capfd, "demo", "--workdir", str(cleaned))
+    assert refused.returncode == 2 and "holds data/clean, which no demo wrote there" in refused.stderr
     demo = tmp_path / "demo"  # an earlier demo's workdir, and a run of the user's beside its runs
     for name in ("runs/tiny/checkpoints", "runs/tiny-lora", "hf", "runs/mine"):
         (demo / name).mkdir(parents=True)

@@ -94,15 +94,18 @@ def check_splits(config: LoomConfig, with_train: bool) -> None:
     """Refuse a data.split that leaves a dataset no training documents (when training) or no validation
     documents (when the run evaluates); cheap, so launchers call it before any rank starts."""
     for prefix in config.data.paths:
-        ranges = split_document_ranges(IndexedDataset(prefix).num_documents, config.data.split)
+        documents = IndexedDataset(prefix).num_documents
+        ranges = split_document_ranges(documents, config.data.split)
         (train_start, train_end), (valid_start, valid_end) = ranges[0], ranges[1]
         if with_train and train_end <= train_start:
             raise DatasetError(f"{prefix}: the training split {config.data.split!r} leaves it no documents")
         if evaluates(config, with_train) and valid_end <= valid_start:
+            weights = [float(w) for w in config.data.split.split(",")]
+            more = "a larger" if weights[1] > 0 else "a"  # a share it has already rounds to no document here
             advice = "" if not with_train else ", or turn evaluation off with --train.eval_interval 0"
             raise DatasetError(
-                f"data.split = {config.data.split!r} leaves {prefix} no validation documents: give the second "
-                f"weight a share (e.g. '98,1,1'){advice}"
+                f"data.split = {config.data.split!r} leaves {prefix} ({documents:,} documents) no validation "
+                f"documents: give the second weight {more} share (e.g. '90,10,0'){advice}"
             )
 
 
