@@ -37,6 +37,20 @@ def write_text_atomically(path: str | Path, text: str) -> None:
         tmp.write_text(text)
 
 
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)  # read once, at import: os.umask can only be read by setting it, which races with other threads
+
+
+def save_tensors_atomically(tensors: dict, path: str | Path, metadata: dict | None = None) -> None:
+    """safetensors' save_file, atomically, with the permissions of any new file (the umask's): save_file makes its
+    files 0600, which the other users of a shared cluster's checkpoints and exports cannot read."""
+    from safetensors.torch import save_file
+
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata=metadata)
+        os.chmod(tmp, 0o666 & ~_UMASK)
+
+
 def move_aside(folder: Path, entries: list[Path]) -> Path:
     """Move `entries` (inside `folder`) into folder/replaced/<time>/ and return that folder: what a user told a
     command to replace (--overwrite, train.overwrite) is kept out of its way, never deleted."""

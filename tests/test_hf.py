@@ -5,6 +5,7 @@ export back unchanged; settings loom cannot represent are refused with one line 
 
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -57,6 +58,10 @@ def loom_logits(checkpoints, tokens):
 def test_transformers_computes_the_same_logits(trained, tmp_path):
     out = export_hf(trained, tmp_path / "hf")
     assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
+    umask = os.umask(0o022)
+    os.umask(umask)  # safetensors wrote 0600: a shared cluster's other users could not read the model or checkpoint
+    for written in (out / "model.safetensors", next(find_loadable(trained)[0].glob("*.safetensors"))):
+        assert written.stat().st_mode & 0o777 == 0o666 & ~umask, written
     model = transformers.LlamaForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     tokens = torch.randint(0, 4096, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -20,9 +20,8 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
-from loom.engine.atomic import write_text_atomically
+from loom.engine.atomic import save_tensors_atomically, write_text_atomically
 from loom.engine.checkpoint.format import CheckpointError
 from loom.engine.checkpoint.load import PieceReader
 from loom.engine.config_io import config_from_dict, config_to_dict
@@ -190,8 +189,7 @@ def export_hf(
     origin = weights.model_metadata  # a LoRA checkpoint's Hugging Face origin is its base's
     dtype = dtype or origin.hf_dtype or "float32"
     tensors = {name: tensor.to(EXPORT_DTYPES[dtype]) for name, tensor in to_hf(logical, model).items()}
-    save_file(tensors, str(output / "model.safetensors.tmp"), metadata={"format": "pt"})
-    (output / "model.safetensors.tmp").replace(output / "model.safetensors")
+    save_tensors_atomically(tensors, output / "model.safetensors", metadata={"format": "pt"})
     not_written = export_tokenizer(output, metadata, origin, model["max_position_embeddings"])
     if not_written:
         print(f"warning: {not_written}", file=sys.stderr)
@@ -402,7 +400,6 @@ def export_peft_adapter(
     }
     claim_export_output(output, overwrite)
     output.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(output / "adapter_model.safetensors.tmp"), metadata={"format": "pt"})
-    (output / "adapter_model.safetensors.tmp").replace(output / "adapter_model.safetensors")
+    save_tensors_atomically(tensors, output / "adapter_model.safetensors", metadata={"format": "pt"})
     write_text_atomically(output / "adapter_config.json", json.dumps(adapter_config, indent=2))
     return output

@@ -28,9 +28,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-from loom.engine.atomic import atomic_path, write_text_atomically
+from loom.engine.atomic import save_tensors_atomically, write_text_atomically
 from loom.engine.parallel.sharding import ShardSpec
 from loom.errors import LoomError
 
@@ -369,8 +368,7 @@ def make_staging_dir(final: Path) -> Path:
 def write_rank_file(staging: Path, rank: int, pieces: dict[str, torch.Tensor]) -> tuple[str, FileRecord]:
     """Write one rank's pieces into the staging directory; its file name and record for the metadata."""
     name = rank_file(rank)
-    with atomic_path(staging / name) as tmp:
-        save_file(pieces, str(tmp))
+    save_tensors_atomically(pieces, staging / name)
     return name, FileRecord.of(staging / name)
 
 
