@@ -6,6 +6,7 @@ export back unchanged; settings loom cannot represent are refused with one line 
 import json
 import math
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -327,10 +328,14 @@ def test_the_exported_tokenizer_encodes_as_loom_s_and_an_import_s_comes_back(tra
     again = export_hf(tmp_path / "imported", tmp_path / "again")
     for name in ("tokenizer.model", "tokenizer_config.json"):
         assert (again / name).read_bytes() == (tmp_path / "hf" / name).read_bytes()
-    (tmp_path / "hf" / "tokenizer.model").unlink()
-    (tmp_path / "hf" / "tokenizer_config.json").unlink()
-    export_hf(tmp_path / "imported", tmp_path / "without")
-    assert "holds no tokenizer files" in capfd.readouterr().err
+    capfd.readouterr()
+    # the folder then holds another model's tokenizer (it was copied, exit 0): those are not the import's files
+    (tmp_path / "hf" / "tokenizer.model").write_bytes((tmp_path / "unigram.model").read_bytes())
+    without = export_hf(tmp_path / "imported", tmp_path / "without")
+    assert "have changed since the import" in capfd.readouterr().err and not (without / "tokenizer.model").exists()
+    shutil.rmtree(tmp_path / "hf")
+    export_hf(tmp_path / "imported", tmp_path / "gone")
+    assert "which the model was imported from, is gone" in capfd.readouterr().err
     (tmp_path / "mine").mkdir()  # a folder holding a tokenizer of the user's: not written over without --overwrite
     (tmp_path / "mine" / "tokenizer.model").write_bytes(b"my own")
     with pytest.raises(CheckpointError, match=r"already holds a model \(tokenizer.model\)"):

@@ -22,14 +22,14 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from loom.engine.atomic import save_tensors_atomically, write_text_atomically
-from loom.engine.checkpoint.format import CheckpointError
+from loom.engine.checkpoint.format import CheckpointError, sha256_of
 from loom.engine.checkpoint.load import PieceReader
 from loom.engine.config_io import config_from_dict, config_to_dict
 from loom.engine.model import naming
 from loom.tools.ckpt import open_checkpoint, write_weights_checkpoint
 from loom.tools.hf_tokenizer import export_tokenizer
 from loom.tools.lora import ModelWeights, adapted_weights, base_of
-from loom.tools.outputs import claim_checkpoint_output, claim_export_output
+from loom.tools.outputs import HF_TOKENIZER_FILES, claim_checkpoint_output, claim_export_output
 
 
 def _check_llama(model: dict) -> None:
@@ -342,6 +342,8 @@ def import_hf(source: Path, output: Path, overwrite: bool = False) -> Path:
         "hf_source": str(source.resolve()),
         "hf_token_ids": {field: hf[field] for field in HF_TOKEN_ID_FIELDS if hf.get(field) is not None},
         "hf_dtype": _stored_dtype(tensors),
+        "hf_tokenizer": {name: sha256_of(source / name) for name in HF_TOKENIZER_FILES if (source / name).is_file()}
+        or None,
     }
     return write_weights_checkpoint(output, config, logical, "the Hugging Face model", hf_origin=origin)
 

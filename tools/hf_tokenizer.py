@@ -30,13 +30,28 @@ def export_tokenizer(
             return f"no tokenizer written: {path}, which the model was trained with, is gone or has changed"
         return _write_sentencepiece(path, output, max_positions)
     if model.hf_source is not None:
-        source = Path(model.hf_source)
-        files = [source / name for name in HF_TOKENIZER_FILES if (source / name).is_file()]
-        if not files:
-            return f"no tokenizer written: {source}, which the model was imported from, holds no tokenizer files"
-        for file in files:
-            shutil.copyfile(file, output / file.name)
-    return None  # or the model trained on token ids without a tokenizer
+        return _copy_imported(Path(model.hf_source), model.hf_tokenizer, output)
+    return None  # the model trained on token ids without a tokenizer
+
+
+def _copy_imported(source: Path, recorded: dict | None, output: Path) -> str | None:
+    """Copy the tokenizer files of the folder a model was imported from, if they are those it held then (their
+    sha256, recorded at import; an import from before that record copies what is there)."""
+    if not source.is_dir():
+        return f"no tokenizer written: {source}, which the model was imported from, is gone"
+    files = [source / name for name in HF_TOKENIZER_FILES if (source / name).is_file()]
+    if recorded is not None:
+        now = {file.name: sha256_of(file) for file in files}
+        if now != recorded:
+            return (
+                f"no tokenizer written: the tokenizer files of {source}, which the model was imported from, have "
+                "changed since the import"
+            )
+    if not files:
+        return f"no tokenizer written: {source}, which the model was imported from, holds no tokenizer files"
+    for file in files:
+        shutil.copyfile(file, output / file.name)
+    return None
 
 
 def _write_sentencepiece(path: Path, output: Path, max_positions: int) -> str | None:

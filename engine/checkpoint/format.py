@@ -183,6 +183,9 @@ class CheckpointMetadata:
     hf_dtype: str | None = None
     """For the same checkpoints: the torch_dtype the Hugging Face model was stored in ("bfloat16", ...), which
     export-hf writes by default (loom keeps fp32 weights); None elsewhere."""
+    hf_tokenizer: dict | None = None
+    """For the same checkpoints: the sha256 of each tokenizer file the Hugging Face folder held at import, by name,
+    so that export-hf copies those files only while they are unchanged; None elsewhere (or none there)."""
     validation: dict | None = None
     """Early stopping's state when saved: "best_loss" (the best validation loss so far, null before the first
     evaluation) and "evals_without_gain" (evaluations since it last improved), so a resumed run neither forgets
@@ -208,6 +211,7 @@ class CheckpointMetadata:
             "hf_source": self.hf_source,
             "hf_token_ids": self.hf_token_ids,
             "hf_dtype": self.hf_dtype,
+            "hf_tokenizer": self.hf_tokenizer,
             "validation": self.validation,
         }
         return json.dumps(data, indent=1)
@@ -239,6 +243,7 @@ class CheckpointMetadata:
                 hf_source=data.get("hf_source"),
                 hf_token_ids=data.get("hf_token_ids"),
                 hf_dtype=data.get("hf_dtype"),
+                hf_tokenizer=data.get("hf_tokenizer"),
                 validation=data.get("validation"),
                 format_version=data["format_version"],
             )
@@ -252,7 +257,7 @@ class CheckpointMetadata:
         return origin if any(value is not None for value in origin.values()) else None
 
 
-HF_ORIGIN_FIELDS = ("hf_source", "hf_token_ids", "hf_dtype")
+HF_ORIGIN_FIELDS = ("hf_source", "hf_token_ids", "hf_dtype", "hf_tokenizer")
 
 
 def hugging_face_hint(path: Path) -> str:
