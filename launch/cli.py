@@ -91,7 +91,12 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
         from loom.engine.preflight import adopt_lora_base
 
         adopt_lora_base(config)
-        config.resolve_world(nproc)
+        try:
+            config.resolve_world(nproc)
+        except ConfigError as error:
+            if args.nproc is not None:
+                raise
+            raise ConfigError(f"{error}; the resolved config depends on the world size: add --nproc N") from None
         print(config_to_toml(config), end="")
         return
     start_rank_server()  # its imports overlap the checks below

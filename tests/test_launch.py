@@ -125,6 +125,10 @@ def test_print_config_shows_the_resolved_config_and_starts_nothing(tmp_path):
     assert printed["parallel"]["tp"] == 2 and printed["parallel"]["dp"] == 2  # derived from --nproc
     assert printed["model"]["ffn_hidden_size"] == 384 and printed["train"]["steps"] == 50
     assert not (tmp_path / "run").exists()
+    preset = subprocess.run([*LOOM, "train", "--config", "llama-8b", "--print-config"], capture_output=True, text=True)
+    assert preset.returncode == 2 and preset.stderr.strip().endswith(  # it said only that world size 1 does not divide
+        "the resolved config depends on the world size: add --nproc N"
+    )
 
 
 @pytest.mark.parametrize("command", [[], ["train"], ["data", "clean"], ["eval"], ["ckpt", "reshard"], ["submit"]])
