@@ -68,6 +68,12 @@ def test_a_chart_never_replaces_a_file_loom_did_not_draw(tmp_path, capfd):
         for argv in (schedule, plan, schedule):
             result = loom_here(capfd, *argv, str(tmp_path / f"chart{suffix}"))
             assert result.returncode == 0, result.stderr
+    words = tmp_path / "notes.svg"  # loom's words in a file that is no chart
+    words.write_text("these were drawn by loom, by hand")
+    one_line_error(loom_here(capfd, *schedule, str(words)), "is not a chart loom drew")
+    link = tmp_path / "link.svg"  # written through, as other programs write to a link (it became a file)
+    link.symlink_to(tmp_path / "chart.svg")
+    assert loom_here(capfd, *schedule, str(link)).returncode == 0 and link.is_symlink()
     assert loom_here(capfd, *schedule, str(mine), "--overwrite").returncode == 0
     assert mine.read_bytes()[:4] == b"\x89PNG" and [p.name for p in tmp_path.glob(".*")] == []
     unwritable = loom_here(capfd, *plan, "/proc/chart.png")

@@ -4,6 +4,7 @@ does not import it."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from loom.engine.config import ConfigError
@@ -12,15 +13,26 @@ CHART_MARK = "drawn by loom"
 """Written into every chart's metadata, so that a rerun may redraw its own chart and nothing else."""
 
 
+CHART_SIGNATURES = (b"\x89PNG", b"%PDF", b"<?xml", b"<svg")
+"""How the files matplotlib writes as PNG, PDF and SVG begin."""
+
+
+def _drawn_by_loom(path: Path) -> bool:
+    """A chart file (by its first bytes) that carries loom's mark in its metadata."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return False
+    return data.startswith(CHART_SIGNATURES) and CHART_MARK.encode() in data
+
+
 def claim_chart_file(output: Path, flag: str, overwrite: bool) -> None:
     """A chart to draw: a new file, or one loom drew before (a rerun redraws it); anything else only with
-    --overwrite. Checked, with whether the file can be written at all, before the command's work."""
+    --overwrite. Checked, with whether the file can be written at all, before the command's work. A symbolic link
+    is written through, as any other program writes to it."""
+    output = Path(os.path.realpath(output))
     if output.exists() and not overwrite:
-        try:
-            drawn = CHART_MARK.encode() in output.read_bytes()
-        except OSError:
-            drawn = False
-        if not drawn:
+        if not _drawn_by_loom(output):
             raise ConfigError(
                 f"{flag} {output} exists and is not a chart loom drew; give another file, or pass --overwrite to "
                 "replace it"
@@ -36,6 +48,7 @@ def claim_chart_file(output: Path, flag: str, overwrite: bool) -> None:
 
 def save_chart(figure, output: Path, command: str) -> None:
     """Save a matplotlib figure as `output` (its suffix picks the format), marked as loom's, all at once."""
+    output = Path(os.path.realpath(output))
     key = "Software" if output.suffix.lower() == ".png" else "Creator"
     partial = output.with_name(f".{output.name}.partial{output.suffix}")
     figure.savefig(partial, dpi=120, metadata={key: f"loom {command} ({CHART_MARK})"})
