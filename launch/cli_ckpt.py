@@ -52,8 +52,11 @@ def _export_hf(args: argparse.Namespace) -> None:
     from loom.tools.hf import export_hf, export_peft_adapter
 
     if args.adapter_only:
-        if args.dtype:
-            raise ConfigError("--dtype is for the whole model's export; --adapter-only writes the adapters in float32")
+        if args.dtype or args.tokenizer:
+            raise ConfigError(
+                f"--{'dtype' if args.dtype else 'tokenizer'} is for the whole model's export; --adapter-only writes "
+                "the adapters alone, in float32"
+            )
         out = export_peft_adapter(
             Path(args.checkpoint), Path(args.output), _base(args), args.base_model, args.overwrite
         )
@@ -66,7 +69,8 @@ def _export_hf(args: argparse.Namespace) -> None:
         return
     if args.base_model:
         raise ConfigError("--base-model names the base of a PEFT adapter; it goes with --adapter-only")
-    out = export_hf(Path(args.checkpoint), Path(args.output), _base(args), args.overwrite, args.dtype)
+    moved = Path(args.tokenizer) if args.tokenizer else None
+    out = export_hf(Path(args.checkpoint), Path(args.output), _base(args), args.overwrite, args.dtype, moved)
     dtype = json.loads((out / "config.json").read_text())["torch_dtype"]
     tokenizer = " + the tokenizer (AutoTokenizer loads it)" if (out / "tokenizer_config.json").is_file() else ""
     print(
@@ -247,6 +251,12 @@ def add_parsers(commands) -> None:
         choices=("float32", "bfloat16", "float16"),
         help="the weights' dtype in model.safetensors (default: what an imported model came in, else float32: "
         "loom's weights as they are; bfloat16 halves the file, as most published models are)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        type=existing_file,
+        help="where the tokenizer the model trained with is now, if it moved (checked by the sha256 the checkpoint "
+        "records); written beside the model for AutoTokenizer",
     )
     p.add_argument("--lora.base", dest="lora_base", type=existing_path, help=LORA_BASE)
     p.set_defaults(handler=_export_hf)

@@ -275,6 +275,17 @@ def test_a_merged_fine_tune_exports_with_the_tokenizer_its_base_trained_with(wor
     code, said, _ = run(capfd, "ckpt", "export-hf", "--checkpoint", str(merged), "--output", str(out))
     assert code == 0 and "+ the tokenizer (AutoTokenizer loads it)" in said, said
     assert (out / "tokenizer.model").read_bytes() == (world["root"] / "tok.model").read_bytes()
+    # the tokenizer moved since: the export says so, and --tokenizer gives its new place (checked by its sha256)
+    trained_with, moved = world["root"] / "tok.model", world["root"] / "tok-moved.model"
+    trained_with.rename(moved)
+    try:
+        code, _, err = run(capfd, "ckpt", "export-hf", "--checkpoint", str(merged), "--output", str(tmp_path / "a"))
+        assert code == 0 and "is gone or has changed (moved? give its new place with --tokenizer)" in err, err
+        told = ["ckpt", "export-hf", "--checkpoint", str(merged), "--output", str(tmp_path / "b"), "--tokenizer"]
+        assert run(capfd, *told, str(moved))[0] == 0 and (tmp_path / "b/tokenizer.model").exists()
+        refused(capfd, [*told, str(world["root"] / "other.model")], "is not the tokenizer this model was trained with")
+    finally:
+        moved.rename(trained_with)
 
 
 def _hf_copy(world, tmp_path: Path, name: str) -> Path:

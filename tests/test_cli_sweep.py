@@ -155,6 +155,7 @@ COMMANDS = {
             "--output": ["{file}", "{file}/x", "{hf}", "{checkpoint}"],
             "--base-model": ["base"],  # without --adapter-only
             "--dtype": ["float64", "bf16", ""],
+            "--tokenizer": ["{missing}", "{dir}", "{file}"],  # {file}: not the tokenizer the model trained with
             "--lora.base": "in-path",
         },
     ),

@@ -344,5 +344,7 @@ def test_lora_refusals_are_one_line(tmp_path, base, single_rank, capfd):
         capfd, "ckpt", "export-hf", "--checkpoint", str(lora_run), "--adapter-only", "--dtype", "bfloat16",
         "--output", str(tmp_path / "adapter"),
     )  # fmt: skip
-    one_line_error(adapters_in_bf16, "--adapter-only writes the adapters in float32")
+    one_line_error(
+        adapters_in_bf16, "--dtype is for the whole model's export; --adapter-only writes the adapters alone"
+    )
     assert not (tmp_path / "adapter").exists()

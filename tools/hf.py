@@ -27,7 +27,7 @@ from loom.engine.checkpoint.load import PieceReader
 from loom.engine.config_io import config_from_dict, config_to_dict
 from loom.engine.model import naming
 from loom.tools.ckpt import open_checkpoint, write_weights_checkpoint
-from loom.tools.hf_tokenizer import export_tokenizer
+from loom.tools.hf_tokenizer import check_moved_tokenizer, export_tokenizer
 from loom.tools.lora import ModelWeights, adapted_weights, base_of
 from loom.tools.outputs import HF_TOKENIZER_FILES, claim_checkpoint_output, claim_export_output
 
@@ -173,24 +173,31 @@ def from_hf(tensors: dict[str, torch.Tensor], model: dict) -> dict[str, torch.Te
 
 
 def export_hf(
-    source: Path, output: Path, base: Path | None = None, overwrite: bool = False, dtype: str | None = None
+    source: Path,
+    output: Path,
+    base: Path | None = None,
+    overwrite: bool = False,
+    dtype: str | None = None,
+    tokenizer: Path | None = None,
 ) -> Path:
     """Write model.safetensors + config.json for the checkpoint at `source` (a LoRA run's with its adapters
     folded into its base, found where it was trained or at `base`) into `output` (claimed as tools/outputs.py
     says), in `dtype` (an EXPORT_DTYPES name; None: the dtype an imported model came in, else float32, the
-    weights as loom keeps them)."""
+    weights as loom keeps them); `tokenizer`: where the tokenizer the model trained with is now, if it moved."""
     directory, metadata = open_checkpoint(source)
     model = config_to_dict(config_from_dict(metadata.config))["model"]  # fills fields older checkpoints lack
     _check_llama(model)
     weights = ModelWeights(directory, metadata, base)
+    origin = weights.model_metadata  # a LoRA checkpoint's Hugging Face origin and tokenizer are its base's
+    if tokenizer is not None:
+        check_moved_tokenizer(metadata, origin, tokenizer)
     logical = weights.all()
     claim_export_output(output, overwrite)
     output.mkdir(parents=True, exist_ok=True)
-    origin = weights.model_metadata  # a LoRA checkpoint's Hugging Face origin is its base's
     dtype = dtype or origin.hf_dtype or "float32"
     tensors = {name: tensor.to(EXPORT_DTYPES[dtype]) for name, tensor in to_hf(logical, model).items()}
     save_tensors_atomically(tensors, output / "model.safetensors", metadata={"format": "pt"})
-    not_written = export_tokenizer(output, metadata, origin, model["max_position_embeddings"])
+    not_written = export_tokenizer(output, metadata, origin, model["max_position_embeddings"], tokenizer)
     if not_written:
         print(f"warning: {not_written}", file=sys.stderr)
     config = hf_config(model, origin.hf_token_ids, dtype)

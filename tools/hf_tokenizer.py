@@ -13,21 +13,44 @@ import json
 import shutil
 from pathlib import Path
 
-from loom.engine.checkpoint.format import CheckpointMetadata, sha256_of
+from loom.engine.checkpoint.format import CheckpointError, CheckpointMetadata, sha256_of
 from loom.tools.outputs import HF_TOKENIZER_FILES
 
 
+def check_moved_tokenizer(checkpoint: CheckpointMetadata, model: CheckpointMetadata, moved_to: Path) -> None:
+    """Refuse `moved_to` (export-hf --tokenizer) unless it is the tokenizer the model was trained with."""
+    recorded = checkpoint.tokenizer or model.tokenizer
+    if recorded is None:
+        raise CheckpointError(
+            f"--tokenizer {moved_to}: the checkpoint records no tokenizer to check it against (it trained on token "
+            "ids, or was imported: its tokenizer is its Hugging Face folder's); drop --tokenizer"
+        )
+    if sha256_of(moved_to) != recorded["sha256"]:
+        raise CheckpointError(
+            f"--tokenizer {moved_to} is not the tokenizer this model was trained with ({recorded['path']}, sha256 "
+            f"{recorded['sha256'][:12]})"
+        )
+
+
 def export_tokenizer(
-    output: Path, checkpoint: CheckpointMetadata, model: CheckpointMetadata, max_positions: int
+    output: Path,
+    checkpoint: CheckpointMetadata,
+    model: CheckpointMetadata,
+    max_positions: int,
+    moved_to: Path | None = None,
 ) -> str | None:
     """Write the tokenizer of the model exported into `output` (`checkpoint`: the exported checkpoint's
     metadata; `model`: whose weights it carries, the base's for a LoRA checkpoint; `max_positions`: the model's
-    longest sequence); returns why none was written where the model had one, else None."""
+    longest sequence; `moved_to`: where the trained-with tokenizer is now, checked by check_moved_tokenizer);
+    returns why none was written where the model had one, else None."""
     recorded = checkpoint.tokenizer or model.tokenizer
     if recorded is not None:
-        path = Path(recorded["path"])
+        path = moved_to or Path(recorded["path"])
         if not path.is_file() or sha256_of(path) != recorded["sha256"]:
-            return f"no tokenizer written: {path}, which the model was trained with, is gone or has changed"
+            return (
+                f"no tokenizer written: {path}, which the model was trained with, is gone or has changed (moved? "
+                "give its new place with --tokenizer)"
+            )
         return _write_sentencepiece(path, output, max_positions)
     if model.hf_source is not None:
         return _copy_imported(Path(model.hf_source), model.hf_tokenizer, output)
