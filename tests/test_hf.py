@@ -315,7 +315,7 @@ def test_the_exported_tokenizer_encodes_as_loom_s_and_an_import_s_comes_back(tra
         assert said is None
         processor = sentencepiece.SentencePieceProcessor(model_file=str(tmp_path / "bpe.model"))
         theirs = transformers.AutoTokenizer.from_pretrained(str(out))
-        for text in [*lines[:20], "Hello  world", " leading", "x  \n  y", "unseen: ξ ψ ω 🙂"]:
+        for text in [*lines[:20], "Hello  world", " leading", "x  \n  y", "unseen: ξ ψ ω 🙂", "a <s> b </s> <unk>"]:
             ids = processor.encode(text)
             assert theirs.encode(text, add_special_tokens=False) == ids, text
             assert theirs.decode(ids) == processor.decode(ids), text

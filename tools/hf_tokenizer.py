@@ -103,6 +103,7 @@ def _write_sentencepiece(path: Path, output: Path, max_positions: int) -> str | 
         "add_eos_token": False,
         "add_prefix_space": proto.normalizer_spec.add_dummy_prefix,
         "legacy": False,
+        "split_special_tokens": True,  # "<s>" in text is text, as `loom data build` encoded it, not the bos id
         "model_max_length": max_positions,
     }
     shutil.copyfile(path, output / "tokenizer.model")
