@@ -188,16 +188,16 @@ def export_hf(
     model = config_to_dict(config_from_dict(metadata.config))["model"]  # fills fields older checkpoints lack
     _check_llama(model)
     weights = ModelWeights(directory, metadata, base)
-    origin = weights.model_metadata  # a LoRA checkpoint's Hugging Face origin and tokenizer are its base's
+    origin = weights.model_metadata  # a LoRA checkpoint's Hugging Face origin is its base's
     if tokenizer is not None:
-        check_moved_tokenizer(metadata, origin, tokenizer)
+        check_moved_tokenizer(weights.tokenizer, tokenizer)
     logical = weights.all()
     claim_export_output(output, overwrite)
     output.mkdir(parents=True, exist_ok=True)
     dtype = dtype or origin.hf_dtype or "float32"
     tensors = {name: tensor.to(EXPORT_DTYPES[dtype]) for name, tensor in to_hf(logical, model).items()}
     save_tensors_atomically(tensors, output / "model.safetensors", metadata={"format": "pt"})
-    not_written = export_tokenizer(output, metadata, origin, model["max_position_embeddings"], tokenizer)
+    not_written = export_tokenizer(output, weights.tokenizer, origin, model["max_position_embeddings"], tokenizer)
     if not_written:
         print(f"warning: {not_written}", file=sys.stderr)
     config = hf_config(model, origin.hf_token_ids, dtype)

@@ -17,9 +17,9 @@ from loom.engine.checkpoint.format import CheckpointError, CheckpointMetadata, s
 from loom.tools.outputs import HF_TOKENIZER_FILES
 
 
-def check_moved_tokenizer(checkpoint: CheckpointMetadata, model: CheckpointMetadata, moved_to: Path) -> None:
-    """Refuse `moved_to` (export-hf --tokenizer) unless it is the tokenizer the model was trained with."""
-    recorded = checkpoint.tokenizer or model.tokenizer
+def check_moved_tokenizer(recorded: dict | None, moved_to: Path) -> None:
+    """Refuse `moved_to` (export-hf --tokenizer) unless it is the tokenizer the model was trained with (`recorded`,
+    CheckpointMetadata.tokenizer)."""
     if recorded is None:
         raise CheckpointError(
             f"--tokenizer {moved_to}: the checkpoint records no tokenizer to check it against (it trained on token "
@@ -34,16 +34,15 @@ def check_moved_tokenizer(checkpoint: CheckpointMetadata, model: CheckpointMetad
 
 def export_tokenizer(
     output: Path,
-    checkpoint: CheckpointMetadata,
+    recorded: dict | None,
     model: CheckpointMetadata,
     max_positions: int,
     moved_to: Path | None = None,
 ) -> str | None:
-    """Write the tokenizer of the model exported into `output` (`checkpoint`: the exported checkpoint's
-    metadata; `model`: whose weights it carries, the base's for a LoRA checkpoint; `max_positions`: the model's
-    longest sequence; `moved_to`: where the trained-with tokenizer is now, checked by check_moved_tokenizer);
-    returns why none was written where the model had one, else None."""
-    recorded = checkpoint.tokenizer or model.tokenizer
+    """Write the tokenizer of the model exported into `output` (`recorded`: the tokenizer it trained with,
+    CheckpointMetadata.tokenizer; `model`: the metadata whose Hugging Face origin it carries, the base's for a
+    LoRA checkpoint; `max_positions`: the model's longest sequence; `moved_to`: where the trained-with tokenizer
+    is now, checked by check_moved_tokenizer); returns why none was written where the model had one, else None."""
     if recorded is not None:
         path = moved_to or Path(recorded["path"])
         if not path.is_file() or sha256_of(path) != recorded["sha256"]:

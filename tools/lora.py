@@ -71,6 +71,7 @@ class ModelWeights:
         self.adapters: dict[str, tuple[str, str]] = {}
         self.base_dir: Path | None = None
         self.model_metadata = metadata  # whose facts the model carries: the base's for a LoRA checkpoint
+        self.tokenizer = metadata.tokenizer  # CheckpointMetadata.tokenizer: a fine-tune's own, else its base's
         if metadata.lora_base is None:
             if base is not None:  # said, not ignored: the user may have meant another checkpoint
                 raise CheckpointError(
@@ -81,6 +82,7 @@ class ModelWeights:
             return
         self.base_dir, base_metadata = base_of(directory, metadata, base)
         self.model_metadata = base_metadata
+        self.tokenizer = metadata.tokenizer or base_metadata.tokenizer
         self.weights, self.factors = PieceReader(self.base_dir, base_metadata), reader
         self.names = list(base_metadata.specs)
         self.adapters = adapted_weights(metadata.specs)
@@ -111,5 +113,6 @@ def merge_lora(source: Path, output: Path, base: Path | None = None, overwrite: 
     merged = weights.all()
     claim_checkpoint_output(output, overwrite, reading=(directory, weights.base_dir))
     origin = weights.model_metadata.hf_origin  # the base's Hugging Face origin stays the merged model's
-    tokenizer = metadata.tokenizer or weights.model_metadata.tokenizer  # the fine-tune's, else the base's
-    return write_weights_checkpoint(output, config, merged, str(directory), hf_origin=origin, tokenizer=tokenizer)
+    return write_weights_checkpoint(
+        output, config, merged, str(directory), hf_origin=origin, tokenizer=weights.tokenizer
+    )
