@@ -108,7 +108,12 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
             f"loom train: {nproc} rank(s), tp={config.parallel.tp} "
             + (f"cp={config.parallel.cp} " if config.parallel.cp > 1 else "")
             + f"pp={config.parallel.pp} dp={config.parallel.dp}, "
-            f"run directory {config.train.run_dir}",
+            f"run directory {config.train.run_dir}"
+            + (
+                "; parallel.sequence_parallel has no effect at tp=1"
+                if config.parallel.sequence_parallel and config.parallel.tp == 1
+                else ""
+            ),
             flush=True,
         )
         print(_prediction(config), flush=True)

@@ -388,9 +388,11 @@ def test_a_run_saves_its_last_step_says_the_time_left_and_names_an_optimizer_swi
     last = [line for line in out.splitlines() if line.startswith("step      2/1000")][0]
     assert "ETA" in last and "ETA 0m00s" not in last  # 998 steps left, not the 0 left in this job
     assert not (run_dir / "wandb").exists()
-    code, out, _ = run(capfd, *args, "--optim.name", "sgd", "--train.exit_after", "0", "--train.steps", "4")
+    resume = [*args, "--optim.name", "sgd", "--train.exit_after", "0", "--train.steps", "4"]
+    code, out, _ = run(capfd, *resume, "--parallel.sequence_parallel", "true")
     assert code == 0 and [row["step"] for row in read_metrics(run_dir)] == [1, 2, 3, 4]
     assert "was trained with adamw; its optimizer state does not carry over to sgd" in out
+    assert "parallel.sequence_parallel has no effect at tp=1" in out  # accepted silently before
     code, out, _ = run(capfd, *args, "--optim.name", "sgd", "--train.exit_after", "0", "--train.steps", "4")
     assert code == 0 and "is complete at step 4 of train.steps = 4; raise --train.steps to continue it" in out
 
