@@ -8,7 +8,7 @@ layout (pipeline x context parallel: each sequence split over 2 ranks, ring atte
 too, with the optimizer offloaded to the CPU) -> evaluation -> Hugging Face export -> the run continued as a
 Slurm job (where sbatch is on PATH) -> a summary. Each step's outputs stay in the
 work directory, so the next command (`loom train --config configs/tiny.toml ...`) can reuse them.
-Steps whose outputs already exist are reused, not redone.
+Steps whose outputs already exist are reused, not redone. The data steps (1-5) are launch/demo_data.py's.
 """
 
 from __future__ import annotations
@@ -20,24 +20,10 @@ import time
 import tomllib
 from pathlib import Path
 
-from loom.engine.config import ConfigError
+from loom.engine.config import ConfigError, LoomConfig
 from loom.engine.config_io import config_to_dict, load_config
 from loom.launch.arguments import OLDER, add_parallel_size, int_in, output_dir
-
-
-def _preview_first_sample(config, tokenizer_model: str) -> None:
-    """What the model sees first: the first training sample, cut and ordered as training reads it."""
-    import sentencepiece
-
-    from loom.engine.data.loader import build_dataset
-
-    sample = build_dataset(config, 0, 1, is_builder=True, barrier=None)[0].tolist()
-    text = sentencepiece.SentencePieceProcessor(model_file=tokenizer_model).decode(sample)
-    print(
-        f"first training sample ({len(sample)} tokens; `loom data preview` shows more): "
-        f"{sample[:12]} ... = {text[:160]!r}"
-    )
-
+from loom.launch.demo_data import prepare_data, preview_first_sample, step
 
 DEMO_MARK = ".loom-demo"
 """Written into a workdir the demo used, so that its next run there may replace the demo's own outputs."""
@@ -94,147 +80,57 @@ def _an_older_demo(workdir: Path) -> bool:
     return [str(Path(p).resolve()) for p in trained] == [str((workdir / "data/stdlib_text_document").resolve())]
 
 
-def _corpus_max_docs(corpus: Path) -> int | None | str:
-    """The --max-docs an earlier demo built `corpus` with ("unknown" without its manifest)."""
-    from loom.data_tools.manifest import manifest_path
-
-    try:
-        return json.loads(manifest_path(corpus, is_folder=False).read_text())["parameters"]["max_docs"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return "unknown"
-
-
-def _step(title: str) -> float:
-    print(f"\n== {title}", flush=True)
-    return time.perf_counter()
-
-
 def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: int, pp: int, vp: int) -> dict:
-    from loom.data_tools.build import build_indexed_dataset
-    from loom.data_tools.clean import clean_corpus
-    from loom.data_tools.corpus import build_stdlib_corpus
-    from loom.data_tools.dedup import deduplicate
-    from loom.data_tools.tokenizer import train_tokenizer
-    from loom.engine.data.indexed import IndexedDataset
-    from loom.engine.preflight import preflight
-    from loom.launch.cli_datasets import build_sample_indices
-    from loom.launch.local import launch_local
-
     layout = load_config("configs/tiny.toml", {"parallel": {"tp": tp, "pp": pp, "vp": vp}})
     layout.resolve_world(nproc)  # a layout the training step would refuse is refused before the data steps run
     _claim_workdir(workdir)
-    data_dir = workdir / "data"
-    data_dir.mkdir(parents=True, exist_ok=True)
-    corpus, tokenizer, prefix = data_dir / "corpus.jsonl", data_dir / "tokenizer", data_dir / "stdlib_text_document"
     summary: dict = {}
+    prefix, tokenizer_model = prepare_data(workdir / "data", max_docs, summary)
+    config = _train(workdir, prefix, tokenizer_model, nproc, steps, (tp, pp, vp), summary)
+    _schedule(Path(config.train.run_dir), summary)
+    summary["layout"] = f"tp={tp} pp={pp} vp={vp} dp={config.parallel.dp}"
+    summary.update(_move_checkpoint(workdir, config, steps))
+    summary.update(_lora_finetune(workdir, config, steps))
+    summary.update(_slurm_job(workdir, config, steps))
+    return summary
 
-    start = _step("1/10 corpus: the Python standard library, one document per source file")
-    # Each step reuses its output from an earlier demo in this workdir unless a step before it ran again.
-    rebuilt = not corpus.exists() or _corpus_max_docs(corpus) != max_docs  # a rerun's --max-docs was ignored
-    if rebuilt:
-        summary["corpus"] = build_stdlib_corpus(corpus, max_docs=max_docs)
-    summary["corpus_mb"] = round(corpus.stat().st_size / 1e6, 1)
-    made = summary.get("corpus")
-    counted = (
-        f"{made['documents']:,} documents of {made['files']:,} files ({made['undecodable']:,} not UTF-8, skipped), "
-        if made
-        else "reused, "
-    )
-    print(f"{corpus}: {counted}{summary['corpus_mb']} MB in {time.perf_counter() - start:.1f} s")
 
-    start = _step(
-        "2/10 clean: ftfy repair, NFC, control characters, then the `code` filter pipeline "
-        "(the web pipeline's Gopher/C4/FineWeb rules reject source files); rejects kept with reasons"
-    )
-    cleaned = data_dir / "clean"
-    if rebuilt or not (cleaned / "stats.json").exists():
-        rebuilt = True
-        shutil.rmtree(cleaned, ignore_errors=True)
-        clean_corpus([corpus], cleaned, pipeline="code", workers=2)
-    summary["clean"] = json.loads((cleaned / "stats.json").read_text())
-    corpus = cleaned / "kept.jsonl"
-    print(
-        f"kept {summary['clean']['kept']:,}, rejected {summary['clean']['rejected']:,} "
-        f"(reasons in {cleaned / 'rejected'}) in {time.perf_counter() - start:.1f} s"
-    )
+def _train(
+    workdir: Path, prefix: str, tokenizer_model: str, nproc: int, steps: int, layout: tuple, summary: dict
+) -> LoomConfig:
+    """Step 6: tiny.toml under the demo's 3D layout, with validation and a checkpoint at its last step."""
+    from loom.engine.preflight import preflight
+    from loom.launch.cli_datasets import build_sample_indices
+    from loom.launch.local import launch_local
+    from loom.tools.plan import predicted_line
 
-    start = _step(
-        "3/10 dedup: exact duplicates (normalised-text hash), then near duplicates (MinHash LSH, word 5-grams, "
-        "Jaccard >= 0.8 checked exactly); each removed document names the one it duplicates"
-    )
-    for method, folder in (("exact", "dedup"), ("minhash", "near_dedup")):
-        deduped = data_dir / folder
-        if rebuilt or not (deduped / "stats.json").exists():
-            rebuilt = True
-            shutil.rmtree(deduped, ignore_errors=True)
-            deduplicate([corpus], deduped, method=method)
-        summary[folder] = json.loads((deduped / "stats.json").read_text())
-        corpus = deduped / "kept.jsonl"
-    near = summary["near_dedup"]
-    print(
-        f"exact: removed {summary['dedup']['removed']:,} in {summary['dedup']['clusters']:,} clusters; near: "
-        f"{near['bands']} bands x {near['rows']} rows, {near['candidate_pairs']:,} candidate pairs, "
-        f"{near['verified_pairs']:,} verified, removed {near['removed']:,}; kept {near['kept']:,} "
-        f"({time.perf_counter() - start:.1f} s)"
-    )
-
-    start = _step("4/10 tokenizer: SentencePiece BPE, 4096 pieces, byte fallback")
-    if rebuilt or not Path(f"{tokenizer}.model").exists():
-        rebuilt = True
-        train_tokenizer([corpus], tokenizer, vocab_size=4096, model_type="bpe", input_sentence_size=300_000)
-    print(f"{tokenizer}.model in {time.perf_counter() - start:.1f} s")
-
-    start = _step("5/10 build: tokenize into a memory-mapped indexed dataset (Megatron .bin/.idx)")
-    if rebuilt or not Path(f"{prefix}.idx").exists():
-        build_indexed_dataset([corpus], f"{tokenizer}.model", prefix, workers=2, append_eod=True)
-    dataset = IndexedDataset(prefix)
-    summary["documents"], summary["tokens"] = len(dataset.document_indices) - 1, int(dataset.num_tokens)
-    print(
-        f"{prefix}.bin/.idx: {summary['documents']:,} documents, {summary['tokens']:,} tokens "
-        f"in {time.perf_counter() - start:.1f} s"
-    )
-
+    tp, pp, vp = layout
     run_dir = workdir / "runs" / "tiny"
-    overrides = [
-        "--data.paths",
-        str(prefix),
-        "--data.tokenizer",
-        f"{tokenizer}.model",
-        "--train.run_dir",
-        str(run_dir),
-        "--train.steps",
-        str(steps),
-        "--checkpoint.interval",
-        str(steps),
-        "--train.eval_interval",
-        str(max(1, steps // 2)),
-        "--parallel.tp",
-        str(tp),
-        "--parallel.pp",
-        str(pp),
-        "--parallel.vp",
-        str(vp),
-        "--parallel.sequence_parallel",
-        "true",
-        "--optim.zero",
-        "1",
-        "--train.record_pipeline_timeline",
-        "true",
-    ]
-    config = load_config("configs/tiny.toml", overrides)
+    config = load_config(
+        "configs/tiny.toml",
+        {
+            "data": {"paths": [prefix], "tokenizer": tokenizer_model},
+            "train": {
+                "run_dir": str(run_dir),
+                "steps": steps,
+                "eval_interval": max(1, steps // 2),
+                "record_pipeline_timeline": True,
+            },
+            "checkpoint": {"interval": steps},
+            "parallel": {"tp": tp, "pp": pp, "vp": vp, "sequence_parallel": True},
+            "optim": {"zero": 1},
+        },
+    )
     preflight(config, nproc)
     print(f"offline, as `loom data index` in a preprocessing job: {build_sample_indices(config)}")
-    _preview_first_sample(config, f"{tokenizer}.model")
-    start = _step(
+    preview_first_sample(config, tokenizer_model)
+    start = step(
         f"6/10 train: configs/tiny.toml on {nproc} CPU ranks: tp={tp} (sequence parallel) x pp={pp} "
         f"(interleaved, vp={vp}) x dp={config.parallel.dp} (ZeRO-1), {steps} steps"
     )
-    from loom.tools.plan import predicted_line
-
     print(predicted_line(config, None)[0])
-    metrics = run_dir / "metrics.jsonl"
     launch_local(config, nproc)
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train_rows = [r for r in rows if "loss" in r]
     val_rows = [r for r in rows if "val_loss" in r]
     summary.update(
@@ -245,21 +141,20 @@ def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: in
         train_seconds=round(time.perf_counter() - start, 1),
         run_dir=str(run_dir),
     )
+    return config
 
-    _step("7/10 schedule: the last step's measured pipeline timeline next to the ideal one")
+
+def _schedule(run_dir: Path, summary: dict) -> None:
+    """Step 7: the last step's measured pipeline timeline drawn next to the ideal schedule."""
     from loom.tools.schedule_plot import describe, draw, load_measured
 
+    step("7/10 schedule: the last step's measured pipeline timeline next to the ideal one")
     layout, measured = load_measured(run_dir)
     text, timeline = describe(layout["pp"], layout["vp"], layout["microbatches"])
     print(text)
     summary["schedule_png"] = str(run_dir / "pipeline_schedule.png")
     summary["bubble"] = timeline.bubble_fraction
     draw(layout["pp"], layout["vp"], layout["microbatches"], Path(summary["schedule_png"]), measured)
-    summary["layout"] = f"tp={tp} pp={pp} vp={vp} dp={config.parallel.dp}"
-    summary.update(_move_checkpoint(workdir, config, steps))
-    summary.update(_lora_finetune(workdir, config, steps))
-    summary.update(_slurm_job(workdir, config, steps))
-    return summary
 
 
 def _move_checkpoint(workdir: Path, config, steps: int) -> dict:
@@ -269,7 +164,7 @@ def _move_checkpoint(workdir: Path, config, steps: int) -> dict:
     from loom.tools.ckpt import reshard
     from loom.tools.hf import export_hf
 
-    start = _step(
+    start = step(
         "8/10 checkpoint: reshard to tp=1 pp=2 offline, resume on 4 ranks as pp=2 x cp=2 (sequences split over 2 "
         "ranks; ZeRO-3 over them, CPU offload) for "
         f"{steps // 2} more steps, evaluate, export to Hugging Face"
@@ -320,7 +215,7 @@ def _lora_finetune(workdir: Path, config, steps: int) -> dict:
     from loom.tools.lora import merge_lora
 
     lora_steps = max(2, steps // 4)
-    start = _step(
+    start = step(
         f"9/10 LoRA: rank-8 adapters on the resumed model (base frozen), tp=2 on 2 ranks for {lora_steps} steps, "
         "merged into a full checkpoint, exported as a PEFT adapter"
     )
@@ -365,7 +260,7 @@ def _slurm_job(workdir: Path, config, steps: int) -> dict:
     from loom.launch.slurm import SlurmOptions, slurm_unavailable, submit
     from loom.launch.slurm_jobs import follow
 
-    _step(f"10/10 slurm: continue the run as a Slurm job (1 node x 4 tasks, tp=2 x dp=2) for {steps // 2} more steps")
+    step(f"10/10 slurm: continue the run as a Slurm job (1 node x 4 tasks, tp=2 x dp=2) for {steps // 2} more steps")
     reason = slurm_unavailable()
     if reason:
         print(
