@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import resource
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -122,13 +123,30 @@ def format_console_line(row: dict, total_steps: int | None = None, eta_s: float 
 
 
 class StepClock:
-    """Time left in a job, from its mean step time; the first interval (warm-up) is left out once others exist."""
+    """Throughput and the time left in a job. Steps and tokens are counted from one device sync to the next
+    (the logging steps), so the host's logging in between counts too, as it holds up the next step; the time left
+    is the mean step time's, the first interval (warm-up) left out once others exist."""
 
     def __init__(self) -> None:
         self.intervals: list[tuple[float, int]] = []
+        self.restart()
 
-    def record(self, seconds: float, steps: int = 1) -> None:
-        self.intervals.append((seconds, steps))
+    def restart(self) -> None:
+        """Start a new interval now (after a sync): what ran since (an evaluation, a save) is not throughput."""
+        self.started, self.steps, self.tokens = time.perf_counter(), 0, 0
+
+    def count(self, tokens: int) -> None:
+        self.steps += 1
+        self.tokens += tokens
+
+    def lap(self) -> float:
+        """Close the interval at a sync: its tokens per second; the next interval starts now."""
+        now = time.perf_counter()
+        elapsed = now - self.started
+        self.intervals.append((elapsed, self.steps))
+        tokens_per_s = self.tokens / elapsed
+        self.started, self.steps, self.tokens = now, 0, 0
+        return tokens_per_s
 
     def seconds_left(self, steps_left: int) -> float | None:
         settled = self.intervals[1:] or self.intervals

@@ -12,7 +12,6 @@ import datetime
 import json
 import math
 import sys
-import time
 from pathlib import Path
 from typing import Protocol
 
@@ -469,21 +468,12 @@ class Trainer:
         """
         t = self.config.train
         rows = []
-        stop_at = min(t.steps, self.step + t.exit_after) if t.exit_after else t.steps
-        if self.step >= t.steps:
-            self._log_event(run_is_complete(t.run_dir, self.step, t.steps))
-        elif self._patience_spent():
-            stop_at = self.step
-            self._log_event(
-                f"nothing to train: the run in {t.run_dir} stopped early at step {self.step} (validation loss "
-                f"{self.validation['best_loss']:.4f} has not improved for {self.validation['evals_without_gain']} "
-                f"evaluations); raise --train.early_stop_patience, or set it to 0, to train on"
-            )
+        stop_at = self._stop_at()
         clock = StepClock()
         # Later agreements ride on each step's own transfer (train_step); this one covers a stop before the first.
         stop_agreed = stop is not None and self._agreed_stop(stop)
         self._sync()
-        interval_start, interval_steps, interval_tokens = time.perf_counter(), 0, 0
+        clock.restart()
         while self.step < stop_at:
             if stop_agreed:
                 if self.last_saved_step != self.step:
@@ -494,34 +484,10 @@ class Trainer:
             self.faults.before_step(self.step, stop)
             row = self.train_step(stop)
             stop_agreed = stop is not None and stop.agreed > 0
-            interval_steps += 1
-            interval_tokens += row["global_batch_size"] * t.seq_length
+            clock.count(row["global_batch_size"] * t.seq_length)
             if self.step % t.log_interval == 0 or self.step == t.steps:
-                # Timed from sync to sync over the steps since the last logged one (a device sync on logging steps
-                # only), so the host's logging in between counts too, as it holds up the next step.
-                self._sync()
-                logged_at = time.perf_counter()
-                elapsed = logged_at - interval_start
-                clock.record(elapsed, interval_steps)
-                tokens_per_s = interval_tokens / elapsed
-                mfu = (
-                    self.flops_per_token * tokens_per_s / (self.peak_flops * self.state.world_size)
-                    if self.peak_flops
-                    else None
-                )
-                row = {
-                    "step": self.step,
-                    **row,
-                    "tokens": self.train_batches.consumed_tokens,
-                    "tokens_per_s": tokens_per_s,
-                    "mfu": mfu,
-                    "mem_gb": memory_gb(self.device),
-                }
-                if not rows:  # the first row of each job records the kernels this job runs
-                    row["kernels"] = self.kernels.as_dict()
-                # The whole run's time left, also when train.exit_after ends this job before it.
-                rows.append(self._log(row, clock.seconds_left(t.steps - self.step)))
-                interval_start, interval_steps, interval_tokens = logged_at, 0, 0
+                self._sync()  # a device sync on logging steps only
+                rows.append(self._log_step(row, clock, first=not rows))
             saving = self._saves_at(self.step, stop_at)
             evaluating = self.valid_set is not None and (self.step % t.eval_interval == 0 or self.step == t.steps)
             stopping_early = False
@@ -544,10 +510,45 @@ class Trainer:
                 break
             if saving or evaluating:  # their time is not training throughput
                 self._sync()
-                interval_start, interval_steps, interval_tokens = time.perf_counter(), 0, 0
+                clock.restart()
         if t.record_pipeline_timeline:
             self.write_pipeline_timeline()
         return rows
+
+    def _stop_at(self) -> int:
+        """The step this job trains to: train.steps, sooner with train.exit_after, now if there is nothing to
+        train (said on rank 0)."""
+        t = self.config.train
+        stop_at = min(t.steps, self.step + t.exit_after) if t.exit_after else t.steps
+        if self.step >= t.steps:
+            self._log_event(run_is_complete(t.run_dir, self.step, t.steps))
+        elif self._patience_spent():
+            stop_at = self.step
+            self._log_event(
+                f"nothing to train: the run in {t.run_dir} stopped early at step {self.step} (validation loss "
+                f"{self.validation['best_loss']:.4f} has not improved for {self.validation['evals_without_gain']} "
+                f"evaluations); raise --train.early_stop_patience, or set it to 0, to train on"
+            )
+        return stop_at
+
+    def _log_step(self, step_row: dict, clock: StepClock, first: bool) -> dict:
+        """Log a training step's row with the throughput of the steps since the last logged one (timed from sync
+        to sync by `clock`) and the whole run's time left, also when train.exit_after ends this job before it."""
+        tokens_per_s = clock.lap()
+        mfu = (
+            self.flops_per_token * tokens_per_s / (self.peak_flops * self.state.world_size) if self.peak_flops else None
+        )
+        row = {
+            "step": self.step,
+            **step_row,
+            "tokens": self.train_batches.consumed_tokens,
+            "tokens_per_s": tokens_per_s,
+            "mfu": mfu,
+            "mem_gb": memory_gb(self.device),
+        }
+        if first:  # the first row of each job records the kernels this job runs
+            row["kernels"] = self.kernels.as_dict()
+        return self._log(row, clock.seconds_left(self.config.train.steps - self.step))
 
     def _record_validation(self, loss: float) -> None:
         best = self.validation["best_loss"]
