@@ -183,11 +183,6 @@ def deduplicate(
     plan = None
     if method == "minhash":
         plan = plan_lsh(threshold, num_perm, input_bytes, workers, int(bucket_memory_mb * (1 << 20)))
-    parameters = {"method": method, "text_key": text_key}
-    if plan is not None:
-        parameters.update(threshold=threshold, workers=workers, bucket_memory_mb=bucket_memory_mb, **_plan_fields(plan))
-    elif method == "semantic":
-        parameters.update(threshold=threshold, model=getattr(embedder, "name", type(embedder).__name__))
     with reported_failures(output, _needed_bytes(input_bytes, plan)):
         for stale in ("stats.json", "manifest.json"):
             (output / stale).unlink(missing_ok=True)
@@ -230,23 +225,39 @@ def deduplicate(
                 command="loom data dedup",
                 inputs=paths,
                 outputs=[*moved, output / "stats.json"],
-                parameters=parameters,
+                parameters=_parameters(method, text_key, threshold, plan, workers, bucket_memory_mb, embedder),
                 counts={k: result[k] for k in ("input_documents", "kept", "removed", "clusters")},
                 started=started,
                 is_folder=True,
             )
         except BaseException:
-            # Nothing of this run may stay: files already moved into place would look finished without a manifest.
             ids.discard()
             bad_lines.close()
-            shutil.rmtree(staging, ignore_errors=True)
-            for path in [*moved, output / "stats.json"]:
-                path.unlink(missing_ok=True)
-            for folder in ("removed", "rejected"):
-                with suppress(OSError):
-                    (output / folder).rmdir()  # only if empty
+            _remove_partial_output(staging, output, moved)
             raise
     return result
+
+
+def _parameters(
+    method: str, text_key: str, threshold: float | None, plan: LshPlan | None, workers: int, bucket_mb: float, embedder
+) -> dict:
+    """The settings a dedup output's manifest records (what a rerun must repeat to get the same output)."""
+    parameters = {"method": method, "text_key": text_key}
+    if plan is not None:
+        parameters.update(threshold=threshold, workers=workers, bucket_memory_mb=bucket_mb, **_plan_fields(plan))
+    elif method == "semantic":
+        parameters.update(threshold=threshold, model=getattr(embedder, "name", type(embedder).__name__))
+    return parameters
+
+
+def _remove_partial_output(staging: Path, output: Path, moved: list[Path]) -> None:
+    """Nothing of a failed run may stay: files already moved into place would look finished without a manifest."""
+    shutil.rmtree(staging, ignore_errors=True)
+    for path in [*moved, output / "stats.json"]:
+        path.unlink(missing_ok=True)
+    for folder in ("removed", "rejected"):
+        with suppress(OSError):
+            (output / folder).rmdir()  # only if empty
 
 
 def _plan_fields(plan: LshPlan) -> dict:
