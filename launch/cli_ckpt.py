@@ -216,11 +216,21 @@ def _checkpoint_output(p: argparse.ArgumentParser, what: str) -> None:
 def add_parsers(commands) -> None:
     ckpt = commands.add_parser("ckpt", help="checkpoint tools: inspect, reshard, export-hf, import-hf, merge-lora")
     sub = ckpt.add_subparsers(dest="ckpt_command", required=True, metavar="ACTION")
+    for add in (_add_inspect, _add_reshard, _add_export_hf, _add_merge_lora, _add_import_hf):
+        add(sub)
+    _add_eval(commands)
+    _add_generate(commands)
+
+
+def _add_inspect(sub) -> None:
     p = sub.add_parser("inspect", help="layout, step, tokens and the tensor table of a checkpoint")
     p.add_argument(
         "directory", type=existing_path, help="an iter_N directory or a checkpoints/ folder (its newest intact one)"
     )
     p.set_defaults(handler=_inspect)
+
+
+def _add_reshard(sub) -> None:
     p = sub.add_parser(
         "reshard",
         help="rewrite a checkpoint for another tp/pp/vp layout, offline, streaming",
@@ -233,6 +243,9 @@ def add_parsers(commands) -> None:
     add_parallel_size(p, "pp", "target pipeline stages", required=True)
     add_parallel_size(p, "vp", "target chunks per stage", default=1)
     p.set_defaults(handler=_reshard)
+
+
+def _add_export_hf(sub) -> None:
     p = sub.add_parser("export-hf", help="write a Llama-format Hugging Face model (safetensors + config.json)")
     _checkpoint_input(p, "the checkpoint to export")
     _checkpoint_output(p, "a folder of its own for model.safetensors and config.json")
@@ -260,6 +273,9 @@ def add_parsers(commands) -> None:
     )
     p.add_argument("--lora.base", dest="lora_base", type=existing_path, help=LORA_BASE)
     p.set_defaults(handler=_export_hf)
+
+
+def _add_merge_lora(sub) -> None:
     p = sub.add_parser(
         "merge-lora",
         help="fold a LoRA run's adapters into its base: a full checkpoint",
@@ -270,11 +286,16 @@ def add_parsers(commands) -> None:
     _checkpoint_output(p, "a checkpoints/ folder of its own to write iter_0000000 and latest into")
     p.add_argument("--lora.base", dest="lora_base", type=existing_path, help=LORA_BASE)
     p.set_defaults(handler=_merge_lora)
+
+
+def _add_import_hf(sub) -> None:
     p = sub.add_parser("import-hf", help="turn a Hugging Face Llama model directory into a loom checkpoint")
     p.add_argument("--input", type=existing_dir, required=True, help="directory with config.json and *.safetensors")
     _checkpoint_output(p, "a checkpoints/ folder of its own to write iter_0000000 and latest into")
     p.set_defaults(handler=_import_hf)
 
+
+def _add_eval(commands) -> None:
     p = commands.add_parser(
         "eval",
         help="validation loss and perplexity of a checkpoint on a dataset, any layout",
@@ -296,6 +317,8 @@ def add_parsers(commands) -> None:
     p.add_argument("--nproc", type=int_in(1, 1024), default=1, help="local ranks (default: %(default)s)")
     p.set_defaults(handler=cmd_eval, takes_overrides=True)
 
+
+def _add_generate(commands) -> None:
     p = commands.add_parser(
         "generate",
         help="continue a prompt with a checkpoint's model (KV-cached; greedy or sampled)",
