@@ -25,8 +25,8 @@ from loom.tools.plan_bytes import (
     layout_of,
     model_state_bytes,
     rank_activation_bytes,
-    step_traffic,
 )
+from loom.tools.plan_traffic import step_traffic
 
 STATE_LAYOUTS = {
     2: [

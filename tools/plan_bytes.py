@@ -13,8 +13,7 @@ it into time and searches layouts).
   its internals; full recompute only each layer's input; compiled blocks keep what inductor's partitioner
   keeps), times the micro-batches in flight on the rank (loom's schedule's warm-up: 1F1B min(pp - rank, m) ...),
   plus on the last rank the output layer's input and logits.
-- traffic: the bytes of each collective and transfer of a step, by group, op and dtype, as loom's communication
-  ledger records them.
+The bytes a step sends are tools/plan_traffic.py's.
 
 Each is checked against what loom allocates, saves and sends on CPU (tests/test_plan_bytes.py, docs/planner.md).
 """
@@ -412,90 +411,3 @@ def rank_activation_bytes(
         m, seq, lay.micro_batch_size, lay.tp, lay.sp, element, compiled, t.fp8_output_layer
     )
     return layers + output
-
-
-def cp_ring_transfers(m: ModelConfig, lay: Layout, local: int) -> tuple[int, int, int]:
-    """(sends of keys and values in the compute dtype, sends of their gradients in fp32, elements each) of one
-    layer's ring for one micro-batch on one CP rank (engine/parallel/context.py): the keys and values of this TP
-    rank's KV heads go round cp - 1 times in forward, again in backward and again when recompute reruns the
-    attention; their gradients cp times (the last hop takes them home). Each send has its receive."""
-    kv = 2 * local * lay.micro_batch_size * m.num_kv_heads * m.head_dim // lay.tp
-    passes = 2 + (lay.recompute != "none")
-    return passes * (lay.cp - 1), lay.cp, kv
-
-
-# ---------------------------------------------------------------- traffic, as loom's communication ledger counts it
-
-_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-
-
-def step_traffic(config: LoomConfig, lay: Layout, pp_rank: int = 0) -> dict[tuple[str, str, str], int]:
-    """Bytes one rank of pipeline rank `pp_rank` sends per step, by (group, op, dtype), counted as loom's
-    communication ledger counts them (engine/comm_ledger.py: an all-gather's output, a reduce-scatter's input,
-    else the tensor), all of it for AdamW and SGD: the data-parallel gradient and weight collectives of its ZeRO
-    stage, tensor parallelism's all-reduces (sequence parallelism's all-gathers and reduce-scatters) and the
-    vocabulary-parallel loss's statistics, the sequence-parallel and tied-embedding gradient sums, the pipeline's
-    sends and receives, and the loss and gradient-norm sums."""
-    m, t = config.model, config.train
-    element, dtype = (4 if t.precision == "fp32" else 2), _DTYPE_NAMES[t.precision]
-    grad_bytes, grad_dtype = GRAD_BYTES[config.optim.grad_dtype], _DTYPE_NAMES[config.optim.grad_dtype]
-    microbatches = t.global_batch_size // (lay.micro_batch_size * lay.dp)
-    bucket_bytes = int(config.parallel.grad_bucket_mb * 2**20)
-    stages = lay.pp * lay.vp
-    chunks = [c * lay.pp + pp_rank for c in range(lay.vp)]
-    traffic: dict[tuple[str, str, str], int] = collections.Counter()
-    grad_group = "grad" if lay.cp > 1 else "dp"  # DP x CP (ParallelState.grad_group)
-    if lay.replicas > 1:
-        _, total, deferred = rank_buffer(m, lay, pp_rank, bucket_bytes, grad_bytes)
-        if lay.zero == 0:
-            traffic[(grad_group, "all_reduce", grad_dtype)] += grad_bytes * total
-        else:
-            per_step = grad_bytes * ((total - deferred) * (microbatches if lay.zero >= 2 else 1) + deferred)
-            traffic[(grad_group, "reduce_scatter", grad_dtype)] += per_step
-            # ZeRO-3 gathers the sharded buckets for every micro-batch's forward and again for its backward,
-            # and the whole (deferred) ones once after the step as ZeRO 1 and 2 gather everything
-            gathered = 2 * microbatches * (total - deferred) + deferred if lay.zero == 3 else total
-            traffic[(grad_group, "all_gather", dtype)] += element * gathered
-        traffic[(grad_group, "all_reduce", "float32")] += 4  # the loss sum
-    local = t.seq_length // lay.cp
-    tokens = local * lay.micro_batch_size
-    if lay.cp > 1:
-        layers = m.num_layers // stages * lay.vp
-        kv_sends, grad_sends, elements = cp_ring_transfers(m, lay, local)
-        for op in ("send", "recv"):
-            traffic[("cp", op, dtype)] += microbatches * layers * kv_sends * elements * element
-            traffic[("cp", op, "float32")] += microbatches * layers * grad_sends * elements * 4
-    activation = tokens * m.hidden_size * element
-    if lay.tp > 1:
-        layers = m.num_layers // stages * lay.vp
-        # per micro-batch: the layers', and one each way at the embedding and the output layer
-        ends = sum((stage == 0) + (stage == stages - 1) for stage in chunks)
-        for op, count in tp_collectives_per_layer(lay).items():
-            traffic[("tp", op, dtype)] += microbatches * (count * layers + ends) * activation
-        if stages - 1 in chunks:  # the loss's max, sum of exponentials and target logit per token, in fp32
-            traffic[("tp", "all_reduce", "float32")] += microbatches * 3 * tokens * 4
-        if lay.sp:  # the norms' (and biases') partial gradients, summed over TP once per step
-            params = rank_parameters(m, dataclasses.replace(lay, micro_batch_size=1), pp_rank)
-            tied = _tied_embedding_elements(m, lay, chunks)
-            traffic[("tp", "all_reduce", grad_dtype)] += grad_bytes * (sum(q.size for q in params if q.deferred) - tied)
-    if lay.pp > 1:
-        hidden = activation // (lay.tp if lay.sp else 1)
-        # per micro-batch each chunk receives its input and sends its output forward, and receives the output's
-        # gradient and sends the input's back: one send and one receive per neighbouring stage
-        transfers = sum((stage > 0) + (stage < stages - 1) for stage in chunks)
-        for op in ("send", "recv"):
-            traffic[("pp", op, dtype)] += microbatches * transfers * hidden
-        traffic[("pp", "all_reduce", "float32")] += 4  # the loss sum
-        if tied := _tied_embedding_elements(m, lay, chunks):
-            traffic[("embedding", "all_reduce", grad_dtype)] += grad_bytes * tied
-    if lay.tp * lay.pp * lay.replicas > 1:
-        traffic[("world", "all_reduce", "float32")] += 4  # the squared gradient norm
-    return dict(traffic)
-
-
-def _tied_embedding_elements(m: ModelConfig, lay: Layout, chunks: list[int]) -> int:
-    """Elements of the tied embedding copies these chunks hold (summed over the pipeline's ends each step)."""
-    if not m.tie_embeddings or lay.pp * lay.vp == 1:
-        return 0
-    vocab = padded_vocab_size(m.vocab_size, m.make_vocab_divisible_by, lay.tp) // lay.tp
-    return vocab * m.hidden_size * sum(stage in (0, lay.pp * lay.vp - 1) for stage in chunks)

@@ -28,13 +28,13 @@ from loom.tools.plan_bytes import (
     GRAD_BYTES,
     Engine,
     Layout,
-    cp_ring_transfers,
     fp8_quantised_elements,
     fp8_weight_bytes,
     native_blocks,
     rank_buffer,
     tp_collectives_per_layer,
 )
+from loom.tools.plan_traffic import cp_ring_transfers
 
 GPUS_FILE = Path(__file__).with_name("gpus.toml")
 GB = 1e9
