@@ -211,7 +211,7 @@ def build_indexed_dataset(
     dtype = dtype_for_vocab(vocab_size)
     stats = JsonlStats()
     start = time.perf_counter()
-    bin_path, idx_path = index_paths(output_prefix)
+    bin_path = index_paths(output_prefix)[0]
     written, input_bytes = _Written(), estimated_input_bytes(paths)
     bad_lines = BadLinesFile(bad_lines_path(output_prefix))
     bad_lines.path.unlink(missing_ok=True)  # a previous run's
@@ -248,36 +248,36 @@ def build_indexed_dataset(
             "input": stats.as_dict(),
         }
         if manifest:
-            try:
-                write_manifest(
-                    output_prefix,
-                    command="loom data build",
-                    inputs=[*paths, model_path],
-                    outputs=[
-                        f"{output_prefix}.bin",
-                        f"{output_prefix}.idx",
-                        *([bad_lines.path] * bool(bad_lines.count)),
-                    ],
-                    parameters={
-                        "tokenizer": model_path,
-                        "text_key": text_key,
-                        "append_eod": append_eod,
-                        "workers": workers,
-                        "dtype": dtype.name,
-                    },
-                    counts={
-                        "documents": documents,
-                        "empty_documents": written.empty_documents,
-                        "tokens": tokens,
-                        "bad_lines": stats.bad_lines,
-                    },
-                    started=started,
-                    is_folder=False,
-                )
-            except BaseException:
-                # A dataset without its manifest (or beside an older one) would look finished.
-                for path in (idx_path, bin_path, manifest_path(output_prefix, is_folder=False)):
-                    path.unlink(missing_ok=True)
-                _remove_bad_lines(bad_lines)
-                raise
+            parameters = {"text_key": text_key, "append_eod": append_eod, "workers": workers}
+            _write_build_manifest(output_prefix, paths, model_path, parameters, result, bad_lines, started)
     return result
+
+
+def _write_build_manifest(
+    output_prefix: str | Path,
+    paths: list[Path],
+    model_path: str,
+    parameters: dict,
+    result: dict,
+    bad_lines: BadLinesFile,
+    started: float,
+) -> None:
+    """PREFIX.manifest.json, written last: a dataset without its manifest (or beside an older one) would look
+    finished, so a failure here removes the dataset too."""
+    bin_path, idx_path = index_paths(output_prefix)
+    try:
+        write_manifest(
+            output_prefix,
+            command="loom data build",
+            inputs=[*paths, model_path],
+            outputs=[bin_path, idx_path, *([bad_lines.path] * bool(bad_lines.count))],
+            parameters={"tokenizer": model_path, **parameters, "dtype": result["dtype"]},
+            counts={key: result[key] for key in ("documents", "empty_documents", "tokens", "bad_lines")},
+            started=started,
+            is_folder=False,
+        )
+    except BaseException:
+        for path in (idx_path, bin_path, manifest_path(output_prefix, is_folder=False)):
+            path.unlink(missing_ok=True)
+        _remove_bad_lines(bad_lines)
+        raise
