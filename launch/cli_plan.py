@@ -84,8 +84,7 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
     from loom.engine.config import ConfigError
     from loom.engine.config_io import load_config
     from loom.tools.charts import claim_chart_file
-    from loom.tools.plan import load_hardware, parse_layout, plan, plot, table
-    from loom.tools.plan_bytes import blocks_compiled
+    from loom.tools.plan import load_hardware, plan, plot, table
 
     config = load_config(args.config, _fp8_as_loom_runs_it(overrides))
     hardware = load_hardware(args.gpu, args.gpus_per_node)
@@ -99,19 +98,7 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
         claim_chart_file(Path(args.plot), "--plot", args.overwrite)
     if config.train.fp8 != "off" and "fp8" not in hardware.peak_tflops:
         raise ConfigError(f"{args.gpu} has no FP8 tensor cores; plan it with --train.precision bf16")
-    fixed = parse_layout(args.layout) if args.layout else {}
-    for key, value in _layout_overrides(config, overrides).items():
-        if key in fixed and fixed[key] != value:
-            raise ConfigError(f"--layout says {key}={fixed[key]} but an override says {value}; give it once")
-        fixed[key] = value
-    if "zero" in fixed and (refusal := config.zero_refusal(fixed["zero"])):
-        raise ConfigError(refusal)
-    sizes = {key: fixed[key] for key in ("tp", "cp", "pp", "dp") if key in fixed}
-    if args.gpus % math.prod(sizes.values()):
-        spelled = " x ".join(f"{key}={value}" for key, value in sizes.items())
-        raise ConfigError(
-            f"{spelled} takes {math.prod(sizes.values())} GPUs at a time, which --gpus {args.gpus} cannot be split into"
-        )
+    fixed = _fixed_layout(config, args, overrides)
     estimates = plan(config, args.gpus, hardware, fixed)
     if not estimates:
         raise ConfigError(
@@ -128,15 +115,7 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
             )
         )
     else:
-        m, t = config.model, config.train
-        output = ", output layer too" if t.fp8_output_layer else ""
-        precision = t.precision + (f" with fp8 GEMMs ({t.fp8}{output})" if t.fp8 != "off" else "")
-        blocks = "compiled blocks" if blocks_compiled(config) else "eager blocks"
-        print(
-            f"{config.train.name}: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads; "
-            f"batch {t.global_batch_size} x {t.seq_length} tokens, {precision}, {blocks}; {args.gpus} x {args.gpu}: "
-            f"{len(estimates):,} layouts, {sum(e.fits for e in estimates):,} fit"
-        )
+        print(_heading(config, args, estimates))
         print(table(shown, args.gpu))
     if args.plot:
         plot(shown, Path(args.plot))
@@ -150,6 +129,42 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
             file=sys.stderr,
         )
         sys.exit(1)
+
+
+def _fixed_layout(config, args: argparse.Namespace, overrides: list[str]) -> dict:
+    """The layout fields the search holds: --layout's and the config overrides' (given once), checked."""
+    from loom.engine.config import ConfigError
+    from loom.tools.plan import parse_layout
+
+    fixed = parse_layout(args.layout) if args.layout else {}
+    for key, value in _layout_overrides(config, overrides).items():
+        if key in fixed and fixed[key] != value:
+            raise ConfigError(f"--layout says {key}={fixed[key]} but an override says {value}; give it once")
+        fixed[key] = value
+    if "zero" in fixed and (refusal := config.zero_refusal(fixed["zero"])):
+        raise ConfigError(refusal)
+    sizes = {key: fixed[key] for key in ("tp", "cp", "pp", "dp") if key in fixed}
+    if args.gpus % math.prod(sizes.values()):
+        spelled = " x ".join(f"{key}={value}" for key, value in sizes.items())
+        raise ConfigError(
+            f"{spelled} takes {math.prod(sizes.values())} GPUs at a time, which --gpus {args.gpus} cannot be split into"
+        )
+    return fixed
+
+
+def _heading(config, args: argparse.Namespace, estimates: list) -> str:
+    """The table's first line: the model, the batch, the precision and what was searched."""
+    from loom.tools.plan_bytes import blocks_compiled
+
+    m, t = config.model, config.train
+    output = ", output layer too" if t.fp8_output_layer else ""
+    precision = t.precision + (f" with fp8 GEMMs ({t.fp8}{output})" if t.fp8 != "off" else "")
+    blocks = "compiled blocks" if blocks_compiled(config) else "eager blocks"
+    return (
+        f"{config.train.name}: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads; "
+        f"batch {t.global_batch_size} x {t.seq_length} tokens, {precision}, {blocks}; {args.gpus} x {args.gpu}: "
+        f"{len(estimates):,} layouts, {sum(e.fits for e in estimates):,} fit"
+    )
 
 
 def _gpu_names() -> list[str]:
