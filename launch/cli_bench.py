@@ -18,7 +18,8 @@ Any config field can be overridden as --section.field value, e.g.
   loom bench mfu --config configs/llama-1b.toml --steps 20 --train.seq_length 2048 --model.compile true
   loom bench mfu --config configs/tiny.toml --steps 5                       (CPU, seconds)
 Runs one process (world size 1) on train.device: loom at the config's precision, loom with FP8
-(skipped with the reason where unavailable) and the same model as a plain PyTorch loop."""
+(skipped with the reason where unavailable), the same model as a plain PyTorch loop and, where transformers
+is installed, LlamaForCausalLM of the same shape (eager, SDPA); then the ratios between them."""
 
 
 EPILOG_PROFILE = """\

@@ -170,7 +170,7 @@ def add_parser(commands) -> None:
     from loom.launch import cli_datasets
 
     data = commands.add_parser(
-        "data", help="offline data tools: corpus, clean, dedup, tokenizer, build, merge, inspect, preview"
+        "data", help="offline data tools: corpus, clean, dedup, tokenizer, build, merge, inspect, preview, index"
     )
     sub = data.add_subparsers(dest="data_command", required=True, metavar="STEP")
     for add in (

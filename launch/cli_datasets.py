@@ -254,7 +254,12 @@ def add_merge(sub) -> None:
     p.add_argument(
         "--inputs", nargs="+", type=dataset_prefix, required=True, help="prefixes to merge, in order; all of one dtype"
     )
-    p.add_argument("--output-prefix", type=output_prefix, required=True, help="writes PREFIX.bin and PREFIX.idx")
+    p.add_argument(
+        "--output-prefix",
+        type=output_prefix,
+        required=True,
+        help="writes PREFIX.bin, PREFIX.idx and PREFIX.manifest.json",
+    )
     p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p.set_defaults(handler=_merge)
 

@@ -114,6 +114,7 @@ def _train(
                 "run_dir": str(run_dir),
                 "steps": steps,
                 "eval_interval": max(1, steps // 2),
+                "log_interval": max(1, min(5, steps // 10)),  # a short demo's first and last rows differ
                 "record_pipeline_timeline": True,
             },
             "checkpoint": {"interval": steps},
@@ -135,11 +136,13 @@ def _train(
     val_rows = [r for r in rows if "val_loss" in r]
     summary.update(
         first_loss=train_rows[0]["loss"],
+        first_step=train_rows[0]["step"],
         last_loss=train_rows[-1]["loss"],
         val_loss=val_rows[-1]["val_loss"] if val_rows else None,
         val_ppl=val_rows[-1]["val_ppl"] if val_rows else None,
         train_seconds=round(time.perf_counter() - start, 1),
         run_dir=str(run_dir),
+        steps=steps,
     )
     return config
 
@@ -311,8 +314,8 @@ def _print_summary(summary: dict) -> None:
         f"{summary['tokens']:,} tokens"
     )
     print(
-        f"training     {summary['layout']}, ZeRO-1: loss {summary['first_loss']:.3f} -> "
-        f"{summary['last_loss']:.3f} in {summary['train_seconds']} s"
+        f"training     {summary['layout']}, ZeRO-1: loss {summary['first_loss']:.3f} at step {summary['first_step']} "
+        f"-> {summary['last_loss']:.3f} at step {summary['steps']} in {summary['train_seconds']} s"
     )
     if summary["val_loss"] is not None:
         print(f"validation   loss {summary['val_loss']:.3f}, perplexity {summary['val_ppl']:.1f}")

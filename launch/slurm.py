@@ -199,13 +199,6 @@ def executor_parameters(options: SlurmOptions, config: LoomConfig, gpus_on_parti
             f"train.device = cuda needs one GPU per task: --gpus-per-node {gpus} < "
             f"--tasks-per-node {options.tasks_per_node}"
         )
-    if options.time_minutes * 60 < options.signal_delay_s + 60:
-        raise ConfigError(
-            f"--time gives {options.time_minutes} min (Slurm counts whole minutes), which leaves no room before the "
-            "checkpoint signal "
-            f"(--signal-delay-s {options.signal_delay_s}); Slurm checks the signal only every 30 s, "
-            f"so keep the limit above delay + 60 s"
-        )
     parameters = {
         "nodes": options.nodes,
         "ntasks_per_node": options.tasks_per_node,
@@ -230,6 +223,17 @@ def executor_parameters(options: SlurmOptions, config: LoomConfig, gpus_on_parti
     }
     parameters.update({k: v for k, v in optional.items() if v is not None})
     return parameters
+
+
+def _check_time_limit(options: SlurmOptions) -> None:
+    """A time limit that leaves the checkpoint signal (sent --signal-delay-s before it) room to be seen."""
+    if options.time_minutes * 60 < options.signal_delay_s + 60:
+        raise ConfigError(
+            f"--time gives {options.time_minutes} min (Slurm counts whole minutes), which leaves no room before the "
+            "checkpoint signal "
+            f"(--signal-delay-s {options.signal_delay_s}); Slurm checks the signal only every 30 s, "
+            f"so keep the limit above delay + 60 s"
+        )
 
 
 def _absolute_paths(config: LoomConfig) -> None:
@@ -276,7 +280,8 @@ def submit(config: LoomConfig, options: SlurmOptions):
     ):
         if value is not None and _has_control_character(value):
             raise ConfigError(f"--{flag}: the value contains a control character (newline?)")
-    gpus = partition_gpus(options.partition)  # first: without a reachable cluster nothing else matters
+    _check_time_limit(options)  # the submission's own settings before asking the cluster
+    gpus = partition_gpus(options.partition)  # then: without a reachable cluster nothing else matters
     run_dir = Path(config.train.run_dir)
     check_no_job_queued(run_dir)  # before preflight, which may move a run aside (--train.overwrite)
     with removed_if_left_empty(run_dir):

@@ -424,3 +424,6 @@ def test_submit_where_no_cluster_answers_says_so_and_leaves_no_run_folder(datase
     result = loom_here(capfd, "submit", *tiny_train_args(dataset, tmp_path / "run"))
     one_line_error(result, "no Slurm cluster answers here", "loom train --nproc N")
     assert not (tmp_path / "run").exists()
+    # the submission's own mistakes are said first: a user without a cluster at hand learned of them only there
+    result = loom_here(capfd, "submit", *tiny_train_args(dataset, tmp_path / "run"), "--time", "2")
+    one_line_error(result, "--time gives 2 min (Slurm counts whole minutes), which leaves no room")

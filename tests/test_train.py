@@ -100,6 +100,9 @@ def test_demo_runs_end_to_end(tmp_path, monkeypatch, capfd):
     assert "2 sample indices (2 built, 0 found)" in result.stdout  # built offline before training
     rows = [json.loads(line) for line in (tmp_path / "runs/tiny/metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 4
+    training = [row for row in rows if "loss" in row]  # a short demo logs every step: the summary's loss moves
+    assert [row["step"] for row in training] == [1, 2, 3, 4]
+    assert f"loss {training[0]['loss']:.3f} at step 1 -> {training[-1]['loss']:.3f} at step 4" in result.stdout
     resumed = [json.loads(line) for line in (tmp_path / "runs/tiny-resumed/metrics.jsonl").read_text().splitlines()]
     assert resumed[-1]["step"] == 6
     assert (tmp_path / "hf/config.json").exists() and (tmp_path / "hf/model.safetensors").exists()
