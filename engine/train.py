@@ -21,11 +21,11 @@ from tqdm import tqdm
 
 from loom.engine.checkpoint.format import CheckpointError, CheckpointMetadata, checkpoint_to_resume, read_metadata
 from loom.engine.checkpoint.load import (
-    changed_data_order,
     changed_model_settings,
     check_same_model,
     load_checkpoint,
     load_model_weights,
+    resume_warnings,
 )
 from loom.engine.checkpoint.save import CheckpointWriter
 from loom.engine.checkpoint.state import TrainingState
@@ -233,33 +233,17 @@ class Trainer:
     def _say_what_was_resumed(self, directory: Path, metadata: CheckpointMetadata) -> None:
         """Rank 0's lines about the checkpoint just loaded, and warnings for what this run changes about it."""
         c = self.config.checkpoint
-        started_from = (
-            f" (this run's own; checkpoint.load = {c.load} is where it started)"
-            if c.load and directory.parent == self.checkpoints
-            else ""
-        )
+        own = directory.parent == self.checkpoints
         if self.evaluation_only:
             self._log_event(f"evaluating {directory} (step {self.step})")
         else:
+            started_from = (
+                f" (this run's own; checkpoint.load = {c.load} is where it started)" if c.load and own else ""
+            )
             self._log_event(f"resumed from {directory} at step {self.step}{started_from}")
-        saved_optimizer = metadata.layout.optimizer
-        if saved_optimizer not in (None, self.config.optim.name):
-            self._log_event(
-                f"warning: {directory} was trained with {saved_optimizer}; its optimizer state does not carry over "
-                f"to {self.config.optim.name}, which starts from fresh state (the weights are resumed)"
-            )
-        reordered = changed_data_order(metadata.config, self.config)
-        if reordered and directory.parent == self.checkpoints and not self.evaluation_only:
-            self._log_event(
-                f"warning: from step {self.step} on this run reads its data in another order than it did "
-                f"({'; '.join(reordered)}): some samples may be read twice and others not at all"
-            )
-        changes = changed_model_settings(metadata.config["model"], self.config.model)
-        if changes:
-            self._log_event(
-                f"warning: this run computes a different model than {directory} was saved with "
-                f"({'; '.join(changes)}); pass the saved values (e.g. --model.rope_theta) unless that is intended"
-            )
+        continues_this_run = own and not self.evaluation_only
+        for warning in resume_warnings(directory, metadata, self.config, continues_this_run):
+            self._log_event(f"warning: {warning}")
 
     def training_state(self) -> TrainingState:
         """What a checkpoint saves and restores: this trainer's state objects, handed over explicitly."""

@@ -175,6 +175,33 @@ def changed_model_settings(saved_model: dict, current: ModelConfig) -> list[str]
     return changes
 
 
+def resume_warnings(
+    directory: Path, metadata: CheckpointMetadata, config: LoomConfig, continues_run: bool
+) -> list[str]:
+    """What a run under `config` changes about the checkpoint it resumes from `directory`: another optimizer (its
+    state starts fresh), another data order (only when it continues the same run, `continues_run`), another model."""
+    warnings = []
+    saved_optimizer = metadata.layout.optimizer
+    if saved_optimizer not in (None, config.optim.name):
+        warnings.append(
+            f"{directory} was trained with {saved_optimizer}; its optimizer state does not carry over "
+            f"to {config.optim.name}, which starts from fresh state (the weights are resumed)"
+        )
+    reordered = changed_data_order(metadata.config, config)
+    if reordered and continues_run:
+        warnings.append(
+            f"from step {metadata.step} on this run reads its data in another order than it did "
+            f"({'; '.join(reordered)}): some samples may be read twice and others not at all"
+        )
+    changes = changed_model_settings(metadata.config["model"], config.model)
+    if changes:
+        warnings.append(
+            f"this run computes a different model than {directory} was saved with "
+            f"({'; '.join(changes)}); pass the saved values (e.g. --model.rope_theta) unless that is intended"
+        )
+    return warnings
+
+
 def check_shapes(reader: PieceReader, named_params) -> None:
     """Refuse a checkpoint of another model, naming the first tensor that differs."""
     for name, param in named_params:
