@@ -5,7 +5,7 @@ A pipeline is an ordered list of steps. A step looks at one Document and either 
 what it measured. Pipelines are written as TOML, one `[[step]]` table per step:
 
     [[step]]
-    type = "gopher_quality"   # a key of STEP_TYPES
+    type = "gopher_quality"   # a key of step_types()
     name = "quality"          # optional: how reports call it (default: the type)
     min_words = 50            # any field of the step's dataclass
 

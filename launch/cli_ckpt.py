@@ -1,4 +1,5 @@
-"""`loom ckpt inspect|reshard|export-hf|import-hf` and `loom eval`: thin wrappers over tools/ and the trainer."""
+"""`loom ckpt inspect|reshard|export-hf|import-hf|merge-lora`, `loom eval` and `loom generate`: thin wrappers over
+tools/ and the trainer."""
 
 from __future__ import annotations
 

@@ -167,15 +167,9 @@ def _heading(config, args: argparse.Namespace, estimates: list) -> str:
     )
 
 
-def _gpu_names() -> list[str]:
-    import tomllib
-
-    import loom.tools
-
-    return list(tomllib.loads((Path(loom.tools.__file__).parent / "gpus.toml").read_text())["gpu"])
-
-
 def add_parser(commands) -> None:
+    from loom.tools.plan_time import gpu_names  # torch-free: `loom plan` imports no torch
+
     p = commands.add_parser(
         "plan",
         help="which layout fits a model on a cluster, and how fast it runs (no GPU needed)",
@@ -184,7 +178,7 @@ def add_parser(commands) -> None:
     )
     p.add_argument("--config", help="model config: a preset name or a TOML file (default: loom's defaults)")
     p.add_argument("--gpus", type=int_in(1, 1 << 20), required=True, help="GPUs in the job")
-    p.add_argument("--gpu", choices=_gpu_names(), default="h100-sxm", help="GPU kind (default: %(default)s)")
+    p.add_argument("--gpu", choices=gpu_names(), default="h100-sxm", help="GPU kind (default: %(default)s)")
     p.add_argument("--gpus-per-node", type=int_in(1, 64), help="GPUs per node (default: the GPU kind's usual 8)")
     p.add_argument("--layout", help='hold some keys, e.g. "tp=8,cp=2,pp=4,vp=2,dp=2,mbs=1,recompute=selective,zero=1"')
     p.add_argument("--top", type=int_in(1, 10_000), default=8, help="layouts shown (default: %(default)s)")

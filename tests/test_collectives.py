@@ -86,7 +86,7 @@ def _first_calls_per_group(rank, world):
 
     with CollectiveRecorder() as recorder:
         state = ParallelState.create(tp=2, dp=1, pp=2)
-    every = (state.tp_group, state.dp_group, state.pp_group, state.model_group, state.embedding_group)
+    every = (state.tp_group, state.dp_group, state.pp_group, state.embedding_group)
     groups = {id(g): g for g in every if g is not None}
     members = sum(1 for g in groups.values() if torch.distributed.get_world_size(g) > 1)
     return recorder.calls, members
@@ -95,4 +95,4 @@ def _first_calls_per_group(rank, world):
 def test_every_group_begins_with_a_collective_all_its_ranks_join():
     """The pipeline group's first call would otherwise be a batch_isend_irecv only some ranks join."""
     for calls, groups in run_ranks(_first_calls_per_group, 4):
-        assert calls == [("allreduce_", "torch.float32", (1,))] * groups and groups == 4  # tp, pp, model, embedding
+        assert calls == [("allreduce_", "torch.float32", (1,))] * groups and groups == 3  # tp, pp, embedding

@@ -1,12 +1,12 @@
-"""What a layout holds and sends, exactly as loom lays it out: the byte half of `loom plan` (tools/plan.py turns
-it into time and searches layouts).
+"""What a layout holds, exactly as loom lays it out: the memory half of `loom plan` (tools/plan_time.py turns
+bytes and FLOPs into time; tools/plan.py assembles both and searches layouts).
 
 - parameters, gradients and optimizer state from the parameters each rank holds: its TP shard of each of its
-  chunks' weights (vocabulary padded to 128 x tp), replicated norms whole, the gradient buffer's buckets padded
-  to multiples of dp (engine/optim/grad_buffer.plan_buckets), and the ZeRO formulas of Rajbhandari et al. 2020:
-  bf16 Adam keeps 2 B of weight, 4 B of fp32 gradient and 12 B of fp32 master and moments per parameter; ZeRO 1
-  divides the 12 by dp, ZeRO 2 the gradient too, ZeRO 3 the weight too (6 + 12/d, 2 + 16/d, 18/d); optimizer
-  offload moves the 12 to the host, beside a gradient copy.
+  chunks' weights (vocabulary padded to model.make_vocab_divisible_by x tp), replicated norms whole, the gradient
+  buffer's buckets padded to multiples of dp (engine/optim/buckets.plan_buckets), and the ZeRO formulas of
+  Rajbhandari et al. 2020: bf16 Adam keeps 2 B of weight, 4 B of fp32 gradient and 12 B of fp32 master and
+  moments per parameter; ZeRO 1 divides the 12 by dp, ZeRO 2 the gradient too, ZeRO 3 the weight too (6 + 12/d,
+  2 + 16/d, 18/d); optimizer offload moves the 12 to the host, beside a gradient copy.
 - activations: what one micro-batch of one layer saves for backward (Korthikanti et al. 2022, section 4, term by
   term for loom's layers: grouped-query attention and SwiGLU change the 34 + 5as/h of the paper; sequence
   parallelism divides the norm inputs by tp; selective recompute keeps the attention's inputs and output but not

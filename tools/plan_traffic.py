@@ -1,7 +1,10 @@
 """The bytes a step of a layout sends, by process group, operation and dtype, exactly as loom's communication
-ledger records them (engine/comm_ledger.py): the other byte half of `loom plan` beside tools/plan_bytes.py's
-memory. tools/plan_time.py turns them into time; tests/test_plan_bytes.py checks them against the ledger of real
-multi-rank steps on CPU.
+ledger records them (engine/comm_ledger.py).
+
+tools/plan_time.py times each kind of traffic from its own closed form (a ring's volume per layer, the ZeRO
+stage's collectives); `step_traffic` spells out every transfer of a step instead, so that
+tests/test_plan_bytes.py can check the planner's picture of a step against the ledger of real multi-rank steps on
+CPU. The context-parallel ring's count (`cp_ring_transfers`) is shared by both.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ fills a staging directory, describes it with CheckpointMetadata and seals it wit
 
 A piece is a slice of one *logical* tensor (the parameter as a dense single-device model has it):
 `model/<name>/tp<r>` is TP rank r's shard of a weight; `optim/<state>/<name>/tp<r>/<start>-<end>`
-is the flat range [start, end) of that shard's master weight or optimizer state (a ZeRO-1 piece,
-or the whole shard). With the ShardSpec and TP size they were saved under, the pieces rebuild the
+is the flat range [start, end) of that shard's master weight or optimizer state (a ZeRO piece
+under optim.zero >= 1, or the whole shard). With the ShardSpec and TP size they were saved under, the pieces rebuild the
 logical tensor, which any other layout slices again: that is what makes checkpoints layout-free.
 `fp8/<module>` is a module's FP8 delayed-scaling state (the same on every TP rank, so saved once),
 `rng/<rank>/<stream>` a rank's random state (read back only under the same layout).

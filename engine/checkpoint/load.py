@@ -1,7 +1,7 @@
 """Load a checkpoint into a TrainingState of any layout: rebuild each logical tensor, slice it anew.
 
 For every parameter this rank holds, the pieces saved under the old layout (all old TP shards,
-and under ZeRO-1 all old DP pieces of them) are read, joined into the logical tensor through the
+and with optim.zero >= 1 all old DP x CP pieces of them) are read, joined into the logical tensor through the
 saved ShardSpec, and sliced with the current one: model weights into the parameter, master
 weights and elementwise optimizer state into this rank's segments. One parameter is in memory at
 a time. Safetensors files are opened lazily, so a rank reads only the pieces it needs. The data

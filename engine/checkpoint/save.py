@@ -5,9 +5,10 @@ Sequence, so that a crash at any point leaves the previous checkpoint as `latest
 2. the file names, sizes, sha256 and tensor keys are gathered on rank 0;
 3. rank 0 seals it with format.commit(): metadata.json, rename iter_N.tmp -> iter_N, `latest`,
    then removes checkpoints beyond the newest `keep`.
-Which ranks write what: model weights by DP rank 0 of each (TP, PP) position; master weights and
-optimizer state by their owner (every DP rank under ZeRO-1, else DP rank 0); FP8 scaling state by
-TP and DP rank 0 of each pipeline stage; RNG by everyone.
+Which ranks write what: model weights by the first of the DP x CP ranks holding them (grad rank 0) of each
+(TP, PP) position (under ZeRO-3 all of them gather the weights, a bucket at a time, for it); master weights and
+optimizer state by their owner (every DP x CP rank with optim.zero >= 1, else grad rank 0); FP8 scaling state by
+TP and grad rank 0 of each pipeline stage; RNG by everyone.
 With checkpoint.async_save, steps 1-3 run in a background thread while training continues.
 What is saved comes from a TrainingState (state.py), never from the trainer itself.
 """
@@ -57,8 +58,8 @@ class _RankReport:
 
 
 def _model_pieces(state: TrainingState) -> tuple[dict[str, torch.Tensor], dict[str, ShardSpec]]:
-    """This TP rank's shard of every weight (written once per replica: by DP rank 0). Under ZeRO-3 every DP rank
-    takes part in gathering the weights, a bucket at a time, and DP rank 0 keeps a host copy of each."""
+    """This TP rank's shard of every weight (written once per replica: by grad rank 0). Under ZeRO-3 every DP x CP
+    rank takes part in gathering the weights, a bucket at a time, and grad rank 0 keeps a host copy of each."""
     pieces, specs = {}, {}
     sharded = state.optimizer.sharded_params
     writer = state.parallel.grad_rank == 0  # one of the DP x CP ranks holding the same weights
@@ -100,7 +101,7 @@ def _optimizer_pieces(state: TrainingState) -> tuple[dict[str, torch.Tensor], in
 
 def _fp8_pieces(state: TrainingState) -> dict[str, torch.Tensor]:
     """FP8 scaling state of this stage's modules, written by one rank per stage: amaxes are reduced over
-    the TP group, so every TP rank holds the same (fp8_state.py), and DP rank 0's stands for the replicas."""
+    the TP group, so every TP rank holds the same (fp8_state.py), and grad rank 0's stands for the replicas."""
     p = state.parallel
     if state.fp8 is None or p.tp_rank != 0 or p.grad_rank != 0:
         return {}

@@ -2,7 +2,7 @@
 
 Both need statistics of *whole* parameters (LAMB: the norms of the weights and of the update;
 Adafactor: row and column means of squared gradients, the update's RMS), while a rank may hold
-only a TP shard (and, for LAMB under ZeRO-1, a DP piece). Partial sums are therefore combined
+only a TP shard (and, for LAMB with optim.zero >= 1, a DP x CP piece). Partial sums are therefore combined
 by a callback over the right groups; with no sharding the callbacks are identities and both
 reduce to the published single-device algorithms (You et al. 2019; Shazeer & Stern 2018).
 """

@@ -75,7 +75,8 @@ class DistributedOptimizer:
         only sharded, under ZeRO-3."""
         self.config, self.state, self.grads, self.loss_scaler = config, state, grads, loss_scaler
         self.sharded = config.zero >= 1
-        """Each DP rank holds only its share of master weights and state (ZeRO 1 and 2)."""
+        """Each DP x CP rank holds only its share of master weights and optimizer state (ZeRO 1, 2 and 3; the
+        weights themselves are sharded only under ZeRO 3: `sharded_params`)."""
         self.offload = config.offload == "cpu"
         self.device = grads.params[0].device
         self.adamw_impl = "torch.AdamW(foreach)" if self.offload else adamw_impl

@@ -156,7 +156,7 @@ def fill_random_shard(
 
 def full_init(init: tuple, spec: ShardSpec, seed: int, name: str) -> torch.Tensor:
     """The whole logical tensor a parameter is initialised from (its ParamInfo.init_method), on the CPU: what
-    every layout's shards are slices of (tests and tools; training fills shards directly)."""
+    every layout's shards are slices of (tests check against it; training fills shards directly)."""
     full = torch.empty(spec.full_shape)
     init_shard(full, init, ShardSpec(spec.full_shape, slab_dim(spec)), seed, name, 0, 1)
     return full

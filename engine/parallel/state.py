@@ -41,7 +41,6 @@ def coordinates_of(rank: int, tp: int, dp: int, cp: int = 1) -> tuple[int, int, 
 def layout_groups(tp: int, dp: int, pp: int, cp: int = 1) -> dict[str, list[list[int]]]:
     """Every process group of a tp x cp x dp x pp layout, as lists of global ranks.
 
-    `model` groups are the TP x CP x PP ranks that together hold one model replica and see one micro-batch;
     `embedding` groups join the first and last pipeline stage of a pipeline (for tied embeddings); `grad` groups
     are the DP x CP ranks holding the same weights.
     """
@@ -51,7 +50,6 @@ def layout_groups(tp: int, dp: int, pp: int, cp: int = 1) -> dict[str, list[list
         "dp": [],
         "grad": [],
         "pp": [],
-        "model": [],
         "embedding": [],
     }
 
@@ -74,7 +72,6 @@ def layout_groups(tp: int, dp: int, pp: int, cp: int = 1) -> dict[str, list[list
                 pipeline = [at(t, c, d, p) for p in range(pp)]
                 groups["pp"].append(pipeline)
                 groups["embedding"].append(sorted({pipeline[0], pipeline[-1]}))
-        groups["model"].append([at(t, c, d, p) for p in range(pp) for c in range(cp) for t in range(tp)])
     return groups
 
 
@@ -91,7 +88,6 @@ class ParallelState:
     tp_group: dist.ProcessGroup | None
     dp_group: dist.ProcessGroup | None
     pp_group: dist.ProcessGroup | None
-    model_group: dist.ProcessGroup | None
     embedding_group: dist.ProcessGroup | None
     pp_ranks: tuple[int, ...] = ()
     cp_size: int = 1
@@ -123,14 +119,6 @@ class ParallelState:
     def grad_rank(self) -> int:
         """This rank's place in the grad group (DP major, CP minor, as the group lists them)."""
         return self.dp_rank * self.cp_size + self.cp_rank
-
-    @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp_size - 1
 
     @classmethod
     def create(
@@ -171,7 +159,6 @@ class ParallelState:
             tp_group=mine["tp"],
             dp_group=mine["dp"],
             pp_group=mine["pp"],
-            model_group=mine["model"],
             embedding_group=mine.get("embedding"),
             pp_ranks=pp_ranks,
             cp_size=cp,
@@ -186,7 +173,6 @@ class ParallelState:
             "pp": self.pp_group,
             "dp": self.dp_group,
             "embedding": self.embedding_group,
-            "model": self.model_group,
             "world": dist.group.WORLD,
         }
         if self.cp_size > 1:

@@ -112,10 +112,6 @@ def compute_units(
     return units
 
 
-def compute_order(rank: int, pp: int, vp: int, microbatches: int) -> list[Compute]:
-    return [op for unit in compute_units(rank, pp, vp, microbatches) for op in unit]
-
-
 def _transfers_before(op: Compute, rank: int, pp: int, vp: int) -> list[Transfer]:
     stage = op.chunk * pp + rank
     if op.kind == "F" and stage > 0:
