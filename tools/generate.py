@@ -11,6 +11,7 @@ Greedy output equals transformers' greedy `generate` on the exported model (test
 
 from __future__ import annotations
 
+import datetime
 import os
 import re
 from pathlib import Path
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from loom.engine.checkpoint.format import CheckpointMetadata, sha256_of
-from loom.engine.config import ConfigError, LoomConfig
+from loom.engine.config import ConfigError, LoomConfig, ParallelConfig
 from loom.engine.config_io import config_from_dict
 from loom.engine.model.gpt import DecodingCache, GPTModel
 from loom.engine.parallel import mappings
@@ -128,8 +129,10 @@ def _decode(
 
 
 def _from_last_stage(token: int, parallel: ParallelState) -> int:
+    """The token the last stage drew, on every rank of this pipeline (each TP rank's pipeline is its own group:
+    on the world group the pipelines' broadcasts from different sources waited on each other forever)."""
     value = torch.tensor([token])
-    dist.broadcast(value, parallel.pp_ranks[-1])
+    dist.broadcast(value, parallel.pp_ranks[-1], group=parallel.pp_group)
     return int(value)
 
 
@@ -138,16 +141,16 @@ def _generate_on_a_rank(
 ) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    timeout = datetime.timedelta(minutes=ParallelConfig.timeout_minutes)  # a lost peer fails, not hangs
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
     try:
-        parallel = ParallelState.create(tp=tp, dp=1, pp=pp)
+        parallel = ParallelState.create(tp=tp, dp=1, pp=pp, timeout=timeout)
         model, _ = load_model(Path(checkpoint), parallel, base)
         produced = generate(model, parallel=parallel, **job)
         if rank == 0:
             results.put(produced)
-    except BaseException as error:  # noqa: BLE001 - reported by the launcher in one line
+    except BaseException as error:  # noqa: BLE001 - reported by the launcher in one line, not a traceback here
         results.put(error)
-        raise
     finally:
         dist.destroy_process_group()
 
@@ -171,11 +174,19 @@ def generate_parallel(checkpoint: Path, tp: int, pp: int, base: Path | None = No
         context.Process(target=_generate_on_a_rank, args=(r, world, port, tp, pp, str(checkpoint), base, job, results))
         for r in range(world)
     ]
-    for process in ranks:
-        process.start()
-    outcome = results.get()
-    for process in ranks:
-        process.join()
+    outcome: list[int] | BaseException | None = None
+    try:
+        for process in ranks:
+            process.start()
+        outcome = results.get()
+    finally:  # a failed rank's peers (or every rank, when this command is stopped) would wait for it in vain
+        if not isinstance(outcome, list):
+            for process in ranks:
+                if process.is_alive():
+                    process.terminate()
+        for process in ranks:
+            if process.pid is not None:
+                process.join()
     if isinstance(outcome, BaseException):
         raise outcome
     return outcome
