@@ -161,6 +161,24 @@ JOB_SETTINGS = ("overwrite", "exit_after")
 """[train] settings one job of a run may change without making it another run."""
 
 
+def _refuse_a_tool_output(run_dir: Path) -> None:
+    """A folder that `loom ckpt reshard|import-hf|merge-lora` (checkpoints at its top) or `export-hf` (a Hugging
+    Face model) wrote is no run directory: a run would mix its files with them, and would not resume from the
+    checkpoints (a run keeps its own in RUN/checkpoints/)."""
+    from loom.engine.checkpoint.format import LATEST, candidates, hugging_face_hint
+
+    if candidates(run_dir) or (run_dir / LATEST).is_file():
+        raise ConfigError(
+            f"run directory {run_dir} holds checkpoints itself (iter_N, latest: a checkpoint tool's output); give "
+            f"this run its own --train.run_dir, with --checkpoint.load {run_dir} to start from them"
+        )
+    if hugging_face_hint(run_dir):
+        raise ConfigError(
+            f"run directory {run_dir} holds a Hugging Face model; give this run its own --train.run_dir (to train "
+            f"from that model: loom ckpt import-hf --input {run_dir} --output DIR, then --checkpoint.load DIR)"
+        )
+
+
 def check_run_directory(config: LoomConfig) -> None:
     """A run directory is this run's alone: one that holds another run's metrics (a different resolved
     config, no checkpoint to resume from) is refused unless train.overwrite moves that run aside. Resuming
@@ -176,6 +194,7 @@ def check_run_directory(config: LoomConfig) -> None:
             f"run directory {run_dir} lies in {folder}, a checkpoint folder: this run's files would mix with its; "
             "give this run its own --train.name or --train.run_dir"
         )
+    _refuse_a_tool_output(run_dir)
     check_not_in_use(run_dir)
     metrics, saved_config = run_dir / "metrics.jsonl", run_dir / "config.toml"
     if not metrics.is_file() or metrics.stat().st_size == 0:

@@ -448,6 +448,20 @@ def test_a_run_directory_is_never_inside_checkpoints_or_outside_runs_by_name(wor
     for run_dir in (base / "checkpoints", base / "checkpoints/iter_0000002/run"):
         refused(capfd, ["train", *tiny_train_args(world["dataset"], run_dir)], "a checkpoint folder")
     assert checkpoints_of(base) == before and not (base / "checkpoints/config.toml").exists()
+    # a tool's output: a reshard's checkpoints at the folder's top (the run started from scratch beside them), an
+    # export's model (the run's files mixed with it)
+    resharded, exported = tmp_path / "resharded", tmp_path / "exported"
+    assert (
+        run(capfd, "ckpt", "reshard", "--checkpoint", str(base), "--output", str(resharded), "--tp", "1", "--pp", "1")[
+            0
+        ]
+        == 0
+    )
+    shutil.copytree(world["hf"], exported)
+    for run_dir, message in ((resharded, "holds checkpoints itself"), (exported, "holds a Hugging Face model")):
+        before_files = sorted(p.name for p in run_dir.iterdir())
+        refused(capfd, ["train", *tiny_train_args(world["dataset"], run_dir), "--train.overwrite", "true"], message)
+        assert sorted(p.name for p in run_dir.iterdir()) == before_files
     args = tiny_train_args(world["dataset"], tmp_path)
     without_run_dir = args[: args.index("--train.run_dir")] + args[args.index("--train.run_dir") + 2 :]
     for name in ("", "../../x", "a/b"):
