@@ -170,9 +170,10 @@ class ModelConfig:
         if cp == 1:
             return None
         if seq_length % (2 * cp):
+            fitting = (seq_length // (2 * cp) + 1) * 2 * cp
             return (
                 f"parallel.cp = {cp} cuts each sequence into 2*cp = {2 * cp} chunks; train.seq_length = "
-                f"{seq_length} does not divide into them"
+                f"{seq_length} does not divide into them: use a multiple of {2 * cp} (e.g. {fitting}) or another cp"
             )
         if self.position_embedding != "rope":
             return "parallel.cp > 1 needs model.position_embedding = rope (learned positions are not split)"
@@ -614,7 +615,10 @@ class LoomConfig:
         if p.dp is None:
             if world_size % model_parallel:
                 what = f"tp*cp*pp = {p.tp}*{p.cp}*{p.pp}" if p.cp > 1 else f"tp*pp = {p.tp}*{p.pp}"
-                raise ConfigError(f"world size {world_size} is not divisible by {what}")
+                raise ConfigError(
+                    f"world size {world_size} is not divisible by {what}; run a multiple of {model_parallel} ranks "
+                    "or choose a layout that divides it"
+                )
             p.dp = world_size // model_parallel
         if model_parallel * p.dp != world_size:
             what = f"tp*cp*pp*dp = {p.tp}*{p.cp}*{p.pp}*{p.dp}" if p.cp > 1 else f"tp*pp*dp = {p.tp}*{p.pp}*{p.dp}"

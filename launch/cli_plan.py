@@ -74,9 +74,10 @@ def _with_offload(config, gpus: int, hardware, fixed: dict) -> str:
     if not fitting:
         return ""
     best = fitting[0]
+    fit = "1 layout fits, at" if len(fitting) == 1 else f"{len(fitting):,} layouts fit, the fastest at"
     return (
-        f"; with --optim.offload cpu {len(fitting):,} layouts fit, the fastest at {best.tokens_per_s_per_gpu:,.0f} "
-        f"tokens/s per GPU and {best.host_bytes / 1e9:.0f} GB of host memory per GPU"
+        f"; with --optim.offload cpu {fit} {best.tokens_per_s_per_gpu:,.0f} tokens/s per GPU and "
+        f"{best.host_bytes / 1e9:.0f} GB of host memory per GPU"
     )
 
 
@@ -143,6 +144,10 @@ def _fixed_layout(config, args: argparse.Namespace, overrides: list[str]) -> dic
         fixed[key] = value
     if "zero" in fixed and (refusal := config.zero_refusal(fixed["zero"])):
         raise ConfigError(refusal)
+    if refusal := config.model.context_parallel_refusal(fixed.get("cp", 1), config.train.seq_length):
+        raise ConfigError(refusal)  # said, not left to "no layout divides this model"
+    if "tp" in fixed:
+        config.model.check_tensor_parallel(fixed["tp"])
     sizes = {key: fixed[key] for key in ("tp", "cp", "pp", "dp") if key in fixed}
     if args.gpus % math.prod(sizes.values()):
         spelled = " x ".join(f"{key}={value}" for key, value in sizes.items())

@@ -285,8 +285,8 @@ def test_loom_plan_command(tmp_path):
     result = loom_plan("--config", "llama-70b", "--gpus", "8", "--gpu", "a100-80gb", "--plot", str(plot))
     assert result.returncode == 1 and result.stderr.startswith("error: nothing fits: the nearest needs")
     assert "layout" in result.stdout and plot.stat().st_size > 0  # the nearest are still shown
-    result = loom_plan("--config", "tiny", "--gpus", "6", "--layout", "tp=3")  # 3 does not divide the heads
-    assert result.returncode == 2 and result.stderr.count("\n") == 1 and "no layout" in result.stderr
+    result = loom_plan("--config", "tiny", "--gpus", "6", "--layout", "tp=3")  # was "no layout ... (heads, ...)"
+    assert result.returncode == 2 and result.stderr == "error: parallel.tp = 3 must divide model.num_heads = 8\n"
 
 
 def test_plan_recommends_only_what_loom_runs(capsys):
@@ -337,8 +337,15 @@ def test_plan_recommends_only_what_loom_runs(capsys):
     for layout, message in (
         ("zero=7", "--layout zero=7: ZeRO stages are 0, 1, 2 and 3"),
         ("tp=2,tp=4", "--layout gives tp twice"),
+        # were "no layout of 8 GPUs divides this model and batch (heads, layers, ...)"
+        ("cp=2 --model.dropout 0.1", "parallel.cp > 1 needs model.dropout = 0 (got 0.1)"),
+        (
+            "cp=2 --train.seq_length 8190",
+            "parallel.cp = 2 cuts each sequence into 2*cp = 4 chunks; train.seq_length = 8190 does not divide into "
+            "them: use a multiple of 4 (e.g. 8192)",
+        ),
     ):
-        code, _, err = plan("--layout", layout)
+        code, _, err = plan("--layout", *layout.split())
         assert code == 2 and err.startswith(f"error: {message}") and err.count("\n") == 1
     delayed = ("--train.precision", "bf16", "--train.fp8", "delayed")  # ZeRO-3 with TE's FP8 is refused
     code, out, _ = plan("--json", "--top", "500", "--parallel.cp", "1", *delayed)
