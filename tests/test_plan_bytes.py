@@ -90,7 +90,7 @@ def _held(rank, world, dataset, run_dir):
             "optimizer": trainer.optimizer.device_state_bytes(),
             "host": trainer.optimizer.state_bytes()
             - trainer.optimizer.device_state_bytes()
-            + sum(4 * s.host_grad.numel() for s in trainer.optimizer.segments if s.host_grad is not None),
+            + trainer.optimizer.host_gradient_bytes(),
         }
         p, o = config.parallel, config.optim
         layout = Layout(p.tp, p.pp, p.vp, p.dp, 1, "none", o.zero, o.offload, p.sequence_parallel, p.cp)

@@ -286,6 +286,10 @@ class DistributedOptimizer:
             total += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
         return total
 
+    def host_gradient_bytes(self) -> int:
+        """Offload: the host copies of the reduced gradients the update reads (made at the first step)."""
+        return sum(s.host_grad.numel() * s.host_grad.element_size() for s in self.segments if s.host_grad is not None)
+
     def device_state_bytes(self) -> int:
         """The part of state_bytes() on the accelerator: none when offloaded (the host copies of the
         gradients offload keeps are host memory too)."""

@@ -3,7 +3,8 @@ master weights and optimizer state, on the device and on the host) at DP = 1, 2,
 ZeRO paper's formulas for bf16 parameters, fp32 gradients, fp32 master weights and Adam moments:
 ZeRO 0 18, ZeRO 1 6 + 12/DP, ZeRO 2 2 + 16/DP, ZeRO 3 18/DP (plus, during the step, the weights it
 holds gathered: two blocks and those outside the blocks, which the planner counts); offloaded, the 12 (or
-12/DP) bytes of master weights and moments leave the device. Also the step time of each choice against
+12/DP) bytes of master weights and moments leave the device for the host, beside a 4 (or 4/DP) byte fp32 copy
+of the reduced gradients the host's step reads. Also the step time of each choice against
 ZeRO 1 at the same DP, measured in the same run (ZeRO 3 all-gathers every block twice per micro-batch).
 
 Every DP size trains configs/tiny.toml (bf16, AdamW, 8 micro-batches per step) on gloo ranks, each
@@ -40,11 +41,13 @@ VARIANTS = [(0, "none"), (1, "none"), (2, "none"), (3, "none"), (1, "cpu"), (2, 
 
 
 def formula_bytes_per_param(zero: int, offload: str, dp: int) -> tuple[float, float]:
-    """(device, host) bytes per parameter for bf16 AdamW with fp32 gradients (ZeRO paper, Table 1)."""
+    """(device, host) bytes per parameter for bf16 AdamW with fp32 gradients (ZeRO paper, Table 1); offloaded, the
+    host holds the optimizer state and an fp32 copy of the reduced gradients of the same shard, which it steps with."""
     weights = 2 / dp if zero == 3 else 2
     grads = 4 / dp if zero >= 2 else 4
     state = 12 / dp if zero else 12
-    return (weights + grads + (0 if offload == "cpu" else state), state if offload == "cpu" else 0)
+    host_grads = 4 / dp if zero else 4
+    return (weights + grads + (0 if offload == "cpu" else state), state + host_grads if offload == "cpu" else 0)
 
 
 def _rank(rank, world, port, dataset, run_dir, steps, results):
@@ -81,7 +84,8 @@ def _rank(rank, world, port, dataset, run_dir, steps, results):
         params = sharded.stored_bytes() if sharded else sum(p.numel() * p.element_size() for p in trainer.params)
         grads = trainer.grads.stored_bytes()
         state, device_state = trainer.optimizer.state_bytes(), trainer.optimizer.device_state_bytes()
-        results.put((zero, offload, rank, count, params + grads + device_state, state - device_state, seconds[1:]))
+        host = state - device_state + trainer.optimizer.host_gradient_bytes()
+        results.put((zero, offload, rank, count, params + grads + device_state, host, seconds[1:]))
         trainer.close()
     dist.barrier()
     dist.destroy_process_group()
