@@ -171,6 +171,10 @@ def test_checkpoints_resume_across_context_parallel_sizes(markov_dataset, tmp_pa
     for name, (after, uninterrupted) in run_ranks(_resume_across_cp, 2, markov_dataset(50), str(tmp_path))[0].items():
         for a, b in zip(after, uninterrupted, strict=True):
             assert abs(a - b) / b < 1e-6, name
+    from loom.tools.ckpt import inspect, reshard
+
+    resharded = reshard(tmp_path / "saved-cp2" / "checkpoints", tmp_path / "resharded", tp=1, pp=1)
+    assert "layout tp=1 pp=1 vp=1 dp=1 world=1 zero=0 optimizer=adamw precision=fp32 cp=1" in inspect(resharded)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["flash-cpu", "matmul"])
