@@ -212,6 +212,16 @@ def _stop_now(signum: int, frame, trains: bool = False) -> None:
     )
 
 
+def _invoked_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The (sub)command's own parser, whose --help lists what it takes."""
+    while True:
+        sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        chosen = getattr(args, sub.dest, None) if sub is not None else None
+        if chosen not in (sub.choices if sub is not None else {}):
+            return parser
+        parser = sub.choices[chosen]
+
+
 def main(argv: list[str] | None = None) -> None:
     from loom.launch.local import RankFailed, Stopped
 
@@ -223,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.command in ("train", "demo"):
         signal.signal(signal.SIGTERM, functools.partial(_stop_now, trains=True))
     if extra and not getattr(args, "takes_overrides", False):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        _invoked_parser(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         if getattr(args, "takes_overrides", False):
             args.handler(args, extra)

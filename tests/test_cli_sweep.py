@@ -402,3 +402,15 @@ def test_bad_config_overrides_are_one_line_and_exit_2(world, capsys, command):
         except AssertionError as error:
             accepted.append(str(error).splitlines()[0])
     assert not accepted, "\n".join(accepted)
+
+
+def test_an_option_a_command_does_not_take_points_to_that_command_s_help(capsys):
+    """It pointed to `loom --help`, which does not list the subcommand's options."""
+    for argv, prog in (
+        (["generate", "--checkpoint", ".", "--parallel.cp", "2"], "loom generate"),
+        (["schedule", "--pp", "2", "--microbatches", "4", "--bogus"], "loom schedule"),
+    ):
+        with pytest.raises(SystemExit) as exited:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and err.startswith(f"error: {prog}: ") and err.endswith(f"(see {prog} --help)\n")
