@@ -100,14 +100,18 @@ class CommLedger(TorchDispatchMode):
         return rows
 
 
+def ledger_path(run_dir: str | Path, rank: int) -> Path:
+    """Where `rank`'s ledger of a run lives: RUN_DIR/comm_ledger/rank_NNNNN.jsonl."""
+    return Path(run_dir) / "comm_ledger" / f"rank_{rank:05d}.jsonl"
+
+
 class StepLedgerWriter:
     """One JSON line per training step in RUN_DIR/comm_ledger/rank_NNNNN.jsonl: {"step", "calls": [...]}."""
 
     def __init__(self, run_dir: str | Path, rank: int, groups: dict[str, dist.ProcessGroup | None]):
         self.ledger = CommLedger(groups)
-        directory = Path(run_dir) / "comm_ledger"
-        directory.mkdir(parents=True, exist_ok=True)
-        self.path = directory / f"rank_{rank:05d}.jsonl"
+        self.path = ledger_path(run_dir, rank)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
 
     @contextmanager
     def step(self, step: int) -> Iterator[None]:
@@ -119,5 +123,4 @@ class StepLedgerWriter:
 
 def read_ledger(run_dir: str | Path, rank: int) -> list[dict]:
     """The rows StepLedgerWriter wrote for `rank`, one per step."""
-    path = Path(run_dir) / "comm_ledger" / f"rank_{rank:05d}.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    return [json.loads(line) for line in ledger_path(run_dir, rank).read_text().splitlines()]

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
+import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
@@ -30,9 +32,28 @@ def _default(spec: dataclasses.Field) -> Any:
     return spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default
 
 
-def _check_choice(section: str, name: str, value: Any, choices: tuple) -> None:
-    if value not in choices:
-        raise ConfigError(f"{section}.{name} = {value!r} is not one of {', '.join(map(str, choices))}")
+@functools.cache
+def _literal_fields(cls: type) -> dict[str, tuple]:
+    """{field: its allowed values} for the fields of config dataclass `cls` typed as a Literal."""
+    hints = typing.get_type_hints(cls)
+    return {
+        spec.name: typing.get_args(hints[spec.name])
+        for spec in dataclasses.fields(cls)
+        if typing.get_origin(hints[spec.name]) is Literal
+    }
+
+
+def field_choices(cls: type, name: str) -> tuple:
+    """The values a Literal-typed config field allows (its type annotation is the one list of them)."""
+    return _literal_fields(cls)[name]
+
+
+def _check_choices(config: Any, section: str) -> None:
+    """Every Literal-typed field of a config section holds one of its values."""
+    for name, choices in _literal_fields(type(config)).items():
+        value = getattr(config, name)
+        if value not in choices:
+            raise ConfigError(f"{section}.{name} = {value!r} is not one of {', '.join(map(str, choices))}")
 
 
 def _check_positive(section: str, **values: Any) -> None:
@@ -105,6 +126,7 @@ class ModelConfig:
     CPU run gains); true/false force it. The first step pays the compile, printed by rank 0."""
 
     def __post_init__(self) -> None:
+        _check_choices(self, "model")
         s = "model"
         _check_positive(
             s,
@@ -118,9 +140,6 @@ class ModelConfig:
             norm_eps=self.norm_eps,  # a negative one makes the first norm NaN; 0 that of an all-zero input
             init_std=self.init_std,  # a negative one trained a model from |N(0, std)| weights (loss 41 at step 1)
         )
-        _check_choice(s, "position_embedding", self.position_embedding, ("rope", "learned"))
-        _check_choice(s, "compile", self.compile, ("auto", "true", "false"))
-        _check_choice(s, "rope_scaling", self.rope_scaling, ("none", "llama3"))
         _check_positive(
             s,
             rope_theta=self.rope_theta,
@@ -133,10 +152,6 @@ class ModelConfig:
                 f"model.rope_high_freq_factor = {self.rope_high_freq_factor} must exceed "
                 f"model.rope_low_freq_factor = {self.rope_low_freq_factor}"
             )
-        _check_choice(s, "norm", self.norm, ("rmsnorm", "layernorm"))
-        _check_choice(s, "activation", self.activation, ("swiglu", "gelu"))
-        _check_choice(s, "recompute", self.recompute, ("none", "selective", "full"))
-        _check_choice(s, "kernels", self.kernels, ("auto", "native", "te"))
         if self.hidden_size % self.num_heads:
             raise ConfigError(f"model.num_heads = {self.num_heads} must divide model.hidden_size = {self.hidden_size}")
         if self.num_kv_heads is None:
@@ -217,6 +232,7 @@ class ParallelConfig:
     instead of hanging the job (Megatron's --distributed-timeout-minutes)."""
 
     def __post_init__(self) -> None:
+        _check_choices(self, "parallel")
         _check_positive(
             "parallel",
             tp=self.tp,
@@ -231,7 +247,6 @@ class ParallelConfig:
             raise ConfigError(
                 f"parallel.timeout_minutes = {self.timeout_minutes:g} exceeds {MAX_TIMEOUT_MINUTES:,} (a year)"
             )
-        _check_choice("parallel", "backend", self.backend, ("auto", "gloo", "nccl"))
         if self.vp > 1 and self.pp == 1:
             raise ConfigError("parallel.vp > 1 needs parallel.pp > 1 (virtual stages interleave a pipeline)")
 
@@ -297,8 +312,7 @@ class OptimConfig:
     """fp16: the loss scale never goes below this."""
 
     def __post_init__(self) -> None:
-        _check_choice("optim", "name", self.name, ("adamw", "sgd", "lamb", "adafactor"))
-        _check_choice("optim", "decay", self.decay, ("cosine", "linear", "constant"))
+        _check_choices(self, "optim")
         _check_positive("optim", lr=self.lr, decay_steps=self.decay_steps)
         if self.min_lr < 0 or self.min_lr > self.lr:
             raise ConfigError(f"optim.min_lr = {self.min_lr} must lie in [0, optim.lr = {self.lr}]")
@@ -328,8 +342,6 @@ class OptimConfig:
                 f"optim.initial_loss_scale = {self.initial_loss_scale:g} must lie in [optim.min_loss_scale = "
                 f"{self.min_loss_scale:g}, 2**32]"
             )
-        _check_choice("optim", "offload", self.offload, ("none", "cpu"))
-        _check_choice("optim", "grad_dtype", self.grad_dtype, ("fp32", "bf16"))
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"optim.zero = {self.zero} is not a ZeRO stage loom has; use 0, 1, 2 or 3")
         if self.zero1:  # migrated, so a resolved config.toml says zero = 1 and a later --optim.zero 0 is obeyed
@@ -360,6 +372,7 @@ class DataConfig:
     """Where index caches go; None means beside each dataset."""
 
     def __post_init__(self) -> None:
+        _check_choices(self, "data")
         if self.weights is not None and len(self.weights) != len(self.paths):
             raise ConfigError(f"data.weights has {len(self.weights)} entries for {len(self.paths)} data.paths")
         if self.weights is not None and any(w <= 0 for w in self.weights):
@@ -451,6 +464,7 @@ class TrainConfig:
     0.004 of bf16's loss with it (docs/gpu.md)."""
 
     def __post_init__(self) -> None:
+        _check_choices(self, "train")
         _check_positive(
             "train",
             steps=self.steps,
@@ -461,12 +475,7 @@ class TrainConfig:
             eval_iters=self.eval_iters,
             peak_tflops=self.peak_tflops,
         )
-        _check_choice("train", "precision", self.precision, ("fp32", "bf16", "fp16"))
-        _check_choice("train", "wandb_mode", self.wandb_mode, ("online", "offline", "disabled"))
-        _check_choice("train", "device", self.device, ("auto", "cpu", "cuda"))
-        _check_choice("train", "nan_policy", self.nan_policy, ("stop", "skip"))
         _check_positive("train", max_skipped_steps=self.max_skipped_steps)
-        _check_choice("train", "fp8", self.fp8, ("off", "delayed", "current"))
         if self.fp8 != "off" and self.precision != "bf16":
             raise ConfigError(
                 f"train.fp8 = {self.fp8} needs train.precision = bf16 (got {self.precision}); "
@@ -520,6 +529,7 @@ class CheckpointConfig:
     """Write checkpoint files in a background thread while training continues."""
 
     def __post_init__(self) -> None:
+        _check_choices(self, "checkpoint")
         if self.interval < 0 or self.keep < 1:
             raise ConfigError("checkpoint.interval must be >= 0 and checkpoint.keep >= 1")
 
@@ -549,12 +559,12 @@ class LoraConfig:
     e.g. one written by `loom ckpt import-hf`. Required when rank > 0."""
 
     def __post_init__(self) -> None:
+        _check_choices(self, "lora")
         if self.rank < 0 or self.alpha <= 0 or not 0 <= self.dropout < 1:
             raise ConfigError("lora.rank must be >= 0, lora.alpha > 0 and 0 <= lora.dropout < 1")
         unknown = [t for t in self.targets if t not in LORA_TARGETS]
         if unknown or not self.targets:
             raise ConfigError(f"lora.targets = {self.targets} must be a non-empty subset of {', '.join(LORA_TARGETS)}")
-        _check_choice("lora", "init", self.init, ("kaiming", "gaussian"))
         if self.rank and not self.base:
             raise ConfigError(
                 "lora.rank > 0 needs the base model: --lora.base DIR (a loom checkpoint, e.g. from import-hf)"

@@ -15,7 +15,7 @@ import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
-from loom.engine.config import ConfigError, LoomConfig
+from loom.engine.config import ConfigError, LoomConfig, ModelConfig, OptimConfig, field_choices
 from loom.tools.plan_bytes import (
     FP8_WEIGHT_COPIES,
     LOOM,
@@ -31,7 +31,8 @@ from loom.tools.plan_bytes import (
 )
 from loom.tools.plan_time import GB, Hardware, StepShape, TokenFlops, load_hardware, step_seconds
 
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = field_choices(ModelConfig, "recompute")
+OFFLOAD = field_choices(OptimConfig, "offload")
 
 
 @dataclass
@@ -185,10 +186,9 @@ def parse_layout(text: str) -> dict:
             raise ConfigError(f"--layout gives {item.partition('=')[0].strip()} twice; give each key once")
         value = value.strip()
         if key in ("recompute", "offload"):
-            if value not in (RECOMPUTE if key == "recompute" else ("none", "cpu")):
-                raise ConfigError(
-                    f"--layout {key}={value}: expected one of {RECOMPUTE if key == 'recompute' else 'none, cpu'}"
-                )
+            allowed = RECOMPUTE if key == "recompute" else OFFLOAD
+            if value not in allowed:
+                raise ConfigError(f"--layout {key}={value}: expected one of {', '.join(allowed)}")
             fields[key] = value
         else:
             if key == "zero" and value not in ("0", "1", "2", "3"):
