@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from loom.engine.config import LoomConfig, ModelConfig
 from loom.engine.model import naming
-from loom.engine.optim.buckets import plan_buckets
+from loom.engine.optim.buckets import plan_buckets, plan_buffer
 from loom.engine.parallel.vocab import padded_vocab_size
 from loom.engine.pipeline.schedules import warmup_forwards
 
@@ -162,14 +162,9 @@ def rank_parameters(m: ModelConfig, lay: Layout, pp_rank: int) -> list[_Param]:
 
 def _buffer(params: list[_Param], dp: int, bucket_bytes: int, grad_bytes: int, zero: int) -> tuple[int, int]:
     """(elements of the padded gradient buffer, of which the deferred range) as GradBuffer plans them."""
-    ordered = list(reversed(params))
-    regular = [p for p in ordered if not p.deferred]
-    deferred = [p for p in ordered if p.deferred]
-    numel = max(1, bucket_bytes // grad_bytes)
     unit_of = (lambda q: q.unit) if zero == 3 else None
-    end = plan_buckets(regular, numel, dp, unit_of=unit_of)[2] if regular else 0
-    total = plan_buckets(deferred, numel, dp, end)[2] if deferred else end
-    return total, total - end
+    layout = plan_buffer(params, lambda q: q.deferred, max(1, bucket_bytes // grad_bytes), dp, unit_of)
+    return layout.total, layout.total - layout.regular_end
 
 
 @functools.lru_cache(maxsize=4096)

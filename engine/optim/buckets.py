@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -60,3 +60,39 @@ def plan_buckets(
             offset = start = end
             members = []
     return offsets, buckets, offset
+
+
+@dataclass
+class BufferLayout:
+    """Where every gradient lives in a rank's buffer, and its buckets."""
+
+    params: list
+    """Backward's order (the model's reversed): the regular parameters, then the deferred ones."""
+    deferred: list
+    offsets: dict
+    buckets: list[Bucket]
+    """The regular parameters' buckets, then the deferred ones'."""
+    deferred_buckets: list[Bucket]
+    regular_end: int
+    """Where the deferred range starts."""
+    total: int
+
+
+def plan_buffer(
+    params: list,
+    is_deferred: Callable[[Any], bool],
+    bucket_numel: int,
+    dp_size: int,
+    unit_of: Callable[[Any], Hashable] | None = None,
+) -> BufferLayout:
+    """The gradient buffer of `params` (in the model's order): in reverse, as backward produces the gradients, the
+    regular parameters' buckets (cut at gather units with `unit_of`, ZeRO-3), then from where they end the deferred
+    ones' (their gradients are summed over a model-parallel group before they are reduced)."""
+    ordered = list(reversed(params))
+    deferred = [p for p in ordered if is_deferred(p)]
+    regular = [p for p in ordered if not is_deferred(p)]
+    offsets, buckets, end = plan_buckets(regular, bucket_numel, dp_size, unit_of=unit_of) if regular else ({}, [], 0)
+    more, deferred_buckets, total = plan_buckets(deferred, bucket_numel, dp_size, end) if deferred else ({}, [], end)
+    return BufferLayout(
+        regular + deferred, deferred, {**offsets, **more}, buckets + deferred_buckets, deferred_buckets, end, total
+    )

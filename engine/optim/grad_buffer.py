@@ -32,7 +32,7 @@ from collections.abc import Callable, Collection, Hashable
 import torch
 import torch.distributed as dist
 
-from loom.engine.optim.buckets import Bucket, plan_buckets
+from loom.engine.optim.buckets import Bucket, plan_buffer
 from loom.engine.parallel.grad_fusion import FUSED
 from loom.engine.parallel.mappings import all_gather_single, reduce_scatter_single
 
@@ -85,27 +85,17 @@ class GradBuffer:
         self.overlap, self.zero, self.enabled = overlap, zero, enabled
         self.reduce_scatter = zero >= 1
         self.before_deferred = before_deferred
-        trainable = [p for p in reversed(params) if p.requires_grad]
-        self.deferred = [p for p in trainable if deferred(p)]
-        self.params = [p for p in trainable if not deferred(p)] + self.deferred
+        self.bucket_numel = max(1, bucket_bytes // dtype.itemsize)
+        layout = plan_buffer([p for p in params if p.requires_grad], deferred, self.bucket_numel, dp_size, unit_of)
+        self.params, self.deferred = layout.params, layout.deferred
         self.last_microbatch = True
         self.buckets: list[Bucket] = []
         self._hooks: list = []
         self.fused: set[torch.nn.Parameter] = set()
         if not enabled:
             return
-        bucket_numel = max(1, bucket_bytes // dtype.itemsize)
-        self.bucket_numel = bucket_numel
-        regular = self.params[: len(self.params) - len(self.deferred)]
-        self.offsets, self.buckets, end = (
-            plan_buckets(regular, bucket_numel, dp_size, unit_of=unit_of) if regular else ({}, [], 0)
-        )
-        offsets, self.deferred_buckets, total = (
-            plan_buckets(self.deferred, bucket_numel, dp_size, end) if self.deferred else ({}, [], end)
-        )
-        self.offsets.update(offsets)
-        self.buckets += self.deferred_buckets
-        self.total, self.regular_end = total, end
+        self.offsets, self.buckets, self.deferred_buckets = layout.offsets, layout.buckets, layout.deferred_buckets
+        self.total, self.regular_end = total, end = layout.total, layout.regular_end
         self.device = self.params[0].device
         self.deferred_set = set(self.deferred)
         self.bucket_of = {p: bucket for bucket in self.buckets for p in bucket.params}
