@@ -17,6 +17,7 @@ import torch
 
 from loom.engine.atomic import write_text_atomically
 from loom.engine.config_io import config_to_dict
+from loom.engine.run_dir import METRICS, TENSORBOARD
 
 
 def memory_gb(device: torch.device) -> float:
@@ -32,7 +33,7 @@ class MetricsWriter:
 
     def __init__(self, run_dir: Path, tensorboard: bool = True, resume_step: int = 0, total_steps: int | None = None):
         run_dir.mkdir(parents=True, exist_ok=True)
-        path = run_dir / "metrics.jsonl"
+        path = run_dir / METRICS
         if path.exists():
             _drop_rows_after(path, resume_step)
         self.jsonl = open(path, "a")
@@ -42,7 +43,7 @@ class MetricsWriter:
             from torch.utils.tensorboard import SummaryWriter
 
             # purge_step drops the events of steps that will be trained again, as for metrics.jsonl
-            self.tensorboard = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_step + 1)
+            self.tensorboard = SummaryWriter(str(run_dir / TENSORBOARD), purge_step=resume_step + 1)
 
     def attach_wandb(self, config, run_dir: Path) -> None:
         """Log every row to W&B too (train.wandb_project), resuming the run whose id this run directory keeps."""

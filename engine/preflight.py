@@ -13,6 +13,7 @@ from pathlib import Path
 
 from loom.engine.atomic import move_aside
 from loom.engine.config import ConfigError, LoomConfig
+from loom.engine.run_dir import CONFIG, METRICS, checkpoints_of
 
 
 def preflight(config: LoomConfig, world_size: int, training: bool = True) -> None:
@@ -115,7 +116,7 @@ def check_checkpoint_to_load(config: LoomConfig, training: bool) -> None:
                 f"checkpoint.load = {load} holds no checkpoint; give a run directory, its checkpoints/ folder or an "
                 f"iter_N folder{hugging_face_hint(load)}"
             )
-    own = Path(config.train.run_dir) / "checkpoints"
+    own = checkpoints_of(config.train.run_dir)
     found = checkpoint_to_resume(own, config.checkpoint.load, verify_hashes=False, warn=lambda _: None)
     if found is None:
         return
@@ -196,10 +197,10 @@ def check_run_directory(config: LoomConfig) -> None:
         )
     _refuse_a_tool_output(run_dir)
     check_not_in_use(run_dir)
-    metrics, saved_config = run_dir / "metrics.jsonl", run_dir / "config.toml"
+    metrics, saved_config = run_dir / METRICS, run_dir / CONFIG
     if not metrics.is_file() or metrics.stat().st_size == 0:
         return
-    if find_loadable(run_dir / "checkpoints", verify_hashes=False, warn=lambda _: None) is not None:
+    if find_loadable(checkpoints_of(run_dir), verify_hashes=False, warn=lambda _: None) is not None:
         if config.train.overwrite:
             print(
                 f"warning: train.overwrite: {run_dir} has a checkpoint, so this run resumes it; to start over, "

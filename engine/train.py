@@ -57,6 +57,7 @@ from loom.engine.pipeline.executor import PipelineExecutor
 from loom.engine.pipeline.schedules import build_schedule
 from loom.engine.pipeline.stages import build_chunks
 from loom.engine.preflight import run_is_complete
+from loom.engine.run_dir import CONFIG, checkpoints_of
 from loom.errors import TrainingDiverged
 
 
@@ -121,7 +122,7 @@ class Trainer:
         self.validation: dict = {"best_loss": None, "evals_without_gain": 0}
         self.hf_origin: dict | None = None  # set by _resume from a checkpoint that has one (TrainingState.hf_origin)
         self.last_saved_step: int | None = None
-        self.checkpoints = Path(t.run_dir) / "checkpoints"
+        self.checkpoints = checkpoints_of(t.run_dir)
         self.checkpoint_writer = CheckpointWriter(asynchronous=config.checkpoint.async_save, timeout=timeout)
         self._resume()
         self.metrics = None
@@ -129,7 +130,7 @@ class Trainer:
             run_dir = Path(t.run_dir)
             self.metrics = MetricsWriter(run_dir, tensorboard=t.tensorboard, resume_step=self.step, total_steps=t.steps)
             if self.step < t.steps and not self._patience_spent():  # a run that trains nothing keeps its record
-                (run_dir / "config.toml").write_text(config_to_toml(config))
+                (run_dir / CONFIG).write_text(config_to_toml(config))
             if t.wandb_project and t.wandb_mode != "disabled":
                 self.metrics.attach_wandb(config, run_dir)
 

@@ -14,7 +14,6 @@ Steps whose outputs already exist are reused, not redone. The data steps (1-5) a
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import time
 import tomllib
@@ -22,6 +21,7 @@ from pathlib import Path
 
 from loom.engine.config import ConfigError, LoomConfig
 from loom.engine.config_io import config_to_dict, load_config
+from loom.engine.run_dir import CHECKPOINTS, read_metrics
 from loom.launch.arguments import OLDER, add_parallel_size, int_in, output_dir
 from loom.launch.demo_data import prepare_data, preview_first_sample, step
 
@@ -131,7 +131,7 @@ def _train(
     )
     print(predicted_line(config, None)[0])
     launch_local(config, nproc)
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(run_dir)
     train_rows = [r for r in rows if "loss" in r]
     val_rows = [r for r in rows if "val_loss" in r]
     summary.update(
@@ -173,10 +173,10 @@ def _move_checkpoint(workdir: Path, config, steps: int) -> dict:
         f"{steps // 2} more steps, evaluate, export to Hugging Face"
     )
     runs = workdir / "runs"
-    resharded = reshard(runs / "tiny" / "checkpoints", runs / "tiny-resharded" / "checkpoints", tp=1, pp=2)
+    resharded = reshard(runs / "tiny" / CHECKPOINTS, runs / "tiny-resharded" / CHECKPOINTS, tp=1, pp=2)
     print(f"resharded: {resharded}")
     try:  # a writer aimed at another run's checkpoints is refused, not obeyed (it would repoint `latest`)
-        reshard(runs / "tiny" / "checkpoints", runs / "tiny" / "checkpoints", tp=1, pp=2)
+        reshard(runs / "tiny" / CHECKPOINTS, runs / "tiny" / CHECKPOINTS, tp=1, pp=2)
     except CheckpointError as refusal:
         print(f"the same reshard into the run's own checkpoints is refused: {refusal}")
     trained = config_to_dict(config)
@@ -192,15 +192,15 @@ def _move_checkpoint(workdir: Path, config, steps: int) -> dict:
     resumed.train.record_pipeline_timeline, resumed.checkpoint.load = False, str(resharded)
     resumed.resolve_world(4)
     launch_local(resumed, 4)
-    rows = [json.loads(line) for line in (runs / "tiny-resumed" / "metrics.jsonl").read_text().splitlines()]
-    hf_dir = export_hf(runs / "tiny-resumed" / "checkpoints", workdir / "hf")
+    rows = read_metrics(runs / "tiny-resumed")
+    hf_dir = export_hf(runs / "tiny-resumed" / CHECKPOINTS, workdir / "hf")
     val = [r for r in rows if "val_loss" in r]
     files = ", ".join(sorted(p.name for p in hf_dir.iterdir()))
     print(
         f"exported {hf_dir} ({files}: transformers' Llama and AutoTokenizer load it) in "
         f"{time.perf_counter() - start:.1f} s"
     )
-    sample = _sample(runs / "tiny-resumed" / "checkpoints", config.data.tokenizer)
+    sample = _sample(runs / "tiny-resumed" / CHECKPOINTS, config.data.tokenizer)
     print(f"sample (greedy, KV-cached, as `loom generate` writes it): {sample!r}")
     return {
         "sample": sample,
@@ -228,7 +228,7 @@ def _lora_finetune(workdir: Path, config, steps: int) -> dict:
         {
             **config_to_dict(config),
             "parallel": {"tp": 2, "pp": 1, "vp": 1, "dp": None, "sequence_parallel": True},
-            "lora": {"rank": 8, "alpha": 16.0, "base": str(runs / "tiny-resumed" / "checkpoints")},
+            "lora": {"rank": 8, "alpha": 16.0, "base": str(runs / "tiny-resumed" / CHECKPOINTS)},
         },
     )
     tuned.train.run_dir, tuned.train.steps, tuned.train.record_pipeline_timeline = (
@@ -239,8 +239,8 @@ def _lora_finetune(workdir: Path, config, steps: int) -> dict:
     tuned.checkpoint.interval = lora_steps
     tuned.resolve_world(2)
     launch_local(tuned, 2)
-    rows = [json.loads(line) for line in (runs / "tiny-lora" / "metrics.jsonl").read_text().splitlines()]
-    merged = merge_lora(runs / "tiny-lora", runs / "tiny-lora-merged" / "checkpoints")
+    rows = read_metrics(runs / "tiny-lora")
+    merged = merge_lora(runs / "tiny-lora", runs / "tiny-lora-merged" / CHECKPOINTS)
     adapter = export_peft_adapter(runs / "tiny-lora", workdir / "hf-lora-adapter")
     print(f"merged {merged}; PEFT adapter {adapter} in {time.perf_counter() - start:.1f} s")
     return {"lora_loss": [r for r in rows if "loss" in r][-1]["loss"], "lora_adapter": str(adapter)}
@@ -277,11 +277,11 @@ def _slurm_job(workdir: Path, config, steps: int) -> dict:
     )
     job_config.train.run_dir, job_config.train.steps = str(runs / "tiny-slurm"), steps + 2 * (steps // 2)
     job_config.train.record_pipeline_timeline = False
-    job_config.checkpoint.load = str(runs / "tiny-resumed" / "checkpoints")
+    job_config.checkpoint.load = str(runs / "tiny-resumed" / CHECKPOINTS)
     job = submit(job_config, SlurmOptions(tasks_per_node=4, time_minutes=10, job_name="loom-demo"))
     print(f"submitted job {job.job_id}; following rank 0's log", flush=True)
     state = follow(job.job_id, Path(job_config.train.run_dir))
-    rows = [json.loads(line) for line in (runs / "tiny-slurm" / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(runs / "tiny-slurm")
     losses = [r["loss"] for r in rows if "loss" in r]
     return {
         "slurm": {

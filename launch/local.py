@@ -21,11 +21,11 @@ import threading
 import time
 import traceback
 from multiprocessing import reduction
-from pathlib import Path
 
 from loom.engine.config import LoomConfig
 from loom.engine.config_io import config_from_dict, config_to_dict
 from loom.engine.parallel.rendezvous import free_port, rank_context
+from loom.engine.run_dir import checkpoints_of, metrics_of
 from loom.errors import is_user_error, user_message
 
 
@@ -226,7 +226,7 @@ def _stop_all(procs: list, grace_s: float) -> None:
 def _stopped(signal_name: str, config: LoomConfig, clean: bool) -> Stopped:
     from loom.engine.checkpoint.format import LATEST
 
-    latest = Path(config.train.run_dir) / "checkpoints" / LATEST
+    latest = checkpoints_of(config.train.run_dir) / LATEST
     if clean and latest.is_file():
         where = latest.parent / latest.read_text().strip()
         return Stopped(
@@ -256,7 +256,7 @@ SIGNAL_CAUSES = {
 
 def _last_logged_step(run_dir: str) -> int | None:
     try:
-        rows = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+        rows = metrics_of(run_dir).read_text().splitlines()
         return int(json.loads(rows[-1])["step"]) if rows else None
     except (OSError, ValueError, KeyError):
         return None

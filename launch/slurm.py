@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from loom.engine.config import ConfigError, LoomConfig
+from loom.engine.run_dir import checkpoints_of
 from loom.launch.arguments import float_in, int_in
 from loom.launch.local import SIGNAL_CAUSES
 from loom.launch.slurm_jobs import (
@@ -329,7 +330,7 @@ def _check_something_to_train(config: LoomConfig) -> None:
     from loom.engine.preflight import run_is_complete
 
     run_dir = Path(config.train.run_dir)
-    own = find_loadable(run_dir / "checkpoints", verify_hashes=False, warn=lambda _: None)
+    own = find_loadable(checkpoints_of(run_dir), verify_hashes=False, warn=lambda _: None)
     if own is not None and own[1].step >= config.train.steps:
         raise ConfigError(run_is_complete(run_dir, own[1].step, config.train.steps, ", so nothing was submitted"))
 

@@ -9,7 +9,6 @@ into a failure.
 
 from __future__ import annotations
 
-import json
 import os
 import selectors
 import signal
@@ -22,6 +21,7 @@ from pathlib import Path
 
 from loom.engine.config import LoomConfig
 from loom.engine.config_io import load_config
+from loom.engine.run_dir import read_metrics
 
 HANG_S = 300
 
@@ -95,15 +95,6 @@ def one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> None
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     for fragment in fragments:
         assert fragment in lines[0], lines[0]
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    """The rows of run_dir/metrics.jsonl ([] before the first); a row still being written is left out."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return []
-    *complete, _unterminated = path.read_text().split("\n")
-    return [json.loads(line) for line in complete]
 
 
 def wait_for(condition: Callable[[], bool], what: str, process: subprocess.Popen | None = None) -> None:

@@ -15,8 +15,9 @@ from pathlib import Path
 from loom.engine.atomic import move_aside
 from loom.engine.checkpoint.format import LATEST, CheckpointError, candidates, enclosing_checkpoint
 from loom.engine.config import ConfigError
+from loom.engine.run_dir import CHECKPOINTS, CONFIG, METRICS, checkpoints_of
 
-RUN_FILES = ("metrics.jsonl", "config.toml")
+RUN_FILES = (METRICS, CONFIG)
 """What a training run writes into its run directory before anything else."""
 
 HF_FILES = ("config.json", "adapter_config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json")
@@ -28,7 +29,7 @@ HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens
 def is_run_directory(path: Path) -> bool:
     """A training run's directory: its metrics or resolved config, or a checkpoints/ folder with checkpoints."""
     return path.is_dir() and (
-        any((path / name).is_file() for name in RUN_FILES) or bool(candidates(path / "checkpoints"))
+        any((path / name).is_file() for name in RUN_FILES) or bool(candidates(checkpoints_of(path)))
     )
 
 
@@ -61,7 +62,7 @@ def claim_checkpoint_output(output: Path, overwrite: bool, reading: tuple[Path, 
             f"--output {output} holds a Hugging Face model; write the checkpoint to a folder of its own"
         )
     existing = _checkpoint_entries(output) if output.is_dir() else []
-    owner = output.parent if output.name == "checkpoints" and is_run_directory(output.parent) else None
+    owner = output.parent if output.name == CHECKPOINTS and is_run_directory(output.parent) else None
     if (existing or owner is not None) and not overwrite:
         trained = owner is not None and any((owner / name).is_file() for name in RUN_FILES)
         held = f"is {'training run ' if trained else ''}{owner}'s checkpoints folder" if owner else "holds checkpoints"

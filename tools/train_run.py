@@ -6,13 +6,13 @@ that need a multi-rank run go through the command line rather than launch/'s Pyt
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 from loom.engine.config import LoomConfig
 from loom.engine.config_io import config_to_toml
+from loom.engine.run_dir import read_metrics
 
 
 def train(config: LoomConfig, nproc: int) -> list[dict]:
@@ -28,4 +28,4 @@ def train(config: LoomConfig, nproc: int) -> list[dict]:
     )
     if done.returncode != 0:
         raise RuntimeError(f"loom train failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return read_metrics(run_dir)

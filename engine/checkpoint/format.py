@@ -31,6 +31,7 @@ import torch
 
 from loom.engine.atomic import save_tensors_atomically, write_text_atomically
 from loom.engine.parallel.sharding import ShardSpec
+from loom.engine.run_dir import CHECKPOINTS
 from loom.errors import LoomError
 
 FORMAT_VERSION = 1
@@ -314,7 +315,7 @@ def enclosing_checkpoint(path: Path, folders: bool = False) -> Path | None:
     """The checkpoint `path` is or lies in (an iter_N directory; with `folders`, also a checkpoints folder that
     holds checkpoints), nearest first; None if none: what no run or new checkpoint may be written into."""
     for folder in (path, *path.absolute().parents):
-        if is_checkpoint_dir(folder) or (folders and folder.name == "checkpoints" and candidates(folder)):
+        if is_checkpoint_dir(folder) or (folders and folder.name == CHECKPOINTS and candidates(folder)):
             return folder
     return None
 
@@ -325,8 +326,8 @@ def find_loadable(path: Path, verify_hashes: bool = True, warn=print) -> tuple[P
     directory stands for its checkpoints/ folder."""
     if is_checkpoint_dir(path):
         return path, read_metadata(path, verify_hashes)
-    if (path / "checkpoints").is_dir() and not candidates(path):
-        path = path / "checkpoints"
+    if (path / CHECKPOINTS).is_dir() and not candidates(path):
+        path = path / CHECKPOINTS
     for directory in candidates(path):
         try:
             return directory, read_metadata(directory, verify_hashes)

@@ -34,6 +34,7 @@ import torch
 
 from loom.engine.config import ConfigError, LoomConfig
 from loom.engine.config_io import load_config
+from loom.engine.run_dir import read_metrics
 from loom.tools.bench import mfu
 from loom.tools.synthetic_data import write_markov_dataset
 
@@ -101,7 +102,7 @@ def launcher_run(config_name: str, overrides: dict, workdir: Path, device: torch
     backend = "nccl" if device.type == "cuda" else "gloo"
     if result.returncode != 0:
         return {"backend": backend, "ok": False, "seconds": seconds, "error": result.stderr.strip().splitlines()[-1]}
-    rows = [json.loads(line) for line in (workdir / "launch-run" / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(workdir / "launch-run")
     return {"backend": backend, "ok": True, "seconds": seconds, "final_loss": rows[-1]["loss"]}
 
 
