@@ -38,6 +38,20 @@ OVERWRITE_HELP = (
 )
 
 
+def add_jsonl_input(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--input", nargs="+", required=True, help="JSONL files (.jsonl, .jsonl.gz, .jsonl.zst)")
+
+
+def add_text_key(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--text-key", type=text_value, default="text", help="JSON field that holds each document's text" + DEFAULT
+    )
+
+
+def add_overwrite(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+
+
 def claim_outputs(overwrite: bool, given: str, outputs: list[Path], inputs: list[str] = ()) -> None:
     """Make room for a command's outputs (`given`: the option and its value, as the user wrote them). Files already
     there (another run's, or another command's sharing the prefix) are refused, or with --overwrite moved aside;
@@ -196,7 +210,7 @@ def _add_corpus(sub) -> None:
         "--output", type=output_file, required=True, help="output .jsonl file (.jsonl.gz or .jsonl.zst compress it)"
     )
     p.add_argument("--max-docs", type=positive_int, help="stop after this many documents (default: all)")
-    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+    add_overwrite(p)
     p.set_defaults(handler=_corpus)
 
 
@@ -208,7 +222,7 @@ def _add_clean(sub) -> None:
         "--split-by-language), each rejected one to OUTPUT/rejected/<step>.jsonl with the "
         "rule that removed it; OUTPUT/stats.json counts them per step.",
     )
-    p.add_argument("--input", nargs="+", required=True, help="JSONL files (.jsonl, .jsonl.gz, .jsonl.zst)")
+    add_jsonl_input(p)
     p.add_argument("--output", type=output_dir, required=True, help="output directory")
     p.add_argument(
         "--pipeline",
@@ -222,15 +236,13 @@ def _add_clean(sub) -> None:
         default=2,
         help="processes that run the pipeline; 1 runs it in this process" + DEFAULT,
     )
-    p.add_argument(
-        "--text-key", type=text_value, default="text", help="JSON field that holds each document's text" + DEFAULT
-    )
+    add_text_key(p)
     p.add_argument(
         "--split-by-language",
         action="store_true",
         help="write kept documents per identified language (adds a labelling step if needed)",
     )
-    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+    add_overwrite(p)
     p.set_defaults(handler=_clean)
 
 
@@ -241,7 +253,7 @@ def _add_dedup(sub) -> None:
         description="Kept documents go to OUTPUT/kept.jsonl, removed ones to OUTPUT/removed/ with the "
         "id of the document they duplicate; clusters.jsonl and stats.json report.",
     )
-    p.add_argument("--input", nargs="+", required=True, help="JSONL files (.jsonl, .jsonl.gz, .jsonl.zst)")
+    add_jsonl_input(p)
     p.add_argument("--output", type=output_dir, required=True, help="output directory")
     p.add_argument(
         "--method",
@@ -271,16 +283,14 @@ def _add_dedup(sub) -> None:
         help="minhash: memory for grouping one bucket of band keys, per worker (larger buckets take several "
         "passes)" + DEFAULT,
     )
-    p.add_argument(
-        "--text-key", type=text_value, default="text", help="JSON field that holds each document's text" + DEFAULT
-    )
-    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+    add_text_key(p)
+    add_overwrite(p)
     p.set_defaults(handler=_dedup)
 
 
 def _add_tokenizer(sub) -> None:
     p = sub.add_parser("tokenizer", help="train a SentencePiece BPE or unigram tokenizer on JSONL")
-    p.add_argument("--input", nargs="+", required=True, help="JSONL files (.jsonl, .jsonl.gz, .jsonl.zst)")
+    add_jsonl_input(p)
     p.add_argument(
         "--output", type=output_prefix, required=True, help="output prefix: writes PREFIX.model and PREFIX.vocab"
     )
@@ -297,9 +307,7 @@ def _add_tokenizer(sub) -> None:
         default="bpe",
         help="bpe (as LLaMA and GPT) or unigram (as T5)" + DEFAULT,
     )
-    p.add_argument(
-        "--text-key", type=text_value, default="text", help="JSON field that holds each document's text" + DEFAULT
-    )
+    add_text_key(p)
     p.add_argument(
         "--input-sentence-size",
         type=int_in(1, 1_000_000_000),
@@ -324,5 +332,5 @@ def _add_tokenizer(sub) -> None:
         help="SentencePiece threads (default: all cores; the pieces do not depend on it)",
     )
     p.add_argument("--seed", type=seed, default=0, help="seed of SentencePiece's line sampling" + DEFAULT)
-    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+    add_overwrite(p)
     p.set_defaults(handler=_tokenizer)

@@ -19,9 +19,8 @@ from loom.launch.arguments import (
     output_file,
     output_prefix,
     seed,
-    text_value,
 )
-from loom.launch.cli_data import DEFAULT, OVERWRITE_HELP, WORKERS, claim_outputs
+from loom.launch.cli_data import DEFAULT, WORKERS, add_jsonl_input, add_overwrite, add_text_key, claim_outputs
 
 if TYPE_CHECKING:
     from loom.engine.config import LoomConfig
@@ -220,7 +219,7 @@ Other config fields (e.g. --data.weights, --data.cache_dir) can be overridden as
 
 def add_build(sub) -> None:
     p = sub.add_parser("build", help="tokenize JSONL into a memory-mapped P.bin + P.idx (Megatron format)")
-    p.add_argument("--input", nargs="+", required=True, help="JSONL files (.jsonl, .jsonl.gz, .jsonl.zst)")
+    add_jsonl_input(p)
     p.add_argument(
         "--tokenizer", type=existing_file, required=True, help="SentencePiece .model (from `loom data tokenizer`)"
     )
@@ -236,16 +235,14 @@ def add_build(sub) -> None:
         default=2,
         help="processes that encode; 1 encodes in this process with all of SentencePiece's threads" + DEFAULT,
     )
-    p.add_argument(
-        "--text-key", type=text_value, default="text", help="JSON field that holds each document's text" + DEFAULT
-    )
+    add_text_key(p)
     p.add_argument(
         "--append-eod",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="end every document with the tokenizer's end-of-document id" + DEFAULT,
     )
-    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+    add_overwrite(p)
     p.set_defaults(handler=_build)
 
 
@@ -260,7 +257,7 @@ def add_merge(sub) -> None:
         required=True,
         help="writes PREFIX.bin, PREFIX.idx and PREFIX.manifest.json",
     )
-    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+    add_overwrite(p)
     p.set_defaults(handler=_merge)
 
 
@@ -322,7 +319,7 @@ def add_preview(sub) -> None:
     p.add_argument(
         "--output", type=output_file, help="also write every sample, in full, as JSONL (sample, tokens, text)"
     )
-    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+    add_overwrite(p)
     p.set_defaults(handler=_preview, takes_overrides=True)
 
 
