@@ -28,6 +28,7 @@ from loom.engine.parallel.param_info import param_info
 from loom.engine.parallel.rendezvous import free_port, rank_context
 from loom.engine.parallel.state import ParallelState
 from loom.engine.pipeline.stages import stage_layers
+from loom.errors import is_user_error
 from loom.tools.ckpt import open_checkpoint
 from loom.tools.lora import ModelWeights
 
@@ -149,8 +150,10 @@ def _generate_on_a_rank(
         produced = generate(model, parallel=parallel, **job)
         if rank == 0:
             results.put(produced)
-    except BaseException as error:  # noqa: BLE001 - reported by the launcher in one line, not a traceback here
+    except BaseException as error:  # noqa: BLE001 - reported by the launcher
         results.put(error)
+        if not is_user_error(error):
+            raise  # a bug: its traceback, from the rank it happened on (a user's mistake is one line, there)
     finally:
         dist.destroy_process_group()
 
