@@ -232,8 +232,13 @@ def main(argv: list[str] | None = None) -> None:
     args, extra = parser.parse_known_args(argv)
     if args.command in ("train", "demo"):
         signal.signal(signal.SIGTERM, functools.partial(_stop_now, trains=True))
-    if extra and not getattr(args, "takes_overrides", False):
-        _invoked_parser(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
+    takes_overrides = getattr(args, "takes_overrides", False)
+    unknown = [a for a in extra if a.startswith("--") and "." not in a.split("=")[0]] if takes_overrides else extra
+    if takes_overrides and extra and not extra[0].startswith("--"):
+        unknown.insert(0, extra[0])
+    if unknown:
+        overrides = "; config overrides look like --train.steps 50" if takes_overrides else ""
+        _invoked_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}{overrides}")
     try:
         if getattr(args, "takes_overrides", False):
             args.handler(args, extra)

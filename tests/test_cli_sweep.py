@@ -405,8 +405,11 @@ def test_bad_config_overrides_are_one_line_and_exit_2(world, capsys, command):
 
 
 def test_an_option_a_command_does_not_take_points_to_that_command_s_help(capsys):
-    """It pointed to `loom --help`, which does not list the subcommand's options."""
+    """It pointed to `loom --help`, which does not list the subcommand's options (and a command taking config
+    overrides said only what overrides look like)."""
     for argv, prog in (
+        (["train", "--config", "tiny", "--bogus-opt", "1"], "loom train"),
+        (["data", "preview", "--config", "tiny", "--bogus-opt"], "loom data preview"),
         (["generate", "--checkpoint", ".", "--parallel.cp", "2"], "loom generate"),
         (["schedule", "--pp", "2", "--microbatches", "4", "--bogus"], "loom schedule"),
     ):
