@@ -19,6 +19,7 @@ from training_runs import loom, loom_here, one_line_error, read_metrics, tiny_tr
 from loom.engine.checkpoint.format import find_loadable, read_metadata
 from loom.engine.data.indexed import index_paths
 from loom.launch.cli import main
+from loom.launch.local import SIGNAL_CAUSES
 
 POSITIONS = 64
 
@@ -189,6 +190,21 @@ def test_generate_says_how_many_tokens_and_why_it_stopped(world, capfd):
     )
     code, _, err = run(capfd, "generate", "--checkpoint", base, "--prompt-ids", " ".join(["5"] * (POSITIONS + 1)))
     assert code == 2 and err.startswith(f"error: the prompt has {POSITIONS + 1} tokens but the model has {POSITIONS}")
+
+
+def test_generate_on_ranks_names_a_killed_rank_and_leaves_none_behind(world, capfd, monkeypatch):
+    """A rank the OOM killer ends reports nothing: `loom generate --nproc` waited for it forever (all ranks killed),
+    or printed its peer's 'connection closed' traceback (one killed)."""
+    import multiprocessing
+
+    before = set(multiprocessing.active_children())
+    monkeypatch.setenv("LOOM_INJECT_KILL", "1:2")  # rank 1 SIGKILLs itself before its third token
+    argv = ["generate", "--checkpoint", str(world["base"]), "--prompt-ids", "1 2", "--nproc", "2", "--parallel.tp", "2"]
+    code, _, err = run(capfd, *argv)
+    assert code == 1 and err.strip().splitlines() == [
+        f"error: rank 1 failed: killed by SIGKILL{SIGNAL_CAUSES['SIGKILL']}"
+    ], err
+    assert set(multiprocessing.active_children()) <= before
 
 
 def test_generate_refuses_a_tokenizer_the_model_was_not_trained_with(world, capfd):

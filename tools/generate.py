@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import datetime
 import os
+import queue
 import re
+import signal
+import time
 from pathlib import Path
 
 import torch
@@ -22,6 +25,7 @@ import torch.distributed as dist
 from loom.engine.checkpoint.format import CheckpointMetadata, sha256_of
 from loom.engine.config import ConfigError, LoomConfig, ParallelConfig
 from loom.engine.config_io import config_from_dict
+from loom.engine.faults import FaultPlan
 from loom.engine.model.gpt import DecodingCache, GPTModel
 from loom.engine.parallel import mappings
 from loom.engine.parallel.param_info import param_info
@@ -88,10 +92,12 @@ def generate(
     stop_ids: tuple[int, ...] = (),
     parallel: ParallelState | None = None,
     vocab_size: int | None = None,
+    faults: FaultPlan | None = None,
 ) -> list[int]:
     """The prompt's continuation (new token ids only); stops early at a token in stop_ids. `vocab_size`: draw only
     ids below it (the tokenizer's pieces, where the model's vocabulary is larger). Under `parallel` every rank of
-    the layout calls this together (its model: load_model(..., parallel)) and gets the tokens."""
+    the layout calls this together (its model: load_model(..., parallel)) and gets the tokens. `faults`: the
+    failures a test injects (engine/faults.py; a "step" is a token)."""
     if not prompt:
         raise ValueError("generate needs a prompt of at least one token")
     vocab = min(model.config.vocab_size, vocab_size or model.config.vocab_size)
@@ -101,6 +107,8 @@ def generate(
     tokens = torch.tensor([prompt])
     produced: list[int] = []
     while len(produced) < max_new_tokens and cache.length + tokens.shape[1] <= limit:
+        if faults is not None:
+            faults.before_step(len(produced))
         logits = _decode(model, tokens, cache, parallel)
         token = next_token(logits[-1, 0, :vocab], temperature, top_p, generator) if logits is not None else 0
         if parallel is not None and parallel.pp_size > 1:
@@ -138,16 +146,19 @@ def _from_last_stage(token: int, parallel: ParallelState) -> int:
 
 
 def _generate_on_a_rank(
-    rank: int, world: int, port: int, tp: int, pp: int, checkpoint: str, base: Path | None, job: dict, results
+    rank: int, world: int, port: int, tp: int, pp: int, checkpoint: str, base: Path | None, job: dict, results, where
 ) -> None:
+    environ, cwd = where  # the launcher's, not the fork server's (started earlier, maybe elsewhere)
+    os.environ.clear()
+    os.environ.update(environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.chdir(cwd)
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     timeout = datetime.timedelta(minutes=ParallelConfig.timeout_minutes)  # a lost peer fails, not hangs
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
     try:
         parallel = ParallelState.create(tp=tp, dp=1, pp=pp, timeout=timeout)
         model, _ = load_model(Path(checkpoint), parallel, base)
-        produced = generate(model, parallel=parallel, **job)
+        produced = generate(model, parallel=parallel, faults=FaultPlan.from_environment(rank), **job)
         if rank == 0:
             results.put(produced)
     except BaseException as error:  # noqa: BLE001 - reported by the launcher
@@ -156,6 +167,40 @@ def _generate_on_a_rank(
             raise  # a bug: its traceback, from the rank it happened on (a user's mistake is one line, there)
     finally:
         dist.destroy_process_group()
+
+
+class RankDied(Exception):
+    """A rank of generate_parallel ended without a word: killed by a signal (the OOM killer's SIGKILL, say)."""
+
+    def __init__(self, rank: int, exitcode: int):
+        self.rank = rank
+        self.signal_name = signal.Signals(-exitcode).name if -exitcode in signal.valid_signals() else str(exitcode)
+        super().__init__(f"rank {rank} was killed by {self.signal_name}")
+
+
+def _killed(ranks: list) -> RankDied | None:
+    for rank, process in enumerate(ranks):
+        if process.exitcode is not None and process.exitcode < 0:
+            return RankDied(rank, process.exitcode)
+    return None
+
+
+def _wait_for_outcome(results, ranks: list) -> list[int] | BaseException:
+    """Rank 0's tokens, or the first error a rank reported. A rank killed by a signal reports nothing (waiting
+    for it hung), so it is looked for too, and named over the errors its death causes its peers ("connection
+    closed by peer")."""
+    outcome = None
+    while outcome is None and (died := _killed(ranks)) is None:
+        try:
+            outcome = results.get(timeout=0.2)
+        except queue.Empty:
+            pass
+    if isinstance(outcome, list):
+        return outcome
+    give_up = time.monotonic() + 2.0  # a peer's error may arrive before the killed rank's end is seen
+    while (died := _killed(ranks)) is None and time.monotonic() < give_up and any(p.is_alive() for p in ranks):
+        time.sleep(0.05)
+    return died or outcome
 
 
 def check_layout(config: LoomConfig, tp: int, pp: int) -> None:
@@ -174,14 +219,17 @@ def generate_parallel(checkpoint: Path, tp: int, pp: int, base: Path | None = No
     results = context.Queue()
     world = tp * pp
     ranks = [
-        context.Process(target=_generate_on_a_rank, args=(r, world, port, tp, pp, str(checkpoint), base, job, results))
+        context.Process(
+            target=_generate_on_a_rank,
+            args=(r, world, port, tp, pp, str(checkpoint), base, job, results, (dict(os.environ), os.getcwd())),
+        )
         for r in range(world)
     ]
     outcome: list[int] | BaseException | None = None
     try:
         for process in ranks:
             process.start()
-        outcome = results.get()
+        outcome = _wait_for_outcome(results, ranks)
     finally:  # a failed rank's peers (or every rank, when this command is stopped) would wait for it in vain
         if not isinstance(outcome, list):
             for process in ranks:
