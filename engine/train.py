@@ -109,7 +109,9 @@ class Trainer:
             p2p_dtype=PARAM_DTYPES[t.precision],
         )
         self.evaluation_only = evaluation_only
-        self._build_data(evaluation_only)
+        self.checkpoints = checkpoints_of(t.run_dir)
+        to_resume = self._checkpoint_to_resume()
+        self._build_data(evaluation_only, to_resume[1] if to_resume else None)
         self.flops_per_token = model_flops_per_token(config.model, t.seq_length)
         self.peak_flops = self._peak_flops()
         self.faults = FaultPlan.from_environment(self.state.rank)
@@ -122,9 +124,9 @@ class Trainer:
         self.validation: dict = {"best_loss": None, "evals_without_gain": 0}
         self.hf_origin: dict | None = None  # set by _resume from a checkpoint that has one (TrainingState.hf_origin)
         self.last_saved_step: int | None = None
-        self.checkpoints = checkpoints_of(t.run_dir)
         self.checkpoint_writer = CheckpointWriter(asynchronous=config.checkpoint.async_save, timeout=timeout)
-        self._resume()
+        if to_resume is not None:
+            self._resume(*to_resume)
         self.metrics = None
         if self.state.rank == 0:
             run_dir = Path(t.run_dir)
@@ -205,8 +207,8 @@ class Trainer:
             self._log_event(f"warning: the base {directory} was saved with other settings ({'; '.join(changes)})")
         return pointer
 
-    def _resume(self) -> Path | None:
-        """Load the run's own newest intact checkpoint, else checkpoint.load; rank 0 picks, all load."""
+    def _checkpoint_to_resume(self) -> tuple[Path, CheckpointMetadata] | None:
+        """The run's own newest intact checkpoint, else checkpoint.load: rank 0 picks, every rank learns it."""
         c = self.config.checkpoint
         choice = [None]
         if self.state.rank == 0:
@@ -217,8 +219,10 @@ class Trainer:
         dist.broadcast_object_list(choice, src=0)
         if choice[0] is None:
             return None
-        directory = Path(choice[0])
-        metadata = read_metadata(directory, verify_hashes=False)
+        return Path(choice[0]), read_metadata(Path(choice[0]), verify_hashes=False)
+
+    def _resume(self, directory: Path, metadata: CheckpointMetadata) -> None:
+        """Load `directory` (the checkpoint _checkpoint_to_resume picked) into this trainer's state."""
         check_same_base(directory, metadata.lora_base, self.lora_base)
         check_same_model(directory, metadata.config, self.config)
         load_checkpoint(self.training_state(), directory, metadata)
@@ -229,7 +233,6 @@ class Trainer:
             self.validation = dict(metadata.validation)
         self.hf_origin = metadata.hf_origin
         self._say_what_was_resumed(directory, metadata)
-        return directory
 
     def _say_what_was_resumed(self, directory: Path, metadata: CheckpointMetadata) -> None:
         """Rank 0's lines about the checkpoint just loaded, and warnings for what this run changes about it."""
@@ -267,9 +270,12 @@ class Trainer:
         self.last_saved_step = self.step
         return self.checkpoint_writer.save(self.training_state(), self.checkpoints, self.config.checkpoint.keep)
 
-    def _build_data(self, evaluation_only: bool) -> None:
+    def _build_data(self, evaluation_only: bool, resumed: CheckpointMetadata | None) -> None:
         c = self.config
-        train_set, self.valid_set = build_datasets(c, not evaluation_only, self.state.rank == 0, dist.barrier)
+        position = (resumed.step, resumed.consumed_samples) if resumed is not None else None
+        train_set, self.valid_set = build_datasets(
+            c, not evaluation_only, self.state.rank == 0, dist.barrier, resumed_at=position
+        )
         self.train_batches = self._batches(train_set, c.global_batch_size_at)
 
     def _batches(self, dataset, batch_size_at) -> BatchIterator:

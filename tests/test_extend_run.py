@@ -73,3 +73,28 @@ def test_tokens_keep_counting_when_a_resume_changes_the_sequence_length(dataset,
     batch = rows[3]["global_batch_size"]
     assert rows[2]["tokens"] == 2 * batch * 128 and rows[3]["tokens"] == 2 * batch * 128 + batch * 64
     assert read_metadata(tmp_path / "checkpoints" / "iter_0000003").tokens == rows[3]["tokens"]
+
+
+def test_a_resume_at_a_smaller_global_batch_reads_on_where_the_larger_one_stopped(dataset, tmp_path):
+    """The training dataset was sized train.steps x today's global batch, which a checkpoint trained with larger
+    batches had already read past: `IndexError: sample 64 outside a dataset of 24` from a rank, mid-run. It is
+    sized from the checkpoint's consumed samples on."""
+    from loom.engine.checkpoint.format import read_metadata
+
+    def run(run_dir: Path, steps: int, batch: int, **checkpoint) -> dict[int, dict]:
+        config = tiny_config(
+            dataset,
+            run_dir,
+            model=SMALL_MODEL,
+            checkpoint={"interval": 2, **checkpoint},
+            train={"steps": steps, "global_batch_size": batch, "micro_batch_size": 2},
+        )
+        config.resolve_world(1)
+        launch_local(config, 1)
+        return {row["step"]: row for row in read_metrics(run_dir) if "loss" in row}
+
+    run(tmp_path / "large", 2, 16)
+    checkpoint = tmp_path / "large" / "checkpoints" / "iter_0000002"
+    resumed = run(tmp_path / "small", 6, 4, load=str(checkpoint))  # 32 read; 6 x 4 = 24 was the dataset's size
+    assert sorted(resumed) == [3, 4, 5, 6]
+    assert read_metadata(tmp_path / "small" / "checkpoints" / "iter_0000006").consumed_samples == 32 + 4 * 4

@@ -72,17 +72,35 @@ def build_dataset(
     return BlendedDataset(parts, weights, num_samples)
 
 
-def build_datasets(config: LoomConfig, with_train: bool, is_builder: bool, barrier: Callable[[], None] | None):
+def build_datasets(
+    config: LoomConfig,
+    with_train: bool,
+    is_builder: bool,
+    barrier: Callable[[], None] | None,
+    resumed_at: tuple[int, int] | None = None,
+):
     """(train, valid) datasets of a run as training reads them: train.steps global batches of training
     samples (None when not `with_train`), and train.eval_iters of validation samples when the run
-    evaluates (None otherwise). `loom data index` calls it offline with is_builder and no barrier."""
+    evaluates (None otherwise). `loom data index` calls it offline with is_builder and no barrier.
+    `resumed_at`: (step, consumed samples) of the checkpoint the run resumes from."""
     t = config.train
     check_splits(config, with_train)
-    train = build_dataset(config, 0, t.steps * t.global_batch_size, is_builder, barrier) if with_train else None
+    train = build_dataset(config, 0, training_samples(config, resumed_at), is_builder, barrier) if with_train else None
     valid = None
     if evaluates(config, with_train):
         valid = build_dataset(config, 1, t.eval_iters * t.global_batch_size, is_builder, barrier)
     return train, valid
+
+
+def training_samples(config: LoomConfig, resumed_at: tuple[int, int] | None = None) -> int:
+    """The training samples a run reads: train.steps global batches; resumed from a checkpoint that took larger
+    batches (another train.global_batch_size before), its consumed samples and the steps left at today's batch."""
+    t = config.train
+    samples = t.steps * t.global_batch_size
+    if resumed_at is not None:
+        step, consumed = resumed_at
+        samples = max(samples, consumed + max(0, t.steps - step) * t.global_batch_size)
+    return samples
 
 
 def evaluates(config: LoomConfig, with_train: bool) -> bool:
