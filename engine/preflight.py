@@ -166,17 +166,18 @@ def _refuse_a_tool_output(run_dir: Path) -> None:
     """A folder that `loom ckpt reshard|import-hf|merge-lora` (checkpoints at its top) or `export-hf` (a Hugging
     Face model) wrote is no run directory: a run would mix its files with them, and would not resume from the
     checkpoints (a run keeps its own in RUN/checkpoints/)."""
-    from loom.engine.checkpoint.format import LATEST, candidates, hugging_face_hint
+    from loom.engine.checkpoint.format import LATEST, candidates, is_hugging_face_folder
 
     if candidates(run_dir) or (run_dir / LATEST).is_file():
         raise ConfigError(
             f"run directory {run_dir} holds checkpoints itself (iter_N, latest: a checkpoint tool's output); give "
             f"this run its own --train.run_dir, with --checkpoint.load {run_dir} to start from them"
         )
-    if hugging_face_hint(run_dir):
+    if is_hugging_face_folder(run_dir):
         raise ConfigError(
-            f"run directory {run_dir} holds a Hugging Face model; give this run its own --train.run_dir (to train "
-            f"from that model: loom ckpt import-hf --input {run_dir} --output DIR, then --checkpoint.load DIR)"
+            f"run directory {run_dir} holds a Hugging Face model or adapter; give this run its own --train.run_dir "
+            f"(to train from a model there: loom ckpt import-hf --input {run_dir} --output DIR, then "
+            "--checkpoint.load DIR)"
         )
 
 
@@ -192,7 +193,9 @@ def check_run_directory(config: LoomConfig) -> None:
     folder = enclosing_checkpoint(run_dir, folders=True)
     if folder is not None:
         raise ConfigError(
-            f"run directory {run_dir} lies in {folder}, a checkpoint folder: this run's files would mix with its; "
+            f"run directory {run_dir} "
+            + ("is a checkpoint folder" if folder == run_dir else f"lies in {folder}, a checkpoint folder")
+            + ": this run's files would mix with its; "
             "give this run its own --train.name or --train.run_dir"
         )
     _refuse_a_tool_output(run_dir)

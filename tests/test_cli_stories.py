@@ -466,15 +466,26 @@ def test_a_run_directory_is_never_inside_checkpoints_or_outside_runs_by_name(wor
     assert checkpoints_of(base) == before and not (base / "checkpoints/config.toml").exists()
     # a tool's output: a reshard's checkpoints at the folder's top (the run started from scratch beside them), an
     # export's model (the run's files mixed with it)
-    resharded, exported = tmp_path / "resharded", tmp_path / "exported"
-    assert (
-        run(capfd, "ckpt", "reshard", "--checkpoint", str(base), "--output", str(resharded), "--tp", "1", "--pp", "1")[
-            0
-        ]
-        == 0
+    resharded, exported, adapter, older = (tmp_path / name for name in ("resharded", "exported", "adapter", "bin"))
+    code, _, err = run(
+        capfd, "ckpt", "reshard", "--checkpoint", str(base), "--output", str(resharded), "--tp", "1", "--pp", "1"
     )
+    assert code == 0, err
     shutil.copytree(world["hf"], exported)
-    for run_dir, message in ((resharded, "holds checkpoints itself"), (exported, "holds a Hugging Face model")):
+    for folder, files in (
+        (adapter, ("adapter_config.json", "adapter_model.safetensors")),  # export-hf --adapter-only's
+        (older, ("config.json", "pytorch_model.bin")),  # a model saved the older way
+    ):
+        folder.mkdir()
+        for name in files:
+            (folder / name).write_text("{}")
+    hugging_face = "holds a Hugging Face model or adapter"
+    for run_dir, message in (
+        (resharded, "holds checkpoints itself"),
+        (exported, hugging_face),
+        (adapter, hugging_face),
+        (older, hugging_face),
+    ):
         before_files = sorted(p.name for p in run_dir.iterdir())
         refused(capfd, ["train", *tiny_train_args(world["dataset"], run_dir), "--train.overwrite", "true"], message)
         assert sorted(p.name for p in run_dir.iterdir()) == before_files

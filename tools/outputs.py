@@ -13,14 +13,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from loom.engine.atomic import move_aside
-from loom.engine.checkpoint.format import LATEST, CheckpointError, candidates, enclosing_checkpoint
+from loom.engine.checkpoint.format import HF_FILES, LATEST, CheckpointError, candidates, enclosing_checkpoint
 from loom.engine.config import ConfigError
 from loom.engine.run_dir import CHECKPOINTS, CONFIG, METRICS, checkpoints_of
 
 RUN_FILES = (METRICS, CONFIG)
 """What a training run writes into its run directory before anything else."""
 
-HF_FILES = ("config.json", "adapter_config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json")
 
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 """A Hugging Face folder's tokenizer: what export-hf writes beside the model, and copies from an import's folder."""

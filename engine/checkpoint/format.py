@@ -261,6 +261,25 @@ class CheckpointMetadata:
 HF_ORIGIN_FIELDS = ("hf_source", "hf_token_ids", "hf_dtype", "hf_tokenizer")
 
 
+HF_WEIGHTS = (
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "pytorch_model*.bin",
+    "pytorch_model.bin.index.json",
+    "adapter_model.bin",
+)
+"""A Hugging Face model's or PEFT adapter's weights: safetensors, or PyTorch's older .bin."""
+
+HF_FILES = ("config.json", "adapter_config.json", "generation_config.json", *HF_WEIGHTS)
+"""A Hugging Face model's or PEFT adapter's files."""
+
+
+def is_hugging_face_folder(path: Path) -> bool:
+    """A Hugging Face model or PEFT adapter folder: a config beside weights."""
+    configured = (path / "config.json").is_file() or (path / "adapter_config.json").is_file()
+    return configured and any(next(path.glob(pattern), None) for pattern in HF_WEIGHTS)
+
+
 def hugging_face_hint(path: Path) -> str:
     """For a refusal of `path` as a checkpoint: how to use it, if it is a Hugging Face model folder instead."""
     if (path / "config.json").is_file() and next(path.glob("*.safetensors"), None) is not None:
