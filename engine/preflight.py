@@ -20,7 +20,7 @@ def preflight(config: LoomConfig, world_size: int, training: bool = True) -> Non
     """Everything that can be checked before a process group starts (`training` False: for an evaluation)."""
     from loom.engine.data.indexed import IndexedDataset
     from loom.engine.data.loader import check_splits
-    from loom.engine.data.token_range import check_dataset_token_ids
+    from loom.engine.data.token_range import check_dataset_token_ids, check_ids_within_tokenizer
 
     adopt_lora_base(config)
     config.resolve_world(world_size)
@@ -61,6 +61,7 @@ def preflight(config: LoomConfig, world_size: int, training: bool = True) -> Non
                 f"the tokenizer has {vocab} pieces but model.vocab_size = {config.model.vocab_size}; "
                 f"set --model.vocab_size {vocab}"
             )
+        check_ids_within_tokenizer(config.data.paths, vocab, config.data.tokenizer, config.data.cache_dir)
     check_checkpoint_to_load(config, training)
     check_wandb_installed(config)
     run_dir = Path(config.train.run_dir)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -52,7 +53,13 @@ def _merge(args: argparse.Namespace) -> None:
 
     from loom.data_tools.failures import reported_failures
     from loom.data_tools.jsonl import InputError
-    from loom.data_tools.manifest import built_with_eod, check_same_tokenizer, manifest_path, write_manifest
+    from loom.data_tools.manifest import (
+        built_with_eod,
+        built_with_tokenizer,
+        check_same_tokenizer,
+        manifest_path,
+        write_manifest,
+    )
     from loom.engine.data.indexed import IndexedDataset, IndexedDatasetWriter, index_paths
 
     output = Path(args.output_prefix).resolve()
@@ -62,6 +69,14 @@ def _merge(args: argparse.Namespace) -> None:
     outputs = [*index_paths(args.output_prefix), manifest_path(args.output_prefix, is_folder=False)]
     claim_outputs(args.overwrite, f"--output-prefix {args.output_prefix}", outputs, inputs)
     tokenizer = check_same_tokenizer(args.inputs)
+    unrecorded = [prefix for prefix in args.inputs if built_with_tokenizer(prefix) is None]
+    if unrecorded and len(unrecorded) < len(args.inputs):
+        print(
+            f"warning: {', '.join(unrecorded)} record(s) no tokenizer (no manifest: built by Megatron-LM, or copied "
+            "without it), so the merge cannot check they share the other inputs' tokenizer, and records none; "
+            "training with --data.tokenizer still checks their token ids fit it",
+            file=sys.stderr,
+        )
     ends = {prefix: built_with_eod(prefix) for prefix in args.inputs}
     if True in ends.values() and False in ends.values():
         without = [prefix for prefix, value in ends.items() if value is False]

@@ -57,7 +57,7 @@ def world(tmp_path_factory, markov_dataset):
     docs.write_text("".join(f'{{"text": "line {i}: def f(x): return x * {i} + 1"}}\n' for i in range(300)))
     train_tokenizer([docs], root / "tok", vocab_size=300, progress=False)
     train_tokenizer([docs], root / "other", vocab_size=320, progress=False)
-    dataset = markov_dataset(50)
+    dataset = markov_dataset(50, vocab_size=300)  # token ids tok.model has (training checks they fit it)
     model = ["--model.num_layers", "2", "--model.max_position_embeddings", str(POSITIONS)]
     shape = ["--train.seq_length", "32", "--train.global_batch_size", "4", "--train.micro_batch_size", "2"]
     base = root / "base"
@@ -512,6 +512,27 @@ def test_a_dataset_is_read_only_with_the_tokenizer_it_was_built_with(world, capf
     preview = ["data", "preview", "--data.paths", str(tmp_path / "tok"), "--train.seq_length", "16"]
     refused(capfd, [*preview, "--tokenizer", str(root / "other.model")], mismatch)
     assert run(capfd, *preview, "--tokenizer", str(root / "tok.model"))[0] == 0
+    # a dataset without a manifest (Megatron-LM's, or copied without it): its token ids are checked against the
+    # tokenizer's pieces (a 300-piece tokenizer trained on ids up to 319, exit 0), and a merge says it cannot check
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for suffix in (".bin", ".idx"):
+        shutil.copy(tmp_path / f"other{suffix}", bare / f"other{suffix}")
+    train = tiny_train_args(str(bare / "other"), tmp_path / "run", "--data.tokenizer", str(root / "tok.model"))
+    refused(
+        capfd, ["train", *train], f"dataset {bare / 'other'} holds token id", "but data.tokenizer", "has 300 pieces"
+    )
+    code, _, err = run(
+        capfd,
+        "data",
+        "merge",
+        "--inputs",
+        str(tmp_path / "tok"),
+        str(bare / "other"),
+        "--output-prefix",
+        str(tmp_path / "with-bare"),
+    )
+    assert code == 0 and f"warning: {bare / 'other'} record(s) no tokenizer" in err
     # a merge's manifest (it wrote none) carries the tokenizer on
     merged = tmp_path / "merged"
     assert run(capfd, "data", "merge", "--inputs", *[str(tmp_path / "tok")] * 2, "--output-prefix", str(merged))[0] == 0

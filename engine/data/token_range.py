@@ -76,6 +76,19 @@ def check_dataset_token_ids(dataset: IndexedDataset, vocab_size: int, cache_dir:
         )
 
 
+def check_ids_within_tokenizer(paths: list[str], pieces: int, tokenizer: str, cache_dir: str | None = None) -> None:
+    """Refuse a dataset holding a token id beyond `tokenizer`'s `pieces`: it was built with another tokenizer. The
+    manifests' sha256 catch that for loom's datasets; this catches it for one without a manifest (Megatron-LM's,
+    or a .bin/.idx copied without it), whose ids the model would otherwise train on as this tokenizer's."""
+    for prefix in paths:
+        largest = token_id_range(IndexedDataset(prefix), Path(cache_dir) if cache_dir else None)[1]
+        if largest >= pieces:
+            raise ConfigError(
+                f"dataset {prefix} holds token id {largest}, but data.tokenizer {tokenizer} has {pieces} pieces: it "
+                "was built with another tokenizer; give that one (or rebuild the dataset with this one)"
+            )
+
+
 def check_token_ids(paths: list[str], vocab_size: int, cache_dir: str | None = None) -> None:
     """check_dataset_token_ids for every dataset prefix in `paths`."""
     for prefix in paths:
