@@ -166,6 +166,9 @@ def bad_line(path: Path, number: int, reason: str, detail: str, raw: bytes) -> d
     return {"file": str(path), "line": number, "reason": reason, "detail": detail, **kept}
 
 
+UTF8_BOM = b"\xef\xbb\xbf"
+
+
 def _decoded(raw: bytes) -> tuple[str, bool]:
     """The line as text, and whether some of its bytes needed the fallback."""
     try:
@@ -224,6 +227,8 @@ def located_jsonl(
                 for number, raw in enumerate(stream, start=1):
                     stats.lines += 1
                     raw = raw.rstrip(b"\r\n")
+                    if number == 1 and raw.startswith(UTF8_BOM):  # a file saved "with BOM" (Windows editors)
+                        raw = raw[len(UTF8_BOM) :]
                     line, repaired = _decoded(raw)
                     if not line.strip():
                         stats.blank_lines += 1

@@ -112,6 +112,9 @@ def test_jsonl_reader_counts_bad_lines(tmp_path):
     counts = (stats.lines, stats.documents, stats.invalid_json, stats.not_an_object, stats.missing_text)
     assert counts == (6, 2, 1, 1, 1) and stats.text_not_a_string == 1 and stats.invalid_utf8 == 0
     assert [r["body"] for r in iter_jsonl(path, text_key="body")] == ["c"]
+    # a file saved with a byte-order mark lost its first document as invalid JSON; one inside a line is kept
+    path.write_bytes(b'\xef\xbb\xbf{"text": "a"}\n{"text": "\xef\xbb\xbfb"}\n')
+    assert [r["text"] for r in iter_jsonl(path)] == ["a", "\ufeffb"]
 
 
 # Every kind of line a real corpus holds: (raw bytes, what it is). The last line has no newline.
