@@ -58,11 +58,15 @@ class JsonlStats:
         return {**asdict(self), "bad_lines": self.bad_lines}
 
 
-def _zstandard(path: Path):
+def _zstandard(path: Path, writing: bool = False):
     try:
         import zstandard
     except ImportError:
-        raise InputError(f"{path} is zstd-compressed; install the decoder with `pip install zstandard`") from None
+        what = f"writing {path} zstd-compressed" if writing else f"{path} is zstd-compressed; reading it"
+        raise InputError(
+            f"{what} needs the zstandard module: pip install 'loom[zstd]'"
+            + (", or name it .jsonl.gz" if writing else "")
+        ) from None
     return zstandard
 
 
@@ -263,7 +267,7 @@ def _writer(final: Path, tmp: Path) -> IO[bytes]:
     if final.suffix == ".gz":
         return gzip.open(tmp, "wb", compresslevel=6)
     if final.suffix in ZSTD_SUFFIXES:
-        return _zstandard(final).ZstdCompressor().stream_writer(open(tmp, "wb"), closefd=True)
+        return _zstandard(final, writing=True).ZstdCompressor().stream_writer(open(tmp, "wb"), closefd=True)
     return open(tmp, "wb", buffering=1 << 20)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import gzip
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -201,17 +202,19 @@ def test_jsonl_round_trip_and_atomic_write(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl", "out.jsonl.gz"]
 
 
-def test_zstd_input(tmp_path):
+def test_zstd_input_and_output(tmp_path, monkeypatch):
     path = tmp_path / "in.jsonl.zst"
-    try:
-        import zstandard
-    except ImportError:
-        path.write_bytes(b"\x28\xb5\x2f\xfd")
-        with pytest.raises(InputError, match="pip install zstandard"):
-            list(iter_jsonl(path))
-        return
+    zstandard = pytest.importorskip("zstandard")  # loom[zstd]; in loom[dev]
     path.write_bytes(zstandard.ZstdCompressor().compress(b'{"text": "z"}\n{"text": "y"}\n'))
     assert [r["text"] for r in iter_jsonl(path)] == ["z", "y"]
+    assert write_jsonl_atomic(tmp_path / "out.jsonl.zst", iter_jsonl(path)) == 2
+    assert [r["text"] for r in iter_jsonl(tmp_path / "out.jsonl.zst")] == ["z", "y"]
+    monkeypatch.setitem(sys.modules, "zstandard", None)  # not installed: what to do, reading and writing
+    with pytest.raises(InputError, match=r"in.jsonl.zst is zstd-compressed; reading it needs .* 'loom\[zstd\]'"):
+        list(iter_jsonl(path))
+    with pytest.raises(InputError, match=r"writing .*new.jsonl.zst zstd-compressed needs .*, or name it .jsonl.gz"):
+        write_jsonl_atomic(tmp_path / "new.jsonl.zst", [{"text": "x"}])
+    assert not (tmp_path / "new.jsonl.zst").exists()
 
 
 def test_missing_inputs_and_empty_results_are_one_line_errors(pipeline, tmp_path):
