@@ -57,6 +57,25 @@ MODEL_TYPES = ("bpe", "unigram")
 # SentencePiece drops longer lines; long enough for minified code and data tables.
 MAX_SENTENCE_BYTES = 1 << 16
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
+CONTROL_PIECES = ("<unk>", "<s>", "</s>", "<pad>")
+"""The pieces of UNK_ID .. PAD_ID: a user-defined piece of the same text would take their place."""
+
+
+def _check_special_tokens(tokens: list[str]) -> None:
+    """Refuse what SentencePiece would accept and get wrong: a control piece's text (text "<s>" then encoded as
+    the bos id), a piece with whitespace (text is split at whitespace first, so it never matches), a repeat."""
+    for token in tokens:
+        if token in CONTROL_PIECES:
+            piece_id = CONTROL_PIECES.index(token)
+            raise InputError(
+                f"--special-tokens {token}: that is the tokenizer's own {token} piece (id {piece_id}); choose another "
+                "text, e.g. <|im_start|>"
+            )
+        if any(character.isspace() for character in token):
+            raise InputError(f"--special-tokens {token!r} holds whitespace, where text is split: it would never match")
+    repeated = sorted({token for token in tokens if tokens.count(token) > 1})
+    if repeated:
+        raise InputError(f"--special-tokens gives {', '.join(repeated)} more than once; give each once")
 
 
 HELD_OUT_MAX_CHARACTERS = 4 << 20
@@ -192,6 +211,8 @@ def trainer_options(
         raise InputError(f"model_type must be one of {', '.join(MODEL_TYPES)}, got {model_type!r}")
     if vocab_size < 8:
         raise InputError(f"vocab_size = {vocab_size} is too small for a tokenizer")
+    user_defined_symbols = list(user_defined_symbols)
+    _check_special_tokens(user_defined_symbols)
     return dict(
         vocab_size=vocab_size,
         model_type=model_type,

@@ -250,3 +250,17 @@ def test_a_vocabulary_too_small_and_a_step_without_type_say_what_to_change(pipel
         build_step({"min_chars": 5})
     with pytest.raises(InputError, match=r"step 'length': min_chars = -5 must be >= 0"):
         build_step({"type": "length", "min_chars": -5})
+
+
+@pytest.mark.parametrize(
+    "tokens, message",
+    [
+        (["<s>"], "that is the tokenizer's own <s> piece (id 1)"),  # trained, and text "<s>" encoded as bos
+        (["a b"], "holds whitespace, where text is split: it would never match"),  # trained, never matched
+        (["x", "x"], "gives x more than once"),  # was SentencePiece's INTERNAL error
+    ],
+)
+def test_special_tokens_sentencepiece_would_get_wrong_are_refused(pipeline, tmp_path, tokens, message):
+    with pytest.raises(InputError, match=message):
+        train_tokenizer([pipeline["corpus"]], tmp_path / "t", vocab_size=300, user_defined_symbols=tokens)
+    assert not any(tmp_path.iterdir())
