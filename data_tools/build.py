@@ -37,6 +37,7 @@ from loom.data_tools.jsonl import (
     check_inputs,
     estimated_input_bytes,
     iter_jsonl,
+    no_documents,
 )
 from loom.data_tools.manifest import manifest_path, write_manifest
 from loom.data_tools.parallel import chunked, imap_ordered
@@ -223,10 +224,7 @@ def build_indexed_dataset(
                 _write_dataset(encoded, output_prefix, dtype, written, progress)
             if written.documents == 0:
                 empty = f" ({written.empty_documents:,} empty ones skipped)" if written.empty_documents else ""
-                raise InputError(
-                    f"no documents with a string {text_key!r} field in {', '.join(map(str, paths))}{empty}; "
-                    "nothing written"
-                )
+                raise InputError(f"{no_documents(text_key, paths)}{empty}; nothing written")
         except BaseException:
             _remove_bad_lines(bad_lines)
             raise

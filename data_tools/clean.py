@@ -38,6 +38,7 @@ from loom.data_tools.jsonl import (
     count_lines,
     estimated_input_bytes,
     iter_jsonl,
+    no_documents,
 )
 from loom.data_tools.manifest import write_manifest
 from loom.data_tools.parallel import chunked, imap_ordered
@@ -248,9 +249,7 @@ def clean_corpus(
         try:
             _clean_into(outputs, paths, spec, tally, text_key, workers, split_by_language, progress)
             if tally.stats.documents == 0:
-                raise InputError(
-                    f"no documents with a string {text_key!r} field in {', '.join(map(str, paths))}; nothing written"
-                )
+                raise InputError(f"{no_documents(text_key, paths)}; nothing written")
             if not split_by_language:  # the next stage reads it: present, even when empty
                 outputs.open(KEPT_NAME)
             written = outputs.commit()

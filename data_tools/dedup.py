@@ -46,6 +46,7 @@ from loom.data_tools.jsonl import (
     estimated_input_bytes,
     iter_jsonl,
     located_jsonl,
+    no_documents,
 )
 from loom.data_tools.manifest import write_manifest
 from loom.data_tools.minhash_lsh import LshPlan, cluster_on_disk, plan_lsh, staging_bytes
@@ -199,7 +200,7 @@ def deduplicate(
             ids.close()
             bad_lines.close()
             if len(representative) == 0:
-                raise InputError(f"no documents with a string {text_key!r} field in {', '.join(map(str, paths))}")
+                raise InputError(no_documents(text_key, paths))
             kept = _write_decisions(paths, staging, text_key, representative, ids, progress)
             clusters, largest = _write_clusters(staging / "clusters.jsonl", representative, ids)
             _commit(staging, output, moved)

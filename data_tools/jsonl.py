@@ -173,6 +173,12 @@ def bad_line(path: Path, number: int, reason: str, detail: str, raw: bytes) -> d
 UTF8_BOM = b"\xef\xbb\xbf"
 
 
+def no_documents(text_key: str, paths: Iterable[str | Path]) -> str:
+    """What a data command says when its input held no document: which field it looked for, and where."""
+    nested = " (a top-level key: nested fields are not read)" if "." in text_key else ""
+    return f"no documents with a string {text_key!r} field{nested} in {', '.join(map(str, paths))}"
+
+
 def _decoded(raw: bytes) -> tuple[str, bool]:
     """The line as text, and whether some of its bytes needed the fallback."""
     try:

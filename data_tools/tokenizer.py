@@ -23,7 +23,7 @@ import sentencepiece
 
 from loom.data_tools.atomic import temporary_sibling
 from loom.data_tools.failures import reported_failures
-from loom.data_tools.jsonl import InputError, JsonlStats, check_inputs, count_lines, iter_jsonl
+from loom.data_tools.jsonl import InputError, JsonlStats, check_inputs, count_lines, iter_jsonl, no_documents
 from loom.data_tools.manifest import manifest_path, write_manifest
 from loom.data_tools.progress import Elapsed, Progress
 
@@ -261,10 +261,10 @@ def _read_sample(
         return sample_lines(lines, input_sentence_size, seed), counts["long_lines_cut"]
 
 
-def _train_into(lines: list[str], output_prefix: Path, options: dict, seed: int, no_documents: str | None) -> None:
+def _train_into(lines: list[str], output_prefix: Path, options: dict, seed: int, empty_input: str | None) -> None:
     """Train SentencePiece on `lines` and move PREFIX.model/.vocab into place (.model last) only if it succeeds.
 
-    no_documents: the error to report when training fails because the input held no documents."""
+    empty_input: the error to report when training fails because the input held no documents."""
     tmp_prefix = temporary_sibling(output_prefix)
     sentencepiece.set_random_generator_seed(seed)
     try:
@@ -273,8 +273,8 @@ def _train_into(lines: list[str], output_prefix: Path, options: dict, seed: int,
                 sentence_iterator=iter(lines), model_prefix=str(tmp_prefix), **options
             )
         except RuntimeError as error:
-            if no_documents is not None:
-                raise InputError(no_documents) from None
+            if empty_input is not None:
+                raise InputError(empty_input) from None
             reason = str(error).strip().splitlines()[-1]
             chars = re.search(r"smaller than required_chars\. (\d+) vs (\d+)", reason)
             if chars:  # SentencePiece names its own --character_coverage option, which loom does not expose
@@ -339,11 +339,11 @@ def train_tokenizer(
                 "cut at spaces (whole, the trainer would skip them)",
                 file=sys.stderr,
             )
-        no_documents = None
+        empty_input = None
         if stats.documents == 0:
-            no_documents = f"no documents with a string {text_key!r} field in {', '.join(map(str, inputs))}"
+            empty_input = no_documents(text_key, inputs)
         with Elapsed(f"tokenizer: training {vocab_size} {model_type} pieces on {len(lines):,} lines", progress):
-            _train_into(lines, output_prefix, options, seed, no_documents)
+            _train_into(lines, output_prefix, options, seed, empty_input)
         try:
             processor = sentencepiece.SentencePieceProcessor(model_file=f"{output_prefix}.model")
             result = {

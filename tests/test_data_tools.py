@@ -229,6 +229,8 @@ def test_missing_inputs_and_empty_results_are_one_line_errors(pipeline, tmp_path
         build_indexed_dataset([empty], pipeline["model"], tmp_path / "x", progress=False)
     with pytest.raises(InputError, match="no documents with a string 'text' field"):
         train_tokenizer([empty], tmp_path / "tok", vocab_size=300)
+    with pytest.raises(InputError, match=r"'meta.body' field \(a top-level key: nested fields are not read\)"):
+        build_indexed_dataset([empty], pipeline["model"], tmp_path / "x", text_key="meta.body", progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.jsonl"]
     # the same file twice (once by another spelling) trained or tokenized its documents twice
     twice = [pipeline["corpus"], Path(pipeline["corpus"]).parent / ".." / Path(pipeline["corpus"]).parent.name]
