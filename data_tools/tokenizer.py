@@ -279,8 +279,8 @@ def _train_into(lines: list[str], output_prefix: Path, options: dict, seed: int,
             chars = re.search(r"smaller than required_chars\. (\d+) vs (\d+)", reason)
             if chars:  # SentencePiece names its own --character_coverage option, which loom does not expose
                 raise InputError(
-                    f"--vocab-size {chars[1]} is smaller than the {chars[2]} characters the text needs (besides the "
-                    f"special pieces); give a larger --vocab-size"
+                    f"--vocab-size {chars[1]} is smaller than the {chars[2]} pieces the text's characters and the "
+                    f"special pieces need; give a larger --vocab-size"
                 ) from None
             raise InputError(f"SentencePiece training failed: {reason}") from None
         _drop_where_it_was_trained(f"{tmp_prefix}.model")

@@ -247,7 +247,10 @@ def test_a_vocabulary_too_small_and_a_step_without_type_say_what_to_change(pipel
     `type` was "step type None is unknown"."""
     from loom.data_tools.pipeline import build_step
 
-    with pytest.raises(InputError, match=r"--vocab-size 10 is smaller than the \d+ characters the text needs"):
+    with pytest.raises(
+        InputError,
+        match=r"--vocab-size 10 is smaller than the \d+ pieces the text's characters and the special pieces need",
+    ):
         train_tokenizer([pipeline["corpus"]], tmp_path / "t", vocab_size=10, progress=False)
     with pytest.raises(InputError, match=r"a pipeline step has no type \(its keys: min_chars\)"):
         build_step({"min_chars": 5})
