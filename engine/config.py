@@ -231,6 +231,11 @@ class ParallelConfig:
     """A collective that waits this long for a peer (crashed, hung, preempted) fails on every rank
     instead of hanging the job (Megatron's --distributed-timeout-minutes)."""
 
+    @property
+    def model_parallel_size(self) -> int:
+        """The ranks of one model replica: tp x cp x pp (the world is this times dp)."""
+        return self.tp * self.cp * self.pp
+
     def __post_init__(self) -> None:
         _check_choices(self, "parallel")
         _check_positive(
@@ -621,7 +626,7 @@ class LoomConfig:
         """Fix parallel.dp from the world size and check everything that depends on the layout."""
         p, m, t = self.parallel, self.model, self.train
         requested_dp = p.dp
-        model_parallel = p.tp * p.cp * p.pp
+        model_parallel = p.model_parallel_size
         if p.dp is None:
             if world_size % model_parallel:
                 what = f"tp*cp*pp = {p.tp}*{p.cp}*{p.pp}" if p.cp > 1 else f"tp*pp = {p.tp}*{p.pp}"

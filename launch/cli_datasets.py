@@ -148,7 +148,7 @@ def _index(args: argparse.Namespace, overrides: list[str]) -> None:
 
     config = load_config(args.config, overrides)
     p = config.parallel
-    copy.deepcopy(config).resolve_world(p.tp * p.pp * (p.dp or 1))  # the layout training would refuse, refused now
+    copy.deepcopy(config).resolve_world(p.model_parallel_size * (p.dp or 1))  # what training would refuse, now
     print(build_sample_indices(config))
 
 

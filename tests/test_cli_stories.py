@@ -373,6 +373,9 @@ def test_data_commands_refuse_what_training_would(world, capfd, tmp_path):
     dataset = world["dataset"]
     code, _, err = run(capfd, "data", "index", "--config", "tiny", "--data.paths", dataset, "--parallel.tp", "3")
     assert code == 2 and err.startswith("error: parallel.tp = 3 must divide model.num_heads = 8")
+    context = ["data", "index", "--config", "tiny", "--data.paths", dataset, "--parallel.cp", "2"]
+    code, _, err = run(capfd, *context, "--train.seq_length", "16")  # was refused: its world left cp out
+    assert code == 0, err
     unwritable = str(Path(world["hf"]) / "config.json" / "cache")
     code, _, err = run(
         capfd, "data", "index", "--config", "tiny", "--data.paths", dataset, "--data.cache_dir", unwritable
