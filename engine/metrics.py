@@ -7,6 +7,7 @@ in append mode so it survives resume; each row is flushed as soon as it is writt
 from __future__ import annotations
 
 import json
+import math
 import resource
 import sys
 import time
@@ -18,6 +19,11 @@ import torch
 from loom.engine.atomic import write_text_atomically
 from loom.engine.config_io import config_to_dict
 from loom.engine.run_dir import METRICS, TENSORBOARD
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), capped where it would overflow (a diverged model's loss)."""
+    return math.exp(min(loss, 50.0))
 
 
 def memory_gb(device: torch.device) -> float:

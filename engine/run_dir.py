@@ -5,6 +5,7 @@ where. Every reader and writer of a run's files names them from here.
     RUN/metrics.jsonl        one JSON object per logged step, appended, surviving resume
     RUN/tensorboard/         event files for the same scalars
     RUN/checkpoints/         latest (the newest complete iteration) and iter_NNNNNNN/ (format.py)
+    RUN/pipeline_timeline.json, RUN/pipeline_schedule.png   a pipeline's measured last step, and its chart
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ CONFIG = "config.toml"
 METRICS = "metrics.jsonl"
 TENSORBOARD = "tensorboard"
 CHECKPOINTS = "checkpoints"
+TIMELINE = "pipeline_timeline.json"
+"""The last step's per-op times of pipeline 0 (train.record_pipeline_timeline; `loom schedule --from-run`)."""
+SCHEDULE_CHART = "pipeline_schedule.png"
+"""Where `loom schedule --from-run` (and the demo) draw that timeline beside the ideal schedule."""
 
 
 def checkpoints_of(run_dir: str | Path) -> Path:

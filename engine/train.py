@@ -35,7 +35,7 @@ from loom.engine.config_io import config_to_toml
 from loom.engine.data.loader import BatchIterator, build_datasets
 from loom.engine.faults import FaultPlan
 from loom.engine.flops import model_flops_per_token, peak_tflops
-from loom.engine.metrics import MetricsWriter, StepClock, memory_gb
+from loom.engine.metrics import MetricsWriter, StepClock, memory_gb, perplexity
 from loom.engine.model.compiling import first_compiled_step
 from loom.engine.model.fp8_state import Fp8ScalingState
 from loom.engine.model.kernels import PARAM_DTYPES, choose_kernels
@@ -57,7 +57,7 @@ from loom.engine.pipeline.executor import PipelineExecutor
 from loom.engine.pipeline.schedules import build_schedule
 from loom.engine.pipeline.stages import build_chunks
 from loom.engine.preflight import run_is_complete
-from loom.engine.run_dir import CONFIG, checkpoints_of
+from loom.engine.run_dir import CONFIG, TIMELINE, checkpoints_of
 from loom.errors import TrainingDiverged
 
 
@@ -484,9 +484,7 @@ class Trainer:
             stopping_early = False
             if evaluating:  # before the save, which then holds this evaluation's early-stopping state
                 val_loss = self.evaluate()
-                rows.append(
-                    self._log({"step": self.step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))})
-                )
+                rows.append(self._log({"step": self.step, "val_loss": val_loss, "val_ppl": perplexity(val_loss)}))
                 self._record_validation(val_loss)
                 stopping_early = self._patience_spent()
                 c = self.config.checkpoint
@@ -579,7 +577,7 @@ class Trainer:
                     [(k, mb, c, start - origin, end - origin) for k, mb, c, start, end in rank] for rank in ranks
                 ],
             }
-            (Path(self.config.train.run_dir) / "pipeline_timeline.json").write_text(json.dumps(data))
+            (Path(self.config.train.run_dir) / TIMELINE).write_text(json.dumps(data))
 
     def _log(self, row: dict, eta_s: float | None = None) -> dict:
         if self.metrics is not None:

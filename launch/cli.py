@@ -18,6 +18,7 @@ from pathlib import Path
 
 from loom.engine.config import ConfigError
 from loom.engine.config_io import load_config, parse_overrides
+from loom.engine.run_dir import SCHEDULE_CHART
 from loom.errors import is_user_error, user_message
 from loom.launch.arguments import OneLineParser, add_parallel_size, existing_dir, image_file, int_in
 
@@ -146,7 +147,7 @@ def cmd_schedule(args: argparse.Namespace) -> None:
         raise ConfigError(str(error)) from None
     print(text)
     if args.output or measured:
-        output = Path(args.output or Path(args.from_run) / "pipeline_schedule.png")
+        output = Path(args.output or Path(args.from_run) / SCHEDULE_CHART)
         draw(args.pp, args.vp, args.microbatches, output, measured)
         print(f"wrote {output}")
 

@@ -109,7 +109,7 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> None:
     trained_with = (metadata.tokenizer or {}).get("path") or metadata.config["data"].get("tokenizer")
     raw = metadata.config
     raw["parallel"].update(tp=1, pp=1, vp=1, cp=1, dp=None)
-    raw["optim"].update(zero=0, zero1=False, offload="none")
+    raw["optim"].update(zero=0, offload="none")
     raw["data"].update(paths=[args.data], split=args.split, weights=None)
     with tempfile.TemporaryDirectory() as run_dir:
         raw["train"].update(run_dir=run_dir, tensorboard=False, eval_iters=args.iters)

@@ -1,12 +1,12 @@
 """`loom demo`: every capability that has landed, end to end, on the embedded default corpus.
 
-corpus (Python stdlib) -> clean (repair + code filters) -> exact dedup -> SentencePiece tokenizer
+corpus (Python stdlib) -> clean (repair + code filters) -> exact and MinHash near dedup -> SentencePiece tokenizer
 -> .bin/.idx -> 3D-parallel training on local CPU ranks (tensor + sequence, interleaved pipeline,
 data parallel with the ZeRO-1 optimizer) with validation and a checkpoint -> the measured pipeline
 timeline next to the ideal one -> the checkpoint resharded and training resumed under another
 layout (pipeline x context parallel: each sequence split over 2 ranks, ring attention; ZeRO-3, weights sharded
-too, with the optimizer offloaded to the CPU) -> evaluation -> Hugging Face export -> the run continued as a
-Slurm job (where sbatch is on PATH) -> a summary. Each step's outputs stay in the
+too, with the optimizer offloaded to the CPU) -> evaluation -> Hugging Face export -> LoRA adapters fine-tuned on
+it, merged, and exported for PEFT -> the run continued as a Slurm job (where sbatch is on PATH) -> a summary. Each step's outputs stay in the
 work directory, so the next command (`loom train --config configs/tiny.toml ...`) can reuse them.
 Steps whose outputs already exist are reused, not redone. The data steps (1-5) are launch/demo_data.py's.
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from loom.engine.config import ConfigError, LoomConfig
 from loom.engine.config_io import config_to_dict, load_config
-from loom.engine.run_dir import CHECKPOINTS, read_metrics
+from loom.engine.run_dir import CHECKPOINTS, CONFIG, SCHEDULE_CHART, read_metrics
 from loom.launch.arguments import OLDER, add_parallel_size, int_in, output_dir
 from loom.launch.demo_data import prepare_data, preview_first_sample, step
 
@@ -74,7 +74,7 @@ def _claim_workdir(workdir: Path) -> None:
 def _an_older_demo(workdir: Path) -> bool:
     """A workdir a demo used before the mark existed: its runs/tiny trained on this workdir's demo dataset."""
     try:
-        trained = tomllib.loads((workdir / "runs/tiny/config.toml").read_text())["data"]["paths"]
+        trained = tomllib.loads((workdir / "runs" / "tiny" / CONFIG).read_text())["data"]["paths"]
     except (OSError, ValueError, KeyError):
         return False
     return [str(Path(p).resolve()) for p in trained] == [str((workdir / "data/stdlib_text_document").resolve())]
@@ -155,7 +155,7 @@ def _schedule(run_dir: Path, summary: dict) -> None:
     layout, measured = load_measured(run_dir)
     text, timeline = describe(layout["pp"], layout["vp"], layout["microbatches"])
     print(text)
-    summary["schedule_png"] = str(run_dir / "pipeline_schedule.png")
+    summary["schedule_png"] = str(run_dir / SCHEDULE_CHART)
     summary["bubble"] = timeline.bubble_fraction
     draw(layout["pp"], layout["vp"], layout["microbatches"], Path(summary["schedule_png"]), measured)
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from loom.engine.config import LoomConfig
 from loom.engine.cuda_env import set_cuda_env_defaults
+from loom.engine.metrics import perplexity
 from loom.engine.run_lock import RunLock
 
 
@@ -68,7 +69,6 @@ def run_rank(config: LoomConfig, mode: str = "train", stop: StopSignals | None =
     """Everything one rank does for `loom train` (mode "train": the logged rows) or `loom eval`
     (mode "eval": one row with val_loss and val_ppl, printed by rank 0). With `stop`, a stop signal
     checkpoints and returns early; `stop.agreed` then says what all ranks agreed on."""
-    import math
 
     from loom.engine.train import Trainer
 
@@ -87,7 +87,7 @@ def run_rank(config: LoomConfig, mode: str = "train", stop: StopSignals | None =
         try:
             if mode == "eval":
                 loss = trainer.evaluate()
-                rows = [{"step": trainer.step, "val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}]
+                rows = [{"step": trainer.step, "val_loss": loss, "val_ppl": perplexity(loss)}]
                 if dist.get_rank() == 0:
                     print(
                         f"step {trainer.step}: validation loss {loss:.6f}, perplexity {rows[0]['val_ppl']:.2f}",

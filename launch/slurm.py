@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from loom.engine.config import ConfigError, LoomConfig
-from loom.engine.run_dir import checkpoints_of
+from loom.engine.run_dir import checkpoints_of, metrics_of
 from loom.launch.arguments import float_in, int_in
 from loom.launch.local import SIGNAL_CAUSES
 from loom.launch.slurm_jobs import (
@@ -419,7 +419,7 @@ def cmd_submit(args: argparse.Namespace, overrides: list[str]) -> None:
     print(
         f"submitted job {job.job_id}: {options.nodes} node(s) x {options.tasks_per_node} task(s), "
         f"tp={config.parallel.tp} pp={config.parallel.pp} dp={config.parallel.dp}\n"
-        f"  rank 0 log: {rank0_log(run_dir, job.job_id)}\n  metrics:    {run_dir / 'metrics.jsonl'}\n"
+        f"  rank 0 log: {rank0_log(run_dir, job.job_id)}\n  metrics:    {metrics_of(run_dir)}\n"
         f"  follow:     tail -f {shlex.quote(str(rank0_log(run_dir, job.job_id)))}    cancel: scancel {job.job_id}",
         flush=True,
     )

@@ -1,10 +1,11 @@
-"""The full layout-invariance grid: configs/tiny.toml for 50 steps at every (tp, dp) x SP x recompute.
+"""The full layout-invariance grid: configs/tiny.toml for 50 steps at every (tp, dp) x SP x recompute, every
+(pp, vp, tp, dp), and ZeRO-1 against the unsharded optimizer (`--grid tensor|pipeline|zero1|all`, default all).
 
 Each layout's per-step loss is compared with the single-rank run; prints the worst relative
 difference per layout and exits non-zero if any exceeds 1e-4. Uses the demo's dataset when it
 exists (run `loom demo` first), else writes a synthetic one.
 
-    python tools/check_layout_invariance.py [--steps 50] [--data PREFIX]
+    python tools/check_layout_invariance.py [--steps 50] [--data PREFIX] [--grid all]
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def run(
 ) -> list[float]:
     overrides = {
         "data": {"paths": [prefix], "tokenizer": None},
-        "optim": {"zero1": zero1},
+        "optim": {"zero": 1 if zero1 else 0},
         "parallel": {"tp": tp, "pp": pp, "vp": vp, "sequence_parallel": sp},
         "model": {"recompute": recompute, "num_layers": num_layers},
         "train": {

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from loom.data_tools.tokenizer import BOS_ID, EOS_ID
 from loom.engine.atomic import save_tensors_atomically, write_text_atomically
 from loom.engine.checkpoint.format import CheckpointError, sha256_of
 from loom.engine.checkpoint.load import PieceReader
@@ -59,7 +60,7 @@ def _hf_rope(model: dict) -> dict:
 
 # The special tokens of loom's tokenizers (`loom data tokenizer`: unk 0, bos 1, eos 2, pad 3), written for a model
 # trained here; an imported model's own ids travel in its checkpoint (CheckpointMetadata.hf_token_ids).
-LOOM_TOKEN_IDS = {"bos_token_id": 1, "eos_token_id": 2}
+LOOM_TOKEN_IDS = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID}
 HF_TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

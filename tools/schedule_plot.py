@@ -12,6 +12,7 @@ from pathlib import Path
 from loom.engine.config import ConfigError
 from loom.engine.pipeline.schedules import Compute, build_all
 from loom.engine.pipeline.simulate import Timeline, peak_in_flight, simulate
+from loom.engine.run_dir import TIMELINE
 
 
 def describe(pp: int, vp: int, microbatches: int) -> tuple[str, Timeline]:
@@ -78,7 +79,7 @@ def draw(pp: int, vp: int, microbatches: int, output: Path, measured: list | Non
 
 def load_measured(run_dir: Path) -> tuple[dict, list]:
     """The layout and per-rank op timings a run recorded in pipeline_timeline.json."""
-    path = run_dir / "pipeline_timeline.json"
+    path = run_dir / TIMELINE
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist; train with --train.record_pipeline_timeline true")
     try:

@@ -27,7 +27,7 @@ def step_seconds(dataset: str, run_dir: Path, dp: int, overlap: bool, steps: int
         {
             "data": {"paths": [dataset], "tokenizer": None},
             "model": MODEL,
-            "optim": {"zero1": True},
+            "optim": {"zero": 1},
             "parallel": {"overlap_grad_reduce": overlap, "grad_bucket_mb": 1.0 if overlap else 1e6},
             "train": {
                 "steps": steps,
