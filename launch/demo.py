@@ -1,14 +1,14 @@
 """`loom demo`: every capability that has landed, end to end, on the embedded default corpus.
 
 corpus (Python stdlib) -> clean (repair + code filters) -> exact and MinHash near dedup -> SentencePiece tokenizer
--> .bin/.idx -> 3D-parallel training on local CPU ranks (tensor + sequence, interleaved pipeline,
-data parallel with the ZeRO-1 optimizer) with validation and a checkpoint -> the measured pipeline
-timeline next to the ideal one -> the checkpoint resharded and training resumed under another
-layout (pipeline x context parallel: each sequence split over 2 ranks, ring attention; ZeRO-3, weights sharded
-too, with the optimizer offloaded to the CPU) -> evaluation -> Hugging Face export -> LoRA adapters fine-tuned on
-it, merged, and exported for PEFT -> the run continued as a Slurm job (where sbatch is on PATH) -> a summary. Each step's outputs stay in the
-work directory, so the next command (`loom train --config configs/tiny.toml ...`) can reuse them.
-Steps whose outputs already exist are reused, not redone. The data steps (1-5) are launch/demo_data.py's.
+-> .bin/.idx -> 3D-parallel training on local CPU ranks (tensor + sequence, interleaved pipeline, data parallel with
+the ZeRO-1 optimizer) with validation and a checkpoint -> the measured pipeline timeline next to the ideal one ->
+the checkpoint resharded and training resumed under another layout (pipeline x context parallel: each sequence split
+over 2 ranks, ring attention; ZeRO-3, weights sharded too, with the optimizer offloaded to the CPU) -> evaluation ->
+Hugging Face export -> LoRA adapters fine-tuned on it, merged, and exported for PEFT -> the run continued as a Slurm
+job (where sbatch is on PATH) -> a summary. Each step's outputs stay in the work directory, so the next command
+(`loom train --config configs/tiny.toml ...`) can reuse them. Steps whose outputs already exist are reused, not
+redone. The data steps (1-5) are launch/demo_data.py's.
 """
 
 from __future__ import annotations

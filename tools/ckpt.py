@@ -1,9 +1,10 @@
 """Offline checkpoint tools: inspect, and reshard to another (tp, pp, vp) layout on one CPU machine.
 
-Resharding streams: for each target rank it rebuilds only that rank's parameters, one logical
-tensor at a time, from the source pieces, and writes that rank's file before the next, so memory
-stays at about one rank's share plus one tensor. The result is an ordinary checkpoint saved "as
-if" at the target layout with one DP rank and zero = 0 (which any DP size and ZeRO stage loads). FP8 scaling state is carried over by module name; factored Adafactor state is not.
+Resharding streams: for each target rank it rebuilds only that rank's parameters, one logical tensor at a time, from
+the source pieces, and writes that rank's file before the next, so memory stays at about one rank's share plus one
+tensor. The result is an ordinary checkpoint saved "as if" at the target layout with one DP rank and zero = 0 (which
+any DP size and ZeRO stage loads). FP8 scaling state is carried over by module name; factored Adafactor state is
+not.
 """
 
 from __future__ import annotations
