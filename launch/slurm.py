@@ -37,12 +37,14 @@ from loom.engine.run_dir import checkpoints_of, metrics_of
 from loom.launch.arguments import float_in, int_in
 from loom.launch.local import SIGNAL_CAUSES
 from loom.launch.slurm_jobs import (
+    JOBS_FILE,
     TrainingJob,
     check_no_job_queued,
     first_failure,
     follow,
     killed_task,
     rank0_log,
+    slurm_dir,
     stopped_by_a_signal,
 )
 
@@ -307,7 +309,7 @@ def _submit_and_record(config: LoomConfig, options: SlurmOptions, parameters: di
 
     from loom.engine.config_io import config_to_dict
 
-    folder = Path(config.train.run_dir) / "slurm"
+    folder = slurm_dir(config.train.run_dir)
     earlier = set(folder.rglob("*")) if folder.is_dir() else None
     executor = submitit.SlurmExecutor(folder=folder)
     executor.update_parameters(**parameters)
@@ -319,7 +321,7 @@ def _submit_and_record(config: LoomConfig, options: SlurmOptions, parameters: di
         lines = [line.removeprefix("sbatch: error: ") for line in str(error).strip().splitlines()]
         raise ConfigError(f"sbatch refused the job: {'; '.join(lines)}") from None
     record = {"job_id": job.job_id, "submitted": time.strftime("%Y-%m-%dT%H:%M:%S"), "options": asdict(options)}
-    with open(folder / "jobs.jsonl", "a") as jobs:
+    with open(folder / JOBS_FILE, "a") as jobs:
         jobs.write(json.dumps(record) + "\n")
     return job
 
@@ -356,11 +358,14 @@ def add_parser(commands) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     submit_parser.add_argument("--config", required=True, help="TOML config, e.g. configs/tiny.toml")
-    submit_parser.add_argument("--nodes", type=int_in(1, 100_000), default=1, help="nodes (default 1)")
+    defaults = SlurmOptions()
+    submit_parser.add_argument(
+        "--nodes", type=int_in(1, 100_000), default=defaults.nodes, help="nodes (default %(default)s)"
+    )
     submit_parser.add_argument(
         "--tasks-per-node",
         type=int_in(1, 1024),
-        default=1,
+        default=defaults.tasks_per_node,
         help="ranks per node; the world size nodes x tasks must match the config's layout",
     )
     submit_parser.add_argument(
@@ -370,7 +375,11 @@ def add_parser(commands) -> None:
         "--cpus-per-task", type=int_in(1, 4096), help="CPU cores per rank (also torch's thread count)"
     )
     submit_parser.add_argument("--mem-gb", type=float_in(0, 1e7, low_open=True), help="memory per node in GB")
-    submit_parser.add_argument("--time", default="60", help="time limit: MINUTES, HH:MM:SS or D-HH:MM:SS (60)")
+    submit_parser.add_argument(
+        "--time",
+        default=str(defaults.time_minutes),
+        help="time limit: MINUTES, HH:MM:SS or D-HH:MM:SS (default %(default)s)",
+    )
     submit_parser.add_argument("--partition", help="Slurm partition (default: the cluster's default)")
     submit_parser.add_argument("--account", help="account to charge")
     submit_parser.add_argument("--qos", help="quality of service")
@@ -380,7 +389,7 @@ def add_parser(commands) -> None:
     submit_parser.add_argument(
         "--signal-delay-s",
         type=int_in(0, 86_400),
-        default=120,
+        default=defaults.signal_delay_s,
         help="seconds before the time limit at which the job checkpoints and requeues",
     )
     submit_parser.add_argument(

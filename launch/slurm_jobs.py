@@ -19,6 +19,13 @@ from pathlib import Path
 
 from loom.engine.config import ConfigError
 
+
+def slurm_dir(run_dir: str | Path) -> Path:
+    """RUN/slurm: submitit's job files and logs, the jobs `loom submit` recorded (JOBS_FILE), ranks' failures."""
+    return Path(run_dir) / "slurm"
+
+
+JOBS_FILE = "jobs.jsonl"
 JOBS_CHECKED = 5  # the newest submissions of a run directory that check_no_job_queued asks squeue about
 TERMINAL_STATES = {
     "COMPLETED",
@@ -39,7 +46,7 @@ REQUEUE_WAIT_S = 600
 def check_no_job_queued(run_dir: Path) -> None:
     """Refuse a launch into a run directory whose Slurm job (one `loom submit` recorded there) is still queued or
     running: it would write the same metrics and checkpoints. The run lock finds a job only once it runs."""
-    jobs = Path(run_dir) / "slurm" / "jobs.jsonl"
+    jobs = slurm_dir(run_dir) / JOBS_FILE
     if not jobs.is_file():
         return
     if shutil.which("squeue") is None:  # a copy of the run away from its cluster, most likely
@@ -108,7 +115,7 @@ def stopped_by_a_signal(job) -> bool:
 
 
 def rank0_log(run_dir: Path, job_id: str) -> Path:
-    return run_dir / "slurm" / f"{job_id}_0_log.out"
+    return slurm_dir(run_dir) / f"{job_id}_0_log.out"
 
 
 class TrainingJob:
@@ -166,7 +173,7 @@ def record_failure(run_dir: Path, job_id: str, rank: int, error: BaseException, 
     from loom.engine.atomic import write_text_atomically
     from loom.launch.local import describe_rank_error
 
-    folder = run_dir / "slurm" / "failures"
+    folder = slurm_dir(run_dir) / "failures"
     folder.mkdir(parents=True, exist_ok=True)
     report = {
         "time": time.time(),
@@ -182,7 +189,7 @@ def record_failure(run_dir: Path, job_id: str, rank: int, error: BaseException, 
 
 def first_failure(run_dir: Path, job_id: str) -> dict | None:
     """The earliest error of the job's latest attempt: the root cause (peers fail after it)."""
-    reports = [json.loads(p.read_text()) for p in (run_dir / "slurm" / "failures").glob(f"{job_id}.*.rank*.json")]
+    reports = [json.loads(p.read_text()) for p in (slurm_dir(run_dir) / "failures").glob(f"{job_id}.*.rank*.json")]
     if not reports:
         return None
     last_attempt = max(r["attempt"] for r in reports)
