@@ -205,12 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _stop_now(signum: int, frame, trains: bool = False) -> None:
-    from loom.launch.local import Stopped
+    from loom.launch.local import Stopped, stopped_before_a_checkpoint
 
     name = signal.Signals(signum).name  # a training launcher, once running, says itself what was saved
-    raise Stopped(
-        name, f"stopped by {name}" + (" before a checkpoint was written; nothing to resume" if trains else "")
-    )
+    raise stopped_before_a_checkpoint(name) if trains else Stopped(name, f"stopped by {name}")
 
 
 def _invoked_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:

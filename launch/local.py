@@ -232,6 +232,11 @@ def _stopped(signal_name: str, config: LoomConfig, clean: bool) -> Stopped:
         return Stopped(
             signal_name, f"stopped by {signal_name}: checkpoint {where} saved; run the same command to resume from it"
         )
+    return stopped_before_a_checkpoint(signal_name)
+
+
+def stopped_before_a_checkpoint(signal_name: str) -> Stopped:
+    """A training command stopped before its ranks wrote anything to resume from."""
     return Stopped(signal_name, f"stopped by {signal_name} before a checkpoint was written; nothing to resume")
 
 
