@@ -183,15 +183,14 @@ def cmd_generate(args: argparse.Namespace) -> None:
         vocab_size=vocab_size,
     )
     if args.nproc > 1:
-        from loom.launch.local import SIGNAL_CAUSES, RankFailed
+        from loom.launch.local import killed_rank
         from loom.tools.generate import RankDied
 
         del model
         try:
             produced = generate_parallel(Path(args.checkpoint), args.tp, args.pp, _base(args), **job)
-        except RankDied as died:  # as `loom train` reports a killed rank
-            cause = f"killed by {died.signal_name}{SIGNAL_CAUSES.get(died.signal_name, '')}"
-            raise RankFailed(died.rank, cause, "") from None
+        except RankDied as died:
+            raise killed_rank(died.rank, died.exitcode) from None
     else:
         produced = generate(model, **job)
     if processor is not None:

@@ -240,6 +240,12 @@ def stopped_before_a_checkpoint(signal_name: str) -> Stopped:
     return Stopped(signal_name, f"stopped by {signal_name} before a checkpoint was written; nothing to resume")
 
 
+def killed_rank(rank: int, exitcode: int, more: str = "") -> RankFailed:
+    """A rank a signal ended (exit code -N), as every launcher reports one: the signal, and what usually sends it."""
+    name = _signal_name(exitcode)
+    return RankFailed(rank, f"killed by {name}{SIGNAL_CAUSES.get(name, '')}{more}", "")
+
+
 def _signal_name(exitcode: int) -> str:
     try:
         return signal.Signals(-exitcode).name
@@ -281,16 +287,11 @@ def _first_error(errors, failed: list[tuple[int, int]], last_step: int | None = 
     killed = [(rank, code) for rank, code in failed if code < 0 and rank not in reported]
     if killed:
         rank, code = killed[0]
-        name = _signal_name(code)
-        cause = SIGNAL_CAUSES.get(name, "")
-        if last_step is not None:
-            cause += f"; the last step logged was {last_step}"
-        consequences = "; ".join(f"rank {r}: {m}" for _, r, m, *_ in sorted(reports)[:2])
-        return RankFailed(
-            rank,
-            f"killed by {name}{cause}" + (f"; the other ranks then failed with it ({consequences})" if reports else ""),
-            "",
-        )
+        more = f"; the last step logged was {last_step}" if last_step is not None else ""
+        if reports:
+            consequences = "; ".join(f"rank {r}: {m}" for _, r, m, *_ in sorted(reports)[:2])
+            more += f"; the other ranks then failed with it ({consequences})"
+        return killed_rank(rank, code, more)
     if not reports:
         rank, code = failed[0]
         return RankFailed(rank, f"exited with code {code} without a Python error", "")

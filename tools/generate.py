@@ -15,7 +15,6 @@ import datetime
 import os
 import queue
 import re
-import signal
 import time
 from pathlib import Path
 
@@ -173,9 +172,8 @@ class RankDied(Exception):
     """A rank of generate_parallel ended without a word: killed by a signal (the OOM killer's SIGKILL, say)."""
 
     def __init__(self, rank: int, exitcode: int):
-        self.rank = rank
-        self.signal_name = signal.Signals(-exitcode).name if -exitcode in signal.valid_signals() else str(exitcode)
-        super().__init__(f"rank {rank} was killed by {self.signal_name}")
+        self.rank, self.exitcode = rank, exitcode
+        super().__init__(f"rank {rank} was killed (exit code {exitcode})")
 
 
 def _killed(ranks: list) -> RankDied | None:
