@@ -95,13 +95,18 @@ def config_from_dict(raw: dict[str, Any]) -> LoomConfig:
     return LoomConfig(**sections)
 
 
+def is_override_flag(arg: str) -> bool:
+    """`--section.field` or `--section.field=value`: an argument parse_overrides reads as a field to set."""
+    return arg.startswith("--") and "." in arg.split("=", 1)[0]
+
+
 def parse_overrides(args: list[str]) -> dict[str, dict[str, Any]]:
     """Parse `--section.field value [value ...]` into nested raw values (strings, lists for several)."""
     overrides: dict[str, dict[str, Any]] = {}
     i = 0
     while i < len(args):
         flag = args[i]
-        if not flag.startswith("--") or "." not in flag:
+        if not is_override_flag(flag):
             raise ConfigError(f"unexpected argument {flag!r}; overrides look like --train.steps 50")
         key = flag[2:]
         if "=" in key:

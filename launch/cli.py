@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from loom.engine.config import ConfigError
-from loom.engine.config_io import load_config, parse_overrides
+from loom.engine.config_io import is_override_flag, load_config, parse_overrides
 from loom.engine.run_dir import SCHEDULE_CHART
 from loom.errors import is_user_error, user_message
 from loom.launch.arguments import OneLineParser, add_parallel_size, existing_dir, image_file, int_in
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.command in ("train", "demo"):
         signal.signal(signal.SIGTERM, functools.partial(_stop_now, trains=True))
     takes_overrides = getattr(args, "takes_overrides", False)
-    unknown = [a for a in extra if a.startswith("--") and "." not in a.split("=")[0]] if takes_overrides else extra
+    unknown = [a for a in extra if a.startswith("--") and not is_override_flag(a)] if takes_overrides else extra
     if takes_overrides and extra and not extra[0].startswith("--"):
         unknown.insert(0, extra[0])
     if unknown:
