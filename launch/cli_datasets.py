@@ -63,7 +63,16 @@ def _merge(args: argparse.Namespace) -> None:
     from loom.engine.data.indexed import IndexedDataset, IndexedDatasetWriter, index_paths
 
     output = Path(args.output_prefix).resolve()
-    if any(Path(prefix).resolve() == output for prefix in args.inputs):
+    seen: dict[Path, str] = {}
+    for prefix in args.inputs:
+        earlier = seen.setdefault(Path(prefix).resolve(), prefix)
+        if earlier is not prefix:
+            named = prefix if earlier == prefix else f"{earlier} and {prefix}"
+            raise InputError(
+                f"--inputs gives {named} twice (its documents would be in the merged dataset twice); give each "
+                "once, and to train on one dataset more often, list it in data.paths with a larger data.weights"
+            )
+    if output in seen:
         raise InputError(f"--output-prefix {args.output_prefix} is one of the inputs; merge into a new prefix")
     inputs = [str(path) for prefix in args.inputs for path in index_paths(prefix)]
     outputs = [*index_paths(args.output_prefix), manifest_path(args.output_prefix, is_folder=False)]

@@ -448,7 +448,10 @@ def test_data_commands_never_write_over_files_already_there(capfd, dataset, tmp_
     before = data.read_bytes()
     preview = ["data", "preview", "--data.paths", str(prefix), "--train.seq_length", "16", "--samples", "1"]
     refused(capfd, [*preview, "--output", str(data), "--overwrite"], f"holds {data}, an input")
-    refused(capfd, ["data", "merge", "--inputs", str(prefix), str(prefix), "--output-prefix", str(prefix)])
+    refused(capfd, ["data", "merge", "--inputs", str(prefix), "--output-prefix", str(prefix)], "is one of the inputs")
+    # a prefix given twice merged its documents twice (exit 0), as a JSONL file given twice is refused
+    twice = ["data", "merge", "--inputs", str(prefix), f"{tmp_path}/./ds", "--output-prefix", str(tmp_path / "m")]
+    refused(capfd, twice, f"--inputs gives {prefix} and {tmp_path}/./ds twice")
     assert data.read_bytes() == before
 
     folder = tmp_path / "clean"

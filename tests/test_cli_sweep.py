@@ -115,7 +115,7 @@ COMMANDS = {
         },
     ),
     "data merge": (
-        ["--inputs", "{prefix}", "{prefix}", "--output-prefix", "{tmp}/merged"],
+        ["--inputs", "{prefix}", "--output-prefix", "{tmp}/merged"],
         {"--inputs": "in-prefix", "--output-prefix": ["{dir}", "{file}/x", "{prefix}"]},  # not over an input
     ),
     "data preview": (
