@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from loom.data_tools import build, clean, corpus, dedup
+from loom.data_tools import build, clean, corpus, dedup, tokenizer
 from loom.data_tools.build import build_indexed_dataset
 from loom.data_tools.clean import clean_corpus
 from loom.data_tools.corpus import build_stdlib_corpus
@@ -237,3 +237,42 @@ def test_every_data_option_has_help_and_shows_its_default(step):
 
 def _subcommands(parser) -> dict:
     return next(a.choices for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+
+
+# loom data STEP's options that pass a library parameter of the same name; --workers is left out on purpose (the
+# command runs 2 by default, the library 1: a library caller asks for processes).
+_LIBRARY_OF = {
+    "clean": clean_corpus,
+    "dedup": deduplicate,
+    "tokenizer": train_tokenizer,
+    "build": build_indexed_dataset,
+}
+
+
+@pytest.mark.parametrize("step", sorted(_LIBRARY_OF))
+def test_a_data_commands_defaults_are_its_librarys(step):
+    """The CLI states each default again (argparse prints it in --help without importing the data libraries,
+    which would slow every `loom` command): this keeps the two statements equal."""
+    import inspect
+
+    parameters = inspect.signature(_LIBRARY_OF[step]).parameters
+    parser = _subcommands(_subcommands(build_parser())["data"])[step]
+    compared = 0
+    for action in parser._actions:
+        parameter = parameters.get(action.dest)
+        if parameter is None or action.dest == "workers" or parameter.default is inspect.Parameter.empty:
+            continue
+        assert action.default == parameter.default, f"loom data {step} --{action.dest}"
+        assert action.choices is None or set(action.choices) <= set(_choices(step, action.dest)), action.dest
+        compared += 1
+    assert compared >= {"clean": 2, "dedup": 4, "tokenizer": 5, "build": 2}[step]
+    if step == "dedup":
+        threshold_help = next(a.help for a in parser._actions if a.dest == "threshold")
+        for method, value in dedup.DEFAULT_THRESHOLDS.items():
+            assert f"{method}: " in threshold_help and f"(default {value})" in threshold_help
+
+
+def _choices(step: str, dest: str) -> tuple:
+    return {("dedup", "method"): dedup.METHODS, ("tokenizer", "model_type"): tokenizer.MODEL_TYPES}.get(
+        (step, dest), ()
+    )
