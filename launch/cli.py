@@ -153,7 +153,7 @@ def cmd_schedule(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from loom.launch import cli_bench, cli_ckpt, cli_data, cli_plan, demo, slurm
+    from loom.launch import cli_bench, cli_ckpt, cli_data, cli_plan, cli_submit, demo
 
     parser = OneLineParser(prog="loom", description="3D-parallel LLM training: data tools, training, launch.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -198,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_parser(commands)
     cli_data.add_parser(commands)
     cli_ckpt.add_parsers(commands)
-    slurm.add_parser(commands)
+    cli_submit.add_parser(commands)
     cli_bench.add_parser(commands)
     cli_plan.add_parser(commands)
     return parser
