@@ -1,6 +1,8 @@
 """LAMB and Adafactor against straightforward single-device references written here, on the whole
-(logical) parameters, and the same under TP2 x DP2 sharding (LAMB also with ZeRO-1); fp16 loss
-scaling skips a step with an inf gradient without touching any state."""
+(logical) parameters, and the same under TP2 x DP2 sharding (LAMB also with ZeRO-1); Adafactor and that reference
+against transformers' Adafactor; the AdamW path (decay groups, global-norm clipping, the gradient buffer) against
+torch.optim.AdamW with clip_grad_norm_; fp16 loss scaling skips a step with an inf gradient without touching any
+state."""
 
 import math
 
@@ -11,6 +13,7 @@ from dist_utils import run_ranks
 
 from loom.engine.config import ModelConfig, OptimConfig
 from loom.engine.model.gpt import GPTModel
+from loom.engine.optim.algorithms import Adafactor
 from loom.engine.optim.distributed import DistributedOptimizer
 from loom.engine.optim.grad_buffer import GradBuffer
 from loom.engine.optim.loss_scaler import LossScaler
@@ -164,3 +167,72 @@ def test_fp16_inf_gradient_skips_the_step_and_backs_off():
         # clean step; inf on one rank -> every rank skips and halves; two clean steps -> doubles back
         assert log == [(False, 1024.0), (True, 512.0), (False, 512.0), (False, 1024.0)]
         assert unchanged and skipped == 1
+
+
+def _adafactor_steps(make_optimizer, steps: int = 6) -> list[torch.Tensor]:
+    """A matrix with weight decay and a vector without, stepped on gradients alternately large and small."""
+    generator = torch.Generator().manual_seed(0)
+    matrix, vector = (
+        torch.nn.Parameter(torch.randn(8, 6, generator=generator)),
+        torch.nn.Parameter(torch.randn(6, generator=generator)),
+    )
+    optimizer = make_optimizer([{"params": [matrix], "weight_decay": WD}, {"params": [vector], "weight_decay": 0.0}])
+    for step in range(1, steps + 1):
+        for p in (matrix, vector):
+            p.grad = torch.randn(p.shape, generator=generator) * (3.0 if step % 2 else 0.01)
+        optimizer.step()
+    return [matrix.detach(), vector.detach()]
+
+
+def test_adafactor_equals_transformers_adafactor():
+    """transformers' Adafactor with an external learning rate and no first moment is loom's (Shazeer & Stern
+    2018 with decay rate t^-0.8, update clipping at RMS 1, decoupled weight decay)."""
+    optimization = pytest.importorskip("transformers.optimization")
+
+    def theirs(groups):
+        return optimization.Adafactor(
+            groups, lr=LR, eps=(1e-30, 1e-3), clip_threshold=1.0, decay_rate=-0.8, beta1=None,
+            scale_parameter=False, relative_step=False, warmup_init=False,
+        )  # fmt: skip
+
+    expected = _adafactor_steps(theirs)
+    for ours, wanted in zip(_adafactor_steps(lambda groups: Adafactor(groups, lr=LR)), expected):
+        torch.testing.assert_close(ours, wanted, rtol=1e-6, atol=1e-7)
+
+
+def _adamw_against_torch(rank, world):
+    config = ModelConfig(**MODEL)
+    state = ParallelState.create(tp=1, dp=1)
+    model, twin = GPTModel(config, None), GPTModel(config, None)
+    for m in (model, twin):
+        initialize_parameters(m, seed=3, tp_rank=0, tp_size=1)
+    named = list(model.named_parameters())
+    grads = GradBuffer([p for _, p in named], state.dp_group, 1, 0, bucket_bytes=4096)
+    optim = OptimConfig(name="adamw", lr=LR, min_lr=0.0, weight_decay=WD, beta1=BETAS[0], beta2=BETAS[1], eps=EPS)
+    optim.clip_grad = 0.5
+    optimizer = DistributedOptimizer(named, grads, optim, state, config.num_layers)
+    # Megatron's rule, stated here independently of loom's param_info: no decay on biases and 1-D weights
+    no_decay = [p for n, p in twin.named_parameters() if n.endswith(".bias") or p.ndim == 1]
+    decay = [p for n, p in twin.named_parameters() if not (n.endswith(".bias") or p.ndim == 1)]
+    groups = [{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}]
+    reference = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS)
+    norms = []
+    for step in range(4):
+        tokens = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(step))
+        grads.start_step()
+        model(tokens[:, :-1], tokens[:, 1:]).float().mean().backward()
+        grads.finish()
+        ours = optimizer.step(LR)["grad_norm"]
+        reference.zero_grad()
+        twin(tokens[:, :-1], tokens[:, 1:]).float().mean().backward()
+        norms.append((ours, torch.nn.utils.clip_grad_norm_(twin.parameters(), optim.clip_grad).item()))
+        reference.step()
+    worst = max((p - q).abs().max().item() for (_, p), q in zip(named, twin.parameters(), strict=True))
+    return worst, norms
+
+
+def test_adamw_with_decay_groups_and_clipping_equals_torch():
+    ((worst, norms),) = run_ranks(_adamw_against_torch, 1)
+    for ours, theirs in norms:
+        assert ours == pytest.approx(theirs, rel=1e-5) and theirs > 0.5  # clipping acted in every step
+    assert worst < 1e-5, worst  # steps of ~1e-2 each; fp32 summation order apart
