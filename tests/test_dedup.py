@@ -1,6 +1,6 @@
-"""Dedup against references written here: exact (first occurrence of each normalised text kept), MinHash on disk
-(the plain in-memory LSH below, datasketch signatures, known clusters, memory flat in corpus size), semantic
-(k-means + cosine against all pairs, the packaged model on paraphrases, the missing-extra error)."""
+"""Dedup against references: exact (first occurrence of each normalised text kept), MinHash on disk (the plain
+in-memory LSH below; datasketch's signatures, banding and LSH candidates; known clusters; memory flat in corpus
+size), semantic (k-means + cosine against all pairs, the packaged model on paraphrases, the missing-extra error)."""
 
 import json
 import os
@@ -111,6 +111,44 @@ def test_minhash_signatures_equal_datasketch():
     reference = datasketch.MinHash(num_perm=128, seed=1, hashfunc=lambda s: shingle_hash64(s.decode()) >> 32)
     reference.update_batch([s.encode("utf-8") for s in shingles(text)])
     assert np.array_equal(signature(text, *permutations(128)), reference.hashvalues)
+
+
+@pytest.mark.parametrize("num_perm", [64, 128, 256])
+def test_optimal_banding_equals_datasketch(num_perm):
+    """recall_bands starts from the banding datasketch's MinHashLSH picks (equal weights on the false-positive
+    and false-negative areas of the S-curve)."""
+    pytest.importorskip("datasketch")
+    from datasketch.lsh import _optimal_param
+
+    from loom.data_tools.minhash import optimal_bands
+
+    for threshold in (0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95):
+        assert tuple(optimal_bands(threshold, num_perm)) == tuple(_optimal_param(threshold, num_perm, 0.5, 0.5))
+
+
+def test_band_key_collisions_are_datasketch_lsh_candidates():
+    """Documents share a band key exactly when datasketch's MinHashLSH, given their signatures and the same
+    banding, returns them as candidates of each other."""
+    datasketch = pytest.importorskip("datasketch")
+    from loom.data_tools.minhash import band_keys, permutations, signature
+
+    generator = np.random.default_rng(0)
+    words = [f"w{i}" for i in range(60)]
+    bases = [" ".join(generator.choice(words, 40)) for _ in range(6)]
+    docs = bases + [base.replace(base.split()[k], "zz", 1) for base in bases for k in (3, 20)]  # near copies
+    signatures = np.stack([signature(doc, *permutations(128)) for doc in docs])
+    bands, rows = 16, 8
+    keys = band_keys(signatures, bands, rows)
+    ours = {(i, j) for i in range(len(docs)) for j in range(i + 1, len(docs)) if np.any(keys[i] == keys[j])}
+
+    def minhash(row):
+        return datasketch.MinHash(num_perm=128, hashvalues=row.astype(np.uint64), scheme="affine32")
+
+    lsh = datasketch.MinHashLSH(num_perm=128, params=(bands, rows))
+    for i, row in enumerate(signatures):
+        lsh.insert(i, minhash(row))
+    theirs = {(i, j) for i, row in enumerate(signatures) for j in lsh.query(minhash(row)) if i < j}
+    assert ours == theirs and len(ours) >= len(bases)  # not vacuous: the near copies collide
 
 
 def test_minhash_recall_near_the_threshold_against_exact_jaccard(tmp_path):
