@@ -1,7 +1,8 @@
 """Hugging Face interchange, checked against transformers: it loads loom's export and computes the same
 logits; models written by the installed transformers (GQA, rope_theta 500000 in `rope_parameters`, Llama 3.1's
 llama3 rope scaling, tied embeddings) import into loom with the same logits and the same `loom eval` loss and
-export back unchanged; settings loom cannot represent are refused with one line naming them."""
+export back unchanged; settings loom cannot represent are refused with one line naming them. loom's GPT-2-shaped
+model (not exported) computes GPT2LMHeadModel's logits."""
 
 import json
 import math
@@ -341,3 +342,87 @@ def test_the_exported_tokenizer_encodes_as_loom_s_and_an_import_s_comes_back(tra
     with pytest.raises(CheckpointError, match=r"already holds a model \(tokenizer.model\)"):
         export_hf(trained, tmp_path / "mine")
     assert (tmp_path / "mine" / "tokenizer.model").read_bytes() == b"my own"
+
+
+def test_the_gpt2_shaped_model_computes_transformers_gpt2_logits_and_loss():
+    """LayerNorm with biases, tanh GELU, learned positions, tied embeddings, multi-head attention: loom's
+    GPT-2-shaped model (which export-hf does not write) equals GPT2LMHeadModel given the same weights."""
+    hidden, heads, ffn, vocab, seq, layers = 32, 4, 64, 100, 16, 2
+    config = config_from_dict(
+        {
+            "model": {
+                "num_layers": layers,
+                "hidden_size": hidden,
+                "num_heads": heads,
+                "num_kv_heads": heads,
+                "ffn_hidden_size": ffn,
+                "vocab_size": vocab,
+                "make_vocab_divisible_by": 8,
+                "norm": "layernorm",
+                "activation": "gelu",
+                "position_embedding": "learned",
+                "bias": True,
+                "tie_embeddings": True,
+                "max_position_embeddings": 64,
+                "norm_eps": 1e-5,
+            }
+        }
+    ).model
+    ours = GPTModel(config, None)
+    initialize_parameters(ours, seed=5, tp_rank=0, tp_size=1)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # biases start at 0 and norm weights at 1, where a swapped one would not show
+        for name, p in ours.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(0.1 * torch.randn(p.shape, generator=generator))
+    theirs = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(
+            vocab_size=vocab,
+            n_positions=64,
+            n_embd=hidden,
+            n_layer=layers,
+            n_head=heads,
+            n_inner=ffn,
+            activation_function="gelu_new",
+            layer_norm_epsilon=1e-5,
+            resid_pdrop=0,
+            embd_pdrop=0,
+            attn_pdrop=0,
+            tie_word_embeddings=True,
+        )
+    ).eval()
+    p = dict(ours.named_parameters())
+    weights = {
+        "transformer.wte.weight": p["embedding.weight"][:vocab],
+        "transformer.wpe.weight": p["position_embedding"],
+        "transformer.ln_f.weight": p["final_norm.weight"],
+        "transformer.ln_f.bias": p["final_norm.bias"],
+    }
+    # GPT-2's Conv1D keeps (in, out) matrices: loom's Linear weights transposed
+    gpt2_names = {
+        "ln_1": "input_norm",
+        "ln_2": "mlp_norm",
+        "attn.c_attn": "attention.qkv",
+        "attn.c_proj": "attention.proj",
+        "mlp.c_fc": "mlp.fc1",
+        "mlp.c_proj": "mlp.fc2",
+    }
+    for i in range(layers):
+        for gpt2, loom in gpt2_names.items():
+            weight = p[f"layers.{i}.{loom}.weight"]
+            weights[f"transformer.h.{i}.{gpt2}.weight"] = weight if "ln" in gpt2 else weight.T
+            weights[f"transformer.h.{i}.{gpt2}.bias"] = p[f"layers.{i}.{loom}.bias"]
+    missing, unexpected = theirs.load_state_dict({k: v.detach().clone() for k, v in weights.items()}, strict=False)
+    assert not unexpected and all(k == "lm_head.weight" or k.endswith("attn.bias") for k in missing), missing
+    theirs.tie_weights()
+
+    tokens = torch.randint(0, vocab, (2, seq + 1), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = theirs(tokens[:, :-1]).logits
+        logits = ours.eval()(tokens[:, :-1])[..., :vocab].transpose(0, 1)
+        losses = ours(tokens[:, :-1], tokens[:, 1:])
+    assert (logits - expected).abs().max().item() < 1e-5
+    reference = torch.nn.functional.cross_entropy(
+        expected.reshape(-1, vocab), tokens[:, 1:].reshape(-1), reduction="none"
+    )
+    assert torch.allclose(losses.reshape(-1).float(), reference, atol=1e-5)
