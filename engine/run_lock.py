@@ -1,10 +1,14 @@
-"""One training run at a time per run directory.
+"""One training run at a time per run directory, one writer at a time per data command's output.
 
 Two runs in one directory write over each other's metrics and checkpoints (a job submitted twice, a
 `loom train` started while its Slurm job still runs). Rank 0 of a training run holds an exclusive
 `flock` on RUN_DIR/.loom-run.lock for as long as it lives, with who holds it written inside; the kernel
 drops the lock when the process ends however it ends, so there is never a stale lock to clean up.
 Launchers probe the lock before they change anything in the directory.
+
+Two data commands writing one output (two builds of one prefix, a clean --overwrite beside a running clean)
+would rename their temporary files over each other's and clean up each other's staging; each holds a lock
+beside its output (`.NAME.loom-lock`) while it writes, removed when it is done.
 
 On a filesystem without file locks (Lustre mounted without `flock`) nothing is detected, and rank 0 says so.
 """
@@ -17,7 +21,9 @@ import json
 import os
 import socket
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from loom.engine.config import ConfigError
 
@@ -34,10 +40,25 @@ def _holder(lock: Path) -> str:
         record = json.loads(lock.read_text())
         job = f", Slurm job {record['slurm_job']}" if record.get("slurm_job") else ""
         who = f"pid {record['pid']} on {record['host']} since {record['started']}{job}"
-        holder = "`loom submit` submitting a job" if record.get("command") == "submit" else "a running loom run"
+        command = record.get("command")
+        holder = {"train": "a running loom run", "submit": "`loom submit` submitting a job"}.get(
+            command, f"`loom {command}`"
+        )
         return f"{holder} ({who})"
     except (OSError, ValueError, KeyError, TypeError):
         return "a running loom run (a process that has not said who it is)"
+
+
+def _write_holder(fd: int, command: str) -> None:
+    record = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "slurm_job": os.environ.get("SLURM_JOB_ID"),
+        "command": command,
+    }
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(record).encode(), 0)
 
 
 def _refusal(run_dir: Path) -> RunDirectoryInUse:
@@ -86,15 +107,7 @@ class RunLock:
             raise _refusal(run_dir)
         self.supported = locked is True
         if self.supported:
-            record = {
-                "pid": os.getpid(),
-                "host": socket.gethostname(),
-                "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                "slurm_job": os.environ.get("SLURM_JOB_ID"),
-                "command": command,
-            }
-            os.ftruncate(self.fd, 0)
-            os.pwrite(self.fd, json.dumps(record).encode(), 0)
+            _write_holder(self.fd, command)
 
     def close(self, remove_if_created: bool = False) -> None:
         """remove_if_created: the holder wrote nothing else, so the directory is left as it was found."""
@@ -103,3 +116,55 @@ class RunLock:
                 self.path.unlink(missing_ok=True)
             os.close(self.fd)
             self.fd = None
+
+
+class OutputInUse(ConfigError):
+    """Another live data command is writing the same output."""
+
+
+@contextmanager
+def writing_output(output: Path, command: str, named: str | None = None) -> Iterator[None]:
+    """Hold the lock on a data command's output (a folder, or the files of one prefix, named by its first) while
+    the block runs; another command holding it is refused in one line (`named`: the output as the user gave it).
+    Folders made for the lock that the command leaves empty (it failed before writing) are removed with it."""
+    lock = output.absolute().with_name(f".{output.name}.loom-lock")
+    made = [folder for folder in (lock.parent, *lock.parent.parents) if not folder.exists()]
+    fd = _take_output_lock(lock, named or str(output), command)
+    try:
+        yield
+    finally:
+        if fd is not None:
+            lock.unlink(missing_ok=True)
+            os.close(fd)
+        for folder in made:  # deepest first
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+
+
+def _take_output_lock(lock: Path, named: str, command: str) -> int | None:
+    """The locked file's descriptor; None where there is nothing to lock with (a read-only or forbidden place,
+    whose own write then names the output; a filesystem without file locks)."""
+    while True:
+        try:
+            lock.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            return None
+        locked = _try_lock(fd)
+        if locked is False:
+            os.close(fd)
+            raise OutputInUse(f"{named} is being written by {_holder(lock)}; wait for it to finish, or write elsewhere")
+        if locked is None:
+            os.close(fd)
+            lock.unlink(missing_ok=True)
+            return None
+        try:
+            current = os.stat(lock).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            current = False
+        if current:
+            _write_holder(fd, command)
+            return fd
+        os.close(fd)  # its last holder removed it between our open and our lock: lock the one there now

@@ -7,7 +7,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from loom.launch.arguments import (
     float_in,
@@ -82,29 +84,41 @@ def claim_outputs(overwrite: bool, given: str, outputs: list[Path], inputs: list
     print(f"--overwrite: moved {names} to {aside}")
 
 
+@contextmanager
+def writing_outputs(
+    args: argparse.Namespace, given: str, outputs: list[Path], inputs: list[str] = ()
+) -> Iterator[None]:
+    """claim_outputs, under a lock on the outputs held while the block writes them: a second command writing the
+    same output is refused, instead of renaming its files over these and cleaning up this one's staging."""
+    from loom.engine.run_lock import writing_output
+
+    with writing_output(outputs[0], f"data {args.data_command}", named=given):
+        claim_outputs(args.overwrite, given, outputs, inputs)
+        yield
+
+
 def _corpus(args: argparse.Namespace) -> None:
     from loom.data_tools.corpus import build_stdlib_corpus
     from loom.data_tools.manifest import manifest_path
 
-    claim_outputs(
-        args.overwrite, f"--output {args.output}", [Path(args.output), manifest_path(args.output, is_folder=False)]
-    )
-    counts = build_stdlib_corpus(Path(args.output), max_docs=args.max_docs)
+    outputs = [Path(args.output), manifest_path(args.output, is_folder=False)]
+    with writing_outputs(args, f"--output {args.output}", outputs):
+        counts = build_stdlib_corpus(Path(args.output), max_docs=args.max_docs)
     print(json.dumps(counts))
 
 
 def _clean(args: argparse.Namespace) -> None:
     from loom.data_tools.clean import clean_corpus
 
-    claim_outputs(args.overwrite, f"--output {args.output}", [Path(args.output)], args.input)
-    result = clean_corpus(
-        args.input,
-        args.output,
-        pipeline=args.pipeline,
-        workers=args.workers,
-        text_key=args.text_key,
-        split_by_language=args.split_by_language,
-    )
+    with writing_outputs(args, f"--output {args.output}", [Path(args.output)], args.input):
+        result = clean_corpus(
+            args.input,
+            args.output,
+            pipeline=args.pipeline,
+            workers=args.workers,
+            text_key=args.text_key,
+            split_by_language=args.split_by_language,
+        )
     shown = {k: v for k, v in result.items() if k not in ("input", "rejected_by", "steps")}
     shown["rejected_by"] = {
         step: counts["documents"] for step, counts in result["rejected_by"].items() if counts["documents"]
@@ -124,17 +138,17 @@ def _dedup(args: argparse.Namespace) -> None:
 
     if args.method == "exact" and args.threshold is not None:
         raise InputError("--threshold is for --method minhash or semantic; exact dedup removes identical text only")
-    claim_outputs(args.overwrite, f"--output {args.output}", [Path(args.output)], args.input)
-    result = deduplicate(
-        args.input,
-        args.output,
-        args.method,
-        args.text_key,
-        args.threshold,
-        args.num_perm,
-        workers=args.workers,
-        bucket_memory_mb=args.bucket_memory_mb,
-    )
+    with writing_outputs(args, f"--output {args.output}", [Path(args.output)], args.input):
+        result = deduplicate(
+            args.input,
+            args.output,
+            args.method,
+            args.text_key,
+            args.threshold,
+            args.num_perm,
+            workers=args.workers,
+            bucket_memory_mb=args.bucket_memory_mb,
+        )
     print(json.dumps({**{k: v for k, v in result.items() if k != "input"}, "bad_lines": result["input"]["bad_lines"]}))
     say_bad_lines(result["input"]["bad_lines"], f"{args.output}/rejected/bad_lines.jsonl has them")
     if result["repeated_ids"]:
@@ -151,19 +165,19 @@ def _tokenizer(args: argparse.Namespace) -> None:
     from loom.data_tools.tokenizer import train_tokenizer
 
     outputs = [Path(f"{args.output}.model"), Path(f"{args.output}.vocab"), manifest_path(args.output, False)]
-    claim_outputs(args.overwrite, f"--output {args.output}", outputs, args.input)
-    result = train_tokenizer(
-        args.input,
-        args.output,
-        vocab_size=args.vocab_size,
-        model_type=args.model_type,
-        text_key=args.text_key,
-        input_sentence_size=args.input_sentence_size,
-        user_defined_symbols=tuple(args.special_tokens or ()),
-        num_threads=args.threads,
-        seed=args.seed,
-        held_out_every=args.held_out_every,
-    )
+    with writing_outputs(args, f"--output {args.output}", outputs, args.input):
+        result = train_tokenizer(
+            args.input,
+            args.output,
+            vocab_size=args.vocab_size,
+            model_type=args.model_type,
+            text_key=args.text_key,
+            input_sentence_size=args.input_sentence_size,
+            user_defined_symbols=tuple(args.special_tokens or ()),
+            num_threads=args.threads,
+            seed=args.seed,
+            held_out_every=args.held_out_every,
+        )
     print(f"wrote {args.output}.model and {args.output}.vocab ({result['vocab_size']} pieces, {result['seconds']} s)")
     say_bad_lines(result["bad_lines"], f"counted by reason in {manifest_path(args.output, is_folder=False)}")
     if result["fertility"] is not None:

@@ -21,7 +21,15 @@ from loom.launch.arguments import (
     output_prefix,
     seed,
 )
-from loom.launch.cli_data import DEFAULT, WORKERS, add_jsonl_input, add_overwrite, add_text_key, claim_outputs
+from loom.launch.cli_data import (
+    DEFAULT,
+    WORKERS,
+    add_jsonl_input,
+    add_overwrite,
+    add_text_key,
+    claim_outputs,
+    writing_outputs,
+)
 
 if TYPE_CHECKING:
     from loom.engine.config import LoomConfig
@@ -36,31 +44,23 @@ def _build(args: argparse.Namespace) -> None:
     from loom.engine.data.indexed import index_paths
 
     outputs = [*index_paths(args.output_prefix), manifest_path(args.output_prefix, False)]
-    claim_outputs(args.overwrite, f"--output-prefix {args.output_prefix}", outputs, [*args.input, args.tokenizer])
-    counts = build_indexed_dataset(
-        args.input,
-        args.tokenizer,
-        args.output_prefix,
-        workers=args.workers,
-        text_key=args.text_key,
-        append_eod=args.append_eod,
-    )
+    inputs = [*args.input, args.tokenizer]
+    with writing_outputs(args, f"--output-prefix {args.output_prefix}", outputs, inputs):
+        counts = build_indexed_dataset(
+            args.input,
+            args.tokenizer,
+            args.output_prefix,
+            workers=args.workers,
+            text_key=args.text_key,
+            append_eod=args.append_eod,
+        )
     print(json.dumps(counts))
 
 
 def _merge(args: argparse.Namespace) -> None:
-    import time
-
-    from loom.data_tools.failures import reported_failures
     from loom.data_tools.jsonl import InputError
-    from loom.data_tools.manifest import (
-        built_with_eod,
-        built_with_tokenizer,
-        check_same_tokenizer,
-        manifest_path,
-        write_manifest,
-    )
-    from loom.engine.data.indexed import IndexedDataset, IndexedDatasetWriter, index_paths
+    from loom.data_tools.manifest import manifest_path
+    from loom.engine.data.indexed import index_paths
 
     output = Path(args.output_prefix).resolve()
     seen: dict[Path, str] = {}
@@ -76,7 +76,21 @@ def _merge(args: argparse.Namespace) -> None:
         raise InputError(f"--output-prefix {args.output_prefix} is one of the inputs; merge into a new prefix")
     inputs = [str(path) for prefix in args.inputs for path in index_paths(prefix)]
     outputs = [*index_paths(args.output_prefix), manifest_path(args.output_prefix, is_folder=False)]
-    claim_outputs(args.overwrite, f"--output-prefix {args.output_prefix}", outputs, inputs)
+    with writing_outputs(args, f"--output-prefix {args.output_prefix}", outputs, inputs):
+        documents, tokens = _write_merge(args, inputs)
+    print(f"merged {len(args.inputs)} datasets into {args.output_prefix}: {documents} documents, {tokens} tokens")
+
+
+def _write_merge(args: argparse.Namespace, inputs: list[str]) -> tuple[int, int]:
+    """Check the inputs agree (tokenizer, end-of-document ids), write the merged .bin/.idx and its manifest;
+    the merged dataset's documents and tokens."""
+    import time
+
+    from loom.data_tools.failures import reported_failures
+    from loom.data_tools.jsonl import InputError
+    from loom.data_tools.manifest import built_with_eod, built_with_tokenizer, check_same_tokenizer, write_manifest
+    from loom.engine.data.indexed import IndexedDataset, IndexedDatasetWriter, index_paths
+
     tokenizer = check_same_tokenizer(args.inputs)
     unrecorded = [prefix for prefix in args.inputs if built_with_tokenizer(prefix) is None]
     if unrecorded and len(unrecorded) < len(args.inputs):
@@ -117,10 +131,7 @@ def _merge(args: argparse.Namespace) -> None:
         started=started,
         is_folder=False,
     )
-    print(
-        f"merged {len(args.inputs)} datasets into {args.output_prefix}: "
-        f"{documents} documents, {merged.num_tokens} tokens"
-    )
+    return documents, int(merged.num_tokens)
 
 
 def _inspect(args: argparse.Namespace) -> None:
