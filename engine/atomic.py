@@ -8,6 +8,7 @@ offline data tools share it. The .bin/.idx writer has its own two-file protocol 
 from __future__ import annotations
 
 import os
+import re
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -47,8 +48,21 @@ def save_tensors_atomically(tensors: dict, path: str | Path, metadata: dict | No
     from safetensors.torch import save_file
 
     with atomic_path(path) as tmp:
-        save_file(tensors, str(tmp), metadata=metadata)
+        try:
+            save_file(tensors, str(tmp), metadata=metadata)
+        except Exception as error:
+            raise _as_os_error(error, Path(path)) from None
         os.chmod(tmp, 0o666 & ~_UMASK)
+
+
+def _as_os_error(error: Exception, path: Path) -> Exception:
+    """safetensors reports the file system's errors as its own SafetensorError ("I/O error: No space left on
+    device (os error 28)"): the OSError they are, naming the file, so a full disk is the user's one line."""
+    found = re.search(r"\(os error (\d+)\)", str(error))
+    if found is None:
+        return error
+    code = int(found.group(1))
+    return OSError(code, os.strerror(code), str(path))
 
 
 def move_aside(folder: Path, entries: list[Path]) -> Path:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from loom.engine.atomic import write_text_atomically
 from loom.engine.checkpoint.format import CheckpointError, CheckpointMetadata, checkpoint_to_resume, read_metadata
 from loom.engine.checkpoint.load import (
     changed_model_settings,
@@ -132,7 +133,7 @@ class Trainer:
             run_dir = Path(t.run_dir)
             self.metrics = MetricsWriter(run_dir, tensorboard=t.tensorboard, resume_step=self.step, total_steps=t.steps)
             if self.step < t.steps and not self._patience_spent():  # a run that trains nothing keeps its record
-                (run_dir / CONFIG).write_text(config_to_toml(config))
+                write_text_atomically(run_dir / CONFIG, config_to_toml(config))  # a full disk leaves the old one
             if t.wandb_project and t.wandb_mode != "disabled":
                 self.metrics.attach_wandb(config, run_dir)
 
@@ -577,7 +578,7 @@ class Trainer:
                     [(k, mb, c, start - origin, end - origin) for k, mb, c, start, end in rank] for rank in ranks
                 ],
             }
-            (Path(self.config.train.run_dir) / TIMELINE).write_text(json.dumps(data))
+            write_text_atomically(Path(self.config.train.run_dir) / TIMELINE, json.dumps(data))
 
     def _log(self, row: dict, eta_s: float | None = None) -> dict:
         if self.metrics is not None:

@@ -491,6 +491,25 @@ def test_a_data_command_is_refused_while_another_writes_its_output(world, capfd,
     assert not list(tmp_path.rglob("*.loom-lock"))
 
 
+def test_a_full_disk_under_a_checkpoint_tool_is_one_line_and_leaves_no_staging(world, capfd, tmp_path, monkeypatch):
+    """safetensors reports a full disk as its own SafetensorError: export-hf, reshard, import-hf and merge-lora
+    ended in a 16-line traceback (exit 1), a reshard's iter_N.tmp left behind. Now the OSError it is, in one line."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    def full_disk(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"the first bytes")
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    base, hf, resharded = world["base"], tmp_path / "hf", tmp_path / "resharded"
+    export = ["ckpt", "export-hf", "--checkpoint", str(base), "--output", str(hf)]
+    refused(capfd, export, f"{hf}/model.safetensors: No space left on device; free some space, or write elsewhere")
+    reshard = ["ckpt", "reshard", "--checkpoint", str(base), "--output", str(resharded), "--tp", "1", "--pp", "1"]
+    refused(capfd, reshard, "rank00000.safetensors: No space left on device")
+    assert list(hf.iterdir()) == [] and list(resharded.iterdir()) == []  # nothing that looks written
+
+
 def test_a_run_directory_is_never_inside_checkpoints_or_outside_runs_by_name(world, capfd, tmp_path):
     """--train.run_dir RUN/checkpoints (or an iter_N in it) wrote a run's config, metrics and checkpoints among
     another run's checkpoints; --train.name "" wrote into runs/ itself and ../../x outside it."""

@@ -23,9 +23,9 @@ from loom.engine.checkpoint.format import (
     fp8_key,
     hugging_face_hint,
     iteration_dir,
-    make_staging_dir,
     model_key,
     optim_key,
+    staged,
     write_rank_file,
 )
 from loom.engine.checkpoint.load import PieceReader
@@ -71,24 +71,24 @@ def write_weights_checkpoint(
                 f"{name}: shape {tuple(logical[name].shape)} in {source}, the config says {spec.full_shape}"
             )
     final = iteration_dir(output, 0)
-    staging = make_staging_dir(final)
     pieces = {model_key(name, 0): spec.shard(logical[name].float(), 0, 1).contiguous() for name, spec in specs.items()}
-    name, record = write_rank_file(staging, 0, pieces)
-    metadata = CheckpointMetadata(
-        step=0,
-        consumed_samples=0,
-        tokens=0,
-        layout=CheckpointLayout(tp=1, pp=1, vp=1, dp=1, world=1, zero=0, optimizer=None, precision="fp32"),
-        optimizer_step=0,
-        loss_scaler=None,
-        config=config_to_dict(config),
-        specs=specs,
-        files={name: record},
-        index={key: name for key in pieces},
-        tokenizer=tokenizer,
-        **(hf_origin or {}),
-    )
-    return commit(staging, final, metadata)
+    with staged(final) as staging:
+        name, record = write_rank_file(staging, 0, pieces)
+        metadata = CheckpointMetadata(
+            step=0,
+            consumed_samples=0,
+            tokens=0,
+            layout=CheckpointLayout(tp=1, pp=1, vp=1, dp=1, world=1, zero=0, optimizer=None, precision="fp32"),
+            optimizer_step=0,
+            loss_scaler=None,
+            config=config_to_dict(config),
+            specs=specs,
+            files={name: record},
+            index={key: name for key in pieces},
+            tokenizer=tokenizer,
+            **(hf_origin or {}),
+        )
+        return commit(staging, final, metadata)
 
 
 def inspect(path: Path) -> str:
@@ -158,23 +158,23 @@ def reshard(source: Path, output: Path, tp: int, pp: int, vp: int = 1, overwrite
     claim_checkpoint_output(output, overwrite, reading=(directory,))
     reader = PieceReader(directory, metadata)
     final = output / directory.name
-    staging = make_staging_dir(final)
     specs, files, index = {}, {}, {}
     divisible_by = metadata.config["model"]["make_vocab_divisible_by"]
     fp8_modules = [key.removeprefix("fp8/") for key in metadata.index if key.startswith("fp8/")]
-    for pp_rank in range(pp):
-        names = [n for n in metadata.specs if _stage_of(n, layers, pp, vp) % pp == pp_rank]
-        for tp_rank in range(tp):
-            pieces = _rank_pieces(reader, names, tp_rank, tp, divisible_by, specs)
-            if tp_rank == 0:  # FP8 scaling state is the same on every TP rank: one copy per stage, as training saves
-                modules = [m for m in fp8_modules if _stage_of(m, layers, pp, vp) % pp == pp_rank]
-                pieces.update({fp8_key(m): reader.tensor(fp8_key(m)) for m in modules})
-            name, files[name] = write_rank_file(staging, rank_of(tp_rank, 0, pp_rank, tp, 1), pieces)
-            index.update({key: name for key in pieces})
-            del pieces
-    layout = dataclasses.replace(metadata.layout, tp=tp, pp=pp, vp=vp, dp=1, cp=1, world=tp * pp, zero=0)
-    resharded = dataclasses.replace(metadata, specs=specs, files=files, index=index, layout=layout)
-    return commit(staging, final, resharded)
+    with staged(final) as staging:
+        for pp_rank in range(pp):
+            names = [n for n in metadata.specs if _stage_of(n, layers, pp, vp) % pp == pp_rank]
+            for tp_rank in range(tp):
+                pieces = _rank_pieces(reader, names, tp_rank, tp, divisible_by, specs)
+                if tp_rank == 0:  # FP8 scaling state is the same on every TP rank: one copy per stage, as saved
+                    modules = [m for m in fp8_modules if _stage_of(m, layers, pp, vp) % pp == pp_rank]
+                    pieces.update({fp8_key(m): reader.tensor(fp8_key(m)) for m in modules})
+                name, files[name] = write_rank_file(staging, rank_of(tp_rank, 0, pp_rank, tp, 1), pieces)
+                index.update({key: name for key in pieces})
+                del pieces
+        layout = dataclasses.replace(metadata.layout, tp=tp, pp=pp, vp=vp, dp=1, cp=1, world=tp * pp, zero=0)
+        resharded = dataclasses.replace(metadata, specs=specs, files=files, index=index, layout=layout)
+        return commit(staging, final, resharded)
 
 
 def _rank_pieces(reader: PieceReader, names: list[str], tp_rank: int, tp: int, divisible_by: int, specs: dict) -> dict:

@@ -13,6 +13,7 @@ import json
 import shutil
 from pathlib import Path
 
+from loom.engine.atomic import write_text_atomically
 from loom.engine.checkpoint.format import CheckpointError, CheckpointMetadata, sha256_of
 from loom.tools.outputs import HF_TOKENIZER_FILES
 
@@ -106,5 +107,5 @@ def _write_sentencepiece(path: Path, output: Path, max_positions: int) -> str | 
         "model_max_length": max_positions,
     }
     shutil.copyfile(path, output / "tokenizer.model")
-    (output / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    write_text_atomically(output / "tokenizer_config.json", json.dumps(tokenizer_config, indent=2))
     return None

@@ -24,8 +24,10 @@ import json
 import os
 import re
 import shutil
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -388,6 +390,18 @@ def make_staging_dir(final: Path) -> Path:
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     return staging
+
+
+@contextmanager
+def staged(final: Path) -> Iterator[Path]:
+    """make_staging_dir for a single writer (the offline tools), removed again if the block fails: a full disk
+    or a stop leaves no half-written folder beside the checkpoints."""
+    staging = make_staging_dir(final)
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def write_rank_file(staging: Path, rank: int, pieces: dict[str, torch.Tensor]) -> tuple[str, FileRecord]:
