@@ -143,6 +143,24 @@ def test_index_cache_is_reused_and_keyed(tmp_path, monkeypatch):
     assert not list(first.cache_dir.glob("*.tmp"))
 
 
+def test_a_full_disk_under_the_index_cache_is_said_and_leaves_no_part_of_it(tmp_path, monkeypatch):
+    """np.save's short write on a full disk is an OSError without errno ("645624 requested and 263136 written"):
+    it was reported as "(None); point data.cache_dir at a writable directory", beside the files already written."""
+    indexed = write_documents(tmp_path / "data", random_documents(7, 20))
+    saves = []
+
+    def short_write(file, array):
+        saves.append(array)
+        if len(saves) == 2:  # the description and the first index are written, the second runs out of room
+            raise OSError(f"{array.nbytes} requested and 8 written")
+        np.lib.format.write_array(file, array)
+
+    monkeypatch.setattr(gpt_dataset.np, "save", short_write)
+    with pytest.raises(DatasetError, match=r"\(No space left on device\); free some space, or point data.cache_dir"):
+        GPTDataset(indexed, np.arange(20), 30, 8, seed=1)
+    assert list((tmp_path / "data_cache").iterdir()) == []
+
+
 def test_non_builders_wait_for_the_builder(tmp_path):
     indexed = write_documents(tmp_path / "data", random_documents(6, 10))
     cache = tmp_path / "shared_cache"

@@ -51,5 +51,9 @@ def save_chart(figure, output: Path, command: str) -> None:
     output = Path(os.path.realpath(output))
     key = "Software" if output.suffix.lower() == ".png" else "Creator"
     partial = output.with_name(f".{output.name}.partial{output.suffix}")
-    figure.savefig(partial, dpi=120, metadata={key: f"loom {command} ({CHART_MARK})"})
+    try:
+        figure.savefig(partial, dpi=120, metadata={key: f"loom {command} ({CHART_MARK})"})
+    except OSError as error:  # matplotlib writes through a file object: its error names no file
+        partial.unlink(missing_ok=True)
+        raise OSError(error.errno, error.strerror or str(error), str(output)) from None
     partial.replace(output)

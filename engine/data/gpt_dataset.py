@@ -26,6 +26,7 @@ not import torch or know about ranks: the caller says who builds and passes a ba
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -285,15 +286,22 @@ class GPTDataset:
         arrays = build_sample_indices(
             self.indexed.sequence_lengths, document_ids, self.num_samples, self.seq_length, self.seed
         )
+        description_path = self.cache_dir / f"{key[:24]}-description.json"
         try:
             self.cache_dir.mkdir(parents=True, exist_ok=True)
-            _save_atomic(self.cache_dir / f"{key[:24]}-description.json", lambda f: f.write(description.encode()))
+            _save_atomic(description_path, lambda f: f.write(description.encode()))
             for name, array in zip(INDEX_NAMES, arrays):
                 _save_atomic(self.cache_paths[name], lambda f, a=array: np.save(f, a))
         except OSError as error:
+            for path in (description_path, *self.cache_paths.values()):
+                path.unlink(missing_ok=True)
+            # np.save's short write is an OSError with no errno ("N requested and M written"): a full disk
+            full = error.errno in (errno.ENOSPC, errno.EDQUOT) or (error.errno is None and "written" in str(error))
+            reason = os.strerror(errno.ENOSPC) if full else (error.strerror or str(error))
             raise DatasetError(
-                f"cannot write the GPTDataset index cache in {self.cache_dir} ({error.strerror}); "
-                f"point data.cache_dir at a writable directory"
+                f"cannot write the GPTDataset index cache in {self.cache_dir} ({reason}); "
+                + ("free some space, or " if full else "")
+                + "point data.cache_dir at a writable directory"
             ) from None
         self.built = True
 
