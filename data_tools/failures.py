@@ -45,8 +45,10 @@ def mount_point(path: str | Path) -> Path:
 
 
 def _megabytes(nbytes: int) -> str:
-    """Whole MB, one decimal below 10 MB (a tiny free space should not read as 0)."""
-    return f"{nbytes / 1e6:.1f}" if nbytes < 10e6 else str(math.ceil(nbytes / 1e6))
+    """Whole MB, one decimal below 10 MB, two below 0.1 MB (a tiny free space should not read as 0)."""
+    if nbytes >= 10e6:
+        return str(math.ceil(nbytes / 1e6))
+    return f"{nbytes / 1e6:.2f}" if nbytes < 1e5 else f"{nbytes / 1e6:.1f}"
 
 
 def _is_under(filename: str | bytes | None, output: Path) -> bool:

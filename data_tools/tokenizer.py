@@ -10,9 +10,11 @@ appear only when training succeeded. This module must not encode datasets (see b
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import re
+import shutil
 import sys
 import time
 from collections import Counter
@@ -282,6 +284,9 @@ def _train_into(lines: list[str], output_prefix: Path, options: dict, seed: int,
                     f"--vocab-size {chars[1]} is smaller than the {chars[2]} pieces the text's characters and the "
                     f"special pieces need; give a larger --vocab-size"
                 ) from None
+            if "output->Write" in reason and shutil.disk_usage(tmp_prefix.parent).free < 1 << 20:
+                # SentencePiece's writer failed on a full disk, and says only INTERNAL: say it as the OSError
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_prefix)) from None
             raise InputError(f"SentencePiece training failed: {reason}") from None
         _drop_where_it_was_trained(f"{tmp_prefix}.model")
         # .model is what users point at, so it is renamed last.
