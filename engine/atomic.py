@@ -74,6 +74,18 @@ def move_aside(folder: Path, entries: list[Path]) -> Path:
     while aside.exists():
         aside = aside.with_name(aside.name + "+")
     aside.mkdir(parents=True)
-    for entry in entries:
-        entry.rename(aside / entry.name)
+    moved = []
+    try:
+        for entry in entries:
+            entry.rename(aside / entry.name)
+            moved.append(entry)
+    except OSError:  # an immutable or busy entry: put back what moved, so the failed command changed nothing
+        for entry in moved:
+            (aside / entry.name).rename(entry)
+        for folder in (aside, aside.parent):
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        raise
     return aside

@@ -276,3 +276,25 @@ def _choices(step: str, dest: str) -> tuple:
     return {("dedup", "method"): dedup.METHODS, ("tokenizer", "model_type"): tokenizer.MODEL_TYPES}.get(
         (step, dest), ()
     )
+
+
+def test_an_overwrite_that_cannot_move_a_file_moves_nothing(tmp_path, monkeypatch):
+    """An immutable old output (chattr +i) stopped --overwrite half-way: the files moved before it stayed in a
+    replaced/<time>/ beside the rest (or an empty one was left). Now what moved comes back, and nothing is made."""
+    from loom.engine.atomic import move_aside
+
+    files = [tmp_path / name for name in ("ds.bin", "ds.idx", "ds.manifest.json")]
+    for path in files:
+        path.write_text(path.name)
+    rename = Path.rename
+
+    def immutable_manifest(self, target):
+        if self.name == "ds.manifest.json":
+            raise PermissionError(errno.EPERM, "Operation not permitted", str(self))
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", immutable_manifest)
+    with pytest.raises(PermissionError):
+        move_aside(tmp_path, files)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds.bin", "ds.idx", "ds.manifest.json"]
+    assert all(path.read_text() == path.name for path in files)
