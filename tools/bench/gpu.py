@@ -24,7 +24,6 @@ import contextlib
 import dataclasses
 import io
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,9 +33,9 @@ import torch
 
 from loom.engine.config import ConfigError, LoomConfig
 from loom.engine.config_io import load_config
-from loom.engine.run_dir import read_metrics
 from loom.tools.bench import mfu
 from loom.tools.synthetic_data import write_markov_dataset
+from loom.tools.train_run import train
 
 # (config, overrides of the throughput runs, steps, warm-up, micro-batches, loss-gap steps, loss-gap layers)
 DEFAULT_OUTPUT = "bench_gpu.json"
@@ -84,26 +83,38 @@ def loss_gap(base: LoomConfig, steps: int, layers: int, workdir: Path, device: t
 
 
 def launcher_run(config_name: str, overrides: dict, workdir: Path, device: torch.device) -> dict:
-    """`loom train --nproc 1` for a few steps, as a user starts it: NCCL on CUDA, gloo on CPU."""
-    data = write_markov_dataset(workdir / "launch", 4096, 200)
-    flags = ["--data.paths", data, "--data.tokenizer", "none", "--train.run_dir", str(workdir / "launch-run")]
-    flags += ["--train.steps", "5", "--train.eval_interval", "0", "--train.tensorboard", "false"]
+    """`loom train --nproc 1` for a few steps, as a user starts it (tools/train_run.py): NCCL on CUDA, gloo on CPU."""
     micro = overrides.get("train", {}).get("micro_batch_size") or load_config(config_name).train.micro_batch_size
-    flags += ["--train.global_batch_size", str(2 * micro), "--checkpoint.save_at_end", "false"]
-    # eager: the row checks the launcher and NCCL, and compiling llama-1b again took a minute of an 8-minute budget
-    flags += ["--model.vocab_size", "4096", "--train.device", device.type, "--model.compile", "false"]
+    sections = {
+        "data": {"paths": [write_markov_dataset(workdir / "launch", 4096, 200)]},
+        "train": {
+            "run_dir": str(workdir / "launch-run"),
+            "steps": 5,
+            "eval_interval": 0,
+            "tensorboard": False,
+            "global_batch_size": 2 * micro,
+            "device": device.type,
+        },
+        "checkpoint": {"save_at_end": False},
+        # eager: the row checks the launcher and NCCL, and compiling llama-1b again took a minute of an 8-minute budget
+        "model": {"vocab_size": 4096, "compile": False},
+    }
     for section, fields in overrides.items():
-        for name, value in fields.items():
-            flags += [f"--{section}.{name}", str(value)]
-    command = [sys.executable, "-m", "loom.launch.cli", "train", "--config", config_name, "--nproc", "1", *flags]
-    start = time.perf_counter()
-    result = subprocess.run(command, capture_output=True, text=True)
-    seconds = time.perf_counter() - start
+        sections.setdefault(section, {}).update(fields)
+    config = load_config(config_name, sections)
+    config.data.tokenizer = None  # the synthetic ids have no tokenizer (a preset may name one)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    if result.returncode != 0:
-        return {"backend": backend, "ok": False, "seconds": seconds, "error": result.stderr.strip().splitlines()[-1]}
-    rows = read_metrics(workdir / "launch-run")
-    return {"backend": backend, "ok": True, "seconds": seconds, "final_loss": rows[-1]["loss"]}
+    start = time.perf_counter()
+    try:
+        rows = train(config, nproc=1)
+    except RuntimeError as error:
+        return {
+            "backend": backend,
+            "ok": False,
+            "seconds": time.perf_counter() - start,
+            "error": str(error).splitlines()[-1],
+        }
+    return {"backend": backend, "ok": True, "seconds": time.perf_counter() - start, "final_loss": rows[-1]["loss"]}
 
 
 def _fmt(value, spec: str = ".3f", suffix: str = "") -> str:
