@@ -86,7 +86,7 @@ def launcher_run(config_name: str, overrides: dict, workdir: Path, device: torch
     """`loom train --nproc 1` for a few steps, as a user starts it (tools/train_run.py): NCCL on CUDA, gloo on CPU."""
     micro = overrides.get("train", {}).get("micro_batch_size") or load_config(config_name).train.micro_batch_size
     sections = {
-        "data": {"paths": [write_markov_dataset(workdir / "launch", 4096, 200)]},
+        "data": {"paths": [write_markov_dataset(workdir / "launch", 4096, 200)], "tokenizer": None},  # synthetic ids
         "train": {
             "run_dir": str(workdir / "launch-run"),
             "steps": 5,
@@ -102,7 +102,6 @@ def launcher_run(config_name: str, overrides: dict, workdir: Path, device: torch
     for section, fields in overrides.items():
         sections.setdefault(section, {}).update(fields)
     config = load_config(config_name, sections)
-    config.data.tokenizer = None  # the synthetic ids have no tokenizer (a preset may name one)
     backend = "nccl" if device.type == "cuda" else "gloo"
     start = time.perf_counter()
     try:
