@@ -96,6 +96,28 @@ def test_resume_under_another_layout(dataset, straight, saved_at_tp2_pp2_dp2, tm
         assert abs(resumed[step] - straight[step]) / straight[step] < 1e-4
 
 
+def test_a_checkpoint_from_before_zero_stages_resumes(dataset, straight, saved_at_tp2_pp2_dp2, tmp_path):
+    """Checkpoints written before ZeRO-2 record `zero1: true/false` and no cp: their migration kept the old key,
+    so every such checkpoint was "corrupt (unexpected keyword argument 'zero1')" and a run could not resume."""
+    import json
+    import shutil
+
+    old = tmp_path / "old" / "checkpoints"
+    shutil.copytree(saved_at_tp2_pp2_dp2, old)
+    for metadata_file in old.glob("iter_*/metadata.json"):
+        metadata = json.loads(metadata_file.read_text())
+        layout = metadata["layout"]
+        layout["zero1"] = bool(layout.pop("zero"))
+        del layout["cp"]
+        metadata_file.write_text(json.dumps(metadata))
+    _, metadata = find_loadable(old)
+    assert metadata.layout.zero == 1 and metadata.layout.cp == 1
+    resumed = run(dataset, tmp_path / "resumed", 2, {"tp": 2}, zero1=True, checkpoint={"load": str(old)})
+    assert sorted(resumed) == list(range(HALF + 1, STEPS + 1))
+    for step in resumed:
+        assert abs(resumed[step] - straight[step]) / straight[step] < 1e-4
+
+
 def test_killed_during_save_keeps_the_previous_checkpoint(dataset, straight, tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     run(dataset, run_dir, 2, {"tp": 2}, exit_after=2, checkpoint={"interval": 2})

@@ -435,5 +435,5 @@ def commit(staging: Path, final: Path, metadata: CheckpointMetadata, keep: int |
 def _migrated_layout(layout: dict) -> dict:
     """Checkpoints written before ZeRO 2 existed say zero1 = true/false instead of the stage."""
     if "zero1" in layout:
-        layout = {**layout, "zero": int(layout.pop("zero1"))}
+        layout = {name: value for name, value in layout.items() if name != "zero1"} | {"zero": int(layout["zero1"])}
     return layout
