@@ -341,10 +341,12 @@ def enclosing_checkpoint(path: Path, folders: bool = False) -> Path | None:
     return None
 
 
-def find_loadable(path: Path, verify_hashes: bool = True, warn=print) -> tuple[Path, CheckpointMetadata] | None:
+def find_loadable(
+    path: Path, verify_hashes: bool = True, warn=print, damaged: list[CheckpointError] | None = None
+) -> tuple[Path, CheckpointMetadata] | None:
     """A checkpoint to resume from: `path` itself if it is an iteration directory, else the newest
-    intact one under it (falling back past damaged ones, with a warning); None if there is none. A run
-    directory stands for its checkpoints/ folder."""
+    intact one under it (falling back past damaged ones, with a warning, their errors appended to `damaged`);
+    None if there is none. A run directory stands for its checkpoints/ folder."""
     if is_checkpoint_dir(path):
         return path, read_metadata(path, verify_hashes)
     if (path / CHECKPOINTS).is_dir() and not candidates(path):
@@ -354,6 +356,8 @@ def find_loadable(path: Path, verify_hashes: bool = True, warn=print) -> tuple[P
             return directory, read_metadata(directory, verify_hashes)
         except CheckpointError as error:
             warn(f"warning: {error}; falling back to an older checkpoint")
+            if damaged is not None:
+                damaged.append(error)
     return None
 
 
@@ -363,7 +367,8 @@ def checkpoint_to_resume(
     """What a training run starts from: its own newest intact checkpoint once it has one (so rerunning the same
     command, or a requeued job, continues the run instead of going back to checkpoint.load), else checkpoint.load,
     else nothing. A run whose own checkpoints are all damaged is refused unless checkpoint.load names one."""
-    own = find_loadable(run_checkpoints, verify_hashes, warn)
+    damaged: list[CheckpointError] = []
+    own = find_loadable(run_checkpoints, verify_hashes, warn, damaged)
     if own is not None:
         return own
     if load:
@@ -371,9 +376,9 @@ def checkpoint_to_resume(
         if found is None:
             raise CheckpointError(f"no intact checkpoint under {load}")
         return found
-    if candidates(run_checkpoints):  # starting afresh would write over this run's own files
+    if damaged:  # starting afresh would write over this run's own files
         raise CheckpointError(
-            f"{run_checkpoints} holds checkpoints but none is intact (see the warnings above); load an older one "
+            f"{run_checkpoints} holds checkpoints but none is intact (the newest: {damaged[0]}); load an older one "
             f"with --checkpoint.load, or move {run_checkpoints.parent} aside to start over"
         )
     return None
