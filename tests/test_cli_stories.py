@@ -304,6 +304,25 @@ def test_a_merged_fine_tune_exports_with_the_tokenizer_its_base_trained_with(wor
         moved.rename(trained_with)
 
 
+def test_a_checkpoint_from_before_tokenizer_records_exports_its_configs_tokenizer(world, capfd, tmp_path):
+    """Checkpoints written before loom recorded their tokenizer (its path and sha256) name it only in their config's
+    data.tokenizer: export-hf wrote no tokenizer and said nothing, and refused --tokenizer ('records no tokenizer
+    to check it against ... drop --tokenizer'). It exports the config's, saying it could not be checked."""
+    old = tmp_path / "old"
+    shutil.copytree(world["base"] / "checkpoints", old)
+    for metadata_file in old.glob("iter_*/metadata.json"):
+        metadata = json.loads(metadata_file.read_text())
+        assert metadata.pop("tokenizer")["path"] == metadata["config"]["data"]["tokenizer"]
+        metadata_file.write_text(json.dumps(metadata))
+    code, said, err = run(capfd, "ckpt", "export-hf", "--checkpoint", str(old), "--output", str(tmp_path / "hf"))
+    assert code == 0 and "+ the tokenizer (AutoTokenizer loads it)" in said, said + err
+    assert "records no checksum of its tokenizer" in err and "unchecked" in err, err
+    assert (tmp_path / "hf/tokenizer.model").read_bytes() == (world["root"] / "tok.model").read_bytes()
+    told = ["ckpt", "export-hf", "--checkpoint", str(old), "--output", str(tmp_path / "b"), "--tokenizer"]
+    code, _, err = run(capfd, *told, str(world["root"] / "tok.model"))
+    assert code == 0 and (tmp_path / "b/tokenizer.model").exists() and "unchecked" in err, err
+
+
 def _hf_copy(world, tmp_path: Path, name: str) -> Path:
     copy = tmp_path / name
     shutil.copytree(world["hf"], copy)

@@ -23,7 +23,7 @@ from safetensors import SafetensorError, safe_open
 
 from loom.data_tools.tokenizer import BOS_ID, EOS_ID
 from loom.engine.atomic import save_tensors_atomically, write_text_atomically
-from loom.engine.checkpoint.format import CheckpointError, sha256_of
+from loom.engine.checkpoint.format import CheckpointError, sha256_of, unrecorded_tokenizer
 from loom.engine.checkpoint.load import PieceReader
 from loom.engine.config_io import config_from_dict, config_to_dict
 from loom.engine.model import naming
@@ -190,17 +190,26 @@ def export_hf(
     _check_llama(model)
     weights = ModelWeights(directory, metadata, base)
     origin = weights.model_metadata  # a LoRA checkpoint's Hugging Face origin is its base's
+    trained_with = weights.tokenizer
+    if trained_with is None and origin.hf_source is None:
+        trained_with = unrecorded_tokenizer(metadata.config)  # an older checkpoint: its config names it, unchecked
     if tokenizer is not None:
-        check_moved_tokenizer(weights.tokenizer, tokenizer)
+        check_moved_tokenizer(trained_with, tokenizer)
     logical = weights.all()
     claim_export_output(output, overwrite)
     output.mkdir(parents=True, exist_ok=True)
     dtype = dtype or origin.hf_dtype or "float32"
     tensors = {name: tensor.to(EXPORT_DTYPES[dtype]) for name, tensor in to_hf(logical, model).items()}
     save_tensors_atomically(tensors, output / "model.safetensors", metadata={"format": "pt"})
-    not_written = export_tokenizer(output, weights.tokenizer, origin, model["max_position_embeddings"], tokenizer)
+    not_written = export_tokenizer(output, trained_with, origin, model["max_position_embeddings"], tokenizer)
     if not_written:
         print(f"warning: {not_written}", file=sys.stderr)
+    elif trained_with is not None and trained_with["sha256"] is None:
+        print(
+            f"warning: the checkpoint records no checksum of its tokenizer (it predates loom's record): exported "
+            f"{tokenizer or trained_with['path']}, which its config's data.tokenizer names, unchecked",
+            file=sys.stderr,
+        )
     config = hf_config(model, origin.hf_token_ids, dtype)
     write_text_atomically(output / "config.json", json.dumps(config, indent=2))  # last: the export is complete
     return output

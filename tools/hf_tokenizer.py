@@ -20,13 +20,13 @@ from loom.tools.outputs import HF_TOKENIZER_FILES
 
 def check_moved_tokenizer(recorded: dict | None, moved_to: Path) -> None:
     """Refuse `moved_to` (export-hf --tokenizer) unless it is the tokenizer the model was trained with (`recorded`,
-    CheckpointMetadata.tokenizer)."""
+    CheckpointMetadata.tokenizer; a record without sha256, format.unrecorded_tokenizer, cannot tell)."""
     if recorded is None:
         raise CheckpointError(
             f"--tokenizer {moved_to}: the checkpoint records no tokenizer to check it against (it trained on token "
             "ids, or was imported: its tokenizer is its Hugging Face folder's); drop --tokenizer"
         )
-    if sha256_of(moved_to) != recorded["sha256"]:
+    if recorded["sha256"] is not None and sha256_of(moved_to) != recorded["sha256"]:
         raise CheckpointError(
             f"--tokenizer {moved_to} is not the tokenizer this model was trained with ({recorded['path']}, sha256 "
             f"{recorded['sha256'][:12]})"
@@ -46,7 +46,7 @@ def export_tokenizer(
     is now, checked by check_moved_tokenizer); returns why none was written where the model had one, else None."""
     if recorded is not None:
         path = moved_to or Path(recorded["path"])
-        if not path.is_file() or sha256_of(path) != recorded["sha256"]:
+        if not path.is_file() or recorded["sha256"] not in (None, sha256_of(path)):
             return (
                 f"no tokenizer written: {path}, which the model was trained with, is gone or has changed (moved? "
                 "give its new place with --tokenizer)"

@@ -103,6 +103,13 @@ def tokenizer_record(path: str | None) -> dict | None:
     return {"path": str(Path(path).resolve()), "sha256": sha256_of(Path(path))}
 
 
+def unrecorded_tokenizer(config: dict) -> dict | None:
+    """A checkpoint that records no tokenizer (written before loom recorded one, or when its file was gone) but
+    whose config's data.tokenizer names one: that path, with no sha256 to check a file against (None)."""
+    path = config.get("data", {}).get("tokenizer")
+    return {"path": str(path), "sha256": None} if path else None
+
+
 @dataclass(frozen=True)
 class FileRecord:
     """What metadata.json records of one file, so that a truncated or corrupt file is found before loading."""
