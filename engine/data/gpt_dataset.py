@@ -26,6 +26,7 @@ not import torch or know about ranks: the caller says who builds and passes a ba
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -294,7 +295,8 @@ class GPTDataset:
                 _save_atomic(self.cache_paths[name], lambda f, a=array: np.save(f, a))
         except OSError as error:
             for path in (description_path, *self.cache_paths.values()):
-                path.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):  # a cache_dir under a file cannot hold them either
+                    path.unlink(missing_ok=True)
             # np.save's short write is an OSError with no errno ("N requested and M written"): a full disk
             full = error.errno in (errno.ENOSPC, errno.EDQUOT) or (error.errno is None and "written" in str(error))
             reason = os.strerror(errno.ENOSPC) if full else (error.strerror or str(error))
