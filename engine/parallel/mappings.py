@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as functional
 
 Group = dist.ProcessGroup | None
 
@@ -26,8 +27,16 @@ def group_rank(group: Group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
+# Traced by torch.compile, the collectives are the functional ones, which return a new tensor: torch 2.11's dynamo
+# cut the autograd graph at an in-place c10d collective in an autograd.Function's forward, so a compiled block at
+# tp > 1 trained with zero weight gradients (2.13 traces both right). Eager keeps c10d's, which the comm ledger
+# counts.
+
+
 def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
     x = x.contiguous()
+    if torch.compiler.is_compiling():
+        return functional.wait_tensor(functional.all_reduce(x, "sum", group))
     dist.all_reduce(x, group=group)
     return x
 
@@ -42,6 +51,8 @@ def _split(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
 def _gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     size = group_size(group)
     x = x.contiguous()
+    if torch.compiler.is_compiling():
+        return functional.wait_tensor(functional.all_gather_tensor(x, dim, group))
     if dim == 0:
         out = torch.empty((x.shape[0] * size, *x.shape[1:]), dtype=x.dtype, device=x.device)
         all_gather_single(out, x, group=group)
@@ -55,6 +66,8 @@ def _reduce_scatter_first_dim(x: torch.Tensor, group: Group) -> torch.Tensor:
     size = group_size(group)
     if x.shape[0] % size:
         raise ValueError(f"sequence length {x.shape[0]} does not split into {size} parts")
+    if torch.compiler.is_compiling():
+        return functional.wait_tensor(functional.reduce_scatter_tensor(x.contiguous(), "sum", 0, group))
     out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
     reduce_scatter_single(out, x.contiguous(), group=group)
     return out
@@ -78,7 +91,7 @@ class _ReduceFromRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x.clone(), group)
+        return _all_reduce(x.clone(), group)  # the input may be saved for another backward: reduce a copy
 
     @staticmethod
     def backward(ctx, grad):
