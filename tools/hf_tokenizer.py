@@ -13,6 +13,8 @@ import json
 import shutil
 from pathlib import Path
 
+from loom.data_tools.jsonl import InputError
+from loom.data_tools.tokenizer import load_tokenizer
 from loom.engine.atomic import write_text_atomically
 from loom.engine.checkpoint.format import CheckpointError, CheckpointMetadata, sha256_of
 from loom.tools.outputs import HF_TOKENIZER_FILES
@@ -26,7 +28,9 @@ def check_moved_tokenizer(recorded: dict | None, moved_to: Path) -> None:
             f"--tokenizer {moved_to}: the checkpoint records no tokenizer to check it against (it trained on token "
             "ids, or was imported: its tokenizer is its Hugging Face folder's); drop --tokenizer"
         )
-    if recorded["sha256"] is not None and sha256_of(moved_to) != recorded["sha256"]:
+    if recorded["sha256"] is None:
+        load_tokenizer(moved_to)  # nothing to compare it with: at least a SentencePiece model, or one line
+    elif sha256_of(moved_to) != recorded["sha256"]:
         raise CheckpointError(
             f"--tokenizer {moved_to} is not the tokenizer this model was trained with ({recorded['path']}, sha256 "
             f"{recorded['sha256'][:12]})"
@@ -51,6 +55,11 @@ def export_tokenizer(
                 f"no tokenizer written: {path}, which the model was trained with, is gone or has changed (moved? "
                 "give its new place with --tokenizer)"
             )
+        if recorded["sha256"] is None:
+            try:
+                load_tokenizer(path)
+            except InputError as error:
+                return f"no tokenizer written: {error}"
         return _write_sentencepiece(path, output, max_positions)
     if model.hf_source is not None:
         return _copy_imported(Path(model.hf_source), model.hf_tokenizer, output)
