@@ -108,10 +108,11 @@ def check_inputs(paths: str | Path | Iterable[str | Path]) -> list[Path]:
             raise _not_a_file(path)
         if path.suffix in ZSTD_SUFFIXES:
             _zstandard(path)
-        earlier = seen.setdefault(path.resolve(), path)
-        if earlier is not path:
+        earlier = seen.get(path.resolve())
+        if earlier is not None:
             named = f"{path}" if str(earlier) == str(path) else f"{earlier} and {path}"
             raise InputError(f"input {named} is given twice (its documents would be read twice); give each file once")
+        seen[path.resolve()] = path
     return checked
 
 

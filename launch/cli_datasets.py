@@ -65,13 +65,15 @@ def _merge(args: argparse.Namespace) -> None:
     output = Path(args.output_prefix).resolve()
     seen: dict[Path, str] = {}
     for prefix in args.inputs:
-        earlier = seen.setdefault(Path(prefix).resolve(), prefix)
-        if earlier is not prefix:
+        key = Path(prefix).resolve()
+        if key in seen:
+            earlier = seen[key]
             named = prefix if earlier == prefix else f"{earlier} and {prefix}"
             raise InputError(
                 f"--inputs gives {named} twice (its documents would be in the merged dataset twice); give each "
                 "once, and to train on one dataset more often, list it in data.paths with a larger data.weights"
             )
+        seen[key] = prefix
     if output in seen:
         raise InputError(f"--output-prefix {args.output_prefix} is one of the inputs; merge into a new prefix")
     inputs = [str(path) for prefix in args.inputs for path in index_paths(prefix)]

@@ -446,7 +446,7 @@ def test_old_and_new_spellings_mean_the_same(world, capfd, tmp_path):
     assert read_metadata(tmp_path / "0" / "iter_0000002").specs == read_metadata(tmp_path / "1" / "iter_0000002").specs
 
 
-def test_data_commands_never_write_over_files_already_there(capfd, dataset, tmp_path):
+def test_data_commands_never_write_over_files_already_there(capfd, dataset, tmp_path, monkeypatch):
     """A data command's output that exists (the same command's earlier output, or another command's files sharing
     the prefix) is refused unless --overwrite, which moves it into replaced/<time>/; an output holding one of the
     command's inputs is refused even then (a preview once wrote its JSONL over the .bin it was reading)."""
@@ -471,6 +471,8 @@ def test_data_commands_never_write_over_files_already_there(capfd, dataset, tmp_
     # a prefix given twice merged its documents twice (exit 0), as a JSONL file given twice is refused
     twice = ["data", "merge", "--inputs", str(prefix), f"{tmp_path}/./ds", "--output-prefix", str(tmp_path / "m")]
     refused(capfd, twice, f"--inputs gives {prefix} and {tmp_path}/./ds twice")
+    monkeypatch.chdir(tmp_path)  # equal strings may be one object (one-letter ones, interned): an identity check passed them
+    refused(capfd, ["data", "merge", "--inputs", "ds", "ds", "--output-prefix", "m"], "--inputs gives ds twice")
     assert data.read_bytes() == before
 
     folder = tmp_path / "clean"
