@@ -471,7 +471,9 @@ def test_data_commands_never_write_over_files_already_there(capfd, dataset, tmp_
     # a prefix given twice merged its documents twice (exit 0), as a JSONL file given twice is refused
     twice = ["data", "merge", "--inputs", str(prefix), f"{tmp_path}/./ds", "--output-prefix", str(tmp_path / "m")]
     refused(capfd, twice, f"--inputs gives {prefix} and {tmp_path}/./ds twice")
-    monkeypatch.chdir(tmp_path)  # equal strings may be one object (one-letter ones, interned): an identity check passed them
+    monkeypatch.chdir(
+        tmp_path
+    )  # equal strings may be one object (one-letter ones, interned): an identity check passed them
     refused(capfd, ["data", "merge", "--inputs", "ds", "ds", "--output-prefix", "m"], "--inputs gives ds twice")
     assert data.read_bytes() == before
 
