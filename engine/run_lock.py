@@ -40,7 +40,7 @@ def _holder(lock: Path) -> str:
         record = json.loads(lock.read_text())
         job = f", Slurm job {record['slurm_job']}" if record.get("slurm_job") else ""
         who = f"pid {record['pid']} on {record['host']} since {record['started']}{job}"
-        command = record.get("command")
+        command = record.get("command") or "train"  # records from before the command was written: training's
         holder = {"train": "a running loom run", "submit": "`loom submit` submitting a job"}.get(
             command, f"`loom {command}`"
         )
@@ -122,12 +122,18 @@ class OutputInUse(ConfigError):
     """Another live data command is writing the same output."""
 
 
+OUTPUT_LOCK_SUFFIX = ".loom-lock"
+
+
 @contextmanager
 def writing_output(output: Path, command: str, named: str | None = None) -> Iterator[None]:
-    """Hold the lock on a data command's output (a folder, or the files of one prefix, named by its first) while
-    the block runs; another command holding it is refused in one line (`named`: the output as the user gave it).
-    Folders made for the lock that the command leaves empty (it failed before writing) are removed with it."""
-    lock = output.absolute().with_name(f".{output.name}.loom-lock")
+    """Hold the lock on a data command's output (a folder, or a prefix's files, named by the manifest every
+    command writing that prefix writes) while the block runs; another command holding it is refused in one line
+    (`named`: the output as the user gave it). Folders made for the lock that the command leaves empty (it failed
+    before writing) are removed with it. Where no lock can be taken (a read-only or forbidden place, whose own
+    write then fails and says so; a filesystem without file locks) the block runs unlocked."""
+    output = Path(os.path.realpath(output))  # one lock per place, however the path is spelled
+    lock = output.with_name(f".{output.name}{OUTPUT_LOCK_SUFFIX}")
     made = [folder for folder in (lock.parent, *lock.parent.parents) if not folder.exists()]
     fd = _take_output_lock(lock, named or str(output), command)
     try:
@@ -144,18 +150,23 @@ def writing_output(output: Path, command: str, named: str | None = None) -> Iter
 
 
 def _take_output_lock(lock: Path, named: str, command: str) -> int | None:
-    """The locked file's descriptor; None where there is nothing to lock with (a read-only or forbidden place,
-    whose own write then names the output; a filesystem without file locks)."""
+    """The locked file's descriptor, or None where there is nothing to lock with."""
     while True:
         try:
             lock.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError:
+            return None  # the command's own write meets the same refusal and names its output
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except FileNotFoundError:
+            continue  # a failing holder removed the folder it had made: make it again
+        except PermissionError:  # another user's lock file, which this one cannot take over
+            _refuse_if_held(lock, named)
             return None
         locked = _try_lock(fd)
         if locked is False:
             os.close(fd)
-            raise OutputInUse(f"{named} is being written by {_holder(lock)}; wait for it to finish, or write elsewhere")
+            raise _in_use(named, lock)
         if locked is None:
             os.close(fd)
             lock.unlink(missing_ok=True)
@@ -165,6 +176,28 @@ def _take_output_lock(lock: Path, named: str, command: str) -> int | None:
         except FileNotFoundError:
             current = False
         if current:
-            _write_holder(fd, command)
+            try:
+                _write_holder(fd, command)
+            except OSError:
+                lock.unlink(missing_ok=True)
+                os.close(fd)
+                raise
             return fd
         os.close(fd)  # its last holder removed it between our open and our lock: lock the one there now
+
+
+def _refuse_if_held(lock: Path, named: str) -> None:
+    """Refuse if `lock` is held (a read-only descriptor can still ask)."""
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        if _try_lock(fd) is False:
+            raise _in_use(named, lock)
+    finally:
+        os.close(fd)
+
+
+def _in_use(named: str, lock: Path) -> OutputInUse:
+    return OutputInUse(f"{named} is being written by {_holder(lock)}; wait for it to finish, or write elsewhere")

@@ -61,10 +61,15 @@ def claim_outputs(overwrite: bool, given: str, outputs: list[Path], inputs: list
     always refused: moving it would lose it."""
     from loom.data_tools.jsonl import InputError
     from loom.engine.atomic import move_aside
+    from loom.engine.run_lock import OUTPUT_LOCK_SUFFIX
 
     folder = outputs[0] if len(outputs) == 1 and outputs[0].is_dir() else None
-    if folder is not None:
-        existing = sorted(entry for entry in folder.iterdir() if entry.name != "replaced")
+    if folder is not None:  # a lock file left by a killed command is nobody's output
+        existing = sorted(
+            entry
+            for entry in folder.iterdir()
+            if entry.name != "replaced" and not entry.name.endswith(OUTPUT_LOCK_SUFFIX)
+        )
     else:
         existing = [path for path in outputs if path.exists()]
     if not existing:
@@ -89,10 +94,12 @@ def writing_outputs(
     args: argparse.Namespace, given: str, outputs: list[Path], inputs: list[str] = ()
 ) -> Iterator[None]:
     """claim_outputs, under a lock on the outputs held while the block writes them: a second command writing the
-    same output is refused, instead of renaming its files over these and cleaning up this one's staging."""
+    same output is refused, instead of renaming its files over these and cleaning up this one's staging. The lock
+    is named by the last output: the folder, or the manifest that every command writing a prefix writes (a
+    tokenizer and a dataset of one prefix share it)."""
     from loom.engine.run_lock import writing_output
 
-    with writing_output(outputs[0], f"data {args.data_command}", named=given):
+    with writing_output(outputs[-1], f"data {args.data_command}", named=given):
         claim_outputs(args.overwrite, given, outputs, inputs)
         yield
 

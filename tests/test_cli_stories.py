@@ -485,33 +485,40 @@ def test_data_commands_never_write_over_files_already_there(capfd, dataset, tmp_
     refused(capfd, [*clean[:3], str(kept), *clean[4:], "--overwrite"], f"holds {kept}, an input")
 
 
-def test_a_data_command_is_refused_while_another_writes_its_output(world, capfd, tmp_path):
+def test_a_data_command_is_refused_while_another_writes_its_output(world, capfd, tmp_path, monkeypatch):
     """Two builds into one prefix renamed their temporary files over each other's (the second exited 0, the
     dataset was torn: a .bin of another size, no .idx); a clean --overwrite beside a running clean moved its
-    staging away and each then cleaned up the other's outputs. The writer's lock refuses the second in one line."""
+    staging away and each then cleaned up the other's outputs. The writer's lock refuses the second in one line:
+    one lock per place however it is spelled, and per prefix whichever command writes it (a tokenizer and a
+    dataset of one prefix share its manifest)."""
     from loom.engine.run_lock import writing_output
 
+    monkeypatch.chdir(tmp_path)
     corpus = tmp_path / "c.jsonl"
     assert run(capfd, "data", "corpus", "--output", str(corpus), "--max-docs", "3")[0] == 0
     build = ["data", "build", "--input", str(corpus), "--tokenizer", str(world["root"] / "tok.model")]
-    folder = tmp_path / "new" / "clean"
-    clean = ["data", "clean", "--input", str(corpus), "--output", str(folder), "--pipeline", "code", "--overwrite"]
-    with writing_output(tmp_path / "x.bin", "data build"):  # as a running `loom data build` holds it
-        lock = tmp_path / ".x.bin.loom-lock"
-        assert json.loads(lock.read_text())["command"] == "data build"
-        refused(
-            capfd,
-            [*build, "--output-prefix", str(tmp_path / "x")],
-            f"--output-prefix {tmp_path}/x is being written by `loom data build` (pid",
-        )
-        assert sorted(p.name for p in tmp_path.iterdir()) == [".x.bin.loom-lock", "c.jsonl", "c.jsonl.manifest.json"]
-        with writing_output(folder, "data clean"):
-            refused(capfd, clean, f"--output {folder} is being written by `loom data clean`")
-        assert run(capfd, *build, "--output-prefix", str(tmp_path / "y"))[0] == 0  # another prefix is free
+    clean = ["data", "clean", "--input", str(corpus), "--pipeline", "code"]
+    with writing_output(tmp_path / "x.manifest.json", "data tokenizer"):  # as `loom data tokenizer --output x` holds
+        lock = tmp_path / ".x.manifest.json.loom-lock"
+        assert json.loads(lock.read_text())["command"] == "data tokenizer"
+        for spelled in (str(tmp_path / "x"), "./x", "x"):
+            refused(
+                capfd,
+                [*build, "--output-prefix", spelled],
+                f"--output-prefix {spelled} is being written by `loom data tokenizer` (pid",
+            )
+        assert sorted(p.name for p in tmp_path.iterdir()) == [lock.name, "c.jsonl", "c.jsonl.manifest.json"]
+        with writing_output(tmp_path / "new" / "clean", "data clean"):
+            refused(capfd, [*clean, "--output", "new/clean", "--overwrite"], "is being written by `loom data clean`")
+        assert run(capfd, *build, "--output-prefix", "y")[0] == 0  # another prefix is free
     assert not lock.exists() and not (tmp_path / "new").exists()  # the lock and the folders made for it are gone
-    assert run(capfd, *build, "--output-prefix", str(tmp_path / "x"))[0] == 0
-    assert run(capfd, *clean)[0] == 0
-    assert not list(tmp_path.rglob("*.loom-lock"))
+    assert run(capfd, *build, "--output-prefix", "x")[0] == 0
+    # a lock file a killed command left is nobody's output: no refusal, nothing moved aside for it
+    stale = tmp_path / "stale"
+    stale.mkdir()
+    (stale / ".ds.manifest.json.loom-lock").write_text("{}")
+    assert run(capfd, *clean, "--output", str(stale))[0] == 0 and not (stale / "replaced").exists()
+    assert sorted(p.name for p in tmp_path.rglob("*.loom-lock")) == [".ds.manifest.json.loom-lock"]
 
 
 def test_a_full_disk_under_a_checkpoint_tool_is_one_line_and_leaves_no_staging(world, capfd, tmp_path, monkeypatch):
