@@ -7,6 +7,7 @@ offline data tools share it. The .bin/.idx writer has its own two-file protocol 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from contextlib import contextmanager
@@ -79,13 +80,18 @@ def move_aside(folder: Path, entries: list[Path]) -> Path:
         for entry in entries:
             entry.rename(aside / entry.name)
             moved.append(entry)
-    except OSError:  # an immutable or busy entry: put back what moved, so the failed command changed nothing
+    except OSError as error:  # an immutable or busy entry: put back what moved, so the failed command changed nothing
         for entry in moved:
-            (aside / entry.name).rename(entry)
-        for folder in (aside, aside.parent):
+            with contextlib.suppress(OSError):
+                (aside / entry.name).rename(entry)
+        for emptied in (aside, aside.parent):
             try:
-                folder.rmdir()
+                emptied.rmdir()
             except OSError:
                 break
+        if aside.exists():
+            raise OSError(
+                error.errno, f"{error.strerror}; what could not be put back is in {aside}", error.filename
+            ) from None
         raise
     return aside

@@ -163,6 +163,8 @@ def _take_output_lock(lock: Path, named: str, command: str) -> int | None:
         except PermissionError:  # another user's lock file, which this one cannot take over
             _refuse_if_held(lock, named)
             return None
+        except OSError:
+            return None  # a read-only or full file system: the command's own write fails and names its output
         locked = _try_lock(fd)
         if locked is False:
             os.close(fd)

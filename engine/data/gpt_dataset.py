@@ -288,15 +288,18 @@ class GPTDataset:
             self.indexed.sequence_lengths, document_ids, self.num_samples, self.seq_length, self.seed
         )
         description_path = self.cache_dir / f"{key[:24]}-description.json"
+        written: list[Path] = []  # only this call's: another run may share the cache and have finished its own
         try:
             self.cache_dir.mkdir(parents=True, exist_ok=True)
             _save_atomic(description_path, lambda f: f.write(description.encode()))
+            written.append(description_path)
             for name, array in zip(INDEX_NAMES, arrays):
                 _save_atomic(self.cache_paths[name], lambda f, a=array: np.save(f, a))
+                written.append(self.cache_paths[name])
         except OSError as error:
-            for path in (description_path, *self.cache_paths.values()):
-                with contextlib.suppress(OSError):  # a cache_dir under a file cannot hold them either
-                    path.unlink(missing_ok=True)
+            for path in written:
+                with contextlib.suppress(OSError):
+                    path.unlink()
             # np.save's short write is an OSError with no errno ("N requested and M written"): a full disk
             full = error.errno in (errno.ENOSPC, errno.EDQUOT) or (error.errno is None and "written" in str(error))
             reason = os.strerror(errno.ENOSPC) if full else (error.strerror or str(error))
