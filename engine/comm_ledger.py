@@ -13,7 +13,8 @@ or reduce-scatter (n - 1) / n × B. Sequence parallelism is the tp group's all-g
 reduce-scatters; tensor parallelism without it only all-reduces there.
 
 Under a dispatch mode every tensor op goes through Python, so a recorded step is slower; the ledger is
-for checking, not for timing.
+for checking, not for timing. It records eager steps: the compiled blocks' TP collectives are the functional
+ones (`_c10d_functional`, engine/parallel/mappings.py), which it does not count.
 """
 
 from __future__ import annotations

@@ -239,7 +239,7 @@ def test_verdicts_are_datatroves(step):
     for name, text in _documents_to_judge().items():
         kept = ours(Document(text)) is None
         verdict = theirs.filter(DatatroveDocument(text=text, id=name))
-        kept_by_datatrove = verdict is True or (isinstance(verdict, tuple) and verdict[0])
+        kept_by_datatrove = bool(verdict[0] if isinstance(verdict, tuple) else verdict)
         verdicts[kept] += 1
         if kept != kept_by_datatrove:
             differ.add(name)

@@ -1,6 +1,6 @@
 """LAMB and Adafactor against straightforward single-device references written here, on the whole
-(logical) parameters, and the same under TP2 x DP2 sharding (LAMB also with ZeRO-1); Adafactor and that reference
-against transformers' Adafactor; the AdamW path (decay groups, global-norm clipping, the gradient buffer) against
+(logical) parameters, and the same under TP2 x DP2 sharding (LAMB also with ZeRO-1); Adafactor against
+transformers' Adafactor; the AdamW path (decay groups, global-norm clipping, the gradient buffer) against
 torch.optim.AdamW with clip_grad_norm_; fp16 loss scaling skips a step with an inf gradient without touching any
 state."""
 

@@ -205,9 +205,10 @@ def export_hf(
     if not_written:
         print(f"warning: {not_written}", file=sys.stderr)
     elif trained_with is not None and trained_with["sha256"] is None:
+        exported = f"{tokenizer} (--tokenizer)" if tokenizer else f"{trained_with['path']}, which its config names,"
         print(
             f"warning: the checkpoint records no checksum of its tokenizer (it predates loom's record): exported "
-            f"{tokenizer or trained_with['path']}, which its config's data.tokenizer names, unchecked",
+            f"{exported} unchecked",
             file=sys.stderr,
         )
     config = hf_config(model, origin.hf_token_ids, dtype)

@@ -105,7 +105,8 @@ def tokenizer_record(path: str | None) -> dict | None:
 
 def unrecorded_tokenizer(config: dict) -> dict | None:
     """A checkpoint that records no tokenizer (written before loom recorded one, or when its file was gone) but
-    whose config's data.tokenizer names one: that path, with no sha256 to check a file against (None)."""
+    whose config's data.tokenizer names one: that path as written (a relative one is relative to where training
+    ran), with no sha256 to check a file against (None)."""
     path = config.get("data", {}).get("tokenizer")
     return {"path": str(path), "sha256": None} if path else None
 
