@@ -213,6 +213,12 @@ def _documents_to_judge() -> dict[str, str]:
         if i % 5 == 0:
             picked += ["and so on..."] * 3
         documents[f"variant{i}"] = "\n".join(picked)
+    # long pages that each break one Gopher quality rule clearly, where both word definitions agree
+    documents["many_hashes"] = GOOD + " #" * 30 + "\n"
+    documents["ellipsis_lines"] = "\n".join(line + " ..." for line in lines)
+    documents["bullet_lines"] = "\n".join("- " + line for line in lines)
+    documents["no_stop_words"] = " ".join(_CROPS * 2) + ".\n"
+    documents["long_words"] = " ".join(["extraordinarily", "incomprehensibilities", "the", "and"] * 20) + ".\n"
     return documents
 
 
