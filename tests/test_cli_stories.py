@@ -618,8 +618,10 @@ def test_a_dataset_is_read_only_with_the_tokenizer_it_was_built_with(world, capf
     )
     assert code == 0 and f"warning: {bare / 'other'} record(s) no tokenizer" in err
     # a merge's manifest (it wrote none) carries the tokenizer on
-    merged = tmp_path / "merged"
-    assert run(capfd, "data", "merge", "--inputs", *[str(tmp_path / "tok")] * 2, "--output-prefix", str(merged))[0] == 0
+    merged, again = tmp_path / "merged", tmp_path / "tok-again"
+    build_indexed_dataset([root / "docs.jsonl"], root / "tok.model", again, workers=1, progress=False)
+    inputs = [str(tmp_path / "tok"), str(again)]
+    assert run(capfd, "data", "merge", "--inputs", *inputs, "--output-prefix", str(merged))[0] == 0
     assert json.loads(merged.with_suffix(".manifest.json").read_text())["parameters"]["tokenizer"] == str(
         root / "tok.model"
     )
