@@ -35,10 +35,19 @@ def _inspect(args: argparse.Namespace) -> None:
     print(inspect(Path(args.directory)))
 
 
+def _writing(args: argparse.Namespace):
+    """The lock on --output while the command writes there: two writers into one folder would share iter_N.tmp
+    (each clearing the other's files) or model.safetensors (engine/run_lock.writing_output)."""
+    from loom.engine.run_lock import writing_output
+
+    return writing_output(Path(args.output), f"ckpt {args.ckpt_command}", named=f"--output {args.output}")
+
+
 def _reshard(args: argparse.Namespace) -> None:
     from loom.tools.ckpt import reshard
 
-    final = reshard(Path(args.checkpoint), Path(args.output), args.tp, args.pp, args.vp, overwrite=args.overwrite)
+    with _writing(args):
+        final = reshard(Path(args.checkpoint), Path(args.output), args.tp, args.pp, args.vp, overwrite=args.overwrite)
     print(
         f"wrote {final} for tp={args.tp} pp={args.pp} vp={args.vp} (any dp loads it); "
         f"resume with --checkpoint.load {args.output}"
@@ -58,9 +67,10 @@ def _export_hf(args: argparse.Namespace) -> None:
                 f"--{'dtype' if args.dtype else 'tokenizer'} is for the whole model's export; --adapter-only writes "
                 "the adapters alone, in float32"
             )
-        out = export_peft_adapter(
-            Path(args.checkpoint), Path(args.output), _base(args), args.base_model, args.overwrite
-        )
+        with _writing(args):
+            out = export_peft_adapter(
+                Path(args.checkpoint), Path(args.output), _base(args), args.base_model, args.overwrite
+            )
         named = json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"]
         print(
             f"wrote {out}: adapter_config.json + adapter_model.safetensors; base_model_name_or_path "
@@ -71,7 +81,8 @@ def _export_hf(args: argparse.Namespace) -> None:
     if args.base_model:
         raise ConfigError("--base-model names the base of a PEFT adapter; it goes with --adapter-only")
     moved = Path(args.tokenizer) if args.tokenizer else None
-    out = export_hf(Path(args.checkpoint), Path(args.output), _base(args), args.overwrite, args.dtype, moved)
+    with _writing(args):
+        out = export_hf(Path(args.checkpoint), Path(args.output), _base(args), args.overwrite, args.dtype, moved)
     dtype = json.loads((out / "config.json").read_text())["torch_dtype"]
     tokenizer = " + the tokenizer (AutoTokenizer loads it)" if (out / "tokenizer_config.json").is_file() else ""
     print(
@@ -83,14 +94,16 @@ def _export_hf(args: argparse.Namespace) -> None:
 def _merge_lora(args: argparse.Namespace) -> None:
     from loom.tools.lora import merge_lora
 
-    final = merge_lora(Path(args.checkpoint), Path(args.output), _base(args), args.overwrite)
+    with _writing(args):
+        final = merge_lora(Path(args.checkpoint), Path(args.output), _base(args), args.overwrite)
     print(f"wrote {final}: the base model with the adapters folded in; export, generate or train from it")
 
 
 def _import_hf(args: argparse.Namespace) -> None:
     from loom.tools.hf import import_hf
 
-    final = import_hf(Path(args.input), Path(args.output), args.overwrite)
+    with _writing(args):
+        final = import_hf(Path(args.input), Path(args.output), args.overwrite)
     print(f"wrote {final}; train from it with --checkpoint.load {args.output} (or --lora.base {args.output})")
 
 

@@ -519,6 +519,11 @@ def test_a_data_command_is_refused_while_another_writes_its_output(world, capfd,
     (stale / ".ds.manifest.json.loom-lock").write_text("{}")
     assert run(capfd, *clean, "--output", str(stale))[0] == 0 and not (stale / "replaced").exists()
     assert sorted(p.name for p in tmp_path.rglob("*.loom-lock")) == [".ds.manifest.json.loom-lock"]
+    # the checkpoint tools too: two reshards into one folder shared iter_N.tmp, each clearing the other's files
+    reshard = ["ckpt", "reshard", "--checkpoint", str(world["base"]), "--output", "rs", "--tp", "1", "--pp", "1"]
+    with writing_output(tmp_path / "rs", "ckpt reshard"):
+        refused(capfd, reshard, "--output rs is being written by `loom ckpt reshard` (pid")
+    assert run(capfd, *reshard)[0] == 0 and not (tmp_path / ".rs.loom-lock").exists()
 
 
 def test_a_full_disk_under_a_checkpoint_tool_is_one_line_and_leaves_no_staging(world, capfd, tmp_path, monkeypatch):
