@@ -32,6 +32,7 @@ measure | profile)
         .whl/*.whl || exit 1
     export PYTHONPATH=/tmp/loom-site
     nvidia-smi --query-gpu=name,memory.total,power.limit --format=csv >"$out/gpu.csv" 2>&1
+    python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" >>"$out/status.txt" 2>&1
     left() { # seconds left of MEASURE_SECONDS, at least 10 (timeout refuses a negative limit)
         local s=$((${MEASURE_SECONDS:-585} - SECONDS))
         echo $((s > 10 ? s : 10))
