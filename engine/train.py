@@ -91,6 +91,7 @@ class Trainer:
         self.device = pick_device(t.device, local_rank)
         self.kernels = choose_kernels(config, self.device)
         self.compile_pending = self.kernels.compiles_blocks  # the first step compiles (engine/model/compiling.py)
+        self.eval_compile_pending = self.kernels.compiles_blocks  # and the first evaluation its no_grad graphs
         self._log_event(self.kernels.summary())
         if base_model_changes:
             self._log_event(f"LoRA: the model is the base's: {'; '.join(base_model_changes)}")
@@ -335,7 +336,7 @@ class Trainer:
         first = contextlib.nullcontext()
         if self.compile_pending:
             self.compile_pending = False
-            first = first_compiled_step(self._log_event)
+            first = first_compiled_step(self._log_event, self._warn_once_per_stage, self._stage_named)
         ledger = contextlib.nullcontext() if self.comm_ledger is None else self.comm_ledger.step(self.step + 1)
         with first, ledger:
             return self._train_step(stop)
@@ -484,7 +485,8 @@ class Trainer:
             evaluating = self.valid_set is not None and (self.step % t.eval_interval == 0 or self.step == t.steps)
             stopping_early = False
             if evaluating:  # before the save, which then holds this evaluation's early-stopping state
-                val_loss = self.evaluate()
+                with self._first_compiled_evaluation():
+                    val_loss = self.evaluate()
                 rows.append(self._log({"step": self.step, "val_loss": val_loss, "val_ppl": perplexity(val_loss)}))
                 self._record_validation(val_loss)
                 stopping_early = self._patience_spent()
@@ -588,6 +590,23 @@ class Trainer:
     def _log_event(self, message: str) -> None:
         if self.state.rank == 0:
             print(message, flush=True)
+
+    @property
+    def _stage_named(self) -> str:
+        return f" on pipeline stage {self.state.pp_rank}" if self.state.pp_size > 1 else ""
+
+    def _warn_once_per_stage(self, message: str) -> None:
+        """A stage's blocks are the same on all its ranks, so one of them (the first of its tp x cp x dp) says it."""
+        s = self.state
+        if s.tp_rank == 0 and s.cp_rank == 0 and s.dp_rank == 0:
+            print(message, flush=True)
+
+    def _first_compiled_evaluation(self) -> contextlib.AbstractContextManager:
+        """The first evaluation compiles the blocks' no_grad graphs: a failure there, too, leaves them eager."""
+        if not self.eval_compile_pending:
+            return contextlib.nullcontext()
+        self.eval_compile_pending = False
+        return first_compiled_step(None, self._warn_once_per_stage, self._stage_named)
 
     def close(self) -> None:
         self.checkpoint_writer.wait()

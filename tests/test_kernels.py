@@ -534,6 +534,13 @@ def test_a_compiler_failure_leaves_the_step_eager_and_says_why_in_one_line():
     with first_compiled_step(said.append):
         torch.compile(lambda x: x - 1, backend="eager")(torch.ones(3))
     assert len(said) == 1 and said[0].startswith("model.compile: the first step took ")
+    # the first evaluation (no timing line) on a later pipeline stage, whose ranks rank 0 does not speak for
+    said.clear()
+    warned: list[str] = []
+    with first_compiled_step(None, warned.append, " on pipeline stage 1"):
+        out = torch.compile(lambda x: x + 5, backend=failing_backend)(torch.ones(3))
+    assert torch.equal(out, torch.full((3,), 6.0)) and said == [] and len(warned) == 1
+    assert warned[0].startswith("warning: model.compile on pipeline stage 1: compiling failed (RuntimeError: no C++")
 
 
 def test_compiled_blocks_under_zero3_and_context_parallelism_train_like_eager_ones(markov_dataset, tmp_path):

@@ -36,9 +36,13 @@ def _reason(message: str) -> str:
 
 
 @contextlib.contextmanager
-def first_compiled_step(log: Callable[[str], None]) -> Iterator[None]:
-    """Around the first training step of a run whose blocks are compiled: afterwards `log` gets the step's time,
-    or why compiling failed and that the run goes on eagerly."""
+def first_compiled_step(
+    log: Callable[[str], None] | None, warn: Callable[[str], None] | None = None, where: str = ""
+) -> Iterator[None]:
+    """Around the first training step (or evaluation: a new graph for no_grad) of a run whose blocks are compiled:
+    afterwards `log` (None: nothing) gets the step's time, and `warn` (default `log`) why compiling failed and
+    that the run goes on eagerly; `where` names the ranks that say it (" on pipeline stage 1"), as a compile that
+    fails on one stage's blocks fails on that stage's ranks alone."""
     collect = _Collect()
     loggers = [logging.getLogger(name) for name in _FALLBACK_LOGGERS]
     saved = [(lg.propagate, lg.level) for lg in loggers]
@@ -54,10 +58,10 @@ def first_compiled_step(log: Callable[[str], None]) -> Iterator[None]:
             lg.removeHandler(collect)
             lg.propagate, lg.level = propagate, level
     seconds = time.perf_counter() - start
-    if collect.messages:
-        log(
-            f"warning: model.compile: compiling failed ({_reason(collect.messages[0])}); this run goes on "
+    if collect.messages and (warn or log) is not None:
+        (warn or log)(
+            f"warning: model.compile{where}: compiling failed ({_reason(collect.messages[0])}); this run goes on "
             f"eagerly (--model.compile false skips the attempt)"
         )
-    else:
+    elif not collect.messages and log is not None:
         log(f"model.compile: the first step took {seconds:.1f} s, compiling each block's graph once for all")
