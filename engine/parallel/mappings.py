@@ -17,6 +17,9 @@ Group = dist.ProcessGroup | None
 # Used by the TP layers here and by the ZeRO-1 gradient and parameter buffers.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# The functional collectives (what torch.compile traces, below) took the same new names.
+functional_all_gather = getattr(functional, "all_gather_single", None) or functional.all_gather_tensor
+functional_reduce_scatter = getattr(functional, "reduce_scatter_single", None) or functional.reduce_scatter_tensor
 
 
 def group_size(group: Group) -> int:
@@ -52,7 +55,7 @@ def _gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     size = group_size(group)
     x = x.contiguous()
     if torch.compiler.is_compiling():
-        return functional.wait_tensor(functional.all_gather_tensor(x, dim, group))
+        return functional.wait_tensor(functional_all_gather(x, dim, group))
     if dim == 0:
         out = torch.empty((x.shape[0] * size, *x.shape[1:]), dtype=x.dtype, device=x.device)
         all_gather_single(out, x, group=group)
@@ -67,7 +70,7 @@ def _reduce_scatter_first_dim(x: torch.Tensor, group: Group) -> torch.Tensor:
     if x.shape[0] % size:
         raise ValueError(f"sequence length {x.shape[0]} does not split into {size} parts")
     if torch.compiler.is_compiling():
-        return functional.wait_tensor(functional.reduce_scatter_tensor(x.contiguous(), "sum", 0, group))
+        return functional.wait_tensor(functional_reduce_scatter(x.contiguous(), "sum", 0, group))
     out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
     reduce_scatter_single(out, x.contiguous(), group=group)
     return out
