@@ -424,7 +424,8 @@ class Trainer:
         # `loom eval` can take long on one CPU rank: it shows batches done and time left; training's periodic
         # validation stays quiet between its console lines.
         shown = self.evaluation_only and self.state.rank == 0
-        with tqdm(total=t.eval_iters, desc="evaluating", unit="batch", file=sys.stderr, disable=not shown) as bar:
+        bar = tqdm(total=t.eval_iters, desc="evaluating", unit="batch", file=sys.stderr, disable=not shown)
+        with self._first_compiled_evaluation(), bar:
             for _ in range(t.eval_iters):
                 total += self.executor.run(
                     self._schedule(self.config.num_microbatches, forward_only=True),
@@ -485,8 +486,7 @@ class Trainer:
             evaluating = self.valid_set is not None and (self.step % t.eval_interval == 0 or self.step == t.steps)
             stopping_early = False
             if evaluating:  # before the save, which then holds this evaluation's early-stopping state
-                with self._first_compiled_evaluation():
-                    val_loss = self.evaluate()
+                val_loss = self.evaluate()
                 rows.append(self._log({"step": self.step, "val_loss": val_loss, "val_ppl": perplexity(val_loss)}))
                 self._record_validation(val_loss)
                 stopping_early = self._patience_spent()
@@ -602,7 +602,8 @@ class Trainer:
             print(message, flush=True)
 
     def _first_compiled_evaluation(self) -> contextlib.AbstractContextManager:
-        """The first evaluation compiles the blocks' no_grad graphs: a failure there, too, leaves them eager."""
+        """The first evaluation (in training, or `loom eval`'s) compiles the blocks' no_grad graphs: a failure there,
+        too, leaves them eager."""
         if not self.eval_compile_pending:
             return contextlib.nullcontext()
         self.eval_compile_pending = False
