@@ -1,4 +1,4 @@
-"""One training run at a time per run directory, one writer at a time per data command's output.
+"""One training run at a time per run directory, one writer at a time per data or checkpoint command's output.
 
 Two runs in one directory write over each other's metrics and checkpoints (a job submitted twice, a
 `loom train` started while its Slurm job still runs). Rank 0 of a training run holds an exclusive
@@ -6,9 +6,9 @@ Two runs in one directory write over each other's metrics and checkpoints (a job
 drops the lock when the process ends however it ends, so there is never a stale lock to clean up.
 Launchers probe the lock before they change anything in the directory.
 
-Two data commands writing one output (two builds of one prefix, a clean --overwrite beside a running clean)
-would rename their temporary files over each other's and clean up each other's staging; each holds a lock
-beside its output (`.NAME.loom-lock`) while it writes, removed when it is done.
+Two data commands writing one output (two builds of one prefix, a clean --overwrite beside a running clean), or
+two checkpoint tools writing one folder, would rename their temporary files over each other's and clean up each
+other's staging; each holds a lock beside its output (`.NAME.loom-lock`) while it writes, removed when it is done.
 
 On a filesystem without file locks (Lustre mounted without `flock`) nothing is detected, and rank 0 says so.
 """
@@ -119,7 +119,7 @@ class RunLock:
 
 
 class OutputInUse(ConfigError):
-    """Another live data command is writing the same output."""
+    """Another live data or checkpoint command is writing the same output."""
 
 
 OUTPUT_LOCK_SUFFIX = ".loom-lock"
@@ -127,8 +127,8 @@ OUTPUT_LOCK_SUFFIX = ".loom-lock"
 
 @contextmanager
 def writing_output(output: Path, command: str, named: str | None = None) -> Iterator[None]:
-    """Hold the lock on a data command's output (a folder, or a prefix's files, named by the manifest every
-    command writing that prefix writes) while the block runs; another command holding it is refused in one line
+    """Hold the lock on a data or checkpoint command's output (a folder, or a prefix's files, named by the manifest
+    every command writing that prefix writes) while the block runs; another command holding it is refused in one line
     (`named`: the output as the user gave it). Folders made for the lock that the command leaves empty (it failed
     before writing) are removed with it. Where no lock can be taken (a read-only or forbidden place, whose own
     write then fails and says so; a filesystem without file locks) the block runs unlocked."""
@@ -180,10 +180,10 @@ def _take_output_lock(lock: Path, named: str, command: str) -> int | None:
         if current:
             try:
                 _write_holder(fd, command)
-            except OSError:
+            except OSError:  # a full disk: the command's own write fails next and names its output
                 lock.unlink(missing_ok=True)
                 os.close(fd)
-                raise
+                return None
             return fd
         os.close(fd)  # its last holder removed it between our open and our lock: lock the one there now
 
