@@ -49,6 +49,10 @@ def user_message(error: BaseException) -> str:
     """The one line a user error is reported as: its own message, or for the file system's errors the path
     and what is wrong with it."""
     if isinstance(error, OSError) and error.strerror and error.filename is not None:
-        hint = "; free some space, or write elsewhere" if error.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+        hint = {
+            errno.ENOSPC: "; free some space, or write elsewhere",
+            errno.EDQUOT: "; free some space, or write elsewhere",
+            errno.EROFS: "; write elsewhere",
+        }.get(error.errno, "")
         return f"{error.filename}: {error.strerror}{hint}"
     return str(error)

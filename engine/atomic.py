@@ -30,8 +30,26 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     try:
         yield tmp
         os.replace(tmp, path)
+    except OSError as error:
+        if error.filename is None:  # a write's or flush's error names no file ("[Errno 28] No space left"): this one
+            raise OSError(error.errno, error.strerror, str(path)) from None
+        raise
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def copy_atomically(source: Path, path: Path) -> None:
+    """shutil.copyfile into `path` through atomic_path; an error in writing names `path` (copyfile's names the
+    source)."""
+    import shutil
+
+    with atomic_path(path) as tmp:
+        try:
+            shutil.copyfile(source, tmp)
+        except OSError as error:
+            if not Path(source).is_file():
+                raise
+            raise OSError(error.errno, error.strerror, str(path)) from None
 
 
 def write_text_atomically(path: str | Path, text: str) -> None:

@@ -9,6 +9,7 @@ argument sweep of every command is tests/test_cli_sweep.py.
 
 from __future__ import annotations
 
+import errno
 import json
 import shutil
 from pathlib import Path
@@ -321,6 +322,12 @@ def test_a_checkpoint_from_before_tokenizer_records_exports_its_configs_tokenize
     told = ["ckpt", "export-hf", "--checkpoint", str(old), "--output", str(tmp_path / "b"), "--tokenizer"]
     code, _, err = run(capfd, *told, str(world["root"] / "tok.model"))
     assert code == 0 and (tmp_path / "b/tokenizer.model").exists() and "unchecked" in err, err
+    # unchecked, yet not any tokenizer: one with more pieces than the model has ids is not the one it trained with
+    from loom.tools.hf_tokenizer import unfit_tokenizer
+
+    said = unfit_tokenizer(world["root"] / "other.model", 300)  # a small corpus gave it 316 of the 320 asked
+    assert said.endswith("pieces exceed the model's vocab_size 300: not the tokenizer it trained with"), said
+    assert unfit_tokenizer(world["root"] / "tok.model", 300) is None
 
 
 def _hf_copy(world, tmp_path: Path, name: str) -> Path:
@@ -543,6 +550,18 @@ def test_a_full_disk_under_a_checkpoint_tool_is_one_line_and_leaves_no_staging(w
     reshard = ["ckpt", "reshard", "--checkpoint", str(base), "--output", str(resharded), "--tp", "1", "--pp", "1"]
     refused(capfd, reshard, "rank00000.safetensors: No space left on device")
     assert list(hf.iterdir()) == [] and list(resharded.iterdir()) == []  # nothing that looks written
+    # the disk fills at the tokenizer, after the model: the error named the source tokenizer, and the model left
+    # behind made the rerun refuse ("already holds a model"); now it names the copy and takes the model away
+    monkeypatch.undo()
+
+    def no_room(source, target, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shutil, "copyfile", no_room)
+    refused(capfd, export, f"{hf}/tokenizer.model: No space left on device")
+    assert list(hf.iterdir()) == []
+    monkeypatch.undo()
+    assert run(capfd, *export)[0] == 0
 
 
 def test_a_run_directory_is_never_inside_checkpoints_or_outside_runs_by_name(world, capfd, tmp_path):

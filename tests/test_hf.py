@@ -309,7 +309,7 @@ def test_the_exported_tokenizer_encodes_as_loom_s_and_an_import_s_comes_back(tra
         out = tmp_path / f"out-{kind}"
         out.mkdir()
         with_tokenizer = dataclasses.replace(metadata, tokenizer=tokenizer_record(str(tmp_path / f"{kind}.model")))
-        said = export_tokenizer(out, with_tokenizer.tokenizer, with_tokenizer, max_positions=64)
+        said = export_tokenizer(out, with_tokenizer.tokenizer, with_tokenizer, max_positions=64, vocab_size=300)
         if kind == "unigram":
             assert "is a unigram model" in said and not any(out.iterdir())
             continue

@@ -30,7 +30,7 @@ from loom.engine.model import naming
 from loom.tools.ckpt import open_checkpoint, write_weights_checkpoint
 from loom.tools.hf_tokenizer import check_moved_tokenizer, export_tokenizer
 from loom.tools.lora import ModelWeights, adapted_weights, base_of
-from loom.tools.outputs import HF_TOKENIZER_FILES, claim_checkpoint_output, claim_export_output
+from loom.tools.outputs import HF_TOKENIZER_FILES, claim_checkpoint_output, claim_export_output, removed_if_unfinished
 
 
 def _check_llama(model: dict) -> None:
@@ -194,14 +194,19 @@ def export_hf(
     if trained_with is None and origin.hf_source is None:
         trained_with = unrecorded_tokenizer(metadata.config)  # an older checkpoint: its config names it, unchecked
     if tokenizer is not None:
-        check_moved_tokenizer(trained_with, tokenizer)
+        check_moved_tokenizer(trained_with, tokenizer, model["vocab_size"])
     logical = weights.all()
     claim_export_output(output, overwrite)
     output.mkdir(parents=True, exist_ok=True)
     dtype = dtype or origin.hf_dtype or "float32"
     tensors = {name: tensor.to(EXPORT_DTYPES[dtype]) for name, tensor in to_hf(logical, model).items()}
-    save_tensors_atomically(tensors, output / "model.safetensors", metadata={"format": "pt"})
-    not_written = export_tokenizer(output, trained_with, origin, model["max_position_embeddings"], tokenizer)
+    with removed_if_unfinished(output):
+        save_tensors_atomically(tensors, output / "model.safetensors", metadata={"format": "pt"})
+        not_written = export_tokenizer(
+            output, trained_with, origin, model["max_position_embeddings"], model["vocab_size"], tokenizer
+        )
+        config = hf_config(model, origin.hf_token_ids, dtype)
+        write_text_atomically(output / "config.json", json.dumps(config, indent=2))  # last: the export is complete
     if not_written:
         print(f"warning: {not_written}", file=sys.stderr)
     elif trained_with is not None and trained_with["sha256"] is None:
@@ -211,8 +216,6 @@ def export_hf(
             f"{exported} unchecked",
             file=sys.stderr,
         )
-    config = hf_config(model, origin.hf_token_ids, dtype)
-    write_text_atomically(output / "config.json", json.dumps(config, indent=2))  # last: the export is complete
     return output
 
 

@@ -10,17 +10,16 @@ LlamaTokenizer encodes a unigram SentencePiece model differently from SentencePi
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 from loom.data_tools.jsonl import InputError
 from loom.data_tools.tokenizer import load_tokenizer
-from loom.engine.atomic import write_text_atomically
+from loom.engine.atomic import copy_atomically, write_text_atomically
 from loom.engine.checkpoint.format import CheckpointError, CheckpointMetadata, sha256_of
 from loom.tools.outputs import HF_TOKENIZER_FILES
 
 
-def check_moved_tokenizer(recorded: dict | None, moved_to: Path) -> None:
+def check_moved_tokenizer(recorded: dict | None, moved_to: Path, vocab_size: int) -> None:
     """Refuse `moved_to` (export-hf --tokenizer) unless it is the tokenizer the model was trained with (`recorded`,
     CheckpointMetadata.tokenizer; a record without sha256, format.unrecorded_tokenizer, cannot tell)."""
     if recorded is None:
@@ -28,8 +27,10 @@ def check_moved_tokenizer(recorded: dict | None, moved_to: Path) -> None:
             f"--tokenizer {moved_to}: the checkpoint records no tokenizer to check it against (it trained on token "
             "ids, or was imported: its tokenizer is its Hugging Face folder's); drop --tokenizer"
         )
-    if recorded["sha256"] is None:
-        load_tokenizer(moved_to)  # nothing to compare it with: at least a SentencePiece model, or one line
+    if recorded["sha256"] is None:  # nothing to compare it with: at least a SentencePiece model that fits
+        reason = unfit_tokenizer(moved_to, vocab_size)
+        if reason:
+            raise CheckpointError(f"--tokenizer {moved_to}: {reason}")
     elif sha256_of(moved_to) != recorded["sha256"]:
         raise CheckpointError(
             f"--tokenizer {moved_to} is not the tokenizer this model was trained with ({recorded['path']}, sha256 "
@@ -37,16 +38,30 @@ def check_moved_tokenizer(recorded: dict | None, moved_to: Path) -> None:
         )
 
 
+def unfit_tokenizer(path: Path, vocab_size: int) -> str | None:
+    """Why `path` cannot be an unchecked model's tokenizer (not SentencePiece, or more pieces than the model has
+    ids), else None."""
+    try:
+        pieces = load_tokenizer(path).get_piece_size()
+    except InputError as error:
+        return str(error)
+    if pieces > vocab_size:
+        return f"its {pieces} pieces exceed the model's vocab_size {vocab_size}: not the tokenizer it trained with"
+    return None
+
+
 def export_tokenizer(
     output: Path,
     recorded: dict | None,
     model: CheckpointMetadata,
     max_positions: int,
+    vocab_size: int,
     moved_to: Path | None = None,
 ) -> str | None:
     """Write the tokenizer of the model exported into `output` (`recorded`: the tokenizer it trained with,
     CheckpointMetadata.tokenizer; `model`: the metadata whose Hugging Face origin it carries, the base's for a
-    LoRA checkpoint; `max_positions`: the model's longest sequence; `moved_to`: where the trained-with tokenizer
+    LoRA checkpoint; `max_positions`: the model's longest sequence; `vocab_size`: its ids (an unchecked tokenizer
+    must fit them); `moved_to`: where the trained-with tokenizer
     is now, checked by check_moved_tokenizer); returns why none was written where the model had one, else None."""
     if recorded is not None:
         path = moved_to or Path(recorded["path"])
@@ -55,11 +70,9 @@ def export_tokenizer(
                 f"no tokenizer written: {path}, which the model was trained with, is gone or has changed (moved? "
                 "give its new place with --tokenizer)"
             )
-        if recorded["sha256"] is None:
-            try:
-                load_tokenizer(path)
-            except InputError as error:
-                return f"no tokenizer written: {error}"
+        reason = unfit_tokenizer(path, vocab_size) if recorded["sha256"] is None else None
+        if reason:
+            return f"no tokenizer written: {path}: {reason}"
         return _write_sentencepiece(path, output, max_positions)
     if model.hf_source is not None:
         return _copy_imported(Path(model.hf_source), model.hf_tokenizer, output)
@@ -82,7 +95,7 @@ def _copy_imported(source: Path, recorded: dict | None, output: Path) -> str | N
     if not files:
         return f"no tokenizer written: {source}, which the model was imported from, holds no tokenizer files"
     for file in files:
-        shutil.copyfile(file, output / file.name)
+        copy_atomically(file, output / file.name)
     return None
 
 
@@ -115,6 +128,6 @@ def _write_sentencepiece(path: Path, output: Path, max_positions: int) -> str | 
         "split_special_tokens": True,  # "<s>" in text is text, as `loom data build` encoded it, not the bos id
         "model_max_length": max_positions,
     }
-    shutil.copyfile(path, output / "tokenizer.model")
+    copy_atomically(path, output / "tokenizer.model")
     write_text_atomically(output / "tokenizer_config.json", json.dumps(tokenizer_config, indent=2))
     return None

@@ -10,6 +10,8 @@ checkpoints or (for an export) a model, unless --overwrite, which moves what is 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from loom.engine.atomic import move_aside
@@ -92,6 +94,21 @@ def claim_export_output(output: Path, overwrite: bool) -> None:
             f"folder, or pass --overwrite to move those files into {output}/replaced/"
         )
     print(f"--overwrite: the files in {output} were moved to {move_aside(output, existing)}")
+
+
+@contextmanager
+def removed_if_unfinished(output: Path) -> Iterator[None]:
+    """An export's files written before its config.json (the last, which makes it complete): if the block fails
+    (a full disk), they go again, so that a rerun is not refused over a half-written model (claim_export_output
+    left the folder without model files, so any there now are this export's)."""
+    try:
+        yield
+    except BaseException:
+        for pattern in (*HF_FILES, *HF_TOKENIZER_FILES):
+            for path in output.glob(pattern):
+                with suppress(OSError):
+                    path.unlink()
+        raise
 
 
 def claim_result_file(output: Path, kind: str, overwrite: bool) -> None:
