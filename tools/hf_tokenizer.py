@@ -60,15 +60,16 @@ def export_tokenizer(
 ) -> str | None:
     """Write the tokenizer of the model exported into `output` (`recorded`: the tokenizer it trained with,
     CheckpointMetadata.tokenizer; `model`: the metadata whose Hugging Face origin it carries, the base's for a
-    LoRA checkpoint; `max_positions`: the model's longest sequence; `vocab_size`: its ids (an unchecked tokenizer
-    must fit them); `moved_to`: where the trained-with tokenizer
-    is now, checked by check_moved_tokenizer); returns why none was written where the model had one, else None."""
+    LoRA checkpoint; `max_positions`: the model's longest sequence; `vocab_size`: its ids, which an unchecked
+    tokenizer must fit; `moved_to`: where the trained-with tokenizer is now, checked by check_moved_tokenizer);
+    returns why none was written where the model had one, else None."""
     if recorded is not None:
         path = moved_to or Path(recorded["path"])
         if not path.is_file() or recorded["sha256"] not in (None, sha256_of(path)):
+            relative = "" if path.is_absolute() else "; a relative path is relative to where training ran"
             return (
                 f"no tokenizer written: {path}, which the model was trained with, is gone or has changed (moved? "
-                "give its new place with --tokenizer)"
+                f"give its new place with --tokenizer{relative})"
             )
         reason = unfit_tokenizer(path, vocab_size) if recorded["sha256"] is None else None
         if reason:
