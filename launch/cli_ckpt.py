@@ -4,8 +4,10 @@ tools/ and the trainer."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from loom.engine.config import ConfigError
@@ -35,12 +37,23 @@ def _inspect(args: argparse.Namespace) -> None:
     print(inspect(Path(args.directory)))
 
 
-def _writing(args: argparse.Namespace):
+@contextlib.contextmanager
+def _writing(args: argparse.Namespace) -> Iterator[None]:
     """The lock on --output while the command writes there: two writers into one folder would share iter_N.tmp
-    (each clearing the other's files) or model.safetensors (engine/run_lock.writing_output)."""
+    (each clearing the other's files) or model.safetensors (engine/run_lock.writing_output). An --output the
+    command made and failed to fill (a full disk, a stop) is removed again."""
     from loom.engine.run_lock import writing_output
 
-    return writing_output(Path(args.output), f"ckpt {args.ckpt_command}", named=f"--output {args.output}")
+    output = Path(args.output)
+    existed = output.exists()
+    with writing_output(output, f"ckpt {args.ckpt_command}", named=f"--output {args.output}"):
+        try:
+            yield
+        except BaseException:
+            if not existed:
+                with contextlib.suppress(OSError):
+                    output.rmdir()  # only if empty: what the failed command left that looks written stays seen
+            raise
 
 
 def _reshard(args: argparse.Namespace) -> None:
