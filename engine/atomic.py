@@ -31,7 +31,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         yield tmp
         os.replace(tmp, path)
     except OSError as error:
-        if error.filename is None:  # a write's or flush's error names no file ("[Errno 28] No space left"): this one
+        if error.filename is None and error.errno is not None:  # a write's error names no file ("[Errno 28] ...")
             raise OSError(error.errno, error.strerror, str(path)) from None
         raise
     finally:

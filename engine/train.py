@@ -90,8 +90,8 @@ class Trainer:
         self.state = ParallelState.create(tp=p.tp, dp=p.dp, pp=p.pp, vp=p.vp, timeout=timeout, cp=p.cp)
         self.device = pick_device(t.device, local_rank)
         self.kernels = choose_kernels(config, self.device)
-        self.compile_pending = self.kernels.compiles_blocks  # the first step compiles (engine/model/compiling.py)
-        self.eval_compile_pending = self.kernels.compiles_blocks  # and the first evaluation its no_grad graphs
+        # The first step compiles the blocks, the first evaluation their no_grad graphs (engine/model/compiling.py)
+        self.compiles_pending = {"step", "evaluation"} if self.kernels.compiles_blocks else set()
         self._log_event(self.kernels.summary())
         if base_model_changes:
             self._log_event(f"LoRA: the model is the base's: {'; '.join(base_model_changes)}")
@@ -333,12 +333,8 @@ class Trainer:
     def train_step(self, stop: StopRequest | None = None) -> dict:
         """One optimizer step; returns its metrics row. With `stop`, the ranks also agree on the most urgent
         stop code (stop.code afterwards), read in the step's one device-to-host transfer."""
-        first = contextlib.nullcontext()
-        if self.compile_pending:
-            self.compile_pending = False
-            first = first_compiled_step(self._log_event, self._warn_once_per_stage, self._stage_named)
         ledger = contextlib.nullcontext() if self.comm_ledger is None else self.comm_ledger.step(self.step + 1)
-        with first, ledger:
+        with self._first_compiled("step"), ledger:
             return self._train_step(stop)
 
     def _train_step(self, stop: StopRequest | None) -> dict:
@@ -425,7 +421,7 @@ class Trainer:
         # validation stays quiet between its console lines.
         shown = self.evaluation_only and self.state.rank == 0
         bar = tqdm(total=t.eval_iters, desc="evaluating", unit="batch", file=sys.stderr, disable=not shown)
-        with self._first_compiled_evaluation(), bar:
+        with self._first_compiled("evaluation"), bar:
             for _ in range(t.eval_iters):
                 total += self.executor.run(
                     self._schedule(self.config.num_microbatches, forward_only=True),
@@ -601,13 +597,14 @@ class Trainer:
         if s.tp_rank == 0 and s.cp_rank == 0 and s.dp_rank == 0:
             print(message, flush=True)
 
-    def _first_compiled_evaluation(self) -> contextlib.AbstractContextManager:
-        """The first evaluation (in training, or `loom eval`'s) compiles the blocks' no_grad graphs: a failure there,
-        too, leaves them eager."""
-        if not self.eval_compile_pending:
+    def _first_compiled(self, what: str) -> contextlib.AbstractContextManager:
+        """Around the first training step or the first evaluation (training's or `loom eval`'s), which compile the
+        blocks' graphs: a compiler failure leaves them eager, said in one line; the step's time is said too."""
+        if what not in self.compiles_pending:
             return contextlib.nullcontext()
-        self.eval_compile_pending = False
-        return first_compiled_step(None, self._warn_once_per_stage, self._stage_named)
+        self.compiles_pending.discard(what)
+        timed = self._log_event if what == "step" else None
+        return first_compiled_step(timed, self._warn_once_per_stage, self._stage_named)
 
     def close(self) -> None:
         self.checkpoint_writer.wait()

@@ -37,6 +37,7 @@ from typing import Callable
 
 import numpy as np
 
+from loom.engine.atomic import atomic_path
 from loom.engine.data.indexed import DatasetError, IndexedDataset
 
 INDEX_FORMAT_VERSION = 2  # 2: epochs shuffled on their own, cached per whole epoch
@@ -201,13 +202,8 @@ def _cache_key(
 
 
 def _save_atomic(path: Path, write: Callable[[object], None]) -> None:
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        write(f)
 
 
 class GPTDataset:
