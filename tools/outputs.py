@@ -84,8 +84,7 @@ def claim_export_output(output: Path, overwrite: bool) -> None:
     _refuse_file_or_run(output, "export")
     if output.is_dir() and _checkpoint_entries(output):
         raise CheckpointError(f"--output {output} holds loom checkpoints; export to a folder of its own")
-    files = (*HF_FILES, *HF_TOKENIZER_FILES)  # an old tokenizer left beside a new model would be taken for its own
-    existing = sorted({p for pattern in files for p in output.glob(pattern)}) if output.is_dir() else []
+    existing = _export_files(output)
     if not existing:
         return
     if not overwrite:
@@ -104,11 +103,18 @@ def removed_if_unfinished(output: Path) -> Iterator[None]:
     try:
         yield
     except BaseException:
-        for pattern in (*HF_FILES, *HF_TOKENIZER_FILES):
-            for path in output.glob(pattern):
-                with suppress(OSError):
-                    path.unlink()
+        for path in _export_files(output):
+            with suppress(OSError):
+                path.unlink()
         raise
+
+
+def _export_files(output: Path) -> list[Path]:
+    """The model and tokenizer files of a Hugging Face folder (an old tokenizer left beside a new model would be
+    taken for its own)."""
+    if not output.is_dir():
+        return []
+    return sorted({path for pattern in (*HF_FILES, *HF_TOKENIZER_FILES) for path in output.glob(pattern)})
 
 
 def claim_result_file(output: Path, kind: str, overwrite: bool) -> None:
