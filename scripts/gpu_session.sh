@@ -3,14 +3,15 @@
 #
 #   scripts/gpu_session.sh wheels            # here: loom's wheel and its pure-Python dependencies into .whl/
 #   scripts/gpu_session.sh measure OUT       # there, from the checkout (tests/ is read): figures into OUT/
+#   scripts/gpu_session.sh tests OUT         # there: `pytest -m gpu` alone (when measure left it no time)
 #   scripts/gpu_session.sh profile OUT       # there, if the lease has minutes left: where the step's time goes
 #
 # A lent machine runs one command for at most 10 minutes, so each part fits one call (MEASURE_SECONDS, default
 # 585), and every part has its own time limit so a lease cut short still returns what finished. `measure`:
-# `pytest -m gpu` (200 s), then `loom bench gpu` in what is left (docs/gpu.md's table; its rows are logged as
-# they finish). `profile`: the kernel breakdown of loom's defaults beside the plain loop, with the time the device
-# waited for the host, then loom with FP8 alone, then loom without gradient-accumulation fusion (`loom bench
-# profile`, 4 min).
+# `loom bench gpu` (docs/gpu.md's table; its rows are logged as they finish) leaving TESTS_SECONDS (150) for
+# `pytest -m gpu`, which then gets what is left: the figures first, as a failing row no longer ends the bench.
+# `profile`: the kernel breakdown of loom's defaults beside the plain loop, with the time the device waited for
+# the host, then loom with FP8 alone, then loom without gradient-accumulation fusion (`loom bench profile`, 4 min).
 set -u
 here=$(cd "$(dirname "$0")/.." && pwd)
 case "${1:-}" in
@@ -24,7 +25,7 @@ wheels)
         -d .whl datasketch submitit ftfy wcwidth py3langid || exit 1
     ls .whl
     ;;
-measure | profile)
+measure | tests | profile)
     out=${2:?usage: $0 $1 OUT}
     mkdir -p "$out"
     cd "$here" || exit 1
@@ -38,14 +39,18 @@ measure | profile)
         echo $((s > 10 ? s : 10))
     }
     if [ "$1" = measure ]; then
-        timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py >"$out/pytest_gpu.txt" 2>&1
-        echo "pytest -m gpu: exit $?" >>"$out/status.txt"
-        timeout "$(left)" python3 -m loom.launch.cli bench gpu --output "$out/bench_gpu.json" \
+        timeout $(($(left) - ${TESTS_SECONDS:-150})) python3 -m loom.launch.cli bench gpu --output "$out/bench_gpu.json" \
             >"$out/bench_gpu.md" 2>"$out/bench_gpu.log"
         echo "bench gpu: exit $? (124: cut short; finished rows are in bench_gpu.log)" >>"$out/status.txt"
-        tail -3 "$out/pytest_gpu.txt"
-        cat "$out/bench_gpu.md"
+        timeout "$(left)" python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py >"$out/pytest_gpu.txt" 2>&1
+        echo "pytest -m gpu: exit $?" >>"$out/status.txt"
         grep "^bench:" "$out/bench_gpu.log"
+        cat "$out/bench_gpu.md"
+        tail -30 "$out/pytest_gpu.txt"
+    elif [ "$1" = tests ]; then
+        timeout "$(left)" python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py >"$out/pytest_gpu.txt" 2>&1
+        echo "pytest -m gpu: exit $?" >>"$out/status.txt"
+        tail -40 "$out/pytest_gpu.txt"
     else
         timeout 100 python3 -m loom.launch.cli bench profile >"$out/kernel_profile.md" 2>&1
         echo "kernel_profile: exit $?" >>"$out/status.txt"

@@ -27,6 +27,8 @@ import json
 import sys
 import tempfile
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -66,9 +68,10 @@ def loss_gap(base: LoomConfig, steps: int, layers: int, workdir: Path, device: t
     documents = max(200, steps * t.micro_batch_size * 2 * t.seq_length // 200)
     data = write_markov_dataset(workdir / "markov", vocab, documents)
     shallow = mfu._with_overrides(base, {"model": {"num_layers": layers, "vocab_size": vocab}})
-    result = {"steps": steps, "layers": layers, "vocab_size": vocab}
+    result = {"steps": steps, "layers": layers, "vocab_size": vocab, "bf16_final_loss": None}
     bf16 = mfu.bench_config(shallow, data, str(workdir / "gap-bf16"), steps, 2, precision="bf16")
     result["bf16_final_loss"] = _loss_curve(bf16)[-1]
+    print(f"bench: loss gap: bf16 {result['bf16_final_loss']:.4f} after {steps} steps", file=sys.stderr, flush=True)
     try:
         fp8 = mfu.bench_config(shallow, data, str(workdir / "gap-fp8"), steps, 2, precision="bf16", fp8="current")
         from loom.engine.model.kernels import choose_kernels
@@ -77,9 +80,21 @@ def loss_gap(base: LoomConfig, steps: int, layers: int, workdir: Path, device: t
     except ConfigError as error:
         result["fp8_note"] = f"skipped: {error}"
         return result
-    result["fp8_final_loss"] = _loss_curve(fp8)[-1]
-    result["gap"] = result["fp8_final_loss"] - result["bf16_final_loss"]
+    fp8_loss = _guarded("the loss gap's FP8 run", lambda: {"fp8_final_loss": _loss_curve(fp8)[-1]}, {})
+    result.update(fp8_loss)
+    if "fp8_final_loss" in fp8_loss:
+        result["gap"] = result["fp8_final_loss"] - result["bf16_final_loss"]
     return result
+
+
+def _guarded(what: str, measure: Callable[[], dict], failed: dict) -> dict:
+    """`measure()`, or `failed` with the error as its note (traceback on stderr): the later parts still run."""
+    try:
+        return measure()
+    except Exception as error:  # noqa: BLE001 -- reported in the table and on stderr, never swallowed
+        traceback.print_exc(file=sys.stderr)
+        print(f"bench: {what} failed: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+        return {**failed, "fp8_note": f"failed: {type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}"}
 
 
 def launcher_run(config_name: str, overrides: dict, workdir: Path, device: torch.device) -> dict:
@@ -106,12 +121,13 @@ def launcher_run(config_name: str, overrides: dict, workdir: Path, device: torch
     start = time.perf_counter()
     try:
         rows = train(config, nproc=1)
-    except RuntimeError as error:
+    except Exception as error:  # noqa: BLE001 -- the row says it failed; the table is written regardless
+        traceback.print_exc(file=sys.stderr)
         return {
             "backend": backend,
             "ok": False,
             "seconds": time.perf_counter() - start,
-            "error": str(error).splitlines()[-1],
+            "error": (str(error).splitlines() or [type(error).__name__])[-1],
         }
     return {"backend": backend, "ok": True, "seconds": time.perf_counter() - start, "final_loss": rows[-1]["loss"]}
 
@@ -175,7 +191,7 @@ def format_markdown(results: dict) -> str:
             else f"{slice_bf16['tokens_per_s']:,.0f} vs {slice_fp8['tokens_per_s']:,.0f} tokens/s{_planned(slice_fp8)}"
         )
         + " |",
-        f"| loss after {gap['steps']} steps ({gap['layers']} layers) | BF16 {gap['bf16_final_loss']:.4f}, FP8 "
+        f"| loss after {gap['steps']} steps ({gap['layers']} layers) | BF16 {_fmt(gap['bf16_final_loss'], '.4f')}, FP8 "
         f"{_fmt(gap.get('fp8_final_loss'), '.4f')} | gap {_fmt(gap.get('gap'), '+.4f')} {gap.get('fp8_note', '')} |",
         f"| world-size-1 run via the launcher ({launch['backend']}) | "
         + (f"ok, loss {launch['final_loss']:.4f}" if launch["ok"] else f"failed: {launch['error']}")
@@ -198,7 +214,11 @@ def run(args: argparse.Namespace) -> dict:
         with mfu.single_process_group(device, base):
             results["throughput"] = mfu.measure(throughput, base)
             results["fp8_slice"] = mfu.measure(slice_throughput, load_config(slice_name, slice_overrides), False)
-            results["loss_gap"] = loss_gap(base, gap_steps, gap_layers, Path(tmp), device)
+            results["loss_gap"] = _guarded(
+                "the loss gap",
+                lambda: loss_gap(base, gap_steps, gap_layers, Path(tmp), device),
+                {"steps": gap_steps, "layers": gap_layers, "bf16_final_loss": None},
+            )
             print(f"bench: loss gap: {json.dumps(results['loss_gap'])}", file=sys.stderr, flush=True)
         results["launcher"] = launcher_run(config_name, overrides, Path(tmp), device)
         print(f"bench: launcher: {json.dumps(results['launcher'])}", file=sys.stderr, flush=True)

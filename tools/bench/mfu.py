@@ -27,6 +27,8 @@ import os
 import sys
 import tempfile
 import time
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -151,7 +153,13 @@ def run_loom(config: LoomConfig, warmup: int, device: torch.device) -> tuple[lis
             rows = trainer.run()
         finally:
             trainer.close()
-    kernels = next((line for line in printed.getvalue().splitlines() if line.startswith("kernels:")), "")
+    lines = printed.getvalue().splitlines()
+    kernels = next((line for line in lines if line.startswith("kernels:")), "")
+    # Whether the blocks compiled (and in how long) or fell back to eager decides what the row's figure means.
+    compiling = next((line for line in lines if line.startswith(("model.compile", "warning: model.compile"))), "")
+    if compiling:
+        print(f"bench: {compiling}", file=sys.stderr, flush=True)
+        kernels = f"{kernels}; {compiling}" if kernels else compiling
     rates = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r][warmup:]
     mem = memory_gb(device)
     del trainer
@@ -185,14 +193,17 @@ def measure(settings: Throughput, base: LoomConfig, baselines: bool = True) -> d
             rows.append(row)
             report_row(row, time.perf_counter() - started)
 
-        config = bench_config(base, data, str(Path(tmp) / "bf16"), steps, settings.microbatches)
-        rates, mem, kernels = run_loom(config, settings.warmup, device)
-        done(Row(f"loom {precision} (defaults)", median(rates), mem, kernels, config))
-        results["kernels"] = kernels
-        done(_fp8_row(settings, base, data, tmp, steps, device))
+        def defaults_row() -> Row:
+            config = bench_config(base, data, str(Path(tmp) / "bf16"), steps, settings.microbatches)
+            rates, mem, kernels = run_loom(config, settings.warmup, device)
+            results["kernels"] = kernels
+            return Row(f"loom {precision} (defaults)", median(rates), mem, kernels, config)
+
+        done(_guarded(f"loom {precision} (defaults)", defaults_row, device))
+        done(_guarded("loom fp8", lambda: _fp8_row(settings, base, data, tmp, steps, device), device))
         if baselines:
-            done(_plain_row(settings, base, device))
-            done(_transformers_row(settings, base, device))
+            done(_guarded("plain PyTorch loop", lambda: _plain_row(settings, base, device), device))
+            done(_guarded("transformers LlamaForCausalLM", lambda: _transformers_row(settings, base, device), device))
     gemm_dtype = PARAM_DTYPES["bf16" if device.type == "cuda" else precision]
     size = settings.gemm_size or (8192 if device.type == "cuda" else 512)
     gemm = gemm_peak_tflops(device, gemm_dtype, size, repeats=50 if device.type == "cuda" else 10)
@@ -222,6 +233,18 @@ def measure(settings: Throughput, base: LoomConfig, baselines: bool = True) -> d
             }
         )
     return results
+
+
+def _guarded(name: str, make_row: Callable[[], Row], device: torch.device) -> Row:
+    """One row, or its failure as the row's note (traceback on stderr): a lent GPU is minutes long, and one row
+    that breaks (a kernel never run on this device before) must not take the others' figures with it."""
+    try:
+        return make_row()
+    except Exception as error:  # noqa: BLE001 -- reported in the row and on stderr, never swallowed
+        traceback.print_exc(file=sys.stderr)
+        note = f"failed: {type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}"
+    _free(device)  # outside the handler: the traceback's frames hold the failed run's tensors until it ends
+    return Row(name, note=note)
 
 
 def report_row(row: Row, seconds: float) -> None:
@@ -364,11 +387,11 @@ def format_table(results: dict) -> str:
         for prefix in (f"loom {results['precision']}", "loom fp8", "plain", "transformers")
     )
     lines.append("")
-    lines.append(f"ratio loom / plain loop: {loom / plain:.3f}" if plain else "ratio loom / plain loop: -")
-    lines.append(f"ratio loom / transformers: {loom / hf:.3f}" if hf else "ratio loom / transformers: -")
+    lines.append(f"ratio loom / plain loop: {loom / plain:.3f}" if loom and plain else "ratio loom / plain loop: -")
+    lines.append(f"ratio loom / transformers: {loom / hf:.3f}" if loom and hf else "ratio loom / transformers: -")
     lines.append(
         f"ratio fp8 / {results['precision']}: {fp8 / loom:.3f}"
-        if fp8
+        if fp8 and loom
         else f"ratio fp8 / {results['precision']}: - ({row_by_name(results, 'loom fp8')['note']})"
     )
     for row in results["rows"]:
