@@ -16,6 +16,11 @@ class LoomError(Exception):
     """A problem the user can fix, described in one line: what is wrong and what to do."""
 
 
+class Interrupted(Exception):
+    """A signal asked the process to stop (the launchers' `Stopped`): never a failure to report and go on from,
+    as a benchmark does with a row that raises."""
+
+
 class TrainingDiverged(LoomError):
     """The loss or gradient norm became NaN/Inf and train.nan_policy says to stop."""
 

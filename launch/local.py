@@ -26,7 +26,7 @@ from loom.engine.config import LoomConfig
 from loom.engine.config_io import config_from_dict, config_to_dict
 from loom.engine.parallel.rendezvous import free_port, rank_context
 from loom.engine.run_dir import checkpoints_of, metrics_of
-from loom.errors import is_user_error, user_message
+from loom.errors import Interrupted, is_user_error, user_message
 
 
 class RankFailed(RuntimeError):
@@ -37,7 +37,7 @@ class RankFailed(RuntimeError):
         self.rank, self.details, self.user_error, self.host = rank, details, user_error, host
 
 
-class Stopped(Exception):
+class Stopped(Interrupted):
     """The run was stopped by a signal, after the ranks checkpointed (or before training began)."""
 
     def __init__(self, signal_name: str, message: str):

@@ -144,6 +144,27 @@ def test_help_does_not_import_torch(command):
     assert result.stderr.strip().endswith("torch not imported"), result.stderr
 
 
+def test_the_rank_server_never_asks_cuda():
+    """Ranks fork from a server that imported RANK_PRELOAD; had those imports asked torch.cuda anything (even
+    is_available), CUDA refuses to start in every forked rank: on the first GPU run of 2026-11-27 inductor's import
+    did, and every `loom train` on CUDA failed. The probe counts the calls (a CPU build answers them harmlessly)."""
+    probe = (
+        "import importlib, torch\n"
+        "calls = []\n"
+        "for name in ('is_available', 'device_count', '_lazy_init'):\n"
+        "    setattr(torch.cuda, name, lambda name=name, f=getattr(torch.cuda, name): calls.append(name) or f())\n"
+        "from loom.engine.parallel.rendezvous import RANK_PRELOAD\n"
+        "for name in RANK_PRELOAD:\n    importlib.import_module(name)\n"
+        "print('CUDA asked' if calls else 'CUDA untouched', calls)"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=HANG_S)
+    assert result.stdout.startswith("CUDA untouched"), result.stdout + result.stderr[-2000:]
+    # the probe sees such a call (torch 2.11's inductor makes it at import; 2.13's does not)
+    control = probe.replace("for name in RANK_PRELOAD:\n    importlib.import_module(name)", "torch.cuda.is_available()")
+    asked = subprocess.run([sys.executable, "-c", control], capture_output=True, text=True, timeout=HANG_S)
+    assert asked.stdout.startswith("CUDA asked"), asked.stdout + asked.stderr[-2000:]
+
+
 def test_a_bf16_pipeline_run_warns_of_nothing(dataset, tmp_path):
     """Each rank used to print torch's `Mismatch dtype between input and weight` from rms_norm: stages
     received fp32 activations for bf16 weights."""

@@ -17,8 +17,8 @@ at their owner after the last step. Grouped-query attention sends only the KV he
 
 The block products are torch's flash attention kernels that return the log-sum-exp (`block_attention`: the CPU
 kernel in fp32 and bf16, CUDA's in bf16 and fp16), no scores materialised; elsewhere (fp32 on CUDA) exact fp32
-matrix products. The CPU tests compare the ring with full attention; the CUDA kernels' calls follow torch's
-signatures and have not run on a GPU yet.
+matrix products. The CPU tests compare the ring with full attention; tests/test_gpu.py the CUDA kernels' calls
+with SDPA.
 """
 
 from __future__ import annotations
@@ -125,10 +125,11 @@ def block_attention_backward(dout, q, k, v, out, lse, scale: float, causal: bool
         return tuple(g.float() for g in grads)
     if kind == "cuda":
         b, h, sq, _ = q.shape
-        cumulative = torch.empty(0, dtype=torch.int32, device=q.device)  # unused without variable lengths
         seed = offset = torch.empty(0, dtype=torch.int64, device=q.device)  # no dropout
+        # No cumulative lengths (None, as the forward returns them): a defined one, even empty, selects the
+        # variable-length kernel ("batch size must be positive", seen on an H200).
         grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse, cumulative, cumulative, sq, k.shape[2], 0.0, causal, seed, offset, scale=scale
+            dout, q, k, v, out, lse, None, None, sq, k.shape[2], 0.0, causal, seed, offset, scale=scale
         )
         return tuple(g.float() for g in grads)
     qf, kf, vf, doutf = q.float(), k.float(), v.float(), dout.float()

@@ -8,10 +8,13 @@ import socket
 import threading
 
 # Ranks fork from a server process that has imported these once (forkserver): a rank then starts in a fraction
-# of a second instead of importing torch (and torch._dynamo, which torch.optim pulls in, and inductor, which
-# compiles the blocks on a GPU by default) itself, seconds of CPU per rank. The server never runs torch code, so
-# forking from it is as clean as a spawn.
-RANK_PRELOAD = ["torch", "torch._dynamo", "torch._inductor.compile_fx", "loom.launch.env", "loom.engine.train"]
+# of a second instead of importing torch (and torch._dynamo, which torch.optim pulls in) itself, seconds of CPU
+# per rank. The server must never touch CUDA, or every rank forked from it fails at its first CUDA call
+# ("Cannot re-initialize CUDA in forked subprocess"): asking torch.cuda.is_available() is enough. Inductor is
+# not preloaded for that reason: importing torch._inductor.compile_fx asks it (torch 2.11's runtime.benchmarking),
+# which on the first GPU run of 2026-11-27 failed every local rank. tests/test_launch.py holds the list to
+# this.
+RANK_PRELOAD = ["torch", "torch._dynamo", "loom.launch.env", "loom.engine.train"]
 
 
 def rank_context():

@@ -35,6 +35,7 @@ import torch
 
 from loom.engine.config import ConfigError, LoomConfig
 from loom.engine.config_io import load_config
+from loom.errors import Interrupted
 from loom.tools.bench import mfu
 from loom.tools.synthetic_data import write_markov_dataset
 from loom.tools.train_run import train
@@ -91,6 +92,8 @@ def _guarded(what: str, measure: Callable[[], dict], failed: dict) -> dict:
     """`measure()`, or `failed` with the error as its note (traceback on stderr): the later parts still run."""
     try:
         return measure()
+    except Interrupted:  # a SIGTERM (the lease's time limit): the bench ends
+        raise
     except Exception as error:  # noqa: BLE001 -- reported in the table and on stderr, never swallowed
         traceback.print_exc(file=sys.stderr)
         print(f"bench: {what} failed: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
@@ -121,6 +124,8 @@ def launcher_run(config_name: str, overrides: dict, workdir: Path, device: torch
     start = time.perf_counter()
     try:
         rows = train(config, nproc=1)
+    except Interrupted:
+        raise
     except Exception as error:  # noqa: BLE001 -- the row says it failed; the table is written regardless
         traceback.print_exc(file=sys.stderr)
         return {

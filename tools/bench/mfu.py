@@ -42,6 +42,7 @@ from loom.engine.data.indexed import IndexedDatasetWriter
 from loom.engine.flops import model_flops_per_token, peak_tflops
 from loom.engine.metrics import memory_gb
 from loom.engine.model.kernels import PARAM_DTYPES
+from loom.errors import Interrupted
 from loom.tools.bench.plain_loop import (
     TransformersLlama,
     median,
@@ -125,7 +126,8 @@ def bench_config(base: LoomConfig, data: str, run_dir: str, steps: int, microbat
             "exit_after": 0,
             **train,
         },
-        "checkpoint": {"interval": 0, "load": None},
+        # no checkpoint at the end either: llama-1b's is ~20 GB, and writing it took ~50 s of each row on an H200
+        "checkpoint": {"interval": 0, "load": None, "save_at_end": False},
         "optim": {"warmup_steps": 0},
     }
     config = _with_overrides(base, overrides)
@@ -240,6 +242,8 @@ def _guarded(name: str, make_row: Callable[[], Row], device: torch.device) -> Ro
     that breaks (a kernel never run on this device before) must not take the others' figures with it."""
     try:
         return make_row()
+    except Interrupted:  # a SIGTERM (the lease's time limit): the bench ends
+        raise
     except Exception as error:  # noqa: BLE001 -- reported in the row and on stderr, never swallowed
         traceback.print_exc(file=sys.stderr)
         note = f"failed: {type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}"
