@@ -164,9 +164,9 @@ def _ring_seconds(bytes_: float, ranks: int, bandwidth_gb_s: float, latency_us: 
     return (ranks - 1) / ranks * bytes_ / (bandwidth_gb_s * GB) + (ranks - 1) * latency_us * 1e-6
 
 
-def _gemm_efficiency(hw: Hardware, smallest_dimension: float) -> float:
+def _gemm_efficiency(hw: Hardware, smallest_dimension: float, fp8: bool = False) -> float:
     e = hw.efficiency
-    return e["gemm"] * smallest_dimension / (smallest_dimension + e["gemm_half_size"])
+    return e["fp8_gemm" if fp8 else "gemm"] * smallest_dimension / (smallest_dimension + e["gemm_half_size"])
 
 
 def _compute_seconds(config: LoomConfig, lay: Layout, hw: Hardware, flops: TokenFlops, shape: StepShape) -> float:
@@ -176,14 +176,16 @@ def _compute_seconds(config: LoomConfig, lay: Layout, hw: Hardware, flops: Token
     peak = hw.peak_tflops[t.precision] * 1e12  # MFU's denominator, as loom train's: the training precision's
     # FP8 runs (train.fp8) do their block GEMMs in FP8; the output layer too with train.fp8_output_layer; attention
     # stays in bf16.
-    gemm_peak = hw.peak_tflops["fp8"] * 1e12 if t.fp8 != "off" and "fp8" in hw.peak_tflops else peak
-    output_peak = gemm_peak if t.fp8_output_layer else peak
+    fp8 = t.fp8 != "off" and "fp8" in hw.peak_tflops
+    gemm_peak = hw.peak_tflops["fp8"] * 1e12 if fp8 else peak
+    output_fp8 = fp8 and t.fp8_output_layer
+    output_peak = gemm_peak if output_fp8 else peak
     smallest = min(m.hidden_size / lay.tp, m.ffn_hidden_size / lay.tp, shape.local * lay.micro_batch_size)
     output = flops.output_layer
     blocks_per_token = (flops.gemm - output + flops.gemm_extra) / lay.pp + output
     return shape.last_stage_tokens * (
-        (blocks_per_token - output) / (gemm_peak * _gemm_efficiency(hw, smallest))
-        + output / (output_peak * _gemm_efficiency(hw, smallest))
+        (blocks_per_token - output) / (gemm_peak * _gemm_efficiency(hw, smallest, fp8))
+        + output / (output_peak * _gemm_efficiency(hw, smallest, output_fp8))
         + (flops.attention + flops.attention_extra) / lay.pp / (peak * hw.efficiency["attention"])
     )
 
