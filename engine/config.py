@@ -118,6 +118,12 @@ class ModelConfig:
     imports, else apex fused norms / FusedAdam when apex imports, else native PyTorch (SDPA, torch norms,
     fused AdamW); native always runs the PyTorch reference path; te requires Transformer Engine. What was
     chosen, and why, is printed at start-up and recorded in the first metrics.jsonl row."""
+    attention_backend: Literal["auto", "flash", "cudnn", "efficient"] = "auto"
+    """Which of torch SDPA's CUDA kernels computes attention: auto lets torch choose (flash attention on an H100/
+    H200); flash, cudnn (cuDNN's fused attention, Megatron's "fused") or efficient (memory-efficient) run that one
+    alone, and a shape it cannot take is an error, never a silent fall back to unfused math. CUDA only; an explicit
+    choice replaces Transformer Engine's attention, and parallel.cp > 1 (ring attention, flash kernels of its own)
+    needs auto. For measuring which is fastest on a GPU: `loom bench mfu --model.attention_backend cudnn`."""
     compile: Literal["auto", "true", "false"] = "auto"
     """torch.compile each transformer block whole (norms, rotary, attention, SwiGLU, residuals and the TP
     collectives between them: one graph for all blocks) when the kernels are native PyTorch; with Transformer

@@ -24,7 +24,7 @@ def preflight(config: LoomConfig, world_size: int, training: bool = True) -> Non
 
     adopt_lora_base(config)
     config.resolve_world(world_size)
-    if config.model.kernels == "te" or config.train.fp8 != "off":
+    if config.model.kernels == "te" or config.train.fp8 != "off" or config.model.attention_backend != "auto":
         import torch
 
         if not torch.cuda.is_available():  # where CUDA exists, each rank checks its own device

@@ -186,3 +186,36 @@ def test_ring_attention_block_kernels_on_cuda(causal):
     grads = block_attention_backward(grad, q, k, v, out.to(torch.bfloat16), lse, 64**-0.5, causal)
     for ours, theirs in zip(grads, (t.grad for t in reference), strict=True):
         assert (ours - theirs).norm() / theirs.norm() < 2e-2
+
+
+@pytest.mark.parametrize("backend", ["flash", "cudnn", "efficient"])
+def test_each_attention_backend_runs_alone_and_agrees_on_cuda(backend):
+    """model.attention_backend leaves torch SDPA that one CUDA kernel: bf16 causal attention and its gradients
+    against fp32 products written out, and a call the kernel cannot take (an explicit mask for flash) fails
+    instead of falling back to unfused math."""
+    from loom.engine.config_io import load_config
+    from loom.engine.model.kernels import choose_kernels, enable_only_sdpa_backend
+
+    generator = torch.Generator(device=CUDA).manual_seed(0)
+    q, k, v, grad = (
+        torch.randn(2, 8, 512, 64, device=CUDA, generator=generator, dtype=torch.bfloat16) for _ in range(4)
+    )
+    reference = [t.float().requires_grad_() for t in (q, k, v)]
+    scores = reference[0] @ reference[1].transpose(-1, -2) / 8
+    scores = scores.masked_fill(torch.ones(512, 512, dtype=torch.bool, device=CUDA).triu(1), float("-inf"))
+    expected = scores.softmax(-1) @ reference[2]
+    expected.backward(grad.float())
+    config = load_config("tiny", {"model": {"attention_backend": backend}, "train": {"precision": "bf16"}})
+    choose_kernels(config, CUDA)
+    try:
+        ours = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = F.scaled_dot_product_attention(*ours, is_causal=True)
+        out.backward(grad)
+        assert (out.float() - expected).norm() / expected.norm() < 1e-2
+        for mine, theirs in zip(ours, reference, strict=True):
+            assert (mine.grad.float() - theirs.grad).norm() / theirs.grad.norm() < 2e-2
+        if backend == "flash":
+            with pytest.raises(RuntimeError):
+                F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(512, 512, dtype=torch.bool, device=CUDA))
+    finally:
+        enable_only_sdpa_backend("auto")

@@ -167,6 +167,51 @@ def test_te_guard_falls_back_under_auto_and_is_one_line_error_under_te(monkeypat
         assert "\n" not in str(error.value)
 
 
+@pytest.fixture
+def sdpa_flags_restored():
+    yield
+    kernels.enable_only_sdpa_backend("auto")  # process-wide flags: later tests get torch's defaults back
+
+
+def test_attention_backend_enables_that_sdpa_kernel_alone_and_auto_gives_them_back(monkeypatch, sdpa_flags_restored):
+    monkeypatch.setattr(kernels.importlib, "import_module", _fake_import(ModuleNotFoundError(name="x")))
+    flags = torch.backends.cuda
+    enabled = lambda: (  # noqa: E731
+        flags.flash_sdp_enabled(),
+        flags.cudnn_sdp_enabled(),
+        flags.mem_efficient_sdp_enabled(),
+        flags.math_sdp_enabled(),
+    )
+    bf16 = {"precision": "bf16"}
+    for backend, expected in [("flash", (1, 0, 0, 0)), ("cudnn", (0, 1, 0, 0)), ("efficient", (0, 0, 1, 0))]:
+        chosen = choose_kernels(tiny(model={"attention_backend": backend}, train=bf16), CUDA, capability=(9, 0))
+        assert chosen.attention.impl == f"torch.sdpa({backend})" and enabled() == tuple(map(bool, expected))
+    assert choose_kernels(tiny(train=bf16), CUDA, capability=(9, 0)).attention.impl == "torch.sdpa"
+    assert enabled() == (True, True, True, True)  # torch's defaults, where the next config in the process finds them
+
+
+@pytest.mark.parametrize(
+    "model, train, device, message",
+    [
+        ({"attention_backend": "cudnn"}, {"precision": "bf16"}, CPU, "but on CPU SDPA has one kernel"),
+        ({"attention_backend": "flash"}, {"precision": "fp32"}, CUDA, "runs in bf16 or fp16, not train.precision"),
+    ],
+)
+def test_attention_backend_refusals_are_one_line(model, train, device, message):
+    with pytest.raises(ConfigError, match=message) as error:
+        choose_kernels(tiny(model=model, train=train), device, capability=(9, 0))
+    assert "\n" not in str(error.value) and str(error.value).startswith(
+        f"model.attention_backend = {model['attention_backend']}"
+    )
+    with pytest.raises(ConfigError, match="is not one of auto, flash, cudnn, efficient"):
+        tiny(model={"attention_backend": "fused"})
+    ring = tiny(model={"attention_backend": "cudnn"}, train={"precision": "bf16"}, parallel={"cp": 2})
+    with pytest.raises(
+        ConfigError, match="but parallel.cp = 2 runs ring attention; use --model.attention_backend auto"
+    ):
+        choose_kernels(ring, CUDA, capability=(9, 0))
+
+
 def test_native_never_probes_optional_packages(monkeypatch):
     def no_import(name, *args, **kwargs):
         raise AssertionError(f"imported {name}")

@@ -5,7 +5,8 @@ train.fp8, from what imports and from what the device can do, and records why fo
 (`Kernels.as_dict()`, printed at start-up and stored in metrics.jsonl). The model asks the result
 for its pieces; the optimizer for its AdamW. Preference order:
 
-  attention  Transformer Engine DotProductAttention > torch SDPA (flash / cuDNN / mem-efficient on CUDA)
+  attention  Transformer Engine DotProductAttention > torch SDPA (flash / cuDNN / mem-efficient on CUDA, torch's
+             choice unless model.attention_backend names one)
   norm       TE RMSNorm/LayerNorm > apex fused norm > torch native (torch.compile'd with model.compile)
   activation torch SwiGLU / GELU (torch.compile'd with model.compile)
   linear     TE Linear (BF16, or FP8 under TE's autocast) > FP8 on torch._scaled_mm (train.fp8 = current,
@@ -373,6 +374,16 @@ def _torch_impl(function: str, compiled: bool) -> str:
     return f"torch.compile({function})" if compiled else f"torch.{function}"
 
 
+SDPA_BACKENDS = {"flash": "flash", "cudnn": "cudnn", "efficient": "mem_efficient", "math": "math"}
+
+
+def enable_only_sdpa_backend(choice: str) -> None:
+    """torch SDPA's CUDA kernels for this process: `choice` alone (flash, cudnn, efficient: no math fallback), or
+    every one for auto (torch's defaults; a process that measures several configs must get them back)."""
+    for name, flag in SDPA_BACKENDS.items():
+        getattr(torch.backends.cuda, f"enable_{flag}_sdp")(choice == "auto" or name == choice)
+
+
 def choose_kernels(config: LoomConfig, device: torch.device, capability: tuple[int, int] | None = None) -> Kernels:
     """Decide every kernel for this run. `capability` defaults to the CUDA device's (tests pass one)."""
     m, mode = config.model, config.model.kernels
@@ -386,10 +397,26 @@ def choose_kernels(config: LoomConfig, device: torch.device, capability: tuple[i
         )
     linear = _choose_linear(config, device, capability, te_ok, te_why)
 
+    backend = m.attention_backend
+    if backend != "auto" and (not cuda or config.parallel.cp > 1):
+        where = "on CPU SDPA has one kernel" if not cuda else f"parallel.cp = {config.parallel.cp} runs ring attention"
+        raise ConfigError(
+            f"model.attention_backend = {backend} picks a CUDA kernel of torch SDPA, but {where}; "
+            "use --model.attention_backend auto"
+        )
+    if backend in ("flash", "cudnn") and config.train.precision == "fp32":
+        raise ConfigError(
+            f"model.attention_backend = {backend} runs in bf16 or fp16, not train.precision = fp32; "
+            "use --model.attention_backend efficient (or auto), or --train.precision bf16"
+        )
+    if cuda:
+        enable_only_sdpa_backend(backend)
     if config.parallel.cp > 1:
         attention = Choice(
             "loom.ring_attention", f"parallel.cp = {config.parallel.cp}: keys and values around the CP ring"
         )
+    elif backend != "auto":
+        attention = Choice(f"torch.sdpa({backend})", f"model.attention_backend = {backend}")
     elif te_ok and m.dropout == 0:
         attention = Choice("te.DotProductAttention", te_why)
     elif te_ok:

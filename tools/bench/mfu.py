@@ -70,10 +70,12 @@ class Throughput:
     """torch.compile the plain loop; None: on CUDA, not on CPU."""
     gemm_size: int | None = None
     """Square GEMM size for the measured peak; None: 8192 on CUDA, 512 on CPU."""
+    attention_backends: tuple[str, ...] = ()
+    """Rows of loom's defaults with another of SDPA's kernels alone (model.attention_backend): which is fastest."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Throughput:
-        return cls(**{field.name: getattr(args, field.name) for field in fields(cls)})
+        return cls(**{field.name: getattr(args, field.name) for field in fields(cls) if hasattr(args, field.name)})
 
 
 @dataclass
@@ -202,6 +204,9 @@ def measure(settings: Throughput, base: LoomConfig, baselines: bool = True) -> d
             return Row(f"loom {precision} (defaults)", median(rates), mem, kernels, config)
 
         done(_guarded(f"loom {precision} (defaults)", defaults_row, device))
+        for backend in settings.attention_backends:
+            row = _attention_backend_row(settings, base, data, tmp, steps, device, backend)
+            done(_guarded(f"loom {precision}, {backend} attention", row, device))
         done(_guarded("loom fp8", lambda: _fp8_row(settings, base, data, tmp, steps, device), device))
         if baselines:
             done(_guarded("plain PyTorch loop", lambda: _plain_row(settings, base, device), device))
@@ -305,6 +310,29 @@ def _fp8_row(settings: Throughput, base: LoomConfig, data: str, tmp: str, steps:
         return Row(name, note=f"skipped: {error}")
     rates, mem, kernels = run_loom(config, settings.warmup, device)
     return Row(name, median(rates), mem, kernels, config)
+
+
+def _attention_backend_row(
+    settings: Throughput, base: LoomConfig, data: str, tmp: str, steps: int, device: torch.device, backend: str
+) -> Callable[[], Row]:
+    name = f"loom {base.train.precision}, {backend} attention"
+
+    def row() -> Row:
+        try:
+            chosen = _with_overrides(base, {"model": {"attention_backend": backend}})
+            config = bench_config(chosen, data, str(Path(tmp) / backend), steps, settings.microbatches)
+            from loom.engine.model.kernels import choose_kernels, enable_only_sdpa_backend
+
+            choose_kernels(config, device)  # the same checks the Trainer makes, before any work
+        except ConfigError as error:
+            return Row(name, note=f"skipped: {error}")
+        try:
+            rates, mem, kernels = run_loom(config, settings.warmup, device)
+        finally:
+            enable_only_sdpa_backend("auto")  # the rows after this one run with torch's choice again
+        return Row(name, median(rates), mem, kernels, config)
+
+    return row
 
 
 def _loop_shape(settings: Throughput, base: LoomConfig, device: torch.device) -> dict:
