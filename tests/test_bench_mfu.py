@@ -78,7 +78,15 @@ def test_table_reports_mfu_against_both_peaks_the_ratios_and_the_plan():
 
 
 def test_bench_gpu_quick_runs_on_cpu_and_answers_every_row(tmp_path, capfd, monkeypatch):
-    """The command a GPU session runs first: here with tiny sizes, so it cannot rot before a device comes."""
+    """The command a GPU session runs first: here with tiny sizes, so it cannot rot before a device comes. A row
+    that raises (the plain loop here) is reported as failed and the others still run: on the first run of these
+    changes on an H200 a failing row would have taken the whole table with it."""
+    from loom.tools.bench import mfu
+
+    def exploding(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore lines")
+
+    monkeypatch.setattr(mfu, "_plain_row", exploding)
     output = tmp_path / "gpu.json"
     monkeypatch.chdir(tmp_path)
     result = loom_here(capfd, "bench", "gpu", "--quick", "--output", str(output))
@@ -87,8 +95,10 @@ def test_bench_gpu_quick_runs_on_cpu_and_answers_every_row(tmp_path, capfd, monk
         "GEMM peak (measured)",
         "| loom fp32 (defaults) |",
         "| loom fp8 (current) | - | skipped:",
-        "plain PyTorch loop",
+        "| plain PyTorch loop | - | failed: RuntimeError: CUDA error: an illegal memory access was encountered |",
+        "| loom fp32, cudnn attention | - | skipped: model.attention_backend = cudnn picks a CUDA kernel",
         "| loom / transformers tokens/s |",
+        "| loom / plain loop tokens/s | - |",
         "| FP8 / fp32 on the tiny slice (seq 64, micro-batch 1) | - | skipped:",
     ):
         assert row in result.stdout, result.stdout
@@ -97,6 +107,18 @@ def test_bench_gpu_quick_runs_on_cpu_and_answers_every_row(tmp_path, capfd, monk
     assert results["throughput"]["rows"][0]["tokens_per_s"] > 0 and results["fp8_slice"]["rows"][0]["tokens_per_s"] > 0
     assert results["loss_gap"]["bf16_final_loss"] > 0 and "fp8_note" in results["loss_gap"]
     assert results["launcher"]["ok"] and results["bench"] == "gpu"
+
+
+def test_a_stop_signal_ends_the_bench_rather_than_failing_a_row():
+    from loom.errors import Interrupted
+    from loom.tools.bench import mfu
+
+    def stopped():
+        raise Interrupted("stopped by SIGTERM")
+
+    with pytest.raises(Interrupted):
+        mfu.guarded(stopped, lambda why: why, torch.device("cpu"))
+    assert mfu.guarded(lambda: 1 / 0, lambda why: why, torch.device("cpu")).startswith("failed: ZeroDivisionError")
 
 
 def test_bench_results_replace_only_earlier_results(tmp_path, capfd):

@@ -81,23 +81,16 @@ def loss_gap(base: LoomConfig, steps: int, layers: int, workdir: Path, device: t
     except ConfigError as error:
         result["fp8_note"] = f"skipped: {error}"
         return result
-    fp8_loss = _guarded("the loss gap's FP8 run", lambda: {"fp8_final_loss": _loss_curve(fp8)[-1]}, {})
+    fp8_loss = _guarded(lambda: {"fp8_final_loss": _loss_curve(fp8)[-1]}, {}, device)
     result.update(fp8_loss)
     if "fp8_final_loss" in fp8_loss:
         result["gap"] = result["fp8_final_loss"] - result["bf16_final_loss"]
     return result
 
 
-def _guarded(what: str, measure: Callable[[], dict], failed: dict) -> dict:
-    """`measure()`, or `failed` with the error as its note (traceback on stderr): the later parts still run."""
-    try:
-        return measure()
-    except Interrupted:  # a SIGTERM (the lease's time limit): the bench ends
-        raise
-    except Exception as error:  # noqa: BLE001 -- reported in the table and on stderr, never swallowed
-        traceback.print_exc(file=sys.stderr)
-        print(f"bench: {what} failed: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
-        return {**failed, "fp8_note": f"failed: {type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}"}
+def _guarded(measure: Callable[[], dict], failed: dict, device: torch.device) -> dict:
+    """`measure()`, or `failed` with the error as its note: the later parts still run."""
+    return mfu.guarded(measure, lambda why: {**failed, "fp8_note": why}, device)
 
 
 def launcher_run(config_name: str, overrides: dict, workdir: Path, device: torch.device) -> dict:
@@ -227,9 +220,9 @@ def run(args: argparse.Namespace) -> dict:
             results["throughput"] = mfu.measure(throughput, base)
             results["fp8_slice"] = mfu.measure(slice_throughput, load_config(slice_name, slice_overrides), False)
             results["loss_gap"] = _guarded(
-                "the loss gap",
                 lambda: loss_gap(base, gap_steps, gap_layers, Path(tmp), device),
                 {"steps": gap_steps, "layers": gap_layers, "bf16_final_loss": None},
+                device,
             )
             print(f"bench: loss gap: {json.dumps(results['loss_gap'])}", file=sys.stderr, flush=True)
         results["launcher"] = launcher_run(config_name, overrides, Path(tmp), device)

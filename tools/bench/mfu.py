@@ -31,6 +31,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -50,6 +51,8 @@ from loom.tools.bench.plain_loop import (
     transformers_reason,
     unsupported_reason,
 )
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -242,18 +245,22 @@ def measure(settings: Throughput, base: LoomConfig, baselines: bool = True) -> d
     return results
 
 
-def _guarded(name: str, make_row: Callable[[], Row], device: torch.device) -> Row:
-    """One row, or its failure as the row's note (traceback on stderr): a lent GPU is minutes long, and one row
-    that breaks (a kernel never run on this device before) must not take the others' figures with it."""
+def guarded(make: Callable[[], T], failed: Callable[[str], T], device: torch.device) -> T:
+    """make(), or failed(why) when it raises (traceback on stderr): a lent GPU is minutes long, and one part of a
+    bench that breaks (a kernel never run on this device before) must not take the others' figures with it."""
     try:
-        return make_row()
+        return make()
     except Interrupted:  # a SIGTERM (the lease's time limit): the bench ends
         raise
-    except Exception as error:  # noqa: BLE001 -- reported in the row and on stderr, never swallowed
+    except Exception as error:  # noqa: BLE001 -- reported in the table and on stderr, never swallowed
         traceback.print_exc(file=sys.stderr)
-        note = f"failed: {type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}"
+        why = f"failed: {type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}"
     _free(device)  # outside the handler: the traceback's frames hold the failed run's tensors until it ends
-    return Row(name, note=note)
+    return failed(why)
+
+
+def _guarded(name: str, make_row: Callable[[], Row], device: torch.device) -> Row:
+    return guarded(make_row, lambda why: Row(name, note=why), device)
 
 
 def report_row(row: Row, seconds: float) -> None:
