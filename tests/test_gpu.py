@@ -1,8 +1,8 @@
-"""Checks that need a CUDA device: run them the day one is there with `pytest -m gpu` (9 of them took 181 s on an
-H200 on 2026-11-27, two of their runs shared since); without CUDA they are skipped (conftest.py). They hold what CPU tests can only approximate: compiled
-blocks train like eager ones on the GPU, FP8 trains like BF16, the loss equals F.cross_entropy on CUDA, the
-fused weight-gradient GEMM accumulates in fp32, a block is one graph there too, the planner's memory for
-llama-1b, and NCCL through the launcher.
+"""Checks that need a CUDA device: run them the day one is there with `pytest -m gpu` (9 of them took 181 s
+on an H200 on 2026-11-27, two of their runs shared since); without CUDA they are skipped (conftest.py). They
+hold what CPU tests can only approximate: compiled blocks train like eager ones on the GPU, FP8 trains like
+BF16, the loss equals F.cross_entropy on CUDA, the fused weight-gradient GEMM accumulates in fp32, a block is
+one graph there too, the planner's memory for llama-1b, NCCL through the launcher, and the attention kernels.
 """
 
 from __future__ import annotations
