@@ -333,10 +333,14 @@ def _attention_backend_row(
             choose_kernels(config, device)  # the same checks the Trainer makes, before any work
         except ConfigError as error:
             return Row(name, note=f"skipped: {error}")
+        # Tracing fixes which SDPA kernel a compiled graph calls, and dynamo does not guard on the choice: without a
+        # reset this row would reuse the defaults row's graphs (torch's choice) and measure them again.
+        torch._dynamo.reset()
         try:
             rates, mem, kernels = run_loom(config, settings.warmup, device)
         finally:
             enable_only_sdpa_backend("auto")  # the rows after this one run with torch's choice again
+            torch._dynamo.reset()
         return Row(name, median(rates), mem, kernels, config)
 
     return row
