@@ -121,9 +121,10 @@ class ModelConfig:
     attention_backend: Literal["auto", "flash", "cudnn", "efficient"] = "auto"
     """Which of torch SDPA's CUDA kernels computes attention: auto lets torch choose (flash attention on an H100/
     H200); flash, cudnn (cuDNN's fused attention, Megatron's "fused") or efficient (memory-efficient) run that one
-    alone, and a shape it cannot take is an error, never a silent fall back to unfused math. CUDA only; an explicit
-    choice replaces Transformer Engine's attention, and parallel.cp > 1 (ring attention, flash kernels of its own)
-    needs auto. For measuring which is fastest on a GPU: `loom bench mfu --model.attention_backend cudnn`."""
+    alone, and a shape it cannot take is an error, never a silent fall back to unfused math (cudnn and efficient
+    take no grouped-query heads: each KV head is repeated for its query heads). CUDA only; an explicit choice
+    replaces Transformer Engine's attention, and parallel.cp > 1 (ring attention, flash kernels of its own) needs
+    auto. For measuring which is fastest on a GPU: `loom bench mfu --model.attention_backend cudnn`."""
     compile: Literal["auto", "true", "false"] = "auto"
     """torch.compile each transformer block whole (norms, rotary, attention, SwiGLU, residuals and the TP
     collectives between them: one graph for all blocks) when the kernels are native PyTorch; with Transformer
@@ -618,6 +619,17 @@ class LoomConfig:
             )
         if refusal := self.zero_refusal(self.optim.zero):
             raise ConfigError(refusal)
+        backend = self.model.attention_backend
+        if backend != "auto" and self.parallel.cp > 1:
+            raise ConfigError(
+                f"model.attention_backend = {backend} with parallel.cp = {self.parallel.cp}: ring attention runs "
+                "flash kernels of its own; use --model.attention_backend auto"
+            )
+        if backend in ("flash", "cudnn") and self.train.precision == "fp32":
+            raise ConfigError(
+                f"model.attention_backend = {backend} runs in bf16 or fp16, not train.precision = fp32; "
+                "use --model.attention_backend efficient (or auto), or --train.precision bf16"
+            )
 
     def zero_refusal(self, zero: int) -> str | None:
         """Why this run cannot use ZeRO stage `zero` (training and the planner's search), or None."""

@@ -1,6 +1,7 @@
 """Kernel choice (engine/model/kernels.py): the native path is the reference, guards say why, FP8 maths on CPU."""
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -190,26 +191,40 @@ def test_attention_backend_enables_that_sdpa_kernel_alone_and_auto_gives_them_ba
     assert enabled() == (True, True, True, True)  # torch's defaults, where the next config in the process finds them
 
 
-@pytest.mark.parametrize(
-    "model, train, device, message",
-    [
-        ({"attention_backend": "cudnn"}, {"precision": "bf16"}, CPU, "but on CPU SDPA has one kernel"),
-        ({"attention_backend": "flash"}, {"precision": "fp32"}, CUDA, "runs in bf16 or fp16, not train.precision"),
-    ],
-)
-def test_attention_backend_refusals_are_one_line(model, train, device, message):
-    with pytest.raises(ConfigError, match=message) as error:
-        choose_kernels(tiny(model=model, train=train), device, capability=(9, 0))
-    assert "\n" not in str(error.value) and str(error.value).startswith(
-        f"model.attention_backend = {model['attention_backend']}"
-    )
-    with pytest.raises(ConfigError, match="is not one of auto, flash, cudnn, efficient"):
+def test_attention_backend_refusals_are_one_line():
+    """On CPU when the kernels are chosen; with ring attention or flash/cudnn in fp32 as the config loads (a GPU
+    host's launcher refuses it before any rank starts), and a value that is not a backend."""
+    with pytest.raises(ConfigError) as on_cpu:
+        choose_kernels(tiny(model={"attention_backend": "cudnn"}, train={"precision": "bf16"}), CPU)
+    cases = [
+        ({"train": {"precision": "fp32"}}, "model.attention_backend = flash runs in bf16 or fp16, not train.precision"),
+        ({"parallel": {"cp": 2}}, "model.attention_backend = flash with parallel.cp = 2: ring attention runs"),
+    ]
+    refusals = [str(on_cpu.value)]
+    for sections, message in cases:
+        with pytest.raises(ConfigError, match=message) as error:
+            tiny(model={"attention_backend": "flash"}, **sections)
+        refusals.append(str(error.value))
+    with pytest.raises(ConfigError, match="is not one of auto, flash, cudnn, efficient") as error:
         tiny(model={"attention_backend": "fused"})
-    ring = tiny(model={"attention_backend": "cudnn"}, train={"precision": "bf16"}, parallel={"cp": 2})
-    with pytest.raises(
-        ConfigError, match="but parallel.cp = 2 runs ring attention; use --model.attention_backend auto"
-    ):
-        choose_kernels(ring, CUDA, capability=(9, 0))
+    refusals.append(str(error.value))
+    assert refusals[0].endswith("on CPU SDPA has one kernel; use --model.attention_backend auto")
+    assert all("\n" not in refusal for refusal in refusals)
+
+
+def test_cudnn_and_efficient_attention_repeat_grouped_kv_heads_as_enable_gqa_would():
+    """torch's cuDNN and memory-efficient kernels take no grouped-query heads, so under those backends the block
+    repeats each KV head for its query heads: the same logits as SDPA's grouped-query call (CPU, fp32)."""
+    grouped = tiny(model={**SMALL, "num_kv_heads": 2})
+    logits = {}
+    for backend in ("auto", "cudnn"):
+        config = dataclasses.replace(grouped.model, attention_backend=backend)
+        model = GPTModel(config, None)
+        initialize_parameters(model, seed=7, tp_rank=0, tp_size=1)
+        assert model.layers["0"].attention.repeat_kv == (backend == "cudnn")
+        tokens = torch.randint(0, config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+        logits[backend] = model(tokens)
+    torch.testing.assert_close(logits["cudnn"], logits["auto"], rtol=1e-6, atol=1e-6)
 
 
 def test_native_never_probes_optional_packages(monkeypatch):

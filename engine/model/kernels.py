@@ -397,17 +397,11 @@ def choose_kernels(config: LoomConfig, device: torch.device, capability: tuple[i
         )
     linear = _choose_linear(config, device, capability, te_ok, te_why)
 
-    backend = m.attention_backend
-    if backend != "auto" and (not cuda or config.parallel.cp > 1):
-        where = "on CPU SDPA has one kernel" if not cuda else f"parallel.cp = {config.parallel.cp} runs ring attention"
+    backend = m.attention_backend  # its device-independent refusals are LoomConfig's
+    if backend != "auto" and not cuda:
         raise ConfigError(
-            f"model.attention_backend = {backend} picks a CUDA kernel of torch SDPA, but {where}; "
+            f"model.attention_backend = {backend} picks a CUDA kernel of torch SDPA, but on CPU SDPA has one kernel; "
             "use --model.attention_backend auto"
-        )
-    if backend in ("flash", "cudnn") and config.train.precision == "fp32":
-        raise ConfigError(
-            f"model.attention_backend = {backend} runs in bf16 or fp16, not train.precision = fp32; "
-            "use --model.attention_backend efficient (or auto), or --train.precision bf16"
         )
     if cuda:
         enable_only_sdpa_backend(backend)

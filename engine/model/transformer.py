@@ -110,6 +110,10 @@ class Attention(torch.nn.Module):
         self.head_dim = config.head_dim
         self.local_heads = config.num_heads // tp
         self.local_kv_heads = config.num_kv_heads // tp
+        # torch's cuDNN and memory-efficient kernels take no grouped-query heads (enable_gqa is flash's and math's
+        # alone): for them each KV head is repeated for its query heads first, as transformers' eager attention does.
+        grouped = self.local_kv_heads != self.local_heads
+        self.repeat_kv = grouped and config.attention_backend in ("cudnn", "efficient")
         self.dropout, self.streams = config.dropout, streams
         self.selective_recompute = config.recompute == "selective"
         q_size, kv_size = config.num_heads * self.head_dim, config.num_kv_heads * self.head_dim
@@ -140,10 +144,12 @@ class Attention(torch.nn.Module):
         if self.fused_attention is not None:  # TE: takes and returns the [s, b, ...] layout directly
             return self.fused_attention(q, k, v)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        if self.repeat_kv:
+            k, v = (t.repeat_interleave(self.local_heads // self.local_kv_heads, dim=1) for t in (k, v))
         dropout = self.dropout if self.training else 0.0
         with self.streams.fork("tensor") if (dropout and self.streams) else contextlib.nullcontext():
             out = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=self.local_kv_heads != self.local_heads
+                q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=k.shape[1] != self.local_heads
             )
         return out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)
 
