@@ -34,12 +34,12 @@ measure | tests | profile)
     export PYTHONPATH=/tmp/loom-site
     nvidia-smi --query-gpu=name,memory.total,power.limit --format=csv >"$out/gpu.csv" 2>&1
     python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" >>"$out/status.txt" 2>&1
-    left() { # seconds left of MEASURE_SECONDS, at least 10 (timeout refuses a negative limit)
-        local s=$((${MEASURE_SECONDS:-585} - SECONDS))
+    left() { # seconds left of MEASURE_SECONDS, less $1, at least 10 (timeout refuses a negative limit; 0 is none)
+        local s=$((${MEASURE_SECONDS:-585} - SECONDS - ${1:-0}))
         echo $((s > 10 ? s : 10))
     }
     if [ "$1" = measure ]; then
-        timeout $(($(left) - ${TESTS_SECONDS:-150})) python3 -m loom.launch.cli bench gpu --output "$out/bench_gpu.json" \
+        timeout "$(left "${TESTS_SECONDS:-150}")" python3 -m loom.launch.cli bench gpu --output "$out/bench_gpu.json" \
             >"$out/bench_gpu.md" 2>"$out/bench_gpu.log"
         echo "bench gpu: exit $? (124: cut short; finished rows are in bench_gpu.log)" >>"$out/status.txt"
         timeout "$(left)" python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py >"$out/pytest_gpu.txt" 2>&1

@@ -96,7 +96,7 @@ def test_bench_gpu_quick_runs_on_cpu_and_answers_every_row(tmp_path, capfd, monk
         "| loom fp32 (defaults) |",
         "| loom fp8 (current) | - | skipped:",
         "| plain PyTorch loop | - | failed: RuntimeError: CUDA error: an illegal memory access was encountered |",
-        "| loom fp32, cudnn attention | - | skipped: model.attention_backend = cudnn picks a CUDA kernel",
+        "| loom fp32, cudnn attention | - | skipped: model.attention_backend = cudnn",
         "| loom / transformers tokens/s |",
         "| loom / plain loop tokens/s | - |",
         "| FP8 / fp32 on the tiny slice (seq 64, micro-batch 1) | - | skipped:",
@@ -106,7 +106,7 @@ def test_bench_gpu_quick_runs_on_cpu_and_answers_every_row(tmp_path, capfd, monk
     results = json.loads(output.read_text())
     assert results["throughput"]["rows"][0]["tokens_per_s"] > 0 and results["fp8_slice"]["rows"][0]["tokens_per_s"] > 0
     assert results["loss_gap"]["bf16_final_loss"] > 0 and "fp8_note" in results["loss_gap"]
-    assert results["launcher"]["ok"] and results["bench"] == "gpu"
+    assert results["launcher"]["ok"] and results["bench"] == "gpu" and results["complete"]
 
 
 def test_a_stop_signal_ends_the_bench_rather_than_failing_a_row():

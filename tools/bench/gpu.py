@@ -27,7 +27,6 @@ import json
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,7 +34,6 @@ import torch
 
 from loom.engine.config import ConfigError, LoomConfig
 from loom.engine.config_io import load_config
-from loom.errors import Interrupted
 from loom.tools.bench import mfu
 from loom.tools.synthetic_data import write_markov_dataset
 from loom.tools.train_run import train
@@ -115,19 +113,15 @@ def launcher_run(config_name: str, overrides: dict, workdir: Path, device: torch
     config = load_config(config_name, sections)
     backend = "nccl" if device.type == "cuda" else "gloo"
     start = time.perf_counter()
-    try:
+
+    def trained() -> dict:
         rows = train(config, nproc=1)
-    except Interrupted:
-        raise
-    except Exception as error:  # noqa: BLE001 -- the row says it failed; the table is written regardless
-        traceback.print_exc(file=sys.stderr)
-        return {
-            "backend": backend,
-            "ok": False,
-            "seconds": time.perf_counter() - start,
-            "error": (str(error).splitlines() or [type(error).__name__])[-1],
-        }
-    return {"backend": backend, "ok": True, "seconds": time.perf_counter() - start, "final_loss": rows[-1]["loss"]}
+        return {"backend": backend, "ok": True, "seconds": time.perf_counter() - start, "final_loss": rows[-1]["loss"]}
+
+    def failed(why: str) -> dict:
+        return {"backend": backend, "ok": False, "seconds": time.perf_counter() - start, "error": why}
+
+    return mfu.guarded(trained, failed, device)
 
 
 def _fmt(value, spec: str = ".3f", suffix: str = "") -> str:
@@ -198,7 +192,7 @@ def format_markdown(results: dict) -> str:
         f"| loss after {gap['steps']} steps ({gap['layers']} layers) | BF16 {_fmt(gap['bf16_final_loss'], '.4f')}, FP8 "
         f"{_fmt(gap.get('fp8_final_loss'), '.4f')} | gap {_fmt(gap.get('gap'), '+.4f')} {gap.get('fp8_note', '')} |",
         f"| world-size-1 run via the launcher ({launch['backend']}) | "
-        + (f"ok, loss {launch['final_loss']:.4f}" if launch["ok"] else f"failed: {launch['error']}")
+        + (f"ok, loss {launch['final_loss']:.4f}" if launch["ok"] else launch["error"])
         + f" | {launch['seconds']:.0f} s |",
     ]
     return "\n".join(lines)
@@ -215,20 +209,23 @@ def run(args: argparse.Namespace) -> dict:
     throughput = mfu.Throughput(steps=steps, warmup=warmup, microbatches=microbatches, attention_backends=("cudnn",))
     slice_throughput = dataclasses.replace(throughput, microbatches=slice_microbatches, attention_backends=())
     results = {"bench": "gpu", "config": config_name, "quick": args.quick, "slice_config": slice_name}
-    with tempfile.TemporaryDirectory() as tmp:
-        with mfu.single_process_group(device, base):
-            results["throughput"] = mfu.measure(throughput, base)
-            results["fp8_slice"] = mfu.measure(slice_throughput, load_config(slice_name, slice_overrides), False)
-            results["loss_gap"] = _guarded(
-                lambda: loss_gap(base, gap_steps, gap_layers, Path(tmp), device),
-                {"steps": gap_steps, "layers": gap_layers, "bf16_final_loss": None},
-                device,
-            )
-            print(f"bench: loss gap: {json.dumps(results['loss_gap'])}", file=sys.stderr, flush=True)
-        results["launcher"] = launcher_run(config_name, overrides, Path(tmp), device)
-        print(f"bench: launcher: {json.dumps(results['launcher'])}", file=sys.stderr, flush=True)
-    print(format_markdown(results), flush=True)
     output = Path(args.output or DEFAULT_OUTPUT)
-    output.write_text(json.dumps(results, indent=2) + "\n")
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            with mfu.single_process_group(device, base):
+                results["throughput"] = mfu.measure(throughput, base)
+                results["fp8_slice"] = mfu.measure(slice_throughput, load_config(slice_name, slice_overrides), False)
+                results["loss_gap"] = _guarded(
+                    lambda: loss_gap(base, gap_steps, gap_layers, Path(tmp), device),
+                    {"steps": gap_steps, "layers": gap_layers, "bf16_final_loss": None},
+                    device,
+                )
+                print(f"bench: loss gap: {json.dumps(results['loss_gap'])}", file=sys.stderr, flush=True)
+            results["launcher"] = launcher_run(config_name, overrides, Path(tmp), device)
+            print(f"bench: launcher: {json.dumps(results['launcher'])}", file=sys.stderr, flush=True)
+        results["complete"] = True
+    finally:  # stopped part-way (a lease's limit): the parts that finished are kept, "complete" absent
+        output.write_text(json.dumps(results, indent=2) + "\n")
+    print(format_markdown(results), flush=True)
     print(f"wrote {output}")
     return results

@@ -212,6 +212,10 @@ def measure(settings: Throughput, base: LoomConfig, baselines: bool = True) -> d
             done(_guarded(f"loom {precision}, {backend} attention", row, device))
         done(_guarded("loom fp8", lambda: _fp8_row(settings, base, data, tmp, steps, device), device))
         if baselines:
+            if device.type == "cuda":  # the baselines run with torch's choice of attention kernel, whatever loom's was
+                from loom.engine.model.kernels import enable_only_sdpa_backend
+
+                enable_only_sdpa_backend("auto")
             done(_guarded("plain PyTorch loop", lambda: _plain_row(settings, base, device), device))
             done(_guarded("transformers LlamaForCausalLM", lambda: _transformers_row(settings, base, device), device))
     gemm_dtype = PARAM_DTYPES["bf16" if device.type == "cuda" else precision]
@@ -255,7 +259,10 @@ def guarded(make: Callable[[], T], failed: Callable[[str], T], device: torch.dev
     except Exception as error:  # noqa: BLE001 -- reported in the table and on stderr, never swallowed
         traceback.print_exc(file=sys.stderr)
         why = f"failed: {type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}"
-    _free(device)  # outside the handler: the traceback's frames hold the failed run's tensors until it ends
+    try:
+        _free(device)  # outside the handler: the traceback's frames hold the failed run's tensors until it ends
+    except Exception:  # noqa: BLE001 -- a sticky CUDA error (an illegal access) fails every later CUDA call too
+        traceback.print_exc(file=sys.stderr)
     return failed(why)
 
 
