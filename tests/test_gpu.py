@@ -223,13 +223,18 @@ def test_ring_attention_block_kernels_on_cuda(causal):
 
 
 @pytest.mark.parametrize("backend", ["flash", "cudnn", "efficient"])
-def test_each_attention_backend_runs_alone_and_agrees_on_cuda(backend):
-    """model.attention_backend leaves torch SDPA that one CUDA kernel: bf16 causal attention and its gradients
-    against fp32 products written out, and a call the kernel cannot take (an explicit mask for flash) fails
-    instead of falling back to unfused math."""
+def test_each_attention_backend_runs_alone_and_agrees_on_cuda(backend, dataset, tmp_path):
+    """model.attention_backend leaves torch SDPA that one CUDA kernel (torch's own choice says so): bf16 causal
+    attention and its gradients against fp32 products written out; a call the kernel cannot take (an explicit mask
+    for flash) fails instead of falling back to unfused math; and 3 eager steps of the tiny model (grouped-query
+    heads, which cudnn and efficient get repeated) train like torch's choice."""
+    from torch.nn.attention import SDPBackend
+
     from loom.engine.config_io import load_config
     from loom.engine.model.kernels import choose_kernels, enable_only_sdpa_backend
 
+    kernel = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+    kernel["efficient"] = SDPBackend.EFFICIENT_ATTENTION
     generator = torch.Generator(device=CUDA).manual_seed(0)
     q, k, v, grad = (
         torch.randn(2, 8, 512, 64, device=CUDA, generator=generator, dtype=torch.bfloat16) for _ in range(4)
@@ -242,6 +247,7 @@ def test_each_attention_backend_runs_alone_and_agrees_on_cuda(backend):
     config = load_config("tiny", {"model": {"attention_backend": backend}, "train": {"precision": "bf16"}})
     choose_kernels(config, CUDA)
     try:
+        assert torch._fused_sdp_choice(q, k, v, is_causal=True) == int(kernel[backend])
         ours = [t.clone().requires_grad_() for t in (q, k, v)]
         out = F.scaled_dot_product_attention(*ours, is_causal=True)
         out.backward(grad)
@@ -253,3 +259,8 @@ def test_each_attention_backend_runs_alone_and_agrees_on_cuda(backend):
                 F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(512, 512, dtype=torch.bool, device=CUDA))
     finally:
         enable_only_sdpa_backend("auto")
+    eager = {"compile": "false"}
+    chosen = _train(dataset, tmp_path / backend, 3, model={**eager, "attention_backend": backend})
+    torch_choice = _train(dataset, tmp_path / "auto", 3, model=eager)
+    for a, b in zip(chosen, torch_choice, strict=True):
+        assert abs(a - b) / b < 1e-2

@@ -155,10 +155,13 @@ def test_the_rank_server_never_asks_cuda():
         "    setattr(torch.cuda, name, lambda name=name, f=getattr(torch.cuda, name): calls.append(name) or f())\n"
         "from loom.engine.parallel.rendezvous import RANK_PRELOAD\n"
         "for name in RANK_PRELOAD:\n    importlib.import_module(name)\n"
-        "print('CUDA asked' if calls else 'CUDA untouched', calls)"
+        "import sys\n"
+        "asker = 'torch._inductor.runtime.benchmarking' in sys.modules\n"
+        "print('CUDA asked' if calls else 'CUDA untouched', calls, asker)"
     )
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=HANG_S)
-    assert result.stdout.startswith("CUDA untouched"), result.stdout + result.stderr[-2000:]
+    # and, whatever this torch asks at import, not the module that asked under 2.11 (CI runs 2.13, which does not)
+    assert result.stdout.startswith("CUDA untouched [] False"), result.stdout + result.stderr[-2000:]
     # the probe sees such a call (torch 2.11's inductor makes it at import; 2.13's does not)
     control = probe.replace("for name in RANK_PRELOAD:\n    importlib.import_module(name)", "torch.cuda.is_available()")
     asked = subprocess.run([sys.executable, "-c", control], capture_output=True, text=True, timeout=HANG_S)
