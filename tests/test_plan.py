@@ -1,6 +1,6 @@
-"""loom plan's time model against published runs (Megatron-LM's H100 weak-scaling table, which calibrated the
-constants, and runs it never saw, loom's own on an H200), and the command. Its bytes against what loom's ranks
-allocate, save and send: test_plan_bytes.py."""
+"""loom plan's time model against published runs (Megatron-LM's H100 weak-scaling table and loom's own runs on an
+H200, which calibrated the constants together; NeMo's FP8 table, which fitted fp8_gemm with loom's FP8 run; runs no
+fit saw), and the command. Its bytes against what loom's ranks allocate, save and send: test_plan_bytes.py."""
 
 import dataclasses
 import json
@@ -82,7 +82,7 @@ NEMO_FP8_H100 = {
 
 
 @pytest.mark.parametrize("name", list(NEMO_FP8_H100))
-def test_fp8_runs_the_calibration_never_saw(name):
+def test_fp8_against_nemo_table(name):
     """Another precision and another engine release: FP8 GEMMs at the FP8 peak and fp8_gemm (fitted with loom's
     FP8 run on an H200 and these rows: llama2-7b -5%, llama2-70b 0%, gpt3-175b +4%; at bf16's gemm they were +3%,
     +10%, +15%). The same table's gpt3-175b on 512
