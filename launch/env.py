@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from loom.engine.config import LoomConfig
+from loom.engine.config import ConfigError, LoomConfig
 from loom.engine.cuda_env import set_cuda_env_defaults
 from loom.engine.metrics import perplexity
 from loom.engine.run_lock import RunLock
@@ -26,6 +26,19 @@ def choose_backend(requested: str, device: str) -> str:
         return requested
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     return "nccl" if use_cuda else "gloo"
+
+
+def check_local_ranks_fit_the_gpus(config: LoomConfig, nproc: int) -> None:
+    """NCCL runs one rank per GPU: more ranks on this machine than it shows GPUs would share one and fail at the
+    first collective with NCCL's own error, which names neither the cause nor the remedy."""
+    if choose_backend(config.parallel.backend, config.train.device) != "nccl":
+        return
+    gpus = torch.cuda.device_count()
+    if nproc > gpus:
+        raise ConfigError(
+            f"--nproc {nproc} NCCL ranks on a machine that shows {gpus} GPU(s): NCCL runs one rank per GPU; "
+            f"use --nproc {gpus} or fewer (each rank on its own GPU), or --train.device cpu (gloo ranks)"
+        )
 
 
 class StopSignals:

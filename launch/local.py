@@ -147,6 +147,9 @@ def _rank_main(
 def launch_local(config: LoomConfig, nproc: int, grace_s: float = 2.0, mode: str = "train") -> None:
     """Run training (or evaluation, mode "eval") on `nproc` local ranks; raises RankFailed with the
     first failing rank's error."""
+    from loom.launch.env import check_local_ranks_fit_the_gpus
+
+    check_local_ranks_fit_the_gpus(config, nproc)
     ctx = rank_context()
     errors = ctx.Queue()
     port = free_port()

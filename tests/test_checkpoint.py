@@ -434,3 +434,25 @@ def test_fp8_scaling_state_resumes_under_another_layout(dataset, tmp_path):
     for stage in resumed:
         for name, (history, scale) in stage.items():
             assert torch.equal(history, saved[0][name][0]) and torch.equal(scale, saved[0][name][1])
+
+
+def test_a_resumed_step_sits_where_the_optimizer_kernel_takes_it():
+    """torch's fused (and capturable) AdamW takes its step on the parameters' device, the others on the host, as
+    torch's own load_state_dict places it; a host step failed CUDA's fused AdamW at the first resumed step (the
+    device here is "meta", standing for a GPU the CPU cannot have)."""
+    from loom.engine.checkpoint.load import step_value
+
+    param = torch.nn.Parameter(torch.zeros(4))
+    master_on_a_device = torch.empty(4, device="meta")
+    fused, foreach = (torch.optim.AdamW([param], **kind) for kind in ({"fused": True}, {"foreach": True}))
+    on_device, on_host = step_value(fused, 3, master_on_a_device), step_value(foreach, 3, master_on_a_device)
+    assert (on_device.device.type, on_host.device.type) == ("meta", "cpu")
+    assert on_host.dtype == on_device.dtype == torch.float32 and on_host.item() == 3.0
+
+
+def test_random_streams_resume_only_onto_generators_of_their_kind():
+    from loom.engine.checkpoint.load import same_generators
+
+    cpu = {"torch": torch.get_rng_state(), "tensor": torch.Generator().manual_seed(1).get_state()}
+    cuda_like = {"torch": torch.get_rng_state(), "tensor": torch.zeros(16, dtype=torch.uint8)}  # a CUDA state's size
+    assert same_generators(cpu, cpu) and not same_generators(cpu, cuda_like) and not same_generators(cuda_like, cpu)

@@ -258,6 +258,13 @@ def test_fp8_guard_says_why_it_is_off(monkeypatch):
         )
     with pytest.raises(ConfigError, match="train.fp8 = current needs train.precision = bf16"):
         tiny(train={"fp8": "current"})
+    # a CP rank's GEMMs see seq_length / cp tokens: 1040 x 1 is a multiple of 16, each of 2 CP ranks' 520 is not
+    ring = {"seq_length": 1040, "micro_batch_size": 1, "precision": "bf16", "fp8": "current"}
+    ring_config = tiny(model={"max_position_embeddings": 1040}, train=ring, parallel={"cp": 2})
+    with pytest.raises(
+        ConfigError, match=r"tokens per micro-batch on a CP rank \(seq_length / cp \* micro_batch_size\) = 520"
+    ):
+        choose_kernels(ring_config, CUDA, capability=(9, 0))
 
 
 def test_fp8_quantisation_maps_amax_to_the_format_maximum_and_round_trips():

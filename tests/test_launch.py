@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from training_runs import HANG_S, fails_if_hung, loom_here, read_metrics, tiny_config
 
+from loom.engine.config import ConfigError
 from loom.launch.local import RankFailed, launch_local
 
 LOOM = [sys.executable, "-m", "loom.launch.cli"]
@@ -192,3 +193,17 @@ def test_cuda_environment_for_transformer_engine_tensor_parallel():
     native = load_config("tiny", {"parallel": {"tp": 2}, "model": {"kernels": "native"}})
     assert "CUDA_DEVICE_MAX_CONNECTIONS" not in cuda_env_defaults(native)
     assert "CUDA_DEVICE_MAX_CONNECTIONS" not in cuda_env_defaults(load_config("tiny"))
+
+
+def test_more_nccl_ranks_than_gpus_is_refused_before_any_starts(dataset, tmp_path, monkeypatch):
+    """Two NCCL ranks on a one-GPU machine shared cuda:0 and would fail at the first collective with NCCL's own
+    error; the launcher refuses them in one line, naming what to do (the GPU count is pretended: this CPU has none)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    config = tiny_config(dataset, tmp_path / "run", parallel={"backend": "nccl"})
+    config.resolve_world(2)
+    children_before = set(multiprocessing.active_children())
+    with pytest.raises(ConfigError, match=r"^--nproc 2 NCCL ranks on a machine that shows 1 GPU\(s\): .* --nproc 1"):
+        launch_local(config, 2)
+    assert set(multiprocessing.active_children()) == children_before and not (tmp_path / "run").exists()

@@ -280,11 +280,17 @@ def _load_segments(
                 seg.master.copy_(piece)
     if saved_states - {"master"}:
         for seg in segments:
-            optimizer.inner.state[seg.master]["step"] = _step_value(optimizer.inner, metadata.optimizer_step)
+            optimizer.inner.state[seg.master]["step"] = step_value(optimizer.inner, metadata.optimizer_step, seg.master)
 
 
-def _step_value(inner, step: int):
-    return step if isinstance(inner, (Lamb, Adafactor)) else torch.tensor(float(step))
+def step_value(inner, step: int, master: torch.Tensor):
+    """The optimizer state's step as `inner` keeps it: an int for loom's own algorithms; for torch's, an fp32
+    tensor on the host, or on the master's device for the fused (and capturable) kernels, which take it there
+    (torch's own load_state_dict places it so; a host step failed CUDA's fused AdamW at the first resumed step)."""
+    if isinstance(inner, (Lamb, Adafactor)):
+        return step
+    on_device = any(group.get("fused") or group.get("capturable") for group in inner.param_groups)
+    return torch.tensor(float(step), dtype=torch.float32, device=master.device if on_device else "cpu")
 
 
 def _restore_loop_state(state: TrainingState, reader: PieceReader, metadata: CheckpointMetadata) -> None:
@@ -300,4 +306,13 @@ def _restore_loop_state(state: TrainingState, reader: PieceReader, metadata: Che
         tp=p.tp_size, pp=p.pp_size, dp=p.dp_size, vp=p.vp_size, cp=p.cp_size
     )
     if same_layout and all(key in metadata.index for key in keys.values()):  # streams belong to ranks of one layout
-        state.rng.load_state_dict({name: reader.tensor(key) for name, key in keys.items()})
+        saved = {name: reader.tensor(key) for name, key in keys.items()}
+        if same_generators(saved, state.rng.state_dict()):
+            state.rng.load_state_dict(saved)
+
+
+def same_generators(saved: dict[str, torch.Tensor], current: dict[str, torch.Tensor]) -> bool:
+    """Whether a checkpoint's random streams are states of this run's generators: a run resumed on another device
+    (trained on CPU, resumed on CUDA) has generators of another kind, whose states another cannot take (CUDA's
+    refused the CPU's 5,056 bytes at the first dropout mask); its streams then start from their seeds."""
+    return all(saved[name].shape == state.shape for name, state in current.items())

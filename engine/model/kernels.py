@@ -306,13 +306,16 @@ class Kernels:
 
 def check_fp8_shapes(config: LoomConfig) -> None:
     """FP8 GEMMs (TE's and torch._scaled_mm) need every matrix dimension divisible by 16."""
-    m, t, tp = config.model, config.train, config.parallel.tp
+    m, t, tp, cp = config.model, config.train, config.parallel.tp, config.parallel.cp
+    tokens = "tokens per micro-batch (seq_length * micro_batch_size)"
+    if cp > 1:  # each CP rank's GEMMs see its share of the sequence
+        tokens = "tokens per micro-batch on a CP rank (seq_length / cp * micro_batch_size)"
     sizes = {
         "model.hidden_size": m.hidden_size,
         "query width per TP rank": m.num_heads * m.head_dim // tp,
         "key/value width per TP rank": m.num_kv_heads * m.head_dim // tp,
         "model.ffn_hidden_size per TP rank": m.ffn_hidden_size // tp,
-        "tokens per micro-batch (seq_length * micro_batch_size)": t.seq_length * t.micro_batch_size,
+        tokens: t.seq_length // cp * t.micro_batch_size,
     }
     if t.fp8_output_layer:
         padded = padded_vocab_size(m.vocab_size, m.make_vocab_divisible_by, tp)

@@ -87,15 +87,18 @@ def add_adapters(chunk: torch.nn.Module, config: LoraConfig, streams: RNGStreams
 def parameter_counts(chunks: list[torch.nn.Module], pp_group, pp_size: int) -> tuple[int, int]:
     """(trainable, total) parameters of the whole model: logical sizes, each weight counted once."""
     trainable = total = 0
+    device = torch.device("cpu")
     for chunk in chunks:
         for param in chunk.parameters():
             info = param_info(param)
+            device = param.device
             if info.tied_copy:
                 continue
             count = math.prod(info.shard_spec.full_shape)
             total += count
             trainable += count if param.requires_grad else 0
-    counts = torch.tensor([trainable, total], dtype=torch.float64)
+    # on the parameters' device: an NCCL group reduces CUDA tensors only (a host tensor failed LoRA under pp > 1)
+    counts = torch.tensor([trainable, total], dtype=torch.float64, device=device)
     if pp_size > 1:
         dist.all_reduce(counts, group=pp_group)
     return int(counts[0]), int(counts[1])
