@@ -230,8 +230,10 @@ class DistributedOptimizer:
         global gradient norm on the device, for the caller to read together with its loss in one transfer."""
         for seg, grad in zip(self.segments, self._grads(), strict=True):
             if self.offload:
-                if seg.host_grad is None:
-                    seg.host_grad = torch.empty_like(seg.master)
+                if seg.host_grad is None:  # pinned like the master: empty_like does not carry pinning, and a copy
+                    # into pageable memory is neither asynchronous nor overlapped (a bounce buffer, one at a time)
+                    pinned = seg.master.is_pinned()
+                    seg.host_grad = torch.empty(seg.master.shape, dtype=seg.master.dtype, pin_memory=pinned)
                 seg.master.grad = seg.host_grad.copy_(grad, non_blocking=True)
             elif not seg.aliases_param:
                 seg.master.grad = grad
