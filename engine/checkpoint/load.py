@@ -286,7 +286,7 @@ def _load_segments(
 def step_value(inner, step: int, master: torch.Tensor):
     """The optimizer state's step as `inner` keeps it: an int for loom's own algorithms; for torch's, an fp32
     tensor on the host, or on the master's device for the fused (and capturable) kernels, which take it there
-    (torch's own load_state_dict places it so; a host step failed CUDA's fused AdamW at the first resumed step)."""
+    (torch's own load_state_dict places it so; CUDA's fused AdamW refuses a host step, at the first resumed step)."""
     if isinstance(inner, (Lamb, Adafactor)):
         return step
     on_device = any(group.get("fused") or group.get("capturable") for group in inner.param_groups)
@@ -314,5 +314,6 @@ def _restore_loop_state(state: TrainingState, reader: PieceReader, metadata: Che
 def same_generators(saved: dict[str, torch.Tensor], current: dict[str, torch.Tensor]) -> bool:
     """Whether a checkpoint's random streams are states of this run's generators: a run resumed on another device
     (trained on CPU, resumed on CUDA) has generators of another kind, whose states another cannot take (CUDA's
-    refused the CPU's 5,056 bytes at the first dropout mask); its streams then start from their seeds."""
+    takes 16 bytes, not the CPU's 5,056, and would refuse them at the first dropout mask); its streams then start
+    from their seeds."""
     return all(saved[name].shape == state.shape for name, state in current.items())

@@ -97,7 +97,7 @@ def parameter_counts(chunks: list[torch.nn.Module], pp_group, pp_size: int) -> t
             count = math.prod(info.shard_spec.full_shape)
             total += count
             trainable += count if param.requires_grad else 0
-    # on the parameters' device: an NCCL group reduces CUDA tensors only (a host tensor failed LoRA under pp > 1)
+    # on the parameters' device: an NCCL group reduces CUDA tensors only (it refuses a host tensor under pp > 1)
     counts = torch.tensor([trainable, total], dtype=torch.float64, device=device)
     if pp_size > 1:
         dist.all_reduce(counts, group=pp_group)
