@@ -16,8 +16,10 @@ from loom.engine.config import ConfigError, LoomConfig
 from loom.engine.run_dir import CONFIG, METRICS, checkpoints_of
 
 
-def preflight(config: LoomConfig, world_size: int, training: bool = True) -> None:
-    """Everything that can be checked before a process group starts (`training` False: for an evaluation)."""
+def preflight(config: LoomConfig, world_size: int, training: bool = True, ranks_have_cuda: bool | None = None) -> None:
+    """Everything that can be checked before a process group starts (`training` False: for an evaluation).
+    `ranks_have_cuda`: whether the ranks will find a GPU; None: they run on this machine, which says (`loom submit`
+    asks the partition: a login node without GPUs must not refuse FP8 for a job that runs on GPU nodes)."""
     from loom.engine.data.indexed import IndexedDataset
     from loom.engine.data.loader import check_splits
     from loom.engine.data.token_range import check_dataset_token_ids, check_ids_within_tokenizer
@@ -27,10 +29,14 @@ def preflight(config: LoomConfig, world_size: int, training: bool = True) -> Non
     if config.model.kernels == "te" or config.train.fp8 != "off" or config.model.attention_backend != "auto":
         import torch
 
-        if not torch.cuda.is_available():  # where CUDA exists, each rank checks its own device
-            from loom.engine.model.kernels import choose_kernels
+        from loom.engine.model.kernels import check_fp8_shapes, choose_kernels
 
+        if ranks_have_cuda is None:
+            ranks_have_cuda = torch.cuda.is_available()
+        if not ranks_have_cuda:  # what needs CUDA is refused in one line; with it, each rank checks its own device
             choose_kernels(config, torch.device("cpu"))
+        elif config.train.fp8 != "off":
+            check_fp8_shapes(config)  # on any GPU
     if not config.data.paths:
         raise ConfigError(
             "data.paths is empty; build a dataset with `loom data build` (or run `loom demo`) "

@@ -273,7 +273,8 @@ def submit(config: LoomConfig, options: SlurmOptions):
     run_dir = Path(config.train.run_dir)
     check_no_job_queued(run_dir)  # before preflight, which may move a run aside (--train.overwrite)
     with removed_if_left_empty(run_dir):
-        preflight(config, options.world_size)
+        job_gpus = options.gpus_per_node if options.gpus_per_node is not None else gpus
+        preflight(config, options.world_size, ranks_have_cuda=job_gpus > 0 and config.train.device != "cpu")
         _check_something_to_train(config)
         check_same_tokenizer(config.data.paths, config.data.tokenizer)  # the dataset's manifest knows
         _warn_if_it_does_not_fit(config, options.partition)

@@ -238,3 +238,23 @@ def test_a_run_directory_in_use_is_refused_until_its_run_ends(dataset, tmp_path,
         RunLock(tmp_path)
     held.close()  # the lock goes with its holder (or its process)
     assert loom_here(capfd, "train", *args).returncode == 0
+
+
+def test_what_needs_a_gpu_is_refused_only_where_the_ranks_have_none(dataset, tmp_path):
+    """`loom submit` runs the checks on a login node, often without GPUs, for ranks that run on GPU nodes: FP8 and
+    an SDPA backend are refused only when the ranks will have no GPU (here: this machine, or a CPU partition),
+    and FP8's shapes are checked either way."""
+    from training_runs import tiny_config
+
+    from loom.engine.config import ConfigError
+    from loom.engine.preflight import preflight
+
+    def config(**train):
+        return tiny_config(dataset, tmp_path / "run", train={"precision": "bf16", "fp8": "current", **train})
+
+    preflight(config(), 1, ranks_have_cuda=True)  # a GPU partition: nothing to refuse from here
+    for ranks_have_cuda in (None, False):  # this CPU machine's own ranks; a partition without GPUs
+        with pytest.raises(ConfigError, match="train.fp8 = current is unavailable: fp8: no CUDA device"):
+            preflight(config(), 1, ranks_have_cuda=ranks_have_cuda)
+    with pytest.raises(ConfigError, match=r"tokens per micro-batch \(seq_length \* micro_batch_size\) = 120"):
+        preflight(config(seq_length=120, micro_batch_size=1), 1, ranks_have_cuda=True)
