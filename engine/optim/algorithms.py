@@ -63,8 +63,9 @@ class Lamb(torch.optim.Optimizer):
         norms = self.reduce(sums).sqrt()
         for group, p, update in updates:
             weight_norm, update_norm = norms[self.param_ids[id(p)]]
-            trust = weight_norm / update_norm if weight_norm > 0 and update_norm > 0 else 1.0
-            p.add_(update, alpha=-group["lr"] * float(trust))
+            # on the device: a Python branch on the norms read them back, two or three host syncs per parameter
+            trust = torch.where((weight_norm > 0) & (update_norm > 0), weight_norm / update_norm, 1.0)
+            p.add_(update * trust.to(update.dtype), alpha=-group["lr"])
         return None
 
 
