@@ -55,9 +55,10 @@ def _reads_per_step(rank, world, dataset, run_dir, parallel, optim, precision):
         ({"tp": 2}, {}, "fp16"),
         ({"pp": 2, "vp": 2}, {}, "bf16"),
         ({"dp": 2}, {"zero1": True}, "fp32"),
+        ({"tp": 2}, {"name": "adafactor"}, "fp32"),  # loom's own optimizers, whose reads the filter below counts
         ({"tp": 2}, {"name": "lamb"}, "fp32"),  # its trust ratios were read per parameter (a branch on the norms)
     ],
-    ids=["tp2-fp16", "pp2-vp2-bf16", "dp2-zero1", "tp2-lamb"],
+    ids=["tp2-fp16", "pp2-vp2-bf16", "dp2-zero1", "tp2-adafactor", "tp2-lamb"],
 )
 def test_one_device_read_per_step(parallel, optim, precision, markov_dataset, tmp_path):
     results = run_ranks(_reads_per_step, 2, markov_dataset(50), str(tmp_path), parallel, optim, precision)
