@@ -176,12 +176,17 @@ def partition_gpus(partition: str | None) -> int:
     return partitions[partition]
 
 
+def job_gpus_per_node(options: SlurmOptions, config: LoomConfig, gpus_on_partition: int) -> int:
+    """GPUs the job asks for on each node: --gpus-per-node, else one per task when it trains on CUDA."""
+    if options.gpus_per_node is not None:
+        return options.gpus_per_node
+    wants_gpu = config.train.device == "cuda" or (config.train.device == "auto" and gpus_on_partition > 0)
+    return options.tasks_per_node if wants_gpu else 0
+
+
 def executor_parameters(options: SlurmOptions, config: LoomConfig, gpus_on_partition: int) -> dict:
     """The keyword arguments of submitit.SlurmExecutor.update_parameters for this job."""
-    gpus = options.gpus_per_node
-    if gpus is None:
-        wants_gpu = config.train.device == "cuda" or (config.train.device == "auto" and gpus_on_partition > 0)
-        gpus = options.tasks_per_node if wants_gpu else 0
+    gpus = job_gpus_per_node(options, config, gpus_on_partition)
     if config.train.device == "cuda" and gpus < options.tasks_per_node:
         raise ConfigError(
             f"train.device = cuda needs one GPU per task: --gpus-per-node {gpus} < "
@@ -273,7 +278,7 @@ def submit(config: LoomConfig, options: SlurmOptions):
     run_dir = Path(config.train.run_dir)
     check_no_job_queued(run_dir)  # before preflight, which may move a run aside (--train.overwrite)
     with removed_if_left_empty(run_dir):
-        job_gpus = options.gpus_per_node if options.gpus_per_node is not None else gpus
+        job_gpus = job_gpus_per_node(options, config, gpus)
         preflight(config, options.world_size, ranks_have_cuda=job_gpus > 0 and config.train.device != "cpu")
         _check_something_to_train(config)
         check_same_tokenizer(config.data.paths, config.data.tokenizer)  # the dataset's manifest knows
