@@ -67,7 +67,7 @@ def loss_gap(base: LoomConfig, steps: int, layers: int, workdir: Path, device: t
     documents = max(200, steps * t.micro_batch_size * 2 * t.seq_length // 200)
     data = write_markov_dataset(workdir / "markov", vocab, documents)
     shallow = mfu._with_overrides(base, {"model": {"num_layers": layers, "vocab_size": vocab}})
-    result = {"steps": steps, "layers": layers, "vocab_size": vocab, "bf16_final_loss": None}
+    result = {"steps": steps, "layers": layers, "vocab_size": vocab}
     bf16 = mfu.bench_config(shallow, data, str(workdir / "gap-bf16"), steps, 2, precision="bf16")
     result["bf16_final_loss"] = _loss_curve(bf16)[-1]
     print(f"bench: loss gap: bf16 {result['bf16_final_loss']:.4f} after {steps} steps", file=sys.stderr, flush=True)
