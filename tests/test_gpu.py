@@ -154,38 +154,23 @@ def test_llama_1b_peak_memory_is_within_10_percent_of_the_plan(tmp_path):
     assert abs(measured / planned - 1) <= 0.10, (measured, planned)
 
 
-def resumed_run_and_its_evaluation(dataset: str, root: Path, capfd, device: str) -> tuple[dict, dict, str]:
-    """A user's day on one device: 6 steps straight; the same run stopped after 3 (a checkpoint) and resumed;
-    `loom eval` of its last checkpoint. Returns (straight losses, resumed losses by step, eval's stdout)."""
+def test_a_run_resumes_and_evaluates_on_cuda(dataset, tmp_path, capfd):
+    """A user's day on one GPU: 6 steps straight; the same run stopped after 3 (a checkpoint) and resumed, with
+    the straight run's losses (fused AdamW's state, the CUDA generators, the loader's position); `loom eval` of its
+    last checkpoint. Never run on a GPU before 2026-11-27's checks were written."""
     from training_runs import loom_here
 
     eager = {"model": {"compile": "false"}, "checkpoint": {"interval": 3, "save_at_end": True}}
-
-    def losses(run_dir: Path, **train) -> dict:
-        config = tiny_config(
-            dataset, run_dir, train={"device": device, "precision": "bf16", "steps": 6, **train}, **eager
-        )
-        config.resolve_world(1)
-        launch_local(config, 1)
-        return {row["step"]: row["loss"] for row in read_metrics(run_dir) if "loss" in row}
-
-    straight = losses(root / "straight")
-    losses(root / "run", exit_after=3)
-    resumed = losses(root / "run")
-    evaluated = loom_here(capfd, "eval", "--checkpoint", str(root / "run" / "checkpoints"), "--data", dataset)
+    straight = _train(dataset, tmp_path / "straight", 6, **eager)
+    _train(dataset, tmp_path / "run", 6, train={"exit_after": 3}, **eager)
+    resumed = _train(dataset, tmp_path / "run", 6, **eager)  # the run's metrics: steps 1-3, then 4-6 resumed
+    assert len(resumed) == len(straight) == 6
+    for ours, theirs in zip(resumed, straight, strict=True):  # bf16; flash attention's backward adds in any order
+        assert abs(ours - theirs) / theirs < 1e-2, (resumed, straight)
+    evaluated = loom_here(capfd, "eval", "--checkpoint", str(tmp_path / "run" / "checkpoints"), "--data", dataset)
     assert evaluated.returncode == 0, evaluated.stderr[-2000:]
-    return straight, resumed, evaluated.stdout
-
-
-def test_a_run_resumes_and_evaluates_on_cuda(dataset, tmp_path, capfd):
-    """Resuming on CUDA (fused AdamW's state, the CUDA generators, the loader's position) and `loom eval` there:
-    never run on a GPU before 2026-11-27's checks were written."""
-    straight, resumed, evaluated = resumed_run_and_its_evaluation(dataset, tmp_path, capfd, "cuda")
-    assert sorted(resumed) == list(range(1, 7))
-    for step in range(4, 7):  # bf16, and flash attention's backward adds in no fixed order
-        assert abs(resumed[step] - straight[step]) / straight[step] < 1e-2, (step, resumed, straight)
-    said = evaluated.split("step 6: validation loss ")[1]  # it evaluated the last checkpoint
-    assert math.isfinite(float(said.split(",")[0])), evaluated
+    said = evaluated.stdout.split("step 6: validation loss ")[1]  # it evaluated the last checkpoint
+    assert math.isfinite(float(said.split(",")[0])), evaluated.stdout
 
 
 def test_a_world_size_1_nccl_run_through_the_launcher(dataset, tmp_path):
