@@ -79,7 +79,10 @@ def add_parser(commands) -> None:
     )
     mfu.add_argument(
         "--fp8-output-layer",
-        action="store_true",
+        dest="fp8_output_layers",
+        action="store_const",
+        const=(True,),
+        default=(False,),
         help="the FP8 row runs the output layer's GEMMs in FP8 too (train.fp8_output_layer; needs current scaling)",
     )
     mfu.add_argument(

@@ -43,6 +43,7 @@ def test_table_reports_mfu_against_both_peaks_the_ratios_and_the_plan():
     rows = [
         {"name": "loom bf16 (defaults)", "tokens_per_s": 40000.0, "mem_gb": 50.0, "note": "kernels: ...", **plan},
         {"name": "loom fp8 (delayed)", "tokens_per_s": 56000.0, "mem_gb": 45.0, "note": ""},
+        {"name": "loom fp8 (current, output layer too)", "tokens_per_s": 60000.0, "mem_gb": 44.0, "note": ""},
         {"name": "plain PyTorch loop (torch.compile)", "tokens_per_s": 38000.0, "mem_gb": 55.0, "note": ""},
         {"name": "transformers LlamaForCausalLM (eager, sdpa)", "tokens_per_s": 32000.0, "mem_gb": 52.0, "note": ""},
     ]
@@ -69,7 +70,7 @@ def test_table_reports_mfu_against_both_peaks_the_ratios_and_the_plan():
     loom_line = next(line for line in table.splitlines() if line.startswith("loom bf16"))
     assert "400.000" in loom_line and "40.4%" in loom_line and "50.0%" in loom_line
     assert "ratio loom / plain loop: 1.053" in table and "ratio fp8 / bf16: 1.400" in table
-    assert "ratio loom / transformers: 1.250" in table
+    assert "ratio loom / transformers: 1.250" in table and "ratio fp8, output layer too / bf16: 1.500" in table
     planned = "loom plan (h100-sxm) for loom bf16 (defaults): 50,000 tokens/s (-20.0% measured), 40.0 GB (+25.0%"
     assert planned in table and "note:" not in table
     # a row above the peak measured in the same run (160% on a busy 2-core machine) was printed as a result
@@ -95,11 +96,15 @@ def test_bench_gpu_quick_runs_on_cpu_and_answers_every_row(tmp_path, capfd, monk
         "GEMM peak (measured)",
         "| loom fp32 (defaults) |",
         "| loom fp8 (current) | - | skipped:",
+        "| loom fp8 (current, output layer too) | - | skipped:",
+        "| FP8 / fp32 tokens/s | - | skipped:",
+        "| FP8, output layer too / fp32 tokens/s | - | skipped:",
         "| plain PyTorch loop | - | failed: RuntimeError: CUDA error: an illegal memory access was encountered |",
         "| loom fp32, cudnn attention | - | skipped: model.attention_backend = cudnn",
         "| loom / transformers tokens/s |",
         "| loom / plain loop tokens/s | - |",
         "| FP8 / fp32 on the tiny slice (seq 64, micro-batch 1) | - | skipped:",
+        "| FP8, output layer too / fp32 on the tiny slice (seq 64, micro-batch 1) | - | skipped:",
     ):
         assert row in result.stdout, result.stdout
     assert "world-size-1 run via the launcher (gloo) | ok, loss" in result.stdout

@@ -4,11 +4,12 @@
 2. llama-1b (by default) BF16 training with loom's defaults (what a user gets: compiled on CUDA): tokens/s,
    model TFLOP/s, MFU by the standard formula (engine/flops.py) against the datasheet and against the measured
    GEMM peak, peak memory (`loom bench mfu`'s measurement), and `loom plan`'s prediction with its error;
-3. the same with FP8 (Transformer Engine when installed, else torch._scaled_mm) and its ratio to BF16;
+3. the same with FP8 (Transformer Engine when installed, else torch._scaled_mm), and with the output layer's GEMMs
+   in FP8 too (train.fp8_output_layer), each with its ratio to BF16;
 4. loom against the same model as a plain (torch.compile'd on CUDA) PyTorch loop and as transformers'
    LlamaForCausalLM (eager, SDPA, autocast, fused AdamW: what most users would otherwise train);
-5. FP8 against BF16 on an 8B-shaped slice (llama-8b's dimensions, 4 layers, seq 8192, micro-batch 1), where the
-   GEMMs are large enough for FP8 to pay;
+5. both FP8 runs against BF16 on an 8B-shaped slice (llama-8b's dimensions, 4 layers, seq 8192, micro-batch 1),
+   where the GEMMs are large enough for FP8 to pay;
 6. the BF16 vs FP8 loss gap after N steps on a learnable synthetic corpus (a shallower model, so it fits);
 7. a world-size-1 run through the launcher (NCCL on CUDA, gloo on CPU), as `loom train --nproc 1` runs it,
    with a small global batch (the preset's 512 sequences took 96 s), eager.
@@ -144,11 +145,9 @@ def _ratio(a: dict, b: dict) -> float | None:
 
 def format_markdown(results: dict) -> str:
     t = results["throughput"]
-    loom, fp8, plain, hf = (
-        mfu.row_by_name(t, prefix) for prefix in (f"loom {t['precision']}", "loom fp8", "plain", "transformers")
-    )
+    loom, plain, hf = (mfu.row_by_name(t, prefix) for prefix in (f"loom {t['precision']}", "plain", "transformers"))
     gap, launch, piece = results["loss_gap"], results["launcher"], results["fp8_slice"]
-    slice_bf16, slice_fp8 = (mfu.row_by_name(piece, prefix) for prefix in (f"loom {piece['precision']}", "loom fp8"))
+    slice_bf16 = mfu.row_by_name(piece, f"loom {piece['precision']}")
     sheet = t["datasheet_peak_tflops"]
 
     def mfu_cells(row: dict) -> str:
@@ -162,7 +161,7 @@ def format_markdown(results: dict) -> str:
         f"| {t['gemm_dtype']} GEMM peak (measured) | {t['gemm_peak_tflops']:.3g} TFLOP/s | datasheet "
         f"{_fmt(sheet, '.0f', ' TFLOP/s')} |",
     ]
-    for row in (loom, fp8, plain, hf):
+    for row in (loom, *mfu.fp8_rows(t), plain, hf):
         if row["tokens_per_s"] is None:
             lines.append(f"| {row['name']} | - | {row['note']} |")
         else:
@@ -170,25 +169,36 @@ def format_markdown(results: dict) -> str:
                 f"| {row['name']} | {row['tokens_per_s']:,.0f} tokens/s, {row['tflops']:.3g} TFLOP/s, "
                 f"{row['mem_gb']:.1f} GB | MFU {mfu_cells(row)}{_planned(row)} |"
             )
-    fp8_ratio, slice_ratio = _ratio(fp8, loom), _ratio(slice_fp8, slice_bf16)
     for row in t["rows"]:
         if row["name"].endswith(" attention"):
             ratio = _ratio(row, loom)
             figures = "-" if row["tokens_per_s"] is None else f"{row['tokens_per_s']:,.0f} tokens/s"
             against = row["note"] if ratio is None else f"{ratio:.3f} x the defaults"
             lines.append(f"| {row['name']} | {figures} | {against} |")
+    for fp8 in mfu.fp8_rows(t):
+        ratio = _ratio(fp8, loom)
+        lines.append(
+            f"| FP8{mfu.fp8_detail(fp8)} / {t['precision']} tokens/s | {_fmt(ratio)} | "
+            f"{fp8['note'] if ratio is None else ''} |"
+        )
     lines += [
-        f"| FP8 / {t['precision']} tokens/s | {_fmt(fp8_ratio)} | {fp8['note'] if fp8_ratio is None else ''} |",
         f"| loom / plain loop tokens/s | {_fmt(_ratio(loom, plain))} | {plain['name']} {plain['note']} |",
         f"| loom / transformers tokens/s | {_fmt(_ratio(loom, hf))} | {hf['name']} {hf['note']} |",
-        f"| FP8 / {piece['precision']} on the {results['slice_config']} slice (seq {piece['seq_length']}, "
-        f"micro-batch {piece['micro_batch_size']}) | {_fmt(slice_ratio)} | "
-        + (
-            slice_fp8["note"]
-            if slice_ratio is None
-            else f"{slice_bf16['tokens_per_s']:,.0f} vs {slice_fp8['tokens_per_s']:,.0f} tokens/s{_planned(slice_fp8)}"
+    ]
+    for slice_fp8 in mfu.fp8_rows(piece):
+        slice_ratio = _ratio(slice_fp8, slice_bf16)
+        lines.append(
+            f"| FP8{mfu.fp8_detail(slice_fp8)} / {piece['precision']} on the {results['slice_config']} slice "
+            f"(seq {piece['seq_length']}, micro-batch {piece['micro_batch_size']}) | {_fmt(slice_ratio)} | "
+            + (
+                slice_fp8["note"]
+                if slice_ratio is None
+                else f"{slice_bf16['tokens_per_s']:,.0f} vs {slice_fp8['tokens_per_s']:,.0f} tokens/s"
+                f"{_planned(slice_fp8)}"
+            )
+            + " |"
         )
-        + " |",
+    lines += [
         f"| loss after {gap['steps']} steps ({gap['layers']} layers) | BF16 {_fmt(gap['bf16_final_loss'], '.4f')}, FP8 "
         f"{_fmt(gap.get('fp8_final_loss'), '.4f')} | gap {_fmt(gap.get('gap'), '+.4f')} {gap.get('fp8_note', '')} |",
         f"| world-size-1 run via the launcher ({launch['backend']}) | "
@@ -206,7 +216,14 @@ def run(args: argparse.Namespace) -> dict:
     base = load_config(config_name, overrides)
     device = mfu._device(base.train.device)
     # cuDNN's attention beside torch's choice (flash on Hopper): the lever docs/gpu.md names for the MFU target
-    throughput = mfu.Throughput(steps=steps, warmup=warmup, microbatches=microbatches, attention_backends=("cudnn",))
+    # and FP8 with the output layer's GEMMs too: by `loom plan`, the one FP8 run that can reach 1.25x (docs/gpu.md)
+    throughput = mfu.Throughput(
+        steps=steps,
+        warmup=warmup,
+        microbatches=microbatches,
+        attention_backends=("cudnn",),
+        fp8_output_layers=(False, True),
+    )
     slice_throughput = dataclasses.replace(throughput, microbatches=slice_microbatches, attention_backends=())
     results = {"bench": "gpu", "config": config_name, "quick": args.quick, "slice_config": slice_name}
     output = Path(args.output or DEFAULT_OUTPUT)

@@ -67,8 +67,8 @@ class Throughput:
     """Micro-batches per step (gradient accumulation)."""
     fp8_recipe: str = "auto"
     """The FP8 row's recipe: delayed, current, or auto (delayed with Transformer Engine, else current)."""
-    fp8_output_layer: bool = False
-    """The FP8 row runs the output layer's GEMMs in FP8 too (train.fp8_output_layer)."""
+    fp8_output_layers: tuple[bool, ...] = (False,)
+    """One FP8 row for each: whether that row runs the output layer's GEMMs in FP8 too (train.fp8_output_layer)."""
     compile: bool | None = None
     """torch.compile the plain loop; None: on CUDA, not on CPU."""
     gemm_size: int | None = None
@@ -208,9 +208,9 @@ def measure(settings: Throughput, base: LoomConfig, baselines: bool = True) -> d
 
         done(_guarded(f"loom {precision} (defaults)", defaults_row, device))
         for backend in settings.attention_backends:
-            row = _attention_backend_row(settings, base, data, tmp, steps, device, backend)
-            done(_guarded(f"loom {precision}, {backend} attention", row, device))
-        done(_guarded("loom fp8", lambda: _fp8_row(settings, base, data, tmp, steps, device), device))
+            done(_guarded(*_attention_backend_row(settings, base, data, tmp, steps, device, backend), device))
+        for output_layer in settings.fp8_output_layers:
+            done(_guarded(*_fp8_row(settings, base, data, tmp, steps, device, output_layer), device))
         if baselines:
             if device.type == "cuda":  # the baselines run with torch's choice of attention kernel, whatever loom's was
                 from loom.engine.model.kernels import enable_only_sdpa_backend
@@ -297,60 +297,83 @@ def row_by_name(results: dict, prefix: str) -> dict:
     return next(row for row in results["rows"] if row["name"].startswith(prefix))
 
 
-def _fp8_row(settings: Throughput, base: LoomConfig, data: str, tmp: str, steps: int, device: torch.device) -> Row:
+def fp8_rows(results: dict) -> list[dict]:
+    """The FP8 rows, one per Throughput.fp8_output_layers entry."""
+    return [row for row in results["rows"] if row["name"].startswith("loom fp8")]
+
+
+def fp8_detail(row: dict) -> str:
+    """", output layer too" for an FP8 row whose output layer ran in FP8, else "" (for the ratios' labels)."""
+    return ", output layer too" if row["name"].endswith("output layer too)") else ""
+
+
+def _variant_row(
+    name: str,
+    configure: Callable[[], LoomConfig],
+    warmup: int,
+    device: torch.device,
+    around: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> Row:
+    """A loom row of a variant of the defaults (FP8, an attention kernel), or why it is skipped: its config, checked
+    as the Trainer checks it before any work, cannot run on `device`."""
+    from loom.engine.model.kernels import choose_kernels
+
+    try:
+        config = configure()
+        choose_kernels(config, device)
+    except ConfigError as error:
+        return Row(name, note=f"skipped: {error}")
+    with around():
+        rates, mem, kernels = run_loom(config, warmup, device)
+    return Row(name, median(rates), mem, kernels, config)
+
+
+def _fp8_row(
+    settings: Throughput, base: LoomConfig, data: str, tmp: str, steps: int, device: torch.device, output_layer: bool
+) -> tuple[str, Callable[[], Row]]:
+    """The FP8 row's name and how to measure it."""
     recipe = settings.fp8_recipe
     if recipe == "auto":
         from loom.engine.model.kernels import probe_import
 
         has_te = device.type == "cuda" and probe_import("transformer_engine.pytorch")[0] is not None
         recipe = "delayed" if has_te else "current"
-    output_layer = settings.fp8_output_layer
     name = f"loom fp8 ({recipe}{', output layer too' if output_layer else ''})"
-    try:
-        config = bench_config(
-            base,
-            data,
-            str(Path(tmp) / "fp8"),
-            steps,
-            settings.microbatches,
-            precision="bf16",
-            fp8=recipe,
-            fp8_output_layer=output_layer,
-        )
-        from loom.engine.model.kernels import choose_kernels
+    run_dir = str(Path(tmp) / f"fp8{'-output' if output_layer else ''}")
 
-        choose_kernels(config, device)  # the same checks the Trainer makes, before any work
-    except ConfigError as error:
-        return Row(name, note=f"skipped: {error}")
-    rates, mem, kernels = run_loom(config, settings.warmup, device)
-    return Row(name, median(rates), mem, kernels, config)
+    def configure() -> LoomConfig:
+        train = dict(precision="bf16", fp8=recipe, fp8_output_layer=output_layer)
+        return bench_config(base, data, run_dir, steps, settings.microbatches, **train)
+
+    return name, lambda: _variant_row(name, configure, settings.warmup, device)
+
+
+@contextlib.contextmanager
+def _fresh_graphs():
+    """Tracing fixes which SDPA kernel a compiled graph calls, and dynamo does not guard on the choice: without a
+    reset an attention-backend row would reuse the defaults row's graphs (torch's choice) and measure them again,
+    and the rows after it would reuse its graphs."""
+    from loom.engine.model.kernels import enable_only_sdpa_backend
+
+    torch._dynamo.reset()
+    try:
+        yield
+    finally:
+        enable_only_sdpa_backend("auto")  # the rows after this one run with torch's choice again
+        torch._dynamo.reset()
 
 
 def _attention_backend_row(
     settings: Throughput, base: LoomConfig, data: str, tmp: str, steps: int, device: torch.device, backend: str
-) -> Callable[[], Row]:
+) -> tuple[str, Callable[[], Row]]:
+    """The row of loom's defaults with SDPA's `backend` kernel alone: its name and how to measure it."""
     name = f"loom {base.train.precision}, {backend} attention"
 
-    def row() -> Row:
-        try:
-            chosen = _with_overrides(base, {"model": {"attention_backend": backend}})
-            config = bench_config(chosen, data, str(Path(tmp) / backend), steps, settings.microbatches)
-            from loom.engine.model.kernels import choose_kernels, enable_only_sdpa_backend
+    def configure() -> LoomConfig:
+        chosen = _with_overrides(base, {"model": {"attention_backend": backend}})
+        return bench_config(chosen, data, str(Path(tmp) / backend), steps, settings.microbatches)
 
-            choose_kernels(config, device)  # the same checks the Trainer makes, before any work
-        except ConfigError as error:
-            return Row(name, note=f"skipped: {error}")
-        # Tracing fixes which SDPA kernel a compiled graph calls, and dynamo does not guard on the choice: without a
-        # reset this row would reuse the defaults row's graphs (torch's choice) and measure them again.
-        torch._dynamo.reset()
-        try:
-            rates, mem, kernels = run_loom(config, settings.warmup, device)
-        finally:
-            enable_only_sdpa_backend("auto")  # the rows after this one run with torch's choice again
-            torch._dynamo.reset()
-        return Row(name, median(rates), mem, kernels, config)
-
-    return row
+    return name, lambda: _variant_row(name, configure, settings.warmup, device, around=_fresh_graphs)
 
 
 def _loop_shape(settings: Throughput, base: LoomConfig, device: torch.device) -> dict:
@@ -432,18 +455,16 @@ def format_table(results: dict) -> str:
             "busy while the peak (or the runs) were timed, so these figures are noise; rerun on a quiet machine, "
             "with more --steps"
         )
-    loom, fp8, plain, hf = (
+    loom, plain, hf = (
         row_by_name(results, prefix)["tokens_per_s"]
-        for prefix in (f"loom {results['precision']}", "loom fp8", "plain", "transformers")
+        for prefix in (f"loom {results['precision']}", "plain", "transformers")
     )
     lines.append("")
     lines.append(f"ratio loom / plain loop: {loom / plain:.3f}" if loom and plain else "ratio loom / plain loop: -")
     lines.append(f"ratio loom / transformers: {loom / hf:.3f}" if loom and hf else "ratio loom / transformers: -")
-    lines.append(
-        f"ratio fp8 / {results['precision']}: {fp8 / loom:.3f}"
-        if fp8 and loom
-        else f"ratio fp8 / {results['precision']}: - ({row_by_name(results, 'loom fp8')['note']})"
-    )
+    for row in fp8_rows(results):
+        fp8, what = row["tokens_per_s"], f"fp8{fp8_detail(row)} / {results['precision']}"
+        lines.append(f"ratio {what}: {fp8 / loom:.3f}" if fp8 and loom else f"ratio {what}: - ({row['note']})")
     for row in results["rows"]:
         if row.get("plan_tokens_per_s") and row["tokens_per_s"]:
             lines.append(
