@@ -303,7 +303,7 @@ def fp8_rows(results: dict) -> list[dict]:
 
 
 def fp8_detail(row: dict) -> str:
-    """", output layer too" for an FP8 row whose output layer ran in FP8, else "" (for the ratios' labels)."""
+    """The label ", output layer too" for an FP8 row whose output layer ran in FP8, else the empty string."""
     return ", output layer too" if row["name"].endswith("output layer too)") else ""
 
 
