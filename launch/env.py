@@ -34,6 +34,11 @@ def check_local_ranks_fit_the_gpus(config: LoomConfig, nproc: int) -> None:
     if choose_backend(config.parallel.backend, config.train.device) != "nccl":
         return
     gpus = torch.cuda.device_count()
+    if gpus == 0:
+        raise ConfigError(
+            f"train.device = {config.train.device} asks for NCCL ranks, but no CUDA device is visible; "
+            "use --train.device cpu (gloo ranks)"
+        )
     if nproc > gpus:
         raise ConfigError(
             f"--nproc {nproc} NCCL ranks on a machine that shows {gpus} GPU(s): NCCL runs one rank per GPU; "

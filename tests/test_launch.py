@@ -207,3 +207,12 @@ def test_more_nccl_ranks_than_gpus_is_refused_before_any_starts(dataset, tmp_pat
     with pytest.raises(ConfigError, match=r"^--nproc 2 NCCL ranks on a machine that shows 1 GPU\(s\): .* --nproc 1"):
         launch_local(config, 2)
     assert set(multiprocessing.active_children()) == children_before and not (tmp_path / "run").exists()
+
+
+def test_nccl_ranks_on_a_machine_without_gpus_say_so(dataset, tmp_path):
+    """With no GPU the launcher said "use --nproc 0 or fewer", which no run can do."""
+    config = tiny_config(dataset, tmp_path / "run", train={"device": "cuda"})
+    config.resolve_world(1)
+    with pytest.raises(ConfigError, match=r"^train.device = cuda asks for NCCL ranks, but no CUDA device is visible"):
+        launch_local(config, 1)
+    assert not (tmp_path / "run").exists()
