@@ -98,7 +98,10 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
     if args.plot:
         claim_chart_file(Path(args.plot), "--plot", args.overwrite)
     if config.train.fp8 != "off" and "fp8" not in hardware.peak_tflops:
-        raise ConfigError(f"{args.gpu} has no FP8 tensor cores; plan it with --train.precision bf16")
+        raise ConfigError(
+            f"{args.gpu} has no FP8 tensor cores; plan it without FP8 (drop --train.precision fp8, or add "
+            "--train.fp8 off)"
+        )
     fixed = _fixed_layout(config, args, overrides)
     estimates = plan(config, args.gpus, hardware, fixed)
     if not estimates:

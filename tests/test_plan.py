@@ -289,6 +289,14 @@ def test_loom_plan_command(tmp_path):
     assert "layout" in result.stdout and plot.stat().st_size > 0  # the nearest are still shown
     result = loom_plan("--config", "tiny", "--gpus", "6", "--layout", "tp=3")  # was "no layout ... (heads, ...)"
     assert result.returncode == 2 and result.stderr == "error: parallel.tp = 3 must divide model.num_heads = 8\n"
+    # FP8 on a GPU without FP8: the advice was --train.precision bf16, which FP8 runs already have
+    for fp8 in (["--train.precision", "fp8"], ["--train.precision", "bf16", "--train.fp8", "current"]):
+        result = loom_plan("--config", "tiny", "--gpus", "8", "--gpu", "a100-80gb", *fp8)
+        assert result.returncode == 2 and "has no FP8 tensor cores; plan it without FP8" in result.stderr
+        assert (
+            loom_plan("--config", "tiny", "--gpus", "8", "--gpu", "a100-80gb", *fp8, "--train.fp8", "off").returncode
+            == 0
+        )
 
 
 def test_plan_recommends_only_what_loom_runs(capsys):
