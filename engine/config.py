@@ -359,16 +359,26 @@ class OptimConfig:
             raise ConfigError(f"optim.zero = {self.zero} is not a ZeRO stage loom has; use 0, 1, 2 or 3")
         if self.zero1:  # migrated, so a resolved config.toml says zero = 1 and a later --optim.zero 0 is obeyed
             self.zero, self.zero1 = max(self.zero, 1), False
-        if self.zero and self.name == "adafactor":
-            raise ConfigError(
-                f"optim.name = adafactor does not support optim.zero = {self.zero} (its factored moments "
-                "need whole matrices); use adamw, sgd or lamb with ZeRO, or optim.zero = 0"
+        if refusal := self.zero_refusal(self.zero) or self.offload_refusal(self.offload):
+            raise ConfigError(refusal)
+
+    def zero_refusal(self, zero: int) -> str | None:
+        """Why this optimizer cannot run under ZeRO stage `zero` (training, and the planner's search), or None."""
+        if zero and self.name == "adafactor":
+            return (
+                f"optim.name = adafactor does not support optim.zero = {zero} (its factored moments need whole "
+                "matrices); use adamw, sgd or lamb with ZeRO, or optim.zero = 0"
             )
-        if self.offload != "none" and self.name == "adafactor":
-            raise ConfigError(
-                "optim.name = adafactor does not support optim.offload = cpu (its step talks to the TP "
+        return None
+
+    def offload_refusal(self, offload: str) -> str | None:
+        """Why this optimizer cannot run with optim.offload = `offload` (training, and the planner), or None."""
+        if offload != "none" and self.name == "adafactor":
+            return (
+                f"optim.name = adafactor does not support optim.offload = {offload} (its step talks to the TP "
                 "group); use adamw, sgd or lamb with offload"
             )
+        return None
 
 
 @dataclass
@@ -633,6 +643,8 @@ class LoomConfig:
 
     def zero_refusal(self, zero: int) -> str | None:
         """Why this run cannot use ZeRO stage `zero` (training and the planner's search), or None."""
+        if refusal := self.optim.zero_refusal(zero):
+            return refusal
         if zero == 3 and self.train.fp8 == "delayed":
             return (
                 "optim.zero = 3 with train.fp8 = delayed: delayed scaling is Transformer Engine's, whose layers "

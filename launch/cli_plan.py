@@ -147,6 +147,8 @@ def _fixed_layout(config, args: argparse.Namespace, overrides: list[str]) -> dic
         fixed[key] = value
     if "zero" in fixed and (refusal := config.zero_refusal(fixed["zero"])):
         raise ConfigError(refusal)
+    if "offload" in fixed and (refusal := config.optim.offload_refusal(fixed["offload"])):
+        raise ConfigError(refusal)
     if refusal := config.model.context_parallel_refusal(fixed.get("cp", 1), config.train.seq_length):
         raise ConfigError(refusal)  # said, not left to "no layout divides this model"
     if "tp" in fixed:

@@ -396,3 +396,19 @@ def test_plan_runs_without_importing_torch(tmp_path):
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_plan_keeps_adafactor_off_zero_and_offload(capsys):
+    """Adafactor runs neither under ZeRO nor offloaded (its factored moments need whole matrices): `loom plan
+    --optim.name adafactor` recommended zero=3 as the fastest layout, and took --layout zero=3 / offload=cpu."""
+    from loom.launch.cli import main
+
+    config = load_config("llama-8b", {"optim": {"name": "adafactor"}})
+    layouts = [estimate.layout for estimate in plan(config, 8, load_hardware("h100-sxm"))]
+    assert layouts and {layout.zero for layout in layouts} == {0}
+    assert {layout.offload for layout in layouts} == {"none"}
+    for layout in ("zero=3", "offload=cpu"):
+        with pytest.raises(SystemExit) as stop:
+            main(["plan", "--config", "llama-8b", "--gpus", "8", "--optim.name", "adafactor", "--layout", layout])
+        assert stop.value.code == 2
+        assert "error: optim.name = adafactor does not support optim." in capsys.readouterr().err

@@ -212,6 +212,7 @@ def candidates(config: LoomConfig, gpus: int, hw: Hardware, fixed: dict | None =
     # context parallelism where loom runs it (rotary positions, no dropout, 2 x cp chunks per sequence)
     cps = [cp for cp in choices("cp", (1, 2, 4, 8)) if m.context_parallel_refusal(cp, t.seq_length) is None]
     zeros = [zero for zero in choices("zero", (0, 1, 2, 3)) if config.zero_refusal(zero) is None]
+    offloads = [offload for offload in choices("offload", ("none",)) if config.optim.offload_refusal(offload) is None]
     found = []
     for tp, cp in itertools.product(tps, cps):
         if tp > 1 and (t.seq_length // cp) % tp:  # sequence parallelism splits this rank's share over TP
@@ -232,7 +233,7 @@ def candidates(config: LoomConfig, gpus: int, hw: Hardware, fixed: dict | None =
                     if vp > 1 and microbatches % pp:
                         continue
                     for recompute, zero, offload in itertools.product(
-                        choices("recompute", RECOMPUTE), zeros, choices("offload", ("none",))
+                        choices("recompute", RECOMPUTE), zeros, offloads
                     ):
                         found.append(Layout(tp, pp, vp, dp, mbs, recompute, zero, offload, cp=cp))
     return found
