@@ -232,9 +232,7 @@ def candidates(config: LoomConfig, gpus: int, hw: Hardware, fixed: dict | None =
                     microbatches = t.global_batch_size // (mbs * dp)
                     if vp > 1 and microbatches % pp:
                         continue
-                    for recompute, zero, offload in itertools.product(
-                        choices("recompute", RECOMPUTE), zeros, offloads
-                    ):
+                    for recompute, zero, offload in itertools.product(choices("recompute", RECOMPUTE), zeros, offloads):
                         found.append(Layout(tp, pp, vp, dp, mbs, recompute, zero, offload, cp=cp))
     return found
 
