@@ -140,7 +140,7 @@ def cmd_schedule(args: argparse.Namespace) -> None:
     from loom.engine.pipeline.schedules import ScheduleError
 
     if args.output:
-        claim_chart_file(Path(args.output), "--output", args.overwrite)
+        claim_chart_file(Path(args.output), "--output", args.overwrite, "schedule")
     try:
         text, _ = describe(args.pp, args.vp, args.microbatches)
     except ScheduleError as error:
@@ -185,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     schedule.add_argument("--microbatches", type=int_in(1, 100_000), help="micro-batches per step")
     schedule.add_argument("--output", type=image_file, help="PNG (or PDF, SVG) file for the Gantt chart")
     schedule.add_argument(
-        "--overwrite", action="store_true", help="replace --output even if it is not a chart loom drew"
+        "--overwrite", action="store_true", help="replace --output even if it is not a chart `loom schedule` drew"
     )
     schedule.add_argument(
         "--from-run",

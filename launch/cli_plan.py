@@ -96,7 +96,7 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
             "--gpus-per-node)"
         )
     if args.plot:
-        claim_chart_file(Path(args.plot), "--plot", args.overwrite)
+        claim_chart_file(Path(args.plot), "--plot", args.overwrite, "plan")
     if config.train.fp8 != "off" and "fp8" not in hardware.peak_tflops:
         raise ConfigError(
             f"{args.gpu} has no FP8 tensor cores; plan it without FP8 (drop --train.precision fp8, or add "
@@ -196,5 +196,5 @@ def add_parser(commands) -> None:
     p.add_argument(
         "--plot", type=image_file, help="write the shown layouts' memory and time breakdowns to this PNG (or PDF, SVG)"
     )
-    p.add_argument("--overwrite", action="store_true", help="replace --plot even if it is not a chart loom drew")
+    p.add_argument("--overwrite", action="store_true", help="replace --plot even if it is not a chart `loom plan` drew")
     p.set_defaults(handler=cmd_plan, takes_overrides=True)

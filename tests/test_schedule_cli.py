@@ -62,17 +62,22 @@ def test_a_chart_never_replaces_a_file_loom_did_not_draw(tmp_path, capfd):
     mine.write_bytes(b"my photo")
     for argv, flag in ((schedule, "--output"), (plan, "--plot")):
         refused = loom_here(capfd, *argv, str(mine))
-        one_line_error(refused, f"{flag} {mine} exists and is not a chart loom drew", "pass --overwrite")
+        one_line_error(refused, f"{flag} {mine} exists and is not a chart `loom {argv[0]}` drew", "pass --overwrite")
         assert mine.read_bytes() == b"my photo" and not refused.stdout  # refused before the work
-    for suffix in (".png", ".pdf", ".svg"):  # a rerun redraws loom's own chart, in every format
-        for argv in (schedule, plan, schedule):
-            result = loom_here(capfd, *argv, str(tmp_path / f"chart{suffix}"))
-            assert result.returncode == 0, result.stderr
+    for suffix in (".png", ".pdf", ".svg"):  # a rerun redraws its own chart, in every format, and only its own
+        for argv in (schedule, plan):
+            chart = tmp_path / f"{argv[0]}{suffix}"
+            for _ in range(2):
+                result = loom_here(capfd, *argv, str(chart))
+                assert result.returncode == 0, result.stderr
+        drawn = (tmp_path / f"schedule{suffix}").read_bytes()  # `loom plan` drew over a schedule, exit 0
+        one_line_error(loom_here(capfd, *plan, str(tmp_path / f"schedule{suffix}")), "not a chart `loom plan` drew")
+        assert (tmp_path / f"schedule{suffix}").read_bytes() == drawn
     words = tmp_path / "notes.svg"  # loom's words in a file that is no chart
     words.write_text("these were drawn by loom, by hand")
-    one_line_error(loom_here(capfd, *schedule, str(words)), "is not a chart loom drew")
+    one_line_error(loom_here(capfd, *schedule, str(words)), "is not a chart `loom schedule` drew")
     link = tmp_path / "link.svg"  # written through, as other programs write to a link (it became a file)
-    link.symlink_to(tmp_path / "chart.svg")
+    link.symlink_to(tmp_path / "schedule.svg")
     assert loom_here(capfd, *schedule, str(link)).returncode == 0 and link.is_symlink()
     assert loom_here(capfd, *schedule, str(mine), "--overwrite").returncode == 0
     assert mine.read_bytes()[:4] == b"\x89PNG" and [p.name for p in tmp_path.glob(".*")] == []
