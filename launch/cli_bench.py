@@ -7,7 +7,6 @@ TFLOP/s, MFU against the datasheet and a measured GEMM peak, BF16 vs FP8, loom v
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from loom.launch.arguments import int_in, output_file
 
@@ -33,18 +32,13 @@ On CPU it runs tiny sizes and names aten operators instead of kernels: a smoke t
 
 def cmd_bench_mfu(args: argparse.Namespace, overrides: list[str]) -> None:
     from loom.tools.bench.mfu import run
-    from loom.tools.outputs import claim_result_file
 
-    if args.output:
-        claim_result_file(Path(args.output), "mfu", args.overwrite)
     run(args, overrides)
 
 
 def cmd_bench_gpu(args: argparse.Namespace) -> None:
-    from loom.tools.bench.gpu import DEFAULT_OUTPUT, run
-    from loom.tools.outputs import claim_result_file
+    from loom.tools.bench.gpu import run
 
-    claim_result_file(Path(args.output or DEFAULT_OUTPUT), "gpu", args.overwrite)
     run(args)
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from training_runs import loom_here
+from training_runs import loom_here, one_line_error
 
 from loom.tools.bench.mfu import format_table
 
@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_bench_mfu_runs_on_cpu_and_prints_its_table(tmp_path, capfd):
-    output = tmp_path / "mfu.json"
+    output = tmp_path / "new folder" / "mfu.json"  # made (it ran the whole bench, then failed to write the file)
     result = loom_here(
         capfd,
         *["bench", "mfu", "--config", str(REPO / "configs/tiny.toml")],
@@ -36,6 +36,7 @@ def test_bench_mfu_runs_on_cpu_and_prints_its_table(tmp_path, capfd):
         assert abs(row["tflops"] - row["tokens_per_s"] * results["flops_per_token"] / 1e12) < 1e-12
         assert "plan_tokens_per_s" not in row  # the planner knows GPUs, not this CPU
     assert fp8_row["tokens_per_s"] is None and results["gemm_peak_tflops"] > 0 and results["bench"] == "mfu"
+    assert results["config"] == str(REPO / "configs/tiny.toml") and results["device"].startswith("CPU")
 
 
 def test_table_reports_mfu_against_both_peaks_the_ratios_and_the_plan():
@@ -127,23 +128,83 @@ def test_a_stop_signal_ends_the_bench_rather_than_failing_a_row():
 
 
 def test_bench_results_replace_only_earlier_results(tmp_path, capfd):
-    """`--output RUN/metrics.jsonl` (or a checkpoint's metadata.json) was replaced by the benchmark's JSON, exit 0."""
+    """`--output RUN/metrics.jsonl` (or a checkpoint's metadata.json) was replaced by the benchmark's JSON, exit 0;
+    so were a GPU's figures by a --quick run on a CPU (any result of the same benchmark counted as the rerun's)."""
     from loom.tools.outputs import claim_result_file
 
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text('{"step": 1, "loss": 8.3}\n{"step": 2, "loss": 8.2}\n')
     for bench in (["gpu", "--quick"], ["mfu", "--config", "tiny"]):
         result = loom_here(capfd, "bench", *bench, "--output", str(metrics))
-        assert result.returncode == 2 and f"--output {metrics} exists and is not a `loom bench {bench[0]}` result" in (
-            result.stderr
-        )
+        one_line_error(result, f"--output {metrics} exists and is not a `loom bench {bench[0]}` result")
     assert metrics.read_text().startswith('{"step": 1')
     earlier = tmp_path / "bench_gpu.json"
-    earlier.write_text(json.dumps({"bench": "gpu", "config": "tiny"}))
-    claim_result_file(earlier, "gpu", overwrite=False)  # a rerun replaces its own earlier result
+    gpu_run = {"bench": "gpu", "config": "llama-1b", "quick": False, "device": "NVIDIA H200", "complete": True}
+    earlier.write_text(json.dumps(gpu_run))
+    claim_result_file(earlier, "gpu", False, {"config": "llama-1b", "quick": False, "device": "NVIDIA H200"})
+    one_line_error(
+        loom_here(capfd, "bench", "gpu", "--quick", "--output", str(earlier)),
+        f"--output {earlier} holds the result of another `loom bench gpu` (config 'llama-1b', quick False, device "
+        "'NVIDIA H200'; this one: config 'tiny', quick True, device 'CPU",
+    )
+    assert json.loads(earlier.read_text()) == gpu_run
     with pytest.raises(Exception, match="is not a `loom bench mfu` result"):
-        claim_result_file(earlier, "mfu", overwrite=False)
-    claim_result_file(metrics, "gpu", overwrite=True)
+        claim_result_file(earlier, "mfu", False, {})
+    claim_result_file(metrics, "gpu", True, {})
+
+
+def test_a_bench_stopped_part_way_keeps_a_complete_earlier_result(tmp_path):
+    """A lease's time limit stopping a rerun replaced the earlier complete figures with a 5-line stub."""
+    from loom.tools.bench.gpu import _write_results
+
+    output = tmp_path / "bench_gpu.json"
+    assert _write_results(output, {"bench": "gpu", "throughput": {}}) == output  # nothing to keep: written there
+    complete = {"bench": "gpu", "throughput": {"rows": []}, "complete": True}
+    assert _write_results(output, complete) == output and json.loads(output.read_text()) == complete
+    partial = _write_results(output, {"bench": "gpu", "throughput": {"rows": [1]}})
+    assert partial == tmp_path / "bench_gpu.partial.json" and "complete" not in json.loads(partial.read_text())
+    assert json.loads(output.read_text()) == complete
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--parallel.tp", "2"], "--parallel.tp: loom bench mfu sets it itself"),
+        (["--train.steps", "500"], "--train.steps: loom bench mfu sets it itself"),
+        (["--checkpoint.interval", "5"], "--checkpoint.interval: loom bench mfu sets it itself"),
+        (["--train.precision", "bf16", "--train.fp8", "current"], "--train.fp8: loom bench mfu sets it in a row of"),
+        (["--train.precision", "bf16", "--model.attention_backend", "cudnn"], "model.attention_backend = cudnn"),
+        (["--train.device", "cuda"], "train.device = cuda but no CUDA device is visible"),
+        (["--steps", "100000", "--microbatches", "100000"], "lower --steps or --microbatches"),
+        (["--fp8-recipe", "delayed", "--fp8-output-layer"], "use --fp8-recipe current (or auto)"),
+    ],
+)
+def test_bench_mfu_refuses_what_it_would_drop_or_cannot_run_before_any_work(flags, message, tmp_path, capfd):
+    """Each was accepted: overrides the bench replaces were dropped without a word; a config the device cannot run
+    failed its own row with a traceback and exit 0 (or, asking for CUDA here, died in NCCL's setup); a product of
+    --steps and --microbatches began writing ~10 TB of random tokens."""
+    output = tmp_path / "mfu.json"
+    result = loom_here(capfd, "bench", "mfu", "--config", "tiny", "--steps", "1", *flags, "--output", str(output))
+    one_line_error(result, message)
+    assert not result.stdout and not output.exists()
+
+
+def test_bench_profile_on_cpu_keeps_the_sizes_it_is_given(monkeypatch, capfd):
+    """On CPU the profile shrinks the model's sequence and micro-batch, and shrank them over the user's own."""
+    from loom.tools.bench import kernel_profile
+
+    seen = []
+
+    def profile_loom(base, data, run_dir, args, device):
+        seen.append((base.train.seq_length, base.train.micro_batch_size))
+        return {"aten::mm": 1.0}, 2.0, 1.0
+
+    monkeypatch.setattr(kernel_profile, "profile_loom", profile_loom)
+    for flags, sizes in (([], (64, 2)), (["--train.seq_length", "32"], (32, 2))):
+        result = loom_here(capfd, "bench", "profile", "--steps", "1", "--no-plain", *flags)
+        assert result.returncode == 0, result.stderr
+        assert seen.pop() == sizes
+    one_line_error(loom_here(capfd, "bench", "profile", "--parallel.cp", "2"), "--parallel.cp: loom bench profile")
 
 
 def test_kernel_profile_runs_on_cpu_and_says_how_long_the_device_waited(capfd):

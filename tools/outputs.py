@@ -117,20 +117,35 @@ def _export_files(output: Path) -> list[Path]:
     return sorted({path for pattern in (*HF_FILES, *HF_TOKENIZER_FILES) for path in output.glob(pattern)})
 
 
-def claim_result_file(output: Path, kind: str, overwrite: bool) -> None:
-    """A benchmark's JSON result file: a new file, or an earlier result of the same benchmark (what a rerun
-    replaces); anything else (a run's metrics.jsonl, a checkpoint's metadata.json) only with --overwrite.
-    Checked before the benchmark runs, not after its minutes of measuring."""
+def claim_result_file(output: Path, kind: str, overwrite: bool, identity: dict) -> None:
+    """A benchmark's JSON result file: a new file (its folder is created), or an earlier result of the same benchmark
+    run the same way (`identity`: the config, the device, ..., as the result records them): what a rerun replaces.
+    Anything else (a run's metrics.jsonl, a checkpoint's metadata.json, another configuration's or device's figures)
+    only with --overwrite. Checked before the benchmark runs, not after its minutes of measuring."""
     import json
 
-    if not output.exists() or overwrite:
-        return
-    try:
-        earlier = json.loads(output.read_text())
-    except (OSError, ValueError):
-        earlier = None
-    if not (isinstance(earlier, dict) and earlier.get("bench") == kind):
-        raise ConfigError(
-            f"--output {output} exists and is not a `loom bench {kind}` result; give another file, or pass "
-            "--overwrite to replace it"
-        )
+    if output.exists() and not overwrite:
+        try:
+            earlier = json.loads(output.read_text())
+        except (OSError, ValueError):
+            earlier = None
+        if not (isinstance(earlier, dict) and earlier.get("bench") == kind):
+            raise ConfigError(
+                f"--output {output} exists and is not a `loom bench {kind}` result; give another file, or pass "
+                "--overwrite to replace it"
+            )
+        differing = [key for key, value in identity.items() if earlier.get(key) != value]
+        if differing:
+            theirs = ", ".join(f"{key} {earlier.get(key)!r}" for key in differing)
+            ours = ", ".join(f"{key} {identity[key]!r}" for key in differing)
+            raise ConfigError(
+                f"--output {output} holds the result of another `loom bench {kind}` ({theirs}; this one: {ours}); "
+                "give another file, or pass --overwrite to replace it"
+            )
+    if not output.exists():
+        try:
+            output.parent.mkdir(parents=True, exist_ok=True)
+            output.touch()
+            output.unlink()
+        except OSError as error:
+            raise ConfigError(f"--output {output}: cannot write there ({error.strerror})") from None

@@ -33,9 +33,11 @@ from pathlib import Path
 
 import torch
 
+from loom.engine.atomic import write_text_atomically
 from loom.engine.config import ConfigError, LoomConfig
 from loom.engine.config_io import load_config
 from loom.tools.bench import mfu
+from loom.tools.outputs import claim_result_file
 from loom.tools.synthetic_data import write_markov_dataset
 from loom.tools.train_run import train
 
@@ -214,7 +216,10 @@ def run(args: argparse.Namespace) -> dict:
     slice_name, slice_overrides, slice_microbatches = QUICK_SLICE if args.quick else FULL_SLICE
     config_name = args.config or config_name
     base = load_config(config_name, overrides)
-    device = mfu._device(base.train.device)
+    device = mfu.bench_device(base, warmup + steps, microbatches)
+    output = Path(args.output or DEFAULT_OUTPUT)
+    identity = {"config": config_name, "quick": args.quick, "device": mfu.device_name(device)}
+    claim_result_file(output, "gpu", args.overwrite, identity)
     # cuDNN's attention beside torch's choice (flash on Hopper): the lever docs/gpu.md names for the MFU target
     # and FP8 with the output layer's GEMMs too: by `loom plan`, the one FP8 run that can reach 1.25x (docs/gpu.md)
     throughput = mfu.Throughput(
@@ -225,8 +230,7 @@ def run(args: argparse.Namespace) -> dict:
         fp8_output_layers=(False, True),
     )
     slice_throughput = dataclasses.replace(throughput, microbatches=slice_microbatches, attention_backends=())
-    results = {"bench": "gpu", "config": config_name, "quick": args.quick, "slice_config": slice_name}
-    output = Path(args.output or DEFAULT_OUTPUT)
+    results = {"bench": "gpu", **identity, "slice_config": slice_name}
     try:
         with tempfile.TemporaryDirectory() as tmp:
             with mfu.single_process_group(device, base):
@@ -242,7 +246,28 @@ def run(args: argparse.Namespace) -> dict:
             print(f"bench: launcher: {json.dumps(results['launcher'])}", file=sys.stderr, flush=True)
         results["complete"] = True
     finally:  # stopped part-way (a lease's limit): the parts that finished are kept, "complete" absent
-        output.write_text(json.dumps(results, indent=2) + "\n")
+        written = _write_results(output, results)
     print(format_markdown(results), flush=True)
-    print(f"wrote {output}")
+    print(f"wrote {written}")
     return results
+
+
+def _write_results(output: Path, results: dict) -> Path:
+    """Write the results whole; those of a bench stopped part-way go beside a complete earlier result (a rerun's,
+    which claim_result_file let this run replace), as NAME.partial.json, rather than over it."""
+    target = output
+    if not results.get("complete"):
+        try:
+            earlier_complete = json.loads(output.read_text()).get("complete", False)
+        except (OSError, ValueError, AttributeError):
+            earlier_complete = False
+        if earlier_complete:
+            target = output.with_name(f"{output.stem}.partial{output.suffix}")
+            print(
+                f"bench: stopped part-way: its figures are in {target}; {output} keeps the complete result of an "
+                "earlier run",
+                file=sys.stderr,
+                flush=True,
+            )
+    write_text_atomically(target, json.dumps(results, indent=2) + "\n")
+    return target

@@ -19,15 +19,17 @@ import io
 import tempfile
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from loom.engine.config_io import load_config
+from loom.engine.config_io import load_config, parse_overrides
 from loom.tools.bench import mfu
 from loom.tools.bench.plain_loop import run_plain_loop
+
+CPU_SIZES = {"seq_length": 64, "micro_batch_size": 2}
+"""The train fields a profile on CPU (a smoke test) shrinks, unless given as overrides."""
 
 # First match wins: substrings of CUDA kernel names (cuBLAS/CUTLASS/cuDNN/FlashAttention/Triton/NCCL naming) and of
 # aten operators on CPU. Inductor's kernels are one kind whatever they fuse (their names list the fused ops).
@@ -146,16 +148,19 @@ def format_report(columns: dict[str, dict[str, float]], top: int = 15) -> str:
 
 def run(args: argparse.Namespace, overrides: list[str]) -> None:
     """Entry point of `loom bench profile` (launch/cli_bench.py)."""
+    mfu.refuse_bench_set_fields(overrides, "profile")
     cuda = torch.cuda.is_available()
-    device = torch.device("cuda" if cuda else "cpu")
-    sizes = {} if cuda else {"train": {"seq_length": 64, "micro_batch_size": 2}}
     config_name = args.config or ("llama-1b" if cuda else "tiny")
-    base = mfu._with_overrides(load_config(config_name, overrides), sizes)
+    base = load_config(config_name, overrides)
+    if not cuda:  # a smoke test on CPU: tiny sizes, unless asked for others
+        given = parse_overrides(overrides).get("train", {})
+        sizes = {name: value for name, value in CPU_SIZES.items() if name not in given}
+        base = mfu._with_overrides(base, {"train": sizes})
+    device = mfu.bench_device(base, args.warmup + args.steps, args.microbatches)
     columns, step = {}, ""
     with tempfile.TemporaryDirectory() as tmp:
         t = base.train
-        documents = (args.warmup + args.steps + 1) * t.micro_batch_size * args.microbatches * 2
-        data = mfu.write_random_tokens(Path(tmp) / "random", base.model.vocab_size, documents, t.seq_length + 1)
+        data = mfu.random_tokens_for(base, (args.warmup + args.steps + 1) * t.micro_batch_size * args.microbatches, tmp)
         with mfu.single_process_group(device, base):
             name = f"loom ({' '.join(overrides) or 'defaults'})"
             columns[name], wall, busy = profile_loom(base, data, tmp + "/run", args, device)

@@ -37,8 +37,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from loom.engine.atomic import write_text_atomically
 from loom.engine.config import ConfigError, LoomConfig
-from loom.engine.config_io import config_to_dict, load_config
+from loom.engine.config_io import config_to_dict, load_config, parse_overrides
 from loom.engine.data.indexed import IndexedDatasetWriter
 from loom.engine.flops import model_flops_per_token, peak_tflops
 from loom.engine.metrics import memory_gb
@@ -105,6 +106,16 @@ def gemm_peak_tflops(device: torch.device, dtype: torch.dtype, size: int, repeat
     return 2 * size**3 * repeats / (time.perf_counter() - start) / 1e12
 
 
+RANDOM_DOCUMENTS = 1024
+"""The most documents of random tokens a benchmark writes: its dataset serves them again, epoch after epoch."""
+
+
+def random_tokens_for(base: LoomConfig, sequences: int, folder: str) -> str:
+    """A dataset (its prefix in `folder`) of random tokens for `sequences` training sequences of `base`'s shape."""
+    documents = min(2 * sequences, RANDOM_DOCUMENTS)
+    return write_random_tokens(Path(folder) / "random", base.model.vocab_size, documents, base.train.seq_length + 1)
+
+
 def write_random_tokens(prefix: Path, vocab_size: int, documents: int, length: int) -> str:
     rng = np.random.default_rng(0)
     dtype = np.dtype(np.uint16) if vocab_size < 65500 else np.dtype(np.int32)
@@ -114,27 +125,71 @@ def write_random_tokens(prefix: Path, vocab_size: int, documents: int, length: i
     return str(prefix)
 
 
-def bench_config(base: LoomConfig, data: str, run_dir: str, steps: int, microbatches: int, **train) -> LoomConfig:
-    """The config of one loom row: world size 1, random data, no eval/checkpoints/TensorBoard."""
-    t = base.train
-    overrides = {
+def _bench_settings(micro_batch_size: int, data: str, run_dir: str, steps: int, microbatches: int) -> dict:
+    """What every loom row sets, whatever the config says: world size 1, random data, no eval, checkpoints or
+    TensorBoard (llama-1b's checkpoint is ~20 GB, and writing it took ~50 s of each row on an H200)."""
+    return {
         "parallel": {"tp": 1, "pp": 1, "vp": 1, "cp": 1, "dp": None, "sequence_parallel": False},
         "data": {"paths": [data], "weights": None, "tokenizer": None, "split": "100,0,0"},
         "train": {
             "steps": steps,
-            "global_batch_size": t.micro_batch_size * microbatches,
+            "global_batch_size": micro_batch_size * microbatches,
             "rampup_batch_size": None,
             "run_dir": run_dir,
             "log_interval": 1,
             "eval_interval": 0,
             "tensorboard": False,
             "exit_after": 0,
-            **train,
         },
-        # no checkpoint at the end either: llama-1b's is ~20 GB, and writing it took ~50 s of each row on an H200
         "checkpoint": {"interval": 0, "load": None, "save_at_end": False},
         "optim": {"warmup_steps": 0},
     }
+
+
+BENCH_SET_FIELDS = {section: set(values) for section, values in _bench_settings(1, "", "", 1, 1).items()}
+"""The config fields the benchmarks set themselves: an override of one would be dropped without a word."""
+
+MAX_SEQUENCES = 1_000_000
+"""The most sequences a loom row trains (--steps and --warmup times the global batch): far above what figures
+that settle within tens of steps need, far below a run that fills the disk with random tokens and never ends."""
+
+
+def refuse_bench_set_fields(overrides: list[str], command: str, own_flags: dict[str, str] | None = None) -> None:
+    """One line for an override the benchmark would drop (BENCH_SET_FIELDS) or that one of its own flags sets
+    (`own_flags`: "section.field" -> the flag), before any work."""
+    for section, values in parse_overrides(overrides).items():
+        for name in values:
+            if name in BENCH_SET_FIELDS.get(section, ()):
+                raise ConfigError(
+                    f"--{section}.{name}: loom bench {command} sets it itself (one rank on random tokens, "
+                    "--steps/--warmup/--microbatches, nothing saved); drop it"
+                )
+            if flag := (own_flags or {}).get(f"{section}.{name}"):
+                raise ConfigError(f"--{section}.{name}: loom bench {command} sets it in a row of its own; use {flag}")
+
+
+def bench_device(base: LoomConfig, steps: int, microbatches: int) -> torch.device:
+    """The device the loom rows of `base` run on, after the checks the Trainer would make there (a GPU that is not
+    there, kernels the device cannot run, a batch beyond MAX_SEQUENCES), so that the config's own mistake is one
+    line before any work rather than a failed row."""
+    from loom.engine.model.kernels import choose_kernels
+    from loom.engine.train import pick_device
+
+    sequences = steps * base.train.micro_batch_size * microbatches
+    if sequences > MAX_SEQUENCES:
+        raise ConfigError(
+            f"{steps} steps of {microbatches} micro-batches of {base.train.micro_batch_size} is {sequences:,} "
+            f"sequences, above the {MAX_SEQUENCES:,} a benchmark trains; lower --steps or --microbatches"
+        )
+    device = pick_device(base.train.device, 0)
+    choose_kernels(bench_config(base, "random", "run", steps, microbatches), device)
+    return device
+
+
+def bench_config(base: LoomConfig, data: str, run_dir: str, steps: int, microbatches: int, **train) -> LoomConfig:
+    """The config of one loom row: `base` with _bench_settings, and `train` fields on top."""
+    overrides = _bench_settings(base.train.micro_batch_size, data, run_dir, steps, microbatches)
+    overrides["train"].update(train)
     config = _with_overrides(base, overrides)
     config.resolve_world(1)
     return config
@@ -175,12 +230,14 @@ def run_loom(config: LoomConfig, warmup: int, device: torch.device) -> tuple[lis
 
 
 def measure(settings: Throughput, base: LoomConfig, baselines: bool = True) -> dict:
-    """Every row's figures (module docstring); without `baselines`, loom's two rows only."""
-    device = _device(base.train.device)
+    """Every row's figures (module docstring); without `baselines`, loom's rows only."""
+    from loom.engine.train import pick_device
+
+    device = pick_device(base.train.device, 0)
     t = base.train
     precision = t.precision
     results = {
-        "device": _device_name(device),
+        "device": device_name(device),
         "torch": torch.__version__,
         "precision": precision,
         "seq_length": t.seq_length,
@@ -191,8 +248,7 @@ def measure(settings: Throughput, base: LoomConfig, baselines: bool = True) -> d
     flops = model_flops_per_token(base.model, t.seq_length)
     steps = settings.warmup + settings.steps
     with tempfile.TemporaryDirectory() as tmp:
-        documents = (steps + 1) * t.micro_batch_size * settings.microbatches * 2
-        data = write_random_tokens(Path(tmp) / "random", base.model.vocab_size, documents, t.seq_length + 1)
+        data = random_tokens_for(base, (steps + 1) * t.micro_batch_size * settings.microbatches, tmp)
         rows = []
         started = time.perf_counter()
 
@@ -276,12 +332,12 @@ def report_row(row: Row, seconds: float) -> None:
     print(f"bench: {row.name}: {figures} ({seconds:.0f} s so far)", file=sys.stderr, flush=True)
 
 
-def _planned(row: Row, device_name: str) -> dict:
+def _planned(row: Row, device: str) -> dict:
     """`loom plan`'s tokens/s and memory for a loom row that ran, on a GPU the planner knows; {} otherwise."""
     from loom.tools.plan import GB, estimate, gpu_kind, load_hardware
     from loom.tools.plan_bytes import layout_of
 
-    kind = gpu_kind(device_name) if row.config is not None and row.tokens_per_s else None
+    kind = gpu_kind(device) if row.config is not None and row.tokens_per_s else None
     if kind is None:
         return {}
     predicted = estimate(row.config, layout_of(row.config), load_hardware(kind))
@@ -333,6 +389,8 @@ def _fp8_row(
 ) -> tuple[str, Callable[[], Row]]:
     """The FP8 row's name and how to measure it."""
     recipe = settings.fp8_recipe
+    if recipe == "auto" and output_layer:  # the output layer in FP8 is loom's own linear: current scaling
+        recipe = "current"
     if recipe == "auto":
         from loom.engine.model.kernels import probe_import
 
@@ -476,16 +534,30 @@ def format_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def run(args: argparse.Namespace, overrides: list[str]) -> dict:
-    """Entry point of `loom bench mfu` (launch/cli_bench.py): measure, print the table, optionally save JSON."""
+FP8_FLAGS = {"train.fp8": "--fp8-recipe", "train.fp8_output_layer": "--fp8-output-layer"}
+"""`loom bench mfu`'s own flags for what its FP8 row sets."""
 
+
+def run(args: argparse.Namespace, overrides: list[str]) -> dict:
+    """Entry point of `loom bench mfu` (launch/cli_bench.py): check, measure, print the table, optionally save JSON."""
+    from loom.tools.outputs import claim_result_file
+
+    refuse_bench_set_fields(overrides, "mfu", FP8_FLAGS)
+    if args.fp8_recipe == "delayed" and True in args.fp8_output_layers:
+        raise ConfigError(
+            "--fp8-output-layer runs loom's own FP8 linears, which scale currently: use --fp8-recipe current (or auto)"
+        )
     base = load_config(args.config, overrides)
-    device = _device(base.train.device)
+    device = bench_device(base, args.warmup + args.steps, args.microbatches)
+    if args.output:
+        identity = {"config": args.config, "device": device_name(device)}
+        claim_result_file(Path(args.output), "mfu", args.overwrite, identity)
     with single_process_group(device, base):
         results = measure(Throughput.from_args(args), base)
     print(format_table(results), flush=True)
     if args.output:
-        Path(args.output).write_text(json.dumps({"bench": "mfu", **results}, indent=2) + "\n")
+        result = {"bench": "mfu", "config": args.config, **results}
+        write_text_atomically(args.output, json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.output}")
     return results
 
@@ -518,13 +590,7 @@ def single_process_group(device: torch.device, config: LoomConfig):
                 os.environ[name] = value
 
 
-def _device(choice: str) -> torch.device:
-    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", 0)
-    return torch.device("cpu")
-
-
-def _device_name(device: torch.device) -> str:
+def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"CPU ({torch.get_num_threads()} threads)"
