@@ -6,6 +6,9 @@
 #   scripts/gpu_session.sh tests OUT         # there: `pytest -m gpu` alone (when measure left it no time)
 #   scripts/gpu_session.sh profile OUT       # there, if the lease has minutes left: where the step's time goes
 #
+# Each part writes its own files into OUT (status_PART.txt says how each of its steps ended) and refuses an OUT
+# that holds that part's files from an earlier session.
+#
 # A lent machine runs one command for at most 10 minutes, so each part fits one call (MEASURE_SECONDS, default
 # 585), and every part has its own time limit so a lease cut short still returns what finished. `measure`:
 # `loom bench gpu` (docs/gpu.md's table; its rows are logged as they finish) leaving TESTS_SECONDS (150) for
@@ -26,46 +29,69 @@ wheels)
     ls .whl
     ;;
 measure | tests | profile)
-    out=${2:?usage: $0 $1 OUT}
-    mkdir -p "$out"
+    part=$1
+    [ -n "${2:-}" ] || { echo "usage: $0 $part OUT (a folder for the figures)" >&2; exit 2; }
+    if [ -e "$2" ] && [ ! -d "$2" ]; then
+        echo "error: OUT $2 is a file; give a folder" >&2
+        exit 2
+    fi
+    out=$(realpath -m "$2") # absolute: the parts run from the checkout
+    case $part in # what each part writes: a part never writes over an earlier session's (or part's) files
+    measure) files="status_measure.txt bench_gpu.json bench_gpu.md bench_gpu.log pytest_gpu.txt" ;;
+    tests) files="status_tests.txt pytest_gpu_tests.txt" ;;
+    profile) files="status_profile.txt kernel_profile.md kernel_profile_fp8.md kernel_profile_unfused.md" ;;
+    esac
+    for file in $files; do
+        if [ -e "$out/$file" ]; then
+            echo "error: $out/$file exists (from an earlier $part); give an empty folder, or move it away" >&2
+            exit 2
+        fi
+    done
+    if ! ls "$here"/.whl/*.whl >/dev/null 2>&1; then
+        echo "error: no wheels in $here/.whl; run scripts/gpu_session.sh wheels first (where PyPI is reachable)" >&2
+        exit 2
+    fi
+    mkdir -p "$out" || exit 1
     cd "$here" || exit 1
+    status="$out/status_$part.txt"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/loom-site \
         .whl/*.whl || exit 1
     export PYTHONPATH=/tmp/loom-site
-    nvidia-smi --query-gpu=name,memory.total,power.limit --format=csv >"$out/gpu.csv" 2>&1
-    python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" >>"$out/status.txt" 2>&1
+    nvidia-smi --query-gpu=name,memory.total,power.limit --format=csv >>"$status" 2>&1
+    python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" >>"$status" 2>&1
     left() { # seconds left of MEASURE_SECONDS, less $1, at least 10 (timeout refuses a negative limit; 0 is none)
         local s=$((${MEASURE_SECONDS:-585} - SECONDS - ${1:-0}))
         echo $((s > 10 ? s : 10))
     }
-    if [ "$1" = measure ]; then
+    if [ "$part" = measure ]; then
         timeout "$(left "${TESTS_SECONDS:-150}")" python3 -m loom.launch.cli bench gpu --output "$out/bench_gpu.json" \
             >"$out/bench_gpu.md" 2>"$out/bench_gpu.log"
-        echo "bench gpu: exit $? (124: cut short; finished rows are in bench_gpu.log)" >>"$out/status.txt"
+        echo "bench gpu: exit $? (124: cut short; finished rows are in bench_gpu.log)" >>"$status"
         timeout "$(left)" python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py >"$out/pytest_gpu.txt" 2>&1
-        echo "pytest -m gpu: exit $?" >>"$out/status.txt"
+        echo "pytest -m gpu: exit $?" >>"$status"
         grep "^bench:" "$out/bench_gpu.log"
         cat "$out/bench_gpu.md"
         tail -30 "$out/pytest_gpu.txt"
-    elif [ "$1" = tests ]; then
-        timeout "$(left)" python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py >"$out/pytest_gpu.txt" 2>&1
-        echo "pytest -m gpu: exit $?" >>"$out/status.txt"
-        tail -40 "$out/pytest_gpu.txt"
+    elif [ "$part" = tests ]; then
+        timeout "$(left)" python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py >"$out/pytest_gpu_tests.txt" 2>&1
+        echo "pytest -m gpu: exit $?" >>"$status"
+        tail -40 "$out/pytest_gpu_tests.txt"
     else
         timeout 100 python3 -m loom.launch.cli bench profile >"$out/kernel_profile.md" 2>&1
-        echo "kernel_profile: exit $?" >>"$out/status.txt"
+        echo "kernel_profile: exit $?" >>"$status"
         timeout "$(left)" python3 -m loom.launch.cli bench profile --no-plain --train.precision bf16 --train.fp8 current \
             >"$out/kernel_profile_fp8.md" 2>&1
-        echo "kernel_profile fp8: exit $?" >>"$out/status.txt"
+        echo "kernel_profile fp8: exit $?" >>"$status"
         timeout "$(left)" python3 -m loom.launch.cli bench profile --no-plain --optim.grad_accumulation_fusion false \
             >"$out/kernel_profile_unfused.md" 2>&1
-        echo "kernel_profile without gradient-accumulation fusion: exit $?" >>"$out/status.txt"
+        echo "kernel_profile without gradient-accumulation fusion: exit $?" >>"$status"
         cat "$out/kernel_profile.md" "$out/kernel_profile_fp8.md" "$out/kernel_profile_unfused.md"
     fi
-    cat "$out/status.txt"
+    cat "$status"
     ;;
 *)
-    sed -n '2,12p' "$0" | cut -c3-
+    [ -n "${1:-}" ] && echo "error: unknown part '$1'; the parts are wheels, measure, tests and profile" >&2
+    sed -n '2,10p' "$0" | cut -c3- >&2
     exit 2
     ;;
 esac
