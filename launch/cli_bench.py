@@ -10,10 +10,16 @@ import argparse
 
 from loom.launch.arguments import int_in, output_file
 
-OVERWRITE_RESULT = "replace an --output file that is not an earlier result of this benchmark"
+OVERWRITE_RESULT = (
+    "replace an --output file that is not an earlier result of this benchmark run the same way (config, device)"
+)
+OVERRIDES = """\
+Config fields can be overridden as --section.field value, except what the bench sets itself (the layout:
+world size 1; the steps, batch, data and checkpoints: --steps, --warmup, --microbatches, random tokens, nothing
+saved)"""
 
-EPILOG_MFU = """\
-Any config field can be overridden as --section.field value, e.g.
+EPILOG_MFU = f"""\
+{OVERRIDES} and FP8 (--fp8-recipe, --fp8-output-layer), e.g.
   loom bench mfu --config configs/llama-1b.toml --steps 20 --train.seq_length 2048 --model.compile true
   loom bench mfu --config configs/tiny.toml --steps 5                       (CPU, seconds)
 Runs one process (world size 1) on train.device: loom at the config's precision, loom with FP8
@@ -21,13 +27,15 @@ Runs one process (world size 1) on train.device: loom at the config's precision,
 is installed, LlamaForCausalLM of the same shape (eager, SDPA); then the ratios between them."""
 
 
-EPILOG_PROFILE = """\
+EPILOG_PROFILE = f"""\
 Prints ms per step of GEMMs, attention, inductor's fused kernels, other element-wise kernels, reductions,
 the optimizer, copies and collectives for loom and for the same model as a plain loop, the 15 costliest
 kernels of each, and how long loom's step took against the time the device ran a kernel (the rest: the
-device waiting for the host). Any config field can be overridden as --section.field value, e.g.
+device waiting for the host).
+{OVERRIDES}, e.g.
   loom bench profile --no-plain --train.precision bf16 --train.fp8 current
-On CPU it runs tiny sizes and names aten operators instead of kernels: a smoke test, not a measurement."""
+On CPU it runs tiny sizes (seq 64, micro-batch 2, unless given others) and names aten operators instead of
+kernels: a smoke test, not a measurement."""
 
 
 def cmd_bench_mfu(args: argparse.Namespace, overrides: list[str]) -> None:
@@ -99,7 +107,7 @@ def add_parser(commands) -> None:
         "gpu",
         help="everything a GPU must answer, in one table: GEMM peak, BF16/FP8 MFU, loom vs plain loop, "
         "FP8 loss gap, a world-size-1 NCCL run",
-        description="About 10 minutes on one H100 (llama-1b); --quick runs tiny sizes (seconds on CPU).",
+        description="8-10 minutes on one H100/H200 (llama-1b); --quick runs tiny sizes (seconds on CPU).",
     )
     gpu.add_argument("--quick", action="store_true", help="tiny sizes: the CPU check that the command works")
     gpu.add_argument("--config", help="model for the throughput rows (default: llama-1b, or tiny with --quick)")

@@ -12,6 +12,7 @@ from training_runs import loom_here, one_line_error
 from loom.tools.bench.mfu import format_table
 
 REPO = Path(__file__).resolve().parents[1]
+NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="a refusal on a machine without GPUs")
 
 
 def test_bench_mfu_runs_on_cpu_and_prints_its_table(tmp_path, capfd):
@@ -150,6 +151,9 @@ def test_bench_results_replace_only_earlier_results(tmp_path, capfd):
     assert json.loads(earlier.read_text()) == gpu_run
     with pytest.raises(Exception, match="is not a `loom bench mfu` result"):
         claim_result_file(earlier, "mfu", False, {})
+    earlier.write_text(json.dumps({"bench": "gpu", "config": "llama-1b"}))  # written before results said more
+    with pytest.raises(Exception, match="written by an older loom \\(it records no quick, device\\)"):
+        claim_result_file(earlier, "gpu", False, {"config": "llama-1b", "quick": False, "device": "NVIDIA H200"})
     claim_result_file(metrics, "gpu", True, {})
 
 
@@ -173,8 +177,12 @@ def test_a_bench_stopped_part_way_keeps_a_complete_earlier_result(tmp_path):
         (["--train.steps", "500"], "--train.steps: loom bench mfu sets it itself"),
         (["--checkpoint.interval", "5"], "--checkpoint.interval: loom bench mfu sets it itself"),
         (["--train.precision", "bf16", "--train.fp8", "current"], "--train.fp8: loom bench mfu sets it in a row of"),
-        (["--train.precision", "bf16", "--model.attention_backend", "cudnn"], "model.attention_backend = cudnn"),
-        (["--train.device", "cuda"], "train.device = cuda but no CUDA device is visible"),
+        pytest.param(
+            ["--train.precision", "bf16", "--model.attention_backend", "cudnn"],
+            "model.attention_backend = cudnn",
+            marks=NO_GPU,
+        ),
+        pytest.param(["--train.device", "cuda"], "train.device = cuda but no CUDA device is visible", marks=NO_GPU),
         (["--steps", "100000", "--microbatches", "100000"], "lower --steps or --microbatches"),
         (["--fp8-recipe", "delayed", "--fp8-output-layer"], "use --fp8-recipe current (or auto)"),
     ],

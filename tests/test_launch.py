@@ -8,6 +8,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import torch
 from training_runs import HANG_S, fails_if_hung, loom_here, read_metrics, tiny_config
 
 from loom.engine.config import ConfigError
@@ -209,10 +210,15 @@ def test_more_nccl_ranks_than_gpus_is_refused_before_any_starts(dataset, tmp_pat
     assert set(multiprocessing.active_children()) == children_before and not (tmp_path / "run").exists()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without GPUs")
 def test_nccl_ranks_on_a_machine_without_gpus_say_so(dataset, tmp_path):
     """With no GPU the launcher said "use --nproc 0 or fewer", which no run can do."""
     config = tiny_config(dataset, tmp_path / "run", train={"device": "cuda"})
     config.resolve_world(1)
     with pytest.raises(ConfigError, match=r"^train.device = cuda asks for NCCL ranks, but no CUDA device is visible"):
+        launch_local(config, 1)
+    config = tiny_config(dataset, tmp_path / "run", parallel={"backend": "nccl"})
+    config.resolve_world(1)
+    with pytest.raises(ConfigError, match=r"^parallel.backend = nccl asks .* use --parallel.backend auto"):
         launch_local(config, 1)
     assert not (tmp_path / "run").exists()

@@ -1,6 +1,6 @@
-"""Charts loom draws (`loom plan --plot`, `loom schedule --output`): marked as loom's in their metadata, saved
-whole, and never drawn over a file loom did not draw unless told to (--overwrite). No torch here: `loom plan`
-does not import it."""
+"""Charts loom draws (`loom plan --plot`, `loom schedule --output`): marked in their metadata with the command
+that drew them, saved whole, and never drawn over a file that command did not draw unless told to (--overwrite).
+No torch here: `loom plan` does not import it."""
 
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ checkpoints or (for an export) a model, unless --overwrite, which moves what is 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -124,6 +125,7 @@ def claim_result_file(output: Path, kind: str, overwrite: bool, identity: dict) 
     only with --overwrite. Checked before the benchmark runs, not after its minutes of measuring."""
     import json
 
+    output = Path(os.path.realpath(output))  # a link is written through: its target is what is claimed
     if output.exists() and not overwrite:
         try:
             earlier = json.loads(output.read_text())
@@ -133,6 +135,11 @@ def claim_result_file(output: Path, kind: str, overwrite: bool, identity: dict) 
             raise ConfigError(
                 f"--output {output} exists and is not a `loom bench {kind}` result; give another file, or pass "
                 "--overwrite to replace it"
+            )
+        if missing := [key for key in identity if key not in earlier]:
+            raise ConfigError(
+                f"--output {output} holds a `loom bench {kind}` result written by an older loom (it records no "
+                f"{', '.join(missing)}); give another file, or pass --overwrite to replace it"
             )
         differing = [key for key, value in identity.items() if earlier.get(key) != value]
         if differing:

@@ -161,7 +161,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         t = base.train
         data = mfu.random_tokens_for(base, (args.warmup + args.steps + 1) * t.micro_batch_size * args.microbatches, tmp)
-        with mfu.single_process_group(device, base):
+        with mfu.single_process_group(device):
             name = f"loom ({' '.join(overrides) or 'defaults'})"
             columns[name], wall, busy = profile_loom(base, data, tmp + "/run", args, device)
             step = (

@@ -76,6 +76,8 @@ class Throughput:
     """Square GEMM size for the measured peak; None: 8192 on CUDA, 512 on CPU."""
     attention_backends: tuple[str, ...] = ()
     """Rows of loom's defaults with another of SDPA's kernels alone (model.attention_backend): which is fastest."""
+    defaults_row: bool = True
+    """Measure loom's defaults (False: only the other loom rows, for a bench that measured the defaults before)."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Throughput:
@@ -171,8 +173,8 @@ def refuse_bench_set_fields(overrides: list[str], command: str, own_flags: dict[
 def bench_device(base: LoomConfig, steps: int, microbatches: int) -> torch.device:
     """The device the loom rows of `base` run on, after the checks the Trainer would make there (a GPU that is not
     there, kernels the device cannot run, a batch beyond MAX_SEQUENCES), so that the config's own mistake is one
-    line before any work rather than a failed row."""
-    from loom.engine.model.kernels import choose_kernels
+    line before any work rather than a failed row. On CUDA, loom's CUDA environment defaults for `base` are set
+    first, as a launcher sets them for its ranks."""
     from loom.engine.train import pick_device
 
     sequences = steps * base.train.micro_batch_size * microbatches
@@ -181,9 +183,23 @@ def bench_device(base: LoomConfig, steps: int, microbatches: int) -> torch.devic
             f"{steps} steps of {microbatches} micro-batches of {base.train.micro_batch_size} is {sequences:,} "
             f"sequences, above the {MAX_SEQUENCES:,} a benchmark trains; lower --steps or --microbatches"
         )
+    if base.train.device == "cuda" or (base.train.device == "auto" and torch.cuda.is_available()):
+        from loom.engine.cuda_env import set_cuda_env_defaults
+
+        set_cuda_env_defaults(base)  # as a launcher sets them for its ranks: the allocator reads them at the first
+        # CUDA call, which pick_device makes
     device = pick_device(base.train.device, 0)
-    choose_kernels(bench_config(base, "random", "run", steps, microbatches), device)
+    checked(lambda: bench_config(base, "random", "run", steps, microbatches), device)
     return device
+
+
+def checked(configure: Callable[[], LoomConfig], device: torch.device) -> LoomConfig:
+    """configure()'s config after the checks the Trainer makes on `device` (ConfigError: why it cannot run there)."""
+    from loom.engine.model.kernels import choose_kernels
+
+    config = configure()
+    choose_kernels(config, device)
+    return config
 
 
 def bench_config(base: LoomConfig, data: str, run_dir: str, steps: int, microbatches: int, **train) -> LoomConfig:
@@ -262,7 +278,8 @@ def measure(settings: Throughput, base: LoomConfig, baselines: bool = True) -> d
             results["kernels"] = kernels
             return Row(f"loom {precision} (defaults)", median(rates), mem, kernels, config)
 
-        done(_guarded(f"loom {precision} (defaults)", defaults_row, device))
+        if settings.defaults_row:
+            done(_guarded(f"loom {precision} (defaults)", defaults_row, device))
         for backend in settings.attention_backends:
             done(_guarded(*_attention_backend_row(settings, base, data, tmp, steps, device, backend), device))
         for output_layer in settings.fp8_output_layers:
@@ -372,11 +389,8 @@ def _variant_row(
 ) -> Row:
     """A loom row of a variant of the defaults (FP8, an attention kernel), or why it is skipped: its config, checked
     as the Trainer checks it before any work, cannot run on `device`."""
-    from loom.engine.model.kernels import choose_kernels
-
     try:
-        config = configure()
-        choose_kernels(config, device)
+        config = checked(configure, device)
     except ConfigError as error:
         return Row(name, note=f"skipped: {error}")
     with around():
@@ -550,9 +564,17 @@ def run(args: argparse.Namespace, overrides: list[str]) -> dict:
     base = load_config(args.config, overrides)
     device = bench_device(base, args.warmup + args.steps, args.microbatches)
     if args.output:
-        identity = {"config": args.config, "device": device_name(device)}
+        t = base.train
+        identity = {
+            "config": args.config,
+            "device": device_name(device),
+            "precision": t.precision,
+            "seq_length": t.seq_length,
+            "micro_batch_size": t.micro_batch_size,
+            "microbatches": args.microbatches,
+        }
         claim_result_file(Path(args.output), "mfu", args.overwrite, identity)
-    with single_process_group(device, base):
+    with single_process_group(device):
         results = measure(Throughput.from_args(args), base)
     print(format_table(results), flush=True)
     if args.output:
@@ -563,15 +585,9 @@ def run(args: argparse.Namespace, overrides: list[str]) -> dict:
 
 
 @contextlib.contextmanager
-def single_process_group(device: torch.device, config: LoomConfig):
+def single_process_group(device: torch.device):
     """World size 1 for the measured runs (the Trainer works in a process group), gone afterwards with the
-    rendezvous variables it set: ranks a launcher starts later in this process must not inherit them. On CUDA,
-    loom's CUDA environment defaults for `config` come first, as a launcher sets them for its ranks (the allocator
-    and the driver read them at the process's first CUDA call)."""
-    if device.type == "cuda":
-        from loom.engine.cuda_env import set_cuda_env_defaults
-
-        set_cuda_env_defaults(config)
+    rendezvous variables it set: ranks a launcher starts later in this process must not inherit them."""
     from loom.engine.parallel.rendezvous import free_port
 
     rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1"}
