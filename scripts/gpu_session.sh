@@ -67,13 +67,13 @@ measure | tests | profile)
         timeout "$(left "${TESTS_SECONDS:-150}")" python3 -m loom.launch.cli bench gpu --output "$out/bench_gpu.json" \
             >"$out/bench_gpu.md" 2>"$out/bench_gpu.log"
         echo "bench gpu: exit $? (124: cut short; finished rows are in bench_gpu.log)" >>"$status"
-        timeout "$(left)" python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py >"$out/pytest_gpu.txt" 2>&1
+        timeout "$(left)" python3 -m pytest -m gpu -q -p no:cacheprovider --durations=20 tests/test_gpu.py >"$out/pytest_gpu.txt" 2>&1
         echo "pytest -m gpu: exit $?" >>"$status"
         grep "^bench:" "$out/bench_gpu.log"
         cat "$out/bench_gpu.md"
         tail -30 "$out/pytest_gpu.txt"
     elif [ "$part" = tests ]; then
-        timeout "$(left)" python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py >"$out/pytest_gpu_tests.txt" 2>&1
+        timeout "$(left)" python3 -m pytest -m gpu -q -p no:cacheprovider --durations=20 tests/test_gpu.py >"$out/pytest_gpu_tests.txt" 2>&1
         echo "pytest -m gpu: exit $?" >>"$status"
         tail -40 "$out/pytest_gpu_tests.txt"
     else
