@@ -118,14 +118,14 @@ def test_bench_gpu_quick_runs_on_cpu_and_answers_every_row(tmp_path, capfd, monk
 
 def test_a_stop_signal_ends_the_bench_rather_than_failing_a_row():
     from loom.errors import Interrupted
-    from loom.tools.bench import mfu
+    from loom.tools.bench import harness
 
     def stopped():
         raise Interrupted("stopped by SIGTERM")
 
     with pytest.raises(Interrupted):
-        mfu.guarded(stopped, lambda why: why, torch.device("cpu"))
-    assert mfu.guarded(lambda: 1 / 0, lambda why: why, torch.device("cpu")).startswith("failed: ZeroDivisionError")
+        harness.guarded(stopped, lambda why: why, torch.device("cpu"))
+    assert harness.guarded(lambda: 1 / 0, lambda why: why, torch.device("cpu")).startswith("failed: ZeroDivisionError")
 
 
 def test_bench_results_replace_only_earlier_results(tmp_path, capfd):

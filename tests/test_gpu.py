@@ -124,7 +124,7 @@ def test_llama_1b_peak_memory_is_within_10_percent_of_the_plan(tmp_path):
     (which then counted eager activations for every run) said 40.5 GB; it counts what the compiled blocks save
     since: 35.0 GB. Eager runs (37.8 GB measured) the plan puts at 40.5 GB."""
     from loom.engine.config_io import load_config
-    from loom.tools.bench.mfu import write_random_tokens
+    from loom.tools.bench.harness import write_random_tokens
     from loom.tools.plan import GB, estimate, gpu_kind, load_hardware
     from loom.tools.plan_bytes import layout_of
 

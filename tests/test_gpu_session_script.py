@@ -71,3 +71,21 @@ def test_out_is_where_it_is_named_and_an_earlier_sessions_files_are_kept(checkou
     other_part = run(checkout, "profile", "relative/out", cwd=caller)  # another part's files beside them: fine
     assert other_part.returncode == 0, other_part.stderr
     assert (caller / "relative" / "out" / "status_profile.txt").exists() and status.read_text() == kept
+
+
+def test_every_name_the_gpu_checks_import_from_loom_exists():
+    """tests/test_gpu.py runs only on a lent GPU, and imports most of loom inside its checks: a name moved on CPU
+    (tools/bench/mfu.py's write_random_tokens went to harness.py) would fail them there, minutes into a lease."""
+    import ast
+    import importlib
+
+    source = SCRIPT.parents[1] / "tests" / "test_gpu.py"
+    imports = [
+        (node.module, alias.name)
+        for node in ast.walk(ast.parse(source.read_text()))
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("loom")
+        for alias in node.names
+    ]
+    assert len(imports) > 10
+    for module, name in imports:
+        assert hasattr(importlib.import_module(module), name), f"{module}.{name}"

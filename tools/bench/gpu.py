@@ -38,7 +38,7 @@ import torch
 from loom.engine.atomic import write_text_atomically
 from loom.engine.config import ConfigError, LoomConfig
 from loom.engine.config_io import load_config
-from loom.tools.bench import mfu
+from loom.tools.bench import harness, mfu
 from loom.tools.outputs import claim_result_file
 from loom.tools.synthetic_data import write_markov_dataset
 from loom.tools.train_run import train
@@ -71,14 +71,16 @@ def loss_gap(base: LoomConfig, steps: int, layers: int, workdir: Path, device: t
     t = base.train
     documents = max(200, steps * t.micro_batch_size * 2 * t.seq_length // 200)
     data = write_markov_dataset(workdir / "markov", vocab, documents)
-    shallow = mfu._with_overrides(base, {"model": {"num_layers": layers, "vocab_size": vocab}})
+    shallow = harness.with_overrides(base, {"model": {"num_layers": layers, "vocab_size": vocab}})
     result = {"steps": steps, "layers": layers, "vocab_size": vocab}
-    bf16 = mfu.bench_config(shallow, data, str(workdir / "gap-bf16"), steps, 2, precision="bf16")
+    bf16 = harness.bench_config(shallow, data, str(workdir / "gap-bf16"), steps, 2, precision="bf16")
     result["bf16_final_loss"] = _loss_curve(bf16)[-1]
     print(f"bench: loss gap: bf16 {result['bf16_final_loss']:.4f} after {steps} steps", file=sys.stderr, flush=True)
     try:
         train = dict(precision="bf16", fp8="current")
-        fp8 = mfu.checked(lambda: mfu.bench_config(shallow, data, str(workdir / "gap-fp8"), steps, 2, **train), device)
+        fp8 = harness.checked(
+            lambda: harness.bench_config(shallow, data, str(workdir / "gap-fp8"), steps, 2, **train), device
+        )
     except ConfigError as error:
         result["fp8_note"] = f"skipped: {error}"
         return result
@@ -91,7 +93,7 @@ def loss_gap(base: LoomConfig, steps: int, layers: int, workdir: Path, device: t
 
 def _guarded(measure: Callable[[], dict], failed: dict, device: torch.device) -> dict:
     """`measure()`, or `failed` with the error as its note: the later parts still run."""
-    return mfu.guarded(measure, lambda why: {**failed, "fp8_note": why}, device)
+    return harness.guarded(measure, lambda why: {**failed, "fp8_note": why}, device)
 
 
 def launcher_run(config_name: str, overrides: dict, workdir: Path, device: torch.device) -> dict:
@@ -124,7 +126,7 @@ def launcher_run(config_name: str, overrides: dict, workdir: Path, device: torch
     def failed(why: str) -> dict:
         return {"backend": backend, "ok": False, "seconds": time.perf_counter() - start, "error": why}
 
-    return mfu.guarded(trained, failed, device)
+    return harness.guarded(trained, failed, device)
 
 
 def _fmt(value, spec: str = ".3f", suffix: str = "") -> str:
@@ -216,9 +218,9 @@ def run(args: argparse.Namespace) -> dict:
     slice_name, slice_overrides, slice_microbatches = QUICK_SLICE if args.quick else FULL_SLICE
     config_name = args.config or config_name
     base = load_config(config_name, overrides)
-    device = mfu.bench_device(base, warmup + steps, microbatches)
+    device = harness.bench_device(base, warmup + steps, microbatches)
     output = Path(args.output or DEFAULT_OUTPUT)
-    identity = {"config": config_name, "quick": args.quick, "device": mfu.device_name(device)}
+    identity = {"config": config_name, "quick": args.quick, "device": harness.device_name(device)}
     claim_result_file(output, "gpu", args.overwrite, identity)
     # What the issue's targets ask first (defaults, FP8, the baselines; the 8B slice), then the levers after them
     # (cuDNN's attention, the output layer in FP8: by `loom plan`, FP8's one way to 1.25x, docs/gpu.md), so that a
@@ -229,7 +231,7 @@ def run(args: argparse.Namespace) -> dict:
     results = {"bench": "gpu", **identity, "slice_config": slice_name}
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            with mfu.single_process_group(device):
+            with harness.single_process_group(device):
                 results["throughput"] = mfu.measure(targets, base)
                 results["fp8_slice"] = mfu.measure(slice_throughput, load_config(slice_name, slice_overrides), False)
                 results["throughput"]["rows"] += mfu.measure(levers, base, False)["rows"]

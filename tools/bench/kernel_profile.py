@@ -25,7 +25,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from loom.engine.config_io import load_config, parse_overrides
-from loom.tools.bench import mfu
+from loom.tools.bench import harness
 from loom.tools.bench.plain_loop import run_plain_loop
 
 CPU_SIZES = {"seq_length": 64, "micro_batch_size": 2}
@@ -89,23 +89,23 @@ def profile_loom(base, data: str, run_dir: str, args, device: torch.device) -> t
     """(ms per step of each kernel, ms per step of wall time, ms per step with a kernel running) for loom."""
     from loom.engine.train import Trainer
 
-    config = mfu.bench_config(base, data, run_dir, args.warmup + args.steps, args.microbatches)
+    config = harness.bench_config(base, data, run_dir, args.warmup + args.steps, args.microbatches)
     with contextlib.redirect_stdout(io.StringIO()):
         trainer = Trainer(config)
         try:
             for _ in range(args.warmup):
                 trainer.train_step()
-            mfu._sync(device)
+            harness.sync(device)
             with profile(activities=_activities(device)) as prof:
                 start = time.perf_counter()
                 for _ in range(args.steps):
                     trainer.train_step()
-                mfu._sync(device)
+                harness.sync(device)
                 wall_ms = (time.perf_counter() - start) * 1000 / args.steps
         finally:
             trainer.close()
     del trainer
-    mfu._free(device)
+    harness.free_memory(device)
     return kernel_times(prof, device, args.steps), wall_ms, busy_ms(prof, device, args.steps)
 
 
@@ -125,8 +125,8 @@ def profile_plain(base, args, device: torch.device) -> dict[str, float]:
             t.precision,
             compile_model=device.type == "cuda",
         )
-        mfu._sync(device)
-    mfu._free(device)
+        harness.sync(device)
+    harness.free_memory(device)
     return kernel_times(prof, device, args.warmup + args.steps)
 
 
@@ -148,20 +148,22 @@ def format_report(columns: dict[str, dict[str, float]], top: int = 15) -> str:
 
 def run(args: argparse.Namespace, overrides: list[str]) -> None:
     """Entry point of `loom bench profile` (launch/cli_bench.py)."""
-    mfu.refuse_bench_set_fields(overrides, "profile")
+    harness.refuse_bench_set_fields(overrides, "profile")
     cuda = torch.cuda.is_available()
     config_name = args.config or ("llama-1b" if cuda else "tiny")
     base = load_config(config_name, overrides)
     if not cuda:  # a smoke test on CPU: tiny sizes, unless asked for others
         given = parse_overrides(overrides).get("train", {})
         sizes = {name: value for name, value in CPU_SIZES.items() if name not in given}
-        base = mfu._with_overrides(base, {"train": sizes})
-    device = mfu.bench_device(base, args.warmup + args.steps, args.microbatches)
+        base = harness.with_overrides(base, {"train": sizes})
+    device = harness.bench_device(base, args.warmup + args.steps, args.microbatches)
     columns, step = {}, ""
     with tempfile.TemporaryDirectory() as tmp:
         t = base.train
-        data = mfu.random_tokens_for(base, (args.warmup + args.steps + 1) * t.micro_batch_size * args.microbatches, tmp)
-        with mfu.single_process_group(device):
+        data = harness.random_tokens_for(
+            base, (args.warmup + args.steps + 1) * t.micro_batch_size * args.microbatches, tmp
+        )
+        with harness.single_process_group(device):
             name = f"loom ({' '.join(overrides) or 'defaults'})"
             columns[name], wall, busy = profile_loom(base, data, tmp + "/run", args, device)
             step = (

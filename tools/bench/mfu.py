@@ -20,31 +20,24 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import io
 import json
-import os
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TypeVar
 
-import numpy as np
 import torch
-import torch.distributed as dist
 
 from loom.engine.atomic import write_text_atomically
 from loom.engine.config import ConfigError, LoomConfig
-from loom.engine.config_io import config_to_dict, load_config, parse_overrides
-from loom.engine.data.indexed import IndexedDatasetWriter
+from loom.engine.config_io import load_config
 from loom.engine.flops import model_flops_per_token, peak_tflops
 from loom.engine.metrics import memory_gb
 from loom.engine.model.kernels import PARAM_DTYPES
-from loom.errors import Interrupted
+from loom.tools.bench import harness
 from loom.tools.bench.plain_loop import (
     TransformersLlama,
     median,
@@ -52,8 +45,6 @@ from loom.tools.bench.plain_loop import (
     transformers_reason,
     unsupported_reason,
 )
-
-T = TypeVar("T")
 
 
 @dataclass
@@ -100,122 +91,12 @@ def gemm_peak_tflops(device: torch.device, dtype: torch.dtype, size: int, repeat
     b = torch.randn(size, size, device=device, dtype=dtype)
     for _ in range(3):
         a @ b
-    _sync(device)
+    harness.sync(device)
     start = time.perf_counter()
     for _ in range(repeats):
         a @ b
-    _sync(device)
+    harness.sync(device)
     return 2 * size**3 * repeats / (time.perf_counter() - start) / 1e12
-
-
-RANDOM_DOCUMENTS = 1024
-"""The most documents of random tokens a benchmark writes: its dataset serves them again, epoch after epoch."""
-
-
-def random_tokens_for(base: LoomConfig, sequences: int, folder: str) -> str:
-    """A dataset (its prefix in `folder`) of random tokens for `sequences` training sequences of `base`'s shape."""
-    documents = min(2 * sequences, RANDOM_DOCUMENTS)
-    return write_random_tokens(Path(folder) / "random", base.model.vocab_size, documents, base.train.seq_length + 1)
-
-
-def write_random_tokens(prefix: Path, vocab_size: int, documents: int, length: int) -> str:
-    rng = np.random.default_rng(0)
-    dtype = np.dtype(np.uint16) if vocab_size < 65500 else np.dtype(np.int32)
-    with IndexedDatasetWriter(str(prefix), dtype) as writer:
-        for _ in range(documents):
-            writer.add_document(rng.integers(0, vocab_size, length))
-    return str(prefix)
-
-
-def _bench_settings(micro_batch_size: int, data: str, run_dir: str, steps: int, microbatches: int) -> dict:
-    """What every loom row sets, whatever the config says: world size 1, random data, no eval, checkpoints or
-    TensorBoard (llama-1b's checkpoint is ~20 GB, and writing it took ~50 s of each row on an H200)."""
-    return {
-        "parallel": {"tp": 1, "pp": 1, "vp": 1, "cp": 1, "dp": None, "sequence_parallel": False},
-        "data": {"paths": [data], "weights": None, "tokenizer": None, "split": "100,0,0"},
-        "train": {
-            "steps": steps,
-            "global_batch_size": micro_batch_size * microbatches,
-            "rampup_batch_size": None,
-            "run_dir": run_dir,
-            "log_interval": 1,
-            "eval_interval": 0,
-            "tensorboard": False,
-            "exit_after": 0,
-        },
-        "checkpoint": {"interval": 0, "load": None, "save_at_end": False},
-        "optim": {"warmup_steps": 0},
-    }
-
-
-BENCH_SET_FIELDS = {section: set(values) for section, values in _bench_settings(1, "", "", 1, 1).items()}
-"""The config fields the benchmarks set themselves: an override of one would be dropped without a word."""
-
-MAX_SEQUENCES = 1_000_000
-"""The most sequences a loom row trains (--steps and --warmup times the global batch): far above what figures
-that settle within tens of steps need, far below a run that fills the disk with random tokens and never ends."""
-
-
-def refuse_bench_set_fields(overrides: list[str], command: str, own_flags: dict[str, str] | None = None) -> None:
-    """One line for an override the benchmark would drop (BENCH_SET_FIELDS) or that one of its own flags sets
-    (`own_flags`: "section.field" -> the flag), before any work."""
-    for section, values in parse_overrides(overrides).items():
-        for name in values:
-            if name in BENCH_SET_FIELDS.get(section, ()):
-                raise ConfigError(
-                    f"--{section}.{name}: loom bench {command} sets it itself (one rank on random tokens, "
-                    "--steps/--warmup/--microbatches, nothing saved); drop it"
-                )
-            if flag := (own_flags or {}).get(f"{section}.{name}"):
-                raise ConfigError(f"--{section}.{name}: loom bench {command} sets it in a row of its own; use {flag}")
-
-
-def bench_device(base: LoomConfig, steps: int, microbatches: int) -> torch.device:
-    """The device the loom rows of `base` run on, after the checks the Trainer would make there (a GPU that is not
-    there, kernels the device cannot run, a batch beyond MAX_SEQUENCES), so that the config's own mistake is one
-    line before any work rather than a failed row. On CUDA, loom's CUDA environment defaults for `base` are set
-    first, as a launcher sets them for its ranks."""
-    from loom.engine.train import pick_device
-
-    sequences = steps * base.train.micro_batch_size * microbatches
-    if sequences > MAX_SEQUENCES:
-        raise ConfigError(
-            f"{steps} steps of {microbatches} micro-batches of {base.train.micro_batch_size} is {sequences:,} "
-            f"sequences, above the {MAX_SEQUENCES:,} a benchmark trains; lower --steps or --microbatches"
-        )
-    if base.train.device == "cuda" or (base.train.device == "auto" and torch.cuda.is_available()):
-        from loom.engine.cuda_env import set_cuda_env_defaults
-
-        set_cuda_env_defaults(base)  # as a launcher sets them for its ranks: the allocator reads them at the first
-        # CUDA call, which pick_device makes
-    device = pick_device(base.train.device, 0)
-    checked(lambda: bench_config(base, "random", "run", steps, microbatches), device)
-    return device
-
-
-def checked(configure: Callable[[], LoomConfig], device: torch.device) -> LoomConfig:
-    """configure()'s config after the checks the Trainer makes on `device` (ConfigError: why it cannot run there)."""
-    from loom.engine.model.kernels import choose_kernels
-
-    config = configure()
-    choose_kernels(config, device)
-    return config
-
-
-def bench_config(base: LoomConfig, data: str, run_dir: str, steps: int, microbatches: int, **train) -> LoomConfig:
-    """The config of one loom row: `base` with _bench_settings, and `train` fields on top."""
-    overrides = _bench_settings(base.train.micro_batch_size, data, run_dir, steps, microbatches)
-    overrides["train"].update(train)
-    config = _with_overrides(base, overrides)
-    config.resolve_world(1)
-    return config
-
-
-def _with_overrides(base: LoomConfig, overrides: dict) -> LoomConfig:
-    values = config_to_dict(base)
-    for section, settings in overrides.items():
-        values[section].update(settings)
-    return load_config(None, values)
 
 
 def run_loom(config: LoomConfig, warmup: int, device: torch.device) -> tuple[list[float], float, str]:
@@ -241,7 +122,7 @@ def run_loom(config: LoomConfig, warmup: int, device: torch.device) -> tuple[lis
     rates = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r][warmup:]
     mem = memory_gb(device)
     del trainer
-    _free(device)
+    harness.free_memory(device)
     return rates, mem, kernels
 
 
@@ -253,7 +134,7 @@ def measure(settings: Throughput, base: LoomConfig, baselines: bool = True) -> d
     t = base.train
     precision = t.precision
     results = {
-        "device": device_name(device),
+        "device": harness.device_name(device),
         "torch": torch.__version__,
         "precision": precision,
         "seq_length": t.seq_length,
@@ -264,7 +145,7 @@ def measure(settings: Throughput, base: LoomConfig, baselines: bool = True) -> d
     flops = model_flops_per_token(base.model, t.seq_length)
     steps = settings.warmup + settings.steps
     with tempfile.TemporaryDirectory() as tmp:
-        data = random_tokens_for(base, (steps + 1) * t.micro_batch_size * settings.microbatches, tmp)
+        data = harness.random_tokens_for(base, (steps + 1) * t.micro_batch_size * settings.microbatches, tmp)
         rows = []
         started = time.perf_counter()
 
@@ -273,7 +154,7 @@ def measure(settings: Throughput, base: LoomConfig, baselines: bool = True) -> d
             report_row(row, time.perf_counter() - started)
 
         def defaults_row() -> Row:
-            config = bench_config(base, data, str(Path(tmp) / "bf16"), steps, settings.microbatches)
+            config = harness.bench_config(base, data, str(Path(tmp) / "bf16"), steps, settings.microbatches)
             rates, mem, kernels = run_loom(config, settings.warmup, device)
             results["kernels"] = kernels
             return Row(f"loom {precision} (defaults)", median(rates), mem, kernels, config)
@@ -322,25 +203,8 @@ def measure(settings: Throughput, base: LoomConfig, baselines: bool = True) -> d
     return results
 
 
-def guarded(make: Callable[[], T], failed: Callable[[str], T], device: torch.device) -> T:
-    """make(), or failed(why) when it raises (traceback on stderr): a lent GPU is minutes long, and one part of a
-    bench that breaks (a kernel never run on this device before) must not take the others' figures with it."""
-    try:
-        return make()
-    except Interrupted:  # a SIGTERM (the lease's time limit): the bench ends
-        raise
-    except Exception as error:  # noqa: BLE001 -- reported in the table and on stderr, never swallowed
-        traceback.print_exc(file=sys.stderr)
-        why = f"failed: {type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}"
-    try:
-        _free(device)  # outside the handler: the traceback's frames hold the failed run's tensors until it ends
-    except Exception:  # noqa: BLE001 -- a sticky CUDA error (an illegal access) fails every later CUDA call too
-        traceback.print_exc(file=sys.stderr)
-    return failed(why)
-
-
 def _guarded(name: str, make_row: Callable[[], Row], device: torch.device) -> Row:
-    return guarded(make_row, lambda why: Row(name, note=why), device)
+    return harness.guarded(make_row, lambda why: Row(name, note=why), device)
 
 
 def report_row(row: Row, seconds: float) -> None:
@@ -390,7 +254,7 @@ def _variant_row(
     """A loom row of a variant of the defaults (FP8, an attention kernel), or why it is skipped: its config, checked
     as the Trainer checks it before any work, cannot run on `device`."""
     try:
-        config = checked(configure, device)
+        config = harness.checked(configure, device)
     except ConfigError as error:
         return Row(name, note=f"skipped: {error}")
     with around():
@@ -415,7 +279,7 @@ def _fp8_row(
 
     def configure() -> LoomConfig:
         train = dict(precision="bf16", fp8=recipe, fp8_output_layer=output_layer)
-        return bench_config(base, data, run_dir, steps, settings.microbatches, **train)
+        return harness.bench_config(base, data, run_dir, steps, settings.microbatches, **train)
 
     return name, lambda: _variant_row(name, configure, settings.warmup, device)
 
@@ -442,8 +306,8 @@ def _attention_backend_row(
     name = f"loom {base.train.precision}, {backend} attention"
 
     def configure() -> LoomConfig:
-        chosen = _with_overrides(base, {"model": {"attention_backend": backend}})
-        return bench_config(chosen, data, str(Path(tmp) / backend), steps, settings.microbatches)
+        chosen = harness.with_overrides(base, {"model": {"attention_backend": backend}})
+        return harness.bench_config(chosen, data, str(Path(tmp) / backend), steps, settings.microbatches)
 
     return name, lambda: _variant_row(name, configure, settings.warmup, device, around=_fresh_graphs)
 
@@ -473,7 +337,7 @@ def _transformers_row(settings: Throughput, base: LoomConfig, device: torch.devi
         torch.cuda.reset_peak_memory_stats(device)
     rates = run_plain_loop(**_loop_shape(settings, base, device), compile_model=False, model_class=TransformersLlama)
     mem = memory_gb(device)
-    _free(device)
+    harness.free_memory(device)
     return Row(name, median(rates), mem)
 
 
@@ -496,7 +360,7 @@ def _plain_row(settings: Throughput, base: LoomConfig, device: torch.device) -> 
         name = "plain PyTorch loop (eager)"
         rates = run_plain_loop(**plain, compile_model=False)
     mem = memory_gb(device)
-    _free(device)
+    harness.free_memory(device)
     return Row(name, median(rates), mem, note)
 
 
@@ -556,25 +420,25 @@ def run(args: argparse.Namespace, overrides: list[str]) -> dict:
     """Entry point of `loom bench mfu` (launch/cli_bench.py): check, measure, print the table, optionally save JSON."""
     from loom.tools.outputs import claim_result_file
 
-    refuse_bench_set_fields(overrides, "mfu", FP8_FLAGS)
+    harness.refuse_bench_set_fields(overrides, "mfu", FP8_FLAGS)
     if args.fp8_recipe == "delayed" and True in args.fp8_output_layers:
         raise ConfigError(
             "--fp8-output-layer runs loom's own FP8 linears, which scale currently: use --fp8-recipe current (or auto)"
         )
     base = load_config(args.config, overrides)
-    device = bench_device(base, args.warmup + args.steps, args.microbatches)
+    device = harness.bench_device(base, args.warmup + args.steps, args.microbatches)
     if args.output:
         t = base.train
         identity = {
             "config": args.config,
-            "device": device_name(device),
+            "device": harness.device_name(device),
             "precision": t.precision,
             "seq_length": t.seq_length,
             "micro_batch_size": t.micro_batch_size,
             "microbatches": args.microbatches,
         }
         claim_result_file(Path(args.output), "mfu", args.overwrite, identity)
-    with single_process_group(device):
+    with harness.single_process_group(device):
         results = measure(Throughput.from_args(args), base)
     print(format_table(results), flush=True)
     if args.output:
@@ -582,42 +446,3 @@ def run(args: argparse.Namespace, overrides: list[str]) -> dict:
         write_text_atomically(args.output, json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.output}")
     return results
-
-
-@contextlib.contextmanager
-def single_process_group(device: torch.device):
-    """World size 1 for the measured runs (the Trainer works in a process group), gone afterwards with the
-    rendezvous variables it set: ranks a launcher starts later in this process must not inherit them."""
-    from loom.engine.parallel.rendezvous import free_port
-
-    rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1"}
-    rendezvous["LOCAL_RANK"] = "0"
-    before = {name: os.environ.get(name) for name in rendezvous}
-    os.environ.update(rendezvous)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"CPU ({torch.get_num_threads()} threads)"
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
