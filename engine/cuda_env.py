@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from loom.engine.config import LoomConfig
 
 # Set for CUDA ranks unless the user's environment already sets them (docs/gpu.md says why):
@@ -27,3 +29,27 @@ def set_cuda_env_defaults(config: LoomConfig | None = None) -> None:
     the driver read them once)."""
     for name, value in cuda_env_defaults(config).items():
         os.environ.setdefault(name, value)
+
+
+PINNED_ROUND_THRESHOLD = "pinned_max_round_threshold_mb:1"
+"""torch's pinned-memory allocator rounds every block up to a power of two, so an offloaded fp32 master of 1.1 GB
+took 2 GB of host memory; above this threshold it keeps the size asked for (512-byte aligned). Small pinned blocks
+(the micro-batches on their way to the GPU) stay rounded and cached."""
+
+
+def exact_size_pinned_blocks() -> bool:
+    """Ask torch's pinned allocator to stop rounding blocks of 1 MB and more up to a power of two (optim.offload's
+    host copies, allocated once and kept); a threshold the user set stays. False where this torch cannot (its
+    allocator settings have no `pinned_max_round_threshold_mb`: torch 2.11 has none, 2.13 has it)."""
+    get_settings = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    set_settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if get_settings is None or set_settings is None:
+        return False
+    current = get_settings()
+    if "pinned_max_round_threshold_mb" in current:
+        return True
+    try:
+        set_settings(f"{current},{PINNED_ROUND_THRESHOLD}" if current else PINNED_ROUND_THRESHOLD)
+    except (ValueError, RuntimeError):
+        return False
+    return True

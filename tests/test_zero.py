@@ -303,3 +303,48 @@ def test_zero3_gives_the_zero1_losses_on_dp4_and_pipelined_with_full_recompute(d
                 assert abs(a - b) / a < 1e-5, name
             assert gathered == [], name
             assert peak == planned, name
+
+
+def test_offloaded_masters_ask_for_pinned_blocks_at_their_own_size(monkeypatch):
+    """torch's pinned allocator rounds each block up to a power of two: a 1.1 GB offloaded master took 2 GB of host
+    memory, where the planner counts 1.1. On a torch whose allocator takes `pinned_max_round_threshold_mb`, loom
+    sets it (once, keeping the other settings and a threshold the user set); on one without it (2.11), it says so.
+    Whether the pinned blocks then come at their size needs a GPU (docs/architecture.md)."""
+    import torch
+
+    from loom.engine import cuda_env
+
+    calls = []
+    settings = {"value": "expandable_segments:True"}
+    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: settings["value"], raising=False)
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
+    assert cuda_env.exact_size_pinned_blocks()
+    assert calls == ["expandable_segments:True,pinned_max_round_threshold_mb:1"]
+    settings["value"] = "pinned_max_round_threshold_mb:64"  # the user's own threshold stays
+    assert cuda_env.exact_size_pinned_blocks() and len(calls) == 1
+
+    def refuses(text):
+        raise ValueError("Unrecognized key 'pinned_max_round_threshold_mb' in Accelerator allocator config.")
+
+    settings["value"] = ""
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", refuses)
+    assert not cuda_env.exact_size_pinned_blocks()
+    monkeypatch.delattr(torch._C, "_accelerator_getAllocatorSettings")  # torch 2.11 has no getter
+    assert not cuda_env.exact_size_pinned_blocks()
+
+
+def test_this_torch_takes_the_pinned_threshold_loom_sets():
+    """The setting as loom composes it parses in the torch CI runs (2.13), and keeps what was set before it."""
+    import torch
+
+    from loom.engine.cuda_env import PINNED_ROUND_THRESHOLD
+
+    get_settings = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    if get_settings is None:
+        pytest.skip(f"torch {torch.__version__}'s allocator settings cannot be read")
+    before = get_settings()
+    try:
+        torch._C._accelerator_setAllocatorSettings(PINNED_ROUND_THRESHOLD)
+        assert "pinned_max_round_threshold_mb:1" in get_settings()
+    finally:
+        torch._C._accelerator_setAllocatorSettings(before)

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from loom.engine.config import OptimConfig
+from loom.engine.cuda_env import exact_size_pinned_blocks
 from loom.engine.model import naming
 from loom.engine.model.kernels import build_adamw, default_adamw
 from loom.engine.optim.algorithms import Adafactor, Lamb
@@ -79,6 +80,8 @@ class DistributedOptimizer:
         weights themselves are sharded only under ZeRO 3: `sharded_params`)."""
         self.offload = config.offload == "cpu"
         self.device = grads.params[0].device
+        if self.offload and self.device.type == "cuda":  # the host copies below are pinned: at their own size
+            exact_size_pinned_blocks()
         self.adamw_impl = "torch.AdamW(foreach)" if self.offload else adamw_impl
         self.named_params = named_params
         self.param_index = {p: i for i, (_, p) in enumerate(named_params)}
