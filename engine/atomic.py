@@ -52,6 +52,18 @@ def copy_atomically(source: Path, path: Path) -> None:
             raise OSError(error.errno, error.strerror, str(path)) from None
 
 
+def cannot_create(path: Path) -> str | None:
+    """Why a new file cannot be created at `path` (its folder is made if missing), or None: checked before a
+    command's work, so that its result is not lost after it."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch()
+        path.unlink()
+    except OSError as error:
+        return error.strerror or str(error)
+    return None
+
+
 def write_text_atomically(path: str | Path, text: str) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(text)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from loom.engine.atomic import cannot_create
 from loom.engine.config import ConfigError
 
 CHART_MARK = "drawn by loom"
@@ -45,13 +46,8 @@ def claim_chart_file(output: Path, flag: str, overwrite: bool, command: str) -> 
                 f"{flag} {output} exists and is not a chart `loom {command}` drew; give another file, or pass "
                 "--overwrite to replace it"
             )
-    if not output.exists():
-        try:
-            output.parent.mkdir(parents=True, exist_ok=True)
-            output.touch()
-            output.unlink()
-        except OSError as error:
-            raise ConfigError(f"{flag} {output}: cannot write there ({error.strerror})") from None
+    if not output.exists() and (why := cannot_create(output)):
+        raise ConfigError(f"{flag} {output}: cannot write there ({why})")
 
 
 def save_chart(figure, output: Path, command: str) -> None:

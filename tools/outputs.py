@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from loom.engine.atomic import move_aside
+from loom.engine.atomic import cannot_create, move_aside
 from loom.engine.checkpoint.format import HF_FILES, LATEST, CheckpointError, candidates, enclosing_checkpoint
 from loom.engine.config import ConfigError
 from loom.engine.run_dir import CHECKPOINTS, CONFIG, METRICS, checkpoints_of
@@ -149,10 +149,5 @@ def claim_result_file(output: Path, kind: str, overwrite: bool, identity: dict) 
                 f"--output {output} holds the result of another `loom bench {kind}` ({theirs}; this one: {ours}); "
                 "give another file, or pass --overwrite to replace it"
             )
-    if not output.exists():
-        try:
-            output.parent.mkdir(parents=True, exist_ok=True)
-            output.touch()
-            output.unlink()
-        except OSError as error:
-            raise ConfigError(f"--output {output}: cannot write there ({error.strerror})") from None
+    if not output.exists() and (why := cannot_create(output)):
+        raise ConfigError(f"--output {output}: cannot write there ({why})")
