@@ -77,8 +77,10 @@ def init_distributed(config: LoomConfig) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     backend = choose_backend(config.parallel.backend, config.train.device)
+    device = config.train.device
+    if backend == "nccl" or device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+        set_cuda_env_defaults(config)  # a CUDA rank's, whatever its backend (gloo over CUDA tensors too)
     if backend == "nccl":
-        set_cuda_env_defaults(config)
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
     dist.init_process_group(
         backend, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=config.parallel.timeout_minutes)

@@ -196,6 +196,27 @@ def test_cuda_environment_for_transformer_engine_tensor_parallel():
     assert "CUDA_DEVICE_MAX_CONNECTIONS" not in cuda_env_defaults(load_config("tiny"))
 
 
+def test_a_cuda_rank_gets_the_cuda_environment_whatever_its_backend(monkeypatch):
+    """The allocator's expandable segments and the rest were set only for NCCL ranks: a CUDA rank on gloo
+    (--parallel.backend gloo) went without them. A CPU rank still gets none."""
+    import torch.distributed as dist
+
+    from loom.engine.config_io import load_config
+    from loom.engine.cuda_env import CUDA_ENV_DEFAULTS
+    from loom.engine.parallel.rendezvous import free_port
+    from loom.launch.env import init_distributed
+
+    rendezvous = {"MASTER_ADDR": "127.0.0.1", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    for device, expected in (("cpu", False), ("cuda", True)):
+        for name in CUDA_ENV_DEFAULTS:
+            monkeypatch.delenv(name, raising=False)
+        monkeypatch.setattr(os, "environ", {**os.environ, **rendezvous, "MASTER_PORT": str(free_port())})
+        config = load_config("tiny", {"parallel": {"backend": "gloo"}, "train": {"device": device}})
+        init_distributed(config)
+        dist.destroy_process_group()
+        assert all((name in os.environ) == expected for name in CUDA_ENV_DEFAULTS), device
+
+
 def test_more_nccl_ranks_than_gpus_is_refused_before_any_starts(dataset, tmp_path, monkeypatch):
     """Two NCCL ranks on a one-GPU machine shared cuda:0 and would fail at the first collective with NCCL's own
     error; the launcher refuses them in one line, naming what to do (the GPU count is pretended: this CPU has none)."""
