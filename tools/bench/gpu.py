@@ -13,7 +13,8 @@
    where the GEMMs are large enough for FP8 to pay;
    then the levers (llama-1b with cuDNN's attention, and with the output layer in FP8): measured after what the
    targets ask for, so that a lease that cuts the bench short cuts them;
-6. the BF16 vs FP8 loss gap after N steps on a learnable synthetic corpus (a shallower model, so it fits);
+6. the BF16 vs FP8 loss gap after N steps on a learnable synthetic corpus (a shallower model, so it fits), and
+   with the output layer in FP8 too;
 7. a world-size-1 run through the launcher (NCCL on CUDA, gloo on CPU), as `loom train --nproc 1` runs it,
    with a small global batch (the preset's 512 sequences took 96 s), eager.
 
@@ -99,6 +100,17 @@ def loss_gap(base: LoomConfig, steps: int, layers: int, workdir: Path, device: t
     result.update(fp8_loss)
     if "fp8_final_loss" in fp8_loss:
         result["gap"] = result["fp8_final_loss"] - result["bf16_final_loss"]
+
+    # The output layer's GEMMs in FP8 too: by `loom plan` FP8's way to 1.25x (docs/gpu.md), if its loss holds
+    def output_layer_loss() -> dict:
+        run_dir = str(workdir / "gap-fp8-output")
+        config = harness.bench_config(shallow, data, run_dir, steps, 2, **train, fp8_output_layer=True)
+        return {"fp8_output_layer_final_loss": _loss_curve(harness.checked(lambda: config, device))[-1]}
+
+    output_loss = harness.guarded(output_layer_loss, lambda why: {"fp8_output_layer_note": why}, device)
+    result.update(output_loss)
+    if "fp8_output_layer_final_loss" in output_loss:
+        result["gap_output_layer"] = result["fp8_output_layer_final_loss"] - result["bf16_final_loss"]
     return result
 
 
@@ -216,6 +228,9 @@ def format_markdown(results: dict) -> str:
     lines += [
         f"| loss after {gap['steps']} steps ({gap['layers']} layers) | BF16 {_fmt(gap['bf16_final_loss'], '.4f')}, FP8 "
         f"{_fmt(gap.get('fp8_final_loss'), '.4f')} | gap {_fmt(gap.get('gap'), '+.4f')} {gap.get('fp8_note', '')} |",
+        f"| the same, FP8 with the output layer too | {_fmt(gap.get('fp8_output_layer_final_loss'), '.4f')} | gap "
+        f"{_fmt(gap.get('gap_output_layer'), '+.4f')} "
+        f"{gap.get('fp8_output_layer_note', gap.get('fp8_note', ''))} |",
         f"| world-size-1 run via the launcher ({launch['backend']}) | "
         + (f"ok, loss {launch['final_loss']:.4f}" if launch["ok"] else launch["error"])
         + f" | {launch['seconds']:.0f} s |",
