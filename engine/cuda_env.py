@@ -14,6 +14,11 @@ from loom.engine.config import LoomConfig
 CUDA_ENV_DEFAULTS = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "TORCH_NCCL_AVOID_RECORD_STREAMS": "1"}
 
 
+def computes_on_cuda(device: str) -> bool:
+    """Whether a rank with train.device = `device` computes on a GPU (auto: when this machine shows one)."""
+    return device == "cuda" or (device == "auto" and torch.cuda.is_available())
+
+
 def cuda_env_defaults(config: LoomConfig | None = None) -> dict[str, str]:
     """CUDA_ENV_DEFAULTS, plus CUDA_DEVICE_MAX_CONNECTIONS=1 where Transformer Engine may run tensor-parallel
     layers: TE overlaps their all-gathers/reduce-scatters with GEMMs, and only a single hardware queue makes

@@ -33,6 +33,7 @@ from loom.engine.checkpoint.state import TrainingState
 from loom.engine.comm_ledger import StepLedgerWriter
 from loom.engine.config import ConfigError, LoomConfig
 from loom.engine.config_io import config_to_toml
+from loom.engine.cuda_env import computes_on_cuda
 from loom.engine.data.loader import BatchIterator, build_datasets
 from loom.engine.faults import FaultPlan
 from loom.engine.flops import model_flops_per_token, peak_tflops
@@ -63,7 +64,7 @@ from loom.errors import TrainingDiverged
 
 
 def pick_device(choice: str, local_rank: int) -> torch.device:
-    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+    if computes_on_cuda(choice):
         if not torch.cuda.is_available():
             raise ConfigError("train.device = cuda but no CUDA device is visible; use --train.device cpu")
         torch.cuda.set_device(local_rank % torch.cuda.device_count())

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from loom.engine.config import ConfigError, LoomConfig
-from loom.engine.cuda_env import set_cuda_env_defaults
+from loom.engine.cuda_env import computes_on_cuda, set_cuda_env_defaults
 from loom.engine.metrics import perplexity
 from loom.engine.run_lock import RunLock
 
@@ -24,8 +24,7 @@ from loom.engine.run_lock import RunLock
 def choose_backend(requested: str, device: str) -> str:
     if requested != "auto":
         return requested
-    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-    return "nccl" if use_cuda else "gloo"
+    return "nccl" if computes_on_cuda(device) else "gloo"
 
 
 def check_local_ranks_fit_the_gpus(config: LoomConfig, nproc: int) -> None:
@@ -77,8 +76,7 @@ def init_distributed(config: LoomConfig) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     backend = choose_backend(config.parallel.backend, config.train.device)
-    device = config.train.device
-    if backend == "nccl" or device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+    if backend == "nccl" or computes_on_cuda(config.train.device):
         set_cuda_env_defaults(config)  # a CUDA rank's, whatever its backend (gloo over CUDA tensors too)
     if backend == "nccl":
         torch.cuda.set_device(local_rank % torch.cuda.device_count())

@@ -71,11 +71,11 @@ measure | tests | profile)
         echo "pytest -m gpu: exit $?" >>"$status"
         grep "^bench:" "$out/bench_gpu.log"
         cat "$out/bench_gpu.md"
-        tail -30 "$out/pytest_gpu.txt"
+        tail -60 "$out/pytest_gpu.txt" # the durations table, and the last failure above it
     elif [ "$part" = tests ]; then
         timeout "$(left)" python3 -m pytest -m gpu -q -p no:cacheprovider --durations=20 tests/test_gpu.py >"$out/pytest_gpu_tests.txt" 2>&1
         echo "pytest -m gpu: exit $?" >>"$status"
-        tail -40 "$out/pytest_gpu_tests.txt"
+        tail -60 "$out/pytest_gpu_tests.txt"
     else
         timeout 100 python3 -m loom.launch.cli bench profile >"$out/kernel_profile.md" 2>&1
         echo "kernel_profile: exit $?" >>"$status"

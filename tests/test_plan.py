@@ -154,6 +154,7 @@ H200_RUNS = {  # the presets' recompute (llama-1b: none; llama-8b: selective), a
     "llama-8b slice bf16": ("llama-8b", {"num_layers": 4}, {"seq_length": 8192, "micro_batch_size": 1}, 56_776, 42.7),
 }
 SLICE_MISSED = pytest.mark.xfail(
+    raises=AssertionError,
     strict=True,
     reason="planned 48,303 tokens/s with the selective recompute the run had, -14.9%: the refit of 2026-11-27 took "
     "the run as without recompute (52,213, -8.0%), and no constants keep all 13 runs within 10% with it as it ran; "
@@ -176,8 +177,8 @@ def test_loom_measured_on_one_h200(name):
     e = estimate(
         config, Layout(1, 1, 1, 1, train["micro_batch_size"], config.model.recompute, 0), load_hardware("h200")
     )
+    assert abs(e.memory["total"] / 1e9 / peak_gb - 1) <= 0.10, e.memory["total"]  # first: the slice's holds
     assert abs(e.tokens_per_s_per_gpu / tokens_per_s - 1) <= 0.10, e.tokens_per_s_per_gpu
-    assert abs(e.memory["total"] / 1e9 / peak_gb - 1) <= 0.10, e.memory["total"]
 
 
 def test_fp8_runs_block_gemms_at_the_fp8_peak(capsys):

@@ -334,17 +334,22 @@ def test_offloaded_masters_ask_for_pinned_blocks_at_their_own_size(monkeypatch):
 
 
 def test_this_torch_takes_the_pinned_threshold_loom_sets():
-    """The setting as loom composes it parses in the torch CI runs (2.13), and keeps what was set before it."""
+    """The setting as loom composes it parses in the torch CI runs (2.13) after what was set before it. This torch
+    takes unknown keys without a word but parses the values of those it knows: a bad value of loom's key is refused,
+    so the key is one this torch knows."""
     import torch
 
-    from loom.engine.cuda_env import PINNED_ROUND_THRESHOLD
+    from loom.engine.cuda_env import PINNED_ROUND_THRESHOLD, exact_size_pinned_blocks
 
     get_settings = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
     if get_settings is None:
         pytest.skip(f"torch {torch.__version__}'s allocator settings cannot be read")
     before = get_settings()
     try:
-        torch._C._accelerator_setAllocatorSettings(PINNED_ROUND_THRESHOLD)
-        assert "pinned_max_round_threshold_mb:1" in get_settings()
+        with pytest.raises(ValueError):
+            torch._C._accelerator_setAllocatorSettings(PINNED_ROUND_THRESHOLD.replace(":1", ":x"))
+        torch._C._accelerator_setAllocatorSettings("pinned_max_cached_size_mb:64")
+        assert exact_size_pinned_blocks()
+        assert get_settings() == f"pinned_max_cached_size_mb:64,{PINNED_ROUND_THRESHOLD}"
     finally:
         torch._C._accelerator_setAllocatorSettings(before)

@@ -93,6 +93,7 @@ def bench_device(base: LoomConfig, steps: int, microbatches: int) -> torch.devic
     there, kernels the device cannot run, a batch beyond MAX_SEQUENCES), so that the config's own mistake is one
     line before any work rather than a failed row. On CUDA, loom's CUDA environment defaults for `base` are set
     first, as a launcher sets them for its ranks."""
+    from loom.engine.cuda_env import computes_on_cuda, set_cuda_env_defaults
     from loom.engine.train import pick_device
 
     sequences = steps * base.train.micro_batch_size * microbatches
@@ -101,9 +102,7 @@ def bench_device(base: LoomConfig, steps: int, microbatches: int) -> torch.devic
             f"{steps} steps of {microbatches} micro-batches of {base.train.micro_batch_size} is {sequences:,} "
             f"sequences, above the {MAX_SEQUENCES:,} a benchmark trains; lower --steps or --microbatches"
         )
-    if base.train.device == "cuda" or (base.train.device == "auto" and torch.cuda.is_available()):
-        from loom.engine.cuda_env import set_cuda_env_defaults
-
+    if computes_on_cuda(base.train.device):
         set_cuda_env_defaults(base)  # as a launcher sets them for its ranks: the allocator reads them at the first
         # CUDA call, which pick_device makes
     device = pick_device(base.train.device, 0)
