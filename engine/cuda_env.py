@@ -1,4 +1,5 @@
-"""Process environment a CUDA rank needs before its first CUDA call; shared by training ranks and benchmarks."""
+"""A CUDA rank's process: whether it computes on a GPU, the environment it needs before its first CUDA call, and
+the pinned allocator's rounding for offloaded optimizer state; shared by training ranks and benchmarks."""
 
 from __future__ import annotations
 
