@@ -158,6 +158,35 @@ def test_bench_results_replace_only_earlier_results(tmp_path, capfd):
     claim_result_file(metrics, "gpu", True, {})
 
 
+def test_a_rerun_replaces_only_a_result_of_the_same_measurement(tmp_path, capfd):
+    """bench mfu took a result of another model for its own (the identity held the --config string, not the model),
+    refused the same file given by another path, and replaced a linked --output with a file of its own."""
+    config = tmp_path / "tiny.toml"
+    config.write_text((REPO / "configs/tiny.toml").read_text())
+    target = tmp_path / "figures" / "a.json"
+    link = tmp_path / "link.json"
+    link.symlink_to(target)  # dangling: written through, as a chart's link is
+    quick = ["bench", "mfu", "--steps", "1", "--warmup", "0", "--microbatches", "1", "--no-compile"]
+    first = loom_here(capfd, *quick, "--config", str(config), "--output", str(link))
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert link.is_symlink() and json.loads(target.read_text())["flops_per_token"] > 0
+    measured = json.loads(target.read_text())["flops_per_token"]
+    rerun = loom_here(capfd, *quick, "--config", str(tmp_path / "." / "tiny.toml"), "--output", str(target))
+    assert rerun.returncode == 0, rerun.stderr[-2000:]  # the same model by another path: its rerun
+    other = loom_here(capfd, *quick, "--config", str(config), "--model.num_layers", "1", "--output", str(target))
+    one_line_error(other, f"--output {target} holds the result of another `loom bench mfu` (flops_per_token")
+    assert json.loads(target.read_text())["flops_per_token"] == measured
+
+
+def test_bench_gpu_without_a_gpu_needs_quick_or_a_config(tmp_path, capfd, monkeypatch):
+    """Without --quick on a CPU it started llama-1b, silently, for hours."""
+    if torch.cuda.is_available():
+        pytest.skip("a refusal on a machine without GPUs")
+    monkeypatch.chdir(tmp_path)
+    one_line_error(loom_here(capfd, "bench", "gpu"), "this machine shows none", "use --quick")
+    assert not (tmp_path / "bench_gpu.json").exists()
+
+
 def test_a_bench_stopped_part_way_keeps_a_complete_earlier_result(tmp_path):
     """A lease's time limit stopping a rerun replaced the earlier complete figures with a 5-line stub."""
     from loom.tools.bench.gpu import _write_results
@@ -177,6 +206,7 @@ def test_a_bench_stopped_part_way_keeps_a_complete_earlier_result(tmp_path):
         (["--parallel.tp", "2"], "--parallel.tp: loom bench mfu sets it itself"),
         (["--train.steps", "500"], "--train.steps: loom bench mfu sets it itself"),
         (["--checkpoint.interval", "5"], "--checkpoint.interval: loom bench mfu sets it itself"),
+        (["--parallel.backend", "nccl"], "--parallel.backend: loom bench mfu sets it itself"),
         (["--train.precision", "bf16", "--train.fp8", "current"], "--train.fp8: loom bench mfu sets it in a row of"),
         pytest.param(
             ["--train.precision", "bf16", "--model.attention_backend", "cudnn"],

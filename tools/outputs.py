@@ -118,14 +118,15 @@ def _export_files(output: Path) -> list[Path]:
     return sorted({path for pattern in (*HF_FILES, *HF_TOKENIZER_FILES) for path in output.glob(pattern)})
 
 
-def claim_result_file(output: Path, kind: str, overwrite: bool, identity: dict) -> None:
+def claim_result_file(output: Path, kind: str, overwrite: bool, identity: dict) -> Path:
     """A benchmark's JSON result file: a new file (its folder is created), or an earlier result of the same benchmark
     run the same way (`identity`: the config, the device, ..., as the result records them): what a rerun replaces.
     Anything else (a run's metrics.jsonl, a checkpoint's metadata.json, another configuration's or device's figures)
-    only with --overwrite. Checked before the benchmark runs, not after its minutes of measuring."""
+    only with --overwrite. Checked before the benchmark runs, not after its minutes of measuring. Returns the file to
+    write: a link's target (written through, as other programs write to a link)."""
     import json
 
-    output = Path(os.path.realpath(output))  # a link is written through: its target is what is claimed
+    output = Path(os.path.realpath(output))  # a link is written through: its target is claimed, and returned
     if output.exists() and not overwrite:
         try:
             earlier = json.loads(output.read_text())
@@ -151,3 +152,4 @@ def claim_result_file(output: Path, kind: str, overwrite: bool, identity: dict) 
             )
     if not output.exists() and (why := cannot_create(output)):
         raise ConfigError(f"--output {output}: cannot write there ({why})")
+    return output

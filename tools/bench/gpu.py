@@ -253,9 +253,13 @@ def run(args: argparse.Namespace) -> dict:
     config_name = args.config or config_name
     base = load_config(config_name, overrides)
     device = harness.bench_device(base, warmup + steps, microbatches)
-    output = Path(args.output or DEFAULT_OUTPUT)
+    if device.type != "cuda" and not (args.quick or args.config):
+        raise ConfigError(
+            "loom bench gpu measures llama-1b on a GPU, and this machine shows none (on CPU it would run for hours); "
+            "use --quick (tiny sizes, the check that the command works) or --config a small model"
+        )
     identity = {"config": config_name, "quick": args.quick, "device": harness.device_name(device)}
-    claim_result_file(output, "gpu", args.overwrite, identity)
+    output = claim_result_file(Path(args.output or DEFAULT_OUTPUT), "gpu", args.overwrite, identity)
     # What the issue's targets ask first (defaults, FP8, the baselines; the 8B slice), then the levers after them
     # (cuDNN's attention, the output layer in FP8: by `loom plan`, FP8's one way to 1.25x, docs/gpu.md), so that a
     # lease that cuts the bench short cuts the levers.

@@ -427,22 +427,24 @@ def run(args: argparse.Namespace, overrides: list[str]) -> dict:
         )
     base = load_config(args.config, overrides)
     device = harness.bench_device(base, args.warmup + args.steps, args.microbatches)
-    if args.output:
-        t = base.train
-        identity = {
-            "config": args.config,
-            "device": harness.device_name(device),
-            "precision": t.precision,
-            "seq_length": t.seq_length,
-            "micro_batch_size": t.micro_batch_size,
-            "microbatches": args.microbatches,
-        }
-        claim_result_file(Path(args.output), "mfu", args.overwrite, identity)
+    t = base.train
+    # what was measured, as the result records it: the model (its FLOPs per token), the shape, the device, FP8's rows
+    identity = {
+        "device": harness.device_name(device),
+        "precision": t.precision,
+        "seq_length": t.seq_length,
+        "micro_batch_size": t.micro_batch_size,
+        "microbatches": args.microbatches,
+        "flops_per_token": model_flops_per_token(base.model, t.seq_length),
+        "fp8_recipe": args.fp8_recipe,
+        "fp8_output_layers": list(args.fp8_output_layers),
+    }
+    output = claim_result_file(Path(args.output), "mfu", args.overwrite, identity) if args.output else None
     with harness.single_process_group(device):
         results = measure(Throughput.from_args(args), base)
     print(format_table(results), flush=True)
-    if args.output:
-        result = {"bench": "mfu", "config": args.config, **results}
-        write_text_atomically(args.output, json.dumps(result, indent=2) + "\n")
+    if output is not None:
+        result = {"bench": "mfu", "config": args.config, **results, **identity}
+        write_text_atomically(output, json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.output}")
     return results
