@@ -46,6 +46,8 @@ STATE_LAYOUTS = {
         ({}, {}, {"zero": 3}, "bf16"),
         ({"pp": 2}, {"tie_embeddings": True}, {"zero": 3}, "bf16"),
         ({"cp": 2}, {}, {"zero": 1}, "bf16"),
+        ({"tp": 2, "sequence_parallel": True}, {}, {"zero": 0, "name": "adafactor"}, "bf16"),
+        ({"pp": 2}, {"tie_embeddings": True}, {"zero": 0, "name": "adafactor"}, "fp32"),
     ],
     4: [
         ({}, {}, {"zero": 1, "name": "lamb"}, "bf16"),

@@ -117,6 +117,8 @@ class _Param:
     deferred: bool = False
     unit: int | str = ""
     """ZeRO-3's gather unit (naming.gather_unit): the block's index, or before / after the blocks."""
+    shape: tuple[int, ...] = ()
+    """The local shape (what Adafactor's factored statistics follow); () for a vector of `size`."""
 
     def numel(self) -> int:
         return self.size
@@ -128,12 +130,16 @@ def _block_parameters(m: ModelConfig, tp: int, sequence_parallel: bool) -> list[
     q, kv, f = m.num_heads * hd, m.num_kv_heads * hd, m.ffn_hidden_size
     fc1 = 2 * f if m.activation == "swiglu" else f
     norm = [_Param(h, sequence_parallel)] + ([_Param(h, sequence_parallel)] if m.norm == "layernorm" else [])
-    out = [*norm, _Param(h * (q + 2 * kv) // tp)]
+    out = [*norm, _matrix((q + 2 * kv) // tp, h)]
     out += [_Param((q + 2 * kv) // tp)] if m.bias else []
-    out += [_Param(q * h // tp)] + ([_Param(h, sequence_parallel)] if m.bias else [])
-    out += [*norm, _Param(h * fc1 // tp)] + ([_Param(fc1 // tp)] if m.bias else [])
-    out += [_Param(f * h // tp)] + ([_Param(h, sequence_parallel)] if m.bias else [])
+    out += [_matrix(h, q // tp)] + ([_Param(h, sequence_parallel)] if m.bias else [])
+    out += [*norm, _matrix(fc1 // tp, h)] + ([_Param(fc1 // tp)] if m.bias else [])
+    out += [_matrix(h, f // tp)] + ([_Param(h, sequence_parallel)] if m.bias else [])
     return out
+
+
+def _matrix(rows: int, cols: int, deferred: bool = False, unit: int | str = "") -> _Param:
+    return _Param(rows * cols, deferred, unit, (rows, cols))
 
 
 def rank_parameters(m: ModelConfig, lay: Layout, pp_rank: int) -> list[_Param]:
@@ -147,16 +153,16 @@ def rank_parameters(m: ModelConfig, lay: Layout, pp_rank: int) -> list[_Param]:
     for chunk in range(lay.vp):
         stage = chunk * lay.pp + pp_rank
         if stage == 0:
-            params.append(_Param(vocab * m.hidden_size, tied_across, before))
+            params.append(_matrix(vocab, m.hidden_size, tied_across, before))
             if m.position_embedding == "learned":
-                params.append(_Param(m.max_position_embeddings * m.hidden_size, sp, before))
+                params.append(_matrix(m.max_position_embeddings, m.hidden_size, sp, before))
         block = _block_parameters(m, lay.tp, sp)
         for layer in range(stage * per_chunk, (stage + 1) * per_chunk):
-            params += [_Param(q.size, q.deferred, layer) for q in block]
+            params += [_Param(q.size, q.deferred, layer, q.shape) for q in block]
         if stage == stages - 1:
             params += [_Param(m.hidden_size, sp, after)] * (2 if m.norm == "layernorm" else 1)
             if not (m.tie_embeddings and stages == 1):
-                params.append(_Param(vocab * m.hidden_size, tied_across, after))
+                params.append(_matrix(vocab, m.hidden_size, tied_across, after))
     return params
 
 
@@ -241,11 +247,14 @@ def model_state_bytes(
         grads = grad_bytes * (deferred + total // replicas)
     else:
         grads = grad_bytes * total
-    moments = {"adamw": 2, "lamb": 2, "sgd": 1, "adafactor": 2}[optimizer]
     # fp32 weights are their own master, unless the optimizer holds a shard of them or holds them on the host
     master = 0 if precision == "fp32" and lay.zero == 0 and lay.offload == "none" else 1
     sharded = total // replicas if lay.zero >= 1 else count
-    state = 4 * (master + moments) * sharded
+    if optimizer == "adafactor":  # no first moment; a matrix's second moment as its row and column means (no ZeRO)
+        moments = sum(sum(q.shape) if q.shape else q.size for q in rank_parameters(m, lay, pp_rank))
+        state = 4 * (master * sharded + moments)
+    else:
+        state = 4 * (master + {"adamw": 2, "lamb": 2, "sgd": 1}[optimizer]) * sharded
     # ZeRO-3: a shard of every bucket, except the deferred ones (summed over a model-parallel group), kept whole
     weights = weight_bytes * ((total - deferred) // replicas + deferred if lay.zero == 3 else count)
     if lay.offload != "cpu":
