@@ -34,13 +34,11 @@ def check_local_ranks_fit_the_gpus(config: LoomConfig, nproc: int) -> None:
         return
     gpus = torch.cuda.device_count()
     if gpus == 0:
-        asked = (
-            "parallel.backend = nccl asks"
-            if config.parallel.backend == "nccl"
-            else f"train.device = {config.train.device} asks"
-        )
-        advice = "--parallel.backend auto" if config.parallel.backend == "nccl" else "--train.device cpu"
-        raise ConfigError(f"{asked} for NCCL ranks, but no CUDA device is visible; use {advice} (gloo ranks)")
+        if config.parallel.backend == "nccl":
+            asked, advice = "parallel.backend = nccl", "--parallel.backend auto"
+        else:
+            asked, advice = f"train.device = {config.train.device}", "--train.device cpu"
+        raise ConfigError(f"{asked} asks for NCCL ranks, but no CUDA device is visible; use {advice} (gloo ranks)")
     if nproc > gpus:
         raise ConfigError(
             f"--nproc {nproc} NCCL ranks on a machine that shows {gpus} GPU(s): NCCL runs one rank per GPU; "

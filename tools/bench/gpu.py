@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import io
 import json
 import sys
@@ -88,38 +89,28 @@ def loss_gap(base: LoomConfig, steps: int, layers: int, workdir: Path, device: t
     bf16 = harness.bench_config(shallow, data, str(workdir / "gap-bf16"), steps, 2, precision="bf16")
     result["bf16_final_loss"] = _loss_curve(bf16)[-1]
     print(f"bench: loss gap: bf16 {result['bf16_final_loss']:.4f} after {steps} steps", file=sys.stderr, flush=True)
-    try:
-        train = dict(precision="bf16", fp8="current")
-        fp8 = harness.checked(
-            lambda: harness.bench_config(shallow, data, str(workdir / "gap-fp8"), steps, 2, **train), device
-        )
-    except ConfigError as error:
-        result["fp8_note"] = f"skipped: {error}"
-        return result
-    fp8_loss = _guarded(lambda: {"fp8_final_loss": _loss_curve(fp8)[-1]}, {}, device)
-    result.update(fp8_loss)
-    if "fp8_final_loss" in fp8_loss:
-        result["gap"] = result["fp8_final_loss"] - result["bf16_final_loss"]
-
-    # The output layer's GEMMs in FP8 too: by `loom plan` FP8's way to 1.25x (docs/gpu.md), if its loss holds (a
-    # lever, before the launcher row: that row passed on the H200 and is the one a lease cut here loses)
-    run_dir = str(workdir / "gap-fp8-output")
-    try:
-        output = harness.checked(
-            lambda: harness.bench_config(shallow, data, run_dir, steps, 2, **train, fp8_output_layer=True), device
-        )
-    except ConfigError as error:
-        result["fp8_output_layer_note"] = f"skipped: {error}"
-        return result
-    output_loss = harness.guarded(
-        lambda: {"fp8_output_layer_final_loss": _loss_curve(output)[-1]},
-        lambda why: {"fp8_output_layer_note": why},
-        device,
-    )
-    result.update(output_loss)
-    if "fp8_output_layer_final_loss" in output_loss:
-        result["gap_output_layer"] = result["fp8_output_layer_final_loss"] - result["bf16_final_loss"]
+    train = dict(precision="bf16", fp8="current")
+    # FP8's blocks, then the output layer's GEMMs in FP8 too: by `loom plan` FP8's way to 1.25x (docs/gpu.md), if
+    # its loss holds (a lever, before the launcher row: that row passed on the H200 and is what a lease cut here loses)
+    for name, gap, extra in (("fp8", "gap", {}), ("fp8_output_layer", "gap_output_layer", {"fp8_output_layer": True})):
+        run_dir = str(workdir / f"gap-{name}")
+        configure = functools.partial(harness.bench_config, shallow, data, run_dir, steps, 2, **train, **extra)
+        try:
+            config = harness.checked(configure, device)
+        except ConfigError as error:
+            result[f"{name}_note"] = f"skipped: {error}"
+            return result
+        result.update(_final_loss(name, config, device))
+        if f"{name}_final_loss" in result:
+            result[gap] = result[f"{name}_final_loss"] - result["bf16_final_loss"]
     return result
+
+
+def _final_loss(name: str, config: LoomConfig, device: torch.device) -> dict:
+    """{NAME_final_loss: the last step's loss of training `config`}, or {NAME_note: why it failed}."""
+    return harness.guarded(
+        lambda: {f"{name}_final_loss": _loss_curve(config)[-1]}, lambda why: {f"{name}_note": why}, device
+    )
 
 
 def _guarded(measure: Callable[[], dict], failed: dict, device: torch.device) -> dict:
