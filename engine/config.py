@@ -637,8 +637,8 @@ class LoomConfig:
             )
         if backend in ("flash", "cudnn") and self.train.precision == "fp32":
             raise ConfigError(
-                f"model.attention_backend = {backend} runs in bf16 or fp16, not train.precision = fp32; "
-                "use --model.attention_backend efficient (or auto), or --train.precision bf16"
+                f"model.attention_backend = {backend} is a CUDA kernel for bf16 or fp16, not train.precision = fp32; "
+                "use --model.attention_backend efficient (or auto), or --train.precision bf16 on a GPU"
             )
 
     def zero_refusal(self, zero: int) -> str | None:

@@ -27,6 +27,7 @@ def test_bench_mfu_runs_on_cpu_and_prints_its_table(tmp_path, capfd):
     assert "datasheet dense peak: none known for this device; float32 GEMM peak measured now" in out
     assert "run" in out and "MFU(GEMM)" in out and "loom fp32" in out and "plain PyTorch loop (eager)" in out
     assert "loom fp8 (current)" in out and "skipped: train.fp8 = current is unavailable: fp8: no CUDA device" in out
+    assert "--train.fp8" not in out  # loom train's advice; the bench refuses that flag (it sets train.fp8 itself)
     assert "ratio loom / plain loop:" in out and "kernels: attention=torch.sdpa" in out
     assert "transformers LlamaForCausalLM (eager, sdpa)" in out and "ratio loom / transformers:" in out
     results = json.loads(output.read_text())
@@ -111,6 +112,7 @@ def test_bench_gpu_quick_runs_on_cpu_and_answers_every_row(tmp_path, capfd, monk
     ):
         assert row in result.stdout, result.stdout
     assert "world-size-1 run via the launcher (gloo) | ok, loss" in result.stdout
+    assert "--train.fp8" not in result.stdout  # the FP8 skips give their reason, not loom train's advice
     results = json.loads(output.read_text())
     assert results["throughput"]["rows"][0]["tokens_per_s"] > 0 and results["fp8_slice"]["rows"][0]["tokens_per_s"] > 0
     assert results["loss_gap"]["bf16_final_loss"] > 0 and "fp8_note" in results["loss_gap"]

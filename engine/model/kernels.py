@@ -304,6 +304,15 @@ class Kernels:
         return te.fp8_autocast(self._fp8_recipe, amax_group)
 
 
+class Fp8Unavailable(ConfigError):
+    """train.fp8 cannot run with this config or device. `reason` is the message without its advice to the user of
+    `loom train` (--train.fp8 off, ...), for the benches, which skip their FP8 rows and set train.fp8 themselves."""
+
+    def __init__(self, reason: str, advice: str) -> None:
+        super().__init__(f"{reason}; {advice}")
+        self.reason = reason
+
+
 def check_fp8_shapes(config: LoomConfig) -> None:
     """FP8 GEMMs (TE's and torch._scaled_mm) need every matrix dimension divisible by 16."""
     m, t, tp, cp = config.model, config.train, config.parallel.tp, config.parallel.cp
@@ -322,8 +331,8 @@ def check_fp8_shapes(config: LoomConfig) -> None:
         sizes["the padded vocabulary per TP rank"] = padded // tp
     for what, size in sizes.items():
         if size % 16:
-            raise ConfigError(
-                f"train.fp8 needs sizes divisible by 16, but {what} = {size}; change it or use --train.fp8 off"
+            raise Fp8Unavailable(
+                f"train.fp8 needs sizes divisible by 16, but {what} = {size}", "change it or use --train.fp8 off"
             )
 
 
@@ -335,7 +344,7 @@ def _choose_linear(config: LoomConfig, device: torch.device, capability, te_ok: 
         )
     ok, device_why = fp8_device_support(device, capability)
     if not ok:
-        raise ConfigError(f"train.fp8 = {mode} is unavailable: {device_why}; use --train.fp8 off")
+        raise Fp8Unavailable(f"train.fp8 = {mode} is unavailable: {device_why}", "use --train.fp8 off")
     check_fp8_shapes(config)
     if te_ok and config.optim.zero == 3:  # TE casts the weights it holds; ZeRO-3 frees them between blocks
         te_why += "; optim.zero = 3: loom's FP8 linears quantise the gathered weights"
@@ -343,18 +352,18 @@ def _choose_linear(config: LoomConfig, device: torch.device, capability, te_ok: 
         from loom.engine.model import te
 
         if mode == "delayed" and config.model.recompute != "none":
-            raise ConfigError(
-                "train.fp8 = delayed with model.recompute would record amaxes twice per step; "
-                "use --train.fp8 current or --model.recompute none"
+            raise Fp8Unavailable(
+                "train.fp8 = delayed with model.recompute would record amaxes twice per step",
+                "use --train.fp8 current or --model.recompute none",
             )
         if mode == "delayed" or te.has_current_scaling():
             output = "; the output layer on torch._scaled_mm" if config.train.fp8_output_layer else ""
             return Choice(f"te.Linear+fp8({mode})", f"{te_why}; {device_why}{output}")
         te_why = "transformer_engine: this version has no Float8CurrentScaling"
     if mode == "delayed":
-        raise ConfigError(
-            f"train.fp8 = delayed needs Transformer Engine ({te_why}); use --train.fp8 current "
-            f"(torch._scaled_mm with per-tensor current scaling) or --train.fp8 off"
+        raise Fp8Unavailable(
+            f"train.fp8 = delayed needs Transformer Engine ({te_why})",
+            "use --train.fp8 current (torch._scaled_mm with per-tensor current scaling) or --train.fp8 off",
         )
     output = "; the output layer too (train.fp8_output_layer)" if config.train.fp8_output_layer else ""
     return Choice("torch._scaled_mm(fp8 current scaling)", f"{te_why}; {device_why}{output}")

@@ -98,7 +98,7 @@ def loss_gap(base: LoomConfig, steps: int, layers: int, workdir: Path, device: t
         try:
             config = harness.checked(configure, device)
         except ConfigError as error:
-            result[f"{name}_note"] = f"skipped: {error}"
+            result[f"{name}_note"] = harness.skip_note(error)
             return result
         result.update(_final_loss(name, config, device))
         if f"{name}_final_loss" in result:

@@ -119,6 +119,14 @@ def checked(configure: Callable[[], LoomConfig], device: torch.device) -> LoomCo
     return config
 
 
+def skip_note(error: ConfigError) -> str:
+    """Why a row is skipped: the refusal, without an FP8 refusal's advice (--train.fp8 off, ...), which is for
+    `loom train`; a bench sets train.fp8 itself."""
+    from loom.engine.model.kernels import Fp8Unavailable
+
+    return f"skipped: {error.reason if isinstance(error, Fp8Unavailable) else error}"
+
+
 def bench_config(base: LoomConfig, data: str, run_dir: str, steps: int, microbatches: int, **train) -> LoomConfig:
     """The config of one loom row: `base` with _bench_settings, and `train` fields on top."""
     overrides = _bench_settings(base.train.micro_batch_size, data, run_dir, steps, microbatches)

@@ -256,7 +256,7 @@ def _variant_row(
     try:
         config = harness.checked(configure, device)
     except ConfigError as error:
-        return Row(name, note=f"skipped: {error}")
+        return Row(name, note=harness.skip_note(error))
     with around():
         rates, mem, kernels = run_loom(config, warmup, device)
     return Row(name, median(rates), mem, kernels, config)
