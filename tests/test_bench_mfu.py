@@ -200,6 +200,14 @@ def test_a_bench_stopped_part_way_keeps_a_complete_earlier_result(tmp_path):
     partial = _write_results(output, {"bench": "gpu", "throughput": {"rows": [1]}})
     assert partial == tmp_path / "bench_gpu.partial.json" and "complete" not in json.loads(partial.read_text())
     assert json.loads(output.read_text()) == complete
+    # A complete rerun supersedes the stopped run's partial figures (they would read as the newer ones); another
+    # device's partial figures are not the rerun's to remove
+    other = tmp_path / "other.json"
+    _write_results(other, {**complete, "device": "H200"})
+    _write_results(other, {"bench": "gpu", "device": "H200"})
+    _write_results(other, {**complete, "device": "H100"})
+    assert json.loads((tmp_path / "other.partial.json").read_text()) == {"bench": "gpu", "device": "H200"}
+    assert _write_results(output, complete) == output and not partial.exists()
 
 
 @pytest.mark.parametrize(

@@ -197,7 +197,10 @@ def test_attention_backend_refusals_are_one_line():
     with pytest.raises(ConfigError) as on_cpu:
         choose_kernels(tiny(model={"attention_backend": "cudnn"}, train={"precision": "bf16"}), CPU)
     cases = [
-        ({"train": {"precision": "fp32"}}, "model.attention_backend = flash is a CUDA kernel for bf16 or fp16, not train.precision"),
+        (
+            {"train": {"precision": "fp32"}},
+            "model.attention_backend = flash is a CUDA kernel for bf16 or fp16, not train.precision",
+        ),
         ({"parallel": {"cp": 2}}, "model.attention_backend = flash with parallel.cp = 2: ring attention runs"),
     ]
     refusals = [str(on_cpu.value)]

@@ -63,6 +63,8 @@ QUICK_SLICE = (
     {"model": {"num_layers": 2, "recompute": "none"}, "train": {"seq_length": 64, "micro_batch_size": 1}},
     1,
 )
+IDENTITY = ("config", "quick", "device")
+"""What a result is of: an earlier result in the output file is replaced only by a rerun with the same."""
 GAP_VOCAB = 32000  # the loss-gap corpus's vocabulary: a learnable Markov chain needs no 128k table
 
 
@@ -249,7 +251,7 @@ def run(args: argparse.Namespace) -> dict:
             "loom bench gpu measures llama-1b on a GPU, and this machine shows none (on CPU it would run for hours); "
             "use --quick (tiny sizes, the check that the command works) or --config a small model"
         )
-    identity = {"config": config_name, "quick": args.quick, "device": harness.device_name(device)}
+    identity = dict(zip(IDENTITY, (config_name, args.quick, harness.device_name(device)), strict=True))
     output = claim_result_file(Path(args.output or DEFAULT_OUTPUT), "gpu", args.overwrite, identity)
     # What the issue's targets ask first (defaults, FP8, the baselines; the 8B slice), then the levers after them
     # (cuDNN's attention, the output layer in FP8: by `loom plan`, FP8's one way to 1.25x, docs/gpu.md), so that a
@@ -303,4 +305,20 @@ def _write_results(output: Path, results: dict) -> Path:
                 flush=True,
             )
     write_text_atomically(target, json.dumps(results, indent=2) + "\n")
+    if results.get("complete"):
+        _remove_superseded_partial(output, results)
     return target
+
+
+def _remove_superseded_partial(output: Path, results: dict) -> None:
+    """A complete result supersedes the NAME.partial.json an earlier stopped run of the same bench left beside it
+    (same config, quick and device): left there, it would read as the newer figures."""
+    partial = output.with_name(f"{output.stem}.partial{output.suffix}")
+    try:
+        earlier = json.loads(partial.read_text())
+    except (OSError, ValueError):
+        return
+    same = isinstance(earlier, dict) and all(earlier.get(key) == results.get(key) for key in ("bench", *IDENTITY))
+    if same and not earlier.get("complete"):
+        partial.unlink(missing_ok=True)
+        print(f"bench: removed {partial}: the figures of a stopped run, superseded by these", file=sys.stderr)
