@@ -46,7 +46,12 @@ def count_sentences_per_line(lines: list[str]) -> int:
 
 @dataclass
 class C4Lines:
-    """C4's clean-up: drops boilerplate lines, then rejects pages with lorem ipsum, code braces or too few sentences.
+    """C4's clean-up, line by line in the reference's order (TF-C4's `c4_utils.clean_page`, datatrove's
+    C4QualityFilter): a line with an over-long word, without terminal punctuation or with too few words is dropped;
+    on a line that passes those, "lorem ipsum" rejects the page, "javascript" drops the line, a "{" rejects the
+    page and policy boilerplate drops the line; then a page with too few sentences is rejected. So a brace or
+    lorem ipsum on a line dropped before that check (a short `{menu}` line) does not reject the page, although the
+    paper's words (section 2.2) say "any page".
 
     FineWeb runs it with require_terminal_punctuation = false and judges punctuation per page instead.
     """
@@ -71,26 +76,32 @@ class C4Lines:
         if self.sentence_count not in ("per_line", "regex"):
             raise ValueError(f"sentence_count = {self.sentence_count!r} is not per_line or regex")
 
-    def keeps_line(self, line: str) -> bool:
-        lowered = line.lower()
+    def _judge_line(self, line: str) -> bool | Rejected:
+        """True to keep a (stripped, non-blank) line, False to drop it, or the page's rejection."""
         words = line.split()
-        return not (
-            (self.require_terminal_punctuation and not line.endswith(C4_TERMINAL_PUNCTUATION))
+        if (
+            any(len(w) > self.max_word_length for w in words)
+            or (self.require_terminal_punctuation and not line.endswith(C4_TERMINAL_PUNCTUATION))
             or len(words) < self.min_words_per_line
-            or any(len(w) > self.max_word_length for w in words)
-            or (self.remove_javascript_lines and "javascript" in lowered)
-            or (self.remove_policy_lines and any(p in lowered for p in C4_POLICY_PHRASES))
-        )
+        ):
+            return False
+        lowered = line.lower()
+        if self.reject_lorem_ipsum and "lorem ipsum" in lowered:
+            return Rejected("lorem_ipsum", "a line contains 'lorem ipsum'")
+        if self.remove_javascript_lines and "javascript" in lowered:
+            return False
+        if self.reject_curly_braces and "{" in line:
+            return Rejected("curly_brace", "a line contains '{' (code or templates)")
+        return not (self.remove_policy_lines and any(p in lowered for p in C4_POLICY_PHRASES))
 
     def __call__(self, doc: Document) -> Rejected | None:
-        lowered = doc.text.lower()
-        if self.reject_lorem_ipsum and "lorem ipsum" in lowered:
-            return Rejected("lorem_ipsum", "contains 'lorem ipsum'")
-        if self.reject_curly_braces and "{" in doc.text:
-            return Rejected("curly_brace", "contains '{' (code or templates)")
-        lines = [line.strip() for line in doc.text.split("\n")]
-        # Blank lines stay (one per run) so paragraphs survive for the steps after this one.
-        kept = [line for line in lines if not line or self.keeps_line(line)]
+        kept = []
+        for line in (line.strip() for line in doc.text.split("\n")):
+            verdict = self._judge_line(line) if line else True  # blank lines stay: paragraphs for the next steps
+            if isinstance(verdict, Rejected):
+                return verdict
+            if verdict:
+                kept.append(line)
         doc.text = _BLANK_RUNS.sub("\n\n", "\n".join(kept)).strip("\n")
         if not doc.text:
             return Rejected("no_lines_left", "every line was boilerplate")

@@ -253,6 +253,54 @@ def test_verdicts_are_datatroves(step):
     assert verdicts[False] >= 1 and verdicts[True] >= 3  # each filter both keeps and rejects some
 
 
+# Lines a page can hold, for the C4 check below: each is dropped or judged at a different point of TF-C4's order
+# (a too long word, no terminal punctuation, too few words, lorem ipsum, javascript, a brace, policy boilerplate).
+_C4_LINES = [line for line in GOOD.split("\n") if line] + [
+    "{menu}",
+    "Home {nav} News",
+    "Open the menu {here} to see the rest of it.",
+    "Please enable javascript {now} to see this page.",
+    "Please enable JavaScript in your browser to continue.",
+    "Lorem ipsum dolor sit amet.",
+    "lorem ipsum",
+    "Lorem ipsum dolor sit amet " + "x" * 1001 + ".",
+    "This site uses cookies to improve your visit.",
+    "Read our privacy policy {here} before you go.",
+    "Section four of the annual report",
+    "See you soon!",
+    "",
+]
+_C4_RULES = {"lorem_ipsum": "lorem_ipsum", "curly_brace": "curly_bracket", "sentences": "too_few_sentences"}
+
+
+@pytest.mark.parametrize("terminal_punctuation", [False, True])
+def test_c4_judges_pages_line_by_line_as_datatrove(terminal_punctuation):
+    """A brace or lorem ipsum rejects a page only on a line that survives the checks before it (TF-C4's clean_page,
+    datatrove): loom rejected any page holding one anywhere (a `{menu}` line), 82 of 400 web-like pages apart. Random
+    pages of lines that meet every check at a different point: the same verdict, the same rule and the same text."""
+    filters = pytest.importorskip("datatrove.pipeline.filters", reason="needs loom[reference]")
+    pytest.importorskip("spacy", reason="needs loom[reference]")
+    from datatrove.data import Document as DatatroveDocument
+
+    ours = C4Lines(require_terminal_punctuation=terminal_punctuation)
+    theirs = filters.C4QualityFilter(filter_no_terminal_punct=terminal_punctuation)
+    generator = random.Random(1)
+    rules = Counter()
+    for page in range(300):
+        text = "\n".join(generator.choice(_C4_LINES) for _ in range(generator.randint(3, 14)))
+        doc, their_doc = Document(text), DatatroveDocument(text=text, id=str(page))
+        rejected, verdict = ours(doc), theirs.filter(their_doc)
+        their_rule = verdict[1] if isinstance(verdict, tuple) and not verdict[0] else None
+        our_rule = rejected and _C4_RULES.get(rejected.rule, rejected.rule)
+        if our_rule == "no_lines_left":  # loom names an empty page; datatrove counts its 0 sentences
+            our_rule = "too_few_sentences"
+        assert our_rule == their_rule, text
+        if rejected is None:  # datatrove keeps no blank lines
+            assert [line for line in doc.text.split("\n") if line] == their_doc.text.split("\n"), text
+        rules[our_rule] += 1
+    assert min(rules[rule] for rule in (None, *_C4_RULES.values())) >= 5, rules  # each outcome met
+
+
 def test_c4_sentence_counts_the_reference_way_or_the_paper_way():
     """TF-C4's clean_page (and datatrove) count each kept line's sentences, a line being at least one; the
     paper's regex counts sentence ends over the page. Lines without a sentence end (kept when
