@@ -12,6 +12,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
 from training_runs import loom_here, tiny_config
 
@@ -426,3 +427,80 @@ def test_the_gpt2_shaped_model_computes_transformers_gpt2_logits_and_loss():
         expected.reshape(-1, vocab), tokens[:, 1:].reshape(-1), reduction="none"
     )
     assert torch.allclose(losses.reshape(-1).float(), reference, atol=1e-5)
+
+
+def _loom_steps_on_two_ranks(rank, world, raw_config, steps):
+    from loom.engine.train import Trainer
+
+    config = config_from_dict(raw_config)
+    trainer = Trainer(config)
+    rows = [trainer.train_step() for _ in range(steps)]
+    trainer.close()
+    return [(row["loss"], row["grad_norm"], row["lr"]) for row in rows]
+
+
+def test_loom_trains_an_imported_llama_as_a_plain_transformers_loop(tmp_path):
+    """The training step against an outside loop: a Llama written by transformers, imported, trained 4 steps by
+    loom at data parallel 2 with ZeRO-1 (2 micro-batches per rank, warm-up then cosine, clipping, decay on
+    matrices only), and by transformers' LlamaForCausalLM with torch's AdamW and clip_grad_norm_ on the same
+    samples, the loss summed over the global batch's tokens. Layout tests compare loom with loom; this checks what
+    they share: how micro-batches and DP ranks are averaged, the clipped norm, the optimizer and its groups."""
+    from dist_utils import run_ranks
+
+    from loom.engine.data.loader import build_dataset
+
+    vocab, seq, global_batch, micro_batch, steps = VOCAB, 32, 4, 1, 4
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(llama_config(num_key_value_heads=2)).save_pretrained(str(tmp_path / "hf"))
+    import_hf(tmp_path / "hf", tmp_path / "imported")
+    generator = np.random.default_rng(4)
+    with IndexedDatasetWriter(tmp_path / "docs", np.dtype(np.uint16)) as writer:
+        for _ in range(40):
+            writer.add_document(generator.integers(0, vocab, int(generator.integers(20, 90))))
+    raw = find_loadable(tmp_path / "imported")[1].config
+    raw["data"].update(paths=[str(tmp_path / "docs")], tokenizer=None, split="100,0,0", cache_dir=str(tmp_path / "c"))
+    raw["train"].update(
+        run_dir=str(tmp_path / "run"),
+        steps=steps,
+        seq_length=seq,
+        precision="fp32",
+        global_batch_size=global_batch,
+        micro_batch_size=micro_batch,
+        eval_interval=0,
+        log_interval=1,
+        tensorboard=False,
+    )
+    raw["optim"].update(name="adamw", lr=1e-2, min_lr=1e-3, warmup_steps=2, decay="cosine", weight_decay=0.1)
+    raw["optim"].update(clip_grad=0.5, beta1=0.9, beta2=0.95, eps=1e-8, zero=1)
+    raw["checkpoint"].update(load=str(tmp_path / "imported"), interval=0, save_at_end=False)
+    config = config_from_dict(raw)
+    config.resolve_world(2)
+    loom_rows = run_ranks(_loom_steps_on_two_ranks, 2, raw, steps)[0]
+
+    samples = build_dataset(config, 0, global_batch * steps, is_builder=True, barrier=None)
+    model = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
+    o = config.optim
+    matrices = [p for p in model.parameters() if p.ndim >= 2]
+    vectors = [p for p in model.parameters() if p.ndim < 2]
+    groups = [{"params": matrices, "weight_decay": o.weight_decay}, {"params": vectors, "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    for step, (loom_loss, loom_norm, loom_lr) in enumerate(loom_rows):
+        batch = torch.stack([torch.from_numpy(samples[step * global_batch + i].astype(np.int64)) for i in range(4)])
+        optimizer.zero_grad()
+        loss_sum = 0.0
+        for micro in batch.split(micro_batch):
+            logits = model(micro[:, :-1]).logits
+            loss = F.cross_entropy(logits.reshape(-1, vocab), micro[:, 1:].reshape(-1), reduction="sum")
+            (loss / (global_batch * seq)).backward()
+            loss_sum += loss.item()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_grad).item()
+        # linear warm-up, then cosine to min_lr over the rest (megatron-core's scheduler, test_optim.py)
+        lr = o.lr * (step + 1) / o.warmup_steps
+        if step >= o.warmup_steps:
+            lr = o.min_lr + (o.lr - o.min_lr) * (1 + math.cos(math.pi * (step - 2) / (steps - 2))) / 2
+        assert loom_lr == pytest.approx(lr, rel=1e-12), step
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.step()
+        assert loom_loss == pytest.approx(loss_sum / (global_batch * seq), rel=1e-6), step
+        assert loom_norm == pytest.approx(norm, rel=1e-5), step
