@@ -288,6 +288,34 @@ def test_loom_generate_equals_transformers_greedy_generate(hf_model, tmp_path, c
     assert result.stdout.split() == [str(t) for t in prompt + theirs]
 
 
+def test_sampling_draws_from_transformers_temperature_and_top_p_distribution(monkeypatch):
+    """What `loom generate --temperature T --top-p P` draws from is what transformers' TemperatureLogitsWarper and
+    TopPLogitsWarper leave, softmaxed: the same tokens kept, the same probabilities (random logits, no ties)."""
+    from loom.tools import generate
+
+    drawn = {}
+
+    def multinomial(probabilities, count, generator):  # "draws" the entry the test asks for
+        drawn["probabilities"] = probabilities.clone()
+        return torch.full((count,), drawn["entry"], dtype=torch.long)
+
+    monkeypatch.setattr(generate.torch, "multinomial", multinomial)
+    generator = torch.Generator().manual_seed(0)
+    for case in range(100):
+        logits = torch.randn(64, generator=generator) * (0.5 + 3 * torch.rand(1, generator=generator))
+        temperature = float(torch.empty(1).uniform_(0.3, 2.0, generator=generator))
+        top_p = float(torch.empty(1).uniform_(0.05, 1.0, generator=generator)) if case % 4 else 1.0
+        ours = torch.zeros(64)
+        for entry in range(64):  # which token each entry of the distribution stands for
+            drawn["entry"] = entry
+            token = generate.next_token(logits, temperature, top_p, generator)
+            ours[token] = drawn["probabilities"][entry]
+        warped = transformers.TemperatureLogitsWarper(temperature)(None, logits[None].clone())
+        theirs = transformers.TopPLogitsWarper(top_p)(None, warped).softmax(-1)[0]
+        assert torch.equal(ours > 0, theirs > 0), (case, temperature, top_p)
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("trained", [False], indirect=True, ids=["untied"])  # no matter which
 def test_the_exported_tokenizer_encodes_as_loom_s_and_an_import_s_comes_back(trained, tmp_path, capfd):
     """AutoTokenizer on an export encodes and decodes as the SentencePiece model the run trained with (no bos, no

@@ -74,8 +74,13 @@ def next_token(logits: torch.Tensor, temperature: float, top_p: float, generator
     logits = logits.float()
     # the largest logit made 0 first: a tiny temperature then sends the others to -inf, not the largest to inf
     probabilities = torch.softmax((logits - logits.max()) / temperature, dim=-1)
-    ordered, order = probabilities.sort(descending=True)
-    keep = ordered.cumsum(0) - ordered < top_p  # a token stays if the ones before it fall short of top_p
+    # A token stays if the more probable ones fall short of top_p, i.e. if it and the less probable ones hold more
+    # than 1 - top_p: summed from the least probable up (as transformers' TopPLogitsWarper), so the sum reaches 1
+    # only at the top and top_p = 1 keeps every token (summed from the top, it reached 1.0 early in fp32 and
+    # dropped the tail).
+    ordered, order = probabilities.sort()
+    keep = ordered.cumsum(0) > 1 - top_p
+    keep[-1] = True
     ordered = ordered * keep
     return int(order[torch.multinomial(ordered / ordered.sum(), 1, generator=generator)])
 
