@@ -19,7 +19,7 @@ from pathlib import Path
 from loom.engine.config import ConfigError
 from loom.engine.config_io import is_override_flag, load_config, parse_overrides
 from loom.engine.run_dir import SCHEDULE_CHART
-from loom.errors import is_user_error, user_message
+from loom.errors import Interrupted, is_user_error, user_message
 from loom.launch.arguments import OneLineParser, add_parallel_size, existing_dir, image_file, int_in
 
 EPILOG_TRAIN = """\
@@ -222,15 +222,59 @@ def _invoked_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 
 
 def main(argv: list[str] | None = None) -> None:
-    from loom.launch.local import RankFailed, Stopped
-
     # Until a command installs its own handling (the launcher forwards stops to its ranks), a stop signal
-    # ends the command through Python, so cleanups run and the user is told, instead of a silent kill.
+    # ends the command through Python, so cleanups run and the user is told, instead of a silent kill. Everything
+    # after it is inside the handling below: a stop while the parser is built is a stop too, not a traceback.
     signal.signal(signal.SIGTERM, _stop_now)
+    exit_code = None
+    try:
+        _run_command(argv)
+    except Interrupted as error:  # the launchers' Stopped, and _stop_now's
+        print(str(error), file=sys.stderr)
+        exit_code = getattr(error, "exit_code", 130)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        exit_code = 130
+    except Exception as error:
+        from loom.launch.local import RankFailed
+
+        if isinstance(error, RankFailed):
+            print(f"error: {error}", file=sys.stderr)
+            if error.details and (not error.user_error or os.environ.get("LOOM_DEBUG")):
+                print(f"traceback of rank {error.rank}{f' on {error.host}' if error.host else ''}:", file=sys.stderr)
+                print(error.details, file=sys.stderr, end="")
+            exit_code = 1
+        elif not is_user_error(error) or os.environ.get("LOOM_DEBUG"):
+            raise  # a bug: Python's traceback, not a one-line message that would blame the user
+        else:
+            print(f"error: {user_message(error)}", file=sys.stderr)
+            exit_code = 2
+    if exit_code is not None:
+        sys.exit(exit_code)
+
+
+# The commands that import torch. A Ctrl-C that lands inside torch's native initialisation aborts the process
+# ("terminate called after throwing an instance of 'pybind11::error_already_set'", exit 134) instead of raising
+# KeyboardInterrupt, so these import it first with the stop signals held: one that came meanwhile is delivered
+# right after, and the command stops as usual.
+TORCH_COMMANDS = ("train", "demo", "eval", "generate", "ckpt", "submit", "bench")
+
+
+def _import_torch_with_stops_held() -> None:
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        import torch  # noqa: F401
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _run_command(argv: list[str] | None) -> None:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if args.command in ("train", "demo"):
         signal.signal(signal.SIGTERM, functools.partial(_stop_now, trains=True))
+    if args.command in TORCH_COMMANDS:
+        _import_torch_with_stops_held()
     takes_overrides = getattr(args, "takes_overrides", False)
     unknown = [a for a in extra if a.startswith("--") and not is_override_flag(a)] if takes_overrides else extra
     if takes_overrides and extra and not extra[0].startswith("--"):
@@ -238,28 +282,10 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         overrides = "; config overrides look like --train.steps 50" if takes_overrides else ""
         _invoked_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}{overrides}")
-    try:
-        if getattr(args, "takes_overrides", False):
-            args.handler(args, extra)
-        else:
-            args.handler(args)
-    except Stopped as error:
-        print(str(error), file=sys.stderr)
-        sys.exit(error.exit_code)
-    except RankFailed as error:
-        print(f"error: {error}", file=sys.stderr)
-        if error.details and (not error.user_error or os.environ.get("LOOM_DEBUG")):
-            print(f"traceback of rank {error.rank}{f' on {error.host}' if error.host else ''}:", file=sys.stderr)
-            print(error.details, file=sys.stderr, end="")
-        sys.exit(1)
-    except Exception as error:
-        if not is_user_error(error) or os.environ.get("LOOM_DEBUG"):
-            raise  # a bug: Python's traceback, not a one-line message that would blame the user
-        print(f"error: {user_message(error)}", file=sys.stderr)
-        sys.exit(2)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
+    if takes_overrides:
+        args.handler(args, extra)
+    else:
+        args.handler(args)
 
 
 if __name__ == "__main__":

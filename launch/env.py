@@ -56,6 +56,8 @@ class StopSignals:
     def __init__(self, actions: dict[signal.Signals, int]):
         self.code = 0
         self.agreed = 0
+        self.received: str | None = None
+        """The name of the first signal this process received (None: it stopped because a peer did)."""
         self._actions = actions
         for signum in actions:
             signal.signal(signum, self._handle)
@@ -66,7 +68,13 @@ class StopSignals:
         return cls({signal.SIGTERM: cls.EXIT, signal.SIGINT: cls.EXIT})
 
     def _handle(self, signum: int, frame) -> None:
+        self.received = self.received or signal.Signals(signum).name
         self.code = max(self.code, self._actions[signal.Signals(signum)])
+
+    @property
+    def exited_early(self) -> bool:
+        """The ranks agreed to save and stop before the run's last step (not a requeue)."""
+        return self.agreed == self.EXIT
 
 
 def init_distributed(config: LoomConfig) -> int:

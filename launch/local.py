@@ -113,6 +113,7 @@ def _rank_main(
     raw_config: dict,
     threads: int,
     errors,
+    stops,
     mode: str,
     launcher_pid: int,
     launcher_process: tuple,
@@ -128,13 +129,26 @@ def _rank_main(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
     import torch
+    from tqdm import tqdm
 
     from loom.launch.env import StopSignals, run_rank
 
     torch.set_num_threads(threads)
-    stop = StopSignals.exit_on_terminate()
-    if early_stops:
-        stop.code = StopSignals.EXIT
+    # tqdm's bars share a multiprocessing lock, in a rank a named semaphore (its start method is the rank server's)
+    # that the resource tracker reports as leaked under the launcher's message when the rank is stopped. A rank
+    # draws no bars from other processes.
+    tqdm.set_lock(threading.RLock())
+    stop = None
+    if mode == "train":
+        stop = StopSignals.exit_on_terminate()
+        if early_stops:
+            stop.code = StopSignals.EXIT
+            stop.received = signal.Signals(early_stops[0]).name
+    else:  # an evaluation has nothing to save: a stop ends it at once (the launcher says so)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, signal.SIG_DFL)
+        for signum in early_stops[:1]:
+            os.kill(os.getpid(), signum)
     config = config_from_dict(raw_config)
     try:
         run_rank(config, mode, stop)
@@ -142,6 +156,8 @@ def _rank_main(
         message, user_error = describe_rank_error(error, config.parallel.timeout_minutes)
         errors.put((time.time(), rank, message, traceback.format_exc(), user_error, socket.gethostname()))
         raise SystemExit(1) from None
+    if stop is not None and stop.exited_early:  # a signal to a rank alone: the launcher must not report a finished run
+        stops.put((rank, stop.received))
 
 
 def launch_local(config: LoomConfig, nproc: int, grace_s: float = 2.0, mode: str = "train") -> None:
@@ -151,14 +167,16 @@ def launch_local(config: LoomConfig, nproc: int, grace_s: float = 2.0, mode: str
 
     check_local_ranks_fit_the_gpus(config, nproc)
     ctx = rank_context()
-    errors = ctx.Queue()
+    errors, stops = ctx.Queue(), ctx.Queue()
     port = free_port()
     threads = max(1, (os.cpu_count() or 1) // nproc)
     raw = config_to_dict(config)
     launcher = (dict(os.environ), os.getcwd(), _InheritedFd(1), _InheritedFd(2))
     procs = [
         ctx.Process(
-            target=_rank_main, args=(r, nproc, port, raw, threads, errors, mode, os.getpid(), launcher), daemon=False
+            target=_rank_main,
+            args=(r, nproc, port, raw, threads, errors, stops, mode, os.getpid(), launcher),
+            daemon=False,
         )
         for r in range(nproc)
     ]
@@ -169,12 +187,13 @@ def launch_local(config: LoomConfig, nproc: int, grace_s: float = 2.0, mode: str
             name = signal.Signals(signum).name
             raise Stopped(name, f"stopped at once by a second {name}: the ranks were killed without saving")
         stop_signals.append(signal.Signals(signum).name)
-        print(
-            f"{stop_signals[0]}: the ranks save a checkpoint at the next step boundary and stop; "
-            f"send it again to stop at once without saving",
-            file=sys.stderr,
-            flush=True,
-        )
+        if mode == "train":
+            print(
+                f"{stop_signals[0]}: the ranks save a checkpoint at the next step boundary and stop; "
+                f"send it again to stop at once without saving",
+                file=sys.stderr,
+                flush=True,
+            )
         for proc in procs:
             if proc.is_alive():
                 os.kill(proc.pid, signal.SIGTERM)
@@ -207,10 +226,25 @@ def launch_local(config: LoomConfig, nproc: int, grace_s: float = 2.0, mode: str
         for s, handler in previous.items():
             signal.signal(s, handler)
     _stop_all([p for _, p in running.values()], grace_s)
+    if stop_signals and mode != "train":
+        raise Stopped(stop_signals[0], f"stopped by {stop_signals[0]} before the evaluation finished")
     if stop_signals:
         raise _stopped(stop_signals[0], config, not failed)
     if failed:
         raise _first_error(errors, failed, _last_logged_step(config.train.run_dir))
+    if stopped_ranks := _drain(stops, 0.1):
+        rank, name = next(((r, n) for r, n in sorted(stopped_ranks) if n), stopped_ranks[0])
+        raise _stopped(name or "SIGTERM", config, True, f" (sent to rank {rank})")
+
+
+def _drain(queue, timeout: float) -> list:
+    """What the ranks (all gone: their queue feeders flushed as they exited) put in `queue`."""
+    items = []
+    while True:
+        try:
+            items.append(queue.get(timeout=timeout))
+        except Exception:  # queue.Empty
+            return items
 
 
 def _stop_all(procs: list, grace_s: float) -> None:
@@ -226,14 +260,15 @@ def _stop_all(procs: list, grace_s: float) -> None:
             proc.join()
 
 
-def _stopped(signal_name: str, config: LoomConfig, clean: bool) -> Stopped:
+def _stopped(signal_name: str, config: LoomConfig, clean: bool, sent_to: str = "") -> Stopped:
     from loom.engine.checkpoint.format import LATEST
 
     latest = checkpoints_of(config.train.run_dir) / LATEST
+    by = f"{signal_name}{sent_to}"
     if clean and latest.is_file():
         where = latest.parent / latest.read_text().strip()
         return Stopped(
-            signal_name, f"stopped by {signal_name}: checkpoint {where} saved; run the same command to resume from it"
+            signal_name, f"stopped by {by}: checkpoint {where} saved; run the same command to resume from it"
         )
     return stopped_before_a_checkpoint(signal_name)
 
@@ -280,12 +315,7 @@ def _first_error(errors, failed: list[tuple[int, int]], last_step: int | None = 
     """The root cause. A rank killed by a signal (exit code -N) is it: its peers' errors (connection
     reset, a collective timeout) follow from its death. Otherwise the earliest report: peers of a failed
     rank fail too, but only after it has reported and exited (their collectives break when its sockets close)."""
-    reports = []
-    while True:
-        try:
-            reports.append(errors.get(timeout=0.5))
-        except Exception:  # queue.Empty
-            break
+    reports = _drain(errors, 0.5)
     reported = {report[1] for report in reports}
     killed = [(rank, code) for rank, code in failed if code < 0 and rank not in reported]
     if killed:

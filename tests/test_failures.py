@@ -111,6 +111,66 @@ def test_sigterm_checkpoints_and_the_same_command_resumes_the_same_curve(dataset
         assert math.isclose(row["loss"], want["loss"], rel_tol=1e-6), (row, want)
 
 
+def test_a_stop_to_the_whole_process_group_says_what_was_saved(dataset, tmp_path):
+    """Ctrl-C in a terminal, systemd, `docker stop` and `kill -- -PGID` signal the launcher, its ranks and the server
+    they fork from at once. The server died of it, the launcher then read 255 for each rank, and said "nothing to
+    resume" of a run that had saved its checkpoint (a user could believe it and start over)."""
+    command = train_command(dataset, tmp_path / "run", "--train.steps", "6")
+    with open(tmp_path / "stderr", "w") as stderr_file:
+        env = {**os.environ, "PYTHONPATH": str(REPO), "LOOM_INJECT_PAUSE": "2"}
+        proc = subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=stderr_file, text=True, start_new_session=True
+        )
+        read_output_until(proc, "paused before step 2")
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.communicate(timeout=HANG_S)
+    stderr = (tmp_path / "stderr").read_text()
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    latest = tmp_path / "run" / "checkpoints" / "latest"
+    assert f"stopped by SIGTERM: checkpoint {latest.parent / latest.read_text().strip()} saved" in stderr
+
+
+def test_a_stop_sent_to_one_rank_is_not_reported_as_a_finished_run(dataset, tmp_path, run_here):
+    """SIGTERM to a rank alone: the ranks agree, save and stop, as for the launcher's; the launcher exited 0, so
+    `loom train ... && loom ckpt export-hf ...` went on with an unfinished model."""
+    result = run_here(train_command(dataset, tmp_path, "--train.steps", "50"), env={"LOOM_INJECT_KILL": "1:2:TERM"})
+    assert result.returncode == 128 + signal.SIGTERM, result.stderr
+    latest = tmp_path / "checkpoints" / "latest"
+    saved = latest.parent / latest.read_text().strip()
+    line = result.stderr.strip().splitlines()[-1]
+    assert line == f"stopped by SIGTERM (sent to rank 1): checkpoint {saved} saved; run the same command to resume " \
+        "from it"  # fmt: skip
+    assert read_metrics(tmp_path)[-1]["step"] < 50
+
+
+def test_an_evaluation_stops_at_once_on_ctrl_c(dataset, tmp_path, run_here):
+    """loom eval kept evaluating to its last batch after Ctrl-C (its ranks deferred the stop to a step boundary
+    that an evaluation never reaches), then printed a training run's message and the resource tracker's warning."""
+    trained = run_here(
+        train_command(dataset, tmp_path / "run", "--train.steps", "1", "--checkpoint.save_at_end", "true")
+    )
+    assert trained.returncode == 0, trained.stderr
+    command = [sys.executable, "-m", "loom.launch.cli", "eval", "--checkpoint", str(tmp_path / "run")]
+    command += ["--data", dataset, "--iters", "100000", "--nproc", "2", "--parallel.tp", "2"]
+    with open(tmp_path / "stderr", "w") as stderr_file:
+        proc = subprocess.Popen(
+            command,
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            stdout=subprocess.PIPE,
+            stderr=stderr_file,
+            text=True,
+            start_new_session=True,
+        )
+        wait_for(lambda: "batch/s" in (tmp_path / "stderr").read_text(), "the evaluation under way", proc)
+        os.killpg(proc.pid, signal.SIGINT)
+        stdout, _ = proc.communicate(timeout=HANG_S)
+    stderr = (tmp_path / "stderr").read_text()
+    assert proc.returncode == 130, stderr
+    assert stderr.endswith("stopped by SIGINT before the evaluation finished\n"), stderr[-2000:]
+    assert "validation loss" not in stdout and "checkpoint" not in stderr and "leaked" not in stderr
+
+
 def test_a_stop_during_start_up_is_honoured_or_says_nothing_was_saved(dataset, tmp_path):
     """The ranks are still importing torch when the signal comes: they keep it and checkpoint at the first
     step boundary, or (killed before they could catch it) the launcher says that nothing was saved."""

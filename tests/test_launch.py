@@ -2,6 +2,7 @@
 
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 import tomllib
@@ -243,3 +244,43 @@ def test_nccl_ranks_on_a_machine_without_gpus_say_so(dataset, tmp_path):
     with pytest.raises(ConfigError, match=r"^parallel.backend = nccl asks .* use --parallel.backend auto"):
         launch_local(config, 1)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_stop_while_the_command_line_is_read_ends_in_one_line(monkeypatch, capfd):
+    """SIGTERM or Ctrl-C in a command's first fraction of a second, while its parser is built, printed a screen of
+    traceback: the handling of stops began after parsing."""
+    from loom.launch import cli
+
+    def stopped_while_building():
+        os.kill(os.getpid(), signal.SIGTERM)  # main's handler turns it into a stop
+        raise AssertionError("the signal was not handled")
+
+    monkeypatch.setattr(cli, "build_parser", stopped_while_building)
+    result = loom_here(capfd, "data", "inspect", "x")
+    assert (result.returncode, result.stderr) == (128 + signal.SIGTERM, "stopped by SIGTERM\n")
+
+    def interrupted_while_building():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted_while_building)
+    result = loom_here(capfd, "data", "inspect", "x")
+    assert (result.returncode, result.stderr) == (130, "interrupted\n")
+
+
+def test_torch_is_imported_with_stop_signals_held(tmp_path):
+    """A Ctrl-C inside torch's native initialisation aborted the launcher ("terminate called after throwing an
+    instance of 'pybind11::error_already_set'", exit 134). A stand-in torch interrupts itself halfway through its
+    import: the import finishes, and the stop is then taken as usual."""
+    fake = tmp_path / "stand-in" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(
+        "import os, signal, time\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "time.sleep(0.2)\n"
+        "open(os.environ['IMPORTED'], 'w').close()\n"
+    )
+    probe = "from loom.launch.cli import main\nmain(['bench', 'mfu', '--config', 'tiny'])"
+    env = {**os.environ, "PYTHONPATH": str(fake.parent), "IMPORTED": str(tmp_path / "imported")}
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=HANG_S)
+    assert (result.returncode, result.stderr) == (130, "interrupted\n"), result.stderr[-2000:]
+    assert (tmp_path / "imported").exists()

@@ -14,7 +14,13 @@ import threading
 # not preloaded for that reason: importing torch._inductor.compile_fx asks it (torch 2.11's runtime.benchmarking),
 # which on the first GPU run of 2026-11-27 failed every local rank. tests/test_launch.py holds the list to
 # this.
-RANK_PRELOAD = ["torch", "torch._dynamo", "loom.launch.env", "loom.engine.train"]
+RANK_PRELOAD = [
+    "loom.engine.parallel.rank_server_signals",  # first: a stop signal during the imports below must not kill it
+    "torch",
+    "torch._dynamo",
+    "loom.launch.env",
+    "loom.engine.train",
+]
 
 
 def rank_context():
