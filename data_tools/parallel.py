@@ -16,6 +16,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -71,6 +72,18 @@ def describe_exit(exitcode: int) -> str:
     return f"killed by signal {number}, {name}" + (f": {hint}" if hint else "")
 
 
+def _exit_with_the_parent(parent: int) -> None:
+    """A worker's initializer: the worker exits once its parent is gone. A parent killed outright (SIGKILL, the OOM
+    killer) cannot shut its pool down, and its workers slept on forever, holding its files open."""
+
+    def watch() -> None:
+        while os.getppid() == parent:  # a dead parent's children are handed to another process
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 def _run_task(function: Callable[..., Any], number: int, task: tuple) -> Any:
     """function(*task) in a worker, after the test-only fault switch."""
     if os.environ.get(KILL_TASK_VARIABLE) == str(number):
@@ -120,7 +133,12 @@ def imap_ordered(
         for task in tasks:
             yield function(*task)
         return
-    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+    pool = ProcessPoolExecutor(
+        workers,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=_exit_with_the_parent,
+        initargs=(os.getpid(),),
+    )
     try:
         yield from _ordered_results(pool, function, tasks, in_flight_per_worker * workers)
     except BrokenProcessPool:

@@ -211,6 +211,41 @@ def _fail_on_seven(value: int) -> int:
     return value
 
 
+def test_workers_exit_when_the_data_command_is_killed_outright(tmp_path):
+    """SIGKILL (the OOM killer) gives a data command no chance to stop its pool: its workers slept on forever,
+    holding its files open. Each worker now exits once its parent is gone."""
+    from training_runs import wait_for
+
+    script = (
+        "import time\n"
+        "from loom.data_tools.parallel import imap_ordered\n"
+        "for _ in imap_ordered(time.sleep, [(100_000,)] * 4, workers=2):\n"
+        "    pass\n"
+    )
+    command = subprocess.Popen([sys.executable, "-c", script])
+
+    def workers() -> list[int]:
+        try:
+            children = Path(f"/proc/{command.pid}/task/{command.pid}/children").read_text().split()
+        except OSError:
+            return []
+        return [int(pid) for pid in children if b"spawn_main" in _cmdline(int(pid))]
+
+    wait_for(lambda: len(workers()) == 2, "two workers", command)
+    pids = workers()
+    command.kill()
+    command.wait()
+    wait_for(lambda: not any(_cmdline(pid) for pid in pids), "the workers gone")
+
+
+def _cmdline(pid: int) -> bytes:
+    """A live process's command line (b"" once it is gone or a zombie)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def test_clean_and_tokenizer_training_show_progress(inputs, tmp_path, capsys):
     clean_corpus([inputs["corpus"]], tmp_path / "clean", pipeline="minimal", workers=1)
     shown = capsys.readouterr().err
