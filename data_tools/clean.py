@@ -11,8 +11,9 @@ that rejected it; the parent writes them in input order. Outputs in D:
     stats.json                 counts: documents = kept + rejected; lines = documents + bad + blank
     manifest.json              inputs with hashes, the pipeline, counts (written last)
 
-Files are written under D/.staging-<pid>/ and moved into place only when the whole input is done,
-so an interrupted run leaves the previous complete output (or none). This module must not define
+Files are written under D/.staging-<host>-<pid>/ (engine/atomic.staging_folder: the next run removes one a
+killed run left) and moved into place only when the whole input is done, so an interrupted run leaves the previous
+complete output (or none). This module must not define
 filters; those live in text_repair.py, quality_filters.py, line_filters.py and language.py.
 """
 
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Iterable, Iterator
 
-from loom.data_tools.atomic import atomic_path
+from loom.data_tools.atomic import atomic_path, staging_folder
 from loom.data_tools.failures import reported_failures
 from loom.data_tools.jsonl import (
     BAD_LINES_NAME,
@@ -79,9 +80,7 @@ class _StagedOutputs:
 
     def __init__(self, output: Path):
         self.output = output
-        self.staging = output / f".staging-{os.getpid()}"
-        shutil.rmtree(self.staging, ignore_errors=True)
-        self.staging.mkdir(parents=True)
+        self.staging = staging_folder(output)
         self._files: dict[str, IO[str]] = {}
         self._committed: list[Path] = []
 

@@ -14,8 +14,8 @@ input line that is not a document, with file, line, reason and the raw line), st
 kept + removed, plus bad input lines, and `repeated_ids`: documents whose id an earlier one has, which
 make those names ambiguous), manifest.json (lineage, written last). A document is named by its `id`
 field; one without gets `FILE:LINE` of the input as its id, written into kept.jsonl or removed.jsonl.
-Everything is written under D/.staging-<pid>/ and moved into place only when complete, so an interrupted run
-leaves no output that looks finished.
+Everything is written under D/.staging-<host>-<pid>/ (engine/atomic.staging_folder: the next run removes one a
+killed run left) and moved into place only when complete, so an interrupted run leaves no output that looks finished.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from loom.data_tools.atomic import atomic_path
+from loom.data_tools.atomic import atomic_path, staging_folder
 from loom.data_tools.failures import reported_failures
 from loom.data_tools.jsonl import (
     BAD_LINES_NAME,
@@ -187,9 +187,7 @@ def deduplicate(
     with reported_failures(output, _needed_bytes(input_bytes, plan)):
         for stale in ("stats.json", "manifest.json"):
             (output / stale).unlink(missing_ok=True)
-        staging = output / f".staging-{os.getpid()}"
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
+        staging = staging_folder(output)
         ids = _DocumentIds(staging / "ids.bin")
         bad_lines = BadLinesFile(staging / BAD_LINES_NAME)
         moved: list[Path] = []

@@ -8,17 +8,78 @@ offline data tools share it. The .bin/.idx writer has its own two-file protocol 
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import re
+import shutil
+import socket
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
+
+# Temporary and staging names carry the writing process (host and pid): a writer killed outright (SIGKILL, the OOM
+# killer, a power cut) cannot remove them, and the next writer of the same output removes those whose process is
+# gone. Another machine's (a shared file system) are never touched: its processes cannot be seen from here.
+_HOST = socket.gethostname()
+_STAGING = ".staging-"
+
+
+def _writer_tag() -> str:
+    return f"{_HOST}-{os.getpid()}"
 
 
 def temporary_sibling(path: str | Path) -> Path:
     """A name in the same directory (so the final rename is atomic) that no other process uses."""
     path = Path(path)
-    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    return path.with_name(f".{path.name}.{_writer_tag()}.tmp")
+
+
+def _left_by_a_gone_writer(name: str, prefix: str, suffix: str = "") -> bool:
+    """Whether `name` is prefix + this host's tag of a process that no longer runs + suffix."""
+    if not (name.startswith(f"{prefix}{_HOST}-") and name.endswith(suffix)):
+        return False
+    pid = name[len(prefix) + len(_HOST) + 1 : len(name) - len(suffix)]
+    if not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # another user's process: alive
+        return False
+    return False
+
+
+def remove_stale_temporaries(path: str | Path) -> None:
+    """Remove the temporary files that writers of `path` on this machine, now gone, left beside it."""
+    path = Path(path)
+    prefix = f".{path.name}."
+    for entry in path.parent.glob(f"{glob.escape(prefix)}*.tmp"):
+        if _left_by_a_gone_writer(entry.name, prefix, ".tmp"):
+            with contextlib.suppress(OSError):
+                entry.unlink()
+
+
+def staging_folder(output: Path) -> Path:
+    """A fresh folder inside `output` for a command's files until they are complete, after removing the staging
+    folders of this machine's writers that are gone."""
+    remove_stale_staging(output)
+    staging = output / f"{_STAGING}{_writer_tag()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    return staging
+
+
+def remove_stale_staging(output: Path) -> list[str]:
+    """Remove the staging folders that commands on this machine, killed before they finished, left in `output`;
+    returns their names."""
+    removed = []
+    if output.is_dir():
+        for entry in output.iterdir():
+            if entry.is_dir() and _left_by_a_gone_writer(entry.name, _STAGING):
+                shutil.rmtree(entry, ignore_errors=True)
+                removed.append(entry.name)
+    return removed
 
 
 @contextmanager
@@ -26,6 +87,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a temporary path to write; it replaces `path` if the block succeeds and is removed otherwise."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(path)
     tmp = temporary_sibling(path)
     try:
         yield tmp

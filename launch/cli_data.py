@@ -60,10 +60,12 @@ def claim_outputs(overwrite: bool, given: str, outputs: list[Path], inputs: list
     `outputs` holds one folder (its entries are the command's) or the files of one prefix. An input among them is
     always refused: moving it would lose it."""
     from loom.data_tools.jsonl import InputError
-    from loom.engine.atomic import move_aside
+    from loom.engine.atomic import move_aside, remove_stale_staging
     from loom.engine.run_lock import OUTPUT_LOCK_SUFFIX
 
     folder = outputs[0] if len(outputs) == 1 and outputs[0].is_dir() else None
+    if folder is not None and (removed := remove_stale_staging(folder)):
+        print(f"{given}: removed {', '.join(removed)}, left by a command on this machine that was killed")
     if folder is not None:  # a lock file left by a killed command is nobody's output
         existing = sorted(
             entry

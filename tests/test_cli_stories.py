@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -490,6 +493,38 @@ def test_data_commands_never_write_over_files_already_there(capfd, dataset, tmp_
     refused(capfd, clean, "would replace existing files")
     kept = folder / "kept.jsonl"
     refused(capfd, [*clean[:3], str(kept), *clean[4:], "--overwrite"], f"holds {kept}, an input")
+
+
+def test_a_rerun_removes_what_a_killed_run_of_it_left_on_this_machine(capfd, tmp_path):
+    """SIGKILL (the OOM killer) leaves a command no chance to remove its temporary files: a rerun of data clean was
+    refused for the killed run's staging folder, a finished export-hf folder kept a full-size temporary file beside
+    the model (an upload took it along), a corpus its temporary .jsonl.gz. The next writer removes what a process of
+    this machine that is gone left; a live process's, and another machine's, stay."""
+    import socket
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid no process has now
+    host, alive = socket.gethostname(), os.getppid()
+    folder = tmp_path / "clean"
+    for name in (f".staging-{host}-{gone.pid}", f".staging-{host}-{alive}", f".staging-elsewhere-{gone.pid}"):
+        (folder / name).mkdir(parents=True)
+        (folder / name / "kept.jsonl").write_text("{}\n")
+    corpus = tmp_path / "c.jsonl"
+    leftovers = [tmp_path / f".c.jsonl.{host}-{gone.pid}.tmp", tmp_path / f".c.jsonl.{host}-{alive}.tmp"]
+    for leftover in leftovers:
+        leftover.write_text("half")
+    assert run(capfd, "data", "corpus", "--output", str(corpus), "--max-docs", "3")[0] == 0
+    assert [path.exists() for path in leftovers] == [False, True]
+    clean = ["data", "clean", "--input", str(corpus), "--output", str(folder), "--pipeline", "code", "--workers", "1"]
+    refused(capfd, clean, "would replace existing files", ".staging-elsewhere-")  # not this machine's to judge
+    shutil.rmtree(folder / f".staging-elsewhere-{gone.pid}")
+    refused(capfd, clean, "would replace existing files", f".staging-{host}-{alive}")  # a live writer's
+    shutil.rmtree(folder / f".staging-{host}-{alive}")
+    (folder / f".staging-{host}-{gone.pid}").mkdir()
+    code, out, err = run(capfd, *clean)
+    assert code == 0, err
+    assert f"removed .staging-{host}-{gone.pid}, left by a command on this machine that was killed" in out
+    assert sorted(path.name for path in folder.iterdir() if path.name.startswith(".")) == []
 
 
 def test_a_data_command_is_refused_while_another_writes_its_output(world, capfd, tmp_path, monkeypatch):
