@@ -62,6 +62,23 @@ def test_each_rank_holds_chunks_r_and_2n_minus_1_minus_r():
         local_positions(10, 2, 0)
 
 
+def test_each_rank_holds_what_megatron_cores_split_gives_it(monkeypatch):
+    """The load-balanced split against megatron-core's get_batch_on_this_cp_rank (tokens [batch, sequence]) for cp 2,
+    3 and 4, every rank. It reads the group's size and rank only under an initialised process group."""
+    utils = pytest.importorskip("megatron.core.utils", reason="needs loom[reference]")
+
+    class Group:  # what it asks of a process group
+        def __init__(self, size: int, rank: int):
+            self.size, self.rank = (lambda: size), (lambda: rank)
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    tokens = torch.arange(2 * 48).reshape(2, 48)
+    for cp in (2, 3, 4):
+        for rank in range(cp):
+            theirs = utils.get_batch_on_this_cp_rank({"tokens": tokens.clone()}, cp_group=Group(cp, rank))["tokens"]
+            assert torch.equal(split_sequence(tokens, cp, rank, 1), theirs), (cp, rank)
+
+
 def _cp_runs(rank, world, dataset, run_dir):
     """{layout: losses} of tiny runs under context-parallel layouts of `world` ranks, fp32."""
     from training_runs import tiny_config

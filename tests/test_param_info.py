@@ -181,3 +181,34 @@ def test_the_tied_copy_gets_the_embeddings_lr_scale_and_vectors_no_decay():
     assert scales["layers.2.attention.qkv.weight"] == (0.5**1, 0.1)
     assert scales["layers.1.mlp_norm.weight"] == (0.5**2, 0.0)
     assert scales[naming.FINAL_NORM_WEIGHT] == (1.0, 0.0)
+
+
+def test_weights_are_initialised_as_megatron_cores_transformer_config_says():
+    """Megatron's initialisation, from megatron-core's own TransformerConfig: N(0, init_method_std) for the
+    embedding, the output layer, QKV and the first MLP matrix; N(0, std / sqrt(2 L)) for the two matrices that write
+    into the residual stream (attention's projection, the second MLP matrix); norms at one. What each parameter
+    records, and the spread of what initialize_parameters draws."""
+    transformer = pytest.importorskip("megatron.core.transformer", reason="needs loom[reference]")
+    config = ModelConfig(
+        num_layers=3, hidden_size=128, num_heads=4, num_kv_heads=2, ffn_hidden_size=512, vocab_size=512, init_std=0.01
+    )
+    megatron = transformer.TransformerConfig(
+        num_layers=config.num_layers,
+        hidden_size=config.hidden_size,
+        num_attention_heads=config.num_heads,
+        init_method_std=config.init_std,
+    )
+    stds = {
+        "init_method": megatron.init_method.keywords["std"],
+        "output_layer_init_method": megatron.output_layer_init_method.keywords["std"],
+    }
+    model = GPTModel(config, None)
+    initialize_parameters(model, seed=1, tp_rank=0, tp_size=1)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            assert param_info(param).init_method == ("ones",) and torch.equal(param, torch.ones_like(param)), name
+            continue
+        which = "output_layer_init_method" if name.endswith(("proj.weight", "fc2.weight")) else "init_method"
+        assert param_info(param).init_method == ("normal", pytest.approx(stds[which], rel=1e-12)), name
+        assert param.std().item() == pytest.approx(stds[which], rel=0.05), name  # >= 16k draws each
+        assert abs(param.mean().item()) < 0.05 * stds[which], name
