@@ -1,11 +1,13 @@
 """Failures that must end a run cleanly: stop signals, hung peers, NaN losses, a killed launcher."""
 
+import contextlib
 import math
 import os
 import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -111,19 +113,37 @@ def test_sigterm_checkpoints_and_the_same_command_resumes_the_same_curve(dataset
         assert math.isclose(row["loss"], want["loss"], rel_tol=1e-6), (row, want)
 
 
+@contextlib.contextmanager
+def in_its_own_process_group(command: list[str], stderr_path: Path, **env: str) -> Iterator[subprocess.Popen]:
+    """`command` started as a terminal starts it (a process group of its own, which a test can signal whole), its
+    stdout a pipe, its stderr a file; whatever is left of the group is killed when the block ends, pass or fail."""
+    with open(stderr_path, "w") as stderr_file:
+        proc = subprocess.Popen(
+            command,
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO), **env},
+            stdout=subprocess.PIPE,
+            stderr=stderr_file,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            yield proc
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+
+
 def test_a_stop_to_the_whole_process_group_says_what_was_saved(dataset, tmp_path):
     """Ctrl-C in a terminal, systemd, `docker stop` and `kill -- -PGID` signal the launcher, its ranks and the server
     they fork from at once. The server died of it, the launcher then read 255 for each rank, and said "nothing to
     resume" of a run that had saved its checkpoint (a user could believe it and start over)."""
     command = train_command(dataset, tmp_path / "run", "--train.steps", "6")
-    with open(tmp_path / "stderr", "w") as stderr_file:
-        env = {**os.environ, "PYTHONPATH": str(REPO), "LOOM_INJECT_PAUSE": "2"}
-        proc = subprocess.Popen(
-            command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=stderr_file, text=True, start_new_session=True
-        )
+    with in_its_own_process_group(command, tmp_path / "stderr", LOOM_INJECT_PAUSE="2") as proc:
         read_output_until(proc, "paused before step 2")
         os.killpg(proc.pid, signal.SIGTERM)
-        proc.communicate(timeout=HANG_S)
+        proc.wait(timeout=HANG_S)
     stderr = (tmp_path / "stderr").read_text()
     assert proc.returncode == 128 + signal.SIGTERM, stderr
     latest = tmp_path / "run" / "checkpoints" / "latest"
@@ -152,16 +172,7 @@ def test_an_evaluation_stops_at_once_on_ctrl_c(dataset, tmp_path, run_here):
     assert trained.returncode == 0, trained.stderr
     command = [sys.executable, "-m", "loom.launch.cli", "eval", "--checkpoint", str(tmp_path / "run")]
     command += ["--data", dataset, "--iters", "100000", "--nproc", "2", "--parallel.tp", "2"]
-    with open(tmp_path / "stderr", "w") as stderr_file:
-        proc = subprocess.Popen(
-            command,
-            cwd=REPO,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
-            stdout=subprocess.PIPE,
-            stderr=stderr_file,
-            text=True,
-            start_new_session=True,
-        )
+    with in_its_own_process_group(command, tmp_path / "stderr") as proc:
         wait_for(lambda: "batch/s" in (tmp_path / "stderr").read_text(), "the evaluation under way", proc)
         os.killpg(proc.pid, signal.SIGINT)
         stdout, _ = proc.communicate(timeout=HANG_S)

@@ -9,10 +9,12 @@ tools/check_layout_invariance.py.
 import pytest
 from training_runs import read_metrics, tiny_config
 
+from loom.engine.flops import model_flops_per_token
 from loom.engine.preflight import preflight
 from loom.launch.local import launch_local
 
 STEPS = 6
+PEAK_TFLOPS = 0.5  # a made-up peak per rank, so that the rows carry an MFU
 EVAL_INTERVAL = 4  # a validation at step 4 and at the end: the curves of the validation loss too
 
 
@@ -22,7 +24,7 @@ def dataset(markov_dataset):
 
 
 def run_layout(dataset, run_dir, nproc, steps, **fields) -> list[float]:
-    sections = {"train": {"steps": steps, "eval_interval": EVAL_INTERVAL, "seq_length": 64}}
+    sections = {"train": {"steps": steps, "eval_interval": EVAL_INTERVAL, "seq_length": 64, "peak_tflops": PEAK_TFLOPS}}
     for key, value in fields.items():
         section, name = key.split("__")
         sections.setdefault(section, {})[name] = value
@@ -30,6 +32,11 @@ def run_layout(dataset, run_dir, nproc, steps, **fields) -> list[float]:
     preflight(config, nproc)
     launch_local(config, nproc)
     rows = read_metrics(run_dir)
+    # MFU: the model's FLOPs per token (Megatron's formula, test_flops.py) at the whole run's tokens/s, over the
+    # peak of every rank
+    flops = model_flops_per_token(config.model, config.train.seq_length)
+    for row in (r for r in rows if "tokens_per_s" in r):
+        assert row["mfu"] == pytest.approx(flops * row["tokens_per_s"] / (PEAK_TFLOPS * 1e12 * nproc), rel=1e-9)
     # the clipped gradient norm too: summed over stages, TP shards and a tied embedding's two copies, a norm can
     # be wrong where the loss, under Adam's scale invariance, barely shows it
     return [r[key] for key in ("loss", "grad_norm", "val_loss") for r in rows if key in r]
