@@ -266,7 +266,9 @@ class ParallelConfig:
 @dataclass
 class OptimConfig:
     name: Literal["adamw", "sgd", "lamb", "adafactor"] = "adamw"
-    """Optimizer."""
+    """Optimizer. lamb is apex's FusedLAMB as Megatron's `--optimizer lamb` runs it (Adam moments with bias
+    correction, decoupled weight decay, and the trust ratio |w| / |update| only where weight decay applies: norms
+    and biases take Adam's step, and so does every parameter when weight_decay is 0)."""
     lr: float = 3e-4
     """Peak learning rate, reached at the end of warmup."""
     min_lr: float = 3e-5

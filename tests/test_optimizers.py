@@ -42,10 +42,11 @@ def reference_lamb(weights, grads, state, step):
         m.mul_(BETAS[0]).add_(g, alpha=1 - BETAS[0])
         v.mul_(BETAS[1]).addcmul_(g, g, value=1 - BETAS[1])
         update = (m / (1 - BETAS[0] ** step)) / ((v / (1 - BETAS[1] ** step)).sqrt() + EPS)
+        trust = 1.0  # norms and biases (no weight decay) take Adam's step, as apex's FusedLAMB does by default
         if w.ndim >= 2:
             update = update + WD * w
-        w_norm, u_norm = w.norm(), update.norm()
-        trust = w_norm / u_norm if w_norm > 0 and u_norm > 0 else 1.0
+            w_norm, u_norm = w.norm(), update.norm()
+            trust = w_norm / u_norm if w_norm > 0 and u_norm > 0 else 1.0
         w.sub_(LR * trust * update)
 
 

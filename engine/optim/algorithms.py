@@ -18,7 +18,10 @@ from loom.engine.parallel.sharding import ShardSpec
 
 
 class Lamb(torch.optim.Optimizer):
-    """LAMB with Adam bias correction and decoupled weight decay inside the trust ratio."""
+    """LAMB (You et al. 2020) with Adam bias correction and decoupled weight decay inside the trust ratio, which
+    applies only to the parameters that weight decay does, as in apex's FusedLAMB with its default use_nvlamb=False
+    (what Megatron's `--optimizer lamb` runs) and in the paper's BERT code (norms and biases excluded from layer
+    adaptation): those take Adam's step."""
 
     def __init__(
         self,
@@ -56,12 +59,16 @@ class Lamb(torch.optim.Optimizer):
         if not updates:
             return None
         sums = torch.zeros(self.num_params, 2, dtype=torch.float32, device=device)
-        for _, p, update in updates:
-            row = self.param_ids[id(p)]
-            sums[row, 0] += p.float().pow(2).sum()
-            sums[row, 1] += update.float().pow(2).sum()
+        for group, p, update in updates:
+            if group["weight_decay"]:
+                row = self.param_ids[id(p)]
+                sums[row, 0] += p.float().pow(2).sum()
+                sums[row, 1] += update.float().pow(2).sum()
         norms = self.reduce(sums).sqrt()
         for group, p, update in updates:
+            if not group["weight_decay"]:
+                p.add_(update, alpha=-group["lr"])
+                continue
             weight_norm, update_norm = norms[self.param_ids[id(p)]]
             # on the device: a Python branch on the norms read them back, two or three host syncs per parameter
             trust = torch.where((weight_norm > 0) & (update_norm > 0), weight_norm / update_norm, 1.0)
