@@ -8,6 +8,7 @@ seed, split string and sequence length). Past the first epoch loom shuffles each
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -139,3 +140,52 @@ def test_loom_data_preview_prints_megatron_cores_first_samples(corpus, tmp_path)
     train = megatron_splits(corpus, 7, "90,5,5", 33, [12, 1, 1], tmp_path / "megatron")[0]
     previewed = [json.loads(line)["tokens"] for line in output.read_text().splitlines()]
     assert previewed == [megatron_sample(train, i).tolist() for i in range(12)]
+
+
+def test_a_blend_of_two_datasets_serves_megatron_cores_samples(markov_dataset, tmp_path):
+    """Two datasets blended 3:7 (train split of "90,5,5"): megatron-core's BlendedMegatronDatasetBuilder and loom's
+    data.paths/data.weights give the same sample at every position of the first 400, each from the same dataset
+    (the blend's own index is compared with megatron's C++ helper in test_gpt_dataset.py; this is the whole path:
+    weights, each part's size and split, seed and sample numbering)."""
+    weights, seq_length, seed, count = [0.3, 0.7], 48, 5, 400
+    # copies for megatron-core: without a cache path it writes P/cache/ beside P.bin, where a folder P hides P
+    originals = [markov_dataset(150, seed=11), markov_dataset(90, seed=12)]
+    (tmp_path / "megatron").mkdir()
+    prefixes = [str(tmp_path / "megatron" / name) for name in ("a", "b")]
+    for source, prefix in zip(originals, prefixes):
+        for suffix in (".bin", ".idx"):
+            shutil.copy(source + suffix, prefix + suffix)
+    config = megatron_gpt.GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=(prefixes, weights),
+        split="90,5,5",
+        tokenizer=_IdsOnlyTokenizer(),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        path_to_cache=None,  # its blend caches only under an initialised process group
+    )
+    reference = BlendedMegatronDatasetBuilder(megatron_gpt.GPTDataset, [count, 0, 0], lambda: True, config).build()[0]
+    ours = build_dataset(_blend_config(originals, weights, seed, seq_length, tmp_path / "loom"), 0, count, True, None)
+    assert len(ours) == len(reference) == count
+    np.testing.assert_array_equal(ours.dataset_index, reference.dataset_index)
+    for i in range(count):
+        part, j = int(reference.dataset_index[i]), int(reference.dataset_sample_index[i])
+        np.testing.assert_array_equal(ours[i], megatron_sample(reference.datasets[part], j), err_msg=f"#{i}")
+
+
+def _blend_config(prefixes, weights, seed, seq_length, cache):
+    return load_config(
+        "tiny",
+        {
+            "data": {
+                "paths": prefixes,
+                "weights": weights,
+                "tokenizer": None,
+                "split": "90,5,5",
+                "cache_dir": str(cache),
+            },
+            "train": {"seed": seed, "seq_length": seq_length},
+        },
+    )
