@@ -69,9 +69,10 @@ def run(command: list[str], env: dict | None = None) -> subprocess.CompletedProc
     )
 
 
-def signal_once_seen(command: list[str], line: str, stderr_path: Path, **env: str) -> tuple[subprocess.Popen, str]:
-    """Start `command`, send SIGTERM once its stdout shows `line`, wait; the process and its stderr. stderr goes
-    to a file so that nothing blocks on a full pipe meanwhile."""
+@contextlib.contextmanager
+def in_its_own_process_group(command: list[str], stderr_path: Path, **env: str) -> Iterator[subprocess.Popen]:
+    """`command` started as a terminal starts it (a process group of its own, which a test can signal whole), its
+    stdout a pipe, its stderr a file; whatever is left of the group is killed when the block ends, pass or fail."""
     with open(stderr_path, "w") as stderr_file:
         proc = subprocess.Popen(
             command,
@@ -80,10 +81,22 @@ def signal_once_seen(command: list[str], line: str, stderr_path: Path, **env: st
             stdout=subprocess.PIPE,
             stderr=stderr_file,
             text=True,
+            start_new_session=True,
         )
+        try:
+            yield proc
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+
+
+def signal_once_seen(command: list[str], line: str, stderr_path: Path, **env: str) -> tuple[subprocess.Popen, str]:
+    """Start `command`, send SIGTERM to it alone once its stdout shows `line`, wait; the process and its stderr."""
+    with in_its_own_process_group(command, stderr_path, **env) as proc:
         read_output_until(proc, line)
         proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=HANG_S)
+        proc.wait(timeout=HANG_S)
     return proc, stderr_path.read_text()
 
 
@@ -111,28 +124,6 @@ def test_sigterm_checkpoints_and_the_same_command_resumes_the_same_curve(dataset
     assert [r["step"] for r in rows] == list(range(1, 7))
     for row, want in zip(rows, expected):
         assert math.isclose(row["loss"], want["loss"], rel_tol=1e-6), (row, want)
-
-
-@contextlib.contextmanager
-def in_its_own_process_group(command: list[str], stderr_path: Path, **env: str) -> Iterator[subprocess.Popen]:
-    """`command` started as a terminal starts it (a process group of its own, which a test can signal whole), its
-    stdout a pipe, its stderr a file; whatever is left of the group is killed when the block ends, pass or fail."""
-    with open(stderr_path, "w") as stderr_file:
-        proc = subprocess.Popen(
-            command,
-            cwd=REPO,
-            env={**os.environ, "PYTHONPATH": str(REPO), **env},
-            stdout=subprocess.PIPE,
-            stderr=stderr_file,
-            text=True,
-            start_new_session=True,
-        )
-        try:
-            yield proc
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
 
 
 def test_a_stop_to_the_whole_process_group_says_what_was_saved(dataset, tmp_path):
