@@ -226,15 +226,14 @@ def main(argv: list[str] | None = None) -> None:
     # ends the command through Python, so cleanups run and the user is told, instead of a silent kill. Everything
     # after it is inside the handling below: a stop while the parser is built is a stop too, not a traceback.
     signal.signal(signal.SIGTERM, _stop_now)
-    exit_code = None
     try:
         _run_command(argv)
     except Interrupted as error:  # the launchers' Stopped, and _stop_now's
         print(str(error), file=sys.stderr)
-        exit_code = getattr(error, "exit_code", 130)
+        sys.exit(getattr(error, "exit_code", 130))
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        exit_code = 130
+        sys.exit(130)
     except Exception as error:
         from loom.launch.local import RankFailed
 
@@ -243,14 +242,11 @@ def main(argv: list[str] | None = None) -> None:
             if error.details and (not error.user_error or os.environ.get("LOOM_DEBUG")):
                 print(f"traceback of rank {error.rank}{f' on {error.host}' if error.host else ''}:", file=sys.stderr)
                 print(error.details, file=sys.stderr, end="")
-            exit_code = 1
-        elif not is_user_error(error) or os.environ.get("LOOM_DEBUG"):
+            sys.exit(1)
+        if not is_user_error(error) or os.environ.get("LOOM_DEBUG"):
             raise  # a bug: Python's traceback, not a one-line message that would blame the user
-        else:
-            print(f"error: {user_message(error)}", file=sys.stderr)
-            exit_code = 2
-    if exit_code is not None:
-        sys.exit(exit_code)
+        print(f"error: {user_message(error)}", file=sys.stderr)
+        sys.exit(2)
 
 
 # The commands that import torch. A Ctrl-C that lands inside torch's native initialisation aborts the process
