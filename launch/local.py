@@ -227,6 +227,7 @@ def launch_local(config: LoomConfig, nproc: int, grace_s: float = 2.0, mode: str
             signal.signal(s, handler)
     _stop_all([p for _, p in running.values()], grace_s)
     if stop_signals and mode != "train":
+        print(file=sys.stderr)  # ends the line of rank 0's progress bar, which the stopped rank could not end
         raise Stopped(stop_signals[0], f"stopped by {stop_signals[0]} before the evaluation finished")
     if stop_signals:
         raise _stopped(stop_signals[0], config, not failed)

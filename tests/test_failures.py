@@ -169,7 +169,9 @@ def test_an_evaluation_stops_at_once_on_ctrl_c(dataset, tmp_path, run_here):
         stdout, _ = proc.communicate(timeout=HANG_S)
     stderr = (tmp_path / "stderr").read_text()
     assert proc.returncode == 130, stderr
-    assert stderr.endswith("stopped by SIGINT before the evaluation finished\n"), stderr[-2000:]
+    *_, bar, message = stderr.splitlines()  # the bar's last update on a line of its own, then the stop
+    assert message == "stopped by SIGINT before the evaluation finished" and bar.endswith("]"), stderr[-2000:]
+    assert stderr.endswith(f"{bar}\n{message}\n")
     assert "validation loss" not in stdout and "checkpoint" not in stderr and "leaked" not in stderr
 
 
