@@ -96,7 +96,8 @@ class C4Lines:
 
     def __call__(self, doc: Document) -> Rejected | None:
         kept = []
-        for line in (line.strip() for line in doc.text.split("\n")):
+        # splitlines, as the reference: a U+2028, a form feed or a lone \r ends a line there too
+        for line in (line.strip() for line in doc.text.splitlines()):
             verdict = self._judge_line(line) if line else True  # blank lines stay: paragraphs for the next steps
             if isinstance(verdict, Rejected):
                 return verdict

@@ -209,14 +209,15 @@ def cmd_generate(args: argparse.Namespace) -> None:
         vocab_size=vocab_size,
     )
     if args.nproc > 1:
-        from loom.launch.local import killed_rank
+        from loom.launch.local import killed_rank, stopped_rank
         from loom.tools.generate import RankDied
 
         del model
         try:
             produced = generate_parallel(Path(args.checkpoint), args.tp, args.pp, _base(args), **job)
         except RankDied as died:
-            raise killed_rank(died.rank, died.exitcode) from None
+            stopped = stopped_rank([(died.rank, died.exitcode)], "the generation")
+            raise stopped or killed_rank(died.rank, died.exitcode) from None
     else:
         produced = generate(model, **job)
     if processor is not None:

@@ -203,6 +203,8 @@ def launch_local(config: LoomConfig, nproc: int, grace_s: float = 2.0, mode: str
     try:
         for p in procs:
             p.start()
+            if stop_signals:  # the stop came before this rank existed (the rank server was still starting)
+                os.kill(p.pid, signal.SIGTERM)
         running = {p.sentinel: (r, p) for r, p in enumerate(procs)}
         failed: list[tuple[int, int]] = []
         while running and not failed:
@@ -226,9 +228,9 @@ def launch_local(config: LoomConfig, nproc: int, grace_s: float = 2.0, mode: str
         for s, handler in previous.items():
             signal.signal(s, handler)
     _stop_all([p for _, p in running.values()], grace_s)
-    if stop_signals and mode != "train":
+    if mode != "train" and (stop := stopped_rank(failed, "the evaluation", stop_signals[:1])):
         print(file=sys.stderr)  # ends the line of rank 0's progress bar, which the stopped rank could not end
-        raise Stopped(stop_signals[0], f"stopped by {stop_signals[0]} before the evaluation finished")
+        raise stop
     if stop_signals:
         raise _stopped(stop_signals[0], config, not failed)
     if failed:
@@ -272,6 +274,19 @@ def _stopped(signal_name: str, config: LoomConfig, clean: bool, sent_to: str = "
             signal_name, f"stopped by {by}: checkpoint {where} saved; run the same command to resume from it"
         )
     return stopped_before_a_checkpoint(signal_name)
+
+
+def stopped_rank(failed: list[tuple[int, int]], work: str, launcher_signals: list[str] = ()) -> Stopped | None:
+    """The stop of work with nothing to save (an evaluation, a generation): by a signal to the launcher (the first
+    of `launcher_signals`), or to one rank, which it ended (exit code -N, SIGTERM or SIGINT) -- not a failure."""
+    if launcher_signals:
+        return Stopped(launcher_signals[0], f"stopped by {launcher_signals[0]} before {work} finished")
+    stops = {-signal.SIGTERM, -signal.SIGINT}
+    for rank, exitcode in failed:
+        if exitcode in stops:
+            name = signal.Signals(-exitcode).name
+            return Stopped(name, f"stopped by {name} (sent to rank {rank}) before {work} finished")
+    return None
 
 
 def stopped_before_a_checkpoint(signal_name: str) -> Stopped:

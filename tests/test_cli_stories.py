@@ -13,6 +13,7 @@ import errno
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -187,6 +188,10 @@ def test_generate_says_how_many_tokens_and_why_it_stopped(world, capfd):
         "1e-40",
     )
     assert code == 0 and out == greedy, err
+    # smaller still, 0 in fp32: the logits were divided by 0 (a traceback: 'probability tensor contains nan')
+    code, out, err = run(capfd, *["generate", "--checkpoint", base, "--prompt-ids", "1,2,3", "--max-new-tokens", "4"],
+                         "--temperature", "5e-324")  # fmt: skip
+    assert code == 0 and out == greedy, err
     refused(
         capfd,
         ["generate", "--checkpoint", base, "--prompt-ids", "1", "--nproc", "3", "--parallel.tp", "3"],
@@ -209,6 +214,13 @@ def test_generate_on_ranks_names_a_killed_rank_and_leaves_none_behind(world, cap
         f"error: rank 1 failed: killed by SIGKILL{SIGNAL_CAUSES['SIGKILL']}"
     ], err
     assert set(multiprocessing.active_children()) <= before
+    # a stop sent to one rank is a stop, not a failure (it was each rank's traceback, then 'interrupted')
+    for name in ("INT", "TERM"):
+        monkeypatch.setenv("LOOM_INJECT_KILL", f"1:2:{name}")
+        code, _, err = run(capfd, *argv)
+        number = getattr(signal, f"SIG{name}")
+        assert (code, err) == (128 + number, f"stopped by SIG{name} (sent to rank 1) before the generation finished\n")
+        assert set(multiprocessing.active_children()) <= before
 
 
 def test_generate_refuses_a_tokenizer_the_model_was_not_trained_with(world, capfd):

@@ -268,6 +268,7 @@ _C4_LINES = [line for line in GOOD.split("\n") if line] + [
     "Read our privacy policy {here} before you go.",
     "Section four of the annual report",
     "See you soon!",
+    "The page ends with a menu after this line.\u2028{menu}",  # a line separator ends a line, as \n does
     "",
 ]
 _C4_RULES = {"lorem_ipsum": "lorem_ipsum", "curly_brace": "curly_bracket", "sentences": "too_few_sentences"}

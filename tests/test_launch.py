@@ -284,3 +284,26 @@ def test_torch_is_imported_with_stop_signals_held(tmp_path):
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=HANG_S)
     assert (result.returncode, result.stderr) == (130, "interrupted\n"), result.stderr[-2000:]
     assert (tmp_path / "imported").exists()
+
+
+def test_ranks_forked_after_a_stop_are_told(dataset, tmp_path, monkeypatch):
+    """A stop that reaches the launcher before a rank exists (the rank server still importing torch, seconds on a
+    GPU node) was forwarded to the ranks alive then, none: they trained every step, and the run then said it was
+    stopped. Here the launcher gets SIGTERM just before it starts rank 0."""
+    from loom.launch import local
+
+    process_class = local.rank_context().Process
+    start, sent = process_class.start, []
+
+    def start_after_a_stop(process):
+        if not sent:
+            sent.append(os.kill(os.getpid(), signal.SIGTERM))
+        start(process)
+
+    monkeypatch.setattr(process_class, "start", start_after_a_stop)
+    config = tiny_config(dataset, tmp_path, train={"steps": 50}, parallel={"tp": 2})
+    config.resolve_world(2)
+    with pytest.raises(local.Stopped, match="^stopped by SIGTERM"):
+        launch_local(config, 2)
+    rows = read_metrics(tmp_path)
+    assert not rows or rows[-1]["step"] < 50

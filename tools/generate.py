@@ -15,6 +15,7 @@ import datetime
 import os
 import queue
 import re
+import signal
 import time
 from pathlib import Path
 
@@ -69,7 +70,7 @@ def load_model(
 
 def next_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
     """Greedy at temperature 0; otherwise a draw from the smallest set of tokens whose probability reaches top_p."""
-    if temperature == 0:
+    if temperature < torch.finfo(torch.float32).tiny:  # 0, or so small that fp32 divides the logits by 0
         return int(logits.argmax())
     logits = logits.float()
     # the largest logit made 0 first: a tiny temperature then sends the others to -inf, not the largest to inf
@@ -152,6 +153,10 @@ def _from_last_stage(token: int, parallel: ParallelState) -> int:
 def _generate_on_a_rank(
     rank: int, world: int, port: int, tp: int, pp: int, checkpoint: str, base: Path | None, job: dict, results, where
 ) -> None:
+    # A stop ends a rank at once, quietly (nothing to save); the launcher says how it stopped. A KeyboardInterrupt
+    # here printed each rank's traceback and its peers' broken connections.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_DFL)
     environ, cwd = where  # the launcher's, not the fork server's (started earlier, maybe elsewhere)
     os.environ.clear()
     os.environ.update(environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

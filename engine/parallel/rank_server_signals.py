@@ -9,7 +9,8 @@ reported as stopped before one. The launcher stops the ranks and the server leav
 pipe closes), so the server ignores both signals.
 
 A process forked from the server inherits this handler until it sets its own (a training rank does so first);
-there it takes the default action.
+there it takes the default action: it ends, quietly, and its launcher says how (a KeyboardInterrupt in a rank's
+start-up printed a screen of traceback).
 """
 
 from __future__ import annotations
@@ -23,8 +24,6 @@ _SERVER_PID = os.getpid()
 def _ignored_in_the_server(signum: int, frame) -> None:
     if os.getpid() == _SERVER_PID:
         return
-    if signum == signal.SIGINT:
-        raise KeyboardInterrupt
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
 
