@@ -70,6 +70,11 @@ def staging_folder(output: Path) -> Path:
     return staging
 
 
+def is_staging(path: Path) -> bool:
+    """Whether `path` is a staging folder (staging_folder's name): a command's output until it is complete."""
+    return path.name.startswith(_STAGING) and path.is_dir()
+
+
 def remove_stale_staging(output: Path) -> list[str]:
     """Remove the staging folders that commands on this machine, killed before they finished, left in `output`;
     returns their names."""

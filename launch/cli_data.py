@@ -60,7 +60,7 @@ def claim_outputs(overwrite: bool, given: str, outputs: list[Path], inputs: list
     `outputs` holds one folder (its entries are the command's) or the files of one prefix. An input among them is
     always refused: moving it would lose it."""
     from loom.data_tools.jsonl import InputError
-    from loom.engine.atomic import move_aside, remove_stale_staging
+    from loom.engine.atomic import is_staging, move_aside, remove_stale_staging
     from loom.engine.run_lock import OUTPUT_LOCK_SUFFIX
 
     folder = outputs[0] if len(outputs) == 1 and outputs[0].is_dir() else None
@@ -83,8 +83,13 @@ def claim_outputs(overwrite: bool, given: str, outputs: list[Path], inputs: list
             raise InputError(f"{given} holds {name}, an input; write the output elsewhere")
     names = ", ".join(path.name for path in existing[:3]) + (", ..." if len(existing) > 3 else "")
     if not overwrite:
+        whose = ""
+        if any(is_staging(path) for path in existing):  # a killed command's on this machine was removed above
+            whose = (
+                "; a .staging-HOST-PID folder is a command's unfinished output: one still running, or another host's"
+            )
         raise InputError(
-            f"{given} would replace existing files ({names}); "
+            f"{given} would replace existing files ({names}{whose}); "
             "choose another output, or pass --overwrite to move them into replaced/<time>/"
         )
     aside = move_aside(folder if folder is not None else existing[0].parent, existing)

@@ -530,7 +530,7 @@ def test_a_rerun_removes_what_a_killed_run_of_it_left_on_this_machine(capfd, tmp
     clean = ["data", "clean", "--input", str(corpus), "--output", str(folder), "--pipeline", "code", "--workers", "1"]
     refused(capfd, clean, "would replace existing files", ".staging-elsewhere-")  # not this machine's to judge
     shutil.rmtree(folder / f".staging-elsewhere-{gone.pid}")
-    refused(capfd, clean, "would replace existing files", f".staging-{host}-{alive}")  # a live writer's
+    refused(capfd, clean, f".staging-{host}-{alive}", "a command's unfinished output: one still running")  # live
     shutil.rmtree(folder / f".staging-{host}-{alive}")
     (folder / f".staging-{host}-{gone.pid}").mkdir()
     code, out, err = run(capfd, *clean)
