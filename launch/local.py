@@ -147,8 +147,8 @@ def _rank_main(
     else:  # an evaluation has nothing to save: a stop ends it at once (the launcher says so)
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, signal.SIG_DFL)
-        for signum in early_stops[:1]:
-            os.kill(os.getpid(), signum)
+        if early_stops:
+            os.kill(os.getpid(), early_stops[0])
     config = config_from_dict(raw_config)
     try:
         run_rank(config, mode, stop)

@@ -513,7 +513,8 @@ def test_loom_trains_an_imported_llama_as_a_plain_transformers_loop(tmp_path):
     groups = [{"params": matrices, "weight_decay": o.weight_decay}, {"params": vectors, "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
     for step, (loom_loss, loom_norm, loom_lr) in enumerate(loom_rows):
-        batch = torch.stack([torch.from_numpy(samples[step * global_batch + i].astype(np.int64)) for i in range(4)])
+        first = step * global_batch
+        batch = torch.stack([torch.from_numpy(samples[i].astype(np.int64)) for i in range(first, first + global_batch)])
         optimizer.zero_grad()
         loss_sum = 0.0
         for micro in batch.split(micro_batch):

@@ -287,6 +287,11 @@ def run(args: argparse.Namespace) -> dict:
     return results
 
 
+def _partial_path(output: Path) -> Path:
+    """NAME.partial.json beside NAME.json: where a stopped bench's figures go when NAME.json is complete."""
+    return output.with_name(f"{output.stem}.partial{output.suffix}")
+
+
 def _write_results(output: Path, results: dict) -> Path:
     """Write the results whole; those of a bench stopped part-way go beside a complete earlier result (a rerun's,
     which claim_result_file let this run replace), as NAME.partial.json, rather than over it."""
@@ -297,7 +302,7 @@ def _write_results(output: Path, results: dict) -> Path:
         except (OSError, ValueError, AttributeError):
             earlier_complete = False
         if earlier_complete:
-            target = output.with_name(f"{output.stem}.partial{output.suffix}")
+            target = _partial_path(output)
             print(
                 f"bench: stopped part-way: its figures are in {target}; {output} keeps the complete result of an "
                 "earlier run",
@@ -313,7 +318,7 @@ def _write_results(output: Path, results: dict) -> Path:
 def _remove_superseded_partial(output: Path, results: dict) -> None:
     """A complete result supersedes the NAME.partial.json an earlier stopped run of the same bench left beside it
     (same config, quick and device): left there, it would read as the newer figures."""
-    partial = output.with_name(f"{output.stem}.partial{output.suffix}")
+    partial = _partial_path(output)
     try:
         earlier = json.loads(partial.read_text())
     except (OSError, ValueError):
