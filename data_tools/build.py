@@ -4,7 +4,7 @@ The parent process reads documents and groups them into batches; encoding runs e
 (workers=1, SentencePiece's own threads) or in a spawn-safe process pool where each worker encodes
 whole batches and returns flat numpy arrays. Where the model allows it (loom's own tokenizers do),
 batches go through a per-process word cache (data_tools/word_cache.py): identical tokens, each
-distinct word encoded once, about 1.7x Megatron's per-document pool. Results are written in input order through
+distinct word encoded once, about 3x Megatron's per-document pool. Results are written in input order through
 IndexedDatasetWriter (the only code that knows the byte format), with a bounded number of batches
 in flight so memory stays flat in the size of the corpus. Every document becomes one document in
 the dataset, except one that encodes to no tokens (an empty or whitespace-only text): as Megatron's
@@ -42,7 +42,7 @@ from loom.data_tools.jsonl import (
 from loom.data_tools.manifest import manifest_path, write_manifest
 from loom.data_tools.parallel import chunked, imap_ordered
 from loom.data_tools.tokenizer import load_tokenizer
-from loom.data_tools.word_cache import WordCache, word_splittable
+from loom.data_tools.word_cache import WordCache, word_split
 from loom.engine.data.indexed import IndexedDatasetWriter, dtype_for_vocab, index_paths
 
 BATCH_DOCUMENTS = 512
@@ -71,7 +71,8 @@ def _encode_arrays(processor: sentencepiece.SentencePieceProcessor, texts: list[
 def word_cache(model_path: str) -> WordCache | None:
     """This process's word cache for a model, or None where word-by-word encoding would change tokens."""
     processor = load_processor(model_path)
-    return WordCache(processor) if word_splittable(processor) else None
+    split = word_split(processor)
+    return WordCache(processor, split) if split else None
 
 
 def encode_batch(

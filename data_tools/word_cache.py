@@ -1,40 +1,104 @@
 """Encode text word by word with a cache: the same tokens as SentencePiece's whole-text encode, much faster.
 
-Words repeat (Zipf), and SentencePiece spends most of its time re-merging the same words. A
-SentencePiece model trained with split_by_whitespace has no piece that spans a word boundary (a
-space that follows a non-space), and a model trained line by line, as loom's are, has no piece
-containing a newline. BPE encoding then never merges across those boundaries, and the order of
-merges inside a word (by score, then leftmost) does not depend on where the word sits, so the
-tokens of a text are the tokens of its words, one after the other. Unigram models are not
-cached: their best path is split the same way, but ties between equal-score paths (runs of
-spaces) are broken differently in context. The cache keeps each word's tokens in one flat array;
-a batch costs one regex split, one set difference, one SentencePiece call for the new words
-and a numpy gather. `word_splittable` checks the model's settings and every piece, and the
-cache is used only where it holds; tests compare it with SentencePiece on tricky text. This
-module must not read or write files.
+Words repeat (Zipf), and SentencePiece spends most of its time re-merging the same words. SentencePiece's
+BPE merges two neighbouring symbols only into a piece of the vocabulary, by score and then leftmost. So if no
+piece holds two neighbouring characters that a rule calls a boundary, no merge crosses such a boundary, and
+merges on one side never change the candidates on the other: the tokens of a text are the tokens of its words,
+one after the other, for words cut at those boundaries. Two rules are checked against every piece of the model:
+
+- coarse: before a space that follows a non-space, and around a newline (a model trained with
+  split_by_whitespace, line by line, as loom's are). SentencePiece reads a literal ▁ (U+2581) as a space.
+- fine: the coarse boundaries, and where a run of ASCII letters, of digits or of other ASCII characters meets
+  another (split_by_unicode_script and split_by_number keep a piece inside one such run); a non-ASCII character
+  is never cut from its neighbours. On code, 4x fewer distinct words than the coarse rule.
+
+The finest rule that holds is used. Two more conditions: byte fallback (without it SentencePiece merges
+neighbouring unknown characters into one unknown token, across any boundary), and a user-defined piece (a
+special token such as <|im_start|>, matched before any merge) must not hold a coarse boundary; a text that holds
+one is cut by the coarse rule, which such pieces never cross. Unigram models are not cached: their best path is
+split the same way, but ties between equal-score paths (runs of spaces) are broken differently in context.
+
+A batch is worked on as one array of code points, without a Python object per word: boundaries, a polynomial
+hash of each word, one sort to find the batch's distinct words, a dict from hash to word for those, and a gather
+of the cached tokens. Every word is compared character by character with the word its hash names (the first in
+the batch, and the cached one), so a hash collision cannot change a token: a batch that holds one is encoded
+whole by SentencePiece instead. Tests compare the cache with SentencePiece on tricky text and force collisions.
+This module must not read or write files.
 """
 
 from __future__ import annotations
 
 import itertools
 import re
+from dataclasses import dataclass
+from typing import Iterator
 
 import numpy as np
 import sentencepiece
 
-# A newline alone, or a run of spaces with the non-space characters after it, or trailing spaces.
-_WORD = re.compile(r"\n| *[^ \n]+| +")
-# A piece that could span a boundary: a space (▁) after another character, or a newline.
-_SPANNING_PIECE = re.compile("[^\u2581]\u2581|\n")
+from loom.data_tools.parallel import chunked
+
+_UNKNOWN, _CONTROL, _USER_DEFINED, _BYTE = 2, 3, 4, 6
 _BPE = 2
 
+# Character classes of the boundary rules, by code point.
+_LETTER, _DIGIT, _OTHER_ASCII, _NON_ASCII, _SPACE, _NEWLINE = range(6)
+_ASCII_CLASS = np.full(128, _OTHER_ASCII, np.uint8)
+_ASCII_CLASS[ord("A") : ord("Z") + 1] = _ASCII_CLASS[ord("a") : ord("z") + 1] = _LETTER
+_ASCII_CLASS[ord("0") : ord("9") + 1] = _DIGIT
+_ASCII_CLASS[ord(" ")], _ASCII_CLASS[ord("\n")] = _SPACE, _NEWLINE
+_LOWER_ONE_EIGHTH_BLOCK = 0x2581  # SentencePiece's ▁: a space to it
 
-def word_splittable(processor: sentencepiece.SentencePieceProcessor) -> bool:
-    """True when encoding a text word by word is guaranteed to give the tokens of encoding it whole."""
+# The word hash: sum of code point * BASE**(offset in word mod HASH_PERIOD), modulo 2**64, mixed with the length.
+_HASH_BASE = 0x9E3779B97F4A7C15  # odd, so a power of it is never 0 modulo 2**64
+_HASH_PERIOD = 1 << 12
+_HASH_POWERS = np.cumprod(np.r_[np.uint64(1), np.full(_HASH_PERIOD - 1, _HASH_BASE, np.uint64)], dtype=np.uint64)
+_LENGTH_MIX = np.uint64(0xD6E8FEB86659FD93)
+_MAX_BATCH_POINTS = 1 << 22  # at tens of bytes per character, a few hundred MB at most
+
+
+def _code_points(text: str) -> np.ndarray:
+    return np.frombuffer(text.encode("utf-32-le", "surrogatepass"), np.uint32)
+
+
+def _cuts(points: np.ndarray, fine: bool | np.ndarray) -> np.ndarray:
+    """cuts[i]: a word boundary between points[i] and points[i + 1] (the coarse rule, and the fine one where `fine`,
+    a bool or one per point)."""
+    classes = np.where(points < 128, _ASCII_CLASS[np.minimum(points, 127)], np.uint8(_NON_ASCII))
+    classes[points == _LOWER_ONE_EIGHTH_BLOCK] = _SPACE
+    left, right = classes[:-1], classes[1:]
+    cuts = (left == _NEWLINE) | (right == _NEWLINE) | ((right == _SPACE) & (left != _SPACE))
+    if fine is not False:
+        between_runs = (left < _NON_ASCII) & (right < _NON_ASCII) & (left != right)
+        cuts |= between_runs if fine is True else between_runs & fine[1:]
+    return cuts
+
+
+def _spanning(pieces: list[str], fine: bool) -> np.ndarray:
+    """Per piece, whether a word boundary falls inside it."""
+    if not pieces:
+        return np.zeros(0, bool)
+    lengths = np.fromiter(map(len, pieces), np.int64, len(pieces))
+    inside = np.concatenate([[False], _cuts(_code_points("".join(pieces)), fine)])
+    inside[np.cumsum(lengths) - lengths] = False  # a piece's start is not inside it
+    return np.logical_or.reduceat(inside, np.cumsum(lengths) - lengths)
+
+
+@dataclass(frozen=True)
+class WordSplit:
+    """Which rule cuts a model's texts into words: the fine one if `fine`, else the coarse one. A text that holds
+    a user-defined piece matched by `special` (one the fine rule could cut) is cut by the coarse rule."""
+
+    fine: bool
+    special: re.Pattern | None = None
+
+
+def word_split(processor: sentencepiece.SentencePieceProcessor) -> WordSplit | None:
+    """The finest word split whose words encode to the tokens of the whole text, or None when there is none."""
     try:
         from sentencepiece import sentencepiece_model_pb2
     except ImportError:  # protobuf missing: no way to read the settings, so no cache
-        return False
+        return None
     proto = sentencepiece_model_pb2.ModelProto()
     proto.ParseFromString(processor.serialized_model_proto())
     normalizer, trainer = proto.normalizer_spec, proto.trainer_spec
@@ -46,64 +110,236 @@ def word_splittable(processor: sentencepiece.SentencePieceProcessor) -> bool:
         or normalizer.remove_extra_whitespaces
         or not normalizer.escape_whitespaces
     ):
-        return False
-    if trainer.model_type != _BPE or trainer.treat_whitespace_as_suffix:
-        return False
-    return not any(_SPANNING_PIECE.search(piece.piece) for piece in proto.pieces)
+        return None
+    if trainer.model_type != _BPE or trainer.treat_whitespace_as_suffix or not trainer.byte_fallback:
+        return None
+    # Unknown, control and byte pieces are never matched in a text.
+    matched = [piece for piece in proto.pieces if piece.type not in (_UNKNOWN, _CONTROL, _BYTE)]
+    pieces = [piece.piece for piece in matched]
+    user_defined = np.array([piece.type == _USER_DEFINED for piece in matched], bool)
+    if _spanning(pieces, fine=False).any():
+        return None
+    spanning = _spanning(pieces, fine=True)
+    if (spanning & ~user_defined).any():
+        return WordSplit(fine=False)
+    special = sorted(itertools.compress(pieces, spanning & user_defined), key=len, reverse=True)
+    return WordSplit(fine=True, special=re.compile("|".join(map(re.escape, special))) if special else None)
+
+
+def word_splittable(processor: sentencepiece.SentencePieceProcessor) -> bool:
+    """True when encoding a text word by word is guaranteed to give the tokens of encoding it whole."""
+    return word_split(processor) is not None
+
+
+@dataclass
+class _Words:
+    """A batch's words: where each starts in the batch's code points, how long it is, its hash; and for each code
+    point, its word and its offset in it."""
+
+    starts: np.ndarray
+    lengths: np.ndarray
+    hashes: np.ndarray
+    point_word: np.ndarray
+    point_offset: np.ndarray
 
 
 class WordCache:
-    """Tokens of every word seen, back to back in `tokens`; a word's slice is starts[id]:starts[id]+lengths[id]."""
+    """SentencePiece's tokens for texts, from a cache of the tokens (and characters) of every word seen.
 
-    def __init__(self, processor: sentencepiece.SentencePieceProcessor, max_tokens: int = 1 << 25):
-        self.processor = processor
-        self.max_tokens = max_tokens
+    Word i's tokens are tokens[token_starts[i]:][:token_lengths[i]], its code points
+    chars[char_starts[i]:][:char_lengths[i]]; `index` maps a word's hash to i."""
+
+    def __init__(
+        self,
+        processor: sentencepiece.SentencePieceProcessor,
+        split: WordSplit | None = None,
+        max_tokens: int = 1 << 25,
+    ):
+        split = split or word_split(processor)
+        if split is None:
+            raise ValueError("this SentencePiece model's tokens depend on context; encode whole texts instead")
+        self.processor, self.split, self.max_tokens = processor, split, max_tokens
+        self.collisions = 0  # batches encoded whole because two different words shared a hash
         self._clear()
 
     def _clear(self) -> None:
-        self.index: dict[str, int] = {}
-        self.starts = np.zeros(1 << 16, np.int64)
-        self.lengths = np.zeros(1 << 16, np.int64)
+        self.index: dict[int, int] = {}
+        self.token_starts = np.zeros(1 << 16, np.int64)
+        self.token_lengths = np.zeros(1 << 16, np.int64)
+        self.char_starts = np.zeros(1 << 16, np.int64)
+        self.char_lengths = np.zeros(1 << 16, np.int64)
         self.tokens = np.zeros(1 << 20, np.int32)
-        self.used = 0
-
-    def _add(self, words: list[str], encoded: list[list[int]]) -> None:
-        lengths = np.fromiter(map(len, encoded), np.int64, count=len(encoded))
-        size, first, count = int(lengths.sum()), len(self.index), len(words)
-        self.starts = _fit(self.starts, first + count)
-        self.lengths = _fit(self.lengths, first + count)
-        self.tokens = _fit(self.tokens, self.used + size)
-        self.starts[first : first + count] = self.used + np.cumsum(lengths) - lengths
-        self.lengths[first : first + count] = lengths
-        self.tokens[self.used : self.used + size] = np.fromiter(
-            itertools.chain.from_iterable(encoded), np.int32, count=size
-        )
-        self.used += size
-        self.index.update(zip(words, range(first, first + count)))
+        self.chars = np.zeros(1 << 20, np.uint32)
+        self.tokens_used = self.chars_used = 0
 
     def encode(self, texts: list[str], threads: int = 1) -> tuple[np.ndarray, np.ndarray]:
         """(tokens of every text back to back, tokens per text), as SentencePiece would encode them."""
-        words_per_text = [_WORD.findall(text) for text in texts]
-        words = list(itertools.chain.from_iterable(words_per_text))
-        new = list(set(words).difference(self.index))
-        if new:
-            encoded = self.processor.encode(new, num_threads=threads)
-            if self.used + sum(map(len, encoded)) > self.max_tokens:
+        if sum(map(len, texts)) <= _MAX_BATCH_POINTS:
+            return self._encode(texts, threads)
+        # A batch's arrays take tens of bytes a character: cut long texts at word boundaries, encode in groups.
+        parts, owners = [], []
+        for owner, text in enumerate(texts):
+            for part in _parts(text, _MAX_BATCH_POINTS):
+                parts.append(part)
+                owners.append(owner)
+        tokens, part_lengths = [], []
+        for group in chunked(parts, len(parts), _MAX_BATCH_POINTS):
+            group_tokens, group_lengths = self._encode(group, threads)
+            tokens.append(group_tokens)
+            part_lengths.append(group_lengths)
+        per_text = np.bincount(owners, weights=np.concatenate(part_lengths), minlength=len(texts))
+        return np.concatenate(tokens), per_text.astype(np.int64)
+
+    def _encode(self, texts: list[str], threads: int) -> tuple[np.ndarray, np.ndarray]:
+        text_lengths = np.fromiter(map(len, texts), np.int64, len(texts))
+        joined = "".join(texts)
+        if not joined:
+            return np.zeros(0, np.int32), np.zeros(len(texts), np.int64)
+        points = _code_points(joined)
+        words = self._words(texts, points, text_lengths)
+        distinct, first, inverse = _unique(words.hashes)
+        ids = np.fromiter(map(self.index.get, distinct.tolist(), itertools.repeat(-1)), np.int64, distinct.size)
+        same = self._same_as_representative(points, words, first[inverse])
+        if not (same and self._same_as_cached(points, words, first, ids)):
+            self.collisions += 1
+            return self._whole(texts, threads)
+        unseen = np.flatnonzero(ids < 0)
+        if unseen.size:
+            tokens, token_lengths = self._sentencepiece(joined, words, first[unseen], threads)
+            new_chars = int(words.lengths[first[unseen]].sum())
+            if self.tokens_used + tokens.size > self.max_tokens or self.chars_used + new_chars > 4 * self.max_tokens:
                 # Bounded memory: start over with this batch's words rather than grow forever.
                 self._clear()
-                rest = list(set(words).difference(new))
-                new, encoded = new + rest, encoded + self.processor.encode(rest, num_threads=threads)
-            self._add(new, encoded)
-        ids = np.fromiter(map(self.index.__getitem__, words), np.int64, count=len(words))
-        lengths, starts = self.lengths[ids], self.starts[ids]
-        ends = np.cumsum(lengths)
-        # Token t of the output comes from tokens[start of its word + its offset inside the word].
-        gather = np.arange(int(ends[-1]) if ends.size else 0) + np.repeat(starts - (ends - lengths), lengths)
-        word_counts = np.fromiter(map(len, words_per_text), np.int64, count=len(texts))
-        word_ends = np.cumsum(word_counts)
-        token_ends = np.concatenate([[0], ends])
-        per_text = token_ends[word_ends] - token_ends[word_ends - word_counts]
-        return self.tokens[gather], per_text
+                unseen = np.arange(distinct.size)
+                tokens, token_lengths = self._sentencepiece(joined, words, first, threads)
+            ids[unseen] = self._add(distinct[unseen], tokens, token_lengths, points, words, first[unseen])
+        return self._gather(ids[inverse], words, text_lengths)
+
+    def _words(self, texts: list[str], points: np.ndarray, text_lengths: np.ndarray) -> _Words:
+        fine: bool | np.ndarray = self.split.fine
+        if fine and self.split.special is not None:
+            fine = np.repeat(np.array([self.split.special.search(text) is None for text in texts], bool), text_lengths)
+        boundary = np.concatenate([[True], _cuts(points, fine)])
+        boundary[(np.cumsum(text_lengths) - text_lengths)[text_lengths > 0]] = True  # texts start words
+        starts = np.flatnonzero(boundary)
+        point_word = np.cumsum(boundary, dtype=np.int64) - 1
+        point_offset = np.arange(points.size) - starts[point_word]
+        powers = _HASH_POWERS[point_offset & (_HASH_PERIOD - 1)]
+        hashes = np.add.reduceat(points.astype(np.uint64) * powers, starts)
+        lengths = np.diff(starts, append=points.size)
+        return _Words(starts, lengths, hashes ^ lengths.astype(np.uint64) * _LENGTH_MIX, point_word, point_offset)
+
+    def _same_as_representative(self, points: np.ndarray, words: _Words, representative: np.ndarray) -> bool:
+        """Whether every word equals the word chosen to represent its hash in the batch."""
+        if not np.array_equal(words.lengths[representative], words.lengths):
+            return False
+        positions = words.starts[representative][words.point_word] + words.point_offset
+        return np.array_equal(points[positions], points)
+
+    def _same_as_cached(self, points: np.ndarray, words: _Words, first: np.ndarray, ids: np.ndarray) -> bool:
+        """Whether every distinct word of the batch found in the cache equals the cached word of its hash."""
+        found = np.flatnonzero(ids >= 0)
+        cached, batch = ids[found], first[found]
+        lengths = words.lengths[batch]
+        if not np.array_equal(self.char_lengths[cached], lengths):
+            return False
+        offsets = _offsets(lengths)
+        in_batch = np.repeat(words.starts[batch], lengths) + offsets
+        in_cache = np.repeat(self.char_starts[cached], lengths) + offsets
+        return np.array_equal(points[in_batch], self.chars[in_cache])
+
+    def _sentencepiece(
+        self, joined: str, words: _Words, which: np.ndarray, threads: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens back to back, tokens per word) of the words `which`, from SentencePiece."""
+        starts, lengths = words.starts[which].tolist(), words.lengths[which].tolist()
+        encoded = self.processor.encode([joined[s : s + n] for s, n in zip(starts, lengths)], num_threads=threads)
+        token_lengths = np.fromiter(map(len, encoded), np.int64, len(encoded))
+        return np.fromiter(itertools.chain.from_iterable(encoded), np.int32, int(token_lengths.sum())), token_lengths
+
+    def _add(
+        self,
+        hashes: np.ndarray,
+        tokens: np.ndarray,
+        token_lengths: np.ndarray,
+        points: np.ndarray,
+        words: _Words,
+        which: np.ndarray,
+    ) -> np.ndarray:
+        """Cache the words `which` of the batch under `hashes`; returns their ids."""
+        first, count = len(self.index), hashes.size
+        char_lengths = words.lengths[which]
+        for name in ("token_starts", "token_lengths", "char_starts", "char_lengths"):
+            setattr(self, name, _fit(getattr(self, name), first + count))
+        self.tokens = _fit(self.tokens, self.tokens_used + tokens.size)
+        self.chars = _fit(self.chars, self.chars_used + int(char_lengths.sum()))
+        new = slice(first, first + count)
+        self.token_starts[new] = self.tokens_used + np.cumsum(token_lengths) - token_lengths
+        self.token_lengths[new] = token_lengths
+        self.tokens[self.tokens_used : self.tokens_used + tokens.size] = tokens
+        self.tokens_used += tokens.size
+        chars = points[np.repeat(words.starts[which], char_lengths) + _offsets(char_lengths)]
+        self.char_starts[new] = self.chars_used + np.cumsum(char_lengths) - char_lengths
+        self.char_lengths[new] = char_lengths
+        self.chars[self.chars_used : self.chars_used + chars.size] = chars
+        self.chars_used += chars.size
+        self.index.update(zip(hashes.tolist(), range(first, first + count)))
+        return np.arange(first, first + count)
+
+    def _gather(self, word_ids: np.ndarray, words: _Words, text_lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        lengths = self.token_lengths[word_ids]
+        tokens = self.tokens[np.repeat(self.token_starts[word_ids], lengths) + _offsets(lengths)]
+        token_ends = np.concatenate([[0], np.cumsum(lengths)])
+        text_starts = np.cumsum(text_lengths) - text_lengths
+        first_word = np.searchsorted(words.starts, text_starts)
+        end_word = np.searchsorted(words.starts, text_starts + text_lengths)
+        return tokens, token_ends[end_word] - token_ends[first_word]
+
+    def _whole(self, texts: list[str], threads: int) -> tuple[np.ndarray, np.ndarray]:
+        encoded = self.processor.encode(texts, num_threads=threads)
+        lengths = np.fromiter(map(len, encoded), np.int64, len(encoded))
+        return np.fromiter(itertools.chain.from_iterable(encoded), np.int32, int(lengths.sum())), lengths
+
+
+def _parts(text: str, size: int) -> Iterator[str]:
+    """`text` in consecutive parts of about `size` characters or fewer, each cut before a newline or before a space
+    that follows a non-space (a boundary under both rules); a part grows past `size` only where no such cut is."""
+    start = 0
+    while len(text) - start > size:
+        window = size
+        while True:
+            end = start + window
+            cut = text.rfind("\n", start + 1, end)
+            if cut < 0:
+                cut = text.rfind(" ", start + 1, end)
+                while cut > start and text[cut - 1] in " \u2581":
+                    cut -= 1
+            if cut > start or end >= len(text):
+                break
+            window *= 2
+        if cut <= start:
+            break
+        yield text[start:cut]
+        start = cut
+    yield text[start:]
+
+
+def _unique(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(distinct values in order, where one of each is, each value's place among the distinct): np.unique's
+    answer with any occurrence, not the first, which an unstable sort gives 3x faster."""
+    order = np.argsort(values)
+    ordered = values[order]
+    starts_group = np.concatenate([[True], ordered[1:] != ordered[:-1]])
+    inverse = np.empty(values.size, np.int64)
+    inverse[order] = np.cumsum(starts_group) - 1
+    group_starts = np.flatnonzero(starts_group)
+    return ordered[group_starts], order[group_starts], inverse
+
+
+def _offsets(lengths: np.ndarray) -> np.ndarray:
+    """0, 1, ..., lengths[0] - 1, 0, 1, ..., lengths[1] - 1, ...: each position's offset inside its run."""
+    ends = np.cumsum(lengths)
+    return np.arange(int(ends[-1]) if ends.size else 0) - np.repeat(ends - lengths, lengths)
 
 
 def _fit(array: np.ndarray, size: int) -> np.ndarray:
