@@ -147,7 +147,8 @@ class WordCache:
     """SentencePiece's tokens for texts, from a cache of the tokens (and characters) of every word seen.
 
     Word i's tokens are tokens[token_starts[i]:][:token_lengths[i]], its code points
-    chars[char_starts[i]:][:char_lengths[i]]; `index` maps a word's hash to i."""
+    chars[char_starts[i]:][:char_lengths[i]]; `index` maps a word's hash to i. The cache starts over rather than
+    hold more than `max_tokens` tokens or twice as many code points (4 bytes each)."""
 
     def __init__(
         self,
@@ -207,7 +208,7 @@ class WordCache:
         if unseen.size:
             tokens, token_lengths = self._sentencepiece(joined, words, first[unseen], threads)
             new_chars = int(words.lengths[first[unseen]].sum())
-            if self.tokens_used + tokens.size > self.max_tokens or self.chars_used + new_chars > 4 * self.max_tokens:
+            if self.tokens_used + tokens.size > self.max_tokens or self.chars_used + new_chars > 2 * self.max_tokens:
                 # Bounded memory: start over with this batch's words rather than grow forever.
                 self._clear()
                 unseen = np.arange(distinct.size)
