@@ -144,17 +144,19 @@ class _Words:
 
 
 class WordCache:
-    """SentencePiece's tokens for texts, from a cache of the tokens (and characters) of every word seen.
+    """SentencePiece's tokens for texts, from a cache of the tokens (and characters) of every word seen. The
+    processor must encode with its default options (no add_bos/add_eos/sampling), as load_tokenizer's does.
 
     Word i's tokens are tokens[token_starts[i]:][:token_lengths[i]], its code points
     chars[char_starts[i]:][:char_lengths[i]]; `index` maps a word's hash to i. The cache starts over rather than
-    hold more than `max_tokens` tokens or twice as many code points (4 bytes each)."""
+    hold more than `max_tokens` tokens, twice as many code points or an eighth as many words: about 250 MB at
+    most at the default (a dict entry takes ~100 bytes), which holds the words of most occurrences in any corpus."""
 
     def __init__(
         self,
         processor: sentencepiece.SentencePieceProcessor,
         split: WordSplit | None = None,
-        max_tokens: int = 1 << 25,
+        max_tokens: int = 1 << 23,
     ):
         split = split or word_split(processor)
         if split is None:
@@ -207,8 +209,7 @@ class WordCache:
         unseen = np.flatnonzero(ids < 0)
         if unseen.size:
             tokens, token_lengths = self._sentencepiece(joined, words, first[unseen], threads)
-            new_chars = int(words.lengths[first[unseen]].sum())
-            if self.tokens_used + tokens.size > self.max_tokens or self.chars_used + new_chars > 2 * self.max_tokens:
+            if self._full_after(tokens.size, int(words.lengths[first[unseen]].sum()), unseen.size):
                 # Bounded memory: start over with this batch's words rather than grow forever.
                 self._clear()
                 unseen = np.arange(distinct.size)
@@ -216,10 +217,21 @@ class WordCache:
             ids[unseen] = self._add(distinct[unseen], tokens, token_lengths, points, words, first[unseen])
         return self._gather(ids[inverse], words, text_lengths)
 
+    def _full_after(self, tokens: int, points: int, words: int) -> bool:
+        return (
+            self.tokens_used + tokens > self.max_tokens
+            or self.chars_used + points > 2 * self.max_tokens
+            or len(self.index) + words > self.max_tokens // 8
+        )
+
     def _words(self, texts: list[str], points: np.ndarray, text_lengths: np.ndarray) -> _Words:
         fine: bool | np.ndarray = self.split.fine
         if fine and self.split.special is not None:
-            fine = np.repeat(np.array([self.split.special.search(text) is None for text in texts], bool), text_lengths)
+            # SentencePiece matches special tokens after turning spaces into ▁, so "▁<|im_end|>" matches " <|im_end|>".
+            escaped = (text.replace(" ", "\u2581") for text in texts)
+            fine = np.repeat(
+                np.array([self.split.special.search(text) is None for text in escaped], bool), text_lengths
+            )
         boundary = np.concatenate([[True], _cuts(points, fine)])
         boundary[(np.cumsum(text_lengths) - text_lengths)[text_lengths > 0]] = True  # texts start words
         starts = np.flatnonzero(boundary)

@@ -75,7 +75,7 @@ def assert_cache_equals_sentencepiece(
 def test_word_cache_equals_sentencepiece(model):
     assert word_split(model) == WordSplit(fine=True)  # loom's tokenizers take the fine rule
     texts = TRICKY + random_texts(2, 400)
-    for max_tokens in (1 << 25, 64):  # the second forces the cache to start over many times
+    for max_tokens in (1 << 23, 64):  # the second forces the cache to start over many times
         cache = WordCache(model, max_tokens=max_tokens)
         assert_cache_equals_sentencepiece(model, texts, cache)
         assert cache.collisions == 0
@@ -117,23 +117,22 @@ def test_the_coarse_rule_serves_a_model_with_pieces_across_character_runs(tmp_pa
 
 def test_special_tokens_are_never_cut(tmp_path):
     """A user-defined piece such as <|im_start|> is matched before any merge and spans letters and punctuation:
-    a text that holds one is cut by the coarse rule only."""
+    a text that holds one is cut by the coarse rule only. SentencePiece looks for them after turning spaces into
+    ▁, so "▁<|im_end|>" is in " <|im_end|>" (a helper's fuzzing found the cache missing that)."""
     corpus = tmp_path / "chat.jsonl"
     texts = TRICKY + random_texts(6, 200)
     corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
-    train_tokenizer([corpus], tmp_path / "chat", vocab_size=400, user_defined_symbols=["<|im_start|>", "<|im_end|>"])
+    specials = ["<|im_start|>", "\u2581<|im_end|>", "\u2581x."]
+    train_tokenizer([corpus], tmp_path / "chat", vocab_size=400, user_defined_symbols=specials)
     chat = sentencepiece.SentencePieceProcessor(model_file=str(tmp_path / "chat.model"))
     split = word_split(chat)
-    assert split.fine and split.special.pattern == re.escape("<|im_start|>") + "|" + re.escape("<|im_end|>")
+    assert split.fine and split.special.pattern == "|".join(map(re.escape, specials))
     rng = random.Random(7)
-    chats = [
-        "".join(
-            rng.choice(["<|im_start|>", "<|im_end|>", "user", "\n", " ", ".", "x1", "<|im_", "end|>"])
-            for _ in range(30)
-        )
-        for _ in range(200)
-    ]
+    parts = ["<|im_start|>", "<|im_end|>", "user", "\n", " ", ".", "x1", "<|im_", "end|>", "x.", "\u2581", "a"]
+    chats = ["".join(rng.choice(parts) for _ in range(30)) for _ in range(200)]
+    chats += ["x <|im_end|>", "a x.", "a  x.y", "\u2581x.", "x. <|im_start|>"]
     assert_cache_equals_sentencepiece(chat, chats + texts, WordCache(chat))
+    assert_cache_equals_sentencepiece(chat, chats, WordCache(chat), batch=1)
 
 
 def test_a_hash_collision_cannot_change_a_token(model, monkeypatch):
