@@ -36,8 +36,6 @@ from typing import Iterator
 import numpy as np
 import sentencepiece
 
-from loom.data_tools.parallel import chunked
-
 _UNKNOWN, _CONTROL, _USER_DEFINED, _BYTE = 2, 3, 4, 6
 _BPE = 2
 
@@ -54,7 +52,7 @@ _HASH_BASE = 0x9E3779B97F4A7C15  # odd, so a power of it is never 0 modulo 2**64
 _HASH_PERIOD = 1 << 12
 _HASH_POWERS = np.cumprod(np.r_[np.uint64(1), np.full(_HASH_PERIOD - 1, _HASH_BASE, np.uint64)], dtype=np.uint64)
 _LENGTH_MIX = np.uint64(0xD6E8FEB86659FD93)
-_MAX_BATCH_POINTS = 1 << 22  # at tens of bytes per character, a few hundred MB at most
+_MAX_BATCH_POINTS = 1 << 21  # a batch takes ~60 bytes a character: ~130 MB
 
 
 def _code_points(text: str) -> np.ndarray:
@@ -186,7 +184,7 @@ class WordCache:
                 parts.append(part)
                 owners.append(owner)
         tokens, part_lengths = [], []
-        for group in chunked(parts, len(parts), _MAX_BATCH_POINTS):
+        for group in _groups(parts, _MAX_BATCH_POINTS):
             group_tokens, group_lengths = self._encode(group, threads)
             tokens.append(group_tokens)
             part_lengths.append(group_lengths)
@@ -335,6 +333,20 @@ def _parts(text: str, size: int) -> Iterator[str]:
         yield text[start:cut]
         start = cut
     yield text[start:]
+
+
+def _groups(parts: list[str], size: int) -> Iterator[list[str]]:
+    """Consecutive parts in groups of at most `size` characters (a longer part alone)."""
+    group: list[str] = []
+    characters = 0
+    for part in parts:
+        if group and characters + len(part) > size:
+            yield group
+            group, characters = [], 0
+        group.append(part)
+        characters += len(part)
+    if group:
+        yield group
 
 
 def _unique(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
