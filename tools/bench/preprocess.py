@@ -28,7 +28,6 @@ from loom.data_tools.build import build_indexed_dataset
 from loom.data_tools.corpus import build_stdlib_corpus
 from loom.data_tools.tokenizer import train_tokenizer
 from loom.engine.data.indexed import IndexedDataset, IndexedDatasetWriter, dtype_for_vocab
-from loom.launch.arguments import existing_file, int_in
 
 MEGATRON_IMAP_CHUNKSIZE = 32  # preprocess_data.py's pool.imap(encoder.encode, fin, 32)
 
@@ -86,11 +85,11 @@ def same_tokens(a: Path, b: Path) -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--max-docs", type=int_in(1), help="corpus documents (default: the whole embedded corpus)")
-    parser.add_argument("--vocab-size", type=int_in(8, 1 << 20), default=8000)
-    parser.add_argument("--workers", type=int_in(1, 256), default=2)
-    parser.add_argument("--repeat", type=int_in(1, 100), default=1, help="runs of each; the best is reported")
-    parser.add_argument("--tokenizer", type=existing_file, help="an existing SentencePiece .model (skips training)")
+    parser.add_argument("--max-docs", type=int, help="corpus documents (default: the whole embedded corpus)")
+    parser.add_argument("--vocab-size", type=int, default=8000)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each; the best is reported")
+    parser.add_argument("--tokenizer", help="an existing SentencePiece .model (skips training)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

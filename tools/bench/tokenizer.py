@@ -23,7 +23,6 @@ import sentencepiece
 from loom.data_tools.corpus import build_stdlib_corpus
 from loom.data_tools.jsonl import JsonlStats
 from loom.data_tools.tokenizer import iter_lines, sample_lines, train_tokenizer, trainer_options
-from loom.launch.arguments import int_in
 
 HELD_OUT_EVERY = 100  # loom's default
 
@@ -48,12 +47,10 @@ def pieces(model: Path) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--vocab-size", type=int_in(8, 1 << 20), default=32000)
-    parser.add_argument("--max-docs", type=int_in(1), help="corpus documents (default: the whole embedded corpus)")
-    parser.add_argument("--sentences", type=int_in(1), default=2_000_000, help="lines sampled for training")
-    parser.add_argument(
-        "--repeat", type=int_in(1, 100), default=1, help="runs of each, alternated; the best is reported"
-    )
+    parser.add_argument("--vocab-size", type=int, default=32000)
+    parser.add_argument("--max-docs", type=int, help="corpus documents (default: the whole embedded corpus)")
+    parser.add_argument("--sentences", type=int, default=2_000_000, help="lines sampled for training")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each, alternated; the best is reported")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
