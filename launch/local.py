@@ -117,12 +117,18 @@ def _rank_main(
     mode: str,
     launcher_pid: int,
     launcher_process: tuple,
+    launcher_stop,
 ) -> None:
     # A stop that arrives while the rank starts must not kill it with the default action: keep it for
     # the trainer, which then checkpoints after the first step.
     early_stops: list[int] = []
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda received, frame: early_stops.append(received))
+    # A signal that reached this process before Python's fork handling ran was dropped with the parent's pending
+    # ones (the launcher can signal a rank before the rank has run at all). The launcher writes its stop here
+    # before it signals the ranks, and this is read after the handlers are in place: no stop falls between.
+    if launcher_stop.value:
+        early_stops.append(launcher_stop.value)
     _die_with_launcher(launcher_pid)
     _adopt_launcher_process(*launcher_process)
     os.environ.update(
@@ -168,6 +174,7 @@ def launch_local(config: LoomConfig, nproc: int, grace_s: float = 2.0, mode: str
     check_local_ranks_fit_the_gpus(config, nproc)
     ctx = rank_context()
     errors, stops = ctx.Queue(), ctx.Queue()
+    launcher_stop = ctx.RawValue("i", 0)  # the number of the first stop signal the launcher received
     port = free_port()
     threads = max(1, (os.cpu_count() or 1) // nproc)
     raw = config_to_dict(config)
@@ -175,7 +182,7 @@ def launch_local(config: LoomConfig, nproc: int, grace_s: float = 2.0, mode: str
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(r, nproc, port, raw, threads, errors, stops, mode, os.getpid(), launcher),
+            args=(r, nproc, port, raw, threads, errors, stops, mode, os.getpid(), launcher, launcher_stop),
             daemon=False,
         )
         for r in range(nproc)
@@ -187,6 +194,7 @@ def launch_local(config: LoomConfig, nproc: int, grace_s: float = 2.0, mode: str
             name = signal.Signals(signum).name
             raise Stopped(name, f"stopped at once by a second {name}: the ranks were killed without saving")
         stop_signals.append(signal.Signals(signum).name)
+        launcher_stop.value = signum  # for the ranks not started yet, and those that miss the signal
         if mode == "train":
             print(
                 f"{stop_signals[0]}: the ranks save a checkpoint at the next step boundary and stop; "
@@ -203,8 +211,6 @@ def launch_local(config: LoomConfig, nproc: int, grace_s: float = 2.0, mode: str
     try:
         for p in procs:
             p.start()
-            if stop_signals:  # the stop came before this rank existed (the rank server was still starting)
-                os.kill(p.pid, signal.SIGTERM)
         running = {p.sentinel: (r, p) for r, p in enumerate(procs)}
         failed: list[tuple[int, int]] = []
         while running and not failed:

@@ -289,7 +289,9 @@ def test_torch_is_imported_with_stop_signals_held(tmp_path):
 def test_ranks_forked_after_a_stop_are_told(dataset, tmp_path, monkeypatch):
     """A stop that reaches the launcher before a rank exists (the rank server still importing torch, seconds on a
     GPU node) was forwarded to the ranks alive then, none: they trained every step, and the run then said it was
-    stopped. Here the launcher gets SIGTERM just before it starts rank 0."""
+    stopped. Sending the signal to each rank as it started was not enough either: a signal that reaches a process
+    before Python's fork handling has run in it is dropped (the full suite on 2 busy cores lost it now and then).
+    Here the launcher gets SIGTERM just before it starts rank 0, and every SIGTERM it sends a rank is lost."""
     from loom.launch import local
 
     process_class = local.rank_context().Process
@@ -300,10 +302,16 @@ def test_ranks_forked_after_a_stop_are_told(dataset, tmp_path, monkeypatch):
             sent.append(os.kill(os.getpid(), signal.SIGTERM))
         start(process)
 
+    real_kill, launcher = os.kill, os.getpid()
+
+    def lost_on_the_way_to_ranks(pid: int, signum: int) -> None:
+        if pid == launcher or signum != signal.SIGTERM:
+            real_kill(pid, signum)
+
     monkeypatch.setattr(process_class, "start", start_after_a_stop)
+    monkeypatch.setattr(os, "kill", lost_on_the_way_to_ranks)
     config = tiny_config(dataset, tmp_path, train={"steps": 50}, parallel={"tp": 2})
     config.resolve_world(2)
-    with pytest.raises(local.Stopped, match="^stopped by SIGTERM"):
+    with pytest.raises(local.Stopped, match="^stopped by SIGTERM: checkpoint .* saved"):
         launch_local(config, 2)
-    rows = read_metrics(tmp_path)
-    assert not rows or rows[-1]["step"] < 50
+    assert read_metrics(tmp_path) == []  # agreed before the first step, so saved before it
