@@ -80,6 +80,8 @@ def _check_special_tokens(tokens: list[str]) -> None:
         raise InputError(f"--special-tokens gives {', '.join(repeated)} more than once; give each once")
 
 
+HELD_OUT_EVERY = 100
+"""loom data tokenizer's default: every 100th document is kept out of training and measured instead."""
 HELD_OUT_MAX_CHARACTERS = 4 << 20
 PROGRESS_EVERY = 256
 # Only for the size in a full-disk message: a .model and .vocab take well under this per piece.
@@ -308,7 +310,7 @@ def train_tokenizer(
     user_defined_symbols: Iterable[str] = (),
     num_threads: int | None = None,
     seed: int = 0,
-    held_out_every: int = 100,
+    held_out_every: int = HELD_OUT_EVERY,
     *,
     progress: bool = True,
 ) -> dict:

@@ -22,9 +22,7 @@ import sentencepiece
 
 from loom.data_tools.corpus import build_stdlib_corpus
 from loom.data_tools.jsonl import JsonlStats
-from loom.data_tools.tokenizer import iter_lines, sample_lines, train_tokenizer, trainer_options
-
-HELD_OUT_EVERY = 100  # loom's default
+from loom.data_tools.tokenizer import HELD_OUT_EVERY, iter_lines, sample_lines, train_tokenizer, trainer_options
 
 
 def library_alone(lines_file: Path, prefix: Path, options: dict) -> float:
@@ -61,7 +59,14 @@ def main() -> None:
         )
         lines_file = tmp / "lines.txt"
         lines_file.write_text("\n".join(lines) + "\n", encoding="utf-8")
-        options = trainer_options(args.vocab_size, "bpe", args.sentences, True, (), os.cpu_count() or 1)
+        options = trainer_options(
+            args.vocab_size,
+            "bpe",
+            args.sentences,
+            byte_fallback=True,
+            user_defined_symbols=(),
+            num_threads=os.cpu_count() or 1,
+        )
         times: dict[str, list[float]] = {"SentencePiece alone": [], "loom data tokenizer": []}
         for _ in range(args.repeat):
             times["SentencePiece alone"].append(library_alone(lines_file, tmp / "alone", options))
