@@ -56,6 +56,23 @@ def loom_tokenizer(root: Path, model_type: str) -> sentencepiece.SentencePiecePr
     return sentencepiece.SentencePieceProcessor(model_file=str(root / f"{model_type}.model"))
 
 
+def identity_bpe(lines: Path, prefix: Path, vocab_size: int, **options) -> sentencepiece.SentencePieceProcessor:
+    """A BPE model trained by SentencePiece itself on a text file, text kept as it is (as loom's), with `options`."""
+    sentencepiece.SentencePieceTrainer.train(
+        input=str(lines),
+        model_prefix=str(prefix),
+        vocab_size=vocab_size,
+        model_type="bpe",
+        normalization_rule_name="identity",
+        add_dummy_prefix=False,
+        remove_extra_whitespaces=False,
+        byte_fallback=True,
+        minloglevel=2,
+        **options,
+    )
+    return sentencepiece.SentencePieceProcessor(model_file=f"{prefix}.model")
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     return loom_tokenizer(tmp_path_factory.mktemp("bpe"), "bpe")
@@ -101,20 +118,7 @@ def test_the_coarse_rule_serves_a_model_with_pieces_across_character_runs(tmp_pa
     the cache cuts at spaces and newlines only, and still gives SentencePiece's tokens."""
     corpus = tmp_path / "lines.txt"
     corpus.write_text("\n".join(TRICKY + random_texts(4, 300)), encoding="utf-8")
-    sentencepiece.SentencePieceTrainer.train(
-        input=str(corpus),
-        model_prefix=str(tmp_path / "mixed"),
-        vocab_size=400,
-        model_type="bpe",
-        normalization_rule_name="identity",
-        add_dummy_prefix=False,
-        remove_extra_whitespaces=False,
-        split_by_unicode_script=False,
-        split_by_number=False,
-        byte_fallback=True,
-        minloglevel=2,
-    )
-    mixed = sentencepiece.SentencePieceProcessor(model_file=str(tmp_path / "mixed.model"))
+    mixed = identity_bpe(corpus, tmp_path / "mixed", 400, split_by_unicode_script=False, split_by_number=False)
     assert word_split(mixed) == WordSplit(fine=False)
     assert_cache_equals_sentencepiece(mixed, TRICKY + random_texts(5, 300), WordCache(mixed))
 
@@ -178,29 +182,30 @@ def test_context_dependent_models_are_not_cached(tmp_path):
     default = sentencepiece.SentencePieceProcessor(model_file=str(tmp_path / "default.model"))
     assert word_split(default) is None
     # Pieces across spaces ("▁of▁the"): no word rule holds.
-    sentencepiece.SentencePieceTrainer.train(
-        input=str(corpus),
-        model_prefix=str(tmp_path / "across"),
-        vocab_size=600,
-        model_type="bpe",
-        normalization_rule_name="identity",
-        add_dummy_prefix=False,
-        remove_extra_whitespaces=False,
-        split_by_whitespace=False,
-        byte_fallback=True,
-        minloglevel=2,
-    )
-    across = sentencepiece.SentencePieceProcessor(model_file=str(tmp_path / "across.model"))
+    across = identity_bpe(corpus, tmp_path / "across", 600, split_by_whitespace=False)
     assert any("\u2581" in piece[1:] for piece in map(across.id_to_piece, range(across.vocab_size())))
     assert word_split(across) is None
 
 
-def test_bench_runs_small():
+def run_bench_small(script: str) -> str:
+    """A bench script's output on a small corpus and vocabulary."""
     done = subprocess.run(
-        [sys.executable, str(REPO / "tools/bench/preprocess.py"), "--max-docs", "40", "--vocab-size", "600"],
+        [sys.executable, str(REPO / "tools/bench" / script), "--max-docs", "40", "--vocab-size", "600"],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "ratio loom / Megatron-style" in done.stdout and "M tokens/s" in done.stdout
+    return done.stdout
+
+
+def test_bench_runs_small():
+    out = run_bench_small("preprocess.py")
+    assert "ratio loom / Megatron-style" in out and "M tokens/s" in out
+
+
+def test_tokenizer_bench_gives_sentencepieces_own_model():
+    """tools/bench/tokenizer.py: loom's trainer (JSONL, held-out documents, sampled lines) ends in the model
+    SentencePiece's own trainer makes from those lines in a text file."""
+    out = run_bench_small("tokenizer.py")
+    assert "same pieces: yes" in out and "overhead over the library's own time" in out

@@ -5,15 +5,10 @@ and measures itself on held-out documents: fertility and byte-fallback rate, rec
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import sentencepiece
 
 from loom.data_tools.tokenizer import train_tokenizer
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def write_corpus(path):
@@ -94,16 +89,3 @@ def test_a_line_longer_than_sentencepiece_takes_is_cut_not_skipped(tmp_path):
     assert result["long_lines_cut"] == 1
     pieces = {p.lstrip("▁") for p in (tmp_path / "tok.vocab").read_text().split("\n") for p in [p.split("\t")[0]]}
     assert {"lorem", "ipsum", "dolor"} <= pieces
-
-
-def test_bench_gives_sentencepieces_own_model():
-    """tools/bench/tokenizer.py: loom's trainer (JSONL, held-out documents, sampled lines) ends in the model
-    SentencePiece's own trainer makes from those lines in a text file."""
-    done = subprocess.run(
-        [sys.executable, str(REPO / "tools/bench/tokenizer.py"), "--max-docs", "40", "--vocab-size", "600"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "same pieces: yes" in done.stdout and "overhead over the library's own time" in done.stdout
