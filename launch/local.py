@@ -24,7 +24,7 @@ from multiprocessing import reduction
 
 from loom.engine.config import LoomConfig
 from loom.engine.config_io import config_from_dict, config_to_dict
-from loom.engine.parallel.rendezvous import free_port, rank_context
+from loom.engine.parallel.rendezvous import end_ranks, free_port, rank_context
 from loom.engine.run_dir import checkpoints_of, metrics_of
 from loom.errors import Interrupted, is_user_error, user_message
 
@@ -228,12 +228,12 @@ def launch_local(config: LoomConfig, nproc: int, grace_s: float = 2.0, mode: str
                 if proc.exitcode != 0:
                     failed.append((rank, proc.exitcode))
     except BaseException:
-        _stop_all([p for _, p in running.values()], grace_s=0.0)
+        end_ranks([p for _, p in running.values()], grace_s=0.0)
         raise
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    _stop_all([p for _, p in running.values()], grace_s)
+    end_ranks([p for _, p in running.values()], grace_s)
     if mode != "train" and (stop := stopped_rank(failed, "the evaluation", stop_signals[:1])):
         print(file=sys.stderr)  # ends the line of rank 0's progress bar, which the stopped rank could not end
         raise stop
@@ -254,19 +254,6 @@ def _drain(queue, timeout: float) -> list:
             items.append(queue.get(timeout=timeout))
         except Exception:  # queue.Empty
             return items
-
-
-def _stop_all(procs: list, grace_s: float) -> None:
-    """SIGTERM every rank, and SIGKILL those still there after grace_s (one deadline for all). It runs once a
-    rank has failed: the others cannot finish a collective, let alone a checkpoint, so the grace is short."""
-    for proc in procs:
-        proc.terminate()
-    deadline = time.monotonic() + grace_s
-    for proc in procs:
-        proc.join(max(0.0, deadline - time.monotonic()))
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
 
 
 def _stopped(signal_name: str, config: LoomConfig, clean: bool, sent_to: str = "") -> Stopped:

@@ -223,6 +223,24 @@ def test_generate_on_ranks_names_a_killed_rank_and_leaves_none_behind(world, cap
         assert set(multiprocessing.active_children()) <= before
 
 
+def test_generate_on_ranks_ends_a_rank_whose_stop_was_lost(world, capfd, monkeypatch):
+    """A SIGTERM that reaches a rank before Python's fork handling has run in it is dropped: the command then waited
+    for that rank forever (here rank 0 sleeps where its peer failed, and every SIGTERM to a rank is lost)."""
+    import multiprocessing
+
+    from loom.engine.faults import InjectedFault
+    from loom.engine.parallel import rendezvous
+
+    before = set(multiprocessing.active_children())
+    monkeypatch.setattr(rendezvous.rank_context().Process, "terminate", lambda process: None)
+    monkeypatch.setenv("LOOM_INJECT_FAULT", "1:2")
+    monkeypatch.setenv("LOOM_INJECT_HANG", "0:2")
+    argv = ["generate", "--checkpoint", str(world["base"]), "--prompt-ids", "1 2", "--nproc", "2", "--parallel.tp", "2"]
+    with pytest.raises(InjectedFault, match="at step 2"):  # a bug's exception, raised as it is
+        run(capfd, *argv)
+    assert set(multiprocessing.active_children()) <= before
+
+
 def test_generate_refuses_a_tokenizer_the_model_was_not_trained_with(world, capfd):
     """Another tokenizer's text used to come out as newlines; the checkpoint now records its tokenizer's sha256."""
     root, base = world["root"], str(world["base"])

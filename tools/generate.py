@@ -29,7 +29,7 @@ from loom.engine.faults import FaultPlan
 from loom.engine.model.gpt import DecodingCache, GPTModel
 from loom.engine.parallel import mappings
 from loom.engine.parallel.param_info import param_info
-from loom.engine.parallel.rendezvous import free_port, rank_context
+from loom.engine.parallel.rendezvous import end_ranks, free_port, rank_context
 from loom.engine.parallel.state import ParallelState
 from loom.engine.pipeline.stages import stage_layers
 from loom.errors import is_user_error
@@ -239,13 +239,12 @@ def generate_parallel(checkpoint: Path, tp: int, pp: int, base: Path | None = No
             process.start()
         outcome = _wait_for_outcome(results, ranks)
     finally:  # a failed rank's peers (or every rank, when this command is stopped) would wait for it in vain
-        if not isinstance(outcome, list):
-            for process in ranks:
-                if process.is_alive():
-                    process.terminate()
-        for process in ranks:
-            if process.pid is not None:
+        started = [process for process in ranks if process.pid is not None]
+        if isinstance(outcome, list):
+            for process in started:
                 process.join()
+        else:
+            end_ranks(started, grace_s=5.0)
     if isinstance(outcome, BaseException):
         raise outcome
     return outcome

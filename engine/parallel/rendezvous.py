@@ -6,6 +6,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import socket
 import threading
+import time
 
 # Ranks fork from a server process that has imported these once (forkserver): a rank then starts in a fraction
 # of a second instead of importing torch (and torch._dynamo, which torch.optim pulls in) itself, seconds of CPU
@@ -44,3 +45,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def end_ranks(ranks: list, grace_s: float) -> None:
+    """SIGTERM every rank process, and SIGKILL those still there after grace_s (one deadline for all). For ranks
+    that cannot finish: a peer failed, so none can complete a collective, let alone a checkpoint. The SIGKILL also
+    ends a rank whose SIGTERM was lost (one sent before Python's fork handling ran in it is dropped)."""
+    for rank in ranks:
+        rank.terminate()
+    deadline = time.monotonic() + grace_s
+    for rank in ranks:
+        rank.join(max(0.0, deadline - time.monotonic()))
+        if rank.is_alive():
+            rank.kill()
+            rank.join()
