@@ -472,10 +472,12 @@ class TrainConfig:
     RUN_DIR/comm_ledger/rank_NNNNN.jsonl, one line per step (engine/comm_ledger.py). Slows steps down."""
     nan_policy: Literal["stop", "skip"] = "stop"
     """What a NaN/Inf loss or gradient norm does: stop (fail the run; the last checkpoint, saved before
-    the bad step, stays the newest) or skip (drop that step's update and go on). fp16 overflows are
-    handled by the loss scaler, not by this policy."""
+    the bad step, stays the newest) or skip (drop that step's update and go on). Under fp16 a gradient overflow
+    with a finite loss is the loss scaler's to handle (it skips the step and lowers the scale), not this
+    policy's; a non-finite loss is this policy's at any precision."""
     max_skipped_steps: int = 10
-    """Under nan_policy = skip, fail after this many non-finite steps in a row."""
+    """Under nan_policy = skip, fail after this many non-finite steps in a row (counted across resumes: a
+    checkpoint keeps the count)."""
     fp8: Literal["off", "delayed", "current"] = "off"
     """FP8 matmuls in the transformer blocks (needs precision = bf16 and a GPU of compute capability >= 8.9):
     delayed = Transformer Engine's DelayedScaling (scales from an amax history), current = per-tensor

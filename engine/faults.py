@@ -7,7 +7,8 @@ Each switch is an environment variable, so a test can set it for the ranks a lau
     LOOM_INJECT_HANG=RANK:STEP       that rank sleeps forever before that step (a hung peer)
     LOOM_INJECT_KILL=RANK:STEP[:SIG] that rank sends itself SIG (default KILL, the OOM killer's way; ABRT is
                                      how NCCL's watchdog ends a rank) before that step
-    LOOM_INJECT_NAN=STEP             every rank sees a NaN loss at that step
+    LOOM_INJECT_NAN=STEP[,STEP...]   every rank sees a NaN loss and gradient norm at those steps (as a real NaN
+                                     in the forward gives: its backward makes every gradient NaN)
     LOOM_KILL_DURING_SAVE=RANK:STEP  that rank SIGKILLs itself after writing its checkpoint file, before the seal
     LOOM_INJECT_PAUSE=STEP           every rank says so on stdout and waits before that step until a stop
                                      signal reaches it: a test that signals once it reads that line sees
@@ -46,7 +47,7 @@ class FaultPlan:
     hang_before_step: int | None = None
     kill_before_step: int | None = None
     kill_signal: str = "KILL"
-    nan_loss_at_step: int | None = None
+    nan_loss_at_steps: tuple[int, ...] = ()
     kill_during_save_at_step: int | None = None
     pause_before_step: int | None = None
 
@@ -58,7 +59,7 @@ class FaultPlan:
             hang_before_step=_step_for_rank(environ.get("LOOM_INJECT_HANG"), rank),
             kill_before_step=_step_for_rank(environ.get("LOOM_INJECT_KILL"), rank),
             kill_signal=(environ.get("LOOM_INJECT_KILL", "0:0") + ":KILL").split(":")[2],
-            nan_loss_at_step=int(nan) if nan else None,
+            nan_loss_at_steps=tuple(int(step) for step in nan.split(",")) if nan else (),
             kill_during_save_at_step=_step_for_rank(environ.get("LOOM_KILL_DURING_SAVE"), rank),
             pause_before_step=int(pause) if pause else None,
         )

@@ -33,6 +33,13 @@ def memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
 
 
+def _json_row(row: dict) -> dict:
+    """`row` with each value that is not a finite number (a diverged step's loss, its gradient norm) as None: JSON
+    has no NaN or infinity, and Python's `NaN` breaks other readers (JavaScript's JSON.parse, pandas' engines).
+    TensorBoard and the console keep the value itself."""
+    return {key: None if isinstance(value, float) and not math.isfinite(value) else value for key, value in row.items()}
+
+
 class MetricsWriter:
     """Appends to run_dir/metrics.jsonl; on resume from step N, rows after N (logged before the
     interruption, to be trained again) are dropped first, so no step appears twice."""
@@ -72,7 +79,7 @@ class MetricsWriter:
 
     def write(self, row: dict, eta_s: float | None = None) -> None:
         """Append `row`; the console line also shows the step out of total_steps and `eta_s`, the time left."""
-        self.jsonl.write(json.dumps(row) + "\n")
+        self.jsonl.write(json.dumps(_json_row(row)) + "\n")
         self.jsonl.flush()
         if self.tensorboard is not None:
             for key, value in _scalars(row):

@@ -121,7 +121,7 @@ class Trainer:
         self.comm_ledger = (
             StepLedgerWriter(t.run_dir, self.state.rank, self.state.named_groups()) if t.comm_ledger else None
         )
-        self.skipped_in_a_row = 0
+        self.nonfinite_in_a_row = 0
         # Early stopping's state, saved with each checkpoint: the best validation loss (None before the first
         # evaluation) and the evaluations since it improved.
         self.validation: dict = {"best_loss": None, "evals_without_gain": 0}
@@ -234,6 +234,7 @@ class Trainer:
         self.last_saved_step = self.step
         if metadata.validation is not None:
             self.validation = dict(metadata.validation)
+        self.nonfinite_in_a_row = metadata.nonfinite_in_a_row
         self.hf_origin = metadata.hf_origin
         self._say_what_was_resumed(directory, metadata)
 
@@ -267,6 +268,7 @@ class Trainer:
             lora_base=self.lora_base,
             validation=self.validation,
             hf_origin=self.hf_origin,
+            nonfinite_in_a_row=self.nonfinite_in_a_row,
         )
 
     def save(self) -> Path:
@@ -367,8 +369,8 @@ class Trainer:
         loss, squared_norm, stop_code = torch.stack([self._global_sum(loss_sum), squared_norm, stop_code]).tolist()
         if stop is not None:
             self._adopt_agreed_stop(stop, stop_code)
-        if self.step + 1 == self.faults.nan_loss_at_step:
-            loss = math.nan
+        if self.step + 1 in self.faults.nan_loss_at_steps:
+            loss = squared_norm = math.nan
         skipped_before = self.loss_scaler.skipped_steps if self.loss_scaler is not None else 0
         result = self.optimizer.apply(lr, math.sqrt(squared_norm), skip=not math.isfinite(loss))
         self.kernels.weights_updated(self.chunks)
@@ -382,17 +384,17 @@ class Trainer:
                 )
             row.update(loss_scale=scale, skipped_steps=self.loss_scaler.skipped_steps)
         self._apply_nan_policy(result["nonfinite"], loss, result["grad_norm"])
-        if self.skipped_in_a_row:
-            row["nonfinite_skipped"] = self.skipped_in_a_row
+        if self.nonfinite_in_a_row:
+            row["nonfinite_skipped"] = self.nonfinite_in_a_row
         return row
 
     def _apply_nan_policy(self, nonfinite: bool, loss: float, grad_norm: float) -> None:
         """Every rank sees the same global loss and norm, so all ranks take the same branch here."""
         t = self.config.train
         if not nonfinite:
-            self.skipped_in_a_row = 0
+            self.nonfinite_in_a_row = 0
             return
-        self.skipped_in_a_row += 1
+        self.nonfinite_in_a_row += 1
         what = f"loss {loss} / gradient norm {grad_norm} at step {self.step}"
         newest = (
             f"the newest checkpoint is {self.checkpoints} (step {self.last_saved_step})"
@@ -404,9 +406,9 @@ class Trainer:
                 f"{what} (train.nan_policy = stop); {newest}. Lower optim.lr, clip harder (a lower optim.clip_grad, "
                 f"now {self.config.optim.clip_grad:g}; 0 is off) or set --train.nan_policy skip"
             )
-        if self.skipped_in_a_row > t.max_skipped_steps:
+        if self.nonfinite_in_a_row > t.max_skipped_steps:
             raise TrainingDiverged(
-                f"{what}: {self.skipped_in_a_row} non-finite steps in a row "
+                f"{what}: {self.nonfinite_in_a_row} non-finite steps in a row "
                 f"(train.max_skipped_steps = {t.max_skipped_steps}); {newest}"
             )
         self._log_event(f"{what}: update skipped (train.nan_policy = skip)")
@@ -492,10 +494,7 @@ class Trainer:
             if saving:
                 self.save()
             if stopping_early:
-                self._log_event(
-                    f"early stop at step {self.step}: validation loss has not improved for "
-                    f"{self.validation['evals_without_gain']} evaluations (best {self.validation['best_loss']:.4f})"
-                )
+                self._log_event(f"early stop at step {self.step}: {self._no_gain_in_validation()}")
                 break
             if saving or evaluating:  # their time is not training throughput
                 self._sync()
@@ -514,9 +513,8 @@ class Trainer:
         elif self._patience_spent():
             stop_at = self.step
             self._log_event(
-                f"nothing to train: the run in {t.run_dir} stopped early at step {self.step} (validation loss "
-                f"{self.validation['best_loss']:.4f} has not improved for {self.validation['evals_without_gain']} "
-                f"evaluations); raise --train.early_stop_patience, or set it to 0, to train on"
+                f"nothing to train: the run in {t.run_dir} stopped early at step {self.step}: "
+                f"{self._no_gain_in_validation()}; raise --train.early_stop_patience, or set it to 0, to train on"
             )
         return stop_at
 
@@ -541,10 +539,17 @@ class Trainer:
 
     def _record_validation(self, loss: float) -> None:
         best = self.validation["best_loss"]
-        if best is None or loss < best:
+        # A NaN kept as the best would stay it (nothing compares below NaN): every later evaluation a "no gain".
+        if math.isfinite(loss) and (best is None or loss < best):
             self.validation = {"best_loss": loss, "evals_without_gain": 0}
         else:
             self.validation = {"best_loss": best, "evals_without_gain": self.validation["evals_without_gain"] + 1}
+
+    def _no_gain_in_validation(self) -> str:
+        best, evaluations = self.validation["best_loss"], self.validation["evals_without_gain"]
+        if best is None:
+            return f"no evaluation in {evaluations} has given a finite validation loss"
+        return f"validation loss has not improved for {evaluations} evaluations (best {best:.4f})"
 
     def _patience_spent(self) -> bool:
         patience = self.config.train.early_stop_patience

@@ -43,9 +43,9 @@ def test_a_rank_error_is_one_line_for_the_user_and_typed_for_a_bug():
 
 
 def test_fault_plan_reads_each_switch_for_its_rank():
-    environ = {"LOOM_INJECT_FAULT": "1:3", "LOOM_INJECT_HANG": "0:5", "LOOM_INJECT_NAN": "4"}
-    assert FaultPlan.from_environment(1, environ) == FaultPlan(raise_before_step=3, nan_loss_at_step=4)
-    assert FaultPlan.from_environment(0, environ) == FaultPlan(hang_before_step=5, nan_loss_at_step=4)
+    environ = {"LOOM_INJECT_FAULT": "1:3", "LOOM_INJECT_HANG": "0:5", "LOOM_INJECT_NAN": "4,6"}
+    assert FaultPlan.from_environment(1, environ) == FaultPlan(raise_before_step=3, nan_loss_at_steps=(4, 6))
+    assert FaultPlan.from_environment(0, environ) == FaultPlan(hang_before_step=5, nan_loss_at_steps=(4, 6))
     assert FaultPlan.from_environment(0, {}) == FaultPlan()
     with pytest.raises(InjectedFault, match="at step 3"):
         FaultPlan(raise_before_step=3).before_step(3)

@@ -1,6 +1,7 @@
 """Failures that must end a run cleanly: stop signals, hung peers, NaN losses, a killed launcher."""
 
 import contextlib
+import json
 import math
 import os
 import signal
@@ -244,9 +245,14 @@ def test_a_rank_aborted_like_by_the_nccl_watchdog_is_named_with_the_likely_cause
     assert "the last step logged was 3" in line
 
 
-def test_nan_loss_stops_and_leaves_the_last_good_checkpoint_newest(dataset, tmp_path, run_here):
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_nan_loss_stops_and_leaves_the_last_good_checkpoint_newest(dataset, tmp_path, run_here, precision):
+    """Under fp16 a NaN loss (its gradients NaN too) was taken for a loss-scale overflow: the run trained on, saved
+    checkpoints of a model whose loss is NaN and rotated the good ones away, then ended 0."""
     result = run_here(
-        train_command(dataset, tmp_path, "--train.steps", "8", "--checkpoint.interval", "2"),
+        train_command(
+            dataset, tmp_path, "--train.steps", "8", "--checkpoint.interval", "2", "--train.precision", precision
+        ),  # fmt: skip
         env={"LOOM_INJECT_NAN": "5"},
     )
     assert result.returncode == 1
@@ -283,13 +289,30 @@ def test_nan_loss_under_skip_policy_drops_only_that_update(dataset, tmp_path, ru
     assert "update skipped (train.nan_policy = skip)" in result.stdout
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert math.isnan(rows[2]["loss"]) and rows[2]["nonfinite_skipped"] == 1
+    assert rows[2]["loss"] is None and rows[2]["grad_norm"] is None and rows[2]["nonfinite_skipped"] == 1
+    json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[2], parse_constant=pytest.fail)  # no NaN
     assert math.isfinite(rows[3]["loss"]) and "nonfinite_skipped" not in rows[3]
     before, skipped, after = (model_tensors(tmp_path / "checkpoints" / f"iter_{s:07d}") for s in (2, 3, 4))
     assert before and before.keys() == skipped.keys()
     for key, value in before.items():
         assert (skipped[key] == value).all(), key
     assert any((after[key] != value).any() for key, value in before.items())
+
+
+def test_non_finite_steps_in_a_row_are_counted_across_jobs(dataset, tmp_path, run_here):
+    """train.max_skipped_steps counted from 0 in each job: a run chained by train.exit_after (or requeued) skipped
+    non-finite steps forever."""
+    command = train_command(
+        dataset, tmp_path, "--train.steps", "6", "--checkpoint.interval", "1", "--train.nan_policy", "skip",
+        "--train.max_skipped_steps", "1", "--train.exit_after", "3",
+    )  # fmt: skip
+    env = {"LOOM_INJECT_NAN": "3,4"}
+    first = run_here(command, env=env)
+    assert first.returncode == 0 and "at step 3: update skipped" in first.stdout, first.stderr
+    second = run_here(command, env=env)
+    assert second.returncode == 1
+    assert "at step 4: 2 non-finite steps in a row (train.max_skipped_steps = 1)" in second.stderr, second.stderr
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "iter_0000003"
 
 
 def test_ranks_die_with_a_killed_launcher(dataset, tmp_path):

@@ -150,3 +150,38 @@ def test_each_step_starts_from_no_gradient(dtype):
     buffer.finish()
     assert torch.equal(used.main_grad, torch.full((3,), 4.0)) and torch.equal(unused.main_grad, torch.zeros(5))
     assert torch.count_nonzero(buffer.data) == 3  # nothing else written: padding stays zero
+
+
+def test_a_resume_names_a_changed_learning_rate_schedule():
+    """Extending a finished run (train.steps 10 -> 20) stretched its cosine over 20 steps without a word: the lr
+    jumped from the saved schedule's end back up to near its peak."""
+    from loom.engine.checkpoint.load import changed_schedule
+    from loom.engine.config import LoomConfig
+    from loom.engine.config_io import config_to_dict
+
+    def config(steps: int, **optim) -> LoomConfig:
+        c = LoomConfig()
+        c.train.steps = steps
+        c.optim = OptimConfig(**{"lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 2, **optim})
+        return c
+
+    saved = config_to_dict(config(10))
+    warning = changed_schedule(10, saved, config(20))
+    stretched, ended = learning_rate(10, config(20).optim, 20), learning_rate(10, config(10).optim, 10)
+    assert ended == 1e-4 and stretched > 6e-4
+    assert warning == (
+        "the learning-rate schedule is not the one this run trained with (train.steps: 10 -> 20, the decay's length "
+        f"while optim.decay_steps is unset): step 11 takes lr {stretched:.3g} where the saved schedule gives 0.0001; "
+        "pass --optim.decay_steps 10 to keep it, unless the change is intended"
+    )
+    assert changed_schedule(10, saved, config(20, decay_steps=10)) is None  # what the warning advises
+    assert changed_schedule(5, config_to_dict(config(10, decay_steps=8)), config(20, decay_steps=8)) is None
+    assert changed_schedule(4, config_to_dict(config(10, decay="constant")), config(20, decay="constant")) is None
+    # mid-run, a new peak: named with the saved value
+    warning = changed_schedule(4, saved, config(10, lr=2e-3))
+    assert warning.startswith("the learning-rate schedule is not the one this run trained with (optim.lr: 0.001 -> ")
+    assert "step 5 takes lr" in warning and warning.endswith(
+        "pass --optim.lr 0.001 to keep it, unless the change is intended"
+    )
+    # past the decay's end both give min_lr: nothing this run trains differs
+    assert changed_schedule(12, config_to_dict(config(12, decay_steps=10)), config(20, decay_steps=10, lr=2e-3)) is None

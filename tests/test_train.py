@@ -160,3 +160,22 @@ def test_two_datasets_blend_by_weight(dataset, markov_dataset, tmp_path):
         train={"steps": 2, "eval_interval": 2},
     )
     assert [r["step"] for r in rows] == [1, 2, 2] and "val_loss" in rows[-1]
+
+
+def test_a_nan_validation_loss_is_never_the_best():
+    """A NaN first validation loss was kept as the best: nothing compares below NaN, so every later evaluation
+    counted as no gain and early stopping ended a run that had recovered ("best nan")."""
+    import math
+    import types
+
+    from loom.engine.train import Trainer
+
+    trainer = types.SimpleNamespace(validation={"best_loss": None, "evals_without_gain": 0})
+    Trainer._record_validation(trainer, math.nan)
+    assert trainer.validation == {"best_loss": None, "evals_without_gain": 1}
+    assert Trainer._no_gain_in_validation(trainer) == "no evaluation in 1 has given a finite validation loss"
+    Trainer._record_validation(trainer, 2.5)
+    assert trainer.validation == {"best_loss": 2.5, "evals_without_gain": 0}
+    Trainer._record_validation(trainer, math.inf)
+    assert trainer.validation == {"best_loss": 2.5, "evals_without_gain": 1}
+    assert Trainer._no_gain_in_validation(trainer) == "validation loss has not improved for 1 evaluations (best 2.5000)"

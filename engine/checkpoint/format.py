@@ -201,6 +201,9 @@ class CheckpointMetadata:
     """Early stopping's state when saved: "best_loss" (the best validation loss so far, null before the first
     evaluation) and "evals_without_gain" (evaluations since it last improved), so a resumed run neither forgets
     its best nor trains on after it stopped early; None from writers that do not train."""
+    nonfinite_in_a_row: int = 0
+    """Non-finite steps in a row when saved (train.nan_policy = skip skips them): a resumed or requeued job goes
+    on counting toward train.max_skipped_steps instead of starting again from 0."""
     format_version: int = FORMAT_VERSION
     """The on-disk format version; a reader refuses any other."""
 
@@ -224,6 +227,7 @@ class CheckpointMetadata:
             "hf_dtype": self.hf_dtype,
             "hf_tokenizer": self.hf_tokenizer,
             "validation": self.validation,
+            "nonfinite_in_a_row": self.nonfinite_in_a_row,
         }
         return json.dumps(data, indent=1)
 
@@ -256,6 +260,7 @@ class CheckpointMetadata:
                 hf_dtype=data.get("hf_dtype"),
                 hf_tokenizer=data.get("hf_tokenizer"),
                 validation=data.get("validation"),
+                nonfinite_in_a_row=data.get("nonfinite_in_a_row", 0),
                 format_version=data["format_version"],
             )
         except (KeyError, TypeError, AttributeError) as error:

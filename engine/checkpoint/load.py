@@ -10,6 +10,7 @@ iterator, loss scaler, FP8 scaling state and RNG get their saved state through t
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -27,8 +28,9 @@ from loom.engine.checkpoint.format import (
     rng_key,
 )
 from loom.engine.checkpoint.state import TrainingState
-from loom.engine.config import LoomConfig, ModelConfig
+from loom.engine.config import ConfigError, LoomConfig, ModelConfig
 from loom.engine.optim.algorithms import Adafactor, Lamb
+from loom.engine.optim.lr_schedule import learning_rate
 from loom.engine.parallel.param_info import param_info
 from loom.engine.parallel.sharding import ShardSpec
 
@@ -163,6 +165,43 @@ def changed_data_order(saved_config: dict, current: LoomConfig) -> list[str]:
     ]
 
 
+SCHEDULE_FIELDS = ("lr", "min_lr", "warmup_steps", "decay", "decay_steps")
+"""The optim fields of the learning-rate schedule (with train.steps, the decay's length when decay_steps is unset)."""
+
+
+def changed_schedule(step: int, saved_config: dict, current: LoomConfig) -> str | None:
+    """How the learning rate of the steps from `step` (0-based: the first one this run trains) on differs from
+    what the saved run's schedule gives them (past its end: min_lr), or None where it does not."""
+    saved_optim = saved_config.get("optim", {})
+    try:
+        saved = dataclasses.replace(current.optim, **{k: saved_optim[k] for k in SCHEDULE_FIELDS if k in saved_optim})
+    except ConfigError:  # values an older loom accepted: nothing to compare with
+        return None
+    saved_steps = saved_config.get("train", {}).get("steps", current.train.steps)
+    end = current.train.steps
+    probes = range(step, end, max(1, (end - step) // 1000))
+    differs = next(
+        (s for s in probes if learning_rate(s, saved, saved_steps) != learning_rate(s, current.optim, end)), None
+    )
+    if differs is None:
+        return None
+    changes = [f"optim.{k}: {getattr(saved, k)} -> {getattr(current.optim, k)}" for k in SCHEDULE_FIELDS
+               if getattr(saved, k) != getattr(current.optim, k)]  # fmt: skip
+    lengthened = saved.decay_steps is None and current.optim.decay_steps is None and saved_steps != end
+    if lengthened:
+        changes.append(f"train.steps: {saved_steps} -> {end}, the decay's length while optim.decay_steps is unset")
+    saved_values = [f"--optim.{k} {getattr(saved, k)}" if getattr(saved, k) is not None else f"no --optim.{k}"
+                    for k in SCHEDULE_FIELDS if getattr(saved, k) != getattr(current.optim, k)]  # fmt: skip
+    if lengthened:
+        saved_values.append(f"--optim.decay_steps {saved_steps}")
+    return (
+        f"the learning-rate schedule is not the one this run trained with ({'; '.join(changes)}): step {differs + 1} "
+        f"takes lr {learning_rate(differs, current.optim, end):.3g} where the saved schedule gives "
+        f"{learning_rate(differs, saved, saved_steps):.3g}; pass {', '.join(saved_values)} to keep it, unless the "
+        f"change is intended"
+    )
+
+
 def changed_model_settings(saved_model: dict, current: ModelConfig) -> list[str]:
     """`model.F: saved -> current` for each functional setting of the checkpoint that this run changes.
     Fields a checkpoint predates count as their defaults."""
@@ -179,7 +218,8 @@ def resume_warnings(
     directory: Path, metadata: CheckpointMetadata, config: LoomConfig, continues_run: bool
 ) -> list[str]:
     """What a run under `config` changes about the checkpoint it resumes from `directory`: another optimizer (its
-    state starts fresh), another data order (only when it continues the same run, `continues_run`), another model."""
+    state starts fresh), another data order or learning-rate schedule (only when it continues the same run,
+    `continues_run`), another model."""
     warnings = []
     saved_optimizer = metadata.layout.optimizer
     if saved_optimizer not in (None, config.optim.name):
@@ -193,6 +233,9 @@ def resume_warnings(
             f"from step {metadata.step} on this run reads its data in another order than it did "
             f"({'; '.join(reordered)}): some samples may be read twice and others not at all"
         )
+    schedule = changed_schedule(metadata.step, metadata.config, config) if continues_run else None
+    if schedule:
+        warnings.append(schedule)
     changes = changed_model_settings(metadata.config["model"], config.model)
     if changes:
         warnings.append(

@@ -144,6 +144,7 @@ def describe_run(state: TrainingState) -> CheckpointMetadata:
         index={},
         lora_base=state.lora_base,
         validation=state.validation,
+        nonfinite_in_a_row=state.nonfinite_in_a_row,
         tokenizer=tokenizer_record(c.data.tokenizer),
         **(state.hf_origin or {}),
     )

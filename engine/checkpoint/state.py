@@ -52,6 +52,8 @@ class TrainingState:
     hf_origin: dict | None = None
     """For a model imported from Hugging Face, and the runs that train on from it: CheckpointMetadata.hf_origin,
     carried into each checkpoint so an export still names the model, its special tokens and its dtype."""
+    nonfinite_in_a_row: int = 0
+    """Non-finite steps in a row that train.nan_policy = skip has skipped (CheckpointMetadata.nonfinite_in_a_row)."""
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """The trainable parameters of the model chunks (those the optimizer holds)."""

@@ -249,11 +249,13 @@ class DistributedOptimizer:
     def apply(self, lr: float, norm: float, skip: bool = False) -> dict:
         """Check, clip and apply the prepared gradients whose global norm is `norm`; returns grad_norm,
         skipped and nonfinite. A non-finite norm outside fp16 loss scaling, or `skip` (a non-finite loss),
-        drops the update: applying it would turn every weight into NaN. No device-to-host transfer here."""
+        drops the update: applying it would turn every weight into NaN. Under fp16 an overflow alone is the loss
+        scaler's to handle (not `nonfinite`), but a non-finite loss is one at any scale: the forward itself failed,
+        which a lower scale cannot mend. No device-to-host transfer here."""
         if self.loss_scaler is not None:
             skipped = self.loss_scaler.update(found_inf=not math.isfinite(norm))
             if skipped:
-                return {"grad_norm": norm, "skipped": True, "nonfinite": False}
+                return {"grad_norm": norm, "skipped": True, "nonfinite": skip}
         if skip or not math.isfinite(norm):
             return {"grad_norm": norm, "skipped": True, "nonfinite": True}
         if self.config.clip_grad > 0 and norm > self.config.clip_grad:
