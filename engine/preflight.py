@@ -225,7 +225,11 @@ def check_run_directory(config: LoomConfig) -> None:
     for job_setting in JOB_SETTINGS:  # how this job runs, not which run it is
         saved.get("train", {}).pop(job_setting, None)
         current["train"].pop(job_setting, None)
-    if saved == current:
+    if saved == current:  # the same run, stopped before its first checkpoint: it starts again
+        print(
+            f"{run_dir} holds this run's metrics but no checkpoint to resume from: it trains again from step 1, "
+            f"replacing them"
+        )
         return
     if not config.train.overwrite:
         difference = _first_difference(saved, current) if saved else f"and no readable {saved_config.name}"

@@ -508,6 +508,12 @@ class Trainer:
         train (said on rank 0)."""
         t = self.config.train
         stop_at = min(t.steps, self.step + t.exit_after) if t.exit_after else t.steps
+        c = self.config.checkpoint
+        if not (c.interval or c.save_at_end or t.exit_after):
+            self._log_event(
+                "this run saves no checkpoint (checkpoint.interval = 0, checkpoint.save_at_end = false): a rerun of it "
+                "starts again from step 1"
+            )
         if self.step >= t.steps:
             self._log_event(run_is_complete(t.run_dir, self.step, t.steps))
         elif self._patience_spent():

@@ -92,7 +92,8 @@ def test_a_run_directory_belongs_to_one_run(dataset, tmp_path, capfd):
     (tmp_path / "config.toml").write_bytes(saved)
 
     again = loom_here(capfd, "train", *tiny_train_args(dataset, tmp_path, "--train.steps", "2"))
-    assert again.returncode == 0, again.stderr  # the same run, started again
+    assert again.returncode == 0, again.stderr  # the same run, started again, and it says so
+    assert f"{tmp_path} holds this run's metrics but no checkpoint to resume from: it trains again from" in again.stdout
     # as a job of it that stops after one step: train.exit_after is the job's, not the run's
     job = loom_here(
         capfd, "train", *tiny_train_args(dataset, tmp_path, "--train.steps", "2", "--train.exit_after", "1")
