@@ -87,14 +87,13 @@ def preflight(config: LoomConfig, world_size: int, training: bool = True, ranks_
 def removed_if_left_empty(run_dir: Path) -> Iterator[None]:
     """A launch that fails before anything was written leaves no empty run directory behind (it reads as a run
     that never started, and `runs/` fills with them); only a directory this launch created, and never a file."""
-    from loom.engine.run_lock import LOCK_FILE
+    from loom.engine.run_lock import remove_lock_if_free
 
     created = not run_dir.exists()
     try:
         yield
     except BaseException:
-        if created and run_dir.is_dir():
-            (run_dir / LOCK_FILE).unlink(missing_ok=True)  # its ranks are gone: no run holds it
+        if created and run_dir.is_dir() and remove_lock_if_free(run_dir):
             for folder in sorted((p for p in run_dir.rglob("*") if p.is_dir()), reverse=True) + [run_dir]:
                 try:
                     folder.rmdir()  # refused for a folder that holds anything

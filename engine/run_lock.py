@@ -15,6 +15,7 @@ On a filesystem without file locks (Lustre mounted without `flock`) nothing is d
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -36,6 +37,11 @@ class RunDirectoryInUse(ConfigError):
 
 
 def _holder(lock: Path) -> str:
+    for _ in range(20):  # a holder writes who it is just after it takes the lock
+        with contextlib.suppress(OSError):
+            if lock.stat().st_size:
+                break
+        time.sleep(0.05)
     try:
         record = json.loads(lock.read_text())
         job = f", Slurm job {record['slurm_job']}" if record.get("slurm_job") else ""
@@ -77,18 +83,43 @@ def _try_lock(fd: int) -> bool | None:
         return False if error.errno in _HELD else None
 
 
-def check_not_in_use(run_dir: Path) -> None:
-    """Refuse a run directory whose lock a live run holds (the launcher's check, before it writes anything)."""
+def holder_of(run_dir: Path) -> str | None:
+    """Who holds the run directory's lock (a live run, `loom submit`), or None when no live process does."""
     lock = run_dir / LOCK_FILE
     try:
         fd = os.open(lock, os.O_RDONLY)
     except OSError:
-        return  # no lock file: no run has started here
+        return None  # no lock file: no run has started here
     try:
-        if _try_lock(fd) is False:
-            raise _refusal(run_dir)
+        return _holder(lock) if _try_lock(fd) is False else None
     finally:
         os.close(fd)  # closing drops a lock taken only to probe
+
+
+def check_not_in_use(run_dir: Path) -> None:
+    """Refuse a run directory whose lock a live run holds (the launcher's check, before it writes anything)."""
+    if holder_of(run_dir) is not None:
+        raise _refusal(run_dir)
+
+
+def remove_lock_if_free(run_dir: Path) -> bool:
+    """Remove the run directory's lock file unless a live process holds it (then False: the directory is that
+    run's). Two launchers started together into a new directory both see it created by themselves, and the one
+    refused must not take the lock file from under the one running."""
+    lock = run_dir / LOCK_FILE
+    try:
+        fd = os.open(lock, os.O_RDWR)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    try:
+        if _try_lock(fd) is False:
+            return False
+        lock.unlink(missing_ok=True)  # while locked: a launcher opening it now finds another inode and relocks
+        return True
+    finally:
+        os.close(fd)
 
 
 class RunLock:
@@ -100,11 +131,15 @@ class RunLock:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / LOCK_FILE
         self.created = not self.path.exists()
-        self.fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        locked = _try_lock(self.fd)
-        if locked is False:
-            self.close()
-            raise _refusal(run_dir)
+        while True:
+            self.fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            locked = _try_lock(self.fd)
+            if locked is False:
+                self.close()
+                raise _refusal(run_dir)
+            if locked is None or _is_current(self.path, self.fd):
+                break
+            os.close(self.fd)  # removed between our open and our lock (a failed launch's cleanup): lock the new one
         self.supported = locked is True
         if self.supported:
             _write_holder(self.fd, command)
@@ -173,11 +208,7 @@ def _take_output_lock(lock: Path, named: str, command: str) -> int | None:
             os.close(fd)
             lock.unlink(missing_ok=True)
             return None
-        try:
-            current = os.stat(lock).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-            current = False
-        if current:
+        if _is_current(lock, fd):
             try:
                 _write_holder(fd, command)
             except OSError:  # a full disk: the command's own write fails next and names its output
@@ -186,6 +217,14 @@ def _take_output_lock(lock: Path, named: str, command: str) -> int | None:
                 return None
             return fd
         os.close(fd)  # its last holder removed it between our open and our lock: lock the one there now
+
+
+def _is_current(lock: Path, fd: int) -> bool:
+    """Whether the open descriptor `fd` is still the file at `lock` (not one unlinked since it was opened)."""
+    try:
+        return os.stat(lock).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
 
 
 def _refuse_if_held(lock: Path, named: str) -> None:

@@ -140,6 +140,15 @@ def test_checkpoint_writers_refuse_another_runs_folder_unless_told_to_replace_it
     ):
         refused(capfd, args, message)
     one_line_error(loom("ckpt", "merge-lora", "--checkpoint", str(lora), *into_checkpoints), "is training run")
+    # --overwrite moved a live run's checkpoints aside and repointed its `latest`; its retention then deleted ours
+    from loom.engine.run_lock import RunLock
+
+    live = RunLock(base)
+    try:
+        for args in (["ckpt", "merge-lora", "--checkpoint", str(lora)], ["ckpt", "import-hf", "--input", str(hf)]):
+            refused(capfd, [*args, *into_checkpoints, "--overwrite"], f"{base}, in use by a running loom run (pid")
+    finally:
+        live.close(remove_if_created=True)
     assert checkpoints_of(base) == before
     assert "iter_0000000" not in before and before["latest"] == "iter_0000002\n"
 

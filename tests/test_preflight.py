@@ -241,6 +241,25 @@ def test_a_run_directory_in_use_is_refused_until_its_run_ends(dataset, tmp_path,
     assert loom_here(capfd, "train", *args).returncode == 0
 
 
+def test_a_refused_launch_leaves_the_lock_of_the_run_it_met(tmp_path):
+    """Two launches into a new directory both saw it made by themselves; the one refused removed the lock file on
+    its way out, from under the live run, and a third launch then trained beside that run in the same directory."""
+    from loom.engine.config import ConfigError
+    from loom.engine.preflight import removed_if_left_empty
+    from loom.engine.run_lock import LOCK_FILE, RunLock, holder_of
+
+    run_dir = tmp_path / "new"
+    with pytest.raises(ConfigError, match="is in use"), removed_if_left_empty(run_dir):
+        held = RunLock(run_dir)  # the other launch's rank 0, after this one looked
+        RunLock(run_dir)
+    assert (run_dir / LOCK_FILE).is_file() and holder_of(run_dir) is not None
+    held.close()
+    with pytest.raises(ConfigError, match="refused"), removed_if_left_empty(run_dir / "later"):
+        RunLock(run_dir / "later").close()  # a launch that failed after its lock was free again
+        raise ConfigError("refused")
+    assert not (run_dir / "later").exists()  # left as it was found
+
+
 def test_what_needs_a_gpu_is_refused_only_where_the_ranks_have_none(dataset, tmp_path):
     """`loom submit` runs the checks on a login node, often without GPUs, for ranks that run on GPU nodes: FP8 and
     an SDPA backend are refused only when the ranks will have no GPU (here: this machine, or a CPU partition),

@@ -19,6 +19,7 @@ from loom.engine.atomic import cannot_create, move_aside
 from loom.engine.checkpoint.format import HF_FILES, LATEST, CheckpointError, candidates, enclosing_checkpoint
 from loom.engine.config import ConfigError
 from loom.engine.run_dir import CHECKPOINTS, CONFIG, METRICS, checkpoints_of
+from loom.engine.run_lock import holder_of
 
 RUN_FILES = (METRICS, CONFIG)
 """What a training run writes into its run directory before anything else."""
@@ -65,6 +66,12 @@ def claim_checkpoint_output(output: Path, overwrite: bool, reading: tuple[Path, 
         )
     existing = _checkpoint_entries(output) if output.is_dir() else []
     owner = output.parent if output.name == CHECKPOINTS and is_run_directory(output.parent) else None
+    holder = holder_of(owner) if owner is not None else None
+    if holder is not None:  # its next save (and retention) would meet this checkpoint, --overwrite or not
+        raise CheckpointError(
+            f"--output {output} is the checkpoints folder of {owner}, in use by {holder}; write to a new folder, or "
+            "wait for that run to stop"
+        )
     if (existing or owner is not None) and not overwrite:
         trained = owner is not None and any((owner / name).is_file() for name in RUN_FILES)
         held = f"is {'training run ' if trained else ''}{owner}'s checkpoints folder" if owner else "holds checkpoints"
