@@ -56,7 +56,11 @@ def preflight(config: LoomConfig, world_size: int, training: bool = True, ranks_
 
         tokenizer = Path(config.data.tokenizer)
         if not tokenizer.is_file():
-            what = "is a directory; give its .model file" if tokenizer.is_dir() else "does not exist"
+            what = (
+                "is a directory; give its .model file"
+                if tokenizer.is_dir()
+                else "does not exist; give its path (--data.tokenizer PATH, relative to this directory), or none"
+            )
             raise ConfigError(f"data.tokenizer {tokenizer} {what}")
         try:
             vocab = sentencepiece.SentencePieceProcessor(model_file=config.data.tokenizer).vocab_size()

@@ -137,6 +137,10 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> None:
     raw["parallel"].update(tp=1, pp=1, vp=1, cp=1, dp=None)
     raw["optim"].update(zero=0, offload="none")
     raw["data"].update(paths=[args.data], split=args.split, weights=None)
+    recorded = (metadata.tokenizer or {}).get("path")
+    saved_path = raw["data"].get("tokenizer")
+    if saved_path and not Path(saved_path).is_file() and recorded and Path(recorded).is_file():
+        raw["data"]["tokenizer"] = recorded  # relative to where training ran, which the checkpoint recorded
     with tempfile.TemporaryDirectory() as run_dir:
         raw["train"].update(run_dir=run_dir, tensorboard=False, eval_iters=args.iters)
         raw["checkpoint"].update(load=str(directory), interval=0)

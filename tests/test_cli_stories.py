@@ -250,6 +250,21 @@ def test_generate_on_ranks_ends_a_rank_whose_stop_was_lost(world, capfd, monkeyp
     assert set(multiprocessing.active_children()) <= before
 
 
+def test_eval_from_another_directory_finds_the_tokenizer_the_checkpoint_recorded(world, capfd, tmp_path, monkeypatch):
+    """A run trained with a relative --data.tokenizer could not be evaluated from elsewhere ('data.tokenizer tok.model
+    does not exist'), though its checkpoint records where that file is (generate found it)."""
+    monkeypatch.chdir(world["root"])
+    args = tiny_train_args(world["dataset"], tmp_path / "run", "--model.num_layers", "2", *world["shape"])
+    code, _, err = run(capfd, "train", *args, "--train.steps", "1", "--checkpoint.save_at_end", "true",
+                       "--data.tokenizer", "tok.model")  # fmt: skip
+    assert code == 0, err
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run(
+        capfd, "eval", "--checkpoint", str(tmp_path / "run"), "--data", world["dataset"], "--iters", "1"
+    )
+    assert code == 0 and "validation loss" in out, err
+
+
 def test_generate_refuses_a_tokenizer_the_model_was_not_trained_with(world, capfd):
     """Another tokenizer's text used to come out as newlines; the checkpoint now records its tokenizer's sha256."""
     root, base = world["root"], str(world["base"])

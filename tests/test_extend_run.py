@@ -98,3 +98,29 @@ def test_a_resume_at_a_smaller_global_batch_reads_on_where_the_larger_one_stoppe
     resumed = run(tmp_path / "small", 6, 4, load=str(checkpoint))  # 32 read; 6 x 4 = 24 was the dataset's size
     assert sorted(resumed) == [3, 4, 5, 6]
     assert read_metadata(tmp_path / "small" / "checkpoints" / "iter_0000006").consumed_samples == 32 + 4 * 4
+
+
+def test_a_resume_compares_the_data_it_reads_not_how_its_path_is_spelled(tmp_path, monkeypatch):
+    """data.paths were compared as strings: a run resumed from another working directory with `../d` was warned
+    that its data order changed (the same files), and one resumed where `d` names other data was not."""
+    from loom.engine.checkpoint.load import changed_data_order
+    from loom.engine.config_io import config_to_dict
+    from loom.engine.data.indexed import dataset_record
+    from loom.tools.synthetic_data import write_markov_dataset
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    for folder, documents in ((first, 40), (second, 60)):
+        folder.mkdir()
+        write_markov_dataset(folder / "d", vocab_size=512, num_documents=documents)
+    monkeypatch.chdir(first)
+    saved = config_to_dict(tiny_config("d", tmp_path / "run"))
+    recorded = [dataset_record("d")]
+    assert changed_data_order(saved, tiny_config("d", tmp_path / "run"), recorded) == []
+    monkeypatch.chdir(second)
+    assert changed_data_order(saved, tiny_config("../first/d", tmp_path / "run"), recorded) == []
+    (change,) = changed_data_order(saved, tiny_config("d", tmp_path / "run"), recorded)
+    assert change.startswith(f"data.paths: {first / 'd'} (") and f"-> {second / 'd'} (" in change
+    # a checkpoint from before loom recorded its datasets: compared as written, as before
+    assert changed_data_order(saved, tiny_config("../first/d", tmp_path / "run")) == [
+        "data.paths: ['d'] -> ['../first/d']"
+    ]

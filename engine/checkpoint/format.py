@@ -201,6 +201,10 @@ class CheckpointMetadata:
     """Early stopping's state when saved: "best_loss" (the best validation loss so far, null before the first
     evaluation) and "evals_without_gain" (evaluations since it last improved), so a resumed run neither forgets
     its best nor trains on after it stopped early; None from writers that do not train."""
+    datasets: list | None = None
+    """The training datasets as training read them (engine/data/indexed.dataset_record, one per data.paths entry:
+    absolute prefix, bin_bytes, idx_bytes), so a resume compares data, not how its path was spelled; None from
+    writers that do not train, or where a file was missing."""
     nonfinite_in_a_row: int = 0
     """Non-finite steps in a row when saved (train.nan_policy = skip skips them): a resumed or requeued job goes
     on counting toward train.max_skipped_steps instead of starting again from 0."""
@@ -227,6 +231,7 @@ class CheckpointMetadata:
             "hf_dtype": self.hf_dtype,
             "hf_tokenizer": self.hf_tokenizer,
             "validation": self.validation,
+            "datasets": self.datasets,
             "nonfinite_in_a_row": self.nonfinite_in_a_row,
         }
         return json.dumps(data, indent=1)
@@ -260,6 +265,7 @@ class CheckpointMetadata:
                 hf_dtype=data.get("hf_dtype"),
                 hf_tokenizer=data.get("hf_tokenizer"),
                 validation=data.get("validation"),
+                datasets=data.get("datasets"),
                 nonfinite_in_a_row=data.get("nonfinite_in_a_row", 0),
                 format_version=data["format_version"],
             )

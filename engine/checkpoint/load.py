@@ -29,6 +29,7 @@ from loom.engine.checkpoint.format import (
 )
 from loom.engine.checkpoint.state import TrainingState
 from loom.engine.config import ConfigError, LoomConfig, ModelConfig
+from loom.engine.data.indexed import dataset_record
 from loom.engine.optim.algorithms import Adafactor, Lamb
 from loom.engine.optim.lr_schedule import learning_rate
 from loom.engine.parallel.param_info import param_info
@@ -157,12 +158,30 @@ DATA_ORDER_FIELDS = (
 )
 
 
-def changed_data_order(saved_config: dict, current: LoomConfig) -> list[str]:
-    """`section.name: saved -> current` for each of DATA_ORDER_FIELDS this run changes."""
-    return [
+def changed_data_order(saved_config: dict, current: LoomConfig, saved_datasets: list | None = None) -> list[str]:
+    """`section.name: saved -> current` for each of DATA_ORDER_FIELDS this run changes. With the datasets the
+    checkpoint records (`saved_datasets`), data.paths are compared by the files they name, not by their spelling: a
+    relative path from another working directory may name the same data, or other data under the same name."""
+    fields = DATA_ORDER_FIELDS
+    changes = []
+    if saved_datasets is not None:
+        fields = tuple(field for field in fields if field != ("data", "paths"))
+        now = [dataset_record(prefix) for prefix in current.data.paths]
+        if [_files(record) for record in saved_datasets] != [_files(record) for record in now]:
+            changes.append(f"data.paths: {_described(saved_datasets)} -> {_described(now)}")
+    changes += [
         f"{section}.{name}: {saved} -> {now}"
-        for section, name, saved, now in _differences(saved_config, current, DATA_ORDER_FIELDS)
+        for section, name, saved, now in _differences(saved_config, current, fields)
     ]
+    return changes
+
+
+def _files(record: dict | None) -> tuple | None:
+    return (record["bin_bytes"], record["idx_bytes"]) if record else None
+
+
+def _described(records: list) -> str:
+    return ", ".join(f"{r['path']} ({r['bin_bytes']:,} bytes)" if r else "(missing)" for r in records)
 
 
 SCHEDULE_FIELDS = ("lr", "min_lr", "warmup_steps", "decay", "decay_steps")
@@ -227,7 +246,7 @@ def resume_warnings(
             f"{directory} was trained with {saved_optimizer}; its optimizer state does not carry over "
             f"to {config.optim.name}, which starts from fresh state (the weights are resumed)"
         )
-    reordered = changed_data_order(metadata.config, config)
+    reordered = changed_data_order(metadata.config, config, metadata.datasets)
     if reordered and continues_run:
         warnings.append(
             f"from step {metadata.step} on this run reads its data in another order than it did "

@@ -41,6 +41,7 @@ from loom.engine.checkpoint.format import (
 )
 from loom.engine.checkpoint.state import TrainingState
 from loom.engine.config_io import config_to_dict
+from loom.engine.data.indexed import dataset_record
 from loom.engine.faults import FaultPlan
 from loom.engine.parallel.param_info import param_info
 from loom.engine.parallel.sharding import ShardSpec
@@ -117,6 +118,11 @@ def collect_pieces(state: TrainingState) -> tuple[dict[str, torch.Tensor], dict[
     return {k: v.detach().cpu().contiguous() for k, v in pieces.items()}, specs, step
 
 
+def _dataset_records(paths: list[str]) -> list[dict] | None:
+    records = [dataset_record(prefix) for prefix in paths]
+    return None if None in records else records
+
+
 def describe_run(state: TrainingState) -> CheckpointMetadata:
     """metadata.json's facts about the run, taken at the moment of the save; the files are added when sealing."""
     p, c = state.parallel, state.config
@@ -145,6 +151,7 @@ def describe_run(state: TrainingState) -> CheckpointMetadata:
         lora_base=state.lora_base,
         validation=state.validation,
         nonfinite_in_a_row=state.nonfinite_in_a_row,
+        datasets=_dataset_records(c.data.paths),
         tokenizer=tokenizer_record(c.data.tokenizer),
         **(state.hf_origin or {}),
     )

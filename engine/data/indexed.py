@@ -88,6 +88,18 @@ def index_paths(prefix: str | Path) -> tuple[Path, Path]:
     return Path(prefix + ".bin"), Path(prefix + ".idx")
 
 
+def dataset_record(prefix: str) -> dict | None:
+    """What a checkpoint records of a training dataset (CheckpointMetadata.datasets): its absolute prefix and the
+    sizes of its two files, by which a resume tells other data from the same data reached by another path
+    (relative paths, a moved run); None where a file is missing."""
+    bin_path, idx_path = index_paths(prefix)
+    try:
+        return {"path": str(Path(prefix).resolve()), "bin_bytes": bin_path.stat().st_size,
+                "idx_bytes": idx_path.stat().st_size}  # fmt: skip
+    except OSError:
+        return None
+
+
 def _corrupt(path: Path, problem: str) -> IndexFormatError:
     return IndexFormatError(f"corrupt dataset {path}: {problem}; {_REBUILD_HINT}")
 
