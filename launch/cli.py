@@ -79,10 +79,24 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
             "with LoRA, or drop the lora settings to train the whole model"
         )
     external = args.nproc is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "1")
+    if not external and tasks.isdigit() and int(tasks) > 1:  # else each task trained a run of its own
+        raise ConfigError(
+            f"this is task {os.environ.get('SLURM_PROCID', '?')} of {tasks} of an srun step, and each task would start "
+            "a training run of its own: use `loom submit` (it starts one rank per task), or run one task "
+            "(srun -n 1 loom train --nproc N), or torchrun in each task"
+        )
     if external:  # one rank of torchrun or srun: checkpoint and stop on SIGTERM/Ctrl-C like --nproc does
         from loom.engine.preflight import preflight_of_a_rank
-        from loom.launch.env import StopSignals, run_rank
+        from loom.launch.env import StopSignals, rank_from_environment, run_rank
 
+        rank, world = rank_from_environment()
+        if rank == 0:  # else a leftover RANK/WORLD_SIZE made loom wait for peers in silence
+            print(
+                f"loom train: rank 0 of {world} (RANK, WORLD_SIZE from the environment), meeting the others at "
+                f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+                flush=True,
+            )
         preflight_of_a_rank(config)
         run_rank(config, stop=StopSignals.exit_on_terminate())
         return

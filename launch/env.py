@@ -77,18 +77,57 @@ class StopSignals:
         return self.agreed == self.EXIT
 
 
+RENDEZVOUS_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def rank_from_environment() -> tuple[int, int]:
+    """(RANK, WORLD_SIZE) of a rank that torchrun, srun or a user's script started, checked: a shell that still
+    holds RANK and WORLD_SIZE from another job made `loom train` a rank of a launch that does not exist (a traceback
+    about MASTER_ADDR, or a silent wait for peers until the timeout)."""
+    missing = [name for name in RENDEZVOUS_VARIABLES if not os.environ.get(name)]
+    given = ", ".join(f"{name}={os.environ[name]}" for name in RENDEZVOUS_VARIABLES if os.environ.get(name))
+    if missing:
+        raise ConfigError(
+            f"{given} in the environment make this process one rank of a torchrun/srun launch, but {missing[0]} is "
+            "not set: set it too, or unset RANK and WORLD_SIZE (left from another job?) and pass --nproc N"
+        )
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    except ValueError:
+        raise ConfigError(f"RANK and WORLD_SIZE must be integers ({given})") from None
+    if not 0 <= rank < world:
+        raise ConfigError(f"RANK must lie in [0, WORLD_SIZE) ({given})")
+    return rank, world
+
+
 def init_distributed(config: LoomConfig) -> int:
     """Initialise the default process group from the environment; returns the local rank."""
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank, world = rank_from_environment()
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     backend = choose_backend(config.parallel.backend, config.train.device)
     if backend == "nccl" or computes_on_cuda(config.train.device):
         set_cuda_env_defaults(config)  # a CUDA rank's, whatever its backend (gloo over CUDA tensors too)
     if backend == "nccl":
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
-    dist.init_process_group(
-        backend, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=config.parallel.timeout_minutes)
-    )
+    minutes = config.parallel.timeout_minutes
+    where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=minutes))
+    except dist.DistNetworkError as error:
+        if "EADDRINUSE" not in str(error):
+            raise
+        raise ConfigError(
+            f"rank 0 cannot listen on {where} (MASTER_ADDR:MASTER_PORT): another process took the port; run the "
+            "command again (--nproc picks a free port each time), or under torchrun/srun pick another MASTER_PORT"
+        ) from None
+    except dist.DistStoreError as error:
+        if "Timed out" not in str(error):
+            raise
+        raise ConfigError(
+            f"rank {rank} of WORLD_SIZE = {world} waited {minutes:g} minutes (parallel.timeout_minutes) at {where} "
+            f"for the other ranks, and not all came ({error}); start every rank, or unset RANK and WORLD_SIZE "
+            "(left from another job?) and pass --nproc N"
+        ) from None
     return local_rank
 
 

@@ -260,6 +260,38 @@ def test_a_refused_launch_leaves_the_lock_of_the_run_it_met(tmp_path):
     assert not (run_dir / "later").exists()  # left as it was found
 
 
+def test_a_rank_environment_left_in_the_shell_is_named(dataset, tmp_path, capfd, monkeypatch):
+    """RANK and WORLD_SIZE left from another job made `loom train` one rank of a launch that does not exist: a
+    traceback about MASTER_ADDR, or silence until the rendezvous timed out (then a traceback); a port another
+    process holds was a traceback too."""
+    import socket
+
+    from loom.engine.parallel.rendezvous import free_port
+
+    args = tiny_train_args(dataset, tmp_path, "--train.steps", "1", "--parallel.timeout_minutes", "0.02")
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "2")  # `srun -n 2 loom train`: each task trained a run of its own
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    one_line_error(loom_here(capfd, "train", *args), "this is task 1 of 2 of an srun step, and each task would start")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    one_line_error(loom_here(capfd, "train", *args), "RANK=0, WORLD_SIZE=2 in the environment make this process one "
+                   "rank of a torchrun/srun launch, but MASTER_ADDR is not set")  # fmt: skip
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(taken.getsockname()[1]))
+        monkeypatch.setenv("WORLD_SIZE", "1")
+        one_line_error(loom_here(capfd, "train", *args), "another process took the port")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    result = loom_here(capfd, "train", *args)
+    assert result.stdout.startswith("loom train: rank 0 of 2 (RANK, WORLD_SIZE from the environment), meeting")
+    one_line_error(result, "rank 0 of WORLD_SIZE = 2 waited 0.02 minutes (parallel.timeout_minutes) at 127.0.0.1:")
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
 def test_what_needs_a_gpu_is_refused_only_where_the_ranks_have_none(dataset, tmp_path):
     """`loom submit` runs the checks on a login node, often without GPUs, for ranks that run on GPU nodes: FP8 and
     an SDPA backend are refused only when the ranks will have no GPU (here: this machine, or a CPU partition),
