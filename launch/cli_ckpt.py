@@ -120,16 +120,36 @@ def _import_hf(args: argparse.Namespace) -> None:
     print(f"wrote {final}; train from it with --checkpoint.load {args.output} (or --lora.base {args.output})")
 
 
+EVAL_ATTEMPTS = 3
+"""How many checkpoints `loom eval` of a live run tries when the run's retention removes the one it reads."""
+
+
 def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> None:
+    from loom.launch.local import RankFailed
+    from loom.tools.ckpt import open_checkpoint
+
+    for attempt in range(1, EVAL_ATTEMPTS + 1):
+        directory, metadata = open_checkpoint(Path(args.checkpoint))
+        try:
+            return _evaluate(args, overrides, directory, metadata)
+        except (ConfigError, RankFailed, OSError):
+            if directory.is_dir():
+                raise
+            # A run that trains on beside this evaluation deletes its older checkpoints (checkpoint.keep).
+            removed = f"checkpoint {directory} was removed while it was read (a live run's checkpoint.keep?)"
+            if attempt == EVAL_ATTEMPTS or Path(args.checkpoint).resolve() == directory.resolve():
+                raise ConfigError(f"{removed}; evaluate a copy of it, or when that run has stopped") from None
+            print(f"{removed}; evaluating the newest one again", flush=True)
+
+
+def _evaluate(args: argparse.Namespace, overrides: list[str], directory: Path, metadata) -> None:
     from loom.data_tools.manifest import check_same_tokenizer
     from loom.engine.config_io import config_from_dict, parse_overrides
     from loom.engine.parallel.rendezvous import start_rank_server
     from loom.engine.preflight import preflight
     from loom.launch.local import launch_local
-    from loom.tools.ckpt import open_checkpoint
     from loom.tools.generate import check_trained_tokenizer
 
-    directory, metadata = open_checkpoint(Path(args.checkpoint))
     if metadata.lora_base is None and parse_overrides(overrides).get("lora", {}).get("base"):
         raise ConfigError(f"{directory} is not a LoRA checkpoint, so --lora.base has nothing to do; drop it")
     trained_with = (metadata.tokenizer or {}).get("path") or metadata.config["data"].get("tokenizer")

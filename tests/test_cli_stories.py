@@ -265,6 +265,34 @@ def test_eval_from_another_directory_finds_the_tokenizer_the_checkpoint_recorded
     assert code == 0 and "validation loss" in out, err
 
 
+def test_eval_of_a_live_run_whose_retention_removes_its_checkpoint(world, capfd, tmp_path, monkeypatch):
+    """`loom eval` of a run that trains on (checkpoint.keep) failed most times, the checkpoint deleted under it, as
+    'checkpoint.load = ... does not exist' (never given) or a missing rank file: it evaluates the newest again."""
+    import shutil
+
+    from loom.launch import local
+
+    run_dir = tmp_path / "live"
+    shutil.copytree(world["base"], run_dir)
+    real = local.launch_local
+
+    def retention_first(config, nproc, **kwargs):
+        if (run_dir / "checkpoints" / "iter_0000002").is_dir():  # what the run's next save does meanwhile
+            shutil.rmtree(run_dir / "checkpoints" / "iter_0000002")
+            (run_dir / "checkpoints" / "latest").write_text("iter_0000001\n")
+            raise local.RankFailed(0, "No such file or directory: rank00000.safetensors", "")
+        return real(config, nproc, **kwargs)
+
+    monkeypatch.setattr(local, "launch_local", retention_first)
+    evaluate = ["eval", "--data", world["dataset"], "--iters", "1", "--checkpoint"]
+    code, out, err = run(capfd, *evaluate, str(run_dir))
+    assert code == 0, err
+    assert f"checkpoint {run_dir / 'checkpoints' / 'iter_0000002'} was removed while it was read" in out
+    assert "evaluating the newest one again" in out and "step 1: validation loss" in out
+    shutil.copytree(world["base"] / "checkpoints" / "iter_0000002", run_dir / "checkpoints" / "iter_0000002")
+    refused(capfd, [*evaluate, str(run_dir / "checkpoints" / "iter_0000002")], "evaluate a copy of it, or when")
+
+
 def test_generate_refuses_a_tokenizer_the_model_was_not_trained_with(world, capfd):
     """Another tokenizer's text used to come out as newlines; the checkpoint now records its tokenizer's sha256."""
     root, base = world["root"], str(world["base"])
