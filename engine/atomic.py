@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import hashlib
 import os
 import re
 import shutil
@@ -28,10 +29,26 @@ def _writer_tag() -> str:
     return f"{_HOST}-{os.getpid()}"
 
 
+_NAME_MAX = 255  # bytes in one file name, on every file system loom is run on (ext4, xfs, Lustre, NFS)
+_TAG_MAX = len(_HOST) + 1 + 10  # the writer tag with the largest pid
+
+
+def _temporary_prefix(path: Path) -> str:
+    """`.NAME.`, the start of every temporary name of `path`; a name too long to take the writer's tag (a legal
+    output name near 255 bytes) is cut and given a hash of the whole, so that it stays its own."""
+    name = path.name
+    room = _NAME_MAX - len(f"..{'x' * _TAG_MAX}.tmp".encode())
+    if len(name.encode()) <= room:
+        return f".{name}."
+    digest = "~" + hashlib.sha1(name.encode()).hexdigest()[:12]
+    cut = name.encode()[: room - len(digest)].decode(errors="ignore")
+    return f".{cut}{digest}."
+
+
 def temporary_sibling(path: str | Path) -> Path:
     """A name in the same directory (so the final rename is atomic) that no other process uses."""
     path = Path(path)
-    return path.with_name(f".{path.name}.{_writer_tag()}.tmp")
+    return path.with_name(f"{_temporary_prefix(path)}{_writer_tag()}.tmp")
 
 
 def _left_by_a_gone_writer(name: str, prefix: str, suffix: str = "") -> bool:
@@ -53,7 +70,7 @@ def _left_by_a_gone_writer(name: str, prefix: str, suffix: str = "") -> bool:
 def remove_stale_temporaries(path: str | Path) -> None:
     """Remove the temporary files that writers of `path` on this machine, now gone, left beside it."""
     path = Path(path)
-    prefix = f".{path.name}."
+    prefix = _temporary_prefix(path)
     for entry in path.parent.glob(f"{glob.escape(prefix)}*.tmp"):
         if _left_by_a_gone_writer(entry.name, prefix, ".tmp"):
             with contextlib.suppress(OSError):
@@ -98,7 +115,8 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         yield tmp
         os.replace(tmp, path)
     except OSError as error:
-        if error.filename is None and error.errno is not None:  # a write's error names no file ("[Errno 28] ...")
+        # A write's error names no file ("[Errno 28] ..."), an open's the temporary name: the user knows `path`.
+        if error.errno is not None and (error.filename is None or str(error.filename) == str(tmp)):
             raise OSError(error.errno, error.strerror, str(path)) from None
         raise
     finally:

@@ -278,9 +278,25 @@ def _import_torch_with_stops_held() -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
+def _check_inductor_cache_dir() -> None:
+    """torch._dynamo (which torch.optim imports) makes TORCHINDUCTOR_CACHE_DIR on import: an unwritable one failed
+    every command that trains as '/proc/x: No such file or directory', naming neither the variable nor the cause."""
+    folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not folder:
+        return
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(
+            f"TORCHINDUCTOR_CACHE_DIR={folder} cannot be made ({error.strerror}), and torch makes it on import: point "
+            "it at a writable folder, or unset it"
+        ) from None
+
+
 def _run_command(argv: list[str] | None) -> None:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    _check_inductor_cache_dir()
     if args.command in ("train", "demo"):
         signal.signal(signal.SIGTERM, functools.partial(_stop_now, trains=True))
     if args.command in TORCH_COMMANDS:

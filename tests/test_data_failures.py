@@ -333,3 +333,26 @@ def test_an_overwrite_that_cannot_move_a_file_moves_nothing(tmp_path, monkeypatc
         move_aside(tmp_path, files)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds.bin", "ds.idx", "ds.manifest.json"]
     assert all(path.read_text() == path.name for path in files)
+
+
+def test_an_output_name_near_the_file_systems_limit_is_written(tmp_path):
+    """A legal name of 227-255 bytes failed as 'File name too long' naming loom's temporary file (the name plus the
+    writer's host and pid), after the command's whole work; its stale temporaries are still found and removed."""
+    import subprocess
+
+    from loom.engine.atomic import remove_stale_temporaries, temporary_sibling, write_text_atomically
+
+    for name in ("m" * 255, "é" * 127 + "x"):  # bytes, not characters, count
+        path = tmp_path / name
+        write_text_atomically(path, "done")
+        assert path.read_text() == "done" and sorted(p.name for p in tmp_path.iterdir()) == [name]
+        gone = subprocess.Popen([sys.executable, "-c", "pass"])
+        gone.wait()
+        stale = temporary_sibling(path).with_name(temporary_sibling(path).name.replace(str(os.getpid()), str(gone.pid)))
+        stale.write_text("half")  # a writer killed outright
+        remove_stale_temporaries(path)
+        assert not stale.exists()
+        path.unlink()
+    with pytest.raises(OSError, match="File name too long") as refused:
+        write_text_atomically(tmp_path / ("n" * 256), "x")
+    assert refused.value.filename == str(tmp_path / ("n" * 256))  # the name the user gave, not loom's temporary one

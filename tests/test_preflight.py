@@ -292,6 +292,15 @@ def test_a_rank_environment_left_in_the_shell_is_named(dataset, tmp_path, capfd,
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+def test_an_inductor_cache_that_cannot_be_made_is_named(dataset, tmp_path, capfd, monkeypatch):
+    """torch makes TORCHINDUCTOR_CACHE_DIR on import: an unwritable one failed training as 'X: No such file or
+    directory' (the variable unnamed), with a traceback of the rank server after it."""
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "file" / "cache"))
+    result = loom_here(capfd, "train", *tiny_train_args(dataset, tmp_path / "run"))
+    one_line_error(result, f"TORCHINDUCTOR_CACHE_DIR={tmp_path / 'file' / 'cache'} cannot be made (Not a directory)")
+
+
 def test_what_needs_a_gpu_is_refused_only_where_the_ranks_have_none(dataset, tmp_path):
     """`loom submit` runs the checks on a login node, often without GPUs, for ranks that run on GPU nodes: FP8 and
     an SDPA backend are refused only when the ranks will have no GPU (here: this machine, or a CPU partition),
