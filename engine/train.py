@@ -34,7 +34,7 @@ from loom.engine.comm_ledger import StepLedgerWriter
 from loom.engine.config import ConfigError, LoomConfig
 from loom.engine.config_io import config_to_toml
 from loom.engine.cuda_env import computes_on_cuda
-from loom.engine.data.loader import BatchIterator, build_datasets
+from loom.engine.data.loader import BatchIterator, build_datasets, repeated_data
 from loom.engine.faults import FaultPlan
 from loom.engine.flops import model_flops_per_token, peak_tflops
 from loom.engine.metrics import MetricsWriter, StepClock, memory_gb, perplexity
@@ -282,6 +282,8 @@ class Trainer:
             c, not evaluation_only, self.state.rank == 0, dist.barrier, resumed_at=position
         )
         self.train_batches = self._batches(train_set, c.global_batch_size_at)
+        for repeated in repeated_data(train_set) if self.state.rank == 0 else []:
+            self._log_event(f"data: this run reads {repeated}")
 
     def _batches(self, dataset, batch_size_at) -> BatchIterator:
         """This DP rank's micro-batches of `dataset`, cut to this CP rank's chunks of each sequence."""

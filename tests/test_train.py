@@ -179,3 +179,27 @@ def test_a_nan_validation_loss_is_never_the_best():
     Trainer._record_validation(trainer, math.inf)
     assert trainer.validation == {"best_loss": 2.5, "evals_without_gain": 1}
     assert Trainer._no_gain_in_validation(trainer) == "validation loss has not improved for 1 evaluations (best 2.5000)"
+
+
+def test_a_run_that_reads_its_data_more_than_once_says_so(markov_dataset, tmp_path):
+    """A small dataset was read again and again without a word (Megatron prints its epochs)."""
+    from training_runs import tiny_config
+
+    from loom.engine.data.loader import build_datasets, repeated_data
+
+    small, large = markov_dataset(40), markov_dataset(300)
+    config = tiny_config(small, tmp_path, train={"steps": 2, "eval_interval": 0})
+    config.data.cache_dir = str(tmp_path / "cache")
+    train, _ = build_datasets(config, True, True, None)
+    assert repeated_data(train) == []
+    config.train.steps = 40
+    train, _ = build_datasets(config, True, True, None)
+    samples, per_epoch = 40 * config.train.global_batch_size, train.epoch.samples
+    assert repeated_data(train) == [
+        f"{small} {samples / per_epoch:.1f} times ({samples:,} samples of the {per_epoch:,} an epoch of its training "
+        "split holds; each epoch shuffled anew)"
+    ]
+    config.data.paths, config.data.weights = [small, large], [1.0, 1.0]
+    blend, _ = build_datasets(config, True, True, None)
+    (said,) = repeated_data(blend)  # half the samples from each: more than the small one holds, not the large one
+    assert said.startswith(f"{small} ") and f"({samples // 2:,} samples of the {per_epoch:,} an epoch" in said

@@ -92,6 +92,23 @@ def build_datasets(
     return train, valid
 
 
+def repeated_data(train_set) -> list[str]:
+    """For each dataset of `train_set` (a GPTDataset, or a blend of them) that the run reads more than once: how
+    many times, as a phrase (Megatron says so too; a small dataset was otherwise read again and again unsaid)."""
+    if train_set is None:
+        return []
+    if isinstance(train_set, BlendedDataset):
+        parts = zip(train_set.datasets, np.bincount(train_set.dataset_index, minlength=len(train_set.datasets)))
+    else:
+        parts = [(train_set, train_set.num_samples)]
+    return [
+        f"{part.indexed.prefix} {read / part.epoch.samples:.1f} times ({int(read):,} samples of the "
+        f"{part.epoch.samples:,} an epoch of its training split holds; each epoch shuffled anew)"
+        for part, read in parts
+        if read > part.epoch.samples
+    ]
+
+
 def training_samples(config: LoomConfig, resumed_at: tuple[int, int] | None = None) -> int:
     """The training samples a run reads: train.steps global batches; resumed from a checkpoint that took larger
     batches (another train.global_batch_size before), its consumed samples and the steps left at today's batch."""
