@@ -23,7 +23,7 @@ from typing import Iterable, Iterator
 
 import sentencepiece
 
-from loom.data_tools.atomic import temporary_sibling
+from loom.data_tools.atomic import NAME_MAX, temporary_sibling
 from loom.data_tools.failures import reported_failures
 from loom.data_tools.jsonl import InputError, JsonlStats, check_inputs, count_lines, iter_jsonl, no_documents
 from loom.data_tools.manifest import manifest_path, write_manifest
@@ -269,7 +269,7 @@ def _train_into(lines: list[str], output_prefix: Path, options: dict, seed: int,
     """Train SentencePiece on `lines` and move PREFIX.model/.vocab into place (.model last) only if it succeeds.
 
     empty_input: the error to report when training fails because the input held no documents."""
-    tmp_prefix = temporary_sibling(output_prefix)
+    tmp_prefix = temporary_sibling(output_prefix, reserve=len(".model"))
     sentencepiece.set_random_generator_seed(seed)
     try:
         try:
@@ -334,9 +334,12 @@ def train_tokenizer(
     with reported_failures(output_prefix, vocab_size * BYTES_PER_PIECE):
         output_prefix.parent.mkdir(parents=True, exist_ok=True)
         # A read-only or forbidden output fails now, not after an hour of training.
-        probe = temporary_sibling(output_prefix)
+        probe = temporary_sibling(output_prefix, reserve=len(".model"))
         probe.touch()
         probe.unlink()
+        for written in (output_prefix.with_name(output_prefix.name + ".model"), manifest_path(output_prefix, False)):
+            if len(written.name.encode()) > NAME_MAX:  # else refused after the training, at its rename
+                raise OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG), str(written))
         lines, long_lines_cut = _read_sample(
             inputs, text_key, stats, held_out_every, held_out, input_sentence_size, seed, progress
         )

@@ -29,15 +29,16 @@ def _writer_tag() -> str:
     return f"{_HOST}-{os.getpid()}"
 
 
-_NAME_MAX = 255  # bytes in one file name, on every file system loom is run on (ext4, xfs, Lustre, NFS)
+NAME_MAX = 255  # bytes in one file name, on every file system loom is run on (ext4, xfs, Lustre, NFS)
 _TAG_MAX = len(_HOST) + 1 + 10  # the writer tag with the largest pid
 
 
-def _temporary_prefix(path: Path) -> str:
+def _temporary_prefix(path: Path, reserve: int = 0) -> str:
     """`.NAME.`, the start of every temporary name of `path`; a name too long to take the writer's tag (a legal
-    output name near 255 bytes) is cut and given a hash of the whole, so that it stays its own."""
+    output name near 255 bytes) and `reserve` more bytes is cut and given a hash of the whole, so that it stays its
+    own."""
     name = path.name
-    room = _NAME_MAX - len(f"..{'x' * _TAG_MAX}.tmp".encode())
+    room = NAME_MAX - reserve - len(f"..{'x' * _TAG_MAX}.tmp".encode())
     if len(name.encode()) <= room:
         return f".{name}."
     digest = "~" + hashlib.sha1(name.encode()).hexdigest()[:12]
@@ -45,10 +46,11 @@ def _temporary_prefix(path: Path) -> str:
     return f".{cut}{digest}."
 
 
-def temporary_sibling(path: str | Path) -> Path:
-    """A name in the same directory (so the final rename is atomic) that no other process uses."""
+def temporary_sibling(path: str | Path, reserve: int = 0) -> Path:
+    """A name in the same directory (so the final rename is atomic) that no other process uses; `reserve`: bytes
+    the caller appends to it (a SentencePiece prefix's .model)."""
     path = Path(path)
-    return path.with_name(f"{_temporary_prefix(path)}{_writer_tag()}.tmp")
+    return path.with_name(f"{_temporary_prefix(path, reserve)}{_writer_tag()}.tmp")
 
 
 def _left_by_a_gone_writer(name: str, prefix: str, suffix: str = "") -> bool:

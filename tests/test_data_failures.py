@@ -356,3 +356,14 @@ def test_an_output_name_near_the_file_systems_limit_is_written(tmp_path):
     with pytest.raises(OSError, match="File name too long") as refused:
         write_text_atomically(tmp_path / ("n" * 256), "x")
     assert refused.value.filename == str(tmp_path / ("n" * 256))  # the name the user gave, not loom's temporary one
+    # a tokenizer's prefix takes .model and .vocab after loom's temporary name: a legal 241-byte prefix failed;
+    # one too long for its manifest is refused before the training
+    from loom.data_tools.tokenizer import train_tokenizer
+
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(f'{{"text": "line {i}: def f(x): return x * {i}"}}\n' for i in range(200)))
+    train_tokenizer([docs], tmp_path / ("t" * 241), vocab_size=400, progress=False)
+    assert (tmp_path / ("t" * 241 + ".model")).is_file()
+    with pytest.raises(OSError, match="File name too long") as refused:
+        train_tokenizer([docs], tmp_path / ("t" * 242), vocab_size=400, progress=False)
+    assert refused.value.filename == str(tmp_path / ("t" * 242 + ".manifest.json"))

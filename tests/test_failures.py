@@ -269,7 +269,9 @@ def model_tensors(checkpoint: Path) -> dict:
     return tensors
 
 
-def test_nan_loss_under_skip_policy_drops_only_that_update(dataset, tmp_path, run_here):
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_nan_loss_under_skip_policy_drops_only_that_update(dataset, tmp_path, run_here, precision):
+    """Under fp16 the loss scaler took the NaN loss's step for an overflow too: it lowered the scale and counted it."""
     result = run_here(
         train_command(
             dataset,
@@ -282,7 +284,9 @@ def test_nan_loss_under_skip_policy_drops_only_that_update(dataset, tmp_path, ru
             "4",
             "--train.nan_policy",
             "skip",
-        ),
+            "--train.precision",
+            precision,
+        ),  # fmt: skip
         env={"LOOM_INJECT_NAN": "3"},
     )
     assert result.returncode == 0, result.stderr
@@ -292,6 +296,9 @@ def test_nan_loss_under_skip_policy_drops_only_that_update(dataset, tmp_path, ru
     assert rows[2]["loss"] is None and rows[2]["grad_norm"] is None and rows[2]["nonfinite_skipped"] == 1
     json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[2], parse_constant=pytest.fail)  # no NaN
     assert math.isfinite(rows[3]["loss"]) and "nonfinite_skipped" not in rows[3]
+    if precision == "fp16":
+        assert [(r["loss_scale"], r["skipped_steps"]) for r in rows] == [(rows[0]["loss_scale"], 0)] * 4
+        assert "overflowed" not in result.stdout
     before, skipped, after = (model_tensors(tmp_path / "checkpoints" / f"iter_{s:07d}") for s in (2, 3, 4))
     assert before and before.keys() == skipped.keys()
     for key, value in before.items():

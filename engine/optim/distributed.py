@@ -251,12 +251,13 @@ class DistributedOptimizer:
         skipped and nonfinite. A non-finite norm outside fp16 loss scaling, or `skip` (a non-finite loss),
         drops the update: applying it would turn every weight into NaN. Under fp16 an overflow alone is the loss
         scaler's to handle (not `nonfinite`), but a non-finite loss is one at any scale: the forward itself failed,
-        which a lower scale cannot mend. No device-to-host transfer here."""
-        if self.loss_scaler is not None:
-            skipped = self.loss_scaler.update(found_inf=not math.isfinite(norm))
-            if skipped:
-                return {"grad_norm": norm, "skipped": True, "nonfinite": skip}
-        if skip or not math.isfinite(norm):
+        which a lower scale cannot mend, so the scaler neither sees nor counts that step. No device-to-host transfer
+        here."""
+        if skip:
+            return {"grad_norm": norm, "skipped": True, "nonfinite": True}
+        if self.loss_scaler is not None and self.loss_scaler.update(found_inf=not math.isfinite(norm)):
+            return {"grad_norm": norm, "skipped": True, "nonfinite": False}
+        if not math.isfinite(norm):
             return {"grad_norm": norm, "skipped": True, "nonfinite": True}
         if self.config.clip_grad > 0 and norm > self.config.clip_grad:
             torch._foreach_mul_([s.master.grad for s in self.segments], self.config.clip_grad / (norm + 1e-6))
