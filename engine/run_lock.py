@@ -67,9 +67,9 @@ def _write_holder(fd: int, command: str) -> None:
     os.pwrite(fd, json.dumps(record).encode(), 0)
 
 
-def _refusal(run_dir: Path) -> RunDirectoryInUse:
+def _refusal(run_dir: Path, holder: str | None = None) -> RunDirectoryInUse:
     return RunDirectoryInUse(
-        f"run directory {run_dir} is in use by {_holder(run_dir / LOCK_FILE)}; wait for it "
+        f"run directory {run_dir} is in use by {holder or _holder(run_dir / LOCK_FILE)}; wait for it "
         f"or stop it, or give this run its own --train.name or --train.run_dir"
     )
 
@@ -98,8 +98,9 @@ def holder_of(run_dir: Path) -> str | None:
 
 def check_not_in_use(run_dir: Path) -> None:
     """Refuse a run directory whose lock a live run holds (the launcher's check, before it writes anything)."""
-    if holder_of(run_dir) is not None:
-        raise _refusal(run_dir)
+    holder = holder_of(run_dir)
+    if holder is not None:
+        raise _refusal(run_dir, holder)
 
 
 def remove_lock_if_free(run_dir: Path) -> bool:

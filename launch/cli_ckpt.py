@@ -125,21 +125,37 @@ EVAL_ATTEMPTS = 3
 
 
 def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> None:
+    from loom.engine.checkpoint.format import CheckpointError
     from loom.launch.local import RankFailed
     from loom.tools.ckpt import open_checkpoint
 
+    given = Path(args.checkpoint)
     for attempt in range(1, EVAL_ATTEMPTS + 1):
-        directory, metadata = open_checkpoint(Path(args.checkpoint))
+        directory = None
         try:
+            directory, metadata = open_checkpoint(given)
             return _evaluate(args, overrides, directory, metadata)
-        except (ConfigError, RankFailed, OSError):
-            if directory.is_dir():
-                raise
+        except (ConfigError, CheckpointError, RankFailed, OSError):
             # A run that trains on beside this evaluation deletes its older checkpoints (checkpoint.keep).
-            removed = f"checkpoint {directory} was removed while it was read (a live run's checkpoint.keep?)"
-            if attempt == EVAL_ATTEMPTS or Path(args.checkpoint).resolve() == directory.resolve():
+            if not (_removed(directory) if directory is not None else not given.exists()):
+                raise
+            where = directory or given
+            removed = f"checkpoint {where} was removed while it was read (a live run's checkpoint.keep?)"
+            if attempt == EVAL_ATTEMPTS or directory is None or given.resolve() == directory.resolve():
                 raise ConfigError(f"{removed}; evaluate a copy of it, or when that run has stopped") from None
             print(f"{removed}; evaluating the newest one again", flush=True)
+
+
+def _removed(directory: Path) -> bool:
+    """Whether checkpoint `directory`, intact when the evaluation opened it, is gone or going (a removal underway
+    leaves a folder without all its files)."""
+    from loom.engine.checkpoint.format import CheckpointError, read_metadata
+
+    try:
+        read_metadata(directory, verify_hashes=False)
+    except (CheckpointError, OSError):
+        return True
+    return False
 
 
 def _evaluate(args: argparse.Namespace, overrides: list[str], directory: Path, metadata) -> None:
@@ -158,9 +174,8 @@ def _evaluate(args: argparse.Namespace, overrides: list[str], directory: Path, m
     raw["optim"].update(zero=0, offload="none")
     raw["data"].update(paths=[args.data], split=args.split, weights=None)
     recorded = (metadata.tokenizer or {}).get("path")
-    saved_path = raw["data"].get("tokenizer")
-    if saved_path and not Path(saved_path).is_file() and recorded and Path(recorded).is_file():
-        raw["data"]["tokenizer"] = recorded  # relative to where training ran, which the checkpoint recorded
+    if raw["data"].get("tokenizer") and recorded and Path(recorded).is_file():
+        raw["data"]["tokenizer"] = recorded  # the config's may be relative to where training ran: not here
     with tempfile.TemporaryDirectory() as run_dir:
         raw["train"].update(run_dir=run_dir, tensorboard=False, eval_iters=args.iters)
         raw["checkpoint"].update(load=str(directory), interval=0)

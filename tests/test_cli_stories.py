@@ -143,10 +143,13 @@ def test_checkpoint_writers_refuse_another_runs_folder_unless_told_to_replace_it
     # --overwrite moved a live run's checkpoints aside and repointed its `latest`; its retention then deleted ours
     from loom.engine.run_lock import RunLock
 
+    importing_into_link = ["ckpt", "import-hf", "--input", str(hf), "--output", str(tmp_path / "link")]
     live = RunLock(base)
+    (tmp_path / "link").symlink_to(base / "checkpoints")  # the same folder by another name
     try:
         for args in (["ckpt", "merge-lora", "--checkpoint", str(lora)], ["ckpt", "import-hf", "--input", str(hf)]):
             refused(capfd, [*args, *into_checkpoints, "--overwrite"], f"{base}, in use by a running loom run (pid")
+        refused(capfd, [*importing_into_link, "--overwrite"], f"{base.resolve()}, in use by a running loom run")
     finally:
         live.close(remove_if_created=True)
     assert checkpoints_of(base) == before
@@ -252,13 +255,16 @@ def test_generate_on_ranks_ends_a_rank_whose_stop_was_lost(world, capfd, monkeyp
 
 def test_eval_from_another_directory_finds_the_tokenizer_the_checkpoint_recorded(world, capfd, tmp_path, monkeypatch):
     """A run trained with a relative --data.tokenizer could not be evaluated from elsewhere ('data.tokenizer tok.model
-    does not exist'), though its checkpoint records where that file is (generate found it)."""
+    does not exist', or another tok.model there was taken for it), though its checkpoint records where that file is."""
+    import shutil
+
     monkeypatch.chdir(world["root"])
     args = tiny_train_args(world["dataset"], tmp_path / "run", "--model.num_layers", "2", *world["shape"])
     code, _, err = run(capfd, "train", *args, "--train.steps", "1", "--checkpoint.save_at_end", "true",
                        "--data.tokenizer", "tok.model")  # fmt: skip
     assert code == 0, err
     monkeypatch.chdir(tmp_path)
+    shutil.copy(world["root"] / "other.model", tmp_path / "tok.model")  # another tokenizer of that name here
     code, out, err = run(
         capfd, "eval", "--checkpoint", str(tmp_path / "run"), "--data", world["dataset"], "--iters", "1"
     )
@@ -277,8 +283,10 @@ def test_eval_of_a_live_run_whose_retention_removes_its_checkpoint(world, capfd,
     real = local.launch_local
 
     def retention_first(config, nproc, **kwargs):
-        if (run_dir / "checkpoints" / "iter_0000002").is_dir():  # what the run's next save does meanwhile
-            shutil.rmtree(run_dir / "checkpoints" / "iter_0000002")
+        newest = run_dir / "checkpoints" / "iter_0000002"
+        pieces = sorted(newest.glob("*.safetensors"))
+        if pieces and config.checkpoint.load == str(newest):  # the run's next save meanwhile: its rmtree underway
+            pieces[0].unlink()
             (run_dir / "checkpoints" / "latest").write_text("iter_0000001\n")
             raise local.RankFailed(0, "No such file or directory: rank00000.safetensors", "")
         return real(config, nproc, **kwargs)
@@ -289,6 +297,7 @@ def test_eval_of_a_live_run_whose_retention_removes_its_checkpoint(world, capfd,
     assert code == 0, err
     assert f"checkpoint {run_dir / 'checkpoints' / 'iter_0000002'} was removed while it was read" in out
     assert "evaluating the newest one again" in out and "step 1: validation loss" in out
+    shutil.rmtree(run_dir / "checkpoints" / "iter_0000002")
     shutil.copytree(world["base"] / "checkpoints" / "iter_0000002", run_dir / "checkpoints" / "iter_0000002")
     refused(capfd, [*evaluate, str(run_dir / "checkpoints" / "iter_0000002")], "evaluate a copy of it, or when")
 

@@ -66,11 +66,12 @@ def claim_checkpoint_output(output: Path, overwrite: bool, reading: tuple[Path, 
         )
     existing = _checkpoint_entries(output) if output.is_dir() else []
     owner = output.parent if output.name == CHECKPOINTS and is_run_directory(output.parent) else None
-    holder = holder_of(owner) if owner is not None else None
+    real = output.resolve()  # a link to a run's checkpoints/ is that run's too
+    holder = holder_of(real.parent) if real.name == CHECKPOINTS and is_run_directory(real.parent) else None
     if holder is not None:  # its next save (and retention) would meet this checkpoint, --overwrite or not
         raise CheckpointError(
-            f"--output {output} is the checkpoints folder of {owner}, in use by {holder}; write to a new folder, or "
-            "wait for that run to stop"
+            f"--output {output} is the checkpoints folder of {real.parent}, in use by {holder}; write to a new "
+            "folder, or wait for that run to stop"
         )
     if (existing or owner is not None) and not overwrite:
         trained = owner is not None and any((owner / name).is_file() for name in RUN_FILES)
