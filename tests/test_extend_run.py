@@ -1,8 +1,10 @@
 """User story: a run is extended. A shorter run is the prefix of a longer one with the same LR schedule,
 and a finished run resumed with more steps continues exactly as if it had been asked for them at once."""
 
+import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 from training_runs import read_metrics, tiny_config
 
@@ -120,6 +122,14 @@ def test_a_resume_compares_the_data_it_reads_not_how_its_path_is_spelled(tmp_pat
     assert changed_data_order(saved, tiny_config("../first/d", tmp_path / "run"), recorded) == []
     (change,) = changed_data_order(saved, tiny_config("d", tmp_path / "run"), recorded)
     assert change.startswith(f"data.paths: {first / 'd'} (") and f"-> {second / 'd'} (" in change
+    # rebuilt in place at the same size (the same documents in another order): other data all the same
+    monkeypatch.chdir(first)
+    tokens = np.memmap("d.bin", dtype=np.uint16, mode="r+")
+    tokens[:] = tokens[::-1].copy()
+    tokens.flush()
+    os.utime("d.idx", ns=(recorded[0]["idx_written_ns"] + 10**9,) * 2)
+    (change,) = changed_data_order(saved, tiny_config("d", tmp_path / "run"), recorded)
+    assert change.startswith(f"data.paths: {first / 'd'} (") and change.count(f"{first / 'd'} (") == 2
     # a checkpoint from before loom recorded its datasets: compared as written, as before
     assert changed_data_order(saved, tiny_config("../first/d", tmp_path / "run")) == [
         "data.paths: ['d'] -> ['../first/d']"

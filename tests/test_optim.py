@@ -170,9 +170,9 @@ def test_a_resume_names_a_changed_learning_rate_schedule():
     stretched, ended = learning_rate(10, config(20).optim, 20), learning_rate(10, config(10).optim, 10)
     assert ended == 1e-4 and stretched > 6e-4
     assert warning == (
-        "the learning-rate schedule is not the one this run trained with (train.steps: 10 -> 20, the decay's length "
-        f"while optim.decay_steps is unset): step 11 takes lr {stretched:.3g} where the saved schedule gives 0.0001; "
-        "pass --optim.decay_steps 10 to keep it, unless the change is intended"
+        "the learning-rate schedule is not the one this run trained with (the decay's length: 10 -> 20 steps "
+        f"(optim.decay_steps, else train.steps)): step 11 takes lr {stretched:.3g} where the saved schedule gives "
+        "0.0001; pass --optim.decay_steps 10 to keep it, unless the change is intended"
     )
     assert changed_schedule(10, saved, config(20, decay_steps=10)) is None  # what the warning advises
     assert changed_schedule(5, config_to_dict(config(10, decay_steps=8)), config(20, decay_steps=8)) is None
@@ -181,6 +181,15 @@ def test_a_resume_names_a_changed_learning_rate_schedule():
     warning = changed_schedule(4, saved, config(10, lr=2e-3))
     assert warning.startswith("the learning-rate schedule is not the one this run trained with (optim.lr: 0.001 -> ")
     assert "step 5 takes lr" in warning and warning.endswith(
+        "pass --optim.lr 0.001 to keep it, unless the change is intended"
+    )
+    # decay_steps set where it was not, with more steps: the saved length is what keeps the schedule (not 'unset')
+    assert changed_schedule(6, config_to_dict(config(6)), config(12, decay_steps=10)).endswith(
+        "pass --optim.decay_steps 6 to keep it, unless the change is intended"
+    )
+    # a constant schedule has no decay to lengthen: only the new peak is named
+    warning = changed_schedule(4, config_to_dict(config(8, decay="constant")), config(9, decay="constant", lr=2e-3))
+    assert "length" not in warning and warning.endswith(
         "pass --optim.lr 0.001 to keep it, unless the change is intended"
     )
     # past the decay's end both give min_lr: nothing this run trains differs

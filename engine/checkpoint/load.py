@@ -11,6 +11,7 @@ iterator, loss scaler, FP8 scaling state and RNG get their saved state through t
 from __future__ import annotations
 
 import dataclasses
+import datetime
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -177,23 +178,33 @@ def changed_data_order(saved_config: dict, current: LoomConfig, saved_datasets: 
 
 
 def _files(record: dict | None) -> tuple | None:
-    return (record["bin_bytes"], record["idx_bytes"]) if record else None
+    return (record["bin_bytes"], record["idx_bytes"], record.get("idx_written_ns")) if record else None
 
 
 def _described(records: list) -> str:
-    return ", ".join(f"{r['path']} ({r['bin_bytes']:,} bytes)" if r else "(missing)" for r in records)
+    return ", ".join(
+        f"{r['path']} ({r['bin_bytes']:,} bytes, written {_when(r.get('idx_written_ns'))})" if r else "(missing)"
+        for r in records
+    )
 
 
-SCHEDULE_FIELDS = ("lr", "min_lr", "warmup_steps", "decay", "decay_steps")
-"""The optim fields of the learning-rate schedule (with train.steps, the decay's length when decay_steps is unset)."""
+def _when(nanoseconds: int | None) -> str:
+    if nanoseconds is None:
+        return "?"
+    return datetime.datetime.fromtimestamp(nanoseconds / 1e9).isoformat(sep=" ", timespec="seconds")
+
+
+SCHEDULE_FIELDS = ("lr", "min_lr", "warmup_steps", "decay")
+"""The optim fields of the learning-rate schedule besides its decay's length (optim.decay_steps, else train.steps)."""
 
 
 def changed_schedule(step: int, saved_config: dict, current: LoomConfig) -> str | None:
     """How the learning rate of the steps from `step` (0-based: the first one this run trains) on differs from
     what the saved run's schedule gives them (past its end: min_lr), or None where it does not."""
     saved_optim = saved_config.get("optim", {})
+    fields = (*SCHEDULE_FIELDS, "decay_steps")
     try:
-        saved = dataclasses.replace(current.optim, **{k: saved_optim[k] for k in SCHEDULE_FIELDS if k in saved_optim})
+        saved = dataclasses.replace(current.optim, **{k: saved_optim[k] for k in fields if k in saved_optim})
     except ConfigError:  # values an older loom accepted: nothing to compare with
         return None
     saved_steps = saved_config.get("train", {}).get("steps", current.train.steps)
@@ -204,20 +215,18 @@ def changed_schedule(step: int, saved_config: dict, current: LoomConfig) -> str 
     )
     if differs is None:
         return None
-    changes = [f"optim.{k}: {getattr(saved, k)} -> {getattr(current.optim, k)}" for k in SCHEDULE_FIELDS
-               if getattr(saved, k) != getattr(current.optim, k)]  # fmt: skip
-    lengthened = saved.decay_steps is None and current.optim.decay_steps is None and saved_steps != end
-    if lengthened:
-        changes.append(f"train.steps: {saved_steps} -> {end}, the decay's length while optim.decay_steps is unset")
-    saved_values = [f"--optim.{k} {getattr(saved, k)}" if getattr(saved, k) is not None else f"no --optim.{k}"
-                    for k in SCHEDULE_FIELDS if getattr(saved, k) != getattr(current.optim, k)]  # fmt: skip
-    if lengthened:
-        saved_values.append(f"--optim.decay_steps {saved_steps}")
+    changed = [k for k in SCHEDULE_FIELDS if getattr(saved, k) != getattr(current.optim, k)]
+    changes = [f"optim.{k}: {getattr(saved, k)} -> {getattr(current.optim, k)}" for k in changed]
+    keep = [f"--optim.{k} {getattr(saved, k)}" for k in changed]
+    saved_length, length = saved.decay_steps or saved_steps, current.optim.decay_steps or end
+    if saved_length != length and "constant" not in (saved.decay, current.optim.decay):
+        changes.append(f"the decay's length: {saved_length} -> {length} steps (optim.decay_steps, else train.steps)")
+        keep.append(f"--optim.decay_steps {saved_length}")
     return (
         f"the learning-rate schedule is not the one this run trained with ({'; '.join(changes)}): step {differs + 1} "
         f"takes lr {learning_rate(differs, current.optim, end):.3g} where the saved schedule gives "
-        f"{learning_rate(differs, saved, saved_steps):.3g}; pass {', '.join(saved_values)} to keep it, unless the "
-        f"change is intended"
+        f"{learning_rate(differs, saved, saved_steps):.3g}; pass {', '.join(keep)} to keep it, unless the change "
+        "is intended"
     )
 
 

@@ -89,13 +89,15 @@ def index_paths(prefix: str | Path) -> tuple[Path, Path]:
 
 
 def dataset_record(prefix: str) -> dict | None:
-    """What a checkpoint records of a training dataset (CheckpointMetadata.datasets): its absolute prefix and the
-    sizes of its two files, by which a resume tells other data from the same data reached by another path
-    (relative paths, a moved run); None where a file is missing."""
+    """What a checkpoint records of a training dataset (CheckpointMetadata.datasets): its absolute prefix, the
+    sizes of its two files and when its .idx (written last) was written, by which a resume tells other data (a
+    rebuild, even of the same size) from the same data reached by another path (relative paths, a moved run);
+    None where a file is missing."""
     bin_path, idx_path = index_paths(prefix)
     try:
+        idx = idx_path.stat()
         return {"path": str(Path(prefix).resolve()), "bin_bytes": bin_path.stat().st_size,
-                "idx_bytes": idx_path.stat().st_size}  # fmt: skip
+                "idx_bytes": idx.st_size, "idx_written_ns": idx.st_mtime_ns}  # fmt: skip
     except OSError:
         return None
 
