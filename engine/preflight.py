@@ -59,7 +59,8 @@ def preflight(config: LoomConfig, world_size: int, training: bool = True, ranks_
             what = (
                 "is a directory; give its .model file"
                 if tokenizer.is_dir()
-                else "does not exist; give its path (--data.tokenizer PATH, relative to this directory), or none"
+                else "does not exist; give its path (--data.tokenizer PATH, relative to this directory), or "
+                "--data.tokenizer none to read token ids without one"
             )
             raise ConfigError(f"data.tokenizer {tokenizer} {what}")
         try:

@@ -513,8 +513,9 @@ class Trainer:
         c = self.config.checkpoint
         if not (c.interval or c.save_at_end or t.exit_after):
             self._log_event(
-                "this run saves no checkpoint (checkpoint.interval = 0, checkpoint.save_at_end = false): a rerun of it "
-                "starts again from step 1"
+                "this run saves no checkpoint unless a stop signal asks for one (checkpoint.interval = 0, "
+                "checkpoint.save_at_end = false): a rerun of it starts again from step 1; --checkpoint.interval N "
+                "keeps some"
             )
         if self.step >= t.steps:
             self._log_event(run_is_complete(t.run_dir, self.step, t.steps))

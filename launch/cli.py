@@ -64,6 +64,23 @@ def _prediction(config) -> str:
     return line + "; on CPU the step lines' mem is each process's peak RSS instead" if on_cpu else line
 
 
+def _parent_command() -> str:
+    try:
+        return Path(f"/proc/{os.getppid()}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _srun_tasks() -> int:
+    """The tasks of the srun step of which this process is one (1 when it is none). A shell that srun started (`srun
+    --pty bash` on an interactive node) hands the step's variables to all it runs, which are not its tasks: a task is
+    started by slurmstepd itself."""
+    tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "1")
+    if not tasks.isdigit() or int(tasks) < 2 or "SLURM_PTY_PORT" in os.environ:
+        return 1
+    return int(tasks) if _parent_command() in ("slurmstepd", "") else 1
+
+
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
     from loom.data_tools.manifest import check_same_tokenizer
     from loom.engine.parallel.rendezvous import start_rank_server
@@ -79,8 +96,8 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
             "with LoRA, or drop the lora settings to train the whole model"
         )
     external = args.nproc is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "1")
-    if not external and tasks.isdigit() and int(tasks) > 1:  # else each task trained a run of its own
+    tasks = _srun_tasks()
+    if not external and tasks > 1:  # else each task trained a run of its own
         raise ConfigError(
             f"this is task {os.environ.get('SLURM_PROCID', '?')} of {tasks} of an srun step, and each task would start "
             "a training run of its own: use `loom submit` (it starts one rank per task), or run one task "
@@ -92,8 +109,9 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
 
         rank, world = rank_from_environment()
         if rank == 0:  # else a leftover RANK/WORLD_SIZE made loom wait for peers in silence
+            others = f", meeting the other {world - 1} at" if world > 1 else " at"
             print(
-                f"loom train: rank 0 of {world} (RANK, WORLD_SIZE from the environment), meeting the others at "
+                f"loom train: rank 0 of {world} (RANK, WORLD_SIZE from the environment){others} "
                 f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
                 flush=True,
             )
@@ -279,8 +297,9 @@ def _import_torch_with_stops_held() -> None:
 
 
 def _check_inductor_cache_dir() -> None:
-    """torch._dynamo (which torch.optim imports) makes TORCHINDUCTOR_CACHE_DIR on import: an unwritable one failed
-    every command that trains as '/proc/x: No such file or directory', naming neither the variable nor the cause."""
+    """torch._dynamo (which loom's model and trainer import) makes TORCHINDUCTOR_CACHE_DIR on import: an unwritable
+    one failed every command that trains as '/proc/x: No such file or directory', naming neither the variable nor
+    the cause."""
     folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if not folder:
         return
@@ -296,7 +315,8 @@ def _check_inductor_cache_dir() -> None:
 def _run_command(argv: list[str] | None) -> None:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    _check_inductor_cache_dir()
+    if args.command in TORCH_COMMANDS:
+        _check_inductor_cache_dir()
     if args.command in ("train", "demo"):
         signal.signal(signal.SIGTERM, functools.partial(_stop_now, trains=True))
     if args.command in TORCH_COMMANDS:

@@ -85,7 +85,7 @@ def rank_from_environment() -> tuple[int, int]:
     holds RANK and WORLD_SIZE from another job made `loom train` a rank of a launch that does not exist (a traceback
     about MASTER_ADDR, or a silent wait for peers until the timeout)."""
     missing = [name for name in RENDEZVOUS_VARIABLES if not os.environ.get(name)]
-    given = ", ".join(f"{name}={os.environ[name]}" for name in RENDEZVOUS_VARIABLES if os.environ.get(name))
+    given = ", ".join(f"{name}={os.environ.get(name, '')}" for name in RENDEZVOUS_VARIABLES if name in os.environ)
     if missing:
         raise ConfigError(
             f"{given} in the environment make this process one rank of a torchrun/srun launch, but {missing[0]} is "
@@ -113,20 +113,18 @@ def init_distributed(config: LoomConfig) -> int:
     where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     try:
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=minutes))
-    except dist.DistNetworkError as error:
-        if "EADDRINUSE" not in str(error):
-            raise
-        raise ConfigError(
-            f"rank 0 cannot listen on {where} (MASTER_ADDR:MASTER_PORT): another process took the port; run the "
-            "command again (--nproc picks a free port each time), or under torchrun/srun pick another MASTER_PORT"
-        ) from None
-    except dist.DistStoreError as error:
-        if "Timed out" not in str(error):
+    except (dist.DistStoreError, dist.DistNetworkError) as error:  # rank 0 waits as the store; the others connect
+        if "EADDRINUSE" in str(error):
+            raise ConfigError(
+                f"rank 0 cannot listen on {where} (MASTER_ADDR:MASTER_PORT): another process took the port; run the "
+                "command again (--nproc picks a free port each time), or under torchrun/srun pick another MASTER_PORT"
+            ) from None
+        if "timed out" not in str(error).lower():
             raise
         raise ConfigError(
             f"rank {rank} of WORLD_SIZE = {world} waited {minutes:g} minutes (parallel.timeout_minutes) at {where} "
-            f"for the other ranks, and not all came ({error}); start every rank, or unset RANK and WORLD_SIZE "
-            "(left from another job?) and pass --nproc N"
+            f"for the other ranks, and not all came ({str(error).splitlines()[0]}); start every rank, or unset RANK "
+            "and WORLD_SIZE (left from another job?) and pass --nproc N"
         ) from None
     return local_rank
 

@@ -269,9 +269,14 @@ def test_a_rank_environment_left_in_the_shell_is_named(dataset, tmp_path, capfd,
     from loom.engine.parallel.rendezvous import free_port
 
     args = tiny_train_args(dataset, tmp_path, "--train.steps", "1", "--parallel.timeout_minutes", "0.02")
+    from loom.launch import cli
+
     monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "2")  # `srun -n 2 loom train`: each task trained a run of its own
     monkeypatch.setenv("SLURM_PROCID", "1")
+    monkeypatch.setattr(cli, "_parent_command", lambda: "slurmstepd")
     one_line_error(loom_here(capfd, "train", *args), "this is task 1 of 2 of an srun step, and each task would start")
+    monkeypatch.setattr(cli, "_parent_command", lambda: "bash")  # a shell srun started: `srun --pty bash`, then this
+    assert loom_here(capfd, "train", *args, "--nproc", "2", "--print-config").returncode == 0
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.delenv("MASTER_ADDR", raising=False)
@@ -287,8 +292,13 @@ def test_a_rank_environment_left_in_the_shell_is_named(dataset, tmp_path, capfd,
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     result = loom_here(capfd, "train", *args)
-    assert result.stdout.startswith("loom train: rank 0 of 2 (RANK, WORLD_SIZE from the environment), meeting")
+    assert result.stdout.startswith("loom train: rank 0 of 2 (RANK, WORLD_SIZE from the environment), meeting the")
     one_line_error(result, "rank 0 of WORLD_SIZE = 2 waited 0.02 minutes (parallel.timeout_minutes) at 127.0.0.1:")
+    monkeypatch.setenv("RANK", "1")  # the others connect to rank 0, and time out as clients (torch's C++ says so too)
+    result = loom_here(capfd, "train", *args)
+    last = result.stderr.strip().splitlines()[-1]
+    assert result.returncode == 2 and last.startswith("error: rank 1 of WORLD_SIZE = 2 waited 0.02 minutes"), last
+    assert "Traceback" not in result.stderr
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
@@ -299,6 +309,27 @@ def test_an_inductor_cache_that_cannot_be_made_is_named(dataset, tmp_path, capfd
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "file" / "cache"))
     result = loom_here(capfd, "train", *tiny_train_args(dataset, tmp_path / "run"))
     one_line_error(result, f"TORCHINDUCTOR_CACHE_DIR={tmp_path / 'file' / 'cache'} cannot be made (Not a directory)")
+
+
+def test_a_run_lock_taken_on_a_removed_lock_file_takes_the_new_one(tmp_path, monkeypatch):
+    """A failed launch's cleanup may unlink the lock file between another launch's open and its lock: that launch
+    then held a lock on a file no one else could see, and a third took the new one beside it."""
+    from loom.engine import run_lock
+
+    real_try_lock, removed = run_lock._try_lock, []
+
+    def unlinked_first(fd: int):
+        if not removed:
+            removed.append((tmp_path / run_lock.LOCK_FILE).unlink())
+        return real_try_lock(fd)
+
+    monkeypatch.setattr(run_lock, "_try_lock", unlinked_first)
+    held = run_lock.RunLock(tmp_path)
+    monkeypatch.setattr(run_lock, "_try_lock", real_try_lock)
+    assert removed and run_lock.holder_of(tmp_path) is not None  # the file that is there now is the one held
+    with pytest.raises(run_lock.RunDirectoryInUse):
+        run_lock.RunLock(tmp_path)
+    held.close()
 
 
 def test_what_needs_a_gpu_is_refused_only_where_the_ranks_have_none(dataset, tmp_path):
