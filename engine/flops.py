@@ -6,14 +6,15 @@ compares with published Megatron figures: per trained token, 6 FLOPs (2 forward,
 every weight of every GEMM, the output layer (logits) included, plus 12*L*s*(heads*head_dim) for
 the two attention products (scores and scores x V) over the whole s x s square. Causal attention
 is not halved (Megatron's and PaLM's convention), although a causal kernel skips about half of
-that square. Norms, biases, rotary, softmax and other element-wise work are not counted, nor is
+that square. LoRA fine-tuning computes no gradient of a frozen weight: 4 FLOPs for each, 6 for each adapter
+weight. Norms, biases, rotary, softmax and other element-wise work are not counted, nor is
 recompute (that would be hardware FLOPs). The vocabulary is the tokenizer's, not the padded one:
 padded logits are wasted work, not model work (Megatron counts its padded vocabulary).
 """
 
 from __future__ import annotations
 
-from loom.engine.config import ModelConfig
+from loom.engine.config import LoraConfig, ModelConfig
 
 # Dense peaks in TFLOP/s, from NVIDIA's datasheets (they print sparse figures, twice these, for the tensor cores),
 # matched against torch.cuda.get_device_name() in this order: the first name that appears in it wins, so the
@@ -53,17 +54,31 @@ def parameter_counts(config: ModelConfig) -> dict[str, int]:
     return {"non_embedding": non_embedding, "embedding": embedding, "total": non_embedding + embedding}
 
 
-def model_flops_per_token(config: ModelConfig, seq_length: int) -> float:
-    """Training FLOPs per token (forward and backward) of a sequence of `seq_length` tokens."""
-    h = config.hidden_size
-    query_width = config.num_heads * config.head_dim
+def block_gemms(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each GEMM of a transformer block, by the name of its layer (LoRA's targets)."""
+    h, query_width = config.hidden_size, config.num_heads * config.head_dim
     key_value_width = config.num_kv_heads * config.head_dim
-    mlp_matrices = 3 if config.activation == "swiglu" else 2
-    attention_weights = h * query_width + 2 * h * key_value_width + query_width * h
-    mlp_weights = mlp_matrices * h * config.ffn_hidden_size
-    gemm_weights = config.num_layers * (attention_weights + mlp_weights) + h * config.vocab_size
-    attention_products = 12.0 * config.num_layers * query_width * seq_length
-    return 6.0 * gemm_weights + attention_products
+    gated = 2 if config.activation == "swiglu" else 1
+    return {
+        "qkv": (h, query_width + 2 * key_value_width),
+        "proj": (query_width, h),
+        "fc1": (h, gated * config.ffn_hidden_size),
+        "fc2": (config.ffn_hidden_size, h),
+    }
+
+
+def model_flops_per_token(config: ModelConfig, seq_length: int, lora: LoraConfig | None = None) -> float:
+    """Training FLOPs per token (forward and backward) of a sequence of `seq_length` tokens. With LoRA adapters
+    (`lora`, rank > 0) the frozen base's weights take 4 FLOPs each (no weight gradient: forward and input gradient)
+    and each adapter weight 6; the attention products are those of full training."""
+    gemm_weights = config.num_layers * sum(i * o for i, o in block_gemms(config).values())
+    gemm_weights += config.hidden_size * config.vocab_size
+    attention_products = 12.0 * config.num_layers * config.num_heads * config.head_dim * seq_length
+    if lora is None or not lora.rank:
+        return 6.0 * gemm_weights + attention_products
+    adapters = config.num_layers * sum(lora.rank * (i + o) for name, (i, o) in block_gemms(config).items()
+                                       if name in lora.targets)  # fmt: skip
+    return 4.0 * gemm_weights + 6.0 * adapters + attention_products
 
 
 def peak_tflops(device_name: str, precision: str) -> float | None:

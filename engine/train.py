@@ -115,7 +115,7 @@ class Trainer:
         self.checkpoints = checkpoints_of(t.run_dir)
         to_resume = self._checkpoint_to_resume()
         self._build_data(evaluation_only, to_resume[1] if to_resume else None)
-        self.flops_per_token = model_flops_per_token(config.model, t.seq_length)
+        self.flops_per_token = model_flops_per_token(config.model, t.seq_length, config.lora)
         self.peak_flops = self._peak_flops()
         self.faults = FaultPlan.from_environment(self.state.rank)
         self.comm_ledger = (

@@ -124,3 +124,29 @@ def test_peaks():
     assert peak_tflops("NVIDIA A100-SXM4-80GB", "fp8") is None  # no FP8 on Ampere
     assert peak_tflops("NVIDIA RTX 6000 Ada Generation", "bf16") is None  # unknown: no MFU, not a wrong one
     assert peak_tflops("cpu", "fp32") is None
+
+
+@pytest.mark.parametrize("targets", [["qkv", "proj", "fc1", "fc2"], ["qkv", "fc2"]])
+def test_lora_flops_agree_with_flop_counter_on_the_adapted_model(targets):
+    """LoRA runs reported the MFU of full training (6 FLOPs per frozen weight, whose gradient is never computed):
+    frozen weights take 4 (forward and input gradient), adapter weights 6."""
+    from loom.engine.config import LoraConfig
+    from loom.engine.model.lora import add_adapters
+
+    config = ModelConfig(num_layers=2, hidden_size=64, num_heads=8, num_kv_heads=2, ffn_hidden_size=96, vocab_size=256)
+    lora = LoraConfig(rank=4, targets=targets, base="unused")
+    batch, seq_length = 2, 32
+    torch.manual_seed(0)
+    model = GPTModel(config, None)
+    add_adapters(model, lora, None)
+    # Input gradients reach the first block as they would from a trainable layer before it; the embedding's own
+    # gradient is a scatter, which FlopCounterMode does not count (the convention's one simplification: in a real
+    # LoRA run the first block's input needs no gradient).
+    model.embedding.weight.requires_grad_(True)
+    tokens = torch.randint(0, config.vocab_size, (batch, seq_length))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(tokens, tokens).sum().backward()
+    padded_logits = 4 * config.hidden_size * (model.padded_vocab - config.vocab_size) * batch * seq_length
+    expected = model_flops_per_token(config, seq_length, lora) * batch * seq_length
+    assert counter.get_total_flops() - padded_logits == pytest.approx(expected, rel=1e-9)
+    assert model_flops_per_token(config, seq_length, lora) < model_flops_per_token(config, seq_length)
