@@ -439,7 +439,8 @@ class TrainConfig:
     resume from); that run's files are moved to RUN_DIR/replaced/<time>/, not deleted. Without it such a
     directory is refused, so one run never truncates another's metrics."""
     log_interval: int = 1
-    """Write a metrics row and a console line every this many steps."""
+    """Write a metrics row and a console line every this many steps: that step's loss, lr and grad_norm (not means
+    over the interval), with tokens_per_s and mfu measured over the steps since the previous row."""
     eval_interval: int = 0
     """Validation every this many steps (and at the end); 0 turns validation off."""
     eval_iters: int = 4

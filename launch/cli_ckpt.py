@@ -192,8 +192,10 @@ def _evaluate(args: argparse.Namespace, overrides: list[str], directory: Path, m
         check_same_tokenizer(config.data.paths, config.data.tokenizer)  # the dataset's manifest knows
         t = config.train
         print(
-            f"loom eval: {t.eval_iters} batches of {t.global_batch_size} x {t.seq_length} tokens on {args.nproc} "
-            f"rank(s), {t.precision} (--iters, --train.global_batch_size, --train.seq_length, --train.precision)",
+            f"loom eval: {t.eval_iters} batches of {t.global_batch_size} x {t.seq_length} tokens of {args.data}'s "
+            f"valid split (--split {args.split}: {'all of it' if args.split == '0,100,0' else 'train,valid,test'}) on "
+            f"{args.nproc} rank(s), {t.precision} (--iters, --train.global_batch_size, --train.seq_length, "
+            "--train.precision)",
             flush=True,
         )
         launch_local(config, args.nproc, mode="eval")
