@@ -315,11 +315,10 @@ def _check_inductor_cache_dir() -> None:
 def _run_command(argv: list[str] | None) -> None:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if args.command in TORCH_COMMANDS:
-        _check_inductor_cache_dir()
     if args.command in ("train", "demo"):
         signal.signal(signal.SIGTERM, functools.partial(_stop_now, trains=True))
     if args.command in TORCH_COMMANDS:
+        _check_inductor_cache_dir()
         _import_torch_with_stops_held()
     takes_overrides = getattr(args, "takes_overrides", False)
     unknown = [a for a in extra if a.startswith("--") and not is_override_flag(a)] if takes_overrides else extra
