@@ -83,17 +83,21 @@ def _try_lock(fd: int) -> bool | None:
         return False if error.errno in _HELD else None
 
 
-def holder_of(run_dir: Path) -> str | None:
-    """Who holds the run directory's lock (a live run, `loom submit`), or None when no live process does."""
-    lock = run_dir / LOCK_FILE
+def _held_by(lock: Path) -> str | None:
+    """Who holds `lock`, or None when no live process does (a read-only descriptor can still ask)."""
     try:
         fd = os.open(lock, os.O_RDONLY)
     except OSError:
-        return None  # no lock file: no run has started here
+        return None  # no lock file: nothing has taken it here
     try:
         return _holder(lock) if _try_lock(fd) is False else None
     finally:
         os.close(fd)  # closing drops a lock taken only to probe
+
+
+def holder_of(run_dir: Path) -> str | None:
+    """Who holds the run directory's lock (a live run, `loom submit`), or None when no live process does."""
+    return _held_by(run_dir / LOCK_FILE)
 
 
 def check_not_in_use(run_dir: Path) -> None:
@@ -229,17 +233,12 @@ def _is_current(lock: Path, fd: int) -> bool:
 
 
 def _refuse_if_held(lock: Path, named: str) -> None:
-    """Refuse if `lock` is held (a read-only descriptor can still ask)."""
-    try:
-        fd = os.open(lock, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        if _try_lock(fd) is False:
-            raise _in_use(named, lock)
-    finally:
-        os.close(fd)
+    holder = _held_by(lock)
+    if holder is not None:
+        raise _in_use(named, lock, holder)
 
 
-def _in_use(named: str, lock: Path) -> OutputInUse:
-    return OutputInUse(f"{named} is being written by {_holder(lock)}; wait for it to finish, or write elsewhere")
+def _in_use(named: str, lock: Path, holder: str | None = None) -> OutputInUse:
+    return OutputInUse(
+        f"{named} is being written by {holder or _holder(lock)}; wait for it to finish, or write elsewhere"
+    )

@@ -122,6 +122,8 @@ def _import_hf(args: argparse.Namespace) -> None:
 
 EVAL_ATTEMPTS = 3
 """How many checkpoints `loom eval` of a live run tries when the run's retention removes the one it reads."""
+WHOLE_DATASET = "0,100,0"
+"""`loom eval --split`'s default: every document of --data is in the part evaluated."""
 
 
 def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> None:
@@ -191,9 +193,10 @@ def _evaluate(args: argparse.Namespace, overrides: list[str], directory: Path, m
             check_trained_tokenizer(tokenizer, metadata, trained_with, explicit, advice)
         check_same_tokenizer(config.data.paths, config.data.tokenizer)  # the dataset's manifest knows
         t = config.train
+        part = "all of it" if args.split == WHOLE_DATASET else "train,valid,test"
         print(
             f"loom eval: {t.eval_iters} batches of {t.global_batch_size} x {t.seq_length} tokens of {args.data}'s "
-            f"valid split (--split {args.split}: {'all of it' if args.split == '0,100,0' else 'train,valid,test'}) on "
+            f"valid split (--split {args.split}: {part}) on "
             f"{args.nproc} rank(s), {t.precision} (--iters, --train.global_batch_size, --train.seq_length, "
             "--train.precision)",
             flush=True,
@@ -383,7 +386,7 @@ def _add_eval(commands) -> None:
     p.add_argument("--data", type=dataset_prefix, required=True, help=".bin/.idx prefix")
     p.add_argument(
         "--split",
-        default="0,100,0",
+        default=WHOLE_DATASET,
         help="train,valid,test weights; the valid part is evaluated (default: the whole dataset)",
     )
     p.add_argument(
