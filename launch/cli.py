@@ -10,6 +10,7 @@ LOOM_DEBUG=1 shows tracebacks for user errors too.
 from __future__ import annotations
 
 import argparse
+import codecs
 import functools
 import os
 import signal
@@ -312,7 +313,24 @@ def _check_inductor_cache_dir() -> None:
         ) from None
 
 
+def _check_arguments_spellable(argv: list[str]) -> None:
+    """Under an ASCII locale with Python's UTF-8 mode turned off (LC_ALL=POSIX PYTHONUTF8=0) a non-ASCII argument
+    arrives as undecodable bytes: a run name with one crashed TensorBoard's writer, and config.toml's writer after
+    it, once the run had started."""
+    encoding = sys.getfilesystemencoding()
+    if codecs.lookup(encoding).name == "utf-8":
+        return
+    for argument in argv:
+        if not argument.isascii():
+            shown = os.fsencode(argument).decode("utf-8", "replace")
+            raise ConfigError(
+                f"the argument {shown!r} is not ASCII, and this locale's filesystem encoding is {encoding}, in which "
+                "loom's files cannot name or hold it: set PYTHONUTF8=1 (or LC_ALL=C.UTF-8), or use ASCII names"
+            )
+
+
 def _run_command(argv: list[str] | None) -> None:
+    _check_arguments_spellable(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if args.command in ("train", "demo"):

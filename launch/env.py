@@ -10,6 +10,8 @@ from __future__ import annotations
 import datetime
 import os
 import signal
+import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -79,6 +81,10 @@ class StopSignals:
 
 RENDEZVOUS_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
+WAITING_NOTICE_S = 60.0
+"""A rank still meeting the others after this long says so once: else a rank whose peers never come (a RANK and
+WORLD_SIZE left in the shell, a node that failed to start) is silent until parallel.timeout_minutes."""
+
 
 def rank_from_environment() -> tuple[int, int]:
     """(RANK, WORLD_SIZE) of a rank that torchrun, srun or a user's script started, checked: a shell that still
@@ -111,6 +117,18 @@ def init_distributed(config: LoomConfig) -> int:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
     minutes = config.parallel.timeout_minutes
     where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    notice = threading.Timer(
+        WAITING_NOTICE_S,
+        print,
+        [
+            f"loom: rank {rank} of {world} has waited {WAITING_NOTICE_S:g} s at {where} for the other ranks; it gives "
+            f"up after parallel.timeout_minutes = {minutes:g}. If no launch of {world} ranks is under way, stop it and "
+            "unset RANK and WORLD_SIZE (left from another job?)"
+        ],
+        {"file": sys.stderr, "flush": True},
+    )
+    notice.daemon = True
+    notice.start()
     try:
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=minutes))
     except (dist.DistStoreError, dist.DistNetworkError) as error:  # rank 0 waits as the store; the others connect
@@ -126,6 +144,8 @@ def init_distributed(config: LoomConfig) -> int:
             f"for the other ranks, and not all came ({str(error).splitlines()[0]}); start every rank, or unset RANK "
             "and WORLD_SIZE (left from another job?) and pass --nproc N"
         ) from None
+    finally:
+        notice.cancel()
     return local_rank
 
 

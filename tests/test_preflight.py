@@ -3,12 +3,15 @@ a sequence longer than the model's positions, a rank count below one, a config t
 directory, a dataset folder where a prefix belongs."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from training_runs import loom_here, one_line_error, read_metrics, tiny_train_args
+from training_runs import loom, loom_here, one_line_error, read_metrics, tiny_train_args
 
 from loom.engine.data.indexed import IndexedDataset, IndexedDatasetWriter
 from loom.engine.data.token_range import token_id_range
@@ -295,11 +298,33 @@ def test_a_rank_environment_left_in_the_shell_is_named(dataset, tmp_path, capfd,
     assert result.stdout.startswith("loom train: rank 0 of 2 (RANK, WORLD_SIZE from the environment), meeting the")
     one_line_error(result, "rank 0 of WORLD_SIZE = 2 waited 0.02 minutes (parallel.timeout_minutes) at 127.0.0.1:")
     monkeypatch.setenv("RANK", "1")  # the others connect to rank 0, and time out as clients (torch's C++ says so too)
+    from loom.launch import env
+
+    monkeypatch.setattr(env, "WAITING_NOTICE_S", 0.2)  # else silent until the timeout
     result = loom_here(capfd, "train", *args)
+    assert "loom: rank 1 of 2 has waited 0.2 s at 127.0.0.1:" in result.stderr
     last = result.stderr.strip().splitlines()[-1]
     assert result.returncode == 2 and last.startswith("error: rank 1 of WORLD_SIZE = 2 waited 0.02 minutes"), last
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_a_non_ascii_argument_under_an_ascii_locale_is_refused_up_front(dataset, tmp_path):
+    """With LC_ALL=POSIX and Python's UTF-8 mode off, a non-ASCII run name reached the ranks as undecodable bytes:
+    TensorBoard's writer crashed at the first step (a traceback), and config.toml's writer without TensorBoard."""
+    ascii_locale = {**os.environ, "LC_ALL": "POSIX", "PYTHONUTF8": "0"}
+    args = tiny_train_args(dataset, tmp_path / "runé", "--train.steps", "1", "--train.tensorboard", "true")
+    result = loom("train", *args, env=ascii_locale)
+    one_line_error(
+        result, "run\\xe9' is not ASCII, and this locale's filesystem encoding is ascii"
+    )  # stderr escapes it
+    assert not (tmp_path / "runé").exists()
+
+
+def test_python_dash_m_loom_is_the_loom_command():
+    """`python -m loom` (and so `torchrun ... -m loom train`) said 'No module named loom.__main__'."""
+    result = subprocess.run([sys.executable, "-m", "loom", "train", "--help"], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.startswith("usage: loom train"), result.stderr
 
 
 def test_an_inductor_cache_that_cannot_be_made_is_named(dataset, tmp_path, capfd, monkeypatch):
