@@ -282,8 +282,11 @@ class Trainer:
             c, not evaluation_only, self.state.rank == 0, dist.barrier, resumed_at=position
         )
         self.train_batches = self._batches(train_set, c.global_batch_size_at)
-        for repeated in repeated_data(train_set) if self.state.rank == 0 else []:
-            self._log_event(f"data: this run reads {repeated}")
+        if self.state.rank == 0:
+            for repeated in repeated_data(train_set):
+                self._log_event(f"data: this run reads {repeated}")
+            for repeated in repeated_data(self.valid_set, "validation"):
+                self._log_event(f"data: each evaluation reads {repeated}")
 
     def _batches(self, dataset, batch_size_at) -> BatchIterator:
         """This DP rank's micro-batches of `dataset`, cut to this CP rank's chunks of each sequence."""

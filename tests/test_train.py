@@ -203,3 +203,11 @@ def test_a_run_that_reads_its_data_more_than_once_says_so(markov_dataset, tmp_pa
     blend, _ = build_datasets(config, True, True, None)
     (said,) = repeated_data(blend)  # half the samples from each: more than the small one holds, not the large one
     assert said.startswith(f"{small} ") and f"({samples // 2:,} samples of the {per_epoch:,} an epoch" in said
+    config.data.paths, config.data.weights = [small], None
+    config.train.eval_interval, config.train.eval_iters = 1, 20
+    _, valid = build_datasets(config, True, True, None)  # each evaluation averages the same samples several times
+    samples, per_epoch = 20 * config.train.global_batch_size, valid.epoch.samples
+    assert repeated_data(valid, "validation") == [
+        f"{small} {samples / per_epoch:.1f} times ({samples:,} samples of the {per_epoch:,} an epoch of its validation "
+        "split holds; each epoch shuffled anew)"
+    ]

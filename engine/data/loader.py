@@ -92,18 +92,19 @@ def build_datasets(
     return train, valid
 
 
-def repeated_data(train_set) -> list[str]:
-    """For each dataset of `train_set` (a GPTDataset, or a blend of them) that the run reads more than once: how
-    many times, as a phrase (Megatron says so too; a small dataset was otherwise read again and again unsaid)."""
-    if train_set is None:
+def repeated_data(dataset, split: str = "training") -> list[str]:
+    """For each dataset of `dataset` (a GPTDataset, or a blend of them, of the named split) read more than once:
+    how many times, as a phrase (Megatron says so too; a small dataset was otherwise read again and again unsaid,
+    and a small validation split averaged the same samples several times in each evaluation)."""
+    if dataset is None:
         return []
-    if isinstance(train_set, BlendedDataset):
-        parts = zip(train_set.datasets, np.bincount(train_set.dataset_index, minlength=len(train_set.datasets)))
+    if isinstance(dataset, BlendedDataset):
+        parts = zip(dataset.datasets, np.bincount(dataset.dataset_index, minlength=len(dataset.datasets)))
     else:
-        parts = [(train_set, train_set.num_samples)]
+        parts = [(dataset, dataset.num_samples)]
     return [
         f"{part.indexed.prefix} {read / part.epoch.samples:.1f} times ({int(read):,} samples of the "
-        f"{part.epoch.samples:,} an epoch of its training split holds; each epoch shuffled anew)"
+        f"{part.epoch.samples:,} an epoch of its {split} split holds; each epoch shuffled anew)"
         for part, read in parts
         if read > part.epoch.samples
     ]
