@@ -170,9 +170,13 @@ def test_inspect_lists_tensors_in_the_model_s_order():
 
 
 def test_reshard_then_resume(dataset, straight, saved_at_tp2_pp2_dp2, tmp_path):
+    from loom.engine.config import ConfigError
     from loom.tools.ckpt import inspect, reshard
 
     resharded = tmp_path / "resharded"
+    with pytest.raises(ConfigError, match=r"parallel.vp > 1 needs parallel.pp > 1"):  # written, then refused by train
+        reshard(saved_at_tp2_pp2_dp2, resharded, tp=1, pp=1, vp=2)
+    assert not resharded.exists()
     reshard(saved_at_tp2_pp2_dp2, resharded, tp=1, pp=2)
     assert "layout tp=1 pp=2 vp=1 dp=1 world=2 zero=0" in inspect(resharded)
     resumed = run(dataset, tmp_path / "resumed", 2, {"pp": 2}, checkpoint={"load": str(resharded)})

@@ -154,7 +154,9 @@ def reshard(source: Path, output: Path, tp: int, pp: int, vp: int = 1, overwrite
     layers = metadata.config["model"]["num_layers"]
     if layers % (pp * vp):
         raise CheckpointError(f"{layers} layers do not split into pp*vp = {pp}*{vp} stages")
-    config_from_dict({"model": metadata.config["model"]}).model.check_tensor_parallel(tp)
+    # the layout's own checks are train's (vp > 1 at pp 1 was written, and then refused by loom train)
+    parallel = {"tp": tp, "pp": pp, "vp": vp}
+    config_from_dict({"model": metadata.config["model"], "parallel": parallel}).model.check_tensor_parallel(tp)
     claim_checkpoint_output(output, overwrite, reading=(directory,))
     reader = PieceReader(directory, metadata)
     final = output / directory.name
