@@ -25,6 +25,8 @@ class ConfigError(LoomError):
 
 MAX_TIMEOUT_MINUTES = 525_600
 """parallel.timeout_minutes's ceiling, a year: far above any real wait, far below timedelta's overflow."""
+MIN_TIMEOUT_MINUTES = 0.01
+"""Its floor, 0.6 s: below it even one rank's own store timed out (a C++ stack that blamed a peer)."""
 
 
 def _default(spec: dataclasses.Field) -> Any:
@@ -258,6 +260,11 @@ class ParallelConfig:
         if self.timeout_minutes > MAX_TIMEOUT_MINUTES:  # the process group's timedelta overflows on every rank
             raise ConfigError(
                 f"parallel.timeout_minutes = {self.timeout_minutes:g} exceeds {MAX_TIMEOUT_MINUTES:,} (a year)"
+            )
+        if self.timeout_minutes < MIN_TIMEOUT_MINUTES:
+            raise ConfigError(
+                f"parallel.timeout_minutes = {self.timeout_minutes:g} is below {MIN_TIMEOUT_MINUTES:g} (0.6 s), too "
+                "short for ranks to meet; the default is 10"
             )
         if self.vp > 1 and self.pp == 1:
             raise ConfigError("parallel.vp > 1 needs parallel.pp > 1 (virtual stages interleave a pipeline)")
@@ -673,7 +680,10 @@ class LoomConfig:
             p.dp = world_size // model_parallel
         if model_parallel * p.dp != world_size:
             what = f"tp*cp*pp*dp = {p.tp}*{p.cp}*{p.pp}*{p.dp}" if p.cp > 1 else f"tp*pp*dp = {p.tp}*{p.pp}*{p.dp}"
-            raise ConfigError(f"world size {world_size} != {what}; change the number of ranks or the layout")
+            advice = "change the number of ranks or the layout"
+            if requested_dp is not None:  # a run's saved config.toml (and --print-config) holds the dp it ran with
+                advice += f" (parallel.dp = {requested_dp} is set: --parallel.dp none derives it from the ranks)"
+            raise ConfigError(f"world size {world_size} != {what}; {advice}")
         m.check_tensor_parallel(p.tp)
         if refusal := m.context_parallel_refusal(p.cp, t.seq_length):
             raise ConfigError(refusal)

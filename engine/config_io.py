@@ -16,7 +16,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from loom.engine.config import ConfigError, LoomConfig
+from loom.engine.config import ConfigError, LoomConfig, TrainConfig
 
 SECTIONS: dict[str, type] = {f.name: f.type for f in dataclasses.fields(LoomConfig)}
 _SECTION_TYPES = {name: typing.get_type_hints(LoomConfig)[name] for name in SECTIONS}
@@ -162,7 +162,7 @@ def load_config(path: str | Path | None, overrides: list[str] | dict | None = No
     if path is not None:
         path = resolve_config_path(path)
         try:
-            raw = tomllib.loads(path.read_text(encoding="utf-8"))
+            raw = tomllib.loads(path.read_text(encoding="utf-8-sig"))  # a BOM, as Windows editors write, too
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path} is not valid TOML: {e}") from None
         except UnicodeDecodeError as e:
@@ -171,9 +171,23 @@ def load_config(path: str | Path | None, overrides: list[str] | dict | None = No
             raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
     if isinstance(overrides, list):
         overrides = parse_overrides(overrides)
-    for section, values in (overrides or {}).items():
-        raw.setdefault(section, {}).update(values)
+    overrides = overrides or {}
+    for section, values in overrides.items():
+        if not isinstance(raw.setdefault(section, {}), dict):
+            raise ConfigError(f"[{section}] must be a table of fields")
+        if section == "train" and "name" in values and "run_dir" not in values:
+            _forget_derived_run_dir(raw["train"])
+        raw[section].update(values)
     return config_from_dict(raw)
+
+
+def _forget_derived_run_dir(train: dict[str, Any]) -> None:
+    """A run's saved config.toml holds the run_dir its name gave (runs/<name>): fed back with --train.name NEW, the
+    new run resumed and rewrote the old one in its folder. A run_dir the file's own name derived follows the new
+    name; one set to another folder stays."""
+    name = train.get("name", TrainConfig.name)
+    if train.get("run_dir") == str(Path("runs") / str(name)):
+        del train["run_dir"]
 
 
 def config_to_dict(config: LoomConfig) -> dict[str, dict[str, Any]]:
@@ -192,13 +206,21 @@ def config_to_toml(config: LoomConfig) -> str:
     return "\n".join(lines)
 
 
+def _toml_character(c: str) -> str:
+    """A character as a TOML basic string holds it: a control character (a newline in a run name) as an escape,
+    else config.toml could not be read back."""
+    if c in '\\"':
+        return "\\" + c
+    return c if " " <= c != "\x7f" else f"\\u{ord(c):04x}"
+
+
 def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)
     if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return '"' + "".join(map(_toml_character, value)) + '"'
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     raise TypeError(f"cannot write {value!r} as TOML")

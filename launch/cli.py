@@ -202,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--print-config",
         action="store_true",
-        help="print the resolved config (preset + file + overrides + derived fields, as config.toml) and exit",
+        help="print the resolved config (defaults, then the --config preset or file, then the flags, then derived fields; as config.toml) and exit",
     )
     train.set_defaults(handler=cmd_train, takes_overrides=True)
 
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
     # Until a command installs its own handling (the launcher forwards stops to its ranks), a stop signal
     # ends the command through Python, so cleanups run and the user is told, instead of a silent kill. Everything
     # after it is inside the handling below: a stop while the parser is built is a stop too, not a traceback.
-    signal.signal(signal.SIGTERM, _stop_now)
+    caller_handler = signal.signal(signal.SIGTERM, _stop_now)
     try:
         _run_command(argv)
     except Interrupted as error:  # the launchers' Stopped, and _stop_now's
@@ -280,6 +280,8 @@ def main(argv: list[str] | None = None) -> None:
             raise  # a bug: Python's traceback, not a one-line message that would blame the user
         print(f"error: {user_message(error)}", file=sys.stderr)
         sys.exit(2)
+    finally:  # called in a script or notebook: a later SIGTERM raised our Stopped there, which `except Exception` ate
+        signal.signal(signal.SIGTERM, caller_handler)
 
 
 # The commands that import torch. A Ctrl-C that lands inside torch's native initialisation aborts the process

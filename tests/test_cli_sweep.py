@@ -417,3 +417,22 @@ def test_an_option_a_command_does_not_take_points_to_that_command_s_help(capsys)
             main(argv)
         err = capsys.readouterr().err
         assert exited.value.code == 2 and err.startswith(f"error: {prog}: ") and err.endswith(f"(see {prog} --help)\n")
+
+
+def test_main_gives_the_callers_sigterm_handler_back(capfd):
+    """main() called in a script or notebook left its own SIGTERM handler: a later SIGTERM raised loom's Stopped in
+    whatever ran next, and an `except Exception` there swallowed the stop."""
+    import signal
+
+    def callers(signum, frame) -> None:
+        pass
+
+    previous = signal.signal(signal.SIGTERM, callers)
+    try:
+        with pytest.raises(SystemExit):
+            main(["plan", "--config", "tiny", "--gpus", "0"])  # a user error, then a command that works
+        main(["plan", "--config", "tiny", "--gpus", "1"])
+        assert signal.getsignal(signal.SIGTERM) is callers
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    capfd.readouterr()

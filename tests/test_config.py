@@ -64,6 +64,23 @@ def test_resolved_config_round_trips_through_toml(tmp_path):
     path.write_text(config_to_toml(config))
     assert load_config(path) == config
     assert "# decay_steps = (not set)" in path.read_text()  # an unset field is listed (TOML has no null)
+    config.train.wandb_run_name = 'a "run"\nnamed\x01\\ réseau'  # control characters wrote TOML no reader took back
+    path.write_text(config_to_toml(config))
+    assert load_config(path) == config
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())  # a BOM, as Windows editors write
+    assert load_config(path) == config
+
+
+def test_a_saved_config_given_a_new_name_is_a_new_run(tmp_path):
+    """A run's config.toml holds the runs/<name> its name gave: fed back with --train.name NEW, the new run went into
+    the old one's folder (it resumed it, and rewrote its config.toml)."""
+    path = tmp_path / "config.toml"
+    path.write_text(config_to_toml(load_config("tiny", ["--train.name", "old"])))
+    assert load_config(path, ["--train.name", "new"]).train.run_dir == "runs/new"
+    assert load_config(path, ["--train.steps", "9"]).train.run_dir == "runs/old"
+    assert load_config(path, ["--train.name", "new", "--train.run_dir", "x"]).train.run_dir == "x"
+    path.write_text(config_to_toml(load_config("tiny", ["--train.run_dir", "elsewhere"])))  # a folder chosen stays
+    assert load_config(path, ["--train.name", "new"]).train.run_dir == "elsewhere"
 
 
 @pytest.mark.parametrize(
@@ -106,6 +123,7 @@ def test_resolved_config_round_trips_through_toml(tmp_path):
         # each was a traceback on every rank (ZeroDivisionError, timedelta's OverflowError, torch's ValueError) ...
         (["--model.make_vocab_divisible_by", "0"], "model.make_vocab_divisible_by must be positive, got 0"),
         (["--parallel.timeout_minutes", "1e300"], "parallel.timeout_minutes = 1e+300 exceeds 525,600 (a year)"),
+        (["--parallel.timeout_minutes", "1e-9"], "parallel.timeout_minutes = 1e-09 is below 0.01 (0.6 s)"),
         (["--optim.beta1", "-1"], "optim.beta1 must lie in [0, 1), got -1.0"),
         (["--optim.beta2", "1"], "optim.beta2 must lie in [0, 1), got 1.0"),
         (["--optim.momentum", "1.5"], "optim.momentum must lie in [0, 1), got 1.5"),
@@ -146,6 +164,10 @@ def test_toml_type_errors(tmp_path):
     path.write_text("[train\nsteps = 1\n")
     with pytest.raises(ConfigError, match="is not valid TOML"):
         load_config(path)
+    path.write_text("train = 5\n")  # with a flag for that section it was an AttributeError
+    for overrides in ([], ["--train.steps", "3"]):
+        with pytest.raises(ConfigError, match=r"\[train\] must be a table of fields"):
+            load_config(path, overrides)
 
 
 def test_override_syntax_errors():
@@ -178,7 +200,12 @@ def test_override_syntax_errors():
         ),
         (8, {"pp": 8}, "parallel.pp = 8 exceeds model.num_layers = 4"),
         (3, {"tp": 2}, "world size 3 is not divisible by tp*pp = 2*1"),
-        (4, {"tp": 2, "dp": 1}, "world size 4 != tp*pp*dp = 2*1*1"),
+        (
+            4,
+            {"tp": 2, "dp": 1},
+            "world size 4 != tp*pp*dp = 2*1*1; change the number of ranks or the layout "
+            "(parallel.dp = 1 is set: --parallel.dp none derives it from the ranks)",
+        ),  # fmt: skip
         (8, {"tp": 8}, "parallel.tp = 8 must divide model.num_kv_heads = 4"),
         (3, {"cp": 2}, "world size 3 is not divisible by tp*cp*pp = 1*2*1"),
         (4, {"cp": 2, "dp": 1}, "world size 4 != tp*cp*pp*dp = 1*2*1*1"),
@@ -200,7 +227,7 @@ def test_layout_errors(world, layout, message):
     micro = layout.pop("micro", 2)
     sections = {"model": layout.pop("model", {}), "train": {"micro_batch_size": micro, **layout.pop("train", {})}}
     config = load_config("tiny", {"parallel": layout, **sections})
-    with pytest.raises(ConfigError, match=message.replace("*", r"\*")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         config.resolve_world(world)
 
 

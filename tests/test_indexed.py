@@ -71,6 +71,8 @@ def test_writer_output_reads_back_by_hand_and_through_the_reader(tmp_path, vocab
         np.testing.assert_array_equal(hand_tokens[i], doc)
         np.testing.assert_array_equal(dataset[i], doc)
     np.testing.assert_array_equal(dataset.get(0, 2, 3), documents[0][2:5])
+    with pytest.raises(IndexError, match="length -1 of sequence 0 is negative"):  # was every token to the .bin's end
+        dataset.get(0, 0, -1)
 
 
 def test_multi_sequence_documents_and_merge(tmp_path):

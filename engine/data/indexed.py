@@ -232,6 +232,8 @@ class IndexedDataset:
         available = int(self._lengths[i]) - offset
         if offset < 0 or available < 0:
             raise IndexError(f"offset {offset} outside sequence {i} of {self._lengths[i]} tokens")
+        if length is not None and length < 0:  # numpy reads a count of -1 as "to the end of the whole .bin"
+            raise IndexError(f"length {length} of sequence {i} is negative")
         length = available if length is None else min(length, available)
         start = int(self._pointers[i]) + offset * self._dtype.itemsize
         return np.frombuffer(self._bin, self._dtype, length, start)
