@@ -371,6 +371,39 @@ class OptimConfig:
         if refusal := self.zero_refusal(self.zero) or self.offload_refusal(self.offload):
             raise ConfigError(refusal)
 
+    def settings_without_effect(self) -> list[str]:
+        """Fields set away from their defaults that this config never reads, each as a phrase saying why (a user
+        who sets SGD's momentum for AdamW, or early stopping with evaluation off, is told instead of ignored)."""
+        m, o, t = self.model, self.optim, self.train
+        unread = [
+            (m, ("rope_theta", "rope_scaling"), m.position_embedding != "rope", "model.position_embedding = learned"),
+            (
+                m,
+                ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_positions"),
+                m.position_embedding == "rope" and m.rope_scaling == "none",
+                "model.rope_scaling = none",
+            ),
+            (o, ("momentum",), o.name != "sgd", f"optim.name = {o.name} (it is SGD's)"),
+            (o, ("beta1", "beta2", "eps"), o.name in ("sgd", "adafactor"), f"optim.name = {o.name}"),
+            (
+                o,
+                ("initial_loss_scale", "loss_scale_window", "loss_scale_hysteresis", "min_loss_scale"),
+                t.precision != "fp16",
+                f"train.precision = {t.precision} (loss scaling is fp16's)",
+            ),
+            (t, ("early_stop_patience",), not t.eval_interval, "train.eval_interval = 0 (no evaluation to compare)"),
+            (t, ("wandb_entity", "wandb_run_name", "wandb_mode"), not t.wandb_project, "train.wandb_project unset"),
+        ]
+        said = []
+        for section, names, unused, because in unread:
+            defaults = {f.name: _default(f) for f in dataclasses.fields(section)}
+            changed = [name for name in names if getattr(section, name) != defaults[name]]
+            if unused and changed:
+                where = type(section).__name__.removesuffix("Config").lower()
+                fields = ", ".join(f"{where}.{name} = {getattr(section, name)}" for name in changed)
+                said.append(f"{fields} {'has' if len(changed) == 1 else 'have'} no effect with {because}")
+        return said
+
     def zero_refusal(self, zero: int) -> str | None:
         """Why this optimizer cannot run under ZeRO stage `zero` (training, and the planner's search), or None."""
         if zero and self.name == "adafactor":
@@ -652,6 +685,39 @@ class LoomConfig:
                 f"model.attention_backend = {backend} is a CUDA kernel for bf16 or fp16, not train.precision = fp32; "
                 "use --model.attention_backend efficient (or auto), or --train.precision bf16 on a GPU"
             )
+
+    def settings_without_effect(self) -> list[str]:
+        """Fields set away from their defaults that this config never reads, each as a phrase saying why (a user
+        who sets SGD's momentum for AdamW, or early stopping with evaluation off, is told instead of ignored)."""
+        m, o, t = self.model, self.optim, self.train
+        unread = [
+            (m, ("rope_theta", "rope_scaling"), m.position_embedding != "rope", "model.position_embedding = learned"),
+            (
+                m,
+                ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_positions"),
+                m.position_embedding == "rope" and m.rope_scaling == "none",
+                "model.rope_scaling = none",
+            ),
+            (o, ("momentum",), o.name != "sgd", f"optim.name = {o.name} (it is SGD's)"),
+            (o, ("beta1", "beta2", "eps"), o.name in ("sgd", "adafactor"), f"optim.name = {o.name}"),
+            (
+                o,
+                ("initial_loss_scale", "loss_scale_window", "loss_scale_hysteresis", "min_loss_scale"),
+                t.precision != "fp16",
+                f"train.precision = {t.precision} (loss scaling is fp16's)",
+            ),
+            (t, ("early_stop_patience",), not t.eval_interval, "train.eval_interval = 0 (no evaluation to compare)"),
+            (t, ("wandb_entity", "wandb_run_name", "wandb_mode"), not t.wandb_project, "train.wandb_project unset"),
+        ]
+        said = []
+        for section, names, unused, because in unread:
+            defaults = {f.name: _default(f) for f in dataclasses.fields(section)}
+            changed = [name for name in names if getattr(section, name) != defaults[name]]
+            if unused and changed:
+                where = type(section).__name__.removesuffix("Config").lower()
+                fields = ", ".join(f"{where}.{name} = {getattr(section, name)}" for name in changed)
+                said.append(f"{fields} {'has' if len(changed) == 1 else 'have'} no effect with {because}")
+        return said
 
     def zero_refusal(self, zero: int) -> str | None:
         """Why this run cannot use ZeRO stage `zero` (training and the planner's search), or None."""

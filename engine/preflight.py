@@ -75,6 +75,8 @@ def preflight(config: LoomConfig, world_size: int, training: bool = True, ranks_
         check_ids_within_tokenizer(config.data.paths, vocab, config.data.tokenizer, config.data.cache_dir)
     check_checkpoint_to_load(config, training)
     check_wandb_installed(config)
+    for unread in config.settings_without_effect() if training else []:
+        print(f"warning: {unread}", flush=True)
     run_dir = Path(config.train.run_dir)
     if run_dir.is_file():
         raise ConfigError(f"run directory {run_dir} is a file; give a folder (--train.run_dir or --train.name)")

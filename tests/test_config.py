@@ -287,3 +287,33 @@ def test_every_suggested_pipeline_layout_validates():
                     raise AssertionError(f"{message!r} suggests pp={suggested_pp} vp={suggested_vp}: {error}") from None
                 suggested += 1
     assert suggested > 250
+
+
+def test_settings_a_config_never_reads_are_named():
+    """SGD's momentum given to AdamW, early stopping with evaluation off, a W&B entity without a project: each was
+    accepted and ignored without a word. The presets set none."""
+    config = load_config(
+        "tiny",
+        ["--optim.momentum", "0.5", "--train.early_stop_patience", "3", "--train.eval_interval", "0"]
+        + ["--model.rope_scaling_factor", "4", "--model.rope_low_freq_factor", "2", "--train.wandb_entity", "me"]
+        + ["--optim.initial_loss_scale", "1024"],
+    )
+    assert config.settings_without_effect() == [
+        "model.rope_scaling_factor = 4.0, model.rope_low_freq_factor = 2.0 have no effect with model.rope_scaling = "
+        "none",
+        "optim.momentum = 0.5 has no effect with optim.name = adamw (it is SGD's)",
+        "optim.initial_loss_scale = 1024.0 has no effect with train.precision = fp32 (loss scaling is fp16's)",
+        "train.early_stop_patience = 3 has no effect with train.eval_interval = 0 (no evaluation to compare)",
+        "train.wandb_entity = me has no effect with train.wandb_project unset",
+    ]
+    read = load_config(
+        "tiny",
+        ["--optim.name", "sgd", "--optim.momentum", "0.5", "--train.precision", "fp16"]
+        + ["--optim.initial_loss_scale", "1024", "--model.rope_scaling", "llama3", "--model.rope_scaling_factor", "4"],
+    )
+    assert read.settings_without_effect() == []
+    assert load_config("tiny", ["--optim.name", "adafactor", "--optim.beta1", "0.8"]).settings_without_effect() == [
+        "optim.beta1 = 0.8 has no effect with optim.name = adafactor"
+    ]
+    for preset in ("tiny", "gpt-125m", "llama-1b", "llama-8b", "llama-70b"):
+        assert load_config(preset).settings_without_effect() == [], preset
