@@ -202,7 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--print-config",
         action="store_true",
-        help="print the resolved config (defaults, then the --config preset or file, then the flags, then derived fields; as config.toml) and exit",
+        help="print the resolved config (the defaults, then the --config preset or file, then the flags, then the "
+        "derived fields; as config.toml) and exit",
     )
     train.set_defaults(handler=cmd_train, takes_overrides=True)
 
