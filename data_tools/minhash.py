@@ -13,6 +13,7 @@ module must not read or write files; minhash_lsh.py runs the stages on disk.
 
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 
 import numpy as np
@@ -25,6 +26,7 @@ SHINGLE_HASH_BASE = 0x100000001B3  # odd, so its powers are invertible mod 2^64
 _BASE_INVERSE = pow(SHINGLE_HASH_BASE, -1, 1 << 64)
 _SPACE, _DOCUMENT_END = 0x20, 0x0A
 _HASH_CHARACTERS = 1 << 20
+_WHITESPACE_RUN, _WORD = re.compile(r"\s+"), re.compile(r"\S+")  # str.split()'s words: \s is str.isspace()
 
 
 @lru_cache(maxsize=8)
@@ -88,9 +90,20 @@ def shingle_hashes(texts: list[str], n: int = 5) -> tuple[np.ndarray, np.ndarray
     """(hashes, counts): every document's distinct shingle hashes (uint64, sorted), back to back, and how many
     each has (at least one: a text of fewer than n words is one shingle). The hash of a shingle's UTF-8 bytes
     c_0..c_k-1 is mix64((sum c_j * SHINGLE_HASH_BASE^j mod 2^64) ^ k)."""
-    # The byte-wise arrays take ~40 bytes per input byte: hash at most _HASH_CHARACTERS of text at a time.
+    # The byte-wise arrays take ~40 bytes per input byte: hash at most _HASH_CHARACTERS of text at a time (a longer
+    # text in overlapping pieces: one 62 MB document took 2 GB).
     hashes, counts, group, characters = [], [], [], 0
     for text in texts:
+        if len(text) > _HASH_CHARACTERS and len(pieces := _overlapping_pieces(text, n)) > 1:
+            if group:
+                hashed = _group_shingle_hashes(group, n)
+                hashes.append(hashed[0])
+                counts.append(hashed[1])
+                group, characters = [], 0
+            union = np.unique(np.concatenate([_group_shingle_hashes([piece], n)[0] for piece in pieces]))
+            hashes.append(union)
+            counts.append(np.array([len(union)], dtype=np.int64))
+            continue
         group.append(text)
         characters += len(text)
         if characters >= _HASH_CHARACTERS:
@@ -105,6 +118,45 @@ def shingle_hashes(texts: list[str], n: int = 5) -> tuple[np.ndarray, np.ndarray
     if not counts:
         return np.empty(0, dtype=np.uint64), np.empty(0, dtype=np.int64)
     return np.concatenate(hashes), np.concatenate(counts)
+
+
+def _overlapping_pieces(text: str, n: int) -> list[str]:
+    """`text` cut into pieces of about _HASH_CHARACTERS whose shingles together are the text's: a cut falls where
+    whitespace is followed by a word, and the next piece starts n - 1 words before it, so every n consecutive words
+    lie whole in one piece, and every piece has at least n words (none becomes a short text's single shingle)."""
+    pieces, start, position = [], 0, _HASH_CHARACTERS
+    while len(text) - position > 0:
+        gap = _WHITESPACE_RUN.search(text, position)
+        if gap is None or gap.end() == len(text):
+            break
+        overlap_start = _start_of_last_words(text, start, gap.start(), n - 1)
+        if overlap_start is None or not _has_words(text, start, overlap_start):  # fewer than n words so far
+            position = gap.end()
+            continue
+        pieces.append(text[start : gap.start()])
+        start = overlap_start
+        position = max(gap.end(), start + _HASH_CHARACTERS)
+    pieces.append(text[start:])
+    return pieces
+
+
+def _start_of_last_words(text: str, start: int, end: int, count: int) -> int | None:
+    """Where the last `count` words of text[start:end] (which ends in a word) begin; None when it has fewer."""
+    if count == 0:
+        return end
+    window = 64
+    while True:
+        first = max(start, end - window)
+        words = [m.start() for m in _WORD.finditer(text, first, end)]
+        if len(words) > count or (first == start and len(words) >= count):  # the window's first word may be cut
+            return words[-count]
+        if first == start:
+            return None
+        window *= 4
+
+
+def _has_words(text: str, start: int, end: int) -> bool:
+    return _WORD.search(text, start, end) is not None
 
 
 def _group_shingle_hashes(texts: list[str], n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -167,20 +219,29 @@ def signatures(
     scratch = np.empty((len(a), _SHINGLES_PER_BLOCK), dtype=np.uint32)
     first = 0
     while first < len(texts):
-        # Whole documents per block, at least one: every document has >= 1 shingle, so no segment is empty.
-        last = max(
-            first + 1, int(np.searchsorted(ends, ends[first] - counts[first] + _SHINGLES_PER_BLOCK, side="right"))
-        )
         start = ends[first] - counts[first]
-        block = hashes[start : ends[last - 1]]
-        values = (
-            scratch[:, : len(block)] if len(block) <= _SHINGLES_PER_BLOCK else np.empty((len(a), len(block)), np.uint32)
-        )
-        np.multiply.outer(a, block, out=values)  # uint32: wraps mod 2^32 like datasketch
-        values += b[:, None]
+        if counts[first] > _SHINGLES_PER_BLOCK:  # one long document: its blocks' minima, one block at a time
+            out[:, first] = np.iinfo(np.uint32).max
+            for block_start in range(start, ends[first], _SHINGLES_PER_BLOCK):
+                block = hashes[block_start : min(block_start + _SHINGLES_PER_BLOCK, ends[first])]
+                values = _permuted(a, b, block, scratch)
+                np.minimum(out[:, first], values.min(axis=1), out=out[:, first])
+            first += 1
+            continue
+        # Whole documents per block: every document has >= 1 shingle, so no segment is empty.
+        last = int(np.searchsorted(ends, start + _SHINGLES_PER_BLOCK, side="right"))
+        values = _permuted(a, b, hashes[start : ends[last - 1]], scratch)
         out[:, first:last] = np.minimum.reduceat(values, ends[first:last] - counts[first:last] - start, axis=1)
         first = last
     return out.T
+
+
+def _permuted(a: np.ndarray, b: np.ndarray, block: np.ndarray, scratch: np.ndarray) -> np.ndarray:
+    """(a * block + b) mod 2^32 for every permutation (rows) and shingle (columns), written into `scratch`."""
+    values = scratch[:, : len(block)]
+    np.multiply.outer(a, block, out=values)  # uint32: wraps mod 2^32 like datasketch
+    values += b[:, None]
+    return values
 
 
 def band_keys(signature_rows: np.ndarray, bands: int, rows: int) -> np.ndarray:

@@ -59,6 +59,23 @@ def test_exact_dedup_matches_reference(tmp_path):
     assert json.loads((tmp_path / "out/stats.json").read_text())["clusters"] == 2
 
 
+def test_a_long_text_is_hashed_in_pieces_to_the_whole_texts_digest(monkeypatch):
+    """One 218 MB document took 4.5 GB to normalise whole; pieces cut where whitespace begins give the same words."""
+    import hashlib
+
+    from loom.data_tools import dedup
+
+    texts = [
+        "  Tabs\tand\nnew  lines, ÜBER straße — 日本語 の 文 です\u00a0nbsp ",
+        "x" * 50 + "  \u00a8 a\u0301 \ufb01 " * 30 + "\u2003end\n",  # NFKC: decompositions, compositions, ligatures
+        "   ",
+        "word " * 40,
+    ]
+    monkeypatch.setattr(dedup, "_DIGEST_PIECE_CHARACTERS", 7)
+    for text in texts:
+        assert dedup.text_digest(text) == hashlib.sha256(dedup.normalise(text).encode()).digest()[:16], text
+
+
 def test_documents_without_an_id_are_named_by_file_and_line_and_repeated_ids_are_counted(tmp_path, capfd):
     """Without an `id` field a document is `FILE:LINE` in clusters.jsonl and duplicate_of, and carries that id in
     kept.jsonl or removed.jsonl, so every name the report gives is found in the outputs (it was `doc-N`, found
@@ -266,6 +283,9 @@ def test_batched_shingle_hashes_and_signatures_equal_one_at_a_time(monkeypatch):
         "the same five words here again the same five words here",
         "  Tabs\tand\nnew  lines, ÜBER straße — 日本語 の 文 です\u00a0nbsp ",
         "   ",
+        "x" * 90 + " " + "y" * 90 + "  one two three four\n\nfive six " + "z" * 45,  # words longer than a piece
+        " ".join(f"W{i % 17}" for i in range(400)) + " \t ",  # repeated shingles across pieces, trailing blanks
+        " a b c d " + "e" * 200,  # fewer than 5 words before the first place a piece could end
     ]
     expected_hashes, one_by_one = [], []
     for text in texts:
@@ -277,9 +297,12 @@ def test_batched_shingle_hashes_and_signatures_equal_one_at_a_time(monkeypatch):
     assert counts.tolist() == [len(h) for h in expected_hashes]
     assert np.array_equal(hashes, np.concatenate(expected_hashes))
     assert np.array_equal(signatures(texts, a, b), np.stack(one_by_one))
-    monkeypatch.setattr(minhash, "_HASH_CHARACTERS", 40)
+    monkeypatch.setattr(minhash, "_HASH_CHARACTERS", 40)  # groups of short texts, long ones in overlapping pieces
+    monkeypatch.setattr(minhash, "_SHINGLES_PER_BLOCK", 7)  # a long document's signature block by block
+    assert len(minhash._overlapping_pieces(texts[2], 5)) > 100
     grouped_hashes, grouped_counts = shingle_hashes(texts)
     assert np.array_equal(grouped_hashes, hashes) and np.array_equal(grouped_counts, counts)
+    assert np.array_equal(signatures(texts, a, b), np.stack(one_by_one))
     assert [len(x) for x in shingle_hashes([])] == [0, 0]
 
 

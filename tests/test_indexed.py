@@ -110,6 +110,11 @@ def test_out_of_range_tokens_are_refused(tmp_path):
         with IndexedDatasetWriter(tmp_path / "x", np.uint16) as writer:
             writer.add_document([70000])
     assert not list(tmp_path.iterdir())
+    huge = np.broadcast_to(np.uint16(1), (2**31 + 5,))  # 4 GiB of tokens in no memory
+    with pytest.raises(OverflowError, match="2,147,483,653 tokens exceeds the .idx format's int32 lengths"):
+        with IndexedDatasetWriter(tmp_path / "x", np.uint16) as writer:  # its length wrapped to a negative one
+            writer.add_documents(huge, np.array([huge.size]))
+    assert not list(tmp_path.iterdir())
 
 
 def test_an_interrupted_build_leaves_nothing_that_looks_complete(tmp_path):

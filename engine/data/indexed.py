@@ -302,6 +302,11 @@ class IndexedDatasetWriter:
             )
         if self._document_starts[-1] != len(self._lengths):
             raise ValueError("call end_document() before add_documents(): the current document is still open")
+        if lengths.size and lengths.max() > np.iinfo(np.int32).max:  # else the .idx's int32 length wrapped, unsaid
+            raise OverflowError(
+                f"a sequence of {int(lengths.max()):,} tokens exceeds the .idx format's int32 lengths; cut it into "
+                "sequences of at most 2,147,483,647"
+            )
         self._check_range(tokens)
         self._bin.write(memoryview(np.ascontiguousarray(tokens.astype(self.dtype, copy=False))))
         first = len(self._lengths)
