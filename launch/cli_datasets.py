@@ -33,6 +33,7 @@ from loom.launch.cli_data import (
 
 if TYPE_CHECKING:
     from loom.engine.config import LoomConfig
+    from loom.engine.data.indexed import IndexedDataset
 
 MAX_PREVIEW_SAMPLES = 100_000
 """More samples than anyone reads on a terminal; its index cache and output stay a few MB."""
@@ -88,9 +89,12 @@ def _write_merge(args: argparse.Namespace, inputs: list[str]) -> tuple[int, int]
     the merged dataset's documents and tokens."""
     import time
 
+    from tqdm import tqdm
+
     from loom.data_tools.failures import reported_failures
     from loom.data_tools.jsonl import InputError
-    from loom.data_tools.manifest import built_with_eod, built_with_tokenizer, check_same_tokenizer, write_manifest
+    from loom.data_tools.manifest import built_with_eod, built_with_tokenizer, check_same_tokenizer
+    from loom.data_tools.progress import Elapsed
     from loom.engine.data.indexed import IndexedDataset, IndexedDatasetWriter, index_paths
 
     tokenizer = check_same_tokenizer(args.inputs)
@@ -113,12 +117,30 @@ def _write_merge(args: argparse.Namespace, inputs: list[str]) -> tuple[int, int]
     started = time.time()
     first = IndexedDataset(args.inputs[0])
     needed = sum(path.stat().st_size for prefix in args.inputs for path in index_paths(prefix) if path.is_file())
-    with reported_failures(index_paths(args.output_prefix)[0], needed):
+    bins = sum(index_paths(prefix)[0].stat().st_size for prefix in args.inputs)
+    copying = tqdm(total=bins, desc="merge: copying", unit="B", unit_scale=True, file=sys.stderr, mininterval=1.0)
+    with reported_failures(index_paths(args.output_prefix)[0], needed), copying:
         with IndexedDatasetWriter(args.output_prefix, first.dtype) as writer:
             for prefix in args.inputs:
-                writer.add_index(prefix)
+                writer.add_index(prefix, copying.update)
     merged = IndexedDataset(args.output_prefix)
     documents = len(merged.document_indices) - 1
+    with Elapsed("merge: sha256 of the inputs' indexes and the output, for its manifest"):
+        _write_merge_manifest(args, inputs, tokenizer, append_eod, merged, started)
+    return documents, int(merged.num_tokens)
+
+
+def _write_merge_manifest(
+    args: argparse.Namespace,
+    inputs: list[str],
+    tokenizer: tuple[str, str] | None,
+    append_eod: bool | None,
+    merged: IndexedDataset,
+    started: float,
+) -> None:
+    from loom.data_tools.manifest import write_manifest
+    from loom.engine.data.indexed import index_paths
+
     write_manifest(
         args.output_prefix,
         command="loom data merge",
@@ -129,11 +151,10 @@ def _write_merge(args: argparse.Namespace, inputs: list[str]) -> tuple[int, int]
             **(dict(zip(("tokenizer", "tokenizer_sha256"), tokenizer)) if tokenizer else {}),
             **({"append_eod": append_eod} if append_eod is not None else {}),
         },
-        counts={"documents": documents, "tokens": int(merged.num_tokens)},
+        counts={"documents": len(merged.document_indices) - 1, "tokens": int(merged.num_tokens)},
         started=started,
         is_folder=False,
     )
-    return documents, int(merged.num_tokens)
 
 
 def _inspect(args: argparse.Namespace) -> None:

@@ -117,10 +117,15 @@ def test_sample_index_matches_megatron_walk(seed):
         np.testing.assert_array_equal(rows, megatron_walk(lengths, documents, per_epoch, seq_length))
 
 
-def test_index_cache_is_reused_and_keyed(tmp_path, monkeypatch):
+def test_index_cache_is_reused_and_keyed(tmp_path, monkeypatch, capsys):
     indexed = write_documents(tmp_path / "data", random_documents(5, 20))
+    monkeypatch.setattr(gpt_dataset, "SLOW_BUILD_SAMPLES", 29)  # a build that takes seconds is said; a load is not
     first = GPTDataset(indexed, np.arange(20), 30, 8, seed=1)
     assert first.built and first.cache_dir == tmp_path / "data_cache"
+    assert capsys.readouterr().out == (
+        f"building the sample index of {indexed.prefix} (30 samples of 8 tokens) once; cached in {first.cache_dir} "
+        "(`loom data index` builds it ahead)\n"
+    )
     assert all(path.parent == first.cache_dir for path in first.cache_paths.values())
     mtimes = {path: path.stat().st_mtime_ns for path in first.cache_paths.values()}
 
@@ -133,6 +138,7 @@ def test_index_cache_is_reused_and_keyed(tmp_path, monkeypatch):
     assert {path: path.stat().st_mtime_ns for path in second.cache_paths.values()} == mtimes
     for i in range(30):
         np.testing.assert_array_equal(first[i], second[i])
+    assert capsys.readouterr().out == ""
     monkeypatch.undo()
     # Whole epochs are cached: more samples within the same epochs reuse the cache, a further epoch does not.
     assert not GPTDataset(indexed, np.arange(20), 31, 8, seed=1).built

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import array
 import os
-import shutil
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -323,8 +323,9 @@ class IndexedDatasetWriter:
         self.add_sequence(tokens)
         self.end_document()
 
-    def add_index(self, other_prefix: str | Path) -> None:
-        """Append every sequence and document of an existing dataset (for merging)."""
+    def add_index(self, other_prefix: str | Path, copied: Callable[[int], object] | None = None) -> None:
+        """Append every sequence and document of an existing dataset (for merging); `copied(n)` hears of each n bytes
+        of its .bin copied."""
         self._check_open()
         other = IndexedDataset(other_prefix)
         if other.dtype != self.dtype:
@@ -333,7 +334,10 @@ class IndexedDatasetWriter:
             raise ValueError("call end_document() before add_index(): the current document is still open")
         offset = len(self._lengths)
         with open(other.bin_path, "rb") as source:
-            shutil.copyfileobj(source, self._bin, _COPY_CHUNK_BYTES)
+            while chunk := source.read(_COPY_CHUNK_BYTES):
+                self._bin.write(chunk)
+                if copied is not None:
+                    copied(len(chunk))
         self._lengths.frombytes(np.ascontiguousarray(other.sequence_lengths).tobytes())
         self._document_starts.frombytes((other.document_indices[1:] + offset).astype(np.int64).tobytes())
 
