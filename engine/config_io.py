@@ -176,18 +176,22 @@ def load_config(path: str | Path | None, overrides: list[str] | dict | None = No
         if not isinstance(raw.setdefault(section, {}), dict):
             raise ConfigError(f"[{section}] must be a table of fields")
         if section == "train" and "name" in values and "run_dir" not in values:
-            _forget_derived_run_dir(raw["train"])
+            _forget_derived_run_dir(raw["train"], values["name"])
         raw[section].update(values)
     return config_from_dict(raw)
 
 
-def _forget_derived_run_dir(train: dict[str, Any]) -> None:
-    """A run's saved config.toml holds the run_dir its name gave (runs/<name>): fed back with --train.name NEW, the
-    new run resumed and rewrote the old one in its folder. A run_dir the file's own name derived follows the new
-    name; one set to another folder stays."""
-    name = train.get("name", TrainConfig.name)
-    if train.get("run_dir") == str(Path("runs") / str(name)):
-        del train["run_dir"]
+def _forget_derived_run_dir(train: dict[str, Any], new_name: Any) -> None:
+    """A run's saved config.toml holds the run_dir its name gave (runs/<name>, made absolute by `loom submit`): fed
+    back with --train.name NEW, the new run resumed and rewrote the old one in its folder. A run_dir the file's own
+    name derived follows the new name (runs/NEW beside it); one set to another folder stays."""
+    name, run_dir = train.get("name", TrainConfig.name), train.get("run_dir")
+    if not isinstance(run_dir, str) or Path(run_dir).parts[-2:] != ("runs", name):
+        return
+    if Path(run_dir).is_absolute() and isinstance(new_name, str) and Path(new_name).name == new_name != "..":
+        train["run_dir"] = str(Path(run_dir).parent / new_name)
+    else:
+        del train["run_dir"]  # derived again from the new name (which TrainConfig checks is a plain one)
 
 
 def config_to_dict(config: LoomConfig) -> dict[str, dict[str, Any]]:

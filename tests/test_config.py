@@ -81,6 +81,11 @@ def test_a_saved_config_given_a_new_name_is_a_new_run(tmp_path):
     assert load_config(path, ["--train.name", "new", "--train.run_dir", "x"]).train.run_dir == "x"
     path.write_text(config_to_toml(load_config("tiny", ["--train.run_dir", "elsewhere"])))  # a folder chosen stays
     assert load_config(path, ["--train.name", "new"]).train.run_dir == "elsewhere"
+    submitted = load_config("tiny", ["--train.name", "old", "--train.run_dir", str(tmp_path / "runs" / "old")])
+    path.write_text(config_to_toml(submitted))  # `loom submit` saves it absolute
+    assert load_config(path, ["--train.name", "new"]).train.run_dir == str(tmp_path / "runs" / "new")
+    with pytest.raises(ConfigError, match="must be a plain name"):
+        load_config(path, ["--train.name", "a/b"])
 
 
 @pytest.mark.parametrize(
