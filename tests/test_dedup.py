@@ -225,6 +225,27 @@ def test_minhash_finds_known_clusters(tmp_path):
     assert stats["kept"] + stats["removed"] == len(docs) and (stats["bands"], stats["rows"]) != (0, 0)
 
 
+def test_minhash_finds_near_duplicates_in_scripts_written_without_spaces(tmp_path):
+    """A Chinese, Japanese or Thai page was one or two whitespace "words", so one shingle, and a copy with one
+    character changed was never found (word 5-gram Jaccard 0). Each character is a word there: its shingles are the
+    text's character 5-grams."""
+    from loom.data_tools.minhash import shingles
+
+    rng = np.random.default_rng(0)
+    alphabets = {"zh": range(0x4E00, 0x4E00 + 3000), "ja": range(0x3041, 0x3097), "th": range(0x0E01, 0x0E2F)}
+    docs = []
+    for language, alphabet in alphabets.items():
+        for i in range(4):
+            text = "".join(map(chr, rng.choice(alphabet, 400)))
+            assert shingles(text) == {" ".join(text[j : j + 5]) for j in range(len(text) - 4)}
+            edited = text[:200] + ("x" if text[200] != "x" else "y") + text[201:]  # Jaccard 0.98
+            docs += [{"id": f"{language}{i}", "text": text}, {"id": f"{language}{i}-copy", "text": edited}]
+    docs.append({"id": "mixed", "text": "loom 的 near-duplicate 検出 " + docs[0]["text"][:50]})
+    deduplicate([write_corpus(tmp_path / "in.jsonl", docs)], tmp_path / "out", method="minhash", progress=False)
+    removed = {record["id"]: record["duplicate_of"] for record in read(tmp_path / "out/removed/removed.jsonl")}
+    assert removed == {f"{doc['id']}-copy": doc["id"] for doc in docs[:-1:2]}
+
+
 def write_corpus(path, docs):
     path.write_text("".join(json.dumps(d) + "\n" for d in docs))
     return path
