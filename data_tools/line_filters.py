@@ -11,6 +11,7 @@ not repair text (text_repair.py) or judge prose quality (quality_filters.py).
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -76,36 +77,41 @@ class C4Lines:
         if self.sentence_count not in ("per_line", "regex"):
             raise ValueError(f"sentence_count = {self.sentence_count!r} is not per_line or regex")
 
-    def _judge_line(self, line: str) -> bool | Rejected:
-        """True to keep a (stripped, non-blank) line, False to drop it, or the page's rejection."""
+    def _judge_line(self, line: str) -> bool | str | Rejected:
+        """True to keep a (stripped, non-blank) line, why it is dropped, or the page's rejection."""
         words = line.split()
-        if (
-            any(len(w) > self.max_word_length for w in words)
-            or (self.require_terminal_punctuation and not line.endswith(C4_TERMINAL_PUNCTUATION))
-            or len(words) < self.min_words_per_line
-        ):
-            return False
+        if any(len(w) > self.max_word_length for w in words):
+            return f"a word over {self.max_word_length} characters"
+        if self.require_terminal_punctuation and not line.endswith(C4_TERMINAL_PUNCTUATION):
+            return "no terminal punctuation"
+        if len(words) < self.min_words_per_line:
+            return f"under {self.min_words_per_line} words"
         lowered = line.lower()
         if self.reject_lorem_ipsum and "lorem ipsum" in lowered:
             return Rejected("lorem_ipsum", "a line contains 'lorem ipsum'")
         if self.remove_javascript_lines and "javascript" in lowered:
-            return False
+            return "javascript"
         if self.reject_curly_braces and "{" in line:
             return Rejected("curly_brace", "a line contains '{' (code or templates)")
-        return not (self.remove_policy_lines and any(p in lowered for p in C4_POLICY_PHRASES))
+        return (
+            "policy boilerplate" if self.remove_policy_lines and any(p in lowered for p in C4_POLICY_PHRASES) else True
+        )
 
     def __call__(self, doc: Document) -> Rejected | None:
-        kept = []
+        kept, dropped = [], Counter()
         # splitlines, as the reference: a U+2028, a form feed or a lone \r ends a line there too
         for line in (line.strip() for line in doc.text.splitlines()):
             verdict = self._judge_line(line) if line else True  # blank lines stay: paragraphs for the next steps
             if isinstance(verdict, Rejected):
                 return verdict
-            if verdict:
+            if verdict is True:
                 kept.append(line)
+            else:
+                dropped[verdict] += 1
         doc.text = _BLANK_RUNS.sub("\n\n", "\n".join(kept)).strip("\n")
-        if not doc.text:
-            return Rejected("no_lines_left", "every line was boilerplate")
+        if not doc.text:  # say which rules: a page written without spaces has lines of one "word"
+            why = ", ".join(f"{count} {reason}" for reason, count in dropped.most_common())
+            return Rejected("no_lines_left", f"every line was dropped ({why or 'no lines'})")
         sentences = count_sentences(doc.text) if self.sentence_count == "regex" else count_sentences_per_line(kept)
         return below("sentences", sentences, self.min_sentences)
 

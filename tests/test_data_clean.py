@@ -317,6 +317,14 @@ def test_c4_sentence_counts_the_reference_way_or_the_paper_way():
             if rejected:
                 assert rejected.rule == "sentences" and str(sentences) in rejected.detail
     assert C4Lines().sentence_count == "per_line"
+    chinese = "机器学习是人工智能的一个分支。\n它研究计算机如何从数据中学习。\nSee javascript: now here\n"
+    rejected = C4Lines(require_terminal_punctuation=False)(
+        Document(chinese)
+    )  # said to be "boilerplate": its lines are one whitespace word each
+    assert (rejected.rule, rejected.detail) == (
+        "no_lines_left",
+        "every line was dropped (2 under 3 words, 1 javascript)",
+    )
     with pytest.raises(InputError, match="sentence_count"):
         build_step({"type": "c4", "sentence_count": "nltk"})
 
