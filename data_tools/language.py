@@ -1,7 +1,8 @@
 """Language identification step: py3langid's naive Bayes model, which ships inside its PyPI package.
 
 No download at run time: the model (about 4.5 MB) is read from the installed package once per
-process. Every document passing this step gets `language` (ISO 639-1, or "und" below min_score)
+process. Every document passing this step gets `language` (py3langid's code: ISO 639-1 where the language has one,
+else ISO 639-3 such as yue or ary; "und" below min_score)
 and `language_score` (the normalised probability) in its output record; documents in languages
 outside `languages` are rejected. An empty `languages` keeps every language and only labels, as
 `--split-by-language` needs. This module must not write files.

@@ -7,6 +7,7 @@ what it measured. Pipelines are written as TOML, one `[[step]]` table per step:
     [[step]]
     type = "gopher_quality"   # a key of step_types()
     name = "quality"          # optional: how reports call it (default: the type)
+    for_languages = ["en"]    # optional: only documents a `language` step before it labelled so
     min_words = 50            # any field of the step's dataclass
 
 The named pipelines ship in data_tools/pipelines/NAME.toml. This module must not read or write
@@ -65,10 +66,36 @@ def _check_value(type_name: str, key: str, value: Any, default: Any) -> Any:
     return value
 
 
+@dataclasses.dataclass
+class ForLanguages:
+    """A step that judges only documents labelled with one of `languages` and passes the others untouched, as FineWeb
+    runs its English rules on English alone (Gopher's stop words and word counts reject every Chinese page)."""
+
+    step: Step
+    languages: tuple[str, ...]
+
+    def __call__(self, doc: Document) -> Rejected | None:
+        return self.step(doc) if doc.metadata.get("language") in self.languages else None
+
+
+def _for_languages(type_name: str, value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or not value or not all(isinstance(code, str) for code in value):
+        raise InputError(f"step {type_name!r}: for_languages = {value!r} should be a list of codes like ['en']")
+    from loom.data_tools.language import identifier
+
+    unknown = sorted(set(value) - set(identifier().labels))
+    if unknown:
+        raise InputError(
+            f"step {type_name!r}: for_languages has unknown codes {', '.join(unknown)} (py3langid's: en, zh, ...)"
+        )
+    return tuple(value)
+
+
 def build_step(spec: dict) -> tuple[str, Step]:
     """(report name, step) for one `[[step]]` table; unknown types or parameters are one-line errors."""
     spec = dict(spec)
     type_name = spec.pop("type", None)
+    languages = spec.pop("for_languages", None)
     types = step_types()
     if type_name is None:
         raise InputError(
@@ -89,9 +116,10 @@ def build_step(spec: dict) -> tuple[str, Step]:
             default = fields[key].default_factory()
         params[key] = _check_value(type_name, key, value, default)
     try:
-        return name, cls(**params)
+        step = cls(**params)
     except ValueError as error:
         raise InputError(f"step {name!r}: {error}") from None
+    return name, step if languages is None else ForLanguages(step, _for_languages(type_name, languages))
 
 
 def resolve_pipeline_path(pipeline: str | Path) -> Path:
@@ -119,6 +147,14 @@ def load_pipeline_spec(pipeline: str | Path) -> list[dict]:
     names = [build_step(spec)[0] for spec in steps]
     if len(set(names)) != len(names):
         raise InputError(f"pipeline {path}: two steps share a name; give one a `name = ...`")
+    labelled = False
+    for name, spec in zip(names, steps):
+        if "for_languages" in spec and not labelled:
+            raise InputError(
+                f"pipeline {path}: step {name!r} has for_languages, but no `language` step before it labels the "
+                "documents; add one (languages = [] keeps every language and only labels)"
+            )
+        labelled = labelled or spec.get("type") == "language"
     return steps
 
 

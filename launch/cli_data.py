@@ -256,7 +256,8 @@ def _add_clean(sub) -> None:
         "--pipeline",
         default="default",
         help="a TOML pipeline file, or a shipped one: default (web text: Gopher, C4, FineWeb, English), "
-        "code (source files, e.g. the embedded corpus), minimal (repairs, empty documents)" + DEFAULT,
+        "multilingual (every language, the English rules on English alone), code (source files, e.g. the embedded "
+        "corpus: it assumes code, detects none), minimal (repairs, empty documents)" + DEFAULT,
     )
     p.add_argument(
         "--workers",

@@ -397,6 +397,44 @@ def test_code_pipeline_keeps_the_embedded_corpus(tmp_path):
     assert web["kept"] < stats["kept"] / 2  # why the demo cleans code with the code pipeline
 
 
+CHINESE = (
+    "清晨的河面很安静，面包师傅最先打开了店门。孩子们和父母一起去上学，一路上谈论着刚刚结束的漫长夏天。"
+    "老人们坐在桥边的长椅上看报纸，偶尔抬头看看远处的山。"
+)
+
+
+def test_the_multilingual_pipeline_runs_the_english_rules_on_english_only(tmp_path):
+    """Gopher's stop words and word counts, C4's line rules and FineWeb's punctuation reject every Chinese page and
+    every German one; FineWeb ran them on English alone. `for_languages` restricts a step to the languages a
+    language step before it labelled, and the multilingual pipeline does so."""
+    source = write_input(tmp_path / "in.jsonl", bad_lines=False)
+    with source.open("a", encoding="utf-8") as extra:
+        extra.write(json.dumps({"id": "chinese", "text": CHINESE}, ensure_ascii=False) + "\n")
+        extra.write(json.dumps({"id": "german-hashes", "text": GERMAN + "\n" + "#" * 12}) + "\n")
+    stats = clean_corpus([source], tmp_path / "multi", pipeline="multilingual", progress=False)
+    kept = {r["id"]: r["language"] for r in read(tmp_path / "multi/kept.jsonl")}
+    english = {key for key, (_, step, _) in CASES.items() if step is None}
+    assert kept == {**dict.fromkeys(english, "en"), "german": "de", "chinese": "zh", "german-hashes": "de"}
+    for key, (_, step, rule) in CASES.items():  # each English rejection as in the default pipeline
+        if step not in (None, "language"):
+            reasons = [r["reason"] for r in read(tmp_path / f"multi/rejected/{step}.jsonl") if r["id"] == key]
+            assert reasons == [rule], key
+    assert stats["kept"] == len(kept)
+    steps = load_pipeline_spec("multilingual")
+    language_step = next(i for i, spec in enumerate(steps) if spec["type"] == "language")
+    with pytest.raises(InputError, match="has for_languages, but no `language` step before it"):
+        load_pipeline_spec(write_pipeline(tmp_path / "early.toml", steps[language_step + 1 :] + steps[:language_step]))
+
+
+def write_pipeline(path: Path, steps: list[dict]) -> Path:
+    lines = []
+    for spec in steps:
+        lines.append("[[step]]")
+        lines += [f"{key} = {json.dumps(value)}" for key, value in spec.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 def test_interrupted_run_leaves_the_previous_output(tmp_path, monkeypatch):
     source = write_input(tmp_path / "in.jsonl")
     clean_corpus([source], tmp_path / "out", pipeline="minimal", progress=False)
@@ -425,6 +463,8 @@ def test_interrupted_run_leaves_the_previous_output(tmp_path, monkeypatch):
         ('[[step]]\ntype = "gopher_quality"\nmin_wrds = 3\n', "step 'gopher_quality' has no parameter 'min_wrds'"),
         ('[[step]]\ntype = "gopher_quality"\nmin_words = "many"\n', "min_words = 'many' should be like 50"),
         ('[[step]]\ntype = "language"\nlanguages = ["xx"]\n', "unknown language codes xx"),
+        ('[[step]]\ntype = "length"\nfor_languages = "en"\n', "for_languages = 'en' should be a list of codes"),
+        ('[[step]]\ntype = "length"\nfor_languages = ["eng"]\n', "for_languages has unknown codes eng"),
         ("step = 3\n", "has no \\[\\[step\\]\\] tables"),
         ("[[step\n", "is not valid TOML"),
     ],
@@ -451,7 +491,8 @@ def test_cli(tmp_path):
     )
     assert done.returncode == 2
     assert (
-        done.stderr.strip() == "error: pipeline web is neither a file nor a shipped pipeline (code, default, minimal)"
+        done.stderr.strip()
+        == "error: pipeline web is neither a file nor a shipped pipeline (code, default, minimal, multilingual)"
     )
 
 
