@@ -11,6 +11,7 @@ module must not filter on quality; see quality_filters.py and line_filters.py.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 import unicodedata
@@ -25,29 +26,26 @@ NORMAL_FORMS = ("NFC", "NFKC", "NFD", "NFKD")
 
 
 @functools.lru_cache(maxsize=8)
-def _ftfy_config(unescape_html: bool, uncurl_quotes: bool, fix_latin_ligatures: bool, fix_character_width: bool):
+def _ftfy_config(fixes: tuple[tuple[str, bool], ...]):
     try:
         import ftfy
     except ImportError:
         raise InputError("the unicode_repair step needs ftfy: `pip install ftfy`") from None
     # Normalisation is a step of its own; explanations cost time and are not reported.
-    return ftfy.fix_text, ftfy.TextFixerConfig(
-        unescape_html=unescape_html,
-        uncurl_quotes=uncurl_quotes,
-        fix_latin_ligatures=fix_latin_ligatures,
-        fix_character_width=fix_character_width,
-        normalization=None,
-        explain=False,
-    )
+    return ftfy.fix_text, ftfy.TextFixerConfig(**dict(fixes), normalization=None, explain=False)
 
 
 @dataclass
 class UnicodeRepair:
-    """Mojibake and broken encodings repaired by ftfy (e.g. 'doesnâ€™t' -> 'doesn’t').
+    """Mojibake and broken encodings repaired by ftfy (e.g. 'doesnâ€™t' -> 'doesn’t'); each field is the ftfy
+    fixer of that name (ftfy's TextFixerConfig).
 
     Defaults keep what a language model should see as written: curly quotes, ligatures and
     full-width characters are left alone, and HTML entities are decoded only by html_to_text
-    (so `&lt;` inside source code stays).
+    (so `&lt;` inside source code stays). ftfy's own defaults hold for the rest, which suit prose and can change
+    code: a terminal escape is removed whole (`"\x1b[31m"` written raw becomes `""`), deliberate mojibake in a
+    test is "repaired", U+2028 becomes a newline and a C1 control a Windows-1252 character; the code pipeline
+    turns those off.
     """
 
     type_name: ClassVar[str] = "unicode_repair"
@@ -55,11 +53,18 @@ class UnicodeRepair:
     uncurl_quotes: bool = False
     fix_latin_ligatures: bool = False
     fix_character_width: bool = False
+    fix_encoding: bool = True
+    remove_terminal_escapes: bool = True
+    fix_c1_controls: bool = True
+    fix_line_breaks: bool = True
+    restore_byte_a0: bool = True
+    replace_lossy_sequences: bool = True
+    decode_inconsistent_utf8: bool = True
+    fix_surrogates: bool = True
+    remove_control_chars: bool = True
 
     def __call__(self, doc: Document) -> Rejected | None:
-        fix_text, config = _ftfy_config(
-            self.unescape_html, self.uncurl_quotes, self.fix_latin_ligatures, self.fix_character_width
-        )
+        fix_text, config = _ftfy_config(tuple(dataclasses.asdict(self).items()))
         doc.text = fix_text(doc.text, config)
         return None
 

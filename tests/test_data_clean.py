@@ -19,14 +19,14 @@ from loom.data_tools.corpus import build_stdlib_corpus
 from loom.data_tools.document import Document
 from loom.data_tools.jsonl import InputError
 from loom.data_tools.line_filters import C4Lines, FineWebQuality
-from loom.data_tools.pipeline import build_step, load_pipeline_spec
+from loom.data_tools.pipeline import apply_steps, build_step, built_steps, load_pipeline_spec
 from loom.data_tools.quality_filters import (
     GopherQuality,
     GopherRepetition,
     duplicate_ngram_char_fraction,
     top_ngram_char_fraction,
 )
-from loom.data_tools.text_repair import ControlChars, html_to_text
+from loom.data_tools.text_repair import ControlChars, UnicodeRepair, html_to_text
 
 REPO = Path(__file__).resolve().parents[1]
 GOOD = (
@@ -433,6 +433,19 @@ def write_pipeline(path: Path, steps: list[dict]) -> Path:
         lines += [f"{key} = {json.dumps(value)}" for key, value in spec.items()]
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def test_the_code_pipeline_repairs_nothing_that_changes_what_code_means():
+    """ftfy's defaults suit prose: the code pipeline "repaired" a test's deliberate mojibake and turned a U+2028
+    inside a string literal into a line break; every ftfy fixer is now a field, and the code pipeline turns those
+    off."""
+    source = 'assert "cafÃ©".encode("latin-1") == b"caf\\xc3\\xa9"\ns = "a\u2028b"\n'
+    code = built_steps(load_pipeline_spec("code"))
+    assert apply_steps(code[:3], {"text": source}, "text")[0]["text"] == source
+    web = apply_steps(built_steps(load_pipeline_spec("default"))[:3], {"text": source}, "text")[0]["text"]
+    assert web == source.replace("cafÃ©", "café").replace("\u2028", "\n")
+    assert UnicodeRepair(fix_line_breaks=False, fix_encoding=False)(doc := Document(source)) is None
+    assert doc.text == source
 
 
 def test_interrupted_run_leaves_the_previous_output(tmp_path, monkeypatch):
