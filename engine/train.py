@@ -96,6 +96,7 @@ class Trainer:
         self._log_event(self.kernels.summary())
         if base_model_changes:
             self._log_event(f"LoRA: the model is the base's: {'; '.join(base_model_changes)}")
+        self.evaluation_only = evaluation_only
         self._build_model_and_optimizer()
         self.kernels.weights_updated(self.chunks)  # resuming below redoes it for the loaded weights
         self.step = 0
@@ -111,7 +112,6 @@ class Trainer:
             self._autocast,
             p2p_dtype=PARAM_DTYPES[t.precision],
         )
-        self.evaluation_only = evaluation_only
         self.checkpoints = checkpoints_of(t.run_dir)
         to_resume = self._checkpoint_to_resume()
         self._build_data(evaluation_only, to_resume[1] if to_resume else None)
@@ -159,6 +159,9 @@ class Trainer:
                 hysteresis=o.loss_scale_hysteresis,
                 min_scale=o.min_loss_scale,
             )
+        if self.evaluation_only and c.optim.zero < 3:  # the weights alone: fp32 masters and a gradient buffer took
+            self.grads = self.optimizer = None  # 12 of the 17.7 GB `loom eval` held for a 1B model
+            return
         self.grads = GradBuffer(  # over DP x CP: the ranks that hold the same weights
             self.params,
             state.grad_group,
@@ -626,8 +629,9 @@ class Trainer:
 
     def close(self) -> None:
         self.checkpoint_writer.wait()
-        self.grads.remove_hooks()
-        if self.optimizer.sharded_params is not None:
+        if self.grads is not None:
+            self.grads.remove_hooks()
+        if self.optimizer is not None and self.optimizer.sharded_params is not None:
             self.optimizer.sharded_params.remove_hooks()
         if self.metrics is not None:
             self.metrics.close()

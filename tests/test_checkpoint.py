@@ -308,13 +308,14 @@ def _save_then_resume(rank, world, dataset, run_dir):
     from loom.engine.data.loader import BatchIterator
 
     def trainer() -> Trainer:
-        return Trainer(tiny_config(dataset, run_dir, train={"steps": 4, "micro_batch_size": 1}))
+        return Trainer(tiny_config(dataset, run_dir, train={"steps": 4, "micro_batch_size": 1, "eval_interval": 2}))
 
     first = trainer()
     first.train_step()
     first.train_step()
     first.save()
     saved = {"position": first.train_batches.state_dict(), "streams": first.streams.snapshot()}
+    saved["validation_loss"] = first.evaluate()
     saved["next_batch"] = first.train_batches.next_step(first.device)[0][0]
     first.close()
 
@@ -335,6 +336,12 @@ def _save_then_resume(rank, world, dataset, run_dir):
         "next_batch": second.train_batches.next_step(second.device)[0][0],
     }
     second.close()
+    BatchIterator.load_state_dict = load_state_dict
+    config = tiny_config(dataset, run_dir, train={"steps": 4, "micro_batch_size": 1, "eval_interval": 2})
+    evaluation = Trainer(config, evaluation_only=True)
+    restored["evaluation_holds"] = (evaluation.optimizer, evaluation.grads)  # the weights alone
+    restored["validation_loss"] = evaluation.evaluate()
+    evaluation.close()
     return saved, restored
 
 
@@ -346,6 +353,8 @@ def test_data_position_and_rng_round_trip_through_load_state_dict(dataset, tmp_p
     assert torch.equal(restored["next_batch"], saved["next_batch"])
     for stream, state in saved["streams"].items():
         assert torch.equal(restored["streams"][stream], state)
+    assert restored["evaluation_holds"] == (None, None)  # no fp32 masters, no gradient buffer: 12 of a 1B's 17.7 GB
+    assert restored["validation_loss"] == saved["validation_loss"]
 
 
 class _DelayedScaling:

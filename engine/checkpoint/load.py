@@ -304,7 +304,7 @@ def load_checkpoint(state: TrainingState, directory: Path, metadata: CheckpointM
     named_params = state.named_parameters()
     check_shapes(reader, named_params)
     segments_of = defaultdict(list)
-    for seg in optimizer.segments:
+    for seg in optimizer.segments if optimizer is not None else ():
         segments_of[seg.param].append(seg)
     # Another optimizer's state means nothing to this one (Adam's moments are not SGD's momentum): it starts fresh
     # from the saved master weights, as the trainer tells the user, and saves no stale state later.
@@ -313,13 +313,14 @@ def load_checkpoint(state: TrainingState, directory: Path, metadata: CheckpointM
         info = param_info(param)
         weights = reader.model(info.name)
         local = info.shard_spec.shard(weights, parallel.tp_rank, parallel.tp_size).to(param.dtype)
-        if optimizer.sharded_params is not None:  # ZeRO-3: the parameter's storage is gathered only around its use
+        if optimizer is not None and optimizer.sharded_params is not None:  # ZeRO-3: gathered only around its use
             optimizer.sharded_params.load(param, local)
         else:
             param.copy_(local)
-        _load_segments(
-            reader, optimizer, parallel, param, info.name, weights, segments_of[param], metadata, same_optimizer
-        )
+        if optimizer is not None:
+            _load_segments(
+                reader, optimizer, parallel, param, info.name, weights, segments_of[param], metadata, same_optimizer
+            )
     _restore_loop_state(state, reader, metadata)
 
 

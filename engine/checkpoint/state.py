@@ -32,8 +32,9 @@ class TrainingState:
     """This rank's place in the layout: which pieces it writes, and how it slices what it loads."""
     model_chunks: list[torch.nn.Module]
     """This rank's model chunks; their trainable parameters are saved as pieces of the logical tensors."""
-    optimizer: DistributedOptimizer
-    """Master weights and elementwise optimizer state of this rank's segments, saved as flat pieces."""
+    optimizer: DistributedOptimizer | None
+    """Master weights and elementwise optimizer state of this rank's segments, saved as flat pieces (None: an
+    evaluation, which loads the weights alone)."""
     data: BatchIterator
     """The training data iterator; its state_dict() is its position (consumed samples)."""
     rng: RNGStreams
