@@ -167,6 +167,25 @@ def test_imported_models_export_back_to_the_same_model(hf_model, tmp_path):
         assert (again(tokens).logits - model(tokens).logits).abs().max().item() < 1e-5
 
 
+def test_an_output_that_is_refused_is_refused_before_the_model_is_read(hf_model, tmp_path, monkeypatch):
+    """import-hf and export-hf read the whole model (at 1B, seconds and GBs) before refusing their --output."""
+    from loom.tools import hf, lora
+
+    directory, _ = hf_model
+    import_hf(directory, tmp_path / "loom")
+    export_hf(tmp_path / "loom", tmp_path / "hf")
+
+    def unread(*args):
+        raise AssertionError("the model was read before the output was refused")
+
+    monkeypatch.setattr(hf, "_read_hf_tensors", unread)
+    with pytest.raises(CheckpointError, match="holds checkpoints"):
+        import_hf(directory, tmp_path / "loom")
+    monkeypatch.setattr(lora.ModelWeights, "__getitem__", unread)
+    with pytest.raises(CheckpointError, match="already holds a model"):
+        export_hf(tmp_path / "loom", tmp_path / "hf")
+
+
 def test_a_tied_config_with_its_own_head_and_special_tokens_imports_as_transformers_loads_it(tmp_path, capfd):
     """config.json says tie_word_embeddings but lm_head.weight differs from the embedding: transformers keeps the
     file's head (import had dropped it: other logits, exit 0); the config's bos/eos/pad ids come back out of

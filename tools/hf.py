@@ -195,11 +195,13 @@ def export_hf(
         trained_with = unrecorded_tokenizer(metadata.config)  # an older checkpoint: its config names it, unchecked
     if tokenizer is not None:
         check_moved_tokenizer(trained_with, tokenizer, model["vocab_size"])
-    logical = weights.all()
+    if not overwrite:
+        claim_export_output(output, overwrite)  # refused before the model is read (at 1B, seconds and GBs)
+    dtype = dtype or origin.hf_dtype or "float32"
+    # Each weight read and cast on its own: the whole fp32 model beside its bf16 copy took 2.5x the checkpoint
+    tensors = to_hf({name: weights[name].to(EXPORT_DTYPES[dtype]) for name in weights.names}, model)
     claim_export_output(output, overwrite)
     output.mkdir(parents=True, exist_ok=True)
-    dtype = dtype or origin.hf_dtype or "float32"
-    tensors = {name: tensor.to(EXPORT_DTYPES[dtype]) for name, tensor in to_hf(logical, model).items()}
     with removed_if_unfinished(output):
         save_tensors_atomically(tensors, output / "model.safetensors", metadata={"format": "pt"})
         not_written = export_tokenizer(
@@ -341,6 +343,8 @@ def import_hf(source: Path, output: Path, overwrite: bool = False) -> Path:
     # The imported checkpoint's run settings are what `loom eval` and fine-tuning start from: sequences no
     # longer than the model's positions, and a batch one CPU rank gets through.
     train = {"seq_length": min(2048, model["max_position_embeddings"]), "global_batch_size": 8}
+    if not overwrite:
+        claim_checkpoint_output(output, overwrite)  # refused before the model is read (at 1B, seconds and GBs)
     tensors = _read_hf_tensors(source)
     head, embedding = tensors.get("lm_head.weight"), tensors.get("model.embed_tokens.weight")
     if model["tie_embeddings"] and head is not None and embedding is not None and not torch.equal(head, embedding):
