@@ -11,7 +11,9 @@ import contextlib
 import datetime
 import json
 import math
+import os
 import sys
+import time
 from pathlib import Path
 from typing import Protocol
 
@@ -276,7 +278,15 @@ class Trainer:
 
     def save(self) -> Path:
         self.last_saved_step = self.step
-        return self.checkpoint_writer.save(self.training_state(), self.checkpoints, self.config.checkpoint.keep)
+        started = time.perf_counter()
+        final = self.checkpoint_writer.save(self.training_state(), self.checkpoints, self.config.checkpoint.keep)
+        if self.config.checkpoint.async_save:
+            self._log_event(f"checkpoint: step {self.step} is being written to {final} in the background")
+        elif self.state.rank == 0:  # a save of GBs said nothing (Megatron says each one)
+            size = sum(entry.stat().st_size for entry in os.scandir(final) if entry.is_file())
+            seconds = time.perf_counter() - started
+            self._log_event(f"checkpoint: step {self.step} saved to {final} ({size / 1e9:.2f} GB in {seconds:.1f} s)")
+        return final
 
     def _build_data(self, evaluation_only: bool, resumed: CheckpointMetadata | None) -> None:
         c = self.config

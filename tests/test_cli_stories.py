@@ -260,9 +260,11 @@ def test_eval_from_another_directory_finds_the_tokenizer_the_checkpoint_recorded
 
     monkeypatch.chdir(world["root"])
     args = tiny_train_args(world["dataset"], tmp_path / "run", "--model.num_layers", "2", *world["shape"])
-    code, _, err = run(capfd, "train", *args, "--train.steps", "1", "--checkpoint.save_at_end", "true",
-                       "--data.tokenizer", "tok.model")  # fmt: skip
-    assert code == 0, err
+    code, out, err = run(capfd, "train", *args, "--train.steps", "1", "--checkpoint.save_at_end", "true",
+                         "--data.tokenizer", "tok.model")  # fmt: skip
+    saved = tmp_path / "run" / "checkpoints" / "iter_0000001"
+    size = sum(path.stat().st_size for path in saved.iterdir()) / 1e9
+    assert code == 0 and f"checkpoint: step 1 saved to {saved} ({size:.2f} GB in " in out, err  # a save said nothing
     monkeypatch.chdir(tmp_path)
     shutil.copy(world["root"] / "other.model", tmp_path / "tok.model")  # another tokenizer of that name here
     code, out, err = run(
