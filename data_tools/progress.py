@@ -50,9 +50,15 @@ class Elapsed:
 
     A thread refreshes it every second; the work runs in native code that releases the GIL."""
 
-    def __init__(self, description: str, enabled: bool = True):
+    def __init__(self, description: str, enabled: bool = True, delay_s: float = 0.0):
+        """`delay_s`: shown only once the step has run this long (a quick one, or its one-line error, stays alone)."""
         self._bar = tqdm(
-            desc=description, bar_format="{desc}: {elapsed}", file=sys.stderr, disable=not enabled, mininterval=1.0
+            desc=description,
+            bar_format="{desc}: {elapsed}",
+            file=sys.stderr,
+            disable=not enabled,
+            mininterval=1.0,
+            delay=delay_s,
         )
         self._done = threading.Event()
         self._ticker = threading.Thread(target=self._tick, name="progress-elapsed", daemon=True)

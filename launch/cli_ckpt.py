@@ -37,16 +37,24 @@ def _inspect(args: argparse.Namespace) -> None:
     print(inspect(Path(args.directory)))
 
 
+SHOW_TIME_AFTER_S = 2.0
+"""A checkpoint tool's time is shown once it passes this (a 1B model's merge or export takes tens of seconds in
+silence otherwise); a quick command, or its one-line error, stays alone."""
+
+
 @contextlib.contextmanager
 def _writing(args: argparse.Namespace) -> Iterator[None]:
     """The lock on --output while the command writes there: two writers into one folder would share iter_N.tmp
     (each clearing the other's files) or model.safetensors (engine/run_lock.writing_output). An --output the
     command made and failed to fill (a full disk, a stop) is removed again."""
+    from loom.data_tools.progress import Elapsed
     from loom.engine.run_lock import writing_output
 
     output = Path(args.output)
     existed = output.exists()
-    with writing_output(output, f"ckpt {args.ckpt_command}", named=f"--output {args.output}"):
+    command = f"ckpt {args.ckpt_command}"
+    shown = Elapsed(f"loom {command}: reading and writing a model into {args.output}", delay_s=SHOW_TIME_AFTER_S)
+    with writing_output(output, command, named=f"--output {args.output}"), shown:
         try:
             yield
         except BaseException:

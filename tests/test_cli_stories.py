@@ -690,6 +690,11 @@ def test_a_full_disk_under_a_checkpoint_tool_is_one_line_and_leaves_no_staging(w
     assert not hf.exists()
     monkeypatch.undo()
     assert run(capfd, *export)[0] == 0
+    from loom.launch import cli_ckpt
+
+    monkeypatch.setattr(cli_ckpt, "SHOW_TIME_AFTER_S", 0.0)  # a long one shows its time (a 1B merge: 26 s silent)
+    code, _, err = run(capfd, *reshard)
+    assert code == 0 and f"loom ckpt reshard: reading and writing a model into {resharded}: 00:0" in err
 
 
 def test_a_run_directory_is_never_inside_checkpoints_or_outside_runs_by_name(world, capfd, tmp_path):
