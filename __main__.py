@@ -1,5 +1,6 @@
 """`python -m loom ...` is the `loom` command (and `torchrun ... -m loom train ...` one rank of it)."""
 
-from loom.launch.cli import main
+if __name__ == "__main__":
+    from loom.launch.cli import main
 
-raise SystemExit(main())
+    raise SystemExit(main())

@@ -36,6 +36,17 @@ def identify(text: str, max_chars: int = 10_000) -> tuple[str, float]:
     return language, float(score)
 
 
+def check_language_codes(codes) -> None:
+    """Refuse codes py3langid never gives (a typo such as "eng" would keep or judge no document)."""
+    known = set(identifier().labels)
+    unknown = sorted(set(codes) - known)
+    if unknown:
+        raise ValueError(
+            f"unknown language codes {', '.join(unknown)}; py3langid knows {len(known)} codes, ISO 639-1 where the "
+            "language has one (en, de, fr, zh), else ISO 639-3 (yue, ary)"
+        )
+
+
 @dataclass
 class LanguageFilter:
     """Keeps documents whose most likely language is in `languages` with probability >= min_score.
@@ -50,13 +61,7 @@ class LanguageFilter:
     max_chars: int = 10_000  # a page's first 10k characters decide; longer text costs time, not accuracy
 
     def __post_init__(self):
-        known = set(identifier().labels)
-        unknown = sorted(set(self.languages) - known)
-        if unknown:
-            raise ValueError(
-                f"unknown language codes {', '.join(unknown)}; py3langid knows {len(known)} "
-                f"ISO 639-1 codes such as en, de, fr, zh"
-            )
+        check_language_codes(self.languages)
 
     def __call__(self, doc: Document) -> Rejected | None:
         best, score = identify(doc.text, self.max_chars)

@@ -78,16 +78,15 @@ class ForLanguages:
         return self.step(doc) if doc.metadata.get("language") in self.languages else None
 
 
-def _for_languages(type_name: str, value: Any) -> tuple[str, ...]:
+def _for_languages(name: str, value: Any) -> tuple[str, ...]:
     if not isinstance(value, list) or not value or not all(isinstance(code, str) for code in value):
-        raise InputError(f"step {type_name!r}: for_languages = {value!r} should be a list of codes like ['en']")
-    from loom.data_tools.language import identifier
+        raise InputError(f"step {name!r}: for_languages = {value!r} should be a list of codes like ['en']")
+    from loom.data_tools.language import check_language_codes
 
-    unknown = sorted(set(value) - set(identifier().labels))
-    if unknown:
-        raise InputError(
-            f"step {type_name!r}: for_languages has unknown codes {', '.join(unknown)} (py3langid's: en, zh, ...)"
-        )
+    try:
+        check_language_codes(value)
+    except ValueError as error:
+        raise InputError(f"step {name!r}: for_languages has {error}") from None
     return tuple(value)
 
 
@@ -119,7 +118,7 @@ def build_step(spec: dict) -> tuple[str, Step]:
         step = cls(**params)
     except ValueError as error:
         raise InputError(f"step {name!r}: {error}") from None
-    return name, step if languages is None else ForLanguages(step, _for_languages(type_name, languages))
+    return name, step if languages is None else ForLanguages(step, _for_languages(name, languages))
 
 
 def resolve_pipeline_path(pipeline: str | Path) -> Path:

@@ -38,7 +38,8 @@ def _ftfy_config(fixes: tuple[tuple[str, bool], ...]):
 @dataclass
 class UnicodeRepair:
     """Mojibake and broken encodings repaired by ftfy (e.g. 'doesnâ€™t' -> 'doesn’t'); each field is the ftfy
-    fixer of that name (ftfy's TextFixerConfig).
+    fixer of that name (ftfy's TextFixerConfig; its restore_byte_a0, replace_lossy_sequences and
+    decode_inconsistent_utf8 are not fields: ftfy 6.3's fix_text ignores them unless it explains its fixes).
 
     Defaults keep what a language model should see as written: curly quotes, ligatures and
     full-width characters are left alone, and HTML entities are decoded only by html_to_text
@@ -57,9 +58,6 @@ class UnicodeRepair:
     remove_terminal_escapes: bool = True
     fix_c1_controls: bool = True
     fix_line_breaks: bool = True
-    restore_byte_a0: bool = True
-    replace_lossy_sequences: bool = True
-    decode_inconsistent_utf8: bool = True
     fix_surrogates: bool = True
     remove_control_chars: bool = True
 

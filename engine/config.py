@@ -23,6 +23,11 @@ class ConfigError(LoomError):
     """A user-facing configuration problem; the message is one line saying what to change."""
 
 
+def is_plain_name(name: str) -> bool:
+    """Whether a run name can be a folder's own name (runs/<name>): not empty, `.` or `..`, and no path separator."""
+    return name not in ("", ".", "..") and not any(c in name for c in "/\\")
+
+
 MAX_TIMEOUT_MINUTES = 525_600
 """parallel.timeout_minutes's ceiling, a year: far above any real wait, far below timedelta's overflow."""
 MIN_TIMEOUT_MINUTES = 0.01
@@ -371,39 +376,6 @@ class OptimConfig:
         if refusal := self.zero_refusal(self.zero) or self.offload_refusal(self.offload):
             raise ConfigError(refusal)
 
-    def settings_without_effect(self) -> list[str]:
-        """Fields set away from their defaults that this config never reads, each as a phrase saying why (a user
-        who sets SGD's momentum for AdamW, or early stopping with evaluation off, is told instead of ignored)."""
-        m, o, t = self.model, self.optim, self.train
-        unread = [
-            (m, ("rope_theta", "rope_scaling"), m.position_embedding != "rope", "model.position_embedding = learned"),
-            (
-                m,
-                ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_positions"),
-                m.position_embedding == "rope" and m.rope_scaling == "none",
-                "model.rope_scaling = none",
-            ),
-            (o, ("momentum",), o.name != "sgd", f"optim.name = {o.name} (it is SGD's)"),
-            (o, ("beta1", "beta2", "eps"), o.name in ("sgd", "adafactor"), f"optim.name = {o.name}"),
-            (
-                o,
-                ("initial_loss_scale", "loss_scale_window", "loss_scale_hysteresis", "min_loss_scale"),
-                t.precision != "fp16",
-                f"train.precision = {t.precision} (loss scaling is fp16's)",
-            ),
-            (t, ("early_stop_patience",), not t.eval_interval, "train.eval_interval = 0 (no evaluation to compare)"),
-            (t, ("wandb_entity", "wandb_run_name", "wandb_mode"), not t.wandb_project, "train.wandb_project unset"),
-        ]
-        said = []
-        for section, names, unused, because in unread:
-            defaults = {f.name: _default(f) for f in dataclasses.fields(section)}
-            changed = [name for name in names if getattr(section, name) != defaults[name]]
-            if unused and changed:
-                where = type(section).__name__.removesuffix("Config").lower()
-                fields = ", ".join(f"{where}.{name} = {getattr(section, name)}" for name in changed)
-                said.append(f"{fields} {'has' if len(changed) == 1 else 'have'} no effect with {because}")
-        return said
-
     def zero_refusal(self, zero: int) -> str | None:
         """Why this optimizer cannot run under ZeRO stage `zero` (training, and the planner's search), or None."""
         if zero and self.name == "adafactor":
@@ -568,7 +540,7 @@ class TrainConfig:
         if self.run_dir is not None and not self.run_dir.strip():  # Path("") is the current directory
             raise ConfigError("train.run_dir is empty; give a folder, or drop it for runs/<train.name>")
         if self.run_dir is None:
-            if self.name in ("", ".", "..") or any(c in self.name for c in "/\\"):
+            if not is_plain_name(self.name):
                 raise ConfigError(
                     f"train.name = {self.name!r} must be a plain name (it becomes runs/<name>); give a path as "
                     "--train.run_dir instead"
@@ -689,15 +661,16 @@ class LoomConfig:
     def settings_without_effect(self) -> list[str]:
         """Fields set away from their defaults that this config never reads, each as a phrase saying why (a user
         who sets SGD's momentum for AdamW, or early stopping with evaluation off, is told instead of ignored)."""
-        m, o, t = self.model, self.optim, self.train
+        m, o, t, p = self.model, self.optim, self.train, self.parallel
+        llama3 = ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_positions")
         unread = [
-            (m, ("rope_theta", "rope_scaling"), m.position_embedding != "rope", "model.position_embedding = learned"),
             (
                 m,
-                ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_positions"),
-                m.position_embedding == "rope" and m.rope_scaling == "none",
-                "model.rope_scaling = none",
+                ("rope_theta", "rope_scaling", *llama3),
+                m.position_embedding != "rope",
+                "model.position_embedding = learned",
             ),
+            (m, llama3, m.position_embedding == "rope" and m.rope_scaling == "none", "model.rope_scaling = none"),
             (o, ("momentum",), o.name != "sgd", f"optim.name = {o.name} (it is SGD's)"),
             (o, ("beta1", "beta2", "eps"), o.name in ("sgd", "adafactor"), f"optim.name = {o.name}"),
             (
@@ -707,7 +680,8 @@ class LoomConfig:
                 f"train.precision = {t.precision} (loss scaling is fp16's)",
             ),
             (t, ("early_stop_patience",), not t.eval_interval, "train.eval_interval = 0 (no evaluation to compare)"),
-            (t, ("wandb_entity", "wandb_run_name", "wandb_mode"), not t.wandb_project, "train.wandb_project unset"),
+            (t, ("wandb_entity", "wandb_run_name"), not t.wandb_project, "train.wandb_project unset"),
+            (p, ("sequence_parallel",), p.tp == 1, "parallel.tp = 1 (it shards what TP would replicate)"),
         ]
         said = []
         for section, names, unused, because in unread:
@@ -746,10 +720,10 @@ class LoomConfig:
             p.dp = world_size // model_parallel
         if model_parallel * p.dp != world_size:
             what = f"tp*cp*pp*dp = {p.tp}*{p.cp}*{p.pp}*{p.dp}" if p.cp > 1 else f"tp*pp*dp = {p.tp}*{p.pp}*{p.dp}"
-            advice = "change the number of ranks or the layout"
-            if requested_dp is not None:  # a run's saved config.toml (and --print-config) holds the dp it ran with
-                advice += f" (parallel.dp = {requested_dp} is set: --parallel.dp none derives it from the ranks)"
-            raise ConfigError(f"world size {world_size} != {what}; {advice}")
+            raise ConfigError(  # dp was set: a run's saved config.toml (and --print-config) holds the dp it ran with
+                f"world size {world_size} != {what}; change the number of ranks or the layout (parallel.dp = "
+                f"{requested_dp} is set: --parallel.dp none derives it from the ranks)"
+            )
         m.check_tensor_parallel(p.tp)
         if refusal := m.context_parallel_refusal(p.cp, t.seq_length):
             raise ConfigError(refusal)

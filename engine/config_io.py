@@ -16,7 +16,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from loom.engine.config import ConfigError, LoomConfig, TrainConfig
+from loom.engine.config import ConfigError, LoomConfig, TrainConfig, is_plain_name
 
 SECTIONS: dict[str, type] = {f.name: f.type for f in dataclasses.fields(LoomConfig)}
 _SECTION_TYPES = {name: typing.get_type_hints(LoomConfig)[name] for name in SECTIONS}
@@ -183,15 +183,15 @@ def load_config(path: str | Path | None, overrides: list[str] | dict | None = No
 
 def _forget_derived_run_dir(train: dict[str, Any], new_name: Any) -> None:
     """A run's saved config.toml holds the run_dir its name gave (runs/<name>, made absolute by `loom submit`): fed
-    back with --train.name NEW, the new run resumed and rewrote the old one in its folder. A run_dir the file's own
-    name derived follows the new name (runs/NEW beside it); one set to another folder stays."""
+    back with --train.name NEW, the new run resumed and rewrote the old one in its folder. A run_dir named after the
+    file's own run in a runs/ folder follows the new name there; any other folder stays."""
     name, run_dir = train.get("name", TrainConfig.name), train.get("run_dir")
     if not isinstance(run_dir, str) or Path(run_dir).parts[-2:] != ("runs", name):
         return
-    if Path(run_dir).is_absolute() and isinstance(new_name, str) and Path(new_name).name == new_name != "..":
+    if isinstance(new_name, str) and is_plain_name(new_name):
         train["run_dir"] = str(Path(run_dir).parent / new_name)
     else:
-        del train["run_dir"]  # derived again from the new name (which TrainConfig checks is a plain one)
+        del train["run_dir"]  # derived from the new name, which TrainConfig then refuses in its own words
 
 
 def config_to_dict(config: LoomConfig) -> dict[str, dict[str, Any]]:

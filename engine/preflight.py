@@ -75,8 +75,8 @@ def preflight(config: LoomConfig, world_size: int, training: bool = True, ranks_
         check_ids_within_tokenizer(config.data.paths, vocab, config.data.tokenizer, config.data.cache_dir)
     check_checkpoint_to_load(config, training)
     check_wandb_installed(config)
-    for unread in config.settings_without_effect() if training else []:
-        print(f"warning: {unread}", flush=True)
+    if training:
+        warn_settings_without_effect(config)
     run_dir = Path(config.train.run_dir)
     if run_dir.is_file():
         raise ConfigError(f"run directory {run_dir} is a file; give a folder (--train.run_dir or --train.name)")
@@ -254,6 +254,11 @@ def preflight_of_a_rank(config: LoomConfig) -> None:
 
     check_token_ids(config.data.paths, config.model.vocab_size, config.data.cache_dir)
     check_wandb_installed(config)
+
+
+def warn_settings_without_effect(config: LoomConfig) -> None:
+    for unread in config.settings_without_effect():
+        print(f"warning: {unread}", flush=True)
 
 
 def check_wandb_installed(config: LoomConfig) -> None:

@@ -285,7 +285,8 @@ class Trainer:
         elif self.state.rank == 0:  # a save of GBs said nothing (Megatron says each one)
             size = sum(entry.stat().st_size for entry in os.scandir(final) if entry.is_file())
             seconds = time.perf_counter() - started
-            self._log_event(f"checkpoint: step {self.step} saved to {final} ({size / 1e9:.2f} GB in {seconds:.1f} s)")
+            shown = f"{size / 1e9:.2f} GB" if size >= 1e9 else f"{size / 1e6:.1f} MB"
+            self._log_event(f"checkpoint: step {self.step} saved to {final} ({shown} in {seconds:.1f} s)")
         return final
 
     def _build_data(self, evaluation_only: bool, resumed: CheckpointMetadata | None) -> None:

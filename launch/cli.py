@@ -105,7 +105,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
             "(srun -n 1 loom train --nproc N), or torchrun in each task"
         )
     if external:  # one rank of torchrun or srun: checkpoint and stop on SIGTERM/Ctrl-C like --nproc does
-        from loom.engine.preflight import preflight_of_a_rank
+        from loom.engine.preflight import preflight_of_a_rank, warn_settings_without_effect
         from loom.launch.env import StopSignals, rank_from_environment, run_rank
 
         rank, world = rank_from_environment()
@@ -116,6 +116,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
                 f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
                 flush=True,
             )
+            warn_settings_without_effect(config)
         preflight_of_a_rank(config)
         run_rank(config, stop=StopSignals.exit_on_terminate())
         return
@@ -142,12 +143,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
             f"loom train: {nproc} rank(s), tp={config.parallel.tp} "
             + (f"cp={config.parallel.cp} " if config.parallel.cp > 1 else "")
             + f"pp={config.parallel.pp} dp={config.parallel.dp}, "
-            f"run directory {config.train.run_dir}"
-            + (
-                "; parallel.sequence_parallel has no effect at tp=1"
-                if config.parallel.sequence_parallel and config.parallel.tp == 1
-                else ""
-            ),
+            f"run directory {config.train.run_dir}",
             flush=True,
         )
         print(_prediction(config), flush=True)
@@ -319,9 +315,9 @@ def _check_inductor_cache_dir() -> None:
 def _check_arguments_spellable(argv: list[str]) -> None:
     """Under an ASCII locale with Python's UTF-8 mode turned off (LC_ALL=POSIX PYTHONUTF8=0) a non-ASCII argument
     arrives as undecodable bytes: a run name with one crashed TensorBoard's writer, and config.toml's writer after
-    it, once the run had started."""
+    it, once the run had started. The commands that write those are refused it up front."""
     encoding = sys.getfilesystemencoding()
-    if codecs.lookup(encoding).name == "utf-8":
+    if codecs.lookup(encoding).name != "ascii" or not argv or argv[0] not in ("train", "submit", "demo"):
         return
     for argument in argv:
         if not argument.isascii():

@@ -128,7 +128,8 @@ def init_distributed(config: LoomConfig) -> int:
         {"file": sys.stderr, "flush": True},
     )
     notice.daemon = True
-    notice.start()
+    if os.environ.get("LOCAL_RANK", "0") == "0":  # one per machine (torchrun sets LOCAL_RANK; a leftover RANK, not)
+        notice.start()
     try:
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=minutes))
     except (dist.DistStoreError, dist.DistNetworkError) as error:  # rank 0 waits as the store; the others connect

@@ -477,7 +477,7 @@ def test_interrupted_run_leaves_the_previous_output(tmp_path, monkeypatch):
         ('[[step]]\ntype = "gopher_quality"\nmin_words = "many"\n', "min_words = 'many' should be like 50"),
         ('[[step]]\ntype = "language"\nlanguages = ["xx"]\n', "unknown language codes xx"),
         ('[[step]]\ntype = "length"\nfor_languages = "en"\n', "for_languages = 'en' should be a list of codes"),
-        ('[[step]]\ntype = "length"\nfor_languages = ["eng"]\n', "for_languages has unknown codes eng"),
+        ('[[step]]\ntype = "length"\nfor_languages = ["eng"]\n', "for_languages has unknown language codes eng"),
         ("step = 3\n", "has no \\[\\[step\\]\\] tables"),
         ("[[step\n", "is not valid TOML"),
     ],

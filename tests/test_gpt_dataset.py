@@ -119,12 +119,14 @@ def test_sample_index_matches_megatron_walk(seed):
 
 def test_index_cache_is_reused_and_keyed(tmp_path, monkeypatch, capsys):
     indexed = write_documents(tmp_path / "data", random_documents(5, 20))
-    monkeypatch.setattr(gpt_dataset, "SLOW_BUILD_SAMPLES", 29)  # a build that takes seconds is said; a load is not
     first = GPTDataset(indexed, np.arange(20), 30, 8, seed=1)
     assert first.built and first.cache_dir == tmp_path / "data_cache"
+    epoch = first.epoch.samples  # whole epochs are built: a build that takes seconds is said, a load is not
+    monkeypatch.setattr(gpt_dataset, "SLOW_BUILD_SAMPLES", epoch - 1)
+    said = GPTDataset(indexed, np.arange(20), 1, 8, seed=2)
     assert capsys.readouterr().out == (
-        f"building the sample index of {indexed.prefix} (30 samples of 8 tokens) once; cached in {first.cache_dir} "
-        "(`loom data index` builds it ahead)\n"
+        f"building the sample index of {indexed.prefix} ({epoch:,} samples of 8 tokens) once; cached in "
+        f"{said.cache_dir} (`loom data index` builds it ahead)\n"
     )
     assert all(path.parent == first.cache_dir for path in first.cache_paths.values())
     mtimes = {path: path.stat().st_mtime_ns for path in first.cache_paths.values()}

@@ -115,6 +115,10 @@ def test_out_of_range_tokens_are_refused(tmp_path):
         with IndexedDatasetWriter(tmp_path / "x", np.uint16) as writer:  # its length wrapped to a negative one
             writer.add_documents(huge, np.array([huge.size]))
     assert not list(tmp_path.iterdir())
+    with pytest.raises(OverflowError, match="exceeds the .idx format's int32 lengths"):
+        with IndexedDatasetWriter(tmp_path / "x", np.uint16) as writer:  # refused before its tokens are written
+            writer.add_document(huge)
+    assert not list(tmp_path.iterdir())
 
 
 def test_an_interrupted_build_leaves_nothing_that_looks_complete(tmp_path):

@@ -282,9 +282,10 @@ class GPTDataset:
         return document_ids
 
     def _build_and_save(self, document_ids: np.ndarray, description: str, key: str) -> None:
-        if self.num_samples > SLOW_BUILD_SAMPLES:
+        built = self.num_epochs * self.epoch.samples  # whole epochs, whatever the run asks for
+        if built > SLOW_BUILD_SAMPLES:
             print(
-                f"building the sample index of {self.indexed.prefix} ({self.num_samples:,} samples of "
+                f"building the sample index of {self.indexed.prefix} ({built:,} samples of "
                 f"{self.seq_length} tokens) once; cached in {self.cache_dir} (`loom data index` builds it ahead)",
                 flush=True,
             )

@@ -242,6 +242,15 @@ class IndexedDataset:
         return self.get(i)
 
 
+def _check_length(tokens: int) -> None:
+    """The .idx holds a sequence's length as int32: a longer one wrapped to a negative length, unsaid."""
+    if tokens > np.iinfo(np.int32).max:
+        raise OverflowError(
+            f"a sequence of {tokens:,} tokens exceeds the .idx format's int32 lengths; cut it into sequences of at "
+            "most 2,147,483,647"
+        )
+
+
 class IndexedDatasetWriter:
     """Streams sequences into P.bin.tmp/P.idx.tmp; `finalize` renames .bin then .idx into place.
 
@@ -272,6 +281,7 @@ class IndexedDatasetWriter:
         tokens = np.asarray(tokens)
         if tokens.ndim != 1:
             raise ValueError(f"a sequence must be one-dimensional, got shape {tokens.shape}")
+        _check_length(tokens.size)
         self._check_range(tokens)
         self._bin.write(tokens.astype(self.dtype, copy=False).tobytes())
         self._lengths.append(tokens.size)
@@ -302,11 +312,8 @@ class IndexedDatasetWriter:
             )
         if self._document_starts[-1] != len(self._lengths):
             raise ValueError("call end_document() before add_documents(): the current document is still open")
-        if lengths.size and lengths.max() > np.iinfo(np.int32).max:  # else the .idx's int32 length wrapped, unsaid
-            raise OverflowError(
-                f"a sequence of {int(lengths.max()):,} tokens exceeds the .idx format's int32 lengths; cut it into "
-                "sequences of at most 2,147,483,647"
-            )
+        if lengths.size:
+            _check_length(int(lengths.max()))
         self._check_range(tokens)
         self._bin.write(memoryview(np.ascontiguousarray(tokens.astype(self.dtype, copy=False))))
         first = len(self._lengths)
