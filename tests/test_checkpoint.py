@@ -127,10 +127,11 @@ def test_killed_during_save_keeps_the_previous_checkpoint(dataset, straight, tmp
     monkeypatch.delenv("LOOM_KILL_DURING_SAVE")
     assert (run_dir / "checkpoints/latest").read_text().strip() == "iter_0000002"
     assert (run_dir / "checkpoints/iter_0000004.tmp").exists() and not (run_dir / "checkpoints/iter_0000004").exists()
-    resumed = run(dataset, run_dir, 2, {"tp": 2}, checkpoint={"interval": 2})
+    resumed = run(dataset, run_dir, 2, {"tp": 2}, checkpoint={"interval": 3})  # never saves step 4 again
     assert sorted(resumed) == list(range(1, STEPS + 1))
     for step in resumed:
         assert abs(resumed[step] - straight[step]) / straight[step] < 1e-4
+    assert not (run_dir / "checkpoints/iter_0000004.tmp").exists()  # a whole checkpoint's size, kept forever
 
 
 def test_corrupt_checkpoint_falls_back_with_a_warning_and_none_intact_is_refused(dataset, tmp_path, capfd):

@@ -40,6 +40,7 @@ FORMAT_VERSION = 1
 METADATA = "metadata.json"
 LATEST = "latest"
 _ITERATION = re.compile(r"^iter_(\d{7,})$")
+_STAGING = re.compile(r"^iter_\d{7,}\.tmp$")
 
 
 class CheckpointError(LoomError):
@@ -453,7 +454,19 @@ def commit(staging: Path, final: Path, metadata: CheckpointMetadata, keep: int |
     if keep is not None:
         for old in candidates(final.parent)[keep:]:
             shutil.rmtree(old, ignore_errors=True)
+    _remove_saves_cut_short(final.parent)
     return final
+
+
+def _remove_saves_cut_short(checkpoints: Path) -> None:
+    """The staging folders a killed save left (a Slurm stop mid-save: a whole checkpoint's size each, never loaded):
+    only one save writes into a checkpoints folder at a time (the run's lock, a tool's output lock), so once one is
+    sealed any other is a leftover. Only the folder of the step being saved was cleared before."""
+    stale = sorted(p for p in checkpoints.iterdir() if _STAGING.match(p.name) and p.is_dir())
+    for folder in stale:
+        shutil.rmtree(folder, ignore_errors=True)
+    if stale:
+        print(f"removed {', '.join(p.name for p in stale)} from {checkpoints}: saves cut short, never loadable")
 
 
 def _migrated_layout(layout: dict) -> dict:
