@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from loom.engine.metrics import drop_rows_after
+
 OP_NAMES = {
     "allreduce_": "all_reduce",
     "allreduce_coalesced_": "all_reduce",
@@ -109,10 +111,22 @@ def ledger_path(run_dir: str | Path, rank: int) -> Path:
 class StepLedgerWriter:
     """One JSON line per training step in RUN_DIR/comm_ledger/rank_NNNNN.jsonl: {"step", "calls": [...]}."""
 
-    def __init__(self, run_dir: str | Path, rank: int, groups: dict[str, dist.ProcessGroup | None]):
+    def __init__(
+        self, run_dir: str | Path, rank: int, groups: dict[str, dist.ProcessGroup | None], resume_step: int = 0
+    ):
+        """From `resume_step` on: the rows of steps trained again are dropped, as metrics.jsonl's are (else a resumed
+        ledger held steps 4-6 twice, and its bytes summed against the planner's counted them twice); rank 0 also
+        removes the files of ranks this layout no longer has."""
         self.ledger = CommLedger(groups)
         self.path = ledger_path(run_dir, rank)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.exists():
+            drop_rows_after(self.path, resume_step)
+        if rank == 0:
+            world = dist.get_world_size()
+            for other in self.path.parent.glob("rank_*.jsonl"):
+                if int(other.stem.removeprefix("rank_")) >= world:
+                    other.unlink()
 
     @contextmanager
     def step(self, step: int) -> Iterator[None]:

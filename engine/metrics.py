@@ -48,7 +48,7 @@ class MetricsWriter:
         run_dir.mkdir(parents=True, exist_ok=True)
         path = run_dir / METRICS
         if path.exists():
-            _drop_rows_after(path, resume_step)
+            drop_rows_after(path, resume_step)
         self.jsonl = open(path, "a")
         self.total_steps = total_steps
         self.tensorboard = self.wandb = None
@@ -106,7 +106,8 @@ def _scalar_tag(key: str) -> str:
     return f"valid/{key}" if key.startswith("val_") else f"train/{key}"
 
 
-def _drop_rows_after(path: Path, step: int) -> None:
+def drop_rows_after(path: Path, step: int) -> None:
+    """Keep the JSON lines of `path` (rows with a "step") up to `step`: what a resumed run trains again goes."""
     kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
     write_text_atomically(path, "".join(line + "\n" for line in kept))
 

@@ -120,9 +120,6 @@ class Trainer:
         self.flops_per_token = model_flops_per_token(config.model, t.seq_length, config.lora)
         self.peak_flops = self._peak_flops()
         self.faults = FaultPlan.from_environment(self.state.rank)
-        self.comm_ledger = (
-            StepLedgerWriter(t.run_dir, self.state.rank, self.state.named_groups()) if t.comm_ledger else None
-        )
         self.nonfinite_in_a_row = 0
         # Early stopping's state, saved with each checkpoint: the best validation loss (None before the first
         # evaluation) and the evaluations since it improved.
@@ -132,6 +129,9 @@ class Trainer:
         self.checkpoint_writer = CheckpointWriter(asynchronous=config.checkpoint.async_save, timeout=timeout)
         if to_resume is not None:
             self._resume(*to_resume)
+        self.comm_ledger = None
+        if t.comm_ledger and not evaluation_only:
+            self.comm_ledger = StepLedgerWriter(t.run_dir, self.state.rank, self.state.named_groups(), self.step)
         self.metrics = None
         if self.state.rank == 0:
             run_dir = Path(t.run_dir)

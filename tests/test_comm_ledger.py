@@ -1,10 +1,11 @@
 """train.comm_ledger records what a step sends, per group, op and dtype: checked against the traffic worked out
 by hand from the config (the model's shapes, the micro-batch count, the ZeRO stage's collectives)."""
 
+import torch.distributed as dist
 from dist_utils import run_ranks
 from training_runs import tiny_config
 
-from loom.engine.comm_ledger import read_ledger
+from loom.engine.comm_ledger import ledger_path, read_ledger
 from loom.engine.train import Trainer
 
 SEQ, MICRO, GLOBAL = 32, 2, 8
@@ -38,12 +39,24 @@ def _ledgers(rank, world, dataset, run_dir):
             for c in read_ledger(config.train.run_dir, rank)[1]["calls"]
         }
         result[name] = calls, trainer.grads.total, config.model.hidden_size, config.model.num_layers
+    # Trained again from step 1 (no checkpoint), after a layout of more ranks: its rows replace the old ones, as
+    # metrics.jsonl's do (the ledger held steps 1-2 twice), and the ranks this layout lacks leave no file
+    dist.barrier()
+    if rank == 0:
+        (ledger_path(config.train.run_dir, 5)).write_text('{"step": 1, "calls": []}\n')
+    dist.barrier()
+    again = Trainer(config)
+    again.train_step()
+    again.close()
+    result["rerun"] = [row["step"] for row in read_ledger(config.train.run_dir, rank)]
+    result["stale"] = ledger_path(config.train.run_dir, 5).exists()
     return result
 
 
 def test_the_ledger_equals_the_traffic_worked_out_by_hand(markov_dataset, tmp_path):
     ranks = run_ranks(_ledgers, 2, markov_dataset(50), str(tmp_path))
     for rank, ledgers in enumerate(ranks):
+        assert ledgers.pop("rerun") == [1] and not ledgers.pop("stale")
         for name, (calls, buffer, hidden, layers) in ledgers.items():
             microbatches = GLOBAL // MICRO // (2 if name.startswith("dp2") else 1)
             activation = SEQ * MICRO * hidden * 2  # one micro-batch's hidden states in bf16
