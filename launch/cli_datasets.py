@@ -40,11 +40,13 @@ MAX_PREVIEW_SAMPLES = 100_000
 
 
 def _build(args: argparse.Namespace) -> None:
-    from loom.data_tools.build import build_indexed_dataset
+    from loom.data_tools.build import bad_lines_path, build_indexed_dataset
     from loom.data_tools.manifest import manifest_path
     from loom.engine.data.indexed import index_paths
 
-    outputs = [*index_paths(args.output_prefix), manifest_path(args.output_prefix, False)]
+    # P.rejected/ too: --overwrite deleted the earlier build's bad lines where it moved the rest aside
+    rejected = bad_lines_path(args.output_prefix).parent
+    outputs = [*index_paths(args.output_prefix), rejected, manifest_path(args.output_prefix, False)]
     inputs = [*args.input, args.tokenizer]
     with writing_outputs(args, f"--output-prefix {args.output_prefix}", outputs, inputs):
         counts = build_indexed_dataset(

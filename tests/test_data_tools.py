@@ -155,7 +155,7 @@ def count_lines(path: Path) -> int:
     return len(path.read_text(encoding="utf-8").splitlines()) if path.exists() else 0
 
 
-def test_every_command_keeps_each_bad_line_and_accounts_for_every_input_line(pipeline, tmp_path):
+def test_every_command_keeps_each_bad_line_and_accounts_for_every_input_line(pipeline, tmp_path, capfd):
     source = write_mixed_lines(tmp_path / "mixed.jsonl")
     documents, blank = (sum(kind == k for _, kind in MIXED_LINES) for k in ("document", "blank"))
     bad = len(MIXED_LINES) - documents - blank
@@ -186,6 +186,15 @@ def test_every_command_keeps_each_bad_line_and_accounts_for_every_input_line(pip
 
     build_indexed_dataset([pipeline["corpus"]], pipeline["model"], prefix, progress=False)
     assert not bad_lines_path(prefix).exists()  # a clean input leaves no stale bad lines behind
+    # --overwrite moves an earlier build's bad lines aside with its dataset (it deleted them)
+    from training_runs import loom_here
+
+    build_indexed_dataset([source], pipeline["model"], prefix, progress=False)
+    again = ["data", "build", "--input", str(pipeline["corpus"]), "--tokenizer", str(pipeline["model"])]
+    assert loom_here(capfd, *again, "--output-prefix", str(prefix), "--overwrite").returncode == 0
+    (moved,) = (tmp_path / "replaced").glob("*/built.rejected/bad_lines.jsonl")
+    check_bad_lines(moved, source)
+    assert not bad_lines_path(prefix).exists()
 
 
 def test_jsonl_round_trip_and_atomic_write(tmp_path):
