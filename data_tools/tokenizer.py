@@ -23,7 +23,7 @@ from typing import Iterable, Iterator
 
 import sentencepiece
 
-from loom.data_tools.atomic import NAME_MAX, temporary_sibling
+from loom.data_tools.atomic import NAME_MAX, remove_stale_temporaries, temporary_sibling
 from loom.data_tools.failures import reported_failures
 from loom.data_tools.jsonl import InputError, JsonlStats, check_inputs, count_lines, iter_jsonl, no_documents
 from loom.data_tools.manifest import manifest_path, write_manifest
@@ -269,6 +269,8 @@ def _train_into(lines: list[str], output_prefix: Path, options: dict, seed: int,
     """Train SentencePiece on `lines` and move PREFIX.model/.vocab into place (.model last) only if it succeeds.
 
     empty_input: the error to report when training fails because the input held no documents."""
+    # A killed training's files stayed: the .tmp files' cleanup did not see SentencePiece's suffixes
+    remove_stale_temporaries(output_prefix, suffixes=(".tmp.model", ".tmp.vocab"), reserve=len(".model"))
     tmp_prefix = temporary_sibling(output_prefix, reserve=len(".model"))
     sentencepiece.set_random_generator_seed(seed)
     try:

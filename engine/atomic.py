@@ -69,14 +69,16 @@ def _left_by_a_gone_writer(name: str, prefix: str, suffix: str = "") -> bool:
     return False
 
 
-def remove_stale_temporaries(path: str | Path) -> None:
-    """Remove the temporary files that writers of `path` on this machine, now gone, left beside it."""
+def remove_stale_temporaries(path: str | Path, suffixes: tuple[str, ...] = (".tmp",), reserve: int = 0) -> None:
+    """Remove the temporary files that writers of `path` on this machine, now gone, left beside it (temporary_sibling
+    names with `reserve`, ending in one of `suffixes`: SentencePiece adds .model and .vocab to its own)."""
     path = Path(path)
-    prefix = _temporary_prefix(path)
-    for entry in path.parent.glob(f"{glob.escape(prefix)}*.tmp"):
-        if _left_by_a_gone_writer(entry.name, prefix, ".tmp"):
-            with contextlib.suppress(OSError):
-                entry.unlink()
+    prefix = _temporary_prefix(path, reserve)
+    for suffix in suffixes:
+        for entry in path.parent.glob(f"{glob.escape(prefix)}*{suffix}"):
+            if _left_by_a_gone_writer(entry.name, prefix, suffix):
+                with contextlib.suppress(OSError):
+                    entry.unlink()
 
 
 def staging_folder(output: Path) -> Path:

@@ -362,8 +362,14 @@ def test_an_output_name_near_the_file_systems_limit_is_written(tmp_path):
 
     docs = tmp_path / "docs.jsonl"
     docs.write_text("".join(f'{{"text": "line {i}: def f(x): return x * {i}"}}\n' for i in range(200)))
-    train_tokenizer([docs], tmp_path / ("t" * 241), vocab_size=400, progress=False)
+    tokenizer = tmp_path / ("t" * 241)
+    killed = temporary_sibling(tokenizer, reserve=len(".model"))  # a killed training's, which its rerun left
+    killed = killed.with_name(killed.name.replace(str(os.getpid()), str(gone.pid)))
+    for suffix in (".model", ".vocab"):
+        Path(f"{killed}{suffix}").write_text("half")
+    train_tokenizer([docs], tokenizer, vocab_size=400, progress=False)
     assert (tmp_path / ("t" * 241 + ".model")).is_file()
+    assert not any(Path(f"{killed}{suffix}").exists() for suffix in (".model", ".vocab"))
     with pytest.raises(OSError, match="File name too long") as refused:
         train_tokenizer([docs], tmp_path / ("t" * 242), vocab_size=400, progress=False)
     assert refused.value.filename == str(tmp_path / ("t" * 242 + ".manifest.json"))
