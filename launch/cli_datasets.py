@@ -175,6 +175,14 @@ def _inspect(args: argparse.Namespace) -> None:
     )
     if len(lengths):
         print(f"sequence length: mean {lengths.mean():.1f}, min {lengths.min()}, max {lengths.max()}")
+    cache = Path(args.prefix + "_cache")
+    if cache.is_dir():  # one set per seq_length, seed, split and epoch count, never removed by loom
+        files = [entry for entry in cache.iterdir() if entry.is_file()]
+        size = sum(entry.stat().st_size for entry in files)
+        print(
+            f"caches: {size / 1e6:,.1f} MB in {len(files)} files in {cache} (sample indices, token ids checked); "
+            "safe to delete while no run builds them: training rebuilds what it needs"
+        )
     processor = None
     if args.tokenizer:
         from loom.data_tools.tokenizer import decode_ids, load_tokenizer

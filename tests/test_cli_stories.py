@@ -832,6 +832,25 @@ def test_inspect_max_tokens_0_shows_every_token_as_preview_does(capfd, dataset):
     assert out.splitlines()[-1] == f"[0] {IndexedDataset(dataset)[0].tolist()}"
 
 
+def test_inspect_says_what_the_dataset_s_caches_hold(capfd, tmp_path):
+    """Sample-index caches pile up beside a dataset (one set per seq_length, seed and epoch count) and nothing said
+    how much, nor that they may go."""
+    import numpy as np
+
+    from loom.engine.data.gpt_dataset import GPTDataset
+    from loom.engine.data.indexed import IndexedDataset
+    from loom.tools.synthetic_data import write_markov_dataset
+
+    prefix = write_markov_dataset(tmp_path / "d", vocab_size=100, num_documents=20)
+    for seq_length in (8, 16):
+        GPTDataset(IndexedDataset(prefix), np.arange(20), 10, seq_length, seed=1)
+    files = list(Path(f"{prefix}_cache").iterdir())
+    size = sum(f.stat().st_size for f in files) / 1e6
+    code, out, err = run(capfd, "data", "inspect", prefix, "--samples", "0")
+    assert code == 0 and f"caches: {size:,.1f} MB in {len(files)} files in {prefix}_cache" in out, err
+    assert "safe to delete while no run builds them" in out
+
+
 def test_dedup_and_tokenizer_say_how_many_lines_were_not_documents(world, capfd, tmp_path):
     """Clean and build said so on the console; dedup and tokenizer only counted them in their files."""
     mixed = tmp_path / "mixed.jsonl"
