@@ -436,15 +436,16 @@ def write_pipeline(path: Path, steps: list[dict]) -> Path:
 
 
 def test_the_code_pipeline_repairs_nothing_that_changes_what_code_means():
-    """ftfy's defaults suit prose: the code pipeline "repaired" a test's deliberate mojibake and turned a U+2028
-    inside a string literal into a line break; every ftfy fixer is now a field, and the code pipeline turns those
-    off."""
-    source = 'assert "cafÃ©".encode("latin-1") == b"caf\\xc3\\xa9"\ns = "a\u2028b"\n'
+    """ftfy's defaults suit prose: the code pipeline "repaired" a test's deliberate mojibake, turned a U+2028
+    inside a string literal into a line break and cut a raw terminal escape, and NFC composed a decomposed string;
+    every ftfy fixer is now a field, the code pipeline turns those off and normalises nothing."""
+    source = 'assert "cafÃ©".encode("latin-1") == b"caf\\xc3\\xa9"\ns = "a\u2028b"\nRED = "\x1b[31m"\nt = "e\u0301"\n'
     code = built_steps(load_pipeline_spec("code"))
-    assert apply_steps(code[:3], {"text": source}, "text")[0]["text"] == source
+    assert apply_steps(code[:2], {"text": source}, "text")[0]["text"] == source  # its repairs: a raw escape, NFD
     web = apply_steps(built_steps(load_pipeline_spec("default"))[:3], {"text": source}, "text")[0]["text"]
-    assert web == source.replace("cafÃ©", "café").replace("\u2028", "\n")
-    assert UnicodeRepair(fix_line_breaks=False, fix_encoding=False)(doc := Document(source)) is None
+    assert '"café"' in web and 's = "a\nb"' in web and 't = "\u00e9"' in web and "\x1b" not in web  # prose: repaired
+    fixers = {"fix_line_breaks": False, "fix_encoding": False, "remove_terminal_escapes": False}
+    assert UnicodeRepair(**fixers, remove_control_chars=False)(doc := Document(source)) is None
     assert doc.text == source
 
 
