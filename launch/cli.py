@@ -256,6 +256,9 @@ def main(argv: list[str] | None = None) -> None:
     # ends the command through Python, so cleanups run and the user is told, instead of a silent kill. Everything
     # after it is inside the handling below: a stop while the parser is built is a stop too, not a traceback.
     caller_handler = signal.signal(signal.SIGTERM, _stop_now)
+    for stream in (sys.stdout, sys.stderr):  # an ASCII locale: decoded text printed as escapes, not a traceback
+        if hasattr(stream, "reconfigure") and codecs.lookup(stream.encoding or "utf-8").name != "utf-8":
+            stream.reconfigure(errors="backslashreplace")
     try:
         _run_command(argv)
     except Interrupted as error:  # the launchers' Stopped, and _stop_now's
@@ -264,6 +267,9 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
+    except BrokenPipeError:  # `loom ... | head` closed the pipe: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit would fail again
+        sys.exit(141)
     except Exception as error:
         from loom.launch.local import RankFailed
 

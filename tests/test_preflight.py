@@ -321,6 +321,22 @@ def test_a_non_ascii_argument_under_an_ascii_locale_is_refused_up_front(dataset,
     assert not (tmp_path / "runé").exists()
 
 
+def test_text_printed_under_an_ascii_locale_is_escaped_and_a_closed_pipe_is_quiet():
+    """With LC_ALL=POSIX and Python's UTF-8 mode off, `loom data inspect`, `preview` and `generate` ended in a
+    UnicodeEncodeError traceback when the text they print was not ASCII; `loom ... | head` in a BrokenPipeError."""
+    ascii_locale = {**os.environ, "LC_ALL": "POSIX", "PYTHONUTF8": "0"}
+    prints = "from loom.launch import cli; cli._run_command = lambda argv: print('caf\\xe9'); cli.main([])"
+    result = subprocess.run([sys.executable, "-c", prints], capture_output=True, text=True, env=ascii_locale)
+    assert (result.returncode, result.stdout, result.stderr) == (0, "caf\\xe9\n", "")
+    floods = (
+        "from loom.launch import cli; cli._run_command = lambda argv: [print(i) for i in range(10**6)]; cli.main([])"
+    )
+    reader = subprocess.Popen([sys.executable, "-c", floods], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert reader.stdout.readline() == b"0\n"
+    reader.stdout.close()  # what `| head -1` does
+    assert reader.wait(timeout=60) == 141 and reader.stderr.read() == b""
+
+
 def test_python_dash_m_loom_is_the_loom_command():
     """`python -m loom` (and so `torchrun ... -m loom train`) said 'No module named loom.__main__'."""
     result = subprocess.run([sys.executable, "-m", "loom", "train", "--help"], capture_output=True, text=True)
