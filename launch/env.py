@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -130,6 +131,7 @@ def init_distributed(config: LoomConfig) -> int:
     notice.daemon = True
     if os.environ.get("LOCAL_RANK", "0") == "0":  # one per machine (torchrun sets LOCAL_RANK; a leftover RANK, not)
         notice.start()
+    started = time.monotonic()
     try:
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=minutes))
     except (dist.DistStoreError, dist.DistNetworkError) as error:  # rank 0 waits as the store; the others connect
@@ -140,10 +142,11 @@ def init_distributed(config: LoomConfig) -> int:
             ) from None
         if "timed out" not in str(error).lower():
             raise
+        waited = time.monotonic() - started  # torch's client retries past the timeout (by a minute, at 1.5)
         raise ConfigError(
-            f"rank {rank} of WORLD_SIZE = {world} waited {minutes:g} minutes (parallel.timeout_minutes) at {where} "
-            f"for the other ranks, and not all came ({str(error).splitlines()[0]}); start every rank, or unset RANK "
-            "and WORLD_SIZE (left from another job?) and pass --nproc N"
+            f"rank {rank} of WORLD_SIZE = {world} waited {waited:.0f} s at {where} for the other ranks "
+            f"(parallel.timeout_minutes = {minutes:g}), and not all came ({str(error).splitlines()[0]}); start every "
+            "rank, or unset RANK and WORLD_SIZE (left from another job?) and pass --nproc N"
         ) from None
     finally:
         notice.cancel()
