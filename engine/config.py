@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import functools
 import typing
+import unicodedata
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
@@ -24,8 +25,9 @@ class ConfigError(LoomError):
 
 
 def is_plain_name(name: str) -> bool:
-    """Whether a run name can be a folder's own name (runs/<name>): not empty, `.` or `..`, and no path separator."""
-    return name not in ("", ".", "..") and not any(c in name for c in "/\\")
+    """Whether a run name can be a folder's own name (runs/<name>): not empty, `.` or `..`, no path separator and no
+    control character (a tab or newline made a folder no shell lists plainly)."""
+    return name not in ("", ".", "..") and not any(c in "/\\" or unicodedata.category(c) == "Cc" for c in name)
 
 
 MAX_TIMEOUT_MINUTES = 525_600

@@ -68,7 +68,7 @@ def _merge(args: argparse.Namespace) -> None:
     output = Path(args.output_prefix).resolve()
     seen: dict[Path, str] = {}
     for prefix in args.inputs:
-        key = Path(prefix).resolve()
+        key = index_paths(prefix)[0].resolve()  # the .bin itself: a symlinked copy is the same data
         if key in seen:
             earlier = seen[key]
             named = prefix if earlier == prefix else f"{earlier} and {prefix}"
@@ -77,13 +77,14 @@ def _merge(args: argparse.Namespace) -> None:
                 "once, and to train on one dataset more often, list it in data.paths with a larger data.weights"
             )
         seen[key] = prefix
-    if output in seen:
+    if index_paths(output)[0].resolve() in seen:
         raise InputError(f"--output-prefix {args.output_prefix} is one of the inputs; merge into a new prefix")
     inputs = [str(path) for prefix in args.inputs for path in index_paths(prefix)]
     outputs = [*index_paths(args.output_prefix), manifest_path(args.output_prefix, is_folder=False)]
     with writing_outputs(args, f"--output-prefix {args.output_prefix}", outputs, inputs):
         documents, tokens = _write_merge(args, inputs)
-    print(f"merged {len(args.inputs)} datasets into {args.output_prefix}: {documents} documents, {tokens} tokens")
+    inputs_said = f"{len(args.inputs)} dataset{'s' if len(args.inputs) > 1 else ''}"
+    print(f"merged {inputs_said} into {args.output_prefix}: {documents:,} documents, {tokens:,} tokens")
 
 
 def _write_merge(args: argparse.Namespace, inputs: list[str]) -> tuple[int, int]:

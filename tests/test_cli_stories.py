@@ -578,6 +578,13 @@ def test_data_commands_never_write_over_files_already_there(capfd, dataset, tmp_
         tmp_path
     )  # equal strings may be one object (one-letter ones, interned): an identity check passed them
     refused(capfd, ["data", "merge", "--inputs", "ds", "ds", "--output-prefix", "m"], "--inputs gives ds twice")
+    for suffix in (".bin", ".idx"):  # a symlinked copy is the same documents (merged twice, exit 0)
+        (tmp_path / f"linked{suffix}").symlink_to(prefix.with_suffix(suffix))
+    refused(
+        capfd,
+        ["data", "merge", "--inputs", "ds", "linked", "--output-prefix", "m"],
+        "--inputs gives ds and linked twice",
+    )
     assert data.read_bytes() == before
 
     folder = tmp_path / "clean"

@@ -84,7 +84,7 @@ def test_a_saved_config_given_a_new_name_is_a_new_run(tmp_path):
     submitted = load_config("tiny", ["--train.name", "old", "--train.run_dir", str(tmp_path / "runs" / "old")])
     path.write_text(config_to_toml(submitted))  # `loom submit` saves it absolute
     assert load_config(path, ["--train.name", "new"]).train.run_dir == str(tmp_path / "runs" / "new")
-    for name in ("a/b", "", ".."):
+    for name in ("a/b", "", "..", "a\tb"):  # a tab or newline made a folder no shell lists plainly
         with pytest.raises(ConfigError, match="must be a plain name"):
             load_config(path, ["--train.name", name])
     nested = load_config("tiny", ["--train.name", "old", "--train.run_dir", "experiments/runs/old"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -233,10 +234,14 @@ def test_truncated_or_mismatched_bin_names_the_bin(good, tmp_path):
 
 
 @pytest.mark.parametrize("missing", [".idx", ".bin"])
-def test_missing_file_is_named(good, missing):
+def test_missing_file_is_named(good, missing, monkeypatch):
     Path(f"{good}{missing}").unlink()
     with pytest.raises(IndexFormatError, match=f"^{good}{missing} does not exist; .*loom data build"):
         IndexedDataset(good)
+    monkeypatch.chdir(Path(good).parent)  # a relative path (a config.toml fed back from elsewhere) says where
+    said = f"{Path(good).name}{missing} does not exist (in {Path.cwd()}: paths are relative to the working directory)"
+    with pytest.raises(IndexFormatError, match=re.escape(said)):
+        IndexedDataset(Path(good).name)
 
 
 def test_empty_dataset_opens(tmp_path):

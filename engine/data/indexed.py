@@ -152,7 +152,8 @@ class IndexedDataset:
             if not path.is_file():
                 if self.prefix.endswith((".bin", ".idx")) and Path(self.prefix).is_file():
                     raise IndexFormatError(f"{prefix} is a file of the dataset; give its prefix {self.prefix[:-4]}")
-                raise IndexFormatError(f"{path} does not exist; build the dataset with `loom data build`")
+                where = "" if path.is_absolute() else f" (in {Path.cwd()}: paths are relative to the working directory)"
+                raise IndexFormatError(f"{path} does not exist{where}; build the dataset with `loom data build`")
         header = read_header(self.idx_path)
         self._dtype = header.dtype
         index = _map(self.idx_path)
