@@ -124,9 +124,10 @@ class StepLedgerWriter:
             drop_rows_after(self.path, resume_step)
         if rank == 0:
             world = dist.get_world_size()
-            for other in self.path.parent.glob("rank_*.jsonl"):
+            for other in sorted(self.path.parent.glob("rank_*.jsonl")):
                 if int(other.stem.removeprefix("rank_")) >= world:
                     other.unlink()
+                    print(f"comm ledger: removed {other}, of a rank this layout of {world} does not have", flush=True)
 
     @contextmanager
     def step(self, step: int) -> Iterator[None]:

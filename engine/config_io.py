@@ -184,10 +184,15 @@ def load_config(path: str | Path | None, overrides: list[str] | dict | None = No
 def _forget_derived_run_dir(train: dict[str, Any], new_name: Any) -> None:
     """A run's saved config.toml holds the run_dir its name gave (runs/<name>, made absolute by `loom submit`): fed
     back with --train.name NEW, the new run resumed and rewrote the old one in its folder. A run_dir named after the
-    file's own run in a runs/ folder follows the new name there; any other folder stays."""
+    file's own run in a runs/ folder follows the new name there; with any other folder the new name is refused."""
     name, run_dir = train.get("name", TrainConfig.name), train.get("run_dir")
-    if not isinstance(run_dir, str) or Path(run_dir).parts[-2:] != ("runs", name):
+    if not isinstance(run_dir, str) or new_name == name:
         return
+    if Path(run_dir).parts[-2:] != ("runs", name):  # a folder chosen for that run: the new name would train there
+        raise ConfigError(
+            f"the config file sets train.run_dir = {run_dir} (run {name!r}); --train.name {new_name} would train in "
+            "that folder, resuming its run: add --train.run_dir DIR for the new run"
+        )
     if isinstance(new_name, str) and is_plain_name(new_name):
         train["run_dir"] = str(Path(run_dir).parent / new_name)
     else:

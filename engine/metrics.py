@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from loom.engine.atomic import write_text_atomically
+from loom.engine.config import ConfigError
 from loom.engine.config_io import config_to_dict
 from loom.engine.run_dir import METRICS, TENSORBOARD
 
@@ -107,8 +108,21 @@ def _scalar_tag(key: str) -> str:
 
 
 def drop_rows_after(path: Path, step: int) -> None:
-    """Keep the JSON lines of `path` (rows with a "step") up to `step`: what a resumed run trains again goes."""
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    """Keep the JSON lines of `path` (rows with a "step") up to `step`: what a resumed run trains again goes. A last
+    line cut short (the process killed, or the disk full, mid-write) goes too; a damaged line before it is named."""
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    kept = []
+    for number, line in enumerate(lines, 1):
+        try:
+            row_step = json.loads(line)["step"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            if number == len(lines):
+                break
+            raise ConfigError(
+                f"{path}, line {number}, is not a row of steps ({line[:60]!r}); fix or remove it"
+            ) from None
+        if row_step <= step:
+            kept.append(line)
     write_text_atomically(path, "".join(line + "\n" for line in kept))
 
 

@@ -80,7 +80,9 @@ def test_a_saved_config_given_a_new_name_is_a_new_run(tmp_path):
     assert load_config(path, ["--train.steps", "9"]).train.run_dir == "runs/old"
     assert load_config(path, ["--train.name", "new", "--train.run_dir", "x"]).train.run_dir == "x"
     path.write_text(config_to_toml(load_config("tiny", ["--train.run_dir", "elsewhere"])))  # a folder chosen stays
-    assert load_config(path, ["--train.name", "new"]).train.run_dir == "elsewhere"
+    assert load_config(path, ["--train.name", "new", "--train.run_dir", "x"]).train.run_dir == "x"
+    with pytest.raises(ConfigError, match="sets train.run_dir = elsewhere .* --train.name new would train in that"):
+        load_config(path, ["--train.name", "new"])  # it resumed and rewrote the run there
     submitted = load_config("tiny", ["--train.name", "old", "--train.run_dir", str(tmp_path / "runs" / "old")])
     path.write_text(config_to_toml(submitted))  # `loom submit` saves it absolute
     assert load_config(path, ["--train.name", "new"]).train.run_dir == str(tmp_path / "runs" / "new")

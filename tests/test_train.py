@@ -211,3 +211,19 @@ def test_a_run_that_reads_its_data_more_than_once_says_so(markov_dataset, tmp_pa
         f"{small} {samples / per_epoch:.1f} times ({samples:,} samples of the {per_epoch:,} an epoch of its validation "
         "split holds; each epoch shuffled anew)"
     ]
+
+
+def test_a_resumed_run_drops_a_row_its_killed_job_cut_short(tmp_path):
+    """metrics.jsonl and the comm ledger keep the rows up to the resumed step; a last line cut short by a kill or a
+    full disk made the resume fail (JSONDecodeError, the file unnamed). A damaged line before it is named."""
+    from loom.engine.config import ConfigError
+    from loom.engine.metrics import drop_rows_after
+
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}, {"step": 2, "val_loss": 1.7}, {"step": 3, "loss": 1}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows) + '{"step": 4, "lo')
+    drop_rows_after(path, 2)
+    assert [json.loads(line) for line in path.read_text().splitlines()] == rows[:3]
+    path.write_text(path.read_text() + "not json\n" + json.dumps(rows[3]) + "\n")
+    with pytest.raises(ConfigError, match=f"{path}, line 4, is not a row of steps"):
+        drop_rows_after(path, 3)
