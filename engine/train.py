@@ -11,9 +11,7 @@ import contextlib
 import datetime
 import json
 import math
-import os
 import sys
-import time
 from pathlib import Path
 from typing import Protocol
 
@@ -278,16 +276,7 @@ class Trainer:
 
     def save(self) -> Path:
         self.last_saved_step = self.step
-        started = time.perf_counter()
-        final = self.checkpoint_writer.save(self.training_state(), self.checkpoints, self.config.checkpoint.keep)
-        if self.config.checkpoint.async_save:
-            self._log_event(f"checkpoint: step {self.step} is being written to {final} in the background")
-        elif self.state.rank == 0:  # a save of GBs said nothing (Megatron says each one)
-            size = sum(entry.stat().st_size for entry in os.scandir(final) if entry.is_file())
-            seconds = time.perf_counter() - started
-            shown = f"{size / 1e9:.2f} GB" if size >= 1e9 else f"{size / 1e6:.1f} MB"
-            self._log_event(f"checkpoint: step {self.step} saved to {final} ({shown} in {seconds:.1f} s)")
-        return final
+        return self.checkpoint_writer.save(self.training_state(), self.checkpoints, self.config.checkpoint.keep)
 
     def _build_data(self, evaluation_only: bool, resumed: CheckpointMetadata | None) -> None:
         c = self.config

@@ -58,11 +58,17 @@ def straight(dataset, tmp_path_factory):
     [(4, {"tp": 2, "pp": 2}, False), (2, {"pp": 2}, True)],
     ids=["tp2-pp2", "pp2-async-save"],
 )
-def test_exact_resume_at_the_same_layout(dataset, tmp_path, nproc, parallel, asynchronous):
+def test_exact_resume_at_the_same_layout(dataset, tmp_path, nproc, parallel, asynchronous, capfd):
     saving = {"interval": HALF, "async_save": asynchronous}
     both = run(dataset, tmp_path / "ref", nproc, parallel)
+    capfd.readouterr()
     first = run(dataset, tmp_path / "run", nproc, parallel, exit_after=HALF, checkpoint=saving)
     assert sorted(first) == list(range(1, HALF + 1))
+    saved = tmp_path / f"run/checkpoints/iter_{HALF:07d}"
+    size = sum(path.stat().st_size for path in saved.glob("rank*.safetensors")) / 1e6
+    background = ", in the background" if asynchronous else ""
+    said = f"checkpoint: step {HALF} saved to {saved} ({size:.1f} MB in "  # a save said nothing, a background one
+    assert said in (out := capfd.readouterr().out) and f" s{background})" in out.split(said)[1].splitlines()[0]
     assert (tmp_path / "run/checkpoints/latest").read_text().strip() == f"iter_{HALF:07d}"
     resumed = run(dataset, tmp_path / "run", nproc, parallel, checkpoint=saving)
     assert sorted(resumed) == list(range(1, STEPS + 1))  # metrics.jsonl: no step lost or repeated

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -174,6 +175,7 @@ class CheckpointWriter:
     def save(self, state: TrainingState, checkpoints: Path, keep: int) -> Path:
         """Checkpoint `state` as iteration state.step under `checkpoints`; all ranks call this together."""
         self.wait()
+        started = time.perf_counter()
         rank = state.parallel.rank
         final = iteration_dir(checkpoints, state.step)
         staging = make_staging_dir(final) if rank == 0 else staging_dir(final)
@@ -191,6 +193,7 @@ class CheckpointWriter:
             optimizer_step,
             describe_run(state),
             keep,
+            started,
         )
         if self.asynchronous:
             self._thread = threading.Thread(target=self._run, args=job, daemon=True)
@@ -205,7 +208,7 @@ class CheckpointWriter:
         except BaseException as error:  # noqa: BLE001 - re-raised in the training thread by wait()
             self._error = error
 
-    def _write(self, rank, world, staging, final, pieces, specs, optimizer_step, run, keep) -> None:
+    def _write(self, rank, world, staging, final, pieces, specs, optimizer_step, run, keep, started) -> None:
         name, record = write_rank_file(staging, rank, pieces)
         FaultPlan.from_environment(rank).after_checkpoint_file(run.step)
         report = _RankReport(name, record, list(pieces), specs, optimizer_step)
@@ -213,6 +216,12 @@ class CheckpointWriter:
         dist.all_gather_object(reports, report, group=self.group)
         if rank == 0:
             commit(staging, final, _complete(run, reports), keep=keep)
+            # a save of GBs said nothing (Megatron says each); a background one says when it is done
+            size = sum(report.record.size for report in reports)
+            shown = f"{size / 1e9:.2f} GB" if size >= 1e9 else f"{size / 1e6:.1f} MB"
+            seconds = time.perf_counter() - started
+            where = ", in the background" if self.asynchronous else ""
+            print(f"checkpoint: step {run.step} saved to {final} ({shown} in {seconds:.1f} s{where})", flush=True)
         dist.barrier(group=self.group)
 
     def wait(self) -> None:
