@@ -164,7 +164,7 @@ def _inspect(args: argparse.Namespace) -> None:
     import numpy as np
 
     from loom.data_tools.manifest import check_same_tokenizer
-    from loom.engine.data.indexed import IndexedDataset
+    from loom.engine.data.indexed import IndexedDataset, default_cache_dir
 
     dataset = IndexedDataset(args.prefix)
     if args.tokenizer:
@@ -176,7 +176,7 @@ def _inspect(args: argparse.Namespace) -> None:
     )
     if len(lengths):
         print(f"sequence length: mean {lengths.mean():.1f}, min {lengths.min()}, max {lengths.max()}")
-    cache = Path(args.prefix + "_cache")
+    cache = default_cache_dir(args.prefix)
     if cache.is_dir():  # one set per seq_length, seed, split and epoch count, never removed by loom
         files = [entry for entry in cache.iterdir() if entry.is_file()]
         size = sum(entry.stat().st_size for entry in files)

@@ -38,7 +38,7 @@ from typing import Callable
 import numpy as np
 
 from loom.engine.atomic import atomic_path
-from loom.engine.data.indexed import DatasetError, IndexedDataset
+from loom.engine.data.indexed import DatasetError, IndexedDataset, default_cache_dir
 
 SLOW_BUILD_SAMPLES = 4_000_000
 """A sample index this large takes seconds to build (~2.7 s and 1 GB for 18 M samples): said, not silent."""
@@ -224,7 +224,7 @@ class GPTDataset:
     ):
         self.indexed, self.num_samples, self.seq_length, self.seed = indexed, num_samples, seq_length, seed
         document_ids = self._check_arguments(indexed, document_ids, num_samples, seq_length)
-        self.cache_dir = Path(cache_dir) if cache_dir is not None else Path(indexed.prefix + "_cache")
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir(indexed.prefix)
         self.epoch = _epoch_shape_of(indexed.sequence_lengths, document_ids, seq_length)
         self.num_epochs = -(-num_samples // self.epoch.samples)
         key, description = _cache_key(indexed, document_ids, self.num_epochs, seq_length, seed)

@@ -88,6 +88,11 @@ def index_paths(prefix: str | Path) -> tuple[Path, Path]:
     return Path(prefix + ".bin"), Path(prefix + ".idx")
 
 
+def default_cache_dir(prefix: str | Path) -> Path:
+    """P_cache/, where training keeps a dataset's sample indices and token-id checks unless data.cache_dir says."""
+    return Path(os.fspath(prefix) + "_cache")
+
+
 def dataset_record(prefix: str) -> dict | None:
     """What a checkpoint records of a training dataset (CheckpointMetadata.datasets): its absolute prefix, the
     sizes of its two files and when its .idx (written last) was written, by which a resume tells other data (a

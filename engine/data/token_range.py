@@ -18,7 +18,7 @@ import numpy as np
 
 from loom.engine.atomic import write_text_atomically
 from loom.engine.config import ConfigError
-from loom.engine.data.indexed import IndexedDataset
+from loom.engine.data.indexed import IndexedDataset, default_cache_dir
 
 CHUNK_BYTES = 256 << 20
 SLOW_SCAN_BYTES = 2 << 30
@@ -27,7 +27,7 @@ SLOW_SCAN_BYTES = 2 << 30
 def _cache_file(dataset: IndexedDataset, cache_dir: Path | None) -> Path:
     stat = dataset.bin_path.stat()
     identity = f"{dataset.bin_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{dataset.idx_path.stat().st_size}"
-    folder = cache_dir if cache_dir is not None else Path(dataset.prefix + "_cache")
+    folder = cache_dir if cache_dir is not None else default_cache_dir(dataset.prefix)
     return folder / f"token-range-{hashlib.sha256(identity.encode()).hexdigest()[:24]}.json"
 
 
