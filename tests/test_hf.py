@@ -273,7 +273,7 @@ def test_a_run_that_changes_the_checkpoints_rope_is_told(hf_model, tmp_path):
     """Fine-tuning an imported model from a TOML that lacks its rope settings computes another model:
     the run says which settings changed (deliberate changes, e.g. a larger rope_theta for longer context,
     stay possible)."""
-    from loom.engine.checkpoint.load import changed_model_settings
+    from loom.engine.checkpoint.load import _saved_model_flags, changed_model_settings
 
     directory, _ = hf_model
     final = import_hf(directory, tmp_path / "loom")
@@ -285,6 +285,11 @@ def test_a_run_that_changes_the_checkpoints_rope_is_told(hf_model, tmp_path):
         f"model.rope_theta: {saved['rope_theta']} -> {2 * saved['rope_theta']}",
         "model.norm_eps: 1e-05 -> 1e-06",
     ]
+    # the warning's advice names the flags that give the saved model back (it said "e.g. --model.rope_theta")
+    assert _saved_model_flags(saved, other) == f"--model.rope_theta {saved['rope_theta']} --model.norm_eps 1e-05"
+    rescaled = "none" if saved["rope_scaling"] == "llama3" else "llama3"
+    scaled = config_from_dict({"model": {**saved, "rope_scaling": rescaled}}).model
+    assert _saved_model_flags(saved, scaled) == f"--model.rope_scaling {saved['rope_scaling']}"
 
 
 def test_loom_generate_equals_transformers_greedy_generate(hf_model, tmp_path, capfd):

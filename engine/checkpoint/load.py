@@ -15,7 +15,7 @@ import datetime
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -230,16 +230,26 @@ def changed_schedule(step: int, saved_config: dict, current: LoomConfig) -> str 
     )
 
 
-def changed_model_settings(saved_model: dict, current: ModelConfig) -> list[str]:
-    """`model.F: saved -> current` for each functional setting of the checkpoint that this run changes.
-    Fields a checkpoint predates count as their defaults."""
+def _changed_model_fields(saved_model: dict, current: ModelConfig) -> list[tuple[str, Any, Any]]:
+    """(field, saved, current) for each functional setting of the checkpoint that this run changes. Fields a
+    checkpoint predates count as their defaults."""
     defaults = ModelConfig()
-    changes = []
+    changed = []
     for field in FUNCTIONAL_MODEL_FIELDS:
         saved, now = saved_model.get(field, getattr(defaults, field)), getattr(current, field)
         if saved != now:
-            changes.append(f"model.{field}: {saved} -> {now}")
-    return changes
+            changed.append((field, saved, now))
+    return changed
+
+
+def changed_model_settings(saved_model: dict, current: ModelConfig) -> list[str]:
+    """`model.F: saved -> current` for each functional setting of the checkpoint that this run changes."""
+    return [f"model.{field}: {saved} -> {now}" for field, saved, now in _changed_model_fields(saved_model, current)]
+
+
+def _saved_model_flags(saved_model: dict, current: ModelConfig) -> str:
+    """The flags that give this run the checkpoint's settings back (the warning named rope_theta whatever changed)."""
+    return " ".join(f"--model.{field} {saved}" for field, saved, _ in _changed_model_fields(saved_model, current))
 
 
 def resume_warnings(
@@ -266,9 +276,10 @@ def resume_warnings(
         warnings.append(schedule)
     changes = changed_model_settings(metadata.config["model"], config.model)
     if changes:
+        flags = _saved_model_flags(metadata.config["model"], config.model)
         warnings.append(
             f"this run computes a different model than {directory} was saved with "
-            f"({'; '.join(changes)}); pass the saved values (e.g. --model.rope_theta) unless that is intended"
+            f"({'; '.join(changes)}); pass the saved values ({flags}) unless that is intended"
         )
     return warnings
 
