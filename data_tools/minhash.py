@@ -144,7 +144,7 @@ def _overlapping_pieces(text: str, n: int) -> list[str]:
     whitespace is followed by a word, and the next piece starts n - 1 words before it, so every n consecutive words
     lie whole in one piece, and every piece has at least n words (none becomes a short text's single shingle)."""
     pieces, start, position = [], 0, _HASH_CHARACTERS
-    while len(text) - position > 0:
+    while position < len(text):
         gap = _WHITESPACE_RUN.search(text, position)
         if gap is None or gap.end() == len(text):
             break
