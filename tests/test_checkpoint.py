@@ -476,3 +476,19 @@ def test_random_streams_resume_only_onto_generators_of_their_kind():
     cpu = {"torch": torch.get_rng_state(), "tensor": torch.Generator().manual_seed(1).get_state()}
     cuda_like = {"torch": torch.get_rng_state(), "tensor": torch.zeros(16, dtype=torch.uint8)}  # a CUDA state's size
     assert same_generators(cpu, cpu) and not same_generators(cpu, cuda_like) and not same_generators(cuda_like, cpu)
+
+
+def test_checking_a_large_checkpoints_hashes_is_said_first(saved_at_tp2_pp2_dp2, monkeypatch, capsys):
+    """Every command that reads a checkpoint checks its sha256 first: 3-4 s of silence for a 1B training
+    checkpoint, a minute for an 8B one."""
+    from loom.engine.checkpoint.format import candidates, read_metadata
+
+    newest = candidates(saved_at_tp2_pp2_dp2)[0]
+    read_metadata(newest)
+    assert capsys.readouterr().out == ""  # small: quick, and quiet
+    monkeypatch.setattr(checkpoint_format, "SLOW_HASH_BYTES", 0)
+    metadata = read_metadata(newest)
+    size = sum(record.size for record in metadata.files.values()) / 1e9
+    assert capsys.readouterr().out == f"checking the sha256 of {newest}'s {size:,.1f} GB\n"
+    read_metadata(newest, verify_hashes=False)
+    assert capsys.readouterr().out == ""

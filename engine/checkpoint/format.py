@@ -41,6 +41,8 @@ METADATA = "metadata.json"
 LATEST = "latest"
 _ITERATION = re.compile(r"^iter_(\d{7,})$")
 _STAGING = re.compile(r"^iter_\d{7,}\.tmp$")
+SLOW_HASH_BYTES = 4 << 30
+"""Checking a checkpoint's hashes past this many bytes takes seconds (about 1.7 GB/s here): it is said first."""
 
 
 class CheckpointError(LoomError):
@@ -318,6 +320,9 @@ def read_metadata(directory: Path, verify_hashes: bool = True) -> CheckpointMeta
         metadata = CheckpointMetadata.from_json(path.read_text())
     except CheckpointError as error:
         raise CheckpointError(f"checkpoint {directory}: {error}") from None
+    size = sum(expected.size for expected in metadata.files.values())
+    if verify_hashes and size > SLOW_HASH_BYTES:  # a 1B training checkpoint took 3-4 s of silence, an 8B's a minute
+        print(f"checking the sha256 of {directory}'s {size / 1e9:,.1f} GB", flush=True)
     for name, expected in metadata.files.items():
         file = directory / name
         if not file.is_file():
