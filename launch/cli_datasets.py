@@ -65,7 +65,6 @@ def _merge(args: argparse.Namespace) -> None:
     from loom.data_tools.manifest import manifest_path
     from loom.engine.data.indexed import index_paths
 
-    output = Path(args.output_prefix).resolve()
     seen: dict[Path, str] = {}
     for prefix in args.inputs:
         key = index_paths(prefix)[0].resolve()  # the .bin itself: a symlinked copy is the same data
@@ -77,7 +76,7 @@ def _merge(args: argparse.Namespace) -> None:
                 "once, and to train on one dataset more often, list it in data.paths with a larger data.weights"
             )
         seen[key] = prefix
-    if index_paths(output)[0].resolve() in seen:
+    if index_paths(args.output_prefix)[0].resolve() in seen:
         raise InputError(f"--output-prefix {args.output_prefix} is one of the inputs; merge into a new prefix")
     inputs = [str(path) for prefix in args.inputs for path in index_paths(prefix)]
     outputs = [*index_paths(args.output_prefix), manifest_path(args.output_prefix, is_folder=False)]
