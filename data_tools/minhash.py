@@ -17,6 +17,7 @@ module must not read or write files; minhash_lsh.py runs the stages on disk.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from functools import lru_cache
 
 import numpy as np
@@ -109,34 +110,32 @@ def shingle_hashes(texts: list[str], n: int = 5) -> tuple[np.ndarray, np.ndarray
     """(hashes, counts): every document's distinct shingle hashes (uint64, sorted), back to back, and how many
     each has (at least one: a text of fewer than n words is one shingle). The hash of a shingle's UTF-8 bytes
     c_0..c_k-1 is mix64((sum c_j * SHINGLE_HASH_BASE^j mod 2^64) ^ k)."""
-    # The byte-wise arrays take ~40 bytes per input byte: hash at most _HASH_CHARACTERS of text at a time (a longer
-    # text in overlapping pieces: one 62 MB document took 2 GB).
-    hashes, counts, group, characters = [], [], [], 0
+    batches = list(_hashed_batches(texts, n))
+    if not batches:
+        return np.empty(0, dtype=np.uint64), np.empty(0, dtype=np.int64)
+    return np.concatenate([hashes for hashes, _ in batches]), np.concatenate([counts for _, counts in batches])
+
+
+def _hashed_batches(texts: list[str], n: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """shingle_hashes of consecutive groups of `texts`, in order. The byte-wise arrays take ~40 bytes per input
+    byte: a group holds at most _HASH_CHARACTERS of text, and a longer text is hashed alone, in overlapping pieces
+    (one 62 MB document took 2 GB)."""
+    group, characters = [], 0
     for text in map(spaced, texts):
         if len(text) > _HASH_CHARACTERS and len(pieces := _overlapping_pieces(text, n)) > 1:
             if group:
-                hashed = _group_shingle_hashes(group, n)
-                hashes.append(hashed[0])
-                counts.append(hashed[1])
+                yield _group_shingle_hashes(group, n)
                 group, characters = [], 0
             union = np.unique(np.concatenate([_group_shingle_hashes([piece], n)[0] for piece in pieces]))
-            hashes.append(union)
-            counts.append(np.array([len(union)], dtype=np.int64))
+            yield union, np.array([len(union)], dtype=np.int64)
             continue
         group.append(text)
         characters += len(text)
         if characters >= _HASH_CHARACTERS:
-            hashed = _group_shingle_hashes(group, n)
-            hashes.append(hashed[0])
-            counts.append(hashed[1])
+            yield _group_shingle_hashes(group, n)
             group, characters = [], 0
     if group:
-        hashed = _group_shingle_hashes(group, n)
-        hashes.append(hashed[0])
-        counts.append(hashed[1])
-    if not counts:
-        return np.empty(0, dtype=np.uint64), np.empty(0, dtype=np.int64)
-    return np.concatenate(hashes), np.concatenate(counts)
+        yield _group_shingle_hashes(group, n)
 
 
 def _overlapping_pieces(text: str, n: int) -> list[str]:
