@@ -10,13 +10,15 @@ from __future__ import annotations
 import contextlib
 import glob
 import hashlib
+import json
+import math
 import os
 import re
 import shutil
 import socket
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 # Temporary and staging names carry the writing process (host and pid): a writer killed outright (SIGKILL, the OOM
 # killer, a power cut) cannot remove them, and the next writer of the same output removes those whose process is
@@ -172,6 +174,51 @@ def save_tensors_atomically(tensors: dict, path: str | Path, metadata: dict | No
             save_file(tensors, str(tmp), metadata=metadata)
         except Exception as error:
             raise _as_os_error(error, Path(path)) from None
+        os.chmod(tmp, 0o666 & ~_UMASK)
+
+
+SAFETENSORS_DTYPES = {  # torch's dtype names: safetensors' header names
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+    "bool": "BOOL",
+}
+
+
+def stream_tensors_atomically(
+    declared: dict, make: Callable, path: str | Path, metadata: dict[str, str] | None = None
+) -> None:
+    """A safetensors file of the tensors `declared` names ({key: (torch dtype, shape)}, in that order), each made by
+    `make(key)` only when its bytes are due and dropped once written: peak memory is one tensor, where save_file
+    holds every tensor it writes at once (an 8B model's merge or import held 2-3.5x the model). Atomic and with the
+    umask's permissions as save_tensors_atomically; a made tensor of another dtype or shape than declared is a
+    ValueError, and the file is not written."""
+    import torch
+
+    header, offset = ({"__metadata__": metadata} if metadata else {}), 0
+    for key, (dtype, shape) in declared.items():
+        size = math.prod(shape) * dtype.itemsize
+        header[key] = {"dtype": SAFETENSORS_DTYPES[str(dtype).removeprefix("torch.")], "shape": list(shape)}
+        header[key]["data_offsets"] = [offset, offset + size]
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as save_file's does
+    with atomic_path(path) as tmp, open(tmp, "wb") as file:
+        file.write(len(encoded).to_bytes(8, "little") + encoded)
+        for key, (dtype, shape) in declared.items():
+            tensor = make(key)  # only now: the one tensor being written is all this writer holds
+            if tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
+                raise ValueError(f"{key}: made {tensor.dtype} {tuple(tensor.shape)}, declared {dtype} {tuple(shape)}")
+            file.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+            del tensor
         os.chmod(tmp, 0o666 & ~_UMASK)
 
 

@@ -1,6 +1,8 @@
-"""Fixtures shared by the test modules: the synthetic corpora the training tests read."""
+"""Fixtures shared by the test modules: the synthetic corpora the training tests read, and a count of the tensors
+a tool holds at once."""
 
 import os
+import weakref
 from collections.abc import Callable
 
 # Compiled blocks on CPU stand in for the GPU's (graphs, graph breaks, what backward saves, numerics against
@@ -48,3 +50,37 @@ def markov_dataset(tmp_path_factory) -> Callable[..., str]:
 def dataset(markov_dataset) -> str:
     """The corpus a training test reads unless its module overrides `dataset` with another size."""
     return markov_dataset(300)
+
+
+class LiveTensors:
+    """How many of the tensors a method returned are alive at once, at most: what a streaming tool holds."""
+
+    def __init__(self):
+        self.alive = self.most = self.made = 0
+
+    def watch(self, cls: type, method: str, monkeypatch) -> None:
+        original = getattr(cls, method)
+
+        def counted(*args, **kwargs):
+            tensor = original(*args, **kwargs)
+            self.alive, self.made = self.alive + 1, self.made + 1
+            self.most = max(self.most, self.alive)
+            weakref.finalize(tensor, self._dropped)
+            return tensor
+
+        monkeypatch.setattr(cls, method, counted)
+
+    def _dropped(self) -> None:
+        self.alive -= 1
+
+
+@pytest.fixture
+def live_tensors(monkeypatch) -> Callable[[type, str], LiveTensors]:
+    """live_tensors(cls, method): counts, from then on, the tensors cls.method returns that are alive at once."""
+
+    def watch(cls: type, method: str) -> LiveTensors:
+        counter = LiveTensors()
+        counter.watch(cls, method, monkeypatch)
+        return counter
+
+    return watch

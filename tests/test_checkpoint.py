@@ -176,7 +176,9 @@ def test_inspect_lists_tensors_in_the_model_s_order():
     ]
 
 
-def test_reshard_then_resume(dataset, straight, saved_at_tp2_pp2_dp2, tmp_path):
+def test_reshard_then_resume(dataset, straight, saved_at_tp2_pp2_dp2, tmp_path, live_tensors):
+    """A resharded checkpoint resumes the run; reshard rebuilds one logical tensor at a time (it held a target
+    rank's whole share: at tp 1, an 8B training checkpoint's 112 GB)."""
     from loom.engine.config import ConfigError
     from loom.tools.ckpt import inspect, reshard
 
@@ -184,7 +186,9 @@ def test_reshard_then_resume(dataset, straight, saved_at_tp2_pp2_dp2, tmp_path):
     with pytest.raises(ConfigError, match=r"parallel.vp > 1 needs parallel.pp > 1"):  # written, then refused by train
         reshard(saved_at_tp2_pp2_dp2, resharded, tp=1, pp=1, vp=2)
     assert not resharded.exists()
+    rebuilt = [live_tensors(PieceReader, "model"), live_tensors(PieceReader, "optim")]
     reshard(saved_at_tp2_pp2_dp2, resharded, tp=1, pp=2)
+    assert [(watch.made >= 20, watch.most) for watch in rebuilt] == [(True, 1), (True, 1)]
     assert "layout tp=1 pp=2 vp=1 dp=1 world=2 zero=0" in inspect(resharded)
     resumed = run(dataset, tmp_path / "resumed", 2, {"pp": 2}, checkpoint={"load": str(resharded)})
     for step in resumed:
@@ -266,6 +270,42 @@ def test_truncated_or_missing_shard_is_reported_not_loaded(tmp_path):
     warnings = []
     assert find_loadable(tmp_path / "checkpoints", warn=warnings.append) is None
     assert "falling back" in warnings[0]
+
+
+def test_a_file_written_one_tensor_at_a_time_reads_as_save_file_s(tmp_path):
+    """stream_tensors_atomically (merge-lora, import-hf, export-hf) writes the safetensors format itself: what
+    safetensors reads back is what save_file's file gives, for every dtype loom writes, a scalar and an empty
+    tensor; a tensor made otherwise than declared leaves no file."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from loom.engine.atomic import stream_tensors_atomically
+
+    generator = torch.Generator().manual_seed(0)
+    tensors = {
+        "w": torch.randn(3, 5, generator=generator),
+        "bf16": torch.randn(7, generator=generator).bfloat16(),
+        "fp16": torch.randn(2, 2, 2, generator=generator).half(),
+        "scale": torch.tensor(2.5),
+        "empty": torch.zeros(0, 4),
+        "steps": torch.arange(5),
+        "fp8": torch.randn(4, generator=generator).to(torch.float8_e4m3fn),
+    }
+    declared = {key: (tensor.dtype, tuple(tensor.shape)) for key, tensor in tensors.items()}
+    stream_tensors_atomically(declared, tensors.__getitem__, tmp_path / "streamed.safetensors", {"format": "pt"})
+    save_file(tensors, tmp_path / "saved.safetensors", metadata={"format": "pt"})
+    streamed, saved = load_file(tmp_path / "streamed.safetensors"), load_file(tmp_path / "saved.safetensors")
+    assert streamed.keys() == saved.keys() == tensors.keys()
+    for key, tensor in saved.items():
+        assert streamed[key].dtype == tensor.dtype and streamed[key].shape == tensor.shape, key
+        assert torch.equal(streamed[key].view(-1).view(torch.uint8), tensor.view(-1).view(torch.uint8)), key
+    with safe_open(str(tmp_path / "streamed.safetensors"), "pt") as file:
+        assert file.metadata() == {"format": "pt"}
+
+    misshapen = {**declared, "w": (torch.float32, (5, 3))}
+    with pytest.raises(ValueError, match=r"w: made torch.float32 \(3, 5\), declared torch.float32 \(5, 3\)"):
+        stream_tensors_atomically(misshapen, tensors.__getitem__, tmp_path / "bad.safetensors")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["saved.safetensors", "streamed.safetensors"]
 
 
 def staged(checkpoints: Path, step: int) -> tuple[Path, Path, CheckpointMetadata]:

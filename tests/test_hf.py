@@ -168,7 +168,8 @@ def test_imported_models_export_back_to_the_same_model(hf_model, tmp_path):
 
 
 def test_an_output_that_is_refused_is_refused_before_the_model_is_read(hf_model, tmp_path, monkeypatch):
-    """import-hf and export-hf read the whole model (at 1B, seconds and GBs) before refusing their --output."""
+    """import-hf and export-hf read the whole model (at 1B, seconds and GBs) before refusing their --output; now
+    they read no weight before (import-hf reads the files' headers)."""
     from loom.tools import hf, lora
 
     directory, _ = hf_model
@@ -178,12 +179,30 @@ def test_an_output_that_is_refused_is_refused_before_the_model_is_read(hf_model,
     def unread(*args):
         raise AssertionError("the model was read before the output was refused")
 
-    monkeypatch.setattr(hf, "_read_hf_tensors", unread)
+    monkeypatch.setattr(hf._SafetensorsFolder, "__getitem__", unread)
     with pytest.raises(CheckpointError, match="holds checkpoints"):
         import_hf(directory, tmp_path / "loom")
     monkeypatch.setattr(lora.ModelWeights, "__getitem__", unread)
     with pytest.raises(CheckpointError, match="already holds a model"):
         export_hf(tmp_path / "loom", tmp_path / "hf")
+
+
+def test_import_and_export_hold_one_weight_at_a_time(hf_model, tmp_path, live_tensors):
+    """import-hf read every tensor, made loom's fused ones beside them and wrote them all at once (an 8B model held
+    2-3.5x its size); export-hf held the whole model in its export dtype. Each now reads, makes and writes one
+    weight at a time (a fused QKV reads its three parts): the round trip is unchanged."""
+    from loom.tools import hf, lora
+
+    directory, model = hf_model
+    read = live_tensors(hf._SafetensorsFolder, "__getitem__")
+    import_hf(directory, tmp_path / "loom")
+    assert read.made >= 2 * 9 and read.most <= 3, (read.made, read.most)
+    made = live_tensors(lora.ModelWeights, "__getitem__")
+    exported = export_hf(tmp_path / "loom", tmp_path / "hf")  # in float32, as transformers saved it
+    assert made.made >= 2 * 7 and made.most <= 2, (made.made, made.most)
+    theirs, ours = load_file(directory / "model.safetensors"), load_file(exported / "model.safetensors")
+    assert theirs.keys() - {"lm_head.weight"} == ours.keys() - {"lm_head.weight"}
+    assert all(torch.equal(ours[key], theirs[key]) for key in ours), "the round trip changed a weight"
 
 
 def test_a_tied_config_with_its_own_head_and_special_tokens_imports_as_transformers_loads_it(tmp_path, capfd):

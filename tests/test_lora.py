@@ -208,12 +208,14 @@ def _adapter_model_logits(lora_checkpoint, tokens) -> torch.Tensor:
     return model.eval()(tokens)
 
 
-def test_merged_model_and_peft_adapter_give_the_lora_logits(single_rank, base, tmp_path):
+def test_merged_model_and_peft_adapter_give_the_lora_logits(single_rank, base, tmp_path, live_tensors):
+    """The merged model and the PEFT adapter on the exported base give the LoRA run's logits; merge-lora folds and
+    writes one weight at a time (it held the whole merged model: at 8B, 32 GB)."""
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
     from loom.tools.generate import load_model
     from loom.tools.hf import export_hf, export_peft_adapter
-    from loom.tools.lora import merge_lora
+    from loom.tools.lora import ModelWeights, merge_lora
 
     run_dir = single_rank[2]
     tokens = torch.randint(0, 4096, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -221,7 +223,9 @@ def test_merged_model_and_peft_adapter_give_the_lora_logits(single_rank, base, t
     base_logits = load_model(find_loadable(Path(base))[0])[0](tokens)
     assert (expected - base_logits).abs().max() > 1e-3, "the adapters must have moved away from zero"
 
+    folded = live_tensors(ModelWeights, "__getitem__")
     merge_lora(run_dir, tmp_path / "merged")
+    assert folded.made >= 10 and folded.most <= 2, (folded.made, folded.most)
     merged, merged_config = load_model(tmp_path / "merged")
     assert not merged_config.lora.enabled
     torch.testing.assert_close(merged(tokens), expected, rtol=1e-5, atol=1e-5)

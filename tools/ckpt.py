@@ -1,16 +1,20 @@
 """Offline checkpoint tools: inspect, and reshard to another (tp, pp, vp) layout on one CPU machine.
 
-Resharding streams: for each target rank it rebuilds only that rank's parameters, one logical tensor at a time, from
-the source pieces, and writes that rank's file before the next, so memory stays at about one rank's share plus one
-tensor. The result is an ordinary checkpoint saved "as if" at the target layout with one DP rank and zero = 0 (which
-any DP size and ZeRO stage loads). FP8 scaling state is carried over by module name; factored Adafactor state is
-not.
+Resharding streams: each piece of each target rank's file is rebuilt from the source pieces when its bytes are
+written, one logical tensor at a time, so memory holds one tensor (and the pages of the source files the kernel maps
+in, which it can take back). The result is an ordinary checkpoint saved "as if" at the target layout with one DP
+rank and zero = 0 (which any DP size and ZeRO stage loads). FP8 scaling state is carried over by module name;
+factored Adafactor state is not.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 
@@ -26,7 +30,7 @@ from loom.engine.checkpoint.format import (
     model_key,
     optim_key,
     staged,
-    write_rank_file,
+    stream_rank_file,
 )
 from loom.engine.checkpoint.load import PieceReader
 from loom.engine.config import LoomConfig
@@ -48,32 +52,77 @@ def open_checkpoint(path: Path) -> tuple[Path, CheckpointMetadata]:
     return found
 
 
+class LazyWeights(Mapping):
+    """Logical weights by name, each made only when it is asked for; their shapes are known up front (from
+    metadata or file headers), so a mismatch is refused before anything is written. What import-hf, merge-lora and
+    export-hf write from: made all at once, an 8B model's merge or import held 2-3.5x the model."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], make: Callable[[str], torch.Tensor] | None = None):
+        """`make(name)` makes one weight; None for a subclass with a __getitem__ of its own."""
+        self.shapes = shapes
+        self._make = make
+
+    @classmethod
+    def of(cls, tensors: Mapping[str, torch.Tensor]) -> LazyWeights:
+        """`tensors` itself if lazy, else a plain dict of tensors seen as LazyWeights."""
+        if isinstance(tensors, LazyWeights):
+            return tensors
+        return cls({name: tuple(tensor.shape) for name, tensor in tensors.items()}, tensors.__getitem__)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.shapes:
+            raise KeyError(name)
+        return self._make(name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.shapes
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+
 def write_weights_checkpoint(
     output: Path,
     config: LoomConfig,
-    logical: dict[str, torch.Tensor],
+    logical: Mapping[str, torch.Tensor],
     source: str,
     hf_origin: dict | None = None,
     tokenizer: dict | None = None,
 ) -> Path:
     """Write a weights-only checkpoint (step 0, tp = pp = 1, fp32, no optimizer state) of `config`'s model from
-    its logical tensors, as iter_0000000 under `output`: what import-hf and merge-lora produce, and any layout
-    loads. `source` names where the tensors came from, for the error when one is missing or misshapen;
-    `hf_origin`: the Hugging Face fields of an import (CheckpointMetadata.hf_origin); `tokenizer`: the
-    tokenizer the weights were trained with (CheckpointMetadata.tokenizer)."""
+    its logical tensors (LazyWeights: each made when written, so memory holds one), as iter_0000000 under `output`:
+    what import-hf and merge-lora produce, and any layout loads. `source` names where the tensors came from, for the
+    error when one is missing or misshapen; `hf_origin`: the Hugging Face fields of an import
+    (CheckpointMetadata.hf_origin); `tokenizer`: the tokenizer the weights were trained with
+    (CheckpointMetadata.tokenizer)."""
+    logical = LazyWeights.of(logical)
     infos = [param_info(param) for param in GPTModel(config.model, None).parameters()]
     specs = {info.name: info.shard_spec for info in infos}
     for name, spec in specs.items():
         if name not in logical:
             raise CheckpointError(f"{source} has no tensor for loom's {name}")
-        if tuple(logical[name].shape) != spec.full_shape:
+        if tuple(logical.shapes[name]) != spec.full_shape:
             raise CheckpointError(
-                f"{name}: shape {tuple(logical[name].shape)} in {source}, the config says {spec.full_shape}"
+                f"{name}: shape {tuple(logical.shapes[name])} in {source}, the config says {spec.full_shape}"
             )
+    names = {model_key(name, 0): name for name in specs}
+
+    def piece(key: str) -> torch.Tensor:
+        name = names[key]
+        tensor = logical[name]
+        if tuple(tensor.shape) != specs[name].full_shape:  # the header said otherwise than the data
+            raise CheckpointError(
+                f"{name}: shape {tuple(tensor.shape)} in {source}, the config says {specs[name].full_shape}"
+            )
+        return specs[name].shard(tensor.float(), 0, 1).contiguous()
+
     final = iteration_dir(output, 0)
-    pieces = {model_key(name, 0): spec.shard(logical[name].float(), 0, 1).contiguous() for name, spec in specs.items()}
+    declared = {key: (torch.float32, specs[name].local_shape(1)) for key, name in names.items()}
     with staged(final) as staging:
-        name, record = write_rank_file(staging, 0, pieces)
+        file, record = stream_rank_file(staging, 0, declared, piece)
         metadata = CheckpointMetadata(
             step=0,
             consumed_samples=0,
@@ -83,8 +132,8 @@ def write_weights_checkpoint(
             loss_scaler=None,
             config=config_to_dict(config),
             specs=specs,
-            files={name: record},
-            index={key: name for key in pieces},
+            files={file: record},
+            index={key: file for key in names},
             tokenizer=tokenizer,
             **(hf_origin or {}),
         )
@@ -167,28 +216,50 @@ def reshard(source: Path, output: Path, tp: int, pp: int, vp: int = 1, overwrite
         for pp_rank in range(pp):
             names = [n for n in metadata.specs if _stage_of(n, layers, pp, vp) % pp == pp_rank]
             for tp_rank in range(tp):
-                pieces = _rank_pieces(reader, names, tp_rank, tp, divisible_by, specs)
+                declared, make = _rank_pieces(reader, names, tp_rank, tp, divisible_by, specs)
                 if tp_rank == 0:  # FP8 scaling state is the same on every TP rank: one copy per stage, as saved
                     modules = [m for m in fp8_modules if _stage_of(m, layers, pp, vp) % pp == pp_rank]
-                    pieces.update({fp8_key(m): reader.tensor(fp8_key(m)) for m in modules})
-                name, files[name] = write_rank_file(staging, rank_of(tp_rank, 0, pp_rank, tp, 1), pieces)
-                index.update({key: name for key in pieces})
-                del pieces
+                    for key in map(fp8_key, modules):
+                        declared[key], make[key] = reader.header(key), functools.partial(reader.tensor, key)
+                rank = rank_of(tp_rank, 0, pp_rank, tp, 1)
+                name, files[name] = stream_rank_file(staging, rank, declared, _made_by(make))
+                index.update({key: name for key in declared})
         layout = dataclasses.replace(metadata.layout, tp=tp, pp=pp, vp=vp, dp=1, cp=1, world=tp * pp, zero=0)
         resharded = dataclasses.replace(metadata, specs=specs, files=files, index=index, layout=layout)
         return commit(staging, final, resharded)
 
 
-def _rank_pieces(reader: PieceReader, names: list[str], tp_rank: int, tp: int, divisible_by: int, specs: dict) -> dict:
-    pieces = {}
+def _rank_pieces(
+    reader: PieceReader, names: list[str], tp_rank: int, tp: int, divisible_by: int, specs: dict
+) -> tuple[dict, dict]:
+    """What one target rank's file holds, declared (key: dtype, shape) and made when written (key: a function):
+    each parameter and optimizer state rebuilt from the source when its turn comes, so memory holds one logical
+    tensor, not the rank's share (a reshard to tp 1 of an 8B training checkpoint held 112 GB)."""
+    declared, make = {}, {}
     for name in names:
-        spec = _retarget(reader.metadata.specs[name], tp, divisible_by)
-        specs[name] = spec
-        pieces[model_key(name, tp_rank)] = spec.shard(reader.model(name), tp_rank, tp).contiguous()
+        spec = specs[name] = _retarget(reader.metadata.specs[name], tp, divisible_by)
+        local_shape = spec.local_shape(tp)
+        key = model_key(name, tp_rank)
+        declared[key] = (reader.header(model_key(name, 0))[0], local_shape)
+        make[key] = functools.partial(_model_piece, reader, spec, name, tp_rank, tp)
         for state in sorted(reader.states(name)):
-            local = spec.shard(reader.optim(state, name), tp_rank, tp).reshape(-1).contiguous()
-            pieces[optim_key(state, name, tp_rank, 0, local.numel())] = local
-    return pieces
+            numel = math.prod(local_shape)
+            key = optim_key(state, name, tp_rank, 0, numel)
+            declared[key] = (torch.float32, (numel,))
+            make[key] = functools.partial(_optim_piece, reader, spec, state, name, tp_rank, tp)
+    return declared, make
+
+
+def _made_by(makers: dict[str, Callable[[], torch.Tensor]]) -> Callable[[str], torch.Tensor]:
+    return lambda key: makers[key]()
+
+
+def _model_piece(reader: PieceReader, spec: ShardSpec, name: str, tp_rank: int, tp: int) -> torch.Tensor:
+    return spec.shard(reader.model(name), tp_rank, tp).contiguous()
+
+
+def _optim_piece(reader: PieceReader, spec: ShardSpec, state: str, name: str, tp_rank: int, tp: int) -> torch.Tensor:
+    return spec.shard(reader.optim(state, name), tp_rank, tp).reshape(-1).contiguous()
 
 
 def _retarget(spec: ShardSpec, tp: int, divisible_by: int) -> ShardSpec:

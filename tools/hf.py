@@ -16,18 +16,19 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from loom.data_tools.tokenizer import BOS_ID, EOS_ID
-from loom.engine.atomic import save_tensors_atomically, write_text_atomically
+from loom.engine.atomic import save_tensors_atomically, stream_tensors_atomically, write_text_atomically
 from loom.engine.checkpoint.format import CheckpointError, sha256_of, unrecorded_tokenizer
 from loom.engine.checkpoint.load import PieceReader
 from loom.engine.config_io import config_from_dict, config_to_dict
 from loom.engine.model import naming
-from loom.tools.ckpt import open_checkpoint, write_weights_checkpoint
+from loom.tools.ckpt import LazyWeights, open_checkpoint, write_weights_checkpoint
 from loom.tools.hf_tokenizer import check_moved_tokenizer, export_tokenizer
 from loom.tools.lora import ModelWeights, adapted_weights, base_of
 from loom.tools.outputs import HF_TOKENIZER_FILES, claim_checkpoint_output, claim_export_output, removed_if_unfinished
@@ -137,28 +138,40 @@ def _hf_names(name: str) -> tuple[str, ...]:
     return tuple(f"model.layers.{layer}.{hf}" for hf in _IN_BLOCK[local])
 
 
-def to_hf(logical: dict[str, torch.Tensor], model: dict) -> dict[str, torch.Tensor]:
-    """loom logical tensors -> Hugging Face Llama state dict."""
+def to_hf(logical: Mapping[str, torch.Tensor], model: dict) -> LazyWeights:
+    """loom logical tensors -> Hugging Face Llama state dict, each tensor made when asked for."""
+    logical = LazyWeights.of(logical)
     sizes = _fused_sizes(model)
-    out = {}
+    shapes, part_of = {}, {}
     for name in _loom_names(model):
-        hf_names = _hf_names(name)
-        if len(hf_names) == 1:
-            out[hf_names[0]] = logical[name]
-        else:
-            _, local = naming.split_block_param_name(name)
-            out.update(zip(hf_names, logical[name].split(sizes[local]), strict=True))
-    return {k: v.contiguous() for k, v in out.items()}
+        hf_names, shape = _hf_names(name), logical.shapes[name]
+        rows = [shape[0]] if len(hf_names) == 1 else sizes[naming.split_block_param_name(name)[1]]
+        for index, (hf_name, count) in enumerate(zip(hf_names, rows, strict=True)):
+            shapes[hf_name] = (count, *shape[1:])
+            part_of[hf_name] = (name, index, rows)
+    last: dict[str, torch.Tensor] = {}  # the loom tensor whose parts are being asked for, made once for them all
+
+    def make(hf_name: str) -> torch.Tensor:
+        name, index, rows = part_of[hf_name]
+        if name not in last:
+            last.clear()
+            last[name] = logical[name]
+        return last[name].split(rows)[index].contiguous()
+
+    return LazyWeights(shapes, make)
 
 
-def from_hf(tensors: dict[str, torch.Tensor], model: dict) -> dict[str, torch.Tensor]:
-    """Hugging Face Llama state dict -> loom logical tensors."""
-    out, used = {}, set()
+def from_hf(tensors: Mapping[str, torch.Tensor], model: dict) -> LazyWeights:
+    """Hugging Face Llama state dict -> loom logical tensors, each made when asked for."""
+    tensors = LazyWeights.of(tensors)
+    shapes, parts_of, used = {}, {}, set()
     for name in _loom_names(model):
-        hf_names = _hf_names(name)
+        hf_names = parts_of[name] = _hf_names(name)
         used.update(hf_names)
-        parts = [tensors[hf] for hf in hf_names]
-        out[name] = parts[0] if len(parts) == 1 else torch.cat(parts)
+        parts = [tensors.shapes[hf] for hf in hf_names]
+        if len({part[1:] for part in parts}) > 1:
+            raise CheckpointError(f"{', '.join(hf_names)} have shapes {parts}, which do not stack into loom's {name}")
+        shapes[name] = (sum(part[0] for part in parts), *parts[0][1:])
     # What writers save beside a Llama that carries nothing more: RoPE's recomputable table, a tied head's copy.
     ignorable = {"lm_head.weight"} if model["tie_embeddings"] else set()
     unused = sorted(
@@ -170,7 +183,12 @@ def from_hf(tensors: dict[str, torch.Tensor], model: dict) -> dict[str, torch.Te
             f"the model has tensors its config.json does not describe ({shown}); the config and the weights "
             "disagree (num_hidden_layers?), and importing would drop them"
         )
-    return out
+
+    def make(name: str) -> torch.Tensor:
+        parts = [tensors[hf] for hf in parts_of[name]]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    return LazyWeights(shapes, make)
 
 
 def export_hf(
@@ -195,15 +213,14 @@ def export_hf(
         trained_with = unrecorded_tokenizer(metadata.config)  # an older checkpoint: its config names it, unchecked
     if tokenizer is not None:
         check_moved_tokenizer(trained_with, tokenizer, model["vocab_size"])
-    if not overwrite:
-        claim_export_output(output, overwrite)  # refused before the model is read (at 1B, seconds and GBs)
     dtype = dtype or origin.hf_dtype or "float32"
-    # Each weight read and cast on its own: the whole fp32 model beside its bf16 copy took 2.5x the checkpoint
-    tensors = to_hf({name: weights[name].to(EXPORT_DTYPES[dtype]) for name in weights.names}, model)
-    claim_export_output(output, overwrite)
+    # Each weight read, cast and written on its own: the whole model held in memory took 1-2.5x the checkpoint
+    tensors = to_hf(LazyWeights(weights.shapes, lambda name: weights[name].to(EXPORT_DTYPES[dtype])), model)
+    declared = {hf_name: (EXPORT_DTYPES[dtype], shape) for hf_name, shape in tensors.shapes.items()}
+    claim_export_output(output, overwrite)  # before any weight is read
     output.mkdir(parents=True, exist_ok=True)
     with removed_if_unfinished(output):
-        save_tensors_atomically(tensors, output / "model.safetensors", metadata={"format": "pt"})
+        stream_tensors_atomically(declared, tensors.__getitem__, output / "model.safetensors", {"format": "pt"})
         not_written = export_tokenizer(
             output, trained_with, origin, model["max_position_embeddings"], model["vocab_size"], tokenizer
         )
@@ -312,7 +329,34 @@ def _read_hf_config(source: Path) -> dict:
     return hf
 
 
-def _read_hf_tensors(source: Path) -> dict[str, torch.Tensor]:
+class _SafetensorsFolder(LazyWeights):
+    """The tensors of a folder's *.safetensors files by name, each read when asked for (an 8B import that read them
+    all first held the model twice over); their shapes and dtypes come from the files' headers."""
+
+    def __init__(self, files: list[Path]):
+        self._handles, self._file_of, self.dtypes, shapes = {}, {}, {}, {}
+        for file in files:
+            try:
+                handle = safe_open(str(file), framework="pt")
+                for key in handle.keys():
+                    header = handle.get_slice(key)
+                    shapes[key], self.dtypes[key], self._file_of[key] = (
+                        tuple(header.get_shape()),
+                        header.get_dtype(),
+                        file,
+                    )
+            except (SafetensorError, OSError) as error:
+                raise CheckpointError(f"{file} is not a readable safetensors file (truncated?): {error}") from None
+            self._handles[file] = handle
+        super().__init__(shapes)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self.shapes:
+            raise KeyError(key)
+        return self._handles[self._file_of[key]].get_tensor(key)
+
+
+def _read_hf_tensors(source: Path) -> _SafetensorsFolder:
     files = sorted(source.glob("*.safetensors"))
     if not files:
         others = sorted(p.name for p in source.glob("*.bin")) + sorted(p.name for p in source.glob("*.pt*"))
@@ -320,14 +364,7 @@ def _read_hf_tensors(source: Path) -> dict[str, torch.Tensor]:
             f" (found {', '.join(others[:3])}: load and save_pretrained it with safe_serialization)" if others else ""
         )
         raise CheckpointError(f"{source} holds no *.safetensors weights{found}")
-    tensors = {}
-    for file in files:
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                tensors.update({k: f.get_tensor(k) for k in f.keys()})
-        except (SafetensorError, OSError) as error:
-            raise CheckpointError(f"{file} is not a readable safetensors file (truncated?): {error}") from None
-    return tensors
+    return _SafetensorsFolder(files)
 
 
 def import_hf(source: Path, output: Path, overwrite: bool = False) -> Path:
@@ -343,11 +380,12 @@ def import_hf(source: Path, output: Path, overwrite: bool = False) -> Path:
     # The imported checkpoint's run settings are what `loom eval` and fine-tuning start from: sequences no
     # longer than the model's positions, and a batch one CPU rank gets through.
     train = {"seq_length": min(2048, model["max_position_embeddings"]), "global_batch_size": 8}
-    if not overwrite:
-        claim_checkpoint_output(output, overwrite)  # refused before the model is read (at 1B, seconds and GBs)
-    tensors = _read_hf_tensors(source)
-    head, embedding = tensors.get("lm_head.weight"), tensors.get("model.embed_tokens.weight")
-    if model["tie_embeddings"] and head is not None and embedding is not None and not torch.equal(head, embedding):
+    tensors = _read_hf_tensors(source)  # their headers: a weight is read only when it is written
+    if (
+        model["tie_embeddings"]
+        and {"lm_head.weight", "model.embed_tokens.weight"} <= tensors.keys()
+        and not torch.equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"])
+    ):
         # transformers then keeps both ("will NOT tie them"): the model on disk has its own output layer
         model["tie_embeddings"] = False
         print(
@@ -362,7 +400,7 @@ def import_hf(source: Path, output: Path, overwrite: bool = False) -> Path:
         raise CheckpointError(f"{source} has no tensor {error.args[0]!r}; is it a Llama model?") from None
     except CheckpointError as error:
         raise CheckpointError(f"{source}: {error}") from None
-    claim_checkpoint_output(output, overwrite)
+    claim_checkpoint_output(output, overwrite)  # once all is known good: --overwrite moves the old output aside
     origin = {
         "hf_source": str(source.resolve()),
         "hf_token_ids": {field: hf[field] for field in HF_TOKEN_ID_FIELDS if hf.get(field) is not None},
@@ -373,11 +411,10 @@ def import_hf(source: Path, output: Path, overwrite: bool = False) -> Path:
     return write_weights_checkpoint(output, config, logical, "the Hugging Face model", hf_origin=origin)
 
 
-def _stored_dtype(tensors: dict[str, torch.Tensor]) -> str | None:
+def _stored_dtype(tensors: _SafetensorsFolder) -> str | None:
     """The dtype the model's weights are stored in (what config.json's torch_dtype should say, and not always
     does), as an EXPORT_DTYPES name; None for one loom does not write."""
-    names = {dtype: name for name, dtype in EXPORT_DTYPES.items()}
-    return names.get(tensors["model.embed_tokens.weight"].dtype)
+    return {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}.get(tensors.dtypes["model.embed_tokens.weight"])
 
 
 def export_peft_adapter(

@@ -23,7 +23,7 @@ from loom.engine.checkpoint.load import PieceReader
 from loom.engine.config import LoraConfig
 from loom.engine.config_io import config_from_dict
 from loom.engine.model import naming
-from loom.tools.ckpt import open_checkpoint, write_weights_checkpoint
+from loom.tools.ckpt import LazyWeights, open_checkpoint, write_weights_checkpoint
 from loom.tools.outputs import claim_checkpoint_output
 
 
@@ -62,7 +62,7 @@ def base_of(
     return base, read_metadata(base)
 
 
-class ModelWeights:
+class ModelWeights(LazyWeights):
     """The logical weights (fp32) of the model a checkpoint describes, read one at a time: a full checkpoint's
     own, or for a LoRA checkpoint the base's with each adapter folded in."""
 
@@ -78,15 +78,15 @@ class ModelWeights:
                     f"{directory} is not a LoRA checkpoint, so --lora.base {base} has nothing to do; drop it"
                 )
             self.weights, self.factors = reader, None
-            self.names = list(metadata.specs)
+            super().__init__(_full_shapes(metadata))
             return
         self.base_dir, base_metadata = base_of(directory, metadata, base)
         self.model_metadata = base_metadata
         self.tokenizer = metadata.tokenizer or base_metadata.tokenizer
         self.weights, self.factors = PieceReader(self.base_dir, base_metadata), reader
-        self.names = list(base_metadata.specs)
         self.adapters = adapted_weights(metadata.specs)
         self.scale = config_from_dict(metadata.config).lora.scale
+        super().__init__(_full_shapes(base_metadata))
 
     def __getitem__(self, name: str) -> torch.Tensor:
         weight = self.weights.model(name).float()
@@ -95,9 +95,9 @@ class ModelWeights:
             weight += self.scale * (b @ a)
         return weight
 
-    def all(self) -> dict[str, torch.Tensor]:
-        """Every logical weight, all at once."""
-        return {name: self[name] for name in self.names}
+
+def _full_shapes(metadata: CheckpointMetadata) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(spec.full_shape) for name, spec in metadata.specs.items()}
 
 
 def merge_lora(source: Path, output: Path, base: Path | None = None, overwrite: bool = False) -> Path:
@@ -110,9 +110,8 @@ def merge_lora(source: Path, output: Path, base: Path | None = None, overwrite: 
     config = config_from_dict(metadata.config)
     config.lora = LoraConfig()
     weights = ModelWeights(directory, metadata, base)
-    merged = weights.all()
     claim_checkpoint_output(output, overwrite, reading=(directory, weights.base_dir))
     origin = weights.model_metadata.hf_origin  # the base's Hugging Face origin stays the merged model's
     return write_weights_checkpoint(
-        output, config, merged, str(directory), hf_origin=origin, tokenizer=weights.tokenizer
+        output, config, weights, str(directory), hf_origin=origin, tokenizer=weights.tokenizer
     )

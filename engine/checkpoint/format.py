@@ -27,11 +27,11 @@ import shutil
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
-from loom.engine.atomic import save_tensors_atomically, write_text_atomically
+from loom.engine.atomic import save_tensors_atomically, stream_tensors_atomically, write_text_atomically
 from loom.engine.parallel.sharding import ShardSpec
 from loom.engine.run_dir import CHECKPOINTS
 from loom.errors import LoomError
@@ -438,6 +438,14 @@ def write_rank_file(staging: Path, rank: int, pieces: dict[str, torch.Tensor]) -
     """Write one rank's pieces into the staging directory; its file name and record for the metadata."""
     name = rank_file(rank)
     save_tensors_atomically(pieces, staging / name)
+    return name, FileRecord.of(staging / name)
+
+
+def stream_rank_file(staging: Path, rank: int, declared: dict, make: Callable) -> tuple[str, FileRecord]:
+    """write_rank_file for pieces made one at a time (stream_tensors_atomically: {key: (dtype, shape)} and
+    make(key)), so a tool writing a whole model holds one tensor of it, not all."""
+    name = rank_file(rank)
+    stream_tensors_atomically(declared, make, staging / name)
     return name, FileRecord.of(staging / name)
 
 

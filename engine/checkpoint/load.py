@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors import safe_open
 
+from loom.engine.atomic import SAFETENSORS_DTYPES
 from loom.engine.checkpoint.format import (
     CheckpointError,
     CheckpointMetadata,
@@ -54,13 +55,22 @@ class PieceReader:
                 state, name, tp, start, end = parse_optim_key(key)
                 self.optim_pieces[(name, tp)][state].append((start, end, key))
 
-    def tensor(self, key: str) -> torch.Tensor:
+    def _file_holding(self, key: str):
         file = self.metadata.index.get(key)
         if file is None:
             raise CheckpointError(f"checkpoint {self.directory} has no tensor {key}")
         if file not in self._files:
             self._files[file] = safe_open(str(self.directory / file), framework="pt")
-        return self._files[file].get_tensor(key)
+        return self._files[file]
+
+    def tensor(self, key: str) -> torch.Tensor:
+        return self._file_holding(key).get_tensor(key)
+
+    def header(self, key: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        """A stored tensor's dtype and shape, from its file's header: nothing of its data is read."""
+        stored = self._file_holding(key).get_slice(key)
+        torch_name = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}[stored.get_dtype()]
+        return getattr(torch, torch_name), tuple(stored.get_shape())
 
     def spec(self, name: str) -> ShardSpec:
         if name not in self.metadata.specs:
