@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -18,7 +19,17 @@ class OneLineParser(argparse.ArgumentParser):
     """argparse with its usage errors on one line, `error: ...` like every other loom error (exit 2), pointing
     to --help instead of printing the usage block."""
 
+    def parse_known_args(self, args=None, namespace=None):
+        self._given = list(sys.argv[1:] if args is None else args)  # for error's hint: what the user wrote
+        return super().parse_known_args(args, namespace)
+
     def error(self, message: str):
+        missing = re.fullmatch(r"argument (?:\S+/)?(\S+): expected one argument", message)
+        given = getattr(self, "_given", [])
+        if missing and any(
+            flag == missing.group(1) and value.startswith("-") for flag, value in zip(given, given[1:], strict=False)
+        ):  # argparse took the value for a flag: a file named -x, a negative number
+            message += f"; a value that starts with '-' is written {missing.group(1)}=VALUE"
         print(f"error: {self.prog}: {message} (see {self.prog} --help)", file=sys.stderr)
         sys.exit(2)
 

@@ -419,6 +419,19 @@ def test_an_option_a_command_does_not_take_points_to_that_command_s_help(capsys)
         assert exited.value.code == 2 and err.startswith(f"error: {prog}: ") and err.endswith(f"(see {prog} --help)\n")
 
 
+def test_a_value_starting_with_a_dash_is_told_how_to_write_it(capsys):
+    """`--output-prefix -dash` got argparse's "expected one argument" alone: the value was taken for a flag."""
+    for argv, hinted in (
+        (["data", "build", "--input", "x.jsonl", "--output-prefix", "-dash"], True),
+        (["data", "build", "--input", "x.jsonl", "--output-prefix"], False),
+    ):
+        with pytest.raises(SystemExit):
+            main(argv)
+        err = capsys.readouterr().err
+        assert "--output-prefix: expected one argument" in err
+        assert ("a value that starts with '-' is written --output-prefix=VALUE" in err) is hinted, err
+
+
 def test_main_gives_the_callers_sigterm_handler_back(capfd):
     """main() called in a script or notebook left its own SIGTERM handler: a later SIGTERM raised loom's Stopped in
     whatever ran next, and an `except Exception` there swallowed the stop."""
