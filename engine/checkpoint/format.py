@@ -24,6 +24,7 @@ import json
 import os
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -331,8 +332,16 @@ def read_metadata(directory: Path, verify_hashes: bool = True) -> CheckpointMeta
             raise CheckpointError(
                 f"checkpoint {directory}: {name} has {file.stat().st_size} bytes, expected {expected.size} (truncated?)"
             )
-        if verify_hashes and sha256_of(file) != expected.sha256:
-            raise CheckpointError(f"checkpoint {directory}: {name} does not match its sha256 (corrupt)")
+    if verify_hashes:
+        # One file per thread (hashlib lets go of the GIL): the ranks' files of a large checkpoint are hashed side
+        # by side, at the disk's pace rather than one core's (~1.75 GB/s).
+        names = list(metadata.files)
+        workers = max(1, min(len(names), os.cpu_count() or 1, 8))
+        with ThreadPoolExecutor(workers) as pool:
+            digests = list(pool.map(lambda name: sha256_of(directory / name), names))
+        for name, digest in zip(names, digests, strict=True):
+            if digest != metadata.files[name].sha256:
+                raise CheckpointError(f"checkpoint {directory}: {name} does not match its sha256 (corrupt)")
     return metadata
 
 
