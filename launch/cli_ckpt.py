@@ -188,7 +188,7 @@ def _evaluate(args: argparse.Namespace, overrides: list[str], directory: Path, m
         raw["data"]["tokenizer"] = recorded  # the config's may be relative to where training ran: not here
     with tempfile.TemporaryDirectory() as run_dir:
         raw["train"].update(run_dir=run_dir, tensorboard=False, eval_iters=args.iters)
-        raw["checkpoint"].update(load=str(directory), interval=0)
+        raw["checkpoint"].update(load=str(directory), interval=0, verify=False)  # open_checkpoint checked it
         for section, values in parse_overrides(overrides).items():
             raw[section].update(values)
         config = config_from_dict({s: {k: v for k, v in fields.items() if v is not None} for s, fields in raw.items()})
@@ -218,7 +218,6 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from loom.engine.config_io import config_from_dict
     from loom.tools.ckpt import open_checkpoint
     from loom.tools.generate import (
-        check_layout,
         generate,
         generate_parallel,
         load_model,
@@ -234,8 +233,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     except UnicodeEncodeError:
         raise ConfigError("--prompt is not valid UTF-8 text; pass UTF-8, or the prompt as --prompt-ids") from None
     opened = open_checkpoint(Path(args.checkpoint))
-    check_layout(config_from_dict(opened[1].config), args.tp, args.pp)
-    model, config = load_model(Path(args.checkpoint), base=_base(args), opened=opened)
+    config = config_from_dict(opened[1].config)
     processor = open_tokenizer(opened[1], config, args.tokenizer, needed=args.prompt_ids is None)
     if args.prompt_ids is not None:
         prompt = parse_prompt_ids(args.prompt_ids)
@@ -264,14 +262,13 @@ def cmd_generate(args: argparse.Namespace) -> None:
         from loom.launch.local import killed_rank, stopped_rank
         from loom.tools.generate import RankDied
 
-        del model
-        try:
-            produced = generate_parallel(Path(args.checkpoint), args.tp, args.pp, _base(args), **job)
+        try:  # the model is loaded by the ranks alone, each its own part: split because it may not fit one process
+            produced = generate_parallel(opened, args.tp, args.pp, _base(args), **job)
         except RankDied as died:
             stopped = stopped_rank([(died.rank, died.exitcode)], "the generation")
             raise stopped or killed_rank(died.rank, died.exitcode) from None
     else:
-        produced = generate(model, **job)
+        produced = generate(load_model(Path(args.checkpoint), base=_base(args), opened=opened)[0], **job)
     if processor is not None:
         print(processor.decode(prompt + produced))
     else:

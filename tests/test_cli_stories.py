@@ -235,6 +235,27 @@ def test_generate_on_ranks_names_a_killed_rank_and_leaves_none_behind(world, cap
         assert set(multiprocessing.active_children()) <= before
 
 
+def test_generate_on_ranks_checks_the_checkpoint_once_and_leaves_the_model_to_them(
+    world, capfd, monkeypatch, live_tensors
+):
+    """`loom generate --nproc N` built the whole model in the launching process before the ranks loaded their parts
+    (a model split because it does not fit one process), and its files were hashed by the launcher twice and by
+    every rank again."""
+    from loom.engine.checkpoint import format as checkpoint_format
+    from loom.tools.lora import ModelWeights
+
+    hash_file, hashed = checkpoint_format.sha256_of, []
+    monkeypatch.setattr(checkpoint_format, "sha256_of", lambda path: hashed.append(path.name) or hash_file(path))
+    built = live_tensors(ModelWeights, "__getitem__")
+    argv = ["generate", "--checkpoint", str(world["base"]), "--prompt-ids", "1 2", "--nproc", "2", "--parallel.tp", "2"]
+    code, _, err = run(capfd, *argv)
+    directory = checkpoint_format.find_loadable(world["base"], verify_hashes=False)[0]
+    assert code == 0 and err.startswith("generated "), err
+    checked = sorted(name for name in hashed if name.endswith(".safetensors"))
+    assert checked == sorted(checkpoint_format.read_metadata(directory, verify_hashes=False).files)
+    assert built.made == 0
+
+
 def test_generate_on_ranks_ends_a_rank_whose_stop_was_lost(world, capfd, monkeypatch):
     """A SIGTERM that reaches a rank before Python's fork handling has run in it is dropped: the command then waited
     for that rank forever (here rank 0 sleeps where its peer failed, and every SIGTERM to a rank is lost)."""
@@ -271,6 +292,17 @@ def test_eval_from_another_directory_finds_the_tokenizer_the_checkpoint_recorded
         capfd, "eval", "--checkpoint", str(tmp_path / "run"), "--data", world["dataset"], "--iters", "1"
     )
     assert code == 0 and "validation loss" in out, err
+
+
+def test_eval_checks_the_checkpoint_s_hashes_once(world, capfd, monkeypatch):
+    """`loom eval` checked the checkpoint's files (open_checkpoint), then its evaluating rank 0 checked them again
+    (checkpoint.verify): an 8B training checkpoint's minute, twice."""
+    from loom.launch import local
+
+    evaluated = []
+    monkeypatch.setattr(local, "launch_local", lambda config, nproc, mode: evaluated.append(config))
+    code, _, err = run(capfd, "eval", "--checkpoint", str(world["base"]), "--data", world["dataset"], "--iters", "1")
+    assert code == 0 and [config.checkpoint.verify for config in evaluated] == [False], err
 
 
 def test_eval_of_a_live_run_whose_retention_removes_its_checkpoint(world, capfd, tmp_path, monkeypatch):

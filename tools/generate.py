@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from loom.engine.checkpoint.format import CheckpointMetadata, sha256_of
+from loom.engine.checkpoint.format import CheckpointMetadata, read_metadata, sha256_of
 from loom.engine.config import ConfigError, LoomConfig, ParallelConfig
 from loom.engine.config_io import config_from_dict
 from loom.engine.faults import FaultPlan
@@ -42,10 +42,12 @@ def load_model(
     parallel: ParallelState | None = None,
     base: Path | None = None,
     opened: tuple[Path, CheckpointMetadata] | None = None,
+    verify_hashes: bool = True,
 ) -> tuple[GPTModel, LoomConfig]:
     """The checkpoint's model in fp32 and eval mode: whole on one process, or this rank's shard of its pipeline
     stage under `parallel`. `base`: a LoRA checkpoint's base where it is now; `opened`: the checkpoint's
-    (directory, metadata) when the caller has read them already."""
+    (directory, metadata) when the caller has read them already; `verify_hashes`: check the files of a LoRA
+    checkpoint's base (False where the caller has)."""
     directory, metadata = opened or open_checkpoint(checkpoint)
     config = config_from_dict(metadata.config)
     if parallel is None:
@@ -60,7 +62,7 @@ def load_model(
             post_process=stage == pp - 1,
         )
         tp_rank, tp_size = parallel.tp_rank, parallel.tp_size
-    weights = ModelWeights(directory, metadata, base)  # a LoRA checkpoint's adapters folded into its base
+    weights = ModelWeights(directory, metadata, base, verify_hashes)  # a LoRA checkpoint's adapters folded in
     with torch.no_grad():
         for _, param in model.named_parameters():
             info = param_info(param)
@@ -166,7 +168,10 @@ def _generate_on_a_rank(
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
     try:
         parallel = ParallelState.create(tp=tp, dp=1, pp=pp, timeout=timeout)
-        model, _ = load_model(Path(checkpoint), parallel, base)
+        directory = Path(checkpoint)  # checked by the launcher (open_checkpoint): each rank checking it took as long
+        model, _ = load_model(
+            directory, parallel, base, opened=(directory, read_metadata(directory, verify_hashes=False))
+        )
         produced = generate(model, parallel=parallel, faults=FaultPlan.from_environment(rank), **job)
         if rank == 0:
             results.put(produced)
@@ -219,9 +224,14 @@ def check_layout(config: LoomConfig, tp: int, pp: int) -> None:
         raise ConfigError(f"--parallel.pp {pp} must divide model.num_layers = {m.num_layers}")
 
 
-def generate_parallel(checkpoint: Path, tp: int, pp: int, base: Path | None = None, **job) -> list[int]:
-    """generate() on tp x pp local ranks (gloo), the model split as training splits it; rank 0's tokens."""
-    check_layout(config_from_dict(open_checkpoint(checkpoint)[1].config), tp, pp)
+def generate_parallel(
+    opened: tuple[Path, CheckpointMetadata], tp: int, pp: int, base: Path | None = None, **job
+) -> list[int]:
+    """generate() on tp x pp local ranks (gloo), the model split as training splits it; rank 0's tokens.
+    `opened`: open_checkpoint's (directory, metadata), whose hashes the ranks do not check again."""
+    directory, metadata = opened
+    check_layout(config_from_dict(metadata.config), tp, pp)
+    ModelWeights(directory, metadata, base)  # a LoRA checkpoint's base checked here once, not on every rank
     port = free_port()
     context = rank_context()  # ranks fork from a server that has imported torch once, as training's do
     results = context.Queue()
@@ -229,7 +239,7 @@ def generate_parallel(checkpoint: Path, tp: int, pp: int, base: Path | None = No
     ranks = [
         context.Process(
             target=_generate_on_a_rank,
-            args=(r, world, port, tp, pp, str(checkpoint), base, job, results, (dict(os.environ), os.getcwd())),
+            args=(r, world, port, tp, pp, str(directory), base, job, results, (dict(os.environ), os.getcwd())),
         )
         for r in range(world)
     ]

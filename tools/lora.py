@@ -34,10 +34,10 @@ def adapted_weights(specs: dict) -> dict[str, tuple[str, str]]:
 
 
 def base_of(
-    directory: Path, metadata: CheckpointMetadata, moved_to: Path | None = None
+    directory: Path, metadata: CheckpointMetadata, moved_to: Path | None = None, verify_hashes: bool = True
 ) -> tuple[Path, CheckpointMetadata]:
     """The base model a LoRA checkpoint's adapters were trained on (where it was then, or `moved_to`: --lora.base),
-    checked to be the same one by the sha256 of its metadata.json."""
+    checked to be the same one by the sha256 of its metadata.json (and intact by its files', unless told not to)."""
     pointer = metadata.lora_base
     if moved_to is None:
         base = Path(pointer["path"])
@@ -59,14 +59,17 @@ def base_of(
         raise CheckpointError(
             f"{directory}'s base model {base} {what} (metadata sha256 {pointer['metadata_sha256'][:12]} expected)"
         )
-    return base, read_metadata(base)
+    return base, read_metadata(base, verify_hashes)
 
 
 class ModelWeights(LazyWeights):
     """The logical weights (fp32) of the model a checkpoint describes, read one at a time: a full checkpoint's
-    own, or for a LoRA checkpoint the base's with each adapter folded in."""
+    own, or for a LoRA checkpoint the base's with each adapter folded in (`base`: where it is now, if it moved;
+    `verify_hashes`: check its files, as open_checkpoint checked the LoRA checkpoint's)."""
 
-    def __init__(self, directory: Path, metadata: CheckpointMetadata, base: Path | None = None):
+    def __init__(
+        self, directory: Path, metadata: CheckpointMetadata, base: Path | None = None, verify_hashes: bool = True
+    ):
         reader = PieceReader(directory, metadata)
         self.adapters: dict[str, tuple[str, str]] = {}
         self.base_dir: Path | None = None
@@ -80,7 +83,7 @@ class ModelWeights(LazyWeights):
             self.weights, self.factors = reader, None
             super().__init__(_full_shapes(metadata))
             return
-        self.base_dir, base_metadata = base_of(directory, metadata, base)
+        self.base_dir, base_metadata = base_of(directory, metadata, base, verify_hashes)
         self.model_metadata = base_metadata
         self.tokenizer = metadata.tokenizer or base_metadata.tokenizer
         self.weights, self.factors = PieceReader(self.base_dir, base_metadata), reader
