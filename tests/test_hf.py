@@ -205,6 +205,23 @@ def test_import_and_export_hold_one_weight_at_a_time(hf_model, tmp_path, live_te
     assert all(torch.equal(ours[key], theirs[key]) for key in ours), "the round trip changed a weight"
 
 
+def test_weights_that_disagree_with_the_config_are_refused_before_anything_is_written(hf_model, tmp_path):
+    """The shapes come from the files' headers now, so a mismatch is still found before the first weight is read."""
+    from safetensors.torch import save_file
+
+    directory, _ = hf_model
+    tensors = load_file(directory / "model.safetensors")
+    shutil.copytree(directory, tmp_path / "hf")
+    for key, narrower, message in (
+        ("model.layers.1.self_attn.k_proj.weight", (slice(None), slice(0, 10)), r"do not stack into loom's layers.1"),
+        ("model.norm.weight", (0,), r"final_norm.weight: shape \(\) in the Hugging Face model, the config says"),
+    ):
+        save_file({**tensors, key: tensors[key][narrower].clone()}, tmp_path / "hf/model.safetensors")
+        with pytest.raises(CheckpointError, match=message):
+            import_hf(tmp_path / "hf", tmp_path / "loom")
+        assert not (tmp_path / "loom").exists()
+
+
 def test_a_tied_config_with_its_own_head_and_special_tokens_imports_as_transformers_loads_it(tmp_path, capfd):
     """config.json says tie_word_embeddings but lm_head.weight differs from the embedding: transformers keeps the
     file's head (import had dropped it: other logits, exit 0); the config's bos/eos/pad ids come back out of

@@ -169,9 +169,9 @@ def from_hf(tensors: Mapping[str, torch.Tensor], model: dict) -> LazyWeights:
         hf_names = parts_of[name] = _hf_names(name)
         used.update(hf_names)
         parts = [tensors.shapes[hf] for hf in hf_names]
-        if len({part[1:] for part in parts}) > 1:
+        if len(parts) > 1 and (min(map(len, parts)) == 0 or len({part[1:] for part in parts}) > 1):
             raise CheckpointError(f"{', '.join(hf_names)} have shapes {parts}, which do not stack into loom's {name}")
-        shapes[name] = (sum(part[0] for part in parts), *parts[0][1:])
+        shapes[name] = parts[0] if len(parts) == 1 else (sum(part[0] for part in parts), *parts[0][1:])
     # What writers save beside a Llama that carries nothing more: RoPE's recomputable table, a tied head's copy.
     ignorable = {"lm_head.weight"} if model["tie_embeddings"] else set()
     unused = sorted(
