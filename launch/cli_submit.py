@@ -12,7 +12,15 @@ from loom.engine.run_dir import metrics_of
 from loom.launch.arguments import float_in, int_in
 from loom.launch.local import SIGNAL_CAUSES
 from loom.launch.slurm import SlurmOptions, parse_sbatch_options, parse_time_minutes, submit
-from loom.launch.slurm_jobs import first_failure, follow, killed_task, rank0_log, stopped_by_a_signal
+from loom.launch.slurm_jobs import (
+    first_failure,
+    follow,
+    killed_task,
+    rank0_log,
+    saved_so_far,
+    stopped_by_a_signal,
+    unfinished_by_exit_after,
+)
 
 
 def add_parser(commands) -> None:
@@ -118,19 +126,25 @@ def cmd_submit(args: argparse.Namespace, overrides: list[str]) -> None:
             flush=True,
         )
         sys.exit(1)
-    if state != "COMPLETED":
-        failure = first_failure(run_dir, job.job_id)
-        killed = killed_task(rank0_log(run_dir, job.job_id))
-        cause = (
-            f": rank {failure['rank']} on {failure['host']} failed: {failure['message']}"
-            if failure
-            else f"; see {rank0_log(run_dir, job.job_id)}"
-        )
-        if killed is not None and (failure is None or failure["rank"] != killed[0]):
-            failure = None  # a peer's broken connection, after the killed rank died without a word
-            task, host, name = killed
-            cause = f": rank {task} on {host} was killed by {name}{SIGNAL_CAUSES.get(name, '')}"
-        print(f"error: job {job.job_id} ended {state}{cause}", file=sys.stderr, flush=True)
-        if failure and not failure.get("user_error", True):
-            print(failure["traceback"], file=sys.stderr, end="", flush=True)
-        sys.exit(1)
+    if state == "COMPLETED":
+        unfinished = unfinished_by_exit_after(run_dir, config)
+        if unfinished:
+            print(f"job {job.job_id} ended COMPLETED {unfinished}", file=sys.stderr, flush=True)
+            sys.exit(1)
+        return
+    failure = first_failure(run_dir, job.job_id)
+    killed = killed_task(rank0_log(run_dir, job.job_id)) if state != "CANCELLED" else None
+    if failure:
+        cause = f": rank {failure['rank']} on {failure['host']} failed: {failure['message']}"
+    elif state == "CANCELLED":  # a SIGKILL srun reports after it is KillWait's, not the OOM killer's
+        cause = " (scancel, or an administrator)"
+    else:
+        cause = f"; see {rank0_log(run_dir, job.job_id)}"
+    if killed is not None and (failure is None or failure["rank"] != killed[0]):
+        failure = None  # a peer's broken connection, after the killed rank died without a word
+        task, host, name = killed
+        cause = f": rank {task} on {host} was killed by {name}{SIGNAL_CAUSES.get(name, '')}"
+    print(f"error: job {job.job_id} ended {state}{cause}{saved_so_far(run_dir, config)}", file=sys.stderr, flush=True)
+    if failure and not failure.get("user_error", True):
+        print(failure["traceback"], file=sys.stderr, end="", flush=True)
+    sys.exit(1)

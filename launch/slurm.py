@@ -25,6 +25,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -40,12 +41,17 @@ RESERVED_SBATCH_KEYS = {
     **dict.fromkeys(("output", "error", "open-mode", "array", "wrap", "ntasks", "export", "requeue", "no-requeue")),
     **{
         key: f"--{key}"
-        for key in ("nodes", "ntasks-per-node", "cpus-per-task", "gpus-per-node", "time", "job-name", "exclusive")
+        for key in ("nodes", "cpus-per-task", "gpus-per-node", "time", "job-name", "exclusive")
         + ("partition", "account", "qos", "constraint")
     },
+    "ntasks-per-node": "--tasks-per-node",
     "signal": "--signal-delay-s",
     "mem": "--mem-gb",
 }
+# Options that change what sbatch prints (or make it print something else and submit nothing), which submitit reads
+# for the job's id: with --parsable it failed with a traceback after the job was queued, unrecorded.
+SBATCH_REPLY_KEYS = ("parsable", "test-only", "wait", "quiet", "help", "usage", "version")
+MAX_TIME_MINUTES = 366 * 1440  # past a year is a typo; partitions cap it far lower
 
 
 @dataclass
@@ -92,6 +98,8 @@ def parse_time_minutes(text: str) -> int:
         minutes = int(days or 0) * 1440 + hours * 60 + mins + (secs > 0)
     if minutes <= 0:
         raise ConfigError(f"--time {text!r} must be positive")
+    if minutes > MAX_TIME_MINUTES:
+        raise ConfigError(f"--time {text!r} is {minutes / 1440:,.0f} days; give at most 366-00:00:00 (a typo?)")
     return minutes
 
 
@@ -109,6 +117,10 @@ def parse_sbatch_options(pairs: list[str]) -> dict[str, str | bool]:
         if not sep or not SBATCH_KEY.match(key):
             raise ConfigError(
                 f"--sbatch {pair!r}: give KEY=VALUE with a lower-case sbatch option name, e.g. --sbatch mail-type=END"
+            )
+        if key.replace("_", "-") in SBATCH_REPLY_KEYS:
+            raise ConfigError(
+                f"--sbatch {key}: it changes what sbatch replies, which loom reads to learn the job's id; drop it"
             )
         if key.replace("_", "-") in RESERVED_SBATCH_KEYS:
             flag = RESERVED_SBATCH_KEYS[key.replace("_", "-")]
@@ -285,6 +297,7 @@ def submit(config: LoomConfig, options: SlurmOptions):
         _warn_if_it_does_not_fit(config, options.partition)
         parameters = executor_parameters(options, config, gpus)
         _absolute_paths(config)
+        _warn_what_the_job_changes(config)
         lock = RunLock(run_dir, command="submit")  # a rival submit or train is refused until the job is recorded
         job = None
         try:
@@ -311,6 +324,12 @@ def _submit_and_record(config: LoomConfig, options: SlurmOptions, parameters: di
         _remove_new_files(folder, earlier)  # the batch script and pickled job of a job that never was
         lines = [line.removeprefix("sbatch: error: ") for line in str(error).strip().splitlines()]
         raise ConfigError(f"sbatch refused the job: {'; '.join(lines)}") from None
+    except submitit.core.utils.FailedSubmissionError as error:  # a reply without the job's id (a wrapped sbatch?)
+        _remove_new_files(folder, earlier)
+        raise ConfigError(
+            f"sbatch's reply did not name a job ({str(error).strip().splitlines()[-1]}); if a job was queued "
+            "(squeue --me), scancel it: nothing records it in the run directory"
+        ) from None
     record = {"job_id": job.job_id, "submitted": time.strftime("%Y-%m-%dT%H:%M:%S"), "options": asdict(options)}
     with open(folder / JOBS_FILE, "a") as jobs:
         jobs.write(json.dumps(record) + "\n")
@@ -326,6 +345,19 @@ def _check_something_to_train(config: LoomConfig) -> None:
     own = find_loadable(checkpoints_of(run_dir), verify_hashes=False, warn=lambda _: None)
     if own is not None and own[1].step >= config.train.steps:
         raise ConfigError(run_is_complete(run_dir, own[1].step, config.train.steps, ", so nothing was submitted"))
+
+
+def _warn_what_the_job_changes(config: LoomConfig) -> None:
+    """The resume's warnings (another schedule, data order, model), said where the user submits: they were only in
+    the job's log, read by no one who submitted without --wait."""
+    from loom.engine.checkpoint.format import checkpoint_to_resume
+    from loom.engine.checkpoint.load import resume_warnings
+
+    own = checkpoints_of(config.train.run_dir)
+    found = checkpoint_to_resume(own, config.checkpoint.load, verify_hashes=False, warn=lambda _: None)
+    if found is not None:
+        for warning in resume_warnings(*found, config, continues_run=found[0].parent == own):
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
 
 
 def _remove_new_files(folder: Path, earlier: set[Path] | None) -> None:

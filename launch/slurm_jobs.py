@@ -96,12 +96,18 @@ SRUN_SIGNAL_WORDS = {"Killed": "SIGKILL", "Aborted": "SIGABRT", "Segmentation fa
 SRUN_KILLED_TASK = re.compile(r"srun: error: (\S+): tasks? (\d+)(?:-\d+)?: (" + "|".join(SRUN_SIGNAL_WORDS) + ")")
 
 
+# submitit's first line in each start of a task: a requeued job's log holds every attempt, one after another.
+ATTEMPT_START = "- Starting with JobEnvironment("
+
+
 def killed_task(log: Path) -> tuple[int, str, str] | None:
-    """(rank, host, signal name) of the first task srun says a signal ended, from rank 0's log; None if none."""
+    """(rank, host, signal name) of the first task srun says a signal ended in the job's last attempt, from rank 0's
+    log; None if none (an earlier attempt's killed task is not this ending's cause)."""
     try:
-        found = SRUN_KILLED_TASK.search(log.read_text(errors="replace"))
+        text = log.read_text(errors="replace")
     except OSError:
         return None
+    found = SRUN_KILLED_TASK.search(text, max(text.rfind(ATTEMPT_START), 0))
     return (int(found.group(2)), found.group(1), SRUN_SIGNAL_WORDS[found.group(3)]) if found else None
 
 
@@ -112,6 +118,41 @@ def stopped_by_a_signal(job) -> bool:
         return any(result.get("stopped") for result in job.results() if isinstance(result, dict))
     except Exception:  # noqa: BLE001 - no readable results: nothing to add to Slurm's word
         return False
+
+
+def _newest_checkpoint(run_dir: Path):
+    from loom.engine.checkpoint.format import find_loadable
+    from loom.engine.run_dir import checkpoints_of
+
+    found = find_loadable(checkpoints_of(run_dir), verify_hashes=False, warn=lambda _: None)
+    return found[1] if found else None
+
+
+def unfinished_by_exit_after(run_dir: Path, config) -> str | None:
+    """For a job that train.exit_after ended before train.steps (Slurm says COMPLETED): where the run stands and
+    what continues it; None when the run is complete or stopped early on its validation loss."""
+    t = config.train
+    saved = _newest_checkpoint(run_dir) if t.exit_after else None
+    if saved is None or saved.step >= t.steps:
+        return None
+    patience = t.early_stop_patience
+    if patience and (saved.validation or {}).get("evals_without_gain", 0) >= patience:
+        return None
+    return (
+        f"at step {saved.step} of train.steps = {t.steps}: train.exit_after = {t.exit_after} ends each job "
+        f"after that many steps; its checkpoint is saved: submit the same command to continue"
+    )
+
+
+def saved_so_far(run_dir: Path, config) -> str:
+    """ "; its newest checkpoint is step S of T: ..." for a job that ended before its run did, else ""."""
+    saved = _newest_checkpoint(run_dir)
+    if saved is None or saved.step >= config.train.steps:
+        return ""
+    return (
+        f"; the run's newest checkpoint is step {saved.step} of {config.train.steps}: submit the same command to "
+        "continue from it"
+    )
 
 
 def rank0_log(run_dir: Path, job_id: str) -> Path:

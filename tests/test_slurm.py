@@ -401,11 +401,73 @@ def test_time_and_sbatch_parsing():
         ("no-requeue=true", "a job needs loom's value"),
         ("export=NONE", "a job needs loom's value"),
         ("mem=4G", "use loom submit's --mem-gb"),
+        ("ntasks-per-node=1", "use loom submit's --tasks-per-node"),  # it named a --ntasks-per-node loom lacks
     ):
         with pytest.raises(
             ConfigError, match=f"--sbatch {pair.split('=')[0]}: loom sets this option itself; {instead}"
         ):
             parse_sbatch_options([pair])
+
+
+def test_options_that_change_sbatch_s_reply_and_a_time_past_a_year_are_refused():
+    """--sbatch parsable queued the job and then failed with submitit's traceback (it could not read the job's id),
+    the job recorded nowhere; --time 99999999999 was submitted as a 2,981,813-day limit."""
+    for key in ("parsable", "test-only", "wait"):
+        with pytest.raises(ConfigError, match=f"--sbatch {key}: it changes what sbatch replies"):
+            parse_sbatch_options([f"{key}=true"])
+    assert parse_time_minutes("366-00:00:00") == 366 * 1440
+    for huge in ("366-00:00:01", "99999999999"):
+        with pytest.raises(ConfigError, match=f"--time '{huge}' is .* days; give at most 366-00:00:00"):
+            parse_time_minutes(huge)
+
+
+def test_wait_says_where_the_run_stands_when_its_job_ends_before_it(dataset, tmp_path, capfd, monkeypatch):
+    """`--wait` exited 0 for a job that train.exit_after ended at step 2 of 6; a scancel whose save outlasted KillWait
+    was reported as "killed by SIGKILL (the kernel's OOM killer ...)"; a task killed in an earlier attempt of a
+    requeued job was named as the cause of a later one's failure. (Slurm's side is faked: the job and its states.)"""
+    from loom.launch import cli_submit
+
+    args = [*tiny_train_args(dataset, tmp_path, "--parallel.pp", "1"), "--train.steps", "6", "--train.exit_after", "2"]
+    assert loom_here(capfd, "train", *args).returncode == 0
+
+    class Job:
+        job_id = "7"
+
+        def results(self):
+            return [{"stopped": False}]
+
+    states = iter(["COMPLETED", "CANCELLED", "FAILED"])
+    monkeypatch.setattr(cli_submit, "submit", lambda config, options: Job())
+    monkeypatch.setattr(cli_submit, "follow", lambda job_id, run_dir: next(states))
+    completed = loom_here(capfd, "submit", "--wait", *args)
+    assert completed.returncode == 1 and completed.stderr.strip() == (
+        "job 7 ended COMPLETED at step 2 of train.steps = 6: train.exit_after = 2 ends each job after that many "
+        "steps; its checkpoint is saved: submit the same command to continue"
+    )
+    log = tmp_path / "slurm" / "7_0_log.out"
+    log.parent.mkdir()
+    start = "submitit INFO (2026-11-28 02:27:02,862) - Starting with JobEnvironment(job_id=7, hostname=vm)\n"
+    log.write_text(f"{start}step 3\nsrun: error: vm: task 0: Killed\n")
+    continue_from = "; the run's newest checkpoint is step 2 of 6: submit the same command to continue from it"
+    cancelled = loom_here(capfd, "submit", "--wait", *args)
+    assert cancelled.stderr.strip() == f"error: job 7 ended CANCELLED (scancel, or an administrator){continue_from}"
+    log.write_text(f"{start}srun: error: vm: task 1: Killed\n{start}step 3\n")
+    failed = loom_here(capfd, "submit", "--wait", *args)
+    assert failed.returncode == 1 and failed.stderr.strip() == f"error: job 7 ended FAILED; see {log}{continue_from}"
+
+
+def test_submit_says_what_the_job_will_change_about_the_run_it_resumes(dataset, tmp_path, capfd):
+    """A resubmission with another learning rate (or rope_theta) was said only in the job's log, which no one who
+    submitted without --wait reads; submit says it too."""
+    from loom.launch.slurm import _warn_what_the_job_changes
+
+    args = [*tiny_train_args(dataset, tmp_path, "--parallel.pp", "1"), "--train.steps", "4", "--train.exit_after", "2"]
+    assert loom_here(capfd, "train", *args).returncode == 0
+    _warn_what_the_job_changes(load_config("tiny", args[2:] + ["--optim.lr", "5e-4", "--model.rope_theta", "5e5"]))
+    warnings = capfd.readouterr().err.splitlines()
+    assert len(warnings) == 2, warnings
+    assert warnings[0].startswith("warning: the learning-rate schedule is not the one this run trained with (optim.lr")
+    assert warnings[1].startswith(f"warning: this run computes a different model than {tmp_path}/checkpoints/iter_")
 
 
 def test_submit_where_no_cluster_answers_says_so_and_leaves_no_run_folder(dataset, tmp_path, capfd, monkeypatch):
