@@ -237,6 +237,19 @@ def first_failure(run_dir: Path, job_id: str) -> dict | None:
     return min((r for r in reports if r["attempt"] == last_attempt), key=lambda r: r["time"])
 
 
+HELD_REASONS = ("JobHeldUser", "JobHeldAdmin")
+
+
+def _pending_reason(job_id: str) -> str | None:
+    """squeue's reason a pending job waits (Priority, Resources, JobHeldUser, ...), or None."""
+    try:
+        listed = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%r"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    reason = listed.stdout.strip()
+    return reason if listed.returncode == 0 and reason and reason != "None" else None
+
+
 def job_state(job_id: str) -> str:
     """Slurm's state of the job: squeue while slurmctld remembers it, then sacct."""
     state, _ = _squeue_state(job_id)
@@ -261,6 +274,10 @@ def follow(job_id: str, run_dir: Path, poll_s: float = 1.0, out=sys.stdout) -> s
         if state != last_state:
             requeued = ran and state in ("PENDING", "REQUEUED")
             note = " (requeued: it resumes from its last checkpoint when it starts again)" if requeued else ""
+            if state == "PENDING" and not requeued:  # why it waits: its priority, resources, or a hold of its own
+                reason = _pending_reason(job_id)
+                held = f"; `scontrol release {job_id}` starts it" if reason in HELD_REASONS else ""
+                note = f" ({reason}{held})" if reason else ""
             print(f"[loom submit] job {job_id}: {state}{note}", file=out, flush=True)
             last_state, ran = state, ran or state == "RUNNING"
         if log.exists():

@@ -456,6 +456,28 @@ def test_wait_says_where_the_run_stands_when_its_job_ends_before_it(dataset, tmp
     assert failed.returncode == 1 and failed.stderr.strip() == f"error: job 7 ended FAILED; see {log}{continue_from}"
 
 
+def test_wait_says_why_a_job_is_pending_and_how_a_held_one_starts(tmp_path, monkeypatch):
+    """`--sbatch hold=true --wait` waited without a word on why (squeue's stand-in here: pending twice, then done)."""
+    import io
+
+    from loom.launch.slurm_jobs import follow
+
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir()
+    (bin_dir / "squeue").write_text(
+        '#!/bin/sh\ncase "$*" in *%r*) echo JobHeldUser; exit 0;; esac\n'
+        f"echo x >> {calls}\n[ $(wc -l < {calls}) -le 2 ] && echo PENDING || echo COMPLETED\n"
+    )
+    (bin_dir / "squeue").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    out = io.StringIO()
+    assert follow("7", tmp_path / "run", poll_s=0.01, out=out) == "COMPLETED"
+    assert out.getvalue().splitlines() == [
+        "[loom submit] job 7: PENDING (JobHeldUser; `scontrol release 7` starts it)",
+        "[loom submit] job 7: COMPLETED",
+    ]
+
+
 def test_submit_says_what_the_job_will_change_about_the_run_it_resumes(dataset, tmp_path, capfd):
     """A resubmission with another learning rate (or rope_theta) was said only in the job's log, which no one who
     submitted without --wait reads; submit says it too."""
