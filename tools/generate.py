@@ -169,9 +169,8 @@ def _generate_on_a_rank(
     try:
         parallel = ParallelState.create(tp=tp, dp=1, pp=pp, timeout=timeout)
         directory = Path(checkpoint)  # checked by the launcher (open_checkpoint): each rank checking it took as long
-        model, _ = load_model(
-            directory, parallel, base, opened=(directory, read_metadata(directory, verify_hashes=False))
-        )
+        opened = (directory, read_metadata(directory, verify_hashes=False))
+        model, _ = load_model(directory, parallel, base, opened=opened, verify_hashes=False)  # and its base there
         produced = generate(model, parallel=parallel, faults=FaultPlan.from_environment(rank), **job)
         if rank == 0:
             results.put(produced)
