@@ -640,6 +640,10 @@ class LoomConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
 
+    model_fields_given: typing.ClassVar[frozenset[str] | None] = None
+    """Not a setting: the [model] fields its file or flags gave, set by load_config (None where unknown), so that a
+    run resuming a checkpoint takes the saved RoPE and norm settings it does not give (preflight.py)."""
+
     def __post_init__(self) -> None:
         if self.optim.grad_dtype == "bf16" and self.train.precision != "bf16":
             raise ConfigError(

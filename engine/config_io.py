@@ -178,7 +178,9 @@ def load_config(path: str | Path | None, overrides: list[str] | dict | None = No
         if section == "train" and "name" in values and "run_dir" not in values:
             _forget_derived_run_dir(raw["train"], values["name"])
         raw[section].update(values)
-    return config_from_dict(raw)
+    config = config_from_dict(raw)
+    config.model_fields_given = frozenset(raw.get("model", {}))
+    return config
 
 
 def _forget_derived_run_dir(train: dict[str, Any], new_name: Any) -> None:

@@ -6,14 +6,20 @@ a user's mistake is one line instead of N failing ranks.
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import tomllib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from loom.engine.atomic import move_aside
 from loom.engine.config import ConfigError, LoomConfig
 from loom.engine.run_dir import CONFIG, METRICS, checkpoints_of
+
+if TYPE_CHECKING:
+    from loom.engine.checkpoint.format import CheckpointMetadata
 
 
 def preflight(config: LoomConfig, world_size: int, training: bool = True, ranks_have_cuda: bool | None = None) -> None:
@@ -140,6 +146,32 @@ def check_checkpoint_to_load(config: LoomConfig, training: bool) -> None:
             f"nothing would train; raise --train.steps above {found[1].step}"
         )
     check_same_model(found[0], found[1].config, config)
+    adopt_saved_model_settings(config, found)
+
+
+def adopt_saved_model_settings(config: LoomConfig, found: tuple[Path, CheckpointMetadata], say: bool = True) -> None:
+    """A run that starts from (or resumes) checkpoint `found` computes the model saved there: the settings that
+    change what the weights compute without changing a shape (RoPE, norm_eps), where neither the config file nor a
+    flag gives them, are the checkpoint's. An imported Llama 3 fine-tuned with a config that left rope_theta out
+    trained at 10000 instead of 500000 (its logits off by 1.2 through export), said only in a warning. A setting
+    the config gives stays, with resume_warnings' warning (a longer context may be meant)."""
+    from loom.engine.checkpoint.load import FUNCTIONAL_MODEL_FIELDS
+    from loom.engine.config_io import config_from_dict
+
+    given = config.model_fields_given
+    if given is None or config.lora.enabled:  # unknown; or LoRA, which takes the base's whole [model]
+        return
+    saved = config_from_dict({"model": found[1].config["model"]}).model
+    adopted = {
+        name: getattr(saved, name)
+        for name in FUNCTIONAL_MODEL_FIELDS
+        if name not in given and getattr(saved, name) != getattr(config.model, name)
+    }
+    if adopted:
+        config.model = dataclasses.replace(config.model, **adopted)
+        if say:
+            settings = ", ".join(f"model.{name} = {value}" for name, value in adopted.items())
+            print(f"model settings as {found[0]} was saved (the config does not set them): {settings}", flush=True)
 
 
 def run_is_complete(run_dir: str | Path, step: int, steps: int, consequence: str = "") -> str:
@@ -250,9 +282,17 @@ def check_run_directory(config: LoomConfig) -> None:
 def preflight_of_a_rank(config: LoomConfig) -> None:
     """What a rank started by torchrun or srun checks itself before its process group: the checks above that
     need neither the world size nor the run directory's ownership (its launcher, not loom, started it)."""
+    from loom.engine.checkpoint.format import checkpoint_to_resume
     from loom.engine.data.token_range import check_token_ids
 
     check_token_ids(config.data.paths, config.model.vocab_size, config.data.cache_dir)
+    load = config.checkpoint.load
+    if load is None or Path(load).exists():  # a missing one is refused by rank 0, in its words
+        found = checkpoint_to_resume(
+            checkpoints_of(config.train.run_dir), load, verify_hashes=False, warn=lambda _: None
+        )
+        if found is not None:
+            adopt_saved_model_settings(config, found, say=os.environ.get("RANK") == "0")
     check_wandb_installed(config)
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
-from training_runs import loom_here, tiny_config
+from training_runs import loom_here, tiny_config, tiny_train_args
 
 from loom.engine.checkpoint.format import CheckpointError, find_loadable
 from loom.engine.checkpoint.load import PieceReader
@@ -306,9 +306,8 @@ def test_unrepresentable_settings_are_refused_in_one_line(field, tmp_path, capfd
 
 
 def test_a_run_that_changes_the_checkpoints_rope_is_told(hf_model, tmp_path):
-    """Fine-tuning an imported model from a TOML that lacks its rope settings computes another model:
-    the run says which settings changed (deliberate changes, e.g. a larger rope_theta for longer context,
-    stay possible)."""
+    """A run that sets other rope settings than its checkpoint's computes another model: the run says which
+    settings changed (deliberate changes, e.g. a larger rope_theta for longer context, stay possible)."""
     from loom.engine.checkpoint.load import _saved_model_flags, changed_model_settings
 
     directory, _ = hf_model
@@ -326,6 +325,45 @@ def test_a_run_that_changes_the_checkpoints_rope_is_told(hf_model, tmp_path):
     rescaled = "none" if saved["rope_scaling"] == "llama3" else "llama3"
     scaled = config_from_dict({"model": {**saved, "rope_scaling": rescaled}}).model
     assert _saved_model_flags(saved, scaled) == f"--model.rope_scaling {saved['rope_scaling']}"
+
+
+def test_a_fine_tune_from_a_config_without_the_import_s_rope_takes_the_saved_settings(hf_model, tmp_path, capfd):
+    """A full fine-tune of an imported Llama 3 (checkpoint.load) from a config that left its RoPE out trained at
+    rope_theta 10000 and norm_eps 1e-5, said only in a warning: the export's logits were off by 1.2. The settings
+    the config does not give are the checkpoint's; one it gives stays (a longer context may be meant), warned."""
+    from loom.engine.checkpoint.load import FUNCTIONAL_MODEL_FIELDS
+    from loom.engine.config_io import load_config
+
+    directory, _ = hf_model
+    import_hf(directory, tmp_path / "loom")
+    saved = find_loadable(tmp_path / "loom")[1].config["model"]
+    with IndexedDatasetWriter(tmp_path / "docs", np.dtype(np.uint16)) as writer:
+        writer.add_document(np.random.default_rng(4).integers(0, VOCAB, 400))
+    shape = [f"--model.{field}={saved[field]}" for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads")]
+    shape += [f"--model.{field}={saved[field]}" for field in ("ffn_hidden_size", "vocab_size", "tie_embeddings")]
+    flags = [*shape, "--checkpoint.load", str(tmp_path / "loom"), "--train.steps", "1", "--data.split", "100,0,0"]
+    tuned = loom_here(capfd, "train", *tiny_train_args(str(tmp_path / "docs"), tmp_path / "tuned", *flags))
+    assert tuned.returncode == 0, tuned.stderr
+    model = load_config(tmp_path / "tuned" / "config.toml").model
+    assert {field: getattr(model, field) for field in FUNCTIONAL_MODEL_FIELDS} == {
+        field: saved[field] for field in FUNCTIONAL_MODEL_FIELDS
+    }
+    defaults = config_from_dict({}).model
+    differ = [
+        f"model.{field} = {saved[field]}"
+        for field in FUNCTIONAL_MODEL_FIELDS
+        if saved[field] != getattr(defaults, field)
+    ]
+    said = next((line for line in tuned.stdout.splitlines() if "(the config does not set them)" in line), "")
+    assert all(setting in said for setting in differ) and bool(said) is bool(differ), tuned.stdout
+    assert "warning: this run computes a different model" not in tuned.stdout
+    given = loom_here(capfd, "train", *tiny_train_args(str(tmp_path / "docs"), tmp_path / "given", *flags),
+                      "--model.rope_theta", "1e6")  # fmt: skip
+    assert given.returncode == 0 and load_config(tmp_path / "given" / "config.toml").model.rope_theta == 1e6
+    assert (
+        "warning: this run computes a different model" in given.stdout
+        and f"model.rope_theta: {saved['rope_theta']} -> 1000000.0" in given.stdout
+    )
 
 
 def test_loom_generate_equals_transformers_greedy_generate(hf_model, tmp_path, capfd):
