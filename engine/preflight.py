@@ -126,10 +126,13 @@ def check_checkpoint_to_load(config: LoomConfig, training: bool) -> None:
     if load is not None:
         if not load.exists():
             raise ConfigError(f"checkpoint.load = {load} does not exist")
+        damaged: list[CheckpointError] = []
         try:  # hashes are the ranks' to check; a folder without a checkpoint, or a file, is refused before them
-            holds_one = load.is_dir() and find_loadable(load, verify_hashes=False, warn=lambda _: None)
+            holds_one = load.is_dir() and find_loadable(load, verify_hashes=False, warn=lambda _: None, damaged=damaged)
         except CheckpointError as error:
             raise ConfigError(f"checkpoint.load = {load}: {error}") from None
+        if not holds_one and damaged:  # a truncated or incomplete one was "no checkpoint"
+            raise ConfigError(f"checkpoint.load = {load} holds no intact checkpoint (the newest: {damaged[0]})")
         if not holds_one:
             raise ConfigError(
                 f"checkpoint.load = {load} holds no checkpoint; give a run directory, its checkpoints/ folder or an "

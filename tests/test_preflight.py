@@ -148,6 +148,13 @@ def test_a_checkpoint_to_load_that_holds_none_is_refused_before_any_rank(dataset
         *tiny_train_args(dataset, tmp_path / "run", "--train.steps", "2", "--checkpoint.load", str(saved)),
     )
     one_line_error(result, f"checkpoint.load = {saved} is at step 2, and train.steps = 2: nothing would train")
+    # a truncated one was "holds no checkpoint" too, while eval and the ckpt tools named the short file
+    cut = tmp_path / "cut"
+    shutil.copytree(saved / "checkpoints", cut)
+    [piece] = (cut / "iter_0000002").glob("rank*.safetensors")
+    piece.write_bytes(piece.read_bytes()[:-1000])
+    result = loom_here(capfd, "train", *tiny_train_args(dataset, tmp_path / "run", "--checkpoint.load", str(cut)))
+    one_line_error(result, f"checkpoint.load = {cut} holds no intact checkpoint (the newest: ", "(truncated?))")
     assert not (tmp_path / "run").exists()
     # Another architecture: a smaller model loaded a 4-layer checkpoint (layer 3 dropped, exit 0); resuming with
     # another width failed inside rank 0 (exit 1, an empty run folder left)
