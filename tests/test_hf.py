@@ -222,6 +222,34 @@ def test_weights_that_disagree_with_the_config_are_refused_before_anything_is_wr
         assert not (tmp_path / "loom").exists()
 
 
+def test_a_sharded_model_imports_the_files_its_index_lists_and_not_an_adapter_beside_it(tmp_path, capfd):
+    """Every *.safetensors was read: a stale shard or a PEFT adapter saved beside the model was "tensors its
+    config.json does not describe (num_hidden_layers?)". The shard index is what transformers reads; without one,
+    an adapter_model.safetensors is left out and said."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(llama_config()).eval()
+    model.save_pretrained(str(tmp_path / "hf"), max_shard_size="100KB")
+    assert len(list((tmp_path / "hf").glob("*.safetensors"))) > 2
+    save_file({"stale": torch.zeros(3)}, tmp_path / "hf" / "model-old.safetensors")
+    import_hf(tmp_path / "hf", tmp_path / "sharded")
+    tokens = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        theirs = model(tokens).logits
+    assert (loom_logits(tmp_path / "sharded", tokens) - theirs).abs().max().item() < 1e-5
+    [listed] = sorted((tmp_path / "hf").glob("model-0000*-of-*.safetensors"))[:1]
+    listed.rename(listed.with_suffix(".moved"))
+    with pytest.raises(CheckpointError, match=f"lists {listed.name}, which .* does not hold"):
+        import_hf(tmp_path / "hf", tmp_path / "missing")
+
+    model.save_pretrained(str(tmp_path / "single"))
+    save_file({"base_model.model.lora_A.weight": torch.zeros(2, 2)}, tmp_path / "single" / "adapter_model.safetensors")
+    import_hf(tmp_path / "single", tmp_path / "beside")
+    assert "adapter_model.safetensors (a PEFT adapter) is not imported" in capfd.readouterr().err
+    assert (loom_logits(tmp_path / "beside", tokens) - theirs).abs().max().item() < 1e-5
+
+
 def test_a_tied_config_with_its_own_head_and_special_tokens_imports_as_transformers_loads_it(tmp_path, capfd):
     """config.json says tie_word_embeddings but lm_head.weight differs from the embedding: transformers keeps the
     file's head (import had dropped it: other logits, exit 0); the config's bos/eos/pad ids come back out of

@@ -356,8 +356,29 @@ class _SafetensorsFolder(LazyWeights):
         return self._handles[self._file_of[key]].get_tensor(key)
 
 
+PEFT_ADAPTER = "adapter_model.safetensors"
+SHARD_INDEX = "model.safetensors.index.json"
+
+
 def _read_hf_tensors(source: Path) -> _SafetensorsFolder:
-    files = sorted(source.glob("*.safetensors"))
+    """The model's weights: the files its shard index lists, else every *.safetensors but a PEFT adapter's."""
+    index = source / SHARD_INDEX
+    if index.is_file():
+        try:
+            listed = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise CheckpointError(f"{index} is not a shard index (no weight_map of tensor names to files)") from None
+        missing = [name for name in listed if not (source / name).is_file()]
+        if missing:
+            raise CheckpointError(f"{index} lists {', '.join(missing[:3])}, which {source} does not hold")
+        return _SafetensorsFolder([source / name for name in listed])
+    files = sorted(path for path in source.glob("*.safetensors") if path.name != PEFT_ADAPTER)
+    if (source / PEFT_ADAPTER).is_file():
+        print(
+            f"warning: {source / PEFT_ADAPTER} (a PEFT adapter) is not imported: the base model beside it is; "
+            "fine-tune adapters of loom's own with --lora.rank, or merge it in with peft first",
+            file=sys.stderr,
+        )
     if not files:
         others = sorted(p.name for p in source.glob("*.bin")) + sorted(p.name for p in source.glob("*.pt*"))
         found = (
