@@ -322,8 +322,8 @@ def _add_reshard(sub) -> None:
     )
     _checkpoint_input(p, "the checkpoint to reshard")
     _checkpoint_output(p, "a checkpoints/ folder of its own to write iter_N and latest into")
-    add_parallel_size(p, "tp", "target tensor-parallel size", required=True)
-    add_parallel_size(p, "pp", "target pipeline stages", required=True)
+    add_parallel_size(p, "tp", "target tensor-parallel size (default 1)", default=1)
+    add_parallel_size(p, "pp", "target pipeline stages (default 1)", default=1)
     add_parallel_size(p, "vp", "target chunks per stage", default=1)
     p.set_defaults(handler=_reshard)
 

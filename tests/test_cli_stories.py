@@ -213,6 +213,20 @@ def test_generate_says_how_many_tokens_and_why_it_stopped(world, capfd):
     assert code == 2 and err.startswith(f"error: the prompt has {POSITIONS + 1} tokens but the model has {POSITIONS}")
 
 
+def test_small_things_the_after_training_sweep_found(world, capfd, tmp_path):
+    """An empty --prompt-ids said "the token ids must lie in [0, V); got []"; a file as --checkpoint "no intact
+    checkpoint"; reshard needed both --parallel.tp and --parallel.pp (either alone defaults the other to 1)."""
+    base = str(world["base"])
+    refused(capfd, ["generate", "--checkpoint", base, "--prompt-ids", " , "], "--prompt-ids is empty")
+    notes = tmp_path / "notes.toml"
+    notes.write_text("")
+    refused(
+        capfd, ["generate", "--checkpoint", str(notes), "--prompt-ids", "1"], f"{notes} is a file; give a checkpoint"
+    )
+    code, out, err = run(capfd, "ckpt", "reshard", "--checkpoint", base, "--output", str(tmp_path / "pp1"))
+    assert code == 0 and "for tp=1 pp=1 vp=1" in out, err
+
+
 def test_generate_on_ranks_names_a_killed_rank_and_leaves_none_behind(world, capfd, monkeypatch):
     """A rank the OOM killer ends reports nothing: `loom generate --nproc` waited for it forever (all ranks killed),
     or printed its peer's 'connection closed' traceback (one killed)."""

@@ -46,6 +46,10 @@ from loom.tools.outputs import claim_checkpoint_output
 
 
 def open_checkpoint(path: Path) -> tuple[Path, CheckpointMetadata]:
+    if path.is_file():
+        raise CheckpointError(
+            f"{path} is a file; give a checkpoint: a run directory, its checkpoints/ or an iter_N folder"
+        )
     found = find_loadable(path)
     if found is None:
         raise CheckpointError(f"no intact checkpoint at {path}{hugging_face_hint(path)}")

@@ -262,6 +262,8 @@ def generate_parallel(
 def parse_prompt_ids(text: str) -> list[int]:
     """--prompt-ids: token ids separated by spaces or commas."""
     parts = [part for part in re.split(r"[\s,]+", text.strip()) if part]
+    if not parts:
+        raise ConfigError("--prompt-ids is empty; give at least one token id, e.g. '1 2 3'")
     try:
         return [int(part) for part in parts]
     except ValueError:
