@@ -716,15 +716,25 @@ def test_a_data_command_is_refused_while_another_writes_its_output(world, capfd,
 
 def test_a_full_disk_under_a_checkpoint_tool_is_one_line_and_leaves_no_staging(world, capfd, tmp_path, monkeypatch):
     """safetensors reports a full disk as its own SafetensorError: export-hf, reshard, import-hf and merge-lora
-    ended in a 16-line traceback (exit 1), a reshard's iter_N.tmp left behind. Now the OSError it is, in one line."""
-    import safetensors.torch
-    from safetensors import SafetensorError
+    ended in a 16-line traceback (exit 1), a reshard's iter_N.tmp left behind. Now the OSError it is, in one line.
+    They write through loom's own streaming writer now: the disk fills after its first bytes."""
+    from loom.engine import atomic
 
-    def full_disk(tensors, filename, metadata=None):
-        Path(filename).write_bytes(b"the first bytes")
-        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    class FillsUp:
+        def __init__(self, path, mode):
+            self.file = open(path, mode)  # noqa: SIM115 - closed by __exit__
 
-    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.file.close()
+
+        def write(self, data):
+            self.file.write(b"the first bytes")
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(atomic, "open", FillsUp, raising=False)
     base, hf, resharded = world["base"], tmp_path / "hf", tmp_path / "resharded"
     export = ["ckpt", "export-hf", "--checkpoint", str(base), "--output", str(hf)]
     refused(capfd, export, f"{hf}/model.safetensors: No space left on device; free some space, or write elsewhere")
