@@ -177,6 +177,20 @@ def adopt_saved_model_settings(config: LoomConfig, found: tuple[Path, Checkpoint
             print(f"model settings as {found[0]} was saved (the config does not set them): {settings}", flush=True)
 
 
+def adopt_settings_of_the_checkpoint_to_resume(config: LoomConfig, say: bool) -> None:
+    """adopt_saved_model_settings for the checkpoint a run would resume, found here (where check_checkpoint_to_load
+    has not: a torchrun or srun rank, --print-config)."""
+    from loom.engine.checkpoint.format import checkpoint_to_resume
+
+    load = config.checkpoint.load
+    if load is None or Path(load).exists():  # a missing one is refused by rank 0, in its words
+        found = checkpoint_to_resume(
+            checkpoints_of(config.train.run_dir), load, verify_hashes=False, warn=lambda _: None
+        )
+        if found is not None:
+            adopt_saved_model_settings(config, found, say)
+
+
 def run_is_complete(run_dir: str | Path, step: int, steps: int, consequence: str = "") -> str:
     """What `loom train` says (and `loom submit` refuses with) when a run's checkpoint is already at train.steps."""
     return (
@@ -285,17 +299,10 @@ def check_run_directory(config: LoomConfig) -> None:
 def preflight_of_a_rank(config: LoomConfig) -> None:
     """What a rank started by torchrun or srun checks itself before its process group: the checks above that
     need neither the world size nor the run directory's ownership (its launcher, not loom, started it)."""
-    from loom.engine.checkpoint.format import checkpoint_to_resume
     from loom.engine.data.token_range import check_token_ids
 
     check_token_ids(config.data.paths, config.model.vocab_size, config.data.cache_dir)
-    load = config.checkpoint.load
-    if load is None or Path(load).exists():  # a missing one is refused by rank 0, in its words
-        found = checkpoint_to_resume(
-            checkpoints_of(config.train.run_dir), load, verify_hashes=False, warn=lambda _: None
-        )
-        if found is not None:
-            adopt_saved_model_settings(config, found, say=os.environ.get("RANK") == "0")
+    adopt_settings_of_the_checkpoint_to_resume(config, say=os.environ.get("RANK") == "0")
     check_wandb_installed(config)
 
 

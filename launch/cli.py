@@ -123,9 +123,10 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
     nproc = args.nproc or 1
     if args.print_config:
         from loom.engine.config_io import config_to_toml
-        from loom.engine.preflight import adopt_lora_base
+        from loom.engine.preflight import adopt_lora_base, adopt_settings_of_the_checkpoint_to_resume
 
         adopt_lora_base(config)
+        adopt_settings_of_the_checkpoint_to_resume(config, say=False)
         try:
             config.resolve_world(nproc)
         except ConfigError as error:

@@ -385,6 +385,10 @@ def test_a_fine_tune_from_a_config_without_the_import_s_rope_takes_the_saved_set
     said = next((line for line in tuned.stdout.splitlines() if "(the config does not set them)" in line), "")
     assert all(setting in said for setting in differ) and bool(said) is bool(differ), tuned.stdout
     assert "warning: this run computes a different model" not in tuned.stdout
+    printed = loom_here(
+        capfd, "train", *tiny_train_args(str(tmp_path / "docs"), tmp_path / "p", *flags), "--print-config"
+    )
+    assert f"rope_theta = {saved['rope_theta']}\n" in printed.stdout  # what the run would train
     given = loom_here(capfd, "train", *tiny_train_args(str(tmp_path / "docs"), tmp_path / "given", *flags),
                       "--model.rope_theta", "1e6")  # fmt: skip
     assert given.returncode == 0 and load_config(tmp_path / "given" / "config.toml").model.rope_theta == 1e6
