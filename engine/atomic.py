@@ -193,6 +193,17 @@ SAFETENSORS_DTYPES = {  # torch's dtype names: safetensors' header names
 }
 
 
+def torch_dtype_of(safetensors_name: str, key: str):
+    """The torch dtype of a safetensors header's dtype name; ValueError naming tensor `key` for one loom does not
+    read."""
+    import torch
+
+    names = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
+    if safetensors_name not in names:
+        raise ValueError(f"{key} is stored as {safetensors_name}, which loom does not read")
+    return getattr(torch, names[safetensors_name])
+
+
 def stream_tensors_atomically(
     declared: dict, make: Callable, path: str | Path, metadata: dict[str, str] | None = None
 ) -> None:

@@ -641,8 +641,10 @@ class LoomConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     model_fields_given: typing.ClassVar[frozenset[str] | None] = None
-    """Not a setting: the [model] fields its file or flags gave, set by load_config (None where unknown), so that a
-    run resuming a checkpoint takes the saved RoPE and norm settings it does not give (preflight.py)."""
+    """Not a setting (no field: never saved): the [model] fields its file or flags gave, set on the instance by
+    load_config, so that a run resuming a checkpoint takes the saved RoPE and norm settings it does not give
+    (preflight.py). None where unknown, which adopts nothing: a config made by config_from_dict, or copied by
+    dataclasses.replace."""
 
     def __post_init__(self) -> None:
         if self.optim.grad_dtype == "bf16" and self.train.precision != "bf16":

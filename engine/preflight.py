@@ -117,7 +117,8 @@ def removed_if_left_empty(run_dir: Path) -> Iterator[None]:
 
 def check_checkpoint_to_load(config: LoomConfig, training: bool) -> None:
     """The checkpoint the ranks will load (the run's own newest, else checkpoint.load) holds the same model and,
-    when training, stops short of train.steps."""
+    when training, stops short of train.steps; the RoPE and norm settings the config does not give are taken from
+    it (adopt_saved_model_settings: this check changes config.model)."""
     from loom.engine.checkpoint.format import CheckpointError, checkpoint_to_resume, find_loadable, hugging_face_hint
     from loom.engine.checkpoint.load import check_same_model
     from loom.engine.model.lora import base_pointer, check_same_base
@@ -180,13 +181,16 @@ def adopt_saved_model_settings(config: LoomConfig, found: tuple[Path, Checkpoint
 def adopt_settings_of_the_checkpoint_to_resume(config: LoomConfig, say: bool) -> None:
     """adopt_saved_model_settings for the checkpoint a run would resume, found here (where check_checkpoint_to_load
     has not: a torchrun or srun rank, --print-config)."""
-    from loom.engine.checkpoint.format import checkpoint_to_resume
+    from loom.engine.checkpoint.format import CheckpointError, checkpoint_to_resume
 
     load = config.checkpoint.load
     if load is None or Path(load).exists():  # a missing one is refused by rank 0, in its words
-        found = checkpoint_to_resume(
-            checkpoints_of(config.train.run_dir), load, verify_hashes=False, warn=lambda _: None
-        )
+        try:
+            found = checkpoint_to_resume(
+                checkpoints_of(config.train.run_dir), load, verify_hashes=False, warn=lambda _: None
+            )
+        except CheckpointError:  # rank 0 refuses it, once, in the trainer's words
+            return
         if found is not None:
             adopt_saved_model_settings(config, found, say)
 

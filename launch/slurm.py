@@ -326,9 +326,11 @@ def _submit_and_record(config: LoomConfig, options: SlurmOptions, parameters: di
         raise ConfigError(f"sbatch refused the job: {'; '.join(lines)}") from None
     except submitit.core.utils.FailedSubmissionError as error:  # a reply without the job's id (a wrapped sbatch?)
         _remove_new_files(folder, earlier)
+        quoted = re.search(r'sbatch output "(.*)"', str(error), re.DOTALL)
+        reply = " ".join((quoted.group(1) if quoted else str(error)).split())
         raise ConfigError(
-            f"sbatch's reply did not name a job ({str(error).strip().splitlines()[-1]}); if a job was queued "
-            "(squeue --me), scancel it: nothing records it in the run directory"
+            f"sbatch's reply {reply!r} names no job; if a job was queued (squeue --me), scancel it: nothing records "
+            "it in the run directory"
         ) from None
     record = {"job_id": job.job_id, "submitted": time.strftime("%Y-%m-%dT%H:%M:%S"), "options": asdict(options)}
     with open(folder / JOBS_FILE, "a") as jobs:

@@ -421,6 +421,26 @@ def test_options_that_change_sbatch_s_reply_and_a_time_past_a_year_are_refused()
             parse_time_minutes(huge)
 
 
+def test_a_reply_of_sbatch_without_a_job_id_is_one_line_naming_it(tmp_path, monkeypatch):
+    """A wrapped sbatch (or --parsable) replies without "Submitted batch job N": submitit's traceback, the job queued
+    and recorded nowhere; the one line names the reply (not submitit's closing advice) and leaves no files."""
+    import submitit
+
+    from loom.launch.slurm import _submit_and_record
+
+    def replies_bare_id(self, *args, **kwargs):
+        raise submitit.core.utils.FailedSubmissionError(
+            'Could not make sense of sbatch output "4"\nJob instance will not be able to fetch status\n'
+            "(you may however set the job job_id manually if needed)"
+        )
+
+    monkeypatch.setattr(submitit.SlurmExecutor, "submit", replies_bare_id)
+    config = load_config("tiny", ["--train.run_dir", str(tmp_path / "run")])
+    with pytest.raises(ConfigError, match=r"^sbatch's reply '4' names no job; if a job was queued \(squeue --me\)"):
+        _submit_and_record(config, SlurmOptions(), {})
+    assert not (tmp_path / "run" / "slurm").exists()
+
+
 def test_wait_says_where_the_run_stands_when_its_job_ends_before_it(dataset, tmp_path, capfd, monkeypatch):
     """`--wait` exited 0 for a job that train.exit_after ended at step 2 of 6; a scancel whose save outlasted KillWait
     was reported as "killed by SIGKILL (the kernel's OOM killer ...)"; a task killed in an earlier attempt of a

@@ -23,7 +23,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from loom.data_tools.tokenizer import BOS_ID, EOS_ID
-from loom.engine.atomic import save_tensors_atomically, stream_tensors_atomically, write_text_atomically
+from loom.engine.atomic import (
+    save_tensors_atomically,
+    stream_tensors_atomically,
+    torch_dtype_of,
+    write_text_atomically,
+)
 from loom.engine.checkpoint.format import CheckpointError, sha256_of, unrecorded_tokenizer
 from loom.engine.checkpoint.load import PieceReader
 from loom.engine.config_io import config_from_dict, config_to_dict
@@ -366,6 +371,8 @@ def _read_hf_tensors(source: Path) -> _SafetensorsFolder:
     if index.is_file():
         try:
             listed = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            if not all(isinstance(name, str) for name in listed):
+                raise TypeError
         except (ValueError, KeyError, TypeError, AttributeError):
             raise CheckpointError(f"{index} is not a shard index (no weight_map of tensor names to files)") from None
         missing = [name for name in listed if not (source / name).is_file()]
@@ -379,6 +386,8 @@ def _read_hf_tensors(source: Path) -> _SafetensorsFolder:
             "fine-tune adapters of loom's own with --lora.rank, or merge it in with peft first",
             file=sys.stderr,
         )
+    if not files and (source / PEFT_ADAPTER).is_file():
+        raise CheckpointError(f"{source} holds only a PEFT adapter ({PEFT_ADAPTER}), not a model to import")
     if not files:
         others = sorted(p.name for p in source.glob("*.bin")) + sorted(p.name for p in source.glob("*.pt*"))
         found = (
@@ -435,7 +444,12 @@ def import_hf(source: Path, output: Path, overwrite: bool = False) -> Path:
 def _stored_dtype(tensors: _SafetensorsFolder) -> str | None:
     """The dtype the model's weights are stored in (what config.json's torch_dtype should say, and not always
     does), as an EXPORT_DTYPES name; None for one loom does not write."""
-    return {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}.get(tensors.dtypes["model.embed_tokens.weight"])
+    key = "model.embed_tokens.weight"
+    try:
+        stored = torch_dtype_of(tensors.dtypes[key], key)
+    except ValueError:
+        return None
+    return next((name for name, dtype in EXPORT_DTYPES.items() if dtype == stored), None)
 
 
 def export_peft_adapter(

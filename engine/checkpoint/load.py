@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors import safe_open
 
-from loom.engine.atomic import SAFETENSORS_DTYPES
+from loom.engine.atomic import torch_dtype_of
 from loom.engine.checkpoint.format import (
     CheckpointError,
     CheckpointMetadata,
@@ -69,8 +69,10 @@ class PieceReader:
     def header(self, key: str) -> tuple[torch.dtype, tuple[int, ...]]:
         """A stored tensor's dtype and shape, from its file's header: nothing of its data is read."""
         stored = self._file_holding(key).get_slice(key)
-        torch_name = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}[stored.get_dtype()]
-        return getattr(torch, torch_name), tuple(stored.get_shape())
+        try:
+            return torch_dtype_of(stored.get_dtype(), key), tuple(stored.get_shape())
+        except ValueError as error:
+            raise CheckpointError(f"checkpoint {self.directory}: {error}") from None
 
     def spec(self, name: str) -> ShardSpec:
         if name not in self.metadata.specs:
