@@ -32,7 +32,7 @@ from pathlib import Path
 
 from loom.engine.config import ConfigError, LoomConfig
 from loom.engine.run_dir import checkpoints_of
-from loom.launch.slurm_jobs import JOBS_FILE, TrainingJob, check_no_job_queued, slurm_dir
+from loom.launch.slurm_jobs import JOBS_FILE, TrainingJob, check_no_job_queued, newest_checkpoint, slurm_dir
 
 SBATCH_KEY = re.compile(r"^[a-z][a-z0-9_-]*$")
 # The options loom sets itself; --sbatch may not override them (it would break rendezvous, logs, the requeue that
@@ -340,13 +340,12 @@ def _submit_and_record(config: LoomConfig, options: SlurmOptions, parameters: di
 
 def _check_something_to_train(config: LoomConfig) -> None:
     """A run complete at train.steps would take an allocation (and its wait in the queue) to say so."""
-    from loom.engine.checkpoint.format import find_loadable
     from loom.engine.preflight import run_is_complete
 
     run_dir = Path(config.train.run_dir)
-    own = find_loadable(checkpoints_of(run_dir), verify_hashes=False, warn=lambda _: None)
-    if own is not None and own[1].step >= config.train.steps:
-        raise ConfigError(run_is_complete(run_dir, own[1].step, config.train.steps, ", so nothing was submitted"))
+    own = newest_checkpoint(run_dir)
+    if own is not None and own.step >= config.train.steps:
+        raise ConfigError(run_is_complete(run_dir, own.step, config.train.steps, ", so nothing was submitted"))
 
 
 def _warn_what_the_job_changes(config: LoomConfig) -> None:

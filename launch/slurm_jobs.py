@@ -77,9 +77,16 @@ def check_no_job_queued(run_dir: Path) -> None:
 
 def _squeue_state(job_id: str) -> tuple[str | None, str | None]:
     """(the job's state while slurmctld remembers it, else None; why squeue gave no answer, else None)."""
+    listed, no_answer = _squeue(job_id, "%T")
+    return (listed.split()[0] if listed else None), no_answer
+
+
+def _squeue(job_id: str, field: str) -> tuple[str | None, str | None]:
+    """(squeue's `field` of the job, e.g. %T its state, while slurmctld remembers it, else None; why squeue gave
+    no answer, else None)."""
     try:
         listed = subprocess.run(
-            ["squeue", "-h", "-j", job_id, "-t", "all", "-o", "%T"], capture_output=True, text=True, timeout=30
+            ["squeue", "-h", "-j", job_id, "-t", "all", "-o", field], capture_output=True, text=True, timeout=30
         )
     except (OSError, subprocess.TimeoutExpired) as error:
         return None, str(error)
@@ -87,8 +94,7 @@ def _squeue_state(job_id: str) -> tuple[str | None, str | None]:
         if "Invalid job id" in listed.stderr:  # one slurmctld has forgotten: it ended long ago
             return None, None
         return None, (listed.stderr.strip() or f"exit code {listed.returncode}").splitlines()[-1]
-    states = listed.stdout.split()
-    return (states[0] if states else None), None
+    return listed.stdout.strip() or None, None
 
 
 # srun's words for a task a signal ended ("srun: error: HOST: task N: Killed"), as signal names.
@@ -120,7 +126,8 @@ def stopped_by_a_signal(job) -> bool:
         return False
 
 
-def _newest_checkpoint(run_dir: Path):
+def newest_checkpoint(run_dir: Path):
+    """The metadata of the run's newest checkpoint that looks intact (sizes, not hashes), or None."""
     from loom.engine.checkpoint.format import find_loadable
     from loom.engine.run_dir import checkpoints_of
 
@@ -132,7 +139,7 @@ def unfinished_by_exit_after(run_dir: Path, config) -> str | None:
     """For a job that train.exit_after ended before train.steps (Slurm says COMPLETED): where the run stands and
     what continues it; None when the run is complete or stopped early on its validation loss."""
     t = config.train
-    saved = _newest_checkpoint(run_dir) if t.exit_after else None
+    saved = newest_checkpoint(run_dir) if t.exit_after else None
     if saved is None or saved.step >= t.steps:
         return None
     patience = t.early_stop_patience
@@ -146,7 +153,7 @@ def unfinished_by_exit_after(run_dir: Path, config) -> str | None:
 
 def saved_so_far(run_dir: Path, config) -> str:
     """ "; its newest checkpoint is step S of T: ..." for a job that ended before its run did, else ""."""
-    saved = _newest_checkpoint(run_dir)
+    saved = newest_checkpoint(run_dir)
     if saved is None or saved.step >= config.train.steps:
         return ""
     return (
@@ -242,12 +249,8 @@ HELD_REASONS = ("JobHeldUser", "JobHeldAdmin")
 
 def _pending_reason(job_id: str) -> str | None:
     """squeue's reason a pending job waits (Priority, Resources, JobHeldUser, ...), or None."""
-    try:
-        listed = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%r"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    reason = listed.stdout.strip()
-    return reason if listed.returncode == 0 and reason and reason != "None" else None
+    reason, _ = _squeue(job_id, "%r")
+    return reason if reason != "None" else None
 
 
 def job_state(job_id: str) -> str:
