@@ -137,8 +137,8 @@ def init_distributed(config: LoomConfig) -> int:
     except (dist.DistStoreError, dist.DistNetworkError) as error:  # rank 0 waits as the store; the others connect
         if "EADDRINUSE" in str(error):
             raise ConfigError(
-                f"rank 0 cannot listen on {where} (MASTER_ADDR:MASTER_PORT): another process took the port; run the "
-                "command again (--nproc picks a free port each time), or under torchrun/srun pick another MASTER_PORT"
+                f"rank 0 cannot listen on {where} (MASTER_ADDR:MASTER_PORT): another process took the port; pick "
+                "another MASTER_PORT (torchrun --master-port, or the job's environment under srun)"
             ) from None
         if "timed out" not in str(error).lower():
             raise

@@ -24,7 +24,7 @@ from multiprocessing import reduction
 
 from loom.engine.config import LoomConfig
 from loom.engine.config_io import config_from_dict, config_to_dict
-from loom.engine.parallel.rendezvous import end_ranks, free_port, rank_context
+from loom.engine.parallel.rendezvous import end_ranks, host_rendezvous, rank_context
 from loom.engine.run_dir import checkpoints_of, metrics_of
 from loom.errors import Interrupted, is_user_error, user_message
 
@@ -109,7 +109,7 @@ def _die_with_launcher(launcher_pid: int) -> None:
 def _rank_main(
     rank: int,
     world: int,
-    port: int,
+    rendezvous: dict[str, str],
     raw_config: dict,
     threads: int,
     errors,
@@ -131,9 +131,7 @@ def _rank_main(
         early_stops.append(launcher_stop.value)
     _die_with_launcher(launcher_pid)
     _adopt_launcher_process(*launcher_process)
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
+    os.environ.update(rendezvous, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     import torch
     from tqdm import tqdm
 
@@ -175,14 +173,14 @@ def launch_local(config: LoomConfig, nproc: int, grace_s: float = 2.0, mode: str
     ctx = rank_context()
     errors, stops = ctx.Queue(), ctx.Queue()
     launcher_stop = ctx.RawValue("i", 0)  # the number of the first stop signal the launcher received
-    port = free_port()
+    store, rendezvous = host_rendezvous()
     threads = max(1, (os.cpu_count() or 1) // nproc)
     raw = config_to_dict(config)
     launcher = (dict(os.environ), os.getcwd(), _InheritedFd(1), _InheritedFd(2))
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(r, nproc, port, raw, threads, errors, stops, mode, os.getpid(), launcher, launcher_stop),
+            args=(r, nproc, rendezvous, raw, threads, errors, stops, mode, os.getpid(), launcher, launcher_stop),
             daemon=False,
         )
         for r in range(nproc)
@@ -234,6 +232,7 @@ def launch_local(config: LoomConfig, nproc: int, grace_s: float = 2.0, mode: str
         for s, handler in previous.items():
             signal.signal(s, handler)
     end_ranks([p for _, p in running.values()], grace_s)
+    del store  # hosted until every rank has ended
     if mode != "train" and (stop := stopped_rank(failed, "the evaluation", stop_signals[:1])):
         print(file=sys.stderr)  # ends the line of rank 0's progress bar, which the stopped rank could not end
         raise stop

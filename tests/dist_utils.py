@@ -5,10 +5,11 @@ spawned rank importing them again: seconds of CPU per rank, over a hundred multi
 
 from __future__ import annotations
 
+import os
 import traceback
 from typing import Any, Callable
 
-from loom.engine.parallel.rendezvous import free_port, rank_context
+from loom.engine.parallel.rendezvous import host_rendezvous, rank_context
 
 
 def _portable(value, to_numpy: bool):
@@ -28,13 +29,14 @@ def _portable(value, to_numpy: bool):
     return value
 
 
-def _worker(fn, rank, world_size, port, queue, args):
+def _worker(fn, rank, world_size, rendezvous, queue, args):
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+        os.environ.update(rendezvous)
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
         queue.put((rank, True, _portable(fn(rank, world_size, *args), to_numpy=True)))
     except BaseException:
         queue.put((rank, False, traceback.format_exc()))
@@ -50,8 +52,8 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 300) -> lis
     """fn(rank, world_size, *args) on every rank; returns the results in rank order, raises on any error."""
     ctx = _CONTEXT
     queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, queue, args)) for r in range(world_size)]
+    store, rendezvous = host_rendezvous()
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, rendezvous, queue, args)) for r in range(world_size)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
@@ -66,4 +68,5 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 300) -> lis
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+        del store
     return [results[r] for r in range(world_size)]

@@ -315,3 +315,33 @@ def test_ranks_forked_after_a_stop_are_told(dataset, tmp_path, monkeypatch):
     with pytest.raises(local.Stopped, match="^stopped by SIGTERM: checkpoint .* saved"):
         launch_local(config, 2)
     assert read_metrics(tmp_path) == []  # agreed before the first step, so saved before it
+
+
+def test_the_rendezvous_port_cannot_be_taken_before_rank_0_listens(dataset, tmp_path, monkeypatch):
+    """The launcher picked a free port and rank 0 bound it seconds later (after its imports): any process binding
+    it in between failed the launch with EADDRINUSE. Here another process tries to listen on the ranks' port just
+    before rank 0 starts; the launcher holds it already."""
+    import socket
+
+    from loom.launch import local
+
+    process_class = local.rank_context().Process
+    start, thief = process_class.start, socket.socket()
+
+    def start_after_a_thief_tried(process):
+        if thief.getsockname()[1] == 0:
+            given = process._args[2]
+            port = int(given["MASTER_PORT"]) if isinstance(given, dict) else given
+            try:
+                thief.bind(("127.0.0.1", port))
+                thief.listen()
+            except OSError:  # taken: by the launcher's store
+                pass
+        start(process)
+
+    monkeypatch.setattr(process_class, "start", start_after_a_thief_tried)
+    config = tiny_config(dataset, tmp_path, train={"steps": 2}, parallel={"tp": 2})
+    config.resolve_world(2)
+    with thief:
+        launch_local(config, 2)
+    assert [row["step"] for row in read_metrics(tmp_path)] == [1, 2]

@@ -29,7 +29,7 @@ from loom.engine.faults import FaultPlan
 from loom.engine.model.gpt import DecodingCache, GPTModel
 from loom.engine.parallel import mappings
 from loom.engine.parallel.param_info import param_info
-from loom.engine.parallel.rendezvous import end_ranks, free_port, rank_context
+from loom.engine.parallel.rendezvous import end_ranks, host_rendezvous, rank_context
 from loom.engine.parallel.state import ParallelState
 from loom.engine.pipeline.stages import stage_layers
 from loom.errors import is_user_error
@@ -153,7 +153,16 @@ def _from_last_stage(token: int, parallel: ParallelState) -> int:
 
 
 def _generate_on_a_rank(
-    rank: int, world: int, port: int, tp: int, pp: int, checkpoint: str, base: Path | None, job: dict, results, where
+    rank: int,
+    world: int,
+    rendezvous: dict[str, str],
+    tp: int,
+    pp: int,
+    checkpoint: str,
+    base: Path | None,
+    job: dict,
+    results,
+    where,
 ) -> None:
     # A stop ends a rank at once, quietly (nothing to save); the launcher says how it stopped. A KeyboardInterrupt
     # here printed each rank's traceback and its peers' broken connections.
@@ -161,7 +170,7 @@ def _generate_on_a_rank(
         signal.signal(signum, signal.SIG_DFL)
     environ, cwd = where  # the launcher's, not the fork server's (started earlier, maybe elsewhere)
     os.environ.clear()
-    os.environ.update(environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(environ, **rendezvous)
     os.chdir(cwd)
     torch.set_num_threads(1)
     timeout = datetime.timedelta(minutes=ParallelConfig.timeout_minutes)  # a lost peer fails, not hangs
@@ -231,14 +240,14 @@ def generate_parallel(
     directory, metadata = opened
     check_layout(config_from_dict(metadata.config), tp, pp)
     ModelWeights(directory, metadata, base)  # a LoRA checkpoint's base checked here once, not on every rank
-    port = free_port()
+    store, rendezvous = host_rendezvous()
     context = rank_context()  # ranks fork from a server that has imported torch once, as training's do
     results = context.Queue()
     world = tp * pp
     ranks = [
         context.Process(
             target=_generate_on_a_rank,
-            args=(r, world, port, tp, pp, str(directory), base, job, results, (dict(os.environ), os.getcwd())),
+            args=(r, world, rendezvous, tp, pp, str(directory), base, job, results, (dict(os.environ), os.getcwd())),
         )
         for r in range(world)
     ]
@@ -254,6 +263,7 @@ def generate_parallel(
                 process.join()
         else:
             end_ranks(started, grace_s=5.0)
+        del store  # hosted until every rank has ended
     if isinstance(outcome, BaseException):
         raise outcome
     return outcome

@@ -1,5 +1,5 @@
-"""Where ranks on one machine meet: a free loopback port for a TCP rendezvous, and the fork server every local
-rank (of training, evaluation, generation and the tests) starts from."""
+"""Where ranks on one machine meet: a rendezvous store the launcher hosts, and the fork server every local rank (of
+training, evaluation, generation and the tests) starts from."""
 
 from __future__ import annotations
 
@@ -40,8 +40,23 @@ def start_rank_server() -> None:
     threading.Thread(target=forkserver.ensure_running, name="loom-rank-server", daemon=True).start()
 
 
+def host_rendezvous():
+    """The store local ranks meet at, hosted by the launcher on a port the system gives it, and the environment
+    each rank sets before `init_process_group`: every rank is the store's client (torch's agent-store mode, as
+    under torchrun). A port found free and bound later by rank 0 could be taken in between, failing the launch.
+    Keep the store until the ranks have ended: they lose their rendezvous with it."""
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(hours=1))
+    environment = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    return store, environment
+
+
 def free_port() -> int:
-    """A TCP port on the loopback that is free now (for a rendezvous on this machine)."""
+    """A TCP port on the loopback that is free now, which another process may take before it is bound again
+    (host_rendezvous has no such window)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
