@@ -314,6 +314,43 @@ def test_loom_eval_equals_transformers_loss(hf_model, tmp_path, capfd):
     assert abs(ours - theirs) < 2e-6, (ours, theirs)
 
 
+@pytest.mark.parametrize("window", [None, 64])
+def test_a_mistral_imports_with_the_logits_transformers_computes_within_its_window(window, tmp_path, capfd):
+    """Mistral is Llama with a sliding window: with none (v0.2, v0.3) the same model; with one shorter than its
+    positions (v0.1: 4096 of 32768), the same up to the window, which becomes the import's max_position_embeddings."""
+    base = {**llama_config().to_dict(), "model_type": "mistral", "sliding_window": window}
+    for field in ("architectures", "transformers_version", "model_type", "_name_or_path"):
+        base.pop(field, None)
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(transformers.MistralConfig(**base)).eval()
+    model.save_pretrained(str(tmp_path / "hf"))
+    result = loom_here(capfd, "ckpt", "import-hf", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "loom"))
+    assert result.returncode == 0, result.stderr
+    imported = find_loadable(tmp_path / "loom")[1].config["model"]
+    assert imported["max_position_embeddings"] == (256 if window is None else 64)
+    assert ("sliding window of 64 tokens" in result.stderr) == (window is not None)
+    length = imported["max_position_embeddings"]
+    tokens = torch.randint(0, VOCAB, (2, length), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        theirs = model(tokens).logits
+    assert (loom_logits(tmp_path / "loom", tokens) - theirs).abs().max().item() < 1e-5
+    if window is not None:  # past the window the two differ: the window was the limit to keep
+        longer = torch.randint(0, VOCAB, (1, 2 * window), generator=torch.Generator().manual_seed(2))
+        as_llama = transformers.LlamaForCausalLM(llama_config()).eval()
+        as_llama.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            assert (as_llama(longer).logits - model(longer).logits).abs().max().item() > 1e-3
+
+
+def test_a_mistral_sliding_window_that_is_not_a_length_is_refused(tmp_path, capfd):
+    (tmp_path / "hf").mkdir()
+    config = {**llama_config().to_dict(), "model_type": "mistral", "sliding_window": "4096"}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    result = loom_here(capfd, "ckpt", "import-hf", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "loom"))
+    assert result.returncode == 2
+    assert "sliding_window '4096' is neither null nor a number of tokens" in result.stderr
+
+
 UNREPRESENTABLE = {
     "attention_bias": dict(attention_bias=True),
     "mlp_bias": dict(mlp_bias=True),

@@ -286,8 +286,13 @@ def _rope_fields(hf: dict) -> dict:
 def _refuse_unrepresentable(hf: dict) -> None:
     """Settings that change the computation but have no loom form: importing without them would load a
     different model than the one on disk."""
-    if hf.get("model_type") != "llama":
-        raise CheckpointError(f"model_type {hf.get('model_type')!r} is not llama; loom imports Llama-format models")
+    if hf.get("model_type") not in ("llama", "mistral"):
+        raise CheckpointError(
+            f"model_type {hf.get('model_type')!r} is neither llama nor mistral; loom imports Llama-format models"
+        )
+    window = hf.get("sliding_window") if hf.get("model_type") == "mistral" else None
+    if window is not None and (type(window) is not int or window < 1):
+        raise CheckpointError(f"config.json's sliding_window {window!r} is neither null nor a number of tokens")
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
             raise CheckpointError(f"config.json sets {flag}: true; loom's Llama form has no biases")
@@ -301,6 +306,15 @@ def _refuse_unrepresentable(hf: dict) -> None:
         )
 
 
+def _positions_represented(hf: dict) -> int:
+    """The sequence length up to which loom computes the model on disk: max_position_embeddings, or a Mistral's
+    sliding window where that is shorter (loom's attention is full causal, which is Mistral's up to its window and
+    not past it)."""
+    positions = hf["max_position_embeddings"]
+    window = hf.get("sliding_window") if hf.get("model_type") == "mistral" else None
+    return positions if window is None else min(positions, window)
+
+
 def _model_from_hf_config(hf: dict) -> dict:
     _refuse_unrepresentable(hf)
     return {
@@ -310,7 +324,7 @@ def _model_from_hf_config(hf: dict) -> dict:
         "num_kv_heads": hf.get("num_key_value_heads") or hf["num_attention_heads"],
         "ffn_hidden_size": hf["intermediate_size"],
         "vocab_size": hf["vocab_size"],
-        "max_position_embeddings": hf["max_position_embeddings"],
+        "max_position_embeddings": _positions_represented(hf),
         "norm_eps": hf["rms_norm_eps"],
         **_rope_fields(hf),
         "tie_embeddings": hf.get("tie_word_embeddings", False),
@@ -407,6 +421,13 @@ def import_hf(source: Path, output: Path, overwrite: bool = False) -> Path:
         raise CheckpointError(f"{source / 'config.json'} has no {error.args[0]!r}; is it a Llama config?") from None
     except (TypeError, ValueError) as error:
         raise CheckpointError(f"{source / 'config.json'} has a value of the wrong kind ({error})") from None
+    if model["max_position_embeddings"] < hf["max_position_embeddings"]:
+        print(
+            f"note: {source / 'config.json'} attends over a sliding window of {hf['sliding_window']} tokens, loom "
+            f"over the whole sequence: imported with max_position_embeddings = {model['max_position_embeddings']} "
+            f"(not {hf['max_position_embeddings']}), the length up to which the two compute the same",
+            file=sys.stderr,
+        )
     # The imported checkpoint's run settings are what `loom eval` and fine-tuning start from: sequences no
     # longer than the model's positions, and a batch one CPU rank gets through.
     train = {"seq_length": min(2048, model["max_position_embeddings"]), "global_batch_size": 8}
