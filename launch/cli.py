@@ -27,8 +27,8 @@ EPILOG_TRAIN = """\
 Every config field can be overridden as --section.field value, for example
   loom train --config configs/tiny.toml --nproc 4 --parallel.tp 2 --train.steps 50
   loom train --config configs/tiny.toml --data.paths a b --data.weights 0.7 0.3
-Sections: model, parallel, optim, data, train, checkpoint, lora (fields and their docs: engine/config.py;
-presets: configs/*.toml; --print-config shows the resolved config).
+Sections: model, parallel, optim, data, train, checkpoint, lora (every field, its default and meaning:
+docs/config.md, written from engine/config.py; presets: configs/*.toml; --print-config shows the resolved config).
 Under torchrun or Slurm (RANK and WORLD_SIZE set) and without --nproc, this process is one rank.
 
 Layouts: world = tp * cp * pp * dp; --parallel.vp V interleaves V chunks per pipeline stage (needs

@@ -388,11 +388,21 @@ def _add_eval(commands) -> None:
     p.add_argument(
         "--checkpoint", type=existing_path, required=True, help="an iter_N directory or a checkpoints/ folder"
     )
-    p.add_argument("--data", type=dataset_prefix, required=True, help=".bin/.idx prefix")
     p.add_argument(
+        "--data.paths",
+        "--data",
+        dest="data",
+        metavar="PREFIX",
+        type=dataset_prefix,
+        required=True,
+        help=".bin/.idx prefix" + OLDER,
+    )
+    p.add_argument(
+        "--data.split",
         "--split",
+        dest="split",
         default=WHOLE_DATASET,
-        help="train,valid,test weights; the valid part is evaluated (default: the whole dataset)",
+        help="train,valid,test weights; the valid part is evaluated (default: the whole dataset)" + OLDER,
     )
     p.add_argument(
         "--iters", type=int_in(1, 1_000_000), default=4, help="global batches to evaluate (default: %(default)s)"

@@ -280,7 +280,7 @@ def _preview(args: argparse.Namespace, overrides: list[str]) -> None:
 EPILOG_PREVIEW = """\
 The samples are cut and ordered exactly as `loom train` reads them (global order: the first
 global batch is samples 0..global_batch_size-1), so this shows what the model will see.
-  loom data preview --data demo/data/stdlib_text_document --tokenizer demo/data/tokenizer.model --samples 4
+  loom data preview --data.paths demo/data/stdlib_text_document --tokenizer demo/data/tokenizer.model --samples 4
   loom data preview --config configs/tiny.toml --samples 16 --output first16.jsonl
 Other config fields (e.g. --data.weights, --data.cache_dir) can be overridden as --section.field value."""
 

@@ -62,8 +62,9 @@ def _clean(cleaned: Path, corpus: Path, rebuilt: bool, summary: dict) -> tuple[P
     from loom.data_tools.clean import clean_corpus
 
     start = step(
-        "2/10 clean: ftfy repair, NFC, control characters, then the `code` filter pipeline "
-        "(the web pipeline's Gopher/C4/FineWeb rules reject source files); rejects kept with reasons"
+        "2/10 clean: the `code` pipeline: ftfy repair, control characters (no NFC: it would change string "
+        "literals), then code's file filters (the web pipeline's Gopher/C4/FineWeb rules reject source files); "
+        "rejects kept with reasons"
     )
     if rebuilt or not (cleaned / "stats.json").exists():
         rebuilt = True

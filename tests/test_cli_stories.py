@@ -319,6 +319,20 @@ def test_eval_checks_the_checkpoint_s_hashes_once(world, capfd, monkeypatch):
     assert code == 0 and [config.checkpoint.verify for config in evaluated] == [False], err
 
 
+def test_eval_takes_the_data_spellings_training_takes(world, capfd, monkeypatch):
+    """The README's one spelling per idea (--data.paths, --data.split) was refused by `loom eval`, which required
+    its older --data."""
+    from loom.launch import local
+
+    evaluated = []
+    monkeypatch.setattr(local, "launch_local", lambda config, nproc, mode: evaluated.append(config.data))
+    for spelling in (["--data", world["dataset"], "--split", "0,1,0"], ["--data.paths", world["dataset"],
+                                                                       "--data.split", "0,1,0"]):  # fmt: skip
+        code, _, err = run(capfd, "eval", "--checkpoint", str(world["base"]), *spelling, "--iters", "1")
+        assert code == 0, err
+    assert evaluated[0] == evaluated[1] and evaluated[0].split == "0,1,0"
+
+
 def test_eval_of_a_live_run_whose_retention_removes_its_checkpoint(world, capfd, tmp_path, monkeypatch):
     """`loom eval` of a run that trains on (checkpoint.keep) failed most times, the checkpoint deleted under it, as
     'checkpoint.load = ... does not exist' (never given) or a missing rank file: it evaluates the newest again."""

@@ -172,11 +172,11 @@ COMMANDS = {
         {"--input": ["{missing}", "{file}", "{dir}"], "--output": ["{file}", "{file}/x", "{checkpoint}"]},
     ),
     "eval": (
-        ["--checkpoint", "{checkpoint}", "--data", "{prefix}", "--train.seq_length", "32"],
+        ["--checkpoint", "{checkpoint}", "--data.paths", "{prefix}", "--train.seq_length", "32"],
         {
             "--checkpoint": ["{missing}", "{dir}", "{file}"],
-            "--data": "in-prefix",
-            "--split": ["x", "1,2", "0,0,0"],
+            "--data.paths": "in-prefix",
+            "--data.split": ["x", "1,2", "0,0,0"],
             "--iters": "count",
             "--nproc": ["0", "-1", "x", "3", HUGE],
         },

@@ -328,3 +328,21 @@ def test_settings_a_config_never_reads_are_named():
     ]
     for preset in ("tiny", "gpt-125m", "llama-1b", "llama-8b", "llama-70b"):
         assert load_config(preset).settings_without_effect() == [], preset
+
+
+def test_the_config_reference_page_is_current_and_documents_every_field():
+    """docs/config.md is written from engine/config.py's field docstrings: a field added without one, or a changed
+    default not written into the page, fails here (write it again: python -m loom.tools.config_reference)."""
+    from pathlib import Path
+
+    from loom.engine.config import LoomConfig
+    from loom.tools.config_reference import reference
+
+    page = reference()
+    assert (Path(__file__).resolve().parents[1] / "docs" / "config.md").read_text() == page, (
+        "docs/config.md is stale: python -m loom.tools.config_reference > docs/config.md"
+    )
+    for section in dataclasses.fields(LoomConfig):
+        for spec in dataclasses.fields(section.default_factory):
+            assert f"| `{section.name}.{spec.name}` |" in page
+    assert '| `train.precision` | fp32 \\| bf16 \\| fp16 | `"bf16"` | Compute precision;' in page

@@ -1,0 +1,82 @@
+"""docs/config.md: every config field with its type, default and docstring, written from engine/config.py (the one
+place they live; tests/test_config.py checks the page is current).
+
+    python -m loom.tools.config_reference > docs/config.md
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import json
+import typing
+
+from loom.engine import config as config_module
+from loom.engine.config import LoomConfig
+
+INTRODUCTION = """\
+# Configuration reference
+
+Every field of a run's configuration: set it in a TOML file's `[section]`, or on the command line as
+`--section.field value` (flags win over the file, the file over these defaults: `loom train --config C.toml
+--print-config` shows the result). A run directory's `config.toml` is this configuration, resolved. Written from the
+field docstrings of `engine/config.py` by `python -m loom.tools.config_reference > docs/config.md`.
+"""
+
+
+def field_docstrings(cls: type) -> dict[str, str]:
+    """{field: the string literal written under it in the class body} (the attribute docstrings Python itself does
+    not keep), each joined into one paragraph; the class's own docstring under ""."""
+    definition = ast.parse(inspect.getsource(cls)).body[0]
+    body, docs = definition.body, {"": " ".join((ast.get_docstring(definition) or "").split())}
+    for statement, following in zip(body, body[1:]):
+        if (
+            isinstance(statement, ast.AnnAssign)
+            and isinstance(statement.target, ast.Name)
+            and isinstance(following, ast.Expr)
+            and isinstance(following.value, ast.Constant)
+            and isinstance(following.value.value, str)
+        ):
+            docs[statement.target.id] = " ".join(inspect.cleandoc(following.value.value).split())
+    return docs
+
+
+def _type_of(annotation: object) -> str:
+    if typing.get_origin(annotation) is typing.Literal:
+        return " \\| ".join(str(choice) for choice in typing.get_args(annotation))
+    return str(annotation).replace("typing.", "").replace("<class '", "").replace("'>", "").replace("|", "\\|")
+
+
+def _default_of(spec: dataclasses.Field) -> str:
+    value = spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return str(value).lower()  # as TOML writes it
+    if isinstance(value, (str, list)):
+        return json.dumps(value)  # as TOML writes it
+    return repr(value)
+
+
+def reference() -> str:
+    """The page, as markdown."""
+    lines = [INTRODUCTION]
+    for section in dataclasses.fields(LoomConfig):
+        cls = section.default_factory
+        hints, docs = typing.get_type_hints(cls, vars(config_module)), field_docstrings(cls)
+        lines += [f"## [{section.name}]", "", *([docs[""], ""] if docs[""] else [])]
+        lines += ["| field | type | default | meaning |", "| --- | --- | --- | --- |"]
+        for spec in dataclasses.fields(cls):
+            if spec.name not in docs:
+                raise ValueError(f"{cls.__name__}.{spec.name} has no docstring; write one under it")
+            meaning = docs.get(spec.name, "").replace("|", "\\|")
+            lines.append(
+                f"| `{section.name}.{spec.name}` | {_type_of(hints[spec.name])} | `{_default_of(spec)}` | {meaning} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(reference(), end="")
