@@ -36,7 +36,7 @@ MIN_TIMEOUT_MINUTES = 0.01
 """Its floor, 0.6 s: below it even one rank's own store timed out (a C++ stack that blamed a peer)."""
 
 
-def _default(spec: dataclasses.Field) -> Any:
+def field_default(spec: dataclasses.Field) -> Any:
     """A dataclass field's default value (calling its default_factory)."""
     return spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default
 
@@ -614,7 +614,7 @@ class LoraConfig:
         if not self.rank:
             # Without a rank no adapter exists: a base or an adapter setting would be ignored and the run would
             # train a freshly initialised model, so it is refused instead.
-            given = [f.name for f in fields(self) if f.name != "rank" and getattr(self, f.name) != _default(f)]
+            given = [f.name for f in fields(self) if f.name != "rank" and getattr(self, f.name) != field_default(f)]
             if given:
                 raise ConfigError(
                     f"lora.{given[0]} is set but lora.rank is 0 (no adapters): add --lora.rank R (e.g. 8) to "
@@ -693,7 +693,7 @@ class LoomConfig:
         ]
         said = []
         for section, names, unused, because in unread:
-            defaults = {f.name: _default(f) for f in dataclasses.fields(section)}
+            defaults = {f.name: field_default(f) for f in dataclasses.fields(section)}
             changed = [name for name in names if getattr(section, name) != defaults[name]]
             if unused and changed:
                 where = type(section).__name__.removesuffix("Config").lower()

@@ -13,7 +13,7 @@ import json
 import typing
 
 from loom.engine import config as config_module
-from loom.engine.config import LoomConfig
+from loom.engine.config import LoomConfig, field_default
 
 INTRODUCTION = """\
 # Configuration reference
@@ -49,7 +49,7 @@ def _type_of(annotation: object) -> str:
 
 
 def _default_of(spec: dataclasses.Field) -> str:
-    value = spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default
+    value = field_default(spec)
     if value is None:
         return "unset"
     if isinstance(value, bool):
