@@ -7,6 +7,10 @@ import multiprocessing as mp
 import socket
 import threading
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
 
 # Ranks fork from a server process that has imported these once (forkserver): a rank then starts in a fraction
 # of a second instead of importing torch (and torch._dynamo, which torch.optim pulls in) itself, seconds of CPU
@@ -40,7 +44,7 @@ def start_rank_server() -> None:
     threading.Thread(target=forkserver.ensure_running, name="loom-rank-server", daemon=True).start()
 
 
-def host_rendezvous():
+def host_rendezvous() -> tuple[TCPStore, dict[str, str]]:
     """The store local ranks meet at, hosted by the launcher on a port the system gives it, and the environment
     each rank sets before `init_process_group`: every rank is the store's client (torch's agent-store mode, as
     under torchrun). A port found free and bound later by rank 0 could be taken in between, failing the launch.
