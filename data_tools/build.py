@@ -41,7 +41,7 @@ from loom.data_tools.jsonl import (
 )
 from loom.data_tools.manifest import manifest_path, write_manifest
 from loom.data_tools.parallel import chunked, imap_ordered
-from loom.data_tools.tokenizer import load_tokenizer
+from loom.data_tools.tokenizer import Tokenizer, load_tokenizer
 from loom.data_tools.word_cache import WordCache, word_split
 from loom.engine.data.indexed import IndexedDatasetWriter, dtype_for_vocab, index_paths
 
@@ -54,12 +54,12 @@ BYTES_PER_TOKEN = 3
 
 
 @functools.lru_cache(maxsize=4)
-def load_processor(model_path: str) -> sentencepiece.SentencePieceProcessor:
+def load_processor(model_path: str) -> Tokenizer:
     """One processor per model and process (workers load it on their first batch)."""
     return load_tokenizer(model_path)
 
 
-def _encode_arrays(processor: sentencepiece.SentencePieceProcessor, texts: list[str], threads: int) -> list[np.ndarray]:
+def _encode_arrays(processor: Tokenizer, texts: list[str], threads: int) -> list[np.ndarray]:
     try:
         return processor.encode(texts, out_type="numpy", num_threads=threads)
     except (ValueError, TypeError):
@@ -71,6 +71,8 @@ def _encode_arrays(processor: sentencepiece.SentencePieceProcessor, texts: list[
 def word_cache(model_path: str) -> WordCache | None:
     """This process's word cache for a model, or None where word-by-word encoding would change tokens."""
     processor = load_processor(model_path)
+    if not isinstance(processor, sentencepiece.SentencePieceProcessor):
+        return None  # a Hugging Face tokenizer's words are not SentencePiece's: it encodes whole texts
     split = word_split(processor)
     return WordCache(processor, split) if split else None
 

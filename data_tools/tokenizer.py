@@ -28,22 +28,32 @@ from loom.data_tools.failures import reported_failures
 from loom.data_tools.jsonl import InputError, JsonlStats, check_inputs, count_lines, iter_jsonl, no_documents
 from loom.data_tools.manifest import manifest_path, write_manifest
 from loom.data_tools.progress import Elapsed, Progress
+from loom.data_tools.tokenizer_json import HuggingFaceTokenizer, is_tokenizer_json
+
+Tokenizer = sentencepiece.SentencePieceProcessor | HuggingFaceTokenizer
+"""What load_tokenizer returns: a SentencePiece model, or a Hugging Face tokenizer.json behind the same methods."""
 
 
-def load_tokenizer(path: str | Path) -> sentencepiece.SentencePieceProcessor:
-    """A SentencePiece model file, or one line saying why the file is not one."""
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """A SentencePiece model file or a Hugging Face tokenizer.json, or one line saying why the file is neither."""
     path = Path(path)
     if path.is_dir():
-        raise InputError(f"tokenizer {path} is a directory; give its .model file")
+        inside = "tokenizer.json" if (path / "tokenizer.json").is_file() else "its .model file"
+        raise InputError(f"tokenizer {path} is a directory; give {inside}")
     if not path.is_file():
         raise InputError(f"tokenizer {path} does not exist; train one with `loom data tokenizer`")
+    if is_tokenizer_json(path):
+        return HuggingFaceTokenizer(path)
     try:
         return sentencepiece.SentencePieceProcessor(model_file=str(path))
     except (RuntimeError, OSError):
-        raise InputError(f"tokenizer {path} is not a SentencePiece model (a .model file)") from None
+        raise InputError(
+            f"tokenizer {path} is not a SentencePiece model (a .model file; a Hugging Face tokenizer is its "
+            "tokenizer.json)"
+        ) from None
 
 
-def decode_ids(processor: sentencepiece.SentencePieceProcessor, ids: list[int], path: str | Path) -> str:
+def decode_ids(processor: Tokenizer, ids: list[int], path: str | Path) -> str:
     """The text of token `ids`, or one line saying they are not all of tokenizer `path`'s vocabulary."""
     pieces = processor.get_piece_size()
     largest = max(ids, default=-1)

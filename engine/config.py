@@ -404,7 +404,8 @@ class DataConfig:
     weights: list[float] | None = None
     """Mixing weights, one per path; None means equal weights."""
     tokenizer: str | None = None
-    """SentencePiece model the data was built with (used to check the vocabulary and decode)."""
+    """Tokenizer the data was built with, a SentencePiece .model or a Hugging Face tokenizer.json (used to check
+    the vocabulary and decode)."""
     split: str = "98,1,1"
     """Train/valid/test split of each dataset's documents, as relative weights."""
     cache_dir: str | None = None

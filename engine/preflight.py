@@ -58,21 +58,22 @@ def preflight(config: LoomConfig, world_size: int, training: bool = True, ranks_
         check_dataset_token_ids(dataset, config.model.vocab_size, config.data.cache_dir)
     check_splits(config, with_train=training)
     if config.data.tokenizer:
-        import sentencepiece
+        from loom.data_tools.jsonl import InputError
+        from loom.data_tools.tokenizer import load_tokenizer
 
         tokenizer = Path(config.data.tokenizer)
         if not tokenizer.is_file():
             what = (
-                "is a directory; give its .model file"
+                "is a directory; give its .model file (or a Hugging Face model's tokenizer.json)"
                 if tokenizer.is_dir()
                 else "does not exist; give its path (--data.tokenizer PATH, relative to this directory), or "
                 "--data.tokenizer none to read token ids without one"
             )
             raise ConfigError(f"data.tokenizer {tokenizer} {what}")
         try:
-            vocab = sentencepiece.SentencePieceProcessor(model_file=config.data.tokenizer).vocab_size()
-        except (RuntimeError, OSError):
-            raise ConfigError(f"data.tokenizer {tokenizer} is not a SentencePiece model (a .model file)") from None
+            vocab = load_tokenizer(tokenizer).get_piece_size()
+        except InputError as error:
+            raise ConfigError(f"data.{error}") from None
         if vocab > config.model.vocab_size:
             raise ConfigError(
                 f"the tokenizer has {vocab} pieces but model.vocab_size = {config.model.vocab_size}; "

@@ -427,7 +427,8 @@ def _add_generate(commands) -> None:
     p.add_argument(
         "--tokenizer",
         type=existing_file,
-        help="SentencePiece model (default: the checkpoint config's data.tokenizer); must be the one it trained on",
+        help="SentencePiece .model or Hugging Face tokenizer.json (default: the checkpoint config's data.tokenizer); "
+        "must be the one it trained on",
     )
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", default="", help="text to continue")

@@ -289,7 +289,11 @@ def add_build(sub) -> None:
     p = sub.add_parser("build", help="tokenize JSONL into a memory-mapped P.bin + P.idx (Megatron format)")
     add_jsonl_input(p)
     p.add_argument(
-        "--tokenizer", type=existing_file, required=True, help="SentencePiece .model (from `loom data tokenizer`)"
+        "--tokenizer",
+        type=existing_file,
+        required=True,
+        help="SentencePiece .model (from `loom data tokenizer`), or a Hugging Face tokenizer.json (an imported "
+        "model's)",
     )
     p.add_argument(
         "--output-prefix",
@@ -333,7 +337,9 @@ def add_inspect(sub) -> None:
     p = sub.add_parser("inspect", help="summary and decoded samples of an indexed dataset")
     p.add_argument("prefix", type=dataset_prefix, help="the dataset prefix P of P.bin/P.idx")
     p.add_argument(
-        "--tokenizer", type=existing_file, help="SentencePiece .model to decode samples with (default: show token ids)"
+        "--tokenizer",
+        type=existing_file,
+        help="SentencePiece .model or tokenizer.json to decode samples with (default: show token ids)",
     )
     p.add_argument(
         "--samples", type=int_in(0, MAX_PREVIEW_SAMPLES), default=3, help="sequences to show from the start" + DEFAULT
@@ -379,7 +385,9 @@ def add_preview(sub) -> None:
     )
     p.add_argument("--train.seed", "--seed", dest="seed", type=seed, help=f"default {TrainConfig.seed}" + OLDER)
     p.add_argument(
-        "--tokenizer", type=existing_file, help="SentencePiece .model to decode with (default: data.tokenizer)"
+        "--tokenizer",
+        type=existing_file,
+        help="SentencePiece .model or tokenizer.json to decode with (default: data.tokenizer)",
     )
     p.add_argument(
         "--max-tokens", type=non_negative_int, default=24, help="token ids printed per sample (0: all)" + DEFAULT

@@ -700,3 +700,69 @@ def test_loom_trains_an_imported_llama_as_a_plain_transformers_loop(tmp_path):
         optimizer.step()
         assert loom_loss == pytest.approx(loss_sum / (global_batch * seq), rel=1e-6), step
         assert loom_norm == pytest.approx(norm, rel=1e-5), step
+
+
+def _byte_level_tokenizer_json(folder, texts):
+    """A Llama 3 shaped Hugging Face tokenizer (byte-level BPE, special tokens, no SentencePiece model) in `folder`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    special = ["<|begin_of_text|>", "<|end_of_text|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    folder.mkdir()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    settings = {"bos_token": special[0], "eos_token": special[1], "tokenizer_class": "PreTrainedTokenizerFast"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    return folder / "tokenizer.json"
+
+
+def test_a_hugging_face_tokenizer_json_builds_trains_generates_and_exports_as_transformers_encodes(tmp_path, capfd):
+    """A model imported from Hugging Face may bring only a tokenizer.json (Llama 3): its data is built with it, as
+    transformers' AutoTokenizer encodes (no bos added; --append-eod appends its eos); a run trained on that data
+    generates with it (bos first, as AutoTokenizer adds it) and exports it beside the model."""
+    from loom.engine.data.indexed import IndexedDataset
+
+    texts = [f"def f{i}(x):\n    return x * {i} + 1  # ünïcödé ☃ 中文 {i % 7}" for i in range(200)]
+    texts += ["a literal <|end_of_text|> in a document", "emoji 🙂 and ξ ψ ω"]
+    tokenizer = _byte_level_tokenizer_json(tmp_path / "tok", texts)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    prefix = str(tmp_path / "data")
+    built = loom_here(capfd, "data", "build", "--input", str(docs), "--tokenizer", str(tokenizer),
+                      "--output-prefix", prefix, "--append-eod", "--workers", "2")  # fmt: skip
+    assert built.returncode == 0, built.stderr
+    dataset = IndexedDataset(prefix)
+    assert len(dataset) == len(texts)
+    for i, text in enumerate(texts):
+        assert dataset.get(i).tolist() == theirs.encode(text, add_special_tokens=False) + [theirs.eos_token_id], text
+    shown = loom_here(capfd, "data", "preview", "--data.paths", prefix, "--tokenizer", str(tokenizer),
+                      "--train.seq_length", "32", "--samples", "2", "--data.split", "1,0,0")  # fmt: skip
+    assert shown.returncode == 0 and "return x *" in shown.stdout, shown.stderr
+    run = tmp_path / "run"
+    args = tiny_train_args(prefix, run, "--train.steps", "1", "--data.tokenizer", str(tokenizer))
+    args += ["--checkpoint.save_at_end", "true"]
+    trained = loom_here(capfd, "train", *args, "--model.vocab_size", str(len(theirs)), "--data.split", "9,1,0")
+    assert trained.returncode == 0, trained.stderr
+    generated = loom_here(capfd, "generate", "--checkpoint", str(run), "--prompt", "def f", "--max-new-tokens", "4")
+    assert generated.returncode == 0 and generated.stdout.startswith("def f"), generated.stderr
+    exported = export_hf(run, tmp_path / "hf")
+    assert (exported / "tokenizer.json").read_bytes() == tokenizer.read_bytes()
+    again = transformers.AutoTokenizer.from_pretrained(str(exported))
+    assert [again.encode(text) for text in texts] == [theirs.encode(text) for text in texts]
+    assert (again.bos_token_id, again.eos_token_id) == (theirs.bos_token_id, theirs.eos_token_id) == (0, 1)
+
+
+def test_a_tokenizer_json_that_is_not_one_is_one_line(tmp_path, capfd):
+    (tmp_path / "tokenizer.json").write_text('{"not": "a tokenizer"}')
+    (tmp_path / "docs.jsonl").write_text('{"text": "x"}\n')
+    result = loom_here(capfd, "data", "build", "--input", str(tmp_path / "docs.jsonl"), "--tokenizer",
+                       str(tmp_path / "tokenizer.json"), "--output-prefix", str(tmp_path / "p"))  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"error: tokenizer {tmp_path / 'tokenizer.json'} is not a Hugging Face tokenizer")
+    assert len(result.stderr.strip().splitlines()) == 1

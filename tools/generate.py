@@ -297,10 +297,11 @@ def check_trained_tokenizer(
 
 
 def open_tokenizer(metadata: CheckpointMetadata, config: LoomConfig, explicit: str | None, needed: bool):
-    """The SentencePiece processor to encode the prompt and decode the output with: `explicit` (--tokenizer), else
-    the one the run trained with (its path then). Refuses one the model was not trained with (by the sha256 its
-    checkpoint records, or the run's tokenizer file) or with more pieces than the model has ids, whose output
-    would be noise. None when there is none and it is not `needed` (--prompt-ids: the output stays ids)."""
+    """The tokenizer (SentencePiece, or a tokenizer.json) to encode the prompt and decode the output with:
+    `explicit` (--tokenizer), else the one the run trained with (its path then). Refuses one the model was not
+    trained with (by the sha256 its checkpoint records, or the run's tokenizer file) or with more pieces than the
+    model has ids, whose output would be noise. None when there is none and it is not `needed` (--prompt-ids: the
+    output stays ids)."""
     from loom.data_tools.tokenizer import load_tokenizer
 
     recorded = metadata.tokenizer or {}

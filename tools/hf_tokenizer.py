@@ -3,8 +3,9 @@ as the model was trained on it.
 
 A model trained here on a `loom data tokenizer` BPE model gets that SentencePiece model as `tokenizer.model` with a
 LlamaTokenizer config that keeps its settings (no bos/eos added, no dummy-prefix space: `loom data build`
-adds neither); an imported model gets the tokenizer files of the Hugging Face folder it came from. transformers'
-LlamaTokenizer encodes a unigram SentencePiece model differently from SentencePiece, so none is written for one.
+adds neither); one trained on a Hugging Face tokenizer.json gets that file and the settings beside it; an imported
+model gets the tokenizer files of the Hugging Face folder it came from. transformers' LlamaTokenizer encodes a
+unigram SentencePiece model differently from SentencePiece, so none is written for one.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from loom.data_tools.jsonl import InputError
 from loom.data_tools.tokenizer import load_tokenizer
+from loom.data_tools.tokenizer_json import is_tokenizer_json
 from loom.engine.atomic import copy_atomically, write_text_atomically
 from loom.engine.checkpoint.format import CheckpointError, CheckpointMetadata, sha256_of
 from loom.tools.outputs import HF_TOKENIZER_FILES
@@ -74,6 +76,8 @@ def export_tokenizer(
         reason = unfit_tokenizer(path, vocab_size) if recorded["sha256"] is None else None
         if reason:
             return f"no tokenizer written: {path}: {reason}"
+        if is_tokenizer_json(path):
+            return _copy_tokenizer_json(path, output)
         return _write_sentencepiece(path, output, max_positions)
     if model.hf_source is not None:
         return _copy_imported(Path(model.hf_source), model.hf_tokenizer, output)
@@ -97,6 +101,16 @@ def _copy_imported(source: Path, recorded: dict | None, output: Path) -> str | N
         return f"no tokenizer written: {source}, which the model was imported from, holds no tokenizer files"
     for file in files:
         copy_atomically(file, output / file.name)
+    return None
+
+
+def _copy_tokenizer_json(path: Path, output: Path) -> str | None:
+    """A Hugging Face tokenizer.json the model trained with, and the settings files beside it (which tokens are
+    bos and eos, the tokenizer's class), as transformers' AutoTokenizer loads them."""
+    copy_atomically(path, output / "tokenizer.json")
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        if (path.parent / name).is_file():
+            copy_atomically(path.parent / name, output / name)
     return None
 
 
