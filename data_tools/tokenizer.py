@@ -28,7 +28,7 @@ from loom.data_tools.failures import reported_failures
 from loom.data_tools.jsonl import InputError, JsonlStats, check_inputs, count_lines, iter_jsonl, no_documents
 from loom.data_tools.manifest import manifest_path, write_manifest
 from loom.data_tools.progress import Elapsed, Progress
-from loom.data_tools.tokenizer_json import HuggingFaceTokenizer, is_tokenizer_json
+from loom.engine.data.tokenizer_json import HuggingFaceTokenizer, TokenizerError, is_tokenizer_json
 
 Tokenizer = sentencepiece.SentencePieceProcessor | HuggingFaceTokenizer
 """What load_tokenizer returns: a SentencePiece model, or a Hugging Face tokenizer.json behind the same methods."""
@@ -43,7 +43,10 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     if not path.is_file():
         raise InputError(f"tokenizer {path} does not exist; train one with `loom data tokenizer`")
     if is_tokenizer_json(path):
-        return HuggingFaceTokenizer(path)
+        try:
+            return HuggingFaceTokenizer(path)
+        except TokenizerError as error:
+            raise InputError(str(error)) from None
     try:
         return sentencepiece.SentencePieceProcessor(model_file=str(path))
     except (RuntimeError, OSError):

@@ -58,8 +58,9 @@ def preflight(config: LoomConfig, world_size: int, training: bool = True, ranks_
         check_dataset_token_ids(dataset, config.model.vocab_size, config.data.cache_dir)
     check_splits(config, with_train=training)
     if config.data.tokenizer:
-        from loom.data_tools.jsonl import InputError
-        from loom.data_tools.tokenizer import load_tokenizer
+        import sentencepiece
+
+        from loom.engine.data.tokenizer_json import HuggingFaceTokenizer, TokenizerError, is_tokenizer_json
 
         tokenizer = Path(config.data.tokenizer)
         if not tokenizer.is_file():
@@ -71,9 +72,16 @@ def preflight(config: LoomConfig, world_size: int, training: bool = True, ranks_
             )
             raise ConfigError(f"data.tokenizer {tokenizer} {what}")
         try:
-            vocab = load_tokenizer(tokenizer).get_piece_size()
-        except InputError as error:
+            if is_tokenizer_json(tokenizer):
+                vocab = HuggingFaceTokenizer(tokenizer).get_piece_size()
+            else:
+                vocab = sentencepiece.SentencePieceProcessor(model_file=str(tokenizer)).get_piece_size()
+        except TokenizerError as error:
             raise ConfigError(f"data.{error}") from None
+        except (RuntimeError, OSError):
+            raise ConfigError(
+                f"data.tokenizer {tokenizer} is not a SentencePiece model (a .model file, or a tokenizer.json)"
+            ) from None
         if vocab > config.model.vocab_size:
             raise ConfigError(
                 f"the tokenizer has {vocab} pieces but model.vocab_size = {config.model.vocab_size}; "
@@ -216,12 +224,14 @@ def adopt_lora_base(config: LoomConfig) -> None:
     check_rank(config)
 
 
-def _first_difference(saved: dict, current: dict) -> str:
-    for section in sorted(set(saved) | set(current)):
-        before, after = saved.get(section, {}), current.get(section, {})
+def first_difference(first: dict, second: dict, names: tuple[str, str] = ("there", "now")) -> str:
+    """The first setting two configs (as dicts of sections) give differently, said as `section.field: A there, B
+    now` (`names` in place of there and now)."""
+    for section in sorted(set(first) | set(second)):
+        before, after = first.get(section, {}), second.get(section, {})
         for name in sorted(set(before) | set(after)):
             if before.get(name) != after.get(name):
-                return f"{section}.{name}: {before.get(name)} there, {after.get(name)} now"
+                return f"{section}.{name}: {before.get(name)} {names[0]}, {after.get(name)} {names[1]}"
     return "the same settings, written differently"
 
 
@@ -292,7 +302,7 @@ def check_run_directory(config: LoomConfig) -> None:
         )
         return
     if not config.train.overwrite:
-        difference = _first_difference(saved, current) if saved else f"and no readable {saved_config.name}"
+        difference = first_difference(saved, current) if saved else f"and no readable {saved_config.name}"
         raise ConfigError(
             f"run directory {run_dir} holds another run's metrics ({difference}); "
             f"give this run its own --train.name or --train.run_dir, or pass --train.overwrite true to replace it"

@@ -25,7 +25,7 @@ FORBIDDEN = {
     "tools": {"launch": None},
     "launch": {},
 }
-DATA_TOOLS_MAY_USE_FROM_ENGINE = {"loom.engine.data.indexed", "loom.engine.atomic"}
+DATA_TOOLS_MAY_USE_FROM_ENGINE = {"loom.engine.data.indexed", "loom.engine.data.tokenizer_json", "loom.engine.atomic"}
 
 
 def module_name(path: Path) -> str:

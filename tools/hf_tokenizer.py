@@ -15,9 +15,9 @@ from pathlib import Path
 
 from loom.data_tools.jsonl import InputError
 from loom.data_tools.tokenizer import load_tokenizer
-from loom.data_tools.tokenizer_json import is_tokenizer_json
 from loom.engine.atomic import copy_atomically, write_text_atomically
 from loom.engine.checkpoint.format import CheckpointError, CheckpointMetadata, sha256_of
+from loom.engine.data.tokenizer_json import is_tokenizer_json
 from loom.tools.outputs import HF_TOKENIZER_FILES
 
 

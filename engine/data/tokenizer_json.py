@@ -1,4 +1,5 @@
-"""A Hugging Face `tokenizer.json` as the tokenizer of loom's data commands, training checks and generation.
+"""A Hugging Face `tokenizer.json` as the tokenizer of loom's data commands, training checks and generation (in the
+engine, which checks data.tokenizer; data_tools loads it through its load_tokenizer).
 
 A model imported from Hugging Face brings its tokenizer as tokenizer.json (Llama 3 ships no SentencePiece model);
 its data must be tokenized by that tokenizer. `HuggingFaceTokenizer` runs it with the `tokenizers` library (the one
@@ -15,7 +16,11 @@ from pathlib import Path
 
 import numpy as np
 
-from loom.data_tools.jsonl import InputError
+from loom.errors import LoomError
+
+
+class TokenizerError(LoomError):
+    """A tokenizer file that cannot be read as one, or the library to read it missing."""
 
 
 def is_tokenizer_json(path: str | Path) -> bool:
@@ -30,7 +35,7 @@ class HuggingFaceTokenizer:
         try:
             from tokenizers import Tokenizer
         except ImportError:
-            raise InputError(
+            raise TokenizerError(
                 f"tokenizer {path} is a Hugging Face tokenizer.json, which needs the tokenizers library: "
                 "pip install tokenizers (or loom[hf])"
             ) from None
@@ -38,7 +43,7 @@ class HuggingFaceTokenizer:
             self._tokenizer = Tokenizer.from_file(str(path))
         except Exception as error:  # noqa: BLE001 - the library raises plain Exception for a malformed file
             reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-            raise InputError(f"tokenizer {path} is not a Hugging Face tokenizer.json ({reason})") from None
+            raise TokenizerError(f"tokenizer {path} is not a Hugging Face tokenizer.json ({reason})") from None
         self._ids = max(self._tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         self._bos, self._eos = (self._special_id(Path(path), role) for role in ("bos_token", "eos_token"))
 
@@ -48,14 +53,14 @@ class HuggingFaceTokenizer:
         try:
             token = json.loads(config_path.read_text()).get(role) if config_path.is_file() else None
         except (OSError, ValueError, AttributeError):
-            raise InputError(f"{config_path} (beside tokenizer {path}) is not a JSON object") from None
+            raise TokenizerError(f"{config_path} (beside tokenizer {path}) is not a JSON object") from None
         if isinstance(token, dict):  # transformers' AddedToken form
             token = token.get("content")
         if token is None:
             return -1
         token_id = self._tokenizer.token_to_id(str(token))
         if token_id is None:
-            raise InputError(f"{config_path}'s {role} {token!r} is not a token of {path}")
+            raise TokenizerError(f"{config_path}'s {role} {token!r} is not a token of {path}")
         return token_id
 
     def encode(self, texts: str | list[str], out_type: object = int, num_threads: int = 1):
