@@ -17,7 +17,7 @@ import signal
 import sys
 from pathlib import Path
 
-from loom.engine.config import ConfigError
+from loom.engine.config import ConfigError, LoomConfig
 from loom.engine.config_io import is_override_flag, load_config, parse_overrides
 from loom.engine.run_dir import SCHEDULE_CHART
 from loom.errors import Interrupted, is_user_error, user_message
@@ -82,6 +82,15 @@ def _srun_tasks() -> int:
     return int(tasks) if _parent_command() in ("slurmstepd", "") else 1
 
 
+def _layout(config: LoomConfig) -> str:
+    """How a resolved config splits the model over its ranks, and where the run writes."""
+    cp = f"cp={config.parallel.cp} " if config.parallel.cp > 1 else ""
+    return (
+        f"tp={config.parallel.tp} {cp}pp={config.parallel.pp} dp={config.parallel.dp}, run directory "
+        f"{config.train.run_dir}"
+    )
+
+
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
     from loom.data_tools.manifest import check_same_tokenizer
     from loom.engine.parallel.rendezvous import start_rank_server
@@ -118,7 +127,13 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
             )
             warn_settings_without_effect(config)
         preflight_of_a_rank(config)
-        run_rank(config, stop=StopSignals.exit_on_terminate())
+        config.resolve_world(world)
+        if rank == 0:
+            print(f"loom train: {_layout(config)}", flush=True)
+        stop = StopSignals.exit_on_terminate()
+        run_rank(config, stop=stop)
+        if stop.exited_early:  # saved and stopped short of train.steps: torchrun or a script must not see success
+            raise SystemExit(128 + signal.Signals[stop.received or "SIGTERM"])
         return
     nproc = args.nproc or 1
     if args.print_config:
@@ -140,13 +155,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
     with removed_if_left_empty(Path(config.train.run_dir)):
         preflight(config, nproc)
         check_same_tokenizer(config.data.paths, config.data.tokenizer)  # the dataset's manifest knows
-        print(
-            f"loom train: {nproc} rank(s), tp={config.parallel.tp} "
-            + (f"cp={config.parallel.cp} " if config.parallel.cp > 1 else "")
-            + f"pp={config.parallel.pp} dp={config.parallel.dp}, "
-            f"run directory {config.train.run_dir}",
-            flush=True,
-        )
+        print(f"loom train: {nproc} rank(s), {_layout(config)}", flush=True)
         print(_prediction(config), flush=True)
         launch_local(config, nproc)
 

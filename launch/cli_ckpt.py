@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -134,7 +135,20 @@ WHOLE_DATASET = "0,100,0"
 """`loom eval --split`'s default: every document of --data is in the part evaluated."""
 
 
+def refuse_to_run_as_a_rank(command: str) -> None:
+    """`loom eval` and `loom generate` start their own ranks (--nproc): under torchrun or srun (RANK and WORLD_SIZE
+    > 1 in the environment) each process ran the whole command, every node printing the same result."""
+    world = os.environ.get("WORLD_SIZE", "1")
+    if "RANK" in os.environ and world.isdigit() and int(world) > 1:
+        raise ConfigError(
+            f"loom {command} starts its own ranks (--nproc N), but RANK={os.environ['RANK']}, WORLD_SIZE={world} in "
+            "the environment make this process one rank of a torchrun/srun launch: run it once, outside torchrun "
+            "(unset RANK and WORLD_SIZE if they are left from another job)"
+        )
+
+
 def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> None:
+    refuse_to_run_as_a_rank("eval")
     from loom.engine.checkpoint.format import CheckpointError
     from loom.launch.local import RankFailed
     from loom.tools.ckpt import open_checkpoint
@@ -213,6 +227,7 @@ def _evaluate(args: argparse.Namespace, overrides: list[str], directory: Path, m
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
+    refuse_to_run_as_a_rank("generate")
     import sys
 
     from loom.engine.config_io import config_from_dict

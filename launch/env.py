@@ -153,6 +153,56 @@ def init_distributed(config: LoomConfig) -> int:
     return local_rank
 
 
+SHARED_CHECK = ".loom-shared-check"
+"""What rank 0 writes into the run directory for the other ranks to find: they see it only if the folder is shared."""
+
+
+def agree_with_rank_0(config: LoomConfig, check_run_dir: bool) -> None:
+    """Refuse, on every rank at once, a launch whose ranks were given other settings than rank 0 (under torchrun or
+    srun each node has its own command line: a node told other steps trained on another learning-rate schedule
+    beside the rest, unsaid; another tp hung), or (`check_run_dir`) that do not see rank 0's run directory: every
+    rank writes its part of each checkpoint there, and a node with a folder of its own failed the first save,
+    after all the training before it. Before any other collective."""
+    import secrets
+    import socket
+
+    from loom.engine.config_io import config_to_dict
+    from loom.engine.preflight import first_difference
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world == 1:
+        return
+    marker = Path(config.train.run_dir) / SHARED_CHECK
+    token = secrets.token_hex(8) if rank == 0 and check_run_dir else None
+    if token is not None:
+        marker.write_text(token)  # the run directory exists: rank 0 holds its lock
+    ranks: list = [None] * world
+    dist.all_gather_object(ranks, (config_to_dict(config), socket.gethostname(), token))
+    try:
+        sees = rank == 0 or not check_run_dir or (marker.is_file() and marker.read_text() == ranks[0][2])
+    except OSError:
+        sees = False
+    seen: list = [None] * world
+    dist.all_gather_object(seen, sees)
+    if token is not None:
+        marker.unlink(missing_ok=True)
+    (first, first_host, _), where = ranks[0], lambda r: f"rank {r} on {ranks[r][1]}"
+    other = next((r for r in range(1, world) if ranks[r][0] != first), None)
+    if other is not None:
+        difference = first_difference(first, ranks[other][0], ("on rank 0", f"on rank {other}"))
+        raise ConfigError(
+            f"{where(other)} was given other settings than rank 0 on {first_host} ({difference}); start every "
+            "rank with the same command"
+        )
+    blind = next((r for r in range(world) if not seen[r]), None)
+    if blind is not None:
+        raise ConfigError(
+            f"run directory {config.train.run_dir} is not shared: {where(blind)} does not see what rank 0 on "
+            f"{first_host} wrote there; every rank writes its part of each checkpoint into it: give --train.run_dir "
+            "a folder on a filesystem every node shares"
+        )
+
+
 def run_rank(config: LoomConfig, mode: str = "train", stop: StopSignals | None = None) -> list[dict]:
     """Everything one rank does for `loom train` (mode "train": the logged rows) or `loom eval`
     (mode "eval": one row with val_loss and val_ppl, printed by rank 0). With `stop`, a stop signal
@@ -171,6 +221,7 @@ def run_rank(config: LoomConfig, mode: str = "train", stop: StopSignals | None =
                     "directory meanwhile would not be refused",
                     flush=True,
                 )
+        agree_with_rank_0(config, check_run_dir=mode == "train")
         trainer = Trainer(config, local_rank=local_rank, evaluation_only=mode == "eval")
         try:
             if mode == "eval":
