@@ -77,7 +77,7 @@ def preflight(config: LoomConfig, world_size: int, training: bool = True, ranks_
             else:
                 vocab = sentencepiece.SentencePieceProcessor(model_file=str(tokenizer)).get_piece_size()
         except TokenizerError as error:
-            raise ConfigError(f"data.{error}") from None
+            raise ConfigError(f"data.tokenizer: {error}") from None
         except (RuntimeError, OSError):
             raise ConfigError(
                 f"data.tokenizer {tokenizer} is not a SentencePiece model (a .model file, or a tokenizer.json)"

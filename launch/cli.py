@@ -91,6 +91,16 @@ def _layout(config: LoomConfig) -> str:
     )
 
 
+def _reached_the_last_step(config: LoomConfig) -> bool:
+    """Whether the run's newest checkpoint is of train.steps (a stop agreed during the last step ends a finished
+    run)."""
+    from loom.engine.checkpoint.format import find_loadable
+    from loom.engine.run_dir import checkpoints_of
+
+    newest = find_loadable(checkpoints_of(config.train.run_dir), verify_hashes=False, warn=lambda _: None)
+    return newest is not None and newest[1].step >= config.train.steps
+
+
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
     from loom.data_tools.manifest import check_same_tokenizer
     from loom.engine.parallel.rendezvous import start_rank_server
@@ -132,7 +142,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
             print(f"loom train: {_layout(config)}", flush=True)
         stop = StopSignals.exit_on_terminate()
         run_rank(config, stop=stop)
-        if stop.exited_early:  # saved and stopped short of train.steps: torchrun or a script must not see success
+        if stop.exited_early and not _reached_the_last_step(config):  # torchrun or a script must not see success
             raise SystemExit(128 + signal.Signals[stop.received or "SIGTERM"])
         return
     nproc = args.nproc or 1

@@ -134,7 +134,7 @@ def init_distributed(config: LoomConfig) -> int:
     started = time.monotonic()
     try:
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=minutes))
-    except (dist.DistStoreError, dist.DistNetworkError) as error:  # rank 0 waits as the store; the others connect
+    except (dist.DistStoreError, dist.DistNetworkError) as error:  # rank 0 hosts the store (torchrun/srun); all connect
         if "EADDRINUSE" in str(error):
             raise ConfigError(
                 f"rank 0 cannot listen on {where} (MASTER_ADDR:MASTER_PORT): another process took the port; pick "
@@ -157,12 +157,16 @@ SHARED_CHECK = ".loom-shared-check"
 """What rank 0 writes into the run directory for the other ranks to find: they see it only if the folder is shared."""
 
 
+NODE_LOCAL_SETTINGS = (("data", "cache_dir"),)
+"""Settings that may differ between nodes: where each keeps the sample-index caches (a node's scratch disk)."""
+
+
 def agree_with_rank_0(config: LoomConfig, check_run_dir: bool) -> None:
-    """Refuse, on every rank at once, a launch whose ranks were given other settings than rank 0 (under torchrun or
-    srun each node has its own command line: a node told other steps trained on another learning-rate schedule
-    beside the rest, unsaid; another tp hung), or (`check_run_dir`) that do not see rank 0's run directory: every
-    rank writes its part of each checkpoint there, and a node with a folder of its own failed the first save,
-    after all the training before it. Before any other collective."""
+    """Refuse, on every rank at once, a launch whose ranks do not see rank 0's run directory (`check_run_dir`: every
+    rank writes its part of each checkpoint there, and a node with a folder of its own failed the first save, after
+    all the training before it), or were given other settings than rank 0 (under torchrun or srun each node has its
+    own command line: a node told other steps trained on another learning-rate schedule beside the rest, unsaid;
+    another tp hung). Before any other collective."""
     import secrets
     import socket
 
@@ -172,35 +176,53 @@ def agree_with_rank_0(config: LoomConfig, check_run_dir: bool) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     if world == 1:
         return
-    marker = Path(config.train.run_dir) / SHARED_CHECK
+    run_dir = Path(config.train.run_dir)
+    marker = run_dir / SHARED_CHECK
     token = secrets.token_hex(8) if rank == 0 and check_run_dir else None
-    if token is not None:
-        marker.write_text(token)  # the run directory exists: rank 0 holds its lock
+    settings = config_to_dict(config)
+    for section, name in NODE_LOCAL_SETTINGS:
+        settings[section].pop(name, None)
     ranks: list = [None] * world
-    dist.all_gather_object(ranks, (config_to_dict(config), socket.gethostname(), token))
-    try:
-        sees = rank == 0 or not check_run_dir or (marker.is_file() and marker.read_text() == ranks[0][2])
-    except OSError:
-        sees = False
     seen: list = [None] * world
-    dist.all_gather_object(seen, sees)
-    if token is not None:
-        marker.unlink(missing_ok=True)
-    (first, first_host, _), where = ranks[0], lambda r: f"rank {r} on {ranks[r][1]}"
-    other = next((r for r in range(1, world) if ranks[r][0] != first), None)
-    if other is not None:
-        difference = first_difference(first, ranks[other][0], ("on rank 0", f"on rank {other}"))
+    try:
+        if token is not None:
+            marker.write_text(token)  # the run directory exists: rank 0 holds its lock
+        dist.all_gather_object(ranks, (settings, socket.gethostname(), token, str(run_dir.resolve())))
+        try:
+            sees = rank == 0 or not check_run_dir or (marker.is_file() and marker.read_text() == ranks[0][2])
+        except OSError:
+            sees = False
+        dist.all_gather_object(seen, sees)
+    finally:
+        if token is not None:
+            marker.unlink(missing_ok=True)
+    where = lambda r: f"rank {r} on {ranks[r][1]}"  # noqa: E731
+    blind = next((r for r in range(world) if not seen[r]), None)
+    if blind is not None:  # first: a node that resumes from a folder of its own also adopts other settings
         raise ConfigError(
-            f"{where(other)} was given other settings than rank 0 on {first_host} ({difference}); start every "
+            f"run directory {run_dir} is not shared: {where(blind)} (at {ranks[blind][3]}) does not see what rank 0 "
+            f"on {ranks[0][1]} (at {ranks[0][3]}) wrote there; every rank writes its part of each checkpoint into "
+            "it: give --train.run_dir a folder on a filesystem every node shares"
+        )
+    other = next((r for r in range(1, world) if ranks[r][0] != ranks[0][0]), None)
+    if other is not None:
+        names = ("on rank 0", f"on rank {other}")
+        mine, theirs = ranks[0][0], ranks[other][0]
+        # parallel.dp follows from the rest: name what the user gave (another tp) rather than what it changed
+        derived = {"parallel": {"dp": None}}
+        given = first_difference(_without(mine, derived), _without(theirs, derived), names)
+        difference = first_difference(mine, theirs, names) if given.startswith("the same") else given
+        raise ConfigError(
+            f"{where(other)} was given other settings than rank 0 on {ranks[0][1]} ({difference}); start every "
             "rank with the same command"
         )
-    blind = next((r for r in range(world) if not seen[r]), None)
-    if blind is not None:
-        raise ConfigError(
-            f"run directory {config.train.run_dir} is not shared: {where(blind)} does not see what rank 0 on "
-            f"{first_host} wrote there; every rank writes its part of each checkpoint into it: give --train.run_dir "
-            "a folder on a filesystem every node shares"
-        )
+
+
+def _without(settings: dict, fields: dict) -> dict:
+    return {
+        section: {k: v for k, v in values.items() if k not in fields.get(section, {})}
+        for section, values in settings.items()
+    }
 
 
 def run_rank(config: LoomConfig, mode: str = "train", stop: StopSignals | None = None) -> list[dict]:

@@ -723,14 +723,18 @@ def _byte_level_tokenizer_json(folder, texts):
 
 def test_a_hugging_face_tokenizer_json_builds_trains_generates_and_exports_as_transformers_encodes(tmp_path, capfd):
     """A model imported from Hugging Face may bring only a tokenizer.json (Llama 3): its data is built with it, as
-    transformers' AutoTokenizer encodes (no bos added; --append-eod appends its eos); a run trained on that data
-    generates with it (bos first, as AutoTokenizer adds it) and exports it beside the model."""
+    transformers' AutoTokenizer encodes (no bos added; --append-eod appends its eos; a special token spelled out in
+    a text is text, as for SentencePiece); a run trained on that data generates with it (bos first, as AutoTokenizer
+    adds it) and exports it beside the model, where AutoTokenizer encodes the same."""
     from loom.engine.data.indexed import IndexedDataset
 
     texts = [f"def f{i}(x):\n    return x * {i} + 1  # ünïcödé ☃ 中文 {i % 7}" for i in range(200)]
     texts += ["a literal <|end_of_text|> in a document", "emoji 🙂 and ξ ψ ω"]
     tokenizer = _byte_level_tokenizer_json(tmp_path / "tok", texts)
-    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
+    # a special token spelled out in a document is text, not a document's end: split_special_tokens
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "tok"), split_special_tokens=True)
+    spelled = theirs.encode("a literal <|end_of_text|> in a document", add_special_tokens=False)
+    assert theirs.eos_token_id not in spelled
     docs = tmp_path / "docs.jsonl"
     docs.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
     prefix = str(tmp_path / "data")

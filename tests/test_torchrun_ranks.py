@@ -62,7 +62,10 @@ def test_ranks_given_other_settings_or_a_run_directory_they_do_not_share_are_ref
         results, f"rank 1 on {host} was given other settings than rank 0 on {host} (train.steps: 8 on rank 0, 12 on "
         "rank 1); start every rank with the same command"
     )  # fmt: skip
-    _refused_on_every_rank(_ranks([(args, node0), ([*args, "--parallel.tp", "2"], node0)], free_port()), "parallel.")
+    _refused_on_every_rank(
+        _ranks([(args, node0), ([*args, "--parallel.tp", "2"], node0)], free_port()),
+        "(parallel.tp: 1 on rank 0, 2 on rank 1)",
+    )
     results = _ranks([(args, node0), (args, node1)], free_port())  # the same relative runs/r, on other disks
     _refused_on_every_rank(results, "run directory runs/r is not shared: rank 1 on", "on a filesystem every node")
     assert not (tmp_path / "node1" / "runs" / "r" / "checkpoints").exists()

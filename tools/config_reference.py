@@ -70,7 +70,7 @@ def reference() -> str:
         for spec in dataclasses.fields(cls):
             if spec.name not in docs:
                 raise ValueError(f"{cls.__name__}.{spec.name} has no docstring; write one under it")
-            meaning = docs.get(spec.name, "").replace("|", "\\|")
+            meaning = docs[spec.name].replace("|", "\\|")
             lines.append(
                 f"| `{section.name}.{spec.name}` | {_type_of(hints[spec.name])} | `{_default_of(spec)}` | {meaning} |"
             )

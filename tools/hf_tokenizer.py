@@ -108,9 +108,16 @@ def _copy_tokenizer_json(path: Path, output: Path) -> str | None:
     """A Hugging Face tokenizer.json the model trained with, and the settings files beside it (which tokens are
     bos and eos, the tokenizer's class), as transformers' AutoTokenizer loads them."""
     copy_atomically(path, output / "tokenizer.json")
-    for name in ("tokenizer_config.json", "special_tokens_map.json"):
-        if (path.parent / name).is_file():
-            copy_atomically(path.parent / name, output / name)
+    if (path.parent / "special_tokens_map.json").is_file():
+        copy_atomically(path.parent / "special_tokens_map.json", output / "special_tokens_map.json")
+    settings_path = path.parent / "tokenizer_config.json"
+    settings = json.loads(settings_path.read_text()) if settings_path.is_file() else {}
+    if not isinstance(settings, dict):
+        return f"tokenizer written without its settings: {settings_path} is not a JSON object"
+    # a special token spelled out in a text is text, as the model's data was encoded (engine/data/tokenizer_json.py)
+    settings.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+    settings["split_special_tokens"] = True
+    write_text_atomically(output / "tokenizer_config.json", json.dumps(settings, indent=2))
     return None
 
 

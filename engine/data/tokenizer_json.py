@@ -4,9 +4,9 @@ engine, which checks data.tokenizer; data_tools loads it through its load_tokeni
 A model imported from Hugging Face brings its tokenizer as tokenizer.json (Llama 3 ships no SentencePiece model);
 its data must be tokenized by that tokenizer. `HuggingFaceTokenizer` runs it with the `tokenizers` library (the one
 transformers' fast tokenizers use) behind the few SentencePieceProcessor methods loom calls, and encodes as
-`AutoTokenizer.from_pretrained(folder).encode(text, add_special_tokens=False)` does: no bos or eos added (as
-`loom data build` adds none to SentencePiece's ids; `--append-eod` appends the eos), special tokens written in the
-text read as those tokens. Which tokens are bos and eos is said by the tokenizer_config.json beside it.
+`AutoTokenizer.from_pretrained(folder, split_special_tokens=True).encode(text, add_special_tokens=False)` does: no bos
+or eos added (as `loom data build` adds none to SentencePiece's ids; `--append-eod` appends the eos), and a special
+token written in a text read as text. Which tokens are bos and eos is said by the tokenizer_config.json beside it.
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ class HuggingFaceTokenizer:
             ) from None
         try:
             self._tokenizer = Tokenizer.from_file(str(path))
+            # A special token spelled out in a document is text, as SentencePiece's `</s>` is in loom's data: a
+            # scraped "<|end_of_text|>" would otherwise end a document mid-way (AutoTokenizer's split_special_tokens)
+            self._tokenizer.encode_special_tokens = True
         except Exception as error:  # noqa: BLE001 - the library raises plain Exception for a malformed file
             reason = str(error).splitlines()[0] if str(error) else type(error).__name__
             raise TokenizerError(f"tokenizer {path} is not a Hugging Face tokenizer.json ({reason})") from None
@@ -53,14 +56,19 @@ class HuggingFaceTokenizer:
         try:
             token = json.loads(config_path.read_text()).get(role) if config_path.is_file() else None
         except (OSError, ValueError, AttributeError):
-            raise TokenizerError(f"{config_path} (beside tokenizer {path}) is not a JSON object") from None
+            raise TokenizerError(
+                f"{config_path} (beside tokenizer {path}) is not a JSON object; fix it, or remove it (then the "
+                "tokenizer has no bos or eos)"
+            ) from None
         if isinstance(token, dict):  # transformers' AddedToken form
             token = token.get("content")
         if token is None:
             return -1
         token_id = self._tokenizer.token_to_id(str(token))
         if token_id is None:
-            raise TokenizerError(f"{config_path}'s {role} {token!r} is not a token of {path}")
+            raise TokenizerError(
+                f"{config_path}'s {role} {token!r} is not a token of {path}; give the tokenizer.json it belongs with"
+            )
         return token_id
 
     def encode(self, texts: str | list[str], out_type: object = int, num_threads: int = 1):
@@ -68,7 +76,10 @@ class HuggingFaceTokenizer:
         library encodes a batch on threads of its own."""
         if isinstance(texts, str):
             return self._tokenizer.encode(texts, add_special_tokens=False).ids
-        encoded = [item.ids for item in self._tokenizer.encode_batch(texts, add_special_tokens=False)]
+        if num_threads <= 1:  # encode_batch runs on every core: a build's workers would each take them all
+            encoded = [self._tokenizer.encode(text, add_special_tokens=False).ids for text in texts]
+        else:
+            encoded = [item.ids for item in self._tokenizer.encode_batch(texts, add_special_tokens=False)]
         if out_type == "numpy":
             return [np.asarray(ids, dtype=np.int32) for ids in encoded]
         return encoded
