@@ -157,8 +157,8 @@ SHARED_CHECK = ".loom-shared-check"
 """What rank 0 writes into the run directory for the other ranks to find: they see it only if the folder is shared."""
 
 
-NODE_LOCAL_SETTINGS = (("data", "cache_dir"),)
-"""Settings that may differ between nodes: where each keeps the sample-index caches (a node's scratch disk)."""
+NODE_LOCAL_SETTING = ("data", "cache_dir")
+"""The setting that may differ between nodes: where each keeps the sample-index caches (a node's scratch disk)."""
 
 
 def agree_with_rank_0(config: LoomConfig, check_run_dir: bool) -> None:
@@ -179,9 +179,7 @@ def agree_with_rank_0(config: LoomConfig, check_run_dir: bool) -> None:
     run_dir = Path(config.train.run_dir)
     marker = run_dir / SHARED_CHECK
     token = secrets.token_hex(8) if rank == 0 and check_run_dir else None
-    settings = config_to_dict(config)
-    for section, name in NODE_LOCAL_SETTINGS:
-        settings[section].pop(name, None)
+    settings = _without(config_to_dict(config), *NODE_LOCAL_SETTING)
     ranks: list = [None] * world
     seen: list = [None] * world
     try:
@@ -196,7 +194,10 @@ def agree_with_rank_0(config: LoomConfig, check_run_dir: bool) -> None:
     finally:
         if token is not None:
             marker.unlink(missing_ok=True)
-    where = lambda r: f"rank {r} on {ranks[r][1]}"  # noqa: E731
+
+    def where(r: int) -> str:
+        return f"rank {r} on {ranks[r][1]}"
+
     blind = next((r for r in range(world) if not seen[r]), None)
     if blind is not None:  # first: a node that resumes from a folder of its own also adopts other settings
         raise ConfigError(
@@ -209,8 +210,7 @@ def agree_with_rank_0(config: LoomConfig, check_run_dir: bool) -> None:
         names = ("on rank 0", f"on rank {other}")
         mine, theirs = ranks[0][0], ranks[other][0]
         # parallel.dp follows from the rest: name what the user gave (another tp) rather than what it changed
-        derived = {"parallel": {"dp": None}}
-        given = first_difference(_without(mine, derived), _without(theirs, derived), names)
+        given = first_difference(_without(mine, "parallel", "dp"), _without(theirs, "parallel", "dp"), names)
         difference = first_difference(mine, theirs, names) if given.startswith("the same") else given
         raise ConfigError(
             f"{where(other)} was given other settings than rank 0 on {ranks[0][1]} ({difference}); start every "
@@ -218,11 +218,9 @@ def agree_with_rank_0(config: LoomConfig, check_run_dir: bool) -> None:
         )
 
 
-def _without(settings: dict, fields: dict) -> dict:
-    return {
-        section: {k: v for k, v in values.items() if k not in fields.get(section, {})}
-        for section, values in settings.items()
-    }
+def _without(settings: dict, section: str, name: str) -> dict:
+    """A config's dict of sections without field `section.name`."""
+    return {s: {k: v for k, v in values.items() if (s, k) != (section, name)} for s, values in settings.items()}
 
 
 def run_rank(config: LoomConfig, mode: str = "train", stop: StopSignals | None = None) -> list[dict]:
