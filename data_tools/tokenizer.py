@@ -28,7 +28,7 @@ from loom.data_tools.failures import reported_failures
 from loom.data_tools.jsonl import InputError, JsonlStats, check_inputs, count_lines, iter_jsonl, no_documents
 from loom.data_tools.manifest import manifest_path, write_manifest
 from loom.data_tools.progress import Elapsed, Progress
-from loom.engine.data.tokenizer_json import HuggingFaceTokenizer, TokenizerError, is_tokenizer_json
+from loom.engine.data.tokenizer_json import HuggingFaceTokenizer, TokenizerError, open_tokenizer
 
 Tokenizer = sentencepiece.SentencePieceProcessor | HuggingFaceTokenizer
 """What load_tokenizer returns: a SentencePiece model, or a Hugging Face tokenizer.json behind the same methods."""
@@ -42,18 +42,10 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         raise InputError(f"tokenizer {path} is a directory; give {inside}")
     if not path.is_file():
         raise InputError(f"tokenizer {path} does not exist; train one with `loom data tokenizer`")
-    if is_tokenizer_json(path):
-        try:
-            return HuggingFaceTokenizer(path)
-        except TokenizerError as error:
-            raise InputError(str(error)) from None
     try:
-        return sentencepiece.SentencePieceProcessor(model_file=str(path))
-    except (RuntimeError, OSError):
-        raise InputError(
-            f"tokenizer {path} is not a SentencePiece model (a .model file; a Hugging Face tokenizer is its "
-            "tokenizer.json)"
-        ) from None
+        return open_tokenizer(path)
+    except TokenizerError as error:
+        raise InputError(str(error)) from None
 
 
 def decode_ids(processor: Tokenizer, ids: list[int], path: str | Path) -> str:

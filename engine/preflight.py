@@ -58,9 +58,7 @@ def preflight(config: LoomConfig, world_size: int, training: bool = True, ranks_
         check_dataset_token_ids(dataset, config.model.vocab_size, config.data.cache_dir)
     check_splits(config, with_train=training)
     if config.data.tokenizer:
-        import sentencepiece
-
-        from loom.engine.data.tokenizer_json import HuggingFaceTokenizer, TokenizerError, is_tokenizer_json
+        from loom.engine.data.tokenizer_json import TokenizerError, open_tokenizer
 
         tokenizer = Path(config.data.tokenizer)
         if not tokenizer.is_file():
@@ -72,16 +70,9 @@ def preflight(config: LoomConfig, world_size: int, training: bool = True, ranks_
             )
             raise ConfigError(f"data.tokenizer {tokenizer} {what}")
         try:
-            if is_tokenizer_json(tokenizer):
-                vocab = HuggingFaceTokenizer(tokenizer).get_piece_size()
-            else:
-                vocab = sentencepiece.SentencePieceProcessor(model_file=str(tokenizer)).get_piece_size()
+            vocab = open_tokenizer(tokenizer).get_piece_size()
         except TokenizerError as error:
             raise ConfigError(f"data.tokenizer: {error}") from None
-        except (RuntimeError, OSError):
-            raise ConfigError(
-                f"data.tokenizer {tokenizer} is not a SentencePiece model (a .model file, or a tokenizer.json)"
-            ) from None
         if vocab > config.model.vocab_size:
             raise ConfigError(
                 f"the tokenizer has {vocab} pieces but model.vocab_size = {config.model.vocab_size}; "

@@ -290,9 +290,6 @@ def _refuse_unrepresentable(hf: dict) -> None:
         raise CheckpointError(
             f"model_type {hf.get('model_type')!r} is neither llama nor mistral; loom imports Llama-format models"
         )
-    window = hf.get("sliding_window") if hf.get("model_type") == "mistral" else None
-    if window is not None and (type(window) is not int or window < 1):
-        raise CheckpointError(f"config.json's sliding_window {window!r} is neither null nor a number of tokens")
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
             raise CheckpointError(f"config.json sets {flag}: true; loom's Llama form has no biases")
@@ -312,6 +309,8 @@ def _positions_represented(hf: dict) -> int:
     not past it)."""
     positions = hf["max_position_embeddings"]
     window = hf.get("sliding_window") if hf.get("model_type") == "mistral" else None
+    if window is not None and (type(window) is not int or window < 1):
+        raise CheckpointError(f"config.json's sliding_window {window!r} is neither null nor a number of tokens")
     return positions if window is None else min(positions, window)
 
 

@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from loom.errors import LoomError
+
+if TYPE_CHECKING:
+    import sentencepiece
 
 
 class TokenizerError(LoomError):
@@ -26,6 +30,22 @@ class TokenizerError(LoomError):
 def is_tokenizer_json(path: str | Path) -> bool:
     """Whether `path` names a Hugging Face tokenizer file (by its suffix: SentencePiece models are binary)."""
     return Path(path).suffix == ".json"
+
+
+def open_tokenizer(path: str | Path) -> sentencepiece.SentencePieceProcessor | HuggingFaceTokenizer:
+    """The tokenizer in file `path`: a HuggingFaceTokenizer for a tokenizer.json, else a SentencePiece model (the
+    one place that tells them apart, for the engine's check of data.tokenizer and data_tools' load_tokenizer)."""
+    if is_tokenizer_json(path):
+        return HuggingFaceTokenizer(path)
+    import sentencepiece
+
+    try:
+        return sentencepiece.SentencePieceProcessor(model_file=str(path))
+    except (RuntimeError, OSError):
+        raise TokenizerError(
+            f"tokenizer {path} is not a SentencePiece model (a .model file; a Hugging Face tokenizer is its "
+            "tokenizer.json)"
+        ) from None
 
 
 class HuggingFaceTokenizer:
