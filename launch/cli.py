@@ -94,11 +94,10 @@ def _layout(config: LoomConfig) -> str:
 def _reached_the_last_step(config: LoomConfig) -> bool:
     """Whether the run's newest checkpoint is of train.steps (a stop agreed during the last step ends a finished
     run)."""
-    from loom.engine.checkpoint.format import find_loadable
-    from loom.engine.run_dir import checkpoints_of
+    from loom.launch.slurm_jobs import newest_checkpoint
 
-    newest = find_loadable(checkpoints_of(config.train.run_dir), verify_hashes=False, warn=lambda _: None)
-    return newest is not None and newest[1].step >= config.train.steps
+    newest = newest_checkpoint(Path(config.train.run_dir))
+    return newest is not None and newest.step >= config.train.steps
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
