@@ -34,7 +34,7 @@ from loom.engine.comm_ledger import StepLedgerWriter
 from loom.engine.config import ConfigError, LoomConfig
 from loom.engine.config_io import config_to_toml
 from loom.engine.cuda_env import computes_on_cuda
-from loom.engine.data.loader import BatchIterator, build_datasets, repeated_data
+from loom.engine.data.loader import BatchIterator, agree_across_ranks, build_datasets, repeated_data
 from loom.engine.faults import FaultPlan
 from loom.engine.flops import model_flops_per_token, peak_tflops
 from loom.engine.metrics import MetricsWriter, StepClock, memory_gb, perplexity
@@ -282,7 +282,7 @@ class Trainer:
         c = self.config
         position = (resumed.step, resumed.consumed_samples) if resumed is not None else None
         train_set, self.valid_set = build_datasets(
-            c, not evaluation_only, self.state.rank == 0, dist.barrier, resumed_at=position
+            c, not evaluation_only, self.state.rank == 0, agree_across_ranks, resumed_at=position
         )
         self.train_batches = self._batches(train_set, c.global_batch_size_at)
         if self.state.rank == 0:

@@ -212,7 +212,7 @@ def build_sample_indices(config: LoomConfig) -> str:
     from loom.engine.data.loader import build_datasets
 
     start = time.perf_counter()
-    train, valid = build_datasets(config, True, is_builder=True, barrier=None)
+    train, valid = build_datasets(config, True, is_builder=True, agree=None)
     parts = [p for dataset in (train, valid) if dataset is not None for p in getattr(dataset, "datasets", [dataset])]
     folders = sorted({str(p.cache_dir) for p in parts})
     built = sum(p.built for p in parts)
@@ -254,7 +254,7 @@ def _preview(args: argparse.Namespace, overrides: list[str]) -> None:
 
         inputs = [str(path) for prefix in config.data.paths for path in index_paths(prefix)]
         claim_outputs(args.overwrite, f"--output {args.output}", [Path(args.output)], inputs)
-    dataset = build_dataset(config, 0, args.samples, is_builder=True, barrier=None)
+    dataset = build_dataset(config, 0, args.samples, is_builder=True, agree=None)
     print(
         f"the first {args.samples} training samples of {', '.join(config.data.paths)} in the order training "
         f"reads them (seq_length {config.train.seq_length} + 1 label token, seed {config.train.seed}, "

@@ -133,7 +133,7 @@ def preview_first_sample(config: LoomConfig, tokenizer_model: str) -> None:
 
     from loom.engine.data.loader import build_dataset
 
-    sample = build_dataset(config, 0, 1, is_builder=True, barrier=None)[0].tolist()
+    sample = build_dataset(config, 0, 1, is_builder=True, agree=None)[0].tolist()
     text = sentencepiece.SentencePieceProcessor(model_file=tokenizer_model).decode(sample)
     print(
         f"first training sample ({len(sample)} tokens; `loom data preview` shows more): "

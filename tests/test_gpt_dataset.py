@@ -169,21 +169,25 @@ def test_a_full_disk_under_the_index_cache_is_said_and_leaves_no_part_of_it(tmp_
     assert list((tmp_path / "data_cache").iterdir()) == []
 
 
-def test_non_builders_wait_for_the_builder(tmp_path):
+def test_non_builders_wait_for_the_builder_and_every_rank_hears_of_a_failure(tmp_path):
     indexed = write_documents(tmp_path / "data", random_documents(6, 10))
     cache = tmp_path / "shared_cache"
-    events = []
+    heard = []
 
-    def builder_finishes():
-        events.append("barrier")
-        GPTDataset(indexed, np.arange(10), 12, 4, seed=0, cache_dir=cache, is_builder=True)
+    def builder_finishes(failure):
+        if not heard:
+            GPTDataset(indexed, np.arange(10), 12, 4, seed=0, cache_dir=cache, is_builder=True)
+        heard.append(failure)
 
     follower = GPTDataset(
-        indexed, np.arange(10), 12, 4, seed=0, cache_dir=cache, is_builder=False, barrier=builder_finishes
+        indexed, np.arange(10), 12, 4, seed=0, cache_dir=cache, is_builder=False, agree=builder_finishes
     )
-    assert events == ["barrier"] and not follower.built
-    with pytest.raises(FileNotFoundError, match="missing after the builder's barrier.*shares"):
-        GPTDataset(indexed, np.arange(10), 12, 4, seed=1, cache_dir=cache, is_builder=False, barrier=lambda: None)
+    assert heard == [None, None] and not follower.built  # after the builder's turn, then after reading the cache
+
+    heard.clear()
+    with pytest.raises(DatasetError, match="missing after the builder wrote it.*every rank shares"):
+        GPTDataset(indexed, np.arange(10), 12, 4, seed=1, cache_dir=cache, is_builder=False, agree=heard.append)
+    assert heard[0] is None and "missing after the builder" in str(heard[1])  # told to the other ranks first
 
 
 def test_empty_split_and_tokenless_split_are_one_line_errors(tmp_path):
@@ -398,11 +402,11 @@ def test_the_index_built_offline_is_what_training_finds_and_a_damaged_one_is_nam
     assert "2 sample indices (2 built, 0 found)" in result.stdout
 
     config = tiny_config(dataset, tmp_path / "run", data=data, train={"steps": 30, "eval_interval": 10})
-    train, valid = build_datasets(config, True, is_builder=False, barrier=None)  # a rank that never builds
+    train, valid = build_datasets(config, True, is_builder=False, agree=None)  # a rank that never builds
     assert not train.built and not valid.built and len(train) == 30 * config.train.global_batch_size
 
     damaged, path = np.array(train.shuffle_index[:-1]), train.cache_paths["shuffle_index"]
     np.save(tmp_path / "damaged.npy", damaged)
     (tmp_path / "damaged.npy").replace(path)  # a new file: the old one stays mapped by `train` intact
     with pytest.raises(DatasetError, match="shuffle_index.npy holds .* entries where .* needs"):
-        build_datasets(config, True, is_builder=False, barrier=None)
+        build_datasets(config, True, is_builder=False, agree=None)

@@ -672,7 +672,7 @@ def test_loom_trains_an_imported_llama_as_a_plain_transformers_loop(tmp_path):
     config.resolve_world(2)
     loom_rows = run_ranks(_loom_steps_on_two_ranks, 2, raw, steps)[0]
 
-    samples = build_dataset(config, 0, global_batch * steps, is_builder=True, barrier=None)
+    samples = build_dataset(config, 0, global_batch * steps, is_builder=True, agree=None)
     model = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
     o = config.optim
     matrices = [p for p in model.parameters() if p.ndim >= 2]

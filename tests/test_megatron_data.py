@@ -87,7 +87,7 @@ def loom_split(prefix: str, seed: int, split: str, seq_length: int, split_index:
             "train": {"seed": seed, "seq_length": seq_length},
         },
     )
-    return build_dataset(config, split_index, num_samples, is_builder=True, barrier=None)
+    return build_dataset(config, split_index, num_samples, is_builder=True, agree=None)
 
 
 @pytest.fixture(scope="module")

@@ -51,7 +51,7 @@ def test_ranks_given_other_settings_or_a_run_directory_they_do_not_share_are_ref
     """Nodes started with another train.steps trained on two learning-rate schedules side by side, said nowhere,
     until they hung at the first save; another tp hung at once; a node with a run directory of its own (no shared
     filesystem) failed the first save, after all the training before it. Each is one line on every rank now,
-    before the first step (parallel.timeout_minutes is 10: a hang would fail this test on its timeout)."""
+    before the first step (a hang would fail this test on its timeout). So is a data.cache_dir not shared."""
     host = socket.gethostname()
     args = [*tiny_train_args(dataset, "runs/r", "--train.steps", "8"), "--parallel.timeout_minutes", "0.5"]
     (tmp_path / "node0").mkdir()
@@ -70,6 +70,10 @@ def test_ranks_given_other_settings_or_a_run_directory_they_do_not_share_are_ref
     _refused_on_every_rank(results, "run directory runs/r is not shared: rank 1 on", "on a filesystem every node")
     assert not (tmp_path / "node1" / "runs" / "r" / "checkpoints").exists()
     assert not (tmp_path / "node0" / "runs" / "r" / ".loom-shared-check").exists()
+    # a shared run directory, but the sample-index caches on each node's own disk: rank 0 waited out the timeout
+    unshared_cache = [*tiny_train_args(dataset, tmp_path / "shared"), "--data.cache_dir", "cache", *args[-2:]]
+    results = _ranks([(unshared_cache, node0), (unshared_cache, node1)], free_port())
+    _refused_on_every_rank(results, f"rank 1 on {host}: GPTDataset index cache", "every rank shares")
     results = _ranks([(args, node0), (args, node0)], free_port())  # the same, on one shared folder: trains
     assert [result.returncode for result in results] == [0, 0], results[1].stderr
     assert [row["step"] for row in read_metrics(tmp_path / "node0" / "runs" / "r") if "loss" in row] == list(

@@ -21,7 +21,7 @@ arrays describe it:
 They are built by `build_sample_indices`, a pure, vectorised function (cumsum + searchsorted,
 no Python loop over documents or samples), and cached as .npy beside the data under a sha256 of
 everything that determines them. This module reads tokens only through IndexedDataset and must
-not import torch or know about ranks: the caller says who builds and passes a barrier.
+not import torch or know about ranks: the caller says who builds and passes how the ranks agree (`agree`).
 """
 
 from __future__ import annotations
@@ -203,6 +203,22 @@ def _cache_key(
     return hashlib.sha256(description.encode()).hexdigest(), description
 
 
+def _failure_of(step: Callable[[], None]) -> DatasetError | None:
+    """What `step` raised that the other ranks must hear of, or None."""
+    try:
+        step()
+    except DatasetError as failure:
+        return failure
+    return None
+
+
+def _settle(failure: DatasetError | None, agree: Callable[[Exception | None], None] | None) -> None:
+    if agree is not None:
+        agree(failure)
+    if failure is not None:
+        raise failure
+
+
 def _save_atomic(path: Path, write: Callable[[object], None]) -> None:
     with atomic_path(path) as tmp, open(tmp, "wb") as f:
         write(f)
@@ -220,8 +236,12 @@ class GPTDataset:
         seed: int,
         cache_dir: Path | None = None,
         is_builder: bool = True,
-        barrier: Callable[[], None] | None = None,
+        agree: Callable[[Exception | None], None] | None = None,
     ):
+        """`is_builder`: this rank builds the index cache if it is not there. `agree`, on every rank of a launch:
+        called with this rank's failure (None when it has none) after the builder's turn, then after the rank has
+        read the cache; it waits for every rank and raises on each if any failed (a rank that failed alone left the
+        others waiting out the collective timeout)."""
         self.indexed, self.num_samples, self.seq_length, self.seed = indexed, num_samples, seq_length, seed
         document_ids = self._check_arguments(indexed, document_ids, num_samples, seq_length)
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir(indexed.prefix)
@@ -230,20 +250,29 @@ class GPTDataset:
         key, description = _cache_key(indexed, document_ids, self.num_epochs, seq_length, seed)
         self.cache_paths = {name: self.cache_dir / f"{key[:24]}-{name}.npy" for name in INDEX_NAMES}
         self.built = False
+        failure = None
         if is_builder and not all(path.is_file() for path in self.cache_paths.values()):
-            self._build_and_save(document_ids, description, key)
-        if barrier is not None:
-            barrier()
+            failure = _failure_of(lambda: self._build_and_save(document_ids, description, key))
+        _settle(failure, agree)
+        _settle(_failure_of(lambda: self._load(len(document_ids))), agree)
+
+    def _load(self, documents: int) -> None:
         missing = [path for path in self.cache_paths.values() if not path.is_file()]
         if missing:
-            raise FileNotFoundError(
-                f"GPTDataset index cache {missing[0]} is missing after the builder's barrier; "
-                f"cache_dir must be on a filesystem every rank shares"
+            raise DatasetError(
+                f"GPTDataset index cache {missing[0]} is missing after the builder wrote it; data.cache_dir must be "
+                "on a filesystem every rank shares"
             )
-        self.document_index, self.sample_index, self.shuffle_index = (
-            np.load(self.cache_paths[name], mmap_mode="r") for name in INDEX_NAMES
-        )
-        self._verify(len(document_ids))
+        try:
+            self.document_index, self.sample_index, self.shuffle_index = (
+                np.load(self.cache_paths[name], mmap_mode="r") for name in INDEX_NAMES
+            )
+        except (OSError, ValueError) as error:
+            raise DatasetError(
+                f"cannot read the index cache in {self.cache_dir} ({error}); delete it (or rebuild it with "
+                "`loom data index`)"
+            ) from None
+        self._verify(documents)
 
     def _verify(self, documents: int) -> None:
         """The cached arrays have the lengths this dataset's shape implies (a cache written by a build of

@@ -9,11 +9,13 @@ the state it has. TP and PP ranks of one replica read the same samples straight 
 from __future__ import annotations
 
 import math
+import socket
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from loom.engine.config import LoomConfig
 from loom.engine.data.blended import BlendedDataset
@@ -31,7 +33,7 @@ def _split_dataset(
     num_samples: int,
     config: LoomConfig,
     is_builder: bool,
-    barrier: Callable[[], None] | None,
+    agree: Callable[[Exception | None], None] | None,
 ) -> GPTDataset | None:
     start, end = split_document_ranges(indexed.num_documents, config.data.split)[split_index]
     if end <= start:
@@ -47,16 +49,33 @@ def _split_dataset(
         config.train.seed,  # every split uses the same seed, as megatron-core does
         cache_dir=cache_dir,
         is_builder=is_builder,
-        barrier=barrier,
+        agree=agree,
     )
 
 
+def agree_across_ranks(failure: Exception | None) -> None:
+    """GPTDataset's `agree` for the ranks of a launch: wait for every rank, then raise on each the first rank's
+    failure, naming that rank and its host (a rank whose node does not share data.cache_dir failed alone, and
+    rank 0 waited out parallel.timeout_minutes)."""
+    failures: list = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, None if failure is None else (str(failure), socket.gethostname()))
+    first = next((rank for rank, seen in enumerate(failures) if seen is not None), None)
+    if first is None:
+        return
+    message, host = failures[first]
+    raise DatasetError(f"rank {first} on {host}: {message}")
+
+
 def build_dataset(
-    config: LoomConfig, split_index: int, num_samples: int, is_builder: bool, barrier: Callable[[], None] | None
+    config: LoomConfig,
+    split_index: int,
+    num_samples: int,
+    is_builder: bool,
+    agree: Callable[[Exception | None], None] | None,
 ):
     """Dataset for split 0 (train), 1 (valid) or 2 (test) with `num_samples` samples, or None if empty.
 
-    The first rank builds index caches while the others wait on `barrier`.
+    The first rank builds index caches while the others wait in `agree` (GPTDataset says how).
     """
     paths = config.data.paths
     weights = config.data.weights or [1.0] * len(paths)
@@ -64,7 +83,7 @@ def build_dataset(
     parts = []
     for prefix, weight in zip(paths, weights):
         share = num_samples if len(paths) == 1 else math.ceil(weight / total * num_samples * _BLEND_MARGIN) + 1
-        parts.append(_split_dataset(IndexedDataset(prefix), split_index, share, config, is_builder, barrier))
+        parts.append(_split_dataset(IndexedDataset(prefix), split_index, share, config, is_builder, agree))
     if len(parts) == 1:
         return parts[0]
     if any(p is None for p in parts):
@@ -76,19 +95,19 @@ def build_datasets(
     config: LoomConfig,
     with_train: bool,
     is_builder: bool,
-    barrier: Callable[[], None] | None,
+    agree: Callable[[Exception | None], None] | None,
     resumed_at: tuple[int, int] | None = None,
 ):
     """(train, valid) datasets of a run as training reads them: train.steps global batches of training
     samples (None when not `with_train`), and train.eval_iters of validation samples when the run
-    evaluates (None otherwise). `loom data index` calls it offline with is_builder and no barrier.
+    evaluates (None otherwise). `loom data index` calls it offline with is_builder and no agree.
     `resumed_at`: (step, consumed samples) of the checkpoint the run resumes from."""
     t = config.train
     check_splits(config, with_train)
-    train = build_dataset(config, 0, training_samples(config, resumed_at), is_builder, barrier) if with_train else None
+    train = build_dataset(config, 0, training_samples(config, resumed_at), is_builder, agree) if with_train else None
     valid = None
     if evaluates(config, with_train):
-        valid = build_dataset(config, 1, t.eval_iters * t.global_batch_size, is_builder, barrier)
+        valid = build_dataset(config, 1, t.eval_iters * t.global_batch_size, is_builder, agree)
     return train, valid
 
 
