@@ -100,6 +100,23 @@ def _reached_the_last_step(config: LoomConfig) -> bool:
     return newest is not None and newest.step >= config.train.steps
 
 
+def _report_a_lost_peer(error: Exception, rank: int, config) -> None:
+    """Raise, for a torchrun or srun rank whose collective failed because another rank died or hung, the line the
+    --nproc launcher would print (gloo's traceback named no rank and no checkpoint)."""
+    import socket
+
+    from loom.launch.local import RankFailed, describe_rank_error, is_collective_failure
+    from loom.launch.slurm_jobs import saved_so_far
+
+    if not is_collective_failure(error):
+        return
+    message, _ = describe_rank_error(error, config.parallel.timeout_minutes)
+    again = "start the same command on every node"
+    raise RankFailed(
+        rank, message + saved_so_far(Path(config.train.run_dir), config, again), "", host=socket.gethostname()
+    )
+
+
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
     from loom.data_tools.manifest import check_same_tokenizer
     from loom.engine.parallel.rendezvous import start_rank_server
@@ -140,7 +157,11 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
         if rank == 0:
             print(f"loom train: {_layout(config)}", flush=True)
         stop = StopSignals.exit_on_terminate()
-        run_rank(config, stop=stop)
+        try:
+            run_rank(config, stop=stop)
+        except Exception as error:
+            _report_a_lost_peer(error, rank, config)
+            raise
         if stop.exited_early and not _reached_the_last_step(config):  # torchrun or a script must not see success
             raise SystemExit(128 + signal.Signals[stop.received or "SIGTERM"])
         return

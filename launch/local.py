@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import multiprocessing.connection
 import os
+import re
 import signal
 import socket
 import sys
@@ -49,15 +50,29 @@ def _is_collective_timeout(error: BaseException, message: str) -> bool:
     return "timed out" in message.lower() or "timeout" in type(error).__name__.lower()
 
 
+# How gloo says that the rank at the other end of a connection is gone (its process ended mid-collective).
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing")
+
+
+def is_collective_failure(error: BaseException) -> bool:
+    """Whether `error` is a collective that failed because of another rank (timed out, or its peer gone)."""
+    message = str(error)
+    return _is_collective_timeout(error, message) or any(phrase in message for phrase in PEER_LOST)
+
+
 def describe_rank_error(error: BaseException, timeout_minutes: float) -> tuple[str, bool]:
     """(one line for a rank's failure, whether it is the user's to fix). A collective timeout is named as
-    what it usually means (a peer died or hung) and counts as the user's: the cause is on another rank."""
+    what it usually means (a peer died or hung), a closed connection as a peer gone; both count as the user's:
+    the cause is on another rank."""
     message = user_message(error).splitlines()[0] if str(error) else type(error).__name__
     if _is_collective_timeout(error, message):
         return (
             f"a collective timed out after {timeout_minutes:g} min: a peer rank stopped answering "
             f"(crashed, hung or killed); parallel.timeout_minutes sets the limit [{message}]"
         ), True
+    if any(phrase in message for phrase in PEER_LOST):
+        said = re.sub(r"^\[[^\]]*\] ", "", message).split(". ")[0]  # gloo's source position and its advice left out
+        return f"a peer rank ended mid-collective (it crashed or was killed: its own output says why) [{said}]", True
     if is_user_error(error):
         return message, True
     return f"{type(error).__name__}: {message}", False

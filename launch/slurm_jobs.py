@@ -151,15 +151,13 @@ def unfinished_by_exit_after(run_dir: Path, config) -> str | None:
     )
 
 
-def saved_so_far(run_dir: Path, config) -> str:
-    """ "; its newest checkpoint is step S of T: ..." for a job that ended before its run did, else ""."""
+def saved_so_far(run_dir: Path, config, again: str = "submit the same command") -> str:
+    """ "; its newest checkpoint is step S of T: `again` to continue from it" for a job (or a launch) that ended
+    before its run did, else ""."""
     saved = newest_checkpoint(run_dir)
     if saved is None or saved.step >= config.train.steps:
         return ""
-    return (
-        f"; the run's newest checkpoint is step {saved.step} of {config.train.steps}: submit the same command to "
-        "continue from it"
-    )
+    return f"; the run's newest checkpoint is step {saved.step} of {config.train.steps}: {again} to continue from it"
 
 
 def rank0_log(run_dir: Path, job_id: str) -> Path:

@@ -40,6 +40,12 @@ def test_a_rank_error_is_one_line_for_the_user_and_typed_for_a_bug():
     assert describe_rank_error(ValueError("shape mismatch\nmore"), 10) == ("ValueError: shape mismatch", False)
     message, user_error = describe_rank_error(RuntimeError("[gloo] Connection timed out"), 0.5)
     assert user_error and message.startswith("a collective timed out after 0.5 min")
+    gloo = "[/pytorch/gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.0.0.2]:1. This is typically caused"
+    assert describe_rank_error(RuntimeError(gloo), 0.5) == (
+        "a peer rank ended mid-collective (it crashed or was killed: its own output says why) "
+        "[Connection closed by peer [10.0.0.2]:1]",
+        True,
+    )
 
 
 def test_fault_plan_reads_each_switch_for_its_rank():

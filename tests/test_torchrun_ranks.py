@@ -23,6 +23,10 @@ def dataset(markov_dataset):
 
 def _ranks(commands: list[tuple[list[str], str]], port: int) -> list[subprocess.CompletedProcess]:
     """Start one `loom train` per (flags, working directory) as ranks 0..N-1 of one launch; their results."""
+    return _results(_start_ranks(commands, port))
+
+
+def _start_ranks(commands: list[tuple[list[str], str]], port: int) -> list[subprocess.Popen]:
     world = len(commands)
     processes = []
     for rank, (flags, cwd) in enumerate(commands):
@@ -33,6 +37,10 @@ def _ranks(commands: list[tuple[list[str], str]], port: int) -> list[subprocess.
                 [*LOOM, "train", *flags], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
             )  # fmt: skip
         )
+    return processes
+
+
+def _results(processes: list[subprocess.Popen]) -> list[subprocess.CompletedProcess]:
     results = []
     for process in processes:
         out, err = process.communicate(timeout=HANG_S)
@@ -98,6 +106,25 @@ def test_a_rank_stopped_before_the_last_step_exits_as_stopped_not_as_done(datase
         rank.kill()
     assert rank.returncode == 128 + signal.SIGTERM, err
     assert "checkpoint of step" in out + err and (tmp_path / "checkpoints" / "latest").is_file()
+
+
+def test_a_rank_killed_mid_run_is_named_on_the_others_with_the_checkpoint_to_resume(dataset, tmp_path):
+    """kill -9 of one rank under torchrun left the others with gloo's traceback ("Connection closed by peer ...
+    GLHF!"), naming no checkpoint; they now say what --nproc's launcher would, and where the run stands."""
+    args = tiny_train_args(dataset, tmp_path, "--train.steps", "100000", "--checkpoint.interval", "2")
+    ranks = _start_ranks([(args, str(tmp_path)), (args, str(tmp_path))], free_port())
+    try:
+        wait_for(lambda: (tmp_path / "checkpoints" / "latest").is_file(), "a first checkpoint", ranks[0])
+        ranks[1].kill()
+        survivor = _results(ranks)[0]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    last = survivor.stderr.strip().splitlines()[-1]
+    assert survivor.returncode == 1, survivor.stderr
+    assert last.startswith(f"error: rank 0 on {socket.gethostname()} failed: a peer rank ended mid-collective"), last
+    assert "[Connection closed by peer" in last and "start the same command on every node to continue" in last
+    assert "Traceback" not in survivor.stderr
 
 
 @pytest.mark.parametrize("command", ["eval", "generate"])
