@@ -39,7 +39,7 @@ from loom.data_tools.jsonl import (
     iter_jsonl,
     no_documents,
 )
-from loom.data_tools.manifest import manifest_path, write_manifest
+from loom.data_tools.manifest import manifest_path, tokenizer_settings, write_manifest
 from loom.data_tools.parallel import chunked, imap_ordered
 from loom.data_tools.tokenizer import Tokenizer, load_tokenizer
 from loom.data_tools.word_cache import WordCache, word_split
@@ -270,7 +270,7 @@ def _write_build_manifest(
         write_manifest(
             output_prefix,
             command="loom data build",
-            inputs=[*paths, model_path],
+            inputs=[*paths, model_path, *tokenizer_settings(model_path)],
             outputs=[bin_path, idx_path, *([bad_lines.path] * bool(bad_lines.count))],
             parameters={"tokenizer": model_path, **parameters, "dtype": result["dtype"]},
             counts={key: result[key] for key in ("documents", "empty_documents", "tokens", "bad_lines")},

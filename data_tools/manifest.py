@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Iterable
 
 from loom.data_tools.atomic import atomic_path
+from loom.engine.data.tokenizer_json import settings_of
 
 MANIFEST_NAME = "manifest.json"
 _HASH_CHUNK = 1 << 22
@@ -148,6 +149,30 @@ def built_with_tokenizer(prefix: str | Path) -> tuple[str, str] | None:
     return str(tokenizer), sha256
 
 
+def tokenizer_settings(tokenizer: str | Path) -> list[Path]:
+    """The settings file beside tokenizer.json `tokenizer` (its bos and eos: a dataset's end-of-document id) when
+    there is one, which a dataset's manifest records with the tokenizer; [] for a SentencePiece model."""
+    settings = settings_of(tokenizer)
+    return [settings] if settings is not None and settings.is_file() else []
+
+
+def _check_same_settings(prefix: str, built_with: str, tokenizer: str | Path) -> None:
+    """Refuse tokenizer.json `tokenizer` (the one dataset `prefix` was built with, as `built_with`) when its
+    settings file (bos, eos) has changed or gone since."""
+    from loom.data_tools.jsonl import InputError
+
+    manifest, settings, recorded_path = _dataset_manifest(prefix), settings_of(tokenizer), settings_of(built_with)
+    if settings is None or recorded_path is None or manifest is None or manifest["command"] != "loom data build":
+        return
+    inputs = manifest.get("inputs", [])
+    recorded = [entry.get("sha256") for entry in inputs if entry.get("path") == str(recorded_path)]
+    if recorded and (not settings.is_file() or sha256_file(settings) != recorded[0]):
+        raise InputError(
+            f"{settings} (which tokens of {tokenizer} are bos and eos) has changed or gone since dataset {prefix} "
+            "was built with it; restore it, or rebuild the dataset"
+        )
+
+
 def built_with_eod(prefix: str | Path) -> bool | None:
     """Whether dataset `prefix` ends each document with the end-of-document id (`loom data build --append-eod`,
     or a merge of datasets that all did or all did not), as its manifest says; None where none says."""
@@ -180,6 +205,7 @@ def check_same_tokenizer(prefixes: list[str], tokenizer: str | Path | None = Non
                     f"dataset {prefix} was built with tokenizer {path}, not {tokenizer} (their sha256 differ); give "
                     "the tokenizer the dataset was built with"
                 )
+            _check_same_settings(prefix, path, tokenizer)
     if len({sha256 for _, sha256 in recorded.values()}) > 1:
         shown = ", ".join(f"{prefix} ({path})" for prefix, (path, _) in recorded.items())
         raise InputError(f"the datasets were built with different tokenizers: {shown}; their token ids do not mix")

@@ -17,7 +17,7 @@ from loom.data_tools.jsonl import InputError
 from loom.data_tools.tokenizer import load_tokenizer
 from loom.engine.atomic import copy_atomically, write_text_atomically
 from loom.engine.checkpoint.format import CheckpointError, CheckpointMetadata, sha256_of
-from loom.engine.data.tokenizer_json import is_tokenizer_json
+from loom.engine.data.tokenizer_json import is_tokenizer_json, settings_of
 from loom.tools.outputs import HF_TOKENIZER_FILES
 
 
@@ -110,10 +110,13 @@ def _copy_tokenizer_json(path: Path, output: Path) -> str | None:
     copy_atomically(path, output / "tokenizer.json")
     if (path.parent / "special_tokens_map.json").is_file():
         copy_atomically(path.parent / "special_tokens_map.json", output / "special_tokens_map.json")
-    settings_path = path.parent / "tokenizer_config.json"
-    settings = json.loads(settings_path.read_text()) if settings_path.is_file() else {}
+    settings_path = settings_of(path)
+    try:
+        settings = json.loads(settings_path.read_text()) if settings_path.is_file() else {}
+    except (OSError, ValueError):
+        settings = None
     if not isinstance(settings, dict):
-        return f"tokenizer written without its settings: {settings_path} is not a JSON object"
+        return f"tokenizer written without its settings: {settings_path} is not a JSON object (fix it and export again)"
     # a special token spelled out in a text is text, as the model's data was encoded (engine/data/tokenizer_json.py)
     settings.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
     settings["split_special_tokens"] = True

@@ -32,6 +32,12 @@ def is_tokenizer_json(path: str | Path) -> bool:
     return Path(path).suffix == ".json"
 
 
+def settings_of(path: str | Path) -> Path | None:
+    """The tokenizer_config.json that says which tokens of tokenizer.json `path` are bos and eos (it may be missing);
+    None for a SentencePiece model, which carries its own."""
+    return Path(path).with_name("tokenizer_config.json") if is_tokenizer_json(path) else None
+
+
 def open_tokenizer(path: str | Path) -> sentencepiece.SentencePieceProcessor | HuggingFaceTokenizer:
     """The tokenizer in file `path`: a HuggingFaceTokenizer for a tokenizer.json, else a SentencePiece model (the
     one place that tells them apart, for the engine's check of data.tokenizer and data_tools' load_tokenizer)."""
@@ -72,7 +78,7 @@ class HuggingFaceTokenizer:
 
     def _special_id(self, path: Path, role: str) -> int:
         """The id of tokenizer_config.json's `role` token beside `path`; -1 (SentencePiece's "none") without one."""
-        config_path = path.with_name("tokenizer_config.json")
+        config_path = settings_of(path)
         try:
             token = json.loads(config_path.read_text()).get(role) if config_path.is_file() else None
         except (OSError, ValueError, AttributeError):
