@@ -108,7 +108,7 @@ def _report_a_lost_peer(error: Exception, rank: int, config) -> None:
     from loom.launch.local import RankFailed, describe_rank_error, is_collective_failure
     from loom.launch.slurm_jobs import saved_so_far
 
-    if not is_collective_failure(error):
+    if is_user_error(error) or not is_collective_failure(error):  # the former says all already
         return
     message, _ = describe_rank_error(error, config.parallel.timeout_minutes)
     again = "start the same command on every node"
