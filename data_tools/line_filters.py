@@ -22,7 +22,8 @@ from loom.data_tools.quality_filters import duplicate_counts, non_blank_lines
 C4_TERMINAL_PUNCTUATION = (".", "!", "?", '"', "”", "'", "’")
 # The policy boilerplate C4's preprocessing removes line by line.
 C4_POLICY_PHRASES = ("terms of use", "privacy policy", "cookie policy", "uses cookies", "use of cookies", "use cookies")
-# FineWeb's "stop characters" for its line-punctuation ratio.
+# FineWeb's "stop characters" for its line-punctuation ratio, as the FineWeb release ran datatrove (its default since
+# is a multilingual set without straight quotes).
 FINEWEB_TERMINAL_PUNCTUATION = (".", "'", '"', "!", "?")
 _SENTENCE_END = re.compile(r"[.!?]+(?:[\"'”’)\]]*)(?=\s|$)")
 _BLANK_RUNS = re.compile(r"\n{3,}")
@@ -128,7 +129,7 @@ class FineWebQuality:
     max_newline_word_ratio: float = 0.3
 
     def __call__(self, doc: Document) -> Rejected | None:
-        lines = [line.strip() for line in non_blank_lines(doc.text)]
+        lines = non_blank_lines(doc.text)  # unstripped, as datatrove's filter that made FineWeb judges them
         if not lines:
             return Rejected("empty", "no text")
         words = doc.text.split()

@@ -114,7 +114,7 @@ class GopherQuality:
     max_bullet_lines: float = 0.9
     max_ellipsis_lines: float = 0.3
     min_alpha_words: float = 0.8  # tokens with at least one letter, over all tokens
-    min_stop_words: int = 2  # occurrences of GOPHER_STOP_WORDS
+    min_stop_words: int = 2  # distinct words of GOPHER_STOP_WORDS ("at least two of the following words")
     stop_words: tuple = GOPHER_STOP_WORDS
 
     def __call__(self, doc: Document) -> Rejected | None:
@@ -141,7 +141,9 @@ class GopherQuality:
             ),
             below("alpha_words", sum(any(c.isalpha() for c in t) for t in tokens) / len(tokens), self.min_alpha_words),
             below(
-                "stop_words", sum(t.strip(_EDGE_PUNCTUATION).lower() in stop_words for t in tokens), self.min_stop_words
+                "stop_words",
+                len(stop_words & {t.strip(_EDGE_PUNCTUATION).lower() for t in tokens}),
+                self.min_stop_words,
             ),
         )
 

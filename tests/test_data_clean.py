@@ -18,7 +18,7 @@ from loom.data_tools.clean import clean_corpus
 from loom.data_tools.corpus import build_stdlib_corpus
 from loom.data_tools.document import Document
 from loom.data_tools.jsonl import InputError
-from loom.data_tools.line_filters import C4Lines, FineWebQuality
+from loom.data_tools.line_filters import FINEWEB_TERMINAL_PUNCTUATION, C4Lines, FineWebQuality
 from loom.data_tools.pipeline import apply_steps, build_step, built_steps, load_pipeline_spec
 from loom.data_tools.quality_filters import (
     GopherQuality,
@@ -219,6 +219,11 @@ def _documents_to_judge() -> dict[str, str]:
     documents["bullet_lines"] = "\n".join("- " + line for line in lines)
     documents["no_stop_words"] = " ".join(_CROPS * 2) + ".\n"
     documents["long_words"] = " ".join(["extraordinarily", "incomprehensibilities", "the", "and"] * 20) + ".\n"
+    # one stop word, twice: the paper's "two of the following words" (and datatrove) reject it; loom kept it
+    documents["one_stop_word"] = "the " + " ".join(_CROPS * 3) + " near the harbour.\n"
+    quoted = [line.rstrip(".") + '."' for line in lines if len(line) > 40]
+    documents["quote_ended_lines"] = "\n".join(quoted)  # FineWeb's stop characters include the straight quote
+    documents["indented_lines"] = "\n".join("            " + line[:25] for line in lines)  # spaces count to length
     return documents
 
 
@@ -238,7 +243,7 @@ def test_verdicts_are_datatroves(step):
     ours, theirs = {
         "gopher_quality": (GopherQuality(), filters.GopherQualityFilter()),
         "gopher_repetition": (GopherRepetition(), filters.GopherRepetitionFilter()),
-        "fineweb": (FineWebQuality(), filters.FineWebQualityFilter()),
+        "fineweb": (FineWebQuality(), filters.FineWebQualityFilter(stop_chars=FINEWEB_TERMINAL_PUNCTUATION)),
         "c4": (C4Lines(require_terminal_punctuation=False), filters.C4QualityFilter(filter_no_terminal_punct=False)),
     }[step]
     differ, verdicts = set(), Counter()
@@ -251,6 +256,29 @@ def test_verdicts_are_datatroves(step):
             differ.add(name)
     assert differ == DATATROVE_DIFFERS.get(step, set())
     assert verdicts[False] >= 1 and verdicts[True] >= 3  # each filter both keeps and rejects some
+
+
+def test_fineweb_judges_random_pages_as_datatrove():
+    """FineWeb was made by datatrove's filter: on pages of prose, quoted, indented, trailing-space, short and bulleted
+    lines in random mixes, loom keeps and rejects the same pages (it had stripped each line: an indented short line
+    passed as long, a trailing space hid a full stop)."""
+    filters = pytest.importorskip("datatrove.pipeline.filters", reason="needs loom[reference]")
+    pytest.importorskip("spacy", reason="needs loom[reference]")
+    from datatrove.data import Document as DatatroveDocument
+
+    theirs = filters.FineWebQualityFilter(stop_chars=FINEWEB_TERMINAL_PUNCTUATION)  # the FineWeb release's
+    pool = [line for line in GOOD.split("\n") if line]
+    pool += ['She said "yes."', "'Quoted line ends here.'", "Menu", "Home | About", "Item one...", "x"]
+    pool += ["   indented line with some spaces   ", "Ends with a trailing space. ", "# heading", "- bullet item"]
+    generator, verdicts, differ = random.Random(0), Counter(), []
+    for i in range(200):
+        text = "\n".join(generator.choice(pool) for _ in range(generator.randint(3, 25)))
+        kept = FineWebQuality()(Document(text)) is None
+        verdict = theirs.filter(DatatroveDocument(text=text, id=str(i)))
+        verdicts[kept] += 1
+        if kept != bool(verdict[0] if isinstance(verdict, tuple) else verdict):
+            differ.append(text)
+    assert differ == [] and verdicts[True] >= 20 and verdicts[False] >= 20, (differ[:2], verdicts)
 
 
 # Lines a page can hold, for the C4 check below: each is dropped or judged at a different point of TF-C4's order
