@@ -84,26 +84,11 @@ def test_the_order_never_depends_on_how_many_samples_are_asked_for():
         np.testing.assert_array_equal(short_array, long_array[: len(short_array)])
 
 
-def megatron_walk(lengths, document_index, num_samples, seq_length) -> np.ndarray:
-    """Sample boundaries found by walking the documents token budget by token budget (megatron-core's way)."""
-    rows = [(0, 0)]
-    position, offset = 0, 0
-    for _ in range(num_samples):
-        remaining = seq_length + 1
-        while remaining:
-            available = int(lengths[document_index[position]]) - offset
-            remaining -= available
-            if remaining <= 0:
-                offset += remaining + available - 1
-                remaining = 0
-            else:
-                position, offset = position + 1, 0
-        rows.append((position, offset))
-    return np.array(rows)
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_sample_index_matches_megatron_walk(seed):
+@pytest.mark.parametrize("seed", range(20))
+def test_sample_index_is_megatron_cores(seed):
+    """Each epoch's sample boundaries equal megatron-core's own builder (datasets/helpers.build_sample_idx, its C++),
+    on documents of random lengths, empty ones included, over several epochs."""
+    helpers = pytest.importorskip("megatron.core.datasets.helpers", reason="needs loom[reference]")
     rng = np.random.default_rng(seed)
     lengths = (rng.integers(0, 40, size=50) * (rng.random(50) > 0.2)).astype(np.int32)
     ids = np.arange(50)
@@ -111,10 +96,13 @@ def test_sample_index_matches_megatron_walk(seed):
     num_samples = int(lengths.sum()) * 2 // seq_length
     document_index, sample_index, _ = build_sample_indices(lengths, ids, num_samples, seq_length, seed)
     per_epoch = (int(lengths.sum()) - 1) // seq_length
-    for epoch in range(len(document_index) // len(ids)):
-        documents = document_index[epoch * len(ids) : (epoch + 1) * len(ids)]
+    epochs = len(document_index) // len(ids)
+    assert epochs >= 2
+    for epoch in range(epochs):
+        documents = document_index[epoch * len(ids) : (epoch + 1) * len(ids)].astype(np.int32)
         rows = sample_index[epoch * (per_epoch + 1) : (epoch + 1) * (per_epoch + 1)] - (epoch * len(ids), 0)
-        np.testing.assert_array_equal(rows, megatron_walk(lengths, documents, per_epoch, seq_length))
+        theirs = helpers.build_sample_idx(lengths, documents, seq_length, 1, int(lengths.sum()), True, 1)
+        np.testing.assert_array_equal(rows, theirs)
 
 
 def test_index_cache_is_reused_and_keyed(tmp_path, monkeypatch, capsys):

@@ -212,3 +212,30 @@ def test_weights_are_initialised_as_megatron_cores_transformer_config_says():
         assert param_info(param).init_method == ("normal", pytest.approx(stds[which], rel=1e-12)), name
         assert param.std().item() == pytest.approx(stds[which], rel=0.05), name  # >= 16k draws each
         assert abs(param.mean().item()) < 0.05 * stds[which], name
+
+
+def _megatron_no_decay(rank, world):
+    """{variant: {name: (whether megatron-core's own grouping exempts the parameter from weight decay, whether loom
+    does)}} for loom's model of each variant."""
+    import megatron.core.optimizer as optimizer
+
+    config = optimizer.OptimizerConfig(lr=1e-3, min_lr=1e-4, weight_decay=0.1)
+    decisions = {}
+    for variant, shape in VARIANTS.items():
+        model = GPTModel(ModelConfig(**SMALL, **shape), None)
+        groups = optimizer._get_param_groups([model], config, optimizer.get_standard_config_overrides(config))
+        theirs = {id(p): group["wd_mult"] == 0.0 for group in groups for p in group["params"]}
+        decisions[variant] = {name: (theirs[id(p)], param_info(p).no_decay) for name, p in model.named_parameters()}
+    return decisions
+
+
+def test_no_weight_decay_on_the_parameters_megatron_core_exempts():
+    """Which parameters get no weight decay (norms, biases: every vector) is megatron-core's own decision, taken by
+    its optimizer's parameter grouping on loom's model (one rank, for its process group)."""
+    pytest.importorskip("megatron.core.optimizer", reason="needs loom[reference]")
+    (by_variant,) = run_ranks(_megatron_no_decay, 1)
+    for variant, decisions in by_variant.items():
+        assert {name: ours for name, (_, ours) in decisions.items()} == {n: t for n, (t, _) in decisions.items()}, (
+            variant
+        )
+        assert any(theirs for theirs, _ in decisions.values()) and not all(t for t, _ in decisions.values()), variant
