@@ -623,6 +623,23 @@ def test_the_gpt2_shaped_model_computes_transformers_gpt2_logits_and_loss():
     )
     assert torch.allclose(losses.reshape(-1).float(), reference, atol=1e-5)
 
+    # and the gradients: LayerNorm biases, learned positions, the tied embedding (its input and output uses summed)
+    ours(tokens[:, :-1], tokens[:, 1:]).float().mean().backward()
+    logits = theirs(tokens[:, :-1]).logits
+    torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1)).backward()
+    theirs_by_name = dict(theirs.named_parameters())
+    loom_of = {"transformer.wte.weight": "embedding.weight", "transformer.wpe.weight": "position_embedding"}
+    loom_of |= {"transformer.ln_f.weight": "final_norm.weight", "transformer.ln_f.bias": "final_norm.bias"}
+    for i in range(layers):
+        for gpt2, loom in gpt2_names.items():
+            loom_of |= {f"transformer.h.{i}.{gpt2}.{kind}": f"layers.{i}.{loom}.{kind}" for kind in ("weight", "bias")}
+    assert set(loom_of) == {name for name in theirs_by_name if name != "lm_head.weight"}
+    for name, loom in loom_of.items():
+        mine = p[loom].grad[:vocab] if loom == "embedding.weight" else p[loom].grad
+        transposed = loom.endswith(".weight") and "norm" not in loom and loom.startswith("layers.")
+        expected = theirs_by_name[name].grad
+        assert torch.allclose(mine.T if transposed else mine, expected, atol=1e-6, rtol=1e-4), name
+
 
 def _loom_steps_on_two_ranks(rank, world, raw_config, steps):
     from loom.engine.train import Trainer
