@@ -192,7 +192,7 @@ def _max_adapter_difference(run_a: Path, run_b: Path) -> float:
     return max((a[name] - b[name]).abs().max().item() for name in a)
 
 
-def _adapter_model_logits(lora_checkpoint, tokens) -> torch.Tensor:
+def _adapter_model(lora_checkpoint) -> GPTModel:
     """The LoRA model as training computes it (adapters beside frozen weights, nothing folded), on one process."""
     directory, metadata = find_loadable(lora_checkpoint)
     config = config_from_dict(metadata.config)
@@ -205,7 +205,16 @@ def _adapter_model_logits(lora_checkpoint, tokens) -> torch.Tensor:
         for _, param in model.named_parameters():
             name = param_info(param).name
             param.copy_((adapters if name in metadata.specs else base).model(name))
-    return model.eval()(tokens)
+    return model.eval()
+
+
+# The Hugging Face modules of each loom LoRA target, in the order of the rows of its B (one A serves them all)
+PEFT_MODULES = {
+    "attention.qkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+    "attention.proj": ["self_attn.o_proj"],
+    "mlp.fc1": ["mlp.gate_proj", "mlp.up_proj"],
+    "mlp.fc2": ["mlp.down_proj"],
+}
 
 
 def test_merged_model_and_peft_adapter_give_the_lora_logits(single_rank, base, tmp_path, live_tensors):
@@ -219,7 +228,8 @@ def test_merged_model_and_peft_adapter_give_the_lora_logits(single_rank, base, t
 
     run_dir = single_rank[2]
     tokens = torch.randint(0, 4096, (2, 24), generator=torch.Generator().manual_seed(0))
-    expected = _adapter_model_logits(run_dir / "checkpoints", tokens)  # [s, b, V]
+    adapter_model = _adapter_model(run_dir / "checkpoints")
+    expected = adapter_model(tokens)  # [s, b, V]
     base_logits = load_model(find_loadable(Path(base))[0])[0](tokens)
     assert (expected - base_logits).abs().max() > 1e-3, "the adapters must have moved away from zero"
 
@@ -233,10 +243,29 @@ def test_merged_model_and_peft_adapter_give_the_lora_logits(single_rank, base, t
     export_hf(Path(base), tmp_path / "hf-base")
     export_peft_adapter(run_dir, tmp_path / "adapter")
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf-base", torch_dtype=torch.float32)
-    with_adapter = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
-    with torch.no_grad():
-        hf_logits = with_adapter(tokens).logits.transpose(0, 1)
-    torch.testing.assert_close(hf_logits, expected, rtol=1e-5, atol=1e-5)
+    with_adapter = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter", is_trainable=True).eval()
+    hf_logits = with_adapter(tokens[:, :-1]).logits
+    torch.testing.assert_close(hf_logits.detach().transpose(0, 1), expected[:-1].detach(), rtol=1e-5, atol=1e-5)
+
+    # the adapters' gradients of the loss equal peft's: one A's is the sum over the modules it serves, B's rows theirs
+    vocab = hf_logits.shape[-1]
+    torch.nn.functional.cross_entropy(hf_logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1)).backward()
+    adapter_model(tokens[:, :-1], tokens[:, 1:]).float().mean().backward()
+    theirs = {name: p.grad for name, p in with_adapter.named_parameters() if p.requires_grad}
+    compared = set()
+    for name, param in adapter_model.named_parameters():
+        if not param.requires_grad:
+            continue
+        layer, target = name.split(".")[1], ".".join(name.split(".")[2:4])
+        modules = [f"base_model.model.model.layers.{layer}.{module}" for module in PEFT_MODULES[target]]
+        peft_names = [f"{module}.lora_{name[-1].upper()}.default.weight" for module in modules]
+        if name.endswith("lora_a"):
+            expected_grad = sum(theirs[peft_name] for peft_name in peft_names)
+        else:
+            expected_grad = torch.cat([theirs[peft_name] for peft_name in peft_names])
+        torch.testing.assert_close(param.grad, expected_grad, rtol=1e-4, atol=1e-7, msg=name)
+        compared.update(peft_names)
+    assert compared == set(theirs)  # every adapter of peft's model compared
 
 
 def test_readme_lora_recipe_on_a_model_transformers_wrote(dataset, tmp_path, monkeypatch, capfd):
