@@ -23,6 +23,7 @@ from loom.data_tools.pipeline import apply_steps, build_step, built_steps, load_
 from loom.data_tools.quality_filters import (
     GopherQuality,
     GopherRepetition,
+    duplicate_counts,
     duplicate_ngram_char_fraction,
     top_ngram_char_fraction,
 )
@@ -122,6 +123,16 @@ def test_ngram_fractions_equal_brute_force():
     words = "x y z q x y z r s".split()
     assert duplicate_ngram_char_fraction(words, 3) == pytest.approx(3 / 9)
     assert top_ngram_char_fraction(words, 2) == pytest.approx(2 * 2 / 9)
+
+
+def test_duplicate_lines_and_paragraphs_are_counted_as_datatrove_counts_them():
+    """Repeated lines' and paragraphs' count and characters: datatrove's own find_duplicates (FineWeb's and Gopher's
+    repetition rules in datatrove); the n-gram rules part from it by design (docs/data.md)."""
+    repetition = pytest.importorskip("datatrove.pipeline.filters.gopher_repetition_filter", reason="loom[reference]")
+    rng = random.Random(1)
+    for _ in range(50):
+        items = [rng.choice(["a", "bb b", "ccc cc", "", "dddd"]) * rng.randint(1, 3) for _ in range(rng.randint(0, 30))]
+        assert duplicate_counts(items) == repetition.find_duplicates(items)
 
 
 def test_gopher_thresholds_by_hand():
