@@ -282,7 +282,9 @@ class OptimConfig:
     name: Literal["adamw", "sgd", "lamb", "adafactor"] = "adamw"
     """Optimizer. lamb is apex's FusedLAMB as Megatron's `--optimizer lamb` runs it (Adam moments with bias
     correction, decoupled weight decay, and the trust ratio |w| / |update| only where weight decay applies: norms
-    and biases take Adam's step, and so does every parameter when weight_decay is 0)."""
+    and biases take Adam's step, and so does every parameter when weight_decay is 0). FusedLAMB also clips the global
+    gradient norm at 1.0 itself (its max_grad_norm): loom leaves clipping to optim.clip_grad, so the two step alike
+    with clip_grad in (0, 1], Megatron's default 1.0 included."""
     lr: float = 3e-4
     """Peak learning rate, reached at the end of warmup."""
     min_lr: float = 3e-5
