@@ -269,6 +269,29 @@ def test_verdicts_are_datatroves(step):
     assert verdicts[False] >= 1 and verdicts[True] >= 3  # each filter both keeps and rejects some
 
 
+def test_gopher_repetition_parts_from_datatrove_on_random_pages_only_where_docs_say():
+    """On 200 random pages, loom's and datatrove's Gopher repetition verdicts differ only on the n-gram rules, where
+    the denominators differ by design (loom: characters of the words, as the paper; datatrove: len(text), spaCy
+    words): every page either keeps or rejects by the same line and paragraph rules, and few pages part."""
+    filters = pytest.importorskip("datatrove.pipeline.filters", reason="needs loom[reference]")
+    pytest.importorskip("spacy", reason="needs loom[reference]")
+    from datatrove.data import Document as DatatroveDocument
+
+    pool = [line for line in GOOD.split("\n") if line] + ["Menu", "Home | About", "x", "", "- bullet item"]
+    generator, parted, kept = random.Random(0), [], Counter()
+    for i in range(200):
+        text = "\n".join(generator.choice(pool) for _ in range(generator.randint(3, 25)))
+        ours = GopherRepetition()(Document(text))
+        kept[ours is None] += 1
+        verdict = filters.GopherRepetitionFilter().filter(DatatroveDocument(text=text, id=str(i)))
+        theirs = None if verdict is True else verdict[1]
+        if (ours is None) != (theirs is None):
+            parted.append((ours.rule if ours else None, theirs))
+    for ours, theirs in parted:
+        assert (ours or "").endswith("gram_chars") or "gram" in (theirs or ""), (ours, theirs)
+    assert len(parted) <= 10 and kept[True] >= 20 and kept[False] >= 20, (parted, kept)
+
+
 def test_fineweb_judges_random_pages_as_datatrove():
     """FineWeb was made by datatrove's filter: on pages of prose, quoted, indented, trailing-space, short and bulleted
     lines in random mixes, loom keeps and rejects the same pages (it had stripped each line: an indented short line
