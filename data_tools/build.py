@@ -250,6 +250,8 @@ def build_indexed_dataset(
         }
         if manifest:
             parameters = {"text_key": text_key, "append_eod": append_eod, "workers": workers}
+            if eod is not None:
+                parameters["eod_id"] = eod
             _write_build_manifest(output_prefix, paths, model_path, parameters, result, bad_lines, started)
     return result
 

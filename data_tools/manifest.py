@@ -150,26 +150,31 @@ def built_with_tokenizer(prefix: str | Path) -> tuple[str, str] | None:
 
 
 def tokenizer_settings(tokenizer: str | Path) -> list[Path]:
-    """The settings file beside tokenizer.json `tokenizer` (its bos and eos: a dataset's end-of-document id) when
-    there is one, which a dataset's manifest records with the tokenizer; [] for a SentencePiece model."""
+    """The settings file beside tokenizer.json `tokenizer` (which tokens are bos and eos) when there is one, which a
+    dataset's manifest lists among its inputs; [] for a SentencePiece model, which carries its own."""
     settings = settings_of(tokenizer)
     return [settings] if settings is not None and settings.is_file() else []
 
 
-def _check_same_settings(prefix: str, built_with: str, tokenizer: str | Path) -> None:
-    """Refuse tokenizer.json `tokenizer` (the one dataset `prefix` was built with, as `built_with`) when its
-    settings file (bos, eos) has changed or gone since."""
+def _check_same_end_of_document(prefix: str, tokenizer: str | Path) -> None:
+    """Refuse tokenizer.json `tokenizer` (the one dataset `prefix` was built with) when the eos its settings file
+    names now is another id than the one that ends each of the dataset's documents (an edit elsewhere in the file,
+    a chat template, changes nothing the dataset holds)."""
     from loom.data_tools.jsonl import InputError
+    from loom.engine.data.tokenizer_json import open_tokenizer
 
-    manifest, settings, recorded_path = _dataset_manifest(prefix), settings_of(tokenizer), settings_of(built_with)
-    if settings is None or recorded_path is None or manifest is None or manifest["command"] != "loom data build":
+    manifest = _dataset_manifest(prefix)
+    if settings_of(tokenizer) is None or manifest is None:
         return
-    inputs = manifest.get("inputs", [])
-    recorded = [entry.get("sha256") for entry in inputs if entry.get("path") == str(recorded_path)]
-    if recorded and (not settings.is_file() or sha256_file(settings) != recorded[0]):
+    recorded = manifest.get("parameters", {}).get("eod_id")
+    if not isinstance(recorded, int):
+        return  # built without --append-eod (no eos in the data), or before loom recorded it
+    eos = open_tokenizer(tokenizer).eos_id()
+    if eos != recorded:
         raise InputError(
-            f"{settings} (which tokens of {tokenizer} are bos and eos) has changed or gone since dataset {prefix} "
-            "was built with it; restore it, or rebuild the dataset"
+            f"dataset {prefix} ends each document with token {recorded}, the eos of {tokenizer} when it was built, "
+            f"but {settings_of(tokenizer)} now names {'no eos' if eos < 0 else f'token {eos}'} as eos; restore the "
+            "settings it was built with, or rebuild the dataset"
         )
 
 
@@ -205,7 +210,7 @@ def check_same_tokenizer(prefixes: list[str], tokenizer: str | Path | None = Non
                     f"dataset {prefix} was built with tokenizer {path}, not {tokenizer} (their sha256 differ); give "
                     "the tokenizer the dataset was built with"
                 )
-            _check_same_settings(prefix, path, tokenizer)
+            _check_same_end_of_document(prefix, tokenizer)
     if len({sha256 for _, sha256 in recorded.values()}) > 1:
         shown = ", ".join(f"{prefix} ({path})" for prefix, (path, _) in recorded.items())
         raise InputError(f"the datasets were built with different tokenizers: {shown}; their token ids do not mix")

@@ -117,6 +117,13 @@ class GopherQuality:
     min_stop_words: int = 2  # distinct words of GOPHER_STOP_WORDS ("at least two of the following words")
     stop_words: tuple = GOPHER_STOP_WORDS
 
+    def __post_init__(self) -> None:
+        if self.min_stop_words > len(set(self.stop_words)):  # the rule counted occurrences before 2026-11-28
+            raise ValueError(
+                f"min_stop_words = {self.min_stop_words} is more than the {len(set(self.stop_words))} stop words "
+                "there are: it counts distinct stop words (the paper's 2 by default), so every page would be rejected"
+            )
+
     def __call__(self, doc: Document) -> Rejected | None:
         tokens = doc.text.split()
         words = [t for t in tokens if is_word(t)]

@@ -7,7 +7,7 @@ figures: per trained token, 6 FLOPs (2 forward, 4 backward) for every weight of 
 (logits) included, plus 12*L*s*(heads*head_dim) for the two attention products (scores and scores x V) over the
 whole s x s square. Causal attention is not halved (that convention), although a causal kernel skips about half of
 that square; Megatron-LM since 2025 halves it, so its MFU of the same run reads lower by half the attention share
-(7% at llama-70b and s 8192, 11-13% at llama-8b s 8192 and gpt-125m s 2048; docs/gpu.md). LoRA fine-tuning
+(6.7% at llama-70b and s 8192, 11.1% at llama-8b s 8192, 11.7% at gpt-125m s 2048; docs/gpu.md). LoRA fine-tuning
 computes no gradient of a frozen weight: 4 FLOPs for each, 6 for each adapter weight. Norms, biases, rotary,
 softmax and other element-wise work are not counted, nor is recompute (that would be hardware FLOPs). The
 vocabulary is the tokenizer's, not the padded one: padded logits are wasted work, not model work (Megatron counts

@@ -100,21 +100,21 @@ def _reached_the_last_step(config: LoomConfig) -> bool:
     return newest is not None and newest.step >= config.train.steps
 
 
-def _report_a_lost_peer(error: Exception, rank: int, config) -> None:
+def _report_a_lost_peer(error: Exception, rank: int, config: LoomConfig) -> None:
     """Raise, for a torchrun or srun rank whose collective failed because another rank died or hung, the line the
-    --nproc launcher would print (gloo's traceback named no rank and no checkpoint)."""
+    --nproc launcher would print (gloo's traceback named no rank and no checkpoint); the traceback stays in its
+    details (shown with LOOM_DEBUG=1)."""
     import socket
+    import traceback
 
-    from loom.launch.local import RankFailed, describe_rank_error, is_collective_failure
+    from loom.launch.local import RankFailed, collective_failure, describe_rank_error
     from loom.launch.slurm_jobs import saved_so_far
 
-    if is_user_error(error) or not is_collective_failure(error):  # the former says all already
+    if collective_failure(error) is None:
         return
     message, _ = describe_rank_error(error, config.parallel.timeout_minutes)
-    again = "start the same command on every node"
-    raise RankFailed(
-        rank, message + saved_so_far(Path(config.train.run_dir), config, again), "", host=socket.gethostname()
-    )
+    where = saved_so_far(Path(config.train.run_dir), config, "start the same command on every node")
+    raise RankFailed(rank, message + where, traceback.format_exc(), host=socket.gethostname())
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:

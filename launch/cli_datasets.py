@@ -403,7 +403,7 @@ def add_index(sub) -> None:
     p = sub.add_parser(
         "index",
         help="build a training config's sample-index caches offline (in the preprocessing job)",
-        description="Builds what rank 0 would build at start-up while the other ranks wait at a barrier "
+        description="Builds what rank 0 would build at start-up while the other ranks wait "
         "(under NCCL with parallel.timeout_minutes, which a large corpus can trip). Training with the same "
         "data, split, seed, seq_length and steps finds the caches and checks their shape.",
         epilog="Overrides as for loom train: --train.steps 1000 --data.cache_dir /shared/cache ...",

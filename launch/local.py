@@ -46,31 +46,37 @@ class Stopped(Interrupted):
         self.exit_code = 128 + signal.Signals[signal_name].value
 
 
-def _is_collective_timeout(error: BaseException, message: str) -> bool:
-    return "timed out" in message.lower() or "timeout" in type(error).__name__.lower()
+def _first_line(error: BaseException) -> str:
+    return user_message(error).splitlines()[0] if str(error) else type(error).__name__
 
 
-# How gloo says that the rank at the other end of a connection is gone (its process ended mid-collective).
+# How gloo says that the rank at the other end of a connection is gone (its process ended mid-collective). Under
+# NCCL a dead peer shows as a collective timeout, or the watchdog aborts the rank (SIGABRT, SIGNAL_CAUSES).
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing")
 
 
-def is_collective_failure(error: BaseException) -> bool:
-    """Whether `error` is a collective that failed because of another rank (timed out, or its peer gone)."""
-    message = str(error)
-    return _is_collective_timeout(error, message) or any(phrase in message for phrase in PEER_LOST)
+def collective_failure(error: BaseException) -> str | None:
+    """ "timeout" or "peer lost" for a collective that failed because of another rank (torch.distributed raises
+    RuntimeErrors; its store, TimeoutErrors), else None: the user's own errors and other errors are what they say."""
+    if is_user_error(error) or not isinstance(error, (RuntimeError, TimeoutError)):
+        return None
+    message = _first_line(error)
+    if "timed out" in message.lower() or "timeout" in type(error).__name__.lower():
+        return "timeout"
+    return "peer lost" if any(phrase in message for phrase in PEER_LOST) else None
 
 
 def describe_rank_error(error: BaseException, timeout_minutes: float) -> tuple[str, bool]:
     """(one line for a rank's failure, whether it is the user's to fix). A collective timeout is named as
     what it usually means (a peer died or hung), a closed connection as a peer gone; both count as the user's:
     the cause is on another rank."""
-    message = user_message(error).splitlines()[0] if str(error) else type(error).__name__
-    if _is_collective_timeout(error, message):
+    message, failure = _first_line(error), collective_failure(error)
+    if failure == "timeout":
         return (
             f"a collective timed out after {timeout_minutes:g} min: a peer rank stopped answering "
             f"(crashed, hung or killed); parallel.timeout_minutes sets the limit [{message}]"
         ), True
-    if any(phrase in message for phrase in PEER_LOST):
+    if failure == "peer lost":
         said = re.sub(r"^\[[^\]]*\] ", "", message).split(". ")[0]  # gloo's source position and its advice left out
         return f"a peer rank ended mid-collective (it crashed or was killed: its own output says why) [{said}]", True
     if is_user_error(error):

@@ -270,9 +270,9 @@ def test_verdicts_are_datatroves(step):
 
 
 def test_gopher_repetition_parts_from_datatrove_on_random_pages_only_where_docs_say():
-    """On 200 random pages, loom's and datatrove's Gopher repetition verdicts differ only on the n-gram rules, where
-    the denominators differ by design (loom: characters of the words, as the paper; datatrove: len(text), spaCy
-    words): every page either keeps or rejects by the same line and paragraph rules, and few pages part."""
+    """On 200 random pages, loom's and datatrove's Gopher repetition verdicts (keep or reject) differ only where
+    one of them rejects by an n-gram rule, whose denominators differ by design (loom: characters of the words, as
+    the paper; datatrove: len(text), spaCy words), and on few pages."""
     filters = pytest.importorskip("datatrove.pipeline.filters", reason="needs loom[reference]")
     pytest.importorskip("spacy", reason="needs loom[reference]")
     from datatrove.data import Document as DatatroveDocument
@@ -538,6 +538,7 @@ def test_interrupted_run_leaves_the_previous_output(tmp_path, monkeypatch):
         ('[[step]]\ntype = "nope"\n', "pipeline step type 'nope' is unknown"),
         ('[[step]]\ntype = "gopher_quality"\nmin_wrds = 3\n', "step 'gopher_quality' has no parameter 'min_wrds'"),
         ('[[step]]\ntype = "gopher_quality"\nmin_words = "many"\n', "min_words = 'many' should be like 50"),
+        ('[[step]]\ntype = "gopher_quality"\nmin_stop_words = 10\n', "min_stop_words = 10 is more than the 8 stop"),
         ('[[step]]\ntype = "language"\nlanguages = ["xx"]\n', "unknown language codes xx"),
         ('[[step]]\ntype = "length"\nfor_languages = "en"\n', "for_languages = 'en' should be a list of codes"),
         ('[[step]]\ntype = "length"\nfor_languages = ["eng"]\n', "for_languages has unknown language codes eng"),

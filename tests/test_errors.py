@@ -1,6 +1,7 @@
 """User errors and bugs are told apart: a LoomError is one line, anything else keeps its traceback, rank and host."""
 
 import socket
+import subprocess
 from types import SimpleNamespace
 
 import pytest
@@ -46,6 +47,14 @@ def test_a_rank_error_is_one_line_for_the_user_and_typed_for_a_bug():
         "[Connection closed by peer [10.0.0.2]:1]",
         True,
     )
+    # a bug whose message mentions a timeout further down, another library's timeout, or the user's own line that
+    # names a connection: each is what it says, not a lost peer
+    bug = RuntimeError("shape mismatch in layer 3\nwhile the store timed out")
+    assert describe_rank_error(bug, 0.5) == ("RuntimeError: shape mismatch in layer 3", False)
+    expired = subprocess.TimeoutExpired("nvcc", 5)
+    assert describe_rank_error(expired, 0.5)[0].startswith("TimeoutExpired: Command 'nvcc' timed out")
+    own = ConfigError("cannot reach the W&B server (Connection reset by peer); set --train.wandb false")
+    assert describe_rank_error(own, 0.5) == (str(own), True)
 
 
 def test_fault_plan_reads_each_switch_for_its_rank():

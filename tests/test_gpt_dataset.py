@@ -84,6 +84,40 @@ def test_the_order_never_depends_on_how_many_samples_are_asked_for():
         np.testing.assert_array_equal(short_array, long_array[: len(short_array)])
 
 
+def megatron_walk(lengths, document_index, num_samples, seq_length) -> np.ndarray:
+    """Sample boundaries found by walking the documents token budget by token budget (megatron-core's way, written
+    out: it checks the boundaries where megatron-core, the reference extra, is not installed)."""
+    rows = [(0, 0)]
+    position, offset = 0, 0
+    for _ in range(num_samples):
+        remaining = seq_length + 1
+        while remaining:
+            available = int(lengths[document_index[position]]) - offset
+            remaining -= available
+            if remaining <= 0:
+                offset += remaining + available - 1
+                remaining = 0
+            else:
+                position, offset = position + 1, 0
+        rows.append((position, offset))
+    return np.array(rows)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_sample_index_matches_megatron_walk(seed):
+    rng = np.random.default_rng(seed)
+    lengths = (rng.integers(0, 40, size=50) * (rng.random(50) > 0.2)).astype(np.int32)
+    ids = np.arange(50)
+    seq_length = int(rng.integers(1, 60))
+    num_samples = int(lengths.sum()) * 2 // seq_length
+    document_index, sample_index, _ = build_sample_indices(lengths, ids, num_samples, seq_length, seed)
+    per_epoch = (int(lengths.sum()) - 1) // seq_length
+    for epoch in range(len(document_index) // len(ids)):
+        documents = document_index[epoch * len(ids) : (epoch + 1) * len(ids)]
+        rows = sample_index[epoch * (per_epoch + 1) : (epoch + 1) * (per_epoch + 1)] - (epoch * len(ids), 0)
+        np.testing.assert_array_equal(rows, megatron_walk(lengths, documents, per_epoch, seq_length))
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_sample_index_is_megatron_cores(seed):
     """Each epoch's sample boundaries equal megatron-core's own builder (datasets/helpers.build_sample_idx, its C++),
@@ -173,9 +207,11 @@ def test_non_builders_wait_for_the_builder_and_every_rank_hears_of_a_failure(tmp
     assert heard == [None, None] and not follower.built  # after the builder's turn, then after reading the cache
 
     heard.clear()
-    with pytest.raises(DatasetError, match="missing after the builder wrote it.*every rank shares"):
+    with pytest.raises(
+        DatasetError, match="missing after rank 0 built it: data.cache_dir must be on a filesystem every rank shares"
+    ):
         GPTDataset(indexed, np.arange(10), 12, 4, seed=1, cache_dir=cache, is_builder=False, agree=heard.append)
-    assert heard[0] is None and "missing after the builder" in str(heard[1])  # told to the other ranks first
+    assert heard[0] is None and "missing after rank 0 built it" in str(heard[1])  # told to the other ranks first
 
 
 def test_empty_split_and_tokenless_split_are_one_line_errors(tmp_path):

@@ -778,16 +778,21 @@ def test_a_hugging_face_tokenizer_json_builds_trains_generates_and_exports_as_tr
     assert [again.encode(text) for text in texts] == [theirs.encode(text) for text in texts]
     assert (again.bos_token_id, again.eos_token_id) == (theirs.bos_token_id, theirs.eos_token_id) == (0, 1)
 
-    # the settings beside tokenizer.json say which id ends each document of the dataset: a change is refused
+    # the settings beside tokenizer.json say which id ends each document of the dataset: another eos is refused,
+    # an edit that leaves the eos (a chat template) is not
     settings = tmp_path / "tok" / "tokenizer_config.json"
-    settings.write_text(json.dumps({**json.loads(settings.read_text()), "eos_token": "<|begin_of_text|>"}))
+    original = json.loads(settings.read_text())
+    settings.write_text(json.dumps({**original, "eos_token": "<|begin_of_text|>"}))
     refused = loom_here(capfd, "train", *args, "--model.vocab_size", str(len(theirs)), "--train.steps", "2")
-    said = f"error: {settings} (which tokens of {tokenizer} are bos and eos) has changed or gone since dataset"
-    assert refused.returncode == 2 and said in refused.stderr, refused.stderr
+    said = f"error: dataset {prefix} ends each document with token 1, the eos of {tokenizer} when it was built, but "
+    assert refused.returncode == 2 and said + f"{settings} now names token 0 as eos" in refused.stderr, refused.stderr
+    settings.write_text(json.dumps({**original, "chat_template": "{{ messages }}"}))
+    again = loom_here(capfd, "train", *args, "--model.vocab_size", str(len(theirs)), "--train.steps", "2")
+    assert again.returncode == 0, again.stderr
     settings.write_text("{damaged")  # after training: the export says so in one line (it raised json's error)
     damaged = loom_here(capfd, "ckpt", "export-hf", "--checkpoint", str(run), "--output", str(tmp_path / "hf2"))
     assert damaged.returncode == 0 and "Traceback" not in damaged.stderr, damaged.stderr
-    assert f"warning: tokenizer written without its settings: {settings} is not a JSON object" in damaged.stderr
+    assert f"warning: tokenizer written without its settings: {settings} cannot be read as a JSON" in damaged.stderr
 
 
 def test_a_tokenizer_json_that_is_not_one_is_one_line(tmp_path, capfd):

@@ -116,7 +116,10 @@ def _copy_tokenizer_json(path: Path, output: Path) -> str | None:
     except (OSError, ValueError):
         settings = None
     if not isinstance(settings, dict):
-        return f"tokenizer written without its settings: {settings_path} is not a JSON object (fix it and export again)"
+        return (
+            f"tokenizer written without its settings: {settings_path} cannot be read as a JSON object (fix it and "
+            "export again)"
+        )
     # a special token spelled out in a text is text, as the model's data was encoded (engine/data/tokenizer_json.py)
     settings.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
     settings["split_special_tokens"] = True

@@ -260,18 +260,19 @@ class GPTDataset:
         missing = [path for path in self.cache_paths.values() if not path.is_file()]
         if missing:
             raise DatasetError(
-                f"GPTDataset index cache {missing[0]} is missing after the builder wrote it; data.cache_dir must be "
-                "on a filesystem every rank shares"
+                f"GPTDataset index cache {missing[0].absolute()} is missing after rank 0 built it: data.cache_dir "
+                "must be on a filesystem every rank shares, and every rank must read the same data files"
             )
-        try:
-            self.document_index, self.sample_index, self.shuffle_index = (
-                np.load(self.cache_paths[name], mmap_mode="r") for name in INDEX_NAMES
-            )
-        except (OSError, ValueError) as error:
-            raise DatasetError(
-                f"cannot read the index cache in {self.cache_dir} ({error}); delete it (or rebuild it with "
-                "`loom data index`)"
-            ) from None
+        arrays = []
+        for name in INDEX_NAMES:
+            try:
+                arrays.append(np.load(self.cache_paths[name], mmap_mode="r"))
+            except (OSError, ValueError) as error:
+                raise DatasetError(
+                    f"cannot read index cache {self.cache_paths[name]} ({error}); delete it: the next run (or `loom "
+                    "data index`) builds it again"
+                ) from None
+        self.document_index, self.sample_index, self.shuffle_index = arrays
         self._verify(documents)
 
     def _verify(self, documents: int) -> None:
@@ -287,7 +288,7 @@ class GPTDataset:
             if found != wanted:
                 raise DatasetError(
                     f"index cache {self.cache_paths[name]} holds {found} entries where {self.indexed.prefix} "
-                    f"needs {wanted}; delete {self.cache_dir} (or rebuild it with `loom data index`)"
+                    f"needs {wanted}; delete it: the next run (or `loom data index`) builds it again"
                 )
 
     @staticmethod
