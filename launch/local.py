@@ -52,7 +52,7 @@ def _first_line(error: BaseException) -> str:
 
 # How gloo says that the rank at the other end of a connection is gone (its process ended mid-collective). Under
 # NCCL a dead peer shows as a collective timeout, or the watchdog aborts the rank (SIGABRT, SIGNAL_CAUSES).
-PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing")
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote worker crashing")
 
 
 def collective_failure(error: BaseException) -> str | None:
