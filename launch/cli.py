@@ -153,6 +153,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
             )
             warn_settings_without_effect(config)
         preflight_of_a_rank(config)
+        check_same_tokenizer(config.data.paths, config.data.tokenizer)  # as --nproc's launcher checks
         config.resolve_world(world)
         if rank == 0:
             print(f"loom train: {_layout(config)}", flush=True)

@@ -738,7 +738,9 @@ def _byte_level_tokenizer_json(folder, texts):
     return folder / "tokenizer.json"
 
 
-def test_a_hugging_face_tokenizer_json_builds_trains_generates_and_exports_as_transformers_encodes(tmp_path, capfd):
+def test_a_hugging_face_tokenizer_json_builds_trains_generates_and_exports_as_transformers_encodes(
+    tmp_path, capfd, monkeypatch
+):
     """A model imported from Hugging Face may bring only a tokenizer.json (Llama 3): its data is built with it, as
     transformers' AutoTokenizer encodes (no bos added; --append-eod appends its eos; a special token spelled out in
     a text is text, as for SentencePiece); a run trained on that data generates with it (bos first, as AutoTokenizer
@@ -786,6 +788,13 @@ def test_a_hugging_face_tokenizer_json_builds_trains_generates_and_exports_as_tr
     refused = loom_here(capfd, "train", *args, "--model.vocab_size", str(len(theirs)), "--train.steps", "2")
     said = f"error: dataset {prefix} ends each document with token 1, the eos of {tokenizer} when it was built, but "
     assert refused.returncode == 2 and said + f"{settings} now names token 0 as eos" in refused.stderr, refused.stderr
+    with monkeypatch.context() as rank:  # a torchrun rank checks the same (it did not check the tokenizer at all)
+        rank.setenv("RANK", "0")
+        rank.setenv("WORLD_SIZE", "1")
+        rank.setenv("MASTER_ADDR", "127.0.0.1")
+        rank.setenv("MASTER_PORT", "1")  # refused before it meets anyone
+        as_a_rank = loom_here(capfd, "train", *args, "--model.vocab_size", str(len(theirs)), "--train.steps", "2")
+    assert as_a_rank.returncode == 2 and said in as_a_rank.stderr, as_a_rank.stderr
     settings.write_text(json.dumps({**original, "chat_template": "{{ messages }}"}))
     again = loom_here(capfd, "train", *args, "--model.vocab_size", str(len(theirs)), "--train.steps", "2")
     assert again.returncode == 0, again.stderr
