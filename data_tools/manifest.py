@@ -156,26 +156,38 @@ def tokenizer_settings(tokenizer: str | Path) -> list[Path]:
     return [settings] if settings is not None and settings.is_file() else []
 
 
-def _check_same_end_of_document(prefix: str, tokenizer: str | Path) -> None:
-    """Refuse tokenizer.json `tokenizer` (the one dataset `prefix` was built with) when the eos its settings file
-    names now is another id than the one that ends each of the dataset's documents (an edit elsewhere in the file,
-    a chat template, changes nothing the dataset holds)."""
+def _recorded_end_of_document(prefix: str) -> int | None:
+    """The id that ends each document of dataset `prefix`, as `loom data build --append-eod` recorded it; None when
+    it recorded none (built without it, or before loom recorded it)."""
+    try:
+        recorded = _dataset_manifest(prefix)["parameters"].get("eod_id")
+    except (KeyError, TypeError, AttributeError):  # None, or a manifest without these facts
+        return None
+    return recorded if isinstance(recorded, int) else None
+
+
+def _check_same_end_of_document(prefixes: list[str], tokenizer: str | Path) -> None:
+    """Refuse tokenizer.json `tokenizer` (the one the datasets `prefixes` were built with) when the eos its settings
+    file names now is another id than the one that ends each document of one of them (an edit elsewhere in the file,
+    a chat template, changes nothing a dataset holds). The tokenizer is read once, and only if a dataset asks."""
     from loom.data_tools.jsonl import InputError
     from loom.engine.data.tokenizer_json import open_tokenizer
 
-    manifest = _dataset_manifest(prefix)
-    if settings_of(tokenizer) is None or manifest is None:
+    settings = settings_of(tokenizer)
+    if settings is None:
         return
-    recorded = manifest.get("parameters", {}).get("eod_id")
-    if not isinstance(recorded, int):
-        return  # built without --append-eod (no eos in the data), or before loom recorded it
-    eos = open_tokenizer(tokenizer).eos_id()
-    if eos != recorded:
-        raise InputError(
-            f"dataset {prefix} ends each document with token {recorded}, the eos of {tokenizer} when it was built, "
-            f"but {settings_of(tokenizer)} now names {'no eos' if eos < 0 else f'token {eos}'} as eos; restore the "
-            "settings it was built with, or rebuild the dataset"
-        )
+    eos = None
+    for prefix in prefixes:
+        recorded = _recorded_end_of_document(prefix)
+        if recorded is None:
+            continue
+        eos = open_tokenizer(tokenizer).eos_id() if eos is None else eos
+        if eos != recorded:
+            raise InputError(
+                f"dataset {prefix} ends each document with token {recorded}, the eos of {tokenizer} when it was "
+                f"built, but {settings} now names {'no eos' if eos < 0 else f'token {eos}'} as eos; restore the "
+                "settings it was built with, or rebuild the dataset"
+            )
 
 
 def built_with_eod(prefix: str | Path) -> bool | None:
@@ -210,7 +222,7 @@ def check_same_tokenizer(prefixes: list[str], tokenizer: str | Path | None = Non
                     f"dataset {prefix} was built with tokenizer {path}, not {tokenizer} (their sha256 differ); give "
                     "the tokenizer the dataset was built with"
                 )
-            _check_same_end_of_document(prefix, tokenizer)
+        _check_same_end_of_document(list(recorded), tokenizer)
     if len({sha256 for _, sha256 in recorded.values()}) > 1:
         shown = ", ".join(f"{prefix} ({path})" for prefix, (path, _) in recorded.items())
         raise InputError(f"the datasets were built with different tokenizers: {shown}; their token ids do not mix")
