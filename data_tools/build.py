@@ -53,9 +53,24 @@ IN_FLIGHT_PER_WORKER = 3
 BYTES_PER_TOKEN = 3
 
 
-@functools.lru_cache(maxsize=4)
 def load_processor(model_path: str) -> Tokenizer:
-    """One processor per model and process (workers load it on their first batch)."""
+    """One processor per model and process (workers load it on their first batch), loaded again where the files
+    changed since (a tokenizer retrained at the same path, its eos setting edited, in this process)."""
+    return _loaded_processor(model_path, _as_on_disk(model_path))
+
+
+def _as_on_disk(model_path: str) -> tuple | None:
+    """What tells the tokenizer's files as they are now from an earlier version at the same paths."""
+    try:
+        return tuple(
+            (s.st_mtime_ns, s.st_size, s.st_ino) for s in map(os.stat, [model_path, *tokenizer_settings(model_path)])
+        )
+    except OSError:  # removed mid-build: the processor loaded at its start still encodes
+        return None
+
+
+@functools.lru_cache(maxsize=4)
+def _loaded_processor(model_path: str, on_disk: tuple | None) -> Tokenizer:
     return load_tokenizer(model_path)
 
 
@@ -67,10 +82,14 @@ def _encode_arrays(processor: Tokenizer, texts: list[str], threads: int) -> list
         return [np.asarray(ids, dtype=np.int32) for ids in processor.encode(texts, num_threads=threads)]
 
 
-@functools.lru_cache(maxsize=4)
 def word_cache(model_path: str) -> WordCache | None:
     """This process's word cache for a model, or None where word-by-word encoding would change tokens."""
-    processor = load_processor(model_path)
+    return _word_cache(model_path, _as_on_disk(model_path))
+
+
+@functools.lru_cache(maxsize=4)
+def _word_cache(model_path: str, on_disk: tuple | None) -> WordCache | None:
+    processor = _loaded_processor(model_path, on_disk)
     if not isinstance(processor, sentencepiece.SentencePieceProcessor):
         return None  # a Hugging Face tokenizer's words are not SentencePiece's: it encodes whole texts
     split = word_split(processor)

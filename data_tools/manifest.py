@@ -156,9 +156,9 @@ def tokenizer_settings(tokenizer: str | Path) -> list[Path]:
     return [settings] if settings is not None and settings.is_file() else []
 
 
-def _recorded_end_of_document(prefix: str) -> int | None:
-    """The id that ends each document of dataset `prefix`, as `loom data build --append-eod` recorded it; None when
-    it recorded none (built without it, or before loom recorded it)."""
+def recorded_end_of_document(prefix: str) -> int | None:
+    """The id that ends each document of dataset `prefix`, as `loom data build --append-eod` (or a merge of datasets
+    that all recorded the same) recorded it; None when it recorded none (built without it, or before loom did)."""
     try:
         recorded = _dataset_manifest(prefix)["parameters"].get("eod_id")
     except (KeyError, TypeError, AttributeError):  # None, or a manifest without these facts
@@ -178,7 +178,7 @@ def _check_same_end_of_document(prefixes: list[str], tokenizer: str | Path) -> N
         return
     eos = None
     for prefix in prefixes:
-        recorded = _recorded_end_of_document(prefix)
+        recorded = recorded_end_of_document(prefix)
         if recorded is None:
             continue
         eos = open_tokenizer(tokenizer).eos_id() if eos is None else eos

@@ -95,7 +95,12 @@ def _write_merge(args: argparse.Namespace, inputs: list[str]) -> tuple[int, int]
 
     from loom.data_tools.failures import reported_failures
     from loom.data_tools.jsonl import InputError
-    from loom.data_tools.manifest import built_with_eod, built_with_tokenizer, check_same_tokenizer
+    from loom.data_tools.manifest import (
+        built_with_eod,
+        built_with_tokenizer,
+        check_same_tokenizer,
+        recorded_end_of_document,
+    )
     from loom.data_tools.progress import Elapsed
     from loom.engine.data.indexed import IndexedDataset, IndexedDatasetWriter, index_paths
 
@@ -116,6 +121,19 @@ def _write_merge(args: argparse.Namespace, inputs: list[str]) -> tuple[int, int]
             "some documents would run into the next with no end-of-document id between; rebuild them alike"
         )
     append_eod = next(iter(ends.values())) if len(set(ends.values())) == 1 else None
+    eod_ids = {prefix: recorded_end_of_document(prefix) for prefix in args.inputs}
+    first_with = {}  # each recorded end-of-document id, and the first input that ends its documents with it
+    for prefix, eod in eod_ids.items():
+        if eod is not None:
+            first_with.setdefault(eod, prefix)
+    if len(first_with) > 1:
+        (first_eod, first_prefix), (other_eod, other_prefix) = list(first_with.items())[:2]
+        raise InputError(
+            f"{first_prefix} ends each document with token {first_eod} and {other_prefix} with token {other_eod} "
+            "(the tokenizer's eos setting changed between the builds): merged, one of them would have no "
+            "end-of-document id the model knows; rebuild them with the same tokenizer settings"
+        )
+    eod_id = next(iter(first_with)) if None not in eod_ids.values() else None
     started = time.time()
     first = IndexedDataset(args.inputs[0])
     needed = sum(path.stat().st_size for prefix in args.inputs for path in index_paths(prefix) if path.is_file())
@@ -128,7 +146,7 @@ def _write_merge(args: argparse.Namespace, inputs: list[str]) -> tuple[int, int]
     merged = IndexedDataset(args.output_prefix)
     documents = len(merged.document_indices) - 1
     with Elapsed("merge: sha256 of the inputs' indexes and the output, for its manifest"):
-        _write_merge_manifest(args, inputs, tokenizer, append_eod, merged, started)
+        _write_merge_manifest(args, inputs, tokenizer, append_eod, eod_id, merged, started)
     return documents, int(merged.num_tokens)
 
 
@@ -137,6 +155,7 @@ def _write_merge_manifest(
     inputs: list[str],
     tokenizer: tuple[str, str] | None,
     append_eod: bool | None,
+    eod_id: int | None,
     merged: IndexedDataset,
     started: float,
 ) -> None:
@@ -152,6 +171,7 @@ def _write_merge_manifest(
             "inputs": args.inputs,
             **(dict(zip(("tokenizer", "tokenizer_sha256"), tokenizer)) if tokenizer else {}),
             **({"append_eod": append_eod} if append_eod is not None else {}),
+            **({"eod_id": eod_id} if eod_id is not None else {}),
         },
         counts={"documents": len(merged.document_indices) - 1, "tokens": int(merged.num_tokens)},
         started=started,

@@ -745,6 +745,8 @@ def test_a_hugging_face_tokenizer_json_builds_trains_generates_and_exports_as_tr
     transformers' AutoTokenizer encodes (no bos added; --append-eod appends its eos; a special token spelled out in
     a text is text, as for SentencePiece); a run trained on that data generates with it (bos first, as AutoTokenizer
     adds it) and exports it beside the model, where AutoTokenizer encodes the same."""
+    from loom.data_tools.jsonl import InputError
+    from loom.data_tools.manifest import check_same_tokenizer
     from loom.engine.data.indexed import IndexedDataset
 
     texts = [f"def f{i}(x):\n    return x * {i} + 1  # ünïcödé ☃ 中文 {i % 7}" for i in range(200)]
@@ -795,6 +797,25 @@ def test_a_hugging_face_tokenizer_json_builds_trains_generates_and_exports_as_tr
         rank.setenv("MASTER_PORT", "1")  # refused before it meets anyone
         as_a_rank = loom_here(capfd, "train", *args, "--model.vocab_size", str(len(theirs)), "--train.steps", "2")
     assert as_a_rank.returncode == 2 and said in as_a_rank.stderr, as_a_rank.stderr
+    # a dataset built now ends its documents with token 0: merged with the first, it is refused (it was merged, and
+    # the merge recorded no eos, so the change went unchecked)
+    bos_ended = str(tmp_path / "bos-ended")
+    build = ["data", "build", "--input", str(docs), "--tokenizer", str(tokenizer), "--append-eod", "--workers", "1"]
+    assert loom_here(capfd, *build, "--output-prefix", bos_ended).returncode == 0
+    merge = ["data", "merge", "--output-prefix", str(tmp_path / "merged")]
+    mixed = loom_here(capfd, *merge, "--inputs", prefix, bos_ended)
+    assert mixed.returncode == 2 and f"{prefix} ends each document with token 1 and {bos_ended} with token 0" in (
+        mixed.stderr
+    ), mixed.stderr
+    settings.write_text(json.dumps({**original, "chat_template": "{{ messages }}"}))
+    again_built = str(tmp_path / "again")
+    assert loom_here(capfd, *build, "--output-prefix", again_built).returncode == 0
+    assert loom_here(capfd, *merge, "--inputs", prefix, again_built).returncode == 0
+    merged = json.loads((tmp_path / "merged.manifest.json").read_text())["parameters"]
+    assert merged["eod_id"] == 1
+    settings.write_text(json.dumps({**original, "eos_token": "<|begin_of_text|>"}))
+    with pytest.raises(InputError, match="merged ends each document with token 1"):
+        check_same_tokenizer([str(tmp_path / "merged")], tokenizer)
     settings.write_text(json.dumps({**original, "chat_template": "{{ messages }}"}))
     again = loom_here(capfd, "train", *args, "--model.vocab_size", str(len(theirs)), "--train.steps", "2")
     assert again.returncode == 0, again.stderr
