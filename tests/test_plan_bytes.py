@@ -2,6 +2,8 @@
 for backward (per block, per rank at its peak) and send, measured on CPU (tools/plan_bytes.py; the time model's
 checks against published runs are in test_plan.py)."""
 
+import dataclasses
+
 import pytest
 import torch
 from dist_utils import run_ranks
@@ -19,6 +21,7 @@ from loom.tools.bench.saved_memory import SavedForBackward
 from loom.tools.plan import estimate, load_hardware
 from loom.tools.plan_bytes import (
     GRAD_BYTES,
+    MEGATRON,
     Layout,
     fp8_weight_bytes,
     layer_activation_bytes,
@@ -193,6 +196,34 @@ def test_activation_bytes_equal_what_loom_saves_for_backward():
     assert len(results) == len(ACTIVATION_CASES)
     for case, planned, saved in results:
         assert abs(planned / saved - 1) <= 0.10, (case, planned, saved)
+
+
+def test_megatron_activation_bytes_are_megatron_lms_own_formula_and_count_other_widths():
+    """For GPT's 4h GELU MLP, Megatron-LM's `theoretical_memory_usage`: s b h (18 + 4 ffn / h) / t with sequence
+    parallelism, s b h (10 + 24 / t) without (the planner's published Megatron runs are these shapes). Its formula
+    keeps 4 ffn / h for any MLP: SwiGLU's FC1 output is two halves (6 ffn, counted by Korthikanti's terms), and
+    grouped-query attention keeps K and V per KV head."""
+    from loom.engine.config import ModelConfig
+
+    seq, mbs, h = 2048, 2, 1024
+    gpt = ModelConfig(hidden_size=h, num_heads=16, num_kv_heads=16, ffn_hidden_size=4 * h, activation="gelu")
+    for tp in (1, 2, 4, 8):
+        with_sp = layer_activation_bytes(gpt, seq, mbs, tp, True, "selective", 2, MEGATRON)
+        without_sp = layer_activation_bytes(gpt, seq, mbs, tp, False, "selective", 2, MEGATRON)
+        assert with_sp == seq * mbs * h * (18 + 4 * gpt.ffn_hidden_size / h) / tp
+        assert without_sp == seq * mbs * h * (10 + 24 / tp)
+    f = 2816
+    llama = dataclasses.replace(gpt, ffn_hidden_size=f, activation="swiglu")
+    assert layer_activation_bytes(llama, seq, mbs, 2, True, "selective", 2, MEGATRON) == seq * mbs * (
+        (18 * h + 6 * f) / 2
+    )
+    grouped = dataclasses.replace(gpt, num_kv_heads=4)  # K and V (2 bytes each) as wide as 4 heads, not 16
+    assert layer_activation_bytes(grouped, seq, mbs, 1, True, "selective", 2, MEGATRON) == seq * mbs * (
+        34 * h - 4 * (h - h // 4)
+    )
+    # FP8 GEMMs keep their inputs (QKV's and FC1's whole, the projection's and FC2's sharded) in 1 byte
+    fp8 = layer_activation_bytes(gpt, seq, mbs, 4, False, "selective", 2, MEGATRON, fp8=True)
+    assert fp8 == seq * mbs * h * ((10 - 2) + (24 - 5) / 4)
 
 
 def test_fp8_output_layer_keeps_what_the_plan_says():

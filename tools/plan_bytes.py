@@ -288,9 +288,8 @@ def layer_activation_bytes(
     what the attention core alone keeps (the log-sum-exp: loom's kernels never keep the s x s scores), full
     recompute keeps only the block's input. Under `fp8` the four GEMMs keep FP8 copies of their inputs (1 byte):
     the attention projection's beside the attention output, which the attention kernel keeps unless selective
-    recompute reruns it. `engine` MEGATRON uses Korthikanti et al. 2022's published s b h (34 / t) with sequence
-    parallelism (their 5 a s / h score term is gone with flash attention); under FP8 its GEMM inputs (2 + 2 + 2 +
-    8 of the 34) take half.
+    recompute reruns it. `engine` MEGATRON counts Megatron-LM's layer as Korthikanti et al. 2022 do
+    (`_korthikanti_bytes_per_token`).
 
     `compiled` (model.compile, the CUDA default): what inductor's partitioner keeps of the same block (measured
     equal on CPU): the residual stream in the compute dtype before and after attention and each norm's
@@ -304,9 +303,8 @@ def layer_activation_bytes(
     sequence_share = 1 / tp if sp else 1
     if recompute == "full":
         return tokens * h * sequence_share * element
-    if not engine.gathered_inputs_saved:  # Megatron-LM: Korthikanti's count
-        per_token = h * (34 / tp if sp else 10 + 24 / tp) * element / 2
-        return tokens * per_token * ((34 - 7) / 34 if fp8 else 1)
+    if not engine.gathered_inputs_saved:
+        return tokens * _korthikanti_bytes_per_token(m, tp, sp, fp8) * element / 2
     fc1_output = 2 * f if m.activation == "swiglu" else f
     if compiled:
         residual = 2 * (h * element + _norm_statistics_bytes(m)) * sequence_share
@@ -322,6 +320,23 @@ def layer_activation_bytes(
     attention = attention / tp + (heads * 4 / tp if recompute == "none" else 0)
     mlp = ((fc1_output + f if m.activation == "swiglu" else f) * element + f * gemm_input) / tp
     return tokens * (norms + gemm_inputs + attention + mlp)
+
+
+def _korthikanti_bytes_per_token(m: ModelConfig, tp: int, sp: bool, fp8: bool) -> float:
+    """Megatron-LM's layer in 16-bit (Korthikanti et al. 2022, Table 2, without the s x s scores flash attention
+    never keeps), term by term so that other widths count right: 34 h / t for GPT's attention and 4h GELU MLP,
+    which Megatron-LM's `theoretical_memory_usage` writes 18 + 4 ffn / h (and 10 + 24 / t without sequence
+    parallelism, where the norms' and the two first GEMMs' inputs and the dropout masks are whole on every rank).
+    Grouped-query attention keeps smaller K and V, SwiGLU FC1's two halves. FP8 GEMMs keep their inputs in 1 byte."""
+    h, q, kv, f = m.hidden_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim, m.ffn_hidden_size
+    whole = 2 * 2 * h + (2 * h + h) * 2  # the norms' inputs; QKV's and FC1's inputs and the two dropout masks
+    sharded = 2 * q + 2 * kv + 2 * kv + 2 * q  # Q and K (the score GEMM), V, the attention projection's input
+    fc1_output = 2 * f if m.activation == "swiglu" else f
+    sharded += 2 * fc1_output + 2 * f  # the activation's input, FC2's input
+    if fp8:
+        whole -= (2 * h + 2 * h) / 2
+        sharded -= (2 * q + 2 * f) / 2
+    return (whole if not sp else whole / tp) + sharded / tp
 
 
 def _norm_statistics_bytes(m: ModelConfig) -> int:
