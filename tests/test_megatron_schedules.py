@@ -14,7 +14,14 @@ from unittest import mock
 import pytest
 import torch
 
-from loom.engine.pipeline.schedules import Compute, ScheduleError, build_schedule, check_schedule, compute_units
+from loom.engine.pipeline.schedules import (
+    Compute,
+    ScheduleError,
+    build_schedule,
+    check_schedule,
+    compute_units,
+    warmup_forwards,
+)
 from loom.engine.pipeline.simulate import peak_in_flight
 
 mcore_schedules = pytest.importorskip(
@@ -162,6 +169,31 @@ def test_the_grid_has_the_cases_that_matter():
 def test_compute_order_equals_megatron_core(pp, vp, microbatches):
     for rank in range(pp):
         assert loom_order(rank, pp, vp, microbatches) == megatron_order(rank, pp, vp, microbatches), f"rank {rank}"
+
+
+def test_warmup_forwards_are_megatron_cores_at_every_size():
+    """The activations the planner counts per pipeline rank come from warmup_forwards: equal to megatron-core's
+    get_pp_rank_microbatches well past the order grid (pp up to 64, vp up to 8), every rank."""
+    from types import SimpleNamespace
+
+    cases = 0
+    for pp in (2, 3, 4, 8, 16, 64):
+        for vp in (1, 2, 3, 8):
+            for microbatches in sorted({1, 2, pp - 1, pp, pp + 1, 2 * pp, 3 * pp + 1, 8 * pp} - {0}):
+                try:
+                    check_schedule(pp, vp, microbatches)
+                except ScheduleError:
+                    continue
+                for rank in range(pp):
+                    stage = SimpleNamespace(pp_group=_Group(rank, pp), virtual_pipeline_model_parallel_size=vp)
+                    if vp == 1:
+                        stage.virtual_pipeline_model_parallel_size = None
+                    _, _, theirs, _ = mcore_schedules.get_pp_rank_microbatches(
+                        microbatches, vp, pp, p2p_communicator=stage
+                    )
+                    assert warmup_forwards(rank, pp, vp, microbatches) == theirs, (rank, pp, vp, microbatches)
+                    cases += 1
+    assert cases > 1000
 
 
 @pytest.mark.parametrize("pp, vp, microbatches", [(4, 1, 6), (4, 2, 8), (2, 4, 4), (8, 2, 8)])
