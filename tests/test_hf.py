@@ -12,9 +12,8 @@ import shutil
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file
-from training_runs import loom_here, tiny_config, tiny_train_args
+from training_runs import assert_trains_as_torch_loop, loom_here, tiny_config, tiny_train_args
 
 from loom.engine.checkpoint.format import CheckpointError, find_loadable
 from loom.engine.checkpoint.load import PieceReader
@@ -696,27 +695,7 @@ def test_loom_trains_an_imported_llama_as_a_plain_transformers_loop(tmp_path):
     vectors = [p for p in model.parameters() if p.ndim < 2]
     groups = [{"params": matrices, "weight_decay": o.weight_decay}, {"params": vectors, "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
-    for step, (loom_loss, loom_norm, loom_lr) in enumerate(loom_rows):
-        first = step * global_batch
-        batch = torch.stack([torch.from_numpy(samples[i].astype(np.int64)) for i in range(first, first + global_batch)])
-        optimizer.zero_grad()
-        loss_sum = 0.0
-        for micro in batch.split(micro_batch):
-            logits = model(micro[:, :-1]).logits
-            loss = F.cross_entropy(logits.reshape(-1, vocab), micro[:, 1:].reshape(-1), reduction="sum")
-            (loss / (global_batch * seq)).backward()
-            loss_sum += loss.item()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_grad).item()
-        # linear warm-up, then cosine to min_lr over the rest (megatron-core's scheduler, test_optim.py)
-        lr = o.lr * (step + 1) / o.warmup_steps
-        if step >= o.warmup_steps:
-            lr = o.min_lr + (o.lr - o.min_lr) * (1 + math.cos(math.pi * (step - 2) / (steps - 2))) / 2
-        assert loom_lr == pytest.approx(lr, rel=1e-12), step
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        optimizer.step()
-        assert loom_loss == pytest.approx(loss_sum / (global_batch * seq), rel=1e-6), step
-        assert loom_norm == pytest.approx(norm, rel=1e-5), step
+    assert_trains_as_torch_loop(model, optimizer, list(model.parameters()), samples, config, loom_rows)
 
 
 def _byte_level_tokenizer_json(folder, texts):

@@ -8,11 +8,10 @@ import json
 import math
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from dist_utils import run_ranks
-from training_runs import loom_here, one_line_error, tiny_config
+from training_runs import assert_trains_as_torch_loop, loom_here, one_line_error, tiny_config
 
 from loom.engine.checkpoint.format import find_loadable
 from loom.engine.checkpoint.load import PieceReader
@@ -408,8 +407,6 @@ def test_a_lora_run_trains_as_peft_with_torch_adamw(dataset, base, tmp_path):
     alone, alpha / r, the micro-batch average."""
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
-    import torch.nn.functional as F
-
     from loom.engine.data.loader import build_dataset
     from loom.tools.hf import export_hf
 
@@ -452,27 +449,5 @@ def test_a_lora_run_trains_as_peft_with_torch_adamw(dataset, base, tmp_path):
     optimizer = torch.optim.AdamW(trainable, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
     config.resolve_world(1)
     samples = build_dataset(config, 0, global_batch * steps, is_builder=True, agree=None)
-    vocab = hf.config.vocab_size
-    clipped = 0
-    for step, (loom_loss, loom_norm, loom_lr) in enumerate(loom_rows):
-        first = step * global_batch
-        batch = torch.stack([torch.from_numpy(samples[i].astype(np.int64)) for i in range(first, first + global_batch)])
-        optimizer.zero_grad()
-        loss_sum = 0.0
-        for micro in batch.split(micro_batch):
-            logits = model(micro[:, :-1]).logits
-            loss = F.cross_entropy(logits.reshape(-1, vocab), micro[:, 1:].reshape(-1), reduction="sum")
-            (loss / (global_batch * seq)).backward()
-            loss_sum += loss.item()
-        norm = torch.nn.utils.clip_grad_norm_(trainable, o.clip_grad).item()
-        clipped += norm > o.clip_grad
-        lr = o.lr * (step + 1) / o.warmup_steps
-        if step >= o.warmup_steps:
-            lr = o.min_lr + (o.lr - o.min_lr) * (1 + math.cos(math.pi * (step - 2) / (steps - 2))) / 2
-        assert loom_lr == pytest.approx(lr, rel=1e-12), step
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        optimizer.step()
-        assert loom_loss == pytest.approx(loss_sum / (global_batch * seq), rel=1e-6), step
-        assert loom_norm == pytest.approx(norm, rel=1e-5), step
+    clipped = assert_trains_as_torch_loop(model, optimizer, trainable, samples, config, loom_rows)
     assert clipped >= 2  # clipping took part

@@ -9,6 +9,7 @@ into a failure.
 
 from __future__ import annotations
 
+import math
 import os
 import selectors
 import signal
@@ -152,3 +153,44 @@ def fails_if_hung() -> Iterator[None]:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def assert_trains_as_torch_loop(model, optimizer, params: list, samples, config: LoomConfig, loom_rows: list) -> int:
+    """Train `model` (a transformers causal LM) with torch `optimizer` over `params` on loom's training `samples`, one
+    step per (loss, grad norm, lr) row of loom's, and assert each row equal: a global batch's micro-batches summed
+    into one gradient averaged over its tokens, clip_grad_norm_ over `params`, linear warm-up then cosine to min_lr
+    (megatron-core's scheduler: test_optim.py). Returns the number of steps whose gradient was clipped."""
+    import numpy as np
+    import pytest
+    import torch
+    import torch.nn.functional as F
+
+    t, o = config.train, config.optim
+    tokens_per_step = t.global_batch_size * t.seq_length
+    vocab = model.config.vocab_size
+    clipped = 0
+    for step, (loom_loss, loom_norm, loom_lr) in enumerate(loom_rows):
+        first = step * t.global_batch_size
+        batch = torch.stack(
+            [torch.from_numpy(samples[i].astype(np.int64)) for i in range(first, first + t.global_batch_size)]
+        )
+        optimizer.zero_grad()
+        loss_sum = 0.0
+        for micro in batch.split(t.micro_batch_size):
+            logits = model(micro[:, :-1]).logits
+            loss = F.cross_entropy(logits.reshape(-1, vocab), micro[:, 1:].reshape(-1), reduction="sum")
+            (loss / tokens_per_step).backward()
+            loss_sum += loss.item()
+        norm = torch.nn.utils.clip_grad_norm_(params, o.clip_grad).item()
+        clipped += norm > o.clip_grad
+        lr = o.lr * (step + 1) / o.warmup_steps
+        if step >= o.warmup_steps:
+            progress = (step - o.warmup_steps) / (len(loom_rows) - o.warmup_steps)
+            lr = o.min_lr + (o.lr - o.min_lr) * (1 + math.cos(math.pi * progress)) / 2
+        assert loom_lr == pytest.approx(lr, rel=1e-12), step
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.step()
+        assert loom_loss == pytest.approx(loss_sum / tokens_per_step, rel=1e-6), step
+        assert loom_norm == pytest.approx(norm, rel=1e-5), step
+    return clipped
