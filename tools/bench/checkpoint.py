@@ -17,13 +17,13 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from loom.engine.checkpoint.format import find_loadable
 from loom.engine.checkpoint.load import load_checkpoint
 from loom.engine.checkpoint.save import collect_pieces
 from loom.engine.config_io import load_config
 from loom.engine.train import Trainer
+from loom.tools.bench.harness import single_process_group
 
 
 def plain_roundtrip(pieces: dict[str, torch.Tensor], path: Path) -> tuple[float, float, int]:
@@ -46,11 +46,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=1024)
     args = parser.parse_args()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29541", RANK="0", WORLD_SIZE="1")
-    dist.init_process_group("gloo", rank=0, world_size=1)
     from loom.tools.synthetic_data import write_markov_dataset
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with single_process_group(torch.device("cpu")), tempfile.TemporaryDirectory() as tmp:
         dataset = write_markov_dataset(Path(tmp) / "markov", vocab_size=4096, num_documents=50)
         config = load_config(
             "tiny",
@@ -97,7 +95,6 @@ def main() -> None:
         f"load: loom {gb / load_s:.2f} GB/s (sha256-verified, resharding path), one plain file "
         f"{gb / plain_read:.2f} GB/s, ratio {plain_read / load_s:.2f}"
     )
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from loom.engine.config import ModelConfig
@@ -28,6 +27,7 @@ from loom.engine.data.indexed import IndexedDatasetWriter
 from loom.engine.flops import model_flops_per_token
 from loom.engine.model.transformer import apply_rotary, rotary_tables
 from loom.engine.train import Trainer
+from loom.tools.bench.harness import single_process_group
 
 
 class PlainBlock(torch.nn.Module):
@@ -149,10 +149,8 @@ def main() -> None:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", RANK="0", WORLD_SIZE="1")
-    dist.init_process_group("gloo", rank=0, world_size=1)
     steps = args.warmup + args.steps
-    with tempfile.TemporaryDirectory() as tmp:
+    with single_process_group(torch.device("cpu")), tempfile.TemporaryDirectory() as tmp:
         rng = np.random.default_rng(0)
         prefix = str(Path(tmp) / "random")
         with IndexedDatasetWriter(prefix, np.dtype(np.uint16)) as writer:
@@ -177,7 +175,6 @@ def main() -> None:
     print(f"plain PyTorch loop: {p:8.0f} tokens/s  ({100 * p * flops / 1e9 / peak:.0f}% of matmul peak, model FLOPs)")
     print(f"loom Trainer:       {m:8.0f} tokens/s  ({100 * m * flops / 1e9 / peak:.0f}% of matmul peak, model FLOPs)")
     print(f"ratio loom / plain: {m / p:.3f}  (goal >= 0.95)")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
