@@ -156,7 +156,7 @@ def tokenizer_settings(tokenizer: str | Path) -> list[Path]:
     return [settings] if settings is not None and settings.is_file() else []
 
 
-def recorded_end_of_document(prefix: str) -> int | None:
+def _recorded_end_of_document(prefix: str) -> int | None:
     """The id that ends each document of dataset `prefix`, as `loom data build --append-eod` (or a merge of datasets
     that all recorded the same) recorded it; None when it recorded none (built without it, or before loom did)."""
     try:
@@ -164,6 +164,27 @@ def recorded_end_of_document(prefix: str) -> int | None:
     except (KeyError, TypeError, AttributeError):  # None, or a manifest without these facts
         return None
     return recorded if isinstance(recorded, int) else None
+
+
+def common_end_of_document(prefixes: list[str]) -> int | None:
+    """The id that ends each document of every dataset `prefixes`, which their merge records; None where one of them
+    recorded none. Refuses datasets whose documents end with different ids (the tokenizer's eos setting changed
+    between their builds): merged, the model would learn one of them as text."""
+    from loom.data_tools.jsonl import InputError
+
+    recorded = {prefix: _recorded_end_of_document(prefix) for prefix in prefixes}
+    first_with: dict[int, str] = {}  # each recorded id, and the first dataset that ends its documents with it
+    for prefix, eod in recorded.items():
+        if eod is not None:
+            first_with.setdefault(eod, prefix)
+    if len(first_with) > 1:
+        (first_eod, first_prefix), (other_eod, other_prefix) = list(first_with.items())[:2]
+        raise InputError(
+            f"{first_prefix} ends each document with token {first_eod} and {other_prefix} with token {other_eod} "
+            "(the tokenizer's eos setting changed between the builds): merged, one of them would have no "
+            "end-of-document id the model knows; rebuild them with the same tokenizer settings"
+        )
+    return None if None in recorded.values() else next(iter(first_with), None)
 
 
 def _check_same_end_of_document(prefixes: list[str], tokenizer: str | Path) -> None:
@@ -178,7 +199,7 @@ def _check_same_end_of_document(prefixes: list[str], tokenizer: str | Path) -> N
         return
     eos = None
     for prefix in prefixes:
-        recorded = recorded_end_of_document(prefix)
+        recorded = _recorded_end_of_document(prefix)
         if recorded is None:
             continue
         eos = open_tokenizer(tokenizer).eos_id() if eos is None else eos

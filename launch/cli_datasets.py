@@ -99,7 +99,7 @@ def _write_merge(args: argparse.Namespace, inputs: list[str]) -> tuple[int, int]
         built_with_eod,
         built_with_tokenizer,
         check_same_tokenizer,
-        recorded_end_of_document,
+        common_end_of_document,
     )
     from loom.data_tools.progress import Elapsed
     from loom.engine.data.indexed import IndexedDataset, IndexedDatasetWriter, index_paths
@@ -121,19 +121,7 @@ def _write_merge(args: argparse.Namespace, inputs: list[str]) -> tuple[int, int]
             "some documents would run into the next with no end-of-document id between; rebuild them alike"
         )
     append_eod = next(iter(ends.values())) if len(set(ends.values())) == 1 else None
-    eod_ids = {prefix: recorded_end_of_document(prefix) for prefix in args.inputs}
-    first_with = {}  # each recorded end-of-document id, and the first input that ends its documents with it
-    for prefix, eod in eod_ids.items():
-        if eod is not None:
-            first_with.setdefault(eod, prefix)
-    if len(first_with) > 1:
-        (first_eod, first_prefix), (other_eod, other_prefix) = list(first_with.items())[:2]
-        raise InputError(
-            f"{first_prefix} ends each document with token {first_eod} and {other_prefix} with token {other_eod} "
-            "(the tokenizer's eos setting changed between the builds): merged, one of them would have no "
-            "end-of-document id the model knows; rebuild them with the same tokenizer settings"
-        )
-    eod_id = next(iter(first_with)) if None not in eod_ids.values() else None
+    eod_id = common_end_of_document(args.inputs)
     started = time.time()
     first = IndexedDataset(args.inputs[0])
     needed = sum(path.stat().st_size for prefix in args.inputs for path in index_paths(prefix) if path.is_file())
