@@ -13,6 +13,9 @@
 # 585), and every part has its own time limit so a lease cut short still returns what finished. `measure`:
 # `loom bench gpu` (docs/gpu.md's table; its rows are logged as they finish) leaving TESTS_SECONDS (150) for
 # `pytest -m gpu`, which then gets what is left: the figures first, as a failing row no longer ends the bench.
+# Each limit is a SIGTERM, then a SIGKILL 15 s later (`timeout -k`), so a step that does not stop cannot take the
+# next one's time; pytest writes each failure to pytest_gpu_failures*.txt as it happens (tests/conftest.py), as a
+# pytest cut short prints no summary.
 # `profile`: the kernel breakdown of loom's defaults beside the plain loop, with the time the device waited for
 # the host, then loom with FP8 alone, then loom without gradient-accumulation fusion (`loom bench profile`, 4 min).
 set -u
@@ -37,8 +40,8 @@ measure | tests | profile)
     fi
     out=$(realpath -m "$2") # absolute: the parts run from the checkout
     case $part in # what each part writes: a part never writes over an earlier session's (or part's) files
-    measure) files="status_measure.txt bench_gpu.json bench_gpu.md bench_gpu.log pytest_gpu.txt" ;;
-    tests) files="status_tests.txt pytest_gpu_tests.txt" ;;
+    measure) files="status_measure.txt bench_gpu.json bench_gpu.md bench_gpu.log pytest_gpu.txt pytest_gpu_failures.txt" ;;
+    tests) files="status_tests.txt pytest_gpu_tests.txt pytest_gpu_failures_tests.txt" ;;
     profile) files="status_profile.txt kernel_profile.md kernel_profile_fp8.md kernel_profile_unfused.md" ;;
     esac
     for file in $files; do
@@ -64,25 +67,29 @@ measure | tests | profile)
         echo $((s > 10 ? s : 10))
     }
     if [ "$part" = measure ]; then
-        timeout "$(left "${TESTS_SECONDS:-150}")" python3 -m loom.launch.cli bench gpu --output "$out/bench_gpu.json" \
+        timeout -k 15 "$(left "${TESTS_SECONDS:-150}")" python3 -m loom.launch.cli bench gpu --output "$out/bench_gpu.json" \
             >"$out/bench_gpu.md" 2>"$out/bench_gpu.log"
         echo "bench gpu: exit $? (124: cut short; finished rows are in bench_gpu.log)" >>"$status"
-        timeout "$(left)" python3 -m pytest -m gpu -q -p no:cacheprovider --durations=20 tests/test_gpu.py >"$out/pytest_gpu.txt" 2>&1
+        LOOM_FAILURES_FILE="$out/pytest_gpu_failures.txt" timeout -k 15 "$(left)" python3 -m pytest -m gpu -q \
+            -p no:cacheprovider --durations=20 tests/test_gpu.py >"$out/pytest_gpu.txt" 2>&1
         echo "pytest -m gpu: exit $?" >>"$status"
         grep "^bench:" "$out/bench_gpu.log"
         cat "$out/bench_gpu.md"
         tail -60 "$out/pytest_gpu.txt" # the durations table, and the last failure above it
+        head -c 6000 "$out/pytest_gpu_failures.txt" 2>/dev/null # each failure, also when pytest was cut short
     elif [ "$part" = tests ]; then
-        timeout "$(left)" python3 -m pytest -m gpu -q -p no:cacheprovider --durations=20 tests/test_gpu.py >"$out/pytest_gpu_tests.txt" 2>&1
+        LOOM_FAILURES_FILE="$out/pytest_gpu_failures_tests.txt" timeout -k 15 "$(left)" python3 -m pytest -m gpu -q \
+            -p no:cacheprovider --durations=20 tests/test_gpu.py >"$out/pytest_gpu_tests.txt" 2>&1
         echo "pytest -m gpu: exit $?" >>"$status"
         tail -60 "$out/pytest_gpu_tests.txt"
+        head -c 6000 "$out/pytest_gpu_failures_tests.txt" 2>/dev/null
     else
-        timeout 100 python3 -m loom.launch.cli bench profile >"$out/kernel_profile.md" 2>&1
+        timeout -k 15 100 python3 -m loom.launch.cli bench profile >"$out/kernel_profile.md" 2>&1
         echo "kernel_profile: exit $?" >>"$status"
-        timeout "$(left)" python3 -m loom.launch.cli bench profile --no-plain --train.precision bf16 --train.fp8 current \
+        timeout -k 15 "$(left)" python3 -m loom.launch.cli bench profile --no-plain --train.precision bf16 --train.fp8 current \
             >"$out/kernel_profile_fp8.md" 2>&1
         echo "kernel_profile fp8: exit $?" >>"$status"
-        timeout "$(left)" python3 -m loom.launch.cli bench profile --no-plain --optim.grad_accumulation_fusion false \
+        timeout -k 15 "$(left)" python3 -m loom.launch.cli bench profile --no-plain --optim.grad_accumulation_fusion false \
             >"$out/kernel_profile_unfused.md" 2>&1
         echo "kernel_profile without gradient-accumulation fusion: exit $?" >>"$status"
         cat "$out/kernel_profile.md" "$out/kernel_profile_fp8.md" "$out/kernel_profile_unfused.md"

@@ -27,6 +27,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_runtest_logreport(report):
+    """With LOOM_FAILURES_FILE set (scripts/gpu_session.sh), each failure is written there as it happens: a lease's
+    time limit ends pytest before its summary, which would have held them."""
+    path = os.environ.get("LOOM_FAILURES_FILE")
+    if path and report.failed:
+        with open(path, "a", encoding="utf-8") as failures:
+            failures.write(f"== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
+
+
 @pytest.fixture(scope="session")
 def markov_dataset(tmp_path_factory) -> Callable[..., str]:
     """markov_dataset(num_documents, vocab_size=4096, seed=0) gives the .bin/.idx prefix of that synthetic

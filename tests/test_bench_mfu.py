@@ -288,3 +288,28 @@ def test_busy_time_counts_overlapping_kernels_once():
             return [Event(20, 30), Event(0, 10), Event(5, 15), Event(1, 2), Event(40, 90, "step")]
 
     assert busy_ms(Profile(), torch.device("cpu"), steps=1) == pytest.approx(0.025)
+
+
+def test_a_stop_that_comes_while_a_row_compiles_ends_the_bench(monkeypatch):
+    """torch.compile wraps a stop raised mid-compile (the lease's SIGTERM) in its own BackendCompilerFailed: the
+    plain loop's row took it for a compiler failure and ran again eagerly, and a row's guard would have reported
+    it as a failed row and gone on; both end the bench instead."""
+    import torch
+
+    from loom.engine.config_io import load_config
+    from loom.launch.local import Stopped
+    from loom.tools.bench import harness, mfu
+
+    def compiling(**kwargs):
+        try:
+            raise Stopped("SIGTERM", "stopped by SIGTERM")
+        except Stopped as stop:
+            raise RuntimeError("backend='inductor' raised: Stopped") from stop
+
+    monkeypatch.setattr(mfu, "run_plain_loop", compiling)
+    settings = mfu.Throughput(steps=1, warmup=0, microbatches=1, compile=True)
+    with pytest.raises(Stopped):
+        mfu._plain_row(settings, load_config("tiny"), torch.device("cpu"))
+    with pytest.raises(Stopped):
+        harness.guarded(lambda: compiling(), lambda why: why, torch.device("cpu"))
+    assert harness.guarded(lambda: 1 / 0, lambda why: why, torch.device("cpu")).startswith("failed: ZeroDivisionError")

@@ -32,6 +32,108 @@ def _train(dataset: str, run_dir: Path, steps: int, **sections) -> list[float]:
     return [row["loss"] for row in read_metrics(run_dir)]
 
 
+# Never run on a GPU yet: first, so that a lease cut short still runs them (the others passed on 2026-11-27).
+def test_a_run_resumes_and_evaluates_on_cuda(dataset, tmp_path, capfd):
+    """A user's day on one GPU: 6 steps straight; the same run stopped after 3 (a checkpoint) and resumed, with
+    the straight run's losses (fused AdamW's state, the CUDA generators, the loader's position); `loom eval` of its
+    last checkpoint. Never run on a GPU before 2026-11-27's checks were written."""
+    from training_runs import loom_here
+
+    eager = {"model": {"compile": "false"}, "checkpoint": {"interval": 3, "save_at_end": True}}
+    straight = _train(dataset, tmp_path / "straight", 6, **eager)
+    _train(dataset, tmp_path / "run", 6, train={"exit_after": 3}, **eager)
+    resumed = _train(dataset, tmp_path / "run", 6, **eager)  # the run's metrics: steps 1-3, then 4-6 resumed
+    assert len(resumed) == len(straight) == 6
+    for ours, theirs in zip(resumed, straight, strict=True):  # bf16; flash attention's backward adds in any order
+        assert abs(ours - theirs) / theirs < 1e-2, (resumed, straight)
+    evaluated = loom_here(capfd, "eval", "--checkpoint", str(tmp_path / "run" / "checkpoints"), "--data", dataset)
+    assert evaluated.returncode == 0, evaluated.stderr[-2000:]
+    said = evaluated.stdout.split("step 6: validation loss ")[1]  # it evaluated the last checkpoint
+    assert math.isfinite(float(said.split(",")[0])), evaluated.stdout
+
+
+def test_a_world_size_1_nccl_run_through_the_launcher(dataset, tmp_path):
+    command = [sys.executable, "-m", "loom.launch.cli", "train", "--config", "tiny", "--nproc", "1"]
+    command += ["--data.paths", dataset, "--data.tokenizer", "none", "--train.run_dir", str(tmp_path)]
+    command += ["--train.device", "cuda", "--train.steps", "4", "--train.eval_interval", "0"]
+    command += ["--train.log_interval", "1"]  # tiny.toml logs every 5th step
+    command += ["--model.compile", "false"]  # the launcher and NCCL are checked here; compiling, above
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = read_metrics(tmp_path)
+    assert [row["step"] for row in rows] == [1, 2, 3, 4] and all(math.isfinite(row["loss"]) for row in rows)
+    assert (tmp_path / "checkpoints" / "latest").is_file()  # saved at the end, by default
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_ring_attention_block_kernels_on_cuda(causal):
+    """Context parallelism's block products on CUDA are torch's flash kernels, called by their signatures (never
+    run on a GPU before): output, log-sum-exp and gradients against SDPA in fp32, to bf16's rounding."""
+    from loom.engine.parallel.context import block_attention, block_attention_backward
+
+    generator = torch.Generator(device=CUDA).manual_seed(0)
+    shape_q, shape_k = (2, 8, 256, 64), (2, 8, 256 if causal else 384, 64)
+    q = torch.randn(shape_q, device=CUDA, generator=generator, dtype=torch.bfloat16)
+    k, v = (torch.randn(shape_k, device=CUDA, generator=generator, dtype=torch.bfloat16) for _ in "kv")
+    grad = torch.randn(shape_q, device=CUDA, generator=generator, dtype=torch.bfloat16)
+    reference = [t.float().requires_grad_() for t in (q, k, v)]
+    expected = F.scaled_dot_product_attention(*reference, is_causal=causal)
+    expected.backward(grad.float())
+    out, lse = block_attention(q, k, v, 64**-0.5, causal)
+    assert (out - expected).norm() / expected.norm() < 1e-2
+    grads = block_attention_backward(grad, q, k, v, out.to(torch.bfloat16), lse, 64**-0.5, causal)
+    for ours, theirs in zip(grads, (t.grad for t in reference), strict=True):
+        assert (ours - theirs).norm() / theirs.norm() < 2e-2
+
+
+@pytest.fixture(scope="module")
+def eager_torch_attention(dataset, tmp_path_factory) -> list[float]:
+    """Losses of 3 eager steps with torch's choice of attention kernel, which each backend's run is held to."""
+    return _train(dataset, tmp_path_factory.mktemp("auto"), 3, model={"compile": "false"})
+
+
+@pytest.mark.parametrize("backend", ["flash", "cudnn", "efficient"])
+def test_each_attention_backend_runs_alone_and_agrees_on_cuda(backend, dataset, eager_torch_attention, tmp_path):
+    """model.attention_backend leaves torch SDPA that one CUDA kernel (torch's own choice says so): bf16 causal
+    attention and its gradients against fp32 products written out; a call the kernel cannot take (an explicit mask
+    for flash) fails instead of falling back to unfused math; and 3 eager steps of the tiny model (grouped-query
+    heads, which cudnn and efficient get repeated) train like torch's choice."""
+    from torch.nn.attention import SDPBackend
+
+    from loom.engine.config_io import load_config
+    from loom.engine.model.kernels import choose_kernels, enable_only_sdpa_backend
+
+    kernel = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+    kernel["efficient"] = SDPBackend.EFFICIENT_ATTENTION
+    generator = torch.Generator(device=CUDA).manual_seed(0)
+    q, k, v, grad = (
+        torch.randn(2, 8, 512, 64, device=CUDA, generator=generator, dtype=torch.bfloat16) for _ in range(4)
+    )
+    reference = [t.float().requires_grad_() for t in (q, k, v)]
+    scores = reference[0] @ reference[1].transpose(-1, -2) / 8
+    scores = scores.masked_fill(torch.ones(512, 512, dtype=torch.bool, device=CUDA).triu(1), float("-inf"))
+    expected = scores.softmax(-1) @ reference[2]
+    expected.backward(grad.float())
+    config = load_config("tiny", {"model": {"attention_backend": backend}, "train": {"precision": "bf16"}})
+    choose_kernels(config, CUDA)
+    try:
+        assert torch._fused_sdp_choice(q, k, v, is_causal=True) == int(kernel[backend])
+        ours = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = F.scaled_dot_product_attention(*ours, is_causal=True)
+        out.backward(grad)
+        assert (out.float() - expected).norm() / expected.norm() < 1e-2
+        for mine, theirs in zip(ours, reference, strict=True):
+            assert (mine.grad.float() - theirs.grad).norm() / theirs.grad.norm() < 2e-2
+        if backend == "flash":
+            with pytest.raises(RuntimeError):
+                F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(512, 512, dtype=torch.bool, device=CUDA))
+    finally:
+        enable_only_sdpa_backend("auto")
+    chosen = _train(dataset, tmp_path / backend, 3, model={"compile": "false", "attention_backend": backend})
+    for a, b in zip(chosen, eager_torch_attention, strict=True):
+        assert abs(a - b) / b < 1e-2
+
+
 @pytest.fixture(scope="module")
 def defaults_run(dataset, tmp_path_factory) -> list[float]:
     """Losses of 10 steps with the defaults (compiled on CUDA, gradient-accumulation fusion), which two checks
@@ -152,104 +254,3 @@ def test_llama_1b_peak_memory_is_within_10_percent_of_the_plan(tmp_path):
     measured = max(row["mem_gb"] for row in read_metrics(tmp_path / "run"))
     planned = estimate(config, layout_of(config), load_hardware(kind)).memory["total"] / GB
     assert abs(measured / planned - 1) <= 0.10, (measured, planned)
-
-
-def test_a_run_resumes_and_evaluates_on_cuda(dataset, tmp_path, capfd):
-    """A user's day on one GPU: 6 steps straight; the same run stopped after 3 (a checkpoint) and resumed, with
-    the straight run's losses (fused AdamW's state, the CUDA generators, the loader's position); `loom eval` of its
-    last checkpoint. Never run on a GPU before 2026-11-27's checks were written."""
-    from training_runs import loom_here
-
-    eager = {"model": {"compile": "false"}, "checkpoint": {"interval": 3, "save_at_end": True}}
-    straight = _train(dataset, tmp_path / "straight", 6, **eager)
-    _train(dataset, tmp_path / "run", 6, train={"exit_after": 3}, **eager)
-    resumed = _train(dataset, tmp_path / "run", 6, **eager)  # the run's metrics: steps 1-3, then 4-6 resumed
-    assert len(resumed) == len(straight) == 6
-    for ours, theirs in zip(resumed, straight, strict=True):  # bf16; flash attention's backward adds in any order
-        assert abs(ours - theirs) / theirs < 1e-2, (resumed, straight)
-    evaluated = loom_here(capfd, "eval", "--checkpoint", str(tmp_path / "run" / "checkpoints"), "--data", dataset)
-    assert evaluated.returncode == 0, evaluated.stderr[-2000:]
-    said = evaluated.stdout.split("step 6: validation loss ")[1]  # it evaluated the last checkpoint
-    assert math.isfinite(float(said.split(",")[0])), evaluated.stdout
-
-
-def test_a_world_size_1_nccl_run_through_the_launcher(dataset, tmp_path):
-    command = [sys.executable, "-m", "loom.launch.cli", "train", "--config", "tiny", "--nproc", "1"]
-    command += ["--data.paths", dataset, "--data.tokenizer", "none", "--train.run_dir", str(tmp_path)]
-    command += ["--train.device", "cuda", "--train.steps", "4", "--train.eval_interval", "0"]
-    command += ["--train.log_interval", "1"]  # tiny.toml logs every 5th step
-    command += ["--model.compile", "false"]  # the launcher and NCCL are checked here; compiling, above
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
-    rows = read_metrics(tmp_path)
-    assert [row["step"] for row in rows] == [1, 2, 3, 4] and all(math.isfinite(row["loss"]) for row in rows)
-    assert (tmp_path / "checkpoints" / "latest").is_file()  # saved at the end, by default
-
-
-@pytest.mark.parametrize("causal", [True, False])
-def test_ring_attention_block_kernels_on_cuda(causal):
-    """Context parallelism's block products on CUDA are torch's flash kernels, called by their signatures (never
-    run on a GPU before): output, log-sum-exp and gradients against SDPA in fp32, to bf16's rounding."""
-    from loom.engine.parallel.context import block_attention, block_attention_backward
-
-    generator = torch.Generator(device=CUDA).manual_seed(0)
-    shape_q, shape_k = (2, 8, 256, 64), (2, 8, 256 if causal else 384, 64)
-    q = torch.randn(shape_q, device=CUDA, generator=generator, dtype=torch.bfloat16)
-    k, v = (torch.randn(shape_k, device=CUDA, generator=generator, dtype=torch.bfloat16) for _ in "kv")
-    grad = torch.randn(shape_q, device=CUDA, generator=generator, dtype=torch.bfloat16)
-    reference = [t.float().requires_grad_() for t in (q, k, v)]
-    expected = F.scaled_dot_product_attention(*reference, is_causal=causal)
-    expected.backward(grad.float())
-    out, lse = block_attention(q, k, v, 64**-0.5, causal)
-    assert (out - expected).norm() / expected.norm() < 1e-2
-    grads = block_attention_backward(grad, q, k, v, out.to(torch.bfloat16), lse, 64**-0.5, causal)
-    for ours, theirs in zip(grads, (t.grad for t in reference), strict=True):
-        assert (ours - theirs).norm() / theirs.norm() < 2e-2
-
-
-@pytest.fixture(scope="module")
-def eager_torch_attention(dataset, tmp_path_factory) -> list[float]:
-    """Losses of 3 eager steps with torch's choice of attention kernel, which each backend's run is held to."""
-    return _train(dataset, tmp_path_factory.mktemp("auto"), 3, model={"compile": "false"})
-
-
-@pytest.mark.parametrize("backend", ["flash", "cudnn", "efficient"])
-def test_each_attention_backend_runs_alone_and_agrees_on_cuda(backend, dataset, eager_torch_attention, tmp_path):
-    """model.attention_backend leaves torch SDPA that one CUDA kernel (torch's own choice says so): bf16 causal
-    attention and its gradients against fp32 products written out; a call the kernel cannot take (an explicit mask
-    for flash) fails instead of falling back to unfused math; and 3 eager steps of the tiny model (grouped-query
-    heads, which cudnn and efficient get repeated) train like torch's choice."""
-    from torch.nn.attention import SDPBackend
-
-    from loom.engine.config_io import load_config
-    from loom.engine.model.kernels import choose_kernels, enable_only_sdpa_backend
-
-    kernel = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
-    kernel["efficient"] = SDPBackend.EFFICIENT_ATTENTION
-    generator = torch.Generator(device=CUDA).manual_seed(0)
-    q, k, v, grad = (
-        torch.randn(2, 8, 512, 64, device=CUDA, generator=generator, dtype=torch.bfloat16) for _ in range(4)
-    )
-    reference = [t.float().requires_grad_() for t in (q, k, v)]
-    scores = reference[0] @ reference[1].transpose(-1, -2) / 8
-    scores = scores.masked_fill(torch.ones(512, 512, dtype=torch.bool, device=CUDA).triu(1), float("-inf"))
-    expected = scores.softmax(-1) @ reference[2]
-    expected.backward(grad.float())
-    config = load_config("tiny", {"model": {"attention_backend": backend}, "train": {"precision": "bf16"}})
-    choose_kernels(config, CUDA)
-    try:
-        assert torch._fused_sdp_choice(q, k, v, is_causal=True) == int(kernel[backend])
-        ours = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = F.scaled_dot_product_attention(*ours, is_causal=True)
-        out.backward(grad)
-        assert (out.float() - expected).norm() / expected.norm() < 1e-2
-        for mine, theirs in zip(ours, reference, strict=True):
-            assert (mine.grad.float() - theirs.grad).norm() / theirs.grad.norm() < 2e-2
-        if backend == "flash":
-            with pytest.raises(RuntimeError):
-                F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(512, 512, dtype=torch.bool, device=CUDA))
-    finally:
-        enable_only_sdpa_backend("auto")
-    chosen = _train(dataset, tmp_path / backend, 3, model={"compile": "false", "attention_backend": backend})
-    for a, b in zip(chosen, eager_torch_attention, strict=True):
-        assert abs(a - b) / b < 1e-2

@@ -613,6 +613,33 @@ def test_a_compiler_failure_leaves_the_step_eager_and_says_why_in_one_line():
     assert warned[0].startswith("warning: model.compile on pipeline stage 1: compiling failed (RuntimeError: no C++")
 
 
+def test_a_stop_that_comes_while_blocks_compile_stops_the_command_after_the_step():
+    """`loom bench`'s SIGTERM handler raises its stop: raised mid-compile, dynamo took it for a compiler failure and
+    went on eagerly (a lease's time limit did not stop the bench). The stop is held until the step ends, then raised
+    by the handler that was there; with none (the default action) it would end the process as before."""
+    import signal
+
+    from loom.engine.model.compiling import first_compiled_step
+    from loom.launch.local import Stopped
+
+    def signalled_while_compiling(graph, inputs):
+        signal.raise_signal(signal.SIGTERM)
+        return graph.forward
+
+    def stop(signum, frame):
+        raise Stopped("SIGTERM", "stopped by SIGTERM")
+
+    said: list[str] = []
+    before = signal.signal(signal.SIGTERM, stop)
+    try:
+        with pytest.raises(Stopped), first_compiled_step(said.append):
+            out = torch.compile(lambda x: x * 3, backend=signalled_while_compiling)(torch.ones(3))
+        assert torch.equal(out, torch.full((3,), 3.0)) and said == []  # the step ran whole, compiled; no fallback
+        assert signal.getsignal(signal.SIGTERM) is stop
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def test_compiled_blocks_under_zero3_and_context_parallelism_train_like_eager_ones(markov_dataset, tmp_path):
     """cp 2 with ZeRO-3 (which then shards over the two CP ranks, the DP x CP group): the weights are gathered and
     freed around each call of the same compiled graph, and the ring attention runs eagerly between the block's

@@ -3,13 +3,16 @@
 Blocks compile on their first call, inside the first training step. `first_compiled_step` times that step and,
 with dynamo's suppress_errors, lets a frame whose compile fails run eagerly instead of raising mid-step (where
 pipeline and TP peers would be left waiting in a collective). Dynamo reports such a failure as a multi-line
-warning with a traceback; it is collected here and said in one line after the step.
+warning with a traceback; it is collected here and said in one line after the step. A SIGTERM is held until the
+step ends: where a command's handler raises it (`loom bench`, whose lease ends in a SIGTERM), dynamo took the stop
+raised mid-compile for a compiler failure and went on eagerly, and the command ran past its limit.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import signal
 import time
 from collections.abc import Callable, Iterator
 
@@ -36,6 +39,24 @@ def _reason(message: str) -> str:
 
 
 @contextlib.contextmanager
+def _sigterm_held() -> Iterator[None]:
+    """A SIGTERM that arrives inside is recorded, and raised again once the handler before it is back (masking the
+    signal would hold it from this thread alone; another thread of the process would still take it)."""
+    held: list[int] = []
+    try:
+        before = signal.signal(signal.SIGTERM, lambda signum, frame: held.append(signum))
+    except ValueError:  # not the main thread, which alone handles signals: nothing to hold
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+        if held:
+            signal.raise_signal(signal.SIGTERM)
+
+
+@contextlib.contextmanager
 def first_compiled_step(
     log: Callable[[str], None] | None, warn: Callable[[str], None] | None = None, where: str = ""
 ) -> Iterator[None]:
@@ -51,7 +72,7 @@ def first_compiled_step(
         lg.propagate = False
     start = time.perf_counter()
     try:
-        with torch._dynamo.config.patch(suppress_errors=True):
+        with torch._dynamo.config.patch(suppress_errors=True), _sigterm_held():
             yield
     finally:
         for lg, (propagate, level) in zip(loggers, saved, strict=True):

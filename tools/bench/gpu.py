@@ -264,7 +264,9 @@ def run(args: argparse.Namespace) -> dict:
         with tempfile.TemporaryDirectory() as tmp:
             with harness.single_process_group(device):
                 results["throughput"] = mfu.measure(targets, base)
-                results["fp8_slice"] = mfu.measure(slice_throughput, load_config(slice_name, slice_overrides), False)
+                with mfu.fresh_graphs():
+                    slice_config = load_config(slice_name, slice_overrides)
+                    results["fp8_slice"] = mfu.measure(slice_throughput, slice_config, False)
                 results["throughput"]["rows"] += mfu.measure(levers, base, False)["rows"]
                 results["loss_gap"] = _guarded(
                     lambda: loss_gap(base, gap_steps, gap_layers, Path(tmp), device),

@@ -143,6 +143,19 @@ def with_overrides(base: LoomConfig, overrides: dict) -> LoomConfig:
     return load_config(None, values)
 
 
+def stop_within(error: BaseException) -> Interrupted | None:
+    """The stop (a SIGTERM the command raises as Interrupted) that `error` carries, if any: torch.compile reports one
+    that came while it compiled as its own failure (BackendCompilerFailed), which a bench would take for a
+    compiler's and go on."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, Interrupted):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def guarded(make: Callable[[], T], failed: Callable[[str], T], device: torch.device) -> T:
     """make(), or failed(why) when it raises (traceback on stderr): a lent GPU is minutes long, and one part of a
     bench that breaks (a kernel never run on this device before) must not take the others' figures with it."""
@@ -151,6 +164,8 @@ def guarded(make: Callable[[], T], failed: Callable[[str], T], device: torch.dev
     except Interrupted:  # a SIGTERM (the lease's time limit): the bench ends
         raise
     except Exception as error:  # noqa: BLE001 -- reported in the table and on stderr, never swallowed
+        if (stop := stop_within(error)) is not None:
+            raise stop from None
         traceback.print_exc(file=sys.stderr)
         why = f"failed: {type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}"
     try:

@@ -285,10 +285,12 @@ def _fp8_row(
 
 
 @contextlib.contextmanager
-def _fresh_graphs():
+def fresh_graphs():
     """Tracing fixes which SDPA kernel a compiled graph calls, and dynamo does not guard on the choice: without a
     reset an attention-backend row would reuse the defaults row's graphs (torch's choice) and measure them again,
-    and the rows after it would reuse its graphs."""
+    and the rows after it would reuse its graphs. Rows of another shape (bench gpu's 8B slice) take fresh graphs
+    too: every block shares one code object, and dynamo compiles a second shape of it with dynamic sizes, slower
+    kernels than the static ones the first shape got (and the rows after would get them as well)."""
     from loom.engine.model.kernels import enable_only_sdpa_backend
 
     torch._dynamo.reset()
@@ -309,7 +311,7 @@ def _attention_backend_row(
         chosen = harness.with_overrides(base, {"model": {"attention_backend": backend}})
         return harness.bench_config(chosen, data, str(Path(tmp) / backend), steps, settings.microbatches)
 
-    return name, lambda: _variant_row(name, configure, settings.warmup, device, around=_fresh_graphs)
+    return name, lambda: _variant_row(name, configure, settings.warmup, device, around=fresh_graphs)
 
 
 def _loop_shape(settings: Throughput, base: LoomConfig, device: torch.device) -> dict:
@@ -354,6 +356,8 @@ def _plain_row(settings: Throughput, base: LoomConfig, device: torch.device) -> 
     try:
         rates = run_plain_loop(**plain, compile_model=compiled)
     except Exception as error:  # noqa: BLE001 -- a compiler failure must not lose the other rows
+        if (stop := harness.stop_within(error)) is not None:
+            raise stop from None
         if not compiled:
             raise
         note = f"torch.compile failed ({type(error).__name__}), eager instead"
