@@ -13,7 +13,8 @@
 # 585), and every part has its own time limit so a lease cut short still returns what finished. `measure`:
 # `loom bench gpu` (docs/gpu.md's table; its rows are logged as they finish) leaving TESTS_SECONDS (150) for
 # `pytest -m gpu`, which then gets what is left: the figures first, as a failing row no longer ends the bench.
-# Each limit is a SIGTERM, then a SIGKILL 15 s later (`timeout -k`), so a step that does not stop cannot take the
+# Each limit is a SIGTERM, then a SIGKILL 15 s later (`timeout -k`; 45 s for the bench, which holds a SIGTERM
+# until a step that compiles ends, then writes what it measured), so a step that does not stop cannot take the
 # next one's time; pytest writes each failure to pytest_gpu_failures*.txt as it happens (tests/conftest.py), as a
 # pytest cut short prints no summary.
 # `profile`: the kernel breakdown of loom's defaults beside the plain loop, with the time the device waited for
@@ -67,7 +68,7 @@ measure | tests | profile)
         echo $((s > 10 ? s : 10))
     }
     if [ "$part" = measure ]; then
-        timeout -k 15 "$(left "${TESTS_SECONDS:-150}")" python3 -m loom.launch.cli bench gpu --output "$out/bench_gpu.json" \
+        timeout -k 45 "$(left "${TESTS_SECONDS:-150}")" python3 -m loom.launch.cli bench gpu --output "$out/bench_gpu.json" \
             >"$out/bench_gpu.md" 2>"$out/bench_gpu.log"
         echo "bench gpu: exit $? (124: cut short; finished rows are in bench_gpu.log)" >>"$status"
         LOOM_FAILURES_FILE="$out/pytest_gpu_failures.txt" timeout -k 15 "$(left)" python3 -m pytest -m gpu -q \
