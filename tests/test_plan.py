@@ -422,3 +422,27 @@ def test_plan_keeps_adafactor_off_zero_and_offload(capsys):
             main(["plan", "--config", "llama-8b", "--gpus", "8", "--optim.name", "adafactor", "--layout", layout])
         assert stop.value.code == 2
         assert "error: optim.name = adafactor does not support optim." in capsys.readouterr().err
+
+
+def test_a_device_name_plans_with_the_peak_its_mfu_is_measured_against():
+    """loom train's plan line and bench's plan column take the GPU kind from torch's device name, MFU the datasheet
+    peak from the same name: an H100 NVL (835 TFLOP/s) was planned as an SXM part (989), an H200 NVL too, and a
+    GH200 with an H200's 141 GB whatever its memory."""
+    from loom.engine.flops import peak_tflops
+    from loom.tools.plan import gpu_kind
+
+    names = {
+        "NVIDIA H100 80GB HBM3": "h100-sxm",
+        "NVIDIA H100 PCIe": "h100-pcie",
+        "NVIDIA H100 NVL": "h100-nvl",
+        "NVIDIA H200": "h200",
+        "NVIDIA H200 NVL": "h200-nvl",
+        "NVIDIA A100-SXM4-80GB": "a100-80gb",
+        "NVIDIA A100-PCIE-40GB": "a100-40gb",
+        "NVIDIA GH200 480GB": None,
+        "NVIDIA L4": None,
+    }
+    for name, kind in names.items():
+        assert gpu_kind(name) == kind, name
+        if kind is not None:
+            assert load_hardware(kind).peak_tflops == {p: peak_tflops(name, p) for p in load_hardware(kind).peak_tflops}

@@ -253,9 +253,19 @@ def plan(
 
 
 def gpu_kind(device_name: str) -> str | None:
-    """The tools/gpus.toml kind of a CUDA device name (torch.cuda.get_device_name()), or None if unknown."""
+    """The tools/gpus.toml kind of a CUDA device name (torch.cuda.get_device_name()), or None if unknown (a GH200:
+    its memory is 96 or 144 GB, which the name does not say)."""
     name = device_name.upper()
-    for needle, kind in (("H100 PCIE", "h100-pcie"), ("H200", "h200"), ("H100", "h100-sxm"), ("A100", "a100")):
+    kinds = (
+        ("H100 PCIE", "h100-pcie"),
+        ("H100 NVL", "h100-nvl"),
+        ("H200 NVL", "h200-nvl"),
+        ("GH200", None),
+        ("H200", "h200"),
+        ("H100", "h100-sxm"),
+        ("A100", "a100"),
+    )
+    for needle, kind in kinds:
         if needle in name:
             return kind if kind != "a100" else ("a100-80gb" if "80G" in name else "a100-40gb")
     return None
