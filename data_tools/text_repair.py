@@ -1,23 +1,30 @@
 """Repair steps of a cleaning pipeline: mojibake (ftfy), Unicode normalisation, control characters, HTML.
 
-These steps change a document's text and never reject it, except that HTML whose text is empty
-is rejected as `empty_after_html`. ftfy is imported lazily, so the other steps work without it.
-HTML goes through the standard library's html.parser: it is tolerant of broken markup, needs no
-compiled dependency and, with script/style/navigation skipped and block tags turned into line
-breaks, gives the line structure the line-based filters (C4, FineWeb) expect; a layout-faithful
-renderer (inscriptis, trafilatura) would add a dependency for little gain on that path. This
-module must not filter on quality; see quality_filters.py and line_filters.py.
+These steps change a document's text and never reject it, except that HTML with no text to keep is rejected as
+`empty_after_html` (and a page the extractor fails on or takes too long over as `html_extraction_failed` or
+`html_timeout`). ftfy and trafilatura are imported lazily, so the other steps work without them.
+
+HTML: FineWeb (Penedo et al. 2024) keeps a page's main content with trafilatura, which drops boilerplate (menus,
+link lists, footers, cookie notices) by text density and markup; the web pipelines do the same, with datatrove's
+settings (the library FineWeb was made with). The `stdlib` extractor keeps every visible text instead, block tags as
+line breaks and only script, style, navigation, footers and forms dropped, on the standard library's html.parser:
+no dependency, and `<pre>` layout kept. This module must not filter on quality; see quality_filters.py and
+line_filters.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import importlib.util
 import re
+import signal
+import threading
 import unicodedata
 from dataclasses import dataclass
 from html.parser import HTMLParser
-from typing import ClassVar
+from typing import ClassVar, Iterator
 
 from loom.data_tools.document import Document, Rejected
 from loom.data_tools.jsonl import InputError
@@ -211,18 +218,88 @@ def html_to_text(html: str) -> str:
     return extractor.text()
 
 
+HTML_EXTRACTORS = ("trafilatura", "stdlib")
+
+
 @dataclass
 class HtmlToText:
-    """HTML converted to its visible text; with only_if_html, documents without HTML tags are left alone."""
+    """HTML converted to text; with only_if_html, documents without HTML tags are left alone.
+
+    extractor `trafilatura`: the page's main content, as FineWeb kept it (datatrove's Trafilatura extractor: favour
+    precision, no comments), one line per paragraph; a page where it finds none is rejected (empty_after_html).
+    Unlike datatrove's default, trafilatura's cross-document deduplication is off: it remembers the segments of every
+    page a process has seen, so a page's text would depend on which worker read it and after what (Gopher's
+    repetition rules judge repeats within a page, `loom data dedup` across pages). `stdlib`: every visible text."""
 
     type_name: ClassVar[str] = "html_to_text"
     only_if_html: bool = True
+    extractor: str = "trafilatura"
+    timeout_seconds: float = 1.0
+    """trafilatura only: a page it takes longer over is rejected (html_timeout), as datatrove drops it; 0: no limit."""
+
+    def __post_init__(self) -> None:
+        if self.extractor not in HTML_EXTRACTORS:
+            raise ValueError(f"extractor = {self.extractor!r} is not one of {', '.join(HTML_EXTRACTORS)}")
+        if self.extractor == "trafilatura" and importlib.util.find_spec("trafilatura") is None:
+            raise ValueError(
+                'extractor trafilatura needs trafilatura: `pip install trafilatura`, or set extractor = "stdlib"'
+            )
 
     def __call__(self, doc: Document) -> Rejected | None:
         if self.only_if_html and not _LOOKS_LIKE_HTML.search(doc.text):
             return None
-        doc.text = html_to_text(doc.text)
-        return None if doc.text else Rejected("empty_after_html", "no visible text in the HTML")
+        if self.extractor == "stdlib":
+            doc.text = html_to_text(doc.text)
+        else:
+            _trafilatura()  # its warm-up outside the page's time limit
+            try:
+                doc.text = main_content(doc.text, self.timeout_seconds)
+            except _ExtractionTimeout:
+                return Rejected("html_timeout", f"trafilatura took over {self.timeout_seconds:g} s")
+            except Exception as error:  # noqa: BLE001 -- a page the library cannot take is a rejected document
+                return Rejected("html_extraction_failed", f"{type(error).__name__}: {str(error)[:200]}")
+        return None if doc.text else Rejected("empty_after_html", "no text to keep in the HTML")
+
+
+class _ExtractionTimeout(Exception):
+    pass
+
+
+@functools.lru_cache(maxsize=1)
+def _trafilatura():
+    """trafilatura's extract, once warmed up: its first call loads what a page's timeout must not pay for."""
+    from trafilatura import extract
+
+    extract("<html><body><p>" + "A paragraph of text to warm up the extractor. " * 8 + "</p></body></html>")
+    return extract
+
+
+def main_content(html: str, timeout_seconds: float = 0.0) -> str:
+    """The main content of an HTML page as trafilatura extracts it with FineWeb's settings ("" where it finds none);
+    raises _ExtractionTimeout after `timeout_seconds` (0: none)."""
+    extract = _trafilatura()
+    with _time_limit(timeout_seconds):
+        text = extract(html, favor_precision=True, include_comments=False, deduplicate=False)
+    return text or ""
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float) -> Iterator[None]:
+    """Raise _ExtractionTimeout in this (the main) thread after `seconds`; elsewhere, or with 0, no limit."""
+    if not seconds or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expired(signum, frame):
+        raise _ExtractionTimeout
+
+    before = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
 
 
 STEPS = (UnicodeRepair, Normalize, ControlChars, HtmlToText)

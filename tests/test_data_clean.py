@@ -403,6 +403,93 @@ def test_repairs_and_html():
     assert text == "Title\n\nOne & two three.\n\na\nb\n\n  keep\n  this"
 
 
+def _random_pages(count: int, seed: int = 0) -> dict[str, str]:
+    """Web pages in random mixes of an article's paragraphs, headings, tables and lists with menus, link lists,
+    footers, cookie notices, comments and scripts; some have no article at all."""
+    generator = random.Random(seed)
+    sentences = [line for line in GOOD.split("\n") if len(line) > 40]
+    boilerplate = [
+        "<nav><a href='/'>Home</a> | <a href='/about'>About</a> | <a href='/shop'>Shop</a></nav>",
+        "<footer>Copyright 2024 Example Ltd. All rights reserved. <a href='/privacy'>Privacy</a></footer>",
+        "<div class='cookie'>We use cookies to improve your experience. <button>Accept</button></div>",
+        "<div class='sidebar'><ul>"
+        + "".join(f"<li><a href='/p{i}'>Related post {i}</a></li>" for i in range(5))
+        + "</ul></div>",
+        "<div class='comments'><p>Great post, thanks!</p><p>I disagree with the second point.</p></div>",
+        "<script>var tracking = {id: 42}; window.dataLayer = [];</script><style>body {margin: 0}</style>",
+    ]
+    pages = {}
+    for i in range(count):
+        body = []
+        if generator.random() < 0.85:  # an article
+            body.append(f"<article><h1>Heading number {i}</h1>")
+            for _ in range(generator.randint(1, 9)):
+                kind = generator.random()
+                if kind < 0.7:
+                    body.append("<p>" + " ".join(generator.sample(sentences, generator.randint(1, 3))) + "</p>")
+                elif kind < 0.85:
+                    rows = "".join(f"<tr><td>cell {r}</td><td>{generator.randint(0, 99)}</td></tr>" for r in range(3))
+                    body.append(f"<table>{rows}</table>")
+                else:
+                    items = "".join(f"<li>{generator.choice(sentences)}</li>" for _ in range(3))
+                    body.append(f"<ul>{items}</ul>")
+            body.append("</article>")
+        for part in generator.sample(boilerplate, generator.randint(0, len(boilerplate))):
+            body.insert(generator.randint(0, len(body)), part)
+        pages[f"page{i}"] = f"<html><head><title>Page {i}</title></head><body>{''.join(body)}</body></html>"
+    return pages
+
+
+def test_html_pages_keep_the_main_content_datatroves_trafilatura_extractor_keeps():
+    """FineWeb's text extraction is datatrove's Trafilatura step: run as datatrove runs it (its own process per
+    page and time limit), it keeps the same text of each page as loom's html_to_text, and drops the same pages (no
+    main content: rejected as empty_after_html). Cross-document deduplication is off on both sides (docs/data.md)."""
+    extractors = pytest.importorskip("datatrove.pipeline.extractors", reason="needs loom[reference]")
+    from datatrove.data import Document as DatatroveDocument
+
+    pages = _random_pages(60)
+    step = build_step({"type": "html_to_text"})[1]
+    ours = {}
+    for name, html in pages.items():
+        doc = Document(html)
+        rejected = step(doc)
+        ours[name] = None if rejected else doc.text
+        assert rejected is None or rejected.rule == "empty_after_html", (name, rejected)
+    extractor = extractors.Trafilatura(favour_precision=True, deduplicate=False, timeout=10)
+    kept = extractor.run(iter(DatatroveDocument(text=html, id=name) for name, html in pages.items()))
+    theirs = {doc.id: doc.text for doc in kept}
+    assert {name: text for name, text in ours.items() if text is not None} == theirs
+    dropped = [name for name, text in ours.items() if text is None]
+    assert 3 <= len(dropped) <= 30, dropped
+    some = next(text for text in theirs.values() if "Heading number" in text)
+    assert "Related post" not in some and "cookies" not in some and "tracking" not in some
+
+
+def test_html_extraction_that_fails_or_takes_too_long_rejects_the_page(monkeypatch):
+    """datatrove drops a page trafilatura raises on or takes longer than its time limit over; loom rejects it with
+    the reason, so it is counted and kept in the rejects."""
+    import time
+
+    from loom.data_tools import text_repair
+
+    page = _random_pages(1)["page0"]
+    step = build_step({"type": "html_to_text", "timeout_seconds": 0.2})[1]
+    monkeypatch.setattr(text_repair, "_trafilatura", lambda: lambda html, **kwargs: time.sleep(5))
+    started = time.perf_counter()
+    assert step(Document(page)) == ("html_timeout", "trafilatura took over 0.2 s")
+    assert time.perf_counter() - started < 4  # the limit, not the page, ended it
+
+    def raising(html, **kwargs):
+        raise ValueError("malformed page")
+
+    monkeypatch.setattr(text_repair, "_trafilatura", lambda: raising)
+    assert step(Document(page)) == ("html_extraction_failed", "ValueError: malformed page")
+    with pytest.raises(InputError, match="extractor = 'lxml' is not one of trafilatura, stdlib"):
+        build_step({"type": "html_to_text", "extractor": "lxml"})
+    with pytest.raises(InputError, match="timeout_seconds = -1.0 must be >= 0"):
+        build_step({"type": "html_to_text", "timeout_seconds": -1})
+
+
 def test_every_document_is_kept_or_rejected_by_its_filter(tmp_path):
     source = write_input(tmp_path / "in.jsonl")
     stats = clean_corpus([source], tmp_path / "out", progress=False)
