@@ -199,7 +199,7 @@ def run_is_complete(run_dir: str | Path, step: int, steps: int, consequence: str
     """What `loom train` says (and `loom submit` refuses with) when a run's checkpoint is already at train.steps."""
     return (
         f"nothing to train: the run in {run_dir} is complete at step {step} of train.steps = {steps}{consequence}; "
-        "raise --train.steps to continue it, or give a new run its own --train.name"
+        "raise --train.steps to continue it, or give a new run its own --train.name or --train.run_dir"
     )
 
 
@@ -275,7 +275,7 @@ def check_run_directory(config: LoomConfig) -> None:
         if config.train.overwrite:
             print(
                 f"warning: train.overwrite: {run_dir} has a checkpoint, so this run resumes it; to start over, "
-                f"give this run its own --train.name or move {run_dir} aside"
+                f"give this run its own --train.name or --train.run_dir, or move {run_dir} aside"
             )
         return
     current = tomllib.loads(config_to_toml(config))

@@ -243,18 +243,32 @@ class Trainer:
 
     def _say_what_was_resumed(self, directory: Path, metadata: CheckpointMetadata) -> None:
         """Rank 0's lines about the checkpoint just loaded, and warnings for what this run changes about it."""
-        c = self.config.checkpoint
         own = directory.parent == self.checkpoints
         if self.evaluation_only:
             self._log_event(f"evaluating {directory} (step {self.step})")
-        else:
-            started_from = (
-                f" (this run's own; checkpoint.load = {c.load} is where it started)" if c.load and own else ""
+        elif not own:
+            self._log_event(
+                f"started from {directory} (checkpoint.load) at step {self.step}, sample "
+                f"{metadata.consumed_samples:,} of its data: this run trains on from there, on its schedule"
             )
-            self._log_event(f"resumed from {directory} at step {self.step}{started_from}")
-        continues_this_run = own and not self.evaluation_only
-        for warning in resume_warnings(directory, metadata, self.config, continues_this_run):
+        else:
+            self._log_event(f"resumed from {directory} at step {self.step}{self._where_it_started(metadata)}")
+        for warning in resume_warnings(directory, metadata, self.config, continues_run=not self.evaluation_only):
             self._log_event(f"warning: {warning}")
+
+    def _where_it_started(self, metadata: CheckpointMetadata) -> str:
+        """What became of checkpoint.load, for a run that resumes from its own checkpoint: where it started, or a
+        setting added since, which it does not use (it had said the run started there)."""
+        load = self.config.checkpoint.load
+        if not load:
+            return ""
+        started = metadata.config.get("checkpoint", {}).get("load")
+        if started and Path(started).resolve() == Path(load).resolve():
+            return f" (this run's own; checkpoint.load = {load} is where it started)"
+        return (
+            f" (this run's own: checkpoint.load = {load} is not used, as a run with checkpoints of its own resumes "
+            "from them; to start from it, give the run another directory: --train.name or --train.run_dir)"
+        )
 
     def training_state(self) -> TrainingState:
         """What a checkpoint saves and restores: this trainer's state objects, handed over explicitly."""
@@ -520,8 +534,8 @@ class Trainer:
         if not (c.interval or c.save_at_end or t.exit_after):
             self._log_event(
                 "this run saves no checkpoint unless a stop signal asks for one (checkpoint.interval = 0, "
-                "checkpoint.save_at_end = false): a rerun of it starts again from step 1; --checkpoint.interval N "
-                "keeps some"
+                f"checkpoint.save_at_end = false): a rerun of it starts again from step {self.step + 1}; "
+                "--checkpoint.interval N keeps some"
             )
         if self.step >= t.steps:
             self._log_event(run_is_complete(t.run_dir, self.step, t.steps))

@@ -134,3 +134,41 @@ def test_a_resume_compares_the_data_it_reads_not_how_its_path_is_spelled(tmp_pat
     assert changed_data_order(saved, tiny_config("../first/d", tmp_path / "run")) == [
         "data.paths: ['d'] -> ['../first/d']"
     ]
+
+
+def test_a_resume_is_told_what_it_changes_and_not_what_it_does_not(tmp_path):
+    """Settings of the optimizer step, loss and batch a rerun lost or changed trained on silently (weight decay,
+    clipping, betas, dropout, precision: only the schedule, the data order and RoPE were said); blend weights that
+    give the same shares ([1, 1], [2, 2], none) were said to reorder the data; the schedule's warning could show
+    both rates as 0.001."""
+    from loom.engine.checkpoint.load import _told_apart, changed_data_order, changed_training_settings
+    from loom.engine.config_io import config_to_dict
+
+    def config(**sections):
+        return tiny_config("d", tmp_path / "run", **sections)
+
+    saved = config_to_dict(config(optim={"weight_decay": 0.0, "clip_grad": 0.3}, model={"dropout": 0.1}))
+    assert changed_training_settings(saved, config()) == [
+        ("optim.weight_decay", 0.0, 0.1),
+        ("optim.clip_grad", 0.3, 1.0),
+        ("model.dropout", 0.1, 0.0),
+    ]
+    sgd = config(optim={"name": "sgd", "weight_decay": 0.0, "clip_grad": 0.3, "beta2": 0.99}, model={"dropout": 0.1})
+    assert changed_training_settings(saved, sgd) == []  # SGD reads no betas
+    momentum = changed_training_settings(config_to_dict(sgd), config(optim={"name": "sgd", "momentum": 0.5}))
+    assert ("optim.momentum", 0.9, 0.5) in momentum  # read by SGD
+    two = {"data": {"paths": ["a", "b"], "weights": [1.0, 1.0]}}
+    blend = config_to_dict(tiny_config("a", tmp_path / "run", **two))
+    for same in ([2.0, 2.0], None, [0.5, 0.5]):
+        assert (
+            changed_data_order(blend, tiny_config("a", tmp_path / "run", data={"paths": ["a", "b"], "weights": same}))
+            == []
+        )
+    (change,) = changed_data_order(
+        blend, tiny_config("a", tmp_path / "run", data={"paths": ["a", "b"], "weights": [1.0, 3.0]})
+    )
+    assert change == "data.weights: [1.0, 1.0] -> [1.0, 3.0]"
+    assert _told_apart(0.001, 0.0010004) == ("0.001", "0.0010004") and _told_apart(2.5e-4, 1e-4) == (
+        "0.00025",
+        "0.0001",
+    )

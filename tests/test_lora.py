@@ -6,6 +6,7 @@ that transformers wrote.
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -371,11 +372,13 @@ def test_lora_refusals_are_one_line(tmp_path, base, single_rank, capfd):
         open_base(str(lora_run))
     pointer = open_base(base)[2]
     other = {**pointer, "metadata_sha256": "0" * 64}
-    with pytest.raises(CheckpointError, match="another model"):
+    with pytest.raises(
+        CheckpointError, match=re.escape(f"another model; pass --lora.base {other['path']} to continue")
+    ):
         check_same_base(lora_run, other, pointer)
     with pytest.raises(CheckpointError, match="merge-lora"):
         check_same_base(lora_run, pointer, None)
-    with pytest.raises(CheckpointError, match="not --checkpoint.load"):
+    with pytest.raises(CheckpointError, match="not --checkpoint.load, and trains in a run directory of its own"):
         check_same_base(Path(base), None, pointer)
     check_same_base(lora_run, pointer, pointer)
     adapters_in_bf16 = loom_here(

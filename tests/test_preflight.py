@@ -167,12 +167,29 @@ def test_a_checkpoint_to_load_that_holds_none_is_refused_before_any_rank(dataset
     # Rerunning (or extending, or requeueing) a run that started from --checkpoint.load went back to the loaded
     # checkpoint, training its steps again; it continues from its own now
     started = tiny_train_args(dataset, tmp_path / "B", "--checkpoint.load", str(saved), "--checkpoint.interval", "1")
-    assert loom_here(capfd, "train", *started, "--train.steps", "3").returncode == 0
+    first = loom_here(capfd, "train", *started, "--train.steps", "3")
+    assert first.returncode == 0 and "(checkpoint.load) at step 2, sample 32 of its data: this run trains on from" in (
+        first.stdout
+    ), first.stdout
     again = loom_here(capfd, "train", *started, "--train.steps", "4")
     assert again.returncode == 0, again.stderr
     own = tmp_path / "B" / "checkpoints" / "iter_0000003"
     assert f"resumed from {own} at step 3 (this run's own; checkpoint.load = {saved} is where" in again.stdout
     assert [row["step"] for row in read_metrics(tmp_path / "B")] == [3, 4]
+    # a checkpoint.load added since is not where the run started (it said so), and is not used; a setting of the
+    # optimizer step the rerun lost (or changed) is said with the flag that keeps it
+    other = saved / "checkpoints" / "iter_0000002"
+    elsewhere = tiny_train_args(dataset, tmp_path / "B", "--checkpoint.load", str(other), "--checkpoint.interval", "1")
+    moved = loom_here(capfd, "train", *elsewhere, "--train.steps", "5", "--optim.weight_decay", "0.05")
+    assert moved.returncode == 0, moved.stderr
+    assert (
+        f"(this run's own: checkpoint.load = {other} is not used, as a run with checkpoints of its own" in moved.stdout
+    )
+    assert (
+        "warning: this run trains on from step 4 with other settings than "
+        f"{tmp_path / 'B' / 'checkpoints' / 'iter_0000004'} was saved with (optim.weight_decay: 0.1 -> 0.05); pass "
+        "--optim.weight_decay 0.1 to keep them" in moved.stdout
+    ), moved.stdout
 
 
 def test_check_same_model_names_the_flag_that_continues_the_saved_model(tmp_path):

@@ -144,11 +144,10 @@ def check_same_model(directory: Path, saved_config: dict, current: LoomConfig) -
     if saved_config.get("lora", {}).get("rank") and current.lora.enabled:
         fields += [("lora", name) for name in ADAPTER_FIELDS]
     for section, name, value, now in _differences(saved_config, current, fields):
-        flag = " ".join(value) if isinstance(value, list) else str(value).lower() if isinstance(value, bool) else value
         raise CheckpointError(
             f"checkpoint {directory} is of another model: {section}.{name} = {value} there, {now} here; pass "
-            f"--{section}.{name} {flag} to continue it (a new model needs its own run: another --train.name, no "
-            "--checkpoint.load)"
+            f"--{section}.{name} {flag_value(value)} to continue it (a new model needs its own run directory: "
+            "another --train.name or --train.run_dir, no --checkpoint.load)"
         )
 
 
@@ -175,8 +174,13 @@ def changed_data_order(saved_config: dict, current: LoomConfig, saved_datasets: 
     """`section.name: saved -> current` for each of DATA_ORDER_FIELDS this run changes. With the datasets the
     checkpoint records (`saved_datasets`), data.paths are compared by the files they name, not by their spelling: a
     relative path from another working directory may name the same data, or other data under the same name."""
-    fields = DATA_ORDER_FIELDS
+    fields = tuple(field for field in DATA_ORDER_FIELDS if field != ("data", "weights"))
     changes = []
+    saved_data = saved_config.get("data", {})
+    if "weights" in saved_data:  # relative: [1, 1], [2, 2] and none (equal shares) are one blend
+        saved_shares = _shares(saved_data["weights"], len(saved_data.get("paths") or current.data.paths))
+        if saved_shares != _shares(current.data.weights, len(current.data.paths)):
+            changes.append(f"data.weights: {saved_data['weights']} -> {current.data.weights}")
     if saved_datasets is not None:
         fields = tuple(field for field in fields if field != ("data", "paths"))
         now = [dataset_record(prefix) for prefix in current.data.paths]
@@ -187,6 +191,13 @@ def changed_data_order(saved_config: dict, current: LoomConfig, saved_datasets: 
         for section, name, saved, now in _differences(saved_config, current, fields)
     ]
     return changes
+
+
+def _shares(weights: list | None, count: int) -> list[float]:
+    """Each dataset's share of the blend (data.weights are relative; none: equal shares), rounded past float noise."""
+    weights = weights or [1.0] * count
+    total = sum(weights) or 1.0
+    return [round(weight / total, 12) for weight in weights]
 
 
 def _files(record: dict | None) -> tuple | None:
@@ -204,6 +215,50 @@ def _when(nanoseconds: int | None) -> str:
     if nanoseconds is None:
         return "?"
     return datetime.datetime.fromtimestamp(nanoseconds / 1e9).isoformat(sep=" ", timespec="seconds")
+
+
+# Settings of the optimizer step, the loss and the batch that a resume may change on purpose (less weight decay for
+# a last phase) or through a flag its rerun lost: either way the run trains otherwise from the checkpoint on.
+TRAINING_FIELDS = (
+    ("optim", "weight_decay"),
+    ("optim", "beta1"),
+    ("optim", "beta2"),
+    ("optim", "eps"),
+    ("optim", "momentum"),
+    ("optim", "clip_grad"),
+    ("optim", "layer_lr_decay"),
+    ("optim", "grad_dtype"),
+    ("train", "precision"),
+    ("train", "fp8"),
+    ("train", "global_batch_size"),
+    ("model", "dropout"),
+    ("lora", "dropout"),
+)
+
+
+def changed_training_settings(saved_config: dict, current: LoomConfig) -> list[tuple[str, Any, Any]]:
+    """(section.name, saved, current) for each of TRAINING_FIELDS this run changes and reads (SGD's momentum is not
+    read by AdamW, Adam's betas not by SGD or Adafactor)."""
+    unread = {("optim", "momentum")} if current.optim.name != "sgd" else set()
+    if current.optim.name in ("sgd", "adafactor"):
+        unread |= {("optim", "beta1"), ("optim", "beta2"), ("optim", "eps")}
+    if not current.lora.enabled:
+        unread.add(("lora", "dropout"))
+    fields = [field for field in TRAINING_FIELDS if field not in unread]
+    return [
+        (f"{section}.{name}", saved, now) for section, name, saved, now in _differences(saved_config, current, fields)
+    ]
+
+
+def flag_value(value: Any) -> str:
+    """A config value as its --section.name flag takes it."""
+    return (
+        " ".join(map(str, value))
+        if isinstance(value, list)
+        else str(value).lower()
+        if isinstance(value, bool)
+        else str(value)
+    )
 
 
 SCHEDULE_FIELDS = ("lr", "min_lr", "warmup_steps", "decay")
@@ -234,12 +289,21 @@ def changed_schedule(step: int, saved_config: dict, current: LoomConfig) -> str 
     if saved_length != length and "constant" not in (saved.decay, current.optim.decay):
         changes.append(f"the decay's length: {saved_length} -> {length} steps (optim.decay_steps, else train.steps)")
         keep.append(f"--optim.decay_steps {saved_length}")
+    now, then = _told_apart(learning_rate(differs, current.optim, end), learning_rate(differs, saved, saved_steps))
     return (
         f"the learning-rate schedule is not the one this run trained with ({'; '.join(changes)}): step {differs + 1} "
-        f"takes lr {learning_rate(differs, current.optim, end):.3g} where the saved schedule gives "
-        f"{learning_rate(differs, saved, saved_steps):.3g}; pass {', '.join(keep)} to keep it, unless the change "
-        "is intended"
+        f"takes lr {now} where the saved schedule gives {then}; pass {', '.join(keep)} to keep it, unless the "
+        "change is intended"
     )
+
+
+def _told_apart(a: float, b: float) -> tuple[str, str]:
+    """`a` and `b` with 3 significant digits, or as many more as show them different (lr 0.001 against 0.001)."""
+    for digits in range(3, 18):
+        shown = f"{a:.{digits}g}", f"{b:.{digits}g}"
+        if shown[0] != shown[1]:
+            return shown
+    return repr(a), repr(b)
 
 
 def _changed_model_fields(saved_model: dict, current: ModelConfig) -> list[tuple[str, Any, Any]]:
@@ -268,8 +332,8 @@ def resume_warnings(
     directory: Path, metadata: CheckpointMetadata, config: LoomConfig, continues_run: bool
 ) -> list[str]:
     """What a run under `config` changes about the checkpoint it resumes from `directory`: another optimizer (its
-    state starts fresh), another data order or learning-rate schedule (only when it continues the same run,
-    `continues_run`), another model."""
+    state starts fresh), another data order, learning-rate schedule or optimizer, loss and batch settings (when it
+    trains on from the checkpoint's step, `continues_run`: its own, or checkpoint.load's), another model."""
     warnings = []
     saved_optimizer = metadata.layout.optimizer
     if saved_optimizer not in (None, config.optim.name):
@@ -286,6 +350,14 @@ def resume_warnings(
     schedule = changed_schedule(metadata.step, metadata.config, config) if continues_run else None
     if schedule:
         warnings.append(schedule)
+    trains_otherwise = changed_training_settings(metadata.config, config) if continues_run else []
+    if trains_otherwise:
+        changes = "; ".join(f"{field}: {saved} -> {now}" for field, saved, now in trains_otherwise)
+        flags = " ".join(f"--{field} {flag_value(saved)}" for field, saved, _ in trains_otherwise)
+        warnings.append(
+            f"this run trains on from step {metadata.step} with other settings than {directory} was saved with "
+            f"({changes}); pass {flags} to keep them, unless the change is intended"
+        )
     changes = changed_model_settings(metadata.config["model"], config.model)
     if changes:
         flags = _saved_model_flags(metadata.config["model"], config.model)

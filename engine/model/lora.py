@@ -189,12 +189,14 @@ def check_same_base(checkpoint: Path, saved: dict | None, current: dict | None) 
         )
     if current is not None and saved is None:
         raise CheckpointError(
-            f"{checkpoint} holds no LoRA adapters; a LoRA run names its base model with --lora.base, "
-            "not --checkpoint.load"
+            f"{checkpoint} holds no LoRA adapters (a whole model's checkpoint): a LoRA run takes such a model with "
+            "--lora.base, not --checkpoint.load, and trains in a run directory of its own (another --train.name or "
+            "--train.run_dir)"
         )
     if current is not None and saved["metadata_sha256"] != current["metadata_sha256"]:
         raise CheckpointError(
             f"{checkpoint}'s adapters were trained on {saved['path']} (metadata sha256 "
             f"{saved['metadata_sha256'][:12]}), but lora.base is {current['path']} "
-            f"({current['metadata_sha256'][:12]}): another model"
+            f"({current['metadata_sha256'][:12]}): another model; pass --lora.base {saved['path']} to continue "
+            "these adapters, or train adapters on the new base in a run directory of their own"
         )
