@@ -568,6 +568,11 @@ class CheckpointConfig:
     """Checkpoint a new run starts from (a run directory, its checkpoints/ or an iter_N folder, any layout). Once
     the run has checkpoints of its own, it resumes from its newest instead: rerunning the command, extending the
     run or a requeued job continue it rather than going back here."""
+    finetune: bool = False
+    """With checkpoint.load: start from its weights alone (Megatron's --finetune, torchtitan's
+    initial_load_model_only): step 1 of this run's schedule, fresh optimizer state and loss scale, its data from the
+    start. false: train on from the loaded step, its optimizer state and data position. A run with checkpoints of
+    its own resumes from them either way."""
     verify: bool = True
     """Check every file's sha256 before resuming (a damaged checkpoint falls back to an older one)."""
     async_save: bool = False
@@ -650,6 +655,16 @@ class LoomConfig:
     dataclasses.replace."""
 
     def __post_init__(self) -> None:
+        if self.checkpoint.finetune and not self.checkpoint.load:
+            raise ConfigError(
+                "checkpoint.finetune starts from the weights of checkpoint.load, which is unset: add "
+                "--checkpoint.load DIR (a run directory, its checkpoints/ or an iter_N folder)"
+            )
+        if self.checkpoint.finetune and self.lora.enabled:
+            raise ConfigError(
+                "checkpoint.finetune with lora.rank > 0: a LoRA run starts from the weights of lora.base already "
+                "(its adapters from zero); drop --checkpoint.finetune and --checkpoint.load"
+            )
         if self.optim.grad_dtype == "bf16" and self.train.precision != "bf16":
             raise ConfigError(
                 f"optim.grad_dtype = bf16 needs train.precision = bf16 (got {self.train.precision}); add "

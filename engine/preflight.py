@@ -144,7 +144,8 @@ def check_checkpoint_to_load(config: LoomConfig, training: bool) -> None:
     if found is None:
         return
     check_same_base(found[0], found[1].lora_base, base_pointer(config))  # a rank's refusal, said before any starts
-    if training and load is not None and found[0].parent != own and found[1].step >= config.train.steps:
+    starts_from_load = training and load is not None and found[0].parent != own
+    if starts_from_load and not config.checkpoint.finetune and found[1].step >= config.train.steps:
         raise ConfigError(
             f"checkpoint.load = {load} is at step {found[1].step}, and train.steps = {config.train.steps}: "
             f"nothing would train; raise --train.steps above {found[1].step}"

@@ -114,7 +114,8 @@ class Trainer:
         )
         self.checkpoints = checkpoints_of(t.run_dir)
         to_resume = self._checkpoint_to_resume()
-        self._build_data(evaluation_only, to_resume[1] if to_resume else None)
+        self.fine_tunes = to_resume is not None and self._fine_tunes_from(to_resume[0]) and not evaluation_only
+        self._build_data(evaluation_only, to_resume[1] if to_resume and not self.fine_tunes else None)
         self.flops_per_token = model_flops_per_token(config.model, t.seq_length, config.lora)
         self.peak_flops = self._peak_flops()
         self.faults = FaultPlan.from_environment(self.state.rank)
@@ -227,18 +228,23 @@ class Trainer:
             return None
         return Path(choice[0]), read_metadata(Path(choice[0]), verify_hashes=False)
 
+    def _fine_tunes_from(self, directory: Path) -> bool:
+        """Whether this run takes only the weights of `directory`: checkpoint.load's, with checkpoint.finetune."""
+        return self.config.checkpoint.finetune and directory.parent != self.checkpoints
+
     def _resume(self, directory: Path, metadata: CheckpointMetadata) -> None:
         """Load `directory` (the checkpoint _checkpoint_to_resume picked) into this trainer's state."""
         check_same_base(directory, metadata.lora_base, self.lora_base)
         check_same_model(directory, metadata.config, self.config)
-        load_checkpoint(self.training_state(), directory, metadata)
+        load_checkpoint(self.training_state(), directory, metadata, weights_only=self.fine_tunes)
         self.kernels.weights_updated(self.chunks)
-        self.step = metadata.step
-        self.last_saved_step = self.step
-        if metadata.validation is not None:
-            self.validation = dict(metadata.validation)
-        self.nonfinite_in_a_row = metadata.nonfinite_in_a_row
         self.hf_origin = metadata.hf_origin
+        if not self.fine_tunes:  # a fine-tuning run starts at step 0 with its own record
+            self.step = metadata.step
+            self.last_saved_step = self.step
+            if metadata.validation is not None:
+                self.validation = dict(metadata.validation)
+            self.nonfinite_in_a_row = metadata.nonfinite_in_a_row
         self._say_what_was_resumed(directory, metadata)
 
     def _say_what_was_resumed(self, directory: Path, metadata: CheckpointMetadata) -> None:
@@ -246,6 +252,11 @@ class Trainer:
         own = directory.parent == self.checkpoints
         if self.evaluation_only:
             self._log_event(f"evaluating {directory} (step {self.step})")
+        elif self.fine_tunes:
+            self._log_event(
+                f"fine-tuning from the weights of {directory} (checkpoint.load, step {metadata.step}; "
+                "checkpoint.finetune): step 1, fresh optimizer state, the data from its start"
+            )
         elif not own:
             self._log_event(
                 f"started from {directory} (checkpoint.load) at step {self.step}, sample "
@@ -253,7 +264,8 @@ class Trainer:
             )
         else:
             self._log_event(f"resumed from {directory} at step {self.step}{self._where_it_started(metadata)}")
-        for warning in resume_warnings(directory, metadata, self.config, continues_run=not self.evaluation_only):
+        continues = not (self.evaluation_only or self.fine_tunes)
+        for warning in resume_warnings(directory, metadata, self.config, continues_run=continues):
             self._log_event(f"warning: {warning}")
 
     def _where_it_started(self, metadata: CheckpointMetadata) -> str:

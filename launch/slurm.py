@@ -358,7 +358,8 @@ def _warn_what_the_job_changes(config: LoomConfig) -> None:
     own = checkpoints_of(config.train.run_dir)
     found = checkpoint_to_resume(own, config.checkpoint.load, verify_hashes=False, warn=lambda _: None)
     if found is not None:
-        for warning in resume_warnings(*found, config, continues_run=True):
+        fine_tunes = config.checkpoint.finetune and found[0].parent != own
+        for warning in resume_warnings(*found, config, continues_run=not fine_tunes):
             print(f"warning: {warning}", file=sys.stderr, flush=True)
 
 

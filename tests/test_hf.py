@@ -640,14 +640,74 @@ def test_the_gpt2_shaped_model_computes_transformers_gpt2_logits_and_loss():
         assert torch.allclose(mine.T if transposed else mine, expected, atol=1e-6, rtol=1e-4), name
 
 
-def _loom_steps_on_two_ranks(rank, world, raw_config, steps):
+def _loom_steps(rank, world, raw_config, steps, save=False):
+    """(loss, grad norm, lr) of each of a Trainer's first `steps` steps; with `save`, a checkpoint of the last."""
     from loom.engine.train import Trainer
 
     config = config_from_dict(raw_config)
     trainer = Trainer(config)
     rows = [trainer.train_step() for _ in range(steps)]
+    if save:
+        trainer.save()
     trainer.close()
     return [(row["loss"], row["grad_norm"], row["lr"]) for row in rows]
+
+
+def test_a_fine_tuning_run_starts_from_the_weights_alone_as_a_fresh_transformers_loop(tmp_path):
+    """checkpoint.finetune (Megatron's --finetune): a run trained 3 steps (Adam moments, a data position, a decayed
+    learning rate) is loaded for its weights alone; the fine-tuning run trains as transformers' LlamaForCausalLM
+    loaded from that checkpoint's export, with a fresh AdamW, from step 1 of its own schedule and the start of its
+    data. Without it, the run would train on from step 3 (its moments, its samples 12 on, its lr)."""
+    from dist_utils import run_ranks
+
+    from loom.engine.data.loader import build_dataset
+
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(llama_config(num_key_value_heads=2)).save_pretrained(str(tmp_path / "hf"))
+    import_hf(tmp_path / "hf", tmp_path / "imported")
+    generator = np.random.default_rng(5)
+    with IndexedDatasetWriter(tmp_path / "docs", np.dtype(np.uint16)) as writer:
+        for _ in range(40):
+            writer.add_document(generator.integers(0, VOCAB, int(generator.integers(20, 90))))
+    raw = find_loadable(tmp_path / "imported")[1].config
+    raw["data"].update(paths=[str(tmp_path / "docs")], tokenizer=None, split="100,0,0", cache_dir=str(tmp_path / "c"))
+    raw["train"].update(
+        run_dir=str(tmp_path / "pretrained"),
+        steps=3,
+        seq_length=32,
+        precision="fp32",
+        global_batch_size=4,
+        micro_batch_size=2,
+        eval_interval=0,
+        tensorboard=False,
+    )
+    raw["optim"].update(name="adamw", lr=1e-2, min_lr=1e-3, warmup_steps=1, decay="cosine", weight_decay=0.1)
+    raw["optim"].update(clip_grad=1.0, zero=0)
+    raw["checkpoint"].update(load=str(tmp_path / "imported"), interval=0, save_at_end=False)
+    run_ranks(_loom_steps, 1, raw, 3, True)
+    export_hf(tmp_path / "pretrained", tmp_path / "hf-pretrained")
+
+    raw["train"].update(run_dir=str(tmp_path / "finetuned"))
+    raw["optim"].update(lr=5e-3, min_lr=5e-4, warmup_steps=2)
+    raw["checkpoint"].update(load=str(tmp_path / "pretrained"), finetune=True)
+    loom_rows = run_ranks(_loom_steps, 1, raw, 3)[0]
+
+    config = config_from_dict(raw)
+    config.resolve_world(1)
+    samples = build_dataset(config, 0, 4 * 3, is_builder=True, agree=None)
+    model = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf-pretrained"), dtype=torch.float32)
+    o = config.optim
+    matrices = [p for p in model.parameters() if p.ndim >= 2]
+    vectors = [p for p in model.parameters() if p.ndim < 2]
+    groups = [{"params": matrices, "weight_decay": o.weight_decay}, {"params": vectors, "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    assert_trains_as_torch_loop(model, optimizer, list(model.parameters()), samples, config, loom_rows)
+    from loom.engine.config import ConfigError
+
+    with pytest.raises(ConfigError, match="checkpoint.finetune starts from the weights of checkpoint.load, which is"):
+        config_from_dict({**raw, "checkpoint": {**raw["checkpoint"], "load": None}})
+    with pytest.raises(ConfigError, match="a LoRA run starts from the weights of lora.base already"):
+        config_from_dict({**raw, "lora": {"rank": 4, "base": str(tmp_path / "imported")}})
 
 
 def test_loom_trains_an_imported_llama_as_a_plain_transformers_loop(tmp_path):
@@ -686,7 +746,7 @@ def test_loom_trains_an_imported_llama_as_a_plain_transformers_loop(tmp_path):
     raw["checkpoint"].update(load=str(tmp_path / "imported"), interval=0, save_at_end=False)
     config = config_from_dict(raw)
     config.resolve_world(2)
-    loom_rows = run_ranks(_loom_steps_on_two_ranks, 2, raw, steps)[0]
+    loom_rows = run_ranks(_loom_steps, 2, raw, steps)[0]
 
     samples = build_dataset(config, 0, global_batch * steps, is_builder=True, agree=None)
     model = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)

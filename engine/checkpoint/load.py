@@ -332,11 +332,12 @@ def resume_warnings(
     directory: Path, metadata: CheckpointMetadata, config: LoomConfig, continues_run: bool
 ) -> list[str]:
     """What a run under `config` changes about the checkpoint it resumes from `directory`: another optimizer (its
-    state starts fresh), another data order, learning-rate schedule or optimizer, loss and batch settings (when it
-    trains on from the checkpoint's step, `continues_run`: its own, or checkpoint.load's), another model."""
+    state starts fresh), data order, learning-rate schedule or optimizer, loss and batch settings (when it trains on
+    from the checkpoint's step, `continues_run`: its own, or checkpoint.load's without checkpoint.finetune), another
+    model (always)."""
     warnings = []
     saved_optimizer = metadata.layout.optimizer
-    if saved_optimizer not in (None, config.optim.name):
+    if continues_run and saved_optimizer not in (None, config.optim.name):
         warnings.append(
             f"{directory} was trained with {saved_optimizer}; its optimizer state does not carry over "
             f"to {config.optim.name}, which starts from fresh state (the weights are resumed)"
@@ -391,9 +392,12 @@ def load_model_weights(named_params, directory: Path, metadata: CheckpointMetada
 
 
 @torch.no_grad()
-def load_checkpoint(state: TrainingState, directory: Path, metadata: CheckpointMetadata) -> None:
+def load_checkpoint(
+    state: TrainingState, directory: Path, metadata: CheckpointMetadata, weights_only: bool = False
+) -> None:
     """Restore weights, optimizer state, loss scale, data position and (under the same layout) RNG into
-    `state`'s objects. The step is metadata.step; the caller takes it from there."""
+    `state`'s objects. The step is metadata.step; the caller takes it from there. `weights_only`
+    (checkpoint.finetune): the weights and the optimizer's fp32 master copies of them, nothing else."""
     reader = PieceReader(directory, metadata)
     parallel, optimizer = state.parallel, state.optimizer
     named_params = state.named_parameters()
@@ -403,7 +407,7 @@ def load_checkpoint(state: TrainingState, directory: Path, metadata: CheckpointM
         segments_of[seg.param].append(seg)
     # Another optimizer's state means nothing to this one (Adam's moments are not SGD's momentum): it starts fresh
     # from the saved master weights, as the trainer tells the user, and saves no stale state later.
-    same_optimizer = metadata.layout.optimizer in (None, state.config.optim.name)
+    same_optimizer = metadata.layout.optimizer in (None, state.config.optim.name) and not weights_only
     for _, param in named_params:
         info = param_info(param)
         weights = reader.model(info.name)
@@ -416,7 +420,8 @@ def load_checkpoint(state: TrainingState, directory: Path, metadata: CheckpointM
             _load_segments(
                 reader, optimizer, parallel, param, info.name, weights, segments_of[param], metadata, same_optimizer
             )
-    _restore_loop_state(state, reader, metadata)
+    if not weights_only:
+        _restore_loop_state(state, reader, metadata)
 
 
 def _load_segments(
