@@ -8,6 +8,7 @@ import json
 import math
 import os
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -653,6 +654,41 @@ def _loom_steps(rank, world, raw_config, steps, save=False):
     return [(row["loss"], row["grad_norm"], row["lr"]) for row in rows]
 
 
+def _imported_llama_run(tmp_path: Path, data_seed: int) -> dict:
+    """A Llama that transformers wrote (tmp_path/hf), imported (tmp_path/imported), and the raw config of a run from
+    it on 40 random documents: fp32, seq 32, AdamW with warm-up and cosine decay, no evaluation or TensorBoard."""
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(llama_config(num_key_value_heads=2)).save_pretrained(str(tmp_path / "hf"))
+    import_hf(tmp_path / "hf", tmp_path / "imported")
+    generator = np.random.default_rng(data_seed)
+    with IndexedDatasetWriter(tmp_path / "docs", np.dtype(np.uint16)) as writer:
+        for _ in range(40):
+            writer.add_document(generator.integers(0, VOCAB, int(generator.integers(20, 90))))
+    raw = find_loadable(tmp_path / "imported")[1].config
+    raw["data"].update(paths=[str(tmp_path / "docs")], tokenizer=None, split="100,0,0", cache_dir=str(tmp_path / "c"))
+    raw["train"].update(seq_length=32, precision="fp32", eval_interval=0, log_interval=1, tensorboard=False)
+    raw["optim"].update(name="adamw", lr=1e-2, min_lr=1e-3, decay="cosine", weight_decay=0.1)
+    raw["checkpoint"].update(load=str(tmp_path / "imported"), interval=0, save_at_end=False)
+    return raw
+
+
+def _assert_transformers_trains_alike(hf_model: Path, raw: dict, world: int, loom_rows: list) -> None:
+    """transformers' LlamaForCausalLM from `hf_model`, trained with torch's AdamW (decay on matrices only, as loom's
+    groups) on the samples the run of `raw` read, step for step as its `loom_rows` say."""
+    from loom.engine.data.loader import build_dataset
+
+    config = config_from_dict(raw)
+    config.resolve_world(world)
+    samples = build_dataset(config, 0, config.train.global_batch_size * len(loom_rows), is_builder=True, agree=None)
+    model = transformers.LlamaForCausalLM.from_pretrained(str(hf_model), dtype=torch.float32)
+    o = config.optim
+    matrices = [p for p in model.parameters() if p.ndim >= 2]
+    vectors = [p for p in model.parameters() if p.ndim < 2]
+    groups = [{"params": matrices, "weight_decay": o.weight_decay}, {"params": vectors, "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    assert_trains_as_torch_loop(model, optimizer, list(model.parameters()), samples, config, loom_rows)
+
+
 def test_a_fine_tuning_run_starts_from_the_weights_alone_as_a_fresh_transformers_loop(tmp_path):
     """checkpoint.finetune (Megatron's --finetune): a run trained 3 steps (Adam moments, a data position, a decayed
     learning rate) is loaded for its weights alone; the fine-tuning run trains as transformers' LlamaForCausalLM
@@ -660,30 +696,11 @@ def test_a_fine_tuning_run_starts_from_the_weights_alone_as_a_fresh_transformers
     data. Without it, the run would train on from step 3 (its moments, its samples 12 on, its lr)."""
     from dist_utils import run_ranks
 
-    from loom.engine.data.loader import build_dataset
+    from loom.engine.config import ConfigError
 
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(llama_config(num_key_value_heads=2)).save_pretrained(str(tmp_path / "hf"))
-    import_hf(tmp_path / "hf", tmp_path / "imported")
-    generator = np.random.default_rng(5)
-    with IndexedDatasetWriter(tmp_path / "docs", np.dtype(np.uint16)) as writer:
-        for _ in range(40):
-            writer.add_document(generator.integers(0, VOCAB, int(generator.integers(20, 90))))
-    raw = find_loadable(tmp_path / "imported")[1].config
-    raw["data"].update(paths=[str(tmp_path / "docs")], tokenizer=None, split="100,0,0", cache_dir=str(tmp_path / "c"))
-    raw["train"].update(
-        run_dir=str(tmp_path / "pretrained"),
-        steps=3,
-        seq_length=32,
-        precision="fp32",
-        global_batch_size=4,
-        micro_batch_size=2,
-        eval_interval=0,
-        tensorboard=False,
-    )
-    raw["optim"].update(name="adamw", lr=1e-2, min_lr=1e-3, warmup_steps=1, decay="cosine", weight_decay=0.1)
-    raw["optim"].update(clip_grad=1.0, zero=0)
-    raw["checkpoint"].update(load=str(tmp_path / "imported"), interval=0, save_at_end=False)
+    raw = _imported_llama_run(tmp_path, data_seed=5)
+    raw["train"].update(run_dir=str(tmp_path / "pretrained"), steps=3, global_batch_size=4, micro_batch_size=2)
+    raw["optim"].update(warmup_steps=1, clip_grad=1.0, zero=0)
     run_ranks(_loom_steps, 1, raw, 3, True)
     export_hf(tmp_path / "pretrained", tmp_path / "hf-pretrained")
 
@@ -691,18 +708,7 @@ def test_a_fine_tuning_run_starts_from_the_weights_alone_as_a_fresh_transformers
     raw["optim"].update(lr=5e-3, min_lr=5e-4, warmup_steps=2)
     raw["checkpoint"].update(load=str(tmp_path / "pretrained"), finetune=True)
     loom_rows = run_ranks(_loom_steps, 1, raw, 3)[0]
-
-    config = config_from_dict(raw)
-    config.resolve_world(1)
-    samples = build_dataset(config, 0, 4 * 3, is_builder=True, agree=None)
-    model = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf-pretrained"), dtype=torch.float32)
-    o = config.optim
-    matrices = [p for p in model.parameters() if p.ndim >= 2]
-    vectors = [p for p in model.parameters() if p.ndim < 2]
-    groups = [{"params": matrices, "weight_decay": o.weight_decay}, {"params": vectors, "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
-    assert_trains_as_torch_loop(model, optimizer, list(model.parameters()), samples, config, loom_rows)
-    from loom.engine.config import ConfigError
+    _assert_transformers_trains_alike(tmp_path / "hf-pretrained", raw, 1, loom_rows)
 
     with pytest.raises(ConfigError, match="checkpoint.finetune starts from the weights of checkpoint.load, which is"):
         config_from_dict({**raw, "checkpoint": {**raw["checkpoint"], "load": None}})
@@ -718,44 +724,11 @@ def test_loom_trains_an_imported_llama_as_a_plain_transformers_loop(tmp_path):
     they share: how micro-batches and DP ranks are averaged, the clipped norm, the optimizer and its groups."""
     from dist_utils import run_ranks
 
-    from loom.engine.data.loader import build_dataset
-
-    vocab, seq, global_batch, micro_batch, steps = VOCAB, 32, 4, 1, 4
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(llama_config(num_key_value_heads=2)).save_pretrained(str(tmp_path / "hf"))
-    import_hf(tmp_path / "hf", tmp_path / "imported")
-    generator = np.random.default_rng(4)
-    with IndexedDatasetWriter(tmp_path / "docs", np.dtype(np.uint16)) as writer:
-        for _ in range(40):
-            writer.add_document(generator.integers(0, vocab, int(generator.integers(20, 90))))
-    raw = find_loadable(tmp_path / "imported")[1].config
-    raw["data"].update(paths=[str(tmp_path / "docs")], tokenizer=None, split="100,0,0", cache_dir=str(tmp_path / "c"))
-    raw["train"].update(
-        run_dir=str(tmp_path / "run"),
-        steps=steps,
-        seq_length=seq,
-        precision="fp32",
-        global_batch_size=global_batch,
-        micro_batch_size=micro_batch,
-        eval_interval=0,
-        log_interval=1,
-        tensorboard=False,
-    )
-    raw["optim"].update(name="adamw", lr=1e-2, min_lr=1e-3, warmup_steps=2, decay="cosine", weight_decay=0.1)
-    raw["optim"].update(clip_grad=0.5, beta1=0.9, beta2=0.95, eps=1e-8, zero=1)
-    raw["checkpoint"].update(load=str(tmp_path / "imported"), interval=0, save_at_end=False)
-    config = config_from_dict(raw)
-    config.resolve_world(2)
-    loom_rows = run_ranks(_loom_steps, 2, raw, steps)[0]
-
-    samples = build_dataset(config, 0, global_batch * steps, is_builder=True, agree=None)
-    model = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
-    o = config.optim
-    matrices = [p for p in model.parameters() if p.ndim >= 2]
-    vectors = [p for p in model.parameters() if p.ndim < 2]
-    groups = [{"params": matrices, "weight_decay": o.weight_decay}, {"params": vectors, "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
-    assert_trains_as_torch_loop(model, optimizer, list(model.parameters()), samples, config, loom_rows)
+    raw = _imported_llama_run(tmp_path, data_seed=4)
+    raw["train"].update(run_dir=str(tmp_path / "run"), steps=4, global_batch_size=4, micro_batch_size=1)
+    raw["optim"].update(warmup_steps=2, clip_grad=0.5, beta1=0.9, beta2=0.95, eps=1e-8, zero=1)
+    loom_rows = run_ranks(_loom_steps, 2, raw, 4)[0]
+    _assert_transformers_trains_alike(tmp_path / "hf", raw, 2, loom_rows)
 
 
 def _byte_level_tokenizer_json(folder, texts):
