@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib.util
+import math
 import re
 import signal
 import threading
@@ -221,25 +222,35 @@ def html_to_text(html: str) -> str:
 HTML_EXTRACTORS = ("trafilatura", "stdlib")
 
 
+_WHOLE_PAGE = re.compile(r"<(?:!doctype\s+html|html|body)\b", re.IGNORECASE)
+
+
 @dataclass
 class HtmlToText:
     """HTML converted to text; with only_if_html, documents without HTML tags are left alone.
 
-    extractor `trafilatura`: the page's main content, as FineWeb kept it (datatrove's Trafilatura extractor: favour
-    precision, no comments), one line per paragraph; a page where it finds none is rejected (empty_after_html).
-    Unlike datatrove's default, trafilatura's cross-document deduplication is off: it remembers the segments of every
-    page a process has seen, so a page's text would depend on which worker read it and after what (Gopher's
-    repetition rules judge repeats within a page, `loom data dedup` across pages). `stdlib`: every visible text."""
+    extractor `trafilatura`: a whole page (a doctype, `<html>` or `<body>`) keeps its main content, as FineWeb kept
+    it (datatrove's Trafilatura extractor: favour precision, no comments), one line per paragraph; a page where it
+    finds none is rejected (empty_after_html). Text that is not a whole page (a post with a stray `<br>` or link, a
+    fragment) goes through `stdlib`, which keeps its words: trafilatura keeps nothing of it. Unlike datatrove's
+    default, trafilatura's cross-document deduplication is off: it remembers the segments of every page a process
+    has seen, so a page's text would depend on which worker read it and after what (Gopher's repetition rules judge
+    repeats within a page, `loom data dedup` across pages). `stdlib`: every visible text."""
 
     type_name: ClassVar[str] = "html_to_text"
     only_if_html: bool = True
     extractor: str = "trafilatura"
     timeout_seconds: float = 1.0
-    """trafilatura only: a page it takes longer over is rejected (html_timeout), as datatrove drops it; 0: no limit."""
+    """trafilatura only: a page it takes longer over is rejected (html_timeout), as datatrove drops it; 0: no limit.
+    Checked between Python steps (a SIGALRM), so a parse inside lxml's C code runs to its end first."""
 
     def __post_init__(self) -> None:
         if self.extractor not in HTML_EXTRACTORS:
             raise ValueError(f"extractor = {self.extractor!r} is not one of {', '.join(HTML_EXTRACTORS)}")
+        if not math.isfinite(self.timeout_seconds):
+            raise ValueError(f"timeout_seconds = {self.timeout_seconds} must be a number of seconds (0: no limit)")
+        if self.extractor == "stdlib" and self.timeout_seconds != 1.0:
+            raise ValueError("timeout_seconds is trafilatura's time limit; extractor stdlib takes none")
         if self.extractor == "trafilatura" and importlib.util.find_spec("trafilatura") is None:
             raise ValueError(
                 'extractor trafilatura needs trafilatura: `pip install trafilatura`, or set extractor = "stdlib"'
@@ -248,7 +259,7 @@ class HtmlToText:
     def __call__(self, doc: Document) -> Rejected | None:
         if self.only_if_html and not _LOOKS_LIKE_HTML.search(doc.text):
             return None
-        if self.extractor == "stdlib":
+        if self.extractor == "stdlib" or not _WHOLE_PAGE.search(doc.text):
             doc.text = html_to_text(doc.text)
         else:
             _trafilatura()  # its warm-up outside the page's time limit
@@ -261,8 +272,8 @@ class HtmlToText:
         return None if doc.text else Rejected("empty_after_html", "no text to keep in the HTML")
 
 
-class _ExtractionTimeout(Exception):
-    pass
+class _ExtractionTimeout(BaseException):
+    """Not an Exception: trafilatura catches those around its slower stages, and went on with the limit spent."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -285,8 +296,12 @@ def main_content(html: str, timeout_seconds: float = 0.0) -> str:
 
 @contextlib.contextmanager
 def _time_limit(seconds: float) -> Iterator[None]:
-    """Raise _ExtractionTimeout in this (the main) thread after `seconds`; elsewhere, or with 0, no limit."""
+    """Raise _ExtractionTimeout in this thread after `seconds`. No limit with 0, off the main thread (which alone
+    takes signals), or where a timer of someone else's runs (a test's hang guard): replacing it would cancel it."""
     if not seconds or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    if signal.getitimer(signal.ITIMER_REAL)[0] > 0:
         yield
         return
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 from collections import Counter
@@ -474,10 +475,27 @@ def test_html_extraction_that_fails_or_takes_too_long_rejects_the_page(monkeypat
 
     page = _random_pages(1)["page0"]
     step = build_step({"type": "html_to_text", "timeout_seconds": 0.2})[1]
-    monkeypatch.setattr(text_repair, "_trafilatura", lambda: lambda html, **kwargs: time.sleep(5))
+
+    def slow(html, **kwargs):  # as trafilatura's slower stages: a failure there is caught, and it goes on
+        try:
+            time.sleep(5)
+        except Exception:  # noqa: BLE001
+            pass
+        time.sleep(5)
+
+    monkeypatch.setattr(text_repair, "_trafilatura", lambda: slow)
     started = time.perf_counter()
     assert step(Document(page)) == ("html_timeout", "trafilatura took over 0.2 s")
     assert time.perf_counter() - started < 4  # the limit, not the page, ended it
+    # a timer already running (a test's hang guard) is left to run, not cancelled: the page goes without a limit
+    signal.signal(signal.SIGALRM, lambda signum, frame: None)
+    signal.setitimer(signal.ITIMER_REAL, 30)
+    monkeypatch.setattr(text_repair, "_trafilatura", lambda: lambda html, **kwargs: "text")
+    try:
+        assert step(Document(page)) is None and signal.getitimer(signal.ITIMER_REAL)[0] > 20
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
 
     def raising(html, **kwargs):
         raise ValueError("malformed page")
@@ -488,6 +506,22 @@ def test_html_extraction_that_fails_or_takes_too_long_rejects_the_page(monkeypat
         build_step({"type": "html_to_text", "extractor": "lxml"})
     with pytest.raises(InputError, match="timeout_seconds = -1.0 must be >= 0"):
         build_step({"type": "html_to_text", "timeout_seconds": -1})
+    with pytest.raises(InputError, match="timeout_seconds = inf must be a number of seconds"):
+        build_step({"type": "html_to_text", "timeout_seconds": float("inf")})
+    with pytest.raises(InputError, match="timeout_seconds is trafilatura's time limit; extractor stdlib takes none"):
+        build_step({"type": "html_to_text", "extractor": "stdlib", "timeout_seconds": 5})
+
+
+def test_text_with_a_stray_tag_keeps_its_words():
+    """trafilatura keeps nothing of text that is not a whole page (a post with one link, a line with a <br>): the
+    web pipelines rejected such documents whole as empty_after_html. They go through the stdlib extractor."""
+    step = build_step({"type": "html_to_text"})[1]
+    post = "\n\n".join([GOOD.split("\n")[0], "See <a href='https://example.org'>the survey</a> for the numbers."] * 3)
+    doc = Document(post)
+    assert step(doc) is None
+    assert "See the survey for the numbers." in doc.text and "<a" not in doc.text
+    line = Document("Use <br> for a line break in the old markup, as the manual says.")
+    assert step(line) is None and line.text == "Use\nfor a line break in the old markup, as the manual says."
 
 
 def test_every_document_is_kept_or_rejected_by_its_filter(tmp_path):
