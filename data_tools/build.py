@@ -22,7 +22,7 @@ import time
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, NamedTuple
 
 import numpy as np
 import sentencepiece
@@ -53,25 +53,28 @@ IN_FLIGHT_PER_WORKER = 3
 BYTES_PER_TOKEN = 3
 
 
-def load_processor(model_path: str) -> Tokenizer:
-    """One processor per model and process (workers load it on their first batch), loaded again where the files
-    changed since (a tokenizer retrained at the same path, its eos setting edited, in this process)."""
-    return _loaded_processor(model_path, _as_on_disk(model_path))
+class TokenizerVersion(NamedTuple):
+    """A tokenizer's path and its files as a build found them when it began (the model's and its settings file's
+    mtime, size and inode). Each process keys its processor and word cache by it: every batch of a build is encoded
+    with the tokenizer the build began with, and a later build in the same process (the tokenizer retrained at the
+    same path, its eos setting edited) loads it again."""
+
+    path: str
+    on_disk: tuple | None
 
 
-def _as_on_disk(model_path: str) -> tuple | None:
-    """What tells the tokenizer's files as they are now from an earlier version at the same paths."""
+def tokenizer_version(model_path: str) -> TokenizerVersion:
     try:
-        return tuple(
-            (s.st_mtime_ns, s.st_size, s.st_ino) for s in map(os.stat, [model_path, *tokenizer_settings(model_path)])
-        )
-    except OSError:  # removed mid-build: the processor loaded at its start still encodes
-        return None
+        files = [model_path, *tokenizer_settings(model_path)]
+        return TokenizerVersion(model_path, tuple((s.st_mtime_ns, s.st_size, s.st_ino) for s in map(os.stat, files)))
+    except OSError:  # gone: load_tokenizer says so in one line
+        return TokenizerVersion(model_path, None)
 
 
 @functools.lru_cache(maxsize=4)
-def _loaded_processor(model_path: str, on_disk: tuple | None) -> Tokenizer:
-    return load_tokenizer(model_path)
+def load_processor(tokenizer: TokenizerVersion) -> Tokenizer:
+    """One processor per tokenizer version and process (workers load it on their first batch)."""
+    return load_tokenizer(tokenizer.path)
 
 
 def _encode_arrays(processor: Tokenizer, texts: list[str], threads: int) -> list[np.ndarray]:
@@ -82,14 +85,10 @@ def _encode_arrays(processor: Tokenizer, texts: list[str], threads: int) -> list
         return [np.asarray(ids, dtype=np.int32) for ids in processor.encode(texts, num_threads=threads)]
 
 
-def word_cache(model_path: str) -> WordCache | None:
-    """This process's word cache for a model, or None where word-by-word encoding would change tokens."""
-    return _word_cache(model_path, _as_on_disk(model_path))
-
-
 @functools.lru_cache(maxsize=4)
-def _word_cache(model_path: str, on_disk: tuple | None) -> WordCache | None:
-    processor = _loaded_processor(model_path, on_disk)
+def word_cache(tokenizer: TokenizerVersion) -> WordCache | None:
+    """This process's word cache for a tokenizer, or None where word-by-word encoding would change tokens."""
+    processor = load_processor(tokenizer)
     if not isinstance(processor, sentencepiece.SentencePieceProcessor):
         return None  # a Hugging Face tokenizer's words are not SentencePiece's: it encodes whole texts
     split = word_split(processor)
@@ -97,15 +96,20 @@ def _word_cache(model_path: str, on_disk: tuple | None) -> WordCache | None:
 
 
 def encode_batch(
-    model_path: str, texts: list[str], eod: int | None, dtype: str, threads: int = 1, use_word_cache: bool = True
+    tokenizer: TokenizerVersion,
+    texts: list[str],
+    eod: int | None,
+    dtype: str,
+    threads: int = 1,
+    use_word_cache: bool = True,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(tokens back to back, tokens per document) for a batch of texts, each followed by `eod` if given; texts that
     encode to no tokens are left out (the caller counts them: len(texts) - len(lengths))."""
-    cache = word_cache(model_path) if use_word_cache else None
+    cache = word_cache(tokenizer) if use_word_cache else None
     if cache is not None:
         flat, lengths = cache.encode(texts, threads)
     else:
-        encoded = _encode_arrays(load_processor(model_path), texts, threads)
+        encoded = _encode_arrays(load_processor(tokenizer), texts, threads)
         lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
         flat = np.concatenate(encoded) if encoded else np.zeros(0, np.int32)
     lengths = lengths[lengths > 0]
@@ -127,27 +131,33 @@ def iter_batches(records: Iterable[dict], text_key: str) -> Iterator[list[str]]:
 
 
 def _encoded_in_order(
-    batches: Iterable[list[str]], model_path: str, eod: int | None, dtype: str, workers: int, use_word_cache: bool
+    batches: Iterable[list[str]],
+    tokenizer: TokenizerVersion,
+    eod: int | None,
+    dtype: str,
+    workers: int,
+    use_word_cache: bool,
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Encoded batches in input order; with workers > 1 from a spawn pool with bounded look-ahead."""
     # One worker encodes in this process with SentencePiece's threads; several each use one thread.
     threads = (os.cpu_count() or 1) if workers <= 1 else 1
-    tasks = ((model_path, batch, eod, dtype, threads, use_word_cache) for batch in batches)
+    tasks = ((tokenizer, batch, eod, dtype, threads, use_word_cache) for batch in batches)
     yield from imap_ordered(encode_batch, tasks, workers, IN_FLIGHT_PER_WORKER)
 
 
-def _tokenizer_facts(tokenizer_model: str | Path, append_eod: bool) -> tuple[str, int, int | None]:
+def _tokenizer_facts(tokenizer_model: str | Path, append_eod: bool) -> tuple[TokenizerVersion, int, int | None]:
     model_path = Path(tokenizer_model)
     if not model_path.is_file():
         raise FileNotFoundError(f"tokenizer {model_path} does not exist; train one with `loom data tokenizer`")
-    processor = load_processor(str(model_path))
+    tokenizer = tokenizer_version(str(model_path))
+    processor = load_processor(tokenizer)
     eod = processor.eos_id() if append_eod else None
     if append_eod and eod < 0:
         raise InputError(
             f"tokenizer {model_path} has no end-of-document (eos) piece; build without --append-eod "
             f"or retrain it with `loom data tokenizer`"
         )
-    return str(model_path), processor.vocab_size(), eod
+    return tokenizer, processor.vocab_size(), eod
 
 
 @dataclass
@@ -230,7 +240,7 @@ def build_indexed_dataset(
     """Tokenize every document of `inputs` into output_prefix.bin/.idx (+ .manifest.json); returns counts and speed."""
     started = time.time()
     paths = check_inputs(inputs)
-    model_path, vocab_size, eod = _tokenizer_facts(tokenizer_model, append_eod)
+    tokenizer, vocab_size, eod = _tokenizer_facts(tokenizer_model, append_eod)
     dtype = dtype_for_vocab(vocab_size)
     stats = JsonlStats()
     start = time.perf_counter()
@@ -242,7 +252,7 @@ def build_indexed_dataset(
         try:
             records = iter_jsonl(paths, text_key=text_key, stats=stats, on_bad_line=bad_lines)
             batches = written.measured(iter_batches(records, text_key))
-            with closing(_encoded_in_order(batches, model_path, eod, dtype.name, workers, use_word_cache)) as encoded:
+            with closing(_encoded_in_order(batches, tokenizer, eod, dtype.name, workers, use_word_cache)) as encoded:
                 _write_dataset(encoded, output_prefix, dtype, written, progress)
             if written.documents == 0:
                 empty = f" ({written.empty_documents:,} empty ones skipped)" if written.empty_documents else ""
@@ -271,7 +281,7 @@ def build_indexed_dataset(
             parameters = {"text_key": text_key, "append_eod": append_eod, "workers": workers}
             if eod is not None:
                 parameters["eod_id"] = eod
-            _write_build_manifest(output_prefix, paths, model_path, parameters, result, bad_lines, started)
+            _write_build_manifest(output_prefix, paths, tokenizer.path, parameters, result, bad_lines, started)
     return result
 
 

@@ -263,20 +263,23 @@ class Trainer:
                 f"{metadata.consumed_samples:,} of its data: this run trains on from there, on its schedule"
             )
         else:
-            self._log_event(f"resumed from {directory} at step {self.step}{self._where_it_started(metadata)}")
+            where_it_started = self._where_it_started(metadata)
+            self._log_event(f"resumed from {directory} at step {self.step}{where_it_started}")
         continues = not (self.evaluation_only or self.fine_tunes)
         for warning in resume_warnings(directory, metadata, self.config, continues_run=continues):
             self._log_event(f"warning: {warning}")
 
     def _where_it_started(self, metadata: CheckpointMetadata) -> str:
         """What became of checkpoint.load, for a run that resumes from its own checkpoint: where it started, or a
-        setting added since, which it does not use (it had said the run started there)."""
+        setting given since, which it does not use (it had said the run started there). The run's record keeps
+        where it started: a later rerun would otherwise read the unused one as its start."""
         load = self.config.checkpoint.load
+        started = metadata.config.get("checkpoint", {}).get("load")
         if not load:
             return ""
-        started = metadata.config.get("checkpoint", {}).get("load")
         if started and Path(started).resolve() == Path(load).resolve():
             return f" (this run's own; checkpoint.load = {load} is where it started)"
+        self.config.checkpoint.load = started
         return (
             f" (this run's own: checkpoint.load = {load} is not used, as a run with checkpoints of its own resumes "
             "from them; to start from it, give the run another directory: --train.name or --train.run_dir)"

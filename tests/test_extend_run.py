@@ -168,6 +168,12 @@ def test_a_resume_is_told_what_it_changes_and_not_what_it_does_not(tmp_path):
         blend, tiny_config("a", tmp_path / "run", data={"paths": ["a", "b"], "weights": [1.0, 3.0]})
     )
     assert change == "data.weights: [1.0, 1.0] -> [1.0, 3.0]"
+    unweighted = config_to_dict(tiny_config("a", tmp_path / "run", data={"paths": ["a", "b"]}))
+    del unweighted["data"]["weights"]  # as config.toml keeps none (TOML has no null): it was never compared
+    reweighted = tiny_config("a", tmp_path / "run", data={"paths": ["a", "b"], "weights": [1.0, 3.0]})
+    assert changed_data_order(unweighted, reweighted) == ["data.weights: None -> [1.0, 3.0]"]
+    third = tiny_config("a", tmp_path / "run", data={"paths": ["a", "b", "c"]})
+    assert changed_data_order(unweighted, third) == ["data.paths: ['a', 'b'] -> ['a', 'b', 'c']"]
     assert _told_apart(0.001, 0.0010004) == ("0.001", "0.0010004") and _told_apart(2.5e-4, 1e-4) == (
         "0.00025",
         "0.0001",

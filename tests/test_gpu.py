@@ -57,7 +57,7 @@ def test_a_world_size_1_nccl_run_through_the_launcher(dataset, tmp_path):
     command += ["--data.paths", dataset, "--data.tokenizer", "none", "--train.run_dir", str(tmp_path)]
     command += ["--train.device", "cuda", "--train.steps", "4", "--train.eval_interval", "0"]
     command += ["--train.log_interval", "1"]  # tiny.toml logs every 5th step
-    command += ["--model.compile", "false"]  # the launcher and NCCL are checked here; compiling, above
+    command += ["--model.compile", "false"]  # the launcher and NCCL are checked here; compiling, by the checks below
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     rows = read_metrics(tmp_path)

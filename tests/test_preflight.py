@@ -190,6 +190,9 @@ def test_a_checkpoint_to_load_that_holds_none_is_refused_before_any_rank(dataset
         f"{tmp_path / 'B' / 'checkpoints' / 'iter_0000004'} was saved with (optim.weight_decay: 0.1 -> 0.05); pass "
         "--optim.weight_decay 0.1 to keep them" in moved.stdout
     ), moved.stdout
+    # the run's record keeps where it started: the unused load is not taken for its start on the next rerun
+    moved_again = loom_here(capfd, "train", *elsewhere, "--train.steps", "6", "--optim.weight_decay", "0.05")
+    assert f"(this run's own: checkpoint.load = {other} is not used" in moved_again.stdout, moved_again.stdout
 
 
 def test_check_same_model_names_the_flag_that_continues_the_saved_model(tmp_path):

@@ -166,6 +166,8 @@ def assert_trains_as_torch_loop(model, optimizer, params: list, samples, config:
     import torch.nn.functional as F
 
     t, o = config.train, config.optim
+    # the schedule written out below: linear warm-up, then cosine over the rest of the run
+    assert o.decay == "cosine" and o.warmup_steps > 0 and o.decay_steps in (None, 0, len(loom_rows)), o
     tokens_per_step = t.global_batch_size * t.seq_length
     vocab = model.config.vocab_size
     clipped = 0

@@ -177,10 +177,13 @@ def changed_data_order(saved_config: dict, current: LoomConfig, saved_datasets: 
     fields = tuple(field for field in DATA_ORDER_FIELDS if field != ("data", "weights"))
     changes = []
     saved_data = saved_config.get("data", {})
-    if "weights" in saved_data:  # relative: [1, 1], [2, 2] and none (equal shares) are one blend
-        saved_shares = _shares(saved_data["weights"], len(saved_data.get("paths") or current.data.paths))
-        if saved_shares != _shares(current.data.weights, len(current.data.paths)):
-            changes.append(f"data.weights: {saved_data['weights']} -> {current.data.weights}")
+    saved_weights = saved_data.get("weights")  # none is not written to config.toml (TOML has no null)
+    if len(saved_data.get("paths", current.data.paths)) == len(current.data.paths):
+        differs = _shares(saved_weights) != _shares(current.data.weights)  # [1, 1], [2, 2] and none: one blend
+    else:  # the paths' change is said; weights given on either side differ too
+        differs = saved_weights != current.data.weights
+    if differs:
+        changes.append(f"data.weights: {saved_weights} -> {current.data.weights}")
     if saved_datasets is not None:
         fields = tuple(field for field in fields if field != ("data", "paths"))
         now = [dataset_record(prefix) for prefix in current.data.paths]
@@ -193,11 +196,12 @@ def changed_data_order(saved_config: dict, current: LoomConfig, saved_datasets: 
     return changes
 
 
-def _shares(weights: list | None, count: int) -> list[float]:
-    """Each dataset's share of the blend (data.weights are relative; none: equal shares), rounded past float noise."""
-    weights = weights or [1.0] * count
-    total = sum(weights) or 1.0
-    return [round(weight / total, 12) for weight in weights]
+def _shares(weights: list | None) -> list[float] | None:
+    """Each dataset's share of the blend (data.weights are relative, and positive), rounded past float noise; None
+    (equal shares) for none or equal weights."""
+    if not weights or len(set(weights)) == 1:
+        return None
+    return [round(weight / sum(weights), 12) for weight in weights]
 
 
 def _files(record: dict | None) -> tuple | None:
@@ -325,7 +329,8 @@ def changed_model_settings(saved_model: dict, current: ModelConfig) -> list[str]
 
 def _saved_model_flags(saved_model: dict, current: ModelConfig) -> str:
     """The flags that give this run the checkpoint's settings back (the warning named rope_theta whatever changed)."""
-    return " ".join(f"--model.{field} {saved}" for field, saved, _ in _changed_model_fields(saved_model, current))
+    changed = _changed_model_fields(saved_model, current)
+    return " ".join(f"--model.{field} {flag_value(saved)}" for field, saved, _ in changed)
 
 
 def resume_warnings(
@@ -397,7 +402,8 @@ def load_checkpoint(
 ) -> None:
     """Restore weights, optimizer state, loss scale, data position and (under the same layout) RNG into
     `state`'s objects. The step is metadata.step; the caller takes it from there. `weights_only`
-    (checkpoint.finetune): the weights and the optimizer's fp32 master copies of them, nothing else."""
+    (checkpoint.finetune): the weights, the optimizer's fp32 master copies of them and their FP8 scaling state (as
+    Megatron's --finetune keeps Transformer Engine's), nothing else."""
     reader = PieceReader(directory, metadata)
     parallel, optimizer = state.parallel, state.optimizer
     named_params = state.named_parameters()
@@ -420,6 +426,7 @@ def load_checkpoint(
             _load_segments(
                 reader, optimizer, parallel, param, info.name, weights, segments_of[param], metadata, same_optimizer
             )
+    _restore_fp8_scaling(state, reader, metadata)  # the scales of trained weights: a fine-tune keeps them too
     if not weights_only:
         _restore_loop_state(state, reader, metadata)
 
@@ -465,13 +472,18 @@ def step_value(inner, step: int, master: torch.Tensor):
     return torch.tensor(float(step), dtype=torch.float32, device=master.device if on_device else "cpu")
 
 
+def _restore_fp8_scaling(state: TrainingState, reader: PieceReader, metadata: CheckpointMetadata) -> None:
+    """Transformer Engine's delayed-scaling amax histories and scales, by module name, so under any layout; a module
+    the checkpoint lacks keeps its own."""
+    if state.fp8 is not None:
+        saved = {name: fp8_key(name) for name in state.fp8.modules if fp8_key(name) in metadata.index}
+        state.fp8.load_state_dict({name: reader.tensor(key) for name, key in saved.items()})
+
+
 def _restore_loop_state(state: TrainingState, reader: PieceReader, metadata: CheckpointMetadata) -> None:
     state.data.load_state_dict({"consumed_samples": metadata.consumed_samples, "consumed_tokens": metadata.tokens})
     if state.loss_scaler is not None and metadata.loss_scaler:
         state.loss_scaler.load_state_dict(metadata.loss_scaler)
-    if state.fp8 is not None:  # by module name, so under any layout; a module the checkpoint lacks keeps its own
-        saved = {name: fp8_key(name) for name in state.fp8.modules if fp8_key(name) in metadata.index}
-        state.fp8.load_state_dict({name: reader.tensor(key) for name, key in saved.items()})
     p = state.parallel
     keys = {name: rng_key(p.rank, name) for name in state.rng.state_dict()}
     same_layout = metadata.layout.places_ranks_like(

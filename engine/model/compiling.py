@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -41,19 +42,21 @@ def _reason(message: str) -> str:
 @contextlib.contextmanager
 def _sigterm_held() -> Iterator[None]:
     """A SIGTERM that arrives inside is recorded, and raised again once the handler before it is back (masking the
-    signal would hold it from this thread alone; another thread of the process would still take it)."""
+    signal would hold it from this thread alone; another thread of the process would still take it). Nothing is
+    held off the main thread (which alone handles signals) or where a handler set outside Python could not be put
+    back."""
     held: list[int] = []
-    try:
-        before = signal.signal(signal.SIGTERM, lambda signum, frame: held.append(signum))
-    except ValueError:  # not the main thread, which alone handles signals: nothing to hold
-        yield
-        return
+    before = signal.getsignal(signal.SIGTERM)
+    holding = before is not None and threading.current_thread() is threading.main_thread()
+    if holding:
+        signal.signal(signal.SIGTERM, lambda signum, frame: held.append(signum))
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, before)
-        if held:
-            signal.raise_signal(signal.SIGTERM)
+        if holding:
+            signal.signal(signal.SIGTERM, before)
+            if held:
+                signal.raise_signal(signal.SIGTERM)
 
 
 @contextlib.contextmanager
