@@ -116,9 +116,12 @@ class ControlChars:
         return None
 
 
-_LOOKS_LIKE_HTML = re.compile(
-    r"<(?:html|body|head|div|p|br|span|a|li|ul|table|h[1-6]|script|style|meta)\b[^>]*>", re.IGNORECASE
+_HTML_ELEMENTS = (
+    "html|body|head|title|meta|link|script|style|noscript|div|span|p|br|hr|a|img|ul|ol|li|dl|dt|dd|table|thead|"
+    "tbody|tr|td|th|h[1-6]|b|i|u|s|em|strong|small|sub|sup|code|kbd|pre|blockquote|section|article|header|footer|"
+    "nav|aside|main|figure|figcaption|form|input|button|select|option|textarea|iframe|details|summary|center|font"
 )
+_LOOKS_LIKE_HTML = re.compile(rf"</?(?:{_HTML_ELEMENTS})\b[^>]*>", re.IGNORECASE)
 _SPACES = re.compile(r"[ \t\f\v\r\n\u00a0]+")
 _BLANK_LINES = re.compile(r"\n{3,}")
 
@@ -168,8 +171,9 @@ class _TextExtractor(HTMLParser):
     )
     LINES = frozenset({"br", "div", "li", "tr", "dd", "dt", "header", "title", "td", "th", "figcaption"})
 
-    def __init__(self):
+    def __init__(self, keep_newlines: bool = False):
         super().__init__(convert_charrefs=True)
+        self._as_written = keep_newlines
         self.parts: list[str] = []
         self._skipped_depth = 0
         self._pre_depth = 0
@@ -198,11 +202,13 @@ class _TextExtractor(HTMLParser):
     def handle_data(self, data):
         if self._skipped_depth:
             return
-        if not self._pre_depth:
-            # Source formatting is not layout, except inside <pre>.
+        if not self._pre_depth and not self._as_written:
+            # Source formatting is not layout, except inside <pre> (or in text that is not a page).
             data = _SPACES.sub(" ", data)
             if not self.parts or self.parts[-1].endswith("\n"):
                 data = data.lstrip(" ")
+        elif self._as_written and self.parts and self.parts[-1].strip("\n") == "":
+            data = data.lstrip(" ")  # the space after a <br> the break stands for, not an indent
         if data:
             self.parts.append(data)
 
@@ -211,9 +217,11 @@ class _TextExtractor(HTMLParser):
         return _BLANK_LINES.sub("\n\n", "\n".join(lines)).strip()
 
 
-def html_to_text(html: str) -> str:
-    """The visible text of an HTML document: scripts, styles and navigation dropped, entities decoded."""
-    extractor = _TextExtractor()
+def html_to_text(html: str, keep_newlines: bool = False) -> str:
+    """The visible text of an HTML document: scripts, styles and navigation dropped, entities decoded. A page's
+    newlines and spaces are source formatting; `keep_newlines` keeps those of text that is not a page (markdown or a
+    post with a stray tag, whose paragraphs, lists and indented code are its newlines and spaces) as written."""
+    extractor = _TextExtractor(keep_newlines)
     extractor.feed(html)
     extractor.close()
     return extractor.text()
@@ -222,20 +230,23 @@ def html_to_text(html: str) -> str:
 HTML_EXTRACTORS = ("trafilatura", "stdlib")
 
 
-_WHOLE_PAGE = re.compile(r"<(?:!doctype\s+html|html|body)\b", re.IGNORECASE)
+# A page begins with its doctype or <html> (after an XML declaration or comments, if any); prose that mentions
+# <html> or <body> is not one.
+_WHOLE_PAGE = re.compile(r"\A\s*(?:<\?xml[^>]*>\s*)?(?:<!--.*?-->\s*)*<(?:!doctype\s+html|html)\b", re.I | re.S)
 
 
 @dataclass
 class HtmlToText:
     """HTML converted to text; with only_if_html, documents without HTML tags are left alone.
 
-    extractor `trafilatura`: a whole page (a doctype, `<html>` or `<body>`) keeps its main content, as FineWeb kept
-    it (datatrove's Trafilatura extractor: favour precision, no comments), one line per paragraph; a page where it
-    finds none is rejected (empty_after_html). Text that is not a whole page (a post with a stray `<br>` or link, a
-    fragment) goes through `stdlib`, which keeps its words: trafilatura keeps nothing of it. Unlike datatrove's
-    default, trafilatura's cross-document deduplication is off: it remembers the segments of every page a process
-    has seen, so a page's text would depend on which worker read it and after what (Gopher's repetition rules judge
-    repeats within a page, `loom data dedup` across pages). `stdlib`: every visible text."""
+    extractor `trafilatura`: a whole page (one that begins with a doctype or `<html>`) keeps its main content, as
+    FineWeb kept it (datatrove's Trafilatura extractor: favour precision, no comments), one line per paragraph; a
+    page where it finds none is rejected (empty_after_html). Text that is not a whole page (a post with a stray
+    `<br>` or link, a fragment, prose that mentions <html>) goes through `stdlib`, which keeps its words, newlines
+    and spaces as written: trafilatura keeps nothing of it. Unlike datatrove's default, trafilatura's cross-document
+    deduplication is off: it remembers the segments of every page a process has seen, so a page's text would depend
+    on which worker read it and after what (Gopher's repetition rules judge repeats within a page, `loom data dedup`
+    across pages). `stdlib`: every visible text."""
 
     type_name: ClassVar[str] = "html_to_text"
     only_if_html: bool = True
@@ -259,8 +270,9 @@ class HtmlToText:
     def __call__(self, doc: Document) -> Rejected | None:
         if self.only_if_html and not _LOOKS_LIKE_HTML.search(doc.text):
             return None
-        if self.extractor == "stdlib" or not _WHOLE_PAGE.search(doc.text):
-            doc.text = html_to_text(doc.text)
+        whole_page = _WHOLE_PAGE.match(doc.text) is not None
+        if self.extractor == "stdlib" or not whole_page:
+            doc.text = html_to_text(doc.text, keep_newlines=not whole_page)
         else:
             _trafilatura()  # its warm-up outside the page's time limit
             try:
@@ -269,7 +281,11 @@ class HtmlToText:
                 return Rejected("html_timeout", f"trafilatura took over {self.timeout_seconds:g} s")
             except Exception as error:  # noqa: BLE001 -- a page the library cannot take is a rejected document
                 return Rejected("html_extraction_failed", f"{type(error).__name__}: {str(error)[:200]}")
-        return None if doc.text else Rejected("empty_after_html", "no text to keep in the HTML")
+        if doc.text:
+            return None
+        if self.extractor == "trafilatura" and whole_page:
+            return Rejected("empty_after_html", "trafilatura found no main content in the page")
+        return Rejected("empty_after_html", "no text to keep in the HTML")
 
 
 class _ExtractionTimeout(BaseException):
