@@ -655,15 +655,15 @@ class LoomConfig:
     dataclasses.replace."""
 
     def __post_init__(self) -> None:
-        if self.checkpoint.finetune and not self.checkpoint.load:
-            raise ConfigError(
-                "checkpoint.finetune starts from the weights of checkpoint.load, which is unset: add "
-                "--checkpoint.load DIR (a run directory, its checkpoints/ or an iter_N folder)"
-            )
         if self.checkpoint.finetune and self.lora.enabled:
             raise ConfigError(
                 "checkpoint.finetune with lora.rank > 0: a LoRA run starts from the weights of lora.base already "
                 "(its adapters from zero); drop --checkpoint.finetune and --checkpoint.load"
+            )
+        if self.checkpoint.finetune and not self.checkpoint.load:
+            raise ConfigError(
+                "checkpoint.finetune starts from the weights of checkpoint.load, which is unset: add "
+                "--checkpoint.load DIR (a run directory, its checkpoints/ or an iter_N folder)"
             )
         if self.optim.grad_dtype == "bf16" and self.train.precision != "bf16":
             raise ConfigError(

@@ -144,6 +144,15 @@ def check_checkpoint_to_load(config: LoomConfig, training: bool) -> None:
     if found is None:
         return
     check_same_base(found[0], found[1].lora_base, base_pointer(config))  # a rank's refusal, said before any starts
+    run_dir = Path(config.train.run_dir)
+    trained_here = (run_dir / METRICS).exists() or (run_dir / CONFIG).exists()  # a run writes them before saving
+    if training and found[0].parent == own and not trained_here:
+        raise ConfigError(
+            f"{own} holds checkpoints no training run wrote ({found[0].name}: a loom ckpt tool's, import-hf or "
+            "reshard): a run trained here would take them for its own and rotate them away; give this run its own "
+            f"--train.name or --train.run_dir with --checkpoint.load {own} (and --checkpoint.finetune true to start "
+            "from its weights at step 1)"
+        )
     starts_from_load = training and load is not None and found[0].parent != own
     if starts_from_load and not config.checkpoint.finetune and found[1].step >= config.train.steps:
         raise ConfigError(
@@ -158,8 +167,9 @@ def adopt_saved_model_settings(config: LoomConfig, found: tuple[Path, Checkpoint
     """A run that starts from (or resumes) checkpoint `found` computes the model saved there: the settings that
     change what the weights compute without changing a shape (RoPE, norm_eps), where neither the config file nor a
     flag gives them, are the checkpoint's. An imported Llama 3 fine-tuned with a config that left rope_theta out
-    trained at 10000 instead of 500000 (its logits off by 1.2 through export), said only in a warning. A setting
-    the config gives stays, with resume_warnings' warning (a longer context may be meant)."""
+    trained at 10000 instead of 500000 (its logits off by 1.2 through export), said only in a warning; its
+    max_position_embeddings became the preset's, which its export then claimed. A setting the config gives stays,
+    with resume_warnings' warning (a longer context may be meant)."""
     from loom.engine.checkpoint.load import FUNCTIONAL_MODEL_FIELDS
     from loom.engine.config_io import config_from_dict
 
@@ -172,6 +182,10 @@ def adopt_saved_model_settings(config: LoomConfig, found: tuple[Path, Checkpoint
         for name in FUNCTIONAL_MODEL_FIELDS
         if name not in given and getattr(saved, name) != getattr(config.model, name)
     }
+    context = saved.max_position_embeddings  # RoPE's: no shape, but what an export says the model takes
+    if "max_position_embeddings" not in given and context != config.model.max_position_embeddings:
+        if config.train.seq_length <= context:  # a longer training context keeps the config's (and is checked)
+            adopted["max_position_embeddings"] = context
     if adopted:
         config.model = dataclasses.replace(config.model, **adopted)
         if say:
@@ -223,7 +237,13 @@ def first_difference(first: dict, second: dict, names: tuple[str, str] = ("there
         before, after = first.get(section, {}), second.get(section, {})
         for name in sorted(set(before) | set(after)):
             if before.get(name) != after.get(name):
-                return f"{section}.{name}: {before.get(name)} {names[0]}, {after.get(name)} {names[1]}"
+                from loom.engine.checkpoint.load import flag_value
+
+                said = [
+                    flag_value(value) if isinstance(value, bool) else value
+                    for value in (before.get(name), after.get(name))
+                ]
+                return f"{section}.{name}: {said[0]} {names[0]}, {said[1]} {names[1]}"
     return "the same settings, written differently"
 
 

@@ -48,7 +48,8 @@ qkv proj fc1 fc2 with --lora.alpha; checkpoints hold the adapters; loom ckpt mer
 lora.* setting without --lora.rank is refused: it would train a fresh model, not adapters.
 
 Checkpoints: --checkpoint.interval N saves every N steps; the last step is saved too unless
---checkpoint.save_at_end false. A run resumes from its own newest checkpoint (or --checkpoint.load DIR)."""
+--checkpoint.save_at_end false. A run resumes from its own newest checkpoint, else --checkpoint.load DIR,
+training on from its step (with --checkpoint.finetune true: from its weights alone, at step 1)."""
 
 
 def _prediction(config) -> str:

@@ -126,7 +126,10 @@ def _import_hf(args: argparse.Namespace) -> None:
 
     with _writing(args):
         final = import_hf(Path(args.input), Path(args.output), args.overwrite)
-    print(f"wrote {final}; train from it with --checkpoint.load {args.output} (or --lora.base {args.output})")
+    print(
+        f"wrote {final}; fine-tune it with --checkpoint.load {args.output} --checkpoint.finetune true in a run "
+        f"directory of its own (or LoRA: --lora.base {args.output})"
+    )
 
 
 EVAL_ATTEMPTS = 3

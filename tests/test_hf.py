@@ -392,6 +392,12 @@ def test_a_run_that_changes_the_checkpoints_rope_is_told(hf_model, tmp_path):
     assert _saved_model_flags(saved, scaled) == f"--model.rope_scaling {saved['rope_scaling']}"
 
 
+def defaults_of_tiny_context() -> int:
+    from loom.engine.config_io import load_config
+
+    return load_config("tiny").model.max_position_embeddings
+
+
 def test_a_fine_tune_from_a_config_without_the_import_s_rope_takes_the_saved_settings(hf_model, tmp_path, capfd):
     """A full fine-tune of an imported Llama 3 (checkpoint.load) from a config that left its RoPE out trained at
     rope_theta 10000 and norm_eps 1e-5, said only in a warning: the export's logits were off by 1.2. The settings
@@ -413,12 +419,14 @@ def test_a_fine_tune_from_a_config_without_the_import_s_rope_takes_the_saved_set
     assert {field: getattr(model, field) for field in FUNCTIONAL_MODEL_FIELDS} == {
         field: saved[field] for field in FUNCTIONAL_MODEL_FIELDS
     }
+    # the context it was imported with, not the preset's (the export claimed the preset's 4096)
+    assert model.max_position_embeddings == saved["max_position_embeddings"] != defaults_of_tiny_context()
     defaults = config_from_dict({}).model
     differ = [
         f"model.{field} = {saved[field]}"
         for field in FUNCTIONAL_MODEL_FIELDS
         if saved[field] != getattr(defaults, field)
-    ]
+    ] + [f"model.max_position_embeddings = {saved['max_position_embeddings']}"]
     said = next((line for line in tuned.stdout.splitlines() if "(the config does not set them)" in line), "")
     assert all(setting in said for setting in differ) and bool(said) is bool(differ), tuned.stdout
     assert "warning: this run computes a different model" not in tuned.stdout
@@ -712,8 +720,11 @@ def test_a_fine_tuning_run_starts_from_the_weights_alone_as_a_fresh_transformers
 
     with pytest.raises(ConfigError, match="checkpoint.finetune starts from the weights of checkpoint.load, which is"):
         config_from_dict({**raw, "checkpoint": {**raw["checkpoint"], "load": None}})
+    lora = {"rank": 4, "base": str(tmp_path / "imported")}
     with pytest.raises(ConfigError, match="a LoRA run starts from the weights of lora.base already"):
-        config_from_dict({**raw, "lora": {"rank": 4, "base": str(tmp_path / "imported")}})
+        config_from_dict({**raw, "lora": lora})
+    with pytest.raises(ConfigError, match="a LoRA run starts from the weights of lora.base already"):  # not "add load"
+        config_from_dict({**raw, "lora": lora, "checkpoint": {**raw["checkpoint"], "load": None}})
 
 
 def test_loom_trains_an_imported_llama_as_a_plain_transformers_loop(tmp_path):

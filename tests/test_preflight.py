@@ -190,6 +190,14 @@ def test_a_checkpoint_to_load_that_holds_none_is_refused_before_any_rank(dataset
         f"{tmp_path / 'B' / 'checkpoints' / 'iter_0000004'} was saved with (optim.weight_decay: 0.1 -> 0.05); pass "
         "--optim.weight_decay 0.1 to keep them" in moved.stdout
     ), moved.stdout
+    # a run trained into a folder a ckpt tool wrote (an import, a reshard) took those checkpoints for its own and
+    # rotated them away after keep saves: refused, with the flags that start from them
+    from loom.tools.ckpt import reshard
+
+    reshard(saved, tmp_path / "T" / "checkpoints", tp=1, pp=1)
+    into_it = loom_here(capfd, "train", *tiny_train_args(dataset, tmp_path / "T", "--train.steps", "3"))
+    one_line_error(into_it, f"{tmp_path / 'T' / 'checkpoints'} holds checkpoints no training run wrote (iter_0000002")
+    assert sorted(p.name for p in (tmp_path / "T" / "checkpoints").iterdir()) == ["iter_0000002", "latest"]
     # the run's record keeps where it started: the unused load is not taken for its start on the next rerun
     moved_again = loom_here(capfd, "train", *elsewhere, "--train.steps", "6", "--optim.weight_decay", "0.05")
     assert f"(this run's own: checkpoint.load = {other} is not used" in moved_again.stdout, moved_again.stdout
