@@ -221,6 +221,14 @@ def test_check_same_model_names_the_flag_that_continues_the_saved_model(tmp_path
             tmp_path, {"model": learned}, config(position_embedding="learned", max_position_embeddings=256)
         )
     check_same_model(tmp_path, {"model": saved}, config(max_position_embeddings=8192))  # RoPE: no shape
+    # every difference at once, with one line of flags (a fine-tune under another preset took a try per field)
+    with pytest.raises(CheckpointError) as refused:
+        check_same_model(tmp_path, {"model": saved}, config(num_layers=4, hidden_size=128, tie_embeddings=False))
+    said = str(refused.value)
+    for difference in ("model.num_layers = 2 there, 4 here", "model.hidden_size = 64 there, 128 here"):
+        assert difference in said, said
+    flags = said.split("; pass ")[1].split(" to load it")[0].split(" --")
+    assert sorted(flags) == sorted(["--model.num_layers 2", "model.hidden_size 64", "model.tie_embeddings true"])
     # A LoRA checkpoint's adapters: other targets left the trained ones unloaded, another alpha rescaled them
     adapters = {"model": saved, "lora": {"rank": 4, "alpha": 16.0, "targets": ["qkv", "fc1"]}}
     check_same_model(tmp_path, adapters, config({"rank": 4, "targets": ["qkv", "fc1"], "base": "b"}))

@@ -137,17 +137,20 @@ ADAPTER_FIELDS = ("rank", "alpha", "targets")
 
 def check_same_model(directory: Path, saved_config: dict, current: LoomConfig) -> None:
     """Refuse to load checkpoint `directory` (whose run's config is `saved_config`) into another architecture or,
-    for a LoRA checkpoint, other adapters, naming the first setting that differs and the flag that keeps it."""
+    for a LoRA checkpoint, other adapters, naming every setting that differs and the flags that keep them (one at a
+    time, a fine-tune from an import under another preset took a try per field)."""
     fields = [("model", name) for name in ARCHITECTURE_MODEL_FIELDS]
     if current.model.position_embedding == "learned":  # the learned table's length is a shape; RoPE's is not
         fields.append(("model", "max_position_embeddings"))
     if saved_config.get("lora", {}).get("rank") and current.lora.enabled:
         fields += [("lora", name) for name in ADAPTER_FIELDS]
-    for section, name, value, now in _differences(saved_config, current, fields):
+    differences = list(_differences(saved_config, current, fields))
+    if differences:
+        shown = ", ".join(f"{section}.{name} = {value} there, {now} here" for section, name, value, now in differences)
+        flags = " ".join(f"--{section}.{name} {flag_value(value)}" for section, name, value, _ in differences)
         raise CheckpointError(
-            f"checkpoint {directory} is of another model: {section}.{name} = {value} there, {now} here; pass "
-            f"--{section}.{name} {flag_value(value)} to continue it (a new model needs its own run directory: "
-            "another --train.name or --train.run_dir, no --checkpoint.load)"
+            f"checkpoint {directory} is of another model: {shown}; pass {flags} to load it (a new model needs its "
+            "own run directory: another --train.name or --train.run_dir, no --checkpoint.load)"
         )
 
 
