@@ -8,6 +8,7 @@ metrics; it never spawns processes or parses command lines.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import json
 import math
@@ -274,12 +275,15 @@ class Trainer:
         setting given since, which it does not use (it had said the run started there). The run's record keeps
         where it started: a later rerun would otherwise read the unused one as its start."""
         load = self.config.checkpoint.load
-        started = metadata.config.get("checkpoint", {}).get("load")
+        saved = metadata.config.get("checkpoint", {})
+        started = saved.get("load")
         if not load:
             return ""
         if started and Path(started).resolve() == Path(load).resolve():
             return f" (this run's own; checkpoint.load = {load} is where it started)"
-        self.config.checkpoint.load = started
+        self.config.checkpoint = dataclasses.replace(
+            self.config.checkpoint, load=started, finetune=saved.get("finetune", False) and started is not None
+        )
         return (
             f" (this run's own: checkpoint.load = {load} is not used, as a run with checkpoints of its own resumes "
             "from them; to start from it, give the run another directory: --train.name or --train.run_dir)"

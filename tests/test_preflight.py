@@ -201,6 +201,11 @@ def test_a_checkpoint_to_load_that_holds_none_is_refused_before_any_rank(dataset
     # the run's record keeps where it started: the unused load is not taken for its start on the next rerun
     moved_again = loom_here(capfd, "train", *elsewhere, "--train.steps", "6", "--optim.weight_decay", "0.05")
     assert f"(this run's own: checkpoint.load = {other} is not used" in moved_again.stdout, moved_again.stdout
+    # nor is a finetune given since (its record would read a fine-tune from where it never started)
+    finetuned = loom_here(capfd, "train", *elsewhere, "--train.steps", "7", "--checkpoint.finetune", "true")
+    assert finetuned.returncode == 0 and "is not used" in finetuned.stdout, finetuned.stderr
+    recorded = (tmp_path / "B" / "config.toml").read_text()
+    assert f'load = "{saved}"' in recorded and "finetune = false" in recorded, recorded
 
 
 def test_check_same_model_names_the_flag_that_continues_the_saved_model(tmp_path):
