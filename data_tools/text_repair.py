@@ -271,10 +271,11 @@ class HtmlToText:
         if self.only_if_html and not _LOOKS_LIKE_HTML.search(doc.text):
             return None
         whole_page = _WHOLE_PAGE.match(doc.text) is not None
-        if self.extractor == "stdlib" or not whole_page:
+        by_trafilatura = self.extractor == "trafilatura" and whole_page
+        if not by_trafilatura:
             doc.text = html_to_text(doc.text, keep_newlines=not whole_page)
         else:
-            _trafilatura()  # its warm-up outside the page's time limit
+            _trafilatura()  # outside the try: a trafilatura that cannot start fails the command, not every page
             try:
                 doc.text = main_content(doc.text, self.timeout_seconds)
             except _ExtractionTimeout:
@@ -283,7 +284,7 @@ class HtmlToText:
                 return Rejected("html_extraction_failed", f"{type(error).__name__}: {str(error)[:200]}")
         if doc.text:
             return None
-        if self.extractor == "trafilatura" and whole_page:
+        if by_trafilatura:
             return Rejected("empty_after_html", "trafilatura found no main content in the page")
         return Rejected("empty_after_html", "no text to keep in the HTML")
 
@@ -314,10 +315,8 @@ def main_content(html: str, timeout_seconds: float = 0.0) -> str:
 def _time_limit(seconds: float) -> Iterator[None]:
     """Raise _ExtractionTimeout in this thread after `seconds`. No limit with 0, off the main thread (which alone
     takes signals), or where a timer of someone else's runs (a test's hang guard): replacing it would cancel it."""
-    if not seconds or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    if signal.getitimer(signal.ITIMER_REAL)[0] > 0:
+    elsewhere = threading.current_thread() is not threading.main_thread()
+    if not seconds or elsewhere or signal.getitimer(signal.ITIMER_REAL)[0] > 0:
         yield
         return
 
