@@ -120,7 +120,7 @@ def check_checkpoint_to_load(config: LoomConfig, training: bool) -> None:
     when training, stops short of train.steps; the RoPE and norm settings the config does not give are taken from
     it (adopt_saved_model_settings: this check changes config.model)."""
     from loom.engine.checkpoint.format import CheckpointError, checkpoint_to_resume, find_loadable, hugging_face_hint
-    from loom.engine.checkpoint.load import check_same_model
+    from loom.engine.checkpoint.load import check_same_model, fine_tunes_from
     from loom.engine.model.lora import base_pointer, check_same_base
 
     load = Path(config.checkpoint.load) if config.checkpoint.load else None
@@ -154,7 +154,7 @@ def check_checkpoint_to_load(config: LoomConfig, training: bool) -> None:
             "from its weights at step 1)"
         )
     starts_from_load = training and load is not None and found[0].parent != own
-    if starts_from_load and not config.checkpoint.finetune and found[1].step >= config.train.steps:
+    if starts_from_load and not fine_tunes_from(config, found[0]) and found[1].step >= config.train.steps:
         raise ConfigError(
             f"checkpoint.load = {load} is at step {found[1].step}, and train.steps = {config.train.steps}: "
             f"nothing would train; raise --train.steps above {found[1].step}"

@@ -25,6 +25,7 @@ from loom.engine.checkpoint.format import CheckpointError, CheckpointMetadata, c
 from loom.engine.checkpoint.load import (
     changed_model_settings,
     check_same_model,
+    fine_tunes_from,
     load_checkpoint,
     load_model_weights,
     resume_warnings,
@@ -115,7 +116,7 @@ class Trainer:
         )
         self.checkpoints = checkpoints_of(t.run_dir)
         to_resume = self._checkpoint_to_resume()
-        self.fine_tunes = to_resume is not None and self._fine_tunes_from(to_resume[0]) and not evaluation_only
+        self.fine_tunes = to_resume is not None and not evaluation_only and fine_tunes_from(config, to_resume[0])
         self._build_data(evaluation_only, to_resume[1] if to_resume and not self.fine_tunes else None)
         self.flops_per_token = model_flops_per_token(config.model, t.seq_length, config.lora)
         self.peak_flops = self._peak_flops()
@@ -228,10 +229,6 @@ class Trainer:
         if choice[0] is None:
             return None
         return Path(choice[0]), read_metadata(Path(choice[0]), verify_hashes=False)
-
-    def _fine_tunes_from(self, directory: Path) -> bool:
-        """Whether this run takes only the weights of `directory`: checkpoint.load's, with checkpoint.finetune."""
-        return self.config.checkpoint.finetune and directory.parent != self.checkpoints
 
     def _resume(self, directory: Path, metadata: CheckpointMetadata) -> None:
         """Load `directory` (the checkpoint _checkpoint_to_resume picked) into this trainer's state."""

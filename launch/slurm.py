@@ -351,15 +351,14 @@ def _check_something_to_train(config: LoomConfig) -> None:
 def _warn_what_the_job_changes(config: LoomConfig) -> None:
     """The resume's warnings (another schedule, data order, training settings, model), said where the user submits:
     they were only in the job's log, read by no one who submitted without --wait. A job trains on from the step of
-    the checkpoint it loads, its run's own or checkpoint.load's."""
+    the checkpoint it loads, its run's own or checkpoint.load's, unless it fine-tunes from the latter."""
     from loom.engine.checkpoint.format import checkpoint_to_resume
-    from loom.engine.checkpoint.load import resume_warnings
+    from loom.engine.checkpoint.load import fine_tunes_from, resume_warnings
 
     own = checkpoints_of(config.train.run_dir)
     found = checkpoint_to_resume(own, config.checkpoint.load, verify_hashes=False, warn=lambda _: None)
     if found is not None:
-        fine_tunes = config.checkpoint.finetune and found[0].parent != own
-        for warning in resume_warnings(*found, config, continues_run=not fine_tunes):
+        for warning in resume_warnings(*found, config, continues_run=not fine_tunes_from(config, found[0])):
             print(f"warning: {warning}", file=sys.stderr, flush=True)
 
 

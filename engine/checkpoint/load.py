@@ -36,6 +36,7 @@ from loom.engine.optim.algorithms import Adafactor, Lamb
 from loom.engine.optim.lr_schedule import learning_rate
 from loom.engine.parallel.param_info import param_info
 from loom.engine.parallel.sharding import ShardSpec
+from loom.engine.run_dir import checkpoints_of
 
 if TYPE_CHECKING:
     from loom.engine.optim.distributed import DistributedOptimizer
@@ -147,7 +148,7 @@ def check_same_model(directory: Path, saved_config: dict, current: LoomConfig) -
     differences = list(_differences(saved_config, current, fields))
     if differences:
         shown = ", ".join(f"{section}.{name} = {value} there, {now} here" for section, name, value, now in differences)
-        flags = " ".join(f"--{section}.{name} {flag_value(value)}" for section, name, value, _ in differences)
+        flags = _flags_keeping((f"{section}.{name}", value) for section, name, value, _ in differences)
         raise CheckpointError(
             f"checkpoint {directory} is of another model: {shown}; pass {flags} to load it (a new model needs its "
             "own run directory: another --train.name or --train.run_dir, no --checkpoint.load)"
@@ -259,13 +260,14 @@ def changed_training_settings(saved_config: dict, current: LoomConfig) -> list[t
 
 def flag_value(value: Any) -> str:
     """A config value as its --section.name flag takes it."""
-    return (
-        " ".join(map(str, value))
-        if isinstance(value, list)
-        else str(value).lower()
-        if isinstance(value, bool)
-        else str(value)
-    )
+    if isinstance(value, list):
+        return " ".join(map(str, value))
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _flags_keeping(saved: Iterable[tuple[str, Any]]) -> str:
+    """The flags that give a run the saved values back, from (section.name, saved value) pairs."""
+    return " ".join(f"--{field} {flag_value(value)}" for field, value in saved)
 
 
 SCHEDULE_FIELDS = ("lr", "min_lr", "warmup_steps", "decay")
@@ -332,8 +334,7 @@ def changed_model_settings(saved_model: dict, current: ModelConfig) -> list[str]
 
 def _saved_model_flags(saved_model: dict, current: ModelConfig) -> str:
     """The flags that give this run the checkpoint's settings back (the warning named rope_theta whatever changed)."""
-    changed = _changed_model_fields(saved_model, current)
-    return " ".join(f"--model.{field} {flag_value(saved)}" for field, saved, _ in changed)
+    return _flags_keeping((f"model.{field}", saved) for field, saved, _ in _changed_model_fields(saved_model, current))
 
 
 def resume_warnings(
@@ -362,7 +363,7 @@ def resume_warnings(
     trains_otherwise = changed_training_settings(metadata.config, config) if continues_run else []
     if trains_otherwise:
         changes = "; ".join(f"{field}: {saved} -> {now}" for field, saved, now in trains_otherwise)
-        flags = " ".join(f"--{field} {flag_value(saved)}" for field, saved, _ in trains_otherwise)
+        flags = _flags_keeping((field, saved) for field, saved, _ in trains_otherwise)
         warnings.append(
             f"this run trains on from step {metadata.step} with other settings than {directory} was saved with "
             f"({changes}); pass {flags} to keep them, unless the change is intended"
@@ -397,6 +398,12 @@ def load_model_weights(named_params, directory: Path, metadata: CheckpointMetada
     for _, param in named_params:
         info = param_info(param)
         param.copy_(info.shard_spec.shard(reader.model(info.name), tp_rank, tp_size).to(param.dtype))
+
+
+def fine_tunes_from(config: LoomConfig, checkpoint: Path) -> bool:
+    """Whether a run under `config` takes only the weights of `checkpoint` (checkpoint.finetune): a checkpoint of
+    checkpoint.load's, not one of the run's own, which it resumes whole."""
+    return config.checkpoint.finetune and checkpoint.parent != checkpoints_of(config.train.run_dir)
 
 
 @torch.no_grad()
