@@ -218,6 +218,13 @@ PEFT_MODULES = {
 }
 
 
+def _peft_names(name: str) -> list[str]:
+    """The parameters of peft's model that loom's adapter matrix `name` (layers.L.attention.qkv.lora_a) stands for."""
+    layer, target = name.split(".")[1], ".".join(name.split(".")[2:4])
+    modules = [f"base_model.model.model.layers.{layer}.{module}" for module in PEFT_MODULES[target]]
+    return [f"{module}.lora_{name[-1].upper()}.default.weight" for module in modules]
+
+
 def test_merged_model_and_peft_adapter_give_the_lora_logits(single_rank, base, tmp_path, live_tensors):
     """The merged model and the PEFT adapter on the exported base give the LoRA run's logits; merge-lora folds and
     writes one weight at a time (it held the whole merged model: at 8B, 32 GB)."""
@@ -257,9 +264,7 @@ def test_merged_model_and_peft_adapter_give_the_lora_logits(single_rank, base, t
     for name, param in adapter_model.named_parameters():
         if not param.requires_grad:
             continue
-        layer, target = name.split(".")[1], ".".join(name.split(".")[2:4])
-        modules = [f"base_model.model.model.layers.{layer}.{module}" for module in PEFT_MODULES[target]]
-        peft_names = [f"{module}.lora_{name[-1].upper()}.default.weight" for module in modules]
+        peft_names = _peft_names(name)
         if name.endswith("lora_a"):
             expected_grad = sum(theirs[peft_name] for peft_name in peft_names)
         else:
@@ -442,10 +447,8 @@ def test_a_lora_run_trains_as_peft_with_torch_adamw(dataset, base, tmp_path):
     theirs = dict(model.named_parameters())
     with torch.no_grad():
         for name, value in initial.items():
-            layer, target = name.split(".")[1], ".".join(name.split(".")[2:4])
-            [module] = PEFT_MODULES[target]
-            matrix = "A" if name.endswith("lora_a") else "B"
-            theirs[f"base_model.model.model.layers.{layer}.{module}.lora_{matrix}.default.weight"].copy_(value)
+            [peft_name] = _peft_names(name)  # proj and fc2: one peft module each
+            theirs[peft_name].copy_(value)
     trainable = [p for p in model.parameters() if p.requires_grad]
     assert sum(p.numel() for p in trainable) == sum(v.numel() for v in initial.values())
     o = config.optim
