@@ -567,7 +567,9 @@ class CheckpointConfig:
     load: str | None = None
     """Checkpoint a new run starts from (a run directory, its checkpoints/ or an iter_N folder, any layout). Once
     the run has checkpoints of its own, it resumes from its newest instead: rerunning the command, extending the
-    run or a requeued job continue it rather than going back here."""
+    run or a requeued job continue it rather than going back here. Its weights are the model: the [model] settings
+    no flag gives are the checkpoint's, over the config file's (said at start; a flag giving another shape is
+    refused)."""
     finetune: bool = False
     """With checkpoint.load: start from its weights alone (Megatron's --finetune, torchtitan's
     initial_load_model_only): step 1 of this run's schedule, fresh optimizer state and loss scale, its data from the
@@ -653,6 +655,9 @@ class LoomConfig:
     load_config, so that a run resuming a checkpoint takes the saved RoPE and norm settings it does not give
     (preflight.py). None where unknown, which adopts nothing: a config made by config_from_dict, or copied by
     dataclasses.replace."""
+    model_fields_flagged: typing.ClassVar[frozenset[str]] = frozenset()
+    """Not a setting either: the [model] fields of model_fields_given that flags gave (over the file's). A run
+    starting from another run's checkpoint takes its shapes over the config file's, not over a flag's."""
 
     def __post_init__(self) -> None:
         if self.checkpoint.finetune and self.lora.enabled:

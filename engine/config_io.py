@@ -180,6 +180,7 @@ def load_config(path: str | Path | None, overrides: list[str] | dict | None = No
         raw[section].update(values)
     config = config_from_dict(raw)
     config.model_fields_given = frozenset(raw.get("model", {}))
+    config.model_fields_flagged = frozenset(overrides.get("model", {}))
     return config
 
 

@@ -31,6 +31,7 @@ def preflight(config: LoomConfig, world_size: int, training: bool = True, ranks_
     from loom.engine.data.token_range import check_dataset_token_ids, check_ids_within_tokenizer
 
     adopt_lora_base(config)
+    adopt_settings_of_the_checkpoint_to_resume(config, say=True)  # the layout and token ids are checked against it
     config.resolve_world(world_size)
     if config.model.kernels == "te" or config.train.fp8 != "off" or config.model.attention_backend != "auto":
         import torch
@@ -164,33 +165,47 @@ def check_checkpoint_to_load(config: LoomConfig, training: bool) -> None:
 
 
 def adopt_saved_model_settings(config: LoomConfig, found: tuple[Path, CheckpointMetadata], say: bool = True) -> None:
-    """A run that starts from (or resumes) checkpoint `found` computes the model saved there: the settings that
-    change what the weights compute without changing a shape (RoPE, norm_eps), where neither the config file nor a
-    flag gives them, are the checkpoint's. An imported Llama 3 fine-tuned with a config that left rope_theta out
-    trained at 10000 instead of 500000 (its logits off by 1.2 through export), said only in a warning; its
-    max_position_embeddings became the preset's, which its export then claimed. A setting the config gives stays,
-    with resume_warnings' warning (a longer context may be meant)."""
-    from loom.engine.checkpoint.load import FUNCTIONAL_MODEL_FIELDS
+    """A run that resumes or starts from checkpoint `found` computes the model saved there. Resuming its own, the
+    [model] settings its config does not give are the checkpoint's; starting from another run's (checkpoint.load,
+    with or without checkpoint.finetune), every setting no flag gives is, over the config file's, as a LoRA run
+    takes its base's: the weights are that model, and a fine-tune of an import under a preset was refused a field
+    at a time. Both shapes and the settings that change what the weights compute without changing a shape (RoPE,
+    norm_eps): an imported Llama 3 fine-tuned with a config that left rope_theta out trained at 10000 instead of
+    500000 (its logits off by 1.2 through export), said only in a warning; its max_position_embeddings became the
+    preset's, which its export then claimed. A setting that stays and differs is refused if a shape
+    (check_same_model), warned otherwise (resume_warnings: a longer context may be meant)."""
+    from loom.engine.checkpoint.load import ARCHITECTURE_MODEL_FIELDS, FUNCTIONAL_MODEL_FIELDS, flag_value
     from loom.engine.config_io import config_from_dict
 
     given = config.model_fields_given
     if given is None or config.lora.enabled:  # unknown; or LoRA, which takes the base's whole [model]
         return
+    from_another_run = found[0].parent != checkpoints_of(config.train.run_dir)
+    kept = config.model_fields_flagged if from_another_run else given
     saved = config_from_dict({"model": found[1].config["model"]}).model
     adopted = {
         name: getattr(saved, name)
-        for name in FUNCTIONAL_MODEL_FIELDS
-        if name not in given and getattr(saved, name) != getattr(config.model, name)
+        for name in ARCHITECTURE_MODEL_FIELDS + FUNCTIONAL_MODEL_FIELDS
+        if name not in kept and getattr(saved, name) != getattr(config.model, name)
     }
     context = saved.max_position_embeddings  # RoPE's: no shape, but what an export says the model takes
-    if "max_position_embeddings" not in given and context != config.model.max_position_embeddings:
+    if "max_position_embeddings" not in kept and context != config.model.max_position_embeddings:
         if config.train.seq_length <= context:  # a longer training context keeps the config's (and is checked)
             adopted["max_position_embeddings"] = context
-    if adopted:
-        config.model = dataclasses.replace(config.model, **adopted)
-        if say:
-            settings = ", ".join(f"model.{name} = {value}" for name, value in adopted.items())
-            print(f"model settings as {found[0]} was saved (the config does not set them): {settings}", flush=True)
+    if not adopted:
+        return
+    said = {name: f"model.{name} = {flag_value(value)}" for name, value in adopted.items()}
+    replaced = [f"{said[name]} (not {flag_value(getattr(config.model, name))})" for name in adopted if name in given]
+    unset = [said[name] for name in adopted if name not in given]
+    config.model = dataclasses.replace(config.model, **adopted)
+    if say and unset:
+        print(f"model settings as {found[0]} was saved (the config does not set them): {', '.join(unset)}", flush=True)
+    if say and replaced:
+        print(
+            f"the model is that of {found[0]}, whose weights this run starts from (the config file's [model] "
+            f"differs): {', '.join(replaced)}",
+            flush=True,
+        )
 
 
 def adopt_settings_of_the_checkpoint_to_resume(config: LoomConfig, say: bool) -> None:
@@ -328,8 +343,8 @@ def preflight_of_a_rank(config: LoomConfig) -> None:
     need neither the world size nor the run directory's ownership (its launcher, not loom, started it)."""
     from loom.engine.data.token_range import check_token_ids
 
-    check_token_ids(config.data.paths, config.model.vocab_size, config.data.cache_dir)
     adopt_settings_of_the_checkpoint_to_resume(config, say=os.environ.get("RANK") == "0")
+    check_token_ids(config.data.paths, config.model.vocab_size, config.data.cache_dir)
     check_wandb_installed(config)
 
 

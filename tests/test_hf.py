@@ -401,21 +401,34 @@ def defaults_of_tiny_context() -> int:
 def test_a_fine_tune_from_a_config_without_the_import_s_rope_takes_the_saved_settings(hf_model, tmp_path, capfd):
     """A full fine-tune of an imported Llama 3 (checkpoint.load) from a config that left its RoPE out trained at
     rope_theta 10000 and norm_eps 1e-5, said only in a warning: the export's logits were off by 1.2. The settings
-    the config does not give are the checkpoint's; one it gives stays (a longer context may be meant), warned."""
-    from loom.engine.checkpoint.load import FUNCTIONAL_MODEL_FIELDS
+    the config does not give are the checkpoint's; one a flag gives stays (a longer context may be meant), warned.
+    The shapes the config file gives (the tiny preset's) are the checkpoint's too, said (they were refused a field
+    at a time); a flag giving another shape is refused."""
+    from loom.engine.checkpoint.load import ARCHITECTURE_MODEL_FIELDS, FUNCTIONAL_MODEL_FIELDS, flag_value
     from loom.engine.config_io import load_config
 
     directory, _ = hf_model
     import_hf(directory, tmp_path / "loom")
-    saved = find_loadable(tmp_path / "loom")[1].config["model"]
+    loaded, metadata = find_loadable(tmp_path / "loom")
+    saved = metadata.config["model"]
     with IndexedDatasetWriter(tmp_path / "docs", np.dtype(np.uint16)) as writer:
         writer.add_document(np.random.default_rng(4).integers(0, VOCAB, 400))
-    shape = [f"--model.{field}={saved[field]}" for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads")]
-    shape += [f"--model.{field}={saved[field]}" for field in ("ffn_hidden_size", "vocab_size", "tie_embeddings")]
-    flags = [*shape, "--checkpoint.load", str(tmp_path / "loom"), "--train.steps", "1", "--data.split", "100,0,0"]
+    flags = ["--checkpoint.load", str(tmp_path / "loom"), "--train.steps", "1", "--data.split", "100,0,0"]
     tuned = loom_here(capfd, "train", *tiny_train_args(str(tmp_path / "docs"), tmp_path / "tuned", *flags))
     assert tuned.returncode == 0, tuned.stderr
     model = load_config(tmp_path / "tuned" / "config.toml").model
+    assert {field: getattr(model, field) for field in ARCHITECTURE_MODEL_FIELDS} == {
+        field: saved[field] for field in ARCHITECTURE_MODEL_FIELDS
+    }
+    preset = load_config("tiny").model
+    replaced = [
+        f"model.{field} = {flag_value(saved[field])} (not {flag_value(getattr(preset, field))})"
+        for field in ARCHITECTURE_MODEL_FIELDS
+        if saved[field] != getattr(preset, field)
+    ]
+    said = next((line for line in tuned.stdout.splitlines() if line.startswith("the model is that of")), "")
+    assert said.startswith(f"the model is that of {loaded}, whose weights this run starts from"), tuned.stdout
+    assert replaced and all(setting in said for setting in replaced), said
     assert {field: getattr(model, field) for field in FUNCTIONAL_MODEL_FIELDS} == {
         field: saved[field] for field in FUNCTIONAL_MODEL_FIELDS
     }
@@ -441,6 +454,9 @@ def test_a_fine_tune_from_a_config_without_the_import_s_rope_takes_the_saved_set
         "warning: this run computes a different model" in given.stdout
         and f"model.rope_theta: {saved['rope_theta']} -> 1000000.0" in given.stdout
     )
+    narrower = tiny_train_args(str(tmp_path / "docs"), tmp_path / "n", *flags, "--model.hidden_size", "16")
+    refused = loom_here(capfd, "train", *narrower)
+    assert refused.returncode == 2 and f"model.hidden_size = {saved['hidden_size']} there, 16 here" in refused.stderr
 
 
 def test_loom_generate_equals_transformers_greedy_generate(hf_model, tmp_path, capfd):
