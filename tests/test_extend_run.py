@@ -3,6 +3,7 @@ and a finished run resumed with more steps continues exactly as if it had been a
 
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -141,7 +142,7 @@ def test_a_resume_is_told_what_it_changes_and_not_what_it_does_not(tmp_path):
     clipping, betas, dropout, precision: only the schedule, the data order and RoPE were said); blend weights that
     give the same shares ([1, 1], [2, 2], none) were said to reorder the data; the schedule's warning could show
     both rates as 0.001."""
-    from loom.engine.checkpoint.load import _told_apart, changed_data_order, changed_training_settings
+    from loom.engine.checkpoint.load import _told_apart, changed_data_order, changed_training_settings, resume_warnings
     from loom.engine.config_io import config_to_dict
 
     def config(**sections):
@@ -157,6 +158,20 @@ def test_a_resume_is_told_what_it_changes_and_not_what_it_does_not(tmp_path):
     assert changed_training_settings(saved, sgd) == []  # SGD reads no betas
     momentum = changed_training_settings(config_to_dict(sgd), config(optim={"name": "sgd", "momentum": 0.5}))
     assert ("optim.momentum", 0.9, 0.5) in momentum  # read by SGD
+    # fp16's scaler resumes its scale and counters, and reads its rules from the config; its initial scale it does
+    # not read on a resume (a changed one was taken for used)
+    fp16 = {"train": {"precision": "fp16"}, "optim": {"initial_loss_scale": 1024.0, "loss_scale_window": 100}}
+    saved_fp16 = config_to_dict(config(**fp16))
+    rescaled = config(train={"precision": "fp16"}, optim={"initial_loss_scale": 4096.0, "loss_scale_window": 50})
+    assert changed_training_settings(saved_fp16, rescaled) == [("optim.loss_scale_window", 100, 50)]
+    assert changed_training_settings(saved_fp16, config()) == [("train.precision", "fp16", "fp32")]  # no scaler read
+    metadata = SimpleNamespace(
+        config=saved_fp16, loss_scaler={"scale": 256.0}, step=3, datasets=None, layout=SimpleNamespace(optimizer=None)
+    )
+    (training, scaler) = resume_warnings(Path("iter_3"), metadata, rescaled, continues_run=True)
+    assert scaler.startswith("optim.initial_loss_scale = 4096.0 is not used: this run continues the loss scale 256 ")
+    assert "(optim.loss_scale_window: 100 -> 50); pass --optim.loss_scale_window 100" in training
+    assert resume_warnings(Path("iter_3"), metadata, rescaled, continues_run=False) == []  # a fine-tune starts anew
     two = {"data": {"paths": ["a", "b"], "weights": [1.0, 1.0]}}
     blend = config_to_dict(tiny_config("a", tmp_path / "run", **two))
     for same in ([2.0, 2.0], None, [0.5, 0.5]):

@@ -227,6 +227,11 @@ def _when(nanoseconds: int | None) -> str:
 
 # Settings of the optimizer step, the loss and the batch that a resume may change on purpose (less weight decay for
 # a last phase) or through a flag its rerun lost: either way the run trains otherwise from the checkpoint on.
+# fp16's loss scaler reads these on a resume (its scale and counters come from the checkpoint, its rules from the
+# config); optim.initial_loss_scale it does not read (resume_warnings says so).
+FP16_SCALER_FIELDS = (("optim", "loss_scale_window"), ("optim", "loss_scale_hysteresis"), ("optim", "min_loss_scale"))
+
+
 TRAINING_FIELDS = (
     ("optim", "weight_decay"),
     ("optim", "beta1"),
@@ -241,6 +246,7 @@ TRAINING_FIELDS = (
     ("train", "global_batch_size"),
     ("model", "dropout"),
     ("lora", "dropout"),
+    *FP16_SCALER_FIELDS,
 )
 
 
@@ -252,6 +258,8 @@ def changed_training_settings(saved_config: dict, current: LoomConfig) -> list[t
         unread |= {("optim", "beta1"), ("optim", "beta2"), ("optim", "eps")}
     if not current.lora.enabled:
         unread.add(("lora", "dropout"))
+    if current.train.precision != "fp16":
+        unread |= set(FP16_SCALER_FIELDS)
     fields = [field for field in TRAINING_FIELDS if field not in unread]
     return [
         (f"{section}.{name}", saved, now) for section, name, saved, now in _differences(saved_config, current, fields)
@@ -367,6 +375,15 @@ def resume_warnings(
         warnings.append(
             f"this run trains on from step {metadata.step} with other settings than {directory} was saved with "
             f"({changes}); pass {flags} to keep them, unless the change is intended"
+        )
+    saved_scale = metadata.config.get("optim", {}).get("initial_loss_scale", config.optim.initial_loss_scale)
+    scaled = continues_run and metadata.loss_scaler and config.train.precision == "fp16"
+    if scaled and saved_scale != config.optim.initial_loss_scale:
+        warnings.append(
+            f"optim.initial_loss_scale = {config.optim.initial_loss_scale} is not used: this run continues the loss "
+            f"scale {metadata.loss_scaler['scale']:g} that {directory} reached (fp16's scaler state resumes with the "
+            "run, as in Megatron-LM); the initial scale is a run's first step's, or a fine-tune's from this "
+            "checkpoint (--checkpoint.load with --checkpoint.finetune true, in a run directory of its own)"
         )
     changes = changed_model_settings(metadata.config["model"], config.model)
     if changes:
