@@ -2,6 +2,7 @@
 and a finished run resumed with more steps continues exactly as if it had been asked for them at once."""
 
 import os
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -123,6 +124,13 @@ def test_a_resume_compares_the_data_it_reads_not_how_its_path_is_spelled(tmp_pat
     assert changed_data_order(saved, tiny_config("../first/d", tmp_path / "run"), recorded) == []
     (change,) = changed_data_order(saved, tiny_config("d", tmp_path / "run"), recorded)
     assert change.startswith(f"data.paths: {first / 'd'} (") and f"-> {second / 'd'} (" in change
+    # copied elsewhere (a new write time, the same bytes: a copy to a node's local disk) is the same data; it was
+    # warned as another order
+    (tmp_path / "copy").mkdir()
+    for suffix in (".bin", ".idx"):
+        shutil.copyfile(first / f"d{suffix}", tmp_path / "copy" / f"d{suffix}")
+    assert dataset_record(str(tmp_path / "copy" / "d"))["idx_written_ns"] != recorded[0]["idx_written_ns"]
+    assert changed_data_order(saved, tiny_config(str(tmp_path / "copy" / "d"), tmp_path / "run"), recorded) == []
     # rebuilt in place at the same size (the same documents in another order): other data all the same
     monkeypatch.chdir(first)
     tokens = np.memmap("d.bin", dtype=np.uint16, mode="r+")

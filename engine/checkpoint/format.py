@@ -207,8 +207,8 @@ class CheckpointMetadata:
     its best nor trains on after it stopped early; None from writers that do not train."""
     datasets: list | None = None
     """The training datasets as training read them (engine/data/indexed.dataset_record, one per data.paths entry:
-    absolute prefix, bin_bytes, idx_bytes, idx_written_ns), so a resume compares data, not how its path was spelled;
-    None from writers that do not train, or where a file was missing."""
+    absolute prefix, bin_bytes, idx_bytes, idx_written_ns, sampled_sha256), so a resume compares data, not how its
+    path was spelled; None from writers that do not train, or where a file was missing."""
     nonfinite_in_a_row: int = 0
     """Non-finite steps in a row when saved (train.nan_policy = skip skips them): a resumed or requeued job goes
     on counting toward train.max_skipped_steps instead of starting again from 0."""

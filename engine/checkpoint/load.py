@@ -191,7 +191,7 @@ def changed_data_order(saved_config: dict, current: LoomConfig, saved_datasets: 
     if saved_datasets is not None:
         fields = tuple(field for field in fields if field != ("data", "paths"))
         now = [dataset_record(prefix) for prefix in current.data.paths]
-        if [_files(record) for record in saved_datasets] != [_files(record) for record in now]:
+        if len(saved_datasets) != len(now) or not all(map(_same_files, saved_datasets, now)):
             changes.append(f"data.paths: {_described(saved_datasets)} -> {_described(now)}")
     changes += [
         f"{section}.{name}: {saved} -> {now}"
@@ -208,8 +208,16 @@ def _shares(weights: list | None) -> list[float] | None:
     return [round(weight / sum(weights), 12) for weight in weights]
 
 
-def _files(record: dict | None) -> tuple | None:
-    return (record["bin_bytes"], record["idx_bytes"], record.get("idx_written_ns")) if record else None
+def _same_files(saved: dict | None, now: dict | None) -> bool:
+    """Whether two dataset_records are of the same data: the same sizes, and the same write time or (a copy) the
+    same sampled bytes; a checkpoint from before loom sampled them compares the write time alone."""
+    if saved is None or now is None:
+        return saved is now
+    if (saved["bin_bytes"], saved["idx_bytes"]) != (now["bin_bytes"], now["idx_bytes"]):
+        return False
+    return (
+        saved.get("idx_written_ns") == now["idx_written_ns"] or saved.get("sampled_sha256", "") == now["sampled_sha256"]
+    )
 
 
 def _described(records: list) -> str:
