@@ -124,6 +124,7 @@ _HTML_ELEMENTS = (
 _LOOKS_LIKE_HTML = re.compile(rf"</?(?:{_HTML_ELEMENTS})\b[^>]*>", re.IGNORECASE)
 _SPACES = re.compile(r"[ \t\f\v\r\n\u00a0]+")
 _BLANK_LINES = re.compile(r"\n{3,}")
+_SAME_LINE_BREAK = re.compile(r"[ \t]*\n")
 
 
 class _TextExtractor(HTMLParser):
@@ -171,18 +172,36 @@ class _TextExtractor(HTMLParser):
     )
     LINES = frozenset({"br", "div", "li", "tr", "dd", "dt", "header", "title", "td", "th", "figcaption"})
 
+    SKELETON = frozenset({"html", "body"})
+
     def __init__(self, keep_newlines: bool = False):
         super().__init__(convert_charrefs=True)
         self._as_written = keep_newlines
         self.parts: list[str] = []
         self._skipped_depth = 0
         self._pre_depth = 0
+        self._broke = False  # the last part is a break a tag made
+        # Text that is not a page (as written) only mentions a tag whose end never comes: "put it in the <head>"
+        # dropped the rest of the post, "starts with <html>" the word. Such tags are kept as written: the skeleton's
+        # at their place in parts, a skipped element's with everything read inside it (_unclosed_skip).
+        self._open_skeleton: dict[str, list[tuple[int, str]]] = {}
+        self._unclosed_skip: list[str] = []
 
     def handle_starttag(self, tag, attrs):
+        if self._as_written and not self._skipped_depth and tag in self.SKELETON:
+            self._open_skeleton.setdefault(tag, []).append((len(self.parts), self.get_starttag_text()))
+        if self._as_written and (self._skipped_depth or tag in self.SKIPPED):
+            self._unclosed_skip.append(self.get_starttag_text())
         self._boundary(tag, opening=True)
 
     def handle_endtag(self, tag):
+        if self._open_skeleton.get(tag) and not self._skipped_depth:
+            self._open_skeleton[tag].pop()
+        if self._as_written and self._skipped_depth:
+            self._unclosed_skip.append(f"</{tag}>")
         self._boundary(tag, opening=False)
+        if not self._skipped_depth:
+            self._unclosed_skip.clear()
 
     def handle_startendtag(self, tag, attrs):
         if tag not in self.SKIPPED:
@@ -198,21 +217,31 @@ class _TextExtractor(HTMLParser):
         trailing = len(self.parts[-1]) - len(self.parts[-1].rstrip("\n")) if self.parts else wanted
         if wanted > trailing:
             self.parts.append("\n" * (wanted - trailing))
+        self._broke = self._broke or wanted > 0
 
     def handle_data(self, data):
         if self._skipped_depth:
+            if self._as_written:
+                self._unclosed_skip.append(data)
             return
         if not self._pre_depth and not self._as_written:
             # Source formatting is not layout, except inside <pre> (or in text that is not a page).
             data = _SPACES.sub(" ", data)
             if not self.parts or self.parts[-1].endswith("\n"):
                 data = data.lstrip(" ")
-        elif self._as_written and self.parts and self.parts[-1].strip("\n") == "":
-            data = data.lstrip(" ")  # the space after a <br> the break stands for, not an indent
+        elif self._as_written and self._broke:
+            # "one<br>\ntwo": the newline written after the tag is the break it made, not a blank line; spaces on
+            # the tag's own line are not an indent
+            data = _SAME_LINE_BREAK.sub("", data, count=1) if _SAME_LINE_BREAK.match(data) else data.lstrip(" ")
         if data:
             self.parts.append(data)
+            self._broke = False
 
     def text(self) -> str:
+        if self._skipped_depth and self._unclosed_skip:  # html.parser keeps an unclosed <script>'s text unread
+            self.parts.append("".join(self._unclosed_skip) + self.rawdata)
+        for index, tag in sorted((mark for marks in self._open_skeleton.values() for mark in marks), reverse=True):
+            self.parts.insert(index, tag)
         lines = (line.rstrip() for line in "".join(self.parts).split("\n"))
         return _BLANK_LINES.sub("\n\n", "\n".join(lines)).strip()
 

@@ -529,6 +529,20 @@ def test_text_with_a_stray_tag_keeps_its_words():
     markdown = "A <b>bold</b> claim.\n\n- one\n- two\n\n    code()\n"
     kept = Document(markdown)
     assert step(kept) is None and kept.text == "A bold claim.\n\n- one\n- two\n\n    code()"
+    # a tag only mentioned (its end never comes) stays as written: "<head>" or "<script>" in prose dropped the rest
+    # of the post, "<html>" the word; a closed one is still markup; the newline written after a <br> is its break
+    for prose in (
+        "Put it in the <head> section.\nThen the body follows.",
+        "Load it with a <script> tag.\n\nAnother paragraph.",
+        "Start every page with <html> and close it last.",
+        "A <nav> element holds links.\nRest of the post.",
+    ):
+        mentioned = Document(prose)
+        assert step(mentioned) is None and mentioned.text == prose
+    markup = Document("Before <script>track()</script>after, in <body>the body</body>.")
+    assert step(markup) is None and markup.text == "Before after, in the body."
+    broken = Document("first line<br>\nsecond line<br>\n    indented code")
+    assert step(broken) is None and broken.text == "first line\nsecond line\n    indented code"
 
 
 def test_every_document_is_kept_or_rejected_by_its_filter(tmp_path):
