@@ -121,7 +121,8 @@ def check_checkpoint_to_load(config: LoomConfig, training: bool) -> None:
     when training, stops short of train.steps; the RoPE and norm settings the config does not give are taken from
     it (adopt_saved_model_settings: this check changes config.model)."""
     from loom.engine.checkpoint.format import CheckpointError, checkpoint_to_resume, find_loadable, hugging_face_hint
-    from loom.engine.checkpoint.load import check_same_model, fine_tunes_from
+    from loom.engine.checkpoint.load import fine_tunes_from
+    from loom.engine.checkpoint.saved_settings import check_same_model
     from loom.engine.model.lora import base_pointer, check_same_base
 
     load = Path(config.checkpoint.load) if config.checkpoint.load else None
@@ -174,7 +175,7 @@ def adopt_saved_model_settings(config: LoomConfig, found: tuple[Path, Checkpoint
     500000 (its logits off by 1.2 through export), said only in a warning; its max_position_embeddings became the
     preset's, which its export then claimed. A setting that stays and differs is refused if a shape
     (check_same_model), warned otherwise (resume_warnings: a longer context may be meant)."""
-    from loom.engine.checkpoint.load import ARCHITECTURE_MODEL_FIELDS, FUNCTIONAL_MODEL_FIELDS, flag_value
+    from loom.engine.checkpoint.saved_settings import ARCHITECTURE_MODEL_FIELDS, FUNCTIONAL_MODEL_FIELDS, flag_value
     from loom.engine.config_io import config_from_dict
 
     given = config.model_fields_given
@@ -252,7 +253,7 @@ def first_difference(first: dict, second: dict, names: tuple[str, str] = ("there
         before, after = first.get(section, {}), second.get(section, {})
         for name in sorted(set(before) | set(after)):
             if before.get(name) != after.get(name):
-                from loom.engine.checkpoint.load import flag_value
+                from loom.engine.checkpoint.saved_settings import flag_value
 
                 said = [
                     flag_value(value) if isinstance(value, bool) else value

@@ -22,15 +22,9 @@ from tqdm import tqdm
 
 from loom.engine.atomic import write_text_atomically
 from loom.engine.checkpoint.format import CheckpointError, CheckpointMetadata, checkpoint_to_resume, read_metadata
-from loom.engine.checkpoint.load import (
-    changed_model_settings,
-    check_same_model,
-    fine_tunes_from,
-    load_checkpoint,
-    load_model_weights,
-    resume_warnings,
-)
+from loom.engine.checkpoint.load import fine_tunes_from, load_checkpoint, load_model_weights
 from loom.engine.checkpoint.save import CheckpointWriter
+from loom.engine.checkpoint.saved_settings import changed_model_settings, check_same_model, resume_warnings
 from loom.engine.checkpoint.state import TrainingState
 from loom.engine.comm_ledger import StepLedgerWriter
 from loom.engine.config import ConfigError, LoomConfig

@@ -353,7 +353,8 @@ def _warn_what_the_job_changes(config: LoomConfig) -> None:
     they were only in the job's log, read by no one who submitted without --wait. A job trains on from the step of
     the checkpoint it loads, its run's own or checkpoint.load's, unless it fine-tunes from the latter."""
     from loom.engine.checkpoint.format import checkpoint_to_resume
-    from loom.engine.checkpoint.load import fine_tunes_from, resume_warnings
+    from loom.engine.checkpoint.load import fine_tunes_from
+    from loom.engine.checkpoint.saved_settings import resume_warnings
 
     own = checkpoints_of(config.train.run_dir)
     found = checkpoint_to_resume(own, config.checkpoint.load, verify_hashes=False, warn=lambda _: None)

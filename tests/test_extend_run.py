@@ -107,7 +107,7 @@ def test_a_resume_at_a_smaller_global_batch_reads_on_where_the_larger_one_stoppe
 def test_a_resume_compares_the_data_it_reads_not_how_its_path_is_spelled(tmp_path, monkeypatch):
     """data.paths were compared as strings: a run resumed from another working directory with `../d` was warned
     that its data order changed (the same files), and one resumed where `d` names other data was not."""
-    from loom.engine.checkpoint.load import changed_data_order
+    from loom.engine.checkpoint.saved_settings import changed_data_order
     from loom.engine.config_io import config_to_dict
     from loom.engine.data.indexed import dataset_record
     from loom.tools.synthetic_data import write_markov_dataset
@@ -150,7 +150,12 @@ def test_a_resume_is_told_what_it_changes_and_not_what_it_does_not(tmp_path):
     clipping, betas, dropout, precision: only the schedule, the data order and RoPE were said); blend weights that
     give the same shares ([1, 1], [2, 2], none) were said to reorder the data; the schedule's warning could show
     both rates as 0.001."""
-    from loom.engine.checkpoint.load import _told_apart, changed_data_order, changed_training_settings, resume_warnings
+    from loom.engine.checkpoint.saved_settings import (
+        _told_apart,
+        changed_data_order,
+        changed_training_settings,
+        resume_warnings,
+    )
     from loom.engine.config_io import config_to_dict
 
     def config(**sections):

@@ -373,7 +373,7 @@ def test_unrepresentable_settings_are_refused_in_one_line(field, tmp_path, capfd
 def test_a_run_that_changes_the_checkpoints_rope_is_told(hf_model, tmp_path):
     """A run that sets other rope settings than its checkpoint's computes another model: the run says which
     settings changed (deliberate changes, e.g. a larger rope_theta for longer context, stay possible)."""
-    from loom.engine.checkpoint.load import _saved_model_flags, changed_model_settings
+    from loom.engine.checkpoint.saved_settings import _saved_model_flags, changed_model_settings
 
     directory, _ = hf_model
     final = import_hf(directory, tmp_path / "loom")
@@ -404,7 +404,7 @@ def test_a_fine_tune_from_a_config_without_the_import_s_rope_takes_the_saved_set
     the config does not give are the checkpoint's; one a flag gives stays (a longer context may be meant), warned.
     The shapes the config file gives (the tiny preset's) are the checkpoint's too, said (they were refused a field
     at a time); a flag giving another shape is refused."""
-    from loom.engine.checkpoint.load import ARCHITECTURE_MODEL_FIELDS, FUNCTIONAL_MODEL_FIELDS, flag_value
+    from loom.engine.checkpoint.saved_settings import ARCHITECTURE_MODEL_FIELDS, FUNCTIONAL_MODEL_FIELDS, flag_value
     from loom.engine.config_io import load_config
 
     directory, _ = hf_model

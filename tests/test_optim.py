@@ -155,7 +155,7 @@ def test_each_step_starts_from_no_gradient(dtype):
 def test_a_resume_names_a_changed_learning_rate_schedule():
     """Extending a finished run (train.steps 10 -> 20) stretched its cosine over 20 steps without a word: the lr
     jumped from the saved schedule's end back up to near its peak."""
-    from loom.engine.checkpoint.load import changed_schedule
+    from loom.engine.checkpoint.saved_settings import changed_schedule
     from loom.engine.config import LoomConfig
     from loom.engine.config_io import config_to_dict
 

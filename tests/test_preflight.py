@@ -210,7 +210,7 @@ def test_a_checkpoint_to_load_that_holds_none_is_refused_before_any_rank(dataset
 
 def test_check_same_model_names_the_flag_that_continues_the_saved_model(tmp_path):
     from loom.engine.checkpoint.format import CheckpointError
-    from loom.engine.checkpoint.load import check_same_model
+    from loom.engine.checkpoint.saved_settings import check_same_model
     from loom.engine.config import LoomConfig, LoraConfig, ModelConfig
 
     def config(lora: dict | None = None, **model) -> LoomConfig:
