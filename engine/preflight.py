@@ -31,7 +31,7 @@ def preflight(config: LoomConfig, world_size: int, training: bool = True, ranks_
     from loom.engine.data.token_range import check_dataset_token_ids, check_ids_within_tokenizer
 
     adopt_lora_base(config)
-    adopt_settings_of_the_checkpoint_to_resume(config, say=True)  # the layout and token ids are checked against it
+    adopted = adopt_settings_of_the_checkpoint_to_resume(config, say=False)  # what the checks below check against
     config.resolve_world(world_size)
     if config.model.kernels == "te" or config.train.fp8 != "off" or config.model.attention_backend != "auto":
         import torch
@@ -81,6 +81,8 @@ def preflight(config: LoomConfig, world_size: int, training: bool = True, ranks_
             )
         check_ids_within_tokenizer(config.data.paths, vocab, config.data.tokenizer, config.data.cache_dir)
     check_checkpoint_to_load(config, training)
+    for line in adopted:  # said once the checkpoint is found loadable
+        print(line, flush=True)
     check_wandb_installed(config)
     if training:
         warn_settings_without_effect(config)
@@ -165,7 +167,9 @@ def check_checkpoint_to_load(config: LoomConfig, training: bool) -> None:
     adopt_saved_model_settings(config, found)
 
 
-def adopt_saved_model_settings(config: LoomConfig, found: tuple[Path, CheckpointMetadata], say: bool = True) -> None:
+def adopt_saved_model_settings(
+    config: LoomConfig, found: tuple[Path, CheckpointMetadata], say: bool = True
+) -> list[str]:
     """A run that resumes or starts from checkpoint `found` computes the model saved there. Resuming its own, the
     [model] settings its config does not give are the checkpoint's; starting from another run's (checkpoint.load,
     with or without checkpoint.finetune), every setting no flag gives is, over the config file's, as a LoRA run
@@ -174,13 +178,14 @@ def adopt_saved_model_settings(config: LoomConfig, found: tuple[Path, Checkpoint
     norm_eps): an imported Llama 3 fine-tuned with a config that left rope_theta out trained at 10000 instead of
     500000 (its logits off by 1.2 through export), said only in a warning; its max_position_embeddings became the
     preset's, which its export then claimed. A setting that stays and differs is refused if a shape
-    (check_same_model), warned otherwise (resume_warnings: a longer context may be meant)."""
+    (check_same_model), warned otherwise (resume_warnings: a longer context may be meant). Returns what it took,
+    as lines to print (printed here with `say`)."""
     from loom.engine.checkpoint.saved_settings import ARCHITECTURE_MODEL_FIELDS, FUNCTIONAL_MODEL_FIELDS, flag_value
     from loom.engine.config_io import config_from_dict
 
     given = config.model_fields_given
     if given is None or config.lora.enabled:  # unknown; or LoRA, which takes the base's whole [model]
-        return
+        return []
     from_another_run = found[0].parent != checkpoints_of(config.train.run_dir)
     kept = config.model_fields_flagged if from_another_run else given
     saved = config_from_dict({"model": found[1].config["model"]}).model
@@ -194,24 +199,27 @@ def adopt_saved_model_settings(config: LoomConfig, found: tuple[Path, Checkpoint
         if config.train.seq_length <= context:  # a longer training context keeps the config's (and is checked)
             adopted["max_position_embeddings"] = context
     if not adopted:
-        return
+        return []
     said = {name: f"model.{name} = {flag_value(value)}" for name, value in adopted.items()}
     replaced = [f"{said[name]} (not {flag_value(getattr(config.model, name))})" for name in adopted if name in given]
     unset = [said[name] for name in adopted if name not in given]
     config.model = dataclasses.replace(config.model, **adopted)
-    if say and unset:
-        print(f"model settings as {found[0]} was saved (the config does not set them): {', '.join(unset)}", flush=True)
-    if say and replaced:
-        print(
+    lines = []
+    if unset:
+        lines.append(f"model settings as {found[0]} was saved (the config does not set them): {', '.join(unset)}")
+    if replaced:
+        lines.append(
             f"the model is that of {found[0]}, whose weights this run starts from (the config file's [model] "
-            f"differs): {', '.join(replaced)}",
-            flush=True,
+            f"differs): {', '.join(replaced)}"
         )
+    for line in lines if say else ():
+        print(line, flush=True)
+    return lines
 
 
-def adopt_settings_of_the_checkpoint_to_resume(config: LoomConfig, say: bool) -> None:
-    """adopt_saved_model_settings for the checkpoint a run would resume, found here (where check_checkpoint_to_load
-    has not: a torchrun or srun rank, --print-config)."""
+def adopt_settings_of_the_checkpoint_to_resume(config: LoomConfig, say: bool) -> list[str]:
+    """adopt_saved_model_settings for the checkpoint a run would resume, found here (before check_checkpoint_to_load,
+    or where it does not run: a torchrun or srun rank, --print-config); none where that checkpoint cannot be read."""
     from loom.engine.checkpoint.format import CheckpointError, checkpoint_to_resume
 
     load = config.checkpoint.load
@@ -221,9 +229,10 @@ def adopt_settings_of_the_checkpoint_to_resume(config: LoomConfig, say: bool) ->
                 checkpoints_of(config.train.run_dir), load, verify_hashes=False, warn=lambda _: None
             )
         except CheckpointError:  # rank 0 refuses it, once, in the trainer's words
-            return
+            return []
         if found is not None:
-            adopt_saved_model_settings(config, found, say)
+            return adopt_saved_model_settings(config, found, say)
+    return []
 
 
 def run_is_complete(run_dir: str | Path, step: int, steps: int, consequence: str = "") -> str:
