@@ -5,10 +5,10 @@ corpus (Python stdlib) -> clean (repair + code filters) -> exact and MinHash nea
 the ZeRO-1 optimizer) with validation and a checkpoint -> the measured pipeline timeline next to the ideal one ->
 the checkpoint resharded and training resumed under another layout (pipeline x context parallel: each sequence split
 over 2 ranks, ring attention; ZeRO-3, weights sharded too, with the optimizer offloaded to the CPU) -> evaluation ->
-Hugging Face export -> LoRA adapters fine-tuned on it, merged, and exported for PEFT -> the run continued as a Slurm
-job (where sbatch is on PATH) -> a summary. Each step's outputs stay in the work directory, so the next command
-(`loom train --config configs/tiny.toml ...`) can reuse them. Steps whose outputs already exist are reused, not
-redone. The data steps (1-5) are launch/demo_data.py's.
+Hugging Face export -> the whole model fine-tuned from its weights (bf16, ZeRO-2) -> LoRA adapters fine-tuned on it,
+merged, and exported for PEFT -> the run continued as a Slurm job (where sbatch is on PATH) -> a summary. Each step's
+outputs stay in the work directory, so the next command (`loom train --config configs/tiny.toml ...`) can reuse
+them. Steps whose outputs already exist are reused, not redone. The data steps (1-5) are launch/demo_data.py's.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ DEMO_OUTPUTS = (
     "runs/tiny",
     "runs/tiny-resharded",
     "runs/tiny-resumed",
+    "runs/tiny-finetuned",
     "runs/tiny-lora",
     "runs/tiny-lora-merged",
     "runs/tiny-slurm",
@@ -90,7 +91,7 @@ def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: in
     _schedule(Path(config.train.run_dir), summary)
     summary["layout"] = f"tp={tp} pp={pp} vp={vp} dp={config.parallel.dp}"
     summary.update(_move_checkpoint(workdir, config, steps))
-    summary.update(_lora_finetune(workdir, config, steps))
+    summary.update(_finetune(workdir, config, steps))
     summary.update(_slurm_job(workdir, config, steps))
     return summary
 
@@ -211,18 +212,42 @@ def _move_checkpoint(workdir: Path, config, steps: int) -> dict:
     }
 
 
-def _lora_finetune(workdir: Path, config, steps: int) -> dict:
-    """LoRA adapters on the resumed model at tp 2, then merged into it and exported for PEFT."""
+def _finetune(workdir: Path, config, steps: int) -> dict:
+    """The resumed model fine-tuned whole (checkpoint.finetune: its weights at step 1 of a schedule of its own, in
+    bf16 with ZeRO-2 over 2 data-parallel ranks), then LoRA adapters on it at tp 2, merged into it and exported for
+    PEFT."""
     from loom.launch.local import launch_local
     from loom.tools.hf import export_peft_adapter
     from loom.tools.lora import merge_lora
 
     lora_steps = max(2, steps // 4)
     start = step(
-        f"9/10 LoRA: rank-8 adapters on the resumed model (base frozen), tp=2 on 2 ranks for {lora_steps} steps, "
+        f"9/10 fine-tune: the resumed model's weights from step 1 (fresh optimizer, bf16, ZeRO-2 over dp=2) for "
+        f"{lora_steps} steps; rank-8 LoRA adapters on it (base frozen), tp=2 on 2 ranks for {lora_steps} steps, "
         "merged into a full checkpoint, exported as a PEFT adapter"
     )
     runs = workdir / "runs"
+    trained = config_to_dict(config)
+    lr = trained["optim"]["lr"]  # a fine-tune's: lower, without warm-up
+    whole = load_config(
+        None,
+        {
+            **trained,
+            "parallel": {"tp": 1, "pp": 1, "vp": 1, "dp": None, "sequence_parallel": False},
+            "optim": {**trained["optim"], "zero": 2, "lr": lr / 3, "min_lr": lr / 30, "warmup_steps": 0},
+            "train": {**trained["train"], "precision": "bf16", "steps": lora_steps, "record_pipeline_timeline": False},
+            "checkpoint": {
+                **trained["checkpoint"],
+                "interval": lora_steps,
+                "load": str(runs / "tiny-resumed"),
+                "finetune": True,
+            },
+        },
+    )
+    whole.train.run_dir = str(runs / "tiny-finetuned")
+    whole.resolve_world(2)
+    launch_local(whole, 2)
+    finetuned = [r["loss"] for r in read_metrics(runs / "tiny-finetuned") if "loss" in r]
     tuned = load_config(
         None,
         {
@@ -243,7 +268,11 @@ def _lora_finetune(workdir: Path, config, steps: int) -> dict:
     merged = merge_lora(runs / "tiny-lora", runs / "tiny-lora-merged" / CHECKPOINTS)
     adapter = export_peft_adapter(runs / "tiny-lora", workdir / "hf-lora-adapter")
     print(f"merged {merged}; PEFT adapter {adapter} in {time.perf_counter() - start:.1f} s")
-    return {"lora_loss": [r for r in rows if "loss" in r][-1]["loss"], "lora_adapter": str(adapter)}
+    return {
+        "finetune_loss": (finetuned[0], finetuned[-1]),
+        "lora_loss": [r for r in rows if "loss" in r][-1]["loss"],
+        "lora_adapter": str(adapter),
+    }
 
 
 def _sample(checkpoints: Path, tokenizer: str, prompt: str = "def ") -> str:
@@ -326,6 +355,11 @@ def _print_summary(summary: dict) -> None:
         f"loss {summary['resumed_loss']:.3f}, validation {summary['resumed_val_loss']:.3f}"
     )
     print(f"hugging face {summary['hf_dir']} (transformers.LlamaForCausalLM.from_pretrained loads it)")
+    first, last = summary["finetune_loss"]
+    print(
+        f"fine-tune    the resumed weights from step 1 (checkpoint.finetune), bf16, ZeRO-2 over dp=2: loss "
+        f"{first:.3f} -> {last:.3f}"
+    )
     print(
         f"lora         rank-8 adapters at tp=2 on the resumed model: loss {summary['lora_loss']:.3f}; "
         f"PEFT adapter {summary['lora_adapter']}"
