@@ -39,7 +39,7 @@ from loom.data_tools.jsonl import (
     iter_jsonl,
     no_documents,
 )
-from loom.data_tools.manifest import manifest_path, tokenizer_settings, write_manifest
+from loom.data_tools.manifest import remove_dataset, tokenizer_settings, write_manifest
 from loom.data_tools.parallel import chunked, imap_ordered
 from loom.data_tools.tokenizer import Tokenizer, load_tokenizer
 from loom.data_tools.word_cache import WordCache, word_split
@@ -309,7 +309,6 @@ def _write_build_manifest(
             is_folder=False,
         )
     except BaseException:
-        for path in (idx_path, bin_path, manifest_path(output_prefix, is_folder=False)):
-            path.unlink(missing_ok=True)
+        remove_dataset(output_prefix)
         _remove_bad_lines(bad_lines)
         raise

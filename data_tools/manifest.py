@@ -118,6 +118,15 @@ def write_manifest(
     return path
 
 
+def remove_dataset(prefix: str | Path) -> None:
+    """Remove a .bin/.idx dataset and its manifest, as a writer that failed before its manifest was written: a
+    dataset without its manifest (or beside an older one) would look finished, and the rerun be refused."""
+    from loom.engine.data.indexed import index_paths
+
+    for path in (*reversed(index_paths(prefix)), manifest_path(prefix, is_folder=False)):
+        path.unlink(missing_ok=True)
+
+
 def read_manifest(path: str | Path) -> dict:
     return json.loads(Path(path).read_text(encoding="utf-8"))
 

@@ -100,6 +100,7 @@ def _write_merge(args: argparse.Namespace, inputs: list[str]) -> tuple[int, int]
         built_with_tokenizer,
         check_same_tokenizer,
         common_end_of_document,
+        remove_dataset,
     )
     from loom.data_tools.progress import Elapsed
     from loom.engine.data.indexed import IndexedDataset, IndexedDatasetWriter, index_paths
@@ -127,15 +128,18 @@ def _write_merge(args: argparse.Namespace, inputs: list[str]) -> tuple[int, int]
     needed = sum(path.stat().st_size for prefix in args.inputs for path in index_paths(prefix) if path.is_file())
     bins = sum(index_paths(prefix)[0].stat().st_size for prefix in args.inputs)
     copying = tqdm(total=bins, desc="merge: copying", unit="B", unit_scale=True, file=sys.stderr, mininterval=1.0)
-    with reported_failures(index_paths(args.output_prefix)[0], needed), copying:
-        with IndexedDatasetWriter(args.output_prefix, first.dtype) as writer:
+    with reported_failures(index_paths(args.output_prefix)[0], needed):
+        with copying, IndexedDatasetWriter(args.output_prefix, first.dtype) as writer:
             for prefix in args.inputs:
                 writer.add_index(prefix, copying.update)
-    merged = IndexedDataset(args.output_prefix)
-    documents = len(merged.document_indices) - 1
-    with Elapsed("merge: sha256 of the inputs' indexes and the output, for its manifest"):
-        _write_merge_manifest(args, inputs, tokenizer, append_eod, eod_id, merged, started)
-    return documents, int(merged.num_tokens)
+        merged = IndexedDataset(args.output_prefix)
+        try:  # the manifest last, as build writes it: a merge without one would look finished
+            with Elapsed("merge: sha256 of the inputs' indexes and the output, for its manifest"):
+                _write_merge_manifest(args, inputs, tokenizer, append_eod, eod_id, merged, started)
+        except BaseException:
+            remove_dataset(args.output_prefix)
+            raise
+    return len(merged.document_indices) - 1, int(merged.num_tokens)
 
 
 def _write_merge_manifest(

@@ -195,6 +195,32 @@ def test_a_full_disk_at_the_manifest_removes_the_output_it_replaced(inputs, tmp_
     assert left == ([OUTPUTS[name]] if name in ("clean", "dedup") else [])  # at most the emptied folder
 
 
+def test_a_merge_that_cannot_write_its_manifest_leaves_nothing(inputs, tmp_path, monkeypatch, capfd):
+    """`loom data merge` wrote its manifest after the merged .bin/.idx were in place: a full disk there left a
+    complete-looking dataset without the manifest that carries its tokenizer, and the rerun was refused."""
+    from training_runs import loom_here
+
+    from loom.data_tools import manifest
+
+    for name in ("a", "b"):
+        build_indexed_dataset([inputs["corpus"]], inputs["tokenizer"], tmp_path / name, workers=1, progress=False)
+    merge = ["data", "merge", "--inputs", str(tmp_path / "a"), str(tmp_path / "b"), "--output-prefix"]
+    real = manifest.write_manifest
+
+    def full_disk(output, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(output) + ".manifest.json")
+
+    monkeypatch.setattr(manifest, "write_manifest", full_disk)
+    (tmp_path / "out").mkdir()
+    failed = loom_here(capfd, *merge, str(tmp_path / "out" / "m"))
+    assert failed.returncode == 2 and re.search(r"no space left on .* nothing was written", failed.stderr)
+    assert list((tmp_path / "out").iterdir()) == []
+    monkeypatch.setattr(manifest, "write_manifest", real)
+    again = loom_here(capfd, *merge, str(tmp_path / "out" / "m"))
+    assert again.returncode == 0, again.stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["m.bin", "m.idx", "m.manifest.json"]
+
+
 def test_parallel_map_keeps_order_and_reraises_a_workers_error(monkeypatch):
     tasks = [(base, 2) for base in range(40)]
     assert list(imap_ordered(pow, tasks, workers=2, in_flight_per_worker=2)) == [b * b for b, _ in tasks]
