@@ -767,6 +767,30 @@ def test_a_full_disk_under_a_checkpoint_tool_is_one_line_and_leaves_no_staging(w
     assert not hf.exists()
     monkeypatch.undo()
     assert run(capfd, *export)[0] == 0
+    # the disk fills at the last file: a reshard's `latest` left a sealed checkpoint, an adapter's config its
+    # weights alone (PEFT cannot load them); each rerun was refused ("holds checkpoints", "already holds a model")
+    from loom.engine.checkpoint import format as checkpoint_format
+    from loom.tools import hf as hf_tools
+
+    def fails_at(name, write):
+        def writing(path, *args, **kwargs):
+            if Path(path).name == name:
+                raise OSError(errno.ENOSPC, "No space left on device", str(path))
+            return write(path, *args, **kwargs)
+
+        return writing
+
+    adapter = tmp_path / "adapter"
+    adapter_only = ["ckpt", "export-hf", "--checkpoint", str(world["lora"]), "--adapter-only", "--output", str(adapter)]
+    monkeypatch.setattr(checkpoint_format, "write_text_atomically", fails_at("latest", atomic.write_text_atomically))
+    monkeypatch.setattr(
+        hf_tools, "write_text_atomically", fails_at("adapter_config.json", atomic.write_text_atomically)
+    )
+    refused(capfd, reshard, f"{resharded}/latest: No space left on device")
+    refused(capfd, adapter_only, f"{adapter}/adapter_config.json: No space left on device")
+    assert not resharded.exists() and not list(adapter.glob("*"))
+    monkeypatch.undo()
+    assert run(capfd, *adapter_only)[0] == 0
     from loom.launch import cli_ckpt
 
     monkeypatch.setattr(cli_ckpt, "SHOW_TIME_AFTER_S", 0.0)  # a long one shows its time (a 1B merge: 26 s silent)

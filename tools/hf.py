@@ -519,6 +519,7 @@ def export_peft_adapter(
     }
     claim_export_output(output, overwrite)
     output.mkdir(parents=True, exist_ok=True)
-    save_tensors_atomically(tensors, output / "adapter_model.safetensors", metadata={"format": "pt"})
-    write_text_atomically(output / "adapter_config.json", json.dumps(adapter_config, indent=2))
+    with removed_if_unfinished(output):  # weights without their adapter_config.json: PEFT cannot load them
+        save_tensors_atomically(tensors, output / "adapter_model.safetensors", metadata={"format": "pt"})
+        write_text_atomically(output / "adapter_config.json", json.dumps(adapter_config, indent=2))
     return output

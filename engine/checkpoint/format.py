@@ -434,12 +434,15 @@ def make_staging_dir(final: Path) -> Path:
 @contextmanager
 def staged(final: Path) -> Iterator[Path]:
     """make_staging_dir for a single writer (the offline tools), removed again if the block fails: a full disk
-    or a stop leaves no half-written folder beside the checkpoints."""
-    staging = make_staging_dir(final)
+    or a stop leaves no half-written folder beside the checkpoints. So is `final` if commit() sealed it and then
+    could not write `latest`: a tool's output holding a checkpoint is refused to its rerun."""
+    staging, existed = make_staging_dir(final), final.exists()
     try:
         yield staging
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
+        if not existed:
+            shutil.rmtree(final, ignore_errors=True)
         raise
 
 
