@@ -283,9 +283,8 @@ def run(args: argparse.Namespace) -> dict:
         except OSError as error:  # said, without taking the place of what stopped the bench
             print(f"bench: could not keep the figures: {error}", file=sys.stderr, flush=True)
         raise
-    written = _write_results(output, results)
-    print(format_markdown(results), flush=True)
-    print(f"wrote {written}")
+    print(format_markdown(results), flush=True)  # first: a write that fails (a full disk) must not take it too
+    print(f"wrote {_write_results(output, results)}")
     return results
 
 
