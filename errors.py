@@ -10,6 +10,9 @@ Each layer subclasses it where it owns the failure (ConfigError, CheckpointError
 from __future__ import annotations
 
 import errno
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 
 class LoomError(Exception):
@@ -61,3 +64,16 @@ def user_message(error: BaseException) -> str:
         }.get(error.errno, "")
         return f"{error.filename}: {error.strerror}{hint}"
     return str(error)
+
+
+@contextmanager
+def naming(path: str | Path) -> Iterator[None]:
+    """An OSError raised inside without a file name (a write or flush of a file opened earlier: metrics.jsonl, the
+    run's lock, TensorBoard's event file) gets `path`, so that it is reported as `path: No space left on device;
+    free some space, or write elsewhere` instead of `[Errno 28] No space left on device`."""
+    try:
+        yield
+    except OSError as error:
+        if error.filename is not None or not error.strerror:
+            raise
+        raise type(error)(error.errno, error.strerror, str(path)) from error

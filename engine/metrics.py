@@ -10,6 +10,7 @@ import json
 import math
 import resource
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -20,6 +21,7 @@ from loom.engine.atomic import write_text_atomically
 from loom.engine.config import ConfigError
 from loom.engine.config_io import config_to_dict
 from loom.engine.run_dir import METRICS, TENSORBOARD
+from loom.errors import naming
 
 
 def perplexity(loss: float) -> float:
@@ -58,6 +60,7 @@ class MetricsWriter:
 
             # purge_step drops the events of steps that will be trained again, as for metrics.jsonl
             self.tensorboard = SummaryWriter(str(run_dir / TENSORBOARD), purge_step=resume_step + 1)
+            _leave_writer_thread_errors_to_the_writer()
 
     def attach_wandb(self, config, run_dir: Path) -> None:
         """Log every row to W&B too (train.wandb_project), resuming the run whose id this run directory keeps."""
@@ -80,22 +83,43 @@ class MetricsWriter:
 
     def write(self, row: dict, eta_s: float | None = None) -> None:
         """Append `row`; the console line also shows the step out of total_steps and `eta_s`, the time left."""
-        self.jsonl.write(json.dumps(_json_row(row)) + "\n")
-        self.jsonl.flush()
+        with naming(self.jsonl.name):
+            self.jsonl.write(json.dumps(_json_row(row)) + "\n")
+            self.jsonl.flush()
         if self.tensorboard is not None:
-            for key, value in _scalars(row):
-                self.tensorboard.add_scalar(_scalar_tag(key), value, row["step"])
-            self.tensorboard.flush()
+            with naming(self.tensorboard.log_dir):  # its writer thread's error, raised again here
+                for key, value in _scalars(row):
+                    self.tensorboard.add_scalar(_scalar_tag(key), value, row["step"])
+                self.tensorboard.flush()
         if self.wandb is not None:
             self.wandb.log({_scalar_tag(key): value for key, value in _scalars(row)}, step=row["step"])
         print(format_console_line(row, self.total_steps, eta_s), file=sys.stdout, flush=True)
 
     def close(self) -> None:
-        self.jsonl.close()
+        with naming(self.jsonl.name):
+            self.jsonl.close()
         if self.tensorboard is not None:
-            self.tensorboard.close()
+            with naming(self.tensorboard.log_dir):
+                self.tensorboard.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def _leave_writer_thread_errors_to_the_writer() -> None:
+    """TensorBoard writes events from a thread of its own, whose OSError (a full disk) it raises again at the next
+    add_scalar or flush, where write() names the folder; the thread's own traceback, printed by threading's hook
+    on the way, would precede that one line."""
+    previous = threading.excepthook
+    if getattr(previous, "leaves_writer_errors", False):
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if type(args.thread).__name__ == "_AsyncWriterThread" and isinstance(args.exc_value, OSError):
+            return
+        previous(args)
+
+    hook.leaves_writer_errors = True
+    threading.excepthook = hook
 
 
 def _scalars(row: dict):

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Iterator
 
 from loom.engine.config import ConfigError
+from loom.errors import naming
 
 LOCK_FILE = ".loom-run.lock"
 _HELD = (errno.EAGAIN, errno.EACCES)  # what flock's non-blocking refusal raises (EWOULDBLOCK is EAGAIN)
@@ -147,7 +148,8 @@ class RunLock:
             os.close(self.fd)  # removed between our open and our lock (a failed launch's cleanup): lock the new one
         self.supported = locked is True
         if self.supported:
-            _write_holder(self.fd, command)
+            with naming(self.path):
+                _write_holder(self.fd, command)
 
     def close(self, remove_if_created: bool = False) -> None:
         """remove_if_created: the holder wrote nothing else, so the directory is left as it was found."""

@@ -22,6 +22,7 @@ from loom.engine.config import ConfigError, LoomConfig
 from loom.engine.cuda_env import computes_on_cuda, set_cuda_env_defaults
 from loom.engine.metrics import perplexity
 from loom.engine.run_lock import RunLock
+from loom.errors import naming
 
 
 def choose_backend(requested: str, device: str) -> str:
@@ -184,7 +185,8 @@ def agree_with_rank_0(config: LoomConfig, check_run_dir: bool) -> None:
     seen: list = [None] * world
     try:
         if token is not None:
-            marker.write_text(token)  # the run directory exists: rank 0 holds its lock
+            with naming(marker):
+                marker.write_text(token)  # the run directory exists: rank 0 holds its lock
         dist.all_gather_object(ranks, (settings, socket.gethostname(), token, str(run_dir.resolve())))
         try:
             sees = rank == 0 or not check_run_dir or (marker.is_file() and marker.read_text() == ranks[0][2])

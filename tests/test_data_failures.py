@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from training_runs import mount_tmpfs, unmount
 
 from loom.data_tools import build, clean, corpus, dedup, tokenizer
 from loom.data_tools.build import build_indexed_dataset
@@ -55,39 +56,28 @@ def inputs(tmp_path_factory) -> dict[str, Path]:
     return {"corpus": corpus, "tokenizer": Path(tokenizer["model"])}
 
 
-def _mount(target: Path, options: str) -> None:
-    target.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(target)], capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
-
-
-def _unmount(target: Path) -> None:
-    subprocess.run(["umount", str(target)], check=False)
-
-
 @pytest.fixture
 def full_disk(tmp_path):
     """A 5 MB tmpfs with FREE_BYTES left; yields the mount point, unmounts afterwards."""
     mount = tmp_path / "tmpfs"
-    _mount(mount, f"size={TMPFS_BYTES}")
+    mount_tmpfs(mount, f"size={TMPFS_BYTES}")
     try:
         filler = mount / "filler"
         filler.write_bytes(b"\0" * (shutil.disk_usage(mount).free - FREE_BYTES))
         yield mount
     finally:
-        _unmount(mount)
+        unmount(mount)
 
 
 @pytest.fixture
 def read_only(tmp_path):
     """A read-only tmpfs (chmod would not stop root); yields the mount point, unmounts afterwards."""
     mount = tmp_path / "readonly"
-    _mount(mount, "ro,size=1m")
+    mount_tmpfs(mount, "ro,size=1m")
     try:
         yield mount
     finally:
-        _unmount(mount)
+        unmount(mount)
 
 
 def run_data(*arguments: str, environment: dict | None = None) -> subprocess.CompletedProcess:

@@ -1,11 +1,13 @@
 """User errors and bugs are told apart: a LoomError is one line, anything else keeps its traceback, rank and host."""
 
+import errno
+import os
 import socket
 import subprocess
 from types import SimpleNamespace
 
 import pytest
-from training_runs import loom_here, tiny_train_args
+from training_runs import loom_here, mount_tmpfs, tiny_train_args, unmount
 
 from loom.data_tools.jsonl import InputError
 from loom.engine.checkpoint.format import CheckpointError
@@ -107,3 +109,34 @@ def test_a_user_error_found_inside_a_rank_is_one_line(dataset, tmp_path, capfd):
     assert lines[-1].startswith("error: rank 0 on ") and "cannot write the GPTDataset index cache" in lines[-1], lines
     assert "Traceback" not in done.stderr
     assert not (tmp_path / "run").exists()  # failed before writing anything: no empty run folder left
+
+
+def test_a_full_disk_under_the_metrics_names_the_file_in_one_line(tmp_path, capfd):
+    """metrics.jsonl and TensorBoard's event file write to files opened earlier, whose OSError names no file: a
+    run on a full disk ended in "[Errno 28] No space left on device" (nothing said where), TensorBoard's after
+    a traceback from its writer thread."""
+    from loom.engine.metrics import MetricsWriter
+    from loom.errors import naming, user_message
+
+    with pytest.raises(OSError) as raised, naming(tmp_path / "named"):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    assert (
+        user_message(raised.value)
+        == f"{tmp_path / 'named'}: No space left on device; free some space, or write elsewhere"
+    )
+    row = {"step": 1, "loss": 2.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1.0, "mem_gb": 0.1}
+    for tensorboard, full in ((False, "metrics.jsonl"), (True, "tensorboard")):
+        mount = tmp_path / f"tmpfs-{tensorboard}"
+        mount_tmpfs(mount, "size=12k")
+        try:
+            writer = MetricsWriter(mount / "run", tensorboard=tensorboard)
+            if tensorboard:  # its event file fills first
+                (mount / "run" / "metrics.jsonl").unlink()
+                writer.jsonl = open(os.devnull, "a")  # noqa: SIM115 - closed by the writer
+            with pytest.raises(OSError) as raised:
+                for step in range(1, 10_000):
+                    writer.write({**row, "step": step, "note": "x" * 200})
+            assert user_message(raised.value).startswith(f"{mount / 'run' / full}: No space left on device; free")
+            assert "Traceback" not in capfd.readouterr().err
+        finally:
+            unmount(mount)

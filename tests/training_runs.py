@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
+
 from loom.engine.config import LoomConfig
 from loom.engine.config_io import load_config
 from loom.engine.run_dir import read_metrics
@@ -161,7 +163,6 @@ def assert_trains_as_torch_loop(model, optimizer, params: list, samples, config:
     into one gradient averaged over its tokens, clip_grad_norm_ over `params`, linear warm-up then cosine to min_lr
     (megatron-core's scheduler: test_optim.py). Returns the number of steps whose gradient was clipped."""
     import numpy as np
-    import pytest
     import torch
     import torch.nn.functional as F
 
@@ -196,3 +197,16 @@ def assert_trains_as_torch_loop(model, optimizer, params: list, samples, config:
         assert loom_loss == pytest.approx(loss_sum / tokens_per_step, rel=1e-6), step
         assert loom_norm == pytest.approx(norm, rel=1e-5), step
     return clipped
+
+
+def mount_tmpfs(target: Path, options: str) -> None:
+    """A tmpfs at `target` (`options`: size=12k, ro, ...), to fill or write-protect for real (chmod does not stop
+    root); skips the test where mounting needs a root this is not."""
+    target.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(target)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
+
+
+def unmount(target: Path) -> None:
+    subprocess.run(["umount", str(target)], check=False)
