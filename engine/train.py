@@ -506,6 +506,7 @@ class Trainer:
                 self.checkpoint_writer.wait()
                 self._log_event(f"stop requested: checkpoint of step {self.step} saved in {self.checkpoints}")
                 break
+            self.checkpoint_writer.raise_if_failed()
             self.faults.before_step(self.step, stop)
             row = self.train_step(stop)
             stop_agreed = stop is not None and stop.agreed > 0

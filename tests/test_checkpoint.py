@@ -557,3 +557,37 @@ def test_checking_a_large_checkpoints_hashes_is_said_first(saved_at_tp2_pp2_dp2,
     assert capsys.readouterr().out == f"checking the sha256 of {newest}'s {size:,.1f} GB\n"
     read_metadata(newest, verify_hashes=False)
     assert capsys.readouterr().out == ""
+
+
+def _training_past_a_failed_background_save(rank, world, dataset, run_dir):
+    """Train 8 steps saving every 2 in the background, the save of step 4 failing (a full disk); the error and the
+    steps logged before it."""
+    import errno
+
+    from loom.engine.checkpoint import save
+
+    write = save.write_rank_file
+
+    def full_disk_at_step_4(staging, rank, pieces):
+        if staging.name.startswith("iter_0000004"):
+            raise OSError(errno.ENOSPC, "No space left on device", str(staging / "rank00000.safetensors"))
+        return write(staging, rank, pieces)
+
+    save.write_rank_file = full_disk_at_step_4
+    config = tiny_config(dataset, run_dir, train={"steps": 8}, checkpoint={"interval": 2, "async_save": True})
+    trainer = Trainer(config)
+    try:
+        trainer.run()
+    except OSError as error:
+        return str(error), [row["step"] for row in read_metrics(run_dir) if "loss" in row]
+    finally:
+        trainer.close()
+    return None, []
+
+
+def test_a_failed_background_save_stops_the_run_at_the_next_step(dataset, tmp_path):
+    """A background save (checkpoint.async_save) that failed, a full disk, was said at the next save: training
+    went on for an interval first (steps 5 and 6 here), their work then lost. The loop asks at each step."""
+    [(error, steps)] = run_ranks(_training_past_a_failed_background_save, 1, dataset, tmp_path / "run")
+    assert error is not None and "No space left on device" in error
+    assert steps == [1, 2, 3, 4], steps

@@ -224,6 +224,12 @@ class CheckpointWriter:
             print(f"checkpoint: step {run.step} saved to {final} ({shown} in {seconds:.1f} s{where})", flush=True)
         dist.barrier(group=self.group)
 
+    def raise_if_failed(self) -> None:
+        """A background save that failed (a full disk) raises its error now, at a step boundary: at the next save,
+        training went on for an interval first, its steps then lost."""
+        if self._error is not None:
+            self.wait()
+
     def wait(self) -> None:
         """Block until a background save has finished; raise its error if it failed."""
         if self._thread is not None:
