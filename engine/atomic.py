@@ -258,17 +258,24 @@ def move_aside(folder: Path, entries: list[Path]) -> Path:
             entry.rename(aside / entry.name)
             moved.append(entry)
     except OSError as error:  # an immutable or busy entry: put back what moved, so the failed command changed nothing
-        for entry in moved:
-            with contextlib.suppress(OSError):
-                (aside / entry.name).rename(entry)
-        for emptied in (aside, aside.parent):
-            try:
-                emptied.rmdir()
-            except OSError:
-                break
-        if aside.exists():
+        if not put_back(aside, moved):
             raise OSError(
                 error.errno, f"{error.strerror}; what could not be put back is in {aside}", error.filename
             ) from None
         raise
     return aside
+
+
+def put_back(aside: Path, entries: list[Path]) -> bool:
+    """Undo move_aside for `entries` (a command that failed after moving them: the output they were is theirs
+    again) where their places are free; True when all went back (and `aside` is gone)."""
+    for entry in entries:
+        if not entry.exists() and not entry.is_symlink():
+            with contextlib.suppress(OSError):
+                (aside / entry.name).rename(entry)
+    for emptied in (aside, aside.parent):
+        try:
+            emptied.rmdir()
+        except OSError:
+            break
+    return not aside.exists()

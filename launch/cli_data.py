@@ -54,11 +54,13 @@ def add_overwrite(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
 
 
-def claim_outputs(overwrite: bool, given: str, outputs: list[Path], inputs: list[str] = ()) -> None:
+def claim_outputs(
+    overwrite: bool, given: str, outputs: list[Path], inputs: list[str] = ()
+) -> tuple[Path, list[Path]] | None:
     """Make room for a command's outputs (`given`: the option and its value, as the user wrote them). Files already
-    there (another run's, or another command's sharing the prefix) are refused, or with --overwrite moved aside;
-    `outputs` holds one folder (its entries are the command's) or the files of one prefix. An input among them is
-    always refused: moving it would lose it."""
+    there (another run's, or another command's sharing the prefix) are refused, or with --overwrite moved aside
+    (returned: where to, and what); `outputs` holds one folder (its entries are the command's) or the files of one
+    prefix. An input among them is always refused: moving it would lose it."""
     from loom.data_tools.jsonl import InputError
     from loom.engine.atomic import is_staging, move_aside, remove_stale_staging
     from loom.engine.run_lock import OUTPUT_LOCK_SUFFIX
@@ -75,7 +77,7 @@ def claim_outputs(overwrite: bool, given: str, outputs: list[Path], inputs: list
     else:
         existing = [path for path in outputs if path.exists()]
     if not existing:
-        return
+        return None
     held = {path.resolve() for path in existing}
     for name in inputs:
         path = Path(name).resolve()
@@ -94,6 +96,7 @@ def claim_outputs(overwrite: bool, given: str, outputs: list[Path], inputs: list
         )
     aside = move_aside(folder if folder is not None else existing[0].parent, existing)
     print(f"--overwrite: moved {names} to {aside}")
+    return aside, existing
 
 
 @contextmanager
@@ -104,11 +107,17 @@ def writing_outputs(
     same output is refused, instead of renaming its files over these and cleaning up this one's staging. The lock
     is named by the last output: the folder, or the manifest that every command writing a prefix writes (a
     tokenizer and a dataset of one prefix share it)."""
+    from loom.engine.atomic import put_back
     from loom.engine.run_lock import writing_output
 
     with writing_output(outputs[-1], f"data {args.data_command}", named=given):
-        claim_outputs(args.overwrite, given, outputs, inputs)
-        yield
+        replaced = claim_outputs(args.overwrite, given, outputs, inputs)
+        try:
+            yield
+        except BaseException:  # a failed --overwrite (a full disk) changes nothing: the output it replaced is back
+            if replaced is not None and put_back(*replaced):
+                print(f"--overwrite: the command failed; {given} holds what it held before", file=sys.stderr)
+            raise
 
 
 def _corpus(args: argparse.Namespace) -> None:

@@ -185,6 +185,27 @@ def test_a_full_disk_at_the_manifest_removes_the_output_it_replaced(inputs, tmp_
     assert left == ([OUTPUTS[name]] if name in ("clean", "dedup") else [])  # at most the emptied folder
 
 
+@pytest.mark.parametrize("name", ["clean", "build"])
+def test_an_overwrite_that_fails_puts_back_what_it_replaced(inputs, tmp_path, monkeypatch, capfd, name):
+    """--overwrite moved the old output into replaced/<time>/ before writing; a full disk then left the output
+    empty, the old files aside and "nothing was written". The failed command now changes nothing."""
+    from training_runs import loom_here
+
+    module = {"clean": clean, "build": build}[name]
+    output = tmp_path / OUTPUTS[name]
+    _run_in_process(name, inputs, output)
+    before = {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+
+    def full_disk(output_path, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(output_path))
+
+    monkeypatch.setattr(module, "write_manifest", full_disk)
+    failed = loom_here(capfd, "data", *map(str, command(name, inputs, output, workers=1)), "--overwrite")
+    assert failed.returncode == 2 and "holds what it held before" in failed.stderr, failed.stderr
+    after = {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    assert after == before and not list(tmp_path.rglob("replaced"))
+
+
 def test_a_merge_that_cannot_write_its_manifest_leaves_nothing(inputs, tmp_path, monkeypatch, capfd):
     """`loom data merge` wrote its manifest after the merged .bin/.idx were in place: a full disk there left a
     complete-looking dataset without the manifest that carries its tokenizer, and the rerun was refused."""

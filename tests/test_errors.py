@@ -1,5 +1,6 @@
 """User errors and bugs are told apart: a LoomError is one line, anything else keeps its traceback, rank and host."""
 
+import contextlib
 import errno
 import os
 import socket
@@ -128,6 +129,7 @@ def test_a_full_disk_under_the_metrics_names_the_file_in_one_line(tmp_path, capf
     for tensorboard, full in ((False, "metrics.jsonl"), (True, "tensorboard")):
         mount = tmp_path / f"tmpfs-{tensorboard}"
         mount_tmpfs(mount, "size=12k")
+        writer = None
         try:
             writer = MetricsWriter(mount / "run", tensorboard=tensorboard)
             if tensorboard:  # its event file fills first
@@ -139,4 +141,7 @@ def test_a_full_disk_under_the_metrics_names_the_file_in_one_line(tmp_path, capf
             assert user_message(raised.value).startswith(f"{mount / 'run' / full}: No space left on device; free")
             assert "Traceback" not in capfd.readouterr().err
         finally:
+            if writer is not None:
+                with contextlib.suppress(OSError):  # its files open would keep the mount busy
+                    writer.close()
             unmount(mount)

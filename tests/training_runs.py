@@ -209,4 +209,6 @@ def mount_tmpfs(target: Path, options: str) -> None:
 
 
 def unmount(target: Path) -> None:
-    subprocess.run(["umount", str(target)], check=False)
+    """Unmount `target`; lazily (-l) if a file is still open there, rather than leave the mount behind."""
+    if subprocess.run(["umount", str(target)], capture_output=True, check=False).returncode != 0:
+        subprocess.run(["umount", "-l", str(target)], capture_output=True, check=False)
