@@ -116,7 +116,7 @@ def writing_outputs(
             yield
         except BaseException:  # a failed --overwrite (a full disk) changes nothing: the output it replaced is back
             if replaced is not None and put_back(*replaced):
-                print(f"--overwrite: the command failed; {given} holds what it held before", file=sys.stderr)
+                print(f"--overwrite: the command failed; {given} holds what it held before", flush=True)
             raise
 
 

@@ -797,6 +797,21 @@ def test_a_full_disk_under_a_checkpoint_tool_is_one_line_and_leaves_no_staging(w
     code, _, err = run(capfd, *reshard)
     assert code == 0 and f"loom ckpt reshard: reading and writing a model into {resharded}: 00:0" in err
 
+    # --overwrite moved the finished output into replaced/<time>/ first: failing, it left none in its place
+    def files_of(folder):
+        return {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+    before = files_of(resharded), files_of(hf)
+    monkeypatch.setattr(checkpoint_format, "write_text_atomically", fails_at("latest", atomic.write_text_atomically))
+    monkeypatch.setattr(hf_tools, "write_text_atomically", fails_at("config.json", atomic.write_text_atomically))
+    for command, error in (
+        ([*reshard, "--overwrite"], f"{resharded}/latest: No space left on device"),
+        ([*export, "--overwrite"], f"{hf}/config.json: No space left on device"),
+    ):
+        code, out, err = run(capfd, *command)
+        assert code == 2 and err.splitlines()[-1].startswith(f"error: {error}") and "held before" in out, err
+    assert (files_of(resharded), files_of(hf)) == before
+
 
 def test_a_run_directory_is_never_inside_checkpoints_or_outside_runs_by_name(world, capfd, tmp_path):
     """--train.run_dir RUN/checkpoints (or an iter_N in it) wrote a run's config, metrics and checkpoints among

@@ -201,7 +201,7 @@ def test_an_overwrite_that_fails_puts_back_what_it_replaced(inputs, tmp_path, mo
 
     monkeypatch.setattr(module, "write_manifest", full_disk)
     failed = loom_here(capfd, "data", *map(str, command(name, inputs, output, workers=1)), "--overwrite")
-    assert failed.returncode == 2 and "holds what it held before" in failed.stderr, failed.stderr
+    assert failed.returncode == 2 and "holds what it held before" in failed.stdout, failed.stderr
     after = {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     assert after == before and not list(tmp_path.rglob("replaced"))
 

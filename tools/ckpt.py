@@ -42,7 +42,7 @@ from loom.engine.parallel.sharding import ShardSpec
 from loom.engine.parallel.state import rank_of
 from loom.engine.parallel.vocab import padded_vocab_size
 from loom.engine.pipeline.stages import stage_layers
-from loom.tools.outputs import claim_checkpoint_output
+from loom.tools.outputs import claimed_checkpoint_output
 
 
 def open_checkpoint(path: Path) -> tuple[Path, CheckpointMetadata]:
@@ -210,27 +210,27 @@ def reshard(source: Path, output: Path, tp: int, pp: int, vp: int = 1, overwrite
     # the layout's own checks are train's (vp > 1 at pp 1 was written, and then refused by loom train)
     parallel = {"tp": tp, "pp": pp, "vp": vp}
     config_from_dict({"model": metadata.config["model"], "parallel": parallel}).model.check_tensor_parallel(tp)
-    claim_checkpoint_output(output, overwrite, reading=(directory,))
-    reader = PieceReader(directory, metadata)
-    final = output / directory.name
-    specs, files, index = {}, {}, {}
-    divisible_by = metadata.config["model"]["make_vocab_divisible_by"]
-    fp8_modules = [key.removeprefix("fp8/") for key in metadata.index if key.startswith("fp8/")]
-    with staged(final) as staging:
-        for pp_rank in range(pp):
-            names = [n for n in metadata.specs if _stage_of(n, layers, pp, vp) % pp == pp_rank]
-            for tp_rank in range(tp):
-                declared, make = _rank_pieces(reader, names, tp_rank, tp, divisible_by, specs)
-                if tp_rank == 0:  # FP8 scaling state is the same on every TP rank: one copy per stage, as saved
-                    modules = [m for m in fp8_modules if _stage_of(m, layers, pp, vp) % pp == pp_rank]
-                    for key in map(fp8_key, modules):
-                        declared[key], make[key] = reader.header(key), functools.partial(reader.tensor, key)
-                rank = rank_of(tp_rank, 0, pp_rank, tp, 1)
-                name, files[name] = stream_rank_file(staging, rank, declared, _made_by(make))
-                index.update({key: name for key in declared})
-        layout = dataclasses.replace(metadata.layout, tp=tp, pp=pp, vp=vp, dp=1, cp=1, world=tp * pp, zero=0)
-        resharded = dataclasses.replace(metadata, specs=specs, files=files, index=index, layout=layout)
-        return commit(staging, final, resharded)
+    with claimed_checkpoint_output(output, overwrite, reading=(directory,)):
+        reader = PieceReader(directory, metadata)
+        final = output / directory.name
+        specs, files, index = {}, {}, {}
+        divisible_by = metadata.config["model"]["make_vocab_divisible_by"]
+        fp8_modules = [key.removeprefix("fp8/") for key in metadata.index if key.startswith("fp8/")]
+        with staged(final) as staging:
+            for pp_rank in range(pp):
+                names = [n for n in metadata.specs if _stage_of(n, layers, pp, vp) % pp == pp_rank]
+                for tp_rank in range(tp):
+                    declared, make = _rank_pieces(reader, names, tp_rank, tp, divisible_by, specs)
+                    if tp_rank == 0:  # FP8 scaling state is the same on every TP rank: one copy per stage, as saved
+                        modules = [m for m in fp8_modules if _stage_of(m, layers, pp, vp) % pp == pp_rank]
+                        for key in map(fp8_key, modules):
+                            declared[key], make[key] = reader.header(key), functools.partial(reader.tensor, key)
+                    rank = rank_of(tp_rank, 0, pp_rank, tp, 1)
+                    name, files[name] = stream_rank_file(staging, rank, declared, _made_by(make))
+                    index.update({key: name for key in declared})
+            layout = dataclasses.replace(metadata.layout, tp=tp, pp=pp, vp=vp, dp=1, cp=1, world=tp * pp, zero=0)
+            resharded = dataclasses.replace(metadata, specs=specs, files=files, index=index, layout=layout)
+            return commit(staging, final, resharded)
 
 
 def _rank_pieces(

@@ -36,7 +36,7 @@ from loom.engine.model import naming
 from loom.tools.ckpt import LazyWeights, open_checkpoint, write_weights_checkpoint
 from loom.tools.hf_tokenizer import check_moved_tokenizer, export_tokenizer
 from loom.tools.lora import ModelWeights, adapted_weights, base_of
-from loom.tools.outputs import HF_TOKENIZER_FILES, claim_checkpoint_output, claim_export_output, removed_if_unfinished
+from loom.tools.outputs import HF_TOKENIZER_FILES, claimed_checkpoint_output, claimed_export_output
 
 
 def _check_llama(model: dict) -> None:
@@ -222,9 +222,8 @@ def export_hf(
     # Each weight read, cast and written on its own: the whole model held in memory took 1-2.5x the checkpoint
     tensors = to_hf(LazyWeights(weights.shapes, lambda name: weights[name].to(EXPORT_DTYPES[dtype])), model)
     declared = {hf_name: (EXPORT_DTYPES[dtype], shape) for hf_name, shape in tensors.shapes.items()}
-    claim_export_output(output, overwrite)  # before any weight is read
-    output.mkdir(parents=True, exist_ok=True)
-    with removed_if_unfinished(output):
+    with claimed_export_output(output, overwrite):  # before any weight is read
+        output.mkdir(parents=True, exist_ok=True)
         stream_tensors_atomically(declared, tensors.__getitem__, output / "model.safetensors", {"format": "pt"})
         not_written = export_tokenizer(
             output, trained_with, origin, model["max_position_embeddings"], model["vocab_size"], tokenizer
@@ -450,7 +449,6 @@ def import_hf(source: Path, output: Path, overwrite: bool = False) -> Path:
         raise CheckpointError(f"{source} has no tensor {error.args[0]!r}; is it a Llama model?") from None
     except CheckpointError as error:
         raise CheckpointError(f"{source}: {error}") from None
-    claim_checkpoint_output(output, overwrite)  # once all is known good: --overwrite moves the old output aside
     origin = {
         "hf_source": str(source.resolve()),
         "hf_token_ids": {field: hf[field] for field in HF_TOKEN_ID_FIELDS if hf.get(field) is not None},
@@ -458,7 +456,8 @@ def import_hf(source: Path, output: Path, overwrite: bool = False) -> Path:
         "hf_tokenizer": {name: sha256_of(source / name) for name in HF_TOKENIZER_FILES if (source / name).is_file()}
         or None,
     }
-    return write_weights_checkpoint(output, config, logical, "the Hugging Face model", hf_origin=origin)
+    with claimed_checkpoint_output(output, overwrite):  # once all is known good: --overwrite moves the old one aside
+        return write_weights_checkpoint(output, config, logical, "the Hugging Face model", hf_origin=origin)
 
 
 def _stored_dtype(tensors: _SafetensorsFolder) -> str | None:
@@ -517,9 +516,8 @@ def export_peft_adapter(
         "inference_mode": True,
         "base_model_name_or_path": base_model,
     }
-    claim_export_output(output, overwrite)
-    output.mkdir(parents=True, exist_ok=True)
-    with removed_if_unfinished(output):  # weights without their adapter_config.json: PEFT cannot load them
+    with claimed_export_output(output, overwrite):  # weights without their adapter_config.json: PEFT cannot load them
+        output.mkdir(parents=True, exist_ok=True)
         save_tensors_atomically(tensors, output / "adapter_model.safetensors", metadata={"format": "pt"})
         write_text_atomically(output / "adapter_config.json", json.dumps(adapter_config, indent=2))
     return output

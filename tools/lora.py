@@ -24,7 +24,7 @@ from loom.engine.config import LoraConfig
 from loom.engine.config_io import config_from_dict
 from loom.engine.model import naming
 from loom.tools.ckpt import LazyWeights, open_checkpoint, write_weights_checkpoint
-from loom.tools.outputs import claim_checkpoint_output
+from loom.tools.outputs import claimed_checkpoint_output
 
 
 def adapted_weights(specs: dict) -> dict[str, tuple[str, str]]:
@@ -113,8 +113,8 @@ def merge_lora(source: Path, output: Path, base: Path | None = None, overwrite: 
     config = config_from_dict(metadata.config)
     config.lora = LoraConfig()
     weights = ModelWeights(directory, metadata, base)
-    claim_checkpoint_output(output, overwrite, reading=(directory, weights.base_dir))
     origin = weights.model_metadata.hf_origin  # the base's Hugging Face origin stays the merged model's
-    return write_weights_checkpoint(
-        output, config, weights, str(directory), hf_origin=origin, tokenizer=weights.tokenizer
-    )
+    with claimed_checkpoint_output(output, overwrite, reading=(directory, weights.base_dir)):
+        return write_weights_checkpoint(
+            output, config, weights, str(directory), hf_origin=origin, tokenizer=weights.tokenizer
+        )

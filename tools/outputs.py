@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from loom.engine.atomic import cannot_create, move_aside
+from loom.engine.atomic import cannot_create, move_aside, put_back
 from loom.engine.checkpoint.format import HF_FILES, LATEST, CheckpointError, candidates, enclosing_checkpoint
 from loom.engine.config import ConfigError
 from loom.engine.run_dir import CHECKPOINTS, CONFIG, METRICS, checkpoints_of
@@ -50,9 +50,11 @@ def _refuse_file_or_run(output: Path, what: str) -> None:
         )
 
 
-def claim_checkpoint_output(output: Path, overwrite: bool, reading: tuple[Path, ...] = ()) -> None:
-    """Make sure a checkpoint may be written into `output` (a checkpoints folder); with `overwrite`, move the
-    checkpoints already there aside. `reading`: the checkpoints the command reads, which it cannot replace."""
+@contextmanager
+def claimed_checkpoint_output(output: Path, overwrite: bool, reading: tuple[Path, ...] = ()) -> Iterator[None]:
+    """Make sure a checkpoint may be written into `output` (a checkpoints folder) by the block; with `overwrite`,
+    move the checkpoints already there aside, and back if the block fails. `reading`: the checkpoints the command
+    reads, which it cannot replace."""
     _refuse_file_or_run(output, "checkpoint")
     inside = enclosing_checkpoint(output)
     if inside is not None:
@@ -83,38 +85,52 @@ def claim_checkpoint_output(output: Path, overwrite: bool, reading: tuple[Path, 
     for source in reading:
         if source.resolve() == output.resolve() or output.resolve() in source.resolve().parents:
             raise CheckpointError(f"--output {output} holds {source}, which this command reads; write elsewhere")
+    replaced = None
     if existing:
-        print(f"--overwrite: the checkpoints in {output} were moved to {move_aside(output, existing)}")
+        replaced = move_aside(output, existing), existing
+        print(f"--overwrite: the checkpoints in {output} were moved to {replaced[0]}")
+    with _put_back_if_failed(output, replaced):
+        yield
 
 
-def claim_export_output(output: Path, overwrite: bool) -> None:
-    """Make sure a Hugging Face model (or adapter) may be written into `output`; with `overwrite`, move the model
-    files already there aside (a stale shard index would otherwise win over the new model.safetensors)."""
+@contextmanager
+def claimed_export_output(output: Path, overwrite: bool) -> Iterator[None]:
+    """Make sure a Hugging Face model (or adapter) may be written into `output` by the block; with `overwrite`,
+    move the model files already there aside (a stale shard index would otherwise win over the new
+    model.safetensors). An export's files are written before its config (the last, which makes it complete): if
+    the block fails (a full disk), they go again, so that a rerun is not refused over a half-written model (the
+    folder held no model files once claimed, so any there now are this export's), and what --overwrite moved
+    aside comes back."""
     _refuse_file_or_run(output, "export")
     if output.is_dir() and _checkpoint_entries(output):
         raise CheckpointError(f"--output {output} holds loom checkpoints; export to a folder of its own")
-    existing = _export_files(output)
-    if not existing:
-        return
-    if not overwrite:
+    existing, replaced = _export_files(output), None
+    if existing and not overwrite:
         raise CheckpointError(
             f"--output {output} already holds a model ({', '.join(p.name for p in existing[:3])}); export to a new "
             f"folder, or pass --overwrite to move those files into {output}/replaced/"
         )
-    print(f"--overwrite: the files in {output} were moved to {move_aside(output, existing)}")
+    if existing:
+        replaced = move_aside(output, existing), existing
+        print(f"--overwrite: the files in {output} were moved to {replaced[0]}")
+    with _put_back_if_failed(output, replaced):
+        try:
+            yield
+        except BaseException:
+            for path in _export_files(output):
+                with suppress(OSError):
+                    path.unlink()
+            raise
 
 
 @contextmanager
-def removed_if_unfinished(output: Path) -> Iterator[None]:
-    """An export's files written before its config.json (the last, which makes it complete): if the block fails
-    (a full disk), they go again, so that a rerun is not refused over a half-written model (claim_export_output
-    left the folder without model files, so any there now are this export's)."""
+def _put_back_if_failed(output: Path, replaced: tuple[Path, list[Path]] | None) -> Iterator[None]:
+    """A command that fails after --overwrite moved an output aside (a full disk) changes nothing: it comes back."""
     try:
         yield
     except BaseException:
-        for path in _export_files(output):
-            with suppress(OSError):
-                path.unlink()
+        if replaced is not None and put_back(*replaced):
+            print(f"--overwrite: the command failed; {output} holds what it held before", flush=True)
         raise
 
 
