@@ -34,7 +34,9 @@ class RankFailed(RuntimeError):
     """A rank's error as the launcher reports it: one line, plus the traceback when it is not the user's to fix."""
 
     def __init__(self, rank: int, message: str, details: str, user_error: bool = True, host: str = ""):
-        super().__init__(f"rank {rank}{f' on {host}' if host else ''} failed: {message}")
+        who = f"rank {rank}{f' on {host}' if host else ''}"
+        # a failure the ranks agreed on names the rank it was found on: said once when that is this one
+        super().__init__(f"{who} failed: {message.removeprefix(f'{who}: ')}")
         self.rank, self.details, self.user_error, self.host = rank, details, user_error, host
 
 
