@@ -126,7 +126,8 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
             raise OSError(error.errno, error.strerror, str(path)) from None
         raise
     finally:
-        tmp.unlink(missing_ok=True)
+        if tmp.exists():  # unlink of a missing file on a read-only mount is EROFS, which hid the write's error
+            tmp.unlink()
 
 
 def copy_atomically(source: Path, path: Path) -> None:

@@ -156,6 +156,16 @@ def test_a_read_only_output_is_one_line(inputs, read_only, name):
     assert line == f"error: {shown} is read-only ({read_only} is mounted read-only); write the output elsewhere"
 
 
+def test_an_atomic_write_on_a_read_only_mount_names_the_file_asked_for(read_only):
+    """The temporary file's removal (EROFS even for a missing file there) replaced the write's own error, so
+    `loom data preview --output` named its .p.jsonl.HOST-PID.tmp."""
+    from loom.engine.atomic import write_text_atomically
+
+    with pytest.raises(OSError) as raised:
+        write_text_atomically(read_only / "p.jsonl", "{}\n")
+    assert raised.value.errno == errno.EROFS and raised.value.filename == str(read_only / "p.jsonl")
+
+
 def _run_in_process(name: str, inputs: dict[str, Path], output: Path) -> None:
     if name == "clean":
         clean_corpus([inputs["corpus"]], output, pipeline="minimal", workers=1, progress=False)
