@@ -15,10 +15,13 @@ What is saved comes from a TrainingState (state.py), never from the trainer itse
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
+import errno
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from loom.engine.checkpoint.format import (
+    CheckpointError,
     CheckpointLayout,
     CheckpointMetadata,
     FileRecord,
@@ -209,13 +213,15 @@ class CheckpointWriter:
             self._error = error
 
     def _write(self, rank, world, staging, final, pieces, specs, optimizer_step, run, keep, started) -> None:
-        name, record = write_rank_file(staging, rank, pieces)
+        with _disk_full_said(staging, final, run.step):
+            name, record = write_rank_file(staging, rank, pieces)
         FaultPlan.from_environment(rank).after_checkpoint_file(run.step)
         report = _RankReport(name, record, list(pieces), specs, optimizer_step)
         reports: list[_RankReport | None] = [None] * world
         dist.all_gather_object(reports, report, group=self.group)
         if rank == 0:
-            commit(staging, final, _complete(run, reports), keep=keep)
+            with _disk_full_said(staging, final, run.step):
+                commit(staging, final, _complete(run, reports), keep=keep)
             # a save of GBs said nothing (Megatron says each); a background one says when it is done
             size = sum(report.record.size for report in reports)
             shown = f"{size / 1e9:.2f} GB" if size >= 1e9 else f"{size / 1e6:.1f} MB"
@@ -238,6 +244,22 @@ class CheckpointWriter:
         if self._error is not None:
             error, self._error = self._error, None
             raise error
+
+
+@contextlib.contextmanager
+def _disk_full_said(staging: Path, final: Path, step: int) -> Iterator[None]:
+    """A save that runs out of space says what a user does next: the unfinished save's folder (the other ranks'
+    files in it, GBs on a full disk) is never loaded and can go, and a rerun resumes the newest checkpoint."""
+    try:
+        yield
+    except OSError as error:
+        if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        unfinished = f" ({staging.name}/, this unfinished save, can go)" if staging.exists() else ""
+        raise CheckpointError(
+            f"no space left to save step {step} in {final.parent} ({error.filename or staging}: {error.strerror}); "
+            f"free some space{unfinished} and rerun: it resumes from the newest checkpoint there"
+        ) from error
 
 
 def _complete(run: CheckpointMetadata, reports: list[_RankReport]) -> CheckpointMetadata:
