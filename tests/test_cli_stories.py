@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -766,7 +767,10 @@ def test_a_full_disk_under_a_checkpoint_tool_is_one_line_and_leaves_no_staging(w
     refused(capfd, export, f"{hf}/tokenizer.model: No space left on device")
     assert not hf.exists()
     monkeypatch.undo()
-    assert run(capfd, *export)[0] == 0
+    code, out, _ = run(capfd, *export)  # which checkpoint of the run it exports is said (a fallback was not)
+    assert code == 0 and re.search(rf"^exporting step \d+: {re.escape(str(base))}/checkpoints/iter_\d+$", out, re.M), (
+        out
+    )
     # the disk fills at the last file: a reshard's `latest` left a sealed checkpoint, an adapter's config its
     # weights alone (PEFT cannot load them); each rerun was refused ("holds checkpoints", "already holds a model")
     from loom.engine.checkpoint import format as checkpoint_format

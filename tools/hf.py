@@ -209,6 +209,7 @@ def export_hf(
     says), in `dtype` (an EXPORT_DTYPES name; None: the dtype an imported model came in, else float32, the
     weights as loom keeps them); `tokenizer`: where the tokenizer the model trained with is now, if it moved."""
     directory, metadata = open_checkpoint(source)
+    print(f"exporting step {metadata.step}: {directory}", flush=True)  # which is a run's newest intact one, say
     model = config_to_dict(config_from_dict(metadata.config))["model"]  # fills fields older checkpoints lack
     _check_llama(model)
     weights = ModelWeights(directory, metadata, base)
@@ -480,6 +481,7 @@ def export_peft_adapter(
     base_model_name_or_path is `base_model` if given, else the Hugging Face folder the base was imported from
     (its checkpoint, found where it was trained or at `base`, records it)."""
     directory, metadata = open_checkpoint(source)
+    print(f"exporting the adapters of step {metadata.step}: {directory}", flush=True)
     if metadata.lora_base is None:
         raise CheckpointError(f"{directory} is not a LoRA checkpoint; --adapter-only exports a LoRA run's adapters")
     if base_model is None:
