@@ -29,13 +29,16 @@ def _portable(value, to_numpy: bool):
     return value
 
 
-def _worker(fn, rank, world_size, rendezvous, queue, args):
+def _worker(fn, rank, world_size, environ, queue, args):
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     try:
-        os.environ.update(rendezvous)
+        # the caller's environment, as loom's launcher gives its ranks: the fork server's is that of the test that
+        # started it (a LOOM_INJECT_FAULT one test set stayed in every later test's ranks)
+        os.environ.clear()
+        os.environ.update(environ)
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         queue.put((rank, True, _portable(fn(rank, world_size, *args), to_numpy=True)))
     except BaseException:
@@ -53,7 +56,8 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 300) -> lis
     ctx = _CONTEXT
     queue = ctx.Queue()
     store, rendezvous = host_rendezvous()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, rendezvous, queue, args)) for r in range(world_size)]
+    environ = {**os.environ, **rendezvous}
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, environ, queue, args)) for r in range(world_size)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}

@@ -152,3 +152,14 @@ def test_a_full_disk_under_the_metrics_names_the_file_in_one_line(tmp_path, capf
                 with contextlib.suppress(OSError):  # its files open would keep the mount busy
                     writer.close()
             unmount(mount)
+
+
+def test_an_emptied_or_cut_tokenizer_is_said_as_such(tmp_path):
+    from loom.engine.data.tokenizer_json import TokenizerError, open_tokenizer
+
+    (tmp_path / "empty.model").write_bytes(b"")
+    with pytest.raises(TokenizerError, match=r"empty\.model is empty \(0 bytes\): copy it again"):
+        open_tokenizer(tmp_path / "empty.model")
+    (tmp_path / "cut.model").write_bytes(b"\x0a\x0b\x0a\x05hello")
+    with pytest.raises(TokenizerError, match=r"cut\.model is not a SentencePiece model \(truncated\?"):
+        open_tokenizer(tmp_path / "cut.model")

@@ -154,7 +154,11 @@ def test_a_checkpoint_to_load_that_holds_none_is_refused_before_any_rank(dataset
     [piece] = (cut / "iter_0000002").glob("rank*.safetensors")
     piece.write_bytes(piece.read_bytes()[:-1000])
     result = loom_here(capfd, "train", *tiny_train_args(dataset, tmp_path / "run", "--checkpoint.load", str(cut)))
-    one_line_error(result, f"checkpoint.load = {cut} holds no intact checkpoint (the newest: ", "(truncated?))")
+    one_line_error(
+        result,
+        f"checkpoint.load = {cut} holds no intact checkpoint (the newest: ",
+        "(truncated? copy it again whole, or load an earlier iter_N))",
+    )
     assert not (tmp_path / "run").exists()
     # Another architecture: a smaller model loaded a 4-layer checkpoint (layer 3 dropped, exit 0); resuming with
     # another width failed inside rank 0 (exit 1, an empty run folder left)

@@ -330,7 +330,8 @@ def read_metadata(directory: Path, verify_hashes: bool = True) -> CheckpointMeta
             raise CheckpointError(f"checkpoint {directory} is incomplete: {name} is missing")
         if file.stat().st_size != expected.size:
             raise CheckpointError(
-                f"checkpoint {directory}: {name} has {file.stat().st_size} bytes, expected {expected.size} (truncated?)"
+                f"checkpoint {directory}: {name} has {file.stat().st_size} bytes, expected {expected.size} (truncated?"
+                " copy it again whole, or load an earlier iter_N)"
             )
     if verify_hashes:
         # One file per thread (hashlib lets go of the GIL): the ranks' files of a large checkpoint are hashed side

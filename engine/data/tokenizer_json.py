@@ -48,9 +48,12 @@ def open_tokenizer(path: str | Path) -> sentencepiece.SentencePieceProcessor | H
     try:
         return sentencepiece.SentencePieceProcessor(model_file=str(path))
     except (RuntimeError, OSError):
+        empty = Path(path).is_file() and Path(path).stat().st_size == 0
         raise TokenizerError(
-            f"tokenizer {path} is not a SentencePiece model (a .model file; a Hugging Face tokenizer is its "
-            "tokenizer.json)"
+            f"tokenizer {path} is empty (0 bytes): copy it again from where it was trained"
+            if empty
+            else f"tokenizer {path} is not a SentencePiece model (truncated? a .model file whole; a Hugging Face "
+            "tokenizer is its tokenizer.json)"
         ) from None
 
 
