@@ -18,7 +18,7 @@ from typing import Iterator
 from tqdm import tqdm
 
 from loom.data_tools.failures import reported_failures
-from loom.data_tools.jsonl import InputError, write_jsonl_atomic
+from loom.data_tools.jsonl import InputError, estimated_output_bytes, write_jsonl_atomic
 from loom.data_tools.manifest import manifest_path, write_manifest
 
 SOURCE_NAME = "python-stdlib"
@@ -74,7 +74,8 @@ def build_stdlib_corpus(output: Path, max_docs: int | None = None, *, progress: 
         raise InputError(f"max_docs must be >= 0, got {max_docs}")
     counts = {"documents": 0, "empty": 0, "undecodable": 0, "characters": 0}
     chosen = files if max_docs is None else files[:max_docs]
-    with reported_failures(output, int(sum(path.stat().st_size for path in chosen) * JSON_OVERHEAD)):
+    text_bytes = int(sum(path.stat().st_size for path in chosen) * JSON_OVERHEAD)
+    with reported_failures(output, estimated_output_bytes(output, text_bytes)):
         # Closed on failure too, so the progress bar ends before the error is printed.
         with closing(_documents(files, root, counts, progress)) as documents:
             # range comes first so that zip stops before pulling (and counting) one document too many.

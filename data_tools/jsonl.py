@@ -120,6 +120,11 @@ def _is_compressed(path: Path) -> bool:
     return path.suffix in (".gz", *ZSTD_SUFFIXES)
 
 
+def estimated_output_bytes(output: Path, text_bytes: int) -> int:
+    """What `text_bytes` of JSONL take written to `output`: COMPRESSION_RATIO times less compressed (by suffix)."""
+    return text_bytes // COMPRESSION_RATIO if _is_compressed(Path(output)) else text_bytes
+
+
 def estimated_input_bytes(paths: Iterable[Path]) -> int:
     """Expected uncompressed size of the input (compressed files count COMPRESSION_RATIO times)."""
     return sum(p.stat().st_size * (COMPRESSION_RATIO if _is_compressed(p) else 1) for p in paths)
