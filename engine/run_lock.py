@@ -148,8 +148,12 @@ class RunLock:
             os.close(self.fd)  # removed between our open and our lock (a failed launch's cleanup): lock the new one
         self.supported = locked is True
         if self.supported:
-            with naming(self.path):
-                _write_holder(self.fd, command)
+            try:
+                with naming(self.path):
+                    _write_holder(self.fd, command)
+            except OSError:  # a full disk: the lock file this made goes, as does its descriptor
+                self.close(remove_if_created=True)
+                raise
 
     def close(self, remove_if_created: bool = False) -> None:
         """remove_if_created: the holder wrote nothing else, so the directory is left as it was found."""

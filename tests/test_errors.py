@@ -152,6 +152,24 @@ def test_a_full_disk_under_the_metrics_names_the_file_in_one_line(tmp_path, capf
                 with contextlib.suppress(OSError):  # its files open would keep the mount busy
                     writer.close()
             unmount(mount)
+    # the run's lock, on a disk already full: named, and its empty file not left behind
+    from loom.engine.run_lock import LOCK_FILE, RunLock
+
+    mount = tmp_path / "tmpfs-lock"
+    mount_tmpfs(mount, "size=8k")
+    try:
+        (mount / "run").mkdir()
+        filler = os.open(mount / "filler", os.O_WRONLY | os.O_CREAT)
+        with contextlib.suppress(OSError):
+            while True:
+                os.write(filler, b"\0" * 4096)
+        os.close(filler)
+        with pytest.raises(OSError) as raised:
+            RunLock(mount / "run")
+        assert user_message(raised.value).startswith(f"{mount / 'run' / LOCK_FILE}: No space left on device")
+        assert list((mount / "run").iterdir()) == []
+    finally:
+        unmount(mount)
 
 
 def test_an_emptied_or_cut_tokenizer_is_said_as_such(tmp_path):
