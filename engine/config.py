@@ -567,9 +567,9 @@ class CheckpointConfig:
     load: str | None = None
     """Checkpoint a new run starts from (a run directory, its checkpoints/ or an iter_N folder, any layout). Once
     the run has checkpoints of its own, it resumes from its newest instead: rerunning the command, extending the
-    run or a requeued job continue it rather than going back here. Its weights are the model: the [model] settings
-    no flag gives are the checkpoint's, over the config file's (said at start; a flag giving another shape is
-    refused)."""
+    run or a requeued job continue it rather than going back here. Its weights are the model: its shapes, RoPE
+    and norm settings and context length are the checkpoint's, over the config file's, on this run and its reruns
+    (said at start; a flag giving another shape is refused; dropout, recompute, kernels stay the run's)."""
     finetune: bool = False
     """With checkpoint.load: start from its weights alone (Megatron's --finetune, torchtitan's
     initial_load_model_only): step 1 of this run's schedule, fresh optimizer state and loss scale, its data from the
@@ -652,12 +652,12 @@ class LoomConfig:
 
     model_fields_given: typing.ClassVar[frozenset[str] | None] = None
     """Not a setting (no field: never saved): the [model] fields its file or flags gave, set on the instance by
-    load_config, so that a run resuming a checkpoint takes the saved RoPE and norm settings it does not give
-    (preflight.py). None where unknown, which adopts nothing: a config made by config_from_dict, or copied by
-    dataclasses.replace."""
+    load_config, so that a run resuming a checkpoint takes the saved shapes, RoPE and norm settings it does not
+    give (preflight.adopt_saved_model_settings). None where unknown, which adopts nothing: a config made by
+    config_from_dict, or copied by dataclasses.replace."""
     model_fields_flagged: typing.ClassVar[frozenset[str]] = frozenset()
     """Not a setting either: the [model] fields of model_fields_given that flags gave (over the file's). A run
-    starting from another run's checkpoint takes its shapes over the config file's, not over a flag's."""
+    started from checkpoint.load takes that checkpoint's model over the config file's, not over a flag's."""
 
     def __post_init__(self) -> None:
         if self.checkpoint.finetune and self.lora.enabled:

@@ -414,7 +414,8 @@ def test_a_fine_tune_from_a_config_without_the_import_s_rope_takes_the_saved_set
     with IndexedDatasetWriter(tmp_path / "docs", np.dtype(np.uint16)) as writer:
         writer.add_document(np.random.default_rng(4).integers(0, VOCAB, 400))
     flags = ["--checkpoint.load", str(tmp_path / "loom"), "--train.steps", "1", "--data.split", "100,0,0"]
-    tuned = loom_here(capfd, "train", *tiny_train_args(str(tmp_path / "docs"), tmp_path / "tuned", *flags))
+    saving = ["--checkpoint.save_at_end", "true"]
+    tuned = loom_here(capfd, "train", *tiny_train_args(str(tmp_path / "docs"), tmp_path / "tuned", *flags, *saving))
     assert tuned.returncode == 0, tuned.stderr
     model = load_config(tmp_path / "tuned" / "config.toml").model
     assert {field: getattr(model, field) for field in ARCHITECTURE_MODEL_FIELDS} == {
@@ -429,6 +430,10 @@ def test_a_fine_tune_from_a_config_without_the_import_s_rope_takes_the_saved_set
     said = next((line for line in tuned.stdout.splitlines() if line.startswith("the model is that of")), "")
     assert said.startswith(f"the model is that of {loaded}, whose weights this run starts from"), tuned.stdout
     assert replaced and all(setting in said for setting in replaced), said
+    # the same command again resumes the run's own checkpoint, still that model (the preset's was refused)
+    extended = [*flags[:-4], "--train.steps", "2", *flags[-2:], *saving]
+    again = loom_here(capfd, "train", *tiny_train_args(str(tmp_path / "docs"), tmp_path / "tuned", *extended))
+    assert again.returncode == 0 and "resumed from" in again.stdout, again.stderr
     assert {field: getattr(model, field) for field in FUNCTIONAL_MODEL_FIELDS} == {
         field: saved[field] for field in FUNCTIONAL_MODEL_FIELDS
     }
