@@ -184,12 +184,14 @@ class _TextExtractor(HTMLParser):
         # Text that is not a page (as written) only mentions a tag whose end never comes: "put it in the <head>"
         # dropped the rest of the post, "starts with <html>" the word. Such tags are kept as written: the skeleton's
         # at their place in parts, a skipped element's with everything read inside it (_unclosed_skip).
-        self._open_skeleton: dict[str, list[tuple[int, str]]] = {}
+        self._open_skeleton: dict[str, list[tuple[int, int, str]]] = {}  # (place in parts, order opened, tag)
+        self._opened = 0
         self._unclosed_skip: list[str] = []
 
     def handle_starttag(self, tag, attrs):
         if self._as_written and not self._skipped_depth and tag in self.SKELETON:
-            self._open_skeleton.setdefault(tag, []).append((len(self.parts), self.get_starttag_text()))
+            self._opened += 1
+            self._open_skeleton.setdefault(tag, []).append((len(self.parts), self._opened, self.get_starttag_text()))
         if self._as_written and (self._skipped_depth or tag in self.SKIPPED):
             self._unclosed_skip.append(self.get_starttag_text())
         self._boundary(tag, opening=True)
@@ -204,6 +206,8 @@ class _TextExtractor(HTMLParser):
             self._unclosed_skip.clear()
 
     def handle_startendtag(self, tag, attrs):
+        if self._as_written and self._skipped_depth:
+            self._unclosed_skip.append(self.get_starttag_text())
         if tag not in self.SKIPPED:
             self._boundary(tag, opening=True)
 
@@ -212,6 +216,8 @@ class _TextExtractor(HTMLParser):
             self._skipped_depth = max(0, self._skipped_depth + (1 if opening else -1))
         elif tag == "pre":
             self._pre_depth = max(0, self._pre_depth + (1 if opening else -1))
+        if self._skipped_depth and self._as_written:  # what it holds may come back as written (text())
+            return
         wanted = 2 if tag in self.PARAGRAPHS else 1 if tag in self.LINES else 0
         # Adjacent boundaries (</li><li>) share their breaks instead of adding them up.
         trailing = len(self.parts[-1]) - len(self.parts[-1].rstrip("\n")) if self.parts else wanted
@@ -240,7 +246,8 @@ class _TextExtractor(HTMLParser):
     def text(self) -> str:
         if self._skipped_depth and self._unclosed_skip:  # html.parser keeps an unclosed <script>'s text unread
             self.parts.append("".join(self._unclosed_skip) + self.rawdata)
-        for index, tag in sorted((mark for marks in self._open_skeleton.values() for mark in marks), reverse=True):
+        # the later-opened first, so that <html><body> at one place goes back in that order
+        for index, _, tag in sorted((mark for marks in self._open_skeleton.values() for mark in marks), reverse=True):
             self.parts.insert(index, tag)
         lines = (line.rstrip() for line in "".join(self.parts).split("\n"))
         return _BLANK_LINES.sub("\n\n", "\n".join(lines)).strip()

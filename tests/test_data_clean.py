@@ -536,6 +536,8 @@ def test_text_with_a_stray_tag_keeps_its_words():
         "Load it with a <script> tag.\n\nAnother paragraph.",
         "Start every page with <html> and close it last.",
         "A <nav> element holds links.\nRest of the post.",
+        "Start pages with <html><body> then text.",  # back in the order written
+        "A <nav> element holds links.<br>Rest of it, a <br/> too.",  # no break added before the mention
     ):
         mentioned = Document(prose)
         assert step(mentioned) is None and mentioned.text == prose
