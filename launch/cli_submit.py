@@ -10,7 +10,7 @@ from pathlib import Path
 
 from loom.engine.run_dir import metrics_of
 from loom.launch.arguments import float_in, int_in
-from loom.launch.local import SIGNAL_CAUSES
+from loom.launch.local import SIGNAL_CAUSES, rank_failure
 from loom.launch.slurm import SlurmOptions, parse_sbatch_options, parse_time_minutes, submit
 from loom.launch.slurm_jobs import (
     first_failure,
@@ -135,7 +135,7 @@ def cmd_submit(args: argparse.Namespace, overrides: list[str]) -> None:
     failure = first_failure(run_dir, job.job_id)
     killed = killed_task(rank0_log(run_dir, job.job_id)) if state != "CANCELLED" else None
     if failure:
-        cause = f": rank {failure['rank']} on {failure['host']} failed: {failure['message']}"
+        cause = f": {rank_failure(failure['rank'], failure['host'], failure['message'])}"
     elif state == "CANCELLED":  # a SIGKILL srun reports after it is KillWait's, not the OOM killer's
         cause = " (scancel, or an administrator)"
     else:

@@ -30,13 +30,18 @@ from loom.engine.run_dir import checkpoints_of, metrics_of
 from loom.errors import Interrupted, is_user_error, user_message
 
 
+def rank_failure(rank: int, host: str, message: str) -> str:
+    """`rank R on HOST failed: MESSAGE`, the line a launcher reports a rank's error in. A failure the ranks agreed
+    on names the rank it was found on: said once where that is this one."""
+    who = f"rank {rank}{f' on {host}' if host else ''}"
+    return f"{who} failed: {message.removeprefix(f'{who}: ')}"
+
+
 class RankFailed(RuntimeError):
     """A rank's error as the launcher reports it: one line, plus the traceback when it is not the user's to fix."""
 
     def __init__(self, rank: int, message: str, details: str, user_error: bool = True, host: str = ""):
-        who = f"rank {rank}{f' on {host}' if host else ''}"
-        # a failure the ranks agreed on names the rank it was found on: said once when that is this one
-        super().__init__(f"{who} failed: {message.removeprefix(f'{who}: ')}")
+        super().__init__(rank_failure(rank, host, message))
         self.rank, self.details, self.user_error, self.host = rank, details, user_error, host
 
 

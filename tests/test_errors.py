@@ -56,11 +56,12 @@ def test_a_rank_error_is_one_line_for_the_user_and_typed_for_a_bug():
     assert describe_rank_error(bug, 0.5) == ("RuntimeError: shape mismatch in layer 3", False)
     # a failure the ranks agreed on names the rank that found it: "rank 0 on vm failed: rank 0 on vm: ..." said it
     # twice where that rank is the one reported
-    from loom.launch.local import RankFailed
+    from loom.launch.local import RankFailed, rank_failure
 
     found = "rank 0 on vm: cannot write the GPTDataset index cache in /data (Read-only file system)"
     assert str(RankFailed(0, found, "", host="vm")).startswith("rank 0 on vm failed: cannot write the GPTDataset")
     assert str(RankFailed(1, found, "", host="vm")) == f"rank 1 on vm failed: {found}"
+    assert rank_failure(0, "vm", found) == str(RankFailed(0, found, "", host="vm"))  # what loom submit says too
     expired = subprocess.TimeoutExpired("nvcc", 5)
     assert describe_rank_error(expired, 0.5)[0].startswith("TimeoutExpired: Command 'nvcc' timed out")
     own = ConfigError("cannot reach the W&B server (Connection reset by peer); set --train.wandb false")
