@@ -126,8 +126,10 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
             raise OSError(error.errno, error.strerror, str(path)) from None
         raise
     finally:
-        if tmp.exists():  # unlink of a missing file on a read-only mount is EROFS, which hid the write's error
-            tmp.unlink()
+        # A failed cleanup must not hide the write's own error (unlink of a missing file on a read-only mount is
+        # EROFS); a temporary left behind is removed by the next writer (remove_stale_temporaries).
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
 
 
 def copy_atomically(source: Path, path: Path) -> None:
@@ -265,6 +267,25 @@ def move_aside(folder: Path, entries: list[Path]) -> Path:
             ) from None
         raise
     return aside
+
+
+@contextlib.contextmanager
+def put_back_if_failed(replaced: tuple[Path, list[Path]] | None, output: str | Path) -> Iterator[None]:
+    """What --overwrite moved aside (`replaced`: move_aside's folder and the entries) comes back if the block fails
+    (a full disk): a failed command changes nothing. Where a new file holds an old one's place, the old stays
+    aside, said."""
+    try:
+        yield
+    except BaseException:
+        if replaced is not None:
+            whole = put_back(*replaced)
+            print(
+                f"--overwrite: the command failed; {output} holds what it held before"
+                if whole
+                else f"--overwrite: the command failed; what it replaced in {output} is in {replaced[0]}",
+                flush=True,
+            )
+        raise
 
 
 def put_back(aside: Path, entries: list[Path]) -> bool:

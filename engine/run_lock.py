@@ -159,7 +159,8 @@ class RunLock:
         """remove_if_created: the holder wrote nothing else, so the directory is left as it was found."""
         if self.fd is not None:
             if remove_if_created and self.created:
-                self.path.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):  # not in place of an error on its way out, nor keeping the fd
+                    self.path.unlink(missing_ok=True)
             os.close(self.fd)
             self.fd = None
 

@@ -107,17 +107,12 @@ def writing_outputs(
     same output is refused, instead of renaming its files over these and cleaning up this one's staging. The lock
     is named by the last output: the folder, or the manifest that every command writing a prefix writes (a
     tokenizer and a dataset of one prefix share it)."""
-    from loom.engine.atomic import put_back
+    from loom.engine.atomic import put_back_if_failed
     from loom.engine.run_lock import writing_output
 
     with writing_output(outputs[-1], f"data {args.data_command}", named=given):
-        replaced = claim_outputs(args.overwrite, given, outputs, inputs)
-        try:
+        with put_back_if_failed(claim_outputs(args.overwrite, given, outputs, inputs), given):
             yield
-        except BaseException:  # a failed --overwrite (a full disk) changes nothing: the output it replaced is back
-            if replaced is not None and put_back(*replaced):
-                print(f"--overwrite: the command failed; {given} holds what it held before", flush=True)
-            raise
 
 
 def _corpus(args: argparse.Namespace) -> None:

@@ -132,8 +132,8 @@ def _write_merge(args: argparse.Namespace, inputs: list[str]) -> tuple[int, int]
         with copying, IndexedDatasetWriter(args.output_prefix, first.dtype) as writer:
             for prefix in args.inputs:
                 writer.add_index(prefix, copying.update)
-        merged = IndexedDataset(args.output_prefix)
         try:  # the manifest last, as build writes it: a merge without one would look finished
+            merged = IndexedDataset(args.output_prefix)
             with Elapsed("merge: sha256 of the inputs' indexes and the output, for its manifest"):
                 _write_merge_manifest(args, inputs, tokenizer, append_eod, eod_id, merged, started)
         except BaseException:

@@ -223,8 +223,8 @@ def _finetune(workdir: Path, config, steps: int) -> dict:
     lora_steps = max(2, steps // 4)
     start = step(
         f"9/10 fine-tune: the resumed model's weights from step 1 (fresh optimizer, bf16, ZeRO-2 over dp=2) for "
-        f"{lora_steps} steps; rank-8 LoRA adapters on it (base frozen), tp=2 on 2 ranks for {lora_steps} steps, "
-        "merged into a full checkpoint, exported as a PEFT adapter"
+        f"{lora_steps} steps; rank-8 LoRA adapters on the resumed model (base frozen), tp=2 on 2 ranks for "
+        f"{lora_steps} steps, merged into a full checkpoint, exported as a PEFT adapter"
     )
     runs = workdir / "runs"
     trained = config_to_dict(config)

@@ -178,6 +178,8 @@ def test_a_resume_is_told_what_it_changes_and_not_what_it_does_not(tmp_path):
     rescaled = config(train={"precision": "fp16"}, optim={"initial_loss_scale": 4096.0, "loss_scale_window": 50})
     assert changed_training_settings(saved_fp16, rescaled) == [("optim.loss_scale_window", 100, 50)]
     assert changed_training_settings(saved_fp16, config()) == [("train.precision", "fp16", "fp32")]  # no scaler read
+    from_bf16 = config_to_dict(config(train={"precision": "bf16"}, optim={"loss_scale_window": 100}))
+    assert changed_training_settings(from_bf16, rescaled) == [("train.precision", "bf16", "fp16")]  # none saved
     metadata = SimpleNamespace(
         config=saved_fp16, loss_scaler={"scale": 256.0}, step=3, datasets=None, layout=SimpleNamespace(optimizer=None)
     )

@@ -209,7 +209,6 @@ def export_hf(
     says), in `dtype` (an EXPORT_DTYPES name; None: the dtype an imported model came in, else float32, the
     weights as loom keeps them); `tokenizer`: where the tokenizer the model trained with is now, if it moved."""
     directory, metadata = open_checkpoint(source)
-    print(f"exporting step {metadata.step}: {directory}", flush=True)  # which is a run's newest intact one, say
     model = config_to_dict(config_from_dict(metadata.config))["model"]  # fills fields older checkpoints lack
     _check_llama(model)
     weights = ModelWeights(directory, metadata, base)
@@ -224,6 +223,7 @@ def export_hf(
     tensors = to_hf(LazyWeights(weights.shapes, lambda name: weights[name].to(EXPORT_DTYPES[dtype])), model)
     declared = {hf_name: (EXPORT_DTYPES[dtype], shape) for hf_name, shape in tensors.shapes.items()}
     with claimed_export_output(output, overwrite):  # before any weight is read
+        print(f"exporting step {metadata.step}: {directory}", flush=True)  # which is a run's newest intact one, say
         output.mkdir(parents=True, exist_ok=True)
         stream_tensors_atomically(declared, tensors.__getitem__, output / "model.safetensors", {"format": "pt"})
         not_written = export_tokenizer(
@@ -481,7 +481,6 @@ def export_peft_adapter(
     base_model_name_or_path is `base_model` if given, else the Hugging Face folder the base was imported from
     (its checkpoint, found where it was trained or at `base`, records it)."""
     directory, metadata = open_checkpoint(source)
-    print(f"exporting the adapters of step {metadata.step}: {directory}", flush=True)
     if metadata.lora_base is None:
         raise CheckpointError(f"{directory} is not a LoRA checkpoint; --adapter-only exports a LoRA run's adapters")
     if base_model is None:
@@ -519,6 +518,7 @@ def export_peft_adapter(
         "base_model_name_or_path": base_model,
     }
     with claimed_export_output(output, overwrite):  # weights without their adapter_config.json: PEFT cannot load them
+        print(f"exporting the adapters of step {metadata.step}: {directory}", flush=True)
         output.mkdir(parents=True, exist_ok=True)
         save_tensors_atomically(tensors, output / "adapter_model.safetensors", metadata={"format": "pt"})
         write_text_atomically(output / "adapter_config.json", json.dumps(adapter_config, indent=2))

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from loom.engine.atomic import cannot_create, move_aside, put_back
+from loom.engine.atomic import cannot_create, move_aside, put_back_if_failed
 from loom.engine.checkpoint.format import HF_FILES, LATEST, CheckpointError, candidates, enclosing_checkpoint
 from loom.engine.config import ConfigError
 from loom.engine.run_dir import CHECKPOINTS, CONFIG, METRICS, checkpoints_of
@@ -89,7 +89,7 @@ def claimed_checkpoint_output(output: Path, overwrite: bool, reading: tuple[Path
     if existing:
         replaced = move_aside(output, existing), existing
         print(f"--overwrite: the checkpoints in {output} were moved to {replaced[0]}")
-    with _put_back_if_failed(output, replaced):
+    with put_back_if_failed(replaced, output):
         yield
 
 
@@ -113,7 +113,7 @@ def claimed_export_output(output: Path, overwrite: bool) -> Iterator[None]:
     if existing:
         replaced = move_aside(output, existing), existing
         print(f"--overwrite: the files in {output} were moved to {replaced[0]}")
-    with _put_back_if_failed(output, replaced):
+    with put_back_if_failed(replaced, output):
         try:
             yield
         except BaseException:
@@ -121,17 +121,6 @@ def claimed_export_output(output: Path, overwrite: bool) -> Iterator[None]:
                 with suppress(OSError):
                     path.unlink()
             raise
-
-
-@contextmanager
-def _put_back_if_failed(output: Path, replaced: tuple[Path, list[Path]] | None) -> Iterator[None]:
-    """A command that fails after --overwrite moved an output aside (a full disk) changes nothing: it comes back."""
-    try:
-        yield
-    except BaseException:
-        if replaced is not None and put_back(*replaced):
-            print(f"--overwrite: the command failed; {output} holds what it held before", flush=True)
-        raise
 
 
 def _export_files(output: Path) -> list[Path]:

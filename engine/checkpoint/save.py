@@ -258,7 +258,7 @@ def _disk_full_said(staging: Path, final: Path, step: int) -> Iterator[None]:
         unfinished = f" ({staging.name}/, this unfinished save, can go)" if staging.exists() else ""
         raise CheckpointError(
             f"no space left to save step {step} in {final.parent} ({error.filename or staging}: {error.strerror}); "
-            f"free some space{unfinished} and rerun: it resumes from the newest checkpoint there"
+            f"free some space{unfinished} and rerun: it resumes from the newest complete checkpoint, if any"
         ) from error
 
 

@@ -182,8 +182,8 @@ def changed_training_settings(saved_config: dict, current: LoomConfig) -> list[t
         unread |= {("optim", "beta1"), ("optim", "beta2"), ("optim", "eps")}
     if not current.lora.enabled:
         unread.add(("lora", "dropout"))
-    if current.train.precision != "fp16":
-        unread |= set(FP16_SCALER_FIELDS)
+    if (current.train.precision, saved_config.get("train", {}).get("precision")) != ("fp16", "fp16"):
+        unread |= set(FP16_SCALER_FIELDS)  # no scaler resumed (a change of precision is said as such)
     fields = [field for field in TRAINING_FIELDS if field not in unread]
     return [
         (f"{section}.{name}", saved, now) for section, name, saved, now in _differences(saved_config, current, fields)
