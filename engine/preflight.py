@@ -120,8 +120,8 @@ def removed_if_left_empty(run_dir: Path) -> Iterator[None]:
 
 def check_checkpoint_to_load(config: LoomConfig, training: bool) -> None:
     """The checkpoint the ranks will load (the run's own newest, else checkpoint.load) holds the same model and,
-    when training, stops short of train.steps; the model settings adopt_saved_model_settings takes from it are
-    taken (this check changes config.model)."""
+    when training, stops short of train.steps. Its model settings are the config's already (preflight adopted them
+    first, adopt_settings_of_the_checkpoint_to_resume: the same checkpoint)."""
     from loom.engine.checkpoint.format import CheckpointError, checkpoint_to_resume, find_loadable, hugging_face_hint
     from loom.engine.checkpoint.load import fine_tunes_from
     from loom.engine.checkpoint.saved_settings import check_same_model
@@ -164,7 +164,6 @@ def check_checkpoint_to_load(config: LoomConfig, training: bool) -> None:
             f"nothing would train; raise --train.steps above {found[1].step}"
         )
     check_same_model(found[0], found[1].config, config)
-    adopt_saved_model_settings(config, found)
 
 
 def adopt_saved_model_settings(
@@ -187,8 +186,7 @@ def adopt_saved_model_settings(
     if given is None or config.lora.enabled:  # unknown; or LoRA, which takes the base's whole [model]
         return []
     # a run started from checkpoint.load keeps that model on every rerun, from its own checkpoints too
-    from_a_load = config.checkpoint.load is not None or found[0].parent != checkpoints_of(config.train.run_dir)
-    kept = config.model_fields_flagged if from_a_load else given
+    kept = config.model_fields_flagged if config.checkpoint.load is not None else given
     saved = config_from_dict({"model": found[1].config["model"]}).model
     adopted = {
         name: getattr(saved, name)
