@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from loom.engine.config import ConfigError, LoomConfig, TrainConfig, is_plain_name
+from loom.engine.names_elsewhere import TRAINING_NAMES, entry_for, loom_equivalent, told_in_loom_terms
 
 SECTIONS: dict[str, type] = {f.name: f.type for f in dataclasses.fields(LoomConfig)}
 _SECTION_TYPES = {name: typing.get_type_hints(LoomConfig)[name] for name in SECTIONS}
@@ -70,18 +71,56 @@ def _coerce(where: str, hint: Any, value: Any) -> Any:
     raise ConfigError(f"{where}: unsupported field type {hint}")
 
 
-def _unknown(kind: str, name: str, known: list[str]) -> ConfigError:
+def _unknown(kind: str, name: str, known: list[str], as_written: list[str]) -> ConfigError:
+    """`as_written`: the dotted keys as the user wrote them, which may be torchtitan's names for loom settings."""
+    told = told_in_loom_terms(as_written, TRAINING_NAMES, takes_config=False)
+    if told:
+        return ConfigError(f"unknown {kind} {name!r}: {'; '.join(told)}")
     close = difflib.get_close_matches(name, known, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(known)}"
     return ConfigError(f"unknown {kind} {name!r}{hint}")
 
 
-def config_from_dict(raw: dict[str, Any]) -> LoomConfig:
-    """Build a validated LoomConfig from nested sections (as read from TOML)."""
+def _names_not_loom(raw: dict[str, Any]) -> list[str]:
+    """The dotted names in `raw` that are no loom setting: each key of an unknown section, unknown fields."""
+    names = []
+    for section_name, values in raw.items():
+        known = _field_types(_SECTION_TYPES[section_name]) if section_name in SECTIONS else {}
+        if not isinstance(values, dict):
+            names += [] if known else [section_name]
+            continue
+        names += [f"{section_name}.{key}" for key in values if key not in known]
+    return names
+
+
+def _several_not_loom(names: list[str], source: str) -> ConfigError:
+    """One error for a config with several settings that are not loom's (a torchtitan config, most likely): a line
+    for each, with loom's name where it has one, rather than one at a time over as many runs."""
+    known = [f"{section}.{field}" for section, cls in _SECTION_TYPES.items() for field in _field_types(cls)]
+    lines = []
+    for name in names:
+        entry = entry_for(name)
+        if entry is not None:
+            lines.append(f"  {name} ({entry.engine}): {loom_equivalent(entry)}")
+        else:
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+            lines.append(f"  {name}: no loom setting{f'; did you mean {close[0]}?' if close else ''}")
+    return ConfigError(
+        f"{len(names)} settings in {source} are not loom's; loom's names for them, where it has one (all of its "
+        "settings: docs/config.md):\n" + "\n".join(lines)
+    )
+
+
+def config_from_dict(raw: dict[str, Any], source: str = "the config") -> LoomConfig:
+    """Build a validated LoomConfig from nested sections (as read from TOML at `source`)."""
+    not_loom = _names_not_loom(raw)
+    if len(not_loom) > 1:
+        raise _several_not_loom(not_loom, source)
     sections = {}
     for section_name, values in raw.items():
         if section_name not in SECTIONS:
-            raise _unknown("config section", section_name, list(SECTIONS))
+            keys = [f"{section_name}.{key}" for key in values] if isinstance(values, dict) else []
+            raise _unknown("config section", section_name, list(SECTIONS), keys)
         if not isinstance(values, dict):
             raise ConfigError(f"[{section_name}] must be a table of fields")
         cls = _SECTION_TYPES[section_name]
@@ -89,7 +128,7 @@ def config_from_dict(raw: dict[str, Any]) -> LoomConfig:
         kwargs = {}
         for key, value in values.items():
             if key not in hints:
-                raise _unknown(f"field in [{section_name}]", key, list(hints))
+                raise _unknown(f"field in [{section_name}]", key, list(hints), [f"{section_name}.{key}"])
             kwargs[key] = _coerce(f"{section_name}.{key}", hints[key], value)
         sections[section_name] = cls(**kwargs)
     return LoomConfig(**sections)
@@ -119,10 +158,10 @@ def parse_overrides(args: list[str]) -> dict[str, dict[str, Any]]:
                 i += 1
         section, _, name = key.partition(".")
         if section not in SECTIONS:
-            raise _unknown("config section", section, list(SECTIONS))
+            raise _unknown("config section", section, list(SECTIONS), [flag.split("=", 1)[0]])
         hints = _field_types(_SECTION_TYPES[section])
         if name not in hints:
-            raise _unknown(f"field in [{section}]", name, list(hints))
+            raise _unknown(f"field in [{section}]", name, list(hints), [flag.split("=", 1)[0]])
         if not values:
             raise ConfigError(f"--{key} needs a value")
         is_list = typing.get_origin(hints[name]) is list or list in [
@@ -178,7 +217,7 @@ def load_config(path: str | Path | None, overrides: list[str] | dict | None = No
         if section == "train" and "name" in values and "run_dir" not in values:
             _forget_derived_run_dir(raw["train"], values["name"])
         raw[section].update(values)
-    config = config_from_dict(raw)
+    config = config_from_dict(raw, str(path) if path is not None else "the config")
     config.model_fields_given = frozenset(raw.get("model", {}))
     config.model_fields_flagged = frozenset(overrides.get("model", {}))
     return config

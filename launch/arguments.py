@@ -30,8 +30,22 @@ class OneLineParser(argparse.ArgumentParser):
             flag == missing.group(1) and value.startswith("-") for flag, value in zip(given, given[1:], strict=False)
         ):  # argparse took the value for a flag: a file named -x, a negative number
             message += f"; a value that starts with '-' is written {missing.group(1)}=VALUE"
+        if message.startswith(("unrecognized arguments", "the following arguments are required")):
+            message += "".join(f"; {clause}" for clause in self._told_in_loom_terms(given))
+        if message.startswith("unrecognized arguments") and self.get_default("takes_overrides"):
+            message += "; config overrides look like --train.steps 50"
         print(f"error: {self.prog}: {message} (see {self.prog} --help)", file=sys.stderr)
         sys.exit(2)
+
+    def _told_in_loom_terms(self, given: list[str]) -> list[str]:
+        """What the flags this parser does not take are called in loom, where they are another engine's names
+        (Megatron-LM's, torchtitan's) or loom fields written without their section."""
+        from loom.engine.names_elsewhere import TRAINING_NAMES, told_in_loom_terms
+
+        takes_config = bool(self.get_default("takes_overrides"))
+        names = self.get_default("names_elsewhere") or (TRAINING_NAMES if takes_config else ())
+        flags = [a.split("=", 1)[0] for a in given if a.startswith("--")]
+        return told_in_loom_terms([f for f in flags if f not in self._option_string_actions], names, takes_config)
 
 
 def int_in(low: int, high: int | None = None) -> Callable[[str], int]:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from loom.engine.config import ConfigError, LoomConfig
 from loom.engine.config_io import is_override_flag, load_config, parse_overrides
+from loom.engine.names_elsewhere import TRAIN_LAUNCH_NAMES, TRAINING_NAMES
 from loom.engine.run_dir import SCHEDULE_CHART
 from loom.errors import Interrupted, is_user_error, user_message
 from loom.launch.arguments import OneLineParser, add_parallel_size, existing_dir, image_file, int_in
@@ -29,6 +30,8 @@ Every config field can be overridden as --section.field value, for example
   loom train --config configs/tiny.toml --data.paths a b --data.weights 0.7 0.3
 Sections: model, parallel, optim, data, train, checkpoint, lora (every field, its default and meaning:
 docs/config.md, written from engine/config.py; presets: configs/*.toml; --print-config shows the resolved config).
+Megatron-LM's and torchtitan's names (--tensor-model-parallel-size, parallelism.tensor_parallel_degree) are
+answered with loom's; the whole table ends docs/config.md.
 Under torchrun or Slurm (RANK and WORLD_SIZE set) and without --nproc, this process is one rank.
 
 Layouts: world = tp * cp * pp * dp; --parallel.vp V interleaves V chunks per pipeline stage (needs
@@ -243,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the resolved config (the defaults, then the --config preset or file, then the flags, then the "
         "derived fields; as config.toml) and exit",
     )
-    train.set_defaults(handler=cmd_train, takes_overrides=True)
+    train.set_defaults(handler=cmd_train, takes_overrides=True, names_elsewhere=TRAINING_NAMES + TRAIN_LAUNCH_NAMES)
 
     schedule = commands.add_parser(
         "schedule",
@@ -390,8 +393,7 @@ def _run_command(argv: list[str] | None) -> None:
     if takes_overrides and extra and not extra[0].startswith("--"):
         unknown.insert(0, extra[0])
     if unknown:
-        overrides = "; config overrides look like --train.steps 50" if takes_overrides else ""
-        _invoked_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}{overrides}")
+        _invoked_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
     if takes_overrides:
         args.handler(args, extra)
     else:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from loom.engine.config import DataConfig, TrainConfig
+from loom.engine.names_elsewhere import DATA_BUILD_NAMES
 from loom.launch.arguments import (
     OLDER,
     dataset_prefix,
@@ -327,7 +328,7 @@ def add_build(sub) -> None:
         help="end every document with the tokenizer's end-of-document id" + DEFAULT,
     )
     add_overwrite(p)
-    p.set_defaults(handler=_build)
+    p.set_defaults(handler=_build, names_elsewhere=DATA_BUILD_NAMES)
 
 
 def add_merge(sub) -> None:

@@ -8,6 +8,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from loom.engine.names_elsewhere import SUBMIT_LAUNCH_NAMES, TRAINING_NAMES
 from loom.engine.run_dir import metrics_of
 from loom.launch.arguments import float_in, int_in
 from loom.launch.local import SIGNAL_CAUSES, rank_failure
@@ -78,7 +79,9 @@ def add_parser(commands) -> None:
         help="any other sbatch option, repeatable, e.g. --sbatch mail-type=END",
     )
     submit_parser.add_argument("--wait", action="store_true", help="follow rank 0's log until the job ends")
-    submit_parser.set_defaults(handler=cmd_submit, takes_overrides=True)
+    submit_parser.set_defaults(
+        handler=cmd_submit, takes_overrides=True, names_elsewhere=TRAINING_NAMES + SUBMIT_LAUNCH_NAMES
+    )
 
 
 def cmd_submit(args: argparse.Namespace, overrides: list[str]) -> None:

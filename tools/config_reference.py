@@ -14,6 +14,7 @@ import typing
 
 from loom.engine import config as config_module
 from loom.engine.config import LoomConfig, field_default
+from loom.engine.names_elsewhere import DATA_BUILD_NAMES, TORCHRUN, TRAIN_LAUNCH_NAMES, TRAINING_NAMES
 
 INTRODUCTION = """\
 # Configuration reference
@@ -75,7 +76,29 @@ def reference() -> str:
                 f"| `{section.name}.{spec.name}` | {_type_of(hints[spec.name])} | `{_default_of(spec)}` | {meaning} |"
             )
         lines.append("")
-    return "\n".join(lines)
+    return "\n".join(lines + names_elsewhere())
+
+
+def names_elsewhere() -> list[str]:
+    """The page's last part: what Megatron-LM, torchtitan and torchrun call these settings (engine/names_elsewhere.py,
+    which loom's errors also answer from)."""
+    lines = [
+        "## Names from Megatron-LM, torchtitan and torchrun",
+        "",
+        "loom does not take other engines' spellings, but answers them: `loom train --tensor-model-parallel-size 2`",
+        "is refused with `--tensor-model-parallel-size (Megatron-LM) is --parallel.tp in loom`, and a torchtitan TOML",
+        "file with a line for each of its settings. The same table, whole:",
+        "",
+        "| name elsewhere | from | loom | what differs |",
+        "| --- | --- | --- | --- |",
+    ]
+    for entry in (*TRAINING_NAMES, *TRAIN_LAUNCH_NAMES, *DATA_BUILD_NAMES):
+        loom = f"`{entry.loom}`" if entry.loom else "none"
+        where = (
+            " (loom data build)" if entry in DATA_BUILD_NAMES else " (loom train)" if entry.engine == TORCHRUN else ""
+        )
+        lines.append(f"| `{entry.name}` | {entry.engine}{where} | {loom} | {entry.note} |")
+    return [*lines, ""]
 
 
 if __name__ == "__main__":

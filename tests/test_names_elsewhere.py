@@ -1,0 +1,170 @@
+"""A user coming from Megatron-LM or torchtitan types their names for loom's settings: loom answers with its own.
+
+The tables (engine/names_elsewhere.py) are checked both ways: every loom name in them is a real setting or option,
+and the Megatron-LM flags are spelled as megatron-core itself generates them from its config dataclasses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+import warnings
+
+import pytest
+
+from loom.engine.config import ConfigError, LoomConfig
+from loom.engine.config_io import load_config
+from loom.engine.names_elsewhere import (
+    DATA_BUILD_NAMES,
+    MEGATRON,
+    SUBMIT_LAUNCH_NAMES,
+    TRAIN_LAUNCH_NAMES,
+    TRAINING_NAMES,
+    name_key,
+)
+from loom.launch.cli import build_parser, main
+
+
+def _subparser(*path: str):
+    parser = build_parser()
+    for name in path:
+        action = next(a for a in parser._actions if a.dest and a.choices and name in a.choices)
+        parser = action.choices[name]
+    return parser
+
+
+def test_every_loom_name_in_the_tables_is_a_loom_setting_and_takes_the_value_given():
+    for entry in TRAINING_NAMES:
+        if not entry.loom or entry.loom == "--config":
+            continue
+        flag, *value = entry.loom.split()
+        section, _, field = flag[2:].partition(".")
+        hints = typing.get_type_hints(typing.get_type_hints(LoomConfig)[section])
+        assert field in hints, f"{entry.name}: {entry.loom} is no loom setting"
+        if value:
+            needs = ["--checkpoint.load", "runs/base"] if flag == "--checkpoint.finetune" else []
+            load_config(None, [flag, *value, *needs])  # a value the setting does not take raises here
+    for names, command in (
+        (DATA_BUILD_NAMES, ("data", "build")),
+        (TRAIN_LAUNCH_NAMES, ("train",)),
+        (SUBMIT_LAUNCH_NAMES, ("submit",)),
+    ):
+        options = _subparser(*command)._option_string_actions
+        assert all(entry.loom in options for entry in names if entry.loom), command
+
+
+def test_no_name_is_in_a_table_twice():
+    for names in (TRAINING_NAMES + TRAIN_LAUNCH_NAMES, TRAINING_NAMES + SUBMIT_LAUNCH_NAMES, DATA_BUILD_NAMES):
+        keys = [name_key(entry.name) for entry in names]
+        assert len(keys) == len(set(keys))
+
+
+def test_megatron_flags_are_spelled_as_megatron_core_generates_them():
+    """megatron-core's config dataclasses are where Megatron-LM's model, parallelism and optimizer flags come from
+    (a field's name with dashes, or its argparse_meta arg_names); the training script's own (--train-iters, --save,
+    --data-path) live in Megatron-LM's arguments.py, which the pip package does not ship."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        transformer = pytest.importorskip("megatron.core.transformer", reason="megatron-core is not installed")
+        from megatron.core.distributed import DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig
+    flags = set()
+    for config in (transformer.TransformerConfig, OptimizerConfig, DistributedDataParallelConfig):
+        for spec in dataclasses.fields(config):
+            meta = spec.metadata.get("argparse_meta", {})
+            flags.update(meta.get("arg_names", ["--" + spec.name.replace("_", "-")]))
+    ours = {entry.name for entry in TRAINING_NAMES if entry.engine == MEGATRON}
+    from_core = {
+        *("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--virtual-pipeline-model-parallel-size"),
+        *("--context-parallel-size", "--sequence-parallel", "--use-distributed-optimizer", "--overlap-grad-reduce"),
+        *("--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads", "--num-query-groups"),
+        *("--normalization", "--norm-epsilon", "--disable-bias-linear", "--init-method-std", "--hidden-dropout"),
+        *("--attention-dropout", "--recompute-granularity", "--recompute-method", "--recompute-num-layers"),
+        *("--transformer-impl", "--attention-backend", "--fp8-format", "--fp8-recipe", "--optimizer", "--lr"),
+        *("--min-lr", "--weight-decay", "--adam-beta1", "--adam-beta2", "--adam-eps", "--sgd-momentum"),
+        *("--clip-grad", "--bf16", "--fp16", "--initial-loss-scale", "--loss-scale-window", "--hysteresis"),
+        "--min-loss-scale",
+    }
+    assert from_core <= ours
+    assert from_core <= flags, sorted(from_core - flags)
+
+
+def _refusal(capsys, argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_other_engines_flags_are_answered_with_loom_s(capsys):
+    err = _refusal(capsys, ["train", "--config", "tiny", "--tensor-model-parallel-size", "2", "--bf16", "--steps", "3"])
+    assert err.count("\n") == 1 and err.startswith("error: loom train: unrecognized arguments: ")
+    assert "--tensor-model-parallel-size (Megatron-LM) is --parallel.tp in loom" in err
+    assert "--bf16 (Megatron-LM) is --train.precision bf16 in loom" in err
+    assert "--steps is --train.steps in loom" in err  # a loom field without its section
+    # argparse refuses a missing --config before it looks at the rest: the names are answered there too
+    err = _refusal(capsys, ["train", "--micro-batch-size", "4", "--nproc-per-node", "8"])
+    assert "the following arguments are required: --config" in err
+    assert "--micro-batch-size (Megatron-LM) is --train.micro_batch_size in loom" in err
+    assert "--nproc-per-node (torchrun) is --nproc in loom" in err
+    assert "--nnodes (torchrun) is --nodes in loom" in _refusal(capsys, ["submit", "--config", "tiny", "--nnodes", "2"])
+    err = _refusal(capsys, ["data", "build", "--input", "a.jsonl", "--tokenizer-model", "t.model", "--json-keys", "t"])
+    assert "--tokenizer-model (Megatron-LM's preprocess_data.py) is --tokenizer in loom" in err
+    assert "--json-keys (Megatron-LM's preprocess_data.py) is --text-key in loom" in err
+    # torchtitan's flags are dotted, as loom's: the config reader answers them, in tyro's dashed spelling too
+    for flag in ("--parallelism.tensor_parallel_degree", "--parallelism.tensor-parallel-degree"):
+        err = _refusal(capsys, ["train", "--config", "tiny", flag, "2"])
+        assert f"unknown config section 'parallelism': {flag} (torchtitan) is --parallel.tp in loom" in err
+    err = _refusal(capsys, ["train", "--config", "tiny", "--checkpoint.folder", "x"])
+    assert "unknown field in [checkpoint] 'folder': --checkpoint.folder (torchtitan) is --train.run_dir" in err
+    # names no engine uses keep their "did you mean" and the generic hint
+    assert "did you mean 'steps'?" in _refusal(capsys, ["train", "--config", "tiny", "--train.step", "3"])
+    err = _refusal(capsys, ["train", "--config", "tiny", "--bogus-opt", "1"])
+    assert "unrecognized arguments: --bogus-opt; config overrides look like --train.steps 50" in err
+
+
+TORCHTITAN_TOML = """\
+[job]
+dump_folder = "./outputs"
+[profiling]
+enable_profiling = true
+[model]
+name = "llama3"
+flavor = "8B"
+num_layers = 2
+[optimizer]
+lr = 3e-4
+[training]
+local_batch_size = 1
+steps = 1000
+[parallelism]
+tensor_parallel_degree = 2
+[checkpoint]
+interval = 500
+keep_latest_k = 2
+[train]
+step = 3
+"""
+
+
+def test_a_torchtitan_config_file_is_answered_setting_by_setting(tmp_path):
+    """All at once, a line each, instead of one refusal per run; loom's own settings in it (checkpoint.interval,
+    model.num_layers) pass; a typo of a loom name still gets its "did you mean"."""
+    path = tmp_path / "llama3_8b.toml"
+    path.write_text(TORCHTITAN_TOML)
+    with pytest.raises(ConfigError) as refused:
+        load_config(str(path))
+    head, *lines = str(refused.value).splitlines()
+    assert head.startswith(f"10 settings in {path} are not loom's")
+    assert lines == [
+        "  job.dump_folder (torchtitan): --train.run_dir (a run's checkpoints, logs and metrics all go there)",
+        "  profiling.enable_profiling (torchtitan): no loom setting (loom bench profile --config C traces a few steps)",
+        "  model.name (torchtitan): --config (a preset of configs/, or a TOML file with the model's [model] fields)",
+        "  model.flavor (torchtitan): --config (a preset of configs/, or a TOML file with the model's [model] fields)",
+        "  optimizer.lr (torchtitan): --optim.lr",
+        "  training.local_batch_size (torchtitan): --train.micro_batch_size",
+        "  training.steps (torchtitan): --train.steps",
+        "  parallelism.tensor_parallel_degree (torchtitan): --parallel.tp",
+        "  checkpoint.keep_latest_k (torchtitan): --checkpoint.keep",
+        "  train.step: no loom setting; did you mean train.steps?",
+    ]
