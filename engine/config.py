@@ -415,6 +415,7 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _check_choices(self, "data")
+        self._refuse_megatron_pairs()
         if self.weights is not None and len(self.weights) != len(self.paths):
             raise ConfigError(f"data.weights has {len(self.weights)} entries for {len(self.paths)} data.paths")
         if self.weights is not None and any(w <= 0 for w in self.weights):
@@ -428,6 +429,29 @@ class DataConfig:
             raise ConfigError(
                 f"data.split = {self.split!r} must be three non-negative weights, not all zero, like '98,1,1'"
             )
+
+    def _refuse_megatron_pairs(self) -> None:
+        """Megatron-LM's --data-path takes weight-prefix pairs (0.3 A 0.7 B); given to data.paths they read as
+        datasets named 0.3 and 0.7, a missing-file error that does not say why."""
+        weights, prefixes = self.paths[0::2], self.paths[1::2]
+        if (
+            not self.paths
+            or len(weights) != len(prefixes)
+            or not all(_is_number(w) and not _is_number(p) for w, p in zip(weights, prefixes))
+        ):
+            return
+        raise ConfigError(
+            f"data.paths = {' '.join(self.paths)} reads as Megatron-LM's weight-prefix pairs; loom takes the "
+            f"prefixes and weights apart: --data.paths {' '.join(prefixes)} --data.weights {' '.join(weights)}"
+        )
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass

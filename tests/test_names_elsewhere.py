@@ -168,3 +168,11 @@ def test_a_torchtitan_config_file_is_answered_setting_by_setting(tmp_path):
         "  checkpoint.keep_latest_k (torchtitan): --checkpoint.keep",
         "  train.step: no loom setting; did you mean train.steps?",
     ]
+
+
+def test_megatron_weight_prefix_pairs_are_taken_apart_for_the_user():
+    """`--data.paths 0.3 A 0.7 B`, Megatron's --data-path written loom's way, said "0.3.idx does not exist"."""
+    with pytest.raises(ConfigError, match="--data.paths runs/a runs/b --data.weights 0.3 0.7$"):
+        load_config(None, ["--data.paths", "0.3", "runs/a", "0.7", "runs/b"])
+    for paths in (["runs/a", "runs/b"], ["runs/a", "0.7"], ["0.3"]):  # no pairs: no such refusal
+        assert load_config(None, ["--data.paths", *paths]).data.paths == paths
