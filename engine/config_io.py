@@ -17,7 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from loom.engine.config import ConfigError, LoomConfig, TrainConfig, is_plain_name
-from loom.engine.names_elsewhere import TRAINING_NAMES, entry_for, loom_equivalent, told_in_loom_terms
+from loom.engine.names_elsewhere import (
+    TRAINING_NAMES,
+    entry_for,
+    loom_equivalent,
+    loom_fields_named,
+    told_in_loom_terms,
+)
 
 SECTIONS: dict[str, type] = {f.name: f.type for f in dataclasses.fields(LoomConfig)}
 _SECTION_TYPES = {name: typing.get_type_hints(LoomConfig)[name] for name in SECTIONS}
@@ -73,7 +79,7 @@ def _coerce(where: str, hint: Any, value: Any) -> Any:
 
 def _unknown(kind: str, name: str, known: list[str], as_written: list[str]) -> ConfigError:
     """`as_written`: the dotted keys as the user wrote them, which may be torchtitan's names for loom settings."""
-    told = told_in_loom_terms(as_written, TRAINING_NAMES, takes_config=False)
+    told = told_in_loom_terms(as_written, TRAINING_NAMES, takes_config=True)
     if told:
         return ConfigError(f"unknown {kind} {name!r}: {'; '.join(told)}")
     close = difflib.get_close_matches(name, known, n=1)
@@ -99,8 +105,10 @@ def _several_not_loom(names: list[str], source: str) -> ConfigError:
     known = [f"{section}.{field}" for section, cls in _SECTION_TYPES.items() for field in _field_types(cls)]
     lines = []
     for name in names:
-        entry = entry_for(name)
-        if entry is not None:
+        entry, fields = entry_for(name), [] if "." in name else loom_fields_named(name)
+        if fields:  # a loom field outside its [section]
+            lines.append(f"  {name}: {' or '.join(fields)}")
+        elif entry is not None:
             lines.append(f"  {name} ({entry.engine}): {loom_equivalent(entry)}")
         else:
             close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
@@ -119,7 +127,7 @@ def config_from_dict(raw: dict[str, Any], source: str = "the config") -> LoomCon
     sections = {}
     for section_name, values in raw.items():
         if section_name not in SECTIONS:
-            keys = [f"{section_name}.{key}" for key in values] if isinstance(values, dict) else []
+            keys = [f"{section_name}.{key}" for key in values] if isinstance(values, dict) else [section_name]
             raise _unknown("config section", section_name, list(SECTIONS), keys)
         if not isinstance(values, dict):
             raise ConfigError(f"[{section_name}] must be a table of fields")

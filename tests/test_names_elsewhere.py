@@ -176,3 +176,13 @@ def test_megatron_weight_prefix_pairs_are_taken_apart_for_the_user():
         load_config(None, ["--data.paths", "0.3", "runs/a", "0.7", "runs/b"])
     for paths in (["runs/a", "runs/b"], ["runs/a", "0.7"], ["0.3"]):  # no pairs: no such refusal
         assert load_config(None, ["--data.paths", *paths]).data.paths == paths
+
+
+def test_loom_settings_written_outside_their_section_are_told_it(tmp_path):
+    (tmp_path / "flat.toml").write_text("steps = 3\nlr = 0.1\n")
+    with pytest.raises(ConfigError) as refused:
+        load_config(str(tmp_path / "flat.toml"))
+    assert str(refused.value).splitlines()[1:] == ["  steps: --train.steps", "  lr: --optim.lr"]
+    (tmp_path / "one.toml").write_text("steps = 3\n")
+    with pytest.raises(ConfigError, match="unknown config section 'steps': steps is --train.steps in loom$"):
+        load_config(str(tmp_path / "one.toml"))
