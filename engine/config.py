@@ -322,9 +322,9 @@ class OptimConfig:
     (pinned where there is a GPU), the update runs there with torch's CPU AdamW; with zero >= 1 only
     the rank's shard is held. The device keeps the low-precision parameters and gradients."""
     grad_dtype: Literal["fp32", "bf16"] = "fp32"
-    """The gradient buffer's dtype: micro-batches accumulate and DP reduces in it. bf16 (Megatron's default
-    without --accumulate-allreduce-grads-in-fp32) holds 2 B per parameter instead of 4 and halves the DP
-    traffic, at bf16's rounding of the sums; the optimizer still steps fp32 masters. Needs train.precision
+    """The gradient buffer's dtype: micro-batches accumulate and DP reduces in it. bf16 (Megatron's
+    --grad-reduce-in-bf16; fp32 is its default under --bf16, as loom's) holds 2 B per parameter instead of 4 and
+    halves the DP traffic, at bf16's rounding of the sums; the optimizer still steps fp32 masters. Needs train.precision
     = bf16."""
     grad_accumulation_fusion: bool = True
     """Megatron's gradient-accumulation fusion: the weight-gradient GEMM of each of loom's own linear layers adds

@@ -77,8 +77,8 @@ def _coerce(where: str, hint: Any, value: Any) -> Any:
     raise ConfigError(f"{where}: unsupported field type {hint}")
 
 
-def _unknown(kind: str, name: str, known: list[str], as_written: list[str]) -> ConfigError:
-    """`as_written`: the dotted keys as the user wrote them, which may be torchtitan's names for loom settings."""
+def _unknown(kind: str, name: str, known: list[str], as_written: list[tuple[str, str | None]]) -> ConfigError:
+    """`as_written`: the names as the user wrote them, with their values (torchtitan's names for loom settings)."""
     told = told_in_loom_terms(as_written, TRAINING_NAMES, takes_config=True)
     if told:
         return ConfigError(f"unknown {kind} {name!r}: {'; '.join(told)}")
@@ -87,29 +87,41 @@ def _unknown(kind: str, name: str, known: list[str], as_written: list[str]) -> C
     return ConfigError(f"unknown {kind} {name!r}{hint}")
 
 
-def _names_not_loom(raw: dict[str, Any]) -> list[str]:
-    """The dotted names in `raw` that are no loom setting: each key of an unknown section, unknown fields."""
+def _names_not_loom(raw: dict[str, Any]) -> list[tuple[str, str | None]]:
+    """The dotted names in `raw` that are no loom setting (each key of an unknown section, unknown fields), with
+    their values as a command line would write them."""
     names = []
     for section_name, values in raw.items():
         known = _field_types(_SECTION_TYPES[section_name]) if section_name in SECTIONS else {}
         if not isinstance(values, dict):
-            names += [] if known else [section_name]
+            names += [] if known else [(section_name, _shown(values))]
             continue
-        names += [f"{section_name}.{key}" for key in values if key not in known]
+        names += [(f"{section_name}.{key}", _shown(value)) for key, value in values.items() if key not in known]
     return names
 
 
-def _several_not_loom(names: list[str], source: str) -> ConfigError:
+def _shown(value: Any) -> str | None:
+    """A TOML value as its flag would take it (true, 2, a b), or None for a table."""
+    if isinstance(value, dict):
+        return None
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list):
+        return " ".join(str(v) for v in value)
+    return str(value)
+
+
+def _several_not_loom(names: list[tuple[str, str | None]], source: str) -> ConfigError:
     """One error for a config with several settings that are not loom's (a torchtitan config, most likely): a line
-    for each, with loom's name where it has one, rather than one at a time over as many runs."""
+    for each, with loom's setting where it has one, rather than one at a time over as many runs."""
     known = [f"{section}.{field}" for section, cls in _SECTION_TYPES.items() for field in _field_types(cls)]
     lines = []
-    for name in names:
+    for name, value in names:
         entry, fields = entry_for(name), [] if "." in name else loom_fields_named(name)
         if fields:  # a loom field outside its [section]
-            lines.append(f"  {name}: {' or '.join(fields)}")
+            lines.append(f"  {name}: {' or '.join(fields)}{f' {value}' if value and len(fields) == 1 else ''}")
         elif entry is not None:
-            lines.append(f"  {name} ({entry.engine}): {loom_equivalent(entry)}")
+            lines.append(f"  {name} ({entry.engine}): {loom_equivalent(entry, value)}")
         else:
             close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
             lines.append(f"  {name}: no loom setting{f'; did you mean {close[0]}?' if close else ''}")
@@ -127,7 +139,11 @@ def config_from_dict(raw: dict[str, Any], source: str = "the config") -> LoomCon
     sections = {}
     for section_name, values in raw.items():
         if section_name not in SECTIONS:
-            keys = [f"{section_name}.{key}" for key in values] if isinstance(values, dict) else [section_name]
+            keys = (
+                [(f"{section_name}.{key}", _shown(value)) for key, value in values.items()]
+                if isinstance(values, dict)
+                else [(section_name, _shown(values))]
+            )
             raise _unknown("config section", section_name, list(SECTIONS), keys)
         if not isinstance(values, dict):
             raise ConfigError(f"[{section_name}] must be a table of fields")
@@ -136,7 +152,8 @@ def config_from_dict(raw: dict[str, Any], source: str = "the config") -> LoomCon
         kwargs = {}
         for key, value in values.items():
             if key not in hints:
-                raise _unknown(f"field in [{section_name}]", key, list(hints), [f"{section_name}.{key}"])
+                written = [(f"{section_name}.{key}", _shown(value))]
+                raise _unknown(f"field in [{section_name}]", key, list(hints), written)
             kwargs[key] = _coerce(f"{section_name}.{key}", hints[key], value)
         sections[section_name] = cls(**kwargs)
     return LoomConfig(**sections)
@@ -166,10 +183,10 @@ def parse_overrides(args: list[str]) -> dict[str, dict[str, Any]]:
                 i += 1
         section, _, name = key.partition(".")
         if section not in SECTIONS:
-            raise _unknown("config section", section, list(SECTIONS), [flag.split("=", 1)[0]])
+            raise _unknown("config section", section, list(SECTIONS), [(f"--{key}", " ".join(values) or None)])
         hints = _field_types(_SECTION_TYPES[section])
         if name not in hints:
-            raise _unknown(f"field in [{section}]", name, list(hints), [flag.split("=", 1)[0]])
+            raise _unknown(f"field in [{section}]", name, list(hints), [(f"--{key}", " ".join(values) or None)])
         if not values:
             raise ConfigError(f"--{key} needs a value")
         is_list = typing.get_origin(hints[name]) is list or list in [

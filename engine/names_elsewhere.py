@@ -33,11 +33,23 @@ class NameElsewhere:
     where loom has no such setting (the note says what loom does instead)."""
     note: str = ""
     """What differs: units, meaning, defaults; or, without a loom setting, what loom does instead."""
+    value_carries: bool = True
+    """The value written for the other engine means the same to loom's setting (`--parallel.tp 2` for
+    `--tensor-model-parallel-size 2`), so the answer can give it; false where it is converted (units, choices)."""
 
 
-def _entries(engine: str, rows: list[tuple[str, ...]]) -> tuple[NameElsewhere, ...]:
+def _entries(engine: str, rows: list[tuple]) -> tuple[NameElsewhere, ...]:
     return tuple(NameElsewhere(engine, *row) for row in rows)
 
+
+CONVERTED = False
+"""A row's fourth field: the other engine's value is not loom's (see NameElsewhere.value_carries)."""
+
+_EVERY_BLOCK = "every block is recomputed; no uniform/block choice"
+_NOT_READ = "loom reads its own checkpoints, and Hugging Face ones through loom ckpt import-hf"
+_BATCH = "its global batch defaults to this x dp, no accumulation; loom's to 256: set --train.global_batch_size"
+_PROFILE = "loom bench profile --config C traces a few steps"
+_VALIDATION_SPLIT = "loom validates on a split of the training datasets"
 
 TRAINING_NAMES: tuple[NameElsewhere, ...] = (
     *_entries(
@@ -45,87 +57,177 @@ TRAINING_NAMES: tuple[NameElsewhere, ...] = (
         [
             ("--tensor-model-parallel-size", "--parallel.tp"),
             ("--pipeline-model-parallel-size", "--parallel.pp"),
-            ("--virtual-pipeline-model-parallel-size", "--parallel.vp", "model chunks per pipeline rank"),
+            ("--num-virtual-stages-per-pipeline-rank", "--parallel.vp", "model chunks per pipeline rank"),
+            ("--virtual-pipeline-model-parallel-size", "--parallel.vp", "model chunks per pipeline rank; NeMo's name"),
             (
                 "--num-layers-per-virtual-pipeline-stage",
                 "--parallel.vp",
                 "loom counts chunks per pipeline rank: num_layers / pp / this",
+                CONVERTED,
             ),
             ("--context-parallel-size", "--parallel.cp"),
             ("--sequence-parallel", "--parallel.sequence_parallel true"),
             ("--use-distributed-optimizer", "--optim.zero 1", "ZeRO-1; 2 and 3 shard gradients and weights too"),
             ("--overlap-grad-reduce", "--parallel.overlap_grad_reduce true", "loom's default"),
-            ("--ddp-bucket-size", "--parallel.grad_bucket_mb", "in megabytes, not parameters"),
+            ("--overlap-param-gather", "", "ZeRO-3 prefetches the next block's weights by itself"),
+            (
+                "--ddp-bucket-size",
+                "--parallel.grad_bucket_mb",
+                "MiB of fp32 gradients, not parameters: parameters x 4 / 2^20",
+                CONVERTED,
+            ),
             ("--distributed-timeout-minutes", "--parallel.timeout_minutes"),
             ("--distributed-backend", "--parallel.backend", "auto picks NCCL on GPUs, gloo on CPU"),
-            ("--micro-batch-size", "--train.micro_batch_size"),
+            ("--micro-batch-size", "--train.micro_batch_size", _BATCH),
             ("--global-batch-size", "--train.global_batch_size"),
             ("--rampup-batch-size", "--train.rampup_batch_size", "the same three numbers: start increment samples"),
+            (
+                "--step-batch-size-schedule",
+                "--train.rampup_batch_size",
+                "loom ramps as Megatron's older --rampup-batch-size: start increment samples",
+                CONVERTED,
+            ),
             ("--train-iters", "--train.steps"),
-            ("--train-samples", "--train.steps", "loom counts steps: samples / global batch size"),
+            (
+                "--train-samples",
+                "--train.steps",
+                "loom counts steps: samples / global batch size, fewer under a batch ramp-up",
+                CONVERTED,
+            ),
             ("--seq-length", "--train.seq_length"),
             ("--seed", "--train.seed"),
             ("--num-layers", "--model.num_layers"),
             ("--hidden-size", "--model.hidden_size"),
             ("--ffn-hidden-size", "--model.ffn_hidden_size"),
             ("--num-attention-heads", "--model.num_heads"),
-            ("--num-query-groups", "--model.num_kv_heads"),
+            ("--num-query-groups", "--model.num_kv_heads", "Megatron reads it only with --group-query-attention"),
             ("--group-query-attention", "--model.num_kv_heads", "set to the number of key/value heads"),
+            ("--kv-channels", "", "a head is hidden_size / num_heads wide"),
             ("--max-position-embeddings", "--model.max_position_embeddings"),
-            ("--position-embedding-type", "--model.position_embedding", "rope, or learned for learned_absolute"),
+            (
+                "--position-embedding-type",
+                "--model.position_embedding",
+                "rope, or learned for learned_absolute, Megatron's default; loom's is rope",
+                CONVERTED,
+            ),
             ("--rotary-base", "--model.rope_theta"),
+            ("--rotary-percent", "", "loom rotates the whole head"),
             ("--use-rope-scaling", "--model.rope_scaling llama3"),
             ("--rope-scaling-factor", "--model.rope_scaling_factor"),
-            ("--normalization", "--model.norm", "rmsnorm or layernorm"),
+            (
+                "--normalization",
+                "--model.norm",
+                "rmsnorm or layernorm; Megatron's default is LayerNorm, loom's rmsnorm",
+                CONVERTED,
+            ),
             ("--norm-epsilon", "--model.norm_eps"),
-            ("--swiglu", "--model.activation swiglu", "loom's default"),
-            ("--disable-bias-linear", "--model.bias false", "loom's default"),
-            ("--untie-embeddings-and-output-weights", "--model.tie_embeddings false", "loom's default"),
+            ("--apply-layernorm-1p", "", "loom's norms scale by their weight, not 1 + weight"),
+            ("--qk-layernorm", "", "loom does not normalise queries and keys"),
+            (
+                "--swiglu",
+                "--model.activation swiglu",
+                "Megatron's default is gelu, loom's swiglu; without --ffn-hidden-size Megatron takes 8h/3 rounded "
+                "down to 64, loom up to 256: give --model.ffn_hidden_size",
+            ),
+            ("--squared-relu", "", "loom's MLPs are swiglu or gelu"),
+            ("--disable-bias-linear", "--model.bias false", "Megatron has biases by default, loom none"),
+            ("--add-qkv-bias", "--model.bias true", "biases on every linear layer"),
+            (
+                "--untie-embeddings-and-output-weights",
+                "--model.tie_embeddings false",
+                "Megatron ties them by default, loom does not",
+            ),
             ("--init-method-std", "--model.init_std"),
-            ("--hidden-dropout", "--model.dropout", "one rate for the residual branches and attention"),
-            ("--attention-dropout", "--model.dropout", "one rate for the residual branches and attention"),
+            ("--hidden-dropout", "--model.dropout", "one rate for residual branches and attention; Megatron's 0.1"),
+            ("--attention-dropout", "--model.dropout", "one rate for residual branches and attention; Megatron's 0.1"),
             ("--vocab-size", "--model.vocab_size"),
             ("--make-vocab-size-divisible-by", "--model.make_vocab_divisible_by", "times parallel.tp, as Megatron"),
             ("--recompute-granularity", "--model.recompute", "full or selective"),
             ("--recompute-activations", "--model.recompute selective"),
-            ("--recompute-method", "--model.recompute full", "every block is recomputed; no uniform/block choice"),
-            ("--recompute-num-layers", "--model.recompute full", "every block is recomputed; no uniform/block choice"),
-            ("--transformer-impl", "--model.kernels", "te for transformer_engine, native for local, or auto"),
-            ("--attention-backend", "--model.attention_backend", "auto, flash, cudnn for fused, or efficient"),
-            ("--optimizer", "--optim.name", "adamw for adam, which decays weights decoupled; sgd, lamb, adafactor"),
+            ("--recompute-method", "--model.recompute full", _EVERY_BLOCK),
+            ("--recompute-num-layers", "--model.recompute full", _EVERY_BLOCK),
+            (
+                "--transformer-impl",
+                "--model.kernels",
+                "te for transformer_engine, native for local, or auto",
+                CONVERTED,
+            ),
+            (
+                "--attention-backend",
+                "--model.attention_backend",
+                "auto, flash, cudnn for fused, or efficient",
+                CONVERTED,
+            ),
+            (
+                "--optimizer",
+                "--optim.name",
+                "adamw for adam, which decays weights decoupled; sgd, lamb, adafactor",
+                CONVERTED,
+            ),
             ("--lr", "--optim.lr"),
-            ("--min-lr", "--optim.min_lr"),
-            ("--lr-decay-style", "--optim.decay", "cosine, linear or constant"),
+            ("--min-lr", "--optim.min_lr", "Megatron's default 0, loom's 3e-5"),
+            ("--decoupled-lr", "", "one learning rate for all, with --optim.layer_lr_decay"),
+            ("--decoupled-min-lr", "", "one learning rate for all, with --optim.layer_lr_decay"),
+            (
+                "--lr-decay-style",
+                "--optim.decay",
+                "cosine, linear or constant; Megatron's default linear, loom's cosine",
+                CONVERTED,
+            ),
             ("--lr-decay-iters", "--optim.decay_steps"),
-            ("--lr-decay-samples", "--optim.decay_steps", "in steps, not samples"),
+            ("--lr-decay-samples", "--optim.decay_steps", "in steps, not samples", CONVERTED),
             ("--lr-warmup-iters", "--optim.warmup_steps", "loom's first warmup step already learns, at lr / warmup"),
-            ("--lr-warmup-samples", "--optim.warmup_steps", "in steps, not samples"),
-            ("--lr-warmup-fraction", "--optim.warmup_steps", "a number of steps, not a fraction"),
-            ("--weight-decay", "--optim.weight_decay"),
+            ("--lr-warmup-samples", "--optim.warmup_steps", "in steps, not samples", CONVERTED),
+            (
+                "--lr-warmup-fraction",
+                "--optim.warmup_steps",
+                "a number of steps: the fraction x --lr-decay-iters",
+                CONVERTED,
+            ),
+            ("--lr-warmup-init", "", "warmup starts at lr / warmup_steps"),
+            ("--weight-decay", "--optim.weight_decay", "Megatron's default 0.01, loom's 0.1"),
             ("--adam-beta1", "--optim.beta1"),
-            ("--adam-beta2", "--optim.beta2"),
+            ("--adam-beta2", "--optim.beta2", "Megatron's default 0.999, loom's 0.95"),
             ("--adam-eps", "--optim.eps"),
             ("--sgd-momentum", "--optim.momentum"),
             ("--clip-grad", "--optim.clip_grad"),
-            ("--bf16", "--train.precision bf16", "loom's default"),
-            ("--fp16", "--train.precision fp16"),
-            ("--fp8-format", "--train.fp8 current", "E4M3 forward, E5M2 gradients: hybrid"),
-            ("--fp8-recipe", "--train.fp8", "delayed, or current for tensorwise"),
-            ("--initial-loss-scale", "--optim.initial_loss_scale"),
+            ("--bf16", "--train.precision bf16", "Megatron's default is fp32, loom's bf16"),
+            (
+                "--fp16",
+                "--train.precision fp16",
+                "Megatron holds the learning rate on a skipped step, loom's schedule moves on",
+            ),
+            (
+                "--fp8-format",
+                "--train.fp8 delayed",
+                "hybrid: E4M3 forward, E5M2 gradients; Megatron's --fp8-recipe defaults to delayed, whose amax "
+                "history loom keeps 1024 long and takes the max of",
+            ),
+            ("--fp8-recipe", "--train.fp8", "delayed, or current for tensorwise", CONVERTED),
+            ("--initial-loss-scale", "--optim.initial_loss_scale", "Megatron's default 2^32, loom's 65536"),
+            ("--loss-scale", "", "loom's fp16 scale is dynamic: --optim.initial_loss_scale"),
             ("--loss-scale-window", "--optim.loss_scale_window"),
             ("--hysteresis", "--optim.loss_scale_hysteresis"),
             ("--min-loss-scale", "--optim.min_loss_scale"),
-            ("--accumulate-allreduce-grads-in-fp32", "--optim.grad_dtype fp32", "loom's default"),
+            ("--accumulate-allreduce-grads-in-fp32", "--optim.grad_dtype fp32", "the default of both"),
+            ("--grad-reduce-in-bf16", "--optim.grad_dtype bf16"),
             ("--no-gradient-accumulation-fusion", "--optim.grad_accumulation_fusion false"),
             ("--save", "--train.run_dir", "checkpoints go in its checkpoints/, beside the run's logs and metrics"),
-            ("--load", "--checkpoint.load", "a run resumes from its own checkpoints without it"),
+            ("--load", "--checkpoint.load", f"a run resumes from its own checkpoints without it; {_NOT_READ}"),
             ("--save-interval", "--checkpoint.interval"),
             ("--finetune", "--checkpoint.finetune true", "with --checkpoint.load"),
+            ("--no-load-optim", "--checkpoint.finetune true", "fresh optimizer state, from step 1"),
+            ("--no-load-rng", "", "a resume restores the saved random state, under the same layout"),
             ("--async-save", "--checkpoint.async_save true"),
-            ("--exit-interval", "--train.exit_after", "steps this job trains, not a step number"),
+            ("--exit-interval", "--train.exit_after", "steps this job trains, not a step number", CONVERTED),
+            (
+                "--exit-duration-in-mins",
+                "",
+                "loom submit checkpoints before its Slurm time limit and requeues the job",
+            ),
             ("--log-interval", "--train.log_interval"),
             ("--eval-interval", "--train.eval_interval"),
-            ("--eval-iters", "--train.eval_iters"),
+            ("--eval-iters", "--train.eval_iters", "loom evaluates the same batches each time, Megatron fresh ones"),
             ("--tensorboard-dir", "--train.tensorboard true", "events go in the run directory"),
             ("--wandb-project", "--train.wandb_project"),
             ("--wandb-exp-name", "--train.wandb_run_name"),
@@ -133,11 +235,37 @@ TRAINING_NAMES: tuple[NameElsewhere, ...] = (
             (
                 "--data-path",
                 "--data.paths",
-                "the prefixes of Megatron's weight-prefix pairs; their weights go to --data.weights",
+                "the prefixes of Megatron's weight-prefix pairs, their weights to --data.weights; without weights "
+                "Megatron blends by dataset size, loom equally",
+                CONVERTED,
             ),
-            ("--split", "--data.split"),
+            (
+                "--train-data-path",
+                "--data.paths",
+                "loom splits each dataset into train, valid and test by --data.split",
+                CONVERTED,
+            ),
+            ("--valid-data-path", "--data.split", _VALIDATION_SPLIT, CONVERTED),
+            ("--split", "--data.split", "Megatron's default 969,30,1, loom's 98,1,1"),
             ("--tokenizer-model", "--data.tokenizer"),
-            ("--tokenizer-type", "--data.tokenizer", "the kind is read from the file: a .model or a tokenizer.json"),
+            (
+                "--tokenizer-type",
+                "--data.tokenizer",
+                "the kind is read from the file: a .model or a tokenizer.json",
+                CONVERTED,
+            ),
+            (
+                "--vocab-file",
+                "--data.tokenizer",
+                "a SentencePiece .model or a Hugging Face tokenizer.json, which holds vocabulary and merges",
+                CONVERTED,
+            ),
+            (
+                "--merge-file",
+                "--data.tokenizer",
+                "a SentencePiece .model or a Hugging Face tokenizer.json, which holds vocabulary and merges",
+                CONVERTED,
+            ),
             ("--data-cache-path", "--data.cache_dir"),
         ],
     ),
@@ -145,101 +273,193 @@ TRAINING_NAMES: tuple[NameElsewhere, ...] = (
         TORCHTITAN,
         [
             ("job.config_file", "--config"),
-            ("job.description", "--train.name", "the run's name, which names its directory under runs/"),
+            ("job.description", "--train.name", "the run's name, which names its directory under runs/", CONVERTED),
             ("job.dump_folder", "--train.run_dir", "a run's checkpoints, logs and metrics all go there"),
-            ("model.name", "--config", "a preset of configs/, or a TOML file with the model's [model] fields"),
-            ("model.flavor", "--config", "a preset of configs/, or a TOML file with the model's [model] fields"),
+            (
+                "model.name",
+                "--config",
+                "a preset of configs/, or a TOML file with the model's [model] fields; torchtitan's llama3 scales "
+                "RoPE as Llama 3.1, loom with --model.rope_scaling llama3, and initialises its own way",
+                CONVERTED,
+            ),
+            (
+                "model.flavor",
+                "--config",
+                "a preset of configs/, or a TOML file with the model's [model] fields; torchtitan's llama3 scales "
+                "RoPE as Llama 3.1, loom with --model.rope_scaling llama3, and initialises its own way",
+                CONVERTED,
+            ),
             ("model.tokenizer_path", "--data.tokenizer"),
-            ("model.hf_assets_path", "--data.tokenizer", "the tokenizer.json in it"),
+            ("model.hf_assets_path", "--data.tokenizer", "the tokenizer.json in the local folder", CONVERTED),
             ("model.converters", "--train.fp8 current", "float8: loom's FP8 training"),
-            ("optimizer.name", "--optim.name", "adamw, sgd, lamb or adafactor"),
+            ("model.norm_type", "--model.norm", "rmsnorm or layernorm", CONVERTED),
+            (
+                "optimizer.name",
+                "--optim.name",
+                "adamw for AdamW; torch's Adam, with L2 decay in the gradient, loom has not",
+                CONVERTED,
+            ),
             ("optimizer.lr", "--optim.lr"),
             ("optimizer.eps", "--optim.eps"),
-            ("optimizer.weight_decay", "--optim.weight_decay"),
+            (
+                "optimizer.weight_decay",
+                "--optim.weight_decay",
+                "torchtitan decays every parameter, loom never norms and biases",
+            ),
             ("optimizer.beta1", "--optim.beta1"),
             ("optimizer.beta2", "--optim.beta2"),
             ("optimizer.implementation", "", "loom runs fused AdamW where the device has it"),
-            ("lr_scheduler.warmup_steps", "--optim.warmup_steps"),
-            ("lr_scheduler.decay_type", "--optim.decay", "cosine or linear, no sqrt; constant keeps lr"),
-            ("lr_scheduler.min_lr_factor", "--optim.min_lr", "a learning rate: lr x the factor"),
+            ("lr_scheduler.warmup_steps", "--optim.warmup_steps", "torchtitan's default 200, loom's 0"),
+            (
+                "lr_scheduler.decay_type",
+                "--optim.decay",
+                "cosine or linear, no sqrt; torchtitan's default linear, loom's cosine",
+                CONVERTED,
+            ),
+            (
+                "lr_scheduler.min_lr_factor",
+                "--optim.min_lr",
+                "a learning rate: lr x the factor; torchtitan's default factor 0, loom's min_lr 3e-5",
+                CONVERTED,
+            ),
+            ("lr_scheduler.lr_min", "--optim.min_lr", "a learning rate: lr x the factor", CONVERTED),
             ("lr_scheduler.total_steps", "--optim.decay_steps"),
             (
                 "lr_scheduler.decay_ratio",
                 "--optim.decay_steps",
                 "loom decays right after warmup, without a stable phase",
+                CONVERTED,
             ),
             ("training.steps", "--train.steps"),
-            ("training.local_batch_size", "--train.micro_batch_size"),
+            ("training.local_batch_size", "--train.micro_batch_size", _BATCH),
+            ("training.batch_size", "--train.micro_batch_size", _BATCH),
             ("training.global_batch_size", "--train.global_batch_size"),
             ("training.seq_len", "--train.seq_length"),
             ("training.max_norm", "--optim.clip_grad"),
-            ("training.dataset", "--data.paths", "the .bin/.idx prefixes loom data build writes"),
-            ("training.dataset_path", "--data.paths", "the .bin/.idx prefixes loom data build writes"),
-            ("training.mixed_precision_param", "--train.precision", "bf16 for bfloat16, fp32 for float32"),
-            ("training.dtype", "--train.precision", "bf16 for bfloat16, fp32 for float32"),
-            ("training.mixed_precision_reduce", "--optim.grad_dtype", "fp32 for float32, or bf16"),
+            ("training.warmup_steps", "--optim.warmup_steps"),
+            ("training.dataset", "--data.paths", "the .bin/.idx prefixes loom data build writes", CONVERTED),
+            ("training.dataset_path", "--data.paths", "the .bin/.idx prefixes loom data build writes", CONVERTED),
+            (
+                "training.mixed_precision_param",
+                "--train.precision",
+                "bf16 for bfloat16, fp32 for float32",
+                CONVERTED,
+            ),
+            (
+                "training.dtype",
+                "--train.precision",
+                "torchtitan's float32 with bfloat16 mixed precision is loom's bf16; a bfloat16 dtype, without fp32 "
+                "master weights, loom has not",
+                CONVERTED,
+            ),
+            ("training.mixed_precision_reduce", "--optim.grad_dtype", "fp32 for float32, or bf16", CONVERTED),
             ("training.enable_cpu_offload", "--optim.offload cpu"),
-            ("training.compile", "--model.compile true", "auto, the default, compiles on CUDA"),
+            ("training.compile", "--model.compile", "true or false; auto, the default, compiles on CUDA"),
             ("training.seed", "--train.seed"),
             ("debug.seed", "--train.seed"),
+            ("training.tensor_parallel_degree", "--parallel.tp"),
+            ("training.pipeline_parallel_degree", "--parallel.pp"),
+            ("experimental.pipeline_parallel_degree", "--parallel.pp"),
+            ("training.data_parallel_degree", "--parallel.dp", "-1 there is what remains of the world", CONVERTED),
             ("parallelism.tensor_parallel_degree", "--parallel.tp"),
             ("parallelism.pipeline_parallel_degree", "--parallel.pp"),
             ("parallelism.context_parallel_degree", "--parallel.cp"),
             (
                 "parallelism.data_parallel_shard_degree",
                 "--optim.zero 3",
-                "shards weights, gradients and optimizer state over all data-parallel ranks, as FSDP",
+                "loom's dp is replicate x shard, and ZeRO-3 shards weights, gradients and optimizer state over all "
+                "of it, as FSDP",
             ),
             (
                 "parallelism.data_parallel_replicate_degree",
                 "--parallel.dp",
-                "ZeRO shards over all of them: no replicate x shard mesh",
+                "loom's dp is replicate x shard: ZeRO shards over all of it",
+                CONVERTED,
             ),
-            ("parallelism.enable_sequence_parallel", "--parallel.sequence_parallel"),
+            ("parallelism.enable_sequence_parallel", "--parallel.sequence_parallel", "true there by default"),
             ("parallelism.disable_loss_parallel", "", "loom's loss is always vocabulary-parallel under tp"),
-            ("parallelism.pipeline_parallel_schedule", "--parallel.vp", "1 runs 1F1B, 2 or more interleaved 1F1B"),
+            (
+                "parallelism.pipeline_parallel_schedule",
+                "--parallel.vp",
+                "1 runs 1F1B, 2 or more interleaved 1F1B",
+                CONVERTED,
+            ),
             ("parallelism.pipeline_parallel_microbatch_size", "--train.micro_batch_size"),
             ("parallelism.expert_parallel_degree", "", "loom trains dense models, no mixture of experts"),
-            ("checkpoint.enable", "--checkpoint.interval", "loom always saves a run's last step"),
-            ("checkpoint.enable_checkpoint", "--checkpoint.interval", "loom always saves a run's last step"),
-            ("checkpoint.folder", "--train.run_dir", "checkpoints go in its checkpoints/"),
-            ("checkpoint.keep_latest_k", "--checkpoint.keep"),
-            ("checkpoint.initial_load_path", "--checkpoint.load"),
+            ("checkpoint.enable", "--checkpoint.interval", "loom always saves a run's last step", CONVERTED),
+            ("checkpoint.enable_checkpoint", "--checkpoint.interval", "loom always saves a run's last step", CONVERTED),
+            ("checkpoint.folder", "--train.run_dir", "checkpoints go in its checkpoints/", CONVERTED),
+            ("checkpoint.keep_latest_k", "--checkpoint.keep", "0 keeps all there; loom keeps at least 1"),
+            (
+                "checkpoint.initial_load_path",
+                "--checkpoint.load",
+                "torchtitan loads the model alone unless initial_load_model_only = false: add --checkpoint.finetune "
+                f"true; {_NOT_READ}",
+            ),
             ("checkpoint.initial_load_model_only", "--checkpoint.finetune", "with --checkpoint.load"),
-            ("checkpoint.async_mode", "--checkpoint.async_save true"),
-            ("checkpoint.load_step", "--checkpoint.load", "RUN/checkpoints/iter_000000N for step N"),
+            ("checkpoint.initial_load_in_hf", "", "loom ckpt import-hf converts a Hugging Face model first"),
+            ("checkpoint.async_mode", "--checkpoint.async_save", "true for async, false for disabled", CONVERTED),
+            (
+                "checkpoint.load_step",
+                "--checkpoint.load",
+                "RUN/checkpoints/iter_0000500 for step 500",
+                CONVERTED,
+            ),
+            ("checkpoint.interval_type", "", "loom saves every so many steps"),
+            ("checkpoint.model_weights_only", "", "loom ckpt export-hf writes the weights alone"),
             ("checkpoint.last_save_model_only", "", "loom ckpt export-hf writes the weights alone"),
             ("checkpoint.export_dtype", "", "loom ckpt export-hf --dtype writes Hugging Face weights"),
             ("activation_checkpoint.mode", "--model.recompute", "none, selective or full"),
-            ("activation_checkpoint.selective_ac_option", "--model.recompute selective", "core attention only"),
-            ("compile.enable", "--model.compile true", "auto, the default, compiles on CUDA"),
+            (
+                "activation_checkpoint.selective_ac_option",
+                "--model.recompute",
+                "loom's selective recomputes core attention alone, not every Nth block nor by op",
+                CONVERTED,
+            ),
+            ("compile.enable", "--model.compile", "true or false; auto, the default, compiles on CUDA"),
             ("compile.components", "", "loom compiles each block; its loss is one fused pass"),
-            ("quantize.linear", "--train.fp8 current", "tensorwise scales"),
+            (
+                "quantize.linear",
+                "--train.fp8 current",
+                "tensorwise scales; torchtitan trains in FP8 only when model.converters lists float8",
+            ),
+            ("float8.enable_float8_linear", "--train.fp8 current"),
             ("metrics.log_freq", "--train.log_interval"),
-            ("metrics.save_tb_folder", "", "TensorBoard's events go in the run directory"),
-            ("profiling.enable_profiling", "", "loom bench profile --config C traces a few steps"),
-            ("profiling.save_traces_folder", "", "loom bench profile --config C traces a few steps"),
-            ("profiling.profile_freq", "", "loom bench profile --config C traces a few steps"),
             ("metrics.enable_tensorboard", "--train.tensorboard", "on by default; events go in the run directory"),
-            ("metrics.enable_wandb", "--train.wandb_project"),
-            ("validation.enable", "--train.eval_interval", "steps between evaluations; 0 is off"),
-            ("validation.enabled", "--train.eval_interval", "steps between evaluations; 0 is off"),
+            ("metrics.enable_wandb", "--train.wandb_project", "a project name", CONVERTED),
+            ("metrics.save_tb_folder", "", "TensorBoard's events go in the run directory"),
+            ("profiling.enable_profiling", "", _PROFILE),
+            ("profiling.save_traces_folder", "", _PROFILE),
+            ("profiling.profile_freq", "", _PROFILE),
+            ("validation.enable", "--train.eval_interval", "steps between evaluations; 0 is off", CONVERTED),
+            ("validation.enabled", "--train.eval_interval", "steps between evaluations; 0 is off", CONVERTED),
             ("validation.freq", "--train.eval_interval"),
-            ("validation.dataset", "--data.split", "loom validates on a split of the training datasets"),
-            ("validation.dataset_path", "--data.split", "loom validates on a split of the training datasets"),
-            ("validation.steps", "--train.eval_iters"),
-            ("comm.init_timeout_seconds", "--parallel.timeout_minutes", "in minutes"),
-            ("comm.train_timeout_seconds", "--parallel.timeout_minutes", "in minutes"),
+            (
+                "validation.steps",
+                "--train.eval_iters",
+                "global batches, not per-rank ones; -1, the whole set, loom has not",
+                CONVERTED,
+            ),
+            ("validation.dataset", "--data.split", _VALIDATION_SPLIT, CONVERTED),
+            ("validation.dataset_path", "--data.split", _VALIDATION_SPLIT, CONVERTED),
+            ("comm.init_timeout_seconds", "--parallel.timeout_minutes", "in minutes", CONVERTED),
+            ("comm.train_timeout_seconds", "--parallel.timeout_minutes", "in minutes", CONVERTED),
         ],
     ),
 )
 """Names of training settings elsewhere: the commands that take config overrides (train, submit, plan, ...)."""
+
+_TORCHRUN_RENDEZVOUS = "loom train under torchrun takes them from torchrun; loom submit from Slurm"
 
 TRAIN_LAUNCH_NAMES: tuple[NameElsewhere, ...] = _entries(
     TORCHRUN,
     [
         ("--nproc-per-node", "--nproc", "loom train starts its own ranks, or runs as one under torchrun"),
         ("--nnodes", "", "several nodes: loom submit --nodes N, or loom train under torchrun on each"),
+        ("--node-rank", "", _TORCHRUN_RENDEZVOUS),
+        ("--master-addr", "", _TORCHRUN_RENDEZVOUS),
+        ("--master-port", "", _TORCHRUN_RENDEZVOUS),
+        ("--rdzv-endpoint", "", _TORCHRUN_RENDEZVOUS),
     ],
 )
 """torchrun's options for `loom train`, which launches its ranks itself."""
@@ -254,11 +474,25 @@ DATA_BUILD_NAMES: tuple[NameElsewhere, ...] = _entries(
     [
         ("--json-keys", "--text-key", "one key"),
         ("--tokenizer-model", "--tokenizer"),
-        ("--tokenizer-type", "--tokenizer", "the kind is read from the file: a .model or a tokenizer.json"),
+        ("--tokenizer-type", "--tokenizer", "the kind is read from the file: a .model or a tokenizer.json", CONVERTED),
+        (
+            "--vocab-file",
+            "--tokenizer",
+            "a SentencePiece .model or a Hugging Face tokenizer.json, which holds vocabulary and merges",
+            CONVERTED,
+        ),
+        (
+            "--merge-file",
+            "--tokenizer",
+            "a SentencePiece .model or a Hugging Face tokenizer.json, which holds vocabulary and merges",
+            CONVERTED,
+        ),
         ("--split-sentences", "", "loom keeps documents whole"),
     ],
 )
-"""Names of `loom data build`'s options in Megatron-LM's preprocessing script."""
+"""Names of `loom data build`'s options in Megatron-LM's preprocessing script (which appends no end-of-document
+token unless --append-eod, and names its output PREFIX_text_document; loom appends one unless --no-append-eod, and
+writes PREFIX.bin and PREFIX.idx)."""
 
 
 def name_key(typed: str) -> str:
@@ -268,28 +502,41 @@ def name_key(typed: str) -> str:
 
 
 def entry_for(typed: str, names: tuple[NameElsewhere, ...] = TRAINING_NAMES) -> NameElsewhere | None:
-    """The entry of `names` that `typed` spells, if any."""
+    """The entry of `names` that `typed` spells, if any; a dotted name under an entry's (torchtitan's
+    `quantize.linear.float8.recipe_name` under `quantize.linear`) is that entry's."""
+    by_key = {name_key(entry.name): entry for entry in names}
     key = name_key(typed)
-    return next((entry for entry in names if name_key(entry.name) == key), None)
+    while key not in by_key and key.count(".") > 1:
+        key = key.rsplit(".", 1)[0]
+    return by_key.get(key)
 
 
-def loom_equivalent(entry: NameElsewhere) -> str:
-    """What loom has for it: `--parallel.tp`, `--parallel.grad_bucket_mb (in megabytes, not parameters)`, `no loom
+def loom_setting(entry: NameElsewhere, value: str | None = None) -> str:
+    """loom's flag for it, with the value written for the other engine where that value means the same."""
+    if value and entry.value_carries and entry.loom.startswith("--") and " " not in entry.loom:
+        return f"{entry.loom} {value}"
+    return entry.loom
+
+
+def loom_equivalent(entry: NameElsewhere, value: str | None = None) -> str:
+    """What loom has for it: `--parallel.tp 2`, `--parallel.grad_bucket_mb (MiB of fp32 gradients, ...)`, `no loom
     setting (loom trains dense models, ...)`."""
     note = f" ({entry.note})" if entry.note else ""
-    return f"{entry.loom or 'no loom setting'}{note}"
+    return f"{loom_setting(entry, value) or 'no loom setting'}{note}"
 
 
-def said_elsewhere(typed: str, names: tuple[NameElsewhere, ...] = TRAINING_NAMES) -> str | None:
-    """One clause telling loom's name for a setting typed in another engine's spelling, or None if none of
-    `names` is it."""
+def said_elsewhere(
+    typed: str, value: str | None = None, names: tuple[NameElsewhere, ...] = TRAINING_NAMES
+) -> str | None:
+    """One clause telling loom's setting (with `value`, where it carries over) for a name typed in another engine's
+    spelling, or None if none of `names` is it."""
     entry = entry_for(typed, names)
     if entry is None:
         return None
     note = f" ({entry.note})" if entry.note else ""
     if not entry.loom:
         return f"{typed} ({entry.engine}) has no loom setting{note}"
-    return f"{typed} ({entry.engine}) is {entry.loom} in loom{note}"
+    return f"{typed} ({entry.engine}) is {loom_setting(entry, value)} in loom{note}"
 
 
 def loom_fields_named(typed: str) -> list[str]:
@@ -303,15 +550,35 @@ def loom_fields_named(typed: str) -> list[str]:
     ]
 
 
-def told_in_loom_terms(flags: list[str], names: tuple[NameElsewhere, ...], takes_config: bool) -> list[str]:
-    """A clause for each of `flags` (none of them the command's own) that is another engine's name for a loom
-    setting, or, for a command that takes config overrides, a loom field written without its section."""
+def flags_and_values(arguments: list[str]) -> list[tuple[str, str | None]]:
+    """Each `--flag` of a command line with what follows it up to the next flag (`--flag=value` too), as one
+    string, or None."""
+    pairs = []
+    for i, argument in enumerate(arguments):
+        if not argument.startswith("--") or argument == "--":
+            continue
+        flag, equals, inline = argument.partition("=")
+        following = []
+        for later in arguments[i + 1 :]:
+            if later.startswith("--"):
+                break
+            following.append(later)
+        pairs.append((flag, inline if equals else " ".join(following) or None))
+    return pairs
+
+
+def told_in_loom_terms(
+    named: list[tuple[str, str | None]], names: tuple[NameElsewhere, ...], takes_config: bool
+) -> list[str]:
+    """A clause for each (name, value) of `named` (none of them the command's own options) that is another engine's
+    name for a loom setting, or, for a command that takes config overrides, a loom field without its section."""
     told = []
-    for flag in dict.fromkeys(flags):
-        said = said_elsewhere(flag, names)
-        if said is None and takes_config and "." not in flag:
-            fields = loom_fields_named(flag)
-            said = f"{flag} is {' or '.join(fields)} in loom" if fields else None
+    for name, value in dict.fromkeys(named):
+        said = said_elsewhere(name, value, names)
+        if said is None and takes_config and "." not in name:
+            fields = loom_fields_named(name)
+            shown = f" {value}" if value and len(fields) == 1 else ""
+            said = f"{name} is {' or '.join(fields)}{shown} in loom" if fields else None
         if said is not None:
             told.append(said)
     return told

@@ -40,12 +40,12 @@ class OneLineParser(argparse.ArgumentParser):
     def _told_in_loom_terms(self, given: list[str]) -> list[str]:
         """What the flags this parser does not take are called in loom, where they are another engine's names
         (Megatron-LM's, torchtitan's) or loom fields written without their section."""
-        from loom.engine.names_elsewhere import TRAINING_NAMES, told_in_loom_terms
+        from loom.engine.names_elsewhere import TRAINING_NAMES, flags_and_values, told_in_loom_terms
 
         takes_config = bool(self.get_default("takes_overrides"))
         names = self.get_default("names_elsewhere") or (TRAINING_NAMES if takes_config else ())
-        flags = [a.split("=", 1)[0] for a in given if a.startswith("--")]
-        return told_in_loom_terms([f for f in flags if f not in self._option_string_actions], names, takes_config)
+        foreign = [(f, v) for f, v in flags_and_values(given) if f not in self._option_string_actions]
+        return told_in_loom_terms(foreign, names, takes_config) if names else []
 
 
 def int_in(low: int, high: int | None = None) -> Callable[[str], int]:

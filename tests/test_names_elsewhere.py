@@ -99,22 +99,30 @@ def _refusal(capsys, argv: list[str]) -> str:
 def test_other_engines_flags_are_answered_with_loom_s(capsys):
     err = _refusal(capsys, ["train", "--config", "tiny", "--tensor-model-parallel-size", "2", "--bf16", "--steps", "3"])
     assert err.count("\n") == 1 and err.startswith("error: loom train: unrecognized arguments: ")
-    assert "--tensor-model-parallel-size (Megatron-LM) is --parallel.tp in loom" in err
-    assert "--bf16 (Megatron-LM) is --train.precision bf16 in loom" in err
-    assert "--steps is --train.steps in loom" in err  # a loom field without its section
+    assert "--tensor-model-parallel-size (Megatron-LM) is --parallel.tp 2 in loom;" in err  # ready to paste
+    assert "--bf16 (Megatron-LM) is --train.precision bf16 in loom (Megatron's default is fp32, loom's bf16)" in err
+    assert "--steps is --train.steps 3 in loom" in err  # a loom field without its section
+    # a value in other units or choices is not carried over: the note says how it converts
+    err = _refusal(capsys, ["train", "--config", "tiny", "--ddp-bucket-size=40000000", "--normalization", "RMSNorm"])
+    assert "--ddp-bucket-size (Megatron-LM) is --parallel.grad_bucket_mb in loom (MiB of fp32 gradients" in err
+    assert "--normalization (Megatron-LM) is --model.norm in loom (rmsnorm or layernorm;" in err
     # argparse refuses a missing --config before it looks at the rest: the names are answered there too
     err = _refusal(capsys, ["train", "--micro-batch-size", "4", "--nproc-per-node", "8"])
     assert "the following arguments are required: --config" in err
-    assert "--micro-batch-size (Megatron-LM) is --train.micro_batch_size in loom" in err
-    assert "--nproc-per-node (torchrun) is --nproc in loom" in err
-    assert "--nnodes (torchrun) is --nodes in loom" in _refusal(capsys, ["submit", "--config", "tiny", "--nnodes", "2"])
+    assert "--micro-batch-size (Megatron-LM) is --train.micro_batch_size 4 in loom (its global batch defaults" in err
+    assert "--nproc-per-node (torchrun) is --nproc 8 in loom" in err
+    err = _refusal(capsys, ["submit", "--config", "tiny", "--nnodes", "2"])
+    assert "--nnodes (torchrun) is --nodes 2 in loom" in err
     err = _refusal(capsys, ["data", "build", "--input", "a.jsonl", "--tokenizer-model", "t.model", "--json-keys", "t"])
-    assert "--tokenizer-model (Megatron-LM's preprocess_data.py) is --tokenizer in loom" in err
-    assert "--json-keys (Megatron-LM's preprocess_data.py) is --text-key in loom" in err
+    assert "--tokenizer-model (Megatron-LM's preprocess_data.py) is --tokenizer t.model in loom" in err
+    assert "--json-keys (Megatron-LM's preprocess_data.py) is --text-key t in loom" in err
     # torchtitan's flags are dotted, as loom's: the config reader answers them, in tyro's dashed spelling too
     for flag in ("--parallelism.tensor_parallel_degree", "--parallelism.tensor-parallel-degree"):
         err = _refusal(capsys, ["train", "--config", "tiny", flag, "2"])
-        assert f"unknown config section 'parallelism': {flag} (torchtitan) is --parallel.tp in loom" in err
+        assert f"unknown config section 'parallelism': {flag} (torchtitan) is --parallel.tp 2 in loom" in err
+    # a key under one of the table's sections is that section's
+    err = _refusal(capsys, ["train", "--config", "tiny", "--quantize.linear.float8.recipe_name", "rowwise"])
+    assert "--quantize.linear.float8.recipe_name (torchtitan) is --train.fp8 current in loom" in err
     err = _refusal(capsys, ["train", "--config", "tiny", "--checkpoint.folder", "x"])
     assert "unknown field in [checkpoint] 'folder': --checkpoint.folder (torchtitan) is --train.run_dir" in err
     # names no engine uses keep their "did you mean" and the generic hint
@@ -142,6 +150,7 @@ tensor_parallel_degree = 2
 [checkpoint]
 interval = 500
 keep_latest_k = 2
+async_mode = "disabled"
 [train]
 step = 3
 """
@@ -155,17 +164,24 @@ def test_a_torchtitan_config_file_is_answered_setting_by_setting(tmp_path):
     with pytest.raises(ConfigError) as refused:
         load_config(str(path))
     head, *lines = str(refused.value).splitlines()
-    assert head.startswith(f"10 settings in {path} are not loom's")
+    assert head.startswith(f"11 settings in {path} are not loom's")
+    llama3 = (
+        "a preset of configs/, or a TOML file with the model's [model] fields; torchtitan's llama3 scales RoPE as "
+        "Llama 3.1, loom with --model.rope_scaling llama3, and initialises its own way"
+    )
     assert lines == [
-        "  job.dump_folder (torchtitan): --train.run_dir (a run's checkpoints, logs and metrics all go there)",
+        "  job.dump_folder (torchtitan): --train.run_dir ./outputs (a run's checkpoints, logs and metrics all go"
+        " there)",
         "  profiling.enable_profiling (torchtitan): no loom setting (loom bench profile --config C traces a few steps)",
-        "  model.name (torchtitan): --config (a preset of configs/, or a TOML file with the model's [model] fields)",
-        "  model.flavor (torchtitan): --config (a preset of configs/, or a TOML file with the model's [model] fields)",
-        "  optimizer.lr (torchtitan): --optim.lr",
-        "  training.local_batch_size (torchtitan): --train.micro_batch_size",
-        "  training.steps (torchtitan): --train.steps",
-        "  parallelism.tensor_parallel_degree (torchtitan): --parallel.tp",
-        "  checkpoint.keep_latest_k (torchtitan): --checkpoint.keep",
+        f"  model.name (torchtitan): --config ({llama3})",
+        f"  model.flavor (torchtitan): --config ({llama3})",
+        "  optimizer.lr (torchtitan): --optim.lr 0.0003",
+        "  training.local_batch_size (torchtitan): --train.micro_batch_size 1 (its global batch defaults to this x dp,"
+        " no accumulation; loom's to 256: set --train.global_batch_size)",
+        "  training.steps (torchtitan): --train.steps 1000",
+        "  parallelism.tensor_parallel_degree (torchtitan): --parallel.tp 2",
+        "  checkpoint.keep_latest_k (torchtitan): --checkpoint.keep 2 (0 keeps all there; loom keeps at least 1)",
+        "  checkpoint.async_mode (torchtitan): --checkpoint.async_save (true for async, false for disabled)",
         "  train.step: no loom setting; did you mean train.steps?",
     ]
 
@@ -182,7 +198,7 @@ def test_loom_settings_written_outside_their_section_are_told_it(tmp_path):
     (tmp_path / "flat.toml").write_text("steps = 3\nlr = 0.1\n")
     with pytest.raises(ConfigError) as refused:
         load_config(str(tmp_path / "flat.toml"))
-    assert str(refused.value).splitlines()[1:] == ["  steps: --train.steps", "  lr: --optim.lr"]
+    assert str(refused.value).splitlines()[1:] == ["  steps: --train.steps 3", "  lr: --optim.lr 0.1"]
     (tmp_path / "one.toml").write_text("steps = 3\n")
-    with pytest.raises(ConfigError, match="unknown config section 'steps': steps is --train.steps in loom$"):
+    with pytest.raises(ConfigError, match="unknown config section 'steps': steps is --train.steps 3 in loom$"):
         load_config(str(tmp_path / "one.toml"))

@@ -38,7 +38,8 @@ def _gpt(heads, hidden, layers, global_batch, seq=4096, vocab=131072):
     model = {"num_layers": layers, "hidden_size": hidden, "num_heads": heads, "ffn_hidden_size": 4 * hidden}
     model.update(vocab_size=vocab, max_position_embeddings=seq, activation="gelu", norm="layernorm")
     train = {"seq_length": seq, "global_batch_size": global_batch, "micro_batch_size": 1, "precision": "bf16"}
-    # Megatron's default gradient buffer is bf16 (no --accumulate-allreduce-grads-in-fp32)
+    # 2-byte gradients, as the published runs (fp16, whose buffer Megatron keeps in the parameters' dtype unless
+    # --accumulate-allreduce-grads-in-fp32; under bf16 it forces fp32)
     return config_from_dict({"model": model, "train": train, "optim": {"grad_dtype": "bf16"}})
 
 

@@ -214,9 +214,9 @@ def _grad_dtype_runs(rank, world, dataset, run_dir):
 
 
 def test_bf16_gradients_follow_fp32_gradients_under_every_layout_and_resume_from_them(dataset, tmp_path):
-    """optim.grad_dtype = bf16 (Megatron's default): micro-batches accumulate and DP reduces in bf16, 2 bytes per
-    parameter. The losses stay within bf16's rounding of the fp32-gradient run, the same under DP with each ZeRO
-    stage, TP with SP and PP, and a resume switches gradient dtype freely (gradients are not checkpointed).
+    """optim.grad_dtype = bf16 (Megatron's --grad-reduce-in-bf16): micro-batches accumulate and DP reduces in bf16,
+    2 bytes per parameter. The losses stay within bf16's rounding of the fp32-gradient run, the same under DP with
+    each ZeRO stage, TP with SP and PP, and a resume switches gradient dtype freely (gradients are not checkpointed).
     Measured: bf16 gradients move the losses by at most 2.5e-5 (relative); dropping the bf16 DP reduction moves
     them by 1.5e-4 to 8e-4, so 1e-4 tells the two apart."""
     ranks = run_ranks(_grad_dtype_runs, 2, dataset, str(tmp_path))
