@@ -53,10 +53,18 @@ def test_every_loom_name_in_the_tables_is_a_loom_setting_and_takes_the_value_giv
         assert all(entry.loom in options for entry in names if entry.loom), command
 
 
-def test_no_name_is_in_a_table_twice():
+def test_no_name_is_in_a_table_twice_nor_a_loom_setting():
+    """A loom setting in the table would be answered as another engine's name when it is the user's mistake in
+    another flag of the same command line."""
+    loom = {
+        f"{section.name}.{spec.name}"
+        for section in dataclasses.fields(LoomConfig)
+        for spec in dataclasses.fields(section.default_factory)
+    }
     for names in (TRAINING_NAMES + TRAIN_LAUNCH_NAMES, TRAINING_NAMES + SUBMIT_LAUNCH_NAMES, DATA_BUILD_NAMES):
         keys = [name_key(entry.name) for entry in names]
         assert len(keys) == len(set(keys))
+        assert not loom & set(keys)
 
 
 def test_megatron_flags_are_spelled_as_megatron_core_generates_them():

@@ -14,7 +14,7 @@ import typing
 
 from loom.engine import config as config_module
 from loom.engine.config import LoomConfig, field_default
-from loom.engine.names_elsewhere import DATA_BUILD_NAMES, TORCHRUN, TRAIN_LAUNCH_NAMES, TRAINING_NAMES
+from loom.engine.names_elsewhere import DATA_BUILD_NAMES, SUBMIT_LAUNCH_NAMES, TRAIN_LAUNCH_NAMES, TRAINING_NAMES
 
 INTRODUCTION = """\
 # Configuration reference
@@ -103,12 +103,15 @@ def names_elsewhere() -> list[str]:
         "| name elsewhere | from | loom | what differs |",
         "| --- | --- | --- | --- |",
     ]
-    for entry in (*TRAINING_NAMES, *TRAIN_LAUNCH_NAMES, *DATA_BUILD_NAMES):
-        loom = f"`{entry.loom}`" if entry.loom else "none"
-        where = (
-            " (loom data build)" if entry in DATA_BUILD_NAMES else " (loom train)" if entry.engine == TORCHRUN else ""
-        )
-        lines.append(f"| `{entry.name}` | {entry.engine}{where} | {loom} | {entry.note} |")
+    for names, where in (
+        (TRAINING_NAMES, ""),
+        (TRAIN_LAUNCH_NAMES, " (loom train)"),
+        (SUBMIT_LAUNCH_NAMES, " (loom submit)"),
+        (DATA_BUILD_NAMES, " (loom data build)"),
+    ):
+        for entry in names:
+            loom = f"`{entry.loom}`" if entry.loom else "none"
+            lines.append(f"| `{entry.name}` | {entry.engine}{where} | {loom} | {entry.note} |")
     return [*lines, ""]
 
 
