@@ -50,6 +50,10 @@ _NOT_READ = "loom reads its own checkpoints, and Hugging Face ones through loom 
 _BATCH = "its global batch defaults to this x dp, no accumulation; loom's to 256: set --train.global_batch_size"
 _PROFILE = "loom bench profile --config C traces a few steps"
 _VALIDATION_SPLIT = "loom validates on a split of the training datasets"
+_GPT2_FILES = (
+    'a Hugging Face tokenizer.json holds vocabulary and merges: python -c "from transformers import '
+    "GPT2TokenizerFast as T; T('vocab.json', 'merges.txt').save_pretrained('gpt2')\" writes gpt2/tokenizer.json"
+)
 
 TRAINING_NAMES: tuple[NameElsewhere, ...] = (
     *_entries(
@@ -257,13 +261,13 @@ TRAINING_NAMES: tuple[NameElsewhere, ...] = (
             (
                 "--vocab-file",
                 "--data.tokenizer",
-                "a SentencePiece .model or a Hugging Face tokenizer.json, which holds vocabulary and merges",
+                _GPT2_FILES,
                 CONVERTED,
             ),
             (
                 "--merge-file",
                 "--data.tokenizer",
-                "a SentencePiece .model or a Hugging Face tokenizer.json, which holds vocabulary and merges",
+                _GPT2_FILES,
                 CONVERTED,
             ),
             ("--data-cache-path", "--data.cache_dir"),
@@ -478,13 +482,13 @@ DATA_BUILD_NAMES: tuple[NameElsewhere, ...] = _entries(
         (
             "--vocab-file",
             "--tokenizer",
-            "a SentencePiece .model or a Hugging Face tokenizer.json, which holds vocabulary and merges",
+            _GPT2_FILES,
             CONVERTED,
         ),
         (
             "--merge-file",
             "--tokenizer",
-            "a SentencePiece .model or a Hugging Face tokenizer.json, which holds vocabulary and merges",
+            _GPT2_FILES,
             CONVERTED,
         ),
         ("--split-sentences", "", "loom keeps documents whole"),
@@ -526,14 +530,17 @@ def loom_equivalent(entry: NameElsewhere, value: str | None = None) -> str:
 
 
 def said_elsewhere(
-    typed: str, value: str | None = None, names: tuple[NameElsewhere, ...] = TRAINING_NAMES
+    typed: str,
+    value: str | None = None,
+    names: tuple[NameElsewhere, ...] = TRAINING_NAMES,
+    notes_said: set = frozenset(),
 ) -> str | None:
     """One clause telling loom's setting (with `value`, where it carries over) for a name typed in another engine's
-    spelling, or None if none of `names` is it."""
+    spelling, or None if none of `names` is it; its note unless among `notes_said`."""
     entry = entry_for(typed, names)
     if entry is None:
         return None
-    note = f" ({entry.note})" if entry.note else ""
+    note = f" ({entry.note})" if entry.note and entry.note not in notes_said else ""
     if not entry.loom:
         return f"{typed} ({entry.engine}) has no loom setting{note}"
     return f"{typed} ({entry.engine}) is {loom_setting(entry, value)} in loom{note}"
@@ -572,9 +579,10 @@ def told_in_loom_terms(
 ) -> list[str]:
     """A clause for each (name, value) of `named` (none of them the command's own options) that is another engine's
     name for a loom setting, or, for a command that takes config overrides, a loom field without its section."""
-    told = []
+    told, notes_said = [], set()
     for name, value in dict.fromkeys(named):
-        said = said_elsewhere(name, value, names)
+        said = said_elsewhere(name, value, names, notes_said)
+        notes_said.add(getattr(entry_for(name, names), "note", ""))
         if said is None and takes_config and "." not in name:
             fields = loom_fields_named(name)
             shown = f" {value}" if value and len(fields) == 1 else ""

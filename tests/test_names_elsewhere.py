@@ -124,6 +124,11 @@ def test_other_engines_flags_are_answered_with_loom_s(capsys):
     err = _refusal(capsys, ["data", "build", "--input", "a.jsonl", "--tokenizer-model", "t.model", "--json-keys", "t"])
     assert "--tokenizer-model (Megatron-LM's preprocess_data.py) is --tokenizer t.model in loom" in err
     assert "--json-keys (Megatron-LM's preprocess_data.py) is --text-key t in loom" in err
+    # GPT-2's vocabulary files: how to make the tokenizer.json loom reads, said once for the two
+    err = _refusal(capsys, ["data", "build", "--input", "a.jsonl", "--vocab-file", "v.json", "--merge-file", "m.txt"])
+    assert (
+        err.count("GPT2TokenizerFast") == 1 and "--merge-file (Megatron-LM's preprocess_data.py) is --tokenizer" in err
+    )
     # torchtitan's flags are dotted, as loom's: the config reader answers them, in tyro's dashed spelling too
     for flag in ("--parallelism.tensor_parallel_degree", "--parallelism.tensor-parallel-degree"):
         err = _refusal(capsys, ["train", "--config", "tiny", flag, "2"])
