@@ -462,7 +462,8 @@ class TrainConfig:
     """Sequences per optimizer step, over all data-parallel ranks and micro-batches."""
     rampup_batch_size: list[int] | None = None
     """[start, increment, ramp_samples]: the global batch grows from start by increment until
-    global_batch_size over the first ramp_samples samples (Megatron's --rampup-batch-size)."""
+    global_batch_size over the first ramp_samples samples (Megatron's --rampup-batch-size). The learning-rate
+    schedule counts steps, the ramp's small ones too (Megatron's counts samples)."""
     micro_batch_size: int = 1
     """Sequences per forward/backward on one rank."""
     seq_length: int = 2048

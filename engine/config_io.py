@@ -17,13 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from loom.engine.config import ConfigError, LoomConfig, TrainConfig, is_plain_name
-from loom.engine.names_elsewhere import (
-    TRAINING_NAMES,
-    entry_for,
-    loom_equivalent,
-    loom_fields_named,
-    told_in_loom_terms,
-)
+from loom.engine.names_elsewhere import TORCHTITAN, TRAINING_NAMES, answers
 
 SECTIONS: dict[str, type] = {f.name: f.type for f in dataclasses.fields(LoomConfig)}
 _SECTION_TYPES = {name: typing.get_type_hints(LoomConfig)[name] for name in SECTIONS}
@@ -77,11 +71,16 @@ def _coerce(where: str, hint: Any, value: Any) -> Any:
     raise ConfigError(f"{where}: unsupported field type {hint}")
 
 
+_TORCHTITAN_SECTIONS = {entry.name.split(".")[0] for entry in TRAINING_NAMES if entry.engine == TORCHTITAN}
+
+
 def _unknown(kind: str, name: str, known: list[str], as_written: list[tuple[str, str | None]]) -> ConfigError:
     """`as_written`: the names as the user wrote them, with their values (torchtitan's names for loom settings)."""
-    told = told_in_loom_terms(as_written, TRAINING_NAMES, takes_config=True)
+    told = [answer for written in as_written for answer in _answers_for(*written)]
     if told:
-        return ConfigError(f"unknown {kind} {name!r}: {'; '.join(told)}")
+        return ConfigError(f"unknown {kind} {name!r}: {'; '.join(answer.clause() for answer in told)}")
+    if kind == "config section" and name in _TORCHTITAN_SECTIONS:
+        return ConfigError(f"unknown config section {name!r}, torchtitan's; loom's settings: docs/config.md")
     close = difflib.get_close_matches(name, known, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(known)}"
     return ConfigError(f"unknown {kind} {name!r}{hint}")
@@ -111,20 +110,25 @@ def _shown(value: Any) -> str | None:
     return str(value)
 
 
+def _answers_for(name: str, value: str | None) -> list:
+    """loom's name for a key of a config file or a dotted flag: torchtitan's name for it, or a loom field outside its
+    section (first for a key outside any section: Megatron-LM's flags are no TOML keys)."""
+    if "." not in name and (fields := answers([(name, value)], (), loom_fields=True)):
+        return fields
+    return answers([(name, value)], TRAINING_NAMES, loom_fields=True)
+
+
 def _several_not_loom(names: list[tuple[str, str | None]], source: str) -> ConfigError:
     """One error for a config with several settings that are not loom's (a torchtitan config, most likely): a line
     for each, with loom's setting where it has one, rather than one at a time over as many runs."""
     known = [f"{section}.{field}" for section, cls in _SECTION_TYPES.items() for field in _field_types(cls)]
     lines = []
     for name, value in names:
-        entry, fields = entry_for(name), [] if "." in name else loom_fields_named(name)
-        if fields:  # a loom field outside its [section]
-            lines.append(f"  {name}: {' or '.join(fields)}{f' {value}' if value and len(fields) == 1 else ''}")
-        elif entry is not None:
-            lines.append(f"  {name} ({entry.engine}): {loom_equivalent(entry, value)}")
-        else:
-            close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
-            lines.append(f"  {name}: no loom setting{f'; did you mean {close[0]}?' if close else ''}")
+        told = _answers_for(name, value)
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+        lines.append(
+            told[0].line() if told else f"  {name}: no loom setting{f'; did you mean {close[0]}?' if close else ''}"
+        )
     return ConfigError(
         f"{len(names)} settings in {source} are not loom's; loom's names for them, where it has one (all of its "
         "settings: docs/config.md):\n" + "\n".join(lines)
@@ -144,7 +148,8 @@ def config_from_dict(raw: dict[str, Any], source: str = "the config") -> LoomCon
                 if isinstance(values, dict)
                 else [(section_name, _shown(values))]
             )
-            raise _unknown("config section", section_name, list(SECTIONS), keys)
+            kind = "config section" if isinstance(values, dict) else "key outside a [section]"
+            raise _unknown(kind, section_name, list(SECTIONS), keys)
         if not isinstance(values, dict):
             raise ConfigError(f"[{section_name}] must be a table of fields")
         cls = _SECTION_TYPES[section_name]

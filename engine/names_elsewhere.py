@@ -50,6 +50,11 @@ _NOT_READ = "loom reads its own checkpoints, and Hugging Face ones through loom 
 _BATCH = "its global batch defaults to this x dp, no accumulation; loom's to 256: set --train.global_batch_size"
 _PROFILE = "loom bench profile --config C traces a few steps"
 _VALIDATION_SPLIT = "loom validates on a split of the training datasets"
+_CHECKPOINT_ENABLE = (
+    "loom saves every checkpoint.interval steps, its own key, and a run's last step unless --checkpoint.save_at_end "
+    "false: enable = false is interval 0 and save_at_end false"
+)
+_RAMP_LR = "Megatron's LR schedule counts samples, loom's steps: under a ramp its warmup and decay end sooner"
 _GPT2_FILES = (
     'a Hugging Face tokenizer.json holds vocabulary and merges: python -c "from transformers import '
     "GPT2TokenizerFast as T; T('vocab.json', 'merges.txt').save_pretrained('gpt2')\" writes gpt2/tokenizer.json"
@@ -84,11 +89,11 @@ TRAINING_NAMES: tuple[NameElsewhere, ...] = (
             ("--distributed-backend", "--parallel.backend", "auto picks NCCL on GPUs, gloo on CPU"),
             ("--micro-batch-size", "--train.micro_batch_size", _BATCH),
             ("--global-batch-size", "--train.global_batch_size"),
-            ("--rampup-batch-size", "--train.rampup_batch_size", "the same three numbers: start increment samples"),
+            ("--rampup-batch-size", "--train.rampup_batch_size", "the same three numbers; " + _RAMP_LR),
             (
                 "--step-batch-size-schedule",
                 "--train.rampup_batch_size",
-                "loom ramps as Megatron's older --rampup-batch-size: start increment samples",
+                "loom ramps as Megatron's older --rampup-batch-size: start increment samples; " + _RAMP_LR,
                 CONVERTED,
             ),
             ("--train-iters", "--train.steps"),
@@ -213,7 +218,11 @@ TRAINING_NAMES: tuple[NameElsewhere, ...] = (
             ("--loss-scale-window", "--optim.loss_scale_window"),
             ("--hysteresis", "--optim.loss_scale_hysteresis"),
             ("--min-loss-scale", "--optim.min_loss_scale"),
-            ("--accumulate-allreduce-grads-in-fp32", "--optim.grad_dtype fp32", "the default of both"),
+            (
+                "--accumulate-allreduce-grads-in-fp32",
+                "--optim.grad_dtype fp32",
+                "loom's default; Megatron's under --bf16, not --fp16",
+            ),
             ("--grad-reduce-in-bf16", "--optim.grad_dtype bf16"),
             ("--no-gradient-accumulation-fusion", "--optim.grad_accumulation_fusion false"),
             ("--save", "--train.run_dir", "checkpoints go in its checkpoints/, beside the run's logs and metrics"),
@@ -271,6 +280,8 @@ TRAINING_NAMES: tuple[NameElsewhere, ...] = (
                 CONVERTED,
             ),
             ("--data-cache-path", "--data.cache_dir"),
+            ("--mock-data", "", "loom demo trains on its embedded corpus; loom data build makes one of any JSONL"),
+            ("--num-workers", "", "loom reads memory-mapped samples in the training process"),
         ],
     ),
     *_entries(
@@ -282,14 +293,14 @@ TRAINING_NAMES: tuple[NameElsewhere, ...] = (
             (
                 "model.name",
                 "--config",
-                "a preset of configs/, or a TOML file with the model's [model] fields; torchtitan's llama3 scales "
+                "a preset of configs/, or a TOML file with a dense model's [model] fields; torchtitan's llama3 scales "
                 "RoPE as Llama 3.1, loom with --model.rope_scaling llama3, and initialises its own way",
                 CONVERTED,
             ),
             (
                 "model.flavor",
                 "--config",
-                "a preset of configs/, or a TOML file with the model's [model] fields; torchtitan's llama3 scales "
+                "a preset of configs/, or a TOML file with a dense model's [model] fields; torchtitan's llama3 scales "
                 "RoPE as Llama 3.1, loom with --model.rope_scaling llama3, and initialises its own way",
                 CONVERTED,
             ),
@@ -337,7 +348,7 @@ TRAINING_NAMES: tuple[NameElsewhere, ...] = (
             ("training.steps", "--train.steps"),
             ("training.local_batch_size", "--train.micro_batch_size", _BATCH),
             ("training.batch_size", "--train.micro_batch_size", _BATCH),
-            ("training.global_batch_size", "--train.global_batch_size"),
+            ("training.global_batch_size", "--train.global_batch_size", "-1 there is local batch x dp", CONVERTED),
             ("training.seq_len", "--train.seq_length"),
             ("training.max_norm", "--optim.clip_grad"),
             ("training.warmup_steps", "--optim.warmup_steps"),
@@ -370,14 +381,15 @@ TRAINING_NAMES: tuple[NameElsewhere, ...] = (
             ("parallelism.context_parallel_degree", "--parallel.cp"),
             (
                 "parallelism.data_parallel_shard_degree",
-                "--optim.zero 3",
-                "loom's dp is replicate x shard, and ZeRO-3 shards weights, gradients and optimizer state over all "
-                "of it, as FSDP",
+                "--optim.zero",
+                "3 shards weights, gradients and optimizer state over all data-parallel ranks, as FSDP; a shard "
+                "degree of 1 is 0; loom's dp is replicate x shard",
+                CONVERTED,
             ),
             (
                 "parallelism.data_parallel_replicate_degree",
                 "--parallel.dp",
-                "loom's dp is replicate x shard: ZeRO shards over all of it",
+                "loom's dp is replicate x shard, and ZeRO shards over all of it",
                 CONVERTED,
             ),
             ("parallelism.enable_sequence_parallel", "--parallel.sequence_parallel", "true there by default"),
@@ -390,10 +402,10 @@ TRAINING_NAMES: tuple[NameElsewhere, ...] = (
             ),
             ("parallelism.pipeline_parallel_microbatch_size", "--train.micro_batch_size"),
             ("parallelism.expert_parallel_degree", "", "loom trains dense models, no mixture of experts"),
-            ("checkpoint.enable", "--checkpoint.interval", "loom always saves a run's last step", CONVERTED),
-            ("checkpoint.enable_checkpoint", "--checkpoint.interval", "loom always saves a run's last step", CONVERTED),
+            ("checkpoint.enable", "--checkpoint.interval", _CHECKPOINT_ENABLE, CONVERTED),
+            ("checkpoint.enable_checkpoint", "--checkpoint.interval", _CHECKPOINT_ENABLE, CONVERTED),
             ("checkpoint.folder", "--train.run_dir", "checkpoints go in its checkpoints/", CONVERTED),
-            ("checkpoint.keep_latest_k", "--checkpoint.keep", "0 keeps all there; loom keeps at least 1"),
+            ("checkpoint.keep_latest_k", "--checkpoint.keep", "0 keeps all there; loom keeps at least 1", CONVERTED),
             (
                 "checkpoint.initial_load_path",
                 "--checkpoint.load",
@@ -437,7 +449,7 @@ TRAINING_NAMES: tuple[NameElsewhere, ...] = (
             ("profiling.profile_freq", "", _PROFILE),
             ("validation.enable", "--train.eval_interval", "steps between evaluations; 0 is off", CONVERTED),
             ("validation.enabled", "--train.eval_interval", "steps between evaluations; 0 is off", CONVERTED),
-            ("validation.freq", "--train.eval_interval"),
+            ("validation.freq", "--train.eval_interval", "with validation.enable; loom's 0 is off"),
             (
                 "validation.steps",
                 "--train.eval_iters",
@@ -476,7 +488,7 @@ SUBMIT_LAUNCH_NAMES: tuple[NameElsewhere, ...] = _entries(
 DATA_BUILD_NAMES: tuple[NameElsewhere, ...] = _entries(
     PREPROCESS_DATA,
     [
-        ("--json-keys", "--text-key", "one key"),
+        ("--json-keys", "--text-key", "one key", CONVERTED),
         ("--tokenizer-model", "--tokenizer"),
         ("--tokenizer-type", "--tokenizer", "the kind is read from the file: a .model or a tokenizer.json", CONVERTED),
         (
@@ -492,6 +504,9 @@ DATA_BUILD_NAMES: tuple[NameElsewhere, ...] = _entries(
             CONVERTED,
         ),
         ("--split-sentences", "", "loom keeps documents whole"),
+        ("--keep-newlines", "", "loom keeps the text as written"),
+        ("--partitions", "--workers", "processes that encode, over one output", CONVERTED),
+        ("--log-interval", "", "loom data build shows a progress bar"),
     ],
 )
 """Names of `loom data build`'s options in Megatron-LM's preprocessing script (which appends no end-of-document
@@ -506,13 +521,17 @@ def name_key(typed: str) -> str:
 
 
 def entry_for(typed: str, names: tuple[NameElsewhere, ...] = TRAINING_NAMES) -> NameElsewhere | None:
-    """The entry of `names` that `typed` spells, if any; a dotted name under an entry's (torchtitan's
-    `quantize.linear.float8.recipe_name` under `quantize.linear`) is that entry's."""
+    """The entry of `names` that `typed` spells, if any. A dotted name under an entry's (torchtitan's
+    `quantize.linear.float8.recipe_name` under `quantize.linear`) is that entry's; one whose last part is an
+    entry's name or last part (`--model.num_attention_heads`, `--parallel.tensor_parallel_degree`) is that entry's."""
     by_key = {name_key(entry.name): entry for entry in names}
     key = name_key(typed)
     while key not in by_key and key.count(".") > 1:
         key = key.rsplit(".", 1)[0]
-    return by_key.get(key)
+    if key in by_key or "." not in key:
+        return by_key.get(key)
+    field = key.rsplit(".", 1)[1]
+    return next((entry for name, entry in by_key.items() if name.rsplit(".", 1)[-1] == field), None)
 
 
 def loom_setting(entry: NameElsewhere, value: str | None = None) -> str:
@@ -522,39 +541,59 @@ def loom_setting(entry: NameElsewhere, value: str | None = None) -> str:
     return entry.loom
 
 
-def loom_equivalent(entry: NameElsewhere, value: str | None = None) -> str:
-    """What loom has for it: `--parallel.tp 2`, `--parallel.grad_bucket_mb (MiB of fp32 gradients, ...)`, `no loom
-    setting (loom trains dense models, ...)`."""
-    note = f" ({entry.note})" if entry.note else ""
-    return f"{loom_setting(entry, value) or 'no loom setting'}{note}"
-
-
-def said_elsewhere(
-    typed: str,
-    value: str | None = None,
-    names: tuple[NameElsewhere, ...] = TRAINING_NAMES,
-    notes_said: set = frozenset(),
-) -> str | None:
-    """One clause telling loom's setting (with `value`, where it carries over) for a name typed in another engine's
-    spelling, or None if none of `names` is it; its note unless among `notes_said`."""
-    entry = entry_for(typed, names)
-    if entry is None:
-        return None
-    note = f" ({entry.note})" if entry.note and entry.note not in notes_said else ""
-    if not entry.loom:
-        return f"{typed} ({entry.engine}) has no loom setting{note}"
-    return f"{typed} ({entry.engine}) is {loom_setting(entry, value)} in loom{note}"
-
-
 def loom_fields_named(typed: str) -> list[str]:
-    """loom's settings whose field is named as typed, whatever the section (`--steps` is --train.steps)."""
-    key = name_key(typed)
+    """loom's settings whose field is named as typed (its last part), whatever the section: `--steps` and
+    `--model.lr` are --train.steps and --optim.lr."""
+    key = name_key(typed).rsplit(".", 1)[-1]
     return [
         f"--{section.name}.{spec.name}"
         for section in dataclasses.fields(LoomConfig)
         for spec in dataclasses.fields(section.default_factory)
         if spec.name == key
     ]
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What loom calls a name the user typed: another engine's (`engine` set) or a loom field in the wrong place."""
+
+    name: str
+    engine: str | None
+    loom: str
+    """loom's setting with the value where it carries over; "" where loom has none."""
+    note: str
+
+    def _label(self) -> str:
+        return f"{self.name} ({self.engine})" if self.engine else self.name
+
+    def clause(self) -> str:
+        """`--tensor-model-parallel-size (Megatron-LM) is --parallel.tp 2 in loom`, for a one-line error."""
+        note = f" ({self.note})" if self.note else ""
+        if not self.loom:
+            return f"{self._label()} has no loom setting{note}"
+        return f"{self._label()} is {self.loom} in loom{note}"
+
+    def line(self) -> str:
+        """`  --tensor-model-parallel-size (Megatron-LM): --parallel.tp 2`, one of a list."""
+        note = f" ({self.note})" if self.note else ""
+        return f"  {self._label()}: {self.loom or 'no loom setting'}{note}"
+
+
+def answers(named: list[tuple[str, str | None]], names: tuple[NameElsewhere, ...], loom_fields: bool) -> list[Answer]:
+    """An Answer for each (name, value) of `named` that is another engine's name in `names` for a loom setting, or,
+    with `loom_fields`, a loom field outside its section; a note shared by several is given with the first."""
+    found, notes_said = [], set()
+    for name, value in dict.fromkeys(named):
+        entry = entry_for(name, names)
+        fields = loom_fields_named(name) if loom_fields and entry is None else []
+        if entry is not None:
+            note = "" if entry.note in notes_said else entry.note
+            notes_said.add(entry.note)
+            found.append(Answer(name, entry.engine, loom_setting(entry, value), note))
+        elif fields:
+            shown = f" {value}" if value and len(fields) == 1 else ""
+            found.append(Answer(name, None, " or ".join(fields) + shown, ""))
+    return found
 
 
 def flags_and_values(arguments: list[str]) -> list[tuple[str, str | None]]:
@@ -572,21 +611,3 @@ def flags_and_values(arguments: list[str]) -> list[tuple[str, str | None]]:
             following.append(later)
         pairs.append((flag, inline if equals else " ".join(following) or None))
     return pairs
-
-
-def told_in_loom_terms(
-    named: list[tuple[str, str | None]], names: tuple[NameElsewhere, ...], takes_config: bool
-) -> list[str]:
-    """A clause for each (name, value) of `named` (none of them the command's own options) that is another engine's
-    name for a loom setting, or, for a command that takes config overrides, a loom field without its section."""
-    told, notes_said = [], set()
-    for name, value in dict.fromkeys(named):
-        said = said_elsewhere(name, value, names, notes_said)
-        notes_said.add(getattr(entry_for(name, names), "note", ""))
-        if said is None and takes_config and "." not in name:
-            fields = loom_fields_named(name)
-            shown = f" {value}" if value and len(fields) == 1 else ""
-            said = f"{name} is {' or '.join(fields)}{shown} in loom" if fields else None
-        if said is not None:
-            told.append(said)
-    return told

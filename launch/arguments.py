@@ -30,22 +30,32 @@ class OneLineParser(argparse.ArgumentParser):
             flag == missing.group(1) and value.startswith("-") for flag, value in zip(given, given[1:], strict=False)
         ):  # argparse took the value for a flag: a file named -x, a negative number
             message += f"; a value that starts with '-' is written {missing.group(1)}=VALUE"
+        told = []
         if message.startswith(("unrecognized arguments", "the following arguments are required")):
-            message += "".join(f"; {clause}" for clause in self._told_in_loom_terms(given))
+            told = self._answers_in_loom_terms(given)
+        listed = len(told) > 2  # a pasted script: a line each, as for a config file
+        if not listed:
+            message += "".join(f"; {answer.clause()}" for answer in told)
         if message.startswith("unrecognized arguments") and self.get_default("takes_overrides"):
             message += "; config overrides look like --train.steps 50"
-        print(f"error: {self.prog}: {message} (see {self.prog} --help)", file=sys.stderr)
+        message += f" (see {self.prog} --help)"
+        if listed:
+            message += "; loom's names for them:\n" + "\n".join(answer.line() for answer in told)
+            engines = sorted({answer.engine for answer in told if answer.engine})
+            if engines:  # a script names only what differs from its engine's defaults, some of which loom's do not
+                message += f"\n  (where {' and '.join(engines)}'s defaults differ from loom's: docs/config.md, its end)"
+        print(f"error: {self.prog}: {message}", file=sys.stderr)
         sys.exit(2)
 
-    def _told_in_loom_terms(self, given: list[str]) -> list[str]:
+    def _answers_in_loom_terms(self, given: list) -> list:
         """What the flags this parser does not take are called in loom, where they are another engine's names
         (Megatron-LM's, torchtitan's) or loom fields written without their section."""
-        from loom.engine.names_elsewhere import TRAINING_NAMES, flags_and_values, told_in_loom_terms
+        from loom.engine.names_elsewhere import TRAINING_NAMES, answers, flags_and_values
 
         takes_config = bool(self.get_default("takes_overrides"))
         names = self.get_default("names_elsewhere") or (TRAINING_NAMES if takes_config else ())
         foreign = [(f, v) for f, v in flags_and_values(given) if f not in self._option_string_actions]
-        return told_in_loom_terms(foreign, names, takes_config) if names else []
+        return answers(foreign, names, loom_fields=takes_config) if names else []
 
 
 def int_in(low: int, high: int | None = None) -> Callable[[str], int]:

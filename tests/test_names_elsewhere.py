@@ -106,10 +106,27 @@ def _refusal(capsys, argv: list[str]) -> str:
 
 def test_other_engines_flags_are_answered_with_loom_s(capsys):
     err = _refusal(capsys, ["train", "--config", "tiny", "--tensor-model-parallel-size", "2", "--bf16", "--steps", "3"])
-    assert err.count("\n") == 1 and err.startswith("error: loom train: unrecognized arguments: ")
-    assert "--tensor-model-parallel-size (Megatron-LM) is --parallel.tp 2 in loom;" in err  # ready to paste
-    assert "--bf16 (Megatron-LM) is --train.precision bf16 in loom (Megatron's default is fp32, loom's bf16)" in err
-    assert "--steps is --train.steps 3 in loom" in err  # a loom field without its section
+    head, *lines = err.splitlines()  # a pasted script: a line each
+    assert head == (
+        "error: loom train: unrecognized arguments: --tensor-model-parallel-size --bf16 --steps; config overrides "
+        "look like --train.steps 50 (see loom train --help); loom's names for them:"
+    )
+    assert lines == [
+        "  --tensor-model-parallel-size (Megatron-LM): --parallel.tp 2",  # ready to paste
+        "  --bf16 (Megatron-LM): --train.precision bf16 (Megatron's default is fp32, loom's bf16)",
+        "  --steps: --train.steps 3",  # a loom field without its section
+        "  (where Megatron-LM's defaults differ from loom's: docs/config.md, its end)",
+    ]
+    # one or two are said in the line
+    err = _refusal(capsys, ["train", "--config", "tiny", "--tensor-model-parallel-size", "2"])
+    assert err.count("\n") == 1 and "; --tensor-model-parallel-size (Megatron-LM) is --parallel.tp 2 in loom;" in err
+    # a name with loom's section but another engine's field, or loom's field in another section
+    for flag, said in (
+        ("--model.num_attention_heads", "--model.num_attention_heads (Megatron-LM) is --model.num_heads 4 in loom"),
+        ("--parallel.tensor_parallel_degree", "--parallel.tensor_parallel_degree (torchtitan) is --parallel.tp 4"),
+        ("--model.lr", "--model.lr (Megatron-LM) is --optim.lr 4 in loom"),
+    ):
+        assert said in _refusal(capsys, ["train", "--config", "tiny", flag, "4"])
     # a value in other units or choices is not carried over: the note says how it converts
     err = _refusal(capsys, ["train", "--config", "tiny", "--ddp-bucket-size=40000000", "--normalization", "RMSNorm"])
     assert "--ddp-bucket-size (Megatron-LM) is --parallel.grad_bucket_mb in loom (MiB of fp32 gradients" in err
@@ -123,7 +140,7 @@ def test_other_engines_flags_are_answered_with_loom_s(capsys):
     assert "--nnodes (torchrun) is --nodes 2 in loom" in err
     err = _refusal(capsys, ["data", "build", "--input", "a.jsonl", "--tokenizer-model", "t.model", "--json-keys", "t"])
     assert "--tokenizer-model (Megatron-LM's preprocess_data.py) is --tokenizer t.model in loom" in err
-    assert "--json-keys (Megatron-LM's preprocess_data.py) is --text-key t in loom" in err
+    assert "--json-keys (Megatron-LM's preprocess_data.py) is --text-key in loom (one key)" in err
     # GPT-2's vocabulary files: how to make the tokenizer.json loom reads, said once for the two
     err = _refusal(capsys, ["data", "build", "--input", "a.jsonl", "--vocab-file", "v.json", "--merge-file", "m.txt"])
     assert (
@@ -179,7 +196,7 @@ def test_a_torchtitan_config_file_is_answered_setting_by_setting(tmp_path):
     head, *lines = str(refused.value).splitlines()
     assert head.startswith(f"11 settings in {path} are not loom's")
     llama3 = (
-        "a preset of configs/, or a TOML file with the model's [model] fields; torchtitan's llama3 scales RoPE as "
+        "a preset of configs/, or a TOML file with a dense model's [model] fields; torchtitan's llama3 scales RoPE as "
         "Llama 3.1, loom with --model.rope_scaling llama3, and initialises its own way"
     )
     assert lines == [
@@ -193,7 +210,7 @@ def test_a_torchtitan_config_file_is_answered_setting_by_setting(tmp_path):
         " no accumulation; loom's to 256: set --train.global_batch_size)",
         "  training.steps (torchtitan): --train.steps 1000",
         "  parallelism.tensor_parallel_degree (torchtitan): --parallel.tp 2",
-        "  checkpoint.keep_latest_k (torchtitan): --checkpoint.keep 2 (0 keeps all there; loom keeps at least 1)",
+        "  checkpoint.keep_latest_k (torchtitan): --checkpoint.keep (0 keeps all there; loom keeps at least 1)",
         "  checkpoint.async_mode (torchtitan): --checkpoint.async_save (true for async, false for disabled)",
         "  train.step: no loom setting; did you mean train.steps?",
     ]
@@ -213,5 +230,7 @@ def test_loom_settings_written_outside_their_section_are_told_it(tmp_path):
         load_config(str(tmp_path / "flat.toml"))
     assert str(refused.value).splitlines()[1:] == ["  steps: --train.steps 3", "  lr: --optim.lr 0.1"]
     (tmp_path / "one.toml").write_text("steps = 3\n")
-    with pytest.raises(ConfigError, match="unknown config section 'steps': steps is --train.steps 3 in loom$"):
+    with pytest.raises(
+        ConfigError, match=r"unknown key outside a \[section\] 'steps': steps is --train.steps 3 in loom$"
+    ):
         load_config(str(tmp_path / "one.toml"))
