@@ -590,8 +590,9 @@ class CheckpointConfig:
     keep: int = 3
     """Keep the newest this many checkpoints."""
     load: str | None = None
-    """Checkpoint a new run starts from (a run directory, its checkpoints/ or an iter_N folder, any layout). Once
-    the run has checkpoints of its own, it resumes from its newest instead: rerunning the command, extending the
+    """Checkpoint a new run starts from (a run directory, its checkpoints/ or an iter_N folder, any layout; the run's
+    own directory, as Megatron's --save D --load D, is no other start). Once the run has checkpoints of its own, it
+    resumes from its newest instead: rerunning the command, extending the
     run or a requeued job continue it rather than going back here. Its weights are the model: its shapes, RoPE
     and norm settings and context length are the checkpoint's, over the config file's, on this run and its reruns
     (said at start; a flag giving another shape is refused; dropout, recompute, kernels stay the run's)."""
@@ -685,6 +686,8 @@ class LoomConfig:
     started from checkpoint.load takes that checkpoint's model over the config file's, not over a flag's."""
 
     def __post_init__(self) -> None:
+        if self.checkpoint.load and not self.checkpoint.finetune and self._loads_its_own_run_dir():
+            self.checkpoint.load = None  # Megatron's --save D --load D: a run resumes from its own checkpoints anyway
         if self.checkpoint.finetune and self.lora.enabled:
             raise ConfigError(
                 "checkpoint.finetune with lora.rank > 0: a LoRA run starts from the weights of lora.base already "
@@ -713,6 +716,11 @@ class LoomConfig:
                 f"model.attention_backend = {backend} is a CUDA kernel for bf16 or fp16, not train.precision = fp32; "
                 "use --model.attention_backend efficient (or auto), or --train.precision bf16 on a GPU"
             )
+
+    def _loads_its_own_run_dir(self) -> bool:
+        """checkpoint.load names this run's own directory (or its checkpoints/), where it resumes from by itself."""
+        own = Path(self.train.run_dir).resolve()
+        return Path(self.checkpoint.load).resolve() in (own, own / "checkpoints")
 
     def settings_without_effect(self) -> list[str]:
         """Fields set away from their defaults that this config never reads, each as a phrase saying why (a user

@@ -226,7 +226,11 @@ TRAINING_NAMES: tuple[NameElsewhere, ...] = (
             ("--grad-reduce-in-bf16", "--optim.grad_dtype bf16"),
             ("--no-gradient-accumulation-fusion", "--optim.grad_accumulation_fusion false"),
             ("--save", "--train.run_dir", "checkpoints go in its checkpoints/, beside the run's logs and metrics"),
-            ("--load", "--checkpoint.load", f"a run resumes from its own checkpoints without it; {_NOT_READ}"),
+            (
+                "--load",
+                "--checkpoint.load",
+                f"a run resumes from its own checkpoints without it, and --load D of --save D is that; {_NOT_READ}",
+            ),
             ("--save-interval", "--checkpoint.interval"),
             ("--finetune", "--checkpoint.finetune true", "with --checkpoint.load"),
             ("--no-load-optim", "--checkpoint.finetune true", "fresh optimizer state, from step 1"),

@@ -234,3 +234,16 @@ def test_loom_settings_written_outside_their_section_are_told_it(tmp_path):
         ConfigError, match=r"unknown key outside a \[section\] 'steps': steps is --train.steps 3 in loom$"
     ):
         load_config(str(tmp_path / "one.toml"))
+
+
+def test_megatron_s_save_and_load_of_one_folder_is_the_run_resuming_itself(tmp_path):
+    """`--save D --load D`, Megatron's way to resume, written loom's way: the first run said "checkpoint.load = D
+    does not exist". A run resumes from its own directory by itself, so that load is no other start."""
+    run = tmp_path / "run"
+    for load in (run, run / "checkpoints", tmp_path / "run" / "." / "checkpoints"):
+        config = load_config(None, ["--train.run_dir", str(run), "--checkpoint.load", str(load)])
+        assert config.checkpoint.load is None
+    other = tmp_path / "base"
+    assert load_config(None, ["--train.run_dir", str(run), "--checkpoint.load", str(other)]).checkpoint.load == str(
+        other
+    )
