@@ -79,6 +79,15 @@ def preflight(config: LoomConfig, world_size: int, training: bool = True, ranks_
                 f"the tokenizer has {vocab} pieces but model.vocab_size = {config.model.vocab_size}; "
                 f"set --model.vocab_size {vocab}"
             )
+        if training and vocab < config.model.vocab_size and not (config.checkpoint.load or config.lora.enabled):
+            # Megatron takes the vocabulary from the tokenizer: a ported script names none, and a preset's stays
+            print(
+                f"warning: model.vocab_size = {config.model.vocab_size} but the tokenizer has {vocab} pieces: ids "
+                f"{vocab}-{config.model.vocab_size - 1} never occur and only take probability from the rest; set "
+                f"--model.vocab_size {vocab} (the embedding is padded to a multiple of "
+                f"model.make_vocab_divisible_by for speed anyway)",
+                flush=True,
+            )
         check_ids_within_tokenizer(config.data.paths, vocab, config.data.tokenizer, config.data.cache_dir)
     check_checkpoint_to_load(config, training)
     for line in adopted:  # said once the checkpoint is found loadable

@@ -247,3 +247,22 @@ def test_megatron_s_save_and_load_of_one_folder_is_the_run_resuming_itself(tmp_p
     assert load_config(None, ["--train.run_dir", str(run), "--checkpoint.load", str(other)]).checkpoint.load == str(
         other
     )
+
+
+def test_a_vocabulary_larger_than_the_tokenizer_s_is_warned_of(tmp_path, markov_dataset, capsys):
+    """Megatron takes the vocabulary from the tokenizer, so a ported script names none and the preset's stays: a
+    tokenizer of 300 pieces under tiny's 4096 trained ids that never occur (loss ln 4096 at the start)."""
+    from loom.data_tools.tokenizer import train_tokenizer
+    from loom.engine.preflight import preflight
+
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text("".join(f'{{"text": "document {i} says def f(x): return x + {i}"}}\n' for i in range(200)))
+    tokenizer = train_tokenizer([jsonl], tmp_path / "tok", vocab_size=300, progress=False)["model"]
+    data = ["--data.paths", markov_dataset(64, vocab_size=300), "--data.tokenizer", str(tokenizer)]
+    data += ["--train.eval_interval", "0"]
+    for vocab, warned in ((4096, True), (300, False)):
+        run = ["--train.run_dir", str(tmp_path / f"run{vocab}"), "--model.vocab_size", str(vocab)]
+        preflight(load_config("tiny", [*data, *run]), world_size=1)
+        said = capsys.readouterr().out
+        assert ("warning: model.vocab_size = 4096 but the tokenizer has 300 pieces" in said) is warned, said
+        assert ("set --model.vocab_size 300" in said) is warned
