@@ -192,6 +192,10 @@ def dataset_prefix(text: str) -> str:
         path = Path(text + suffix)
         if not path.is_file():
             hint = " (give the prefix, without .bin/.idx)" if text.endswith((".bin", ".idx")) else ""
+            from loom.engine.data.indexed import megatron_named_sibling
+
+            if not hint and (sibling := megatron_named_sibling(text)):
+                hint = f", but {sibling}.idx does: that is its prefix"
             raise argparse.ArgumentTypeError(f"{path} does not exist{hint}")
     return text
 

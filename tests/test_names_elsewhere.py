@@ -7,6 +7,7 @@ and the Megatron-LM flags are spelled as megatron-core itself generates them fro
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 import warnings
 
@@ -266,3 +267,25 @@ def test_a_vocabulary_larger_than_the_tokenizer_s_is_warned_of(tmp_path, markov_
         said = capsys.readouterr().out
         assert ("warning: model.vocab_size = 4096 but the tokenizer has 300 pieces" in said) is warned, said
         assert ("set --model.vocab_size 300" in said) is warned
+
+
+def test_a_dataset_named_the_other_engine_s_way_is_pointed_to(tmp_path, markov_dataset):
+    """Megatron's preprocess_data.py names its output PREFIX_text_document, loom data build PREFIX: a user who
+    gives one name where the files have the other is told the prefix that exists."""
+    import argparse
+    import shutil
+
+    from loom.engine.data.indexed import IndexedDataset, IndexFormatError
+    from loom.launch.arguments import dataset_prefix
+
+    source = markov_dataset(64)
+    for written, typed in (("corpus_text_document", "corpus"), ("plain", "plain_text_document")):
+        for suffix in (".bin", ".idx"):
+            shutil.copy(source + suffix, tmp_path / (written + suffix))
+        said = f"{tmp_path / typed}.idx does not exist, but {tmp_path / written}.idx does: that is its prefix"
+        with pytest.raises(IndexFormatError, match=re.escape(said)):
+            IndexedDataset(tmp_path / typed)
+        with pytest.raises(argparse.ArgumentTypeError, match=re.escape(said)):
+            dataset_prefix(str(tmp_path / typed))
+    with pytest.raises(IndexFormatError, match="build the dataset with `loom data build`"):
+        IndexedDataset(tmp_path / "neither")
