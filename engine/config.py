@@ -722,6 +722,33 @@ class LoomConfig:
         own = Path(self.train.run_dir).resolve()
         return Path(self.checkpoint.load).resolve() in (own, own / "checkpoints")
 
+    def file_fields_a_flag_outdates(self) -> list[str]:
+        """[model] fields the config file chose for a width or head count that a flag then changed (a preset's FFN
+        width under --model.hidden_size, as a ported Megatron script's flags give), each as a phrase saying what to
+        pass: they are kept as written, where Megatron would derive them from the flag."""
+        if self.model_fields_given is None or self.checkpoint.load or self.lora.enabled:
+            return []
+        from_file, flagged, m = (
+            self.model_fields_given - self.model_fields_flagged,
+            self.model_fields_flagged,
+            self.model,
+        )
+        said = []
+        if "hidden_size" in flagged and "ffn_hidden_size" in from_file:
+            derived = "8h/3 rounded up to 256" if m.activation == "swiglu" else "4h"
+            said.append(
+                f"--model.hidden_size {m.hidden_size} keeps the config file's model.ffn_hidden_size = "
+                f"{m.ffn_hidden_size}, chosen for its own width: give --model.ffn_hidden_size too (none: loom's "
+                f"{derived})"
+            )
+        if "num_heads" in flagged and "num_kv_heads" in from_file and m.num_kv_heads not in (None, m.num_heads):
+            said.append(
+                f"--model.num_heads {m.num_heads} keeps the config file's model.num_kv_heads = {m.num_kv_heads}: "
+                f"grouped-query attention, {m.num_heads // m.num_kv_heads} query heads per key/value head "
+                f"(--model.num_kv_heads {m.num_heads} gives each its own)"
+            )
+        return said
+
     def settings_without_effect(self) -> list[str]:
         """Fields set away from their defaults that this config never reads, each as a phrase saying why (a user
         who sets SGD's momentum for AdamW, or early stopping with evaluation off, is told instead of ignored)."""

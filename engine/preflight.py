@@ -367,7 +367,7 @@ def preflight_of_a_rank(config: LoomConfig) -> None:
 
 
 def warn_settings_without_effect(config: LoomConfig) -> None:
-    for unread in config.settings_without_effect():
+    for unread in config.settings_without_effect() + config.file_fields_a_flag_outdates():
         print(f"warning: {unread}", flush=True)
 
 

@@ -289,3 +289,18 @@ def test_a_dataset_named_the_other_engine_s_way_is_pointed_to(tmp_path, markov_d
             dataset_prefix(str(tmp_path / typed))
     with pytest.raises(IndexFormatError, match="build the dataset with `loom data build`"):
         IndexedDataset(tmp_path / "neither")
+
+
+def test_a_width_or_head_count_given_by_flag_is_told_what_the_file_kept_for_its_own(tmp_path):
+    """Megatron derives the FFN width from --hidden-size and uses multi-head attention unless told: flags pasted
+    over a preset kept its ffn_hidden_size and num_kv_heads silently (tiny's 384 and 4)."""
+    said = load_config("tiny", ["--model.hidden_size", "64", "--model.num_heads", "8"]).file_fields_a_flag_outdates()
+    assert said == [
+        "--model.hidden_size 64 keeps the config file's model.ffn_hidden_size = 384, chosen for its own width: give "
+        "--model.ffn_hidden_size too (none: loom's 8h/3 rounded up to 256)",
+        "--model.num_heads 8 keeps the config file's model.num_kv_heads = 4: grouped-query attention, 2 query heads "
+        "per key/value head (--model.num_kv_heads 8 gives each its own)",
+    ]
+    flags = ["--model.hidden_size", "64", "--model.ffn_hidden_size", "none", "--model.num_heads", "8"]
+    assert load_config("tiny", [*flags, "--model.num_kv_heads", "8"]).file_fields_a_flag_outdates() == []
+    assert load_config("tiny", ["--model.num_layers", "2"]).file_fields_a_flag_outdates() == []
