@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from loom.engine.config import ConfigError, LoomConfig, TrainConfig, is_plain_name
-from loom.engine.names_elsewhere import TORCHTITAN, TRAINING_NAMES, answers
+from loom.engine.names_elsewhere import TORCHTITAN, TRAINING_NAMES, Answer, answers
 
 SECTIONS: dict[str, type] = {f.name: f.type for f in dataclasses.fields(LoomConfig)}
 _SECTION_TYPES = {name: typing.get_type_hints(LoomConfig)[name] for name in SECTIONS}
@@ -110,7 +110,7 @@ def _shown(value: Any) -> str | None:
     return str(value)
 
 
-def _answers_for(name: str, value: str | None) -> list:
+def _answers_for(name: str, value: str | None) -> list[Answer]:
     """loom's name for a key of a config file or a dotted flag: torchtitan's name for it, or a loom field outside its
     section (first for a key outside any section: Megatron-LM's flags are no TOML keys)."""
     if "." not in name and (fields := answers([(name, value)], (), loom_fields=True)):

@@ -47,7 +47,7 @@ class OneLineParser(argparse.ArgumentParser):
         print(f"error: {self.prog}: {message}", file=sys.stderr)
         sys.exit(2)
 
-    def _answers_in_loom_terms(self, given: list) -> list:
+    def _answers_in_loom_terms(self, given: list[str]) -> list:
         """What the flags this parser does not take are called in loom, where they are another engine's names
         (Megatron-LM's, torchtitan's) or loom fields written without their section."""
         from loom.engine.names_elsewhere import TRAINING_NAMES, answers, flags_and_values
