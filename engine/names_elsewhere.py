@@ -304,8 +304,8 @@ TRAINING_NAMES: tuple[NameElsewhere, ...] = (
             (
                 "model.flavor",
                 "--config",
-                "a preset of configs/, or a TOML file with a dense model's [model] fields; torchtitan's llama3 scales "
-                "RoPE as Llama 3.1, loom with --model.rope_scaling llama3, and initialises its own way",
+                "llama3's 1B, 8B and 70B are the presets llama-1b, llama-8b and llama-70b; debugmodel has none, "
+                "tiny is smaller; torchtitan's llama3 scales RoPE as Llama 3.1, loom with --model.rope_scaling llama3",
                 CONVERTED,
             ),
             ("model.tokenizer_path", "--data.tokenizer"),

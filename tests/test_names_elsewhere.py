@@ -205,7 +205,9 @@ def test_a_torchtitan_config_file_is_answered_setting_by_setting(tmp_path):
         " there)",
         "  profiling.enable_profiling (torchtitan): no loom setting (loom bench profile --config C traces a few steps)",
         f"  model.name (torchtitan): --config ({llama3})",
-        f"  model.flavor (torchtitan): --config ({llama3})",
+        "  model.flavor (torchtitan): --config (llama3's 1B, 8B and 70B are the presets llama-1b, llama-8b and "
+        "llama-70b; debugmodel has none, tiny is smaller; torchtitan's llama3 scales RoPE as Llama 3.1, loom with "
+        "--model.rope_scaling llama3)",
         "  optimizer.lr (torchtitan): --optim.lr 0.0003",
         "  training.local_batch_size (torchtitan): --train.micro_batch_size 1 (its global batch defaults to this x dp,"
         " no accumulation; loom's to 256: set --train.global_batch_size)",
