@@ -140,16 +140,12 @@ def config_from_dict(raw: dict[str, Any], source: str = "the config") -> LoomCon
     not_loom = _names_not_loom(raw)
     if len(not_loom) > 1:
         raise _several_not_loom(not_loom, source)
+    # From here at most one name is not loom's (the one refused below; none for an empty unknown section)
     sections = {}
     for section_name, values in raw.items():
         if section_name not in SECTIONS:
-            keys = (
-                [(f"{section_name}.{key}", _shown(value)) for key, value in values.items()]
-                if isinstance(values, dict)
-                else [(section_name, _shown(values))]
-            )
             kind = "config section" if isinstance(values, dict) else "key outside a [section]"
-            raise _unknown(kind, section_name, list(SECTIONS), keys)
+            raise _unknown(kind, section_name, list(SECTIONS), not_loom)
         if not isinstance(values, dict):
             raise ConfigError(f"[{section_name}] must be a table of fields")
         cls = _SECTION_TYPES[section_name]
@@ -157,8 +153,7 @@ def config_from_dict(raw: dict[str, Any], source: str = "the config") -> LoomCon
         kwargs = {}
         for key, value in values.items():
             if key not in hints:
-                written = [(f"{section_name}.{key}", _shown(value))]
-                raise _unknown(f"field in [{section_name}]", key, list(hints), written)
+                raise _unknown(f"field in [{section_name}]", key, list(hints), not_loom)
             kwargs[key] = _coerce(f"{section_name}.{key}", hints[key], value)
         sections[section_name] = cls(**kwargs)
     return LoomConfig(**sections)

@@ -192,10 +192,9 @@ def dataset_prefix(text: str) -> str:
         path = Path(text + suffix)
         if not path.is_file():
             hint = " (give the prefix, without .bin/.idx)" if text.endswith((".bin", ".idx")) else ""
-            from loom.engine.data.indexed import megatron_named_sibling
+            from loom.engine.data.indexed import other_naming_hint
 
-            if not hint and (sibling := megatron_named_sibling(text)):
-                hint = f", but {sibling}.idx does: that is its prefix"
+            hint = hint or other_naming_hint(text)
             raise argparse.ArgumentTypeError(f"{path} does not exist{hint}")
     return text
 

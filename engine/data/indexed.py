@@ -177,10 +177,11 @@ MEGATRON_SUFFIX = "_text_document"
 """What Megatron-LM's preprocess_data.py adds to an output prefix (for its text key); loom data build adds nothing."""
 
 
-def megatron_named_sibling(prefix: str) -> str | None:
-    """The same dataset named the other engine's way (with or without Megatron's suffix), where one exists."""
+def other_naming_hint(prefix: str) -> str:
+    """Where the same dataset exists named the other engine's way (with or without Megatron's suffix), the clause
+    that says so, to follow "P.idx does not exist"; "" where none does."""
     other = prefix.removesuffix(MEGATRON_SUFFIX) if prefix.endswith(MEGATRON_SUFFIX) else prefix + MEGATRON_SUFFIX
-    return other if index_paths(other)[1].is_file() else None
+    return f", but {other}.idx does: that is its prefix" if index_paths(other)[1].is_file() else ""
 
 
 class IndexedDataset:
@@ -198,8 +199,8 @@ class IndexedDataset:
                 if self.prefix.endswith((".bin", ".idx")) and Path(self.prefix).is_file():
                     raise IndexFormatError(f"{prefix} is a file of the dataset; give its prefix {self.prefix[:-4]}")
                 where = "" if path.is_absolute() else f" (in {Path.cwd()}: paths are relative to the working directory)"
-                if sibling := megatron_named_sibling(self.prefix):
-                    raise IndexFormatError(f"{path} does not exist{where}, but {sibling}.idx does: that is its prefix")
+                if hint := other_naming_hint(self.prefix):
+                    raise IndexFormatError(f"{path} does not exist{where}{hint}")
                 raise IndexFormatError(f"{path} does not exist{where}; build the dataset with `loom data build`")
         header = read_header(self.idx_path)
         self._dtype = header.dtype
