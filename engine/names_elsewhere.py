@@ -46,7 +46,10 @@ CONVERTED = False
 """A row's fourth field: the other engine's value is not loom's (see NameElsewhere.value_carries)."""
 
 _EVERY_BLOCK = "every block is recomputed; no uniform/block choice"
-_NOT_READ = "loom reads its own checkpoints, and Hugging Face ones through loom ckpt import-hf"
+_NOT_READ = (
+    "loom reads its own checkpoints; Megatron-LM's through loom ckpt import-megatron, Hugging Face ones through "
+    "loom ckpt import-hf"
+)
 _BATCH = "its global batch defaults to this x dp, no accumulation; loom's to 256: set --train.global_batch_size"
 _PROFILE = "loom bench profile --config C traces a few steps"
 _VALIDATION_SPLIT = "loom validates on a split of the training datasets"
@@ -55,7 +58,7 @@ _CHECKPOINT_ENABLE = (
     "false: enable = false is interval 0 and save_at_end false"
 )
 _RAMP_LR = "Megatron's LR schedule counts samples, loom's steps: under a ramp its warmup and decay end sooner"
-_GPT2_FILES = (
+GPT2_FILES = (
     'a Hugging Face tokenizer.json holds vocabulary and merges: python -c "from transformers import '
     "GPT2TokenizerFast as T; T('vocab.json', 'merges.txt').save_pretrained('gpt2')\" writes gpt2/tokenizer.json"
 )
@@ -232,6 +235,11 @@ TRAINING_NAMES: tuple[NameElsewhere, ...] = (
                 f"a run resumes from its own checkpoints without it, and --load D of --save D is that; {_NOT_READ}",
             ),
             ("--save-interval", "--checkpoint.interval"),
+            (
+                "--ckpt-format",
+                "",
+                "loom writes its own format; loom ckpt import-megatron reads Megatron's torch_dist checkpoints",
+            ),
             ("--finetune", "--checkpoint.finetune true", "with --checkpoint.load"),
             ("--no-load-optim", "--checkpoint.finetune true", "fresh optimizer state, from step 1"),
             ("--no-load-rng", "", "a resume restores the saved random state, under the same layout"),
@@ -274,13 +282,13 @@ TRAINING_NAMES: tuple[NameElsewhere, ...] = (
             (
                 "--vocab-file",
                 "--data.tokenizer",
-                _GPT2_FILES,
+                GPT2_FILES,
                 CONVERTED,
             ),
             (
                 "--merge-file",
                 "--data.tokenizer",
-                _GPT2_FILES,
+                GPT2_FILES,
                 CONVERTED,
             ),
             ("--data-cache-path", "--data.cache_dir"),
@@ -498,13 +506,13 @@ DATA_BUILD_NAMES: tuple[NameElsewhere, ...] = _entries(
         (
             "--vocab-file",
             "--tokenizer",
-            _GPT2_FILES,
+            GPT2_FILES,
             CONVERTED,
         ),
         (
             "--merge-file",
             "--tokenizer",
-            _GPT2_FILES,
+            GPT2_FILES,
             CONVERTED,
         ),
         ("--split-sentences", "", "loom keeps documents whole"),

@@ -131,7 +131,12 @@ def check_checkpoint_to_load(config: LoomConfig, training: bool) -> None:
     """The checkpoint the ranks will load (the run's own newest, else checkpoint.load) holds the same model and,
     when training, stops short of train.steps. Its model settings are the config's already (preflight adopted them
     first, adopt_settings_of_the_checkpoint_to_resume: the same checkpoint)."""
-    from loom.engine.checkpoint.format import CheckpointError, checkpoint_to_resume, find_loadable, hugging_face_hint
+    from loom.engine.checkpoint.format import (
+        CheckpointError,
+        checkpoint_to_resume,
+        find_loadable,
+        foreign_checkpoint_hint,
+    )
     from loom.engine.checkpoint.load import fine_tunes_from
     from loom.engine.checkpoint.saved_settings import check_same_model
     from loom.engine.model.lora import base_pointer, check_same_base
@@ -150,7 +155,7 @@ def check_checkpoint_to_load(config: LoomConfig, training: bool) -> None:
         if not holds_one:
             raise ConfigError(
                 f"checkpoint.load = {load} holds no checkpoint; give a run directory, its checkpoints/ folder or an "
-                f"iter_N folder{hugging_face_hint(load)}"
+                f"iter_N folder{foreign_checkpoint_hint(load)}"
             )
     own = checkpoints_of(config.train.run_dir)
     found = checkpoint_to_resume(own, config.checkpoint.load, verify_hashes=False, warn=lambda _: None)

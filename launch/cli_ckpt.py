@@ -1,5 +1,5 @@
-"""`loom ckpt inspect|reshard|export-hf|import-hf|merge-lora`, `loom eval` and `loom generate`: thin wrappers over
-tools/ and the trainer."""
+"""`loom ckpt inspect|reshard|export-hf|import-hf|import-megatron|merge-lora`, `loom eval` and `loom generate`: thin
+wrappers over tools/ and the trainer."""
 
 from __future__ import annotations
 
@@ -129,6 +129,18 @@ def _import_hf(args: argparse.Namespace) -> None:
     print(
         f"wrote {final}; fine-tune it with --checkpoint.load {args.output} --checkpoint.finetune true in a run "
         f"directory of its own (or LoRA: --lora.base {args.output})"
+    )
+
+
+def _import_megatron(args: argparse.Namespace) -> None:
+    from loom.tools.megatron_checkpoint import import_megatron
+
+    with _writing(args):
+        final, imported = import_megatron(Path(args.input), Path(args.output), args.overwrite)
+    print(f"wrote {final}: {imported}")
+    print(
+        f"fine-tune it with --checkpoint.load {args.output} --checkpoint.finetune true in a run directory of its own "
+        f"(or LoRA: --lora.base {args.output}); Megatron-built .bin/.idx datasets train as they are"
     )
 
 
@@ -315,9 +327,11 @@ def _checkpoint_output(p: argparse.ArgumentParser, what: str) -> None:
 
 
 def add_parsers(commands) -> None:
-    ckpt = commands.add_parser("ckpt", help="checkpoint tools: inspect, reshard, export-hf, import-hf, merge-lora")
+    ckpt = commands.add_parser(
+        "ckpt", help="checkpoint tools: inspect, reshard, export-hf, import-hf, import-megatron, merge-lora"
+    )
     sub = ckpt.add_subparsers(dest="ckpt_command", required=True, metavar="ACTION")
-    for add in (_add_inspect, _add_reshard, _add_export_hf, _add_merge_lora, _add_import_hf):
+    for add in (_add_inspect, _add_reshard, _add_export_hf, _add_merge_lora, _add_import_hf, _add_import_megatron):
         add(sub)
     _add_eval(commands)
     _add_generate(commands)
@@ -394,6 +408,23 @@ def _add_import_hf(sub) -> None:
     p.add_argument("--input", type=existing_dir, required=True, help="directory with config.json and *.safetensors")
     _checkpoint_output(p, "a checkpoints/ folder of its own to write iter_0000000 and latest into")
     p.set_defaults(handler=_import_hf)
+
+
+def _add_import_megatron(sub) -> None:
+    p = sub.add_parser(
+        "import-megatron",
+        help="turn a Megatron-LM checkpoint (torch_dist, any layout it trained in) into a loom checkpoint",
+        description="Reads Megatron-LM's --save folder (the iteration its latest_checkpointed_iteration.txt names) "
+        "or one iter_N folder in it, saved with --ckpt-format torch_dist (Megatron's default): the model's shape "
+        "from the run's arguments, the weights as saved, whatever tensor/pipeline layout trained them; the "
+        "optimizer state is not read. Megatron is not needed. A setting loom cannot compute the same way (mixture "
+        "of experts, QK norms, partial rotary, ...) is refused with Megatron's flag.",
+    )
+    p.add_argument(
+        "--input", type=existing_dir, required=True, help="Megatron-LM's --save folder, or an iter_N folder in it"
+    )
+    _checkpoint_output(p, "a checkpoints/ folder of its own to write iter_0000000 and latest into")
+    p.set_defaults(handler=_import_megatron)
 
 
 def _add_eval(commands) -> None:

@@ -14,14 +14,12 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from training_runs import assert_trains_as_torch_loop, loom_here, tiny_config, tiny_train_args
+from training_runs import assert_trains_as_torch_loop, loom_here, loom_logits, tiny_config, tiny_train_args
 
 from loom.engine.checkpoint.format import CheckpointError, find_loadable
-from loom.engine.checkpoint.load import PieceReader
 from loom.engine.config_io import config_from_dict
 from loom.engine.data.indexed import IndexedDatasetWriter
 from loom.engine.model.gpt import GPTModel
-from loom.engine.parallel.param_info import param_info
 from loom.engine.parallel.sharding import initialize_parameters
 from loom.launch.local import launch_local
 from loom.tools.ckpt import inspect
@@ -44,18 +42,6 @@ def trained(request, markov_dataset, tmp_path_factory):
     config.resolve_world(2)
     launch_local(config, 2)
     return tmp / "run" / "checkpoints"
-
-
-def loom_logits(checkpoints, tokens):
-    directory, metadata = find_loadable(checkpoints)
-    config = config_from_dict(metadata.config)
-    model = GPTModel(config.model, None)
-    initialize_parameters(model, 0, 0, 1)
-    reader = PieceReader(directory, metadata)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(param_info(param).shard_spec.shard(reader.model(name), 0, 1))
-        return model.eval()(tokens)[..., : config.model.vocab_size].transpose(0, 1)
 
 
 def test_transformers_computes_the_same_logits(trained, tmp_path):

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import torch
 
 from loom.engine.config import LoomConfig
 from loom.engine.config_io import load_config
@@ -89,6 +90,26 @@ def loom_here(capfd, *args: str) -> subprocess.CompletedProcess:
         code = exited.code
     out, err = capfd.readouterr()
     return subprocess.CompletedProcess(list(args), code, out, err)
+
+
+def loom_logits(checkpoints, tokens: torch.Tensor) -> torch.Tensor:
+    """The logits [batch, seq, vocab] of the checkpoint's model (its newest under `checkpoints`) on one CPU rank."""
+    from loom.engine.checkpoint.format import find_loadable
+    from loom.engine.checkpoint.load import PieceReader
+    from loom.engine.config_io import config_from_dict
+    from loom.engine.model.gpt import GPTModel
+    from loom.engine.parallel.param_info import param_info
+    from loom.engine.parallel.sharding import initialize_parameters
+
+    directory, metadata = find_loadable(checkpoints)
+    config = config_from_dict(metadata.config)
+    model = GPTModel(config.model, None)
+    initialize_parameters(model, 0, 0, 1)
+    reader = PieceReader(directory, metadata)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(param_info(param).shard_spec.shard(reader.model(name), 0, 1))
+        return model.eval()(tokens)[..., : config.model.vocab_size].transpose(0, 1)
 
 
 def one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> None:

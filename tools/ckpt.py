@@ -24,8 +24,8 @@ from loom.engine.checkpoint.format import (
     CheckpointMetadata,
     commit,
     find_loadable,
+    foreign_checkpoint_hint,
     fp8_key,
-    hugging_face_hint,
     iteration_dir,
     model_key,
     optim_key,
@@ -52,7 +52,7 @@ def open_checkpoint(path: Path) -> tuple[Path, CheckpointMetadata]:
         )
     found = find_loadable(path)
     if found is None:
-        raise CheckpointError(f"no intact checkpoint at {path}{hugging_face_hint(path)}")
+        raise CheckpointError(f"no intact checkpoint at {path}{foreign_checkpoint_hint(path)}")
     return found
 
 

@@ -305,10 +305,32 @@ def is_hugging_face_folder(path: Path) -> bool:
     return configured and any(next(path.glob(pattern), None) for pattern in HF_WEIGHTS)
 
 
-def hugging_face_hint(path: Path) -> str:
-    """For a refusal of `path` as a checkpoint: how to use it, if it is a Hugging Face model folder instead."""
+MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
+"""The file in Megatron-LM's --save folder naming its newest complete checkpoint ("release" or an iteration)."""
+
+
+def is_megatron_checkpoint(path: Path) -> bool:
+    """Megatron-LM's --save folder or one of its iteration folders (torch_dist: a metadata.json naming its
+    sharded_backend; the older torch format: mp_rank_* folders), which loom reads only through import-megatron
+    (their iter_NNNNNNN folders are named as loom's)."""
+    if (path / MEGATRON_TRACKER).is_file() or next(path.glob("mp_rank_*"), None) is not None:
+        return True
+    try:  # megatron-core's is a line; loom's own (a record per tensor) is not parsed twice
+        small = (path / METADATA).stat().st_size < 4096
+        return small and "sharded_backend" in json.loads((path / METADATA).read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def foreign_checkpoint_hint(path: Path) -> str:
+    """For a refusal of `path` as a checkpoint: how to use it, if it is a Hugging Face model folder or a Megatron-LM
+    checkpoint instead."""
     if (path / "config.json").is_file() and next(path.glob("*.safetensors"), None) is not None:
         return f"; it is a Hugging Face model: import it first, loom ckpt import-hf --input {path} --output DIR"
+    if path.is_dir() and is_megatron_checkpoint(path):
+        return (
+            f"; it is a Megatron-LM checkpoint: import it first, loom ckpt import-megatron --input {path} --output DIR"
+        )
     return ""
 
 
@@ -381,7 +403,10 @@ def find_loadable(
 ) -> tuple[Path, CheckpointMetadata] | None:
     """A checkpoint to resume from: `path` itself if it is an iteration directory, else the newest
     intact one under it (falling back past damaged ones, with a warning, their errors appended to `damaged`);
-    None if there is none. A run directory stands for its checkpoints/ folder."""
+    None if there is none (Megatron-LM's checkpoints are none: foreign_checkpoint_hint says what they are). A run
+    directory stands for its checkpoints/ folder."""
+    if path.is_dir() and is_megatron_checkpoint(path):
+        return None
     if is_checkpoint_dir(path):
         return path, read_metadata(path, verify_hashes)
     if (path / CHECKPOINTS).is_dir() and not candidates(path):

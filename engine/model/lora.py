@@ -30,7 +30,7 @@ from loom.engine.checkpoint.format import (
     CheckpointError,
     CheckpointMetadata,
     find_loadable,
-    hugging_face_hint,
+    foreign_checkpoint_hint,
     sha256_of,
 )
 from loom.engine.config import ConfigError, LoomConfig, LoraConfig, ModelConfig
@@ -111,7 +111,7 @@ def _find_base(base: str, verify_hashes: bool) -> tuple[Path, CheckpointMetadata
     if found is None:
         raise CheckpointError(
             f"lora.base = {base} holds no intact checkpoint; point it at a loom checkpoint"
-            + hugging_face_hint(Path(base))
+            + foreign_checkpoint_hint(Path(base))
         )
     return found
 

@@ -1,0 +1,222 @@
+"""Writes Megatron-LM checkpoints the way Megatron-LM's training loop does, with megatron-core on CPU, for
+tests/test_megatron_checkpoint.py: `python megatron_checkpoints.py OUT` makes OUT/<variant>/ (a --save folder:
+latest_checkpointed_iteration.txt and iter_0000007 in torch_dist) and OUT/<variant>.pt (the tokens and the logits
+megatron-core's GPTModel computes for them).
+
+Megatron-LM's save (megatron/training/checkpointing.py, generate_state_dict) hands dist_checkpointing.save the
+state dict {"args": its argparse Namespace, "checkpoint_version": 3.0, "iteration": N, "model": the model's
+sharded_state_dict(), ...}; the tensors go to the .distcp files under their global keys, the rest to common.pt. That
+is what is done here, with the arguments a Megatron-LM run of each variant holds (an AttnBackend enum among them, as
+there). megatron-core reaches for CUDA in two places on a forward and one on a save; those are pointed at the CPU.
+It runs in a process of its own: the patches and megatron's process groups stay out of pytest's.
+"""
+
+import argparse
+import contextlib
+import functools
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+torch.cuda.current_device = lambda: "cpu"  # rotary_pos_embedding moves its frequencies to "the" CUDA device
+torch.cuda.synchronize = lambda *args, **kwargs: None  # the async writer's preload synchronizes first
+
+VOCAB, PADDED_VOCAB, SEQ = 250, 256, 24
+
+# Each variant: megatron-core's TransformerConfig fields and GPTModel arguments, the Megatron-LM arguments that
+# produce them, and how it is saved.
+VARIANTS = {
+    # Llama-shaped, megatron-core's default stacked layers
+    "llama": dict(
+        config=dict(
+            normalization="RMSNorm",
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            add_bias_linear=False,
+            num_query_groups=2,
+        ),
+        model=dict(position_embedding_type="rope", rotary_base=500000, share_embeddings_and_output_weights=False),
+        args=dict(
+            normalization="RMSNorm",
+            swiglu=True,
+            add_bias_linear=False,
+            add_qkv_bias=False,
+            group_query_attention=True,
+            num_query_groups=2,
+            position_embedding_type="rope",
+            rotary_base=500000,
+            untie_embeddings_and_output_weights=True,
+            bias_gelu_fusion=False,
+        ),
+        per_layer_keys=False,
+        bf16=False,
+    ),
+    # GPT-3-shaped (Megatron-LM's defaults: LayerNorm, biases, learned positions, tied, fused bias-GELU, whose
+    # kernel is the tanh form), one key per layer (non_homogeneous_layers)
+    "gpt": dict(
+        config=dict(
+            normalization="LayerNorm",
+            activation_func=functools.partial(F.gelu, approximate="tanh"),
+            add_bias_linear=True,
+        ),
+        model=dict(position_embedding_type="learned_absolute", share_embeddings_and_output_weights=True),
+        args=dict(
+            normalization="LayerNorm",
+            swiglu=False,
+            add_bias_linear=True,
+            add_qkv_bias=True,
+            group_query_attention=False,
+            num_query_groups=1,
+            position_embedding_type="learned_absolute",
+            add_position_embedding=True,
+            untie_embeddings_and_output_weights=False,
+            bias_gelu_fusion=True,
+        ),
+        per_layer_keys=True,
+        bf16=False,
+    ),
+    # multi-query attention, interleaved rotary pairs with Llama 3's scaling, tied, zero-centred norm weights
+    # (stored minus one, as Transformer Engine's --apply-layernorm-1p norms hold them), saved in bf16
+    "interleaved": dict(
+        config=dict(
+            normalization="RMSNorm",
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            add_bias_linear=False,
+            num_query_groups=1,
+            rotary_interleaved=True,
+        ),
+        model=dict(
+            position_embedding_type="rope",
+            rotary_base=10000,
+            rope_scaling=True,
+            rope_scaling_factor=8.0,
+            share_embeddings_and_output_weights=True,
+        ),
+        args=dict(
+            normalization="RMSNorm",
+            swiglu=True,
+            add_bias_linear=False,
+            add_qkv_bias=False,
+            group_query_attention=True,
+            num_query_groups=1,
+            position_embedding_type="rope",
+            rotary_base=10000,
+            rotary_interleaved=True,
+            use_rope_scaling=True,
+            rope_scaling_factor=8.0,
+            untie_embeddings_and_output_weights=False,
+            layernorm_zero_centered_gamma=True,
+            bias_gelu_fusion=False,
+        ),
+        per_layer_keys=False,
+        bf16=True,
+        zero_centred=True,
+    ),
+}
+SHAPE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96)
+
+
+def megatron_arguments(variant: dict, attention_backend) -> argparse.Namespace:
+    arguments = dict(
+        **SHAPE,
+        kv_channels=SHAPE["hidden_size"] // SHAPE["num_attention_heads"],
+        layernorm_epsilon=1e-5,
+        max_position_embeddings=64,
+        seq_length=SEQ,
+        vocab_size=VOCAB,
+        padded_vocab_size=PADDED_VOCAB,
+        make_vocab_size_divisible_by=128,
+        rotary_percent=1.0,
+        rotary_interleaved=False,
+        layernorm_zero_centered_gamma=False,
+        num_experts=None,
+        multi_latent_attention=False,
+        qk_layernorm=False,
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        params_dtype=torch.bfloat16 if variant["bf16"] else torch.float32,
+        bf16=variant["bf16"],
+        attention_backend=attention_backend,
+        ckpt_format="torch_dist",
+        consumed_train_samples=7 * 16,
+        tokenizer_type="GPT2BPETokenizer",
+    )
+    return argparse.Namespace(**{**arguments, **variant["args"]})
+
+
+def write(out: Path, name: str, variant: dict) -> None:
+    from megatron.core import dist_checkpointing
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.enums import AttnBackend
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(
+        **SHAPE,
+        use_cpu_initialization=True,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        layernorm_epsilon=1e-5,
+        attention_backend=AttnBackend.local,
+        init_method_std=0.2,  # larger than training's 0.02, so the logits depend on every weight visibly
+        **variant["config"],
+    )
+    torch.manual_seed(len(name))
+    spec = get_gpt_layer_local_spec(normalization=variant["config"]["normalization"])
+    model = GPTModel(config, spec, vocab_size=PADDED_VOCAB, max_sequence_length=64, **variant["model"]).eval()
+    with torch.no_grad():
+        for param in model.parameters():  # norms start at ones and biases at zeros: give them values to carry
+            param.add_(torch.randn_like(param) * 0.1)
+            if variant["bf16"]:
+                param.copy_(param.bfloat16().float())  # the logits of the weights as saved
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(SEQ)[None].expand(2, -1)
+    causal = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
+    with torch.no_grad():
+        logits = model(tokens, positions, causal)
+    if variant["bf16"]:
+        model = model.bfloat16()
+    state = model.sharded_state_dict(metadata={"non_homogeneous_layers": variant["per_layer_keys"]})
+    if variant.get("zero_centred"):
+        with torch.no_grad():
+            for sharded in state.values():
+                if "layer_norm_weight" in sharded.key or "final_layernorm.weight" in sharded.key:
+                    sharded.data.sub_(1)
+    save = out / name
+    iteration = save / "iter_0000007"
+    iteration.mkdir(parents=True)
+    arguments = megatron_arguments(variant, AttnBackend.auto)
+    dist_checkpointing.save(
+        {"args": arguments, "checkpoint_version": 3.0, "iteration": 7, "model": state}, str(iteration)
+    )
+    (save / "latest_checkpointed_iteration.txt").write_text("7")
+    torch.save({"tokens": tokens, "logits": logits.float()}, out / f"{name}.pt")
+
+
+def main() -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", sys.argv[2] if len(sys.argv) > 2 else "29561")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    # megatron-core's dropout RNG tracker is CUDA's; with dropout 0 it only has to be enterable
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
+    out = Path(sys.argv[1])
+    for name, variant in VARIANTS.items():
+        write(out, name, variant)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

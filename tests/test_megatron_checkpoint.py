@@ -1,0 +1,250 @@
+"""`loom ckpt import-megatron`, checked against megatron-core: checkpoints written as Megatron-LM's training loop
+writes them (tests/megatron_checkpoints.py: megatron-core's GPTModel on CPU, its sharded state dict, its
+dist_checkpointing.save in torch_dist) import into loom with the logits megatron-core computed, for a Llama-shaped
+model (GQA, stacked layers), a GPT-3-shaped one (LayerNorm, biases, learned positions, tied, one key per layer) and
+one with multi-query attention, interleaved rotary pairs, Llama 3 rope scaling, zero-centred norms and bf16 weights.
+The user stories: `loom eval` of the import equals the loss of Megatron's logits, and a fine-tune from it starts
+from that loss; Megatron is not needed to import. What loom cannot compute the same way is refused naming
+Megatron's flag; Megatron folders given where loom's checkpoints go are answered with the command."""
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from training_runs import loom_here, loom_logits, one_line_error, tiny_train_args
+
+from loom.engine.checkpoint.format import CheckpointError
+from loom.engine.data.indexed import IndexedDatasetWriter
+from loom.engine.parallel.rendezvous import free_port
+from loom.tools.megatron_checkpoint import (
+    COMMON,
+    import_megatron,
+    model_from_megatron_arguments,
+    read_megatron_arguments,
+)
+
+pytest.importorskip("megatron.core.dist_checkpointing", reason="needs loom[reference]")
+
+VARIANTS = ("llama", "gpt", "interleaved")
+ITERATION = "iter_0000007"
+
+
+@pytest.fixture(scope="module")
+def megatron(tmp_path_factory) -> Path:
+    """The three Megatron-LM --save folders, and beside each its tokens and megatron-core's logits."""
+    out = tmp_path_factory.mktemp("megatron")
+    script = Path(__file__).with_name("megatron_checkpoints.py")
+    made = subprocess.run(
+        [sys.executable, str(script), str(out), str(free_port())], capture_output=True, text=True, timeout=300
+    )
+    assert made.returncode == 0, made.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def imported(megatron, tmp_path_factory) -> Path:
+    """Each variant imported; the Llama-shaped one by a process in which `import megatron` fails."""
+    out = tmp_path_factory.mktemp("imported")
+    blocked = (
+        "import sys; sys.modules['megatron'] = None; from pathlib import Path; "
+        "from loom.tools.megatron_checkpoint import import_megatron; "
+        f"import_megatron(Path({str(megatron / 'llama')!r}), Path({str(out / 'llama')!r}))"
+    )
+    done = subprocess.run([sys.executable, "-c", blocked], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for name in VARIANTS[1:]:
+        import_megatron(megatron / name, out / name)
+    return out
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_an_imported_megatron_checkpoint_computes_megatron_core_s_logits(megatron, imported, variant):
+    reference = torch.load(megatron / f"{variant}.pt")
+    ours = loom_logits(imported / variant, reference["tokens"])
+    assert ours.shape == reference["logits"].shape  # Megatron's padded vocabulary (256 rows for 250 tokens) kept
+    assert (ours - reference["logits"]).abs().max().item() < 5e-5
+
+
+def _loss_of(logits: torch.Tensor, tokens: torch.Tensor) -> float:
+    return torch.nn.functional.cross_entropy(logits[0, :-1], tokens[0, 1:]).item()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_loom_eval_of_the_import_equals_the_loss_of_megatron_s_logits(megatron, imported, variant, tmp_path, capfd):
+    """One document of the reference tokens is the only sample, so every batch holds it."""
+    reference = torch.load(megatron / f"{variant}.pt")
+    tokens = reference["tokens"][:1]
+    with IndexedDatasetWriter(tmp_path / "one", np.dtype(np.uint16)) as writer:
+        writer.add_document(tokens[0].numpy())
+    seq_length = tokens.shape[1] - 1
+    result = loom_here(
+        capfd,
+        *["eval", "--checkpoint", str(imported / variant), "--data", str(tmp_path / "one"), "--iters", "1"],
+        *["--train.seq_length", str(seq_length), "--train.global_batch_size", "1", "--train.precision", "fp32"],
+    )
+    assert result.returncode == 0, result.stderr
+    line = next(x for x in result.stdout.splitlines() if "validation loss" in x)
+    ours = float(line.split("validation loss ")[1].split(",")[0])
+    assert abs(ours - _loss_of(reference["logits"][:1], tokens)) < 2e-5
+
+
+def test_a_fine_tune_from_the_import_starts_at_megatron_s_loss(megatron, imported, tmp_path, capfd):
+    """Megatron's --finetune continued in loom: the first step's loss (before its update) is the loss of the
+    logits megatron-core computed, and the steps after it train."""
+    reference = torch.load(megatron / "gpt.pt")
+    tokens = reference["tokens"][:1]
+    with IndexedDatasetWriter(tmp_path / "one", np.dtype(np.uint16)) as writer:
+        writer.add_document(tokens[0].numpy())
+    flags = tiny_train_args(str(tmp_path / "one"), tmp_path / "run")
+    flags += ["--checkpoint.load", str(imported / "gpt"), "--checkpoint.finetune", "true", "--data.split", "1,0,0"]
+    flags += ["--train.seq_length", str(tokens.shape[1] - 1), "--train.global_batch_size", "1", "--train.steps", "3"]
+    flags += ["--train.micro_batch_size", "1"]
+    result = loom_here(capfd, "train", *flags, "--train.precision", "fp32", "--optim.warmup_steps", "0")
+    assert result.returncode == 0, result.stderr
+    assert "the model is that of" in result.stdout + result.stderr  # the tiny preset's shape gave way
+    rows = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    losses = [row["loss"] for row in rows if "loss" in row]
+    assert abs(losses[0] - _loss_of(reference["logits"][:1], tokens)) < 2e-5
+    assert losses[-1] < losses[0]
+
+
+def test_the_import_says_what_it_read_and_leaves_megatron_s_folder_alone(megatron, tmp_path, capfd):
+    result = loom_here(
+        capfd, "ckpt", "import-megatron", "--input", str(megatron / "interleaved"), "--output", str(tmp_path / "a")
+    )
+    assert result.returncode == 0, result.stderr
+    assert "iteration 7 (112 samples trained), 2 layers x 64" in result.stdout
+    assert "stored in bfloat16" in result.stdout and "--checkpoint.load" in result.stdout
+    before = sorted(p.name for p in (megatron / "gpt").rglob("*"))
+    for output in (megatron / "gpt", megatron / "gpt" / ITERATION / "x"):
+        refused = loom_here(
+            capfd, "ckpt", "import-megatron", "--input", str(megatron / "gpt"), "--output", str(output), "--overwrite"
+        )
+        one_line_error(refused, f"--output {output}")
+    assert sorted(p.name for p in (megatron / "gpt").rglob("*")) == before
+
+
+def test_megatron_folders_given_for_loom_checkpoints_are_answered_with_the_import(megatron, capfd):
+    for folder in (megatron / "llama", megatron / "llama" / ITERATION):
+        one_line_error(
+            loom_here(capfd, "ckpt", "inspect", str(folder)),
+            "it is a Megatron-LM checkpoint",
+            f"loom ckpt import-megatron --input {folder}",
+        )
+
+
+def _copy_with_arguments(save: Path, to: Path, **changes) -> Path:
+    """A copy of the --save folder `save` whose common.pt holds its arguments with `changes` (only plain values:
+    the placeholders of Megatron's enums are left out)."""
+    shutil.copytree(save, to)
+    args = {
+        k: v
+        for k, v in read_megatron_arguments(save / ITERATION).items()
+        if isinstance(v, (int, float, str, bool, type(None), torch.dtype))
+    }
+    args.update(changes)
+    iteration = args.pop("iteration")
+    torch.save(
+        {"args": argparse.Namespace(**args), "iteration": iteration, "checkpoint_version": 3.0}, to / ITERATION / COMMON
+    )
+    return to
+
+
+def test_an_exact_gelu_is_warned_and_imported(megatron, tmp_path, capfd):
+    """Megatron's GELU is the tanh form only through its fused bias-GELU kernel; without it, erf."""
+    save = _copy_with_arguments(megatron / "gpt", tmp_path / "gpt", bias_gelu_fusion=False)
+    result = loom_here(capfd, "ckpt", "import-megatron", "--input", str(save), "--output", str(tmp_path / "out"))
+    assert result.returncode == 0, result.stderr
+    assert "GELU exactly" in result.stderr
+
+
+LLAMA_ARGUMENTS = dict(
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    group_query_attention=True,
+    num_query_groups=2,
+    ffn_hidden_size=96,
+    normalization="RMSNorm",
+    swiglu=True,
+    add_bias_linear=False,
+    add_qkv_bias=False,
+    position_embedding_type="rope",
+    max_position_embeddings=64,
+    untie_embeddings_and_output_weights=True,
+)
+SHAPES = {"embedding.word_embeddings.weight": (256, 64)}
+
+
+def test_megatron_arguments_become_loom_s_model():
+    model = model_from_megatron_arguments({**LLAMA_ARGUMENTS, "rotary_base": 500000, "norm_epsilon": 1e-6}, SHAPES)
+    assert model == dict(
+        num_layers=2,
+        hidden_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        ffn_hidden_size=96,
+        vocab_size=256,
+        max_position_embeddings=64,
+        position_embedding="rope",
+        norm="rmsnorm",
+        norm_eps=1e-6,
+        activation="swiglu",
+        bias=False,
+        tie_embeddings=False,
+        rope_theta=500000.0,
+    )
+
+
+@pytest.mark.parametrize(
+    "changes, flag",
+    [
+        ({"num_experts": 8}, "--num-experts 8"),
+        ({"qk_layernorm": True}, "--qk-layernorm"),
+        ({"multi_latent_attention": True}, "--multi-latent-attention"),
+        ({"rotary_percent": 0.5}, "--rotary-percent"),
+        ({"kv_channels": 32}, "--kv-channels"),
+        ({"position_embedding_type": "mrope"}, "--position-embedding-type"),
+        ({"add_qkv_bias": True}, "--add-qkv-bias"),
+        ({"squared_relu": True}, "--squared-relu"),
+        ({"apply_residual_connection_post_layernorm": True}, "--apply-residual-connection-post-layernorm"),
+    ],
+)
+def test_what_loom_cannot_compute_alike_is_refused_with_megatron_s_flag(changes, flag):
+    with pytest.raises(CheckpointError, match=flag.replace("-", r"\-")):
+        model_from_megatron_arguments({**LLAMA_ARGUMENTS, **changes}, SHAPES)
+
+
+def test_folders_that_are_not_a_torch_dist_checkpoint_are_one_line(megatron, tmp_path, capfd):
+    def refused(folder: Path, *fragments: str) -> None:
+        one_line_error(
+            loom_here(capfd, "ckpt", "import-megatron", "--input", str(folder), "--output", str(tmp_path / "out")),
+            *fragments,
+        )
+        assert not (tmp_path / "out").exists()
+
+    (tmp_path / "legacy/iter_0000005/mp_rank_00").mkdir(parents=True)
+    (tmp_path / "legacy/latest_checkpointed_iteration.txt").write_text("5")
+    refused(tmp_path / "legacy", "older torch format", "--ckpt-convert-format torch_dist")
+    (tmp_path / "legacy/latest_checkpointed_iteration.txt").write_text("9")
+    refused(tmp_path / "legacy", "names iter_0000009, which")
+    (tmp_path / "legacy/latest_checkpointed_iteration.txt").write_text("<html>")
+    refused(tmp_path / "legacy", "not an iteration number")
+    refused(tmp_path, "is not a Megatron-LM checkpoint")
+    zarr = tmp_path / "zarr"
+    zarr.mkdir()
+    (zarr / "metadata.json").write_text('{"sharded_backend": "zarr"}')
+    refused(zarr, "in the zarr format")
+    truncated = shutil.copytree(megatron / "llama", tmp_path / "truncated")
+    common = truncated / ITERATION / COMMON
+    common.write_bytes(common.read_bytes()[:100])
+    refused(truncated, f"{common} cannot be read")
+    no_arguments = shutil.copytree(megatron / "llama", tmp_path / "no-arguments")
+    torch.save({"iteration": 7}, no_arguments / ITERATION / COMMON)
+    refused(no_arguments, "holds no Megatron-LM arguments")

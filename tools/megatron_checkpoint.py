@@ -1,0 +1,461 @@
+"""Megatron-LM checkpoints -> loom: `loom ckpt import-megatron`.
+
+Megatron-LM saves (`--ckpt-format torch_dist`, its default) a folder per iteration, iter_NNNNNNN under --save, the
+newest named by latest_checkpointed_iteration.txt. In it, PyTorch distributed-checkpoint files (.metadata and
+__R_K.distcp) hold every tensor under one global key whatever layout trained it (megatron-core's sharded state dict:
+the blocks' tensors stacked on a first dimension of layers, or one key per layer), and common.pt holds the run's
+arguments. Both are read here without Megatron: tensors with torch.distributed.checkpoint, one layer of a stacked
+tensor at a time (memory holds one loom tensor, as import-hf's does); the arguments with torch's weights-only
+unpickler, Megatron's own classes in them (enums such as AttnBackend) stood in for by a placeholder, as loom reads
+none of them.
+
+The model's shape comes from the arguments; the tensors then have to agree with it. Megatron's fused QKV holds each
+query group's heads followed by its key and value head; loom's holds all queries, then keys, then values. Its SwiGLU
+fc1 is [gate; up] like loom's; a zero-centred norm weight (--apply-layernorm-1p) is stored minus one; interleaved
+rotary pairs (--rotary-interleaved) are loom's rotate-half pairs once each head's rows are reordered. The embedding
+keeps Megatron's padded rows: its softmax ran over them. A setting loom cannot compute the same way is refused with
+Megatron's flag, so an import never yields another model than the one trained. The weights are the model's as
+saved (bf16 under --bf16); the optimizer state, fp32 main weights among it, is not read: fine-tuning starts a fresh
+optimizer, as after import-hf.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pickle
+import sys
+import warnings
+import zipfile
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from loom.engine.checkpoint.format import MEGATRON_TRACKER as TRACKER
+from loom.engine.checkpoint.format import CheckpointError
+from loom.engine.config_io import config_from_dict, config_to_dict
+from loom.engine.model import naming
+from loom.tools.ckpt import LazyWeights, write_weights_checkpoint
+from loom.tools.outputs import claimed_checkpoint_output
+
+COMMON = "common.pt"
+"""What megatron-core's dist_checkpointing writes beside the tensors: every value of the state dict that is not
+a tensor shard, Megatron-LM's `args` among them."""
+LEGACY_CONVERSION = (
+    "convert it to torch_dist with Megatron-LM first (train with --ckpt-convert-format torch_dist "
+    "--ckpt-convert-save DIR --load IT), then import DIR"
+)
+
+
+def megatron_iteration_folder(source: Path) -> Path:
+    """The iteration folder to read: `source` itself, or the one its tracker file names."""
+    tracker = source / TRACKER
+    if tracker.is_file():
+        text = tracker.read_text(errors="replace").strip()
+        if text != "release" and not text.isdigit():
+            raise CheckpointError(f"{tracker} holds {text[:40]!r}, not an iteration number or 'release'")
+        name = "release" if text == "release" else f"iter_{int(text):07d}"
+        if not (source / name).is_dir():
+            raise CheckpointError(f"{tracker} names {name}, which {source} does not hold (deleted or not copied?)")
+        source = source / name
+    if next(source.glob("mp_rank_*"), None) is not None:
+        raise CheckpointError(
+            f"{source} is a Megatron-LM checkpoint in the older torch format (mp_rank_* folders); {LEGACY_CONVERSION}"
+        )
+    backend = _sharded_backend(source)
+    if backend is None:
+        newest = sorted(p.name for p in source.glob("iter_*") if p.is_dir())[-1:]
+        found = f" (it holds {newest[0]} but no {TRACKER}: give that folder)" if newest else ""
+        raise CheckpointError(
+            f"{source} is not a Megatron-LM checkpoint{found}; give a --save folder (with {TRACKER}) or an "
+            "iter_N folder in it"
+        )
+    if backend != "torch_dist":
+        raise CheckpointError(
+            f"{source} is a Megatron checkpoint in the {backend} format; loom reads torch_dist (Megatron-LM's "
+            f"default since 2024): {LEGACY_CONVERSION}"
+        )
+    for needed in (".metadata", COMMON):
+        if not (source / needed).is_file():
+            raise CheckpointError(f"Megatron checkpoint {source} is incomplete: no {needed}")
+    return source
+
+
+def _sharded_backend(folder: Path) -> str | None:
+    """The `sharded_backend` megatron-core's metadata.json names; None where there is no such file."""
+    try:
+        recorded = json.loads((folder / "metadata.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return recorded.get("sharded_backend") if isinstance(recorded, dict) else None
+
+
+class _Placeholder:
+    """Stands in for a Megatron class pickled among the arguments (an enum member such as AttnBackend.auto)."""
+
+    def __init__(self, *args, **kwargs):
+        self.args = args
+
+    def __setstate__(self, state):
+        self.state = state
+
+
+def read_megatron_arguments(folder: Path) -> dict:
+    """Megatron-LM's arguments (its `args` Namespace as a dict) and `iteration`, from the checkpoint's common.pt,
+    without importing Megatron or running any code from the file."""
+    path = folder / COMMON
+    try:
+        pickled = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        foreign = [name for name in pickled if name != "argparse.Namespace"]
+        stand_ins = [(type(name.rpartition(".")[2], (_Placeholder,), {}), name) for name in foreign]
+        with torch.serialization.safe_globals([argparse.Namespace, *stand_ins]):
+            common = torch.load(path, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError) as error:
+        raise CheckpointError(f"{path} cannot be read ({str(error).splitlines()[0][:200]}); truncated?") from None
+    args = common.get("args") if isinstance(common, dict) else None
+    if not isinstance(args, argparse.Namespace):
+        raise CheckpointError(
+            f"{path} holds no Megatron-LM arguments ('args'), which give the model's shape: was it written by "
+            "Megatron-LM's training loop? (NeMo's checkpoints are not read)"
+        )
+    return {**vars(args), "iteration": common.get("iteration")}
+
+
+class _SlicePlanner(dcp.DefaultLoadPlanner):
+    """Reads the box (offsets, sizes) of one stored tensor into a tensor of that box's shape: DCP's own
+    resharding, asked for a slice instead of the whole tensor."""
+
+    def __init__(self, key: str, offsets: list[int], sizes: list[int]):
+        super().__init__()
+        self._key = key
+        self._box = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+
+    def create_local_plan(self) -> LoadPlan:
+        stored = self.metadata.state_dict_metadata[self._key]
+        return LoadPlan(create_read_items_for_chunk_list(self._key, stored, [self._box]))
+
+    def lookup_tensor(self, index) -> torch.Tensor:
+        return self.state_dict[index.fqn]  # the box itself: the read items' offsets are already relative to it
+
+
+class DistributedCheckpoint:
+    """The tensors of a torch.distributed.checkpoint folder by key, read whole or one index of the first
+    dimension at a time (a layer of Megatron's stacked block tensors) without a process group."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        try:
+            self._metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+        except (OSError, RuntimeError, EOFError, pickle.UnpicklingError, AttributeError) as error:
+            raise CheckpointError(f"{folder / '.metadata'} cannot be read ({error}); truncated?") from None
+        stored = self._metadata.state_dict_metadata
+        self.shapes = {k: tuple(md.size) for k, md in stored.items() if isinstance(md, TensorStorageMetadata)}
+        self.dtypes = {k: md.properties.dtype for k, md in stored.items() if isinstance(md, TensorStorageMetadata)}
+
+    def read(self, key: str, index: int | None = None) -> torch.Tensor:
+        """Tensor `key`, or its `index`-th slice on the first dimension."""
+        shape = self.shapes[key]
+        offsets, sizes = [0] * len(shape), list(shape)
+        if index is not None:
+            offsets[0], sizes[0] = index, 1
+        into = torch.empty(sizes, dtype=self.dtypes[key])
+        try:
+            with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": as meant
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.load(
+                    {key: into},
+                    storage_reader=dcp.FileSystemReader(str(self.folder)),
+                    planner=_SlicePlanner(key, offsets, sizes),
+                    no_dist=True,
+                )
+        except Exception as error:  # DCP wraps a reader's OSError in CheckpointException (one per rank)
+            raise CheckpointError(f"{self.folder}: {key} cannot be read ({str(error).splitlines()[0][:200]})") from None
+        return into[0] if index is not None else into
+
+
+def _argument(args: dict, *names: str, default=None):
+    """The first of `names` Megatron-LM's arguments hold (versions renamed some: norm_epsilon is layernorm_epsilon
+    since the arguments are generated from TransformerConfig)."""
+    return next((args[name] for name in names if args.get(name) is not None), default)
+
+
+# What loom cannot compute as Megatron did: (argument, the value that is loom's, Megatron's flag, what it is).
+_UNREPRESENTABLE = (
+    ("num_experts", None, "--num-experts", "a mixture of experts"),
+    ("num_moe_experts", None, "--num-experts", "a mixture of experts"),
+    ("multi_latent_attention", False, "--multi-latent-attention", "multi-latent attention"),
+    ("qk_layernorm", False, "--qk-layernorm", "norms on queries and keys"),
+    ("qk_l2_norm", False, "--qk-l2-norm", "L2 norms on queries and keys"),
+    ("attention_output_gate", False, "--attention-output-gate", "a gated attention output"),
+    (
+        "apply_residual_connection_post_layernorm",
+        False,
+        "--apply-residual-connection-post-layernorm",
+        "BERT's residual order",
+    ),
+    ("heterogeneous_layers_config_path", None, "--heterogeneous-layers-config-path", "blocks of different shapes"),
+    ("hybrid_layer_pattern", None, "--hybrid-layer-pattern", "Mamba layers"),
+    ("hybrid_override_pattern", None, "--hybrid-override-pattern", "Mamba layers"),
+    ("experimental_attention_variant", None, "--experimental-attention-variant", "another attention"),
+    ("squared_relu", False, "--squared-relu", "a squared-ReLU MLP"),
+    ("quick_geglu", False, "--quick-geglu", "a quick-GeGLU MLP"),
+    ("softmax_scale", None, "--softmax-scale", "another attention scale than 1/sqrt(head size)"),
+    (
+        "rotary_seq_len_interpolation_factor",
+        None,
+        "--rotary-seq-len-interpolation-factor",
+        "linearly interpolated rotary positions",
+    ),
+    ("window_size", None, "--window-size", "sliding-window attention"),
+)
+
+
+def model_from_megatron_arguments(args: dict, shapes: dict[str, tuple[int, ...]]) -> dict:
+    """loom's [model] for Megatron-LM's arguments `args` (and the stored tensors' `shapes`, for the padded
+    vocabulary and learned positions); CheckpointError naming Megatron's flag for what loom cannot represent."""
+    for name, loom_value, flag, what in _UNREPRESENTABLE:
+        if args.get(name) not in (loom_value, None if loom_value is False else loom_value):
+            raise CheckpointError(f"the model uses {what} ({flag} {args[name]}), which loom does not have")
+    heads, hidden = args["num_attention_heads"], args["hidden_size"]
+    if args.get("kv_channels") not in (None, hidden // heads) or hidden % heads:
+        raise CheckpointError(
+            f"the model's head size is {args.get('kv_channels')} (--kv-channels), not hidden_size / "
+            f"num_attention_heads ({hidden} / {heads}), from which loom derives it"
+        )
+    if args.get("rotary_percent") not in (None, 1.0):
+        raise CheckpointError(
+            f"the model rotates {args['rotary_percent']:.0%} of each head (--rotary-percent); loom rotates all of it"
+        )
+    positions = args.get("position_embedding_type") or "learned_absolute"
+    if positions == "learned_absolute" and args.get("add_position_embedding") is False:
+        positions = "none (--no-position-embedding)"
+    if positions not in ("rope", "learned_absolute"):
+        raise CheckpointError(
+            f"the model's positions are {positions} (--position-embedding-type); loom has rope and learned_absolute"
+        )
+    if args.get("add_qkv_bias", False) != args.get("add_bias_linear", True):
+        raise CheckpointError(
+            "the model has biases on the QKV projection only (--add-qkv-bias with --disable-bias-linear); loom's "
+            "biases are on every linear layer or none"
+        )
+    normalization = args.get("normalization") or "LayerNorm"
+    if normalization not in ("LayerNorm", "RMSNorm"):
+        raise CheckpointError(f"the model's norm is {normalization} (--normalization); loom has LayerNorm and RMSNorm")
+    vocab_rows, _ = shapes[_EMBEDDING]
+    model = {
+        "num_layers": args["num_layers"],
+        "hidden_size": hidden,
+        "num_heads": heads,
+        "num_kv_heads": args["num_query_groups"] if args.get("group_query_attention") else heads,
+        "ffn_hidden_size": args.get("ffn_hidden_size") or 4 * hidden,
+        # The stored rows, padding included: Megatron's softmax ran over all of them.
+        "vocab_size": vocab_rows,
+        "max_position_embeddings": _argument(args, "max_position_embeddings", "seq_length"),
+        "position_embedding": "rope" if positions == "rope" else "learned",
+        "norm": normalization.lower(),
+        "norm_eps": _argument(args, "layernorm_epsilon", "norm_epsilon", default=1e-5),
+        "activation": "swiglu" if args.get("swiglu") else "gelu",
+        "bias": bool(args.get("add_bias_linear", True)),
+        "tie_embeddings": not args.get("untie_embeddings_and_output_weights", False),
+    }
+    if positions == "rope":
+        model["rope_theta"] = float(args.get("rotary_base") or 10000)
+        if args.get("use_rope_scaling"):
+            # megatron-core's Llama 3 scaling: its low/high frequency factors and original length are fixed
+            model.update(
+                rope_scaling="llama3",
+                rope_scaling_factor=float(args.get("rope_scaling_factor") or 8.0),
+                rope_low_freq_factor=1.0,
+                rope_high_freq_factor=4.0,
+                rope_original_max_positions=8192,
+            )
+    else:
+        model["max_position_embeddings"] = shapes[_POSITIONS][0]
+    return model
+
+
+def gelu_is_exact(args: dict) -> bool:
+    """Whether Megatron computed the MLP's GELU exactly (erf), where loom computes the tanh approximation: its
+    fused bias-GELU kernel (--bias-gelu-fusion, the default with biases) is the tanh form, F.gelu otherwise."""
+    return not args.get("swiglu") and not (args.get("bias_gelu_fusion", True) and args.get("add_bias_linear", True))
+
+
+_EMBEDDING = "embedding.word_embeddings.weight"
+_POSITIONS = "embedding.position_embeddings.weight"
+_OUTSIDE_BLOCKS = {
+    naming.EMBEDDING: _EMBEDDING,
+    naming.POSITION_EMBEDDING: _POSITIONS,
+    naming.FINAL_NORM_WEIGHT: "decoder.final_layernorm.weight",
+    "final_norm.bias": "decoder.final_layernorm.bias",
+    naming.OUTPUT: "output_layer.weight",
+}
+# loom's name inside a block (without .weight/.bias) -> Megatron's names of it inside decoder.layers, each with the
+# leaf (weight, bias) after it: TE's layer-norm-fused linear keeps the norm's, megatron-core's local layers their own.
+_IN_BLOCK = {
+    "input_norm": ("self_attention.linear_qkv.layer_norm_", "input_layernorm."),
+    "attention.qkv": ("self_attention.linear_qkv.",),
+    "attention.proj": ("self_attention.linear_proj.",),
+    "mlp_norm": ("mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm."),
+    "mlp.fc1": ("mlp.linear_fc1.",),
+    "mlp.fc2": ("mlp.linear_fc2.",),
+}
+_NOT_MODEL = ("optimizer.", "rng_state", "rerun_state_machine")
+"""Stored keys that are not the model's weights: the optimizer's state, random-number states."""
+
+
+class _MegatronWeights:
+    """Where each of loom's tensors is in the distributed checkpoint: a key, and a layer index where the blocks'
+    tensors are stacked (megatron-core's default) or None where each layer has keys of its own."""
+
+    def __init__(self, stored: DistributedCheckpoint, num_layers: int):
+        self.stored = stored
+        self.num_layers = num_layers
+
+    def locate(self, name: str) -> tuple[str, int | None] | None:
+        in_block = naming.split_block_param_name(name)
+        if in_block is None:
+            key = _OUTSIDE_BLOCKS.get(name)
+            return (key, None) if key in self.stored.shapes else None
+        layer, local = in_block
+        owner, _, leaf = local.rpartition(".")
+        for prefix in _IN_BLOCK.get(owner, ()):
+            stacked, own = f"decoder.layers.{prefix}{leaf}", f"decoder.layers.{layer}.{prefix}{leaf}"
+            if stacked in self.stored.shapes and self.stored.shapes[stacked][0] == self.num_layers:
+                return stacked, layer
+            if own in self.stored.shapes:
+                return own, None
+        return None
+
+    def shape(self, located: tuple[str, int | None]) -> tuple[int, ...]:
+        key, layer = located
+        return self.stored.shapes[key][1:] if layer is not None else self.stored.shapes[key]
+
+    def read(self, located: tuple[str, int | None]) -> torch.Tensor:
+        return self.stored.read(*located)
+
+
+def _qkv_from_grouped(tensor: torch.Tensor, model: dict) -> torch.Tensor:
+    """Megatron's QKV rows (per query group: its query heads, then its key and value head) in loom's order (all
+    queries, then keys, then values)."""
+    groups = model["num_kv_heads"]
+    head = model["hidden_size"] // model["num_heads"]
+    per_group = tensor.reshape(groups, -1, head, *tensor.shape[1:])
+    queries = model["num_heads"] // groups
+    q, k, v = per_group.split([queries, 1, 1], dim=1)
+    return torch.cat([part.reshape(-1, *tensor.shape[1:]) for part in (q, k, v)])
+
+
+def _rotate_half_rows(tensor: torch.Tensor, heads: int) -> torch.Tensor:
+    """Query or key rows of interleaved rotary pairs (2i, 2i+1) reordered so the pairs are (i, i + d/2), loom's."""
+    per_head = tensor.reshape(heads, -1, *tensor.shape[1:])
+    order = torch.cat([torch.arange(0, per_head.shape[1], 2), torch.arange(1, per_head.shape[1], 2)])
+    return per_head[:, order].reshape(tensor.shape)
+
+
+def from_megatron(stored: DistributedCheckpoint, model: dict, args: dict, loom_names: list[str]) -> LazyWeights:
+    """Megatron's stored tensors -> loom's logical tensors `loom_names`, each read when asked for."""
+    weights = _MegatronWeights(stored, model["num_layers"])
+    located = {}
+    for name in loom_names:
+        where = weights.locate(name)
+        if where is None:
+            raise CheckpointError(f"{stored.folder} has no tensor for loom's {name}; do its arguments describe it?")
+        located[name] = where
+    used = {key for key, _ in located.values()}
+    unused = sorted(
+        key
+        for key in stored.shapes
+        if key not in used
+        and not key.startswith(_NOT_MODEL)
+        and "_extra_state" not in key
+        and not key.startswith("mtp")
+    )
+    if unused:
+        shown = ", ".join(unused[:3]) + (f" and {len(unused) - 3} more" if len(unused) > 3 else "")
+        raise CheckpointError(
+            f"{stored.folder} has tensors its arguments do not describe ({shown}); importing would drop them"
+        )
+    centred = bool(_argument(args, "layernorm_zero_centered_gamma", "apply_layernorm_1p", default=False))
+    interleaved = bool(args.get("rotary_interleaved")) and model["position_embedding"] == "rope"
+    head = model["hidden_size"] // model["num_heads"]
+
+    def make(name: str) -> torch.Tensor:
+        tensor = weights.read(located[name])
+        local = (naming.split_block_param_name(name) or (None, name))[1]
+        if centred and local.endswith("norm.weight"):
+            tensor = tensor.float() + 1
+        if local.startswith("attention.qkv."):
+            tensor = _qkv_from_grouped(tensor, model)
+            if interleaved:
+                q_rows = model["num_heads"] * head
+                q, kv = tensor.split([q_rows, tensor.shape[0] - q_rows])
+                k, v = kv.chunk(2)
+                tensor = torch.cat(
+                    [_rotate_half_rows(q, model["num_heads"]), _rotate_half_rows(k, model["num_kv_heads"]), v]
+                )
+        return tensor
+
+    return LazyWeights({name: weights.shape(where) for name, where in located.items()}, make)
+
+
+def tokenizer_note(args: dict) -> str:
+    """Which tokenizer Megatron-LM trained with, and how loom is given it (data.tokenizer)."""
+    from loom.engine.names_elsewhere import GPT2_FILES
+
+    kind, model = args.get("tokenizer_type"), args.get("tokenizer_model")
+    if model:
+        return (
+            f"Megatron trained it with {kind} {model}: give loom that tokenizer with --data.tokenizer (a "
+            "SentencePiece .model, or a Hugging Face tokenizer's tokenizer.json)"
+        )
+    if args.get("vocab_file"):
+        return f"Megatron trained it with {kind} ({args['vocab_file']}, {args.get('merge_file')}); {GPT2_FILES}"
+    return f"Megatron trained it with {kind or 'a tokenizer its arguments do not name'}"
+
+
+def import_megatron(source: Path, output: Path, overwrite: bool = False) -> tuple[Path, str]:
+    """Write a loom checkpoint (step 0, weights only, tp=1 pp=1 pieces) of the Megatron-LM checkpoint `source` (a
+    --save folder or an iter_N folder in it) under `output` (claimed as tools/outputs.py says). Returns the
+    checkpoint written and a line saying what it is."""
+    from loom.engine.model.gpt import GPTModel
+    from loom.engine.parallel.param_info import param_info
+
+    folder = megatron_iteration_folder(source)
+    args = read_megatron_arguments(folder)
+    stored = DistributedCheckpoint(folder)
+    if _EMBEDDING not in stored.shapes:
+        raise CheckpointError(f"{folder} has no {_EMBEDDING}; is it a GPT model's checkpoint?")
+    try:
+        model = model_from_megatron_arguments(args, stored.shapes)
+    except KeyError as error:
+        raise CheckpointError(f"{folder / COMMON}: the arguments have no {error.args[0]!r}") from None
+    train = {"seq_length": min(2048, model["max_position_embeddings"]), "global_batch_size": 8}
+    config = config_from_dict({"model": model, "train": train})
+    names = [param_info(param).name for param in GPTModel(config.model, None).parameters()]
+    logical = from_megatron(stored, config_to_dict(config)["model"], args, names)
+    if gelu_is_exact(args):
+        print(
+            "warning: Megatron computed this model's GELU exactly (erf: no fused bias-GELU), loom computes its tanh "
+            "approximation; they differ by at most 5e-4 per activation, and fine-tuning absorbs it",
+            file=sys.stderr,
+        )
+    if any(key.startswith("mtp") for key in stored.shapes):
+        print(
+            "note: the multi-token prediction layers (--mtp-num-layers) are not imported: loom predicts the next "
+            "token only",
+            file=sys.stderr,
+        )
+    with claimed_checkpoint_output(output, overwrite, reading=(folder,)):
+        final = write_weights_checkpoint(output, config, logical, f"the Megatron-LM checkpoint {folder}")
+    parameters = sum(math.prod(shape) for shape in logical.shapes.values())
+    described = (
+        f"Megatron-LM's iteration {args.get('iteration')} ({args.get('consumed_train_samples') or 0:,} samples "
+        f"trained), {model['num_layers']} layers x {model['hidden_size']}, {parameters / 1e6:,.1f}M parameters "
+        f"stored in {str(stored.dtypes[_EMBEDDING]).removeprefix('torch.')}, written in float32. {tokenizer_note(args)}"
+    )
+    return final, described
