@@ -71,6 +71,28 @@ def test_an_imported_megatron_checkpoint_computes_megatron_core_s_logits(megatro
     assert (ours - reference["logits"]).abs().max().item() < 5e-5
 
 
+def test_the_import_reads_one_layer_of_a_stacked_tensor_at_a_time(megatron, tmp_path, live_tensors, monkeypatch):
+    """An 8B model's stacked QKV is 32 layers of it: read whole per layer it would be read 32 times, read once it
+    would be held whole. Each read is one layer's slice, and one or two are alive at once."""
+    from loom.tools.megatron_checkpoint import DistributedCheckpoint
+
+    alive = live_tensors(DistributedCheckpoint, "read")
+    slices = []
+    monkeypatch.setattr(DistributedCheckpoint, "read", _recording(DistributedCheckpoint.read, slices))
+    import_megatron(megatron / "llama", tmp_path / "out")
+    stacked = [(key, index) for key, index in slices if key.startswith("decoder.layers.")]
+    assert len(stacked) == 2 * 6 and all(index is not None for _, index in stacked), slices
+    assert alive.made == len(slices) and alive.most <= 2, (alive.made, alive.most)
+
+
+def _recording(read, calls: list):
+    def recorded(self, key, index=None):
+        calls.append((key, index))
+        return read(self, key, index)
+
+    return recorded
+
+
 def _loss_of(logits: torch.Tensor, tokens: torch.Tensor) -> float:
     return torch.nn.functional.cross_entropy(logits[0, :-1], tokens[0, 1:]).item()
 
