@@ -1,5 +1,5 @@
-"""`loom ckpt inspect|reshard|export-hf|import-hf|import-megatron|merge-lora`, `loom eval` and `loom generate`: thin
-wrappers over tools/ and the trainer."""
+"""`loom ckpt inspect|reshard|export-hf|import-hf|import-megatron|export-megatron|merge-lora`, `loom eval` and
+`loom generate`: thin wrappers over tools/ and the trainer."""
 
 from __future__ import annotations
 
@@ -141,6 +141,20 @@ def _import_megatron(args: argparse.Namespace) -> None:
     print(
         f"fine-tune it with --checkpoint.load {args.output} --checkpoint.finetune true in a run directory of its own "
         f"(or LoRA: --lora.base {args.output}); Megatron-built .bin/.idx datasets train as they are"
+    )
+
+
+def _export_megatron(args: argparse.Namespace) -> None:
+    from loom.tools.megatron_export import export_megatron
+
+    with _writing(args):
+        iteration, flags = export_megatron(
+            Path(args.checkpoint), Path(args.output), _base(args), args.overwrite, args.dtype
+        )
+    print(f"wrote {iteration} and {Path(args.output) / 'latest_checkpointed_iteration.txt'}")
+    print(
+        f"Megatron-LM loads it with --load {args.output} --no-load-optim --no-load-rng (and --finetune to start at "
+        f"iteration 0), under any tensor/pipeline layout, its model built by --use-checkpoint-args or: {flags}"
     )
 
 
@@ -328,10 +342,12 @@ def _checkpoint_output(p: argparse.ArgumentParser, what: str) -> None:
 
 def add_parsers(commands) -> None:
     ckpt = commands.add_parser(
-        "ckpt", help="checkpoint tools: inspect, reshard, export-hf, import-hf, import-megatron, merge-lora"
+        "ckpt",
+        help="checkpoint tools: inspect, reshard, export-hf, import-hf, import-megatron, export-megatron, merge-lora",
     )
     sub = ckpt.add_subparsers(dest="ckpt_command", required=True, metavar="ACTION")
-    for add in (_add_inspect, _add_reshard, _add_export_hf, _add_merge_lora, _add_import_hf, _add_import_megatron):
+    tools = (_add_inspect, _add_reshard, _add_export_hf, _add_merge_lora, _add_import_hf)
+    for add in (*tools, _add_import_megatron, _add_export_megatron):
         add(sub)
     _add_eval(commands)
     _add_generate(commands)
@@ -425,6 +441,28 @@ def _add_import_megatron(sub) -> None:
     )
     _checkpoint_output(p, "a checkpoints/ folder of its own to write iter_0000000 and latest into")
     p.set_defaults(handler=_import_megatron)
+
+
+def _add_export_megatron(sub) -> None:
+    p = sub.add_parser(
+        "export-megatron",
+        help="write a Megatron-LM checkpoint (torch_dist) of a loom checkpoint's model",
+        description="Writes OUTPUT/latest_checkpointed_iteration.txt and OUTPUT/iter_N (N: the checkpoint's step) "
+        "as Megatron-LM's --ckpt-format torch_dist save does, for the model alone (a LoRA run's with its adapters "
+        "folded in), with the Megatron-LM arguments that describe it; Megatron-LM loads it into any "
+        "tensor/pipeline layout with --no-load-optim --no-load-rng. Megatron is not needed here.",
+    )
+    _checkpoint_input(p, "the checkpoint to export")
+    _checkpoint_output(p, "a folder of its own for Megatron-LM's --load (its --save layout)")
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default="float32",
+        help="the weights' dtype (default float32: loom's weights as they are; Megatron-LM casts them to its "
+        "--bf16/--fp16 parameters on load)",
+    )
+    p.add_argument("--lora.base", dest="lora_base", type=existing_path, help=LORA_BASE)
+    p.set_defaults(handler=_export_megatron)
 
 
 def _add_eval(commands) -> None:

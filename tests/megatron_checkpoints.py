@@ -1,7 +1,9 @@
 """Writes Megatron-LM checkpoints the way Megatron-LM's training loop does, with megatron-core on CPU, for
-tests/test_megatron_checkpoint.py: `python megatron_checkpoints.py OUT` makes OUT/<variant>/ (a --save folder:
+tests/test_megatron_checkpoint.py: `python megatron_checkpoints.py OUT PORT` makes OUT/<variant>/ (a --save folder:
 latest_checkpointed_iteration.txt and iter_0000007 in torch_dist) and OUT/<variant>.pt (the tokens and the logits
-megatron-core's GPTModel computes for them).
+megatron-core's GPTModel computes for them). `python megatron_checkpoints.py OUT PORT NAME=SAVE ...` loads each
+SAVE (loom's export) into variant NAME's model with megatron-core's loader and writes its logits to
+OUT/NAME.loaded.pt.
 
 Megatron-LM's save (megatron/training/checkpointing.py, generate_state_dict) hands dist_checkpointing.save the
 state dict {"args": its argparse Namespace, "checkpoint_version": 3.0, "iteration": N, "model": the model's
@@ -148,8 +150,8 @@ def megatron_arguments(variant: dict, attention_backend) -> argparse.Namespace:
     return argparse.Namespace(**{**arguments, **variant["args"]})
 
 
-def write(out: Path, name: str, variant: dict) -> None:
-    from megatron.core import dist_checkpointing
+def build(name: str, variant: dict, **config_changes):
+    """The variant's megatron-core GPTModel (its weights drawn from a seed of its own)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.enums import AttnBackend
@@ -168,21 +170,32 @@ def write(out: Path, name: str, variant: dict) -> None:
         layernorm_epsilon=1e-5,
         attention_backend=AttnBackend.local,
         init_method_std=0.2,  # larger than training's 0.02, so the logits depend on every weight visibly
-        **variant["config"],
+        **{**variant["config"], **config_changes},
     )
     torch.manual_seed(len(name))
     spec = get_gpt_layer_local_spec(normalization=variant["config"]["normalization"])
-    model = GPTModel(config, spec, vocab_size=PADDED_VOCAB, max_sequence_length=64, **variant["model"]).eval()
+    return GPTModel(config, spec, vocab_size=PADDED_VOCAB, max_sequence_length=64, **variant["model"]).eval()
+
+
+def logits_of(model, tokens: torch.Tensor) -> torch.Tensor:
+    positions = torch.arange(tokens.shape[1])[None].expand(tokens.shape[0], -1)
+    causal = torch.triu(torch.ones(1, 1, tokens.shape[1], tokens.shape[1], dtype=torch.bool), diagonal=1)
+    with torch.no_grad():
+        return model(tokens, positions, causal).float()
+
+
+def write(out: Path, name: str, variant: dict) -> None:
+    from megatron.core import dist_checkpointing
+    from megatron.core.transformer.enums import AttnBackend
+
+    model = build(name, variant)
     with torch.no_grad():
         for param in model.parameters():  # norms start at ones and biases at zeros: give them values to carry
             param.add_(torch.randn_like(param) * 0.1)
             if variant["bf16"]:
                 param.copy_(param.bfloat16().float())  # the logits of the weights as saved
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
-    positions = torch.arange(SEQ)[None].expand(2, -1)
-    causal = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
-    with torch.no_grad():
-        logits = model(tokens, positions, causal)
+    logits = logits_of(model, tokens)
     if variant["bf16"]:
         model = model.bfloat16()
     state = model.sharded_state_dict(metadata={"non_homogeneous_layers": variant["per_layer_keys"]})
@@ -199,7 +212,23 @@ def write(out: Path, name: str, variant: dict) -> None:
         {"args": arguments, "checkpoint_version": 3.0, "iteration": 7, "model": state}, str(iteration)
     )
     (save / "latest_checkpointed_iteration.txt").write_text("7")
-    torch.save({"tokens": tokens, "logits": logits.float()}, out / f"{name}.pt")
+    torch.save({"tokens": tokens, "logits": logits}, out / f"{name}.pt")
+
+
+def read(out: Path, name: str, save: Path) -> None:
+    """megatron-core's load of the --save folder `save` (loom's export of the variant: rotate-half rotary pairs
+    and plain norm weights, the way loom computes them) into the variant's model; its logits on the variant's
+    tokens go to OUT/<name>.loaded.pt."""
+    from megatron.core import dist_checkpointing
+
+    model = build(name, VARIANTS[name], rotary_interleaved=False)
+    tracker = (save / "latest_checkpointed_iteration.txt").read_text().strip()
+    folder = save / ("release" if tracker == "release" else f"iter_{int(tracker):07d}")
+    metadata = {"non_homogeneous_layers": False}
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict(metadata=metadata)}, str(folder))
+    model.load_state_dict(loaded["model"])
+    tokens = torch.load(out / f"{name}.pt")["tokens"]
+    torch.save({"logits": logits_of(model, tokens), "iteration": loaded.get("iteration")}, out / f"{name}.loaded.pt")
 
 
 def main() -> None:
@@ -213,8 +242,13 @@ def main() -> None:
     # megatron-core's dropout RNG tracker is CUDA's; with dropout 0 it only has to be enterable
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
     out = Path(sys.argv[1])
-    for name, variant in VARIANTS.items():
-        write(out, name, variant)
+    if sys.argv[3:]:  # NAME=SAVE ...: megatron-core loads each
+        for pair in sys.argv[3:]:
+            name, save = pair.split("=", 1)
+            read(out, name, Path(save))
+    else:
+        for name, variant in VARIANTS.items():
+            write(out, name, variant)
     dist.destroy_process_group()
 
 

@@ -246,7 +246,7 @@ def model_from_megatron_arguments(args: dict, shapes: dict[str, tuple[int, ...]]
     normalization = args.get("normalization") or "LayerNorm"
     if normalization not in ("LayerNorm", "RMSNorm"):
         raise CheckpointError(f"the model's norm is {normalization} (--normalization); loom has LayerNorm and RMSNorm")
-    vocab_rows, _ = shapes[_EMBEDDING]
+    vocab_rows, _ = shapes[EMBEDDING]
     model = {
         "num_layers": args["num_layers"],
         "hidden_size": hidden,
@@ -275,7 +275,7 @@ def model_from_megatron_arguments(args: dict, shapes: dict[str, tuple[int, ...]]
                 rope_original_max_positions=8192,
             )
     else:
-        model["max_position_embeddings"] = shapes[_POSITIONS][0]
+        model["max_position_embeddings"] = shapes[POSITIONS][0]
     return model
 
 
@@ -285,14 +285,15 @@ def gelu_is_exact(args: dict) -> bool:
     return not args.get("swiglu") and not (args.get("bias_gelu_fusion", True) and args.get("add_bias_linear", True))
 
 
-_EMBEDDING = "embedding.word_embeddings.weight"
-_POSITIONS = "embedding.position_embeddings.weight"
+EMBEDDING = "embedding.word_embeddings.weight"
+POSITIONS = "embedding.position_embeddings.weight"
+OUTPUT = "output_layer.weight"
 _OUTSIDE_BLOCKS = {
-    naming.EMBEDDING: _EMBEDDING,
-    naming.POSITION_EMBEDDING: _POSITIONS,
+    naming.EMBEDDING: EMBEDDING,
+    naming.POSITION_EMBEDDING: POSITIONS,
     naming.FINAL_NORM_WEIGHT: "decoder.final_layernorm.weight",
     "final_norm.bias": "decoder.final_layernorm.bias",
-    naming.OUTPUT: "output_layer.weight",
+    naming.OUTPUT: OUTPUT,
 }
 # loom's name inside a block (without .weight/.bias) -> Megatron's names of it inside decoder.layers, each with the
 # leaf (weight, bias) after it: TE's layer-norm-fused linear keeps the norm's, megatron-core's local layers their own.
@@ -304,6 +305,20 @@ _IN_BLOCK = {
     "mlp.fc1": ("mlp.linear_fc1.",),
     "mlp.fc2": ("mlp.linear_fc2.",),
 }
+
+
+def megatron_names(name: str) -> tuple[tuple[str, ...], int | None]:
+    """Megatron's keys that may hold loom's tensor `name` (the first is what megatron-core writes today; a block's
+    are its stacked keys) and the block's layer (None outside the blocks)."""
+    in_block = naming.split_block_param_name(name)
+    if in_block is None:
+        key = _OUTSIDE_BLOCKS.get(name)
+        return ((key,) if key else ()), None
+    layer, local = in_block
+    owner, _, leaf = local.rpartition(".")
+    return tuple(f"decoder.layers.{prefix}{leaf}" for prefix in _IN_BLOCK.get(owner, ())), layer
+
+
 _NOT_MODEL = ("optimizer.", "rng_state", "rerun_state_machine")
 """Stored keys that are not the model's weights: the optimizer's state, random-number states."""
 
@@ -317,14 +332,13 @@ class _MegatronWeights:
         self.num_layers = num_layers
 
     def locate(self, name: str) -> tuple[str, int | None] | None:
-        in_block = naming.split_block_param_name(name)
-        if in_block is None:
-            key = _OUTSIDE_BLOCKS.get(name)
-            return (key, None) if key in self.stored.shapes else None
-        layer, local = in_block
-        owner, _, leaf = local.rpartition(".")
-        for prefix in _IN_BLOCK.get(owner, ()):
-            stacked, own = f"decoder.layers.{prefix}{leaf}", f"decoder.layers.{layer}.{prefix}{leaf}"
+        keys, layer = megatron_names(name)
+        for stacked in keys:
+            if layer is None:
+                if stacked in self.stored.shapes:
+                    return stacked, None
+                continue
+            own = stacked.replace("decoder.layers.", f"decoder.layers.{layer}.", 1)
             if stacked in self.stored.shapes and self.stored.shapes[stacked][0] == self.num_layers:
                 return stacked, layer
             if own in self.stored.shapes:
@@ -428,8 +442,8 @@ def import_megatron(source: Path, output: Path, overwrite: bool = False) -> tupl
     folder = megatron_iteration_folder(source)
     args = read_megatron_arguments(folder)
     stored = DistributedCheckpoint(folder)
-    if _EMBEDDING not in stored.shapes:
-        raise CheckpointError(f"{folder} has no {_EMBEDDING}; is it a GPT model's checkpoint?")
+    if EMBEDDING not in stored.shapes:
+        raise CheckpointError(f"{folder} has no {EMBEDDING}; is it a GPT model's checkpoint?")
     try:
         model = model_from_megatron_arguments(args, stored.shapes)
     except KeyError as error:
@@ -456,6 +470,6 @@ def import_megatron(source: Path, output: Path, overwrite: bool = False) -> tupl
     described = (
         f"Megatron-LM's iteration {args.get('iteration')} ({args.get('consumed_train_samples') or 0:,} samples "
         f"trained), {model['num_layers']} layers x {model['hidden_size']}, {parameters / 1e6:,.1f}M parameters "
-        f"stored in {str(stored.dtypes[_EMBEDDING]).removeprefix('torch.')}, written in float32. {tokenizer_note(args)}"
+        f"stored in {str(stored.dtypes[EMBEDDING]).removeprefix('torch.')}, written in float32. {tokenizer_note(args)}"
     )
     return final, described

@@ -16,7 +16,15 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from loom.engine.atomic import cannot_create, move_aside, put_back_if_failed
-from loom.engine.checkpoint.format import HF_FILES, LATEST, CheckpointError, candidates, enclosing_checkpoint
+from loom.engine.checkpoint.format import (
+    HF_FILES,
+    LATEST,
+    MEGATRON_TRACKER,
+    CheckpointError,
+    candidates,
+    enclosing_checkpoint,
+    is_megatron_checkpoint,
+)
 from loom.engine.config import ConfigError
 from loom.engine.run_dir import CHECKPOINTS, CONFIG, METRICS, checkpoints_of
 from loom.engine.run_lock import holder_of
@@ -85,11 +93,7 @@ def claimed_checkpoint_output(output: Path, overwrite: bool, reading: tuple[Path
             f"--output {output} {held}: writing there would repoint its `latest`; write to a new folder, "
             f"or pass --overwrite to move what is there into {output}/replaced/"
         )
-    replaced = None
-    if existing:
-        replaced = move_aside(output, existing), existing
-        print(f"--overwrite: the checkpoints in {output} were moved to {replaced[0]}")
-    with put_back_if_failed(replaced, output):
+    with _replacing(output, existing, "the checkpoints"):
         yield
 
 
@@ -104,16 +108,13 @@ def claimed_export_output(output: Path, overwrite: bool) -> Iterator[None]:
     _refuse_file_or_run(output, "export")
     if output.is_dir() and _checkpoint_entries(output):
         raise CheckpointError(f"--output {output} holds loom checkpoints; export to a folder of its own")
-    existing, replaced = _export_files(output), None
+    existing = _export_files(output)
     if existing and not overwrite:
         raise CheckpointError(
             f"--output {output} already holds a model ({', '.join(p.name for p in existing[:3])}); export to a new "
             f"folder, or pass --overwrite to move those files into {output}/replaced/"
         )
-    if existing:
-        replaced = move_aside(output, existing), existing
-        print(f"--overwrite: the files in {output} were moved to {replaced[0]}")
-    with put_back_if_failed(replaced, output):
+    with _replacing(output, existing, "the files"):
         try:
             yield
         except BaseException:
@@ -121,6 +122,44 @@ def claimed_export_output(output: Path, overwrite: bool) -> Iterator[None]:
                 with suppress(OSError):
                     path.unlink()
             raise
+
+
+@contextmanager
+def claimed_megatron_output(output: Path, overwrite: bool) -> Iterator[None]:
+    """Make sure a Megatron-LM checkpoint may be written into `output` (a --save folder) by the block: not a file,
+    a run's directory, a folder of loom checkpoints or a Hugging Face model; a Megatron checkpoint already there
+    (its latest_checkpointed_iteration.txt and iteration folders) only with `overwrite`, which moves it aside, and
+    back if the block fails."""
+    _refuse_file_or_run(output, "Megatron checkpoint")
+    if enclosing_checkpoint(output) is not None:
+        raise CheckpointError(
+            f"--output {output} is inside the checkpoint {enclosing_checkpoint(output)}; write to a new folder"
+        )
+    if output.is_dir() and any(next(output.glob(pattern), None) for pattern in HF_FILES):
+        raise CheckpointError(f"--output {output} holds a Hugging Face model; write to a folder of its own")
+    iterations = [p for p in candidates(output) if p.is_dir()] if output.is_dir() else []
+    if (output / LATEST).exists() or any(not is_megatron_checkpoint(p) for p in iterations):
+        raise CheckpointError(f"--output {output} holds loom checkpoints; export to a folder of its own")
+    existing = iterations + [p for p in (output / MEGATRON_TRACKER, output / "release") if p.exists()]
+    if existing and not overwrite:
+        raise CheckpointError(
+            f"--output {output} already holds a Megatron-LM checkpoint ({', '.join(p.name for p in existing[:3])}); "
+            f"export to a new folder, or pass --overwrite to move it into {output}/replaced/"
+        )
+    with _replacing(output, existing, "the Megatron-LM checkpoint's files"):
+        yield
+
+
+@contextmanager
+def _replacing(output: Path, existing: list[Path], what: str) -> Iterator[None]:
+    """Move `existing` (what --overwrite replaces in `output`) into output/replaced/<time>/, say so, and put it back
+    if the block fails."""
+    replaced = None
+    if existing:
+        replaced = move_aside(output, existing), existing
+        print(f"--overwrite: {what} in {output} were moved to {replaced[0]}")
+    with put_back_if_failed(replaced, output):
+        yield
 
 
 def _export_files(output: Path) -> list[Path]:
