@@ -28,6 +28,7 @@ from loom.tools.megatron_checkpoint import (
     model_from_megatron_arguments,
     read_megatron_arguments,
 )
+from loom.tools.megatron_export import export_megatron
 
 pytest.importorskip("megatron.core.dist_checkpointing", reason="needs loom[reference]")
 
@@ -35,15 +36,20 @@ VARIANTS = ("llama", "gpt", "interleaved")
 ITERATION = "iter_0000007"
 
 
+def _as_megatron(out: Path, *loads: str) -> None:
+    """tests/megatron_checkpoints.py in a process of its own: writes the variants into `out`, or (`loads`:
+    NAME=SAVE) loads loom's exports with megatron-core."""
+    script = Path(__file__).with_name("megatron_checkpoints.py")
+    command = [sys.executable, str(script), str(out), str(free_port()), *loads]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 @pytest.fixture(scope="module")
 def megatron(tmp_path_factory) -> Path:
     """The three Megatron-LM --save folders, and beside each its tokens and megatron-core's logits."""
     out = tmp_path_factory.mktemp("megatron")
-    script = Path(__file__).with_name("megatron_checkpoints.py")
-    made = subprocess.run(
-        [sys.executable, str(script), str(out), str(free_port())], capture_output=True, text=True, timeout=300
-    )
-    assert made.returncode == 0, made.stderr[-3000:]
+    _as_megatron(out)
     return out
 
 
@@ -134,6 +140,96 @@ def test_a_fine_tune_from_the_import_starts_at_megatron_s_loss(megatron, importe
     losses = [row["loss"] for row in rows if "loss" in row]
     assert abs(losses[0] - _loss_of(reference["logits"][:1], tokens)) < 2e-5
     assert losses[-1] < losses[0]
+
+
+@pytest.fixture(scope="module")
+def exported(megatron, imported, tmp_path_factory) -> Path:
+    """Each import exported back (loom ckpt export-megatron), and megatron-core's logits of each export."""
+    out = tmp_path_factory.mktemp("exported")
+    for name in VARIANTS:
+        export_megatron(imported / name, out / name)
+    _as_megatron(megatron, *(f"{name}={out / name}" for name in VARIANTS))
+    return out
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_megatron_core_loads_loom_s_export_with_the_logits_it_saved_with(megatron, exported, variant):
+    """The way back: megatron-core's own loader reads loom's export into the variant's model (rotate-half pairs and
+    plain norm weights, as loom writes them) and computes the logits of the model Megatron first saved."""
+    loaded = torch.load(megatron / f"{variant}.loaded.pt")
+    assert loaded["iteration"] == 0  # a weights-only step 0: Megatron's "release"
+    assert (exported / variant / "latest_checkpointed_iteration.txt").read_text() == "release"
+    assert (loaded["logits"] - torch.load(megatron / f"{variant}.pt")["logits"]).abs().max().item() < 5e-5
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_an_export_imports_back_to_the_same_model(imported, exported, variant, tmp_path):
+    """Weights and arguments: import-megatron of export-megatron is the model exported, tensor for tensor."""
+    from loom.engine.checkpoint.format import find_loadable
+    from loom.engine.checkpoint.load import PieceReader
+
+    again = tmp_path / "again"
+    import_megatron(exported / variant, again)
+    (first, first_meta), (second, second_meta) = find_loadable(imported / variant), find_loadable(again)
+    assert first_meta.config["model"] == second_meta.config["model"]
+    ours, theirs = PieceReader(first, first_meta), PieceReader(second, second_meta)
+    for name in first_meta.specs:
+        assert torch.equal(ours.model(name), theirs.model(name)), name
+
+
+def test_a_fine_tune_exports_at_its_step_for_megatron_to_continue(megatron, imported, tmp_path, capfd):
+    """Megatron -> loom -> Megatron: a run fine-tuned 2 steps in loom goes back as iter_0000002 with its samples
+    consumed, and loads into megatron-core with the logits loom computes."""
+    reference = torch.load(megatron / "llama.pt")
+    tokens = reference["tokens"][:1]
+    with IndexedDatasetWriter(tmp_path / "one", np.dtype(np.uint16)) as writer:
+        writer.add_document(tokens[0].numpy())
+    flags = tiny_train_args(str(tmp_path / "one"), tmp_path / "run")
+    flags += ["--checkpoint.load", str(imported / "llama"), "--checkpoint.finetune", "true", "--data.split", "1,0,0"]
+    flags += ["--train.seq_length", str(tokens.shape[1] - 1), "--train.global_batch_size", "1", "--train.steps", "2"]
+    flags += ["--train.micro_batch_size", "1", "--checkpoint.save_at_end", "true", "--train.precision", "fp32"]
+    assert loom_here(capfd, "train", *flags).returncode == 0
+    result = loom_here(
+        capfd, "ckpt", "export-megatron", "--checkpoint", str(tmp_path / "run"), "--output", str(tmp_path / "back")
+    )
+    assert result.returncode == 0, result.stderr
+    assert "--load" in result.stdout and "--num-layers 2 --hidden-size 64" in result.stdout
+    assert (tmp_path / "back/latest_checkpointed_iteration.txt").read_text() == "2"
+    args = read_megatron_arguments(tmp_path / "back" / "iter_0000002")
+    assert (args["iteration"], args["consumed_train_samples"]) == (2, 2)
+    shutil.copy(megatron / "llama.pt", tmp_path / "llama.pt")  # the tokens; the module's other tests read megatron/
+    _as_megatron(tmp_path, f"llama={tmp_path / 'back'}")
+    theirs = torch.load(tmp_path / "llama.loaded.pt")["logits"]
+    assert (theirs - loom_logits(tmp_path / "run", reference["tokens"])).abs().max().item() < 5e-5
+    assert (theirs - reference["logits"]).abs().max().item() > 1e-3  # the fine-tune changed the model
+
+
+def test_an_export_claims_its_folder_as_other_writers_do(imported, exported, tmp_path, capfd):
+    def export(output: Path, *extra: str):
+        return loom_here(
+            capfd, "ckpt", "export-megatron", "--checkpoint", str(imported / "gpt"), "--output", str(output), *extra
+        )
+
+    one_line_error(export(imported / "gpt"), "holds loom checkpoints")
+    one_line_error(export(exported / "gpt"), "already holds a Megatron-LM checkpoint", "--overwrite")
+    (tmp_path / "file").write_text("x")
+    one_line_error(export(tmp_path / "file"), "is a file")
+    again = shutil.copytree(exported / "gpt", tmp_path / "again")
+    replaced = export(again, "--overwrite")
+    assert replaced.returncode == 0, replaced.stderr
+    assert "were moved to" in replaced.stdout and len(list((again / "replaced").iterdir())) == 1
+    assert (again / "release").is_dir() and (again / "latest_checkpointed_iteration.txt").read_text() == "release"
+
+
+def test_llama3_scaling_megatron_cannot_express_is_refused():
+    from loom.tools.megatron_export import megatron_arguments
+
+    model = model_from_megatron_arguments({**LLAMA_ARGUMENTS, "use_rope_scaling": True}, SHAPES)
+    full = {**model, "dropout": 0.0, "make_vocab_divisible_by": 128, "rope_scaling_factor": 8.0}
+    args = megatron_arguments(full, {"seq_length": 32}, 0, 0, "float32")
+    assert model_from_megatron_arguments(vars(args), SHAPES) == model  # the arguments describe the model
+    with pytest.raises(CheckpointError, match="rope_original_max_positions"):
+        megatron_arguments({**full, "rope_original_max_positions": 4096}, {"seq_length": 32}, 0, 0, "float32")
 
 
 def test_the_import_says_what_it_read_and_leaves_megatron_s_folder_alone(megatron, tmp_path, capfd):
