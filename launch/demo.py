@@ -1,14 +1,15 @@
 """`loom demo`: every capability that has landed, end to end, on the embedded default corpus.
 
-corpus (Python stdlib) -> clean (repair + code filters) -> exact and MinHash near dedup -> SentencePiece tokenizer
--> .bin/.idx -> 3D-parallel training on local CPU ranks (tensor + sequence, interleaved pipeline, data parallel with
-the ZeRO-1 optimizer) with validation and a checkpoint -> the measured pipeline timeline next to the ideal one ->
-the checkpoint resharded and training resumed under another layout (pipeline x context parallel: each sequence split
-over 2 ranks, ring attention; ZeRO-3, weights sharded too, with the optimizer offloaded to the CPU) -> evaluation ->
-Hugging Face export -> the whole model fine-tuned from its weights (bf16, ZeRO-2) -> LoRA adapters fine-tuned on it,
-merged, and exported for PEFT -> the run continued as a Slurm job (where sbatch is on PATH) -> a summary. Each step's
-outputs stay in the work directory, so the next command (`loom train --config configs/tiny.toml ...`) can reuse
-them. Steps whose outputs already exist are reused, not redone. The data steps (1-5) are launch/demo_data.py's.
+corpus (Python stdlib) -> clean (repair + code filters) -> exact and MinHash near dedup -> SentencePiece tokenizer ->
+.bin/.idx -> 3D-parallel training on local CPU ranks (tensor + sequence, interleaved pipeline, data parallel with the
+ZeRO-1 optimizer) with validation and a checkpoint -> the measured pipeline timeline next to the ideal one -> the
+checkpoint resharded and training resumed under another layout (pipeline x context parallel: each sequence split over
+2 ranks, ring attention; ZeRO-3, weights sharded too, with the optimizer offloaded to the CPU) -> evaluation ->
+Hugging Face export -> Megatron-LM export and its import back -> the whole model fine-tuned from its weights (bf16,
+ZeRO-2) -> LoRA adapters fine-tuned on it, merged, and exported for PEFT -> the run continued as a Slurm job (where
+sbatch is on PATH) -> a summary. Each step's outputs stay in the work directory, so the next command (`loom train
+--config configs/tiny.toml ...`) can reuse them. Steps whose outputs already exist are reused, not redone. The data
+steps (1-5) are launch/demo_data.py's.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ DEMO_OUTPUTS = (
     "runs/tiny-slurm",
     "hf",
     "hf-lora-adapter",
+    "megatron",
+    "runs/tiny-from-megatron",
 )
 """What each demo writes anew (a fresh run, not a resume of an earlier demo's)."""
 
@@ -68,7 +71,7 @@ def _claim_workdir(workdir: Path) -> None:
         shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / DEMO_MARK).write_text(
-        "loom demo's workdir: its next run here replaces runs/tiny*, hf/, hf-lora-adapter/\n"
+        "loom demo's workdir: its next run here replaces runs/tiny*, hf/, hf-lora-adapter/, megatron/\n"
     )
 
 
@@ -171,7 +174,7 @@ def _move_checkpoint(workdir: Path, config, steps: int) -> dict:
     start = step(
         "8/10 checkpoint: reshard to tp=1 pp=2 offline, resume on 4 ranks as pp=2 x cp=2 (sequences split over 2 "
         "ranks; ZeRO-3 over them, CPU offload) for "
-        f"{steps // 2} more steps, evaluate, export to Hugging Face"
+        f"{steps // 2} more steps, evaluate, export to Hugging Face and to Megatron-LM (and back)"
     )
     runs = workdir / "runs"
     resharded = reshard(runs / "tiny" / CHECKPOINTS, runs / "tiny-resharded" / CHECKPOINTS, tp=1, pp=2)
@@ -201,15 +204,36 @@ def _move_checkpoint(workdir: Path, config, steps: int) -> dict:
         f"exported {hf_dir} ({files}: transformers' Llama and AutoTokenizer load it) in "
         f"{time.perf_counter() - start:.1f} s"
     )
+    megatron = _megatron_round_trip(runs / "tiny-resumed" / CHECKPOINTS, workdir)
     sample = _sample(runs / "tiny-resumed" / CHECKPOINTS, config.data.tokenizer)
     print(f"sample (greedy, KV-cached, as `loom generate` writes it): {sample!r}")
     return {
+        "megatron": megatron,
         "sample": sample,
         "resumed_from": steps,
         "resumed_loss": [r for r in rows if "loss" in r][-1]["loss"],
         "resumed_val_loss": val[-1]["val_loss"] if val else None,
         "hf_dir": str(hf_dir),
     }
+
+
+def _megatron_round_trip(checkpoints: Path, workdir: Path) -> str:
+    """Export the resumed model as Megatron-LM's torch_dist checkpoint, import it back, and compare every weight."""
+    import torch
+
+    from loom.engine.checkpoint.format import find_loadable
+    from loom.engine.checkpoint.load import PieceReader
+    from loom.tools.megatron_checkpoint import import_megatron
+    from loom.tools.megatron_export import export_megatron
+
+    exported, flags = export_megatron(checkpoints, workdir / "megatron")
+    back, _ = import_megatron(workdir / "megatron", workdir / "runs" / "tiny-from-megatron" / CHECKPOINTS)
+    (ours, ours_meta), (theirs, theirs_meta) = find_loadable(checkpoints), find_loadable(back)
+    mine, again = PieceReader(ours, ours_meta), PieceReader(theirs, theirs_meta)
+    same = sum(torch.equal(mine.model(name), again.model(name)) for name in ours_meta.specs)
+    told = f"{exported} (Megatron-LM --load, with {flags.split(' --hidden-dropout')[0]}); import-megatron reads it back"
+    print(f"exported {told}: {same} of {len(ours_meta.specs)} weights identical")
+    return f"{told}: {same} of {len(ours_meta.specs)} weights identical"
 
 
 def _finetune(workdir: Path, config, steps: int) -> dict:
@@ -355,6 +379,7 @@ def _print_summary(summary: dict) -> None:
         f"loss {summary['resumed_loss']:.3f}, validation {summary['resumed_val_loss']:.3f}"
     )
     print(f"hugging face {summary['hf_dir']} (transformers.LlamaForCausalLM.from_pretrained loads it)")
+    print(f"megatron     {summary['megatron']}")
     first, last = summary["finetune_loss"]
     print(
         f"fine-tune    the resumed weights from step 1 (checkpoint.finetune), bf16, ZeRO-2 over dp=2: loss "

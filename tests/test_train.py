@@ -106,6 +106,10 @@ def test_demo_runs_end_to_end(tmp_path, monkeypatch, capfd):
     resumed = [json.loads(line) for line in (tmp_path / "runs/tiny-resumed/metrics.jsonl").read_text().splitlines()]
     assert resumed[-1]["step"] == 6
     assert (tmp_path / "hf/config.json").exists() and (tmp_path / "hf/model.safetensors").exists()
+    weights = len(
+        json.loads(next((tmp_path / "runs/tiny-resumed/checkpoints").glob("iter_*/metadata.json")).read_text())["specs"]
+    )
+    assert f"import-megatron reads it back: {weights} of {weights} weights identical" in result.stdout
     finetuned = [json.loads(line) for line in (tmp_path / "runs/tiny-finetuned/metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in finetuned if "loss" in row] == [1, 2]  # its weights, from step 1
     assert "fine-tune    the resumed weights from step 1 (checkpoint.finetune), bf16, ZeRO-2 over dp=2: loss" in (

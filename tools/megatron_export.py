@@ -263,12 +263,17 @@ def export_megatron(
             shutil.rmtree(staging, ignore_errors=True)
             shutil.rmtree(iteration, ignore_errors=True)
             raise
-    gelu = (
-        "\nwarning: without biases Megatron computes GELU exactly (erf), loom its tanh approximation: they differ by "
-        "at most 5e-4 per activation"
-        if model["activation"] == "gelu" and not model["bias"]
-        else ""
-    )
-    if gelu:
-        print(gelu.strip(), file=sys.stderr)
+    if model["activation"] == "gelu" and not model["bias"]:
+        print(
+            "warning: without biases Megatron computes GELU exactly (erf), loom its tanh approximation: they differ "
+            "by at most 5e-4 per activation",
+            file=sys.stderr,
+        )
+    if args.padded_vocab_size > model["vocab_size"]:
+        print(
+            f"warning: Megatron's softmax runs over the {args.padded_vocab_size - model['vocab_size']} padding rows "
+            f"(zeros: logit 0) that pad the vocabulary of {model['vocab_size']} to {args.padded_vocab_size}; loom "
+            "masks them, so Megatron's loss is a little higher",
+            file=sys.stderr,
+        )
     return iteration, megatron_flags(args)
