@@ -152,9 +152,14 @@ def _export_megatron(args: argparse.Namespace) -> None:
             Path(args.checkpoint), Path(args.output), _base(args), args.overwrite, args.dtype
         )
     print(f"wrote {iteration} and {Path(args.output) / 'latest_checkpointed_iteration.txt'}")
+    how = (
+        "as a release (the weights alone, at iteration 0)"
+        if iteration.name == "release"
+        else "--no-load-optim --no-load-rng (--finetune to start at iteration 0)"
+    )
     print(
-        f"Megatron-LM loads it with --load {args.output} --no-load-optim --no-load-rng (and --finetune to start at "
-        f"iteration 0), under any tensor/pipeline layout, its model built by --use-checkpoint-args or: {flags}"
+        f"Megatron-LM loads it with --load {args.output} {how}, under any tensor/pipeline layout, its model built by "
+        f"--use-checkpoint-args or: {flags}"
     )
 
 
