@@ -171,6 +171,19 @@ COMMANDS = {
         ["--input", "{hf}", "--output", "{tmp}/imported"],
         {"--input": ["{missing}", "{file}", "{dir}"], "--output": ["{file}", "{file}/x", "{checkpoint}"]},
     ),
+    "ckpt import-megatron": (  # no Megatron checkpoint here: the outputs refused before any input is read
+        ["--input", "{dir}", "--output", "{tmp}/from-megatron"],
+        {"--input": ["{missing}", "{file}", "{dir}", "{checkpoint}"], "--output": ["{file}", "{file}/x"]},
+    ),
+    "ckpt export-megatron": (
+        ["--checkpoint", "{checkpoint}", "--output", "{tmp}/megatron-out"],
+        {
+            "--checkpoint": ["{missing}", "{dir}", "{file}"],
+            "--output": ["{file}", "{file}/x", "{hf}", "{checkpoint}"],
+            "--dtype": ["float64", "bf16", ""],
+            "--lora.base": "in-path",
+        },
+    ),
     "eval": (
         ["--checkpoint", "{checkpoint}", "--data.paths", "{prefix}", "--train.seq_length", "32"],
         {

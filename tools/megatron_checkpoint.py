@@ -440,6 +440,12 @@ def import_megatron(source: Path, output: Path, overwrite: bool = False) -> tupl
     from loom.engine.parallel.param_info import param_info
 
     folder = megatron_iteration_folder(source)
+    if (
+        output.resolve() in (folder.resolve(), *folder.resolve().parents[:1])
+        or folder.resolve() in output.resolve().parents
+    ):
+        # Megatron's iter_N folders are named as loom's: claimed as checkpoints, --overwrite would move them aside
+        raise CheckpointError(f"--output {output} holds {folder}, which this command reads; write elsewhere")
     args = read_megatron_arguments(folder)
     stored = DistributedCheckpoint(folder)
     if EMBEDDING not in stored.shapes:

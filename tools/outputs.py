@@ -74,9 +74,6 @@ def claimed_checkpoint_output(output: Path, overwrite: bool, reading: tuple[Path
         raise CheckpointError(
             f"--output {output} holds a Hugging Face model; write the checkpoint to a folder of its own"
         )
-    for source in reading:
-        if source.resolve() == output.resolve() or output.resolve() in source.resolve().parents:
-            raise CheckpointError(f"--output {output} holds {source}, which this command reads; write elsewhere")
     existing = _checkpoint_entries(output) if output.is_dir() else []
     owner = output.parent if output.name == CHECKPOINTS and is_run_directory(output.parent) else None
     real = output.resolve()  # a link to a run's checkpoints/ is that run's too
@@ -93,6 +90,9 @@ def claimed_checkpoint_output(output: Path, overwrite: bool, reading: tuple[Path
             f"--output {output} {held}: writing there would repoint its `latest`; write to a new folder, "
             f"or pass --overwrite to move what is there into {output}/replaced/"
         )
+    for source in reading:
+        if source.resolve() == output.resolve() or output.resolve() in source.resolve().parents:
+            raise CheckpointError(f"--output {output} holds {source}, which this command reads; write elsewhere")
     with _replacing(output, existing, "the checkpoints"):
         yield
 
