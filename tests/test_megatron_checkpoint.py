@@ -24,6 +24,7 @@ from loom.engine.data.indexed import IndexedDatasetWriter
 from loom.engine.parallel.rendezvous import free_port
 from loom.tools.megatron_checkpoint import (
     COMMON,
+    ignored_settings,
     import_megatron,
     model_from_megatron_arguments,
     read_megatron_arguments,
@@ -230,6 +231,8 @@ def test_llama3_scaling_megatron_cannot_express_is_refused():
     assert model_from_megatron_arguments(vars(args), SHAPES) == model  # the arguments describe the model
     with pytest.raises(CheckpointError, match="rope_original_max_positions"):
         megatron_arguments({**full, "rope_original_max_positions": 4096}, {"seq_length": 32}, 0, 0, "float32")
+    with pytest.raises(CheckpointError, match="rope_scaling_factor"):  # Llama 3.2's 32: Megatron's model uses 8
+        megatron_arguments({**full, "rope_scaling_factor": 32.0}, {"seq_length": 32}, 0, 0, "float32")
 
 
 def test_the_import_says_what_it_read_and_leaves_megatron_s_folder_alone(megatron, tmp_path, capfd):
@@ -320,6 +323,48 @@ def test_megatron_arguments_become_loom_s_model():
     )
 
 
+def test_what_older_megatron_saved_or_never_used_imports_as_megatron_computed():
+    """Before megatron-core 0.10 a run with biases saved add_qkv_bias False and biased its QKV all the same; the
+    model builders never passed --rope-scaling-factor on (megatron-core's GPTModel scaled by 8)."""
+    gpt = {**LLAMA_ARGUMENTS, "add_bias_linear": True, "add_qkv_bias": False}
+    assert model_from_megatron_arguments(gpt, SHAPES)["bias"] is True
+    scaled = {**LLAMA_ARGUMENTS, "use_rope_scaling": True, "rope_scaling_factor": 32.0}
+    assert model_from_megatron_arguments(scaled, SHAPES)["rope_scaling_factor"] == 8.0
+    assert "--rope-scaling-factor 32.0" in ignored_settings(scaled)[0]
+    assert not ignored_settings({**scaled, "rope_scaling_factor": 8.0})
+
+
+def test_singleton_local_shards_and_chained_optimizer_keys_import(megatron, tmp_path):
+    """Megatron-LM of Sep-Oct 2025 saved with singleton_local_shards: one key per layer and a SwiGLU fc1 in two
+    halves (weight_w the gate, weight_v the up projection); a ChainedOptimizer's state sits under chained_N.
+    The same model imports with the same logits."""
+    import torch.distributed.checkpoint as dcp
+
+    from loom.tools.megatron_checkpoint import DistributedCheckpoint
+
+    source = megatron / "llama" / ITERATION
+    stored = DistributedCheckpoint(source)
+    state = {}
+    for key, shape in stored.shapes.items():
+        if not key.startswith("decoder.layers."):
+            state[key] = stored.read(key)
+            continue
+        for layer in range(shape[0]):
+            tensor, own = stored.read(key, layer), key.replace("decoder.layers.", f"decoder.layers.{layer}.", 1)
+            if key.endswith("linear_fc1.weight"):
+                state[f"{own}_w"], state[f"{own}_v"] = tensor.chunk(2)
+            else:
+                state[own] = tensor
+    state["chained_0.optimizer.state.exp_avg.embedding.word_embeddings.weight"] = torch.zeros(3)
+    rewritten = tmp_path / "save" / ITERATION
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(rewritten)), no_dist=True)
+    for name in (COMMON, "metadata.json"):
+        shutil.copy(source / name, rewritten / name)
+    import_megatron(rewritten, tmp_path / "out")
+    reference = torch.load(megatron / "llama.pt")
+    assert (loom_logits(tmp_path / "out", reference["tokens"]) - reference["logits"]).abs().max().item() < 5e-5
+
+
 @pytest.mark.parametrize(
     "changes, flag",
     [
@@ -329,9 +374,14 @@ def test_megatron_arguments_become_loom_s_model():
         ({"rotary_percent": 0.5}, "--rotary-percent"),
         ({"kv_channels": 32}, "--kv-channels"),
         ({"position_embedding_type": "mrope"}, "--position-embedding-type"),
-        ({"add_qkv_bias": True}, "--add-qkv-bias"),
         ({"squared_relu": True}, "--squared-relu"),
         ({"apply_residual_connection_post_layernorm": True}, "--apply-residual-connection-post-layernorm"),
+        ({"add_qkv_bias": True, "add_bias_linear": False}, "--add-qkv-bias"),
+        ({"no_rope_freq": 4}, "--no-rope-freq"),
+        ({"softmax_type": "off-by-one"}, "--softmax-type"),
+        ({"use_mup": True}, "--use-mup"),
+        ({"glu_linear_offset": 1.0}, "--glu-linear-offset"),
+        ({"activation_func_clamp_value": 7.0}, "--activation-func-clamp-value"),
     ],
 )
 def test_what_loom_cannot_compute_alike_is_refused_with_megatron_s_flag(changes, flag):
@@ -359,6 +409,10 @@ def test_folders_that_are_not_a_torch_dist_checkpoint_are_one_line(megatron, tmp
     zarr.mkdir()
     (zarr / "metadata.json").write_text('{"sharded_backend": "zarr"}')
     refused(zarr, "in the zarr format")
+    dcp_only = tmp_path / "dcp"
+    dcp_only.mkdir()
+    (dcp_only / ".metadata").write_bytes(b"")
+    refused(dcp_only, "without megatron-core's metadata.json", "torch_dcp")
     truncated = shutil.copytree(megatron / "llama", tmp_path / "truncated")
     common = truncated / ITERATION / COMMON
     common.write_bytes(common.read_bytes()[:100])

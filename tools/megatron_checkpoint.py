@@ -68,6 +68,11 @@ def megatron_iteration_folder(source: Path) -> Path:
             f"{source} is a Megatron-LM checkpoint in the older torch format (mp_rank_* folders); {LEGACY_CONVERSION}"
         )
     backend = _sharded_backend(source)
+    if backend is None and (source / ".metadata").is_file():
+        raise CheckpointError(
+            f"{source} is a torch.distributed checkpoint without megatron-core's metadata.json (Megatron-LM's "
+            f"torch_dcp or fsdp_dtensor format?); loom reads torch_dist: {LEGACY_CONVERSION}"
+        )
     if backend is None:
         newest = sorted(p.name for p in source.glob("iter_*") if p.is_dir())[-1:]
         found = f" (it holds {newest[0]} but no {TRACKER}: give that folder)" if newest else ""
@@ -212,6 +217,11 @@ _UNREPRESENTABLE = (
         "linearly interpolated rotary positions",
     ),
     ("window_size", None, "--window-size", "sliding-window attention"),
+    ("no_rope_freq", None, "--no-rope-freq", "layers without rotary positions"),
+    ("softmax_type", "vanilla", "--softmax-type", "another attention softmax"),
+    ("use_mup", False, "--use-mup", "muP's scaled attention, embeddings and logits"),
+    ("glu_linear_offset", 0.0, "--glu-linear-offset", "an offset inside the gated MLP"),
+    ("activation_func_clamp_value", None, "--activation-func-clamp-value", "a clamped MLP activation"),
 )
 
 
@@ -219,7 +229,7 @@ def model_from_megatron_arguments(args: dict, shapes: dict[str, tuple[int, ...]]
     """loom's [model] for Megatron-LM's arguments `args` (and the stored tensors' `shapes`, for the padded
     vocabulary and learned positions); CheckpointError naming Megatron's flag for what loom cannot represent."""
     for name, loom_value, flag, what in _UNREPRESENTABLE:
-        if args.get(name) not in (loom_value, None if loom_value is False else loom_value):
+        if args.get(name) not in (loom_value, None):  # None: an older Megatron without the setting
             raise CheckpointError(f"the model uses {what} ({flag} {args[name]}), which loom does not have")
     heads, hidden = args["num_attention_heads"], args["hidden_size"]
     if args.get("kv_channels") not in (None, hidden // heads) or hidden % heads:
@@ -238,7 +248,8 @@ def model_from_megatron_arguments(args: dict, shapes: dict[str, tuple[int, ...]]
         raise CheckpointError(
             f"the model's positions are {positions} (--position-embedding-type); loom has rope and learned_absolute"
         )
-    if args.get("add_qkv_bias", False) != args.get("add_bias_linear", True):
+    # Before megatron-core 0.10 a run with biases saved add_qkv_bias False, its QKV biased all the same
+    if args.get("add_qkv_bias") and not args.get("add_bias_linear", True):
         raise CheckpointError(
             "the model has biases on the QKV projection only (--add-qkv-bias with --disable-bias-linear); loom's "
             "biases are on every linear layer or none"
@@ -269,7 +280,7 @@ def model_from_megatron_arguments(args: dict, shapes: dict[str, tuple[int, ...]]
             # megatron-core's Llama 3 scaling: its low/high frequency factors and original length are fixed
             model.update(
                 rope_scaling="llama3",
-                rope_scaling_factor=float(args.get("rope_scaling_factor") or 8.0),
+                rope_scaling_factor=MEGATRON_ROPE_SCALING_FACTOR,
                 rope_low_freq_factor=1.0,
                 rope_high_freq_factor=4.0,
                 rope_original_max_positions=8192,
@@ -279,10 +290,28 @@ def model_from_megatron_arguments(args: dict, shapes: dict[str, tuple[int, ...]]
     return model
 
 
+MEGATRON_ROPE_SCALING_FACTOR = 8.0
+"""The llama3 scaling factor megatron-core's GPTModel computes with: Megatron-LM's model builders pass it
+rope_scaling alone, so --rope-scaling-factor never reached the model (pretrain_gpt since core 0.11)."""
+
+
+def ignored_settings(args: dict) -> list[str]:
+    """Megatron-LM arguments its model never read, which the import therefore does not follow either."""
+    factor = args.get("rope_scaling_factor")
+    if args.get("use_rope_scaling") and factor not in (None, MEGATRON_ROPE_SCALING_FACTOR):
+        return [
+            f"--rope-scaling-factor {factor}: Megatron's model builders never passed it on, its model scaled by "
+            f"{MEGATRON_ROPE_SCALING_FACTOR:g}, and so does the import"
+        ]
+    return []
+
+
 def gelu_is_exact(args: dict) -> bool:
     """Whether Megatron computed the MLP's GELU exactly (erf), where loom computes the tanh approximation: its
-    fused bias-GELU kernel (--bias-gelu-fusion, the default with biases) is the tanh form, F.gelu otherwise."""
-    return not args.get("swiglu") and not (args.get("bias_gelu_fusion", True) and args.get("add_bias_linear", True))
+    fused bias-GELU kernel (--bias-gelu-fusion, the default with biases) and Transformer Engine's
+    (--use-te-activation-func) are the tanh form, F.gelu otherwise."""
+    fused = args.get("bias_gelu_fusion", True) and args.get("add_bias_linear", True)
+    return not args.get("swiglu") and not fused and not args.get("use_te_activation_func")
 
 
 EMBEDDING = "embedding.word_embeddings.weight"
@@ -319,8 +348,10 @@ def megatron_names(name: str) -> tuple[tuple[str, ...], int | None]:
     return tuple(f"decoder.layers.{prefix}{leaf}" for prefix in _IN_BLOCK.get(owner, ())), layer
 
 
-_NOT_MODEL = ("optimizer.", "rng_state", "rerun_state_machine")
-"""Stored keys that are not the model's weights: the optimizer's state, random-number states."""
+_MODEL = ("embedding.", "decoder.", "output_layer.")
+"""Where the model's stored keys begin (the optimizer's state is under optimizer. or chained_N.optimizer., the
+random-number and rerun states elsewhere, the multi-token prediction layers under mtp.): a tensor here that loom
+does not take is refused, not dropped."""
 
 
 class _MegatronWeights:
@@ -331,26 +362,33 @@ class _MegatronWeights:
         self.stored = stored
         self.num_layers = num_layers
 
-    def locate(self, name: str) -> tuple[str, int | None] | None:
+    def locate(self, name: str) -> tuple[tuple[str, ...], int | None] | None:
+        """The stored key(s) holding loom's `name` (two halves to join for a SwiGLU fc1 saved with
+        singleton_local_shards: _w the gate, _v the up projection) and the layer of a stacked key."""
         keys, layer = megatron_names(name)
         for stacked in keys:
             if layer is None:
                 if stacked in self.stored.shapes:
-                    return stacked, None
+                    return (stacked,), None
                 continue
             own = stacked.replace("decoder.layers.", f"decoder.layers.{layer}.", 1)
             if stacked in self.stored.shapes and self.stored.shapes[stacked][0] == self.num_layers:
-                return stacked, layer
+                return (stacked,), layer
             if own in self.stored.shapes:
-                return own, None
+                return (own,), None
+            if f"{own}_w" in self.stored.shapes and f"{own}_v" in self.stored.shapes:
+                return (f"{own}_w", f"{own}_v"), None
         return None
 
-    def shape(self, located: tuple[str, int | None]) -> tuple[int, ...]:
-        key, layer = located
-        return self.stored.shapes[key][1:] if layer is not None else self.stored.shapes[key]
+    def shape(self, located: tuple[tuple[str, ...], int | None]) -> tuple[int, ...]:
+        keys, layer = located
+        shapes = [self.stored.shapes[key][1:] if layer is not None else self.stored.shapes[key] for key in keys]
+        return (sum(shape[0] for shape in shapes), *shapes[0][1:])
 
-    def read(self, located: tuple[str, int | None]) -> torch.Tensor:
-        return self.stored.read(*located)
+    def read(self, located: tuple[tuple[str, ...], int | None]) -> torch.Tensor:
+        keys, layer = located
+        parts = [self.stored.read(key, layer) for key in keys]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _qkv_from_grouped(tensor: torch.Tensor, model: dict) -> torch.Tensor:
@@ -380,15 +418,8 @@ def from_megatron(stored: DistributedCheckpoint, model: dict, args: dict, loom_n
         if where is None:
             raise CheckpointError(f"{stored.folder} has no tensor for loom's {name}; do its arguments describe it?")
         located[name] = where
-    used = {key for key, _ in located.values()}
-    unused = sorted(
-        key
-        for key in stored.shapes
-        if key not in used
-        and not key.startswith(_NOT_MODEL)
-        and "_extra_state" not in key
-        and not key.startswith("mtp")
-    )
+    used = {key for keys, _ in located.values() for key in keys}
+    unused = sorted(key for key in stored.shapes if key not in used and key.startswith(_MODEL))
     if unused:
         shown = ", ".join(unused[:3]) + (f" and {len(unused) - 3} more" if len(unused) > 3 else "")
         raise CheckpointError(
@@ -464,6 +495,8 @@ def import_megatron(source: Path, output: Path, overwrite: bool = False) -> tupl
             "approximation; they differ by at most 5e-4 per activation, and fine-tuning absorbs it",
             file=sys.stderr,
         )
+    for ignored in ignored_settings(args):
+        print(f"note: {ignored}", file=sys.stderr)
     if any(key.startswith("mtp") for key in stored.shapes):
         print(
             "note: the multi-token prediction layers (--mtp-num-layers) are not imported: loom predicts the next "

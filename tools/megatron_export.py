@@ -33,7 +33,7 @@ from loom.engine.parallel.vocab import padded_vocab_size
 from loom.tools.ckpt import open_checkpoint
 from loom.tools.hf import EXPORT_DTYPES
 from loom.tools.lora import ModelWeights
-from loom.tools.megatron_checkpoint import COMMON, EMBEDDING, OUTPUT, megatron_names
+from loom.tools.megatron_checkpoint import COMMON, EMBEDDING, MEGATRON_ROPE_SCALING_FACTOR, OUTPUT, megatron_names
 from loom.tools.outputs import claimed_megatron_output
 
 EXTRA_STATE_MODULES = (
@@ -53,11 +53,12 @@ MEGATRON_METADATA = (
 """megatron-core's metadata.json: which strategies wrote the tensors and common.pt."""
 
 LLAMA3_SCALING_IN_MEGATRON = {
+    "rope_scaling_factor": MEGATRON_ROPE_SCALING_FACTOR,
     "rope_low_freq_factor": 1.0,
     "rope_high_freq_factor": 4.0,
     "rope_original_max_positions": 8192,
 }
-"""megatron-core's llama3 rope scaling has these fixed (only the factor is a flag)."""
+"""megatron-core's llama3 rope scaling has these fixed (the factor is a flag its model builders never pass on)."""
 
 
 def megatron_arguments(model: dict, train: dict, step: int, consumed: int, dtype: str) -> argparse.Namespace:
@@ -67,8 +68,8 @@ def megatron_arguments(model: dict, train: dict, step: int, consumed: int, dtype
         fixed = {k: model[k] for k, v in LLAMA3_SCALING_IN_MEGATRON.items() if model[k] != v}
         if fixed:
             raise CheckpointError(
-                f"the model's llama3 rope scaling has {fixed}; megatron-core's fixes them at "
-                f"{ {k: LLAMA3_SCALING_IN_MEGATRON[k] for k in fixed} } (only --rope-scaling-factor is a flag)"
+                f"the model's llama3 rope scaling has {fixed}; megatron-core's model fixes them at "
+                f"{ {k: LLAMA3_SCALING_IN_MEGATRON[k] for k in fixed} } (--rope-scaling-factor never reaches it)"
             )
     heads, kv_heads = model["num_heads"], model["num_kv_heads"] or model["num_heads"]
     rope = model["position_embedding"] == "rope"
