@@ -100,6 +100,25 @@ def _recording(read, calls: list):
     return recorded
 
 
+def _one_document(megatron: Path, variant: str, prefix: Path) -> tuple[dict, torch.Tensor]:
+    """The variant's reference (tokens, megatron-core's logits) and its first row of tokens, written as the one
+    document of the dataset `prefix`."""
+    reference = torch.load(megatron / f"{variant}.pt")
+    tokens = reference["tokens"][:1]
+    with IndexedDatasetWriter(prefix, np.dtype(np.uint16)) as writer:
+        writer.add_document(tokens[0].numpy())
+    return reference, tokens
+
+
+def _fine_tuning(checkpoint: Path, tmp_path: Path, tokens: torch.Tensor, steps: int) -> list[str]:
+    """`loom train` flags fine-tuning `checkpoint` (fp32) for `steps` steps of the one-document dataset
+    tmp_path/one, a sample per step, into tmp_path/run."""
+    flags = tiny_train_args(str(tmp_path / "one"), tmp_path / "run")
+    flags += ["--checkpoint.load", str(checkpoint), "--checkpoint.finetune", "true", "--data.split", "1,0,0"]
+    flags += ["--train.seq_length", str(tokens.shape[1] - 1), "--train.global_batch_size", "1"]
+    return flags + ["--train.micro_batch_size", "1", "--train.steps", str(steps), "--train.precision", "fp32"]
+
+
 def _loss_of(logits: torch.Tensor, tokens: torch.Tensor) -> float:
     return torch.nn.functional.cross_entropy(logits[0, :-1], tokens[0, 1:]).item()
 
@@ -107,10 +126,7 @@ def _loss_of(logits: torch.Tensor, tokens: torch.Tensor) -> float:
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_loom_eval_of_the_import_equals_the_loss_of_megatron_s_logits(megatron, imported, variant, tmp_path, capfd):
     """One document of the reference tokens is the only sample, so every batch holds it."""
-    reference = torch.load(megatron / f"{variant}.pt")
-    tokens = reference["tokens"][:1]
-    with IndexedDatasetWriter(tmp_path / "one", np.dtype(np.uint16)) as writer:
-        writer.add_document(tokens[0].numpy())
+    reference, tokens = _one_document(megatron, variant, tmp_path / "one")
     seq_length = tokens.shape[1] - 1
     result = loom_here(
         capfd,
@@ -126,15 +142,10 @@ def test_loom_eval_of_the_import_equals_the_loss_of_megatron_s_logits(megatron, 
 def test_a_fine_tune_from_the_import_starts_at_megatron_s_loss(megatron, imported, tmp_path, capfd):
     """Megatron's --finetune continued in loom: the first step's loss (before its update) is the loss of the
     logits megatron-core computed, and the steps after it train."""
-    reference = torch.load(megatron / "gpt.pt")
-    tokens = reference["tokens"][:1]
-    with IndexedDatasetWriter(tmp_path / "one", np.dtype(np.uint16)) as writer:
-        writer.add_document(tokens[0].numpy())
-    flags = tiny_train_args(str(tmp_path / "one"), tmp_path / "run")
-    flags += ["--checkpoint.load", str(imported / "gpt"), "--checkpoint.finetune", "true", "--data.split", "1,0,0"]
-    flags += ["--train.seq_length", str(tokens.shape[1] - 1), "--train.global_batch_size", "1", "--train.steps", "3"]
-    flags += ["--train.micro_batch_size", "1"]
-    result = loom_here(capfd, "train", *flags, "--train.precision", "fp32", "--optim.warmup_steps", "0")
+    reference, tokens = _one_document(megatron, "gpt", tmp_path / "one")
+    result = loom_here(
+        capfd, "train", *_fine_tuning(imported / "gpt", tmp_path, tokens, 3), "--optim.warmup_steps", "0"
+    )
     assert result.returncode == 0, result.stderr
     assert "the model is that of" in result.stdout + result.stderr  # the tiny preset's shape gave way
     rows = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
@@ -181,15 +192,9 @@ def test_an_export_imports_back_to_the_same_model(imported, exported, variant, t
 def test_a_fine_tune_exports_at_its_step_for_megatron_to_continue(megatron, imported, tmp_path, capfd):
     """Megatron -> loom -> Megatron: a run fine-tuned 2 steps in loom goes back as iter_0000002 with its samples
     consumed, and loads into megatron-core with the logits loom computes."""
-    reference = torch.load(megatron / "llama.pt")
-    tokens = reference["tokens"][:1]
-    with IndexedDatasetWriter(tmp_path / "one", np.dtype(np.uint16)) as writer:
-        writer.add_document(tokens[0].numpy())
-    flags = tiny_train_args(str(tmp_path / "one"), tmp_path / "run")
-    flags += ["--checkpoint.load", str(imported / "llama"), "--checkpoint.finetune", "true", "--data.split", "1,0,0"]
-    flags += ["--train.seq_length", str(tokens.shape[1] - 1), "--train.global_batch_size", "1", "--train.steps", "2"]
-    flags += ["--train.micro_batch_size", "1", "--checkpoint.save_at_end", "true", "--train.precision", "fp32"]
-    assert loom_here(capfd, "train", *flags).returncode == 0
+    reference, tokens = _one_document(megatron, "llama", tmp_path / "one")
+    flags = _fine_tuning(imported / "llama", tmp_path, tokens, 2)
+    assert loom_here(capfd, "train", *flags, "--checkpoint.save_at_end", "true").returncode == 0
     result = loom_here(
         capfd, "ckpt", "export-megatron", "--checkpoint", str(tmp_path / "run"), "--output", str(tmp_path / "back")
     )
