@@ -257,9 +257,8 @@ def export_megatron(
             torch.save({**common, "content_metadata": {"singleton_local_shards": False}}, staging / COMMON)
             write_text_atomically(staging / "metadata.json", MEGATRON_METADATA)
             staging.rename(iteration)
-            write_text_atomically(
-                output / MEGATRON_TRACKER, str(metadata.step or "release")
-            )  # last: the export is complete
+            # last: what Megatron-LM's --load reads first, so the export is complete once it is there
+            write_text_atomically(output / MEGATRON_TRACKER, str(metadata.step or "release"))
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             shutil.rmtree(iteration, ignore_errors=True)
