@@ -145,13 +145,14 @@ def _import_megatron(args: argparse.Namespace) -> None:
 
 
 def _export_megatron(args: argparse.Namespace) -> None:
+    from loom.engine.checkpoint.format import MEGATRON_TRACKER
     from loom.tools.megatron_export import export_megatron
 
     with _writing(args):
         iteration, flags = export_megatron(
             Path(args.checkpoint), Path(args.output), _base(args), args.overwrite, args.dtype
         )
-    print(f"wrote {iteration} and {Path(args.output) / 'latest_checkpointed_iteration.txt'}")
+    print(f"wrote {iteration} and {Path(args.output) / MEGATRON_TRACKER}")
     how = (
         "as a release (the weights alone, at iteration 0)"
         if iteration.name == "release"

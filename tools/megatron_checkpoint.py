@@ -22,7 +22,6 @@ optimizer, as after import-hf.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import pickle
 import sys
@@ -37,7 +36,7 @@ from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from loom.engine.checkpoint.format import MEGATRON_TRACKER as TRACKER
-from loom.engine.checkpoint.format import CheckpointError
+from loom.engine.checkpoint.format import CheckpointError, megatron_backend
 from loom.engine.config_io import config_from_dict, config_to_dict
 from loom.engine.model import naming
 from loom.tools.ckpt import LazyWeights, write_weights_checkpoint
@@ -67,7 +66,7 @@ def megatron_iteration_folder(source: Path) -> Path:
         raise CheckpointError(
             f"{source} is a Megatron-LM checkpoint in the older torch format (mp_rank_* folders); {LEGACY_CONVERSION}"
         )
-    backend = _sharded_backend(source)
+    backend = megatron_backend(source)
     if backend is None and (source / ".metadata").is_file():
         raise CheckpointError(
             f"{source} is a torch.distributed checkpoint without megatron-core's metadata.json (Megatron-LM's "
@@ -89,15 +88,6 @@ def megatron_iteration_folder(source: Path) -> Path:
         if not (source / needed).is_file():
             raise CheckpointError(f"Megatron checkpoint {source} is incomplete: no {needed}")
     return source
-
-
-def _sharded_backend(folder: Path) -> str | None:
-    """The `sharded_backend` megatron-core's metadata.json names; None where there is no such file."""
-    try:
-        recorded = json.loads((folder / "metadata.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return recorded.get("sharded_backend") if isinstance(recorded, dict) else None
 
 
 class _Placeholder:

@@ -131,10 +131,8 @@ def claimed_megatron_output(output: Path, overwrite: bool) -> Iterator[None]:
     (its latest_checkpointed_iteration.txt and iteration folders) only with `overwrite`, which moves it aside, and
     back if the block fails."""
     _refuse_file_or_run(output, "Megatron checkpoint")
-    if enclosing_checkpoint(output) is not None:
-        raise CheckpointError(
-            f"--output {output} is inside the checkpoint {enclosing_checkpoint(output)}; write to a new folder"
-        )
+    if (inside := enclosing_checkpoint(output)) is not None:
+        raise CheckpointError(f"--output {output} is inside the checkpoint {inside}; write to a new folder")
     if output.is_dir() and any(next(output.glob(pattern), None) for pattern in HF_FILES):
         raise CheckpointError(f"--output {output} holds a Hugging Face model; write to a folder of its own")
     iterations = [p for p in candidates(output) if p.is_dir()] if output.is_dir() else []

@@ -315,11 +315,19 @@ def is_megatron_checkpoint(path: Path) -> bool:
     (their iter_NNNNNNN folders are named as loom's)."""
     if (path / MEGATRON_TRACKER).is_file() or next(path.glob("mp_rank_*"), None) is not None:
         return True
+    return megatron_backend(path) is not None
+
+
+def megatron_backend(path: Path) -> str | None:
+    """The `sharded_backend` (torch_dist, zarr) megatron-core's metadata.json in `path` names; None where `path`
+    holds no such file (loom's own metadata.json names none)."""
     try:  # megatron-core's is a line; loom's own (a record per tensor) is not parsed twice
-        small = (path / METADATA).stat().st_size < 4096
-        return small and "sharded_backend" in json.loads((path / METADATA).read_text())
-    except (OSError, ValueError, TypeError):
-        return False
+        if (path / METADATA).stat().st_size >= 4096:
+            return None
+        recorded = json.loads((path / METADATA).read_text())
+    except (OSError, ValueError):
+        return None
+    return recorded.get("sharded_backend") if isinstance(recorded, dict) else None
 
 
 def foreign_checkpoint_hint(path: Path) -> str:
