@@ -303,7 +303,9 @@ class OptimConfig:
     """Clip the global gradient norm (over every rank's shard) to this; 0 turns clipping off."""
     warmup_steps: int = 0
     """Linear warmup to lr over this many steps: step s (from 0) takes lr * (s + 1) / warmup_steps, so the first
-    step already learns (Megatron-LM's first runs at lr 0; from the end of warmup on, the two are equal)."""
+    step already learns (Megatron-LM's first runs at lr 0; from the end of warmup on, the two are equal). Steps
+    count applied updates: a skipped one (an fp16 overflow, train.nan_policy = skip) holds the schedule, warmup
+    and decay alike, as in Megatron-LM."""
     decay: Literal["cosine", "linear", "constant"] = "cosine"
     """Shape of the decay from lr to min_lr after warmup."""
     decay_steps: int | None = None

@@ -204,11 +204,7 @@ TRAINING_NAMES: tuple[NameElsewhere, ...] = (
             ("--sgd-momentum", "--optim.momentum"),
             ("--clip-grad", "--optim.clip_grad"),
             ("--bf16", "--train.precision bf16", "Megatron's default is fp32, loom's bf16"),
-            (
-                "--fp16",
-                "--train.precision fp16",
-                "Megatron holds the learning rate on a skipped step, loom's schedule moves on",
-            ),
+            ("--fp16", "--train.precision fp16", "a skipped step holds the learning rate, as in Megatron"),
             (
                 "--fp8-format",
                 "--train.fp8 delayed",

@@ -116,6 +116,7 @@ class Trainer:
         self.peak_flops = self._peak_flops()
         self.faults = FaultPlan.from_environment(self.state.rank)
         self.nonfinite_in_a_row = 0
+        self.skipped_updates = 0
         # Early stopping's state, saved with each checkpoint: the best validation loss (None before the first
         # evaluation) and the evaluations since it improved.
         self.validation: dict = {"best_loss": None, "evals_without_gain": 0}
@@ -237,6 +238,7 @@ class Trainer:
             if metadata.validation is not None:
                 self.validation = dict(metadata.validation)
             self.nonfinite_in_a_row = metadata.nonfinite_in_a_row
+            self.skipped_updates = metadata.skipped_updates
         self._say_what_was_resumed(directory, metadata)
 
     def _say_what_was_resumed(self, directory: Path, metadata: CheckpointMetadata) -> None:
@@ -296,6 +298,7 @@ class Trainer:
             validation=self.validation,
             hf_origin=self.hf_origin,
             nonfinite_in_a_row=self.nonfinite_in_a_row,
+            skipped_updates=self.skipped_updates,
         )
 
     def save(self) -> Path:
@@ -374,7 +377,9 @@ class Trainer:
 
     def _train_step(self, stop: StopRequest | None) -> dict:
         t = self.config.train
-        lr = learning_rate(self.step, self.config.optim, t.steps)
+        # A skipped update leaves the schedule where it was (Megatron-LM and DeepSpeed step their schedulers only
+        # after an applied update): an fp16 run's early overflows then do not eat into the warmup.
+        lr = learning_rate(self.step - self.skipped_updates, self.config.optim, t.steps)
         self._train_mode(True)
         self.grads.start_step()
         global_batch = self.config.global_batch_size_at(self.train_batches.consumed_samples)
@@ -407,6 +412,7 @@ class Trainer:
         result = self.optimizer.apply(lr, math.sqrt(squared_norm), skip=not math.isfinite(loss))
         self.kernels.weights_updated(self.chunks)
         self.step += 1
+        self.skipped_updates += result["skipped"]
         row = {"loss": loss, "lr": lr, "grad_norm": result["grad_norm"], "global_batch_size": global_batch}
         if self.loss_scaler is not None:
             if self.loss_scaler.skipped_steps > skipped_before:

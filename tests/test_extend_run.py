@@ -181,7 +181,12 @@ def test_a_resume_is_told_what_it_changes_and_not_what_it_does_not(tmp_path):
     from_bf16 = config_to_dict(config(train={"precision": "bf16"}, optim={"loss_scale_window": 100}))
     assert changed_training_settings(from_bf16, rescaled) == [("train.precision", "bf16", "fp16")]  # none saved
     metadata = SimpleNamespace(
-        config=saved_fp16, loss_scaler={"scale": 256.0}, step=3, datasets=None, layout=SimpleNamespace(optimizer=None)
+        config=saved_fp16,
+        loss_scaler={"scale": 256.0},
+        step=3,
+        skipped_updates=0,
+        datasets=None,
+        layout=SimpleNamespace(optimizer=None),
     )
     (training, scaler) = resume_warnings(Path("iter_3"), metadata, rescaled, continues_run=True)
     assert scaler.startswith("optim.initial_loss_scale = 4096.0 is not used: this run continues the loss scale 256 ")

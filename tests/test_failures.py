@@ -271,24 +271,13 @@ def model_tensors(checkpoint: Path) -> dict:
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_nan_loss_under_skip_policy_drops_only_that_update(dataset, tmp_path, run_here, precision):
-    """Under fp16 the loss scaler took the NaN loss's step for an overflow too: it lowered the scale and counted it."""
-    result = run_here(
-        train_command(
-            dataset,
-            tmp_path,
-            "--train.steps",
-            "4",
-            "--checkpoint.interval",
-            "1",
-            "--checkpoint.keep",
-            "4",
-            "--train.nan_policy",
-            "skip",
-            "--train.precision",
-            precision,
-        ),  # fmt: skip
-        env={"LOOM_INJECT_NAN": "3"},
-    )
+    """Under fp16 the loss scaler took the NaN loss's step for an overflow too: it lowered the scale and counted it.
+    The skipped update holds the learning rate, in this job and in the next (the count is in the checkpoint)."""
+    command = train_command(
+        dataset, tmp_path, "--train.steps", "4", "--checkpoint.interval", "1", "--checkpoint.keep", "4",
+        "--train.nan_policy", "skip", "--train.precision", precision, "--optim.lr", "6e-3", "--optim.warmup_steps", "6",
+    )  # fmt: skip
+    result = run_here(command, env={"LOOM_INJECT_NAN": "3"})
     assert result.returncode == 0, result.stderr
     assert "update skipped (train.nan_policy = skip)" in result.stdout
     rows = read_metrics(tmp_path)
@@ -304,6 +293,11 @@ def test_nan_loss_under_skip_policy_drops_only_that_update(dataset, tmp_path, ru
     for key, value in before.items():
         assert (skipped[key] == value).all(), key
     assert any((after[key] != value).any() for key, value in before.items())
+    assert [r["lr"] for r in rows] == pytest.approx([1e-3, 2e-3, 3e-3, 3e-3])  # warmup: 6e-3 * (s + 1) / 6
+    if precision == "fp32":
+        resumed = run_here([*command, "--train.steps", "5"])
+        assert resumed.returncode == 0, resumed.stderr
+        assert read_metrics(tmp_path)[-1]["lr"] == pytest.approx(4e-3)
 
 
 def test_non_finite_steps_in_a_row_are_counted_across_jobs(dataset, tmp_path, run_here):

@@ -192,5 +192,10 @@ def test_a_resume_names_a_changed_learning_rate_schedule():
     assert "length" not in warning and warning.endswith(
         "pass --optim.lr 0.001 to keep it, unless the change is intended"
     )
+    # two skipped updates hold the schedule two steps behind: step 11 takes the lr of position 8, still decaying
+    warning = changed_schedule(10, saved, config(20), skipped_updates=2)
+    assert f"step 11 takes lr {learning_rate(8, config(20).optim, 20):.3g} where the saved schedule gives " in warning
+    # and three put step 13 at position 9, inside the decay, where a new peak differs (without them: past its end)
+    assert changed_schedule(12, config_to_dict(config(12, decay_steps=10)), config(20, decay_steps=10, lr=2e-3), 3)
     # past the decay's end both give min_lr: nothing this run trains differs
     assert changed_schedule(12, config_to_dict(config(12, decay_steps=10)), config(20, decay_steps=10, lr=2e-3)) is None

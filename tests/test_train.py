@@ -30,11 +30,13 @@ def test_bf16_autocast_tracks_fp32(dataset, tmp_path):
 
 def test_fp16_overflow_skips_are_said_on_the_console(dataset, tmp_path, capfd):
     """A loss scale past fp16's range overflows every step: each skipped update is said with the scale it halves
-    to (only metrics.jsonl's skipped_steps told, beside a console 'grad norm nan')."""
-    optim = {"initial_loss_scale": 2.0**32, "loss_scale_hysteresis": 1}  # Megatron's start, the largest loom takes
+    to (only metrics.jsonl's skipped_steps told, beside a console 'grad norm nan'), and holds the learning rate
+    where it was, as Megatron-LM's and DeepSpeed's schedulers do (warmup's first lr, lr / 2, twice)."""
+    optim = {"initial_loss_scale": 2.0**32, "loss_scale_hysteresis": 1, "warmup_steps": 2, "lr": 1e-3}
     short = {"steps": 2, "precision": "fp16", "seq_length": 32, "global_batch_size": 2, "micro_batch_size": 2}
     rows = train(dataset, tmp_path, model={"num_layers": 1}, optim=optim, train=short)
     assert [r["skipped_steps"] for r in rows] == [1, 2]
+    assert [r["lr"] for r in rows] == [5e-4, 5e-4]
     out = capfd.readouterr().out
     assert (
         "step 1: fp16 gradients overflowed at loss scale 4.29497e+09; update skipped (the scale is now 2.14748e+09"

@@ -212,6 +212,10 @@ class CheckpointMetadata:
     nonfinite_in_a_row: int = 0
     """Non-finite steps in a row when saved (train.nan_policy = skip skips them): a resumed or requeued job goes
     on counting toward train.max_skipped_steps instead of starting again from 0."""
+    skipped_updates: int = 0
+    """Steps whose update was skipped (an fp16 overflow, or a non-finite step under train.nan_policy = skip). The
+    learning-rate schedule stands still on them, as Megatron-LM's and DeepSpeed's do: a resumed run takes the
+    learning rate of step - skipped_updates. 0 in checkpoints of older looms, whose schedule moved on."""
     format_version: int = FORMAT_VERSION
     """The on-disk format version; a reader refuses any other."""
 
@@ -237,6 +241,7 @@ class CheckpointMetadata:
             "validation": self.validation,
             "datasets": self.datasets,
             "nonfinite_in_a_row": self.nonfinite_in_a_row,
+            "skipped_updates": self.skipped_updates,
         }
         return json.dumps(data, indent=1)
 
@@ -271,6 +276,7 @@ class CheckpointMetadata:
                 validation=data.get("validation"),
                 datasets=data.get("datasets"),
                 nonfinite_in_a_row=data.get("nonfinite_in_a_row", 0),
+                skipped_updates=data.get("skipped_updates", 0),
                 format_version=data["format_version"],
             )
         except (KeyError, TypeError, AttributeError) as error:

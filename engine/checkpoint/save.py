@@ -156,6 +156,7 @@ def describe_run(state: TrainingState) -> CheckpointMetadata:
         lora_base=state.lora_base,
         validation=state.validation,
         nonfinite_in_a_row=state.nonfinite_in_a_row,
+        skipped_updates=state.skipped_updates,
         datasets=_dataset_records(c.data.paths),
         tokenizer=tokenizer_record(c.data.tokenizer),
         **(state.hf_origin or {}),

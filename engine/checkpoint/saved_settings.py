@@ -206,9 +206,10 @@ SCHEDULE_FIELDS = ("lr", "min_lr", "warmup_steps", "decay")
 """The optim fields of the learning-rate schedule besides its decay's length (optim.decay_steps, else train.steps)."""
 
 
-def changed_schedule(step: int, saved_config: dict, current: LoomConfig) -> str | None:
+def changed_schedule(step: int, saved_config: dict, current: LoomConfig, skipped_updates: int = 0) -> str | None:
     """How the learning rate of the steps from `step` (0-based: the first one this run trains) on differs from
-    what the saved run's schedule gives them (past its end: min_lr), or None where it does not."""
+    what the saved run's schedule gives them (past its end: min_lr), or None where it does not. The schedule
+    stands `skipped_updates` behind the step (CheckpointMetadata.skipped_updates)."""
     saved_optim = saved_config.get("optim", {})
     fields = (*SCHEDULE_FIELDS, "decay_steps")
     try:
@@ -217,7 +218,8 @@ def changed_schedule(step: int, saved_config: dict, current: LoomConfig) -> str 
         return None
     saved_steps = saved_config.get("train", {}).get("steps", current.train.steps)
     end = current.train.steps
-    probes = range(step, end, max(1, (end - step) // 1000))
+    position = step - skipped_updates
+    probes = range(position, end, max(1, (end - position) // 1000))
     differs = next(
         (s for s in probes if learning_rate(s, saved, saved_steps) != learning_rate(s, current.optim, end)), None
     )
@@ -231,8 +233,9 @@ def changed_schedule(step: int, saved_config: dict, current: LoomConfig) -> str 
         changes.append(f"the decay's length: {saved_length} -> {length} steps (optim.decay_steps, else train.steps)")
         keep.append(f"--optim.decay_steps {saved_length}")
     now, then = _told_apart(learning_rate(differs, current.optim, end), learning_rate(differs, saved, saved_steps))
+    taking = differs + skipped_updates + 1  # the step, 1-based, that takes the differing lr
     return (
-        f"the learning-rate schedule is not the one this run trained with ({'; '.join(changes)}): step {differs + 1} "
+        f"the learning-rate schedule is not the one this run trained with ({'; '.join(changes)}): step {taking} "
         f"takes lr {now} where the saved schedule gives {then}; pass {', '.join(keep)} to keep it, unless the "
         "change is intended"
     )
@@ -289,7 +292,9 @@ def resume_warnings(
             f"from step {metadata.step} on this run reads its data in another order than it did "
             f"({'; '.join(reordered)}): some samples may be read twice and others not at all"
         )
-    schedule = changed_schedule(metadata.step, metadata.config, config) if continues_run else None
+    schedule = (
+        changed_schedule(metadata.step, metadata.config, config, metadata.skipped_updates) if continues_run else None
+    )
     if schedule:
         warnings.append(schedule)
     trains_otherwise = changed_training_settings(metadata.config, config) if continues_run else []

@@ -55,6 +55,8 @@ class TrainingState:
     carried into each checkpoint so an export still names the model, its special tokens and its dtype."""
     nonfinite_in_a_row: int = 0
     """Non-finite steps in a row that train.nan_policy = skip has skipped (CheckpointMetadata.nonfinite_in_a_row)."""
+    skipped_updates: int = 0
+    """Steps whose update was skipped, on which the learning rate stood still (CheckpointMetadata.skipped_updates)."""
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """The trainable parameters of the model chunks (those the optimizer holds)."""
