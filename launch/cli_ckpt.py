@@ -153,15 +153,14 @@ def _export_megatron(args: argparse.Namespace) -> None:
             Path(args.checkpoint), Path(args.output), _base(args), args.overwrite, args.dtype
         )
     print(f"wrote {iteration} and {Path(args.output) / MEGATRON_TRACKER}")
-    how = (
-        "as a release (the weights alone, at iteration 0)"
-        if iteration.name == "release"
-        else "--no-load-optim --no-load-rng (--finetune to start at iteration 0)"
-    )
-    print(
-        f"Megatron-LM loads it with --load {args.output} {how}, under any tensor/pipeline layout, its model built by "
-        f"--use-checkpoint-args or: {flags}"
-    )
+    print(f"Megatron-LM loads it under any tensor/pipeline layout with: --load {args.output} --finetune {flags}")
+    if iteration.name != "release":
+        step = int(iteration.name.removeprefix("iter_"))
+        print(
+            f"or, in place of --finetune, --no-load-optim --no-load-rng to go on at iteration {step} with "
+            "its samples consumed, a fresh optimizer and learning-rate schedule (not with --vocab-file: Megatron then "
+            "compares its --tokenizer-type with the checkpoint's, which loom does not know)"
+        )
 
 
 EVAL_ATTEMPTS = 3
@@ -456,7 +455,8 @@ def _add_export_megatron(sub) -> None:
         description="Writes OUTPUT/latest_checkpointed_iteration.txt and OUTPUT/iter_N (N: the checkpoint's step) "
         "as Megatron-LM's --ckpt-format torch_dist save does, for the model alone (a LoRA run's with its adapters "
         "folded in), with the Megatron-LM arguments that describe it; Megatron-LM loads it into any "
-        "tensor/pipeline layout with --no-load-optim --no-load-rng. Megatron is not needed here.",
+        "tensor/pipeline layout with --finetune (or --no-load-optim --no-load-rng to go on at iteration N), the model "
+        "flags printed here. Megatron is not needed here.",
     )
     _checkpoint_input(p, "the checkpoint to export")
     _checkpoint_output(p, "a folder of its own for Megatron-LM's --load (its --save layout)")

@@ -220,12 +220,19 @@ def read(out: Path, name: str, save: Path) -> None:
     and plain norm weights, the way loom computes them) into the variant's model; its logits on the variant's
     tokens go to OUT/<name>.loaded.pt."""
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     model = build(name, VARIANTS[name], rotary_interleaved=False)
     tracker = (save / "latest_checkpointed_iteration.txt").read_text().strip()
     folder = save / ("release" if tracker == "release" else f"iter_{int(tracker):07d}")
     metadata = {"non_homogeneous_layers": False}
-    loaded = dist_checkpointing.load({"model": model.sharded_state_dict(metadata=metadata)}, str(folder))
+    state = model.sharded_state_dict(metadata=metadata)
+    # With Transformer Engine installed (Megatron-LM's default), the final norm is TE's whatever the layer spec, and
+    # its extra state is asked for too (megatron-core's sharded_state_dict_default of a module without its own)
+    final_norm = "decoder.final_layernorm._extra_state"
+    state[final_norm] = ShardedObject(final_norm, None, (1,), (0,))
+    loaded = dist_checkpointing.load({"model": state}, str(folder))
+    assert loaded["model"].pop(final_norm) is None  # what TE's set_extra_state takes as "nothing saved"
     model.load_state_dict(loaded["model"])
     tokens = torch.load(out / f"{name}.pt")["tokens"]
     torch.save({"logits": logits_of(model, tokens), "iteration": loaded.get("iteration")}, out / f"{name}.loaded.pt")

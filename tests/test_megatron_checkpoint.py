@@ -199,10 +199,14 @@ def test_a_fine_tune_exports_at_its_step_for_megatron_to_continue(megatron, impo
         capfd, "ckpt", "export-megatron", "--checkpoint", str(tmp_path / "run"), "--output", str(tmp_path / "back")
     )
     assert result.returncode == 0, result.stderr
-    assert "--load" in result.stdout and "--num-layers 2 --hidden-size 64" in result.stdout
+    assert f"--load {tmp_path / 'back'} --finetune --num-layers 2 --hidden-size 64" in result.stdout
+    assert "--no-load-optim --no-load-rng to go on at iteration 2 with its samples consumed" in result.stdout
     assert (tmp_path / "back/latest_checkpointed_iteration.txt").read_text() == "2"
     args = read_megatron_arguments(tmp_path / "back" / "iter_0000002")
     assert (args["iteration"], args["consumed_train_samples"]) == (2, 2)
+    # Megatron-LM's load_checkpoint reads these of its runs' arguments: no RNG state to ask for, and a tokenizer_type
+    # (check_checkpoint_args reads it without a default under --vocab-file)
+    assert args["no_save_optim"] and args["no_save_rng"] and "tokenizer_type" in args
     shutil.copy(megatron / "llama.pt", tmp_path / "llama.pt")  # the tokens; the module's other tests read megatron/
     _as_megatron(tmp_path, f"llama={tmp_path / 'back'}")
     theirs = torch.load(tmp_path / "llama.loaded.pt")["logits"]
@@ -228,12 +232,16 @@ def test_an_export_claims_its_folder_as_other_writers_do(imported, exported, tmp
 
 
 def test_llama3_scaling_megatron_cannot_express_is_refused():
-    from loom.tools.megatron_export import megatron_arguments
+    from loom.tools.megatron_export import megatron_arguments, megatron_flags
 
     model = model_from_megatron_arguments({**LLAMA_ARGUMENTS, "use_rope_scaling": True}, SHAPES)
     full = {**model, "dropout": 0.0, "make_vocab_divisible_by": 128, "rope_scaling_factor": 8.0}
     args = megatron_arguments(full, {"seq_length": 32}, 0, 0, "float32")
     assert model_from_megatron_arguments(vars(args), SHAPES) == model  # the arguments describe the model
+    # Megatron pads the vocabulary to its own divisor (x TP) and, under --vocab-file, compares it with the saved one
+    assert "--make-vocab-size-divisible-by" not in megatron_flags(args)
+    other = megatron_arguments({**full, "make_vocab_divisible_by": 64}, {"seq_length": 32}, 0, 0, "float32")
+    assert "--make-vocab-size-divisible-by 64" in megatron_flags(other)
     with pytest.raises(CheckpointError, match="rope_original_max_positions"):
         megatron_arguments({**full, "rope_original_max_positions": 4096}, {"seq_length": 32}, 0, 0, "float32")
     with pytest.raises(CheckpointError, match="rope_scaling_factor"):  # Llama 3.2's 32: Megatron's model uses 8

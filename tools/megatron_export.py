@@ -3,12 +3,13 @@
 What Megatron-LM's torch_dist save writes, for the model alone: SAVE/latest_checkpointed_iteration.txt and
 SAVE/iter_NNNNNNN/ holding the tensors under megatron-core's global keys, the blocks' stacked on a first dimension of
 layers (the layout Megatron-LM loads by default), written a layer at a time through a torch.distributed.checkpoint
-planner, so memory holds one loom tensor; an empty `_extra_state` for each layer module that keeps one (Transformer
-Engine's and megatron-core's layers take None as "nothing saved"; keys a model lacks are ignored on load); common.pt
-with the Megatron-LM arguments describing the model, the step and the samples consumed; megatron-core's
-metadata.json. Megatron-LM builds its model from its own command line (or the saved arguments, with
---use-checkpoint-args), loads this into any tensor/pipeline layout (its loader reshards) with --no-load-optim
---no-load-rng, and with --finetune starts at iteration 0. The flags that give the model are printed.
+planner, so memory holds one loom tensor; an empty `_extra_state` for each layer module that keeps one and for the
+final norm (Transformer Engine's and megatron-core's layers take None as "nothing saved"; keys a model lacks are
+ignored on load); common.pt with the Megatron-LM arguments describing the model, the step and the samples consumed;
+megatron-core's metadata.json. Megatron-LM builds its model from its own command line, whose model flags are printed
+(--use-checkpoint-args restores neither --norm-epsilon nor rope scaling), and loads this into any tensor/pipeline
+layout (its loader reshards): with --finetune at iteration 0, or, from iter_N, with --no-load-optim --no-load-rng
+at iteration N, its optimizer and learning-rate schedule starting afresh.
 """
 
 from __future__ import annotations
@@ -45,6 +46,13 @@ EXTRA_STATE_MODULES = (
 )
 """The layer modules whose (empty) `_extra_state` Megatron-LM's layer specs save: Transformer Engine's linear and
 attention modules (their FP8 metadata), megatron-core's local linear layers."""
+
+FINAL_NORM_EXTRA_STATE = "decoder.final_layernorm._extra_state/shard_0_1"
+"""With Transformer Engine installed, megatron-core's final norm is TE's whatever the layer spec, and its (empty)
+extra state is asked for on load: a checkpoint without it fails there ("Missing key in checkpoint")."""
+
+MEGATRON_VOCAB_DIVISOR = 128
+"""Megatron-LM's default --make-vocab-size-divisible-by (check_checkpoint_args compares it under --vocab-file)."""
 
 MEGATRON_METADATA = (
     '{"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", '
@@ -114,6 +122,12 @@ def megatron_arguments(model: dict, train: dict, step: int, consumed: int, dtype
         iteration=step,
         consumed_train_samples=consumed,
         consumed_valid_samples=0,
+        # What Megatron-LM's load reads of its own runs' arguments: a save without optimizer or RNG state says so
+        # (its load then builds no RNG state to read), and check_checkpoint_args compares tokenizer_type, without a
+        # default, when a run gives --vocab-file; loom does not know Megatron's tokenizer flags
+        no_save_optim=True,
+        no_save_rng=True,
+        tokenizer_type=None,
         ckpt_format="torch_dist",
         tensor_model_parallel_size=1,
         pipeline_model_parallel_size=1,
@@ -138,6 +152,10 @@ def megatron_flags(args: argparse.Namespace) -> str:
         *(["--disable-bias-linear"] * (not args.add_bias_linear)),
         *(["--untie-embeddings-and-output-weights"] * args.untie_embeddings_and_output_weights),
         f"--hidden-dropout {args.hidden_dropout} --attention-dropout {args.attention_dropout}",
+        *(
+            [f"--make-vocab-size-divisible-by {args.make_vocab_size_divisible_by}"]
+            * (args.make_vocab_size_divisible_by != MEGATRON_VOCAB_DIVISOR)
+        ),
         *([f"--{'bf16' if args.bf16 else 'fp16'}"] * (args.bf16 or args.fp16)),
     ]
     return " ".join(flags)
@@ -238,7 +256,7 @@ def export_megatron(
         f"decoder.layers.{module}._extra_state/shard_{layer}_{model['num_layers']}"
         for module in EXTRA_STATE_MODULES
         for layer in range(model["num_layers"])
-    ]
+    ] + [FINAL_NORM_EXTRA_STATE]
     planner = _LayerByLayerPlanner(shapes, EXPORT_DTYPES[dtype], make, objects)
     # A weights-only step 0 (an import, a merge) is what Megatron calls a release: loaded without optimizer, RNG or
     # iteration, as its own converters write them
