@@ -1,9 +1,9 @@
 """Writes Megatron-LM checkpoints the way Megatron-LM's training loop does, with megatron-core on CPU, for
 tests/test_megatron_checkpoint.py: `python megatron_checkpoints.py OUT PORT` makes OUT/<variant>/ (a --save folder:
 latest_checkpointed_iteration.txt and iter_0000007 in torch_dist) and OUT/<variant>.pt (the tokens and the logits
-megatron-core's GPTModel computes for them). `python megatron_checkpoints.py OUT PORT NAME=SAVE ...` loads each
-SAVE (loom's export) into variant NAME's model with megatron-core's loader and writes its logits to
-OUT/NAME.loaded.pt.
+megatron-core's GPTModel computes for them). `python megatron_checkpoints.py OUT PORT [--tp N] NAME=SAVE ...` loads
+each SAVE (loom's export) into variant NAME's model, on one rank or split over N tensor-parallel ranks (gloo), with
+megatron-core's loader and writes its logits to OUT/NAME.loaded_tp<N>.pt.
 
 Megatron-LM's save (megatron/training/checkpointing.py, generate_state_dict) hands dist_checkpointing.save the
 state dict {"args": its argparse Namespace, "checkpoint_version": 3.0, "iteration": N, "model": the model's
@@ -215,14 +215,16 @@ def write(out: Path, name: str, variant: dict) -> None:
     torch.save({"tokens": tokens, "logits": logits}, out / f"{name}.pt")
 
 
-def read(out: Path, name: str, save: Path) -> None:
+def read(out: Path, name: str, save: Path, tp: int) -> None:
     """megatron-core's load of the --save folder `save` (loom's export of the variant: rotate-half rotary pairs
-    and plain norm weights, the way loom computes them) into the variant's model; its logits on the variant's
-    tokens go to OUT/<name>.loaded.pt."""
-    from megatron.core import dist_checkpointing
+    and plain norm weights, the way loom computes them) into the variant's model split over `tp` tensor-parallel
+    ranks (its loader reshards); its logits on the variant's tokens (the vocabulary shards gathered) go to
+    OUT/<name>.loaded_tp<tp>.pt."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    model = build(name, VARIANTS[name], rotary_interleaved=False)
+    model = build(name, VARIANTS[name], rotary_interleaved=False, tensor_model_parallel_size=tp)
     tracker = (save / "latest_checkpointed_iteration.txt").read_text().strip()
     folder = save / ("release" if tracker == "release" else f"iter_{int(tracker):07d}")
     metadata = {"non_homogeneous_layers": False}
@@ -230,33 +232,49 @@ def read(out: Path, name: str, save: Path) -> None:
     # With Transformer Engine installed (Megatron-LM's default), the final norm is TE's whatever the layer spec, and
     # its extra state is asked for too (megatron-core's sharded_state_dict_default of a module without its own)
     final_norm = "decoder.final_layernorm._extra_state"
-    state[final_norm] = ShardedObject(final_norm, None, (1,), (0,))
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    state[final_norm] = ShardedObject(final_norm, None, (1,), (0,), replica_id=(0, rank, 0))
     loaded = dist_checkpointing.load({"model": state}, str(folder))
     assert loaded["model"].pop(final_norm) is None  # what TE's set_extra_state takes as "nothing saved"
     model.load_state_dict(loaded["model"])
     tokens = torch.load(out / f"{name}.pt")["tokens"]
-    torch.save({"logits": logits_of(model, tokens), "iteration": loaded.get("iteration")}, out / f"{name}.loaded.pt")
+    logits = logits_of(model, tokens)
+    shards = [torch.empty_like(logits) for _ in range(tp)]
+    dist.all_gather(shards, logits.contiguous())
+    if rank == 0:
+        result = {"logits": torch.cat(shards, dim=-1), "iteration": loaded.get("iteration")}
+        torch.save(result, out / f"{name}.loaded_tp{tp}.pt")
 
 
-def main() -> None:
+def _rank(rank: int, world: int, port: str, out: Path, loads: list[str]) -> None:
+    """One rank of megatron-core's process group: writes the variants (`loads` empty) or loads each NAME=SAVE
+    with the tensor-parallel size `world`."""
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", sys.argv[2] if len(sys.argv) > 2 else "29561")
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    parallel_state.initialize_model_parallel(world, 1)
     # megatron-core's dropout RNG tracker is CUDA's; with dropout 0 it only has to be enterable
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
-    out = Path(sys.argv[1])
-    if sys.argv[3:]:  # NAME=SAVE ...: megatron-core loads each
-        for pair in sys.argv[3:]:
-            name, save = pair.split("=", 1)
-            read(out, name, Path(save))
-    else:
+    for pair in loads:
+        name, save = pair.split("=", 1)
+        read(out, name, Path(save), world)
+    if not loads:
         for name, variant in VARIANTS.items():
             write(out, name, variant)
     dist.destroy_process_group()
+
+
+def main() -> None:
+    """OUT PORT [--tp N] [NAME=SAVE ...]"""
+    out, port, rest = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
+    tp = int(rest[1]) if rest[:1] == ["--tp"] else 1
+    loads = rest[2:] if rest[:1] == ["--tp"] else rest
+    if tp == 1:
+        _rank(0, 1, port, out, loads)
+    else:
+        torch.multiprocessing.spawn(_rank, args=(tp, port, out, loads), nprocs=tp)
 
 
 if __name__ == "__main__":

@@ -156,19 +156,27 @@ def test_a_fine_tune_from_the_import_starts_at_megatron_s_loss(megatron, importe
 
 @pytest.fixture(scope="module")
 def exported(megatron, imported, tmp_path_factory) -> Path:
-    """Each import exported back (loom ckpt export-megatron), and megatron-core's logits of each export."""
+    """Each import exported back (loom ckpt export-megatron), and megatron-core's logits of each export, on one
+    rank and (where the heads split: not multi-query) over two tensor-parallel ranks."""
     out = tmp_path_factory.mktemp("exported")
     for name in VARIANTS:
         export_megatron(imported / name, out / name)
     _as_megatron(megatron, *(f"{name}={out / name}" for name in VARIANTS))
+    _as_megatron(megatron, "--tp", "2", *(f"{name}={out / name}" for name in SPLIT_OVER_TWO_RANKS))
     return out
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_megatron_core_loads_loom_s_export_with_the_logits_it_saved_with(megatron, exported, variant):
+SPLIT_OVER_TWO_RANKS = ("llama", "gpt")
+"""The variants megatron-core splits over two tensor-parallel ranks (its query groups divide by them)."""
+
+
+@pytest.mark.parametrize("variant, tp", [(name, 1) for name in VARIANTS] + [(name, 2) for name in SPLIT_OVER_TWO_RANKS])
+def test_megatron_core_loads_loom_s_export_with_the_logits_it_saved_with(megatron, exported, variant, tp):
     """The way back: megatron-core's own loader reads loom's export into the variant's model (rotate-half pairs and
-    plain norm weights, as loom writes them) and computes the logits of the model Megatron first saved."""
-    loaded = torch.load(megatron / f"{variant}.loaded.pt")
+    plain norm weights, as loom writes them), on one rank or resharded over two tensor-parallel ones (grouped QKV,
+    SwiGLU's gate and up halves, vocabulary rows split as Megatron splits them), and computes the logits of the
+    model Megatron first saved."""
+    loaded = torch.load(megatron / f"{variant}.loaded_tp{tp}.pt")
     assert loaded["iteration"] == 0  # a weights-only step 0: Megatron's "release"
     assert (exported / variant / "latest_checkpointed_iteration.txt").read_text() == "release"
     assert (loaded["logits"] - torch.load(megatron / f"{variant}.pt")["logits"]).abs().max().item() < 5e-5
@@ -209,7 +217,7 @@ def test_a_fine_tune_exports_at_its_step_for_megatron_to_continue(megatron, impo
     assert args["no_save_optim"] and args["no_save_rng"] and "tokenizer_type" in args
     shutil.copy(megatron / "llama.pt", tmp_path / "llama.pt")  # the tokens; the module's other tests read megatron/
     _as_megatron(tmp_path, f"llama={tmp_path / 'back'}")
-    theirs = torch.load(tmp_path / "llama.loaded.pt")["logits"]
+    theirs = torch.load(tmp_path / "llama.loaded_tp1.pt")["logits"]
     assert (theirs - loom_logits(tmp_path / "run", reference["tokens"])).abs().max().item() < 5e-5
     assert (theirs - reference["logits"]).abs().max().item() > 1e-3  # the fine-tune changed the model
 
