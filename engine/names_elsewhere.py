@@ -57,6 +57,10 @@ _CHECKPOINT_ENABLE = (
     "loom saves every checkpoint.interval steps, its own key, and a run's last step unless --checkpoint.save_at_end "
     "false: enable = false is interval 0 and save_at_end false"
 )
+_LOSS_SCALE = (
+    "loom scales the loss averaged over the global batch, Megatron each data-parallel rank's own average: Megatron's "
+    "S gives the gradients loom's S x dp x cp gives"
+)
 _RAMP_LR = "Megatron's LR schedule counts samples, loom's steps: under a ramp its warmup and decay end sooner"
 GPT2_FILES = (
     'a Hugging Face tokenizer.json holds vocabulary and merges: python -c "from transformers import '
@@ -142,7 +146,12 @@ TRAINING_NAMES: tuple[NameElsewhere, ...] = (
                 "down to 64, loom up to 256: give --model.ffn_hidden_size",
             ),
             ("--squared-relu", "", "loom's MLPs are swiglu or gelu"),
-            ("--disable-bias-linear", "--model.bias false", "Megatron has biases by default, loom none"),
+            (
+                "--disable-bias-linear",
+                "--model.bias false",
+                "Megatron has biases by default, loom none; without them Megatron's GELU is exact (erf), loom's the "
+                "tanh form its fused bias-GELU computes",
+            ),
             ("--add-qkv-bias", "--model.bias true", "biases on every linear layer"),
             (
                 "--untie-embeddings-and-output-weights",
@@ -150,10 +159,20 @@ TRAINING_NAMES: tuple[NameElsewhere, ...] = (
                 "Megatron ties them by default, loom does not",
             ),
             ("--init-method-std", "--model.init_std"),
-            ("--hidden-dropout", "--model.dropout", "one rate for residual branches and attention; Megatron's 0.1"),
+            (
+                "--hidden-dropout",
+                "--model.dropout",
+                "one rate for residual branches and attention; Megatron's 0.1, loom's 0; Megatron also drops the "
+                "embedding output, loom does not",
+            ),
             ("--attention-dropout", "--model.dropout", "one rate for residual branches and attention; Megatron's 0.1"),
             ("--vocab-size", "--model.vocab_size"),
-            ("--make-vocab-size-divisible-by", "--model.make_vocab_divisible_by", "times parallel.tp, as Megatron"),
+            (
+                "--make-vocab-size-divisible-by",
+                "--model.make_vocab_divisible_by",
+                "times parallel.tp, as Megatron; loom leaves the padding ids out of the softmax, Megatron's includes "
+                "them (its first losses are higher by about log(padded / real vocabulary))",
+            ),
             ("--recompute-granularity", "--model.recompute", "full or selective"),
             ("--recompute-activations", "--model.recompute selective"),
             ("--recompute-method", "--model.recompute full", _EVERY_BLOCK),
@@ -193,7 +212,7 @@ TRAINING_NAMES: tuple[NameElsewhere, ...] = (
             (
                 "--lr-warmup-fraction",
                 "--optim.warmup_steps",
-                "a number of steps: the fraction x --lr-decay-iters",
+                "a number of steps: the fraction x --lr-decay-iters (else --train-iters)",
                 CONVERTED,
             ),
             ("--lr-warmup-init", "", "warmup starts at lr / warmup_steps"),
@@ -212,11 +231,16 @@ TRAINING_NAMES: tuple[NameElsewhere, ...] = (
                 "history loom keeps 1024 long and takes the max of",
             ),
             ("--fp8-recipe", "--train.fp8", "delayed, or current for tensorwise", CONVERTED),
-            ("--initial-loss-scale", "--optim.initial_loss_scale", "Megatron's default 2^32, loom's 65536"),
+            (
+                "--initial-loss-scale",
+                "--optim.initial_loss_scale",
+                "Megatron's default 2^32, loom's 65536; " + _LOSS_SCALE,
+                CONVERTED,
+            ),
             ("--loss-scale", "", "loom's fp16 scale is dynamic: --optim.initial_loss_scale"),
             ("--loss-scale-window", "--optim.loss_scale_window"),
             ("--hysteresis", "--optim.loss_scale_hysteresis"),
-            ("--min-loss-scale", "--optim.min_loss_scale"),
+            ("--min-loss-scale", "--optim.min_loss_scale", _LOSS_SCALE, CONVERTED),
             (
                 "--accumulate-allreduce-grads-in-fp32",
                 "--optim.grad_dtype fp32",
@@ -246,7 +270,20 @@ TRAINING_NAMES: tuple[NameElsewhere, ...] = (
                 "",
                 "loom submit checkpoints before its Slurm time limit and requeues the job",
             ),
-            ("--log-interval", "--train.log_interval"),
+            (
+                "--log-interval",
+                "--train.log_interval",
+                "loom logs that step's values every log_interval steps; Megatron's console line averages the interval",
+            ),
+            (
+                "--calculate-per-token-loss",
+                "",
+                "loom's loss is the mean over the global batch's tokens, which is Megatron's default too while no "
+                "token is masked",
+            ),
+            ("--eod-mask-loss", "", "loom trains on every token, as Megatron does without it"),
+            ("--reset-position-ids", "", "loom's positions run on across documents, as Megatron's without it"),
+            ("--reset-attention-mask", "", "loom's attention crosses documents, as Megatron's without it"),
             ("--eval-interval", "--train.eval_interval"),
             ("--eval-iters", "--train.eval_iters", "loom evaluates the same batches each time, Megatron fresh ones"),
             ("--tensorboard-dir", "--train.tensorboard true", "events go in the run directory"),

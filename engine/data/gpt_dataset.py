@@ -9,7 +9,9 @@ megatron-core's GPTDataset serves for the same .bin/.idx, seed, split and sequen
 later epoch draws from its own RandomState([seed, epoch]) — the one deliberate difference from
 megatron-core, which shuffles the documents of all epochs together, so that the order is a
 function of (data, seq_length, seed, split) alone: a longer or shorter `train.steps`, or a run
-extended on resume, never changes the samples already consumed. A split whose documents hold
+extended on resume, never changes the samples already consumed. Every label counts in the loss:
+megatron-core's loss mask also drops its tokenizer's pad id where that differs from the end-of-document
+id (loom's datasets hold no padding; a corpus that spells the pad id inside documents trains on it). A split whose documents hold
 fewer tokens than one sample repeats them within an epoch (`EpochShape.passes`). Three index
 arrays describe it:
 
