@@ -11,8 +11,8 @@ megatron-core, which shuffles the documents of all epochs together, so that the 
 function of (data, seq_length, seed, split) alone: a longer or shorter `train.steps`, or a run
 extended on resume, never changes the samples already consumed. Every label counts in the loss:
 megatron-core's loss mask also drops its tokenizer's pad id where that differs from the end-of-document
-id (loom's datasets hold no padding; a corpus that spells the pad id inside documents trains on it). A split whose documents hold
-fewer tokens than one sample repeats them within an epoch (`EpochShape.passes`). Three index
+id (loom's datasets hold no padding; a corpus that spells the pad id inside documents trains on it). A split
+whose documents hold fewer tokens than one sample repeats them within an epoch (`EpochShape.passes`). Three index
 arrays describe it:
 
 - document index: the document ids of all epochs, in stream order;
