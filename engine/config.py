@@ -336,7 +336,8 @@ class OptimConfig:
     layer_lr_decay: float = 1.0
     """Layer-wise LR decay: block i gets lr * decay^(num_layers - i), embeddings decay^(num_layers + 1)."""
     initial_loss_scale: float = 65536.0
-    """fp16: starting loss scale."""
+    """fp16: starting loss scale, by which each rank multiplies the mean loss of its own tokens before backward (as
+    Megatron-LM does: the same scale keeps the same gradients in fp16's range at any dp x cp)."""
     loss_scale_window: int = 1000
     """fp16: clean steps before the loss scale doubles."""
     loss_scale_hysteresis: int = 2

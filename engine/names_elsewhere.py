@@ -57,10 +57,6 @@ _CHECKPOINT_ENABLE = (
     "loom saves every checkpoint.interval steps, its own key, and a run's last step unless --checkpoint.save_at_end "
     "false: enable = false is interval 0 and save_at_end false"
 )
-_LOSS_SCALE = (
-    "loom scales the loss averaged over the global batch, Megatron each data-parallel rank's own average: Megatron's "
-    "S gives the gradients loom's S x dp x cp gives"
-)
 _RAMP_LR = "Megatron's LR schedule counts samples, loom's steps: under a ramp its warmup and decay end sooner"
 GPT2_FILES = (
     'a Hugging Face tokenizer.json holds vocabulary and merges: python -c "from transformers import '
@@ -231,16 +227,11 @@ TRAINING_NAMES: tuple[NameElsewhere, ...] = (
                 "history loom keeps 1024 long and takes the max of",
             ),
             ("--fp8-recipe", "--train.fp8", "delayed, or current for tensorwise", CONVERTED),
-            (
-                "--initial-loss-scale",
-                "--optim.initial_loss_scale",
-                "Megatron's default 2^32, loom's 65536; " + _LOSS_SCALE,
-                CONVERTED,
-            ),
+            ("--initial-loss-scale", "--optim.initial_loss_scale", "Megatron's default 2^32, loom's 65536"),
             ("--loss-scale", "", "loom's fp16 scale is dynamic: --optim.initial_loss_scale"),
             ("--loss-scale-window", "--optim.loss_scale_window"),
             ("--hysteresis", "--optim.loss_scale_hysteresis"),
-            ("--min-loss-scale", "--optim.min_loss_scale", _LOSS_SCALE, CONVERTED),
+            ("--min-loss-scale", "--optim.min_loss_scale"),
             (
                 "--accumulate-allreduce-grads-in-fp32",
                 "--optim.grad_dtype fp32",

@@ -385,13 +385,17 @@ class Trainer:
         global_batch = self.config.global_batch_size_at(self.train_batches.consumed_samples)
         microbatches = self.train_batches.next_step(self.device)
         scale = self.loss_scaler.scale if self.loss_scaler else 1.0
+        # Each rank back-propagates scale x its share of the global-batch mean; x grad_size makes that scale x its
+        # own tokens' mean, as in Megatron-LM, so an fp16 scale keeps the gradients it keeps there at any dp x cp
+        # (the reduced sum is grad_size times larger, in fp32 buffers; prepare unscales both factors)
+        backward_scale = scale * self.state.grad_size if self.loss_scaler else 1.0
         loss_sum = self.executor.run(
             self._schedule(len(microbatches)),
             microbatches,
             global_batch * t.seq_length,
             self._set_last_microbatch,
             record=t.record_pipeline_timeline,
-            loss_scale=scale,
+            loss_scale=backward_scale,
         )
         self.grads.finish()
         if self.optimizer.sharded_params is not None:

@@ -50,3 +50,45 @@ def test_random_overflow_sequences_give_megatrons_scale_at_every_step(megatron_s
         theirs.update(bool(overflow))
         assert skipped == bool(overflow)
         assert ours.scale == theirs.scale.item()
+
+
+def _fp16_gradients_of_a_dp2_step(rank, world, dataset, run_dir):
+    """One fp16 step of a dp-2 run through the Trainer: the fp16 gradient its backward gives the final norm's weight
+    on this rank, and autograd's gradient of scale x this rank's own token mean (Megatron-LM's per-rank loss),
+    taken just before on the same micro-batch."""
+    from training_runs import tiny_config
+
+    from loom.engine.model.naming import FINAL_NORM_WEIGHT
+    from loom.engine.train import Trainer
+
+    train = {"precision": "fp16", "steps": 1, "global_batch_size": 2, "micro_batch_size": 1, "seq_length": 32}
+    config = tiny_config(dataset, run_dir, model={"num_layers": 1}, parallel={"dp": 2}, train=train)
+    trainer = Trainer(config)
+    model = trainer.chunks[0]
+    weight = dict(model.named_parameters())[FINAL_NORM_WEIGHT]
+    grads = {}
+    next_step = trainer.train_batches.next_step
+
+    def reference_first(device):
+        microbatches = next_step(device)
+        ((tokens, labels),) = microbatches
+        with trainer._autocast():
+            own_mean = model(tokens, labels).sum() / labels.numel()
+        (grads["megatron"],) = torch.autograd.grad(own_mean * trainer.loss_scaler.scale, [weight])
+        weight.register_hook(lambda grad: grads.setdefault("loom", grad.clone()))
+        return microbatches
+
+    trainer.train_batches.next_step = reference_first
+    trainer.train_step()
+    trainer.close()
+    return grads
+
+
+def test_an_fp16_scale_scales_each_rank_s_own_token_mean_as_in_megatron(dataset, tmp_path):
+    """loom back-propagated scale x the rank's share of the global-batch mean: at dp x cp ranks its fp16 gradients
+    were dp x cp times smaller than Megatron-LM's at the same scale (more underflow, the scale climbing higher)."""
+    from dist_utils import run_ranks
+
+    for grads in run_ranks(_fp16_gradients_of_a_dp2_step, 2, dataset, str(tmp_path)):
+        assert grads["loom"].dtype == torch.float16 and grads["loom"].abs().max() > 0
+        torch.testing.assert_close(grads["loom"], grads["megatron"], rtol=2e-3, atol=0)

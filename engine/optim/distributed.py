@@ -243,7 +243,9 @@ class DistributedOptimizer:
         if self.offload and self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the host reads what non_blocking copied
         if self.loss_scaler is not None:
-            torch._foreach_mul_([s.master.grad for s in self.segments], 1.0 / self.loss_scaler.scale)
+            # train.py back-propagated scale x grad_size (the scale applies to each rank's own token mean)
+            unscale = 1.0 / (self.loss_scaler.scale * self.state.grad_size)
+            torch._foreach_mul_([s.master.grad for s in self.segments], unscale)
         return self.squared_grad_norm()
 
     def apply(self, lr: float, norm: float, skip: bool = False) -> dict:
