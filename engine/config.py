@@ -119,7 +119,8 @@ class ModelConfig:
     init_std: float = 0.02
     """Standard deviation of the normal initialisation; output projections are scaled by 1/sqrt(2*layers)."""
     dropout: float = 0.0
-    """Dropout on attention probabilities and residual branches. Layout invariance holds at 0."""
+    """Dropout on the embedding output, attention probabilities and residual branches (Megatron's --hidden-dropout
+    and --attention-dropout in one). Layout invariance holds at 0."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recompute: none, selective (core attention only) or full (each block)."""
     kernels: Literal["auto", "native", "te"] = "auto"

@@ -158,10 +158,13 @@ TRAINING_NAMES: tuple[NameElsewhere, ...] = (
             (
                 "--hidden-dropout",
                 "--model.dropout",
-                "one rate for residual branches and attention; Megatron's 0.1, loom's 0; Megatron also drops the "
-                "embedding output, loom does not",
+                "one rate for the embedding output, residual branches and attention; Megatron's 0.1, loom's 0",
             ),
-            ("--attention-dropout", "--model.dropout", "one rate for residual branches and attention; Megatron's 0.1"),
+            (
+                "--attention-dropout",
+                "--model.dropout",
+                "one rate for the embedding output, residual branches and attention; Megatron's 0.1",
+            ),
             ("--vocab-size", "--model.vocab_size"),
             (
                 "--make-vocab-size-divisible-by",

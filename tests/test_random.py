@@ -3,6 +3,7 @@ tensor-parallel stream differs across TP ranks while the replicated one does not
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from loom.engine.config import ModelConfig
 from loom.engine.model.gpt import GPTModel
@@ -27,6 +28,26 @@ def test_recompute_replays_dropout_masks(recompute):
     assert loss == loss_r
     for g, h in zip(grads, grads_r, strict=True):
         assert torch.allclose(g, h, atol=1e-6)
+
+
+def test_the_embedding_output_is_dropped_on_the_replicated_stream_as_megatron_does():
+    """megatron-core's LanguageModelEmbedding drops its output at --hidden-dropout on the default generator without
+    sequence parallelism, the one Megatron seeds with the run's seed (+ 100 x the pipeline rank): loom's replicated
+    stream. Evaluation drops nothing."""
+    config = ModelConfig(num_layers=1, hidden_size=32, num_heads=4, vocab_size=50, dropout=0.3)
+    model = GPTModel(config, None, streams=RNGStreams(seed=5, tp_rank=0, device=torch.device("cpu")))
+    initialize_parameters(model, seed=1, tp_rank=0, tp_size=1)
+    into_first_block = []
+    model.layers["0"].register_forward_pre_hook(lambda module, args: into_first_block.append(args[0].detach()))
+    tokens = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(0))
+    model(tokens[:, :-1], tokens[:, 1:])
+    model.eval()
+    model(tokens[:, :-1], tokens[:, 1:])
+    embedded = model.embed(tokens[:, :-1]).detach()
+    torch.manual_seed(5)
+    assert torch.equal(into_first_block[0], F.dropout(embedded, 0.3))
+    assert (into_first_block[0] == 0).float().mean().item() == pytest.approx(0.3, abs=0.05)
+    assert torch.equal(into_first_block[1], embedded)
 
 
 def test_dropout_is_active_and_streams_advance():

@@ -20,7 +20,7 @@ from loom.engine.parallel.context import local_positions
 from loom.engine.parallel.cross_entropy import vocab_parallel_cross_entropy
 from loom.engine.parallel.layers import VocabParallelEmbedding
 from loom.engine.parallel.param_info import param_info, update_param_info
-from loom.engine.parallel.random import RNGStreams, checkpointed
+from loom.engine.parallel.random import RNGStreams, checkpointed, hidden_state_stream
 from loom.engine.parallel.sharding import ShardSpec, make_parameter
 from loom.engine.parallel.vocab import padded_vocab_size
 
@@ -187,9 +187,16 @@ class GPTModel(torch.nn.Module):
             gather.after_forward(unit, output, previous=units[-1] if units else None)
         return output
 
+    def _embedding_dropout(self, hidden: torch.Tensor) -> torch.Tensor:
+        # Megatron drops the embedding's output at --hidden-dropout, as GPT-2 does (embd_pdrop)
+        if not (self.config.dropout and self.training and self.streams is not None):
+            return hidden
+        with self.streams.fork(hidden_state_stream(self.sequence_parallel)):
+            return F.dropout(hidden, self.config.dropout)
+
     def _forward_inside(self, tokens, labels, hidden, units: list[int]) -> torch.Tensor:
         if self.pre_process:
-            hidden = self.embed(tokens)
+            hidden = self._embedding_dropout(self.embed(tokens))
         seq_length = hidden.shape[0] * (mappings.group_size(self.tp_group) if self.sequence_parallel else 1)
         rotary = self._rotary(seq_length, hidden.device)
         full_recompute = self.config.recompute == "full" and self.training

@@ -17,7 +17,7 @@ from loom.engine.config import ModelConfig
 from loom.engine.model.kernels import Kernels, layer_norm, rms_norm
 from loom.engine.parallel import mappings
 from loom.engine.parallel.context import ring_attention
-from loom.engine.parallel.random import RNGStreams, checkpointed
+from loom.engine.parallel.random import RNGStreams, checkpointed, hidden_state_stream
 from loom.engine.parallel.sharding import ShardSpec, make_parameter
 
 
@@ -255,8 +255,7 @@ class TransformerBlock(torch.nn.Module):
         self.mlp = MLP(config, tp_group, sequence_parallel, output_std, kernels)
         self.kernels, self.tp_group = kernels, tp_group
         self.dropout, self.streams = config.dropout, streams
-        # Residual activations are split across TP ranks only under sequence parallelism.
-        self.residual_stream = "tensor" if sequence_parallel else "replicated"
+        self.residual_stream = hidden_state_stream(sequence_parallel)
 
     def _residual_dropout(self, x: torch.Tensor) -> torch.Tensor:
         if not (self.dropout and self.training):

@@ -71,6 +71,13 @@ class RNGStreams:
             self.states[name] = state[name]
 
 
+def hidden_state_stream(sequence_parallel: bool) -> str:
+    """The stream for dropout on the hidden states between blocks (the embedding's output, each residual branch):
+    split along the sequence across the TP ranks under sequence parallelism, so each slice draws its own mask;
+    replicated on every TP rank otherwise, so all of them drop the same elements (megatron-core's choice too)."""
+    return "tensor" if sequence_parallel else "replicated"
+
+
 def checkpointed(function: Callable, streams: RNGStreams | None, *args):
     """Activation checkpointing that replays the RNG streams of the first forward on recompute."""
     if streams is None:
