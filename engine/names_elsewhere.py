@@ -252,7 +252,8 @@ TRAINING_NAMES: tuple[NameElsewhere, ...] = (
             (
                 "--ckpt-format",
                 "",
-                "loom writes its own format; loom ckpt import-megatron reads Megatron's torch_dist checkpoints",
+                "loom writes its own format; loom ckpt import-megatron reads Megatron's torch_dist and torch "
+                "checkpoints",
             ),
             ("--finetune", "--checkpoint.finetune true", "with --checkpoint.load"),
             ("--no-load-optim", "--checkpoint.finetune true", "fresh optimizer state, from step 1"),

@@ -119,7 +119,7 @@ VARIANTS = {
         zero_centred=True,
     ),
 }
-SHAPE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96)
+SHAPE = dict(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96)
 
 
 def megatron_arguments(variant: dict, attention_backend) -> argparse.Namespace:
@@ -150,8 +150,9 @@ def megatron_arguments(variant: dict, attention_backend) -> argparse.Namespace:
     return argparse.Namespace(**{**arguments, **variant["args"]})
 
 
-def build(name: str, variant: dict, **config_changes):
-    """The variant's megatron-core GPTModel (its weights drawn from a seed of its own)."""
+def build(name: str, variant: dict, stage: dict | None = None, **config_changes):
+    """The variant's megatron-core GPTModel (its weights drawn from a seed of its own); `stage`: GPTModel's
+    pre_process, post_process and vp_stage for a pipeline chunk."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.enums import AttnBackend
@@ -174,7 +175,9 @@ def build(name: str, variant: dict, **config_changes):
     )
     torch.manual_seed(len(name))
     spec = get_gpt_layer_local_spec(normalization=variant["config"]["normalization"])
-    return GPTModel(config, spec, vocab_size=PADDED_VOCAB, max_sequence_length=64, **variant["model"]).eval()
+    return GPTModel(
+        config, spec, vocab_size=PADDED_VOCAB, max_sequence_length=64, **variant["model"], **(stage or {})
+    ).eval()
 
 
 def logits_of(model, tokens: torch.Tensor) -> torch.Tensor:
@@ -246,35 +249,101 @@ def read(out: Path, name: str, save: Path, tp: int) -> None:
         torch.save(result, out / f"{name}.loaded_tp{tp}.pt")
 
 
-def _rank(rank: int, world: int, port: str, out: Path, loads: list[str]) -> None:
-    """One rank of megatron-core's process group: writes the variants (`loads` empty) or loads each NAME=SAVE
-    with the tensor-parallel size `world`."""
+def write_torch_format(out: Path, name: str, tp: int, pp: int, vp: int) -> None:
+    """The variant saved as Megatron-LM's older torch format holds it after training at tensor `tp` x pipeline `pp`
+    (x `vp` virtual stages): megatron-core loads its torch_dist save into this rank's chunks (its own resharding),
+    and each chunk's state_dict_for_save_checkpoint goes to OUT/<name>.torch_tp<tp>_pp<pp>_vp<vp>/iter_0000007/
+    mp_rank_TT[_PPP]/model_optim_rng.pt beside what Megatron saves with it (generate_state_dict: the arguments,
+    iteration, optimizer state and random-number states, numpy's among them)."""
+    import random
+
+    import numpy as np
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.transformer.enums import AttnBackend
+
+    variant = VARIANTS[name]
+    tp_rank, pp_rank = (
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_pipeline_model_parallel_rank(),
+    )
+    changes = dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32)
+    if vp > 1:
+        changes["virtual_pipeline_model_parallel_size"] = vp
+    names = ["model"] if vp == 1 else [f"model{v}" for v in range(vp)]
+    chunks = {}
+    for v, key in enumerate(names):
+        stage = dict(pre_process=pp_rank == 0 and v == 0, post_process=pp_rank == pp - 1 and v == vp - 1)
+        chunks[key] = build(name, variant, {**stage, **({"vp_stage": v} if vp > 1 else {})}, **changes)
+    metadata = {"non_homogeneous_layers": variant["per_layer_keys"]}
+    states = {key: model.sharded_state_dict(metadata=metadata) for key, model in chunks.items()}
+    loaded = dist_checkpointing.load(states, str(out / name / "iter_0000007"))
+    saved = {"checkpoint_version": 3.0, "iteration": 7}
+    for key, model in chunks.items():
+        model.load_state_dict(loaded[key])
+        saved[key] = (model.bfloat16() if variant["bf16"] else model).state_dict_for_save_checkpoint()
+    chunk = saved[names[-1]]
+    arguments = megatron_arguments(variant, AttnBackend.auto)
+    arguments.tensor_model_parallel_size, arguments.pipeline_model_parallel_size = tp, pp
+    arguments.virtual_pipeline_model_parallel_size = vp if vp > 1 else None
+    arguments.ckpt_format = "torch"
+    moments = {
+        i: {"exp_avg": torch.zeros_like(t), "exp_avg_sq": torch.zeros_like(t)}
+        for i, t in enumerate(v for v in chunk.values() if isinstance(v, torch.Tensor))
+    }
+    rng = dict(
+        random_rng_state=random.getstate(),
+        np_rng_state=np.random.get_state(),
+        torch_rng_state=torch.get_rng_state(),
+        rng_tracker_states={},
+    )
+    saved.update(args=arguments, optimizer={"optimizer": {"state": moments}}, rng_state=[rng])
+    save = out / f"{name}.torch_tp{tp}_pp{pp}_vp{vp}"
+    folder = f"mp_rank_{tp_rank:02d}_{pp_rank:03d}" if pp > 1 else f"mp_rank_{tp_rank:02d}"
+    (save / "iter_0000007" / folder).mkdir(parents=True, exist_ok=True)
+    torch.save(saved, save / "iter_0000007" / folder / "model_optim_rng.pt")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (save / "latest_checkpointed_iteration.txt").write_text("7")
+
+
+def _rank(rank: int, tp: int, pp: int, vp: int, port: str, out: Path, loads: list[str], torch_format: list[str]):
+    """One rank of megatron-core's process group (tensor `tp` x pipeline `pp`): writes the variants (nothing asked),
+    loads each NAME=SAVE of `loads`, or writes each variant of `torch_format` in the older torch format."""
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    parallel_state.initialize_model_parallel(world, 1)
+    dist.init_process_group("gloo", rank=rank, world_size=tp * pp)
+    parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vp if vp > 1 else None)
     # megatron-core's dropout RNG tracker is CUDA's; with dropout 0 it only has to be enterable
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
+    # the last pipeline stage's copy of a tied embedding is all-reduced "on CUDA" at construction
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
     for pair in loads:
         name, save = pair.split("=", 1)
-        read(out, name, Path(save), world)
-    if not loads:
+        read(out, name, Path(save), tp)
+    for name in torch_format:
+        write_torch_format(out, name, tp, pp, vp)
+    if not loads and not torch_format:
         for name, variant in VARIANTS.items():
             write(out, name, variant)
     dist.destroy_process_group()
 
 
 def main() -> None:
-    """OUT PORT [--tp N] [NAME=SAVE ...]"""
+    """OUT PORT [--tp N] [NAME=SAVE ...] | OUT PORT --torch-format TP PP VP NAME ..."""
     out, port, rest = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
-    tp = int(rest[1]) if rest[:1] == ["--tp"] else 1
-    loads = rest[2:] if rest[:1] == ["--tp"] else rest
-    if tp == 1:
-        _rank(0, 1, port, out, loads)
+    tp, pp, vp, loads, torch_format = 1, 1, 1, rest, []
+    if rest[:1] == ["--tp"]:
+        tp, loads = int(rest[1]), rest[2:]
+    elif rest[:1] == ["--torch-format"]:
+        (tp, pp, vp), loads, torch_format = map(int, rest[1:4]), [], rest[4:]
+    job = (tp, pp, vp, port, out, loads, torch_format)
+    if tp * pp == 1:
+        _rank(0, *job)
     else:
-        torch.multiprocessing.spawn(_rank, args=(tp, port, out, loads), nprocs=tp)
+        torch.multiprocessing.spawn(_rank, args=job, nprocs=tp * pp)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,8 @@ pytest.importorskip("megatron.core.dist_checkpointing", reason="needs loom[refer
 
 VARIANTS = ("llama", "gpt", "interleaved")
 ITERATION = "iter_0000007"
+LAYERS = 4
+"""The variants' layers (tests/megatron_checkpoints.py's SHAPE): enough for pipeline 2 x virtual 2 stages."""
 
 
 def _as_megatron(out: Path, *loads: str) -> None:
@@ -88,7 +90,7 @@ def test_the_import_reads_one_layer_of_a_stacked_tensor_at_a_time(megatron, tmp_
     monkeypatch.setattr(DistributedCheckpoint, "read", _recording(DistributedCheckpoint.read, slices))
     import_megatron(megatron / "llama", tmp_path / "out")
     stacked = [(key, index) for key, index in slices if key.startswith("decoder.layers.")]
-    assert len(stacked) == 2 * 6 and all(index is not None for _, index in stacked), slices
+    assert len(stacked) == LAYERS * 6 and all(index is not None for _, index in stacked), slices
     assert alive.made == len(slices) and alive.most <= 2, (alive.made, alive.most)
 
 
@@ -207,7 +209,7 @@ def test_a_fine_tune_exports_at_its_step_for_megatron_to_continue(megatron, impo
         capfd, "ckpt", "export-megatron", "--checkpoint", str(tmp_path / "run"), "--output", str(tmp_path / "back")
     )
     assert result.returncode == 0, result.stderr
-    assert f"--load {tmp_path / 'back'} --finetune --num-layers 2 --hidden-size 64" in result.stdout
+    assert f"--load {tmp_path / 'back'} --finetune --num-layers {LAYERS} --hidden-size 64" in result.stdout
     assert "--no-load-optim --no-load-rng to go on at iteration 2 with its samples consumed" in result.stdout
     assert (tmp_path / "back/latest_checkpointed_iteration.txt").read_text() == "2"
     args = read_megatron_arguments(tmp_path / "back" / "iter_0000002")
@@ -261,7 +263,7 @@ def test_the_import_says_what_it_read_and_leaves_megatron_s_folder_alone(megatro
         capfd, "ckpt", "import-megatron", "--input", str(megatron / "interleaved"), "--output", str(tmp_path / "a")
     )
     assert result.returncode == 0, result.stderr
-    assert "iteration 7 (112 samples trained), 2 layers x 64" in result.stdout
+    assert "iteration 7 (112 samples trained), 4 layers x 64" in result.stdout
     assert "stored in bfloat16" in result.stdout and "--checkpoint.load" in result.stdout
     before = sorted(p.name for p in (megatron / "gpt").rglob("*"))
     for output in (megatron / "gpt", megatron / "gpt" / ITERATION / "x"):
@@ -270,6 +272,62 @@ def test_the_import_says_what_it_read_and_leaves_megatron_s_folder_alone(megatro
         )
         one_line_error(refused, f"--output {output}")
     assert sorted(p.name for p in (megatron / "gpt").rglob("*")) == before
+
+
+TORCH_FORMAT = ("llama", "gpt")
+"""The variants re-saved in Megatron-LM's older torch format at tensor 2 x pipeline 2 x virtual 2 (the GPT-shaped
+one tied: its last stage holds a copy of the embedding)."""
+
+
+@pytest.fixture(scope="module")
+def torch_format(megatron) -> dict[str, Path]:
+    """Each variant of TORCH_FORMAT as a --save folder in the older torch format: megatron-core loads the torch_dist
+    save into each rank's two chunks and writes their state_dict_for_save_checkpoint as Megatron-LM did."""
+    _as_megatron(megatron, "--torch-format", "2", "2", "2", *TORCH_FORMAT)
+    return {name: megatron / f"{name}.torch_tp2_pp2_vp2" for name in TORCH_FORMAT}
+
+
+@pytest.mark.parametrize("variant", TORCH_FORMAT)
+def test_the_older_torch_format_imports_as_its_torch_dist_save(megatron, imported, torch_format, variant, tmp_path):
+    """mp_rank_TT_PPP files of model0/model1 chunks, each numbering its layers from 0, with optimizer and random
+    states (numpy's) beside them: joined, the import computes megatron-core's logits and is the torch_dist import,
+    tensor for tensor (grouped QKV, SwiGLU's gate and up halves, row-parallel columns, vocabulary rows)."""
+    from loom.engine.checkpoint.format import find_loadable
+    from loom.engine.checkpoint.load import PieceReader
+
+    import_megatron(torch_format[variant], tmp_path / "out")
+    reference = torch.load(megatron / f"{variant}.pt")
+    logits = loom_logits(tmp_path / "out", reference["tokens"])
+    assert (logits - reference["logits"]).abs().max().item() < 5e-5
+    (ours, ours_meta), (theirs, theirs_meta) = find_loadable(tmp_path / "out"), find_loadable(imported / variant)
+    assert ours_meta.config["model"] == theirs_meta.config["model"]
+    joined, dist = PieceReader(ours, ours_meta), PieceReader(theirs, theirs_meta)
+    for name in theirs_meta.specs:
+        assert torch.equal(joined.model(name), dist.model(name)), name
+
+
+def test_a_torch_format_folder_that_is_not_whole_is_one_line(torch_format, tmp_path, capfd):
+    def refused(folder: Path, *fragments: str) -> None:
+        one_line_error(
+            loom_here(capfd, "ckpt", "import-megatron", "--input", str(folder), "--output", str(tmp_path / "out")),
+            *fragments,
+        )
+        assert not (tmp_path / "out").exists()
+
+    save = torch_format["llama"]
+    missing = shutil.copytree(save, tmp_path / "missing")
+    shutil.rmtree(missing / ITERATION / "mp_rank_01_001")
+    refused(missing, "tensor 2 x pipeline 2: 4 mp_rank folders", "no mp_rank_01_001/model_optim_rng.pt")
+    truncated = shutil.copytree(save, tmp_path / "truncated")
+    rank_file = truncated / ITERATION / "mp_rank_01_000" / "model_optim_rng.pt"
+    rank_file.write_bytes(rank_file.read_bytes()[:2000])
+    refused(truncated, f"{rank_file} cannot be read")
+    older = shutil.copytree(save, tmp_path / "older")
+    for rank_file in (older / ITERATION).glob("mp_rank_*/model_optim_rng.pt"):
+        saved = torch.load(rank_file, weights_only=False)
+        saved["model0"] = {"language_model": {"embedding": {}}}
+        torch.save(saved, rank_file)
+    refused(older, "legacy model (language_model.*", "tools/checkpoint/convert.py")
 
 
 def test_megatron_folders_given_for_loom_checkpoints_are_answered_with_the_import(megatron, capfd):
@@ -420,7 +478,7 @@ def test_folders_that_are_not_a_torch_dist_checkpoint_are_one_line(megatron, tmp
 
     (tmp_path / "legacy/iter_0000005/mp_rank_00").mkdir(parents=True)
     (tmp_path / "legacy/latest_checkpointed_iteration.txt").write_text("5")
-    refused(tmp_path / "legacy", "older torch format", "--ckpt-convert-format torch_dist")
+    refused(tmp_path / "legacy", "is incomplete: no mp_rank_00/model_optim_rng.pt")
     (tmp_path / "legacy/latest_checkpointed_iteration.txt").write_text("9")
     refused(tmp_path / "legacy", "names iter_0000009, which")
     (tmp_path / "legacy/latest_checkpointed_iteration.txt").write_text("<html>")

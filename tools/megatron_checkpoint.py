@@ -7,7 +7,8 @@ the blocks' tensors stacked on a first dimension of layers, or one key per layer
 arguments. Both are read here without Megatron: tensors with torch.distributed.checkpoint, one layer of a stacked
 tensor at a time (memory holds one loom tensor, as import-hf's does); the arguments with torch's weights-only
 unpickler, Megatron's own classes in them (enums such as AttnBackend) stood in for by a placeholder, as loom reads
-none of them.
+none of them. The older torch format (a file per rank in mp_rank_* folders) is joined back into the same keys by
+megatron_torch_format.py.
 
 The model's shape comes from the arguments; the tensors then have to agree with it. Megatron's fused QKV holds each
 query group's heads followed by its key and value head; loom's holds all queries, then keys, then values. Its SwiGLU
@@ -26,7 +27,6 @@ import math
 import pickle
 import sys
 import warnings
-import zipfile
 from pathlib import Path
 
 import torch
@@ -40,6 +40,7 @@ from loom.engine.checkpoint.format import CheckpointError, megatron_backend
 from loom.engine.config_io import config_from_dict, config_to_dict
 from loom.engine.model import naming
 from loom.tools.ckpt import LazyWeights, write_weights_checkpoint
+from loom.tools.megatron_torch_format import TorchFormatCheckpoint, first_rank_file, load_pickled
 from loom.tools.outputs import claimed_checkpoint_output
 
 COMMON = "common.pt"
@@ -49,6 +50,11 @@ LEGACY_CONVERSION = (
     "convert it to torch_dist with Megatron-LM first (train with --ckpt-convert-format torch_dist "
     "--ckpt-convert-save DIR --load IT), then import DIR"
 )
+
+
+def is_torch_format(folder: Path) -> bool:
+    """An iteration folder in Megatron-LM's older torch format: a file per tensor/pipeline rank in mp_rank_* folders."""
+    return next(folder.glob("mp_rank_*"), None) is not None
 
 
 def megatron_iteration_folder(source: Path) -> Path:
@@ -62,10 +68,8 @@ def megatron_iteration_folder(source: Path) -> Path:
         if not (source / name).is_dir():
             raise CheckpointError(f"{tracker} names {name}, which {source} does not hold (deleted or not copied?)")
         source = source / name
-    if next(source.glob("mp_rank_*"), None) is not None:
-        raise CheckpointError(
-            f"{source} is a Megatron-LM checkpoint in the older torch format (mp_rank_* folders); {LEGACY_CONVERSION}"
-        )
+    if is_torch_format(source):
+        return source
     backend = megatron_backend(source)
     if backend is None and (source / ".metadata").is_file():
         raise CheckpointError(
@@ -90,28 +94,11 @@ def megatron_iteration_folder(source: Path) -> Path:
     return source
 
 
-class _Placeholder:
-    """Stands in for a Megatron class pickled among the arguments (an enum member such as AttnBackend.auto)."""
-
-    def __init__(self, *args, **kwargs):
-        self.args = args
-
-    def __setstate__(self, state):
-        self.state = state
-
-
 def read_megatron_arguments(folder: Path) -> dict:
-    """Megatron-LM's arguments (its `args` Namespace as a dict) and `iteration`, from the checkpoint's common.pt,
-    without importing Megatron or running any code from the file."""
-    path = folder / COMMON
-    try:
-        pickled = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-        foreign = [name for name in pickled if name != "argparse.Namespace"]
-        stand_ins = [(type(name.rpartition(".")[2], (_Placeholder,), {}), name) for name in foreign]
-        with torch.serialization.safe_globals([argparse.Namespace, *stand_ins]):
-            common = torch.load(path, map_location="cpu", weights_only=True)
-    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError) as error:
-        raise CheckpointError(f"{path} cannot be read ({str(error).splitlines()[0][:200]}); truncated?") from None
+    """Megatron-LM's arguments (its `args` Namespace as a dict) and `iteration`, from the checkpoint's common.pt (or,
+    in the older torch format, rank 0's file), without importing Megatron or running any code from the file."""
+    path = first_rank_file(folder) if is_torch_format(folder) else folder / COMMON
+    common = load_pickled(path, mmap=path.name != COMMON)
     args = common.get("args") if isinstance(common, dict) else None
     if not isinstance(args, argparse.Namespace):
         raise CheckpointError(
@@ -468,7 +455,7 @@ def import_megatron(source: Path, output: Path, overwrite: bool = False) -> tupl
         # Megatron's iter_N folders are named as loom's: claimed as checkpoints, --overwrite would move them aside
         raise CheckpointError(f"--output {output} holds {folder}, which this command reads; write elsewhere")
     args = read_megatron_arguments(folder)
-    stored = DistributedCheckpoint(folder)
+    stored = TorchFormatCheckpoint(folder, args) if is_torch_format(folder) else DistributedCheckpoint(folder)
     if EMBEDDING not in stored.shapes:
         raise CheckpointError(f"{folder} has no {EMBEDDING}; is it a GPT model's checkpoint?")
     try:
