@@ -315,6 +315,7 @@ def test_a_torch_format_folder_that_is_not_whole_is_one_line(torch_format, tmp_p
         assert not (tmp_path / "out").exists()
 
     save = torch_format["llama"]
+    refused(save / ITERATION / "mp_rank_01_000", "one rank's part", "give the iteration folder that holds every rank's")
     missing = shutil.copytree(save, tmp_path / "missing")
     shutil.rmtree(missing / ITERATION / "mp_rank_01_001")
     refused(missing, "tensor 2 x pipeline 2: 4 mp_rank folders", "no mp_rank_01_001/model_optim_rng.pt")

@@ -40,7 +40,7 @@ from loom.engine.checkpoint.format import CheckpointError, megatron_backend
 from loom.engine.config_io import config_from_dict, config_to_dict
 from loom.engine.model import naming
 from loom.tools.ckpt import LazyWeights, write_weights_checkpoint
-from loom.tools.megatron_torch_format import TorchFormatCheckpoint, first_rank_file, load_pickled
+from loom.tools.megatron_torch_format import RANK_FILE, TorchFormatCheckpoint, first_rank_file, load_pickled
 from loom.tools.outputs import claimed_checkpoint_output
 
 COMMON = "common.pt"
@@ -75,6 +75,11 @@ def megatron_iteration_folder(source: Path) -> Path:
         raise CheckpointError(
             f"{source} is a torch.distributed checkpoint without megatron-core's metadata.json (Megatron-LM's "
             f"torch_dcp or fsdp_dtensor format?); loom reads torch_dist: {LEGACY_CONVERSION}"
+        )
+    if backend is None and source.name.startswith("mp_rank_") and (source / RANK_FILE).is_file():
+        raise CheckpointError(
+            f"{source} is one rank's part of a Megatron-LM checkpoint in the torch format; give the iteration folder "
+            f"that holds every rank's, {source.parent}"
         )
     if backend is None:
         newest = sorted(p.name for p in source.glob("iter_*") if p.is_dir())[-1:]
