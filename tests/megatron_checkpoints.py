@@ -1,9 +1,11 @@
 """Writes Megatron-LM checkpoints the way Megatron-LM's training loop does, with megatron-core on CPU, for
 tests/test_megatron_checkpoint.py: `python megatron_checkpoints.py OUT PORT` makes OUT/<variant>/ (a --save folder:
 latest_checkpointed_iteration.txt and iter_0000007 in torch_dist) and OUT/<variant>.pt (the tokens and the logits
-megatron-core's GPTModel computes for them). `python megatron_checkpoints.py OUT PORT [--tp N] NAME=SAVE ...` loads
-each SAVE (loom's export) into variant NAME's model, on one rank or split over N tensor-parallel ranks (gloo), with
-megatron-core's loader and writes its logits to OUT/NAME.loaded_tp<N>.pt.
+megatron-core's GPTModel computes for them). `python megatron_checkpoints.py OUT PORT WORLD JOB ...` runs each JOB
+on WORLD processes (gloo; those beyond a job's layout are data-parallel replicas): `read:TP:NAME=SAVE` loads SAVE
+(loom's export) into variant NAME's model split over TP tensor-parallel ranks with megatron-core's loader and writes
+its logits to OUT/NAME.loaded_tp<TP>.pt; `torch:TP:PP:VP:NAME` re-saves variant NAME in Megatron-LM's older torch
+format at that layout (write_torch_format). One start for all jobs: megatron-core takes seconds to import.
 
 Megatron-LM's save (megatron/training/checkpointing.py, generate_state_dict) hands dist_checkpointing.save the
 state dict {"args": its argparse Namespace, "checkpoint_version": 3.0, "iteration": N, "model": the model's
@@ -236,15 +238,16 @@ def read(out: Path, name: str, save: Path, tp: int) -> None:
     # its extra state is asked for too (megatron-core's sharded_state_dict_default of a module without its own)
     final_norm = "decoder.final_layernorm._extra_state"
     rank = parallel_state.get_tensor_model_parallel_rank()
-    state[final_norm] = ShardedObject(final_norm, None, (1,), (0,), replica_id=(0, rank, 0))
+    replica = (0, rank, parallel_state.get_data_parallel_rank())
+    state[final_norm] = ShardedObject(final_norm, None, (1,), (0,), replica_id=replica)
     loaded = dist_checkpointing.load({"model": state}, str(folder))
     assert loaded["model"].pop(final_norm) is None  # what TE's set_extra_state takes as "nothing saved"
     model.load_state_dict(loaded["model"])
     tokens = torch.load(out / f"{name}.pt")["tokens"]
     logits = logits_of(model, tokens)
     shards = [torch.empty_like(logits) for _ in range(tp)]
-    dist.all_gather(shards, logits.contiguous())
-    if rank == 0:
+    dist.all_gather(shards, logits.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    if dist.get_rank() == 0:
         result = {"logits": torch.cat(shards, dim=-1), "iteration": loaded.get("iteration")}
         torch.save(result, out / f"{name}.loaded_tp{tp}.pt")
 
@@ -300,50 +303,51 @@ def write_torch_format(out: Path, name: str, tp: int, pp: int, vp: int) -> None:
     saved.update(args=arguments, optimizer={"optimizer": {"state": moments}}, rng_state=[rng])
     save = out / f"{name}.torch_tp{tp}_pp{pp}_vp{vp}"
     folder = f"mp_rank_{tp_rank:02d}_{pp_rank:03d}" if pp > 1 else f"mp_rank_{tp_rank:02d}"
-    (save / "iter_0000007" / folder).mkdir(parents=True, exist_ok=True)
-    torch.save(saved, save / "iter_0000007" / folder / "model_optim_rng.pt")
+    if parallel_state.get_data_parallel_rank() == 0:
+        (save / "iter_0000007" / folder).mkdir(parents=True, exist_ok=True)
+        torch.save(saved, save / "iter_0000007" / folder / "model_optim_rng.pt")
     dist.barrier()
     if dist.get_rank() == 0:
         (save / "latest_checkpointed_iteration.txt").write_text("7")
 
 
-def _rank(rank: int, tp: int, pp: int, vp: int, port: str, out: Path, loads: list[str], torch_format: list[str]):
-    """One rank of megatron-core's process group (tensor `tp` x pipeline `pp`): writes the variants (nothing asked),
-    loads each NAME=SAVE of `loads`, or writes each variant of `torch_format` in the older torch format."""
+def _rank(rank: int, world: int, port: str, out: Path, jobs: list[str]) -> None:
+    """One rank of megatron-core's process group: writes the variants (no jobs) or runs the jobs, each under its
+    tensor x pipeline (x virtual) layout."""
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    dist.init_process_group("gloo", rank=rank, world_size=tp * pp)
-    parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vp if vp > 1 else None)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     # megatron-core's dropout RNG tracker is CUDA's; with dropout 0 it only has to be enterable
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
     # the last pipeline stage's copy of a tied embedding is all-reduced "on CUDA" at construction
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
-    for pair in loads:
-        name, save = pair.split("=", 1)
-        read(out, name, Path(save), tp)
-    for name in torch_format:
-        write_torch_format(out, name, tp, pp, vp)
-    if not loads and not torch_format:
+    if not jobs:
+        parallel_state.initialize_model_parallel(1, 1)
         for name, variant in VARIANTS.items():
             write(out, name, variant)
+    for job in jobs:
+        kind, *layout, what = job.split(":", 4 if job.startswith("torch:") else 2)
+        tp, pp, vp = (*map(int, layout), 1, 1)[:3]
+        parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vp if vp > 1 else None)
+        if kind == "read":
+            name, save = what.split("=", 1)
+            read(out, name, Path(save), tp)
+        else:
+            write_torch_format(out, what, tp, pp, vp)
+        parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 
 
 def main() -> None:
-    """OUT PORT [--tp N] [NAME=SAVE ...] | OUT PORT --torch-format TP PP VP NAME ..."""
+    """OUT PORT [WORLD JOB ...]"""
     out, port, rest = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
-    tp, pp, vp, loads, torch_format = 1, 1, 1, rest, []
-    if rest[:1] == ["--tp"]:
-        tp, loads = int(rest[1]), rest[2:]
-    elif rest[:1] == ["--torch-format"]:
-        (tp, pp, vp), loads, torch_format = map(int, rest[1:4]), [], rest[4:]
-    job = (tp, pp, vp, port, out, loads, torch_format)
-    if tp * pp == 1:
-        _rank(0, *job)
+    world, jobs = (int(rest[0]), rest[1:]) if rest else (1, [])
+    if world == 1:
+        _rank(0, 1, port, out, jobs)
     else:
-        torch.multiprocessing.spawn(_rank, args=job, nprocs=tp * pp)
+        torch.multiprocessing.spawn(_rank, args=(world, port, out, jobs), nprocs=world)
 
 
 if __name__ == "__main__":

@@ -39,11 +39,12 @@ LAYERS = 4
 """The variants' layers (tests/megatron_checkpoints.py's SHAPE): enough for pipeline 2 x virtual 2 stages."""
 
 
-def _as_megatron(out: Path, *loads: str) -> None:
-    """tests/megatron_checkpoints.py in a process of its own: writes the variants into `out`, or (`loads`:
-    NAME=SAVE) loads loom's exports with megatron-core."""
+def _as_megatron(out: Path, world: int = 1, *jobs: str) -> None:
+    """tests/megatron_checkpoints.py in a process of its own: writes the variants into `out`, or runs `jobs` on
+    `world` ranks (read:TP:NAME=SAVE loads loom's export with megatron-core; torch:TP:PP:VP:NAME re-saves a variant in
+    the older torch format)."""
     script = Path(__file__).with_name("megatron_checkpoints.py")
-    command = [sys.executable, str(script), str(out), str(free_port()), *loads]
+    command = [sys.executable, str(script), str(out), str(free_port()), *([str(world), *jobs] if jobs else [])]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
 
@@ -159,17 +160,24 @@ def test_a_fine_tune_from_the_import_starts_at_megatron_s_loss(megatron, importe
 @pytest.fixture(scope="module")
 def exported(megatron, imported, tmp_path_factory) -> Path:
     """Each import exported back (loom ckpt export-megatron), and megatron-core's logits of each export, on one
-    rank and (where the heads split: not multi-query) over two tensor-parallel ranks."""
+    rank and (where the heads split: not multi-query) over two tensor-parallel ranks; the torch-format saves of
+    the `torch_format` fixture are written by the same start."""
     out = tmp_path_factory.mktemp("exported")
     for name in VARIANTS:
         export_megatron(imported / name, out / name)
-    _as_megatron(megatron, *(f"{name}={out / name}" for name in VARIANTS))
-    _as_megatron(megatron, "--tp", "2", *(f"{name}={out / name}" for name in SPLIT_OVER_TWO_RANKS))
+    reads = [f"read:1:{name}={out / name}" for name in VARIANTS]
+    reads += [f"read:2:{name}={out / name}" for name in SPLIT_OVER_TWO_RANKS]
+    # one start of four ranks for these and the torch-format saves (megatron-core takes seconds to import)
+    _as_megatron(megatron, 4, *reads, *(f"torch:2:2:2:{name}" for name in TORCH_FORMAT))
     return out
 
 
 SPLIT_OVER_TWO_RANKS = ("llama", "gpt")
 """The variants megatron-core splits over two tensor-parallel ranks (its query groups divide by them)."""
+
+TORCH_FORMAT = ("llama", "gpt")
+"""The variants re-saved in Megatron-LM's older torch format at tensor 2 x pipeline 2 x virtual 2 (the GPT-shaped
+one tied: its last stage holds a copy of the embedding)."""
 
 
 @pytest.mark.parametrize("variant, tp", [(name, 1) for name in VARIANTS] + [(name, 2) for name in SPLIT_OVER_TWO_RANKS])
@@ -218,7 +226,7 @@ def test_a_fine_tune_exports_at_its_step_for_megatron_to_continue(megatron, impo
     # (check_checkpoint_args reads it without a default under --vocab-file)
     assert args["no_save_optim"] and args["no_save_rng"] and "tokenizer_type" in args
     shutil.copy(megatron / "llama.pt", tmp_path / "llama.pt")  # the tokens; the module's other tests read megatron/
-    _as_megatron(tmp_path, f"llama={tmp_path / 'back'}")
+    _as_megatron(tmp_path, 1, f"read:1:llama={tmp_path / 'back'}")
     theirs = torch.load(tmp_path / "llama.loaded_tp1.pt")["logits"]
     assert (theirs - loom_logits(tmp_path / "run", reference["tokens"])).abs().max().item() < 5e-5
     assert (theirs - reference["logits"]).abs().max().item() > 1e-3  # the fine-tune changed the model
@@ -274,16 +282,11 @@ def test_the_import_says_what_it_read_and_leaves_megatron_s_folder_alone(megatro
     assert sorted(p.name for p in (megatron / "gpt").rglob("*")) == before
 
 
-TORCH_FORMAT = ("llama", "gpt")
-"""The variants re-saved in Megatron-LM's older torch format at tensor 2 x pipeline 2 x virtual 2 (the GPT-shaped
-one tied: its last stage holds a copy of the embedding)."""
-
-
 @pytest.fixture(scope="module")
-def torch_format(megatron) -> dict[str, Path]:
-    """Each variant of TORCH_FORMAT as a --save folder in the older torch format: megatron-core loads the torch_dist
-    save into each rank's two chunks and writes their state_dict_for_save_checkpoint as Megatron-LM did."""
-    _as_megatron(megatron, "--torch-format", "2", "2", "2", *TORCH_FORMAT)
+def torch_format(megatron, exported) -> dict[str, Path]:
+    """Each variant of TORCH_FORMAT as a --save folder in the older torch format (written beside the exports'
+    loads): megatron-core loads the torch_dist save into each rank's two chunks and writes their
+    state_dict_for_save_checkpoint as Megatron-LM did."""
     return {name: megatron / f"{name}.torch_tp2_pp2_vp2" for name in TORCH_FORMAT}
 
 
@@ -323,6 +326,9 @@ def test_a_torch_format_folder_that_is_not_whole_is_one_line(torch_format, tmp_p
     rank_file = truncated / ITERATION / "mp_rank_01_000" / "model_optim_rng.pt"
     rank_file.write_bytes(rank_file.read_bytes()[:2000])
     refused(truncated, f"{rank_file} cannot be read")
+    torch.save(torch.load(save / ITERATION / "mp_rank_01_000" / "model_optim_rng.pt", weights_only=False), rank_file,
+               _use_new_zipfile_serialization=False)  # fmt: skip
+    refused(truncated, "saved by PyTorch before 1.6", "re-save it")
     older = shutil.copytree(save, tmp_path / "older")
     for rank_file in (older / ITERATION).glob("mp_rank_*/model_optim_rng.pt"):
         saved = torch.load(rank_file, weights_only=False)

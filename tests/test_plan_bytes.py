@@ -138,7 +138,7 @@ and GELU. Two compiled cases between them reach every term of the compiled count
 
 
 def _saved_per_layer(rank, world, cases):
-    """Bytes one block saves for backward (parameters excluded): the difference between 4 and 2 layers, halved."""
+    """Bytes one block saves for backward (parameters excluded): the difference between 2 layers and 1."""
     out = []
     for tp, sp, recompute, precision, micro, compiled in cases:
         if tp != world:
@@ -146,7 +146,7 @@ def _saved_per_layer(rank, world, cases):
         state = ParallelState.create(tp=tp, dp=1)
         saved = []
         model = {"compile": "true", "norm": "layernorm", "activation": "gelu"} if compiled == "gpt" else {}
-        for layers in (2, 4):
+        for layers in (1, 2):
             fp8 = {"precision": "bf16", "fp8": "current"} if precision == "fp8" else {}
             config = load_config(
                 "tiny",
@@ -186,7 +186,7 @@ def _saved_per_layer(rank, world, cases):
             config.model, 64, micro, tp, sp, recompute, element, fp8=precision == "fp8", compiled=compiled != "false"
         )
         planned += fp8_weight_bytes(config.model, tp) if precision == "fp8" else 0  # cast once, kept per layer
-        out.append(((tp, sp, recompute, precision, micro, compiled), planned, (saved[1] - saved[0]) / 2))
+        out.append(((tp, sp, recompute, precision, micro, compiled), planned, saved[1] - saved[0]))
     return out
 
 

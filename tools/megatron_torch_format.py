@@ -48,6 +48,12 @@ def load_pickled(path: Path, mmap: bool = False):
     """What torch.save wrote at `path`, read by torch's weights-only unpickler (no code from the file runs), every
     class in it other than argparse.Namespace stood in for by a placeholder; `mmap`: tensors read when used."""
     try:
+        with open(path, "rb") as file:
+            if file.read(1) == b"\x80" and not zipfile.is_zipfile(path):  # a pickle first: torch's format before 1.6
+                raise CheckpointError(
+                    f"{path} was saved by PyTorch before 1.6, whose format loom does not read; re-save it with a newer "
+                    "PyTorch (torch.save(torch.load(path, weights_only=False), path)) if you trust it"
+                )
         pickled = torch.serialization.get_unsafe_globals_in_checkpoint(path)
         foreign = [name for name in pickled if name != "argparse.Namespace"]
         stand_ins = [(type(name.rpartition(".")[2], (_Placeholder,), {}), name) for name in foreign]
