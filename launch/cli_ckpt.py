@@ -437,10 +437,10 @@ def _add_import_megatron(sub) -> None:
         help="turn a Megatron-LM checkpoint (torch_dist or torch, any layout it trained in) into a loom checkpoint",
         description="Reads Megatron-LM's --save folder (the iteration its latest_checkpointed_iteration.txt names) "
         "or one iter_N folder in it, saved with --ckpt-format torch_dist (Megatron's default) or the older torch "
-        "(mp_rank_* folders): the model's shape from the run's arguments, the weights as saved, whatever "
-        "tensor/pipeline/virtual-pipeline layout trained them; the "
-        "optimizer state is not read. Megatron is not needed. A setting loom cannot compute the same way (mixture "
-        "of experts, QK norms, partial rotary, ...) is refused with Megatron's flag.",
+        "(mp_rank_* folders; megatron-core's model or the legacy one of --use-legacy-models): the model's shape "
+        "from the run's arguments, the weights as saved, whatever tensor/pipeline/virtual-pipeline layout trained "
+        "them; the optimizer state is not read. Megatron is not needed. A setting loom cannot compute the same way "
+        "(mixture of experts, QK norms, partial rotary, ...) is refused with Megatron's flag.",
     )
     p.add_argument(
         "--input", type=existing_dir, required=True, help="Megatron-LM's --save folder, or an iter_N folder in it"

@@ -329,12 +329,12 @@ def test_a_torch_format_folder_that_is_not_whole_is_one_line(torch_format, tmp_p
     torch.save(torch.load(save / ITERATION / "mp_rank_01_000" / "model_optim_rng.pt", weights_only=False), rank_file,
                _use_new_zipfile_serialization=False)  # fmt: skip
     refused(truncated, "saved by PyTorch before 1.6", "re-save it")
-    older = shutil.copytree(save, tmp_path / "older")
-    for rank_file in (older / ITERATION).glob("mp_rank_*/model_optim_rng.pt"):
+    no_chunk = shutil.copytree(save, tmp_path / "no-chunk")
+    for rank_file in (no_chunk / ITERATION).glob("mp_rank_*/model_optim_rng.pt"):
         saved = torch.load(rank_file, weights_only=False)
-        saved["model0"] = {"language_model": {"embedding": {}}}
+        del saved["model0"]
         torch.save(saved, rank_file)
-    refused(older, "legacy model (language_model.*", "tools/checkpoint/convert.py")
+    refused(no_chunk, "holds no 'model0' model state, which its arguments say it has (2 virtual pipeline stage(s))")
 
 
 def test_megatron_folders_given_for_loom_checkpoints_are_answered_with_the_import(megatron, capfd):

@@ -288,10 +288,13 @@ def ignored_settings(args: dict) -> list[str]:
     return []
 
 
-def gelu_is_exact(args: dict) -> bool:
+def gelu_is_exact(args: dict, legacy_model: bool = False) -> bool:
     """Whether Megatron computed the MLP's GELU exactly (erf), where loom computes the tanh approximation: its
     fused bias-GELU kernel (--bias-gelu-fusion, the default with biases) and Transformer Engine's
-    (--use-te-activation-func) are the tanh form, F.gelu otherwise."""
+    (--use-te-activation-func) are the tanh form, F.gelu otherwise; the legacy model (`legacy_model`) also took
+    --openai-gelu (tanh) and --onnx-safe (erf)."""
+    if legacy_model and not args.get("swiglu") and (args.get("openai_gelu") or args.get("onnx_safe")):
+        return not args.get("openai_gelu")
     fused = args.get("bias_gelu_fusion", True) and args.get("add_bias_linear", True)
     return not args.get("swiglu") and not fused and not args.get("use_te_activation_func")
 
@@ -471,7 +474,7 @@ def import_megatron(source: Path, output: Path, overwrite: bool = False) -> tupl
     config = config_from_dict({"model": model, "train": train})
     names = [param_info(param).name for param in GPTModel(config.model, None).parameters()]
     logical = from_megatron(stored, config_to_dict(config)["model"], args, names)
-    if gelu_is_exact(args):
+    if gelu_is_exact(args, legacy_model=getattr(stored, "legacy_model", False)):
         print(
             "warning: Megatron computed this model's GELU exactly (erf: no fused bias-GELU), loom computes its tanh "
             "approximation; they differ by at most 5e-4 per activation, and fine-tuning absorbs it",

@@ -5,6 +5,10 @@ dict: iter_N/mp_rank_TT/model_optim_rng.pt, or mp_rank_TT_PPP under pipeline par
 megatron/training/checkpointing.py). In it: `args`, `iteration`, `checkpoint_version` and the model's local pieces
 under megatron-core's names (`model`, or `model0`, `model1`, ... for the virtual stages of an interleaved schedule),
 each chunk's layers numbered from 0; the optimizer's and random-number states beside them, which are not read.
+Files from Megatron-LM's legacy model (megatron/legacy, the only one before megatron-core; removed from Megatron-LM
+in 2026, whose tools therefore no longer convert them) nest the same tensors under language_model.embedding, .encoder
+(.transformer before 2021) and .output_layer with names of their own: they are renamed to megatron-core's, and the
+QKV rows of the first checkpoint versions reordered as Megatron's load reordered them.
 
 The pieces are joined back into the tensors torch_dist holds under the same names, by how megatron-core splits each
 layer: column-parallel rows (the embedding's and output layer's vocabulary, QKV, fc1) concatenated, row-parallel
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import pickle
+import re
 import zipfile
 from pathlib import Path
 
@@ -76,6 +81,61 @@ def first_rank_file(folder: Path) -> Path:
     raise CheckpointError(f"Megatron checkpoint {folder} is incomplete: no mp_rank_00/{RANK_FILE}")
 
 
+# Megatron-LM's legacy model (megatron/legacy, --use-legacy-models; removed in 2026) -> megatron-core's names of the
+# same tensors: (pattern of a flattened legacy key, its core name). Before 2021 the blocks were "transformer" and
+# "attention", the norms input_layernorm, post_attention_layernorm and final_layernorm.
+_LEGACY_BLOCKS = r"language_model\.(?:encoder|transformer)\."
+_LEGACY_LAYER = _LEGACY_BLOCKS + r"layers\.(\d+)\."
+_LEGACY_ATTENTION = _LEGACY_LAYER + r"(?:self_attention|attention)\."
+_LEGACY_NAMES = tuple(
+    (re.compile(pattern), name)
+    for pattern, name in (
+        (r"language_model\.embedding\.(word|position)_embeddings\.", r"embedding.\1_embeddings."),
+        (_LEGACY_LAYER + r"input_(?:norm|layernorm)\.", r"decoder.layers.\1.input_layernorm."),
+        (_LEGACY_ATTENTION + r"query_key_value\.", r"decoder.layers.\1.self_attention.linear_qkv."),
+        (_LEGACY_ATTENTION + r"dense\.", r"decoder.layers.\1.self_attention.linear_proj."),
+        (_LEGACY_LAYER + r"post_attention_(?:norm|layernorm)\.", r"decoder.layers.\1.pre_mlp_layernorm."),
+        (_LEGACY_LAYER + r"mlp\.dense_h_to_4h\.", r"decoder.layers.\1.mlp.linear_fc1."),
+        (_LEGACY_LAYER + r"mlp\.dense_4h_to_h\.", r"decoder.layers.\1.mlp.linear_fc2."),
+        (_LEGACY_BLOCKS + r"final_(?:norm|layernorm)\.", "decoder.final_layernorm."),
+        (r"language_model\.output_layer\.", "output_layer."),
+    )
+)  # fmt: skip
+
+
+def _flattened(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flattened(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _core_names(state: dict, version: float, args: dict, tp: int) -> dict:
+    """A legacy model's state dict (nested: language_model.embedding/encoder/output_layer) under megatron-core's
+    names. Its QKV rows are megatron-core's since checkpoint_version 2.0 (per query group: its queries, key and
+    value); older ones are reordered as Megatron's load did (fix_query_key_value_ordering): version 0 held [3, heads,
+    head size] on each rank, version 1 [heads, head size, 3]."""
+    core = {}
+    for key, value in _flattened(state).items():
+        if key.endswith("._extra_state") or key.startswith("word_embeddings_for_head."):
+            continue  # the last pipeline stage's copy of a tied embedding, which the first stage holds
+        for pattern, name in _LEGACY_NAMES:
+            if pattern.match(key):
+                key = pattern.sub(name, key, count=1)
+                break
+        else:
+            raise CheckpointError(f"the legacy model holds {key}, which loom does not know; is it a GPT model?")
+        if version < 2.0 and ".linear_qkv." in key:
+            heads, head = args["num_attention_heads"] // tp, args["hidden_size"] // args["num_attention_heads"]
+            shaped = value.reshape(*((3, heads, head) if version == 0 else (heads, head, 3)), *value.shape[1:])
+            value = (shaped.transpose(0, 1) if version == 0 else shaped.transpose(1, 2)).reshape(value.shape)
+        core[key] = value
+    return core
+
+
 def _layer_key(key: str) -> tuple[int, str] | None:
     """(local layer, the rest of the key) of a key inside decoder.layers.N., else None."""
     head, _, rest = key.partition("decoder.layers.")
@@ -124,19 +184,21 @@ class TorchFormatCheckpoint:
         files = {(t, p): load_pickled(folder / rank_folder(t, p, pp > 1) / RANK_FILE, mmap=True) for t, p in ranks}
         chunk_keys = ["model"] if vp == 1 else [f"model{v}" for v in range(vp)]
         self.chunks: list[list[dict[str, torch.Tensor]]] = []
+        self.legacy_model = False
+        """Megatron-LM's legacy model (megatron/legacy) wrote it: its tensors renamed to megatron-core's."""
         for key in chunk_keys:
             for p in range(pp):
                 states = [files[t, p].get(key) if isinstance(files[t, p], dict) else None for t in range(tp)]
-                if not all(isinstance(state, dict) for state in states):
+                lacking = next((t for t, state in enumerate(states) if not isinstance(state, dict)), None)
+                if lacking is not None:
                     raise CheckpointError(
-                        f"{folder / rank_folder(0, p, pp > 1) / RANK_FILE} holds no {key!r} model state; a "
-                        f"checkpoint saved with --no-save-model? (its arguments say {vp} virtual stage(s))"
+                        f"{folder / rank_folder(lacking, p, pp > 1) / RANK_FILE} holds no {key!r} model state, which "
+                        f"its arguments say it has ({vp} virtual pipeline stage(s)); was it written by Megatron-LM?"
                     )
                 if any("language_model" in state for state in states):
-                    raise CheckpointError(
-                        f"{folder} holds Megatron-LM's legacy model (language_model.*, before megatron-core); convert "
-                        "it with Megatron-LM's tools/checkpoint/convert.py --saver mcore, then import that"
-                    )
+                    self.legacy_model = True
+                    version = files[0, p].get("checkpoint_version", 0)
+                    states = [_core_names(state, version, args, tp) for state in states]
                 self.chunks.append(states)
         self._where: dict[str, tuple[int, str]] = {}
         offset = 0
