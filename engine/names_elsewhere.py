@@ -255,6 +255,18 @@ TRAINING_NAMES: tuple[NameElsewhere, ...] = (
                 "loom writes its own format; loom ckpt import-megatron reads Megatron's torch_dist and torch "
                 "checkpoints",
             ),
+            (
+                "--ckpt-convert-format",
+                "",
+                "loom ckpt import-megatron reads torch_dist and torch checkpoints as they are; export-megatron writes "
+                "torch_dist",
+            ),
+            (
+                "--use-legacy-models",
+                "",
+                "loom has one GPT model, megatron-core's; loom ckpt import-megatron reads the legacy model's "
+                "checkpoints",
+            ),
             ("--finetune", "--checkpoint.finetune true", "with --checkpoint.load"),
             ("--no-load-optim", "--checkpoint.finetune true", "fresh optimizer state, from step 1"),
             ("--no-load-rng", "", "a resume restores the saved random state, under the same layout"),
