@@ -105,11 +105,11 @@ def _export_hf(args: argparse.Namespace) -> None:
     moved = Path(args.tokenizer) if args.tokenizer else None
     with _writing(args):
         out = export_hf(Path(args.checkpoint), Path(args.output), _base(args), args.overwrite, args.dtype, moved)
-    dtype = json.loads((out / "config.json").read_text())["torch_dtype"]
+    written = json.loads((out / "config.json").read_text())
     tokenizer = " + the tokenizer (AutoTokenizer loads it)" if (out / "tokenizer_config.json").is_file() else ""
     print(
-        f"wrote {out}: model.safetensors ({dtype}) + config.json "
-        f"(transformers.LlamaForCausalLM.from_pretrained loads it){tokenizer}"
+        f"wrote {out}: model.safetensors ({written['torch_dtype']}) + config.json "
+        f"(transformers.{written['architectures'][0]}.from_pretrained loads it){tokenizer}"
     )
 
 
@@ -382,7 +382,10 @@ def _add_reshard(sub) -> None:
 
 
 def _add_export_hf(sub) -> None:
-    p = sub.add_parser("export-hf", help="write a Llama-format Hugging Face model (safetensors + config.json)")
+    p = sub.add_parser(
+        "export-hf",
+        help="write a Hugging Face model (safetensors + config.json): Llama-format, or GPT-2 for a GPT-2-shaped one",
+    )
     _checkpoint_input(p, "the checkpoint to export")
     _checkpoint_output(p, "a folder of its own for model.safetensors and config.json")
     p.add_argument(
@@ -425,7 +428,9 @@ def _add_merge_lora(sub) -> None:
 
 
 def _add_import_hf(sub) -> None:
-    p = sub.add_parser("import-hf", help="turn a Hugging Face Llama model directory into a loom checkpoint")
+    p = sub.add_parser(
+        "import-hf", help="turn a Hugging Face model directory (Llama, Mistral, GPT-2) into a loom checkpoint"
+    )
     p.add_argument("--input", type=existing_dir, required=True, help="directory with config.json and *.safetensors")
     _checkpoint_output(p, "a checkpoints/ folder of its own to write iter_0000000 and latest into")
     p.set_defaults(handler=_import_hf)

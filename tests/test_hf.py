@@ -557,7 +557,8 @@ def test_the_exported_tokenizer_encodes_as_loom_s_and_an_import_s_comes_back(tra
 
 def test_the_gpt2_shaped_model_computes_transformers_gpt2_logits_and_loss():
     """LayerNorm with biases, tanh GELU, learned positions, tied embeddings, multi-head attention: loom's
-    GPT-2-shaped model (which export-hf does not write) equals GPT2LMHeadModel given the same weights."""
+    GPT-2-shaped model equals GPT2LMHeadModel given the same weights (tests/test_hf_gpt2.py: export-hf and
+    import-hf of it)."""
     hidden, heads, ffn, vocab, seq, layers = 32, 4, 64, 100, 16, 2
     config = config_from_dict(
         {

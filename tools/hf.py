@@ -1,4 +1,5 @@
-"""Hugging Face interchange: a loom checkpoint <-> Llama-format safetensors + config.json.
+"""Hugging Face interchange: a loom checkpoint <-> Llama-format safetensors + config.json (GPT-2-shaped models:
+the GPT-2 format, whose names tools/hf_gpt2.py holds).
 
 The mapping is the one place that knows Hugging Face's Llama names. loom's fused tensors are
 split on export (QKV -> q_proj, k_proj, v_proj; SwiGLU fc1 -> gate_proj, up_proj) and joined on
@@ -34,17 +35,23 @@ from loom.engine.checkpoint.load import PieceReader
 from loom.engine.config_io import config_from_dict, config_to_dict
 from loom.engine.model import naming
 from loom.tools.ckpt import LazyWeights, open_checkpoint, write_weights_checkpoint
+from loom.tools.hf_gpt2 import embedding_key, from_gpt2, gpt2_config, has_gpt2_form, model_from_gpt2_config, to_gpt2
 from loom.tools.hf_tokenizer import check_moved_tokenizer, export_tokenizer
 from loom.tools.lora import ModelWeights, adapted_weights, base_of
 from loom.tools.outputs import HF_TOKENIZER_FILES, claimed_checkpoint_output, claimed_export_output
 
 
-def _check_llama(model: dict) -> None:
+def _check_llama(model: dict, gpt2_too: bool = False) -> None:
     wrong = {
         k: model[k]
         for k, v in (("norm", "rmsnorm"), ("activation", "swiglu"), ("position_embedding", "rope"), ("bias", False))
         if model[k] != v
     }
+    if wrong and gpt2_too:
+        raise CheckpointError(
+            "only Llama-shaped models (rmsnorm, swiglu, rope, no biases) and GPT-2-shaped ones (layernorm, gelu, "
+            f"learned positions, biases, as many KV heads as heads) export to Hugging Face; this one has {wrong}"
+        )
     if wrong:
         raise CheckpointError(f"only Llama-shaped models export to the Llama format; this one has {wrong}")
 
@@ -210,7 +217,9 @@ def export_hf(
     weights as loom keeps them); `tokenizer`: where the tokenizer the model trained with is now, if it moved."""
     directory, metadata = open_checkpoint(source)
     model = config_to_dict(config_from_dict(metadata.config))["model"]  # fills fields older checkpoints lack
-    _check_llama(model)
+    gpt2 = has_gpt2_form(model)
+    if not gpt2:
+        _check_llama(model, gpt2_too=True)
     weights = ModelWeights(directory, metadata, base)
     origin = weights.model_metadata  # a LoRA checkpoint's Hugging Face origin is its base's
     trained_with = weights.tokenizer
@@ -220,7 +229,8 @@ def export_hf(
         check_moved_tokenizer(trained_with, tokenizer, model["vocab_size"])
     dtype = dtype or origin.hf_dtype or "float32"
     # Each weight read, cast and written on its own: the whole model held in memory took 1-2.5x the checkpoint
-    tensors = to_hf(LazyWeights(weights.shapes, lambda name: weights[name].to(EXPORT_DTYPES[dtype])), model)
+    cast = LazyWeights(weights.shapes, lambda name: weights[name].to(EXPORT_DTYPES[dtype]))
+    tensors = to_gpt2(cast, model) if gpt2 else to_hf(cast, model)
     declared = {hf_name: (EXPORT_DTYPES[dtype], shape) for hf_name, shape in tensors.shapes.items()}
     with claimed_export_output(output, overwrite):  # before any weight is read
         print(f"exporting step {metadata.step}: {directory}", flush=True)  # which is a run's newest intact one, say
@@ -229,7 +239,10 @@ def export_hf(
         not_written = export_tokenizer(
             output, trained_with, origin, model["max_position_embeddings"], model["vocab_size"], tokenizer
         )
-        config = hf_config(model, origin.hf_token_ids, dtype)
+        if gpt2:
+            config = gpt2_config(model, LOOM_TOKEN_IDS if origin.hf_token_ids is None else origin.hf_token_ids, dtype)
+        else:
+            config = hf_config(model, origin.hf_token_ids, dtype)
         write_text_atomically(output / "config.json", json.dumps(config, indent=2))  # last: the export is complete
     if not_written:
         print(f"warning: {not_written}", file=sys.stderr)
@@ -288,7 +301,8 @@ def _refuse_unrepresentable(hf: dict) -> None:
     different model than the one on disk."""
     if hf.get("model_type") not in ("llama", "mistral"):
         raise CheckpointError(
-            f"model_type {hf.get('model_type')!r} is neither llama nor mistral; loom imports Llama-format models"
+            f"model_type {hf.get('model_type')!r} is not llama, mistral or gpt2; loom imports Llama- and GPT-2-format "
+            "models"
         )
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
@@ -337,7 +351,7 @@ def _model_from_hf_config(hf: dict) -> dict:
 def _read_hf_config(source: Path) -> dict:
     config_path = source / "config.json"
     if not config_path.is_file():
-        raise CheckpointError(f"{source} has no config.json; expected a Hugging Face Llama model directory")
+        raise CheckpointError(f"{source} has no config.json; expected a Hugging Face model directory (Llama, GPT-2)")
     try:
         hf = json.loads(config_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
@@ -414,13 +428,15 @@ def import_hf(source: Path, output: Path, overwrite: bool = False) -> Path:
     """Write a loom checkpoint (step 0, weights only, tp=1 pp=1 pieces) under `output` (claimed as
     tools/outputs.py says)."""
     hf = _read_hf_config(source)
+    gpt2 = hf.get("model_type") == "gpt2"
     try:
-        model = _model_from_hf_config(hf)
+        model = model_from_gpt2_config(hf) if gpt2 else _model_from_hf_config(hf)
     except KeyError as error:
-        raise CheckpointError(f"{source / 'config.json'} has no {error.args[0]!r}; is it a Llama config?") from None
+        kind = "GPT-2" if gpt2 else "Llama"
+        raise CheckpointError(f"{source / 'config.json'} has no {error.args[0]!r}; is it a {kind} config?") from None
     except (TypeError, ValueError) as error:
         raise CheckpointError(f"{source / 'config.json'} has a value of the wrong kind ({error})") from None
-    if model["max_position_embeddings"] < hf["max_position_embeddings"]:
+    if not gpt2 and model["max_position_embeddings"] < hf["max_position_embeddings"]:
         print(
             f"note: {source / 'config.json'} attends over a sliding window of {hf['sliding_window']} tokens, loom "
             f"over the whole sequence: imported with max_position_embeddings = {model['max_position_embeddings']} "
@@ -431,21 +447,23 @@ def import_hf(source: Path, output: Path, overwrite: bool = False) -> Path:
     # longer than the model's positions, and a batch one CPU rank gets through.
     train = {"seq_length": min(2048, model["max_position_embeddings"]), "global_batch_size": 8}
     tensors = _read_hf_tensors(source)  # their headers: a weight is read only when it is written
+    embedding = embedding_key(tensors) if gpt2 else "model.embed_tokens.weight"
     if (
         model["tie_embeddings"]
-        and {"lm_head.weight", "model.embed_tokens.weight"} <= tensors.keys()
-        and not torch.equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"])
+        and {"lm_head.weight", embedding} <= tensors.keys()
+        and not torch.equal(tensors["lm_head.weight"], tensors[embedding])
     ):
         # transformers then keeps both ("will NOT tie them"): the model on disk has its own output layer
         model["tie_embeddings"] = False
         print(
             f"warning: {source / 'config.json'} ties the embeddings, but lm_head.weight differs from "
-            "embed_tokens.weight: imported untied, as transformers loads it",
+            f"{embedding}: imported untied, as transformers loads it",
             file=sys.stderr,
         )
     config = config_from_dict({"model": model, "train": train})
     try:
-        logical = from_hf(tensors, config_to_dict(config)["model"])
+        loom_model = config_to_dict(config)["model"]
+        logical = from_gpt2(tensors, loom_model) if gpt2 else from_hf(tensors, loom_model)
     except KeyError as error:
         raise CheckpointError(f"{source} has no tensor {error.args[0]!r}; is it a Llama model?") from None
     except CheckpointError as error:
@@ -453,7 +471,7 @@ def import_hf(source: Path, output: Path, overwrite: bool = False) -> Path:
     origin = {
         "hf_source": str(source.resolve()),
         "hf_token_ids": {field: hf[field] for field in HF_TOKEN_ID_FIELDS if hf.get(field) is not None},
-        "hf_dtype": _stored_dtype(tensors),
+        "hf_dtype": _stored_dtype(tensors, embedding),
         "hf_tokenizer": {name: sha256_of(source / name) for name in HF_TOKENIZER_FILES if (source / name).is_file()}
         or None,
     }
@@ -461,10 +479,9 @@ def import_hf(source: Path, output: Path, overwrite: bool = False) -> Path:
         return write_weights_checkpoint(output, config, logical, "the Hugging Face model", hf_origin=origin)
 
 
-def _stored_dtype(tensors: _SafetensorsFolder) -> str | None:
-    """The dtype the model's weights are stored in (what config.json's torch_dtype should say, and not always
-    does), as an EXPORT_DTYPES name; None for one loom does not write."""
-    key = "model.embed_tokens.weight"
+def _stored_dtype(tensors: _SafetensorsFolder, key: str) -> str | None:
+    """The dtype the model's weights (its tensor `key`) are stored in (what config.json's torch_dtype should say,
+    and not always does), as an EXPORT_DTYPES name; None for one loom does not write."""
     try:
         stored = torch_dtype_of(tensors.dtypes[key], key)
     except ValueError:
