@@ -507,6 +507,11 @@ def export_peft_adapter(
             base_model = None
     config = config_from_dict(metadata.config)
     model = config_to_dict(config)["model"]
+    if has_gpt2_form(model):
+        raise CheckpointError(
+            "--adapter-only writes PEFT adapters for the Llama form; for this GPT-2-shaped model, export the merged "
+            "model (export-hf without --adapter-only)"
+        )
     _check_llama(model)
     reader, sizes = PieceReader(directory, metadata), _fused_sizes(model)
     tensors, modules = {}, set()
