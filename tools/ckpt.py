@@ -56,6 +56,11 @@ def open_checkpoint(path: Path) -> tuple[Path, CheckpointMetadata]:
     return found
 
 
+def first_few(names: list[str], most: int = 3) -> str:
+    """`names` for a one-line message: the first `most`, and how many more."""
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
 class LazyWeights(Mapping):
     """Logical weights by name, each made only when it is asked for; their shapes are known up front (from
     metadata or file headers), so a mismatch is refused before anything is written. What import-hf, merge-lora and

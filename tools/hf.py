@@ -34,7 +34,7 @@ from loom.engine.checkpoint.format import CheckpointError, sha256_of, unrecorded
 from loom.engine.checkpoint.load import PieceReader
 from loom.engine.config_io import config_from_dict, config_to_dict
 from loom.engine.model import naming
-from loom.tools.ckpt import LazyWeights, open_checkpoint, write_weights_checkpoint
+from loom.tools.ckpt import LazyWeights, first_few, open_checkpoint, write_weights_checkpoint
 from loom.tools.hf_gpt2 import embedding_key, from_gpt2, gpt2_config, has_gpt2_form, model_from_gpt2_config, to_gpt2
 from loom.tools.hf_tokenizer import check_moved_tokenizer, export_tokenizer
 from loom.tools.lora import ModelWeights, adapted_weights, base_of
@@ -190,10 +190,9 @@ def from_hf(tensors: Mapping[str, torch.Tensor], model: dict) -> LazyWeights:
         k for k in tensors if k not in used and k not in ignorable and not k.endswith("rotary_emb.inv_freq")
     )
     if unused:
-        shown = ", ".join(unused[:3]) + (f" and {len(unused) - 3} more" if len(unused) > 3 else "")
         raise CheckpointError(
-            f"the model has tensors its config.json does not describe ({shown}); the config and the weights "
-            "disagree (num_hidden_layers?), and importing would drop them"
+            f"the model has tensors its config.json does not describe ({first_few(unused)}); the config and the "
+            "weights disagree (num_hidden_layers?), and importing would drop them"
         )
 
     def make(name: str) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 
 from loom.engine.checkpoint.format import CheckpointError
 from loom.engine.model import naming
-from loom.tools.ckpt import LazyWeights
+from loom.tools.ckpt import LazyWeights, first_few
 
 GPT2_SHAPE = {"norm": "layernorm", "activation": "gelu", "position_embedding": "learned", "bias": True}
 """The ModelConfig fields of a model with a GPT-2 form (grouped-query attention aside)."""
@@ -159,10 +159,9 @@ def from_gpt2(tensors: Mapping[str, torch.Tensor], model: dict) -> LazyWeights:
     ignorable = {"lm_head.weight"} if model["tie_embeddings"] else set()
     unused = sorted(k for k in tensors.shapes if k not in used | ignorable and not k.endswith(_MASK_BUFFERS))
     if unused:
-        shown = ", ".join(unused[:3]) + (f" and {len(unused) - 3} more" if len(unused) > 3 else "")
         raise CheckpointError(
-            f"the model has tensors its config.json does not describe ({shown}); the config and the weights "
-            "disagree (n_layer?), and importing would drop them"
+            f"the model has tensors its config.json does not describe ({first_few(unused)}); the config and the "
+            "weights disagree (n_layer?), and importing would drop them"
         )
 
     def make(name: str) -> torch.Tensor:

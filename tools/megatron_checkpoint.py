@@ -39,7 +39,7 @@ from loom.engine.checkpoint.format import MEGATRON_TRACKER as TRACKER
 from loom.engine.checkpoint.format import CheckpointError, megatron_backend
 from loom.engine.config_io import config_from_dict, config_to_dict
 from loom.engine.model import naming
-from loom.tools.ckpt import LazyWeights, write_weights_checkpoint
+from loom.tools.ckpt import LazyWeights, first_few, write_weights_checkpoint
 from loom.tools.megatron_torch_format import RANK_FILE, TorchFormatCheckpoint, first_rank_file, load_pickled
 from loom.tools.outputs import claimed_checkpoint_output
 
@@ -406,9 +406,9 @@ def from_megatron(stored: DistributedCheckpoint, model: dict, args: dict, loom_n
     used = {key for keys, _ in located.values() for key in keys}
     unused = sorted(key for key in stored.shapes if key not in used and key.startswith(_MODEL))
     if unused:
-        shown = ", ".join(unused[:3]) + (f" and {len(unused) - 3} more" if len(unused) > 3 else "")
         raise CheckpointError(
-            f"{stored.folder} has tensors its arguments do not describe ({shown}); importing would drop them"
+            f"{stored.folder} has tensors its arguments do not describe ({first_few(unused)}); importing would drop "
+            "them"
         )
     centred = bool(_argument(args, "layernorm_zero_centered_gamma", "apply_layernorm_1p", default=False))
     interleaved = bool(args.get("rotary_interleaved")) and model["position_embedding"] == "rope"
