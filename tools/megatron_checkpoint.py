@@ -40,7 +40,7 @@ from loom.engine.checkpoint.format import CheckpointError, megatron_backend
 from loom.engine.config_io import config_from_dict, config_to_dict
 from loom.engine.model import naming
 from loom.tools.ckpt import LazyWeights, first_few, write_weights_checkpoint
-from loom.tools.megatron_torch_format import RANK_FILE, TorchFormatCheckpoint, first_rank_file, load_pickled
+from loom.tools.megatron_torch_format import TorchFormatCheckpoint, first_rank_file, load_pickled, rank_file
 from loom.tools.outputs import claimed_checkpoint_output
 
 COMMON = "common.pt"
@@ -76,7 +76,7 @@ def megatron_iteration_folder(source: Path) -> Path:
             f"{source} is a torch.distributed checkpoint without megatron-core's metadata.json (Megatron-LM's "
             f"torch_dcp or fsdp_dtensor format?); loom reads torch_dist: {LEGACY_CONVERSION}"
         )
-    if backend is None and source.name.startswith("mp_rank_") and (source / RANK_FILE).is_file():
+    if backend is None and source.name.startswith("mp_rank_") and rank_file(source) is not None:
         raise CheckpointError(
             f"{source} is one rank's part of a Megatron-LM checkpoint in the torch format; give the iteration folder "
             f"that holds every rank's, {source.parent}"
@@ -207,9 +207,11 @@ _UNREPRESENTABLE = (
 )
 
 
-def model_from_megatron_arguments(args: dict, shapes: dict[str, tuple[int, ...]]) -> dict:
+def model_from_megatron_arguments(args: dict, shapes: dict[str, tuple[int, ...]], legacy_model: bool = False) -> dict:
     """loom's [model] for Megatron-LM's arguments `args` (and the stored tensors' `shapes`, for the padded
-    vocabulary and learned positions); CheckpointError naming Megatron's flag for what loom cannot represent."""
+    vocabulary and learned positions); CheckpointError naming Megatron's flag for what loom cannot represent.
+    `legacy_model`: Megatron-LM's legacy model (megatron/legacy) wrote it, whose rotary embedding took neither
+    --rotary-base nor --use-rope-scaling."""
     for name, loom_value, flag, what in _UNREPRESENTABLE:
         if args.get(name) not in (loom_value, None):  # None: an older Megatron without the setting
             raise CheckpointError(f"the model uses {what} ({flag} {args[name]}), which loom does not have")
@@ -223,9 +225,17 @@ def model_from_megatron_arguments(args: dict, shapes: dict[str, tuple[int, ...]]
         raise CheckpointError(
             f"the model rotates {args['rotary_percent']:.0%} of each head (--rotary-percent); loom rotates all of it"
         )
-    positions = args.get("position_embedding_type") or "learned_absolute"
+    # Megatron-LM 23.04 and 23.06 said rotary positions with --use-rotary-position-embeddings
+    positions = args.get("position_embedding_type") or (
+        "rope" if args.get("use_rotary_position_embeddings") else "learned_absolute"
+    )
     if positions == "learned_absolute" and args.get("add_position_embedding") is False:
         positions = "none (--no-position-embedding)"
+    if positions == "rope" and POSITIONS in shapes:
+        raise CheckpointError(
+            "the model adds learned positions and rotates (--use-rotary-position-embeddings without "
+            "--no-position-embedding); loom has one or the other"
+        )
     if positions not in ("rope", "learned_absolute"):
         raise CheckpointError(
             f"the model's positions are {positions} (--position-embedding-type); loom has rope and learned_absolute"
@@ -257,8 +267,8 @@ def model_from_megatron_arguments(args: dict, shapes: dict[str, tuple[int, ...]]
         "tie_embeddings": not args.get("untie_embeddings_and_output_weights", False),
     }
     if positions == "rope":
-        model["rope_theta"] = float(args.get("rotary_base") or 10000)
-        if args.get("use_rope_scaling"):
+        model["rope_theta"] = 10000.0 if legacy_model else float(args.get("rotary_base") or 10000)
+        if args.get("use_rope_scaling") and not legacy_model:
             # megatron-core's Llama 3 scaling: its low/high frequency factors and original length are fixed
             model.update(
                 rope_scaling="llama3",
@@ -277,8 +287,19 @@ MEGATRON_ROPE_SCALING_FACTOR = 8.0
 rope_scaling alone, so --rope-scaling-factor never reached the model (pretrain_gpt since core 0.11)."""
 
 
-def ignored_settings(args: dict) -> list[str]:
+def ignored_settings(args: dict, legacy_model: bool = False) -> list[str]:
     """Megatron-LM arguments its model never read, which the import therefore does not follow either."""
+    rotary = (args.get("position_embedding_type") or "") == "rope" or args.get("use_rotary_position_embeddings")
+    if legacy_model and rotary:
+        return [
+            f"{flag}: Megatron's legacy model never read it (its rotary base was 10000, unscaled), and neither does "
+            "the import"
+            for flag, given in (
+                (f"--rotary-base {args.get('rotary_base')}", args.get("rotary_base") not in (None, 10000)),
+                ("--use-rope-scaling", args.get("use_rope_scaling")),
+            )
+            if given
+        ]
     factor = args.get("rope_scaling_factor")
     if args.get("use_rope_scaling") and factor not in (None, MEGATRON_ROPE_SCALING_FACTOR):
         return [
@@ -295,7 +316,8 @@ def gelu_is_exact(args: dict, legacy_model: bool = False) -> bool:
     --openai-gelu (tanh) and --onnx-safe (erf)."""
     if legacy_model and not args.get("swiglu") and (args.get("openai_gelu") or args.get("onnx_safe")):
         return not args.get("openai_gelu")
-    fused = args.get("bias_gelu_fusion", True) and args.get("add_bias_linear", True)
+    # Before --bias-gelu-fusion (2020-09): the tanh form until --openai-gelu came (2020-04), then the exact one
+    fused = args.get("bias_gelu_fusion", "openai_gelu" not in args) and args.get("add_bias_linear", True)
     return not args.get("swiglu") and not fused and not args.get("use_te_activation_func")
 
 
@@ -466,21 +488,22 @@ def import_megatron(source: Path, output: Path, overwrite: bool = False) -> tupl
     stored = TorchFormatCheckpoint(folder, args) if is_torch_format(folder) else DistributedCheckpoint(folder)
     if EMBEDDING not in stored.shapes:
         raise CheckpointError(f"{folder} has no {EMBEDDING}; is it a GPT model's checkpoint?")
+    legacy_model = getattr(stored, "legacy_model", False)
     try:
-        model = model_from_megatron_arguments(args, stored.shapes)
+        model = model_from_megatron_arguments(args, stored.shapes, legacy_model)
     except KeyError as error:
         raise CheckpointError(f"{folder / COMMON}: the arguments have no {error.args[0]!r}") from None
     train = {"seq_length": min(2048, model["max_position_embeddings"]), "global_batch_size": 8}
     config = config_from_dict({"model": model, "train": train})
     names = [param_info(param).name for param in GPTModel(config.model, None).parameters()]
     logical = from_megatron(stored, config_to_dict(config)["model"], args, names)
-    if gelu_is_exact(args, legacy_model=getattr(stored, "legacy_model", False)):
+    if gelu_is_exact(args, legacy_model):
         print(
             "warning: Megatron computed this model's GELU exactly (erf: no fused bias-GELU), loom computes its tanh "
             "approximation; they differ by at most 5e-4 per activation, and fine-tuning absorbs it",
             file=sys.stderr,
         )
-    for ignored in ignored_settings(args):
+    for ignored in ignored_settings(args, legacy_model):
         print(f"note: {ignored}", file=sys.stderr)
     if any(key.startswith("mtp") for key in stored.shapes):
         print(

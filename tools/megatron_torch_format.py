@@ -33,7 +33,9 @@ import torch
 
 from loom.engine.checkpoint.format import CheckpointError
 
-RANK_FILE = "model_optim_rng.pt"
+RANK_FILES = ("model_optim_rng.pt", "model_rng.pt")
+"""A rank's file: model, optimizer and random states; model and random states alone where the distributed optimizer
+kept its state apart (Megatron-LM from 2022-03 to 2023-05: mp_rank_TT[_PPP]_DDD/optim.pt beside it)."""
 _COLUMN_PARALLEL = ("linear_qkv", "linear_fc1", "word_embeddings", "output_layer")
 _ROW_PARALLEL = ("linear_proj", "linear_fc2")
 
@@ -73,12 +75,17 @@ def rank_folder(tp_rank: int, pp_rank: int, pipeline_parallel: bool) -> str:
     return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}" if pipeline_parallel else f"mp_rank_{tp_rank:02d}"
 
 
+def rank_file(rank_dir: Path) -> Path | None:
+    """The model's file in a rank's folder; None where the folder holds none (an optimizer's, or incomplete)."""
+    return next((rank_dir / name for name in RANK_FILES if (rank_dir / name).is_file()), None)
+
+
 def first_rank_file(folder: Path) -> Path:
     """Rank 0's file in the iteration folder `folder`, which holds the run's arguments."""
     for name in (rank_folder(0, 0, False), rank_folder(0, 0, True)):
-        if (folder / name / RANK_FILE).is_file():
-            return folder / name / RANK_FILE
-    raise CheckpointError(f"Megatron checkpoint {folder} is incomplete: no mp_rank_00/{RANK_FILE}")
+        if (found := rank_file(folder / name)) is not None:
+            return found
+    raise CheckpointError(f"Megatron checkpoint {folder} is incomplete: no mp_rank_00/{RANK_FILES[0]}")
 
 
 # Megatron-LM's legacy model (megatron/legacy, --use-legacy-models; removed in 2026) -> megatron-core's names of the
@@ -160,7 +167,7 @@ class TorchFormatCheckpoint:
 
     def __init__(self, folder: Path, args: dict):
         self.folder = folder
-        tp = args.get("tensor_model_parallel_size") or 1
+        tp = args.get("tensor_model_parallel_size") or args.get("model_parallel_size") or 1  # its name before 2020-10
         pp = args.get("pipeline_model_parallel_size") or 1
         vp = args.get("virtual_pipeline_model_parallel_size") or 1
         if args.get("pipeline_model_parallel_layout"):
@@ -170,18 +177,18 @@ class TorchFormatCheckpoint:
             )
         self._swiglu = bool(args.get("swiglu"))
         self._tied = not args.get("untie_embeddings_and_output_weights", False)
-        found = sorted(p.name for p in folder.glob("mp_rank_*"))
+        found = sorted(p.name for p in folder.glob("mp_rank_*") if rank_file(p) is not None)
         ranks = [(t, p) for t in range(tp) for p in range(pp)]
-        expected = [rank_folder(t, p, pp > 1) for t, p in ranks]
-        missing = [name for name in expected if not (folder / name / RANK_FILE).is_file()]
-        if missing or len(found) != len(expected):
-            said = f"no {missing[0]}/{RANK_FILE}" if missing else f"{len(found)} mp_rank folders"
+        paths = {(t, p): rank_file(folder / rank_folder(t, p, pp > 1)) for t, p in ranks}
+        missing = [rank_folder(t, p, pp > 1) for (t, p), path in paths.items() if path is None]
+        if missing or len(found) != len(ranks):
+            said = f"no {missing[0]}/{RANK_FILES[0]}" if missing else f"{len(found)} hold a model's file"
             raise CheckpointError(
                 f"Megatron checkpoint {folder} does not match its arguments (tensor {tp} x pipeline {pp}: "
-                f"{len(expected)} mp_rank folders): {said}; is it incomplete, or saved with expert parallelism?"
+                f"{len(ranks)} mp_rank folders): {said}; is it incomplete, or saved with expert parallelism?"
             )
         # chunks[i][t]: the state dict of the i-th chunk in the order the layers run, on tensor rank t
-        files = {(t, p): load_pickled(folder / rank_folder(t, p, pp > 1) / RANK_FILE, mmap=True) for t, p in ranks}
+        files = {rank: load_pickled(path, mmap=True) for rank, path in paths.items()}
         chunk_keys = ["model"] if vp == 1 else [f"model{v}" for v in range(vp)]
         self.chunks: list[list[dict[str, torch.Tensor]]] = []
         self.legacy_model = False
@@ -192,10 +199,18 @@ class TorchFormatCheckpoint:
                 lacking = next((t for t, state in enumerate(states) if not isinstance(state, dict)), None)
                 if lacking is not None:
                     raise CheckpointError(
-                        f"{folder / rank_folder(lacking, p, pp > 1) / RANK_FILE} holds no {key!r} model state, which "
+                        f"{paths[lacking, p]} holds no {key!r} model state, which "
                         f"its arguments say it has ({vp} virtual pipeline stage(s)); was it written by Megatron-LM?"
                     )
                 if any("language_model" in state for state in states):
+                    if args.get("transformer_impl") == "transformer_engine":
+                        raise CheckpointError(
+                            f"{folder} holds Megatron-LM's legacy model built of Transformer Engine's layers "
+                            "(--use-legacy-models --transformer-impl transformer_engine), whose tensors loom does not "
+                            "read; convert it with tools/checkpoint/convert.py --loader legacy "
+                            "--loader-transformer-impl transformer_engine --saver core of a Megatron-LM from before "
+                            "2026-08 (which still has the legacy model), then import that"
+                        )
                     self.legacy_model = True
                     version = files[0, p].get("checkpoint_version", 0)
                     states = [_core_names(state, version, args, tp) for state in states]
