@@ -238,10 +238,8 @@ def export_hf(
         not_written = export_tokenizer(
             output, trained_with, origin, model["max_position_embeddings"], model["vocab_size"], tokenizer
         )
-        if gpt2:
-            config = gpt2_config(model, LOOM_TOKEN_IDS if origin.hf_token_ids is None else origin.hf_token_ids, dtype)
-        else:
-            config = hf_config(model, origin.hf_token_ids, dtype)
+        token_ids = LOOM_TOKEN_IDS if origin.hf_token_ids is None else origin.hf_token_ids
+        config = gpt2_config(model, token_ids, dtype) if gpt2 else hf_config(model, token_ids, dtype)
         write_text_atomically(output / "config.json", json.dumps(config, indent=2))  # last: the export is complete
     if not_written:
         print(f"warning: {not_written}", file=sys.stderr)

@@ -99,10 +99,15 @@ def megatron_iteration_folder(source: Path) -> Path:
     return source
 
 
+def arguments_file(folder: Path) -> Path:
+    """Where an iteration folder keeps the run's arguments: common.pt, or rank 0's file in the older torch format."""
+    return first_rank_file(folder) if is_torch_format(folder) else folder / COMMON
+
+
 def read_megatron_arguments(folder: Path) -> dict:
-    """Megatron-LM's arguments (its `args` Namespace as a dict) and `iteration`, from the checkpoint's common.pt (or,
-    in the older torch format, rank 0's file), without importing Megatron or running any code from the file."""
-    path = first_rank_file(folder) if is_torch_format(folder) else folder / COMMON
+    """Megatron-LM's arguments (its `args` Namespace as a dict) and `iteration`, from the checkpoint's
+    arguments_file, without importing Megatron or running any code from the file."""
+    path = arguments_file(folder)
     common = load_pickled(path, mmap=path.name != COMMON)
     args = common.get("args") if isinstance(common, dict) else None
     if not isinstance(args, argparse.Namespace):
@@ -133,6 +138,9 @@ class _SlicePlanner(dcp.DefaultLoadPlanner):
 class DistributedCheckpoint:
     """The tensors of a torch.distributed.checkpoint folder by key, read whole or one index of the first
     dimension at a time (a layer of Megatron's stacked block tensors) without a process group."""
+
+    legacy_model = False
+    """torch_dist holds megatron-core's model: Megatron-LM's legacy one never wrote it."""
 
     def __init__(self, folder: Path):
         self.folder = folder
@@ -488,11 +496,11 @@ def import_megatron(source: Path, output: Path, overwrite: bool = False) -> tupl
     stored = TorchFormatCheckpoint(folder, args) if is_torch_format(folder) else DistributedCheckpoint(folder)
     if EMBEDDING not in stored.shapes:
         raise CheckpointError(f"{folder} has no {EMBEDDING}; is it a GPT model's checkpoint?")
-    legacy_model = getattr(stored, "legacy_model", False)
+    legacy_model = stored.legacy_model
     try:
         model = model_from_megatron_arguments(args, stored.shapes, legacy_model)
     except KeyError as error:
-        raise CheckpointError(f"{folder / COMMON}: the arguments have no {error.args[0]!r}") from None
+        raise CheckpointError(f"{arguments_file(folder)}: the arguments have no {error.args[0]!r}") from None
     train = {"seq_length": min(2048, model["max_position_embeddings"]), "global_batch_size": 8}
     config = config_from_dict({"model": model, "train": train})
     names = [param_info(param).name for param in GPTModel(config.model, None).parameters()]
