@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from training_runs import loom_here, loom_logits, one_line_error
+from training_runs import loom_here, loom_logits, one_line_error, tiny_train_args
 
 from loom.engine.checkpoint.format import CheckpointError, find_loadable
 from loom.engine.checkpoint.load import PieceReader
@@ -117,3 +117,43 @@ def test_a_model_of_neither_form_is_refused_naming_both(tmp_path):
         with pytest.raises(CheckpointError, match="GPT-2-shaped ones .* export to Hugging Face"):
             export_hf(tmp_path / "loom", tmp_path / "out")
         metadata.config["model"].update({"norm": "layernorm", "num_kv_heads": 4})
+
+
+def test_a_lora_run_on_gpt2_exports_a_peft_adapter_with_its_logits(markov_dataset, tmp_path, capfd):
+    """Import a GPT-2, fine-tune adapters on every linear layer, export base and adapter: PEFT's model (Conv1D
+    layers, fan_in_fan_out) computes the LoRA run's logits."""
+    peft = pytest.importorskip("peft", reason="needs loom[reference]")
+    from loom.tools.generate import load_model
+
+    config = transformers.GPT2Config(vocab_size=4096, n_positions=128, n_embd=32, n_layer=2, n_head=4)
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "hf")
+    import_hf(tmp_path / "hf", tmp_path / "base")
+    flags = ["--lora.rank", "4", "--lora.base", str(tmp_path / "base")]  # adapters on all four linear layers
+    flags += [
+        "--train.steps",
+        "2",
+        "--optim.lr",
+        "0.01",
+        "--optim.warmup_steps",
+        "0",
+        "--checkpoint.save_at_end",
+        "true",
+    ]
+    capfd.readouterr()  # transformers' progress bar
+    trained = loom_here(capfd, "train", *tiny_train_args(markov_dataset(50), tmp_path / "run"), *flags)
+    assert trained.returncode == 0, trained.stderr
+    exported = loom_here(capfd, "ckpt", "export-hf", "--checkpoint", str(tmp_path / "run"), "--adapter-only",
+                         "--output", str(tmp_path / "adapter"))  # fmt: skip
+    assert exported.returncode == 0, exported.stderr
+    adapter = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert adapter["fan_in_fan_out"] and "transformer.h.1.mlp.c_proj" in adapter["target_modules"]
+    export_hf(tmp_path / "base", tmp_path / "hf-base")
+    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf-base").eval()
+    tokens = torch.randint(0, 4096, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        base = hf(tokens).logits  # before PEFT injects the adapters into hf's layers
+        theirs = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()(tokens).logits
+        ours = load_model(find_loadable(tmp_path / "run" / "checkpoints")[0])[0](tokens).transpose(0, 1)
+    assert (ours[..., :4096] - theirs).abs().max().item() < 1e-5
+    assert (theirs - base).abs().max().item() > 1e-4  # the adapters moved

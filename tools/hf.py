@@ -35,7 +35,15 @@ from loom.engine.checkpoint.load import PieceReader
 from loom.engine.config_io import config_from_dict, config_to_dict
 from loom.engine.model import naming
 from loom.tools.ckpt import LazyWeights, first_few, open_checkpoint, write_weights_checkpoint
-from loom.tools.hf_gpt2 import embedding_key, from_gpt2, gpt2_config, has_gpt2_form, model_from_gpt2_config, to_gpt2
+from loom.tools.hf_gpt2 import (
+    embedding_key,
+    from_gpt2,
+    gpt2_config,
+    gpt2_module,
+    has_gpt2_form,
+    model_from_gpt2_config,
+    to_gpt2,
+)
 from loom.tools.hf_tokenizer import check_moved_tokenizer, export_tokenizer
 from loom.tools.lora import ModelWeights, adapted_weights, base_of
 from loom.tools.outputs import HF_TOKENIZER_FILES, claimed_checkpoint_output, claimed_export_output
@@ -490,8 +498,9 @@ def export_peft_adapter(
     source: Path, output: Path, base: Path | None = None, base_model: str | None = None, overwrite: bool = False
 ) -> Path:
     """Write a LoRA checkpoint's adapters as a PEFT adapter directory (adapter_config.json +
-    adapter_model.safetensors) for the Llama model export_hf writes of its base. A fused loom adapter maps
-    exactly: qkv's one A serves q_proj, k_proj and v_proj, each with its rows of B (likewise gate/up).
+    adapter_model.safetensors) for the model export_hf writes of its base. A fused loom adapter maps exactly: in the
+    Llama form qkv's one A serves q_proj, k_proj and v_proj, each with its rows of B (likewise gate/up); in GPT-2's
+    each loom layer is one Conv1D (c_attn, c_proj, c_fc).
     base_model_name_or_path is `base_model` if given, else the Hugging Face folder the base was imported from
     (its checkpoint, found where it was trained or at `base`, records it)."""
     directory, metadata = open_checkpoint(source)
@@ -504,16 +513,19 @@ def export_peft_adapter(
             base_model = None
     config = config_from_dict(metadata.config)
     model = config_to_dict(config)["model"]
-    if has_gpt2_form(model):
-        raise CheckpointError(
-            "--adapter-only writes PEFT adapters for the Llama form; for this GPT-2-shaped model, export the merged "
-            "model (export-hf without --adapter-only)"
-        )
-    _check_llama(model)
+    gpt2 = has_gpt2_form(model)
+    if not gpt2:
+        _check_llama(model, gpt2_too=True)
     reader, sizes = PieceReader(directory, metadata), _fused_sizes(model)
     tensors, modules = {}, set()
     for weight, (a_name, b_name) in adapted_weights(metadata.specs).items():
         a, b = reader.model(a_name).float(), reader.model(b_name).float()
+        if gpt2:  # one Conv1D per loom layer, named whole: c_proj is both the attention's and the MLP's last
+            module = gpt2_module(weight)
+            modules.add(module)
+            tensors[f"base_model.model.{module}.lora_A.weight"] = a
+            tensors[f"base_model.model.{module}.lora_B.weight"] = b
+            continue
         hf_weights = _hf_names(weight)
         b_parts = b.split(sizes[naming.split_block_param_name(weight)[1]]) if len(hf_weights) > 1 else (b,)
         for hf_weight, b_part in zip(hf_weights, b_parts, strict=True):
@@ -530,7 +542,7 @@ def export_peft_adapter(
         "lora_dropout": lora.dropout,
         "target_modules": sorted(modules),
         "bias": "none",
-        "fan_in_fan_out": False,
+        "fan_in_fan_out": gpt2,  # GPT-2's Conv1D keeps its weight [in, out]
         "use_rslora": False,
         "init_lora_weights": True,
         "inference_mode": True,

@@ -124,6 +124,11 @@ def _gpt2_name(name: str) -> tuple[str, bool]:
     return f"transformer.h.{layer}.{gpt2}.{leaf}", conv1d and leaf == "weight"
 
 
+def gpt2_module(weight: str) -> str:
+    """The GPT2LMHeadModel module (transformer.h.<i>.attn.c_attn, ...) holding loom's linear weight `weight`."""
+    return _gpt2_name(weight)[0].removesuffix(".weight")
+
+
 def to_gpt2(logical: Mapping[str, torch.Tensor], model: dict) -> LazyWeights:
     """loom logical tensors -> GPT2LMHeadModel's state dict, each tensor made when asked for."""
     logical = LazyWeights.of(logical)
