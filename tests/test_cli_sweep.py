@@ -293,6 +293,7 @@ BAD_OVERRIDES = [
     ["--checkpoint.interval", "-1"],
     ["--lora.rank", "-1"],
     ["--lora.base", "{checkpoint}"],  # without --lora.rank
+    ["--lora.targets", "qkv,proj"],  # PEFT's comma-separated habit
     ["--train.fp8_output_layer", "maybe"],
     ["--train.nosuch", "1"],
     ["--train.steps"],
