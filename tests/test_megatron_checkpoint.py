@@ -4,8 +4,10 @@ dist_checkpointing.save in torch_dist) import into loom with the logits megatron
 model (GQA, stacked layers), a GPT-3-shaped one (LayerNorm, biases, learned positions, tied, one key per layer) and
 one with multi-query attention, interleaved rotary pairs, Llama 3 rope scaling, zero-centred norms and bf16 weights.
 The user stories: `loom eval` of the import equals the loss of Megatron's logits, and a fine-tune from it starts
-from that loss; Megatron is not needed to import. What loom cannot compute the same way is refused naming
-Megatron's flag; Megatron folders given where loom's checkpoints go are answered with the command."""
+from that loss; Megatron is not needed to import. The older torch format (a file per rank), written from
+megatron-core's own resharding over tensor 2 x pipeline 2 x virtual 2 ranks, imports as the torch_dist save. What
+loom cannot compute the same way is refused naming Megatron's flag; Megatron folders given where loom's checkpoints
+go are answered with the command."""
 
 import argparse
 import json
