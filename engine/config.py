@@ -646,7 +646,11 @@ class LoraConfig:
             raise ConfigError("lora.rank must be >= 0, lora.alpha > 0 and 0 <= lora.dropout < 1")
         unknown = [t for t in self.targets if t not in LORA_TARGETS]
         if unknown or not self.targets:
-            spaced = " (a flag takes them space-separated: --lora.targets qkv proj)" if "," in str(unknown) else ""
+            spaced = (
+                " (a flag takes them space-separated: --lora.targets qkv proj)"
+                if any("," in t for t in unknown)
+                else ""
+            )
             raise ConfigError(
                 f"lora.targets = {self.targets} must be a non-empty subset of {', '.join(LORA_TARGETS)}{spaced}"
             )
