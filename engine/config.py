@@ -306,11 +306,13 @@ class OptimConfig:
     """Linear warmup to lr over this many steps: step s (from 0) takes lr * (s + 1) / warmup_steps, so the first
     step already learns (Megatron-LM's first runs at lr 0; from the end of warmup on, the two are equal). Steps
     count applied updates: a skipped one (an fp16 overflow, train.nan_policy = skip) holds the schedule, warmup
-    and decay alike, as in Megatron-LM."""
+    and decay alike, as in Megatron-LM. Under a batch ramp-up steps count full global batches: the schedule counts
+    samples (train.rampup_batch_size)."""
     decay: Literal["cosine", "linear", "constant"] = "cosine"
     """Shape of the decay from lr to min_lr after warmup."""
     decay_steps: int | None = None
-    """Steps over which lr decays (counted from step 0, warmup included); None means train.steps."""
+    """Steps over which lr decays (counted from step 0, warmup included); None means train.steps (under a batch
+    ramp-up, full global batches: the run's samples over global_batch_size)."""
     zero: int = 0
     """ZeRO stage over the data-parallel ranks. 0: every DP rank holds the whole optimizer. 1: master
     weights and optimizer state are split DP ways (adamw, sgd, lamb). 2: gradients too: each bucket is
@@ -467,7 +469,9 @@ class TrainConfig:
     rampup_batch_size: list[int] | None = None
     """[start, increment, ramp_samples]: the global batch grows from start by increment until
     global_batch_size over the first ramp_samples samples (Megatron's --rampup-batch-size). The learning-rate
-    schedule counts steps, the ramp's small ones too (Megatron's counts samples)."""
+    schedule counts samples, as Megatron's does: a ramp step of batch b moves it b / global_batch_size of a step,
+    so optim.warmup_steps and optim.decay_steps count full global batches, and the decay's default length is the
+    run's samples over global_batch_size."""
     micro_batch_size: int = 1
     """Sequences per forward/backward on one rank."""
     seq_length: int = 2048
@@ -536,6 +540,42 @@ class TrainConfig:
     blocks run in FP8: 64 of 202 ms on an H200). Off by default, as in Transformer Engine, torchao and
     DeepSeek-V3's recipe, which keep the output layer in bf16; on CPU a 4-layer model trained 200 steps to within
     0.004 of bf16's loss with it (docs/gpu.md)."""
+
+    def global_batch_size_at(self, consumed_samples: int) -> int:
+        """The global batch of the step that starts after `consumed_samples` (ramp-up, then constant)."""
+        if self.rampup_batch_size is None:
+            return self.global_batch_size
+        start, increment, ramp_samples = self.rampup_batch_size
+        increments = (self.global_batch_size - start) // increment
+        if increments == 0 or consumed_samples >= ramp_samples:
+            return self.global_batch_size
+        return start + int(consumed_samples / (ramp_samples / increments)) * increment
+
+    def batch_sizes(self) -> list[int]:
+        """Every global batch size the run will use."""
+        if self.rampup_batch_size is None:
+            return [self.global_batch_size]
+        start, increment, _ = self.rampup_batch_size
+        return list(range(start, self.global_batch_size + 1, increment))
+
+    def ramp_shares(self, consumed_samples: int = 0) -> list[float]:
+        """The batch of each step still inside the batch ramp-up, from the one that starts after
+        `consumed_samples`, as its share of global_batch_size: what the step moves the learning-rate schedule
+        (lr_schedule.learning_rate; a full-batch step moves it 1). [] without a ramp or past its end."""
+        shares = []
+        while (batch := self.global_batch_size_at(consumed_samples)) != self.global_batch_size:
+            consumed_samples += batch
+            shares.append(batch / self.global_batch_size)
+        return shares
+
+    def schedule_length(self) -> float:
+        """The schedule's position after the run's last step, the decay's default length: train.steps, each ramp
+        step counted as its share (the run's samples over global_batch_size, as Megatron-LM counts samples)."""
+        shares = self.ramp_shares()
+        position = 0.0
+        for share in shares[: self.steps]:  # added one by one as the trainer adds them (sum() may compensate)
+            position += share
+        return position + max(0, self.steps - len(shares))
 
     def __post_init__(self) -> None:
         _check_choices(self, "train")
@@ -835,7 +875,7 @@ class LoomConfig:
                 + (f" / cp = {p.cp}" if p.cp > 1 else "")
                 + f" divisible by tp = {p.tp}"
             )
-        for batch in self.batch_sizes():
+        for batch in self.train.batch_sizes():
             if batch % (t.micro_batch_size * p.dp):
                 what = "train.global_batch_size" if batch == t.global_batch_size else "a ramp-up batch size"
                 raise ConfigError(
@@ -867,7 +907,7 @@ class LoomConfig:
                 f"model.num_layers = {layers} does not split into pp*vp = {p.pp}*{p.vp} equal chunks; {advice}"
             )
         try:
-            for batch in self.batch_sizes():
+            for batch in self.train.batch_sizes():
                 check_schedule(p.pp, p.vp, self.microbatches_for(batch))
         except ScheduleError as error:
             raise ConfigError(str(error)) from None
@@ -888,25 +928,6 @@ class LoomConfig:
                 continue
             fitting.append((pp, vp))
         return fitting
-
-    def global_batch_size_at(self, consumed_samples: int) -> int:
-        """The global batch of the step that starts after `consumed_samples` (ramp-up, then constant)."""
-        t = self.train
-        if t.rampup_batch_size is None:
-            return t.global_batch_size
-        start, increment, ramp_samples = t.rampup_batch_size
-        increments = (t.global_batch_size - start) // increment
-        if increments == 0 or consumed_samples >= ramp_samples:
-            return t.global_batch_size
-        return start + int(consumed_samples / (ramp_samples / increments)) * increment
-
-    def batch_sizes(self) -> list[int]:
-        """Every global batch size the run will use."""
-        t = self.train
-        if t.rampup_batch_size is None:
-            return [t.global_batch_size]
-        start, increment, _ = t.rampup_batch_size
-        return list(range(start, t.global_batch_size + 1, increment))
 
     def microbatches_for(self, global_batch: int) -> int:
         """Micro-batches each data-parallel rank runs for a step of `global_batch` sequences."""

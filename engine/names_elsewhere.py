@@ -57,7 +57,6 @@ _CHECKPOINT_ENABLE = (
     "loom saves every checkpoint.interval steps, its own key, and a run's last step unless --checkpoint.save_at_end "
     "false: enable = false is interval 0 and save_at_end false"
 )
-_RAMP_LR = "Megatron's LR schedule counts samples, loom's steps: under a ramp its warmup and decay end sooner"
 GPT2_FILES = (
     'a Hugging Face tokenizer.json holds vocabulary and merges: python -c "from transformers import '
     "GPT2TokenizerFast as T; T('vocab.json', 'merges.txt').save_pretrained('gpt2')\" writes gpt2/tokenizer.json"
@@ -92,11 +91,11 @@ TRAINING_NAMES: tuple[NameElsewhere, ...] = (
             ("--distributed-backend", "--parallel.backend", "auto picks NCCL on GPUs, gloo on CPU"),
             ("--micro-batch-size", "--train.micro_batch_size", _BATCH),
             ("--global-batch-size", "--train.global_batch_size"),
-            ("--rampup-batch-size", "--train.rampup_batch_size", "the same three numbers; " + _RAMP_LR),
+            ("--rampup-batch-size", "--train.rampup_batch_size"),
             (
                 "--step-batch-size-schedule",
                 "--train.rampup_batch_size",
-                "loom ramps as Megatron's older --rampup-batch-size: start increment samples; " + _RAMP_LR,
+                "loom ramps as Megatron's older --rampup-batch-size: start increment samples",
                 CONVERTED,
             ),
             ("--train-iters", "--train.steps"),
@@ -205,9 +204,14 @@ TRAINING_NAMES: tuple[NameElsewhere, ...] = (
                 CONVERTED,
             ),
             ("--lr-decay-iters", "--optim.decay_steps"),
-            ("--lr-decay-samples", "--optim.decay_steps", "in steps, not samples", CONVERTED),
+            ("--lr-decay-samples", "--optim.decay_steps", "in global batches: samples / global batch size", CONVERTED),
             ("--lr-warmup-iters", "--optim.warmup_steps", "loom's first warmup step already learns, at lr / warmup"),
-            ("--lr-warmup-samples", "--optim.warmup_steps", "in steps, not samples", CONVERTED),
+            (
+                "--lr-warmup-samples",
+                "--optim.warmup_steps",
+                "in global batches: samples / global batch size",
+                CONVERTED,
+            ),
             (
                 "--lr-warmup-fraction",
                 "--optim.warmup_steps",

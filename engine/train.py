@@ -117,6 +117,8 @@ class Trainer:
         self.faults = FaultPlan.from_environment(self.state.rank)
         self.nonfinite_in_a_row = 0
         self.skipped_updates = 0
+        self.lr_position = 0.0  # the learning-rate schedule's (lr_schedule.learning_rate; TrainingState.lr_position)
+        self.schedule_length = t.schedule_length()
         # Early stopping's state, saved with each checkpoint: the best validation loss (None before the first
         # evaluation) and the evaluations since it improved.
         self.validation: dict = {"best_loss": None, "evals_without_gain": 0}
@@ -239,6 +241,7 @@ class Trainer:
                 self.validation = dict(metadata.validation)
             self.nonfinite_in_a_row = metadata.nonfinite_in_a_row
             self.skipped_updates = metadata.skipped_updates
+            self.lr_position = metadata.schedule_position
         self._say_what_was_resumed(directory, metadata)
 
     def _say_what_was_resumed(self, directory: Path, metadata: CheckpointMetadata) -> None:
@@ -299,6 +302,7 @@ class Trainer:
             hf_origin=self.hf_origin,
             nonfinite_in_a_row=self.nonfinite_in_a_row,
             skipped_updates=self.skipped_updates,
+            lr_position=self.lr_position,
         )
 
     def save(self) -> Path:
@@ -311,7 +315,7 @@ class Trainer:
         train_set, self.valid_set = build_datasets(
             c, not evaluation_only, self.state.rank == 0, agree_across_ranks, resumed_at=position
         )
-        self.train_batches = self._batches(train_set, c.global_batch_size_at)
+        self.train_batches = self._batches(train_set, c.train.global_batch_size_at)
         if self.state.rank == 0:
             for repeated in repeated_data(train_set):
                 self._log_event(f"data: this run reads {repeated}")
@@ -377,12 +381,11 @@ class Trainer:
 
     def _train_step(self, stop: StopRequest | None) -> dict:
         t = self.config.train
-        # A skipped update leaves the schedule where it was (Megatron-LM and DeepSpeed step their schedulers only
-        # after an applied update): an fp16 run's early overflows then do not eat into the warmup.
-        lr = learning_rate(self.step - self.skipped_updates, self.config.optim, t.steps)
+        global_batch = t.global_batch_size_at(self.train_batches.consumed_samples)
+        step_share = global_batch / t.global_batch_size
+        lr = learning_rate(self.lr_position, self.config.optim, self.schedule_length, step_share)
         self._train_mode(True)
         self.grads.start_step()
-        global_batch = self.config.global_batch_size_at(self.train_batches.consumed_samples)
         microbatches = self.train_batches.next_step(self.device)
         scale = self.loss_scaler.scale if self.loss_scaler else 1.0
         # Each rank back-propagates scale x its share of the global-batch mean; x grad_size makes that scale x its
@@ -417,6 +420,9 @@ class Trainer:
         self.kernels.weights_updated(self.chunks)
         self.step += 1
         self.skipped_updates += result["skipped"]
+        # A skipped update leaves the schedule where it was (Megatron-LM and DeepSpeed step their schedulers only
+        # after an applied update): an fp16 run's early overflows then do not eat into the warmup.
+        self.lr_position += 0.0 if result["skipped"] else step_share
         row = {"loss": loss, "lr": lr, "grad_norm": result["grad_norm"], "global_batch_size": global_batch}
         if self.loss_scaler is not None:
             if self.loss_scaler.skipped_steps > skipped_before:

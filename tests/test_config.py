@@ -248,8 +248,8 @@ def test_batch_size_ramp_up_like_megatron():
     )
     config.resolve_world(2)
     # three increments over 96 samples: +8 every 32 samples consumed, then constant
-    assert [config.global_batch_size_at(c) for c in (0, 31, 32, 64, 95, 96, 10_000)] == [8, 8, 16, 24, 24, 32, 32]
-    assert config.batch_sizes() == [8, 16, 24, 32]
+    assert [config.train.global_batch_size_at(c) for c in (0, 31, 32, 64, 95, 96, 10_000)] == [8, 8, 16, 24, 24, 32, 32]
+    assert config.train.batch_sizes() == [8, 16, 24, 32]
     bad = load_config(
         "tiny", {"train": {"global_batch_size": 32, "micro_batch_size": 4, "rampup_batch_size": [4, 4, 96]}}
     )

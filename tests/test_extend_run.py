@@ -184,7 +184,8 @@ def test_a_resume_is_told_what_it_changes_and_not_what_it_does_not(tmp_path):
         config=saved_fp16,
         loss_scaler={"scale": 256.0},
         step=3,
-        skipped_updates=0,
+        schedule_position=3.0,
+        consumed_samples=3 * 16,
         datasets=None,
         layout=SimpleNamespace(optimizer=None),
     )

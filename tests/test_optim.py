@@ -33,8 +33,11 @@ def test_linear_and_constant_decay():
     assert learning_rate(77, constant, 100) == 0.3
 
 
-def _megatron_learning_rates(decay: str, lr: float, min_lr: float, warmup: int, decay_steps: int, steps: int):
-    """megatron-core's OptimizerParamScheduler: the rate after 0, 1, ..., steps calls of step(1), from init_lr 0."""
+def _megatron_learning_rates(
+    decay: str, lr: float, min_lr: float, warmup: int, decay_steps: int, steps: int = 0, increments: list[int] = ()
+) -> list[float]:
+    """megatron-core's OptimizerParamScheduler: the rate after 0, 1, ..., steps calls of step(1) (or of
+    step(increment) for each of `increments`: global batches, under which it counts samples), from init_lr 0."""
     scheduler = pytest.importorskip("megatron.core.optimizer_param_scheduler", reason="needs loom[reference]")
     optimizer = types.SimpleNamespace(param_groups=[{}])
     schedule = scheduler.OptimizerParamScheduler(
@@ -51,8 +54,8 @@ def _megatron_learning_rates(decay: str, lr: float, min_lr: float, warmup: int, 
         wd_incr_style="constant",
     )
     rates = [optimizer.param_groups[0]["lr"]]
-    for _ in range(steps):
-        schedule.step(1)
+    for increment in list(increments) or [1] * steps:
+        schedule.step(increment)
         rates.append(optimizer.param_groups[0]["lr"])
     return rates
 
@@ -87,9 +90,45 @@ def test_batch_size_ramp_up_equals_megatron_cores_calculator(ramp, global_batch,
             # At exactly the ramp's samples Megatron tests `consumed > ramp` and steps by int(consumed / (ramp /
             # increments)), which float rounding can leave one increment short (1000 / (1000 / 15) = 14.99...:
             # 60, not 64); loom takes the full batch from the ramp's end on.
-            assert config.global_batch_size_at(consumed) == global_batch
+            assert config.train.global_batch_size_at(consumed) == global_batch
             continue
-        assert config.global_batch_size_at(consumed) == theirs.get_current_global_batch_size(), consumed
+        assert config.train.global_batch_size_at(consumed) == theirs.get_current_global_batch_size(), consumed
+
+
+def test_learning_rate_under_a_batch_ramp_up_counts_samples_as_megatron_cores_scheduler():
+    """Under a ramp Megatron's scheduler is stepped by each iteration's global batch, so warmup and decay count
+    samples; loom's counted steps, the ramp's small ones too, and ended them early. Now the rates are Megatron's
+    with the offset of test_learning_rate_equals_megatron_cores_scheduler: a step wholly inside warmup takes
+    Megatron's rate once its samples are counted, a later one Megatron's rate before them; the one step that
+    straddles the warmup's end takes the peak."""
+    calculators = pytest.importorskip("megatron.core.num_microbatches_calculator", reason="needs loom[reference]")
+    train = {"steps": 14, "global_batch_size": 16, "micro_batch_size": 1, "rampup_batch_size": [4, 4, 40]}
+    config = load_config("tiny", {"train": train})
+    config.resolve_world(1)
+    batches = calculators.RampupBatchsizeNumMicroBatchesCalculator(16, 1, 1, False, 0, 4, 4, 40)
+    consumed, sizes = 0, []
+    for _ in range(14):
+        batches.update(consumed, consistency_check=True)
+        sizes.append(batches.get_current_global_batch_size())
+        consumed += sizes[-1]
+    assert sizes == [4, 4, 4, 4, 8, 8, 12, 16, 16, 16, 16, 16, 16, 16]
+    assert config.train.schedule_length() == consumed / 16 == 9.75  # the decay ends with the run
+    optim = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=3, decay="cosine")  # warmup: 48 samples
+    theirs = _megatron_learning_rates("cosine", 1.0, 0.1, 48, consumed, increments=sizes)
+    position, shares = 0.0, config.train.ramp_shares()
+    assert shares == [size / 16 for size in sizes[:7]]
+    samples = 0
+    for step, size in enumerate(sizes):
+        ours = learning_rate(position, optim, config.train.schedule_length(), size / 16)
+        if samples + size <= 48:
+            assert ours == pytest.approx(theirs[step + 1], rel=1e-12), step
+        elif samples >= 48:
+            assert ours == pytest.approx(theirs[step], rel=1e-12), step
+        else:
+            assert (samples, ours) == (44, 1.0)  # 44 -> 60 straddles 48
+        position, samples = position + size / 16, samples + size
+    # counting steps, the fourth (16 samples in) took the peak; counting samples, a third of it
+    assert learning_rate(3, optim, 14) == 1.0 and learning_rate(0.75, optim, 9.75, 0.25) == 1 / 3
 
 
 def _bucketed_reduction(rank, world, overlap):
@@ -193,9 +232,9 @@ def test_a_resume_names_a_changed_learning_rate_schedule():
         "pass --optim.lr 0.001 to keep it, unless the change is intended"
     )
     # two skipped updates hold the schedule two steps behind: step 11 takes the lr of position 8, still decaying
-    warning = changed_schedule(10, saved, config(20), skipped_updates=2)
+    warning = changed_schedule(10, saved, config(20), position=8)
     assert f"step 11 takes lr {learning_rate(8, config(20).optim, 20):.3g} where the saved schedule gives " in warning
     # and three put step 13 at position 9, inside the decay, where a new peak differs (without them: past its end)
-    assert changed_schedule(12, config_to_dict(config(12, decay_steps=10)), config(20, decay_steps=10, lr=2e-3), 3)
+    assert changed_schedule(12, config_to_dict(config(12, decay_steps=10)), config(20, decay_steps=10, lr=2e-3), 9)
     # past the decay's end both give min_lr: nothing this run trains differs
     assert changed_schedule(12, config_to_dict(config(12, decay_steps=10)), config(20, decay_steps=10, lr=2e-3)) is None

@@ -152,13 +152,25 @@ def test_the_demo_replaces_only_its_own_outputs(tmp_path, capfd):
 
 
 def test_batch_size_ramp_up_is_layout_invariant(dataset, tmp_path):
+    """The ramp's batches, its learning rates counted in samples (Megatron's; tests/test_optim.py compares the
+    schedule with megatron-core's), the same under another layout, and the same after a resume inside the ramp."""
     ramp = {"steps": 5, "global_batch_size": 16, "micro_batch_size": 2, "rampup_batch_size": [4, 4, 24]}
-    single = train(dataset, tmp_path / "one", train=ramp)
+    optim = {"lr": 1e-3, "warmup_steps": 2, "decay_steps": 6}
+    single = train(dataset, tmp_path / "one", train=ramp, optim=optim)
     # 8 samples per increment: consumed 0, 4 -> 4; 8 -> 8; 16 -> 12; 28 -> 16
     assert [r["global_batch_size"] for r in single] == [4, 4, 8, 12, 16]
     assert [r["tokens"] for r in single] == [128 * n for n in (4, 8, 16, 28, 44)]
-    split = train(dataset, tmp_path / "two", nproc=2, train=ramp, parallel={"pp": 2})
+    # warmup of 2 full batches (32 samples): the rate at 4, 8, 16, 28 samples; then 44, past it: the peak
+    assert [r["lr"] for r in single] == pytest.approx([1e-3 * n / 32 for n in (4, 8, 16, 28, 32)], rel=1e-12)
+    split = train(dataset, tmp_path / "two", nproc=2, train=ramp, optim=optim, parallel={"pp": 2})
     for a, b in zip(single, split, strict=True):
+        assert abs(a["loss"] - b["loss"]) / a["loss"] < 1e-5
+    train(dataset, tmp_path / "resumed", train={**ramp, "steps": 3}, optim=optim)
+    resumed = train(dataset, tmp_path / "resumed", train=ramp, optim=optim)
+    assert [(r["lr"], r["global_batch_size"]) for r in resumed[3:]] == [
+        (r["lr"], r["global_batch_size"]) for r in single[3:]
+    ]
+    for a, b in zip(single[3:], resumed[3:], strict=True):
         assert abs(a["loss"] - b["loss"]) / a["loss"] < 1e-5
 
 

@@ -216,6 +216,10 @@ class CheckpointMetadata:
     """Steps whose update was skipped (an fp16 overflow, or a non-finite step under train.nan_policy = skip). The
     learning-rate schedule stands still on them, as Megatron-LM's and DeepSpeed's do: a resumed run takes the
     learning rate of step - skipped_updates. 0 in checkpoints of older looms, whose schedule moved on."""
+    lr_position: float | None = None
+    """The learning-rate schedule's position when saved (lr_schedule.learning_rate): the applied updates, each
+    counted as its batch's share of the full global batch (under a batch ramp-up the schedule counts samples, as
+    Megatron-LM's does). None from older looms, whose schedule counted steps: step - skipped_updates."""
     format_version: int = FORMAT_VERSION
     """The on-disk format version; a reader refuses any other."""
 
@@ -242,6 +246,7 @@ class CheckpointMetadata:
             "datasets": self.datasets,
             "nonfinite_in_a_row": self.nonfinite_in_a_row,
             "skipped_updates": self.skipped_updates,
+            "lr_position": self.lr_position,
         }
         return json.dumps(data, indent=1)
 
@@ -277,6 +282,7 @@ class CheckpointMetadata:
                 datasets=data.get("datasets"),
                 nonfinite_in_a_row=data.get("nonfinite_in_a_row", 0),
                 skipped_updates=data.get("skipped_updates", 0),
+                lr_position=data.get("lr_position"),
                 format_version=data["format_version"],
             )
         except (KeyError, TypeError, AttributeError) as error:
@@ -287,6 +293,11 @@ class CheckpointMetadata:
         """The fields of a Hugging Face import that every checkpoint descended from it carries (None: not one)."""
         origin = {name: getattr(self, name) for name in HF_ORIGIN_FIELDS}
         return origin if any(value is not None for value in origin.values()) else None
+
+    @property
+    def schedule_position(self) -> float:
+        """Where a run resumed from this checkpoint takes the learning-rate schedule up (lr_position)."""
+        return float(self.step - self.skipped_updates) if self.lr_position is None else self.lr_position
 
 
 HF_ORIGIN_FIELDS = ("hf_source", "hf_token_ids", "hf_dtype", "hf_tokenizer")

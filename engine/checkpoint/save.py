@@ -157,6 +157,7 @@ def describe_run(state: TrainingState) -> CheckpointMetadata:
         validation=state.validation,
         nonfinite_in_a_row=state.nonfinite_in_a_row,
         skipped_updates=state.skipped_updates,
+        lr_position=state.lr_position,
         datasets=_dataset_records(c.data.paths),
         tokenizer=tokenizer_record(c.data.tokenizer),
         **(state.hf_origin or {}),

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import itertools
+import operator
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -206,39 +208,59 @@ SCHEDULE_FIELDS = ("lr", "min_lr", "warmup_steps", "decay")
 """The optim fields of the learning-rate schedule besides its decay's length (optim.decay_steps, else train.steps)."""
 
 
-def changed_schedule(step: int, saved_config: dict, current: LoomConfig, skipped_updates: int = 0) -> str | None:
-    """How the learning rate of the steps from `step` (0-based: the first one this run trains) on differs from
-    what the saved run's schedule gives them (past its end: min_lr), or None where it does not. The schedule
-    stands `skipped_updates` behind the step (CheckpointMetadata.skipped_updates)."""
-    saved_optim = saved_config.get("optim", {})
+def changed_schedule(
+    step: int, saved_config: dict, current: LoomConfig, position: float | None = None, consumed_samples: int = 0
+) -> str | None:
+    """How the learning rate of the steps from `step` (0-based: the first one this run trains, after
+    `consumed_samples`) on differs from what the saved run's schedule gives them (past its end: min_lr), or None
+    where it does not. The schedule stands at `position` (CheckpointMetadata.schedule_position; default `step`)."""
+    saved_optim, saved_train = saved_config.get("optim", {}), saved_config.get("train", {})
     fields = (*SCHEDULE_FIELDS, "decay_steps")
     try:
         saved = dataclasses.replace(current.optim, **{k: saved_optim[k] for k in fields if k in saved_optim})
+        saved_run = dataclasses.replace(
+            current.train,
+            **{k: saved_train[k] for k in ("steps", "global_batch_size", "rampup_batch_size") if k in saved_train},
+        )
     except ConfigError:  # values an older loom accepted: nothing to compare with
         return None
-    saved_steps = saved_config.get("train", {}).get("steps", current.train.steps)
-    end = current.train.steps
-    position = step - skipped_updates
-    probes = range(position, end, max(1, (end - position) // 1000))
-    differs = next(
-        (s for s in probes if learning_rate(s, saved, saved_steps) != learning_rate(s, current.optim, end)), None
-    )
+    saved_total, total = saved_run.schedule_length(), current.train.schedule_length()
+    shares = current.train.ramp_shares(consumed_samples)
+    positions = list(itertools.accumulate(shares, initial=float(step) if position is None else position))
+
+    def rates(k: int) -> tuple[float, float]:
+        """The two schedules' rates of the k-th step this run trains."""
+        at, share = (positions[k], shares[k]) if k < len(shares) else (positions[-1] + k - len(shares), 1.0)
+        return learning_rate(at, current.optim, total, share), learning_rate(at, saved, saved_total, share)
+
+    remaining = current.train.steps - step
+    probes = range(0, remaining, max(1, remaining // 1000))
+    differs = next((k for k in probes if operator.ne(*rates(k))), None)
     if differs is None:
         return None
     changed = [k for k in SCHEDULE_FIELDS if getattr(saved, k) != getattr(current.optim, k)]
     changes = [f"optim.{k}: {getattr(saved, k)} -> {getattr(current.optim, k)}" for k in changed]
     keep = [f"--optim.{k} {getattr(saved, k)}" for k in changed]
-    saved_length, length = saved.decay_steps or saved_steps, current.optim.decay_steps or end
+    saved_length, length = saved.decay_steps or saved_total, current.optim.decay_steps or total
     if saved_length != length and "constant" not in (saved.decay, current.optim.decay):
-        changes.append(f"the decay's length: {saved_length} -> {length} steps (optim.decay_steps, else train.steps)")
-        keep.append(f"--optim.decay_steps {saved_length}")
-    now, then = _told_apart(learning_rate(differs, current.optim, end), learning_rate(differs, saved, saved_steps))
-    taking = differs + skipped_updates + 1  # the step, 1-based, that takes the differing lr
+        changes.append(
+            f"the decay's length: {_in_steps(saved_length)} -> {_in_steps(length)} steps (optim.decay_steps, else "
+            "train.steps)"
+        )
+        # a batch ramp-up leaves the default length fractional, which an int decay_steps can only round
+        rounded = "" if saved_length == round(saved_length) else f" (the saved {_in_steps(saved_length)} rounded)"
+        keep.append(f"--optim.decay_steps {round(saved_length)}{rounded}")
+    now, then = _told_apart(*rates(differs))
     return (
-        f"the learning-rate schedule is not the one this run trained with ({'; '.join(changes)}): step {taking} "
-        f"takes lr {now} where the saved schedule gives {then}; pass {', '.join(keep)} to keep it, unless the "
-        "change is intended"
+        f"the learning-rate schedule is not the one this run trained with ({'; '.join(changes)}): step "
+        f"{step + differs + 1} takes lr {now} where the saved schedule gives {then}; pass {', '.join(keep)} to keep "
+        "it, unless the change is intended"
     )
+
+
+def _in_steps(length: float) -> str:
+    """A schedule length: 20, or 19.25 where a batch ramp-up's small steps leave a fraction."""
+    return str(round(length)) if length == round(length) else f"{length:.2f}"
 
 
 def _told_apart(a: float, b: float) -> tuple[str, str]:
@@ -293,7 +315,9 @@ def resume_warnings(
             f"({'; '.join(reordered)}): some samples may be read twice and others not at all"
         )
     schedule = (
-        changed_schedule(metadata.step, metadata.config, config, metadata.skipped_updates) if continues_run else None
+        changed_schedule(metadata.step, metadata.config, config, metadata.schedule_position, metadata.consumed_samples)
+        if continues_run
+        else None
     )
     if schedule:
         warnings.append(schedule)

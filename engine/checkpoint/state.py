@@ -57,6 +57,8 @@ class TrainingState:
     """Non-finite steps in a row that train.nan_policy = skip has skipped (CheckpointMetadata.nonfinite_in_a_row)."""
     skipped_updates: int = 0
     """Steps whose update was skipped, on which the learning rate stood still (CheckpointMetadata.skipped_updates)."""
+    lr_position: float = 0.0
+    """The learning-rate schedule's position (CheckpointMetadata.lr_position)."""
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """The trainable parameters of the model chunks (those the optimizer holds)."""
