@@ -2,7 +2,7 @@
 
 Values are coerced to each field's declared type with one-line errors (unknown names get a
 "did you mean"); the resolved config is written back as TOML for the run directory. The
-dataclasses themselves live in engine/config.py.
+dataclasses themselves live in engine/config/.
 """
 
 from __future__ import annotations

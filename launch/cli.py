@@ -29,7 +29,7 @@ Every config field can be overridden as --section.field value, for example
   loom train --config configs/tiny.toml --nproc 4 --parallel.tp 2 --train.steps 50
   loom train --config configs/tiny.toml --data.paths a b --data.weights 0.7 0.3
 Sections: model, parallel, optim, data, train, checkpoint, lora (every field, its default and meaning:
-docs/config.md, written from engine/config.py; presets: configs/*.toml; --print-config shows the resolved config).
+docs/config.md, written from engine/config/; presets: configs/*.toml; --print-config shows the resolved config).
 Megatron-LM's and torchtitan's names (--tensor-model-parallel-size, parallelism.tensor_parallel_degree) are
 answered with loom's; the whole table ends docs/config.md.
 Under torchrun or Slurm (RANK and WORLD_SIZE set) and without --nproc, this process is one rank.

@@ -331,7 +331,7 @@ def test_settings_a_config_never_reads_are_named():
 
 
 def test_the_config_reference_page_is_current_and_documents_every_field():
-    """docs/config.md is written from engine/config.py's field docstrings: a field added without one, or a changed
+    """docs/config.md is written from the field docstrings in engine/config/: a field added without one, or a changed
     default not written into the page, fails here (write it again: python -m loom.tools.config_reference)."""
     from pathlib import Path
 

@@ -238,3 +238,32 @@ def test_a_resume_names_a_changed_learning_rate_schedule():
     assert changed_schedule(12, config_to_dict(config(12, decay_steps=10)), config(20, decay_steps=10, lr=2e-3), 9)
     # past the decay's end both give min_lr: nothing this run trains differs
     assert changed_schedule(12, config_to_dict(config(12, decay_steps=10)), config(20, decay_steps=10, lr=2e-3)) is None
+
+
+def test_a_resume_under_a_batch_ramp_up_names_the_schedule_in_samples():
+    """Under a ramp the schedule's length is fractional (the run's samples over the full batch): an extended run
+    is told the saved length, which optim.decay_steps can only round; a resume inside the ramp probes the steps at
+    the positions their batches give them."""
+    from loom.engine.checkpoint.saved_settings import changed_schedule
+    from loom.engine.config import LoomConfig
+    from loom.engine.config_io import config_to_dict
+
+    def config(steps: int, **optim) -> LoomConfig:
+        c = LoomConfig()
+        c.train.steps, c.train.global_batch_size, c.train.rampup_batch_size = steps, 16, [4, 4, 40]
+        c.optim = OptimConfig(**{"lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 2, **optim})
+        return c
+
+    saved = config_to_dict(config(14))  # 156 samples: 9.75 full batches
+    warning = changed_schedule(14, saved, config(20), position=9.75, consumed_samples=156)
+    stretched = learning_rate(9.75, config(20).optim, 15.75)
+    assert (
+        "the decay's length: 9.75 -> 15.75 steps (optim.decay_steps, else train.steps)): step 15 takes lr " in warning
+    )
+    assert (
+        f"lr {stretched:.3g} where the saved schedule gives 0.0001; pass --optim.decay_steps 10 (the saved 9.75 "
+        in warning
+    )
+    # step 4 (0-based 3), 12 samples in: position 0.75 plus its quarter batch is half of warmup's 2: half the peak
+    warning = changed_schedule(3, saved, config(14, lr=2e-3), position=0.75, consumed_samples=12)
+    assert "step 4 takes lr 0.001 where the saved schedule gives 0.0005;" in warning

@@ -1,4 +1,4 @@
-"""docs/config.md: every config field with its type, default and docstring, written from engine/config.py (the one
+"""docs/config.md: every config field with its type, default and docstring, written from engine/config/ (the one
 place they live; tests/test_config.py checks the page is current).
 
     python -m loom.tools.config_reference > docs/config.md
@@ -12,7 +12,6 @@ import inspect
 import json
 import typing
 
-from loom.engine import config as config_module
 from loom.engine.config import LoomConfig, field_default
 from loom.engine.names_elsewhere import DATA_BUILD_NAMES, SUBMIT_LAUNCH_NAMES, TRAIN_LAUNCH_NAMES, TRAINING_NAMES
 
@@ -22,7 +21,7 @@ INTRODUCTION = """\
 Every field of a run's configuration: set it in a TOML file's `[section]`, or on the command line as
 `--section.field value` (flags win over the file, the file over these defaults: `loom train --config C.toml
 --print-config` shows the result). A run directory's `config.toml` is this configuration, resolved. Written from the
-field docstrings of `engine/config.py` by `python -m loom.tools.config_reference > docs/config.md`.
+field docstrings in `engine/config/` by `python -m loom.tools.config_reference > docs/config.md`.
 """
 
 
@@ -65,7 +64,7 @@ def reference() -> str:
     lines = [INTRODUCTION]
     for section in dataclasses.fields(LoomConfig):
         cls = section.default_factory
-        hints, docs = typing.get_type_hints(cls, vars(config_module)), field_docstrings(cls)
+        hints, docs = typing.get_type_hints(cls), field_docstrings(cls)
         lines += [f"## [{section.name}]", "", *([docs[""], ""] if docs[""] else [])]
         lines += ["| field | type | default | meaning |", "| --- | --- | --- | --- |"]
         for spec in dataclasses.fields(cls):

@@ -1,0 +1,219 @@
+"""[model] and [lora]: the network's shape and kernels, and the low-rank adapters trained on it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Literal
+
+from loom.engine.config.fields import ConfigError, check_choices, check_positive, field_default
+
+
+@dataclass
+class ModelConfig:
+    num_layers: int = 24
+    """Number of transformer blocks."""
+    hidden_size: int = 2048
+    """Width of the residual stream."""
+    num_heads: int = 16
+    """Attention (query) heads; must divide hidden_size and be divisible by parallel.tp."""
+    num_kv_heads: int | None = None
+    """Key/value heads for grouped-query attention; None means num_heads (multi-head attention)."""
+    ffn_hidden_size: int | None = None
+    """MLP width; None means 4*hidden (gelu) or 8/3*hidden rounded up to a multiple of 256 (swiglu)."""
+    vocab_size: int = 32000
+    """Tokenizer vocabulary size; the embedding is padded beyond it, padded ids never reach the loss."""
+    make_vocab_divisible_by: int = 128
+    """The embedding is padded to a multiple of this times parallel.tp, for fast GEMMs."""
+    max_position_embeddings: int = 4096
+    """Longest sequence the model accepts (the size of the learned position table)."""
+    position_embedding: Literal["rope", "learned"] = "rope"
+    """Rotary position embedding (Llama) or a learned absolute table (GPT-2)."""
+    rope_theta: float = 10000.0
+    """Base of the rotary frequencies."""
+    rope_scaling: Literal["none", "llama3"] = "none"
+    """Long-context rescaling of the rotary frequencies: none, or llama3 (Llama 3.1 and later; Hugging Face's
+    rope_type "llama3"): wavelengths longer than rope_original_max_positions / rope_low_freq_factor are
+    stretched by rope_scaling_factor, those shorter than rope_original_max_positions / rope_high_freq_factor
+    are kept, and the ones between are interpolated."""
+    rope_scaling_factor: float = 8.0
+    """llama3 scaling: how much the low frequencies are stretched."""
+    rope_low_freq_factor: float = 1.0
+    """llama3 scaling: rope_original_max_positions / this is the wavelength above which frequencies stretch."""
+    rope_high_freq_factor: float = 4.0
+    """llama3 scaling: rope_original_max_positions / this is the wavelength below which frequencies are kept."""
+    rope_original_max_positions: int = 8192
+    """llama3 scaling: the context length the model was pretrained at before scaling."""
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    """Normalisation before attention, before the MLP and at the end."""
+    norm_eps: float = 1e-5
+    """Epsilon inside the normalisation."""
+    activation: Literal["swiglu", "gelu"] = "swiglu"
+    """MLP non-linearity: gated SiLU (Llama) or GELU (GPT)."""
+    bias: bool = False
+    """Biases in the linear layers (GPT-2 style)."""
+    tie_embeddings: bool = False
+    """Share the input embedding with the output layer."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initialisation; output projections are scaled by 1/sqrt(2*layers)."""
+    dropout: float = 0.0
+    """Dropout on the embedding output, attention probabilities and residual branches (Megatron's --hidden-dropout
+    and --attention-dropout in one). Layout invariance holds at 0."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recompute: none, selective (core attention only) or full (each block)."""
+    kernels: Literal["auto", "native", "te"] = "auto"
+    """Kernel implementations (engine/model/kernels.py): auto uses Transformer Engine on CUDA when it
+    imports, else apex fused norms / FusedAdam when apex imports, else native PyTorch (SDPA, torch norms,
+    fused AdamW); native always runs the PyTorch reference path; te requires Transformer Engine. What was
+    chosen, and why, is printed at start-up and recorded in the first metrics.jsonl row."""
+    attention_backend: Literal["auto", "flash", "cudnn", "efficient"] = "auto"
+    """Which of torch SDPA's CUDA kernels computes attention: auto lets torch choose (flash attention on an H100/
+    H200); flash, cudnn (cuDNN's fused attention, Megatron's "fused") or efficient (memory-efficient) run that one
+    alone, and a shape it cannot take is an error, never a silent fall back to unfused math (cudnn and efficient
+    take no grouped-query heads: each KV head is repeated for its query heads). CUDA only; an explicit choice
+    replaces Transformer Engine's attention, and parallel.cp > 1 (ring attention, flash kernels of its own) needs
+    auto. For measuring which is fastest on a GPU: `loom bench mfu --model.attention_backend cudnn`."""
+    compile: Literal["auto", "true", "false"] = "auto"
+    """torch.compile each transformer block whole (norms, rotary, attention, SwiGLU, residuals and the TP
+    collectives between them: one graph for all blocks) when the kernels are native PyTorch; with Transformer
+    Engine or apex only the element-wise pieces left to PyTorch are compiled. auto compiles on CUDA (30% more
+    tokens/s on an H200 for llama-1b, docs/gpu.md) and not on CPU (inductor's CPU compile costs more than a
+    CPU run gains); true/false force it. The first step pays the compile, printed by rank 0."""
+
+    def __post_init__(self) -> None:
+        check_choices(self, "model")
+        s = "model"
+        check_positive(
+            s,
+            num_layers=self.num_layers,
+            hidden_size=self.hidden_size,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            vocab_size=self.vocab_size,
+            ffn_hidden_size=self.ffn_hidden_size,
+            make_vocab_divisible_by=self.make_vocab_divisible_by,
+            norm_eps=self.norm_eps,  # a negative one makes the first norm NaN; 0 that of an all-zero input
+            init_std=self.init_std,  # a negative one trained a model from |N(0, std)| weights (loss 41 at step 1)
+        )
+        check_positive(
+            s,
+            rope_theta=self.rope_theta,
+            rope_scaling_factor=self.rope_scaling_factor,
+            rope_low_freq_factor=self.rope_low_freq_factor,
+            rope_original_max_positions=self.rope_original_max_positions,
+        )
+        if self.rope_high_freq_factor <= self.rope_low_freq_factor:
+            raise ConfigError(
+                f"model.rope_high_freq_factor = {self.rope_high_freq_factor} must exceed "
+                f"model.rope_low_freq_factor = {self.rope_low_freq_factor}"
+            )
+        if self.hidden_size % self.num_heads:
+            raise ConfigError(f"model.num_heads = {self.num_heads} must divide model.hidden_size = {self.hidden_size}")
+        if self.num_kv_heads is None:
+            self.num_kv_heads = self.num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"model.num_kv_heads = {self.num_kv_heads} must divide model.num_heads = {self.num_heads}"
+            )
+        if self.ffn_hidden_size is None:
+            if self.activation == "swiglu":
+                self.ffn_hidden_size = -(-(8 * self.hidden_size // 3) // 256) * 256
+            else:
+                self.ffn_hidden_size = 4 * self.hidden_size
+        if self.position_embedding == "rope" and self.head_dim % 2:
+            raise ConfigError(f"rotary embeddings need an even head dim, got {self.head_dim}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def compiles_on(self, cuda: bool) -> bool:
+        """Whether model.compile compiles the blocks on a CUDA (`cuda`) or CPU rank, when the kernels are native
+        PyTorch (engine/model/kernels.py; the planner asks for a GPU)."""
+        return self.compile == "true" or (self.compile == "auto" and cuda)
+
+    def context_parallel_refusal(self, cp: int, seq_length: int) -> str | None:
+        """Why sequences of `seq_length` tokens of this model cannot be split over `cp` ranks (training and the
+        planner's search), or None."""
+        if cp == 1:
+            return None
+        if seq_length % (2 * cp):
+            fitting = (seq_length // (2 * cp) + 1) * 2 * cp
+            return (
+                f"parallel.cp = {cp} cuts each sequence into 2*cp = {2 * cp} chunks; train.seq_length = "
+                f"{seq_length} does not divide into them: use a multiple of {2 * cp} (e.g. {fitting}) or another cp"
+            )
+        if self.position_embedding != "rope":
+            return "parallel.cp > 1 needs model.position_embedding = rope (learned positions are not split)"
+        if self.dropout:
+            return f"parallel.cp > 1 needs model.dropout = 0 (got {self.dropout}): ring attention has none"
+        return None
+
+    def check_tensor_parallel(self, tp: int) -> None:
+        """Refuse a TP size the model's heads, KV heads or MLP do not split into (training, resharding, generation)."""
+        for name in ("num_heads", "num_kv_heads", "ffn_hidden_size"):
+            value = getattr(self, name)
+            if value % tp:
+                raise ConfigError(f"parallel.tp = {tp} must divide model.{name} = {value}")
+
+
+LORA_TARGETS = ("qkv", "proj", "fc1", "fc2")
+"""loom's linear layers an adapter can sit on; in Hugging Face/PEFT names qkv is q_proj, k_proj and v_proj (one
+shared A, B stacked), proj is o_proj, fc1 is gate_proj and up_proj (SwiGLU) or the MLP's first layer, fc2 down_proj."""
+
+
+@dataclass
+class LoraConfig:
+    """Low-rank adapters (LoRA, Hu et al. 2021) on a frozen base model: W x + (alpha / rank) B A x."""
+
+    rank: int = 0
+    """Rank r of each adapter; 0 trains the whole model (no adapters)."""
+    alpha: float = 16.0
+    """Scale numerator: the adapter's output is multiplied by alpha / rank (PEFT's lora_alpha)."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input (PEFT's lora_dropout)."""
+    targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    """Layers that get an adapter, any of qkv, proj, fc1, fc2 (see LORA_TARGETS for the PEFT names)."""
+    init: Literal["kaiming", "gaussian"] = "kaiming"
+    """A's initialisation, B starting at zero (so training starts from the base model): kaiming is PEFT's
+    default, uniform(-1/sqrt(in), 1/sqrt(in)); gaussian is normal(0, 1/rank) (PEFT's init_lora_weights="gaussian")."""
+    base: str | None = None
+    """The frozen base model: a loom checkpoint of any layout (an iter_N directory or a checkpoints/ folder),
+    e.g. one written by `loom ckpt import-hf`. Required when rank > 0."""
+
+    def __post_init__(self) -> None:
+        check_choices(self, "lora")
+        if self.rank < 0 or self.alpha <= 0 or not 0 <= self.dropout < 1:
+            raise ConfigError("lora.rank must be >= 0, lora.alpha > 0 and 0 <= lora.dropout < 1")
+        unknown = [t for t in self.targets if t not in LORA_TARGETS]
+        if unknown or not self.targets:
+            spaced = (
+                " (a flag takes them space-separated: --lora.targets qkv proj)"
+                if any("," in t for t in unknown)
+                else ""
+            )
+            raise ConfigError(
+                f"lora.targets = {self.targets} must be a non-empty subset of {', '.join(LORA_TARGETS)}{spaced}"
+            )
+        if self.rank and not self.base:
+            raise ConfigError(
+                "lora.rank > 0 needs the base model: --lora.base DIR (a loom checkpoint, e.g. from import-hf)"
+            )
+        if not self.rank:
+            # Without a rank no adapter exists: a base or an adapter setting would be ignored and the run would
+            # train a freshly initialised model, so it is refused instead.
+            given = [f.name for f in fields(self) if f.name != "rank" and getattr(self, f.name) != field_default(f)]
+            if given:
+                raise ConfigError(
+                    f"lora.{given[0]} is set but lora.rank is 0 (no adapters): add --lora.rank R (e.g. 8) to "
+                    "fine-tune with LoRA, or drop the lora settings to train the whole model"
+                )
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
