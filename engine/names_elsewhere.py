@@ -147,7 +147,7 @@ TRAINING_NAMES: tuple[NameElsewhere, ...] = (
                 "Megatron has biases by default, loom none; without them Megatron's GELU is exact (erf), loom's the "
                 "tanh form its fused bias-GELU computes",
             ),
-            ("--add-qkv-bias", "--model.bias true", "biases on every linear layer"),
+            ("--add-qkv-bias", "--model.qkv_bias true"),
             (
                 "--untie-embeddings-and-output-weights",
                 "--model.tie_embeddings false",

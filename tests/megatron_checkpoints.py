@@ -83,13 +83,15 @@ VARIANTS = {
         bf16=False,
     ),
     # multi-query attention, interleaved rotary pairs with Llama 3's scaling, tied, zero-centred norm weights
-    # (stored minus one, as Transformer Engine's --apply-layernorm-1p norms hold them), saved in bf16
+    # (stored minus one, as Transformer Engine's --apply-layernorm-1p norms hold them), biases on QKV alone (Qwen's
+    # --add-qkv-bias), saved in bf16
     "interleaved": dict(
         config=dict(
             normalization="RMSNorm",
             gated_linear_unit=True,
             activation_func=F.silu,
             add_bias_linear=False,
+            add_qkv_bias=True,
             num_query_groups=1,
             rotary_interleaved=True,
         ),
@@ -104,7 +106,7 @@ VARIANTS = {
             normalization="RMSNorm",
             swiglu=True,
             add_bias_linear=False,
-            add_qkv_bias=False,
+            add_qkv_bias=True,
             group_query_attention=True,
             num_query_groups=1,
             position_embedding_type="rope",

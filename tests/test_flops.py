@@ -1,6 +1,8 @@
 """The one FLOP count: parameter counts against a built model; model FLOPs against Megatron-LM's
 published formula and against torch's FlopCounterMode on the real model."""
 
+import dataclasses
+
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -16,6 +18,7 @@ from loom.engine.model.gpt import GPTModel
     "kwargs",
     [
         {},
+        {"qkv_bias": True},
         {
             "norm": "layernorm",
             "activation": "gelu",
@@ -32,6 +35,22 @@ def test_parameter_count_matches_the_model(kwargs):
     built = sum(p.numel() for p in model.parameters())
     padding = (model.padded_vocab - config.vocab_size) * config.hidden_size * (1 if config.tie_embeddings else 2)
     assert parameter_counts(config)["total"] == built - padding
+
+
+def test_a_qwen2_is_counted_as_transformers_counts_it():
+    """Qwen2.5-0.5B's shape (model.qkv_bias: biases on q, k and v alone, tied embeddings), counted by
+    transformers' Qwen2ForCausalLM on the meta device and by loom (which MFU and the planner use)."""
+    transformers = pytest.importorskip("transformers")
+    shape = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14)
+    shape.update(num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
+    with torch.device("meta"):
+        theirs = sum(p.numel() for p in transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**shape)).parameters())
+    ours = ModelConfig(
+        num_layers=24, hidden_size=896, num_heads=14, num_kv_heads=2, ffn_hidden_size=4864, vocab_size=151936
+    )
+    ours = dataclasses.replace(ours, qkv_bias=True, tie_embeddings=True)
+    assert parameter_counts(ours)["total"] == theirs == 494_032_768
+    assert parameter_counts(dataclasses.replace(ours, qkv_bias=False))["total"] == theirs - 24 * (896 + 2 * 2 * 64)
 
 
 def test_parameter_count_by_hand():

@@ -337,6 +337,50 @@ def test_a_mistral_sliding_window_that_is_not_a_length_is_refused(tmp_path, capf
     assert "sliding_window '4096' is neither null nor a number of tokens" in result.stderr
 
 
+def test_a_qwen2_imports_evaluates_under_tensor_parallelism_and_exports_as_transformers_computes_it(tmp_path, capfd):
+    """Qwen2 (and Qwen2.5) is Llama with biases on q, k and v alone, and was refused (model_type qwen2): it imports
+    as model.qkv_bias with transformers' logits, `loom eval` over two tensor-parallel ranks (the biases split by head
+    with their rows) gives transformers' loss, and it exports back to a Qwen2ForCausalLM with the same logits."""
+    settings = dict(llama_config(num_key_value_heads=2).to_dict(), tie_word_embeddings=True, rms_norm_eps=1e-6)
+    settings["rope_parameters"] = {"rope_type": "default", "rope_theta": 1000000.0}
+    for field in ("architectures", "transformers_version", "model_type", "_name_or_path", "attention_bias", "mlp_bias"):
+        settings.pop(field, None)
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**settings)).eval()
+    with torch.no_grad():  # transformers initialises biases to zero, which would hide a misplaced one
+        for name, tensor in model.named_parameters():
+            if name.endswith("_proj.bias"):
+                tensor.normal_(0.0, 0.5)
+    model.save_pretrained(str(tmp_path / "hf"))
+    import_hf(tmp_path / "hf", tmp_path / "loom")
+    imported = find_loadable(tmp_path / "loom")[1].config["model"]
+    assert (imported["qkv_bias"], imported["bias"], imported["rope_theta"]) == (True, False, 1000000.0)
+    tokens = torch.randint(0, VOCAB, (2, 128), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        theirs = model(tokens).logits
+    assert (loom_logits(tmp_path / "loom", tokens) - theirs).abs().max().item() < 1e-5
+    document = np.random.default_rng(3).integers(0, VOCAB, 65)
+    with IndexedDatasetWriter(tmp_path / "one", np.dtype(np.uint16)) as writer:
+        writer.add_document(document)
+    result = loom_here(
+        capfd,
+        *["eval", "--checkpoint", str(tmp_path / "loom"), "--data", str(tmp_path / "one"), "--iters", "1"],
+        *["--train.seq_length", "64", "--train.global_batch_size", "1", "--train.precision", "fp32"],
+        *["--nproc", "2", "--parallel.tp", "2"],
+    )
+    assert result.returncode == 0, result.stderr
+    ours = float(next(x for x in result.stdout.splitlines() if "validation loss" in x).split("loss ")[1].split(",")[0])
+    sequence = torch.from_numpy(document).long()[None]
+    with torch.no_grad():
+        assert abs(ours - model(sequence, labels=sequence.clone()).loss.item()) < 2e-6
+    exported = export_hf(tmp_path / "loom", tmp_path / "back")
+    assert json.loads((exported / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(exported), dtype=torch.float32).eval()
+    assert type(again) is transformers.Qwen2ForCausalLM
+    with torch.no_grad():
+        assert (again(tokens).logits - theirs).abs().max().item() < 1e-5
+
+
 UNREPRESENTABLE = {
     "attention_bias": dict(attention_bias=True),
     "mlp_bias": dict(mlp_bias=True),

@@ -2,7 +2,8 @@
 writes them (tests/megatron_checkpoints.py: megatron-core's GPTModel on CPU, its sharded state dict, its
 dist_checkpointing.save in torch_dist) import into loom with the logits megatron-core computed, for a Llama-shaped
 model (GQA, stacked layers), a GPT-3-shaped one (LayerNorm, biases, learned positions, tied, one key per layer) and
-one with multi-query attention, interleaved rotary pairs, Llama 3 rope scaling, zero-centred norms and bf16 weights.
+one with multi-query attention, interleaved rotary pairs, Llama 3 rope scaling, zero-centred norms, biases on QKV
+alone (--add-qkv-bias) and bf16 weights.
 The user stories: `loom eval` of the import equals the loss of Megatron's logits, and a fine-tune from it starts
 from that loss; Megatron is not needed to import. The older torch format (a file per rank), written from
 megatron-core's own resharding over tensor 2 x pipeline 2 x virtual 2 ranks, imports as the torch_dist save. What
@@ -21,7 +22,7 @@ import pytest
 import torch
 from training_runs import loom_here, loom_logits, one_line_error, tiny_train_args
 
-from loom.engine.checkpoint.format import CheckpointError
+from loom.engine.checkpoint.format import CheckpointError, find_loadable
 from loom.engine.data.indexed import IndexedDatasetWriter
 from loom.engine.parallel.rendezvous import free_port
 from loom.tools.megatron_checkpoint import (
@@ -275,6 +276,7 @@ def test_the_import_says_what_it_read_and_leaves_megatron_s_folder_alone(megatro
     assert result.returncode == 0, result.stderr
     assert "iteration 7 (112 samples trained), 4 layers x 64" in result.stdout
     assert "stored in bfloat16" in result.stdout and "--checkpoint.load" in result.stdout
+    assert find_loadable(tmp_path / "a")[1].config["model"]["qkv_bias"]  # --add-qkv-bias alone
     before = sorted(p.name for p in (megatron / "gpt").rglob("*"))
     for output in (megatron / "gpt", megatron / "gpt" / ITERATION / "x"):
         refused = loom_here(
@@ -406,9 +408,28 @@ def test_megatron_arguments_become_loom_s_model():
         norm_eps=1e-6,
         activation="swiglu",
         bias=False,
+        qkv_bias=False,
         tie_embeddings=False,
         rope_theta=500000.0,
     )
+
+
+def test_biases_on_qkv_alone_import_and_export_as_megatron_s_add_qkv_bias():
+    """Qwen-shaped runs (--add-qkv-bias --disable-bias-linear) were refused; loom has model.qkv_bias now (the
+    interleaved variant is one: its import computes megatron-core's logits, biases included)."""
+    from loom.engine.config import LoomConfig
+    from loom.engine.config_io import config_to_dict
+    from loom.tools.megatron_export import megatron_arguments, megatron_flags
+
+    qwen = {**LLAMA_ARGUMENTS, "add_qkv_bias": True}
+    imported = model_from_megatron_arguments(qwen, SHAPES)
+    assert (imported["qkv_bias"], imported["bias"]) == (True, False)
+    assert not model_from_megatron_arguments(LLAMA_ARGUMENTS, SHAPES)["qkv_bias"]
+    config = config_to_dict(LoomConfig())
+    config["model"]["qkv_bias"] = True
+    args = megatron_arguments(config["model"], config["train"], 0, 0, "float32")
+    assert (args.add_qkv_bias, args.add_bias_linear) == (True, False)
+    assert "--disable-bias-linear --add-qkv-bias" in megatron_flags(args)
 
 
 def test_what_older_megatron_saved_or_never_used_imports_as_megatron_computed():
@@ -416,6 +437,7 @@ def test_what_older_megatron_saved_or_never_used_imports_as_megatron_computed():
     model builders never passed --rope-scaling-factor on (megatron-core's GPTModel scaled by 8)."""
     gpt = {**LLAMA_ARGUMENTS, "add_bias_linear": True, "add_qkv_bias": False}
     assert model_from_megatron_arguments(gpt, SHAPES)["bias"] is True
+    assert model_from_megatron_arguments(gpt, SHAPES)["qkv_bias"] is False  # model.bias biases QKV too
     scaled = {**LLAMA_ARGUMENTS, "use_rope_scaling": True, "rope_scaling_factor": 32.0}
     assert model_from_megatron_arguments(scaled, SHAPES)["rope_scaling_factor"] == 8.0
     assert "--rope-scaling-factor 32.0" in ignored_settings(scaled)[0]
@@ -464,7 +486,6 @@ def test_singleton_local_shards_and_chained_optimizer_keys_import(megatron, tmp_
         ({"position_embedding_type": "mrope"}, "--position-embedding-type"),
         ({"squared_relu": True}, "--squared-relu"),
         ({"apply_residual_connection_post_layernorm": True}, "--apply-residual-connection-post-layernorm"),
-        ({"add_qkv_bias": True, "add_bias_linear": False}, "--add-qkv-bias"),
         ({"no_rope_freq": 4}, "--no-rope-freq"),
         ({"softmax_type": "off-by-one"}, "--softmax-type"),
         ({"use_mup": True}, "--use-mup"),

@@ -5,7 +5,8 @@ The mapping is the one place that knows Hugging Face's Llama names. loom's fused
 split on export (QKV -> q_proj, k_proj, v_proj; SwiGLU fc1 -> gate_proj, up_proj) and joined on
 import; loom's rotary embedding already uses Hugging Face's rotate-half convention, so no
 permutation of the query/key rows is needed. Only Llama-shaped models (RMSNorm, SwiGLU, RoPE, no
-biases) have a Llama form. On import, the rotary settings are read wherever transformers put them
+biases) have a Llama form; with biases on QKV alone (model.qkv_bias) the same model is a Qwen2, whose names are
+Llama's with q/k/v_proj.bias. On import, the rotary settings are read wherever transformers put them
 (`rope_parameters` since 5.0, `rope_theta`/`rope_scaling` before), Llama 3.1's llama3 scaling is kept, and
 any setting loom cannot represent (biases, another head size, other RoPE types, another activation) is
 refused with one line naming it: an import never yields a different model than the one on disk.
@@ -57,8 +58,8 @@ def _check_llama(model: dict, gpt2_too: bool = False) -> None:
     }
     if wrong and gpt2_too:
         raise CheckpointError(
-            "only Llama-shaped models (rmsnorm, swiglu, rope, no biases) and GPT-2-shaped ones (layernorm, gelu, "
-            f"learned positions, biases, as many KV heads as heads) export to Hugging Face; this one has {wrong}"
+            "only Llama-shaped models (rmsnorm, swiglu, rope, no biases but QKV's) and GPT-2-shaped ones (layernorm, "
+            f"gelu, learned positions, biases, as many KV heads as heads) export to Hugging Face; this one has {wrong}"
         )
     if wrong:
         raise CheckpointError(f"only Llama-shaped models export to the Llama format; this one has {wrong}")
@@ -87,13 +88,22 @@ EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 
 
 def hf_config(model: dict, token_ids: dict | None = None, dtype: str = "float32") -> dict:
-    """The config.json transformers reads for a Llama-shaped loom model (`model`: ModelConfig's fields;
-    `token_ids`: the special-token ids, loom's tokenizers' by default; `dtype`: the weights' torch_dtype)."""
+    """The config.json transformers reads for a Llama-shaped loom model, or a Qwen2 where only its QKV projection
+    has biases (`model`: ModelConfig's fields; `token_ids`: the special-token ids, loom's tokenizers' by default;
+    `dtype`: the weights' torch_dtype)."""
     rope = _hf_rope(model)
     legacy_scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if rope["rope_type"] != "default" else None
+    # Llama's attention_bias puts one on o_proj too; Qwen2 is Llama with q, k and v biased alone
+    form = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False}
+    if not model["qkv_bias"]:
+        form = {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "attention_bias": False,
+            "mlp_bias": False,
+        }
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        **form,
         "vocab_size": model["vocab_size"],
         "hidden_size": model["hidden_size"],
         "intermediate_size": model["ffn_hidden_size"],
@@ -108,8 +118,6 @@ def hf_config(model: dict, token_ids: dict | None = None, dtype: str = "float32"
         "rope_scaling": legacy_scaling,
         "hidden_act": "silu",
         "tie_word_embeddings": model["tie_embeddings"],
-        "attention_bias": False,
-        "mlp_bias": False,
         "initializer_range": model["init_std"],
         "torch_dtype": dtype,
         **(LOOM_TOKEN_IDS if token_ids is None else token_ids),
@@ -125,6 +133,7 @@ _OUTSIDE_BLOCKS = {
 }
 _IN_BLOCK = {
     naming.QKV_WEIGHT: ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    naming.QKV_BIAS: ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
     naming.ATTENTION_OUTPUT_WEIGHT: ("self_attn.o_proj.weight",),
     naming.FC1_WEIGHT: ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
     naming.FC2_WEIGHT: ("mlp.down_proj.weight",),
@@ -139,14 +148,16 @@ def _fused_sizes(model: dict) -> dict[str, list[int]]:
     q_rows, kv_rows = model["num_heads"] * head_dim, model["num_kv_heads"] * head_dim
     return {
         naming.QKV_WEIGHT: [q_rows, kv_rows, kv_rows],
+        naming.QKV_BIAS: [q_rows, kv_rows, kv_rows],
         naming.FC1_WEIGHT: [model["ffn_hidden_size"], model["ffn_hidden_size"]],
     }
 
 
 def _loom_names(model: dict) -> list[str]:
-    """Every logical tensor of a Llama-shaped loom model."""
+    """Every logical tensor of a Llama-shaped loom model (a Qwen2's: its QKV biases too)."""
     outside = [naming.EMBEDDING, naming.FINAL_NORM_WEIGHT] + ([] if model["tie_embeddings"] else [naming.OUTPUT])
-    return outside + [naming.block_param_name(i, local) for i in range(model["num_layers"]) for local in _IN_BLOCK]
+    in_block = [local for local in _IN_BLOCK if local != naming.QKV_BIAS or model["qkv_bias"]]
+    return outside + [naming.block_param_name(i, local) for i in range(model["num_layers"]) for local in in_block]
 
 
 def _hf_names(name: str) -> tuple[str, ...]:
@@ -304,10 +315,10 @@ def _rope_fields(hf: dict) -> dict:
 def _refuse_unrepresentable(hf: dict) -> None:
     """Settings that change the computation but have no loom form: importing without them would load a
     different model than the one on disk."""
-    if hf.get("model_type") not in ("llama", "mistral"):
+    if hf.get("model_type") not in ("llama", "mistral", "qwen2"):
         raise CheckpointError(
-            f"model_type {hf.get('model_type')!r} is not llama, mistral or gpt2; loom imports Llama- and GPT-2-format "
-            "models"
+            f"model_type {hf.get('model_type')!r} is not llama, mistral, qwen2 or gpt2; loom imports Llama-, "
+            "Qwen2- and GPT-2-format models"
         )
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
@@ -324,10 +335,11 @@ def _refuse_unrepresentable(hf: dict) -> None:
 
 def _positions_represented(hf: dict) -> int:
     """The sequence length up to which loom computes the model on disk: max_position_embeddings, or a Mistral's
-    sliding window where that is shorter (loom's attention is full causal, which is Mistral's up to its window and
-    not past it)."""
+    sliding window (a Qwen2's under use_sliding_window) where that is shorter (loom's attention is full causal, the
+    same as a window's up to its length and not past it)."""
     positions = hf["max_position_embeddings"]
-    window = hf.get("sliding_window") if hf.get("model_type") == "mistral" else None
+    windowed = hf.get("model_type") == "mistral" or (hf.get("model_type") == "qwen2" and hf.get("use_sliding_window"))
+    window = hf.get("sliding_window") if windowed else None
     if window is not None and (type(window) is not int or window < 1):
         raise CheckpointError(f"config.json's sliding_window {window!r} is neither null nor a number of tokens")
     return positions if window is None else min(positions, window)
@@ -350,6 +362,7 @@ def _model_from_hf_config(hf: dict) -> dict:
         "activation": "swiglu",
         "position_embedding": "rope",
         "bias": False,
+        "qkv_bias": hf.get("model_type") == "qwen2",
     }
 
 

@@ -248,12 +248,6 @@ def model_from_megatron_arguments(args: dict, shapes: dict[str, tuple[int, ...]]
         raise CheckpointError(
             f"the model's positions are {positions} (--position-embedding-type); loom has rope and learned_absolute"
         )
-    # Before megatron-core 0.10 a run with biases saved add_qkv_bias False, its QKV biased all the same
-    if args.get("add_qkv_bias") and not args.get("add_bias_linear", True):
-        raise CheckpointError(
-            "the model has biases on the QKV projection only (--add-qkv-bias with --disable-bias-linear); loom's "
-            "biases are on every linear layer or none"
-        )
     normalization = args.get("normalization") or "LayerNorm"
     if normalization not in ("LayerNorm", "RMSNorm"):
         raise CheckpointError(f"the model's norm is {normalization} (--normalization); loom has LayerNorm and RMSNorm")
@@ -272,6 +266,8 @@ def model_from_megatron_arguments(args: dict, shapes: dict[str, tuple[int, ...]]
         "norm_eps": _argument(args, "layernorm_epsilon", "norm_epsilon", default=1e-5),
         "activation": "swiglu" if args.get("swiglu") else "gelu",
         "bias": bool(args.get("add_bias_linear", True)),
+        # Before megatron-core 0.10 a run with biases saved add_qkv_bias False, its QKV biased all the same
+        "qkv_bias": bool(args.get("add_qkv_bias")) and not args.get("add_bias_linear", True),
         "tie_embeddings": not args.get("untie_embeddings_and_output_weights", False),
     }
     if positions == "rope":

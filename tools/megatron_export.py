@@ -108,7 +108,7 @@ def megatron_arguments(model: dict, train: dict, step: int, consumed: int, dtype
         swiglu=model["activation"] == "swiglu",
         squared_relu=False,
         add_bias_linear=model["bias"],
-        add_qkv_bias=model["bias"],
+        add_qkv_bias=model["bias"] or model["qkv_bias"],
         bias_gelu_fusion=model["bias"],
         untie_embeddings_and_output_weights=not model["tie_embeddings"],
         hidden_dropout=model["dropout"],
@@ -150,6 +150,7 @@ def megatron_flags(args: argparse.Namespace) -> str:
         f"--norm-epsilon {args.norm_epsilon}",
         *(["--swiglu"] * args.swiglu),
         *(["--disable-bias-linear"] * (not args.add_bias_linear)),
+        *(["--add-qkv-bias"] * (args.add_qkv_bias and not args.add_bias_linear)),
         *(["--untie-embeddings-and-output-weights"] * args.untie_embeddings_and_output_weights),
         f"--hidden-dropout {args.hidden_dropout} --attention-dropout {args.attention_dropout}",
         *(

@@ -131,7 +131,7 @@ def _block_parameters(m: ModelConfig, tp: int, sequence_parallel: bool) -> list[
     fc1 = 2 * f if m.activation == "swiglu" else f
     norm = [_Param(h, sequence_parallel)] + ([_Param(h, sequence_parallel)] if m.norm == "layernorm" else [])
     out = [*norm, _matrix((q + 2 * kv) // tp, h)]
-    out += [_Param((q + 2 * kv) // tp)] if m.bias else []
+    out += [_Param((q + 2 * kv) // tp)] if m.biased_qkv else []
     out += [_matrix(h, q // tp)] + ([_Param(h, sequence_parallel)] if m.bias else [])
     out += [*norm, _matrix(fc1 // tp, h)] + ([_Param(fc1 // tp)] if m.bias else [])
     out += [_matrix(h, f // tp)] + ([_Param(h, sequence_parallel)] if m.bias else [])

@@ -46,6 +46,7 @@ ARCHITECTURE_MODEL_FIELDS = (
     "norm",
     "activation",
     "bias",
+    "qkv_bias",
     "tie_embeddings",
 )
 

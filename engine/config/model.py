@@ -51,6 +51,9 @@ class ModelConfig:
     """MLP non-linearity: gated SiLU (Llama) or GELU (GPT)."""
     bias: bool = False
     """Biases in the linear layers (GPT-2 style)."""
+    qkv_bias: bool = False
+    """Biases on the QKV projection alone (Qwen2; Megatron's --add-qkv-bias without --add-bias-linear). model.bias
+    puts them on every linear layer, QKV's included."""
     tie_embeddings: bool = False
     """Share the input embedding with the output layer."""
     init_std: float = 0.02
@@ -123,6 +126,11 @@ class ModelConfig:
             raise ConfigError(f"rotary embeddings need an even head dim, got {self.head_dim}")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def biased_qkv(self) -> bool:
+        """Whether the QKV projection has a bias (model.bias or model.qkv_bias)."""
+        return self.bias or self.qkv_bias
 
     @property
     def head_dim(self) -> int:

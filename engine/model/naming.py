@@ -27,6 +27,7 @@ OUTPUT = "output_weight"
 # Names inside a block (transformer.py's module attributes).
 INPUT_NORM_WEIGHT = "input_norm.weight"
 QKV_WEIGHT = "attention.qkv.weight"
+QKV_BIAS = "attention.qkv.bias"
 ATTENTION_OUTPUT_WEIGHT = "attention.proj.weight"
 MLP_NORM_WEIGHT = "mlp_norm.weight"
 FC1_WEIGHT = "mlp.fc1.weight"

@@ -121,7 +121,7 @@ class Attention(torch.nn.Module):
             config.hidden_size,
             (q_size, kv_size, kv_size),
             tp_group,
-            bias=config.bias,
+            bias=config.biased_qkv,
             init_std=config.init_std,
             sequence_parallel=sequence_parallel,
         )
