@@ -295,6 +295,8 @@ BAD_OVERRIDES = [
     ["--lora.base", "{checkpoint}"],  # without --lora.rank
     ["--lora.targets", "qkv,proj"],  # PEFT's comma-separated habit
     ["--train.fp8_output_layer", "maybe"],
+    ["--model.qkv_bias", "maybe"],
+    ["--train.rampup_batch_size", "4", "4"],
     ["--train.nosuch", "1"],
     ["--train.steps"],
 ]
