@@ -113,7 +113,7 @@ TRAINING_NAMES: tuple[NameElsewhere, ...] = (
             ("--num-attention-heads", "--model.num_heads"),
             ("--num-query-groups", "--model.num_kv_heads", "Megatron reads it only with --group-query-attention"),
             ("--group-query-attention", "--model.num_kv_heads", "set to the number of key/value heads"),
-            ("--kv-channels", "", "a head is hidden_size / num_heads wide"),
+            ("--kv-channels", "--model.head_dim"),
             ("--max-position-embeddings", "--model.max_position_embeddings"),
             (
                 "--position-embedding-type",

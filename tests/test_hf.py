@@ -381,10 +381,44 @@ def test_a_qwen2_imports_evaluates_under_tensor_parallelism_and_exports_as_trans
         assert (again(tokens).logits - theirs).abs().max().item() < 1e-5
 
 
+def test_heads_narrower_than_hidden_size_over_their_count_import_and_export_as_transformers_computes_them(
+    tmp_path, capfd
+):
+    """A head_dim other than hidden_size / num_attention_heads (Mistral-Nemo's 128 where 5120 / 32 is 160; Qwen3's)
+    was refused; it is model.head_dim now: here 4 heads of 24 over a hidden size of 64 (query width 96), which
+    imports with transformers' logits, evaluates over two tensor-parallel ranks with its loss, and exports back."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(llama_config(head_dim=24, num_key_value_heads=2)).eval()
+    model.save_pretrained(str(tmp_path / "hf"))
+    import_hf(tmp_path / "hf", tmp_path / "loom")
+    assert find_loadable(tmp_path / "loom")[1].config["model"]["head_dim"] == 24
+    tokens = torch.randint(0, VOCAB, (2, 128), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        theirs = model(tokens).logits
+    assert (loom_logits(tmp_path / "loom", tokens) - theirs).abs().max().item() < 1e-5
+    document = np.random.default_rng(3).integers(0, VOCAB, 65)
+    with IndexedDatasetWriter(tmp_path / "one", np.dtype(np.uint16)) as writer:
+        writer.add_document(document)
+    result = loom_here(
+        capfd,
+        *["eval", "--checkpoint", str(tmp_path / "loom"), "--data", str(tmp_path / "one"), "--iters", "1"],
+        *["--train.seq_length", "64", "--train.global_batch_size", "1", "--train.precision", "fp32"],
+        *["--nproc", "2", "--parallel.tp", "2"],
+    )
+    assert result.returncode == 0, result.stderr
+    ours = float(next(x for x in result.stdout.splitlines() if "validation loss" in x).split("loss ")[1].split(",")[0])
+    sequence = torch.from_numpy(document).long()[None]
+    with torch.no_grad():
+        assert abs(ours - model(sequence, labels=sequence.clone()).loss.item()) < 2e-6
+    again = transformers.LlamaForCausalLM.from_pretrained(str(export_hf(tmp_path / "loom", tmp_path / "back")))
+    assert again.config.head_dim == 24
+    with torch.no_grad():
+        assert (again.eval()(tokens).logits - theirs).abs().max().item() < 1e-5
+
+
 UNREPRESENTABLE = {
     "attention_bias": dict(attention_bias=True),
     "mlp_bias": dict(mlp_bias=True),
-    "head_dim": dict(head_dim=32),
     "rope_type": dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}),
     "hidden_act": dict(hidden_act="gelu"),
 }

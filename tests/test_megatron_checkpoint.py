@@ -400,6 +400,7 @@ def test_megatron_arguments_become_loom_s_model():
         hidden_size=64,
         num_heads=4,
         num_kv_heads=2,
+        head_dim=16,
         ffn_hidden_size=96,
         vocab_size=256,
         max_position_embeddings=64,
@@ -414,13 +415,15 @@ def test_megatron_arguments_become_loom_s_model():
     )
 
 
-def test_biases_on_qkv_alone_import_and_export_as_megatron_s_add_qkv_bias():
+def test_biases_on_qkv_alone_and_another_head_size_import_and_export_as_megatron_s_flags():
     """Qwen-shaped runs (--add-qkv-bias --disable-bias-linear) were refused; loom has model.qkv_bias now (the
-    interleaved variant is one: its import computes megatron-core's logits, biases included)."""
+    interleaved variant is one: its import computes megatron-core's logits, biases included). So were heads of
+    another width than hidden_size / heads (--kv-channels), model.head_dim now."""
     from loom.engine.config import LoomConfig
     from loom.engine.config_io import config_to_dict
     from loom.tools.megatron_export import megatron_arguments, megatron_flags
 
+    assert model_from_megatron_arguments({**LLAMA_ARGUMENTS, "kv_channels": 24}, SHAPES)["head_dim"] == 24
     qwen = {**LLAMA_ARGUMENTS, "add_qkv_bias": True}
     imported = model_from_megatron_arguments(qwen, SHAPES)
     assert (imported["qkv_bias"], imported["bias"]) == (True, False)
@@ -430,6 +433,9 @@ def test_biases_on_qkv_alone_import_and_export_as_megatron_s_add_qkv_bias():
     args = megatron_arguments(config["model"], config["train"], 0, 0, "float32")
     assert (args.add_qkv_bias, args.add_bias_linear) == (True, False)
     assert "--disable-bias-linear --add-qkv-bias" in megatron_flags(args)
+    config["model"]["head_dim"] = 24
+    args = megatron_arguments(config["model"], config["train"], 0, 0, "float32")
+    assert args.kv_channels == 24 and "--kv-channels 24" in megatron_flags(args)
 
 
 def test_what_older_megatron_saved_or_never_used_imports_as_megatron_computed():
@@ -482,7 +488,6 @@ def test_singleton_local_shards_and_chained_optimizer_keys_import(megatron, tmp_
         ({"qk_layernorm": True}, "--qk-layernorm"),
         ({"multi_latent_attention": True}, "--multi-latent-attention"),
         ({"rotary_percent": 0.5}, "--rotary-percent"),
-        ({"kv_channels": 32}, "--kv-channels"),
         ({"position_embedding_type": "mrope"}, "--position-embedding-type"),
         ({"squared_relu": True}, "--squared-relu"),
         ({"apply_residual_connection_post_layernorm": True}, "--apply-residual-connection-post-layernorm"),

@@ -104,7 +104,7 @@ def test_hugging_face_mapping_round_trips(tied):
     model = GPTModel(config, None)
     initialize_parameters(model, seed=2, tp_rank=0, tp_size=1)
     logical = {param_info(p).name: param_info(p).shard_spec.unshard([p.detach()]) for p in model.parameters()}
-    fields = {k: getattr(config, k) for k in ("num_layers", "hidden_size", "num_heads", "num_kv_heads")}
+    fields = {k: getattr(config, k) for k in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim")}
     model_dict = {**fields, "ffn_hidden_size": config.ffn_hidden_size, "tie_embeddings": tied, "qkv_bias": False}
     hf = to_hf(logical, model_dict)
     assert ("lm_head.weight" in hf) is not tied

@@ -59,7 +59,8 @@ def _check_llama(model: dict, gpt2_too: bool = False) -> None:
     if wrong and gpt2_too:
         raise CheckpointError(
             "only Llama-shaped models (rmsnorm, swiglu, rope, no biases but QKV's) and GPT-2-shaped ones (layernorm, "
-            f"gelu, learned positions, biases, as many KV heads as heads) export to Hugging Face; this one has {wrong}"
+            f"gelu, learned positions, biases, as many KV heads as heads, each hidden_size / heads wide) export to "
+            f"Hugging Face; this one has {wrong}"
         )
     if wrong:
         raise CheckpointError(f"only Llama-shaped models export to the Llama format; this one has {wrong}")
@@ -110,7 +111,7 @@ def hf_config(model: dict, token_ids: dict | None = None, dtype: str = "float32"
         "num_hidden_layers": model["num_layers"],
         "num_attention_heads": model["num_heads"],
         "num_key_value_heads": model["num_kv_heads"],
-        "head_dim": model["hidden_size"] // model["num_heads"],
+        "head_dim": model["head_dim"],
         "max_position_embeddings": model["max_position_embeddings"],
         "rms_norm_eps": model["norm_eps"],
         "rope_parameters": rope,
@@ -144,8 +145,7 @@ _IN_BLOCK = {
 
 def _fused_sizes(model: dict) -> dict[str, list[int]]:
     """Rows of each Hugging Face tensor inside a fused loom tensor, by loom's name inside the block."""
-    head_dim = model["hidden_size"] // model["num_heads"]
-    q_rows, kv_rows = model["num_heads"] * head_dim, model["num_kv_heads"] * head_dim
+    q_rows, kv_rows = model["num_heads"] * model["head_dim"], model["num_kv_heads"] * model["head_dim"]
     return {
         naming.QKV_WEIGHT: [q_rows, kv_rows, kv_rows],
         naming.QKV_BIAS: [q_rows, kv_rows, kv_rows],
@@ -325,12 +325,6 @@ def _refuse_unrepresentable(hf: dict) -> None:
             raise CheckpointError(f"config.json sets {flag}: true; loom's Llama form has no biases")
     if hf.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"config.json's hidden_act is {hf['hidden_act']!r}; loom's Llama form uses silu")
-    head_dim = hf.get("head_dim")
-    if head_dim is not None and head_dim * hf["num_attention_heads"] != hf["hidden_size"]:
-        raise CheckpointError(
-            f"config.json's head_dim {head_dim} is not hidden_size / num_attention_heads "
-            f"({hf['hidden_size']} / {hf['num_attention_heads']}); loom derives the head size from those"
-        )
 
 
 def _positions_represented(hf: dict) -> int:
@@ -352,6 +346,7 @@ def _model_from_hf_config(hf: dict) -> dict:
         "hidden_size": hf["hidden_size"],
         "num_heads": hf["num_attention_heads"],
         "num_kv_heads": hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        "head_dim": hf.get("head_dim"),  # None: hidden_size / num_attention_heads, as transformers takes it
         "ffn_hidden_size": hf["intermediate_size"],
         "vocab_size": hf["vocab_size"],
         "max_position_embeddings": _positions_represented(hf),

@@ -47,7 +47,12 @@ _MASK_BUFFERS = (".attn.bias", ".attn.masked_bias")
 
 def has_gpt2_form(model: dict) -> bool:
     """Whether the loom model (ModelConfig's fields) is GPT-2-shaped."""
-    return all(model[k] == v for k, v in GPT2_SHAPE.items()) and model["num_kv_heads"] == model["num_heads"]
+    heads = model["num_heads"]
+    return (
+        all(model[k] == v for k, v in GPT2_SHAPE.items())
+        and model["num_kv_heads"] == heads
+        and model["head_dim"] * heads == model["hidden_size"]  # GPT-2 has no head width of its own
+    )
 
 
 def gpt2_config(model: dict, token_ids: dict, dtype: str) -> dict:

@@ -224,11 +224,6 @@ def model_from_megatron_arguments(args: dict, shapes: dict[str, tuple[int, ...]]
         if args.get(name) not in (loom_value, None):  # None: an older Megatron without the setting
             raise CheckpointError(f"the model uses {what} ({flag} {args[name]}), which loom does not have")
     heads, hidden = args["num_attention_heads"], args["hidden_size"]
-    if args.get("kv_channels") not in (None, hidden // heads) or hidden % heads:
-        raise CheckpointError(
-            f"the model's head size is {args.get('kv_channels')} (--kv-channels), not hidden_size / "
-            f"num_attention_heads ({hidden} / {heads}), from which loom derives it"
-        )
     if args.get("rotary_percent") not in (None, 1.0):
         raise CheckpointError(
             f"the model rotates {args['rotary_percent']:.0%} of each head (--rotary-percent); loom rotates all of it"
@@ -257,6 +252,7 @@ def model_from_megatron_arguments(args: dict, shapes: dict[str, tuple[int, ...]]
         "hidden_size": hidden,
         "num_heads": heads,
         "num_kv_heads": args["num_query_groups"] if args.get("group_query_attention") else heads,
+        "head_dim": args.get("kv_channels") or hidden // heads,
         "ffn_hidden_size": args.get("ffn_hidden_size") or 4 * hidden,
         # The stored rows, padding included: Megatron's softmax ran over all of them.
         "vocab_size": vocab_rows,
@@ -405,8 +401,7 @@ class _MegatronWeights:
 def _qkv_from_grouped(tensor: torch.Tensor, model: dict) -> torch.Tensor:
     """Megatron's QKV rows (per query group: its query heads, then its key and value head) in loom's order (all
     queries, then keys, then values)."""
-    groups = model["num_kv_heads"]
-    head = model["hidden_size"] // model["num_heads"]
+    groups, head = model["num_kv_heads"], model["head_dim"]
     per_group = tensor.reshape(groups, -1, head, *tensor.shape[1:])
     queries = model["num_heads"] // groups
     q, k, v = per_group.split([queries, 1, 1], dim=1)
@@ -438,7 +433,7 @@ def from_megatron(stored: DistributedCheckpoint, model: dict, args: dict, loom_n
         )
     centred = bool(_argument(args, "layernorm_zero_centered_gamma", "apply_layernorm_1p", default=False))
     interleaved = bool(args.get("rotary_interleaved")) and model["position_embedding"] == "rope"
-    head = model["hidden_size"] // model["num_heads"]
+    head = model["head_dim"]
 
     def make(name: str) -> torch.Tensor:
         tensor = weights.read(located[name])

@@ -89,7 +89,7 @@ def megatron_arguments(model: dict, train: dict, step: int, consumed: int, dtype
         num_attention_heads=heads,
         group_query_attention=kv_heads != heads,
         num_query_groups=kv_heads,
-        kv_channels=model["hidden_size"] // heads,
+        kv_channels=model["head_dim"],
         seq_length=train["seq_length"],
         max_position_embeddings=model["max_position_embeddings"],
         position_embedding_type="rope" if rope else "learned_absolute",
@@ -141,6 +141,7 @@ def megatron_flags(args: argparse.Namespace) -> str:
         f"--hidden-size {args.hidden_size}",
         f"--ffn-hidden-size {args.ffn_hidden_size}",
         f"--num-attention-heads {args.num_attention_heads}",
+        *([f"--kv-channels {args.kv_channels}"] * (args.kv_channels * args.num_attention_heads != args.hidden_size)),
         *([f"--group-query-attention --num-query-groups {args.num_query_groups}"] * args.group_query_attention),
         f"--max-position-embeddings {args.max_position_embeddings}",
         f"--position-embedding-type {args.position_embedding_type}",
@@ -211,8 +212,7 @@ class _LayerByLayerPlanner(dcp.DefaultSavePlanner):
 def _regroup_qkv(tensor: torch.Tensor, model: dict) -> torch.Tensor:
     """loom's QKV rows (all queries, then keys, then values) in Megatron's order (per query group: its query
     heads, then its key and value head): the inverse of megatron_checkpoint._qkv_from_grouped."""
-    groups = model["num_kv_heads"] or model["num_heads"]
-    head = model["hidden_size"] // model["num_heads"]
+    groups, head = model["num_kv_heads"] or model["num_heads"], model["head_dim"]
     q_rows = model["num_heads"] * head
     q, k, v = tensor.split([q_rows, groups * head, groups * head])
     rest = tensor.shape[1:]

@@ -136,7 +136,8 @@ def _core_names(state: dict, version: float, args: dict, tp: int) -> dict:
         else:
             raise CheckpointError(f"the legacy model holds {key}, which loom does not know; is it a GPT model?")
         if version < 2.0 and ".linear_qkv." in key:
-            heads, head = args["num_attention_heads"] // tp, args["hidden_size"] // args["num_attention_heads"]
+            heads = args["num_attention_heads"] // tp
+            head = args.get("kv_channels") or args["hidden_size"] // args["num_attention_heads"]
             shaped = value.reshape(*((3, heads, head) if version == 0 else (heads, head, 3)), *value.shape[1:])
             value = (shaped.transpose(0, 1) if version == 0 else shaped.transpose(1, 2)).reshape(value.shape)
         core[key] = value

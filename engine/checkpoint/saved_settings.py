@@ -40,6 +40,7 @@ ARCHITECTURE_MODEL_FIELDS = (
     "hidden_size",
     "num_heads",
     "num_kv_heads",
+    "head_dim",
     "ffn_hidden_size",
     "vocab_size",
     "position_embedding",

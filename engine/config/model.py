@@ -18,6 +18,10 @@ class ModelConfig:
     """Attention (query) heads; must divide hidden_size and be divisible by parallel.tp."""
     num_kv_heads: int | None = None
     """Key/value heads for grouped-query attention; None means num_heads (multi-head attention)."""
+    head_dim: int | None = None
+    """Width of each attention head (Hugging Face's head_dim, Megatron's --kv-channels); None means hidden_size /
+    num_heads. Set otherwise (Mistral-Nemo's 128 with 5120 / 32 = 160), the query and output projections are
+    num_heads x head_dim wide, not hidden_size."""
     ffn_hidden_size: int | None = None
     """MLP width; None means 4*hidden (gelu) or 8/3*hidden rounded up to a multiple of 256 (swiglu)."""
     vocab_size: int = 32000
@@ -109,8 +113,14 @@ class ModelConfig:
                 f"model.rope_high_freq_factor = {self.rope_high_freq_factor} must exceed "
                 f"model.rope_low_freq_factor = {self.rope_low_freq_factor}"
             )
-        if self.hidden_size % self.num_heads:
-            raise ConfigError(f"model.num_heads = {self.num_heads} must divide model.hidden_size = {self.hidden_size}")
+        if self.head_dim is None:
+            if self.hidden_size % self.num_heads:
+                raise ConfigError(
+                    f"model.num_heads = {self.num_heads} must divide model.hidden_size = {self.hidden_size}, or "
+                    "set model.head_dim"
+                )
+            self.head_dim = self.hidden_size // self.num_heads
+        check_positive(s, head_dim=self.head_dim)
         if self.num_kv_heads is None:
             self.num_kv_heads = self.num_heads
         if self.num_heads % self.num_kv_heads:
@@ -131,10 +141,6 @@ class ModelConfig:
     def biased_qkv(self) -> bool:
         """Whether the QKV projection has a bias (model.bias or model.qkv_bias)."""
         return self.bias or self.qkv_bias
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
 
     def compiles_on(self, cuda: bool) -> bool:
         """Whether model.compile compiles the blocks on a CUDA (`cuda`) or CPU rank, when the kernels are native
