@@ -133,7 +133,7 @@ TRAINING_NAMES: tuple[NameElsewhere, ...] = (
             ),
             ("--norm-epsilon", "--model.norm_eps"),
             ("--apply-layernorm-1p", "", "loom's norms scale by their weight, not 1 + weight"),
-            ("--qk-layernorm", "", "loom does not normalise queries and keys"),
+            ("--qk-layernorm", "--model.qk_norm true"),
             (
                 "--swiglu",
                 "--model.activation swiglu",

@@ -384,7 +384,7 @@ def _add_reshard(sub) -> None:
 def _add_export_hf(sub) -> None:
     p = sub.add_parser(
         "export-hf",
-        help="write a Hugging Face model (safetensors + config.json): Llama-format (Qwen2 with model.qkv_bias), "
+        help="write a Hugging Face model (safetensors + config.json): Llama-format (Qwen2, Qwen3), "
         "or GPT-2 for a GPT-2-shaped one",
     )
     _checkpoint_input(p, "the checkpoint to export")
@@ -430,7 +430,8 @@ def _add_merge_lora(sub) -> None:
 
 def _add_import_hf(sub) -> None:
     p = sub.add_parser(
-        "import-hf", help="turn a Hugging Face model directory (Llama, Mistral, Qwen2, GPT-2) into a loom checkpoint"
+        "import-hf",
+        help="turn a Hugging Face model directory (Llama, Mistral, Qwen2, Qwen3, GPT-2) into a loom checkpoint",
     )
     p.add_argument("--input", type=existing_dir, required=True, help="directory with config.json and *.safetensors")
     _checkpoint_output(p, "a checkpoints/ folder of its own to write iter_0000000 and latest into")

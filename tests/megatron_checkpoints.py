@@ -33,7 +33,7 @@ VOCAB, PADDED_VOCAB, SEQ = 250, 256, 24
 # Each variant: megatron-core's TransformerConfig fields and GPTModel arguments, the Megatron-LM arguments that
 # produce them, and how it is saved.
 VARIANTS = {
-    # Llama-shaped, megatron-core's default stacked layers
+    # Llama-shaped, megatron-core's default stacked layers, with norms on queries and keys (Qwen3's)
     "llama": dict(
         config=dict(
             normalization="RMSNorm",
@@ -41,6 +41,7 @@ VARIANTS = {
             activation_func=F.silu,
             add_bias_linear=False,
             num_query_groups=2,
+            qk_layernorm=True,
         ),
         model=dict(position_embedding_type="rope", rotary_base=500000, share_embeddings_and_output_weights=False),
         args=dict(
@@ -48,6 +49,7 @@ VARIANTS = {
             swiglu=True,
             add_bias_linear=False,
             add_qkv_bias=False,
+            qk_layernorm=True,
             group_query_attention=True,
             num_query_groups=2,
             position_embedding_type="rope",
@@ -84,7 +86,7 @@ VARIANTS = {
     ),
     # multi-query attention, interleaved rotary pairs with Llama 3's scaling, tied, zero-centred norm weights
     # (stored minus one, as Transformer Engine's --apply-layernorm-1p norms hold them), biases on QKV alone (Qwen's
-    # --add-qkv-bias), saved in bf16
+    # --add-qkv-bias) and norms on queries and keys (whose weights follow the interleaved rows), saved in bf16
     "interleaved": dict(
         config=dict(
             normalization="RMSNorm",
@@ -92,6 +94,7 @@ VARIANTS = {
             activation_func=F.silu,
             add_bias_linear=False,
             add_qkv_bias=True,
+            qk_layernorm=True,
             num_query_groups=1,
             rotary_interleaved=True,
         ),
@@ -107,6 +110,7 @@ VARIANTS = {
             swiglu=True,
             add_bias_linear=False,
             add_qkv_bias=True,
+            qk_layernorm=True,
             group_query_attention=True,
             num_query_groups=1,
             position_embedding_type="rope",
@@ -178,7 +182,9 @@ def build(name: str, variant: dict, stage: dict | None = None, **config_changes)
         **{**variant["config"], **config_changes},
     )
     torch.manual_seed(len(name))
-    spec = get_gpt_layer_local_spec(normalization=variant["config"]["normalization"])
+    spec = get_gpt_layer_local_spec(
+        normalization=variant["config"]["normalization"], qk_layernorm=variant["config"].get("qk_layernorm", False)
+    )
     return GPTModel(
         config, spec, vocab_size=PADDED_VOCAB, max_sequence_length=64, **variant["model"], **(stage or {})
     ).eval()
@@ -209,7 +215,8 @@ def write(out: Path, name: str, variant: dict) -> None:
     if variant.get("zero_centred"):
         with torch.no_grad():
             for sharded in state.values():
-                if "layer_norm_weight" in sharded.key or "final_layernorm.weight" in sharded.key:
+                # TE's norms (the fused input norms, q/k_layernorm, final_layernorm) all hold gamma minus one
+                if "layer_norm_weight" in sharded.key or sharded.key.endswith("layernorm.weight"):
                     sharded.data.sub_(1)
     save = out / name
     iteration = save / "iter_0000007"

@@ -416,6 +416,47 @@ def test_heads_narrower_than_hidden_size_over_their_count_import_and_export_as_t
         assert (again.eval()(tokens).logits - theirs).abs().max().item() < 1e-5
 
 
+def test_a_qwen3_imports_evaluates_under_tensor_parallelism_and_exports_as_transformers_computes_it(tmp_path, capfd):
+    """Qwen3 is Llama with a norm on each query and key head (model.qk_norm) and its own head width: it imports with
+    transformers' logits, `loom eval` over two tensor-parallel ranks gives transformers' loss, and it exports back
+    to a Qwen3ForCausalLM with the same logits."""
+    settings = dict(llama_config(num_key_value_heads=2, head_dim=24).to_dict(), tie_word_embeddings=True)
+    for field in ("architectures", "transformers_version", "model_type", "_name_or_path", "mlp_bias"):
+        settings.pop(field, None)
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**settings)).eval()
+    with torch.no_grad():  # norm weights start at one, which would hide a misplaced one
+        for name, tensor in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                tensor.uniform_(0.5, 1.5)
+    model.save_pretrained(str(tmp_path / "hf"))
+    import_hf(tmp_path / "hf", tmp_path / "loom")
+    imported = find_loadable(tmp_path / "loom")[1].config["model"]
+    assert (imported["qk_norm"], imported["qkv_bias"], imported["head_dim"]) == (True, False, 24)
+    tokens = torch.randint(0, VOCAB, (2, 128), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        theirs = model(tokens).logits
+    assert (loom_logits(tmp_path / "loom", tokens) - theirs).abs().max().item() < 1e-5
+    document = np.random.default_rng(3).integers(0, VOCAB, 65)
+    with IndexedDatasetWriter(tmp_path / "one", np.dtype(np.uint16)) as writer:
+        writer.add_document(document)
+    result = loom_here(
+        capfd,
+        *["eval", "--checkpoint", str(tmp_path / "loom"), "--data", str(tmp_path / "one"), "--iters", "1"],
+        *["--train.seq_length", "64", "--train.global_batch_size", "1", "--train.precision", "fp32"],
+        *["--nproc", "2", "--parallel.tp", "2"],
+    )
+    assert result.returncode == 0, result.stderr
+    ours = float(next(x for x in result.stdout.splitlines() if "validation loss" in x).split("loss ")[1].split(",")[0])
+    sequence = torch.from_numpy(document).long()[None]
+    with torch.no_grad():
+        assert abs(ours - model(sequence, labels=sequence.clone()).loss.item()) < 2e-6
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(export_hf(tmp_path / "loom", tmp_path / "back")))
+    assert type(again) is transformers.Qwen3ForCausalLM
+    with torch.no_grad():
+        assert (again.eval()(tokens).logits - theirs).abs().max().item() < 1e-5
+
+
 UNREPRESENTABLE = {
     "attention_bias": dict(attention_bias=True),
     "mlp_bias": dict(mlp_bias=True),

@@ -1,14 +1,13 @@
 """`loom ckpt import-megatron`, checked against megatron-core: checkpoints written as Megatron-LM's training loop
 writes them (tests/megatron_checkpoints.py: megatron-core's GPTModel on CPU, its sharded state dict, its
 dist_checkpointing.save in torch_dist) import into loom with the logits megatron-core computed, for a Llama-shaped
-model (GQA, stacked layers), a GPT-3-shaped one (LayerNorm, biases, learned positions, tied, one key per layer) and
-one with multi-query attention, interleaved rotary pairs, Llama 3 rope scaling, zero-centred norms, biases on QKV
-alone (--add-qkv-bias) and bf16 weights.
-The user stories: `loom eval` of the import equals the loss of Megatron's logits, and a fine-tune from it starts
-from that loss; Megatron is not needed to import. The older torch format (a file per rank), written from
-megatron-core's own resharding over tensor 2 x pipeline 2 x virtual 2 ranks, imports as the torch_dist save. What
-loom cannot compute the same way is refused naming Megatron's flag; Megatron folders given where loom's checkpoints
-go are answered with the command."""
+model (GQA, stacked layers, norms on queries and keys), a GPT-3-shaped one (LayerNorm, biases, learned positions,
+tied, one key per layer) and one with multi-query attention, interleaved rotary pairs, Llama 3 rope scaling,
+zero-centred norms, biases on QKV alone (--add-qkv-bias), query/key norms and bf16 weights. The user stories: `loom
+eval` of the import equals the loss of Megatron's logits, and a fine-tune from it starts from that loss; Megatron is
+not needed to import. The older torch format (a file per rank), written from megatron-core's own resharding over
+tensor 2 x pipeline 2 x virtual 2 ranks, imports as the torch_dist save. What loom cannot compute the same way is
+refused naming Megatron's flag; Megatron folders given where loom's checkpoints go are answered with the command."""
 
 import argparse
 import json
@@ -94,7 +93,8 @@ def test_the_import_reads_one_layer_of_a_stacked_tensor_at_a_time(megatron, tmp_
     monkeypatch.setattr(DistributedCheckpoint, "read", _recording(DistributedCheckpoint.read, slices))
     import_megatron(megatron / "llama", tmp_path / "out")
     stacked = [(key, index) for key, index in slices if key.startswith("decoder.layers.")]
-    assert len(stacked) == LAYERS * 6 and all(index is not None for _, index in stacked), slices
+    tensors_per_layer = 8  # two norms, QKV, proj, q_norm, k_norm, fc1, fc2
+    assert len(stacked) == LAYERS * tensors_per_layer and all(index is not None for _, index in stacked), slices
     assert alive.made == len(slices) and alive.most <= 2, (alive.made, alive.most)
 
 
@@ -410,6 +410,7 @@ def test_megatron_arguments_become_loom_s_model():
         activation="swiglu",
         bias=False,
         qkv_bias=False,
+        qk_norm=False,
         tie_embeddings=False,
         rope_theta=500000.0,
     )
@@ -485,7 +486,6 @@ def test_singleton_local_shards_and_chained_optimizer_keys_import(megatron, tmp_
     "changes, flag",
     [
         ({"num_experts": 8}, "--num-experts 8"),
-        ({"qk_layernorm": True}, "--qk-layernorm"),
         ({"multi_latent_attention": True}, "--multi-latent-attention"),
         ({"rotary_percent": 0.5}, "--rotary-percent"),
         ({"position_embedding_type": "mrope"}, "--position-embedding-type"),

@@ -1,5 +1,7 @@
 """Parameter names (engine/model/naming.py) and the one record of per-parameter facts (ParamInfo)."""
 
+import dataclasses
+
 import pytest
 import torch
 from dist_utils import run_ranks
@@ -104,8 +106,7 @@ def test_hugging_face_mapping_round_trips(tied):
     model = GPTModel(config, None)
     initialize_parameters(model, seed=2, tp_rank=0, tp_size=1)
     logical = {param_info(p).name: param_info(p).shard_spec.unshard([p.detach()]) for p in model.parameters()}
-    fields = {k: getattr(config, k) for k in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim")}
-    model_dict = {**fields, "ffn_hidden_size": config.ffn_hidden_size, "tie_embeddings": tied, "qkv_bias": False}
+    model_dict = dataclasses.asdict(config)  # [model] as a checkpoint's config holds it
     hf = to_hf(logical, model_dict)
     assert ("lm_head.weight" in hf) is not tied
     assert hf["model.layers.2.self_attn.k_proj.weight"].shape == (16, 32)

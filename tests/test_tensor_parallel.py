@@ -98,8 +98,11 @@ def _compare_with_dense(rank, world, config_kwargs, sequence_parallel):
             ),
             sp=True,
         ),
+        # Qwen's pieces: query/key norms (shared by the heads of every TP rank: their gradients sum over TP without
+        # sequence parallelism too), biases on QKV alone, heads of 12 where 64 / 8 is 8
+        dict(config=dict(qk_norm=True, qkv_bias=True, head_dim=12), sp=False),
     ],
-    ids=["llama", "llama-sp", "gpt2-sp"],
+    ids=["llama", "llama-sp", "gpt2-sp", "qwen"],
 )
 def test_tp_model_matches_dense(tp, variant):
     results = run_ranks(_compare_with_dense, tp, variant["config"], variant["sp"])

@@ -1,17 +1,16 @@
-"""Hugging Face interchange: a loom checkpoint <-> Llama-format safetensors + config.json (GPT-2-shaped models:
-the GPT-2 format, whose names tools/hf_gpt2.py holds).
+"""Hugging Face interchange: a loom checkpoint <-> Llama-format safetensors + config.json (GPT-2-shaped models: the
+GPT-2 format, whose names tools/hf_gpt2.py holds).
 
-The mapping is the one place that knows Hugging Face's Llama names. loom's fused tensors are
-split on export (QKV -> q_proj, k_proj, v_proj; SwiGLU fc1 -> gate_proj, up_proj) and joined on
-import; loom's rotary embedding already uses Hugging Face's rotate-half convention, so no
-permutation of the query/key rows is needed. Only Llama-shaped models (RMSNorm, SwiGLU, RoPE, no
-biases) have a Llama form; with biases on QKV alone (model.qkv_bias) the same model is a Qwen2, whose names are
-Llama's with q/k/v_proj.bias. On import, the rotary settings are read wherever transformers put them
-(`rope_parameters` since 5.0, `rope_theta`/`rope_scaling` before), Llama 3.1's llama3 scaling is kept, and
-any setting loom cannot represent (biases, another head size, other RoPE types, another activation) is
-refused with one line naming it: an import never yields a different model than the one on disk.
-transformers is not needed here: the files are written with safetensors and json; tests load them with
-transformers.
+The mapping is the one place that knows Hugging Face's Llama names. loom's fused tensors are split on export (QKV ->
+q_proj, k_proj, v_proj; SwiGLU fc1 -> gate_proj, up_proj) and joined on import; loom's rotary embedding already uses
+Hugging Face's rotate-half convention, so no permutation of the query/key rows is needed. Only Llama-shaped models
+(RMSNorm, SwiGLU, RoPE, no biases) have a Llama form; with biases on QKV alone (model.qkv_bias) the same model is a
+Qwen2, whose names are Llama's with q/k/v_proj.bias, and with query/key norms (model.qk_norm) a Qwen3 (q_norm,
+k_norm). On import, the rotary settings are read wherever transformers put them (`rope_parameters` since 5.0,
+`rope_theta`/`rope_scaling` before), Llama 3.1's llama3 scaling is kept, and any setting loom cannot represent
+(Llama's attention_bias or mlp_bias, other RoPE types, another activation) is refused with one line naming it: an import
+never yields a different model than the one on disk. transformers is not needed here: the files are written with
+safetensors and json; tests load them with transformers.
 """
 
 from __future__ import annotations
@@ -56,6 +55,8 @@ def _check_llama(model: dict, gpt2_too: bool = False) -> None:
         for k, v in (("norm", "rmsnorm"), ("activation", "swiglu"), ("position_embedding", "rope"), ("bias", False))
         if model[k] != v
     }
+    if model["qk_norm"] and model["qkv_bias"]:  # Qwen3's attention_bias would bias o_proj too
+        wrong["qkv_bias with qk_norm"] = True
     if wrong and gpt2_too:
         raise CheckpointError(
             "only Llama-shaped models (rmsnorm, swiglu, rope, no biases but QKV's) and GPT-2-shaped ones (layernorm, "
@@ -96,7 +97,10 @@ def hf_config(model: dict, token_ids: dict | None = None, dtype: str = "float32"
     legacy_scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if rope["rope_type"] != "default" else None
     # Llama's attention_bias puts one on o_proj too; Qwen2 is Llama with q, k and v biased alone
     form = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False}
-    if not model["qkv_bias"]:
+    if model["qk_norm"]:  # Qwen3: Llama with q_norm and k_norm (its attention_bias would bias o_proj too)
+        form = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "use_sliding_window": False}
+        form["attention_bias"] = False
+    elif not model["qkv_bias"]:
         form = {
             "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",
@@ -135,6 +139,8 @@ _OUTSIDE_BLOCKS = {
 _IN_BLOCK = {
     naming.QKV_WEIGHT: ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
     naming.QKV_BIAS: ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+    naming.Q_NORM_WEIGHT: ("self_attn.q_norm.weight",),
+    naming.K_NORM_WEIGHT: ("self_attn.k_norm.weight",),
     naming.ATTENTION_OUTPUT_WEIGHT: ("self_attn.o_proj.weight",),
     naming.FC1_WEIGHT: ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
     naming.FC2_WEIGHT: ("mlp.down_proj.weight",),
@@ -156,7 +162,9 @@ def _fused_sizes(model: dict) -> dict[str, list[int]]:
 def _loom_names(model: dict) -> list[str]:
     """Every logical tensor of a Llama-shaped loom model (a Qwen2's: its QKV biases too)."""
     outside = [naming.EMBEDDING, naming.FINAL_NORM_WEIGHT] + ([] if model["tie_embeddings"] else [naming.OUTPUT])
-    in_block = [local for local in _IN_BLOCK if local != naming.QKV_BIAS or model["qkv_bias"]]
+    optional = {naming.QKV_BIAS: model["qkv_bias"], naming.Q_NORM_WEIGHT: model["qk_norm"]}
+    optional[naming.K_NORM_WEIGHT] = model["qk_norm"]
+    in_block = [local for local in _IN_BLOCK if optional.get(local, True)]
     return outside + [naming.block_param_name(i, local) for i in range(model["num_layers"]) for local in in_block]
 
 
@@ -315,10 +323,10 @@ def _rope_fields(hf: dict) -> dict:
 def _refuse_unrepresentable(hf: dict) -> None:
     """Settings that change the computation but have no loom form: importing without them would load a
     different model than the one on disk."""
-    if hf.get("model_type") not in ("llama", "mistral", "qwen2"):
+    if hf.get("model_type") not in ("llama", "mistral", "qwen2", "qwen3"):
         raise CheckpointError(
-            f"model_type {hf.get('model_type')!r} is not llama, mistral, qwen2 or gpt2; loom imports Llama-, "
-            "Qwen2- and GPT-2-format models"
+            f"model_type {hf.get('model_type')!r} is not llama, mistral, qwen2, qwen3 or gpt2; loom imports Llama-, "
+            "Qwen- and GPT-2-format models"
         )
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
@@ -332,7 +340,8 @@ def _positions_represented(hf: dict) -> int:
     sliding window (a Qwen2's under use_sliding_window) where that is shorter (loom's attention is full causal, the
     same as a window's up to its length and not past it)."""
     positions = hf["max_position_embeddings"]
-    windowed = hf.get("model_type") == "mistral" or (hf.get("model_type") == "qwen2" and hf.get("use_sliding_window"))
+    qwen = hf.get("model_type") in ("qwen2", "qwen3")
+    windowed = hf.get("model_type") == "mistral" or (qwen and hf.get("use_sliding_window"))
     window = hf.get("sliding_window") if windowed else None
     if window is not None and (type(window) is not int or window < 1):
         raise CheckpointError(f"config.json's sliding_window {window!r} is neither null nor a number of tokens")
@@ -358,6 +367,7 @@ def _model_from_hf_config(hf: dict) -> dict:
         "position_embedding": "rope",
         "bias": False,
         "qkv_bias": hf.get("model_type") == "qwen2",
+        "qk_norm": hf.get("model_type") == "qwen3",
     }
 
 

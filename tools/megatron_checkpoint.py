@@ -184,7 +184,6 @@ _UNREPRESENTABLE = (
     ("num_experts", None, "--num-experts", "a mixture of experts"),
     ("num_moe_experts", None, "--num-experts", "a mixture of experts"),
     ("multi_latent_attention", False, "--multi-latent-attention", "multi-latent attention"),
-    ("qk_layernorm", False, "--qk-layernorm", "norms on queries and keys"),
     ("qk_l2_norm", False, "--qk-l2-norm", "L2 norms on queries and keys"),
     ("attention_output_gate", False, "--attention-output-gate", "a gated attention output"),
     (
@@ -264,6 +263,7 @@ def model_from_megatron_arguments(args: dict, shapes: dict[str, tuple[int, ...]]
         "bias": bool(args.get("add_bias_linear", True)),
         # Before megatron-core 0.10 a run with biases saved add_qkv_bias False, its QKV biased all the same
         "qkv_bias": bool(args.get("add_qkv_bias")) and not args.get("add_bias_linear", True),
+        "qk_norm": bool(args.get("qk_layernorm")),
         "tie_embeddings": not args.get("untie_embeddings_and_output_weights", False),
     }
     if positions == "rope":
@@ -337,6 +337,8 @@ _IN_BLOCK = {
     "input_norm": ("self_attention.linear_qkv.layer_norm_", "input_layernorm."),
     "attention.qkv": ("self_attention.linear_qkv.",),
     "attention.proj": ("self_attention.linear_proj.",),
+    "attention.q_norm": ("self_attention.q_layernorm.",),
+    "attention.k_norm": ("self_attention.k_layernorm.",),
     "mlp_norm": ("mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm."),
     "mlp.fc1": ("mlp.linear_fc1.",),
     "mlp.fc2": ("mlp.linear_fc2.",),
@@ -449,6 +451,8 @@ def from_megatron(stored: DistributedCheckpoint, model: dict, args: dict, loom_n
                 tensor = torch.cat(
                     [_rotate_half_rows(q, model["num_heads"]), _rotate_half_rows(k, model["num_kv_heads"]), v]
                 )
+        elif interleaved and local in (naming.Q_NORM_WEIGHT, naming.K_NORM_WEIGHT):
+            tensor = _rotate_half_rows(tensor, 1)  # a head's norm weights follow its rows
         return tensor
 
     return LazyWeights({name: weights.shape(where) for name, where in located.items()}, make)

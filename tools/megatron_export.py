@@ -109,6 +109,7 @@ def megatron_arguments(model: dict, train: dict, step: int, consumed: int, dtype
         squared_relu=False,
         add_bias_linear=model["bias"],
         add_qkv_bias=model["bias"] or model["qkv_bias"],
+        qk_layernorm=model["qk_norm"],
         bias_gelu_fusion=model["bias"],
         untie_embeddings_and_output_weights=not model["tie_embeddings"],
         hidden_dropout=model["dropout"],
@@ -152,6 +153,7 @@ def megatron_flags(args: argparse.Namespace) -> str:
         *(["--swiglu"] * args.swiglu),
         *(["--disable-bias-linear"] * (not args.add_bias_linear)),
         *(["--add-qkv-bias"] * (args.add_qkv_bias and not args.add_bias_linear)),
+        *(["--qk-layernorm"] * args.qk_layernorm),
         *(["--untie-embeddings-and-output-weights"] * args.untie_embeddings_and_output_weights),
         f"--hidden-dropout {args.hidden_dropout} --attention-dropout {args.attention_dropout}",
         *(

@@ -48,6 +48,7 @@ ARCHITECTURE_MODEL_FIELDS = (
     "activation",
     "bias",
     "qkv_bias",
+    "qk_norm",
     "tie_embeddings",
 )
 

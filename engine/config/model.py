@@ -55,6 +55,9 @@ class ModelConfig:
     """MLP non-linearity: gated SiLU (Llama) or GELU (GPT)."""
     bias: bool = False
     """Biases in the linear layers (GPT-2 style)."""
+    qk_norm: bool = False
+    """Normalise each query and key head (model.norm's kind, over head_dim, one weight shared by all heads) before
+    the rotary embedding: Qwen3's q_norm / k_norm, Megatron's --qk-layernorm."""
     qkv_bias: bool = False
     """Biases on the QKV projection alone (Qwen2; Megatron's --add-qkv-bias without --add-bias-linear). model.bias
     puts them on every linear layer, QKV's included."""

@@ -26,11 +26,14 @@ class Norm(torch.nn.Module):
 
     `function(x, weight, bias, eps)` is the kernel (kernels.py: torch, torch.compile'd or apex)."""
 
-    def __init__(self, config: ModelConfig, tp_size: int, sequence_parallel: bool, function=None):
+    def __init__(
+        self, config: ModelConfig, tp_size: int, sequence_parallel: bool, function=None, width: int | None = None
+    ):
+        """`width`: what is normalised (default hidden_size; a head's head_dim for model.qk_norm)."""
         super().__init__()
         self.kind, self.eps = config.norm, config.norm_eps
         self.function = function or (rms_norm if config.norm == "rmsnorm" else layer_norm)
-        shape = ShardSpec((config.hidden_size,))
+        shape = ShardSpec((width or config.hidden_size,))
         self.weight = make_parameter(shape, tp_size, ("ones",), tp_partial_grad=sequence_parallel)
         self.bias = (
             make_parameter(shape, tp_size, ("zeros",), tp_partial_grad=sequence_parallel)
@@ -134,6 +137,13 @@ class Attention(torch.nn.Module):
             sequence_parallel=sequence_parallel,
         )
         self.fused_attention = kernels.core_attention(config, tp_group, sequence_parallel)
+        # Each TP rank normalises its own heads with the shared weights: their gradient is a sum over the TP
+        # group, as a sequence-parallel norm's is over the sequence.
+        self.q_norm, self.k_norm = (
+            (Norm(config, tp, tp > 1, kernels.norm_function(config.norm), config.head_dim) for _ in "qk")
+            if config.qk_norm
+            else (None, None)
+        )
 
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         s, b = q.shape[:2]
@@ -163,6 +173,8 @@ class Attention(torch.nn.Module):
         q = q.view(s, b, self.local_heads, self.head_dim)
         k = k.view(s, b, self.local_kv_heads, self.head_dim)
         v = v.view(s, b, self.local_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         if cache is not None:
