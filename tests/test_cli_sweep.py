@@ -296,6 +296,10 @@ BAD_OVERRIDES = [
     ["--lora.targets", "qkv,proj"],  # PEFT's comma-separated habit
     ["--train.fp8_output_layer", "maybe"],
     ["--model.qkv_bias", "maybe"],
+    ["--model.qk_norm", "maybe"],
+    ["--model.head_dim", "0"],
+    ["--model.head_dim", "7"],  # odd: no rotary pairs
+    ["--model.head_dim", HUGE],
     ["--train.rampup_batch_size", "4", "4"],
     ["--train.nosuch", "1"],
     ["--train.steps"],
