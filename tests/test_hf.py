@@ -337,6 +337,25 @@ def test_a_mistral_sliding_window_that_is_not_a_length_is_refused(tmp_path, capf
     assert "sliding_window '4096' is neither null nor a number of tokens" in result.stderr
 
 
+def _assert_loom_eval_under_tp2_gives_transformers_loss(model, tmp_path: Path, capfd) -> None:
+    """`loom eval` of the import in tmp_path/loom over two tensor-parallel ranks, on one document of 65 tokens,
+    gives the loss transformers' `model` computes on it."""
+    document = np.random.default_rng(3).integers(0, VOCAB, 65)
+    with IndexedDatasetWriter(tmp_path / "one", np.dtype(np.uint16)) as writer:
+        writer.add_document(document)
+    result = loom_here(
+        capfd,
+        *["eval", "--checkpoint", str(tmp_path / "loom"), "--data", str(tmp_path / "one"), "--iters", "1"],
+        *["--train.seq_length", "64", "--train.global_batch_size", "1", "--train.precision", "fp32"],
+        *["--nproc", "2", "--parallel.tp", "2"],
+    )
+    assert result.returncode == 0, result.stderr
+    ours = float(next(x for x in result.stdout.splitlines() if "validation loss" in x).split("loss ")[1].split(",")[0])
+    sequence = torch.from_numpy(document).long()[None]
+    with torch.no_grad():
+        assert abs(ours - model(sequence, labels=sequence.clone()).loss.item()) < 2e-6
+
+
 def test_a_qwen2_imports_evaluates_under_tensor_parallelism_and_exports_as_transformers_computes_it(tmp_path, capfd):
     """Qwen2 (and Qwen2.5) is Llama with biases on q, k and v alone, and was refused (model_type qwen2): it imports
     as model.qkv_bias with transformers' logits, `loom eval` over two tensor-parallel ranks (the biases split by head
@@ -359,20 +378,7 @@ def test_a_qwen2_imports_evaluates_under_tensor_parallelism_and_exports_as_trans
     with torch.no_grad():
         theirs = model(tokens).logits
     assert (loom_logits(tmp_path / "loom", tokens) - theirs).abs().max().item() < 1e-5
-    document = np.random.default_rng(3).integers(0, VOCAB, 65)
-    with IndexedDatasetWriter(tmp_path / "one", np.dtype(np.uint16)) as writer:
-        writer.add_document(document)
-    result = loom_here(
-        capfd,
-        *["eval", "--checkpoint", str(tmp_path / "loom"), "--data", str(tmp_path / "one"), "--iters", "1"],
-        *["--train.seq_length", "64", "--train.global_batch_size", "1", "--train.precision", "fp32"],
-        *["--nproc", "2", "--parallel.tp", "2"],
-    )
-    assert result.returncode == 0, result.stderr
-    ours = float(next(x for x in result.stdout.splitlines() if "validation loss" in x).split("loss ")[1].split(",")[0])
-    sequence = torch.from_numpy(document).long()[None]
-    with torch.no_grad():
-        assert abs(ours - model(sequence, labels=sequence.clone()).loss.item()) < 2e-6
+    _assert_loom_eval_under_tp2_gives_transformers_loss(model, tmp_path, capfd)
     exported = export_hf(tmp_path / "loom", tmp_path / "back")
     assert json.loads((exported / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
     again = transformers.AutoModelForCausalLM.from_pretrained(str(exported), dtype=torch.float32).eval()
@@ -396,20 +402,7 @@ def test_heads_narrower_than_hidden_size_over_their_count_import_and_export_as_t
     with torch.no_grad():
         theirs = model(tokens).logits
     assert (loom_logits(tmp_path / "loom", tokens) - theirs).abs().max().item() < 1e-5
-    document = np.random.default_rng(3).integers(0, VOCAB, 65)
-    with IndexedDatasetWriter(tmp_path / "one", np.dtype(np.uint16)) as writer:
-        writer.add_document(document)
-    result = loom_here(
-        capfd,
-        *["eval", "--checkpoint", str(tmp_path / "loom"), "--data", str(tmp_path / "one"), "--iters", "1"],
-        *["--train.seq_length", "64", "--train.global_batch_size", "1", "--train.precision", "fp32"],
-        *["--nproc", "2", "--parallel.tp", "2"],
-    )
-    assert result.returncode == 0, result.stderr
-    ours = float(next(x for x in result.stdout.splitlines() if "validation loss" in x).split("loss ")[1].split(",")[0])
-    sequence = torch.from_numpy(document).long()[None]
-    with torch.no_grad():
-        assert abs(ours - model(sequence, labels=sequence.clone()).loss.item()) < 2e-6
+    _assert_loom_eval_under_tp2_gives_transformers_loss(model, tmp_path, capfd)
     again = transformers.LlamaForCausalLM.from_pretrained(str(export_hf(tmp_path / "loom", tmp_path / "back")))
     assert again.config.head_dim == 24
     with torch.no_grad():
@@ -437,20 +430,7 @@ def test_a_qwen3_imports_evaluates_under_tensor_parallelism_and_exports_as_trans
     with torch.no_grad():
         theirs = model(tokens).logits
     assert (loom_logits(tmp_path / "loom", tokens) - theirs).abs().max().item() < 1e-5
-    document = np.random.default_rng(3).integers(0, VOCAB, 65)
-    with IndexedDatasetWriter(tmp_path / "one", np.dtype(np.uint16)) as writer:
-        writer.add_document(document)
-    result = loom_here(
-        capfd,
-        *["eval", "--checkpoint", str(tmp_path / "loom"), "--data", str(tmp_path / "one"), "--iters", "1"],
-        *["--train.seq_length", "64", "--train.global_batch_size", "1", "--train.precision", "fp32"],
-        *["--nproc", "2", "--parallel.tp", "2"],
-    )
-    assert result.returncode == 0, result.stderr
-    ours = float(next(x for x in result.stdout.splitlines() if "validation loss" in x).split("loss ")[1].split(",")[0])
-    sequence = torch.from_numpy(document).long()[None]
-    with torch.no_grad():
-        assert abs(ours - model(sequence, labels=sequence.clone()).loss.item()) < 2e-6
+    _assert_loom_eval_under_tp2_gives_transformers_loss(model, tmp_path, capfd)
     again = transformers.AutoModelForCausalLM.from_pretrained(str(export_hf(tmp_path / "loom", tmp_path / "back")))
     assert type(again) is transformers.Qwen3ForCausalLM
     with torch.no_grad():
