@@ -23,7 +23,7 @@ from loom.engine.model.gpt import GPTModel
 from loom.engine.parallel.sharding import initialize_parameters
 from loom.launch.local import launch_local
 from loom.tools.ckpt import inspect
-from loom.tools.hf import export_hf, import_hf
+from loom.tools.hf import export_hf, export_peft_adapter, import_hf
 
 transformers = pytest.importorskip("transformers")
 
@@ -391,10 +391,15 @@ def test_heads_narrower_than_hidden_size_over_their_count_import_and_export_as_t
     tmp_path, capfd
 ):
     """A head_dim other than hidden_size / num_attention_heads (Mistral-Nemo's 128 where 5120 / 32 is 160; Qwen3's)
-    was refused; it is model.head_dim now: here 4 heads of 24 over a hidden size of 64 (query width 96), which
-    imports with transformers' logits, evaluates over two tensor-parallel ranks with its loss, and exports back."""
+    was refused; it is model.head_dim now. Here a Mistral-Nemo in small (a Mistral without a sliding window, 4 heads
+    of 24 over a hidden size of 64: query width 96) imports with transformers' logits, evaluates over two
+    tensor-parallel ranks with its loss, and exports back (as the Llama it equals)."""
+    nemo = {**llama_config(head_dim=24, num_key_value_heads=2).to_dict(), "sliding_window": None}
+    for field in ("architectures", "transformers_version", "model_type", "_name_or_path", "attention_bias", "mlp_bias"):
+        nemo.pop(field, None)
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(llama_config(head_dim=24, num_key_value_heads=2)).eval()
+    model = transformers.MistralForCausalLM(transformers.MistralConfig(**nemo)).eval()
+    assert model.config.head_dim * model.config.num_attention_heads != model.config.hidden_size
     model.save_pretrained(str(tmp_path / "hf"))
     import_hf(tmp_path / "hf", tmp_path / "loom")
     assert find_loadable(tmp_path / "loom")[1].config["model"]["head_dim"] == 24
@@ -409,20 +414,27 @@ def test_heads_narrower_than_hidden_size_over_their_count_import_and_export_as_t
         assert (again.eval()(tokens).logits - theirs).abs().max().item() < 1e-5
 
 
-def test_a_qwen3_imports_evaluates_under_tensor_parallelism_and_exports_as_transformers_computes_it(tmp_path, capfd):
-    """Qwen3 is Llama with a norm on each query and key head (model.qk_norm) and its own head width: it imports with
-    transformers' logits, `loom eval` over two tensor-parallel ranks gives transformers' loss, and it exports back
-    to a Qwen3ForCausalLM with the same logits."""
+def _small_qwen3(folder: Path):
+    """A Qwen3ForCausalLM (tied, 2 KV heads, heads of 24 over a hidden size of 64, random q/k norm weights: at one
+    they would hide a misplaced one) saved in `folder`, and returned."""
     settings = dict(llama_config(num_key_value_heads=2, head_dim=24).to_dict(), tie_word_embeddings=True)
     for field in ("architectures", "transformers_version", "model_type", "_name_or_path", "mlp_bias"):
         settings.pop(field, None)
     torch.manual_seed(0)
     model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**settings)).eval()
-    with torch.no_grad():  # norm weights start at one, which would hide a misplaced one
+    with torch.no_grad():
         for name, tensor in model.named_parameters():
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 tensor.uniform_(0.5, 1.5)
-    model.save_pretrained(str(tmp_path / "hf"))
+    model.save_pretrained(str(folder))
+    return model
+
+
+def test_a_qwen3_imports_evaluates_under_tensor_parallelism_and_exports_as_transformers_computes_it(tmp_path, capfd):
+    """Qwen3 is Llama with a norm on each query and key head (model.qk_norm) and its own head width: it imports with
+    transformers' logits, `loom eval` over two tensor-parallel ranks gives transformers' loss, and it exports back
+    to a Qwen3ForCausalLM with the same logits."""
+    model = _small_qwen3(tmp_path / "hf")
     import_hf(tmp_path / "hf", tmp_path / "loom")
     imported = find_loadable(tmp_path / "loom")[1].config["model"]
     assert (imported["qk_norm"], imported["qkv_bias"], imported["head_dim"]) == (True, False, 24)
@@ -435,6 +447,30 @@ def test_a_qwen3_imports_evaluates_under_tensor_parallelism_and_exports_as_trans
     assert type(again) is transformers.Qwen3ForCausalLM
     with torch.no_grad():
         assert (again.eval()(tokens).logits - theirs).abs().max().item() < 1e-5
+
+
+def test_a_lora_run_on_a_qwen3_exports_a_peft_adapter_with_its_logits(markov_dataset, tmp_path, capfd):
+    """The user story on Qwen3: import it, fine-tune LoRA adapters on every linear layer, export the base and the
+    adapter: PEFT's model on transformers' Qwen3ForCausalLM computes the LoRA run's logits."""
+    peft = pytest.importorskip("peft", reason="needs loom[reference]")
+    from loom.tools.generate import load_model
+
+    _small_qwen3(tmp_path / "hf")
+    import_hf(tmp_path / "hf", tmp_path / "base")
+    flags = ["--lora.rank", "4", "--lora.base", str(tmp_path / "base"), "--train.steps", "2", "--optim.lr", "0.01"]
+    flags += ["--optim.warmup_steps", "0", "--checkpoint.save_at_end", "true"]
+    capfd.readouterr()
+    trained = loom_here(capfd, "train", *tiny_train_args(markov_dataset(50, VOCAB), tmp_path / "run"), *flags)
+    assert trained.returncode == 0, trained.stderr
+    export_peft_adapter(tmp_path / "run", tmp_path / "adapter")
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(export_hf(tmp_path / "base", tmp_path / "hf-base")).eval()
+    tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        base = hf(tokens).logits  # before PEFT injects the adapters into hf's layers
+        theirs = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()(tokens).logits
+        ours = load_model(find_loadable(tmp_path / "run" / "checkpoints")[0])[0](tokens).transpose(0, 1)
+    assert (ours[..., :VOCAB] - theirs).abs().max().item() < 1e-5
+    assert (theirs - base).abs().max().item() > 1e-4  # the adapters moved
 
 
 UNREPRESENTABLE = {
