@@ -123,6 +123,15 @@ def llama_config(**settings):
     return transformers.LlamaConfig(**{**base, **settings})
 
 
+def llama_fields(**settings) -> dict:
+    """llama_config(**settings) as the keyword arguments of another architecture's config (Mistral's, Qwen's):
+    without what names Llama or its file, and without Llama's bias flags."""
+    fields = llama_config(**settings).to_dict()
+    for name in ("architectures", "transformers_version", "model_type", "_name_or_path", "attention_bias", "mlp_bias"):
+        fields.pop(name, None)
+    return fields
+
+
 @pytest.fixture(scope="module", params=list(WRITTEN_BY_TRANSFORMERS))
 def hf_model(request, tmp_path_factory):
     """A randomly initialised Llama saved by transformers' save_pretrained, and the model itself."""
@@ -304,9 +313,7 @@ def test_loom_eval_equals_transformers_loss(hf_model, tmp_path, capfd):
 def test_a_mistral_imports_with_the_logits_transformers_computes_within_its_window(window, tmp_path, capfd):
     """Mistral is Llama with a sliding window: with none (v0.2, v0.3) the same model; with one shorter than its
     positions (v0.1: 4096 of 32768), the same up to the window, which becomes the import's max_position_embeddings."""
-    base = {**llama_config().to_dict(), "model_type": "mistral", "sliding_window": window}
-    for field in ("architectures", "transformers_version", "model_type", "_name_or_path"):
-        base.pop(field, None)
+    base = {**llama_fields(), "sliding_window": window}
     torch.manual_seed(0)
     model = transformers.MistralForCausalLM(transformers.MistralConfig(**base)).eval()
     model.save_pretrained(str(tmp_path / "hf"))
@@ -360,10 +367,8 @@ def test_a_qwen2_imports_evaluates_under_tensor_parallelism_and_exports_as_trans
     """Qwen2 (and Qwen2.5) is Llama with biases on q, k and v alone, and was refused (model_type qwen2): it imports
     as model.qkv_bias with transformers' logits, `loom eval` over two tensor-parallel ranks (the biases split by head
     with their rows) gives transformers' loss, and it exports back to a Qwen2ForCausalLM with the same logits."""
-    settings = dict(llama_config(num_key_value_heads=2).to_dict(), tie_word_embeddings=True, rms_norm_eps=1e-6)
+    settings = llama_fields(num_key_value_heads=2, tie_word_embeddings=True, rms_norm_eps=1e-6)
     settings["rope_parameters"] = {"rope_type": "default", "rope_theta": 1000000.0}
-    for field in ("architectures", "transformers_version", "model_type", "_name_or_path", "attention_bias", "mlp_bias"):
-        settings.pop(field, None)
     torch.manual_seed(0)
     model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**settings)).eval()
     with torch.no_grad():  # transformers initialises biases to zero, which would hide a misplaced one
@@ -394,9 +399,7 @@ def test_heads_narrower_than_hidden_size_over_their_count_import_and_export_as_t
     was refused; it is model.head_dim now. Here a Mistral-Nemo in small (a Mistral without a sliding window, 4 heads
     of 24 over a hidden size of 64: query width 96) imports with transformers' logits, evaluates over two
     tensor-parallel ranks with its loss, and exports back (as the Llama it equals)."""
-    nemo = {**llama_config(head_dim=24, num_key_value_heads=2).to_dict(), "sliding_window": None}
-    for field in ("architectures", "transformers_version", "model_type", "_name_or_path", "attention_bias", "mlp_bias"):
-        nemo.pop(field, None)
+    nemo = {**llama_fields(head_dim=24, num_key_value_heads=2), "sliding_window": None}
     torch.manual_seed(0)
     model = transformers.MistralForCausalLM(transformers.MistralConfig(**nemo)).eval()
     assert model.config.head_dim * model.config.num_attention_heads != model.config.hidden_size
@@ -417,9 +420,7 @@ def test_heads_narrower_than_hidden_size_over_their_count_import_and_export_as_t
 def _small_qwen3(folder: Path):
     """A Qwen3ForCausalLM (tied, 2 KV heads, heads of 24 over a hidden size of 64, random q/k norm weights: at one
     they would hide a misplaced one) saved in `folder`, and returned."""
-    settings = dict(llama_config(num_key_value_heads=2, head_dim=24).to_dict(), tie_word_embeddings=True)
-    for field in ("architectures", "transformers_version", "model_type", "_name_or_path", "mlp_bias"):
-        settings.pop(field, None)
+    settings = llama_fields(num_key_value_heads=2, head_dim=24, tie_word_embeddings=True)
     torch.manual_seed(0)
     model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**settings)).eval()
     with torch.no_grad():

@@ -89,26 +89,26 @@ HF_TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _hf_architecture(model: dict) -> dict:
+    """The config.json fields naming the Hugging Face class of a Llama-shaped loom model: Qwen3 with query/key
+    norms, Qwen2 with biases on q, k and v alone, Llama otherwise (Llama's and Qwen3's attention_bias would bias
+    o_proj too, so neither takes QKV's alone)."""
+    if model["qk_norm"]:
+        return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "use_sliding_window": False,
+                "attention_bias": False}  # fmt: skip
+    if model["qkv_bias"]:
+        return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False}
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False, "mlp_bias": False}
+
+
 def hf_config(model: dict, token_ids: dict | None = None, dtype: str = "float32") -> dict:
-    """The config.json transformers reads for a Llama-shaped loom model, or a Qwen2 where only its QKV projection
-    has biases (`model`: ModelConfig's fields; `token_ids`: the special-token ids, loom's tokenizers' by default;
-    `dtype`: the weights' torch_dtype)."""
+    """The config.json transformers reads for a Llama-shaped loom model, as a Llama, a Qwen2 or a Qwen3
+    (_hf_architecture; `model`: ModelConfig's fields; `token_ids`: the special-token ids, loom's tokenizers' by
+    default; `dtype`: the weights' torch_dtype)."""
     rope = _hf_rope(model)
     legacy_scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if rope["rope_type"] != "default" else None
-    # Llama's attention_bias puts one on o_proj too; Qwen2 is Llama with q, k and v biased alone
-    form = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False}
-    if model["qk_norm"]:  # Qwen3: Llama with q_norm and k_norm (its attention_bias would bias o_proj too)
-        form = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "use_sliding_window": False}
-        form["attention_bias"] = False
-    elif not model["qkv_bias"]:
-        form = {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "attention_bias": False,
-            "mlp_bias": False,
-        }
     return {
-        **form,
+        **_hf_architecture(model),
         "vocab_size": model["vocab_size"],
         "hidden_size": model["hidden_size"],
         "intermediate_size": model["ffn_hidden_size"],
@@ -162,8 +162,11 @@ def _fused_sizes(model: dict) -> dict[str, list[int]]:
 def _loom_names(model: dict) -> list[str]:
     """Every logical tensor of a Llama-shaped loom model (a Qwen2's: its QKV biases too)."""
     outside = [naming.EMBEDDING, naming.FINAL_NORM_WEIGHT] + ([] if model["tie_embeddings"] else [naming.OUTPUT])
-    optional = {naming.QKV_BIAS: model["qkv_bias"], naming.Q_NORM_WEIGHT: model["qk_norm"]}
-    optional[naming.K_NORM_WEIGHT] = model["qk_norm"]
+    optional = {
+        naming.QKV_BIAS: model["qkv_bias"],
+        naming.Q_NORM_WEIGHT: model["qk_norm"],
+        naming.K_NORM_WEIGHT: model["qk_norm"],
+    }
     in_block = [local for local in _IN_BLOCK if optional.get(local, True)]
     return outside + [naming.block_param_name(i, local) for i in range(model["num_layers"]) for local in in_block]
 

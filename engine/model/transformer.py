@@ -137,13 +137,13 @@ class Attention(torch.nn.Module):
             sequence_parallel=sequence_parallel,
         )
         self.fused_attention = kernels.core_attention(config, tp_group, sequence_parallel)
-        # Each TP rank normalises its own heads with the shared weights: their gradient is a sum over the TP
-        # group, as a sequence-parallel norm's is over the sequence.
-        self.q_norm, self.k_norm = (
-            (Norm(config, tp, tp > 1, kernels.norm_function(config.norm), config.head_dim) for _ in "qk")
-            if config.qk_norm
-            else (None, None)
-        )
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:
+            # Each TP rank normalises its own heads with the shared weights: their gradient is a sum over the TP
+            # group, as a sequence-parallel norm's is over the sequence.
+            function = kernels.norm_function(config.norm)
+            self.q_norm = Norm(config, tp, tp > 1, function, width=config.head_dim)
+            self.k_norm = Norm(config, tp, tp > 1, function, width=config.head_dim)
 
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         s, b = q.shape[:2]
