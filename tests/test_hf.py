@@ -363,6 +363,23 @@ def _assert_loom_eval_under_tp2_gives_transformers_loss(model, tmp_path: Path, c
         assert abs(ours - model(sequence, labels=sequence.clone()).loss.item()) < 2e-6
 
 
+def _round_trip_computes_as_transformers(model, tmp_path: Path, capfd) -> tuple[dict, object]:
+    """The transformers `model` saved in tmp_path/hf imports with its logits (1e-5), `loom eval` of the import over
+    two tensor-parallel ranks gives its loss, and the export loads back through AutoModelForCausalLM with its logits
+    (1e-5). Returns the import's [model] and the model loaded back."""
+    import_hf(tmp_path / "hf", tmp_path / "loom")
+    tokens = torch.randint(0, VOCAB, (2, 128), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        theirs = model(tokens).logits
+    assert (loom_logits(tmp_path / "loom", tokens) - theirs).abs().max().item() < 1e-5
+    _assert_loom_eval_under_tp2_gives_transformers_loss(model, tmp_path, capfd)
+    exported = export_hf(tmp_path / "loom", tmp_path / "back")
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(exported), dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert (again(tokens).logits - theirs).abs().max().item() < 1e-5
+    return find_loadable(tmp_path / "loom")[1].config["model"], again
+
+
 def test_a_qwen2_imports_evaluates_under_tensor_parallelism_and_exports_as_transformers_computes_it(tmp_path, capfd):
     """Qwen2 (and Qwen2.5) is Llama with biases on q, k and v alone, and was refused (model_type qwen2): it imports
     as model.qkv_bias with transformers' logits, `loom eval` over two tensor-parallel ranks (the biases split by head
@@ -376,20 +393,9 @@ def test_a_qwen2_imports_evaluates_under_tensor_parallelism_and_exports_as_trans
             if name.endswith("_proj.bias"):
                 tensor.normal_(0.0, 0.5)
     model.save_pretrained(str(tmp_path / "hf"))
-    import_hf(tmp_path / "hf", tmp_path / "loom")
-    imported = find_loadable(tmp_path / "loom")[1].config["model"]
+    imported, again = _round_trip_computes_as_transformers(model, tmp_path, capfd)
     assert (imported["qkv_bias"], imported["bias"], imported["rope_theta"]) == (True, False, 1000000.0)
-    tokens = torch.randint(0, VOCAB, (2, 128), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        theirs = model(tokens).logits
-    assert (loom_logits(tmp_path / "loom", tokens) - theirs).abs().max().item() < 1e-5
-    _assert_loom_eval_under_tp2_gives_transformers_loss(model, tmp_path, capfd)
-    exported = export_hf(tmp_path / "loom", tmp_path / "back")
-    assert json.loads((exported / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
-    again = transformers.AutoModelForCausalLM.from_pretrained(str(exported), dtype=torch.float32).eval()
-    assert type(again) is transformers.Qwen2ForCausalLM
-    with torch.no_grad():
-        assert (again(tokens).logits - theirs).abs().max().item() < 1e-5
+    assert again.config.architectures == ["Qwen2ForCausalLM"] and type(again) is transformers.Qwen2ForCausalLM
 
 
 def test_heads_narrower_than_hidden_size_over_their_count_import_and_export_as_transformers_computes_them(
@@ -404,17 +410,9 @@ def test_heads_narrower_than_hidden_size_over_their_count_import_and_export_as_t
     model = transformers.MistralForCausalLM(transformers.MistralConfig(**nemo)).eval()
     assert model.config.head_dim * model.config.num_attention_heads != model.config.hidden_size
     model.save_pretrained(str(tmp_path / "hf"))
-    import_hf(tmp_path / "hf", tmp_path / "loom")
-    assert find_loadable(tmp_path / "loom")[1].config["model"]["head_dim"] == 24
-    tokens = torch.randint(0, VOCAB, (2, 128), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        theirs = model(tokens).logits
-    assert (loom_logits(tmp_path / "loom", tokens) - theirs).abs().max().item() < 1e-5
-    _assert_loom_eval_under_tp2_gives_transformers_loss(model, tmp_path, capfd)
-    again = transformers.LlamaForCausalLM.from_pretrained(str(export_hf(tmp_path / "loom", tmp_path / "back")))
-    assert again.config.head_dim == 24
-    with torch.no_grad():
-        assert (again.eval()(tokens).logits - theirs).abs().max().item() < 1e-5
+    imported, again = _round_trip_computes_as_transformers(model, tmp_path, capfd)
+    assert imported["head_dim"] == 24
+    assert type(again) is transformers.LlamaForCausalLM and again.config.head_dim == 24
 
 
 def _small_qwen3(folder: Path):
@@ -436,18 +434,9 @@ def test_a_qwen3_imports_evaluates_under_tensor_parallelism_and_exports_as_trans
     transformers' logits, `loom eval` over two tensor-parallel ranks gives transformers' loss, and it exports back
     to a Qwen3ForCausalLM with the same logits."""
     model = _small_qwen3(tmp_path / "hf")
-    import_hf(tmp_path / "hf", tmp_path / "loom")
-    imported = find_loadable(tmp_path / "loom")[1].config["model"]
+    imported, again = _round_trip_computes_as_transformers(model, tmp_path, capfd)
     assert (imported["qk_norm"], imported["qkv_bias"], imported["head_dim"]) == (True, False, 24)
-    tokens = torch.randint(0, VOCAB, (2, 128), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        theirs = model(tokens).logits
-    assert (loom_logits(tmp_path / "loom", tokens) - theirs).abs().max().item() < 1e-5
-    _assert_loom_eval_under_tp2_gives_transformers_loss(model, tmp_path, capfd)
-    again = transformers.AutoModelForCausalLM.from_pretrained(str(export_hf(tmp_path / "loom", tmp_path / "back")))
     assert type(again) is transformers.Qwen3ForCausalLM
-    with torch.no_grad():
-        assert (again.eval()(tokens).logits - theirs).abs().max().item() < 1e-5
 
 
 def test_a_lora_run_on_a_qwen3_exports_a_peft_adapter_with_its_logits(markov_dataset, tmp_path, capfd):
