@@ -415,6 +415,33 @@ def test_heads_narrower_than_hidden_size_over_their_count_import_and_export_as_t
     assert type(again) is transformers.LlamaForCausalLM and again.config.head_dim == 24
 
 
+def test_a_phi3_imports_evaluates_under_tensor_parallelism_and_exports_as_transformers_computes_it(tmp_path, capfd):
+    """Phi-3 (and Phi-4) is a Llama whose files keep QKV and SwiGLU's gate+up fused (qkv_proj, gate_up_proj) and
+    was refused (model_type phi3). With a sliding window shorter than its positions (Phi-3-mini's 2047 of 4096) it
+    imports with that window as max_position_embeddings and transformers' logits, `loom eval` over two
+    tensor-parallel ranks (the fused rows split per head and per half) gives its loss, and it exports as the Llama
+    computing the same. Phi-3.5's longrope and Phi-4-mini's partial rotary factor are refused."""
+    phi3 = {**llama_fields(num_key_value_heads=2), "sliding_window": 128}
+    torch.manual_seed(0)
+    model = transformers.Phi3ForCausalLM(transformers.Phi3Config(**phi3)).eval()
+    model.save_pretrained(str(tmp_path / "hf"))
+    imported, again = _round_trip_computes_as_transformers(model, tmp_path, capfd)
+    assert (imported["max_position_embeddings"], imported["num_kv_heads"]) == (128, 2)
+    assert type(again) is transformers.LlamaForCausalLM
+    for refused, said in (
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}},
+         "partial_rotary_factor"),
+        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
+                              "long_factor": [2.0] * 8, "original_max_position_embeddings": 128}}, "'longrope'"),
+    ):  # fmt: skip
+        folder = tmp_path / f"refused-{said}"
+        transformers.Phi3Config(**{**phi3, **refused}).save_pretrained(str(folder))
+        capfd.readouterr()
+        result = loom_here(capfd, "ckpt", "import-hf", "--input", str(folder), "--output", str(tmp_path / "no"))
+        assert result.returncode == 2 and said in result.stderr and len(result.stderr.splitlines()) == 1, result.stderr
+    assert not (tmp_path / "no").exists()
+
+
 def _small_qwen3(folder: Path):
     """A Qwen3ForCausalLM (tied, 2 KV heads, heads of 24 over a hidden size of 64, random q/k norm weights: at one
     they would hide a misplaced one) saved in `folder`, and returned."""

@@ -6,11 +6,13 @@ q_proj, k_proj, v_proj; SwiGLU fc1 -> gate_proj, up_proj) and joined on import; 
 Hugging Face's rotate-half convention, so no permutation of the query/key rows is needed. Only Llama-shaped models
 (RMSNorm, SwiGLU, RoPE, no biases) have a Llama form; with biases on QKV alone (model.qkv_bias) the same model is a
 Qwen2, whose names are Llama's with q/k/v_proj.bias, and with query/key norms (model.qk_norm) a Qwen3 (q_norm,
-k_norm). On import, the rotary settings are read wherever transformers put them (`rope_parameters` since 5.0,
-`rope_theta`/`rope_scaling` before), Llama 3.1's llama3 scaling is kept, and any setting loom cannot represent
-(Llama's attention_bias or mlp_bias, other RoPE types, another activation) is refused with one line naming it: an import
-never yields a different model than the one on disk. transformers is not needed here: the files are written with
-safetensors and json; tests load them with transformers.
+k_norm). A Phi-3 (Phi-4 too) is a Llama whose files keep QKV and gate+up fused as loom does: it imports, and
+exports as the Llama it computes the same as. On import, the rotary settings are read wherever transformers put them
+(`rope_parameters` since 5.0, `rope_theta`/`rope_scaling` before), Llama 3.1's llama3 scaling is kept, and any
+setting loom cannot represent (Llama's attention_bias or mlp_bias, other RoPE types such as Phi-3.5's longrope, a
+partial rotary factor, another activation) is refused with one line naming it: an import never yields a different
+model than the one on disk. transformers is not needed here: the files are written with safetensors and json;
+tests load them with transformers.
 """
 
 from __future__ import annotations
@@ -147,6 +149,12 @@ _IN_BLOCK = {
     naming.INPUT_NORM_WEIGHT: ("input_layernorm.weight",),
     naming.MLP_NORM_WEIGHT: ("post_attention_layernorm.weight",),
 }
+# Phi-3's (and Phi-4's) names: Llama's, with QKV and SwiGLU's gate+up fused as loom fuses them, rows in loom's order.
+_PHI3_IN_BLOCK = {
+    **_IN_BLOCK,
+    naming.QKV_WEIGHT: ("self_attn.qkv_proj.weight",),
+    naming.FC1_WEIGHT: ("mlp.gate_up_proj.weight",),
+}
 
 
 def _fused_sizes(model: dict) -> dict[str, list[int]]:
@@ -171,13 +179,13 @@ def _loom_names(model: dict) -> list[str]:
     return outside + [naming.block_param_name(i, local) for i in range(model["num_layers"]) for local in in_block]
 
 
-def _hf_names(name: str) -> tuple[str, ...]:
-    """Hugging Face's tensor(s) holding loom's tensor `name`."""
+def _hf_names(name: str, phi3: bool = False) -> tuple[str, ...]:
+    """Hugging Face's tensor(s) holding loom's tensor `name` (`phi3`: in a Phi-3's fused names)."""
     in_block = naming.split_block_param_name(name)
     if in_block is None:
         return (_OUTSIDE_BLOCKS[name],)
     layer, local = in_block
-    return tuple(f"model.layers.{layer}.{hf}" for hf in _IN_BLOCK[local])
+    return tuple(f"model.layers.{layer}.{hf}" for hf in (_PHI3_IN_BLOCK if phi3 else _IN_BLOCK)[local])
 
 
 def to_hf(logical: Mapping[str, torch.Tensor], model: dict) -> LazyWeights:
@@ -203,12 +211,12 @@ def to_hf(logical: Mapping[str, torch.Tensor], model: dict) -> LazyWeights:
     return LazyWeights(shapes, make)
 
 
-def from_hf(tensors: Mapping[str, torch.Tensor], model: dict) -> LazyWeights:
-    """Hugging Face Llama state dict -> loom logical tensors, each made when asked for."""
+def from_hf(tensors: Mapping[str, torch.Tensor], model: dict, phi3: bool = False) -> LazyWeights:
+    """Hugging Face Llama state dict (`phi3`: a Phi-3's) -> loom logical tensors, each made when asked for."""
     tensors = LazyWeights.of(tensors)
     shapes, parts_of, used = {}, {}, set()
     for name in _loom_names(model):
-        hf_names = parts_of[name] = _hf_names(name)
+        hf_names = parts_of[name] = _hf_names(name, phi3)
         used.update(hf_names)
         parts = [tensors.shapes[hf] for hf in hf_names]
         if len(parts) > 1 and (min(map(len, parts)) == 0 or len({part[1:] for part in parts}) > 1):
@@ -326,10 +334,10 @@ def _rope_fields(hf: dict) -> dict:
 def _refuse_unrepresentable(hf: dict) -> None:
     """Settings that change the computation but have no loom form: importing without them would load a
     different model than the one on disk."""
-    if hf.get("model_type") not in ("llama", "mistral", "qwen2", "qwen3"):
+    if hf.get("model_type") not in ("llama", "mistral", "qwen2", "qwen3", "phi3"):
         raise CheckpointError(
-            f"model_type {hf.get('model_type')!r} is not llama, mistral, qwen2, qwen3 or gpt2; loom imports Llama-, "
-            "Qwen- and GPT-2-format models"
+            f"model_type {hf.get('model_type')!r} is not llama, mistral, qwen2, qwen3, phi3 or gpt2; loom imports "
+            "Llama-, Mistral-, Qwen-, Phi-3- and GPT-2-format models"
         )
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
@@ -339,12 +347,12 @@ def _refuse_unrepresentable(hf: dict) -> None:
 
 
 def _positions_represented(hf: dict) -> int:
-    """The sequence length up to which loom computes the model on disk: max_position_embeddings, or a Mistral's
-    sliding window (a Qwen2's under use_sliding_window) where that is shorter (loom's attention is full causal, the
-    same as a window's up to its length and not past it)."""
+    """The sequence length up to which loom computes the model on disk: max_position_embeddings, or a Mistral's or
+    a Phi-3's sliding window (a Qwen2's under use_sliding_window) where that is shorter (loom's attention is full
+    causal, the same as a window's up to its length and not past it)."""
     positions = hf["max_position_embeddings"]
     qwen = hf.get("model_type") in ("qwen2", "qwen3")
-    windowed = hf.get("model_type") == "mistral" or (qwen and hf.get("use_sliding_window"))
+    windowed = hf.get("model_type") in ("mistral", "phi3") or (qwen and hf.get("use_sliding_window"))
     window = hf.get("sliding_window") if windowed else None
     if window is not None and (type(window) is not int or window < 1):
         raise CheckpointError(f"config.json's sliding_window {window!r} is neither null nor a number of tokens")
@@ -489,7 +497,8 @@ def import_hf(source: Path, output: Path, overwrite: bool = False) -> Path:
     config = config_from_dict({"model": model, "train": train})
     try:
         loom_model = config_to_dict(config)["model"]
-        logical = from_gpt2(tensors, loom_model) if gpt2 else from_hf(tensors, loom_model)
+        phi3 = hf.get("model_type") == "phi3"
+        logical = from_gpt2(tensors, loom_model) if gpt2 else from_hf(tensors, loom_model, phi3)
     except KeyError as error:
         raise CheckpointError(f"{source} has no tensor {error.args[0]!r}; is it a Llama model?") from None
     except CheckpointError as error:
