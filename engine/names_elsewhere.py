@@ -147,7 +147,12 @@ TRAINING_NAMES: tuple[NameElsewhere, ...] = (
                 "Megatron has biases by default, loom none; without them Megatron's GELU is exact (erf), loom's the "
                 "tanh form its fused bias-GELU computes",
             ),
-            ("--add-qkv-bias", "--model.qkv_bias true"),
+            (
+                "--add-qkv-bias",
+                "--model.qkv_bias true",
+                "QKV's biases alone with --disable-bias-linear; without it Megatron biases every linear layer: "
+                "--model.bias true",
+            ),
             (
                 "--untie-embeddings-and-output-weights",
                 "--model.tie_embeddings false",

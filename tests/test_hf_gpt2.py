@@ -111,12 +111,13 @@ def test_gpt2_settings_loom_computes_otherwise_are_refused_in_one_line(settings,
 def test_a_model_of_neither_form_is_refused_naming_both(tmp_path):
     import_hf(_gpt2(tmp_path / "hf", True), tmp_path / "loom")
     directory, metadata = find_loadable(tmp_path / "loom")
-    for changes in ({"norm": "rmsnorm"}, {"num_kv_heads": 2}):
+    for changes in ({"norm": "rmsnorm"}, {"num_kv_heads": 2}, {"qk_norm": True}):  # GPT2LMHeadModel has no q/k norm
         metadata.config["model"].update(changes)
         (directory / "metadata.json").write_text(metadata.to_json())
-        with pytest.raises(CheckpointError, match="GPT-2-shaped ones .* export to Hugging Face"):
+        with pytest.raises(CheckpointError, match="GPT-2-shaped ones .* export to Hugging Face; this one has") as error:
             export_hf(tmp_path / "loom", tmp_path / "out")
-        metadata.config["model"].update({"norm": "layernorm", "num_kv_heads": 4})
+        assert "qk_norm" in str(error.value) or "qk_norm" not in changes
+        metadata.config["model"].update({"norm": "layernorm", "num_kv_heads": 4, "qk_norm": False})
 
 
 def test_a_lora_run_on_gpt2_exports_a_peft_adapter_with_its_logits(markov_dataset, tmp_path, capfd):

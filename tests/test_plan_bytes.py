@@ -128,31 +128,36 @@ ACTIVATION_CASES = (
         for recompute in ("none", "selective")
     ]
     + [
-        (1, False, "none", "bf16", 1, "true"),
-        (2, True, "selective", "fp8", 1, "gpt"),
+        (2, True, "none", "bf16", 1, "qk_norm"),
+        (1, False, "none", "bf16", 1, "compiled qk_norm"),
+        (2, True, "selective", "fp8", 1, "compiled gpt"),
     ]
 )
 """precision fp8: bf16 with loom's FP8 linears (torch._scaled_mm, which runs on CPU; the GPU check is bypassed).
-The last field is model.compile (the block compiled whole, as on a GPU by default); gpt: compiled, with LayerNorm
-and GELU. Two compiled cases between them reach every term of the compiled count (each costs ~15 s of compiling)."""
+The last field is the model: "false" the tiny preset's, eager; "compiled ..." with the block compiled whole (as on a
+GPU by default), "... gpt" with LayerNorm and GELU, "... qk_norm" with query/key norms. Two compiled cases between
+them reach every term of the compiled count (each costs ~15 s of compiling)."""
+
+MODEL_VARIANTS = {"gpt": {"norm": "layernorm", "activation": "gelu"}, "qk_norm": {"qk_norm": True}}
 
 
 def _saved_per_layer(rank, world, cases):
     """Bytes one block saves for backward (parameters excluded): the difference between 2 layers and 1."""
     out = []
-    for tp, sp, recompute, precision, micro, compiled in cases:
+    for tp, sp, recompute, precision, micro, variant in cases:
         if tp != world:
             continue
         state = ParallelState.create(tp=tp, dp=1)
         saved = []
-        model = {"compile": "true", "norm": "layernorm", "activation": "gelu"} if compiled == "gpt" else {}
+        model = {"compile": "true" if variant.startswith("compiled") else "false"}
+        model.update(MODEL_VARIANTS.get(variant.split()[-1], {}))
         for layers in (1, 2):
             fp8 = {"precision": "bf16", "fp8": "current"} if precision == "fp8" else {}
             config = load_config(
                 "tiny",
                 {
                     # compile set either way: the pretend CUDA device of the fp8 cases would compile under auto
-                    "model": {"num_layers": layers, "recompute": recompute, "compile": compiled, **model},
+                    "model": {"num_layers": layers, "recompute": recompute, **model},
                     "parallel": {"tp": tp},
                     "train": fp8,
                 },
@@ -175,7 +180,7 @@ def _saved_per_layer(rank, world, cases):
 
             tokens = torch.randint(0, 4096, (micro, 64), generator=torch.Generator().manual_seed(0))
             autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision != "fp32")
-            if compiled != "false":  # compile first: the saved-tensor hooks then see the compiled graph's saves
+            if model["compile"] == "true":  # compile first: the saved-tensor hooks then see the compiled graph's saves
                 with autocast:
                     chunk(tokens, tokens).sum().backward()
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), autocast:
@@ -183,19 +188,28 @@ def _saved_per_layer(rank, world, cases):
             saved.append(sum(storages.values()))
         element = 4 if precision == "fp32" else 2
         planned = layer_activation_bytes(
-            config.model, 64, micro, tp, sp, recompute, element, fp8=precision == "fp8", compiled=compiled != "false"
+            config.model,
+            64,
+            micro,
+            tp,
+            sp,
+            recompute,
+            element,
+            fp8=precision == "fp8",
+            compiled=model["compile"] == "true",
         )
         planned += fp8_weight_bytes(config.model, tp) if precision == "fp8" else 0  # cast once, kept per layer
-        out.append(((tp, sp, recompute, precision, micro, compiled), planned, saved[1] - saved[0]))
+        out.append(((tp, sp, recompute, precision, micro, variant), planned, saved[1] - saved[0]))
     return out
 
 
 def test_activation_bytes_equal_what_loom_saves_for_backward():
-    """Every tp x sequence-parallel x recompute x precision case within 10% (the model is exact here)."""
+    """Every tp x sequence-parallel x recompute x precision case: eager to the byte but FP8's scales (0.1%: a
+    forgotten term, query/key norms' 7%, would fail), compiled within 5% (inductor's choices)."""
     results = run_ranks(_saved_per_layer, 1, ACTIVATION_CASES)[0] + run_ranks(_saved_per_layer, 2, ACTIVATION_CASES)[0]
     assert len(results) == len(ACTIVATION_CASES)
     for case, planned, saved in results:
-        assert abs(planned / saved - 1) <= 0.10, (case, planned, saved)
+        assert abs(planned / saved - 1) <= (0.05 if case[-1].startswith("compiled") else 0.001), (case, planned, saved)
 
 
 def test_megatron_activation_bytes_are_megatron_lms_own_formula_and_count_other_widths():

@@ -38,6 +38,7 @@ from loom.engine.config_io import config_from_dict, config_to_dict
 from loom.engine.model import naming
 from loom.tools.ckpt import LazyWeights, first_few, open_checkpoint, write_weights_checkpoint
 from loom.tools.hf_gpt2 import (
+    GPT2_SHAPE,
     embedding_key,
     from_gpt2,
     gpt2_config,
@@ -60,10 +61,11 @@ def _check_llama(model: dict, gpt2_too: bool = False) -> None:
     if model["qk_norm"] and model["qkv_bias"]:  # Qwen3's attention_bias would bias o_proj too
         wrong["qkv_bias with qk_norm"] = True
     if wrong and gpt2_too:
+        unlike_gpt2 = {k: model[k] for k, v in GPT2_SHAPE.items() if model[k] != v}
         raise CheckpointError(
             "only Llama-shaped models (rmsnorm, swiglu, rope, no biases but QKV's) and GPT-2-shaped ones (layernorm, "
-            f"gelu, learned positions, biases, as many KV heads as heads, each hidden_size / heads wide) export to "
-            f"Hugging Face; this one has {wrong}"
+            "gelu, learned positions, biases, no query/key norms, as many KV heads as heads, each hidden_size / heads "
+            f"wide) export to Hugging Face; this one has {min(wrong, unlike_gpt2, key=len) or wrong}"
         )
     if wrong:
         raise CheckpointError(f"only Llama-shaped models export to the Llama format; this one has {wrong}")

@@ -19,7 +19,13 @@ from loom.engine.checkpoint.format import CheckpointError
 from loom.engine.model import naming
 from loom.tools.ckpt import LazyWeights, first_few
 
-GPT2_SHAPE = {"norm": "layernorm", "activation": "gelu", "position_embedding": "learned", "bias": True}
+GPT2_SHAPE = {
+    "norm": "layernorm",
+    "activation": "gelu",
+    "position_embedding": "learned",
+    "bias": True,
+    "qk_norm": False,
+}
 """The ModelConfig fields of a model with a GPT-2 form (grouped-query attention aside)."""
 
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")

@@ -289,8 +289,8 @@ def layer_activation_bytes(
     what the attention core alone keeps (the log-sum-exp: loom's kernels never keep the s x s scores), full
     recompute keeps only the block's input. Under `fp8` the four GEMMs keep FP8 copies of their inputs (1 byte):
     the attention projection's beside the attention output, which the attention kernel keeps unless selective
-    recompute reruns it. `engine` MEGATRON counts Megatron-LM's layer as Korthikanti et al. 2022 do
-    (`_korthikanti_bytes_per_token`).
+    recompute reruns it; model.qk_norm's norms keep their own (_qk_norm_bytes). `engine` MEGATRON counts
+    Megatron-LM's layer as Korthikanti et al. 2022 do (`_korthikanti_bytes_per_token`).
 
     `compiled` (model.compile, the CUDA default): what inductor's partitioner keeps of the same block (measured
     equal on CPU): the residual stream in the compute dtype before and after attention and each norm's
@@ -311,16 +311,27 @@ def layer_activation_bytes(
         residual = 2 * (h * element + _norm_statistics_bytes(m)) * sequence_share
         gemm_inputs = (2 * h if sp else 0) if fp8 else 2 * h * element
         attention = ((q + 2 * kv) + (q + kv)) * element + (q * element + heads * 4 if recompute == "none" else 0)
+        attention += _qk_norm_bytes(m, element, compiled=True)
         mlp = fc1_output * element + (0 if fp8 else f * element)
         return tokens * (residual + gemm_inputs + (attention + mlp) / tp)
     gemm_input = 1 if fp8 else element
-    norms = 2 * (8 * h + 4) * sequence_share
+    norms = 2 * (8 * h + 4) * sequence_share + _qk_norm_bytes(m, element, compiled=False) / tp
     gemm_inputs = 2 * h * gemm_input
     attention_output = q * element if not (fp8 and recompute == "selective") else 0
     attention = ((q + 2 * kv) + q + kv) * element + attention_output + (q if fp8 else 0)
     attention = attention / tp + (heads * 4 / tp if recompute == "none" else 0)
     mlp = ((fc1_output + f if m.activation == "swiglu" else f) * element + f * gemm_input) / tp
     return tokens * (norms + gemm_inputs + attention + mlp)
+
+
+def _qk_norm_bytes(m: ModelConfig, element: int, compiled: bool) -> int:
+    """Per token, what model.qk_norm's two norms keep: each head's 1/rms (fp32), and eagerly its normalised fp32
+    values and its fp32 input unless the heads are fp32 already (a view of the QKV output, kept anyway); compiled,
+    backward recomputes them from the statistics."""
+    if not m.qk_norm:
+        return 0
+    width, heads = (m.num_heads + m.num_kv_heads) * m.head_dim, m.num_heads + m.num_kv_heads
+    return 4 * heads + (0 if compiled else (4 if element == 4 else 8) * width)
 
 
 def _korthikanti_bytes_per_token(m: ModelConfig, tp: int, sp: bool, fp8: bool) -> float:

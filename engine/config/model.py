@@ -15,7 +15,8 @@ class ModelConfig:
     hidden_size: int = 2048
     """Width of the residual stream."""
     num_heads: int = 16
-    """Attention (query) heads; must divide hidden_size and be divisible by parallel.tp."""
+    """Attention (query) heads; must divide hidden_size unless model.head_dim is set, and be divisible by
+    parallel.tp."""
     num_kv_heads: int | None = None
     """Key/value heads for grouped-query attention; None means num_heads (multi-head attention)."""
     head_dim: int | None = None
@@ -59,7 +60,7 @@ class ModelConfig:
     """Normalise each query and key head (model.norm's kind, over head_dim, one weight shared by all heads) before
     the rotary embedding: Qwen3's q_norm / k_norm, Megatron's --qk-layernorm."""
     qkv_bias: bool = False
-    """Biases on the QKV projection alone (Qwen2; Megatron's --add-qkv-bias without --add-bias-linear). model.bias
+    """Biases on the QKV projection alone (Qwen2; Megatron's --add-qkv-bias with --disable-bias-linear). model.bias
     puts them on every linear layer, QKV's included."""
     tie_embeddings: bool = False
     """Share the input embedding with the output layer."""
