@@ -122,7 +122,7 @@ TRAINING_NAMES: tuple[NameElsewhere, ...] = (
                 CONVERTED,
             ),
             ("--rotary-base", "--model.rope_theta"),
-            ("--rotary-percent", "", "loom rotates the whole head"),
+            ("--rotary-percent", "--model.rotary_percent"),
             ("--use-rope-scaling", "--model.rope_scaling llama3"),
             ("--rope-scaling-factor", "--model.rope_scaling_factor"),
             (

@@ -447,7 +447,7 @@ def _add_import_megatron(sub) -> None:
         "(mp_rank_* folders; megatron-core's model or the legacy one of --use-legacy-models): the model's shape "
         "from the run's arguments, the weights as saved, whatever tensor/pipeline/virtual-pipeline layout trained "
         "them; the optimizer state is not read. Megatron is not needed. A setting loom cannot compute the same way "
-        "(mixture of experts, QK L2 norms, partial rotary, ...) is refused with Megatron's flag.",
+        "(mixture of experts, QK L2 norms, sliding windows, ...) is refused with Megatron's flag.",
     )
     p.add_argument(
         "--input", type=existing_dir, required=True, help="Megatron-LM's --save folder, or an iter_N folder in it"

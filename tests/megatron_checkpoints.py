@@ -84,9 +84,10 @@ VARIANTS = {
         per_layer_keys=True,
         bf16=False,
     ),
-    # multi-query attention, interleaved rotary pairs with Llama 3's scaling, tied, zero-centred norm weights
-    # (stored minus one, as Transformer Engine's --apply-layernorm-1p norms hold them), biases on QKV alone (Qwen's
-    # --add-qkv-bias) and norms on queries and keys (whose weights follow the interleaved rows), saved in bf16
+    # multi-query attention, interleaved rotary pairs with Llama 3's scaling over half of each head (the rows past
+    # them unrotated), tied, zero-centred norm weights (stored minus one, as Transformer Engine's
+    # --apply-layernorm-1p norms hold them), biases on QKV alone (Qwen's --add-qkv-bias) and norms on queries and
+    # keys (whose weights follow the interleaved rows), saved in bf16
     "interleaved": dict(
         config=dict(
             normalization="RMSNorm",
@@ -103,6 +104,7 @@ VARIANTS = {
             rotary_base=10000,
             rope_scaling=True,
             rope_scaling_factor=8.0,
+            rotary_percent=0.5,
             share_embeddings_and_output_weights=True,
         ),
         args=dict(
@@ -116,6 +118,7 @@ VARIANTS = {
             position_embedding_type="rope",
             rotary_base=10000,
             rotary_interleaved=True,
+            rotary_percent=0.5,
             use_rope_scaling=True,
             rope_scaling_factor=8.0,
             untie_embeddings_and_output_weights=False,

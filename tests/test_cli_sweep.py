@@ -300,6 +300,10 @@ BAD_OVERRIDES = [
     ["--model.head_dim", "0"],
     ["--model.head_dim", "7"],  # odd: no rotary pairs
     ["--model.head_dim", HUGE],
+    ["--model.rotary_percent", "0"],
+    ["--model.rotary_percent", "1.5"],
+    ["--model.rotary_percent", "nan"],
+    ["--model.rotary_percent", "0.2"],  # 16 x 0.2: 3 channels, no pairs
     ["--train.rampup_batch_size", "4", "4"],
     ["--train.nosuch", "1"],
     ["--train.steps"],

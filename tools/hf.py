@@ -7,10 +7,11 @@ Hugging Face's rotate-half convention, so no permutation of the query/key rows i
 (RMSNorm, SwiGLU, RoPE, no biases) have a Llama form; with biases on QKV alone (model.qkv_bias) the same model is a
 Qwen2, whose names are Llama's with q/k/v_proj.bias, and with query/key norms (model.qk_norm) a Qwen3 (q_norm,
 k_norm). A Phi-3 (Phi-4 too) is a Llama whose files keep QKV and gate+up fused as loom does: it imports, and
-exports as the Llama it computes the same as. On import, the rotary settings are read wherever transformers put them
-(`rope_parameters` since 5.0, `rope_theta`/`rope_scaling` before), Llama 3.1's llama3 scaling is kept, and any
-setting loom cannot represent (Llama's attention_bias or mlp_bias, other RoPE types such as Phi-3.5's longrope, a
-partial rotary factor, another activation) is refused with one line naming it: an import never yields a different
+exports as the Llama it computes the same as unless it turns part of each head (partial_rotary_factor,
+model.rotary_percent), which only transformers' Phi-3 class computes. On import, the rotary settings are read
+wherever transformers put them (`rope_parameters` since 5.0, `rope_theta`/`rope_scaling` before), Llama 3.1's
+llama3 scaling is kept, and any setting loom cannot represent (Llama's attention_bias or mlp_bias, other RoPE types
+such as Phi-3.5's longrope, another activation) is refused with one line naming it: an import never yields a different
 model than the one on disk. transformers is not needed here: the files are written with safetensors and json;
 tests load them with transformers.
 """
@@ -60,6 +61,8 @@ def _check_llama(model: dict, gpt2_too: bool = False) -> None:
     }
     if model["qk_norm"] and model["qkv_bias"]:  # Qwen3's attention_bias would bias o_proj too
         wrong["qkv_bias with qk_norm"] = True
+    if model["rotary_percent"] < 1 and (model["qk_norm"] or model["qkv_bias"]):  # only Phi-3's class turns part
+        wrong["rotary_percent with " + ("qk_norm" if model["qk_norm"] else "qkv_bias")] = model["rotary_percent"]
     if wrong and gpt2_too:
         unlike_gpt2 = {k: model[k] for k, v in GPT2_SHAPE.items() if model[k] != v}
         raise CheckpointError(
@@ -75,6 +78,8 @@ def _hf_rope(model: dict) -> dict:
     """rope_parameters as transformers >= 5 writes it; the same values also go out in the older top-level
     rope_theta / rope_scaling form, so transformers 4 reads the file too."""
     rope = {"rope_type": "default", "rope_theta": model["rope_theta"]}
+    if model["rotary_percent"] < 1:
+        rope["partial_rotary_factor"] = model["rotary_percent"]
     if model["rope_scaling"] == "llama3":
         rope.update(
             rope_type="llama3",
@@ -93,10 +98,19 @@ HF_TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _phi3_form(model: dict) -> bool:
+    """Whether a Llama-shaped loom model exports as a Phi-3: transformers' Llama turns each head whole, its Phi-3
+    the part model.rotary_percent says."""
+    return model["rotary_percent"] < 1
+
+
 def _hf_architecture(model: dict) -> dict:
-    """The config.json fields naming the Hugging Face class of a Llama-shaped loom model: Qwen3 with query/key
-    norms, Qwen2 with biases on q, k and v alone, Llama otherwise (Llama's and Qwen3's attention_bias would bias
-    o_proj too, so neither takes QKV's alone)."""
+    """The config.json fields naming the Hugging Face class of a Llama-shaped loom model: Phi-3 rotating part of
+    each head, Qwen3 with query/key norms, Qwen2 with biases on q, k and v alone, Llama otherwise (Llama's and
+    Qwen3's attention_bias would bias o_proj too, so neither takes QKV's alone)."""
+    if _phi3_form(model):  # Phi3Config's token ids default to Phi-3's own (eos and pad 32000): none unless known
+        return {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "sliding_window": None,
+                "partial_rotary_factor": model["rotary_percent"], **dict.fromkeys(HF_TOKEN_ID_FIELDS)}  # fmt: skip
     if model["qk_norm"]:
         return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "use_sliding_window": False,
                 "attention_bias": False}  # fmt: skip
@@ -191,12 +205,13 @@ def _hf_names(name: str, phi3: bool = False) -> tuple[str, ...]:
 
 
 def to_hf(logical: Mapping[str, torch.Tensor], model: dict) -> LazyWeights:
-    """loom logical tensors -> Hugging Face Llama state dict, each tensor made when asked for."""
+    """loom logical tensors -> Hugging Face Llama (or Phi-3: _phi3_form) state dict, each tensor made when asked
+    for."""
     logical = LazyWeights.of(logical)
     sizes = _fused_sizes(model)
     shapes, part_of = {}, {}
     for name in _loom_names(model):
-        hf_names, shape = _hf_names(name), logical.shapes[name]
+        hf_names, shape = _hf_names(name, _phi3_form(model)), logical.shapes[name]
         rows = [shape[0]] if len(hf_names) == 1 else sizes[naming.split_block_param_name(name)[1]]
         for index, (hf_name, count) in enumerate(zip(hf_names, rows, strict=True)):
             shapes[hf_name] = (count, *shape[1:])
@@ -312,8 +327,13 @@ def _rope_parameters(hf: dict) -> dict:
 def _rope_fields(hf: dict) -> dict:
     rope = _rope_parameters(hf)
     fields = {"rope_theta": float(rope["rope_theta"])}
-    if rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise CheckpointError("config.json sets partial_rotary_factor; loom rotates the whole head")
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0 and hf.get("model_type") != "phi3":  # transformers' other classes turn each head whole
+        raise CheckpointError(
+            f"config.json sets partial_rotary_factor {partial} for model_type {hf.get('model_type')!r}, whose "
+            "transformers class rotates the whole head; loom imports it with Phi-3's"
+        )
+    fields["rotary_percent"] = float(partial)
     if rope["rope_type"] == "llama3":
         fields.update(
             rope_scaling="llama3",
@@ -558,7 +578,7 @@ def export_peft_adapter(
             tensors[f"base_model.model.{module}.lora_A.weight"] = a
             tensors[f"base_model.model.{module}.lora_B.weight"] = b
             continue
-        hf_weights = _hf_names(weight)
+        hf_weights = _hf_names(weight, _phi3_form(model))
         b_parts = b.split(sizes[naming.split_block_param_name(weight)[1]]) if len(hf_weights) > 1 else (b,)
         for hf_weight, b_part in zip(hf_weights, b_parts, strict=True):
             module = hf_weight.removesuffix(".weight")

@@ -223,10 +223,6 @@ def model_from_megatron_arguments(args: dict, shapes: dict[str, tuple[int, ...]]
         if args.get(name) not in (loom_value, None):  # None: an older Megatron without the setting
             raise CheckpointError(f"the model uses {what} ({flag} {args[name]}), which loom does not have")
     heads, hidden = args["num_attention_heads"], args["hidden_size"]
-    if args.get("rotary_percent") not in (None, 1.0):
-        raise CheckpointError(
-            f"the model rotates {args['rotary_percent']:.0%} of each head (--rotary-percent); loom rotates all of it"
-        )
     # Megatron-LM 23.04 and 23.06 said rotary positions with --use-rotary-position-embeddings
     positions = args.get("position_embedding_type") or (
         "rope" if args.get("use_rotary_position_embeddings") else "learned_absolute"
@@ -268,6 +264,7 @@ def model_from_megatron_arguments(args: dict, shapes: dict[str, tuple[int, ...]]
     }
     if positions == "rope":
         model["rope_theta"] = 10000.0 if legacy_model else float(args.get("rotary_base") or 10000)
+        model["rotary_percent"] = float(args.get("rotary_percent") or 1.0)
         if args.get("use_rope_scaling") and not legacy_model:
             # megatron-core's Llama 3 scaling: its low/high frequency factors and original length are fixed
             model.update(
@@ -410,10 +407,12 @@ def _qkv_from_grouped(tensor: torch.Tensor, model: dict) -> torch.Tensor:
     return torch.cat([part.reshape(-1, *tensor.shape[1:]) for part in (q, k, v)])
 
 
-def _rotate_half_rows(tensor: torch.Tensor, heads: int) -> torch.Tensor:
-    """Query or key rows of interleaved rotary pairs (2i, 2i+1) reordered so the pairs are (i, i + d/2), loom's."""
+def _rotate_half_rows(tensor: torch.Tensor, heads: int, rotary_dim: int) -> torch.Tensor:
+    """Query or key rows of interleaved rotary pairs (2i, 2i+1) reordered so the pairs are (i, i + d/2), loom's,
+    among each head's first `rotary_dim` rows (the rows past them are not rotated, and stay)."""
     per_head = tensor.reshape(heads, -1, *tensor.shape[1:])
-    order = torch.cat([torch.arange(0, per_head.shape[1], 2), torch.arange(1, per_head.shape[1], 2)])
+    turned = [torch.arange(0, rotary_dim, 2), torch.arange(1, rotary_dim, 2)]
+    order = torch.cat([*turned, torch.arange(rotary_dim, per_head.shape[1])])
     return per_head[:, order].reshape(tensor.shape)
 
 
@@ -435,7 +434,7 @@ def from_megatron(stored: DistributedCheckpoint, model: dict, args: dict, loom_n
         )
     centred = bool(_argument(args, "layernorm_zero_centered_gamma", "apply_layernorm_1p", default=False))
     interleaved = bool(args.get("rotary_interleaved")) and model["position_embedding"] == "rope"
-    head = model["head_dim"]
+    head, turned = model["head_dim"], int(model["head_dim"] * model["rotary_percent"])
 
     def make(name: str) -> torch.Tensor:
         tensor = weights.read(located[name])
@@ -449,10 +448,14 @@ def from_megatron(stored: DistributedCheckpoint, model: dict, args: dict, loom_n
                 q, kv = tensor.split([q_rows, tensor.shape[0] - q_rows])
                 k, v = kv.chunk(2)
                 tensor = torch.cat(
-                    [_rotate_half_rows(q, model["num_heads"]), _rotate_half_rows(k, model["num_kv_heads"]), v]
+                    [
+                        _rotate_half_rows(q, model["num_heads"], turned),
+                        _rotate_half_rows(k, model["num_kv_heads"], turned),
+                        v,
+                    ]
                 )
         elif interleaved and local in (naming.Q_NORM_WEIGHT, naming.K_NORM_WEIGHT):
-            tensor = _rotate_half_rows(tensor, 1)  # a head's norm weights follow its rows
+            tensor = _rotate_half_rows(tensor, 1, turned)  # a head's norm weights follow its rows
         return tensor
 
     return LazyWeights({name: weights.shape(where) for name, where in located.items()}, make)

@@ -96,7 +96,7 @@ def megatron_arguments(model: dict, train: dict, step: int, consumed: int, dtype
         add_position_embedding=True,
         use_rotary_position_embeddings=rope,
         rotary_base=int(theta) if float(theta).is_integer() else theta,
-        rotary_percent=1.0,
+        rotary_percent=model["rotary_percent"],
         rotary_interleaved=False,
         use_rope_scaling=rope and model["rope_scaling"] == "llama3",
         rope_scaling_factor=model["rope_scaling_factor"],
@@ -147,6 +147,10 @@ def megatron_flags(args: argparse.Namespace) -> str:
         f"--max-position-embeddings {args.max_position_embeddings}",
         f"--position-embedding-type {args.position_embedding_type}",
         *([f"--rotary-base {args.rotary_base}"] * args.use_rotary_position_embeddings),
+        *(
+            [f"--rotary-percent {args.rotary_percent}"]
+            * (args.use_rotary_position_embeddings and args.rotary_percent < 1)
+        ),
         *([f"--use-rope-scaling --rope-scaling-factor {args.rope_scaling_factor}"] * args.use_rope_scaling),
         f"--normalization {args.normalization}",
         f"--norm-epsilon {args.norm_epsilon}",

@@ -24,6 +24,7 @@ from loom.engine.optim.lr_schedule import learning_rate
 # context), so they are reported rather than refused.
 FUNCTIONAL_MODEL_FIELDS = (
     "rope_theta",
+    "rotary_percent",
     "rope_scaling",
     "rope_scaling_factor",
     "rope_low_freq_factor",

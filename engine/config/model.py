@@ -35,6 +35,10 @@ class ModelConfig:
     """Rotary position embedding (Llama) or a learned absolute table (GPT-2)."""
     rope_theta: float = 10000.0
     """Base of the rotary frequencies."""
+    rotary_percent: float = 1.0
+    """Fraction of each head's width the rotary embedding turns (Megatron's --rotary-percent, Hugging Face's
+    partial_rotary_factor; GPT-NeoX and Phi-4-mini rotate part of it): its first int(head_dim x this) channels,
+    an even number, the rest pass unrotated."""
     rope_scaling: Literal["none", "llama3"] = "none"
     """Long-context rescaling of the rotary frequencies: none, or llama3 (Llama 3.1 and later; Hugging Face's
     rope_type "llama3"): wavelengths longer than rope_original_max_positions / rope_low_freq_factor are
@@ -136,10 +140,22 @@ class ModelConfig:
                 self.ffn_hidden_size = -(-(8 * self.hidden_size // 3) // 256) * 256
             else:
                 self.ffn_hidden_size = 4 * self.hidden_size
-        if self.position_embedding == "rope" and self.head_dim % 2:
-            raise ConfigError(f"rotary embeddings need an even head dim, got {self.head_dim}")
+        if not 0.0 < self.rotary_percent <= 1.0:  # NaN fails too
+            raise ConfigError(f"model.rotary_percent must be in (0, 1], got {self.rotary_percent}")
+        if self.position_embedding == "rope" and (self.rotary_dim % 2 or not self.rotary_dim):
+            turned = "" if self.rotary_percent == 1.0 else f" (model.rotary_percent {self.rotary_percent} of it)"
+            raise ConfigError(
+                f"rotary embeddings turn pairs of channels: the head dim {self.head_dim}{turned} gives "
+                f"{self.rotary_dim} rotated channels, which is not an even number above 0"
+            )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of each head the rotary embedding turns (the first ones), as Megatron and Hugging Face count
+        them."""
+        return int(self.head_dim * self.rotary_percent)
 
     @property
     def biased_qkv(self) -> bool:

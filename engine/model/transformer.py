@@ -59,9 +59,9 @@ def build_norm(config: ModelConfig, tp_size: int, sequence_parallel: bool, kerne
 
 
 def rotary_frequencies(config: ModelConfig, device=None) -> torch.Tensor:
-    """The head_dim/2 angular frequencies of the rotary embedding, with config.rope_scaling applied."""
-    head_dim = config.head_dim
-    frequencies = 1.0 / config.rope_theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    """The rotary_dim/2 angular frequencies of the rotary embedding, with config.rope_scaling applied."""
+    width = config.rotary_dim
+    frequencies = 1.0 / config.rope_theta ** (torch.arange(0, width, 2, device=device).float() / width)
     if config.rope_scaling == "llama3":
         frequencies = _llama3_scaled(frequencies, config)
     return frequencies
@@ -81,7 +81,7 @@ def _llama3_scaled(frequencies: torch.Tensor, config: ModelConfig) -> torch.Tens
 
 
 def rotary_tables(seq_length: int, config: ModelConfig, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape [s, 1, 1, head_dim] for the rotate-half (Hugging Face Llama) convention."""
+    """cos and sin of shape [s, 1, 1, rotary_dim] for the rotate-half (Hugging Face Llama) convention."""
     angles = torch.outer(
         torch.arange(seq_length, dtype=torch.float32, device=device), rotary_frequencies(config, device)
     )
@@ -90,6 +90,9 @@ def rotary_tables(seq_length: int, config: ModelConfig, device) -> tuple[torch.T
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    width = cos.shape[-1]
+    if width < x.shape[-1]:  # model.rotary_percent < 1: the head's first channels turn, the rest pass
+        return torch.cat([apply_rotary(x[..., :width], cos, sin), x[..., width:]], dim=-1)
     first, second = x.chunk(2, dim=-1)
     rotated = torch.cat([-second, first], dim=-1)
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
