@@ -439,6 +439,10 @@ def test_biases_on_qkv_alone_and_another_head_size_import_and_export_as_megatron
     config["model"]["head_dim"] = 24
     args = megatron_arguments(config["model"], config["train"], 0, 0, "float32")
     assert args.kv_channels == 24 and "--kv-channels 24" in megatron_flags(args)
+    assert "--rotary-percent" not in megatron_flags(args)
+    config["model"]["rotary_percent"] = 0.25  # and --rotary-percent, model.rotary_percent (the interleaved variant)
+    args = megatron_arguments(config["model"], config["train"], 0, 0, "float32")
+    assert args.rotary_percent == 0.25 and "--rotary-percent 0.25" in megatron_flags(args)
 
 
 def test_what_older_megatron_saved_or_never_used_imports_as_megatron_computed():
