@@ -300,6 +300,9 @@ BAD_OVERRIDES = [
     ["--model.head_dim", "0"],
     ["--model.head_dim", "7"],  # odd: no rotary pairs
     ["--model.head_dim", HUGE],
+    ["--model.rope_scaling", "longrope"],  # without its factors
+    ["--model.rope_short_factors", "x"],
+    ["--model.rope_attention_factor", "0"],
     ["--model.rotary_percent", "0"],
     ["--model.rotary_percent", "1.5"],
     ["--model.rotary_percent", "nan"],

@@ -14,7 +14,14 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from training_runs import assert_trains_as_torch_loop, loom_here, loom_logits, tiny_config, tiny_train_args
+from training_runs import (
+    assert_trains_as_torch_loop,
+    loom_here,
+    loom_logits,
+    one_line_error,
+    tiny_config,
+    tiny_train_args,
+)
 
 from loom.engine.checkpoint.format import CheckpointError, find_loadable
 from loom.engine.config_io import config_from_dict
@@ -417,38 +424,37 @@ def test_heads_narrower_than_hidden_size_over_their_count_import_and_export_as_t
 
 def test_a_phi3_imports_evaluates_under_tensor_parallelism_and_exports_as_transformers_computes_it(tmp_path, capfd):
     """Phi-3 (and Phi-4) is a Llama whose files keep QKV and SwiGLU's gate+up fused (qkv_proj, gate_up_proj) and
-    was refused (model_type phi3); Phi-4-mini rotates part of each head (partial_rotary_factor), which was refused
-    too. This one rotates half of each head (model.rotary_percent 0.5) and has a sliding window shorter than its
-    positions (Phi-3-mini's 2047 of 4096): it imports with that window as max_position_embeddings and transformers'
-    logits, `loom eval` over two tensor-parallel ranks (the fused rows split per head and per half) gives its loss,
-    and it exports back as a Phi3ForCausalLM (transformers' Llama turns whole heads) with the same logits.
-    Phi-3.5's longrope is refused, and so is a partial rotary factor in a Llama's config (transformers' Llama cannot
+    was refused (model_type phi3); so were Phi-3.5's and Phi-4-mini's rotary settings: longrope (frequencies
+    divided by one set of factors up to the original context, another past it, cos and sin scaled) over part of
+    each head (partial_rotary_factor). This one has both (model.rope_scaling longrope, model.rotary_percent 0.5),
+    and a sliding window shorter than its positions (Phi-3-mini's 2047 of 4096): it imports with that window as
+    max_position_embeddings and transformers' logits on 128 tokens (the long factors: past the original 100),
+    `loom eval` of 64-token sequences over two tensor-parallel ranks (the short factors; the fused rows split per
+    head and per half) gives its loss, and it exports back as a Phi3ForCausalLM (transformers' Llama turns whole
+    heads) with the same logits. A partial rotary factor in a Llama's config is refused (transformers' Llama cannot
     compute it)."""
-    phi3 = {**llama_fields(num_key_value_heads=2), "sliding_window": 128}
-    phi3["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}
+    phi3 = {**llama_fields(num_key_value_heads=2), "sliding_window": 128, "original_max_position_embeddings": 100}
+    phi3["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.5,
+                               "short_factor": [1.0, 1.5, 3.0, 5.0], "long_factor": [1.0, 4.0, 16.0, 64.0]}  # fmt: skip
     torch.manual_seed(0)
     model = transformers.Phi3ForCausalLM(transformers.Phi3Config(**phi3)).eval()
     model.save_pretrained(str(tmp_path / "hf"))
     imported, again = _round_trip_computes_as_transformers(model, tmp_path, capfd)
     assert (imported["max_position_embeddings"], imported["num_kv_heads"], imported["rotary_percent"]) == (128, 2, 0.5)
+    assert imported["rope_attention_factor"] == math.sqrt(1 + math.log(256 / 100) / math.log(100))  # of 256 positions
     assert type(again) is transformers.Phi3ForCausalLM
-    with torch.no_grad():  # half of each head turning is not the whole turning: the setting is carried, not moot
-        whole = transformers.Phi3ForCausalLM(transformers.Phi3Config(**{**phi3, "rope_parameters": None})).eval()
-        whole.load_state_dict(model.state_dict())
+    with torch.no_grad():  # longrope is not moot: without it the logits differ, in the short regime too
+        unscaled = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}
+        other = transformers.Phi3ForCausalLM(transformers.Phi3Config(**{**phi3, "rope_parameters": unscaled}))
+        other.load_state_dict(model.state_dict())
         tokens = torch.randint(0, VOCAB, (1, 64), generator=torch.Generator().manual_seed(2))
-        assert (whole(tokens).logits - model(tokens).logits).abs().max().item() > 1e-3
-    longrope = {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 4, "long_factor": [2.0] * 4,
-                "original_max_position_embeddings": 128, "partial_rotary_factor": 0.5}  # fmt: skip
-    for folder, config, said in (
-        ("longrope", transformers.Phi3Config(**{**phi3, "rope_parameters": longrope}), "'longrope'"),
-        ("llama", llama_config(rope_parameters=phi3["rope_parameters"]), "partial_rotary_factor 0.5"),
-    ):
-        config.save_pretrained(str(tmp_path / folder))
-        capfd.readouterr()
-        result = loom_here(
-            capfd, "ckpt", "import-hf", "--input", str(tmp_path / folder), "--output", str(tmp_path / "no")
-        )
-        assert result.returncode == 2 and said in result.stderr and len(result.stderr.splitlines()) == 1, result.stderr
+        assert (other.eval()(tokens).logits - model(tokens).logits).abs().max().item() > 1e-3
+    llama_config(rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.5}).save_pretrained(
+        str(tmp_path / "llama")
+    )
+    capfd.readouterr()
+    result = loom_here(capfd, "ckpt", "import-hf", "--input", str(tmp_path / "llama"), "--output", str(tmp_path / "no"))
+    one_line_error(result, "partial_rotary_factor 0.5 for model_type 'llama'")
     assert not (tmp_path / "no").exists()
 
 

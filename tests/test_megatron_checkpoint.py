@@ -443,6 +443,9 @@ def test_biases_on_qkv_alone_and_another_head_size_import_and_export_as_megatron
     config["model"]["rotary_percent"] = 0.25  # and --rotary-percent, model.rotary_percent (the interleaved variant)
     args = megatron_arguments(config["model"], config["train"], 0, 0, "float32")
     assert args.rotary_percent == 0.25 and "--rotary-percent 0.25" in megatron_flags(args)
+    longrope = dict(rope_scaling="longrope", rope_short_factors=[1.0] * 8, rope_long_factors=[2.0] * 8)
+    with pytest.raises(CheckpointError, match="longrope-scaled .* megatron-core's scales as Llama 3.1"):
+        megatron_arguments({**config["model"], **longrope}, config["train"], 0, 0, "float32")
 
 
 def test_what_older_megatron_saved_or_never_used_imports_as_megatron_computed():

@@ -10,15 +10,16 @@ k_norm). A Phi-3 (Phi-4 too) is a Llama whose files keep QKV and gate+up fused a
 exports as the Llama it computes the same as unless it turns part of each head (partial_rotary_factor,
 model.rotary_percent), which only transformers' Phi-3 class computes. On import, the rotary settings are read
 wherever transformers put them (`rope_parameters` since 5.0, `rope_theta`/`rope_scaling` before), Llama 3.1's
-llama3 scaling is kept, and any setting loom cannot represent (Llama's attention_bias or mlp_bias, other RoPE types
-such as Phi-3.5's longrope, another activation) is refused with one line naming it: an import never yields a different
-model than the one on disk. transformers is not needed here: the files are written with safetensors and json;
+llama3 scaling and Phi-3.5's longrope are kept, and any setting loom cannot represent (Llama's attention_bias or
+mlp_bias, other RoPE types, another activation) is refused with one line naming it: an import never yields a
+different model than the one on disk. transformers is not needed here: the files are written with safetensors and json;
 tests load them with transformers.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -35,6 +36,7 @@ from loom.engine.atomic import (
 )
 from loom.engine.checkpoint.format import CheckpointError, sha256_of, unrecorded_tokenizer
 from loom.engine.checkpoint.load import PieceReader
+from loom.engine.config import ModelConfig
 from loom.engine.config_io import config_from_dict, config_to_dict
 from loom.engine.model import naming
 from loom.tools.ckpt import LazyWeights, first_few, open_checkpoint, write_weights_checkpoint
@@ -80,6 +82,14 @@ def _hf_rope(model: dict) -> dict:
     rope = {"rope_type": "default", "rope_theta": model["rope_theta"]}
     if model["rotary_percent"] < 1:
         rope["partial_rotary_factor"] = model["rotary_percent"]
+    if model["rope_scaling"] == "longrope":
+        rope.update(
+            rope_type="longrope",
+            short_factor=model["rope_short_factors"],
+            long_factor=model["rope_long_factors"],
+            attention_factor=ModelConfig(**model).longrope_attention_factor,
+            original_max_position_embeddings=model["rope_original_max_positions"],
+        )
     if model["rope_scaling"] == "llama3":
         rope.update(
             rope_type="llama3",
@@ -139,6 +149,8 @@ def hf_config(model: dict, token_ids: dict | None = None, dtype: str = "float32"
         "rope_parameters": rope,
         "rope_theta": model["rope_theta"],
         "rope_scaling": legacy_scaling,
+        # read before the one in rope_parameters (Phi3Config would otherwise put its 4096 there)
+        **({"original_max_position_embeddings": model["rope_original_max_positions"]} if legacy_scaling else {}),
         "hidden_act": "silu",
         "tie_word_embeddings": model["tie_embeddings"],
         "initializer_range": model["init_std"],
@@ -334,21 +346,38 @@ def _rope_fields(hf: dict) -> dict:
             "transformers class rotates the whole head; loom imports it with Phi-3's"
         )
     fields["rotary_percent"] = float(partial)
+    # transformers prefers the top-level field (Phi-3 writes it) to the one inside the rope settings
+    original = int(
+        hf.get("original_max_position_embeddings")
+        or rope.get("original_max_position_embeddings")
+        or hf["max_position_embeddings"]
+    )
     if rope["rope_type"] == "llama3":
         fields.update(
             rope_scaling="llama3",
             rope_scaling_factor=float(rope["factor"]),
             rope_low_freq_factor=float(rope["low_freq_factor"]),
             rope_high_freq_factor=float(rope["high_freq_factor"]),
-            rope_original_max_positions=int(
-                hf.get("original_max_position_embeddings")
-                or rope.get("original_max_position_embeddings")
-                or hf["max_position_embeddings"]
-            ),
+            rope_original_max_positions=original,
+        )
+    elif rope["rope_type"] == "longrope":
+        # The cos/sin factor resolved as transformers resolves it (from `factor`, else from how far
+        # max_position_embeddings extends the original context), so that a shorter import keeps it.
+        extension = rope.get("factor") or hf["max_position_embeddings"] / original
+        attention = rope.get("attention_factor")
+        if attention is None:
+            attention = 1.0 if extension <= 1 else math.sqrt(1 + math.log(extension) / math.log(original))
+        fields.update(
+            rope_scaling="longrope",
+            rope_short_factors=[float(factor) for factor in rope["short_factor"]],
+            rope_long_factors=[float(factor) for factor in rope["long_factor"]],
+            rope_attention_factor=float(attention),
+            rope_original_max_positions=original,
         )
     elif rope["rope_type"] != "default":
         raise CheckpointError(
-            f"config.json's rope_type {rope['rope_type']!r} is not supported; loom imports default and llama3 RoPE"
+            f"config.json's rope_type {rope['rope_type']!r} is not supported; loom imports default, llama3 and "
+            "longrope RoPE"
         )
     return fields
 

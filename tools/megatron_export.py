@@ -72,6 +72,11 @@ LLAMA3_SCALING_IN_MEGATRON = {
 def megatron_arguments(model: dict, train: dict, step: int, consumed: int, dtype: str) -> argparse.Namespace:
     """Megatron-LM's arguments for loom's [model] (ModelConfig's fields) trained as `train` says; CheckpointError
     for what Megatron cannot compute the same way."""
+    if model["rope_scaling"] == "longrope" and model["position_embedding"] == "rope":
+        raise CheckpointError(
+            "the model's rotary embedding is longrope-scaled (model.rope_scaling); megatron-core's scales as Llama "
+            "3.1 does (--use-rope-scaling) or not at all"
+        )
     if model["rope_scaling"] == "llama3" and model["position_embedding"] == "rope":
         fixed = {k: model[k] for k, v in LLAMA3_SCALING_IN_MEGATRON.items() if model[k] != v}
         if fixed:

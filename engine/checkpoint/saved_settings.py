@@ -30,6 +30,9 @@ FUNCTIONAL_MODEL_FIELDS = (
     "rope_low_freq_factor",
     "rope_high_freq_factor",
     "rope_original_max_positions",
+    "rope_short_factors",
+    "rope_long_factors",
+    "rope_attention_factor",
     "norm_eps",
 )
 

@@ -137,15 +137,24 @@ class LoomConfig:
         """Fields set away from their defaults that this config never reads, each as a phrase saying why (a user
         who sets SGD's momentum for AdamW, or early stopping with evaluation off, is told instead of ignored)."""
         m, o, t, p = self.model, self.optim, self.train, self.parallel
-        llama3 = ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_positions")
+        llama3 = ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor")
+        longrope = ("rope_short_factors", "rope_long_factors", "rope_attention_factor")
+        scaled = m.position_embedding == "rope" and m.rope_scaling != "none"
         unread = [
             (
                 m,
-                ("rope_theta", "rope_scaling", *llama3),
+                ("rope_theta", "rope_scaling", "rotary_percent", *llama3, "rope_original_max_positions", *longrope),
                 m.position_embedding != "rope",
                 "model.position_embedding = learned",
             ),
-            (m, llama3, m.position_embedding == "rope" and m.rope_scaling == "none", "model.rope_scaling = none"),
+            (
+                m,
+                ("rope_original_max_positions", *llama3, *longrope),
+                m.position_embedding == "rope" and not scaled,
+                "model.rope_scaling = none",
+            ),
+            (m, llama3, scaled and m.rope_scaling != "llama3", f"model.rope_scaling = {m.rope_scaling}"),
+            (m, longrope, scaled and m.rope_scaling != "longrope", f"model.rope_scaling = {m.rope_scaling}"),
             (o, ("momentum",), o.name != "sgd", f"optim.name = {o.name} (it is SGD's)"),
             (o, ("beta1", "beta2", "eps"), o.name in ("sgd", "adafactor"), f"optim.name = {o.name}"),
             (

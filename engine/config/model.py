@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
@@ -39,11 +40,14 @@ class ModelConfig:
     """Fraction of each head's width the rotary embedding turns (Megatron's --rotary-percent, Hugging Face's
     partial_rotary_factor; GPT-NeoX and Phi-4-mini rotate part of it): its first int(head_dim x this) channels,
     an even number, the rest pass unrotated."""
-    rope_scaling: Literal["none", "llama3"] = "none"
-    """Long-context rescaling of the rotary frequencies: none, or llama3 (Llama 3.1 and later; Hugging Face's
+    rope_scaling: Literal["none", "llama3", "longrope"] = "none"
+    """Long-context rescaling of the rotary frequencies: none; llama3 (Llama 3.1 and later; Hugging Face's
     rope_type "llama3"): wavelengths longer than rope_original_max_positions / rope_low_freq_factor are
     stretched by rope_scaling_factor, those shorter than rope_original_max_positions / rope_high_freq_factor
-    are kept, and the ones between are interpolated."""
+    are kept, and the ones between are interpolated; or longrope (Phi-3.5, Phi-4-mini; Hugging Face's rope_type
+    "longrope"): each frequency divided by its entry of rope_short_factors in sequences up to
+    rope_original_max_positions tokens long and of rope_long_factors in longer ones, cos and sin scaled by
+    rope_attention_factor."""
     rope_scaling_factor: float = 8.0
     """llama3 scaling: how much the low frequencies are stretched."""
     rope_low_freq_factor: float = 1.0
@@ -51,7 +55,16 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0
     """llama3 scaling: rope_original_max_positions / this is the wavelength below which frequencies are kept."""
     rope_original_max_positions: int = 8192
-    """llama3 scaling: the context length the model was pretrained at before scaling."""
+    """llama3 and longrope scaling: the context length the model was pretrained at before scaling."""
+    rope_short_factors: list[float] | None = None
+    """longrope scaling: a divisor for each rotary frequency (rotary_dim / 2 of them) in sequences up to
+    rope_original_max_positions tokens long."""
+    rope_long_factors: list[float] | None = None
+    """longrope scaling: the divisors in longer sequences."""
+    rope_attention_factor: float | None = None
+    """longrope scaling: the factor on the rotary cos and sin; None derives it as Hugging Face does: sqrt(1 +
+    ln(s) / ln(rope_original_max_positions)) with s = max_position_embeddings / rope_original_max_positions, or 1
+    where s <= 1."""
     norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
     """Normalisation before attention, before the MLP and at the end."""
     norm_eps: float = 1e-5
@@ -116,6 +129,7 @@ class ModelConfig:
             rope_low_freq_factor=self.rope_low_freq_factor,
             rope_original_max_positions=self.rope_original_max_positions,
         )
+        check_positive(s, rope_attention_factor=self.rope_attention_factor)
         if self.rope_high_freq_factor <= self.rope_low_freq_factor:
             raise ConfigError(
                 f"model.rope_high_freq_factor = {self.rope_high_freq_factor} must exceed "
@@ -148,8 +162,32 @@ class ModelConfig:
                 f"rotary embeddings turn pairs of channels: the head dim {self.head_dim}{turned} gives "
                 f"{self.rotary_dim} rotated channels, which is not an even number above 0"
             )
+        if self.position_embedding == "rope" and self.rope_scaling == "longrope":
+            self._check_longrope_factors()
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
+
+    def _check_longrope_factors(self) -> None:
+        wanted = self.rotary_dim // 2
+        for name in ("rope_short_factors", "rope_long_factors"):
+            factors = getattr(self, name)
+            if factors is None or len(factors) != wanted:
+                given = "none" if factors is None else len(factors)
+                raise ConfigError(
+                    f"model.rope_scaling = longrope needs model.{name}: one divisor per rotary frequency, {wanted} "
+                    f"(rotary_dim {self.rotary_dim} / 2), got {given}"
+                )
+            check_positive("model", **{f"{name}[{i}]": factor for i, factor in enumerate(factors)})
+
+    @property
+    def longrope_attention_factor(self) -> float:
+        """rope_attention_factor, or the one Hugging Face derives from the context's extension when unset."""
+        if self.rope_attention_factor is not None:
+            return self.rope_attention_factor
+        extension = self.max_position_embeddings / self.rope_original_max_positions
+        return (
+            1.0 if extension <= 1 else math.sqrt(1 + math.log(extension) / math.log(self.rope_original_max_positions))
+        )
 
     @property
     def rotary_dim(self) -> int:

@@ -58,10 +58,16 @@ def build_norm(config: ModelConfig, tp_size: int, sequence_parallel: bool, kerne
     return Norm(config, tp_size, sequence_parallel, kernels.norm_function(config.norm))
 
 
-def rotary_frequencies(config: ModelConfig, device=None) -> torch.Tensor:
-    """The rotary_dim/2 angular frequencies of the rotary embedding, with config.rope_scaling applied."""
+def rotary_frequencies(config: ModelConfig, seq_length: int, device=None) -> torch.Tensor:
+    """The rotary_dim/2 angular frequencies of the rotary embedding in sequences of `seq_length` tokens, with
+    config.rope_scaling applied."""
     width = config.rotary_dim
-    frequencies = 1.0 / config.rope_theta ** (torch.arange(0, width, 2, device=device).float() / width)
+    exponents = torch.arange(0, width, 2, device=device).float() / width
+    if config.rope_scaling == "longrope":  # the divisors of the context the sequence needs (Hugging Face's rule)
+        long = seq_length > config.rope_original_max_positions
+        factors = config.rope_long_factors if long else config.rope_short_factors
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32, device=device) * config.rope_theta**exponents)
+    frequencies = 1.0 / config.rope_theta**exponents
     if config.rope_scaling == "llama3":
         frequencies = _llama3_scaled(frequencies, config)
     return frequencies
@@ -83,9 +89,12 @@ def _llama3_scaled(frequencies: torch.Tensor, config: ModelConfig) -> torch.Tens
 def rotary_tables(seq_length: int, config: ModelConfig, device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of shape [s, 1, 1, rotary_dim] for the rotate-half (Hugging Face Llama) convention."""
     angles = torch.outer(
-        torch.arange(seq_length, dtype=torch.float32, device=device), rotary_frequencies(config, device)
+        torch.arange(seq_length, dtype=torch.float32, device=device), rotary_frequencies(config, seq_length, device)
     )
     angles = torch.cat([angles, angles], dim=-1)[:, None, None, :]
+    if config.rope_scaling == "longrope":
+        scale = config.longrope_attention_factor
+        return angles.cos() * scale, angles.sin() * scale
     return angles.cos(), angles.sin()
 
 
