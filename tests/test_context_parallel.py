@@ -101,6 +101,7 @@ def _cp_runs(rank, world, dataset, run_dir):
             f"{run_dir}/{name}",
             parallel={**parallel, "grad_bucket_mb": 0.25},
             optim=optim,
+            model=MODEL,
             train={"steps": 3, "global_batch_size": 4, "micro_batch_size": 1, "seq_length": SEQ},
         )
         trainer = Trainer(config)
@@ -113,6 +114,7 @@ def _cp_runs(rank, world, dataset, run_dir):
 
 
 SEQ = 56  # 2 x cp chunks of 7 tokens at cp 4, of 14 at cp 2: nothing convenient beyond 2 x cp
+MODEL = {"qk_norm": True, "rotary_percent": 0.5}  # Qwen3's query/key norms, half of each head rotated (Phi's)
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +131,7 @@ def _cp_runs_reference(rank, world, dataset, run_dir):
         dataset,
         f"{run_dir}/one",
         parallel={"grad_bucket_mb": 0.25},
+        model=MODEL,
         train={"steps": 3, "global_batch_size": 4, "micro_batch_size": 1, "seq_length": SEQ},
     )
     trainer = Trainer(config)
@@ -140,7 +143,8 @@ def _cp_runs_reference(rank, world, dataset, run_dir):
 @pytest.mark.parametrize("world", [2, 4])
 def test_context_parallel_layouts_give_the_one_rank_losses(world, markov_dataset, one_rank_losses, tmp_path):
     """fp32, 1e-6: the sequence split over CP (with TP and sequence parallelism, a pipeline, DP with ZeRO-1)
-    trains exactly as one rank holding it all: every step's loss and global gradient norm."""
+    trains exactly as one rank holding it all: every step's loss and global gradient norm, for a model with query/key
+    norms and half of each head rotated (MODEL)."""
     for name, (steps, cp, held) in run_ranks(_cp_runs, world, markov_dataset(50), str(tmp_path))[0].items():
         assert cp == int(name[2]) and held == SEQ // cp, name
         assert len(set(one_rank_losses)) == 3, "the run should be moving"

@@ -61,7 +61,7 @@ def _held_bytes(trainer: Trainer) -> dict:
     }
 
 
-def _train_variants(rank, world, dataset, run_dir, parallel, precision, optimizer, steps):
+def _train_variants(rank, world, dataset, run_dir, parallel, precision, optimizer, steps, model=None):
     """Every variant trained from scratch on these ranks, one after another: {variant: (losses, bytes held)}."""
     result = {}
     for zero, offload in VARIANTS:
@@ -70,6 +70,7 @@ def _train_variants(rank, world, dataset, run_dir, parallel, precision, optimize
             f"{run_dir}/zero{zero}-{offload}",
             parallel={**parallel, "grad_bucket_mb": 0.25},
             optim={"zero": zero, "offload": offload, "name": optimizer},
+            model=model or {},
             # 8 samples in micro-batches of 2: gradients accumulate over 4 / dp micro-batches. Sequences of 32
             # tokens: the variants are compared with each other, and fp16 matmuls are slow on a CPU.
             train={
@@ -101,16 +102,18 @@ def _assert_bytes_follow_the_formulas(per_variant: dict, dp: int) -> None:
 
 
 @pytest.mark.parametrize(
-    "nproc, parallel, precision, optimizer",
+    "nproc, parallel, precision, optimizer, model",
     [
-        (2, {}, "bf16", "adamw"),
-        (4, {"tp": 2, "sequence_parallel": True}, "fp32", "adamw"),
-        (4, {"pp": 2, "vp": 2}, "fp16", "lamb"),
+        (2, {}, "bf16", "adamw", {}),
+        # Qwen3's and Phi's pieces: query/key norms (their weights shared over TP, sharded by ZeRO), half of each
+        # head rotated
+        (4, {"tp": 2, "sequence_parallel": True}, "fp32", "adamw", {"qk_norm": True, "rotary_percent": 0.5}),
+        (4, {"pp": 2, "vp": 2}, "fp16", "lamb", {}),
     ],
-    ids=["dp2-bf16", "tp2-sp-dp2-fp32", "pp2-vp2-dp2-fp16-lamb"],
+    ids=["dp2-bf16", "tp2-sp-dp2-fp32-qk_norm", "pp2-vp2-dp2-fp16-lamb"],
 )
-def test_zero_stages_and_offload_agree(dataset, tmp_path, nproc, parallel, precision, optimizer):
-    ranks = run_ranks(_train_variants, nproc, dataset, str(tmp_path), parallel, precision, optimizer, 3)
+def test_zero_stages_and_offload_agree(dataset, tmp_path, nproc, parallel, precision, optimizer, model):
+    ranks = run_ranks(_train_variants, nproc, dataset, str(tmp_path), parallel, precision, optimizer, 3, model)
     per_variant = ranks[-1]
     reference = per_variant[(0, "none")][0]
     assert len(set(reference)) == len(reference), "the runs should be moving"
