@@ -14,7 +14,7 @@ import warnings
 import pytest
 
 from loom.engine.config import ConfigError, LoomConfig
-from loom.engine.config_io import load_config
+from loom.engine.config_io import config_to_toml, load_config
 from loom.engine.names_elsewhere import (
     DATA_BUILD_NAMES,
     MEGATRON,
@@ -306,3 +306,20 @@ def test_a_width_or_head_count_given_by_flag_is_told_what_the_file_kept_for_its_
     flags = ["--model.hidden_size", "64", "--model.ffn_hidden_size", "none", "--model.num_heads", "8"]
     assert load_config("tiny", [*flags, "--model.num_kv_heads", "8"]).file_fields_a_flag_outdates() == []
     assert load_config("tiny", ["--model.num_layers", "2"]).file_fields_a_flag_outdates() == []
+    # a run's config.toml holds its widths resolved: its head width too, which a wider --model.hidden_size keeps
+    saved = tmp_path / "config.toml"
+    saved.write_text(config_to_toml(load_config("tiny")))
+    said = load_config(saved, ["--model.hidden_size", "256", "--model.ffn_hidden_size", "768"])
+    assert said.file_fields_a_flag_outdates() == [
+        "--model.hidden_size 256 keeps the config file's model.head_dim = 16: attention 8 x 16 = 128 wide, not "
+        "model.hidden_size = 256; give --model.head_dim too (none: hidden_size / num_heads)"
+    ]
+    more_heads = load_config(saved, ["--model.num_heads", "16", "--model.num_kv_heads", "16"])
+    assert more_heads.file_fields_a_flag_outdates() == [
+        "--model.num_heads 16 keeps the config file's model.head_dim = 16: attention 16 x 16 = 256 wide, not "
+        "model.hidden_size = 128; give --model.head_dim too (none: hidden_size / num_heads)"
+    ]
+    fitted = load_config(
+        saved, ["--model.hidden_size", "256", "--model.ffn_hidden_size", "768", "--model.head_dim", "none"]
+    )
+    assert fitted.model.head_dim == 32 and fitted.file_fields_a_flag_outdates() == []

@@ -125,6 +125,20 @@ class LoomConfig:
                 f"{m.ffn_hidden_size}, chosen for its own width: give --model.ffn_hidden_size too (none: loom's "
                 f"{derived})"
             )
+        if (
+            {"hidden_size", "num_heads"} & flagged
+            and "head_dim" in from_file
+            and m.head_dim * m.num_heads != m.hidden_size
+        ):
+            # a run's config.toml holds its head width resolved, as it holds its FFN width
+            changed = " ".join(
+                f"--model.{name} {getattr(m, name)}" for name in ("hidden_size", "num_heads") if name in flagged
+            )
+            said.append(
+                f"{changed} keeps the config file's model.head_dim = {m.head_dim}: attention {m.num_heads} x "
+                f"{m.head_dim} = {m.num_heads * m.head_dim} wide, not model.hidden_size = {m.hidden_size}; give "
+                f"--model.head_dim too (none: hidden_size / num_heads)"
+            )
         if "num_heads" in flagged and "num_kv_heads" in from_file and m.num_kv_heads not in (None, m.num_heads):
             said.append(
                 f"--model.num_heads {m.num_heads} keeps the config file's model.num_kv_heads = {m.num_kv_heads}: "
