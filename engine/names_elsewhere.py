@@ -134,6 +134,7 @@ TRAINING_NAMES: tuple[NameElsewhere, ...] = (
             ("--norm-epsilon", "--model.norm_eps"),
             ("--apply-layernorm-1p", "", "loom's norms scale by their weight, not 1 + weight"),
             ("--qk-layernorm", "--model.qk_norm true"),
+            ("--softmax-scale", "--model.attention_scale"),
             (
                 "--swiglu",
                 "--model.activation swiglu",

@@ -431,7 +431,8 @@ def _add_merge_lora(sub) -> None:
 def _add_import_hf(sub) -> None:
     p = sub.add_parser(
         "import-hf",
-        help="turn a Hugging Face model directory (Llama, Mistral, Qwen2, Qwen3, Phi-3, GPT-2) into a loom checkpoint",
+        help="turn a Hugging Face model directory (Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite, GPT-2) into a loom "
+        "checkpoint",
     )
     p.add_argument("--input", type=existing_dir, required=True, help="directory with config.json and *.safetensors")
     _checkpoint_output(p, "a checkpoints/ folder of its own to write iter_0000000 and latest into")

@@ -33,7 +33,8 @@ VOCAB, PADDED_VOCAB, SEQ = 250, 256, 24
 # Each variant: megatron-core's TransformerConfig fields and GPTModel arguments, the Megatron-LM arguments that
 # produce them, and how it is saved.
 VARIANTS = {
-    # Llama-shaped, megatron-core's default stacked layers, with norms on queries and keys (Qwen3's)
+    # Llama-shaped, megatron-core's default stacked layers, with norms on queries and keys (Qwen3's) and another
+    # score factor than 1 / sqrt(head size) (--softmax-scale)
     "llama": dict(
         config=dict(
             normalization="RMSNorm",
@@ -42,6 +43,7 @@ VARIANTS = {
             add_bias_linear=False,
             num_query_groups=2,
             qk_layernorm=True,
+            softmax_scale=0.2,
         ),
         model=dict(position_embedding_type="rope", rotary_base=500000, share_embeddings_and_output_weights=False),
         args=dict(
@@ -50,6 +52,7 @@ VARIANTS = {
             add_bias_linear=False,
             add_qkv_bias=False,
             qk_layernorm=True,
+            softmax_scale=0.2,
             group_query_attention=True,
             num_query_groups=2,
             position_embedding_type="rope",

@@ -303,6 +303,10 @@ BAD_OVERRIDES = [
     ["--model.rope_scaling", "longrope"],  # without its factors
     ["--model.rope_short_factors", "x"],
     ["--model.rope_attention_factor", "0"],
+    ["--model.embedding_multiplier", "0"],
+    ["--model.residual_multiplier", "-1"],
+    ["--model.attention_scale", "0"],
+    ["--model.logits_divisor", "inf"],
     ["--model.rotary_percent", "0"],
     ["--model.rotary_percent", "1.5"],
     ["--model.rotary_percent", "nan"],

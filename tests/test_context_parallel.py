@@ -114,7 +114,8 @@ def _cp_runs(rank, world, dataset, run_dir):
 
 
 SEQ = 56  # 2 x cp chunks of 7 tokens at cp 4, of 14 at cp 2: nothing convenient beyond 2 x cp
-MODEL = {"qk_norm": True, "rotary_percent": 0.5}  # Qwen3's query/key norms, half of each head rotated (Phi's)
+# Qwen3's query/key norms, half of each head rotated (Phi's), another score factor than 1 / sqrt(head_dim) (Granite's)
+MODEL = {"qk_norm": True, "rotary_percent": 0.5, "attention_scale": 0.2}
 
 
 @pytest.fixture(scope="module")

@@ -370,6 +370,25 @@ def _assert_loom_eval_under_tp2_gives_transformers_loss(model, tmp_path: Path, c
         assert abs(ours - model(sequence, labels=sequence.clone()).loss.item()) < 2e-6
 
 
+def _assert_greedy_generate_equals_transformers(model, checkpoint: Path, new_tokens: int) -> None:
+    """loom's KV-cached greedy decoding of `checkpoint` continues a 12-token prompt as transformers' `model` does,
+    and the cached attention's logits of the whole text are transformers' (1e-5: greedy tokens can hide a wrong
+    score factor)."""
+    from loom.engine.model.gpt import DecodingCache
+    from loom.tools.generate import generate, load_model
+
+    loom_model = load_model(checkpoint)[0]
+    prompt = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(4)).tolist()
+    with torch.no_grad():
+        theirs = model.generate(
+            torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None
+        )[0, len(prompt) :].tolist()
+        text = torch.tensor([prompt + theirs])
+        cached = loom_model.decode(text, DecodingCache()).transpose(0, 1)[..., :VOCAB]
+        assert (cached - model(text).logits).abs().max().item() < 1e-5
+    assert generate(loom_model, prompt, new_tokens) == theirs
+
+
 def _round_trip_computes_as_transformers(model, tmp_path: Path, capfd) -> tuple[dict, object]:
     """The transformers `model` saved in tmp_path/hf imports with its logits (1e-5), `loom eval` of the import over
     two tensor-parallel ranks gives its loss, and the export loads back through AutoModelForCausalLM with its logits
@@ -443,6 +462,8 @@ def test_a_phi3_imports_evaluates_under_tensor_parallelism_and_exports_as_transf
     assert (imported["max_position_embeddings"], imported["num_kv_heads"], imported["rotary_percent"]) == (128, 2, 0.5)
     assert imported["rope_attention_factor"] == math.sqrt(1 + math.log(256 / 100) / math.log(100))  # of 256 positions
     assert type(again) is transformers.Phi3ForCausalLM
+    # decoding past the original 100 positions: the long factors from there on, as transformers switches to them
+    _assert_greedy_generate_equals_transformers(model, tmp_path / "loom", 100)
     with torch.no_grad():  # longrope is not moot: without it the logits differ, in the short regime too
         unscaled = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}
         other = transformers.Phi3ForCausalLM(transformers.Phi3Config(**{**phi3, "rope_parameters": unscaled}))
@@ -456,6 +477,27 @@ def test_a_phi3_imports_evaluates_under_tensor_parallelism_and_exports_as_transf
     result = loom_here(capfd, "ckpt", "import-hf", "--input", str(tmp_path / "llama"), "--output", str(tmp_path / "no"))
     one_line_error(result, "partial_rotary_factor 0.5 for model_type 'llama'")
     assert not (tmp_path / "no").exists()
+
+
+def test_a_granite_imports_evaluates_under_tensor_parallelism_and_exports_as_transformers_computes_it(tmp_path, capfd):
+    """Granite (IBM's 3.x dense models) is a Llama with four scalars, and was refused (model_type granite): the
+    embeddings times embedding_multiplier, each block's attention and MLP outputs times residual_multiplier, the
+    scores times attention_multiplier (not 1 / sqrt(head_dim)), the logits over logits_scaling. With Granite
+    3.0-2B's values it imports with transformers' logits, `loom eval` over two tensor-parallel ranks gives its
+    loss, and it exports back to a GraniteForCausalLM with the same logits."""
+    multipliers = dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.015625)
+    # weights 10x training's init: the scores then move the softmax, and greedy decoding sees the score factor
+    settings = llama_fields(num_key_value_heads=2, tie_word_embeddings=True, initializer_range=0.2)
+    settings = {**settings, **multipliers, "logits_scaling": 8.0}
+    torch.manual_seed(0)
+    model = transformers.GraniteForCausalLM(transformers.GraniteConfig(**settings)).eval()
+    model.save_pretrained(str(tmp_path / "hf"))
+    imported, again = _round_trip_computes_as_transformers(model, tmp_path, capfd)
+    assert [imported[name] for name in ("embedding_multiplier", "residual_multiplier", "attention_scale")] == list(
+        multipliers.values()
+    )
+    assert imported["logits_divisor"] == 8.0 and type(again) is transformers.GraniteForCausalLM
+    _assert_greedy_generate_equals_transformers(model, tmp_path / "loom", 32)  # the score factor in the KV cache
 
 
 def _small_qwen3(folder: Path):
@@ -620,17 +662,14 @@ def test_a_fine_tune_from_a_config_without_the_import_s_rope_takes_the_saved_set
 
 def test_loom_generate_equals_transformers_greedy_generate(hf_model, tmp_path, capfd):
     """KV-cached greedy decoding of an imported model continues a prompt as transformers' generate does."""
-    from loom.tools.generate import generate, load_model
-
     directory, model = hf_model
     import_hf(directory, tmp_path / "loom")
-    loom_model, _ = load_model(tmp_path / "loom")
+    _assert_greedy_generate_equals_transformers(model, tmp_path / "loom", 32)
     prompt = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(4)).tolist()
     with torch.no_grad():
         theirs = model.generate(
             torch.tensor([prompt]), max_new_tokens=32, do_sample=False, pad_token_id=0, eos_token_id=None
         )[0, len(prompt) :].tolist()
-    assert generate(loom_model, prompt, 32) == theirs
     prompt_ids = " ".join(map(str, prompt))
     generating = ["generate", "--checkpoint", str(tmp_path / "loom"), "--prompt-ids", prompt_ids]
     result = loom_here(capfd, *generating, "--max-new-tokens", "32")

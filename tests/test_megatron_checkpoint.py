@@ -1,14 +1,14 @@
 """`loom ckpt import-megatron`, checked against megatron-core: checkpoints written as Megatron-LM's training loop
 writes them (tests/megatron_checkpoints.py: megatron-core's GPTModel on CPU, its sharded state dict, its
 dist_checkpointing.save in torch_dist) import into loom with the logits megatron-core computed, for a Llama-shaped
-model (GQA, stacked layers, norms on queries and keys), a GPT-3-shaped one (LayerNorm, biases, learned positions,
-tied, one key per layer) and one with multi-query attention, interleaved rotary pairs over half of each head
-(--rotary-percent 0.5), Llama 3 rope scaling, zero-centred norms, biases on QKV alone (--add-qkv-bias), query/key
-norms and bf16 weights. The user stories: `loom eval` of the import equals the loss of Megatron's logits, and a
-fine-tune from it starts from that loss; Megatron is not needed to import. The older torch format (a file per
-rank), written from megatron-core's own resharding over tensor 2 x pipeline 2 x virtual 2 ranks, imports as the
-torch_dist save. What loom cannot compute the same way is refused naming Megatron's flag; Megatron folders given
-where loom's checkpoints go are answered with the command."""
+model (GQA, stacked layers, norms on queries and keys, --softmax-scale), a GPT-3-shaped one (LayerNorm, biases,
+learned positions, tied, one key per layer) and one with multi-query attention, interleaved rotary pairs over half
+of each head (--rotary-percent 0.5), Llama 3 rope scaling, zero-centred norms, biases on QKV alone
+(--add-qkv-bias), query/key norms and bf16 weights. The user stories: `loom eval` of the import equals the loss of
+Megatron's logits, and a fine-tune from it starts from that loss; Megatron is not needed to import. The older torch
+format (a file per rank), written from megatron-core's own resharding over tensor 2 x pipeline 2 x virtual 2 ranks,
+imports as the torch_dist save. What loom cannot compute the same way is refused naming Megatron's flag; Megatron
+folders given where loom's checkpoints go are answered with the command."""
 
 import argparse
 import json
@@ -254,10 +254,11 @@ def test_an_export_claims_its_folder_as_other_writers_do(imported, exported, tmp
 
 
 def test_llama3_scaling_megatron_cannot_express_is_refused():
+    from loom.engine.config_io import config_from_dict, config_to_dict
     from loom.tools.megatron_export import megatron_arguments, megatron_flags
 
     model = model_from_megatron_arguments({**LLAMA_ARGUMENTS, "use_rope_scaling": True}, SHAPES)
-    full = {**model, "dropout": 0.0, "make_vocab_divisible_by": 128, "rope_scaling_factor": 8.0}
+    full = config_to_dict(config_from_dict({"model": model}))["model"]  # every field, defaults for the rest
     args = megatron_arguments(full, {"seq_length": 32}, 0, 0, "float32")
     assert model_from_megatron_arguments(vars(args), SHAPES) == model  # the arguments describe the model
     # Megatron pads the vocabulary to its own divisor (x TP) and, under --vocab-file, compares it with the saved one
@@ -412,6 +413,7 @@ def test_megatron_arguments_become_loom_s_model():
         bias=False,
         qkv_bias=False,
         qk_norm=False,
+        attention_scale=None,
         tie_embeddings=False,
         rope_theta=500000.0,
         rotary_percent=1.0,
@@ -443,6 +445,11 @@ def test_biases_on_qkv_alone_and_another_head_size_import_and_export_as_megatron
     config["model"]["rotary_percent"] = 0.25  # and --rotary-percent, model.rotary_percent (the interleaved variant)
     args = megatron_arguments(config["model"], config["train"], 0, 0, "float32")
     assert args.rotary_percent == 0.25 and "--rotary-percent 0.25" in megatron_flags(args)
+    config["model"]["attention_scale"] = 0.2  # --softmax-scale (the llama variant has one)
+    args = megatron_arguments(config["model"], config["train"], 0, 0, "float32")
+    assert args.softmax_scale == 0.2 and "--softmax-scale 0.2" in megatron_flags(args)
+    with pytest.raises(CheckpointError, match="scales its embeddings, residual branches or logits"):
+        megatron_arguments({**config["model"], "residual_multiplier": 0.5}, config["train"], 0, 0, "float32")
     longrope = dict(rope_scaling="longrope", rope_short_factors=[1.0] * 8, rope_long_factors=[2.0] * 8)
     with pytest.raises(CheckpointError, match="longrope-scaled .* megatron-core's scales as Llama 3.1"):
         megatron_arguments({**config["model"], **longrope}, config["train"], 0, 0, "float32")

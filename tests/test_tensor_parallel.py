@@ -99,8 +99,21 @@ def _compare_with_dense(rank, world, config_kwargs, sequence_parallel):
             sp=True,
         ),
         # Qwen's pieces: query/key norms (shared by the heads of every TP rank: their gradients sum over TP without
-        # sequence parallelism too), biases on QKV alone, heads of 12 where 64 / 8 is 8; half of each turned by RoPE
-        dict(config=dict(qk_norm=True, qkv_bias=True, head_dim=12, rotary_percent=0.5), sp=False),
+        # sequence parallelism too), biases on QKV alone, heads of 12 where 64 / 8 is 8; half of each turned by RoPE;
+        # Granite's multipliers (the embeddings after their TP all-reduce, the logits of each vocabulary shard)
+        dict(
+            config=dict(
+                qk_norm=True,
+                qkv_bias=True,
+                head_dim=12,
+                rotary_percent=0.5,
+                embedding_multiplier=3.0,
+                residual_multiplier=0.5,
+                attention_scale=0.2,
+                logits_divisor=2.0,
+            ),
+            sp=False,
+        ),
     ],
     ids=["llama", "llama-sp", "gpt2-sp", "qwen"],
 )

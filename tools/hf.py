@@ -8,7 +8,9 @@ Hugging Face's rotate-half convention, so no permutation of the query/key rows i
 Qwen2, whose names are Llama's with q/k/v_proj.bias, and with query/key norms (model.qk_norm) a Qwen3 (q_norm,
 k_norm). A Phi-3 (Phi-4 too) is a Llama whose files keep QKV and gate+up fused as loom does: it imports, and
 exports as the Llama it computes the same as unless it turns part of each head (partial_rotary_factor,
-model.rotary_percent), which only transformers' Phi-3 class computes. On import, the rotary settings are read
+model.rotary_percent), which only transformers' Phi-3 class computes. A Granite is a Llama with four scalars
+(embedding_multiplier, residual_multiplier, attention_multiplier, logits_scaling: GRANITE_MULTIPLIERS), and a loom
+model that sets any exports as one. On import, the rotary settings are read
 wherever transformers put them (`rope_parameters` since 5.0, `rope_theta`/`rope_scaling` before), Llama 3.1's
 llama3 scaling and Phi-3.5's longrope are kept, and any setting loom cannot represent (Llama's attention_bias or
 mlp_bias, other RoPE types, another activation) is refused with one line naming it: an import never yields a
@@ -65,6 +67,9 @@ def _check_llama(model: dict, gpt2_too: bool = False) -> None:
         wrong["qkv_bias with qk_norm"] = True
     if model["rotary_percent"] < 1 and (model["qk_norm"] or model["qkv_bias"]):  # only Phi-3's class turns part
         wrong["rotary_percent with " + ("qk_norm" if model["qk_norm"] else "qkv_bias")] = model["rotary_percent"]
+    if _granite_form(model) and (model["qk_norm"] or model["qkv_bias"] or model["rotary_percent"] < 1):
+        # only Granite's class scales embeddings, residual branches, scores and logits
+        wrong["Granite's multipliers with qk_norm, qkv_bias or rotary_percent"] = True
     if wrong and gpt2_too:
         unlike_gpt2 = {k: model[k] for k, v in GPT2_SHAPE.items() if model[k] != v}
         raise CheckpointError(
@@ -108,6 +113,21 @@ HF_TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+GRANITE_MULTIPLIERS = {
+    "embedding_multiplier": "embedding_multiplier",
+    "residual_multiplier": "residual_multiplier",
+    "logits_divisor": "logits_scaling",
+}
+"""loom's fields for Granite's scalar multipliers -> their config.json names (its attention_multiplier is
+model.attention_scale, the whole score factor)."""
+
+
+def _granite_form(model: dict) -> bool:
+    """Whether a Llama-shaped loom model exports as a Granite: only transformers' Granite class scales the
+    embeddings, residual branches, attention scores and logits."""
+    return model["attention_scale"] is not None or any(model[field] != 1.0 for field in GRANITE_MULTIPLIERS)
+
+
 def _phi3_form(model: dict) -> bool:
     """Whether a Llama-shaped loom model exports as a Phi-3: transformers' Llama turns each head whole, its Phi-3
     the part model.rotary_percent says."""
@@ -118,6 +138,11 @@ def _hf_architecture(model: dict) -> dict:
     """The config.json fields naming the Hugging Face class of a Llama-shaped loom model: Phi-3 rotating part of
     each head, Qwen3 with query/key norms, Qwen2 with biases on q, k and v alone, Llama otherwise (Llama's and
     Qwen3's attention_bias would bias o_proj too, so neither takes QKV's alone)."""
+    if _granite_form(model):
+        multipliers = {granite: model[field] for field, granite in GRANITE_MULTIPLIERS.items()}
+        multipliers["attention_multiplier"] = ModelConfig(**model).softmax_scale
+        return {"architectures": ["GraniteForCausalLM"], "model_type": "granite", "attention_bias": False,
+                "mlp_bias": False, **multipliers}  # fmt: skip
     if _phi3_form(model):  # Phi3Config's token ids default to Phi-3's own (eos and pad 32000): none unless known
         return {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "sliding_window": None,
                 "partial_rotary_factor": model["rotary_percent"], **dict.fromkeys(HF_TOKEN_ID_FIELDS)}  # fmt: skip
@@ -385,10 +410,10 @@ def _rope_fields(hf: dict) -> dict:
 def _refuse_unrepresentable(hf: dict) -> None:
     """Settings that change the computation but have no loom form: importing without them would load a
     different model than the one on disk."""
-    if hf.get("model_type") not in ("llama", "mistral", "qwen2", "qwen3", "phi3"):
+    if hf.get("model_type") not in ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite"):
         raise CheckpointError(
-            f"model_type {hf.get('model_type')!r} is not llama, mistral, qwen2, qwen3, phi3 or gpt2; loom imports "
-            "Llama-, Mistral-, Qwen-, Phi-3- and GPT-2-format models"
+            f"model_type {hf.get('model_type')!r} is not llama, mistral, qwen2, qwen3, phi3, granite or gpt2; loom "
+            "imports Llama-, Mistral-, Qwen-, Phi-3-, Granite- and GPT-2-format models"
         )
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
@@ -430,7 +455,14 @@ def _model_from_hf_config(hf: dict) -> dict:
         "bias": False,
         "qkv_bias": hf.get("model_type") == "qwen2",
         "qk_norm": hf.get("model_type") == "qwen3",
+        **(_granite_fields(hf) if hf.get("model_type") == "granite" else {}),
     }
+
+
+def _granite_fields(hf: dict) -> dict:
+    """A Granite's multipliers as loom's fields (each 1.0 where its config leaves it out, as GraniteConfig does)."""
+    fields = {field: float(hf.get(granite, 1.0)) for field, granite in GRANITE_MULTIPLIERS.items()}
+    return {**fields, "attention_scale": float(hf.get("attention_multiplier", 1.0))}
 
 
 def _read_hf_config(source: Path) -> dict:

@@ -198,7 +198,6 @@ _UNREPRESENTABLE = (
     ("experimental_attention_variant", None, "--experimental-attention-variant", "another attention"),
     ("squared_relu", False, "--squared-relu", "a squared-ReLU MLP"),
     ("quick_geglu", False, "--quick-geglu", "a quick-GeGLU MLP"),
-    ("softmax_scale", None, "--softmax-scale", "another attention scale than 1/sqrt(head size)"),
     (
         "rotary_seq_len_interpolation_factor",
         None,
@@ -260,6 +259,7 @@ def model_from_megatron_arguments(args: dict, shapes: dict[str, tuple[int, ...]]
         # Before megatron-core 0.10 a run with biases saved add_qkv_bias False, its QKV biased all the same
         "qkv_bias": bool(args.get("add_qkv_bias")) and not args.get("add_bias_linear", True),
         "qk_norm": bool(args.get("qk_layernorm")),
+        "attention_scale": args.get("softmax_scale"),
         "tie_embeddings": not args.get("untie_embeddings_and_output_weights", False),
     }
     if positions == "rope":

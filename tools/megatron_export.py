@@ -72,6 +72,12 @@ LLAMA3_SCALING_IN_MEGATRON = {
 def megatron_arguments(model: dict, train: dict, step: int, consumed: int, dtype: str) -> argparse.Namespace:
     """Megatron-LM's arguments for loom's [model] (ModelConfig's fields) trained as `train` says; CheckpointError
     for what Megatron cannot compute the same way."""
+    granite = {field: model[field] for field in ("embedding_multiplier", "residual_multiplier", "logits_divisor")}
+    if any(value != 1.0 for value in granite.values()):
+        raise CheckpointError(
+            f"the model scales its embeddings, residual branches or logits ({granite}); megatron-core's GPT model "
+            "does none of these"
+        )
     if model["rope_scaling"] == "longrope" and model["position_embedding"] == "rope":
         raise CheckpointError(
             "the model's rotary embedding is longrope-scaled (model.rope_scaling); megatron-core's scales as Llama "
@@ -115,6 +121,7 @@ def megatron_arguments(model: dict, train: dict, step: int, consumed: int, dtype
         add_bias_linear=model["bias"],
         add_qkv_bias=model["bias"] or model["qkv_bias"],
         qk_layernorm=model["qk_norm"],
+        softmax_scale=model["attention_scale"],
         bias_gelu_fusion=model["bias"],
         untie_embeddings_and_output_weights=not model["tie_embeddings"],
         hidden_dropout=model["dropout"],
@@ -163,6 +170,7 @@ def megatron_flags(args: argparse.Namespace) -> str:
         *(["--disable-bias-linear"] * (not args.add_bias_linear)),
         *(["--add-qkv-bias"] * (args.add_qkv_bias and not args.add_bias_linear)),
         *(["--qk-layernorm"] * args.qk_layernorm),
+        *([f"--softmax-scale {args.softmax_scale}"] * (args.softmax_scale is not None)),
         *(["--untie-embeddings-and-output-weights"] * args.untie_embeddings_and_output_weights),
         f"--hidden-dropout {args.hidden_dropout} --attention-dropout {args.attention_dropout}",
         *(

@@ -34,6 +34,10 @@ FUNCTIONAL_MODEL_FIELDS = (
     "rope_long_factors",
     "rope_attention_factor",
     "norm_eps",
+    "embedding_multiplier",
+    "residual_multiplier",
+    "attention_scale",
+    "logits_divisor",
 )
 
 # Model settings that decide which tensors a checkpoint holds, their shapes or what the block computes with them.

@@ -81,6 +81,17 @@ class ModelConfig:
     puts them on every linear layer, QKV's included."""
     tie_embeddings: bool = False
     """Share the input embedding with the output layer."""
+    embedding_multiplier: float = 1.0
+    """The token embeddings are multiplied by this on their way into the first block (Granite's
+    embedding_multiplier)."""
+    residual_multiplier: float = 1.0
+    """Each block's attention and MLP outputs are multiplied by this before they join the residual stream
+    (Granite's residual_multiplier)."""
+    attention_scale: float | None = None
+    """The factor on the query-key scores before the softmax; None means 1 / sqrt(head_dim) (Granite's
+    attention_multiplier, Megatron's --softmax-scale)."""
+    logits_divisor: float = 1.0
+    """The output logits are divided by this (Granite's logits_scaling)."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation; output projections are scaled by 1/sqrt(2*layers)."""
     dropout: float = 0.0
@@ -121,6 +132,13 @@ class ModelConfig:
             make_vocab_divisible_by=self.make_vocab_divisible_by,
             norm_eps=self.norm_eps,  # a negative one makes the first norm NaN; 0 that of an all-zero input
             init_std=self.init_std,  # a negative one trained a model from |N(0, std)| weights (loss 41 at step 1)
+        )
+        check_positive(
+            s,
+            embedding_multiplier=self.embedding_multiplier,
+            residual_multiplier=self.residual_multiplier,
+            attention_scale=self.attention_scale,
+            logits_divisor=self.logits_divisor,
         )
         check_positive(
             s,
@@ -188,6 +206,11 @@ class ModelConfig:
         return (
             1.0 if extension <= 1 else math.sqrt(1 + math.log(extension) / math.log(self.rope_original_max_positions))
         )
+
+    @property
+    def softmax_scale(self) -> float:
+        """The factor on the query-key scores: model.attention_scale, else 1 / sqrt(head_dim)."""
+        return self.attention_scale if self.attention_scale is not None else 1.0 / math.sqrt(self.head_dim)
 
     @property
     def rotary_dim(self) -> int:

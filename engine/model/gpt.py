@@ -132,6 +132,8 @@ class GPTModel(torch.nn.Module):
     def embed(self, tokens: torch.Tensor, first_position: int = 0) -> torch.Tensor:
         """Token ids [b, s] -> hidden [s/tp if sequence parallel else s, b, h]."""
         hidden = self.embedding(tokens)
+        if self.config.embedding_multiplier != 1.0:
+            hidden = hidden * self.config.embedding_multiplier
         if self.config.position_embedding == "learned":
             s_local = hidden.shape[0]
             start = first_position + (mappings.group_rank(self.tp_group) * s_local if self.sequence_parallel else 0)
@@ -146,6 +148,8 @@ class GPTModel(torch.nn.Module):
         """Final hidden -> this rank's slice of the vocabulary logits [s, b, V/tp]."""
         weight = self.logits_weight()
         hidden = self.final_norm(hidden)
+        if self.config.logits_divisor != 1.0:  # on the h-wide input rather than the V-wide logits: the same product
+            hidden = hidden / self.config.logits_divisor
         if self.sequence_parallel:
             hidden = mappings.gather_from_sequence_region(hidden, self.tp_group)
         else:

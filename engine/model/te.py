@@ -142,6 +142,7 @@ def dot_product_attention(config: ModelConfig, tp_group, sequence_parallel: bool
         sequence_parallel=sequence_parallel,
         tp_size=mappings.group_size(tp_group),
         tp_group=tp_group,
+        softmax_scale=config.softmax_scale,
     )
 
 

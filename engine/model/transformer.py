@@ -149,6 +149,7 @@ class Attention(torch.nn.Module):
             sequence_parallel=sequence_parallel,
         )
         self.fused_attention = kernels.core_attention(config, tp_group, sequence_parallel)
+        self.softmax_scale = config.softmax_scale
         self.q_norm = self.k_norm = None
         if config.qk_norm:
             # Each TP rank normalises its own heads with the shared weights: their gradient is a sum over the TP
@@ -161,7 +162,7 @@ class Attention(torch.nn.Module):
         s, b = q.shape[:2]
         if self.cp_group is not None:  # this rank's two chunks of the sequence, the rest around the ring
             q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-            out = ring_attention(q, k, v, self.cp_group)
+            out = ring_attention(q, k, v, self.cp_group, self.softmax_scale)
             return out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)
         if self.fused_attention is not None:  # TE: takes and returns the [s, b, ...] layout directly
             return self.fused_attention(q, k, v)
@@ -171,7 +172,13 @@ class Attention(torch.nn.Module):
         dropout = self.dropout if self.training else 0.0
         with self.streams.fork("tensor") if (dropout and self.streams) else contextlib.nullcontext():
             out = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=k.shape[1] != self.local_heads
+                q,
+                k,
+                v,
+                is_causal=True,
+                dropout_p=dropout,
+                enable_gqa=k.shape[1] != self.local_heads,
+                scale=self.softmax_scale,
             )
         return out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)
 
@@ -207,7 +214,7 @@ class Attention(torch.nn.Module):
         mask = torch.arange(total, device=q.device)[None, :] <= new_positions[:, None]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, enable_gqa=self.local_kv_heads != self.local_heads
+            q, k, v, attn_mask=mask, enable_gqa=self.local_kv_heads != self.local_heads, scale=self.softmax_scale
         )
         return out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)
 
@@ -280,8 +287,11 @@ class TransformerBlock(torch.nn.Module):
         self.kernels, self.tp_group = kernels, tp_group
         self.dropout, self.streams = config.dropout, streams
         self.residual_stream = hidden_state_stream(sequence_parallel)
+        self.residual_multiplier = config.residual_multiplier
 
     def _residual_dropout(self, x: torch.Tensor) -> torch.Tensor:
+        if self.residual_multiplier != 1.0:
+            x = x * self.residual_multiplier
         if not (self.dropout and self.training):
             return x
         with self.streams.fork(self.residual_stream):

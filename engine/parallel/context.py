@@ -209,7 +209,9 @@ class _RingAttention(torch.autograd.Function):
 
 @torch.compiler.disable  # a compiled block runs the ring eagerly between its two graphs: its point-to-point
 # sends inside an autograd.Function are not something dynamo traces, so the break is made here, on purpose
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group) -> torch.Tensor:
+def ring_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, scale: float | None = None
+) -> torch.Tensor:
     """Causal attention of this CP rank's queries over the whole sequence (module docstring). q [b, h, s, d],
-    k and v [b, h_kv, s, d], s this rank's two chunks."""
-    return _RingAttention.apply(q, k, v, group, 1.0 / math.sqrt(q.shape[-1]))
+    k and v [b, h_kv, s, d], s this rank's two chunks; `scale` on the scores, 1 / sqrt(d) by default."""
+    return _RingAttention.apply(q, k, v, group, 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
