@@ -24,7 +24,7 @@ from training_runs import (
 )
 
 from loom.engine.checkpoint.format import CheckpointError, find_loadable
-from loom.engine.config_io import config_from_dict
+from loom.engine.config_io import config_from_dict, config_to_dict
 from loom.engine.data.indexed import IndexedDatasetWriter
 from loom.engine.model.gpt import GPTModel
 from loom.engine.parallel.sharding import initialize_parameters
@@ -500,6 +500,21 @@ def test_a_granite_imports_evaluates_under_tensor_parallelism_and_exports_as_tra
     _assert_greedy_generate_equals_transformers(model, tmp_path / "loom", 32)  # the score factor in the KV cache
 
 
+def test_rotary_settings_no_hugging_face_class_computes_are_refused_on_export():
+    """Only transformers' Phi-3 turns part of each head, and its config takes default and longrope RoPE alone, with
+    longrope's factors counted from hidden_size / num_heads: a half-head model with llama3 scaling, or with longrope
+    over heads of their own width, has no Hugging Face form (transformers refused the config loom wrote)."""
+    from loom.tools.hf import _check_llama
+
+    half = {"hidden_size": 64, "num_heads": 4, "rotary_percent": 0.5}
+    llama3 = {**half, "rope_scaling": "llama3"}
+    longrope = {**half, "head_dim": 32, "rope_scaling": "longrope", "rope_short_factors": [1.0] * 8}
+    for model, said in ((llama3, "llama3 rope scaling"), ({**longrope, "rope_long_factors": [2.0] * 8}, "head_dim")):
+        with pytest.raises(CheckpointError, match=f"rotary_percent .*{said}"):
+            _check_llama(config_to_dict(config_from_dict({"model": model}))["model"], gpt2_too=True)
+    _check_llama(config_to_dict(config_from_dict({"model": half}))["model"], gpt2_too=True)  # a Phi-3
+
+
 def _small_qwen3(folder: Path):
     """A Qwen3ForCausalLM (tied, 2 KV heads, heads of 24 over a hidden size of 64, random q/k norm weights: at one
     they would hide a misplaced one) saved in `folder`, and returned."""
@@ -524,13 +539,25 @@ def test_a_qwen3_imports_evaluates_under_tensor_parallelism_and_exports_as_trans
     assert type(again) is transformers.Qwen3ForCausalLM
 
 
-def test_a_lora_run_on_a_qwen3_exports_a_peft_adapter_with_its_logits(markov_dataset, tmp_path, capfd):
-    """The user story on Qwen3: import it, fine-tune LoRA adapters on every linear layer, export the base and the
-    adapter: PEFT's model on transformers' Qwen3ForCausalLM computes the LoRA run's logits."""
+def _small_phi3(folder: Path):
+    """A Phi3ForCausalLM rotating whole heads (Phi-3-mini's form: fused qkv_proj and gate_up_proj) saved in
+    `folder`, and returned."""
+    torch.manual_seed(0)
+    model = transformers.Phi3ForCausalLM(transformers.Phi3Config(**llama_fields(num_key_value_heads=2))).eval()
+    model.save_pretrained(str(folder))
+    return model
+
+
+@pytest.mark.parametrize("architecture", ["qwen3", "phi3"])
+def test_a_lora_run_on_an_import_exports_a_peft_adapter_with_its_logits(architecture, markov_dataset, tmp_path, capfd):
+    """The user story on Qwen3 and Phi-3: import it, fine-tune LoRA adapters on every linear layer, export the base
+    and the adapter: PEFT's model on the exported base computes the LoRA run's logits. A Phi-3 exports back as a
+    Phi-3 with the source's logits, and its adapter sits on its fused modules, so PEFT loads it onto the folder it
+    names (the source: the adapters named Llama's q_proj ... did not load there)."""
     peft = pytest.importorskip("peft", reason="needs loom[reference]")
     from loom.tools.generate import load_model
 
-    _small_qwen3(tmp_path / "hf")
+    source = (_small_qwen3 if architecture == "qwen3" else _small_phi3)(tmp_path / "hf")
     import_hf(tmp_path / "hf", tmp_path / "base")
     flags = ["--lora.rank", "4", "--lora.base", str(tmp_path / "base"), "--train.steps", "2", "--optim.lr", "0.01"]
     flags += ["--optim.warmup_steps", "0", "--checkpoint.save_at_end", "true"]
@@ -538,14 +565,20 @@ def test_a_lora_run_on_a_qwen3_exports_a_peft_adapter_with_its_logits(markov_dat
     trained = loom_here(capfd, "train", *tiny_train_args(markov_dataset(50, VOCAB), tmp_path / "run"), *flags)
     assert trained.returncode == 0, trained.stderr
     export_peft_adapter(tmp_path / "run", tmp_path / "adapter")
-    hf = transformers.Qwen3ForCausalLM.from_pretrained(export_hf(tmp_path / "base", tmp_path / "hf-base")).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(export_hf(tmp_path / "base", tmp_path / "hf-base")).eval()
+    assert type(hf) is type(source)
     tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         base = hf(tokens).logits  # before PEFT injects the adapters into hf's layers
+        assert (base - source(tokens).logits).abs().max().item() < 1e-5
         theirs = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()(tokens).logits
         ours = load_model(find_loadable(tmp_path / "run" / "checkpoints")[0])[0](tokens).transpose(0, 1)
     assert (ours[..., :VOCAB] - theirs).abs().max().item() < 1e-5
     assert (theirs - base).abs().max().item() > 1e-4  # the adapters moved
+    named = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert named["base_model_name_or_path"] == str((tmp_path / "hf").resolve())
+    if architecture == "phi3":
+        assert set(named["target_modules"]) == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
 
 
 UNREPRESENTABLE = {

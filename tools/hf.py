@@ -67,6 +67,12 @@ def _check_llama(model: dict, gpt2_too: bool = False) -> None:
         wrong["qkv_bias with qk_norm"] = True
     if model["rotary_percent"] < 1 and (model["qk_norm"] or model["qkv_bias"]):  # only Phi-3's class turns part
         wrong["rotary_percent with " + ("qk_norm" if model["qk_norm"] else "qkv_bias")] = model["rotary_percent"]
+    if model["rotary_percent"] < 1 and model["rope_scaling"] == "llama3":  # Phi3Config takes default and longrope
+        wrong["rotary_percent with llama3 rope scaling"] = model["rotary_percent"]
+    narrow = model["head_dim"] * model["num_heads"] != model["hidden_size"]
+    if model["rotary_percent"] < 1 and model["rope_scaling"] == "longrope" and narrow:
+        # Phi3Config sizes longrope's factor lists from hidden_size / num_heads, whatever head_dim says
+        wrong["rotary_percent and longrope with a head_dim other than hidden_size / num_heads"] = model["head_dim"]
     if _granite_form(model) and (model["qk_norm"] or model["qkv_bias"] or model["rotary_percent"] < 1):
         # only Granite's class scales embeddings, residual branches, scores and logits
         wrong["Granite's multipliers with qk_norm, qkv_bias or rotary_percent"] = True
@@ -128,13 +134,14 @@ def _granite_form(model: dict) -> bool:
     return model["attention_scale"] is not None or any(model[field] != 1.0 for field in GRANITE_MULTIPLIERS)
 
 
-def _phi3_form(model: dict) -> bool:
-    """Whether a Llama-shaped loom model exports as a Phi-3: transformers' Llama turns each head whole, its Phi-3
-    the part model.rotary_percent says."""
-    return model["rotary_percent"] < 1
+def _phi3_form(model: dict, imported_from: str | None) -> bool:
+    """Whether a Llama-shaped loom model exports as a Phi-3: one imported from a Phi-3 (`imported_from`: the
+    model_type it was imported from) goes back as one, and transformers' Llama turns each head whole, its Phi-3 the
+    part model.rotary_percent says."""
+    return not _granite_form(model) and (model["rotary_percent"] < 1 or imported_from == "phi3")
 
 
-def _hf_architecture(model: dict) -> dict:
+def _hf_architecture(model: dict, phi3: bool) -> dict:
     """The config.json fields naming the Hugging Face class of a Llama-shaped loom model: Phi-3 rotating part of
     each head, Qwen3 with query/key norms, Qwen2 with biases on q, k and v alone, Llama otherwise (Llama's and
     Qwen3's attention_bias would bias o_proj too, so neither takes QKV's alone)."""
@@ -143,7 +150,7 @@ def _hf_architecture(model: dict) -> dict:
         multipliers["attention_multiplier"] = ModelConfig(**model).softmax_scale
         return {"architectures": ["GraniteForCausalLM"], "model_type": "granite", "attention_bias": False,
                 "mlp_bias": False, **multipliers}  # fmt: skip
-    if _phi3_form(model):  # Phi3Config's token ids default to Phi-3's own (eos and pad 32000): none unless known
+    if phi3:  # Phi3Config's token ids default to Phi-3's own (eos and pad 32000): none unless known
         return {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "sliding_window": None,
                 "partial_rotary_factor": model["rotary_percent"], **dict.fromkeys(HF_TOKEN_ID_FIELDS)}  # fmt: skip
     if model["qk_norm"]:
@@ -154,14 +161,14 @@ def _hf_architecture(model: dict) -> dict:
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False, "mlp_bias": False}
 
 
-def hf_config(model: dict, token_ids: dict | None = None, dtype: str = "float32") -> dict:
+def hf_config(model: dict, token_ids: dict | None = None, dtype: str = "float32", phi3: bool = False) -> dict:
     """The config.json transformers reads for a Llama-shaped loom model, as a Llama, a Qwen2 or a Qwen3
     (_hf_architecture; `model`: ModelConfig's fields; `token_ids`: the special-token ids, loom's tokenizers' by
-    default; `dtype`: the weights' torch_dtype)."""
+    default; `dtype`: the weights' torch_dtype; `phi3`: as a Phi-3, _phi3_form)."""
     rope = _hf_rope(model)
     legacy_scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if rope["rope_type"] != "default" else None
     return {
-        **_hf_architecture(model),
+        **_hf_architecture(model, phi3),
         "vocab_size": model["vocab_size"],
         "hidden_size": model["hidden_size"],
         "intermediate_size": model["ffn_hidden_size"],
@@ -241,14 +248,14 @@ def _hf_names(name: str, phi3: bool = False) -> tuple[str, ...]:
     return tuple(f"model.layers.{layer}.{hf}" for hf in (_PHI3_IN_BLOCK if phi3 else _IN_BLOCK)[local])
 
 
-def to_hf(logical: Mapping[str, torch.Tensor], model: dict) -> LazyWeights:
+def to_hf(logical: Mapping[str, torch.Tensor], model: dict, phi3: bool = False) -> LazyWeights:
     """loom logical tensors -> Hugging Face Llama (or Phi-3: _phi3_form) state dict, each tensor made when asked
     for."""
     logical = LazyWeights.of(logical)
     sizes = _fused_sizes(model)
     shapes, part_of = {}, {}
     for name in _loom_names(model):
-        hf_names, shape = _hf_names(name, _phi3_form(model)), logical.shapes[name]
+        hf_names, shape = _hf_names(name, phi3), logical.shapes[name]
         rows = [shape[0]] if len(hf_names) == 1 else sizes[naming.split_block_param_name(name)[1]]
         for index, (hf_name, count) in enumerate(zip(hf_names, rows, strict=True)):
             shapes[hf_name] = (count, *shape[1:])
@@ -321,7 +328,8 @@ def export_hf(
     dtype = dtype or origin.hf_dtype or "float32"
     # Each weight read, cast and written on its own: the whole model held in memory took 1-2.5x the checkpoint
     cast = LazyWeights(weights.shapes, lambda name: weights[name].to(EXPORT_DTYPES[dtype]))
-    tensors = to_gpt2(cast, model) if gpt2 else to_hf(cast, model)
+    phi3 = _phi3_form(model, origin.hf_model_type)
+    tensors = to_gpt2(cast, model) if gpt2 else to_hf(cast, model, phi3)
     declared = {hf_name: (EXPORT_DTYPES[dtype], shape) for hf_name, shape in tensors.shapes.items()}
     with claimed_export_output(output, overwrite):  # before any weight is read
         print(f"exporting step {metadata.step}: {directory}", flush=True)  # which is a run's newest intact one, say
@@ -331,7 +339,7 @@ def export_hf(
             output, trained_with, origin, model["max_position_embeddings"], model["vocab_size"], tokenizer
         )
         token_ids = LOOM_TOKEN_IDS if origin.hf_token_ids is None else origin.hf_token_ids
-        config = gpt2_config(model, token_ids, dtype) if gpt2 else hf_config(model, token_ids, dtype)
+        config = gpt2_config(model, token_ids, dtype) if gpt2 else hf_config(model, token_ids, dtype, phi3)
         write_text_atomically(output / "config.json", json.dumps(config, indent=2))  # last: the export is complete
     if not_written:
         print(f"warning: {not_written}", file=sys.stderr)
@@ -374,6 +382,7 @@ def _rope_fields(hf: dict) -> dict:
     # transformers prefers the top-level field (Phi-3 writes it) to the one inside the rope settings
     original = int(
         hf.get("original_max_position_embeddings")
+        or (4096 if hf.get("model_type") == "phi3" else None)  # Phi3Config's default, which transformers then uses
         or rope.get("original_max_position_embeddings")
         or hf["max_position_embeddings"]
     )
@@ -590,6 +599,7 @@ def import_hf(source: Path, output: Path, overwrite: bool = False) -> Path:
         "hf_source": str(source.resolve()),
         "hf_token_ids": {field: hf[field] for field in HF_TOKEN_ID_FIELDS if hf.get(field) is not None},
         "hf_dtype": _stored_dtype(tensors, embedding),
+        "hf_model_type": hf.get("model_type"),
         "hf_tokenizer": {name: sha256_of(source / name) for name in HF_TOKENIZER_FILES if (source / name).is_file()}
         or None,
     }
@@ -619,13 +629,16 @@ def export_peft_adapter(
     directory, metadata = open_checkpoint(source)
     if metadata.lora_base is None:
         raise CheckpointError(f"{directory} is not a LoRA checkpoint; --adapter-only exports a LoRA run's adapters")
-    if base_model is None:
-        try:
-            base_model = base_of(directory, metadata, base)[1].hf_source
-        except CheckpointError:  # the base moved or changed: the adapters themselves still export, unnamed
-            base_model = None
+    try:
+        base_metadata = base_of(directory, metadata, base, verify_hashes=False)[1]
+    except CheckpointError:  # the base moved or changed: the adapters themselves still export, unnamed
+        base_metadata = None
+    if base_model is None and base_metadata is not None:
+        base_model = base_metadata.hf_source
     config = config_from_dict(metadata.config)
     model = config_to_dict(config)["model"]
+    # a Phi-3's adapters sit on its fused modules (qkv_proj, gate_up_proj), as export_hf writes its base
+    phi3 = _phi3_form(model, (base_metadata or metadata).hf_model_type)
     gpt2 = has_gpt2_form(model)
     if not gpt2:
         _check_llama(model, gpt2_too=True)
@@ -639,7 +652,7 @@ def export_peft_adapter(
             tensors[f"base_model.model.{module}.lora_A.weight"] = a
             tensors[f"base_model.model.{module}.lora_B.weight"] = b
             continue
-        hf_weights = _hf_names(weight, _phi3_form(model))
+        hf_weights = _hf_names(weight, phi3)
         b_parts = b.split(sizes[naming.split_block_param_name(weight)[1]]) if len(hf_weights) > 1 else (b,)
         for hf_weight, b_part in zip(hf_weights, b_parts, strict=True):
             module = hf_weight.removesuffix(".weight")

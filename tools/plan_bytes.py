@@ -331,7 +331,7 @@ def _qk_norm_bytes(m: ModelConfig, element: int, compiled: bool) -> int:
     if not m.qk_norm:
         return 0
     width, heads = (m.num_heads + m.num_kv_heads) * m.head_dim, m.num_heads + m.num_kv_heads
-    return 4 * heads + (0 if compiled else (4 if element == 4 else 8) * width)
+    return _norm_statistics_bytes(m) * heads + (0 if compiled else (4 if element == 4 else 8) * width)
 
 
 def _korthikanti_bytes_per_token(m: ModelConfig, tp: int, sp: bool, fp8: bool) -> float:

@@ -195,6 +195,9 @@ class CheckpointMetadata:
     """For a model `loom ckpt import-hf` wrote (and the checkpoints of runs that train on from it, and merge-lora's
     of adapters on it): the special-token ids its config.json gave (bos_token_id, eos_token_id, pad_token_id, those
     present), which export-hf writes back; None elsewhere."""
+    hf_model_type: str | None = None
+    """For the same checkpoints: the model_type of the Hugging Face config ("phi3", ...), so that export-hf writes
+    a Phi-3 back as one and a PEFT export of adapters on it names Phi-3's fused modules; None elsewhere."""
     hf_dtype: str | None = None
     """For the same checkpoints: the torch_dtype the Hugging Face model was stored in ("bfloat16", ...), which
     export-hf writes by default (loom keeps fp32 weights); None elsewhere."""
@@ -241,6 +244,7 @@ class CheckpointMetadata:
             "hf_source": self.hf_source,
             "hf_token_ids": self.hf_token_ids,
             "hf_dtype": self.hf_dtype,
+            "hf_model_type": self.hf_model_type,
             "hf_tokenizer": self.hf_tokenizer,
             "validation": self.validation,
             "datasets": self.datasets,
@@ -277,6 +281,7 @@ class CheckpointMetadata:
                 hf_source=data.get("hf_source"),
                 hf_token_ids=data.get("hf_token_ids"),
                 hf_dtype=data.get("hf_dtype"),
+                hf_model_type=data.get("hf_model_type"),
                 hf_tokenizer=data.get("hf_tokenizer"),
                 validation=data.get("validation"),
                 datasets=data.get("datasets"),
@@ -300,7 +305,7 @@ class CheckpointMetadata:
         return float(self.step - self.skipped_updates) if self.lr_position is None else self.lr_position
 
 
-HF_ORIGIN_FIELDS = ("hf_source", "hf_token_ids", "hf_dtype", "hf_tokenizer")
+HF_ORIGIN_FIELDS = ("hf_source", "hf_token_ids", "hf_dtype", "hf_tokenizer", "hf_model_type")
 
 
 HF_WEIGHTS = (

@@ -64,7 +64,8 @@ class ModelConfig:
     rope_attention_factor: float | None = None
     """longrope scaling: the factor on the rotary cos and sin; None derives it as Hugging Face does: sqrt(1 +
     ln(s) / ln(rope_original_max_positions)) with s = max_position_embeddings / rope_original_max_positions, or 1
-    where s <= 1."""
+    where s <= 1, once: a run's config.toml and checkpoints keep the value, which a longer max_position_embeddings
+    later does not change."""
     norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
     """Normalisation before attention, before the MLP and at the end."""
     norm_eps: float = 1e-5
@@ -182,10 +183,17 @@ class ModelConfig:
             )
         if self.position_embedding == "rope" and self.rope_scaling == "longrope":
             self._check_longrope_factors()
+            # resolved once: the trained model's factor, which a later max_position_embeddings must not move
+            self.rope_attention_factor = self.longrope_attention_factor
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
 
     def _check_longrope_factors(self) -> None:
+        if self.rope_original_max_positions < 2:  # its logarithm divides the attention factor's
+            raise ConfigError(
+                f"model.rope_original_max_positions = {self.rope_original_max_positions}: longrope scaling needs "
+                "the pretraining context, 2 tokens or more"
+            )
         wanted = self.rotary_dim // 2
         for name in ("rope_short_factors", "rope_long_factors"):
             factors = getattr(self, name)
