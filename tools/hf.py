@@ -6,9 +6,9 @@ q_proj, k_proj, v_proj; SwiGLU fc1 -> gate_proj, up_proj) and joined on import; 
 Hugging Face's rotate-half convention, so no permutation of the query/key rows is needed. Only Llama-shaped models
 (RMSNorm, SwiGLU, RoPE, no biases) have a Llama form; with biases on QKV alone (model.qkv_bias) the same model is a
 Qwen2, whose names are Llama's with q/k/v_proj.bias, and with query/key norms (model.qk_norm) a Qwen3 (q_norm,
-k_norm). A Phi-3 (Phi-4 too) is a Llama whose files keep QKV and gate+up fused as loom does: it imports, and
-exports as the Llama it computes the same as unless it turns part of each head (partial_rotary_factor,
-model.rotary_percent), which only transformers' Phi-3 class computes. A Granite is a Llama with four scalars
+k_norm). A Phi-3 (Phi-4 too) is a Llama whose files keep QKV and gate+up fused as loom does: it imports and
+exports back as one (CheckpointMetadata.hf_model_type), and so does any model that turns part of each head
+(partial_rotary_factor, model.rotary_percent), which only transformers' Phi-3 class computes. A Granite is a Llama with four scalars
 (embedding_multiplier, residual_multiplier, attention_multiplier, logits_scaling: GRANITE_MULTIPLIERS), and a loom
 model that sets any exports as one. On import, the rotary settings are read
 wherever transformers put them (`rope_parameters` since 5.0, `rope_theta`/`rope_scaling` before), Llama 3.1's
