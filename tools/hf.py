@@ -8,14 +8,14 @@ Hugging Face's rotate-half convention, so no permutation of the query/key rows i
 Qwen2, whose names are Llama's with q/k/v_proj.bias, and with query/key norms (model.qk_norm) a Qwen3 (q_norm,
 k_norm). A Phi-3 (Phi-4 too) is a Llama whose files keep QKV and gate+up fused as loom does: it imports and
 exports back as one (CheckpointMetadata.hf_model_type), and so does any model that turns part of each head
-(partial_rotary_factor, model.rotary_percent), which only transformers' Phi-3 class computes. A Granite is a Llama with four scalars
-(embedding_multiplier, residual_multiplier, attention_multiplier, logits_scaling: GRANITE_MULTIPLIERS), and a loom
-model that sets any exports as one. On import, the rotary settings are read
+(partial_rotary_factor, model.rotary_percent), which only transformers' Phi-3 class computes. A Granite is a Llama
+with four scalars (embedding_multiplier, residual_multiplier, attention_multiplier, logits_scaling:
+GRANITE_MULTIPLIERS), and a loom model that sets any exports as one. On import, the rotary settings are read
 wherever transformers put them (`rope_parameters` since 5.0, `rope_theta`/`rope_scaling` before), Llama 3.1's
 llama3 scaling and Phi-3.5's longrope are kept, and any setting loom cannot represent (Llama's attention_bias or
 mlp_bias, other RoPE types, another activation) is refused with one line naming it: an import never yields a
-different model than the one on disk. transformers is not needed here: the files are written with safetensors and json;
-tests load them with transformers.
+different model than the one on disk. transformers is not needed here: the files are written with safetensors and
+json; tests load them with transformers.
 """
 
 from __future__ import annotations
