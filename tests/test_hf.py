@@ -504,15 +504,15 @@ def test_rotary_settings_no_hugging_face_class_computes_are_refused_on_export():
     """Only transformers' Phi-3 turns part of each head, and its config takes default and longrope RoPE alone, with
     longrope's factors counted from hidden_size / num_heads: a half-head model with llama3 scaling, or with longrope
     over heads of their own width, has no Hugging Face form (transformers refused the config loom wrote)."""
-    from loom.tools.hf import _check_llama
+    from loom.tools.hf_forms import check_llama_form
 
     half = {"hidden_size": 64, "num_heads": 4, "rotary_percent": 0.5}
     llama3 = {**half, "rope_scaling": "llama3"}
     longrope = {**half, "head_dim": 32, "rope_scaling": "longrope", "rope_short_factors": [1.0] * 8}
     for model, said in ((llama3, "llama3 rope scaling"), ({**longrope, "rope_long_factors": [2.0] * 8}, "head_dim")):
         with pytest.raises(CheckpointError, match=f"rotary_percent .*{said}"):
-            _check_llama(config_to_dict(config_from_dict({"model": model}))["model"], gpt2_too=True)
-    _check_llama(config_to_dict(config_from_dict({"model": half}))["model"], gpt2_too=True)  # a Phi-3
+            check_llama_form(config_to_dict(config_from_dict({"model": model}))["model"], gpt2_too=True)
+    check_llama_form(config_to_dict(config_from_dict({"model": half}))["model"], gpt2_too=True)  # a Phi-3
 
 
 def _small_qwen3(folder: Path):

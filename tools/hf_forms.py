@@ -1,0 +1,281 @@
+"""Which Hugging Face class a Llama-shaped loom model is, and back: the config.json export-hf writes (Llama,
+Qwen2, Qwen3, Phi-3 or Granite, with RoPE in both transformers' spellings) and the [model] import-hf reads from one,
+refusing what loom cannot compute alike. tools/hf.py moves the tensors; tools/hf_gpt2.py has GPT-2's form."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from loom.data_tools.tokenizer import BOS_ID, EOS_ID
+from loom.engine.checkpoint.format import CheckpointError
+from loom.engine.config import ModelConfig
+from loom.tools.hf_gpt2 import GPT2_SHAPE
+
+
+def check_llama_form(model: dict, gpt2_too: bool = False) -> None:
+    wrong = {
+        k: model[k]
+        for k, v in (("norm", "rmsnorm"), ("activation", "swiglu"), ("position_embedding", "rope"), ("bias", False))
+        if model[k] != v
+    }
+    if model["qk_norm"] and model["qkv_bias"]:  # Qwen3's attention_bias would bias o_proj too
+        wrong["qkv_bias with qk_norm"] = True
+    if model["rotary_percent"] < 1 and (model["qk_norm"] or model["qkv_bias"]):  # only Phi-3's class turns part
+        wrong["rotary_percent with " + ("qk_norm" if model["qk_norm"] else "qkv_bias")] = model["rotary_percent"]
+    if model["rotary_percent"] < 1 and model["rope_scaling"] == "llama3":  # Phi3Config takes default and longrope
+        wrong["rotary_percent with llama3 rope scaling"] = model["rotary_percent"]
+    narrow = model["head_dim"] * model["num_heads"] != model["hidden_size"]
+    if model["rotary_percent"] < 1 and model["rope_scaling"] == "longrope" and narrow:
+        # Phi3Config sizes longrope's factor lists from hidden_size / num_heads, whatever head_dim says
+        wrong["rotary_percent and longrope with a head_dim other than hidden_size / num_heads"] = model["head_dim"]
+    if granite_form(model) and (model["qk_norm"] or model["qkv_bias"] or model["rotary_percent"] < 1):
+        # only Granite's class scales embeddings, residual branches, scores and logits
+        wrong["Granite's multipliers with qk_norm, qkv_bias or rotary_percent"] = True
+    if wrong and gpt2_too:
+        unlike_gpt2 = {k: model[k] for k, v in GPT2_SHAPE.items() if model[k] != v}
+        raise CheckpointError(
+            "only Llama-shaped models (rmsnorm, swiglu, rope, no biases but QKV's) and GPT-2-shaped ones (layernorm, "
+            "gelu, learned positions, biases, no query/key norms, as many KV heads as heads, each hidden_size / heads "
+            f"wide) export to Hugging Face; this one has {min(wrong, unlike_gpt2, key=len) or wrong}"
+        )
+    if wrong:
+        raise CheckpointError(f"only Llama-shaped models export to the Llama format; this one has {wrong}")
+
+
+def _hf_rope(model: dict) -> dict:
+    """rope_parameters as transformers >= 5 writes it; the same values also go out in the older top-level
+    rope_theta / rope_scaling form, so transformers 4 reads the file too."""
+    rope = {"rope_type": "default", "rope_theta": model["rope_theta"]}
+    if model["rotary_percent"] < 1:
+        rope["partial_rotary_factor"] = model["rotary_percent"]
+    if model["rope_scaling"] == "longrope":
+        rope.update(
+            rope_type="longrope",
+            short_factor=model["rope_short_factors"],
+            long_factor=model["rope_long_factors"],
+            attention_factor=ModelConfig(**model).longrope_attention_factor,
+            original_max_position_embeddings=model["rope_original_max_positions"],
+        )
+    if model["rope_scaling"] == "llama3":
+        rope.update(
+            rope_type="llama3",
+            factor=model["rope_scaling_factor"],
+            low_freq_factor=model["rope_low_freq_factor"],
+            high_freq_factor=model["rope_high_freq_factor"],
+            original_max_position_embeddings=model["rope_original_max_positions"],
+        )
+    return rope
+
+
+# The special tokens of loom's tokenizers (`loom data tokenizer`: unk 0, bos 1, eos 2, pad 3), written for a model
+# trained here; an imported model's own ids travel in its checkpoint (CheckpointMetadata.hf_token_ids).
+LOOM_TOKEN_IDS = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID}
+HF_TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+GRANITE_MULTIPLIERS = {
+    "embedding_multiplier": "embedding_multiplier",
+    "residual_multiplier": "residual_multiplier",
+    "logits_divisor": "logits_scaling",
+}
+"""loom's fields for Granite's scalar multipliers -> their config.json names (its attention_multiplier is
+model.attention_scale, the whole score factor)."""
+
+
+def granite_form(model: dict) -> bool:
+    """Whether a Llama-shaped loom model exports as a Granite: only transformers' Granite class scales the
+    embeddings, residual branches, attention scores and logits."""
+    return model["attention_scale"] is not None or any(model[field] != 1.0 for field in GRANITE_MULTIPLIERS)
+
+
+def phi3_form(model: dict, imported_from: str | None) -> bool:
+    """Whether a Llama-shaped loom model exports as a Phi-3: one imported from a Phi-3 (`imported_from`: the
+    model_type it was imported from) goes back as one, and transformers' Llama turns each head whole, its Phi-3 the
+    part model.rotary_percent says."""
+    return not granite_form(model) and (model["rotary_percent"] < 1 or imported_from == "phi3")
+
+
+def _hf_architecture(model: dict, phi3: bool) -> dict:
+    """The config.json fields naming the Hugging Face class of a Llama-shaped loom model: Phi-3 rotating part of
+    each head, Qwen3 with query/key norms, Qwen2 with biases on q, k and v alone, Llama otherwise (Llama's and
+    Qwen3's attention_bias would bias o_proj too, so neither takes QKV's alone)."""
+    if granite_form(model):
+        multipliers = {granite: model[field] for field, granite in GRANITE_MULTIPLIERS.items()}
+        multipliers["attention_multiplier"] = ModelConfig(**model).softmax_scale
+        return {"architectures": ["GraniteForCausalLM"], "model_type": "granite", "attention_bias": False,
+                "mlp_bias": False, **multipliers}  # fmt: skip
+    if phi3:  # Phi3Config's token ids default to Phi-3's own (eos and pad 32000): none unless known
+        return {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "sliding_window": None,
+                "partial_rotary_factor": model["rotary_percent"], **dict.fromkeys(HF_TOKEN_ID_FIELDS)}  # fmt: skip
+    if model["qk_norm"]:
+        return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "use_sliding_window": False,
+                "attention_bias": False}  # fmt: skip
+    if model["qkv_bias"]:
+        return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False}
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False, "mlp_bias": False}
+
+
+def hf_config(model: dict, token_ids: dict | None = None, dtype: str = "float32", phi3: bool = False) -> dict:
+    """The config.json transformers reads for a Llama-shaped loom model, as a Llama, a Qwen2 or a Qwen3
+    (_hf_architecture; `model`: ModelConfig's fields; `token_ids`: the special-token ids, loom's tokenizers' by
+    default; `dtype`: the weights' torch_dtype; `phi3`: as a Phi-3, phi3_form)."""
+    rope = _hf_rope(model)
+    legacy_scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if rope["rope_type"] != "default" else None
+    return {
+        **_hf_architecture(model, phi3),
+        "vocab_size": model["vocab_size"],
+        "hidden_size": model["hidden_size"],
+        "intermediate_size": model["ffn_hidden_size"],
+        "num_hidden_layers": model["num_layers"],
+        "num_attention_heads": model["num_heads"],
+        "num_key_value_heads": model["num_kv_heads"],
+        "head_dim": model["head_dim"],
+        "max_position_embeddings": model["max_position_embeddings"],
+        "rms_norm_eps": model["norm_eps"],
+        "rope_parameters": rope,
+        "rope_theta": model["rope_theta"],
+        "rope_scaling": legacy_scaling,
+        # read before the one in rope_parameters (Phi3Config would otherwise put its 4096 there)
+        **({"original_max_position_embeddings": model["rope_original_max_positions"]} if legacy_scaling else {}),
+        "hidden_act": "silu",
+        "tie_word_embeddings": model["tie_embeddings"],
+        "initializer_range": model["init_std"],
+        "torch_dtype": dtype,
+        **(LOOM_TOKEN_IDS if token_ids is None else token_ids),
+    }
+
+
+def _rope_parameters(hf: dict) -> dict:
+    """The rotary settings wherever the writer put them, read as transformers reads them: transformers >= 5 nests
+    rope_theta and the scaling in `rope_parameters`, older versions write a top-level `rope_theta` and a
+    `rope_scaling` dict; where both are given, a non-empty `rope_scaling` replaces `rope_parameters` whole
+    (PreTrainedConfig.convert_rope_params_to_dict), and rope_theta then comes from the top level."""
+    chosen = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    if not isinstance(chosen, dict):
+        raise CheckpointError("config.json's rope_scaling / rope_parameters is not an object")
+    rope = dict(chosen)
+    if rope and all(isinstance(value, dict) for value in rope.values()):
+        raise CheckpointError(f"config.json sets rope_parameters per layer type ({', '.join(rope)}); loom has one RoPE")
+    rope.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+    rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
+    return rope
+
+
+def _rope_fields(hf: dict) -> dict:
+    rope = _rope_parameters(hf)
+    fields = {"rope_theta": float(rope["rope_theta"])}
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0 and hf.get("model_type") != "phi3":  # transformers' other classes turn each head whole
+        raise CheckpointError(
+            f"config.json sets partial_rotary_factor {partial} for model_type {hf.get('model_type')!r}, whose "
+            "transformers class rotates the whole head; loom imports it with Phi-3's"
+        )
+    fields["rotary_percent"] = float(partial)
+    # transformers prefers the top-level field (Phi-3 writes it) to the one inside the rope settings
+    original = int(
+        hf.get("original_max_position_embeddings")
+        or (4096 if hf.get("model_type") == "phi3" else None)  # Phi3Config's default, which transformers then uses
+        or rope.get("original_max_position_embeddings")
+        or hf["max_position_embeddings"]
+    )
+    if rope["rope_type"] == "llama3":
+        fields.update(
+            rope_scaling="llama3",
+            rope_scaling_factor=float(rope["factor"]),
+            rope_low_freq_factor=float(rope["low_freq_factor"]),
+            rope_high_freq_factor=float(rope["high_freq_factor"]),
+            rope_original_max_positions=original,
+        )
+    elif rope["rope_type"] == "longrope":
+        # The cos/sin factor resolved as transformers resolves it (from `factor`, else from how far
+        # max_position_embeddings extends the original context), so that a shorter import keeps it.
+        extension = rope.get("factor") or hf["max_position_embeddings"] / original
+        attention = rope.get("attention_factor")
+        if attention is None:
+            attention = 1.0 if extension <= 1 else math.sqrt(1 + math.log(extension) / math.log(original))
+        fields.update(
+            rope_scaling="longrope",
+            rope_short_factors=[float(factor) for factor in rope["short_factor"]],
+            rope_long_factors=[float(factor) for factor in rope["long_factor"]],
+            rope_attention_factor=float(attention),
+            rope_original_max_positions=original,
+        )
+    elif rope["rope_type"] != "default":
+        raise CheckpointError(
+            f"config.json's rope_type {rope['rope_type']!r} is not supported; loom imports default, llama3 and "
+            "longrope RoPE"
+        )
+    return fields
+
+
+def _refuse_unrepresentable(hf: dict) -> None:
+    """Settings that change the computation but have no loom form: importing without them would load a
+    different model than the one on disk."""
+    if hf.get("model_type") not in ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite"):
+        raise CheckpointError(
+            f"model_type {hf.get('model_type')!r} is not llama, mistral, qwen2, qwen3, phi3, granite or gpt2; loom "
+            "imports Llama-, Mistral-, Qwen-, Phi-3-, Granite- and GPT-2-format models"
+        )
+    for flag in ("attention_bias", "mlp_bias"):
+        if hf.get(flag):
+            raise CheckpointError(f"config.json sets {flag}: true; loom's Llama form has no biases")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"config.json's hidden_act is {hf['hidden_act']!r}; loom's Llama form uses silu")
+
+
+def _positions_represented(hf: dict) -> int:
+    """The sequence length up to which loom computes the model on disk: max_position_embeddings, or a Mistral's or
+    a Phi-3's sliding window (a Qwen2's under use_sliding_window) where that is shorter (loom's attention is full
+    causal, the same as a window's up to its length and not past it)."""
+    positions = hf["max_position_embeddings"]
+    qwen = hf.get("model_type") in ("qwen2", "qwen3")
+    windowed = hf.get("model_type") in ("mistral", "phi3") or (qwen and hf.get("use_sliding_window"))
+    window = hf.get("sliding_window") if windowed else None
+    if window is not None and (type(window) is not int or window < 1):
+        raise CheckpointError(f"config.json's sliding_window {window!r} is neither null nor a number of tokens")
+    return positions if window is None else min(positions, window)
+
+
+def model_from_hf_config(hf: dict) -> dict:
+    _refuse_unrepresentable(hf)
+    return {
+        "num_layers": hf["num_hidden_layers"],
+        "hidden_size": hf["hidden_size"],
+        "num_heads": hf["num_attention_heads"],
+        "num_kv_heads": hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        "head_dim": hf.get("head_dim"),  # None: hidden_size / num_attention_heads, as transformers takes it
+        "ffn_hidden_size": hf["intermediate_size"],
+        "vocab_size": hf["vocab_size"],
+        "max_position_embeddings": _positions_represented(hf),
+        "norm_eps": hf["rms_norm_eps"],
+        **_rope_fields(hf),
+        "tie_embeddings": hf.get("tie_word_embeddings", False),
+        "norm": "rmsnorm",
+        "activation": "swiglu",
+        "position_embedding": "rope",
+        "bias": False,
+        "qkv_bias": hf.get("model_type") == "qwen2",
+        "qk_norm": hf.get("model_type") == "qwen3",
+        **(_granite_fields(hf) if hf.get("model_type") == "granite" else {}),
+    }
+
+
+def _granite_fields(hf: dict) -> dict:
+    """A Granite's multipliers as loom's fields (each 1.0 where its config leaves it out, as GraniteConfig does)."""
+    fields = {field: float(hf.get(granite, 1.0)) for field, granite in GRANITE_MULTIPLIERS.items()}
+    return {**fields, "attention_scale": float(hf.get("attention_multiplier", 1.0))}
+
+
+def read_hf_config(source: Path) -> dict:
+    config_path = source / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"{source} has no config.json; expected a Hugging Face model directory (Llama, GPT-2)")
+    try:
+        hf = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{config_path} is not valid JSON ({error})") from None
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{config_path} holds {type(hf).__name__}, not a model configuration object")
+    return hf
