@@ -165,9 +165,9 @@ class GPTModel(torch.nn.Module):
         start = cache.length
         if self.pre_process:
             hidden = self.embed(tokens, first_position=start)
-        rotary = self._rotary(start + s, hidden.device)
-        if rotary is not None:
-            rotary = tuple(table[start : start + s] for table in rotary)
+        # the new positions' rows alone: a table per decoded length, kept, grew with the square of the text
+        rope = self.config.position_embedding == "rope"
+        rotary = rotary_tables(start + s, self.config, hidden.device, first_position=start) if rope else None
         for index, block in self.layers.items():
             hidden = block(hidden, rotary, cache.layer(index))
         cache.length += s

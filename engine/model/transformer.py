@@ -86,11 +86,13 @@ def _llama3_scaled(frequencies: torch.Tensor, config: ModelConfig) -> torch.Tens
     )
 
 
-def rotary_tables(seq_length: int, config: ModelConfig, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape [s, 1, 1, rotary_dim] for the rotate-half (Hugging Face Llama) convention."""
-    angles = torch.outer(
-        torch.arange(seq_length, dtype=torch.float32, device=device), rotary_frequencies(config, seq_length, device)
-    )
+def rotary_tables(
+    seq_length: int, config: ModelConfig, device, first_position: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape [s, 1, 1, rotary_dim] for the rotate-half (Hugging Face Llama) convention, for the
+    positions first_position .. seq_length - 1 of a sequence of seq_length tokens (decoding wants the new ones)."""
+    positions = torch.arange(first_position, seq_length, dtype=torch.float32, device=device)
+    angles = torch.outer(positions, rotary_frequencies(config, seq_length, device))
     angles = torch.cat([angles, angles], dim=-1)[:, None, None, :]
     if config.rope_scaling == "longrope":
         scale = config.longrope_attention_factor
