@@ -55,7 +55,7 @@ def _hf_rope(model: dict) -> dict:
             rope_type="longrope",
             short_factor=model["rope_short_factors"],
             long_factor=model["rope_long_factors"],
-            attention_factor=ModelConfig(**model).longrope_attention_factor,
+            attention_factor=model["rope_attention_factor"],  # resolved by ModelConfig
             original_max_position_embeddings=model["rope_original_max_positions"],
         )
     if model["rope_scaling"] == "llama3":
@@ -98,9 +98,9 @@ def phi3_form(model: dict, imported_from: str | None) -> bool:
 
 
 def _hf_architecture(model: dict, phi3: bool) -> dict:
-    """The config.json fields naming the Hugging Face class of a Llama-shaped loom model: Phi-3 rotating part of
-    each head, Qwen3 with query/key norms, Qwen2 with biases on q, k and v alone, Llama otherwise (Llama's and
-    Qwen3's attention_bias would bias o_proj too, so neither takes QKV's alone)."""
+    """The config.json fields naming the Hugging Face class of a Llama-shaped loom model: Granite with any of its
+    multipliers, Phi-3 (`phi3`: phi3_form), Qwen3 with query/key norms, Qwen2 with biases on q, k and v alone, Llama
+    otherwise (Llama's and Qwen3's attention_bias would bias o_proj too, so neither takes QKV's alone)."""
     if granite_form(model):
         multipliers = {granite: model[field] for field, granite in GRANITE_MULTIPLIERS.items()}
         multipliers["attention_multiplier"] = ModelConfig(**model).softmax_scale
@@ -118,9 +118,9 @@ def _hf_architecture(model: dict, phi3: bool) -> dict:
 
 
 def hf_config(model: dict, token_ids: dict | None = None, dtype: str = "float32", phi3: bool = False) -> dict:
-    """The config.json transformers reads for a Llama-shaped loom model, as a Llama, a Qwen2 or a Qwen3
-    (_hf_architecture; `model`: ModelConfig's fields; `token_ids`: the special-token ids, loom's tokenizers' by
-    default; `dtype`: the weights' torch_dtype; `phi3`: as a Phi-3, phi3_form)."""
+    """The config.json transformers reads for a Llama-shaped loom model, as a Llama, a Qwen2, a Qwen3, a Phi-3 or
+    a Granite (_hf_architecture; `model`: ModelConfig's fields; `token_ids`: the special-token ids, loom's
+    tokenizers' by default; `dtype`: the weights' torch_dtype; `phi3`: as a Phi-3, phi3_form)."""
     rope = _hf_rope(model)
     legacy_scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if rope["rope_type"] != "default" else None
     return {

@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from loom.engine.checkpoint.format import MEGATRON_TRACKER as TRACKER
 from loom.engine.checkpoint.format import CheckpointError, megatron_backend
+from loom.engine.config import ModelConfig
 from loom.engine.config_io import config_from_dict, config_to_dict
 from loom.engine.model import naming
 from loom.tools.ckpt import LazyWeights, first_few, write_weights_checkpoint
@@ -434,7 +435,7 @@ def from_megatron(stored: DistributedCheckpoint, model: dict, args: dict, loom_n
         )
     centred = bool(_argument(args, "layernorm_zero_centered_gamma", "apply_layernorm_1p", default=False))
     interleaved = bool(args.get("rotary_interleaved")) and model["position_embedding"] == "rope"
-    head, turned = model["head_dim"], int(model["head_dim"] * model["rotary_percent"])
+    head, turned = model["head_dim"], ModelConfig(**model).rotary_dim
 
     def make(name: str) -> torch.Tensor:
         tensor = weights.read(located[name])

@@ -33,6 +33,7 @@ from loom.engine.model import naming
 from loom.engine.parallel.vocab import padded_vocab_size
 from loom.tools.ckpt import open_checkpoint
 from loom.tools.hf import EXPORT_DTYPES
+from loom.tools.hf_forms import GRANITE_MULTIPLIERS
 from loom.tools.lora import ModelWeights
 from loom.tools.megatron_checkpoint import COMMON, EMBEDDING, MEGATRON_ROPE_SCALING_FACTOR, OUTPUT, megatron_names
 from loom.tools.outputs import claimed_megatron_output
@@ -72,7 +73,7 @@ LLAMA3_SCALING_IN_MEGATRON = {
 def megatron_arguments(model: dict, train: dict, step: int, consumed: int, dtype: str) -> argparse.Namespace:
     """Megatron-LM's arguments for loom's [model] (ModelConfig's fields) trained as `train` says; CheckpointError
     for what Megatron cannot compute the same way."""
-    granite = {field: model[field] for field in ("embedding_multiplier", "residual_multiplier", "logits_divisor")}
+    granite = {field: model[field] for field in GRANITE_MULTIPLIERS}
     if any(value != 1.0 for value in granite.values()):
         raise CheckpointError(
             f"the model scales its embeddings, residual branches or logits ({granite}); megatron-core's GPT model "

@@ -183,8 +183,10 @@ class ModelConfig:
             )
         if self.position_embedding == "rope" and self.rope_scaling == "longrope":
             self._check_longrope_factors()
-            # resolved once: the trained model's factor, which a later max_position_embeddings must not move
-            self.rope_attention_factor = self.longrope_attention_factor
+            if self.rope_attention_factor is None:  # resolved once, as Hugging Face derives it: the trained model's
+                extension = self.max_position_embeddings / self.rope_original_max_positions
+                logarithm = math.log(extension) / math.log(self.rope_original_max_positions)
+                self.rope_attention_factor = 1.0 if extension <= 1 else math.sqrt(1 + logarithm)
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
 
@@ -204,16 +206,6 @@ class ModelConfig:
                     f"(rotary_dim {self.rotary_dim} / 2), got {given}"
                 )
             check_positive("model", **{f"{name}[{i}]": factor for i, factor in enumerate(factors)})
-
-    @property
-    def longrope_attention_factor(self) -> float:
-        """rope_attention_factor, or the one Hugging Face derives from the context's extension when unset."""
-        if self.rope_attention_factor is not None:
-            return self.rope_attention_factor
-        extension = self.max_position_embeddings / self.rope_original_max_positions
-        return (
-            1.0 if extension <= 1 else math.sqrt(1 + math.log(extension) / math.log(self.rope_original_max_positions))
-        )
 
     @property
     def softmax_scale(self) -> float:

@@ -95,7 +95,7 @@ def rotary_tables(
     angles = torch.outer(positions, rotary_frequencies(config, seq_length, device))
     angles = torch.cat([angles, angles], dim=-1)[:, None, None, :]
     if config.rope_scaling == "longrope":
-        scale = config.longrope_attention_factor
+        scale = config.rope_attention_factor
         return angles.cos() * scale, angles.sin() * scale
     return angles.cos(), angles.sin()
 
