@@ -41,7 +41,8 @@ def layer_parameters(config: ModelConfig) -> int:
     ffn_in = config.ffn_hidden_size * (2 if config.activation == "swiglu" else 1)
     weights = h * (q + 2 * kv) + q * h + h * ffn_in + config.ffn_hidden_size * h
     biases = (q + 2 * kv if config.biased_qkv else 0) + (h + ffn_in + h if config.bias else 0)
-    norms = (2 * h + (2 * hd if config.qk_norm else 0)) * (2 if config.norm == "layernorm" else 1)
+    qk_norms = (2 * hd if config.qk_norm_per_head else q + kv) if config.qk_norm else 0
+    norms = (2 * h + qk_norms) * (2 if config.norm == "layernorm" else 1)
     return weights + biases + norms
 
 

@@ -539,6 +539,27 @@ def test_a_qwen3_imports_evaluates_under_tensor_parallelism_and_exports_as_trans
     assert type(again) is transformers.Qwen3ForCausalLM
 
 
+def test_an_olmo2_imports_evaluates_under_tensor_parallelism_and_exports_as_transformers_computes_it(tmp_path, capfd):
+    """OLMo 2 (AI2's open models) normalises what attention and the MLP return before it joins the residual stream,
+    not what enters them (model.norm_placement output), and the whole query and key projections over all their
+    heads at once (model.qk_norm_per_head false), and was refused (model_type olmo2). It imports with transformers'
+    logits, `loom eval` over two tensor-parallel ranks (the q/k norm weights split with the heads, their sums of
+    squares summed across the ranks) gives transformers' loss, it exports back to an Olmo2ForCausalLM with the same
+    logits, and KV-cached greedy decoding continues a prompt as transformers does."""
+    settings = llama_fields(num_key_value_heads=2, rms_norm_eps=1e-6)
+    torch.manual_seed(0)
+    model = transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**settings)).eval()
+    with torch.no_grad():  # norm weights at one would hide a misplaced one (Llama's post_attention_layernorm is its MLP's)
+        for name, tensor in model.named_parameters():
+            if name.endswith("norm.weight"):
+                tensor.uniform_(0.5, 1.5)
+    model.save_pretrained(str(tmp_path / "hf"))
+    imported, again = _round_trip_computes_as_transformers(model, tmp_path, capfd)
+    assert (imported["norm_placement"], imported["qk_norm"], imported["qk_norm_per_head"]) == ("output", True, False)
+    assert type(again) is transformers.Olmo2ForCausalLM
+    _assert_greedy_generate_equals_transformers(model, tmp_path / "loom", 16)
+
+
 def _small_phi3(folder: Path):
     """A Phi3ForCausalLM rotating whole heads (Phi-3-mini's form: fused qkv_proj and gate_up_proj) saved in
     `folder`, and returned."""

@@ -81,6 +81,21 @@ _PHI3_IN_BLOCK = {
     naming.FC1_WEIGHT: ("mlp.gate_up_proj.weight",),
 }
 
+# OLMo 2's names: Llama's, its norms on what attention and the MLP return (model.norm_placement = output), so that
+# its post_attention_layernorm is attention's norm, not the MLP's as in Llama.
+_OLMO2_IN_BLOCK = {
+    **_IN_BLOCK,
+    naming.INPUT_NORM_WEIGHT: ("post_attention_layernorm.weight",),
+    naming.MLP_NORM_WEIGHT: ("post_feedforward_layernorm.weight",),
+}
+
+
+def _block_names(model: dict, phi3: bool) -> dict[str, tuple[str, ...]]:
+    """Hugging Face's names inside a block for loom's, in the form the model has (`phi3`: phi3_form)."""
+    if model["norm_placement"] == "output":
+        return _OLMO2_IN_BLOCK
+    return _PHI3_IN_BLOCK if phi3 else _IN_BLOCK
+
 
 def _fused_sizes(model: dict) -> dict[str, list[int]]:
     """Rows of each Hugging Face tensor inside a fused loom tensor, by loom's name inside the block."""
@@ -104,23 +119,23 @@ def _loom_names(model: dict) -> list[str]:
     return outside + [naming.block_param_name(i, local) for i in range(model["num_layers"]) for local in in_block]
 
 
-def _hf_names(name: str, phi3: bool = False) -> tuple[str, ...]:
-    """Hugging Face's tensor(s) holding loom's tensor `name` (`phi3`: in a Phi-3's fused names)."""
+def _hf_names(name: str, block_names: dict[str, tuple[str, ...]]) -> tuple[str, ...]:
+    """Hugging Face's tensor(s) holding loom's tensor `name` (`block_names`: _block_names' table)."""
     in_block = naming.split_block_param_name(name)
     if in_block is None:
         return (_OUTSIDE_BLOCKS[name],)
     layer, local = in_block
-    return tuple(f"model.layers.{layer}.{hf}" for hf in (_PHI3_IN_BLOCK if phi3 else _IN_BLOCK)[local])
+    return tuple(f"model.layers.{layer}.{hf}" for hf in block_names[local])
 
 
 def to_hf(logical: Mapping[str, torch.Tensor], model: dict, phi3: bool = False) -> LazyWeights:
-    """loom logical tensors -> Hugging Face Llama (or Phi-3: phi3_form) state dict, each tensor made when asked
-    for."""
+    """loom logical tensors -> Hugging Face Llama (or Phi-3: phi3_form; or OLMo 2) state dict, each tensor made
+    when asked for."""
     logical = LazyWeights.of(logical)
-    sizes = _fused_sizes(model)
+    sizes, block_names = _fused_sizes(model), _block_names(model, phi3)
     shapes, part_of = {}, {}
     for name in _loom_names(model):
-        hf_names, shape = _hf_names(name, phi3), logical.shapes[name]
+        hf_names, shape = _hf_names(name, block_names), logical.shapes[name]
         rows = [shape[0]] if len(hf_names) == 1 else sizes[naming.split_block_param_name(name)[1]]
         for index, (hf_name, count) in enumerate(zip(hf_names, rows, strict=True)):
             shapes[hf_name] = (count, *shape[1:])
@@ -138,11 +153,12 @@ def to_hf(logical: Mapping[str, torch.Tensor], model: dict, phi3: bool = False) 
 
 
 def from_hf(tensors: Mapping[str, torch.Tensor], model: dict, phi3: bool = False) -> LazyWeights:
-    """Hugging Face Llama state dict (`phi3`: a Phi-3's) -> loom logical tensors, each made when asked for."""
+    """Hugging Face Llama state dict (`phi3`: a Phi-3's; or an OLMo 2's) -> loom logical tensors, each made when
+    asked for."""
     tensors = LazyWeights.of(tensors)
-    shapes, parts_of, used = {}, {}, set()
+    shapes, parts_of, used, block_names = {}, {}, set(), _block_names(model, phi3)
     for name in _loom_names(model):
-        hf_names = parts_of[name] = _hf_names(name, phi3)
+        hf_names = parts_of[name] = _hf_names(name, block_names)
         used.update(hf_names)
         parts = [tensors.shapes[hf] for hf in hf_names]
         if len(parts) > 1 and (min(map(len, parts)) == 0 or len({part[1:] for part in parts}) > 1):
@@ -383,7 +399,7 @@ def export_peft_adapter(
             tensors[f"base_model.model.{module}.lora_A.weight"] = a
             tensors[f"base_model.model.{module}.lora_B.weight"] = b
             continue
-        hf_weights = _hf_names(weight, phi3)
+        hf_weights = _hf_names(weight, _block_names(model, phi3))
         b_parts = b.split(sizes[naming.split_block_param_name(weight)[1]]) if len(hf_weights) > 1 else (b,)
         for hf_weight, b_part in zip(hf_weights, b_parts, strict=True):
             module = hf_weight.removesuffix(".weight")

@@ -1,6 +1,6 @@
 """Which Hugging Face class a Llama-shaped loom model is, and back: the config.json export-hf writes (Llama,
-Qwen2, Qwen3, Phi-3 or Granite, with RoPE in both transformers' spellings) and the [model] import-hf reads from one,
-refusing what loom cannot compute alike. tools/hf.py moves the tensors; tools/hf_gpt2.py has GPT-2's form."""
+Qwen2, Qwen3, Phi-3, Granite or OLMo 2, with RoPE in both transformers' spellings) and the [model] import-hf reads
+from one, refusing what loom cannot compute alike. tools/hf.py moves the tensors; tools/hf_gpt2.py has GPT-2's form."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ def check_llama_form(model: dict, gpt2_too: bool = False) -> None:
     if model["rotary_percent"] < 1 and model["rope_scaling"] == "longrope" and narrow:
         # Phi3Config sizes longrope's factor lists from hidden_size / num_heads, whatever head_dim says
         wrong["rotary_percent and longrope with a head_dim other than hidden_size / num_heads"] = model["head_dim"]
+    wrong.update(_olmo2_form_refusals(model))
     if granite_form(model) and (model["qk_norm"] or model["qkv_bias"] or model["rotary_percent"] < 1):
         # only Granite's class scales embeddings, residual branches, scores and logits
         wrong["Granite's multipliers with qk_norm, qkv_bias or rotary_percent"] = True
@@ -42,6 +43,27 @@ def check_llama_form(model: dict, gpt2_too: bool = False) -> None:
         )
     if wrong:
         raise CheckpointError(f"only Llama-shaped models export to the Llama format; this one has {wrong}")
+
+
+def _olmo2_form_refusals(model: dict) -> dict:
+    """What keeps a model with norms on its blocks' outputs, or query/key norms across all heads, from exporting:
+    only transformers' OLMo 2 class has either, and always both, with neither biases nor Phi-3's or Granite's
+    changes."""
+    outputs_normed = model["norm_placement"] == "output"
+    across_heads = model["qk_norm"] and not model["qk_norm_per_head"]
+    if not (outputs_normed or across_heads):
+        return {}
+    if not (outputs_normed and across_heads):
+        return {
+            "norm_placement output without query/key norms across all heads, or the reverse (OLMo 2 has both)": True
+        }
+    unlike = {
+        "qkv_bias": model["qkv_bias"],
+        "rotary_percent < 1": model["rotary_percent"] < 1,
+        "longrope scaling": model["rope_scaling"] == "longrope",
+        "Granite's multipliers": granite_form(model),
+    }
+    return {f"norm_placement output with {k}": True for k, v in unlike.items() if v}
 
 
 def _hf_rope(model: dict) -> dict:
@@ -99,13 +121,17 @@ def phi3_form(model: dict, imported_from: str | None) -> bool:
 
 def _hf_architecture(model: dict, phi3: bool) -> dict:
     """The config.json fields naming the Hugging Face class of a Llama-shaped loom model: Granite with any of its
-    multipliers, Phi-3 (`phi3`: phi3_form), Qwen3 with query/key norms, Qwen2 with biases on q, k and v alone, Llama
-    otherwise (Llama's and Qwen3's attention_bias would bias o_proj too, so neither takes QKV's alone)."""
+    multipliers, OLMo 2 with norms on the blocks' outputs, Phi-3 (`phi3`: phi3_form), Qwen3 with query/key norms,
+    Qwen2 with biases on q, k and v alone, Llama otherwise (Llama's and Qwen3's attention_bias would bias o_proj
+    too, so neither takes QKV's alone)."""
     if granite_form(model):
         multipliers = {granite: model[field] for field, granite in GRANITE_MULTIPLIERS.items()}
         multipliers["attention_multiplier"] = ModelConfig(**model).softmax_scale
         return {"architectures": ["GraniteForCausalLM"], "model_type": "granite", "attention_bias": False,
                 "mlp_bias": False, **multipliers}  # fmt: skip
+    if model["norm_placement"] == "output":  # Olmo2Config's token ids default to OLMo's own (pad 1, eos 50279)
+        return {"architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2", "attention_bias": False,
+                **dict.fromkeys(HF_TOKEN_ID_FIELDS)}  # fmt: skip
     if phi3:  # Phi3Config's token ids default to Phi-3's own (eos and pad 32000): none unless known
         return {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "sliding_window": None,
                 "partial_rotary_factor": model["rotary_percent"], **dict.fromkeys(HF_TOKEN_ID_FIELDS)}  # fmt: skip
@@ -118,8 +144,8 @@ def _hf_architecture(model: dict, phi3: bool) -> dict:
 
 
 def hf_config(model: dict, token_ids: dict | None = None, dtype: str = "float32", phi3: bool = False) -> dict:
-    """The config.json transformers reads for a Llama-shaped loom model, as a Llama, a Qwen2, a Qwen3, a Phi-3 or
-    a Granite (_hf_architecture; `model`: ModelConfig's fields; `token_ids`: the special-token ids, loom's
+    """The config.json transformers reads for a Llama-shaped loom model, as a Llama, a Qwen2, a Qwen3, a Phi-3,
+    a Granite or an OLMo 2 (_hf_architecture; `model`: ModelConfig's fields; `token_ids`: the special-token ids, loom's
     tokenizers' by default; `dtype`: the weights' torch_dtype; `phi3`: as a Phi-3, phi3_form)."""
     rope = _hf_rope(model)
     legacy_scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if rope["rope_type"] != "default" else None
@@ -213,10 +239,10 @@ def _rope_fields(hf: dict) -> dict:
 def _refuse_unrepresentable(hf: dict) -> None:
     """Settings that change the computation but have no loom form: importing without them would load a
     different model than the one on disk."""
-    if hf.get("model_type") not in ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite"):
+    if hf.get("model_type") not in ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "olmo2"):
         raise CheckpointError(
-            f"model_type {hf.get('model_type')!r} is not llama, mistral, qwen2, qwen3, phi3, granite or gpt2; loom "
-            "imports Llama-, Mistral-, Qwen-, Phi-3-, Granite- and GPT-2-format models"
+            f"model_type {hf.get('model_type')!r} is not llama, mistral, qwen2, qwen3, phi3, granite, olmo2 or gpt2; "
+            "loom imports Llama-, Mistral-, Qwen-, Phi-3-, Granite-, OLMo 2- and GPT-2-format models"
         )
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
@@ -257,7 +283,9 @@ def model_from_hf_config(hf: dict) -> dict:
         "position_embedding": "rope",
         "bias": False,
         "qkv_bias": hf.get("model_type") == "qwen2",
-        "qk_norm": hf.get("model_type") == "qwen3",
+        "qk_norm": hf.get("model_type") in ("qwen3", "olmo2"),
+        "qk_norm_per_head": hf.get("model_type") != "olmo2",  # OLMo 2 normalises the whole q and k projections
+        "norm_placement": "output" if hf.get("model_type") == "olmo2" else "input",
         **(_granite_fields(hf) if hf.get("model_type") == "granite" else {}),
     }
 

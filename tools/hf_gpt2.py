@@ -25,6 +25,7 @@ GPT2_SHAPE = {
     "position_embedding": "learned",
     "bias": True,
     "qk_norm": False,
+    "norm_placement": "input",
 }
 """The ModelConfig fields of a model with a GPT-2 form (grouped-query attention aside)."""
 

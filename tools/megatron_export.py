@@ -79,6 +79,16 @@ def megatron_arguments(model: dict, train: dict, step: int, consumed: int, dtype
             f"the model scales its embeddings, residual branches or logits ({granite}); megatron-core's GPT model "
             "does none of these"
         )
+    if model["norm_placement"] == "output":
+        raise CheckpointError(
+            "the model normalises each block's attention and MLP outputs (model.norm_placement = output, OLMo 2's "
+            "order); megatron-core's GPT model normalises their inputs"
+        )
+    if model["qk_norm"] and not model["qk_norm_per_head"]:
+        raise CheckpointError(
+            "the model normalises its queries and keys across all heads (model.qk_norm_per_head = false); "
+            "megatron-core's --qk-layernorm normalises each head"
+        )
     if model["rope_scaling"] == "longrope" and model["position_embedding"] == "rope":
         raise CheckpointError(
             "the model's rotary embedding is longrope-scaled (model.rope_scaling); megatron-core's scales as Llama "

@@ -133,7 +133,10 @@ def _block_parameters(m: ModelConfig, tp: int, sequence_parallel: bool) -> list[
     out = [*norm, _matrix((q + 2 * kv) // tp, h)]
     out += [_Param((q + 2 * kv) // tp)] if m.biased_qkv else []
     out += [_matrix(h, q // tp)] + ([_Param(h, sequence_parallel)] if m.bias else [])
-    out += [_Param(hd, tp > 1) for _ in range(2 * (len(norm) if m.qk_norm else 0))]  # q_norm's, k_norm's
+    if m.qk_norm and m.qk_norm_per_head:  # q_norm's, k_norm's
+        out += [_Param(hd, tp > 1) for _ in range(2 * len(norm))]
+    elif m.qk_norm:  # split with the heads (rmsnorm only)
+        out += [_Param(q // tp), _Param(kv // tp)]
     out += [*norm, _matrix(fc1 // tp, h)] + ([_Param(fc1 // tp)] if m.bias else [])
     out += [_matrix(h, f // tp)] + ([_Param(h, sequence_parallel)] if m.bias else [])
     return out

@@ -53,10 +53,12 @@ ARCHITECTURE_MODEL_FIELDS = (
     "vocab_size",
     "position_embedding",
     "norm",
+    "norm_placement",
     "activation",
     "bias",
     "qkv_bias",
     "qk_norm",
+    "qk_norm_per_head",
     "tie_embeddings",
 )
 

@@ -70,6 +70,11 @@ class ModelConfig:
     """Normalisation before attention, before the MLP and at the end."""
     norm_eps: float = 1e-5
     """Epsilon inside the normalisation."""
+    norm_placement: Literal["input", "output"] = "input"
+    """Where each block's two norms sit: input (pre-norm; GPT-2, Llama, Megatron) normalises what enters attention
+    and the MLP; output (OLMo 2's reordered norm) normalises what attention and the MLP return, before it joins the
+    residual stream (x + norm(attention(x))), and the stream enters them unnormalised. The final norm is there in
+    both."""
     activation: Literal["swiglu", "gelu"] = "swiglu"
     """MLP non-linearity: gated SiLU (Llama) or GELU (GPT)."""
     bias: bool = False
@@ -77,6 +82,11 @@ class ModelConfig:
     qk_norm: bool = False
     """Normalise each query and key head (model.norm's kind, over head_dim, one weight shared by all heads) before
     the rotary embedding: Qwen3's q_norm / k_norm, Megatron's --qk-layernorm."""
+    qk_norm_per_head: bool = True
+    """With model.qk_norm: true normalises each head over head_dim, one weight shared by all heads (Qwen3,
+    Megatron); false normalises the whole query projection over num_heads x head_dim and the whole key projection
+    over num_kv_heads x head_dim, a weight per channel (OLMo 2; OLMo-core's use_head_qk_norm = false). false takes
+    model.norm = rmsnorm."""
     qkv_bias: bool = False
     """Biases on the QKV projection alone (Qwen2; Megatron's --add-qkv-bias with --disable-bias-linear). model.bias
     puts them on every linear layer, QKV's included."""
@@ -187,6 +197,10 @@ class ModelConfig:
                 extension = self.max_position_embeddings / self.rope_original_max_positions
                 logarithm = math.log(extension) / math.log(self.rope_original_max_positions)
                 self.rope_attention_factor = 1.0 if extension <= 1 else math.sqrt(1 + logarithm)
+        if self.qk_norm and not self.qk_norm_per_head and self.norm != "rmsnorm":
+            raise ConfigError(
+                f"model.qk_norm_per_head = false (one norm over all heads) takes model.norm = rmsnorm, got {self.norm}"
+            )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
 

@@ -1,4 +1,5 @@
-"""One transformer block: norm -> attention -> residual, norm -> MLP -> residual.
+"""One transformer block: norm -> attention -> residual, norm -> MLP -> residual (or, under model.norm_placement =
+output, attention -> norm -> residual, MLP -> norm -> residual).
 
 Activations are [sequence, batch, hidden], split along the sequence across TP ranks when
 sequence parallelism is on. Attention heads and MLP columns are split across TP ranks. This
@@ -42,13 +43,36 @@ class Norm(torch.nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.function(x, self.weight, self.bias, self.eps)
-        device = x.device.type
-        if torch.is_autocast_enabled(device):
-            # CUDA autocast runs norms in fp32 and returns fp32; what follows a norm is a GEMM in the compute
-            # dtype, often after a sequence-parallel all-gather that would otherwise move fp32.
-            out = out.to(torch.get_autocast_dtype(device))
-        return out
+        return in_compute_dtype(self.function(x, self.weight, self.bias, self.eps))
+
+
+def in_compute_dtype(x: torch.Tensor) -> torch.Tensor:
+    """`x` in autocast's dtype where autocast is on. CUDA autocast runs norms in fp32 and returns fp32; what follows
+    a norm is a GEMM in the compute dtype, often after a sequence-parallel all-gather that would otherwise move
+    fp32."""
+    device = x.device.type
+    return x.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else x
+
+
+class ProjectionNorm(torch.nn.Module):
+    """RMSNorm over a whole query or key projection, all of its heads together, a weight per channel (OLMo 2's
+    q_norm / k_norm; model.qk_norm_per_head = false). The weight is split across TP ranks with the heads; each
+    rank's sum of squares is summed over the TP group, which every rank's output depends on, so its gradient is
+    summed back (f then g: an all-reduce both ways)."""
+
+    def __init__(self, config: ModelConfig, heads: int, tp_group):
+        super().__init__()
+        self.width, self.eps, self.tp_group = heads * config.head_dim, config.norm_eps, tp_group
+        self.weight = make_parameter(ShardSpec((self.width,), dim=0), mappings.group_size(tp_group), ("ones",))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.flatten(-2).float()  # [s, b, local heads x head_dim]
+        squares = flat.square().sum(-1, keepdim=True)
+        if mappings.group_size(self.tp_group) > 1:
+            squares = mappings.copy_to_tensor_region(squares, self.tp_group)
+            squares = mappings.reduce_from_tensor_region(squares, self.tp_group)
+        out = flat * torch.rsqrt(squares / self.width + self.eps) * self.weight.float()
+        return in_compute_dtype(out.to(x.dtype)).view_as(x)
 
 
 def build_norm(config: ModelConfig, tp_size: int, sequence_parallel: bool, kernels: Kernels) -> torch.nn.Module:
@@ -153,7 +177,10 @@ class Attention(torch.nn.Module):
         self.fused_attention = kernels.core_attention(config, tp_group, sequence_parallel)
         self.softmax_scale = config.softmax_scale
         self.q_norm = self.k_norm = None
-        if config.qk_norm:
+        if config.qk_norm and not config.qk_norm_per_head:
+            self.q_norm = ProjectionNorm(config, config.num_heads, tp_group)
+            self.k_norm = ProjectionNorm(config, config.num_kv_heads, tp_group)
+        elif config.qk_norm:
             # Each TP rank normalises its own heads with the shared weights: their gradient is a sum over the TP
             # group, as a sequence-parallel norm's is over the sequence.
             function = kernels.norm_function(config.norm)
@@ -290,6 +317,7 @@ class TransformerBlock(torch.nn.Module):
         self.dropout, self.streams = config.dropout, streams
         self.residual_stream = hidden_state_stream(sequence_parallel)
         self.residual_multiplier = config.residual_multiplier
+        self.norms_outputs = config.norm_placement == "output"
 
     def _residual_dropout(self, x: torch.Tensor) -> torch.Tensor:
         if self.residual_multiplier != 1.0:
@@ -302,5 +330,8 @@ class TransformerBlock(torch.nn.Module):
     def forward(self, x: torch.Tensor, rotary, cache: LayerCache | None = None) -> torch.Tensor:
         # Per block (as Megatron does), so a recomputed block runs in the same FP8 region.
         with self.kernels.fp8_autocast(self.tp_group):
+            if self.norms_outputs:  # model.norm_placement = output
+                x = x + self._residual_dropout(self.input_norm(self.attention(in_compute_dtype(x), rotary, cache)))
+                return x + self._residual_dropout(self.mlp_norm(self.mlp(in_compute_dtype(x))))
             x = x + self._residual_dropout(self.attention(self.input_norm(x), rotary, cache))
             return x + self._residual_dropout(self.mlp(self.mlp_norm(x)))
