@@ -311,6 +311,9 @@ BAD_OVERRIDES = [
     ["--model.rotary_percent", "1.5"],
     ["--model.rotary_percent", "nan"],
     ["--model.rotary_percent", "0.2"],  # 16 x 0.2: 3 channels, no pairs
+    ["--model.norm_placement", "after"],
+    ["--model.qk_norm_per_head", "maybe"],
+    ["--model.qk_norm", "true", "--model.qk_norm_per_head", "false", "--model.norm", "layernorm"],
     ["--train.rampup_batch_size", "4", "4"],
     ["--train.nosuch", "1"],
     ["--train.steps"],

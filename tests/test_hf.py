@@ -500,10 +500,11 @@ def test_a_granite_imports_evaluates_under_tensor_parallelism_and_exports_as_tra
     _assert_greedy_generate_equals_transformers(model, tmp_path / "loom", 32)  # the score factor in the KV cache
 
 
-def test_rotary_settings_no_hugging_face_class_computes_are_refused_on_export():
+def test_settings_no_hugging_face_class_computes_are_refused_on_export():
     """Only transformers' Phi-3 turns part of each head, and its config takes default and longrope RoPE alone, with
     longrope's factors counted from hidden_size / num_heads: a half-head model with llama3 scaling, or with longrope
-    over heads of their own width, has no Hugging Face form (transformers refused the config loom wrote)."""
+    over heads of their own width, has no Hugging Face form (transformers refused the config loom wrote). Only its
+    OLMo 2 normalises the blocks' outputs or queries and keys across heads, always both, without QKV biases."""
     from loom.tools.hf_forms import check_llama_form
 
     half = {"hidden_size": 64, "num_heads": 4, "rotary_percent": 0.5}
@@ -513,6 +514,11 @@ def test_rotary_settings_no_hugging_face_class_computes_are_refused_on_export():
         with pytest.raises(CheckpointError, match=f"rotary_percent .*{said}"):
             check_llama_form(config_to_dict(config_from_dict({"model": model}))["model"], gpt2_too=True)
     check_llama_form(config_to_dict(config_from_dict({"model": half}))["model"], gpt2_too=True)  # a Phi-3
+    olmo2 = {"norm_placement": "output", "qk_norm": True, "qk_norm_per_head": False}
+    check_llama_form(config_to_dict(config_from_dict({"model": olmo2}))["model"])
+    for model in ({**olmo2, "qk_norm": False}, {**olmo2, "norm_placement": "input"}, {**olmo2, "qkv_bias": True}):
+        with pytest.raises(CheckpointError, match="norm_placement output"):  # only transformers' OLMo 2 has either
+            check_llama_form(config_to_dict(config_from_dict({"model": model}))["model"], gpt2_too=True)
 
 
 def _small_qwen3(folder: Path):
@@ -549,7 +555,9 @@ def test_an_olmo2_imports_evaluates_under_tensor_parallelism_and_exports_as_tran
     settings = llama_fields(num_key_value_heads=2, rms_norm_eps=1e-6)
     torch.manual_seed(0)
     model = transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**settings)).eval()
-    with torch.no_grad():  # norm weights at one would hide a misplaced one (Llama's post_attention_layernorm is its MLP's)
+    with (
+        torch.no_grad()
+    ):  # norm weights at one would hide a misplaced one (Llama's post_attention_layernorm is its MLP's)
         for name, tensor in model.named_parameters():
             if name.endswith("norm.weight"):
                 tensor.uniform_(0.5, 1.5)

@@ -286,7 +286,8 @@ def layer_activation_bytes(
 
     loom's native block, term by term (measured equal on CPU, tests/test_plan_bytes.py), per token: each of the two
     norms keeps its fp32 input, normalised input and 1/rms (8h + 4 bytes; sequence-sharded under sequence
-    parallelism); the QKV and FC1 GEMMs keep their input (h, all-gathered under sequence parallelism); attention
+    parallelism; the same under model.norm_placement = output, whose norms take the sublayers' outputs); the QKV
+    and FC1 GEMMs keep their input (h, all-gathered under sequence parallelism); attention
     keeps the QKV output, rotated q and k, its output and a log-sum-exp per head (fp32); the SwiGLU MLP keeps
     FC1's output, silu(gate) and FC2's input (4 x ffn; GELU: 2 x ffn); all split by tp. Selective recompute drops
     what the attention core alone keeps (the log-sum-exp: loom's kernels never keep the s x s scores), full
@@ -314,11 +315,10 @@ def layer_activation_bytes(
         residual = 2 * (h * element + _norm_statistics_bytes(m)) * sequence_share
         gemm_inputs = (2 * h if sp else 0) if fp8 else 2 * h * element
         attention = ((q + 2 * kv) + (q + kv)) * element + (q * element + heads * 4 if recompute == "none" else 0)
-        attention += _qk_norm_bytes(m, element, compiled=True)
         mlp = fc1_output * element + (0 if fp8 else f * element)
-        return tokens * (residual + gemm_inputs + (attention + mlp) / tp)
+        return tokens * (residual + gemm_inputs + (attention + mlp) / tp + _qk_norm_bytes(m, element, True, tp))
     gemm_input = 1 if fp8 else element
-    norms = 2 * (8 * h + 4) * sequence_share + _qk_norm_bytes(m, element, compiled=False) / tp
+    norms = 2 * (8 * h + 4) * sequence_share + _qk_norm_bytes(m, element, False, tp)
     gemm_inputs = 2 * h * gemm_input
     attention_output = q * element if not (fp8 and recompute == "selective") else 0
     attention = ((q + 2 * kv) + q + kv) * element + attention_output + (q if fp8 else 0)
@@ -327,14 +327,16 @@ def layer_activation_bytes(
     return tokens * (norms + gemm_inputs + attention + mlp)
 
 
-def _qk_norm_bytes(m: ModelConfig, element: int, compiled: bool) -> int:
-    """Per token, what model.qk_norm's two norms keep: each head's 1/rms (fp32), and eagerly its normalised fp32
-    values and its fp32 input unless the heads are fp32 already (a view of the QKV output, kept anyway); compiled,
-    backward recomputes them from the statistics."""
+def _qk_norm_bytes(m: ModelConfig, element: int, compiled: bool, tp: int) -> float:
+    """Per token, what model.qk_norm's two norms keep on one TP rank: each local head's 1/rms (fp32; under
+    model.qk_norm_per_head = false one for q's and one for k's local heads, on every rank), and eagerly their
+    normalised fp32 values and fp32 input unless the heads are fp32 already (a view of the QKV output, kept
+    anyway); compiled, backward recomputes them from the statistics."""
     if not m.qk_norm:
         return 0
-    width, heads = (m.num_heads + m.num_kv_heads) * m.head_dim, m.num_heads + m.num_kv_heads
-    return _norm_statistics_bytes(m) * heads + (0 if compiled else (4 if element == 4 else 8) * width)
+    width = (m.num_heads + m.num_kv_heads) * m.head_dim
+    statistics = (m.num_heads + m.num_kv_heads) / tp if m.qk_norm_per_head else 2
+    return _norm_statistics_bytes(m) * statistics + (0 if compiled else (4 if element == 4 else 8) * width / tp)
 
 
 def _korthikanti_bytes_per_token(m: ModelConfig, tp: int, sp: bool, fp8: bool) -> float:

@@ -71,7 +71,7 @@ class ProjectionNorm(torch.nn.Module):
         if mappings.group_size(self.tp_group) > 1:
             squares = mappings.copy_to_tensor_region(squares, self.tp_group)
             squares = mappings.reduce_from_tensor_region(squares, self.tp_group)
-        out = flat * torch.rsqrt(squares / self.width + self.eps) * self.weight.float()
+        out = flat * torch.rsqrt(squares / self.width + self.eps) * self.weight  # a 16-bit weight promoted, not copied
         return in_compute_dtype(out.to(x.dtype)).view_as(x)
 
 
