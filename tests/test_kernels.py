@@ -537,7 +537,7 @@ def test_fp8_weight_casts_are_made_once_per_step_and_change_nothing(dataset, tmp
     assert ranks[0]["cached"]["losses"] == ranks[1]["cached"]["losses"]
 
 
-def _block_graphs(rank, world, dataset, run_dir, precision, fp8, recompute):
+def _block_graphs(rank, world, dataset, run_dir, precision, fp8, recompute, model_settings):
     """What torch._dynamo.explain finds in a transformer block at tp 2 with sequence parallelism (its
     collectives inside the block) under this precision's autocast: (graphs, graph breaks, break reasons)."""
     from training_runs import tiny_config
@@ -549,7 +549,7 @@ def _block_graphs(rank, world, dataset, run_dir, precision, fp8, recompute):
     config = tiny_config(
         dataset,
         run_dir,
-        model={"num_layers": 2, "recompute": recompute},
+        model={"num_layers": 2, "recompute": recompute, **model_settings},
         parallel={"tp": 2, "sequence_parallel": True},
         train={"precision": precision, "steps": 1, "global_batch_size": 2, "micro_batch_size": 1, "seq_length": 32},
     )
@@ -563,25 +563,30 @@ def _block_graphs(rank, world, dataset, run_dir, precision, fp8, recompute):
     return explained.graph_count, explained.graph_break_count, [str(r.reason) for r in explained.break_reasons]
 
 
+OLMO2 = {"norm_placement": "output", "qk_norm": True, "qk_norm_per_head": False}
+
+
 @pytest.mark.parametrize(
-    "precision, fp8, recompute",
+    "precision, fp8, recompute, model_settings",
     [
-        ("fp32", False, "none"),
-        ("bf16", False, "selective"),
-        ("fp16", False, "none"),
-        ("bf16", True, "none"),
-        ("bf16", "per call", "none"),
+        ("fp32", False, "none", {}),
+        ("bf16", False, "selective", {}),
+        ("fp16", False, "none", {}),
+        ("bf16", True, "none", {}),
+        ("bf16", "per call", "none", {}),
+        ("bf16", False, "none", OLMO2),  # its query/key norms all-reduce over TP inside the block
     ],
-    ids=["fp32", "bf16-selective", "fp16", "fp8", "fp8-weights-cast-per-call"],
+    ids=["fp32", "bf16-selective", "fp16", "fp8", "fp8-weights-cast-per-call", "bf16-olmo2"],
 )
-def test_a_block_is_one_graph_without_breaks(markov_dataset, tmp_path, precision, fp8, recompute):
+def test_a_block_is_one_graph_without_breaks(markov_dataset, tmp_path, precision, fp8, recompute, model_settings):
     """model.compile compiles each block whole: dynamo must see one graph, TP collectives and all, with no
     break (a break splits the block into graphs with eager Python between them: the fusion lost)."""
     from dist_utils import run_ranks
 
-    graphs, breaks, reasons = run_ranks(_block_graphs, 2, markov_dataset(50), str(tmp_path), precision, fp8, recompute)[
-        0
-    ]
+    dataset = markov_dataset(50)
+    graphs, breaks, reasons = run_ranks(
+        _block_graphs, 2, dataset, str(tmp_path), precision, fp8, recompute, model_settings
+    )[0]
     assert (graphs, breaks) == (1, 0), reasons
 
 
