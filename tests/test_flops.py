@@ -19,6 +19,8 @@ from loom.engine.model.gpt import GPTModel
     [
         {},
         {"qkv_bias": True},
+        {"qk_norm": True},
+        {"qk_norm": True, "qk_norm_per_head": False, "norm_placement": "output"},  # OLMo 2's
         {
             "norm": "layernorm",
             "activation": "gelu",
