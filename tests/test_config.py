@@ -10,7 +10,7 @@ import pytest
 from loom.engine.config import ConfigError
 from loom.engine.config_io import config_to_toml, load_config, parse_overrides
 
-PRESETS = {"tiny": 1, "gpt-125m": 8, "llama-1b": 8, "llama-8b": 16}
+PRESETS = {"tiny": 1, "gpt-125m": 8, "llama-1b": 8, "llama-8b": 16, "olmo2-1b": 8}
 
 
 @pytest.mark.parametrize("name, world", PRESETS.items())
@@ -326,7 +326,7 @@ def test_settings_a_config_never_reads_are_named():
     assert load_config("tiny", ["--optim.name", "adafactor", "--optim.beta1", "0.8"]).settings_without_effect() == [
         "optim.beta1 = 0.8 has no effect with optim.name = adafactor"
     ]
-    for preset in ("tiny", "gpt-125m", "llama-1b", "llama-8b", "llama-70b"):
+    for preset in ("tiny", "gpt-125m", "llama-1b", "llama-8b", "llama-70b", "olmo2-1b"):
         assert load_config(preset).settings_without_effect() == [], preset
 
 

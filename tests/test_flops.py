@@ -173,22 +173,29 @@ def test_lora_flops_agree_with_flop_counter_on_the_adapted_model(targets):
     assert model_flops_per_token(config, seq_length, lora) < model_flops_per_token(config, seq_length)
 
 
-# Meta's published sizes (the model cards' parameter counts: Llama-3-8B, Llama-3-70B, Llama-3.2-1B).
-PUBLISHED_PARAMETERS = {"llama-8b": 8_030_261_248, "llama-70b": 70_553_706_496, "llama-1b": 1_235_814_400}
+# The published sizes: Meta's model cards' parameter counts (Llama-3-8B, Llama-3-70B, Llama-3.2-1B), and
+# OLMo-2-0425-1B's 1.48B (its config.json's shape, counted to the parameter).
+PUBLISHED_PARAMETERS = {
+    "llama-8b": 8_030_261_248,
+    "llama-70b": 70_553_706_496,
+    "llama-1b": 1_235_814_400,
+    "olmo2-1b": 1_484_916_736,
+}
 
 
 @pytest.mark.parametrize("preset", PUBLISHED_PARAMETERS)
-def test_llama_presets_are_the_published_models(preset):
-    """Each Llama preset, as export-hf would describe it, is the model of Meta's name to the parameter: counted by
-    transformers' LlamaForCausalLM built on the meta device, by loom's count (which MFU and the planner use) and
-    against the published figure."""
+def test_presets_are_the_published_models(preset):
+    """Each preset, as export-hf would describe it, is the model of its name to the parameter: counted by the
+    transformers class export-hf names (LlamaForCausalLM, Olmo2ForCausalLM) built on the meta device, by loom's
+    count (which MFU and the planner use) and against the published figure."""
     transformers = pytest.importorskip("transformers")
     from loom.engine.config_io import config_to_dict
     from loom.tools.hf import hf_config
 
     model = load_config(preset).model
-    hf = {k: v for k, v in hf_config(config_to_dict(load_config(preset))["model"]).items() if k != "architectures"}
+    hf = hf_config(config_to_dict(load_config(preset))["model"])
+    architecture = getattr(transformers, hf.pop("architectures")[0])
     with torch.device("meta"):
-        theirs = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf))
+        theirs = architecture(transformers.AutoConfig.for_model(**hf))
     counted = sum(p.numel() for p in theirs.parameters())
     assert counted == parameter_counts(model)["total"] == PUBLISHED_PARAMETERS[preset]
