@@ -326,6 +326,9 @@ def test_settings_a_config_never_reads_are_named():
     assert load_config("tiny", ["--optim.name", "adafactor", "--optim.beta1", "0.8"]).settings_without_effect() == [
         "optim.beta1 = 0.8 has no effect with optim.name = adafactor"
     ]
+    assert load_config("tiny", ["--model.qk_norm_per_head", "false"]).settings_without_effect() == [
+        "model.qk_norm_per_head = False has no effect with model.qk_norm = false (no query/key norms)"
+    ]
     for preset in ("tiny", "gpt-125m", "llama-1b", "llama-8b", "llama-70b", "olmo2-1b"):
         assert load_config(preset).settings_without_effect() == [], preset
 

@@ -169,6 +169,7 @@ class LoomConfig:
             ),
             (m, llama3, scaled and m.rope_scaling != "llama3", f"model.rope_scaling = {m.rope_scaling}"),
             (m, longrope, scaled and m.rope_scaling != "longrope", f"model.rope_scaling = {m.rope_scaling}"),
+            (m, ("qk_norm_per_head",), not m.qk_norm, "model.qk_norm = false (no query/key norms)"),
             (o, ("momentum",), o.name != "sgd", f"optim.name = {o.name} (it is SGD's)"),
             (o, ("beta1", "beta2", "eps"), o.name in ("sgd", "adafactor"), f"optim.name = {o.name}"),
             (
