@@ -264,6 +264,21 @@ def test_checkpoint_of_another_model_names_the_first_mismatch(dataset, saved_at_
     assert "is of another model: model.ffn_hidden_size = 384 there, 256 here" in result.stderr
 
 
+def test_a_setting_a_checkpoint_predates_counts_as_its_default(tmp_path):
+    """A checkpoint whose config predates model.norm_placement computed pre-norm blocks: loaded with norm_placement =
+    output it is another model with the same tensors, and was loaded; it is refused now. A field resolved from
+    others (head_dim) is not compared where the saved config lacks it."""
+    from loom.engine.checkpoint.saved_settings import check_same_model
+    from loom.engine.config_io import config_to_dict, load_config
+
+    saved = config_to_dict(load_config("tiny"))
+    for name in ("norm_placement", "qk_norm_per_head", "head_dim"):
+        del saved["model"][name]
+    check_same_model(tmp_path, saved, load_config("tiny"))
+    with pytest.raises(CheckpointError, match="model.norm_placement = input there, output here"):
+        check_same_model(tmp_path, saved, load_config("tiny", ["--model.norm_placement", "output"]))
+
+
 def metadata_of(step: int, files: dict[str, FileRecord], index: dict[str, str]) -> CheckpointMetadata:
     return CheckpointMetadata(
         step=step,

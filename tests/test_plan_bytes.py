@@ -338,7 +338,8 @@ def test_activation_bytes_per_rank_equal_what_loom_keeps_at_its_peak(markov_data
 
 
 # (parallel, model, zero) per world size: every group loom has (dp, tp with and without SP, pp, the tied
-# embedding's, world), every ZeRO stage, both pipeline schedules, full recompute's repeated TP collectives.
+# embedding's, world), every ZeRO stage, both pipeline schedules, full recompute's repeated TP collectives, the
+# query/key norms' (per head: their gradients summed over TP; OLMo 2's across heads: sums of squares all-reduced).
 BF16_GRADS = {"grad_dtype": "bf16"}
 TRAFFIC_LAYOUTS = {
     2: [
@@ -348,9 +349,9 @@ TRAFFIC_LAYOUTS = {
         ({}, {}, {"zero": 2, **BF16_GRADS}),
         ({}, {}, {"zero": 3}),
         ({"cp": 2}, {}, {"zero": 0}),
-        ({"tp": 2}, {}, {"zero": 0}),
+        ({"tp": 2}, {"qk_norm": True}, {"zero": 0}),  # the per-head norms' shared weights: gradients summed over TP
         ({"tp": 2, "sequence_parallel": True}, {}, {"zero": 0}),
-        ({"tp": 2, "sequence_parallel": True}, {"recompute": "full"}, {"zero": 0}),
+        ({"tp": 2, "sequence_parallel": True}, {"recompute": "full", **MODEL_VARIANTS["olmo2"]}, {"zero": 0}),
         ({"pp": 2}, {"tie_embeddings": True}, {"zero": 0}),
         ({"pp": 2, "vp": 2}, {}, {"zero": 0}),
     ],

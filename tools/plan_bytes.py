@@ -86,15 +86,26 @@ LOOM = Engine()
 MEGATRON = Engine(grad_reduce_bytes=2, gathered_inputs_saved=False, recompute_stops_early=False)
 
 
-def tp_collectives_per_layer(lay: Layout, engine: Engine = LOOM) -> dict[str, int]:
+def tp_collectives_per_layer(m: ModelConfig, lay: Layout, engine: Engine = LOOM) -> dict[str, int]:
     """Tensor-parallel collectives of s x b x h activations one layer runs per micro-batch: 2 forward (after the
     attention projection and FC2) and their 2 gradients backward (Shoeybi et al. 2019), each an all-reduce or,
     under sequence parallelism, an all-gather and a reduce-scatter; full recompute runs the forward's again (loom:
-    both all-gathers but only the first reduce-scatter or all-reduce, as the ledger records)."""
+    both all-gathers but only the first reduce-scatter or all-reduce, as the ledger records, unless FC2's output
+    feeds a norm, model.norm_placement = output, whose backward needs it)."""
     again = lay.recompute == "full"
+    closing = 0 if engine.recompute_stops_early and m.norm_placement == "input" else 1
     if lay.sp:
-        return {"all_gather": 4 + 2 * again, "reduce_scatter": 4 + (1 if engine.recompute_stops_early else 2) * again}
-    return {"all_reduce": 4 + (1 if engine.recompute_stops_early else 2) * again}
+        return {"all_gather": 4 + 2 * again, "reduce_scatter": 4 + (1 + closing) * again}
+    return {"all_reduce": 4 + (1 + closing) * again}
+
+
+def norm_reductions_per_layer(m: ModelConfig, lay: Layout) -> int:
+    """The fp32 all-reduces of one value per token a layer adds per micro-batch at tp > 1 under
+    model.qk_norm_per_head = false: the query's and the key's sums of squares forward, their gradients backward,
+    and the forward's again under full recompute."""
+    if lay.tp == 1 or not m.qk_norm or m.qk_norm_per_head:
+        return 0
+    return 4 + 2 * (lay.recompute == "full")
 
 
 def layout_of(config: LoomConfig) -> Layout:

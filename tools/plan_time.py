@@ -31,6 +31,7 @@ from loom.tools.plan_bytes import (
     fp8_quantised_elements,
     fp8_weight_bytes,
     native_blocks,
+    norm_reductions_per_layer,
     rank_buffer,
     tp_collectives_per_layer,
 )
@@ -229,9 +230,12 @@ def _tp_seconds(config: LoomConfig, lay: Layout, hw: Hardware, engine: Engine, s
         shape.local * lay.micro_batch_size * m.hidden_size * shape.element, lay.tp, tp_bandwidth, hw.latency_us
     )
     passes = sum(
-        count * (2 if op == "all_reduce" else 1) for op, count in tp_collectives_per_layer(lay, engine).items()
+        count * (2 if op == "all_reduce" else 1) for op, count in tp_collectives_per_layer(m, lay, engine).items()
     )
-    return passes * ring * (m.num_layers / lay.pp) * shape.microbatches * (1 - hw.efficiency["tp_overlap"])
+    tokens = shape.local * lay.micro_batch_size  # query/key norms across heads: an fp32 sum of squares per token
+    norms = 2 * norm_reductions_per_layer(m, lay) * _ring_seconds(tokens * 4, lay.tp, tp_bandwidth, hw.latency_us)
+    layer_seconds = passes * ring + norms
+    return layer_seconds * (m.num_layers / lay.pp) * shape.microbatches * (1 - hw.efficiency["tp_overlap"])
 
 
 def _cp_seconds(config: LoomConfig, lay: Layout, hw: Hardware, flops: TokenFlops, shape: StepShape) -> float:

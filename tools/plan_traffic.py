@@ -14,7 +14,14 @@ import dataclasses
 
 from loom.engine.config import LoomConfig, ModelConfig
 from loom.engine.parallel.vocab import padded_vocab_size
-from loom.tools.plan_bytes import GRAD_BYTES, Layout, rank_buffer, rank_parameters, tp_collectives_per_layer
+from loom.tools.plan_bytes import (
+    GRAD_BYTES,
+    Layout,
+    norm_reductions_per_layer,
+    rank_buffer,
+    rank_parameters,
+    tp_collectives_per_layer,
+)
 
 
 def cp_ring_transfers(m: ModelConfig, lay: Layout, local: int) -> tuple[int, int, int]:
@@ -71,14 +78,17 @@ def step_traffic(config: LoomConfig, lay: Layout, pp_rank: int = 0) -> dict[tupl
         layers = m.num_layers // stages * lay.vp
         # per micro-batch: the layers', and one each way at the embedding and the output layer
         ends = sum((stage == 0) + (stage == stages - 1) for stage in chunks)
-        for op, count in tp_collectives_per_layer(lay).items():
+        for op, count in tp_collectives_per_layer(m, lay).items():
             traffic[("tp", op, dtype)] += microbatches * (count * layers + ends) * activation
         if stages - 1 in chunks:  # the loss's max, sum of exponentials and target logit per token, in fp32
             traffic[("tp", "all_reduce", "float32")] += microbatches * 3 * tokens * 4
-        if lay.sp:  # the norms' (and biases') partial gradients, summed over TP once per step
-            params = rank_parameters(m, dataclasses.replace(lay, micro_batch_size=1), pp_rank)
-            tied = _tied_embedding_elements(m, lay, chunks)
-            traffic[("tp", "all_reduce", grad_dtype)] += grad_bytes * (sum(q.size for q in params if q.deferred) - tied)
+        if reductions := norm_reductions_per_layer(m, lay):  # query/key norms across heads: sums of squares
+            traffic[("tp", "all_reduce", "float32")] += microbatches * reductions * layers * tokens * 4
+        # the partial gradients, summed over TP once per step: sequence parallelism's norms (and biases), and
+        # per-head query/key norms, whose weights every rank's heads share
+        params = rank_parameters(m, dataclasses.replace(lay, micro_batch_size=1), pp_rank)
+        if partial := sum(q.size for q in params if q.deferred) - _tied_embedding_elements(m, lay, chunks):
+            traffic[("tp", "all_reduce", grad_dtype)] += grad_bytes * partial
     if lay.pp > 1:
         hidden = activation // (lay.tp if lay.sp else 1)
         # per micro-batch each chunk receives its input and sends its output forward, and receives the output's

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from loom.engine.checkpoint.format import CheckpointError, CheckpointMetadata
-from loom.engine.config import ConfigError, LoomConfig, ModelConfig
+from loom.engine.config import ConfigError, LoomConfig, ModelConfig, field_default
 from loom.engine.data.indexed import dataset_record
 from loom.engine.optim.lr_schedule import learning_rate
 
@@ -87,11 +87,21 @@ def check_same_model(directory: Path, saved_config: dict, current: LoomConfig) -
 
 
 def _differences(saved_config: dict, current: LoomConfig, fields: Iterable[tuple[str, str]]) -> Iterator[tuple]:
-    """(section, name, saved value, current value) for each of `fields` the saved config records otherwise."""
+    """(section, name, saved value, current value) for each of `fields` the saved config records otherwise. A [model]
+    field an older loom did not write counts as its default, the computation that loom had (a model setting is
+    added with the default that keeps it): a checkpoint from before model.norm_placement, loaded with it set to
+    output, is another model. A default resolved from other fields (None: head_dim, num_kv_heads) is skipped."""
+    model_defaults = {f.name: field_default(f) for f in dataclasses.fields(ModelConfig)}
     for section, name in fields:
         saved, now = saved_config.get(section, {}), getattr(getattr(current, section), name)
-        if name in saved and saved[name] != now:
-            yield section, name, saved[name], now
+        if name in saved:
+            value = saved[name]
+        elif section == "model" and model_defaults.get(name) is not None:
+            value = model_defaults[name]
+        else:
+            continue
+        if value != now:
+            yield section, name, value, now
 
 
 # Settings that decide which samples a run reads in which order: changed on a resume, the samples from the saved
