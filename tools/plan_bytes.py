@@ -342,12 +342,16 @@ def _qk_norm_bytes(m: ModelConfig, element: int, compiled: bool, tp: int) -> flo
     """Per token, what model.qk_norm's two norms keep on one TP rank: each local head's 1/rms (fp32; under
     model.qk_norm_per_head = false one for q's and one for k's local heads, on every rank), and eagerly their
     normalised fp32 values and fp32 input unless the heads are fp32 already (a view of the QKV output, kept
-    anyway); compiled, backward recomputes them from the statistics."""
+    anyway); compiled, backward recomputes them from the statistics, except the fp32 input of norms across heads
+    at tp > 1, which inductor keeps across their all-reduce (measured)."""
     if not m.qk_norm:
         return 0
     width = (m.num_heads + m.num_kv_heads) * m.head_dim
-    statistics = (m.num_heads + m.num_kv_heads) / tp if m.qk_norm_per_head else 2
-    return _norm_statistics_bytes(m) * statistics + (0 if compiled else (4 if element == 4 else 8) * width / tp)
+    statistics = _norm_statistics_bytes(m) * ((m.num_heads + m.num_kv_heads) / tp if m.qk_norm_per_head else 2)
+    if not compiled:
+        return statistics + (4 if element == 4 else 8) * width / tp
+    kept_across_reduction = tp > 1 and not m.qk_norm_per_head and element != 4
+    return statistics + (4 * width / tp if kept_across_reduction else 0)
 
 
 def _korthikanti_bytes_per_token(m: ModelConfig, tp: int, sp: bool, fp8: bool) -> float:
