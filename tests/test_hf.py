@@ -516,9 +516,13 @@ def test_settings_no_hugging_face_class_computes_are_refused_on_export():
     check_llama_form(config_to_dict(config_from_dict({"model": half}))["model"], gpt2_too=True)  # a Phi-3
     olmo2 = {"norm_placement": "output", "qk_norm": True, "qk_norm_per_head": False}
     check_llama_form(config_to_dict(config_from_dict({"model": olmo2}))["model"])
-    for model in ({**olmo2, "qk_norm": False}, {**olmo2, "norm_placement": "input"}, {**olmo2, "qkv_bias": True}):
-        with pytest.raises(CheckpointError, match="norm_placement output"):  # only transformers' OLMo 2 has either
-            check_llama_form(config_to_dict(config_from_dict({"model": model}))["model"], gpt2_too=True)
+    for changed, said in (
+        ({"qk_norm": False}, "norm_placement output without query/key norms across all heads"),
+        ({"norm_placement": "input"}, r"across all heads \(qk_norm, qk_norm_per_head false\) without norm_placement"),
+        ({"rotary_percent": 0.5}, "norm_placement output with rotary_percent < 1"),
+    ):
+        with pytest.raises(CheckpointError, match=said):  # only transformers' OLMo 2 has either, and no Phi-3 rotary
+            check_llama_form(config_to_dict(config_from_dict({"model": {**olmo2, **changed}}))["model"], True)
 
 
 def _small_qwen3(folder: Path):

@@ -4,10 +4,11 @@ format, whose names tools/hf_gpt2.py holds; which class a model is, and its conf
 The mapping is the one place that knows Hugging Face's Llama names. loom's fused tensors are split on export (QKV ->
 q_proj, k_proj, v_proj; SwiGLU fc1 -> gate_proj, up_proj) and joined on import; loom's rotary embedding already uses
 Hugging Face's rotate-half convention, so no permutation of the query/key rows is needed. A Qwen2's names are
-Llama's with q/k/v_proj.bias, a Qwen3's add q_norm and k_norm, a Granite's are Llama's, and a Phi-3 (Phi-4 too)
-keeps QKV and gate+up fused as loom does (qkv_proj, gate_up_proj). An import never yields a different model than
-the one on disk. transformers is not needed here: the files are written with safetensors and json; tests load
-them with transformers.
+Llama's with q/k/v_proj.bias, a Qwen3's add q_norm and k_norm, a Granite's are Llama's, a Phi-3 (Phi-4 too)
+keeps QKV and gate+up fused as loom does (qkv_proj, gate_up_proj), and an OLMo 2 has q_norm and k_norm across all
+heads and its norms after attention and the MLP (its post_attention_layernorm is attention's, not the MLP's). An
+import never yields a different model than the one on disk. transformers is not needed here: the files are written
+with safetensors and json; tests load them with transformers.
 """
 
 from __future__ import annotations
@@ -339,7 +340,10 @@ def import_hf(source: Path, output: Path, overwrite: bool = False) -> Path:
         phi3 = hf.get("model_type") == "phi3"
         logical = from_gpt2(tensors, loom_model) if gpt2 else from_hf(tensors, loom_model, phi3)
     except KeyError as error:
-        raise CheckpointError(f"{source} has no tensor {error.args[0]!r}; is it a Llama model?") from None
+        raise CheckpointError(
+            f"{source} has no tensor {error.args[0]!r}, which its config.json (model_type {hf.get('model_type')!r}) "
+            "implies; do the config and the weights belong together?"
+        ) from None
     except CheckpointError as error:
         raise CheckpointError(f"{source}: {error}") from None
     origin = {

@@ -54,11 +54,11 @@ def _olmo2_form_refusals(model: dict) -> dict:
     if not (outputs_normed or across_heads):
         return {}
     if not (outputs_normed and across_heads):
-        return {
-            "norm_placement output without query/key norms across all heads, or the reverse (OLMo 2 has both)": True
-        }
-    unlike = {
-        "qkv_bias": model["qkv_bias"],
+        has, lacks = "norm_placement output", "query/key norms across all heads (qk_norm, qk_norm_per_head false)"
+        if across_heads:
+            has, lacks = lacks, has
+        return {f"{has} without {lacks}, which transformers' OLMo 2, the one class with either, has too": True}
+    unlike = {  # QKV biases with query/key norms are refused for every class
         "rotary_percent < 1": model["rotary_percent"] < 1,
         "longrope scaling": model["rope_scaling"] == "longrope",
         "Granite's multipliers": granite_form(model),

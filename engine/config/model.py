@@ -67,7 +67,8 @@ class ModelConfig:
     where s <= 1, once: a run's config.toml and checkpoints keep the value, which a longer max_position_embeddings
     later does not change."""
     norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
-    """Normalisation before attention, before the MLP and at the end."""
+    """The kind of normalisation in each block (before attention and the MLP, or after them: model.norm_placement)
+    and at the end."""
     norm_eps: float = 1e-5
     """Epsilon inside the normalisation."""
     norm_placement: Literal["input", "output"] = "input"
@@ -80,8 +81,9 @@ class ModelConfig:
     bias: bool = False
     """Biases in the linear layers (GPT-2 style)."""
     qk_norm: bool = False
-    """Normalise each query and key head (model.norm's kind, over head_dim, one weight shared by all heads) before
-    the rotary embedding: Qwen3's q_norm / k_norm, Megatron's --qk-layernorm."""
+    """Normalise the queries and keys (model.norm's kind) before the rotary embedding: each head over head_dim,
+    one weight shared by all heads (Qwen3's q_norm / k_norm, Megatron's --qk-layernorm), or all heads at once
+    under model.qk_norm_per_head = false (OLMo 2's)."""
     qk_norm_per_head: bool = True
     """With model.qk_norm: true normalises each head over head_dim, one weight shared by all heads (Qwen3,
     Megatron); false normalises the whole query projection over num_heads x head_dim and the whole key projection
