@@ -570,6 +570,16 @@ def test_an_olmo2_imports_evaluates_under_tensor_parallelism_and_exports_as_tran
     assert (imported["norm_placement"], imported["qk_norm"], imported["qk_norm_per_head"]) == ("output", True, False)
     assert type(again) is transformers.Olmo2ForCausalLM
     _assert_greedy_generate_equals_transformers(model, tmp_path / "loom", 16)
+    # a config.json that promises a layer the weights lack: one line naming the tensor, nothing written
+    shutil.copytree(tmp_path / "hf", tmp_path / "deeper")
+    config = json.loads((tmp_path / "deeper" / "config.json").read_text())
+    (tmp_path / "deeper" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    capfd.readouterr()
+    result = loom_here(
+        capfd, "ckpt", "import-hf", "--input", str(tmp_path / "deeper"), "--output", str(tmp_path / "no")
+    )
+    one_line_error(result, "has no tensor 'model.layers.2.", "(model_type 'olmo2') implies")
+    assert not (tmp_path / "no").exists()
 
 
 def _small_phi3(folder: Path):
