@@ -311,6 +311,9 @@ BAD_OVERRIDES = [
     ["--model.rotary_percent", "1.5"],
     ["--model.rotary_percent", "nan"],
     ["--model.rotary_percent", "0.2"],  # 16 x 0.2: 3 channels, no pairs
+    ["--model.rope_scaling", "yarn", "--model.rope_yarn_beta_fast", "0"],
+    ["--model.rope_scaling", "yarn", "--model.rope_yarn_beta_fast", "1", "--model.rope_yarn_beta_slow", "2"],
+    ["--model.rope_scaling", "yarn", "--model.rope_yarn_beta_slow", "nan"],
     ["--model.norm_placement", "after"],
     ["--model.qk_norm_per_head", "maybe"],
     ["--model.qk_norm", "true", "--model.qk_norm_per_head", "false", "--model.norm", "layernorm"],

@@ -326,6 +326,13 @@ def test_settings_a_config_never_reads_are_named():
     assert load_config("tiny", ["--optim.name", "adafactor", "--optim.beta1", "0.8"]).settings_without_effect() == [
         "optim.beta1 = 0.8 has no effect with optim.name = adafactor"
     ]
+    yarn = ["--model.rope_scaling", "yarn", "--model.rope_scaling_factor", "4", "--model.rope_yarn_beta_fast", "16"]
+    assert load_config("tiny", [*yarn, "--model.rope_low_freq_factor", "2"]).settings_without_effect() == [
+        "model.rope_low_freq_factor = 2.0 has no effect with model.rope_scaling = yarn"
+    ]
+    assert load_config("tiny", [*yarn[2:], "--model.rope_scaling", "llama3"]).settings_without_effect() == [
+        "model.rope_yarn_beta_fast = 16.0 has no effect with model.rope_scaling = llama3"
+    ]
     assert load_config("tiny", ["--model.qk_norm_per_head", "false"]).settings_without_effect() == [
         "model.qk_norm_per_head = False has no effect with model.qk_norm = false (no query/key norms)"
     ]

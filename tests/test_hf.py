@@ -539,6 +539,42 @@ def _small_qwen3(folder: Path):
     return model
 
 
+def test_yarn_imports_evaluates_under_tensor_parallelism_and_exports_as_transformers_computes_it(tmp_path, capfd):
+    """YaRN (Qwen2.5's and Qwen3's long-context setting; rope_type yarn) was refused. A Qwen3 extending its 1024
+    original positions 4x imports as model.rope_scaling yarn (its ramp over channel pairs 2 to 7 of 12) with
+    transformers' logits, `loom eval` over two tensor-parallel ranks gives its loss, it exports back with the same
+    logits, and KV-cached greedy decoding continues a prompt as transformers does; without YaRN the logits differ.
+    DeepSeek's files leave out the factor (max_position_embeddings / original) and give the cos/sin factor as
+    mscale / mscale_all_dim: imported with transformers' frequencies and factor."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from loom.engine.model.transformer import rotary_frequencies
+    from loom.tools.hf_forms import model_from_hf_config
+
+    yarn = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 1024}
+    settings = {**llama_fields(num_key_value_heads=2, head_dim=24), "max_position_embeddings": 4096}
+    settings.pop("rope_parameters")
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**settings, rope_parameters=yarn)).eval()
+    model.save_pretrained(str(tmp_path / "hf"))
+    imported, again = _round_trip_computes_as_transformers(model, tmp_path, capfd)
+    assert (imported["rope_scaling"], imported["rope_scaling_factor"], imported["rope_yarn_beta_fast"]) == ("yarn", 4, 32)
+    assert imported["rope_attention_factor"] == 1 + 0.1 * math.log(4) and type(again) is transformers.Qwen3ForCausalLM
+    _assert_greedy_generate_equals_transformers(model, tmp_path / "loom", 16)
+    with torch.no_grad():
+        plain = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**settings, rope_parameters={"rope_theta": 1e4}))
+        plain.load_state_dict(model.state_dict())
+        tokens = torch.randint(0, VOCAB, (1, 64), generator=torch.Generator().manual_seed(2))
+        assert (plain.eval()(tokens).logits - model(tokens).logits).abs().max().item() > 1e-3
+    deepseek = {**yarn, "factor": None, "mscale": 0.707, "mscale_all_dim": 1.0, "beta_fast": 16}
+    config = transformers.LlamaConfig(**{**settings, "max_position_embeddings": 8192, "rope_parameters": deepseek})
+    frequencies, attention = ROPE_INIT_FUNCTIONS["yarn"](config)
+    fields = model_from_hf_config({**config.to_dict(), "rope_scaling": None})
+    assert fields["rope_scaling_factor"] == 8 and fields["rope_attention_factor"] == pytest.approx(attention, rel=1e-12)
+    ours = rotary_frequencies(config_from_dict({"model": fields}).model, 64)
+    torch.testing.assert_close(ours, frequencies, rtol=1e-6, atol=0)
+
+
 def test_a_qwen3_imports_evaluates_under_tensor_parallelism_and_exports_as_transformers_computes_it(tmp_path, capfd):
     """Qwen3 is Llama with a norm on each query and key head (model.qk_norm) and its own head width: it imports with
     transformers' logits, `loom eval` over two tensor-parallel ranks gives transformers' loss, and it exports back

@@ -24,8 +24,8 @@ def check_llama_form(model: dict, gpt2_too: bool = False) -> None:
         wrong["qkv_bias with qk_norm"] = True
     if model["rotary_percent"] < 1 and (model["qk_norm"] or model["qkv_bias"]):  # only Phi-3's class turns part
         wrong["rotary_percent with " + ("qk_norm" if model["qk_norm"] else "qkv_bias")] = model["rotary_percent"]
-    if model["rotary_percent"] < 1 and model["rope_scaling"] == "llama3":  # Phi3Config takes default and longrope
-        wrong["rotary_percent with llama3 rope scaling"] = model["rotary_percent"]
+    if model["rotary_percent"] < 1 and model["rope_scaling"] in ("llama3", "yarn"):  # Phi3Config: default, longrope
+        wrong[f"rotary_percent with {model['rope_scaling']} rope scaling"] = model["rotary_percent"]
     narrow = model["head_dim"] * model["num_heads"] != model["hidden_size"]
     if model["rotary_percent"] < 1 and model["rope_scaling"] == "longrope" and narrow:
         # Phi3Config sizes longrope's factor lists from hidden_size / num_heads, whatever head_dim says
@@ -77,6 +77,15 @@ def _hf_rope(model: dict) -> dict:
             rope_type="longrope",
             short_factor=model["rope_short_factors"],
             long_factor=model["rope_long_factors"],
+            attention_factor=model["rope_attention_factor"],  # resolved by ModelConfig
+            original_max_position_embeddings=model["rope_original_max_positions"],
+        )
+    if model["rope_scaling"] == "yarn":
+        rope.update(
+            rope_type="yarn",
+            factor=model["rope_scaling_factor"],
+            beta_fast=model["rope_yarn_beta_fast"],
+            beta_slow=model["rope_yarn_beta_slow"],
             attention_factor=model["rope_attention_factor"],  # resolved by ModelConfig
             original_max_position_embeddings=model["rope_original_max_positions"],
         )
@@ -228,12 +237,41 @@ def _rope_fields(hf: dict) -> dict:
             rope_attention_factor=float(attention),
             rope_original_max_positions=original,
         )
+    elif rope["rope_type"] == "yarn":
+        fields.update(_yarn_fields(rope, hf["max_position_embeddings"], original))
     elif rope["rope_type"] != "default":
         raise CheckpointError(
-            f"config.json's rope_type {rope['rope_type']!r} is not supported; loom imports default, llama3 and "
-            "longrope RoPE"
+            f"config.json's rope_type {rope['rope_type']!r} is not supported; loom imports default, llama3, longrope "
+            "and yarn RoPE"
         )
     return fields
+
+
+def _yarn_fields(rope: dict, positions: int, original: int) -> dict:
+    """YaRN's settings as transformers reads them: the factor from how far max_position_embeddings extends the
+    original context where none is given (DeepSeek's files), the cos/sin factor from the factor (and DeepSeek's
+    mscale and mscale_all_dim) where none is given, beta_fast 32 and beta_slow 1 where absent or 0."""
+    if rope.get("truncate", True) is not True:
+        raise CheckpointError(
+            "config.json's yarn RoPE sets truncate: false (gpt-oss's unrounded ramp bounds); loom rounds them"
+        )
+    factor = rope.get("factor") or positions / original
+
+    def magnitude(scale: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+
+    attention = rope.get("attention_factor")
+    if attention is None:
+        mscale, all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+        attention = magnitude(mscale) / magnitude(all_dim) if mscale and all_dim else magnitude(1.0)
+    return {
+        "rope_scaling": "yarn",
+        "rope_scaling_factor": float(factor),
+        "rope_yarn_beta_fast": float(rope.get("beta_fast") or 32),
+        "rope_yarn_beta_slow": float(rope.get("beta_slow") or 1),
+        "rope_attention_factor": float(attention),
+        "rope_original_max_positions": original,
+    }
 
 
 def _refuse_unrepresentable(hf: dict) -> None:

@@ -89,10 +89,10 @@ def megatron_arguments(model: dict, train: dict, step: int, consumed: int, dtype
             "the model normalises its queries and keys across all heads (model.qk_norm_per_head = false); "
             "megatron-core's --qk-layernorm normalises each head"
         )
-    if model["rope_scaling"] == "longrope" and model["position_embedding"] == "rope":
+    if model["rope_scaling"] in ("longrope", "yarn") and model["position_embedding"] == "rope":
         raise CheckpointError(
-            "the model's rotary embedding is longrope-scaled (model.rope_scaling); megatron-core's scales as Llama "
-            "3.1 does (--use-rope-scaling) or not at all"
+            f"the model's rotary embedding is {model['rope_scaling']}-scaled (model.rope_scaling); megatron-core's "
+            "GPT model scales as Llama 3.1 does (--use-rope-scaling) or not at all"
         )
     if model["rope_scaling"] == "llama3" and model["position_embedding"] == "rope":
         fixed = {k: model[k] for k, v in LLAMA3_SCALING_IN_MEGATRON.items() if model[k] != v}

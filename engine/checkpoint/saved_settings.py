@@ -32,6 +32,8 @@ FUNCTIONAL_MODEL_FIELDS = (
     "rope_original_max_positions",
     "rope_short_factors",
     "rope_long_factors",
+    "rope_yarn_beta_fast",
+    "rope_yarn_beta_slow",
     "rope_attention_factor",
     "norm_eps",
     "embedding_multiplier",

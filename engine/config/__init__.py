@@ -151,24 +151,36 @@ class LoomConfig:
         """Fields set away from their defaults that this config never reads, each as a phrase saying why (a user
         who sets SGD's momentum for AdamW, or early stopping with evaluation off, is told instead of ignored)."""
         m, o, t, p = self.model, self.optim, self.train, self.parallel
-        llama3 = ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor")
-        longrope = ("rope_short_factors", "rope_long_factors", "rope_attention_factor")
+        readers = {  # the scaling fields, by the rope_scaling kinds that read them
+            "rope_scaling_factor": ("llama3", "yarn"),
+            "rope_low_freq_factor": ("llama3",),
+            "rope_high_freq_factor": ("llama3",),
+            "rope_short_factors": ("longrope",),
+            "rope_long_factors": ("longrope",),
+            "rope_yarn_beta_fast": ("yarn",),
+            "rope_yarn_beta_slow": ("yarn",),
+            "rope_attention_factor": ("longrope", "yarn"),
+        }
         scaled = m.position_embedding == "rope" and m.rope_scaling != "none"
         unread = [
             (
                 m,
-                ("rope_theta", "rope_scaling", "rotary_percent", *llama3, "rope_original_max_positions", *longrope),
+                ("rope_theta", "rope_scaling", "rotary_percent", "rope_original_max_positions", *readers),
                 m.position_embedding != "rope",
                 "model.position_embedding = learned",
             ),
             (
                 m,
-                ("rope_original_max_positions", *llama3, *longrope),
+                ("rope_original_max_positions", *readers),
                 m.position_embedding == "rope" and not scaled,
                 "model.rope_scaling = none",
             ),
-            (m, llama3, scaled and m.rope_scaling != "llama3", f"model.rope_scaling = {m.rope_scaling}"),
-            (m, longrope, scaled and m.rope_scaling != "longrope", f"model.rope_scaling = {m.rope_scaling}"),
+            (
+                m,
+                tuple(name for name, kinds in readers.items() if m.rope_scaling not in kinds),
+                scaled,
+                f"model.rope_scaling = {m.rope_scaling}",
+            ),
             (m, ("qk_norm_per_head",), not m.qk_norm, "model.qk_norm = false (no query/key norms)"),
             (o, ("momentum",), o.name != "sgd", f"optim.name = {o.name} (it is SGD's)"),
             (o, ("beta1", "beta2", "eps"), o.name in ("sgd", "adafactor"), f"optim.name = {o.name}"),

@@ -40,32 +40,41 @@ class ModelConfig:
     """Fraction of each head's width the rotary embedding turns (Megatron's --rotary-percent, Hugging Face's
     partial_rotary_factor; GPT-NeoX and Phi-4-mini rotate part of it): its first int(head_dim x this) channels,
     an even number, the rest pass unrotated."""
-    rope_scaling: Literal["none", "llama3", "longrope"] = "none"
+    rope_scaling: Literal["none", "llama3", "longrope", "yarn"] = "none"
     """Long-context rescaling of the rotary frequencies: none; llama3 (Llama 3.1 and later; Hugging Face's
     rope_type "llama3"): wavelengths longer than rope_original_max_positions / rope_low_freq_factor are
     stretched by rope_scaling_factor, those shorter than rope_original_max_positions / rope_high_freq_factor
-    are kept, and the ones between are interpolated; or longrope (Phi-3.5, Phi-4-mini; Hugging Face's rope_type
+    are kept, and the ones between are interpolated; longrope (Phi-3.5, Phi-4-mini; Hugging Face's rope_type
     "longrope"): each frequency divided by its entry of rope_short_factors in sequences up to
     rope_original_max_positions tokens long and of rope_long_factors in longer ones, cos and sin scaled by
-    rope_attention_factor."""
+    rope_attention_factor; or yarn (YaRN, Peng et al. 2023; Qwen's long-context setting; Hugging Face's rope_type
+    "yarn"): frequencies turning fewer than rope_yarn_beta_slow times over rope_original_max_positions tokens are
+    divided by rope_scaling_factor, those turning more than rope_yarn_beta_fast times kept, a linear ramp over
+    the channels between, cos and sin scaled by rope_attention_factor."""
     rope_scaling_factor: float = 8.0
-    """llama3 scaling: how much the low frequencies are stretched."""
+    """llama3 scaling: how much the low frequencies are stretched; yarn: how much the context is extended."""
     rope_low_freq_factor: float = 1.0
     """llama3 scaling: rope_original_max_positions / this is the wavelength above which frequencies stretch."""
     rope_high_freq_factor: float = 4.0
     """llama3 scaling: rope_original_max_positions / this is the wavelength below which frequencies are kept."""
     rope_original_max_positions: int = 8192
-    """llama3 and longrope scaling: the context length the model was pretrained at before scaling."""
+    """llama3, longrope and yarn scaling: the context length the model was pretrained at before scaling."""
     rope_short_factors: list[float] | None = None
     """longrope scaling: a divisor for each rotary frequency (rotary_dim / 2 of them) in sequences up to
     rope_original_max_positions tokens long."""
     rope_long_factors: list[float] | None = None
     """longrope scaling: the divisors in longer sequences."""
+    rope_yarn_beta_fast: float = 32.0
+    """yarn scaling: frequencies turning more than this many times over rope_original_max_positions tokens are
+    kept (Hugging Face's beta_fast)."""
+    rope_yarn_beta_slow: float = 1.0
+    """yarn scaling: frequencies turning fewer than this many times are divided by rope_scaling_factor (Hugging
+    Face's beta_slow)."""
     rope_attention_factor: float | None = None
-    """longrope scaling: the factor on the rotary cos and sin; None derives it as Hugging Face does: sqrt(1 +
-    ln(s) / ln(rope_original_max_positions)) with s = max_position_embeddings / rope_original_max_positions, or 1
-    where s <= 1, once: a run's config.toml and checkpoints keep the value, which a longer max_position_embeddings
-    later does not change."""
+    """longrope and yarn scaling: the factor on the rotary cos and sin; None derives it as Hugging Face does, once
+    (a run's config.toml and checkpoints keep the value, which a longer max_position_embeddings later does not
+    change): for longrope sqrt(1 + ln(s) / ln(rope_original_max_positions)) with s = max_position_embeddings /
+    rope_original_max_positions, for yarn 1 + 0.1 ln(rope_scaling_factor); 1 where s or the factor is <= 1."""
     norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
     """The kind of normalisation in each block (before attention and the MLP, or after them: model.norm_placement)
     and at the end."""
@@ -199,6 +208,19 @@ class ModelConfig:
                 extension = self.max_position_embeddings / self.rope_original_max_positions
                 logarithm = math.log(extension) / math.log(self.rope_original_max_positions)
                 self.rope_attention_factor = 1.0 if extension <= 1 else math.sqrt(1 + logarithm)
+        if self.position_embedding == "rope" and self.rope_scaling == "yarn":
+            check_positive(
+                s, rope_yarn_beta_fast=self.rope_yarn_beta_fast, rope_yarn_beta_slow=self.rope_yarn_beta_slow
+            )
+            if not self.rope_yarn_beta_fast > self.rope_yarn_beta_slow:
+                raise ConfigError(
+                    f"model.rope_yarn_beta_fast = {self.rope_yarn_beta_fast} must exceed model.rope_yarn_beta_slow = "
+                    f"{self.rope_yarn_beta_slow}: frequencies turning more often than the first are kept, those "
+                    "turning less often than the second interpolated"
+                )
+            if self.rope_attention_factor is None:
+                factor = self.rope_scaling_factor
+                self.rope_attention_factor = 1.0 if factor <= 1 else 1 + 0.1 * math.log(factor)
         if self.qk_norm and not self.qk_norm_per_head and self.norm != "rmsnorm":
             raise ConfigError(
                 f"model.qk_norm_per_head = false (one norm over all heads) takes model.norm = rmsnorm, got {self.norm}"

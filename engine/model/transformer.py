@@ -94,7 +94,24 @@ def rotary_frequencies(config: ModelConfig, seq_length: int, device=None) -> tor
     frequencies = 1.0 / config.rope_theta**exponents
     if config.rope_scaling == "llama3":
         frequencies = _llama3_scaled(frequencies, config)
+    if config.rope_scaling == "yarn":
+        frequencies = _yarn_scaled(frequencies, config)
     return frequencies
+
+
+def _yarn_scaled(frequencies: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    # YaRN: a frequency that turns few times over the pretraining context is interpolated (divided by the factor),
+    # one that turns many times is kept; the bounds are channel-pair indices, rounded outwards as Hugging Face does.
+    width, context = config.rotary_dim, config.rope_original_max_positions
+
+    def pair_turning(times: float) -> float:  # the channel pair whose frequency turns `times` times over the context
+        return width * math.log(context / (times * 2 * math.pi)) / (2 * math.log(config.rope_theta))
+
+    low = max(math.floor(pair_turning(config.rope_yarn_beta_fast)), 0)
+    high = min(math.ceil(pair_turning(config.rope_yarn_beta_slow)), width - 1)
+    pairs = torch.arange(width // 2, dtype=torch.float32, device=frequencies.device)
+    interpolated = ((pairs - low) / ((high - low) or 0.001)).clamp(0.0, 1.0)
+    return frequencies / config.rope_scaling_factor * interpolated + frequencies * (1 - interpolated)
 
 
 def _llama3_scaled(frequencies: torch.Tensor, config: ModelConfig) -> torch.Tensor:
@@ -118,7 +135,7 @@ def rotary_tables(
     positions = torch.arange(first_position, seq_length, dtype=torch.float32, device=device)
     angles = torch.outer(positions, rotary_frequencies(config, seq_length, device))
     angles = torch.cat([angles, angles], dim=-1)[:, None, None, :]
-    if config.rope_scaling == "longrope":
+    if config.rope_scaling in ("longrope", "yarn"):
         scale = config.rope_attention_factor
         return angles.cos() * scale, angles.sin() * scale
     return angles.cos(), angles.sin()
