@@ -558,7 +558,11 @@ def test_yarn_imports_evaluates_under_tensor_parallelism_and_exports_as_transfor
     model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**settings, rope_parameters=yarn)).eval()
     model.save_pretrained(str(tmp_path / "hf"))
     imported, again = _round_trip_computes_as_transformers(model, tmp_path, capfd)
-    assert (imported["rope_scaling"], imported["rope_scaling_factor"], imported["rope_yarn_beta_fast"]) == ("yarn", 4, 32)
+    assert (imported["rope_scaling"], imported["rope_scaling_factor"], imported["rope_yarn_beta_fast"]) == (
+        "yarn",
+        4,
+        32,
+    )
     assert imported["rope_attention_factor"] == 1 + 0.1 * math.log(4) and type(again) is transformers.Qwen3ForCausalLM
     _assert_greedy_generate_equals_transformers(model, tmp_path / "loom", 16)
     with torch.no_grad():
