@@ -296,8 +296,8 @@ def layer_activation_bytes(
     """Bytes one transformer block saves for backward for one micro-batch of `seq` x `mbs` tokens.
 
     loom's native block, term by term (measured equal on CPU, tests/test_plan_bytes.py), per token: each of the two
-    norms keeps its fp32 input, normalised input and 1/rms (8h + 4 bytes; sequence-sharded under sequence
-    parallelism; the same under model.norm_placement = output, whose norms take the sublayers' outputs); the QKV
+    norms keeps what _eager_norm_bytes says (sequence-sharded under sequence parallelism; the same under
+    model.norm_placement = output, whose norms take the sublayers' outputs); the QKV
     and FC1 GEMMs keep their input (h, all-gathered under sequence parallelism); attention
     keeps the QKV output, rotated q and k, its output and a log-sum-exp per head (fp32); the SwiGLU MLP keeps
     FC1's output, silu(gate) and FC2's input (4 x ffn; GELU: 2 x ffn); all split by tp. Selective recompute drops
@@ -329,7 +329,7 @@ def layer_activation_bytes(
         mlp = fc1_output * element + (0 if fp8 else f * element)
         return tokens * (residual + gemm_inputs + (attention + mlp) / tp + _qk_norm_bytes(m, element, True, tp))
     gemm_input = 1 if fp8 else element
-    norms = 2 * (8 * h + 4) * sequence_share + _qk_norm_bytes(m, element, False, tp)
+    norms = 2 * _eager_norm_bytes(m, element) * sequence_share + _qk_norm_bytes(m, element, False, tp)
     gemm_inputs = 2 * h * gemm_input
     attention_output = q * element if not (fp8 and recompute == "selective") else 0
     attention = ((q + 2 * kv) + q + kv) * element + attention_output + (q if fp8 else 0)
@@ -348,6 +348,8 @@ def _qk_norm_bytes(m: ModelConfig, element: int, compiled: bool, tp: int) -> flo
         return 0
     width = (m.num_heads + m.num_kv_heads) * m.head_dim
     statistics = _norm_statistics_bytes(m) * ((m.num_heads + m.num_kv_heads) / tp if m.qk_norm_per_head else 2)
+    if not compiled and m.norm == "layernorm":  # its input is a view of the QKV output; mean and 1/std per head
+        return 2 * element * (m.num_heads + m.num_kv_heads) / tp
     if not compiled:
         return statistics + (4 if element == 4 else 8) * width / tp
     kept_across_reduction = tp > 1 and not m.qk_norm_per_head and element != 4
@@ -369,6 +371,15 @@ def _korthikanti_bytes_per_token(m: ModelConfig, tp: int, sp: bool, fp8: bool) -
         whole -= (2 * h + 2 * h) / 2
         sharded -= (2 * q + 2 * f) / 2
     return (whole if not sp else whole / tp) + sharded / tp
+
+
+def _eager_norm_bytes(m: ModelConfig, element: int) -> int:
+    """Per token, what one eager norm over the hidden size keeps: RMSNorm (torch's composite of element-wise
+    operations) its fp32 input, normalised fp32 input and 1/rms, 8h + 4 bytes; LayerNorm (one kernel) its input
+    and its mean and 1/std in the compute dtype, h + 2 elements (on CPU, where this is measured; CUDA's autocast
+    runs LayerNorm in fp32: 4h + 8 bytes in 16-bit training)."""
+    h = m.hidden_size
+    return h * element + 2 * element if m.norm == "layernorm" else 8 * h + 4
 
 
 def _norm_statistics_bytes(m: ModelConfig) -> int:
