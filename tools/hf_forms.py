@@ -66,36 +66,39 @@ def _olmo2_form_refusals(model: dict) -> dict:
     return {f"norm_placement output with {k}": True for k, v in unlike.items() if v}
 
 
+_ROPE_SCALING_FIELDS = {
+    "llama3": {
+        "factor": "rope_scaling_factor",
+        "low_freq_factor": "rope_low_freq_factor",
+        "high_freq_factor": "rope_high_freq_factor",
+    },
+    "longrope": {
+        "short_factor": "rope_short_factors",
+        "long_factor": "rope_long_factors",
+        "attention_factor": "rope_attention_factor",  # resolved by ModelConfig
+    },
+    "yarn": {
+        "factor": "rope_scaling_factor",
+        "beta_fast": "rope_yarn_beta_fast",
+        "beta_slow": "rope_yarn_beta_slow",
+        "attention_factor": "rope_attention_factor",
+    },
+}
+"""Each rope scaling's keys in Hugging Face's rope_parameters -> the [model] fields export-hf writes them from."""
+
+
 def _hf_rope(model: dict) -> dict:
     """rope_parameters as transformers >= 5 writes it; the same values also go out in the older top-level
     rope_theta / rope_scaling form, so transformers 4 reads the file too."""
     rope = {"rope_type": "default", "rope_theta": model["rope_theta"]}
     if model["rotary_percent"] < 1:
         rope["partial_rotary_factor"] = model["rotary_percent"]
-    if model["rope_scaling"] == "longrope":
+    if model["rope_scaling"] != "none":
+        fields = _ROPE_SCALING_FIELDS[model["rope_scaling"]]
         rope.update(
-            rope_type="longrope",
-            short_factor=model["rope_short_factors"],
-            long_factor=model["rope_long_factors"],
-            attention_factor=model["rope_attention_factor"],  # resolved by ModelConfig
+            rope_type=model["rope_scaling"],
             original_max_position_embeddings=model["rope_original_max_positions"],
-        )
-    if model["rope_scaling"] == "yarn":
-        rope.update(
-            rope_type="yarn",
-            factor=model["rope_scaling_factor"],
-            beta_fast=model["rope_yarn_beta_fast"],
-            beta_slow=model["rope_yarn_beta_slow"],
-            attention_factor=model["rope_attention_factor"],  # resolved by ModelConfig
-            original_max_position_embeddings=model["rope_original_max_positions"],
-        )
-    if model["rope_scaling"] == "llama3":
-        rope.update(
-            rope_type="llama3",
-            factor=model["rope_scaling_factor"],
-            low_freq_factor=model["rope_low_freq_factor"],
-            high_freq_factor=model["rope_high_freq_factor"],
-            original_max_position_embeddings=model["rope_original_max_positions"],
+            **{key: model[field] for key, field in fields.items()},
         )
     return rope
 
