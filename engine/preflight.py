@@ -202,6 +202,9 @@ def adopt_saved_model_settings(
     # a run started from checkpoint.load keeps that model on every rerun, from its own checkpoints too
     kept = config.model_fields_flagged if config.checkpoint.load is not None else given
     saved = config_from_dict({"model": found[1].config["model"]}).model
+    # yarn's cos/sin factor follows a factor this run gives (as Hugging Face derives it), not the checkpoint's
+    rederived = saved.rope_scaling == "yarn" and "rope_scaling_factor" in kept and "rope_attention_factor" not in kept
+    kept = {*kept, "rope_attention_factor"} if rederived else kept
     adopted = {
         name: getattr(saved, name)
         for name in ARCHITECTURE_MODEL_FIELDS + FUNCTIONAL_MODEL_FIELDS
@@ -216,7 +219,9 @@ def adopt_saved_model_settings(
     said = {name: f"model.{name} = {flag_value(value)}" for name, value in adopted.items()}
     replaced = [f"{said[name]} (not {flag_value(getattr(config.model, name))})" for name in adopted if name in given]
     unset = [said[name] for name in adopted if name not in given]
-    config.model = dataclasses.replace(config.model, **adopted)
+    config.model = dataclasses.replace(
+        config.model, **adopted, **({"rope_attention_factor": None} if rederived else {})
+    )
     lines = []
     if unset:
         lines.append(f"model settings as {found[0]} was saved (the config does not set them): {', '.join(unset)}")

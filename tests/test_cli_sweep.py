@@ -314,6 +314,8 @@ BAD_OVERRIDES = [
     ["--model.rope_scaling", "yarn", "--model.rope_yarn_beta_fast", "0"],
     ["--model.rope_scaling", "yarn", "--model.rope_yarn_beta_fast", "1", "--model.rope_yarn_beta_slow", "2"],
     ["--model.rope_scaling", "yarn", "--model.rope_yarn_beta_slow", "nan"],
+    ["--model.rope_scaling", "yarn", "--model.rope_scaling_factor", "0.5"],
+    ["--model.rope_scaling", "yarn", "--model.rope_theta", "1"],
     ["--model.norm_placement", "after"],
     ["--model.qk_norm_per_head", "maybe"],
     ["--model.qk_norm", "true", "--model.qk_norm_per_head", "false", "--model.norm", "layernorm"],

@@ -525,6 +525,21 @@ def test_settings_no_hugging_face_class_computes_are_refused_on_export():
             check_llama_form(config_to_dict(config_from_dict({"model": {**olmo2, **changed}}))["model"], True)
 
 
+def test_phi3_s_first_names_for_longrope_import_as_longrope_and_a_phi3_with_yarn_exports_as_a_llama():
+    """Phi3Config reads its first files' rope_type "su" and "yarn" as longrope (their short and long factors): they
+    import as longrope, not as YaRN with the factor lists dropped. A Phi-3 import given YaRN (or Llama 3.1's
+    scaling) exports as the Llama it equals: Phi3Config refused the config.json loom wrote."""
+    from loom.tools.hf_forms import model_from_hf_config, phi3_form
+
+    phi3 = {**llama_fields(), "model_type": "phi3", "original_max_position_embeddings": 64}
+    for name in ("su", "yarn"):
+        rope = {"type": name, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+        fields = model_from_hf_config({**phi3, "rope_scaling": rope})
+        assert (fields["rope_scaling"], fields["rope_long_factors"]) == ("longrope", [2.0] * 8)
+    model = config_to_dict(config_from_dict({"model": {"rope_scaling": "yarn"}}))["model"]
+    assert not phi3_form(model, "phi3") and phi3_form({**model, "rope_scaling": "none"}, "phi3")
+
+
 def _small_qwen3(folder: Path):
     """A Qwen3ForCausalLM (tied, 2 KV heads, heads of 24 over a hidden size of 64, random q/k norm weights: at one
     they would hide a misplaced one) saved in `folder`, and returned."""

@@ -451,7 +451,7 @@ def test_biases_on_qkv_alone_and_another_head_size_import_and_export_as_megatron
     with pytest.raises(CheckpointError, match="scales its embeddings, residual branches or logits"):
         megatron_arguments({**config["model"], "residual_multiplier": 0.5}, config["train"], 0, 0, "float32")
     longrope = dict(rope_scaling="longrope", rope_short_factors=[1.0] * 8, rope_long_factors=[2.0] * 8)
-    with pytest.raises(CheckpointError, match="longrope-scaled .* megatron-core's GPT model scales as Llama 3.1"):
+    with pytest.raises(CheckpointError, match="longrope-scaled .* loom exports Megatron-LM's Llama 3.1 scaling"):
         megatron_arguments({**config["model"], **longrope}, config["train"], 0, 0, "float32")
     with pytest.raises(CheckpointError, match="yarn-scaled"):
         megatron_arguments({**config["model"], "rope_scaling": "yarn"}, config["train"], 0, 0, "float32")

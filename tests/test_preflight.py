@@ -247,6 +247,29 @@ def test_check_same_model_names_the_flag_that_continues_the_saved_model(tmp_path
         check_same_model(tmp_path, adapters, config({"rank": 4, "alpha": 64.0, "targets": ["qkv", "fc1"], "base": "b"}))
 
 
+def test_a_yarn_factor_given_over_a_checkpoint_s_takes_its_own_cos_sin_factor(tmp_path):
+    """A fine-tune of a YaRN checkpoint (factor 4) with --model.rope_scaling_factor 8 computed factor 8's
+    frequencies with factor 4's cos/sin factor, the checkpoint's; it derives 8's, as Hugging Face does. Without the
+    flag the checkpoint's pair stays; a cos/sin factor the flags give stays too."""
+    import math
+    from types import SimpleNamespace
+
+    from loom.engine.config_io import config_to_dict, load_config
+    from loom.engine.preflight import adopt_saved_model_settings
+
+    yarn = ["--model.rope_scaling", "yarn", "--model.rope_scaling_factor", "4"]
+    found = (tmp_path, SimpleNamespace(config=config_to_dict(load_config("tiny", yarn))))
+    for flags, factor, attention in (
+        (["--model.rope_scaling_factor", "8"], 8.0, 1 + 0.1 * math.log(8)),
+        ([], 4.0, 1 + 0.1 * math.log(4)),
+        (["--model.rope_scaling_factor", "8", "--model.rope_attention_factor", "1.5"], 8.0, 1.5),
+    ):
+        config = load_config("tiny", ["--checkpoint.load", str(tmp_path), *flags])
+        adopt_saved_model_settings(config, found, say=False)
+        model = config.model
+        assert (model.rope_scaling, model.rope_scaling_factor, model.rope_attention_factor) == ("yarn", factor, attention)
+
+
 def test_data_settings_that_failed_inside_a_rank_are_refused_before_any(dataset, tmp_path, capfd):
     """A split leaving no validation documents while the run evaluates, and a cache_dir that is a file, failed in
     rank 0 after the plan and kernels lines (exit 1) and left an empty run folder."""

@@ -89,7 +89,8 @@ _ROPE_SCALING_FIELDS = {
 
 def _hf_rope(model: dict) -> dict:
     """rope_parameters as transformers >= 5 writes it; the same values also go out in the older top-level
-    rope_theta / rope_scaling form, so transformers 4 reads the file too."""
+    rope_theta / rope_scaling form, so transformers 4 reads the file too (4.50 to 4.55 take yarn's factor as
+    max_position_embeddings / original_max_position_embeddings instead: the same model where those agree)."""
     rope = {"rope_type": "default", "rope_theta": model["rope_theta"]}
     if model["rotary_percent"] < 1:
         rope["partial_rotary_factor"] = model["rotary_percent"]
@@ -126,9 +127,11 @@ def granite_form(model: dict) -> bool:
 
 def phi3_form(model: dict, imported_from: str | None) -> bool:
     """Whether a Llama-shaped loom model exports as a Phi-3: one imported from a Phi-3 (`imported_from`: the
-    model_type it was imported from) goes back as one, and transformers' Llama turns each head whole, its Phi-3 the
-    part model.rotary_percent says."""
-    return not granite_form(model) and (model["rotary_percent"] < 1 or imported_from == "phi3")
+    model_type it was imported from) goes back as one unless its RoPE is one Phi3Config cannot take (llama3, yarn:
+    then as the Llama it equals), and transformers' Llama turns each head whole, its Phi-3 the part
+    model.rotary_percent says."""
+    phi3_rope = model["rope_scaling"] in ("none", "longrope")
+    return not granite_form(model) and (model["rotary_percent"] < 1 or (imported_from == "phi3" and phi3_rope))
 
 
 def _hf_architecture(model: dict, phi3: bool) -> dict:
@@ -198,6 +201,8 @@ def _rope_parameters(hf: dict) -> dict:
         raise CheckpointError(f"config.json sets rope_parameters per layer type ({', '.join(rope)}); loom has one RoPE")
     rope.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
     rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
+    if hf.get("model_type") == "phi3" and rope["rope_type"] in ("su", "yarn"):  # Phi-3's first files' longrope names
+        rope["rope_type"] = "longrope"
     return rope
 
 

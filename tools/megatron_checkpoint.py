@@ -236,7 +236,8 @@ def model_from_megatron_arguments(args: dict, shapes: dict[str, tuple[int, ...]]
         )
     if positions not in ("rope", "learned_absolute"):
         raise CheckpointError(
-            f"the model's positions are {positions} (--position-embedding-type); loom has rope and learned_absolute"
+            f"the model's positions are {positions} (--position-embedding-type); loom imports rope and "
+            "learned_absolute from Megatron-LM"
         )
     normalization = args.get("normalization") or "LayerNorm"
     if normalization not in ("LayerNorm", "RMSNorm"):

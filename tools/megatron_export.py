@@ -91,8 +91,8 @@ def megatron_arguments(model: dict, train: dict, step: int, consumed: int, dtype
         )
     if model["rope_scaling"] in ("longrope", "yarn") and model["position_embedding"] == "rope":
         raise CheckpointError(
-            f"the model's rotary embedding is {model['rope_scaling']}-scaled (model.rope_scaling); megatron-core's "
-            "GPT model scales as Llama 3.1 does (--use-rope-scaling) or not at all"
+            f"the model's rotary embedding is {model['rope_scaling']}-scaled (model.rope_scaling); loom exports "
+            "Megatron-LM's Llama 3.1 scaling (--use-rope-scaling) or none"
         )
     if model["rope_scaling"] == "llama3" and model["position_embedding"] == "rope":
         fixed = {k: model[k] for k, v in LLAMA3_SCALING_IN_MEGATRON.items() if model[k] != v}

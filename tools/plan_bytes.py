@@ -443,12 +443,12 @@ def output_activation_bytes(
     fp8_output: bool = False,
 ) -> float:
     """Bytes the last stage's final norm, output layer and loss save for backward for one micro-batch: the norm's
-    fp32 input, normalised input and 1/rms (compiled: its input in the compute dtype and its statistics;
-    sequence-sharded under sequence parallelism), the output GEMM's gathered input (1 byte under
+    (eager: _eager_norm_bytes; compiled: its input in the compute dtype and its statistics; sequence-sharded under
+    sequence parallelism), the output GEMM's gathered input (1 byte under
     train.fp8_output_layer) and the logits of this rank's vocabulary slice (measured on CPU, tests/test_plan_bytes.py).
     The schedule runs the last chunk's backward right after its forward, so one micro-batch of them is alive."""
     vocab = padded_vocab_size(m.vocab_size, m.make_vocab_divisible_by, tp) // tp
-    norm = m.hidden_size * element + _norm_statistics_bytes(m) if compiled else 8 * m.hidden_size + 4
+    norm = m.hidden_size * element + _norm_statistics_bytes(m) if compiled else _eager_norm_bytes(m, element)
     norm /= tp if sp else 1
     return seq * mbs * (norm + m.hidden_size * (1 if fp8_output else element) + vocab * element)
 

@@ -212,6 +212,11 @@ class ModelConfig:
             check_positive(
                 s, rope_yarn_beta_fast=self.rope_yarn_beta_fast, rope_yarn_beta_slow=self.rope_yarn_beta_slow
             )
+            if self.rope_scaling_factor < 1 or self.rope_theta <= 1:
+                raise ConfigError(
+                    f"model.rope_scaling = yarn extends the context: it takes model.rope_scaling_factor >= 1 (got "
+                    f"{self.rope_scaling_factor}) and model.rope_theta > 1 (got {self.rope_theta})"
+                )
             if not self.rope_yarn_beta_fast > self.rope_yarn_beta_slow:
                 raise ConfigError(
                     f"model.rope_yarn_beta_fast = {self.rope_yarn_beta_fast} must exceed model.rope_yarn_beta_slow = "
