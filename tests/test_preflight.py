@@ -267,7 +267,11 @@ def test_a_yarn_factor_given_over_a_checkpoint_s_takes_its_own_cos_sin_factor(tm
         config = load_config("tiny", ["--checkpoint.load", str(tmp_path), *flags])
         adopt_saved_model_settings(config, found, say=False)
         model = config.model
-        assert (model.rope_scaling, model.rope_scaling_factor, model.rope_attention_factor) == ("yarn", factor, attention)
+        assert (model.rope_scaling, model.rope_scaling_factor, model.rope_attention_factor) == (
+            "yarn",
+            factor,
+            attention,
+        )
 
 
 def test_data_settings_that_failed_inside_a_rank_are_refused_before_any(dataset, tmp_path, capfd):
