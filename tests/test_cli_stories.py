@@ -528,27 +528,29 @@ def test_import_hf_names_what_is_wrong_with_the_folder(world, capfd, tmp_path):
 
 def test_import_hf_reads_rope_settings_as_transformers_does(world, capfd, tmp_path):
     """A config with rope_scaling beside rope_parameters: transformers takes rope_scaling whole, so loom does too
-    (llama3 scaling is imported; yarn, which loom lacks, is refused instead of imported as default RoPE)."""
+    (llama3 and yarn scaling are imported; dynamic NTK, which loom lacks, is refused instead of imported as default
+    RoPE)."""
     transformers = pytest.importorskip("transformers")
     from loom.tools.hf import import_hf
 
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 32}  # fmt: skip
-    for name, rope_scaling in (("llama3", scaling), ("yarn", {"rope_type": "yarn", "factor": 4.0})):
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    for name, rope_scaling in (("llama3", scaling), ("yarn", yarn), ("dynamic", {"rope_type": "dynamic", "factor": 4})):
         folder = _hf_copy(world, tmp_path, name)
         config = json.loads((folder / "config.json").read_text())
         config.update(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, rope_scaling=rope_scaling)
         (folder / "config.json").write_text(json.dumps(config))
         theirs = transformers.AutoConfig.from_pretrained(folder).rope_parameters
         assert theirs["rope_type"] == name
-        if name == "llama3":
-            model = read_metadata(import_hf(folder, tmp_path / "out-llama3")).config["model"]
-            assert model["rope_scaling"] == "llama3" and model["rope_scaling_factor"] == theirs["factor"] == 8.0
+        if name in ("llama3", "yarn"):
+            model = read_metadata(import_hf(folder, tmp_path / f"out-{name}")).config["model"]
+            assert model["rope_scaling"] == name and model["rope_scaling_factor"] == theirs["factor"]
         else:
             refused(
                 capfd,
                 ["ckpt", "import-hf", "--input", str(folder), "--output", str(tmp_path / "out")],
-                "rope_type 'yarn' is not supported",
+                "rope_type 'dynamic' is not supported",
             )
 
 

@@ -682,7 +682,7 @@ def test_a_lora_run_on_an_import_exports_a_peft_adapter_with_its_logits(architec
 UNREPRESENTABLE = {
     "attention_bias": dict(attention_bias=True),
     "mlp_bias": dict(mlp_bias=True),
-    "rope_type": dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}),
+    "rope_type": dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}),
     "hidden_act": dict(hidden_act="gelu"),
 }
 
