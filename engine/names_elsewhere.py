@@ -132,7 +132,11 @@ TRAINING_NAMES: tuple[NameElsewhere, ...] = (
                 CONVERTED,
             ),
             ("--norm-epsilon", "--model.norm_eps"),
-            ("--apply-layernorm-1p", "", "loom's norms scale by their weight, not 1 + weight"),
+            (
+                "--apply-layernorm-1p",
+                "",
+                "loom's norms scale by their weight, not 1 + weight; import-megatron adds the 1 to the weights",
+            ),
             ("--qk-layernorm", "--model.qk_norm true"),
             ("--softmax-scale", "--model.attention_scale"),
             (
@@ -141,7 +145,7 @@ TRAINING_NAMES: tuple[NameElsewhere, ...] = (
                 "Megatron's default is gelu, loom's swiglu; without --ffn-hidden-size Megatron takes 8h/3 rounded "
                 "down to 64, loom up to 256: give --model.ffn_hidden_size",
             ),
-            ("--squared-relu", "", "loom's MLPs are swiglu or gelu"),
+            ("--squared-relu", "--model.activation squared_relu"),
             (
                 "--disable-bias-linear",
                 "--model.bias false",

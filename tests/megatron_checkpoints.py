@@ -30,6 +30,14 @@ torch.cuda.synchronize = lambda *args, **kwargs: None  # the async writer's prel
 
 VOCAB, PADDED_VOCAB, SEQ = 250, 256, 24
 
+
+def squared_relu(x: torch.Tensor) -> torch.Tensor:
+    """megatron-core's own --squared-relu activation (imported when first called: megatron-core takes seconds)."""
+    from megatron.core.activations import squared_relu as megatron_squared_relu
+
+    return megatron_squared_relu(x)
+
+
 # Each variant: megatron-core's TransformerConfig fields and GPTModel arguments, the Megatron-LM arguments that
 # produce them, and how it is saved.
 VARIANTS = {
@@ -89,13 +97,14 @@ VARIANTS = {
     ),
     # multi-query attention, interleaved rotary pairs with Llama 3's scaling over half of each head (the rows past
     # them unrotated), tied, zero-centred norm weights (stored minus one, as Transformer Engine's
-    # --apply-layernorm-1p norms hold them), biases on QKV alone (Qwen's --add-qkv-bias) and norms on queries and
-    # keys (whose weights follow the interleaved rows), saved in bf16
+    # --apply-layernorm-1p norms hold them), biases on QKV alone (Qwen's --add-qkv-bias), norms on queries and
+    # keys (whose weights follow the interleaved rows) and a squared-ReLU MLP (Nemotron-4's --squared-relu), saved
+    # in bf16
     "interleaved": dict(
         config=dict(
             normalization="RMSNorm",
-            gated_linear_unit=True,
-            activation_func=F.silu,
+            gated_linear_unit=False,
+            activation_func=squared_relu,
             add_bias_linear=False,
             add_qkv_bias=True,
             qk_layernorm=True,
@@ -112,7 +121,6 @@ VARIANTS = {
         ),
         args=dict(
             normalization="RMSNorm",
-            swiglu=True,
             add_bias_linear=False,
             add_qkv_bias=True,
             qk_layernorm=True,
@@ -127,6 +135,8 @@ VARIANTS = {
             untie_embeddings_and_output_weights=False,
             layernorm_zero_centered_gamma=True,
             bias_gelu_fusion=False,
+            swiglu=False,
+            squared_relu=True,
         ),
         per_layer_keys=False,
         bf16=True,

@@ -317,6 +317,7 @@ BAD_OVERRIDES = [
     ["--model.rope_scaling", "yarn", "--model.rope_scaling_factor", "0.5"],
     ["--model.rope_scaling", "yarn", "--model.rope_theta", "1"],
     ["--model.norm_placement", "after"],
+    ["--model.activation", "relu2"],
     ["--model.qk_norm_per_head", "maybe"],
     ["--model.qk_norm", "true", "--model.qk_norm_per_head", "false", "--model.norm", "layernorm"],
     ["--train.rampup_batch_size", "4", "4"],

@@ -107,7 +107,8 @@ def test_compiled_norm_and_swiglu_match_eager():
     up = torch.randn(16, 2, 96, generator=generator, requires_grad=True)
     for function, reference, inputs in (
         (chosen.norm_function("rmsnorm"), kernels.rms_norm, (x, weight, None, 1e-5)),
-        (chosen.activation_function(gated=True), kernels.swiglu, (gate, up)),
+        (chosen.activation_function("swiglu"), kernels.swiglu, (gate, up)),
+        (chosen.activation_function("squared_relu"), lambda h: torch.relu(h) ** 2, (gate,)),  # Nemotron's relu2
     ):
         leaves = [t for t in inputs if isinstance(t, torch.Tensor)]
         compiled_out = function(*inputs)

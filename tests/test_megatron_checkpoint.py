@@ -3,12 +3,12 @@ writes them (tests/megatron_checkpoints.py: megatron-core's GPTModel on CPU, its
 dist_checkpointing.save in torch_dist) import into loom with the logits megatron-core computed, for a Llama-shaped
 model (GQA, stacked layers, norms on queries and keys, --softmax-scale), a GPT-3-shaped one (LayerNorm, biases,
 learned positions, tied, one key per layer) and one with multi-query attention, interleaved rotary pairs over half
-of each head (--rotary-percent 0.5), Llama 3 rope scaling, zero-centred norms, biases on QKV alone
-(--add-qkv-bias), query/key norms and bf16 weights. The user stories: `loom eval` of the import equals the loss of
-Megatron's logits, and a fine-tune from it starts from that loss; Megatron is not needed to import. The older torch
-format (a file per rank), written from megatron-core's own resharding over tensor 2 x pipeline 2 x virtual 2 ranks,
-imports as the torch_dist save. What loom cannot compute the same way is refused naming Megatron's flag; Megatron
-folders given where loom's checkpoints go are answered with the command."""
+of each head (--rotary-percent 0.5), Llama 3 rope scaling, zero-centred norms, biases on QKV alone (--add-qkv-bias),
+query/key norms, a squared-ReLU MLP (--squared-relu) and bf16 weights. The user stories: `loom eval` of the import
+equals the loss of Megatron's logits, and a fine-tune from it starts from that loss; Megatron is not needed to
+import. The older torch format (a file per rank), written from megatron-core's own resharding over tensor 2 x
+pipeline 2 x virtual 2 ranks, imports as the torch_dist save. What loom cannot compute the same way is refused
+naming Megatron's flag; Megatron folders given where loom's checkpoints go are answered with the command."""
 
 import argparse
 import json
@@ -511,7 +511,6 @@ def test_singleton_local_shards_and_chained_optimizer_keys_import(megatron, tmp_
         ({"num_experts": 8}, "--num-experts 8"),
         ({"multi_latent_attention": True}, "--multi-latent-attention"),
         ({"position_embedding_type": "mrope"}, "--position-embedding-type"),
-        ({"squared_relu": True}, "--squared-relu"),
         ({"apply_residual_connection_post_layernorm": True}, "--apply-residual-connection-post-layernorm"),
         ({"no_rope_freq": 4}, "--no-rope-freq"),
         ({"softmax_type": "off-by-one"}, "--softmax-type"),

@@ -131,6 +131,8 @@ ACTIVATION_CASES = (
         (2, True, "none", "bf16", 1, "qk_norm"),
         (1, False, "none", "fp32", 2, "gpt"),
         (2, True, "selective", "bf16", 1, "gpt_qk_norm"),
+        (2, True, "none", "bf16", 1, "nemotron"),
+        (2, True, "none", "bf16", 1, "compiled nemotron"),
         (2, True, "none", "bf16", 1, "olmo2"),
         (2, True, "none", "bf16", 1, "compiled olmo2"),
         (1, False, "none", "fp32", 2, "olmo2"),
@@ -141,14 +143,15 @@ ACTIVATION_CASES = (
 """precision fp8: bf16 with loom's FP8 linears (torch._scaled_mm, which runs on CPU; the GPU check is bypassed).
 The last field is the model: "false" the tiny preset's, eager; "compiled ..." with the block compiled whole (as on a
 GPU by default), "... gpt" with LayerNorm and GELU, "... qk_norm" with query/key norms ("gpt_qk_norm": LayerNorm
-and GELU with LayerNorm query/key norms), "... olmo2" with OLMo 2's norms (on attention's and the MLP's outputs, on
-queries and keys across heads: one statistic per rank and token).
-Three compiled cases between them reach every term of the compiled count (each costs ~15 s of compiling)."""
+and GELU with LayerNorm query/key norms), "... nemotron" with LayerNorm and squared ReLU, "... olmo2" with OLMo 2's
+norms (on attention's and the MLP's outputs, on queries and keys across heads: one statistic per rank and token).
+Four compiled cases between them reach every term of the compiled count (each costs ~15 s of compiling)."""
 
 MODEL_VARIANTS = {
     "gpt": {"norm": "layernorm", "activation": "gelu"},
     "qk_norm": {"qk_norm": True},
     "gpt_qk_norm": {"norm": "layernorm", "activation": "gelu", "qk_norm": True},
+    "nemotron": {"norm": "layernorm", "activation": "squared_relu", "rotary_percent": 0.5},
     "olmo2": {"norm_placement": "output", "qk_norm": True, "qk_norm_per_head": False},
 }
 

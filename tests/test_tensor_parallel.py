@@ -117,8 +117,10 @@ def _compare_with_dense(rank, world, config_kwargs, sequence_parallel):
         # OLMo 2's: norms on attention's and the MLP's outputs (sequence-sharded under sequence parallelism), query
         # and key norms across all heads (weights split with the heads, sums of squares summed over TP both ways)
         dict(config=dict(norm_placement="output", qk_norm=True, qk_norm_per_head=False), sp=True),
+        # Nemotron-4's: LayerNorm, a squared-ReLU MLP, no linear biases, half of each head rotated
+        dict(config=dict(norm="layernorm", activation="squared_relu", rotary_percent=0.5), sp=True),
     ],
-    ids=["llama", "llama-sp", "gpt2-sp", "qwen", "olmo2-sp"],
+    ids=["llama", "llama-sp", "gpt2-sp", "qwen", "olmo2-sp", "nemotron-sp"],
 )
 def test_tp_model_matches_dense(tp, variant):
     results = run_ranks(_compare_with_dense, tp, variant["config"], variant["sp"])

@@ -197,7 +197,6 @@ _UNREPRESENTABLE = (
     ("hybrid_layer_pattern", None, "--hybrid-layer-pattern", "Mamba layers"),
     ("hybrid_override_pattern", None, "--hybrid-override-pattern", "Mamba layers"),
     ("experimental_attention_variant", None, "--experimental-attention-variant", "another attention"),
-    ("squared_relu", False, "--squared-relu", "a squared-ReLU MLP"),
     ("quick_geglu", False, "--quick-geglu", "a quick-GeGLU MLP"),
     (
         "rotary_seq_len_interpolation_factor",
@@ -256,7 +255,7 @@ def model_from_megatron_arguments(args: dict, shapes: dict[str, tuple[int, ...]]
         "position_embedding": "rope" if positions == "rope" else "learned",
         "norm": normalization.lower(),
         "norm_eps": _argument(args, "layernorm_epsilon", "norm_epsilon", default=1e-5),
-        "activation": "swiglu" if args.get("swiglu") else "gelu",
+        "activation": "swiglu" if args.get("swiglu") else "squared_relu" if args.get("squared_relu") else "gelu",
         "bias": bool(args.get("add_bias_linear", True)),
         # Before megatron-core 0.10 a run with biases saved add_qkv_bias False, its QKV biased all the same
         "qkv_bias": bool(args.get("add_qkv_bias")) and not args.get("add_bias_linear", True),
@@ -317,7 +316,8 @@ def gelu_is_exact(args: dict, legacy_model: bool = False) -> bool:
         return not args.get("openai_gelu")
     # Before --bias-gelu-fusion (2020-09): the tanh form until --openai-gelu came (2020-04), then the exact one
     fused = args.get("bias_gelu_fusion", "openai_gelu" not in args) and args.get("add_bias_linear", True)
-    return not args.get("swiglu") and not fused and not args.get("use_te_activation_func")
+    gelu = not (args.get("swiglu") or args.get("squared_relu"))
+    return gelu and not fused and not args.get("use_te_activation_func")
 
 
 EMBEDDING = "embedding.word_embeddings.weight"

@@ -300,7 +300,7 @@ def layer_activation_bytes(
     model.norm_placement = output, whose norms take the sublayers' outputs); the QKV
     and FC1 GEMMs keep their input (h, all-gathered under sequence parallelism); attention
     keeps the QKV output, rotated q and k, its output and a log-sum-exp per head (fp32); the SwiGLU MLP keeps
-    FC1's output, silu(gate) and FC2's input (4 x ffn; GELU: 2 x ffn); all split by tp. Selective recompute drops
+    FC1's output, silu(gate) and FC2's input (4 x ffn; GELU, squared ReLU: 2 x ffn); all split by tp. Selective recompute drops
     what the attention core alone keeps (the log-sum-exp: loom's kernels never keep the s x s scores), full
     recompute keeps only the block's input. Under `fp8` the four GEMMs keep FP8 copies of their inputs (1 byte):
     the attention projection's beside the attention output, which the attention kernel keeps unless selective

@@ -25,7 +25,7 @@ class ModelConfig:
     num_heads. Set otherwise (Mistral-Nemo's 128 with 5120 / 32 = 160), the query and output projections are
     num_heads x head_dim wide, not hidden_size."""
     ffn_hidden_size: int | None = None
-    """MLP width; None means 4*hidden (gelu) or 8/3*hidden rounded up to a multiple of 256 (swiglu)."""
+    """MLP width; None means 4*hidden (gelu, squared_relu) or 8/3*hidden rounded up to a multiple of 256 (swiglu)."""
     vocab_size: int = 32000
     """Tokenizer vocabulary size; the embedding is padded beyond it, padded ids never reach the loss."""
     make_vocab_divisible_by: int = 128
@@ -85,8 +85,9 @@ class ModelConfig:
     and the MLP; output (OLMo 2's reordered norm) normalises what attention and the MLP return, before it joins the
     residual stream (x + norm(attention(x))), and the stream enters them unnormalised. The final norm is there in
     both."""
-    activation: Literal["swiglu", "gelu"] = "swiglu"
-    """MLP non-linearity: gated SiLU (Llama) or GELU (GPT)."""
+    activation: Literal["swiglu", "gelu", "squared_relu"] = "swiglu"
+    """MLP non-linearity: gated SiLU (Llama), GELU (GPT) or squared ReLU, relu(x)^2 (Nemotron-4, Minitron; Megatron's
+    --squared-relu)."""
     bias: bool = False
     """Biases in the linear layers (GPT-2 style)."""
     qk_norm: bool = False
