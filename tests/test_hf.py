@@ -514,6 +514,10 @@ def test_settings_no_hugging_face_class_computes_are_refused_on_export():
         with pytest.raises(CheckpointError, match=f"rotary_percent .*{said}"):
             check_llama_form(config_to_dict(config_from_dict({"model": model}))["model"], gpt2_too=True)
     check_llama_form(config_to_dict(config_from_dict({"model": half}))["model"], gpt2_too=True)  # a Phi-3
+    nemotron = {"norm": "layernorm", "activation": "squared_relu"}
+    check_llama_form(config_to_dict(config_from_dict({"model": nemotron}))["model"])
+    with pytest.raises(CheckpointError, match="LayerNorm and squared ReLU .Nemotron's. with qk_norm"):
+        check_llama_form(config_to_dict(config_from_dict({"model": {**nemotron, "qk_norm": True}}))["model"], True)
     olmo2 = {"norm_placement": "output", "qk_norm": True, "qk_norm_per_head": False}
     check_llama_form(config_to_dict(config_from_dict({"model": olmo2}))["model"])
     for changed, said in (
@@ -538,6 +542,33 @@ def test_phi3_s_first_names_for_longrope_import_as_longrope_and_a_phi3_with_yarn
         assert (fields["rope_scaling"], fields["rope_long_factors"]) == ("longrope", [2.0] * 8)
     model = config_to_dict(config_from_dict({"model": {"rope_scaling": "yarn"}}))["model"]
     assert not phi3_form(model, "phi3") and phi3_form({**model, "rope_scaling": "none"}, "phi3")
+
+
+def test_a_nemotron_imports_evaluates_under_tensor_parallelism_and_exports_as_transformers_computes_it(tmp_path, capfd):
+    """Nemotron-4 and Minitron (NVIDIA's Megatron-trained models) were refused (model_type nemotron): LayerNorm
+    with biases whose weights the files store minus one (LayerNorm1P scales by 1 + weight), a squared-ReLU MLP
+    (up_proj alone), half of each head rotated (NemotronConfig's default where a file gives none). It imports with
+    transformers' logits, `loom eval` over two tensor-parallel ranks gives its loss, it exports back to a
+    NemotronForCausalLM with the same logits (weights minus one again), and greedy decoding is transformers'."""
+    from loom.tools.hf_forms import model_from_hf_config
+
+    settings = {**llama_fields(num_key_value_heads=2), "hidden_act": "relu2", "norm_eps": 1e-5}
+    settings.pop("rms_norm_eps")
+    torch.manual_seed(0)
+    model = transformers.NemotronForCausalLM(transformers.NemotronConfig(**settings)).eval()
+    with torch.no_grad():  # zero-centred weights and zero biases would hide a missing 1 or a dropped bias
+        for name, tensor in model.named_parameters():
+            if "norm" in name:
+                tensor.uniform_(-0.5, 0.5)
+    model.save_pretrained(str(tmp_path / "hf"))
+    imported, again = _round_trip_computes_as_transformers(model, tmp_path, capfd)
+    shape = (imported["norm"], imported["activation"], imported["rotary_percent"], imported["bias"])
+    assert shape == ("layernorm", "squared_relu", 0.5, False) and type(again) is transformers.NemotronForCausalLM
+    _assert_greedy_generate_equals_transformers(model, tmp_path / "loom", 16)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config.pop("partial_rotary_factor", None)
+    config["rope_parameters"].pop("partial_rotary_factor", None)
+    assert model_from_hf_config(config)["rotary_percent"] == 0.5  # NemotronConfig's default
 
 
 def _small_qwen3(folder: Path):

@@ -5,9 +5,10 @@ The mapping is the one place that knows Hugging Face's Llama names. loom's fused
 q_proj, k_proj, v_proj; SwiGLU fc1 -> gate_proj, up_proj) and joined on import; loom's rotary embedding already uses
 Hugging Face's rotate-half convention, so no permutation of the query/key rows is needed. A Qwen2's names are
 Llama's with q/k/v_proj.bias, a Qwen3's add q_norm and k_norm, a Granite's are Llama's, a Phi-3 (Phi-4 too)
-keeps QKV and gate+up fused as loom does (qkv_proj, gate_up_proj), and an OLMo 2 has q_norm and k_norm across all
-heads and its norms after attention and the MLP (its post_attention_layernorm is attention's, not the MLP's). An
-import never yields a different model than the one on disk. transformers is not needed here: the files are written
+keeps QKV and gate+up fused as loom does (qkv_proj, gate_up_proj), an OLMo 2 has q_norm and k_norm across all
+heads and its norms after attention and the MLP (its post_attention_layernorm is attention's, not the MLP's), and a
+Nemotron has LayerNorm biases, its norm weights stored minus one and up_proj alone before a squared ReLU. An import
+never yields a different model than the one on disk. transformers is not needed here: the files are written
 with safetensors and json; tests load them with transformers.
 """
 
@@ -38,6 +39,7 @@ from loom.tools.hf_forms import (
     check_llama_form,
     hf_config,
     model_from_hf_config,
+    nemotron_form,
     phi3_form,
     read_hf_config,
 )
@@ -62,6 +64,7 @@ EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 _OUTSIDE_BLOCKS = {
     naming.EMBEDDING: "model.embed_tokens.weight",
     naming.FINAL_NORM_WEIGHT: "model.norm.weight",
+    naming.FINAL_NORM_BIAS: "model.norm.bias",
     naming.OUTPUT: "lm_head.weight",
 }
 _IN_BLOCK = {
@@ -91,11 +94,29 @@ _OLMO2_IN_BLOCK = {
 }
 
 
+# Nemotron's names: Llama's, with LayerNorm's biases and a non-gated MLP (up_proj alone before the squared ReLU).
+_NEMOTRON_IN_BLOCK = {
+    **_IN_BLOCK,
+    naming.FC1_WEIGHT: ("mlp.up_proj.weight",),
+    naming.INPUT_NORM_BIAS: ("input_layernorm.bias",),
+    naming.MLP_NORM_BIAS: ("post_attention_layernorm.bias",),
+}
+
+
 def _block_names(model: dict, phi3: bool) -> dict[str, tuple[str, ...]]:
     """Hugging Face's names inside a block for loom's, in the form the model has (`phi3`: phi3_form)."""
+    if nemotron_form(model):
+        return _NEMOTRON_IN_BLOCK
     if model["norm_placement"] == "output":
         return _OLMO2_IN_BLOCK
     return _PHI3_IN_BLOCK if phi3 else _IN_BLOCK
+
+
+def _stored_minus_one(name: str, model: dict) -> bool:
+    """Whether Hugging Face's file holds loom's tensor `name` minus one: a Nemotron's LayerNorm1P scales by 1 + its
+    weight."""
+    norm_weight = name == naming.FINAL_NORM_WEIGHT or name.endswith((naming.INPUT_NORM_WEIGHT, naming.MLP_NORM_WEIGHT))
+    return norm_weight and nemotron_form(model)
 
 
 def _fused_sizes(model: dict) -> dict[str, list[int]]:
@@ -109,14 +130,20 @@ def _fused_sizes(model: dict) -> dict[str, list[int]]:
 
 
 def _loom_names(model: dict) -> list[str]:
-    """Every logical tensor of a Llama-shaped loom model (a Qwen2's: its QKV biases too)."""
-    outside = [naming.EMBEDDING, naming.FINAL_NORM_WEIGHT] + ([] if model["tie_embeddings"] else [naming.OUTPUT])
+    """Every logical tensor of a Llama-shaped loom model (a Qwen2's: its QKV biases too; a Nemotron's: its
+    LayerNorms' biases)."""
+    layernorm = model["norm"] == "layernorm"
+    outside = [naming.EMBEDDING, naming.FINAL_NORM_WEIGHT] + ([naming.FINAL_NORM_BIAS] if layernorm else [])
+    outside += [] if model["tie_embeddings"] else [naming.OUTPUT]
     optional = {
         naming.QKV_BIAS: model["qkv_bias"],
         naming.Q_NORM_WEIGHT: model["qk_norm"],
         naming.K_NORM_WEIGHT: model["qk_norm"],
+        naming.INPUT_NORM_BIAS: layernorm,
+        naming.MLP_NORM_BIAS: layernorm,
     }
-    in_block = [local for local in _IN_BLOCK if optional.get(local, True)]
+    every = (*_IN_BLOCK, naming.INPUT_NORM_BIAS, naming.MLP_NORM_BIAS)
+    in_block = [local for local in every if optional.get(local, True)]
     return outside + [naming.block_param_name(i, local) for i in range(model["num_layers"]) for local in in_block]
 
 
@@ -178,6 +205,8 @@ def from_hf(tensors: Mapping[str, torch.Tensor], model: dict, phi3: bool = False
 
     def make(name: str) -> torch.Tensor:
         parts = [tensors[hf] for hf in parts_of[name]]
+        if _stored_minus_one(name, model):
+            return parts[0].float() + 1
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     return LazyWeights(shapes, make)
@@ -208,8 +237,13 @@ def export_hf(
     if tokenizer is not None:
         check_moved_tokenizer(trained_with, tokenizer, model["vocab_size"])
     dtype = dtype or origin.hf_dtype or "float32"
+
     # Each weight read, cast and written on its own: the whole model held in memory took 1-2.5x the checkpoint
-    cast = LazyWeights(weights.shapes, lambda name: weights[name].to(EXPORT_DTYPES[dtype]))
+    def exported(name: str) -> torch.Tensor:  # a Nemotron's norm weights minus one before the cast, not after
+        tensor = weights[name].float() - 1 if _stored_minus_one(name, model) else weights[name]
+        return tensor.to(EXPORT_DTYPES[dtype])
+
+    cast = LazyWeights(weights.shapes, exported)
     phi3 = phi3_form(model, origin.hf_model_type)
     tensors = to_gpt2(cast, model) if gpt2 else to_hf(cast, model, phi3)
     declared = {hf_name: (EXPORT_DTYPES[dtype], shape) for hf_name, shape in tensors.shapes.items()}

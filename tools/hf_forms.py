@@ -15,11 +15,17 @@ from loom.tools.hf_gpt2 import GPT2_SHAPE
 
 
 def check_llama_form(model: dict, gpt2_too: bool = False) -> None:
+    nemotron = nemotron_form(model)
     wrong = {
         k: model[k]
         for k, v in (("norm", "rmsnorm"), ("activation", "swiglu"), ("position_embedding", "rope"), ("bias", False))
-        if model[k] != v
+        if model[k] != v and not (nemotron and k in ("norm", "activation"))
     }
+    if nemotron and (
+        model["qk_norm"] or model["qkv_bias"] or model["norm_placement"] != "input" or granite_form(model)
+    ):
+        # only transformers' Nemotron has LayerNorm and squared ReLU, and it has none of these
+        wrong["LayerNorm and squared ReLU (Nemotron's) with qk_norm, qkv_bias, norm_placement or Granite's"] = True
     if model["qk_norm"] and model["qkv_bias"]:  # Qwen3's attention_bias would bias o_proj too
         wrong["qkv_bias with qk_norm"] = True
     if model["rotary_percent"] < 1 and (model["qk_norm"] or model["qkv_bias"]):  # only Phi-3's class turns part
@@ -119,6 +125,12 @@ GRANITE_MULTIPLIERS = {
 model.attention_scale, the whole score factor)."""
 
 
+def nemotron_form(model: dict) -> bool:
+    """Whether a Llama-shaped loom model exports as a Nemotron: transformers' one class with LayerNorm (its weights
+    stored minus one) and a squared-ReLU MLP."""
+    return model["norm"] == "layernorm" and model["activation"] == "squared_relu"
+
+
 def granite_form(model: dict) -> bool:
     """Whether a Llama-shaped loom model exports as a Granite: only transformers' Granite class scales the
     embeddings, residual branches, attention scores and logits."""
@@ -136,14 +148,18 @@ def phi3_form(model: dict, imported_from: str | None) -> bool:
 
 def _hf_architecture(model: dict, phi3: bool) -> dict:
     """The config.json fields naming the Hugging Face class of a Llama-shaped loom model: Granite with any of its
-    multipliers, OLMo 2 with norms on the blocks' outputs, Phi-3 (`phi3`: phi3_form), Qwen3 with query/key norms,
-    Qwen2 with biases on q, k and v alone, Llama otherwise (Llama's and Qwen3's attention_bias would bias o_proj
-    too, so neither takes QKV's alone)."""
+    multipliers, Nemotron with LayerNorm and squared ReLU, OLMo 2 with norms on the blocks' outputs, Phi-3 (`phi3`:
+    phi3_form), Qwen3 with query/key norms, Qwen2 with biases on q, k and v alone, Llama otherwise (Llama's and
+    Qwen3's attention_bias would bias o_proj too, so neither takes QKV's alone)."""
     if granite_form(model):
         multipliers = {granite: model[field] for field, granite in GRANITE_MULTIPLIERS.items()}
         multipliers["attention_multiplier"] = ModelConfig(**model).softmax_scale
         return {"architectures": ["GraniteForCausalLM"], "model_type": "granite", "attention_bias": False,
                 "mlp_bias": False, **multipliers}  # fmt: skip
+    if nemotron_form(model):  # NemotronConfig turns half of each head unless told (so it is always told)
+        return {"architectures": ["NemotronForCausalLM"], "model_type": "nemotron", "attention_bias": False,
+                "mlp_bias": False, "partial_rotary_factor": model["rotary_percent"], "norm_eps": model["norm_eps"],
+                "hidden_act": "relu2"}  # fmt: skip
     if model["norm_placement"] == "output":  # Olmo2Config's token ids default to OLMo's own (pad 1, eos 50279)
         return {"architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2", "attention_bias": False,
                 **dict.fromkeys(HF_TOKEN_ID_FIELDS)}  # fmt: skip
@@ -163,9 +179,12 @@ def hf_config(model: dict, token_ids: dict | None = None, dtype: str = "float32"
     a Granite or an OLMo 2 (_hf_architecture; `model`: ModelConfig's fields; `token_ids`: the special-token ids, loom's
     tokenizers' by default; `dtype`: the weights' torch_dtype; `phi3`: as a Phi-3, phi3_form)."""
     rope = _hf_rope(model)
+    if nemotron_form(model):
+        rope["partial_rotary_factor"] = model["rotary_percent"]
     legacy_scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if rope["rope_type"] != "default" else None
+    architecture = _hf_architecture(model, phi3)
     return {
-        **_hf_architecture(model, phi3),
+        **architecture,
         "vocab_size": model["vocab_size"],
         "hidden_size": model["hidden_size"],
         "intermediate_size": model["ffn_hidden_size"],
@@ -180,7 +199,7 @@ def hf_config(model: dict, token_ids: dict | None = None, dtype: str = "float32"
         "rope_scaling": legacy_scaling,
         # read before the one in rope_parameters (Phi3Config would otherwise put its 4096 there)
         **({"original_max_position_embeddings": model["rope_original_max_positions"]} if legacy_scaling else {}),
-        "hidden_act": "silu",
+        "hidden_act": architecture.get("hidden_act", "silu"),
         "tie_word_embeddings": model["tie_embeddings"],
         "initializer_range": model["init_std"],
         "torch_dtype": dtype,
@@ -209,11 +228,12 @@ def _rope_parameters(hf: dict) -> dict:
 def _rope_fields(hf: dict) -> dict:
     rope = _rope_parameters(hf)
     fields = {"rope_theta": float(rope["rope_theta"])}
-    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial != 1.0 and hf.get("model_type") != "phi3":  # transformers' other classes turn each head whole
+    default = 0.5 if hf.get("model_type") == "nemotron" else 1.0  # NemotronConfig's, kept for its first files
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", default))
+    if partial != 1.0 and hf.get("model_type") not in ("phi3", "nemotron"):  # the others turn each head whole
         raise CheckpointError(
             f"config.json sets partial_rotary_factor {partial} for model_type {hf.get('model_type')!r}, whose "
-            "transformers class rotates the whole head; loom imports it with Phi-3's"
+            "transformers class rotates the whole head; loom imports it with Phi-3's and Nemotron's"
         )
     fields["rotary_percent"] = float(partial)
     # transformers prefers the top-level field (Phi-3 writes it) to the one inside the rope settings
@@ -285,16 +305,22 @@ def _yarn_fields(rope: dict, positions: int, original: int) -> dict:
 def _refuse_unrepresentable(hf: dict) -> None:
     """Settings that change the computation but have no loom form: importing without them would load a
     different model than the one on disk."""
-    if hf.get("model_type") not in ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "olmo2"):
+    if hf.get("model_type") not in ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "olmo2", "nemotron"):
         raise CheckpointError(
-            f"model_type {hf.get('model_type')!r} is not llama, mistral, qwen2, qwen3, phi3, granite, olmo2 or gpt2; "
-            "loom imports Llama-, Mistral-, Qwen-, Phi-3-, Granite-, OLMo 2- and GPT-2-format models"
+            f"model_type {hf.get('model_type')!r} is not llama, mistral, qwen2, qwen3, phi3, granite, olmo2, nemotron "
+            "or gpt2; loom imports Llama-, Mistral-, Qwen-, Phi-3-, Granite-, OLMo 2-, Nemotron- and GPT-2-format "
+            "models"
         )
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
             raise CheckpointError(f"config.json sets {flag}: true; loom's Llama form has no biases")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"config.json's hidden_act is {hf['hidden_act']!r}; loom's Llama form uses silu")
+    nemotron = hf.get("model_type") == "nemotron"
+    activation = "relu2" if nemotron else "silu"
+    if hf.get("hidden_act", activation) != activation:
+        raise CheckpointError(
+            f"config.json's hidden_act is {hf['hidden_act']!r}; loom's {'Nemotron' if nemotron else 'Llama'} form "
+            f"uses {activation}"
+        )
 
 
 def _positions_represented(hf: dict) -> int:
@@ -321,11 +347,11 @@ def model_from_hf_config(hf: dict) -> dict:
         "ffn_hidden_size": hf["intermediate_size"],
         "vocab_size": hf["vocab_size"],
         "max_position_embeddings": _positions_represented(hf),
-        "norm_eps": hf["rms_norm_eps"],
+        "norm_eps": hf["norm_eps"] if hf.get("model_type") == "nemotron" else hf["rms_norm_eps"],
         **_rope_fields(hf),
         "tie_embeddings": hf.get("tie_word_embeddings", False),
-        "norm": "rmsnorm",
-        "activation": "swiglu",
+        "norm": "layernorm" if hf.get("model_type") == "nemotron" else "rmsnorm",
+        "activation": "squared_relu" if hf.get("model_type") == "nemotron" else "swiglu",
         "position_embedding": "rope",
         "bias": False,
         "qkv_bias": hf.get("model_type") == "qwen2",

@@ -297,22 +297,22 @@ def layer_activation_bytes(
 
     loom's native block, term by term (measured equal on CPU, tests/test_plan_bytes.py), per token: each of the two
     norms keeps what _eager_norm_bytes says (sequence-sharded under sequence parallelism; the same under
-    model.norm_placement = output, whose norms take the sublayers' outputs); the QKV
-    and FC1 GEMMs keep their input (h, all-gathered under sequence parallelism); attention
-    keeps the QKV output, rotated q and k, its output and a log-sum-exp per head (fp32); the SwiGLU MLP keeps
-    FC1's output, silu(gate) and FC2's input (4 x ffn; GELU, squared ReLU: 2 x ffn); all split by tp. Selective recompute drops
-    what the attention core alone keeps (the log-sum-exp: loom's kernels never keep the s x s scores), full
-    recompute keeps only the block's input. Under `fp8` the four GEMMs keep FP8 copies of their inputs (1 byte):
-    the attention projection's beside the attention output, which the attention kernel keeps unless selective
-    recompute reruns it; model.qk_norm's norms keep their own (_qk_norm_bytes). `engine` MEGATRON counts
-    Megatron-LM's layer as Korthikanti et al. 2022 do (`_korthikanti_bytes_per_token`).
+    model.norm_placement = output, whose norms take the sublayers' outputs); the QKV and FC1 GEMMs keep their input
+    (h, all-gathered under sequence parallelism); attention keeps the QKV output, rotated q and k, its output and a
+    log-sum-exp per head (fp32); the SwiGLU MLP keeps FC1's output, silu(gate) and FC2's input (4 x ffn; GELU,
+    squared ReLU: 2 x ffn); all split by tp. Selective recompute drops what the attention core alone keeps (the
+    log-sum-exp: loom's kernels never keep the s x s scores), full recompute keeps only the block's input. Under `fp8`
+    the four GEMMs keep FP8 copies of their inputs (1 byte): the attention projection's beside the attention output,
+    which the attention kernel keeps unless selective recompute reruns it; model.qk_norm's norms keep their own
+    (_qk_norm_bytes). `engine` MEGATRON counts Megatron-LM's layer as Korthikanti et al. 2022 do
+    (`_korthikanti_bytes_per_token`).
 
     `compiled` (model.compile, the CUDA default): what inductor's partitioner keeps of the same block (measured
-    equal on CPU): the residual stream in the compute dtype before and after attention and each norm's
-    statistics (sequence-sharded under sequence parallelism), not the norms' fp32 input and output, which
-    backward recomputes from them; the two normed GEMM inputs (under FP8 not at all, they are recomputed and
-    quantised again, except the all-gathered FP8 copies under sequence parallelism); attention as eager; the MLP
-    keeps FC1's output and FC2's input (FP8: FC1's output only). Full recompute keeps the block's input either way."""
+    equal on CPU): the residual stream in the compute dtype before and after attention and each norm's statistics
+    (sequence-sharded under sequence parallelism), not the norms' fp32 input and output, which backward recomputes
+    from them; the two normed GEMM inputs (under FP8 not at all, they are recomputed and quantised again, except the
+    all-gathered FP8 copies under sequence parallelism); attention as eager; the MLP keeps FC1's output and FC2's
+    input (FP8: FC1's output only). Full recompute keeps the block's input either way."""
     h, hd = m.hidden_size, m.head_dim
     q, kv, f, heads = m.num_heads * hd, m.num_kv_heads * hd, m.ffn_hidden_size, m.num_heads
     tokens = seq * mbs
