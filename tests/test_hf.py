@@ -516,6 +516,12 @@ def test_settings_no_hugging_face_class_computes_are_refused_on_export():
     check_llama_form(config_to_dict(config_from_dict({"model": half}))["model"], gpt2_too=True)  # a Phi-3
     nemotron = {"norm": "layernorm", "activation": "squared_relu"}
     check_llama_form(config_to_dict(config_from_dict({"model": nemotron}))["model"])
+    half_yarn = {
+        **nemotron,
+        "rotary_percent": 0.5,
+        "rope_scaling": "yarn",
+    }  # Nemotron's class, unlike Phi-3's, takes it
+    check_llama_form(config_to_dict(config_from_dict({"model": half_yarn}))["model"])
     with pytest.raises(CheckpointError, match="LayerNorm and squared ReLU .Nemotron's. with qk_norm"):
         check_llama_form(config_to_dict(config_from_dict({"model": {**nemotron, "qk_norm": True}}))["model"], True)
     olmo2 = {"norm_placement": "output", "qk_norm": True, "qk_norm_per_head": False}

@@ -455,6 +455,16 @@ def test_biases_on_qkv_alone_and_another_head_size_import_and_export_as_megatron
         megatron_arguments({**config["model"], **longrope}, config["train"], 0, 0, "float32")
     with pytest.raises(CheckpointError, match="yarn-scaled"):
         megatron_arguments({**config["model"], "rope_scaling": "yarn"}, config["train"], 0, 0, "float32")
+    # a squared ReLU with biases: Megatron's default bias-GELU fusion would make its config refuse the model
+    relu2 = megatron_arguments(
+        {**config["model"], "activation": "squared_relu", "bias": True}, config["train"], 0, 0, "float32"
+    )
+    assert (relu2.squared_relu, relu2.bias_gelu_fusion) == (True, False)
+    assert "--squared-relu --no-bias-gelu-fusion" in megatron_flags(relu2)
+    # Megatron's legacy MLP took --openai-gelu and --onnx-safe before --squared-relu
+    legacy = {**LLAMA_ARGUMENTS, "swiglu": False, "squared_relu": True, "openai_gelu": True}
+    assert model_from_megatron_arguments(legacy, SHAPES, legacy_model=True)["activation"] == "gelu"
+    assert model_from_megatron_arguments(legacy, SHAPES)["activation"] == "squared_relu"
     with pytest.raises(CheckpointError, match="model.norm_placement = output, OLMo 2's order"):
         megatron_arguments({**config["model"], "norm_placement": "output"}, config["train"], 0, 0, "float32")
     across = {"qk_norm": True, "qk_norm_per_head": False}

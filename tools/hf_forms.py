@@ -1,5 +1,5 @@
-"""Which Hugging Face class a Llama-shaped loom model is, and back: the config.json export-hf writes (Llama,
-Qwen2, Qwen3, Phi-3, Granite or OLMo 2, with RoPE in both transformers' spellings) and the [model] import-hf reads
+"""Which Hugging Face class a Llama-shaped loom model is, and back: the config.json export-hf writes (Llama, Qwen2,
+Qwen3, Phi-3, Granite, OLMo 2 or Nemotron, with RoPE in both transformers' spellings) and the [model] import-hf reads
 from one, refusing what loom cannot compute alike. tools/hf.py moves the tensors; tools/hf_gpt2.py has GPT-2's form."""
 
 from __future__ import annotations
@@ -30,10 +30,11 @@ def check_llama_form(model: dict, gpt2_too: bool = False) -> None:
         wrong["qkv_bias with qk_norm"] = True
     if model["rotary_percent"] < 1 and (model["qk_norm"] or model["qkv_bias"]):  # only Phi-3's class turns part
         wrong["rotary_percent with " + ("qk_norm" if model["qk_norm"] else "qkv_bias")] = model["rotary_percent"]
-    if model["rotary_percent"] < 1 and model["rope_scaling"] in ("llama3", "yarn"):  # Phi3Config: default, longrope
+    phi3_rotary = model["rotary_percent"] < 1 and not nemotron  # part of each head turned by Phi-3's class
+    if phi3_rotary and model["rope_scaling"] in ("llama3", "yarn"):  # Phi3Config takes default and longrope
         wrong[f"rotary_percent with {model['rope_scaling']} rope scaling"] = model["rotary_percent"]
     narrow = model["head_dim"] * model["num_heads"] != model["hidden_size"]
-    if model["rotary_percent"] < 1 and model["rope_scaling"] == "longrope" and narrow:
+    if phi3_rotary and model["rope_scaling"] == "longrope" and narrow:
         # Phi3Config sizes longrope's factor lists from hidden_size / num_heads, whatever head_dim says
         wrong["rotary_percent and longrope with a head_dim other than hidden_size / num_heads"] = model["head_dim"]
     wrong.update(_olmo2_form_refusals(model))
@@ -43,9 +44,10 @@ def check_llama_form(model: dict, gpt2_too: bool = False) -> None:
     if wrong and gpt2_too:
         unlike_gpt2 = {k: model[k] for k, v in GPT2_SHAPE.items() if model[k] != v}
         raise CheckpointError(
-            "only Llama-shaped models (rmsnorm, swiglu, rope, no biases but QKV's) and GPT-2-shaped ones (layernorm, "
-            "gelu, learned positions, biases, no query/key norms, as many KV heads as heads, each hidden_size / heads "
-            f"wide) export to Hugging Face; this one has {min(wrong, unlike_gpt2, key=len) or wrong}"
+            "only Llama-shaped models (rmsnorm, swiglu, rope, no biases but QKV's; or layernorm and squared_relu, as "
+            "Nemotron) and GPT-2-shaped ones (layernorm, gelu, learned positions, biases, no query/key norms, as many "
+            f"KV heads as heads, each hidden_size / heads wide) export to Hugging Face; this one has "
+            f"{min(wrong, unlike_gpt2, key=len) or wrong}"
         )
     if wrong:
         raise CheckpointError(f"only Llama-shaped models export to the Llama format; this one has {wrong}")
@@ -175,9 +177,10 @@ def _hf_architecture(model: dict, phi3: bool) -> dict:
 
 
 def hf_config(model: dict, token_ids: dict | None = None, dtype: str = "float32", phi3: bool = False) -> dict:
-    """The config.json transformers reads for a Llama-shaped loom model, as a Llama, a Qwen2, a Qwen3, a Phi-3,
-    a Granite or an OLMo 2 (_hf_architecture; `model`: ModelConfig's fields; `token_ids`: the special-token ids, loom's
-    tokenizers' by default; `dtype`: the weights' torch_dtype; `phi3`: as a Phi-3, phi3_form)."""
+    """The config.json transformers reads for a Llama-shaped loom model, as a Llama, a Qwen2, a Qwen3, a Phi-3, a
+    Granite, an OLMo 2 or a Nemotron (_hf_architecture; `model`: ModelConfig's fields; `token_ids`: the
+    special-token ids, loom's tokenizers' by default; `dtype`: the weights' torch_dtype; `phi3`: as a Phi-3,
+    phi3_form)."""
     rope = _hf_rope(model)
     if nemotron_form(model):
         rope["partial_rotary_factor"] = model["rotary_percent"]
@@ -347,7 +350,7 @@ def model_from_hf_config(hf: dict) -> dict:
         "ffn_hidden_size": hf["intermediate_size"],
         "vocab_size": hf["vocab_size"],
         "max_position_embeddings": _positions_represented(hf),
-        "norm_eps": hf["norm_eps"] if hf.get("model_type") == "nemotron" else hf["rms_norm_eps"],
+        "norm_eps": hf.get("norm_eps", 1e-5) if hf.get("model_type") == "nemotron" else hf["rms_norm_eps"],
         **_rope_fields(hf),
         "tie_embeddings": hf.get("tie_word_embeddings", False),
         "norm": "layernorm" if hf.get("model_type") == "nemotron" else "rmsnorm",
@@ -371,7 +374,9 @@ def _granite_fields(hf: dict) -> dict:
 def read_hf_config(source: Path) -> dict:
     config_path = source / "config.json"
     if not config_path.is_file():
-        raise CheckpointError(f"{source} has no config.json; expected a Hugging Face model directory (Llama, GPT-2)")
+        raise CheckpointError(
+            f"{source} has no config.json; expected a Hugging Face model directory (Llama, Qwen, GPT-2, ...)"
+        )
     try:
         hf = json.loads(config_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:

@@ -255,7 +255,7 @@ def model_from_megatron_arguments(args: dict, shapes: dict[str, tuple[int, ...]]
         "position_embedding": "rope" if positions == "rope" else "learned",
         "norm": normalization.lower(),
         "norm_eps": _argument(args, "layernorm_epsilon", "norm_epsilon", default=1e-5),
-        "activation": "swiglu" if args.get("swiglu") else "squared_relu" if args.get("squared_relu") else "gelu",
+        "activation": _activation(args, legacy_model),
         "bias": bool(args.get("add_bias_linear", True)),
         # Before megatron-core 0.10 a run with biases saved add_qkv_bias False, its QKV biased all the same
         "qkv_bias": bool(args.get("add_qkv_bias")) and not args.get("add_bias_linear", True),
@@ -305,6 +305,15 @@ def ignored_settings(args: dict, legacy_model: bool = False) -> list[str]:
             f"{MEGATRON_ROPE_SCALING_FACTOR:g}, and so does the import"
         ]
     return []
+
+
+def _activation(args: dict, legacy_model: bool) -> str:
+    """model.activation for Megatron's arguments: --swiglu, --squared-relu (which Megatron's legacy MLP took only
+    without --openai-gelu and --onnx-safe, its GELU choices), else GELU."""
+    if args.get("swiglu"):
+        return "swiglu"
+    legacy_gelu = legacy_model and (args.get("openai_gelu") or args.get("onnx_safe"))
+    return "squared_relu" if args.get("squared_relu") and not legacy_gelu else "gelu"
 
 
 def gelu_is_exact(args: dict, legacy_model: bool = False) -> bool:

@@ -133,7 +133,7 @@ def megatron_arguments(model: dict, train: dict, step: int, consumed: int, dtype
         add_qkv_bias=model["bias"] or model["qkv_bias"],
         qk_layernorm=model["qk_norm"],
         softmax_scale=model["attention_scale"],
-        bias_gelu_fusion=model["bias"],
+        bias_gelu_fusion=model["bias"] and model["activation"] == "gelu",  # Megatron fuses no other bias activation
         untie_embeddings_and_output_weights=not model["tie_embeddings"],
         hidden_dropout=model["dropout"],
         attention_dropout=model["dropout"],
@@ -179,6 +179,8 @@ def megatron_flags(args: argparse.Namespace) -> str:
         f"--norm-epsilon {args.norm_epsilon}",
         *(["--swiglu"] * args.swiglu),
         *(["--squared-relu"] * args.squared_relu),
+        # with biases Megatron fuses bias and GELU by default, which its config refuses for a squared ReLU
+        *(["--no-bias-gelu-fusion"] * (args.squared_relu and args.add_bias_linear)),
         *(["--disable-bias-linear"] * (not args.add_bias_linear)),
         *(["--add-qkv-bias"] * (args.add_qkv_bias and not args.add_bias_linear)),
         *(["--qk-layernorm"] * args.qk_layernorm),
