@@ -341,6 +341,7 @@ def _positions_represented(hf: dict) -> int:
 
 def model_from_hf_config(hf: dict) -> dict:
     _refuse_unrepresentable(hf)
+    kind = hf.get("model_type")
     return {
         "num_layers": hf["num_hidden_layers"],
         "hidden_size": hf["hidden_size"],
@@ -350,18 +351,18 @@ def model_from_hf_config(hf: dict) -> dict:
         "ffn_hidden_size": hf["intermediate_size"],
         "vocab_size": hf["vocab_size"],
         "max_position_embeddings": _positions_represented(hf),
-        "norm_eps": hf.get("norm_eps", 1e-5) if hf.get("model_type") == "nemotron" else hf["rms_norm_eps"],
+        "norm_eps": hf.get("norm_eps", 1e-5) if kind == "nemotron" else hf["rms_norm_eps"],
         **_rope_fields(hf),
         "tie_embeddings": hf.get("tie_word_embeddings", False),
-        "norm": "layernorm" if hf.get("model_type") == "nemotron" else "rmsnorm",
-        "activation": "squared_relu" if hf.get("model_type") == "nemotron" else "swiglu",
+        "norm": "layernorm" if kind == "nemotron" else "rmsnorm",
+        "activation": "squared_relu" if kind == "nemotron" else "swiglu",
         "position_embedding": "rope",
         "bias": False,
-        "qkv_bias": hf.get("model_type") == "qwen2",
-        "qk_norm": hf.get("model_type") in ("qwen3", "olmo2"),
-        "qk_norm_per_head": hf.get("model_type") != "olmo2",  # OLMo 2 normalises the whole q and k projections
-        "norm_placement": "output" if hf.get("model_type") == "olmo2" else "input",
-        **(_granite_fields(hf) if hf.get("model_type") == "granite" else {}),
+        "qkv_bias": kind == "qwen2",
+        "qk_norm": kind in ("qwen3", "olmo2"),
+        "qk_norm_per_head": kind != "olmo2",  # OLMo 2 normalises the whole q and k projections
+        "norm_placement": "output" if kind == "olmo2" else "input",
+        **(_granite_fields(hf) if kind == "granite" else {}),
     }
 
 
