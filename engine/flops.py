@@ -38,7 +38,7 @@ PEAK_TFLOPS = {
 def layer_parameters(config: ModelConfig) -> int:
     h, hd = config.hidden_size, config.head_dim
     q, kv = config.num_heads * hd, config.num_kv_heads * hd
-    ffn_in = config.ffn_hidden_size * (2 if config.activation == "swiglu" else 1)
+    ffn_in = config.ffn_hidden_size * (2 if config.gated_mlp else 1)
     weights = h * (q + 2 * kv) + q * h + h * ffn_in + config.ffn_hidden_size * h
     biases = (q + 2 * kv if config.biased_qkv else 0) + (h + ffn_in + h if config.bias else 0)
     qk_norms = (2 * hd if config.qk_norm_per_head else q + kv) if config.qk_norm else 0
@@ -61,7 +61,7 @@ def block_gemms(config: ModelConfig) -> dict[str, tuple[int, int]]:
     """(in, out) features of each GEMM of a transformer block, by the name of its layer (LoRA's targets)."""
     h, query_width = config.hidden_size, config.num_heads * config.head_dim
     key_value_width = config.num_kv_heads * config.head_dim
-    gated = 2 if config.activation == "swiglu" else 1
+    gated = 2 if config.gated_mlp else 1
     return {
         "qkv": (h, query_width + 2 * key_value_width),
         "proj": (query_width, h),

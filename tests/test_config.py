@@ -10,7 +10,7 @@ import pytest
 from loom.engine.config import ConfigError
 from loom.engine.config_io import config_to_toml, load_config, parse_overrides
 
-PRESETS = {"tiny": 1, "gpt-125m": 8, "llama-1b": 8, "llama-8b": 16, "olmo2-1b": 8}
+PRESETS = {"tiny": 1, "gpt-125m": 8, "llama-1b": 8, "llama-8b": 16, "olmo2-1b": 8, "gemma-2b": 8}
 
 
 @pytest.mark.parametrize("name, world", PRESETS.items())
@@ -336,7 +336,7 @@ def test_settings_a_config_never_reads_are_named():
     assert load_config("tiny", ["--model.qk_norm_per_head", "false"]).settings_without_effect() == [
         "model.qk_norm_per_head = False has no effect with model.qk_norm = false (no query/key norms)"
     ]
-    for preset in ("tiny", "gpt-125m", "llama-1b", "llama-8b", "llama-70b", "olmo2-1b"):
+    for preset in ("tiny", "gpt-125m", "llama-1b", "llama-8b", "llama-70b", "olmo2-1b", "gemma-2b"):
         assert load_config(preset).settings_without_effect() == [], preset
 
 

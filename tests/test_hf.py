@@ -577,6 +577,38 @@ def test_a_nemotron_imports_evaluates_under_tensor_parallelism_and_exports_as_tr
     assert model_from_hf_config(config)["rotary_percent"] == 0.5  # NemotronConfig's default
 
 
+def test_a_gemma_imports_evaluates_under_tensor_parallelism_and_exports_as_transformers_computes_it(tmp_path, capfd):
+    """Gemma (Google's first open models) was refused (model_type gemma): a gated tanh GELU MLP (model.activation
+    geglu), RMSNorm weights the files store minus one (its norm scales by 1 + weight), embeddings scaled by
+    sqrt(hidden_size) (model.embedding_multiplier), heads of their own width, a tied output layer. It imports with
+    transformers' logits, `loom eval` over two tensor-parallel ranks gives its loss, it exports back to a
+    GemmaForCausalLM with the same logits, and greedy decoding is transformers'."""
+    from loom.tools.hf_forms import model_from_hf_config
+
+    settings = llama_fields(num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, tie_word_embeddings=True)
+    settings["hidden_act"] = "gelu"  # Gemma's first files' name for the tanh GELU
+    torch.manual_seed(0)
+    model = transformers.GemmaForCausalLM(transformers.GemmaConfig(**settings)).eval()
+    with torch.no_grad():  # GemmaRMSNorm's zeros (a scale of one) would hide a missing 1
+        for name, tensor in model.named_parameters():
+            if "norm" in name:
+                tensor.uniform_(-0.5, 0.5)
+            if "gate_proj" in name:  # gates of a few units, where the tanh GELU and the exact one part
+                tensor.mul_(30)
+    model.save_pretrained(str(tmp_path / "hf"))
+    imported, again = _round_trip_computes_as_transformers(model, tmp_path, capfd)
+    shape = (imported["activation"], imported["embedding_multiplier"], imported["head_dim"], imported["tie_embeddings"])
+    assert shape == ("geglu", 8.0, 32, True) and type(again) is transformers.GemmaForCausalLM
+    _assert_greedy_generate_equals_transformers(model, tmp_path / "loom", 16)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    for key in ("head_dim", "tie_word_embeddings"):  # GemmaConfig's defaults: 256 wide heads, tied
+        config.pop(key)
+    fields = model_from_hf_config({**config, "hidden_act": "gelu_pytorch_tanh"})
+    assert (fields["head_dim"], fields["tie_embeddings"]) == (256, True)
+    with pytest.raises(CheckpointError, match="hidden_activation is 'relu'.*gelu_pytorch_tanh"):
+        model_from_hf_config({**config, "hidden_activation": "relu"})
+
+
 def _small_qwen3(folder: Path):
     """A Qwen3ForCausalLM (tied, 2 KV heads, heads of 24 over a hidden size of 64, random q/k norm weights: at one
     they would hide a misplaced one) saved in `folder`, and returned."""

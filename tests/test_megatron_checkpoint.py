@@ -470,6 +470,8 @@ def test_biases_on_qkv_alone_and_another_head_size_import_and_export_as_megatron
     across = {"qk_norm": True, "qk_norm_per_head": False}
     with pytest.raises(CheckpointError, match="across all heads .* --qk-layernorm normalises each head"):
         megatron_arguments({**config["model"], **across}, config["train"], 0, 0, "float32")
+    with pytest.raises(CheckpointError, match="gated GELU .* gate SiLU alone"):
+        megatron_arguments({**config["model"], "activation": "geglu"}, config["train"], 0, 0, "float32")
 
 
 def test_what_older_megatron_saved_or_never_used_imports_as_megatron_computed():

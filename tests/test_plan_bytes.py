@@ -136,6 +136,7 @@ ACTIVATION_CASES = (
         (2, True, "none", "bf16", 1, "olmo2"),
         (2, True, "none", "bf16", 1, "compiled olmo2"),
         (1, False, "none", "fp32", 2, "olmo2"),
+        (2, True, "selective", "bf16", 1, "gemma"),
         (1, False, "none", "bf16", 1, "compiled qk_norm"),
         (2, True, "selective", "fp8", 1, "compiled gpt"),
     ]
@@ -144,7 +145,8 @@ ACTIVATION_CASES = (
 The last field is the model: "false" the tiny preset's, eager; "compiled ..." with the block compiled whole (as on a
 GPU by default), "... gpt" with LayerNorm and GELU, "... qk_norm" with query/key norms ("gpt_qk_norm": LayerNorm
 and GELU with LayerNorm query/key norms), "... nemotron" with LayerNorm and squared ReLU, "... olmo2" with OLMo 2's
-norms (on attention's and the MLP's outputs, on queries and keys across heads: one statistic per rank and token).
+norms (on attention's and the MLP's outputs, on queries and keys across heads: one statistic per rank and token),
+"... gemma" with Gemma's gated GELU and scaled, tied embeddings.
 Four compiled cases between them reach every term of the compiled count (each costs ~15 s of compiling)."""
 
 MODEL_VARIANTS = {
@@ -153,6 +155,7 @@ MODEL_VARIANTS = {
     "gpt_qk_norm": {"norm": "layernorm", "activation": "gelu", "qk_norm": True},
     "nemotron": {"norm": "layernorm", "activation": "squared_relu", "rotary_percent": 0.5},
     "olmo2": {"norm_placement": "output", "qk_norm": True, "qk_norm_per_head": False},
+    "gemma": {"activation": "geglu", "embedding_multiplier": 16.0, "tie_embeddings": True},
 }
 
 

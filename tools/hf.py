@@ -7,9 +7,10 @@ Hugging Face's rotate-half convention, so no permutation of the query/key rows i
 Llama's with q/k/v_proj.bias, a Qwen3's add q_norm and k_norm, a Granite's are Llama's, a Phi-3 (Phi-4 too)
 keeps QKV and gate+up fused as loom does (qkv_proj, gate_up_proj), an OLMo 2 has q_norm and k_norm across all
 heads and its norms after attention and the MLP (its post_attention_layernorm is attention's, not the MLP's), and a
-Nemotron has LayerNorm biases, its norm weights stored minus one and up_proj alone before a squared ReLU. An import
-never yields a different model than the one on disk. transformers is not needed here: the files are written
-with safetensors and json; tests load them with transformers.
+Nemotron has LayerNorm biases, its norm weights stored minus one and up_proj alone before a squared ReLU; a Gemma's
+are Llama's, its RMSNorm weights stored minus one (its gated GELU and sqrt(hidden_size) embedding scale are
+[model] settings). An import never yields a different model than the one on disk. transformers is not needed here:
+the files are written with safetensors and json; tests load them with transformers.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from loom.tools.hf_forms import (
     HF_TOKEN_ID_FIELDS,
     LOOM_TOKEN_IDS,
     check_llama_form,
+    gemma_form,
     hf_config,
     model_from_hf_config,
     nemotron_form,
@@ -113,10 +115,10 @@ def _block_names(model: dict, phi3: bool) -> dict[str, tuple[str, ...]]:
 
 
 def _stored_minus_one(name: str, model: dict) -> bool:
-    """Whether Hugging Face's file holds loom's tensor `name` minus one: a Nemotron's LayerNorm1P scales by 1 + its
-    weight."""
+    """Whether Hugging Face's file holds loom's tensor `name` minus one: a Nemotron's LayerNorm1P and a Gemma's
+    RMSNorm scale by 1 + their weight."""
     norm_weight = name == naming.FINAL_NORM_WEIGHT or name.endswith((naming.INPUT_NORM_WEIGHT, naming.MLP_NORM_WEIGHT))
-    return norm_weight and nemotron_form(model)
+    return norm_weight and (nemotron_form(model) or gemma_form(model))
 
 
 def _fused_sizes(model: dict) -> dict[str, list[int]]:

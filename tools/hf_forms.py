@@ -1,6 +1,7 @@
 """Which Hugging Face class a Llama-shaped loom model is, and back: the config.json export-hf writes (Llama, Qwen2,
-Qwen3, Phi-3, Granite, OLMo 2 or Nemotron, with RoPE in both transformers' spellings) and the [model] import-hf reads
-from one, refusing what loom cannot compute alike. tools/hf.py moves the tensors; tools/hf_gpt2.py has GPT-2's form."""
+Qwen3, Phi-3, Granite, OLMo 2, Nemotron or Gemma, with RoPE in both transformers' spellings) and the [model]
+import-hf reads from one, refusing what loom cannot compute alike. tools/hf.py moves the tensors; tools/hf_gpt2.py
+has GPT-2's form."""
 
 from __future__ import annotations
 
@@ -15,12 +16,13 @@ from loom.tools.hf_gpt2 import GPT2_SHAPE
 
 
 def check_llama_form(model: dict, gpt2_too: bool = False) -> None:
-    nemotron = nemotron_form(model)
+    nemotron, gemma = nemotron_form(model), gemma_form(model)
     wrong = {
         k: model[k]
         for k, v in (("norm", "rmsnorm"), ("activation", "swiglu"), ("position_embedding", "rope"), ("bias", False))
-        if model[k] != v and not (nemotron and k in ("norm", "activation"))
+        if model[k] != v and not (nemotron and k in ("norm", "activation")) and not (gemma and k == "activation")
     }
+    wrong.update(_gemma_form_refusals(model))
     if nemotron and (
         model["qk_norm"] or model["qkv_bias"] or model["norm_placement"] != "input" or granite_form(model)
     ):
@@ -44,13 +46,39 @@ def check_llama_form(model: dict, gpt2_too: bool = False) -> None:
     if wrong and gpt2_too:
         unlike_gpt2 = {k: model[k] for k, v in GPT2_SHAPE.items() if model[k] != v}
         raise CheckpointError(
-            "only Llama-shaped models (rmsnorm, swiglu, rope, no biases but QKV's; or layernorm and squared_relu, as "
-            "Nemotron) and GPT-2-shaped ones (layernorm, gelu, learned positions, biases, no query/key norms, as many "
-            f"KV heads as heads, each hidden_size / heads wide) export to Hugging Face; this one has "
-            f"{min(wrong, unlike_gpt2, key=len) or wrong}"
+            "only Llama-shaped models (rmsnorm, swiglu or Gemma's geglu, rope, no biases but QKV's; or layernorm and "
+            "squared_relu, as Nemotron) and GPT-2-shaped ones (layernorm, gelu, learned positions, biases, no "
+            "query/key norms, as many KV heads as heads, each hidden_size / heads wide) export to Hugging Face; this "
+            f"one has {min(wrong, unlike_gpt2, key=len) or wrong}"
         )
     if wrong:
         raise CheckpointError(f"only Llama-shaped models export to the Llama format; this one has {wrong}")
+
+
+def _gemma_form_refusals(model: dict) -> dict:
+    """What keeps a model with a gated GELU MLP from exporting: only transformers' Gemma has one, and it scales the
+    embeddings by sqrt(hidden_size), stores its RMSNorm weights minus one, turns each head whole, and has none of
+    Qwen's, OLMo 2's or Granite's changes."""
+    if not gemma_form(model):
+        return {}
+    unlike = {
+        "norm": model["norm"] != "rmsnorm",
+        "qk_norm": model["qk_norm"],
+        "qkv_bias": model["qkv_bias"],
+        "rotary_percent < 1": model["rotary_percent"] < 1,
+        "norm_placement output": model["norm_placement"] != "input",
+        "Granite's multipliers": any(model[field] != 1.0 for field in ("residual_multiplier", "logits_divisor"))
+        or model["attention_scale"] is not None,
+        f"an embedding_multiplier other than sqrt(hidden_size) = {math.sqrt(model['hidden_size'])}": (
+            model["embedding_multiplier"] != gemma_embedding_multiplier(model["hidden_size"])
+        ),
+    }
+    return {f"geglu (Gemma's) with {k}": True for k, v in unlike.items() if v}
+
+
+def gemma_embedding_multiplier(hidden_size: int) -> float:
+    """What Gemma multiplies its token embeddings by: sqrt(hidden_size) (GemmaTextScaledWordEmbedding's scale)."""
+    return hidden_size**0.5
 
 
 def _olmo2_form_refusals(model: dict) -> dict:
@@ -133,10 +161,19 @@ def nemotron_form(model: dict) -> bool:
     return model["norm"] == "layernorm" and model["activation"] == "squared_relu"
 
 
+def gemma_form(model: dict) -> bool:
+    """Whether a Llama-shaped loom model exports as a Gemma: transformers' one class with a gated GELU MLP (it scales
+    the embeddings by sqrt(hidden_size) and stores its RMSNorm weights minus one)."""
+    return model["activation"] == "geglu"
+
+
 def granite_form(model: dict) -> bool:
     """Whether a Llama-shaped loom model exports as a Granite: only transformers' Granite class scales the
-    embeddings, residual branches, attention scores and logits."""
-    return model["attention_scale"] is not None or any(model[field] != 1.0 for field in GRANITE_MULTIPLIERS)
+    embeddings, residual branches, attention scores and logits (a Gemma scales its embeddings by its own rule)."""
+    multipliers = [
+        field for field in GRANITE_MULTIPLIERS if not (gemma_form(model) and field == "embedding_multiplier")
+    ]
+    return model["attention_scale"] is not None or any(model[field] != 1.0 for field in multipliers)
 
 
 def phi3_form(model: dict, imported_from: str | None) -> bool:
@@ -150,9 +187,9 @@ def phi3_form(model: dict, imported_from: str | None) -> bool:
 
 def _hf_architecture(model: dict, phi3: bool) -> dict:
     """The config.json fields naming the Hugging Face class of a Llama-shaped loom model: Granite with any of its
-    multipliers, Nemotron with LayerNorm and squared ReLU, OLMo 2 with norms on the blocks' outputs, Phi-3 (`phi3`:
-    phi3_form), Qwen3 with query/key norms, Qwen2 with biases on q, k and v alone, Llama otherwise (Llama's and
-    Qwen3's attention_bias would bias o_proj too, so neither takes QKV's alone)."""
+    multipliers, Nemotron with LayerNorm and squared ReLU, Gemma with a gated GELU, OLMo 2 with norms on the blocks'
+    outputs, Phi-3 (`phi3`: phi3_form), Qwen3 with query/key norms, Qwen2 with biases on q, k and v alone, Llama
+    otherwise (Llama's and Qwen3's attention_bias would bias o_proj too, so neither takes QKV's alone)."""
     if granite_form(model):
         multipliers = {granite: model[field] for field, granite in GRANITE_MULTIPLIERS.items()}
         multipliers["attention_multiplier"] = ModelConfig(**model).softmax_scale
@@ -162,6 +199,11 @@ def _hf_architecture(model: dict, phi3: bool) -> dict:
         return {"architectures": ["NemotronForCausalLM"], "model_type": "nemotron", "attention_bias": False,
                 "mlp_bias": False, "partial_rotary_factor": model["rotary_percent"], "norm_eps": model["norm_eps"],
                 "hidden_act": "relu2"}  # fmt: skip
+    if gemma_form(model):  # GemmaConfig's token ids default to Gemma's own (pad 0, eos 1, bos 2); 4.x reads
+        # hidden_activation, 5.x hidden_act
+        return {"architectures": ["GemmaForCausalLM"], "model_type": "gemma", "attention_bias": False,
+                "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+                **dict.fromkeys(HF_TOKEN_ID_FIELDS)}  # fmt: skip
     if model["norm_placement"] == "output":  # Olmo2Config's token ids default to OLMo's own (pad 1, eos 50279)
         return {"architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2", "attention_bias": False,
                 **dict.fromkeys(HF_TOKEN_ID_FIELDS)}  # fmt: skip
@@ -178,7 +220,7 @@ def _hf_architecture(model: dict, phi3: bool) -> dict:
 
 def hf_config(model: dict, token_ids: dict | None = None, dtype: str = "float32", phi3: bool = False) -> dict:
     """The config.json transformers reads for a Llama-shaped loom model, as a Llama, a Qwen2, a Qwen3, a Phi-3, a
-    Granite, an OLMo 2 or a Nemotron (_hf_architecture; `model`: ModelConfig's fields; `token_ids`: the
+    Granite, an OLMo 2, a Nemotron or a Gemma (_hf_architecture; `model`: ModelConfig's fields; `token_ids`: the
     special-token ids, loom's tokenizers' by default; `dtype`: the weights' torch_dtype; `phi3`: as a Phi-3,
     phi3_form)."""
     rope = _hf_rope(model)
@@ -305,18 +347,30 @@ def _yarn_fields(rope: dict, positions: int, original: int) -> dict:
     }
 
 
+LLAMA_SHAPED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "olmo2", "nemotron", "gemma")
+"""The config.json model_types import-hf reads as a Llama-shaped loom model (gpt2: tools/hf_gpt2.py)."""
+
+
 def _refuse_unrepresentable(hf: dict) -> None:
     """Settings that change the computation but have no loom form: importing without them would load a
     different model than the one on disk."""
-    if hf.get("model_type") not in ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "olmo2", "nemotron"):
+    if hf.get("model_type") not in LLAMA_SHAPED_MODEL_TYPES:
         raise CheckpointError(
-            f"model_type {hf.get('model_type')!r} is not llama, mistral, qwen2, qwen3, phi3, granite, olmo2, nemotron "
-            "or gpt2; loom imports Llama-, Mistral-, Qwen-, Phi-3-, Granite-, OLMo 2-, Nemotron- and GPT-2-format "
-            "models"
+            f"model_type {hf.get('model_type')!r} is not {', '.join(LLAMA_SHAPED_MODEL_TYPES)} or gpt2; loom imports "
+            "Llama-, Mistral-, Qwen-, Phi-3-, Granite-, OLMo 2-, Nemotron-, Gemma- and GPT-2-format models"
         )
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
             raise CheckpointError(f"config.json sets {flag}: true; loom's Llama form has no biases")
+    if hf.get("model_type") == "gemma":
+        # transformers 4 computes hidden_activation (None: the tanh GELU), 5 hidden_act (Gemma's first files' "gelu"
+        # taken as the tanh GELU); the official files name the tanh GELU in both
+        for key in ("hidden_activation", "hidden_act"):
+            if hf.get(key) not in (None, "gelu_pytorch_tanh", "gelu"):
+                raise CheckpointError(
+                    f"config.json's {key} is {hf[key]!r}; loom's Gemma form gates the tanh GELU (gelu_pytorch_tanh)"
+                )
+        return
     nemotron = hf.get("model_type") == "nemotron"
     activation = "relu2" if nemotron else "silu"
     if hf.get("hidden_act", activation) != activation:
@@ -342,20 +396,22 @@ def _positions_represented(hf: dict) -> int:
 def model_from_hf_config(hf: dict) -> dict:
     _refuse_unrepresentable(hf)
     kind = hf.get("model_type")
+    gemma = kind == "gemma"
     return {
         "num_layers": hf["num_hidden_layers"],
         "hidden_size": hf["hidden_size"],
         "num_heads": hf["num_attention_heads"],
         "num_kv_heads": hf.get("num_key_value_heads") or hf["num_attention_heads"],
-        "head_dim": hf.get("head_dim"),  # None: hidden_size / num_attention_heads, as transformers takes it
+        # None: hidden_size / num_attention_heads, as transformers takes it (GemmaConfig's default is 256)
+        "head_dim": hf.get("head_dim", 256 if gemma else None),
         "ffn_hidden_size": hf["intermediate_size"],
         "vocab_size": hf["vocab_size"],
         "max_position_embeddings": _positions_represented(hf),
-        "norm_eps": hf.get("norm_eps", 1e-5) if kind == "nemotron" else hf["rms_norm_eps"],
+        "norm_eps": _norm_eps(hf),
         **_rope_fields(hf),
-        "tie_embeddings": hf.get("tie_word_embeddings", False),
+        "tie_embeddings": hf.get("tie_word_embeddings", gemma),  # GemmaConfig ties unless told, LlamaConfig not
         "norm": "layernorm" if kind == "nemotron" else "rmsnorm",
-        "activation": "squared_relu" if kind == "nemotron" else "swiglu",
+        "activation": {"nemotron": "squared_relu", "gemma": "geglu"}.get(kind, "swiglu"),
         "position_embedding": "rope",
         "bias": False,
         "qkv_bias": kind == "qwen2",
@@ -363,7 +419,16 @@ def model_from_hf_config(hf: dict) -> dict:
         "qk_norm_per_head": kind != "olmo2",  # OLMo 2 normalises the whole q and k projections
         "norm_placement": "output" if kind == "olmo2" else "input",
         **(_granite_fields(hf) if kind == "granite" else {}),
+        **({"embedding_multiplier": gemma_embedding_multiplier(hf["hidden_size"])} if gemma else {}),
     }
+
+
+def _norm_eps(hf: dict) -> float:
+    """The norms' epsilon where each class reads it (NemotronConfig's norm_eps, 1e-5 if absent; GemmaConfig's
+    rms_norm_eps, 1e-6 if absent; the others' rms_norm_eps, required)."""
+    if hf.get("model_type") == "nemotron":
+        return hf.get("norm_eps", 1e-5)
+    return hf.get("rms_norm_eps", 1e-6) if hf.get("model_type") == "gemma" else hf["rms_norm_eps"]
 
 
 def _granite_fields(hf: dict) -> dict:

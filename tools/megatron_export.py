@@ -79,6 +79,11 @@ def megatron_arguments(model: dict, train: dict, step: int, consumed: int, dtype
             f"the model scales its embeddings, residual branches or logits ({granite}); megatron-core's GPT model "
             "does none of these"
         )
+    if model["activation"] == "geglu":
+        raise CheckpointError(
+            "the model's MLP is a gated GELU (model.activation = geglu, Gemma's); Megatron-LM's arguments gate "
+            "SiLU alone (--swiglu)"
+        )
     if model["norm_placement"] == "output":
         raise CheckpointError(
             "the model normalises each block's attention and MLP outputs (model.norm_placement = output, OLMo 2's "

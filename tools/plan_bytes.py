@@ -139,7 +139,7 @@ def _block_parameters(m: ModelConfig, tp: int, sequence_parallel: bool) -> list[
     """One transformer block's parameters on one TP rank, in loom's construction order (transformer.py)."""
     h, hd = m.hidden_size, m.head_dim
     q, kv, f = m.num_heads * hd, m.num_kv_heads * hd, m.ffn_hidden_size
-    fc1 = 2 * f if m.activation == "swiglu" else f
+    fc1 = 2 * f if m.gated_mlp else f
     norm = [_Param(h, sequence_parallel)] + ([_Param(h, sequence_parallel)] if m.norm == "layernorm" else [])
     out = [*norm, _matrix((q + 2 * kv) // tp, h)]
     out += [_Param((q + 2 * kv) // tp)] if m.biased_qkv else []
@@ -321,7 +321,7 @@ def layer_activation_bytes(
         return tokens * h * sequence_share * element
     if not engine.gathered_inputs_saved:
         return tokens * _korthikanti_bytes_per_token(m, tp, sp, fp8) * element / 2
-    fc1_output = 2 * f if m.activation == "swiglu" else f
+    fc1_output = 2 * f if m.gated_mlp else f
     if compiled:
         residual = 2 * (h * element + _norm_statistics_bytes(m)) * sequence_share
         gemm_inputs = (2 * h if sp else 0) if fp8 else 2 * h * element
@@ -334,7 +334,7 @@ def layer_activation_bytes(
     attention_output = q * element if not (fp8 and recompute == "selective") else 0
     attention = ((q + 2 * kv) + q + kv) * element + attention_output + (q if fp8 else 0)
     attention = attention / tp + (heads * 4 / tp if recompute == "none" else 0)
-    mlp = ((fc1_output + f if m.activation == "swiglu" else f) * element + f * gemm_input) / tp
+    mlp = ((fc1_output + f if m.gated_mlp else f) * element + f * gemm_input) / tp
     return tokens * (norms + gemm_inputs + attention + mlp)
 
 
@@ -365,7 +365,7 @@ def _korthikanti_bytes_per_token(m: ModelConfig, tp: int, sp: bool, fp8: bool) -
     h, q, kv, f = m.hidden_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim, m.ffn_hidden_size
     whole = 2 * 2 * h + (2 * h + h) * 2  # the norms' inputs; QKV's and FC1's inputs and the two dropout masks
     sharded = 2 * q + 2 * kv + 2 * kv + 2 * q  # Q and K (the score GEMM), V, the attention projection's input
-    fc1_output = 2 * f if m.activation == "swiglu" else f
+    fc1_output = 2 * f if m.gated_mlp else f
     sharded += 2 * fc1_output + 2 * f  # the activation's input, FC2's input
     if fp8:
         whole -= (2 * h + 2 * h) / 2
@@ -409,7 +409,7 @@ def fp8_weight_bytes(m: ModelConfig, tp: int) -> int:
     """Bytes of one FP8 copy of one layer's GEMM weights, cast once per step and kept for every micro-batch's
     forward and backward (FP8_WEIGHT_COPIES says how many copies)."""
     h, q, kv = m.hidden_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
-    fc1 = 2 * m.ffn_hidden_size if m.activation == "swiglu" else m.ffn_hidden_size
+    fc1 = 2 * m.ffn_hidden_size if m.gated_mlp else m.ffn_hidden_size
     return (h * (q + 2 * kv) + q * h + h * fc1 + m.ffn_hidden_size * h) // tp
 
 
@@ -419,7 +419,7 @@ def fp8_quantised_elements(m: ModelConfig, tp: int) -> int:
     gathered under sequence parallelism; the projection's and FC2's 1/tp shard) and their output gradients in
     backward (the projection's and FC2's whole)."""
     h, q, kv, f = m.hidden_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim, m.ffn_hidden_size
-    fc1 = 2 * f if m.activation == "swiglu" else f
+    fc1 = 2 * f if m.gated_mlp else f
     return 2 * h + (q + f) // tp + 2 * h + (q + 2 * kv + fc1) // tp
 
 

@@ -119,7 +119,7 @@ class LoomConfig:
         )
         said = []
         if "hidden_size" in flagged and "ffn_hidden_size" in from_file:
-            derived = "8h/3 rounded up to 256" if m.activation == "swiglu" else "4h"  # gelu, squared_relu
+            derived = "8h/3 rounded up to 256" if m.gated_mlp else "4h"  # gelu, squared_relu
             said.append(
                 f"--model.hidden_size {m.hidden_size} keeps the config file's model.ffn_hidden_size = "
                 f"{m.ffn_hidden_size}, chosen for its own width: give --model.ffn_hidden_size too (none: loom's "

@@ -25,7 +25,8 @@ class ModelConfig:
     num_heads. Set otherwise (Mistral-Nemo's 128 with 5120 / 32 = 160), the query and output projections are
     num_heads x head_dim wide, not hidden_size."""
     ffn_hidden_size: int | None = None
-    """MLP width; None means 4*hidden (gelu, squared_relu) or 8/3*hidden rounded up to a multiple of 256 (swiglu)."""
+    """MLP width; None means 4*hidden (gelu, squared_relu) or 8/3*hidden rounded up to a multiple of 256 (swiglu,
+    geglu)."""
     vocab_size: int = 32000
     """Tokenizer vocabulary size; the embedding is padded beyond it, padded ids never reach the loss."""
     make_vocab_divisible_by: int = 128
@@ -85,9 +86,10 @@ class ModelConfig:
     and the MLP; output (OLMo 2's reordered norm) normalises what attention and the MLP return, before it joins the
     residual stream (x + norm(attention(x))), and the stream enters them unnormalised. The final norm is there in
     both."""
-    activation: Literal["swiglu", "gelu", "squared_relu"] = "swiglu"
-    """MLP non-linearity: gated SiLU (Llama), GELU (GPT) or squared ReLU, relu(x)^2 (Nemotron-4, Minitron; Megatron's
-    --squared-relu)."""
+    activation: Literal["swiglu", "geglu", "gelu", "squared_relu"] = "swiglu"
+    """MLP non-linearity: gated SiLU (SwiGLU: Llama), gated GELU (GeGLU, the tanh approximation: Gemma's
+    gelu_pytorch_tanh), GELU (tanh approximation: GPT) or squared ReLU, relu(x)^2 (Nemotron-4, Minitron; Megatron's
+    --squared-relu). The gated two take FC1's output as a gate half and an up half (model.gated_mlp)."""
     bias: bool = False
     """Biases in the linear layers (GPT-2 style)."""
     qk_norm: bool = False
@@ -191,7 +193,7 @@ class ModelConfig:
                 f"model.num_kv_heads = {self.num_kv_heads} must divide model.num_heads = {self.num_heads}"
             )
         if self.ffn_hidden_size is None:
-            if self.activation == "swiglu":
+            if self.gated_mlp:
                 self.ffn_hidden_size = -(-(8 * self.hidden_size // 3) // 256) * 256
             else:
                 self.ffn_hidden_size = 4 * self.hidden_size
@@ -261,6 +263,11 @@ class ModelConfig:
         """Channels of each head the rotary embedding turns (the first ones), as Megatron and Hugging Face count
         them."""
         return int(self.head_dim * self.rotary_percent)
+
+    @property
+    def gated_mlp(self) -> bool:
+        """Whether FC1 computes a gate and an up projection (swiglu, geglu), twice model.ffn_hidden_size wide."""
+        return self.activation in ("swiglu", "geglu")
 
     @property
     def biased_qkv(self) -> bool:

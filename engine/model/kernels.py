@@ -8,7 +8,7 @@ for its pieces; the optimizer for its AdamW. Preference order:
   attention  Transformer Engine DotProductAttention > torch SDPA (flash / cuDNN / mem-efficient on CUDA, torch's
              choice unless model.attention_backend names one)
   norm       TE RMSNorm/LayerNorm > apex fused norm > torch native (torch.compile'd with model.compile)
-  activation torch SwiGLU / GELU / squared ReLU (torch.compile'd with model.compile)
+  activation torch SwiGLU / GeGLU / GELU / squared ReLU (torch.compile'd with model.compile)
   linear     TE Linear (BF16, or FP8 under TE's autocast) > FP8 on torch._scaled_mm (train.fp8 = current,
              no TE) > torch F.linear
   optimizer  apex FusedAdam > torch AdamW fused=True (CUDA) > torch AdamW foreach (CPU)
@@ -104,6 +104,10 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def gelu(h: torch.Tensor) -> torch.Tensor:
     return F.gelu(h, approximate="tanh")
 
@@ -112,8 +116,9 @@ def squared_relu(h: torch.Tensor) -> torch.Tensor:
     return F.relu(h).square()
 
 
-ACTIVATIONS = {"swiglu": swiglu, "gelu": gelu, "squared_relu": squared_relu}
-"""model.activation's functions: swiglu takes the gate and up halves of FC1's output, the others FC1's output."""
+ACTIVATIONS = {"swiglu": swiglu, "geglu": geglu, "gelu": gelu, "squared_relu": squared_relu}
+"""model.activation's functions: swiglu and geglu take the gate and up halves of FC1's output, the others FC1's
+output."""
 
 
 def _apex_norm(kind: str) -> Callable:

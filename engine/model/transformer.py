@@ -282,7 +282,7 @@ class LayerCache:
 class MLP(torch.nn.Module):
     def __init__(self, config: ModelConfig, tp_group, sequence_parallel: bool, output_std: float, kernels: Kernels):
         super().__init__()
-        self.gated = config.activation == "swiglu"
+        self.gated = config.gated_mlp
         self.activation = kernels.activation_function(config.activation)
         ffn = config.ffn_hidden_size
         blocks = (ffn, ffn) if self.gated else (ffn,)
