@@ -187,8 +187,8 @@ PUBLISHED_PARAMETERS = {
 @pytest.mark.parametrize("preset", PUBLISHED_PARAMETERS)
 def test_presets_are_the_published_models(preset):
     """Each preset, as export-hf would describe it, is the model of its name to the parameter: counted by the
-    transformers class export-hf names (LlamaForCausalLM, Olmo2ForCausalLM, GemmaForCausalLM) built on the meta device, by loom's
-    count (which MFU and the planner use) and against the published figure."""
+    transformers class export-hf names (LlamaForCausalLM, Olmo2ForCausalLM, GemmaForCausalLM) built on the meta
+    device, by loom's count (which MFU and the planner use) and against the published figure."""
     transformers = pytest.importorskip("transformers")
     from loom.engine.config_io import config_to_dict
     from loom.tools.hf import hf_config
