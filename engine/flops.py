@@ -42,7 +42,8 @@ def layer_parameters(config: ModelConfig) -> int:
     weights = h * (q + 2 * kv) + q * h + h * ffn_in + config.ffn_hidden_size * h
     biases = (q + 2 * kv if config.biased_qkv else 0) + (h + ffn_in + h if config.bias else 0)
     qk_norms = (2 * hd if config.qk_norm_per_head else q + kv) if config.qk_norm else 0
-    norms = (2 * h + qk_norms) * (2 if config.norm == "layernorm" else 1)
+    block_norms = 4 if config.norm_placement == "both" else 2
+    norms = (block_norms * h + qk_norms) * (2 if config.norm == "layernorm" else 1)
     return weights + biases + norms
 
 

@@ -609,6 +609,42 @@ def test_a_gemma_imports_evaluates_under_tensor_parallelism_and_exports_as_trans
         model_from_hf_config({**config, "hidden_activation": "relu"})
 
 
+def test_a_gemma3_imports_evaluates_under_tensor_parallelism_and_exports_as_transformers_computes_it(tmp_path, capfd):
+    """Gemma 3's text model (Gemma3ForCausalLM, model_type gemma3_text) was refused: Gemma's gated GELU and
+    norms stored minus one, with sandwich norms (model.norm_placement both), per-head query/key norms, a score factor
+    of query_pre_attn_scalar^-1/2, sliding-window attention in all but every N-th layer (model.sliding_window,
+    model.full_attention_interval) and a rotary base of their own in those layers (model.rope_local_theta). A model
+    whose window (8) is shorter than its text imports with transformers' logits, `loom eval` over two
+    tensor-parallel ranks gives its loss, it exports back to a Gemma3ForCausalLM with the same logits, and KV-cached
+    greedy decoding past the window is transformers'."""
+    settings = llama_fields(num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, tie_word_embeddings=True)
+    settings.update(
+        num_hidden_layers=3,
+        sliding_window=8,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        query_pre_attn_scalar=24,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        },
+    )
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**settings)).eval()
+    with torch.no_grad():  # zeros (a scale of one) would hide a missing 1 or two norms swapped
+        for name, tensor in model.named_parameters():
+            if "norm" in name:
+                tensor.uniform_(-0.5, 0.5)
+            if "gate_proj" in name:
+                tensor.mul_(30)
+    model.save_pretrained(str(tmp_path / "hf"))
+    imported, again = _round_trip_computes_as_transformers(model, tmp_path, capfd)
+    shape = {key: imported[key] for key in ("norm_placement", "qk_norm", "sliding_window", "full_attention_interval")}
+    assert shape == {"norm_placement": "both", "qk_norm": True, "sliding_window": 8, "full_attention_interval": 3}
+    assert (imported["rope_theta"], imported["rope_local_theta"], imported["attention_scale"]) == (1e6, 100.0, 24**-0.5)
+    assert type(again) is transformers.Gemma3ForCausalLM
+    _assert_greedy_generate_equals_transformers(model, tmp_path / "loom", 16)
+
+
 def _small_qwen3(folder: Path):
     """A Qwen3ForCausalLM (tied, 2 KV heads, heads of 24 over a hidden size of 64, random q/k norm weights: at one
     they would hide a misplaced one) saved in `folder`, and returned."""

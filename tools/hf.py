@@ -38,13 +38,13 @@ from loom.tools.hf_forms import (
     HF_TOKEN_ID_FIELDS,
     LOOM_TOKEN_IDS,
     check_llama_form,
-    gemma_form,
     hf_config,
     model_from_hf_config,
     nemotron_form,
     phi3_form,
     read_hf_config,
 )
+from loom.tools.hf_gemma import gemma_form
 from loom.tools.hf_gpt2 import (
     embedding_key,
     from_gpt2,
@@ -105,20 +105,45 @@ _NEMOTRON_IN_BLOCK = {
 }
 
 
+# Gemma 2's and 3's names: Llama's, with a norm on what attention and the MLP return besides the ones on what enters
+# them (model.norm_placement = both), so that its post_attention_layernorm is attention's output norm.
+_GEMMA_SANDWICH_IN_BLOCK = {
+    **_IN_BLOCK,
+    naming.ATTENTION_OUTPUT_NORM_WEIGHT: ("post_attention_layernorm.weight",),
+    naming.MLP_NORM_WEIGHT: ("pre_feedforward_layernorm.weight",),
+    naming.MLP_OUTPUT_NORM_WEIGHT: ("post_feedforward_layernorm.weight",),
+}
+
+
 def _block_names(model: dict, phi3: bool) -> dict[str, tuple[str, ...]]:
     """Hugging Face's names inside a block for loom's, in the form the model has (`phi3`: phi3_form)."""
     if nemotron_form(model):
         return _NEMOTRON_IN_BLOCK
+    if model["norm_placement"] == "both":
+        return _GEMMA_SANDWICH_IN_BLOCK
     if model["norm_placement"] == "output":
         return _OLMO2_IN_BLOCK
     return _PHI3_IN_BLOCK if phi3 else _IN_BLOCK
 
 
+_BLOCK_NORM_WEIGHTS = (naming.INPUT_NORM_WEIGHT, naming.MLP_NORM_WEIGHT)
+_GEMMA_NORM_WEIGHTS = (
+    *_BLOCK_NORM_WEIGHTS,
+    naming.ATTENTION_OUTPUT_NORM_WEIGHT,
+    naming.MLP_OUTPUT_NORM_WEIGHT,
+    naming.Q_NORM_WEIGHT,
+    naming.K_NORM_WEIGHT,
+)
+
+
 def _stored_minus_one(name: str, model: dict) -> bool:
-    """Whether Hugging Face's file holds loom's tensor `name` minus one: a Nemotron's LayerNorm1P and a Gemma's
-    RMSNorm scale by 1 + their weight."""
-    norm_weight = name == naming.FINAL_NORM_WEIGHT or name.endswith((naming.INPUT_NORM_WEIGHT, naming.MLP_NORM_WEIGHT))
-    return norm_weight and (nemotron_form(model) or gemma_form(model))
+    """Whether Hugging Face's file holds loom's tensor `name` minus one: a Nemotron's LayerNorm1P scales by 1 + its
+    block and final norms' weights, a Gemma's RMSNorm by 1 + every norm's (its query/key norms' too)."""
+    if name == naming.FINAL_NORM_WEIGHT:
+        return nemotron_form(model) or gemma_form(model)
+    if nemotron_form(model):
+        return name.endswith(_BLOCK_NORM_WEIGHTS)
+    return gemma_form(model) and name.endswith(_GEMMA_NORM_WEIGHTS)
 
 
 def _fused_sizes(model: dict) -> dict[str, list[int]]:
@@ -137,14 +162,23 @@ def _loom_names(model: dict) -> list[str]:
     layernorm = model["norm"] == "layernorm"
     outside = [naming.EMBEDDING, naming.FINAL_NORM_WEIGHT] + ([naming.FINAL_NORM_BIAS] if layernorm else [])
     outside += [] if model["tie_embeddings"] else [naming.OUTPUT]
+    sandwich = model["norm_placement"] == "both"
     optional = {
         naming.QKV_BIAS: model["qkv_bias"],
         naming.Q_NORM_WEIGHT: model["qk_norm"],
         naming.K_NORM_WEIGHT: model["qk_norm"],
         naming.INPUT_NORM_BIAS: layernorm,
         naming.MLP_NORM_BIAS: layernorm,
+        naming.ATTENTION_OUTPUT_NORM_WEIGHT: sandwich,
+        naming.MLP_OUTPUT_NORM_WEIGHT: sandwich,
     }
-    every = (*_IN_BLOCK, naming.INPUT_NORM_BIAS, naming.MLP_NORM_BIAS)
+    every = (
+        *_IN_BLOCK,
+        naming.INPUT_NORM_BIAS,
+        naming.MLP_NORM_BIAS,
+        naming.ATTENTION_OUTPUT_NORM_WEIGHT,
+        naming.MLP_OUTPUT_NORM_WEIGHT,
+    )
     in_block = [local for local in every if optional.get(local, True)]
     return outside + [naming.block_param_name(i, local) for i in range(model["num_layers"]) for local in in_block]
 

@@ -12,6 +12,15 @@ from pathlib import Path
 from loom.data_tools.tokenizer import BOS_ID, EOS_ID
 from loom.engine.checkpoint.format import CheckpointError
 from loom.engine.config import ModelConfig
+from loom.tools.hf_gemma import (
+    GEMMA_MODEL_TYPES,
+    gemma3_rope_fields,
+    gemma_architecture,
+    gemma_fields,
+    gemma_form,
+    gemma_form_refusals,
+    refuse_unrepresentable_gemma,
+)
 from loom.tools.hf_gpt2 import GPT2_SHAPE
 
 
@@ -22,7 +31,7 @@ def check_llama_form(model: dict, gpt2_too: bool = False) -> None:
         for k, v in (("norm", "rmsnorm"), ("activation", "swiglu"), ("position_embedding", "rope"), ("bias", False))
         if model[k] != v and not (nemotron and k in ("norm", "activation")) and not (gemma and k == "activation")
     }
-    wrong.update(_gemma_form_refusals(model))
+    wrong.update(gemma_form_refusals(model))
     if nemotron and (
         model["qk_norm"] or model["qkv_bias"] or model["norm_placement"] != "input" or granite_form(model)
     ):
@@ -53,32 +62,6 @@ def check_llama_form(model: dict, gpt2_too: bool = False) -> None:
         )
     if wrong:
         raise CheckpointError(f"only Llama-shaped models export to the Llama format; this one has {wrong}")
-
-
-def _gemma_form_refusals(model: dict) -> dict:
-    """What keeps a model with a gated GELU MLP from exporting: only transformers' Gemma has one, and it scales the
-    embeddings by sqrt(hidden_size), stores its RMSNorm weights minus one, turns each head whole, and has none of
-    Qwen's, OLMo 2's or Granite's changes."""
-    if not gemma_form(model):
-        return {}
-    unlike = {
-        "norm": model["norm"] != "rmsnorm",
-        "qk_norm": model["qk_norm"],
-        "qkv_bias": model["qkv_bias"],
-        "rotary_percent < 1": model["rotary_percent"] < 1,
-        "norm_placement output": model["norm_placement"] != "input",
-        "Granite's multipliers": any(model[field] != 1.0 for field in ("residual_multiplier", "logits_divisor"))
-        or model["attention_scale"] is not None,
-        f"an embedding_multiplier other than sqrt(hidden_size) = {math.sqrt(model['hidden_size'])}": (
-            model["embedding_multiplier"] != gemma_embedding_multiplier(model["hidden_size"])
-        ),
-    }
-    return {f"geglu (Gemma's) with {k}": True for k, v in unlike.items() if v}
-
-
-def gemma_embedding_multiplier(hidden_size: int) -> float:
-    """What Gemma multiplies its token embeddings by: sqrt(hidden_size) (GemmaTextScaledWordEmbedding's scale)."""
-    return hidden_size**0.5
 
 
 def _olmo2_form_refusals(model: dict) -> dict:
@@ -161,19 +144,13 @@ def nemotron_form(model: dict) -> bool:
     return model["norm"] == "layernorm" and model["activation"] == "squared_relu"
 
 
-def gemma_form(model: dict) -> bool:
-    """Whether a Llama-shaped loom model exports as a Gemma: transformers' one class with a gated GELU MLP (it scales
-    the embeddings by sqrt(hidden_size) and stores its RMSNorm weights minus one)."""
-    return model["activation"] == "geglu"
-
-
 def granite_form(model: dict) -> bool:
     """Whether a Llama-shaped loom model exports as a Granite: only transformers' Granite class scales the
-    embeddings, residual branches, attention scores and logits (a Gemma scales its embeddings by its own rule)."""
-    multipliers = [
-        field for field in GRANITE_MULTIPLIERS if not (gemma_form(model) and field == "embedding_multiplier")
-    ]
-    return model["attention_scale"] is not None or any(model[field] != 1.0 for field in multipliers)
+    embeddings, residual branches, attention scores and logits (a Gemma scales its embeddings and scores by rules of
+    its own)."""
+    if gemma_form(model):
+        return False
+    return model["attention_scale"] is not None or any(model[field] != 1.0 for field in GRANITE_MULTIPLIERS)
 
 
 def phi3_form(model: dict, imported_from: str | None) -> bool:
@@ -199,11 +176,8 @@ def _hf_architecture(model: dict, phi3: bool) -> dict:
         return {"architectures": ["NemotronForCausalLM"], "model_type": "nemotron", "attention_bias": False,
                 "mlp_bias": False, "partial_rotary_factor": model["rotary_percent"], "norm_eps": model["norm_eps"],
                 "hidden_act": "relu2"}  # fmt: skip
-    if gemma_form(model):  # GemmaConfig's token ids default to Gemma's own (pad 0, eos 1, bos 2); 4.x reads
-        # hidden_activation, 5.x hidden_act
-        return {"architectures": ["GemmaForCausalLM"], "model_type": "gemma", "attention_bias": False,
-                "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
-                **dict.fromkeys(HF_TOKEN_ID_FIELDS)}  # fmt: skip
+    if gemma_form(model):
+        return gemma_architecture(model)
     if model["norm_placement"] == "output":  # Olmo2Config's token ids default to OLMo's own (pad 1, eos 50279)
         return {"architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2", "attention_bias": False,
                 **dict.fromkeys(HF_TOKEN_ID_FIELDS)}  # fmt: skip
@@ -228,6 +202,7 @@ def hf_config(model: dict, token_ids: dict | None = None, dtype: str = "float32"
         rope["partial_rotary_factor"] = model["rotary_percent"]
     legacy_scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if rope["rope_type"] != "default" else None
     architecture = _hf_architecture(model, phi3)
+    per_layer_type = {k: architecture.pop(k) for k in ("rope_parameters",) if k in architecture}  # Gemma 3's
     return {
         **architecture,
         "vocab_size": model["vocab_size"],
@@ -240,6 +215,7 @@ def hf_config(model: dict, token_ids: dict | None = None, dtype: str = "float32"
         "max_position_embeddings": model["max_position_embeddings"],
         "rms_norm_eps": model["norm_eps"],
         "rope_parameters": rope,
+        **per_layer_type,
         "rope_theta": model["rope_theta"],
         "rope_scaling": legacy_scaling,
         # read before the one in rope_parameters (Phi3Config would otherwise put its 4096 there)
@@ -347,7 +323,17 @@ def _yarn_fields(rope: dict, positions: int, original: int) -> dict:
     }
 
 
-LLAMA_SHAPED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "olmo2", "nemotron", "gemma")
+LLAMA_SHAPED_MODEL_TYPES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "phi3",
+    "granite",
+    "olmo2",
+    "nemotron",
+    *GEMMA_MODEL_TYPES,
+)
 """The config.json model_types import-hf reads as a Llama-shaped loom model (gpt2: tools/hf_gpt2.py)."""
 
 
@@ -362,14 +348,8 @@ def _refuse_unrepresentable(hf: dict) -> None:
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
             raise CheckpointError(f"config.json sets {flag}: true; loom's Llama form has no biases")
-    if hf.get("model_type") == "gemma":
-        # transformers 4 computes hidden_activation (None: the tanh GELU), 5 hidden_act (Gemma's first files' "gelu"
-        # taken as the tanh GELU); the official files name the tanh GELU in both
-        for key in ("hidden_activation", "hidden_act"):
-            if hf.get(key) not in (None, "gelu_pytorch_tanh", "gelu"):
-                raise CheckpointError(
-                    f"config.json's {key} is {hf[key]!r}; loom's Gemma form gates the tanh GELU (gelu_pytorch_tanh)"
-                )
+    if hf.get("model_type") in GEMMA_MODEL_TYPES:
+        refuse_unrepresentable_gemma(hf)
         return
     nemotron = hf.get("model_type") == "nemotron"
     activation = "relu2" if nemotron else "silu"
@@ -396,7 +376,7 @@ def _positions_represented(hf: dict) -> int:
 def model_from_hf_config(hf: dict) -> dict:
     _refuse_unrepresentable(hf)
     kind = hf.get("model_type")
-    gemma = kind == "gemma"
+    gemma = kind in GEMMA_MODEL_TYPES
     return {
         "num_layers": hf["num_hidden_layers"],
         "hidden_size": hf["hidden_size"],
@@ -408,10 +388,10 @@ def model_from_hf_config(hf: dict) -> dict:
         "vocab_size": hf["vocab_size"],
         "max_position_embeddings": _positions_represented(hf),
         "norm_eps": _norm_eps(hf),
-        **_rope_fields(hf),
-        "tie_embeddings": hf.get("tie_word_embeddings", gemma),  # GemmaConfig ties unless told, LlamaConfig not
+        **(gemma3_rope_fields(hf) if kind == "gemma3_text" else _rope_fields(hf)),
+        "tie_embeddings": hf.get("tie_word_embeddings", False),
         "norm": "layernorm" if kind == "nemotron" else "rmsnorm",
-        "activation": {"nemotron": "squared_relu", "gemma": "geglu"}.get(kind, "swiglu"),
+        "activation": "squared_relu" if kind == "nemotron" else "swiglu",
         "position_embedding": "rope",
         "bias": False,
         "qkv_bias": kind == "qwen2",
@@ -419,7 +399,7 @@ def model_from_hf_config(hf: dict) -> dict:
         "qk_norm_per_head": kind != "olmo2",  # OLMo 2 normalises the whole q and k projections
         "norm_placement": "output" if kind == "olmo2" else "input",
         **(_granite_fields(hf) if kind == "granite" else {}),
-        **({"embedding_multiplier": gemma_embedding_multiplier(hf["hidden_size"])} if gemma else {}),
+        **(gemma_fields(hf) if gemma else {}),
     }
 
 
@@ -428,7 +408,7 @@ def _norm_eps(hf: dict) -> float:
     rms_norm_eps, 1e-6 if absent; the others' rms_norm_eps, required)."""
     if hf.get("model_type") == "nemotron":
         return hf.get("norm_eps", 1e-5)
-    return hf.get("rms_norm_eps", 1e-6) if hf.get("model_type") == "gemma" else hf["rms_norm_eps"]
+    return hf.get("rms_norm_eps", 1e-6) if hf.get("model_type") in GEMMA_MODEL_TYPES else hf["rms_norm_eps"]
 
 
 def _granite_fields(hf: dict) -> dict:

@@ -148,7 +148,8 @@ def _block_parameters(m: ModelConfig, tp: int, sequence_parallel: bool) -> list[
         out += [_Param(hd, tp > 1) for _ in range(2 * len(norm))]
     elif m.qk_norm:  # split with the heads (rmsnorm only)
         out += [_Param(q // tp), _Param(kv // tp)]
-    out += [*norm, _matrix(fc1 // tp, h)] + ([_Param(fc1 // tp)] if m.bias else [])
+    sandwich = norm if m.norm_placement == "both" else []  # attention_output_norm's, then mlp_output_norm's
+    out += [*sandwich, *norm, *sandwich, _matrix(fc1 // tp, h)] + ([_Param(fc1 // tp)] if m.bias else [])
     out += [_matrix(h, f // tp)] + ([_Param(h, sequence_parallel)] if m.bias else [])
     return out
 

@@ -95,6 +95,11 @@ class LoomConfig:
                 f"model.attention_backend = {backend} with parallel.cp = {self.parallel.cp}: ring attention runs "
                 "flash kernels of its own; use --model.attention_backend auto"
             )
+        if backend == "flash" and self.model.windowed:
+            raise ConfigError(
+                f"model.attention_backend = flash takes no mask, and model.sliding_window = "
+                f"{self.model.sliding_window} needs one; use --model.attention_backend auto (or efficient)"
+            )
         if backend in ("flash", "cudnn") and self.train.precision == "fp32":
             raise ConfigError(
                 f"model.attention_backend = {backend} is a CUDA kernel for bf16 or fp16, not train.precision = fp32; "
@@ -165,7 +170,14 @@ class LoomConfig:
         unread = [
             (
                 m,
-                ("rope_theta", "rope_scaling", "rotary_percent", "rope_original_max_positions", *readers),
+                (
+                    "rope_theta",
+                    "rope_local_theta",
+                    "rope_scaling",
+                    "rotary_percent",
+                    "rope_original_max_positions",
+                    *readers,
+                ),
                 m.position_embedding != "rope",
                 "model.position_embedding = learned",
             ),
@@ -182,6 +194,12 @@ class LoomConfig:
                 f"model.rope_scaling = {m.rope_scaling}",
             ),
             (m, ("qk_norm_per_head",), not m.qk_norm, "model.qk_norm = false (no query/key norms)"),
+            (
+                m,
+                ("full_attention_interval", "rope_local_theta"),
+                not m.windowed,
+                "no sliding-window layer (model.sliding_window unset, or model.full_attention_interval = 1)",
+            ),
             (o, ("momentum",), o.name != "sgd", f"optim.name = {o.name} (it is SGD's)"),
             (o, ("beta1", "beta2", "eps"), o.name in ("sgd", "adafactor"), f"optim.name = {o.name}"),
             (

@@ -36,7 +36,12 @@ class ModelConfig:
     position_embedding: Literal["rope", "learned"] = "rope"
     """Rotary position embedding (Llama) or a learned absolute table (GPT-2)."""
     rope_theta: float = 10000.0
-    """Base of the rotary frequencies."""
+    """Base of the rotary frequencies (of the full-attention layers, where model.rope_local_theta sets the
+    sliding-window layers' apart)."""
+    rope_local_theta: float | None = None
+    """Base of the rotary frequencies in the sliding-window layers (Gemma 3's rope_local_base_freq: 10k there, 1M
+    in its full-attention layers); None means model.rope_theta. Long-context scaling (model.rope_scaling) turns
+    the full-attention layers' alone when this is set."""
     rotary_percent: float = 1.0
     """Fraction of each head's width the rotary embedding turns (Megatron's --rotary-percent, Hugging Face's
     partial_rotary_factor; GPT-NeoX and Phi-4-mini rotate part of it): its first int(head_dim x this) channels,
@@ -81,17 +86,27 @@ class ModelConfig:
     and at the end."""
     norm_eps: float = 1e-5
     """Epsilon inside the normalisation."""
-    norm_placement: Literal["input", "output"] = "input"
-    """Where each block's two norms sit: input (pre-norm; GPT-2, Llama, Megatron) normalises what enters attention
+    norm_placement: Literal["input", "output", "both"] = "input"
+    """Where each block's norms sit: input (pre-norm; GPT-2, Llama, Megatron) normalises what enters attention
     and the MLP; output (OLMo 2's reordered norm) normalises what attention and the MLP return, before it joins the
-    residual stream (x + norm(attention(x))), and the stream enters them unnormalised. The final norm is there in
-    both."""
+    residual stream (x + norm(attention(x))), and the stream enters them unnormalised; both (Gemma 2's and 3's
+    sandwich) does the two, four norms a block: x + norm(attention(norm(x))). The final norm is there in all."""
     activation: Literal["swiglu", "geglu", "gelu", "squared_relu"] = "swiglu"
     """MLP non-linearity: gated SiLU (SwiGLU: Llama), gated GELU (GeGLU, the tanh approximation: Gemma's
     gelu_pytorch_tanh), GELU (tanh approximation: GPT) or squared ReLU, relu(x)^2 (Nemotron-4, Minitron; Megatron's
     --squared-relu). The gated two take FC1's output as a gate half and an up half (model.gated_mlp)."""
     bias: bool = False
     """Biases in the linear layers (GPT-2 style)."""
+    sliding_window: int | None = None
+    """Sliding-window attention: in the layers model.full_attention_interval leaves windowed, each position attends
+    to itself and the sliding_window - 1 positions before it (Hugging Face's sliding_window; Mistral's 4096,
+    Gemma 3's 512); None means every layer attends to every earlier position. Computed with an explicit mask
+    (torch SDPA): no context parallelism, not model.attention_backend = flash, not Transformer Engine's
+    attention."""
+    full_attention_interval: int | None = None
+    """With model.sliding_window: every this-many-th layer (counting from 1: layers N, 2N, ...) attends to every
+    earlier position, the others within the window (Gemma 3's 6, Gemma 2's 2; Megatron's --window-attn-skip-freq);
+    None means every layer slides (Mistral)."""
     qk_norm: bool = False
     """Normalise the queries and keys (model.norm's kind) before the rotary embedding: each head over head_dim,
     one weight shared by all heads (Qwen3's q_norm / k_norm, Megatron's --qk-layernorm), or all heads at once
@@ -235,6 +250,12 @@ class ModelConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
+        check_positive(
+            s,
+            sliding_window=self.sliding_window,
+            full_attention_interval=self.full_attention_interval,
+            rope_local_theta=self.rope_local_theta,
+        )
 
     def _check_longrope_factors(self) -> None:
         if self.rope_original_max_positions < 2:  # its logarithm divides the attention factor's
@@ -263,6 +284,18 @@ class ModelConfig:
         """Channels of each head the rotary embedding turns (the first ones), as Megatron and Hugging Face count
         them."""
         return int(self.head_dim * self.rotary_percent)
+
+    def attention_window(self, layer: int) -> int | None:
+        """The sliding window of block `layer` (0-based), or None where it attends to every earlier position."""
+        if self.sliding_window is None:
+            return None
+        interval = self.full_attention_interval
+        return None if interval is not None and (layer + 1) % interval == 0 else self.sliding_window
+
+    @property
+    def windowed(self) -> bool:
+        """Whether some layer attends within a sliding window."""
+        return any(self.attention_window(layer) is not None for layer in range(self.num_layers))
 
     @property
     def gated_mlp(self) -> bool:
@@ -294,6 +327,11 @@ class ModelConfig:
             return "parallel.cp > 1 needs model.position_embedding = rope (learned positions are not split)"
         if self.dropout:
             return f"parallel.cp > 1 needs model.dropout = 0 (got {self.dropout}): ring attention has none"
+        if self.windowed:
+            return (
+                f"parallel.cp > 1 with model.sliding_window = {self.sliding_window}: ring attention attends to "
+                "every earlier position"
+            )
         return None
 
     def check_tensor_parallel(self, tp: int) -> None:

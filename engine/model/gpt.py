@@ -14,7 +14,14 @@ from loom.engine.config import ModelConfig
 from loom.engine.model import naming
 from loom.engine.model.fp8 import Fp8OutputLayer
 from loom.engine.model.kernels import Kernels
-from loom.engine.model.transformer import LayerCache, TransformerBlock, build_norm, rotary_tables
+from loom.engine.model.transformer import (
+    LayerCache,
+    TransformerBlock,
+    build_norm,
+    rotary_tables,
+    uses_local_rotary,
+    window_mask,
+)
 from loom.engine.parallel import mappings
 from loom.engine.parallel.context import local_positions
 from loom.engine.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -84,7 +91,9 @@ class GPTModel(torch.nn.Module):
                 )
         self.layers = torch.nn.ModuleDict(
             {
-                str(i): TransformerBlock(config, tp_group, self.sequence_parallel, streams, kernels, cp_group)
+                str(i): TransformerBlock(
+                    config, tp_group, self.sequence_parallel, streams, kernels, cp_group, config.attention_window(i)
+                )
                 for i in layer_ids
             }
         )
@@ -114,15 +123,15 @@ class GPTModel(torch.nn.Module):
             name = naming.global_name(module_name, param_info(param).tied_copy)
             update_param_info(param, name=name, layer=naming.layer_index(name), no_decay=naming.no_decay(name))
 
-    def _rotary(self, seq_length: int, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _rotary(self, seq_length: int, device, local: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The rotary tables of the positions this rank holds: 0..seq_length-1, or under context parallelism its
-        two chunks of a sequence cp times as long."""
+        two chunks of a sequence cp times as long (`local`: a sliding-window layer's, rotary_tables)."""
         if self.config.position_embedding != "rope":
             return None
-        key = (seq_length, str(device))
+        key = (seq_length, str(device), local)
         if key not in self._rotary_cache:
             cp = mappings.group_size(self.cp_group)
-            tables = rotary_tables(seq_length * cp, self.config, device)
+            tables = rotary_tables(seq_length * cp, self.config, device, local=local)
             if cp > 1:
                 index = local_positions(seq_length * cp, cp, mappings.group_rank(self.cp_group)).to(device)
                 tables = tuple(table[index] for table in tables)
@@ -167,8 +176,9 @@ class GPTModel(torch.nn.Module):
             hidden = self.embed(tokens, first_position=start)
         # the new positions' rows alone: a table per decoded length, kept, grew with the square of the text
         rope = self.config.position_embedding == "rope"
-        rotary = rotary_tables(start + s, self.config, hidden.device, first_position=start) if rope else None
         for index, block in self.layers.items():
+            local = uses_local_rotary(self.config, block.window)
+            rotary = rotary_tables(start + s, self.config, hidden.device, start, local) if rope else None
             hidden = block(hidden, rotary, cache.layer(index))
         cache.length += s
         return self.output_logits(hidden) if self.post_process else hidden
@@ -202,16 +212,22 @@ class GPTModel(torch.nn.Module):
         if self.pre_process:
             hidden = self._embedding_dropout(self.embed(tokens))
         seq_length = hidden.shape[0] * (mappings.group_size(self.tp_group) if self.sequence_parallel else 1)
-        rotary = self._rotary(seq_length, hidden.device)
         full_recompute = self.config.recompute == "full" and self.training
         gather = self.param_gather
+        masks = {}  # one per window size, shared by its layers (so saved once for backward)
         for i, block in enumerate(self.layers.values()):
             if gather is not None:
                 gather.before_forward(units[i], prefetch=units[i + 1] if i + 1 < len(units) else None, input=hidden)
+            rotary = self._rotary(seq_length, hidden.device, uses_local_rotary(self.config, block.window))
+            mask = None
+            if block.window is not None and block.window < seq_length:  # a window as long as the text masks nothing
+                if block.window not in masks:
+                    masks[block.window] = window_mask(seq_length, block.window, hidden.device)
+                mask = masks[block.window]
             if full_recompute:
-                hidden = checkpointed(block, self.streams, hidden, rotary)
+                hidden = checkpointed(block, self.streams, hidden, rotary, None, mask)
             else:
-                hidden = block(hidden, rotary)
+                hidden = block(hidden, rotary, None, mask)
             if gather is not None:
                 gather.after_forward(units[i], hidden, previous=units[i - 1] if i > 0 else None)
         if not self.post_process:

@@ -36,6 +36,11 @@ ATTENTION_OUTPUT_WEIGHT = "attention.proj.weight"
 MLP_NORM_WEIGHT = "mlp_norm.weight"
 MLP_NORM_BIAS = "mlp_norm.bias"
 FC1_WEIGHT = "mlp.fc1.weight"
+# model.norm_placement = both (Gemma's sandwich): the norms on what attention and the MLP return
+ATTENTION_OUTPUT_NORM_WEIGHT = "attention_output_norm.weight"
+ATTENTION_OUTPUT_NORM_BIAS = "attention_output_norm.bias"
+MLP_OUTPUT_NORM_WEIGHT = "mlp_output_norm.weight"
+MLP_OUTPUT_NORM_BIAS = "mlp_output_norm.bias"
 FC2_WEIGHT = "mlp.fc2.weight"
 
 _BEFORE_BLOCKS = (EMBEDDING, POSITION_EMBEDDING)

@@ -1,5 +1,6 @@
 """One transformer block: norm -> attention -> residual, norm -> MLP -> residual (or, under model.norm_placement =
-output, attention -> norm -> residual, MLP -> norm -> residual).
+output, attention -> norm -> residual, MLP -> norm -> residual; under both, norm -> attention -> norm -> residual,
+norm -> MLP -> norm -> residual).
 
 Activations are [sequence, batch, hidden], split along the sequence across TP ranks when
 sequence parallelism is on. Attention heads and MLP columns are split across TP ranks. This
@@ -82,11 +83,14 @@ def build_norm(config: ModelConfig, tp_size: int, sequence_parallel: bool, kerne
     return Norm(config, tp_size, sequence_parallel, kernels.norm_function(config.norm))
 
 
-def rotary_frequencies(config: ModelConfig, seq_length: int, device=None) -> torch.Tensor:
+def rotary_frequencies(config: ModelConfig, seq_length: int, device=None, local: bool = False) -> torch.Tensor:
     """The rotary_dim/2 angular frequencies of the rotary embedding in sequences of `seq_length` tokens, with
-    config.rope_scaling applied."""
+    config.rope_scaling applied (`local`: a sliding-window layer's, of base model.rope_local_theta, unscaled,
+    where that is set)."""
     width = config.rotary_dim
     exponents = torch.arange(0, width, 2, device=device).float() / width
+    if local and config.rope_local_theta is not None:
+        return 1.0 / config.rope_local_theta**exponents
     if config.rope_scaling == "longrope":  # the divisors of the context the sequence needs (Hugging Face's rule)
         long = seq_length > config.rope_original_max_positions
         factors = config.rope_long_factors if long else config.rope_short_factors
@@ -128,17 +132,32 @@ def _llama3_scaled(frequencies: torch.Tensor, config: ModelConfig) -> torch.Tens
 
 
 def rotary_tables(
-    seq_length: int, config: ModelConfig, device, first_position: int = 0
+    seq_length: int, config: ModelConfig, device, first_position: int = 0, local: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of shape [s, 1, 1, rotary_dim] for the rotate-half (Hugging Face Llama) convention, for the
-    positions first_position .. seq_length - 1 of a sequence of seq_length tokens (decoding wants the new ones)."""
+    positions first_position .. seq_length - 1 of a sequence of seq_length tokens (decoding wants the new ones);
+    `local`: a sliding-window layer's (rotary_frequencies)."""
     positions = torch.arange(first_position, seq_length, dtype=torch.float32, device=device)
-    angles = torch.outer(positions, rotary_frequencies(config, seq_length, device))
+    angles = torch.outer(positions, rotary_frequencies(config, seq_length, device, local))
     angles = torch.cat([angles, angles], dim=-1)[:, None, None, :]
+    if local and config.rope_local_theta is not None:
+        return angles.cos(), angles.sin()
     if config.rope_scaling in ("longrope", "yarn"):
         scale = config.rope_attention_factor
         return angles.cos() * scale, angles.sin() * scale
     return angles.cos(), angles.sin()
+
+
+def uses_local_rotary(config: ModelConfig, window: int | None) -> bool:
+    """Whether a layer with sliding window `window` turns by the local rotary tables (model.rope_local_theta)."""
+    return window is not None and config.rope_local_theta is not None
+
+
+def window_mask(seq_length: int, window: int, device) -> torch.Tensor:
+    """SDPA's boolean mask [s, s] of causal attention within a sliding window: query i attends to keys
+    i - window + 1 .. i."""
+    distance = torch.arange(seq_length, device=device)[:, None] - torch.arange(seq_length, device=device)[None, :]
+    return (distance >= 0) & (distance < window)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -160,10 +179,13 @@ class Attention(torch.nn.Module):
         streams: RNGStreams | None,
         kernels: Kernels,
         cp_group=None,
+        window: int | None = None,
     ):
-        """`cp_group`: the ranks the sequence is split over (ring attention, engine/parallel/context.py)."""
+        """`cp_group`: the ranks the sequence is split over (ring attention, engine/parallel/context.py); `window`:
+        the sliding window (model.sliding_window) where this layer has one."""
         super().__init__()
         tp = mappings.group_size(tp_group)
+        self.window = window
         self.cp_group = cp_group if mappings.group_size(cp_group) > 1 else None
         self.head_dim = config.head_dim
         self.local_heads = config.num_heads // tp
@@ -204,7 +226,10 @@ class Attention(torch.nn.Module):
             self.q_norm = Norm(config, tp, tp > 1, function, width=config.head_dim)
             self.k_norm = Norm(config, tp, tp > 1, function, width=config.head_dim)
 
-    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def core_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`mask`: window_mask's, in a sliding-window layer."""
         s, b = q.shape[:2]
         if self.cp_group is not None:  # this rank's two chunks of the sequence, the rest around the ring
             q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
@@ -213,7 +238,8 @@ class Attention(torch.nn.Module):
         if self.fused_attention is not None:  # TE: takes and returns the [s, b, ...] layout directly
             return self.fused_attention(q, k, v)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-        if self.repeat_kv:
+        # CUDA's kernels that take a mask take no grouped-query heads (flash takes none): repeated as for them
+        if self.repeat_kv or (mask is not None and q.is_cuda and self.local_kv_heads != self.local_heads):
             k, v = (t.repeat_interleave(self.local_heads // self.local_kv_heads, dim=1) for t in (k, v))
         dropout = self.dropout if self.training else 0.0
         with self.streams.fork("tensor") if (dropout and self.streams) else contextlib.nullcontext():
@@ -221,7 +247,8 @@ class Attention(torch.nn.Module):
                 q,
                 k,
                 v,
-                is_causal=True,
+                attn_mask=mask,
+                is_causal=mask is None,
                 dropout_p=dropout,
                 enable_gqa=k.shape[1] != self.local_heads,
                 scale=self.softmax_scale,
@@ -229,8 +256,13 @@ class Attention(torch.nn.Module):
         return out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)
 
     def forward(
-        self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None, cache: LayerCache | None = None
+        self,
+        x: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None,
+        cache: LayerCache | None = None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """`mask`: window_mask's, in a sliding-window layer (decoding makes its own)."""
         qkv = self.qkv(x)
         s, b = qkv.shape[:2]
         q_width, kv_width = self.local_heads * self.head_dim, self.local_kv_heads * self.head_dim
@@ -247,17 +279,19 @@ class Attention(torch.nn.Module):
         if self.selective_recompute and self.training:
             # Without dropout nothing random is replayed: a plain checkpoint, which torch.compile keeps in the
             # block's one graph (the replay's bookkeeping is a side effect that would break it in four).
-            out = checkpointed(self.core_attention, self.streams if self.dropout else None, q, k, v)
+            out = checkpointed(self.core_attention, self.streams if self.dropout else None, q, k, v, mask)
         else:
-            out = self.core_attention(q, k, v)
+            out = self.core_attention(q, k, v, mask)
         return self.proj(out)
 
     def _cached_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache) -> torch.Tensor:
-        """Decoding: the new positions attend to every cached one and causally among themselves."""
+        """Decoding: the new positions attend to every cached one (within the window, in a sliding-window layer)
+        and causally among themselves."""
         k, v = cache.append(k, v)
         s, b, total = q.shape[0], q.shape[1], k.shape[0]
         new_positions = torch.arange(total - s, total, device=q.device)
-        mask = torch.arange(total, device=q.device)[None, :] <= new_positions[:, None]
+        distance = new_positions[:, None] - torch.arange(total, device=q.device)[None, :]
+        mask = (distance >= 0) & (distance < (self.window or total))
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, enable_gqa=self.local_kv_heads != self.local_heads, scale=self.softmax_scale
@@ -321,20 +355,27 @@ class TransformerBlock(torch.nn.Module):
         streams: RNGStreams | None,
         kernels: Kernels | None = None,
         cp_group=None,
+        window: int | None = None,
     ):
+        """`window`: this layer's sliding window (ModelConfig.attention_window), None for full attention."""
         super().__init__()
         kernels = kernels or Kernels.native()
         tp = mappings.group_size(tp_group)
         output_std = config.init_std / math.sqrt(2 * config.num_layers)
+        self.window = window
         self.input_norm = build_norm(config, tp, sequence_parallel, kernels)
-        self.attention = Attention(config, tp_group, sequence_parallel, output_std, streams, kernels, cp_group)
+        self.attention = Attention(config, tp_group, sequence_parallel, output_std, streams, kernels, cp_group, window)
+        if config.norm_placement == "both":  # Gemma's sandwich: these normalise what attention and the MLP return
+            self.attention_output_norm = build_norm(config, tp, sequence_parallel, kernels)
         self.mlp_norm = build_norm(config, tp, sequence_parallel, kernels)
+        if config.norm_placement == "both":
+            self.mlp_output_norm = build_norm(config, tp, sequence_parallel, kernels)
         self.mlp = MLP(config, tp_group, sequence_parallel, output_std, kernels)
         self.kernels, self.tp_group = kernels, tp_group
         self.dropout, self.streams = config.dropout, streams
         self.residual_stream = hidden_state_stream(sequence_parallel)
         self.residual_multiplier = config.residual_multiplier
-        self.norms_outputs = config.norm_placement == "output"
+        self.norm_placement = config.norm_placement
 
     def _residual_dropout(self, x: torch.Tensor) -> torch.Tensor:
         if self.residual_multiplier != 1.0:
@@ -344,11 +385,19 @@ class TransformerBlock(torch.nn.Module):
         with self.streams.fork(self.residual_stream):
             return F.dropout(x, self.dropout)
 
-    def forward(self, x: torch.Tensor, rotary, cache: LayerCache | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rotary, cache: LayerCache | None = None, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`mask`: window_mask's, in a sliding-window layer."""
         # Per block (as Megatron does), so a recomputed block runs in the same FP8 region.
         with self.kernels.fp8_autocast(self.tp_group):
-            if self.norms_outputs:  # model.norm_placement = output
-                x = x + self._residual_dropout(self.input_norm(self.attention(in_compute_dtype(x), rotary, cache)))
+            if self.norm_placement == "output":
+                attended = self.attention(in_compute_dtype(x), rotary, cache, mask)
+                x = x + self._residual_dropout(self.input_norm(attended))
                 return x + self._residual_dropout(self.mlp_norm(self.mlp(in_compute_dtype(x))))
-            x = x + self._residual_dropout(self.attention(self.input_norm(x), rotary, cache))
+            attended = self.attention(self.input_norm(x), rotary, cache, mask)
+            if self.norm_placement == "both":
+                x = x + self._residual_dropout(self.attention_output_norm(attended))
+                return x + self._residual_dropout(self.mlp_output_norm(self.mlp(self.mlp_norm(x))))
+            x = x + self._residual_dropout(attended)
             return x + self._residual_dropout(self.mlp(self.mlp_norm(x)))

@@ -1,0 +1,211 @@
+"""Gemma's forms in Hugging Face's files (tools/hf_forms.py asks here): Gemma (GemmaForCausalLM), Gemma 2
+(Gemma2ForCausalLM) and Gemma 3's text model (Gemma3ForCausalLM, model_type gemma3_text) are Llamas with a gated
+tanh GELU (model.activation = geglu), RMSNorm weights stored minus one (tools/hf.py adds and takes off the one),
+embeddings scaled by sqrt(hidden_size) and, from Gemma 2 on, sandwich norms (model.norm_placement = both), a score
+factor of query_pre_attn_scalar^-1/2 (model.attention_scale) and sliding-window layers (model.sliding_window,
+model.full_attention_interval); Gemma 3 adds query/key norms per head and its own rotary base in the windowed layers
+(model.rope_local_theta). Gemma 2's soft-capped scores and logits have no loom form: refused."""
+
+from __future__ import annotations
+
+import math
+
+from loom.engine.checkpoint.format import CheckpointError
+
+GEMMA_MODEL_TYPES = ("gemma", "gemma2", "gemma3_text")
+"""config.json's model_type of each Gemma generation import-hf reads."""
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+"""Hugging Face's layer_types."""
+
+_DEFAULT_INTERVAL = {"gemma2": 2, "gemma3_text": 6}
+"""Every how-many-th layer attends fully where a file has no layer_types: Gemma2Config's alternation, Gemma 3's
+sliding_window_pattern default."""
+
+
+def gemma_form(model: dict) -> bool:
+    """Whether a Llama-shaped loom model exports as a Gemma: transformers' Gemma classes alone have a gated GELU MLP
+    (they scale the embeddings by sqrt(hidden_size) and store RMSNorm weights minus one)."""
+    return model["activation"] == "geglu"
+
+
+def gemma_generation(model: dict) -> str:
+    """The model_type a Gemma-form model exports as: gemma3_text with sandwich norms and query/key norms, gemma2
+    with sandwich norms alone, gemma otherwise."""
+    if model["norm_placement"] != "both":
+        return "gemma"
+    return "gemma3_text" if model["qk_norm"] else "gemma2"
+
+
+def gemma_embedding_multiplier(hidden_size: int) -> float:
+    """What Gemma multiplies its token embeddings by: sqrt(hidden_size) (its ScaledWordEmbedding's scale)."""
+    return hidden_size**0.5
+
+
+def windowed(model: dict) -> bool:
+    """Whether some layer of the model (ModelConfig's fields) attends within a sliding window."""
+    return model["sliding_window"] is not None and model["full_attention_interval"] != 1
+
+
+def gemma_form_refusals(model: dict) -> dict:
+    """What keeps a model from exporting as the Gemma its settings make it (or a non-Gemma one with sandwich norms
+    or sliding windows from exporting at all): {why: True}."""
+    if not gemma_form(model):
+        unlike = {"norm_placement both": model["norm_placement"] == "both", "a sliding window": windowed(model)}
+        return {f"{k} without geglu (only transformers' Gemma 2 and 3 have it)": True for k, v in unlike.items() if v}
+    generation = gemma_generation(model)
+    sandwich = generation != "gemma"
+    unlike = {
+        "norm": model["norm"] != "rmsnorm",
+        "qkv_bias": model["qkv_bias"],
+        "rotary_percent < 1": model["rotary_percent"] < 1,
+        "norm_placement output": model["norm_placement"] == "output",
+        "query/key norms (Gemma 3's need sandwich norms)": model["qk_norm"] and not sandwich,
+        "query/key norms across all heads": model["qk_norm"] and not model["qk_norm_per_head"],
+        "Granite's multipliers": any(model[field] != 1.0 for field in ("residual_multiplier", "logits_divisor")),
+        "an attention_scale (Gemma 2 and 3's query_pre_attn_scalar)": model["attention_scale"] is not None
+        and not sandwich,
+        "a sliding window (Gemma 2 and 3's need sandwich norms)": windowed(model) and not sandwich,
+        "rope_local_theta (Gemma 3's)": model["rope_local_theta"] is not None and generation != "gemma3_text",
+        "rope scaling": model["rope_scaling"] != "none",
+        f"an embedding_multiplier other than sqrt(hidden_size) = {math.sqrt(model['hidden_size'])}": (
+            model["embedding_multiplier"] != gemma_embedding_multiplier(model["hidden_size"])
+        ),
+    }
+    return {f"geglu (Gemma's) with {k}": True for k, v in unlike.items() if v}
+
+
+def gemma_architecture(model: dict) -> dict:
+    """The config.json fields of a Gemma-form model's class (hf_config writes the shape around them)."""
+    generation = gemma_generation(model)
+    names = {"gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+    # GemmaConfig's token ids default to Gemma's own (pad 0, eos 1, bos 2): none unless known; transformers 4 reads
+    # hidden_activation, 5 hidden_act (Gemma), hidden_activation (Gemma 2, 3)
+    fields = {
+        "architectures": [names[generation]],
+        "model_type": generation,
+        "attention_bias": False,
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        **dict.fromkeys(("bos_token_id", "eos_token_id", "pad_token_id")),
+    }
+    if generation == "gemma":
+        return fields
+    scale = model["attention_scale"] or model["head_dim"] ** -0.5
+    scalar = scale**-2
+    interval = model["full_attention_interval"]
+    types = [
+        SLIDING if windowed(model) and (interval is None or (i + 1) % interval) else FULL
+        for i in range(model["num_layers"])
+    ]
+    fields.update(
+        query_pre_attn_scalar=round(scalar) if math.isclose(scalar, round(scalar), rel_tol=1e-12) else scalar,
+        sliding_window=model["sliding_window"] if windowed(model) else None,
+        layer_types=types,
+        final_logit_softcapping=None,
+        attn_logit_softcapping=None,
+        use_bidirectional_attention=False,
+    )
+    if generation == "gemma3_text":  # a rotary base per kind of layer (transformers 4: rope_local_base_freq)
+        local = model["rope_local_theta"] or model["rope_theta"]
+        fields.update(
+            rope_parameters={
+                FULL: {"rope_type": "default", "rope_theta": model["rope_theta"]},
+                SLIDING: {"rope_type": "default", "rope_theta": local},
+            },
+            rope_local_base_freq=local,
+        )
+    return fields
+
+
+def refuse_unrepresentable_gemma(hf: dict) -> None:
+    """A Gemma config.json's settings loom cannot compute alike: soft-capping (Gemma 2's), bidirectional
+    attention, an activation other than the tanh GELU."""
+    # transformers 4 computes hidden_activation (Gemma: None means the tanh GELU), 5 hidden_act for Gemma (its
+    # first files' "gelu" taken as the tanh GELU); both compute hidden_activation for Gemma 2 and 3
+    read = ("hidden_activation", "hidden_act") if hf.get("model_type") == "gemma" else ("hidden_activation",)
+    for key in read:
+        if hf.get(key) not in (None, "gelu_pytorch_tanh", "gelu"):
+            raise CheckpointError(
+                f"config.json's {key} is {hf[key]!r}; loom's Gemma form gates the tanh GELU (gelu_pytorch_tanh)"
+            )
+    if hf.get("model_type") == "gemma":
+        return
+    defaults = {"final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0} if hf["model_type"] == "gemma2" else {}
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        cap = hf.get(key, defaults.get(key))
+        if cap is not None:
+            raise CheckpointError(
+                f"config.json's {key} is {cap} (Gemma 2's tanh soft-capping); loom computes uncapped scores and logits"
+            )
+    if hf.get("use_bidirectional_attention"):
+        raise CheckpointError("config.json sets use_bidirectional_attention (an encoder); loom's attention is causal")
+
+
+def gemma_fields(hf: dict) -> dict:
+    """The [model] fields that make a loom model the Gemma a config.json describes (the shape aside)."""
+    kind = hf["model_type"]
+    fields = {
+        "activation": "geglu",
+        "embedding_multiplier": gemma_embedding_multiplier(hf["hidden_size"]),
+        "tie_embeddings": hf.get("tie_word_embeddings", True),  # Gemma's configs tie unless told
+    }
+    if kind == "gemma":
+        return fields
+    head_dim = hf.get("head_dim", 256)
+    scalar = hf.get("query_pre_attn_scalar", 256)
+    fields.update(
+        norm_placement="both",
+        qk_norm=kind == "gemma3_text",
+        attention_scale=None if scalar == head_dim else float(scalar) ** -0.5,
+        **_window_fields(hf),
+    )
+    return fields
+
+
+def _window_fields(hf: dict) -> dict:
+    """sliding_window and full_attention_interval from layer_types (or, where a file has none, the every-Nth
+    pattern its class assumes); a pattern loom's interval cannot say is refused."""
+    layers = hf["num_hidden_layers"]
+    interval = hf.get("sliding_window_pattern", _DEFAULT_INTERVAL[hf["model_type"]])
+    types = hf.get("layer_types") or [SLIDING if (i + 1) % interval else FULL for i in range(layers)]
+    if len(types) != layers or set(types) - {SLIDING, FULL}:
+        raise CheckpointError(
+            f"config.json's layer_types {types} is not one of {SLIDING} or {FULL} for each of its {layers} layers"
+        )
+    if SLIDING not in types:
+        return {"sliding_window": None, "full_attention_interval": None}
+    window = hf.get("sliding_window")
+    if type(window) is not int or window < 1:
+        raise CheckpointError(f"config.json's sliding_window {window!r} is not a number of tokens")
+    if FULL not in types:
+        return {"sliding_window": window, "full_attention_interval": None}
+    interval = types.index(FULL) + 1
+    if types != [SLIDING if (i + 1) % interval else FULL for i in range(layers)]:
+        raise CheckpointError(
+            f"config.json's layer_types attend fully in layers {[i for i, t in enumerate(types) if t == FULL]}; "
+            "loom's model.full_attention_interval makes every N-th layer full (N, 2N, ... counting from 1)"
+        )
+    return {"sliding_window": window, "full_attention_interval": interval}
+
+
+def gemma3_rope_fields(hf: dict) -> dict:
+    """Gemma 3's rotary bases: one for its full-attention layers and one for its sliding-window layers, in
+    transformers 5's per-layer-type rope_parameters or transformers 4's rope_theta and rope_local_base_freq (as
+    Gemma3TextConfig reads them); scaled RoPE (its larger models') is refused."""
+    per_type = hf.get("rope_parameters")
+    legacy = hf.get("rope_scaling")
+    if not (isinstance(per_type, dict) and per_type and all(isinstance(v, dict) for v in per_type.values())):
+        per_type = {}
+    full = {**per_type.get(FULL, {}), **(legacy if isinstance(legacy, dict) else {})}
+    sliding = dict(per_type.get(SLIDING, {}))
+    for name, rope in ((FULL, full), (SLIDING, sliding)):
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind != "default":
+            raise CheckpointError(
+                f"config.json's {name} layers have {kind} RoPE; loom imports Gemma 3 with unscaled RoPE"
+            )
+    return {
+        "rope_theta": float(full.get("rope_theta", hf.get("rope_theta", 1_000_000.0))),
+        "rope_local_theta": float(sliding.get("rope_theta", hf.get("rope_local_base_freq", 10_000.0))),
+    }
