@@ -10,7 +10,7 @@ import pytest
 from loom.engine.config import ConfigError
 from loom.engine.config_io import config_to_toml, load_config, parse_overrides
 
-PRESETS = {"tiny": 1, "gpt-125m": 8, "llama-1b": 8, "llama-8b": 16, "olmo2-1b": 8, "gemma-2b": 8}
+PRESETS = {"tiny": 1, "gpt-125m": 8, "llama-1b": 8, "llama-8b": 16, "olmo2-1b": 8, "gemma-2b": 8, "gemma3-1b": 8}
 
 
 @pytest.mark.parametrize("name, world", PRESETS.items())
@@ -336,8 +336,33 @@ def test_settings_a_config_never_reads_are_named():
     assert load_config("tiny", ["--model.qk_norm_per_head", "false"]).settings_without_effect() == [
         "model.qk_norm_per_head = False has no effect with model.qk_norm = false (no query/key norms)"
     ]
-    for preset in ("tiny", "gpt-125m", "llama-1b", "llama-8b", "llama-70b", "olmo2-1b", "gemma-2b"):
+    assert load_config("tiny", ["--model.full_attention_interval", "2"]).settings_without_effect() == [
+        "model.full_attention_interval = 2 has no effect with no sliding-window layer (model.sliding_window unset, or "
+        "model.full_attention_interval = 1)"
+    ]
+    every_layer_full = ["--model.sliding_window", "8", "--model.full_attention_interval", "1"]
+    assert load_config("tiny", [*every_layer_full, "--model.rope_local_theta", "100"]).settings_without_effect() == [
+        "model.full_attention_interval = 1, model.rope_local_theta = 100.0 have no effect with no sliding-window "
+        "layer (model.sliding_window unset, or model.full_attention_interval = 1)"
+    ]
+    for preset in ("tiny", "gpt-125m", "llama-1b", "llama-8b", "llama-70b", "olmo2-1b", "gemma-2b", "gemma3-1b"):
         assert load_config(preset).settings_without_effect() == [], preset
+
+
+def test_sliding_windows_are_refused_where_loom_cannot_compute_them():
+    """Ring attention attends to every earlier position, and torch's flash kernel takes no mask: a sliding window
+    with either is refused in one line rather than computed as full attention."""
+    windowed = ["--model.sliding_window", "16"]
+    with pytest.raises(ConfigError, match="parallel.cp > 1 with model.sliding_window = 16: ring attention"):
+        load_config("tiny", [*windowed, "--parallel.cp", "2", "--train.seq_length", "64"]).resolve_world(2)
+    with pytest.raises(ConfigError, match="attention_backend = flash takes no mask"):
+        load_config("tiny", [*windowed, "--model.attention_backend", "flash", "--train.precision", "bf16"])
+    # every layer full (an interval of 1) is no window at all: flash and ring attention compute it
+    full = load_config("tiny", [*windowed, "--model.full_attention_interval", "1", "--parallel.cp", "2"])
+    full.resolve_world(2)
+    assert [full.model.attention_window(layer) for layer in range(4)] == [None] * 4
+    gemma3 = load_config("tiny", [*windowed, "--model.full_attention_interval", "3"]).model
+    assert [gemma3.attention_window(layer) for layer in range(4)] == [16, 16, None, 16]
 
 
 def test_the_config_reference_page_is_current_and_documents_every_field():

@@ -21,6 +21,7 @@ from loom.engine.model.gpt import GPTModel
         {"qkv_bias": True},
         {"qk_norm": True},
         {"qk_norm": True, "qk_norm_per_head": False, "norm_placement": "output"},  # OLMo 2's
+        {"qk_norm": True, "norm_placement": "both", "activation": "geglu"},  # Gemma 3's
         {
             "norm": "layernorm",
             "activation": "gelu",
@@ -174,21 +175,23 @@ def test_lora_flops_agree_with_flop_counter_on_the_adapted_model(targets):
 
 
 # The published sizes: Meta's model cards' parameter counts (Llama-3-8B, Llama-3-70B, Llama-3.2-1B), and
-# OLMo-2-0425-1B's 1.48B and Gemma 2B's 2.51B (their config.json's shapes, counted to the parameter).
+# OLMo-2-0425-1B's 1.48B, Gemma 2B's 2.51B and Gemma 3 1B's 1.00B (their config.json's shapes, counted to the
+# parameter).
 PUBLISHED_PARAMETERS = {
     "llama-8b": 8_030_261_248,
     "llama-70b": 70_553_706_496,
     "llama-1b": 1_235_814_400,
     "olmo2-1b": 1_484_916_736,
     "gemma-2b": 2_506_172_416,
+    "gemma3-1b": 999_885_952,
 }
 
 
 @pytest.mark.parametrize("preset", PUBLISHED_PARAMETERS)
 def test_presets_are_the_published_models(preset):
     """Each preset, as export-hf would describe it, is the model of its name to the parameter: counted by the
-    transformers class export-hf names (LlamaForCausalLM, Olmo2ForCausalLM, GemmaForCausalLM) built on the meta
-    device, by loom's count (which MFU and the planner use) and against the published figure."""
+    transformers class export-hf names (LlamaForCausalLM, Olmo2ForCausalLM, GemmaForCausalLM, Gemma3ForCausalLM)
+    built on the meta device, by loom's count (which MFU and the planner use) and against the published figure."""
     transformers = pytest.importorskip("transformers")
     from loom.engine.config_io import config_to_dict
     from loom.tools.hf import hf_config

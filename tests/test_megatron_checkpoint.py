@@ -465,11 +465,15 @@ def test_biases_on_qkv_alone_and_another_head_size_import_and_export_as_megatron
     legacy = {**LLAMA_ARGUMENTS, "swiglu": False, "squared_relu": True, "openai_gelu": True}
     assert model_from_megatron_arguments(legacy, SHAPES, legacy_model=True)["activation"] == "gelu"
     assert model_from_megatron_arguments(legacy, SHAPES)["activation"] == "squared_relu"
-    with pytest.raises(CheckpointError, match="model.norm_placement = output, OLMo 2's order"):
+    with pytest.raises(CheckpointError, match="model.norm_placement = output, OLMo 2's or Gemma's order"):
         megatron_arguments({**config["model"], "norm_placement": "output"}, config["train"], 0, 0, "float32")
     across = {"qk_norm": True, "qk_norm_per_head": False}
     with pytest.raises(CheckpointError, match="across all heads .* --qk-layernorm normalises each head"):
         megatron_arguments({**config["model"], **across}, config["train"], 0, 0, "float32")
+    with pytest.raises(CheckpointError, match="model.norm_placement = both, OLMo 2's or Gemma's order"):
+        megatron_arguments({**config["model"], "norm_placement": "both"}, config["train"], 0, 0, "float32")
+    with pytest.raises(CheckpointError, match="sliding window .model.sliding_window = 16.; loom exports"):
+        megatron_arguments({**config["model"], "sliding_window": 16}, config["train"], 0, 0, "float32")
     with pytest.raises(CheckpointError, match="gated GELU .* gate SiLU alone"):
         megatron_arguments({**config["model"], "activation": "geglu"}, config["train"], 0, 0, "float32")
 

@@ -50,6 +50,7 @@ STATE_LAYOUTS = {
         ({"pp": 2}, {"tie_embeddings": True}, {"zero": 3}, "bf16"),
         ({"cp": 2}, {}, {"zero": 1}, "bf16"),
         ({"tp": 2, "sequence_parallel": True}, {}, {"zero": 0, "name": "adafactor"}, "bf16"),
+        ({"tp": 2, "sequence_parallel": True}, {"norm_placement": "both", "qk_norm": True}, {"zero": 1}, "bf16"),
         ({"pp": 2}, {"tie_embeddings": True}, {"zero": 0, "name": "adafactor"}, "fp32"),
     ],
     4: [
@@ -137,6 +138,8 @@ ACTIVATION_CASES = (
         (2, True, "none", "bf16", 1, "compiled olmo2"),
         (1, False, "none", "fp32", 2, "olmo2"),
         (2, True, "selective", "bf16", 1, "gemma"),
+        (1, False, "none", "fp32", 2, "gemma3"),
+        (2, True, "none", "bf16", 1, "gemma3"),
         (1, False, "none", "bf16", 1, "compiled qk_norm"),
         (2, True, "selective", "fp8", 1, "compiled gpt"),
     ]
@@ -146,7 +149,8 @@ The last field is the model: "false" the tiny preset's, eager; "compiled ..." wi
 GPU by default), "... gpt" with LayerNorm and GELU, "... qk_norm" with query/key norms ("gpt_qk_norm": LayerNorm
 and GELU with LayerNorm query/key norms), "... nemotron" with LayerNorm and squared ReLU, "... olmo2" with OLMo 2's
 norms (on attention's and the MLP's outputs, on queries and keys across heads: one statistic per rank and token),
-"... gemma" with Gemma's gated GELU and scaled, tied embeddings.
+"... gemma" with Gemma's gated GELU and scaled, tied embeddings, "... gemma3" with Gemma 3's sandwich norms, query/key
+norms and every layer windowed (its mask kept as an additive bias by each eager layer).
 Four compiled cases between them reach every term of the compiled count (each costs ~15 s of compiling)."""
 
 MODEL_VARIANTS = {
@@ -156,6 +160,13 @@ MODEL_VARIANTS = {
     "nemotron": {"norm": "layernorm", "activation": "squared_relu", "rotary_percent": 0.5},
     "olmo2": {"norm_placement": "output", "qk_norm": True, "qk_norm_per_head": False},
     "gemma": {"activation": "geglu", "embedding_multiplier": 16.0, "tie_embeddings": True},
+    "gemma3": {
+        "activation": "geglu",
+        "norm_placement": "both",
+        "qk_norm": True,
+        "sliding_window": 16,
+        "rope_local_theta": 100.0,
+    },
 }
 
 
@@ -350,7 +361,8 @@ def test_activation_bytes_per_rank_equal_what_loom_keeps_at_its_peak(markov_data
 
 # (parallel, model, zero) per world size: every group loom has (dp, tp with and without SP, pp, the tied
 # embedding's, world), every ZeRO stage, both pipeline schedules, full recompute's repeated TP collectives, the
-# query/key norms' (per head: their gradients summed over TP; OLMo 2's across heads: sums of squares all-reduced).
+# query/key norms' (per head: their gradients summed over TP; OLMo 2's across heads: sums of squares all-reduced),
+# Gemma 3's four norms a block (their sequence-parallel gradients; the closing reduce-scatter full recompute repeats).
 BF16_GRADS = {"grad_dtype": "bf16"}
 TRAFFIC_LAYOUTS = {
     2: [
@@ -363,6 +375,7 @@ TRAFFIC_LAYOUTS = {
         ({"tp": 2}, {"qk_norm": True}, {"zero": 0}),  # the per-head norms' shared weights: gradients summed over TP
         ({"tp": 2, "sequence_parallel": True}, {}, {"zero": 0}),
         ({"tp": 2, "sequence_parallel": True}, {"recompute": "full", **MODEL_VARIANTS["olmo2"]}, {"zero": 0}),
+        ({"tp": 2, "sequence_parallel": True}, {"recompute": "full", **MODEL_VARIANTS["gemma3"]}, {"zero": 1}),
         ({"pp": 2}, {"tie_embeddings": True}, {"zero": 0}),
         ({"pp": 2, "vp": 2}, {}, {"zero": 0}),
     ],

@@ -119,8 +119,22 @@ def _compare_with_dense(rank, world, config_kwargs, sequence_parallel):
         dict(config=dict(norm_placement="output", qk_norm=True, qk_norm_per_head=False), sp=True),
         # Nemotron-4's: LayerNorm, a squared-ReLU MLP, no linear biases, half of each head rotated
         dict(config=dict(norm="layernorm", activation="squared_relu", rotary_percent=0.5), sp=True),
+        # Gemma 3's: a gated GELU, sandwich norms (four a block, sequence-sharded under sequence parallelism), a
+        # window of 3 in the first layer (of 8 positions) and full attention in the second, each with its own RoPE
+        dict(
+            config=dict(
+                activation="geglu",
+                norm_placement="both",
+                qk_norm=True,
+                sliding_window=3,
+                full_attention_interval=2,
+                rope_local_theta=100.0,
+                embedding_multiplier=8.0,
+            ),
+            sp=True,
+        ),
     ],
-    ids=["llama", "llama-sp", "gpt2-sp", "qwen", "olmo2-sp", "nemotron-sp"],
+    ids=["llama", "llama-sp", "gpt2-sp", "qwen", "olmo2-sp", "nemotron-sp", "gemma3-sp"],
 )
 def test_tp_model_matches_dense(tp, variant):
     results = run_ranks(_compare_with_dense, tp, variant["config"], variant["sp"])

@@ -84,10 +84,15 @@ def megatron_arguments(model: dict, train: dict, step: int, consumed: int, dtype
             "the model's MLP is a gated GELU (model.activation = geglu, Gemma's); Megatron-LM's arguments gate "
             "SiLU alone (--swiglu)"
         )
-    if model["norm_placement"] == "output":
+    if model["norm_placement"] != "input":
         raise CheckpointError(
-            "the model normalises each block's attention and MLP outputs (model.norm_placement = output, OLMo 2's "
-            "order); megatron-core's GPT model normalises their inputs"
+            f"the model normalises each block's attention and MLP outputs (model.norm_placement = "
+            f"{model['norm_placement']}, OLMo 2's or Gemma's order); megatron-core's GPT model normalises their inputs"
+        )
+    if model["sliding_window"] is not None and model["full_attention_interval"] != 1:
+        raise CheckpointError(
+            f"the model attends within a sliding window (model.sliding_window = {model['sliding_window']}); loom "
+            "exports Megatron-LM's full causal attention only"
         )
     if model["qk_norm"] and not model["qk_norm_per_head"]:
         raise CheckpointError(

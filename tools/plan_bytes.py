@@ -298,7 +298,9 @@ def layer_activation_bytes(
 
     loom's native block, term by term (measured equal on CPU, tests/test_plan_bytes.py), per token: each of the two
     norms keeps what _eager_norm_bytes says (sequence-sharded under sequence parallelism; the same under
-    model.norm_placement = output, whose norms take the sublayers' outputs); the QKV and FC1 GEMMs keep their input
+    model.norm_placement = output, whose norms take the sublayers' outputs; four norms under both); a sliding-window
+    layer's attention keeps its mask as an s x s additive bias in the compute dtype (eager, without recompute; a
+    share of the layers: _windowed_share); the QKV and FC1 GEMMs keep their input
     (h, all-gathered under sequence parallelism); attention keeps the QKV output, rotated q and k, its output and a
     log-sum-exp per head (fp32); the SwiGLU MLP keeps FC1's output, silu(gate) and FC2's input (4 x ffn; GELU,
     squared ReLU: 2 x ffn); all split by tp. Selective recompute drops what the attention core alone keeps (the
@@ -323,20 +325,29 @@ def layer_activation_bytes(
     if not engine.gathered_inputs_saved:
         return tokens * _korthikanti_bytes_per_token(m, tp, sp, fp8) * element / 2
     fc1_output = 2 * f if m.gated_mlp else f
+    block_norms = 4 if m.norm_placement == "both" else 2
+    # eager, each windowed layer's attention keeps its mask as an additive s x s bias in the compute dtype
+    windows = _windowed_share(m, seq) * seq * element / mbs if not compiled and recompute == "none" else 0
     if compiled:
-        residual = 2 * (h * element + _norm_statistics_bytes(m)) * sequence_share
+        residual = block_norms * (h * element + _norm_statistics_bytes(m)) * sequence_share
         gemm_inputs = (2 * h if sp else 0) if fp8 else 2 * h * element
         attention = ((q + 2 * kv) + (q + kv)) * element + (q * element + heads * 4 if recompute == "none" else 0)
         mlp = fc1_output * element + (0 if fp8 else f * element)
         return tokens * (residual + gemm_inputs + (attention + mlp) / tp + _qk_norm_bytes(m, element, True, tp))
     gemm_input = 1 if fp8 else element
-    norms = 2 * _eager_norm_bytes(m, element) * sequence_share + _qk_norm_bytes(m, element, False, tp)
+    norms = block_norms * _eager_norm_bytes(m, element) * sequence_share + _qk_norm_bytes(m, element, False, tp)
     gemm_inputs = 2 * h * gemm_input
     attention_output = q * element if not (fp8 and recompute == "selective") else 0
     attention = ((q + 2 * kv) + q + kv) * element + attention_output + (q if fp8 else 0)
     attention = attention / tp + (heads * 4 / tp if recompute == "none" else 0)
     mlp = ((fc1_output + f if m.gated_mlp else f) * element + f * gemm_input) / tp
-    return tokens * (norms + gemm_inputs + attention + mlp)
+    return tokens * (norms + gemm_inputs + attention + mlp + windows)
+
+
+def _windowed_share(m: ModelConfig, seq: int) -> float:
+    """The share of the model's layers whose sliding window is shorter than `seq` (the others attend unmasked)."""
+    windows = [m.attention_window(layer) for layer in range(m.num_layers)]
+    return sum(window is not None and window < seq for window in windows) / m.num_layers
 
 
 def _qk_norm_bytes(m: ModelConfig, element: int, compiled: bool, tp: int) -> float:

@@ -52,7 +52,7 @@ def check_choices(config: Any, section: str) -> None:
 
 
 def check_positive(section: str, **values: Any) -> None:
-    """Every value given that is not None is above 0 (named as section.name in the error)."""
+    """Every value given that is not None is above 0, NaN not (named as section.name in the error)."""
     for name, value in values.items():
-        if value is not None and value <= 0:
+        if value is not None and not value > 0:
             raise ConfigError(f"{section}.{name} must be positive, got {value}")
