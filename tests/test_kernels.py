@@ -544,6 +544,7 @@ def _block_graphs(rank, world, dataset, run_dir, precision, fp8, recompute, mode
     from training_runs import tiny_config
 
     from loom.engine import train
+    from loom.engine.model.transformer import uses_local_rotary, window_mask
 
     if fp8:  # FP8 on CPU: the guard wants CUDA; "per call": the weights quantised in the block (as under ZeRO-3)
         train.choose_kernels = lambda config, device: _scaled_mm_kernels(weight_copies=fp8 != "per call")
@@ -558,13 +559,17 @@ def _block_graphs(rank, world, dataset, run_dir, precision, fp8, recompute, mode
     model = trainer.chunks[0]
     hidden = torch.randn(16, 1, 128, dtype=trainer.params[0].dtype, requires_grad=True)
     torch._dynamo.reset()
+    block = model.layers["0"]
+    mask = None if block.window is None else window_mask(32, block.window, hidden.device)
+    rotary = model._rotary(32, hidden.device, uses_local_rotary(config.model, block.window))
     with trainer._autocast():
-        explained = torch._dynamo.explain(model.layers["0"])(hidden, model._rotary(32, hidden.device))
+        explained = torch._dynamo.explain(block)(hidden, rotary, None, mask)
     trainer.close()
     return explained.graph_count, explained.graph_break_count, [str(r.reason) for r in explained.break_reasons]
 
 
 OLMO2 = {"norm_placement": "output", "qk_norm": True, "qk_norm_per_head": False}
+GEMMA3 = {"activation": "geglu", "norm_placement": "both", "qk_norm": True, "sliding_window": 8, "rope_local_theta": 1e4}
 
 
 @pytest.mark.parametrize(
@@ -576,8 +581,9 @@ OLMO2 = {"norm_placement": "output", "qk_norm": True, "qk_norm_per_head": False}
         ("bf16", True, "none", {}),
         ("bf16", "per call", "none", {}),
         ("bf16", False, "none", OLMO2),  # its query/key norms all-reduce over TP inside the block
+        ("bf16", False, "selective", GEMMA3),  # four norms, a windowed layer's mask into recomputed attention
     ],
-    ids=["fp32", "bf16-selective", "fp16", "fp8", "fp8-weights-cast-per-call", "bf16-olmo2"],
+    ids=["fp32", "bf16-selective", "fp16", "fp8", "fp8-weights-cast-per-call", "bf16-olmo2", "bf16-gemma3"],
 )
 def test_a_block_is_one_graph_without_breaks(markov_dataset, tmp_path, precision, fp8, recompute, model_settings):
     """model.compile compiles each block whole: dynamo must see one graph, TP collectives and all, with no
