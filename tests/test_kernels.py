@@ -569,7 +569,13 @@ def _block_graphs(rank, world, dataset, run_dir, precision, fp8, recompute, mode
 
 
 OLMO2 = {"norm_placement": "output", "qk_norm": True, "qk_norm_per_head": False}
-GEMMA3 = {"activation": "geglu", "norm_placement": "both", "qk_norm": True, "sliding_window": 8, "rope_local_theta": 1e4}
+GEMMA3 = {
+    "activation": "geglu",
+    "norm_placement": "both",
+    "qk_norm": True,
+    "sliding_window": 8,
+    "rope_local_theta": 1e4,
+}
 
 
 @pytest.mark.parametrize(
