@@ -438,7 +438,8 @@ def _add_import_hf(sub) -> None:
         "GraniteForCausalLM, Olmo2ForCausalLM, NemotronForCausalLM, GemmaForCausalLM or GPT2LMHeadModel, with "
         "default, llama3, longrope or yarn RoPE, and writes a loom checkpoint of step 0 with that model's [model] "
         "settings, loadable in any layout. A setting loom cannot compute alike is refused, never dropped; a sliding "
-        "window shorter than the positions becomes max_position_embeddings, where full attention computes the same. "
+        "window is model.sliding_window (a Qwen's, over its later layers alone, becomes max_position_embeddings, "
+        "where full attention computes the same). "
         "Example: loom ckpt import-hf --input Llama-3.2-1B --output imported/llama-1b, then fine-tune with "
         "--checkpoint.load imported/llama-1b --checkpoint.finetune true.",
     )

@@ -317,9 +317,11 @@ def test_loom_eval_equals_transformers_loss(hf_model, tmp_path, capfd):
 
 
 @pytest.mark.parametrize("window", [None, 64])
-def test_a_mistral_imports_with_the_logits_transformers_computes_within_its_window(window, tmp_path, capfd):
-    """Mistral is Llama with a sliding window: with none (v0.2, v0.3) the same model; with one shorter than its
-    positions (v0.1: 4096 of 32768), the same up to the window, which becomes the import's max_position_embeddings."""
+def test_a_mistral_imports_with_the_logits_transformers_computes_past_its_window(window, tmp_path, capfd):
+    """Mistral is Llama with a sliding window: with none (v0.2, v0.3) the same model, exported back as a Llama;
+    with one shorter than its positions (v0.1: 4096 of 32768) the window is model.sliding_window (it used to cut
+    max_position_embeddings to the window's length): transformers' logits over all 256 positions, four windows, and
+    back as a MistralForCausalLM with the same."""
     base = {**llama_fields(), "sliding_window": window}
     torch.manual_seed(0)
     model = transformers.MistralForCausalLM(transformers.MistralConfig(**base)).eval()
@@ -327,19 +329,21 @@ def test_a_mistral_imports_with_the_logits_transformers_computes_within_its_wind
     result = loom_here(capfd, "ckpt", "import-hf", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "loom"))
     assert result.returncode == 0, result.stderr
     imported = find_loadable(tmp_path / "loom")[1].config["model"]
-    assert imported["max_position_embeddings"] == (256 if window is None else 64)
-    assert ("sliding window of 64 tokens" in result.stderr) == (window is not None)
-    length = imported["max_position_embeddings"]
-    tokens = torch.randint(0, VOCAB, (2, length), generator=torch.Generator().manual_seed(1))
+    assert (imported["max_position_embeddings"], imported["sliding_window"]) == (256, window)
+    tokens = torch.randint(0, VOCAB, (2, 256), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         theirs = model(tokens).logits
     assert (loom_logits(tmp_path / "loom", tokens) - theirs).abs().max().item() < 1e-5
-    if window is not None:  # past the window the two differ: the window was the limit to keep
-        longer = torch.randint(0, VOCAB, (1, 2 * window), generator=torch.Generator().manual_seed(2))
+    exported = export_hf(tmp_path / "loom", tmp_path / "back")
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(exported), dtype=torch.float32).eval()
+    assert type(again) is (transformers.LlamaForCausalLM if window is None else transformers.MistralForCausalLM)
+    with torch.no_grad():
+        assert (again(tokens).logits - theirs).abs().max().item() < 1e-5
+    if window is not None:  # past the window a Llama differs: the window is not moot
         as_llama = transformers.LlamaForCausalLM(llama_config()).eval()
         as_llama.load_state_dict(model.state_dict())
         with torch.no_grad():
-            assert (as_llama(longer).logits - model(longer).logits).abs().max().item() > 1e-3
+            assert (as_llama(tokens).logits - theirs).abs().max().item() > 1e-3
 
 
 def test_a_mistral_sliding_window_that_is_not_a_length_is_refused(tmp_path, capfd):
@@ -446,8 +450,9 @@ def test_a_phi3_imports_evaluates_under_tensor_parallelism_and_exports_as_transf
     was refused (model_type phi3); so were Phi-3.5's and Phi-4-mini's rotary settings: longrope (frequencies
     divided by one set of factors up to the original context, another past it, cos and sin scaled) over part of
     each head (partial_rotary_factor). This one has both (model.rope_scaling longrope, model.rotary_percent 0.5),
-    and a sliding window shorter than its positions (Phi-3-mini's 2047 of 4096): it imports with that window as
-    max_position_embeddings and transformers' logits on 128 tokens (the long factors: past the original 100),
+    and a sliding window shorter than its positions (Phi-3-mini's 2047 of 4096, here 128 of 256): it imports with
+    that window as model.sliding_window and transformers' logits on 128 tokens (the long factors: past the original
+    100),
     `loom eval` of 64-token sequences over two tensor-parallel ranks (the short factors; the fused rows split per
     head and per half) gives its loss, and it exports back as a Phi3ForCausalLM (transformers' Llama turns whole
     heads) with the same logits. A partial rotary factor in a Llama's config is refused (transformers' Llama cannot
@@ -459,7 +464,7 @@ def test_a_phi3_imports_evaluates_under_tensor_parallelism_and_exports_as_transf
     model = transformers.Phi3ForCausalLM(transformers.Phi3Config(**phi3)).eval()
     model.save_pretrained(str(tmp_path / "hf"))
     imported, again = _round_trip_computes_as_transformers(model, tmp_path, capfd)
-    assert (imported["max_position_embeddings"], imported["num_kv_heads"], imported["rotary_percent"]) == (128, 2, 0.5)
+    assert (imported["sliding_window"], imported["num_kv_heads"], imported["rotary_percent"]) == (128, 2, 0.5)
     assert imported["rope_attention_factor"] == math.sqrt(1 + math.log(256 / 100) / math.log(100))  # of 256 positions
     assert type(again) is transformers.Phi3ForCausalLM
     # decoding past the original 100 positions: the long factors from there on, as transformers switches to them
@@ -533,6 +538,18 @@ def test_settings_no_hugging_face_class_computes_are_refused_on_export():
     ):
         with pytest.raises(CheckpointError, match=said):  # only transformers' OLMo 2 has either, and no Phi-3 rotary
             check_llama_form(config_to_dict(config_from_dict({"model": {**olmo2, **changed}}))["model"], True)
+    # sliding windows: in every layer a Mistral's (or a Phi-3's), in all but every N-th layer a Gemma 2's or 3's
+    for model, said in (
+        ({"sliding_window": 8, "qk_norm": True}, "a sliding window with qk_norm"),
+        ({"sliding_window": 8, "full_attention_interval": 2}, "a full_attention_interval without geglu"),
+        ({"norm_placement": "both"}, "norm_placement both without geglu"),
+        ({"activation": "geglu", "sliding_window": 8}, "a sliding window .Gemma 2 and 3's need sandwich norms."),
+        ({"activation": "geglu", "embedding_multiplier": 8.0, "qk_norm": True}, "query/key norms .Gemma 3's need"),
+        ({"activation": "geglu"}, r"embedding_multiplier other than sqrt\(hidden_size\)"),
+    ):
+        with pytest.raises(CheckpointError, match=said):
+            check_llama_form(config_to_dict(config_from_dict({"model": model}))["model"])
+    check_llama_form(config_to_dict(config_from_dict({"model": {"sliding_window": 8}}))["model"])  # a Mistral
 
 
 def test_phi3_s_first_names_for_longrope_import_as_longrope_and_a_phi3_with_yarn_exports_as_a_llama():
@@ -643,6 +660,39 @@ def test_a_gemma3_imports_evaluates_under_tensor_parallelism_and_exports_as_tran
     assert (imported["rope_theta"], imported["rope_local_theta"], imported["attention_scale"]) == (1e6, 100.0, 24**-0.5)
     assert type(again) is transformers.Gemma3ForCausalLM
     _assert_greedy_generate_equals_transformers(model, tmp_path / "loom", 16)
+    # a fine-tune from a config without windows (the tiny preset) trains the import's windowed model
+    flags = ["--checkpoint.load", str(tmp_path / "loom"), "--print-config"]
+    printed = loom_here(capfd, "train", *tiny_train_args(str(tmp_path / "one"), tmp_path / "tuned", *flags))
+    assert printed.returncode == 0, printed.stderr
+    for setting in ("sliding_window = 8", "full_attention_interval = 3", "rope_local_theta = 100.0"):
+        assert f"\n{setting}\n" in printed.stdout, setting
+
+
+def test_gemma_files_read_as_their_classes_read_them():
+    """Gemma 2 and 3 compute hidden_activation as named ("gelu" is the exact GELU there: refused; Gemma's first
+    class rewrote it to the tanh one), Gemma computes bidirectional attention when told (refused), a Gemma 2 or 3
+    file without sliding_window has their classes' 4096, one without layer_types their every-2nd (Gemma 2, which
+    ignores sliding_window_pattern) or every-sliding_window_pattern-th full layer (Gemma 3), and a pattern that is
+    no number of layers is one line, not a ZeroDivisionError."""
+    from loom.tools.hf_forms import model_from_hf_config
+
+    shape = {key: value for key, value in llama_fields().items() if key not in ("hidden_act", "sliding_window")}
+    gemma2, gemma3 = {**shape, "model_type": "gemma2"}, {**shape, "model_type": "gemma3_text"}
+    for refused, said in (
+        ({**gemma2, "hidden_activation": "gelu"}, "hidden_activation is 'gelu'"),
+        ({**gemma3, "hidden_activation": "gelu"}, "hidden_activation is 'gelu'"),
+        ({**shape, "model_type": "gemma", "use_bidirectional_attention": True}, "use_bidirectional_attention"),
+        ({**gemma3, "sliding_window_pattern": 0}, "sliding_window_pattern 0 is not a number of layers"),
+        ({**gemma2, "final_logit_softcapping": None}, "attn_logit_softcapping is 50.0 .Gemma 2's tanh soft-capping"),
+    ):
+        with pytest.raises(CheckpointError, match=said):
+            model_from_hf_config(refused)
+    assert model_from_hf_config({**shape, "model_type": "gemma", "hidden_act": "gelu"})["activation"] == "geglu"
+    uncapped = {"final_logit_softcapping": None, "attn_logit_softcapping": None, "sliding_window_pattern": 3}
+    fields = model_from_hf_config({**gemma2, **uncapped})
+    assert (fields["sliding_window"], fields["full_attention_interval"]) == (4096, 2)
+    fields = model_from_hf_config({**gemma3, "sliding_window_pattern": 1})  # every layer full: no window
+    assert (fields["sliding_window"], fields["rope_local_theta"]) == (None, None)
 
 
 def _small_qwen3(folder: Path):

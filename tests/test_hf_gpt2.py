@@ -111,13 +111,22 @@ def test_gpt2_settings_loom_computes_otherwise_are_refused_in_one_line(settings,
 def test_a_model_of_neither_form_is_refused_naming_both(tmp_path):
     import_hf(_gpt2(tmp_path / "hf", True), tmp_path / "loom")
     directory, metadata = find_loadable(tmp_path / "loom")
-    for changes in ({"norm": "rmsnorm"}, {"num_kv_heads": 2}, {"qk_norm": True}):  # GPT2LMHeadModel has no q/k norm
+    # GPT2LMHeadModel has no q/k norm, attends to every earlier position and scales no embedding (they exported
+    # as a GPT-2 without them)
+    for changes in (
+        {"norm": "rmsnorm"},
+        {"num_kv_heads": 2},
+        {"qk_norm": True},
+        {"sliding_window": 16},
+        {"embedding_multiplier": 2.0},
+    ):
         metadata.config["model"].update(changes)
         (directory / "metadata.json").write_text(metadata.to_json())
         with pytest.raises(CheckpointError, match="GPT-2-shaped ones .* export to Hugging Face; this one has") as error:
             export_hf(tmp_path / "loom", tmp_path / "out")
         assert "qk_norm" in str(error.value) or "qk_norm" not in changes
-        metadata.config["model"].update({"norm": "layernorm", "num_kv_heads": 4, "qk_norm": False})
+        restored = {"norm": "layernorm", "num_kv_heads": 4, "qk_norm": False, "sliding_window": None}
+        metadata.config["model"].update({**restored, "embedding_multiplier": 1.0})
 
 
 def test_a_lora_run_on_gpt2_exports_a_peft_adapter_with_its_logits(markov_dataset, tmp_path, capfd):

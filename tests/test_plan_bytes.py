@@ -139,6 +139,7 @@ ACTIVATION_CASES = (
         (1, False, "none", "fp32", 2, "olmo2"),
         (2, True, "selective", "bf16", 1, "gemma"),
         (1, False, "none", "fp32", 2, "gemma3"),
+        (2, True, "none", "bf16", 1, "mistral"),
         (2, True, "none", "bf16", 1, "gemma3"),
         (1, False, "none", "bf16", 1, "compiled qk_norm"),
         (2, True, "selective", "fp8", 1, "compiled gpt"),
@@ -150,7 +151,8 @@ GPU by default), "... gpt" with LayerNorm and GELU, "... qk_norm" with query/key
 and GELU with LayerNorm query/key norms), "... nemotron" with LayerNorm and squared ReLU, "... olmo2" with OLMo 2's
 norms (on attention's and the MLP's outputs, on queries and keys across heads: one statistic per rank and token),
 "... gemma" with Gemma's gated GELU and scaled, tied embeddings, "... gemma3" with Gemma 3's sandwich norms, query/key
-norms and every layer windowed (its mask kept as an additive bias by each eager layer).
+norms and every layer windowed (its mask kept as an additive bias by each eager layer, K and V repeated for the
+grouped heads), "... mistral" a Llama windowed in every layer.
 Four compiled cases between them reach every term of the compiled count (each costs ~15 s of compiling)."""
 
 MODEL_VARIANTS = {
@@ -160,6 +162,7 @@ MODEL_VARIANTS = {
     "nemotron": {"norm": "layernorm", "activation": "squared_relu", "rotary_percent": 0.5},
     "olmo2": {"norm_placement": "output", "qk_norm": True, "qk_norm_per_head": False},
     "gemma": {"activation": "geglu", "embedding_multiplier": 16.0, "tie_embeddings": True},
+    "mistral": {"sliding_window": 16},
     "gemma3": {
         "activation": "geglu",
         "norm_placement": "both",

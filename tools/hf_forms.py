@@ -20,6 +20,7 @@ from loom.tools.hf_gemma import (
     gemma_form,
     gemma_form_refusals,
     refuse_unrepresentable_gemma,
+    windowed,
 )
 from loom.tools.hf_gpt2 import GPT2_SHAPE
 
@@ -165,8 +166,9 @@ def phi3_form(model: dict, imported_from: str | None) -> bool:
 def _hf_architecture(model: dict, phi3: bool) -> dict:
     """The config.json fields naming the Hugging Face class of a Llama-shaped loom model: Granite with any of its
     multipliers, Nemotron with LayerNorm and squared ReLU, Gemma with a gated GELU, OLMo 2 with norms on the blocks'
-    outputs, Phi-3 (`phi3`: phi3_form), Qwen3 with query/key norms, Qwen2 with biases on q, k and v alone, Llama
-    otherwise (Llama's and Qwen3's attention_bias would bias o_proj too, so neither takes QKV's alone)."""
+    outputs, Phi-3 (`phi3`: phi3_form), Qwen3 with query/key norms, Qwen2 with biases on q, k and v alone, Mistral
+    with a sliding window in every layer, Llama otherwise (Llama's and Qwen3's attention_bias would bias o_proj too,
+    so neither takes QKV's alone)."""
     if granite_form(model):
         multipliers = {granite: model[field] for field, granite in GRANITE_MULTIPLIERS.items()}
         multipliers["attention_multiplier"] = ModelConfig(**model).softmax_scale
@@ -181,14 +183,17 @@ def _hf_architecture(model: dict, phi3: bool) -> dict:
     if model["norm_placement"] == "output":  # Olmo2Config's token ids default to OLMo's own (pad 1, eos 50279)
         return {"architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2", "attention_bias": False,
                 **dict.fromkeys(HF_TOKEN_ID_FIELDS)}  # fmt: skip
+    window = model["sliding_window"] if windowed(model) else None
     if phi3:  # Phi3Config's token ids default to Phi-3's own (eos and pad 32000): none unless known
-        return {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "sliding_window": None,
+        return {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "sliding_window": window,
                 "partial_rotary_factor": model["rotary_percent"], **dict.fromkeys(HF_TOKEN_ID_FIELDS)}  # fmt: skip
     if model["qk_norm"]:
         return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "use_sliding_window": False,
                 "attention_bias": False}  # fmt: skip
     if model["qkv_bias"]:
         return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False}
+    if window is not None:  # a Llama attending within a window in every layer
+        return {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": window}
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False, "mlp_bias": False}
 
 
@@ -360,17 +365,31 @@ def _refuse_unrepresentable(hf: dict) -> None:
         )
 
 
-def _positions_represented(hf: dict) -> int:
-    """The sequence length up to which loom computes the model on disk: max_position_embeddings, or a Mistral's or
-    a Phi-3's sliding window (a Qwen2's under use_sliding_window) where that is shorter (loom's attention is full
-    causal, the same as a window's up to its length and not past it)."""
-    positions = hf["max_position_embeddings"]
+def _every_layer_window(hf: dict) -> int | None:
+    """The sliding window a Mistral or a Phi-3 attends within in every layer (a Qwen's under use_sliding_window,
+    which its first max_window_layers layers lack), or None: none, or none shorter than its positions."""
     qwen = hf.get("model_type") in ("qwen2", "qwen3")
     windowed = hf.get("model_type") in ("mistral", "phi3") or (qwen and hf.get("use_sliding_window"))
     window = hf.get("sliding_window") if windowed else None
     if window is not None and (type(window) is not int or window < 1):
         raise CheckpointError(f"config.json's sliding_window {window!r} is neither null nor a number of tokens")
-    return positions if window is None else min(positions, window)
+    return window if window is not None and window < hf["max_position_embeddings"] else None
+
+
+def _positions_represented(hf: dict) -> int:
+    """The sequence length up to which loom computes the model on disk: max_position_embeddings, or a Qwen's sliding
+    window under use_sliding_window where that is shorter (its first max_window_layers layers attend fully, which
+    model.full_attention_interval cannot say: loom's full causal attention computes the same up to the window's
+    length, not past it)."""
+    window = _every_layer_window(hf)
+    qwen = hf.get("model_type") in ("qwen2", "qwen3")
+    return hf["max_position_embeddings"] if window is None or not qwen else window
+
+
+def _window_of_every_layer(hf: dict) -> dict:
+    """A Mistral's or a Phi-3's sliding window as model.sliding_window (every layer's)."""
+    window = _every_layer_window(hf)
+    return {} if window is None or hf.get("model_type") not in ("mistral", "phi3") else {"sliding_window": window}
 
 
 def model_from_hf_config(hf: dict) -> dict:
@@ -399,6 +418,7 @@ def model_from_hf_config(hf: dict) -> dict:
         "qk_norm_per_head": kind != "olmo2",  # OLMo 2 normalises the whole q and k projections
         "norm_placement": "output" if kind == "olmo2" else "input",
         **(_granite_fields(hf) if kind == "granite" else {}),
+        **_window_of_every_layer(hf),
         **(gemma_fields(hf) if gemma else {}),
     }
 

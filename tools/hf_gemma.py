@@ -51,7 +51,19 @@ def gemma_form_refusals(model: dict) -> dict:
     """What keeps a model from exporting as the Gemma its settings make it (or a non-Gemma one with sandwich norms
     or sliding windows from exporting at all): {why: True}."""
     if not gemma_form(model):
-        unlike = {"norm_placement both": model["norm_placement"] == "both", "a sliding window": windowed(model)}
+        # a window in every layer exports as a Mistral (a Phi-3, turning part of each head), nothing else has one
+        multipliers = ("embedding_multiplier", "residual_multiplier", "logits_divisor")
+        granite = model["attention_scale"] is not None or any(model[field] != 1.0 for field in multipliers)
+        other = (
+            model["qk_norm"] or model["qkv_bias"] or model["norm_placement"] != "input" or model["norm"] != "rmsnorm"
+        )
+        unlike = {
+            "norm_placement both": model["norm_placement"] == "both",
+            "a full_attention_interval": windowed(model) and model["full_attention_interval"] is not None,
+            "a sliding window with qk_norm, qkv_bias, layernorm, Granite's multipliers or norm_placement output": (
+                windowed(model) and (other or granite)
+            ),
+        }
         return {f"{k} without geglu (only transformers' Gemma 2 and 3 have it)": True for k, v in unlike.items() if v}
     generation = gemma_generation(model)
     sandwich = generation != "gemma"
@@ -122,14 +134,18 @@ def refuse_unrepresentable_gemma(hf: dict) -> None:
     """A Gemma config.json's settings loom cannot compute alike: soft-capping (Gemma 2's), bidirectional
     attention, an activation other than the tanh GELU."""
     # transformers 4 computes hidden_activation (Gemma: None means the tanh GELU), 5 hidden_act for Gemma (its
-    # first files' "gelu" taken as the tanh GELU); both compute hidden_activation for Gemma 2 and 3
-    read = ("hidden_activation", "hidden_act") if hf.get("model_type") == "gemma" else ("hidden_activation",)
-    for key in read:
-        if hf.get(key) not in (None, "gelu_pytorch_tanh", "gelu"):
+    # first files' "gelu" taken as the tanh GELU: GemmaConfig rewrites it); Gemma 2 and 3 compute
+    # hidden_activation as named ("gelu" is the exact GELU there)
+    gemma = hf.get("model_type") == "gemma"
+    tanh = (None, "gelu_pytorch_tanh", "gelu") if gemma else ("gelu_pytorch_tanh",)
+    for key in ("hidden_activation", "hidden_act") if gemma else ("hidden_activation",):
+        if hf.get(key, "gelu_pytorch_tanh") not in tanh:  # absent: every class's default, the tanh GELU
             raise CheckpointError(
-                f"config.json's {key} is {hf[key]!r}; loom's Gemma form gates the tanh GELU (gelu_pytorch_tanh)"
+                f"config.json's {key} is {hf.get(key)!r}; loom's Gemma form gates the tanh GELU (gelu_pytorch_tanh)"
             )
-    if hf.get("model_type") == "gemma":
+    if hf.get("use_bidirectional_attention"):
+        raise CheckpointError("config.json sets use_bidirectional_attention (an encoder); loom's attention is causal")
+    if gemma:
         return
     defaults = {"final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0} if hf["model_type"] == "gemma2" else {}
     for key in ("final_logit_softcapping", "attn_logit_softcapping"):
@@ -138,8 +154,6 @@ def refuse_unrepresentable_gemma(hf: dict) -> None:
             raise CheckpointError(
                 f"config.json's {key} is {cap} (Gemma 2's tanh soft-capping); loom computes uncapped scores and logits"
             )
-    if hf.get("use_bidirectional_attention"):
-        raise CheckpointError("config.json sets use_bidirectional_attention (an encoder); loom's attention is causal")
 
 
 def gemma_fields(hf: dict) -> dict:
@@ -167,15 +181,19 @@ def _window_fields(hf: dict) -> dict:
     """sliding_window and full_attention_interval from layer_types (or, where a file has none, the every-Nth
     pattern its class assumes); a pattern loom's interval cannot say is refused."""
     layers = hf["num_hidden_layers"]
-    interval = hf.get("sliding_window_pattern", _DEFAULT_INTERVAL[hf["model_type"]])
+    interval = _DEFAULT_INTERVAL[hf["model_type"]]
+    if hf["model_type"] == "gemma3_text":  # Gemma3TextConfig's older spelling; Gemma2Config always alternates
+        interval = hf.get("sliding_window_pattern", interval)
+        if type(interval) is not int or interval < 1:
+            raise CheckpointError(f"config.json's sliding_window_pattern {interval!r} is not a number of layers")
     types = hf.get("layer_types") or [SLIDING if (i + 1) % interval else FULL for i in range(layers)]
     if len(types) != layers or set(types) - {SLIDING, FULL}:
         raise CheckpointError(
             f"config.json's layer_types {types} is not one of {SLIDING} or {FULL} for each of its {layers} layers"
         )
     if SLIDING not in types:
-        return {"sliding_window": None, "full_attention_interval": None}
-    window = hf.get("sliding_window")
+        return {"sliding_window": None, "full_attention_interval": None, "rope_local_theta": None}
+    window = hf.get("sliding_window", 4096)  # Gemma2Config's and Gemma3TextConfig's default
     if type(window) is not int or window < 1:
         raise CheckpointError(f"config.json's sliding_window {window!r} is not a number of tokens")
     if FULL not in types:

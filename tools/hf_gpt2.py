@@ -26,8 +26,14 @@ GPT2_SHAPE = {
     "bias": True,
     "qk_norm": False,
     "norm_placement": "input",
+    "sliding_window": None,
+    "embedding_multiplier": 1.0,
+    "residual_multiplier": 1.0,
+    "attention_scale": None,
+    "logits_divisor": 1.0,
 }
-"""The ModelConfig fields of a model with a GPT-2 form (grouped-query attention aside)."""
+"""The ModelConfig fields of a model with a GPT-2 form (grouped-query attention aside): GPT2LMHeadModel attends to
+every earlier position and scales nothing but its scores, by 1 / sqrt(head_dim)."""
 
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 """transformers' names of GELU's tanh approximation (three implementations of one formula), which loom computes."""

@@ -326,14 +326,14 @@ def layer_activation_bytes(
         return tokens * _korthikanti_bytes_per_token(m, tp, sp, fp8) * element / 2
     fc1_output = 2 * f if m.gated_mlp else f
     block_norms = 4 if m.norm_placement == "both" else 2
-    # eager, each windowed layer's attention keeps its mask as an additive s x s bias in the compute dtype
-    windows = _windowed_share(m, seq) * seq * element / mbs if not compiled and recompute == "none" else 0
+    windows = _window_bytes_per_token(m, seq, mbs, tp, recompute, element, compiled)
     if compiled:
         residual = block_norms * (h * element + _norm_statistics_bytes(m)) * sequence_share
         gemm_inputs = (2 * h if sp else 0) if fp8 else 2 * h * element
         attention = ((q + 2 * kv) + (q + kv)) * element + (q * element + heads * 4 if recompute == "none" else 0)
         mlp = fc1_output * element + (0 if fp8 else f * element)
-        return tokens * (residual + gemm_inputs + (attention + mlp) / tp + _qk_norm_bytes(m, element, True, tp))
+        qk_norms = _qk_norm_bytes(m, element, True, tp)
+        return tokens * (residual + gemm_inputs + (attention + mlp) / tp + qk_norms + windows)
     gemm_input = 1 if fp8 else element
     norms = block_norms * _eager_norm_bytes(m, element) * sequence_share + _qk_norm_bytes(m, element, False, tp)
     gemm_inputs = 2 * h * gemm_input
@@ -342,6 +342,27 @@ def layer_activation_bytes(
     attention = attention / tp + (heads * 4 / tp if recompute == "none" else 0)
     mlp = ((fc1_output + f if m.gated_mlp else f) * element + f * gemm_input) / tp
     return tokens * (norms + gemm_inputs + attention + mlp + windows)
+
+
+def _window_bytes_per_token(
+    m: ModelConfig, seq: int, mbs: int, tp: int, recompute: str, element: int, compiled: bool
+) -> float:
+    """Per token, what a sliding-window layer's attention keeps besides a full-attention one's, times the share of
+    such layers (measured on CPU): eagerly its mask as an additive s x s bias in the compute dtype; and where K and
+    V have fewer heads than Q, the K and V repeated for each query head (the masked kernels take no grouped heads)
+    instead of the rotated K and the QKV output, which the eager block then keeps only through fp32 query/key norms'
+    views of it (compiled: the repeated K and V, and K and V unrepeated or, with query/key norms, the QKV output).
+    Selective recompute reruns the attention core and keeps none of it."""
+    share = _windowed_share(m, seq)
+    if not share or recompute != "none":
+        return 0.0
+    q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    repeated = 0
+    if m.num_kv_heads != m.num_heads:
+        qkv_output_kept = m.qk_norm and (compiled or element == 4)
+        repeated = (2 * q - kv if qkv_output_kept else (q - kv if compiled else q - 3 * kv)) * element / tp
+    mask = 0 if compiled else seq * element / mbs
+    return share * (mask + repeated)
 
 
 def _windowed_share(m: ModelConfig, seq: int) -> float:

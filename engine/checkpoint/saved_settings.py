@@ -40,6 +40,9 @@ FUNCTIONAL_MODEL_FIELDS = (
     "residual_multiplier",
     "attention_scale",
     "logits_divisor",
+    "rope_local_theta",
+    "sliding_window",
+    "full_attention_interval",
 )
 
 # Model settings that decide which tensors a checkpoint holds, their shapes or what the block computes with them.

@@ -238,8 +238,9 @@ class Attention(torch.nn.Module):
         if self.fused_attention is not None:  # TE: takes and returns the [s, b, ...] layout directly
             return self.fused_attention(q, k, v)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-        # CUDA's kernels that take a mask take no grouped-query heads (flash takes none): repeated as for them
-        if self.repeat_kv or (mask is not None and q.is_cuda and self.local_kv_heads != self.local_heads):
+        # CUDA's kernels that take a mask take no grouped-query heads (flash takes none): repeated as for them, on
+        # every device so that a CPU run keeps what a GPU run keeps (the planner's bytes are measured on CPU)
+        if self.repeat_kv or (mask is not None and self.local_kv_heads != self.local_heads):
             k, v = (t.repeat_interleave(self.local_heads // self.local_kv_heads, dim=1) for t in (k, v))
         dropout = self.dropout if self.training else 0.0
         with self.streams.fork("tensor") if (dropout and self.streams) else contextlib.nullcontext():
