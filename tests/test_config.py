@@ -10,7 +10,16 @@ import pytest
 from loom.engine.config import ConfigError
 from loom.engine.config_io import config_to_toml, load_config, parse_overrides
 
-PRESETS = {"tiny": 1, "gpt-125m": 8, "llama-1b": 8, "llama-8b": 16, "olmo2-1b": 8, "gemma-2b": 8, "gemma3-1b": 8}
+PRESETS = {
+    "tiny": 1,
+    "gpt-125m": 8,
+    "llama-1b": 8,
+    "llama-8b": 16,
+    "olmo2-1b": 8,
+    "gemma-2b": 8,
+    "gemma3-1b": 8,
+    "gemma2-2b": 8,
+}
 
 
 @pytest.mark.parametrize("name, world", PRESETS.items())
@@ -345,13 +354,23 @@ def test_settings_a_config_never_reads_are_named():
         "model.full_attention_interval = 1, model.rope_local_theta = 100.0 have no effect with no sliding-window "
         "layer (model.sliding_window unset, or model.full_attention_interval = 1)"
     ]
-    for preset in ("tiny", "gpt-125m", "llama-1b", "llama-8b", "llama-70b", "olmo2-1b", "gemma-2b", "gemma3-1b"):
+    for preset in (
+        "tiny",
+        "gpt-125m",
+        "llama-1b",
+        "llama-8b",
+        "llama-70b",
+        "olmo2-1b",
+        "gemma-2b",
+        "gemma3-1b",
+        "gemma2-2b",
+    ):
         assert load_config(preset).settings_without_effect() == [], preset
 
 
 def test_sliding_windows_are_refused_where_loom_cannot_compute_them():
     """Ring attention attends to every earlier position, and torch's flash kernel takes no mask: a sliding window
-    with either is refused in one line rather than computed as full attention."""
+    with either is refused in one line rather than computed as full attention; ring attention caps no score."""
     windowed = ["--model.sliding_window", "16"]
     with pytest.raises(ConfigError, match="parallel.cp > 1 with model.sliding_window = 16: ring attention"):
         load_config("tiny", [*windowed, "--parallel.cp", "2", "--train.seq_length", "64"]).resolve_world(2)
@@ -361,6 +380,9 @@ def test_sliding_windows_are_refused_where_loom_cannot_compute_them():
     full = load_config("tiny", [*windowed, "--model.full_attention_interval", "1", "--parallel.cp", "2"])
     full.resolve_world(2)
     assert [full.model.attention_window(layer) for layer in range(4)] == [None] * 4
+    capped = ["--model.attention_softcap", "50", "--train.seq_length", "64"]
+    with pytest.raises(ConfigError, match="parallel.cp > 1 with model.attention_softcap = 50.0: ring attention has"):
+        load_config("tiny", [*capped, "--parallel.cp", "2"]).resolve_world(2)
     gemma3 = load_config("tiny", [*windowed, "--model.full_attention_interval", "3"]).model
     assert [gemma3.attention_window(layer) for layer in range(4)] == [16, 16, None, 16]
 

@@ -175,7 +175,8 @@ def test_lora_flops_agree_with_flop_counter_on_the_adapted_model(targets):
 
 
 # The published sizes: Meta's model cards' parameter counts (Llama-3-8B, Llama-3-70B, Llama-3.2-1B), and
-# OLMo-2-0425-1B's 1.48B, Gemma 2B's 2.51B and Gemma 3 1B's 1.00B (their config.json's shapes, counted to the
+# OLMo-2-0425-1B's 1.48B, Gemma 2B's 2.51B, Gemma 2 2B's 2.61B and Gemma 3
+# 1B's 1.00B (their config.json's shapes, counted to the
 # parameter).
 PUBLISHED_PARAMETERS = {
     "llama-8b": 8_030_261_248,
@@ -184,6 +185,7 @@ PUBLISHED_PARAMETERS = {
     "olmo2-1b": 1_484_916_736,
     "gemma-2b": 2_506_172_416,
     "gemma3-1b": 999_885_952,
+    "gemma2-2b": 2_614_341_888,
 }
 
 

@@ -668,12 +668,50 @@ def test_a_gemma3_imports_evaluates_under_tensor_parallelism_and_exports_as_tran
         assert f"\n{setting}\n" in printed.stdout, setting
 
 
+def test_a_gemma2_imports_evaluates_under_tensor_parallelism_and_exports_as_transformers_computes_it(tmp_path, capfd):
+    """Gemma 2 (Gemma2ForCausalLM) was refused: Gemma 3 without query/key norms or a RoPE base of its windowed layers'
+    own, and with tanh soft-capping of its attention scores and its logits (model.attention_softcap,
+    model.logits_softcap: attn_logit_softcapping, final_logit_softcapping). With caps low enough to bend this small
+    model's scores and logits (2 and 1.5; Gemma 2's are 50 and 30) and every other layer windowed, it imports with
+    transformers' logits, `loom eval` over two tensor-parallel ranks gives its loss, it exports back to a
+    Gemma2ForCausalLM with the same logits, and KV-cached greedy decoding is transformers'."""
+    settings = llama_fields(num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, tie_word_embeddings=True)
+    settings.update(
+        num_hidden_layers=3,
+        sliding_window=8,
+        query_pre_attn_scalar=32,
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=1.5,
+        initializer_range=0.1,  # scores and logits of a few units, where the caps bend them
+    )
+    torch.manual_seed(0)
+    model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**settings)).eval()
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():
+            if "norm" in name:
+                tensor.uniform_(-0.5, 0.5)
+    model.save_pretrained(str(tmp_path / "hf"))
+    imported, again = _round_trip_computes_as_transformers(model, tmp_path, capfd)
+    caps = (imported["attention_softcap"], imported["logits_softcap"], imported["qk_norm"])
+    assert caps == (2.0, 1.5, False) and (imported["sliding_window"], imported["full_attention_interval"]) == (8, 2)
+    assert type(again) is transformers.Gemma2ForCausalLM
+    _assert_greedy_generate_equals_transformers(model, tmp_path / "loom", 16)
+    with torch.no_grad():  # the caps are not moot here
+        uncapped = transformers.Gemma2ForCausalLM(
+            transformers.Gemma2Config(**{**settings, "attn_logit_softcapping": None, "final_logit_softcapping": None})
+        )
+        uncapped.load_state_dict(model.state_dict())
+        tokens = torch.randint(0, VOCAB, (1, 32), generator=torch.Generator().manual_seed(2))
+        assert (uncapped.eval()(tokens).logits - model(tokens).logits).abs().max().item() > 1e-2
+
+
 def test_gemma_files_read_as_their_classes_read_them():
     """Gemma 2 and 3 compute hidden_activation as named ("gelu" is the exact GELU there: refused; Gemma's first
     class rewrote it to the tanh one), Gemma computes bidirectional attention when told (refused), a Gemma 2 or 3
     file without sliding_window has their classes' 4096, one without layer_types their every-2nd (Gemma 2, which
     ignores sliding_window_pattern) or every-sliding_window_pattern-th full layer (Gemma 3), and a pattern that is
-    no number of layers is one line, not a ZeroDivisionError."""
+    no number of layers is one line, not a ZeroDivisionError. Gemma 2's soft-capping is Gemma2Config's 50 and 30
+    where a file leaves it out."""
     from loom.tools.hf_forms import model_from_hf_config
 
     shape = {key: value for key, value in llama_fields().items() if key not in ("hidden_act", "sliding_window")}
@@ -683,7 +721,6 @@ def test_gemma_files_read_as_their_classes_read_them():
         ({**gemma3, "hidden_activation": "gelu"}, "hidden_activation is 'gelu'"),
         ({**shape, "model_type": "gemma", "use_bidirectional_attention": True}, "use_bidirectional_attention"),
         ({**gemma3, "sliding_window_pattern": 0}, "sliding_window_pattern 0 is not a number of layers"),
-        ({**gemma2, "final_logit_softcapping": None}, "attn_logit_softcapping is 50.0 .Gemma 2's tanh soft-capping"),
     ):
         with pytest.raises(CheckpointError, match=said):
             model_from_hf_config(refused)
@@ -691,6 +728,8 @@ def test_gemma_files_read_as_their_classes_read_them():
     uncapped = {"final_logit_softcapping": None, "attn_logit_softcapping": None, "sliding_window_pattern": 3}
     fields = model_from_hf_config({**gemma2, **uncapped})
     assert (fields["sliding_window"], fields["full_attention_interval"]) == (4096, 2)
+    capped = model_from_hf_config(gemma2)  # Gemma2Config's caps where a file gives none
+    assert (capped["attention_softcap"], capped["logits_softcap"]) == (50.0, 30.0)
     fields = model_from_hf_config({**gemma3, "sliding_window_pattern": 1})  # every layer full: no window
     assert (fields["sliding_window"], fields["rope_local_theta"]) == (None, None)
 

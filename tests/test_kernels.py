@@ -569,6 +569,7 @@ def _block_graphs(rank, world, dataset, run_dir, precision, fp8, recompute, mode
 
 
 OLMO2 = {"norm_placement": "output", "qk_norm": True, "qk_norm_per_head": False}
+GEMMA2 = {"activation": "geglu", "norm_placement": "both", "sliding_window": 8, "attention_softcap": 50.0}
 GEMMA3 = {
     "activation": "geglu",
     "norm_placement": "both",
@@ -588,8 +589,9 @@ GEMMA3 = {
         ("bf16", "per call", "none", {}),
         ("bf16", False, "none", OLMO2),  # its query/key norms all-reduce over TP inside the block
         ("bf16", False, "selective", GEMMA3),  # four norms, a windowed layer's mask into recomputed attention
+        ("bf16", False, "none", GEMMA2),  # loom's own attention with soft-capped scores
     ],
-    ids=["fp32", "bf16-selective", "fp16", "fp8", "fp8-weights-cast-per-call", "bf16-olmo2", "bf16-gemma3"],
+    ids=["fp32", "bf16-selective", "fp16", "fp8", "fp8-weights-cast-per-call", "bf16-olmo2", "bf16-gemma3", "gemma2"],
 )
 def test_a_block_is_one_graph_without_breaks(markov_dataset, tmp_path, precision, fp8, recompute, model_settings):
     """model.compile compiles each block whole: dynamo must see one graph, TP collectives and all, with no

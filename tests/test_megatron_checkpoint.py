@@ -474,6 +474,8 @@ def test_biases_on_qkv_alone_and_another_head_size_import_and_export_as_megatron
         megatron_arguments({**config["model"], "norm_placement": "both"}, config["train"], 0, 0, "float32")
     with pytest.raises(CheckpointError, match="sliding window .model.sliding_window = 16.; loom exports"):
         megatron_arguments({**config["model"], "sliding_window": 16}, config["train"], 0, 0, "float32")
+    with pytest.raises(CheckpointError, match="soft-caps its attention scores or logits"):
+        megatron_arguments({**config["model"], "logits_softcap": 30.0}, config["train"], 0, 0, "float32")
     with pytest.raises(CheckpointError, match="gated GELU .* gate SiLU alone"):
         megatron_arguments({**config["model"], "activation": "geglu"}, config["train"], 0, 0, "float32")
 

@@ -140,6 +140,8 @@ ACTIVATION_CASES = (
         (2, True, "selective", "bf16", 1, "gemma"),
         (1, False, "none", "fp32", 2, "gemma3"),
         (2, True, "none", "bf16", 1, "mistral"),
+        (1, False, "none", "fp32", 2, "capped"),
+        (2, True, "none", "bf16", 1, "gemma2"),
         (2, True, "none", "bf16", 1, "gemma3"),
         (1, False, "none", "bf16", 1, "compiled qk_norm"),
         (2, True, "selective", "fp8", 1, "compiled gpt"),
@@ -152,7 +154,8 @@ and GELU with LayerNorm query/key norms), "... nemotron" with LayerNorm and squa
 norms (on attention's and the MLP's outputs, on queries and keys across heads: one statistic per rank and token),
 "... gemma" with Gemma's gated GELU and scaled, tied embeddings, "... gemma3" with Gemma 3's sandwich norms, query/key
 norms and every layer windowed (its mask kept as an additive bias by each eager layer, K and V repeated for the
-grouped heads), "... mistral" a Llama windowed in every layer.
+grouped heads), "... mistral" a Llama windowed in every layer, "... capped" with soft-capped scores (loom's own
+attention), "... gemma2" with them, windows and sandwich norms.
 Four compiled cases between them reach every term of the compiled count (each costs ~15 s of compiling)."""
 
 MODEL_VARIANTS = {
@@ -163,6 +166,8 @@ MODEL_VARIANTS = {
     "olmo2": {"norm_placement": "output", "qk_norm": True, "qk_norm_per_head": False},
     "gemma": {"activation": "geglu", "embedding_multiplier": 16.0, "tie_embeddings": True},
     "mistral": {"sliding_window": 16},
+    "gemma2": {"activation": "geglu", "norm_placement": "both", "sliding_window": 16, "attention_softcap": 50.0},
+    "capped": {"attention_softcap": 50.0},
     "gemma3": {
         "activation": "geglu",
         "norm_placement": "both",
@@ -333,6 +338,7 @@ RANK_ACTIVATION_LAYOUTS = [
     ({"cp": 2}, {}, {}),
     ({"cp": 2}, {"recompute": "selective"}, {"precision": "bf16"}),
     ({"cp": 2}, {"compile": "true"}, {"precision": "bf16", "steps": 2}),  # ring attention breaks the graph
+    ({"tp": 2, "sequence_parallel": True}, {**MODEL_VARIANTS["gemma2"], "logits_softcap": 30.0}, {"precision": "bf16"}),
 ]
 
 

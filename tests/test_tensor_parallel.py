@@ -133,8 +133,22 @@ def _compare_with_dense(rank, world, config_kwargs, sequence_parallel):
             ),
             sp=True,
         ),
+        # Gemma 2's: soft-capped scores (loom's own attention, windowed in the first layer) and logits (each rank's
+        # vocabulary shard capped before the vocabulary-parallel loss)
+        dict(
+            config=dict(
+                activation="geglu",
+                norm_placement="both",
+                sliding_window=3,
+                full_attention_interval=2,
+                attention_softcap=0.5,
+                logits_softcap=0.3,
+                attention_scale=1.0,
+            ),
+            sp=False,
+        ),
     ],
-    ids=["llama", "llama-sp", "gpt2-sp", "qwen", "olmo2-sp", "nemotron-sp", "gemma3-sp"],
+    ids=["llama", "llama-sp", "gpt2-sp", "qwen", "olmo2-sp", "nemotron-sp", "gemma3-sp", "gemma2"],
 )
 def test_tp_model_matches_dense(tp, variant):
     results = run_ranks(_compare_with_dense, tp, variant["config"], variant["sp"])

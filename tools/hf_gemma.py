@@ -3,8 +3,9 @@
 tanh GELU (model.activation = geglu), RMSNorm weights stored minus one (tools/hf.py adds and takes off the one),
 embeddings scaled by sqrt(hidden_size) and, from Gemma 2 on, sandwich norms (model.norm_placement = both), a score
 factor of query_pre_attn_scalar^-1/2 (model.attention_scale) and sliding-window layers (model.sliding_window,
-model.full_attention_interval); Gemma 3 adds query/key norms per head and its own rotary base in the windowed layers
-(model.rope_local_theta). Gemma 2's soft-capped scores and logits have no loom form: refused."""
+model.full_attention_interval) and Gemma 2 tanh soft-capping of the scores and logits (model.attention_softcap,
+model.logits_softcap); Gemma 3 adds query/key norms per head and its own rotary base in the windowed layers
+(model.rope_local_theta)."""
 
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ def gemma_form_refusals(model: dict) -> dict:
             model["qk_norm"] or model["qkv_bias"] or model["norm_placement"] != "input" or model["norm"] != "rmsnorm"
         )
         unlike = {
+            "soft-capping": model["attention_softcap"] is not None or model["logits_softcap"] is not None,
             "norm_placement both": model["norm_placement"] == "both",
             "a full_attention_interval": windowed(model) and model["full_attention_interval"] is not None,
             "a sliding window with qk_norm, qkv_bias, layernorm, Granite's multipliers or norm_placement output": (
@@ -80,6 +82,8 @@ def gemma_form_refusals(model: dict) -> dict:
         "a sliding window (Gemma 2 and 3's need sandwich norms)": windowed(model) and not sandwich,
         "rope_local_theta (Gemma 3's)": model["rope_local_theta"] is not None and generation != "gemma3_text",
         "rope scaling": model["rope_scaling"] != "none",
+        "soft-capping (Gemma 2's and 3's)": not sandwich
+        and (model["attention_softcap"] is not None or model["logits_softcap"] is not None),
         f"an embedding_multiplier other than sqrt(hidden_size) = {math.sqrt(model['hidden_size'])}": (
             model["embedding_multiplier"] != gemma_embedding_multiplier(model["hidden_size"])
         ),
@@ -114,8 +118,8 @@ def gemma_architecture(model: dict) -> dict:
         query_pre_attn_scalar=round(scalar) if math.isclose(scalar, round(scalar), rel_tol=1e-12) else scalar,
         sliding_window=model["sliding_window"] if windowed(model) else None,
         layer_types=types,
-        final_logit_softcapping=None,
-        attn_logit_softcapping=None,
+        final_logit_softcapping=model["logits_softcap"],
+        attn_logit_softcapping=model["attention_softcap"],
         use_bidirectional_attention=False,
     )
     if generation == "gemma3_text":  # a rotary base per kind of layer (transformers 4: rope_local_base_freq)
@@ -131,8 +135,8 @@ def gemma_architecture(model: dict) -> dict:
 
 
 def refuse_unrepresentable_gemma(hf: dict) -> None:
-    """A Gemma config.json's settings loom cannot compute alike: soft-capping (Gemma 2's), bidirectional
-    attention, an activation other than the tanh GELU."""
+    """A Gemma config.json's settings loom cannot compute alike: bidirectional attention, an activation other than
+    the tanh GELU."""
     # transformers 4 computes hidden_activation (Gemma: None means the tanh GELU), 5 hidden_act for Gemma (its
     # first files' "gelu" taken as the tanh GELU: GemmaConfig rewrites it); Gemma 2 and 3 compute
     # hidden_activation as named ("gelu" is the exact GELU there)
@@ -145,15 +149,6 @@ def refuse_unrepresentable_gemma(hf: dict) -> None:
             )
     if hf.get("use_bidirectional_attention"):
         raise CheckpointError("config.json sets use_bidirectional_attention (an encoder); loom's attention is causal")
-    if gemma:
-        return
-    defaults = {"final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0} if hf["model_type"] == "gemma2" else {}
-    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-        cap = hf.get(key, defaults.get(key))
-        if cap is not None:
-            raise CheckpointError(
-                f"config.json's {key} is {cap} (Gemma 2's tanh soft-capping); loom computes uncapped scores and logits"
-            )
 
 
 def gemma_fields(hf: dict) -> dict:
@@ -168,10 +163,18 @@ def gemma_fields(hf: dict) -> dict:
         return fields
     head_dim = hf.get("head_dim", 256)
     scalar = hf.get("query_pre_attn_scalar", 256)
+    gemma2 = kind == "gemma2"  # Gemma2Config caps unless told, Gemma3TextConfig not
+
+    def cap(key: str, default: float) -> float | None:
+        value = hf.get(key, default if gemma2 else None)
+        return None if value is None else float(value)
+
     fields.update(
         norm_placement="both",
         qk_norm=kind == "gemma3_text",
         attention_scale=None if scalar == head_dim else float(scalar) ** -0.5,
+        attention_softcap=cap("attn_logit_softcapping", 50.0),
+        logits_softcap=cap("final_logit_softcapping", 30.0),
         **_window_fields(hf),
     )
     return fields

@@ -89,6 +89,11 @@ def megatron_arguments(model: dict, train: dict, step: int, consumed: int, dtype
             f"the model normalises each block's attention and MLP outputs (model.norm_placement = "
             f"{model['norm_placement']}, OLMo 2's or Gemma's order); megatron-core's GPT model normalises their inputs"
         )
+    if model["attention_softcap"] is not None or model["logits_softcap"] is not None:
+        raise CheckpointError(
+            "the model soft-caps its attention scores or logits (model.attention_softcap, model.logits_softcap, "
+            "Gemma 2's); megatron-core's GPT model caps neither"
+        )
     if model["sliding_window"] is not None and model["full_attention_interval"] != 1:
         raise CheckpointError(
             f"the model attends within a sliding window (model.sliding_window = {model['sliding_window']}); loom "

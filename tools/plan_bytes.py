@@ -347,13 +347,17 @@ def layer_activation_bytes(
 def _window_bytes_per_token(
     m: ModelConfig, seq: int, mbs: int, tp: int, recompute: str, element: int, compiled: bool
 ) -> float:
-    """Per token, what a sliding-window layer's attention keeps besides a full-attention one's, times the share of
-    such layers (measured on CPU): eagerly its mask as an additive s x s bias in the compute dtype; and where K and
-    V have fewer heads than Q, the K and V repeated for each query head (the masked kernels take no grouped heads)
-    instead of the rotated K and the QKV output, which the eager block then keeps only through fp32 query/key norms'
-    views of it (compiled: the repeated K and V, and K and V unrepeated or, with query/key norms, the QKV output).
+    """Per token, what a sliding-window or soft-capped layer's attention keeps besides an SDPA one's over every
+    earlier position, times the share of such layers (measured on CPU). Where K and V have fewer heads than Q, both
+    repeat K and V for each query head (masked kernels take no grouped heads) and keep them instead of the rotated K
+    and the QKV output, which the eager block then keeps only through fp32 query/key norms' views of it (compiled:
+    the repeated K and V, and K and V unrepeated or, with query/key norms, the QKV output). A windowed SDPA keeps its
+    mask as an additive s x s bias in the compute dtype (eager). Soft-capped attention (loom's own, every layer)
+    keeps its capped scores (compute dtype), their fp32 softmax and its 16-bit copy, and the s x s boolean mask it
+    inverts, but no log-sum-exp (compiled: the fp32 softmax, within 1% with causal layers, 6% over with windows).
     Selective recompute reruns the attention core and keeps none of it."""
-    share = _windowed_share(m, seq)
+    capped = m.attention_softcap is not None
+    share = 1.0 if capped else _windowed_share(m, seq)
     if not share or recompute != "none":
         return 0.0
     q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
@@ -361,6 +365,12 @@ def _window_bytes_per_token(
     if m.num_kv_heads != m.num_heads:
         qkv_output_kept = m.qk_norm and (compiled or element == 4)
         repeated = (2 * q - kv if qkv_output_kept else (q - kv if compiled else q - 3 * kv)) * element / tp
+    if capped:
+        heads = m.num_heads / tp
+        if compiled:
+            return heads * seq * 4 - heads * 4 + repeated
+        scores = heads * seq * (element + 4 + (element if element != 4 else 0))
+        return scores + seq / mbs - heads * 4 + repeated
     mask = 0 if compiled else seq * element / mbs
     return share * (mask + repeated)
 
@@ -478,12 +488,14 @@ def output_activation_bytes(
     """Bytes the last stage's final norm, output layer and loss save for backward for one micro-batch: the norm's
     (eager: _eager_norm_bytes; compiled: its input in the compute dtype and its statistics; sequence-sharded under
     sequence parallelism), the output GEMM's gathered input (1 byte under
-    train.fp8_output_layer) and the logits of this rank's vocabulary slice (measured on CPU, tests/test_plan_bytes.py).
+    train.fp8_output_layer) and the logits of this rank's vocabulary slice, twice under model.logits_softcap (their
+    tanh too) (measured on CPU, tests/test_plan_bytes.py).
     The schedule runs the last chunk's backward right after its forward, so one micro-batch of them is alive."""
     vocab = padded_vocab_size(m.vocab_size, m.make_vocab_divisible_by, tp) // tp
     norm = m.hidden_size * element + _norm_statistics_bytes(m) if compiled else _eager_norm_bytes(m, element)
     norm /= tp if sp else 1
-    return seq * mbs * (norm + m.hidden_size * (1 if fp8_output else element) + vocab * element)
+    logits = vocab * element * (2 if m.logits_softcap is not None else 1)  # and their tanh, which the cap keeps
+    return seq * mbs * (norm + m.hidden_size * (1 if fp8_output else element) + logits)
 
 
 def rank_activation_bytes(

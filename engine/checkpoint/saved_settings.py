@@ -43,6 +43,8 @@ FUNCTIONAL_MODEL_FIELDS = (
     "rope_local_theta",
     "sliding_window",
     "full_attention_interval",
+    "attention_softcap",
+    "logits_softcap",
 )
 
 # Model settings that decide which tensors a checkpoint holds, their shapes or what the block computes with them.

@@ -95,6 +95,12 @@ class LoomConfig:
                 f"model.attention_backend = {backend} with parallel.cp = {self.parallel.cp}: ring attention runs "
                 "flash kernels of its own; use --model.attention_backend auto"
             )
+        if backend != "auto" and self.model.attention_softcap is not None:
+            raise ConfigError(
+                f"model.attention_backend = {backend} picks an SDPA kernel, and model.attention_softcap = "
+                f"{self.model.attention_softcap} needs loom's own attention (SDPA cannot cap scores); use "
+                "--model.attention_backend auto"
+            )
         if backend == "flash" and self.model.windowed:
             raise ConfigError(
                 f"model.attention_backend = flash takes no mask, and model.sliding_window = "

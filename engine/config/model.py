@@ -132,6 +132,13 @@ class ModelConfig:
     attention_multiplier, Megatron's --softmax-scale)."""
     logits_divisor: float = 1.0
     """The output logits are divided by this (Granite's logits_scaling)."""
+    attention_softcap: float | None = None
+    """Soft-capping of the attention scores: cap x tanh(scores / cap) after the score factor, before the mask and
+    softmax (Gemma 2's attn_logit_softcapping, 50); None leaves them uncapped. Computed by loom's own attention (the
+    scores are materialised: no flash kernel, no context parallelism, not Transformer Engine's attention)."""
+    logits_softcap: float | None = None
+    """Soft-capping of the output logits: cap x tanh(logits / cap) (Gemma 2's final_logit_softcapping, 30); None
+    leaves them uncapped."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation; output projections are scaled by 1/sqrt(2*layers)."""
     dropout: float = 0.0
@@ -179,6 +186,8 @@ class ModelConfig:
             residual_multiplier=self.residual_multiplier,
             attention_scale=self.attention_scale,
             logits_divisor=self.logits_divisor,
+            attention_softcap=self.attention_softcap,
+            logits_softcap=self.logits_softcap,
         )
         check_positive(
             s,
@@ -332,6 +341,8 @@ class ModelConfig:
                 f"parallel.cp > 1 with model.sliding_window = {self.sliding_window}: ring attention attends to "
                 "every earlier position"
             )
+        if self.attention_softcap is not None:
+            return f"parallel.cp > 1 with model.attention_softcap = {self.attention_softcap}: ring attention has none"
         return None
 
     def check_tensor_parallel(self, tp: int) -> None:

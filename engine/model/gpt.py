@@ -163,7 +163,9 @@ class GPTModel(torch.nn.Module):
             hidden = mappings.gather_from_sequence_region(hidden, self.tp_group)
         else:
             hidden = mappings.copy_to_tensor_region(hidden, self.tp_group)
-        return F.linear(hidden, weight) if self.fp8_output is None else self.fp8_output(hidden, weight)
+        logits = F.linear(hidden, weight) if self.fp8_output is None else self.fp8_output(hidden, weight)
+        cap = self.config.logits_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, cache: DecodingCache, hidden: torch.Tensor | None = None) -> torch.Tensor:

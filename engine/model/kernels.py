@@ -436,6 +436,8 @@ def choose_kernels(config: LoomConfig, device: torch.device, capability: tuple[i
         )
     elif backend != "auto":
         attention = Choice(f"torch.sdpa({backend})", f"model.attention_backend = {backend}")
+    elif m.attention_softcap is not None:
+        attention = Choice("loom.capped_attention", f"model.attention_softcap = {m.attention_softcap}: scores capped")
     elif te_ok and m.windowed:
         attention = Choice("torch.sdpa", f"model.sliding_window = {m.sliding_window}: SDPA with loom's window mask")
     elif te_ok and m.dropout == 0:

@@ -160,6 +160,33 @@ def window_mask(seq_length: int, window: int, device) -> torch.Tensor:
     return (distance >= 0) & (distance < window)
 
 
+def capped_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    cap: float,
+    mask: torch.Tensor | None = None,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """Attention with soft-capped scores, cap x tanh(q k^T x scale / cap), as Gemma 2 computes it: q [b, heads, s,
+    d], k and v [b, kv heads, t, d] (each KV head serving heads / kv heads query heads), `mask` [s, t] True where a
+    query attends (None: causal, the queries being the last s of the t positions); the scores in the compute dtype,
+    their softmax in fp32."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / cap) * cap
+    if mask is None:
+        s, t = q.shape[-2], k.shape[-2]
+        mask = torch.ones(s, t, dtype=torch.bool, device=q.device).tril(t - s)
+    probabilities = scores.masked_fill(~mask, float("-inf")).softmax(-1, dtype=torch.float32).to(q.dtype)
+    if dropout:
+        probabilities = F.dropout(probabilities, dropout)
+    return torch.matmul(probabilities, v)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     width = cos.shape[-1]
     if width < x.shape[-1]:  # model.rotary_percent < 1: the head's first channels turn, the rest pass
@@ -214,7 +241,7 @@ class Attention(torch.nn.Module):
             sequence_parallel=sequence_parallel,
         )
         self.fused_attention = kernels.core_attention(config, tp_group, sequence_parallel)
-        self.softmax_scale = config.softmax_scale
+        self.softmax_scale, self.softcap = config.softmax_scale, config.attention_softcap
         self.q_norm = self.k_norm = None
         if config.qk_norm and not config.qk_norm_per_head:
             self.q_norm = ProjectionNorm(config, config.num_heads, tp_group)
@@ -238,11 +265,15 @@ class Attention(torch.nn.Module):
         if self.fused_attention is not None:  # TE: takes and returns the [s, b, ...] layout directly
             return self.fused_attention(q, k, v)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        dropout = self.dropout if self.training else 0.0
+        if self.softcap is not None:
+            with self.streams.fork("tensor") if (dropout and self.streams) else contextlib.nullcontext():
+                out = capped_attention(q, k, v, self.softmax_scale, self.softcap, mask, dropout)
+            return out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)
         # CUDA's kernels that take a mask take no grouped-query heads (flash takes none): repeated as for them, on
         # every device so that a CPU run keeps what a GPU run keeps (the planner's bytes are measured on CPU)
         if self.repeat_kv or (mask is not None and self.local_kv_heads != self.local_heads):
             k, v = (t.repeat_interleave(self.local_heads // self.local_kv_heads, dim=1) for t in (k, v))
-        dropout = self.dropout if self.training else 0.0
         with self.streams.fork("tensor") if (dropout and self.streams) else contextlib.nullcontext():
             out = F.scaled_dot_product_attention(
                 q,
@@ -294,9 +325,11 @@ class Attention(torch.nn.Module):
         distance = new_positions[:, None] - torch.arange(total, device=q.device)[None, :]
         mask = (distance >= 0) & (distance < (self.window or total))
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, enable_gqa=self.local_kv_heads != self.local_heads, scale=self.softmax_scale
-        )
+        if self.softcap is not None:
+            out = capped_attention(q, k, v, self.softmax_scale, self.softcap, mask)
+        else:
+            grouped = self.local_kv_heads != self.local_heads
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=grouped, scale=self.softmax_scale)
         return out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)
 
 
