@@ -324,3 +324,15 @@ def test_a_stop_that_comes_while_a_row_compiles_ends_the_bench(monkeypatch):
     with pytest.raises(Stopped):
         harness.guarded(lambda: compiling(), lambda why: why, torch.device("cpu"))
     assert harness.guarded(lambda: 1 / 0, lambda why: why, torch.device("cpu")).startswith("failed: ZeroDivisionError")
+
+
+def test_the_plain_loop_refuses_what_it_would_time_as_another_model():
+    """The plain loop (and transformers' Llama beside it) attends to every earlier position, uncapped, with pre-norm
+    blocks: a Gemma 2's ratio against it would compare two different models."""
+    from loom.engine.config_io import load_config
+    from loom.tools.bench.plain_loop import unsupported_reason
+
+    assert unsupported_reason(load_config("llama-1b").model) is None
+    windowed = load_config("llama-1b", ["--model.sliding_window", "512"]).model
+    assert "uncapped, with pre-norm blocks" in unsupported_reason(windowed)
+    assert unsupported_reason(load_config("gemma2-2b").model) is not None

@@ -712,7 +712,7 @@ def test_gemma_files_read_as_their_classes_read_them():
     ignores sliding_window_pattern) or every-sliding_window_pattern-th full layer (Gemma 3), and a pattern that is
     no number of layers is one line, not a ZeroDivisionError. Gemma 2's soft-capping is Gemma2Config's 50 and 30
     where a file leaves it out."""
-    from loom.tools.hf_forms import model_from_hf_config
+    from loom.tools.hf_forms import hf_config, model_from_hf_config
 
     shape = {key: value for key, value in llama_fields().items() if key not in ("hidden_act", "sliding_window")}
     gemma2, gemma3 = {**shape, "model_type": "gemma2"}, {**shape, "model_type": "gemma3_text"}
@@ -732,6 +732,15 @@ def test_gemma_files_read_as_their_classes_read_them():
     assert (capped["attention_softcap"], capped["logits_softcap"]) == (50.0, 30.0)
     fields = model_from_hf_config({**gemma3, "sliding_window_pattern": 1})  # every layer full: no window
     assert (fields["sliding_window"], fields["rope_local_theta"]) == (None, None)
+    # which transformers then runs: its masks read sliding_window even where no layer slides
+    exported = hf_config(config_to_dict(config_from_dict({"model": fields}))["model"])
+    assert exported["sliding_window"] == 256 and set(exported["layer_types"]) == {"full_attention"}
+    with torch.no_grad():
+        transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**exported))(torch.zeros(1, 4, dtype=torch.long))
+    # MistralConfig's window where a file has none (Phi3Config's: none)
+    longer = {**shape, "max_position_embeddings": 8192}
+    assert model_from_hf_config({**longer, "model_type": "mistral"})["sliding_window"] == 4096
+    assert model_from_hf_config({**longer, "model_type": "phi3"}).get("sliding_window") is None
 
 
 def _small_qwen3(folder: Path):

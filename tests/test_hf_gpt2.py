@@ -119,6 +119,7 @@ def test_a_model_of_neither_form_is_refused_naming_both(tmp_path):
         {"qk_norm": True},
         {"sliding_window": 16},
         {"embedding_multiplier": 2.0},
+        {"logits_softcap": 30.0},
     ):
         metadata.config["model"].update(changes)
         (directory / "metadata.json").write_text(metadata.to_json())
@@ -126,7 +127,7 @@ def test_a_model_of_neither_form_is_refused_naming_both(tmp_path):
             export_hf(tmp_path / "loom", tmp_path / "out")
         assert "qk_norm" in str(error.value) or "qk_norm" not in changes
         restored = {"norm": "layernorm", "num_kv_heads": 4, "qk_norm": False, "sliding_window": None}
-        metadata.config["model"].update({**restored, "embedding_multiplier": 1.0})
+        metadata.config["model"].update({**restored, "embedding_multiplier": 1.0, "logits_softcap": None})
 
 
 def test_a_lora_run_on_gpt2_exports_a_peft_adapter_with_its_logits(markov_dataset, tmp_path, capfd):

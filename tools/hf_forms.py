@@ -370,7 +370,8 @@ def _every_layer_window(hf: dict) -> int | None:
     which its first max_window_layers layers lack), or None: none, or none shorter than its positions."""
     qwen = hf.get("model_type") in ("qwen2", "qwen3")
     windowed = hf.get("model_type") in ("mistral", "phi3") or (qwen and hf.get("use_sliding_window"))
-    window = hf.get("sliding_window") if windowed else None
+    default = None if hf.get("model_type") == "phi3" else 4096  # MistralConfig's and Qwen's where a file has none
+    window = hf.get("sliding_window", default) if windowed else None
     if window is not None and (type(window) is not int or window < 1):
         raise CheckpointError(f"config.json's sliding_window {window!r} is neither null nor a number of tokens")
     return window if window is not None and window < hf["max_position_embeddings"] else None

@@ -116,7 +116,8 @@ def gemma_architecture(model: dict) -> dict:
     ]
     fields.update(
         query_pre_attn_scalar=round(scalar) if math.isclose(scalar, round(scalar), rel_tol=1e-12) else scalar,
-        sliding_window=model["sliding_window"] if windowed(model) else None,
+        # read by the classes' masks even where no layer slides (None fails them): the positions then
+        sliding_window=model["sliding_window"] if windowed(model) else model["max_position_embeddings"],
         layer_types=types,
         final_logit_softcapping=model["logits_softcap"],
         attn_logit_softcapping=model["attention_softcap"],

@@ -31,9 +31,12 @@ GPT2_SHAPE = {
     "residual_multiplier": 1.0,
     "attention_scale": None,
     "logits_divisor": 1.0,
+    "attention_softcap": None,
+    "logits_softcap": None,
 }
 """The ModelConfig fields of a model with a GPT-2 form (grouped-query attention aside): GPT2LMHeadModel attends to
-every earlier position and scales nothing but its scores, by 1 / sqrt(head_dim)."""
+every earlier position, scales nothing but its scores, by 1 / sqrt(head_dim), and caps neither them nor its
+logits."""
 
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 """transformers' names of GELU's tanh approximation (three implementations of one formula), which loom computes."""

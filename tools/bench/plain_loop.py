@@ -106,6 +106,8 @@ def unsupported_reason(c: ModelConfig) -> str | None:
     """Why the plain loop cannot model this config (it writes only the Llama shape), or None."""
     if (c.norm, c.activation, c.position_embedding, c.bias) != ("rmsnorm", "swiglu", "rope", False):
         return "the plain loop models Llama-style configs only (rmsnorm, swiglu, rope, no bias)"
+    if c.windowed or c.attention_softcap is not None or c.logits_softcap is not None or c.norm_placement != "input":
+        return "the plain loop attends to every earlier position, uncapped, with pre-norm blocks (a Llama's)"
     return None
 
 
