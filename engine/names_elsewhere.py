@@ -126,6 +126,11 @@ TRAINING_NAMES: tuple[NameElsewhere, ...] = (
             ("--use-rope-scaling", "--model.rope_scaling llama3"),
             ("--rope-scaling-factor", "--model.rope_scaling_factor"),
             (
+                "--rotary-seq-len-interpolation-factor",
+                "--model.rope_scaling linear",
+                "with --model.rope_scaling_factor F: positions divided by F, as every frequency is",
+            ),
+            (
                 "--normalization",
                 "--model.norm",
                 "rmsnorm or layernorm; Megatron's default is LayerNorm, loom's rmsnorm",

@@ -41,8 +41,9 @@ def squared_relu(x: torch.Tensor) -> torch.Tensor:
 # Each variant: megatron-core's TransformerConfig fields and GPTModel arguments, the Megatron-LM arguments that
 # produce them, and how it is saved.
 VARIANTS = {
-    # Llama-shaped, megatron-core's default stacked layers, with norms on queries and keys (Qwen3's) and another
-    # score factor than 1 / sqrt(head size) (--softmax-scale)
+    # Llama-shaped, megatron-core's default stacked layers, with norms on queries and keys (Qwen3's), another
+    # score factor than 1 / sqrt(head size) (--softmax-scale) and linearly interpolated rotary positions
+    # (--rotary-seq-len-interpolation-factor)
     "llama": dict(
         config=dict(
             normalization="RMSNorm",
@@ -53,8 +54,14 @@ VARIANTS = {
             qk_layernorm=True,
             softmax_scale=0.2,
         ),
-        model=dict(position_embedding_type="rope", rotary_base=500000, share_embeddings_and_output_weights=False),
+        model=dict(
+            position_embedding_type="rope",
+            rotary_base=500000,
+            seq_len_interpolation_factor=4.0,
+            share_embeddings_and_output_weights=False,
+        ),
         args=dict(
+            rotary_seq_len_interpolation_factor=4.0,
             normalization="RMSNorm",
             swiglu=True,
             add_bias_linear=False,

@@ -630,7 +630,8 @@ def test_a_gemma3_imports_evaluates_under_tensor_parallelism_and_exports_as_tran
     """Gemma 3's text model (Gemma3ForCausalLM, model_type gemma3_text) was refused: Gemma's gated GELU and
     norms stored minus one, with sandwich norms (model.norm_placement both), per-head query/key norms, a score factor
     of query_pre_attn_scalar^-1/2, sliding-window attention in all but every N-th layer (model.sliding_window,
-    model.full_attention_interval) and a rotary base of their own in those layers (model.rope_local_theta). A model
+    model.full_attention_interval) and a rotary base of their own in those layers (model.rope_local_theta), the
+    full-attention layers' RoPE linearly scaled in its larger models (model.rope_scaling linear). A model
     whose window (8) is shorter than its text imports with transformers' logits, `loom eval` over two
     tensor-parallel ranks gives its loss, it exports back to a Gemma3ForCausalLM with the same logits, and KV-cached
     greedy decoding past the window is transformers'."""
@@ -642,7 +643,7 @@ def test_a_gemma3_imports_evaluates_under_tensor_parallelism_and_exports_as_tran
         query_pre_attn_scalar=24,
         rope_parameters={
             "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
-            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0},  # the 4B's and larger
         },
     )
     torch.manual_seed(0)
@@ -658,6 +659,7 @@ def test_a_gemma3_imports_evaluates_under_tensor_parallelism_and_exports_as_tran
     shape = {key: imported[key] for key in ("norm_placement", "qk_norm", "sliding_window", "full_attention_interval")}
     assert shape == {"norm_placement": "both", "qk_norm": True, "sliding_window": 8, "full_attention_interval": 3}
     assert (imported["rope_theta"], imported["rope_local_theta"], imported["attention_scale"]) == (1e6, 100.0, 24**-0.5)
+    assert (imported["rope_scaling"], imported["rope_scaling_factor"]) == ("linear", 8.0)
     assert type(again) is transformers.Gemma3ForCausalLM
     _assert_greedy_generate_equals_transformers(model, tmp_path / "loom", 16)
     # a fine-tune from a config without windows (the tiny preset) trains the import's windowed model

@@ -14,7 +14,7 @@ from loom.engine.checkpoint.format import CheckpointError
 from loom.engine.config import ModelConfig
 from loom.tools.hf_gemma import (
     GEMMA_MODEL_TYPES,
-    gemma3_rope_fields,
+    gemma3_rope,
     gemma_architecture,
     gemma_fields,
     gemma_form,
@@ -43,7 +43,7 @@ def check_llama_form(model: dict, gpt2_too: bool = False) -> None:
     if model["rotary_percent"] < 1 and (model["qk_norm"] or model["qkv_bias"]):  # only Phi-3's class turns part
         wrong["rotary_percent with " + ("qk_norm" if model["qk_norm"] else "qkv_bias")] = model["rotary_percent"]
     phi3_rotary = model["rotary_percent"] < 1 and not nemotron  # part of each head turned by Phi-3's class
-    if phi3_rotary and model["rope_scaling"] in ("llama3", "yarn"):  # Phi3Config takes default and longrope
+    if phi3_rotary and model["rope_scaling"] in ("linear", "llama3", "yarn"):  # Phi3Config: default and longrope
         wrong[f"rotary_percent with {model['rope_scaling']} rope scaling"] = model["rotary_percent"]
     narrow = model["head_dim"] * model["num_heads"] != model["hidden_size"]
     if phi3_rotary and model["rope_scaling"] == "longrope" and narrow:
@@ -87,6 +87,7 @@ def _olmo2_form_refusals(model: dict) -> dict:
 
 
 _ROPE_SCALING_FIELDS = {
+    "linear": {"factor": "rope_scaling_factor"},
     "llama3": {
         "factor": "rope_scaling_factor",
         "low_freq_factor": "rope_low_freq_factor",
@@ -116,11 +117,9 @@ def _hf_rope(model: dict) -> dict:
         rope["partial_rotary_factor"] = model["rotary_percent"]
     if model["rope_scaling"] != "none":
         fields = _ROPE_SCALING_FIELDS[model["rope_scaling"]]
-        rope.update(
-            rope_type=model["rope_scaling"],
-            original_max_position_embeddings=model["rope_original_max_positions"],
-            **{key: model[field] for key, field in fields.items()},
-        )
+        rope.update(rope_type=model["rope_scaling"], **{key: model[field] for key, field in fields.items()})
+        if model["rope_scaling"] != "linear":  # the others scale by how far positions reach past it
+            rope["original_max_position_embeddings"] = model["rope_original_max_positions"]
     return rope
 
 
@@ -179,7 +178,7 @@ def _hf_architecture(model: dict, phi3: bool) -> dict:
                 "mlp_bias": False, "partial_rotary_factor": model["rotary_percent"], "norm_eps": model["norm_eps"],
                 "hidden_act": "relu2"}  # fmt: skip
     if gemma_form(model):
-        return gemma_architecture(model)
+        return gemma_architecture(model, _hf_rope(model))
     if model["norm_placement"] == "output":  # Olmo2Config's token ids default to OLMo's own (pad 1, eos 50279)
         return {"architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2", "attention_bias": False,
                 **dict.fromkeys(HF_TOKEN_ID_FIELDS)}  # fmt: skip
@@ -206,6 +205,7 @@ def hf_config(model: dict, token_ids: dict | None = None, dtype: str = "float32"
     if nemotron_form(model):
         rope["partial_rotary_factor"] = model["rotary_percent"]
     legacy_scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if rope["rope_type"] != "default" else None
+    original = "original_max_position_embeddings" in rope
     architecture = _hf_architecture(model, phi3)
     per_layer_type = {k: architecture.pop(k) for k in ("rope_parameters",) if k in architecture}  # Gemma 3's
     return {
@@ -224,7 +224,7 @@ def hf_config(model: dict, token_ids: dict | None = None, dtype: str = "float32"
         "rope_theta": model["rope_theta"],
         "rope_scaling": legacy_scaling,
         # read before the one in rope_parameters (Phi3Config would otherwise put its 4096 there)
-        **({"original_max_position_embeddings": model["rope_original_max_positions"]} if legacy_scaling else {}),
+        **({"original_max_position_embeddings": rope["original_max_position_embeddings"]} if original else {}),
         "hidden_act": architecture.get("hidden_act", "silu"),
         "tie_word_embeddings": model["tie_embeddings"],
         "initializer_range": model["init_std"],
@@ -293,10 +293,12 @@ def _rope_fields(hf: dict) -> dict:
         )
     elif rope["rope_type"] == "yarn":
         fields.update(_yarn_fields(rope, hf["max_position_embeddings"], original))
+    elif rope["rope_type"] == "linear":
+        fields.update(rope_scaling="linear", rope_scaling_factor=float(rope["factor"]))
     elif rope["rope_type"] != "default":
         raise CheckpointError(
-            f"config.json's rope_type {rope['rope_type']!r} is not supported; loom imports default, llama3, longrope "
-            "and yarn RoPE"
+            f"config.json's rope_type {rope['rope_type']!r} is not supported; loom imports default, linear, llama3, "
+            "longrope and yarn RoPE"
         )
     return fields
 
@@ -408,7 +410,7 @@ def model_from_hf_config(hf: dict) -> dict:
         "vocab_size": hf["vocab_size"],
         "max_position_embeddings": _positions_represented(hf),
         "norm_eps": _norm_eps(hf),
-        **(gemma3_rope_fields(hf) if kind == "gemma3_text" else _rope_fields(hf)),
+        **(_gemma3_rope_fields(hf) if kind == "gemma3_text" else _rope_fields(hf)),
         "tie_embeddings": hf.get("tie_word_embeddings", False),
         "norm": "layernorm" if kind == "nemotron" else "rmsnorm",
         "activation": "squared_relu" if kind == "nemotron" else "swiglu",
@@ -422,6 +424,13 @@ def model_from_hf_config(hf: dict) -> dict:
         **_window_of_every_layer(hf),
         **(gemma_fields(hf) if gemma else {}),
     }
+
+
+def _gemma3_rope_fields(hf: dict) -> dict:
+    """A Gemma 3's RoPE: its full-attention layers' read as any model's rope_parameters, its sliding-window layers'
+    base as model.rope_local_theta (tools/hf_gemma.gemma3_rope)."""
+    full, local = gemma3_rope(hf)
+    return {**_rope_fields({**hf, "rope_parameters": full, "rope_scaling": None}), "rope_local_theta": local}
 
 
 def _norm_eps(hf: dict) -> float:

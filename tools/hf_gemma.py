@@ -81,7 +81,6 @@ def gemma_form_refusals(model: dict) -> dict:
         and not sandwich,
         "a sliding window (Gemma 2 and 3's need sandwich norms)": windowed(model) and not sandwich,
         "rope_local_theta (Gemma 3's)": model["rope_local_theta"] is not None and generation != "gemma3_text",
-        "rope scaling": model["rope_scaling"] != "none",
         "soft-capping (Gemma 2's and 3's)": not sandwich
         and (model["attention_softcap"] is not None or model["logits_softcap"] is not None),
         f"an embedding_multiplier other than sqrt(hidden_size) = {math.sqrt(model['hidden_size'])}": (
@@ -91,8 +90,9 @@ def gemma_form_refusals(model: dict) -> dict:
     return {f"geglu (Gemma's) with {k}": True for k, v in unlike.items() if v}
 
 
-def gemma_architecture(model: dict) -> dict:
-    """The config.json fields of a Gemma-form model's class (hf_config writes the shape around them)."""
+def gemma_architecture(model: dict, rope: dict) -> dict:
+    """The config.json fields of a Gemma-form model's class (hf_config writes the shape around them; `rope`: the
+    model's rope_parameters, hf_forms._hf_rope's)."""
     generation = gemma_generation(model)
     names = {"gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
     # GemmaConfig's token ids default to Gemma's own (pad 0, eos 1, bos 2): none unless known; transformers 4 reads
@@ -123,15 +123,10 @@ def gemma_architecture(model: dict) -> dict:
         attn_logit_softcapping=model["attention_softcap"],
         use_bidirectional_attention=False,
     )
-    if generation == "gemma3_text":  # a rotary base per kind of layer (transformers 4: rope_local_base_freq)
-        local = model["rope_local_theta"] or model["rope_theta"]
-        fields.update(
-            rope_parameters={
-                FULL: {"rope_type": "default", "rope_theta": model["rope_theta"]},
-                SLIDING: {"rope_type": "default", "rope_theta": local},
-            },
-            rope_local_base_freq=local,
-        )
+    if generation == "gemma3_text":  # RoPE per kind of layer (transformers 4: rope_local_base_freq)
+        local = model["rope_local_theta"]
+        sliding = rope if local is None else {"rope_type": "default", "rope_theta": local}
+        fields.update(rope_parameters={FULL: rope, SLIDING: sliding}, rope_local_base_freq=sliding["rope_theta"])
     return fields
 
 
@@ -211,23 +206,21 @@ def _window_fields(hf: dict) -> dict:
     return {"sliding_window": window, "full_attention_interval": interval}
 
 
-def gemma3_rope_fields(hf: dict) -> dict:
-    """Gemma 3's rotary bases: one for its full-attention layers and one for its sliding-window layers, in
-    transformers 5's per-layer-type rope_parameters or transformers 4's rope_theta and rope_local_base_freq (as
-    Gemma3TextConfig reads them); scaled RoPE (its larger models') is refused."""
+def gemma3_rope(hf: dict) -> tuple[dict, float]:
+    """Gemma 3's rotary settings: its full-attention layers' (scaled in its larger models: the 4B's linear x8) as one
+    rope_parameters dict, and its sliding-window layers' base, from transformers 5's per-layer-type rope_parameters
+    or transformers 4's rope_theta, rope_scaling and rope_local_base_freq (as Gemma3TextConfig reads them). Scaled
+    sliding-window layers are refused (loom scales the full-attention ones alone)."""
     per_type = hf.get("rope_parameters")
     legacy = hf.get("rope_scaling")
     if not (isinstance(per_type, dict) and per_type and all(isinstance(v, dict) for v in per_type.values())):
         per_type = {}
     full = {**per_type.get(FULL, {}), **(legacy if isinstance(legacy, dict) else {})}
+    full.setdefault("rope_theta", hf.get("rope_theta", 1_000_000.0))
     sliding = dict(per_type.get(SLIDING, {}))
-    for name, rope in ((FULL, full), (SLIDING, sliding)):
-        kind = rope.get("rope_type", rope.get("type", "default"))
-        if kind != "default":
-            raise CheckpointError(
-                f"config.json's {name} layers have {kind} RoPE; loom imports Gemma 3 with unscaled RoPE"
-            )
-    return {
-        "rope_theta": float(full.get("rope_theta", hf.get("rope_theta", 1_000_000.0))),
-        "rope_local_theta": float(sliding.get("rope_theta", hf.get("rope_local_base_freq", 10_000.0))),
-    }
+    kind = sliding.get("rope_type", sliding.get("type", "default"))
+    if kind != "default":
+        raise CheckpointError(
+            f"config.json's {SLIDING} layers have {kind} RoPE; loom scales Gemma 3's {FULL} layers alone"
+        )
+    return full, float(sliding.get("rope_theta", hf.get("rope_local_base_freq", 10_000.0)))

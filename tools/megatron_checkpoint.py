@@ -198,12 +198,6 @@ _UNREPRESENTABLE = (
     ("hybrid_override_pattern", None, "--hybrid-override-pattern", "Mamba layers"),
     ("experimental_attention_variant", None, "--experimental-attention-variant", "another attention"),
     ("quick_geglu", False, "--quick-geglu", "a quick-GeGLU MLP"),
-    (
-        "rotary_seq_len_interpolation_factor",
-        None,
-        "--rotary-seq-len-interpolation-factor",
-        "linearly interpolated rotary positions",
-    ),
     ("window_size", None, "--window-size", "sliding-window attention"),
     ("no_rope_freq", None, "--no-rope-freq", "layers without rotary positions"),
     ("softmax_type", "vanilla", "--softmax-type", "another attention softmax"),
@@ -266,6 +260,15 @@ def model_from_megatron_arguments(args: dict, shapes: dict[str, tuple[int, ...]]
     if positions == "rope":
         model["rope_theta"] = 10000.0 if legacy_model else float(args.get("rotary_base") or 10000)
         model["rotary_percent"] = float(args.get("rotary_percent") or 1.0)
+        interpolation = args.get("rotary_seq_len_interpolation_factor")
+        if interpolation is not None and (legacy_model or args.get("use_rope_scaling")):
+            raise CheckpointError(
+                f"the model interpolates its rotary positions (--rotary-seq-len-interpolation-factor {interpolation})"
+                + (" in Megatron's legacy model" if legacy_model else " on top of --use-rope-scaling")
+                + "; loom imports the interpolation alone, from megatron-core models"
+            )
+        if interpolation is not None:  # positions divided by the factor: every frequency, as loom's linear scaling
+            model.update(rope_scaling="linear", rope_scaling_factor=float(interpolation))
         if args.get("use_rope_scaling") and not legacy_model:
             # megatron-core's Llama 3 scaling: its low/high frequency factors and original length are fixed
             model.update(

@@ -107,7 +107,8 @@ def megatron_arguments(model: dict, train: dict, step: int, consumed: int, dtype
     if model["rope_scaling"] in ("longrope", "yarn") and model["position_embedding"] == "rope":
         raise CheckpointError(
             f"the model's rotary embedding is {model['rope_scaling']}-scaled (model.rope_scaling); loom exports "
-            "Megatron-LM's Llama 3.1 scaling (--use-rope-scaling) or none"
+            "Megatron-LM's Llama 3.1 scaling (--use-rope-scaling), its linear interpolation "
+            "(--rotary-seq-len-interpolation-factor) or none"
         )
     if model["rope_scaling"] == "llama3" and model["position_embedding"] == "rope":
         fixed = {k: model[k] for k, v in LLAMA3_SCALING_IN_MEGATRON.items() if model[k] != v}
@@ -137,6 +138,9 @@ def megatron_arguments(model: dict, train: dict, step: int, consumed: int, dtype
         rotary_interleaved=False,
         use_rope_scaling=rope and model["rope_scaling"] == "llama3",
         rope_scaling_factor=model["rope_scaling_factor"],
+        rotary_seq_len_interpolation_factor=(
+            model["rope_scaling_factor"] if rope and model["rope_scaling"] == "linear" else None
+        ),
         normalization="RMSNorm" if model["norm"] == "rmsnorm" else "LayerNorm",
         layernorm_epsilon=model["norm_eps"],
         norm_epsilon=model["norm_eps"],
@@ -190,6 +194,11 @@ def megatron_flags(args: argparse.Namespace) -> str:
             * (args.use_rotary_position_embeddings and args.rotary_percent < 1)
         ),
         *([f"--use-rope-scaling --rope-scaling-factor {args.rope_scaling_factor}"] * args.use_rope_scaling),
+        *(
+            [f"--rotary-seq-len-interpolation-factor {args.rotary_seq_len_interpolation_factor:g}"]
+            if args.rotary_seq_len_interpolation_factor is not None
+            else []
+        ),
         f"--normalization {args.normalization}",
         f"--norm-epsilon {args.norm_epsilon}",
         *(["--swiglu"] * args.swiglu),

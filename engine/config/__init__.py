@@ -163,7 +163,8 @@ class LoomConfig:
         who sets SGD's momentum for AdamW, or early stopping with evaluation off, is told instead of ignored)."""
         m, o, t, p = self.model, self.optim, self.train, self.parallel
         readers = {  # the scaling fields, by the rope_scaling kinds that read them
-            "rope_scaling_factor": ("llama3", "yarn"),
+            "rope_scaling_factor": ("linear", "llama3", "yarn"),
+            "rope_original_max_positions": ("llama3", "longrope", "yarn"),
             "rope_low_freq_factor": ("llama3",),
             "rope_high_freq_factor": ("llama3",),
             "rope_short_factors": ("longrope",),
@@ -181,7 +182,6 @@ class LoomConfig:
                     "rope_local_theta",
                     "rope_scaling",
                     "rotary_percent",
-                    "rope_original_max_positions",
                     *readers,
                 ),
                 m.position_embedding != "rope",
@@ -189,7 +189,7 @@ class LoomConfig:
             ),
             (
                 m,
-                ("rope_original_max_positions", *readers),
+                tuple(readers),
                 m.position_embedding == "rope" and not scaled,
                 "model.rope_scaling = none",
             ),

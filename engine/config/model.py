@@ -46,8 +46,10 @@ class ModelConfig:
     """Fraction of each head's width the rotary embedding turns (Megatron's --rotary-percent, Hugging Face's
     partial_rotary_factor; GPT-NeoX and Phi-4-mini rotate part of it): its first int(head_dim x this) channels,
     an even number, the rest pass unrotated."""
-    rope_scaling: Literal["none", "llama3", "longrope", "yarn"] = "none"
-    """Long-context rescaling of the rotary frequencies: none; llama3 (Llama 3.1 and later; Hugging Face's
+    rope_scaling: Literal["none", "linear", "llama3", "longrope", "yarn"] = "none"
+    """Long-context rescaling of the rotary frequencies: none; linear (position interpolation, Chen et al. 2023;
+    Hugging Face's rope_type "linear", Gemma 3's larger models', Megatron's --rotary-seq-len-interpolation-factor):
+    every frequency divided by rope_scaling_factor; llama3 (Llama 3.1 and later; Hugging Face's
     rope_type "llama3"): wavelengths longer than rope_original_max_positions / rope_low_freq_factor are
     stretched by rope_scaling_factor, those shorter than rope_original_max_positions / rope_high_freq_factor
     are kept, and the ones between are interpolated; longrope (Phi-3.5, Phi-4-mini; Hugging Face's rope_type
@@ -58,7 +60,8 @@ class ModelConfig:
     divided by rope_scaling_factor, those turning more than rope_yarn_beta_fast times kept, a linear ramp over
     the channels between, cos and sin scaled by rope_attention_factor."""
     rope_scaling_factor: float = 8.0
-    """llama3 scaling: how much the low frequencies are stretched; yarn: how much the context is extended."""
+    """linear scaling: the divisor of every frequency; llama3: how much the low frequencies are stretched; yarn: how
+    much the context is extended."""
     rope_low_freq_factor: float = 1.0
     """llama3 scaling: rope_original_max_positions / this is the wavelength above which frequencies stretch."""
     rope_high_freq_factor: float = 4.0

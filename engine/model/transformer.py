@@ -96,6 +96,8 @@ def rotary_frequencies(config: ModelConfig, seq_length: int, device=None, local:
         factors = config.rope_long_factors if long else config.rope_short_factors
         return 1.0 / (torch.tensor(factors, dtype=torch.float32, device=device) * config.rope_theta**exponents)
     frequencies = 1.0 / config.rope_theta**exponents
+    if config.rope_scaling == "linear":
+        frequencies = frequencies / config.rope_scaling_factor
     if config.rope_scaling == "llama3":
         frequencies = _llama3_scaled(frequencies, config)
     if config.rope_scaling == "yarn":
