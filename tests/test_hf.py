@@ -670,6 +670,40 @@ def test_a_gemma3_imports_evaluates_under_tensor_parallelism_and_exports_as_tran
         assert f"\n{setting}\n" in printed.stdout, setting
 
 
+def test_an_image_text_gemma3_imports_its_text_model_with_transformers_logits_on_text(tmp_path, capfd):
+    """Gemma 3 4B, 12B and 27B are image-text models (Gemma3ForConditionalGeneration, model_type gemma3): their text
+    model (text_config; tensors under language_model.model.) imports, said, its vision tower and projector left
+    out; on text alone it computes the whole model's logits, and it exports as the Gemma3ForCausalLM it is."""
+    text = llama_fields(num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6)
+    text.update(num_hidden_layers=2, sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28)
+    config = transformers.Gemma3Config(text_config=text, vision_config={**vision, "patch_size": 14})
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():
+            if "norm" in name and "language" in name:
+                tensor.uniform_(-0.5, 0.5)
+    model.save_pretrained(str(tmp_path / "hf"))
+    result = loom_here(capfd, "ckpt", "import-hf", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "loom"))
+    assert result.returncode == 0, result.stderr
+    assert "image-text Gemma 3: its text model is imported (28 tensors), its vision tower" in result.stderr
+    tokens = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        theirs = model(input_ids=tokens).logits
+    assert (loom_logits(tmp_path / "loom", tokens) - theirs).abs().max().item() < 1e-5
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(export_hf(tmp_path / "loom", tmp_path / "back")))
+    assert type(again) is transformers.Gemma3ForCausalLM
+    with torch.no_grad():
+        assert (again.eval()(tokens).logits - theirs).abs().max().item() < 1e-5
+    # transformers 5's own names for the same tensors
+    from loom.tools.hf_gemma import text_model_names
+
+    names = ["model.language_model.layers.0.mlp.up_proj.weight", "model.vision_tower.x.weight", "lm_head.weight"]
+    kept = {"model.layers.0.mlp.up_proj.weight": names[0], "lm_head.weight": "lm_head.weight"}
+    assert text_model_names(names) == (kept, ["model.vision_tower.x.weight"])
+
+
 def test_a_gemma2_imports_evaluates_under_tensor_parallelism_and_exports_as_transformers_computes_it(tmp_path, capfd):
     """Gemma 2 (Gemma2ForCausalLM) was refused: Gemma 3 without query/key norms or a RoPE base of its windowed layers'
     own, and with tanh soft-capping of its attention scores and its logits (model.attention_softcap,

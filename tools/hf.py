@@ -44,7 +44,7 @@ from loom.tools.hf_forms import (
     phi3_form,
     read_hf_config,
 )
-from loom.tools.hf_gemma import gemma_form
+from loom.tools.hf_gemma import gemma3_text_config, gemma_form, text_model_names
 from loom.tools.hf_gpt2 import (
     embedding_key,
     from_gpt2,
@@ -372,6 +372,9 @@ def import_hf(source: Path, output: Path, overwrite: bool = False) -> Path:
     """Write a loom checkpoint (step 0, weights only, tp=1 pp=1 pieces) under `output` (claimed as
     tools/outputs.py says)."""
     hf = read_hf_config(source)
+    image_text = hf.get("model_type") == "gemma3"  # Gemma 3 4B and up: its text model is imported
+    if image_text:
+        hf = gemma3_text_config(hf)
     gpt2 = hf.get("model_type") == "gpt2"
     try:
         model = model_from_gpt2_config(hf) if gpt2 else model_from_hf_config(hf)
@@ -391,6 +394,8 @@ def import_hf(source: Path, output: Path, overwrite: bool = False) -> Path:
     # longer than the model's positions, and a batch one CPU rank gets through.
     train = {"seq_length": min(2048, model["max_position_embeddings"]), "global_batch_size": 8}
     tensors = _read_hf_tensors(source)  # their headers: a weight is read only when it is written
+    if image_text:
+        tensors = _text_model_tensors(tensors, source)
     embedding = embedding_key(tensors) if gpt2 else "model.embed_tokens.weight"
     if (
         model["tie_embeddings"]
@@ -426,6 +431,19 @@ def import_hf(source: Path, output: Path, overwrite: bool = False) -> Path:
     }
     with claimed_checkpoint_output(output, overwrite):  # once all is known good: --overwrite moves the old one aside
         return write_weights_checkpoint(output, config, logical, "the Hugging Face model", hf_origin=origin)
+
+
+def _text_model_tensors(tensors: _SafetensorsFolder, source: Path) -> LazyWeights:
+    """A Gemma 3 image-text model's text-model tensors under Gemma3ForCausalLM's names (said, with what is left)."""
+    names, left = text_model_names(list(tensors))
+    text = LazyWeights({new: tensors.shapes[old] for new, old in names.items()}, lambda new: tensors[names[new]])
+    text.dtypes = {new: tensors.dtypes[old] for new, old in names.items()}
+    print(
+        f"note: {source} is an image-text Gemma 3: its text model is imported ({len(names)} tensors), its vision "
+        f"tower and projector ({len(left)} tensors) are not; it exports as a Gemma3ForCausalLM",
+        file=sys.stderr,
+    )
+    return text
 
 
 def _stored_dtype(tensors: _SafetensorsFolder, key: str) -> str | None:

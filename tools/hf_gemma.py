@@ -206,6 +206,38 @@ def _window_fields(hf: dict) -> dict:
     return {"sliding_window": window, "full_attention_interval": interval}
 
 
+TEXT_MODEL_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model."}
+"""Where a Gemma 3 image-text model's files (Gemma3ForConditionalGeneration) keep its text model's tensors
+(transformers 4's names, which 5 still writes; 5's own): the prefix of a Gemma3ForCausalLM's names in their place."""
+TEXT_MODEL_HEADS = ("language_model.lm_head.weight", "lm_head.weight")
+"""Where they keep its output layer, when untied."""
+
+
+def gemma3_text_config(hf: dict) -> dict:
+    """The config.json of a Gemma 3 image-text model's text model (its text_config, a Gemma3ForCausalLM's), the
+    tying of the output layer the whole model's where it says."""
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise CheckpointError("config.json (model_type gemma3, an image-text Gemma 3) has no text_config object")
+    tied = hf.get("tie_word_embeddings", text.get("tie_word_embeddings", True))
+    return {**text, "model_type": "gemma3_text", "tie_word_embeddings": tied}
+
+
+def text_model_names(names: list[str]) -> tuple[dict[str, str], list[str]]:
+    """A Gemma 3 image-text model's tensor names -> ({Gemma3ForCausalLM's name: the file's} for its text model,
+    the names left out: the vision tower's and the projector's)."""
+    kept, left = {}, []
+    for name in names:
+        prefix = next((p for p in TEXT_MODEL_PREFIXES if name.startswith(p)), None)
+        if prefix is not None:
+            kept[TEXT_MODEL_PREFIXES[prefix] + name.removeprefix(prefix)] = name
+        elif name in TEXT_MODEL_HEADS:
+            kept["lm_head.weight"] = name
+        else:
+            left.append(name)
+    return kept, left
+
+
 def gemma3_rope(hf: dict) -> tuple[dict, float]:
     """Gemma 3's rotary settings: its full-attention layers' (scaled in its larger models: the 4B's linear x8) as one
     rope_parameters dict, and its sliding-window layers' base, from transformers 5's per-layer-type rope_parameters
