@@ -436,12 +436,12 @@ def _add_import_hf(sub) -> None:
         description="Reads config.json and the *.safetensors weights (a shard index's files) of a LlamaForCausalLM, "
         "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM (Phi-3, Phi-3.5, Phi-4), "
         "GraniteForCausalLM, Olmo2ForCausalLM, NemotronForCausalLM, GemmaForCausalLM (Gemma 2 and 3's too; an "
-        "image-text Gemma 3's text model) or GPT2LMHeadModel, with default, linear, llama3, longrope or yarn RoPE, "
-        "and writes a loom checkpoint of step 0 with that model's [model] settings, loadable in any layout. A setting loom cannot compute alike is refused, never dropped; a sliding "
-        "window is model.sliding_window (a Qwen's, over its later layers alone, becomes max_position_embeddings, "
-        "where full attention computes the same). "
-        "Example: loom ckpt import-hf --input Llama-3.2-1B --output imported/llama-1b, then fine-tune with "
-        "--checkpoint.load imported/llama-1b --checkpoint.finetune true.",
+        "image-text Gemma 3's text model) or GPT2LMHeadModel, with default, linear, llama3, longrope or yarn "
+        "RoPE, and writes a loom checkpoint of step 0 with that model's [model] settings, loadable in any layout."
+        " A setting loom cannot compute alike is refused, never dropped; a sliding window is model.sliding_window"
+        " (a Qwen's, over its later layers alone, becomes max_position_embeddings, where full attention computes "
+        "the same). Example: loom ckpt import-hf --input Llama-3.2-1B --output imported/llama-1b, then fine-tune "
+        "with --checkpoint.load imported/llama-1b --checkpoint.finetune true.",
     )
     p.add_argument("--input", type=existing_dir, required=True, help="directory with config.json and *.safetensors")
     _checkpoint_output(p, "a checkpoints/ folder of its own to write iter_0000000 and latest into")
