@@ -802,7 +802,7 @@ def test_yarn_imports_evaluates_under_tensor_parallelism_and_exports_as_transfor
     mscale / mscale_all_dim: imported with transformers' frequencies and factor."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from loom.engine.model.transformer import rotary_frequencies
+    from loom.engine.model.rotary import rotary_frequencies
     from loom.tools.hf_forms import model_from_hf_config
 
     yarn = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 1024}

@@ -544,7 +544,8 @@ def _block_graphs(rank, world, dataset, run_dir, precision, fp8, recompute, mode
     from training_runs import tiny_config
 
     from loom.engine import train
-    from loom.engine.model.transformer import uses_local_rotary, window_mask
+    from loom.engine.model.rotary import uses_local_rotary
+    from loom.engine.model.transformer import window_mask
 
     if fp8:  # FP8 on CPU: the guard wants CUDA; "per call": the weights quantised in the block (as under ZeRO-3)
         train.choose_kernels = lambda config, device: _scaled_mm_kernels(weight_copies=fp8 != "per call")

@@ -14,14 +14,8 @@ from loom.engine.config import ModelConfig
 from loom.engine.model import naming
 from loom.engine.model.fp8 import Fp8OutputLayer
 from loom.engine.model.kernels import Kernels
-from loom.engine.model.transformer import (
-    LayerCache,
-    TransformerBlock,
-    build_norm,
-    rotary_tables,
-    uses_local_rotary,
-    window_mask,
-)
+from loom.engine.model.rotary import rotary_tables, uses_local_rotary
+from loom.engine.model.transformer import LayerCache, TransformerBlock, build_norm, window_mask
 from loom.engine.parallel import mappings
 from loom.engine.parallel.context import local_positions
 from loom.engine.parallel.cross_entropy import vocab_parallel_cross_entropy

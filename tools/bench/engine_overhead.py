@@ -25,7 +25,7 @@ from loom.engine.config import ModelConfig
 from loom.engine.config_io import load_config
 from loom.engine.data.indexed import IndexedDatasetWriter
 from loom.engine.flops import model_flops_per_token
-from loom.engine.model.transformer import apply_rotary, rotary_tables
+from loom.engine.model.rotary import apply_rotary, rotary_tables
 from loom.engine.train import Trainer
 from loom.tools.bench.harness import single_process_group
 

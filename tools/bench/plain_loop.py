@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from loom.engine.config import ModelConfig
-from loom.engine.model.transformer import apply_rotary, rotary_tables
+from loom.engine.model.rotary import apply_rotary, rotary_tables
 
 
 class PlainBlock(torch.nn.Module):
