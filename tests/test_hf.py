@@ -539,6 +539,7 @@ def test_settings_no_hugging_face_class_computes_are_refused_on_export():
         with pytest.raises(CheckpointError, match=said):  # only transformers' OLMo 2 has either, and no Phi-3 rotary
             check_llama_form(config_to_dict(config_from_dict({"model": {**olmo2, **changed}}))["model"], True)
     # sliding windows: in every layer a Mistral's (or a Phi-3's), in all but every N-th layer a Gemma 2's or 3's
+    gemma3 = {"activation": "geglu", "norm_placement": "both", "qk_norm": True, "embedding_multiplier": 8.0}
     for model, said in (
         ({"sliding_window": 8, "qk_norm": True}, "a sliding window with qk_norm"),
         ({"sliding_window": 8, "full_attention_interval": 2}, "a full_attention_interval without geglu"),
@@ -546,6 +547,10 @@ def test_settings_no_hugging_face_class_computes_are_refused_on_export():
         ({"activation": "geglu", "sliding_window": 8}, "a sliding window .Gemma 2 and 3's need sandwich norms."),
         ({"activation": "geglu", "embedding_multiplier": 8.0, "qk_norm": True}, "query/key norms .Gemma 3's need"),
         ({"activation": "geglu"}, r"embedding_multiplier other than sqrt\(hidden_size\)"),
+        (
+            {**gemma3, "sliding_window": 8, "rope_scaling": "linear"},
+            "rope scaling in sliding-window layers .set rope_local_theta.",
+        ),
     ):
         with pytest.raises(CheckpointError, match=said):
             check_llama_form(config_to_dict(config_from_dict({"model": model}))["model"])
@@ -670,10 +675,12 @@ def test_a_gemma3_imports_evaluates_under_tensor_parallelism_and_exports_as_tran
         assert f"\n{setting}\n" in printed.stdout, setting
 
 
-def test_an_image_text_gemma3_imports_its_text_model_with_transformers_logits_on_text(tmp_path, capfd):
+def test_an_image_text_gemma3_imports_its_text_model_with_transformers_logits_on_text(markov_dataset, tmp_path, capfd):
     """Gemma 3 4B, 12B and 27B are image-text models (Gemma3ForConditionalGeneration, model_type gemma3): their text
     model (text_config; tensors under language_model.model.) imports, said, its vision tower and projector left
-    out; on text alone it computes the whole model's logits, and it exports as the Gemma3ForCausalLM it is."""
+    out; on text alone it computes the whole model's logits, and it exports as the Gemma3ForCausalLM it is. A LoRA
+    run's adapters do not name the image-text folder as their base (PEFT found no module of theirs there): they
+    name the export given as --base-model."""
     text = llama_fields(num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6)
     text.update(num_hidden_layers=2, sliding_window=8, layer_types=["sliding_attention", "full_attention"])
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28)
@@ -702,6 +709,15 @@ def test_an_image_text_gemma3_imports_its_text_model_with_transformers_logits_on
     names = ["model.language_model.layers.0.mlp.up_proj.weight", "model.vision_tower.x.weight", "lm_head.weight"]
     kept = {"model.layers.0.mlp.up_proj.weight": names[0], "lm_head.weight": "lm_head.weight"}
     assert text_model_names(names) == (kept, ["model.vision_tower.x.weight"])
+    flags = ["--lora.rank", "2", "--lora.base", str(tmp_path / "loom"), "--train.steps", "1"]
+    flags += ["--checkpoint.save_at_end", "true"]
+    trained = loom_here(capfd, "train", *tiny_train_args(markov_dataset(50, VOCAB), tmp_path / "run"), *flags)
+    assert trained.returncode == 0, trained.stderr
+    with pytest.raises(
+        CheckpointError, match="imported from an image-text Gemma 3 .* give that folder as --base-model"
+    ):
+        export_peft_adapter(tmp_path / "run", tmp_path / "adapter")
+    export_peft_adapter(tmp_path / "run", tmp_path / "adapter", base_model=str(tmp_path / "back"))
 
 
 def test_a_gemma2_imports_evaluates_under_tensor_parallelism_and_exports_as_transformers_computes_it(tmp_path, capfd):
@@ -773,6 +789,22 @@ def test_gemma_files_read_as_their_classes_read_them():
     assert exported["sliding_window"] == 256 and set(exported["layer_types"]) == {"full_attention"}
     with torch.no_grad():
         transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**exported))(torch.zeros(1, 4, dtype=torch.long))
+    # an image-text Gemma 3's text_config as transformers 4 wrote it: Gemma3TextConfig's defaults where it is silent,
+    # the whole model's special tokens (google/gemma-3-4b-pt's shape)
+    from loom.tools.hf_gemma import gemma3_text_config
+
+    sparse = {"hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 34, "sliding_window": 1024}
+    sparse["rope_scaling"] = {"rope_type": "linear", "factor": 8.0}
+    text = gemma3_text_config({"model_type": "gemma3", "text_config": sparse, "eos_token_id": [1, 106]})
+    fields = model_from_hf_config(text)
+    assert (fields["num_heads"], fields["num_kv_heads"], fields["vocab_size"], fields["head_dim"]) == (
+        8,
+        4,
+        262208,
+        256,
+    )
+    assert (fields["rope_scaling"], fields["rope_local_theta"], fields["full_attention_interval"]) == ("linear", 1e4, 6)
+    assert (text["eos_token_id"], text["bos_token_id"], text["max_position_embeddings"]) == ([1, 106], 2, 131072)
     # MistralConfig's window where a file has none (Phi3Config's: none)
     longer = {**shape, "max_position_embeddings": 8192}
     assert model_from_hf_config({**longer, "model_type": "mistral"})["sliding_window"] == 4096

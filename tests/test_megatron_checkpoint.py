@@ -474,6 +474,14 @@ def test_biases_on_qkv_alone_and_another_head_size_import_and_export_as_megatron
         megatron_arguments({**config["model"], "norm_placement": "both"}, config["train"], 0, 0, "float32")
     with pytest.raises(CheckpointError, match="sliding window .model.sliding_window = 16.; loom exports"):
         megatron_arguments({**config["model"], "sliding_window": 16}, config["train"], 0, 0, "float32")
+    interpolated = megatron_arguments(
+        {**config["model"], "rope_scaling": "linear", "rope_scaling_factor": 4.0}, config["train"], 0, 0, "float32"
+    )
+    assert "--rotary-seq-len-interpolation-factor 4" in megatron_flags(interpolated)  # Megatron-LM's type=int
+    with pytest.raises(CheckpointError, match="factor is 2.5; Megatron-LM's --rotary-seq-len-interpolation-factor"):
+        megatron_arguments(
+            {**config["model"], "rope_scaling": "linear", "rope_scaling_factor": 2.5}, config["train"], 0, 0, "float32"
+        )
     with pytest.raises(CheckpointError, match="soft-caps its attention scores or logits"):
         megatron_arguments({**config["model"], "logits_softcap": 30.0}, config["train"], 0, 0, "float32")
     with pytest.raises(CheckpointError, match="gated GELU .* gate SiLU alone"):

@@ -44,7 +44,7 @@ from loom.tools.hf_forms import (
     phi3_form,
     read_hf_config,
 )
-from loom.tools.hf_gemma import gemma3_text_config, gemma_form, text_model_names
+from loom.tools.hf_gemma import gemma3_text_config, gemma_form, text_model_names, with_class_defaults
 from loom.tools.hf_gpt2 import (
     embedding_key,
     from_gpt2,
@@ -373,8 +373,7 @@ def import_hf(source: Path, output: Path, overwrite: bool = False) -> Path:
     tools/outputs.py says)."""
     hf = read_hf_config(source)
     image_text = hf.get("model_type") == "gemma3"  # Gemma 3 4B and up: its text model is imported
-    if image_text:
-        hf = gemma3_text_config(hf)
+    hf = gemma3_text_config(hf) if image_text else with_class_defaults(hf)
     gpt2 = hf.get("model_type") == "gpt2"
     try:
         model = model_from_gpt2_config(hf) if gpt2 else model_from_hf_config(hf)
@@ -425,7 +424,7 @@ def import_hf(source: Path, output: Path, overwrite: bool = False) -> Path:
         "hf_source": str(source.resolve()),
         "hf_token_ids": {field: hf[field] for field in HF_TOKEN_ID_FIELDS if hf.get(field) is not None},
         "hf_dtype": _stored_dtype(tensors, embedding),
-        "hf_model_type": hf.get("model_type"),
+        "hf_model_type": "gemma3" if image_text else hf.get("model_type"),  # the folder's class, for PEFT
         "hf_tokenizer": {name: sha256_of(source / name) for name in HF_TOKENIZER_FILES if (source / name).is_file()}
         or None,
     }
@@ -473,6 +472,12 @@ def export_peft_adapter(
     except CheckpointError:  # the base moved or changed: the adapters themselves still export, unnamed
         base_metadata = None
     if base_model is None and base_metadata is not None:
+        if base_metadata.hf_model_type == "gemma3":  # its text model sits under model.language_model there
+            raise CheckpointError(
+                f"the base was imported from an image-text Gemma 3 ({base_metadata.hf_source}), whose text model "
+                "the adapters do not name as PEFT would find it: export the base with `loom ckpt export-hf` (a "
+                "Gemma3ForCausalLM) and give that folder as --base-model"
+            )
         base_model = base_metadata.hf_source
     config = config_from_dict(metadata.config)
     model = config_to_dict(config)["model"]

@@ -21,6 +21,7 @@ from loom.tools.hf_gemma import (
     gemma_form_refusals,
     refuse_unrepresentable_gemma,
     windowed,
+    with_class_defaults,
 )
 from loom.tools.hf_gpt2 import GPT2_SHAPE
 
@@ -396,6 +397,7 @@ def _window_of_every_layer(hf: dict) -> dict:
 
 
 def model_from_hf_config(hf: dict) -> dict:
+    hf = with_class_defaults(hf)
     _refuse_unrepresentable(hf)
     kind = hf.get("model_type")
     gemma = kind in GEMMA_MODEL_TYPES

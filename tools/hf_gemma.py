@@ -16,6 +16,44 @@ from loom.engine.checkpoint.format import CheckpointError
 GEMMA_MODEL_TYPES = ("gemma", "gemma2", "gemma3_text")
 """config.json's model_type of each Gemma generation import-hf reads."""
 
+_TOKEN_IDS = {"pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2}
+_GEMMA2_SHAPE = {
+    "vocab_size": 256_000,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+}
+CLASS_DEFAULTS = {
+    "gemma": {
+        "vocab_size": 256_000,
+        "hidden_size": 3072,
+        "intermediate_size": 24576,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "max_position_embeddings": 8192,
+    },
+    "gemma2": {**_GEMMA2_SHAPE, "max_position_embeddings": 8192, "sliding_window": 4096},
+    "gemma3_text": {
+        **_GEMMA2_SHAPE,
+        "vocab_size": 262_208,
+        "max_position_embeddings": 131_072,
+        "sliding_window": 4096,
+    },
+}
+for _defaults in CLASS_DEFAULTS.values():
+    _defaults.update(head_dim=256, rms_norm_eps=1e-6, tie_word_embeddings=True, query_pre_attn_scalar=256, **_TOKEN_IDS)
+"""GemmaConfig's, Gemma2Config's and Gemma3TextConfig's defaults (transformers 5.24): the values transformers takes
+for what a config.json leaves out (transformers 4 wrote the image-text Gemma 3's text_config without them)."""
+
+
+def with_class_defaults(hf: dict) -> dict:
+    """A Gemma config.json with its class's defaults where it says nothing (other configs as they are)."""
+    return {**CLASS_DEFAULTS.get(hf.get("model_type"), {}), **hf}
+
+
 SLIDING, FULL = "sliding_attention", "full_attention"
 """Hugging Face's layer_types."""
 
@@ -81,6 +119,11 @@ def gemma_form_refusals(model: dict) -> dict:
         and not sandwich,
         "a sliding window (Gemma 2 and 3's need sandwich norms)": windowed(model) and not sandwich,
         "rope_local_theta (Gemma 3's)": model["rope_local_theta"] is not None and generation != "gemma3_text",
+        # transformers 4 turns a Gemma 3's windowed layers unscaled, at rope_local_base_freq, whatever 5 is told
+        "rope scaling in sliding-window layers (set rope_local_theta)": generation == "gemma3_text"
+        and windowed(model)
+        and model["rope_scaling"] != "none"
+        and model["rope_local_theta"] is None,
         "soft-capping (Gemma 2's and 3's)": not sandwich
         and (model["attention_softcap"] is not None or model["logits_softcap"] is not None),
         f"an embedding_multiplier other than sqrt(hidden_size) = {math.sqrt(model['hidden_size'])}": (
@@ -214,13 +257,19 @@ TEXT_MODEL_HEADS = ("language_model.lm_head.weight", "lm_head.weight")
 
 
 def gemma3_text_config(hf: dict) -> dict:
-    """The config.json of a Gemma 3 image-text model's text model (its text_config, a Gemma3ForCausalLM's), the
-    tying of the output layer the whole model's where it says."""
+    """The config.json of a Gemma 3 image-text model's text model (its text_config, a Gemma3ForCausalLM's, with
+    Gemma3TextConfig's defaults), the tying of the output layer and the special tokens the whole model's where it
+    says (the Hub's files keep eos_token_id [1, 106] there)."""
     text = hf.get("text_config")
     if not isinstance(text, dict):
         raise CheckpointError("config.json (model_type gemma3, an image-text Gemma 3) has no text_config object")
-    tied = hf.get("tie_word_embeddings", text.get("tie_word_embeddings", True))
-    return {**text, "model_type": "gemma3_text", "tie_word_embeddings": tied}
+    if text.get("final_logit_softcapping") is not None:  # Gemma3ForConditionalGeneration never applies it
+        raise CheckpointError(
+            f"config.json's text_config sets final_logit_softcapping {text['final_logit_softcapping']}, which the "
+            "image-text Gemma 3 does not apply and its text model does: which model it is, is unclear"
+        )
+    whole = {key: hf[key] for key in ("tie_word_embeddings", *_TOKEN_IDS) if key in hf}
+    return with_class_defaults({**text, **whole, "model_type": "gemma3_text"})
 
 
 def text_model_names(names: list[str]) -> tuple[dict[str, str], list[str]]:

@@ -261,11 +261,10 @@ def model_from_megatron_arguments(args: dict, shapes: dict[str, tuple[int, ...]]
         model["rope_theta"] = 10000.0 if legacy_model else float(args.get("rotary_base") or 10000)
         model["rotary_percent"] = float(args.get("rotary_percent") or 1.0)
         interpolation = args.get("rotary_seq_len_interpolation_factor")
-        if interpolation is not None and (legacy_model or args.get("use_rope_scaling")):
+        if interpolation is not None and args.get("use_rope_scaling") and not legacy_model:
             raise CheckpointError(
                 f"the model interpolates its rotary positions (--rotary-seq-len-interpolation-factor {interpolation})"
-                + (" in Megatron's legacy model" if legacy_model else " on top of --use-rope-scaling")
-                + "; loom imports the interpolation alone, from megatron-core models"
+                " on top of --use-rope-scaling; loom imports one or the other"
             )
         if interpolation is not None:  # positions divided by the factor: every frequency, as loom's linear scaling
             model.update(rope_scaling="linear", rope_scaling_factor=float(interpolation))

@@ -117,6 +117,12 @@ def megatron_arguments(model: dict, train: dict, step: int, consumed: int, dtype
                 f"the model's llama3 rope scaling has {fixed}; megatron-core's model fixes them at "
                 f"{ {k: LLAMA3_SCALING_IN_MEGATRON[k] for k in fixed} } (--rope-scaling-factor never reaches it)"
             )
+    factor = model["rope_scaling_factor"]
+    if model["rope_scaling"] == "linear" and model["position_embedding"] == "rope" and not float(factor).is_integer():
+        raise CheckpointError(
+            f"the model's linear rope scaling factor is {factor}; Megatron-LM's --rotary-seq-len-interpolation-factor "
+            "takes whole numbers"
+        )
     heads, kv_heads = model["num_heads"], model["num_kv_heads"] or model["num_heads"]
     rope = model["position_embedding"] == "rope"
     theta = model["rope_theta"]
@@ -138,9 +144,7 @@ def megatron_arguments(model: dict, train: dict, step: int, consumed: int, dtype
         rotary_interleaved=False,
         use_rope_scaling=rope and model["rope_scaling"] == "llama3",
         rope_scaling_factor=model["rope_scaling_factor"],
-        rotary_seq_len_interpolation_factor=(
-            model["rope_scaling_factor"] if rope and model["rope_scaling"] == "linear" else None
-        ),
+        rotary_seq_len_interpolation_factor=int(factor) if rope and model["rope_scaling"] == "linear" else None,
         normalization="RMSNorm" if model["norm"] == "rmsnorm" else "LayerNorm",
         layernorm_epsilon=model["norm_eps"],
         norm_epsilon=model["norm_eps"],
@@ -195,7 +199,7 @@ def megatron_flags(args: argparse.Namespace) -> str:
         ),
         *([f"--use-rope-scaling --rope-scaling-factor {args.rope_scaling_factor}"] * args.use_rope_scaling),
         *(
-            [f"--rotary-seq-len-interpolation-factor {args.rotary_seq_len_interpolation_factor:g}"]
+            [f"--rotary-seq-len-interpolation-factor {args.rotary_seq_len_interpolation_factor}"]
             if args.rotary_seq_len_interpolation_factor is not None
             else []
         ),
