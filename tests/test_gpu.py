@@ -2,7 +2,8 @@
 on an H200 on 2026-11-27, two of their runs shared since); without CUDA they are skipped (conftest.py). They
 hold what CPU tests can only approximate: compiled blocks train like eager ones on the GPU, FP8 trains like
 BF16, the loss equals F.cross_entropy on CUDA, the fused weight-gradient GEMM accumulates in fp32, a block is
-one graph there too, the planner's memory for llama-1b, NCCL through the launcher, and the attention kernels.
+one graph there too, the planner's memory for llama-1b, NCCL through the launcher, the attention kernels, and
+Gemma's windows, soft-capping and sandwich norms compiled.
 """
 
 from __future__ import annotations
@@ -50,6 +51,28 @@ def test_a_run_resumes_and_evaluates_on_cuda(dataset, tmp_path, capfd):
     assert evaluated.returncode == 0, evaluated.stderr[-2000:]
     said = evaluated.stdout.split("step 6: validation loss ")[1]  # it evaluated the last checkpoint
     assert math.isfinite(float(said.split(",")[0])), evaluated.stdout
+
+
+GEMMA_PIECES = {
+    # SDPA's memory-efficient kernel with a window mask, K and V repeated for the grouped heads; local RoPE; four norms
+    "gemma3": {"activation": "geglu", "norm_placement": "both", "qk_norm": True, "sliding_window": 16,
+               "full_attention_interval": 2, "rope_local_theta": 1e4, "embedding_multiplier": 11.3},
+    # loom's own attention with soft-capped scores, windowed; capped logits
+    "gemma2": {"activation": "geglu", "norm_placement": "both", "sliding_window": 16, "full_attention_interval": 2,
+               "attention_softcap": 20.0, "logits_softcap": 15.0},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("pieces", list(GEMMA_PIECES))
+def test_gemma_s_pieces_train_compiled_like_eager_on_cuda(pieces, dataset, tmp_path):
+    """Sliding windows, soft-capping and sandwich norms (2026-11-29, never on a GPU yet): 8 steps compiled (one graph
+    per kind of block) give the eager run's losses, within bf16's rounding."""
+    model = {**GEMMA_PIECES[pieces], "compile": "false"}
+    eager = _train(dataset, tmp_path / "eager", 8, model=model, train={"seq_length": 64})
+    compiled = _train(dataset, tmp_path / "compiled", 8, model={**model, "compile": "true"}, train={"seq_length": 64})
+    assert all(math.isfinite(loss) for loss in eager)
+    for a, b in zip(eager, compiled, strict=True):
+        assert abs(a - b) / a < 1e-2, (eager, compiled)
 
 
 def test_a_world_size_1_nccl_run_through_the_launcher(dataset, tmp_path):
