@@ -19,15 +19,14 @@ from loom.engine.pipeline.stages import build_chunks
 from loom.engine.train import Trainer
 from loom.tools.bench.saved_memory import SavedForBackward
 from loom.tools.plan import estimate, load_hardware
+from loom.tools.plan_activations import layer_activation_bytes, output_activation_bytes, rank_activation_bytes
 from loom.tools.plan_bytes import (
     GRAD_BYTES,
     MEGATRON,
     Layout,
     fp8_weight_bytes,
-    layer_activation_bytes,
     layout_of,
     model_state_bytes,
-    rank_activation_bytes,
 )
 from loom.tools.plan_traffic import step_traffic
 
@@ -284,7 +283,6 @@ def test_fp8_output_layer_keeps_what_the_plan_says():
     FP8 peak (llama-8b, by hand)."""
     from loom.engine.model.gpt import GPTModel
     from loom.engine.model.kernels import Choice, Kernels
-    from loom.tools.plan_bytes import output_activation_bytes
 
     config = load_config("tiny", {"train": {"precision": "bf16", "fp8": "current"}, "model": {"compile": "false"}})
     native = Kernels.native()

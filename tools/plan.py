@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loom.engine.config import ConfigError, LoomConfig, ModelConfig, OptimConfig, field_choices
+from loom.tools.plan_activations import layer_activation_bytes, rank_activation_bytes
 from loom.tools.plan_bytes import (
     FP8_WEIGHT_COPIES,
     LOOM,
@@ -23,10 +24,8 @@ from loom.tools.plan_bytes import (
     Layout,
     blocks_compiled,
     fp8_weight_bytes,
-    layer_activation_bytes,
     layout_of,
     model_state_bytes,
-    rank_activation_bytes,
     zero3_gathered_elements,
 )
 from loom.tools.plan_time import GB, Hardware, StepShape, TokenFlops, load_hardware, step_seconds

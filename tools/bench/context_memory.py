@@ -28,7 +28,8 @@ from loom.engine.config_io import load_config
 from loom.engine.parallel.rendezvous import free_port
 from loom.engine.train import Trainer
 from loom.tools.bench.saved_memory import SavedForBackward
-from loom.tools.plan_bytes import layout_of, rank_activation_bytes
+from loom.tools.plan_activations import rank_activation_bytes
+from loom.tools.plan_bytes import layout_of
 
 
 def _config(dataset: str, run_dir: str, seq: int, cp: int, steps: int):
