@@ -622,6 +622,15 @@ def test_a_gemma_imports_evaluates_under_tensor_parallelism_and_exports_as_trans
     shape = (imported["activation"], imported["embedding_multiplier"], imported["head_dim"], imported["tie_embeddings"])
     assert shape == ("geglu", 8.0, 32, True) and type(again) is transformers.GemmaForCausalLM
     _assert_greedy_generate_equals_transformers(model, tmp_path / "loom", 16)
+    # in bf16 the embeddings are scaled by sqrt(hidden_size) rounded to bf16 (sqrt 72 = 8.485: 8.5), as transformers'
+    # (and Google's) code does
+    wide = {**settings, "hidden_size": 72, "num_hidden_layers": 1}
+    embedding_of = transformers.GemmaForCausalLM(transformers.GemmaConfig(**wide)).model.embed_tokens.to(torch.bfloat16)
+    ours = GPTModel(config_from_dict({"model": model_from_hf_config({**wide, "model_type": "gemma"})}).model, None)
+    ours.embedding.weight.data[:VOCAB] = embedding_of.weight.data
+    tokens = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(ours.to(torch.bfloat16).embed(tokens).transpose(0, 1), embedding_of(tokens))
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     for key in ("head_dim", "tie_word_embeddings"):  # GemmaConfig's defaults: 256 wide heads, tied
         config.pop(key)

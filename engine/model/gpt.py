@@ -135,8 +135,8 @@ class GPTModel(torch.nn.Module):
     def embed(self, tokens: torch.Tensor, first_position: int = 0) -> torch.Tensor:
         """Token ids [b, s] -> hidden [s/tp if sequence parallel else s, b, h]."""
         hidden = self.embedding(tokens)
-        if self.config.embedding_multiplier != 1.0:
-            hidden = hidden * self.config.embedding_multiplier
+        if self.config.embedding_multiplier != 1.0:  # in the embeddings' dtype, as Gemma's (and Google's) code
+            hidden = hidden * torch.tensor(self.config.embedding_multiplier, dtype=hidden.dtype)
         if self.config.position_embedding == "learned":
             s_local = hidden.shape[0]
             start = first_position + (mappings.group_rank(self.tp_group) * s_local if self.sequence_parallel else 0)
