@@ -24,6 +24,7 @@ _GEMMA2_SHAPE = {
     "num_hidden_layers": 26,
     "num_attention_heads": 8,
     "num_key_value_heads": 4,
+    "query_pre_attn_scalar": 256,
 }
 CLASS_DEFAULTS = {
     "gemma": {
@@ -44,14 +45,15 @@ CLASS_DEFAULTS = {
     },
 }
 for _defaults in CLASS_DEFAULTS.values():
-    _defaults.update(head_dim=256, rms_norm_eps=1e-6, tie_word_embeddings=True, query_pre_attn_scalar=256, **_TOKEN_IDS)
+    _defaults.update(head_dim=256, rms_norm_eps=1e-6, tie_word_embeddings=True, **_TOKEN_IDS)
 """GemmaConfig's, Gemma2Config's and Gemma3TextConfig's defaults (transformers 5.24): the values transformers takes
 for what a config.json leaves out (transformers 4 wrote the image-text Gemma 3's text_config without them)."""
 
 
 def with_class_defaults(hf: dict) -> dict:
     """A Gemma config.json with its class's defaults where it says nothing (other configs as they are)."""
-    return {**CLASS_DEFAULTS.get(hf.get("model_type"), {}), **hf}
+    kind = hf.get("model_type")
+    return {**CLASS_DEFAULTS.get(kind, {}), **hf} if isinstance(kind, str) else hf
 
 
 SLIDING, FULL = "sliding_attention", "full_attention"

@@ -74,8 +74,9 @@ class Engine:
     """Bytes per gradient element on the wire: None reduces the config's optim.grad_dtype, as loom does (fp32 by
     default); Megatron r0.8 reduces bf16."""
     gathered_inputs_saved: bool = True
-    """Activations as loom's native block keeps them (layer_activation_bytes); False: Korthikanti's count for
-    Megatron-LM, whose GEMMs keep the sequence shard of their input and gather it again in backward."""
+    """Activations as loom's native block keeps them (tools/plan_activations.layer_activation_bytes); False:
+    Korthikanti's count for Megatron-LM, whose GEMMs keep the sequence shard of their input and gather it again in
+    backward."""
     recompute_stops_early: bool = True
     """Full recompute re-runs a layer's forward only up to the last tensor its backward needs (torch's
     non-reentrant checkpoint, loom), so the layer's closing reduction is not redone; False: all of it (Megatron)."""

@@ -126,7 +126,8 @@ class ModelConfig:
     """Share the input embedding with the output layer."""
     embedding_multiplier: float = 1.0
     """The token embeddings are multiplied by this on their way into the first block (Granite's
-    embedding_multiplier)."""
+    embedding_multiplier, Gemma's sqrt(hidden_size)), rounded to the embeddings' dtype first as Gemma's code does
+    (bf16 training: sqrt(1152) = 33.94 multiplies as 34.0; Granite's 12.0 is exact in every dtype)."""
     residual_multiplier: float = 1.0
     """Each block's attention and MLP outputs are multiplied by this before they join the residual stream
     (Granite's residual_multiplier)."""
