@@ -60,10 +60,15 @@ def check_llama_form(model: dict, gpt2_too: bool = False) -> None:
             "only Llama-shaped models (rmsnorm, swiglu or Gemma's geglu, rope, no biases but QKV's; or layernorm and "
             "squared_relu, as Nemotron) and GPT-2-shaped ones (layernorm, gelu, learned positions, biases, no "
             "query/key norms, as many KV heads as heads, each hidden_size / heads wide) export to Hugging Face; this "
-            f"one has {min(wrong, unlike_gpt2, key=len) or wrong}"
+            f"one has {_described(min(wrong, unlike_gpt2, key=len) or wrong)}"
         )
     if wrong:
-        raise CheckpointError(f"only Llama-shaped models export to the Llama format; this one has {wrong}")
+        raise CheckpointError(f"only Llama-shaped models export to the Llama format; this one has {_described(wrong)}")
+
+
+def _described(settings: dict) -> str:
+    """A refusal's settings as words: a phrase alone where it says all (its value True), else `name = value`."""
+    return "; ".join(name if value is True else f"{name} = {value}" for name, value in settings.items())
 
 
 def _olmo2_form_refusals(model: dict) -> dict:
