@@ -275,7 +275,7 @@ def export_hf(
     dtype = dtype or origin.hf_dtype or "float32"
 
     # Each weight read, cast and written on its own: the whole model held in memory took 1-2.5x the checkpoint
-    def exported(name: str) -> torch.Tensor:  # a Nemotron's norm weights minus one before the cast, not after
+    def exported(name: str) -> torch.Tensor:  # a Nemotron's or Gemma's norm weights minus one before the cast
         tensor = weights[name].float() - 1 if _stored_minus_one(name, model) else weights[name]
         return tensor.to(EXPORT_DTYPES[dtype])
 

@@ -34,6 +34,7 @@ def check_llama_form(model: dict, gpt2_too: bool = False) -> None:
         if model[k] != v and not (nemotron and k in ("norm", "activation")) and not (gemma and k == "activation")
     }
     wrong.update(gemma_form_refusals(model))
+    wrong.update(_window_form_refusals(model))
     if nemotron and (
         model["qk_norm"] or model["qkv_bias"] or model["norm_placement"] != "input" or granite_form(model)
     ):
@@ -69,6 +70,32 @@ def check_llama_form(model: dict, gpt2_too: bool = False) -> None:
 def _described(settings: dict) -> str:
     """A refusal's settings as words: a phrase alone where it says all (its value True), else `name = value`."""
     return "; ".join(name if value is True else f"{name} = {value}" for name, value in settings.items())
+
+
+def _window_form_refusals(model: dict) -> dict:
+    """What keeps a model that is no Gemma (gemma_form) from exporting with soft-capping, sandwich norms or a sliding
+    window: only transformers' Gemma 2 and 3 have the first two and a window in some layers alone; a window in every
+    layer exports as a Mistral (a Phi-3, turning part of each head), which has none of Qwen's, OLMo 2's,
+    Nemotron's or Granite's changes."""
+    if gemma_form(model):
+        return {}
+    every_layer = model["full_attention_interval"] is None
+    unlike = {
+        "soft-capping": model["attention_softcap"] is not None or model["logits_softcap"] is not None,
+        "norm_placement both": model["norm_placement"] == "both",
+        "a full_attention_interval": windowed(model) and not every_layer,
+        "a sliding window with qk_norm, qkv_bias, layernorm, Granite's multipliers or norm_placement output": (
+            windowed(model)
+            and (
+                model["qk_norm"]
+                or model["qkv_bias"]
+                or model["norm_placement"] != "input"
+                or model["norm"] != "rmsnorm"
+                or granite_form(model)
+            )
+        ),
+    }
+    return {f"{k} without geglu (only transformers' Gemma 2 and 3 have it)": True for k, v in unlike.items() if v}
 
 
 def _olmo2_form_refusals(model: dict) -> dict:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 from loom.engine.checkpoint.format import CheckpointError
+from loom.engine.config import ModelConfig
 
 GEMMA_MODEL_TYPES = ("gemma", "gemma2", "gemma3_text")
 """config.json's model_type of each Gemma generation import-hf reads."""
@@ -85,28 +86,13 @@ def gemma_embedding_multiplier(hidden_size: int) -> float:
 
 def windowed(model: dict) -> bool:
     """Whether some layer of the model (ModelConfig's fields) attends within a sliding window."""
-    return model["sliding_window"] is not None and model["full_attention_interval"] != 1
+    return ModelConfig(**model).windowed
 
 
 def gemma_form_refusals(model: dict) -> dict:
-    """What keeps a model from exporting as the Gemma its settings make it (or a non-Gemma one with sandwich norms
-    or sliding windows from exporting at all): {why: True}."""
+    """What keeps a Gemma-form model (gemma_form) from exporting as the Gemma its settings make it: {why: True}."""
     if not gemma_form(model):
-        # a window in every layer exports as a Mistral (a Phi-3, turning part of each head), nothing else has one
-        multipliers = ("embedding_multiplier", "residual_multiplier", "logits_divisor")
-        granite = model["attention_scale"] is not None or any(model[field] != 1.0 for field in multipliers)
-        other = (
-            model["qk_norm"] or model["qkv_bias"] or model["norm_placement"] != "input" or model["norm"] != "rmsnorm"
-        )
-        unlike = {
-            "soft-capping": model["attention_softcap"] is not None or model["logits_softcap"] is not None,
-            "norm_placement both": model["norm_placement"] == "both",
-            "a full_attention_interval": windowed(model) and model["full_attention_interval"] is not None,
-            "a sliding window with qk_norm, qkv_bias, layernorm, Granite's multipliers or norm_placement output": (
-                windowed(model) and (other or granite)
-            ),
-        }
-        return {f"{k} without geglu (only transformers' Gemma 2 and 3 have it)": True for k, v in unlike.items() if v}
+        return {}
     generation = gemma_generation(model)
     sandwich = generation != "gemma"
     unlike = {
@@ -152,17 +138,13 @@ def gemma_architecture(model: dict, rope: dict) -> dict:
     }
     if generation == "gemma":
         return fields
-    scale = model["attention_scale"] or model["head_dim"] ** -0.5
-    scalar = scale**-2
-    interval = model["full_attention_interval"]
-    types = [
-        SLIDING if windowed(model) and (interval is None or (i + 1) % interval) else FULL
-        for i in range(model["num_layers"])
-    ]
+    config = ModelConfig(**model)
+    scalar = config.softmax_scale**-2
+    types = [FULL if config.attention_window(i) is None else SLIDING for i in range(model["num_layers"])]
     fields.update(
         query_pre_attn_scalar=round(scalar) if math.isclose(scalar, round(scalar), rel_tol=1e-12) else scalar,
         # read by the classes' masks even where no layer slides (None fails them): the positions then
-        sliding_window=model["sliding_window"] if windowed(model) else model["max_position_embeddings"],
+        sliding_window=model["sliding_window"] if config.windowed else model["max_position_embeddings"],
         layer_types=types,
         final_logit_softcapping=model["logits_softcap"],
         attn_logit_softcapping=model["attention_softcap"],

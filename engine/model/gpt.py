@@ -172,10 +172,12 @@ class GPTModel(torch.nn.Module):
             hidden = self.embed(tokens, first_position=start)
         # the new positions' rows alone: a table per decoded length, kept, grew with the square of the text
         rope = self.config.position_embedding == "rope"
+        tables = {}  # by uses_local_rotary: at most a sliding-window layers' and a full-attention layers'
         for index, block in self.layers.items():
             local = uses_local_rotary(self.config, block.window)
-            rotary = rotary_tables(start + s, self.config, hidden.device, start, local) if rope else None
-            hidden = block(hidden, rotary, cache.layer(index))
+            if rope and local not in tables:
+                tables[local] = rotary_tables(start + s, self.config, hidden.device, start, local)
+            hidden = block(hidden, tables.get(local), cache.layer(index))
         cache.length += s
         return self.output_logits(hidden) if self.post_process else hidden
 

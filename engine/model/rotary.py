@@ -13,11 +13,11 @@ from loom.engine.config import ModelConfig
 
 def rotary_frequencies(config: ModelConfig, seq_length: int, device=None, local: bool = False) -> torch.Tensor:
     """The rotary_dim/2 angular frequencies of the rotary embedding in sequences of `seq_length` tokens, with
-    config.rope_scaling applied (`local`: a sliding-window layer's, of base model.rope_local_theta, unscaled,
-    where that is set)."""
+    config.rope_scaling applied (`local`: uses_local_rotary's, a sliding-window layer's of base
+    model.rope_local_theta, unscaled)."""
     width = config.rotary_dim
     exponents = torch.arange(0, width, 2, device=device).float() / width
-    if local and config.rope_local_theta is not None:
+    if local:
         return 1.0 / config.rope_local_theta**exponents
     if config.rope_scaling == "longrope":  # the divisors of the context the sequence needs (Hugging Face's rule)
         long = seq_length > config.rope_original_max_positions
@@ -66,13 +66,11 @@ def rotary_tables(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of shape [s, 1, 1, rotary_dim] for the rotate-half (Hugging Face Llama) convention, for the
     positions first_position .. seq_length - 1 of a sequence of seq_length tokens (decoding wants the new ones);
-    `local`: a sliding-window layer's (rotary_frequencies)."""
+    `local`: uses_local_rotary's (rotary_frequencies)."""
     positions = torch.arange(first_position, seq_length, dtype=torch.float32, device=device)
     angles = torch.outer(positions, rotary_frequencies(config, seq_length, device, local))
     angles = torch.cat([angles, angles], dim=-1)[:, None, None, :]
-    if local and config.rope_local_theta is not None:
-        return angles.cos(), angles.sin()
-    if config.rope_scaling in ("longrope", "yarn"):
+    if config.rope_scaling in ("longrope", "yarn") and not local:
         scale = config.rope_attention_factor
         return angles.cos() * scale, angles.sin() * scale
     return angles.cos(), angles.sin()

@@ -188,25 +188,25 @@ class Attention(torch.nn.Module):
             return self.fused_attention(q, k, v)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
         dropout = self.dropout if self.training else 0.0
-        if self.softcap is not None:
-            with self.streams.fork("tensor") if (dropout and self.streams) else contextlib.nullcontext():
-                out = capped_attention(q, k, v, self.softmax_scale, self.softcap, mask, dropout)
-            return out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)
         # CUDA's kernels that take a mask take no grouped-query heads (flash takes none): repeated as for them, on
         # every device so that a CPU run keeps what a GPU run keeps (the planner's bytes are measured on CPU)
-        if self.repeat_kv or (mask is not None and self.local_kv_heads != self.local_heads):
+        masked_sdpa = self.softcap is None and mask is not None
+        if self.repeat_kv or (masked_sdpa and self.local_kv_heads != self.local_heads):
             k, v = (t.repeat_interleave(self.local_heads // self.local_kv_heads, dim=1) for t in (k, v))
         with self.streams.fork("tensor") if (dropout and self.streams) else contextlib.nullcontext():
-            out = F.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=mask,
-                is_causal=mask is None,
-                dropout_p=dropout,
-                enable_gqa=k.shape[1] != self.local_heads,
-                scale=self.softmax_scale,
-            )
+            if self.softcap is not None:
+                out = capped_attention(q, k, v, self.softmax_scale, self.softcap, mask, dropout)
+            else:
+                out = F.scaled_dot_product_attention(
+                    q,
+                    k,
+                    v,
+                    attn_mask=mask,
+                    is_causal=mask is None,
+                    dropout_p=dropout,
+                    enable_gqa=k.shape[1] != self.local_heads,
+                    scale=self.softmax_scale,
+                )
         return out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)
 
     def forward(
@@ -318,7 +318,6 @@ class TransformerBlock(torch.nn.Module):
         kernels = kernels or Kernels.native()
         tp = mappings.group_size(tp_group)
         output_std = config.init_std / math.sqrt(2 * config.num_layers)
-        self.window = window
         self.input_norm = build_norm(config, tp, sequence_parallel, kernels)
         self.attention = Attention(config, tp_group, sequence_parallel, output_std, streams, kernels, cp_group, window)
         if config.norm_placement == "both":  # Gemma's sandwich: these normalise what attention and the MLP return
@@ -332,6 +331,11 @@ class TransformerBlock(torch.nn.Module):
         self.residual_stream = hidden_state_stream(sequence_parallel)
         self.residual_multiplier = config.residual_multiplier
         self.norm_placement = config.norm_placement
+
+    @property
+    def window(self) -> int | None:
+        """This layer's sliding window (its attention's), None for full attention."""
+        return self.attention.window
 
     def _residual_dropout(self, x: torch.Tensor) -> torch.Tensor:
         if self.residual_multiplier != 1.0:
