@@ -100,6 +100,26 @@ class ModelConfig:
     --squared-relu). The gated two take FC1's output as a gate half and an up half (model.gated_mlp)."""
     bias: bool = False
     """Biases in the linear layers (GPT-2 style)."""
+    num_experts: int | None = None
+    """Mixture of experts: each block's MLP becomes this many expert MLPs (each model.ffn_hidden_size wide, model.
+    activation's kind) and a router that sends every token to model.moe_top_k of them (Mixtral's
+    num_local_experts, Qwen3-MoE's num_experts, Megatron's --num-experts); None means one dense MLP. The experts are
+    split across TP ranks as a dense MLP is (each rank holds its slice of every expert; no expert parallelism)."""
+    moe_top_k: int = 2
+    """With model.num_experts: the experts each token goes to (Mixtral's num_experts_per_tok, Megatron's
+    --moe-router-topk)."""
+    moe_norm_top_k: bool = True
+    """With model.num_experts: true weights a token's experts by their router probabilities renormalised over its
+    top k (Mixtral; Qwen3-MoE's norm_topk_prob = true; Megatron's default, a softmax over the top k logits); false
+    by the probabilities of the softmax over every expert (OLMoE, Qwen2-MoE; Megatron's --moe-router-pre-softmax)."""
+    moe_aux_loss_coeff: float = 0.01
+    """With model.num_experts: the weight of each block's load-balancing loss in the training loss (Switch
+    Transformer's, Fedus et al. 2021, alpha = 0.01 there; Megatron's --moe-aux-loss-coeff): num_experts / top_k x
+    sum over experts of (the fraction of a sequence's token choices it got) x (its mean router probability over the
+    sequence), 1 when the load is even, averaged over the sequences (per sequence as DeepSeek's sequence-wise loss
+    and Megatron's seq_aux_loss, so that micro-batching and the parallel layout do not change it; Mixtral's
+    transformers code takes the whole batch). Logged as moe_aux_loss (summed over blocks, before this weight); 0
+    trains without it."""
     sliding_window: int | None = None
     """Sliding-window attention: in the layers model.full_attention_interval leaves windowed, each position attends
     to itself and the sliding_window - 1 positions before it (Hugging Face's sliding_window; Mistral's 4096,
@@ -269,6 +289,29 @@ class ModelConfig:
             full_attention_interval=self.full_attention_interval,
             rope_local_theta=self.rope_local_theta,
         )
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        check_positive("model", num_experts=self.num_experts, moe_top_k=self.moe_top_k)
+        if not 0.0 <= self.moe_aux_loss_coeff < math.inf:  # NaN fails too
+            raise ConfigError(f"model.moe_aux_loss_coeff must be a number >= 0, got {self.moe_aux_loss_coeff}")
+        if self.num_experts is None:
+            given = [
+                f.name for f in fields(self) if f.name.startswith("moe_") and getattr(self, f.name) != field_default(f)
+            ]
+            if given:
+                raise ConfigError(
+                    f"model.{given[0]} is set but model.num_experts is not (a dense MLP): give --model.num_experts "
+                    "N for a mixture of experts, or drop the moe settings"
+                )
+            return
+        if self.moe_top_k > self.num_experts:
+            raise ConfigError(
+                f"model.moe_top_k = {self.moe_top_k} sends each token to more experts than model.num_experts = "
+                f"{self.num_experts}"
+            )
+        if self.bias:
+            raise ConfigError("model.num_experts with model.bias = true: loom's experts have no biases")
 
     def _check_longrope_factors(self) -> None:
         if self.rope_original_max_positions < 2:  # its logarithm divides the attention factor's
@@ -314,6 +357,11 @@ class ModelConfig:
     def gated_mlp(self) -> bool:
         """Whether FC1 computes a gate and an up projection (swiglu, geglu), twice model.ffn_hidden_size wide."""
         return self.activation in ("swiglu", "geglu")
+
+    @property
+    def moe(self) -> bool:
+        """Whether each block's MLP is a mixture of experts (model.num_experts)."""
+        return self.num_experts is not None
 
     @property
     def biased_qkv(self) -> bool:

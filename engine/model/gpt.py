@@ -199,6 +199,14 @@ class GPTModel(torch.nn.Module):
             gather.after_forward(unit, output, previous=units[-1] if units else None)
         return output
 
+    def moe_aux_loss(self) -> torch.Tensor | None:
+        """The sum of this chunk's load-balancing losses (model.num_experts) of its last training forward, with
+        their graph; None without any."""
+        losses = [
+            block.mlp.aux_loss for block in self.layers.values() if getattr(block.mlp, "aux_loss", None) is not None
+        ]
+        return torch.stack(losses).sum() if losses else None
+
     def _embedding_dropout(self, hidden: torch.Tensor) -> torch.Tensor:
         # Megatron drops the embedding's output at --hidden-dropout, as GPT-2 does (embd_pdrop)
         if not (self.config.dropout and self.training and self.streams is not None):

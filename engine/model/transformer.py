@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from loom.engine.config import ModelConfig
 from loom.engine.model.kernels import Kernels, layer_norm, rms_norm
+from loom.engine.model.moe import MoEMLP
 from loom.engine.model.rotary import apply_rotary
 from loom.engine.parallel import mappings
 from loom.engine.parallel.context import ring_attention
@@ -325,7 +326,11 @@ class TransformerBlock(torch.nn.Module):
         self.mlp_norm = build_norm(config, tp, sequence_parallel, kernels)
         if config.norm_placement == "both":
             self.mlp_output_norm = build_norm(config, tp, sequence_parallel, kernels)
-        self.mlp = MLP(config, tp_group, sequence_parallel, output_std, kernels)
+        if config.moe:
+            activation = kernels.activation_function(config.activation)
+            self.mlp = MoEMLP(config, tp_group, sequence_parallel, output_std, activation)
+        else:
+            self.mlp = MLP(config, tp_group, sequence_parallel, output_std, kernels)
         self.kernels, self.tp_group = kernels, tp_group
         self.dropout, self.streams = config.dropout, streams
         self.residual_stream = hidden_state_stream(sequence_parallel)

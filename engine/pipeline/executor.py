@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 
+from loom.engine.model.moe import aux_loss_gradient
 from loom.engine.parallel.state import ParallelState
 from loom.engine.pipeline.p2p import run_exchange
 from loom.engine.pipeline.schedules import Compute, Exchange, Op
@@ -24,10 +25,10 @@ def _free_storage(tensor: torch.Tensor) -> None:
     tensor.data = torch.empty((1,), device=tensor.device, dtype=tensor.dtype)
 
 
-def _backward_from(output: torch.Tensor, grad: torch.Tensor) -> None:
+def _backward_from(roots: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor, ...]) -> None:
     """Backward through a graph whose output storage was freed (the shape check would refuse it)."""
     torch.autograd.Variable._execution_engine.run_backward(
-        (output,), (grad,), False, False, (), True, True
+        roots, grads, False, False, (), True, True
     )  # keep_graph, create_graph, inputs, allow_unreachable, accumulate
 
 
@@ -40,8 +41,14 @@ class PipelineExecutor:
         device: torch.device,
         autocast: Callable[[], contextlib.AbstractContextManager],
         p2p_dtype: torch.dtype = torch.float32,
+        moe_aux_loss_coeff: float = 0.0,
     ):
+        """`moe_aux_loss_coeff`: the weight of the chunks' load-balancing losses (model.moe_aux_loss_coeff)."""
         self.chunks, self.state, self.device, self.autocast = chunks, state, device, autocast
+        self.moe_aux_loss_coeff = moe_aux_loss_coeff
+        self.moe_aux_loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        """This rank's share of the last run's load-balancing loss: each micro-batch's (summed over this rank's
+        blocks) by its share of the batch's tokens; summed over DP, CP and the pipeline, the mean per micro-batch."""
         self.hidden_shape = hidden_shape
         self.p2p_dtype = p2p_dtype
         """What crosses stage boundaries: the compute dtype, as Megatron sends (half the bytes of fp32 under bf16)."""
@@ -70,7 +77,8 @@ class PipelineExecutor:
         times replace `self.timeline`. The last stage back-propagates loss * loss_scale (fp16).
         """
         total = torch.zeros((), dtype=torch.float32, device=self.device)
-        inputs, outputs, outgoing, received = {}, {}, {}, {}
+        self.moe_aux_loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        inputs, outputs, outgoing, received, aux_losses = {}, {}, {}, {}, {}
         live = self.peak_live = 0
         last_microbatch = len(microbatches) - 1
         if record:
@@ -94,6 +102,11 @@ class PipelineExecutor:
             key, stage = (op.microbatch, op.chunk), self._stage(op.chunk)
             if op.kind == "F":
                 output, hidden = self._forward(op, stage, microbatches, received, tokens_in_batch)
+                aux_loss = self.chunks[op.chunk].moe_aux_loss() if self.moe_aux_loss_coeff else None
+                if aux_loss is not None:
+                    share = microbatches[op.microbatch][0].numel() / tokens_in_batch
+                    aux_losses[key] = (aux_loss, share)
+                    self.moe_aux_loss_sum += aux_loss.detach() * share
                 if stage == self.num_stages - 1:
                     total += output.detach()
                 else:
@@ -106,10 +119,15 @@ class PipelineExecutor:
                     on_last_backward(op.microbatch == last_microbatch)
                 hidden, output = inputs.pop(key), outputs.pop(key)
                 if stage == self.num_stages - 1:
-                    (output * loss_scale if loss_scale != 1.0 else output).backward()
+                    grad = torch.full_like(output, loss_scale)
                 else:
                     grad = received.pop(("grad", op.microbatch, stage + 1)).to(output.dtype)
-                    _backward_from(output, grad)
+                roots, grads = (output,), (grad,)
+                if key in aux_losses:
+                    aux_loss, share = aux_losses.pop(key)
+                    weight = aux_loss_gradient(self.moe_aux_loss_coeff, share, loss_scale, self.state.tp_size)
+                    roots, grads = (output, aux_loss), (grad, torch.full_like(aux_loss, weight))
+                _backward_from(roots, grads)
                 if stage > 0:
                     outgoing[("grad", op.microbatch, stage)] = hidden.grad.to(self.p2p_dtype)
                 live -= 1
