@@ -54,6 +54,7 @@ from loom.tools.hf_gpt2 import (
     model_from_gpt2_config,
     to_gpt2,
 )
+from loom.tools.hf_moe import MIXTRAL_IN_BLOCK, QWEN_MOE_IN_BLOCK, expert_names, moe_generation
 from loom.tools.hf_tokenizer import check_moved_tokenizer, export_tokenizer
 from loom.tools.lora import ModelWeights, adapted_weights, base_of
 from loom.tools.outputs import HF_TOKENIZER_FILES, claimed_checkpoint_output, claimed_export_output
@@ -117,6 +118,9 @@ _GEMMA_SANDWICH_IN_BLOCK = {
 
 def _block_names(model: dict, phi3: bool) -> dict[str, tuple[str, ...]]:
     """Hugging Face's names inside a block for loom's, in the form the model has (`phi3`: phi3_form)."""
+    if model["num_experts"] is not None:
+        experts = MIXTRAL_IN_BLOCK if moe_generation(model) == "mixtral" else QWEN_MOE_IN_BLOCK
+        return {**_IN_BLOCK, **experts}
     if nemotron_form(model):
         return _NEMOTRON_IN_BLOCK
     if model["norm_placement"] == "both":
@@ -147,13 +151,25 @@ def _stored_minus_one(name: str, model: dict) -> bool:
 
 
 def _fused_sizes(model: dict) -> dict[str, list[int]]:
-    """Rows of each Hugging Face tensor inside a fused loom tensor, by loom's name inside the block."""
+    """Rows of each Hugging Face tensor inside a fused loom tensor, by loom's name inside the block (the experts':
+    rows of their stack flattened to 2-D, expert by expert)."""
     q_rows, kv_rows = model["num_heads"] * model["head_dim"], model["num_kv_heads"] * model["head_dim"]
+    experts, ffn = model["num_experts"] or 0, model["ffn_hidden_size"]
     return {
         naming.QKV_WEIGHT: [q_rows, kv_rows, kv_rows],
         naming.QKV_BIAS: [q_rows, kv_rows, kv_rows],
-        naming.FC1_WEIGHT: [model["ffn_hidden_size"], model["ffn_hidden_size"]],
+        naming.FC1_WEIGHT: [ffn, ffn],
+        naming.EXPERTS_FC1_WEIGHT: [ffn, ffn] * experts,
+        naming.EXPERTS_FC2_WEIGHT: [model["hidden_size"]] * experts,
     }
+
+
+_STACKED_EXPERTS = (naming.EXPERTS_FC1_WEIGHT, naming.EXPERTS_FC2_WEIGHT)
+"""loom's tensors that stack each expert's along a first dimension (Hugging Face's files keep them apart)."""
+
+
+def _stacks_experts(name: str) -> bool:
+    return name.endswith(_STACKED_EXPERTS)
 
 
 def _loom_names(model: dict) -> list[str]:
@@ -162,8 +178,13 @@ def _loom_names(model: dict) -> list[str]:
     layernorm = model["norm"] == "layernorm"
     outside = [naming.EMBEDDING, naming.FINAL_NORM_WEIGHT] + ([naming.FINAL_NORM_BIAS] if layernorm else [])
     outside += [] if model["tie_embeddings"] else [naming.OUTPUT]
-    sandwich = model["norm_placement"] == "both"
+    sandwich, moe = model["norm_placement"] == "both", model["num_experts"] is not None
     optional = {
+        naming.FC1_WEIGHT: not moe,
+        naming.FC2_WEIGHT: not moe,
+        naming.ROUTER_WEIGHT: moe,
+        naming.EXPERTS_FC1_WEIGHT: moe,
+        naming.EXPERTS_FC2_WEIGHT: moe,
         naming.QKV_BIAS: model["qkv_bias"],
         naming.Q_NORM_WEIGHT: model["qk_norm"],
         naming.K_NORM_WEIGHT: model["qk_norm"],
@@ -178,18 +199,22 @@ def _loom_names(model: dict) -> list[str]:
         naming.MLP_NORM_BIAS,
         naming.ATTENTION_OUTPUT_NORM_WEIGHT,
         naming.MLP_OUTPUT_NORM_WEIGHT,
+        naming.ROUTER_WEIGHT,
+        *_STACKED_EXPERTS,
     )
     in_block = [local for local in every if optional.get(local, True)]
     return outside + [naming.block_param_name(i, local) for i in range(model["num_layers"]) for local in in_block]
 
 
-def _hf_names(name: str, block_names: dict[str, tuple[str, ...]]) -> tuple[str, ...]:
-    """Hugging Face's tensor(s) holding loom's tensor `name` (`block_names`: _block_names' table)."""
+def _hf_names(name: str, block_names: dict[str, tuple[str, ...]], experts: int | None) -> tuple[str, ...]:
+    """Hugging Face's tensor(s) holding loom's tensor `name` (`block_names`: _block_names' table; `experts`:
+    model.num_experts)."""
     in_block = naming.split_block_param_name(name)
     if in_block is None:
         return (_OUTSIDE_BLOCKS[name],)
     layer, local = in_block
-    return tuple(f"model.layers.{layer}.{hf}" for hf in block_names[local])
+    names = expert_names(block_names[local], experts) if _stacks_experts(local) else block_names[local]
+    return tuple(f"model.layers.{layer}.{hf}" for hf in names)
 
 
 def to_hf(logical: Mapping[str, torch.Tensor], model: dict, phi3: bool = False) -> LazyWeights:
@@ -199,7 +224,9 @@ def to_hf(logical: Mapping[str, torch.Tensor], model: dict, phi3: bool = False) 
     sizes, block_names = _fused_sizes(model), _block_names(model, phi3)
     shapes, part_of = {}, {}
     for name in _loom_names(model):
-        hf_names, shape = _hf_names(name, block_names), logical.shapes[name]
+        hf_names, shape = _hf_names(name, block_names, model["num_experts"]), logical.shapes[name]
+        if _stacks_experts(name):
+            shape = (shape[0] * shape[1], *shape[2:])
         rows = [shape[0]] if len(hf_names) == 1 else sizes[naming.split_block_param_name(name)[1]]
         for index, (hf_name, count) in enumerate(zip(hf_names, rows, strict=True)):
             shapes[hf_name] = (count, *shape[1:])
@@ -210,7 +237,7 @@ def to_hf(logical: Mapping[str, torch.Tensor], model: dict, phi3: bool = False) 
         name, index, rows = part_of[hf_name]
         if name not in last:
             last.clear()
-            last[name] = logical[name]
+            last[name] = logical[name].flatten(0, 1) if _stacks_experts(name) else logical[name]
         return last[name].split(rows)[index].contiguous()
 
     return LazyWeights(shapes, make)
@@ -222,12 +249,18 @@ def from_hf(tensors: Mapping[str, torch.Tensor], model: dict, phi3: bool = False
     tensors = LazyWeights.of(tensors)
     shapes, parts_of, used, block_names = {}, {}, set(), _block_names(model, phi3)
     for name in _loom_names(model):
-        hf_names = parts_of[name] = _hf_names(name, block_names)
+        hf_names = parts_of[name] = _hf_names(name, block_names, model["num_experts"])
         used.update(hf_names)
         parts = [tensors.shapes[hf] for hf in hf_names]
         if len(parts) > 1 and (min(map(len, parts)) == 0 or len({part[1:] for part in parts}) > 1):
-            raise CheckpointError(f"{', '.join(hf_names)} have shapes {parts}, which do not stack into loom's {name}")
+            shown = first_few([str(part) for part in parts])
+            raise CheckpointError(
+                f"{first_few(list(hf_names))} have shapes {shown}, which do not stack into loom's {name}"
+            )
         shapes[name] = parts[0] if len(parts) == 1 else (sum(part[0] for part in parts), *parts[0][1:])
+        if _stacks_experts(name):
+            experts = model["num_experts"]
+            shapes[name] = (experts, shapes[name][0] // experts, *shapes[name][1:])
     # What writers save beside a Llama that carries nothing more: RoPE's recomputable table, a tied head's copy.
     ignorable = {"lm_head.weight"} if model["tie_embeddings"] else set()
     unused = sorted(
@@ -243,7 +276,7 @@ def from_hf(tensors: Mapping[str, torch.Tensor], model: dict, phi3: bool = False
         parts = [tensors[hf] for hf in parts_of[name]]
         if _stored_minus_one(name, model):
             return parts[0].float() + 1
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        return parts[0] if len(parts) == 1 else torch.cat(parts).view(shapes[name])
 
     return LazyWeights(shapes, make)
 

@@ -24,6 +24,13 @@ from loom.tools.hf_gemma import (
     with_class_defaults,
 )
 from loom.tools.hf_gpt2 import GPT2_SHAPE
+from loom.tools.hf_moe import (
+    MOE_MODEL_TYPES,
+    moe_architecture,
+    moe_fields,
+    moe_form_refusals,
+    refuse_unrepresentable_moe,
+)
 
 
 def check_llama_form(model: dict, gpt2_too: bool = False) -> None:
@@ -51,7 +58,7 @@ def check_llama_form(model: dict, gpt2_too: bool = False) -> None:
     if phi3_rotary and model["rope_scaling"] == "longrope" and narrow:
         # Phi3Config sizes longrope's factor lists from hidden_size / num_heads, whatever head_dim says
         wrong["rotary_percent and longrope with a head_dim other than hidden_size / num_heads"] = model["head_dim"]
-    wrong.update(_olmo2_form_refusals(model))
+    wrong.update(moe_form_refusals(model) if model["num_experts"] is not None else _olmo2_form_refusals(model))
     if granite_form(model) and (model["qk_norm"] or model["qkv_bias"] or model["rotary_percent"] < 1):
         # only Granite's class scales embeddings, residual branches, scores and logits
         wrong["Granite's multipliers with qk_norm, qkv_bias or rotary_percent"] = True
@@ -212,6 +219,8 @@ def _hf_architecture(model: dict, phi3: bool) -> dict:
                 "hidden_act": "relu2"}  # fmt: skip
     if gemma_form(model):
         return gemma_architecture(model, _hf_rope(model))
+    if model["num_experts"] is not None:
+        return moe_architecture(model)
     if model["norm_placement"] == "output":  # Olmo2Config's token ids default to OLMo's own (pad 1, eos 50279)
         return {"architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2", "attention_bias": False,
                 **dict.fromkeys(HF_TOKEN_ID_FIELDS)}  # fmt: skip
@@ -373,6 +382,7 @@ LLAMA_SHAPED_MODEL_TYPES = (
     "olmo2",
     "nemotron",
     *GEMMA_MODEL_TYPES,
+    *MOE_MODEL_TYPES,
 )
 """The config.json model_types import-hf reads as a Llama-shaped loom model (gpt2: tools/hf_gpt2.py)."""
 
@@ -383,7 +393,8 @@ def _refuse_unrepresentable(hf: dict) -> None:
     if hf.get("model_type") not in LLAMA_SHAPED_MODEL_TYPES:
         raise CheckpointError(
             f"model_type {hf.get('model_type')!r} is not {', '.join(LLAMA_SHAPED_MODEL_TYPES)} or gpt2; loom imports "
-            "Llama-, Mistral-, Qwen-, Phi-3-, Granite-, OLMo 2-, Nemotron-, Gemma- and GPT-2-format models"
+            "Llama-, Mistral-, Qwen-, Phi-3-, Granite-, OLMo 2-, Nemotron-, Gemma-, Mixtral-, Qwen3-MoE-, OLMoE- and "
+            "GPT-2-format models"
         )
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
@@ -391,6 +402,8 @@ def _refuse_unrepresentable(hf: dict) -> None:
     if hf.get("model_type") in GEMMA_MODEL_TYPES:
         refuse_unrepresentable_gemma(hf)
         return
+    if hf.get("model_type") in MOE_MODEL_TYPES:
+        refuse_unrepresentable_moe(hf)
     nemotron = hf.get("model_type") == "nemotron"
     activation = "relu2" if nemotron else "silu"
     if hf.get("hidden_act", activation) != activation:
@@ -404,8 +417,9 @@ def _every_layer_window(hf: dict) -> int | None:
     """The sliding window a Mistral or a Phi-3 attends within in every layer (a Qwen's under use_sliding_window,
     which its first max_window_layers layers lack), or None: none, or none shorter than its positions."""
     qwen = hf.get("model_type") in ("qwen2", "qwen3")
-    windowed = hf.get("model_type") in ("mistral", "phi3") or (qwen and hf.get("use_sliding_window"))
-    default = None if hf.get("model_type") == "phi3" else 4096  # MistralConfig's and Qwen's where a file has none
+    windowed = hf.get("model_type") in ("mistral", "phi3", "mixtral") or (qwen and hf.get("use_sliding_window"))
+    # MistralConfig's and Qwen's where a file has none (Phi3Config's and MixtralConfig's: none)
+    default = None if hf.get("model_type") in ("phi3", "mixtral") else 4096
     window = hf.get("sliding_window", default) if windowed else None
     if window is not None and (type(window) is not int or window < 1):
         raise CheckpointError(f"config.json's sliding_window {window!r} is neither null nor a number of tokens")
@@ -423,9 +437,10 @@ def _positions_represented(hf: dict) -> int:
 
 
 def _window_of_every_layer(hf: dict) -> dict:
-    """A Mistral's or a Phi-3's sliding window as model.sliding_window (every layer's)."""
+    """A Mistral's, a Phi-3's or a Mixtral's sliding window as model.sliding_window (every layer's)."""
     window = _every_layer_window(hf)
-    return {} if window is None or hf.get("model_type") not in ("mistral", "phi3") else {"sliding_window": window}
+    every_layer = ("mistral", "phi3", "mixtral")
+    return {} if window is None or hf.get("model_type") not in every_layer else {"sliding_window": window}
 
 
 def model_from_hf_config(hf: dict) -> dict:
@@ -451,12 +466,13 @@ def model_from_hf_config(hf: dict) -> dict:
         "position_embedding": "rope",
         "bias": False,
         "qkv_bias": kind == "qwen2",
-        "qk_norm": kind in ("qwen3", "olmo2"),
-        "qk_norm_per_head": kind != "olmo2",  # OLMo 2 normalises the whole q and k projections
+        "qk_norm": kind in ("qwen3", "olmo2", "qwen3_moe", "olmoe"),
+        "qk_norm_per_head": kind not in ("olmo2", "olmoe"),  # they normalise the whole q and k projections
         "norm_placement": "output" if kind == "olmo2" else "input",
         **(_granite_fields(hf) if kind == "granite" else {}),
         **_window_of_every_layer(hf),
         **(gemma_fields(hf) if gemma else {}),
+        **(moe_fields(hf) if kind in MOE_MODEL_TYPES else {}),
     }
 
 

@@ -33,6 +33,7 @@ GPT2_SHAPE = {
     "logits_divisor": 1.0,
     "attention_softcap": None,
     "logits_softcap": None,
+    "num_experts": None,
 }
 """The ModelConfig fields of a model with a GPT-2 form (grouped-query attention aside): GPT2LMHeadModel attends to
 every earlier position, scales nothing but its scores, by 1 / sqrt(head_dim), and caps neither them nor its

@@ -42,6 +42,10 @@ ATTENTION_OUTPUT_NORM_BIAS = "attention_output_norm.bias"
 MLP_OUTPUT_NORM_WEIGHT = "mlp_output_norm.weight"
 MLP_OUTPUT_NORM_BIAS = "mlp_output_norm.bias"
 FC2_WEIGHT = "mlp.fc2.weight"
+# model.num_experts (engine/model/moe.py): the router, and every expert's FC1 and FC2 stacked along a first dimension
+ROUTER_WEIGHT = "mlp.router.weight"
+EXPERTS_FC1_WEIGHT = "mlp.experts.fc1.weight"
+EXPERTS_FC2_WEIGHT = "mlp.experts.fc2.weight"
 
 _BEFORE_BLOCKS = (EMBEDDING, POSITION_EMBEDDING)
 
