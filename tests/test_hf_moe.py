@@ -6,7 +6,6 @@ logits and class."""
 import pytest
 import torch
 from test_hf import (
-    VOCAB,
     _assert_greedy_generate_equals_transformers,
     _round_trip_computes_as_transformers,
     llama_fields,
