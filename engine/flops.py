@@ -8,7 +8,8 @@ figures: per trained token, 6 FLOPs (2 forward, 4 backward) for every weight of 
 whole s x s square. Causal attention is not halved (that convention), although a causal kernel skips about half of
 that square; Megatron-LM since 2025 halves it, so its MFU of the same run reads lower by half the attention share
 (6.7% at llama-70b and s 8192, 11.1% at llama-8b s 8192, 11.7% at gpt-125m s 2048; docs/gpu.md). LoRA fine-tuning
-computes no gradient of a frozen weight: 4 FLOPs for each, 6 for each adapter weight. Norms, biases, rotary,
+computes no gradient of a frozen weight: 4 FLOPs for each, 6 for each adapter weight. A mixture of experts counts
+the weights a token passes through (its top-k experts' and the router's), not every expert's. Norms, biases, rotary,
 softmax and other element-wise work are not counted, nor is recompute (that would be hardware FLOPs). The
 vocabulary is the tokenizer's, not the padded one: padded logits are wasted work, not model work (Megatron counts
 its padded vocabulary).
@@ -39,7 +40,10 @@ def layer_parameters(config: ModelConfig) -> int:
     h, hd = config.hidden_size, config.head_dim
     q, kv = config.num_heads * hd, config.num_kv_heads * hd
     ffn_in = config.ffn_hidden_size * (2 if config.gated_mlp else 1)
-    weights = h * (q + 2 * kv) + q * h + h * ffn_in + config.ffn_hidden_size * h
+    mlp = h * ffn_in + config.ffn_hidden_size * h
+    if config.moe:  # every expert's MLP, and the router
+        mlp = config.num_experts * mlp + h * config.num_experts
+    weights = h * (q + 2 * kv) + q * h + mlp
     biases = (q + 2 * kv if config.biased_qkv else 0) + (h + ffn_in + h if config.bias else 0)
     qk_norms = (2 * hd if config.qk_norm_per_head else q + kv) if config.qk_norm else 0
     block_norms = 4 if config.norm_placement == "both" else 2
@@ -59,16 +63,19 @@ def parameter_counts(config: ModelConfig) -> dict[str, int]:
 
 
 def block_gemms(config: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(in, out) features of each GEMM of a transformer block, by the name of its layer (LoRA's targets)."""
+    """(in, out) features of each GEMM of a transformer block that a token passes through, by the name of its layer
+    (LoRA's targets): with model.num_experts, its top-k experts' as one k times as wide, and the router."""
     h, query_width = config.hidden_size, config.num_heads * config.head_dim
     key_value_width = config.num_kv_heads * config.head_dim
     gated = 2 if config.gated_mlp else 1
-    return {
+    experts = config.moe_top_k if config.moe else 1
+    gemms = {
         "qkv": (h, query_width + 2 * key_value_width),
         "proj": (query_width, h),
-        "fc1": (h, gated * config.ffn_hidden_size),
-        "fc2": (config.ffn_hidden_size, h),
+        "fc1": (h, gated * config.ffn_hidden_size * experts),
+        "fc2": (config.ffn_hidden_size * experts, h),
     }
+    return {**gemms, "router": (h, config.num_experts)} if config.moe else gemms
 
 
 def model_flops_per_token(config: ModelConfig, seq_length: int, lora: LoraConfig | None = None) -> float:

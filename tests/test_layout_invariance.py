@@ -72,6 +72,20 @@ LAYOUTS = {
     # bf16 against the bf16 single rank: stages exchange bf16 activations and gradients (the compute dtype).
     # (fp32 interleaving is covered by pp2-vp2-tp2-dp2-sp.)
     "pp2-vp2-bf16": (2, dict(parallel__pp=2, parallel__vp=2, train__precision="bf16")),
+    # A mixture of experts: partial expert sums reduced once over TP (the router's gradient summed over TP), the
+    # per-sequence load-balancing loss back-propagated on every pipeline stage by its micro-batch's share, and
+    # recomputed with its block (one micro-batch per rank: the loss does not depend on how a batch is cut).
+    "moe-pp2-tp2-dp2-sp-full": (
+        8,
+        dict(
+            model__num_experts=4,
+            parallel__pp=2,
+            parallel__tp=2,
+            parallel__sequence_parallel=True,
+            model__recompute="full",
+            train__micro_batch_size=1,
+        ),
+    ),
 }
 # Cutting the model into stages changes no arithmetic when stages exchange the compute dtype: the bf16
 # pipeline equals the bf16 single rank (sending fp32 would carry an fp32 residual stream into later stages).
@@ -79,7 +93,7 @@ TOLERANCE = {"pp2-vp2-bf16": 1e-6}
 # bf16 matmuls are slow on CPU: four steps (and one validation) show the same thing.
 LAYOUT_STEPS = {"pp2-vp2-bf16": 4}
 # Fields that change the single-rank reference itself rather than the layout.
-MODEL_FIELDS = ("model__tie_embeddings", "train__precision")
+MODEL_FIELDS = ("model__tie_embeddings", "train__precision", "model__num_experts")
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

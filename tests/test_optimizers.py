@@ -171,18 +171,22 @@ def test_fp16_inf_gradient_skips_the_step_and_backs_off():
 
 
 def _adafactor_steps(make_optimizer, steps: int = 6) -> list[torch.Tensor]:
-    """A matrix with weight decay and a vector without, stepped on gradients alternately large and small."""
+    """A matrix and a stack of matrices (a mixture of experts' weights: each factored on its own) with weight decay
+    and a vector without, stepped on gradients alternately large and small."""
     generator = torch.Generator().manual_seed(0)
-    matrix, vector = (
+    matrix, stack, vector = (
         torch.nn.Parameter(torch.randn(8, 6, generator=generator)),
+        torch.nn.Parameter(torch.randn(3, 8, 6, generator=generator) * torch.tensor([1.0, 10.0, 0.1])[:, None, None]),
         torch.nn.Parameter(torch.randn(6, generator=generator)),
     )
-    optimizer = make_optimizer([{"params": [matrix], "weight_decay": WD}, {"params": [vector], "weight_decay": 0.0}])
+    optimizer = make_optimizer(
+        [{"params": [matrix, stack], "weight_decay": WD}, {"params": [vector], "weight_decay": 0.0}]
+    )
     for step in range(1, steps + 1):
-        for p in (matrix, vector):
+        for p in (matrix, stack, vector):
             p.grad = torch.randn(p.shape, generator=generator) * (3.0 if step % 2 else 0.01)
         optimizer.step()
-    return [matrix.detach(), vector.detach()]
+    return [matrix.detach(), stack.detach(), vector.detach()]
 
 
 def test_adafactor_equals_transformers_adafactor():

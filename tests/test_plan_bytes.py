@@ -51,6 +51,9 @@ STATE_LAYOUTS = {
         ({"tp": 2, "sequence_parallel": True}, {}, {"zero": 0, "name": "adafactor"}, "bf16"),
         ({"tp": 2, "sequence_parallel": True}, {"norm_placement": "both", "qk_norm": True}, {"zero": 1}, "bf16"),
         ({"pp": 2}, {"tie_embeddings": True}, {"zero": 0, "name": "adafactor"}, "fp32"),
+        ({"tp": 2, "sequence_parallel": True}, {"num_experts": 4}, {"zero": 1}, "bf16"),
+        ({"tp": 2}, {"num_experts": 4}, {"zero": 0, "name": "adafactor"}, "fp32"),
+        ({}, {"num_experts": 4}, {"zero": 3}, "bf16"),
     ],
     4: [
         ({}, {}, {"zero": 1, "name": "lamb"}, "bf16"),

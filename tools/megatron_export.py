@@ -79,6 +79,11 @@ def megatron_arguments(model: dict, train: dict, step: int, consumed: int, dtype
             f"the model scales its embeddings, residual branches or logits ({granite}); megatron-core's GPT model "
             "does none of these"
         )
+    if model["num_experts"] is not None:
+        raise CheckpointError(
+            f"the model is a mixture of {model['num_experts']} experts (model.num_experts); loom exports Megatron-LM's "
+            "dense GPT models only (export it to Hugging Face with `loom ckpt export-hf`)"
+        )
     if model["activation"] == "geglu":
         raise CheckpointError(
             "the model's MLP is a gated GELU (model.activation = geglu, Gemma's); Megatron-LM's arguments gate "

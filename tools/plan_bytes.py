@@ -20,6 +20,8 @@ Each is checked against what loom allocates, saves and sends on CPU (tests/test_
 
 from __future__ import annotations
 
+import math
+
 import collections
 import dataclasses
 import functools
@@ -149,9 +151,20 @@ def _block_parameters(m: ModelConfig, tp: int, sequence_parallel: bool) -> list[
     elif m.qk_norm:  # split with the heads (rmsnorm only)
         out += [_Param(q // tp), _Param(kv // tp)]
     sandwich = norm if m.norm_placement == "both" else []  # attention_output_norm's, then mlp_output_norm's
-    out += [*sandwich, *norm, *sandwich, _matrix(fc1 // tp, h)] + ([_Param(fc1 // tp)] if m.bias else [])
+    out += [*sandwich, *norm, *sandwich]
+    if m.moe:  # the router (its gradient summed over TP), every expert's FC1 and FC2 (engine/model/moe.py)
+        experts = m.num_experts
+        out += [_matrix(experts, h, tp > 1)]
+        out += [_Param(experts * fc1 // tp * h, shape=(experts, fc1 // tp, h))]
+        return out + [_Param(experts * h * f // tp, shape=(experts, h, f // tp))]
+    out += [_matrix(fc1 // tp, h)] + ([_Param(fc1 // tp)] if m.bias else [])
     out += [_matrix(h, f // tp)] + ([_Param(h, sequence_parallel)] if m.bias else [])
     return out
+
+
+def _factored_moments(shape: tuple[int, ...]) -> int:
+    """Adafactor's second-moment elements of a matrix (a row and a column statistic), or of each in a stack."""
+    return math.prod(shape[:-2]) * (shape[-2] + shape[-1])
 
 
 def _matrix(rows: int, cols: int, deferred: bool = False, unit: int | str = "") -> _Param:
@@ -267,7 +280,7 @@ def model_state_bytes(
     master = 0 if precision == "fp32" and lay.zero == 0 and lay.offload == "none" else 1
     sharded = total // replicas if lay.zero >= 1 else count
     if optimizer == "adafactor":  # no first moment; a matrix's second moment as its row and column means (no ZeRO)
-        moments = sum(sum(q.shape) if q.shape else q.size for q in rank_parameters(m, lay, pp_rank))
+        moments = sum(_factored_moments(q.shape) if q.shape else q.size for q in rank_parameters(m, lay, pp_rank))
         state = 4 * (master * sharded + moments)
     else:
         state = 4 * (master + {"adamw": 2, "lamb": 2, "sgd": 1}[optimizer]) * sharded

@@ -89,6 +89,7 @@ class LoomConfig:
             )
         if refusal := self.zero_refusal(self.optim.zero):
             raise ConfigError(refusal)
+        self._check_experts()
         backend = self.model.attention_backend
         if backend != "auto" and self.parallel.cp > 1:
             raise ConfigError(
@@ -110,6 +111,23 @@ class LoomConfig:
             raise ConfigError(
                 f"model.attention_backend = {backend} is a CUDA kernel for bf16 or fp16, not train.precision = fp32; "
                 "use --model.attention_backend efficient (or auto), or --train.precision bf16 on a GPU"
+            )
+
+    def _check_experts(self) -> None:
+        """What a mixture of experts (model.num_experts) does not compose with."""
+        if not self.model.moe:
+            return
+        experts = f"model.num_experts = {self.model.num_experts}"
+        if self.train.fp8 != "off":
+            raise ConfigError(
+                f"train.fp8 = {self.train.fp8} with {experts}: loom's experts run grouped bf16 GEMMs, not FP8; use "
+                "--train.fp8 off"
+            )
+        on_experts = [target for target in self.lora.targets if target in ("fc1", "fc2")]
+        if self.lora.enabled and on_experts:
+            raise ConfigError(
+                f"lora.targets {' '.join(on_experts)} with {experts}: adapters sit on dense linear layers, not on "
+                "experts; use --lora.targets qkv proj"
             )
 
     def _loads_its_own_run_dir(self) -> bool:

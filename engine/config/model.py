@@ -395,6 +395,11 @@ class ModelConfig:
             )
         if self.attention_softcap is not None:
             return f"parallel.cp > 1 with model.attention_softcap = {self.attention_softcap}: ring attention has none"
+        if self.moe:
+            return (
+                f"parallel.cp > 1 with model.num_experts = {self.num_experts}: the load-balancing loss is computed "
+                "over whole sequences, which context parallelism splits"
+            )
         return None
 
     def check_tensor_parallel(self, tp: int) -> None:

@@ -125,16 +125,19 @@ class Adafactor(torch.optim.Optimizer):
         full_shape = spec.full_shape
         valid_rows = _valid_rows(p, spec, self.tp_rank)
         squared = grad.pow(2) + self.eps
-        if p.dim() >= 2:
+        if p.dim() >= 2:  # factored over the last two dimensions, each matrix of a stack (experts) on its own
+            rows_split, cols_split = split == p.dim() - 2, split == p.dim() - 1
             if "row" not in state:
-                state["row"], state["col"] = squared.new_zeros(p.shape[0]), squared.new_zeros(p.shape[1])
-            rows, cols = full_shape[0], full_shape[1]
-            row_mean = self._sum(squared.sum(dim=1), split == 1) / cols
-            col_mean = self._sum(squared[:valid_rows].sum(dim=0), split == 0) / rows
+                state["row"] = squared.new_zeros(p.shape[:-1])
+                state["col"] = squared.new_zeros(p.shape[:-2] + p.shape[-1:])
+            rows, cols = full_shape[-2], full_shape[-1]
+            row_mean = self._sum(squared.sum(dim=-1), cols_split) / cols
+            col_mean = self._sum(squared[:valid_rows].sum(dim=-2), rows_split) / rows
             state["row"].mul_(beta2).add_(row_mean, alpha=1 - beta2)
             state["col"].mul_(beta2).add_(col_mean, alpha=1 - beta2)
-            row_average = self._sum(state["row"][:valid_rows].sum().reshape(1), split == 0) / rows
-            update = grad * torch.outer((state["row"] / row_average).rsqrt(), state["col"].rsqrt())
+            row_average = self._sum(state["row"][:valid_rows].sum(-1, keepdim=True), rows_split) / rows
+            row_factor = (state["row"] / row_average).rsqrt().unsqueeze(-1)
+            update = grad * (row_factor * state["col"].rsqrt().unsqueeze(-2))
             update[valid_rows:] = 0
         else:
             if "sq" not in state:
