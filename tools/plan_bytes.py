@@ -20,11 +20,10 @@ Each is checked against what loom allocates, saves and sends on CPU (tests/test_
 
 from __future__ import annotations
 
-import math
-
 import collections
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass
 
 from loom.engine.config import LoomConfig, ModelConfig
