@@ -591,8 +591,19 @@ GEMMA3 = {
         ("bf16", False, "none", OLMO2),  # its query/key norms all-reduce over TP inside the block
         ("bf16", False, "selective", GEMMA3),  # four norms, a windowed layer's mask into recomputed attention
         ("bf16", False, "none", GEMMA2),  # loom's own attention with soft-capped scores
+        ("bf16", False, "none", {"num_experts": 4}),  # routed, grouped expert GEMMs (static shapes)
     ],
-    ids=["fp32", "bf16-selective", "fp16", "fp8", "fp8-weights-cast-per-call", "bf16-olmo2", "bf16-gemma3", "gemma2"],
+    ids=[
+        "fp32",
+        "bf16-selective",
+        "fp16",
+        "fp8",
+        "fp8-weights-cast-per-call",
+        "bf16-olmo2",
+        "bf16-gemma3",
+        "gemma2",
+        "bf16-moe",
+    ],
 )
 def test_a_block_is_one_graph_without_breaks(markov_dataset, tmp_path, precision, fp8, recompute, model_settings):
     """model.compile compiles each block whole: dynamo must see one graph, TP collectives and all, with no

@@ -1,0 +1,139 @@
+"""A mixture of experts (model.num_experts, engine/model/moe.py) against references written here: the grouped expert
+GEMMs against a GEMM per expert, the load-balancing loss by hand, and the gradient the pipeline executor
+back-propagates against autograd of the training loss the config documents. (Against transformers' Mixtral,
+Qwen3-MoE and OLMoE: test_hf_moe.py; layouts against one rank: test_layout_invariance.py; one compiled graph per
+block: test_kernels.py.)"""
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dist_utils import run_ranks
+
+from loom.engine.config import ConfigError, ModelConfig
+from loom.engine.model.gpt import GPTModel
+from loom.engine.model.moe import grouped_matmul, load_balancing_loss
+from loom.engine.parallel.sharding import initialize_parameters
+
+
+@pytest.mark.parametrize("width", [16, 6], ids=["grouped-kernel", "a-gemm-per-expert"])
+def test_grouped_expert_gemms_equal_a_gemm_per_expert_with_an_expert_that_gets_no_token(width):
+    """Rows 16-byte aligned take torch._grouped_mm, the others a GEMM per expert: both give each expert's rows
+    times its weight, forward and backward, and nothing (a zero gradient) to an expert no token chose."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(10, width, generator=generator, requires_grad=True)
+    weight = torch.randn(3, width, 8, generator=generator, requires_grad=True)
+    ends = torch.tensor([3, 3, 10], dtype=torch.int32)
+    out = grouped_matmul(x, weight, ends)
+    grad = torch.randn(out.shape, generator=generator)
+    out.backward(grad)
+    x2, weight2 = x.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    expected = torch.cat([x2[:3] @ weight2[0], x2[3:3] @ weight2[1], x2[3:] @ weight2[2]])
+    expected.backward(grad)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(weight.grad, weight2.grad)
+    torch.testing.assert_close(x.grad, x2.grad)
+    assert not weight.grad[1].any()
+
+
+def test_the_load_balancing_loss_is_switch_transformer_s_per_sequence_by_hand():
+    """Per sequence: num_experts / top_k x sum_i (share of the token choices expert i got) x (its mean probability),
+    then the mean over the sequences."""
+    first = torch.tensor([[0.9, 0.1], [0.8, 0.2], [0.3, 0.7], [0.6, 0.4]])  # top-1: experts 0, 0, 1, 0
+    even = torch.tensor([[0.5, 0.5], [0.5, 0.5], [0.5, 0.5], [0.5, 0.5]])  # choices 0, 1, 0, 1 below: balanced
+    probabilities = torch.stack([first, even], dim=1)  # [s, b, experts]
+    chosen = torch.stack([torch.tensor([0, 0, 1, 0]), torch.tensor([0, 1, 0, 1])], dim=1)[..., None]
+    # first: 2 x (3/4 x 0.65 + 1/4 x 0.35) = 1.15; even: 2 x (1/2 x 1/2 x 2) = 1
+    assert load_balancing_loss(probabilities, chosen, 2).item() == pytest.approx((1.15 + 1.0) / 2, rel=1e-6)
+    # top-2 of 2 experts: every token chooses both, 1 whatever the probabilities
+    both = torch.tensor([[0, 1]] * 4)[:, None, :]
+    assert load_balancing_loss(first[:, None], both, 2).item() == pytest.approx(1.0, rel=1e-6)
+
+
+MODEL = dict(num_layers=2, hidden_size=32, num_heads=4, ffn_hidden_size=64, vocab_size=96, num_experts=4)
+COEFF = 0.5  # large, so that a wrong weight of the loss shows in every gradient
+
+
+def _executor_gradients(rank, world):
+    from loom.engine.parallel.state import ParallelState
+    from loom.engine.pipeline.executor import PipelineExecutor
+    from loom.engine.pipeline.schedules import build_schedule
+
+    config = ModelConfig(**MODEL, moe_aux_loss_coeff=COEFF)
+    model, twin = GPTModel(config, None), GPTModel(config, None)
+    for m in (model, twin):
+        initialize_parameters(m, seed=3, tp_rank=0, tp_size=1)
+    state = ParallelState.create(tp=1, dp=1)
+    generator = torch.Generator().manual_seed(1)
+    microbatches = [(torch.randint(0, 96, (2, 16), generator=generator),) * 2 for _ in range(3)]
+    microbatches = [(tokens, torch.roll(tokens, -1, dims=1)) for tokens, _ in microbatches]
+    executor = PipelineExecutor(
+        [model], state, (16, 2, 32), torch.device("cpu"), contextlib.nullcontext, torch.float32, COEFF
+    )
+    tokens_in_batch = 3 * 2 * 16
+    executor.run(build_schedule(0, 1, 1, 3, False), microbatches, tokens_in_batch)
+    # the documented loss: the mean over the batch's tokens of the cross entropy, plus COEFF x the mean over its
+    # sequences of each block's load-balancing loss summed over the blocks
+    losses, balance = [], []
+    for tokens, labels in microbatches:
+        losses.append(twin(tokens, labels).sum())
+        per_block = [block.mlp.aux_loss for block in twin.layers.values()]
+        balance.append(sum(per_block) * tokens.shape[0])  # each is its micro-batch's mean over 2 sequences
+    (sum(losses) / tokens_in_batch + COEFF * sum(balance) / 6).backward()
+    return (
+        [(name, p.grad, q.grad) for (name, p), q in zip(model.named_parameters(), twin.parameters())],
+        float(executor.moe_aux_loss_sum),
+        float(sum(balance) / 6),
+    )
+
+
+def test_the_executor_back_propagates_the_documented_training_loss():
+    """Every parameter's gradient after the pipeline executor's step equals autograd's of the training loss
+    model.moe_aux_loss_coeff documents, and the logged load-balancing loss is its mean per sequence."""
+    gradients, logged, expected = run_ranks(_executor_gradients, 1)[0]
+    assert logged == pytest.approx(expected, rel=1e-6) and logged > 1.0
+    for name, ours, theirs in gradients:
+        torch.testing.assert_close(torch.as_tensor(ours), torch.as_tensor(theirs), rtol=1e-5, atol=1e-8, msg=name)
+
+
+def test_a_router_far_from_uniform_weighs_a_token_s_experts_by_their_renormalised_probabilities():
+    """One block's MLP against a reference written per token: softmax over the router's logits, the top k,
+    renormalised (or not), each chosen expert's SwiGLU MLP weighted by it."""
+    for norm_top_k in (True, False):
+        config = ModelConfig(**MODEL, moe_top_k=2, moe_norm_top_k=norm_top_k)
+        model = GPTModel(config, None)
+        initialize_parameters(model, seed=5, tp_rank=0, tp_size=1)
+        mlp = model.layers["0"].mlp
+        with torch.no_grad():
+            mlp.router.weight.mul_(50)
+        x = torch.randn(6, 1, 32, generator=torch.Generator().manual_seed(2))
+        with torch.no_grad():
+            ours = mlp(x)[:, 0]
+            expected = []
+            for token in x[:, 0]:
+                probabilities = (mlp.router.weight @ token).softmax(-1)
+                weights, chosen = probabilities.topk(2)
+                weights = weights / weights.sum() if norm_top_k else weights
+                out = torch.zeros(32)
+                for weight, expert in zip(weights, chosen):
+                    gate, up = (mlp.experts.fc1.weight[expert] @ token).chunk(2)
+                    out += weight * (mlp.experts.fc2.weight[expert] @ (F.silu(gate) * up))
+                expected.append(out)
+        torch.testing.assert_close(ours, torch.stack(expected), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"moe_top_k": 1}, "model.moe_top_k is set but model.num_experts is not"),
+        ({"num_experts": 2, "moe_top_k": 3}, "model.moe_top_k = 3 sends each token to more experts than"),
+        ({"num_experts": 0}, "model.num_experts must be positive"),
+        ({"num_experts": 4, "moe_aux_loss_coeff": float("nan")}, "model.moe_aux_loss_coeff must be a number >= 0"),
+        ({"num_experts": 4, "moe_aux_loss_coeff": -1.0}, "model.moe_aux_loss_coeff must be a number >= 0"),
+        ({"num_experts": 4, "bias": True}, "loom's experts have no biases"),
+    ],
+)
+def test_settings_a_mixture_of_experts_cannot_take_are_refused_in_one_line(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig(**{**MODEL, "num_experts": None, **fields})
