@@ -265,11 +265,20 @@ def adopt_lora_base(config: LoomConfig) -> None:
     """A LoRA run's [model] is its base's (engine/model/lora.py): take it, say what changed, check the rank."""
     if not config.lora.enabled:
         return
+    from loom.engine.config.model import LORA_TARGETS
     from loom.engine.model.lora import adopt_base_model, check_rank
 
     changes = adopt_base_model(config)
     if changes:
         print(f"LoRA: the model is the base's ({config.lora.base}): {'; '.join(changes)}", flush=True)
+    if config.model.moe and config.lora.targets == list(LORA_TARGETS):  # the default: every dense linear layer
+        config.lora.targets = [target for target in LORA_TARGETS if target not in ("fc1", "fc2")]
+        print(
+            f"LoRA: the base is a mixture of {config.model.num_experts} experts, which take no adapters: "
+            f"lora.targets = {' '.join(config.lora.targets)}",
+            flush=True,
+        )
+    config.check_experts()
     check_rank(config)
 
 

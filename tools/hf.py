@@ -529,7 +529,7 @@ def export_peft_adapter(
             tensors[f"base_model.model.{module}.lora_A.weight"] = a
             tensors[f"base_model.model.{module}.lora_B.weight"] = b
             continue
-        hf_weights = _hf_names(weight, _block_names(model, phi3))
+        hf_weights = _hf_names(weight, _block_names(model, phi3), model["num_experts"])
         b_parts = b.split(sizes[naming.split_block_param_name(weight)[1]]) if len(hf_weights) > 1 else (b,)
         for hf_weight, b_part in zip(hf_weights, b_parts, strict=True):
             module = hf_weight.removesuffix(".weight")

@@ -89,7 +89,7 @@ class LoomConfig:
             )
         if refusal := self.zero_refusal(self.optim.zero):
             raise ConfigError(refusal)
-        self._check_experts()
+        self.check_experts()
         backend = self.model.attention_backend
         if backend != "auto" and self.parallel.cp > 1:
             raise ConfigError(
@@ -113,8 +113,9 @@ class LoomConfig:
                 "use --model.attention_backend efficient (or auto), or --train.precision bf16 on a GPU"
             )
 
-    def _check_experts(self) -> None:
-        """What a mixture of experts (model.num_experts) does not compose with."""
+    def check_experts(self) -> None:
+        """What a mixture of experts (model.num_experts) does not compose with (again once a LoRA run has taken its
+        base's model)."""
         if not self.model.moe:
             return
         experts = f"model.num_experts = {self.model.num_experts}"
