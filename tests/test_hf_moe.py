@@ -6,6 +6,7 @@ logits and class."""
 import pytest
 import torch
 from test_hf import (
+    VOCAB,
     _assert_greedy_generate_equals_transformers,
     _round_trip_computes_as_transformers,
     llama_fields,
@@ -60,3 +61,42 @@ def test_a_mixture_of_experts_imports_evaluates_decodes_and_exports_as_transform
     assert imported["moe_norm_top_k"] is (kind != "olmoe")
     assert type(again) is type(model)
     _assert_greedy_generate_equals_transformers(model, tmp_path / "loom", 8)
+
+
+def test_a_lora_run_on_an_imported_mixtral_exports_an_adapter_peft_loads_onto_it(markov_dataset, tmp_path, capfd):
+    """The user story: import a Mixtral, train LoRA adapters on it (the default targets narrow to attention's: the
+    experts take none), export the merged model and the adapter alone; peft's Mixtral with the adapter computes the
+    merged export's logits, and they moved away from the base's."""
+    peft = pytest.importorskip("peft")
+    from training_runs import loom_here, tiny_train_args
+
+    from loom.tools.hf import export_hf, export_peft_adapter, import_hf
+
+    model = _moe_model("mixtral")
+    model.save_pretrained(str(tmp_path / "hf"))
+    import_hf(tmp_path / "hf", tmp_path / "base")
+    args = tiny_train_args(markov_dataset(60, vocab_size=VOCAB), tmp_path / "run", "--lora.rank", "4")
+    args += ["--lora.base", str(tmp_path / "base"), "--train.steps", "3", "--train.seq_length", "64"]
+    args += [
+        "--optim.lr",
+        "0.05",
+        "--optim.warmup_steps",
+        "0",
+        "--lora.init",
+        "gaussian",
+        "--checkpoint.save_at_end",
+        "true",
+    ]
+    result = loom_here(capfd, "train", *args)
+    assert result.returncode == 0, result.stderr
+    assert "mixture of 4 experts, which take no adapters: lora.targets = qkv proj" in result.stdout
+    export_hf(tmp_path / "run", tmp_path / "merged")
+    export_peft_adapter(tmp_path / "run", tmp_path / "adapter", base_model=str(tmp_path / "hf"))
+    merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32)
+    tokens = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        base = model(tokens).logits  # before peft puts the adapter into the model
+        with_adapter = peft.PeftModel.from_pretrained(model, str(tmp_path / "adapter")).eval()
+        ours, theirs = merged(tokens).logits, with_adapter(tokens).logits
+    assert (ours - base).abs().max() > 1e-3, "the adapters should have moved the model"
+    torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-5)
