@@ -77,6 +77,23 @@ class StopRequest(Protocol):
     the agreement leaves it alone."""
 
 
+@contextlib.contextmanager
+def _weights_must_fit():
+    """A model whose weights this rank cannot allocate is the config's to fix (a width or an expert count too
+    large for the machine): said in one line, not as the allocator's traceback."""
+    try:
+        yield
+    except (torch.OutOfMemoryError, RuntimeError) as error:
+        if not isinstance(error, torch.OutOfMemoryError) and "can't allocate memory" not in str(error):
+            raise
+        asked = str(error).split("you tried to allocate ")[-1].split(" bytes")[0]
+        size = f" ({int(asked) / 2**30:,.0f} GiB for one tensor)" if asked.isdigit() else ""
+        raise ConfigError(
+            f"the model's weights do not fit in this rank's memory{size}: a smaller model, or more ranks to split it "
+            "over (parallel.tp, parallel.pp, optim.zero 3); `loom plan` says which layouts fit"
+        ) from None
+
+
 class Trainer:
     def __init__(self, config: LoomConfig, local_rank: int = 0, evaluation_only: bool = False):
         self.config = config
@@ -144,10 +161,11 @@ class Trainer:
         c, state = self.config, self.state
         param_dtype = PARAM_DTYPES[c.train.precision]
         self.streams = RNGStreams(c.train.seed, state.tp_rank, self.device, pp_rank=state.pp_rank)
-        self.chunks = build_chunks(c, state, self.streams, self.kernels)
-        for chunk in self.chunks:
-            initialize_parameters(chunk, c.train.seed, state.tp_rank, state.tp_size)
-            chunk.to(device=self.device, dtype=param_dtype)
+        with _weights_must_fit():
+            self.chunks = build_chunks(c, state, self.streams, self.kernels)
+            for chunk in self.chunks:
+                initialize_parameters(chunk, c.train.seed, state.tp_rank, state.tp_size)
+                chunk.to(device=self.device, dtype=param_dtype)
         self.lora_base = self._load_lora_base() if c.lora.enabled else None
         named = [(n, q) for chunk in self.chunks for n, q in chunk.named_parameters() if q.requires_grad]
         self.params = [q for _, q in named]

@@ -227,6 +227,16 @@ def test_hung_rank_becomes_a_timeout_error(dataset, tmp_path, run_here):
     ), result.stderr
 
 
+def test_a_model_too_big_for_the_rank_s_memory_is_one_line_not_the_allocator_s_traceback(dataset, tmp_path, run_here):
+    """A width (or an expert count) far beyond the machine: the first weight cannot be allocated (4 TB per rank at tp 2, which
+    no overcommit grants), and the rank says so in one line; no run directory is left behind."""
+    command = train_command(dataset, tmp_path, "--model.hidden_size", "1000000", "--model.num_heads", "8")
+    result = run_here(command)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    line = result.stderr.strip().splitlines()[-1]
+    assert "failed: the model's weights do not fit in this rank's memory (3,725 GiB for one tensor)" in line, line
+
+
 def test_a_rank_killed_by_a_signal_is_named_not_the_peer_it_broke(dataset, tmp_path, run_here):
     """The OOM killer's SIGKILL leaves no report from the dead rank; rank 0's broken connection reaches the
     launcher as a Python error. The message blames the killed rank."""
