@@ -228,8 +228,8 @@ def test_hung_rank_becomes_a_timeout_error(dataset, tmp_path, run_here):
 
 
 def test_a_model_too_big_for_the_rank_s_memory_is_one_line_not_the_allocator_s_traceback(dataset, tmp_path, run_here):
-    """A width (or an expert count) far beyond the machine: the first weight cannot be allocated (4 TB per rank at tp 2, which
-    no overcommit grants), and the rank says so in one line; no run directory is left behind."""
+    """A width (or an expert count) far beyond the machine: the first weight cannot be allocated (4 TB per rank at
+    tp 2, which no overcommit grants), and the rank says so in one line."""
     command = train_command(dataset, tmp_path, "--model.hidden_size", "1000000", "--model.num_heads", "8")
     result = run_here(command)
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
