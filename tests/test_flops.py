@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
 
 from loom.engine.config import ModelConfig
@@ -96,6 +97,17 @@ def test_model_flops_are_megatrons_formula(preset, expected):
     assert model_flops_per_token(config.model, config.train.seq_length) == pytest.approx(expected, rel=1e-12)
 
 
+def _grouped_mm_flops(a_shape, b_shape, *args, **kwargs) -> int:
+    """FlopCounterMode has no formula for torch._grouped_mm (a mixture of experts' GEMMs): 2 per multiply-add, each
+    row of `a` meeting its group's matrix once (a [n, in] x b [groups, in, out]; in backward also [in, n] x [n, out],
+    grouped along n)."""
+    return 2 * a_shape[0] * a_shape[1] * b_shape[-1]
+
+
+if torch.ops.aten._grouped_mm.default not in flop_counter.flop_registry:
+    flop_counter.register_flop_formula(torch.ops.aten._grouped_mm)(_grouped_mm_flops)
+
+
 def _counted_flops(config: ModelConfig, batch: int, seq_length: int) -> tuple[int, int]:
     """FLOPs FlopCounterMode counts in one forward and backward of the real model, and its padded vocabulary."""
     torch.manual_seed(0)
@@ -122,6 +134,8 @@ def _counted_flops(config: ModelConfig, batch: int, seq_length: int) -> tuple[in
             "max_position_embeddings": 32,
             "vocab_size": 1000,
         },
+        # a mixture of experts: a token passes through its top 2 experts of 4 and the router
+        {"num_kv_heads": 2, "ffn_hidden_size": 96, "vocab_size": 256, "num_experts": 4, "moe_top_k": 2},
     ],
 )
 def test_model_flops_agree_with_flop_counter_on_the_model(kwargs):

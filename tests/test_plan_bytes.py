@@ -147,6 +147,10 @@ ACTIVATION_CASES = (
         (2, True, "none", "bf16", 1, "gemma3"),
         (1, False, "none", "bf16", 1, "compiled qk_norm"),
         (2, True, "selective", "fp8", 1, "compiled gpt"),
+        (1, False, "none", "fp32", 2, "moe"),
+        (2, True, "none", "bf16", 1, "moe"),
+        (2, False, "selective", "bf16", 1, "moe"),
+        (1, False, "none", "bf16", 1, "compiled moe"),
     ]
 )
 """precision fp8: bf16 with loom's FP8 linears (torch._scaled_mm, which runs on CPU; the GPU check is bypassed).
@@ -170,6 +174,7 @@ MODEL_VARIANTS = {
     "mistral": {"sliding_window": 16},
     "gemma2": {"activation": "geglu", "norm_placement": "both", "sliding_window": 16, "attention_softcap": 50.0},
     "capped": {"attention_softcap": 50.0},
+    "moe": {"num_experts": 4, "moe_top_k": 2},
     "gemma3": {
         "activation": "geglu",
         "norm_placement": "both",
@@ -386,6 +391,7 @@ TRAFFIC_LAYOUTS = {
         ({"tp": 2, "sequence_parallel": True}, {}, {"zero": 0}),
         ({"tp": 2, "sequence_parallel": True}, {"recompute": "full", **MODEL_VARIANTS["olmo2"]}, {"zero": 0}),
         ({"tp": 2, "sequence_parallel": True}, {"recompute": "full", **MODEL_VARIANTS["gemma3"]}, {"zero": 1}),
+        ({"tp": 2, "sequence_parallel": True}, MODEL_VARIANTS["moe"], {"zero": 1}),  # the router's gradient over TP
         ({"pp": 2}, {"tie_embeddings": True}, {"zero": 0}),
         ({"pp": 2, "vp": 2}, {}, {"zero": 0}),
     ],

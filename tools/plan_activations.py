@@ -59,9 +59,11 @@ def layer_activation_bytes(
         residual = block_norms * (h * element + _norm_statistics_bytes(m)) * sequence_share
         gemm_inputs = (2 * h if sp else 0) if fp8 else 2 * h * element
         attention = ((q + 2 * kv) + (q + kv)) * element + (q * element + heads * 4 if recompute == "none" else 0)
-        mlp = fc1_output * element + (0 if fp8 else f * element)
+        mlp = (fc1_output * element + (0 if fp8 else f * element)) / tp
+        if m.moe:
+            mlp = _expert_bytes_per_token(m, seq, mbs, tp, element, compiled=True)
         qk_norms = _qk_norm_bytes(m, element, True, tp)
-        return tokens * (residual + gemm_inputs + (attention + mlp) / tp + qk_norms + windows)
+        return tokens * (residual + gemm_inputs + attention / tp + mlp + qk_norms + windows)
     gemm_input = 1 if fp8 else element
     norms = block_norms * _eager_norm_bytes(m, element) * sequence_share + _qk_norm_bytes(m, element, False, tp)
     gemm_inputs = 2 * h * gemm_input
@@ -69,7 +71,27 @@ def layer_activation_bytes(
     attention = ((q + 2 * kv) + q + kv) * element + attention_output + (q if fp8 else 0)
     attention = attention / tp + (heads * 4 / tp if recompute == "none" else 0)
     mlp = ((fc1_output + f if m.gated_mlp else f) * element + f * gemm_input) / tp
+    if m.moe:
+        mlp = _expert_bytes_per_token(m, seq, mbs, tp, element)
     return tokens * (norms + gemm_inputs + attention + mlp + windows)
+
+
+def _expert_bytes_per_token(m: ModelConfig, seq: int, mbs: int, tp: int, element: int, compiled: bool = False) -> float:
+    """Per token (of the whole sequence, gathered under sequence parallelism), what a mixture of experts keeps
+    besides the router's input (counted as FC1's): the router's fp32 probabilities, the top-k indices, the weights
+    (fp32 and their compute-dtype copy; renormalised: the top-k values and their sum too), the two int64 orders
+    between tokens and sorted choices, and per choice (top_k of them) its gathered input, the expert MLP's
+    activations as a dense MLP's (split by tp) and the expert's output; per micro-batch each expert's end row
+    (int32) and the load-balancing loss's counts per sequence (fp32) (measured on CPU). Compiled, backward recomputes
+    the weights, and the MLP keeps what a compiled dense one does."""
+    h, f, k, experts = m.hidden_size, m.ffn_hidden_size, m.moe_top_k, m.num_experts
+    fc1_output = 2 * f if m.gated_mlp else f
+    weights = 0 if compiled else k * element + (4 * k + 4 if m.moe_norm_top_k else 0)
+    routing = 4 * experts + 8 * k + weights + 16 * k
+    kept = fc1_output + f if compiled or not m.gated_mlp else fc1_output + 2 * f
+    per_choice = 2 * h * element + kept * element / tp
+    per_microbatch = 4 * experts + (4 * experts * mbs if m.moe_aux_loss_coeff else 0)
+    return routing + k * per_choice + per_microbatch / (seq * mbs)
 
 
 def _window_bytes_per_token(

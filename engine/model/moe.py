@@ -104,14 +104,15 @@ class MoEMLP(torch.nn.Module):
             self.aux_loss = load_balancing_loss(probabilities.view(s, b, -1), chosen.view(s, b, -1), self.num_experts)
         # the token choices sorted by expert, each expert's rows contiguous
         order = chosen.flatten().argsort(stable=True)
-        token_of_choice = order // self.top_k
         per_expert = F.one_hot(chosen.flatten(), self.num_experts).sum(0)
         ends = per_expert.cumsum(0).to(torch.int32)
-        h = grouped_matmul(tokens[token_of_choice], self.experts.fc1.weight.to(dtype).transpose(1, 2), ends)
+        h = grouped_matmul(tokens[order // self.top_k], self.experts.fc1.weight.to(dtype).transpose(1, 2), ends)
         h = self.activation(*h.chunk(2, dim=-1)) if self.gated else self.activation(h)
         out = grouped_matmul(h, self.experts.fc2.weight.to(dtype).transpose(1, 2), ends)
-        out = out * weights.flatten()[order].to(dtype).unsqueeze(-1)
-        combined = torch.zeros_like(tokens).index_add(0, token_of_choice, out).view_as(x)
+        # back in token order, each token's k outputs summed by weight: no scatter-add (atomic, in no fixed order
+        # on a GPU), and nothing of the sum kept for backward
+        by_token = out[order.argsort()].view(-1, self.top_k, out.shape[-1])
+        combined = (by_token * weights.to(dtype).unsqueeze(-1)).sum(1).view_as(x)
         if self.sequence_parallel:
             return mappings.reduce_scatter_to_sequence_region(combined, self.tp_group)
         return mappings.reduce_from_tensor_region(combined, self.tp_group)
