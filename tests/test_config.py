@@ -19,6 +19,8 @@ PRESETS = {
     "gemma-2b": 8,
     "gemma3-1b": 8,
     "gemma2-2b": 8,
+    "mixtral-8x7b": 64,
+    "olmoe-1b-7b": 8,
 }
 
 
@@ -364,6 +366,8 @@ def test_settings_a_config_never_reads_are_named():
         "gemma-2b",
         "gemma3-1b",
         "gemma2-2b",
+        "mixtral-8x7b",
+        "olmoe-1b-7b",
     ):
         assert load_config(preset).settings_without_effect() == [], preset
 

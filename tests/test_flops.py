@@ -189,9 +189,8 @@ def test_lora_flops_agree_with_flop_counter_on_the_adapted_model(targets):
 
 
 # The published sizes: Meta's model cards' parameter counts (Llama-3-8B, Llama-3-70B, Llama-3.2-1B), and
-# OLMo-2-0425-1B's 1.48B, Gemma 2B's 2.51B, Gemma 2 2B's 2.61B and Gemma 3
-# 1B's 1.00B (their config.json's shapes, counted to the
-# parameter).
+# OLMo-2-0425-1B's 1.48B, Gemma 2B's 2.51B, Gemma 2 2B's 2.61B, Gemma 3 1B's 1.00B, Mixtral-8x7B's 46.7B and
+# OLMoE-1B-7B's 6.9B (their config.json's shapes, counted to the parameter).
 PUBLISHED_PARAMETERS = {
     "llama-8b": 8_030_261_248,
     "llama-70b": 70_553_706_496,
@@ -200,6 +199,8 @@ PUBLISHED_PARAMETERS = {
     "gemma-2b": 2_506_172_416,
     "gemma3-1b": 999_885_952,
     "gemma2-2b": 2_614_341_888,
+    "mixtral-8x7b": 46_702_792_704,
+    "olmoe-1b-7b": 6_919_161_856,
 }
 
 
