@@ -151,6 +151,20 @@ TRAINING_NAMES: tuple[NameElsewhere, ...] = (
                 "down to 64, loom up to 256: give --model.ffn_hidden_size",
             ),
             ("--squared-relu", "--model.activation squared_relu"),
+            ("--num-experts", "--model.num_experts"),
+            ("--moe-router-topk", "--model.moe_top_k"),
+            ("--moe-aux-loss-coeff", "--model.moe_aux_loss_coeff", "loom's loss is per sequence, as seq_aux_loss"),
+            (
+                "--moe-router-pre-softmax",
+                "--model.moe_norm_top_k false",
+                "the top k weighted by the softmax over every expert, not renormalised",
+            ),
+            (
+                "--moe-ffn-hidden-size",
+                "--model.ffn_hidden_size",
+                "every loom block is a mixture of experts when model.num_experts is set: the experts' width",
+            ),
+            ("--expert-model-parallel-size", "", "loom has no expert parallelism: each expert splits over TP"),
             (
                 "--disable-bias-linear",
                 "--model.bias false",
@@ -472,7 +486,11 @@ TRAINING_NAMES: tuple[NameElsewhere, ...] = (
                 CONVERTED,
             ),
             ("parallelism.pipeline_parallel_microbatch_size", "--train.micro_batch_size"),
-            ("parallelism.expert_parallel_degree", "", "loom trains dense models, no mixture of experts"),
+            (
+                "parallelism.expert_parallel_degree",
+                "",
+                "loom has no expert parallelism: each expert splits over TP (--model.num_experts)",
+            ),
             ("checkpoint.enable", "--checkpoint.interval", _CHECKPOINT_ENABLE, CONVERTED),
             ("checkpoint.enable_checkpoint", "--checkpoint.interval", _CHECKPOINT_ENABLE, CONVERTED),
             ("checkpoint.folder", "--train.run_dir", "checkpoints go in its checkpoints/", CONVERTED),

@@ -182,8 +182,6 @@ def _argument(args: dict, *names: str, default=None):
 
 # What loom cannot compute as Megatron did: (argument, the value that is loom's, Megatron's flag, what it is).
 _UNREPRESENTABLE = (
-    ("num_experts", None, "--num-experts", "a mixture of experts"),
-    ("num_moe_experts", None, "--num-experts", "a mixture of experts"),
     ("multi_latent_attention", False, "--multi-latent-attention", "multi-latent attention"),
     ("qk_l2_norm", False, "--qk-l2-norm", "L2 norms on queries and keys"),
     ("attention_output_gate", False, "--attention-output-gate", "a gated attention output"),
@@ -212,6 +210,12 @@ def model_from_megatron_arguments(args: dict, shapes: dict[str, tuple[int, ...]]
     vocabulary and learned positions); CheckpointError naming Megatron's flag for what loom cannot represent.
     `legacy_model`: Megatron-LM's legacy model (megatron/legacy) wrote it, whose rotary embedding took neither
     --rotary-base nor --use-rope-scaling."""
+    experts = args.get("num_experts") or args.get("num_moe_experts")
+    if experts:
+        raise CheckpointError(
+            f"the model is a mixture of experts (--num-experts {experts}); loom imports those from Hugging Face's "
+            "files (`loom ckpt import-hf`: Mixtral, Qwen3-MoE, OLMoE), not yet from Megatron-LM's"
+        )
     for name, loom_value, flag, what in _UNREPRESENTABLE:
         if args.get(name) not in (loom_value, None):  # None: an older Megatron without the setting
             raise CheckpointError(f"the model uses {what} ({flag} {args[name]}), which loom does not have")
