@@ -6,8 +6,9 @@ ZeRO-1 optimizer) with validation and a checkpoint -> the measured pipeline time
 checkpoint resharded and training resumed under another layout (pipeline x context parallel: each sequence split over
 2 ranks, ring attention; ZeRO-3, weights sharded too, with the optimizer offloaded to the CPU) -> evaluation ->
 Hugging Face export -> Megatron-LM export and its import back -> the whole model fine-tuned from its weights (bf16,
-ZeRO-2) -> LoRA adapters fine-tuned on it, merged, and exported for PEFT -> the run continued as a Slurm job (where
-sbatch is on PATH) -> a summary. Each step's outputs stay in the work directory, so the next command (`loom train
+ZeRO-2) -> LoRA adapters fine-tuned on it, merged, and exported for PEFT -> a mixture-of-experts variant trained under
+tensor and sequence parallelism and exported as a Mixtral -> the run continued as a Slurm job (where sbatch is on
+PATH) -> a summary. Each step's outputs stay in the work directory, so the next command (`loom train
 --config configs/tiny.toml ...`) can reuse them. Steps whose outputs already exist are reused, not redone. The data
 steps (1-5) are launch/demo_data.py's.
 """
@@ -41,6 +42,8 @@ DEMO_OUTPUTS = (
     "hf-lora-adapter",
     "megatron",
     "runs/tiny-from-megatron",
+    "runs/tiny-moe",
+    "hf-moe",
 )
 """What each demo writes anew (a fresh run, not a resume of an earlier demo's)."""
 
@@ -71,7 +74,7 @@ def _claim_workdir(workdir: Path) -> None:
         shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / DEMO_MARK).write_text(
-        "loom demo's workdir: its next run here replaces runs/tiny*, hf/, hf-lora-adapter/, megatron/\n"
+        "loom demo's workdir: its next run here replaces runs/tiny*, hf/, hf-moe/, hf-lora-adapter/, megatron/\n"
     )
 
 
@@ -95,6 +98,7 @@ def run_demo(workdir: Path, max_docs: int | None, nproc: int, steps: int, tp: in
     summary["layout"] = f"tp={tp} pp={pp} vp={vp} dp={config.parallel.dp}"
     summary.update(_move_checkpoint(workdir, config, steps))
     summary.update(_finetune(workdir, config, steps))
+    summary.update(_experts(workdir, config, steps))
     summary.update(_slurm_job(workdir, config, steps))
     return summary
 
@@ -130,7 +134,7 @@ def _train(
     print(f"offline, as `loom data index` in a preprocessing job: {build_sample_indices(config)}")
     preview_first_sample(config, tokenizer_model)
     start = step(
-        f"6/10 train: configs/tiny.toml on {nproc} CPU ranks: tp={tp} (sequence parallel) x pp={pp} "
+        f"6/11 train: configs/tiny.toml on {nproc} CPU ranks: tp={tp} (sequence parallel) x pp={pp} "
         f"(interleaved, vp={vp}) x dp={config.parallel.dp} (ZeRO-1), {steps} steps"
     )
     print(predicted_line(config, None)[0])
@@ -155,7 +159,7 @@ def _schedule(run_dir: Path, summary: dict) -> None:
     """Step 7: the last step's measured pipeline timeline drawn next to the ideal schedule."""
     from loom.tools.schedule_plot import describe, draw, load_measured
 
-    step("7/10 schedule: the last step's measured pipeline timeline next to the ideal one")
+    step("7/11 schedule: the last step's measured pipeline timeline next to the ideal one")
     layout, measured = load_measured(run_dir)
     text, timeline = describe(layout["pp"], layout["vp"], layout["microbatches"])
     print(text)
@@ -172,7 +176,7 @@ def _move_checkpoint(workdir: Path, config, steps: int) -> dict:
     from loom.tools.hf import export_hf
 
     start = step(
-        "8/10 checkpoint: reshard to tp=1 pp=2 offline, resume on 4 ranks as pp=2 x cp=2 (sequences split over 2 "
+        "8/11 checkpoint: reshard to tp=1 pp=2 offline, resume on 4 ranks as pp=2 x cp=2 (sequences split over 2 "
         "ranks; ZeRO-3 over them, CPU offload) for "
         f"{steps // 2} more steps, evaluate, export to Hugging Face and to Megatron-LM (and back)"
     )
@@ -246,7 +250,7 @@ def _finetune(workdir: Path, config, steps: int) -> dict:
 
     lora_steps = max(2, steps // 4)
     start = step(
-        f"9/10 fine-tune: the resumed model's weights from step 1 (fresh optimizer, bf16, ZeRO-2 over dp=2) for "
+        f"9/11 fine-tune: the resumed model's weights from step 1 (fresh optimizer, bf16, ZeRO-2 over dp=2) for "
         f"{lora_steps} steps; rank-8 LoRA adapters on the resumed model (base frozen), tp=2 on 2 ranks for "
         f"{lora_steps} steps, merged into a full checkpoint, exported as a PEFT adapter"
     )
@@ -299,6 +303,41 @@ def _finetune(workdir: Path, config, steps: int) -> dict:
     }
 
 
+def _experts(workdir: Path, config, steps: int) -> dict:
+    """The tiny model with a mixture of experts in every block, trained from scratch under tensor and sequence
+    parallelism with its load-balancing loss, then exported to Hugging Face as the Mixtral it is."""
+    from loom.launch.local import launch_local
+    from loom.tools.hf import export_hf
+
+    moe_steps = max(2, steps // 4)
+    start = step(
+        f"10/11 experts: the tiny model with 4 experts a block (each token to its top 2, as Mixtral), trained from "
+        f"scratch on 2 ranks (tp=2, sequence parallel) for {moe_steps} steps, exported to Hugging Face"
+    )
+    trained = config_to_dict(config)
+    moe = load_config(
+        None,
+        {
+            **trained,
+            "model": {**trained["model"], "num_experts": 4, "moe_top_k": 2},
+            "parallel": {"tp": 2, "pp": 1, "vp": 1, "dp": None, "sequence_parallel": True},
+            "train": {**trained["train"], "steps": moe_steps, "record_pipeline_timeline": False, "eval_interval": 0},
+            "checkpoint": {**trained["checkpoint"], "interval": moe_steps},
+        },
+    )
+    moe.train.run_dir = str(workdir / "runs" / "tiny-moe")
+    moe.resolve_world(2)
+    launch_local(moe, 2)
+    rows = [row for row in read_metrics(workdir / "runs" / "tiny-moe") if "loss" in row]
+    exported = export_hf(Path(moe.train.run_dir), workdir / "hf-moe")
+    print(f"exported {exported} in {time.perf_counter() - start:.1f} s")
+    return {
+        "moe_loss": (rows[0]["loss"], rows[-1]["loss"]),
+        "moe_balance": rows[-1]["moe_aux_loss"] / moe.model.num_layers,
+        "moe_hf": str(exported),
+    }
+
+
 def _sample(checkpoints: Path, tokenizer: str, prompt: str = "def ") -> str:
     """What the trained model writes after `prompt`: the first thing a person looks at after training."""
     import sentencepiece
@@ -316,7 +355,7 @@ def _slurm_job(workdir: Path, config, steps: int) -> dict:
     from loom.launch.slurm import SlurmOptions, slurm_unavailable, submit
     from loom.launch.slurm_jobs import follow
 
-    step(f"10/10 slurm: continue the run as a Slurm job (1 node x 4 tasks, tp=2 x dp=2) for {steps // 2} more steps")
+    step(f"11/11 slurm: continue the run as a Slurm job (1 node x 4 tasks, tp=2 x dp=2) for {steps // 2} more steps")
     reason = slurm_unavailable()
     if reason:
         print(
@@ -388,6 +427,11 @@ def _print_summary(summary: dict) -> None:
     print(
         f"lora         rank-8 adapters at tp=2 on the resumed model: loss {summary['lora_loss']:.3f}; "
         f"PEFT adapter {summary['lora_adapter']}"
+    )
+    first, last = summary["moe_loss"]
+    print(
+        f"experts      4 a block, top 2, tp=2 SP: loss {first:.3f} -> {last:.3f}, load balance "
+        f"{summary['moe_balance']:.2f} a block (1 is even); {summary['moe_hf']} (a MixtralForCausalLM)"
     )
     print(f"sample       {summary['sample']!r}  (loom generate --checkpoint {summary['run_dir']}-resumed/checkpoints)")
     slurm = summary.get("slurm")

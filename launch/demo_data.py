@@ -33,7 +33,7 @@ def prepare_data(data_dir: Path, max_docs: int | None, summary: dict) -> tuple[s
 def _corpus(corpus: Path, max_docs: int | None, summary: dict) -> tuple[Path, bool]:
     from loom.data_tools.corpus import build_stdlib_corpus
 
-    start = step("1/10 corpus: the Python standard library, one document per source file")
+    start = step("1/11 corpus: the Python standard library, one document per source file")
     rebuilt = not corpus.exists() or _corpus_max_docs(corpus) != max_docs  # a rerun's --max-docs was ignored
     if rebuilt:
         summary["corpus"] = build_stdlib_corpus(corpus, max_docs=max_docs)
@@ -62,7 +62,7 @@ def _clean(cleaned: Path, corpus: Path, rebuilt: bool, summary: dict) -> tuple[P
     from loom.data_tools.clean import clean_corpus
 
     start = step(
-        "2/10 clean: the `code` pipeline: ftfy repair, control characters (no NFC: it would change string "
+        "2/11 clean: the `code` pipeline: ftfy repair, control characters (no NFC: it would change string "
         "literals), then code's file filters (the web pipeline's Gopher/C4/FineWeb rules reject source files); "
         "rejects kept with reasons"
     )
@@ -82,7 +82,7 @@ def _dedup(data_dir: Path, corpus: Path, rebuilt: bool, summary: dict) -> tuple[
     from loom.data_tools.dedup import deduplicate
 
     start = step(
-        "3/10 dedup: exact duplicates (normalised-text hash), then near duplicates (MinHash LSH, word 5-grams, "
+        "3/11 dedup: exact duplicates (normalised-text hash), then near duplicates (MinHash LSH, word 5-grams, "
         "Jaccard >= 0.8 checked exactly); each removed document names the one it duplicates"
     )
     for method, folder in (("exact", "dedup"), ("minhash", "near_dedup")):
@@ -109,13 +109,13 @@ def _tokens(data_dir: Path, corpus: Path, rebuilt: bool, summary: dict) -> tuple
     from loom.engine.data.indexed import IndexedDataset
 
     tokenizer, prefix = data_dir / "tokenizer", data_dir / "stdlib_text_document"
-    start = step("4/10 tokenizer: SentencePiece BPE, 4096 pieces, byte fallback")
+    start = step("4/11 tokenizer: SentencePiece BPE, 4096 pieces, byte fallback")
     if rebuilt or not Path(f"{tokenizer}.model").exists():
         rebuilt = True
         train_tokenizer([corpus], tokenizer, vocab_size=4096, model_type="bpe", input_sentence_size=300_000)
     print(f"{tokenizer}.model in {time.perf_counter() - start:.1f} s")
 
-    start = step("5/10 build: tokenize into a memory-mapped indexed dataset (Megatron .bin/.idx)")
+    start = step("5/11 build: tokenize into a memory-mapped indexed dataset (Megatron .bin/.idx)")
     if rebuilt or not Path(f"{prefix}.idx").exists():
         build_indexed_dataset([corpus], f"{tokenizer}.model", prefix, workers=2, append_eod=True)
     dataset = IndexedDataset(prefix)

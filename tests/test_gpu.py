@@ -2,8 +2,8 @@
 on an H200 on 2026-11-27, two of their runs shared since); without CUDA they are skipped (conftest.py). They
 hold what CPU tests can only approximate: compiled blocks train like eager ones on the GPU, FP8 trains like
 BF16, the loss equals F.cross_entropy on CUDA, the fused weight-gradient GEMM accumulates in fp32, a block is
-one graph there too, the planner's memory for llama-1b, NCCL through the launcher, the attention kernels, and
-Gemma's windows, soft-capping and sandwich norms compiled.
+one graph there too, the planner's memory for llama-1b, NCCL through the launcher, the attention kernels,
+Gemma's windows, soft-capping and sandwich norms compiled, and a mixture of experts' grouped GEMMs.
 """
 
 from __future__ import annotations
@@ -53,26 +53,50 @@ def test_a_run_resumes_and_evaluates_on_cuda(dataset, tmp_path, capfd):
     assert math.isfinite(float(said.split(",")[0])), evaluated.stdout
 
 
-GEMMA_PIECES = {
+NEWER_PIECES = {
     # SDPA's memory-efficient kernel with a window mask, K and V repeated for the grouped heads; local RoPE; four norms
     "gemma3": {"activation": "geglu", "norm_placement": "both", "qk_norm": True, "sliding_window": 16,
                "full_attention_interval": 2, "rope_local_theta": 1e4, "embedding_multiplier": 11.3},
     # loom's own attention with soft-capped scores, windowed; capped logits
     "gemma2": {"activation": "geglu", "norm_placement": "both", "sliding_window": 16, "full_attention_interval": 2,
                "attention_softcap": 20.0, "logits_softcap": 15.0},
+    # a mixture of experts (2026-11-29): the experts' GEMMs grouped (torch._grouped_mm on Hopper), routed and summed
+    "moe": {"num_experts": 4, "moe_top_k": 2},
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("pieces", list(GEMMA_PIECES))
-def test_gemma_s_pieces_train_compiled_like_eager_on_cuda(pieces, dataset, tmp_path):
-    """Sliding windows, soft-capping and sandwich norms (2026-11-29, never on a GPU yet): 8 steps compiled (one graph
-    per kind of block) give the eager run's losses, within bf16's rounding."""
-    model = {**GEMMA_PIECES[pieces], "compile": "false"}
+@pytest.mark.parametrize("pieces", list(NEWER_PIECES))
+def test_newer_pieces_train_compiled_like_eager_on_cuda(pieces, dataset, tmp_path):
+    """Sliding windows, soft-capping, sandwich norms and experts (2026-11-29, never on a GPU yet): 8 steps compiled
+    (one graph per kind of block) give the eager run's losses, within bf16's rounding."""
+    model = {**NEWER_PIECES[pieces], "compile": "false"}
     eager = _train(dataset, tmp_path / "eager", 8, model=model, train={"seq_length": 64})
     compiled = _train(dataset, tmp_path / "compiled", 8, model={**model, "compile": "true"}, train={"seq_length": 64})
     assert all(math.isfinite(loss) for loss in eager)
     for a, b in zip(eager, compiled, strict=True):
         assert abs(a - b) / a < 1e-2, (eager, compiled)
+
+
+def test_grouped_expert_gemms_on_cuda_equal_a_gemm_per_expert():
+    """torch._grouped_mm, a mixture of experts' GEMMs in bf16 on a Hopper GPU (never run on one yet): each expert's
+    rows times its weight, forward and backward, against a bf16 GEMM per expert, with an expert that gets no row."""
+    from loom.engine.model.moe import grouped_matmul
+
+    generator = torch.Generator(device=CUDA).manual_seed(0)
+    x = torch.randn(1000, 256, device=CUDA, generator=generator, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(4, 512, 256, device=CUDA, generator=generator, dtype=torch.bfloat16).transpose(1, 2)
+    weight.requires_grad_()
+    ends = torch.tensor([300, 300, 700, 1000], device=CUDA, dtype=torch.int32)
+    out = grouped_matmul(x, weight, ends)
+    grad = torch.randn(out.shape, device=CUDA, generator=generator, dtype=torch.bfloat16)
+    out.backward(grad)
+    x2, weight2 = (t.detach().clone().requires_grad_() for t in (x, weight))
+    starts = [0, 300, 300, 700, 1000]
+    expected = torch.cat([x2[starts[e] : starts[e + 1]] @ weight2[e] for e in range(4)])
+    expected.backward(grad)
+    for ours, theirs in ((out, expected), (x.grad, x2.grad), (weight.grad, weight2.grad)):
+        assert (ours.float() - theirs.float()).norm() / theirs.float().norm() < 1e-2
+    assert not weight.grad[1].any()
 
 
 def test_a_world_size_1_nccl_run_through_the_launcher(dataset, tmp_path):

@@ -100,3 +100,22 @@ def test_a_lora_run_on_an_imported_mixtral_exports_an_adapter_peft_loads_onto_it
         ours, theirs = merged(tokens).logits, with_adapter(tokens).logits
     assert (ours - base).abs().max() > 1e-3, "the adapters should have moved the model"
     torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-5)
+
+
+def test_a_fine_tune_of_an_imported_qwen3_moe_under_a_dense_preset_takes_its_experts(markov_dataset, tmp_path, capfd):
+    """`--config tiny --checkpoint.load IMPORT --checkpoint.finetune true`: the preset is dense, the checkpoint a
+    mixture of experts; the run takes the checkpoint's experts and routing (said), and trains them."""
+    from training_runs import loom_here, read_metrics, tiny_train_args
+
+    from loom.tools.hf import import_hf
+
+    model = _moe_model("qwen3_moe")
+    model.save_pretrained(str(tmp_path / "hf"))
+    import_hf(tmp_path / "hf", tmp_path / "base")
+    args = tiny_train_args(markov_dataset(60, vocab_size=VOCAB), tmp_path / "run", "--train.steps", "2")
+    args += ["--checkpoint.load", str(tmp_path / "base"), "--checkpoint.finetune", "true", "--train.seq_length", "64"]
+    result = loom_here(capfd, "train", *args)
+    assert result.returncode == 0, result.stderr
+    assert "model.num_experts = 6" in result.stdout and "model.moe_top_k = 3" in result.stdout, result.stdout
+    rows = [row for row in read_metrics(tmp_path / "run") if "loss" in row]
+    assert [row["step"] for row in rows] == [1, 2] and all(row["moe_aux_loss"] > 0 for row in rows)

@@ -45,6 +45,8 @@ FUNCTIONAL_MODEL_FIELDS = (
     "full_attention_interval",
     "attention_softcap",
     "logits_softcap",
+    "moe_top_k",
+    "moe_norm_top_k",
 )
 
 # Model settings that decide which tensors a checkpoint holds, their shapes or what the block computes with them.
@@ -67,6 +69,7 @@ ARCHITECTURE_MODEL_FIELDS = (
     "qk_norm",
     "qk_norm_per_head",
     "tie_embeddings",
+    "num_experts",
 )
 
 

@@ -199,12 +199,14 @@ class GPTModel(torch.nn.Module):
             gather.after_forward(unit, output, previous=units[-1] if units else None)
         return output
 
-    def moe_aux_loss(self) -> torch.Tensor | None:
+    def take_moe_aux_loss(self) -> torch.Tensor | None:
         """The sum of this chunk's load-balancing losses (model.num_experts) of its last training forward, with
-        their graph; None without any."""
-        losses = [
-            block.mlp.aux_loss for block in self.layers.values() if getattr(block.mlp, "aux_loss", None) is not None
-        ]
+        their graph, which the blocks then let go of; None without any."""
+        losses = []
+        for block in self.layers.values():
+            if getattr(block.mlp, "aux_loss", None) is not None:
+                losses.append(block.mlp.aux_loss)
+                block.mlp.aux_loss = None
         return torch.stack(losses).sum() if losses else None
 
     def _embedding_dropout(self, hidden: torch.Tensor) -> torch.Tensor:

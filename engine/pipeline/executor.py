@@ -102,7 +102,7 @@ class PipelineExecutor:
             key, stage = (op.microbatch, op.chunk), self._stage(op.chunk)
             if op.kind == "F":
                 output, hidden = self._forward(op, stage, microbatches, received, tokens_in_batch)
-                aux_loss = self.chunks[op.chunk].moe_aux_loss() if self.moe_aux_loss_coeff else None
+                aux_loss = self.chunks[op.chunk].take_moe_aux_loss() if self.moe_aux_loss_coeff else None
                 if aux_loss is not None:
                     share = microbatches[op.microbatch][0].numel() / tokens_in_batch
                     aux_losses[key] = (aux_loss, share)
@@ -128,6 +128,8 @@ class PipelineExecutor:
                     weight = aux_loss_gradient(self.moe_aux_loss_coeff, share, loss_scale, self.state.tp_size)
                     roots, grads = (output, aux_loss), (grad, torch.full_like(aux_loss, weight))
                 _backward_from(roots, grads)
+                if self.moe_aux_loss_coeff:  # recomputed blocks (full recompute) computed theirs again: let go of
+                    self.chunks[op.chunk].take_moe_aux_loss()  # them and the router inputs their graphs hold
                 if stage > 0:
                     outgoing[("grad", op.microbatch, stage)] = hidden.grad.to(self.p2p_dtype)
                 live -= 1
