@@ -165,8 +165,10 @@ def format_console_line(row: dict, total_steps: int | None = None, eta_s: float 
         f"loss {row['loss']:.4f}",
         f"lr {row['lr']:.3e}",
         f"grad norm {row['grad_norm']:.3f}",
-        f"{row['tokens_per_s']:,.0f} tok/s",
     ]
+    if "moe_aux_loss" in row:  # summed over the blocks: 1 a block when the experts' load is even
+        parts.append(f"moe aux {row['moe_aux_loss']:.3f}")
+    parts += [f"{row['tokens_per_s']:,.0f} tok/s"]
     if row.get("mfu") is not None:
         parts.append(f"MFU {100 * row['mfu']:.1f}%")
     parts.append(f"mem {row['mem_gb']:.2f} GB")

@@ -117,5 +117,6 @@ def test_a_fine_tune_of_an_imported_qwen3_moe_under_a_dense_preset_takes_its_exp
     result = loom_here(capfd, "train", *args)
     assert result.returncode == 0, result.stderr
     assert "model.num_experts = 6" in result.stdout and "model.moe_top_k = 3" in result.stdout, result.stdout
+    assert "| moe aux " in result.stdout  # the load-balancing loss in every step line
     rows = [row for row in read_metrics(tmp_path / "run") if "loss" in row]
     assert [row["step"] for row in rows] == [1, 2] and all(row["moe_aux_loss"] > 0 for row in rows)
