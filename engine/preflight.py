@@ -32,6 +32,7 @@ def preflight(config: LoomConfig, world_size: int, training: bool = True, ranks_
 
     adopt_lora_base(config)
     adopted = adopt_settings_of_the_checkpoint_to_resume(config, say=False)  # what the checks below check against
+    config.check_experts()  # the checkpoint's model may have experts the config's did not
     config.resolve_world(world_size)
     if config.model.kernels == "te" or config.train.fp8 != "off" or config.model.attention_backend != "auto":
         import torch
@@ -278,6 +279,9 @@ def adopt_lora_base(config: LoomConfig) -> None:
             f"lora.targets = {' '.join(config.lora.targets)}",
             flush=True,
         )
+    if config.model.moe and config.model.moe_aux_loss_coeff:  # as peft's fine-tunes of Mixtral and the others
+        config.model = dataclasses.replace(config.model, moe_aux_loss_coeff=0.0)
+        print("LoRA: the router is frozen: no load-balancing loss (model.moe_aux_loss_coeff = 0)", flush=True)
     config.check_experts()
     check_rank(config)
 

@@ -59,14 +59,17 @@ def test_a_mixture_of_experts_imports_evaluates_decodes_and_exports_as_transform
     experts, top_k = (6, 3) if kind == "qwen3_moe" else (4, 2)
     assert (imported["num_experts"], imported["moe_top_k"]) == (experts, top_k)
     assert imported["moe_norm_top_k"] is (kind != "olmoe")
+    # transformers' loss is about top_k at an even load over all layers, loom's 1 a block: the weight converts
+    assert imported["moe_aux_loss_coeff"] == pytest.approx(model.config.router_aux_loss_coef * top_k / 2)
+    assert again.config.router_aux_loss_coef == model.config.router_aux_loss_coef
     assert type(again) is type(model)
     _assert_greedy_generate_equals_transformers(model, tmp_path / "loom", 8)
 
 
 def test_a_lora_run_on_an_imported_mixtral_exports_an_adapter_peft_loads_onto_it(markov_dataset, tmp_path, capfd):
     """The user story: import a Mixtral, train LoRA adapters on it (the default targets narrow to attention's: the
-    experts take none), export the merged model and the adapter alone; peft's Mixtral with the adapter computes the
-    merged export's logits, and they moved away from the base's."""
+    experts take none; the router is frozen, so no load-balancing loss), export the merged model and the adapter
+    alone; peft's Mixtral with the adapter computes the merged export's logits, and they moved away from the base's."""
     peft = pytest.importorskip("peft")
     from training_runs import loom_here, tiny_train_args
 
@@ -90,6 +93,7 @@ def test_a_lora_run_on_an_imported_mixtral_exports_an_adapter_peft_loads_onto_it
     result = loom_here(capfd, "train", *args)
     assert result.returncode == 0, result.stderr
     assert "mixture of 4 experts, which take no adapters: lora.targets = qkv proj" in result.stdout
+    assert "the router is frozen: no load-balancing loss" in result.stdout
     export_hf(tmp_path / "run", tmp_path / "merged")
     export_peft_adapter(tmp_path / "run", tmp_path / "adapter", base_model=str(tmp_path / "hf"))
     merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32)
@@ -120,3 +124,50 @@ def test_a_fine_tune_of_an_imported_qwen3_moe_under_a_dense_preset_takes_its_exp
     assert "| moe aux " in result.stdout  # the load-balancing loss in every step line
     rows = [row for row in read_metrics(tmp_path / "run") if "loss" in row]
     assert [row["step"] for row in rows] == [1, 2] and all(row["moe_aux_loss"] > 0 for row in rows)
+
+
+def test_transformers_5_s_own_stacked_layout_imports_with_its_logits(tmp_path):
+    """save_pretrained(save_original_format=False) (and a PEFT model's save) writes every expert's tensors stacked,
+    as loom stacks them (mlp.experts.gate_up_proj, down_proj; a Mixtral's router as mlp.gate): it imports whole."""
+    from training_runs import loom_logits
+
+    from loom.tools.hf import import_hf
+
+    model = _moe_model("mixtral")
+    model.save_pretrained(str(tmp_path / "hf"), save_original_format=False)
+    import_hf(tmp_path / "hf", tmp_path / "loom")
+    tokens = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (loom_logits(tmp_path / "loom", tokens) - model(tokens).logits).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize(
+    "settings, refusal",
+    [
+        ({"qk_norm_per_head": False, "head_dim": 32}, "heads other than hidden_size / num_heads wide"),
+        ({"sliding_window": 16, "rope_local_theta": 100.0}, "rope_local_theta (Gemma 3's)"),
+        ({"moe_norm_top_k": False}, "moe_norm_top_k = false without query/key norms"),
+    ],
+)
+def test_experts_a_hugging_face_class_cannot_compute_alike_are_refused_on_export(settings, refusal):
+    from loom.engine.checkpoint.format import CheckpointError
+    from loom.engine.config import ModelConfig
+    from loom.engine.config_io import config_to_dict, load_config
+    from loom.tools.hf_forms import check_llama_form
+
+    model = {"num_experts": 4, "qk_norm": "qk_norm_per_head" in settings, **settings}
+    fields = config_to_dict(load_config("tiny", {"model": model}))["model"]
+    ModelConfig(**fields)  # a model loom trains
+    with pytest.raises(CheckpointError, match=refusal.replace("(", r"\(").replace(")", r"\)")):
+        check_llama_form(fields, gpt2_too=True)
+
+
+def test_an_olmoe_export_names_no_padding_token_of_olmo_s(tmp_path):
+    """OlmoeConfig's pad id defaults to 1, loom's BOS: an export writes none unless the model came with one."""
+    from loom.engine.config_io import config_to_dict, load_config
+    from loom.tools.hf_forms import hf_config
+
+    fields = config_to_dict(load_config("olmoe-1b-7b"))["model"]
+    written = hf_config(fields)
+    assert written["model_type"] == "olmoe" and written["pad_token_id"] is None
+    assert transformers.OlmoeConfig(**written).pad_token_id is None

@@ -74,12 +74,21 @@ def _executor_gradients(rank, world):
     tokens_in_batch = 3 * 2 * 16
     executor.run(build_schedule(0, 1, 1, 3, False), microbatches, tokens_in_batch)
     # the documented loss: the mean over the batch's tokens of the cross entropy, plus COEFF x the mean over its
-    # sequences of each block's load-balancing loss summed over the blocks
+    # sequences of each block's load-balancing loss summed over the blocks, that loss written here from each block's
+    # MLP input (the twin's own loss has a gradient of 0: its weight is never filled in)
+    mlp_inputs = []
+    for block in twin.layers.values():
+        block.mlp.register_forward_pre_hook(lambda module, args: mlp_inputs.append((module, args[0])))
     losses, balance = [], []
     for tokens, labels in microbatches:
+        mlp_inputs.clear()
         losses.append(twin(tokens, labels).sum())
-        per_block = [block.mlp.aux_loss for block in twin.layers.values()]
-        balance.append(sum(per_block) * tokens.shape[0])  # each is its micro-batch's mean over 2 sequences
+        for mlp, x in mlp_inputs:  # x [s, b, h]
+            probabilities = (x @ mlp.router.weight.t()).softmax(-1)
+            chosen = probabilities.topk(2, dim=-1).indices
+            for sequence in range(x.shape[1]):
+                share = F.one_hot(chosen[:, sequence], 4).sum((0, 1)) / (16 * 2)  # of the sequence's choices
+                balance.append(4 * (share * probabilities[:, sequence].mean(0)).sum())
     (sum(losses) / tokens_in_batch + COEFF * sum(balance) / 6).backward()
     return (
         [(name, p.grad, q.grad) for (name, p), q in zip(model.named_parameters(), twin.parameters())],

@@ -54,7 +54,13 @@ from loom.tools.hf_gpt2 import (
     model_from_gpt2_config,
     to_gpt2,
 )
-from loom.tools.hf_moe import MIXTRAL_IN_BLOCK, QWEN_MOE_IN_BLOCK, expert_names, moe_generation
+from loom.tools.hf_moe import (
+    FUSED_EXPERTS_IN_BLOCK,
+    MIXTRAL_IN_BLOCK,
+    QWEN_MOE_IN_BLOCK,
+    expert_names,
+    moe_generation,
+)
 from loom.tools.hf_tokenizer import check_moved_tokenizer, export_tokenizer
 from loom.tools.lora import ModelWeights, adapted_weights, base_of
 from loom.tools.outputs import HF_TOKENIZER_FILES, claimed_checkpoint_output, claimed_export_output
@@ -248,6 +254,8 @@ def from_hf(tensors: Mapping[str, torch.Tensor], model: dict, phi3: bool = False
     asked for."""
     tensors = LazyWeights.of(tensors)
     shapes, parts_of, used, block_names = {}, {}, set(), _block_names(model, phi3)
+    if f"model.layers.0.{FUSED_EXPERTS_IN_BLOCK[naming.EXPERTS_FC1_WEIGHT][0]}" in tensors.shapes:
+        block_names = {**block_names, **FUSED_EXPERTS_IN_BLOCK}  # transformers 5's own layout: stacked already
     for name in _loom_names(model):
         hf_names = parts_of[name] = _hf_names(name, block_names, model["num_experts"])
         used.update(hf_names)
@@ -258,7 +266,7 @@ def from_hf(tensors: Mapping[str, torch.Tensor], model: dict, phi3: bool = False
                 f"{first_few(list(hf_names))} have shapes {shown}, which do not stack into loom's {name}"
             )
         shapes[name] = parts[0] if len(parts) == 1 else (sum(part[0] for part in parts), *parts[0][1:])
-        if _stacks_experts(name):
+        if _stacks_experts(name) and len(shapes[name]) == 2:  # each expert's own rows, stacked here
             experts = model["num_experts"]
             shapes[name] = (experts, shapes[name][0] // experts, *shapes[name][1:])
     # What writers save beside a Llama that carries nothing more: RoPE's recomputable table, a tied head's copy.

@@ -30,6 +30,7 @@ from loom.tools.hf_moe import (
     moe_fields,
     moe_form_refusals,
     refuse_unrepresentable_moe,
+    with_moe_class_defaults,
 )
 
 
@@ -41,7 +42,7 @@ def check_llama_form(model: dict, gpt2_too: bool = False) -> None:
         if model[k] != v and not (nemotron and k in ("norm", "activation")) and not (gemma and k == "activation")
     }
     wrong.update(gemma_form_refusals(model))
-    wrong.update(_window_form_refusals(model))
+    wrong.update(_window_form_refusals(model) if model["num_experts"] is None else {})
     if nemotron and (
         model["qk_norm"] or model["qkv_bias"] or model["norm_placement"] != "input" or granite_form(model)
     ):
@@ -88,6 +89,7 @@ def _window_form_refusals(model: dict) -> dict:
         return {}
     every_layer = model["full_attention_interval"] is None
     unlike = {
+        "rope_local_theta (Gemma 3's)": windowed(model) and model["rope_local_theta"] is not None,
         "soft-capping": model["attention_softcap"] is not None or model["logits_softcap"] is not None,
         "norm_placement both": model["norm_placement"] == "both",
         "a full_attention_interval": windowed(model) and not every_layer,
@@ -444,7 +446,7 @@ def _window_of_every_layer(hf: dict) -> dict:
 
 
 def model_from_hf_config(hf: dict) -> dict:
-    hf = with_class_defaults(hf)
+    hf = with_moe_class_defaults(with_class_defaults(hf))
     _refuse_unrepresentable(hf)
     kind = hf.get("model_type")
     gemma = kind in GEMMA_MODEL_TYPES

@@ -33,33 +33,68 @@ QWEN_MOE_IN_BLOCK = {
     naming.EXPERTS_FC2_WEIGHT: (f"mlp.experts.{EXPERT}.down_proj.weight",),
 }
 """Qwen3-MoE's and OLMoE's names."""
+FUSED_EXPERTS_IN_BLOCK = {
+    naming.ROUTER_WEIGHT: ("mlp.gate.weight",),
+    naming.EXPERTS_FC1_WEIGHT: ("mlp.experts.gate_up_proj",),
+    naming.EXPERTS_FC2_WEIGHT: ("mlp.experts.down_proj",),
+}
+"""The three classes' names in transformers 5's own layout (save_pretrained(save_original_format=False), or a PEFT
+model's save): every expert's tensors already stacked as loom stacks them (gate_up_proj's rows each expert's gate,
+then its up projection)."""
 
 _CLASS_DEFAULTS = {
-    "mixtral": {"num_experts_per_tok": 2, "router_aux_loss_coef": 0.001},
-    "qwen3_moe": {"num_experts_per_tok": 8, "norm_topk_prob": False, "router_aux_loss_coef": 0.001},
-    "olmoe": {"num_experts_per_tok": 8, "norm_topk_prob": False, "router_aux_loss_coef": 0.01},
+    "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001, "rope_theta": 1e6},
+    "qwen3_moe": {
+        "num_local_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": False,
+        "router_aux_loss_coef": 0.001,
+        "moe_intermediate_size": 768,
+    },
+    "olmoe": {"num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": False, "router_aux_loss_coef": 0.01},
 }
 """MixtralConfig's, Qwen3MoeConfig's and OlmoeConfig's defaults (transformers 5.24) for what a file leaves out."""
+
+_TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def with_moe_class_defaults(hf: dict) -> dict:
+    """A mixture-of-experts config.json with its class's defaults where it says nothing (other configs as they
+    are)."""
+    kind = hf.get("model_type")
+    return {**_CLASS_DEFAULTS[kind], **hf} if kind in _CLASS_DEFAULTS else hf
+
+
+def _experts_in_file(hf: dict) -> object:
+    """The number of experts, under either of its names (each class maps one onto the other)."""
+    first, second = (
+        ("num_experts", "num_local_experts") if hf["model_type"] == "olmoe" else ("num_local_experts", "num_experts")
+    )
+    return hf.get(first) if hf.get(first) is not None else hf.get(second)
 
 
 def expert_names(templates: tuple[str, ...], experts: int) -> tuple[str, ...]:
     """Every expert's names, expert by expert (expert 0's templates, then expert 1's, ...): stacked in this order,
-    their rows make loom's tensor."""
+    their rows make loom's tensor. Names without an expert's index (FUSED_EXPERTS_IN_BLOCK) are every expert's."""
+    if not any(EXPERT in template for template in templates):
+        return templates
     return tuple(template.replace(EXPERT, str(e)) for e in range(experts) for template in templates)
 
 
 def moe_fields(hf: dict) -> dict:
-    """A mixture-of-experts config.json's experts as loom's [model] fields."""
-    kind = hf["model_type"]
-    defaults = _CLASS_DEFAULTS[kind]
-    experts = hf.get("num_local_experts") if kind == "mixtral" else hf.get("num_experts", hf.get("num_local_experts"))
-    if type(experts) is not int or experts < 1:
-        raise CheckpointError(f"config.json's number of experts is {experts!r}, not a positive number")
+    """A mixture-of-experts config.json's experts as loom's [model] fields (`hf` with its class's defaults:
+    with_moe_class_defaults). transformers' load-balancing loss is about top_k when the load is even and weighs
+    all layers together, loom's 1 a block summed over the blocks: its router_aux_loss_coef is taken x top_k /
+    layers, the same pull on the router (export converts it back)."""
+    kind, experts, top_k = hf["model_type"], _experts_in_file(hf), hf["num_experts_per_tok"]
+    for name, value in (("number of experts", experts), ("num_experts_per_tok", top_k)):
+        if type(value) is not int or value < 1:
+            raise CheckpointError(f"config.json's {name} is {value!r}, not a positive number")
     return {
         "num_experts": experts,
-        "moe_top_k": hf.get("num_experts_per_tok", defaults["num_experts_per_tok"]),
-        "moe_norm_top_k": True if kind == "mixtral" else bool(hf.get("norm_topk_prob", defaults["norm_topk_prob"])),
-        "moe_aux_loss_coeff": float(hf.get("router_aux_loss_coef", defaults["router_aux_loss_coef"])),
+        "moe_top_k": top_k,
+        "moe_norm_top_k": True if kind == "mixtral" else bool(hf["norm_topk_prob"]),
+        "moe_aux_loss_coeff": float(hf["router_aux_loss_coef"]) * top_k / hf["num_hidden_layers"],
         "ffn_hidden_size": hf["moe_intermediate_size"] if kind == "qwen3_moe" else hf["intermediate_size"],
     }
 
@@ -68,17 +103,17 @@ def refuse_unrepresentable_moe(hf: dict) -> None:
     """A mixture-of-experts config.json's settings loom cannot compute alike: Qwen3-MoE's dense layers among the
     sparse ones, OLMoE's clipped QKV."""
     kind = hf["model_type"]
-    if kind == "qwen3_moe" and (hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers")):
+    step, dense = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers")
+    if kind == "qwen3_moe" and (step != 1 or dense):
+        said = ", ".join([f"decoder_sparse_step {step}"] * (step != 1) + [f"mlp_only_layers {dense}"] * bool(dense))
         raise CheckpointError(
-            f"config.json gives some layers a dense MLP (decoder_sparse_step {hf.get('decoder_sparse_step')}, "
-            f"mlp_only_layers {hf.get('mlp_only_layers')}); every loom block of a mixture-of-experts model has experts"
+            f"config.json gives some layers a dense MLP ({said}); every loom block of a mixture-of-experts model has "
+            "experts"
         )
     if kind == "qwen3_moe" and hf.get("use_sliding_window"):
-        raise CheckpointError("config.json sets use_sliding_window (over some of its layers); loom imports none")
+        raise CheckpointError("config.json sets use_sliding_window; loom's Qwen3-MoE import takes no sliding window")
     if kind == "olmoe" and hf.get("clip_qkv") is not None:
         raise CheckpointError(f"config.json clips q, k and v at {hf['clip_qkv']} (clip_qkv); loom does not clip them")
-    if kind in ("qwen3_moe", "olmoe") and hf.get("attention_bias"):
-        raise CheckpointError("config.json sets attention_bias: true; loom's mixture-of-experts form has no biases")
 
 
 def moe_form_refusals(model: dict) -> dict:
@@ -86,8 +121,13 @@ def moe_form_refusals(model: dict) -> dict:
     {why: True}."""
     if model["num_experts"] is None:
         return {}
+    olmoe = model["qk_norm"] and not model["qk_norm_per_head"]
     unlike = {
         "an activation other than swiglu": model["activation"] != "swiglu",
+        # OlmoeAttention sizes its query/key norms from hidden_size, whatever the heads' width
+        "query/key norms across heads and heads other than hidden_size / num_heads wide": olmoe
+        and model["head_dim"] * model["num_heads"] != model["hidden_size"],
+        "rope_local_theta (Gemma 3's)": model["rope_local_theta"] is not None and model["sliding_window"] is not None,
         "qkv_bias": model["qkv_bias"],
         "norm_placement other than input": model["norm_placement"] != "input",
         "rotary_percent < 1": model["rotary_percent"] < 1,
@@ -115,18 +155,19 @@ def moe_architecture(model: dict) -> dict:
     """The config.json fields of a mixture-of-experts model's class (hf_config writes the shape around them)."""
     generation = moe_generation(model)
     names = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
+    coefficient = model["moe_aux_loss_coeff"] * model["num_layers"] / model["moe_top_k"]  # moe_fields' inverse
     fields = {
         "architectures": [names[generation]],
         "model_type": generation,
         "num_experts_per_tok": model["moe_top_k"],
-        "router_aux_loss_coef": model["moe_aux_loss_coeff"],
+        "router_aux_loss_coef": float(f"{coefficient:.12g}"),
         "output_router_logits": False,
     }
     if generation == "mixtral":
         return {**fields, "num_local_experts": model["num_experts"], "sliding_window": model["sliding_window"]}
     fields.update(num_experts=model["num_experts"], norm_topk_prob=model["moe_norm_top_k"], attention_bias=False)
-    if generation == "olmoe":
-        return {**fields, "clip_qkv": None}
+    if generation == "olmoe":  # OlmoeConfig's token ids default to OLMo's own (pad 1): none unless known
+        return {**fields, "clip_qkv": None, **dict.fromkeys(_TOKEN_ID_FIELDS)}
     # every layer sparse, each expert model.ffn_hidden_size wide (intermediate_size: the dense layers', none here)
     return {**fields, "moe_intermediate_size": model["ffn_hidden_size"], "decoder_sparse_step": 1,
             "mlp_only_layers": [], "use_sliding_window": False}  # fmt: skip

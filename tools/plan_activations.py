@@ -82,15 +82,16 @@ def _expert_bytes_per_token(m: ModelConfig, seq: int, mbs: int, tp: int, element
     (fp32 and their compute-dtype copy; renormalised: the top-k values and their sum too), the two int64 orders
     between tokens and sorted choices, and per choice (top_k of them) its gathered input, the expert MLP's
     activations as a dense MLP's (split by tp) and the expert's output; per micro-batch each expert's end row
-    (int32) and the load-balancing loss's counts per sequence (fp32) (measured on CPU). Compiled, backward recomputes
-    the weights, and the MLP keeps what a compiled dense one does."""
+    (int32), the load-balancing loss's counts per sequence (fp32) and its gradient (measured on CPU). Compiled,
+    backward recomputes the weights, and the MLP keeps what a compiled dense one does."""
     h, f, k, experts = m.hidden_size, m.ffn_hidden_size, m.moe_top_k, m.num_experts
     fc1_output = 2 * f if m.gated_mlp else f
     weights = 0 if compiled else k * element + (4 * k + 4 if m.moe_norm_top_k else 0)
     routing = 4 * experts + 8 * k + weights + 16 * k
     kept = fc1_output + f if compiled or not m.gated_mlp else fc1_output + 2 * f
     per_choice = 2 * h * element + kept * element / tp
-    per_microbatch = 4 * experts + (4 * experts * mbs if m.moe_aux_loss_coeff else 0)
+    # the load-balancing loss's counts per sequence, and (eager) its fp32 gradient, kept until backward
+    per_microbatch = 4 * experts + (4 * experts * mbs + (0 if compiled else 4) if m.moe_aux_loss_coeff else 0)
     return routing + k * per_choice + per_microbatch / (seq * mbs)
 
 

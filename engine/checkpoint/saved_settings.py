@@ -47,6 +47,7 @@ FUNCTIONAL_MODEL_FIELDS = (
     "logits_softcap",
     "moe_top_k",
     "moe_norm_top_k",
+    "moe_aux_loss_coeff",  # no computation, but an imported model's (its router_aux_loss_coef) stays with it
 )
 
 # Model settings that decide which tensors a checkpoint holds, their shapes or what the block computes with them.
@@ -71,6 +72,10 @@ ARCHITECTURE_MODEL_FIELDS = (
     "tie_embeddings",
     "num_experts",
 )
+
+
+NONE_IS_A_MODEL = ("num_experts",)
+"""Architecture fields whose default None is a model of its own (dense), not a value resolved from others."""
 
 
 # What a LoRA checkpoint's adapters are: other targets leave trained adapters unloaded, another alpha scales them.
@@ -106,7 +111,7 @@ def _differences(saved_config: dict, current: LoomConfig, fields: Iterable[tuple
         saved, now = saved_config.get(section, {}), getattr(getattr(current, section), name)
         if name in saved:
             value = saved[name]
-        elif section == "model" and model_defaults.get(name) is not None:
+        elif section == "model" and (model_defaults.get(name) is not None or name in NONE_IS_A_MODEL):
             value = model_defaults[name]
         else:
             continue

@@ -312,6 +312,12 @@ class ModelConfig:
             )
         if self.bias:
             raise ConfigError("model.num_experts with model.bias = true: loom's experts have no biases")
+        if self.moe_top_k == 1 and self.moe_norm_top_k:
+            raise ConfigError(
+                "model.moe_top_k = 1 with model.moe_norm_top_k = true weighs each token's one expert by exactly 1: "
+                "the router would learn nothing from the loss; add --model.moe_norm_top_k false (Switch "
+                "Transformer's: the expert's probability)"
+            )
 
     def _check_longrope_factors(self) -> None:
         if self.rope_original_max_positions < 2:  # its logarithm divides the attention factor's

@@ -200,14 +200,20 @@ class GPTModel(torch.nn.Module):
         return output
 
     def take_moe_aux_loss(self) -> torch.Tensor | None:
-        """The sum of this chunk's load-balancing losses (model.num_experts) of its last training forward, with
-        their graph, which the blocks then let go of; None without any."""
+        """The sum of this chunk's load-balancing losses (model.num_experts) of its last training forward, which
+        the blocks then let go of; None without any."""
         losses = []
         for block in self.layers.values():
             if getattr(block.mlp, "aux_loss", None) is not None:
                 losses.append(block.mlp.aux_loss)
                 block.mlp.aux_loss = None
         return torch.stack(losses).sum() if losses else None
+
+    def set_moe_aux_loss_weight(self, weight: float) -> None:
+        """The gradient each block's load-balancing loss back-propagates with (engine/model/moe.aux_loss_gradient)."""
+        for block in self.layers.values():
+            if hasattr(block.mlp, "aux_loss_weight"):
+                block.mlp.aux_loss_weight.fill_(weight)
 
     def _embedding_dropout(self, hidden: torch.Tensor) -> torch.Tensor:
         # Megatron drops the embedding's output at --hidden-dropout, as GPT-2 does (embd_pdrop)

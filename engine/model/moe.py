@@ -8,7 +8,7 @@ from the sequence shards under sequence parallelism) and routes them all identic
 into one [tokens, hidden] sum that is reduced once, as a dense MLP's output is. Everything inside that region is a
 partial sum on each rank, the router's gradient too: it is summed over the TP group (ParamInfo.tp_partial_grad),
 and the load-balancing loss, the same on every rank, is back-propagated at 1 / tp of its weight on each
-(aux_loss_gradient).
+(aux_loss_gradient), through the block's output (_LoadBalancingGradient).
 
 The experts' GEMMs are grouped: the token choices are sorted by expert and each expert multiplies its contiguous
 rows (torch._grouped_mm, one kernel for all experts on a Hopper GPU, and static shapes, so a compiled block stays
@@ -24,21 +24,36 @@ from loom.engine.config import ModelConfig
 from loom.engine.parallel import mappings
 from loom.engine.parallel.sharding import ShardSpec, make_parameter
 
+# torch._grouped_mm: before torch 2.9 it has no CPU kernel (or does not exist); its bf16 kernel takes fewer than
+# 1024 groups, and runs on compute capability 9.0 (Hopper) alone: 10.0's gave experts without tokens non-zero weight
+# gradients (pytorch#172439), older GPUs have none.
+_GROUPED_MM = hasattr(torch, "_grouped_mm") and torch.torch_version.TorchVersion(torch.__version__) >= "2.9"
+_GROUPS_AT_MOST = 1023
+
 
 def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """Rows ends[e-1]..ends[e] of `x` [n, in] times `weight[e]` [in, out] for each expert e: [n, out]. `ends` is
     int32, cumulative."""
-    # _grouped_mm wants 16-byte-aligned rows, and bf16 on a GPU (Hopper or later) and in a compiled graph
-    aligned = all(size * x.element_size() % 16 == 0 for size in (weight.shape[-2], weight.shape[-1]))
-    if x.is_cuda:
-        usable = x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
-    else:
-        usable = x.dtype == torch.bfloat16 or not torch.compiler.is_compiling()
-    if aligned and usable:
+    if _grouped_mm_takes(x, weight):
         return torch._grouped_mm(x, weight, offs=ends)
     starts = [0, *ends.tolist()]
     pieces = [x[starts[e] : starts[e + 1]] @ weight[e] for e in range(weight.shape[0])]
     return torch.cat(pieces)
+
+
+def _grouped_mm_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm computes these operands: 16-byte-aligned rows (and, eagerly, addresses), bf16 on
+    a GPU and in a compiled graph (its meta function's rule), a Hopper GPU (_GROUPED_MM's note)."""
+    if not _GROUPED_MM or weight.shape[0] > _GROUPS_AT_MOST:
+        return False
+    if not all(size * x.element_size() % 16 == 0 for size in (weight.shape[-2], weight.shape[-1])):
+        return False
+    compiling = torch.compiler.is_compiling()
+    if not compiling and (x.data_ptr() % 16 or weight.data_ptr() % 16):
+        return False
+    if x.is_cuda:
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] == 9
+    return x.dtype == torch.bfloat16 or not compiling
 
 
 def load_balancing_loss(probabilities: torch.Tensor, chosen: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -53,6 +68,22 @@ def load_balancing_loss(probabilities: torch.Tensor, chosen: torch.Tensor, num_e
     return per_sequence.mean()
 
 
+class _LoadBalancingGradient(torch.autograd.Function):
+    """Identity on a block's MLP output whose backward also gives the block's load-balancing loss its gradient,
+    `weight` (aux_loss_gradient's, filled in before each step): the loss trains the router from whichever pipeline
+    stage holds the block, recomputed or not, and nothing keeps it past its block's backward."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(weight)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (weight,) = ctx.saved_tensors
+        return grad, weight.clone(), None
+
+
 def aux_loss_gradient(coeff: float, share: float, loss_scale: float, tp: int) -> float:
     """The gradient a micro-batch's load-balancing losses (summed over its blocks) are back-propagated with: the
     training loss is the mean over the global batch's tokens, so each micro-batch's losses count by its `share`
@@ -63,7 +94,8 @@ def aux_loss_gradient(coeff: float, share: float, loss_scale: float, tp: int) ->
 
 class MoEMLP(torch.nn.Module):
     """The experts and their router, in place of a block's MLP. After a training forward, `aux_loss` holds the
-    micro-batch's load-balancing loss (with its graph; None when model.moe_aux_loss_coeff is 0)."""
+    micro-batch's load-balancing loss (its value, for the metrics; None when model.moe_aux_loss_coeff is 0); its
+    gradient is `aux_loss_weight`, which the pipeline executor fills in before each step."""
 
     def __init__(self, config: ModelConfig, tp_group, sequence_parallel: bool, output_std: float, activation):
         super().__init__()
@@ -84,6 +116,14 @@ class MoEMLP(torch.nn.Module):
         self.experts.fc2 = torch.nn.Module()
         self.experts.fc2.weight = make_parameter(ShardSpec((e, h, f), 2), tp, ("normal", output_std))
         self.aux_loss: torch.Tensor | None = None
+        # a buffer: an input of a compiled block's graph, not a constant baked into it
+        self.register_buffer("aux_loss_weight", torch.zeros((), dtype=torch.float32), persistent=False)
+
+    def _apply(self, fn, recurse: bool = True):
+        """As torch's, but the gradient of the (fp32) load-balancing loss stays fp32 when the model is cast."""
+        super()._apply(fn, recurse)
+        self.aux_loss_weight = self.aux_loss_weight.float()
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
@@ -98,15 +138,19 @@ class MoEMLP(torch.nn.Module):
         weights, chosen = probabilities.topk(self.top_k, dim=-1)
         if self.norm_top_k:
             weights = weights / weights.sum(-1, keepdim=True)
-        self.aux_loss = None
+        aux_loss = self.aux_loss = None
         if self.training and self.uses_aux_loss:
             s, b = x.shape[:2]
-            self.aux_loss = load_balancing_loss(probabilities.view(s, b, -1), chosen.view(s, b, -1), self.num_experts)
+            aux_loss = load_balancing_loss(probabilities.view(s, b, -1), chosen.view(s, b, -1), self.num_experts)
+            self.aux_loss = aux_loss.detach()
         # the token choices sorted by expert, each expert's rows contiguous
         order = chosen.flatten().argsort(stable=True)
         per_expert = F.one_hot(chosen.flatten(), self.num_experts).sum(0)
         ends = per_expert.cumsum(0).to(torch.int32)
-        h = grouped_matmul(tokens[order // self.top_k], self.experts.fc1.weight.to(dtype).transpose(1, 2), ends)
+        # each token copied for its k choices, then permuted: backward writes each row once and sums over k in a
+        # fixed order (indexing by order // k would accumulate a token's k rows atomically on a GPU)
+        chosen_tokens = tokens.unsqueeze(1).expand(-1, self.top_k, -1).reshape(-1, tokens.shape[-1])[order]
+        h = grouped_matmul(chosen_tokens, self.experts.fc1.weight.to(dtype).transpose(1, 2), ends)
         h = self.activation(*h.chunk(2, dim=-1)) if self.gated else self.activation(h)
         out = grouped_matmul(h, self.experts.fc2.weight.to(dtype).transpose(1, 2), ends)
         # back in token order, each token's k outputs summed by weight: no scatter-add (atomic, in no fixed order
@@ -114,5 +158,9 @@ class MoEMLP(torch.nn.Module):
         by_token = out[order.argsort()].view(-1, self.top_k, out.shape[-1])
         combined = (by_token * weights.to(dtype).unsqueeze(-1)).sum(1).view_as(x)
         if self.sequence_parallel:
-            return mappings.reduce_scatter_to_sequence_region(combined, self.tp_group)
-        return mappings.reduce_from_tensor_region(combined, self.tp_group)
+            combined = mappings.reduce_scatter_to_sequence_region(combined, self.tp_group)
+        else:
+            combined = mappings.reduce_from_tensor_region(combined, self.tp_group)
+        if aux_loss is None or not torch.is_grad_enabled():
+            return combined
+        return _LoadBalancingGradient.apply(combined, aux_loss, self.aux_loss_weight)

@@ -25,10 +25,10 @@ def _free_storage(tensor: torch.Tensor) -> None:
     tensor.data = torch.empty((1,), device=tensor.device, dtype=tensor.dtype)
 
 
-def _backward_from(roots: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor, ...]) -> None:
+def _backward_from(output: torch.Tensor, grad: torch.Tensor) -> None:
     """Backward through a graph whose output storage was freed (the shape check would refuse it)."""
     torch.autograd.Variable._execution_engine.run_backward(
-        roots, grads, False, False, (), True, True
+        (output,), (grad,), False, False, (), True, True
     )  # keep_graph, create_graph, inputs, allow_unreachable, accumulate
 
 
@@ -78,7 +78,12 @@ class PipelineExecutor:
         """
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         self.moe_aux_loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        inputs, outputs, outgoing, received, aux_losses = {}, {}, {}, {}, {}
+        inputs, outputs, outgoing, received = {}, {}, {}, {}
+        share = microbatches[0][0].numel() / tokens_in_batch if microbatches else 0.0  # every micro-batch's
+        if self.moe_aux_loss_coeff:
+            weight = aux_loss_gradient(self.moe_aux_loss_coeff, share, loss_scale, self.state.tp_size)
+            for chunk in self.chunks:
+                chunk.set_moe_aux_loss_weight(weight)
         live = self.peak_live = 0
         last_microbatch = len(microbatches) - 1
         if record:
@@ -104,9 +109,7 @@ class PipelineExecutor:
                 output, hidden = self._forward(op, stage, microbatches, received, tokens_in_batch)
                 aux_loss = self.chunks[op.chunk].take_moe_aux_loss() if self.moe_aux_loss_coeff else None
                 if aux_loss is not None:
-                    share = microbatches[op.microbatch][0].numel() / tokens_in_batch
-                    aux_losses[key] = (aux_loss, share)
-                    self.moe_aux_loss_sum += aux_loss.detach() * share
+                    self.moe_aux_loss_sum += aux_loss * share
                 if stage == self.num_stages - 1:
                     total += output.detach()
                 else:
@@ -119,17 +122,10 @@ class PipelineExecutor:
                     on_last_backward(op.microbatch == last_microbatch)
                 hidden, output = inputs.pop(key), outputs.pop(key)
                 if stage == self.num_stages - 1:
-                    grad = torch.full_like(output, loss_scale)
+                    (output * loss_scale if loss_scale != 1.0 else output).backward()
                 else:
                     grad = received.pop(("grad", op.microbatch, stage + 1)).to(output.dtype)
-                roots, grads = (output,), (grad,)
-                if key in aux_losses:
-                    aux_loss, share = aux_losses.pop(key)
-                    weight = aux_loss_gradient(self.moe_aux_loss_coeff, share, loss_scale, self.state.tp_size)
-                    roots, grads = (output, aux_loss), (grad, torch.full_like(aux_loss, weight))
-                _backward_from(roots, grads)
-                if self.moe_aux_loss_coeff:  # recomputed blocks (full recompute) computed theirs again: let go of
-                    self.chunks[op.chunk].take_moe_aux_loss()  # them and the router inputs their graphs hold
+                    _backward_from(output, grad)
                 if stage > 0:
                     outgoing[("grad", op.microbatch, stage)] = hidden.grad.to(self.p2p_dtype)
                 live -= 1
