@@ -124,6 +124,13 @@ def test_a_fine_tune_of_an_imported_qwen3_moe_under_a_dense_preset_takes_its_exp
     assert "| moe aux " in result.stdout  # the load-balancing loss in every step line
     rows = [row for row in read_metrics(tmp_path / "run") if "loss" in row]
     assert [row["step"] for row in rows] == [1, 2] and all(row["moe_aux_loss"] > 0 for row in rows)
+    # the experts came from the checkpoint, and FP8 (which they do not take) is refused all the same
+    fp8 = tiny_train_args(
+        markov_dataset(60, vocab_size=VOCAB), tmp_path / "fp8", "--train.fp8", "current", "--train.precision", "bf16"
+    )
+    fp8 += ["--checkpoint.load", str(tmp_path / "base"), "--checkpoint.finetune", "true"]
+    refused = loom_here(capfd, "train", *fp8)
+    assert refused.returncode == 2 and "train.fp8 = current with model.num_experts = 6" in refused.stderr
 
 
 def test_transformers_5_s_own_stacked_layout_imports_with_its_logits(tmp_path):

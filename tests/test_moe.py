@@ -141,8 +141,22 @@ def test_a_router_far_from_uniform_weighs_a_token_s_experts_by_their_renormalise
         ({"num_experts": 4, "moe_aux_loss_coeff": float("nan")}, "model.moe_aux_loss_coeff must be a number >= 0"),
         ({"num_experts": 4, "moe_aux_loss_coeff": -1.0}, "model.moe_aux_loss_coeff must be a number >= 0"),
         ({"num_experts": 4, "bias": True}, "loom's experts have no biases"),
+        ({"num_experts": 4, "moe_top_k": 1}, "the router would learn nothing from the loss"),
     ],
 )
 def test_settings_a_mixture_of_experts_cannot_take_are_refused_in_one_line(fields, message):
     with pytest.raises(ConfigError, match=message):
         ModelConfig(**{**MODEL, "num_experts": None, **fields})
+
+
+def test_a_checkpoint_from_before_experts_is_another_model_than_a_mixture_of_experts(tmp_path):
+    """A checkpoint whose config predates model.num_experts is a dense model: loading it into a mixture of experts
+    is refused as another model, naming the setting (before, the refusal came from the tensors, later)."""
+    from loom.engine.checkpoint.format import CheckpointError
+    from loom.engine.checkpoint.saved_settings import check_same_model
+    from loom.engine.config_io import config_to_dict, load_config
+
+    saved = config_to_dict(load_config("tiny"))
+    del saved["model"]["num_experts"]
+    with pytest.raises(CheckpointError, match="model.num_experts = None there, 4 here"):
+        check_same_model(tmp_path, saved, load_config("tiny", {"model": {"num_experts": 4}}))
