@@ -41,8 +41,10 @@ def layer_parameters(config: ModelConfig) -> int:
     q, kv = config.num_heads * hd, config.num_kv_heads * hd
     ffn_in = config.ffn_hidden_size * (2 if config.gated_mlp else 1)
     mlp = h * ffn_in + config.ffn_hidden_size * h
-    if config.moe:  # every expert's MLP, and the router
+    if config.moe:  # every expert's MLP, the router, a shared expert and its gate
         mlp = config.num_experts * mlp + h * config.num_experts
+        shared = config.moe_shared_ffn_hidden_size or 0
+        mlp += shared * h * (3 if config.gated_mlp else 2) + (h if config.moe_shared_expert_gate else 0)
     weights = h * (q + 2 * kv) + q * h + mlp
     biases = (q + 2 * kv if config.biased_qkv else 0) + (h + ffn_in + h if config.bias else 0)
     qk_norms = (2 * hd if config.qk_norm_per_head else q + kv) if config.qk_norm else 0
@@ -64,7 +66,8 @@ def parameter_counts(config: ModelConfig) -> dict[str, int]:
 
 def block_gemms(config: ModelConfig) -> dict[str, tuple[int, int]]:
     """(in, out) features of each GEMM of a transformer block that a token passes through, by the name of its layer
-    (LoRA's targets): with model.num_experts, its top-k experts' as one k times as wide, and the router."""
+    (LoRA's targets): with model.num_experts, its top-k experts' as one k times as wide, the router, and a shared
+    expert and its gate where the model has them."""
     h, query_width = config.hidden_size, config.num_heads * config.head_dim
     key_value_width = config.num_kv_heads * config.head_dim
     gated = 2 if config.gated_mlp else 1
@@ -75,7 +78,15 @@ def block_gemms(config: ModelConfig) -> dict[str, tuple[int, int]]:
         "fc1": (h, gated * config.ffn_hidden_size * experts),
         "fc2": (config.ffn_hidden_size * experts, h),
     }
-    return {**gemms, "router": (h, config.num_experts)} if config.moe else gemms
+    if not config.moe:
+        return gemms
+    gemms["router"] = (h, config.num_experts)
+    if config.moe_shared_ffn_hidden_size is not None:
+        gemms["shared_fc1"] = (h, gated * config.moe_shared_ffn_hidden_size)
+        gemms["shared_fc2"] = (config.moe_shared_ffn_hidden_size, h)
+    if config.moe_shared_expert_gate:
+        gemms["shared_gate"] = (h, 1)
+    return gemms
 
 
 def model_flops_per_token(config: ModelConfig, seq_length: int, lora: LoraConfig | None = None) -> float:

@@ -164,6 +164,8 @@ TRAINING_NAMES: tuple[NameElsewhere, ...] = (
                 "--model.ffn_hidden_size",
                 "every loom block is a mixture of experts when model.num_experts is set: the experts' width",
             ),
+            ("--moe-shared-expert-intermediate-size", "--model.moe_shared_ffn_hidden_size"),
+            ("--moe-shared-expert-gate", "--model.moe_shared_expert_gate true"),
             ("--expert-model-parallel-size", "", "loom has no expert parallelism: each expert splits over TP"),
             (
                 "--disable-bias-linear",

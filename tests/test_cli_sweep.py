@@ -335,6 +335,8 @@ BAD_OVERRIDES = [
     ["--model.num_experts", "4", "--model.moe_aux_loss_coeff", "-0.01"],
     ["--model.moe_top_k", "1"],
     ["--model.num_experts", "4", "--train.fp8", "current"],
+    ["--model.num_experts", "4", "--model.moe_shared_ffn_hidden_size", "0"],
+    ["--model.num_experts", "4", "--model.moe_shared_expert_gate", "true"],
     ["--model.qk_norm_per_head", "maybe"],
     ["--model.qk_norm", "true", "--model.qk_norm_per_head", "false", "--model.norm", "layernorm"],
     ["--train.rampup_batch_size", "4", "4"],

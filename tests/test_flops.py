@@ -134,8 +134,11 @@ def _counted_flops(config: ModelConfig, batch: int, seq_length: int) -> tuple[in
             "max_position_embeddings": 32,
             "vocab_size": 1000,
         },
-        # a mixture of experts: a token passes through its top 2 experts of 4 and the router
-        {"num_kv_heads": 2, "ffn_hidden_size": 96, "vocab_size": 256, "num_experts": 4, "moe_top_k": 2},
+        # a mixture of experts: a token passes through its top 2 experts of 4, the router and a gated shared expert
+        {
+            **{"num_kv_heads": 2, "ffn_hidden_size": 96, "vocab_size": 256, "num_experts": 4, "moe_top_k": 2},
+            **{"moe_shared_ffn_hidden_size": 64, "moe_shared_expert_gate": True},
+        },
     ],
 )
 def test_model_flops_agree_with_flop_counter_on_the_model(kwargs):

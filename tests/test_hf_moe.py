@@ -35,6 +35,11 @@ def _moe_model(kind: str):
             norm_topk_prob=True,
         )
         model_class = transformers.Qwen3MoeForCausalLM
+    elif kind == "qwen2_moe":  # the top 2 of 4 at their softmax probabilities, a gated shared expert, q/k/v biases
+        config = transformers.Qwen2MoeConfig(
+            **shape, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48
+        )
+        model_class = transformers.Qwen2MoeForCausalLM
     else:  # OLMoE: the top 2 of 4 at their softmax probabilities, not renormalised
         config = transformers.OlmoeConfig(
             **{**shape, "eos_token_id": 1, "pad_token_id": 0}, num_experts=4, num_experts_per_tok=2
@@ -44,21 +49,25 @@ def _moe_model(kind: str):
     model = model_class(config).eval()
     with torch.no_grad():
         for name, tensor in model.named_parameters():
-            if name.endswith("gate.weight"):
+            if name.endswith("gate.weight"):  # the routers, and Qwen2-MoE's shared expert's gate
                 tensor.normal_(0.0, ROUTER_STD)
+            elif name.endswith("_proj.bias"):  # zero, as transformers initialises them, would hide a misplaced one
+                tensor.normal_(0.0, 0.5)
             elif "norm" in name:  # norms at one would hide q/k norms read from the wrong place
                 tensor.normal_(1.0, 0.2)
     return model
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "olmoe", "qwen2_moe"])
 def test_a_mixture_of_experts_imports_evaluates_decodes_and_exports_as_transformers_computes_it(kind, tmp_path, capfd):
     model = _moe_model(kind)
     model.save_pretrained(str(tmp_path / "hf"))
     imported, again = _round_trip_computes_as_transformers(model, tmp_path, capfd)
     experts, top_k = (6, 3) if kind == "qwen3_moe" else (4, 2)
     assert (imported["num_experts"], imported["moe_top_k"]) == (experts, top_k)
-    assert imported["moe_norm_top_k"] is (kind != "olmoe")
+    assert imported["moe_norm_top_k"] is (kind in ("mixtral", "qwen3_moe"))
+    shared = (48, True, True) if kind == "qwen2_moe" else (None, False, False)
+    assert (imported["moe_shared_ffn_hidden_size"], imported["moe_shared_expert_gate"], imported["qkv_bias"]) == shared
     # transformers' loss is about top_k at an even load over all layers, loom's 1 a block: the weight converts
     assert imported["moe_aux_loss_coeff"] == pytest.approx(model.config.router_aux_loss_coef * top_k / 2)
     assert again.config.router_aux_loss_coef == model.config.router_aux_loss_coef

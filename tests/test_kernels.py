@@ -591,7 +591,8 @@ GEMMA3 = {
         ("bf16", False, "none", OLMO2),  # its query/key norms all-reduce over TP inside the block
         ("bf16", False, "selective", GEMMA3),  # four norms, a windowed layer's mask into recomputed attention
         ("bf16", False, "none", GEMMA2),  # loom's own attention with soft-capped scores
-        ("bf16", False, "none", {"num_experts": 4}),  # routed, grouped expert GEMMs (static shapes)
+        # routed, grouped expert GEMMs (static shapes), a gated shared expert
+        ("bf16", False, "none", {"num_experts": 4, "moe_shared_ffn_hidden_size": 128, "moe_shared_expert_gate": True}),
     ],
     ids=[
         "fp32",

@@ -79,6 +79,8 @@ LAYOUTS = {
         8,
         dict(
             model__num_experts=4,
+            model__moe_shared_ffn_hidden_size=128,  # and a gated shared expert, whose partial sum joins theirs
+            model__moe_shared_expert_gate=True,
             parallel__pp=2,
             parallel__tp=2,
             parallel__sequence_parallel=True,
@@ -93,7 +95,13 @@ TOLERANCE = {"pp2-vp2-bf16": 1e-6}
 # bf16 matmuls are slow on CPU: four steps (and one validation) show the same thing.
 LAYOUT_STEPS = {"pp2-vp2-bf16": 4}
 # Fields that change the single-rank reference itself rather than the layout.
-MODEL_FIELDS = ("model__tie_embeddings", "train__precision", "model__num_experts")
+MODEL_FIELDS = (
+    "model__tie_embeddings",
+    "train__precision",
+    "model__num_experts",
+    "model__moe_shared_ffn_hidden_size",
+    "model__moe_shared_expert_gate",
+)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -45,6 +45,7 @@ def test_every_loom_name_in_the_tables_is_a_loom_setting_and_takes_the_value_giv
         if value:
             needs = ["--checkpoint.load", "runs/base"] if flag == "--checkpoint.finetune" else []
             needs += ["--model.num_experts", "8"] if flag.startswith("--model.moe_") else []
+            needs += ["--model.moe_shared_ffn_hidden_size", "64"] if flag == "--model.moe_shared_expert_gate" else []
             load_config(None, [flag, *value, *needs])  # a value the setting does not take raises here
     for names, command in (
         (DATA_BUILD_NAMES, ("data", "build")),

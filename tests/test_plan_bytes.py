@@ -30,6 +30,9 @@ from loom.tools.plan_bytes import (
 )
 from loom.tools.plan_traffic import step_traffic
 
+# experts, top 2 of 4, and a gated shared expert (Qwen2-MoE's)
+SHARED_MOE = {"num_experts": 4, "moe_top_k": 2, "moe_shared_ffn_hidden_size": 192, "moe_shared_expert_gate": True}
+
 STATE_LAYOUTS = {
     2: [
         ({}, {}, {"zero": 0}, "fp32"),
@@ -52,7 +55,7 @@ STATE_LAYOUTS = {
         ({"tp": 2, "sequence_parallel": True}, {"norm_placement": "both", "qk_norm": True}, {"zero": 1}, "bf16"),
         ({"pp": 2}, {"tie_embeddings": True}, {"zero": 0, "name": "adafactor"}, "fp32"),
         ({"tp": 2, "sequence_parallel": True}, {"num_experts": 4}, {"zero": 1}, "bf16"),
-        ({"tp": 2}, {"num_experts": 4}, {"zero": 0, "name": "adafactor"}, "fp32"),
+        ({"tp": 2}, SHARED_MOE, {"zero": 0, "name": "adafactor"}, "fp32"),
         ({}, {"num_experts": 4}, {"zero": 3}, "bf16"),
     ],
     4: [
@@ -148,9 +151,9 @@ ACTIVATION_CASES = (
         (1, False, "none", "bf16", 1, "compiled qk_norm"),
         (2, True, "selective", "fp8", 1, "compiled gpt"),
         (1, False, "none", "fp32", 2, "moe"),
-        (2, True, "none", "bf16", 1, "moe"),
+        (2, True, "none", "bf16", 1, "shared_moe"),
         (2, False, "selective", "bf16", 1, "moe"),
-        (1, False, "none", "bf16", 1, "compiled moe"),
+        (1, False, "none", "bf16", 1, "compiled shared_moe"),
     ]
 )
 """precision fp8: bf16 with loom's FP8 linears (torch._scaled_mm, which runs on CPU; the GPU check is bypassed).
@@ -175,6 +178,7 @@ MODEL_VARIANTS = {
     "gemma2": {"activation": "geglu", "norm_placement": "both", "sliding_window": 16, "attention_softcap": 50.0},
     "capped": {"attention_softcap": 50.0},
     "moe": {"num_experts": 4, "moe_top_k": 2},
+    "shared_moe": SHARED_MOE,
     "gemma3": {
         "activation": "geglu",
         "norm_placement": "both",
@@ -391,7 +395,8 @@ TRAFFIC_LAYOUTS = {
         ({"tp": 2, "sequence_parallel": True}, {}, {"zero": 0}),
         ({"tp": 2, "sequence_parallel": True}, {"recompute": "full", **MODEL_VARIANTS["olmo2"]}, {"zero": 0}),
         ({"tp": 2, "sequence_parallel": True}, {"recompute": "full", **MODEL_VARIANTS["gemma3"]}, {"zero": 1}),
-        ({"tp": 2, "sequence_parallel": True}, MODEL_VARIANTS["moe"], {"zero": 1}),  # the router's gradient over TP
+        # the router's and the shared expert's gate's gradients summed over TP
+        ({"tp": 2, "sequence_parallel": True}, MODEL_VARIANTS["shared_moe"], {"zero": 1}),
         ({"pp": 2}, {"tie_embeddings": True}, {"zero": 0}),
         ({"pp": 2, "vp": 2}, {}, {"zero": 0}),
     ],

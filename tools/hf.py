@@ -9,8 +9,9 @@ keeps QKV and gate+up fused as loom does (qkv_proj, gate_up_proj), an OLMo 2 has
 heads and its norms after attention and the MLP (its post_attention_layernorm is attention's, not the MLP's), and a
 Nemotron has LayerNorm biases, its norm weights stored minus one and up_proj alone before a squared ReLU; a Gemma's
 are Llama's, its RMSNorm weights stored minus one (its gated GELU and sqrt(hidden_size) embedding scale are
-[model] settings). An import never yields a different model than the one on disk. transformers is not needed here:
-the files are written with safetensors and json; tests load them with transformers.
+[model] settings); a mixture of experts' (Mixtral's, Qwen3-MoE's, OLMoE's, Qwen2-MoE's: tools/hf_moe.py) name each
+expert's tensors apart, which loom stacks. An import never yields a different model than the one on disk.
+transformers is not needed here: the files are written with safetensors and json; tests load them with transformers.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from loom.tools.hf_gpt2 import (
 from loom.tools.hf_moe import (
     FUSED_EXPERTS_IN_BLOCK,
     MIXTRAL_IN_BLOCK,
+    QWEN2_MOE_IN_BLOCK,
     QWEN_MOE_IN_BLOCK,
     expert_names,
     moe_generation,
@@ -125,8 +127,9 @@ _GEMMA_SANDWICH_IN_BLOCK = {
 def _block_names(model: dict, phi3: bool) -> dict[str, tuple[str, ...]]:
     """Hugging Face's names inside a block for loom's, in the form the model has (`phi3`: phi3_form)."""
     if model["num_experts"] is not None:
-        experts = MIXTRAL_IN_BLOCK if moe_generation(model) == "mixtral" else QWEN_MOE_IN_BLOCK
-        return {**_IN_BLOCK, **experts}
+        generation = moe_generation(model)
+        tables = {"mixtral": MIXTRAL_IN_BLOCK, "qwen2_moe": QWEN2_MOE_IN_BLOCK}
+        return {**_IN_BLOCK, **tables.get(generation, QWEN_MOE_IN_BLOCK)}
     if nemotron_form(model):
         return _NEMOTRON_IN_BLOCK
     if model["norm_placement"] == "both":
@@ -167,6 +170,7 @@ def _fused_sizes(model: dict) -> dict[str, list[int]]:
         naming.FC1_WEIGHT: [ffn, ffn],
         naming.EXPERTS_FC1_WEIGHT: [ffn, ffn] * experts,
         naming.EXPERTS_FC2_WEIGHT: [model["hidden_size"]] * experts,
+        naming.SHARED_EXPERT_FC1_WEIGHT: [model["moe_shared_ffn_hidden_size"]] * 2,
     }
 
 
@@ -191,6 +195,9 @@ def _loom_names(model: dict) -> list[str]:
         naming.ROUTER_WEIGHT: moe,
         naming.EXPERTS_FC1_WEIGHT: moe,
         naming.EXPERTS_FC2_WEIGHT: moe,
+        naming.SHARED_EXPERT_FC1_WEIGHT: moe and model["moe_shared_ffn_hidden_size"] is not None,
+        naming.SHARED_EXPERT_FC2_WEIGHT: moe and model["moe_shared_ffn_hidden_size"] is not None,
+        naming.SHARED_EXPERT_GATE_WEIGHT: moe and model["moe_shared_expert_gate"],
         naming.QKV_BIAS: model["qkv_bias"],
         naming.Q_NORM_WEIGHT: model["qk_norm"],
         naming.K_NORM_WEIGHT: model["qk_norm"],
@@ -207,6 +214,9 @@ def _loom_names(model: dict) -> list[str]:
         naming.MLP_OUTPUT_NORM_WEIGHT,
         naming.ROUTER_WEIGHT,
         *_STACKED_EXPERTS,
+        naming.SHARED_EXPERT_FC1_WEIGHT,
+        naming.SHARED_EXPERT_FC2_WEIGHT,
+        naming.SHARED_EXPERT_GATE_WEIGHT,
     )
     in_block = [local for local in every if optional.get(local, True)]
     return outside + [naming.block_param_name(i, local) for i in range(model["num_layers"]) for local in in_block]

@@ -467,7 +467,7 @@ def model_from_hf_config(hf: dict) -> dict:
         "activation": "squared_relu" if kind == "nemotron" else "swiglu",
         "position_embedding": "rope",
         "bias": False,
-        "qkv_bias": kind == "qwen2",
+        "qkv_bias": kind == "qwen2",  # qwen2_moe's: moe_fields
         "qk_norm": kind in ("qwen3", "olmo2", "qwen3_moe", "olmoe"),
         "qk_norm_per_head": kind not in ("olmo2", "olmoe"),  # they normalise the whole q and k projections
         "norm_placement": "output" if kind == "olmo2" else "input",

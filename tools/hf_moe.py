@@ -1,7 +1,9 @@
 """Mixture-of-experts forms in Hugging Face's files (tools/hf_forms.py and tools/hf.py ask here): Mixtral
-(MixtralForCausalLM), Qwen3-MoE (Qwen3MoeForCausalLM) and OLMoE (OlmoeForCausalLM) are Llamas whose every MLP is
-model.num_experts SwiGLU experts behind a linear router (model.moe_top_k, model.moe_norm_top_k); Qwen3-MoE adds
-Qwen3's per-head query/key norms, OLMoE norms over the whole query and key projections.
+(MixtralForCausalLM), Qwen3-MoE (Qwen3MoeForCausalLM), OLMoE (OlmoeForCausalLM) and Qwen2-MoE (Qwen2MoeForCausalLM,
+Qwen1.5-MoE's too) are Llamas whose every MLP is model.num_experts SwiGLU experts behind a linear router
+(model.moe_top_k, model.moe_norm_top_k); Qwen3-MoE adds Qwen3's per-head query/key norms, OLMoE norms over the whole
+query and key projections, Qwen2-MoE Qwen2's q/k/v biases and a gated shared expert (model.moe_shared_ffn_hidden_size,
+model.moe_shared_expert_gate).
 
 Their files name each expert's tensors apart (Mixtral: block_sparse_moe.experts.<e>.w1/w3/w2, the others:
 mlp.experts.<e>.gate_proj/up_proj/down_proj, as transformers 5 still saves them though it computes stacked ones);
@@ -13,7 +15,7 @@ from __future__ import annotations
 from loom.engine.checkpoint.format import CheckpointError
 from loom.engine.model import naming
 
-MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "olmoe")
+MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe")
 """config.json's model_type of each mixture-of-experts class import-hf reads."""
 
 EXPERT = "{expert}"
@@ -33,6 +35,12 @@ QWEN_MOE_IN_BLOCK = {
     naming.EXPERTS_FC2_WEIGHT: (f"mlp.experts.{EXPERT}.down_proj.weight",),
 }
 """Qwen3-MoE's and OLMoE's names."""
+QWEN2_MOE_IN_BLOCK = {
+    **QWEN_MOE_IN_BLOCK,
+    naming.SHARED_EXPERT_FC1_WEIGHT: ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"),
+    naming.SHARED_EXPERT_FC2_WEIGHT: ("mlp.shared_expert.down_proj.weight",),
+    naming.SHARED_EXPERT_GATE_WEIGHT: ("mlp.shared_expert_gate.weight",),
+}
 FUSED_EXPERTS_IN_BLOCK = {
     naming.ROUTER_WEIGHT: ("mlp.gate.weight",),
     naming.EXPERTS_FC1_WEIGHT: ("mlp.experts.gate_up_proj",),
@@ -52,6 +60,14 @@ _CLASS_DEFAULTS = {
         "moe_intermediate_size": 768,
     },
     "olmoe": {"num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": False, "router_aux_loss_coef": 0.01},
+    "qwen2_moe": {
+        "num_experts": 60,
+        "num_experts_per_tok": 4,
+        "norm_topk_prob": False,
+        "router_aux_loss_coef": 0.001,
+        "moe_intermediate_size": 1408,
+        "shared_expert_intermediate_size": 5632,
+    },
 }
 """MixtralConfig's, Qwen3MoeConfig's and OlmoeConfig's defaults (transformers 5.24) for what a file leaves out."""
 
@@ -87,16 +103,22 @@ def moe_fields(hf: dict) -> dict:
     all layers together, loom's 1 a block summed over the blocks: its router_aux_loss_coef is taken x top_k /
     layers, the same pull on the router (export converts it back)."""
     kind, experts, top_k = hf["model_type"], _experts_in_file(hf), hf["num_experts_per_tok"]
-    for name, value in (("number of experts", experts), ("num_experts_per_tok", top_k)):
+    shared = hf.get("shared_expert_intermediate_size") if kind == "qwen2_moe" else None
+    numbers = (("number of experts", experts), ("num_experts_per_tok", top_k))
+    for name, value in numbers + ((("shared_expert_intermediate_size", shared),) if kind == "qwen2_moe" else ()):
         if type(value) is not int or value < 1:
             raise CheckpointError(f"config.json's {name} is {value!r}, not a positive number")
-    return {
+    qwen = kind in ("qwen3_moe", "qwen2_moe")
+    fields = {
         "num_experts": experts,
         "moe_top_k": top_k,
         "moe_norm_top_k": True if kind == "mixtral" else bool(hf["norm_topk_prob"]),
         "moe_aux_loss_coeff": float(hf["router_aux_loss_coef"]) * top_k / hf["num_hidden_layers"],
-        "ffn_hidden_size": hf["moe_intermediate_size"] if kind == "qwen3_moe" else hf["intermediate_size"],
+        "ffn_hidden_size": hf["moe_intermediate_size"] if qwen else hf["intermediate_size"],
     }
+    if kind == "qwen2_moe":  # Qwen2's attention, biased q, k and v (transformers 5 lets a file say otherwise)
+        fields.update(moe_shared_ffn_hidden_size=shared, moe_shared_expert_gate=True, qkv_bias=hf.get("qkv_bias", True))
+    return fields
 
 
 def refuse_unrepresentable_moe(hf: dict) -> None:
@@ -104,14 +126,14 @@ def refuse_unrepresentable_moe(hf: dict) -> None:
     sparse ones, OLMoE's clipped QKV."""
     kind = hf["model_type"]
     step, dense = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers")
-    if kind == "qwen3_moe" and (step != 1 or dense):
+    if kind in ("qwen3_moe", "qwen2_moe") and (step != 1 or dense):
         said = ", ".join([f"decoder_sparse_step {step}"] * (step != 1) + [f"mlp_only_layers {dense}"] * bool(dense))
         raise CheckpointError(
             f"config.json gives some layers a dense MLP ({said}); every loom block of a mixture-of-experts model has "
             "experts"
         )
-    if kind == "qwen3_moe" and hf.get("use_sliding_window"):
-        raise CheckpointError("config.json sets use_sliding_window; loom's Qwen3-MoE import takes no sliding window")
+    if kind in ("qwen3_moe", "qwen2_moe") and hf.get("use_sliding_window"):
+        raise CheckpointError("config.json sets use_sliding_window; loom's Qwen-MoE imports take no sliding window")
     if kind == "olmoe" and hf.get("clip_qkv") is not None:
         raise CheckpointError(f"config.json clips q, k and v at {hf['clip_qkv']} (clip_qkv); loom does not clip them")
 
@@ -122,17 +144,24 @@ def moe_form_refusals(model: dict) -> dict:
     if model["num_experts"] is None:
         return {}
     olmoe = model["qk_norm"] and not model["qk_norm_per_head"]
+    shared = model["moe_shared_ffn_hidden_size"] is not None
     unlike = {
         "an activation other than swiglu": model["activation"] != "swiglu",
+        # only Qwen2-MoE has a shared expert, gated, beside q, k and v biases and no query/key norms
+        "a shared expert without its gate (Qwen2-MoE's)": shared and not model["moe_shared_expert_gate"],
+        "a shared expert without q/k/v biases (Qwen2-MoE's attention has them)": shared and not model["qkv_bias"],
+        "a shared expert with query/key norms": shared and model["qk_norm"],
         # OlmoeAttention sizes its query/key norms from hidden_size, whatever the heads' width
         "query/key norms across heads and heads other than hidden_size / num_heads wide": olmoe
         and model["head_dim"] * model["num_heads"] != model["hidden_size"],
         "rope_local_theta (Gemma 3's)": model["rope_local_theta"] is not None and model["sliding_window"] is not None,
-        "qkv_bias": model["qkv_bias"],
+        "qkv_bias without a shared expert (only Qwen2-MoE biases q, k and v)": model["qkv_bias"] and not shared,
         "norm_placement other than input": model["norm_placement"] != "input",
         "rotary_percent < 1": model["rotary_percent"] < 1,
-        "moe_norm_top_k = false without query/key norms (Mixtral renormalises)": not model["moe_norm_top_k"]
-        and not model["qk_norm"],
+        "moe_norm_top_k = false without query/key norms or a shared expert (Mixtral renormalises)": not model[
+            "moe_norm_top_k"
+        ]
+        and moe_generation(model) == "mixtral",
         "a sliding window with query/key norms (only Mixtral's windows export)": model["sliding_window"] is not None
         and model["qk_norm"],
         "a full_attention_interval": model["full_attention_interval"] is not None,
@@ -144,8 +173,10 @@ def moe_form_refusals(model: dict) -> dict:
 
 
 def moe_generation(model: dict) -> str:
-    """The model_type a mixture-of-experts model exports as: qwen3_moe with per-head query/key norms, olmoe with
-    norms over the whole projections, mixtral without."""
+    """The model_type a mixture-of-experts model exports as: qwen2_moe with a shared expert, qwen3_moe with
+    per-head query/key norms, olmoe with norms over the whole projections, mixtral without."""
+    if model["moe_shared_ffn_hidden_size"] is not None:
+        return "qwen2_moe"
     if not model["qk_norm"]:
         return "mixtral"
     return "qwen3_moe" if model["qk_norm_per_head"] else "olmoe"
@@ -154,7 +185,12 @@ def moe_generation(model: dict) -> str:
 def moe_architecture(model: dict) -> dict:
     """The config.json fields of a mixture-of-experts model's class (hf_config writes the shape around them)."""
     generation = moe_generation(model)
-    names = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
+    names = {
+        "mixtral": "MixtralForCausalLM",
+        "qwen3_moe": "Qwen3MoeForCausalLM",
+        "olmoe": "OlmoeForCausalLM",
+        "qwen2_moe": "Qwen2MoeForCausalLM",
+    }
     coefficient = model["moe_aux_loss_coeff"] * model["num_layers"] / model["moe_top_k"]  # moe_fields' inverse
     fields = {
         "architectures": [names[generation]],
@@ -169,5 +205,8 @@ def moe_architecture(model: dict) -> dict:
     if generation == "olmoe":  # OlmoeConfig's token ids default to OLMo's own (pad 1): none unless known
         return {**fields, "clip_qkv": None, **dict.fromkeys(_TOKEN_ID_FIELDS)}
     # every layer sparse, each expert model.ffn_hidden_size wide (intermediate_size: the dense layers', none here)
-    return {**fields, "moe_intermediate_size": model["ffn_hidden_size"], "decoder_sparse_step": 1,
-            "mlp_only_layers": [], "use_sliding_window": False}  # fmt: skip
+    fields.update(moe_intermediate_size=model["ffn_hidden_size"], decoder_sparse_step=1, mlp_only_layers=[],
+                  use_sliding_window=False)  # fmt: skip
+    if generation == "qwen2_moe":
+        fields.update(shared_expert_intermediate_size=model["moe_shared_ffn_hidden_size"], qkv_bias=True)
+    return fields

@@ -82,17 +82,25 @@ def _expert_bytes_per_token(m: ModelConfig, seq: int, mbs: int, tp: int, element
     (fp32 and their compute-dtype copy; renormalised: the top-k values and their sum too), the two int64 orders
     between tokens and sorted choices, and per choice (top_k of them) its gathered input, the expert MLP's
     activations as a dense MLP's (split by tp) and the expert's output; per micro-batch each expert's end row
-    (int32), the load-balancing loss's counts per sequence (fp32) and its gradient (measured on CPU). Compiled,
-    backward recomputes the weights, and the MLP keeps what a compiled dense one does."""
+    (int32), the load-balancing loss's counts per sequence (fp32) and its gradient; a shared expert's MLP as a dense
+    one's, and under its gate the shared output and the sigmoid (measured on CPU). Compiled, backward recomputes the
+    weights, and the MLPs keep what a compiled dense one does."""
     h, f, k, experts = m.hidden_size, m.ffn_hidden_size, m.moe_top_k, m.num_experts
-    fc1_output = 2 * f if m.gated_mlp else f
     weights = 0 if compiled else k * element + (4 * k + 4 if m.moe_norm_top_k else 0)
     routing = 4 * experts + 8 * k + weights + 16 * k
-    kept = fc1_output + f if compiled or not m.gated_mlp else fc1_output + 2 * f
-    per_choice = 2 * h * element + kept * element / tp
+
+    def mlp_kept(width: int) -> int:  # what an MLP of this width keeps besides its input (a dense one's)
+        first = 2 * width if m.gated_mlp else width
+        return first + width if compiled or not m.gated_mlp else first + 2 * width
+
+    per_choice = 2 * h * element + mlp_kept(f) * element / tp
+    shared = 0.0
+    if m.moe_shared_ffn_hidden_size is not None:  # every token's: its MLP; gated, its output and the gate's sigmoid
+        shared = mlp_kept(m.moe_shared_ffn_hidden_size) * element / tp
+        shared += (h + 1) * element if m.moe_shared_expert_gate else 0
     # the load-balancing loss's counts per sequence, and (eager) its fp32 gradient, kept until backward
     per_microbatch = 4 * experts + (4 * experts * mbs + (0 if compiled else 4) if m.moe_aux_loss_coeff else 0)
-    return routing + k * per_choice + per_microbatch / (seq * mbs)
+    return routing + k * per_choice + shared + per_microbatch / (seq * mbs)
 
 
 def _window_bytes_per_token(

@@ -151,11 +151,15 @@ def _block_parameters(m: ModelConfig, tp: int, sequence_parallel: bool) -> list[
         out += [_Param(q // tp), _Param(kv // tp)]
     sandwich = norm if m.norm_placement == "both" else []  # attention_output_norm's, then mlp_output_norm's
     out += [*sandwich, *norm, *sandwich]
-    if m.moe:  # the router (its gradient summed over TP), every expert's FC1 and FC2 (engine/model/moe.py)
+    if m.moe:  # the router (its gradient summed over TP), every expert's FC1 and FC2, a shared expert and its gate
         experts = m.num_experts
         out += [_matrix(experts, h, tp > 1)]
         out += [_Param(experts * fc1 // tp * h, shape=(experts, fc1 // tp, h))]
-        return out + [_Param(experts * h * f // tp, shape=(experts, h, f // tp))]
+        out += [_Param(experts * h * f // tp, shape=(experts, h, f // tp))]
+        if m.moe_shared_ffn_hidden_size is not None:  # the shared expert: a dense MLP's two matrices
+            shared = m.moe_shared_ffn_hidden_size
+            out += [_matrix((2 * shared if m.gated_mlp else shared) // tp, h), _matrix(h, shared // tp)]
+        return out + ([_matrix(1, h, tp > 1)] if m.moe_shared_expert_gate else [])
     out += [_matrix(fc1 // tp, h)] + ([_Param(fc1 // tp)] if m.bias else [])
     out += [_matrix(h, f // tp)] + ([_Param(h, sequence_parallel)] if m.bias else [])
     return out

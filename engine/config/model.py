@@ -112,6 +112,13 @@ class ModelConfig:
     """With model.num_experts: true weights a token's experts by their router probabilities renormalised over its
     top k (Mixtral; Qwen3-MoE's norm_topk_prob = true; Megatron's default, a softmax over the top k logits); false
     by the probabilities of the softmax over every expert (OLMoE, Qwen2-MoE; Megatron's --moe-router-pre-softmax)."""
+    moe_shared_ffn_hidden_size: int | None = None
+    """With model.num_experts: the width of a shared expert, an MLP every token passes through beside its routed
+    experts (Qwen2-MoE's shared_expert_intermediate_size, Megatron's --moe-shared-expert-intermediate-size); None:
+    none."""
+    moe_shared_expert_gate: bool = False
+    """With model.moe_shared_ffn_hidden_size: the shared expert's output scaled by sigmoid(x . w) per token (Qwen2-
+    MoE's shared_expert_gate, Megatron's --moe-shared-expert-gate)."""
     moe_aux_loss_coeff: float = 0.01
     """With model.num_experts: the weight of each block's load-balancing loss in the training loss (Switch
     Transformer's, Fedus et al. 2021, alpha = 0.01 there; Megatron's --moe-aux-loss-coeff): num_experts / top_k x
@@ -292,7 +299,12 @@ class ModelConfig:
         self._check_experts()
 
     def _check_experts(self) -> None:
-        check_positive("model", num_experts=self.num_experts, moe_top_k=self.moe_top_k)
+        check_positive(
+            "model",
+            num_experts=self.num_experts,
+            moe_top_k=self.moe_top_k,
+            moe_shared_ffn_hidden_size=self.moe_shared_ffn_hidden_size,
+        )
         if not 0.0 <= self.moe_aux_loss_coeff < math.inf:  # NaN fails too
             raise ConfigError(f"model.moe_aux_loss_coeff must be a number >= 0, got {self.moe_aux_loss_coeff}")
         if self.num_experts is None:
@@ -312,6 +324,11 @@ class ModelConfig:
             )
         if self.bias:
             raise ConfigError("model.num_experts with model.bias = true: loom's experts have no biases")
+        if self.moe_shared_expert_gate and self.moe_shared_ffn_hidden_size is None:
+            raise ConfigError(
+                "model.moe_shared_expert_gate gates a shared expert, and model.moe_shared_ffn_hidden_size is not set: "
+                "give the shared expert's width, or drop the gate"
+            )
         if self.moe_top_k == 1 and self.moe_norm_top_k:
             raise ConfigError(
                 "model.moe_top_k = 1 with model.moe_norm_top_k = true weighs each token's one expert by exactly 1: "
@@ -410,9 +427,9 @@ class ModelConfig:
 
     def check_tensor_parallel(self, tp: int) -> None:
         """Refuse a TP size the model's heads, KV heads or MLP do not split into (training, resharding, generation)."""
-        for name in ("num_heads", "num_kv_heads", "ffn_hidden_size"):
+        for name in ("num_heads", "num_kv_heads", "ffn_hidden_size", "moe_shared_ffn_hidden_size"):
             value = getattr(self, name)
-            if value % tp:
+            if value is not None and value % tp:
                 raise ConfigError(f"parallel.tp = {tp} must divide model.{name} = {value}")
 
 

@@ -115,6 +115,22 @@ class MoEMLP(torch.nn.Module):
         )
         self.experts.fc2 = torch.nn.Module()
         self.experts.fc2.weight = make_parameter(ShardSpec((e, h, f), 2), tp, ("normal", output_std))
+        self.shared_expert = self.shared_expert_gate = None
+        if config.moe_shared_ffn_hidden_size is not None:  # split over TP as a dense MLP; its partial sum joins theirs
+            width = config.moe_shared_ffn_hidden_size
+            shared_blocks = (width, width) if self.gated else (width,)
+            self.shared_expert = torch.nn.Module()
+            self.shared_expert.fc1 = torch.nn.Module()
+            self.shared_expert.fc1.weight = make_parameter(
+                ShardSpec((sum(shared_blocks), h), 0, shared_blocks), tp, ("normal", config.init_std)
+            )
+            self.shared_expert.fc2 = torch.nn.Module()
+            self.shared_expert.fc2.weight = make_parameter(ShardSpec((h, width), 1), tp, ("normal", output_std))
+        if config.moe_shared_expert_gate:  # scales each rank's partial sum: its gradient is partial too
+            self.shared_expert_gate = torch.nn.Module()
+            self.shared_expert_gate.weight = make_parameter(
+                ShardSpec((1, h)), tp, ("normal", config.init_std), tp_partial_grad=tp > 1
+            )
         self.aux_loss: torch.Tensor | None = None
         # a buffer: an input of a compiled block's graph, not a constant baked into it
         self.register_buffer("aux_loss_weight", torch.zeros((), dtype=torch.float32), persistent=False)
@@ -124,6 +140,15 @@ class MoEMLP(torch.nn.Module):
         super()._apply(fn, recurse)
         self.aux_loss_weight = self.aux_loss_weight.float()
         return self
+
+    def _shared_expert(self, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's partial sum of the shared expert's output for every token, gated where it has a gate."""
+        h = F.linear(tokens, self.shared_expert.fc1.weight.to(dtype))
+        h = self.activation(*h.chunk(2, dim=-1)) if self.gated else self.activation(h)
+        out = F.linear(h, self.shared_expert.fc2.weight.to(dtype))
+        if self.shared_expert_gate is None:
+            return out
+        return torch.sigmoid(F.linear(tokens, self.shared_expert_gate.weight.to(dtype))) * out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
@@ -156,7 +181,10 @@ class MoEMLP(torch.nn.Module):
         # back in token order, each token's k outputs summed by weight: no scatter-add (atomic, in no fixed order
         # on a GPU), and nothing of the sum kept for backward
         by_token = out[order.argsort()].view(-1, self.top_k, out.shape[-1])
-        combined = (by_token * weights.to(dtype).unsqueeze(-1)).sum(1).view_as(x)
+        combined = (by_token * weights.to(dtype).unsqueeze(-1)).sum(1)
+        if self.shared_expert is not None:
+            combined = combined + self._shared_expert(tokens, dtype)
+        combined = combined.view_as(x)
         if self.sequence_parallel:
             combined = mappings.reduce_scatter_to_sequence_region(combined, self.tp_group)
         else:
