@@ -61,7 +61,7 @@ NEWER_PIECES = {
     "gemma2": {"activation": "geglu", "norm_placement": "both", "sliding_window": 16, "full_attention_interval": 2,
                "attention_softcap": 20.0, "logits_softcap": 15.0},
     # a mixture of experts (2026-11-29): the experts' GEMMs grouped (torch._grouped_mm on Hopper), routed and summed
-    "moe": {"num_experts": 4, "moe_top_k": 2},
+    "moe": {"num_experts": 4, "moe_top_k": 2, "moe_shared_ffn_hidden_size": 128, "moe_shared_expert_gate": True},
 }  # fmt: skip
 
 
