@@ -93,7 +93,7 @@ LAYOUTS = {
 # pipeline equals the bf16 single rank (sending fp32 would carry an fp32 residual stream into later stages).
 TOLERANCE = {"pp2-vp2-bf16": 1e-6}
 # bf16 matmuls are slow on CPU: four steps (and one validation) show the same thing.
-LAYOUT_STEPS = {"pp2-vp2-bf16": 4}
+LAYOUT_STEPS = {"pp2-vp2-bf16": 4, "moe-pp2-tp2-dp2-sp-full": 4}
 # Fields that change the single-rank reference itself rather than the layout.
 MODEL_FIELDS = (
     "model__tie_embeddings",

@@ -152,7 +152,6 @@ ACTIVATION_CASES = (
         (2, True, "selective", "fp8", 1, "compiled gpt"),
         (1, False, "none", "fp32", 2, "moe"),
         (2, True, "none", "bf16", 1, "shared_moe"),
-        (2, False, "selective", "bf16", 1, "moe"),
         (1, False, "none", "bf16", 1, "compiled shared_moe"),
     ]
 )

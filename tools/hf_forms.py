@@ -395,7 +395,7 @@ def _refuse_unrepresentable(hf: dict) -> None:
     if hf.get("model_type") not in LLAMA_SHAPED_MODEL_TYPES:
         raise CheckpointError(
             f"model_type {hf.get('model_type')!r} is not {', '.join(LLAMA_SHAPED_MODEL_TYPES)} or gpt2; loom imports "
-            "Llama-, Mistral-, Qwen-, Phi-3-, Granite-, OLMo 2-, Nemotron-, Gemma-, Mixtral-, Qwen3-MoE-, OLMoE- and "
+            "Llama-, Mistral-, Qwen-, Phi-3-, Granite-, OLMo 2-, Nemotron-, Gemma-, Mixtral-, Qwen-MoE-, OLMoE- and "
             "GPT-2-format models"
         )
     for flag in ("attention_bias", "mlp_bias"):

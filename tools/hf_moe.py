@@ -69,7 +69,8 @@ _CLASS_DEFAULTS = {
         "shared_expert_intermediate_size": 5632,
     },
 }
-"""MixtralConfig's, Qwen3MoeConfig's and OlmoeConfig's defaults (transformers 5.24) for what a file leaves out."""
+"""MixtralConfig's, Qwen3MoeConfig's, OlmoeConfig's and Qwen2MoeConfig's defaults (transformers 5.24) for what a file
+leaves out."""
 
 _TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
@@ -122,8 +123,8 @@ def moe_fields(hf: dict) -> dict:
 
 
 def refuse_unrepresentable_moe(hf: dict) -> None:
-    """A mixture-of-experts config.json's settings loom cannot compute alike: Qwen3-MoE's dense layers among the
-    sparse ones, OLMoE's clipped QKV."""
+    """A mixture-of-experts config.json's settings loom cannot compute alike: the Qwen MoEs' dense layers among the
+    sparse ones and sliding windows, OLMoE's clipped QKV."""
     kind = hf["model_type"]
     step, dense = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers")
     if kind in ("qwen3_moe", "qwen2_moe") and (step != 1 or dense):
@@ -139,8 +140,8 @@ def refuse_unrepresentable_moe(hf: dict) -> None:
 
 
 def moe_form_refusals(model: dict) -> dict:
-    """What keeps a mixture-of-experts model (ModelConfig's fields) from exporting as Mixtral, Qwen3-MoE or OLMoE:
-    {why: True}."""
+    """What keeps a mixture-of-experts model (ModelConfig's fields) from exporting as Mixtral, Qwen3-MoE, OLMoE or
+    Qwen2-MoE: {why: True}."""
     if model["num_experts"] is None:
         return {}
     olmoe = model["qk_norm"] and not model["qk_norm_per_head"]
@@ -162,8 +163,8 @@ def moe_form_refusals(model: dict) -> dict:
             "moe_norm_top_k"
         ]
         and moe_generation(model) == "mixtral",
-        "a sliding window with query/key norms (only Mixtral's windows export)": model["sliding_window"] is not None
-        and model["qk_norm"],
+        "a sliding window (only Mixtral's export)": model["sliding_window"] is not None
+        and moe_generation(model) != "mixtral",
         "a full_attention_interval": model["full_attention_interval"] is not None,
         "soft-capping": model["attention_softcap"] is not None or model["logits_softcap"] is not None,
         "multipliers or an attention_scale": model["attention_scale"] is not None

@@ -71,10 +71,12 @@ ARCHITECTURE_MODEL_FIELDS = (
     "qk_norm_per_head",
     "tie_embeddings",
     "num_experts",
+    "moe_shared_ffn_hidden_size",
+    "moe_shared_expert_gate",
 )
 
 
-NONE_IS_A_MODEL = ("num_experts",)
+NONE_IS_A_MODEL = ("num_experts", "moe_shared_ffn_hidden_size")
 """Architecture fields whose default None is a model of its own (dense), not a value resolved from others."""
 
 

@@ -6,7 +6,8 @@ Tensor parallelism splits every expert as a dense MLP is split (Megatron's exper
 parallelism): each TP rank holds its slice of every expert's FC1 columns and FC2 rows, sees every token (gathered
 from the sequence shards under sequence parallelism) and routes them all identically, and adds its partial outputs
 into one [tokens, hidden] sum that is reduced once, as a dense MLP's output is. Everything inside that region is a
-partial sum on each rank, the router's gradient too: it is summed over the TP group (ParamInfo.tp_partial_grad),
+partial sum on each rank, the router's gradient too (a shared expert's gate's as well): it is summed over the TP
+group (ParamInfo.tp_partial_grad),
 and the load-balancing loss, the same on every rank, is back-propagated at 1 / tp of its weight on each
 (aux_loss_gradient), through the block's output (_LoadBalancingGradient).
 
