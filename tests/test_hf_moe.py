@@ -163,6 +163,10 @@ def test_transformers_5_s_own_stacked_layout_imports_with_its_logits(tmp_path):
         ({"qk_norm_per_head": False, "head_dim": 32}, "heads other than hidden_size / num_heads wide"),
         ({"sliding_window": 16, "rope_local_theta": 100.0}, "rope_local_theta (Gemma 3's)"),
         ({"moe_norm_top_k": False}, "moe_norm_top_k = false without query/key norms"),
+        (
+            {"sliding_window": 16, "moe_shared_ffn_hidden_size": 128, "moe_shared_expert_gate": True, "qkv_bias": True},
+            "a sliding window (only Mixtral's export)",
+        ),
     ],
 )
 def test_experts_a_hugging_face_class_cannot_compute_alike_are_refused_on_export(settings, refusal):

@@ -160,3 +160,9 @@ def test_a_checkpoint_from_before_experts_is_another_model_than_a_mixture_of_exp
     del saved["model"]["num_experts"]
     with pytest.raises(CheckpointError, match="model.num_experts = None there, 4 here"):
         check_same_model(tmp_path, saved, load_config("tiny", {"model": {"num_experts": 4}}))
+    # nor is one from before shared experts another model's with one (its tensors would be left unloaded)
+    experts = config_to_dict(load_config("tiny", {"model": {"num_experts": 4}}))
+    del experts["model"]["moe_shared_ffn_hidden_size"], experts["model"]["moe_shared_expert_gate"]
+    shared = {"num_experts": 4, "moe_shared_ffn_hidden_size": 64, "moe_shared_expert_gate": True}
+    with pytest.raises(CheckpointError, match="model.moe_shared_ffn_hidden_size = None there, 64 here"):
+        check_same_model(tmp_path, experts, load_config("tiny", {"model": shared}))
