@@ -124,9 +124,10 @@ class ModelConfig:
     Transformer's, Fedus et al. 2021, alpha = 0.01 there; Megatron's --moe-aux-loss-coeff): num_experts / top_k x
     sum over experts of (the fraction of a sequence's token choices it got) x (its mean router probability over the
     sequence), 1 when the load is even, averaged over the sequences (per sequence as DeepSeek's sequence-wise loss
-    and Megatron's seq_aux_loss, so that micro-batching and the parallel layout do not change it; Mixtral's
-    transformers code takes the whole batch). Logged as moe_aux_loss (summed over blocks, before this weight); 0
-    trains without it."""
+    and Megatron's seq_aux_loss, so that micro-batching and the parallel layout do not change it; transformers'
+    classes take the whole batch and all layers together, about top_k when even: import-hf converts their
+    router_aux_loss_coef x top_k / layers). Logged as moe_aux_loss (summed over blocks, before this weight); 0
+    trains without it. A LoRA run trains none (its router is frozen)."""
     sliding_window: int | None = None
     """Sliding-window attention: in the layers model.full_attention_interval leaves windowed, each position attends
     to itself and the sliding_window - 1 positions before it (Hugging Face's sliding_window; Mistral's 4096,
