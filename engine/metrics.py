@@ -168,6 +168,8 @@ def format_console_line(row: dict, total_steps: int | None = None, eta_s: float 
     ]
     if "moe_aux_loss" in row:  # summed over the blocks: 1 a block when the experts' load is even
         parts.append(f"moe aux {row['moe_aux_loss']:.3f}")
+    if "moe_z_loss" in row:
+        parts.append(f"moe z {row['moe_z_loss']:.3f}")
     parts += [f"{row['tokens_per_s']:,.0f} tok/s"]
     if row.get("mfu") is not None:
         parts.append(f"MFU {100 * row['mfu']:.1f}%")

@@ -154,6 +154,7 @@ TRAINING_NAMES: tuple[NameElsewhere, ...] = (
             ("--num-experts", "--model.num_experts"),
             ("--moe-router-topk", "--model.moe_top_k"),
             ("--moe-aux-loss-coeff", "--model.moe_aux_loss_coeff", "loom's loss is per sequence, as seq_aux_loss"),
+            ("--moe-z-loss-coeff", "--model.moe_z_loss_coeff"),
             (
                 "--moe-router-pre-softmax",
                 "--model.moe_norm_top_k false",

@@ -279,9 +279,13 @@ def adopt_lora_base(config: LoomConfig) -> None:
             f"lora.targets = {' '.join(config.lora.targets)}",
             flush=True,
         )
-    if config.model.moe and config.model.moe_aux_loss_coeff:  # as peft's fine-tunes of Mixtral and the others
-        config.model = dataclasses.replace(config.model, moe_aux_loss_coeff=0.0)
-        print("LoRA: the router is frozen: no load-balancing loss (model.moe_aux_loss_coeff = 0)", flush=True)
+    if config.model.router_losses:  # as peft's fine-tunes of Mixtral and the others
+        config.model = dataclasses.replace(config.model, moe_aux_loss_coeff=0.0, moe_z_loss_coeff=0.0)
+        print(
+            "LoRA: the router is frozen: no load-balancing loss or z-loss (model.moe_aux_loss_coeff and "
+            "model.moe_z_loss_coeff = 0)",
+            flush=True,
+        )
     config.check_experts()
     check_rank(config)
 

@@ -124,7 +124,7 @@ class Trainer:
             self.device,
             self._autocast,
             p2p_dtype=PARAM_DTYPES[t.precision],
-            moe_aux_loss_coeff=config.model.moe_aux_loss_coeff if config.model.moe else 0.0,
+            router_losses=config.model.router_losses,
         )
         self.checkpoints = checkpoints_of(t.run_dir)
         to_resume = self._checkpoint_to_resume()
@@ -429,10 +429,12 @@ class Trainer:
         stop_code = torch.full((), float(stop.code if stop is not None else 0), device=self.device)
         if stop is not None:
             dist.all_reduce(stop_code, op=dist.ReduceOp.MAX)
-        figures = [self._global_sum(loss_sum), squared_norm, stop_code]
-        if self.executor.moe_aux_loss_coeff:
-            figures.append(self._global_sum(self.executor.moe_aux_loss_sum))
-        loss, squared_norm, stop_code, *moe_aux_loss = torch.stack(figures).tolist()
+        zero = torch.zeros((), dtype=torch.float32, device=self.device)  # a rank whose blocks logged none
+        router_losses = self.config.model.router_loss_metrics
+        sums = [loss_sum, *(self.executor.router_loss_sums.get(name, zero) for name in router_losses)]
+        sums = self._global_sum(torch.stack(sums))  # the router losses ride on the loss's sum
+        figures = torch.cat([sums, torch.stack([squared_norm, stop_code])])
+        loss, *router_loss_values, squared_norm, stop_code = figures.tolist()
         if stop is not None:
             self._adopt_agreed_stop(stop, stop_code)
         if self.step + 1 in self.faults.nan_loss_at_steps:
@@ -446,8 +448,7 @@ class Trainer:
         # after an applied update): an fp16 run's early overflows then do not eat into the warmup.
         self.lr_position += 0.0 if result["skipped"] else step_share
         row = {"loss": loss, "lr": lr, "grad_norm": result["grad_norm"], "global_batch_size": global_batch}
-        if self.executor.moe_aux_loss_coeff:
-            row["moe_aux_loss"] = moe_aux_loss[0]
+        row.update(zip(router_losses, router_loss_values))
         if self.loss_scaler is not None:
             if self.loss_scaler.skipped_steps > skipped_before:
                 self._log_event(

@@ -333,6 +333,7 @@ BAD_OVERRIDES = [
     ["--model.num_experts", "4", "--model.moe_top_k", "0"],
     ["--model.num_experts", "4", "--model.moe_aux_loss_coeff", "nan"],
     ["--model.num_experts", "4", "--model.moe_aux_loss_coeff", "-0.01"],
+    ["--model.num_experts", "4", "--model.moe_z_loss_coeff", "nan"],
     ["--model.moe_top_k", "1"],
     ["--model.num_experts", "4", "--train.fp8", "current"],
     ["--model.num_experts", "4", "--model.moe_shared_ffn_hidden_size", "0"],

@@ -81,6 +81,7 @@ LAYOUTS = {
             model__num_experts=4,
             model__moe_shared_ffn_hidden_size=128,  # and a gated shared expert, whose partial sum joins theirs
             model__moe_shared_expert_gate=True,
+            model__moe_z_loss_coeff=0.01,  # and the router's z-loss, at 1 / tp on each TP rank as well
             parallel__pp=2,
             parallel__tp=2,
             parallel__sequence_parallel=True,
@@ -101,6 +102,7 @@ MODEL_FIELDS = (
     "model__num_experts",
     "model__moe_shared_ffn_hidden_size",
     "model__moe_shared_expert_gate",
+    "model__moe_z_loss_coeff",
 )
 
 

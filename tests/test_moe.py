@@ -5,6 +5,7 @@ Qwen3-MoE and OLMoE: test_hf_moe.py; layouts against one rank: test_layout_invar
 block: test_kernels.py.)"""
 
 import contextlib
+import math
 
 import pytest
 import torch
@@ -37,6 +38,14 @@ def test_grouped_expert_gemms_equal_a_gemm_per_expert_with_an_expert_that_gets_n
     assert not weight.grad[1].any()
 
 
+def test_the_router_z_loss_is_st_moe_s_by_hand():
+    """The mean over tokens of logsumexp(logits)^2: logits (0, 0) give ln 2, (ln 3, 0) give ln 4."""
+    from loom.engine.model.moe import router_z_loss
+
+    logits = torch.tensor([[0.0, 0.0], [math.log(3.0), 0.0]])
+    assert router_z_loss(logits).item() == pytest.approx((math.log(2) ** 2 + math.log(4) ** 2) / 2, rel=1e-6)
+
+
 def test_the_load_balancing_loss_is_switch_transformer_s_per_sequence_by_hand():
     """Per sequence: num_experts / top_k x sum_i (share of the token choices expert i got) x (its mean probability),
     then the mean over the sequences."""
@@ -53,6 +62,7 @@ def test_the_load_balancing_loss_is_switch_transformer_s_per_sequence_by_hand():
 
 MODEL = dict(num_layers=2, hidden_size=32, num_heads=4, ffn_hidden_size=64, vocab_size=96, num_experts=4)
 COEFF = 0.5  # large, so that a wrong weight of the loss shows in every gradient
+Z_COEFF = 0.05
 
 
 def _executor_gradients(rank, world):
@@ -60,7 +70,7 @@ def _executor_gradients(rank, world):
     from loom.engine.pipeline.executor import PipelineExecutor
     from loom.engine.pipeline.schedules import build_schedule
 
-    config = ModelConfig(**MODEL, moe_aux_loss_coeff=COEFF)
+    config = ModelConfig(**MODEL, moe_aux_loss_coeff=COEFF, moe_z_loss_coeff=Z_COEFF)
     model, twin = GPTModel(config, None), GPTModel(config, None)
     for m in (model, twin):
         initialize_parameters(m, seed=3, tp_rank=0, tp_size=1)
@@ -69,39 +79,43 @@ def _executor_gradients(rank, world):
     microbatches = [(torch.randint(0, 96, (2, 16), generator=generator),) * 2 for _ in range(3)]
     microbatches = [(tokens, torch.roll(tokens, -1, dims=1)) for tokens, _ in microbatches]
     executor = PipelineExecutor(
-        [model], state, (16, 2, 32), torch.device("cpu"), contextlib.nullcontext, torch.float32, COEFF
+        [model], state, (16, 2, 32), torch.device("cpu"), contextlib.nullcontext, torch.float32, router_losses=True
     )
     tokens_in_batch = 3 * 2 * 16
     executor.run(build_schedule(0, 1, 1, 3, False), microbatches, tokens_in_batch)
     # the documented loss: the mean over the batch's tokens of the cross entropy, plus COEFF x the mean over its
-    # sequences of each block's load-balancing loss summed over the blocks, that loss written here from each block's
-    # MLP input (the twin's own loss has a gradient of 0: its weight is never filled in)
+    # sequences of each block's load-balancing loss summed over the blocks, plus Z_COEFF x the mean over its tokens of
+    # each block's logsumexp(router logits)^2 summed over the blocks, both written here from each block's MLP input
+    # (the twin's own losses have a gradient of 0: their weight is never filled in)
     mlp_inputs = []
     for block in twin.layers.values():
         block.mlp.register_forward_pre_hook(lambda module, args: mlp_inputs.append((module, args[0])))
-    losses, balance = [], []
+    losses, balance, z = [], [], []
     for tokens, labels in microbatches:
         mlp_inputs.clear()
         losses.append(twin(tokens, labels).sum())
         for mlp, x in mlp_inputs:  # x [s, b, h]
-            probabilities = (x @ mlp.router.weight.t()).softmax(-1)
+            logits = x @ mlp.router.weight.t()
+            z.append((logits.exp().sum(-1).log() ** 2).sum())
+            probabilities = logits.softmax(-1)
             chosen = probabilities.topk(2, dim=-1).indices
             for sequence in range(x.shape[1]):
                 share = F.one_hot(chosen[:, sequence], 4).sum((0, 1)) / (16 * 2)  # of the sequence's choices
                 balance.append(4 * (share * probabilities[:, sequence].mean(0)).sum())
-    (sum(losses) / tokens_in_batch + COEFF * sum(balance) / 6).backward()
+    (sum(losses) / tokens_in_batch + COEFF * sum(balance) / 6 + Z_COEFF * sum(z) / tokens_in_batch).backward()
     return (
         [(name, p.grad, q.grad) for (name, p), q in zip(model.named_parameters(), twin.parameters())],
-        float(executor.moe_aux_loss_sum),
-        float(sum(balance) / 6),
+        {name: float(value) for name, value in executor.router_loss_sums.items()},
+        {"moe_aux_loss": float(sum(balance) / 6), "moe_z_loss": float(sum(z) / tokens_in_batch)},
     )
 
 
 def test_the_executor_back_propagates_the_documented_training_loss():
     """Every parameter's gradient after the pipeline executor's step equals autograd's of the training loss
-    model.moe_aux_loss_coeff documents, and the logged load-balancing loss is its mean per sequence."""
+    model.moe_aux_loss_coeff and model.moe_z_loss_coeff document, and the logged losses are their means per sequence
+    (summed over the blocks) and per token."""
     gradients, logged, expected = run_ranks(_executor_gradients, 1)[0]
-    assert logged == pytest.approx(expected, rel=1e-6) and logged > 1.0
+    assert logged == pytest.approx(expected, rel=1e-6) and logged["moe_aux_loss"] > 1.0
     for name, ours, theirs in gradients:
         torch.testing.assert_close(torch.as_tensor(ours), torch.as_tensor(theirs), rtol=1e-5, atol=1e-8, msg=name)
 
@@ -140,6 +154,8 @@ def test_a_router_far_from_uniform_weighs_a_token_s_experts_by_their_renormalise
         ({"num_experts": 0}, "model.num_experts must be positive"),
         ({"num_experts": 4, "moe_aux_loss_coeff": float("nan")}, "model.moe_aux_loss_coeff must be a number >= 0"),
         ({"num_experts": 4, "moe_aux_loss_coeff": -1.0}, "model.moe_aux_loss_coeff must be a number >= 0"),
+        ({"num_experts": 4, "moe_z_loss_coeff": float("inf")}, "model.moe_z_loss_coeff must be a number >= 0"),
+        ({"moe_z_loss_coeff": 0.001}, "model.moe_z_loss_coeff is set but model.num_experts is not"),
         ({"num_experts": 4, "bias": True}, "loom's experts have no biases"),
         ({"num_experts": 4, "moe_top_k": 1}, "the router would learn nothing from the loss"),
     ],

@@ -31,7 +31,10 @@ from loom.tools.plan_bytes import (
 from loom.tools.plan_traffic import step_traffic
 
 # experts, top 2 of 4, and a gated shared expert (Qwen2-MoE's)
-SHARED_MOE = {"num_experts": 4, "moe_top_k": 2, "moe_shared_ffn_hidden_size": 192, "moe_shared_expert_gate": True}
+SHARED_MOE = {
+    **{"num_experts": 4, "moe_top_k": 2, "moe_shared_ffn_hidden_size": 192, "moe_shared_expert_gate": True},
+    "moe_z_loss_coeff": 0.001,
+}
 
 STATE_LAYOUTS = {
     2: [
@@ -176,7 +179,7 @@ MODEL_VARIANTS = {
     "mistral": {"sliding_window": 16},
     "gemma2": {"activation": "geglu", "norm_placement": "both", "sliding_window": 16, "attention_softcap": 50.0},
     "capped": {"attention_softcap": 50.0},
-    "moe": {"num_experts": 4, "moe_top_k": 2},
+    "moe": {"num_experts": 4, "moe_top_k": 2, "moe_z_loss_coeff": 0.001},
     "shared_moe": SHARED_MOE,
     "gemma3": {
         "activation": "geglu",
@@ -394,8 +397,6 @@ TRAFFIC_LAYOUTS = {
         ({"tp": 2, "sequence_parallel": True}, {}, {"zero": 0}),
         ({"tp": 2, "sequence_parallel": True}, {"recompute": "full", **MODEL_VARIANTS["olmo2"]}, {"zero": 0}),
         ({"tp": 2, "sequence_parallel": True}, {"recompute": "full", **MODEL_VARIANTS["gemma3"]}, {"zero": 1}),
-        # the router's and the shared expert's gate's gradients summed over TP
-        ({"tp": 2, "sequence_parallel": True}, MODEL_VARIANTS["shared_moe"], {"zero": 1}),
         ({"pp": 2}, {"tie_embeddings": True}, {"zero": 0}),
         ({"pp": 2, "vp": 2}, {}, {"zero": 0}),
     ],
@@ -406,6 +407,9 @@ TRAFFIC_LAYOUTS = {
         ({"tp": 2, "sequence_parallel": True}, {}, {"zero": 1, **BF16_GRADS}),
         ({"pp": 2}, {"tie_embeddings": True}, {"zero": 0, **BF16_GRADS}),
         ({"tp": 2, "sequence_parallel": True}, {}, {"zero": 3}),
+        # the router's and the shared expert's gate's gradients summed over TP; the router losses ride on the loss's
+        # sum over DP
+        ({"tp": 2, "sequence_parallel": True}, MODEL_VARIANTS["shared_moe"], {"zero": 1}),
         ({"pp": 2}, {"tie_embeddings": True}, {"zero": 3}),
         ({"cp": 2, "tp": 2, "sequence_parallel": True}, {"recompute": "full"}, {"zero": 1}),
         ({"cp": 2, "pp": 2}, {}, {"zero": 2}),

@@ -82,9 +82,10 @@ def _expert_bytes_per_token(m: ModelConfig, seq: int, mbs: int, tp: int, element
     (fp32 and their compute-dtype copy; renormalised: the top-k values and their sum too), the two int64 orders
     between tokens and sorted choices, and per choice (top_k of them) its gathered input, the expert MLP's
     activations as a dense MLP's (split by tp) and the expert's output; per micro-batch each expert's end row
-    (int32), the load-balancing loss's counts per sequence (fp32) and its gradient; a shared expert's MLP as a dense
-    one's, and under its gate the shared output and the sigmoid (measured on CPU). Compiled, backward recomputes the
-    weights, and the MLPs keep what a compiled dense one does."""
+    (int32), the load-balancing loss's counts per sequence (fp32) and the router losses' gradient; with the z-loss the
+    fp32 logits and their logsumexp; a shared expert's MLP as a dense one's, and under its gate the shared output and
+    the sigmoid (measured on CPU). Compiled, backward recomputes the weights and the logits, and the MLPs keep what a
+    compiled dense one does."""
     h, f, k, experts = m.hidden_size, m.ffn_hidden_size, m.moe_top_k, m.num_experts
     weights = 0 if compiled else k * element + (4 * k + 4 if m.moe_norm_top_k else 0)
     routing = 4 * experts + 8 * k + weights + 16 * k
@@ -98,9 +99,13 @@ def _expert_bytes_per_token(m: ModelConfig, seq: int, mbs: int, tp: int, element
     if m.moe_shared_ffn_hidden_size is not None:  # every token's: its MLP; gated, its output and the gate's sigmoid
         shared = mlp_kept(m.moe_shared_ffn_hidden_size) * element / tp
         shared += (h + 1) * element if m.moe_shared_expert_gate else 0
-    # the load-balancing loss's counts per sequence, and (eager) its fp32 gradient, kept until backward
-    per_microbatch = 4 * experts + (4 * experts * mbs + (0 if compiled else 4) if m.moe_aux_loss_coeff else 0)
-    return routing + k * per_choice + shared + per_microbatch / (seq * mbs)
+    # the load-balancing loss's counts per sequence, and (eager) the router losses' fp32 gradient, kept until backward
+    per_microbatch = 4 * experts + (4 * experts * mbs if m.moe_aux_loss_coeff else 0)
+    per_microbatch += 4 if (m.moe_z_loss_coeff if compiled else m.router_losses) else 0  # (compiled: the z-loss's)
+    z_loss = 0.0
+    if m.moe_z_loss_coeff:  # the fp32 logits (eager) and their logsumexp per token
+        z_loss = 4 if compiled else 4 * experts + 4
+    return routing + k * per_choice + shared + z_loss + per_microbatch / (seq * mbs)
 
 
 def _window_bytes_per_token(

@@ -64,7 +64,7 @@ def step_traffic(config: LoomConfig, lay: Layout, pp_rank: int = 0) -> dict[tupl
             # and the whole (deferred) ones once after the step as ZeRO 1 and 2 gather everything
             gathered = 2 * microbatches * (total - deferred) + deferred if lay.zero == 3 else total
             traffic[(grad_group, "all_gather", dtype)] += element * gathered
-        traffic[(grad_group, "all_reduce", "float32")] += 4  # the loss sum
+        traffic[(grad_group, "all_reduce", "float32")] += 4 * (1 + len(m.router_loss_metrics))  # the loss sums
     local = t.seq_length // lay.cp
     tokens = local * lay.micro_batch_size
     if lay.cp > 1:
@@ -96,7 +96,7 @@ def step_traffic(config: LoomConfig, lay: Layout, pp_rank: int = 0) -> dict[tupl
         transfers = sum((stage > 0) + (stage < stages - 1) for stage in chunks)
         for op in ("send", "recv"):
             traffic[("pp", op, dtype)] += microbatches * transfers * hidden
-        traffic[("pp", "all_reduce", "float32")] += 4  # the loss sum
+        traffic[("pp", "all_reduce", "float32")] += 4 * (1 + len(m.router_loss_metrics))  # the loss sums
         if tied := _tied_embedding_elements(m, lay, chunks):
             traffic[("embedding", "all_reduce", grad_dtype)] += grad_bytes * tied
     if lay.tp * lay.pp * lay.replicas > 1:

@@ -48,6 +48,7 @@ FUNCTIONAL_MODEL_FIELDS = (
     "moe_top_k",
     "moe_norm_top_k",
     "moe_aux_loss_coeff",  # no computation, but an imported model's (its router_aux_loss_coef) stays with it
+    "moe_z_loss_coeff",
 )
 
 # Model settings that decide which tensors a checkpoint holds, their shapes or what the block computes with them.

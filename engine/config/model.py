@@ -128,6 +128,10 @@ class ModelConfig:
     classes take the whole batch and all layers together, about top_k when even: import-hf converts their
     router_aux_loss_coef x top_k / layers). Logged as moe_aux_loss (summed over blocks, before this weight); 0
     trains without it. A LoRA run trains none (its router is frozen)."""
+    moe_z_loss_coeff: float = 0.0
+    """With model.num_experts: the weight of each block's router z-loss (ST-MoE's, Zoph et al. 2022: the mean over
+    tokens of logsumexp(router logits)^2, which keeps the logits small; Megatron's --moe-z-loss-coeff, OLMoE trained
+    with 0.001). Logged as moe_z_loss (summed over blocks, before this weight); 0 trains without it."""
     sliding_window: int | None = None
     """Sliding-window attention: in the layers model.full_attention_interval leaves windowed, each position attends
     to itself and the sliding_window - 1 positions before it (Hugging Face's sliding_window; Mistral's 4096,
@@ -306,8 +310,9 @@ class ModelConfig:
             moe_top_k=self.moe_top_k,
             moe_shared_ffn_hidden_size=self.moe_shared_ffn_hidden_size,
         )
-        if not 0.0 <= self.moe_aux_loss_coeff < math.inf:  # NaN fails too
-            raise ConfigError(f"model.moe_aux_loss_coeff must be a number >= 0, got {self.moe_aux_loss_coeff}")
+        for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+            if not 0.0 <= getattr(self, name) < math.inf:  # NaN fails too
+                raise ConfigError(f"model.{name} must be a number >= 0, got {getattr(self, name)}")
         if self.num_experts is None:
             given = [
                 f.name for f in fields(self) if f.name.startswith("moe_") and getattr(self, f.name) != field_default(f)
@@ -386,6 +391,20 @@ class ModelConfig:
     def moe(self) -> bool:
         """Whether each block's MLP is a mixture of experts (model.num_experts)."""
         return self.num_experts is not None
+
+    @property
+    def router_loss_metrics(self) -> list[str]:
+        """The router losses (load balancing, z-loss) training adds to a mixture of experts' loss, by their metrics'
+        names, in the order every rank sums them."""
+        if not self.moe:
+            return []
+        weights = (("moe_aux_loss", self.moe_aux_loss_coeff), ("moe_z_loss", self.moe_z_loss_coeff))
+        return [name for name, weight in weights if weight]
+
+    @property
+    def router_losses(self) -> bool:
+        """Whether training adds a router loss to the loss (router_loss_metrics)."""
+        return bool(self.router_loss_metrics)
 
     @property
     def biased_qkv(self) -> bool:

@@ -199,21 +199,22 @@ class GPTModel(torch.nn.Module):
             gather.after_forward(unit, output, previous=units[-1] if units else None)
         return output
 
-    def take_moe_aux_loss(self) -> torch.Tensor | None:
-        """The sum of this chunk's load-balancing losses (model.num_experts) of its last training forward, which
-        the blocks then let go of; None without any."""
-        losses = []
+    def take_router_losses(self) -> dict[str, torch.Tensor]:
+        """This chunk's router losses (model.num_experts: moe_aux_loss, moe_z_loss) of its last training forward,
+        each summed over the blocks, which then let go of them; empty without any."""
+        sums: dict[str, torch.Tensor] = {}
         for block in self.layers.values():
-            if getattr(block.mlp, "aux_loss", None) is not None:
-                losses.append(block.mlp.aux_loss)
-                block.mlp.aux_loss = None
-        return torch.stack(losses).sum() if losses else None
+            for name, value in getattr(block.mlp, "router_losses", {}).items():
+                sums[name] = sums[name] + value if name in sums else value
+            if hasattr(block.mlp, "router_losses"):
+                block.mlp.router_losses = {}
+        return sums
 
-    def set_moe_aux_loss_weight(self, weight: float) -> None:
-        """The gradient each block's load-balancing loss back-propagates with (engine/model/moe.aux_loss_gradient)."""
+    def set_router_loss_weight(self, weight: float) -> None:
+        """The gradient each block's router losses back-propagate with (engine/model/moe.router_loss_gradient)."""
         for block in self.layers.values():
-            if hasattr(block.mlp, "aux_loss_weight"):
-                block.mlp.aux_loss_weight.fill_(weight)
+            if hasattr(block.mlp, "router_loss_weight"):
+                block.mlp.router_loss_weight.fill_(weight)
 
     def _embedding_dropout(self, hidden: torch.Tensor) -> torch.Tensor:
         # Megatron drops the embedding's output at --hidden-dropout, as GPT-2 does (embd_pdrop)

@@ -8,8 +8,8 @@ from the sequence shards under sequence parallelism) and routes them all identic
 into one [tokens, hidden] sum that is reduced once, as a dense MLP's output is. Everything inside that region is a
 partial sum on each rank, the router's gradient too (a shared expert's gate's as well): it is summed over the TP
 group (ParamInfo.tp_partial_grad),
-and the load-balancing loss, the same on every rank, is back-propagated at 1 / tp of its weight on each
-(aux_loss_gradient), through the block's output (_LoadBalancingGradient).
+and the router's losses (load balancing, z-loss), the same on every rank, are back-propagated at 1 / tp of their
+weight on each (router_loss_gradient), through the block's output (_RouterLossGradient).
 
 The experts' GEMMs are grouped: the token choices are sorted by expert and each expert multiplies its contiguous
 rows (torch._grouped_mm, one kernel for all experts on a Hopper GPU, and static shapes, so a compiled block stays
@@ -69,13 +69,19 @@ def load_balancing_loss(probabilities: torch.Tensor, chosen: torch.Tensor, num_e
     return per_sequence.mean()
 
 
-class _LoadBalancingGradient(torch.autograd.Function):
-    """Identity on a block's MLP output whose backward also gives the block's load-balancing loss its gradient,
-    `weight` (aux_loss_gradient's, filled in before each step): the loss trains the router from whichever pipeline
-    stage holds the block, recomputed or not, and nothing keeps it past its block's backward."""
+def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE's router z-loss (Zoph et al. 2022): the mean over tokens of logsumexp(logits)^2, `logits` [tokens,
+    experts] in fp32; per token, so micro-batching does not change it."""
+    return torch.logsumexp(logits, dim=-1).square().mean()
+
+
+class _RouterLossGradient(torch.autograd.Function):
+    """Identity on a block's MLP output whose backward also gives the block's router losses (their weighted sum) a
+    gradient, `weight` (router_loss_gradient's, filled in before each step): they train the router from whichever
+    pipeline stage holds the block, recomputed or not, and nothing keeps them past the block's backward."""
 
     @staticmethod
-    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, output: torch.Tensor, router_loss: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(weight)
         return output
 
@@ -85,24 +91,25 @@ class _LoadBalancingGradient(torch.autograd.Function):
         return grad, weight.clone(), None
 
 
-def aux_loss_gradient(coeff: float, share: float, loss_scale: float, tp: int) -> float:
-    """The gradient a micro-batch's load-balancing losses (summed over its blocks) are back-propagated with: the
-    training loss is the mean over the global batch's tokens, so each micro-batch's losses count by its `share`
-    of them; x the fp16 loss scale as the rest of the loss; / tp since every TP rank computes the same loss and
-    their gradients are summed (module docstring)."""
-    return coeff * share * loss_scale / tp
+def router_loss_gradient(share: float, loss_scale: float, tp: int) -> float:
+    """The gradient a micro-batch's router losses (each block's, weighted by its coefficients) are back-propagated
+    with: the training loss is the mean over the global batch's tokens, so each micro-batch's losses count by its
+    `share` of them; x the fp16 loss scale as the rest of the loss; / tp since every TP rank computes the same loss
+    and their gradients are summed (module docstring)."""
+    return share * loss_scale / tp
 
 
 class MoEMLP(torch.nn.Module):
-    """The experts and their router, in place of a block's MLP. After a training forward, `aux_loss` holds the
-    micro-batch's load-balancing loss (its value, for the metrics; None when model.moe_aux_loss_coeff is 0); its
-    gradient is `aux_loss_weight`, which the pipeline executor fills in before each step."""
+    """The experts and their router, in place of a block's MLP. After a training forward, `router_losses` holds the
+    micro-batch's load-balancing loss and z-loss by metric name (their values, for the metrics; those whose
+    coefficient is not 0); the gradient of their weighted sum is `router_loss_weight`, which the pipeline executor
+    fills in before each step."""
 
     def __init__(self, config: ModelConfig, tp_group, sequence_parallel: bool, output_std: float, activation):
         super().__init__()
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         self.num_experts, self.top_k, self.norm_top_k = config.num_experts, config.moe_top_k, config.moe_norm_top_k
-        self.uses_aux_loss = config.moe_aux_loss_coeff > 0
+        self.aux_loss_coeff, self.z_loss_coeff = config.moe_aux_loss_coeff, config.moe_z_loss_coeff
         self.gated, self.activation = config.gated_mlp, activation
         tp = mappings.group_size(tp_group)
         h, f, e = config.hidden_size, config.ffn_hidden_size, config.num_experts
@@ -132,14 +139,14 @@ class MoEMLP(torch.nn.Module):
             self.shared_expert_gate.weight = make_parameter(
                 ShardSpec((1, h)), tp, ("normal", config.init_std), tp_partial_grad=tp > 1
             )
-        self.aux_loss: torch.Tensor | None = None
+        self.router_losses: dict[str, torch.Tensor] = {}
         # a buffer: an input of a compiled block's graph, not a constant baked into it
-        self.register_buffer("aux_loss_weight", torch.zeros((), dtype=torch.float32), persistent=False)
+        self.register_buffer("router_loss_weight", torch.zeros((), dtype=torch.float32), persistent=False)
 
     def _apply(self, fn, recurse: bool = True):
-        """As torch's, but the gradient of the (fp32) load-balancing loss stays fp32 when the model is cast."""
+        """As torch's, but the gradient of the (fp32) router losses stays fp32 when the model is cast."""
         super()._apply(fn, recurse)
-        self.aux_loss_weight = self.aux_loss_weight.float()
+        self.router_loss_weight = self.router_loss_weight.float()
         return self
 
     def _shared_expert(self, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -151,6 +158,24 @@ class MoEMLP(torch.nn.Module):
             return out
         return torch.sigmoid(F.linear(tokens, self.shared_expert_gate.weight.to(dtype))) * out
 
+    def _router_loss(
+        self, shape: torch.Size, logits: torch.Tensor, probabilities: torch.Tensor, chosen: torch.Tensor
+    ) -> torch.Tensor | None:
+        """The weighted sum of the router's losses for this micro-batch (`shape`: its [s, b]), their values kept in
+        router_losses; None where both coefficients are 0."""
+        self.router_losses = {}
+        total = None
+        if self.aux_loss_coeff:
+            s, b = shape
+            balance = load_balancing_loss(probabilities.view(s, b, -1), chosen.view(s, b, -1), self.num_experts)
+            self.router_losses["moe_aux_loss"] = balance.detach()
+            total = self.aux_loss_coeff * balance
+        if self.z_loss_coeff:
+            z = router_z_loss(logits)
+            self.router_losses["moe_z_loss"] = z.detach()
+            total = self.z_loss_coeff * z if total is None else total + self.z_loss_coeff * z
+        return total
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
             x = mappings.gather_from_sequence_region(x, self.tp_group)
@@ -160,15 +185,12 @@ class MoEMLP(torch.nn.Module):
         device = tokens.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else tokens.dtype
         tokens = tokens.to(dtype)
-        probabilities = F.linear(tokens, self.router.weight.to(dtype)).float().softmax(-1)
+        logits = F.linear(tokens, self.router.weight.to(dtype)).float()
+        probabilities = logits.softmax(-1)
         weights, chosen = probabilities.topk(self.top_k, dim=-1)
         if self.norm_top_k:
             weights = weights / weights.sum(-1, keepdim=True)
-        aux_loss = self.aux_loss = None
-        if self.training and self.uses_aux_loss:
-            s, b = x.shape[:2]
-            aux_loss = load_balancing_loss(probabilities.view(s, b, -1), chosen.view(s, b, -1), self.num_experts)
-            self.aux_loss = aux_loss.detach()
+        router_loss = self._router_loss(x.shape[:2], logits, probabilities, chosen) if self.training else None
         # the token choices sorted by expert, each expert's rows contiguous
         order = chosen.flatten().argsort(stable=True)
         per_expert = F.one_hot(chosen.flatten(), self.num_experts).sum(0)
@@ -190,6 +212,6 @@ class MoEMLP(torch.nn.Module):
             combined = mappings.reduce_scatter_to_sequence_region(combined, self.tp_group)
         else:
             combined = mappings.reduce_from_tensor_region(combined, self.tp_group)
-        if aux_loss is None or not torch.is_grad_enabled():
+        if router_loss is None or not torch.is_grad_enabled():
             return combined
-        return _LoadBalancingGradient.apply(combined, aux_loss, self.aux_loss_weight)
+        return _RouterLossGradient.apply(combined, router_loss, self.router_loss_weight)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from loom.engine.model.moe import aux_loss_gradient
+from loom.engine.model.moe import router_loss_gradient
 from loom.engine.parallel.state import ParallelState
 from loom.engine.pipeline.p2p import run_exchange
 from loom.engine.pipeline.schedules import Compute, Exchange, Op
@@ -41,14 +41,15 @@ class PipelineExecutor:
         device: torch.device,
         autocast: Callable[[], contextlib.AbstractContextManager],
         p2p_dtype: torch.dtype = torch.float32,
-        moe_aux_loss_coeff: float = 0.0,
+        router_losses: bool = False,
     ):
-        """`moe_aux_loss_coeff`: the weight of the chunks' load-balancing losses (model.moe_aux_loss_coeff)."""
+        """`router_losses`: whether the chunks' blocks add router losses to the loss (ModelConfig.router_losses)."""
         self.chunks, self.state, self.device, self.autocast = chunks, state, device, autocast
-        self.moe_aux_loss_coeff = moe_aux_loss_coeff
-        self.moe_aux_loss_sum = torch.zeros((), dtype=torch.float32, device=device)
-        """This rank's share of the last run's load-balancing loss: each micro-batch's (summed over this rank's
-        blocks) by its share of the batch's tokens; summed over DP, CP and the pipeline, the mean per micro-batch."""
+        self.router_losses = router_losses
+        self.router_loss_sums: dict[str, torch.Tensor] = {}
+        """This rank's share of the last run's router losses, by metric name: each micro-batch's (summed over this
+        rank's blocks) by its share of the batch's tokens; summed over DP, CP and the pipeline, the mean per
+        micro-batch."""
         self.hidden_shape = hidden_shape
         self.p2p_dtype = p2p_dtype
         """What crosses stage boundaries: the compute dtype, as Megatron sends (half the bytes of fp32 under bf16)."""
@@ -77,13 +78,12 @@ class PipelineExecutor:
         times replace `self.timeline`. The last stage back-propagates loss * loss_scale (fp16).
         """
         total = torch.zeros((), dtype=torch.float32, device=self.device)
-        self.moe_aux_loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        self.router_loss_sums = {}
         inputs, outputs, outgoing, received = {}, {}, {}, {}
         share = microbatches[0][0].numel() / tokens_in_batch if microbatches else 0.0  # every micro-batch's
-        if self.moe_aux_loss_coeff:
-            weight = aux_loss_gradient(self.moe_aux_loss_coeff, share, loss_scale, self.state.tp_size)
+        if self.router_losses:
             for chunk in self.chunks:
-                chunk.set_moe_aux_loss_weight(weight)
+                chunk.set_router_loss_weight(router_loss_gradient(share, loss_scale, self.state.tp_size))
         live = self.peak_live = 0
         last_microbatch = len(microbatches) - 1
         if record:
@@ -107,9 +107,8 @@ class PipelineExecutor:
             key, stage = (op.microbatch, op.chunk), self._stage(op.chunk)
             if op.kind == "F":
                 output, hidden = self._forward(op, stage, microbatches, received, tokens_in_batch)
-                aux_loss = self.chunks[op.chunk].take_moe_aux_loss() if self.moe_aux_loss_coeff else None
-                if aux_loss is not None:
-                    self.moe_aux_loss_sum += aux_loss * share
+                for name, value in (self.chunks[op.chunk].take_router_losses() if self.router_losses else {}).items():
+                    self.router_loss_sums[name] = self.router_loss_sums.get(name, 0.0) + value * share
                 if stage == self.num_stages - 1:
                     total += output.detach()
                 else:
