@@ -32,7 +32,7 @@ def preflight(config: LoomConfig, world_size: int, training: bool = True, ranks_
 
     adopt_lora_base(config)
     adopted = adopt_settings_of_the_checkpoint_to_resume(config, say=False)  # what the checks below check against
-    config.check_experts()  # the checkpoint's model may have experts the config's did not
+    config.check_experts()  # the LoRA base's or the checkpoint's model may have experts the config's did not
     config.resolve_world(world_size)
     if config.model.kernels == "te" or config.train.fp8 != "off" or config.model.attention_backend != "auto":
         import torch
@@ -286,7 +286,6 @@ def adopt_lora_base(config: LoomConfig) -> None:
             "model.moe_z_loss_coeff = 0)",
             flush=True,
         )
-    config.check_experts()
     check_rank(config)
 
 

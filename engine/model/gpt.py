@@ -206,8 +206,7 @@ class GPTModel(torch.nn.Module):
         for block in self.layers.values():
             for name, value in getattr(block.mlp, "router_losses", {}).items():
                 sums[name] = sums[name] + value if name in sums else value
-            if hasattr(block.mlp, "router_losses"):
-                block.mlp.router_losses = {}
+            block.mlp.router_losses = {}
         return sums
 
     def set_router_loss_weight(self, weight: float) -> None:

@@ -57,6 +57,13 @@ def _grouped_mm_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.dtype == torch.bfloat16 or not compiling
 
 
+def _counts(indices: torch.Tensor, bins: int) -> torch.Tensor:
+    """How often each of 0..bins-1 occurs in `indices` (int64), a static shape (bincount's depends on the values,
+    which a compiled graph cannot take), without a one-hot tensor of every index x every bin."""
+    flat = indices.flatten()
+    return torch.zeros(bins, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def load_balancing_loss(probabilities: torch.Tensor, chosen: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Switch Transformer's auxiliary loss, per sequence (DeepSeek's sequence-wise balance loss, Megatron's
     seq_aux_loss), as Megatron weighs it: num_experts / top_k x sum over experts of (its share of the sequence's
@@ -64,7 +71,9 @@ def load_balancing_loss(probabilities: torch.Tensor, chosen: torch.Tensor, num_e
     as much probability; the mean over the micro-batch's sequences. Per sequence, so that how a batch is cut into
     micro-batches does not change it. `probabilities` [s, b, experts] (fp32), `chosen` [s, b, top_k]."""
     s, b, top_k = chosen.shape
-    choices = F.one_hot(chosen, num_experts).sum((0, 2)).to(probabilities.dtype)  # [b, experts], no gradient: counts
+    sequence = torch.arange(b, device=chosen.device).view(1, b, 1)
+    choices = _counts(sequence * num_experts + chosen, b * num_experts).view(b, num_experts)  # no gradient: counts
+    choices = choices.to(probabilities.dtype)
     per_sequence = num_experts / (s * top_k) * (choices * probabilities.mean(0)).sum(-1)
     return per_sequence.mean()
 
@@ -193,8 +202,7 @@ class MoEMLP(torch.nn.Module):
         router_loss = self._router_loss(x.shape[:2], logits, probabilities, chosen) if self.training else None
         # the token choices sorted by expert, each expert's rows contiguous
         order = chosen.flatten().argsort(stable=True)
-        per_expert = F.one_hot(chosen.flatten(), self.num_experts).sum(0)
-        ends = per_expert.cumsum(0).to(torch.int32)
+        ends = _counts(chosen, self.num_experts).cumsum(0).to(torch.int32)
         # each token copied for its k choices, then permuted: backward writes each row once and sums over k in a
         # fixed order (indexing by order // k would accumulate a token's k rows atomically on a GPU)
         chosen_tokens = tokens.unsqueeze(1).expand(-1, self.top_k, -1).reshape(-1, tokens.shape[-1])[order]

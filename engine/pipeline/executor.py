@@ -82,8 +82,9 @@ class PipelineExecutor:
         inputs, outputs, outgoing, received = {}, {}, {}, {}
         share = microbatches[0][0].numel() / tokens_in_batch if microbatches else 0.0  # every micro-batch's
         if self.router_losses:
+            weight = router_loss_gradient(share, loss_scale, self.state.tp_size)
             for chunk in self.chunks:
-                chunk.set_router_loss_weight(router_loss_gradient(share, loss_scale, self.state.tp_size))
+                chunk.set_router_loss_weight(weight)
         live = self.peak_live = 0
         last_microbatch = len(microbatches) - 1
         if record:
