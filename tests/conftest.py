@@ -21,6 +21,10 @@ def pytest_collection_modifyitems(config, items):
 
     if torch.cuda.is_available():
         return
+    # Compiled blocks through inductor's decompositions and partitioner, the same graphs and saves, run by eager
+    # kernels: inductor's C++ ones (not what a GPU runs) cost most of a CPU compile (engine/model/compiling.py).
+    # The compiled loss and the norm and activation kernels still compile with inductor.
+    os.environ.setdefault("LOOM_COMPILE_BACKEND", "aot_eager_decomp_partition")
     skip = pytest.mark.skip(reason="needs a CUDA device (pytest -m gpu runs these where there is one)")
     for item in items:
         if "gpu" in item.keywords:

@@ -132,6 +132,34 @@ def _fake_import(error: Exception):
     return fake
 
 
+def test_the_blocks_compile_with_the_backend_loom_compile_backend_names(monkeypatch):
+    """LOOM_COMPILE_BACKEND (the suite runs aot_eager_decomp_partition on CPU) reaches every block's compile, and the
+    kernels line says it; a name torch.compile does not know is one line when the model is built."""
+    from loom.errors import LoomError
+
+    graphs = []
+
+    def counting(graph, inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    torch._dynamo.register_backend(counting, name="loom_test_counting")
+    monkeypatch.setenv("LOOM_COMPILE_BACKEND", "loom_test_counting")
+    config = tiny(model={"compile": True, "num_layers": 2})
+    chosen = choose_kernels(config, CPU)
+    assert "(blocks by loom_test_counting: LOOM_COMPILE_BACKEND)" in chosen.activation.why
+    model = GPTModel(config.model, None, kernels=chosen)
+    initialize_parameters(model, seed=0, tp_rank=0, tp_size=1)
+    torch._dynamo.reset()
+    hidden, rotary = torch.randn(16, 1, 128, requires_grad=True), model._rotary(16, CPU, False)
+    for block in model.layers.values():  # the blocks alone: the compiled loss is inductor's (and seconds)
+        block(hidden, rotary, None, None).sum().backward()
+    assert len(graphs) == 1  # one graph, for both blocks
+    monkeypatch.setenv("LOOM_COMPILE_BACKEND", "nonsense")
+    with pytest.raises(LoomError, match="^LOOM_COMPILE_BACKEND=nonsense is not a torch.compile backend: unset it"):
+        GPTModel(config.model, None, kernels=chosen)
+
+
 def test_import_guard_reports_missing_and_broken_packages(monkeypatch):
     missing = ModuleNotFoundError("No module named 'transformer_engine'", name="transformer_engine")
     monkeypatch.setattr(kernels.importlib, "import_module", _fake_import(missing))

@@ -6,12 +6,18 @@ pipeline and TP peers would be left waiting in a collective). Dynamo reports suc
 warning with a traceback; it is collected here and said in one line after the step. A SIGTERM is held until the
 step ends: where a command's handler raises it (`loom bench`, whose lease ends in a SIGTERM), dynamo took the stop
 raised mid-compile for a compiler failure and went on eagerly, and the command ran past its limit.
+
+The blocks compile with inductor unless LOOM_COMPILE_BACKEND names another of torch.compile's backends
+(`block_backend`): `aot_eager` tells a loom bug from an inductor one, and the CPU test suite runs
+`aot_eager_decomp_partition` (inductor's decompositions and its partitioner, so the same graphs and the same
+tensors saved for backward, run by eager kernels instead of C++ ones it would spend most of its compile time on).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import threading
 import time
@@ -19,6 +25,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from loom.errors import LoomError
+
+BACKEND_VARIABLE = "LOOM_COMPILE_BACKEND"
 # Where dynamo logs a frame it could not compile and ran eagerly instead (suppress_errors).
 _FALLBACK_LOGGERS = ("torch._dynamo.convert_frame", "torch._dynamo.output_graph")
 
@@ -37,6 +46,17 @@ def _reason(message: str) -> str:
     lines = [line.strip() for line in message.splitlines() if line.strip()]
     named = [line for line in lines if line.split(":")[0].endswith(("Error", "Exception", "Failed"))]
     return (named[-1] if named else lines[0])[:300] if lines else "unknown error"
+
+
+def block_backend() -> str:
+    """torch.compile's backend for model.compile's blocks (module docstring)."""
+    name = os.environ.get(BACKEND_VARIABLE) or "inductor"
+    if name not in torch._dynamo.list_backends(exclude_tags=()):
+        raise LoomError(
+            f"{BACKEND_VARIABLE}={name} is not a torch.compile backend: unset it (inductor) or name one "
+            "torch._dynamo.list_backends(exclude_tags=()) lists, such as aot_eager"
+        )
+    return name
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from loom.engine.config import ModelConfig
 from loom.engine.model import naming
+from loom.engine.model.compiling import block_backend
 from loom.engine.model.fp8 import Fp8OutputLayer
 from loom.engine.model.kernels import Kernels
 from loom.engine.model.rotary import rotary_tables, uses_local_rotary
@@ -93,8 +94,9 @@ class GPTModel(torch.nn.Module):
         )
         self.compiled_loss = kernels is not None and kernels.compiles_blocks
         if self.compiled_loss:
+            backend = block_backend()
             for block in self.layers.values():
-                block.compile()  # one graph serves every block: parameters are graph inputs, not constants
+                block.compile(backend=backend)  # one graph serves every block: parameters are graph inputs
         if post_process:
             self.final_norm = build_norm(config, tp, self.sequence_parallel, kernels)
             if not (config.tie_embeddings and pre_process):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -31,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from loom.engine.config import ConfigError, LoomConfig, ModelConfig
+from loom.engine.model.compiling import BACKEND_VARIABLE
 from loom.engine.parallel.vocab import padded_vocab_size
 
 FP8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with FP8 tensor cores
@@ -453,6 +455,8 @@ def choose_kernels(config: LoomConfig, device: torch.device, capability: tuple[i
     compiled = f"model.compile = {m.compile}" + (
         f" ({'compiled' if compiles else 'eager'} on {device.type})" if m.compile == "auto" else ""
     )
+    if compiles and os.environ.get(BACKEND_VARIABLE):
+        compiled += f" (blocks by {os.environ[BACKEND_VARIABLE]}: {BACKEND_VARIABLE})"
     if te_ok:
         norm = Choice(f"te.{norm_name}", te_why)
     else:
