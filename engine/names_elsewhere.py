@@ -155,6 +155,10 @@ TRAINING_NAMES: tuple[NameElsewhere, ...] = (
             ("--moe-router-topk", "--model.moe_top_k"),
             ("--moe-aux-loss-coeff", "--model.moe_aux_loss_coeff", "loom's loss is per sequence, as seq_aux_loss"),
             ("--moe-z-loss-coeff", "--model.moe_z_loss_coeff"),
+            ("--moe-router-score-function", "--model.moe_router_score"),
+            ("--moe-router-topk-scaling-factor", "--model.moe_router_scale"),
+            ("--moe-router-enable-expert-bias", "--model.moe_expert_bias true --model.moe_router_score sigmoid"),
+            ("--moe-router-bias-update-rate", "--model.moe_expert_bias_rate"),
             (
                 "--moe-router-pre-softmax",
                 "--model.moe_norm_top_k false",

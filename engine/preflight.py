@@ -286,6 +286,9 @@ def adopt_lora_base(config: LoomConfig) -> None:
             "model.moe_z_loss_coeff = 0)",
             flush=True,
         )
+    if config.model.moe_expert_bias and config.model.moe_expert_bias_rate:
+        config.model = dataclasses.replace(config.model, moe_expert_bias_rate=0.0)
+        print("LoRA: the router is frozen, its experts' biases too (model.moe_expert_bias_rate = 0)", flush=True)
     check_rank(config)
 
 

@@ -38,6 +38,7 @@ from loom.engine.model.compiling import first_compiled_step
 from loom.engine.model.fp8_state import Fp8ScalingState
 from loom.engine.model.kernels import PARAM_DTYPES, choose_kernels
 from loom.engine.model.lora import adopt_base_model, check_same_base, open_base, parameter_counts
+from loom.engine.model.moe import update_expert_biases
 from loom.engine.optim.distributed import DistributedOptimizer
 from loom.engine.optim.grad_buffer import GradBuffer
 from loom.engine.optim.loss_scaler import LossScaler
@@ -125,6 +126,7 @@ class Trainer:
             self._autocast,
             p2p_dtype=PARAM_DTYPES[t.precision],
             router_losses=config.model.router_losses,
+            expert_loads=config.model.moves_expert_biases,
         )
         self.checkpoints = checkpoints_of(t.run_dir)
         to_resume = self._checkpoint_to_resume()
@@ -221,7 +223,7 @@ class Trainer:
         directory, pointer = Path(chosen[0][0]), chosen[0][1]
         metadata = read_metadata(directory, verify_hashes=False)
         frozen = [(n, q) for chunk in self.chunks for n, q in chunk.named_parameters() if not q.requires_grad]
-        load_model_weights(frozen, directory, metadata, state.tp_rank, state.tp_size)
+        load_model_weights(frozen, directory, metadata, state.tp_rank, state.tp_size, self.chunks)
         trainable, total = parameter_counts(self.chunks, state.pp_group, state.pp_size)
         self._log_event(
             f"LoRA rank {c.lora.rank} on {', '.join(c.lora.targets)}: {trainable:,} trainable parameters of "
@@ -441,6 +443,9 @@ class Trainer:
             loss = squared_norm = math.nan
         skipped_before = self.loss_scaler.skipped_steps if self.loss_scaler is not None else 0
         result = self.optimizer.apply(lr, math.sqrt(squared_norm), skip=not math.isfinite(loss))
+        if not result["skipped"]:  # a skipped update leaves the model as it was, its experts' biases too
+            m = self.config.model
+            update_expert_biases(self.chunks, self.executor.expert_loads, m.moe_expert_bias_rate, self.state.grad_group)
         self.kernels.weights_updated(self.chunks)
         self.step += 1
         self.skipped_updates += result["skipped"]

@@ -338,6 +338,12 @@ BAD_OVERRIDES = [
     ["--model.num_experts", "4", "--train.fp8", "current"],
     ["--model.num_experts", "4", "--model.moe_shared_ffn_hidden_size", "0"],
     ["--model.num_experts", "4", "--model.moe_shared_expert_gate", "true"],
+    ["--model.num_experts", "4", "--model.moe_router_score", "relu"],
+    ["--model.num_experts", "4", "--model.moe_router_scale", "0"],
+    ["--model.num_experts", "4", "--model.moe_router_scale", "nan"],
+    ["--model.num_experts", "4", "--model.moe_expert_bias", "true"],  # a softmax router
+    ["--model.num_experts", "4", "--model.moe_router_score", "sigmoid", "--model.moe_expert_bias_rate", "-1"],
+    ["--model.moe_expert_bias", "true"],  # no experts
     ["--model.qk_norm_per_head", "maybe"],
     ["--model.qk_norm", "true", "--model.qk_norm_per_head", "false", "--model.norm", "layernorm"],
     ["--train.rampup_batch_size", "4", "4"],

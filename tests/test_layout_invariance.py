@@ -82,6 +82,12 @@ LAYOUTS = {
             model__moe_shared_ffn_hidden_size=128,  # and a gated shared expert, whose partial sum joins theirs
             model__moe_shared_expert_gate=True,
             model__moe_z_loss_coeff=0.01,  # and the router's z-loss, at 1 / tp on each TP rank as well
+            # sigmoid scores, scaled, and experts' biases moved after each step by the loads summed over DP (a rate
+            # large enough that they change the next steps' choices)
+            model__moe_router_score="sigmoid",
+            model__moe_router_scale=2.0,
+            model__moe_expert_bias=True,
+            model__moe_expert_bias_rate=0.05,
             parallel__pp=2,
             parallel__tp=2,
             parallel__sequence_parallel=True,
@@ -103,6 +109,10 @@ MODEL_FIELDS = (
     "model__moe_shared_ffn_hidden_size",
     "model__moe_shared_expert_gate",
     "model__moe_z_loss_coeff",
+    "model__moe_router_score",
+    "model__moe_router_scale",
+    "model__moe_expert_bias",
+    "model__moe_expert_bias_rate",
 )
 
 

@@ -158,6 +158,10 @@ def test_a_router_far_from_uniform_weighs_a_token_s_experts_by_their_renormalise
         ({"moe_z_loss_coeff": 0.001}, "model.moe_z_loss_coeff is set but model.num_experts is not"),
         ({"num_experts": 4, "bias": True}, "loom's experts have no biases"),
         ({"num_experts": 4, "moe_top_k": 1}, "the router would learn nothing from the loss"),
+        ({"num_experts": 4, "moe_expert_bias": True}, "model.moe_expert_bias biases sigmoid scores"),
+        ({"num_experts": 4, "moe_router_scale": 0.0}, "model.moe_router_scale must be a number > 0"),
+        ({"num_experts": 4, "moe_expert_bias_rate": float("nan")}, "model.moe_expert_bias_rate must be a number >= 0"),
+        ({"moe_router_score": "sigmoid"}, "model.moe_router_score is set but model.num_experts is not"),
     ],
 )
 def test_settings_a_mixture_of_experts_cannot_take_are_refused_in_one_line(fields, message):
@@ -182,3 +186,98 @@ def test_a_checkpoint_from_before_experts_is_another_model_than_a_mixture_of_exp
     shared = {"num_experts": 4, "moe_shared_ffn_hidden_size": 64, "moe_shared_expert_gate": True}
     with pytest.raises(CheckpointError, match="model.moe_shared_ffn_hidden_size = None there, 64 here"):
         check_same_model(tmp_path, experts, load_config("tiny", {"model": shared}))
+
+
+def test_sigmoid_routing_with_experts_biases_and_a_scale_is_megatron_core_s():
+    """model.moe_router_score = sigmoid with model.moe_expert_bias and model.moe_router_scale: each token's weights
+    per expert are megatron-core's topk_routing_with_score_function's (the bias chooses the experts but does not
+    weigh them; renormalised; scaled), the block's output its experts' outputs so weighted; the load-balancing loss
+    takes megatron-core's compute_routing_scores_for_aux_loss scores and choices, per sequence."""
+    moe_utils = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
+    config = ModelConfig(**MODEL, moe_router_score="sigmoid", moe_router_scale=2.5, moe_expert_bias=True)
+    model = GPTModel(config, None)
+    initialize_parameters(model, seed=5, tp_rank=0, tp_size=1)
+    mlp = model.layers["0"].mlp
+    s, b = 6, 2
+    x = torch.randn(s, b, 32, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        mlp.router.weight.mul_(20)
+        mlp.router.expert_bias.copy_(torch.tensor([0.3, -0.2, 0.0, 0.1]))
+        ours = mlp(x).reshape(-1, 32)
+        tokens = x.reshape(-1, 32)  # token t of sequence t % b
+        logits = tokens @ mlp.router.weight.t()
+        weights, chosen = moe_utils.topk_routing_with_score_function(
+            logits, 2, score_function="sigmoid", expert_bias=mlp.router.expert_bias, scaling_factor=2.5
+        )
+        unbiased = moe_utils.topk_routing_with_score_function(logits, 2, score_function="sigmoid")[1]
+        assert not torch.equal(chosen, unbiased)  # the bias changed some token's experts
+        expected = torch.zeros_like(tokens)
+        for expert in range(4):
+            gate, up = (tokens @ mlp.experts.fc1.weight[expert].t()).chunk(2, dim=-1)
+            expected += weights[:, expert : expert + 1] * ((F.silu(gate) * up) @ mlp.experts.fc2.weight[expert].t())
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6)
+    choices, scores = moe_utils.compute_routing_scores_for_aux_loss(logits, 2, "sigmoid")
+    per_sequence = [
+        4 / (s * 2) * (choices[j::b].sum(0) * scores[j::b].mean(0)).sum() for j in range(b)
+    ]  # Megatron's loss over one sequence's tokens (its seq_aux_loss)
+    assert mlp.router_losses["moe_aux_loss"].item() == pytest.approx(sum(per_sequence).item() / b, rel=1e-6)
+
+
+BIASED = {"num_experts": 4, "moe_router_score": "sigmoid", "moe_expert_bias": True, "moe_expert_bias_rate": 0.01}
+
+
+def _biased_runs(rank, world, dataset, run_dir):
+    """dp 2: each step's bias against the rule worked out here from the step's loads (summed over the two ranks
+    here); a checkpoint at step 2, resumed under pp 2, holds each block's biases by name and trains on as the
+    dp 2 run did."""
+    import torch.distributed as dist
+    from training_runs import tiny_config
+
+    from loom.engine.model.moe import expert_biases
+    from loom.engine.train import Trainer
+
+    train = {"steps": 4, "global_batch_size": 4, "micro_batch_size": 1, "seq_length": 32}
+
+    def trainer(parallel):
+        return Trainer(tiny_config(dataset, run_dir, model=BIASED, parallel=parallel, train=train))
+
+    run, losses, expected_load_sum = trainer({"dp": 2}), [], 4 * 32 * 2  # the batch's tokens x top 2
+    for step in range(4):
+        before = {name: bias.clone() for name, bias in expert_biases(run.chunks).items()}
+        losses.append(run.train_step()["loss"])
+        for name, bias in expert_biases(run.chunks).items():
+            load = run.executor.expert_loads[name.removesuffix(".router.expert_bias")].clone()
+            dist.all_reduce(load)
+            assert load.sum().item() == expected_load_sum
+            mean = load.sum().item() / 4
+            moved = [0.01 if count < mean else -0.01 if count > mean else 0.0 for count in load.tolist()]
+            assert torch.equal(bias, before[name] + torch.tensor(moved)), (step, name, bias, before[name], load)
+        if step == 1:
+            run.save()
+            saved = {name: bias.clone() for name, bias in expert_biases(run.chunks).items()}
+    run.close()
+    resumed = trainer({"pp": 2})
+    assert resumed.step == 2
+    here = expert_biases(resumed.chunks)
+    assert len(here) == resumed.config.model.num_layers // 2  # this stage's blocks
+    assert all(torch.equal(bias, saved[name]) for name, bias in here.items())
+    resumed_losses = [resumed.train_step()["loss"] for _ in range(2)]
+    resumed.close()
+    return losses, resumed_losses, saved
+
+
+def test_experts_biases_move_towards_balance_and_resume_from_a_checkpoint_under_another_layout(dataset, tmp_path):
+    from loom.engine.checkpoint.format import read_metadata
+    from loom.engine.checkpoint.load import PieceReader
+    from loom.tools.ckpt import reshard
+
+    losses, resumed, saved = run_ranks(_biased_runs, 2, dataset, str(tmp_path))[0]
+    assert any(bias.abs().sum() > 0 for bias in saved.values())
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(losses[2:]), rtol=1e-5, atol=0)
+    # `loom ckpt reshard` carries them: one copy in the file of TP rank 0 of the stage that holds the block
+    resharded = reshard(tmp_path / "checkpoints", tmp_path / "resharded", tp=2, pp=2)
+    metadata = read_metadata(resharded)
+    for name, bias in saved.items():
+        stage = int(name.split(".")[1]) // 2
+        assert metadata.index[f"buffer/{name}"] == f"rank{stage * 2:05d}.safetensors"
+        assert torch.equal(PieceReader(resharded, metadata).tensor(f"buffer/{name}"), bias)

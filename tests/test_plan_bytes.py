@@ -154,6 +154,7 @@ ACTIVATION_CASES = (
         (2, True, "selective", "fp8", 1, "compiled gpt"),
         (1, False, "none", "fp32", 2, "moe"),
         (2, True, "none", "bf16", 1, "shared_moe"),
+        (1, False, "none", "fp32", 2, "biased_moe"),
     ]
 )
 """precision fp8: bf16 with loom's FP8 linears (torch._scaled_mm, which runs on CPU; the GPU check is bypassed).
@@ -187,6 +188,8 @@ MODEL_VARIANTS = {
     "capped": {"attention_softcap": 50.0},
     "moe": {"num_experts": 4, "moe_top_k": 2, "moe_z_loss_coeff": 0.001},
     "shared_moe": SHARED_MOE,
+    # DeepSeek-V3's routing: sigmoid scores, experts' biases, a scale
+    "biased_moe": {**SHARED_MOE, "moe_router_score": "sigmoid", "moe_expert_bias": True, "moe_router_scale": 2.5},
     "gemma3": {
         "activation": "geglu",
         "norm_placement": "both",
@@ -415,7 +418,8 @@ TRAFFIC_LAYOUTS = {
         ({"tp": 2, "sequence_parallel": True}, {}, {"zero": 3}),
         # the router's and the shared expert's gate's gradients summed over TP; the router losses ride on the loss's
         # sum over DP
-        ({"tp": 2, "sequence_parallel": True}, MODEL_VARIANTS["shared_moe"], {"zero": 1}),
+        # (and the experts' loads summed over DP once a step)
+        ({"tp": 2, "sequence_parallel": True}, MODEL_VARIANTS["biased_moe"], {"zero": 1}),
         ({"pp": 2}, {"tie_embeddings": True}, {"zero": 3}),
         ({"cp": 2, "tp": 2, "sequence_parallel": True}, {"recompute": "full"}, {"zero": 1}),
         ({"cp": 2, "pp": 2}, {}, {"zero": 2}),

@@ -25,7 +25,6 @@ from loom.engine.checkpoint.format import (
     commit,
     find_loadable,
     foreign_checkpoint_hint,
-    fp8_key,
     iteration_dir,
     model_key,
     optim_key,
@@ -220,15 +219,22 @@ def reshard(source: Path, output: Path, tp: int, pp: int, vp: int = 1, overwrite
         final = output / directory.name
         specs, files, index = {}, {}, {}
         divisible_by = metadata.config["model"]["make_vocab_divisible_by"]
-        fp8_modules = [key.removeprefix("fp8/") for key in metadata.index if key.startswith("fp8/")]
+        # FP8 scaling state and buffers (experts' biases): the same on every TP rank, one copy per stage, as saved
+        per_stage = {
+            key: name
+            for key in metadata.index
+            for prefix in ("fp8/", "buffer/")
+            if key.startswith(prefix) and (name := key.removeprefix(prefix))
+        }
         with staged(final) as staging:
             for pp_rank in range(pp):
                 names = [n for n in metadata.specs if _stage_of(n, layers, pp, vp) % pp == pp_rank]
                 for tp_rank in range(tp):
                     declared, make = _rank_pieces(reader, names, tp_rank, tp, divisible_by, specs)
-                    if tp_rank == 0:  # FP8 scaling state is the same on every TP rank: one copy per stage, as saved
-                        modules = [m for m in fp8_modules if _stage_of(m, layers, pp, vp) % pp == pp_rank]
-                        for key in map(fp8_key, modules):
+                    if tp_rank == 0:
+                        for key in [
+                            k for k, name in per_stage.items() if _stage_of(name, layers, pp, vp) % pp == pp_rank
+                        ]:
                             declared[key], make[key] = reader.header(key), functools.partial(reader.tensor, key)
                     rank = rank_of(tp_rank, 0, pp_rank, tp, 1)
                     name, files[name] = stream_rank_file(staging, rank, declared, _made_by(make))

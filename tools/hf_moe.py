@@ -169,6 +169,9 @@ def moe_form_refusals(model: dict) -> dict:
         "soft-capping": model["attention_softcap"] is not None or model["logits_softcap"] is not None,
         "multipliers or an attention_scale": model["attention_scale"] is not None
         or any(model[field] != 1.0 for field in ("embedding_multiplier", "residual_multiplier", "logits_divisor")),
+        "sigmoid router scores (these classes take a softmax)": model.get("moe_router_score", "softmax") != "softmax",
+        "a moe_router_scale": model.get("moe_router_scale", 1.0) != 1.0,
+        "experts' biases (moe_expert_bias)": model.get("moe_expert_bias", False),
     }
     return {f"experts with {why}": True for why, present in unlike.items() if present}
 

@@ -101,6 +101,8 @@ def _expert_bytes_per_token(m: ModelConfig, seq: int, mbs: int, tp: int, element
         shared += (h + 1) * element if m.moe_shared_expert_gate else 0
     # the load-balancing loss's counts per sequence, and (eager) the router losses' fp32 gradient, kept until backward
     per_microbatch = 4 * experts + (4 * experts * mbs if m.moe_aux_loss_coeff else 0)
+    # sigmoid scores' sum per token, which the load-balancing loss divides them by
+    routing += 4 if m.moe_aux_loss_coeff and m.moe_router_score == "sigmoid" else 0
     per_microbatch += 4 if (m.moe_z_loss_coeff if compiled else m.router_losses) else 0  # (compiled: the z-loss's)
     z_loss = 0.0
     if m.moe_z_loss_coeff:  # the fp32 logits (eager) and their logsumexp per token

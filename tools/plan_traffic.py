@@ -43,7 +43,7 @@ def step_traffic(config: LoomConfig, lay: Layout, pp_rank: int = 0) -> dict[tupl
     else the tensor), all of it for AdamW and SGD: the data-parallel gradient and weight collectives of its ZeRO
     stage, tensor parallelism's all-reduces (sequence parallelism's all-gathers and reduce-scatters) and the
     vocabulary-parallel loss's statistics, the sequence-parallel and tied-embedding gradient sums, the pipeline's
-    sends and receives, and the loss and gradient-norm sums."""
+    sends and receives, the loss and gradient-norm sums, and the experts' loads (model.moe_expert_bias)."""
     m, t = config.model, config.train
     element, dtype = (4 if t.precision == "fp32" else 2), _DTYPE_NAMES[t.precision]
     grad_bytes, grad_dtype = GRAD_BYTES[config.optim.grad_dtype], _DTYPE_NAMES[config.optim.grad_dtype]
@@ -65,6 +65,8 @@ def step_traffic(config: LoomConfig, lay: Layout, pp_rank: int = 0) -> dict[tupl
             gathered = 2 * microbatches * (total - deferred) + deferred if lay.zero == 3 else total
             traffic[(grad_group, "all_gather", dtype)] += element * gathered
         traffic[(grad_group, "all_reduce", "float32")] += 4 * (1 + len(m.router_loss_metrics))  # the loss sums
+        if m.moves_expert_biases:  # each block's loads per expert, once a step (moe.update_expert_biases)
+            traffic[(grad_group, "all_reduce", "int64")] += 8 * m.num_experts * (m.num_layers // stages * lay.vp)
     local = t.seq_length // lay.cp
     tokens = local * lay.micro_batch_size
     if lay.cp > 1:

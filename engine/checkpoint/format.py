@@ -13,7 +13,8 @@ A piece is a slice of one *logical* tensor (the parameter as a dense single-devi
 is the flat range [start, end) of that shard's master weight or optimizer state (a ZeRO piece
 under optim.zero >= 1, or the whole shard). With the ShardSpec and TP size they were saved under, the pieces rebuild the
 logical tensor, which any other layout slices again: that is what makes checkpoints layout-free.
-`fp8/<module>` is a module's FP8 delayed-scaling state (the same on every TP rank, so saved once),
+`fp8/<module>` is a module's FP8 delayed-scaling state (the same on every TP rank, so saved once), `buffer/<name>`
+a buffer that is model state (an MoE block's experts' biases, the same on every rank of a stage),
 `rng/<rank>/<stream>` a rank's random state (read back only under the same layout).
 """
 
@@ -74,6 +75,12 @@ def rng_key(rank: int, name: str) -> str:
 def fp8_key(module: str) -> str:
     """A module's FP8 scaling state (fp8_state.Fp8ScalingState), by layout-independent module name."""
     return f"fp8/{module}"
+
+
+def buffer_key(name: str) -> str:
+    """A model buffer that is state but no parameter (an MoE block's experts' biases: moe.expert_biases), by its
+    layout-independent name, the same on every TP and DP rank, so saved once."""
+    return f"buffer/{name}"
 
 
 def parse_optim_key(key: str) -> tuple[str, str, int, int, int]:

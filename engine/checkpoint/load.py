@@ -21,6 +21,7 @@ from loom.engine.atomic import torch_dtype_of
 from loom.engine.checkpoint.format import (
     CheckpointError,
     CheckpointMetadata,
+    buffer_key,
     fp8_key,
     model_key,
     parse_optim_key,
@@ -28,6 +29,7 @@ from loom.engine.checkpoint.format import (
 )
 from loom.engine.checkpoint.state import TrainingState
 from loom.engine.config import LoomConfig
+from loom.engine.model.moe import expert_biases
 from loom.engine.optim.algorithms import Adafactor, Lamb
 from loom.engine.parallel.param_info import param_info
 from loom.engine.parallel.sharding import ShardSpec
@@ -109,13 +111,26 @@ def check_shapes(reader: PieceReader, named_params) -> None:
 
 
 @torch.no_grad()
-def load_model_weights(named_params, directory: Path, metadata: CheckpointMetadata, tp_rank: int, tp_size: int) -> None:
-    """Only the weights of `named_params` (a LoRA run's frozen base), from a checkpoint of any layout."""
+def load_model_weights(
+    named_params, directory: Path, metadata: CheckpointMetadata, tp_rank: int, tp_size: int, chunks=()
+) -> None:
+    """Only the weights of `named_params` (a LoRA run's frozen base), and the experts' biases of `chunks`, from a
+    checkpoint of any layout."""
     reader = PieceReader(directory, metadata)
     check_shapes(reader, named_params)
     for _, param in named_params:
         info = param_info(param)
         param.copy_(info.shard_spec.shard(reader.model(info.name), tp_rank, tp_size).to(param.dtype))
+    load_expert_biases(list(chunks), reader, metadata)
+
+
+@torch.no_grad()
+def load_expert_biases(chunks: list[torch.nn.Module], reader: PieceReader, metadata: CheckpointMetadata) -> None:
+    """The experts' biases of `chunks`' MoE blocks (model.moe_expert_bias), by name, so under any layout; a
+    checkpoint saved without them leaves them at zero (no bias yet)."""
+    for name, bias in expert_biases(chunks).items():
+        if buffer_key(name) in metadata.index:
+            bias.copy_(reader.tensor(buffer_key(name)))
 
 
 def fine_tunes_from(config: LoomConfig, checkpoint: Path) -> bool:
@@ -155,6 +170,7 @@ def load_checkpoint(
                 reader, optimizer, parallel, param, info.name, weights, segments_of[param], metadata, same_optimizer
             )
     _restore_fp8_scaling(state, reader, metadata)  # the scales of trained weights: a fine-tune keeps them too
+    load_expert_biases(state.model_chunks, reader, metadata)  # part of the model: a fine-tune's too
     if not weights_only:
         _restore_loop_state(state, reader, metadata)
 

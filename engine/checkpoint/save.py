@@ -33,6 +33,7 @@ from loom.engine.checkpoint.format import (
     CheckpointLayout,
     CheckpointMetadata,
     FileRecord,
+    buffer_key,
     commit,
     fp8_key,
     iteration_dir,
@@ -48,6 +49,7 @@ from loom.engine.checkpoint.state import TrainingState
 from loom.engine.config_io import config_to_dict
 from loom.engine.data.indexed import dataset_record
 from loom.engine.faults import FaultPlan
+from loom.engine.model.moe import expert_biases
 from loom.engine.parallel.param_info import param_info
 from loom.engine.parallel.sharding import ShardSpec
 
@@ -114,12 +116,21 @@ def _fp8_pieces(state: TrainingState) -> dict[str, torch.Tensor]:
     return {fp8_key(name): value for name, value in state.fp8.state_dict().items()}
 
 
+def _buffer_pieces(state: TrainingState) -> dict[str, torch.Tensor]:
+    """The experts' biases of this stage's MoE blocks, written by one rank per stage (every rank of a stage holds
+    the same: moe.update_expert_biases)."""
+    p = state.parallel
+    if p.tp_rank != 0 or p.grad_rank != 0:
+        return {}
+    return {buffer_key(name): value for name, value in expert_biases(state.model_chunks).items()}
+
+
 def collect_pieces(state: TrainingState) -> tuple[dict[str, torch.Tensor], dict[str, ShardSpec], int | None]:
     """This rank's tensors to write (on the CPU), the ShardSpecs of its weights, and the optimizer's step."""
     model, specs = _model_pieces(state)
     optimizer, step = _optimizer_pieces(state)
     rng = {rng_key(state.parallel.rank, name): value for name, value in state.rng.state_dict().items()}
-    pieces = {**model, **optimizer, **_fp8_pieces(state), **rng}
+    pieces = {**model, **optimizer, **_fp8_pieces(state), **_buffer_pieces(state), **rng}
     return {k: v.detach().cpu().contiguous() for k, v in pieces.items()}, specs, step
 
 

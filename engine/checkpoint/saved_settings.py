@@ -49,6 +49,9 @@ FUNCTIONAL_MODEL_FIELDS = (
     "moe_norm_top_k",
     "moe_aux_loss_coeff",  # no computation, but an imported model's (its router_aux_loss_coef) stays with it
     "moe_z_loss_coeff",
+    "moe_router_score",
+    "moe_router_scale",
+    "moe_expert_bias",  # its biases are saved beside the weights; a checkpoint without them gives zeros
 )
 
 # Model settings that decide which tensors a checkpoint holds, their shapes or what the block computes with them.

@@ -132,6 +132,25 @@ class ModelConfig:
     """With model.num_experts: the weight of each block's router z-loss (ST-MoE's, Zoph et al. 2022: the mean over
     tokens of logsumexp(router logits)^2, which keeps the logits small; Megatron's --moe-z-loss-coeff, OLMoE trained
     with 0.001). Logged as moe_z_loss (summed over blocks, before this weight); 0 trains without it."""
+    moe_router_score: Literal["softmax", "sigmoid"] = "softmax"
+    """With model.num_experts: how the router scores the experts from its logits: a softmax over all of them
+    (Mixtral, Qwen-MoE, OLMoE) or a sigmoid of each on its own (DeepSeek-V3, GLM-4.5, dots.llm1; Megatron's
+    --moe-router-score-function). A token goes to its top model.moe_top_k scores (plus model.moe_expert_bias's
+    bias, for the choice alone), weighted by those scores (renormalised under model.moe_norm_top_k) times
+    model.moe_router_scale. The load-balancing loss takes sigmoid scores divided by their sum, as Megatron does."""
+    moe_router_scale: float = 1.0
+    """With model.num_experts: a factor on every token's expert weights (DeepSeek-V3's routed_scaling_factor, 2.5;
+    Megatron's --moe-router-topk-scaling-factor)."""
+    moe_expert_bias: bool = False
+    """With model.moe_router_score = sigmoid: auxiliary-loss-free load balancing (Wang et al. 2024, DeepSeek-V3;
+    Megatron's --moe-router-enable-expert-bias): each block keeps a bias per expert (fp32; Hugging Face's
+    e_score_correction_bias), added to the scores when a token's experts are chosen but not to their weights, and
+    moved by model.moe_expert_bias_rate after each applied update: up for an expert that got fewer of the global
+    batch's token choices than the mean, down for one that got more. Saved with checkpoints; usually with
+    model.moe_aux_loss_coeff small or 0 (DeepSeek-V3: 0.0001, sequence-wise)."""
+    moe_expert_bias_rate: float = 0.001
+    """With model.moe_expert_bias: how far each expert's bias moves per step (DeepSeek-V3's gamma, 0.001; Megatron's
+    --moe-router-bias-update-rate); 0 keeps the biases as they are (a fine-tune of a model that has them)."""
     sliding_window: int | None = None
     """Sliding-window attention: in the layers model.full_attention_interval leaves windowed, each position attends
     to itself and the sliding_window - 1 positions before it (Hugging Face's sliding_window; Mistral's 4096,
@@ -310,9 +329,11 @@ class ModelConfig:
             moe_top_k=self.moe_top_k,
             moe_shared_ffn_hidden_size=self.moe_shared_ffn_hidden_size,
         )
-        for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+        for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_expert_bias_rate"):
             if not 0.0 <= getattr(self, name) < math.inf:  # NaN fails too
                 raise ConfigError(f"model.{name} must be a number >= 0, got {getattr(self, name)}")
+        if not 0.0 < self.moe_router_scale < math.inf:
+            raise ConfigError(f"model.moe_router_scale must be a number > 0, got {self.moe_router_scale}")
         if self.num_experts is None:
             given = [
                 f.name for f in fields(self) if f.name.startswith("moe_") and getattr(self, f.name) != field_default(f)
@@ -334,6 +355,11 @@ class ModelConfig:
             raise ConfigError(
                 "model.moe_shared_expert_gate gates a shared expert, and model.moe_shared_ffn_hidden_size is not set: "
                 "give the shared expert's width, or drop the gate"
+            )
+        if self.moe_expert_bias and self.moe_router_score != "sigmoid":
+            raise ConfigError(
+                "model.moe_expert_bias biases sigmoid scores (as DeepSeek-V3 and Megatron do; loom's softmax router "
+                "takes none): add --model.moe_router_score sigmoid"
             )
         if self.moe_top_k == 1 and self.moe_norm_top_k:
             raise ConfigError(
@@ -391,6 +417,11 @@ class ModelConfig:
     def moe(self) -> bool:
         """Whether each block's MLP is a mixture of experts (model.num_experts)."""
         return self.num_experts is not None
+
+    @property
+    def moves_expert_biases(self) -> bool:
+        """Whether training moves the experts' biases after each update (model.moe_expert_bias with a rate)."""
+        return self.moe and self.moe_expert_bias and self.moe_expert_bias_rate > 0
 
     @property
     def router_loss_metrics(self) -> list[str]:

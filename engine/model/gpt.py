@@ -211,6 +211,15 @@ class GPTModel(torch.nn.Module):
             block.mlp.router_losses = {}
         return sums
 
+    def take_expert_loads(self) -> dict[str, torch.Tensor]:
+        """Each biased MoE block's token choices per expert (int64) in its last training forward, by block name
+        (`layers.3.mlp`), which it then lets go of (engine/model/moe.update_expert_biases)."""
+        loads = {}
+        for index, block in self.layers.items():
+            if getattr(block.mlp, "expert_load", None) is not None:
+                loads[f"layers.{index}.mlp"], block.mlp.expert_load = block.mlp.expert_load, None
+        return loads
+
     def set_router_loss_weight(self, weight: float) -> None:
         """The gradient each block's router losses back-propagate with (engine/model/moe.router_loss_gradient)."""
         for block in self.layers.values():

@@ -19,6 +19,7 @@ one graph), with a GEMM per expert where that kernel cannot run.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from loom.engine.config import ModelConfig
@@ -119,12 +120,17 @@ class MoEMLP(torch.nn.Module):
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         self.num_experts, self.top_k, self.norm_top_k = config.num_experts, config.moe_top_k, config.moe_norm_top_k
         self.aux_loss_coeff, self.z_loss_coeff = config.moe_aux_loss_coeff, config.moe_z_loss_coeff
+        self.score, self.scale = config.moe_router_score, config.moe_router_scale
         self.gated, self.activation = config.gated_mlp, activation
         tp = mappings.group_size(tp_group)
         h, f, e = config.hidden_size, config.ffn_hidden_size, config.num_experts
         blocks = (f, f) if self.gated else (f,)
         self.router = torch.nn.Module()
         self.router.weight = make_parameter(ShardSpec((e, h)), tp, ("normal", config.init_std), tp_partial_grad=tp > 1)
+        self.has_expert_bias = config.moe_expert_bias
+        if self.has_expert_bias:  # model state, not trained by the optimizer: saved with checkpoints by name
+            self.router.register_buffer("expert_bias", torch.zeros(e, dtype=torch.float32))
+        self.expert_load: torch.Tensor | None = None
         self.experts = torch.nn.Module()
         self.experts.fc1 = torch.nn.Module()
         self.experts.fc1.weight = make_parameter(
@@ -153,9 +159,13 @@ class MoEMLP(torch.nn.Module):
         self.register_buffer("router_loss_weight", torch.zeros((), dtype=torch.float32), persistent=False)
 
     def _apply(self, fn, recurse: bool = True):
-        """As torch's, but the gradient of the (fp32) router losses stays fp32 when the model is cast."""
+        """As torch's, but the gradient of the (fp32) router losses and the experts' biases stay fp32 (and their
+        values exact) when the model is cast."""
+        biases = self.router.expert_bias if self.has_expert_bias else None
         super()._apply(fn, recurse)
         self.router_loss_weight = self.router_loss_weight.float()
+        if biases is not None:
+            self.router.expert_bias = biases.to(self.router.expert_bias.device)
         return self
 
     def _shared_expert(self, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -176,6 +186,9 @@ class MoEMLP(torch.nn.Module):
         total = None
         if self.aux_loss_coeff:
             s, b = shape
+            if self.score == "sigmoid":  # Megatron's: the scores as shares of their sum, their top k unbiased
+                probabilities = probabilities / probabilities.sum(-1, keepdim=True)
+                chosen = probabilities.detach().topk(self.top_k, dim=-1).indices if self.has_expert_bias else chosen
             balance = load_balancing_loss(probabilities.view(s, b, -1), chosen.view(s, b, -1), self.num_experts)
             self.router_losses["moe_aux_loss"] = balance.detach()
             total = self.aux_loss_coeff * balance
@@ -195,14 +208,23 @@ class MoEMLP(torch.nn.Module):
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else tokens.dtype
         tokens = tokens.to(dtype)
         logits = F.linear(tokens, self.router.weight.to(dtype)).float()
-        probabilities = logits.softmax(-1)
-        weights, chosen = probabilities.topk(self.top_k, dim=-1)
+        probabilities = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
+        if self.has_expert_bias:
+            chosen = (probabilities.detach() + self.router.expert_bias).topk(self.top_k, dim=-1).indices
+            weights = probabilities.gather(-1, chosen)
+        else:
+            weights, chosen = probabilities.topk(self.top_k, dim=-1)
         if self.norm_top_k:
             weights = weights / weights.sum(-1, keepdim=True)
+        if self.scale != 1.0:
+            weights = weights * self.scale
         router_loss = self._router_loss(x.shape[:2], logits, probabilities, chosen) if self.training else None
+        counts = _counts(chosen, self.num_experts)
+        if self.training and self.has_expert_bias:  # the step's load, which the executor sums (ExpertBiases)
+            self.expert_load = counts
         # the token choices sorted by expert, each expert's rows contiguous
         order = chosen.flatten().argsort(stable=True)
-        ends = _counts(chosen, self.num_experts).cumsum(0).to(torch.int32)
+        ends = counts.cumsum(0).to(torch.int32)
         # each token copied for its k choices, then permuted: backward writes each row once and sums over k in a
         # fixed order (indexing by order // k would accumulate a token's k rows atomically on a GPU)
         chosen_tokens = tokens.unsqueeze(1).expand(-1, self.top_k, -1).reshape(-1, tokens.shape[-1])[order]
@@ -223,3 +245,35 @@ class MoEMLP(torch.nn.Module):
         if router_loss is None or not torch.is_grad_enabled():
             return combined
         return _RouterLossGradient.apply(combined, router_loss, self.router_loss_weight)
+
+
+def _biased_blocks(chunks: list[torch.nn.Module]) -> dict[str, MoEMLP]:
+    return {
+        name: module
+        for chunk in chunks
+        for name, module in chunk.named_modules()
+        if isinstance(module, MoEMLP) and module.has_expert_bias
+    }
+
+
+def expert_biases(chunks: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
+    """This rank's experts' biases (model.moe_expert_bias) by layout-independent name
+    (`layers.3.mlp.router.expert_bias`): the same on every TP and DP rank of a stage, saved once per stage."""
+    return {f"{name}.router.expert_bias": block.router.expert_bias for name, block in _biased_blocks(chunks).items()}
+
+
+def update_expert_biases(chunks: list[torch.nn.Module], loads: dict[str, torch.Tensor], rate: float, group) -> None:
+    """Auxiliary-loss-free balancing's step, after an applied update: each block's token choices per expert over the
+    global batch (`loads`: this rank's micro-batches', by block name, summed over `group`, the DP x CP ranks; the TP
+    ranks of a block route alike) and each expert's bias moved by `rate` towards the mean, by sign(mean - load),
+    compared in integers so that every layout moves it alike. One all-reduce for all of the rank's blocks."""
+    blocks = _biased_blocks(chunks)
+    if not blocks or not rate:
+        return
+    names = sorted(blocks)
+    load = torch.stack([loads[name] for name in names])
+    if mappings.group_size(group) > 1:
+        dist.all_reduce(load, group=group)
+    direction = torch.sign(load.sum(-1, keepdim=True) - load.shape[-1] * load).float()
+    for name, step in zip(names, direction, strict=True):
+        blocks[name].router.expert_bias.add_(step, alpha=rate)

@@ -42,10 +42,14 @@ class PipelineExecutor:
         autocast: Callable[[], contextlib.AbstractContextManager],
         p2p_dtype: torch.dtype = torch.float32,
         router_losses: bool = False,
+        expert_loads: bool = False,
     ):
-        """`router_losses`: whether the chunks' blocks add router losses to the loss (ModelConfig.router_losses)."""
+        """`router_losses`: whether the chunks' blocks add router losses to the loss (ModelConfig.router_losses);
+        `expert_loads`: whether they count their experts' loads (ModelConfig.moves_expert_biases)."""
         self.chunks, self.state, self.device, self.autocast = chunks, state, device, autocast
-        self.router_losses = router_losses
+        self.router_losses, self.count_expert_loads = router_losses, expert_loads
+        self.expert_loads: dict[str, torch.Tensor] = {}
+        """The last run's token choices per expert on this rank, by MoE block name, summed over its micro-batches."""
         self.router_loss_sums: dict[str, torch.Tensor] = {}
         """This rank's share of the last run's router losses, by metric name: each micro-batch's (summed over this
         rank's blocks) by its share of the batch's tokens; summed over DP, CP and the pipeline, the mean per
@@ -78,7 +82,7 @@ class PipelineExecutor:
         times replace `self.timeline`. The last stage back-propagates loss * loss_scale (fp16).
         """
         total = torch.zeros((), dtype=torch.float32, device=self.device)
-        self.router_loss_sums = {}
+        self.router_loss_sums, self.expert_loads = {}, {}
         inputs, outputs, outgoing, received = {}, {}, {}, {}
         share = microbatches[0][0].numel() / tokens_in_batch if microbatches else 0.0  # every micro-batch's
         if self.router_losses:
@@ -110,6 +114,10 @@ class PipelineExecutor:
                 output, hidden = self._forward(op, stage, microbatches, received, tokens_in_batch)
                 for name, value in (self.chunks[op.chunk].take_router_losses() if self.router_losses else {}).items():
                     self.router_loss_sums[name] = self.router_loss_sums.get(name, 0.0) + value * share
+                for name, load in (
+                    self.chunks[op.chunk].take_expert_loads() if self.count_expert_loads else {}
+                ).items():
+                    self.expert_loads[name] = self.expert_loads[name] + load if name in self.expert_loads else load
                 if stage == self.num_stages - 1:
                     total += output.detach()
                 else:
