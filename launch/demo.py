@@ -16,6 +16,7 @@ steps (1-5) are launch/demo_data.py's.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shutil
 import time
 import tomllib
@@ -43,6 +44,7 @@ DEMO_OUTPUTS = (
     "megatron",
     "runs/tiny-from-megatron",
     "runs/tiny-moe",
+    "runs/tiny-moe-biased",
     "hf-moe",
 )
 """What each demo writes anew (a fresh run, not a resume of an earlier demo's)."""
@@ -306,6 +308,8 @@ def _finetune(workdir: Path, config, steps: int) -> dict:
 def _experts(workdir: Path, config, steps: int) -> dict:
     """The tiny model with a mixture of experts in every block, trained from scratch under tensor and sequence
     parallelism with its load-balancing loss, then exported to Hugging Face as the Mixtral it is."""
+    from loom.engine.checkpoint.format import find_loadable
+    from loom.engine.checkpoint.load import saved_expert_biases
     from loom.launch.local import launch_local
     from loom.tools.hf import export_hf
 
@@ -331,10 +335,22 @@ def _experts(workdir: Path, config, steps: int) -> dict:
     rows = [row for row in read_metrics(workdir / "runs" / "tiny-moe") if "loss" in row]
     exported = export_hf(Path(moe.train.run_dir), workdir / "hf-moe")
     print(f"exported {exported} in {time.perf_counter() - start:.1f} s")
+    # DeepSeek-V3's routing: sigmoid scores and auxiliary-loss-free balancing, each expert's bias moved towards the
+    # batch's mean load after every step (one rank: the biases are the same on every rank of a stage)
+    print("the same with DeepSeek-V3's routing: sigmoid scores, experts' biases instead of most of the balancing loss")
+    biased = load_config(None, config_to_dict(moe))
+    routing = {"moe_router_score": "sigmoid", "moe_expert_bias": True, "moe_expert_bias_rate": 0.01}
+    biased.model = dataclasses.replace(biased.model, **routing, moe_aux_loss_coeff=0.0001)  # DeepSeek-V3's weight
+    biased.parallel.tp, biased.parallel.sequence_parallel, biased.parallel.dp = 1, False, None
+    biased.train.run_dir = str(workdir / "runs" / "tiny-moe-biased")
+    biased.resolve_world(1)
+    launch_local(biased, 1)
+    biases = saved_expert_biases(*find_loadable(Path(biased.train.run_dir)))
     return {
         "moe_loss": (rows[0]["loss"], rows[-1]["loss"]),
         "moe_balance": rows[-1]["moe_aux_loss"] / moe.model.num_layers,
         "moe_hf": str(exported),
+        "moe_biases": (min(b.min().item() for b in biases.values()), max(b.max().item() for b in biases.values())),
     }
 
 
@@ -431,7 +447,8 @@ def _print_summary(summary: dict) -> None:
     first, last = summary["moe_loss"]
     print(
         f"experts      4 a block, top 2, tp=2 SP: loss {first:.3f} -> {last:.3f}, load balance "
-        f"{summary['moe_balance']:.2f} a block (1 is even); {summary['moe_hf']} (a MixtralForCausalLM)"
+        f"{summary['moe_balance']:.2f} a block (1 is even); {summary['moe_hf']} (a MixtralForCausalLM); "
+        f"DeepSeek-V3's routing: experts' biases {summary['moe_biases'][0]:+.2f} .. {summary['moe_biases'][1]:+.2f}"
     )
     print(f"sample       {summary['sample']!r}  (loom generate --checkpoint {summary['run_dir']}-resumed/checkpoints)")
     slurm = summary.get("slurm")

@@ -133,6 +133,13 @@ def load_expert_biases(chunks: list[torch.nn.Module], reader: PieceReader, metad
             bias.copy_(reader.tensor(buffer_key(name)))
 
 
+def saved_expert_biases(directory: Path, metadata: CheckpointMetadata) -> dict[str, torch.Tensor]:
+    """A checkpoint's experts' biases by name (`layers.3.mlp.router.expert_bias`); empty where it has none."""
+    reader = PieceReader(directory, metadata)
+    prefix = buffer_key("")
+    return {key.removeprefix(prefix): reader.tensor(key) for key in metadata.index if key.startswith(prefix)}
+
+
 def fine_tunes_from(config: LoomConfig, checkpoint: Path) -> bool:
     """Whether a run under `config` takes only the weights of `checkpoint` (checkpoint.finetune): a checkpoint of
     checkpoint.load's, not one of the run's own, which it resumes whole."""
