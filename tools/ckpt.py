@@ -22,6 +22,7 @@ from loom.engine.checkpoint.format import (
     CheckpointError,
     CheckpointLayout,
     CheckpointMetadata,
+    buffer_key,
     commit,
     find_loadable,
     foreign_checkpoint_hint,
@@ -36,6 +37,7 @@ from loom.engine.config import LoomConfig
 from loom.engine.config_io import config_from_dict, config_to_dict
 from loom.engine.model import naming
 from loom.engine.model.gpt import GPTModel
+from loom.engine.model.moe import expert_biases
 from loom.engine.parallel.param_info import param_info
 from loom.engine.parallel.sharding import ShardSpec
 from loom.engine.parallel.state import rank_of
@@ -107,7 +109,8 @@ def write_weights_checkpoint(
     (CheckpointMetadata.hf_origin); `tokenizer`: the tokenizer the weights were trained with
     (CheckpointMetadata.tokenizer)."""
     logical = LazyWeights.of(logical)
-    infos = [param_info(param) for param in GPTModel(config.model, None).parameters()]
+    model = GPTModel(config.model, None)
+    infos = [param_info(param) for param in model.parameters()]
     specs = {info.name: info.shard_spec for info in infos}
     for name, spec in specs.items():
         if name not in logical:
@@ -117,8 +120,18 @@ def write_weights_checkpoint(
                 f"{name}: shape {tuple(logical.shapes[name])} in {source}, the config says {spec.full_shape}"
             )
     names = {model_key(name, 0): name for name in specs}
+    # the experts' biases (model.moe_expert_bias) where the source has them: without, the model starts with none
+    biases = {name: bias.shape for name, bias in expert_biases([model]).items()}
+    buffers = {buffer_key(name): name for name in biases if name in logical.shapes}
+    for name in buffers.values():
+        if tuple(logical.shapes[name]) != tuple(biases[name]):
+            raise CheckpointError(
+                f"{name}: shape {tuple(logical.shapes[name])} in {source}, {tuple(biases[name])} here"
+            )
 
     def piece(key: str) -> torch.Tensor:
+        if key in buffers:
+            return logical[buffers[key]].float().contiguous()
         name = names[key]
         tensor = logical[name]
         if tuple(tensor.shape) != specs[name].full_shape:  # the header said otherwise than the data
@@ -129,6 +142,7 @@ def write_weights_checkpoint(
 
     final = iteration_dir(output, 0)
     declared = {key: (torch.float32, specs[name].local_shape(1)) for key, name in names.items()}
+    declared.update({key: (torch.float32, tuple(biases[name])) for key, name in buffers.items()})
     with staged(final) as staging:
         file, record = stream_rank_file(staging, 0, declared, piece)
         metadata = CheckpointMetadata(
@@ -141,7 +155,7 @@ def write_weights_checkpoint(
             config=config_to_dict(config),
             specs=specs,
             files={file: record},
-            index={key: file for key in names},
+            index={key: file for key in declared},
             tokenizer=tokenizer,
             **(hf_origin or {}),
         )

@@ -27,6 +27,7 @@ from loom.engine.config import ConfigError, LoomConfig, ParallelConfig
 from loom.engine.config_io import config_from_dict
 from loom.engine.faults import FaultPlan
 from loom.engine.model.gpt import DecodingCache, GPTModel
+from loom.engine.model.moe import expert_biases
 from loom.engine.parallel import mappings
 from loom.engine.parallel.param_info import param_info
 from loom.engine.parallel.rendezvous import end_ranks, host_rendezvous, rank_context
@@ -67,6 +68,9 @@ def load_model(
         for _, param in model.named_parameters():
             info = param_info(param)
             param.copy_(info.shard_spec.shard(weights[info.name], tp_rank, tp_size))
+        for name, bias in expert_biases([model]).items():  # where the checkpoint has them (else zero: none yet)
+            if name in weights.buffers:
+                bias.copy_(weights[name])
     return model.eval(), config
 
 

@@ -15,6 +15,7 @@ from loom.engine.checkpoint.format import (
     METADATA,
     CheckpointError,
     CheckpointMetadata,
+    buffer_key,
     find_loadable,
     read_metadata,
     sha256_of,
@@ -71,6 +72,7 @@ class ModelWeights(LazyWeights):
         self, directory: Path, metadata: CheckpointMetadata, base: Path | None = None, verify_hashes: bool = True
     ):
         reader = PieceReader(directory, metadata)
+        self.directory = directory
         self.adapters: dict[str, tuple[str, str]] = {}
         self.base_dir: Path | None = None
         self.model_metadata = metadata  # whose facts the model carries: the base's for a LoRA checkpoint
@@ -81,7 +83,7 @@ class ModelWeights(LazyWeights):
                     f"{directory} is not a LoRA checkpoint, so --lora.base {base} has nothing to do; drop it"
                 )
             self.weights, self.factors = reader, None
-            super().__init__(_full_shapes(metadata))
+            super().__init__({**_full_shapes(metadata), **self._buffers(metadata)})
             return
         self.base_dir, base_metadata = base_of(directory, metadata, base, verify_hashes)
         self.model_metadata = base_metadata
@@ -89,9 +91,18 @@ class ModelWeights(LazyWeights):
         self.weights, self.factors = PieceReader(self.base_dir, base_metadata), reader
         self.adapters = adapted_weights(metadata.specs)
         self.scale = config_from_dict(metadata.config).lora.scale
-        super().__init__(_full_shapes(base_metadata))
+        super().__init__({**_full_shapes(base_metadata), **self._buffers(base_metadata)})
+
+    def _buffers(self, metadata: CheckpointMetadata) -> dict[str, tuple[int, ...]]:
+        """The model's buffers that are state (experts' biases: buffer/<name>), by name, with their shapes."""
+        prefix = buffer_key("")
+        self.buffers = {key.removeprefix(prefix): key for key in metadata.index if key.startswith(prefix)}
+        reader = PieceReader(self.base_dir or self.directory, metadata)
+        return {name: reader.header(key)[1] for name, key in self.buffers.items()}
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self.buffers:
+            return self.weights.tensor(self.buffers[name]).float()
         weight = self.weights.model(name).float()
         if name in self.adapters:
             a, b = (self.factors.model(factor).float() for factor in self.adapters[name])

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from loom.engine.config import ModelConfig
+from loom.engine.model import naming
 from loom.engine.parallel import mappings
 from loom.engine.parallel.sharding import ShardSpec, make_parameter
 
@@ -259,7 +260,10 @@ def _biased_blocks(chunks: list[torch.nn.Module]) -> dict[str, MoEMLP]:
 def expert_biases(chunks: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
     """This rank's experts' biases (model.moe_expert_bias) by layout-independent name
     (`layers.3.mlp.router.expert_bias`): the same on every TP and DP rank of a stage, saved once per stage."""
-    return {f"{name}.router.expert_bias": block.router.expert_bias for name, block in _biased_blocks(chunks).items()}
+    return {
+        f"{name.removesuffix('.mlp')}.{naming.EXPERT_BIAS}": block.router.expert_bias
+        for name, block in _biased_blocks(chunks).items()
+    }
 
 
 def update_expert_biases(chunks: list[torch.nn.Module], loads: dict[str, torch.Tensor], rate: float, group) -> None:

@@ -46,6 +46,8 @@ FC2_WEIGHT = "mlp.fc2.weight"
 ROUTER_WEIGHT = "mlp.router.weight"
 EXPERTS_FC1_WEIGHT = "mlp.experts.fc1.weight"
 EXPERTS_FC2_WEIGHT = "mlp.experts.fc2.weight"
+# model.moe_expert_bias: each expert's routing bias, a buffer (checkpoints' buffer/<name>), not a parameter
+EXPERT_BIAS = "mlp.router.expert_bias"
 # model.moe_shared_ffn_hidden_size: the shared expert, and model.moe_shared_expert_gate its gate
 SHARED_EXPERT_FC1_WEIGHT = "mlp.shared_expert.fc1.weight"
 SHARED_EXPERT_FC2_WEIGHT = "mlp.shared_expert.fc2.weight"
