@@ -35,6 +35,14 @@ def _moe_model(kind: str):
             norm_topk_prob=True,
         )
         model_class = transformers.Qwen3MoeForCausalLM
+    elif kind == "minimax_m2":  # sigmoid scores, routing biases, q/k norms across heads, half of each head turned
+        config = transformers.MiniMaxM2Config(
+            **{**shape, "head_dim": 16, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            partial_rotary_factor=0.5,
+        )
+        model_class = transformers.MiniMaxM2ForCausalLM
     elif kind == "qwen2_moe":  # the top 2 of 4 at their softmax probabilities, a gated shared expert, q/k/v biases
         config = transformers.Qwen2MoeConfig(
             **shape, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48
@@ -55,17 +63,23 @@ def _moe_model(kind: str):
                 tensor.normal_(0.0, 0.5)
             elif "norm" in name:  # norms at one would hide q/k norms read from the wrong place
                 tensor.normal_(1.0, 0.2)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # MiniMax-M2's, large enough to change experts
+                buffer.normal_(0.0, 0.5)
     return model
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "olmoe", "qwen2_moe"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "minimax_m2"])
 def test_a_mixture_of_experts_imports_evaluates_decodes_and_exports_as_transformers_computes_it(kind, tmp_path, capfd):
     model = _moe_model(kind)
     model.save_pretrained(str(tmp_path / "hf"))
     imported, again = _round_trip_computes_as_transformers(model, tmp_path, capfd)
     experts, top_k = (6, 3) if kind == "qwen3_moe" else (4, 2)
     assert (imported["num_experts"], imported["moe_top_k"]) == (experts, top_k)
-    assert imported["moe_norm_top_k"] is (kind in ("mixtral", "qwen3_moe"))
+    assert imported["moe_norm_top_k"] is (kind in ("mixtral", "qwen3_moe", "minimax_m2"))
+    sigmoid = kind == "minimax_m2"
+    assert (imported["moe_router_score"] == "sigmoid", imported["moe_expert_bias"]) == (sigmoid, sigmoid)
+    assert imported["rotary_percent"] == (0.5 if sigmoid else 1.0)
     shared = (48, True, True) if kind == "qwen2_moe" else (None, False, False)
     assert (imported["moe_shared_ffn_hidden_size"], imported["moe_shared_expert_gate"], imported["qkv_bias"]) == shared
     # transformers' loss is about top_k at an even load over all layers, loom's 1 a block: the weight converts
@@ -167,6 +181,21 @@ def test_transformers_5_s_own_stacked_layout_imports_with_its_logits(tmp_path):
             {"sliding_window": 16, "moe_shared_ffn_hidden_size": 128, "moe_shared_expert_gate": True, "qkv_bias": True},
             "a sliding window (only Mixtral's export)",
         ),
+        ({"moe_router_score": "sigmoid"}, "sigmoid router scores without experts' biases (MiniMax-M2's has them)"),
+        (
+            {"moe_router_score": "sigmoid", "moe_expert_bias": True},
+            "sigmoid router scores without query/key norms across heads",
+        ),
+        (
+            {
+                "moe_router_score": "sigmoid",
+                "moe_expert_bias": True,
+                "qk_norm_per_head": False,
+                "moe_router_scale": 2.5,
+            },
+            "a moe_router_scale",
+        ),
+        ({"rotary_percent": 0.5}, "rotary_percent < 1 (only MiniMax-M2's turns part of each head)"),
     ],
 )
 def test_experts_a_hugging_face_class_cannot_compute_alike_are_refused_on_export(settings, refusal):

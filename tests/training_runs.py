@@ -95,7 +95,7 @@ def loom_here(capfd, *args: str) -> subprocess.CompletedProcess:
 def loom_logits(checkpoints, tokens: torch.Tensor) -> torch.Tensor:
     """The logits [batch, seq, vocab] of the checkpoint's model (its newest under `checkpoints`) on one CPU rank."""
     from loom.engine.checkpoint.format import find_loadable
-    from loom.engine.checkpoint.load import PieceReader
+    from loom.engine.checkpoint.load import PieceReader, load_expert_biases
     from loom.engine.config_io import config_from_dict
     from loom.engine.model.gpt import GPTModel
     from loom.engine.parallel.param_info import param_info
@@ -109,6 +109,7 @@ def loom_logits(checkpoints, tokens: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.copy_(param_info(param).shard_spec.shard(reader.model(name), 0, 1))
+        load_expert_biases([model], reader, metadata)
         return model.eval()(tokens)[..., : config.model.vocab_size].transpose(0, 1)
 
 

@@ -57,6 +57,7 @@ from loom.tools.hf_gpt2 import (
 )
 from loom.tools.hf_moe import (
     FUSED_EXPERTS_IN_BLOCK,
+    MINIMAX_M2_IN_BLOCK,
     MIXTRAL_IN_BLOCK,
     QWEN2_MOE_IN_BLOCK,
     QWEN_MOE_IN_BLOCK,
@@ -128,7 +129,7 @@ def _block_names(model: dict, phi3: bool) -> dict[str, tuple[str, ...]]:
     """Hugging Face's names inside a block for loom's, in the form the model has (`phi3`: phi3_form)."""
     if model["num_experts"] is not None:
         generation = moe_generation(model)
-        tables = {"mixtral": MIXTRAL_IN_BLOCK, "qwen2_moe": QWEN2_MOE_IN_BLOCK}
+        tables = {"mixtral": MIXTRAL_IN_BLOCK, "qwen2_moe": QWEN2_MOE_IN_BLOCK, "minimax_m2": MINIMAX_M2_IN_BLOCK}
         return {**_IN_BLOCK, **tables.get(generation, QWEN_MOE_IN_BLOCK)}
     if nemotron_form(model):
         return _NEMOTRON_IN_BLOCK
@@ -198,6 +199,7 @@ def _loom_names(model: dict) -> list[str]:
         naming.SHARED_EXPERT_FC1_WEIGHT: moe and model["moe_shared_ffn_hidden_size"] is not None,
         naming.SHARED_EXPERT_FC2_WEIGHT: moe and model["moe_shared_ffn_hidden_size"] is not None,
         naming.SHARED_EXPERT_GATE_WEIGHT: moe and model["moe_shared_expert_gate"],
+        naming.EXPERT_BIAS: moe and model.get("moe_expert_bias", False),
         naming.QKV_BIAS: model["qkv_bias"],
         naming.Q_NORM_WEIGHT: model["qk_norm"],
         naming.K_NORM_WEIGHT: model["qk_norm"],
@@ -217,6 +219,7 @@ def _loom_names(model: dict) -> list[str]:
         naming.SHARED_EXPERT_FC1_WEIGHT,
         naming.SHARED_EXPERT_FC2_WEIGHT,
         naming.SHARED_EXPERT_GATE_WEIGHT,
+        naming.EXPERT_BIAS,
     )
     in_block = [local for local in every if optional.get(local, True)]
     return outside + [naming.block_param_name(i, local) for i in range(model["num_layers"]) for local in in_block]

@@ -50,7 +50,8 @@ def check_llama_form(model: dict, gpt2_too: bool = False) -> None:
         wrong["LayerNorm and squared ReLU (Nemotron's) with qk_norm, qkv_bias, norm_placement or Granite's"] = True
     if model["qk_norm"] and model["qkv_bias"]:  # Qwen3's attention_bias would bias o_proj too
         wrong["qkv_bias with qk_norm"] = True
-    if model["rotary_percent"] < 1 and (model["qk_norm"] or model["qkv_bias"]):  # only Phi-3's class turns part
+    minimax = model["num_experts"] is not None and model.get("moe_router_score") == "sigmoid"  # its moe_form_refusals
+    if model["rotary_percent"] < 1 and (model["qk_norm"] or model["qkv_bias"]) and not minimax:  # Phi-3's turns part
         wrong["rotary_percent with " + ("qk_norm" if model["qk_norm"] else "qkv_bias")] = model["rotary_percent"]
     phi3_rotary = model["rotary_percent"] < 1 and not nemotron  # part of each head turned by Phi-3's class
     if phi3_rotary and model["rope_scaling"] in ("linear", "llama3", "yarn"):  # Phi3Config: default and longrope
@@ -299,11 +300,13 @@ def _rope_fields(hf: dict) -> dict:
     rope = _rope_parameters(hf)
     fields = {"rope_theta": float(rope["rope_theta"])}
     default = 0.5 if hf.get("model_type") == "nemotron" else 1.0  # NemotronConfig's, kept for its first files
+    if hf.get("model_type") == "minimax_m2" and hf.get("rotary_dim") is not None:  # its released files' field
+        default = hf["rotary_dim"] / (hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
     partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", default))
-    if partial != 1.0 and hf.get("model_type") not in ("phi3", "nemotron"):  # the others turn each head whole
+    if partial != 1.0 and hf.get("model_type") not in ("phi3", "nemotron", "minimax_m2"):  # others turn heads whole
         raise CheckpointError(
             f"config.json sets partial_rotary_factor {partial} for model_type {hf.get('model_type')!r}, whose "
-            "transformers class rotates the whole head; loom imports it with Phi-3's and Nemotron's"
+            "transformers class rotates the whole head; loom imports it with Phi-3's, Nemotron's and MiniMax-M2's"
         )
     fields["rotary_percent"] = float(partial)
     # transformers prefers the top-level field (Phi-3 writes it) to the one inside the rope settings
@@ -395,8 +398,8 @@ def _refuse_unrepresentable(hf: dict) -> None:
     if hf.get("model_type") not in LLAMA_SHAPED_MODEL_TYPES:
         raise CheckpointError(
             f"model_type {hf.get('model_type')!r} is not {', '.join(LLAMA_SHAPED_MODEL_TYPES)} or gpt2; loom imports "
-            "Llama-, Mistral-, Qwen-, Phi-3-, Granite-, OLMo 2-, Nemotron-, Gemma-, Mixtral-, Qwen-MoE-, OLMoE- and "
-            "GPT-2-format models"
+            "Llama-, Mistral-, Qwen-, Phi-3-, Granite-, OLMo 2-, Nemotron-, Gemma-, Mixtral-, Qwen-MoE-, OLMoE-, "
+            "MiniMax-M2- and GPT-2-format models"
         )
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
@@ -468,8 +471,8 @@ def model_from_hf_config(hf: dict) -> dict:
         "position_embedding": "rope",
         "bias": False,
         "qkv_bias": kind == "qwen2",  # qwen2_moe's: moe_fields
-        "qk_norm": kind in ("qwen3", "olmo2", "qwen3_moe", "olmoe"),
-        "qk_norm_per_head": kind not in ("olmo2", "olmoe"),  # they normalise the whole q and k projections
+        "qk_norm": kind in ("qwen3", "olmo2", "qwen3_moe", "olmoe", "minimax_m2"),
+        "qk_norm_per_head": kind not in ("olmo2", "olmoe", "minimax_m2"),  # they normalise the whole q and k
         "norm_placement": "output" if kind == "olmo2" else "input",
         **(_granite_fields(hf) if kind == "granite" else {}),
         **_window_of_every_layer(hf),

@@ -1,9 +1,11 @@
 """Mixture-of-experts forms in Hugging Face's files (tools/hf_forms.py and tools/hf.py ask here): Mixtral
-(MixtralForCausalLM), Qwen3-MoE (Qwen3MoeForCausalLM), OLMoE (OlmoeForCausalLM) and Qwen2-MoE (Qwen2MoeForCausalLM,
-Qwen1.5-MoE's too) are Llamas whose every MLP is model.num_experts SwiGLU experts behind a linear router
-(model.moe_top_k, model.moe_norm_top_k); Qwen3-MoE adds Qwen3's per-head query/key norms, OLMoE norms over the whole
-query and key projections, Qwen2-MoE Qwen2's q/k/v biases and a gated shared expert (model.moe_shared_ffn_hidden_size,
-model.moe_shared_expert_gate).
+(MixtralForCausalLM), Qwen3-MoE (Qwen3MoeForCausalLM), OLMoE (OlmoeForCausalLM), Qwen2-MoE (Qwen2MoeForCausalLM,
+Qwen1.5-MoE's too) and MiniMax-M2 (MiniMaxM2ForCausalLM) are Llamas whose every MLP is model.num_experts SwiGLU experts
+behind a linear router (model.moe_top_k, model.moe_norm_top_k); Qwen3-MoE adds Qwen3's per-head query/key norms, OLMoE
+norms over the whole query and key projections, Qwen2-MoE Qwen2's q/k/v biases and a gated shared expert
+(model.moe_shared_ffn_hidden_size, model.moe_shared_expert_gate), MiniMax-M2 OLMoE's norms, a rotary embedding over
+part of each head (model.rotary_percent) and DeepSeek-V3's routing: sigmoid scores and a routing bias per expert
+(model.moe_router_score, model.moe_expert_bias; e_score_correction_bias, a buffer loom keeps as buffer/<name>).
 
 Their files name each expert's tensors apart (Mixtral: block_sparse_moe.experts.<e>.w1/w3/w2, the others:
 mlp.experts.<e>.gate_proj/up_proj/down_proj, as transformers 5 still saves them though it computes stacked ones);
@@ -15,7 +17,7 @@ from __future__ import annotations
 from loom.engine.checkpoint.format import CheckpointError
 from loom.engine.model import naming
 
-MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe")
+MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "minimax_m2")
 """config.json's model_type of each mixture-of-experts class import-hf reads."""
 
 EXPERT = "{expert}"
@@ -29,6 +31,8 @@ MIXTRAL_IN_BLOCK = {
     ),
     naming.EXPERTS_FC2_WEIGHT: (f"block_sparse_moe.experts.{EXPERT}.w2.weight",),
 }
+MINIMAX_M2_IN_BLOCK = {**MIXTRAL_IN_BLOCK, naming.EXPERT_BIAS: ("block_sparse_moe.e_score_correction_bias",)}
+"""MiniMax-M2's names: Mixtral's, with each block's experts' routing biases."""
 QWEN_MOE_IN_BLOCK = {
     naming.ROUTER_WEIGHT: ("mlp.gate.weight",),
     naming.EXPERTS_FC1_WEIGHT: (f"mlp.experts.{EXPERT}.gate_proj.weight", f"mlp.experts.{EXPERT}.up_proj.weight"),
@@ -60,6 +64,13 @@ _CLASS_DEFAULTS = {
         "moe_intermediate_size": 768,
     },
     "olmoe": {"num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": False, "router_aux_loss_coef": 0.01},
+    "minimax_m2": {
+        "num_local_experts": 256,
+        "num_experts_per_tok": 8,
+        "router_aux_loss_coef": 0.001,
+        "head_dim": 128,
+        "rms_norm_eps": 1e-6,
+    },
     "qwen2_moe": {
         "num_experts": 60,
         "num_experts_per_tok": 4,
@@ -69,8 +80,8 @@ _CLASS_DEFAULTS = {
         "shared_expert_intermediate_size": 5632,
     },
 }
-"""MixtralConfig's, Qwen3MoeConfig's, OlmoeConfig's and Qwen2MoeConfig's defaults (transformers 5.24) for what a file
-leaves out."""
+"""MixtralConfig's, Qwen3MoeConfig's, OlmoeConfig's, Qwen2MoeConfig's and MiniMaxM2Config's defaults (transformers
+5.24) for what a file leaves out."""
 
 _TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
@@ -113,10 +124,12 @@ def moe_fields(hf: dict) -> dict:
     fields = {
         "num_experts": experts,
         "moe_top_k": top_k,
-        "moe_norm_top_k": True if kind == "mixtral" else bool(hf["norm_topk_prob"]),
+        "moe_norm_top_k": True if kind in ("mixtral", "minimax_m2") else bool(hf["norm_topk_prob"]),
         "moe_aux_loss_coeff": float(hf["router_aux_loss_coef"]) * top_k / hf["num_hidden_layers"],
         "ffn_hidden_size": hf["moe_intermediate_size"] if qwen else hf["intermediate_size"],
     }
+    if kind == "minimax_m2":  # sigmoid scores with a routing bias per expert, as DeepSeek-V3's (always, in its class)
+        fields.update(moe_router_score="sigmoid", moe_expert_bias=True)
     if kind == "qwen2_moe":  # Qwen2's attention, biased q, k and v (transformers 5 lets a file say otherwise)
         fields.update(moe_shared_ffn_hidden_size=shared, moe_shared_expert_gate=True, qkv_bias=hf.get("qkv_bias", True))
     return fields
@@ -146,6 +159,7 @@ def moe_form_refusals(model: dict) -> dict:
         return {}
     olmoe = model["qk_norm"] and not model["qk_norm_per_head"]
     shared = model["moe_shared_ffn_hidden_size"] is not None
+    sigmoid = model.get("moe_router_score", "softmax") == "sigmoid"
     unlike = {
         "an activation other than swiglu": model["activation"] != "swiglu",
         # only Qwen2-MoE has a shared expert, gated, beside q, k and v biases and no query/key norms
@@ -158,7 +172,7 @@ def moe_form_refusals(model: dict) -> dict:
         "rope_local_theta (Gemma 3's)": model["rope_local_theta"] is not None and model["sliding_window"] is not None,
         "qkv_bias without a shared expert (only Qwen2-MoE biases q, k and v)": model["qkv_bias"] and not shared,
         "norm_placement other than input": model["norm_placement"] != "input",
-        "rotary_percent < 1": model["rotary_percent"] < 1,
+        "rotary_percent < 1 (only MiniMax-M2's turns part of each head)": model["rotary_percent"] < 1 and not sigmoid,
         "moe_norm_top_k = false without query/key norms or a shared expert (Mixtral renormalises)": not model[
             "moe_norm_top_k"
         ]
@@ -169,16 +183,24 @@ def moe_form_refusals(model: dict) -> dict:
         "soft-capping": model["attention_softcap"] is not None or model["logits_softcap"] is not None,
         "multipliers or an attention_scale": model["attention_scale"] is not None
         or any(model[field] != 1.0 for field in ("embedding_multiplier", "residual_multiplier", "logits_divisor")),
-        "sigmoid router scores (these classes take a softmax)": model.get("moe_router_score", "softmax") != "softmax",
+        # MiniMax-M2, the one class with sigmoid scores: biased, renormalised, its query/key norms across heads
+        "sigmoid router scores without experts' biases (MiniMax-M2's has them)": sigmoid
+        and not model.get("moe_expert_bias", False),
+        "sigmoid router scores without moe_norm_top_k (MiniMax-M2 renormalises)": sigmoid
+        and not model["moe_norm_top_k"],
+        "sigmoid router scores without query/key norms across heads (MiniMax-M2's)": sigmoid and not olmoe,
+        "sigmoid router scores and a shared expert": sigmoid and shared,
         "a moe_router_scale": model.get("moe_router_scale", 1.0) != 1.0,
-        "experts' biases (moe_expert_bias)": model.get("moe_expert_bias", False),
+        "experts' biases without sigmoid scores": model.get("moe_expert_bias", False) and not sigmoid,
     }
     return {f"experts with {why}": True for why, present in unlike.items() if present}
 
 
 def moe_generation(model: dict) -> str:
-    """The model_type a mixture-of-experts model exports as: qwen2_moe with a shared expert, qwen3_moe with
-    per-head query/key norms, olmoe with norms over the whole projections, mixtral without."""
+    """The model_type a mixture-of-experts model exports as: minimax_m2 with sigmoid scores, qwen2_moe with a shared
+    expert, qwen3_moe with per-head query/key norms, olmoe with norms over the whole projections, mixtral without."""
+    if model.get("moe_router_score", "softmax") == "sigmoid":
+        return "minimax_m2"
     if model["moe_shared_ffn_hidden_size"] is not None:
         return "qwen2_moe"
     if not model["qk_norm"]:
@@ -194,6 +216,7 @@ def moe_architecture(model: dict) -> dict:
         "qwen3_moe": "Qwen3MoeForCausalLM",
         "olmoe": "OlmoeForCausalLM",
         "qwen2_moe": "Qwen2MoeForCausalLM",
+        "minimax_m2": "MiniMaxM2ForCausalLM",
     }
     coefficient = model["moe_aux_loss_coeff"] * model["num_layers"] / model["moe_top_k"]  # moe_fields' inverse
     fields = {
@@ -205,6 +228,11 @@ def moe_architecture(model: dict) -> dict:
     }
     if generation == "mixtral":
         return {**fields, "num_local_experts": model["num_experts"], "sliding_window": model["sliding_window"]}
+    if generation == "minimax_m2":  # rotary_dim and the rest for the original code's readers (vLLM's too)
+        rotary = round(model["rotary_percent"] * model["head_dim"])
+        return {**fields, "num_local_experts": model["num_experts"], "partial_rotary_factor": model["rotary_percent"],
+                "rotary_dim": rotary, "use_qk_norm": True, "qk_norm_type": "per_layer", "scoring_func": "sigmoid",
+                "use_routing_bias": True, **dict.fromkeys(_TOKEN_ID_FIELDS)}  # fmt: skip
     fields.update(num_experts=model["num_experts"], norm_topk_prob=model["moe_norm_top_k"], attention_bias=False)
     if generation == "olmoe":  # OlmoeConfig's token ids default to OLMo's own (pad 1): none unless known
         return {**fields, "clip_qkv": None, **dict.fromkeys(_TOKEN_ID_FIELDS)}
