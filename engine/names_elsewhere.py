@@ -162,7 +162,8 @@ TRAINING_NAMES: tuple[NameElsewhere, ...] = (
             (
                 "--moe-router-pre-softmax",
                 "--model.moe_norm_top_k false",
-                "the top k weighted by the softmax over every expert, not renormalised",
+                "the top k weighted by the softmax over every expert, not renormalised (softmax scores: Megatron "
+                "renormalises sigmoid ones whatever it says)",
             ),
             (
                 "--moe-ffn-hidden-size",

@@ -267,7 +267,7 @@ def adopt_lora_base(config: LoomConfig) -> None:
     if not config.lora.enabled:
         return
     from loom.engine.config.model import LORA_TARGETS
-    from loom.engine.model.lora import adopt_base_model, check_rank
+    from loom.engine.model.lora import FROZEN_ROUTER, adopt_base_model, check_rank
 
     changes = adopt_base_model(config)
     if changes:
@@ -279,16 +279,13 @@ def adopt_lora_base(config: LoomConfig) -> None:
             f"lora.targets = {' '.join(config.lora.targets)}",
             flush=True,
         )
-    if config.model.router_losses:  # as peft's fine-tunes of Mixtral and the others
-        config.model = dataclasses.replace(config.model, moe_aux_loss_coeff=0.0, moe_z_loss_coeff=0.0)
+    if config.model.moe:  # adopt_base_model zeroed them, as peft's fine-tunes of Mixtral and the others train
         print(
-            "LoRA: the router is frozen: no load-balancing loss or z-loss (model.moe_aux_loss_coeff and "
-            "model.moe_z_loss_coeff = 0)",
+            "LoRA: the router is frozen: no load-balancing loss, z-loss or moving experts' biases (model."
+            + ", model.".join(FROZEN_ROUTER)
+            + " = 0)",
             flush=True,
         )
-    if config.model.moe_expert_bias and config.model.moe_expert_bias_rate:
-        config.model = dataclasses.replace(config.model, moe_expert_bias_rate=0.0)
-        print("LoRA: the router is frozen, its experts' biases too (model.moe_expert_bias_rate = 0)", flush=True)
     check_rank(config)
 
 

@@ -21,6 +21,7 @@ PRESETS = {
     "gemma2-2b": 8,
     "mixtral-8x7b": 64,
     "olmoe-1b-7b": 8,
+    "minimax-m2": 256,
 }
 
 
@@ -368,6 +369,7 @@ def test_settings_a_config_never_reads_are_named():
         "gemma2-2b",
         "mixtral-8x7b",
         "olmoe-1b-7b",
+        "minimax-m2",
     ):
         assert load_config(preset).settings_without_effect() == [], preset
 

@@ -204,6 +204,7 @@ PUBLISHED_PARAMETERS = {
     "gemma2-2b": 2_614_341_888,
     "mixtral-8x7b": 46_702_792_704,
     "olmoe-1b-7b": 6_919_161_856,
+    "minimax-m2": 228_689_748_992,  # "230B": MiniMax-M2's config.json shapes without its multi-token-prediction modules
 }
 
 

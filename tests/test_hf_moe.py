@@ -3,6 +3,8 @@ OLMoE written by the installed transformers import with its logits, `loom eval` 
 its loss, loom's KV-cached greedy decoding continues a prompt as it does, and the export loads back with the same
 logits and class."""
 
+import json
+
 import pytest
 import torch
 from test_hf import (
@@ -117,6 +119,9 @@ def test_a_lora_run_on_an_imported_mixtral_exports_an_adapter_peft_loads_onto_it
     assert result.returncode == 0, result.stderr
     assert "mixture of 4 experts, which take no adapters: lora.targets = qkv proj" in result.stdout
     assert "the router is frozen: no load-balancing loss" in result.stdout
+    # and the ranks train so (the base's 0.01 x 2 / 2 came back on them, training the adapters through the router)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [row for row in rows if "loss" in row] and not [row for row in rows if "moe_aux_loss" in row]
     export_hf(tmp_path / "run", tmp_path / "merged")
     export_peft_adapter(tmp_path / "run", tmp_path / "adapter", base_model=str(tmp_path / "hf"))
     merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32)

@@ -242,11 +242,22 @@ def _biased_runs(rank, world, dataset, run_dir):
         return Trainer(tiny_config(dataset, run_dir, model=BIASED, parallel=parallel, train=train))
 
     run, losses, expected_load_sum = trainer({"dp": 2}), [], 4 * 32 * 2  # the batch's tokens x top 2
+    counted = {}  # each block's load worked out here from what enters its MLP: sigmoid(x . router) + bias, top 2
+
+    def count(name, mlp, args, output):
+        scores = (args[0].reshape(-1, 128) @ mlp.router.weight.t()).sigmoid() + mlp.router.expert_bias
+        counted[name] = counted.get(name, 0) + F.one_hot(scores.topk(2).indices, 4).sum((0, 1))
+
+    for name, mlp in run.chunks[0].named_modules():
+        if hasattr(mlp, "has_expert_bias"):
+            mlp.register_forward_hook(lambda module, args, output, name=name: count(name, module, args, output))
     for step in range(4):
         before = {name: bias.clone() for name, bias in expert_biases(run.chunks).items()}
+        counted.clear()
         losses.append(run.train_step()["loss"])
         for name, bias in expert_biases(run.chunks).items():
             load = run.executor.expert_loads[name.removesuffix(".router.expert_bias")].clone()
+            assert torch.equal(load, counted[name.removesuffix(".router.expert_bias")])
             dist.all_reduce(load)
             assert load.sum().item() == expected_load_sum
             mean = load.sum().item() / 4

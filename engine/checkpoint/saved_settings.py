@@ -215,6 +215,7 @@ TRAINING_FIELDS = (
     ("train", "fp8"),
     ("train", "global_batch_size"),
     ("model", "dropout"),
+    ("model", "moe_expert_bias_rate"),
     ("lora", "dropout"),
     *FP16_SCALER_FIELDS,
 )
@@ -228,6 +229,8 @@ def changed_training_settings(saved_config: dict, current: LoomConfig) -> list[t
         unread |= {("optim", "beta1"), ("optim", "beta2"), ("optim", "eps")}
     if not current.lora.enabled:
         unread.add(("lora", "dropout"))
+    if not current.model.moves_expert_biases:
+        unread.add(("model", "moe_expert_bias_rate"))
     if (current.train.precision, saved_config.get("train", {}).get("precision")) != ("fp16", "fp16"):
         unread |= set(FP16_SCALER_FIELDS)  # no scaler resumed (a change of precision is said as such)
     fields = [field for field in TRAINING_FIELDS if field not in unread]

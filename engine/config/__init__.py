@@ -219,6 +219,7 @@ class LoomConfig:
                 f"model.rope_scaling = {m.rope_scaling}",
             ),
             (m, ("qk_norm_per_head",), not m.qk_norm, "model.qk_norm = false (no query/key norms)"),
+            (m, ("moe_expert_bias_rate",), not m.moe_expert_bias, "model.moe_expert_bias = false (no biases to move)"),
             (
                 m,
                 ("full_attention_interval", "rope_local_theta"),

@@ -140,11 +140,15 @@ def base_pointer(config: LoomConfig) -> dict | None:
 
 # How a run computes, not what the model is: these stay the LoRA run's own.
 _RUN_SETTINGS = ("dropout", "recompute", "kernels", "compile")
+# What trains a mixture of experts' router, which a LoRA run freezes (as peft's fine-tunes of Mixtral do): 0 whatever
+# the base trained with (its losses' gradients would reach the adapters through the hidden states).
+FROZEN_ROUTER = ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_expert_bias_rate")
 
 
 def adopt_base_model(config: LoomConfig) -> list[str]:
     """A LoRA run's model is its base's: [model] is taken from the base checkpoint's config (except the run
-    settings above), so a config need not restate an imported model. Returns what changed, as `field: a -> b`."""
+    settings above; a mixture of experts' FROZEN_ROUTER settings are 0), so a config need not restate an imported
+    model. Returns what changed, as `field: a -> b`."""
     _, metadata = _find_base(config.lora.base, verify_hashes=False)
     base = config_from_dict({"model": metadata.config["model"]}).model
     changes, values = [], {}
@@ -152,7 +156,9 @@ def adopt_base_model(config: LoomConfig) -> list[str]:
         ours, theirs = getattr(config.model, field.name), getattr(base, field.name)
         if field.name == "max_position_embeddings" and base.position_embedding == "rope":
             theirs = max(ours, theirs)  # RoPE has no position weights: a longer context is the run's to choose
-        if field.name not in _RUN_SETTINGS and ours != theirs:
+        if base.moe and field.name in FROZEN_ROUTER:
+            values[field.name] = 0.0
+        elif field.name not in _RUN_SETTINGS and ours != theirs:
             changes.append(f"{field.name}: {ours} -> {theirs}")
             values[field.name] = theirs
     config.model = dataclasses.replace(config.model, **values)
