@@ -57,7 +57,7 @@ def parameter_counts(config: ModelConfig) -> dict[str, int]:
     """Unpadded parameter counts: non_embedding (blocks + final norm), embedding, total."""
     h = config.hidden_size
     final_norm = h * (2 if config.norm == "layernorm" else 1)
-    non_embedding = config.num_layers * layer_parameters(config) + final_norm
+    non_embedding = sum(layer_parameters(config.layer_config(i)) for i in range(config.num_layers)) + final_norm
     embedding = config.vocab_size * h * (1 if config.tie_embeddings else 2)
     if config.position_embedding == "learned":
         embedding += config.max_position_embeddings * h
@@ -93,13 +93,14 @@ def model_flops_per_token(config: ModelConfig, seq_length: int, lora: LoraConfig
     """Training FLOPs per token (forward and backward) of a sequence of `seq_length` tokens. With LoRA adapters
     (`lora`, rank > 0) the frozen base's weights take 4 FLOPs each (no weight gradient: forward and input gradient)
     and each adapter weight 6; the attention products are those of full training."""
-    gemm_weights = config.num_layers * sum(i * o for i, o in block_gemms(config).values())
+    blocks = [config.layer_config(layer) for layer in range(config.num_layers)]
+    gemm_weights = sum(i * o for block in blocks for i, o in block_gemms(block).values())
     gemm_weights += config.hidden_size * config.vocab_size
     attention_products = 12.0 * config.num_layers * config.num_heads * config.head_dim * seq_length
     if lora is None or not lora.rank:
         return 6.0 * gemm_weights + attention_products
-    adapters = config.num_layers * sum(lora.rank * (i + o) for name, (i, o) in block_gemms(config).items()
-                                       if name in lora.targets)  # fmt: skip
+    adapters = sum(lora.rank * (i + o) for block in blocks for name, (i, o) in block_gemms(block).items()
+                   if name in lora.targets)  # fmt: skip
     return 4.0 * gemm_weights + 6.0 * adapters + attention_products
 
 

@@ -165,10 +165,11 @@ TRAINING_NAMES: tuple[NameElsewhere, ...] = (
                 "the top k weighted by the softmax over every expert, not renormalised (softmax scores: Megatron "
                 "renormalises sigmoid ones whatever it says)",
             ),
+            ("--moe-ffn-hidden-size", "--model.moe_ffn_hidden_size"),
             (
-                "--moe-ffn-hidden-size",
-                "--model.ffn_hidden_size",
-                "every loom block is a mixture of experts when model.num_experts is set: the experts' width",
+                "--moe-layer-freq",
+                "--model.moe_dense_layers",
+                "loom's dense blocks are the first N ('([0]*N+[1]*rest)'); other patterns are not loom's",
             ),
             ("--moe-shared-expert-intermediate-size", "--model.moe_shared_ffn_hidden_size"),
             ("--moe-shared-expert-gate", "--model.moe_shared_expert_gate true"),

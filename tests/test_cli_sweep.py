@@ -344,6 +344,10 @@ BAD_OVERRIDES = [
     ["--model.num_experts", "4", "--model.moe_expert_bias", "true"],  # a softmax router
     ["--model.num_experts", "4", "--model.moe_router_score", "sigmoid", "--model.moe_expert_bias_rate", "-1"],
     ["--model.moe_expert_bias", "true"],  # no experts
+    ["--model.num_experts", "4", "--model.moe_dense_layers", "-1"],
+    ["--model.num_experts", "4", "--model.moe_dense_layers", HUGE],  # every block: no experts left
+    ["--model.num_experts", "4", "--model.moe_ffn_hidden_size", "0"],
+    ["--model.moe_dense_layers", "1"],  # no experts
     ["--model.qk_norm_per_head", "maybe"],
     ["--model.qk_norm", "true", "--model.qk_norm_per_head", "false", "--model.norm", "layernorm"],
     ["--train.rampup_batch_size", "4", "4"],

@@ -139,6 +139,11 @@ def _counted_flops(config: ModelConfig, batch: int, seq_length: int) -> tuple[in
             **{"num_kv_heads": 2, "ffn_hidden_size": 96, "vocab_size": 256, "num_experts": 4, "moe_top_k": 2},
             **{"moe_shared_ffn_hidden_size": 64, "moe_shared_expert_gate": True},
         },
+        # a dense first block (96 wide) before experts 32 wide
+        {
+            **{"num_kv_heads": 2, "ffn_hidden_size": 96, "vocab_size": 256, "num_experts": 4, "moe_top_k": 2},
+            **{"moe_dense_layers": 1, "moe_ffn_hidden_size": 32},
+        },
     ],
 )
 def test_model_flops_agree_with_flop_counter_on_the_model(kwargs):

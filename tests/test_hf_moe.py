@@ -201,6 +201,8 @@ def test_transformers_5_s_own_stacked_layout_imports_with_its_logits(tmp_path):
             "a moe_router_scale",
         ),
         ({"rotary_percent": 0.5}, "rotary_percent < 1 (only MiniMax-M2's turns part of each head)"),
+        ({"moe_dense_layers": 1}, "dense blocks among them (moe_dense_layers)"),
+        ({"moe_ffn_hidden_size": 128}, "a moe_ffn_hidden_size"),
     ],
 )
 def test_experts_a_hugging_face_class_cannot_compute_alike_are_refused_on_export(settings, refusal):

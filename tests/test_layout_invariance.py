@@ -88,6 +88,10 @@ LAYOUTS = {
             model__moe_router_scale=2.0,
             model__moe_expert_bias=True,
             model__moe_expert_bias_rate=0.05,
+            # a dense first block (its MLP 384 wide) before three with experts 128 wide: the pipeline's first stage
+            # holds one of each
+            model__moe_dense_layers=1,
+            model__moe_ffn_hidden_size=128,
             parallel__pp=2,
             parallel__tp=2,
             parallel__sequence_parallel=True,
@@ -113,6 +117,8 @@ MODEL_FIELDS = (
     "model__moe_router_scale",
     "model__moe_expert_bias",
     "model__moe_expert_bias_rate",
+    "model__moe_dense_layers",
+    "model__moe_ffn_hidden_size",
 )
 
 

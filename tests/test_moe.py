@@ -162,6 +162,8 @@ def test_a_router_far_from_uniform_weighs_a_token_s_experts_by_their_renormalise
         ({"num_experts": 4, "moe_router_scale": 0.0}, "model.moe_router_scale must be a number > 0"),
         ({"num_experts": 4, "moe_expert_bias_rate": float("nan")}, "model.moe_expert_bias_rate must be a number >= 0"),
         ({"moe_router_score": "sigmoid"}, "model.moe_router_score is set but model.num_experts is not"),
+        ({"num_experts": 4, "moe_dense_layers": 2}, r"model.moe_dense_layers = 2 must be from 0 to .* = 1"),
+        ({"num_experts": 4, "moe_ffn_hidden_size": -8}, "model.moe_ffn_hidden_size must be positive"),
     ],
 )
 def test_settings_a_mixture_of_experts_cannot_take_are_refused_in_one_line(fields, message):

@@ -36,6 +36,9 @@ SHARED_MOE = {
     "moe_z_loss_coeff": 0.001,
 }
 
+# a dense first block (384 wide) before experts 128 wide: a pipeline's stages hold different blocks
+DENSE_FIRST_MOE = {"num_experts": 4, "moe_dense_layers": 1, "moe_ffn_hidden_size": 128}
+
 STATE_LAYOUTS = {
     2: [
         ({}, {}, {"zero": 0}, "fp32"),
@@ -58,6 +61,7 @@ STATE_LAYOUTS = {
         ({"tp": 2, "sequence_parallel": True}, {"norm_placement": "both", "qk_norm": True}, {"zero": 1}, "bf16"),
         ({"pp": 2}, {"tie_embeddings": True}, {"zero": 0, "name": "adafactor"}, "fp32"),
         ({"tp": 2, "sequence_parallel": True}, {"num_experts": 4}, {"zero": 1}, "bf16"),
+        ({"pp": 2}, DENSE_FIRST_MOE, {"zero": 1}, "bf16"),
         ({"tp": 2}, SHARED_MOE, {"zero": 0, "name": "adafactor"}, "fp32"),
         ({}, {"num_experts": 4}, {"zero": 3}, "bf16"),
     ],
@@ -359,6 +363,7 @@ RANK_ACTIVATION_LAYOUTS = [
     ({"cp": 2}, {}, {}),
     ({"cp": 2}, {"recompute": "selective"}, {"precision": "bf16"}),
     ({"cp": 2}, {"compile": "true"}, {"precision": "bf16", "steps": 2}),  # ring attention breaks the graph
+    ({"pp": 2}, DENSE_FIRST_MOE, {}),
     ({"tp": 2, "sequence_parallel": True}, {**MODEL_VARIANTS["gemma2"], "logits_softcap": 30.0}, {"precision": "bf16"}),
 ]
 
@@ -419,7 +424,7 @@ TRAFFIC_LAYOUTS = {
         # the router's and the shared expert's gate's gradients summed over TP; the router losses ride on the loss's
         # sum over DP
         # (and the experts' loads summed over DP once a step)
-        ({"tp": 2, "sequence_parallel": True}, MODEL_VARIANTS["biased_moe"], {"zero": 1}),
+        ({"tp": 2, "sequence_parallel": True}, {**MODEL_VARIANTS["biased_moe"], **DENSE_FIRST_MOE}, {"zero": 1}),
         ({"pp": 2}, {"tie_embeddings": True}, {"zero": 3}),
         ({"cp": 2, "tp": 2, "sequence_parallel": True}, {"recompute": "full"}, {"zero": 1}),
         ({"cp": 2, "pp": 2}, {}, {"zero": 2}),

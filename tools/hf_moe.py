@@ -191,6 +191,8 @@ def moe_form_refusals(model: dict) -> dict:
         "sigmoid router scores without query/key norms across heads (MiniMax-M2's)": sigmoid and not olmoe,
         "sigmoid router scores and a shared expert": sigmoid and shared,
         "a moe_router_scale": model.get("moe_router_scale", 1.0) != 1.0,
+        "dense blocks among them (moe_dense_layers)": model.get("moe_dense_layers", 0) > 0,
+        "a moe_ffn_hidden_size": model.get("moe_ffn_hidden_size") not in (None, model["ffn_hidden_size"]),
         "experts' biases without sigmoid scores": model.get("moe_expert_bias", False) and not sigmoid,
     }
     return {f"experts with {why}": True for why, present in unlike.items() if present}

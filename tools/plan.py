@@ -207,7 +207,8 @@ def candidates(config: LoomConfig, gpus: int, hw: Hardware, fixed: dict | None =
         return [fixed[key]] if key in fixed else list(values)
 
     tps = [tp for tp in choices("tp", _divisors(hw.gpus_per_node)) if m.num_heads % tp == 0]
-    tps = [tp for tp in tps if m.num_kv_heads % tp == 0 and m.ffn_hidden_size % tp == 0 and gpus % tp == 0]
+    widths = (m.ffn_hidden_size, m.moe_ffn_hidden_size or m.ffn_hidden_size)
+    tps = [tp for tp in tps if m.num_kv_heads % tp == 0 and all(w % tp == 0 for w in widths) and gpus % tp == 0]
     # context parallelism where loom runs it (rotary positions, no dropout, 2 x cp chunks per sequence)
     cps = [cp for cp in choices("cp", (1, 2, 4, 8)) if m.context_parallel_refusal(cp, t.seq_length) is None]
     zeros = [zero for zero in choices("zero", (0, 1, 2, 3)) if config.zero_refusal(zero) is None]

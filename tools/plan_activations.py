@@ -7,7 +7,7 @@ from __future__ import annotations
 from loom.engine.config import LoomConfig, ModelConfig
 from loom.engine.parallel.vocab import padded_vocab_size
 from loom.engine.pipeline.schedules import warmup_forwards
-from loom.tools.plan_bytes import LOOM, Engine, Layout, blocks_compiled
+from loom.tools.plan_bytes import LOOM, Engine, Layout, blocks_compiled, rank_layers
 
 
 def layer_activation_bytes(
@@ -238,10 +238,23 @@ def rank_activation_bytes(
     microbatches = t.global_batch_size // (lay.micro_batch_size * lay.dp)
     seq = t.seq_length // lay.cp  # what this rank holds of each sequence
     compiled = blocks_compiled(config, engine) if compiled is None else compiled
-    layer = layer_activation_bytes(
-        m, seq, lay.micro_batch_size, lay.tp, lay.sp, lay.recompute, element, engine, t.fp8 != "off", compiled
+    dense, experts = (
+        layer_activation_bytes(
+            m.layer_config(kind),
+            seq,
+            lay.micro_batch_size,
+            lay.tp,
+            lay.sp,
+            lay.recompute,
+            element,
+            engine,
+            t.fp8 != "off",
+            compiled,
+        )
+        for kind in (0, m.num_layers - 1)  # a dense block and an expert one (model.moe_dense_layers; alike without)
     )
-    layers = layer * (m.num_layers // lay.pp) * in_flight_microbatches(lay.pp, lay.vp, microbatches, pp_rank)
+    held = sum(experts if m.has_experts(layer) else dense for layer in rank_layers(m.num_layers, lay, pp_rank))
+    layers = held * in_flight_microbatches(lay.pp, lay.vp, microbatches, pp_rank)
     if pp_rank < lay.pp - 1:
         return layers
     output = output_activation_bytes(

@@ -174,6 +174,13 @@ def _matrix(rows: int, cols: int, deferred: bool = False, unit: int | str = "") 
     return _Param(rows * cols, deferred, unit, (rows, cols))
 
 
+def rank_layers(num_layers: int, lay: Layout, pp_rank: int) -> list[int]:
+    """The blocks pipeline rank `pp_rank` holds: its vp chunks' layers (engine/pipeline/stages.stage_layers')."""
+    per_chunk = num_layers // (lay.pp * lay.vp)
+    stages = [chunk * lay.pp + pp_rank for chunk in range(lay.vp)]
+    return [layer for stage in stages for layer in range(stage * per_chunk, (stage + 1) * per_chunk)]
+
+
 def rank_parameters(m: ModelConfig, lay: Layout, pp_rank: int) -> list[_Param]:
     """The parameters of pipeline rank `pp_rank` (its vp chunks) on one TP rank, in loom's order."""
     sp = lay.sp
@@ -188,8 +195,9 @@ def rank_parameters(m: ModelConfig, lay: Layout, pp_rank: int) -> list[_Param]:
             params.append(_matrix(vocab, m.hidden_size, tied_across, before))
             if m.position_embedding == "learned":
                 params.append(_matrix(m.max_position_embeddings, m.hidden_size, sp, before))
-        block = _block_parameters(m, lay.tp, sp)
+        blocks = {kind: _block_parameters(m.layer_config(kind), lay.tp, sp) for kind in (0, m.num_layers - 1)}
         for layer in range(stage * per_chunk, (stage + 1) * per_chunk):
+            block = blocks[m.num_layers - 1 if m.has_experts(layer) else 0]  # a dense block's, or an expert one's
             params += [_Param(q.size, q.deferred, layer, q.shape) for q in block]
         if stage == stages - 1:
             params += [_Param(m.hidden_size, sp, after)] * (2 if m.norm == "layernorm" else 1)

@@ -181,7 +181,8 @@ def _compute_seconds(config: LoomConfig, lay: Layout, hw: Hardware, flops: Token
     gemm_peak = hw.peak_tflops["fp8"] * 1e12 if fp8 else peak
     output_fp8 = fp8 and t.fp8_output_layer
     output_peak = gemm_peak if output_fp8 else peak
-    smallest = min(m.hidden_size / lay.tp, m.ffn_hidden_size / lay.tp, shape.local * lay.micro_batch_size)
+    width = min(m.layer_config(layer).ffn_hidden_size for layer in (0, m.num_layers - 1))  # experts' too
+    smallest = min(m.hidden_size / lay.tp, width / lay.tp, shape.local * lay.micro_batch_size)
     output = flops.output_layer
     blocks_per_token = (flops.gemm - output + flops.gemm_extra) / lay.pp + output
     return shape.last_stage_tokens * (

@@ -19,6 +19,7 @@ from loom.tools.plan_bytes import (
     Layout,
     norm_reductions_per_layer,
     rank_buffer,
+    rank_layers,
     rank_parameters,
     tp_collectives_per_layer,
 )
@@ -66,7 +67,8 @@ def step_traffic(config: LoomConfig, lay: Layout, pp_rank: int = 0) -> dict[tupl
             traffic[(grad_group, "all_gather", dtype)] += element * gathered
         traffic[(grad_group, "all_reduce", "float32")] += 4 * (1 + len(m.router_loss_metrics))  # the loss sums
         if m.moves_expert_biases:  # each block's loads per expert, once a step (moe.update_expert_biases)
-            traffic[(grad_group, "all_reduce", "int64")] += 8 * m.num_experts * (m.num_layers // stages * lay.vp)
+            biased = sum(m.has_experts(layer) for layer in rank_layers(m.num_layers, lay, pp_rank))
+            traffic[(grad_group, "all_reduce", "int64")] += 8 * m.num_experts * biased
     local = t.seq_length // lay.cp
     tokens = local * lay.micro_batch_size
     if lay.cp > 1:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field, fields
 from typing import Literal
@@ -105,6 +106,13 @@ class ModelConfig:
     activation's kind) and a router that sends every token to model.moe_top_k of them (Mixtral's
     num_local_experts, Qwen3-MoE's num_experts, Megatron's --num-experts); None means one dense MLP. The experts are
     split across TP ranks as a dense MLP is (each rank holds its slice of every expert; no expert parallelism)."""
+    moe_ffn_hidden_size: int | None = None
+    """With model.num_experts: each expert's width (Megatron's --moe-ffn-hidden-size, Hugging Face's
+    moe_intermediate_size); None: model.ffn_hidden_size, which is otherwise the width of the dense blocks'
+    MLPs (model.moe_dense_layers)."""
+    moe_dense_layers: int = 0
+    """With model.num_experts: the first N blocks keep a dense MLP, model.ffn_hidden_size wide (DeepSeek-V3's and
+    GLM-4.5's first_k_dense_replace, 3 and 1; Megatron's --moe-layer-freq '([0]*N+[1]*rest)')."""
     moe_top_k: int = 2
     """With model.num_experts: the experts each token goes to (Mixtral's num_experts_per_tok, Megatron's
     --moe-router-topk)."""
@@ -328,7 +336,13 @@ class ModelConfig:
             num_experts=self.num_experts,
             moe_top_k=self.moe_top_k,
             moe_shared_ffn_hidden_size=self.moe_shared_ffn_hidden_size,
+            moe_ffn_hidden_size=self.moe_ffn_hidden_size,
         )
+        if self.num_experts is not None and not 0 <= self.moe_dense_layers < self.num_layers:
+            raise ConfigError(
+                f"model.moe_dense_layers = {self.moe_dense_layers} must be from 0 to model.num_layers - 1 = "
+                f"{self.num_layers - 1} (the blocks after them have experts)"
+            )
         for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_expert_bias_rate"):
             if not 0.0 <= getattr(self, name) < math.inf:  # NaN fails too
                 raise ConfigError(f"model.{name} must be a number >= 0, got {getattr(self, name)}")
@@ -418,6 +432,22 @@ class ModelConfig:
         """Whether each block's MLP is a mixture of experts (model.num_experts)."""
         return self.num_experts is not None
 
+    def has_experts(self, layer: int) -> bool:
+        """Whether block `layer`'s MLP is a mixture of experts (not one of model.moe_dense_layers)."""
+        return self.moe and layer >= self.moe_dense_layers
+
+    def layer_config(self, layer: int) -> ModelConfig:
+        """The config block `layer` computes with, as a model of uniform blocks: a dense block's (no experts, its
+        MLP model.ffn_hidden_size wide) or an expert block's (its experts model.moe_ffn_hidden_size wide), so that
+        code about one block (the block itself, the planner's and the FLOP counts) reads one MLP width."""
+        if not self.moe or (self.moe_dense_layers == 0 and self.moe_ffn_hidden_size is None):
+            return self
+        if not self.has_experts(layer):
+            dense = {f.name: field_default(f) for f in fields(self) if f.name.startswith("moe_")}
+            return dataclasses.replace(self, num_experts=None, **dense)
+        experts_width = self.moe_ffn_hidden_size or self.ffn_hidden_size
+        return dataclasses.replace(self, ffn_hidden_size=experts_width, moe_ffn_hidden_size=None, moe_dense_layers=0)
+
     @property
     def moves_expert_biases(self) -> bool:
         """Whether training moves the experts' biases after each update (model.moe_expert_bias with a rate)."""
@@ -478,7 +508,13 @@ class ModelConfig:
 
     def check_tensor_parallel(self, tp: int) -> None:
         """Refuse a TP size the model's heads, KV heads or MLP do not split into (training, resharding, generation)."""
-        for name in ("num_heads", "num_kv_heads", "ffn_hidden_size", "moe_shared_ffn_hidden_size"):
+        for name in (
+            "num_heads",
+            "num_kv_heads",
+            "ffn_hidden_size",
+            "moe_shared_ffn_hidden_size",
+            "moe_ffn_hidden_size",
+        ):
             value = getattr(self, name)
             if value is not None and value % tp:
                 raise ConfigError(f"parallel.tp = {tp} must divide model.{name} = {value}")

@@ -87,7 +87,13 @@ class GPTModel(torch.nn.Module):
         self.layers = torch.nn.ModuleDict(
             {
                 str(i): TransformerBlock(
-                    config, tp_group, self.sequence_parallel, streams, kernels, cp_group, config.attention_window(i)
+                    config.layer_config(i),
+                    tp_group,
+                    self.sequence_parallel,
+                    streams,
+                    kernels,
+                    cp_group,
+                    config.attention_window(i),
                 )
                 for i in layer_ids
             }
