@@ -45,6 +45,21 @@ def _moe_model(kind: str):
             partial_rotary_factor=0.5,
         )
         model_class = transformers.MiniMaxM2ForCausalLM
+    elif kind == "glm4_moe":  # GLM-4.5: a dense first block, then experts beside a shared one; q/k/v biases, per-head
+        # query/key norms, half of each head turned, sigmoid scores with biases, scaled
+        config = transformers.Glm4MoeConfig(
+            **{**shape, "head_dim": 16},
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            routed_scaling_factor=2.5,
+            first_k_dense_replace=1,
+            use_qk_norm=True,
+            attention_bias=True,
+            partial_rotary_factor=0.5,
+        )
+        model_class = transformers.Glm4MoeForCausalLM
     elif kind == "qwen2_moe":  # the top 2 of 4 at their softmax probabilities, a gated shared expert, q/k/v biases
         config = transformers.Qwen2MoeConfig(
             **shape, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48
@@ -71,22 +86,29 @@ def _moe_model(kind: str):
     return model
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "minimax_m2"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "minimax_m2", "glm4_moe"])
 def test_a_mixture_of_experts_imports_evaluates_decodes_and_exports_as_transformers_computes_it(kind, tmp_path, capfd):
     model = _moe_model(kind)
     model.save_pretrained(str(tmp_path / "hf"))
     imported, again = _round_trip_computes_as_transformers(model, tmp_path, capfd)
     experts, top_k = (6, 3) if kind == "qwen3_moe" else (4, 2)
     assert (imported["num_experts"], imported["moe_top_k"]) == (experts, top_k)
-    assert imported["moe_norm_top_k"] is (kind in ("mixtral", "qwen3_moe", "minimax_m2"))
-    sigmoid = kind == "minimax_m2"
+    assert imported["moe_norm_top_k"] is (kind in ("mixtral", "qwen3_moe", "minimax_m2", "glm4_moe"))
+    sigmoid = kind in ("minimax_m2", "glm4_moe")
     assert (imported["moe_router_score"] == "sigmoid", imported["moe_expert_bias"]) == (sigmoid, sigmoid)
     assert imported["rotary_percent"] == (0.5 if sigmoid else 1.0)
-    shared = (48, True, True) if kind == "qwen2_moe" else (None, False, False)
+    shared = {"qwen2_moe": (48, True, True), "glm4_moe": (32, False, True)}.get(kind, (None, False, False))
     assert (imported["moe_shared_ffn_hidden_size"], imported["moe_shared_expert_gate"], imported["qkv_bias"]) == shared
-    # transformers' loss is about top_k at an even load over all layers, loom's 1 a block: the weight converts
-    assert imported["moe_aux_loss_coeff"] == pytest.approx(model.config.router_aux_loss_coef * top_k / 2)
-    assert again.config.router_aux_loss_coef == model.config.router_aux_loss_coef
+    if kind == "glm4_moe":  # its first block dense, 96 wide; experts 32 wide; weights x 2.5; no balancing loss
+        assert (imported["moe_dense_layers"], imported["ffn_hidden_size"], imported["moe_ffn_hidden_size"]) == (
+            1,
+            96,
+            32,
+        )
+        assert (imported["moe_router_scale"], imported["moe_aux_loss_coeff"]) == (2.5, 0.0)
+    else:  # transformers' loss is about top_k at an even load over all layers, loom's 1 a block: the weight converts
+        assert imported["moe_aux_loss_coeff"] == pytest.approx(model.config.router_aux_loss_coef * top_k / 2)
+        assert again.config.router_aux_loss_coef == model.config.router_aux_loss_coef
     assert type(again) is type(model)
     _assert_greedy_generate_equals_transformers(model, tmp_path / "loom", 8)
 
@@ -186,10 +208,14 @@ def test_transformers_5_s_own_stacked_layout_imports_with_its_logits(tmp_path):
             {"sliding_window": 16, "moe_shared_ffn_hidden_size": 128, "moe_shared_expert_gate": True, "qkv_bias": True},
             "a sliding window (only Mixtral's export)",
         ),
-        ({"moe_router_score": "sigmoid"}, "sigmoid router scores without experts' biases (MiniMax-M2's has them)"),
-        (
+        ({"moe_router_score": "sigmoid"}, "sigmoid router scores without experts' biases (MiniMax-M2's and GLM-4.5's"),
+        (  # without query/key norms across heads: GLM-4.5's form, which has a shared expert
             {"moe_router_score": "sigmoid", "moe_expert_bias": True},
-            "sigmoid router scores without query/key norms across heads",
+            "sigmoid router scores without a shared expert (GLM-4.5's has one)",
+        ),
+        (
+            {"moe_router_score": "sigmoid", "moe_expert_bias": True, "moe_shared_ffn_hidden_size": 96},
+            "a shared expert other than a whole number of experts wide",
         ),
         (
             {
@@ -200,7 +226,7 @@ def test_transformers_5_s_own_stacked_layout_imports_with_its_logits(tmp_path):
             },
             "a moe_router_scale",
         ),
-        ({"rotary_percent": 0.5}, "rotary_percent < 1 (only MiniMax-M2's turns part of each head)"),
+        ({"rotary_percent": 0.5}, "rotary_percent < 1 (only MiniMax-M2's and GLM-4.5's turn part of each head)"),
         ({"moe_dense_layers": 1}, "dense blocks among them (moe_dense_layers)"),
         ({"moe_ffn_hidden_size": 128}, "a moe_ffn_hidden_size"),
     ],

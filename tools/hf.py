@@ -57,6 +57,7 @@ from loom.tools.hf_gpt2 import (
 )
 from loom.tools.hf_moe import (
     FUSED_EXPERTS_IN_BLOCK,
+    GLM4_MOE_IN_BLOCK,
     MINIMAX_M2_IN_BLOCK,
     MIXTRAL_IN_BLOCK,
     QWEN2_MOE_IN_BLOCK,
@@ -129,7 +130,12 @@ def _block_names(model: dict, phi3: bool) -> dict[str, tuple[str, ...]]:
     """Hugging Face's names inside a block for loom's, in the form the model has (`phi3`: phi3_form)."""
     if model["num_experts"] is not None:
         generation = moe_generation(model)
-        tables = {"mixtral": MIXTRAL_IN_BLOCK, "qwen2_moe": QWEN2_MOE_IN_BLOCK, "minimax_m2": MINIMAX_M2_IN_BLOCK}
+        tables = {
+            "mixtral": MIXTRAL_IN_BLOCK,
+            "qwen2_moe": QWEN2_MOE_IN_BLOCK,
+            "minimax_m2": MINIMAX_M2_IN_BLOCK,
+            "glm4_moe": GLM4_MOE_IN_BLOCK,
+        }  # beside Llama's names, which a dense block among the experts keeps (model.moe_dense_layers)
         return {**_IN_BLOCK, **tables.get(generation, QWEN_MOE_IN_BLOCK)}
     if nemotron_form(model):
         return _NEMOTRON_IN_BLOCK
@@ -165,11 +171,12 @@ def _fused_sizes(model: dict) -> dict[str, list[int]]:
     rows of their stack flattened to 2-D, expert by expert)."""
     q_rows, kv_rows = model["num_heads"] * model["head_dim"], model["num_kv_heads"] * model["head_dim"]
     experts, ffn = model["num_experts"] or 0, model["ffn_hidden_size"]
+    expert_ffn = model.get("moe_ffn_hidden_size") or ffn
     return {
         naming.QKV_WEIGHT: [q_rows, kv_rows, kv_rows],
         naming.QKV_BIAS: [q_rows, kv_rows, kv_rows],
         naming.FC1_WEIGHT: [ffn, ffn],
-        naming.EXPERTS_FC1_WEIGHT: [ffn, ffn] * experts,
+        naming.EXPERTS_FC1_WEIGHT: [expert_ffn, expert_ffn] * experts,
         naming.EXPERTS_FC2_WEIGHT: [model["hidden_size"]] * experts,
         naming.SHARED_EXPERT_FC1_WEIGHT: [model["moe_shared_ffn_hidden_size"]] * 2,
     }
@@ -189,7 +196,17 @@ def _loom_names(model: dict) -> list[str]:
     layernorm = model["norm"] == "layernorm"
     outside = [naming.EMBEDDING, naming.FINAL_NORM_WEIGHT] + ([naming.FINAL_NORM_BIAS] if layernorm else [])
     outside += [] if model["tie_embeddings"] else [naming.OUTPUT]
-    sandwich, moe = model["norm_placement"] == "both", model["num_experts"] is not None
+    dense_blocks = model.get("moe_dense_layers", 0) if model["num_experts"] is not None else model["num_layers"]
+    return outside + [
+        naming.block_param_name(i, local)
+        for i in range(model["num_layers"])
+        for local in _in_block(model, i >= dense_blocks)
+    ]
+
+
+def _in_block(model: dict, moe: bool) -> list[str]:
+    """loom's tensors inside a block (`moe`: one with experts)."""
+    layernorm, sandwich = model["norm"] == "layernorm", model["norm_placement"] == "both"
     optional = {
         naming.FC1_WEIGHT: not moe,
         naming.FC2_WEIGHT: not moe,
@@ -221,8 +238,7 @@ def _loom_names(model: dict) -> list[str]:
         naming.SHARED_EXPERT_GATE_WEIGHT,
         naming.EXPERT_BIAS,
     )
-    in_block = [local for local in every if optional.get(local, True)]
-    return outside + [naming.block_param_name(i, local) for i in range(model["num_layers"]) for local in in_block]
+    return [local for local in every if optional.get(local, True)]
 
 
 def _hf_names(name: str, block_names: dict[str, tuple[str, ...]], experts: int | None) -> tuple[str, ...]:

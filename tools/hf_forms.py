@@ -48,10 +48,11 @@ def check_llama_form(model: dict, gpt2_too: bool = False) -> None:
     ):
         # only transformers' Nemotron has LayerNorm and squared ReLU, and it has none of these
         wrong["LayerNorm and squared ReLU (Nemotron's) with qk_norm, qkv_bias, norm_placement or Granite's"] = True
-    if model["qk_norm"] and model["qkv_bias"]:  # Qwen3's attention_bias would bias o_proj too
+    # MiniMax-M2 and GLM-4.5 (sigmoid scores): their own refusals (moe_form_refusals)
+    sigmoid_experts = model["num_experts"] is not None and model.get("moe_router_score") == "sigmoid"
+    if model["qk_norm"] and model["qkv_bias"] and not sigmoid_experts:  # Qwen3's attention_bias would bias o_proj too
         wrong["qkv_bias with qk_norm"] = True
-    minimax = model["num_experts"] is not None and model.get("moe_router_score") == "sigmoid"  # its moe_form_refusals
-    if model["rotary_percent"] < 1 and (model["qk_norm"] or model["qkv_bias"]) and not minimax:  # Phi-3's turns part
+    if model["rotary_percent"] < 1 and (model["qk_norm"] or model["qkv_bias"]) and not sigmoid_experts:
         wrong["rotary_percent with " + ("qk_norm" if model["qk_norm"] else "qkv_bias")] = model["rotary_percent"]
     phi3_rotary = model["rotary_percent"] < 1 and not nemotron  # part of each head turned by Phi-3's class
     if phi3_rotary and model["rope_scaling"] in ("linear", "llama3", "yarn"):  # Phi3Config: default and longrope
@@ -303,10 +304,11 @@ def _rope_fields(hf: dict) -> dict:
     if hf.get("model_type") == "minimax_m2" and hf.get("rotary_dim") is not None:  # its released files' field
         default = hf["rotary_dim"] / (hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
     partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", default))
-    if partial != 1.0 and hf.get("model_type") not in ("phi3", "nemotron", "minimax_m2"):  # others turn heads whole
+    if partial != 1.0 and hf.get("model_type") not in ("phi3", "nemotron", "minimax_m2", "glm4_moe"):  # others whole
         raise CheckpointError(
             f"config.json sets partial_rotary_factor {partial} for model_type {hf.get('model_type')!r}, whose "
-            "transformers class rotates the whole head; loom imports it with Phi-3's, Nemotron's and MiniMax-M2's"
+            "transformers class rotates the whole head; loom imports it with Phi-3's, Nemotron's, MiniMax-M2's and "
+            "GLM-4.5's"
         )
     fields["rotary_percent"] = float(partial)
     # transformers prefers the top-level field (Phi-3 writes it) to the one inside the rope settings
@@ -399,10 +401,10 @@ def _refuse_unrepresentable(hf: dict) -> None:
         raise CheckpointError(
             f"model_type {hf.get('model_type')!r} is not {', '.join(LLAMA_SHAPED_MODEL_TYPES)} or gpt2; loom imports "
             "Llama-, Mistral-, Qwen-, Phi-3-, Granite-, OLMo 2-, Nemotron-, Gemma-, Mixtral-, Qwen-MoE-, OLMoE-, "
-            "MiniMax-M2- and GPT-2-format models"
+            "MiniMax-M2-, GLM-4.5- and GPT-2-format models"
         )
-    for flag in ("attention_bias", "mlp_bias"):
-        if hf.get(flag):
+    for flag in ("attention_bias", "mlp_bias"):  # GLM-4.5's attention_bias biases q, k and v alone (qkv_bias)
+        if hf.get(flag) and not (flag == "attention_bias" and hf.get("model_type") == "glm4_moe"):
             raise CheckpointError(f"config.json sets {flag}: true; loom's Llama form has no biases")
     if hf.get("model_type") in GEMMA_MODEL_TYPES:
         refuse_unrepresentable_gemma(hf)
@@ -471,7 +473,8 @@ def model_from_hf_config(hf: dict) -> dict:
         "position_embedding": "rope",
         "bias": False,
         "qkv_bias": kind == "qwen2",  # qwen2_moe's: moe_fields
-        "qk_norm": kind in ("qwen3", "olmo2", "qwen3_moe", "olmoe", "minimax_m2"),
+        "qk_norm": kind in ("qwen3", "olmo2", "qwen3_moe", "olmoe", "minimax_m2")
+        or (kind == "glm4_moe" and hf["use_qk_norm"]),
         "qk_norm_per_head": kind not in ("olmo2", "olmoe", "minimax_m2"),  # they normalise the whole q and k
         "norm_placement": "output" if kind == "olmo2" else "input",
         **(_granite_fields(hf) if kind == "granite" else {}),

@@ -6,6 +6,9 @@ norms over the whole query and key projections, Qwen2-MoE Qwen2's q/k/v biases a
 (model.moe_shared_ffn_hidden_size, model.moe_shared_expert_gate), MiniMax-M2 OLMoE's norms, a rotary embedding over
 part of each head (model.rotary_percent) and DeepSeek-V3's routing: sigmoid scores and a routing bias per expert
 (model.moe_router_score, model.moe_expert_bias; e_score_correction_bias, a buffer loom keeps as buffer/<name>).
+GLM-4.5 (Glm4MoeForCausalLM) routes so too, its weights scaled (model.moe_router_scale), its first blocks dense
+(model.moe_dense_layers; the experts model.moe_ffn_hidden_size wide) and an ungated shared expert in the others,
+with Qwen2's q/k/v biases, optional per-head query/key norms and half of each head rotated.
 
 Their files name each expert's tensors apart (Mixtral: block_sparse_moe.experts.<e>.w1/w3/w2, the others:
 mlp.experts.<e>.gate_proj/up_proj/down_proj, as transformers 5 still saves them though it computes stacked ones);
@@ -17,7 +20,7 @@ from __future__ import annotations
 from loom.engine.checkpoint.format import CheckpointError
 from loom.engine.model import naming
 
-MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "minimax_m2")
+MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "minimax_m2", "glm4_moe")
 """config.json's model_type of each mixture-of-experts class import-hf reads."""
 
 EXPERT = "{expert}"
@@ -45,6 +48,13 @@ QWEN2_MOE_IN_BLOCK = {
     naming.SHARED_EXPERT_FC2_WEIGHT: ("mlp.shared_expert.down_proj.weight",),
     naming.SHARED_EXPERT_GATE_WEIGHT: ("mlp.shared_expert_gate.weight",),
 }
+GLM4_MOE_IN_BLOCK = {
+    **QWEN_MOE_IN_BLOCK,
+    naming.SHARED_EXPERT_FC1_WEIGHT: ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"),
+    naming.SHARED_EXPERT_FC2_WEIGHT: ("mlp.shared_experts.down_proj.weight",),
+    naming.EXPERT_BIAS: ("mlp.gate.e_score_correction_bias",),
+}
+"""GLM-4.5's names in its expert blocks: Qwen-MoE's, an ungated shared expert and the experts' routing biases."""
 FUSED_EXPERTS_IN_BLOCK = {
     naming.ROUTER_WEIGHT: ("mlp.gate.weight",),
     naming.EXPERTS_FC1_WEIGHT: ("mlp.experts.gate_up_proj",),
@@ -64,6 +74,20 @@ _CLASS_DEFAULTS = {
         "moe_intermediate_size": 768,
     },
     "olmoe": {"num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": False, "router_aux_loss_coef": 0.01},
+    "glm4_moe": {
+        "n_routed_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 1408,
+        "n_shared_experts": 1,
+        "routed_scaling_factor": 1.0,
+        "n_group": 1,
+        "topk_group": 1,
+        "first_k_dense_replace": 1,
+        "norm_topk_prob": True,
+        "use_qk_norm": False,
+        "partial_rotary_factor": 0.5,
+        "rms_norm_eps": 1e-5,
+    },
     "minimax_m2": {
         "num_local_experts": 256,
         "num_experts_per_tok": 8,
@@ -98,6 +122,8 @@ def _experts_in_file(hf: dict) -> object:
     first, second = (
         ("num_experts", "num_local_experts") if hf["model_type"] == "olmoe" else ("num_local_experts", "num_experts")
     )
+    if hf["model_type"] == "glm4_moe":
+        first = "n_routed_experts"
     return hf.get(first) if hf.get(first) is not None else hf.get(second)
 
 
@@ -125,14 +151,39 @@ def moe_fields(hf: dict) -> dict:
         "num_experts": experts,
         "moe_top_k": top_k,
         "moe_norm_top_k": True if kind in ("mixtral", "minimax_m2") else bool(hf["norm_topk_prob"]),
-        "moe_aux_loss_coeff": float(hf["router_aux_loss_coef"]) * top_k / hf["num_hidden_layers"],
+        "moe_aux_loss_coeff": float(hf.get("router_aux_loss_coef", 0.0)) * top_k / hf["num_hidden_layers"],
         "ffn_hidden_size": hf["moe_intermediate_size"] if qwen else hf["intermediate_size"],
     }
     if kind == "minimax_m2":  # sigmoid scores with a routing bias per expert, as DeepSeek-V3's (always, in its class)
         fields.update(moe_router_score="sigmoid", moe_expert_bias=True)
+    if kind == "glm4_moe":  # DeepSeek-V3's routing and its blocks: the first dense, an ungated shared expert in each
+        fields.update(_glm4_moe_fields(hf))
     if kind == "qwen2_moe":  # Qwen2's attention, biased q, k and v (transformers 5 lets a file say otherwise)
         fields.update(moe_shared_ffn_hidden_size=shared, moe_shared_expert_gate=True, qkv_bias=hf.get("qkv_bias", True))
     return fields
+
+
+def _glm4_moe_fields(hf: dict) -> dict:
+    """GLM-4.5's: sigmoid scores with routing biases, scaled weights, its first blocks dense (intermediate_size
+    wide) and experts moe_intermediate_size wide beside a shared expert n_shared_experts of them wide; it trains
+    without a load-balancing loss (its class computes none)."""
+    width, shared, dense = hf["moe_intermediate_size"], hf["n_shared_experts"], hf["first_k_dense_replace"]
+    for name, value in (("moe_intermediate_size", width), ("n_shared_experts", shared)):
+        if type(value) is not int or value < 1:
+            raise CheckpointError(f"config.json's {name} is {value!r}, not a positive number")
+    if type(dense) is not int or not 0 <= dense < hf["num_hidden_layers"]:
+        raise CheckpointError(f"config.json's first_k_dense_replace is {dense!r}: not a number of its first layers")
+    return {
+        "moe_router_score": "sigmoid",
+        "moe_expert_bias": True,
+        "moe_router_scale": float(hf["routed_scaling_factor"]),
+        "moe_aux_loss_coeff": 0.0,
+        "ffn_hidden_size": hf["intermediate_size"],
+        "moe_ffn_hidden_size": width,
+        "moe_dense_layers": dense,
+        "moe_shared_ffn_hidden_size": width * shared,
+        "qkv_bias": bool(hf.get("attention_bias", False)),
+    }
 
 
 def refuse_unrepresentable_moe(hf: dict) -> None:
@@ -146,6 +197,11 @@ def refuse_unrepresentable_moe(hf: dict) -> None:
             f"config.json gives some layers a dense MLP ({said}); every loom block of a mixture-of-experts model has "
             "experts"
         )
+    if kind == "glm4_moe" and hf["topk_group"] < hf["n_group"]:
+        raise CheckpointError(
+            f"config.json routes each token within {hf['topk_group']} of {hf['n_group']} expert groups (n_group, "
+            "topk_group); loom's router chooses among all experts"
+        )
     if kind in ("qwen3_moe", "qwen2_moe") and hf.get("use_sliding_window"):
         raise CheckpointError("config.json sets use_sliding_window; loom's Qwen-MoE imports take no sliding window")
     if kind == "olmoe" and hf.get("clip_qkv") is not None:
@@ -153,56 +209,69 @@ def refuse_unrepresentable_moe(hf: dict) -> None:
 
 
 def moe_form_refusals(model: dict) -> dict:
-    """What keeps a mixture-of-experts model (ModelConfig's fields) from exporting as Mixtral, Qwen3-MoE, OLMoE or
-    Qwen2-MoE: {why: True}."""
+    """What keeps a mixture-of-experts model (ModelConfig's fields) from exporting as Mixtral, Qwen3-MoE, OLMoE,
+    Qwen2-MoE, MiniMax-M2 or GLM-4.5: {why: True}."""
     if model["num_experts"] is None:
         return {}
     olmoe = model["qk_norm"] and not model["qk_norm_per_head"]
     shared = model["moe_shared_ffn_hidden_size"] is not None
     sigmoid = model.get("moe_router_score", "softmax") == "sigmoid"
+    generation = moe_generation(model)
+    minimax, glm = generation == "minimax_m2", generation == "glm4_moe"
+    gate = model["moe_shared_expert_gate"]
+    expert_width = model.get("moe_ffn_hidden_size") or model["ffn_hidden_size"]
     unlike = {
         "an activation other than swiglu": model["activation"] != "swiglu",
-        # only Qwen2-MoE has a shared expert, gated, beside q, k and v biases and no query/key norms
-        "a shared expert without its gate (Qwen2-MoE's)": shared and not model["moe_shared_expert_gate"],
-        "a shared expert without q/k/v biases (Qwen2-MoE's attention has them)": shared and not model["qkv_bias"],
-        "a shared expert with query/key norms": shared and model["qk_norm"],
+        # Qwen2-MoE's shared expert is gated, beside q, k and v biases and no query/key norms; GLM-4.5's is neither
+        "a shared expert without its gate (Qwen2-MoE's)": shared and not gate and not glm,
+        "a shared expert without q/k/v biases (Qwen2-MoE's attention has them)": shared
+        and not model["qkv_bias"]
+        and not glm,
+        "a shared expert with query/key norms": shared and model["qk_norm"] and not glm,
         # OlmoeAttention sizes its query/key norms from hidden_size, whatever the heads' width
         "query/key norms across heads and heads other than hidden_size / num_heads wide": olmoe
+        and not minimax
         and model["head_dim"] * model["num_heads"] != model["hidden_size"],
         "rope_local_theta (Gemma 3's)": model["rope_local_theta"] is not None and model["sliding_window"] is not None,
-        "qkv_bias without a shared expert (only Qwen2-MoE biases q, k and v)": model["qkv_bias"] and not shared,
+        "qkv_bias without a shared expert (only Qwen2-MoE and GLM-4.5 bias q, k and v)": model["qkv_bias"]
+        and not shared,
         "norm_placement other than input": model["norm_placement"] != "input",
-        "rotary_percent < 1 (only MiniMax-M2's turns part of each head)": model["rotary_percent"] < 1 and not sigmoid,
+        "rotary_percent < 1 (only MiniMax-M2's and GLM-4.5's turn part of each head)": model["rotary_percent"] < 1
+        and not sigmoid,
         "moe_norm_top_k = false without query/key norms or a shared expert (Mixtral renormalises)": not model[
             "moe_norm_top_k"
         ]
-        and moe_generation(model) == "mixtral",
-        "a sliding window (only Mixtral's export)": model["sliding_window"] is not None
-        and moe_generation(model) != "mixtral",
+        and generation == "mixtral",
+        "a sliding window (only Mixtral's export)": model["sliding_window"] is not None and generation != "mixtral",
         "a full_attention_interval": model["full_attention_interval"] is not None,
         "soft-capping": model["attention_softcap"] is not None or model["logits_softcap"] is not None,
         "multipliers or an attention_scale": model["attention_scale"] is not None
         or any(model[field] != 1.0 for field in ("embedding_multiplier", "residual_multiplier", "logits_divisor")),
-        # MiniMax-M2, the one class with sigmoid scores: biased, renormalised, its query/key norms across heads
-        "sigmoid router scores without experts' biases (MiniMax-M2's has them)": sigmoid
+        # the classes with sigmoid scores: MiniMax-M2 (query/key norms across heads, every block with experts, no
+        # shared one) and GLM-4.5 (an ungated shared expert a whole number of experts wide); both bias the scores
+        "sigmoid router scores without experts' biases (MiniMax-M2's and GLM-4.5's have them)": sigmoid
         and not model.get("moe_expert_bias", False),
-        "sigmoid router scores without moe_norm_top_k (MiniMax-M2 renormalises)": sigmoid
+        "sigmoid router scores without moe_norm_top_k (MiniMax-M2 renormalises)": minimax
         and not model["moe_norm_top_k"],
-        "sigmoid router scores without query/key norms across heads (MiniMax-M2's)": sigmoid and not olmoe,
-        "sigmoid router scores and a shared expert": sigmoid and shared,
-        "a moe_router_scale": model.get("moe_router_scale", 1.0) != 1.0,
-        "dense blocks among them (moe_dense_layers)": model.get("moe_dense_layers", 0) > 0,
-        "a moe_ffn_hidden_size": model.get("moe_ffn_hidden_size") not in (None, model["ffn_hidden_size"]),
+        "sigmoid router scores without a shared expert (GLM-4.5's has one)": glm and not shared,
+        "a gated shared expert (GLM-4.5's has no gate)": glm and gate,
+        "a shared expert other than a whole number of experts wide (GLM-4.5's n_shared_experts)": glm
+        and shared
+        and model["moe_shared_ffn_hidden_size"] % expert_width != 0,
+        "a moe_router_scale": model.get("moe_router_scale", 1.0) != 1.0 and not glm,
+        "dense blocks among them (moe_dense_layers)": model.get("moe_dense_layers", 0) > 0 and not glm,
+        "a moe_ffn_hidden_size": model.get("moe_ffn_hidden_size") not in (None, model["ffn_hidden_size"]) and not glm,
         "experts' biases without sigmoid scores": model.get("moe_expert_bias", False) and not sigmoid,
     }
     return {f"experts with {why}": True for why, present in unlike.items() if present}
 
 
 def moe_generation(model: dict) -> str:
-    """The model_type a mixture-of-experts model exports as: minimax_m2 with sigmoid scores, qwen2_moe with a shared
-    expert, qwen3_moe with per-head query/key norms, olmoe with norms over the whole projections, mixtral without."""
+    """The model_type a mixture-of-experts model exports as: with sigmoid scores minimax_m2 (query/key norms across
+    heads) or glm4_moe; else qwen2_moe with a shared expert, qwen3_moe with per-head query/key norms, olmoe with norms
+    over the whole projections, mixtral without."""
     if model.get("moe_router_score", "softmax") == "sigmoid":
-        return "minimax_m2"
+        return "minimax_m2" if model["qk_norm"] and not model["qk_norm_per_head"] else "glm4_moe"
     if model["moe_shared_ffn_hidden_size"] is not None:
         return "qwen2_moe"
     if not model["qk_norm"]:
@@ -219,6 +288,7 @@ def moe_architecture(model: dict) -> dict:
         "olmoe": "OlmoeForCausalLM",
         "qwen2_moe": "Qwen2MoeForCausalLM",
         "minimax_m2": "MiniMaxM2ForCausalLM",
+        "glm4_moe": "Glm4MoeForCausalLM",
     }
     coefficient = model["moe_aux_loss_coeff"] * model["num_layers"] / model["moe_top_k"]  # moe_fields' inverse
     fields = {
@@ -235,6 +305,14 @@ def moe_architecture(model: dict) -> dict:
         return {**fields, "num_local_experts": model["num_experts"], "partial_rotary_factor": model["rotary_percent"],
                 "rotary_dim": rotary, "use_qk_norm": True, "qk_norm_type": "per_layer", "scoring_func": "sigmoid",
                 "use_routing_bias": True, **dict.fromkeys(_TOKEN_ID_FIELDS)}  # fmt: skip
+    if generation == "glm4_moe":  # intermediate_size: the dense blocks' (hf_config's); GLM's token ids unknown
+        width = model.get("moe_ffn_hidden_size") or model["ffn_hidden_size"]
+        return {**fields, "n_routed_experts": model["num_experts"], "moe_intermediate_size": width,
+                "n_shared_experts": model["moe_shared_ffn_hidden_size"] // width,
+                "routed_scaling_factor": model["moe_router_scale"], "n_group": 1, "topk_group": 1,
+                "first_k_dense_replace": model["moe_dense_layers"], "norm_topk_prob": model["moe_norm_top_k"],
+                "use_qk_norm": model["qk_norm"], "attention_bias": model["qkv_bias"],
+                "partial_rotary_factor": model["rotary_percent"], **dict.fromkeys(_TOKEN_ID_FIELDS)}  # fmt: skip
     fields.update(num_experts=model["num_experts"], norm_topk_prob=model["moe_norm_top_k"], attention_bias=False)
     if generation == "olmoe":  # OlmoeConfig's token ids default to OLMo's own (pad 1): none unless known
         return {**fields, "clip_qkv": None, **dict.fromkeys(_TOKEN_ID_FIELDS)}
