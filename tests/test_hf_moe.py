@@ -253,3 +253,25 @@ def test_an_olmoe_export_names_no_padding_token_of_olmo_s(tmp_path):
     written = hf_config(fields)
     assert written["model_type"] == "olmoe" and written["pad_token_id"] is None
     assert transformers.OlmoeConfig(**written).pad_token_id is None
+
+
+def test_glm_s_multi_token_prediction_layers_are_left_out_as_transformers_leaves_them(tmp_path, capfd):
+    """GLM-4.5's files keep a multi-token-prediction layer after the model's own (num_nextn_predict_layers: 1,
+    model.layers.<num_hidden_layers>...), which Glm4MoeForCausalLM does not compute: it is left out, said."""
+    from safetensors.torch import load_file, save_file
+    from training_runs import loom_logits
+
+    from loom.tools.hf import import_hf
+
+    model = _moe_model("glm4_moe")
+    model.save_pretrained(str(tmp_path / "hf"))
+    path = tmp_path / "hf" / "model.safetensors"
+    tensors = load_file(str(path))
+    tensors["model.layers.2.eh_proj.weight"] = torch.zeros(64, 128)
+    tensors["model.layers.2.self_attn.q_proj.weight"] = torch.zeros(64, 64)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    import_hf(tmp_path / "hf", tmp_path / "loom")
+    assert "keeps multi-token-prediction layers after its 2 (2 tensors): they are left out" in capfd.readouterr().err
+    tokens = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (loom_logits(tmp_path / "loom", tokens) - model(tokens).logits).abs().max().item() < 1e-5

@@ -465,6 +465,8 @@ def import_hf(source: Path, output: Path, overwrite: bool = False) -> Path:
     tensors = _read_hf_tensors(source)  # their headers: a weight is read only when it is written
     if image_text:
         tensors = _text_model_tensors(tensors, source)
+    if hf.get("num_nextn_predict_layers"):
+        tensors = _without_prediction_layers(tensors, source, hf["num_hidden_layers"])
     embedding = embedding_key(tensors) if gpt2 else "model.embed_tokens.weight"
     if (
         model["tie_embeddings"]
@@ -513,6 +515,28 @@ def _text_model_tensors(tensors: _SafetensorsFolder, source: Path) -> LazyWeight
         file=sys.stderr,
     )
     return text
+
+
+def _without_prediction_layers(tensors: _SafetensorsFolder, source: Path, layers: int) -> LazyWeights:
+    """The tensors but those of the multi-token-prediction layers GLM-4.5's and DeepSeek-V3's files keep after the
+    model's own (model.layers.<num_hidden_layers>... : num_nextn_predict_layers), which transformers' classes do not
+    compute either (said, with how many)."""
+    kept = [name for name in tensors if not _layer_at_or_after(name, layers)]
+    if len(kept) == len(tensors.shapes):
+        return tensors
+    weights = LazyWeights({name: tensors.shapes[name] for name in kept}, tensors.__getitem__)
+    weights.dtypes = {name: tensors.dtypes[name] for name in kept}
+    print(
+        f"note: {source} keeps multi-token-prediction layers after its {layers} ({len(tensors.shapes) - len(kept)} "
+        "tensors): they are left out, as transformers leaves them",
+        file=sys.stderr,
+    )
+    return weights
+
+
+def _layer_at_or_after(name: str, layers: int) -> bool:
+    parts = name.split(".")
+    return len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= layers
 
 
 def _stored_dtype(tensors: _SafetensorsFolder, key: str) -> str | None:
