@@ -188,6 +188,11 @@ def test_a_checkpoint_from_before_experts_is_another_model_than_a_mixture_of_exp
     shared = {"num_experts": 4, "moe_shared_ffn_hidden_size": 64, "moe_shared_expert_gate": True}
     with pytest.raises(CheckpointError, match="model.moe_shared_ffn_hidden_size = None there, 64 here"):
         check_same_model(tmp_path, experts, load_config("tiny", {"model": shared}))
+    # nor one from before dense blocks and experts' own width another model's with them
+    del experts["model"]["moe_ffn_hidden_size"], experts["model"]["moe_dense_layers"]
+    split = {"num_experts": 4, "moe_dense_layers": 1, "moe_ffn_hidden_size": 128}
+    with pytest.raises(CheckpointError, match="moe_ffn_hidden_size = None there, 128 here, model.moe_dense_layers = 0"):
+        check_same_model(tmp_path, experts, load_config("tiny", {"model": split}))
 
 
 def test_sigmoid_routing_with_experts_biases_and_a_scale_is_megatron_core_s():

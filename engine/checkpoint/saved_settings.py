@@ -77,10 +77,12 @@ ARCHITECTURE_MODEL_FIELDS = (
     "num_experts",
     "moe_shared_ffn_hidden_size",
     "moe_shared_expert_gate",
+    "moe_ffn_hidden_size",
+    "moe_dense_layers",
 )
 
 
-NONE_IS_A_MODEL = ("num_experts", "moe_shared_ffn_hidden_size")
+NONE_IS_A_MODEL = ("num_experts", "moe_shared_ffn_hidden_size", "moe_ffn_hidden_size")
 """Architecture fields whose default None is a model of its own (dense), not a value resolved from others."""
 
 
