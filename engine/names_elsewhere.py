@@ -169,7 +169,9 @@ TRAINING_NAMES: tuple[NameElsewhere, ...] = (
             (
                 "--moe-layer-freq",
                 "--model.moe_dense_layers",
-                "loom's dense blocks are the first N ('([0]*N+[1]*rest)'); other patterns are not loom's",
+                "the number of dense blocks before the expert ones: a pattern '([0]*N+[1]*rest)' is N, 1 (every "
+                "block has experts) is 0; other frequencies and patterns are not loom's",
+                CONVERTED,
             ),
             ("--moe-shared-expert-intermediate-size", "--model.moe_shared_ffn_hidden_size"),
             ("--moe-shared-expert-gate", "--model.moe_shared_expert_gate true"),

@@ -144,7 +144,12 @@ def test_a_lora_run_on_an_imported_mixtral_exports_an_adapter_peft_loads_onto_it
     # and the ranks train so (the base's 0.01 x 2 / 2 came back on them, training the adapters through the router)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [row for row in rows if "loss" in row] and not [row for row in rows if "moe_aux_loss" in row]
+    assert "has no effect" not in result.stdout + result.stderr  # the rate of biases Mixtral has not
     export_hf(tmp_path / "run", tmp_path / "merged")
+    # the merge is the base's model, trained on as the base was: its balancing loss's weight, not the LoRA run's 0
+    assert json.loads((tmp_path / "merged" / "config.json").read_text())["router_aux_loss_coef"] == pytest.approx(
+        model.config.router_aux_loss_coef
+    )
     export_peft_adapter(tmp_path / "run", tmp_path / "adapter", base_model=str(tmp_path / "hf"))
     merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32)
     tokens = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(5))
@@ -183,14 +188,16 @@ def test_a_fine_tune_of_an_imported_qwen3_moe_under_a_dense_preset_takes_its_exp
     assert refused.returncode == 2 and "train.fp8 = current with model.num_experts = 6" in refused.stderr
 
 
-def test_transformers_5_s_own_stacked_layout_imports_with_its_logits(tmp_path):
+@pytest.mark.parametrize("kind", ["mixtral", "minimax_m2", "glm4_moe"])
+def test_transformers_5_s_own_stacked_layout_imports_with_its_logits(kind, tmp_path):
     """save_pretrained(save_original_format=False) (and a PEFT model's save) writes every expert's tensors stacked,
-    as loom stacks them (mlp.experts.gate_up_proj, down_proj; a Mixtral's router as mlp.gate): it imports whole."""
+    as loom stacks them (mlp.experts.gate_up_proj, down_proj; a Mixtral's router as mlp.gate, MiniMax-M2's biases as
+    mlp.e_score_correction_bias; GLM-4.5's first expert block after its dense one): it imports whole."""
     from training_runs import loom_logits
 
     from loom.tools.hf import import_hf
 
-    model = _moe_model("mixtral")
+    model = _moe_model(kind)
     model.save_pretrained(str(tmp_path / "hf"), save_original_format=False)
     import_hf(tmp_path / "hf", tmp_path / "loom")
     tokens = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(1))
@@ -275,3 +282,31 @@ def test_glm_s_multi_token_prediction_layers_are_left_out_as_transformers_leaves
     tokens = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert (loom_logits(tmp_path / "loom", tokens) - model(tokens).logits).abs().max().item() < 1e-5
+    # a bf16 export keeps the router and its biases in fp32, as Glm4MoeForCausalLM keeps them (bf16 moved the biases
+    # by up to 0.0014, enough to change experts)
+    from safetensors import safe_open
+
+    from loom.tools.hf import export_hf
+
+    export_hf(tmp_path / "loom", tmp_path / "bf16", dtype="bfloat16")
+    with safe_open(str(tmp_path / "bf16" / "model.safetensors"), "pt") as exported:
+        dtypes = {name: exported.get_slice(name).get_dtype() for name in exported.keys()}
+    routing = {name for name in dtypes if name.endswith(("mlp.gate.weight", "mlp.gate.e_score_correction_bias"))}
+    assert len(routing) == 2 and {dtypes[name] for name in routing} == {"F32"}
+    assert {dtypes[name] for name in dtypes if name not in routing} == {"BF16"}
+
+
+def test_quantized_files_are_refused_with_what_to_do(tmp_path):
+    """MiniMax-M2's and DeepSeek-V3's released files hold FP8 blocks and their scales (quantization_config): refused
+    in one line that says to dequantize, not as tensors the config does not describe."""
+    import json as json_module
+
+    from loom.engine.checkpoint.format import CheckpointError
+    from loom.tools.hf import import_hf
+
+    _moe_model("minimax_m2").save_pretrained(str(tmp_path / "hf"))
+    config = json_module.loads((tmp_path / "hf" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (tmp_path / "hf" / "config.json").write_text(json_module.dumps(config))
+    with pytest.raises(CheckpointError, match=r"weights are quantized \(fp8: quantization_config\); loom imports"):
+        import_hf(tmp_path / "hf", tmp_path / "loom")

@@ -63,6 +63,8 @@ from loom.tools.hf_moe import (
     QWEN2_MOE_IN_BLOCK,
     QWEN_MOE_IN_BLOCK,
     expert_names,
+    fused_expert_names,
+    kept_in_fp32,
     moe_generation,
 )
 from loom.tools.hf_tokenizer import check_moved_tokenizer, export_tokenizer
@@ -283,8 +285,9 @@ def from_hf(tensors: Mapping[str, torch.Tensor], model: dict, phi3: bool = False
     asked for."""
     tensors = LazyWeights.of(tensors)
     shapes, parts_of, used, block_names = {}, {}, set(), _block_names(model, phi3)
-    if f"model.layers.0.{FUSED_EXPERTS_IN_BLOCK[naming.EXPERTS_FC1_WEIGHT][0]}" in tensors.shapes:
-        block_names = {**block_names, **FUSED_EXPERTS_IN_BLOCK}  # transformers 5's own layout: stacked already
+    first_experts = model.get("moe_dense_layers", 0) if model["num_experts"] is not None else 0
+    if f"model.layers.{first_experts}.{FUSED_EXPERTS_IN_BLOCK[naming.EXPERTS_FC1_WEIGHT][0]}" in tensors.shapes:
+        block_names = {**block_names, **fused_expert_names(model)}  # transformers 5's own layout: stacked already
     for name in _loom_names(model):
         hf_names = parts_of[name] = _hf_names(name, block_names, model["num_experts"])
         used.update(hf_names)
@@ -336,6 +339,7 @@ def export_hf(
     if not gpt2:
         check_llama_form(model, gpt2_too=True)
     weights = ModelWeights(directory, metadata, base)
+    model.update(weights.router_training())  # a LoRA run's router settings are its base's
     origin = weights.model_metadata  # a LoRA checkpoint's Hugging Face origin is its base's
     trained_with = weights.tokenizer
     if trained_with is None and origin.hf_source is None:
@@ -345,14 +349,20 @@ def export_hf(
     dtype = dtype or origin.hf_dtype or "float32"
 
     # Each weight read, cast and written on its own: the whole model held in memory took 1-2.5x the checkpoint
+    fp32 = kept_in_fp32(model)  # an MoE router's and its biases, as their classes keep them
+
     def exported(name: str) -> torch.Tensor:  # a Nemotron's or Gemma's norm weights minus one before the cast
         tensor = weights[name].float() - 1 if _stored_minus_one(name, model) else weights[name]
-        return tensor.to(EXPORT_DTYPES[dtype])
+        return tensor.float() if name.endswith(fp32) and fp32 else tensor.to(EXPORT_DTYPES[dtype])
 
     cast = LazyWeights(weights.shapes, exported)
     phi3 = phi3_form(model, origin.hf_model_type)
     tensors = to_gpt2(cast, model) if gpt2 else to_hf(cast, model, phi3)
-    declared = {hf_name: (EXPORT_DTYPES[dtype], shape) for hf_name, shape in tensors.shapes.items()}
+    fp32_names = tuple(hf for local in fp32 for hf in _block_names(model, phi3)[local])
+    declared = {
+        hf_name: (torch.float32 if fp32_names and hf_name.endswith(fp32_names) else EXPORT_DTYPES[dtype], shape)
+        for hf_name, shape in tensors.shapes.items()
+    }
     with claimed_export_output(output, overwrite):  # before any weight is read
         print(f"exporting step {metadata.step}: {directory}", flush=True)  # which is a run's newest intact one, say
         output.mkdir(parents=True, exist_ok=True)

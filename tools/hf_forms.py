@@ -403,6 +403,16 @@ def _refuse_unrepresentable(hf: dict) -> None:
             "Llama-, Mistral-, Qwen-, Phi-3-, Granite-, OLMo 2-, Nemotron-, Gemma-, Mixtral-, Qwen-MoE-, OLMoE-, "
             "MiniMax-M2-, GLM-4.5- and GPT-2-format models"
         )
+    if hf.get("quantization_config"):  # MiniMax-M2's and DeepSeek-V3's released files: FP8 blocks and their scales
+        method = (
+            hf["quantization_config"].get("quant_method", "quantized")
+            if isinstance(hf["quantization_config"], dict)
+            else "quantized"
+        )
+        raise CheckpointError(
+            f"config.json says the weights are quantized ({method}: quantization_config); loom imports unquantized "
+            "weights: dequantize them to bf16 first (and drop quantization_config)"
+        )
     for flag in ("attention_bias", "mlp_bias"):  # GLM-4.5's attention_bias biases q, k and v alone (qkv_bias)
         if hf.get(flag) and not (flag == "attention_bias" and hf.get("model_type") == "glm4_moe"):
             raise CheckpointError(f"config.json sets {flag}: true; loom's Llama form has no biases")

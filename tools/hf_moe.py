@@ -60,7 +60,7 @@ FUSED_EXPERTS_IN_BLOCK = {
     naming.EXPERTS_FC1_WEIGHT: ("mlp.experts.gate_up_proj",),
     naming.EXPERTS_FC2_WEIGHT: ("mlp.experts.down_proj",),
 }
-"""The three classes' names in transformers 5's own layout (save_pretrained(save_original_format=False), or a PEFT
+"""The classes' names in transformers 5's own layout (save_pretrained(save_original_format=False), or a PEFT
 model's save): every expert's tensors already stacked as loom stacks them (gate_up_proj's rows each expert's gate,
 then its up projection)."""
 
@@ -94,6 +94,7 @@ _CLASS_DEFAULTS = {
         "router_aux_loss_coef": 0.001,
         "head_dim": 128,
         "rms_norm_eps": 1e-6,
+        "rope_theta": 5e6,
     },
     "qwen2_moe": {
         "num_experts": 60,
@@ -108,6 +109,23 @@ _CLASS_DEFAULTS = {
 5.24) for what a file leaves out."""
 
 _TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def fused_expert_names(model: dict) -> dict[str, tuple[str, ...]]:
+    """FUSED_EXPERTS_IN_BLOCK for this model: MiniMax-M2's routing biases are mlp.e_score_correction_bias there
+    (GLM-4.5's stay mlp.gate.e_score_correction_bias)."""
+    if moe_generation(model) == "minimax_m2":
+        return {**FUSED_EXPERTS_IN_BLOCK, naming.EXPERT_BIAS: ("mlp.e_score_correction_bias",)}
+    return FUSED_EXPERTS_IN_BLOCK
+
+
+def kept_in_fp32(model: dict) -> tuple[str, ...]:
+    """loom's tensors inside a block that an export writes in fp32 whatever its dtype: GLM-4.5's router and routing
+    biases (Glm4MoeForCausalLM keeps them so, as its files do), MiniMax-M2's biases (bf16 would move them by a
+    few thousandths, enough to change a token's experts)."""
+    if model["num_experts"] is None or model.get("moe_router_score") != "sigmoid":
+        return ()
+    return (naming.ROUTER_WEIGHT, naming.EXPERT_BIAS) if moe_generation(model) == "glm4_moe" else (naming.EXPERT_BIAS,)
 
 
 def with_moe_class_defaults(hf: dict) -> dict:
@@ -194,8 +212,8 @@ def refuse_unrepresentable_moe(hf: dict) -> None:
     if kind in ("qwen3_moe", "qwen2_moe") and (step != 1 or dense):
         said = ", ".join([f"decoder_sparse_step {step}"] * (step != 1) + [f"mlp_only_layers {dense}"] * bool(dense))
         raise CheckpointError(
-            f"config.json gives some layers a dense MLP ({said}); every loom block of a mixture-of-experts model has "
-            "experts"
+            f"config.json gives some layers a dense MLP ({said}); loom's dense blocks among experts are the first ones "
+            "(model.moe_dense_layers), which Qwen's classes do not have"
         )
     if kind == "glm4_moe" and hf["topk_group"] < hf["n_group"]:
         raise CheckpointError(

@@ -7,6 +7,7 @@ tensors in fp32, so the result is independent of the layouts either checkpoint w
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -24,6 +25,7 @@ from loom.engine.checkpoint.load import PieceReader
 from loom.engine.config import LoraConfig
 from loom.engine.config_io import config_from_dict
 from loom.engine.model import naming
+from loom.engine.model.lora import FROZEN_ROUTER
 from loom.tools.ckpt import LazyWeights, open_checkpoint, write_weights_checkpoint
 from loom.tools.outputs import claimed_checkpoint_output
 
@@ -93,6 +95,14 @@ class ModelWeights(LazyWeights):
         self.scale = config_from_dict(metadata.config).lora.scale
         super().__init__({**_full_shapes(base_metadata), **self._buffers(base_metadata)})
 
+    def router_training(self) -> dict:
+        """For a LoRA checkpoint, its base's router-training settings (FROZEN_ROUTER), which the LoRA run zeroed for
+        itself: a merge or an export is the base's model, trained on as the base was; {} for a full checkpoint."""
+        if self.base_dir is None:
+            return {}
+        base = self.model_metadata.config["model"]
+        return {name: base[name] for name in FROZEN_ROUTER if name in base}
+
     def _buffers(self, metadata: CheckpointMetadata) -> dict[str, tuple[int, ...]]:
         """The model's buffers that are state (experts' biases: buffer/<name>), by name, with their shapes."""
         prefix = buffer_key("")
@@ -124,6 +134,7 @@ def merge_lora(source: Path, output: Path, base: Path | None = None, overwrite: 
     config = config_from_dict(metadata.config)
     config.lora = LoraConfig()
     weights = ModelWeights(directory, metadata, base)
+    config.model = dataclasses.replace(config.model, **weights.router_training())
     origin = weights.model_metadata.hf_origin  # the base's Hugging Face origin stays the merged model's
     with claimed_checkpoint_output(output, overwrite, reading=(directory, weights.base_dir)):
         return write_weights_checkpoint(

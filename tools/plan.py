@@ -138,17 +138,20 @@ def _transient_bytes(config: LoomConfig, lay: Layout, pp_rank: int, engine: Engi
     m, t = config.model, config.train
     transient = 2 * shape.bucket_bytes if lay.zero >= 2 else 0  # ZeRO-2's (and 3's) buckets being reduced
     if lay.recompute == "full":  # the layer being recomputed holds its activations during its backward
-        transient += layer_activation_bytes(
-            m,
-            shape.local,
-            lay.micro_batch_size,
-            lay.tp,
-            lay.sp,
-            "none",
-            shape.element,
-            engine,
-            t.fp8 != "off",
-            blocks_compiled(config, engine),
+        transient += max(
+            layer_activation_bytes(
+                m.layer_config(kind),  # a dense block's or an expert one's, the larger (model.moe_dense_layers)
+                shape.local,
+                lay.micro_batch_size,
+                lay.tp,
+                lay.sp,
+                "none",
+                shape.element,
+                engine,
+                t.fp8 != "off",
+                blocks_compiled(config, engine),
+            )
+            for kind in (0, m.num_layers - 1)
         )
     # The FP8 copies of this rank's weights, cast once per step; under ZeRO-3 each call casts the gathered
     # weight, so only the computing block's two copies (and the output layer's) are alive at once.

@@ -102,10 +102,11 @@ class ModelConfig:
     bias: bool = False
     """Biases in the linear layers (GPT-2 style)."""
     num_experts: int | None = None
-    """Mixture of experts: each block's MLP becomes this many expert MLPs (each model.ffn_hidden_size wide, model.
-    activation's kind) and a router that sends every token to model.moe_top_k of them (Mixtral's
-    num_local_experts, Qwen3-MoE's num_experts, Megatron's --num-experts); None means one dense MLP. The experts are
-    split across TP ranks as a dense MLP is (each rank holds its slice of every expert; no expert parallelism)."""
+    """Mixture of experts: each block's MLP (but the first model.moe_dense_layers blocks') becomes this many expert
+    MLPs (each model.moe_ffn_hidden_size wide, by default model.ffn_hidden_size; model.activation's kind) and a router
+    that sends every token to model.moe_top_k of them (Mixtral's num_local_experts, Qwen3-MoE's num_experts,
+    Megatron's --num-experts); None means one dense MLP. The experts are split across TP ranks as a dense MLP is
+    (each rank holds its slice of every expert; no expert parallelism)."""
     moe_ffn_hidden_size: int | None = None
     """With model.num_experts: each expert's width (Megatron's --moe-ffn-hidden-size, Hugging Face's
     moe_intermediate_size); None: model.ffn_hidden_size, which is otherwise the width of the dense blocks'

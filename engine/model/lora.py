@@ -156,7 +156,7 @@ def adopt_base_model(config: LoomConfig) -> list[str]:
         ours, theirs = getattr(config.model, field.name), getattr(base, field.name)
         if field.name == "max_position_embeddings" and base.position_embedding == "rope":
             theirs = max(ours, theirs)  # RoPE has no position weights: a longer context is the run's to choose
-        if base.moe and field.name in FROZEN_ROUTER:
+        if base.moe and field.name in FROZEN_ROUTER and (field.name != "moe_expert_bias_rate" or base.moe_expert_bias):
             values[field.name] = 0.0
         elif field.name not in _RUN_SETTINGS and ours != theirs:
             changes.append(f"{field.name}: {ours} -> {theirs}")
