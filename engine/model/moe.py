@@ -221,7 +221,7 @@ class MoEMLP(torch.nn.Module):
             weights = weights * self.scale
         router_loss = self._router_loss(x.shape[:2], logits, probabilities, chosen) if self.training else None
         counts = _counts(chosen, self.num_experts)
-        if self.training and self.has_expert_bias:  # the step's load, which the executor sums (ExpertBiases)
+        if self.training and self.has_expert_bias:  # the step's load, which the executor sums (update_expert_biases)
             self.expert_load = counts
         # the token choices sorted by expert, each expert's rows contiguous
         order = chosen.flatten().argsort(stable=True)
