@@ -280,9 +280,12 @@ def adopt_lora_base(config: LoomConfig) -> None:
             flush=True,
         )
     if config.model.moe:  # adopt_base_model zeroed them, as peft's fine-tunes of Mixtral and the others train
+        frozen = [name for name in FROZEN_ROUTER if name != "moe_expert_bias_rate" or config.model.moe_expert_bias]
         print(
-            "LoRA: the router is frozen: no load-balancing loss, z-loss or moving experts' biases (model."
-            + ", model.".join(FROZEN_ROUTER)
+            "LoRA: the router is frozen: no load-balancing loss or z-loss"
+            + (", its experts' biases fixed" if config.model.moe_expert_bias else "")
+            + " (model."
+            + " = 0, model.".join(frozen)
             + " = 0)",
             flush=True,
         )

@@ -100,8 +100,8 @@ class ModelWeights(LazyWeights):
         itself: a merge or an export is the base's model, trained on as the base was; {} for a full checkpoint."""
         if self.base_dir is None:
             return {}
-        base = self.model_metadata.config["model"]
-        return {name: base[name] for name in FROZEN_ROUTER if name in base}
+        base = config_from_dict({"model": self.model_metadata.config["model"]}).model  # fields it predates: defaults
+        return {name: getattr(base, name) for name in FROZEN_ROUTER}
 
     def _buffers(self, metadata: CheckpointMetadata) -> dict[str, tuple[int, ...]]:
         """The model's buffers that are state (experts' biases: buffer/<name>), by name, with their shapes."""

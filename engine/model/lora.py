@@ -141,14 +141,15 @@ def base_pointer(config: LoomConfig) -> dict | None:
 # How a run computes, not what the model is: these stay the LoRA run's own.
 _RUN_SETTINGS = ("dropout", "recompute", "kernels", "compile")
 # What trains a mixture of experts' router, which a LoRA run freezes (as peft's fine-tunes of Mixtral do): 0 whatever
-# the base trained with (its losses' gradients would reach the adapters through the hidden states).
+# the base trained with (its losses' gradients would reach the adapters through the hidden states); the biases' rate
+# where the base has biases.
 FROZEN_ROUTER = ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_expert_bias_rate")
 
 
 def adopt_base_model(config: LoomConfig) -> list[str]:
     """A LoRA run's model is its base's: [model] is taken from the base checkpoint's config (except the run
-    settings above; a mixture of experts' FROZEN_ROUTER settings are 0), so a config need not restate an imported
-    model. Returns what changed, as `field: a -> b`."""
+    settings above; a mixture of experts' FROZEN_ROUTER settings are 0: its router is frozen), so a config need not
+    restate an imported model. Returns what changed, as `field: a -> b`."""
     _, metadata = _find_base(config.lora.base, verify_hashes=False)
     base = config_from_dict({"model": metadata.config["model"]}).model
     changes, values = [], {}
