@@ -267,7 +267,7 @@ def adopt_lora_base(config: LoomConfig) -> None:
     if not config.lora.enabled:
         return
     from loom.engine.config.model import LORA_TARGETS
-    from loom.engine.model.lora import FROZEN_ROUTER, adopt_base_model, check_rank
+    from loom.engine.model.lora import adopt_base_model, check_rank, frozen_router_fields
 
     changes = adopt_base_model(config)
     if changes:
@@ -279,16 +279,11 @@ def adopt_lora_base(config: LoomConfig) -> None:
             f"lora.targets = {' '.join(config.lora.targets)}",
             flush=True,
         )
-    if config.model.moe:  # adopt_base_model zeroed them, as peft's fine-tunes of Mixtral and the others train
-        frozen = [name for name in FROZEN_ROUTER if name != "moe_expert_bias_rate" or config.model.moe_expert_bias]
-        print(
-            "LoRA: the router is frozen: no load-balancing loss or z-loss"
-            + (", its experts' biases fixed" if config.model.moe_expert_bias else "")
-            + " (model."
-            + " = 0, model.".join(frozen)
-            + " = 0)",
-            flush=True,
-        )
+    frozen = frozen_router_fields(config.model)
+    if frozen:  # adopt_base_model zeroed them, as peft's fine-tunes of Mixtral and the others train
+        biases = ", its experts' biases fixed" if config.model.moe_expert_bias else ""
+        zeroed = ", ".join(f"model.{name} = 0" for name in frozen)
+        print(f"LoRA: the router is frozen: no load-balancing loss or z-loss{biases} ({zeroed})", flush=True)
     check_rank(config)
 
 

@@ -353,14 +353,14 @@ def export_hf(
 
     def exported(name: str) -> torch.Tensor:  # a Nemotron's or Gemma's norm weights minus one before the cast
         tensor = weights[name].float() - 1 if _stored_minus_one(name, model) else weights[name]
-        return tensor.float() if name.endswith(fp32) and fp32 else tensor.to(EXPORT_DTYPES[dtype])
+        return tensor.float() if name.endswith(fp32) else tensor.to(EXPORT_DTYPES[dtype])
 
     cast = LazyWeights(weights.shapes, exported)
     phi3 = phi3_form(model, origin.hf_model_type)
     tensors = to_gpt2(cast, model) if gpt2 else to_hf(cast, model, phi3)
     fp32_names = tuple(hf for local in fp32 for hf in _block_names(model, phi3)[local])
     declared = {
-        hf_name: (torch.float32 if fp32_names and hf_name.endswith(fp32_names) else EXPORT_DTYPES[dtype], shape)
+        hf_name: (torch.float32 if hf_name.endswith(fp32_names) else EXPORT_DTYPES[dtype], shape)
         for hf_name, shape in tensors.shapes.items()
     }
     with claimed_export_output(output, overwrite):  # before any weight is read

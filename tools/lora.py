@@ -16,7 +16,7 @@ from loom.engine.checkpoint.format import (
     METADATA,
     CheckpointError,
     CheckpointMetadata,
-    buffer_key,
+    buffer_names,
     find_loadable,
     read_metadata,
     sha256_of,
@@ -74,7 +74,6 @@ class ModelWeights(LazyWeights):
         self, directory: Path, metadata: CheckpointMetadata, base: Path | None = None, verify_hashes: bool = True
     ):
         reader = PieceReader(directory, metadata)
-        self.directory = directory
         self.adapters: dict[str, tuple[str, str]] = {}
         self.base_dir: Path | None = None
         self.model_metadata = metadata  # whose facts the model carries: the base's for a LoRA checkpoint
@@ -104,11 +103,10 @@ class ModelWeights(LazyWeights):
         return {name: getattr(base, name) for name in FROZEN_ROUTER}
 
     def _buffers(self, metadata: CheckpointMetadata) -> dict[str, tuple[int, ...]]:
-        """The model's buffers that are state (experts' biases: buffer/<name>), by name, with their shapes."""
-        prefix = buffer_key("")
-        self.buffers = {key.removeprefix(prefix): key for key in metadata.index if key.startswith(prefix)}
-        reader = PieceReader(self.base_dir or self.directory, metadata)
-        return {name: reader.header(key)[1] for name, key in self.buffers.items()}
+        """The model's buffers that are state (experts' biases: buffer/<name>) in `self.weights`' checkpoint, whose
+        `metadata` this is, by name, with their shapes."""
+        self.buffers = buffer_names(metadata)
+        return {name: self.weights.header(key)[1] for name, key in self.buffers.items()}
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name in self.buffers:

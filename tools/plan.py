@@ -140,7 +140,7 @@ def _transient_bytes(config: LoomConfig, lay: Layout, pp_rank: int, engine: Engi
     if lay.recompute == "full":  # the layer being recomputed holds its activations during its backward
         transient += max(
             layer_activation_bytes(
-                m.layer_config(kind),  # a dense block's or an expert one's, the larger (model.moe_dense_layers)
+                block,  # a dense block's or an expert one's, the larger (model.moe_dense_layers)
                 shape.local,
                 lay.micro_batch_size,
                 lay.tp,
@@ -151,7 +151,7 @@ def _transient_bytes(config: LoomConfig, lay: Layout, pp_rank: int, engine: Engi
                 t.fp8 != "off",
                 blocks_compiled(config, engine),
             )
-            for kind in (0, m.num_layers - 1)
+            for block in m.block_configs()
         )
     # The FP8 copies of this rank's weights, cast once per step; under ZeRO-3 each call casts the gathered
     # weight, so only the computing block's two copies (and the output layer's) are alive at once.

@@ -240,7 +240,7 @@ def rank_activation_bytes(
     compiled = blocks_compiled(config, engine) if compiled is None else compiled
     dense, experts = (
         layer_activation_bytes(
-            m.layer_config(kind),
+            block,
             seq,
             lay.micro_batch_size,
             lay.tp,
@@ -251,7 +251,7 @@ def rank_activation_bytes(
             t.fp8 != "off",
             compiled,
         )
-        for kind in (0, m.num_layers - 1)  # a dense block and an expert one (model.moe_dense_layers; alike without)
+        for block in m.block_configs()  # a dense block and an expert one (model.moe_dense_layers; alike without)
     )
     held = sum(experts if m.has_experts(layer) else dense for layer in rank_layers(m.num_layers, lay, pp_rank))
     layers = held * in_flight_microbatches(lay.pp, lay.vp, microbatches, pp_rank)

@@ -195,9 +195,9 @@ def rank_parameters(m: ModelConfig, lay: Layout, pp_rank: int) -> list[_Param]:
             params.append(_matrix(vocab, m.hidden_size, tied_across, before))
             if m.position_embedding == "learned":
                 params.append(_matrix(m.max_position_embeddings, m.hidden_size, sp, before))
-        blocks = {kind: _block_parameters(m.layer_config(kind), lay.tp, sp) for kind in (0, m.num_layers - 1)}
+        dense, experts = (_block_parameters(block, lay.tp, sp) for block in m.block_configs())
         for layer in range(stage * per_chunk, (stage + 1) * per_chunk):
-            block = blocks[m.num_layers - 1 if m.has_experts(layer) else 0]  # a dense block's, or an expert one's
+            block = experts if m.has_experts(layer) else dense
             params += [_Param(q.size, q.deferred, layer, q.shape) for q in block]
         if stage == stages - 1:
             params += [_Param(m.hidden_size, sp, after)] * (2 if m.norm == "layernorm" else 1)

@@ -181,7 +181,7 @@ def _compute_seconds(config: LoomConfig, lay: Layout, hw: Hardware, flops: Token
     gemm_peak = hw.peak_tflops["fp8"] * 1e12 if fp8 else peak
     output_fp8 = fp8 and t.fp8_output_layer
     output_peak = gemm_peak if output_fp8 else peak
-    width = min(m.layer_config(layer).ffn_hidden_size for layer in (0, m.num_layers - 1))  # experts' too
+    width = min(block.ffn_hidden_size for block in m.block_configs())  # experts' too
     smallest = min(m.hidden_size / lay.tp, width / lay.tp, shape.local * lay.micro_batch_size)
     output = flops.output_layer
     blocks_per_token = (flops.gemm - output + flops.gemm_extra) / lay.pp + output

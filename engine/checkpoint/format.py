@@ -83,6 +83,12 @@ def buffer_key(name: str) -> str:
     return f"buffer/{name}"
 
 
+def buffer_names(metadata: CheckpointMetadata) -> dict[str, str]:
+    """A checkpoint's buffers (buffer_key) by name: {name: key}; empty where it has none."""
+    prefix = buffer_key("")
+    return {key.removeprefix(prefix): key for key in metadata.index if key.startswith(prefix)}
+
+
 def parse_optim_key(key: str) -> tuple[str, str, int, int, int]:
     """(state, parameter name, tp rank, start, end) of an optimizer piece."""
     _, state, rest = key.split("/", 2)

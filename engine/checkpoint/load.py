@@ -22,6 +22,7 @@ from loom.engine.checkpoint.format import (
     CheckpointError,
     CheckpointMetadata,
     buffer_key,
+    buffer_names,
     fp8_key,
     model_key,
     parse_optim_key,
@@ -136,8 +137,7 @@ def load_expert_biases(chunks: list[torch.nn.Module], reader: PieceReader, metad
 def saved_expert_biases(directory: Path, metadata: CheckpointMetadata) -> dict[str, torch.Tensor]:
     """A checkpoint's experts' biases by name (`layers.3.mlp.router.expert_bias`); empty where it has none."""
     reader = PieceReader(directory, metadata)
-    prefix = buffer_key("")
-    return {key.removeprefix(prefix): reader.tensor(key) for key in metadata.index if key.startswith(prefix)}
+    return {name: reader.tensor(key) for name, key in buffer_names(metadata).items()}
 
 
 def fine_tunes_from(config: LoomConfig, checkpoint: Path) -> bool:

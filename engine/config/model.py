@@ -449,6 +449,11 @@ class ModelConfig:
         experts_width = self.moe_ffn_hidden_size or self.ffn_hidden_size
         return dataclasses.replace(self, ffn_hidden_size=experts_width, moe_ffn_hidden_size=None, moe_dense_layers=0)
 
+    def block_configs(self) -> tuple[ModelConfig, ModelConfig]:
+        """The first block's config and the last's: a dense block's and an expert one's under model.moe_dense_layers
+        (the same config twice where every block is alike), the two kinds of block per-block counts sum over."""
+        return self.layer_config(0), self.layer_config(self.num_layers - 1)
+
     @property
     def moves_expert_biases(self) -> bool:
         """Whether training moves the experts' biases after each update (model.moe_expert_bias with a rate)."""

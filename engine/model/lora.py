@@ -146,18 +146,27 @@ _RUN_SETTINGS = ("dropout", "recompute", "kernels", "compile")
 FROZEN_ROUTER = ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_expert_bias_rate")
 
 
+def frozen_router_fields(base: ModelConfig) -> tuple[str, ...]:
+    """The FROZEN_ROUTER settings a LoRA run on `base` sets to 0: none for a dense base, the biases' rate only
+    where it has biases."""
+    if not base.moe:
+        return ()
+    return tuple(name for name in FROZEN_ROUTER if name != "moe_expert_bias_rate" or base.moe_expert_bias)
+
+
 def adopt_base_model(config: LoomConfig) -> list[str]:
     """A LoRA run's model is its base's: [model] is taken from the base checkpoint's config (except the run
     settings above; a mixture of experts' FROZEN_ROUTER settings are 0: its router is frozen), so a config need not
     restate an imported model. Returns what changed, as `field: a -> b`."""
     _, metadata = _find_base(config.lora.base, verify_hashes=False)
     base = config_from_dict({"model": metadata.config["model"]}).model
+    frozen = frozen_router_fields(base)
     changes, values = [], {}
     for field in dataclasses.fields(ModelConfig):
         ours, theirs = getattr(config.model, field.name), getattr(base, field.name)
         if field.name == "max_position_embeddings" and base.position_embedding == "rope":
             theirs = max(ours, theirs)  # RoPE has no position weights: a longer context is the run's to choose
-        if base.moe and field.name in FROZEN_ROUTER and (field.name != "moe_expert_bias_rate" or base.moe_expert_bias):
+        if field.name in frozen:
             values[field.name] = 0.0
         elif field.name not in _RUN_SETTINGS and ours != theirs:
             changes.append(f"{field.name}: {ours} -> {theirs}")

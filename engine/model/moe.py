@@ -7,9 +7,9 @@ parallelism): each TP rank holds its slice of every expert's FC1 columns and FC2
 from the sequence shards under sequence parallelism) and routes them all identically, and adds its partial outputs
 into one [tokens, hidden] sum that is reduced once, as a dense MLP's output is. Everything inside that region is a
 partial sum on each rank, the router's gradient too (a shared expert's gate's as well): it is summed over the TP
-group (ParamInfo.tp_partial_grad),
-and the router's losses (load balancing, z-loss), the same on every rank, are back-propagated at 1 / tp of their
-weight on each (router_loss_gradient), through the block's output (_RouterLossGradient).
+group (ParamInfo.tp_partial_grad), and the router's losses (load balancing, z-loss), the same on every rank, are
+back-propagated at 1 / tp of their weight on each (router_loss_gradient), through the block's output
+(_RouterLossGradient).
 
 The experts' GEMMs are grouped: the token choices are sorted by expert and each expert multiplies its contiguous
 rows (torch._grouped_mm, one kernel for all experts on a Hopper GPU, and static shapes, so a compiled block stays
