@@ -159,6 +159,9 @@ TRAINING_NAMES: tuple[NameElsewhere, ...] = (
             ("--moe-router-topk-scaling-factor", "--model.moe_router_scale"),
             ("--moe-router-enable-expert-bias", "--model.moe_expert_bias true --model.moe_router_score sigmoid"),
             ("--moe-router-bias-update-rate", "--model.moe_expert_bias_rate"),
+            ("--moe-router-num-groups", "--model.moe_router_groups"),
+            ("--moe-router-group-topk", "--model.moe_router_group_top_k"),
+            ("--moe-router-dtype", "--model.moe_router_fp32 true", "fp32; loom has no fp64 router"),
             (
                 "--moe-router-pre-softmax",
                 "--model.moe_norm_top_k false",

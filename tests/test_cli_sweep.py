@@ -348,6 +348,13 @@ BAD_OVERRIDES = [
     ["--model.num_experts", "4", "--model.moe_dense_layers", HUGE],  # every block: no experts left
     ["--model.num_experts", "4", "--model.moe_ffn_hidden_size", "0"],
     ["--model.moe_dense_layers", "1"],  # no experts
+    ["--model.num_experts", "4", "--model.moe_router_groups", "0"],
+    ["--model.num_experts", "4", "--model.moe_router_groups", "3"],  # unequal groups
+    ["--model.num_experts", "4", "--model.moe_router_groups", HUGE],
+    ["--model.num_experts", "4", "--model.moe_router_groups", "2", "--model.moe_router_group_top_k", "-1"],
+    ["--model.num_experts", "4", "--model.moe_router_group_top_k", "2"],  # no groups
+    ["--model.num_experts", "4", "--model.moe_router_fp32", "maybe"],
+    ["--model.moe_router_fp32", "true"],  # no experts
     ["--model.qk_norm_per_head", "maybe"],
     ["--model.qk_norm", "true", "--model.qk_norm_per_head", "false", "--model.norm", "layernorm"],
     ["--train.rampup_batch_size", "4", "4"],

@@ -55,6 +55,8 @@ def _moe_model(kind: str):
             n_shared_experts=1,
             routed_scaling_factor=2.5,
             first_k_dense_replace=1,
+            n_group=2,  # each token's two experts from the better of two groups
+            topk_group=1,
             use_qk_norm=True,
             attention_bias=True,
             partial_rotary_factor=0.5,
@@ -64,6 +66,7 @@ def _moe_model(kind: str):
         config = transformers.Qwen2MoeConfig(
             **shape, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48
         )
+        config.mlp_only_layers = [0]  # and a dense first block
         model_class = transformers.Qwen2MoeForCausalLM
     else:  # OLMoE: the top 2 of 4 at their softmax probabilities, not renormalised
         config = transformers.OlmoeConfig(
@@ -106,7 +109,20 @@ def test_a_mixture_of_experts_imports_evaluates_decodes_and_exports_as_transform
             32,
         )
         assert (imported["moe_router_scale"], imported["moe_aux_loss_coeff"]) == (2.5, 0.0)
-    else:  # transformers' loss is about top_k at an even load over all layers, loom's 1 a block: the weight converts
+        assert (imported["moe_router_groups"], imported["moe_router_group_top_k"], imported["moe_router_fp32"]) == (
+            2,
+            1,
+            True,
+        )
+        assert (again.config.n_group, again.config.topk_group) == (2, 1)
+    if kind == "qwen2_moe":  # its first block dense, intermediate_size wide (mlp_only_layers [0])
+        assert (imported["moe_dense_layers"], imported["ffn_hidden_size"], imported["moe_ffn_hidden_size"]) == (
+            1,
+            96,
+            32,
+        )
+        assert again.config.mlp_only_layers == [0]
+    if kind != "glm4_moe":  # transformers' loss is about top_k at an even load over all layers, loom's 1 a block
         assert imported["moe_aux_loss_coeff"] == pytest.approx(model.config.router_aux_loss_coef * top_k / 2)
         assert again.config.router_aux_loss_coef == model.config.router_aux_loss_coef
     assert type(again) is type(model)
@@ -234,8 +250,16 @@ def test_transformers_5_s_own_stacked_layout_imports_with_its_logits(kind, tmp_p
             "a moe_router_scale",
         ),
         ({"rotary_percent": 0.5}, "rotary_percent < 1 (only MiniMax-M2's and GLM-4.5's turn part of each head)"),
-        ({"moe_dense_layers": 1}, "dense blocks among them (moe_dense_layers)"),
+        ({"moe_dense_layers": 1}, "dense blocks among them (moe_dense_layers; GLM-4.5's and Qwen-MoE's have them)"),
         ({"moe_ffn_hidden_size": 128}, "a moe_ffn_hidden_size"),
+        ({"moe_router_groups": 2}, "group-limited routing (only GLM-4.5's)"),
+        (
+            {
+                **{"moe_router_score": "sigmoid", "moe_expert_bias": True, "num_experts": 8, "moe_top_k": 3},
+                **{"moe_router_groups": 2, "moe_router_group_top_k": 1},
+            },
+            "groups scored by other than their top 2 experts (GLM-4.5's)",
+        ),
     ],
 )
 def test_experts_a_hugging_face_class_cannot_compute_alike_are_refused_on_export(settings, refusal):
@@ -294,6 +318,39 @@ def test_glm_s_multi_token_prediction_layers_are_left_out_as_transformers_leaves
     routing = {name for name in dtypes if name.endswith(("mlp.gate.weight", "mlp.gate.e_score_correction_bias"))}
     assert len(routing) == 2 and {dtypes[name] for name in routing} == {"F32"}
     assert {dtypes[name] for name in dtypes if name not in routing} == {"BF16"}
+
+
+@pytest.mark.parametrize(
+    "kind, settings, refusal",
+    [
+        # Glm4MoeForCausalLM scores an expert group by its top 2 experts, loom (as Megatron) by its top
+        # num_experts_per_tok / topk_group
+        (
+            "glm4_moe",
+            {"n_routed_experts": 8, "num_experts_per_tok": 3, "n_group": 2, "topk_group": 1},
+            "each scored by its top 2 experts .* topk_group = 3",
+        ),
+        ("glm4_moe", {"n_group": 0}, "config.json's n_group is 0, not a positive number"),
+        # loom's dense blocks are the first ones
+        ("qwen2_moe", {"mlp_only_layers": [1]}, r"a dense MLP \(mlp_only_layers \[1\]\)"),
+        ("qwen2_moe", {"mlp_only_layers": [0, 1]}, r"mlp_only_layers \[0, 1\]"),  # no block left with experts
+        ("qwen2_moe", {"decoder_sparse_step": 2}, r"decoder_sparse_step 2"),
+    ],
+)
+def test_routing_and_dense_layers_loom_cannot_compute_alike_are_refused_on_import(kind, settings, refusal, tmp_path):
+    """In one line, before any tensor is read or anything written."""
+    import json as json_module
+
+    from loom.engine.checkpoint.format import CheckpointError
+    from loom.tools.hf import import_hf
+
+    _moe_model(kind).save_pretrained(str(tmp_path / "hf"))
+    config = json_module.loads((tmp_path / "hf" / "config.json").read_text())
+    config.update(settings)
+    (tmp_path / "hf" / "config.json").write_text(json_module.dumps(config))
+    with pytest.raises(CheckpointError, match=refusal):
+        import_hf(tmp_path / "hf", tmp_path / "loom")
+    assert not (tmp_path / "loom").exists()
 
 
 def test_quantized_files_are_refused_with_what_to_do(tmp_path):

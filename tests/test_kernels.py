@@ -608,6 +608,13 @@ GEMMA3 = {
 }
 
 
+SHARED_GATED_MOE = {"num_experts": 4, "moe_shared_ffn_hidden_size": 128, "moe_shared_expert_gate": True}
+GROUPED_FP32_ROUTING = {
+    **{"moe_router_score": "sigmoid", "moe_expert_bias": True, "moe_router_groups": 2},
+    "moe_router_fp32": True,
+}
+
+
 @pytest.mark.parametrize(
     "precision, fp8, recompute, model_settings",
     [
@@ -619,8 +626,9 @@ GEMMA3 = {
         ("bf16", False, "none", OLMO2),  # its query/key norms all-reduce over TP inside the block
         ("bf16", False, "selective", GEMMA3),  # four norms, a windowed layer's mask into recomputed attention
         ("bf16", False, "none", GEMMA2),  # loom's own attention with soft-capped scores
-        # routed, grouped expert GEMMs (static shapes), a gated shared expert
-        ("bf16", False, "none", {"num_experts": 4, "moe_shared_ffn_hidden_size": 128, "moe_shared_expert_gate": True}),
+        # routed, grouped expert GEMMs (static shapes), a gated shared expert; DeepSeek-V3's routing (biases, groups)
+        # with an fp32 router (an autocast-free region)
+        ("bf16", False, "none", {**SHARED_GATED_MOE, **GROUPED_FP32_ROUTING}),
     ],
     ids=[
         "fp32",

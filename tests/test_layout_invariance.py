@@ -88,6 +88,7 @@ LAYOUTS = {
             model__moe_router_scale=2.0,
             model__moe_expert_bias=True,
             model__moe_expert_bias_rate=0.05,
+            model__moe_router_groups=2,  # each token's experts the two of its better group (group-limited routing)
             # a dense first block (its MLP 384 wide) before three with experts 128 wide: the pipeline's first stage
             # holds one of each
             model__moe_dense_layers=1,
@@ -117,6 +118,7 @@ MODEL_FIELDS = (
     "model__moe_router_scale",
     "model__moe_expert_bias",
     "model__moe_expert_bias_rate",
+    "model__moe_router_groups",
     "model__moe_dense_layers",
     "model__moe_ffn_hidden_size",
 )

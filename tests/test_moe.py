@@ -164,6 +164,12 @@ def test_a_router_far_from_uniform_weighs_a_token_s_experts_by_their_renormalise
         ({"moe_router_score": "sigmoid"}, "model.moe_router_score is set but model.num_experts is not"),
         ({"num_experts": 4, "moe_dense_layers": 2}, r"model.moe_dense_layers = 2 must be from 0 to .* = 1"),
         ({"num_experts": 4, "moe_ffn_hidden_size": -8}, "model.moe_ffn_hidden_size must be positive"),
+        ({"num_experts": 4, "moe_router_groups": 0}, "model.moe_router_groups must be positive"),
+        ({"num_experts": 4, "moe_router_groups": 3}, "does not divide model.num_experts = 4 into equal groups"),
+        ({"num_experts": 4, "moe_router_group_top_k": 2}, "give the number of groups too"),
+        ({"num_experts": 4, "moe_router_groups": 2, "moe_router_group_top_k": 3}, "must be at most"),
+        ({"num_experts": 8, "moe_top_k": 4, "moe_router_groups": 4, "moe_router_group_top_k": 1}, "do not fit"),
+        ({"moe_router_fp32": True}, "model.moe_router_fp32 is set but model.num_experts is not"),
     ],
 )
 def test_settings_a_mixture_of_experts_cannot_take_are_refused_in_one_line(fields, message):
@@ -228,6 +234,65 @@ def test_sigmoid_routing_with_experts_biases_and_a_scale_is_megatron_core_s():
         4 / (s * 2) * (choices[j::b].sum(0) * scores[j::b].mean(0)).sum() for j in range(b)
     ]  # Megatron's loss over one sequence's tokens (its seq_aux_loss)
     assert mlp.router_losses["moe_aux_loss"].item() == pytest.approx(sum(per_sequence).item() / b, rel=1e-6)
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_group_limited_routing_is_megatron_core_s(score):
+    """model.moe_router_groups / moe_router_group_top_k: 8 experts in 4 groups, each token's 4 experts from its 2
+    groups of highest top-2 sum, against megatron-core's topk_routing_with_score_function (softmax: the scores
+    not renormalised, Megatron's pre-softmax; sigmoid: with biases, renormalised, scaled), the block's output its
+    experts' outputs so weighted; the load-balancing loss takes megatron-core's ungrouped scores and choices."""
+    moe_utils = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
+    sigmoid = score == "sigmoid"
+    routing = {"moe_router_score": score, "moe_expert_bias": sigmoid, "moe_router_scale": 2.5 if sigmoid else 1.0}
+    groups = {"moe_router_groups": 4, "moe_router_group_top_k": 2}
+    config = ModelConfig(**{**MODEL, "num_experts": 8}, moe_top_k=4, moe_norm_top_k=sigmoid, **routing, **groups)
+    model = GPTModel(config, None)
+    initialize_parameters(model, seed=5, tp_rank=0, tp_size=1)
+    mlp = model.layers["0"].mlp
+    s, b = 8, 2
+    x = torch.randn(s, b, 32, generator=torch.Generator().manual_seed(2))
+    bias = torch.tensor([0.3, -0.2, 0.0, 0.1, 0.05, -0.1, 0.2, 0.0]) if sigmoid else None
+    with torch.no_grad():
+        mlp.router.weight.mul_(20)
+        if sigmoid:
+            mlp.router.expert_bias.copy_(bias)
+        ours = mlp(x).reshape(-1, 32)
+        tokens = x.reshape(-1, 32)
+        logits = tokens @ mlp.router.weight.t()
+        megatron = dict(score_function=score, expert_bias=bias, scaling_factor=2.5 if sigmoid else None)
+        megatron["use_pre_softmax"] = not sigmoid
+        weights, chosen = moe_utils.topk_routing_with_score_function(logits, 4, num_groups=4, group_topk=2, **megatron)
+        ungrouped = moe_utils.topk_routing_with_score_function(logits, 4, **megatron)[1]
+        assert not torch.equal(chosen, ungrouped)  # the groups changed some token's experts
+        expected = torch.zeros_like(tokens)
+        for expert in range(8):
+            gate, up = (tokens @ mlp.experts.fc1.weight[expert].t()).chunk(2, dim=-1)
+            expected += weights[:, expert : expert + 1] * ((F.silu(gate) * up) @ mlp.experts.fc2.weight[expert].t())
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6)
+    choices, scores = moe_utils.compute_routing_scores_for_aux_loss(logits, 4, score)
+    per_sequence = [8 / (s * 4) * (choices[j::b].sum(0) * scores[j::b].mean(0)).sum() for j in range(b)]
+    assert mlp.router_losses["moe_aux_loss"].item() == pytest.approx(sum(per_sequence).item() / b, rel=1e-6)
+
+
+def test_an_fp32_router_computes_its_logits_from_bf16_inputs_in_fp32():
+    """model.moe_router_fp32: in a bf16 model the router's logits (seen through the z-loss, the mean of their
+    logsumexp squared) are the fp32 product of the bf16 tokens and the router's weight; without it, bf16's."""
+    z_loss = {}
+    for fp32 in (True, False):
+        config = ModelConfig(**MODEL, moe_z_loss_coeff=1.0, moe_router_fp32=fp32)
+        model = GPTModel(config, None)
+        initialize_parameters(model, seed=5, tp_rank=0, tp_size=1)
+        mlp = model.layers["0"].mlp.to(torch.bfloat16)
+        x = torch.randn(6, 2, 32, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+        with torch.no_grad():
+            mlp.router.weight.mul_(7)
+            mlp(x)
+        z_loss[fp32] = mlp.router_losses["moe_z_loss"].item()
+    logits = x.reshape(-1, 32).float() @ mlp.router.weight.float().t()
+    reference = torch.logsumexp(logits, -1).square().mean().item()
+    assert z_loss[True] == pytest.approx(reference, rel=1e-6)
+    assert z_loss[False] != pytest.approx(reference, rel=1e-4)
 
 
 BIASED = {"num_experts": 4, "moe_router_score": "sigmoid", "moe_expert_bias": True, "moe_expert_bias_rate": 0.01}

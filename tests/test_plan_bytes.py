@@ -159,6 +159,7 @@ ACTIVATION_CASES = (
         (1, False, "none", "fp32", 2, "moe"),
         (2, True, "none", "bf16", 1, "shared_moe"),
         (1, False, "none", "fp32", 2, "biased_moe"),
+        (2, True, "none", "bf16", 1, "grouped_moe"),
     ]
 )
 """precision fp8: bf16 with loom's FP8 linears (torch._scaled_mm, which runs on CPU; the GPU check is bypassed).
@@ -177,7 +178,7 @@ compiled count (each costs seconds of compiling)."""
 MODEL_VARIANTS = {
     "gpt": {"norm": "layernorm", "activation": "gelu"},
     "qk_norm": {"qk_norm": True},
-    "qk_norm_moe": {"qk_norm": True, **SHARED_MOE},  # one compile for both
+    "qk_norm_moe": {"qk_norm": True, **SHARED_MOE, "moe_router_fp32": True},  # one compile for all three
     "gpt_qk_norm": {"norm": "layernorm", "activation": "gelu", "qk_norm": True},
     "nemotron": {"norm": "layernorm", "activation": "squared_relu", "rotary_percent": 0.5},
     # OLMo 2's norms with Nemotron's squared ReLU and partial rotary: one compile for both (LayerNorm's is gpt's)
@@ -194,6 +195,8 @@ MODEL_VARIANTS = {
     "shared_moe": SHARED_MOE,
     # DeepSeek-V3's routing: sigmoid scores, experts' biases, a scale
     "biased_moe": {**SHARED_MOE, "moe_router_score": "sigmoid", "moe_expert_bias": True, "moe_router_scale": 2.5},
+    # DeepSeek-V3's group-limited routing, in fp32 (as GLM-4.5's): the router's input kept in fp32
+    "grouped_moe": {"num_experts": 4, "moe_top_k": 2, "moe_router_groups": 2, "moe_router_fp32": True},
     "gemma3": {
         "activation": "geglu",
         "norm_placement": "both",

@@ -6,9 +6,11 @@ norms over the whole query and key projections, Qwen2-MoE Qwen2's q/k/v biases a
 (model.moe_shared_ffn_hidden_size, model.moe_shared_expert_gate), MiniMax-M2 OLMoE's norms, a rotary embedding over
 part of each head (model.rotary_percent) and DeepSeek-V3's routing: sigmoid scores and a routing bias per expert
 (model.moe_router_score, model.moe_expert_bias; e_score_correction_bias, a buffer loom keeps as buffer/<name>).
-GLM-4.5 (Glm4MoeForCausalLM) routes so too, its weights scaled (model.moe_router_scale), its first blocks dense
+GLM-4.5 (Glm4MoeForCausalLM) routes so too, in fp32 (model.moe_router_fp32), within groups of experts
+(model.moe_router_groups), its weights scaled (model.moe_router_scale), its first blocks dense
 (model.moe_dense_layers; the experts model.moe_ffn_hidden_size wide) and an ungated shared expert in the others,
-with Qwen2's q/k/v biases, optional per-head query/key norms and half of each head rotated.
+with Qwen2's q/k/v biases, optional per-head query/key norms and half of each head rotated. The Qwen MoEs' first
+blocks may be dense too (mlp_only_layers [0, ..., N - 1]).
 
 Their files name each expert's tensors apart (Mixtral: block_sparse_moe.experts.<e>.w1/w3/w2, the others:
 mlp.experts.<e>.gate_proj/up_proj/down_proj, as transformers 5 still saves them though it computes stacked ones);
@@ -165,13 +167,16 @@ def moe_fields(hf: dict) -> dict:
         if type(value) is not int or value < 1:
             raise CheckpointError(f"config.json's {name} is {value!r}, not a positive number")
     qwen = kind in ("qwen3_moe", "qwen2_moe")
+    dense = len(hf.get("mlp_only_layers") or ()) if qwen else 0  # the first blocks (refuse_unrepresentable_moe)
     fields = {
         "num_experts": experts,
         "moe_top_k": top_k,
         "moe_norm_top_k": True if kind in ("mixtral", "minimax_m2") else bool(hf["norm_topk_prob"]),
         "moe_aux_loss_coeff": float(hf.get("router_aux_loss_coef", 0.0)) * top_k / hf["num_hidden_layers"],
-        "ffn_hidden_size": hf["moe_intermediate_size"] if qwen else hf["intermediate_size"],
+        "ffn_hidden_size": hf["moe_intermediate_size"] if qwen and not dense else hf["intermediate_size"],
     }
+    if dense:  # Qwen's dense MLPs intermediate_size wide, its experts moe_intermediate_size
+        fields.update(moe_dense_layers=dense, moe_ffn_hidden_size=hf["moe_intermediate_size"])
     if kind == "minimax_m2":  # sigmoid scores with a routing bias per expert, as DeepSeek-V3's (always, in its class)
         fields.update(moe_router_score="sigmoid", moe_expert_bias=True)
     if kind == "glm4_moe":  # DeepSeek-V3's routing and its blocks: the first dense, an ungated shared expert in each
@@ -191,7 +196,13 @@ def _glm4_moe_fields(hf: dict) -> dict:
             raise CheckpointError(f"config.json's {name} is {value!r}, not a positive number")
     if type(dense) is not int or not 0 <= dense < hf["num_hidden_layers"]:
         raise CheckpointError(f"config.json's first_k_dense_replace is {dense!r}: not a number of its first layers")
+    groups, chosen = hf["n_group"], hf["topk_group"]
+    if chosen == groups:  # every group kept: routing among all experts
+        groups = chosen = 1
     return {
+        "moe_router_groups": groups,
+        "moe_router_group_top_k": chosen,
+        "moe_router_fp32": True,  # its router's GEMM and scores in fp32
         "moe_router_score": "sigmoid",
         "moe_expert_bias": True,
         "moe_router_scale": float(hf["routed_scaling_factor"]),
@@ -208,18 +219,25 @@ def refuse_unrepresentable_moe(hf: dict) -> None:
     """A mixture-of-experts config.json's settings loom cannot compute alike: the Qwen MoEs' dense layers among the
     sparse ones and sliding windows, OLMoE's clipped QKV."""
     kind = hf["model_type"]
-    step, dense = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers")
-    if kind in ("qwen3_moe", "qwen2_moe") and (step != 1 or dense):
-        said = ", ".join([f"decoder_sparse_step {step}"] * (step != 1) + [f"mlp_only_layers {dense}"] * bool(dense))
+    step, dense = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
+    first = isinstance(dense, list) and dense == list(range(len(dense))) and len(dense) < hf["num_hidden_layers"]
+    if kind in ("qwen3_moe", "qwen2_moe") and (step != 1 or not first):
+        said = ", ".join([f"decoder_sparse_step {step}"] * (step != 1) + [f"mlp_only_layers {dense}"] * (not first))
         raise CheckpointError(
             f"config.json gives some layers a dense MLP ({said}); loom's dense blocks among experts are the first ones "
-            "(model.moe_dense_layers), which Qwen's classes do not have"
+            "(model.moe_dense_layers: mlp_only_layers [0, 1, ..., N - 1], decoder_sparse_step 1)"
         )
-    if kind == "glm4_moe" and hf["topk_group"] < hf["n_group"]:
-        raise CheckpointError(
-            f"config.json routes each token within {hf['topk_group']} of {hf['n_group']} expert groups (n_group, "
-            "topk_group); loom's router chooses among all experts"
-        )
+    if kind == "glm4_moe":
+        groups, chosen = hf["n_group"], hf["topk_group"]
+        for name, value in (("n_group", groups), ("topk_group", chosen)):
+            if type(value) is not int or value < 1:
+                raise CheckpointError(f"config.json's {name} is {value!r}, not a positive number")
+        if chosen < groups and hf["num_experts_per_tok"] // chosen != 2:
+            raise CheckpointError(
+                f"config.json routes each token within {chosen} of {groups} expert groups, each scored by its top 2 "
+                f"experts (Glm4MoeForCausalLM's); loom's groups, as Megatron's, by their top num_experts_per_tok / "
+                f"topk_group = {hf['num_experts_per_tok'] // chosen}"
+            )
     if kind in ("qwen3_moe", "qwen2_moe") and hf.get("use_sliding_window"):
         raise CheckpointError("config.json sets use_sliding_window; loom's Qwen-MoE imports take no sliding window")
     if kind == "olmoe" and hf.get("clip_qkv") is not None:
@@ -236,7 +254,12 @@ def moe_form_refusals(model: dict) -> dict:
     sigmoid = model.get("moe_router_score", "softmax") == "sigmoid"
     generation = moe_generation(model)
     minimax, glm = generation == "minimax_m2", generation == "glm4_moe"
-    gate = model["moe_shared_expert_gate"]
+    qwen = generation in ("qwen3_moe", "qwen2_moe")
+    gate, groups, group_top_k = (
+        model["moe_shared_expert_gate"],
+        model.get("moe_router_groups", 1),
+        model.get("moe_router_group_top_k", 1),
+    )
     expert_width = model.get("moe_ffn_hidden_size") or model["ffn_hidden_size"]
     unlike = {
         "an activation other than swiglu": model["activation"] != "swiglu",
@@ -277,9 +300,18 @@ def moe_form_refusals(model: dict) -> dict:
         and shared
         and model["moe_shared_ffn_hidden_size"] % expert_width != 0,
         "a moe_router_scale": model.get("moe_router_scale", 1.0) != 1.0 and not glm,
-        "dense blocks among them (moe_dense_layers)": model.get("moe_dense_layers", 0) > 0 and not glm,
-        "a moe_ffn_hidden_size": model.get("moe_ffn_hidden_size") not in (None, model["ffn_hidden_size"]) and not glm,
+        "dense blocks among them (moe_dense_layers; GLM-4.5's and Qwen-MoE's have them)": model.get(
+            "moe_dense_layers", 0
+        )
+        > 0
+        and not (glm or qwen),
+        "a moe_ffn_hidden_size": model.get("moe_ffn_hidden_size") not in (None, model["ffn_hidden_size"])
+        and not (glm or qwen),
         "experts' biases without sigmoid scores": model.get("moe_expert_bias", False) and not sigmoid,
+        "group-limited routing (only GLM-4.5's)": groups > group_top_k and not glm,
+        # Glm4MoeForCausalLM scores a group by its top 2 experts, loom by its top top_k / group_top_k
+        "groups scored by other than their top 2 experts (GLM-4.5's)": groups > group_top_k
+        and model["moe_top_k"] // group_top_k != 2,
     }
     return {f"experts with {why}": True for why, present in unlike.items() if present}
 
@@ -327,16 +359,18 @@ def moe_architecture(model: dict) -> dict:
         width = model.get("moe_ffn_hidden_size") or model["ffn_hidden_size"]
         return {**fields, "n_routed_experts": model["num_experts"], "moe_intermediate_size": width,
                 "n_shared_experts": model["moe_shared_ffn_hidden_size"] // width,
-                "routed_scaling_factor": model["moe_router_scale"], "n_group": 1, "topk_group": 1,
+                "routed_scaling_factor": model["moe_router_scale"], "n_group": model.get("moe_router_groups", 1),
+                "topk_group": model.get("moe_router_group_top_k", 1),
                 "first_k_dense_replace": model["moe_dense_layers"], "norm_topk_prob": model["moe_norm_top_k"],
                 "use_qk_norm": model["qk_norm"], "attention_bias": model["qkv_bias"],
                 "partial_rotary_factor": model["rotary_percent"], **dict.fromkeys(_TOKEN_ID_FIELDS)}  # fmt: skip
     fields.update(num_experts=model["num_experts"], norm_topk_prob=model["moe_norm_top_k"], attention_bias=False)
     if generation == "olmoe":  # OlmoeConfig's token ids default to OLMo's own (pad 1): none unless known
         return {**fields, "clip_qkv": None, **dict.fromkeys(_TOKEN_ID_FIELDS)}
-    # every layer sparse, each expert model.ffn_hidden_size wide (intermediate_size: the dense layers', none here)
-    fields.update(moe_intermediate_size=model["ffn_hidden_size"], decoder_sparse_step=1, mlp_only_layers=[],
-                  use_sliding_window=False)  # fmt: skip
+    # the first model.moe_dense_layers dense (intermediate_size wide: hf_config's), the others sparse
+    width = model.get("moe_ffn_hidden_size") or model["ffn_hidden_size"]
+    fields.update(moe_intermediate_size=width, decoder_sparse_step=1,
+                  mlp_only_layers=list(range(model.get("moe_dense_layers", 0))), use_sliding_window=False)  # fmt: skip
     if generation == "qwen2_moe":
         fields.update(shared_expert_intermediate_size=model["moe_shared_ffn_hidden_size"], qkv_bias=True)
     return fields

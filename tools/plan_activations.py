@@ -104,6 +104,10 @@ def _expert_bytes_per_token(m: ModelConfig, seq: int, mbs: int, tp: int, element
     # sigmoid scores' sum per token, which the load-balancing loss divides them by
     routing += 4 if m.moe_aux_loss_coeff and m.moe_router_score == "sigmoid" else 0
     per_microbatch += 4 if (m.moe_z_loss_coeff if compiled else m.router_losses) else 0  # (compiled: the z-loss's)
+    if m.moe_router_fp32 and element < 4 and not compiled:  # an fp32 router keeps its input in fp32 (the compute
+        # dtype's then kept only by a shared expert) and its weight's fp32 copy; compiled, backward recasts them
+        routing += 4 * h - (0 if m.moe_shared_ffn_hidden_size is not None else element * h)
+        per_microbatch += 4 * experts * h
     z_loss = 0.0
     if m.moe_z_loss_coeff:  # the fp32 logits (eager) and their logsumexp per token
         z_loss = 4 if compiled else 4 * experts + 4

@@ -51,6 +51,9 @@ FUNCTIONAL_MODEL_FIELDS = (
     "moe_z_loss_coeff",
     "moe_router_score",
     "moe_router_scale",
+    "moe_router_groups",
+    "moe_router_group_top_k",
+    "moe_router_fp32",
     "moe_expert_bias",  # its biases are saved beside the weights; a checkpoint without them gives zeros
 )
 

@@ -160,6 +160,19 @@ class ModelConfig:
     moe_expert_bias_rate: float = 0.001
     """With model.moe_expert_bias: how far each expert's bias moves per step (DeepSeek-V3's gamma, 0.001; Megatron's
     --moe-router-bias-update-rate); 0 keeps the biases as they are (a fine-tune of a model that has them)."""
+    moe_router_groups: int = 1
+    """With model.num_experts: group-limited routing (DeepSeek-V2's device-limited and DeepSeek-V3's node-limited
+    routing, 8 groups there; Megatron's --moe-router-num-groups, Hugging Face's n_group): the experts fall into this
+    many equal groups of consecutive numbers, and each token's experts are chosen within its
+    model.moe_router_group_top_k groups of highest score, a group's score the sum of its top model.moe_top_k /
+    model.moe_router_group_top_k scores (with model.moe_expert_bias's biases); 1 chooses among all experts."""
+    moe_router_group_top_k: int = 1
+    """With model.moe_router_groups > 1: how many groups each token's experts come from (DeepSeek-V3's topk_group,
+    4; Megatron's --moe-router-group-topk)."""
+    moe_router_fp32: bool = False
+    """With model.num_experts: the router's GEMM and scores in fp32 whatever model.precision is (Megatron's
+    --moe-router-dtype fp32; GLM-4.5's and DeepSeek-V3's classes route so): bf16 logits round enough to send some
+    tokens to other experts than fp32 ones. Keeps an fp32 copy of each expert block's input for backward."""
     sliding_window: int | None = None
     """Sliding-window attention: in the layers model.full_attention_interval leaves windowed, each position attends
     to itself and the sliding_window - 1 positions before it (Hugging Face's sliding_window; Mistral's 4096,
@@ -338,6 +351,8 @@ class ModelConfig:
             moe_top_k=self.moe_top_k,
             moe_shared_ffn_hidden_size=self.moe_shared_ffn_hidden_size,
             moe_ffn_hidden_size=self.moe_ffn_hidden_size,
+            moe_router_groups=self.moe_router_groups,
+            moe_router_group_top_k=self.moe_router_group_top_k,
         )
         if self.num_experts is not None and not 0 <= self.moe_dense_layers < self.num_layers:
             raise ConfigError(
@@ -376,11 +391,36 @@ class ModelConfig:
                 "model.moe_expert_bias biases sigmoid scores (as DeepSeek-V3 and Megatron do; loom's softmax router "
                 "takes none): add --model.moe_router_score sigmoid"
             )
+        self._check_router_groups()
         if self.moe_top_k == 1 and self.moe_norm_top_k:
             raise ConfigError(
                 "model.moe_top_k = 1 with model.moe_norm_top_k = true weighs each token's one expert by exactly 1: "
                 "the router would learn nothing from the loss; add --model.moe_norm_top_k false (Switch "
                 "Transformer's: the expert's probability)"
+            )
+
+    def _check_router_groups(self) -> None:
+        groups, chosen, experts = self.moe_router_groups, self.moe_router_group_top_k, self.num_experts
+        if groups == 1:
+            if chosen != 1:
+                raise ConfigError(
+                    f"model.moe_router_group_top_k = {chosen} chooses among groups of experts, and "
+                    "model.moe_router_groups is 1: give the number of groups too (DeepSeek-V3: 8 and 4)"
+                )
+            return
+        if experts % groups:
+            raise ConfigError(
+                f"model.moe_router_groups = {groups} does not divide model.num_experts = {experts} into equal groups"
+            )
+        if not chosen <= min(groups, self.moe_top_k):
+            raise ConfigError(
+                f"model.moe_router_group_top_k = {chosen} must be at most model.moe_router_groups = {groups} and "
+                f"model.moe_top_k = {self.moe_top_k} (a group is scored by its top moe_top_k / group_top_k experts)"
+            )
+        if self.moe_top_k > chosen * (experts // groups):
+            raise ConfigError(
+                f"model.moe_top_k = {self.moe_top_k} experts do not fit in model.moe_router_group_top_k = {chosen} "
+                f"groups of {experts // groups}"
             )
 
     def _check_longrope_factors(self) -> None:

@@ -11,6 +11,10 @@ group (ParamInfo.tp_partial_grad), and the router's losses (load balancing, z-lo
 back-propagated at 1 / tp of their weight on each (router_loss_gradient), through the block's output
 (_RouterLossGradient).
 
+Routing follows Megatron's router: softmax or sigmoid scores, DeepSeek-V3's biases per expert (which choose experts
+but do not weigh them) and its group-limited choice (a token's experts from its best groups of experts), the GEMM
+and scores in fp32 where model.moe_router_fp32 says (as GLM-4.5's and DeepSeek-V3's classes compute them).
+
 The experts' GEMMs are grouped: the token choices are sorted by expert and each expert multiplies its contiguous
 rows (torch._grouped_mm, one kernel for all experts on a Hopper GPU, and static shapes, so a compiled block stays
 one graph), with a GEMM per expert where that kernel cannot run.
@@ -122,6 +126,8 @@ class MoEMLP(torch.nn.Module):
         self.num_experts, self.top_k, self.norm_top_k = config.num_experts, config.moe_top_k, config.moe_norm_top_k
         self.aux_loss_coeff, self.z_loss_coeff = config.moe_aux_loss_coeff, config.moe_z_loss_coeff
         self.score, self.scale = config.moe_router_score, config.moe_router_scale
+        self.groups, self.group_top_k = config.moe_router_groups, config.moe_router_group_top_k
+        self.router_fp32 = config.moe_router_fp32
         self.gated, self.activation = config.gated_mlp, activation
         tp = mappings.group_size(tp_group)
         h, f, e = config.hidden_size, config.ffn_hidden_size, config.num_experts
@@ -187,9 +193,10 @@ class MoEMLP(torch.nn.Module):
         total = None
         if self.aux_loss_coeff:
             s, b = shape
-            if self.score == "sigmoid":  # Megatron's: the scores as shares of their sum, their top k unbiased
+            if self.score == "sigmoid":  # Megatron's: the scores as shares of their sum
                 probabilities = probabilities / probabilities.sum(-1, keepdim=True)
-                chosen = probabilities.detach().topk(self.top_k, dim=-1).indices if self.has_expert_bias else chosen
+            if self.has_expert_bias or self.groups > 1:  # Megatron's: the top k of the scores, unbiased, ungrouped
+                chosen = probabilities.detach().topk(self.top_k, dim=-1).indices
             balance = load_balancing_loss(probabilities.view(s, b, -1), chosen.view(s, b, -1), self.num_experts)
             self.router_losses["moe_aux_loss"] = balance.detach()
             total = self.aux_loss_coeff * balance
@@ -198,6 +205,20 @@ class MoEMLP(torch.nn.Module):
             self.router_losses["moe_z_loss"] = z.detach()
             total = self.z_loss_coeff * z if total is None else total + self.z_loss_coeff * z
         return total
+
+    def _choose(self, scores: torch.Tensor) -> torch.Tensor:
+        """Each token's experts [tokens, top_k]: the top k of its `scores` plus the experts' biases, within its
+        model.moe_router_group_top_k groups whose top top_k / group_top_k of those sum highest (Megatron's
+        group_limited_topk)."""
+        if self.has_expert_bias:
+            scores = scores + self.router.expert_bias
+        if self.groups > 1:
+            by_group = scores.view(scores.shape[0], self.groups, -1)
+            group_scores = by_group.topk(self.top_k // self.group_top_k, dim=-1).values.sum(-1)
+            kept = group_scores.topk(self.group_top_k, dim=-1).indices
+            in_kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+            scores = by_group.masked_fill(~in_kept.unsqueeze(-1), float("-inf")).view_as(scores)
+        return scores.topk(self.top_k, dim=-1).indices
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
@@ -208,10 +229,14 @@ class MoEMLP(torch.nn.Module):
         device = tokens.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else tokens.dtype
         tokens = tokens.to(dtype)
-        logits = F.linear(tokens, self.router.weight.to(dtype)).float()
+        if self.router_fp32:
+            with torch.autocast(device, enabled=False):
+                logits = F.linear(tokens.float(), self.router.weight.float())
+        else:
+            logits = F.linear(tokens, self.router.weight.to(dtype)).float()
         probabilities = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
-        if self.has_expert_bias:
-            chosen = (probabilities.detach() + self.router.expert_bias).topk(self.top_k, dim=-1).indices
+        if self.has_expert_bias or self.groups > 1:
+            chosen = self._choose(probabilities.detach())
             weights = probabilities.gather(-1, chosen)
         else:
             weights, chosen = probabilities.topk(self.top_k, dim=-1)
