@@ -40,6 +40,7 @@ OP_NAMES = {
     "_reduce_scatter_base_": "reduce_scatter",
     "reduce_scatter_": "reduce_scatter",
     "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "alltoall_base_": "all_to_all",
     "broadcast_": "broadcast",
     "send": "send",
     "recv_": "recv",
@@ -48,8 +49,9 @@ OP_NAMES = {
 }
 """c10d's dispatcher names -> the collective they implement."""
 
-MESSAGE_ARGUMENT = {"all_gather": 0, "reduce_scatter": 1}
-"""Which tensor argument is the whole message (the gathered output, the input to scatter); others: the first."""
+MESSAGE_ARGUMENT = {"all_gather": 0, "reduce_scatter": 1, "all_to_all": 1}
+"""Which tensor argument is the whole message (the gathered output, the input to scatter, what an all-to-all sends
+from this rank); others: the first."""
 
 
 def _tensor_bytes(value) -> int:

@@ -49,6 +49,7 @@ from loom.engine.optim.model_parallel_grads import (
 )
 from loom.engine.optim.param_shards import gather_unit
 from loom.engine.parallel.grad_fusion import fusable_weights
+from loom.engine.parallel.param_info import param_info
 from loom.engine.parallel.random import RNGStreams
 from loom.engine.parallel.sharding import initialize_parameters
 from loom.engine.parallel.state import ParallelState
@@ -102,7 +103,7 @@ class Trainer:
         config.resolve_world(dist.get_world_size())
         p, t = config.parallel, config.train
         timeout = datetime.timedelta(minutes=p.timeout_minutes)
-        self.state = ParallelState.create(tp=p.tp, dp=p.dp, pp=p.pp, vp=p.vp, timeout=timeout, cp=p.cp)
+        self.state = ParallelState.create(tp=p.tp, dp=p.dp, pp=p.pp, vp=p.vp, timeout=timeout, cp=p.cp, ep=p.ep)
         self.device = pick_device(t.device, local_rank)
         self.kernels = choose_kernels(config, self.device)
         # The first step compiles the blocks, the first evaluation their no_grad graphs (engine/model/compiling.py)
@@ -181,26 +182,23 @@ class Trainer:
                 min_scale=o.min_loss_scale,
             )
         if self.evaluation_only and c.optim.zero < 3:  # the weights alone: fp32 masters and a gradient buffer took
-            self.grads = self.optimizer = None  # 12 of the 17.7 GB `loom eval` held for a 1B model
-            return
-        self.grads = GradBuffer(  # over DP x CP: the ranks that hold the same weights
-            self.params,
+            self.grads, self.grad_buffers, self.optimizer = None, [], None  # 12 of the 17.7 GB `loom eval` held for
+            return  # a 1B model
+        experts = [q for q in self.params if param_info(q).expert_range is not None]  # (expert parallelism)
+        self.grads = self._grad_buffer(  # over DP x CP: the ranks that hold the same weights
+            [q for q in self.params if param_info(q).expert_range is None],
             state.grad_group,
             state.grad_size,
             state.grad_rank,
-            int(c.parallel.grad_bucket_mb * 2**20),
-            overlap=c.parallel.overlap_grad_reduce,
-            zero=c.optim.zero,
-            enabled=state.grad_size > 1 or c.optim.zero >= 1 or param_dtype != torch.float32,
-            deferred=lambda q: needs_model_parallel_sum(q, state),
-            before_deferred=lambda: sum_model_parallel_grads(self.grads.deferred, state),
-            dtype=torch.bfloat16 if c.optim.grad_dtype == "bf16" else torch.float32,
-            unit_of=gather_unit if c.optim.zero == 3 else None,
-            fusable=fusable_weights(self.chunks) if c.optim.grad_accumulation_fusion else (),
         )
+        self.grad_buffers = [self.grads]
+        if experts:  # over the ranks that hold the same experts
+            self.grad_buffers.append(
+                self._grad_buffer(experts, state.expert_grad_group, state.expert_grad_size, state.expert_grad_rank)
+            )
         self.optimizer = DistributedOptimizer(
             named,
-            self.grads,
+            self.grad_buffers,
             c.optim,
             state,
             c.model.num_layers,
@@ -210,6 +208,26 @@ class Trainer:
         )
         for chunk in self.chunks:
             chunk.param_gather = self.optimizer.sharded_params
+
+    def _grad_buffer(self, params: list[torch.nn.Parameter], group, size: int, rank: int) -> GradBuffer:
+        """The gradients of `params`, summed (and ZeRO-sharded) over `group` (this rank's place: `rank` of `size`)."""
+        c, state = self.config, self.state
+        buffer = GradBuffer(
+            params,
+            group,
+            size,
+            rank,
+            int(c.parallel.grad_bucket_mb * 2**20),
+            overlap=c.parallel.overlap_grad_reduce,
+            zero=c.optim.zero,
+            enabled=size > 1 or c.optim.zero >= 1 or PARAM_DTYPES[c.train.precision] != torch.float32,
+            deferred=lambda q: needs_model_parallel_sum(q, state),
+            before_deferred=lambda: sum_model_parallel_grads(buffer.deferred, state),
+            dtype=torch.bfloat16 if c.optim.grad_dtype == "bf16" else torch.float32,
+            unit_of=gather_unit if c.optim.zero == 3 else None,
+            fusable=fusable_weights(self.chunks) if c.optim.grad_accumulation_fusion else (),
+        )
+        return buffer
 
     def _load_lora_base(self) -> dict:
         """Load the frozen base weights of a LoRA run (rank 0 picks and verifies the checkpoint, all read it);
@@ -379,7 +397,8 @@ class Trainer:
         return self._schedules[key]
 
     def _set_last_microbatch(self, last: bool) -> None:
-        self.grads.last_microbatch = last
+        for grads in self.grad_buffers:
+            grads.last_microbatch = last
 
     def _global_sum(self, local_sum: torch.Tensor) -> torch.Tensor:
         """Sum the per-rank shares of a loss over DP x CP and over the pipeline (only the last stage has one)."""
@@ -406,7 +425,8 @@ class Trainer:
         step_share = global_batch / t.global_batch_size
         lr = learning_rate(self.lr_position, self.config.optim, self.schedule_length, step_share)
         self._train_mode(True)
-        self.grads.start_step()
+        for grads in self.grad_buffers:
+            grads.start_step()
         microbatches = self.train_batches.next_step(self.device)
         scale = self.loss_scaler.scale if self.loss_scaler else 1.0
         # Each rank back-propagates scale x its share of the global-batch mean; x grad_size makes that scale x its
@@ -421,7 +441,8 @@ class Trainer:
             record=t.record_pipeline_timeline,
             loss_scale=backward_scale,
         )
-        self.grads.finish()
+        for grads in self.grad_buffers:
+            grads.finish()
         if self.optimizer.sharded_params is not None:
             self.optimizer.sharded_params.free_all()
         squared_norm = self.optimizer.prepare()
@@ -700,8 +721,8 @@ class Trainer:
 
     def close(self) -> None:
         self.checkpoint_writer.wait()
-        if self.grads is not None:
-            self.grads.remove_hooks()
+        for grads in self.grad_buffers:
+            grads.remove_hooks()
         if self.optimizer is not None and self.optimizer.sharded_params is not None:
             self.optimizer.sharded_params.remove_hooks()
         if self.metrics is not None:

@@ -353,6 +353,7 @@ BAD_OVERRIDES = [
     ["--model.num_experts", "4", "--model.moe_router_groups", HUGE],
     ["--model.num_experts", "4", "--model.moe_router_groups", "2", "--model.moe_router_group_top_k", "-1"],
     ["--model.num_experts", "4", "--model.moe_router_group_top_k", "2"],  # no groups
+    ["--model.num_experts", "4", "--model.moe_router_groups", "2"],  # no group_top_k
     ["--model.num_experts", "4", "--model.moe_router_fp32", "maybe"],
     ["--model.moe_router_fp32", "true"],  # no experts
     ["--model.qk_norm_per_head", "maybe"],

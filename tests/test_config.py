@@ -338,6 +338,11 @@ def test_settings_a_config_never_reads_are_named():
     assert load_config("tiny", ["--optim.name", "adafactor", "--optim.beta1", "0.8"]).settings_without_effect() == [
         "optim.beta1 = 0.8 has no effect with optim.name = adafactor"
     ]
+    router = ["--model.num_experts", "4", "--model.moe_router_fp32", "true"]
+    assert load_config("tiny", router).settings_without_effect() == [
+        "model.moe_router_fp32 = True has no effect with train.precision = fp32 (the router is fp32 already)"
+    ]
+    assert load_config("tiny", [*router, "--train.precision", "bf16"]).settings_without_effect() == []
     yarn = ["--model.rope_scaling", "yarn", "--model.rope_scaling_factor", "4", "--model.rope_yarn_beta_fast", "16"]
     assert load_config("tiny", [*yarn, "--model.rope_low_freq_factor", "2"]).settings_without_effect() == [
         "model.rope_low_freq_factor = 2.0 has no effect with model.rope_scaling = yarn"

@@ -115,6 +115,10 @@ def test_a_mixture_of_experts_imports_evaluates_decodes_and_exports_as_transform
             True,
         )
         assert (again.config.n_group, again.config.topk_group) == (2, 1)
+        from loom.tools.hf_moe import moe_architecture
+
+        every_group = {**imported, "moe_router_groups": 4, "moe_router_group_top_k": 4}  # keeps all: no groups there
+        assert (moe_architecture(every_group)["n_group"], moe_architecture(every_group)["topk_group"]) == (1, 1)
     if kind == "qwen2_moe":  # its first block dense, intermediate_size wide (mlp_only_layers [0])
         assert (imported["moe_dense_layers"], imported["ffn_hidden_size"], imported["moe_ffn_hidden_size"]) == (
             1,
@@ -122,8 +126,10 @@ def test_a_mixture_of_experts_imports_evaluates_decodes_and_exports_as_transform
             32,
         )
         assert again.config.mlp_only_layers == [0]
-    if kind != "glm4_moe":  # transformers' loss is about top_k at an even load over all layers, loom's 1 a block
-        assert imported["moe_aux_loss_coeff"] == pytest.approx(model.config.router_aux_loss_coef * top_k / 2)
+    if kind != "glm4_moe":  # transformers' loss is about top_k at an even load over the layers with experts (the
+        # routers it records), loom's 1 a block
+        blocks = 1 if kind == "qwen2_moe" else 2
+        assert imported["moe_aux_loss_coeff"] == pytest.approx(model.config.router_aux_loss_coef * top_k / blocks)
         assert again.config.router_aux_loss_coef == model.config.router_aux_loss_coef
     assert type(again) is type(model)
     _assert_greedy_generate_equals_transformers(model, tmp_path / "loom", 8)
@@ -252,7 +258,7 @@ def test_transformers_5_s_own_stacked_layout_imports_with_its_logits(kind, tmp_p
         ({"rotary_percent": 0.5}, "rotary_percent < 1 (only MiniMax-M2's and GLM-4.5's turn part of each head)"),
         ({"moe_dense_layers": 1}, "dense blocks among them (moe_dense_layers; GLM-4.5's and Qwen-MoE's have them)"),
         ({"moe_ffn_hidden_size": 128}, "a moe_ffn_hidden_size"),
-        ({"moe_router_groups": 2}, "group-limited routing (only GLM-4.5's)"),
+        ({"moe_router_groups": 2, "moe_router_group_top_k": 1}, "group-limited routing (only GLM-4.5's)"),
         (
             {
                 **{"moe_router_score": "sigmoid", "moe_expert_bias": True, "num_experts": 8, "moe_top_k": 3},

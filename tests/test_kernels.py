@@ -611,6 +611,7 @@ GEMMA3 = {
 SHARED_GATED_MOE = {"num_experts": 4, "moe_shared_ffn_hidden_size": 128, "moe_shared_expert_gate": True}
 GROUPED_FP32_ROUTING = {
     **{"moe_router_score": "sigmoid", "moe_expert_bias": True, "moe_router_groups": 2},
+    "moe_router_group_top_k": 1,
     "moe_router_fp32": True,
 }
 

@@ -89,12 +89,14 @@ LAYOUTS = {
             model__moe_expert_bias=True,
             model__moe_expert_bias_rate=0.05,
             model__moe_router_groups=2,  # each token's experts the two of its better group (group-limited routing)
+            model__moe_router_group_top_k=1,
             # a dense first block (its MLP 384 wide) before three with experts 128 wide: the pipeline's first stage
             # holds one of each
             model__moe_dense_layers=1,
             model__moe_ffn_hidden_size=128,
             parallel__pp=2,
             parallel__tp=2,
+            parallel__ep=2,  # each DP rank holds two of the four experts, tokens sent to them and back
             parallel__sequence_parallel=True,
             model__recompute="full",
             train__micro_batch_size=1,
@@ -119,6 +121,7 @@ MODEL_FIELDS = (
     "model__moe_expert_bias",
     "model__moe_expert_bias_rate",
     "model__moe_router_groups",
+    "model__moe_router_group_top_k",
     "model__moe_dense_layers",
     "model__moe_ffn_hidden_size",
 )

@@ -167,6 +167,7 @@ def test_a_router_far_from_uniform_weighs_a_token_s_experts_by_their_renormalise
         ({"num_experts": 4, "moe_router_groups": 0}, "model.moe_router_groups must be positive"),
         ({"num_experts": 4, "moe_router_groups": 3}, "does not divide model.num_experts = 4 into equal groups"),
         ({"num_experts": 4, "moe_router_group_top_k": 2}, "give the number of groups too"),
+        ({"num_experts": 4, "moe_router_groups": 2}, "needs model.moe_router_group_top_k"),
         ({"num_experts": 4, "moe_router_groups": 2, "moe_router_group_top_k": 3}, "must be at most"),
         ({"num_experts": 8, "moe_top_k": 4, "moe_router_groups": 4, "moe_router_group_top_k": 1}, "do not fit"),
         ({"moe_router_fp32": True}, "model.moe_router_fp32 is set but model.num_experts is not"),
@@ -236,17 +237,18 @@ def test_sigmoid_routing_with_experts_biases_and_a_scale_is_megatron_core_s():
     assert mlp.router_losses["moe_aux_loss"].item() == pytest.approx(sum(per_sequence).item() / b, rel=1e-6)
 
 
-@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
-def test_group_limited_routing_is_megatron_core_s(score):
+@pytest.mark.parametrize("score, norm_top_k", [("softmax", False), ("softmax", True), ("sigmoid", True)])
+def test_group_limited_routing_is_megatron_core_s(score, norm_top_k):
     """model.moe_router_groups / moe_router_group_top_k: 8 experts in 4 groups, each token's 4 experts from its 2
     groups of highest top-2 sum, against megatron-core's topk_routing_with_score_function (softmax: the scores
-    not renormalised, Megatron's pre-softmax; sigmoid: with biases, renormalised, scaled), the block's output its
-    experts' outputs so weighted; the load-balancing loss takes megatron-core's ungrouped scores and choices."""
+    not renormalised, Megatron's pre-softmax, or renormalised, the groups then scored by their logits; sigmoid:
+    with biases, renormalised, scaled), the block's output its experts' outputs so weighted; the load-balancing
+    loss takes megatron-core's ungrouped scores and choices."""
     moe_utils = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
     sigmoid = score == "sigmoid"
     routing = {"moe_router_score": score, "moe_expert_bias": sigmoid, "moe_router_scale": 2.5 if sigmoid else 1.0}
     groups = {"moe_router_groups": 4, "moe_router_group_top_k": 2}
-    config = ModelConfig(**{**MODEL, "num_experts": 8}, moe_top_k=4, moe_norm_top_k=sigmoid, **routing, **groups)
+    config = ModelConfig(**{**MODEL, "num_experts": 8}, moe_top_k=4, moe_norm_top_k=norm_top_k, **routing, **groups)
     model = GPTModel(config, None)
     initialize_parameters(model, seed=5, tp_rank=0, tp_size=1)
     mlp = model.layers["0"].mlp
@@ -261,7 +263,7 @@ def test_group_limited_routing_is_megatron_core_s(score):
         tokens = x.reshape(-1, 32)
         logits = tokens @ mlp.router.weight.t()
         megatron = dict(score_function=score, expert_bias=bias, scaling_factor=2.5 if sigmoid else None)
-        megatron["use_pre_softmax"] = not sigmoid
+        megatron["use_pre_softmax"] = not norm_top_k
         weights, chosen = moe_utils.topk_routing_with_score_function(logits, 4, num_groups=4, group_topk=2, **megatron)
         ungrouped = moe_utils.topk_routing_with_score_function(logits, 4, **megatron)[1]
         assert not torch.equal(chosen, ungrouped)  # the groups changed some token's experts

@@ -196,7 +196,10 @@ MODEL_VARIANTS = {
     # DeepSeek-V3's routing: sigmoid scores, experts' biases, a scale
     "biased_moe": {**SHARED_MOE, "moe_router_score": "sigmoid", "moe_expert_bias": True, "moe_router_scale": 2.5},
     # DeepSeek-V3's group-limited routing, in fp32 (as GLM-4.5's): the router's input kept in fp32
-    "grouped_moe": {"num_experts": 4, "moe_top_k": 2, "moe_router_groups": 2, "moe_router_fp32": True},
+    "grouped_moe": {
+        **{"num_experts": 4, "moe_top_k": 2, "moe_router_groups": 2, "moe_router_group_top_k": 1},
+        "moe_router_fp32": True,
+    },
     "gemma3": {
         "activation": "geglu",
         "norm_placement": "both",

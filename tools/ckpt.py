@@ -269,7 +269,7 @@ def _rank_pieces(
         spec = specs[name] = _retarget(reader.metadata.specs[name], tp, divisible_by)
         local_shape = spec.local_shape(tp)
         key = model_key(name, tp_rank)
-        declared[key] = (reader.header(model_key(name, 0))[0], local_shape)
+        declared[key] = (reader.model_dtype(name), local_shape)
         make[key] = functools.partial(_model_piece, reader, spec, name, tp_rank, tp)
         for state in sorted(reader.states(name)):
             numel = math.prod(local_shape)

@@ -158,8 +158,8 @@ def expert_names(templates: tuple[str, ...], experts: int) -> tuple[str, ...]:
 def moe_fields(hf: dict) -> dict:
     """A mixture-of-experts config.json's experts as loom's [model] fields (`hf` with its class's defaults:
     with_moe_class_defaults). transformers' load-balancing loss is about top_k when the load is even and weighs
-    all layers together, loom's 1 a block summed over the blocks: its router_aux_loss_coef is taken x top_k /
-    layers, the same pull on the router (export converts it back)."""
+    all layers with experts together, loom's 1 a block summed over the blocks: its router_aux_loss_coef is taken x
+    top_k / those layers, the same pull on the router (export converts it back)."""
     kind, experts, top_k = hf["model_type"], _experts_in_file(hf), hf["num_experts_per_tok"]
     shared = hf.get("shared_expert_intermediate_size") if kind == "qwen2_moe" else None
     numbers = (("number of experts", experts), ("num_experts_per_tok", top_k))
@@ -172,7 +172,7 @@ def moe_fields(hf: dict) -> dict:
         "num_experts": experts,
         "moe_top_k": top_k,
         "moe_norm_top_k": True if kind in ("mixtral", "minimax_m2") else bool(hf["norm_topk_prob"]),
-        "moe_aux_loss_coeff": float(hf.get("router_aux_loss_coef", 0.0)) * top_k / hf["num_hidden_layers"],
+        "moe_aux_loss_coeff": float(hf.get("router_aux_loss_coef", 0.0)) * top_k / (hf["num_hidden_layers"] - dense),
         "ffn_hidden_size": hf["moe_intermediate_size"] if qwen and not dense else hf["intermediate_size"],
     }
     if dense:  # Qwen's dense MLPs intermediate_size wide, its experts moe_intermediate_size
@@ -198,7 +198,7 @@ def _glm4_moe_fields(hf: dict) -> dict:
         raise CheckpointError(f"config.json's first_k_dense_replace is {dense!r}: not a number of its first layers")
     groups, chosen = hf["n_group"], hf["topk_group"]
     if chosen == groups:  # every group kept: routing among all experts
-        groups = chosen = 1
+        groups, chosen = 1, None
     return {
         "moe_router_groups": groups,
         "moe_router_group_top_k": chosen,
@@ -255,11 +255,8 @@ def moe_form_refusals(model: dict) -> dict:
     generation = moe_generation(model)
     minimax, glm = generation == "minimax_m2", generation == "glm4_moe"
     qwen = generation in ("qwen3_moe", "qwen2_moe")
-    gate, groups, group_top_k = (
-        model["moe_shared_expert_gate"],
-        model.get("moe_router_groups", 1),
-        model.get("moe_router_group_top_k", 1),
-    )
+    gate, groups = model["moe_shared_expert_gate"], model.get("moe_router_groups", 1)
+    group_top_k = model.get("moe_router_group_top_k") or groups
     expert_width = model.get("moe_ffn_hidden_size") or model["ffn_hidden_size"]
     unlike = {
         "an activation other than swiglu": model["activation"] != "swiglu",
@@ -329,6 +326,14 @@ def moe_generation(model: dict) -> str:
     return "qwen3_moe" if model["qk_norm_per_head"] else "olmoe"
 
 
+def _glm_groups(model: dict) -> dict:
+    """GLM-4.5's n_group and topk_group: 1 and 1 unless groups limit the choice (transformers' top-2 group score
+    fails on groups of one expert, which keeping every group does not need)."""
+    groups, chosen = model.get("moe_router_groups", 1), model.get("moe_router_group_top_k")
+    limited = chosen is not None and chosen < groups
+    return {"n_group": groups, "topk_group": chosen} if limited else {"n_group": 1, "topk_group": 1}
+
+
 def moe_architecture(model: dict) -> dict:
     """The config.json fields of a mixture-of-experts model's class (hf_config writes the shape around them)."""
     generation = moe_generation(model)
@@ -340,7 +345,8 @@ def moe_architecture(model: dict) -> dict:
         "minimax_m2": "MiniMaxM2ForCausalLM",
         "glm4_moe": "Glm4MoeForCausalLM",
     }
-    coefficient = model["moe_aux_loss_coeff"] * model["num_layers"] / model["moe_top_k"]  # moe_fields' inverse
+    expert_blocks = model["num_layers"] - model.get("moe_dense_layers", 0)
+    coefficient = model["moe_aux_loss_coeff"] * expert_blocks / model["moe_top_k"]  # moe_fields' inverse
     fields = {
         "architectures": [names[generation]],
         "model_type": generation,
@@ -359,8 +365,7 @@ def moe_architecture(model: dict) -> dict:
         width = model.get("moe_ffn_hidden_size") or model["ffn_hidden_size"]
         return {**fields, "n_routed_experts": model["num_experts"], "moe_intermediate_size": width,
                 "n_shared_experts": model["moe_shared_ffn_hidden_size"] // width,
-                "routed_scaling_factor": model["moe_router_scale"], "n_group": model.get("moe_router_groups", 1),
-                "topk_group": model.get("moe_router_group_top_k", 1),
+                "routed_scaling_factor": model["moe_router_scale"], **_glm_groups(model),
                 "first_k_dense_replace": model["moe_dense_layers"], "norm_topk_prob": model["moe_norm_top_k"],
                 "use_qk_norm": model["qk_norm"], "attention_bias": model["qkv_bias"],
                 "partial_rotary_factor": model["rotary_percent"], **dict.fromkeys(_TOKEN_ID_FIELDS)}  # fmt: skip

@@ -9,7 +9,8 @@ fills a staging directory, describes it with CheckpointMetadata and seals it wit
         rank00000.safetensors ...      the pieces each rank wrote (safetensors: loading runs no code)
 
 A piece is a slice of one *logical* tensor (the parameter as a dense single-device model has it):
-`model/<name>/tp<r>` is TP rank r's shard of a weight; `optim/<state>/<name>/tp<r>/<start>-<end>`
+`model/<name>/tp<r>` is TP rank r's shard of a weight (`model/<name>/tp<r>/<start>-<end>` a flat range of it, what
+an expert-parallel rank holds of an expert weight); `optim/<state>/<name>/tp<r>/<start>-<end>`
 is the flat range [start, end) of that shard's master weight or optimizer state (a ZeRO piece
 under optim.zero >= 1, or the whole shard). With the ShardSpec and TP size they were saved under, the pieces rebuild the
 logical tensor, which any other layout slices again: that is what makes checkpoints layout-free.
@@ -61,6 +62,24 @@ def rank_file(rank: int) -> str:
 
 def model_key(name: str, tp_rank: int) -> str:
     return f"model/{name}/tp{tp_rank}"
+
+
+def model_range_key(name: str, tp_rank: int, start: int, end: int) -> str:
+    """The flat range [start, end) of TP rank tp_rank's shard of a weight: what an expert-parallel rank holds of an
+    expert weight (its experts, ParamInfo.expert_range), the shard's other ranges written by the other ranks."""
+    return f"model/{name}/tp{tp_rank}/{start}-{end}"
+
+
+_MODEL_RANGE = re.compile(r"^model/(.+)/tp(\d+)/(\d+)-(\d+)$")
+
+
+def parse_model_range_key(key: str) -> tuple[str, int, int, int] | None:
+    """(parameter name, tp rank, start, end) of a model_range_key; None for any other key."""
+    match = _MODEL_RANGE.match(key)
+    if match is None:
+        return None
+    name, tp, start, end = match.groups()
+    return name, int(tp), int(start), int(end)
 
 
 def optim_key(state: str, name: str, tp_rank: int, start: int, end: int) -> str:

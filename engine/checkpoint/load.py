@@ -25,6 +25,7 @@ from loom.engine.checkpoint.format import (
     buffer_names,
     fp8_key,
     model_key,
+    parse_model_range_key,
     parse_optim_key,
     rng_key,
 )
@@ -33,7 +34,7 @@ from loom.engine.config import LoomConfig
 from loom.engine.model.moe import expert_biases
 from loom.engine.optim.algorithms import Adafactor, Lamb
 from loom.engine.parallel.param_info import param_info
-from loom.engine.parallel.sharding import ShardSpec
+from loom.engine.parallel.sharding import ShardSpec, held_part
 from loom.engine.run_dir import checkpoints_of
 
 if TYPE_CHECKING:
@@ -49,10 +50,15 @@ class PieceReader:
         self.saved_tp = metadata.layout.tp
         self._files: dict[str, object] = {}
         self.optim_pieces: dict[tuple[str, int], dict[str, list]] = defaultdict(lambda: defaultdict(list))
+        self.model_ranges: dict[tuple[str, int], list] = defaultdict(list)
+        """Weights saved in flat ranges of their TP shards (by expert-parallel ranks), by (name, tp rank)."""
         for key in metadata.index:
             if key.startswith("optim/"):
                 state, name, tp, start, end = parse_optim_key(key)
                 self.optim_pieces[(name, tp)][state].append((start, end, key))
+            elif (ranged := parse_model_range_key(key)) is not None:
+                name, tp, start, end = ranged
+                self.model_ranges[(name, tp)].append((start, end, key))
 
     def _file_holding(self, key: str):
         file = self.metadata.index.get(key)
@@ -81,22 +87,43 @@ class PieceReader:
         return self.metadata.specs[name]
 
     def model(self, name: str) -> torch.Tensor:
-        return self.spec(name).unshard([self.tensor(model_key(name, r)) for r in range(self.saved_tp)])
+        return self.spec(name).unshard([self._model_shard(name, r) for r in range(self.saved_tp)])
+
+    def _model_shard(self, name: str, tp: int) -> torch.Tensor:
+        key = model_key(name, tp)
+        if key in self.metadata.index or (name, tp) not in self.model_ranges:
+            return self.tensor(key)
+        return self._joined(self.model_ranges[(name, tp)], name, tp, f"{name}'s weights", float32=False)
+
+    def model_dtype(self, name: str) -> torch.dtype:
+        """The dtype a weight was saved in (its first piece's header)."""
+        key = model_key(name, 0)
+        if key not in self.metadata.index and (name, 0) in self.model_ranges:
+            key = min(self.model_ranges[(name, 0)])[2]
+        return self.header(key)[0]
 
     def states(self, name: str) -> set[str]:
         return set(self.optim_pieces[(name, 0)])
 
     def optim(self, state: str, name: str) -> torch.Tensor:
-        spec = self.spec(name)
-        local_shape = spec.local_shape(self.saved_tp)
-        shards = []
-        for tp in range(self.saved_tp):
-            pieces = sorted(self.optim_pieces[(name, tp)][state])
-            flat = torch.cat([self.tensor(key).float() for _, _, key in pieces])
-            if flat.numel() != torch.Size(local_shape).numel():
-                raise CheckpointError(f"checkpoint {self.directory}: pieces of {state} of {name} do not cover it")
-            shards.append(flat.view(local_shape))
-        return spec.unshard(shards)
+        shards = [
+            self._joined(self.optim_pieces[(name, tp)][state], name, tp, f"{state} of {name}")
+            for tp in range(self.saved_tp)
+        ]
+        return self.spec(name).unshard(shards)
+
+    def _joined(self, pieces: list, name: str, tp: int, what: str, float32: bool = True) -> torch.Tensor:
+        """TP rank tp's shard of `name` from flat (start, end, key) pieces that must cover it end to end."""
+        local_shape = self.spec(name).local_shape(self.saved_tp)
+        pieces, reached = sorted(pieces), 0
+        for start, end, _ in pieces:
+            if start != reached:
+                break
+            reached = end
+        if reached != torch.Size(local_shape).numel():
+            raise CheckpointError(f"checkpoint {self.directory}: pieces of {what} do not cover it")
+        flat = torch.cat([self.tensor(key).reshape(-1) for _, _, key in pieces])
+        return (flat.float() if float32 else flat).view(local_shape)
 
 
 def check_shapes(reader: PieceReader, named_params) -> None:
@@ -121,7 +148,7 @@ def load_model_weights(
     check_shapes(reader, named_params)
     for _, param in named_params:
         info = param_info(param)
-        param.copy_(info.shard_spec.shard(reader.model(info.name), tp_rank, tp_size).to(param.dtype))
+        param.copy_(held_part(info, info.shard_spec.shard(reader.model(info.name), tp_rank, tp_size)).to(param.dtype))
     load_expert_biases(list(chunks), reader, metadata)
 
 
@@ -167,7 +194,7 @@ def load_checkpoint(
     for _, param in named_params:
         info = param_info(param)
         weights = reader.model(info.name)
-        local = info.shard_spec.shard(weights, parallel.tp_rank, parallel.tp_size).to(param.dtype)
+        local = held_part(info, info.shard_spec.shard(weights, parallel.tp_rank, parallel.tp_size)).to(param.dtype)
         if optimizer is not None and optimizer.sharded_params is not None:  # ZeRO-3: gathered only around its use
             optimizer.sharded_params.load(param, local)
         else:
@@ -201,7 +228,8 @@ def _load_segments(
             logical_tensor = reader.optim("master", logical) if "master" in saved_states else weights.float()
         else:
             logical_tensor = reader.optim(kind, logical)
-        local = param_info(param).shard_spec.shard(logical_tensor, parallel.tp_rank, parallel.tp_size).reshape(-1)
+        info = param_info(param)
+        local = held_part(info, info.shard_spec.shard(logical_tensor, parallel.tp_rank, parallel.tp_size)).reshape(-1)
         for seg in segments:
             piece = local[seg.start : seg.end].view_as(seg.master).to(seg.master.device)
             if kind != "master":

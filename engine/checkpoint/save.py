@@ -39,6 +39,7 @@ from loom.engine.checkpoint.format import (
     iteration_dir,
     make_staging_dir,
     model_key,
+    model_range_key,
     optim_key,
     rng_key,
     staging_dir,
@@ -51,7 +52,7 @@ from loom.engine.data.indexed import dataset_record
 from loom.engine.faults import FaultPlan
 from loom.engine.model.moe import expert_biases
 from loom.engine.parallel.param_info import param_info
-from loom.engine.parallel.sharding import ShardSpec
+from loom.engine.parallel.sharding import ShardSpec, held_offset
 
 
 @dataclass
@@ -66,40 +67,47 @@ class _RankReport:
 
 
 def _model_pieces(state: TrainingState) -> tuple[dict[str, torch.Tensor], dict[str, ShardSpec]]:
-    """This TP rank's shard of every weight (written once per replica: by grad rank 0). Under ZeRO-3 every DP x CP
-    rank takes part in gathering the weights, a bucket at a time, and grad rank 0 keeps a host copy of each."""
+    """This TP rank's shard of every weight (written once per replica: by grad rank 0; an expert-parallel rank's
+    experts, a flat range of the shard, by expert_grad rank 0). Under ZeRO-3 every DP x CP rank takes part in
+    gathering the weights, a bucket at a time, and grad rank 0 keeps a host copy of each."""
     pieces, specs = {}, {}
+    p = state.parallel
     sharded = state.optimizer.sharded_params
-    writer = state.parallel.grad_rank == 0  # one of the DP x CP ranks holding the same weights
-    if not writer and sharded is None:
+    writer = p.grad_rank == 0  # one of the DP x CP ranks holding the same weights
+    if not writer and sharded is None and p.expert_grad_rank != 0:
         return pieces, specs
-    weights = sharded.whole_weights() if sharded is not None else ((p, p) for _, p in state.named_parameters())
+    weights = sharded.whole_weights() if sharded is not None else ((q, q) for _, q in state.named_parameters())
     for param, weight in weights:
         info = param_info(param)
-        if info.tied_copy or not param.requires_grad or not writer:  # a LoRA base is not saved
-            continue
-        pieces[model_key(info.name, state.parallel.tp_rank)] = weight.detach().cpu().clone() if sharded else weight
+        experts = info.expert_range is not None
+        if info.tied_copy or not param.requires_grad or not (p.expert_grad_rank == 0 if experts else writer):
+            continue  # (a LoRA base is not saved)
         specs[info.name] = info.shard_spec
+        if experts:
+            start = held_offset(info, info.shard_spec.local_shape(p.tp_size))
+            pieces[model_range_key(info.name, p.tp_rank, start, start + param.numel())] = weight.reshape(-1)
+            continue
+        pieces[model_key(info.name, p.tp_rank)] = weight.detach().cpu().clone() if sharded else weight
     return pieces, specs
 
 
 def _optimizer_pieces(state: TrainingState) -> tuple[dict[str, torch.Tensor], int | None]:
     """Master weights and optimizer state of the segments this rank owns, and the optimizer's step."""
-    optimizer, tp_rank = state.optimizer, state.parallel.tp_rank
+    optimizer, tp_rank, tp = state.optimizer, state.parallel.tp_rank, state.parallel.tp_size
     pieces: dict[str, torch.Tensor] = {}
     step = None
-    if not (optimizer.sharded or state.parallel.grad_rank == 0):
-        return pieces, step
     for seg in optimizer.segments:
         info = param_info(seg.param)
-        if info.tied_copy:
+        if info.tied_copy or not optimizer.writes(seg):
             continue
         name = info.name
+        offset = held_offset(info, info.shard_spec.local_shape(tp))  # the ranges are the TP shard's
+        start, end = offset + seg.start, offset + seg.end
         if not seg.aliases_param:
-            pieces[optim_key("master", name, tp_rank, seg.start, seg.end)] = seg.master.detach().reshape(-1)
+            pieces[optim_key("master", name, tp_rank, start, end)] = seg.master.detach().reshape(-1)
         for key, value in optimizer.inner.state.get(seg.master, {}).items():
             if torch.is_tensor(value) and value.numel() == seg.end - seg.start:
-                pieces[optim_key(key, name, tp_rank, seg.start, seg.end)] = value.reshape(-1)
+                pieces[optim_key(key, name, tp_rank, start, end)] = value.reshape(-1)
             elif key == "step":
                 step = int(value)
             elif torch.is_tensor(value):  # factored (Adafactor) state: kept per TP rank, not resharded

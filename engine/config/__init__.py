@@ -116,9 +116,22 @@ class LoomConfig:
     def check_experts(self) -> None:
         """What a mixture of experts (model.num_experts) does not compose with (again once a LoRA run has taken its
         base's model)."""
+        ep = self.parallel.ep
         if not self.model.moe:
+            if ep > 1:
+                raise ConfigError(
+                    f"parallel.ep = {ep} divides experts among ranks, and model.num_experts is not set (a dense "
+                    "model): use --parallel.ep 1"
+                )
             return
         experts = f"model.num_experts = {self.model.num_experts}"
+        if self.model.num_experts % ep:
+            raise ConfigError(f"parallel.ep = {ep} does not divide {experts} into equal shares")
+        if ep > 1 and self.optim.name == "adafactor":
+            raise ConfigError(
+                f"parallel.ep = {ep} with optim.name = adafactor: its factored moments are kept per TP rank, not per "
+                "rank's experts; use --optim.name adamw (or sgd, lamb) with expert parallelism"
+            )
         if self.train.fp8 != "off":
             raise ConfigError(
                 f"train.fp8 = {self.train.fp8} with {experts}: loom's experts run grouped bf16 GEMMs, not FP8; use "
@@ -220,6 +233,7 @@ class LoomConfig:
             ),
             (m, ("qk_norm_per_head",), not m.qk_norm, "model.qk_norm = false (no query/key norms)"),
             (m, ("moe_expert_bias_rate",), not m.moe_expert_bias, "model.moe_expert_bias = false (no biases to move)"),
+            (m, ("moe_router_fp32",), t.precision == "fp32", "train.precision = fp32 (the router is fp32 already)"),
             (
                 m,
                 ("full_attention_interval", "rope_local_theta"),
@@ -258,6 +272,11 @@ class LoomConfig:
                 "hold whole weights; use --train.fp8 current (loom's FP8 linears quantise the gathered weights) "
                 "or --optim.zero 2"
             )
+        if zero == 3 and self.parallel.ep > 1:
+            return (
+                f"optim.zero = 3 with parallel.ep = {self.parallel.ep}: loom's ZeRO-3 gathers whole blocks over "
+                "DP, experts included; use --optim.zero 2 (or 1) with expert parallelism"
+            )
         return None
 
     def resolve_world(self, world_size: int) -> None:
@@ -278,6 +297,10 @@ class LoomConfig:
             raise ConfigError(  # dp was set: a run's saved config.toml (and --print-config) holds the dp it ran with
                 f"world size {world_size} != {what}; change the number of ranks or the layout (parallel.dp = "
                 f"{requested_dp} is set: --parallel.dp none derives it from the ranks)"
+            )
+        if p.dp % p.ep:
+            raise ConfigError(
+                f"parallel.ep = {p.ep} must divide parallel.dp = {p.dp}: experts are divided among DP ranks"
             )
         m.check_tensor_parallel(p.tp)
         if refusal := m.context_parallel_refusal(p.cp, t.seq_length):

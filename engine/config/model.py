@@ -165,14 +165,16 @@ class ModelConfig:
     routing, 8 groups there; Megatron's --moe-router-num-groups, Hugging Face's n_group): the experts fall into this
     many equal groups of consecutive numbers, and each token's experts are chosen within its
     model.moe_router_group_top_k groups of highest score, a group's score the sum of its top model.moe_top_k /
-    model.moe_router_group_top_k scores (with model.moe_expert_bias's biases); 1 chooses among all experts."""
-    moe_router_group_top_k: int = 1
-    """With model.moe_router_groups > 1: how many groups each token's experts come from (DeepSeek-V3's topk_group,
-    4; Megatron's --moe-router-group-topk)."""
+    model.moe_router_group_top_k scores (with model.moe_expert_bias's biases; softmax scores renormalised over the
+    top k, model.moe_norm_top_k, score groups by their logits, as Megatron does); 1 chooses among all experts."""
+    moe_router_group_top_k: int | None = None
+    """With model.moe_router_groups > 1, which needs it: how many groups each token's experts come from
+    (DeepSeek-V3's topk_group, 4; Megatron's --moe-router-group-topk)."""
     moe_router_fp32: bool = False
-    """With model.num_experts: the router's GEMM and scores in fp32 whatever model.precision is (Megatron's
+    """With model.num_experts: the router's GEMM and scores in fp32 whatever train.precision is (Megatron's
     --moe-router-dtype fp32; GLM-4.5's and DeepSeek-V3's classes route so): bf16 logits round enough to send some
-    tokens to other experts than fp32 ones. Keeps an fp32 copy of each expert block's input for backward."""
+    tokens to other experts than fp32 ones. Its weight is kept as the others are (bf16 under bf16 training, as
+    Megatron's); an fp32 copy of each expert block's input is kept for backward."""
     sliding_window: int | None = None
     """Sliding-window attention: in the layers model.full_attention_interval leaves windowed, each position attends
     to itself and the sliding_window - 1 positions before it (Hugging Face's sliding_window; Mistral's 4096,
@@ -402,7 +404,7 @@ class ModelConfig:
     def _check_router_groups(self) -> None:
         groups, chosen, experts = self.moe_router_groups, self.moe_router_group_top_k, self.num_experts
         if groups == 1:
-            if chosen != 1:
+            if chosen is not None:
                 raise ConfigError(
                     f"model.moe_router_group_top_k = {chosen} chooses among groups of experts, and "
                     "model.moe_router_groups is 1: give the number of groups too (DeepSeek-V3: 8 and 4)"
@@ -411,6 +413,11 @@ class ModelConfig:
         if experts % groups:
             raise ConfigError(
                 f"model.moe_router_groups = {groups} does not divide model.num_experts = {experts} into equal groups"
+            )
+        if chosen is None:
+            raise ConfigError(
+                f"model.moe_router_groups = {groups} needs model.moe_router_group_top_k, how many groups each token's "
+                "experts come from (DeepSeek-V3: 8 groups, 4 of them)"
             )
         if not chosen <= min(groups, self.moe_top_k):
             raise ConfigError(

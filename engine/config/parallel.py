@@ -28,6 +28,12 @@ class ParallelConfig:
     activations do not fit one rank: needs rotary positions and no dropout."""
     dp: int | None = None
     """Data-parallel size; None means world_size / (tp * cp * pp)."""
+    ep: int = 1
+    """Expert-parallel size (model.num_experts; Megatron's --expert-model-parallel-size): each expert block's experts
+    are divided among this many consecutive DP ranks, which send each token to the rank holding its expert and
+    back (two all-to-alls per block and direction); each still splits its experts over TP. Divides parallel.dp and
+    model.num_experts. The experts' gradients are summed, and ZeRO shards them, over the dp / ep x cp ranks that
+    hold the same experts."""
     sequence_parallel: bool = False
     """Split norm/dropout activations along the sequence across the TP group (needs tp > 1 to matter)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
@@ -54,6 +60,7 @@ class ParallelConfig:
             vp=self.vp,
             cp=self.cp,
             dp=self.dp,
+            ep=self.ep,
             grad_bucket_mb=self.grad_bucket_mb,
             timeout_minutes=self.timeout_minutes,
         )

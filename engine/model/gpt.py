@@ -51,8 +51,10 @@ class GPTModel(torch.nn.Module):
         streams: RNGStreams | None = None,
         kernels: Kernels | None = None,
         cp_group=None,
+        ep_group=None,
     ):
-        """`cp_group`: the ranks this chunk's sequence is split over (context parallelism; None: not split)."""
+        """`cp_group`: the ranks this chunk's sequence is split over (context parallelism; None: not split);
+        `ep_group`: the ranks each expert block's experts are divided among (expert parallelism; None: none)."""
         super().__init__()
         self.config, self.tp_group, self.streams = config, tp_group, streams
         self.cp_group = cp_group
@@ -94,6 +96,7 @@ class GPTModel(torch.nn.Module):
                     kernels,
                     cp_group,
                     config.attention_window(i),
+                    ep_group,
                 )
                 for i in layer_ids
             }

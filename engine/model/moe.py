@@ -120,9 +120,13 @@ class MoEMLP(torch.nn.Module):
     coefficient is not 0); the gradient of their weighted sum is `router_loss_weight`, which the pipeline executor
     fills in before each step."""
 
-    def __init__(self, config: ModelConfig, tp_group, sequence_parallel: bool, output_std: float, activation):
+    def __init__(
+        self, config: ModelConfig, tp_group, sequence_parallel: bool, output_std: float, activation, ep_group=None
+    ):
+        """`ep_group`: the ranks this block's experts are divided among (parallel.ep; None: this rank holds all)."""
         super().__init__()
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        self.ep_group, self.ep_size = ep_group, mappings.group_size(ep_group)
         self.num_experts, self.top_k, self.norm_top_k = config.num_experts, config.moe_top_k, config.moe_norm_top_k
         self.aux_loss_coeff, self.z_loss_coeff = config.moe_aux_loss_coeff, config.moe_z_loss_coeff
         self.score, self.scale = config.moe_router_score, config.moe_router_scale
@@ -138,13 +142,17 @@ class MoEMLP(torch.nn.Module):
         if self.has_expert_bias:  # model state, not trained by the optimizer: saved with checkpoints by name
             self.router.register_buffer("expert_bias", torch.zeros(e, dtype=torch.float32))
         self.expert_load: torch.Tensor | None = None
+        held = None
+        if self.ep_size > 1:
+            local = e // self.ep_size
+            held = (mappings.group_rank(ep_group) * local, (mappings.group_rank(ep_group) + 1) * local)
         self.experts = torch.nn.Module()
         self.experts.fc1 = torch.nn.Module()
         self.experts.fc1.weight = make_parameter(
-            ShardSpec((e, sum(blocks), h), 1, blocks), tp, ("normal", config.init_std)
+            ShardSpec((e, sum(blocks), h), 1, blocks), tp, ("normal", config.init_std), expert_range=held
         )
         self.experts.fc2 = torch.nn.Module()
-        self.experts.fc2.weight = make_parameter(ShardSpec((e, h, f), 2), tp, ("normal", output_std))
+        self.experts.fc2.weight = make_parameter(ShardSpec((e, h, f), 2), tp, ("normal", output_std), expert_range=held)
         self.shared_expert = self.shared_expert_gate = None
         if config.moe_shared_ffn_hidden_size is not None:  # split over TP as a dense MLP; its partial sum joins theirs
             width = config.moe_shared_ffn_hidden_size
@@ -206,6 +214,29 @@ class MoEMLP(torch.nn.Module):
             total = self.z_loss_coeff * z if total is None else total + self.z_loss_coeff * z
         return total
 
+    def _experts(self, rows: torch.Tensor, ends: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's experts on `rows`, sorted by expert, expert e's ending at ends[e]."""
+        h = grouped_matmul(rows, self.experts.fc1.weight.to(dtype).transpose(1, 2), ends)
+        h = self.activation(*h.chunk(2, dim=-1)) if self.gated else self.activation(h)
+        return grouped_matmul(h, self.experts.fc2.weight.to(dtype).transpose(1, 2), ends)
+
+    @torch.compiler.disable  # how many rows each rank receives is known only once counted: no static shape
+    def _experts_across_ranks(self, rows: torch.Tensor, counts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Expert parallelism: `rows` (sorted by expert, counts[e] of expert e) sent to the ranks holding their
+        experts, computed there beside the other ranks' rows for the same experts, and their outputs sent back, in
+        `rows`' order. Each rank first learns how many rows of each of its experts every rank will send."""
+        ep, local = self.ep_size, self.num_experts // self.ep_size
+        from_each = torch.empty_like(counts)
+        dist.all_to_all_single(from_each, counts, group=self.ep_group)
+        from_each = from_each.view(ep, local)  # [source rank, my expert]
+        send, receive = counts.view(ep, local).sum(1).tolist(), from_each.sum(1).tolist()
+        arrived = mappings.all_to_all_rows(rows, send, receive, self.ep_group)
+        # arrived by source rank, then by expert: the GEMMs take each expert's rows together (by expert, then source)
+        run = torch.repeat_interleave(torch.arange(ep * local, device=counts.device), from_each.flatten())
+        by_expert = ((run % local) * ep + run // local).argsort(stable=True)
+        out = self._experts(arrived[by_expert], from_each.sum(0).cumsum(0).to(torch.int32), dtype)
+        return mappings.all_to_all_rows(out[by_expert.argsort()], receive, send, self.ep_group)
+
     def _choose(self, scores: torch.Tensor) -> torch.Tensor:
         """Each token's experts [tokens, top_k]: the top k of its `scores` plus the experts' biases, within its
         model.moe_router_group_top_k groups whose top top_k / group_top_k of those sum highest (Megatron's
@@ -236,7 +267,10 @@ class MoEMLP(torch.nn.Module):
             logits = F.linear(tokens, self.router.weight.to(dtype)).float()
         probabilities = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
         if self.has_expert_bias or self.groups > 1:
-            chosen = self._choose(probabilities.detach())
+            # Megatron's: softmax scores renormalised over the top k choose by the logits (the same top k, but
+            # groups scored otherwise), the others by the scores
+            scores = logits if self.score == "softmax" and self.norm_top_k else probabilities
+            chosen = self._choose(scores.detach())
             weights = probabilities.gather(-1, chosen)
         else:
             weights, chosen = probabilities.topk(self.top_k, dim=-1)
@@ -254,9 +288,10 @@ class MoEMLP(torch.nn.Module):
         # each token copied for its k choices, then permuted: backward writes each row once and sums over k in a
         # fixed order (indexing by order // k would accumulate a token's k rows atomically on a GPU)
         chosen_tokens = tokens.unsqueeze(1).expand(-1, self.top_k, -1).reshape(-1, tokens.shape[-1])[order]
-        h = grouped_matmul(chosen_tokens, self.experts.fc1.weight.to(dtype).transpose(1, 2), ends)
-        h = self.activation(*h.chunk(2, dim=-1)) if self.gated else self.activation(h)
-        out = grouped_matmul(h, self.experts.fc2.weight.to(dtype).transpose(1, 2), ends)
+        if self.ep_size > 1:
+            out = self._experts_across_ranks(chosen_tokens, counts, dtype)
+        else:
+            out = self._experts(chosen_tokens, ends, dtype)
         # back in token order, each token's k outputs summed by weight: no scatter-add (atomic, in no fixed order
         # on a GPU), and nothing of the sum kept for backward
         by_token = out[order.argsort()].view(-1, self.top_k, out.shape[-1])

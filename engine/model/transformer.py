@@ -313,8 +313,10 @@ class TransformerBlock(torch.nn.Module):
         kernels: Kernels | None = None,
         cp_group=None,
         window: int | None = None,
+        ep_group=None,
     ):
-        """`window`: this layer's sliding window (ModelConfig.attention_window), None for full attention."""
+        """`window`: this layer's sliding window (ModelConfig.attention_window), None for full attention; `ep_group`:
+        the ranks its experts are divided among (expert parallelism; None: none)."""
         super().__init__()
         kernels = kernels or Kernels.native()
         tp = mappings.group_size(tp_group)
@@ -328,7 +330,7 @@ class TransformerBlock(torch.nn.Module):
             self.mlp_output_norm = build_norm(config, tp, sequence_parallel, kernels)
         if config.moe:
             activation = kernels.activation_function(config.activation)
-            self.mlp = MoEMLP(config, tp_group, sequence_parallel, output_std, activation)
+            self.mlp = MoEMLP(config, tp_group, sequence_parallel, output_std, activation, ep_group)
         else:
             self.mlp = MLP(config, tp_group, sequence_parallel, output_std, kernels)
         self.kernels, self.tp_group = kernels, tp_group

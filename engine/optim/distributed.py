@@ -51,6 +51,8 @@ class Segment:
     """Where the segment's gradient sits in the gradient buffer (-1: in param.grad)."""
     master: torch.Tensor
     """fp32 weights the optimizer updates (the parameter itself when that needs no copy)."""
+    grads: GradBuffer
+    """The gradient buffer of the parameter: its ranks (dp_group) hold the same weights."""
     host_grad: torch.Tensor | None = None
     """Offload: the host copy of the segment's reduced gradient the update reads."""
 
@@ -63,7 +65,7 @@ class DistributedOptimizer:
     def __init__(
         self,
         named_params: list[tuple[str, torch.nn.Parameter]],
-        grads: GradBuffer,
+        grads: GradBuffer | list[GradBuffer],
         config: OptimConfig,
         state: ParallelState,
         num_layers: int,
@@ -71,9 +73,12 @@ class DistributedOptimizer:
         adamw_impl: str | None = None,
         frozen: list[torch.nn.Parameter] = (),
     ):
-        """`adamw_impl` is the AdamW kernels.py chose (None: torch's fused AdamW on CUDA, foreach on CPU);
-        offloaded, the update runs on the host with torch's CPU AdamW instead. `frozen` weights (a LoRA base) are
-        only sharded, under ZeRO-3."""
+        """`grads`: the gradient buffer of every parameter, or several, each over its own ranks (the experts' over
+        the ranks holding the same experts, under expert parallelism). `adamw_impl` is the AdamW kernels.py chose
+        (None: torch's fused AdamW on CUDA, foreach on CPU); offloaded, the update runs on the host with torch's CPU
+        AdamW instead. `frozen` weights (a LoRA base) are only sharded, under ZeRO-3."""
+        self.buffers = [grads] if isinstance(grads, GradBuffer) else list(grads)
+        grads = self.buffers[0]
         self.config, self.state, self.grads, self.loss_scaler = config, state, grads, loss_scaler
         self.sharded = config.zero >= 1
         """Each DP x CP rank holds only its share of master weights and optimizer state (ZeRO 1, 2 and 3; the
@@ -86,8 +91,13 @@ class DistributedOptimizer:
         self.named_params = named_params
         self.param_index = {p: i for i, (_, p) in enumerate(named_params)}
         self._replicated = torch.tensor([param_info(p).shard_spec.is_replicated for _, p in named_params])
-        self.segments = self._make_segments()
-        self.param_buffer = self._make_param_buffer() if self.sharded and config.zero < 3 else None
+        self._experts = torch.tensor([float(param_info(p).expert_range is not None) for _, p in named_params])
+        self.segments = [seg for buffer in self.buffers for seg in self._make_segments(buffer)]
+        self.param_buffers = (
+            [self._make_param_buffer(buffer) for buffer in self.buffers] if self.sharded and config.zero < 3 else None
+        )
+        """ZeRO 1 and 2: per gradient buffer, one flat tensor of the weights laid out like it (the parameters are
+        views of it), whose chunks the ranks all-gather after each step."""
         self.sharded_params = (
             ShardedParameters(grads, state.grad_group, state.grad_size, state.grad_rank, frozen)
             if config.zero == 3
@@ -105,20 +115,22 @@ class DistributedOptimizer:
         self._copy_sources = [seg.master.detach().reshape(-1) for seg in copied]
         # Where the GradBuffer leaves each segment's reduced gradient (None: in param.grad); the buffer never moves.
         self._grad_views = [
-            None if seg.buffer_start < 0 else grads.gradient(seg.buffer_start, seg.end - seg.start).view_as(seg.master)
+            None
+            if seg.buffer_start < 0
+            else seg.grads.gradient(seg.buffer_start, seg.end - seg.start).view_as(seg.master)
             for seg in self.segments
         ]
 
     # -- construction -----------------------------------------------------------------------
-    def _make_segments(self) -> list[Segment]:
-        if not self.grads.enabled:  # fp32, one DP rank: step the parameters themselves
+    def _make_segments(self, grads: GradBuffer) -> list[Segment]:
+        if not grads.enabled:  # fp32, one DP rank: step the parameters themselves
             if self.offload:
-                return [Segment(p, 0, p.numel(), -1, self._on_host(p.detach())) for p in self.grads.params]
-            return [Segment(p, 0, p.numel(), -1, p) for p in self.grads.params]
+                return [Segment(p, 0, p.numel(), -1, self._on_host(p.detach()), grads) for p in grads.params]
+            return [Segment(p, 0, p.numel(), -1, p, grads) for p in grads.params]
         segments = []
-        for lo, hi in self.grads.owned_ranges():
-            for param in self.grads.params:
-                offset = self.grads.offsets[param]
+        for lo, hi in grads.owned_ranges():
+            for param in grads.params:
+                offset = grads.offsets[param]
                 start, end = max(lo, offset), min(hi, offset + param.numel())
                 if start >= end:
                     continue
@@ -129,7 +141,7 @@ class DistributedOptimizer:
                     flat = param.detach().reshape(-1)[start - offset : end - offset]
                     flat = self._on_host(flat) if self.offload else flat.float().clone()
                     master = flat.view_as(param) if whole else flat
-                segments.append(Segment(param, start - offset, end - offset, start, master))
+                segments.append(Segment(param, start - offset, end - offset, start, master, grads))
         return segments
 
     def _on_host(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -139,12 +151,12 @@ class DistributedOptimizer:
         host.copy_(tensor)
         return host
 
-    def _make_param_buffer(self) -> torch.Tensor:
+    def _make_param_buffer(self, grads: GradBuffer) -> torch.Tensor:
         """One flat tensor laid out like the gradient buffer; parameters become views of it."""
-        first = self.grads.params[0]
-        buffer = torch.zeros(self.grads.total, dtype=first.dtype, device=first.device)
-        for param in self.grads.params:
-            offset = self.grads.offsets[param]
+        first = grads.params[0]
+        buffer = torch.zeros(grads.total, dtype=first.dtype, device=first.device)
+        for param in grads.params:
+            offset = grads.offsets[param]
             view = buffer[offset : offset + param.numel()].view_as(param)
             view.copy_(param.detach())
             param.data = view
@@ -187,17 +199,28 @@ class DistributedOptimizer:
         raise ValueError(f"unknown optimizer {c.name!r}")
 
     # -- collectives over owners --------------------------------------------------------------
+    def writes(self, seg: Segment) -> bool:
+        """Whether this rank saves the segment's master weights and state: its owner under ZeRO, else the first of
+        the ranks holding the same weights."""
+        return self.sharded or seg.grads.dp_rank == 0
+
     def _counts(self, seg: Segment) -> bool:
         """Whether this rank's copy of the segment counts toward a global sum (each piece once):
         once over TP (counted_once), and over DP by its owner (every DP rank's own piece under ZeRO)."""
-        return counted_once(seg.param, self.state.tp_rank) and (self.sharded or self.state.grad_rank == 0)
+        return counted_once(seg.param, self.state.tp_rank) and self.writes(seg)
 
     def _reduce_per_param(self, partial: torch.Tensor) -> torch.Tensor:
-        """Sum per-parameter partial sums (rows indexed like named_params) over DP pieces and TP shards."""
+        """Sum per-parameter partial sums (rows indexed like named_params) over DP pieces and TP shards (and an
+        expert weight's over the ranks holding its other experts)."""
         home = partial.device
         partial = partial.to(self.device)  # offloaded, the sums are on the host; NCCL needs the device
-        if self.sharded and self.state.grad_size > 1:
+        if self.sharded and self.state.grad_size > 1:  # (an expert's pieces: over its ranks' experts too)
             dist.all_reduce(partial, group=self.state.grad_group)
+        elif self.state.ep_size > 1:  # each rank's experts whole: theirs summed over the EP group
+            experts = self._experts.to(partial.device)
+            summed = partial * experts.unsqueeze(-1) if partial.dim() > 1 else partial * experts
+            dist.all_reduce(summed, group=self.state.ep_group)
+            partial = torch.where(experts.view(-1, *[1] * (partial.dim() - 1)).bool(), summed, partial)
         if self.state.tp_size > 1:
             if self.state.tp_rank != 0:
                 partial[self._replicated.to(partial.device)] = 0
@@ -284,10 +307,10 @@ class DistributedOptimizer:
             return
         if self._copy_targets:
             torch._foreach_copy_(self._copy_targets, self._copy_sources)
-        if self.param_buffer is None or self.state.grad_size == 1:
-            return
-        buckets = [self.param_buffer[bucket.start : bucket.end] for bucket in self.grads.buckets]
-        all_gather_bucket_chunks(buckets, self.state.grad_rank, self.state.grad_size, self.state.grad_group)
+        for grads, weights in zip(self.buffers, self.param_buffers or (), strict=False):
+            if grads.dp_size > 1:
+                buckets = [weights[bucket.start : bucket.end] for bucket in grads.buckets]
+                all_gather_bucket_chunks(buckets, grads.dp_rank, grads.dp_size, grads.dp_group)
 
     def state_bytes(self) -> int:
         """Bytes of master weights (copies only) and optimizer state this rank holds, wherever they are."""

@@ -178,3 +178,29 @@ def gather_from_sequence_region(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 def reduce_scatter_to_sequence_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     return x if group_size(group) == 1 else _ReduceScatterSequence.apply(x, group)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows of `x` sent to the group's ranks, `send` rows to each in rank order, and `receive` rows gathered from
+    each; backward sends the gradients back the same way (expert parallelism's dispatch and combine)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, send: list[int], receive: list[int], group: Group) -> torch.Tensor:
+        ctx.send, ctx.receive, ctx.group = send, receive, group
+        return _all_to_all(x, send, receive, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_to_all(grad, ctx.receive, ctx.send, ctx.group), None, None, None
+
+
+def _all_to_all(x: torch.Tensor, send: list[int], receive: list[int], group: Group) -> torch.Tensor:
+    out = x.new_empty((sum(receive), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), receive, send, group=group)
+    return out
+
+
+def all_to_all_rows(x: torch.Tensor, send: list[int], receive: list[int], group: Group) -> torch.Tensor:
+    """`x`'s rows in `send`-sized runs to the group's ranks in order; the `receive`-sized runs they send back, in
+    rank order (every rank's `receive[i]` is rank i's `send` to it)."""
+    return _AllToAll.apply(x, send, receive, group)

@@ -46,6 +46,10 @@ class ParamInfo:
     tied_copy: bool = False
     """The last stage's copy of a tied embedding: it takes the embedding's name, and is neither saved
     nor counted in global sums (the first stage's copy is)."""
+    expert_range: tuple[int, int] | None = None
+    """Expert parallelism (parallel.ep > 1): the experts [start, end) of the TP shard's first dimension this rank
+    holds, a contiguous range of the shard flattened; its gradients are summed over the expert_grad group. None:
+    the whole TP shard (every parameter without expert parallelism)."""
 
 
 class MissingParamInfoError(LookupError):

@@ -178,16 +178,41 @@ def init_shard(
 
 
 def make_parameter(
-    spec: ShardSpec, tp_size: int, init: tuple, device: torch.device | None = None, tp_partial_grad: bool = False
+    spec: ShardSpec,
+    tp_size: int,
+    init: tuple,
+    device: torch.device | None = None,
+    tp_partial_grad: bool = False,
+    expert_range: tuple[int, int] | None = None,
 ) -> torch.nn.Parameter:
     """An uninitialised local parameter whose ParamInfo knows its full shape, its slicing and its init.
 
     `tp_partial_grad` marks replicated parameters whose gradient is partial on each TP
-    rank and must be summed over the TP group (ParamInfo.tp_partial_grad).
+    rank and must be summed over the TP group (ParamInfo.tp_partial_grad); `expert_range` the experts this rank
+    holds of its TP shard (ParamInfo.expert_range).
     """
-    param = torch.nn.Parameter(torch.empty(spec.local_shape(tp_size), device=device))
-    set_param_info(param, ParamInfo(spec, init, tp_partial_grad))
+    shape = spec.local_shape(tp_size)
+    if expert_range is not None:
+        shape = (expert_range[1] - expert_range[0], *shape[1:])
+    param = torch.nn.Parameter(torch.empty(shape, device=device))
+    set_param_info(param, ParamInfo(spec, init, tp_partial_grad, expert_range=expert_range))
     return param
+
+
+def held_part(info: ParamInfo, shard: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of its TP shard `shard` of the parameter `info` describes: the experts of its
+    expert_range (a view), or the whole shard."""
+    if info.expert_range is None:
+        return shard
+    start, end = info.expert_range
+    return shard[start:end]
+
+
+def held_offset(info: ParamInfo, shard_shape: tuple[int, ...]) -> int:
+    """Where held_part starts in the TP shard flattened (checkpoints' flat ranges are the shard's)."""
+    if info.expert_range is None:
+        return 0
+    return info.expert_range[0] * math.prod(shard_shape[1:])
 
 
 @torch.no_grad()
@@ -198,9 +223,10 @@ def initialize_parameters(module: torch.nn.Module, seed: int, tp_rank: int, tp_s
         info = param_info(param)
         if info.name is None:
             raise MissingParamInfoError(f"parameter {module_name} has no global name: its model did not name it")
-        if param.device.type == "cpu" and param.dtype == torch.float32:
+        if param.device.type == "cpu" and param.dtype == torch.float32 and info.expert_range is None:
             init_shard(param, info.init_method, info.shard_spec, seed, info.name, tp_rank, tp_size)
             continue
-        local = torch.empty(param.shape)  # drawn in fp32 on the CPU, like every layout's values
+        # drawn in fp32 on the CPU, like every layout's values (the whole TP shard where this rank holds some experts)
+        local = torch.empty(info.shard_spec.local_shape(tp_size))
         init_shard(local, info.init_method, info.shard_spec, seed, info.name, tp_rank, tp_size)
-        param.copy_(local)
+        param.copy_(held_part(info, local))

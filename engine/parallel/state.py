@@ -7,6 +7,11 @@ with torch.distributed and is passed to whoever needs it. No module-level proces
 
 The ranks that hold the same weights are the DP x CP ranks of a (tp, pp) coordinate: gradients are summed over
 them and ZeRO shards over them (the `grad` group); with cp = 1 it is the DP group.
+
+Expert parallelism (ep > 1) divides the DP ranks further, as Megatron does: blocks of ep consecutive DP ranks (an
+`ep` group; ep rank = dp rank mod ep) each hold 1/ep of every expert block's experts and send tokens to one another;
+the ranks holding the same experts, those of a (tp, pp) coordinate with the same ep rank, over every CP rank, are
+an `expert_grad` group: the experts' gradients are summed, and ZeRO shards them, over it.
 """
 
 from __future__ import annotations
@@ -38,11 +43,13 @@ def coordinates_of(rank: int, tp: int, dp: int, cp: int = 1) -> tuple[int, int, 
     return rank % tp, (rank // (tp * cp)) % dp, rank // (tp * cp * dp), (rank // tp) % cp
 
 
-def layout_groups(tp: int, dp: int, pp: int, cp: int = 1) -> dict[str, list[list[int]]]:
-    """Every process group of a tp x cp x dp x pp layout, as lists of global ranks.
+def layout_groups(tp: int, dp: int, pp: int, cp: int = 1, ep: int = 1) -> dict[str, list[list[int]]]:
+    """Every process group of a tp x cp x dp x pp layout (dp divided into ep-sized blocks), as lists of global
+    ranks.
 
     `embedding` groups join the first and last pipeline stage of a pipeline (for tied embeddings); `grad` groups
-    are the DP x CP ranks holding the same weights.
+    are the DP x CP ranks holding the same weights; `ep` and `expert_grad` groups (module docstring) exist with
+    ep > 1.
     """
     groups: dict[str, list[list[int]]] = {
         "tp": [],
@@ -51,6 +58,8 @@ def layout_groups(tp: int, dp: int, pp: int, cp: int = 1) -> dict[str, list[list
         "grad": [],
         "pp": [],
         "embedding": [],
+        "ep": [],
+        "expert_grad": [],
     }
 
     def at(t: int, c: int, d: int, p: int) -> int:
@@ -66,6 +75,11 @@ def layout_groups(tp: int, dp: int, pp: int, cp: int = 1) -> dict[str, list[list
             for c in range(cp):
                 groups["dp"].append([at(t, c, d, p) for d in range(dp)])
             groups["grad"].append([at(t, c, d, p) for d in range(dp) for c in range(cp)])
+            if ep > 1:
+                for c in range(cp):
+                    groups["ep"] += [[at(t, c, d, p) for d in range(k, k + ep)] for k in range(0, dp, ep)]
+                for e in range(ep):
+                    groups["expert_grad"].append([at(t, c, d, p) for d in range(e, dp, ep) for c in range(cp)])
     for d in range(dp):
         for c in range(cp):
             for t in range(tp):
@@ -94,6 +108,11 @@ class ParallelState:
     cp_group: dist.ProcessGroup | None = None
     grad_group: dist.ProcessGroup | None = None
     """DP x CP: the ranks holding the same weights (gradients summed, ZeRO sharded); the DP group when cp = 1."""
+    ep_size: int = 1
+    ep_group: dist.ProcessGroup | None = None
+    """ep > 1: the DP ranks among which each expert block's experts are divided (module docstring)."""
+    expert_grad_group: dist.ProcessGroup | None = None
+    """ep > 1: the ranks holding the same experts (their gradients summed, ZeRO sharded); else the grad group."""
 
     @property
     def tp_rank(self) -> int:
@@ -120,6 +139,20 @@ class ParallelState:
         """This rank's place in the grad group (DP major, CP minor, as the group lists them)."""
         return self.dp_rank * self.cp_size + self.cp_rank
 
+    @property
+    def ep_rank(self) -> int:
+        """Which 1/ep of each expert block's experts this rank holds."""
+        return self.dp_rank % self.ep_size
+
+    @property
+    def expert_grad_size(self) -> int:
+        return self.dp_size // self.ep_size * self.cp_size
+
+    @property
+    def expert_grad_rank(self) -> int:
+        """This rank's place in the expert_grad group (DP major, CP minor)."""
+        return self.dp_rank // self.ep_size * self.cp_size + self.cp_rank
+
     @classmethod
     def create(
         cls,
@@ -129,16 +162,17 @@ class ParallelState:
         vp: int = 1,
         timeout: datetime.timedelta | None = None,
         cp: int = 1,
+        ep: int = 1,
     ) -> ParallelState:
         """Create every group of the layout; all ranks must call this together, in the same order.
         `timeout` bounds each collective; pass the default group's (new groups otherwise get torch's
         30-minute default, whatever init_process_group was given)."""
         world, rank = dist.get_world_size(), dist.get_rank()
-        if tp * cp * dp * pp != world:
-            raise ValueError(f"layout tp={tp} cp={cp} dp={dp} pp={pp} does not match world size {world}")
+        if tp * cp * dp * pp != world or dp % ep:
+            raise ValueError(f"layout tp={tp} cp={cp} dp={dp} ep={ep} pp={pp} does not match world size {world}")
         mine: dict[str, dist.ProcessGroup | None] = {}
         pp_ranks: tuple[int, ...] = ()
-        for kind, rank_lists in layout_groups(tp, dp, pp, cp).items():
+        for kind, rank_lists in layout_groups(tp, dp, pp, cp, ep).items():
             if kind in ("grad", "cp") and cp == 1:
                 continue  # the DP group itself; no ring
             for ranks in rank_lists:
@@ -164,6 +198,9 @@ class ParallelState:
             cp_size=cp,
             cp_group=mine.get("cp"),
             grad_group=mine.get("grad", mine["dp"]),
+            ep_size=ep,
+            ep_group=mine.get("ep"),
+            expert_grad_group=mine.get("expert_grad", mine.get("grad", mine["dp"])),
         )
 
     def named_groups(self) -> dict[str, dist.ProcessGroup | None]:
@@ -177,11 +214,15 @@ class ParallelState:
         }
         if self.cp_size > 1:
             groups.update(cp=self.cp_group, grad=self.grad_group)
+        if self.ep_size > 1:
+            groups.update(ep=self.ep_group, expert_grad=self.expert_grad_group)
         return groups
 
     def describe(self) -> str:
         return (
             f"rank {self.rank}/{self.world_size}: tp {self.tp_rank}/{self.tp_size} "
             + (f"cp {self.cp_rank}/{self.cp_size} " if self.cp_size > 1 else "")
-            + f"dp {self.dp_rank}/{self.dp_size} pp {self.pp_rank}/{self.pp_size}"
+            + f"dp {self.dp_rank}/{self.dp_size} "
+            + (f"ep {self.ep_rank}/{self.ep_size} " if self.ep_size > 1 else "")
+            + f"pp {self.pp_rank}/{self.pp_size}"
         )

@@ -40,6 +40,7 @@ def build_chunks(
                 streams=streams,
                 kernels=kernels,
                 cp_group=state.cp_group,
+                ep_group=state.ep_group,
             )
         )
         if config.lora.enabled:
