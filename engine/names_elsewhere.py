@@ -178,7 +178,7 @@ TRAINING_NAMES: tuple[NameElsewhere, ...] = (
             ),
             ("--moe-shared-expert-intermediate-size", "--model.moe_shared_ffn_hidden_size"),
             ("--moe-shared-expert-gate", "--model.moe_shared_expert_gate true"),
-            ("--expert-model-parallel-size", "", "loom has no expert parallelism: each expert splits over TP"),
+            ("--expert-model-parallel-size", "--parallel.ep"),
             (
                 "--disable-bias-linear",
                 "--model.bias false",
@@ -500,11 +500,7 @@ TRAINING_NAMES: tuple[NameElsewhere, ...] = (
                 CONVERTED,
             ),
             ("parallelism.pipeline_parallel_microbatch_size", "--train.micro_batch_size"),
-            (
-                "parallelism.expert_parallel_degree",
-                "",
-                "loom has no expert parallelism: each expert splits over TP (--model.num_experts)",
-            ),
+            ("parallelism.expert_parallel_degree", "--parallel.ep"),
             ("checkpoint.enable", "--checkpoint.interval", _CHECKPOINT_ENABLE, CONVERTED),
             ("checkpoint.enable_checkpoint", "--checkpoint.interval", _CHECKPOINT_ENABLE, CONVERTED),
             ("checkpoint.folder", "--train.run_dir", "checkpoints go in its checkpoints/", CONVERTED),

@@ -228,7 +228,7 @@ def _evaluate(args: argparse.Namespace, overrides: list[str], directory: Path, m
         raise ConfigError(f"{directory} is not a LoRA checkpoint, so --lora.base has nothing to do; drop it")
     trained_with = (metadata.tokenizer or {}).get("path") or metadata.config["data"].get("tokenizer")
     raw = metadata.config
-    raw["parallel"].update(tp=1, pp=1, vp=1, cp=1, dp=None)
+    raw["parallel"].update(tp=1, pp=1, vp=1, cp=1, ep=1, dp=None)
     raw["optim"].update(zero=0, offload="none")
     raw["data"].update(paths=[args.data], split=args.split, weights=None)
     recorded = (metadata.tokenizer or {}).get("path")

@@ -78,8 +78,9 @@ def test_expert_parallel_training_equals_every_rank_holding_every_expert(runs):
 def test_a_checkpoint_saved_under_expert_parallelism_resumes_without_it_and_back(runs):
     """The last step resumed under the other layout gives the uninterrupted run's loss; the expert weights are saved
     as each rank's range of them (model/<name>/tp0/<start>-<end>) and read back whole."""
-    from loom.engine.checkpoint.format import checkpoint_to_resume
+    from loom.engine.checkpoint.format import checkpoint_to_resume, read_metadata
     from loom.engine.checkpoint.load import PieceReader
+    from loom.tools.ckpt import reshard
 
     result, run_dir = runs
     for ep in (1, 2):
@@ -93,3 +94,10 @@ def test_a_checkpoint_saved_under_expert_parallelism_resumes_without_it_and_back
         f"model/{name}/tp0/196608-393216",
     ]
     torch.testing.assert_close(readers[2].model(name), readers[1].model(name), rtol=1e-4, atol=1e-6)
+    # `loom ckpt reshard` reads the ranges too (and writes whole TP shards)
+    resharded = reshard(readers[2].directory, run_dir / "resharded", tp=2, pp=1)
+    back = PieceReader(resharded, read_metadata(resharded))
+    assert back.metadata.layout.ep == 1 and readers[2].metadata.layout.ep == 2
+    for state in ("master", "exp_avg"):
+        assert torch.equal(back.optim(state, name), readers[2].optim(state, name))
+    assert torch.equal(back.model(name), readers[2].model(name))

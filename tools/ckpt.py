@@ -253,7 +253,7 @@ def reshard(source: Path, output: Path, tp: int, pp: int, vp: int = 1, overwrite
                     rank = rank_of(tp_rank, 0, pp_rank, tp, 1)
                     name, files[name] = stream_rank_file(staging, rank, declared, _made_by(make))
                     index.update({key: name for key in declared})
-            layout = dataclasses.replace(metadata.layout, tp=tp, pp=pp, vp=vp, dp=1, cp=1, world=tp * pp, zero=0)
+            layout = dataclasses.replace(metadata.layout, tp=tp, pp=pp, vp=vp, dp=1, cp=1, ep=1, world=tp * pp, zero=0)
             resharded = dataclasses.replace(metadata, specs=specs, files=files, index=index, layout=layout)
             return commit(staging, final, resharded)
 

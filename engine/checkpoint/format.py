@@ -183,6 +183,9 @@ class CheckpointLayout:
     """train.precision: fp32, bf16 or fp16."""
     cp: int = 1
     """Context-parallel size (checkpoints from before context parallelism: 1). Shards no weights."""
+    ep: int = 1
+    """Expert-parallel size (checkpoints from before expert parallelism: 1): its ranks saved their experts' ranges
+    of each expert weight (model_range_key)."""
 
     def places_ranks_like(self, tp: int, pp: int, dp: int, vp: int, cp: int = 1) -> bool:
         """Whether rank r here is rank r there (per-rank state such as RNG streams then carries over)."""

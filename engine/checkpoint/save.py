@@ -161,6 +161,7 @@ def describe_run(state: TrainingState) -> CheckpointMetadata:
             vp=p.vp_size,
             dp=p.dp_size,
             cp=p.cp_size,
+            ep=p.ep_size,
             world=p.world_size,
             zero=c.optim.zero,
             optimizer=c.optim.name,

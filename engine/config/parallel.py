@@ -73,5 +73,9 @@ class ParallelConfig:
                 f"parallel.timeout_minutes = {self.timeout_minutes:g} is below {MIN_TIMEOUT_MINUTES:g} (0.6 s), too "
                 "short for ranks to meet; the default is 10"
             )
+        if self.dp is not None and self.dp % self.ep:
+            raise ConfigError(
+                f"parallel.ep = {self.ep} must divide parallel.dp = {self.dp}: experts are divided among DP ranks"
+            )
         if self.vp > 1 and self.pp == 1:
             raise ConfigError("parallel.vp > 1 needs parallel.pp > 1 (virtual stages interleave a pipeline)")
