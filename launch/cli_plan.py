@@ -45,6 +45,7 @@ _LAYOUT_FIELDS = {
     ("parallel", "pp"): "pp",
     ("parallel", "vp"): "vp",
     ("parallel", "dp"): "dp",
+    ("parallel", "ep"): "ep",
     ("train", "micro_batch_size"): "micro_batch_size",
     ("model", "recompute"): "recompute",
     ("optim", "zero"): "zero",

@@ -81,6 +81,8 @@ STATE_LAYOUTS = {
         ({"pp": 2, "vp": 2}, {}, {"zero": 3}, "fp32"),
         ({"cp": 2}, {}, {"zero": 3}, "bf16"),
         ({"cp": 2, "pp": 2}, {}, {"zero": 2}, "fp32"),
+        # expert parallelism: each rank two of the four experts, their gradients over the two ranks holding them
+        ({"ep": 2}, {"num_experts": 4}, {"zero": 2}, "bf16"),
     ],
 }
 
@@ -100,7 +102,10 @@ def _held(rank, world, dataset, run_dir):
         trainer = Trainer(config)
         trainer.train_step()
         params = [q for chunk in trainer.chunks for q in chunk.parameters()]
-        grads = trainer.grads.stored_bytes() if trainer.grads.enabled else sum(4 * q.numel() for q in params)
+        grads = sum(  # the weights' buffer, and the experts' under expert parallelism
+            buffer.stored_bytes() if buffer.enabled else sum(4 * q.numel() for q in buffer.params)
+            for buffer in trainer.grad_buffers
+        )
         sharded = trainer.optimizer.sharded_params
         allocated = {
             "params": sharded.stored_bytes() if sharded else sum(q.numel() * q.element_size() for q in params),
@@ -111,7 +116,7 @@ def _held(rank, world, dataset, run_dir):
             + trainer.optimizer.host_gradient_bytes(),
         }
         p, o = config.parallel, config.optim
-        layout = Layout(p.tp, p.pp, p.vp, p.dp, 1, "none", o.zero, o.offload, p.sequence_parallel, p.cp)
+        layout = Layout(p.tp, p.pp, p.vp, p.dp, 1, "none", o.zero, o.offload, p.sequence_parallel, p.cp, p.ep)
         planned = model_state_bytes(
             config.model, layout, trainer.state.pp_rank, precision, 2**18, o.name, GRAD_BYTES[o.grad_dtype]
         )
@@ -436,6 +441,8 @@ TRAFFIC_LAYOUTS = {
         ({"cp": 2, "pp": 2}, {}, {"zero": 2}),
         ({"cp": 2}, {"recompute": "selective"}, {"zero": 3}),
         ({"cp": 4}, {}, {"zero": 0}),
+        # expert parallelism: the experts' gradients over their own ranks, each block's all-to-alls (recomputed)
+        ({"ep": 2}, {"num_experts": 4, "recompute": "full"}, {"zero": 1}),
     ],
 }
 
@@ -467,6 +474,12 @@ def _traffic(rank, world, dataset, run_dir):
 @pytest.mark.parametrize("world", [2, 4])
 def test_communication_bytes_equal_the_ledger(markov_dataset, tmp_path, world):
     """Every (group, collective, dtype) loom's ledger records in a step, and its bytes, and nothing more."""
-    for rank in run_ranks(_traffic, world, markov_dataset(50), str(tmp_path)):
-        for name, planned, ledger in rank:
+    ranks = run_ranks(_traffic, world, markov_dataset(50), str(tmp_path))
+    for layout, results in enumerate(zip(*ranks, strict=True)):
+        # what an expert-parallel rank sends back (its experts' outputs, their inputs' gradients) is what it
+        # received, which routing decides: the planner's balanced load holds summed over the ranks
+        routed = {key for _, planned, _ in results for key in planned if key[:2] == ("ep", "all_to_all")}
+        for key in routed - {("ep", "all_to_all", "int64")}:
+            assert sum(p.pop(key) for _, p, _ in results) == sum(ledger.pop(key) for *_, ledger in results), layout
+        for name, planned, ledger in results:
             assert planned == ledger, name

@@ -176,14 +176,17 @@ def _divisors(n: int) -> list[int]:
 
 
 def parse_layout(text: str) -> dict:
-    """`tp=8,cp=2,pp=4,vp=2,dp=2,mbs=1,recompute=selective,zero=1` -> fields of Layout (any subset)."""
+    """`tp=8,cp=2,pp=4,vp=2,dp=2,ep=2,mbs=1,recompute=selective,zero=1` -> fields of Layout (any subset)."""
     names = {"mbs": "micro_batch_size", "micro_batch_size": "micro_batch_size"}
     fields = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, _, value = item.partition("=")
         key = names.get(key.strip(), key.strip())
-        if key not in ("tp", "cp", "pp", "vp", "dp", "micro_batch_size", "recompute", "zero", "offload") or not value:
-            raise ConfigError(f"--layout item {item!r} is not tp|cp|pp|vp|dp|mbs|recompute|zero|offload=VALUE")
+        if (
+            key not in ("tp", "cp", "pp", "vp", "dp", "ep", "micro_batch_size", "recompute", "zero", "offload")
+            or not value
+        ):
+            raise ConfigError(f"--layout item {item!r} is not tp|cp|pp|vp|dp|ep|mbs|recompute|zero|offload=VALUE")
         if key in fields:
             raise ConfigError(f"--layout gives {item.partition('=')[0].strip()} twice; give each key once")
         value = value.strip()
@@ -202,8 +205,8 @@ def parse_layout(text: str) -> dict:
 
 
 def candidates(config: LoomConfig, gpus: int, hw: Hardware, fixed: dict | None = None) -> list[Layout]:
-    """Every layout of `gpus` GPUs that divides the model and the batch and that loom's schedules accept; the
-    keys in `fixed` are held."""
+    """Every layout of `gpus` GPUs that divides the model and the batch and that loom's schedules accept (expert
+    parallelism over the DP ranks that divide the experts); the keys in `fixed` are held."""
     m, t, fixed = config.model, config.train, fixed or {}
 
     def choices(key: str, values) -> list:
@@ -215,6 +218,12 @@ def candidates(config: LoomConfig, gpus: int, hw: Hardware, fixed: dict | None =
     # context parallelism where loom runs it (rotary positions, no dropout, 2 x cp chunks per sequence)
     cps = [cp for cp in choices("cp", (1, 2, 4, 8)) if m.context_parallel_refusal(cp, t.seq_length) is None]
     zeros = [zero for zero in choices("zero", (0, 1, 2, 3)) if config.zero_refusal(zero) is None]
+
+    def expert_parallel(dp: int) -> list[int]:  # Adafactor takes none (LoomConfig.check_experts)
+        if not m.moe or config.optim.name == "adafactor":
+            return choices("ep", [1])
+        return [ep for ep in choices("ep", _divisors(dp)) if dp % ep == 0 and m.num_experts % ep == 0]
+
     offloads = [offload for offload in choices("offload", ("none",)) if config.optim.offload_refusal(offload) is None]
     found = []
     for tp, cp in itertools.product(tps, cps):
@@ -235,8 +244,10 @@ def candidates(config: LoomConfig, gpus: int, hw: Hardware, fixed: dict | None =
                     microbatches = t.global_batch_size // (mbs * dp)
                     if vp > 1 and microbatches % pp:
                         continue
-                    for recompute, zero, offload in itertools.product(choices("recompute", RECOMPUTE), zeros, offloads):
-                        found.append(Layout(tp, pp, vp, dp, mbs, recompute, zero, offload, cp=cp))
+                    settings = itertools.product(choices("recompute", RECOMPUTE), zeros, offloads, expert_parallel(dp))
+                    for recompute, zero, offload, ep in settings:
+                        if not (ep > 1 and zero == 3):  # (LoomConfig.zero_refusal)
+                            found.append(Layout(tp, pp, vp, dp, mbs, recompute, zero, offload, cp=cp, ep=ep))
     return found
 
 
@@ -309,12 +320,13 @@ def table(estimates: list[Estimate], gpu: str) -> str:
             f"{mem['params']:5.1f} {mem['grads']:5.1f} {mem['optimizer']:5.1f} {mem['activations']:5.1f} "
             f"{mem['other']:5.1f} |{f' {e.host_bytes / GB:7.1f} |' if host else ''} {e.step_seconds:8.3f} = "
             f"{sec['compute']:8.3f} {sec['tp']:5.3f} {sec['dp']:5.3f} {sec['bubble']:5.3f} "
-            f"{sec['p2p'] + sec['cp']:5.3f} {sec['other']:6.3f} | "
+            f"{sec['p2p'] + sec['cp'] + sec['ep']:5.3f} {sec['other']:6.3f} | "
             f"{e.tokens_per_s_per_gpu:9,.0f} {e.model_tflops_per_gpu:7.1f} {e.mfu:5.1%} {e.hfu:5.1%}"
         )
     lines.append(
         f"{gpu}: MFU and HFU against the dense datasheet peak; HFU counts recompute; p2p includes context "
-        "parallelism's ring; other: the step's fixed overhead and an offloaded optimizer's transfers (docs/planner.md)."
+        "parallelism's ring and expert parallelism's all-to-alls; other: the step's fixed overhead and an offloaded "
+        "optimizer's transfers (docs/planner.md)."
     )
     return "\n".join(lines)
 

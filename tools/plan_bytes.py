@@ -48,6 +48,8 @@ class Layout:
     """With tp > 1 (Megatron's and loom's recommendation, so the search keeps it on)."""
     cp: int = 1
     """Context parallelism: each sequence split over cp ranks (engine/parallel/context.py)."""
+    ep: int = 1
+    """Expert parallelism: each expert block's experts divided among ep DP ranks (parallel.ep)."""
 
     @property
     def sp(self) -> bool:
@@ -58,11 +60,17 @@ class Layout:
         """The ranks holding the same weights, over which gradients are summed and ZeRO shards: DP x CP."""
         return self.dp * self.cp
 
+    @property
+    def expert_replicas(self) -> int:
+        """The ranks holding the same experts (the expert_grad group): DP / EP x CP."""
+        return self.dp // self.ep * self.cp
+
     def describe(self) -> str:
         offload = " offload" if self.offload != "none" else ""
         cp = f" cp={self.cp}" if self.cp > 1 else ""
+        ep = f" ep={self.ep}" if self.ep > 1 else ""
         return (
-            f"tp={self.tp}{cp} pp={self.pp} vp={self.vp} dp={self.dp} mbs={self.micro_batch_size} "
+            f"tp={self.tp}{cp} pp={self.pp} vp={self.vp} dp={self.dp}{ep} mbs={self.micro_batch_size} "
             f"recompute={self.recompute} zero={self.zero}{offload}"
         )
 
@@ -114,7 +122,7 @@ def layout_of(config: LoomConfig) -> Layout:
     p, o = config.parallel, config.optim
     return Layout(
         p.tp, p.pp, p.vp, p.dp, config.train.micro_batch_size, config.model.recompute, o.zero, o.offload,
-        p.sequence_parallel, p.cp,
+        p.sequence_parallel, p.cp, p.ep,
     )  # fmt: skip
 
 
@@ -131,13 +139,16 @@ class _Param:
     """ZeRO-3's gather unit (naming.gather_unit): the block's index, or before / after the blocks."""
     shape: tuple[int, ...] = ()
     """The local shape (what Adafactor's factored statistics follow); () for a vector of `size`."""
+    expert: bool = False
+    """An expert weight under expert parallelism: in the experts' own gradient buffer, over the expert_grad group."""
 
     def numel(self) -> int:
         return self.size
 
 
-def _block_parameters(m: ModelConfig, tp: int, sequence_parallel: bool) -> list[_Param]:
-    """One transformer block's parameters on one TP rank, in loom's construction order (transformer.py)."""
+def _block_parameters(m: ModelConfig, tp: int, sequence_parallel: bool, ep: int = 1) -> list[_Param]:
+    """One transformer block's parameters on one TP rank (holding 1/ep of the experts), in loom's construction
+    order (transformer.py)."""
     h, hd = m.hidden_size, m.head_dim
     q, kv, f = m.num_heads * hd, m.num_kv_heads * hd, m.ffn_hidden_size
     fc1 = 2 * f if m.gated_mlp else f
@@ -151,11 +162,11 @@ def _block_parameters(m: ModelConfig, tp: int, sequence_parallel: bool) -> list[
         out += [_Param(q // tp), _Param(kv // tp)]
     sandwich = norm if m.norm_placement == "both" else []  # attention_output_norm's, then mlp_output_norm's
     out += [*sandwich, *norm, *sandwich]
-    if m.moe:  # the router (its gradient summed over TP), every expert's FC1 and FC2, a shared expert and its gate
-        experts = m.num_experts
-        out += [_matrix(experts, h, tp > 1)]
-        out += [_Param(experts * fc1 // tp * h, shape=(experts, fc1 // tp, h))]
-        out += [_Param(experts * h * f // tp, shape=(experts, h, f // tp))]
+    if m.moe:  # the router (its gradient summed over TP), its experts' FC1 and FC2, a shared expert and its gate
+        out += [_matrix(m.num_experts, h, tp > 1)]
+        experts = m.num_experts // ep
+        out += [_Param(experts * fc1 // tp * h, shape=(experts, fc1 // tp, h), expert=ep > 1)]
+        out += [_Param(experts * h * f // tp, shape=(experts, h, f // tp), expert=ep > 1)]
         if m.moe_shared_ffn_hidden_size is not None:  # the shared expert: a dense MLP's two matrices
             shared = m.moe_shared_ffn_hidden_size
             out += [_matrix((2 * shared if m.gated_mlp else shared) // tp, h), _matrix(h, shared // tp)]
@@ -195,10 +206,10 @@ def rank_parameters(m: ModelConfig, lay: Layout, pp_rank: int) -> list[_Param]:
             params.append(_matrix(vocab, m.hidden_size, tied_across, before))
             if m.position_embedding == "learned":
                 params.append(_matrix(m.max_position_embeddings, m.hidden_size, sp, before))
-        dense, experts = (_block_parameters(block, lay.tp, sp) for block in m.block_configs())
+        dense, experts = (_block_parameters(block, lay.tp, sp, lay.ep) for block in m.block_configs())
         for layer in range(stage * per_chunk, (stage + 1) * per_chunk):
             block = experts if m.has_experts(layer) else dense
-            params += [_Param(q.size, q.deferred, layer, q.shape) for q in block]
+            params += [dataclasses.replace(q, unit=layer) for q in block]
         if stage == stages - 1:
             params += [_Param(m.hidden_size, sp, after)] * (2 if m.norm == "layernorm" else 1)
             if not (m.tie_embeddings and stages == 1):
@@ -213,22 +224,40 @@ def _buffer(params: list[_Param], dp: int, bucket_bytes: int, grad_bytes: int, z
     return layout.total, layout.total - layout.regular_end
 
 
+@dataclass(frozen=True)
+class BufferPlan:
+    """One gradient buffer of a rank (engine/optim/grad_buffer.GradBuffer): its parameters' elements, its padded
+    elements, of which deferred, and the ranks it is summed (and ZeRO-sharded) over."""
+
+    count: int
+    total: int
+    deferred: int
+    replicas: int
+    group: str
+    """The ledger's name of that group: dp (grad with cp > 1) for the weights, expert_grad for the experts'."""
+
+
 @functools.lru_cache(maxsize=4096)
-def _rank_buffer(
-    model: tuple, lay: Layout, pp_rank: int, bucket_bytes: int, grad_bytes: int = 4
-) -> tuple[int, int, int]:
-    """(parameters, padded buffer elements, deferred elements) of one rank: cached, a search asks often."""
+def _rank_buffers(model: tuple, lay: Layout, pp_rank: int, bucket_bytes: int, grad_bytes: int) -> tuple:
     m = ModelConfig(**dict(zip(_MODEL_FIELDS, model, strict=True)))
     params = rank_parameters(m, lay, pp_rank)
-    return (sum(p.size for p in params), *_buffer(params, lay.replicas, bucket_bytes, grad_bytes, lay.zero))
+    buffers = []
+    for expert, replicas, group in ((False, lay.replicas, "grad" if lay.cp > 1 else "dp"),
+                                    (True, lay.expert_replicas, "expert_grad")):  # fmt: skip
+        members = [q for q in params if q.expert == expert]
+        if members:
+            total, deferred = _buffer(members, replicas, bucket_bytes, grad_bytes, lay.zero)
+            buffers.append(BufferPlan(sum(q.size for q in members), total, deferred, replicas, group))
+    return tuple(buffers)
 
 
-def rank_buffer(
+def rank_buffers(
     m: ModelConfig, lay: Layout, pp_rank: int, bucket_bytes: int, grad_bytes: int = 4
-) -> tuple[int, int, int]:
-    """(parameters, padded gradient-buffer elements, of which deferred) of one rank of pipeline rank `pp_rank`."""
+) -> tuple[BufferPlan, ...]:
+    """The gradient buffers of one rank of pipeline rank `pp_rank`: its weights', and under expert parallelism its
+    experts' (cached: a search asks often)."""
     layout = dataclasses.replace(lay, micro_batch_size=1, recompute="none")  # what the parameters depend on
-    return _rank_buffer(_model_key(m), layout, pp_rank, bucket_bytes, grad_bytes)
+    return _rank_buffers(_model_key(m), layout, pp_rank, bucket_bytes, grad_bytes)
 
 
 def zero3_gathered_elements(m: ModelConfig, lay: Layout, pp_rank: int, bucket_numel: int) -> int:
@@ -275,28 +304,29 @@ def model_state_bytes(
     """Bytes of weights, gradients (`grad_bytes` an element: GRAD_BYTES) and optimizer state (device, host) of
     one rank of pipeline rank `pp_rank`: equal to what loom allocates (tests/test_plan_bytes.py). A bf16 gradient
     buffer's shard is also copied to fp32 for the optimizer's step, after backward: not at the peak counted."""
-    count, total, deferred = rank_buffer(m, lay, pp_rank, bucket_bytes, grad_bytes)
     weight_bytes = 4 if precision == "fp32" else 2
-    replicas = lay.replicas
-    buffered = replicas > 1 or lay.zero >= 1 or precision != "fp32"
-    if not buffered:
-        total, deferred = count, 0
-    if not buffered:
-        grads = 4 * count  # autograd's param.grad
-    elif lay.zero >= 2:
-        grads = grad_bytes * (deferred + total // replicas)
-    else:
-        grads = grad_bytes * total
+    grads = state = weights = sharded = 0
+    for buffer in rank_buffers(m, lay, pp_rank, bucket_bytes, grad_bytes):
+        count, total, deferred, replicas = buffer.count, buffer.total, buffer.deferred, buffer.replicas
+        buffered = replicas > 1 or lay.zero >= 1 or precision != "fp32"
+        if not buffered:
+            total, deferred = count, 0
+        if not buffered:
+            grads += 4 * count  # autograd's param.grad
+        elif lay.zero >= 2:
+            grads += grad_bytes * (deferred + total // replicas)
+        else:
+            grads += grad_bytes * total
+        sharded += total // replicas if lay.zero >= 1 else count
+        # ZeRO-3: a shard of every bucket, except the deferred ones (summed over a model-parallel group), kept whole
+        weights += weight_bytes * ((total - deferred) // replicas + deferred if lay.zero == 3 else count)
     # fp32 weights are their own master, unless the optimizer holds a shard of them or holds them on the host
     master = 0 if precision == "fp32" and lay.zero == 0 and lay.offload == "none" else 1
-    sharded = total // replicas if lay.zero >= 1 else count
     if optimizer == "adafactor":  # no first moment; a matrix's second moment as its row and column means (no ZeRO)
         moments = sum(_factored_moments(q.shape) if q.shape else q.size for q in rank_parameters(m, lay, pp_rank))
         state = 4 * (master * sharded + moments)
     else:
         state = 4 * (master + {"adamw": 2, "lamb": 2, "sgd": 1}[optimizer]) * sharded
-    # ZeRO-3: a shard of every bucket, except the deferred ones (summed over a model-parallel group), kept whole
-    weights = weight_bytes * ((total - deferred) // replicas + deferred if lay.zero == 3 else count)
     if lay.offload != "cpu":
         return {"params": weights, "grads": grads, "optimizer": state, "host": 0}
     # on the host: the optimizer state and an fp32 copy of the reduced gradients it steps with

@@ -7,6 +7,8 @@ From the model FLOPs of engine/flops.py (the one FLOP count) and the bytes of to
 - tensor parallelism: 4 all-reduce-volumes of s x b x h per layer and micro-batch (2 forward, 2 backward; an
   all-gather plus a reduce-scatter under sequence parallelism, same volume), over NVLink inside a node;
 - context parallelism: each layer's keys and values around the ring, partly behind the attention;
+- expert parallelism: each expert block's all-to-alls of its tokens' rows (to the experts and back, forward and
+  backward), the load balanced, not overlapped;
 - data parallelism: the gradient reduce-scatter (all-reduce without ZeRO) and the parameter all-gather, hidden
   only behind the last micro-batch's backward and the first one's forward (Megatron reduces after the last);
 - the pipeline bubble (pp - 1) / (vp x m) of the compute (Narayanan et al. 2021), and the p2p transfers;
@@ -32,10 +34,11 @@ from loom.tools.plan_bytes import (
     fp8_weight_bytes,
     native_blocks,
     norm_reductions_per_layer,
-    rank_buffer,
+    rank_buffers,
+    rank_layers,
     tp_collectives_per_layer,
 )
-from loom.tools.plan_traffic import cp_ring_transfers
+from loom.tools.plan_traffic import cp_ring_transfers, expert_dispatch_bytes
 
 GPUS_FILE = Path(__file__).with_name("gpus.toml")
 GB = 1e9
@@ -154,6 +157,7 @@ def step_seconds(config: LoomConfig, lay: Layout, hw: Hardware, engine: Engine) 
         "bubble": compute * (lay.pp - 1) / (lay.vp * shape.microbatches),
         "p2p": _p2p_seconds(config, lay, hw, shape),
         "cp": _cp_seconds(config, lay, hw, flops, shape),
+        "ep": _ep_seconds(config, lay, hw, shape),
         "other": hw.efficiency["step_overhead_s"] + _offload_seconds(config, lay, hw, shape),
     }
 
@@ -260,18 +264,37 @@ def _cp_seconds(config: LoomConfig, lay: Layout, hw: Hardware, flops: TokenFlops
     return max(0.0, ring_seconds - hw.efficiency["cp_overlap"] * attention_seconds)
 
 
+def _ep_seconds(config: LoomConfig, lay: Layout, hw: Hardware, shape: StepShape) -> float:
+    """Expert parallel: EP ranks are DP ranks tp x cp apart, so an all-to-all stays in a node while tp x cp x ep
+    fits; (ep - 1) / ep of what a rank sends leaves it, at the link's bandwidth and one latency per peer."""
+    if lay.ep == 1:
+        return 0.0
+    m = config.model
+    bandwidth = hw.intra_node_gb_s if lay.tp * lay.cp * lay.ep <= hw.gpus_per_node else hw.inter_node_gb_s
+    sent = sum(expert_dispatch_bytes(m, lay, config.train.seq_length, shape.element, "rows").values())
+    calls = 3 + 2 + 3 * (lay.recompute == "full")  # counts, rows and outputs forward; two gradients backward
+    one_block = (lay.ep - 1) / lay.ep * sent / (bandwidth * GB) + calls * (lay.ep - 1) * hw.latency_us * 1e-6
+    blocks = max(sum(m.has_experts(layer) for layer in rank_layers(m.num_layers, lay, r)) for r in range(lay.pp))
+    return one_block * blocks * shape.microbatches
+
+
 def _dp_seconds(
     config: LoomConfig, lay: Layout, hw: Hardware, engine: Engine, shape: StepShape, micro_compute: float
 ) -> float:
     """Data parallel: DP x CP ranks are tp apart (engine/parallel/state.py), so a group stays in a node while
-    tp x dp x cp fits."""
-    m, e = config.model, hw.efficiency
+    tp x dp x cp fits; under expert parallelism the experts' gradients over their own ranks (dp / ep x cp)."""
+    e = hw.efficiency
     dp_bandwidth = hw.intra_node_gb_s if lay.tp * lay.replicas <= hw.gpus_per_node else hw.inter_node_gb_s
-    stage_params = max(rank_buffer(m, lay, r, shape.bucket_bytes)[0] for r in {0, lay.pp - 1})
-    scatter = _ring_seconds(
-        stage_params * (engine.grad_reduce_bytes or shape.grad_bytes), lay.replicas, dp_bandwidth, hw.latency_us
-    )
-    gather = _ring_seconds(stage_params * shape.element, lay.replicas, dp_bandwidth, hw.latency_us) if lay.zero else 0.0
+    largest: dict[str, tuple[int, int]] = {}  # each buffer's (elements, ranks) on the first or last stage, the larger
+    for r in {0, lay.pp - 1}:
+        for buffer in rank_buffers(config.model, lay, r, shape.bucket_bytes):
+            largest[buffer.group] = max(largest.get(buffer.group, (0, 0)), (buffer.count, buffer.replicas))
+    scatter = gather = 0.0
+    for count, replicas in largest.values():
+        scatter += _ring_seconds(
+            count * (engine.grad_reduce_bytes or shape.grad_bytes), replicas, dp_bandwidth, hw.latency_us
+        )
+        gather += _ring_seconds(count * shape.element, replicas, dp_bandwidth, hw.latency_us) if lay.zero else 0.0
     backward_window = e["dp_overlap"] * micro_compute * 2 / 3  # dp_overlap micro-batches' backward
     if lay.zero == 2:  # a reduce-scatter per micro-batch, each behind its own backward
         reduce_exposed = shape.microbatches * max(0.0, scatter - backward_window)
@@ -303,9 +326,9 @@ def _offload_seconds(config: LoomConfig, lay: Layout, hw: Hardware, shape: StepS
     if lay.offload != "cpu":
         return 0.0
     shard = max(
-        (total // lay.replicas if lay.zero >= 1 else count)
-        for count, total, _ in (
-            rank_buffer(config.model, lay, r, shape.bucket_bytes, shape.grad_bytes) for r in {0, lay.pp - 1}
+        sum(buffer.total // buffer.replicas if lay.zero >= 1 else buffer.count for buffer in buffers)
+        for buffers in (
+            rank_buffers(config.model, lay, r, shape.bucket_bytes, shape.grad_bytes) for r in {0, lay.pp - 1}
         )
     )
     return shard * (8 / (hw.pcie_gb_s * GB) + hw.efficiency["host_adam_bytes"] / (hw.host_memory_gb_s * GB))

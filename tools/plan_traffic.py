@@ -18,7 +18,7 @@ from loom.tools.plan_bytes import (
     GRAD_BYTES,
     Layout,
     norm_reductions_per_layer,
-    rank_buffer,
+    rank_buffers,
     rank_layers,
     rank_parameters,
     tp_collectives_per_layer,
@@ -38,6 +38,18 @@ def cp_ring_transfers(m: ModelConfig, lay: Layout, local: int) -> tuple[int, int
 _DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
+def expert_dispatch_bytes(m: ModelConfig, lay: Layout, seq_length: int, element: int, dtype: str) -> dict[str, int]:
+    """Bytes one rank sends through its EP group's all-to-alls for one expert block and micro-batch, by dtype
+    (`dtype`: the compute dtype's name, `element` bytes), the load balanced (each rank computing as many rows as it
+    sends; engine/model/moe.MoEMLP._experts_across_ranks): the counts per expert (int64), its rows of hidden states
+    (one per token and choice, every token of the micro-batch's sequences, gathered under sequence parallelism: TP
+    ranks send alike) to their experts, the experts' outputs back, and both rows' gradients in backward; full
+    recompute sends the forward's again."""
+    rows = seq_length // lay.cp * lay.micro_batch_size * m.moe_top_k * m.hidden_size * element
+    forward = 1 + (lay.recompute == "full")
+    return {"int64": 8 * m.num_experts * forward, dtype: rows * (2 * forward + 2)}
+
+
 def step_traffic(config: LoomConfig, lay: Layout, pp_rank: int = 0) -> dict[tuple[str, str, str], int]:
     """Bytes one rank of pipeline rank `pp_rank` sends per step, by (group, op, dtype), counted as loom's
     communication ledger counts them (engine/comm_ledger.py: an all-gather's output, a reduce-scatter's input,
@@ -54,17 +66,24 @@ def step_traffic(config: LoomConfig, lay: Layout, pp_rank: int = 0) -> dict[tupl
     chunks = [c * lay.pp + pp_rank for c in range(lay.vp)]
     traffic: dict[tuple[str, str, str], int] = collections.Counter()
     grad_group = "grad" if lay.cp > 1 else "dp"  # DP x CP (ParallelState.grad_group)
-    if lay.replicas > 1:
-        _, total, deferred = rank_buffer(m, lay, pp_rank, bucket_bytes, grad_bytes)
+    for buffer in rank_buffers(m, lay, pp_rank, bucket_bytes, grad_bytes):  # the weights', the experts' (ep > 1)
+        if buffer.replicas == 1:
+            continue
+        total, deferred, group = buffer.total, buffer.deferred, buffer.group
         if lay.zero == 0:
-            traffic[(grad_group, "all_reduce", grad_dtype)] += grad_bytes * total
+            traffic[(group, "all_reduce", grad_dtype)] += grad_bytes * total
         else:
             per_step = grad_bytes * ((total - deferred) * (microbatches if lay.zero >= 2 else 1) + deferred)
-            traffic[(grad_group, "reduce_scatter", grad_dtype)] += per_step
+            traffic[(group, "reduce_scatter", grad_dtype)] += per_step
             # ZeRO-3 gathers the sharded buckets for every micro-batch's forward and again for its backward,
             # and the whole (deferred) ones once after the step as ZeRO 1 and 2 gather everything
             gathered = 2 * microbatches * (total - deferred) + deferred if lay.zero == 3 else total
-            traffic[(grad_group, "all_gather", dtype)] += element * gathered
+            traffic[(group, "all_gather", dtype)] += element * gathered
+    if lay.ep > 1:  # each expert block's rows to their experts' ranks and back
+        blocks = sum(m.has_experts(layer) for layer in rank_layers(m.num_layers, lay, pp_rank))
+        for sent_dtype, sent in expert_dispatch_bytes(m, lay, t.seq_length, element, dtype).items():
+            traffic[("ep", "all_to_all", sent_dtype)] += microbatches * blocks * sent
+    if lay.replicas > 1:
         traffic[(grad_group, "all_reduce", "float32")] += 4 * (1 + len(m.router_loss_metrics))  # the loss sums
         if m.moves_expert_biases:  # each block's loads per expert, once a step (moe.update_expert_biases)
             biased = sum(m.has_experts(layer) for layer in rank_layers(m.num_layers, lay, pp_rank))
