@@ -385,8 +385,8 @@ def _add_export_hf(sub) -> None:
     p = sub.add_parser(
         "export-hf",
         help="write a Hugging Face model (safetensors + config.json): Llama-format (Qwen2, Qwen3, Phi-3, Granite, "
-        "OLMo 2, Nemotron, Gemma; Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE for a mixture of experts), or GPT-2 for a "
-        "GPT-2-shaped one",
+        "OLMo 2, Nemotron, Gemma; Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE, MiniMax-M2, GLM-4.5 for a mixture of "
+        "experts), or GPT-2 for a GPT-2-shaped one",
     )
     _checkpoint_input(p, "the checkpoint to export")
     _checkpoint_output(p, "a folder of its own for model.safetensors and config.json")
@@ -433,13 +433,14 @@ def _add_import_hf(sub) -> None:
     p = sub.add_parser(
         "import-hf",
         help="turn a Hugging Face model directory (Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite, OLMo 2, Nemotron, "
-        "Gemma, Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE, GPT-2) into a loom checkpoint",
+        "Gemma, Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE, MiniMax-M2, GLM-4.5, GPT-2) into a loom checkpoint",
         description="Reads config.json and the *.safetensors weights (a shard index's files) of a LlamaForCausalLM, "
         "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM (Phi-3, Phi-3.5, Phi-4), "
         "GraniteForCausalLM, Olmo2ForCausalLM, NemotronForCausalLM, GemmaForCausalLM (Gemma 2 and 3's too; an "
         "image-text Gemma 3's text model), MixtralForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM, "
-        "Qwen2MoeForCausalLM or GPT2LMHeadModel, with default, linear, llama3, longrope or yarn "
-        "RoPE, and writes a loom checkpoint of step 0 with that model's [model] settings, loadable in any layout."
+        "Qwen2MoeForCausalLM, MiniMaxM2ForCausalLM, Glm4MoeForCausalLM or GPT2LMHeadModel, with default, linear, "
+        "llama3, longrope or yarn RoPE, and writes a loom checkpoint of step 0 with that model's [model] settings, "
+        "loadable in any layout."
         " A setting loom cannot compute alike is refused, never dropped; a sliding window is model.sliding_window"
         " (a Qwen's, over its later layers alone, becomes max_position_embeddings, where full attention computes "
         "the same). Example: loom ckpt import-hf --input Llama-3.2-1B --output imported/llama-1b, then fine-tune "

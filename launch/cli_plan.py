@@ -89,6 +89,11 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
     from loom.tools.plan import load_hardware, plan, plot, table
 
     config = load_config(args.config, _fp8_as_loom_runs_it(overrides))
+    if config.lora.enabled:
+        raise ConfigError(
+            f"loom plan models full training, not LoRA (lora.rank = {config.lora.rank}: frozen weights, adapters "
+            "alone in the optimizer): plan the base model's config without --lora.*, an upper bound for its LoRA run"
+        )
     hardware = load_hardware(args.gpu, args.gpus_per_node)
     per_node = hardware.gpus_per_node
     if args.gpus > per_node and args.gpus % per_node:
@@ -150,6 +155,13 @@ def _fixed_layout(config, args: argparse.Namespace, overrides: list[str]) -> dic
         raise ConfigError(refusal)
     if "offload" in fixed and (refusal := config.optim.offload_refusal(fixed["offload"])):
         raise ConfigError(refusal)
+    if "ep" in fixed and (refusal := config.expert_parallel_refusal(fixed["ep"])):
+        raise ConfigError(refusal)
+    if fixed.get("ep", 1) > 1 and fixed.get("zero") == 3:
+        raise ConfigError(
+            f"optim.zero = 3 with parallel.ep = {fixed['ep']}: loom's ZeRO-3 gathers whole blocks over DP, experts "
+            "included; use zero=2 (or 1) with expert parallelism"
+        )
     if refusal := config.model.context_parallel_refusal(fixed.get("cp", 1), config.train.seq_length):
         raise ConfigError(refusal)  # said, not left to "no layout divides this model"
     if "tp" in fixed:

@@ -285,6 +285,7 @@ BAD_OVERRIDES = [
     ["--train.global_batch_size", HUGE],
     ["--parallel.tp", "0"],
     ["--parallel.tp", "x"],
+    ["--lora.rank", "4"],  # train: no lora.base; plan: LoRA is not modelled
     ["--parallel.ep", "0"],
     ["--parallel.ep", "-1"],
     ["--parallel.ep", HUGE],

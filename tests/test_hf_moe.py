@@ -149,6 +149,7 @@ def test_a_lora_run_on_an_imported_mixtral_exports_an_adapter_peft_loads_onto_it
     import_hf(tmp_path / "hf", tmp_path / "base")
     args = tiny_train_args(markov_dataset(60, vocab_size=VOCAB), tmp_path / "run", "--lora.rank", "4")
     args += ["--lora.base", str(tmp_path / "base"), "--train.steps", "3", "--train.seq_length", "64"]
+    args += ["--model.num_experts", "4"]  # restating the base's experts narrows the default targets all the same
     args += [
         "--optim.lr",
         "0.05",
@@ -357,6 +358,41 @@ def test_routing_and_dense_layers_loom_cannot_compute_alike_are_refused_on_impor
     with pytest.raises(CheckpointError, match=refusal):
         import_hf(tmp_path / "hf", tmp_path / "loom")
     assert not (tmp_path / "loom").exists()
+
+
+def test_experts_of_different_shapes_are_refused_not_stacked(tmp_path):
+    """Each expert's tensors stack into one only if all have one shape: rows moved from one expert's to another's
+    keep the total (and were stacked with the rows given to the wrong experts); one of them grown by a row fails
+    the stack's shape. Both are refused in one line naming the tensors."""
+    from safetensors.torch import load_file, save_file
+
+    from loom.engine.checkpoint.format import CheckpointError
+    from loom.tools.hf import import_hf
+
+    _moe_model("mixtral").save_pretrained(str(tmp_path / "hf"))
+    path = tmp_path / "hf" / "model.safetensors"
+    tensors = load_file(str(path))
+    first, second = (f"model.layers.1.block_sparse_moe.experts.{e}.w1.weight" for e in (0, 1))
+    moved = {**tensors, first: torch.cat([tensors[first], tensors[second][:4]]), second: tensors[second][4:]}
+    grown = {**tensors, first: torch.cat([tensors[first], tensors[first][:1]])}
+    for name, edited in (("moved", moved), ("grown", grown)):
+        save_file(edited, str(path), metadata={"format": "pt"})
+        with pytest.raises(CheckpointError, match="which do not stack into loom's layers.1.mlp.experts.fc1.weight"):
+            import_hf(tmp_path / "hf", tmp_path / name)
+        assert not (tmp_path / name).exists()
+
+
+def test_router_jitter_is_said_to_be_left_out(tmp_path, capfd):
+    """Mixtral's router_jitter_noise perturbs the router's input in training only: imported without it, said."""
+    import json as json_module
+
+    from loom.tools.hf import import_hf
+
+    _moe_model("mixtral").save_pretrained(str(tmp_path / "hf"))
+    config = json_module.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json_module.dumps({**config, "router_jitter_noise": 0.1}))
+    import_hf(tmp_path / "hf", tmp_path / "loom")
+    assert "router_jitter_noise 0.1 (noise on the router's input while training) is left out" in capfd.readouterr().err
 
 
 def test_quantized_files_are_refused_with_what_to_do(tmp_path):

@@ -309,6 +309,8 @@ def test_readme_lora_recipe_on_a_model_transformers_wrote(dataset, tmp_path, mon
         "--parallel.tp", "2", "--lora.rank", "8", "--lora.base", "runs/base",
     )  # fmt: skip
     assert "trainable parameters of" in out and "hidden_size: 128 -> 64" in out
+    # the base's context, not the preset's default (no flag asked for a longer one), said with the rest
+    assert "max_position_embeddings: 4096 -> 256" in out
     _loom("ckpt", "merge-lora", "--checkpoint", "runs/lora", "--output", "runs/lora-merged/checkpoints")
     _loom("ckpt", "export-hf", "--checkpoint", "runs/lora-merged", "--output", "hf-merged")
     exported = json.loads((tmp_path / "hf-merged" / "config.json").read_text())

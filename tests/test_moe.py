@@ -354,7 +354,7 @@ def _biased_runs(rank, world, dataset, run_dir):
 def test_experts_biases_move_towards_balance_and_resume_from_a_checkpoint_under_another_layout(dataset, tmp_path):
     from loom.engine.checkpoint.format import read_metadata
     from loom.engine.checkpoint.load import PieceReader
-    from loom.tools.ckpt import reshard
+    from loom.tools.ckpt import inspect, reshard
 
     losses, resumed, saved = run_ranks(_biased_runs, 2, dataset, str(tmp_path))[0]
     assert any(bias.abs().sum() > 0 for bias in saved.values())
@@ -366,3 +366,6 @@ def test_experts_biases_move_towards_balance_and_resume_from_a_checkpoint_under_
         stage = int(name.split(".")[1]) // 2
         assert metadata.index[f"buffer/{name}"] == f"rank{stage * 2:05d}.safetensors"
         assert torch.equal(PieceReader(resharded, metadata).tensor(f"buffer/{name}"), bias)
+    # and `loom ckpt inspect` lists them after the parameters
+    listed = inspect(resharded).splitlines()
+    assert listed[-len(saved) :] == [f"{name:48} {'(4,)':>18} {'(buffer)':>12}  -" for name in sorted(saved)]

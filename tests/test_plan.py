@@ -378,6 +378,48 @@ def test_plan_recommends_only_what_loom_runs(capsys):
     assert code == 2 and err == "error: tp=8 x pp=4 takes 32 GPUs at a time, which --gpus 8 cannot be split into\n"
 
 
+def test_plan_searches_expert_parallelism_and_recommends_only_what_loom_runs(capsys):
+    """mixtral-8x7b on 64 H100s: expert parallelism is searched (the fastest layouts divide the experts among DP
+    ranks), every layout listed is one loom trains, --parallel.ep holds it as --layout ep= does; a LoRA run is not
+    planned as a full one."""
+    from loom.engine.config_io import load_config
+    from loom.launch.cli import main
+
+    def plan(*argv: str) -> tuple[int, str, str]:
+        with pytest.raises(SystemExit) as exited:
+            main(["plan", "--config", "mixtral-8x7b", "--gpus", "64", *argv])
+            raise SystemExit(0)
+        out, err = capsys.readouterr()
+        return exited.value.code, out, err
+
+    code, out, _ = plan("--json", "--top", "20")
+    layouts = json.loads(out)["layouts"]
+    assert code == 0 and layouts[0]["fits"] and layouts[0]["ep"] > 1
+    for row in layouts:
+        config = load_config(
+            "mixtral-8x7b",
+            {
+                "parallel": {key: row[key] for key in ("tp", "cp", "pp", "vp", "ep")},
+                "model": {"recompute": row["recompute"]},
+                "optim": {"zero": row["zero"], "offload": row["offload"]},
+                "train": {"micro_batch_size": row["micro_batch_size"]},
+            },
+        )
+        config.resolve_world(64)
+        assert config.parallel.dp == row["dp"]
+    held = plan("--json", "--top", "50", "--parallel.ep", "4")[1]
+    assert {row["ep"] for row in json.loads(held)["layouts"]} == {4}
+    assert held == plan("--json", "--top", "50", "--layout", "ep=4")[1]
+    for layout, message in (
+        ("ep=3", "parallel.ep = 3 does not divide model.num_experts = 8"),
+        ("ep=2,zero=3", "optim.zero = 3 with parallel.ep = 2"),
+    ):
+        code, _, err = plan("--layout", layout)
+        assert code == 2 and err.startswith(f"error: {message}") and err.count("\n") == 1
+    code, _, err = plan("--lora.rank", "4", "--lora.base", "somewhere")
+    assert code == 2 and err.startswith("error: loom plan models full training, not LoRA") and err.count("\n") == 1
+
+
 def test_the_table_adds_up_and_nothing_fits_says_what_offloading_would_fit(capsys):
     """llama-70b on 8 H100s: the table's step time had no `other` column (10 s of 1,290 missing from the sum) and
     an offloaded optimizer's host memory was only in --json; nothing fitting said nothing of offloading."""

@@ -23,6 +23,7 @@ from loom.engine.checkpoint.format import (
     CheckpointLayout,
     CheckpointMetadata,
     buffer_key,
+    buffer_names,
     commit,
     find_loadable,
     foreign_checkpoint_hint,
@@ -201,6 +202,8 @@ def inspect(path: Path) -> str:
         total += count
         lines.append(f"{name:48} {str(shape):>18} {count:12,}  {', '.join(sorted(reader.states(name))) or '-'}")
     lines.append(f"total parameters {total:,}")
+    for name, key in sorted(buffer_names(metadata).items(), key=lambda item: _model_order(item[0])):
+        lines.append(f"{name:48} {str(reader.header(key)[1]):>18} {'(buffer)':>12}  -")
     return "\n".join(lines)
 
 

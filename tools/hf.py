@@ -292,7 +292,10 @@ def from_hf(tensors: Mapping[str, torch.Tensor], model: dict, phi3: bool = False
         hf_names = parts_of[name] = _hf_names(name, block_names, model["num_experts"])
         used.update(hf_names)
         parts = [tensors.shapes[hf] for hf in hf_names]
-        if len(parts) > 1 and (min(map(len, parts)) == 0 or len({part[1:] for part in parts}) > 1):
+        # (each expert's own tensors stack only if every one has the same shape: rows moved between two experts
+        # sum to the same total)
+        uneven = len({part if _stacks_experts(name) else part[1:] for part in parts}) > 1
+        if len(parts) > 1 and (min(map(len, parts)) == 0 or uneven):
             shown = first_few([str(part) for part in parts])
             raise CheckpointError(
                 f"{first_few(list(hf_names))} have shapes {shown}, which do not stack into loom's {name}"

@@ -19,6 +19,8 @@ expert's gate rows then its up rows; mlp.experts.fc2.weight [experts, hidden, ff
 
 from __future__ import annotations
 
+import sys
+
 from loom.engine.checkpoint.format import CheckpointError
 from loom.engine.model import naming
 
@@ -242,6 +244,12 @@ def refuse_unrepresentable_moe(hf: dict) -> None:
         raise CheckpointError("config.json sets use_sliding_window; loom's Qwen-MoE imports take no sliding window")
     if kind == "olmoe" and hf.get("clip_qkv") is not None:
         raise CheckpointError(f"config.json clips q, k and v at {hf['clip_qkv']} (clip_qkv); loom does not clip them")
+    if jitter := hf.get("router_jitter_noise"):  # training's alone: the model computes alike without it
+        print(
+            f"note: config.json's router_jitter_noise {jitter} (noise on the router's input while training) is left "
+            "out: loom's router takes none; the model computes as its class does in evaluation",
+            file=sys.stderr,
+        )
 
 
 def moe_form_refusals(model: dict) -> dict:

@@ -60,6 +60,7 @@ class Estimate:
             "vp": lay.vp,
             "dp": lay.dp,
             "cp": lay.cp,
+            "ep": lay.ep,
             "micro_batch_size": lay.micro_batch_size,
             "recompute": lay.recompute,
             "zero": lay.zero,
@@ -219,10 +220,10 @@ def candidates(config: LoomConfig, gpus: int, hw: Hardware, fixed: dict | None =
     cps = [cp for cp in choices("cp", (1, 2, 4, 8)) if m.context_parallel_refusal(cp, t.seq_length) is None]
     zeros = [zero for zero in choices("zero", (0, 1, 2, 3)) if config.zero_refusal(zero) is None]
 
-    def expert_parallel(dp: int) -> list[int]:  # Adafactor takes none (LoomConfig.check_experts)
-        if not m.moe or config.optim.name == "adafactor":
-            return choices("ep", [1])
-        return [ep for ep in choices("ep", _divisors(dp)) if dp % ep == 0 and m.num_experts % ep == 0]
+    def expert_parallel(dp: int) -> list[int]:
+        return [
+            ep for ep in choices("ep", _divisors(dp)) if dp % ep == 0 and config.expert_parallel_refusal(ep) is None
+        ]
 
     offloads = [offload for offload in choices("offload", ("none",)) if config.optim.offload_refusal(offload) is None]
     found = []

@@ -116,33 +116,41 @@ class LoomConfig:
     def check_experts(self) -> None:
         """What a mixture of experts (model.num_experts) does not compose with (again once a LoRA run has taken its
         base's model)."""
-        ep = self.parallel.ep
+        if refusal := self.expert_parallel_refusal(self.parallel.ep):
+            raise ConfigError(refusal)
         if not self.model.moe:
-            if ep > 1:
-                raise ConfigError(
-                    f"parallel.ep = {ep} divides experts among ranks, and model.num_experts is not set (a dense "
-                    "model): use --parallel.ep 1"
-                )
             return
         experts = f"model.num_experts = {self.model.num_experts}"
-        if self.model.num_experts % ep:
-            raise ConfigError(f"parallel.ep = {ep} does not divide {experts} into equal shares")
-        if ep > 1 and self.optim.name == "adafactor":
-            raise ConfigError(
-                f"parallel.ep = {ep} with optim.name = adafactor: its factored moments are kept per TP rank, not per "
-                "rank's experts; use --optim.name adamw (or sgd, lamb) with expert parallelism"
-            )
         if self.train.fp8 != "off":
             raise ConfigError(
                 f"train.fp8 = {self.train.fp8} with {experts}: loom's experts run grouped bf16 GEMMs, not FP8; use "
                 "--train.fp8 off"
             )
         on_experts = [target for target in self.lora.targets if target in ("fc1", "fc2")]
-        if self.lora.enabled and on_experts:
+        chosen = self.lora.targets != list(LORA_TARGETS)  # the default narrows to attention's (adopt_lora_base)
+        if self.lora.enabled and on_experts and chosen:
             raise ConfigError(
                 f"lora.targets {' '.join(on_experts)} with {experts}: adapters sit on dense linear layers, not on "
                 "experts; use --lora.targets qkv proj"
             )
+
+    def expert_parallel_refusal(self, ep: int) -> str | None:
+        """Why this run cannot divide its experts among `ep` ranks (training and the planner's search), or None."""
+        if ep == 1:
+            return None
+        if not self.model.moe:
+            return (
+                f"parallel.ep = {ep} divides experts among ranks, and model.num_experts is not set (a dense model): "
+                "use --parallel.ep 1"
+            )
+        if self.model.num_experts % ep:
+            return f"parallel.ep = {ep} does not divide model.num_experts = {self.model.num_experts} into equal shares"
+        if self.optim.name == "adafactor":
+            return (
+                f"parallel.ep = {ep} with optim.name = adafactor: its factored moments are kept per TP rank, not per "
+                "rank's experts; use --optim.name adamw (or sgd, lamb) with expert parallelism"
+            )
+        return None
 
     def _loads_its_own_run_dir(self) -> bool:
         """checkpoint.load names this run's own directory (or its checkpoints/), where it resumes from by itself."""

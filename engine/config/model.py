@@ -373,7 +373,8 @@ class ModelConfig:
             if given:
                 raise ConfigError(
                     f"model.{given[0]} is set but model.num_experts is not (a dense MLP): give --model.num_experts "
-                    "N for a mixture of experts, or drop the moe settings"
+                    "N for a mixture of experts, or drop the moe settings (a LoRA run takes its base's experts and "
+                    "freezes its router)"
                 )
             return
         if self.moe_top_k > self.num_experts:

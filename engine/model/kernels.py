@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from loom.engine.config import ConfigError, LoomConfig, ModelConfig
-from loom.engine.model.compiling import BACKEND_VARIABLE
+from loom.engine.model.compiling import BACKEND_VARIABLE, block_backend
 from loom.engine.parallel.vocab import padded_vocab_size
 
 FP8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with FP8 tensor cores
@@ -455,8 +455,9 @@ def choose_kernels(config: LoomConfig, device: torch.device, capability: tuple[i
     compiled = f"model.compile = {m.compile}" + (
         f" ({'compiled' if compiles else 'eager'} on {device.type})" if m.compile == "auto" else ""
     )
-    if compiles and os.environ.get(BACKEND_VARIABLE):
-        compiled += f" (blocks by {os.environ[BACKEND_VARIABLE]}: {BACKEND_VARIABLE})"
+    if os.environ.get(BACKEND_VARIABLE):  # a name torch.compile does not know is refused here, before any rank runs
+        backend = block_backend()
+        compiled += f" (blocks by {backend}: {BACKEND_VARIABLE})" if compiles else f" ({BACKEND_VARIABLE} unused)"
     if te_ok:
         norm = Choice(f"te.{norm_name}", te_why)
     else:

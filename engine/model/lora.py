@@ -164,7 +164,8 @@ def adopt_base_model(config: LoomConfig) -> list[str]:
     changes, values = [], {}
     for field in dataclasses.fields(ModelConfig):
         ours, theirs = getattr(config.model, field.name), getattr(base, field.name)
-        if field.name == "max_position_embeddings" and base.position_embedding == "rope":
+        flagged = field.name in config.model_fields_flagged
+        if field.name == "max_position_embeddings" and base.position_embedding == "rope" and flagged:
             theirs = max(ours, theirs)  # RoPE has no position weights: a longer context is the run's to choose
         if field.name in frozen:
             values[field.name] = 0.0
