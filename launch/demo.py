@@ -7,7 +7,8 @@ checkpoint resharded and training resumed under another layout (pipeline x conte
 2 ranks, ring attention; ZeRO-3, weights sharded too, with the optimizer offloaded to the CPU) -> evaluation ->
 Hugging Face export -> Megatron-LM export and its import back -> the whole model fine-tuned from its weights (bf16,
 ZeRO-2) -> LoRA adapters fine-tuned on it, merged, and exported for PEFT -> a mixture-of-experts variant trained under
-tensor and sequence parallelism and exported as a Mixtral -> the run continued as a Slurm job (where sbatch is on
+tensor and sequence parallelism and exported as a Mixtral, and with DeepSeek-V3's routing under expert parallelism
+-> the run continued as a Slurm job (where sbatch is on
 PATH) -> a summary. Each step's outputs stay in the work directory, so the next command (`loom train
 --config configs/tiny.toml ...`) can reuse them. Steps whose outputs already exist are reused, not redone. The data
 steps (1-5) are launch/demo_data.py's.
@@ -336,15 +337,21 @@ def _experts(workdir: Path, config, steps: int) -> dict:
     exported = export_hf(Path(moe.train.run_dir), workdir / "hf-moe")
     print(f"exported {exported} in {time.perf_counter() - start:.1f} s")
     # DeepSeek-V3's routing: sigmoid scores and auxiliary-loss-free balancing, each expert's bias moved towards the
-    # batch's mean load after every step (one rank: the biases are the same on every rank of a stage)
-    print("the same with DeepSeek-V3's routing: sigmoid scores, experts' biases instead of most of the balancing loss")
+    # batch's mean load after every step; under expert parallelism, each rank holding two of the four experts, and
+    # group-limited routing with a group per rank (DeepSeek-V2's device-limited routing: a token's experts on one rank)
+    print(
+        "the same with DeepSeek-V3's routing (sigmoid scores, experts' biases instead of most of the balancing loss) "
+        "on 2 ranks each holding two of the four experts (parallel.ep = 2), a token's two experts on one of them "
+        "(model.moe_router_groups = 2)"
+    )
     biased = load_config(None, config_to_dict(moe))
     routing = {"moe_router_score": "sigmoid", "moe_expert_bias": True, "moe_expert_bias_rate": 0.01}
+    routing.update(moe_router_groups=2, moe_router_group_top_k=1)
     biased.model = dataclasses.replace(biased.model, **routing, moe_aux_loss_coeff=0.0001)  # DeepSeek-V3's weight
-    biased.parallel.tp, biased.parallel.sequence_parallel, biased.parallel.dp = 1, False, None
+    biased.parallel.tp, biased.parallel.sequence_parallel, biased.parallel.dp, biased.parallel.ep = 1, False, None, 2
     biased.train.run_dir = str(workdir / "runs" / "tiny-moe-biased")
-    biased.resolve_world(1)
-    launch_local(biased, 1)
+    biased.resolve_world(2)
+    launch_local(biased, 2)
     biases = saved_expert_biases(*find_loadable(Path(biased.train.run_dir)))
     return {
         "moe_loss": (rows[0]["loss"], rows[-1]["loss"]),
@@ -448,7 +455,8 @@ def _print_summary(summary: dict) -> None:
     print(
         f"experts      4 a block, top 2, tp=2 SP: loss {first:.3f} -> {last:.3f}, load balance "
         f"{summary['moe_balance']:.2f} a block (1 is even); {summary['moe_hf']} (a MixtralForCausalLM); "
-        f"DeepSeek-V3's routing: experts' biases {summary['moe_biases'][0]:+.2f} .. {summary['moe_biases'][1]:+.2f}"
+        f"DeepSeek-V3's routing at ep 2: experts' biases {summary['moe_biases'][0]:+.2f} .. "
+        f"{summary['moe_biases'][1]:+.2f}"
     )
     print(f"sample       {summary['sample']!r}  (loom generate --checkpoint {summary['run_dir']}-resumed/checkpoints)")
     slurm = summary.get("slurm")

@@ -121,7 +121,9 @@ def test_demo_runs_end_to_end(tmp_path, monkeypatch, capfd):
     assert [row["step"] for row in moe if "loss" in row] == [1, 2] and all(row["moe_aux_loss"] > 0 for row in moe)
     assert json.loads((tmp_path / "hf-moe/config.json").read_text())["architectures"] == ["MixtralForCausalLM"]
     assert "experts      4 a block, top 2, tp=2 SP: loss " in result.stdout
-    assert "DeepSeek-V3's routing: experts' biases -" in result.stdout  # the biases moved, some down
+    assert "DeepSeek-V3's routing at ep 2: experts' biases -" in result.stdout  # the biases moved, some down
+    biased = json.loads(next((tmp_path / "runs/tiny-moe-biased/checkpoints").glob("iter_*/metadata.json")).read_text())
+    assert biased["layout"]["ep"] == 2 and biased["config"]["model"]["moe_router_groups"] == 2
     assert (tmp_path / "hf/tokenizer.model").read_bytes() == (tmp_path / "data/tokenizer.model").read_bytes()
     assert (tmp_path / "data/stdlib_text_document.idx").exists()
     assert json.loads((tmp_path / "data/clean/stats.json").read_text())["kept"] > 70

@@ -106,7 +106,8 @@ class ModelConfig:
     MLPs (each model.moe_ffn_hidden_size wide, by default model.ffn_hidden_size; model.activation's kind) and a router
     that sends every token to model.moe_top_k of them (Mixtral's num_local_experts, Qwen3-MoE's num_experts,
     Megatron's --num-experts); None means one dense MLP. The experts are split across TP ranks as a dense MLP is
-    (each rank holds its slice of every expert; no expert parallelism)."""
+    (each rank holds its slice of every expert it holds: all of them, or 1/parallel.ep under expert
+    parallelism)."""
     moe_ffn_hidden_size: int | None = None
     """With model.num_experts: each expert's width (Megatron's --moe-ffn-hidden-size, Hugging Face's
     moe_intermediate_size); None: model.ffn_hidden_size, which is otherwise the width of the dense blocks'

@@ -11,6 +11,10 @@ group (ParamInfo.tp_partial_grad), and the router's losses (load balancing, z-lo
 back-propagated at 1 / tp of their weight on each (router_loss_gradient), through the block's output
 (_RouterLossGradient).
 
+Expert parallelism (parallel.ep) divides the experts among ep DP ranks (each TP rank still holding its slice of
+its own): the token choices, sorted by expert, go to the ranks holding their experts and the outputs come back
+through two all-to-alls (_experts_across_ranks), each rank computing its experts on every rank's rows for them.
+
 Routing follows Megatron's router: softmax or sigmoid scores, DeepSeek-V3's biases per expert (which choose experts
 but do not weigh them) and its group-limited choice (a token's experts from its best groups of experts), the GEMM
 and scores in fp32 where model.moe_router_fp32 says (as GLM-4.5's and DeepSeek-V3's classes compute them).
