@@ -214,7 +214,8 @@ def _index(args: argparse.Namespace, overrides: list[str]) -> None:
 
     config = load_config(args.config, overrides)
     p = config.parallel
-    copy.deepcopy(config).resolve_world(p.model_parallel_size * (p.dp or 1))  # what training would refuse, now
+    # what training would refuse, now (the fewest ranks its layout takes: dp a multiple of ep)
+    copy.deepcopy(config).resolve_world(p.model_parallel_size * (p.dp or p.ep))
     print(build_sample_indices(config))
 
 

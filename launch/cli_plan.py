@@ -151,17 +151,12 @@ def _fixed_layout(config, args: argparse.Namespace, overrides: list[str]) -> dic
         if key in fixed and fixed[key] != value:
             raise ConfigError(f"--layout says {key}={fixed[key]} but an override says {value}; give it once")
         fixed[key] = value
-    if "zero" in fixed and (refusal := config.zero_refusal(fixed["zero"])):
+    if "zero" in fixed and (refusal := config.zero_refusal(fixed["zero"], fixed.get("ep", 1))):
         raise ConfigError(refusal)
     if "offload" in fixed and (refusal := config.optim.offload_refusal(fixed["offload"])):
         raise ConfigError(refusal)
     if "ep" in fixed and (refusal := config.expert_parallel_refusal(fixed["ep"])):
         raise ConfigError(refusal)
-    if fixed.get("ep", 1) > 1 and fixed.get("zero") == 3:
-        raise ConfigError(
-            f"optim.zero = 3 with parallel.ep = {fixed['ep']}: loom's ZeRO-3 gathers whole blocks over DP, experts "
-            "included; use zero=2 (or 1) with expert parallelism"
-        )
     if refusal := config.model.context_parallel_refusal(fixed.get("cp", 1), config.train.seq_length):
         raise ConfigError(refusal)  # said, not left to "no layout divides this model"
     if "tp" in fixed:

@@ -218,7 +218,7 @@ def candidates(config: LoomConfig, gpus: int, hw: Hardware, fixed: dict | None =
     tps = [tp for tp in tps if m.num_kv_heads % tp == 0 and all(w % tp == 0 for w in widths) and gpus % tp == 0]
     # context parallelism where loom runs it (rotary positions, no dropout, 2 x cp chunks per sequence)
     cps = [cp for cp in choices("cp", (1, 2, 4, 8)) if m.context_parallel_refusal(cp, t.seq_length) is None]
-    zeros = [zero for zero in choices("zero", (0, 1, 2, 3)) if config.zero_refusal(zero) is None]
+    zeros = [zero for zero in choices("zero", (0, 1, 2, 3)) if config.zero_refusal(zero, ep=1) is None]
 
     def expert_parallel(dp: int) -> list[int]:
         return [
@@ -247,7 +247,7 @@ def candidates(config: LoomConfig, gpus: int, hw: Hardware, fixed: dict | None =
                         continue
                     settings = itertools.product(choices("recompute", RECOMPUTE), zeros, offloads, expert_parallel(dp))
                     for recompute, zero, offload, ep in settings:
-                        if not (ep > 1 and zero == 3):  # (LoomConfig.zero_refusal)
+                        if config.zero_refusal(zero, ep) is None:  # (ZeRO-3 takes no expert parallelism)
                             found.append(Layout(tp, pp, vp, dp, mbs, recompute, zero, offload, cp=cp, ep=ep))
     return found
 

@@ -270,8 +270,10 @@ class LoomConfig:
                 said.append(f"{fields} {'has' if len(changed) == 1 else 'have'} no effect with {because}")
         return said
 
-    def zero_refusal(self, zero: int) -> str | None:
-        """Why this run cannot use ZeRO stage `zero` (training and the planner's search), or None."""
+    def zero_refusal(self, zero: int, ep: int | None = None) -> str | None:
+        """Why this run cannot use ZeRO stage `zero` (training and the planner's search, which says which `ep` it
+        asks about; None: parallel.ep), or None."""
+        ep = self.parallel.ep if ep is None else ep
         if refusal := self.optim.zero_refusal(zero):
             return refusal
         if zero == 3 and self.train.fp8 == "delayed":
@@ -280,9 +282,9 @@ class LoomConfig:
                 "hold whole weights; use --train.fp8 current (loom's FP8 linears quantise the gathered weights) "
                 "or --optim.zero 2"
             )
-        if zero == 3 and self.parallel.ep > 1:
+        if zero == 3 and ep > 1:
             return (
-                f"optim.zero = 3 with parallel.ep = {self.parallel.ep}: loom's ZeRO-3 gathers whole blocks over "
+                f"optim.zero = 3 with parallel.ep = {ep}: loom's ZeRO-3 gathers whole blocks over "
                 "DP, experts included; use --optim.zero 2 (or 1) with expert parallelism"
             )
         return None

@@ -55,8 +55,8 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) ->
 def _grouped_mm_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether torch._grouped_mm computes these operands: 16-byte-aligned rows (and, eagerly, addresses), bf16 on
     a GPU and in a compiled graph (its meta function's rule), a Hopper GPU (_GROUPED_MM's note)."""
-    if not _GROUPED_MM or weight.shape[0] > _GROUPS_AT_MOST:
-        return False
+    if not _GROUPED_MM or weight.shape[0] > _GROUPS_AT_MOST or x.shape[0] == 0:  # (no rows: expert parallelism's
+        return False  # rank whose experts no token chose; untried by the kernel)
     if not all(size * x.element_size() % 16 == 0 for size in (weight.shape[-2], weight.shape[-1])):
         return False
     compiling = torch.compiler.is_compiling()

@@ -49,7 +49,10 @@ def _bench_settings(micro_batch_size: int, data: str, run_dir: str, steps: int, 
     """What every loom row sets, whatever the config says: world size 1, random data, no eval, checkpoints or
     TensorBoard (llama-1b's checkpoint is ~20 GB, and writing it took ~50 s of each row on an H200)."""
     return {
-        "parallel": {"tp": 1, "pp": 1, "vp": 1, "cp": 1, "dp": None, "sequence_parallel": False, "backend": "auto"},
+        "parallel": {
+            **{"tp": 1, "pp": 1, "vp": 1, "cp": 1, "ep": 1, "dp": None},
+            **{"sequence_parallel": False, "backend": "auto"},
+        },
         "data": {"paths": [data], "weights": None, "tokenizer": None, "split": "100,0,0"},
         "train": {
             "steps": steps,

@@ -82,7 +82,7 @@ def _rank(rank, world, port, dataset, run_dir, steps, results):
         count = sum(p.numel() for p in trainer.params)
         sharded = trainer.optimizer.sharded_params
         params = sharded.stored_bytes() if sharded else sum(p.numel() * p.element_size() for p in trainer.params)
-        grads = trainer.grads.stored_bytes()
+        grads = sum(buffer.stored_bytes() for buffer in trainer.grad_buffers)
         state, device_state = trainer.optimizer.state_bytes(), trainer.optimizer.device_state_bytes()
         host = state - device_state + trainer.optimizer.host_gradient_bytes()
         results.put((zero, offload, rank, count, params + grads + device_state, host, seconds[1:]))
