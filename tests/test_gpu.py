@@ -97,6 +97,12 @@ def test_grouped_expert_gemms_on_cuda_equal_a_gemm_per_expert():
     for ours, theirs in ((out, expected), (x.grad, x2.grad), (weight.grad, weight2.grad)):
         assert (ours.float() - theirs.float()).norm() / theirs.float().norm() < 1e-2
     assert not weight.grad[1].any()
+    # no row at all (an expert-parallel rank whose experts no token chose): an empty output, zero weight gradients
+    empty = x[:0].detach().requires_grad_()
+    none = grouped_matmul(empty, weight, torch.zeros(4, device=CUDA, dtype=torch.int32))
+    weight.grad = None
+    none.sum().backward()
+    assert none.shape == (0, 512) and (weight.grad is None or not weight.grad.any())
 
 
 def test_a_world_size_1_nccl_run_through_the_launcher(dataset, tmp_path):

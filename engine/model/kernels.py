@@ -455,9 +455,10 @@ def choose_kernels(config: LoomConfig, device: torch.device, capability: tuple[i
     compiled = f"model.compile = {m.compile}" + (
         f" ({'compiled' if compiles else 'eager'} on {device.type})" if m.compile == "auto" else ""
     )
-    if os.environ.get(BACKEND_VARIABLE):  # a name torch.compile does not know is refused here, before any rank runs
-        backend = block_backend()
-        compiled += f" (blocks by {backend}: {BACKEND_VARIABLE})" if compiles else f" ({BACKEND_VARIABLE} unused)"
+    if os.environ.get(BACKEND_VARIABLE) and compiles:  # a name torch.compile does not know: refused before any rank
+        compiled += f" (blocks by {block_backend()}: {BACKEND_VARIABLE})"
+    elif os.environ.get(BACKEND_VARIABLE):  # (not checked: torch._dynamo's import costs an eager rank 1.5 s)
+        compiled += f" ({BACKEND_VARIABLE} unused)"
     if te_ok:
         norm = Choice(f"te.{norm_name}", te_why)
     else:

@@ -148,6 +148,9 @@ class MoEMLP(torch.nn.Module):
         self.expert_load: torch.Tensor | None = None
         held = None
         if self.ep_size > 1:
+            # eager under torch.compile: how many rows each rank receives is known only once counted (no static
+            # shape); wrapped here, not by a decorator, since that imports torch._dynamo into every process (~1 s)
+            self._dispatched = torch.compiler.disable(self._experts_across_ranks)
             local = e // self.ep_size
             held = (mappings.group_rank(ep_group) * local, (mappings.group_rank(ep_group) + 1) * local)
         self.experts = torch.nn.Module()
@@ -224,7 +227,6 @@ class MoEMLP(torch.nn.Module):
         h = self.activation(*h.chunk(2, dim=-1)) if self.gated else self.activation(h)
         return grouped_matmul(h, self.experts.fc2.weight.to(dtype).transpose(1, 2), ends)
 
-    @torch.compiler.disable  # how many rows each rank receives is known only once counted: no static shape
     def _experts_across_ranks(self, rows: torch.Tensor, counts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Expert parallelism: `rows` (sorted by expert, counts[e] of expert e) sent to the ranks holding their
         experts, computed there beside the other ranks' rows for the same experts, and their outputs sent back, in
@@ -293,7 +295,7 @@ class MoEMLP(torch.nn.Module):
         # fixed order (indexing by order // k would accumulate a token's k rows atomically on a GPU)
         chosen_tokens = tokens.unsqueeze(1).expand(-1, self.top_k, -1).reshape(-1, tokens.shape[-1])[order]
         if self.ep_size > 1:
-            out = self._experts_across_ranks(chosen_tokens, counts, dtype)
+            out = self._dispatched(chosen_tokens, counts, dtype)
         else:
             out = self._experts(chosen_tokens, ends, dtype)
         # back in token order, each token's k outputs summed by weight: no scatter-add (atomic, in no fixed order
