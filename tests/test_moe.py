@@ -225,16 +225,28 @@ def test_sigmoid_routing_with_experts_biases_and_a_scale_is_megatron_core_s():
         )
         unbiased = moe_utils.topk_routing_with_score_function(logits, 2, score_function="sigmoid")[1]
         assert not torch.equal(chosen, unbiased)  # the bias changed some token's experts
-        expected = torch.zeros_like(tokens)
-        for expert in range(4):
-            gate, up = (tokens @ mlp.experts.fc1.weight[expert].t()).chunk(2, dim=-1)
-            expected += weights[:, expert : expert + 1] * ((F.silu(gate) * up) @ mlp.experts.fc2.weight[expert].t())
+        expected = _weighted_experts(mlp, tokens, weights)
     torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6)
-    choices, scores = moe_utils.compute_routing_scores_for_aux_loss(logits, 2, "sigmoid")
-    per_sequence = [
-        4 / (s * 2) * (choices[j::b].sum(0) * scores[j::b].mean(0)).sum() for j in range(b)
-    ]  # Megatron's loss over one sequence's tokens (its seq_aux_loss)
-    assert mlp.router_losses["moe_aux_loss"].item() == pytest.approx(sum(per_sequence).item() / b, rel=1e-6)
+    megatron_loss = _megatron_sequence_aux_loss(moe_utils, logits, 2, "sigmoid", b)
+    assert mlp.router_losses["moe_aux_loss"].item() == pytest.approx(megatron_loss, rel=1e-6)
+
+
+def _weighted_experts(mlp, tokens: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Each token's SwiGLU experts' outputs weighted by `weights` [tokens, experts] (zero for those not chosen)."""
+    expected = torch.zeros_like(tokens)
+    for expert in range(weights.shape[1]):
+        gate, up = (tokens @ mlp.experts.fc1.weight[expert].t()).chunk(2, dim=-1)
+        expected += weights[:, expert : expert + 1] * ((F.silu(gate) * up) @ mlp.experts.fc2.weight[expert].t())
+    return expected
+
+
+def _megatron_sequence_aux_loss(moe_utils, logits: torch.Tensor, top_k: int, score: str, b: int) -> float:
+    """Megatron's load-balancing loss over each sequence's tokens (its seq_aux_loss; token t of sequence t % b), from
+    compute_routing_scores_for_aux_loss's choices and scores, averaged over the b sequences."""
+    choices, scores = moe_utils.compute_routing_scores_for_aux_loss(logits, top_k, score)
+    experts, s = logits.shape[1], logits.shape[0] // b
+    per_sequence = [experts / (s * top_k) * (choices[j::b].sum(0) * scores[j::b].mean(0)).sum() for j in range(b)]
+    return sum(per_sequence).item() / b
 
 
 @pytest.mark.parametrize("score, norm_top_k", [("softmax", False), ("softmax", True), ("sigmoid", True)])
@@ -267,14 +279,10 @@ def test_group_limited_routing_is_megatron_core_s(score, norm_top_k):
         weights, chosen = moe_utils.topk_routing_with_score_function(logits, 4, num_groups=4, group_topk=2, **megatron)
         ungrouped = moe_utils.topk_routing_with_score_function(logits, 4, **megatron)[1]
         assert not torch.equal(chosen, ungrouped)  # the groups changed some token's experts
-        expected = torch.zeros_like(tokens)
-        for expert in range(8):
-            gate, up = (tokens @ mlp.experts.fc1.weight[expert].t()).chunk(2, dim=-1)
-            expected += weights[:, expert : expert + 1] * ((F.silu(gate) * up) @ mlp.experts.fc2.weight[expert].t())
+        expected = _weighted_experts(mlp, tokens, weights)
     torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6)
-    choices, scores = moe_utils.compute_routing_scores_for_aux_loss(logits, 4, score)
-    per_sequence = [8 / (s * 4) * (choices[j::b].sum(0) * scores[j::b].mean(0)).sum() for j in range(b)]
-    assert mlp.router_losses["moe_aux_loss"].item() == pytest.approx(sum(per_sequence).item() / b, rel=1e-6)
+    megatron_loss = _megatron_sequence_aux_loss(moe_utils, logits, 4, score, b)
+    assert mlp.router_losses["moe_aux_loss"].item() == pytest.approx(megatron_loss, rel=1e-6)
 
 
 def test_an_fp32_router_computes_its_logits_from_bf16_inputs_in_fp32():
