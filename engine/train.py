@@ -181,9 +181,11 @@ class Trainer:
                 hysteresis=o.loss_scale_hysteresis,
                 min_scale=o.min_loss_scale,
             )
-        if self.evaluation_only and c.optim.zero < 3:  # the weights alone: fp32 masters and a gradient buffer took
-            self.grads, self.grad_buffers, self.optimizer = None, [], None  # 12 of the 17.7 GB `loom eval` held for
-            return  # a 1B model
+        if self.evaluation_only and c.optim.zero < 3:
+            # the weights alone: fp32 masters and a gradient buffer took 12 of the 17.7 GB `loom eval` held for a 1B
+            # model
+            self.grads, self.grad_buffers, self.optimizer = None, [], None
+            return
         experts = [q for q in self.params if param_info(q).expert_range is not None]  # (expert parallelism)
         self.grads = self._grad_buffer(  # over DP x CP: the ranks that hold the same weights
             [q for q in self.params if param_info(q).expert_range is None],
