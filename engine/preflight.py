@@ -266,7 +266,7 @@ def adopt_lora_base(config: LoomConfig) -> None:
     """A LoRA run's [model] is its base's (engine/model/lora.py): take it, say what changed, check the rank."""
     if not config.lora.enabled:
         return
-    from loom.engine.config.model import LORA_TARGETS
+    from loom.engine.config.lora import LORA_TARGETS
     from loom.engine.model.lora import adopt_base_model, check_rank, frozen_router_fields
 
     changes = adopt_base_model(config)

@@ -24,7 +24,8 @@ from loom.engine.config.fields import (
     field_default,
     is_plain_name,
 )
-from loom.engine.config.model import LORA_TARGETS, LoraConfig, ModelConfig
+from loom.engine.config.lora import LORA_TARGETS, LoraConfig
+from loom.engine.config.model import ModelConfig
 from loom.engine.config.optim import OptimConfig
 from loom.engine.config.parallel import MAX_TIMEOUT_MINUTES, MIN_TIMEOUT_MINUTES, ParallelConfig
 from loom.engine.config.train import CheckpointConfig, TrainConfig

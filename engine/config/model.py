@@ -1,12 +1,13 @@
-"""[model] and [lora]: the network's shape and kernels, and the low-rank adapters trained on it."""
+"""[model]: the network's shape and kernels."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Literal
 
+from loom.engine.config.experts import check_experts
 from loom.engine.config.fields import ConfigError, check_choices, check_positive, field_default
 
 
@@ -345,92 +346,7 @@ class ModelConfig:
             full_attention_interval=self.full_attention_interval,
             rope_local_theta=self.rope_local_theta,
         )
-        self._check_experts()
-
-    def _check_experts(self) -> None:
-        check_positive(
-            "model",
-            num_experts=self.num_experts,
-            moe_top_k=self.moe_top_k,
-            moe_shared_ffn_hidden_size=self.moe_shared_ffn_hidden_size,
-            moe_ffn_hidden_size=self.moe_ffn_hidden_size,
-            moe_router_groups=self.moe_router_groups,
-            moe_router_group_top_k=self.moe_router_group_top_k,
-        )
-        if self.num_experts is not None and not 0 <= self.moe_dense_layers < self.num_layers:
-            raise ConfigError(
-                f"model.moe_dense_layers = {self.moe_dense_layers} must be from 0 to model.num_layers - 1 = "
-                f"{self.num_layers - 1} (the blocks after them have experts)"
-            )
-        for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_expert_bias_rate"):
-            if not 0.0 <= getattr(self, name) < math.inf:  # NaN fails too
-                raise ConfigError(f"model.{name} must be a number >= 0, got {getattr(self, name)}")
-        if not 0.0 < self.moe_router_scale < math.inf:
-            raise ConfigError(f"model.moe_router_scale must be a number > 0, got {self.moe_router_scale}")
-        if self.num_experts is None:
-            given = [
-                f.name for f in fields(self) if f.name.startswith("moe_") and getattr(self, f.name) != field_default(f)
-            ]
-            if given:
-                raise ConfigError(
-                    f"model.{given[0]} is set but model.num_experts is not (a dense MLP): give --model.num_experts "
-                    "N for a mixture of experts, or drop the moe settings (a LoRA run takes its base's experts and "
-                    "freezes its router)"
-                )
-            return
-        if self.moe_top_k > self.num_experts:
-            raise ConfigError(
-                f"model.moe_top_k = {self.moe_top_k} sends each token to more experts than model.num_experts = "
-                f"{self.num_experts}"
-            )
-        if self.bias:
-            raise ConfigError("model.num_experts with model.bias = true: loom's experts have no biases")
-        if self.moe_shared_expert_gate and self.moe_shared_ffn_hidden_size is None:
-            raise ConfigError(
-                "model.moe_shared_expert_gate gates a shared expert, and model.moe_shared_ffn_hidden_size is not set: "
-                "give the shared expert's width, or drop the gate"
-            )
-        if self.moe_expert_bias and self.moe_router_score != "sigmoid":
-            raise ConfigError(
-                "model.moe_expert_bias biases sigmoid scores (as DeepSeek-V3 and Megatron do; loom's softmax router "
-                "takes none): add --model.moe_router_score sigmoid"
-            )
-        self._check_router_groups()
-        if self.moe_top_k == 1 and self.moe_norm_top_k:
-            raise ConfigError(
-                "model.moe_top_k = 1 with model.moe_norm_top_k = true weighs each token's one expert by exactly 1: "
-                "the router would learn nothing from the loss; add --model.moe_norm_top_k false (Switch "
-                "Transformer's: the expert's probability)"
-            )
-
-    def _check_router_groups(self) -> None:
-        groups, chosen, experts = self.moe_router_groups, self.moe_router_group_top_k, self.num_experts
-        if groups == 1:
-            if chosen is not None:
-                raise ConfigError(
-                    f"model.moe_router_group_top_k = {chosen} chooses among groups of experts, and "
-                    "model.moe_router_groups is 1: give the number of groups too (DeepSeek-V3: 8 and 4)"
-                )
-            return
-        if experts % groups:
-            raise ConfigError(
-                f"model.moe_router_groups = {groups} does not divide model.num_experts = {experts} into equal groups"
-            )
-        if chosen is None:
-            raise ConfigError(
-                f"model.moe_router_groups = {groups} needs model.moe_router_group_top_k, how many groups each token's "
-                "experts come from (DeepSeek-V3: 8 groups, 4 of them)"
-            )
-        if not chosen <= min(groups, self.moe_top_k):
-            raise ConfigError(
-                f"model.moe_router_group_top_k = {chosen} must be at most model.moe_router_groups = {groups} and "
-                f"model.moe_top_k = {self.moe_top_k} (a group is scored by its top moe_top_k / group_top_k experts)"
-            )
-        if self.moe_top_k > chosen * (experts // groups):
-            raise ConfigError(
-                f"model.moe_top_k = {self.moe_top_k} experts do not fit in model.moe_router_group_top_k = {chosen} "
-                f"groups of {experts // groups}"
-            )
+        check_experts(self)
 
     def _check_longrope_factors(self) -> None:
         if self.rope_original_max_positions < 2:  # its logarithm divides the attention factor's
@@ -573,64 +489,3 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and value % tp:
                 raise ConfigError(f"parallel.tp = {tp} must divide model.{name} = {value}")
-
-
-LORA_TARGETS = ("qkv", "proj", "fc1", "fc2")
-"""loom's linear layers an adapter can sit on; in Hugging Face/PEFT names qkv is q_proj, k_proj and v_proj (one
-shared A, B stacked), proj is o_proj, fc1 is gate_proj and up_proj (SwiGLU) or the MLP's first layer, fc2 down_proj."""
-
-
-@dataclass
-class LoraConfig:
-    """Low-rank adapters (LoRA, Hu et al. 2021) on a frozen base model: W x + (alpha / rank) B A x."""
-
-    rank: int = 0
-    """Rank r of each adapter; 0 trains the whole model (no adapters)."""
-    alpha: float = 16.0
-    """Scale numerator: the adapter's output is multiplied by alpha / rank (PEFT's lora_alpha)."""
-    dropout: float = 0.0
-    """Dropout on the adapter's input (PEFT's lora_dropout)."""
-    targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
-    """Layers that get an adapter, any of qkv, proj, fc1, fc2 (see LORA_TARGETS for the PEFT names)."""
-    init: Literal["kaiming", "gaussian"] = "kaiming"
-    """A's initialisation, B starting at zero (so training starts from the base model): kaiming is PEFT's
-    default, uniform(-1/sqrt(in), 1/sqrt(in)); gaussian is normal(0, 1/rank) (PEFT's init_lora_weights="gaussian")."""
-    base: str | None = None
-    """The frozen base model: a loom checkpoint of any layout (an iter_N directory or a checkpoints/ folder),
-    e.g. one written by `loom ckpt import-hf`. Required when rank > 0."""
-
-    def __post_init__(self) -> None:
-        check_choices(self, "lora")
-        if self.rank < 0 or self.alpha <= 0 or not 0 <= self.dropout < 1:
-            raise ConfigError("lora.rank must be >= 0, lora.alpha > 0 and 0 <= lora.dropout < 1")
-        unknown = [t for t in self.targets if t not in LORA_TARGETS]
-        if unknown or not self.targets:
-            spaced = (
-                " (a flag takes them space-separated: --lora.targets qkv proj)"
-                if any("," in t for t in unknown)
-                else ""
-            )
-            raise ConfigError(
-                f"lora.targets = {self.targets} must be a non-empty subset of {', '.join(LORA_TARGETS)}{spaced}"
-            )
-        if self.rank and not self.base:
-            raise ConfigError(
-                "lora.rank > 0 needs the base model: --lora.base DIR (a loom checkpoint, e.g. from import-hf)"
-            )
-        if not self.rank:
-            # Without a rank no adapter exists: a base or an adapter setting would be ignored and the run would
-            # train a freshly initialised model, so it is refused instead.
-            given = [f.name for f in fields(self) if f.name != "rank" and getattr(self, f.name) != field_default(f)]
-            if given:
-                raise ConfigError(
-                    f"lora.{given[0]} is set but lora.rank is 0 (no adapters): add --lora.rank R (e.g. 8) to "
-                    "fine-tune with LoRA, or drop the lora settings to train the whole model"
-                )
-
-    @property
-    def enabled(self) -> bool:
-        return self.rank > 0
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.rank
