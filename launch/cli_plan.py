@@ -84,11 +84,14 @@ def _with_offload(config, gpus: int, hardware, fixed: dict) -> str:
 
 def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
     from loom.engine.config import ConfigError
-    from loom.engine.config_io import load_config
+    from loom.engine.config_io import load_config, parse_overrides
     from loom.tools.charts import claim_chart_file
     from loom.tools.plan import load_hardware, plan, plot, table
 
-    config = load_config(args.config, _fp8_as_loom_runs_it(overrides))
+    given = parse_overrides(overrides)
+    # a preset's expert parallelism is searched, not held (as its tp and pp are): checked at ep 1 unless given
+    searched = [] if "ep" in given.get("parallel", {}) else ["--parallel.ep", "1"]
+    config = load_config(args.config, [*_fp8_as_loom_runs_it(overrides), *searched])
     if config.lora.enabled:
         raise ConfigError(
             f"loom plan models full training, not LoRA (lora.rank = {config.lora.rank}: frozen weights, adapters "

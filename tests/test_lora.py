@@ -309,8 +309,17 @@ def test_readme_lora_recipe_on_a_model_transformers_wrote(dataset, tmp_path, mon
         "--parallel.tp", "2", "--lora.rank", "8", "--lora.base", "runs/base",
     )  # fmt: skip
     assert "trainable parameters of" in out and "hidden_size: 128 -> 64" in out
-    # the base's context, not the preset's default (no flag asked for a longer one), said with the rest
+    # the base's context, not the preset's default (training's 128 tokens fit it), said with the rest; a longer
+    # training context keeps the run's (the ranks, which rebuild the config, decide alike)
     assert "max_position_embeddings: 4096 -> 256" in out
+    from loom.engine.config_io import config_from_dict, config_to_dict, load_config
+    from loom.engine.model.lora import adopt_base_model
+
+    longer = load_config("tiny", {"lora": {"rank": 8, "base": "runs/base"}, "train": {"seq_length": 512}})
+    in_a_rank = config_from_dict(config_to_dict(longer))
+    for config in (longer, in_a_rank):
+        adopt_base_model(config)
+        assert config.model.max_position_embeddings == 4096
     _loom("ckpt", "merge-lora", "--checkpoint", "runs/lora", "--output", "runs/lora-merged/checkpoints")
     _loom("ckpt", "export-hf", "--checkpoint", "runs/lora-merged", "--output", "hf-merged")
     exported = json.loads((tmp_path / "hf-merged" / "config.json").read_text())

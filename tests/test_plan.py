@@ -416,6 +416,9 @@ def test_plan_searches_expert_parallelism_and_recommends_only_what_loom_runs(cap
     ):
         code, _, err = plan("--layout", layout)
         assert code == 2 and err.startswith(f"error: {message}") and err.count("\n") == 1
+    # the preset's ep 8 is searched, not held: ZeRO-3 is planned at ep 1
+    code, out, _ = plan("--json", "--top", "5", "--optim.zero", "3")
+    assert code == 0 and {(row["ep"], row["zero"]) for row in json.loads(out)["layouts"]} == {(1, 3)}
     code, _, err = plan("--lora.rank", "4", "--lora.base", "somewhere")
     assert code == 2 and err.startswith("error: loom plan models full training, not LoRA") and err.count("\n") == 1
 

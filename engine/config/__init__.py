@@ -286,7 +286,7 @@ class LoomConfig:
         if zero == 3 and ep > 1:
             return (
                 f"optim.zero = 3 with parallel.ep = {ep}: loom's ZeRO-3 gathers whole blocks over "
-                "DP, experts included; use --optim.zero 2 (or 1) with expert parallelism"
+                "DP, experts included; use --optim.zero 2 (or 1) with expert parallelism, or --parallel.ep 1"
             )
         return None
 

@@ -455,7 +455,7 @@ def choose_kernels(config: LoomConfig, device: torch.device, capability: tuple[i
     compiled = f"model.compile = {m.compile}" + (
         f" ({'compiled' if compiles else 'eager'} on {device.type})" if m.compile == "auto" else ""
     )
-    if os.environ.get(BACKEND_VARIABLE) and compiles:  # a name torch.compile does not know: refused before any rank
+    if os.environ.get(BACKEND_VARIABLE) and compiles:  # a name torch.compile does not know: refused in one line
         compiled += f" (blocks by {block_backend()}: {BACKEND_VARIABLE})"
     elif os.environ.get(BACKEND_VARIABLE):  # (not checked: torch._dynamo's import costs an eager rank 1.5 s)
         compiled += f" ({BACKEND_VARIABLE} unused)"

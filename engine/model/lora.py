@@ -164,9 +164,10 @@ def adopt_base_model(config: LoomConfig) -> list[str]:
     changes, values = [], {}
     for field in dataclasses.fields(ModelConfig):
         ours, theirs = getattr(config.model, field.name), getattr(base, field.name)
-        flagged = field.name in config.model_fields_flagged
-        if field.name == "max_position_embeddings" and base.position_embedding == "rope" and flagged:
-            theirs = max(ours, theirs)  # RoPE has no position weights: a longer context is the run's to choose
+        if field.name == "max_position_embeddings" and base.position_embedding == "rope":
+            # RoPE has no position weights: a training context longer than the base's keeps the run's (as a
+            # fine-tune's does: preflight.adopt_saved_model_settings), a shorter one takes the base's
+            theirs = max(ours, theirs) if config.train.seq_length > theirs else theirs
         if field.name in frozen:
             values[field.name] = 0.0
         elif field.name not in _RUN_SETTINGS and ours != theirs:
