@@ -159,6 +159,12 @@ def config_from_dict(raw: dict[str, Any], source: str = "the config") -> LoomCon
     return LoomConfig(**sections)
 
 
+def names_a_field(flag: str) -> bool:
+    """`--section.field` (or `--section.field=value`) naming one of loom's config fields."""
+    section, _, name = flag.removeprefix("--").split("=", 1)[0].partition(".")
+    return section in _SECTION_TYPES and name in _field_types(_SECTION_TYPES[section])
+
+
 def is_override_flag(arg: str) -> bool:
     """`--section.field` or `--section.field=value`: an argument parse_overrides reads as a field to set."""
     return arg.startswith("--") and "." in arg.split("=", 1)[0]

@@ -50,11 +50,16 @@ class OneLineParser(argparse.ArgumentParser):
     def _answers_in_loom_terms(self, given: list[str]) -> list:
         """What the flags this parser does not take are called in loom, where they are another engine's names
         (Megatron-LM's, torchtitan's) or loom fields written without their section."""
+        from loom.engine.config_io import names_a_field
         from loom.engine.names_elsewhere import TRAINING_NAMES, answers, flags_and_values
 
         takes_config = bool(self.get_default("takes_overrides"))
         names = self.get_default("names_elsewhere") or (TRAINING_NAMES if takes_config else ())
-        foreign = [(f, v) for f, v in flags_and_values(given) if f not in self._option_string_actions]
+        foreign = [  # (a config override is this command's too: not restated as another engine's name)
+            (f, v)
+            for f, v in flags_and_values(given)
+            if f not in self._option_string_actions and not (takes_config and names_a_field(f))
+        ]
         return answers(foreign, names, loom_fields=takes_config) if names else []
 
 

@@ -120,6 +120,10 @@ def test_other_engines_flags_are_answered_with_loom_s(capsys):
         "  --steps: --train.steps 3",  # a loom field without its section
         "  (where Megatron-LM's defaults differ from loom's: docs/config.md, its end)",
     ]
+    # loom's own overrides beside them are this command's: not restated (they were, as torchtitan's or blank)
+    given = ["--train.steps", "2", "--data.tokenizer", "", "--num-experts", "4"]
+    err = _refusal(capsys, ["train", "--config", "tiny", *given])
+    assert err.count("\n") == 1 and "; --num-experts (Megatron-LM) is --model.num_experts 4 in loom;" in err
     # one or two are said in the line
     err = _refusal(capsys, ["train", "--config", "tiny", "--tensor-model-parallel-size", "2"])
     assert err.count("\n") == 1 and "; --tensor-model-parallel-size (Megatron-LM) is --parallel.tp 2 in loom;" in err
