@@ -34,7 +34,7 @@ from loom.engine.config import LoomConfig
 from loom.engine.model.moe import expert_biases
 from loom.engine.optim.algorithms import Adafactor, Lamb
 from loom.engine.parallel.param_info import param_info
-from loom.engine.parallel.sharding import ShardSpec, held_part
+from loom.engine.parallel.sharding import ShardSpec, rank_part
 from loom.engine.run_dir import checkpoints_of
 
 if TYPE_CHECKING:
@@ -148,7 +148,7 @@ def load_model_weights(
     check_shapes(reader, named_params)
     for _, param in named_params:
         info = param_info(param)
-        param.copy_(held_part(info, info.shard_spec.shard(reader.model(info.name), tp_rank, tp_size)).to(param.dtype))
+        param.copy_(rank_part(info, reader.model(info.name), tp_rank, tp_size).to(param.dtype))
     load_expert_biases(list(chunks), reader, metadata)
 
 
@@ -194,7 +194,7 @@ def load_checkpoint(
     for _, param in named_params:
         info = param_info(param)
         weights = reader.model(info.name)
-        local = held_part(info, info.shard_spec.shard(weights, parallel.tp_rank, parallel.tp_size)).to(param.dtype)
+        local = rank_part(info, weights, parallel.tp_rank, parallel.tp_size).to(param.dtype)
         if optimizer is not None and optimizer.sharded_params is not None:  # ZeRO-3: gathered only around its use
             optimizer.sharded_params.load(param, local)
         else:
@@ -228,8 +228,7 @@ def _load_segments(
             logical_tensor = reader.optim("master", logical) if "master" in saved_states else weights.float()
         else:
             logical_tensor = reader.optim(kind, logical)
-        info = param_info(param)
-        local = held_part(info, info.shard_spec.shard(logical_tensor, parallel.tp_rank, parallel.tp_size)).reshape(-1)
+        local = rank_part(param_info(param), logical_tensor, parallel.tp_rank, parallel.tp_size).reshape(-1)
         for seg in segments:
             piece = local[seg.start : seg.end].view_as(seg.master).to(seg.master.device)
             if kind != "master":

@@ -309,10 +309,7 @@ class LoomConfig:
                 f"world size {world_size} != {what}; change the number of ranks or the layout (parallel.dp = "
                 f"{requested_dp} is set: --parallel.dp none derives it from the ranks)"
             )
-        if p.dp % p.ep:
-            raise ConfigError(
-                f"parallel.ep = {p.ep} must divide parallel.dp = {p.dp}: experts are divided among DP ranks"
-            )
+        p.check_ep_divides_dp()
         m.check_tensor_parallel(p.tp)
         if refusal := m.context_parallel_refusal(p.cp, t.seq_length):
             raise ConfigError(refusal)

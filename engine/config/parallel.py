@@ -51,6 +51,13 @@ class ParallelConfig:
         """The ranks of one model replica: tp x cp x pp (the world is this times dp)."""
         return self.tp * self.cp * self.pp
 
+    def check_ep_divides_dp(self) -> None:
+        """Expert parallelism divides the DP ranks (once dp is known: given, or derived from the world size)."""
+        if self.dp % self.ep:
+            raise ConfigError(
+                f"parallel.ep = {self.ep} must divide parallel.dp = {self.dp}: experts are divided among DP ranks"
+            )
+
     def __post_init__(self) -> None:
         check_choices(self, "parallel")
         check_positive(
@@ -73,9 +80,7 @@ class ParallelConfig:
                 f"parallel.timeout_minutes = {self.timeout_minutes:g} is below {MIN_TIMEOUT_MINUTES:g} (0.6 s), too "
                 "short for ranks to meet; the default is 10"
             )
-        if self.dp is not None and self.dp % self.ep:
-            raise ConfigError(
-                f"parallel.ep = {self.ep} must divide parallel.dp = {self.dp}: experts are divided among DP ranks"
-            )
+        if self.dp is not None:
+            self.check_ep_divides_dp()
         if self.vp > 1 and self.pp == 1:
             raise ConfigError("parallel.vp > 1 needs parallel.pp > 1 (virtual stages interleave a pipeline)")

@@ -208,6 +208,12 @@ def held_part(info: ParamInfo, shard: torch.Tensor) -> torch.Tensor:
     return shard[start:end]
 
 
+def rank_part(info: ParamInfo, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """What this rank holds of the full (logical) tensor `full` of the parameter `info` describes: its TP shard, or
+    under expert parallelism that shard's experts it holds."""
+    return held_part(info, info.shard_spec.shard(full, tp_rank, tp_size))
+
+
 def held_offset(info: ParamInfo, shard_shape: tuple[int, ...]) -> int:
     """Where held_part starts in the TP shard flattened (checkpoints' flat ranges are the shard's)."""
     if info.expert_range is None:
